@@ -1,0 +1,72 @@
+// File: fulgur/accelerators/accelerator.h
+//
+// An Accelerator knows one kind of device and nothing else: how to parse a
+// `devices` spec for it, which devices exist, how to prepare one. Ranks,
+// collectives and modules belong to the Strategy that owns it.
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fulgur/core/registry.h"
+
+namespace fulgur {
+
+/// What the user passed as `devices`: "auto", a count, -1 (all), or indices.
+class DevicesSpec {
+ public:
+  DevicesSpec() = default;                       // "auto"
+  DevicesSpec(int count) : count_(count), text_(std::to_string(count)) {}  // NOLINT
+  DevicesSpec(const char* text);                 // NOLINT: "auto", "2", "0,2", "0,", "-1"
+  DevicesSpec(std::string text) : DevicesSpec(text.c_str()) {}  // NOLINT
+  DevicesSpec(std::vector<int> indices);         // NOLINT: {0, 2}
+
+  bool is_auto() const { return is_auto_; }
+  /// A plain count (N or -1); nullopt for "auto" and for index lists.
+  std::optional<int> count() const { return count_; }
+  /// Explicit indices ([0,2], "0,2", "0,"); empty otherwise.
+  const std::vector<int>& indices() const { return indices_; }
+  bool is_index_list() const { return index_list_; }
+  /// The spec as the user wrote it, for messages.
+  const std::string& text() const { return text_; }
+
+ private:
+  bool is_auto_ = true;
+  bool index_list_ = false;
+  std::optional<int> count_;
+  std::vector<int> indices_;
+  std::string text_ = "auto";
+};
+
+class Accelerator {
+ public:
+  virtual ~Accelerator() = default;
+  /// The registered name ("cpu", "cuda").
+  virtual std::string_view name() const = 0;
+  /// Whether this machine (and this LibTorch build) can run it.
+  virtual bool is_available() const = 0;
+  /// Why it is not available ("LibTorch was built without CUDA"), for messages.
+  virtual std::string unavailable_reason() const { return {}; }
+  /// How many devices "auto" means.
+  virtual int auto_device_count() const = 0;
+  /// Resolves a devices spec to the devices this process group uses.
+  /// Throws ConfigError naming the spec when it is invalid here.
+  virtual std::vector<c10::Device> parse_devices(const DevicesSpec& spec) const = 0;
+  /// Prepares `device` in this process (set the current CUDA device, ...).
+  virtual void setup_device(c10::Device /*device*/) {}
+  virtual void teardown() {}
+  /// Device statistics for logging (memory, ...).
+  virtual std::map<std::string, double> device_stats(c10::Device /*device*/) const { return {}; }
+};
+
+using AcceleratorRegistry = Registry<Accelerator>;
+/// The global accelerator registry, with the built-ins registered.
+AcceleratorRegistry& accelerator_registry();
+
+}  // namespace fulgur

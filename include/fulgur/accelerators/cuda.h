@@ -1,0 +1,21 @@
+// File: fulgur/accelerators/cuda.h
+#pragma once
+
+#include "fulgur/accelerators/accelerator.h"
+
+namespace fulgur {
+
+/// NVIDIA GPUs through LibTorch's CUDA build. Available only when
+/// torch::cuda::is_available(); `devices` is a count, -1 (all) or indices.
+class CUDAAccelerator : public Accelerator {
+ public:
+  std::string_view name() const override { return "cuda"; }
+  bool is_available() const override;
+  std::string unavailable_reason() const override;
+  int auto_device_count() const override;
+  std::vector<c10::Device> parse_devices(const DevicesSpec& spec) const override;
+  void setup_device(c10::Device device) override;
+  std::map<std::string, double> device_stats(c10::Device device) const override;
+};
+
+}  // namespace fulgur

@@ -1,0 +1,79 @@
+// File: fulgur/callbacks/model_checkpoint.h
+//
+// Saves checkpoints during fit: every N training steps and/or every N
+// epochs, keeps the best `save_top_k` by a monitored metric, and maintains
+// `last.ckpt` for `fit(..., {.ckpt_path = "last"})`. Files go to
+// `<default_root_dir>/checkpoints/` unless `dirpath` is set.
+//
+//   trainer_options.callbacks.push_back(std::make_shared<fulgur::ModelCheckpoint>(
+//       fulgur::ModelCheckpointOptions{.monitor = "val_acc", .mode = "max",
+//                                      .save_top_k = 3}));
+#pragma once
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fulgur/callbacks/callback.h"
+
+namespace fulgur {
+
+struct ModelCheckpointOptions {
+  /// Directory for checkpoints; default `<default_root_dir>/checkpoints`.
+  std::string dirpath = "";
+  /// File name template; `{epoch}`, `{step}` and `{<metric>}` are filled in.
+  std::string filename = "epoch={epoch}-step={step}";
+  /// Metric to rank checkpoints by; empty keeps the latest only.
+  std::string monitor = "";
+  /// "min" or "max".
+  std::string mode = "min";
+  /// How many to keep: -1 all, 0 none (only last), k the k best.
+  int64_t save_top_k = 1;
+  /// Also maintain `last.ckpt`.
+  bool save_last = true;
+  /// Save every N optimizer steps (0: off).
+  int64_t every_n_train_steps = 0;
+  /// Save at the end of every N-th epoch (0: off). Default: every epoch
+  /// unless every_n_train_steps is set.
+  std::optional<int64_t> every_n_epochs = std::nullopt;
+};
+
+class ModelCheckpoint : public Callback {
+ public:
+  /// Throws ConfigError on an invalid mode, save_top_k < -1 or negative
+  /// intervals.
+  explicit ModelCheckpoint(ModelCheckpointOptions options = {});
+
+  std::string state_key() const override;
+  void on_fit_start(Trainer& trainer, Module& module) override;
+  void on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor& loss,
+                          const Batch& batch, int64_t batch_idx) override;
+  void on_train_epoch_end(Trainer& trainer, Module& module) override;
+  void on_validation_end(Trainer& trainer, Module& module) override;
+  void save_state(torch::serialize::OutputArchive& archive) const override;
+  void load_state(torch::serialize::InputArchive& archive) override;
+
+  const std::string& dirpath() const { return dirpath_; }
+  const std::string& best_model_path() const { return best_model_path_; }
+  std::optional<double> best_model_score() const { return best_model_score_; }
+  const std::string& last_model_path() const { return last_model_path_; }
+  const ModelCheckpointOptions& options() const { return options_; }
+
+ private:
+  void save(Trainer& trainer, bool end_of_epoch);
+  std::string format_name(Trainer& trainer) const;
+  bool better(double candidate, double reference) const;
+
+  ModelCheckpointOptions options_;
+  std::string dirpath_;
+  std::string best_model_path_;
+  std::optional<double> best_model_score_;
+  std::string last_model_path_;
+  std::vector<std::pair<double, std::string>> top_k_;  // score, path
+  std::string latest_path_;                            // when no monitor
+  int64_t last_saved_step_ = -1;
+  bool validated_this_epoch_ = false;
+};
+
+}  // namespace fulgur

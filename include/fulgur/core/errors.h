@@ -1,0 +1,79 @@
+// File: fulgur/core/errors.h
+//
+// The exception types fulgur throws, and the helpers that build their
+// messages. Every user-facing message follows one template:
+//
+//   <the call as the user wrote it>: <what is wrong and why>. <what to do>.
+//
+//   throw fulgur::ConfigError(fulgur::str(
+//       "Trainer(max_epochs=", n, "): max_epochs must be >= -1. ",
+//       "Pass -1 to train until max_steps, or a positive number of epochs."));
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace fulgur {
+
+/// A user misconfiguration: a flag, option, environment variable or argument
+/// that cannot be honoured. The message names the value and the fix.
+class ConfigError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// A failure of rendezvous, process launch, a collective or a timeout.
+class DistributedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// A checkpoint that cannot be read: missing, truncated, or not fulgur's.
+/// The message names the file and what is wrong with it.
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// A violated invariant inside fulgur: a bug in fulgur, never the user's.
+class InternalError : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
+/// Concatenates the streamable arguments into one string.
+template <class... Args>
+std::string str(const Args&... args) {
+  std::ostringstream out;
+  (out << ... << args);
+  return out.str();
+}
+
+/// Joins `items` with `sep` ("a, b, c").
+std::string join(const std::vector<std::string>& items,
+                 std::string_view sep = ", ");
+
+/// The candidate closest to `name` by edit distance, or "" when none is
+/// close enough to be a plausible typo.
+std::string closest_match(std::string_view name,
+                          const std::vector<std::string>& candidates);
+
+namespace detail {
+[[noreturn]] void assert_failed(const char* cond, const char* file, int line,
+                                const std::string& message);
+}  // namespace detail
+
+}  // namespace fulgur
+
+/// Checks an invariant of fulgur itself; throws fulgur::InternalError
+/// ("bug in fulgur") when it does not hold. Not for user input.
+#define FULGUR_ASSERT(cond, ...)                                           \
+  do {                                                                     \
+    if (!(cond)) {                                                         \
+      ::fulgur::detail::assert_failed(#cond, __FILE__, __LINE__,           \
+                                      ::fulgur::str("" __VA_OPT__(, ) __VA_ARGS__)); \
+    }                                                                      \
+  } while (false)

@@ -1,0 +1,185 @@
+// File: fulgur/core/module.h
+//
+// fulgur::Module is what a user writes: a torch::nn::Module that also knows
+// how to train itself (the LightningModule analogue). The Trainer calls its
+// steps and hooks; the Module never touches devices, ranks or files.
+//
+//   struct Classifier : fulgur::Module {
+//     torch::nn::Linear fc{nullptr};
+//     Classifier() { fc = register_module("fc", torch::nn::Linear(784, 10)); }
+//     torch::Tensor training_step(fulgur::Batch& batch, int64_t) override {
+//       auto& [x, y] = batch.pair();
+//       auto loss = torch::nn::functional::cross_entropy(fc(x), y);
+//       log("train_loss", loss, {.prog_bar = true});
+//       return loss;
+//     }
+//     fulgur::OptimizerConfig configure_optimizers() override {
+//       return {std::make_shared<torch::optim::SGD>(parameters(), 0.1)};
+//     }
+//   };
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+#include "fulgur/data/batch.h"
+
+namespace torch::optim {
+class Optimizer;
+class LRScheduler;
+}  // namespace torch::optim
+
+namespace fulgur {
+
+class Trainer;
+namespace detail {
+class LogSink;
+}
+
+/// How a logged value is reduced over an epoch (and across ranks).
+enum class Reduce { Mean, Sum, Max, Min };
+const char* to_string(Reduce reduce);
+
+/// Options of Module::log. Unset on_step/on_epoch take the default of the
+/// hook they are logged from: training steps log per step, evaluation steps
+/// per epoch (as PyTorch Lightning does).
+struct LogOptions {
+  std::optional<bool> on_step = std::nullopt;
+  std::optional<bool> on_epoch = std::nullopt;
+  /// Show in the progress output.
+  bool prog_bar = false;
+  /// Send to the loggers (CSV, ...).
+  bool logger = true;
+  /// Reduce across ranks before logging (no-op on one process).
+  bool sync_dist = false;
+  Reduce reduce = Reduce::Mean;
+  /// Weight of this value in the epoch mean; defaults to the batch's size.
+  std::optional<int64_t> batch_size = std::nullopt;
+};
+
+/// When a scheduler steps.
+enum class Interval { Step, Epoch };
+
+struct SchedulerConfig {
+  std::shared_ptr<torch::optim::LRScheduler> scheduler;
+  /// Step after every optimizer step, or after every training epoch.
+  Interval interval = Interval::Epoch;
+  /// Step every `frequency` intervals.
+  int64_t frequency = 1;
+};
+
+/// What configure_optimizers returns: one or more optimizers, and optional
+/// LR schedulers. In automatic optimization every optimizer steps after the
+/// one backward of a (accumulated) batch; use manual optimization to
+/// alternate between optimizers (GANs).
+struct OptimizerConfig {
+  OptimizerConfig() = default;
+  OptimizerConfig(std::shared_ptr<torch::optim::Optimizer> optimizer)  // NOLINT: implicit on purpose
+      : optimizers{std::move(optimizer)} {}
+  OptimizerConfig(std::vector<std::shared_ptr<torch::optim::Optimizer>> opts,
+                  std::vector<SchedulerConfig> scheds = {})
+      : optimizers(std::move(opts)), schedulers(std::move(scheds)) {}
+
+  std::vector<std::shared_ptr<torch::optim::Optimizer>> optimizers;
+  std::vector<SchedulerConfig> schedulers;
+};
+
+/// A hyper-parameter value as saved in checkpoints and hparams.yaml.
+using HParam = std::variant<bool, int64_t, double, std::string>;
+using HParams = std::map<std::string, HParam>;
+std::string to_string(const HParam& value);
+
+class Module : public torch::nn::Module {
+ public:
+  explicit Module(std::string name = "Module");
+  ~Module() override;
+
+  // ---- Steps. The Trainer calls these with batches already on the device.
+  /// One training step: returns the loss to minimise (automatic
+  /// optimization), or an undefined tensor to skip this batch. With manual
+  /// optimization it calls manual_backward/optimizer_step itself.
+  virtual at::Tensor training_step(Batch& batch, int64_t batch_idx);
+  /// Called when a validation loader is given; log metrics with log().
+  virtual void validation_step(Batch& batch, int64_t batch_idx);
+  virtual void test_step(Batch& batch, int64_t batch_idx);
+  /// Returns the prediction for the batch; predict() collects them.
+  virtual Batch predict_step(Batch& batch, int64_t batch_idx);
+  /// The optimizers (and schedulers) of this module. Called once per fit,
+  /// after configure_model() and after the module is on its device.
+  virtual OptimizerConfig configure_optimizers();
+
+  // ---- Hooks, in the order the Trainer calls them.
+  /// Builds parts of the model that need the device or process group.
+  virtual void configure_model() {}
+  virtual void on_fit_start() {}
+  virtual void on_fit_end() {}
+  virtual void on_train_start() {}
+  virtual void on_train_end() {}
+  virtual void on_train_epoch_start() {}
+  virtual void on_train_epoch_end() {}
+  virtual void on_train_batch_start(const Batch& /*batch*/, int64_t /*batch_idx*/) {}
+  virtual void on_train_batch_end(const at::Tensor& /*loss*/, const Batch& /*batch*/,
+                                  int64_t /*batch_idx*/) {}
+  virtual void on_validation_epoch_start() {}
+  virtual void on_validation_epoch_end() {}
+  virtual void on_test_epoch_start() {}
+  virtual void on_test_epoch_end() {}
+  virtual void on_predict_epoch_start() {}
+  virtual void on_predict_epoch_end() {}
+  virtual void on_before_backward(const at::Tensor& /*loss*/) {}
+  virtual void on_after_backward() {}
+  virtual void on_before_optimizer_step(torch::optim::Optimizer& /*optimizer*/) {}
+  virtual void on_before_zero_grad(torch::optim::Optimizer& /*optimizer*/) {}
+  /// Adds user state to a checkpoint being written / reads it back.
+  virtual void on_save_checkpoint(torch::serialize::OutputArchive& /*checkpoint*/) {}
+  virtual void on_load_checkpoint(torch::serialize::InputArchive& /*checkpoint*/) {}
+
+  // ---- Logging. Valid inside steps and hooks called by the Trainer.
+  /// Logs a scalar. Throws ConfigError for a non-scalar tensor or when called
+  /// outside a Trainer run.
+  void log(std::string_view name, const at::Tensor& value, LogOptions options = {});
+  void log(std::string_view name, double value, LogOptions options = {});
+
+  // ---- Hyper-parameters: saved in every checkpoint and by the loggers.
+  void save_hyperparameters(HParams hparams);
+  const HParams& hparams() const { return hparams_; }
+
+  // ---- Manual optimization.
+  /// false: training_step does its own backward and optimizer steps.
+  void set_automatic_optimization(bool value) { automatic_optimization_ = value; }
+  bool automatic_optimization() const { return automatic_optimization_; }
+  /// The optimizers configure_optimizers returned (available during fit).
+  const std::vector<std::shared_ptr<torch::optim::Optimizer>>& optimizers() const;
+  const std::vector<SchedulerConfig>& lr_schedulers() const;
+  /// Backward through the strategy (precision, gradient sync).
+  void manual_backward(const at::Tensor& loss);
+  /// Steps `optimizer` through the strategy and counts a global step.
+  void optimizer_step(torch::optim::Optimizer& optimizer);
+  void optimizer_step(size_t optimizer_index = 0);
+
+  // ---- Trainer state.
+  /// The Trainer running this module; throws ConfigError when not attached.
+  Trainer& trainer() const;
+  bool has_trainer() const { return trainer_ != nullptr; }
+  int64_t current_epoch() const;
+  int64_t global_step() const;
+
+ private:
+  friend class Trainer;
+  friend class detail::LogSink;
+
+  Trainer* trainer_ = nullptr;
+  detail::LogSink* log_sink_ = nullptr;
+  HParams hparams_;
+  bool automatic_optimization_ = true;
+};
+
+}  // namespace fulgur

@@ -1,0 +1,165 @@
+// File: fulgur/data/data_loader.h
+//
+// A DataLoader yields the batches of one epoch at a time. The Trainer drives
+// it: start_epoch(e), then next() until it returns nullopt or the loop's
+// batch limit is reached. The base class counts the batches handed out, so
+// every loader can be checkpointed mid-epoch and resumed exactly: resuming
+// restarts the saved epoch and skips the batches already consumed (O(1) for
+// index-based loaders, by reading for plain iterables).
+//
+//   auto loader = fulgur::make_data_loader(
+//       std::make_shared<fulgur::TensorDataset>(x, y),
+//       {.batch_size = 64, .shuffle = true, .seed = 42});
+//
+// Any iterable of batches works too:
+//   auto loader = fulgur::make_iterable_loader(
+//       [](int64_t epoch) { return my_generator(epoch); });
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "fulgur/data/batch.h"
+#include "fulgur/data/dataset.h"
+#include "fulgur/data/sampler.h"
+
+namespace fulgur {
+
+class DataLoader {
+ public:
+  virtual ~DataLoader() = default;
+
+  /// Batches per epoch when known; nullopt for open-ended iterables.
+  virtual std::optional<int64_t> num_batches() const = 0;
+
+  /// Starts epoch `epoch` from its first batch.
+  void start_epoch(int64_t epoch);
+  /// The next batch of the current epoch, or nullopt at its end.
+  std::optional<Batch> next();
+  /// Positions the loader at batch `position` of epoch `epoch`.
+  void seek(int64_t epoch, int64_t position);
+
+  /// Epoch and number of batches handed out in it.
+  int64_t epoch() const { return epoch_; }
+  int64_t position() const { return position_; }
+
+  /// Saves epoch, position and any sampler state.
+  void save_state(torch::serialize::OutputArchive& archive) const;
+  /// Restores what save_state wrote and positions the loader there, or at
+  /// `position` of the saved epoch when given.
+  void load_state(torch::serialize::InputArchive& archive,
+                  std::optional<int64_t> position = std::nullopt);
+
+  /// Restricts the loader to shard `rank` of `world_size`. Returns false when
+  /// the loader cannot be sharded (the caller then reports it).
+  virtual bool set_shard(int64_t rank, int64_t world_size);
+  /// The Trainer's seed, for loaders whose own seed is unset.
+  virtual void set_default_seed(uint64_t /*seed*/) {}
+
+ protected:
+  virtual void do_start_epoch(int64_t epoch) = 0;
+  virtual std::optional<Batch> do_next() = 0;
+  /// Skips `n` batches of the current epoch. Default: reads and drops them.
+  virtual void do_skip(int64_t n);
+  virtual void do_save_state(torch::serialize::OutputArchive&) const {}
+  virtual void do_load_state(torch::serialize::InputArchive&) {}
+
+ private:
+  int64_t epoch_ = -1;
+  int64_t position_ = 0;
+};
+
+struct DataLoaderOptions {
+  int64_t batch_size = 1;
+  /// Visit samples in a random order drawn from `seed` and the epoch.
+  bool shuffle = false;
+  /// Drop the last batch when it is smaller than batch_size.
+  bool drop_last = false;
+  /// Shuffle seed; unset: the Trainer's `seed` (0 when it has none).
+  std::optional<uint64_t> seed = std::nullopt;
+};
+
+/// Batches of a map-style Dataset, in the order its Sampler gives.
+class DatasetLoader : public DataLoader {
+ public:
+  /// `sampler` defaults to Random(seed) when shuffle is set, else Sequential.
+  /// Throws ConfigError on batch_size < 1 or a null dataset.
+  DatasetLoader(std::shared_ptr<Dataset> dataset, DataLoaderOptions options,
+                std::shared_ptr<Sampler> sampler = nullptr);
+
+  std::optional<int64_t> num_batches() const override;
+  bool set_shard(int64_t rank, int64_t world_size) override;
+  void set_default_seed(uint64_t seed) override;
+
+  const Dataset& dataset() const { return *dataset_; }
+  Sampler& sampler() { return *sampler_; }
+  const DataLoaderOptions& options() const { return options_; }
+
+ protected:
+  void do_start_epoch(int64_t epoch) override;
+  std::optional<Batch> do_next() override;
+  void do_skip(int64_t n) override;
+  void do_save_state(torch::serialize::OutputArchive& archive) const override;
+  void do_load_state(torch::serialize::InputArchive& archive) override;
+
+ private:
+  int64_t samples_per_epoch() const;
+
+  std::shared_ptr<Dataset> dataset_;
+  DataLoaderOptions options_;
+  std::shared_ptr<Sampler> sampler_;
+  bool owns_random_sampler_ = false;
+  at::Tensor order_;
+  int64_t cursor_ = 0;
+};
+
+std::shared_ptr<DatasetLoader> make_data_loader(std::shared_ptr<Dataset> dataset,
+                                                DataLoaderOptions options = {},
+                                                std::shared_ptr<Sampler> sampler = nullptr);
+
+/// A generator of one epoch's batches: returns nullopt at the epoch's end.
+using BatchGenerator = std::function<std::optional<Batch>()>;
+
+/// Wraps any user iterable: `factory(epoch)` returns the epoch's generator.
+/// `num_batches` is the epoch length when known (needed for fractional
+/// limits and val_check_interval as a fraction).
+class IterableLoader : public DataLoader {
+ public:
+  IterableLoader(std::function<BatchGenerator(int64_t epoch)> factory,
+                 std::optional<int64_t> num_batches = std::nullopt);
+  std::optional<int64_t> num_batches() const override { return num_batches_; }
+
+ protected:
+  void do_start_epoch(int64_t epoch) override;
+  std::optional<Batch> do_next() override;
+
+ private:
+  std::function<BatchGenerator(int64_t)> factory_;
+  std::optional<int64_t> num_batches_;
+  BatchGenerator current_;
+};
+
+std::shared_ptr<IterableLoader> make_iterable_loader(
+    std::function<BatchGenerator(int64_t epoch)> factory,
+    std::optional<int64_t> num_batches = std::nullopt);
+
+/// Any container of batches (e.g. std::vector<Batch>, or of pairs), replayed
+/// in order every epoch. The container is shared, not copied.
+template <class Container>
+std::shared_ptr<IterableLoader> make_iterable_loader(std::shared_ptr<Container> batches) {
+  auto size = static_cast<int64_t>(std::size(*batches));
+  return make_iterable_loader(
+      [batches](int64_t) -> BatchGenerator {
+        auto it = std::begin(*batches);
+        return [batches, it]() mutable -> std::optional<Batch> {
+          if (it == std::end(*batches)) return std::nullopt;
+          return Batch(*it++);
+        };
+      },
+      size);
+}
+
+}  // namespace fulgur

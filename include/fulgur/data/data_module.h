@@ -1,0 +1,45 @@
+// File: fulgur/data/data_module.h
+//
+// A DataModule packages the data side of a run: download/prepare once,
+// build the splits per stage, hand out the loaders. The Trainer calls
+// prepare_data() (once per node, on local rank 0), then setup(stage) on every
+// rank, then the loader it needs, then teardown(stage).
+//
+//   struct MyData : fulgur::DataModule {
+//     void setup(fulgur::Stage stage) override { train_ = ...; }
+//     std::shared_ptr<fulgur::DataLoader> train_dataloader() override {
+//       return fulgur::make_data_loader(train_, {.batch_size = 64, .shuffle = true});
+//     }
+//   };
+#pragma once
+
+#include <memory>
+#include <string>
+
+namespace fulgur {
+
+class DataLoader;
+
+/// What the Trainer is running.
+enum class Stage { Fit, Validate, Test, Predict };
+const char* to_string(Stage stage);
+
+class DataModule {
+ public:
+  virtual ~DataModule() = default;
+  /// Downloads or unpacks data; called once per node before setup().
+  virtual void prepare_data() {}
+  /// Builds the datasets needed by `stage`; called on every process.
+  virtual void setup(Stage /*stage*/) {}
+  virtual void teardown(Stage /*stage*/) {}
+
+  /// The loaders. The default of train_dataloader and predict_dataloader
+  /// throws a ConfigError when the stage needs them; the others return null,
+  /// which means "this stage has no data" (e.g. no validation).
+  virtual std::shared_ptr<DataLoader> train_dataloader();
+  virtual std::shared_ptr<DataLoader> val_dataloader() { return nullptr; }
+  virtual std::shared_ptr<DataLoader> test_dataloader();
+  virtual std::shared_ptr<DataLoader> predict_dataloader();
+};
+
+}  // namespace fulgur

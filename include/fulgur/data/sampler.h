@@ -1,0 +1,65 @@
+// File: fulgur/data/sampler.h
+//
+// A Sampler decides the order in which a DatasetLoader visits a dataset's
+// indices in one epoch. fulgur's samplers are pure functions of (seed, epoch),
+// so an epoch's order can be recomputed on resume instead of being stored.
+// A sampler with hidden state (an adapted torch::data sampler) saves it
+// through save_state/load_state.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+
+namespace torch::serialize {
+class OutputArchive;
+class InputArchive;
+}  // namespace torch::serialize
+
+namespace fulgur {
+
+class Sampler {
+ public:
+  virtual ~Sampler() = default;
+  /// The indices (int64 CPU tensor) to visit in epoch `epoch` of a dataset of
+  /// `dataset_size` samples.
+  virtual at::Tensor epoch_indices(int64_t epoch, int64_t dataset_size) = 0;
+  /// Restricts the sampler to shard `rank` of `world_size` (distributed
+  /// training). The default splits the epoch's indices round-robin.
+  virtual void set_shard(int64_t rank, int64_t world_size);
+  /// Saves what is needed to recompute the current epoch's order.
+  virtual void save_state(torch::serialize::OutputArchive& archive) const;
+  virtual void load_state(torch::serialize::InputArchive& archive);
+
+  int64_t shard_rank() const { return shard_rank_; }
+  int64_t shard_world_size() const { return shard_world_size_; }
+
+ protected:
+  /// Applies the shard to a full epoch order (used by subclasses).
+  at::Tensor shard(const at::Tensor& indices) const;
+
+ private:
+  int64_t shard_rank_ = 0;
+  int64_t shard_world_size_ = 1;
+};
+
+/// 0, 1, ..., n-1 every epoch.
+class SequentialSampler : public Sampler {
+ public:
+  at::Tensor epoch_indices(int64_t epoch, int64_t dataset_size) override;
+};
+
+/// A permutation drawn from a generator seeded with (seed, epoch): the same
+/// seed gives the same order on every run, every rank and after a resume.
+class RandomSampler : public Sampler {
+ public:
+  explicit RandomSampler(uint64_t seed = 0) : seed_(seed) {}
+  at::Tensor epoch_indices(int64_t epoch, int64_t dataset_size) override;
+  uint64_t seed() const { return seed_; }
+
+ private:
+  uint64_t seed_;
+};
+
+}  // namespace fulgur

@@ -1,0 +1,31 @@
+// File: fulgur/fulgur.h
+//
+// Everything a training program needs, in one include.
+#pragma once
+
+#include "fulgur/accelerators/accelerator.h"
+#include "fulgur/accelerators/cpu.h"
+#include "fulgur/accelerators/cuda.h"
+#include "fulgur/callbacks/callback.h"
+#include "fulgur/callbacks/model_checkpoint.h"
+#include "fulgur/callbacks/progress_bar.h"
+#include "fulgur/core/errors.h"
+#include "fulgur/core/module.h"
+#include "fulgur/data/batch.h"
+#include "fulgur/data/data_loader.h"
+#include "fulgur/data/data_module.h"
+#include "fulgur/data/dataset.h"
+#include "fulgur/data/sampler.h"
+#include "fulgur/loggers/csv_logger.h"
+#include "fulgur/loggers/logger.h"
+#include "fulgur/plugins/environments/cluster_environment.h"
+#include "fulgur/plugins/environments/lightning.h"
+#include "fulgur/plugins/io/checkpoint_io.h"
+#include "fulgur/plugins/io/torch_checkpoint_io.h"
+#include "fulgur/plugins/precision/precision.h"
+#include "fulgur/strategies/launchers/launcher.h"
+#include "fulgur/strategies/single_device.h"
+#include "fulgur/strategies/strategy.h"
+#include "fulgur/trainer/trainer.h"
+#include "fulgur/trainer/trainer_options.h"
+#include "fulgur/utilities/seed.h"

@@ -1,0 +1,49 @@
+// File: fulgur/loggers/csv_logger.h
+#pragma once
+
+#include <optional>
+#include <set>
+#include <vector>
+
+#include "fulgur/loggers/logger.h"
+
+namespace fulgur {
+
+struct CSVLoggerOptions {
+  /// Root of the logs; version directories are created below it.
+  std::string save_dir = "";
+  std::string name = "fulgur_logs";
+  /// Explicit version; default: the next free `version_N`.
+  std::optional<int64_t> version = std::nullopt;
+  /// Rows kept in memory before a write.
+  int64_t flush_every = 100;
+};
+
+/// Writes `<save_dir>/<name>/version_<N>/metrics.csv` (one row per step, one
+/// column per metric, empty cells where a metric was not logged) and
+/// `hparams.yaml` next to it. New columns rewrite the file with the wider
+/// header, so the CSV is always rectangular.
+class CSVLogger : public Logger {
+ public:
+  explicit CSVLogger(CSVLoggerOptions options = {});
+  std::string name() const override { return options_.name; }
+  std::string log_dir() const override;
+  void log_hyperparams(const HParams& params) override;
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t step) override;
+  void save() override;
+  /// Path of metrics.csv.
+  std::string metrics_file() const;
+
+ private:
+  void resolve_version() const;
+
+  CSVLoggerOptions options_;
+  mutable std::optional<int64_t> version_;
+  std::vector<std::string> columns_;  // "step" first, then metric names in order seen
+  std::vector<std::pair<int64_t, std::map<std::string, double>>> pending_;
+  std::vector<std::pair<int64_t, std::map<std::string, double>>> written_;
+  bool header_written_ = false;
+  bool header_changed_ = false;
+};
+
+}  // namespace fulgur

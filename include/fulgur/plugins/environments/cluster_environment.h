@@ -1,0 +1,45 @@
+// File: fulgur/plugins/environments/cluster_environment.h
+//
+// A ClusterEnvironment says who this process is: world size, global, local
+// and node rank, and where the main process listens. It reads its own
+// environment variables (through an EnvView), says whether processes are
+// created externally (torchrun, srun, mpirun) or by fulgur's launcher, and
+// checks devices x num_nodes against what the cluster reports.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "fulgur/core/env.h"
+#include "fulgur/core/registry.h"
+
+namespace fulgur {
+
+class ClusterEnvironment {
+ public:
+  virtual ~ClusterEnvironment() = default;
+  virtual std::string_view name() const = 0;
+  /// True when something else (torchrun, srun, mpirun) created this process
+  /// and its peers; fulgur then launches nothing.
+  virtual bool creates_processes_externally() const = 0;
+  virtual std::string main_address() const = 0;
+  virtual int main_port() const = 0;
+  virtual int world_size() const = 0;
+  virtual void set_world_size(int size) = 0;
+  virtual int global_rank() const = 0;
+  virtual void set_global_rank(int rank) = 0;
+  virtual int local_rank() const = 0;
+  virtual int node_rank() const = 0;
+  /// Throws ConfigError when `num_devices` x `num_nodes` disagrees with what
+  /// the cluster reports, naming both numbers and both sources.
+  virtual void validate_settings(int /*num_devices*/, int /*num_nodes*/) const {}
+  /// Called in each process once its rank is known.
+  virtual void teardown() {}
+};
+
+using ClusterEnvironmentRegistry = Registry<ClusterEnvironment, const EnvView&>;
+ClusterEnvironmentRegistry& cluster_environment_registry();
+
+}  // namespace fulgur

@@ -1,0 +1,67 @@
+// File: fulgur/plugins/precision/precision.h
+//
+// A Precision plugin owns everything dtype-related: converting the module,
+// the autocast scope around forward, loss scaling in backward, skipping
+// optimizer steps on inf/NaN gradients, and its own state in checkpoints.
+// The base class is full float32 precision ("32-true"); mixed and half
+// precisions override the hooks.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string_view>
+
+#include "fulgur/core/registry.h"
+
+namespace torch::nn {
+class Module;
+}
+namespace torch::optim {
+class Optimizer;
+}
+namespace torch::serialize {
+class OutputArchive;
+class InputArchive;
+}  // namespace torch::serialize
+
+namespace fulgur {
+
+class Accelerator;
+
+/// An RAII scope (autocast, ...) active while a step runs; empty for 32-true.
+class PrecisionScope {
+ public:
+  virtual ~PrecisionScope() = default;
+};
+
+class Precision {
+ public:
+  virtual ~Precision() = default;
+  /// The registered name ("32-true").
+  virtual std::string_view name() const { return "32-true"; }
+  /// Throws ConfigError when this precision cannot run on `accelerator`.
+  virtual void check_accelerator(const Accelerator& /*accelerator*/) const {}
+  /// Converts the module's parameters and buffers (dtype), once at setup.
+  virtual void convert_module(torch::nn::Module& /*module*/) {}
+  /// Converts an input batch tensor (e.g. to float64 for 64-true).
+  virtual at::Tensor convert_input(const at::Tensor& tensor) const { return tensor; }
+  /// The scope around forward/steps (autocast). Null when there is none.
+  virtual std::unique_ptr<PrecisionScope> forward_scope() const { return nullptr; }
+  /// Runs backward on `loss` (scaled, for 16-mixed).
+  virtual void backward(const at::Tensor& loss);
+  /// Makes gradients true-scale before clipping (unscale, for 16-mixed).
+  virtual void unscale_gradients(torch::optim::Optimizer& /*optimizer*/) {}
+  /// Steps `optimizer`; returns false if the step was skipped (inf/NaN).
+  virtual bool optimizer_step(torch::optim::Optimizer& optimizer);
+  /// Called once after all optimizers stepped in an iteration (scaler update).
+  virtual void update() {}
+  virtual void save_state(torch::serialize::OutputArchive& /*archive*/) const {}
+  virtual void load_state(torch::serialize::InputArchive& /*archive*/) {}
+};
+
+using PrecisionRegistry = Registry<Precision>;
+/// The global precision registry, with the built-ins registered.
+PrecisionRegistry& precision_registry();
+
+}  // namespace fulgur

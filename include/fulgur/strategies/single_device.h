@@ -1,0 +1,34 @@
+// File: fulgur/strategies/single_device.h
+#pragma once
+
+#include <optional>
+
+#include "fulgur/strategies/strategy.h"
+
+namespace fulgur {
+
+/// One process, one device. Collectives are identities.
+class SingleDeviceStrategy : public Strategy {
+ public:
+  /// `device` defaults to the first of parallel_devices() (set by the
+  /// connector), else the CPU.
+  explicit SingleDeviceStrategy(std::optional<c10::Device> device = std::nullopt)
+      : device_(device) {}
+
+  std::string_view name() const override { return "single_device"; }
+  c10::Device root_device() const override;
+
+  void barrier(std::string_view name = {}) override;
+  at::Tensor broadcast(const at::Tensor& tensor, int src = 0) override;
+  at::Tensor all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Mean) override;
+  at::Tensor all_gather(const at::Tensor& tensor) override;
+  bool reduce_boolean_decision(bool decision, bool all = true) override;
+
+  /// Registers "single_device".
+  static void register_strategies(StrategyRegistry& registry);
+
+ private:
+  std::optional<c10::Device> device_;
+};
+
+}  // namespace fulgur

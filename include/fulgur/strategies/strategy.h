@@ -1,0 +1,173 @@
+// File: fulgur/strategies/strategy.h
+//
+// The Strategy is the hub between the Trainer and the hardware. It owns the
+// Accelerator, the Precision plugin, the CheckpointIO, the ClusterEnvironment,
+// the parallel devices and the Launcher; it knows the ranks, places (and for
+// parallel strategies wraps) the module, runs backward and optimizer steps
+// through its precision, moves batches to the device, provides collectives,
+// and decides which ranks touch checkpoint files. The Trainer reaches every
+// device-, rank- and file-related operation through it and never checks its
+// concrete type.
+//
+//   strategy.setup_environment();         // device, process group
+//   module.configure_model();
+//   strategy.setup(module);               // dtype, placement, wrapping
+//   auto batch = strategy.batch_to_device(raw);
+//   strategy.backward(loss, module);
+//   strategy.optimizer_step(optimizer, module);
+//   strategy.teardown();
+//
+// Missing components are filled lazily with the defaults: 32-true
+// precision, TorchCheckpointIO, LightningEnvironment.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fulgur/core/registry.h"
+#include "fulgur/data/batch.h"
+
+namespace torch::optim {
+class Optimizer;
+}
+namespace torch::serialize {
+class OutputArchive;
+class InputArchive;
+}  // namespace torch::serialize
+
+namespace fulgur {
+
+class Accelerator;
+class CheckpointIO;
+class ClusterEnvironment;
+class Launcher;
+class Module;
+class Precision;
+class PrecisionScope;
+struct OptimizerConfig;
+
+/// Reduction of a collective.
+enum class ReduceOp { Sum, Mean, Max, Min };
+const char* to_string(ReduceOp op);
+
+class Strategy {
+ public:
+  Strategy();
+  virtual ~Strategy();
+  Strategy(const Strategy&) = delete;
+  Strategy& operator=(const Strategy&) = delete;
+
+  /// The registered name ("single_device", "ddp").
+  virtual std::string_view name() const = 0;
+
+  // ---- Components. Setters take ownership; getters throw ConfigError on an
+  // empty slot that has no default (the accelerator).
+  void set_accelerator(std::unique_ptr<Accelerator> accelerator);
+  bool has_accelerator() const { return accelerator_ != nullptr; }
+  Accelerator& accelerator() const;
+  void set_precision(std::unique_ptr<Precision> precision);
+  bool has_precision() const { return precision_ != nullptr; }
+  Precision& precision();
+  void set_checkpoint_io(std::unique_ptr<CheckpointIO> io);
+  bool has_checkpoint_io() const { return checkpoint_io_ != nullptr; }
+  CheckpointIO& checkpoint_io();
+  void set_cluster_environment(std::unique_ptr<ClusterEnvironment> env);
+  bool has_cluster_environment() const { return cluster_environment_ != nullptr; }
+  ClusterEnvironment& cluster_environment();
+  const ClusterEnvironment& cluster_environment() const;
+  void set_parallel_devices(std::vector<c10::Device> devices);
+  const std::vector<c10::Device>& parallel_devices() const { return parallel_devices_; }
+  void set_num_nodes(int num_nodes) { num_nodes_ = num_nodes; }
+  int num_nodes() const { return num_nodes_; }
+  /// The launcher that creates this strategy's processes; null when the
+  /// current process simply runs (one process, or created externally).
+  Launcher* launcher() const { return launcher_.get(); }
+  /// Called by the connector once every component is in place; a strategy
+  /// that launches processes creates its launcher here.
+  virtual void configure_launcher() {}
+
+  // ---- Ranks.
+  virtual int global_rank() const { return 0; }
+  virtual int local_rank() const { return 0; }
+  virtual int node_rank() const { return 0; }
+  virtual int world_size() const { return 1; }
+  bool is_global_zero() const { return global_rank() == 0; }
+  /// The device this process computes on.
+  virtual c10::Device root_device() const = 0;
+
+  // ---- Lifecycle, called by the Trainer in this order on every rank.
+  /// Prepares the device and (parallel strategies) the process group.
+  void setup_environment();
+  /// Converts (precision), places and wraps the module.
+  void setup(Module& module);
+  /// Calls the module's configure_optimizers and checks the result.
+  virtual OptimizerConfig setup_optimizers(Module& module);
+  /// Releases what setup_environment/setup acquired. Safe to call twice.
+  void teardown();
+
+  // ---- Steps.
+  /// Moves (and for 64-true converts) every tensor of `batch`.
+  virtual Batch batch_to_device(const Batch& batch) const;
+  /// The precision's scope around a step (autocast); null when none.
+  std::unique_ptr<PrecisionScope> step_scope();
+  /// Backward through the precision plugin (and gradient sync when wrapped).
+  virtual void backward(const at::Tensor& loss, Module& module);
+  /// Unscales the optimizer's gradients before clipping (16-mixed).
+  void unscale_gradients(torch::optim::Optimizer& optimizer);
+  /// Steps the optimizer through the precision plugin; false if skipped.
+  virtual bool optimizer_step(torch::optim::Optimizer& optimizer, Module& module);
+
+  // ---- Collectives. On one process they return their input.
+  virtual void barrier(std::string_view name = {}) = 0;
+  virtual at::Tensor broadcast(const at::Tensor& tensor, int src = 0) = 0;
+  virtual at::Tensor all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Mean) = 0;
+  /// Tensors of every rank stacked on a new dimension 0.
+  virtual at::Tensor all_gather(const at::Tensor& tensor) = 0;
+  /// `all`: true when every rank decided true; otherwise true when any did.
+  virtual bool reduce_boolean_decision(bool decision, bool all = true) = 0;
+
+  // ---- Checkpoints.
+  /// Whether this rank writes checkpoint files (rank 0 by default).
+  virtual bool is_checkpoint_writer() const { return is_global_zero(); }
+  /// Writes through the CheckpointIO on writer ranks; a no-op elsewhere.
+  virtual void save_checkpoint(torch::serialize::OutputArchive& checkpoint,
+                               const std::string& path);
+  virtual void load_checkpoint(const std::string& path,
+                               torch::serialize::InputArchive& checkpoint);
+  virtual void remove_checkpoint(const std::string& path);
+  /// The module's parameters and buffers into / out of a checkpoint.
+  virtual void save_module_state(Module& module, torch::serialize::OutputArchive& archive);
+  virtual void load_module_state(Module& module, torch::serialize::InputArchive& archive);
+
+  /// One line per component, for Trainer::describe().
+  std::string describe() const;
+
+ protected:
+  virtual void do_setup_environment() {}
+  /// Default: moves the module to root_device().
+  virtual void do_setup(Module& module);
+  virtual void do_teardown() {}
+  void set_launcher(std::unique_ptr<Launcher> launcher);
+
+ private:
+  std::unique_ptr<Accelerator> accelerator_;
+  std::unique_ptr<Precision> precision_;
+  std::unique_ptr<CheckpointIO> checkpoint_io_;
+  std::unique_ptr<ClusterEnvironment> cluster_environment_;
+  std::unique_ptr<Launcher> launcher_;
+  std::vector<c10::Device> parallel_devices_;
+  int num_nodes_ = 1;
+  bool environment_ready_ = false;
+  bool torn_down_ = false;
+};
+
+using StrategyRegistry = Registry<Strategy>;
+/// The global strategy registry, with the built-ins registered.
+StrategyRegistry& strategy_registry();
+
+}  // namespace fulgur

@@ -1,0 +1,132 @@
+// File: fulgur/trainer/trainer_options.h
+//
+// TrainerOptions holds the flags exactly as the user typed them ("auto" and
+// unset allowed). The connector resolves them; Trainer::describe() shows
+// the result and every default chosen.
+//
+//   fulgur::Trainer trainer({.accelerator = "cpu", .max_epochs = 3,
+//                            .limit_val_batches = 0.25, .seed = 42});
+//
+// Designated initializers must follow declaration order: the most-used
+// fields come first within each group.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "fulgur/accelerators/accelerator.h"
+
+namespace fulgur {
+
+class Callback;
+class Logger;
+class Strategy;
+class Precision;
+class CheckpointIO;
+class ClusterEnvironment;
+
+/// A batch count (int) or a fraction of the loader (double in [0, 1]).
+/// `10` means ten batches, `0.25` a quarter, `1.0` all of them.
+class BatchLimit {
+ public:
+  BatchLimit(int count) : count_(count) {}            // NOLINT: implicit on purpose
+  BatchLimit(long count) : count_(count) {}           // NOLINT
+  BatchLimit(long long count) : count_(count) {}      // NOLINT
+  BatchLimit(double fraction) : fraction_(fraction) {}  // NOLINT
+
+  bool is_fraction() const { return fraction_.has_value(); }
+  int64_t count() const { return count_.value_or(0); }
+  double fraction() const { return fraction_.value_or(0.0); }
+  /// "10" or "0.25", for messages.
+  std::string text() const;
+  /// The number of batches out of `available` (nullopt: unknown length).
+  /// Throws ConfigError naming `flag` when a fraction is applied to a loader
+  /// of unknown length, or rounds a non-zero fraction down to 0 batches.
+  std::optional<int64_t> apply(std::optional<int64_t> available, const char* flag) const;
+
+ private:
+  std::optional<int64_t> count_;
+  std::optional<double> fraction_;
+};
+
+enum class GradientClipAlgorithm { Norm, Value };
+
+/// A plugin as a registered name ("slurm") or an instance.
+using Plugin = std::variant<std::string, std::shared_ptr<Precision>,
+                            std::shared_ptr<CheckpointIO>, std::shared_ptr<ClusterEnvironment>>;
+
+struct TrainerOptions {
+  // ---- Hardware: where and how the loops run.
+  /// "auto", "cpu", "cuda" (alias "gpu"), or a registered name.
+  std::string accelerator = "auto";
+  /// "auto", "single_device", ..., a registered name, or an instance.
+  std::variant<std::string, std::shared_ptr<Strategy>> strategy = std::string("auto");
+  /// "auto", a count, -1 for all, or a list of indices.
+  DevicesSpec devices = DevicesSpec();
+  int num_nodes = 1;
+  /// "32-true" (also "32"); others arrive with the precision plugins.
+  std::string precision = "32-true";
+  std::vector<Plugin> plugins = {};
+
+  // ---- Run length.
+  /// Epochs to train; unset: 1000, or unlimited when max_steps is set.
+  std::optional<int64_t> max_epochs = std::nullopt;
+  int64_t min_epochs = 0;
+  /// Optimizer steps to train for; -1 means no limit.
+  int64_t max_steps = -1;
+  int64_t min_steps = 0;
+  /// Run N (true = 1) batches of train/val/test/predict and stop; no
+  /// checkpoints, no loggers, no sanity check. For smoke-testing a Module.
+  int64_t fast_dev_run = 0;
+  BatchLimit limit_train_batches = 1.0;
+  BatchLimit limit_val_batches = 1.0;
+  BatchLimit limit_test_batches = 1.0;
+  BatchLimit limit_predict_batches = 1.0;
+
+  // ---- Validation schedule.
+  /// Validate every N training batches (int) or fraction of an epoch.
+  BatchLimit val_check_interval = 1.0;
+  /// Validate at the end of every N-th epoch; unset with an int
+  /// val_check_interval: validate by batch count across epochs.
+  std::optional<int64_t> check_val_every_n_epoch = 1;
+  /// Validation batches run before training to catch bugs early; -1: all.
+  int64_t num_sanity_val_steps = 2;
+
+  // ---- Optimization.
+  int64_t accumulate_grad_batches = 1;
+  std::optional<double> gradient_clip_val = std::nullopt;
+  GradientClipAlgorithm gradient_clip_algorithm = GradientClipAlgorithm::Norm;
+
+  // ---- Reproducibility.
+  /// Seeds every RNG the run uses (torch CPU and CUDA, the C library).
+  std::optional<uint64_t> seed = std::nullopt;
+
+  // ---- Outputs.
+  /// Root of logs and checkpoints; default: the current directory.
+  std::string default_root_dir = "";
+  /// Add a ModelCheckpoint (saving last.ckpt) unless one is in callbacks.
+  bool enable_checkpointing = true;
+  bool enable_progress_bar = true;
+  /// Add a CSVLogger unless loggers are given; false: no logging.
+  bool logger = true;
+  std::vector<std::shared_ptr<Logger>> loggers = {};
+  /// Logged metrics reach the loggers every N optimizer steps.
+  int64_t log_every_n_steps = 50;
+  std::vector<std::shared_ptr<Callback>> callbacks = {};
+};
+
+/// Options of a single fit call.
+struct FitOptions {
+  /// Resume from this checkpoint: a path, or "last" for the newest
+  /// last.ckpt the Trainer's ModelCheckpoint wrote.
+  std::string ckpt_path = "";
+};
+
+std::optional<GradientClipAlgorithm> parse_gradient_clip_algorithm(const std::string& text);
+const char* to_string(GradientClipAlgorithm algorithm);
+
+}  // namespace fulgur

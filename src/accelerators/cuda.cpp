@@ -1,0 +1,68 @@
+#include "fulgur/accelerators/cuda.h"
+
+#include <torch/torch.h>
+
+#include <set>
+
+#include "fulgur/core/errors.h"
+
+namespace fulgur {
+
+bool CUDAAccelerator::is_available() const { return torch::cuda::is_available(); }
+
+std::string CUDAAccelerator::unavailable_reason() const {
+  if (torch::cuda::is_available()) return {};
+  return "torch::cuda::is_available() is false: this LibTorch has no CUDA support or no GPU "
+         "is visible (found 0 CUDA devices)";
+}
+
+int CUDAAccelerator::auto_device_count() const {
+  return static_cast<int>(torch::cuda::device_count());
+}
+
+std::vector<c10::Device> CUDAAccelerator::parse_devices(const DevicesSpec& spec) const {
+  int available = auto_device_count();
+  std::vector<int> indices;
+  if (spec.is_auto() || (spec.count() && *spec.count() == -1)) {
+    for (int i = 0; i < available; ++i) indices.push_back(i);
+  } else if (spec.count()) {
+    if (*spec.count() < 1) {
+      throw ConfigError(str("accelerator=\"cuda\", devices=", spec.text(),
+                            ": pass a count >= 1, -1 for all GPUs, or indices."));
+    }
+    if (*spec.count() > available) {
+      throw ConfigError(str("accelerator=\"cuda\", devices=", spec.text(), ": asked for ",
+                            *spec.count(), " GPUs but ", available,
+                            " are visible. Pass devices=", available, " or fewer."));
+    }
+    for (int i = 0; i < *spec.count(); ++i) indices.push_back(i);
+  } else {
+    std::set<int> seen;
+    for (int i : spec.indices()) {
+      if (i < 0 || i >= available) {
+        throw ConfigError(str("accelerator=\"cuda\", devices=", spec.text(), ": GPU index ", i,
+                              " does not exist; ", available, " GPU(s) are visible (indices 0..",
+                              available - 1, ")."));
+      }
+      if (!seen.insert(i).second) {
+        throw ConfigError(str("accelerator=\"cuda\", devices=", spec.text(), ": GPU index ", i,
+                              " is listed twice. List each GPU once."));
+      }
+      indices.push_back(i);
+    }
+  }
+  std::vector<c10::Device> out;
+  for (int i : indices) out.emplace_back(c10::kCUDA, static_cast<c10::DeviceIndex>(i));
+  return out;
+}
+
+void CUDAAccelerator::setup_device(c10::Device device) {
+  FULGUR_ASSERT(device.is_cuda(), "CUDAAccelerator::setup_device got ", device.str());
+  // Binding the process to its GPU happens through the device guard of each
+  // operation; LibTorch 1.13's C++ API has no public set_device outside
+  // c10::cuda, which is only present in CUDA builds.
+}
+
+std::map<std::string, double> CUDAAccelerator::device_stats(c10::Device) const { return {}; }
+
+}  // namespace fulgur

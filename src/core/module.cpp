@@ -1,0 +1,128 @@
+#include "fulgur/core/module.h"
+
+#include <torch/torch.h>
+
+#include "fulgur/core/errors.h"
+#include "trainer/trainer_impl.h"
+
+namespace fulgur {
+
+const char* to_string(Reduce reduce) {
+  switch (reduce) {
+    case Reduce::Mean: return "mean";
+    case Reduce::Sum: return "sum";
+    case Reduce::Max: return "max";
+    case Reduce::Min: return "min";
+  }
+  return "?";
+}
+
+std::string to_string(const HParam& value) {
+  return std::visit(
+      [](const auto& v) -> std::string {
+        using T = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          return v ? "true" : "false";
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          return v;
+        } else {
+          return str(v);
+        }
+      },
+      value);
+}
+
+Module::Module(std::string name) : torch::nn::Module(std::move(name)) {}
+Module::~Module() = default;
+
+at::Tensor Module::training_step(Batch&, int64_t) {
+  throw ConfigError(str("Trainer.fit(", name(),
+                        "): the Module does not override training_step(batch, batch_idx). "
+                        "Override it to return the loss of one batch."));
+}
+
+void Module::validation_step(Batch&, int64_t) {
+  throw ConfigError(str(name(), ": a validation loader was given but the Module does not override "
+                        "validation_step(batch, batch_idx). Override it, or pass no validation "
+                        "loader (or limit_val_batches = 0)."));
+}
+
+void Module::test_step(Batch&, int64_t) {
+  throw ConfigError(str("Trainer.test(", name(),
+                        "): the Module does not override test_step(batch, batch_idx). "
+                        "Override it to log test metrics."));
+}
+
+Batch Module::predict_step(Batch&, int64_t) {
+  throw ConfigError(str("Trainer.predict(", name(),
+                        "): the Module does not override predict_step(batch, batch_idx). "
+                        "Override it to return the prediction of one batch."));
+}
+
+OptimizerConfig Module::configure_optimizers() {
+  throw ConfigError(str("Trainer.fit(", name(),
+                        "): the Module does not override configure_optimizers(). Override it "
+                        "to return the optimizer(s), e.g. "
+                        "`return {std::make_shared<torch::optim::SGD>(parameters(), 0.1)};`."));
+}
+
+void Module::log(std::string_view name, const at::Tensor& value, LogOptions options) {
+  if (!value.defined() || value.numel() != 1) {
+    throw ConfigError(str("log(\"", name, "\", tensor of shape ",
+                          value.defined() ? c10::str(value.sizes()) : std::string("undefined"),
+                          "): only scalars can be logged. Reduce it first, e.g. "
+                          "value.mean()."));
+  }
+  log(name, value.detach().item<double>(), options);
+}
+
+void Module::log(std::string_view name, double value, LogOptions options) {
+  if (log_sink_ == nullptr) {
+    throw ConfigError(str("log(\"", name, "\"): called outside a Trainer run. Log from "
+                          "training_step, validation_step, test_step or a hook the Trainer "
+                          "calls."));
+  }
+  log_sink_->log(name, value, options);
+}
+
+void Module::save_hyperparameters(HParams hparams) {
+  for (auto& [k, v] : hparams) hparams_.insert_or_assign(k, std::move(v));
+}
+
+Trainer& Module::trainer() const {
+  if (trainer_ == nullptr) {
+    throw ConfigError(str(name(), ".trainer(): this Module is not attached to a Trainer. "
+                          "trainer() is available inside fit/validate/test/predict."));
+  }
+  return *trainer_;
+}
+
+int64_t Module::current_epoch() const { return trainer_ ? trainer_->current_epoch() : 0; }
+int64_t Module::global_step() const { return trainer_ ? trainer_->global_step() : 0; }
+
+const std::vector<std::shared_ptr<torch::optim::Optimizer>>& Module::optimizers() const {
+  return trainer().impl().optimizer_config.optimizers;
+}
+
+const std::vector<SchedulerConfig>& Module::lr_schedulers() const {
+  return trainer().impl().optimizer_config.schedulers;
+}
+
+void Module::manual_backward(const at::Tensor& loss) {
+  trainer().impl().manual_backward(*this, loss);
+}
+
+void Module::optimizer_step(torch::optim::Optimizer& optimizer) {
+  trainer().impl().manual_optimizer_step(*this, optimizer);
+}
+
+void Module::optimizer_step(size_t optimizer_index) {
+  const auto& opts = optimizers();
+  if (optimizer_index >= opts.size()) {
+    throw ConfigError(str("optimizer_step(", optimizer_index, "): configure_optimizers returned ",
+                          opts.size(), " optimizer(s); pass an index below ", opts.size(), "."));
+  }
+  optimizer_step(*opts[optimizer_index]);
+}
+
+}  // namespace fulgur

@@ -1,0 +1,195 @@
+#include "fulgur/data/data_loader.h"
+
+#include <torch/torch.h>
+
+#include "fulgur/core/errors.h"
+
+namespace fulgur {
+
+// ---- Samplers.
+
+void Sampler::set_shard(int64_t rank, int64_t world_size) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw ConfigError(str("Sampler::set_shard(rank=", rank, ", world_size=", world_size,
+                          "): rank must be in [0, world_size) and world_size >= 1."));
+  }
+  shard_rank_ = rank;
+  shard_world_size_ = world_size;
+}
+
+void Sampler::save_state(torch::serialize::OutputArchive&) const {}
+void Sampler::load_state(torch::serialize::InputArchive&) {}
+
+at::Tensor Sampler::shard(const at::Tensor& indices) const {
+  if (shard_world_size_ == 1) return indices;
+  return indices.slice(0, shard_rank_, indices.size(0), shard_world_size_);
+}
+
+at::Tensor SequentialSampler::epoch_indices(int64_t, int64_t dataset_size) {
+  return shard(torch::arange(dataset_size, torch::kLong));
+}
+
+at::Tensor RandomSampler::epoch_indices(int64_t epoch, int64_t dataset_size) {
+  // A private generator seeded from (seed, epoch): the order depends on
+  // nothing else, so it is the same after a resume and on every rank.
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(
+      seed_ * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(epoch));
+  return shard(torch::randperm(dataset_size, generator, torch::kLong));
+}
+
+// ---- DataLoader.
+
+void DataLoader::start_epoch(int64_t epoch) {
+  epoch_ = epoch;
+  position_ = 0;
+  do_start_epoch(epoch);
+}
+
+std::optional<Batch> DataLoader::next() {
+  if (epoch_ < 0) start_epoch(0);
+  auto batch = do_next();
+  if (batch) ++position_;
+  return batch;
+}
+
+void DataLoader::seek(int64_t epoch, int64_t position) {
+  if (position < 0) {
+    throw ConfigError(str("DataLoader::seek(epoch=", epoch, ", position=", position,
+                          "): position must be >= 0."));
+  }
+  start_epoch(epoch);
+  if (position > 0) do_skip(position);
+  position_ = position;
+}
+
+void DataLoader::do_skip(int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!do_next()) {
+      throw CheckpointError(str("cannot resume the data loader at batch ", n, " of epoch ",
+                                epoch_, ": the epoch has only ", i,
+                                " batches. The data changed since the checkpoint was written."));
+    }
+  }
+}
+
+void DataLoader::save_state(torch::serialize::OutputArchive& archive) const {
+  archive.write("epoch", c10::IValue(epoch_));
+  archive.write("position", c10::IValue(position_));
+  do_save_state(archive);
+}
+
+void DataLoader::load_state(torch::serialize::InputArchive& archive,
+                            std::optional<int64_t> position) {
+  c10::IValue saved_epoch, saved_position;
+  archive.read("epoch", saved_epoch);
+  archive.read("position", saved_position);
+  do_load_state(archive);
+  seek(saved_epoch.toInt(), position.value_or(saved_position.toInt()));
+}
+
+bool DataLoader::set_shard(int64_t, int64_t) { return false; }
+
+// ---- DatasetLoader.
+
+DatasetLoader::DatasetLoader(std::shared_ptr<Dataset> dataset, DataLoaderOptions options,
+                             std::shared_ptr<Sampler> sampler)
+    : dataset_(std::move(dataset)), options_(options), sampler_(std::move(sampler)) {
+  if (!dataset_) throw ConfigError("DatasetLoader(dataset=nullptr): pass a dataset.");
+  if (options_.batch_size < 1) {
+    throw ConfigError(str("DataLoaderOptions{.batch_size = ", options_.batch_size,
+                          "}: batch_size must be >= 1."));
+  }
+  if (!sampler_) {
+    if (options_.shuffle) {
+      sampler_ = std::make_shared<RandomSampler>(options_.seed.value_or(0));
+      owns_random_sampler_ = !options_.seed.has_value();
+    } else {
+      sampler_ = std::make_shared<SequentialSampler>();
+    }
+  }
+}
+
+int64_t DatasetLoader::samples_per_epoch() const {
+  int64_t n = dataset_->size();
+  int64_t world = sampler_->shard_world_size();
+  int64_t rank = sampler_->shard_rank();
+  return world == 1 ? n : (n - rank + world - 1) / world;
+}
+
+std::optional<int64_t> DatasetLoader::num_batches() const {
+  int64_t n = samples_per_epoch();
+  int64_t b = options_.batch_size;
+  return options_.drop_last ? n / b : (n + b - 1) / b;
+}
+
+bool DatasetLoader::set_shard(int64_t rank, int64_t world_size) {
+  sampler_->set_shard(rank, world_size);
+  return true;
+}
+
+void DatasetLoader::set_default_seed(uint64_t seed) {
+  if (!owns_random_sampler_) return;
+  auto sharded = sampler_;
+  sampler_ = std::make_shared<RandomSampler>(seed);
+  if (sharded->shard_world_size() > 1) {
+    sampler_->set_shard(sharded->shard_rank(), sharded->shard_world_size());
+  }
+}
+
+void DatasetLoader::do_start_epoch(int64_t epoch) {
+  order_ = sampler_->epoch_indices(epoch, dataset_->size());
+  cursor_ = 0;
+}
+
+std::optional<Batch> DatasetLoader::do_next() {
+  int64_t n = order_.size(0);
+  if (cursor_ >= n) return std::nullopt;
+  int64_t end = std::min(cursor_ + options_.batch_size, n);
+  if (options_.drop_last && end - cursor_ < options_.batch_size) return std::nullopt;
+  auto indices = order_.slice(0, cursor_, end);
+  cursor_ = end;
+  return dataset_->get_batch(indices);
+}
+
+void DatasetLoader::do_skip(int64_t n) {
+  cursor_ = std::min(cursor_ + n * options_.batch_size, order_.size(0));
+}
+
+void DatasetLoader::do_save_state(torch::serialize::OutputArchive& archive) const {
+  torch::serialize::OutputArchive sampler(archive.compilation_unit());
+  sampler_->save_state(sampler);
+  archive.write("sampler", sampler);
+}
+
+void DatasetLoader::do_load_state(torch::serialize::InputArchive& archive) {
+  torch::serialize::InputArchive sampler;
+  if (archive.try_read("sampler", sampler)) sampler_->load_state(sampler);
+}
+
+std::shared_ptr<DatasetLoader> make_data_loader(std::shared_ptr<Dataset> dataset,
+                                                DataLoaderOptions options,
+                                                std::shared_ptr<Sampler> sampler) {
+  return std::make_shared<DatasetLoader>(std::move(dataset), options, std::move(sampler));
+}
+
+// ---- IterableLoader.
+
+IterableLoader::IterableLoader(std::function<BatchGenerator(int64_t)> factory,
+                               std::optional<int64_t> num_batches)
+    : factory_(std::move(factory)), num_batches_(num_batches) {
+  if (!factory_) throw ConfigError("IterableLoader(factory=empty): pass a generator factory.");
+}
+
+void IterableLoader::do_start_epoch(int64_t epoch) { current_ = factory_(epoch); }
+
+std::optional<Batch> IterableLoader::do_next() {
+  if (!current_) return std::nullopt;
+  return current_();
+}
+
+std::shared_ptr<IterableLoader> make_iterable_loader(
+    std::function<BatchGenerator(int64_t)> factory, std::optional<int64_t> num_batches) {
+  return std::make_shared<IterableLoader>(std::move(factory), num_batches);
+}
+
+}  // namespace fulgur

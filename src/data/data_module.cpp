@@ -1,0 +1,36 @@
+#include "fulgur/data/data_module.h"
+
+#include "fulgur/core/errors.h"
+#include "fulgur/data/data_loader.h"
+
+namespace fulgur {
+
+const char* to_string(Stage stage) {
+  switch (stage) {
+    case Stage::Fit: return "fit";
+    case Stage::Validate: return "validate";
+    case Stage::Test: return "test";
+    case Stage::Predict: return "predict";
+  }
+  return "?";
+}
+
+std::shared_ptr<DataLoader> DataModule::train_dataloader() {
+  throw ConfigError(
+      "Trainer.fit(datamodule): the DataModule does not override train_dataloader(). "
+      "Override it to return the training loader.");
+}
+
+std::shared_ptr<DataLoader> DataModule::test_dataloader() {
+  throw ConfigError(
+      "Trainer.test(datamodule): the DataModule does not override test_dataloader(). "
+      "Override it to return the test loader.");
+}
+
+std::shared_ptr<DataLoader> DataModule::predict_dataloader() {
+  throw ConfigError(
+      "Trainer.predict(datamodule): the DataModule does not override predict_dataloader(). "
+      "Override it to return the loader to predict on.");
+}
+
+}  // namespace fulgur

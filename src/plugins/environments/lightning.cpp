@@ -1,0 +1,46 @@
+#include "fulgur/plugins/environments/lightning.h"
+
+#include "fulgur/core/errors.h"
+
+namespace fulgur {
+
+LightningEnvironment::LightningEnvironment(const EnvView& env) {
+  if (auto addr = env.get("MASTER_ADDR")) main_address_ = *addr;
+  if (auto port = env.get_int("MASTER_PORT")) {
+    if (*port < 1 || *port > 65535) {
+      throw ConfigError(str("environment variable MASTER_PORT=", *port,
+                            " is not a TCP port. Set it to a port in 1..65535, or unset it to "
+                            "let fulgur pick a free one."));
+    }
+    main_port_ = static_cast<int>(*port);
+  }
+  if (auto ws = env.get_int("WORLD_SIZE")) world_size_ = static_cast<int>(*ws);
+  if (auto r = env.get_int("RANK")) global_rank_ = static_cast<int>(*r);
+  if (auto lr = env.get_int("LOCAL_RANK")) {
+    local_rank_ = static_cast<int>(*lr);
+    local_rank_set_ = true;
+  }
+  if (auto nr = env.get_int("NODE_RANK")) {
+    node_rank_ = static_cast<int>(*nr);
+  } else if (auto gr = env.get_int("GROUP_RANK")) {
+    node_rank_ = static_cast<int>(*gr);
+  }
+}
+
+bool LightningEnvironment::creates_processes_externally() const {
+  // A LOCAL_RANK in the environment means a launcher (ours re-executing the
+  // script, or a user's) already created this process.
+  return local_rank_set_;
+}
+
+ClusterEnvironmentRegistry& cluster_environment_registry() {
+  static ClusterEnvironmentRegistry registry = [] {
+    ClusterEnvironmentRegistry r("cluster environment");
+    r.add("lightning", "fulgur creates the processes (default)",
+          [](const EnvView& env) { return std::make_unique<LightningEnvironment>(env); });
+    return r;
+  }();
+  return registry;
+}
+
+}  // namespace fulgur

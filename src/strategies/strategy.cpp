@@ -1,0 +1,198 @@
+#include "fulgur/strategies/strategy.h"
+
+#include <torch/torch.h>
+
+#include "fulgur/accelerators/accelerator.h"
+#include "fulgur/core/errors.h"
+#include "fulgur/core/module.h"
+#include "fulgur/plugins/environments/lightning.h"
+#include "fulgur/plugins/io/torch_checkpoint_io.h"
+#include "fulgur/plugins/precision/precision.h"
+#include "fulgur/strategies/launchers/launcher.h"
+#include "fulgur/strategies/single_device.h"
+
+namespace fulgur {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Mean: return "mean";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+  }
+  return "?";
+}
+
+Strategy::Strategy() = default;
+Strategy::~Strategy() = default;
+
+void Strategy::set_accelerator(std::unique_ptr<Accelerator> accelerator) {
+  accelerator_ = std::move(accelerator);
+}
+
+Accelerator& Strategy::accelerator() const {
+  if (!accelerator_) {
+    throw ConfigError(str("strategy \"", name(), "\" has no accelerator. Build it through the "
+                          "Trainer, or call set_accelerator() first."));
+  }
+  return *accelerator_;
+}
+
+void Strategy::set_precision(std::unique_ptr<Precision> precision) {
+  precision_ = std::move(precision);
+}
+
+Precision& Strategy::precision() {
+  if (!precision_) precision_ = std::make_unique<Precision>();
+  return *precision_;
+}
+
+void Strategy::set_checkpoint_io(std::unique_ptr<CheckpointIO> io) { checkpoint_io_ = std::move(io); }
+
+CheckpointIO& Strategy::checkpoint_io() {
+  if (!checkpoint_io_) checkpoint_io_ = std::make_unique<TorchCheckpointIO>();
+  return *checkpoint_io_;
+}
+
+void Strategy::set_cluster_environment(std::unique_ptr<ClusterEnvironment> env) {
+  cluster_environment_ = std::move(env);
+}
+
+ClusterEnvironment& Strategy::cluster_environment() {
+  if (!cluster_environment_) cluster_environment_ = std::make_unique<LightningEnvironment>();
+  return *cluster_environment_;
+}
+
+const ClusterEnvironment& Strategy::cluster_environment() const {
+  return const_cast<Strategy*>(this)->cluster_environment();
+}
+
+void Strategy::set_parallel_devices(std::vector<c10::Device> devices) {
+  parallel_devices_ = std::move(devices);
+}
+
+void Strategy::set_launcher(std::unique_ptr<Launcher> launcher) { launcher_ = std::move(launcher); }
+
+void Strategy::setup_environment() {
+  if (has_accelerator()) accelerator().setup_device(root_device());
+  do_setup_environment();
+  environment_ready_ = true;
+  torn_down_ = false;
+}
+
+void Strategy::setup(Module& module) {
+  if (!environment_ready_) {
+    throw InternalError(str("bug in fulgur: strategy \"", name(),
+                            "\".setup(module) called before setup_environment()."));
+  }
+  precision().convert_module(module);
+  do_setup(module);
+}
+
+void Strategy::do_setup(Module& module) { module.to(root_device()); }
+
+OptimizerConfig Strategy::setup_optimizers(Module& module) {
+  OptimizerConfig config = module.configure_optimizers();
+  if (config.optimizers.empty() && module.automatic_optimization()) {
+    throw ConfigError(str(module.name(), ".configure_optimizers() returned no optimizer. Return "
+                          "at least one, or call set_automatic_optimization(false) to step "
+                          "yourself."));
+  }
+  for (size_t i = 0; i < config.optimizers.size(); ++i) {
+    if (!config.optimizers[i]) {
+      throw ConfigError(str(module.name(), ".configure_optimizers(): optimizer ", i,
+                            " is null. Return std::make_shared<torch::optim::...>(...)."));
+    }
+  }
+  for (size_t i = 0; i < config.schedulers.size(); ++i) {
+    const auto& s = config.schedulers[i];
+    if (!s.scheduler) {
+      throw ConfigError(str(module.name(), ".configure_optimizers(): scheduler ", i,
+                            " is null. Pass a torch::optim::LRScheduler or drop the entry."));
+    }
+    if (s.frequency < 1) {
+      throw ConfigError(str(module.name(), ".configure_optimizers(): scheduler ", i,
+                            " has frequency=", s.frequency, "; it must be >= 1."));
+    }
+  }
+  return config;
+}
+
+void Strategy::teardown() {
+  if (torn_down_) return;
+  torn_down_ = true;
+  do_teardown();
+  if (has_accelerator()) accelerator().teardown();
+  environment_ready_ = false;
+}
+
+Batch Strategy::batch_to_device(const Batch& batch) const {
+  auto device = root_device();
+  const Precision* precision = precision_.get();
+  return batch.map_tensors([&](const at::Tensor& t) {
+    at::Tensor moved = t.device() == device ? t : t.to(device, /*non_blocking=*/device.is_cuda());
+    return precision != nullptr ? precision->convert_input(moved) : moved;
+  });
+}
+
+std::unique_ptr<PrecisionScope> Strategy::step_scope() { return precision().forward_scope(); }
+
+void Strategy::backward(const at::Tensor& loss, Module&) { precision().backward(loss); }
+
+void Strategy::unscale_gradients(torch::optim::Optimizer& optimizer) {
+  precision().unscale_gradients(optimizer);
+}
+
+bool Strategy::optimizer_step(torch::optim::Optimizer& optimizer, Module&) {
+  return precision().optimizer_step(optimizer);
+}
+
+void Strategy::save_checkpoint(torch::serialize::OutputArchive& checkpoint, const std::string& path) {
+  if (is_checkpoint_writer()) checkpoint_io().save_checkpoint(checkpoint, path);
+}
+
+void Strategy::load_checkpoint(const std::string& path, torch::serialize::InputArchive& checkpoint) {
+  checkpoint_io().load_checkpoint(path, checkpoint);
+}
+
+void Strategy::remove_checkpoint(const std::string& path) {
+  if (is_checkpoint_writer()) checkpoint_io().remove_checkpoint(path);
+}
+
+void Strategy::save_module_state(Module& module, torch::serialize::OutputArchive& archive) {
+  module.save(archive);
+}
+
+void Strategy::load_module_state(Module& module, torch::serialize::InputArchive& archive) {
+  // nn::Module::load copies into the existing parameters in place, so
+  // optimizers holding them stay valid.
+  module.load(archive);
+}
+
+std::string Strategy::describe() const {
+  auto* self = const_cast<Strategy*>(this);
+  std::vector<std::string> devices;
+  for (const auto& d : parallel_devices_) devices.push_back(d.str());
+  return str("strategy: ", name(), "\n",
+             "accelerator: ", has_accelerator() ? std::string(accelerator().name()) : "none", "\n",
+             "precision: ", self->precision().name(), "\n",
+             "checkpoint_io: ", self->checkpoint_io().name(), "\n",
+             "cluster_environment: ", self->cluster_environment().name(), "\n",
+             "launcher: ", launcher_ ? std::string(launcher_->name()) : "none", "\n",
+             "num_nodes: ", num_nodes_, "\n",
+             "parallel_devices: [", join(devices), "]\n",
+             "world_size: ", world_size(), "\n",
+             "global_rank: ", global_rank(), "\n",
+             "root_device: ", root_device().str(), "\n");
+}
+
+StrategyRegistry& strategy_registry() {
+  static StrategyRegistry registry = [] {
+    StrategyRegistry r("strategy");
+    SingleDeviceStrategy::register_strategies(r);
+    return r;
+  }();
+  return registry;
+}
+
+}  // namespace fulgur
