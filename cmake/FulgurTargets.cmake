@@ -2,7 +2,7 @@
 # LibTorch headers. One PCH is built once (fulgur_pch) and reused by the
 # library, the tests, the examples and the benchmarks.
 
-set(FULGUR_WARNING_FLAGS -Wall -Wextra -Wpedantic)
+set(FULGUR_WARNING_FLAGS -Wall -Wextra -Wpedantic -Winvalid-pch)
 if(FULGUR_WERROR)
   list(APPEND FULGUR_WARNING_FLAGS -Werror)
 endif()
@@ -19,5 +19,11 @@ function(fulgur_target_defaults target)
   target_compile_options(${target} PRIVATE ${FULGUR_WARNING_FLAGS})
   if(FULGUR_USE_PCH)
     target_precompile_headers(${target} REUSE_FROM fulgur_pch)
+    # The PCH is built with -fPIC; executables would get -fPIE, which GCC
+    # rejects for a PCH built with -fPIC (-Winvalid-pch reports it).
+    get_target_property(type ${target} TYPE)
+    if(type STREQUAL "EXECUTABLE")
+      target_compile_options(${target} PRIVATE -fPIC)
+    endif()
   endif()
 endfunction()

@@ -26,7 +26,7 @@ const char* to_string(ReduceOp op) {
 Strategy::Strategy() = default;
 Strategy::~Strategy() = default;
 
-void Strategy::set_accelerator(std::unique_ptr<Accelerator> accelerator) {
+void Strategy::set_accelerator(std::shared_ptr<Accelerator> accelerator) {
   accelerator_ = std::move(accelerator);
 }
 
@@ -38,28 +38,28 @@ Accelerator& Strategy::accelerator() const {
   return *accelerator_;
 }
 
-void Strategy::set_precision(std::unique_ptr<Precision> precision) {
+void Strategy::set_precision(std::shared_ptr<Precision> precision) {
   precision_ = std::move(precision);
 }
 
 Precision& Strategy::precision() {
-  if (!precision_) precision_ = std::make_unique<Precision>();
+  if (!precision_) precision_ = std::make_shared<Precision>();
   return *precision_;
 }
 
-void Strategy::set_checkpoint_io(std::unique_ptr<CheckpointIO> io) { checkpoint_io_ = std::move(io); }
+void Strategy::set_checkpoint_io(std::shared_ptr<CheckpointIO> io) { checkpoint_io_ = std::move(io); }
 
 CheckpointIO& Strategy::checkpoint_io() {
-  if (!checkpoint_io_) checkpoint_io_ = std::make_unique<TorchCheckpointIO>();
+  if (!checkpoint_io_) checkpoint_io_ = std::make_shared<TorchCheckpointIO>();
   return *checkpoint_io_;
 }
 
-void Strategy::set_cluster_environment(std::unique_ptr<ClusterEnvironment> env) {
+void Strategy::set_cluster_environment(std::shared_ptr<ClusterEnvironment> env) {
   cluster_environment_ = std::move(env);
 }
 
 ClusterEnvironment& Strategy::cluster_environment() {
-  if (!cluster_environment_) cluster_environment_ = std::make_unique<LightningEnvironment>();
+  if (!cluster_environment_) cluster_environment_ = std::make_shared<LightningEnvironment>();
   return *cluster_environment_;
 }
 

@@ -69,7 +69,7 @@ void Trainer::Impl::fit_loop() {
                           ", or check_val_every_n_epoch=std::nullopt to count batches across "
                           "epochs."));
   }
-  for (auto& opt : optimizer_config.optimizers) opt->zero_grad(true);
+  for (auto& opt : optimizer_config.optimizers) opt->zero_grad();
   if (num_training_batches == 0) {
     stop_reason = "limit_train_batches=0";
     return;
@@ -99,6 +99,7 @@ void Trainer::Impl::train_epoch() {
   // A resumed run arrives with the loader already positioned in this epoch.
   if (loader.epoch() != current_epoch) loader.start_epoch(current_epoch);
   const int64_t start = loader.position();
+  batch_position = start;
   train_log.reset();
   m.train(true);
   call_hooks([](Module& mod) { mod.on_train_epoch_start(); },
@@ -135,7 +136,7 @@ void Trainer::Impl::train_epoch() {
   train_log.set_context(/*in_step=*/false, 1);
   m.log_sink_ = &train_log;
   m.on_train_epoch_end();
-  publish_epoch_metrics(train_log, /*to_loggers=*/true);
+  publish_epoch_metrics(train_log);
   for (auto& cb : callbacks) cb->on_train_epoch_end(self, m);
   in_epoch_end = false;
   validated_at_position = -1;
@@ -179,6 +180,7 @@ void Trainer::Impl::training_batch(Batch& batch, int64_t idx, bool is_last_batch
     loss = m.training_step(on_device, idx);
     if (global_step > steps_before) ++batches_that_stepped;
   }
+  batch_position = idx + 1;
   publish_step_metrics();
   at::Tensor detached = loss.defined() ? loss.detach() : loss;
   call_hooks([&](Module& mod) { mod.on_train_batch_end(detached, batch, idx); },
@@ -206,7 +208,7 @@ void Trainer::Impl::step_optimizers() {
   strategy->precision().update();
   for (auto& opt : optimizer_config.optimizers) {
     call_hooks([&](Module& mod) { mod.on_before_zero_grad(*opt); }, [](Callback&) {});
-    opt->zero_grad(true);
+    opt->zero_grad();
   }
   ++global_step;
   ++batches_that_stepped;
@@ -254,7 +256,7 @@ void Trainer::Impl::run_validation(bool sanity) {
   evaluation_epoch(*val_loader, Stage::Validate, limit);
   for (auto& cb : callbacks) cb->on_validation_end(self, m);
   sanity_checking = false;
-  if (!sanity) validated_at_position = train_loader ? train_loader->position() : -1;
+  if (!sanity) validated_at_position = batch_position;
   m.train(was_training);
   m.log_sink_ = &train_log;
 }

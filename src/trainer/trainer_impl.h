@@ -40,11 +40,21 @@ class LogSink {
     batch_size_ = batch_size;
   }
   void log(std::string_view name, double value, const LogOptions& options);
-  /// Values logged with on_step since the last call: name (or name_step).
-  std::map<std::string, double> collect_step(bool only_logger, bool only_prog_bar);
-  /// Epoch aggregates: name (or name_epoch), reduced across ranks for sync_dist.
-  std::map<std::string, double> collect_epoch(Strategy& strategy, bool only_logger,
-                                              bool only_prog_bar) const;
+
+  /// A value ready to publish, under its published name.
+  struct Value {
+    std::string name;
+    double value;
+    bool logger;
+    bool prog_bar;
+  };
+  /// Values logged with on_step since clear_step_flags(): name, or
+  /// name_step when the metric is also aggregated per epoch.
+  std::vector<Value> collect_step() const;
+  void clear_step_flags();
+  /// Epoch aggregates: name, or name_epoch when also logged per step.
+  /// Reduces sync_dist metrics across ranks (a collective: every rank calls).
+  std::vector<Value> collect_epoch(Strategy& strategy) const;
   void reset() { entries_.clear(); }
   bool empty() const { return entries_.empty(); }
 
@@ -61,7 +71,7 @@ struct Trainer::Impl {
 
   Trainer& self;
   TrainerOptions options;
-  std::unique_ptr<Strategy> strategy;
+  std::shared_ptr<Strategy> strategy;
   std::vector<std::string> notes;  // defaults chosen by the connector and the Trainer
   std::vector<std::shared_ptr<Callback>> callbacks;
   std::vector<std::shared_ptr<Logger>> loggers;
@@ -81,6 +91,7 @@ struct Trainer::Impl {
   int64_t current_epoch = 0;
   int64_t global_step = 0;
   int64_t batch_idx = 0;
+  int64_t batch_position = 0;  // training batches done in the current epoch
   int64_t batches_that_stepped = 0;
   int64_t num_training_batches = -1;
   bool should_stop = false;
@@ -133,8 +144,12 @@ struct Trainer::Impl {
 
   // ---- Logging (logging.cpp).
   void publish_step_metrics();
-  void publish_epoch_metrics(detail::LogSink& sink, bool to_loggers);
-  void log_to_loggers(const Metrics& metrics);
+  /// Publishes the sink's epoch aggregates and returns them.
+  Metrics publish_epoch_metrics(detail::LogSink& sink);
+  /// Sets callback/progress-bar metrics; `base` is the name without its
+  /// _step/_epoch suffix, which follows the latest value too.
+  void publish(const std::vector<detail::LogSink::Value>& values, const char* suffix,
+               bool to_loggers);
 
   // ---- Hook dispatch: the Module's hook first, then every callback's.
   template <class ModuleHook, class CallbackHook>

@@ -62,6 +62,8 @@ class ModelCheckpoint : public Callback {
 
  private:
   void save(Trainer& trainer, bool end_of_epoch);
+  void save_last(Trainer& trainer);
+  bool enabled(Trainer& trainer) const;
   std::string format_name(Trainer& trainer) const;
   bool better(double candidate, double reference) const;
 

@@ -31,6 +31,7 @@
 
 #include "fulgur/core/registry.h"
 #include "fulgur/data/batch.h"
+#include "fulgur/plugins/precision/precision.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -47,8 +48,6 @@ class CheckpointIO;
 class ClusterEnvironment;
 class Launcher;
 class Module;
-class Precision;
-class PrecisionScope;
 struct OptimizerConfig;
 
 /// Reduction of a collective.
@@ -65,18 +64,19 @@ class Strategy {
   /// The registered name ("single_device", "ddp").
   virtual std::string_view name() const = 0;
 
-  // ---- Components. Setters take ownership; getters throw ConfigError on an
+  // ---- Components. Setters share ownership (a plugin instance passed to the
+  // Trainer stays valid in the caller); getters throw ConfigError on an
   // empty slot that has no default (the accelerator).
-  void set_accelerator(std::unique_ptr<Accelerator> accelerator);
+  void set_accelerator(std::shared_ptr<Accelerator> accelerator);
   bool has_accelerator() const { return accelerator_ != nullptr; }
   Accelerator& accelerator() const;
-  void set_precision(std::unique_ptr<Precision> precision);
+  void set_precision(std::shared_ptr<Precision> precision);
   bool has_precision() const { return precision_ != nullptr; }
   Precision& precision();
-  void set_checkpoint_io(std::unique_ptr<CheckpointIO> io);
+  void set_checkpoint_io(std::shared_ptr<CheckpointIO> io);
   bool has_checkpoint_io() const { return checkpoint_io_ != nullptr; }
   CheckpointIO& checkpoint_io();
-  void set_cluster_environment(std::unique_ptr<ClusterEnvironment> env);
+  void set_cluster_environment(std::shared_ptr<ClusterEnvironment> env);
   bool has_cluster_environment() const { return cluster_environment_ != nullptr; }
   ClusterEnvironment& cluster_environment();
   const ClusterEnvironment& cluster_environment() const;
@@ -155,10 +155,10 @@ class Strategy {
   void set_launcher(std::unique_ptr<Launcher> launcher);
 
  private:
-  std::unique_ptr<Accelerator> accelerator_;
-  std::unique_ptr<Precision> precision_;
-  std::unique_ptr<CheckpointIO> checkpoint_io_;
-  std::unique_ptr<ClusterEnvironment> cluster_environment_;
+  std::shared_ptr<Accelerator> accelerator_;
+  std::shared_ptr<Precision> precision_;
+  std::shared_ptr<CheckpointIO> checkpoint_io_;
+  std::shared_ptr<ClusterEnvironment> cluster_environment_;
   std::unique_ptr<Launcher> launcher_;
   std::vector<c10::Device> parallel_devices_;
   int num_nodes_ = 1;

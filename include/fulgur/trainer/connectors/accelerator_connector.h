@@ -27,7 +27,7 @@ class Strategy;
 
 /// The result of the connector: the strategy, and what was chosen and why.
 struct ConnectorResult {
-  std::unique_ptr<Strategy> strategy;
+  std::shared_ptr<Strategy> strategy;
   std::vector<std::string> notes;
 };
 

@@ -1,0 +1,219 @@
+#include "fulgur/callbacks/model_checkpoint.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <sstream>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/strategies/strategy.h"
+#include "fulgur/trainer/trainer.h"
+
+namespace fulgur {
+
+namespace fs = std::filesystem;
+
+ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std::move(options)) {
+  std::vector<std::string> problems;
+  if (options_.mode != "min" && options_.mode != "max") {
+    problems.push_back(str("mode=\"", options_.mode, "\": pass \"min\" or \"max\""));
+  }
+  if (options_.save_top_k < -1) {
+    problems.push_back(str("save_top_k=", options_.save_top_k,
+                           ": pass -1 (keep all), 0 (none) or k >= 1"));
+  }
+  if (options_.every_n_train_steps < 0) {
+    problems.push_back(str("every_n_train_steps=", options_.every_n_train_steps, ": must be >= 0"));
+  }
+  if (options_.every_n_epochs && *options_.every_n_epochs < 0) {
+    problems.push_back(str("every_n_epochs=", *options_.every_n_epochs, ": must be >= 0"));
+  }
+  if (options_.filename.empty()) problems.push_back("filename=\"\": pass a file name template");
+  if (!problems.empty()) {
+    throw ConfigError(str("ModelCheckpoint(", join(problems, "; "), ")."));
+  }
+  if (!options_.every_n_epochs) options_.every_n_epochs = options_.every_n_train_steps > 0 ? 0 : 1;
+}
+
+std::string ModelCheckpoint::state_key() const {
+  return str("ModelCheckpoint{monitor=", options_.monitor, ",mode=", options_.mode,
+             ",every_n_train_steps=", options_.every_n_train_steps, ",every_n_epochs=",
+             options_.every_n_epochs.value_or(0), "}");
+}
+
+void ModelCheckpoint::on_fit_start(Trainer& trainer, Module&) {
+  dirpath_ = options_.dirpath.empty()
+                 ? (fs::path(trainer.default_root_dir()) / "checkpoints").string()
+                 : options_.dirpath;
+}
+
+std::string ModelCheckpoint::format_name(Trainer& trainer) const {
+  // Replaces {epoch}, {step} and {<metric>} in the template.
+  std::string out;
+  const std::string& t = options_.filename;
+  for (size_t i = 0; i < t.size();) {
+    if (t[i] == '{') {
+      size_t close = t.find('}', i);
+      if (close != std::string::npos) {
+        std::string key = t.substr(i + 1, close - i - 1);
+        if (key == "epoch") {
+          out += std::to_string(trainer.current_epoch());
+        } else if (key == "step") {
+          out += std::to_string(trainer.global_step());
+        } else {
+          auto it = trainer.callback_metrics().find(key);
+          if (it == trainer.callback_metrics().end()) {
+            out += "nan";
+          } else {
+            std::ostringstream v;
+            v.precision(4);
+            v << std::fixed << it->second;
+            out += v.str();
+          }
+        }
+        i = close + 1;
+        continue;
+      }
+    }
+    out += t[i++];
+  }
+  return (fs::path(dirpath_) / (out + ".ckpt")).string();
+}
+
+bool ModelCheckpoint::enabled(Trainer& trainer) const {
+  return !trainer.sanity_checking() && trainer.options().fast_dev_run == 0 &&
+         trainer.options().enable_checkpointing;
+}
+
+bool ModelCheckpoint::better(double candidate, double reference) const {
+  if (std::isnan(candidate)) return false;
+  if (std::isnan(reference)) return true;
+  return options_.mode == "min" ? candidate < reference : candidate > reference;
+}
+
+void ModelCheckpoint::save(Trainer& trainer, bool) {
+  if (!enabled(trainer)) return;
+  if (last_saved_step_ == trainer.global_step()) return;  // already saved at this step
+  last_saved_step_ = trainer.global_step();
+  Strategy& strategy = trainer.strategy();
+
+  if (options_.save_top_k != 0) {
+    std::string path = format_name(trainer);
+    if (options_.monitor.empty()) {
+      trainer.save_checkpoint(path);
+      if (options_.save_top_k == 1 && !latest_path_.empty() && latest_path_ != path) {
+        strategy.remove_checkpoint(latest_path_);
+      }
+      latest_path_ = path;
+      best_model_path_ = path;
+    } else {
+      auto it = trainer.callback_metrics().find(options_.monitor);
+      if (it == trainer.callback_metrics().end()) {
+        std::vector<std::string> names;
+        for (const auto& [k, _] : trainer.callback_metrics()) names.push_back(k);
+        throw ConfigError(str("ModelCheckpoint(monitor=\"", options_.monitor,
+                              "\"): no metric of that name was logged. Logged metrics: ",
+                              names.empty() ? std::string("none") : join(names),
+                              ". Log it with log(\"", options_.monitor,
+                              "\", ...) or change monitor."));
+      }
+      double score = it->second;
+      bool keep = options_.save_top_k == -1 ||
+                  static_cast<int64_t>(top_k_.size()) < options_.save_top_k ||
+                  better(score, top_k_.back().first);
+      if (keep) {
+        trainer.save_checkpoint(path);
+        top_k_.erase(std::remove_if(top_k_.begin(), top_k_.end(),
+                                    [&](const auto& e) { return e.second == path; }),
+                     top_k_.end());
+        top_k_.emplace_back(score, path);
+        std::stable_sort(top_k_.begin(), top_k_.end(),
+                         [&](const auto& a, const auto& b) { return better(a.first, b.first); });
+        while (options_.save_top_k > 0 && static_cast<int64_t>(top_k_.size()) > options_.save_top_k) {
+          strategy.remove_checkpoint(top_k_.back().second);
+          top_k_.pop_back();
+        }
+        best_model_path_ = top_k_.front().second;
+        best_model_score_ = top_k_.front().first;
+      }
+    }
+  }
+  if (options_.save_last) save_last(trainer);
+}
+
+void ModelCheckpoint::save_last(Trainer& trainer) {
+  if (!enabled(trainer)) return;
+  last_model_path_ = (fs::path(dirpath_) / "last.ckpt").string();
+  trainer.save_checkpoint(last_model_path_);
+}
+
+void ModelCheckpoint::on_train_batch_end(Trainer& trainer, Module&, const at::Tensor&,
+                                         const Batch&, int64_t) {
+  int64_t n = options_.every_n_train_steps;
+  if (n > 0 && trainer.global_step() > 0 && trainer.global_step() % n == 0) save(trainer, false);
+}
+
+void ModelCheckpoint::on_validation_end(Trainer& trainer, Module&) {
+  // A monitored metric usually comes from validation: the epoch's checkpoint
+  // is taken once the end-of-epoch validation has produced it. Mid-epoch
+  // validations are covered by every_n_train_steps.
+  if (trainer.sanity_checking() || options_.monitor.empty()) return;
+  int64_t n = options_.every_n_epochs.value_or(1);
+  bool epoch_due = n > 0 && (trainer.current_epoch() + 1) % n == 0;
+  bool at_epoch_end = trainer.num_training_batches() < 0 ||
+                      trainer.batch_idx() + 1 >= trainer.num_training_batches();
+  if (epoch_due && at_epoch_end) {
+    save(trainer, true);
+    validated_this_epoch_ = true;
+  }
+}
+
+void ModelCheckpoint::on_train_epoch_end(Trainer& trainer, Module&) {
+  int64_t n = options_.every_n_epochs.value_or(1);
+  bool due = n > 0 && (trainer.current_epoch() + 1) % n == 0;
+  bool saved_by_validation = validated_this_epoch_;
+  validated_this_epoch_ = false;
+  if (!due) return;
+  if (!saved_by_validation) {
+    save(trainer, true);
+  } else if (options_.save_last) {
+    // Rewrite last.ckpt now, so that it records the completed epoch.
+    save_last(trainer);
+  }
+}
+
+void ModelCheckpoint::save_state(torch::serialize::OutputArchive& archive) const {
+  archive.write("best_model_path", c10::IValue(best_model_path_));
+  archive.write("best_model_score", c10::IValue(best_model_score_.value_or(std::nan(""))));
+  archive.write("latest_path", c10::IValue(latest_path_));
+  c10::List<double> scores;
+  c10::List<std::string> paths;
+  for (const auto& [s, p] : top_k_) {
+    scores.push_back(s);
+    paths.push_back(p);
+  }
+  archive.write("top_k_scores", c10::IValue(scores));
+  archive.write("top_k_paths", c10::IValue(paths));
+}
+
+void ModelCheckpoint::load_state(torch::serialize::InputArchive& archive) {
+  c10::IValue v;
+  if (archive.try_read("best_model_path", v)) best_model_path_ = v.toStringRef();
+  if (archive.try_read("best_model_score", v) && !std::isnan(v.toDouble())) {
+    best_model_score_ = v.toDouble();
+  }
+  if (archive.try_read("latest_path", v)) latest_path_ = v.toStringRef();
+  c10::IValue scores, paths;
+  if (archive.try_read("top_k_scores", scores) && archive.try_read("top_k_paths", paths)) {
+    top_k_.clear();
+    auto s = scores.toDoubleList();
+    auto p = paths.toList();
+    for (size_t i = 0; i < s.size() && i < p.size(); ++i) {
+      top_k_.emplace_back(s.get(i), p.get(i).toStringRef());
+    }
+  }
+}
+
+}  // namespace fulgur

@@ -1,0 +1,125 @@
+#include "fulgur/loggers/csv_logger.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include "fulgur/core/errors.h"
+
+namespace fulgur {
+
+namespace fs = std::filesystem;
+
+CSVLogger::CSVLogger(CSVLoggerOptions options) : options_(std::move(options)) {
+  if (options_.flush_every < 1) {
+    throw ConfigError(str("CSVLoggerOptions{.flush_every = ", options_.flush_every,
+                          "}: must be >= 1."));
+  }
+  version_ = options_.version;
+}
+
+void CSVLogger::resolve_version() const {
+  if (version_) return;
+  // The next free version_N under save_dir/name.
+  fs::path root = fs::path(options_.save_dir.empty() ? "." : options_.save_dir) / options_.name;
+  int64_t next = 0;
+  std::error_code ec;
+  if (fs::is_directory(root, ec)) {
+    for (const auto& entry : fs::directory_iterator(root, ec)) {
+      auto name = entry.path().filename().string();
+      if (name.rfind("version_", 0) == 0) {
+        try {
+          next = std::max<int64_t>(next, std::stoll(name.substr(8)) + 1);
+        } catch (const std::exception&) {
+        }
+      }
+    }
+  }
+  version_ = next;
+}
+
+std::string CSVLogger::log_dir() const {
+  resolve_version();
+  fs::path root = fs::path(options_.save_dir.empty() ? "." : options_.save_dir) / options_.name;
+  return (root / ("version_" + std::to_string(*version_))).string();
+}
+
+std::string CSVLogger::metrics_file() const { return (fs::path(log_dir()) / "metrics.csv").string(); }
+
+void CSVLogger::log_hyperparams(const HParams& params) {
+  fs::create_directories(log_dir());
+  std::ofstream out(fs::path(log_dir()) / "hparams.yaml");
+  if (params.empty()) out << "{}\n";
+  for (const auto& [key, value] : params) {
+    if (std::holds_alternative<std::string>(value)) {
+      // Quote strings so YAML never reads them as numbers or booleans.
+      std::string escaped;
+      for (char c : std::get<std::string>(value)) {
+        if (c == '"' || c == '\\') escaped += '\\';
+        escaped += c;
+      }
+      out << key << ": \"" << escaped << "\"\n";
+    } else {
+      out << key << ": " << to_string(value) << "\n";
+    }
+  }
+  if (!out) {
+    throw ConfigError(str("CSVLogger: cannot write \"", log_dir(), "/hparams.yaml\". Check that "
+                          "save_dir is writable."));
+  }
+}
+
+void CSVLogger::log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
+  for (const auto& [name, _] : metrics) {
+    if (std::find(columns_.begin(), columns_.end(), name) == columns_.end()) {
+      columns_.push_back(name);
+      header_changed_ = true;
+    }
+  }
+  pending_.emplace_back(step, metrics);
+  if (static_cast<int64_t>(pending_.size()) >= options_.flush_every) save();
+}
+
+namespace {
+void write_row(std::ostream& out, const std::vector<std::string>& columns, int64_t step,
+               const std::map<std::string, double>& row) {
+  out << step;
+  char buf[32];
+  for (const auto& c : columns) {
+    out << ',';
+    auto it = row.find(c);
+    if (it != row.end()) {
+      std::snprintf(buf, sizeof buf, "%.9g", it->second);
+      out << buf;
+    }
+  }
+  out << '\n';
+}
+}  // namespace
+
+void CSVLogger::save() {
+  if (pending_.empty() && !header_changed_) return;
+  fs::create_directories(log_dir());
+  auto path = metrics_file();
+  if (header_changed_ || !header_written_) {
+    // A new column: rewrite the whole file with the wider header.
+    std::ofstream out(path, std::ios::trunc);
+    out << "step";
+    for (const auto& c : columns_) out << ',' << c;
+    out << '\n';
+    for (const auto& [step, row] : written_) write_row(out, columns_, step, row);
+    for (const auto& [step, row] : pending_) write_row(out, columns_, step, row);
+    if (!out) throw ConfigError(str("CSVLogger: cannot write \"", path, "\"."));
+    header_written_ = true;
+    header_changed_ = false;
+  } else {
+    std::ofstream out(path, std::ios::app);
+    for (const auto& [step, row] : pending_) write_row(out, columns_, step, row);
+    if (!out) throw ConfigError(str("CSVLogger: cannot append to \"", path, "\"."));
+  }
+  for (auto& r : pending_) written_.push_back(std::move(r));
+  pending_.clear();
+}
+
+}  // namespace fulgur

@@ -1,0 +1,260 @@
+// The training state as a checkpoint, and back. Layout (keys of the
+// LibTorch archive):
+//   fulgur_format_version  int      format of this layout (kFormatVersion)
+//   fulgur_version         str
+//   state_dict             archive  module parameters and buffers (strategy)
+//   optimizer_states       archive  "count", then "0", "1", ... per optimizer
+//   lr_schedulers          list     step count of each scheduler
+//   precision              archive  the precision plugin's state
+//   loops                  archive  epoch, global_step, batch_position, ...
+//   train_loader           archive  epoch, position, sampler state
+//   callbacks              archive  one archive per callback state_key()
+//   rng                    archive  every RNG state
+//   hparams                archive  the module's hyper-parameters
+//   module                 archive  what Module::on_save_checkpoint adds
+#include <torch/torch.h>
+
+#include <filesystem>
+
+#include "fulgur/callbacks/callback.h"
+#include "fulgur/callbacks/model_checkpoint.h"
+#include "fulgur/core/errors.h"
+#include "fulgur/plugins/precision/precision.h"
+#include "fulgur/utilities/seed.h"
+#include "trainer/trainer_impl.h"
+
+namespace fulgur {
+
+namespace {
+
+constexpr int64_t kFormatVersion = 1;
+constexpr const char* kVersion = "0.1.0";
+
+// LRScheduler keeps its step count protected and has no state_dict in
+// LibTorch; a derived type may name the member to read and restore it.
+struct SchedulerAccess : torch::optim::LRScheduler {
+  static unsigned& step_count(torch::optim::LRScheduler& s) {
+    return s.*(&SchedulerAccess::step_count_);
+  }
+};
+
+using torch::serialize::InputArchive;
+using torch::serialize::OutputArchive;
+
+int64_t read_int(InputArchive& archive, const char* key, const std::string& path) {
+  c10::IValue v;
+  if (!archive.try_read(key, v) || !v.isInt()) {
+    throw CheckpointError(str("checkpoint \"", path, "\" is incomplete: entry \"", key,
+                              "\" is missing or not an integer. Use a checkpoint written by "
+                              "fulgur's Trainer."));
+  }
+  return v.toInt();
+}
+
+InputArchive read_section(InputArchive& archive, const char* key, const std::string& path) {
+  InputArchive section;
+  if (!archive.try_read(key, section)) {
+    throw CheckpointError(str("checkpoint \"", path, "\" is incomplete: section \"", key,
+                              "\" is missing. Use a checkpoint written by fulgur's Trainer."));
+  }
+  return section;
+}
+
+}  // namespace
+
+void Trainer::Impl::dump_checkpoint(OutputArchive& archive) {
+  FULGUR_ASSERT(module != nullptr, "dump_checkpoint without a module");
+  auto cu = archive.compilation_unit();
+  archive.write("fulgur_format_version", c10::IValue(kFormatVersion));
+  archive.write("fulgur_version", c10::IValue(std::string(kVersion)));
+
+  OutputArchive state(cu);
+  strategy->save_module_state(*module, state);
+  archive.write("state_dict", state);
+
+  OutputArchive optimizers(cu);
+  optimizers.write("count", c10::IValue(static_cast<int64_t>(optimizer_config.optimizers.size())));
+  for (size_t i = 0; i < optimizer_config.optimizers.size(); ++i) {
+    OutputArchive one(cu);
+    optimizer_config.optimizers[i]->save(one);
+    optimizers.write(std::to_string(i), one);
+  }
+  archive.write("optimizer_states", optimizers);
+
+  c10::List<int64_t> steps;
+  for (auto& s : optimizer_config.schedulers) {
+    steps.push_back(SchedulerAccess::step_count(*s.scheduler));
+  }
+  archive.write("lr_schedulers", c10::IValue(steps));
+
+  OutputArchive precision(cu);
+  strategy->precision().save_state(precision);
+  archive.write("precision", precision);
+
+  OutputArchive loops(cu);
+  loops.write("epoch", c10::IValue(current_epoch));
+  loops.write("global_step", c10::IValue(global_step));
+  loops.write("batch_position", c10::IValue(batch_position));
+  loops.write("batches_that_stepped", c10::IValue(batches_that_stepped));
+  loops.write("epoch_done", c10::IValue(in_epoch_end));
+  loops.write("validated_at_position", c10::IValue(validated_at_position));
+  archive.write("loops", loops);
+
+  if (train_loader) {
+    OutputArchive loader(cu);
+    train_loader->save_state(loader);
+    archive.write("train_loader", loader);
+  }
+
+  OutputArchive cbs(cu);
+  for (auto& cb : callbacks) {
+    OutputArchive one(cu);
+    cb->save_state(one);
+    cbs.write(cb->state_key(), one);
+  }
+  archive.write("callbacks", cbs);
+
+  OutputArchive rng(cu);
+  save_rng_states(rng);
+  archive.write("rng", rng);
+
+  OutputArchive hparams(cu);
+  for (const auto& [key, value] : module->hparams()) {
+    std::visit([&](const auto& v) { hparams.write(key, c10::IValue(v)); }, value);
+  }
+  archive.write("hparams", hparams);
+
+  OutputArchive extra(cu);
+  module->on_save_checkpoint(extra);
+  archive.write("module", extra);
+}
+
+void Trainer::Impl::save_checkpoint(const std::string& path) {
+  if (module == nullptr) {
+    throw ConfigError(str("Trainer.save_checkpoint(\"", path, "\"): no module is attached. Call "
+                          "it during fit (e.g. from a callback)."));
+  }
+  OutputArchive archive;
+  dump_checkpoint(archive);
+  strategy->save_checkpoint(archive, path);
+}
+
+std::string Trainer::Impl::resolve_ckpt_path(const std::string& ckpt_path) const {
+  if (ckpt_path != "last") return ckpt_path;
+  std::string dir = checkpoint_callback && !checkpoint_callback->dirpath().empty()
+                        ? checkpoint_callback->dirpath()
+                        : (checkpoint_callback && !checkpoint_callback->options().dirpath.empty()
+                               ? checkpoint_callback->options().dirpath
+                               : (std::filesystem::path(root_dir()) / "checkpoints").string());
+  auto last = (std::filesystem::path(dir) / "last.ckpt").string();
+  std::error_code ec;
+  if (!std::filesystem::exists(last, ec)) {
+    throw CheckpointError(str("ckpt_path=\"last\": there is no last.ckpt in \"", dir,
+                              "\". Train once with checkpointing enabled (ModelCheckpoint with "
+                              "save_last) in this default_root_dir, or pass a checkpoint path."));
+  }
+  return last;
+}
+
+void Trainer::Impl::restore_checkpoint(const std::string& path, bool full) {
+  InputArchive archive;
+  strategy->load_checkpoint(path, archive);
+  c10::IValue version;
+  if (!archive.try_read("fulgur_format_version", version) || !version.isInt()) {
+    auto keys = archive.keys();
+    throw CheckpointError(str("\"", path, "\" is not a fulgur checkpoint: it is a LibTorch archive "
+                              "without a \"fulgur_format_version\" entry (it holds: ",
+                              keys.empty() ? std::string("nothing") : join(keys),
+                              "). A file written by torch::save is loaded with torch::load; pass "
+                              "a checkpoint written by fulgur's Trainer."));
+  }
+  if (version.toInt() > kFormatVersion || version.toInt() < 1) {
+    throw CheckpointError(str("checkpoint \"", path, "\" has format version ", version.toInt(),
+                              "; this fulgur (", kVersion, ") reads versions 1 to ",
+                              kFormatVersion, ". Use a matching fulgur."));
+  }
+
+  auto state = read_section(archive, "state_dict", path);
+  try {
+    strategy->load_module_state(*module, state);
+  } catch (const c10::Error& e) {
+    throw CheckpointError(str("checkpoint \"", path, "\" does not fit module ", module->name(),
+                              ": ", e.what_without_backtrace(),
+                              ". Build the same model (same layers and sizes) before loading."));
+  }
+  InputArchive extra;
+  if (archive.try_read("module", extra)) module->on_load_checkpoint(extra);
+  if (!full) return;
+
+  auto optimizers = read_section(archive, "optimizer_states", path);
+  int64_t count = read_int(optimizers, "count", path);
+  if (count != static_cast<int64_t>(optimizer_config.optimizers.size())) {
+    throw CheckpointError(str("checkpoint \"", path, "\" holds ", count,
+                              " optimizer state(s) but configure_optimizers returned ",
+                              optimizer_config.optimizers.size(),
+                              ". Resume with the same optimizers it was trained with."));
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    InputArchive one = read_section(optimizers, std::to_string(i).c_str(), path);
+    try {
+      optimizer_config.optimizers[static_cast<size_t>(i)]->load(one);
+    } catch (const c10::Error& e) {
+      throw CheckpointError(str("checkpoint \"", path, "\": optimizer ", i,
+                                " state does not fit: ", e.what_without_backtrace(),
+                                ". Resume with the same optimizer type and parameters."));
+    }
+  }
+
+  c10::IValue steps;
+  if (archive.try_read("lr_schedulers", steps) && steps.isIntList()) {
+    auto list = steps.toIntList();
+    if (list.size() != optimizer_config.schedulers.size()) {
+      throw CheckpointError(str("checkpoint \"", path, "\" holds ", list.size(),
+                                " scheduler state(s) but configure_optimizers returned ",
+                                optimizer_config.schedulers.size(),
+                                ". Resume with the same schedulers."));
+    }
+    for (size_t i = 0; i < list.size(); ++i) {
+      SchedulerAccess::step_count(*optimizer_config.schedulers[i].scheduler) =
+          static_cast<unsigned>(list.get(i));
+    }
+  }
+
+  InputArchive precision;
+  if (archive.try_read("precision", precision)) strategy->precision().load_state(precision);
+
+  auto loops = read_section(archive, "loops", path);
+  int64_t epoch = read_int(loops, "epoch", path);
+  global_step = read_int(loops, "global_step", path);
+  batches_that_stepped = read_int(loops, "batches_that_stepped", path);
+  int64_t position = read_int(loops, "batch_position", path);
+  validated_at_position = read_int(loops, "validated_at_position", path);
+  c10::IValue epoch_done;
+  loops.read("epoch_done", epoch_done);
+  if (epoch_done.toBool()) {
+    // Written during on_train_epoch_end: that epoch is complete.
+    current_epoch = epoch + 1;
+    validated_at_position = -1;
+  } else {
+    current_epoch = epoch;
+    InputArchive loader;
+    if (train_loader && archive.try_read("train_loader", loader)) {
+      train_loader->load_state(loader, position);
+    } else if (train_loader) {
+      train_loader->seek(epoch, position);
+    }
+  }
+
+  InputArchive cbs;
+  if (archive.try_read("callbacks", cbs)) {
+    for (auto& cb : callbacks) {
+      InputArchive one;
+      if (cbs.try_read(cb->state_key(), one)) cb->load_state(one);
+    }
+  }
+  // Last: nothing above may draw random numbers after the RNGs are restored.
+  InputArchive rng;
+  if (archive.try_read("rng", rng)) load_rng_states(rng);
+}
+
+}  // namespace fulgur

@@ -1,0 +1,90 @@
+// Validation, test and predict loops: eval mode, no gradients, the stage's
+// step and hooks, and epoch metrics published at the end.
+#include <torch/torch.h>
+
+#include "fulgur/callbacks/callback.h"
+#include "fulgur/core/errors.h"
+#include "trainer/trainer_impl.h"
+
+namespace fulgur {
+
+Metrics Trainer::Impl::evaluation_epoch(DataLoader& loader, Stage s, std::optional<int64_t> limit) {
+  Module& m = *module;
+  const bool is_test = s == Stage::Test;
+  torch::NoGradGuard no_grad;
+  m.eval();
+  eval_log.reset();
+  m.log_sink_ = &eval_log;
+  eval_log.set_context(/*in_step=*/false, 1);
+  if (is_test) {
+    m.on_test_epoch_start();
+  } else {
+    m.on_validation_epoch_start();
+  }
+  loader.start_epoch(0);
+  int64_t idx = 0;
+  while (!limit || idx < *limit) {
+    auto batch = loader.next();
+    if (!batch) break;
+    Batch on_device = strategy->batch_to_device(*batch);
+    eval_log.set_context(/*in_step=*/true, on_device.batch_size());
+    {
+      auto scope = strategy->step_scope();
+      if (is_test) {
+        m.test_step(on_device, idx);
+      } else {
+        m.validation_step(on_device, idx);
+      }
+    }
+    eval_log.set_context(/*in_step=*/false, 1);
+    for (auto& cb : callbacks) {
+      if (is_test) {
+        cb->on_test_batch_end(self, m, *batch, idx);
+      } else {
+        cb->on_validation_batch_end(self, m, *batch, idx);
+      }
+    }
+    ++idx;
+  }
+  if (is_test) {
+    m.on_test_epoch_end();
+  } else {
+    m.on_validation_epoch_end();
+  }
+  Metrics out = publish_epoch_metrics(eval_log);
+  for (auto& cb : callbacks) {
+    if (is_test) {
+      cb->on_test_epoch_end(self, m);
+    } else {
+      cb->on_validation_epoch_end(self, m);
+    }
+  }
+  m.log_sink_ = nullptr;
+  return out;
+}
+
+std::vector<Batch> Trainer::Impl::prediction_epoch(DataLoader& loader, std::optional<int64_t> limit) {
+  Module& m = *module;
+  torch::NoGradGuard no_grad;
+  m.eval();
+  m.on_predict_epoch_start();
+  std::vector<Batch> out;
+  if (auto n = loader.num_batches()) out.reserve(static_cast<size_t>(limit ? std::min(*n, *limit) : *n));
+  loader.start_epoch(0);
+  int64_t idx = 0;
+  while (!limit || idx < *limit) {
+    auto batch = loader.next();
+    if (!batch) break;
+    Batch on_device = strategy->batch_to_device(*batch);
+    {
+      auto scope = strategy->step_scope();
+      out.push_back(m.predict_step(on_device, idx));
+    }
+    for (auto& cb : callbacks) cb->on_predict_batch_end(self, m, *batch, idx);
+    ++idx;
+  }
+  m.on_predict_epoch_end();
+  return out;
+}
+
+}  // namespace fulgur

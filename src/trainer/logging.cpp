@@ -1,0 +1,135 @@
+// What a Module logs: step values and epoch aggregates (weighted means by
+// batch size, sums, extremes), optionally reduced across ranks, published to
+// callback_metrics, the progress bar and the loggers.
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "fulgur/core/errors.h"
+#include "trainer/trainer_impl.h"
+
+namespace fulgur {
+namespace detail {
+
+void LogSink::log(std::string_view name, double value, const LogOptions& options) {
+  if (name.empty()) throw ConfigError("log(\"\", ...): a metric needs a non-empty name.");
+  bool on_step = options.on_step.value_or(in_step_);
+  bool on_epoch = options.on_epoch.value_or(!in_step_);
+  if (!on_step && !on_epoch) {
+    throw ConfigError(str("log(\"", name, "\", on_step=false, on_epoch=false): the value would "
+                          "go nowhere. Set on_step or on_epoch."));
+  }
+  auto it = entries_.find(name);
+  if (it == entries_.end()) {
+    it = entries_.emplace(std::string(name), Entry{}).first;
+  } else if (it->second.options.reduce != options.reduce) {
+    throw ConfigError(str("log(\"", name, "\", reduce=", to_string(options.reduce),
+                          "): this metric was logged with reduce=",
+                          to_string(it->second.options.reduce),
+                          " earlier in the epoch. Use one reduction per metric name."));
+  }
+  Entry& e = it->second;
+  e.options = options;
+  e.on_step = on_step;
+  e.on_epoch = on_epoch;
+  if (on_step) {
+    e.step_value = value;
+    e.step_fresh = true;
+  }
+  if (on_epoch) {
+    double weight = static_cast<double>(options.batch_size.value_or(batch_size_));
+    switch (options.reduce) {
+      case Reduce::Mean:
+        e.epoch_sum += value * weight;
+        e.epoch_weight += weight;
+        break;
+      case Reduce::Sum:
+        e.epoch_sum += value;
+        break;
+      case Reduce::Max:
+        e.epoch_sum = e.epoch_has_value ? std::max(e.epoch_sum, value) : value;
+        break;
+      case Reduce::Min:
+        e.epoch_sum = e.epoch_has_value ? std::min(e.epoch_sum, value) : value;
+        break;
+    }
+    e.epoch_has_value = true;
+  }
+}
+
+std::vector<LogSink::Value> LogSink::collect_step() const {
+  std::vector<Value> out;
+  for (const auto& [name, e] : entries_) {
+    if (!e.step_fresh) continue;
+    out.push_back({e.on_epoch ? name + "_step" : name, e.step_value, e.options.logger,
+                   e.options.prog_bar});
+  }
+  return out;
+}
+
+void LogSink::clear_step_flags() {
+  for (auto& [_, e] : entries_) e.step_fresh = false;
+}
+
+std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
+  std::vector<Value> out;
+  for (const auto& [name, e] : entries_) {
+    if (!e.on_epoch || !e.epoch_has_value) continue;
+    double value = e.epoch_sum;
+    double weight = e.epoch_weight;
+    if (e.options.sync_dist && strategy.world_size() > 1) {
+      // Mean: reduce the weighted sum and the weight, so ranks with more
+      // samples count more, exactly as on one process.
+      if (e.options.reduce == Reduce::Mean) {
+        auto t = strategy.all_reduce(torch::tensor({value, weight}, torch::kDouble), ReduceOp::Sum);
+        value = t[0].item<double>();
+        weight = t[1].item<double>();
+      } else {
+        ReduceOp op = e.options.reduce == Reduce::Sum   ? ReduceOp::Sum
+                      : e.options.reduce == Reduce::Max ? ReduceOp::Max
+                                                        : ReduceOp::Min;
+        value = strategy.all_reduce(torch::tensor({value}, torch::kDouble), op).item<double>();
+      }
+    }
+    if (e.options.reduce == Reduce::Mean) value = weight > 0 ? value / weight : std::nan("");
+    out.push_back({e.on_step ? name + "_epoch" : name, value, e.options.logger, e.options.prog_bar});
+  }
+  return out;
+}
+
+}  // namespace detail
+
+void Trainer::Impl::publish(const std::vector<detail::LogSink::Value>& values,
+                            const char* suffix, bool to_loggers) {
+  const std::string_view sfx(suffix);
+  Metrics row;
+  for (const auto& v : values) {
+    callback_metrics[v.name] = v.value;
+    std::string_view name(v.name);
+    if (name.size() > sfx.size() && name.substr(name.size() - sfx.size()) == sfx) {
+      callback_metrics[std::string(name.substr(0, name.size() - sfx.size()))] = v.value;
+    }
+    if (v.prog_bar) progress_bar_metrics[v.name] = v.value;
+    if (v.logger) row[v.name] = v.value;
+  }
+  if (!to_loggers || row.empty() || loggers.empty() || !strategy->is_global_zero()) return;
+  row["epoch"] = static_cast<double>(current_epoch);
+  for (auto& logger : loggers) logger->log_metrics(row, global_step);
+}
+
+void Trainer::Impl::publish_step_metrics() {
+  bool to_loggers = batches_that_stepped > 0 &&
+                    batches_that_stepped % options.log_every_n_steps == 0 && !sanity_checking;
+  publish(train_log.collect_step(), "_step", to_loggers);
+  train_log.clear_step_flags();
+}
+
+Metrics Trainer::Impl::publish_epoch_metrics(detail::LogSink& sink) {
+  auto values = sink.collect_epoch(*strategy);
+  Metrics out;
+  for (const auto& v : values) out[v.name] = v.value;
+  if (!sanity_checking) publish(values, "_epoch", /*to_loggers=*/true);
+  return out;
+}
+
+}  // namespace fulgur

@@ -1,0 +1,48 @@
+#include "fulgur/trainer/trainer_options.h"
+
+#include <cmath>
+#include <sstream>
+
+#include "fulgur/core/errors.h"
+
+namespace fulgur {
+
+std::string BatchLimit::text() const {
+  if (!fraction_) return std::to_string(*count_);
+  std::ostringstream out;
+  out << *fraction_;
+  std::string s = out.str();
+  if (s.find('.') == std::string::npos && s.find('e') == std::string::npos) s += ".0";
+  return s;
+}
+
+std::optional<int64_t> BatchLimit::apply(std::optional<int64_t> available, const char* flag) const {
+  if (!fraction_) {
+    return available ? std::min(*count_, *available) : *count_;
+  }
+  if (*fraction_ >= 1.0) return available;
+  if (!available) {
+    throw ConfigError(str(flag, "=", text(), ": a fraction needs a loader of known length, and "
+                          "this loader's length is unknown. Pass a number of batches (an int) "
+                          "instead."));
+  }
+  auto n = static_cast<int64_t>(std::floor(static_cast<double>(*available) * *fraction_));
+  if (n == 0 && *fraction_ > 0.0) {
+    throw ConfigError(str(flag, "=", text(), " of ", *available, " batches rounds down to 0 "
+                          "batches. Pass a larger fraction, an int number of batches, or 0 to "
+                          "skip this loop."));
+  }
+  return n;
+}
+
+std::optional<GradientClipAlgorithm> parse_gradient_clip_algorithm(const std::string& text) {
+  if (text == "norm") return GradientClipAlgorithm::Norm;
+  if (text == "value") return GradientClipAlgorithm::Value;
+  return std::nullopt;
+}
+
+const char* to_string(GradientClipAlgorithm algorithm) {
+  return algorithm == GradientClipAlgorithm::Norm ? "norm" : "value";
+}
+
+}  // namespace fulgur
