@@ -1,0 +1,130 @@
+#include "fulgur/accelerators/accelerator.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "fulgur/accelerators/cpu.h"
+#include "fulgur/accelerators/cuda.h"
+#include "fulgur/core/errors.h"
+#include "support/test_support.h"
+
+namespace {
+
+using ::testing::ElementsAre;
+
+// ---- DevicesSpec.
+
+TEST(DevicesSpec, DefaultIsAuto) {
+  fulgur::DevicesSpec spec;
+  EXPECT_TRUE(spec.is_auto());
+  EXPECT_FALSE(spec.is_index_list());
+  EXPECT_EQ(spec.count(), std::nullopt);
+  EXPECT_EQ(spec.text(), "auto");
+  EXPECT_TRUE(fulgur::DevicesSpec("auto").is_auto());
+  EXPECT_TRUE(fulgur::DevicesSpec(" auto ").is_auto());
+}
+
+TEST(DevicesSpec, IntIsACount) {
+  fulgur::DevicesSpec spec(2);
+  EXPECT_FALSE(spec.is_auto());  // a count is not "auto"
+  EXPECT_FALSE(spec.is_index_list());
+  EXPECT_EQ(spec.count(), std::optional<int>(2));
+  EXPECT_EQ(spec.text(), "2");
+  fulgur::DevicesSpec all(-1);
+  EXPECT_FALSE(all.is_auto());
+  EXPECT_EQ(all.count(), std::optional<int>(-1));
+}
+
+TEST(DevicesSpec, StringCountAndIndexLists) {
+  fulgur::DevicesSpec two("2");
+  EXPECT_FALSE(two.is_auto());
+  EXPECT_EQ(two.count(), std::optional<int>(2));
+
+  fulgur::DevicesSpec list("0,2");
+  EXPECT_TRUE(list.is_index_list());
+  EXPECT_EQ(list.count(), std::nullopt);
+  EXPECT_THAT(list.indices(), ElementsAre(0, 2));
+  EXPECT_EQ(list.text(), "0,2");
+
+  fulgur::DevicesSpec trailing("0,");  // Lightning's "the device with index 0"
+  EXPECT_TRUE(trailing.is_index_list());
+  EXPECT_THAT(trailing.indices(), ElementsAre(0));
+
+  fulgur::DevicesSpec vec(std::vector<int>{1, 3});
+  EXPECT_TRUE(vec.is_index_list());
+  EXPECT_FALSE(vec.is_auto());
+  EXPECT_THAT(vec.indices(), ElementsAre(1, 3));
+  EXPECT_EQ(vec.text(), "[1, 3]");
+
+  EXPECT_EQ(fulgur::DevicesSpec(std::string("-1")).count(), std::optional<int>(-1));
+}
+
+TEST(DevicesSpec, MalformedSpecsEchoTheText) {
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::DevicesSpec("two"), {"devices=\"two\""});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::DevicesSpec("0,,2"), {"0,,2"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::DevicesSpec(""), {"devices="});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::DevicesSpec("1.5"), {"1.5"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::DevicesSpec(std::vector<int>{}), {"devices=[]"});
+}
+
+// ---- CPUAccelerator.
+
+TEST(CPUAccelerator, ParsesCounts) {
+  fulgur::CPUAccelerator cpu;
+  EXPECT_EQ(cpu.name(), "cpu");
+  EXPECT_TRUE(cpu.is_available());
+  EXPECT_EQ(cpu.auto_device_count(), 1);
+  EXPECT_EQ(cpu.parse_devices(fulgur::DevicesSpec()),
+            std::vector<c10::Device>{c10::Device(c10::kCPU)});
+  EXPECT_EQ(cpu.parse_devices(fulgur::DevicesSpec(3)).size(), 3u);
+  auto cores = std::max(1u, std::thread::hardware_concurrency());
+  EXPECT_EQ(cpu.parse_devices(fulgur::DevicesSpec(-1)).size(), static_cast<size_t>(cores));
+}
+
+TEST(CPUAccelerator, RejectsIndicesAndNonPositiveCounts) {
+  fulgur::CPUAccelerator cpu;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, cpu.parse_devices(fulgur::DevicesSpec("0,1")),
+                     {"accelerator=\"cpu\"", "0,1", "devices=2"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, cpu.parse_devices(fulgur::DevicesSpec(0)),
+                     {"accelerator=\"cpu\"", "devices=0"});
+}
+
+// ---- CUDAAccelerator: both outcomes of availability.
+
+TEST(CUDAAccelerator, AvailabilityMatchesLibTorch) {
+  fulgur::CUDAAccelerator cuda;
+  EXPECT_EQ(cuda.name(), "cuda");
+  EXPECT_EQ(cuda.is_available(), torch::cuda::is_available());
+  if (!cuda.is_available()) {
+    EXPECT_FALSE(cuda.unavailable_reason().empty());
+  } else {
+    EXPECT_TRUE(cuda.unavailable_reason().empty());
+  }
+}
+
+TEST(CUDAAccelerator, AskingForMoreGpusThanVisibleIsAConfigError) {
+  fulgur::CUDAAccelerator cuda;
+  int visible = cuda.auto_device_count();
+  EXPECT_THROWS_WITH(fulgur::ConfigError, cuda.parse_devices(fulgur::DevicesSpec(visible + 1)),
+                     {"accelerator=\"cuda\"", fulgur::str("devices=", visible + 1)});
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     cuda.parse_devices(fulgur::DevicesSpec(std::vector<int>{visible})),
+                     {"GPU index", "does not exist"});
+}
+
+TEST(CUDAAccelerator, ParsesCountsAndIndices_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  fulgur::CUDAAccelerator cuda;
+  EXPECT_EQ(cuda.parse_devices(fulgur::DevicesSpec(1)),
+            std::vector<c10::Device>{c10::Device(c10::kCUDA, 0)});
+  EXPECT_EQ(cuda.parse_devices(fulgur::DevicesSpec("0,")),
+            std::vector<c10::Device>{c10::Device(c10::kCUDA, 0)});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, cuda.parse_devices(fulgur::DevicesSpec("0,0")),
+                     {"listed twice"});
+}
+
+}  // namespace

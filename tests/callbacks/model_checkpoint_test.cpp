@@ -1,0 +1,197 @@
+#include "fulgur/callbacks/model_checkpoint.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::ElementsAre;
+using fulgur::test::LinearRegression;
+using fulgur::test::list_files;
+using fulgur::test::regression_loader;
+using fulgur::test::TempDir;
+using fulgur::test::test_options;
+
+/// Options with one ModelCheckpoint writing to `<dir>/ckpts`.
+fulgur::TrainerOptions with_checkpoint(const TempDir& dir, fulgur::ModelCheckpointOptions o,
+                                       std::shared_ptr<fulgur::ModelCheckpoint>* out = nullptr) {
+  if (o.dirpath.empty()) o.dirpath = dir.file("ckpts");
+  auto callback = std::make_shared<fulgur::ModelCheckpoint>(std::move(o));
+  if (out != nullptr) *out = callback;
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  options.callbacks = {callback};
+  return options;
+}
+
+TEST(ModelCheckpoint, RejectsInvalidOptions) {
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.mode = "avg"}},
+                     {"mode", "avg"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.save_top_k = -2}},
+                     {"save_top_k=-2"});
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.every_n_train_steps = -1}},
+      {"every_n_train_steps=-1"});
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.every_n_epochs = -1}},
+      {"every_n_epochs=-1"});
+}
+
+TEST(ModelCheckpoint, DefaultDirectoryIsUnderDefaultRootDir) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2));
+  ASSERT_NE(trainer.checkpoint_callback(), nullptr);
+  EXPECT_TRUE(fs::equivalent(trainer.checkpoint_callback()->dirpath(), dir.file("checkpoints")));
+  EXPECT_FALSE(trainer.checkpoint_callback()->state_key().empty());
+}
+
+TEST(ModelCheckpoint, WithoutMonitorKeepsTheLatestAndLast) {
+  TempDir dir;
+  LinearRegression model;
+  std::shared_ptr<fulgur::ModelCheckpoint> callback;
+  auto options = with_checkpoint(dir, {}, &callback);
+  options.max_epochs = 2;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(3));
+  EXPECT_THAT(list_files(dir.file("ckpts")), ElementsAre("epoch=1-step=6.ckpt", "last.ckpt"));
+  EXPECT_EQ(fs::path(callback->last_model_path()).filename().string(), "last.ckpt");
+  EXPECT_EQ(fs::path(callback->best_model_path()).filename().string(), "epoch=1-step=6.ckpt");
+  EXPECT_EQ(result.best_model_path, callback->best_model_path());
+  EXPECT_EQ(result.last_model_path, callback->last_model_path());
+}
+
+TEST(ModelCheckpoint, SaveTopKAllKeepsEveryEpoch) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = with_checkpoint(dir, {.save_top_k = -1});
+  options.max_epochs = 2;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(3));
+  EXPECT_THAT(list_files(dir.file("ckpts")),
+              ElementsAre("epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"));
+}
+
+TEST(ModelCheckpoint, SaveTopKZeroKeepsOnlyLast) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = with_checkpoint(dir, {.save_top_k = 0});
+  options.max_epochs = 2;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(3));
+  EXPECT_THAT(list_files(dir.file("ckpts")), ElementsAre("last.ckpt"));
+}
+
+TEST(ModelCheckpoint, SaveLastFalseWritesNoLastCheckpoint) {
+  TempDir dir;
+  LinearRegression model;
+  std::shared_ptr<fulgur::ModelCheckpoint> callback;
+  auto options = with_checkpoint(dir, {.save_last = false}, &callback);
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(3));
+  EXPECT_THAT(list_files(dir.file("ckpts")), ElementsAre("epoch=0-step=3.ckpt"));
+  EXPECT_EQ(callback->last_model_path(), "");
+  EXPECT_EQ(result.last_model_path, "");
+}
+
+TEST(ModelCheckpoint, EveryNTrainSteps) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = with_checkpoint(dir, {.save_top_k = -1, .every_n_train_steps = 3});
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(10));
+  EXPECT_THAT(list_files(dir.file("ckpts")),
+              ElementsAre("epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "epoch=0-step=9.ckpt",
+                          "last.ckpt"));
+}
+
+TEST(ModelCheckpoint, EveryNEpochs) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = with_checkpoint(dir, {.save_top_k = -1, .every_n_epochs = 2});
+  options.max_epochs = 4;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(1));
+  EXPECT_THAT(list_files(dir.file("ckpts")),
+              ElementsAre("epoch=1-step=2.ckpt", "epoch=3-step=4.ckpt", "last.ckpt"));
+}
+
+TEST(ModelCheckpoint, FilenameTemplate) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = with_checkpoint(dir, {.filename = "model_e{epoch}_s{step}"});
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2));
+  EXPECT_THAT(list_files(dir.file("ckpts")), ElementsAre("last.ckpt", "model_e0_s2.ckpt"));
+}
+
+/// Logs "score" in validation: 3, 1, 2 in epochs 0, 1, 2.
+void log_scores(LinearRegression& model) {
+  model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t) {
+    const double scores[] = {3.0, 1.0, 2.0};
+    // Explicitly per epoch: this test is about the checkpoints, not logging defaults.
+    self.log("score", scores[self.current_epoch()], {.on_step = false, .on_epoch = true});
+  };
+}
+
+TEST(ModelCheckpoint, MonitorMinKeepsTheKBest) {
+  TempDir dir;
+  LinearRegression model;
+  log_scores(model);
+  std::shared_ptr<fulgur::ModelCheckpoint> callback;
+  auto options =
+      with_checkpoint(dir, {.monitor = "score", .mode = "min", .save_top_k = 2}, &callback);
+  options.max_epochs = 3;
+  options.num_sanity_val_steps = 0;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(2), regression_loader(1));
+  EXPECT_THAT(list_files(dir.file("ckpts")),
+              ElementsAre("epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"));
+  EXPECT_EQ(fs::path(callback->best_model_path()).filename().string(), "epoch=1-step=4.ckpt");
+  ASSERT_TRUE(callback->best_model_score().has_value());
+  EXPECT_DOUBLE_EQ(*callback->best_model_score(), 1.0);
+  EXPECT_EQ(result.best_model_path, callback->best_model_path());
+}
+
+TEST(ModelCheckpoint, MonitorMaxKeepsTheBest) {
+  TempDir dir;
+  LinearRegression model;
+  log_scores(model);
+  std::shared_ptr<fulgur::ModelCheckpoint> callback;
+  auto options =
+      with_checkpoint(dir, {.monitor = "score", .mode = "max", .save_top_k = 1}, &callback);
+  options.max_epochs = 3;
+  options.num_sanity_val_steps = 0;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(1));
+  EXPECT_THAT(list_files(dir.file("ckpts")), ElementsAre("epoch=0-step=2.ckpt", "last.ckpt"));
+  EXPECT_DOUBLE_EQ(callback->best_model_score().value_or(-1.0), 3.0);
+}
+
+TEST(ModelCheckpoint, SanityCheckWritesNothing) {
+  TempDir dir;
+  LinearRegression model;
+  log_scores(model);
+  auto options = with_checkpoint(dir, {.monitor = "score", .save_top_k = -1});
+  options.limit_train_batches = 0;  // only the sanity check runs
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(1));
+  EXPECT_EQ(model.sanity_steps, 1);
+  EXPECT_THAT(list_files(dir.path()), ::testing::IsEmpty());
+}
+
+}  // namespace

@@ -1,0 +1,62 @@
+#include "fulgur/core/errors.h"
+
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <type_traits>
+
+#include "support/test_support.h"
+
+namespace {
+
+static_assert(std::is_base_of_v<std::invalid_argument, fulgur::ConfigError>);
+static_assert(std::is_base_of_v<std::runtime_error, fulgur::DistributedError>);
+static_assert(std::is_base_of_v<std::runtime_error, fulgur::CheckpointError>);
+static_assert(std::is_base_of_v<std::logic_error, fulgur::InternalError>);
+
+TEST(Errors, StrConcatenatesStreamableArguments) {
+  EXPECT_EQ(fulgur::str("a", 1, '-', 2.5, std::string("z")), "a1-2.5z");
+  EXPECT_EQ(fulgur::str(), "");
+}
+
+TEST(Errors, JoinUsesTheSeparator) {
+  EXPECT_EQ(fulgur::join({"a", "b", "c"}), "a, b, c");
+  EXPECT_EQ(fulgur::join({"a", "b"}, "|"), "a|b");
+  EXPECT_EQ(fulgur::join({"only"}), "only");
+  EXPECT_EQ(fulgur::join({}), "");
+}
+
+TEST(Errors, ClosestMatchFindsAPlausibleTypo) {
+  EXPECT_EQ(fulgur::closest_match("dpp", {"ddp", "ddp_spawn", "single_device"}), "ddp");
+  EXPECT_EQ(fulgur::closest_match("singel_device", {"ddp", "single_device"}), "single_device");
+  EXPECT_EQ(fulgur::closest_match("cpu", {"cpu", "cuda"}), "cpu");
+}
+
+TEST(Errors, ClosestMatchIsEmptyWhenNothingIsClose) {
+  EXPECT_EQ(fulgur::closest_match("tensorflow", {"ddp", "cpu"}), "");
+  EXPECT_EQ(fulgur::closest_match("ddp", {}), "");
+}
+
+TEST(Errors, AssertThrowsInternalErrorWithContext) {
+  EXPECT_THROWS_WITH(fulgur::InternalError, FULGUR_ASSERT(1 + 1 == 3, "context ", 42),
+                     {"bug in fulgur", "1 + 1 == 3", "context 42"});
+  EXPECT_THROWS_WITH(fulgur::InternalError, FULGUR_ASSERT(false), {"bug in fulgur"});
+  EXPECT_NO_THROW(FULGUR_ASSERT(true, "never shown"));
+}
+
+// The helper itself: wrong type, missing substring and no throw all fail.
+TEST(Errors, ThrowsWithRejectsWrongTypeMissingTextAndNoThrow) {
+  auto wrong_type = fulgur::test::throws_with<fulgur::ConfigError>(
+      [] { throw fulgur::CheckpointError("x"); }, {"x"});
+  EXPECT_FALSE(wrong_type);
+  auto missing = fulgur::test::throws_with<fulgur::ConfigError>(
+      [] { throw fulgur::ConfigError("abc"); }, {"abc", "xyz"});
+  EXPECT_FALSE(missing);
+  auto nothing = fulgur::test::throws_with<fulgur::ConfigError>([] {}, {});
+  EXPECT_FALSE(nothing);
+  auto ok = fulgur::test::throws_with<std::invalid_argument>(
+      [] { throw fulgur::ConfigError("abc def"); }, {"abc", "def"});
+  EXPECT_TRUE(ok);
+}
+
+}  // namespace

@@ -1,0 +1,338 @@
+#include "fulgur/data/data_loader.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include "fulgur/core/errors.h"
+#include "support/test_support.h"
+
+namespace {
+
+using ::testing::ElementsAre;
+using fulgur::test::index_dataset;
+using fulgur::test::to_vector;
+
+/// The sample indices of every batch of epoch `epoch`, batch by batch.
+std::vector<std::vector<int64_t>> read_epoch(fulgur::DataLoader& loader, int64_t epoch) {
+  loader.start_epoch(epoch);
+  std::vector<std::vector<int64_t>> out;
+  while (auto batch = loader.next()) out.push_back(to_vector(batch->tensor()));
+  return out;
+}
+
+/// All sample indices of the rest of the current epoch, flattened.
+std::vector<int64_t> read_rest(fulgur::DataLoader& loader) {
+  std::vector<int64_t> out;
+  while (auto batch = loader.next()) {
+    auto values = to_vector(batch->tensor());
+    out.insert(out.end(), values.begin(), values.end());
+  }
+  return out;
+}
+
+std::vector<int64_t> flatten(const std::vector<std::vector<int64_t>>& batches) {
+  std::vector<int64_t> out;
+  for (const auto& b : batches) out.insert(out.end(), b.begin(), b.end());
+  return out;
+}
+
+// ---- TensorDataset.
+
+TEST(TensorDataset, BatchKindFollowsTheNumberOfTensors) {
+  auto idx = torch::arange(3, torch::kLong);
+  fulgur::TensorDataset one({torch::arange(4)});
+  fulgur::TensorDataset two(torch::arange(4), torch::arange(4) * 2);
+  fulgur::TensorDataset three({torch::arange(4), torch::arange(4), torch::arange(4)});
+  EXPECT_EQ(one.size(), 4);
+  EXPECT_TRUE(one.get_batch(idx).is_tensor());
+  EXPECT_TRUE(two.get_batch(idx).is_pair());
+  EXPECT_TRUE(three.get_batch(idx).is_list());
+  auto batch = two.get_batch(torch::tensor({3, 1}, torch::kLong));
+  EXPECT_THAT(to_vector(batch[0]), ElementsAre(3, 1));
+  EXPECT_THAT(to_vector(batch[1]), ElementsAre(6, 2));
+}
+
+TEST(TensorDataset, RejectsMismatchedOrEmptyTensors) {
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::TensorDataset(torch::zeros({4, 2}), torch::zeros({3})),
+                     {"4", "3", "samples"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::TensorDataset(std::vector<at::Tensor>{}),
+                     {"TensorDataset"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::TensorDataset(std::vector<at::Tensor>{torch::tensor(1.0)}),
+                     {"scalar"});
+}
+
+// ---- DatasetLoader.
+
+TEST(DatasetLoader, NumBatchesRoundsUpUnlessDropLast) {
+  auto keep = fulgur::make_data_loader(index_dataset(10), {.batch_size = 3});
+  auto drop = fulgur::make_data_loader(index_dataset(10), {.batch_size = 3, .drop_last = true});
+  EXPECT_EQ(keep->num_batches(), std::optional<int64_t>(4));
+  EXPECT_EQ(drop->num_batches(), std::optional<int64_t>(3));
+  auto exact = fulgur::make_data_loader(index_dataset(9), {.batch_size = 3, .drop_last = true});
+  EXPECT_EQ(exact->num_batches(), std::optional<int64_t>(3));
+}
+
+TEST(DatasetLoader, SequentialBatchesInOrder) {
+  auto loader = fulgur::make_data_loader(index_dataset(10), {.batch_size = 3});
+  auto batches = read_epoch(*loader, 0);
+  ASSERT_EQ(batches.size(), 4u);
+  EXPECT_THAT(batches[0], ElementsAre(0, 1, 2));
+  EXPECT_THAT(batches[3], ElementsAre(9));
+  // Every epoch is the same without shuffling.
+  EXPECT_EQ(read_epoch(*loader, 1), batches);
+}
+
+TEST(DatasetLoader, DropLastDropsTheShortBatch) {
+  auto loader = fulgur::make_data_loader(index_dataset(10), {.batch_size = 3, .drop_last = true});
+  auto batches = read_epoch(*loader, 0);
+  ASSERT_EQ(batches.size(), 3u);
+  EXPECT_THAT(batches[2], ElementsAre(6, 7, 8));
+}
+
+TEST(DatasetLoader, PositionCountsBatchesHandedOut) {
+  auto loader = fulgur::make_data_loader(index_dataset(10), {.batch_size = 4});
+  loader->start_epoch(2);
+  EXPECT_EQ(loader->epoch(), 2);
+  EXPECT_EQ(loader->position(), 0);
+  loader->next();
+  loader->next();
+  EXPECT_EQ(loader->position(), 2);
+  loader->next();
+  EXPECT_FALSE(loader->next().has_value());
+  EXPECT_EQ(loader->position(), 3);  // the end of the epoch is not a batch
+}
+
+TEST(DatasetLoader, NextWithoutStartEpochStartsEpochZero) {
+  auto loader = fulgur::make_data_loader(index_dataset(4), {.batch_size = 2});
+  auto batch = loader->next();
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_EQ(loader->epoch(), 0);
+  EXPECT_THAT(to_vector(batch->tensor()), ElementsAre(0, 1));
+}
+
+TEST(DatasetLoader, ShuffleVisitsEverySampleOnce) {
+  auto loader = fulgur::make_data_loader(index_dataset(32), {.batch_size = 5, .shuffle = true, .seed = 7});
+  auto order = flatten(read_epoch(*loader, 0));
+  auto sorted = order;
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<int64_t> all(32);
+  for (int64_t i = 0; i < 32; ++i) all[static_cast<size_t>(i)] = i;
+  EXPECT_EQ(sorted, all);
+  EXPECT_NE(order, all);  // 1 / 32! chance of a false failure
+}
+
+TEST(DatasetLoader, ShuffleIsDeterministicPerSeedAndEpoch) {
+  auto a = fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 7});
+  auto b = fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 7});
+  auto c = fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 8});
+  auto a0 = read_epoch(*a, 0);
+  auto a1 = read_epoch(*a, 1);
+  EXPECT_EQ(read_epoch(*b, 0), a0);  // same seed, same epoch: same order
+  EXPECT_EQ(read_epoch(*b, 1), a1);
+  EXPECT_NE(a1, a0);                 // another epoch: another order
+  EXPECT_NE(read_epoch(*c, 0), a0);  // another seed: another order
+  EXPECT_EQ(read_epoch(*a, 0), a0);  // going back to epoch 0 repeats it
+}
+
+TEST(DatasetLoader, DefaultSeedAppliesOnlyWhenTheSeedIsUnset) {
+  auto unset = fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true});
+  auto five = fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 5});
+  auto seven = fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 7});
+  auto seven_order = read_epoch(*seven, 0);
+  unset->set_default_seed(5);
+  seven->set_default_seed(5);
+  EXPECT_EQ(read_epoch(*unset, 0), read_epoch(*five, 0));
+  EXPECT_EQ(read_epoch(*seven, 0), seven_order);
+}
+
+TEST(DatasetLoader, SeekGivesTheSameBatchesAsReadingThrough) {
+  auto loader = fulgur::make_data_loader(index_dataset(30), {.batch_size = 4, .shuffle = true, .seed = 3});
+  auto epoch1 = read_epoch(*loader, 1);
+  loader->seek(1, 3);
+  EXPECT_EQ(loader->epoch(), 1);
+  EXPECT_EQ(loader->position(), 3);
+  std::vector<std::vector<int64_t>> rest;
+  while (auto batch = loader->next()) rest.push_back(to_vector(batch->tensor()));
+  EXPECT_EQ(rest, std::vector<std::vector<int64_t>>(epoch1.begin() + 3, epoch1.end()));
+  EXPECT_EQ(loader->position(), static_cast<int64_t>(epoch1.size()));
+}
+
+TEST(DatasetLoader, SeekToTheStartAndToTheEnd) {
+  auto loader = fulgur::make_data_loader(index_dataset(10), {.batch_size = 5});
+  loader->seek(0, 0);
+  EXPECT_THAT(read_rest(*loader), ElementsAre(0, 1, 2, 3, 4, 5, 6, 7, 8, 9));
+  loader->seek(4, 2);
+  EXPECT_FALSE(loader->next().has_value());
+}
+
+TEST(DatasetLoader, SeekRejectsNegativePositions) {
+  auto loader = fulgur::make_data_loader(index_dataset(10), {.batch_size = 5});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, loader->seek(0, -1), {"position=-1"});
+}
+
+TEST(DatasetLoader, SaveAndLoadStateResumeMidEpoch) {
+  auto loader = fulgur::make_data_loader(index_dataset(30), {.batch_size = 4, .shuffle = true, .seed = 11});
+  loader->start_epoch(2);
+  loader->next();
+  loader->next();
+  std::stringstream buffer;
+  {
+    torch::serialize::OutputArchive archive;
+    loader->save_state(archive);
+    archive.save_to(buffer);
+  }
+  auto expected = read_rest(*loader);
+
+  auto resumed = fulgur::make_data_loader(index_dataset(30), {.batch_size = 4, .shuffle = true, .seed = 11});
+  torch::serialize::InputArchive archive;
+  archive.load_from(buffer);
+  resumed->load_state(archive);
+  EXPECT_EQ(resumed->epoch(), 2);
+  EXPECT_EQ(resumed->position(), 2);
+  EXPECT_EQ(read_rest(*resumed), expected);
+}
+
+TEST(DatasetLoader, LoadStateAtAnExplicitPosition) {
+  auto loader = fulgur::make_data_loader(index_dataset(12), {.batch_size = 2});
+  loader->start_epoch(1);
+  loader->next();
+  std::stringstream buffer;
+  {
+    torch::serialize::OutputArchive archive;
+    loader->save_state(archive);
+    archive.save_to(buffer);
+  }
+  auto resumed = fulgur::make_data_loader(index_dataset(12), {.batch_size = 2});
+  torch::serialize::InputArchive archive;
+  archive.load_from(buffer);
+  resumed->load_state(archive, /*position=*/4);
+  EXPECT_EQ(resumed->epoch(), 1);
+  EXPECT_EQ(resumed->position(), 4);
+  EXPECT_THAT(read_rest(*resumed), ElementsAre(8, 9, 10, 11));
+}
+
+TEST(DatasetLoader, ShardsSplitRoundRobin) {
+  auto rank0 = fulgur::make_data_loader(index_dataset(10), {.batch_size = 2});
+  auto rank1 = fulgur::make_data_loader(index_dataset(10), {.batch_size = 2});
+  EXPECT_TRUE(rank0->set_shard(0, 2));
+  EXPECT_TRUE(rank1->set_shard(1, 2));
+  EXPECT_EQ(rank1->num_batches(), std::optional<int64_t>(3));
+  EXPECT_THAT(flatten(read_epoch(*rank0, 0)), ElementsAre(0, 2, 4, 6, 8));
+  EXPECT_THAT(flatten(read_epoch(*rank1, 0)), ElementsAre(1, 3, 5, 7, 9));
+}
+
+TEST(DatasetLoader, RejectsBadOptions) {
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::make_data_loader(index_dataset(4), {.batch_size = 0}),
+                     {"batch_size", "0"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::make_data_loader(nullptr), {"dataset"});
+}
+
+TEST(DatasetLoader, ExplicitSampler) {
+  auto loader = fulgur::make_data_loader(index_dataset(6), {.batch_size = 3},
+                                         std::make_shared<fulgur::SequentialSampler>());
+  EXPECT_THAT(flatten(read_epoch(*loader, 5)), ElementsAre(0, 1, 2, 3, 4, 5));
+}
+
+// ---- Samplers.
+
+TEST(Sampler, SequentialAndRandom) {
+  fulgur::SequentialSampler sequential;
+  EXPECT_THAT(to_vector(sequential.epoch_indices(3, 4)), ElementsAre(0, 1, 2, 3));
+  fulgur::RandomSampler a(9), b(9);
+  EXPECT_EQ(to_vector(a.epoch_indices(1, 20)), to_vector(b.epoch_indices(1, 20)));
+  EXPECT_NE(to_vector(a.epoch_indices(1, 20)), to_vector(a.epoch_indices(2, 20)));
+  EXPECT_EQ(a.seed(), 9u);
+}
+
+TEST(Sampler, RandomSamplerIgnoresTheGlobalGenerator) {
+  fulgur::RandomSampler sampler(4);
+  torch::manual_seed(1);
+  auto first = to_vector(sampler.epoch_indices(0, 16));
+  torch::manual_seed(2);
+  EXPECT_EQ(to_vector(sampler.epoch_indices(0, 16)), first);
+}
+
+TEST(Sampler, ShardValidation) {
+  fulgur::SequentialSampler sampler;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, sampler.set_shard(2, 2), {"rank=2", "world_size=2"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, sampler.set_shard(0, 0), {"world_size=0"});
+  sampler.set_shard(1, 3);
+  EXPECT_EQ(sampler.shard_rank(), 1);
+  EXPECT_EQ(sampler.shard_world_size(), 3);
+  EXPECT_THAT(to_vector(sampler.epoch_indices(0, 7)), ElementsAre(1, 4));
+}
+
+// ---- IterableLoader.
+
+std::shared_ptr<std::vector<fulgur::Batch>> three_batches() {
+  auto batches = std::make_shared<std::vector<fulgur::Batch>>();
+  for (int64_t i = 0; i < 3; ++i) batches->emplace_back(torch::full({2}, i, torch::kLong));
+  return batches;
+}
+
+TEST(IterableLoader, ReplaysAContainerOfBatchesEveryEpoch) {
+  auto loader = fulgur::make_iterable_loader(three_batches());
+  EXPECT_EQ(loader->num_batches(), std::optional<int64_t>(3));
+  auto epoch0 = read_epoch(*loader, 0);
+  ASSERT_EQ(epoch0.size(), 3u);
+  EXPECT_THAT(epoch0[2], ElementsAre(2, 2));
+  EXPECT_EQ(read_epoch(*loader, 1), epoch0);
+}
+
+TEST(IterableLoader, AcceptsAContainerOfPairs) {
+  auto pairs = std::make_shared<std::vector<fulgur::Batch::Pair>>();
+  pairs->emplace_back(torch::ones({2, 3}), torch::zeros({2}));
+  pairs->emplace_back(torch::ones({1, 3}), torch::zeros({1}));
+  auto loader = fulgur::make_iterable_loader(pairs);
+  loader->start_epoch(0);
+  auto first = loader->next();
+  ASSERT_TRUE(first.has_value());
+  EXPECT_TRUE(first->is_pair());
+  EXPECT_EQ(first->batch_size(), 2);
+}
+
+TEST(IterableLoader, SeekReadsAndDrops) {
+  auto loader = fulgur::make_iterable_loader(three_batches());
+  loader->seek(0, 2);
+  EXPECT_EQ(loader->position(), 2);
+  auto batch = loader->next();
+  ASSERT_TRUE(batch.has_value());
+  EXPECT_THAT(to_vector(batch->tensor()), ElementsAre(2, 2));
+  EXPECT_FALSE(loader->next().has_value());
+}
+
+TEST(IterableLoader, SeekPastTheEndIsACheckpointError) {
+  auto loader = fulgur::make_iterable_loader(three_batches());
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, loader->seek(0, 5), {"5", "only 3"});
+}
+
+TEST(IterableLoader, FactoryReceivesTheEpoch) {
+  auto loader = fulgur::make_iterable_loader([](int64_t epoch) -> fulgur::BatchGenerator {
+    return [epoch, i = int64_t{0}]() mutable -> std::optional<fulgur::Batch> {
+      if (i >= 2) return std::nullopt;
+      ++i;
+      return fulgur::Batch(torch::full({1}, epoch, torch::kLong));
+    };
+  });
+  EXPECT_EQ(loader->num_batches(), std::nullopt);
+  EXPECT_THAT(flatten(read_epoch(*loader, 4)), ElementsAre(4, 4));
+  EXPECT_THAT(flatten(read_epoch(*loader, 7)), ElementsAre(7, 7));
+}
+
+TEST(IterableLoader, CannotBeSharded) {
+  auto loader = fulgur::make_iterable_loader(three_batches());
+  EXPECT_FALSE(loader->set_shard(0, 2));
+}
+
+TEST(IterableLoader, EmptyFactoryIsAConfigError) {
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::make_iterable_loader(nullptr), {"factory"});
+}
+
+}  // namespace

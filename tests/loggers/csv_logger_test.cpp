@@ -1,0 +1,156 @@
+#include "fulgur/loggers/csv_logger.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::ElementsAre;
+using fulgur::test::read_lines;
+using fulgur::test::read_text;
+using fulgur::test::split;
+using fulgur::test::TempDir;
+
+/// metrics.csv as rows of cells, header first.
+std::vector<std::vector<std::string>> read_csv(const std::string& path) {
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& line : read_lines(path)) {
+    if (!line.empty()) rows.push_back(split(line, ','));
+  }
+  return rows;
+}
+
+TEST(CSVLogger, LogDirIsNameThenNextFreeVersion) {
+  TempDir dir;
+  fulgur::CSVLogger first({.save_dir = dir.path()});
+  EXPECT_EQ(first.name(), "fulgur_logs");
+  EXPECT_EQ(fs::path(first.log_dir()).lexically_normal(),
+            fs::path(dir.file("fulgur_logs/version_0")).lexically_normal());
+  EXPECT_EQ(fs::path(first.log_dir()).filename().string(), "version_0");
+
+  fs::create_directories(dir.file("fulgur_logs/version_0"));
+  fs::create_directories(dir.file("fulgur_logs/version_1"));
+  fulgur::CSVLogger next({.save_dir = dir.path()});
+  EXPECT_EQ(fs::path(next.log_dir()).filename().string(), "version_2");
+}
+
+TEST(CSVLogger, ExplicitNameAndVersion) {
+  TempDir dir;
+  fulgur::CSVLogger logger({.save_dir = dir.path(), .name = "run", .version = 7});
+  EXPECT_EQ(logger.name(), "run");
+  EXPECT_EQ(fs::path(logger.log_dir()).lexically_normal(),
+            fs::path(dir.file("run/version_7")).lexically_normal());
+  EXPECT_EQ(fs::path(logger.metrics_file()).filename().string(), "metrics.csv");
+  EXPECT_EQ(fs::path(logger.metrics_file()).parent_path().lexically_normal(),
+            fs::path(logger.log_dir()).lexically_normal());
+}
+
+TEST(CSVLogger, WritesARectangularCsvWithStepFirst) {
+  TempDir dir;
+  fulgur::CSVLogger logger({.save_dir = dir.path()});
+  logger.log_metrics({{"a", 1.0}}, 0);
+  logger.log_metrics({{"a", 2.0}, {"b", 3.0}}, 1);
+  logger.save();
+  auto rows = read_csv(logger.metrics_file());
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_THAT(rows[0], ElementsAre("step", "a", "b"));
+  ASSERT_EQ(rows[1].size(), 3u);
+  EXPECT_EQ(std::stoll(rows[1][0]), 0);
+  EXPECT_DOUBLE_EQ(std::stod(rows[1][1]), 1.0);
+  EXPECT_EQ(rows[1][2], "");  // b was not logged at step 0
+  ASSERT_EQ(rows[2].size(), 3u);
+  EXPECT_EQ(std::stoll(rows[2][0]), 1);
+  EXPECT_DOUBLE_EQ(std::stod(rows[2][1]), 2.0);
+  EXPECT_DOUBLE_EQ(std::stod(rows[2][2]), 3.0);
+}
+
+TEST(CSVLogger, NewColumnAfterAFlushRewritesTheHeader) {
+  TempDir dir;
+  fulgur::CSVLogger logger({.save_dir = dir.path(), .flush_every = 1});
+  logger.log_metrics({{"loss", 0.5}}, 0);
+  logger.save();
+  ASSERT_THAT(read_csv(logger.metrics_file())[0], ElementsAre("step", "loss"));
+  logger.log_metrics({{"acc", 0.25}}, 1);
+  logger.finalize();
+  auto rows = read_csv(logger.metrics_file());
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_THAT(rows[0], ElementsAre("step", "loss", "acc"));
+  for (const auto& row : rows) EXPECT_EQ(row.size(), 3u);
+  EXPECT_DOUBLE_EQ(std::stod(rows[1][1]), 0.5);
+  EXPECT_EQ(rows[1][2], "");
+  EXPECT_EQ(rows[2][1], "");
+  EXPECT_DOUBLE_EQ(std::stod(rows[2][2]), 0.25);
+}
+
+TEST(CSVLogger, WritesHyperparametersAsYaml) {
+  TempDir dir;
+  fulgur::CSVLogger logger({.save_dir = dir.path()});
+  logger.log_hyperparams({{"lr", 0.5}, {"layers", int64_t{3}}, {"optimizer", std::string("sgd")}});
+  logger.save();
+  auto path = (fs::path(logger.log_dir()) / "hparams.yaml").string();
+  ASSERT_TRUE(fs::exists(path));
+  auto text = read_text(path);
+  EXPECT_TRUE(fulgur::test::message_contains(text, {"lr: 0.5", "layers: 3", "optimizer:", "sgd"}));
+}
+
+TEST(CSVLogger, TrainerWritesMetricsAndHyperparameters) {
+  TempDir dir;
+  fulgur::test::LinearRegression model;
+  model.save_hyperparameters({{"lr", 0.05}, {"hidden", int64_t{4}}});
+  auto options = fulgur::test::test_options(dir);
+  options.max_epochs = 2;
+  options.logger = true;
+  options.log_every_n_steps = 1;
+  fulgur::Trainer trainer(options);
+  ASSERT_EQ(trainer.loggers().size(), 1u);
+  auto* csv = dynamic_cast<fulgur::CSVLogger*>(trainer.loggers()[0].get());
+  ASSERT_NE(csv, nullptr) << "logger=true without loggers adds a CSVLogger";
+  trainer.fit(model, fulgur::test::regression_loader(3), fulgur::test::regression_loader(2));
+
+  // Under default_root_dir.
+  EXPECT_EQ(fs::path(trainer.log_dir()).lexically_normal(),
+            fs::path(dir.file("fulgur_logs/version_0")).lexically_normal());
+  ASSERT_TRUE(fs::exists(csv->metrics_file()));
+  auto rows = read_csv(csv->metrics_file());
+  ASSERT_GE(rows.size(), 2u);
+  const auto& header = rows[0];
+  EXPECT_EQ(header[0], "step");
+  EXPECT_THAT(header, ::testing::Contains("train_loss"));
+  EXPECT_THAT(header, ::testing::Contains("val_loss"));
+  for (const auto& row : rows) EXPECT_EQ(row.size(), header.size());
+
+  auto yaml = (fs::path(trainer.log_dir()) / "hparams.yaml").string();
+  ASSERT_TRUE(fs::exists(yaml));
+  EXPECT_TRUE(fulgur::test::message_contains(read_text(yaml), {"lr", "hidden: 4"}));
+}
+
+TEST(CSVLogger, ExplicitLoggersReplaceTheDefault) {
+  TempDir dir;
+  auto mine = std::make_shared<fulgur::CSVLogger>(
+      fulgur::CSVLoggerOptions{.save_dir = dir.file("mine"), .name = "exp"});
+  auto options = fulgur::test::test_options(dir);
+  options.logger = true;
+  options.loggers = {mine};
+  fulgur::Trainer trainer(options);
+  ASSERT_EQ(trainer.loggers().size(), 1u);
+  EXPECT_EQ(trainer.loggers()[0], mine);
+  EXPECT_EQ(trainer.log_dir(), mine->log_dir());
+}
+
+TEST(CSVLogger, NoLoggerMeansNoLogDir) {
+  TempDir dir;
+  fulgur::Trainer trainer(fulgur::test::test_options(dir));
+  EXPECT_TRUE(trainer.loggers().empty());
+  EXPECT_EQ(trainer.log_dir(), "");
+  fulgur::test::LinearRegression model;
+  trainer.fit(model, fulgur::test::regression_loader(2));
+  EXPECT_THAT(fulgur::test::list_files(dir.path()), ::testing::IsEmpty());
+}
+
+}  // namespace

@@ -1,0 +1,156 @@
+#include "fulgur/strategies/single_device.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+using fulgur::test::LinearRegression;
+
+TEST(SingleDeviceStrategy, RanksOfOneProcess) {
+  fulgur::SingleDeviceStrategy strategy;
+  EXPECT_EQ(strategy.name(), "single_device");
+  EXPECT_EQ(strategy.global_rank(), 0);
+  EXPECT_EQ(strategy.local_rank(), 0);
+  EXPECT_EQ(strategy.node_rank(), 0);
+  EXPECT_EQ(strategy.world_size(), 1);
+  EXPECT_TRUE(strategy.is_global_zero());
+  EXPECT_TRUE(strategy.is_checkpoint_writer());
+  EXPECT_EQ(strategy.launcher(), nullptr);
+}
+
+TEST(SingleDeviceStrategy, RootDeviceDefaultsToTheCpuThenTheParallelDevices) {
+  fulgur::SingleDeviceStrategy strategy;
+  EXPECT_EQ(strategy.root_device(), c10::Device(c10::kCPU));
+  strategy.set_parallel_devices({c10::Device(c10::kCPU)});
+  EXPECT_EQ(strategy.root_device(), c10::Device(c10::kCPU));
+  fulgur::SingleDeviceStrategy explicit_device(c10::Device(c10::kCUDA, 1));
+  EXPECT_EQ(explicit_device.root_device(), c10::Device(c10::kCUDA, 1));
+}
+
+TEST(SingleDeviceStrategy, CollectivesAreIdentities) {
+  fulgur::SingleDeviceStrategy strategy;
+  auto t = torch::arange(3.0);
+  EXPECT_TRUE(torch::equal(strategy.all_reduce(t), t));
+  EXPECT_TRUE(torch::equal(strategy.all_reduce(t, fulgur::ReduceOp::Sum), t));
+  EXPECT_TRUE(torch::equal(strategy.broadcast(t), t));
+  auto gathered = strategy.all_gather(t);
+  EXPECT_EQ(gathered.sizes().vec(), (std::vector<int64_t>{1, 3}));
+  EXPECT_TRUE(torch::equal(gathered[0], t));
+  EXPECT_TRUE(strategy.reduce_boolean_decision(true));
+  EXPECT_FALSE(strategy.reduce_boolean_decision(false));
+  EXPECT_TRUE(strategy.reduce_boolean_decision(true, /*all=*/false));
+  EXPECT_NO_THROW(strategy.barrier("test"));
+}
+
+TEST(SingleDeviceStrategy, DefaultComponentsAreFilledLazily) {
+  fulgur::SingleDeviceStrategy strategy;
+  EXPECT_FALSE(strategy.has_precision());
+  EXPECT_EQ(strategy.precision().name(), "32-true");
+  EXPECT_TRUE(strategy.has_precision());
+  EXPECT_EQ(strategy.checkpoint_io().name(), "torch");
+  EXPECT_EQ(strategy.cluster_environment().name(), "lightning");
+}
+
+TEST(SingleDeviceStrategy, AcceleratorHasNoDefault) {
+  fulgur::SingleDeviceStrategy strategy;
+  EXPECT_FALSE(strategy.has_accelerator());
+  EXPECT_THROWS_WITH(fulgur::ConfigError, strategy.accelerator(),
+                     {"single_device", "no accelerator", "set_accelerator"});
+  strategy.set_accelerator(std::make_unique<fulgur::CPUAccelerator>());
+  EXPECT_EQ(strategy.accelerator().name(), "cpu");
+}
+
+TEST(SingleDeviceStrategy, SetupBeforeSetupEnvironmentIsABug) {
+  fulgur::SingleDeviceStrategy strategy;
+  LinearRegression model;
+  EXPECT_THROWS_WITH(fulgur::InternalError, strategy.setup(model), {"setup_environment"});
+  strategy.setup_environment();
+  EXPECT_NO_THROW(strategy.setup(model));
+  strategy.teardown();
+  EXPECT_NO_THROW(strategy.teardown());  // safe to call twice
+}
+
+TEST(SingleDeviceStrategy, BatchToDeviceKeepsTheShapeOfTheBatch) {
+  fulgur::SingleDeviceStrategy strategy;
+  fulgur::Batch batch(fulgur::Batch::Map{{"x", torch::ones({2, 3})}, {"y", torch::zeros({2})}});
+  auto moved = strategy.batch_to_device(batch);
+  ASSERT_TRUE(moved.is_map());
+  EXPECT_TRUE(torch::equal(moved["x"], torch::ones({2, 3})));
+  EXPECT_EQ(moved["y"].device(), c10::Device(c10::kCPU));
+}
+
+TEST(SingleDeviceStrategy, BackwardAndOptimizerStepGoThroughThePrecision) {
+  fulgur::SingleDeviceStrategy strategy;
+  LinearRegression model({.lr = 1.0});
+  strategy.setup_environment();
+  strategy.setup(model);
+  auto config = strategy.setup_optimizers(model);
+  ASSERT_EQ(config.optimizers.size(), 1u);
+  auto before = model.fc->weight.detach().clone();
+  auto x = torch::ones({1, 3});
+  auto loss = model.forward(x).sum();
+  strategy.backward(loss, model);
+  auto grad = model.fc->weight.grad().clone();
+  EXPECT_TRUE(torch::equal(grad, torch::ones({1, 3})));
+  EXPECT_TRUE(strategy.optimizer_step(*config.optimizers[0], model));
+  EXPECT_TRUE(torch::allclose(model.fc->weight, before - grad));
+  strategy.teardown();
+}
+
+TEST(SingleDeviceStrategy, SchedulerWithBadFrequencyIsAConfigError) {
+  fulgur::SingleDeviceStrategy strategy;
+  LinearRegression model;
+  model.make_schedulers = [](torch::optim::Optimizer& optimizer) {
+    return std::vector<fulgur::SchedulerConfig>{
+        {.scheduler = std::make_shared<torch::optim::StepLR>(optimizer, 1, 0.5),
+         .interval = fulgur::Interval::Step,
+         .frequency = 0}};
+  };
+  EXPECT_THROWS_WITH(fulgur::ConfigError, strategy.setup_optimizers(model),
+                     {"scheduler 0", "frequency=0"});
+}
+
+TEST(SingleDeviceStrategy, SaveAndLoadModuleState) {
+  fulgur::test::TempDir dir;
+  fulgur::SingleDeviceStrategy strategy;
+  torch::manual_seed(1);
+  LinearRegression a;
+  torch::manual_seed(2);
+  LinearRegression b;
+  ASSERT_FALSE(fulgur::test::parameters_equal(a, b));
+  const auto* weight_impl = b.fc->weight.unsafeGetTensorImpl();
+  {
+    torch::serialize::OutputArchive archive;
+    strategy.save_module_state(a, archive);
+    strategy.save_checkpoint(archive, dir.file("state.ckpt"));
+  }
+  torch::serialize::InputArchive archive;
+  strategy.load_checkpoint(dir.file("state.ckpt"), archive);
+  strategy.load_module_state(b, archive);
+  EXPECT_TRUE(fulgur::test::parameters_equal(a, b));
+  // Loaded into the same tensors: an optimizer holding b's parameters stays valid.
+  EXPECT_EQ(b.fc->weight.unsafeGetTensorImpl(), weight_impl);
+}
+
+TEST(SingleDeviceStrategy, DescribeListsEveryComponent) {
+  fulgur::SingleDeviceStrategy strategy;
+  strategy.set_accelerator(std::make_unique<fulgur::CPUAccelerator>());
+  auto text = strategy.describe();
+  EXPECT_TRUE(fulgur::test::message_contains(
+      text, {"strategy: single_device", "accelerator: cpu", "precision: 32-true",
+             "checkpoint_io: torch", "cluster_environment: lightning", "launcher: none",
+             "world_size: 1", "root_device: cpu"}));
+}
+
+TEST(ReduceOp, Names) {
+  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::Sum), "sum");
+  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::Mean), "mean");
+  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::Max), "max");
+  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::Min), "min");
+}
+
+}  // namespace

@@ -1,0 +1,447 @@
+// Checkpoints written by the Trainer: the round trip into a fresh module,
+// bit-identical mid-epoch resume, user and callback state, and the errors
+// for checkpoints that cannot be used.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using fulgur::test::LinearRegression;
+using fulgur::test::list_files;
+using fulgur::test::parameters_equal;
+using fulgur::test::regression_dataset;
+using fulgur::test::regression_loader;
+using fulgur::test::TempDir;
+using fulgur::test::test_options;
+
+/// Trains two epochs with checkpointing on and returns last.ckpt's path.
+std::string train_and_checkpoint(const TempDir& dir, LinearRegression& model) {
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.enable_checkpointing = true;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(4));
+  return result.last_model_path;
+}
+
+// ---- Round trip.
+
+TEST(Checkpoint, LastCheckpointIsWrittenUnderDefaultRootDir) {
+  TempDir dir;
+  LinearRegression model;
+  auto last = train_and_checkpoint(dir, model);
+  ASSERT_FALSE(last.empty());
+  ASSERT_TRUE(fs::exists(last));
+  EXPECT_EQ(fs::path(last).filename().string(), "last.ckpt");
+  EXPECT_TRUE(fs::equivalent(fs::path(last).parent_path(), dir.file("checkpoints")));
+  EXPECT_GE(model.count("on_save_checkpoint"), 1);
+}
+
+TEST(Checkpoint, ValidateLoadsTheWeightsIntoAFreshModule) {
+  TempDir dir;
+  torch::manual_seed(1);
+  LinearRegression trained;
+  auto last = train_and_checkpoint(dir, trained);
+  torch::manual_seed(2);
+  LinearRegression fresh;
+  ASSERT_FALSE(parameters_equal(trained, fresh));
+
+  TempDir other;
+  fulgur::Trainer trainer(test_options(other));
+  trainer.validate(fresh, regression_loader(2), last);
+  EXPECT_TRUE(parameters_equal(trained, fresh));
+  EXPECT_EQ(fresh.validation_steps, 2);
+}
+
+TEST(Checkpoint, TestAndPredictLoadTheWeightsToo) {
+  TempDir dir;
+  torch::manual_seed(1);
+  LinearRegression trained;
+  auto last = train_and_checkpoint(dir, trained);
+  TempDir other;
+  fulgur::Trainer trainer(test_options(other));
+  {
+    torch::manual_seed(2);
+    LinearRegression fresh;
+    trainer.test(fresh, regression_loader(2), last);
+    EXPECT_TRUE(parameters_equal(trained, fresh));
+  }
+  {
+    torch::manual_seed(3);
+    LinearRegression fresh;
+    trainer.predict(fresh, regression_loader(2), last);
+    EXPECT_TRUE(parameters_equal(trained, fresh));
+  }
+}
+
+TEST(Checkpoint, ResumingAFinishedRunTrainsNoMore) {
+  TempDir dir;
+  torch::manual_seed(1);
+  LinearRegression trained;
+  auto last = train_and_checkpoint(dir, trained);
+  torch::manual_seed(2);
+  LinearRegression fresh;
+  TempDir other;
+  auto options = test_options(other);
+  options.max_epochs = 2;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(fresh, regression_loader(4), nullptr, {.ckpt_path = last});
+  EXPECT_EQ(fresh.training_steps, 0);
+  EXPECT_EQ(result.global_step, 8);
+  EXPECT_EQ(result.epochs, 2);
+  EXPECT_TRUE(parameters_equal(trained, fresh));
+  EXPECT_EQ(fresh.count("on_load_checkpoint"), 1);
+}
+
+TEST(Checkpoint, ResumingWithMoreEpochsContinuesFromTheNextEpoch) {
+  TempDir dir;
+  torch::manual_seed(1);
+  LinearRegression trained;
+  auto last = train_and_checkpoint(dir, trained);
+  LinearRegression resumed;
+  TempDir other;
+  auto options = test_options(other);
+  options.max_epochs = 3;
+  fulgur::Trainer trainer(options);
+  std::vector<int64_t> epochs;
+  resumed.train_hook = [&](LinearRegression& self, fulgur::Batch&, int64_t) {
+    epochs.push_back(self.current_epoch());
+  };
+  auto result = trainer.fit(resumed, regression_loader(4), nullptr, {.ckpt_path = last});
+  EXPECT_THAT(epochs, ::testing::ElementsAre(2, 2, 2, 2));
+  EXPECT_EQ(result.global_step, 12);
+}
+
+TEST(Checkpoint, SaveCheckpointFromACallback) {
+  class SaveAtFitEnd : public fulgur::Callback {
+   public:
+    explicit SaveAtFitEnd(std::string path) : path_(std::move(path)) {}
+    std::string state_key() const override { return "SaveAtFitEnd"; }
+    void on_train_end(fulgur::Trainer& trainer, fulgur::Module&) override {
+      trainer.save_checkpoint(path_);
+    }
+
+   private:
+    std::string path_;
+  };
+  TempDir dir;
+  torch::manual_seed(1);
+  LinearRegression trained;
+  auto path = dir.file("manual/at_end.ckpt");
+  auto options = test_options(dir);
+  options.callbacks = {std::make_shared<SaveAtFitEnd>(path)};
+  fulgur::Trainer trainer(options);
+  trainer.fit(trained, regression_loader(3));
+  ASSERT_TRUE(fs::exists(path));
+
+  torch::manual_seed(2);
+  LinearRegression fresh;
+  trainer.validate(fresh, regression_loader(1), path);
+  EXPECT_TRUE(parameters_equal(trained, fresh));
+}
+
+TEST(Checkpoint, ModuleStateRoundTripsThroughItsHooks) {
+  class Stateful : public LinearRegression {
+   public:
+    void on_save_checkpoint(torch::serialize::OutputArchive& checkpoint) override {
+      LinearRegression::on_save_checkpoint(checkpoint);
+      checkpoint.write("user_value", c10::IValue(value));
+    }
+    void on_load_checkpoint(torch::serialize::InputArchive& checkpoint) override {
+      LinearRegression::on_load_checkpoint(checkpoint);
+      c10::IValue v;
+      checkpoint.read("user_value", v);
+      value = v.toDouble();
+    }
+    double value = 0.0;
+  };
+  TempDir dir;
+  Stateful first;
+  first.value = 3.25;
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(first, regression_loader(2));
+
+  Stateful second;
+  TempDir other;
+  auto resume_options = test_options(other);
+  resume_options.max_epochs = 2;
+  fulgur::Trainer resume(resume_options);
+  resume.fit(second, regression_loader(2), nullptr, {.ckpt_path = result.last_model_path});
+  EXPECT_DOUBLE_EQ(second.value, 3.25);
+}
+
+TEST(Checkpoint, HyperparametersAreSaved) {
+  TempDir dir;
+  LinearRegression model;
+  model.save_hyperparameters({{"lr", 0.05}, {"name", std::string("hp_value_7f3a")}});
+  auto last = train_and_checkpoint(dir, model);
+  // The checkpoint is a LibTorch archive; the hyper-parameters are somewhere
+  // in it as strings or values. Reading the raw bytes avoids depending on the
+  // archive's layout.
+  auto bytes = fulgur::test::read_text(last);
+  EXPECT_NE(bytes.find("hp_value_7f3a"), std::string::npos);
+}
+
+// ---- Bit-identical resume.
+
+/// Dropout makes the result depend on the RNG state, SGD with momentum on
+/// the optimizer state, shuffling on the sampler position.
+class DropoutNet : public fulgur::Module {
+ public:
+  DropoutNet() : fulgur::Module("DropoutNet") {
+    fc1 = register_module("fc1", torch::nn::Linear(3, 16));
+    dropout = register_module("dropout", torch::nn::Dropout(0.5));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 1));
+  }
+  at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
+    ++training_steps;
+    const auto& [x, y] = batch.pair();
+    auto out = fc2(dropout(torch::relu(fc1(x))));
+    return torch::nn::functional::mse_loss(out, y);
+  }
+  fulgur::OptimizerConfig configure_optimizers() override {
+    optimizer = std::make_shared<torch::optim::SGD>(
+        parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    return fulgur::OptimizerConfig(optimizer);
+  }
+
+  torch::nn::Linear fc1{nullptr};
+  torch::nn::Dropout dropout{nullptr};
+  torch::nn::Linear fc2{nullptr};
+  std::shared_ptr<torch::optim::SGD> optimizer;
+  int64_t training_steps = 0;
+};
+
+/// Counts training batches; the count is callback state saved in checkpoints.
+class BatchCounter : public fulgur::Callback {
+ public:
+  std::string state_key() const override { return "BatchCounter"; }
+  void on_train_batch_end(fulgur::Trainer&, fulgur::Module&, const at::Tensor&,
+                          const fulgur::Batch&, int64_t) override {
+    ++batches;
+  }
+  void save_state(torch::serialize::OutputArchive& archive) const override {
+    archive.write("batches", c10::IValue(batches));
+  }
+  void load_state(torch::serialize::InputArchive& archive) override {
+    c10::IValue v;
+    archive.read("batches", v);
+    batches = v.toInt();
+  }
+  int64_t batches = 0;
+};
+
+constexpr int64_t kEpochs = 2;
+constexpr int64_t kBatchesPerEpoch = 10;
+
+std::shared_ptr<fulgur::DataLoader> shuffled_loader() {
+  return fulgur::make_data_loader(regression_dataset(4 * kBatchesPerEpoch),
+                                  {.batch_size = 4, .shuffle = true});
+}
+
+fulgur::TrainerOptions resume_options(const TempDir& root, const std::string& ckpt_dir,
+                                      std::shared_ptr<BatchCounter> counter) {
+  auto options = test_options(root);
+  options.max_epochs = kEpochs;
+  options.seed = 42;
+  options.enable_checkpointing = true;
+  // The counter comes first so that its state is current when the
+  // ModelCheckpoint (called after it) saves at the end of a batch.
+  options.callbacks = {std::move(counter),
+                       std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+                           .dirpath = ckpt_dir, .save_top_k = -1, .every_n_train_steps = 3})};
+  return options;
+}
+
+/// The momentum buffer of every parameter, in parameter order.
+std::vector<at::Tensor> momentum_buffers(const DropoutNet& model) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : model.parameters()) {
+    auto& state = model.optimizer->state();
+    auto it = state.find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+    if (it == state.end()) {
+      out.emplace_back();
+      continue;
+    }
+    out.push_back(static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer());
+  }
+  return out;
+}
+
+::testing::AssertionResult same_optimizer_state(const DropoutNet& a, const DropoutNet& b) {
+  auto ma = momentum_buffers(a);
+  auto mb = momentum_buffers(b);
+  if (ma.size() != mb.size()) return ::testing::AssertionFailure() << "parameter counts differ";
+  for (size_t i = 0; i < ma.size(); ++i) {
+    if (ma[i].defined() != mb[i].defined()) {
+      return ::testing::AssertionFailure() << "momentum buffer " << i << " exists in one only";
+    }
+    if (ma[i].defined() && !torch::equal(ma[i], mb[i])) {
+      return ::testing::AssertionFailure() << "momentum buffer " << i << " differs";
+    }
+  }
+  if (fulgur::test::sgd_lr(*a.optimizer) != fulgur::test::sgd_lr(*b.optimizer)) {
+    return ::testing::AssertionFailure() << "learning rates differ";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+class MidEpochResume : public ::testing::Test {
+ protected:
+  /// Run A: the uninterrupted run, writing a checkpoint every 3 steps.
+  void SetUp() override {
+    torch::manual_seed(1);
+    uninterrupted_ = std::make_unique<DropoutNet>();
+    counter_ = std::make_shared<BatchCounter>();
+    ckpt_dir_ = root_.file("ckpts");
+    fulgur::Trainer trainer(resume_options(root_, ckpt_dir_, counter_));
+    result_ = trainer.fit(*uninterrupted_, shuffled_loader());
+    ASSERT_EQ(result_.global_step, kEpochs * kBatchesPerEpoch);
+    ASSERT_EQ(counter_->batches, kEpochs * kBatchesPerEpoch);
+  }
+
+  /// Run B: a fresh module (other initial weights) resumed from `ckpt_path`;
+  /// checks it ends bit-identical to run A after `expected_steps` steps.
+  void ExpectResumeMatches(const std::string& ckpt_path, std::optional<int64_t> expected_steps,
+                           const std::string& ckpt_dir) {
+    torch::manual_seed(2);
+    DropoutNet resumed;
+    ASSERT_FALSE(parameters_equal(*uninterrupted_, resumed));
+    TempDir root_b;
+    auto counter = std::make_shared<BatchCounter>();
+    fulgur::Trainer trainer(resume_options(root_b, ckpt_dir, counter));
+    auto result = trainer.fit(resumed, shuffled_loader(), nullptr, {.ckpt_path = ckpt_path});
+    if (expected_steps) EXPECT_EQ(resumed.training_steps, *expected_steps);
+    EXPECT_EQ(result.global_step, result_.global_step);
+    EXPECT_EQ(result.epochs, result_.epochs);
+    EXPECT_EQ(counter->batches, kEpochs * kBatchesPerEpoch) << "callback state restored";
+    EXPECT_TRUE(parameters_equal(*uninterrupted_, resumed));
+    EXPECT_TRUE(same_optimizer_state(*uninterrupted_, resumed));
+  }
+
+  std::string checkpoint(const std::string& name) const {
+    auto path = (fs::path(ckpt_dir_) / name).string();
+    EXPECT_TRUE(fs::exists(path)) << path << " missing; the directory holds: "
+                                  << ::testing::PrintToString(list_files(ckpt_dir_));
+    return path;
+  }
+
+  TempDir root_;
+  std::string ckpt_dir_;
+  std::unique_ptr<DropoutNet> uninterrupted_;
+  std::shared_ptr<BatchCounter> counter_;
+  fulgur::FitResult result_;
+};
+
+TEST_F(MidEpochResume, WritesACheckpointEveryThreeSteps) {
+  auto files = list_files(ckpt_dir_);
+  for (const char* name : {"epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "epoch=0-step=9.ckpt",
+                           "epoch=1-step=12.ckpt", "epoch=1-step=15.ckpt", "epoch=1-step=18.ckpt",
+                           "last.ckpt"}) {
+    EXPECT_THAT(files, ::testing::Contains(name));
+  }
+}
+
+TEST_F(MidEpochResume, FromStepThreeInTheFirstEpoch) {
+  ExpectResumeMatches(checkpoint("epoch=0-step=3.ckpt"), 20 - 3, root_.file("ckpts_b"));
+}
+
+TEST_F(MidEpochResume, FromStepTwelveInTheSecondEpoch) {
+  ExpectResumeMatches(checkpoint("epoch=1-step=12.ckpt"), 20 - 12, root_.file("ckpts_b"));
+}
+
+TEST_F(MidEpochResume, FromLast) {
+  // "last" resolves to last.ckpt of the Trainer's ModelCheckpoint: give run B
+  // the directory run A wrote.
+  ExpectResumeMatches("last", std::nullopt, ckpt_dir_);
+}
+
+// ---- Unusable checkpoints.
+
+TEST(CheckpointErrors, MissingFile) {
+  TempDir dir;
+  LinearRegression model;
+  auto path = dir.file("missing.ckpt");
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = path}),
+                     {path, "does not exist"});
+  EXPECT_EQ(model.training_steps, 0);
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, trainer.validate(model, regression_loader(2), path),
+                     {path, "does not exist"});
+}
+
+TEST(CheckpointErrors, TruncatedFile) {
+  TempDir dir;
+  LinearRegression trained;
+  auto last = train_and_checkpoint(dir, trained);
+  auto path = dir.file("truncated.ckpt");
+  fs::copy_file(last, path);
+  fs::resize_file(path, fs::file_size(path) / 2);
+
+  LinearRegression model;
+  TempDir other;
+  fulgur::Trainer trainer(test_options(other));
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = path}),
+                     {path, "truncated"});
+  EXPECT_EQ(model.training_steps, 0);
+}
+
+TEST(CheckpointErrors, ForeignLibTorchArchive) {
+  TempDir dir;
+  auto path = dir.file("tensor.pt");
+  torch::save(torch::ones({3}), path);
+  LinearRegression model;
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = path}),
+                     {path, "not a fulgur checkpoint"});
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, trainer.validate(model, regression_loader(2), path),
+                     {path, "not a fulgur checkpoint"});
+}
+
+TEST(CheckpointErrors, TextFile) {
+  TempDir dir;
+  auto path = dir.file("notes.ckpt");
+  fulgur::test::write_text(path, "epoch: 3\nthis is not a checkpoint\n");
+  LinearRegression model;
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = path}),
+                     {path, "not a"});
+}
+
+TEST(CheckpointErrors, LastWithoutALastCheckpoint) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  fulgur::Trainer trainer(options);
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = "last"}),
+                     {"last"});
+  EXPECT_EQ(model.training_steps, 0);
+}
+
+TEST(CheckpointErrors, TheTrainerIsUsableAfterAFailedResume) {
+  TempDir dir;
+  LinearRegression model;
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROW(trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = dir.file("nope")}),
+               fulgur::CheckpointError);
+  EXPECT_FALSE(model.has_trainer());
+  auto result = trainer.fit(model, regression_loader(2));
+  EXPECT_EQ(result.global_step, 2);
+}
+
+}  // namespace

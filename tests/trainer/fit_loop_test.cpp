@@ -1,0 +1,709 @@
+// The fit loop's semantics, with exact counts: epochs, steps, limits, the
+// validation schedule, the sanity check, fast_dev_run, gradient accumulation
+// and the order of hooks.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::IsEmpty;
+using fulgur::test::LinearRegression;
+using fulgur::test::list_files;
+using fulgur::test::only;
+using fulgur::test::regression_loader;
+using fulgur::test::TempDir;
+using fulgur::test::test_options;
+using fulgur::test::ValidationRecorder;
+
+// ---- Run length.
+
+TEST(FitLoop, MaxEpochsRunsEveryBatchOfEveryEpoch) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.max_epochs = 3;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(5));
+  EXPECT_EQ(model.training_steps, 15);
+  EXPECT_EQ(model.count("on_train_epoch_start"), 3);
+  EXPECT_EQ(model.count("on_train_epoch_end"), 3);
+  EXPECT_EQ(model.count("on_train_batch_start"), 15);
+  EXPECT_EQ(model.count("on_train_batch_end"), 15);
+  EXPECT_EQ(model.count("on_fit_start"), 1);
+  EXPECT_EQ(model.count("on_fit_end"), 1);
+  EXPECT_EQ(model.count("on_train_start"), 1);
+  EXPECT_EQ(model.count("on_train_end"), 1);
+  EXPECT_EQ(model.count("configure_optimizers"), 1);
+  EXPECT_EQ(result.global_step, 15);
+  EXPECT_EQ(result.epochs, 3);
+  EXPECT_EQ(result.stop_reason, "max_epochs");
+  EXPECT_EQ(trainer.global_step(), 15);
+  EXPECT_EQ(trainer.current_epoch(), 3);
+  EXPECT_EQ(trainer.num_training_batches(), 5);
+}
+
+TEST(FitLoop, MaxStepsStopsMidEpoch) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.max_epochs = std::nullopt;  // unlimited because max_steps is set
+  options.max_steps = 7;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(5));
+  EXPECT_EQ(model.training_steps, 7);
+  EXPECT_EQ(result.global_step, 7);
+  EXPECT_EQ(model.count("on_train_epoch_start"), 2);
+  EXPECT_EQ(model.count("on_train_epoch_end"), 2);  // the interrupted epoch still ends
+  EXPECT_EQ(result.stop_reason, "max_steps");
+}
+
+TEST(FitLoop, MaxEpochsWinsOverALargerMaxSteps) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.max_steps = 100;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(5));
+  EXPECT_EQ(model.training_steps, 10);
+  EXPECT_EQ(result.stop_reason, "max_epochs");
+}
+
+TEST(FitLoop, RequestStopEndsAfterTheCurrentBatch) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+    if (batch_idx == 1) self.trainer().request_stop();
+  };
+  auto options = test_options(dir);
+  options.max_epochs = 5;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(4));
+  EXPECT_EQ(model.training_steps, 2);
+  EXPECT_EQ(result.global_step, 2);
+  EXPECT_EQ(model.count("on_train_epoch_end"), 1);
+  EXPECT_EQ(result.stop_reason, "should_stop");
+  EXPECT_TRUE(trainer.should_stop());
+}
+
+TEST(FitLoop, MinEpochsDelaysAStopRequestedInTheFirstEpoch) {
+  TempDir dir;
+  LinearRegression model;
+  // Asks to stop at every step, from the very first one.
+  model.train_hook = [](LinearRegression& self, fulgur::Batch&, int64_t) {
+    self.trainer().request_stop();
+  };
+  auto options = test_options(dir);
+  options.max_epochs = 10;
+  options.min_epochs = 3;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(4));
+  // Exactly min_epochs complete epochs, then the stop is honoured.
+  EXPECT_EQ(model.count("on_train_epoch_end"), 3);
+  EXPECT_EQ(model.training_steps, 12);
+  EXPECT_EQ(result.global_step, 12);
+  EXPECT_EQ(result.epochs, 3);
+  EXPECT_EQ(result.stop_reason, "should_stop");
+}
+
+TEST(FitLoop, MinEpochsKeepsAOneTimeStopRequest) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+    if (self.current_epoch() == 0 && batch_idx == 0) self.trainer().request_stop();
+  };
+  auto options = test_options(dir);
+  options.max_epochs = 10;
+  options.min_epochs = 2;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(4));
+  EXPECT_EQ(model.training_steps, 8);
+  EXPECT_EQ(model.count("on_train_epoch_end"), 2);
+}
+
+TEST(FitLoop, MinStepsDelaysAStopRequest) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression& self, fulgur::Batch&, int64_t) {
+    self.trainer().request_stop();
+  };
+  auto options = test_options(dir);
+  options.max_epochs = 10;
+  options.min_steps = 7;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(5));
+  EXPECT_EQ(model.training_steps, 7);
+  EXPECT_EQ(result.global_step, 7);
+  EXPECT_EQ(result.stop_reason, "should_stop");
+}
+
+TEST(FitLoop, ZeroMaxEpochsTrainsNothing) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.max_epochs = 0;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(3));
+  EXPECT_EQ(model.training_steps, 0);
+  EXPECT_EQ(result.global_step, 0);
+}
+
+// ---- Batch limits.
+
+TEST(FitLoop, LimitTrainBatchesAsACount) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.limit_train_batches = 10;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(40, /*batch_size=*/1));
+  EXPECT_EQ(trainer.num_training_batches(), 10);
+  EXPECT_EQ(model.training_steps, 20);
+  EXPECT_EQ(result.global_step, 20);
+  EXPECT_EQ(model.count("on_train_epoch_end"), 2);
+}
+
+TEST(FitLoop, LimitTrainBatchesAsAFraction) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.limit_train_batches = 0.25;  // of 40 batches: 10
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(40, /*batch_size=*/1));
+  EXPECT_EQ(trainer.num_training_batches(), 10);
+  EXPECT_EQ(model.training_steps, 20);
+}
+
+TEST(FitLoop, LimitTrainBatchesZeroSkipsTraining) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.limit_train_batches = 0;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(4));
+  EXPECT_EQ(model.training_steps, 0);
+  EXPECT_EQ(result.global_step, 0);
+}
+
+TEST(FitLoop, LimitValBatchesAsACountAndAFraction) {
+  for (fulgur::BatchLimit limit : {fulgur::BatchLimit(3), fulgur::BatchLimit(0.3)}) {
+    TempDir dir;
+    LinearRegression model;
+    auto options = test_options(dir);
+    options.max_epochs = 2;
+    options.limit_val_batches = limit;
+    options.num_sanity_val_steps = 0;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(2), regression_loader(10));
+    EXPECT_EQ(model.validation_steps, 6) << "limit_val_batches=" << limit.text();
+    EXPECT_EQ(model.sanity_steps, 0);
+  }
+}
+
+TEST(FitLoop, LimitValBatchesZeroDisablesValidation) {
+  TempDir dir;
+  LinearRegression model;
+  auto recorder = std::make_shared<ValidationRecorder>();
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.limit_val_batches = 0;
+  options.callbacks = {recorder};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(4));
+  EXPECT_EQ(model.validation_steps + model.sanity_steps, 0);
+  EXPECT_THAT(recorder->steps_at_validation, IsEmpty());
+  EXPECT_EQ(recorder->sanity_runs, 0);
+}
+
+// ---- Validation schedule.
+
+TEST(FitLoop, ValidatesAtTheEndOfEveryEpochByDefault) {
+  TempDir dir;
+  LinearRegression model;
+  auto recorder = std::make_shared<ValidationRecorder>();
+  auto options = test_options(dir);
+  options.max_epochs = 3;
+  options.num_sanity_val_steps = 0;
+  options.callbacks = {recorder};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(4), regression_loader(2));
+  EXPECT_THAT(recorder->steps_at_validation, ElementsAre(4, 8, 12));
+  EXPECT_EQ(model.validation_steps, 6);
+}
+
+TEST(FitLoop, FractionalValCheckIntervalValidatesTwicePerEpoch) {
+  TempDir dir;
+  LinearRegression model;
+  auto recorder = std::make_shared<ValidationRecorder>();
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.val_check_interval = 0.5;
+  options.num_sanity_val_steps = 0;
+  options.callbacks = {recorder};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(10), regression_loader(3));
+  EXPECT_THAT(recorder->steps_at_validation, ElementsAre(5, 10, 15, 20));
+  EXPECT_EQ(model.validation_steps, 12);
+}
+
+TEST(FitLoop, IntegerValCheckIntervalCountsBatchesWithinTheEpoch) {
+  TempDir dir;
+  LinearRegression model;
+  auto recorder = std::make_shared<ValidationRecorder>();
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.val_check_interval = 3;
+  options.num_sanity_val_steps = 0;
+  options.callbacks = {recorder};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(10), regression_loader(1));
+  // Batches 3, 6, 9 of each epoch; the 10th is not a multiple of 3.
+  EXPECT_THAT(recorder->steps_at_validation, ElementsAre(3, 6, 9, 13, 16, 19));
+}
+
+TEST(FitLoop, IntegerValCheckIntervalAcrossEpochs) {
+  TempDir dir;
+  LinearRegression model;
+  auto recorder = std::make_shared<ValidationRecorder>();
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.val_check_interval = 4;
+  options.check_val_every_n_epoch = std::nullopt;
+  options.num_sanity_val_steps = 0;
+  options.callbacks = {recorder};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(10), regression_loader(1));
+  EXPECT_THAT(recorder->steps_at_validation, ElementsAre(4, 8, 12, 16, 20));
+}
+
+TEST(FitLoop, ValCheckIntervalLargerThanTheEpochIsAConfigError) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.val_check_interval = 20;
+  fulgur::Trainer trainer(options);
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     trainer.fit(model, regression_loader(10), regression_loader(1)),
+                     {"val_check_interval=20", "10"});
+}
+
+TEST(FitLoop, CheckValEveryNEpochs) {
+  TempDir dir;
+  LinearRegression model;
+  auto recorder = std::make_shared<ValidationRecorder>();
+  auto options = test_options(dir);
+  options.max_epochs = 5;
+  options.check_val_every_n_epoch = 2;
+  options.num_sanity_val_steps = 0;
+  options.callbacks = {recorder};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(1));
+  // The ends of epochs 1 and 3 (0-based), after 4 and 8 steps.
+  EXPECT_THAT(recorder->steps_at_validation, ElementsAre(4, 8));
+}
+
+TEST(FitLoop, ValidationRunsInEvalModeAndTrainingResumesInTrainMode) {
+  TempDir dir;
+  LinearRegression model;
+  std::vector<bool> training_mode;
+  model.train_hook = [&](LinearRegression& self, fulgur::Batch&, int64_t) {
+    training_mode.push_back(self.is_training());
+  };
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(1));
+  EXPECT_FALSE(model.validated_in_training_mode);
+  EXPECT_THAT(training_mode, ElementsAre(true, true, true, true));
+}
+
+// ---- Sanity check.
+
+TEST(FitLoop, SanityCheckRunsTwoBatchesByDefault) {
+  TempDir dir;
+  LinearRegression model;
+  auto recorder = std::make_shared<ValidationRecorder>();
+  auto options = test_options(dir);
+  options.callbacks = {recorder};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(5));
+  EXPECT_EQ(model.sanity_steps, 2);
+  EXPECT_EQ(model.validation_steps, 5);
+  EXPECT_EQ(recorder->sanity_runs, 1);
+}
+
+TEST(FitLoop, SanityCheckZeroAndAll) {
+  struct Case {
+    int64_t num_sanity_val_steps;
+    int64_t expected;
+  };
+  for (const Case& c : {Case{0, 0}, Case{2, 2}, Case{-1, 5}, Case{9, 5}}) {
+    TempDir dir;
+    LinearRegression model;
+    auto options = test_options(dir);
+    options.num_sanity_val_steps = c.num_sanity_val_steps;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(2), regression_loader(5));
+    EXPECT_EQ(model.sanity_steps, c.expected) << "num_sanity_val_steps=" << c.num_sanity_val_steps;
+    EXPECT_EQ(model.validation_steps, 5);
+  }
+}
+
+TEST(FitLoop, SanityCheckAllRespectsLimitValBatches) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.num_sanity_val_steps = -1;
+  options.limit_val_batches = 3;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(5));
+  EXPECT_EQ(model.sanity_steps, 3);
+}
+
+class MetricsAtTrainStart : public fulgur::Callback {
+ public:
+  std::string state_key() const override { return "MetricsAtTrainStart"; }
+  void on_train_start(fulgur::Trainer& trainer, fulgur::Module&) override {
+    metrics = trainer.callback_metrics();
+    sanity_checking = trainer.sanity_checking();
+  }
+  fulgur::Metrics metrics;
+  bool sanity_checking = true;
+};
+
+TEST(FitLoop, SanityCheckRunsBeforeTrainingAndItsMetricsAreDropped) {
+  TempDir dir;
+  LinearRegression model;
+  auto probe = std::make_shared<MetricsAtTrainStart>();
+  auto options = test_options(dir);
+  options.callbacks = {probe};
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(2), regression_loader(3));
+  EXPECT_EQ(model.sanity_steps, 2);
+  EXPECT_EQ(probe->metrics.count("val_loss"), 0u) << "sanity-check metrics must not be kept";
+  EXPECT_FALSE(probe->sanity_checking);
+  EXPECT_EQ(result.metrics.count("val_loss"), 1u) << "the real validation's metrics are kept";
+  auto order = only(model.events, {"on_fit_start", "validation_step", "on_train_start"});
+  EXPECT_THAT(order, ElementsAre("on_fit_start", "validation_step", "validation_step",
+                                 "on_train_start", "validation_step", "validation_step",
+                                 "validation_step"));
+}
+
+// ---- fast_dev_run.
+
+TEST(FitLoop, FastDevRunTrueRunsOneBatchOfEachAndWritesNothing) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.max_epochs = 5;
+  options.fast_dev_run = true;
+  options.enable_checkpointing = true;  // turned off by fast_dev_run
+  options.logger = true;                // turned off by fast_dev_run
+  fulgur::Trainer trainer(options);
+  EXPECT_TRUE(trainer.loggers().empty());
+  auto result = trainer.fit(model, regression_loader(40), regression_loader(10));
+  EXPECT_EQ(model.training_steps, 1);
+  EXPECT_EQ(model.validation_steps, 1);
+  EXPECT_EQ(model.sanity_steps, 0);
+  EXPECT_EQ(model.count("on_train_epoch_start"), 1);
+  EXPECT_EQ(result.global_step, 1);
+  EXPECT_THAT(list_files(dir.path()), IsEmpty());
+}
+
+TEST(FitLoop, FastDevRunNRunsNBatchesOfTrainAndVal) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.max_epochs = 5;
+  options.fast_dev_run = 3;
+  options.enable_checkpointing = true;
+  options.logger = true;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(40), regression_loader(10));
+  EXPECT_EQ(model.training_steps, 3);
+  EXPECT_EQ(model.validation_steps, 3);
+  EXPECT_EQ(model.sanity_steps, 0);
+  EXPECT_EQ(model.count("on_train_epoch_start"), 1);
+  EXPECT_EQ(result.global_step, 3);
+  EXPECT_THAT(list_files(dir.path()), IsEmpty());
+}
+
+TEST(FitLoop, FastDevRunSilencesAnExplicitModelCheckpoint) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.fast_dev_run = 2;
+  options.enable_checkpointing = true;
+  options.callbacks = {std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+      .dirpath = dir.file("ckpts"), .save_top_k = -1, .every_n_train_steps = 1})};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(10));
+  EXPECT_EQ(model.training_steps, 2);
+  EXPECT_THAT(list_files(dir.path()), IsEmpty());
+}
+
+// ---- Gradient accumulation.
+
+TEST(FitLoop, AccumulationStepsOncePerGroupAndAtTheEpochEnd) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.accumulate_grad_batches = 4;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(10));
+  // ceil(10 / 4) = 3 steps per epoch: after batches 4, 8 and the last (10).
+  EXPECT_EQ(result.global_step, 6);
+  EXPECT_EQ(model.training_steps, 20);
+  EXPECT_EQ(model.count("on_before_backward"), 20);
+  EXPECT_EQ(model.count("on_before_optimizer_step"), 6);
+  EXPECT_EQ(model.count("on_before_zero_grad"), 6);
+}
+
+TEST(FitLoop, AccumulationUsesTheLimitedEpochLength) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.accumulate_grad_batches = 2;
+  options.limit_train_batches = 5;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(10));
+  EXPECT_EQ(model.training_steps, 5);
+  EXPECT_EQ(result.global_step, 3);  // after batches 2, 4 and 5
+}
+
+TEST(FitLoop, StepsAtValidationWithAccumulation) {
+  TempDir dir;
+  LinearRegression model;
+  auto recorder = std::make_shared<ValidationRecorder>();
+  auto options = test_options(dir);
+  options.accumulate_grad_batches = 3;
+  options.num_sanity_val_steps = 0;
+  options.callbacks = {recorder};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(7), regression_loader(1));
+  EXPECT_THAT(recorder->steps_at_validation, ElementsAre(3));
+}
+
+// ---- Order of hooks.
+
+TEST(FitLoop, HookOrderForOneBatch) {
+  TempDir dir;
+  LinearRegression model;
+  fulgur::Trainer trainer(test_options(dir));
+  trainer.fit(model, regression_loader(1));
+  EXPECT_THAT(model.events,
+              ElementsAre("configure_model", "configure_optimizers", "on_fit_start",
+                          "on_train_start", "on_train_epoch_start", "on_train_batch_start",
+                          "training_step", "on_before_backward", "on_after_backward",
+                          "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end",
+                          "on_train_epoch_end", "on_train_end", "on_fit_end"));
+}
+
+TEST(FitLoop, HookOrderWithAccumulation) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.accumulate_grad_batches = 2;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2));
+  auto batch_events =
+      only(model.events, {"on_train_batch_start", "training_step", "on_before_backward",
+                          "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
+                          "on_train_batch_end"});
+  EXPECT_THAT(batch_events,
+              ElementsAre(
+                  // batch 0: accumulate only
+                  "on_train_batch_start", "training_step", "on_before_backward",
+                  "on_after_backward", "on_train_batch_end",
+                  // batch 1: accumulate, then step
+                  "on_train_batch_start", "training_step", "on_before_backward",
+                  "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
+                  "on_train_batch_end"));
+}
+
+TEST(FitLoop, HookOrderWithValidation) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.num_sanity_val_steps = 1;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(1));
+  auto order = only(model.events,
+                    {"on_fit_start", "on_fit_end", "on_train_start", "on_train_end",
+                     "on_train_epoch_start", "on_train_epoch_end", "training_step",
+                     "validation_step", "on_train_batch_end"});
+  EXPECT_THAT(order, ElementsAre("on_fit_start",
+                                 "validation_step",  // sanity check
+                                 "on_train_start", "on_train_epoch_start", "training_step",
+                                 "on_train_batch_end", "training_step", "on_train_batch_end",
+                                 "validation_step",  // after the last batch's end hook
+                                 "on_train_epoch_end", "on_train_end", "on_fit_end"));
+}
+
+TEST(FitLoop, ValidationRunsAfterTheBatchEndHookWhenDue) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.val_check_interval = 1;
+  options.num_sanity_val_steps = 0;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(1));
+  auto order = only(model.events, {"training_step", "on_train_batch_end", "validation_step"});
+  EXPECT_THAT(order, ElementsAre("training_step", "on_train_batch_end", "validation_step",
+                                 "training_step", "on_train_batch_end", "validation_step"));
+}
+
+TEST(FitLoop, CallbackHooksRunRightAfterTheModuleHook) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.callbacks = {std::make_shared<fulgur::test::RecordingCallback>(&model.events)};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(1));
+  for (const char* hook :
+       {"on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start",
+        "on_before_optimizer_step", "on_train_batch_end", "on_train_epoch_end", "on_train_end",
+        "on_fit_end"}) {
+    auto it = std::find(model.events.begin(), model.events.end(), hook);
+    ASSERT_NE(it, model.events.end()) << hook;
+    ASSERT_NE(it + 1, model.events.end()) << hook;
+    EXPECT_EQ(*(it + 1), std::string("cb:") + hook);
+  }
+}
+
+TEST(FitLoop, StateDuringTheLoop) {
+  TempDir dir;
+  LinearRegression model;
+  std::vector<int64_t> batch_indices;
+  std::vector<fulgur::Stage> stages;
+  model.train_hook = [&](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+    EXPECT_EQ(self.trainer().batch_idx(), batch_idx);
+    EXPECT_FALSE(self.trainer().sanity_checking());
+    EXPECT_EQ(self.trainer().num_training_batches(), 3);
+    batch_indices.push_back(batch_idx);
+    stages.push_back(self.trainer().stage());
+  };
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(3));
+  EXPECT_THAT(batch_indices, ElementsAre(0, 1, 2, 0, 1, 2));
+  EXPECT_THAT(stages, ::testing::Each(fulgur::Stage::Fit));
+}
+
+TEST(FitLoop, NoTrainingDataIsAConfigError) {
+  TempDir dir;
+  LinearRegression model;
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(model, nullptr), {"no training data"});
+}
+
+TEST(FitLoop, FitTwiceWithOneTrainerStartsOver) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(3));
+  auto second = trainer.fit(model, regression_loader(3));
+  EXPECT_EQ(second.global_step, 6);
+  EXPECT_EQ(model.training_steps, 12);
+}
+
+// ---- Loaders of unknown length.
+
+/// A generator of `num_batches` (x, y) batches that does not say its length.
+std::shared_ptr<fulgur::IterableLoader> generator_loader(int64_t num_batches) {
+  auto data = fulgur::test::regression_dataset(num_batches * 2);
+  at::Tensor x = data->tensors()[0];
+  at::Tensor y = data->tensors()[1];
+  return fulgur::make_iterable_loader([x, y, num_batches](int64_t) -> fulgur::BatchGenerator {
+    return [x, y, num_batches, i = int64_t{0}]() mutable -> std::optional<fulgur::Batch> {
+      if (i >= num_batches) return std::nullopt;
+      int64_t k = i++;
+      return fulgur::Batch(x.slice(0, 2 * k, 2 * k + 2), y.slice(0, 2 * k, 2 * k + 2));
+    };
+  });
+}
+
+TEST(FitLoop, UnknownLengthLoaderTrainsUntilItEnds) {
+  TempDir dir;
+  LinearRegression model;
+  auto recorder = std::make_shared<ValidationRecorder>();
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.num_sanity_val_steps = 0;
+  options.callbacks = {recorder};
+  fulgur::Trainer trainer(options);
+  auto loader = generator_loader(5);
+  ASSERT_EQ(loader->num_batches(), std::nullopt);
+  auto result = trainer.fit(model, loader, regression_loader(2));
+  EXPECT_EQ(trainer.num_training_batches(), -1);
+  EXPECT_EQ(model.training_steps, 10);
+  EXPECT_EQ(result.global_step, 10);
+  EXPECT_EQ(model.count("on_train_epoch_end"), 2);
+  // Validation at the end of each epoch, found by looking ahead.
+  EXPECT_THAT(recorder->steps_at_validation, ElementsAre(5, 10));
+}
+
+TEST(FitLoop, UnknownLengthLoaderWithACountLimit) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.limit_train_batches = 3;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, generator_loader(5));
+  EXPECT_EQ(model.training_steps, 6);
+}
+
+TEST(FitLoop, UnknownLengthLoaderWithAFractionalLimitIsAConfigError) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.limit_train_batches = 0.5;
+  fulgur::Trainer trainer(options);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(model, generator_loader(5)),
+                     {"limit_train_batches", "0.5"});
+  EXPECT_EQ(model.training_steps, 0);
+}
+
+TEST(FitLoop, UnknownLengthLoaderWithAFractionalValCheckIntervalIsAConfigError) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.val_check_interval = 0.5;
+  fulgur::Trainer trainer(options);
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     trainer.fit(model, generator_loader(5), regression_loader(1)),
+                     {"val_check_interval=0.5"});
+}
+
+TEST(FitLoop, VectorOfBatchesTrains) {
+  TempDir dir;
+  LinearRegression model;
+  auto batches = std::make_shared<std::vector<fulgur::Batch>>();
+  auto data = fulgur::test::regression_dataset(6);
+  for (int64_t k = 0; k < 3; ++k) {
+    batches->emplace_back(data->tensors()[0].slice(0, 2 * k, 2 * k + 2),
+                          data->tensors()[1].slice(0, 2 * k, 2 * k + 2));
+  }
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, fulgur::make_iterable_loader(batches));
+  EXPECT_EQ(trainer.num_training_batches(), 3);
+  EXPECT_EQ(result.global_step, 6);
+}
+
+}  // namespace

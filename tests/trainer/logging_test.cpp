@@ -1,0 +1,253 @@
+// Module::log inside the loops: names, step and epoch values, reductions,
+// weighting by batch size, and where the values end up.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+using fulgur::test::LinearRegression;
+using fulgur::test::regression_dataset;
+using fulgur::test::regression_loader;
+using fulgur::test::TempDir;
+using fulgur::test::test_options;
+
+/// 10 samples in batches of 4, 4 and 2.
+std::shared_ptr<fulgur::DataLoader> uneven_loader() {
+  return fulgur::make_data_loader(regression_dataset(10), {.batch_size = 4});
+}
+
+TEST(Logging, TrainingStepLogsPerStepByDefault) {
+  TempDir dir;
+  LinearRegression model;
+  double last_value = -1;
+  model.train_hook = [&](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+    last_value = static_cast<double>(batch_idx) * 10;
+    self.log("plain", last_value);
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  auto result = trainer.fit(model, regression_loader(4));
+  const auto& metrics = trainer.callback_metrics();
+  ASSERT_EQ(metrics.count("plain"), 1u);
+  EXPECT_DOUBLE_EQ(metrics.at("plain"), 30.0);  // the latest step's value
+  EXPECT_EQ(metrics.count("plain_step"), 0u);
+  EXPECT_EQ(metrics.count("plain_epoch"), 0u);
+  EXPECT_EQ(result.metrics, metrics);
+  EXPECT_EQ(metrics.count("train_loss"), 1u);
+}
+
+TEST(Logging, OnStepAndOnEpochGiveStepAndEpochNames) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+    self.log("idx", static_cast<double>(batch_idx), {.on_epoch = true});
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  trainer.fit(model, regression_loader(4));  // 4 batches of 2
+  const auto& metrics = trainer.callback_metrics();
+  ASSERT_EQ(metrics.count("idx_step"), 1u);
+  ASSERT_EQ(metrics.count("idx_epoch"), 1u);
+  EXPECT_DOUBLE_EQ(metrics.at("idx_step"), 3.0);
+  EXPECT_DOUBLE_EQ(metrics.at("idx_epoch"), 1.5);  // (0 + 1 + 2 + 3) / 4
+}
+
+TEST(Logging, OnEpochOnlyKeepsTheName) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+    self.log("epoch_only", static_cast<double>(batch_idx), {.on_step = false, .on_epoch = true});
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  trainer.fit(model, regression_loader(4));
+  const auto& metrics = trainer.callback_metrics();
+  ASSERT_EQ(metrics.count("epoch_only"), 1u);
+  EXPECT_DOUBLE_EQ(metrics.at("epoch_only"), 1.5);
+  EXPECT_EQ(metrics.count("epoch_only_step"), 0u);
+}
+
+TEST(Logging, TrainingEpochMeanIsWeightedByBatchSize) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+    self.log("idx", static_cast<double>(batch_idx), {.on_step = false, .on_epoch = true});
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  trainer.fit(model, uneven_loader());
+  // (0 * 4 + 1 * 4 + 2 * 2) / 10
+  EXPECT_DOUBLE_EQ(trainer.callback_metrics().at("idx"), 0.8);
+}
+
+TEST(Logging, ValidationEpochMeanIsWeightedByBatchSize) {
+  TempDir dir;
+  LinearRegression model;
+  model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+    self.log("val_idx", static_cast<double>(batch_idx));
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  auto metrics = trainer.validate(model, uneven_loader());
+  ASSERT_EQ(metrics.count("val_idx"), 1u);
+  EXPECT_DOUBLE_EQ(metrics.at("val_idx"), 0.8);  // not the unweighted 1.0
+  EXPECT_EQ(metrics.count("val_idx_step"), 0u) << "evaluation logs per epoch by default";
+}
+
+TEST(Logging, ValidationMetricsDuringFitAreEpochMeans) {
+  TempDir dir;
+  LinearRegression model;
+  model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+    self.log("val_idx", static_cast<double>(batch_idx));
+  };
+  auto options = test_options(dir);
+  options.num_sanity_val_steps = 0;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(2), uneven_loader());
+  EXPECT_DOUBLE_EQ(result.metrics.at("val_idx"), 0.8);
+}
+
+TEST(Logging, ExplicitBatchSizeOverridesTheWeight) {
+  TempDir dir;
+  LinearRegression model;
+  model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+    self.log("unweighted", static_cast<double>(batch_idx), {.batch_size = 1});
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  auto metrics = trainer.validate(model, uneven_loader());
+  EXPECT_DOUBLE_EQ(metrics.at("unweighted"), 1.0);  // (0 + 1 + 2) / 3
+}
+
+TEST(Logging, Reductions) {
+  TempDir dir;
+  LinearRegression model;
+  model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+    double v = static_cast<double>(batch_idx);
+    self.log("v_max", v, {.reduce = fulgur::Reduce::Max});
+    self.log("v_min", v + 5, {.reduce = fulgur::Reduce::Min});
+    self.log("v_sum", v, {.reduce = fulgur::Reduce::Sum});
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  auto metrics = trainer.validate(model, uneven_loader());
+  EXPECT_DOUBLE_EQ(metrics.at("v_max"), 2.0);
+  EXPECT_DOUBLE_EQ(metrics.at("v_min"), 5.0);
+  EXPECT_DOUBLE_EQ(metrics.at("v_sum"), 3.0);  // the plain sum of the logged values
+}
+
+TEST(Logging, TensorValuesAreLoggedAsScalars) {
+  TempDir dir;
+  LinearRegression model;
+  model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t) {
+    self.log("t", torch::tensor(2.5));
+    self.log("t1", torch::full({1}, 1.5));
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  auto metrics = trainer.validate(model, fulgur::test::regression_loader(2));
+  EXPECT_DOUBLE_EQ(metrics.at("t"), 2.5);
+  EXPECT_DOUBLE_EQ(metrics.at("t1"), 1.5);
+}
+
+TEST(Logging, EpochEndHookLogsPerEpoch) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_epoch_end_hook = [](LinearRegression& self) {
+    self.log("finished_epoch", static_cast<double>(self.current_epoch()));
+  };
+  auto options = test_options(dir);
+  options.max_epochs = 3;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(2));
+  EXPECT_DOUBLE_EQ(result.metrics.at("finished_epoch"), 2.0);
+}
+
+TEST(Logging, ProgressBarMetricsAreTheOnesMarkedForIt) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression& self, fulgur::Batch&, int64_t) {
+    self.log("shown", 1.0, {.prog_bar = true});
+    self.log("hidden", 2.0);
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  trainer.fit(model, regression_loader(2));
+  EXPECT_EQ(trainer.progress_bar_metrics().count("shown"), 1u);
+  EXPECT_EQ(trainer.progress_bar_metrics().count("hidden"), 0u);
+  EXPECT_EQ(trainer.callback_metrics().count("shown"), 1u);
+  EXPECT_EQ(trainer.callback_metrics().count("hidden"), 1u);
+}
+
+TEST(Logging, NonScalarInAStepIsAConfigError) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression& self, fulgur::Batch& batch, int64_t) {
+    self.log("batch", batch.pair().first);
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(model, regression_loader(2)),
+                     {"\"batch\"", "only scalars"});
+}
+
+TEST(Logging, LogAfterTheRunIsAConfigError) {
+  TempDir dir;
+  LinearRegression model;
+  fulgur::Trainer trainer(test_options(dir));
+  trainer.fit(model, regression_loader(2));
+  EXPECT_THROWS_WITH(fulgur::ConfigError, model.log("late", 1.0), {"outside a Trainer run"});
+}
+
+/// Collects what reaches a logger.
+class MemoryLogger : public fulgur::Logger {
+ public:
+  std::string name() const override { return "memory"; }
+  std::string log_dir() const override { return ""; }
+  void log_hyperparams(const fulgur::HParams& params) override { hparams = params; }
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t step) override {
+    rows.emplace_back(step, metrics);
+  }
+  void finalize() override { ++finalized; }
+  fulgur::HParams hparams;
+  std::vector<std::pair<int64_t, std::map<std::string, double>>> rows;
+  int finalized = 0;
+};
+
+TEST(Logging, LoggersReceiveHyperparametersMetricsAndFinalize) {
+  TempDir dir;
+  LinearRegression model;
+  model.save_hyperparameters({{"lr", 0.05}});
+  auto memory = std::make_shared<MemoryLogger>();
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.logger = true;
+  options.loggers = {memory};
+  options.log_every_n_steps = 1;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(3), regression_loader(1));
+  EXPECT_EQ(memory->hparams.count("lr"), 1u);
+  EXPECT_EQ(memory->finalized, 1);
+  bool saw_train_loss = false;
+  bool saw_val_loss = false;
+  for (const auto& [step, metrics] : memory->rows) {
+    EXPECT_GE(step, 0);
+    saw_train_loss = saw_train_loss || metrics.count("train_loss") > 0;
+    saw_val_loss = saw_val_loss || metrics.count("val_loss") > 0;
+  }
+  EXPECT_TRUE(saw_train_loss);
+  EXPECT_TRUE(saw_val_loss);
+}
+
+TEST(Logging, LogEveryNStepsThinsStepMetrics) {
+  TempDir dir;
+  LinearRegression model;
+  auto memory = std::make_shared<MemoryLogger>();
+  auto options = test_options(dir);
+  options.logger = true;
+  options.loggers = {memory};
+  options.log_every_n_steps = 5;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(10));
+  int64_t rows_with_train_loss = 0;
+  for (const auto& row : memory->rows) {
+    if (row.second.count("train_loss") > 0) ++rows_with_train_loss;
+  }
+  EXPECT_EQ(rows_with_train_loss, 2);  // steps 5 and 10
+}
+
+}  // namespace
