@@ -152,6 +152,12 @@ std::optional<Batch> DatasetLoader::do_next() {
 }
 
 void DatasetLoader::do_skip(int64_t n) {
+  int64_t available = *num_batches();
+  if (n > available) {
+    throw CheckpointError(str("cannot resume the data loader at batch ", n, " of epoch ", epoch(),
+                              ": the epoch has only ", available,
+                              " batches. The data changed since the checkpoint was written."));
+  }
   cursor_ = std::min(cursor_ + n * options_.batch_size, order_.size(0));
 }
 

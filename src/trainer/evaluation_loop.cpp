@@ -15,7 +15,7 @@ Metrics Trainer::Impl::evaluation_epoch(DataLoader& loader, Stage s, std::option
   m.eval();
   eval_log.reset();
   m.log_sink_ = &eval_log;
-  eval_log.set_context(/*in_step=*/false, 1);
+  eval_log.set_context(/*training_step=*/false, 1);
   if (is_test) {
     m.on_test_epoch_start();
   } else {
@@ -27,7 +27,7 @@ Metrics Trainer::Impl::evaluation_epoch(DataLoader& loader, Stage s, std::option
     auto batch = loader.next();
     if (!batch) break;
     Batch on_device = strategy->batch_to_device(*batch);
-    eval_log.set_context(/*in_step=*/true, on_device.batch_size());
+    eval_log.set_context(/*training_step=*/false, on_device.batch_size());
     {
       auto scope = strategy->step_scope();
       if (is_test) {
@@ -36,7 +36,7 @@ Metrics Trainer::Impl::evaluation_epoch(DataLoader& loader, Stage s, std::option
         m.validation_step(on_device, idx);
       }
     }
-    eval_log.set_context(/*in_step=*/false, 1);
+    eval_log.set_context(/*training_step=*/false, 1);
     for (auto& cb : callbacks) {
       if (is_test) {
         cb->on_test_batch_end(self, m, *batch, idx);

@@ -29,7 +29,7 @@ bool Trainer::Impl::stop_requested_by_limits() {
     stop_reason = "max_steps";
     return true;
   }
-  if (should_stop && current_epoch + 1 >= options.min_epochs && global_step >= options.min_steps) {
+  if (should_stop && current_epoch >= options.min_epochs && global_step >= options.min_steps) {
     stop_reason = "should_stop";
     return true;
   }
@@ -133,7 +133,7 @@ void Trainer::Impl::train_epoch() {
 
   in_epoch_end = true;
   if (m.automatic_optimization()) step_schedulers(Interval::Epoch);
-  train_log.set_context(/*in_step=*/false, 1);
+  train_log.set_context(/*training_step=*/false, 1);
   m.log_sink_ = &train_log;
   m.on_train_epoch_end();
   publish_epoch_metrics(train_log);
@@ -147,7 +147,7 @@ void Trainer::Impl::training_batch(Batch& batch, int64_t idx, bool is_last_batch
   call_hooks([&](Module& mod) { mod.on_train_batch_start(batch, idx); },
              [&](Callback& cb) { cb.on_train_batch_start(self, m, batch, idx); });
   Batch on_device = strategy->batch_to_device(batch);
-  train_log.set_context(/*in_step=*/true, on_device.batch_size());
+  train_log.set_context(/*training_step=*/true, on_device.batch_size());
   m.log_sink_ = &train_log;
 
   const int64_t steps_before = global_step;

@@ -143,6 +143,11 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
     if (checkpoint_callback && fast) notes.push_back("fast_dev_run: checkpoint callback disabled");
   }
   if (options.enable_progress_bar) callbacks.push_back(std::make_shared<ProgressBar>());
+  // Checkpoint callbacks run last, so that every other callback's state in a
+  // checkpoint is already updated for the step being saved (as Lightning does).
+  std::stable_partition(callbacks.begin(), callbacks.end(), [](const auto& cb) {
+    return dynamic_cast<ModelCheckpoint*>(cb.get()) == nullptr;
+  });
   if (options.logger && !fast) {
     if (options.loggers.empty()) {
       loggers.push_back(std::make_shared<CSVLogger>(CSVLoggerOptions{.save_dir = root_dir()}));
@@ -263,6 +268,7 @@ Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loa
   run_stage(m, s, [&] {
     if (options.seed) seed_everything(*options.seed);
     if (data) {
+      if (strategy->local_rank() == 0) data->prepare_data();
       data->setup(s);
       loader = s == Stage::Test ? data->test_dataloader() : data->val_dataloader();
     }
@@ -289,6 +295,7 @@ std::vector<Batch> Trainer::Impl::run_predict(Module& m, std::shared_ptr<DataLoa
   run_stage(m, Stage::Predict, [&] {
     if (options.seed) seed_everything(*options.seed);
     if (data) {
+      if (strategy->local_rank() == 0) data->prepare_data();
       data->setup(Stage::Predict);
       loader = data->predict_dataloader();
     }

@@ -34,9 +34,10 @@ class LogSink {
     bool epoch_has_value = false;
   };
 
-  /// Defaults for unset on_step/on_epoch (step hooks vs epoch hooks).
-  void set_context(bool in_step, int64_t batch_size) {
-    in_step_ = in_step;
+  /// Defaults for unset on_step/on_epoch: per step inside training_step,
+  /// per epoch everywhere else (evaluation steps, epoch hooks).
+  void set_context(bool training_step, int64_t batch_size) {
+    in_step_ = training_step;
     batch_size_ = batch_size;
   }
   void log(std::string_view name, double value, const LogOptions& options);

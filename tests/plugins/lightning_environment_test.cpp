@@ -20,7 +20,7 @@ TEST(LightningEnvironment, EmptyEnvironmentIsOneLocalProcess) {
 }
 
 TEST(LightningEnvironment, ReadsTorchrunStyleVariables) {
-  fulgur::LightningEnvironment env{fulgur::EnvView({{"MASTER_ADDR", "10.0.0.1"},
+  fulgur::LightningEnvironment env{fulgur::EnvView(std::map<std::string, std::string>{{"MASTER_ADDR", "10.0.0.1"},
                                                     {"MASTER_PORT", "29500"},
                                                     {"WORLD_SIZE", "8"},
                                                     {"RANK", "5"},
@@ -36,16 +36,16 @@ TEST(LightningEnvironment, ReadsTorchrunStyleVariables) {
 }
 
 TEST(LightningEnvironment, GroupRankIsTheNodeRankWhenNodeRankIsUnset) {
-  fulgur::LightningEnvironment env{fulgur::EnvView({{"GROUP_RANK", "3"}})};
+  fulgur::LightningEnvironment env{fulgur::EnvView(std::map<std::string, std::string>{{"GROUP_RANK", "3"}})};
   EXPECT_EQ(env.node_rank(), 3);
 }
 
 TEST(LightningEnvironment, BadPortIsAConfigError) {
   EXPECT_THROWS_WITH(fulgur::ConfigError,
-                     fulgur::LightningEnvironment{fulgur::EnvView({{"MASTER_PORT", "70000"}})},
+                     fulgur::LightningEnvironment{fulgur::EnvView(std::map<std::string, std::string>{{"MASTER_PORT", "70000"}})},
                      {"MASTER_PORT=70000", "1..65535"});
   EXPECT_THROWS_WITH(fulgur::ConfigError,
-                     fulgur::LightningEnvironment{fulgur::EnvView({{"RANK", "zero"}})},
+                     fulgur::LightningEnvironment{fulgur::EnvView(std::map<std::string, std::string>{{"RANK", "zero"}})},
                      {"RANK", "zero"});
 }
 

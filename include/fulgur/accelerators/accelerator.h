@@ -23,7 +23,7 @@ namespace fulgur {
 class DevicesSpec {
  public:
   DevicesSpec() = default;                       // "auto"
-  DevicesSpec(int count) : count_(count), text_(std::to_string(count)) {}  // NOLINT
+  DevicesSpec(int count) : is_auto_(false), count_(count), text_(std::to_string(count)) {}  // NOLINT
   DevicesSpec(const char* text);                 // NOLINT: "auto", "2", "0,2", "0,", "-1"
   DevicesSpec(std::string text) : DevicesSpec(text.c_str()) {}  // NOLINT
   DevicesSpec(std::vector<int> indices);         // NOLINT: {0, 2}
