@@ -1,0 +1,167 @@
+// Per-step overhead of fulgur's Trainer against a hand-written LibTorch loop
+// doing the same work: the same model, data, optimizer and number of steps,
+// run interleaved (A B A B ...) in one process so that a noisy machine
+// affects both sides alike. Prints one JSON object per comparison.
+//
+//   overhead --model mlp --steps 2000 --reps 5
+//   overhead --model cnn --steps 200 --reps 3
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "fulgur/fulgur.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Args {
+  std::string model = "mlp";
+  int64_t steps = 2000;
+  int reps = 5;
+  int64_t batch = 64;
+  bool log_every_step = false;
+  bool progress_bar = false;
+};
+
+torch::nn::Sequential make_net(const std::string& kind) {
+  torch::manual_seed(0);
+  if (kind == "cnn") {
+    return torch::nn::Sequential(
+        torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)), torch::nn::ReLU(),
+        torch::nn::MaxPool2d(2), torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)),
+        torch::nn::ReLU(), torch::nn::MaxPool2d(2), torch::nn::Flatten(),
+        torch::nn::Linear(64 * 7 * 7, 128), torch::nn::ReLU(), torch::nn::Linear(128, 10));
+  }
+  return torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(784, 256), torch::nn::ReLU(),
+                               torch::nn::Linear(256, 10));
+}
+
+struct Data {
+  torch::Tensor x, y;
+};
+
+Data make_data(int64_t samples) {
+  torch::manual_seed(1);
+  return {torch::randn({samples, 1, 28, 28}), torch::randint(0, 10, {samples}, torch::kLong)};
+}
+
+// ---- A: the loop a LibTorch user writes by hand.
+double hand_written(const Args& a, const Data& d) {
+  auto net = make_net(a.model);
+  torch::optim::SGD opt(net->parameters(), 0.01);
+  const int64_t batches = d.x.size(0) / a.batch;
+  auto start = Clock::now();
+  for (int64_t s = 0; s < a.steps; ++s) {
+    int64_t b = s % batches;
+    auto x = d.x.narrow(0, b * a.batch, a.batch);
+    auto y = d.y.narrow(0, b * a.batch, a.batch);
+    auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+    if (s == 0) start = Clock::now();  // exclude the first step (allocator warm-up) on both sides
+  }
+  return std::chrono::duration<double, std::micro>(Clock::now() - start).count() /
+         static_cast<double>(a.steps - 1);
+}
+
+// ---- B: the same work as a fulgur Module under Trainer::fit.
+struct Net : fulgur::Module {
+  explicit Net(const std::string& kind) { net = register_module("net", make_net(kind)); }
+  torch::Tensor training_step(fulgur::Batch& batch, int64_t) override {
+    auto& [x, y] = batch.pair();
+    auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+    log("train_loss", loss);
+    if (timing && global_step() == 1 && !started) {
+      start = Clock::now();
+      started = true;
+    }
+    return loss;
+  }
+  fulgur::OptimizerConfig configure_optimizers() override {
+    return {std::make_shared<torch::optim::SGD>(parameters(), 0.01)};
+  }
+  torch::nn::Sequential net{nullptr};
+  bool timing = true;
+  bool started = false;
+  Clock::time_point start;
+};
+
+double with_fulgur(const Args& a, const Data& d, const std::string& root) {
+  Net model(a.model);
+  auto loader = fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(d.x, d.y),
+                                         {.batch_size = a.batch});
+  fulgur::Trainer trainer({.accelerator = "cpu",
+                           .max_steps = a.steps,
+                           .num_sanity_val_steps = 0,
+                           .default_root_dir = root,
+                           .enable_checkpointing = false,
+                           .enable_progress_bar = a.progress_bar,
+                           .log_every_n_steps = a.log_every_step ? 1 : 50});
+  trainer.fit(model, loader);
+  auto end = Clock::now();
+  return std::chrono::duration<double, std::micro>(end - model.start).count() /
+         static_cast<double>(a.steps - 1);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "overhead: %s needs a value\n", arg.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (arg == "--model") a.model = next();
+    else if (arg == "--steps") a.steps = std::stoll(next());
+    else if (arg == "--reps") a.reps = std::stoi(next());
+    else if (arg == "--batch") a.batch = std::stoll(next());
+    else if (arg == "--log-every-step") a.log_every_step = true;
+    else if (arg == "--progress-bar") a.progress_bar = true;
+    else {
+      std::fprintf(stderr,
+                   "overhead: unknown argument %s\nusage: overhead [--model mlp|cnn] [--steps N] "
+                   "[--reps N] [--batch N] [--log-every-step] [--progress-bar]\n",
+                   arg.c_str());
+      return 2;
+    }
+  }
+  if (a.steps < 2 || a.reps < 1 || (a.model != "mlp" && a.model != "cnn")) {
+    std::fprintf(stderr, "overhead: need --steps >= 2, --reps >= 1, --model mlp|cnn\n");
+    return 2;
+  }
+  torch::set_num_threads(1);
+  auto data = make_data(std::min<int64_t>(a.steps, 500) * a.batch);
+  std::string root = std::filesystem::temp_directory_path() / ("fulgur_bench_" + std::to_string(::getpid()));
+  std::vector<double> hand, fulgur_us;
+  for (int r = 0; r < a.reps; ++r) {  // interleaved: A B A B ...
+    hand.push_back(hand_written(a, data));
+    fulgur_us.push_back(with_fulgur(a, data, root));
+  }
+  std::filesystem::remove_all(root);
+  double h = median(hand), f = median(fulgur_us);
+  std::printf(
+      "{\"benchmark\": \"step_overhead_%s%s%s\", \"steps\": %lld, \"reps\": %d, "
+      "\"reference_us_per_step\": %.2f, \"fulgur_us_per_step\": %.2f, \"ratio\": %.4f, "
+      "\"overhead_us_per_step\": %.2f}\n",
+      a.model.c_str(), a.log_every_step ? "_log_every_step" : "",
+      a.progress_bar ? "_progress_bar" : "", static_cast<long long>(a.steps), a.reps, h, f, f / h,
+      f - h);
+  return 0;
+}
