@@ -6,11 +6,13 @@
 //   overhead --model mlp --steps 2000 --reps 5
 //   overhead --model cnn --steps 200 --reps 3
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -59,8 +61,11 @@ double hand_written(const Args& a, const Data& d) {
   auto start = Clock::now();
   for (int64_t s = 0; s < a.steps; ++s) {
     int64_t b = s % batches;
-    auto x = d.x.narrow(0, b * a.batch, a.batch);
-    auto y = d.y.narrow(0, b * a.batch, a.batch);
+    // Gather the batch as a loader does (a copy: steps may modify their
+    // batch in place without touching the dataset).
+    auto index = torch::arange(b * a.batch, (b + 1) * a.batch, torch::kLong);
+    auto x = d.x.index_select(0, index);
+    auto y = d.y.index_select(0, index);
     auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
     opt.zero_grad();
     loss.backward();
