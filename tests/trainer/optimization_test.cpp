@@ -176,6 +176,9 @@ struct SchedulerCase {
   int64_t expected_calls;
 };
 
+// Test names and failure messages show the case's name, not its bytes.
+void PrintTo(const SchedulerCase& c, std::ostream* os) { *os << c.name; }
+
 class SchedulerStepping : public ::testing::TestWithParam<SchedulerCase> {};
 
 // 4 batches per epoch throughout.

@@ -89,6 +89,9 @@ struct BadFlagCase {
   std::vector<std::string> expected;
 };
 
+// Test names and failure messages show the case's name, not its bytes.
+void PrintTo(const BadFlagCase& c, std::ostream* os) { *os << c.name; }
+
 class TrainerFlagsTest : public ::testing::TestWithParam<BadFlagCase> {};
 
 TEST_P(TrainerFlagsTest, IsRejectedWithItsValue) {

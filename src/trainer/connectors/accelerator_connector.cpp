@@ -61,22 +61,27 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env) {
   std::shared_ptr<Precision> precision_instance;
   std::shared_ptr<CheckpointIO> io_instance;
   std::shared_ptr<ClusterEnvironment> env_instance;
+  // One slot per plugin type: a second plugin of a type is a conflict.
+  auto take = [&](auto& slot, auto instance, size_t i, const char* what) {
+    if (!instance) {
+      problems.add(str("plugins[", i, "] is a null ", what, ": pass an instance."));
+    } else if (slot) {
+      problems.add(str("plugins[", i, "]: a second ", what, " (", instance->name(), ", after ",
+                       slot->name(), "). Pass one."));
+    } else {
+      slot = std::move(instance);
+    }
+  };
   for (size_t i = 0; i < options.plugins.size(); ++i) {
     const auto& plugin = options.plugins[i];
     if (const auto* name = std::get_if<std::string>(&plugin)) {
       if (cluster_environment_registry().contains(*name)) {
-        if (env_instance) {
-          problems.add(str("plugins[", i, "]=\"", *name, "\": a second cluster environment (",
-                           env_instance->name(), " is already given). Pass one."));
-        } else {
-          env_instance = cluster_environment_registry().create(*name, env);
-        }
+        take(env_instance,
+             std::shared_ptr<ClusterEnvironment>(cluster_environment_registry().create(*name, env)),
+             i, "cluster environment");
       } else if (checkpoint_io_registry().contains(*name)) {
-        if (io_instance) {
-          problems.add(str("plugins[", i, "]=\"", *name, "\": a second checkpoint IO. Pass one."));
-        } else {
-          io_instance = checkpoint_io_registry().create(*name);
-        }
+        take(io_instance, std::shared_ptr<CheckpointIO>(checkpoint_io_registry().create(*name)), i,
+             "checkpoint IO");
       } else {
         std::vector<std::string> known = cluster_environment_registry().names();
         for (const auto& n : checkpoint_io_registry().names()) known.push_back(n);
@@ -88,32 +93,11 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env) {
                          ". Precision is chosen with the precision flag."));
       }
     } else if (const auto* p = std::get_if<std::shared_ptr<Precision>>(&plugin)) {
-      if (!*p) {
-        problems.add(str("plugins[", i, "] is a null precision plugin: pass an instance."));
-      } else if (precision_instance) {
-        problems.add(str("plugins[", i, "]: a second precision plugin (", (*p)->name(),
-                         "); pass one."));
-      } else {
-        precision_instance = *p;
-      }
+      take(precision_instance, *p, i, "precision plugin");
     } else if (const auto* io = std::get_if<std::shared_ptr<CheckpointIO>>(&plugin)) {
-      if (!*io) {
-        problems.add(str("plugins[", i, "] is a null checkpoint IO: pass an instance."));
-      } else if (io_instance) {
-        problems.add(str("plugins[", i, "]: a second checkpoint IO (", (*io)->name(),
-                         "); pass one."));
-      } else {
-        io_instance = *io;
-      }
+      take(io_instance, *io, i, "checkpoint IO");
     } else if (const auto* ce = std::get_if<std::shared_ptr<ClusterEnvironment>>(&plugin)) {
-      if (!*ce) {
-        problems.add(str("plugins[", i, "] is a null cluster environment: pass an instance."));
-      } else if (env_instance) {
-        problems.add(str("plugins[", i, "]: a second cluster environment (", (*ce)->name(),
-                         "); pass one."));
-      } else {
-        env_instance = *ce;
-      }
+      take(env_instance, *ce, i, "cluster environment");
     }
   }
   if (precision_instance) {

@@ -1,0 +1,125 @@
+#include "fulgur/trainer/connectors/accelerator_connector.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+using fulgur::ConfigError;
+using fulgur::TrainerOptions;
+
+fulgur::EnvView empty_env() { return fulgur::EnvView(std::map<std::string, std::string>{}); }
+
+TEST(AcceleratorConnector, DefaultsResolveToSingleDeviceOnTheCpuWithNotes) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "this machine has CUDA; the default differs";
+  auto result = fulgur::connect(TrainerOptions{}, empty_env());
+  EXPECT_EQ(result.strategy->name(), "single_device");
+  EXPECT_EQ(result.strategy->accelerator().name(), "cpu");
+  EXPECT_EQ(result.strategy->precision().name(), "32-true");
+  EXPECT_EQ(result.strategy->cluster_environment().name(), "lightning");
+  EXPECT_EQ(result.strategy->root_device(), c10::Device(c10::kCPU));
+  ASSERT_EQ(result.notes.size(), 3u);
+  EXPECT_NE(result.notes[0].find("accelerator=cpu because accelerator=auto"), std::string::npos);
+  EXPECT_NE(result.notes[2].find("strategy=single_device"), std::string::npos);
+}
+
+TEST(AcceleratorConnector, LegacyPrecisionSpellingIsNoted) {
+  auto result = fulgur::connect(TrainerOptions{.accelerator = "cpu", .precision = "32"}, empty_env());
+  EXPECT_EQ(result.strategy->precision().name(), "32-true");
+  EXPECT_NE(fulgur::join(result.notes).find("precision=\"32\" means \"32-true\""), std::string::npos);
+}
+
+TEST(AcceleratorConnector, EveryProblemIsReportedInOneError) {
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::connect(TrainerOptions{.accelerator = "cpuu",
+                                                    .strategy = std::string("singel_device"),
+                                                    .precision = "17-true"},
+                                     empty_env()),
+                     {"3 problems", "accelerator=\"cpuu\"", "did you mean \"cpu\"",
+                      "strategy=\"singel_device\"", "did you mean \"single_device\"",
+                      "precision=\"17-true\"", "Registered: 32-true"});
+}
+
+TEST(AcceleratorConnector, TwoPluginsOfOneTypeConflict) {
+  TrainerOptions options{.accelerator = "cpu",
+                         .plugins = {std::string("lightning"),
+                                     std::make_shared<fulgur::LightningEnvironment>(empty_env())}};
+  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(options, empty_env()),
+                     {"plugins[1]", "a second cluster environment", "after lightning", "Pass one"});
+  TrainerOptions io{.accelerator = "cpu",
+                    .plugins = {std::make_shared<fulgur::TorchCheckpointIO>(), std::string("torch")}};
+  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(io, empty_env()),
+                     {"plugins[1]", "a second checkpoint IO"});
+}
+
+TEST(AcceleratorConnector, NullAndUnknownPluginsAreNamed) {
+  TrainerOptions options{.accelerator = "cpu",
+                         .plugins = {std::shared_ptr<fulgur::CheckpointIO>(), std::string("slrum")}};
+  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(options, empty_env()),
+                     {"2 problems", "plugins[0] is a null checkpoint IO", "plugins[1]=\"slrum\"",
+                      "unknown plugin", "Registered plugin names: lightning, torch"});
+}
+
+TEST(AcceleratorConnector, PrecisionPluginAndPrecisionFlagConflict) {
+  TrainerOptions options{.accelerator = "cpu",
+                         .precision = "64-true",
+                         .plugins = {std::make_shared<fulgur::Precision>()}};
+  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(options, empty_env()),
+                     {"precision=\"64-true\"", "precision plugin (32-true)", "choose one"});
+}
+
+TEST(AcceleratorConnector, PluginInstancesAreHandedToTheStrategy) {
+  auto io = std::make_shared<fulgur::TorchCheckpointIO>();
+  auto precision = std::make_shared<fulgur::Precision>();
+  TrainerOptions options{.accelerator = "cpu", .plugins = {io, precision}};
+  auto result = fulgur::connect(options, empty_env());
+  EXPECT_EQ(&result.strategy->checkpoint_io(), io.get());
+  EXPECT_EQ(&result.strategy->precision(), precision.get());
+}
+
+TEST(AcceleratorConnector, StrategyInstanceWithAnotherAcceleratorConflictsWithTheFlag) {
+  auto strategy = std::make_shared<fulgur::SingleDeviceStrategy>();
+  strategy->set_accelerator(std::make_shared<fulgur::CPUAccelerator>());
+  TrainerOptions options{.accelerator = "cuda", .strategy = strategy};
+  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(options, empty_env()),
+                     {"accelerator=\"cuda\"", "strategy instance carries accelerator \"cpu\"",
+                      "set it in one place"});
+}
+
+TEST(AcceleratorConnector, CudaWithoutCudaNamesWhatWasFound) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "this machine has CUDA";
+  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(TrainerOptions{.accelerator = "gpu"}, empty_env()),
+                     {"accelerator=\"gpu\"", "not available", "found 0 CUDA devices",
+                      "accelerator=\"cpu\""});
+}
+
+TEST(AcceleratorConnector, SeveralDevicesNeedAMultiProcessStrategy) {
+  if (fulgur::strategy_registry().contains("ddp")) GTEST_SKIP() << "ddp is registered";
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = 2}, empty_env()),
+                     {"devices=2", "multi-process strategy", "single_device"});
+}
+
+TEST(AcceleratorConnector, CpuRejectsDeviceIndices) {
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = "0,2"}, empty_env()),
+      {"devices=0,2", "number of processes", "devices=2"});
+}
+
+TEST(AcceleratorConnector, UserRegisteredAcceleratorIsSelectedByName) {
+  struct MyCpu : fulgur::CPUAccelerator {
+    std::string_view name() const override { return "my_cpu"; }
+  };
+  auto& registry = fulgur::accelerator_registry();
+  if (!registry.contains("my_cpu")) {
+    registry.add("my_cpu", "a user's accelerator", [] { return std::make_unique<MyCpu>(); });
+  }
+  auto result = fulgur::connect(TrainerOptions{.accelerator = "my_cpu"}, empty_env());
+  EXPECT_EQ(result.strategy->accelerator().name(), "my_cpu");
+}
+
+}  // namespace
