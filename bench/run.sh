@@ -26,7 +26,7 @@ printf '[\n%s\n]\n' "$(IFS=$',\n'; echo "${results[*]}")" > bench/results.json
   echo "# fulgur benchmarks"
   echo
   echo "Made by \`bash bench/run.sh\` (STEPS=$steps REPS=$reps CNN_STEPS=$cnn_steps) on $(date -u +%Y-%m-%d),"
-  echo "$(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'),"
+  echo "$(nproc --all) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'),"
   echo "OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1. Both sides of a row run in one process,"
   echo "interleaved A B A B; figures are medians over the repetitions."
   echo
