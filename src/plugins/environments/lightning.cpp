@@ -33,14 +33,4 @@ bool LightningEnvironment::creates_processes_externally() const {
   return local_rank_set_;
 }
 
-ClusterEnvironmentRegistry& cluster_environment_registry() {
-  static ClusterEnvironmentRegistry registry = [] {
-    ClusterEnvironmentRegistry r("cluster environment");
-    r.add("lightning", "fulgur creates the processes (default)",
-          [](const EnvView& env) { return std::make_unique<LightningEnvironment>(env); });
-    return r;
-  }();
-  return registry;
-}
-
 }  // namespace fulgur

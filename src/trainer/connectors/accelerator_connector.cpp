@@ -8,7 +8,6 @@
 #include "fulgur/accelerators/accelerator.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
-#include "fulgur/plugins/environments/lightning.h"
 #include "fulgur/plugins/io/checkpoint_io.h"
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/strategies/strategy.h"
@@ -172,7 +171,18 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env) {
                           accelerator->name(), " device. Pass accelerator=\"cpu\" or a device "
                           "that exists."));
   }
-  if (!env_instance) env_instance = std::make_shared<LightningEnvironment>(env);
+  if (!env_instance) env_instance = detect_cluster_environment(env, &notes);
+  // Processes someone else started must match devices x num_nodes; where
+  // fulgur launches them, it starts exactly that many.
+  if (env_instance->creates_processes_externally()) {
+    try {
+      env_instance->validate_settings(static_cast<int>(devices.size()), options.num_nodes);
+    } catch (const ConfigError& e) {
+      throw ConfigError(str("Trainer(devices=", options.devices.text(), ", num_nodes=",
+                            options.num_nodes, ") under cluster environment \"",
+                            env_instance->name(), "\": ", e.what()));
+    }
+  }
   if (strategy_name == "auto" && !strategy_instance) {
     if (devices.size() == 1 && options.num_nodes == 1) {
       strategy_name = "single_device";

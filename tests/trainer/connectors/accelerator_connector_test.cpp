@@ -60,7 +60,8 @@ TEST(AcceleratorConnector, NullAndUnknownPluginsAreNamed) {
                          .plugins = {std::shared_ptr<fulgur::CheckpointIO>(), std::string("slrum")}};
   EXPECT_THROWS_WITH(ConfigError, fulgur::connect(options, empty_env()),
                      {"2 problems", "plugins[0] is a null checkpoint IO", "plugins[1]=\"slrum\"",
-                      "unknown plugin", "Registered plugin names: lightning, torch"});
+                      "unknown plugin",
+                      "Registered plugin names: kubeflow, lightning, lsf, mpi, slurm, torch"});
 }
 
 TEST(AcceleratorConnector, PrecisionPluginAndPrecisionFlagConflict) {

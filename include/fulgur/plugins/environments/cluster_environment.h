@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "fulgur/core/env.h"
 #include "fulgur/core/registry.h"
@@ -40,6 +41,15 @@ class ClusterEnvironment {
 };
 
 using ClusterEnvironmentRegistry = Registry<ClusterEnvironment, const EnvView&>;
+/// lightning, torchelastic, slurm, mpi, lsf, kubeflow, and what users add.
 ClusterEnvironmentRegistry& cluster_environment_registry();
+
+/// The environment this process runs in, checked in order torchelastic,
+/// slurm, mpi, lsf, kubeflow, else lightning (fulgur creates the processes).
+/// Appends to `notes` (when not null) which one was chosen and which
+/// variables decided it; nothing for plain lightning on an empty
+/// environment.
+std::unique_ptr<ClusterEnvironment> detect_cluster_environment(const EnvView& env,
+                                                               std::vector<std::string>* notes);
 
 }  // namespace fulgur

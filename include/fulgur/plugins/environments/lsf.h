@@ -1,0 +1,51 @@
+// File: fulgur/plugins/environments/lsf.h
+#pragma once
+
+#include <string>
+
+#include "fulgur/plugins/environments/cluster_environment.h"
+
+namespace fulgur {
+
+/// IBM LSF with jsrun: LSB_JOBID, LSB_DJOB_RANKFILE (or LSB_HOSTS) and
+/// JSM_NAMESPACE_SIZE / _RANK / _LOCAL_RANK. Node rank = rank / local size
+/// (JSM_NAMESPACE_LOCAL_SIZE, else world size / compute hosts in
+/// LSB_MCPU_HOSTS). Main address: MASTER_ADDR, else the first compute host of
+/// LSB_MCPU_HOSTS ("batch 1 h1 4 h2 4" → "h1"); port MASTER_PORT, else
+/// 10000 + LSB_JOBID % 1000, as PyTorch Lightning does.
+class LSFEnvironment : public ClusterEnvironment {
+ public:
+  /// Reads the variables now; ConfigError naming a required variable that is
+  /// unset or one that is not an integer.
+  explicit LSFEnvironment(const EnvView& env = EnvView());
+  /// True when this environment's variables are set in `env`.
+  static bool detect(const EnvView& env);
+
+  std::string_view name() const override { return "lsf"; }
+  bool creates_processes_externally() const override { return true; }
+  std::string main_address() const override;
+  int main_port() const override;
+  int world_size() const override { return world_size_; }
+  void set_world_size(int size) override { world_size_ = size; }
+  int global_rank() const override { return global_rank_; }
+  void set_global_rank(int rank) override { global_rank_ = rank; }
+  int local_rank() const override { return local_rank_; }
+  int node_rank() const override { return node_rank_; }
+  void validate_settings(int num_devices, int num_nodes) const override;
+
+  /// The first compute host of LSB_MCPU_HOSTS (the batch host is skipped
+  /// when there are others); empty when there is none.
+  static std::string first_compute_host(const std::string& mcpu_hosts);
+  int local_size() const { return local_size_; }
+
+ private:
+  int world_size_ = 1;
+  int global_rank_ = 0;
+  int local_rank_ = 0;
+  int node_rank_ = 0;
+  int local_size_ = 0;  // 0: unknown
+  std::string main_address_;
+  int main_port_ = 0;
+};
+
+}  // namespace fulgur

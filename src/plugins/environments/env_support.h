@@ -1,0 +1,74 @@
+// Private helpers shared by the cluster environments in this folder.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "fulgur/core/env.h"
+#include "fulgur/core/errors.h"
+
+namespace fulgur::env_support {
+
+/// The variable as an int; nullopt when unset. ConfigError (naming the
+/// variable) when it is not an integer or does not fit an int.
+inline std::optional<int> get_int(const EnvView& env, const std::string& var) {
+  auto v = env.get_int(var);
+  if (!v) return std::nullopt;
+  if (*v < INT32_MIN || *v > INT32_MAX) {
+    throw ConfigError(str("environment variable ", var, "=", *v, " is out of range."));
+  }
+  return static_cast<int>(*v);
+}
+
+[[noreturn]] inline void missing(const std::string& var, std::string_view environment,
+                             std::string_view set_by) {
+  throw ConfigError(str("cluster environment \"", environment, "\" needs the environment "
+                        "variable ", var, ", which is not set. It is set by ", set_by,
+                        "; run under it, or drop the \"", environment,
+                        "\" plugin to let fulgur detect the environment."));
+}
+
+/// The variable's text; ConfigError like require_int when unset.
+inline std::string require_string(const EnvView& env, const std::string& var,
+                                  std::string_view environment, std::string_view set_by) {
+  auto v = env.get(var);
+  if (!v) missing(var, environment, set_by);
+  return *v;
+}
+
+/// The variable as an int; ConfigError naming the variable, the environment
+/// and how it is normally set when unset.
+inline int require_int(const EnvView& env, const std::string& var, std::string_view environment,
+                       std::string_view set_by) {
+  auto v = get_int(env, var);
+  if (!v) missing(var, environment, set_by);
+  return *v;
+}
+
+/// A TCP port read from `var`; ConfigError when outside 1..65535.
+inline int checked_port(int64_t port, std::string_view var) {
+  if (port < 1 || port > 65535) {
+    throw ConfigError(str("environment variable ", var, "=", port,
+                          " is not a TCP port. Set it to a port in 1..65535."));
+  }
+  return static_cast<int>(port);
+}
+
+/// MASTER_PORT when set (checked), else nullopt.
+inline std::optional<int> master_port(const EnvView& env) {
+  if (auto p = env.get_int("MASTER_PORT")) return checked_port(*p, "MASTER_PORT");
+  return std::nullopt;
+}
+
+/// The trailing digits of a job id, at most `n` of them, as a number
+/// ("123456" → 3456 for n=4); 0 when it ends in no digit.
+inline int trailing_digits(const std::string& id, size_t n) {
+  size_t end = id.size(), begin = end;
+  while (begin > 0 && end - begin < n && id[begin - 1] >= '0' && id[begin - 1] <= '9') --begin;
+  return begin == end ? 0 : std::stoi(id.substr(begin, end - begin));
+}
+
+}  // namespace fulgur::env_support

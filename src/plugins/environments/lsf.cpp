@@ -1,0 +1,93 @@
+#include "fulgur/plugins/environments/lsf.h"
+
+#include <sstream>
+
+#include "env_support.h"
+
+namespace fulgur {
+
+namespace {
+
+constexpr const char* kSetBy = "LSF's jsrun";
+
+// LSB_MCPU_HOSTS: "host slots host slots ..." → the host names.
+std::vector<std::string> mcpu_hosts(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<std::string> hosts;
+  std::string host, slots;
+  while (in >> host) {
+    hosts.push_back(host);
+    if (!(in >> slots)) break;
+  }
+  return hosts;
+}
+
+}  // namespace
+
+bool LSFEnvironment::detect(const EnvView& env) {
+  return env.has("LSB_JOBID") && (env.has("LSB_DJOB_RANKFILE") || env.has("LSB_HOSTS")) &&
+         env.has("JSM_NAMESPACE_SIZE") && env.has("JSM_NAMESPACE_RANK") &&
+         env.has("JSM_NAMESPACE_LOCAL_RANK");
+}
+
+std::string LSFEnvironment::first_compute_host(const std::string& mcpu_hosts_text) {
+  // As Lightning: the first entry is the batch (launch) host, which runs no
+  // ranks when there are compute hosts after it.
+  auto hosts = mcpu_hosts(mcpu_hosts_text);
+  if (hosts.empty()) return "";
+  return hosts.size() > 1 ? hosts[1] : hosts[0];
+}
+
+LSFEnvironment::LSFEnvironment(const EnvView& env) {
+  using namespace env_support;
+  world_size_ = require_int(env, "JSM_NAMESPACE_SIZE", name(), kSetBy);
+  global_rank_ = require_int(env, "JSM_NAMESPACE_RANK", name(), kSetBy);
+  local_rank_ = require_int(env, "JSM_NAMESPACE_LOCAL_RANK", name(), kSetBy);
+  auto hosts_text = env.get("LSB_MCPU_HOSTS");
+  if (auto local_size = get_int(env, "JSM_NAMESPACE_LOCAL_SIZE"); local_size && *local_size > 0) {
+    local_size_ = *local_size;
+  } else if (hosts_text) {
+    auto hosts = mcpu_hosts(*hosts_text);
+    size_t compute = hosts.size() > 1 ? hosts.size() - 1 : hosts.size();
+    if (compute > 0 && world_size_ % static_cast<int>(compute) == 0) {
+      local_size_ = world_size_ / static_cast<int>(compute);
+    }
+  }
+  node_rank_ = local_size_ > 0 ? global_rank_ / local_size_ : 0;
+  if (auto addr = env.get("MASTER_ADDR")) {
+    main_address_ = *addr;
+  } else if (hosts_text && !first_compute_host(*hosts_text).empty()) {
+    main_address_ = first_compute_host(*hosts_text);
+  } else {
+    missing("LSB_MCPU_HOSTS (or MASTER_ADDR)", name(), "LSF's bsub");
+  }
+  if (auto port = master_port(env)) {
+    main_port_ = *port;
+  } else {
+    // Lightning: LSB_JOBID % 1000 + 10000, the same in every process of the job.
+    main_port_ = 10000 + require_int(env, "LSB_JOBID", name(), "LSF's bsub") % 1000;
+  }
+}
+
+std::string LSFEnvironment::main_address() const { return main_address_; }
+int LSFEnvironment::main_port() const { return main_port_; }
+
+void LSFEnvironment::validate_settings(int num_devices, int num_nodes) const {
+  std::vector<std::string> problems;
+  if (num_devices * num_nodes != world_size_) {
+    problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
+                           num_devices * num_nodes, " processes, but jsrun started ",
+                           "JSM_NAMESPACE_SIZE=", world_size_, " ranks"));
+  }
+  if (local_size_ > 0 && num_devices != local_size_) {
+    problems.push_back(str("devices=", num_devices, " per node, but jsrun started ",
+                           local_size_, " ranks per node"));
+  }
+  if (problems.empty()) return;
+  throw ConfigError(str(join(problems, "; and "),
+                        ". Pass devices=<ranks per node> and num_nodes=<nodes>, or run jsrun "
+                        "with --nrs ", num_devices * num_nodes, " and ", num_devices,
+                        " resource sets per host (--rs_per_host ", num_devices, ")."));
+}
+
+}  // namespace fulgur

@@ -1,0 +1,134 @@
+#include "fulgur/plugins/environments/slurm.h"
+
+#include <cctype>
+
+#include "env_support.h"
+
+namespace fulgur {
+
+namespace {
+
+constexpr const char* kSetBy = "srun";
+
+// "2", "2(x3)" or "2,1" (SLURM's per-node task counts): the leading count.
+std::optional<int> leading_count(const EnvView& env, const std::string& var) {
+  auto text = env.get(var);
+  if (!text) return std::nullopt;
+  size_t n = 0;
+  while (n < text->size() && std::isdigit(static_cast<unsigned char>((*text)[n]))) ++n;
+  if (n == 0 || n > 9) {
+    throw ConfigError(str("environment variable ", var, "=\"", *text,
+                          "\" is not a task count (like \"2\" or \"2(x3)\"). Unset it or fix "
+                          "the srun / sbatch flags that set it."));
+  }
+  return std::stoi(text->substr(0, n));
+}
+
+}  // namespace
+
+bool SLURMEnvironment::is_interactive(const EnvView& env) {
+  auto job_name = env.get("SLURM_JOB_NAME");
+  return job_name && (*job_name == "bash" || *job_name == "interactive");
+}
+
+bool SLURMEnvironment::detect(const EnvView& env) {
+  // As Lightning's SLURMEnvironment.detect: srun set SLURM_NTASKS, and this is
+  // not an interactive allocation (salloc / srun --pty bash), where the user
+  // runs the program by hand and fulgur creates the processes.
+  return env.has("SLURM_NTASKS") && !is_interactive(env);
+}
+
+std::string SLURMEnvironment::first_host(const std::string& nodelist) {
+  // Same rule as Lightning's resolve_root_node_address: the first host of the
+  // first entry; each [..] range contributes its first value as written
+  // ("node[001-004,7]" → "node001").
+  auto bad = [&](const char* why) {
+    return ConfigError(str("SLURM_NODELIST=\"", nodelist, "\": ", why,
+                           ". Set MASTER_ADDR to the address of the first node instead."));
+  };
+  std::string host;
+  size_t i = 0;
+  while (i < nodelist.size() && nodelist[i] != ',' && nodelist[i] != ' ') {
+    char c = nodelist[i];
+    if (c == '[') {
+      size_t close = nodelist.find(']', i);
+      if (close == std::string::npos) throw bad("a '[' has no matching ']'");
+      std::string range = nodelist.substr(i + 1, close - i - 1);
+      size_t end = range.find_first_of(",-");
+      std::string first = range.substr(0, end);
+      if (first.empty()) throw bad("an empty range");
+      host += first;
+      i = close + 1;
+    } else if (c == ']') {
+      throw bad("a ']' has no matching '['");
+    } else {
+      host += c;
+      ++i;
+    }
+  }
+  if (host.empty()) throw bad("no host");
+  return host;
+}
+
+SLURMEnvironment::SLURMEnvironment(const EnvView& env) {
+  using namespace env_support;
+  world_size_ = require_int(env, "SLURM_NTASKS", name(), kSetBy);
+  global_rank_ = require_int(env, "SLURM_PROCID", name(), kSetBy);
+  local_rank_ = require_int(env, "SLURM_LOCALID", name(), kSetBy);
+  node_rank_ = require_int(env, "SLURM_NODEID", name(), kSetBy);
+  if (auto addr = env.get("MASTER_ADDR")) {
+    main_address_ = *addr;
+  } else if (auto list = env.get("SLURM_NODELIST")) {
+    main_address_ = first_host(*list);
+  } else if (auto job_list = env.get("SLURM_JOB_NODELIST")) {
+    main_address_ = first_host(*job_list);
+  } else {
+    missing("SLURM_NODELIST (or MASTER_ADDR)", name(), kSetBy);
+  }
+  if (auto port = master_port(env)) {
+    main_port_ = *port;
+  } else if (auto job_id = env.get("SLURM_JOB_ID")) {
+    // Lightning: the last 4 digits of the job id + 15000, so every process of
+    // the job computes the same port.
+    main_port_ = 15000 + trailing_digits(*job_id, 4);
+  } else {
+    main_port_ = 12910;
+  }
+  if ((ntasks_per_node_ = leading_count(env, "SLURM_NTASKS_PER_NODE"))) {
+    ntasks_per_node_source_ = "SLURM_NTASKS_PER_NODE";
+  }
+  if ((nnodes_ = get_int(env, "SLURM_NNODES"))) {
+    nnodes_source_ = "SLURM_NNODES";
+  } else if ((nnodes_ = get_int(env, "SLURM_JOB_NUM_NODES"))) {
+    nnodes_source_ = "SLURM_JOB_NUM_NODES";
+  }
+}
+
+std::string SLURMEnvironment::main_address() const { return main_address_; }
+int SLURMEnvironment::main_port() const { return main_port_; }
+
+void SLURMEnvironment::validate_settings(int num_devices, int num_nodes) const {
+  std::vector<std::string> problems;
+  if (ntasks_per_node_ && *ntasks_per_node_ != num_devices) {
+    problems.push_back(str("devices=", num_devices, " but SLURM runs ", *ntasks_per_node_,
+                           " tasks per node (", ntasks_per_node_source_, "=", *ntasks_per_node_,
+                           "): pass devices=", *ntasks_per_node_,
+                           " or run srun --ntasks-per-node=", num_devices));
+  }
+  if (nnodes_ && *nnodes_ != num_nodes) {
+    problems.push_back(str("num_nodes=", num_nodes, " but SLURM allocated ", *nnodes_,
+                           " nodes (", nnodes_source_, "=", *nnodes_, "): pass num_nodes=",
+                           *nnodes_, " or run sbatch / srun --nodes=", num_nodes));
+  }
+  if (problems.empty() && !ntasks_per_node_ && num_devices * num_nodes != world_size_) {
+    problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
+                           num_devices * num_nodes, " processes, but SLURM started ",
+                           world_size_, " tasks (SLURM_NTASKS=", world_size_,
+                           "): run srun --ntasks-per-node=", num_devices, " --nodes=",
+                           num_nodes, ", or pass matching devices and num_nodes"));
+  }
+  if (problems.empty()) return;
+  throw ConfigError(join(problems, "; and ") + ".");
+}
+
+}  // namespace fulgur

@@ -1,0 +1,54 @@
+#include "fulgur/plugins/environments/torchelastic.h"
+
+#include "env_support.h"
+
+namespace fulgur {
+
+namespace {
+constexpr const char* kSetBy = "torchrun";
+}
+
+bool TorchElasticEnvironment::detect(const EnvView& env) {
+  for (const char* var : {"RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                          "MASTER_PORT", "WORLD_SIZE"}) {
+    if (!env.has(var)) return false;
+  }
+  return true;
+}
+
+TorchElasticEnvironment::TorchElasticEnvironment(const EnvView& env) {
+  using namespace env_support;
+  world_size_ = require_int(env, "WORLD_SIZE", name(), kSetBy);
+  global_rank_ = require_int(env, "RANK", name(), kSetBy);
+  local_rank_ = require_int(env, "LOCAL_RANK", name(), kSetBy);
+  node_rank_ = require_int(env, "GROUP_RANK", name(), kSetBy);
+  local_world_size_ = require_int(env, "LOCAL_WORLD_SIZE", name(), kSetBy);
+  main_port_ = checked_port(require_int(env, "MASTER_PORT", name(), kSetBy), "MASTER_PORT");
+  main_address_ = require_string(env, "MASTER_ADDR", name(), kSetBy);
+}
+
+std::string TorchElasticEnvironment::main_address() const { return main_address_; }
+int TorchElasticEnvironment::main_port() const { return main_port_; }
+
+void TorchElasticEnvironment::validate_settings(int num_devices, int num_nodes) const {
+  std::vector<std::string> problems;
+  if (num_devices * num_nodes != world_size_) {
+    problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
+                           num_devices * num_nodes, " processes, but torchrun's WORLD_SIZE=",
+                           world_size_, " processes were started"));
+  }
+  if (num_devices != local_world_size_) {
+    problems.push_back(str("devices=", num_devices, " per node, but torchrun's LOCAL_WORLD_SIZE=",
+                           local_world_size_, " processes per node"));
+  }
+  if (problems.empty()) return;
+  std::string hint = local_world_size_ > 0 && world_size_ % local_world_size_ == 0
+                         ? str(" (here devices=", local_world_size_,
+                               ", num_nodes=", world_size_ / local_world_size_, ")")
+                         : std::string();
+  throw ConfigError(str(join(problems, "; and "), ". Pass devices=LOCAL_WORLD_SIZE and "
+                        "num_nodes=WORLD_SIZE/LOCAL_WORLD_SIZE", hint,
+                        ", or change torchrun's --nproc-per-node / --nnodes."));
+}
+
+}  // namespace fulgur
