@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <set>
+
 #include "fulgur/accelerators/accelerator.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
@@ -163,10 +165,57 @@ void Strategy::save_module_state(Module& module, torch::serialize::OutputArchive
   module.save(archive);
 }
 
+namespace {
+
+// Loads what nn::Module::save wrote, strictly: every parameter and buffer of
+// the module must be in the archive with the same shape and dtype, and the
+// archive may hold nothing else. (nn::Module::load would silently replace a
+// parameter of another shape.) Values are copied in place, so optimizers
+// holding the parameters stay valid.
+void load_strict(torch::nn::Module& module, torch::serialize::InputArchive& archive,
+                 const std::string& prefix) {
+  std::set<std::string> expected = {"training"};  // the archive's own flag
+  auto load = [&](const std::string& name, at::Tensor& target, bool is_buffer) {
+    expected.insert(name);
+    at::Tensor saved;
+    if (!archive.try_read(name, saved, is_buffer)) {
+      throw c10::Error({__func__, __FILE__, __LINE__},
+                       ::fulgur::str(is_buffer ? "buffer \"" : "parameter \"", prefix, name,
+                           "\" is missing from the checkpoint"));
+    }
+    if (saved.sizes() != target.sizes() || saved.scalar_type() != target.scalar_type()) {
+      throw c10::Error({__func__, __FILE__, __LINE__},
+                       ::fulgur::str(is_buffer ? "buffer \"" : "parameter \"", prefix, name, "\" is ",
+                           c10::toString(target.scalar_type()), target.sizes(),
+                           " in the module but ", c10::toString(saved.scalar_type()),
+                           saved.sizes(), " in the checkpoint"));
+    }
+    torch::NoGradGuard no_grad;
+    target.copy_(saved);
+  };
+  for (auto& p : module.named_parameters(/*recurse=*/false)) load(p.key(), p.value(), false);
+  for (auto& b : module.named_buffers(/*recurse=*/false)) load(b.key(), b.value(), true);
+  for (const auto& child : module.named_children()) {
+    expected.insert(child.key());
+    torch::serialize::InputArchive nested;
+    if (!archive.try_read(child.key(), nested)) {
+      throw c10::Error({__func__, __FILE__, __LINE__},
+                       ::fulgur::str("submodule \"", prefix, child.key(), "\" is missing from the checkpoint"));
+    }
+    load_strict(*child.value(), nested, prefix + child.key() + ".");
+  }
+  for (const auto& key : archive.keys()) {
+    if (expected.count(key) == 0) {
+      throw c10::Error({__func__, __FILE__, __LINE__},
+                       ::fulgur::str("the checkpoint has \"", prefix, key, "\", which the module does not"));
+    }
+  }
+}
+
+}  // namespace
+
 void Strategy::load_module_state(Module& module, torch::serialize::InputArchive& archive) {
-  // nn::Module::load copies into the existing parameters in place, so
-  // optimizers holding them stay valid.
-  module.load(archive);
+  load_strict(module, archive, "");
 }
 
 std::string Strategy::describe() const {

@@ -1,0 +1,215 @@
+// Every error path of the Trainer that a user can reach with a bad input:
+// each test checks the exception type and that the message names the value
+// and what to do.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <sstream>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+using fulgur::CheckpointError;
+using fulgur::ConfigError;
+using fulgur::test::LinearRegression;
+using fulgur::test::TempDir;
+using fulgur::test::test_options;
+
+// Trains LinearRegression for one epoch and returns the path of last.ckpt.
+std::string write_checkpoint(const TempDir& dir, int64_t in_features = 3) {
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  LinearRegression model({.in_features = in_features});
+  fulgur::Trainer trainer(std::move(options));
+  auto result = trainer.fit(model, fulgur::test::regression_loader(4));
+  return result.last_model_path;
+}
+
+void write_archive(const std::string& path,
+                   const std::function<void(torch::serialize::OutputArchive&)>& fill) {
+  torch::serialize::OutputArchive archive;
+  fill(archive);
+  archive.save_to(path);
+}
+
+TEST(CheckpointErrors, ACheckpointOfAnotherModelDoesNotFit) {
+  TempDir dir;
+  auto path = write_checkpoint(dir, 3);
+  LinearRegression other({.in_features = 4});
+  fulgur::Trainer trainer(test_options(dir));
+  auto loader = fulgur::make_data_loader(fulgur::test::regression_dataset(8, 4), {.batch_size = 2});
+  EXPECT_THROWS_WITH(CheckpointError, trainer.validate(other, loader, path),
+                     {path, "does not fit module", "same model"});
+}
+
+TEST(CheckpointErrors, ANewerFormatVersionIsNamed) {
+  TempDir dir;
+  auto path = dir.path() + "/future.ckpt";
+  write_archive(path, [](auto& a) { a.write("fulgur_format_version", c10::IValue(int64_t{99})); });
+  LinearRegression model;
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(CheckpointError, trainer.fit(model, fulgur::test::regression_loader(2),
+                                                  nullptr, {.ckpt_path = path}),
+                     {path, "format version 99", "reads versions 1 to 1"});
+}
+
+TEST(CheckpointErrors, AMissingSectionIsNamed) {
+  TempDir dir;
+  auto path = dir.path() + "/partial.ckpt";
+  write_archive(path, [](auto& a) { a.write("fulgur_format_version", c10::IValue(int64_t{1})); });
+  LinearRegression model;
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(CheckpointError, trainer.fit(model, fulgur::test::regression_loader(2),
+                                                  nullptr, {.ckpt_path = path}),
+                     {path, "is incomplete", "section \"state_dict\" is missing"});
+}
+
+TEST(CheckpointErrors, ADirectoryIsNotACheckpoint) {
+  TempDir dir;
+  LinearRegression model;
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(CheckpointError, trainer.fit(model, fulgur::test::regression_loader(2),
+                                                  nullptr, {.ckpt_path = dir.path()}),
+                     {dir.path(), "is a directory"});
+}
+
+TEST(CheckpointErrors, ResumingOnLessDataSaysTheDataChanged) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  options.callbacks.push_back(std::make_shared<fulgur::ModelCheckpoint>(
+      fulgur::ModelCheckpointOptions{.save_top_k = -1, .save_last = false,
+                                     .every_n_train_steps = 3}));
+  LinearRegression model;
+  fulgur::Trainer trainer(std::move(options));
+  trainer.fit(model, fulgur::test::regression_loader(4));
+  auto path = dir.path() + "/checkpoints/epoch=0-step=3.ckpt";
+  ASSERT_TRUE(std::filesystem::exists(path));
+
+  LinearRegression resumed;
+  fulgur::Trainer again(test_options(dir));
+  EXPECT_THROWS_WITH(CheckpointError, again.fit(resumed, fulgur::test::regression_loader(2),
+                                                nullptr, {.ckpt_path = path}),
+                     {"batch 3", "only 2 batches", "data changed"});
+}
+
+struct TwoOptimizers : LinearRegression {
+  fulgur::OptimizerConfig configure_optimizers() override {
+    auto config = LinearRegression::configure_optimizers();
+    config.optimizers.push_back(std::make_shared<torch::optim::SGD>(parameters(), 0.1));
+    return config;
+  }
+};
+
+TEST(CheckpointErrors, AnotherNumberOfOptimizersIsNamed) {
+  TempDir dir;
+  auto path = write_checkpoint(dir);
+  TwoOptimizers model;
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(CheckpointError, trainer.fit(model, fulgur::test::regression_loader(2),
+                                                  nullptr, {.ckpt_path = path}),
+                     {path, "holds 1 optimizer state(s)", "returned 2"});
+}
+
+TEST(CheckpointErrors, AnotherNumberOfSchedulersIsNamed) {
+  TempDir dir;
+  auto path = write_checkpoint(dir);
+  LinearRegression model;
+  model.make_schedulers = [](torch::optim::Optimizer& opt) {
+    return std::vector<fulgur::SchedulerConfig>{
+        {.scheduler = std::make_shared<torch::optim::StepLR>(opt, 1, 0.5)}};
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(CheckpointError, trainer.fit(model, fulgur::test::regression_loader(2),
+                                                  nullptr, {.ckpt_path = path}),
+                     {path, "holds 0 scheduler state(s)", "returned 1"});
+}
+
+TEST(ModelCheckpointErrors, AMonitorThatWasNeverLoggedListsTheLoggedMetrics) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  options.callbacks.push_back(std::make_shared<fulgur::ModelCheckpoint>(
+      fulgur::ModelCheckpointOptions{.monitor = "val_accuracy"}));
+  LinearRegression model;
+  fulgur::Trainer trainer(std::move(options));
+  EXPECT_THROWS_WITH(ConfigError, trainer.fit(model, fulgur::test::regression_loader(2)),
+                     {"monitor=\"val_accuracy\"", "no metric of that name", "train_loss"});
+}
+
+TEST(LogErrors, ANonScalarNamesItsShape) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression& m, fulgur::Batch&, int64_t) {
+    m.log("vector", torch::ones({2}));
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(ConfigError, trainer.fit(model, fulgur::test::regression_loader(2)),
+                     {"log(\"vector\"", "tensor of shape [2]", "value.mean()"});
+}
+
+TEST(LogErrors, TwoReductionsForOneNameConflict) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression& m, fulgur::Batch&, int64_t idx) {
+    m.log("m", 1.0, {.reduce = idx == 0 ? fulgur::Reduce::Mean : fulgur::Reduce::Max});
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(ConfigError, trainer.fit(model, fulgur::test::regression_loader(2)),
+                     {"log(\"m\", reduce=max)", "reduce=mean", "one reduction per metric"});
+}
+
+TEST(LogErrors, NeitherStepNorEpochGoesNowhere) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression& m, fulgur::Batch&, int64_t) {
+    m.log("m", 1.0, {.on_step = false, .on_epoch = false});
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(ConfigError, trainer.fit(model, fulgur::test::regression_loader(2)),
+                     {"on_step=false, on_epoch=false", "Set on_step or on_epoch"});
+}
+
+TEST(LimitErrors, AFractionThatRoundsToNoBatchesIsRejected) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.limit_train_batches = 0.05;
+  LinearRegression model;
+  fulgur::Trainer trainer(std::move(options));
+  EXPECT_THROWS_WITH(ConfigError, trainer.fit(model, fulgur::test::regression_loader(10)),
+                     {"limit_train_batches=0.05", "of 10 batches rounds down to 0"});
+}
+
+TEST(LimitErrors, AFractionalValCheckIntervalNeedsAKnownLength) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.val_check_interval = 0.5;
+  LinearRegression model;
+  auto batches = std::make_shared<std::vector<fulgur::Batch>>();
+  auto data = fulgur::test::regression_dataset(4);
+  for (int64_t i = 0; i < 2; ++i) {
+    batches->push_back(data->get_batch(torch::arange(2 * i, 2 * i + 2, torch::kLong)));
+  }
+  auto unknown = fulgur::make_iterable_loader(
+      [batches](int64_t) -> fulgur::BatchGenerator {
+        auto i = std::make_shared<size_t>(0);
+        return [batches, i]() -> std::optional<fulgur::Batch> {
+          if (*i >= batches->size()) return std::nullopt;
+          return (*batches)[(*i)++];
+        };
+      });
+  fulgur::Trainer trainer(std::move(options));
+  EXPECT_THROWS_WITH(ConfigError, trainer.fit(model, unknown, fulgur::test::regression_loader(1)),
+                     {"val_check_interval=0.5", "known length", "Pass an int"});
+}
+
+TEST(EnvErrors, ANonIntegerVariableIsNamed) {
+  fulgur::EnvView env(std::map<std::string, std::string>{{"WORLD_SIZE", "two"}});
+  EXPECT_THROWS_WITH(ConfigError, env.get_int("WORLD_SIZE"),
+                     {"WORLD_SIZE=\"two\"", "is not an integer"});
+}
+
+}  // namespace
