@@ -27,17 +27,26 @@ class ClusterEnvironment {
   virtual bool creates_processes_externally() const = 0;
   virtual std::string main_address() const = 0;
   virtual int main_port() const = 0;
-  virtual int world_size() const = 0;
-  virtual void set_world_size(int size) = 0;
-  virtual int global_rank() const = 0;
-  virtual void set_global_rank(int rank) = 0;
-  virtual int local_rank() const = 0;
-  virtual int node_rank() const = 0;
+  /// The ranks as read from the environment (the defaults describe one
+  /// process); launchers set world size and global rank once known.
+  virtual int world_size() const { return world_size_; }
+  virtual void set_world_size(int size) { world_size_ = size; }
+  virtual int global_rank() const { return global_rank_; }
+  virtual void set_global_rank(int rank) { global_rank_ = rank; }
+  virtual int local_rank() const { return local_rank_; }
+  virtual int node_rank() const { return node_rank_; }
   /// Throws ConfigError when `num_devices` x `num_nodes` disagrees with what
   /// the cluster reports, naming both numbers and both sources.
   virtual void validate_settings(int /*num_devices*/, int /*num_nodes*/) const {}
   /// Called in each process once its rank is known.
   virtual void teardown() {}
+
+ protected:
+  // Filled by each environment's constructor from its variables.
+  int world_size_ = 1;
+  int global_rank_ = 0;
+  int local_rank_ = 0;
+  int node_rank_ = 0;
 };
 
 using ClusterEnvironmentRegistry = Registry<ClusterEnvironment, const EnvView&>;

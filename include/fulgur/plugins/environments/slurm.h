@@ -26,12 +26,6 @@ class SLURMEnvironment : public ClusterEnvironment {
   bool creates_processes_externally() const override { return true; }
   std::string main_address() const override;
   int main_port() const override;
-  int world_size() const override { return world_size_; }
-  void set_world_size(int size) override { world_size_ = size; }
-  int global_rank() const override { return global_rank_; }
-  void set_global_rank(int rank) override { global_rank_ = rank; }
-  int local_rank() const override { return local_rank_; }
-  int node_rank() const override { return node_rank_; }
   void validate_settings(int num_devices, int num_nodes) const override;
 
   /// The first host of a SLURM host list: "node[001-004,7]" → "node001",
@@ -42,10 +36,6 @@ class SLURMEnvironment : public ClusterEnvironment {
   static bool is_interactive(const EnvView& env);
 
  private:
-  int world_size_ = 1;
-  int global_rank_ = 0;
-  int local_rank_ = 0;
-  int node_rank_ = 0;
   std::string main_address_;
   int main_port_ = 0;
   std::optional<int> ntasks_per_node_;
