@@ -39,6 +39,15 @@ at::Tensor RandomSampler::epoch_indices(int64_t epoch, int64_t dataset_size) {
 
 // ---- DataLoader.
 
+namespace {
+// A resume asked for more batches than the epoch now has.
+[[noreturn]] void throw_data_changed(int64_t wanted, int64_t epoch, int64_t available) {
+  throw CheckpointError(str("cannot resume the data loader at batch ", wanted, " of epoch ", epoch,
+                            ": the epoch has only ", available,
+                            " batches. The data changed since the checkpoint was written."));
+}
+}  // namespace
+
 void DataLoader::start_epoch(int64_t epoch) {
   epoch_ = epoch;
   position_ = 0;
@@ -65,9 +74,7 @@ void DataLoader::seek(int64_t epoch, int64_t position) {
 void DataLoader::do_skip(int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     if (!do_next()) {
-      throw CheckpointError(str("cannot resume the data loader at batch ", n, " of epoch ",
-                                epoch_, ": the epoch has only ", i,
-                                " batches. The data changed since the checkpoint was written."));
+      throw_data_changed(n, epoch_, i);
     }
   }
 }
@@ -154,9 +161,7 @@ std::optional<Batch> DatasetLoader::do_next() {
 void DatasetLoader::do_skip(int64_t n) {
   int64_t available = *num_batches();
   if (n > available) {
-    throw CheckpointError(str("cannot resume the data loader at batch ", n, " of epoch ", epoch(),
-                              ": the epoch has only ", available,
-                              " batches. The data changed since the checkpoint was written."));
+    throw_data_changed(n, epoch(), available);
   }
   cursor_ = std::min(cursor_ + n * options_.batch_size, order_.size(0));
 }

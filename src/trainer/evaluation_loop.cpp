@@ -8,6 +8,21 @@
 
 namespace fulgur {
 
+namespace {
+// Runs `fn(batch, batch on the device, index)` for the first `limit` batches
+// (all when unset) of one pass over `loader`.
+template <class Fn>
+void for_each_batch(Strategy& strategy, DataLoader& loader, std::optional<int64_t> limit, Fn fn) {
+  loader.start_epoch(0);
+  for (int64_t idx = 0; !limit || idx < *limit; ++idx) {
+    auto batch = loader.next();
+    if (!batch) break;
+    Batch on_device = strategy.batch_to_device(*batch);
+    fn(*batch, on_device, idx);
+  }
+}
+}  // namespace
+
 Metrics Trainer::Impl::evaluation_epoch(DataLoader& loader, Stage s, std::optional<int64_t> limit) {
   Module& m = *module;
   const bool is_test = s == Stage::Test;
@@ -21,12 +36,7 @@ Metrics Trainer::Impl::evaluation_epoch(DataLoader& loader, Stage s, std::option
   } else {
     m.on_validation_epoch_start();
   }
-  loader.start_epoch(0);
-  int64_t idx = 0;
-  while (!limit || idx < *limit) {
-    auto batch = loader.next();
-    if (!batch) break;
-    Batch on_device = strategy->batch_to_device(*batch);
+  for_each_batch(*strategy, loader, limit, [&](const Batch& batch, Batch& on_device, int64_t idx) {
     eval_log.set_context(/*training_step=*/false, on_device.batch_size());
     {
       auto scope = strategy->step_scope();
@@ -39,13 +49,12 @@ Metrics Trainer::Impl::evaluation_epoch(DataLoader& loader, Stage s, std::option
     eval_log.set_context(/*training_step=*/false, 1);
     for (auto& cb : callbacks) {
       if (is_test) {
-        cb->on_test_batch_end(self, m, *batch, idx);
+        cb->on_test_batch_end(self, m, batch, idx);
       } else {
-        cb->on_validation_batch_end(self, m, *batch, idx);
+        cb->on_validation_batch_end(self, m, batch, idx);
       }
     }
-    ++idx;
-  }
+  });
   if (is_test) {
     m.on_test_epoch_end();
   } else {
@@ -70,19 +79,13 @@ std::vector<Batch> Trainer::Impl::prediction_epoch(DataLoader& loader, std::opti
   m.on_predict_epoch_start();
   std::vector<Batch> out;
   if (auto n = loader.num_batches()) out.reserve(static_cast<size_t>(limit ? std::min(*n, *limit) : *n));
-  loader.start_epoch(0);
-  int64_t idx = 0;
-  while (!limit || idx < *limit) {
-    auto batch = loader.next();
-    if (!batch) break;
-    Batch on_device = strategy->batch_to_device(*batch);
+  for_each_batch(*strategy, loader, limit, [&](const Batch& batch, Batch& on_device, int64_t idx) {
     {
       auto scope = strategy->step_scope();
       out.push_back(m.predict_step(on_device, idx));
     }
-    for (auto& cb : callbacks) cb->on_predict_batch_end(self, m, *batch, idx);
-    ++idx;
-  }
+    for (auto& cb : callbacks) cb->on_predict_batch_end(self, m, batch, idx);
+  });
   m.on_predict_epoch_end();
   return out;
 }

@@ -147,8 +147,13 @@ std::vector<int64_t> to_vector(const at::Tensor& tensor) {
 
 // ---- Parameters.
 
-::testing::AssertionResult parameters_equal(const torch::nn::Module& a,
-                                            const torch::nn::Module& b) {
+namespace {
+// Matches parameters by name and shape, then applies `same`; `how` describes
+// the comparison in the failure message.
+::testing::AssertionResult compare_parameters(
+    const torch::nn::Module& a, const torch::nn::Module& b,
+    const std::function<bool(const at::Tensor&, const at::Tensor&)>& same,
+    const std::string& how) {
   auto pa = a.named_parameters();
   auto pb = b.named_parameters();
   if (pa.size() != pb.size()) {
@@ -164,40 +169,28 @@ std::vector<int64_t> to_vector(const at::Tensor& tensor) {
       return ::testing::AssertionFailure() << "parameter " << item.key() << " has shape "
                                            << item.value().sizes() << " vs " << other->sizes();
     }
-    if (!torch::equal(item.value(), *other)) {
+    if (!same(item.value(), *other)) {
       return ::testing::AssertionFailure()
-             << "parameter " << item.key() << " differs; max |a - b| = "
+             << "parameter " << item.key() << " differs" << how << "; max |a - b| = "
              << (item.value() - *other).abs().max().item<double>();
     }
   }
   return ::testing::AssertionSuccess();
 }
+}  // namespace
+
+::testing::AssertionResult parameters_equal(const torch::nn::Module& a,
+                                            const torch::nn::Module& b) {
+  return compare_parameters(
+      a, b, [](const at::Tensor& x, const at::Tensor& y) { return torch::equal(x, y); }, "");
+}
 
 ::testing::AssertionResult parameters_close(const torch::nn::Module& a, const torch::nn::Module& b,
                                             double rtol, double atol) {
-  auto pa = a.named_parameters();
-  auto pb = b.named_parameters();
-  if (pa.size() != pb.size()) {
-    return ::testing::AssertionFailure()
-           << "different parameter counts: " << pa.size() << " vs " << pb.size();
-  }
-  for (const auto& item : pa) {
-    const at::Tensor* other = pb.find(item.key());
-    if (other == nullptr) {
-      return ::testing::AssertionFailure() << "parameter " << item.key() << " missing";
-    }
-    if (!item.value().sizes().equals(other->sizes())) {
-      return ::testing::AssertionFailure() << "parameter " << item.key() << " has shape "
-                                           << item.value().sizes() << " vs " << other->sizes();
-    }
-    if (!torch::allclose(item.value(), *other, rtol, atol)) {
-      return ::testing::AssertionFailure()
-             << "parameter " << item.key() << " differs beyond rtol=" << rtol
-             << " atol=" << atol << "; max |a - b| = "
-             << (item.value() - *other).abs().max().item<double>();
-    }
-  }
-  return ::testing::AssertionSuccess();
+  return compare_parameters(
+      a, b,
+      [&](const at::Tensor& x, const at::Tensor& y) { return torch::allclose(x, y, rtol, atol); },
+      fulgur::str(" beyond rtol=", rtol, " atol=", atol));
 }
 
 void copy_parameters(const torch::nn::Module& from, torch::nn::Module& to) {
