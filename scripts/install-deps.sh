@@ -13,6 +13,8 @@ packages=(
   libcli11-dev          # command-line parsing for examples and tools
   zlib1g-dev            # reads the gzip IDX files of Fashion-MNIST
   dataset-fashion-mnist # the main job's data under /usr/share/datasets/fashion-mnist
+  python3-torch         # torchrun (a launch path under test) and the Python peer benchmarks
+  openmpi-bin           # mpirun (a launch path under test)
 )
 
 missing=()

@@ -8,13 +8,20 @@ namespace fulgur {
 
 // ---- Samplers.
 
-void Sampler::set_shard(int64_t rank, int64_t world_size) {
+void Sampler::set_shard(int64_t rank, int64_t world_size, bool even) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     throw ConfigError(str("Sampler::set_shard(rank=", rank, ", world_size=", world_size,
                           "): rank must be in [0, world_size) and world_size >= 1."));
   }
   shard_rank_ = rank;
   shard_world_size_ = world_size;
+  shard_even_ = even;
+}
+
+int64_t Sampler::shard_size(int64_t n) const {
+  const int64_t w = shard_world_size_;
+  if (w == 1) return n;
+  return shard_even_ ? (n + w - 1) / w : (n - shard_rank_ + w - 1) / w;
 }
 
 void Sampler::save_state(torch::serialize::OutputArchive&) const {}
@@ -22,7 +29,13 @@ void Sampler::load_state(torch::serialize::InputArchive&) {}
 
 at::Tensor Sampler::shard(const at::Tensor& indices) const {
   if (shard_world_size_ == 1) return indices;
-  return indices.slice(0, shard_rank_, indices.size(0), shard_world_size_);
+  at::Tensor all = indices;
+  const int64_t n = indices.size(0);
+  const int64_t padded = shard_even_ ? (n + shard_world_size_ - 1) / shard_world_size_ * shard_world_size_ : n;
+  if (padded > n && n > 0) {
+    all = torch::cat({indices, indices.repeat({(padded - n + n - 1) / n}).slice(0, 0, padded - n)});
+  }
+  return all.slice(0, shard_rank_, all.size(0), shard_world_size_);
 }
 
 at::Tensor SequentialSampler::epoch_indices(int64_t, int64_t dataset_size) {
@@ -94,7 +107,7 @@ void DataLoader::load_state(torch::serialize::InputArchive& archive,
   seek(saved_epoch.toInt(), position.value_or(saved_position.toInt()));
 }
 
-bool DataLoader::set_shard(int64_t, int64_t) { return false; }
+bool DataLoader::set_shard(int64_t, int64_t, bool) { return false; }
 
 // ---- DatasetLoader.
 
@@ -117,10 +130,7 @@ DatasetLoader::DatasetLoader(std::shared_ptr<Dataset> dataset, DataLoaderOptions
 }
 
 int64_t DatasetLoader::samples_per_epoch() const {
-  int64_t n = dataset_->size();
-  int64_t world = sampler_->shard_world_size();
-  int64_t rank = sampler_->shard_rank();
-  return world == 1 ? n : (n - rank + world - 1) / world;
+  return sampler_->shard_size(dataset_->size());
 }
 
 std::optional<int64_t> DatasetLoader::num_batches() const {
@@ -129,8 +139,8 @@ std::optional<int64_t> DatasetLoader::num_batches() const {
   return options_.drop_last ? n / b : (n + b - 1) / b;
 }
 
-bool DatasetLoader::set_shard(int64_t rank, int64_t world_size) {
-  sampler_->set_shard(rank, world_size);
+bool DatasetLoader::set_shard(int64_t rank, int64_t world_size, bool even) {
+  sampler_->set_shard(rank, world_size, even);
   return true;
 }
 
@@ -139,7 +149,7 @@ void DatasetLoader::set_default_seed(uint64_t seed) {
   auto sharded = sampler_;
   sampler_ = std::make_shared<RandomSampler>(seed);
   if (sharded->shard_world_size() > 1) {
-    sampler_->set_shard(sharded->shard_rank(), sharded->shard_world_size());
+    sampler_->set_shard(sharded->shard_rank(), sharded->shard_world_size(), sharded->shard_even());
   }
 }
 

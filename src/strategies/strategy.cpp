@@ -11,6 +11,7 @@
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/strategies/launchers/launcher.h"
+#include "fulgur/strategies/ddp.h"
 #include "fulgur/strategies/single_device.h"
 
 namespace fulgur {
@@ -239,6 +240,7 @@ StrategyRegistry& strategy_registry() {
   static StrategyRegistry registry = [] {
     StrategyRegistry r("strategy");
     SingleDeviceStrategy::register_strategies(r);
+    DDPStrategy::register_strategies(r);
     return r;
   }();
   return registry;

@@ -144,6 +144,7 @@ void Trainer::Impl::train_epoch() {
 
 void Trainer::Impl::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   Module& m = *module;
+  strategy->heartbeat("train batch");
   call_hooks([&](Module& mod) { mod.on_train_batch_start(batch, idx); },
              [&](Callback& cb) { cb.on_train_batch_start(self, m, batch, idx); });
   Batch on_device = strategy->batch_to_device(batch);
@@ -171,11 +172,15 @@ void Trainer::Impl::training_batch(Batch& batch, int64_t idx, bool is_last_batch
       at::Tensor scaled =
           options.accumulate_grad_batches > 1 ? loss / options.accumulate_grad_batches : loss;
       call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
+      // Micro-batches that do not step accumulate locally, without a
+      // cross-rank gradient sync.
+      strategy->set_gradient_sync(should_step);
       strategy->backward(scaled, m);
       call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
       if (should_step) step_optimizers();
     }
   } else {
+    strategy->set_gradient_sync(true);
     auto scope = strategy->step_scope();
     loss = m.training_step(on_device, idx);
     if (global_step > steps_before) ++batches_that_stepped;

@@ -162,7 +162,50 @@ std::string Trainer::Impl::root_dir() const {
   return std::filesystem::current_path().string();
 }
 
-void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& body) {
+void Trainer::Impl::distribute(DataLoader& loader, bool even, const char* which) {
+  const int world = strategy->world_size();
+  if (world <= 1 || !options.use_distributed_sampler) return;
+  if (!loader.set_shard(strategy->global_rank(), world, even)) {
+    throw ConfigError(str("Trainer: the ", which, " loader cannot be split across the ", world,
+                          " ranks (it has no sampler, e.g. an IterableLoader), so every rank "
+                          "would see the same data. Give each rank its own part (strategy()."
+                          "global_rank() of strategy().world_size()) and pass "
+                          "use_distributed_sampler=false."));
+  }
+}
+
+namespace {
+
+// What rank 0 of a forked run sends back to the calling process.
+void write_metrics(torch::serialize::OutputArchive& archive, const std::string& key,
+                   const Metrics& metrics) {
+  std::vector<std::string> names;
+  std::vector<double> values;
+  for (const auto& [name, value] : metrics) {
+    names.push_back(name);
+    values.push_back(value);
+  }
+  archive.write(key + ".names", c10::IValue(c10::List<std::string>(names)));
+  archive.write(key + ".values", torch::tensor(values, torch::kDouble));
+}
+
+Metrics read_metrics(torch::serialize::InputArchive& archive, const std::string& key) {
+  c10::IValue names;
+  at::Tensor values;
+  archive.read(key + ".names", names);
+  archive.read(key + ".values", values);
+  Metrics out;
+  auto list = names.toList();
+  for (size_t i = 0; i < list.size(); ++i) {
+    out[list.get(i).toStringRef()] = values[static_cast<int64_t>(i)].item<double>();
+  }
+  return out;
+}
+
+}  // namespace
+
+void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& body,
+                              const LaunchResults& results) {
   module = &m;
   stage = s;
   m.trainer_ = &self;
@@ -179,7 +222,7 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
       body();
     };
     if (auto* launcher = strategy->launcher()) {
-      launcher->launch(run);
+      launcher->launch(run, results);
     } else {
       run();
     }
@@ -195,6 +238,44 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
     throw;
   }
   detach();
+}
+
+LaunchResults Trainer::Impl::fit_results(Module& m, FitResult& result) {
+  return LaunchResults{
+      [this, &m, &result](const std::string& path) {
+        torch::serialize::OutputArchive archive;
+        write_metrics(archive, "metrics", result.metrics);
+        write_metrics(archive, "callback_metrics", callback_metrics);
+        archive.write("global_step", c10::IValue(result.global_step));
+        archive.write("epochs", c10::IValue(result.epochs));
+        archive.write("stop_reason", c10::IValue(result.stop_reason));
+        archive.write("best_model_path", c10::IValue(result.best_model_path));
+        archive.write("last_model_path", c10::IValue(result.last_model_path));
+        torch::serialize::OutputArchive module_state(archive.compilation_unit());
+        strategy->save_module_state(m, module_state);
+        archive.write("module", module_state);
+        archive.save_to(path);
+      },
+      [this, &m, &result](const std::string& path) {
+        torch::serialize::InputArchive archive;
+        archive.load_from(path);
+        result.metrics = read_metrics(archive, "metrics");
+        callback_metrics = read_metrics(archive, "callback_metrics");
+        c10::IValue v;
+        archive.read("global_step", v);
+        result.global_step = global_step = v.toInt();
+        archive.read("epochs", v);
+        result.epochs = current_epoch = v.toInt();
+        archive.read("stop_reason", v);
+        result.stop_reason = v.toStringRef();
+        archive.read("best_model_path", v);
+        result.best_model_path = v.toStringRef();
+        archive.read("last_model_path", v);
+        result.last_model_path = v.toStringRef();
+        torch::serialize::InputArchive module_state;
+        archive.read("module", module_state);
+        strategy->load_module_state(m, module_state);
+      }};
 }
 
 FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
@@ -217,6 +298,8 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
     val_loader = val;
     train_loader->set_default_seed(options.seed.value_or(0));
     if (val_loader) val_loader->set_default_seed(options.seed.value_or(0));
+    distribute(*train_loader, /*even=*/true, "training");
+    if (val_loader) distribute(*val_loader, /*even=*/false, "validation");
 
     current_epoch = 0;
     global_step = 0;
@@ -258,7 +341,7 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
     }
     train_loader.reset();
     val_loader.reset();
-  });
+  }, fit_results(m, result));
   return result;
 }
 
@@ -277,6 +360,7 @@ Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loa
       throw ConfigError(str("Trainer.", what, ": no data. Pass a loader, or a DataModule whose ",
                             s == Stage::Test ? "test" : "val", "_dataloader() returns one."));
     }
+    distribute(*loader, /*even=*/false, s == Stage::Test ? "test" : "validation");
     strategy->setup(m);
     std::string ckpt = resolve_ckpt_path(ckpt_path);
     if (!ckpt.empty()) restore_checkpoint(ckpt, /*full=*/false);
@@ -285,7 +369,16 @@ Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loa
                             s == Stage::Test ? "limit_test_batches" : "limit_val_batches");
     out = evaluation_epoch(*loader, s, limit);
     if (data) data->teardown(s);
-  });
+  }, LaunchResults{[&](const std::string& path) {
+                     torch::serialize::OutputArchive archive;
+                     write_metrics(archive, "metrics", out);
+                     archive.save_to(path);
+                   },
+                   [&](const std::string& path) {
+                     torch::serialize::InputArchive archive;
+                     archive.load_from(path);
+                     out = read_metrics(archive, "metrics");
+                   }});
   return out;
 }
 
@@ -303,13 +396,21 @@ std::vector<Batch> Trainer::Impl::run_predict(Module& m, std::shared_ptr<DataLoa
       throw ConfigError("Trainer.predict: no data. Pass a loader, or a DataModule whose "
                         "predict_dataloader() returns one.");
     }
+    distribute(*loader, /*even=*/false, "predict");
     strategy->setup(m);
     std::string ckpt = resolve_ckpt_path(ckpt_path);
     if (!ckpt.empty()) restore_checkpoint(ckpt, /*full=*/false);
     out = prediction_epoch(*loader, limit_predict.apply(loader->num_batches(),
                                                         "limit_predict_batches"));
     if (data) data->teardown(Stage::Predict);
-  });
+  }, LaunchResults{[&](const std::string&) {},
+                   [&](const std::string&) {
+                     throw ConfigError(
+                         "Trainer.predict under a forking strategy: the predictions stay in the "
+                         "ranks that made them and do not come back to this process. Write them "
+                         "from predict_step (e.g. to a file per rank), or run predict with "
+                         "strategy=\"ddp\" or on one device.");
+                   }});
   return out;
 }
 

@@ -2,6 +2,8 @@
 // and Module (log, manual optimization). Not installed.
 #pragma once
 
+#include "fulgur/strategies/launchers/launcher.h"
+
 #include <map>
 #include <memory>
 #include <optional>
@@ -116,7 +118,13 @@ struct Trainer::Impl {
                                  DataModule* data, const std::string& ckpt_path);
   /// Attaches the module, runs `body` (through the launcher when there is
   /// one), and always detaches and tears down.
-  void run_stage(Module& module, Stage stage, const std::function<void()>& body);
+  void run_stage(Module& module, Stage stage, const std::function<void()>& body,
+                 const LaunchResults& results = {});
+  /// How a forked run's rank 0 returns the fit's results and weights.
+  LaunchResults fit_results(Module& module, FitResult& result);
+  /// Splits `loader` across the ranks (train: `even`, padded; evaluation:
+  /// exact) unless use_distributed_sampler is off or there is one rank.
+  void distribute(DataLoader& loader, bool even, const char* which);
 
   // ---- Fit loop (fit_loop.cpp).
   void fit_loop();

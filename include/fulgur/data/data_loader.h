@@ -53,9 +53,10 @@ class DataLoader {
   void load_state(torch::serialize::InputArchive& archive,
                   std::optional<int64_t> position = std::nullopt);
 
-  /// Restricts the loader to shard `rank` of `world_size`. Returns false when
-  /// the loader cannot be sharded (the caller then reports it).
-  virtual bool set_shard(int64_t rank, int64_t world_size);
+  /// Restricts the loader to shard `rank` of `world_size` (`even`: padded
+  /// so every rank gets as many batches; see Sampler::set_shard). Returns
+  /// false when the loader cannot be sharded (the caller then reports it).
+  virtual bool set_shard(int64_t rank, int64_t world_size, bool even = false);
   /// The Trainer's seed, for loaders whose own seed is unset.
   virtual void set_default_seed(uint64_t /*seed*/) {}
 
@@ -91,7 +92,7 @@ class DatasetLoader : public DataLoader {
                 std::shared_ptr<Sampler> sampler = nullptr);
 
   std::optional<int64_t> num_batches() const override;
-  bool set_shard(int64_t rank, int64_t world_size) override;
+  bool set_shard(int64_t rank, int64_t world_size, bool even = false) override;
   void set_default_seed(uint64_t seed) override;
 
   const Dataset& dataset() const { return *dataset_; }

@@ -26,14 +26,20 @@ class Sampler {
   /// `dataset_size` samples.
   virtual at::Tensor epoch_indices(int64_t epoch, int64_t dataset_size) = 0;
   /// Restricts the sampler to shard `rank` of `world_size` (distributed
-  /// training). The default splits the epoch's indices round-robin.
-  virtual void set_shard(int64_t rank, int64_t world_size);
+  /// training). The default splits the epoch's indices round-robin. `even`:
+  /// pad the epoch by repeating its first indices so every rank gets the
+  /// same count (training: ranks must take the same number of steps);
+  /// otherwise each sample is seen exactly once (exact evaluation).
+  virtual void set_shard(int64_t rank, int64_t world_size, bool even = false);
   /// Saves what is needed to recompute the current epoch's order.
   virtual void save_state(torch::serialize::OutputArchive& archive) const;
   virtual void load_state(torch::serialize::InputArchive& archive);
 
   int64_t shard_rank() const { return shard_rank_; }
   int64_t shard_world_size() const { return shard_world_size_; }
+  bool shard_even() const { return shard_even_; }
+  /// How many of `dataset_size` samples this shard visits per epoch.
+  int64_t shard_size(int64_t dataset_size) const;
 
  protected:
   /// Applies the shard to a full epoch order (used by subclasses).
@@ -42,6 +48,7 @@ class Sampler {
  private:
   int64_t shard_rank_ = 0;
   int64_t shard_world_size_ = 1;
+  bool shard_even_ = false;
 };
 
 /// 0, 1, ..., n-1 every epoch.

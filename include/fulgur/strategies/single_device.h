@@ -20,6 +20,7 @@ class SingleDeviceStrategy : public Strategy {
 
   void barrier(std::string_view name = {}) override;
   at::Tensor broadcast(const at::Tensor& tensor, int src = 0) override;
+  std::string broadcast_bytes(const std::string& value, int /*src*/ = 0) override { return value; }
   at::Tensor all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Mean) override;
   at::Tensor all_gather(const at::Tensor& tensor) override;
   bool reduce_boolean_decision(bool decision, bool all = true) override;

@@ -121,10 +121,18 @@ class Strategy {
   void unscale_gradients(torch::optim::Optimizer& optimizer);
   /// Steps the optimizer through the precision plugin; false if skipped.
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer, Module& module);
+  /// Off for the backward passes of micro-batches that do not step the
+  /// optimizer (gradient accumulation): no cross-rank gradient sync.
+  virtual void set_gradient_sync(bool /*enabled*/) {}
+  /// Progress report to a supervising launcher (once per training batch),
+  /// used to name a rank that hangs. No-op without one.
+  virtual void heartbeat(const char* /*what*/) {}
 
   // ---- Collectives. On one process they return their input.
   virtual void barrier(std::string_view name = {}) = 0;
   virtual at::Tensor broadcast(const at::Tensor& tensor, int src = 0) = 0;
+  /// Small serialised values (a path, a decision, an archive's bytes).
+  virtual std::string broadcast_bytes(const std::string& value, int src = 0) = 0;
   virtual at::Tensor all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Mean) = 0;
   /// Tensors of every rank stacked on a new dimension 0.
   virtual at::Tensor all_gather(const at::Tensor& tensor) = 0;

@@ -71,6 +71,10 @@ struct TrainerOptions {
   /// "32-true" (also "32"); others arrive with the precision plugins.
   std::string precision = "32-true";
   std::vector<Plugin> plugins = {};
+  /// With several ranks, split every loader across them (training padded
+  /// to equal lengths, evaluation exact). Off: each rank's loaders are used
+  /// as they are (the user splits the data).
+  bool use_distributed_sampler = true;
 
   // ---- Run length.
   /// Epochs to train; unset: 1000, or unlimited when max_steps is set.

@@ -34,6 +34,7 @@ class ClusterEnvironment {
   virtual int global_rank() const { return global_rank_; }
   virtual void set_global_rank(int rank) { global_rank_ = rank; }
   virtual int local_rank() const { return local_rank_; }
+  virtual void set_local_rank(int rank) { local_rank_ = rank; }
   virtual int node_rank() const { return node_rank_; }
   /// Throws ConfigError when `num_devices` x `num_nodes` disagrees with what
   /// the cluster reports, naming both numbers and both sources.

@@ -1,0 +1,100 @@
+// File: fulgur/strategies/ddp.h
+//
+// Distributed data parallel: every rank holds the whole module; parameters
+// and buffers are broadcast from rank 0 at setup; gradients are averaged in
+// buckets while backward runs (GradientReducer); every rank then takes the
+// same optimizer step.
+//
+// Registered variants (one class):
+//   ddp                              own launcher re-executes the program
+//   ddp_fork, ddp_spawn              ranks are forked at fit(); rank 0's
+//                                    results and weights come back
+//   ddp_find_unused_parameters_true  ddp, parameters may miss gradients
+//   ddp_find_unused_parameters_false ddp (the default, spelled out)
+//   ddp_fork_find_unused_parameters_true
+//
+//   fulgur::Trainer trainer({.strategy = "ddp", .devices = 2});
+//   fulgur::Trainer trainer({.strategy = std::make_shared<fulgur::DDPStrategy>(
+//       fulgur::DDPOptions{.bucket_cap_mb = 4})});
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "fulgur/strategies/parallel.h"
+
+namespace fulgur {
+
+class GradientReducer;
+
+struct DDPOptions {
+  /// "popen": re-execute the program once per local rank (the launching
+  /// process waits for them and exits with their status). "fork": create
+  /// the ranks at fit(); the calling process gets rank 0's results.
+  std::string start_method = "popen";
+  bool find_unused_parameters = false;
+  /// Gradient bucket size in MiB.
+  double bucket_cap_mb = 25.0;
+  std::chrono::milliseconds process_group_timeout = std::chrono::minutes(30);
+  /// Between SIGTERM and SIGKILL when the launcher stops ranks.
+  std::chrono::milliseconds stop_grace = std::chrono::seconds(5);
+};
+
+class DDPStrategy : public ParallelStrategy {
+ public:
+  explicit DDPStrategy(DDPOptions options = {}, std::string name = "ddp");
+  ~DDPStrategy() override;
+
+  std::string_view name() const override { return name_; }
+  const DDPOptions& options() const { return options_; }
+  void configure_launcher() override;
+
+  void backward(const at::Tensor& loss, Module& module) override;
+  void set_gradient_sync(bool enabled) override;
+  /// The module's reducer after setup(); null before.
+  GradientReducer* reducer() const { return reducer_.get(); }
+
+  /// Registers every variant listed above. A subclass registers its own
+  /// with register_variants<Subclass>(registry, "prefix").
+  static void register_strategies(StrategyRegistry& registry);
+
+  template <class Derived>
+  static void register_variants(StrategyRegistry& registry, const std::string& prefix,
+                                const std::string& what) {
+    struct Variant {
+      const char* suffix;
+      const char* description;
+      const char* start_method;
+      bool find_unused;
+    };
+    static constexpr Variant variants[] = {
+        {"", "one process per device, launched by re-executing the program", "popen", false},
+        {"_fork", "one process per device, forked at fit(); results return to the caller", "fork", false},
+        {"_spawn", "same as _fork (no pickling in C++)", "fork", false},
+        {"_find_unused_parameters_true", "re-executing launcher; parameters may get no gradient", "popen", true},
+        {"_find_unused_parameters_false", "re-executing launcher; every parameter gets a gradient", "popen", false},
+        {"_fork_find_unused_parameters_true", "forked ranks; parameters may get no gradient", "fork", true},
+    };
+    for (const auto& v : variants) {
+      std::string name = prefix + v.suffix;
+      DDPOptions options;
+      options.start_method = v.start_method;
+      options.find_unused_parameters = v.find_unused;
+      registry.add(name, what + ": " + v.description,
+                   [options, name] { return std::make_unique<Derived>(options, name); });
+    }
+  }
+
+ protected:
+  void do_setup(Module& module) override;
+  void do_teardown() override;
+
+ private:
+  DDPOptions options_;
+  std::string name_;
+  std::unique_ptr<GradientReducer> reducer_;
+  bool sync_ = true;
+};
+
+}  // namespace fulgur

@@ -1,0 +1,73 @@
+// File: fulgur/strategies/gradient_reducer.h
+//
+// Averages gradients across the ranks of a ProcessGroup while backward is
+// still running: parameters are grouped into buckets (default 25 MiB, in
+// reverse registration order, roughly the order backward produces their
+// gradients); a hook on each parameter's gradient accumulator marks it ready,
+// and as soon as a bucket is complete its all-reduce starts asynchronously,
+// so communication overlaps the rest of backward. Buckets are started in the
+// same order on every rank. finalize_backward() waits for all of them and
+// writes the averages back into the parameters' .grad.
+//
+//   GradientReducer reducer(module.named_parameters(), group);
+//   reducer.prepare_for_backward();
+//   loss.backward();
+//   reducer.finalize_backward();   // .grad now holds the cross-rank mean
+//
+// DDPStrategy drives one for the whole module; a Module under the `manual`
+// strategy can drive one for a sub-module.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fulgur {
+
+class ProcessGroup;
+
+struct GradientReducerOptions {
+  /// Bucket size in MiB (> 0).
+  double bucket_cap_mb = 25.0;
+  /// Parameters that get no gradient in a step are treated as zero on this
+  /// rank instead of being an error; a parameter no rank used keeps an
+  /// undefined .grad, as on one process.
+  bool find_unused_parameters = false;
+};
+
+class GradientReducer {
+ public:
+  /// Parameters that do not require grad are ignored. Throws ConfigError on
+  /// a non-positive bucket size.
+  GradientReducer(std::vector<std::pair<std::string, at::Tensor>> named_parameters,
+                  std::shared_ptr<ProcessGroup> group, GradientReducerOptions options = {});
+  ~GradientReducer();
+  GradientReducer(const GradientReducer&) = delete;
+  GradientReducer& operator=(const GradientReducer&) = delete;
+
+  /// Arms the hooks for the next backward (when sync is on).
+  void prepare_for_backward();
+  /// Waits for every bucket and writes the averaged gradients. Throws
+  /// DistributedError naming the parameters that got no gradient (unless
+  /// find_unused_parameters) and on a failed collective.
+  void finalize_backward();
+  /// Off: backward only accumulates locally (gradient accumulation's
+  /// non-stepping micro-batches); the next synchronised backward averages
+  /// the accumulated gradients.
+  void set_require_sync(bool sync);
+  bool require_sync() const;
+
+  /// Parameter names per bucket, in launch order (for tests and describe).
+  std::vector<std::vector<std::string>> bucket_layout() const;
+
+  /// Implementation detail (shared with the autograd hooks).
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace fulgur

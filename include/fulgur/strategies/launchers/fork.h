@@ -1,0 +1,31 @@
+// File: fulgur/strategies/launchers/fork.h
+//
+// The `ddp_fork` / `ddp_spawn` launcher: at fit() the calling process forks
+// one child per local rank and supervises them; global rank 0 saves its
+// results (metrics, checkpoint paths, trained weights) and the calling
+// process loads them, so after fit() its module holds the trained weights.
+//
+// LibTorch's OpenMP pool (libgomp) cannot be used again in a forked child
+// once the parent has used it, so each child runs with one intra-op thread.
+// Use `ddp` for ranks that need several threads each.
+#pragma once
+
+#include "fulgur/strategies/launchers/subprocess_script.h"
+
+namespace fulgur {
+
+class ForkLauncher : public Launcher {
+ public:
+  ForkLauncher(ParallelStrategy& strategy, Supervision supervision);
+  std::string_view name() const override { return "fork"; }
+  bool is_interactive_compatible() const override { return true; }
+  /// Returns in the calling process once every rank exited 0, after
+  /// results.load; throws DistributedError when one failed.
+  void launch(const std::function<void()>& fn, const LaunchResults& results) override;
+
+ private:
+  ParallelStrategy& strategy_;
+  Supervision supervision_;
+};
+
+}  // namespace fulgur

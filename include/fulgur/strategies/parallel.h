@@ -1,0 +1,66 @@
+// File: fulgur/strategies/parallel.h
+//
+// The parallel part of the Strategy hub: ranks from the cluster environment,
+// a ProcessGroup created in setup_environment(), and the collectives over
+// it. DDPStrategy adds gradient averaging; the `manual` strategy leaves the
+// model to the user and keeps all of this.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <optional>
+
+#include "fulgur/strategies/strategy.h"
+
+namespace fulgur {
+
+class ProcessGroup;
+
+class ParallelStrategy : public Strategy {
+ public:
+  ParallelStrategy();
+  ~ParallelStrategy() override;
+
+  // Ranks: from the cluster environment when it created the processes (or
+  // a launcher set them), else what the launcher will create.
+  int global_rank() const override;
+  int local_rank() const override;
+  int node_rank() const override;
+  int world_size() const override;
+  /// parallel_devices()[local_rank()].
+  c10::Device root_device() const override;
+
+  void barrier(std::string_view name = {}) override;
+  at::Tensor broadcast(const at::Tensor& tensor, int src = 0) override;
+  std::string broadcast_bytes(const std::string& value, int src = 0) override;
+  at::Tensor all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Mean) override;
+  at::Tensor all_gather(const at::Tensor& tensor) override;
+  bool reduce_boolean_decision(bool decision, bool all = true) override;
+  void heartbeat(const char* what) override;
+
+  /// The group of all ranks; DistributedError before setup_environment().
+  ProcessGroup& process_group() const;
+  std::shared_ptr<ProcessGroup> shared_process_group() const { return group_; }
+
+  /// Bounds the rendezvous and every collective (default 30 minutes).
+  void set_process_group_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+  std::chrono::milliseconds process_group_timeout() const { return timeout_; }
+
+  /// Called by a launcher in the process of one rank it created.
+  void assign_rank(int local_rank, int global_rank, int world_size);
+  /// The port a launcher chose for MASTER_PORT when none was set.
+  void set_main_port(int port) { main_port_ = port; }
+  /// MASTER_PORT: the launcher's choice, else the cluster environment's.
+  int main_port() const;
+
+ protected:
+  void do_setup_environment() override;
+  void do_teardown() override;
+
+ private:
+  std::shared_ptr<ProcessGroup> group_;
+  std::chrono::milliseconds timeout_ = std::chrono::minutes(30);
+  std::optional<int> main_port_;
+};
+
+}  // namespace fulgur

@@ -1,0 +1,110 @@
+// File: fulgur/strategies/process_group.h
+//
+// A ProcessGroup is the set of ranks of one run and the collectives between
+// them, on top of LibTorch's c10d: a TCPStore rendezvous at the main
+// address:port, then ProcessGroupGloo (CPU tensors). Every collective is
+// bounded by the group's timeout, and every failure (a peer that died, a
+// timeout, a bad address) is a DistributedError naming the operation, this
+// rank and what to check.
+//
+//   auto group = fulgur::ProcessGroup::connect({.main_address = "127.0.0.1",
+//                                               .main_port = 29500,
+//                                               .world_size = 2, .rank = r});
+//   group->all_reduce_(grad, fulgur::ReduceOp::Sum);
+//
+// Parallel strategies create one in setup_environment(); a Module reaches it
+// through `trainer().strategy()` (see fulgur/strategies/parallel.h). The raw
+// c10d group is there for what fulgur does not wrap.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fulgur/strategies/strategy.h"
+
+namespace c10d {
+class ProcessGroup;
+class Work;
+}  // namespace c10d
+
+namespace fulgur {
+
+struct ProcessGroupOptions {
+  /// Where rank 0 listens (MASTER_ADDR). Rank 0 must own this address.
+  std::string main_address = "127.0.0.1";
+  /// MASTER_PORT; must be set (launchers pick a free one when unset).
+  int main_port = 0;
+  int world_size = 1;
+  int rank = 0;
+  /// Bounds the rendezvous and every collective.
+  std::chrono::milliseconds timeout = std::chrono::minutes(30);
+  /// "gloo" (CPU tensors). "nccl" and "mpi" are rejected with a clear error
+  /// in builds whose LibTorch lacks them.
+  std::string backend = "gloo";
+};
+
+/// A started asynchronous collective.
+class PendingCollective {
+ public:
+  explicit PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what);
+  ~PendingCollective();
+  PendingCollective(PendingCollective&&) noexcept;
+  PendingCollective& operator=(PendingCollective&&) noexcept;
+  /// Blocks until done; DistributedError on failure or timeout.
+  void wait();
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string what_;
+};
+
+class ProcessGroup {
+ public:
+  /// Rendezvous with every rank and build the group. DistributedError when
+  /// the peers do not all arrive within the timeout, or the address cannot
+  /// be used, naming the address, port, rank and world size.
+  static std::shared_ptr<ProcessGroup> connect(const ProcessGroupOptions& options);
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const { return options_.rank; }
+  int size() const { return options_.world_size; }
+  const ProcessGroupOptions& options() const { return options_; }
+
+  void barrier();
+  /// `tensor` takes rank `src`'s values (in place).
+  void broadcast_(at::Tensor& tensor, int src = 0);
+  /// `value` takes rank `src`'s bytes; any length.
+  std::string broadcast_bytes(const std::string& value, int src = 0);
+  /// In place. Mean is a sum divided by the world size.
+  void all_reduce_(at::Tensor& tensor, ReduceOp op);
+  /// Starts a sum all-reduce of `tensor` in place; wait on the result.
+  PendingCollective all_reduce_sum_async_(at::Tensor& tensor);
+  /// Every rank's `tensor` (same shape everywhere), stacked on dimension 0.
+  at::Tensor all_gather(const at::Tensor& tensor);
+
+  /// The underlying c10d group (include the c10d headers to use it).
+  const c10::intrusive_ptr<c10d::ProcessGroup>& c10d_group() const;
+
+ private:
+  struct Impl;
+  ProcessGroup(ProcessGroupOptions options, std::unique_ptr<Impl> impl);
+  /// Runs a blocking collective, turning a c10d failure into a
+  /// DistributedError that says which operation failed on which rank.
+  void run(const char* what, const std::function<c10::intrusive_ptr<c10d::Work>()>& start);
+
+  ProcessGroupOptions options_;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// A TCP port that was free on `address` a moment ago (bind to port 0).
+int find_free_port(const std::string& address = "127.0.0.1");
+
+}  // namespace fulgur

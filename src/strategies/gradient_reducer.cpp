@@ -1,0 +1,242 @@
+#include "fulgur/strategies/gradient_reducer.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <mutex>
+#include <optional>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/strategies/process_group.h"
+
+namespace fulgur {
+
+namespace {
+
+struct Bucket {
+  std::vector<size_t> params;       // indices into State::params
+  std::vector<int64_t> offsets;     // element offset of each in `flat`
+  at::Tensor flat;
+  size_t pending = 0;
+  bool launched = false;
+  std::optional<PendingCollective> work;
+};
+
+}  // namespace
+
+struct GradientReducer::State {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::vector<size_t> bucket_of;    // param index -> bucket
+  std::vector<size_t> slot_of;      // param index -> position in its bucket
+  std::vector<Bucket> buckets;
+  std::vector<char> ready;          // per param, this backward
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<uintptr_t> hook_keys;
+  std::shared_ptr<ProcessGroup> group;
+  GradientReducerOptions options;
+  std::mutex mutex;
+  size_t next_to_launch = 0;
+  bool armed = false;
+  bool require_sync = true;
+
+  at::Tensor slice(size_t p) {
+    const auto& b = buckets[bucket_of[p]];
+    return b.flat.narrow(0, b.offsets[slot_of[p]], params[p].numel());
+  }
+
+  void launch_ready_buckets() {
+    while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
+      auto& b = buckets[next_to_launch++];
+      b.work.emplace(group->all_reduce_sum_async_(b.flat));
+      b.launched = true;
+    }
+  }
+
+  void mark_ready(size_t p) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!armed || ready[p]) return;
+    const at::Tensor& grad = params[p].grad();
+    if (!grad.defined()) return;
+    if (grad.is_sparse()) {
+      throw DistributedError(str("GradientReducer: parameter \"", names[p], "\" has a sparse "
+                                 "gradient, which the bucketed reducer does not average. Use a "
+                                 "dense embedding (sparse=false) or the manual strategy."));
+    }
+    slice(p).copy_(grad.reshape(-1));
+    ready[p] = 1;
+    --buckets[bucket_of[p]].pending;
+    launch_ready_buckets();
+  }
+};
+
+namespace {
+
+class ReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  ReadyHook(std::weak_ptr<GradientReducer::State> state, size_t index)
+      : state_(std::move(state)), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (auto state = state_.lock()) state->mark_ready(index_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<GradientReducer::State> state_;
+  size_t index_;
+};
+
+}  // namespace
+
+GradientReducer::GradientReducer(std::vector<std::pair<std::string, at::Tensor>> named_parameters,
+                                 std::shared_ptr<ProcessGroup> group,
+                                 GradientReducerOptions options)
+    : state_(std::make_shared<State>()) {
+  if (!(options.bucket_cap_mb > 0)) {
+    throw ConfigError(str("GradientReducer: bucket_cap_mb=", options.bucket_cap_mb,
+                          " must be > 0 (default 25)."));
+  }
+  if (!group) throw ConfigError("GradientReducer: the process group is null.");
+  auto& s = *state_;
+  s.group = std::move(group);
+  s.options = options;
+  for (auto& [name, p] : named_parameters) {
+    if (!p.requires_grad()) continue;
+    s.names.push_back(name);
+    s.params.push_back(p);
+  }
+  const auto cap = static_cast<int64_t>(options.bucket_cap_mb * 1024 * 1024);
+  s.bucket_of.resize(s.params.size());
+  s.slot_of.resize(s.params.size());
+  // Reverse order: backward produces the last layers' gradients first.
+  std::map<std::pair<int, std::string>, size_t> open;  // (dtype, device) -> bucket
+  std::vector<int64_t> sizes;
+  for (size_t k = s.params.size(); k-- > 0;) {
+    const auto& p = s.params[k];
+    auto key = std::make_pair(static_cast<int>(p.scalar_type()), p.device().str());
+    int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
+    auto it = open.find(key);
+    // A new bucket when this one would pass the cap; an empty bucket takes
+    // any parameter, however large.
+    if (it == open.end() || (sizes[it->second] > 0 && sizes[it->second] + bytes > cap)) {
+      s.buckets.emplace_back();
+      sizes.push_back(0);
+      it = open.insert_or_assign(key, s.buckets.size() - 1).first;
+    }
+    auto& b = s.buckets[it->second];
+    s.bucket_of[k] = it->second;
+    s.slot_of[k] = b.params.size();
+    b.params.push_back(k);
+    b.offsets.push_back(sizes[it->second] / static_cast<int64_t>(p.element_size()));
+    sizes[it->second] += bytes;
+  }
+  for (size_t i = 0; i < s.buckets.size(); ++i) {
+    const auto& first = s.params[s.buckets[i].params.front()];
+    s.buckets[i].flat = torch::zeros({sizes[i] / static_cast<int64_t>(first.element_size())},
+                                     first.options().requires_grad(false));
+  }
+  s.ready.assign(s.params.size(), 0);
+  for (size_t k = 0; k < s.params.size(); ++k) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(s.params[k]);
+    if (!accumulator) {
+      throw ConfigError(str("GradientReducer: parameter \"", s.names[k], "\" is not a leaf "
+                            "tensor; pass the module's own parameters."));
+    }
+    s.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<ReadyHook>(state_, k)));
+    s.accumulators.push_back(std::move(accumulator));
+  }
+}
+
+GradientReducer::~GradientReducer() {
+  auto& s = *state_;
+  for (size_t k = 0; k < s.accumulators.size(); ++k) s.accumulators[k]->del_post_hook(s.hook_keys[k]);
+}
+
+void GradientReducer::set_require_sync(bool sync) { state_->require_sync = sync; }
+bool GradientReducer::require_sync() const { return state_->require_sync; }
+
+void GradientReducer::prepare_for_backward() {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.armed = s.require_sync && !s.params.empty();
+  if (!s.armed) return;
+  std::fill(s.ready.begin(), s.ready.end(), 0);
+  for (auto& b : s.buckets) {
+    b.pending = b.params.size();
+    b.launched = false;
+    b.work.reset();
+  }
+  s.next_to_launch = 0;
+}
+
+void GradientReducer::finalize_backward() {
+  auto& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mutex);
+  if (!s.armed) return;
+  s.armed = false;
+  std::vector<size_t> unused;
+  for (size_t k = 0; k < s.params.size(); ++k) {
+    if (!s.ready[k]) unused.push_back(k);
+  }
+  at::Tensor used_anywhere;
+  if (!unused.empty()) {
+    if (!s.options.find_unused_parameters) {
+      std::vector<std::string> names;
+      for (size_t i = 0; i < unused.size() && i < 8; ++i) names.push_back(s.names[unused[i]]);
+      throw DistributedError(str(
+          "DDP: ", unused.size(), " parameter(s) received no gradient in this backward on rank ",
+          s.group->rank(), ": ", join(names), unused.size() > names.size() ? ", ..." : "",
+          ". Every rank must produce a gradient for every parameter to average them. Use "
+          "strategy=\"ddp_find_unused_parameters_true\" when some parameters are skipped in "
+          "some steps, or freeze them (requires_grad=false)."));
+    }
+    for (size_t k : unused) {
+      // Its contribution is what it accumulated (e.g. in no_sync
+      // micro-batches), or nothing.
+      const at::Tensor& grad = s.params[k].grad();
+      if (grad.defined()) {
+        s.slice(k).copy_(grad.reshape(-1));
+      } else {
+        s.slice(k).zero_();
+      }
+      --s.buckets[s.bucket_of[k]].pending;
+    }
+    s.launch_ready_buckets();
+  }
+  if (s.options.find_unused_parameters) {
+    // One extra collective says which parameters some rank used, so that
+    // a parameter nobody used keeps an undefined gradient.
+    used_anywhere = torch::zeros({static_cast<int64_t>(s.params.size())}, torch::kInt);
+    auto* flags = used_anywhere.data_ptr<int>();
+    for (size_t k = 0; k < s.params.size(); ++k) flags[k] = s.ready[k] ? 1 : 0;
+  }
+  lock.unlock();
+  for (auto& b : s.buckets) b.work->wait();
+  if (used_anywhere.defined()) s.group->all_reduce_(used_anywhere, ReduceOp::Sum);
+  const double world = s.group->size();
+  torch::NoGradGuard no_grad;
+  for (auto& b : s.buckets) b.flat.div_(world);
+  for (size_t k = 0; k < s.params.size(); ++k) {
+    auto& p = s.params[k];
+    at::Tensor averaged = s.slice(k).view(p.sizes());
+    if (p.grad().defined()) {
+      p.mutable_grad().copy_(averaged);
+    } else if (used_anywhere.defined() && used_anywhere.data_ptr<int>()[k] > 0) {
+      p.mutable_grad() = averaged.clone();
+    }
+  }
+}
+
+std::vector<std::vector<std::string>> GradientReducer::bucket_layout() const {
+  std::vector<std::vector<std::string>> out;
+  for (const auto& b : state_->buckets) {
+    out.emplace_back();
+    for (size_t k : b.params) out.back().push_back(state_->names[k]);
+  }
+  return out;
+}
+
+}  // namespace fulgur

@@ -1,0 +1,396 @@
+#include "strategies/launchers/supervisor.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <thread>
+
+#include "fulgur/core/errors.h"
+
+namespace fulgur::detail {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// SIGINT / SIGTERM while supervising: remembered, then the ranks are
+// stopped and the supervisor ends the same way.
+std::atomic<int> g_signal{0};
+extern "C" void on_stop_signal(int sig) { g_signal.store(sig); }
+
+const char* signal_name(int sig) {
+  switch (sig) {
+    case SIGKILL: return "SIGKILL";
+    case SIGTERM: return "SIGTERM";
+    case SIGINT: return "SIGINT";
+    case SIGSEGV: return "SIGSEGV";
+    case SIGABRT: return "SIGABRT";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGILL: return "SIGILL";
+    case SIGPIPE: return "SIGPIPE";
+    case SIGHUP: return "SIGHUP";
+    default: return "a signal";
+  }
+}
+
+void write_all(int fd, const char* data, size_t n) {
+  while (n > 0) {
+    ssize_t w = ::write(fd, data, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    data += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+int heartbeat_fd() {
+  static int fd = [] {
+    const char* v = std::getenv("FULGUR_HEARTBEAT_FD");
+    if (v == nullptr) return -1;
+    int parsed = std::atoi(v);
+    return ::fcntl(parsed, F_GETFD) == -1 ? -1 : parsed;
+  }();
+  return fd;
+}
+
+}  // namespace
+
+void send_heartbeat(const char* what) {
+  int fd = heartbeat_fd();
+  if (fd < 0) return;
+  char line[256];
+  int n = std::snprintf(line, sizeof line, "%s\n", what);
+  write_all(fd, line, static_cast<size_t>(std::min<int>(n, sizeof line - 1)));
+}
+
+Supervisor::Supervisor(Options options) : options_(options), started_(Clock::now()) {}
+
+Supervisor::~Supervisor() {
+  try {
+    stop_all();
+  } catch (...) {
+  }
+}
+
+void Supervisor::spawn(int local_rank, int global_rank, const std::function<void()>& body) {
+  int out[2], err[2], beat[2];
+  if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0 || ::pipe2(beat, O_CLOEXEC) != 0) {
+    throw DistributedError(str("launcher: cannot create pipes for rank ", global_rank, ": ",
+                               std::strerror(errno)));
+  }
+  std::fflush(nullptr);
+  std::cout.flush();
+  std::cerr.flush();
+  pid_t supervisor = ::getpid();
+  pid_t pid = ::fork();
+  if (pid < 0) {
+    throw DistributedError(str("launcher: fork() for rank ", global_rank, " failed: ",
+                               std::strerror(errno), ". Too many processes, or out of memory?"));
+  }
+  if (pid == 0) {
+    // Die with the supervisor, whatever kills it.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != supervisor) ::_exit(128 + SIGKILL);
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    ::dup2(out[1], STDOUT_FILENO);
+    ::dup2(err[1], STDERR_FILENO);
+    // The heartbeat end stays open across exec (dup drops O_CLOEXEC).
+    int beat_fd = ::dup(beat[1]);
+    char value[16];
+    std::snprintf(value, sizeof value, "%d", beat_fd);
+    ::setenv("FULGUR_HEARTBEAT_FD", value, 1);
+    body();
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  ::close(err[1]);
+  ::close(beat[1]);
+  for (int fd : {out[0], err[0], beat[0]}) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK);
+  Child c;
+  c.local_rank = local_rank;
+  c.global_rank = global_rank;
+  c.pid = pid;
+  c.out_fd = out[0];
+  c.err_fd = err[0];
+  c.beat_fd = beat[0];
+  c.last_beat_time = Clock::now();
+  children_.push_back(std::move(c));
+}
+
+void Supervisor::read_fd(Child& c, int& fd, int which) {
+  char buf[8192];
+  for (;;) {
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n == 0 || errno != EAGAIN) {
+        ::close(fd);
+        fd = -1;
+      }
+      return;
+    }
+    if (which == 2) {
+      // Heartbeats are counted, not shown.
+      c.beat_partial.append(buf, static_cast<size_t>(n));
+      size_t pos;
+      while ((pos = c.beat_partial.find('\n')) != std::string::npos) {
+        c.last_beat = c.beat_partial.substr(0, pos);
+        c.beat_partial.erase(0, pos + 1);
+        ++c.beats;
+        c.last_beat_time = Clock::now();
+      }
+      continue;
+    }
+    // Rank 0's output passes through unchanged (progress bars included);
+    // other ranks' complete lines are prefixed with their rank.
+    int target = which == 0 ? STDOUT_FILENO : STDERR_FILENO;
+    std::string& part = c.partial[which];
+    part.append(buf, static_cast<size_t>(n));
+    size_t pos;
+    while ((pos = part.find('\n')) != std::string::npos) {
+      std::string line = part.substr(0, pos);
+      part.erase(0, pos + 1);
+      if (c.global_rank == 0) {
+        write_all(target, line.data(), line.size());
+        write_all(target, "\n", 1);
+      } else {
+        std::string prefixed = str("[rank ", c.global_rank, "] ", line, "\n");
+        write_all(target, prefixed.data(), prefixed.size());
+      }
+      auto cr = line.find_last_of('\r');
+      c.tail.push_back(cr == std::string::npos ? line : line.substr(cr + 1));
+      if (c.tail.size() > options_.tail_lines) c.tail.pop_front();
+    }
+    if (c.global_rank == 0 && !part.empty() && part.find('\r') != std::string::npos) {
+      // A progress bar redraw: show it now, keep only its last state.
+      write_all(target, part.data(), part.size());
+      part.clear();
+    }
+  }
+}
+
+void Supervisor::pump(int timeout_ms) {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<size_t, int>> owners;
+  for (size_t i = 0; i < children_.size(); ++i) {
+    auto& c = children_[i];
+    int* slots[3] = {&c.out_fd, &c.err_fd, &c.beat_fd};
+    for (int w = 0; w < 3; ++w) {
+      if (*slots[w] >= 0) {
+        fds.push_back({*slots[w], POLLIN, 0});
+        owners.emplace_back(i, w);
+      }
+    }
+  }
+  if (fds.empty()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(timeout_ms));
+    return;
+  }
+  int n = ::poll(fds.data(), fds.size(), timeout_ms);
+  if (n <= 0) return;
+  for (size_t k = 0; k < fds.size(); ++k) {
+    if (fds[k].revents == 0) continue;
+    auto& c = children_[owners[k].first];
+    int which = owners[k].second;
+    int& fd = which == 0 ? c.out_fd : which == 1 ? c.err_fd : c.beat_fd;
+    read_fd(c, fd, which);
+  }
+}
+
+bool Supervisor::reap() {
+  bool any = false;
+  for (auto& c : children_) {
+    if (!c.running) continue;
+    int status = 0;
+    pid_t r = ::waitpid(c.pid, &status, WNOHANG);
+    if (r == c.pid) {
+      c.running = false;
+      c.status = status;
+      any = true;
+    }
+  }
+  return any;
+}
+
+void Supervisor::close_fds(Child& c) {
+  for (int* fd : {&c.out_fd, &c.err_fd, &c.beat_fd}) {
+    if (*fd >= 0) {
+      // Whatever is still buffered goes out first.
+      read_fd(c, *fd, fd == &c.out_fd ? 0 : fd == &c.err_fd ? 1 : 2);
+      if (*fd >= 0) ::close(*fd);
+      *fd = -1;
+    }
+  }
+  for (int w = 0; w < 2; ++w) {
+    if (!c.partial[w].empty()) {
+      c.tail.push_back(c.partial[w]);
+      std::string line = (c.global_rank == 0 ? "" : str("[rank ", c.global_rank, "] ")) +
+                         c.partial[w] + "\n";
+      write_all(w == 0 ? STDOUT_FILENO : STDERR_FILENO, line.data(), line.size());
+      c.partial[w].clear();
+    }
+  }
+}
+
+std::string Supervisor::describe_death(const Child& c) const {
+  if (WIFSIGNALED(c.status)) {
+    int sig = WTERMSIG(c.status);
+    return str("was killed by signal ", sig, " (", signal_name(sig), ")");
+  }
+  if (WIFEXITED(c.status)) return str("exited with code ", WEXITSTATUS(c.status));
+  return "stopped";
+}
+
+std::string Supervisor::tail_text(const Child& c) const {
+  if (c.tail.empty()) return "  (it printed nothing)";
+  std::string out;
+  for (const auto& line : c.tail) out += "  | " + line + "\n";
+  if (!out.empty()) out.pop_back();
+  return out;
+}
+
+void Supervisor::stop_all() {
+  bool any_running = false;
+  for (auto& c : children_) {
+    if (c.running) {
+      ::kill(c.pid, SIGTERM);
+      any_running = true;
+    }
+  }
+  auto deadline = Clock::now() + options_.grace;
+  while (any_running && Clock::now() < deadline) {
+    pump(50);
+    reap();
+    any_running = false;
+    for (auto& c : children_) any_running = any_running || c.running;
+  }
+  for (auto& c : children_) {
+    if (c.running) {
+      ::kill(c.pid, SIGKILL);
+      int status = 0;
+      while (::waitpid(c.pid, &status, 0) < 0 && errno == EINTR) {
+      }
+      c.running = false;
+      c.status = status;
+    }
+    close_fds(c);
+  }
+}
+
+void Supervisor::wait_all() {
+  struct sigaction action {};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  struct sigaction old_int {}, old_term {};
+  g_signal.store(0);
+  ::sigaction(SIGINT, &action, &old_int);
+  ::sigaction(SIGTERM, &action, &old_term);
+  struct Restore {
+    struct sigaction i, t;
+    ~Restore() {
+      ::sigaction(SIGINT, &i, nullptr);
+      ::sigaction(SIGTERM, &t, nullptr);
+    }
+  } restore{old_int, old_term};
+
+  const Child* failed = nullptr;
+  std::string hang_report;
+  for (;;) {
+    pump(100);
+    reap();
+    bool all_done = true;
+    for (auto& c : children_) {
+      if (!c.running) {
+        if (c.out_fd >= 0 || c.err_fd >= 0 || c.beat_fd >= 0) close_fds(c);
+        bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
+        if (!ok && failed == nullptr) failed = &c;
+      } else {
+        all_done = false;
+      }
+    }
+    if (failed != nullptr || all_done) break;
+    if (int sig = g_signal.load()) {
+      stop_all();
+      throw DistributedError(str("launcher: interrupted by signal ", sig, " (", signal_name(sig),
+                                 "); stopped every rank."));
+    }
+    if (options_.hang_timeout.count() > 0) {
+      // A rank is hung when it is behind another rank and has sent nothing
+      // for hang_timeout.
+      auto now = Clock::now();
+      const Child* ahead = nullptr;
+      for (const auto& c : children_) {
+        if (ahead == nullptr || c.beats > ahead->beats) ahead = &c;
+      }
+      for (const auto& c : children_) {
+        if (!c.running || c.beats >= ahead->beats) continue;
+        if (now - c.last_beat_time > options_.hang_timeout) {
+          hang_report = str(
+              "rank ", c.global_rank, " (pid ", c.pid, ") hung: no progress for ",
+              std::chrono::duration_cast<std::chrono::seconds>(now - c.last_beat_time).count(),
+              " s (the timeout is ",
+              std::chrono::duration_cast<std::chrono::seconds>(options_.hang_timeout).count(),
+              " s); it last reported \"", c.last_beat.empty() ? "nothing" : c.last_beat,
+              "\" while rank ", ahead->global_rank, " reported \"", ahead->last_beat, "\". Its last lines:\n",
+              tail_text(c));
+          failed = &c;
+          break;
+        }
+      }
+      if (failed != nullptr) break;
+    }
+  }
+  if (failed == nullptr) return;
+  std::string report;
+  if (hang_report.empty()) {
+    // A rank that failed in a collective (timeout, closed connection) is
+    // usually the victim: a running rank that fell behind it is the cause.
+    const Child* lagging = nullptr;
+    for (const auto& c : children_) {
+      if (c.running && c.beats < failed->beats && (lagging == nullptr || c.beats < lagging->beats)) {
+        lagging = &c;
+      }
+    }
+    if (lagging != nullptr) {
+      hang_report = str(
+          "rank ", lagging->global_rank, " (pid ", lagging->pid, ") hung: it sent no progress for ",
+          std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - lagging->last_beat_time).count(),
+          " s and fell behind rank ", failed->global_rank, ", which gave up waiting for it (",
+          describe_death(*failed), "). Rank ", lagging->global_rank, "'s last lines:\n",
+          tail_text(*lagging), "\nRank ", failed->global_rank, "'s last lines:\n", tail_text(*failed));
+      failed = lagging;
+    }
+  }
+  if (!hang_report.empty()) {
+    report = hang_report;
+  } else {
+    report = str("rank ", failed->global_rank, " (pid ", failed->pid, ") ", describe_death(*failed),
+                 " after ",
+                 std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started_).count() / 1000.0,
+                 " s. Its last lines:\n", tail_text(*failed));
+  }
+  std::vector<std::string> others;
+  for (const auto& c : children_) {
+    if (&c != failed && c.running) others.push_back(str(c.global_rank, " (pid ", c.pid, ")"));
+  }
+  stop_all();
+  if (!others.empty()) report += str("\nStopped the other ranks: ", join(others), ".");
+  throw DistributedError("launcher: " + report);
+}
+
+}  // namespace fulgur::detail

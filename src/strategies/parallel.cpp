@@ -1,0 +1,107 @@
+#include "fulgur/strategies/parallel.h"
+
+#include <torch/torch.h>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/plugins/environments/cluster_environment.h"
+#include "fulgur/strategies/process_group.h"
+#include "strategies/launchers/supervisor.h"
+
+namespace fulgur {
+
+ParallelStrategy::ParallelStrategy() = default;
+ParallelStrategy::~ParallelStrategy() = default;
+
+int ParallelStrategy::global_rank() const { return cluster_environment().global_rank(); }
+int ParallelStrategy::local_rank() const { return cluster_environment().local_rank(); }
+int ParallelStrategy::node_rank() const { return cluster_environment().node_rank(); }
+
+int ParallelStrategy::world_size() const {
+  const auto& env = cluster_environment();
+  if (env.creates_processes_externally() || env.world_size() > 1) return env.world_size();
+  return static_cast<int>(std::max<size_t>(parallel_devices().size(), 1)) * num_nodes();
+}
+
+c10::Device ParallelStrategy::root_device() const {
+  const auto& devices = parallel_devices();
+  int local = local_rank();
+  if (devices.empty()) return c10::Device(c10::kCPU);
+  if (local < 0 || local >= static_cast<int>(devices.size())) {
+    throw DistributedError(str("strategy \"", name(), "\": this process has local rank ", local,
+                               " but the node has ", devices.size(), " device(s). Set devices to "
+                               "the number of processes per node (LOCAL_WORLD_SIZE)."));
+  }
+  return devices[static_cast<size_t>(local)];
+}
+
+void ParallelStrategy::assign_rank(int local_rank, int global_rank, int world_size) {
+  auto& env = cluster_environment();
+  env.set_local_rank(local_rank);
+  env.set_global_rank(global_rank);
+  env.set_world_size(world_size);
+}
+
+int ParallelStrategy::main_port() const {
+  return main_port_ ? *main_port_ : cluster_environment().main_port();
+}
+
+void ParallelStrategy::do_setup_environment() {
+  ProcessGroupOptions options;
+  options.main_address = cluster_environment().main_address();
+  options.main_port = main_port();
+  options.world_size = world_size();
+  options.rank = global_rank();
+  options.timeout = timeout_;
+  if (options.main_port == 0) {
+    if (options.world_size > 1) {
+      throw DistributedError(str("strategy \"", name(), "\": rank ", options.rank, " of ",
+                                 options.world_size, " has no main port. Set MASTER_PORT (the same "
+                                 "on every rank), or let fulgur's launcher start the ranks."));
+    }
+    options.main_port = find_free_port(options.main_address);
+  }
+  group_ = ProcessGroup::connect(options);
+}
+
+void ParallelStrategy::do_teardown() { group_.reset(); }
+
+ProcessGroup& ParallelStrategy::process_group() const {
+  if (!group_) {
+    throw DistributedError(str("strategy \"", name(), "\": the process group exists only between "
+                               "setup_environment() and teardown() (inside fit/validate/test/"
+                               "predict)."));
+  }
+  return *group_;
+}
+
+void ParallelStrategy::barrier(std::string_view) { process_group().barrier(); }
+
+at::Tensor ParallelStrategy::broadcast(const at::Tensor& tensor, int src) {
+  at::Tensor out = tensor.clone();
+  process_group().broadcast_(out, src);
+  return out;
+}
+
+std::string ParallelStrategy::broadcast_bytes(const std::string& value, int src) {
+  return process_group().broadcast_bytes(value, src);
+}
+
+at::Tensor ParallelStrategy::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  at::Tensor out = tensor.clone();
+  process_group().all_reduce_(out, op);
+  return out;
+}
+
+at::Tensor ParallelStrategy::all_gather(const at::Tensor& tensor) {
+  return process_group().all_gather(tensor);
+}
+
+bool ParallelStrategy::reduce_boolean_decision(bool decision, bool all) {
+  at::Tensor t = torch::tensor({decision ? 1 : 0}, torch::kInt);
+  process_group().all_reduce_(t, all ? ReduceOp::Min : ReduceOp::Max);
+  return t.item<int>() != 0;
+}
+
+void ParallelStrategy::heartbeat(const char* what) { detail::send_heartbeat(what); }
+
+}  // namespace fulgur

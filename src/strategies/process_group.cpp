@@ -1,0 +1,291 @@
+#include "fulgur/strategies/process_group.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include <torch/torch.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "fulgur/core/errors.h"
+#include "strategies/launchers/supervisor.h"
+
+namespace fulgur {
+
+namespace {
+
+std::string millis_text(std::chrono::milliseconds ms) {
+  if (ms.count() % 1000 == 0) return str(ms.count() / 1000, " s");
+  return str(ms.count(), " ms");
+}
+
+// A socket that closes itself.
+struct Fd {
+  int fd = -1;
+  explicit Fd(int f) : fd(f) {}
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+struct Resolved {
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  int family = AF_INET;
+};
+
+Resolved resolve(const std::string& host, int port, const ProcessGroupOptions& o) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  if (rc != 0 || found == nullptr) {
+    throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": main address \"", host,
+                               "\" (MASTER_ADDR) does not resolve: ", ::gai_strerror(rc),
+                               ". Set MASTER_ADDR to the IP or host name of the machine that "
+                               "runs rank 0."));
+  }
+  Resolved r;
+  std::memcpy(&r.addr, found->ai_addr, found->ai_addrlen);
+  r.len = found->ai_addrlen;
+  r.family = found->ai_family;
+  ::freeaddrinfo(found);
+  return r;
+}
+
+std::string ip_text(const sockaddr_storage& addr) {
+  char buf[INET6_ADDRSTRLEN] = {0};
+  if (addr.ss_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in&>(addr).sin_addr, buf, sizeof buf);
+  } else {
+    ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6&>(addr).sin6_addr, buf, sizeof buf);
+  }
+  return buf;
+}
+
+// Rank 0 runs the store: its address must belong to this machine and its
+// port must be free, or the other ranks would wait for a server that never
+// starts. Checked up front so the error says so at once.
+void check_main_address_is_local(const Resolved& r, const ProcessGroupOptions& o) {
+  Fd sock(::socket(r.family, SOCK_STREAM, 0));
+  if (sock.fd < 0) return;
+  int one = 1;
+  ::setsockopt(sock.fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (::bind(sock.fd, reinterpret_cast<const sockaddr*>(&r.addr), r.len) == 0) return;
+  int err = errno;
+  if (err == EADDRNOTAVAIL) {
+    throw DistributedError(str("rank 0: main address ", o.main_address, " (MASTER_ADDR) is not an "
+                               "address of this machine, but rank 0 runs here and must listen on "
+                               "it. Set MASTER_ADDR to this machine's address (127.0.0.1 for one "
+                               "machine)."));
+  }
+  if (err == EADDRINUSE) {
+    throw DistributedError(str("rank 0: main port ", o.main_port, " (MASTER_PORT) on ",
+                               o.main_address, " is already in use by another process. Set "
+                               "MASTER_PORT to a free port, or unset it on a single machine to let "
+                               "fulgur pick one."));
+  }
+  throw DistributedError(str("rank 0: cannot listen on ", o.main_address, ":", o.main_port, ": ",
+                             std::strerror(err), "."));
+}
+
+// The local IP this machine uses to reach the main address: Gloo's pairs
+// listen there, so other machines can connect back.
+std::string local_ip_towards(const Resolved& main) {
+  Fd sock(::socket(main.family, SOCK_DGRAM, 0));
+  if (sock.fd >= 0 && ::connect(sock.fd, reinterpret_cast<const sockaddr*>(&main.addr), main.len) == 0) {
+    sockaddr_storage local{};
+    socklen_t len = sizeof local;
+    if (::getsockname(sock.fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) return ip_text(local);
+  }
+  return main.family == AF_INET6 ? "::1" : "127.0.0.1";
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum:
+    case ReduceOp::Mean: return c10d::ReduceOp::SUM;
+    case ReduceOp::Max: return c10d::ReduceOp::MAX;
+    case ReduceOp::Min: return c10d::ReduceOp::MIN;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+}  // namespace
+
+struct ProcessGroup::Impl {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+};
+
+PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what)
+    : work_(std::move(work)), what_(std::move(what)) {}
+PendingCollective::~PendingCollective() = default;
+PendingCollective::PendingCollective(PendingCollective&&) noexcept = default;
+PendingCollective& PendingCollective::operator=(PendingCollective&&) noexcept = default;
+
+void PendingCollective::wait() {
+  if (!work_) return;
+  auto work = std::move(work_);
+  // Reaching a collective is progress: a rank that never gets here while
+  // its peers wait falls behind, and the launcher can name it.
+  detail::send_heartbeat("collective");
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    throw DistributedError(str(what_, " failed: ", e.what(), "\nA peer rank probably died or "
+                               "stopped responding (see the launcher's message about it), or the "
+                               "process_group_timeout passed."));
+  }
+}
+
+ProcessGroup::ProcessGroup(ProcessGroupOptions options, std::unique_ptr<Impl> impl)
+    : options_(std::move(options)), impl_(std::move(impl)) {}
+ProcessGroup::~ProcessGroup() = default;
+
+std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o) {
+  if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size) {
+    throw DistributedError(str("ProcessGroup: rank ", o.rank, " does not fit world size ",
+                               o.world_size, ". Check RANK and WORLD_SIZE."));
+  }
+  if (o.main_port < 1 || o.main_port > 65535) {
+    throw DistributedError(str("ProcessGroup: main port ", o.main_port, " (MASTER_PORT) is not a "
+                               "TCP port; set MASTER_PORT to a port in 1..65535."));
+  }
+  if (o.backend != "gloo") {
+    throw DistributedError(str("ProcessGroup: backend \"", o.backend, "\" is not available in this "
+                               "build of fulgur (its LibTorch has Gloo only). Use \"gloo\"."));
+  }
+  if (o.timeout.count() <= 0) {
+    throw DistributedError(str("ProcessGroup: timeout ", o.timeout.count(), " ms must be > 0."));
+  }
+  Resolved main = resolve(o.main_address, o.main_port, o);
+  if (o.rank == 0) check_main_address_is_local(main, o);
+
+  auto impl = std::make_unique<Impl>();
+  c10d::TCPStoreOptions store_options;
+  store_options.port = static_cast<std::uint16_t>(o.main_port);
+  store_options.isServer = o.rank == 0;
+  store_options.numWorkers = static_cast<size_t>(o.world_size);
+  store_options.waitWorkers = true;
+  store_options.timeout = o.timeout;
+  try {
+    impl->store = c10::make_intrusive<c10d::TCPStore>(o.main_address, store_options);
+  } catch (const std::exception& e) {
+    throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": rendezvous at ",
+                               o.main_address, ":", o.main_port, " (MASTER_ADDR:MASTER_PORT) failed "
+                               "within ", millis_text(o.timeout), ": ", e.what(),
+                               "\nCheck that every rank has the same MASTER_ADDR and MASTER_PORT, "
+                               "that rank 0 started, and that the port is reachable."));
+  }
+  try {
+    auto gloo_options = c10d::ProcessGroupGloo::Options::create(o.timeout);
+    gloo_options->devices.push_back(
+        c10d::ProcessGroupGloo::createDeviceForHostname(local_ip_towards(main)));
+    impl->group = c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, o.rank, o.world_size,
+                                                              gloo_options);
+  } catch (const std::exception& e) {
+    throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": building the Gloo process "
+                               "group through ", o.main_address, ":", o.main_port, " failed: ",
+                               e.what()));
+  }
+  return std::shared_ptr<ProcessGroup>(new ProcessGroup(o, std::move(impl)));
+}
+
+const c10::intrusive_ptr<c10d::ProcessGroup>& ProcessGroup::c10d_group() const {
+  return impl_->group;
+}
+
+void ProcessGroup::run(const char* what,
+                       const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = start();
+  } catch (const std::exception& e) {
+    throw DistributedError(str(what, " on rank ", rank(), " of ", size(), " failed to start: ",
+                               e.what()));
+  }
+  PendingCollective(std::move(work), str(what, " on rank ", rank(), " of ", size())).wait();
+}
+
+void ProcessGroup::barrier() {
+  run("barrier", [&] { return impl_->group->barrier(); });
+}
+
+void ProcessGroup::broadcast_(at::Tensor& tensor, int src) {
+  if (src < 0 || src >= size()) {
+    throw DistributedError(str("broadcast from rank ", src, ": the world has ranks 0..", size() - 1, "."));
+  }
+  std::vector<at::Tensor> tensors = {tensor};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = src;
+  run("broadcast", [&] { return impl_->group->broadcast(tensors, opts); });
+}
+
+std::string ProcessGroup::broadcast_bytes(const std::string& value, int src) {
+  at::Tensor length = torch::tensor({static_cast<int64_t>(value.size())}, torch::kLong);
+  broadcast_(length, src);
+  at::Tensor bytes = torch::empty({length.item<int64_t>()}, torch::kUInt8);
+  if (rank() == src && !value.empty()) std::memcpy(bytes.data_ptr(), value.data(), value.size());
+  if (bytes.numel() > 0) broadcast_(bytes, src);
+  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
+}
+
+void ProcessGroup::all_reduce_(at::Tensor& tensor, ReduceOp op) {
+  std::vector<at::Tensor> tensors = {tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op);
+  run("all_reduce", [&] { return impl_->group->allreduce(tensors, opts); });
+  if (op == ReduceOp::Mean) {
+    if (tensor.is_floating_point()) {
+      tensor.div_(size());
+    } else {
+      tensor.div_(size(), "floor");
+    }
+  }
+}
+
+PendingCollective ProcessGroup::all_reduce_sum_async_(at::Tensor& tensor) {
+  std::vector<at::Tensor> tensors = {tensor};
+  std::string what = str("all_reduce of a ", tensor.numel(), "-element gradient bucket on rank ",
+                         rank(), " of ", size());
+  try {
+    return PendingCollective(impl_->group->allreduce(tensors), std::move(what));
+  } catch (const std::exception& e) {
+    throw DistributedError(str(what, " failed to start: ", e.what()));
+  }
+}
+
+at::Tensor ProcessGroup::all_gather(const at::Tensor& tensor) {
+  at::Tensor input = tensor.contiguous();
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < size(); ++r) outputs[0].push_back(torch::empty_like(input));
+  std::vector<at::Tensor> inputs = {input};
+  run("all_gather", [&] { return impl_->group->allgather(outputs, inputs); });
+  return torch::stack(outputs[0]);
+}
+
+int find_free_port(const std::string& address) {
+  ProcessGroupOptions o;
+  o.main_address = address;
+  Resolved r = resolve(address, 0, o);
+  Fd sock(::socket(r.family, SOCK_STREAM, 0));
+  if (sock.fd < 0 || ::bind(sock.fd, reinterpret_cast<const sockaddr*>(&r.addr), r.len) != 0) {
+    throw DistributedError(str("cannot find a free TCP port on ", address, ": ",
+                               std::strerror(errno), ". Set MASTER_PORT."));
+  }
+  sockaddr_storage bound{};
+  socklen_t len = sizeof bound;
+  ::getsockname(sock.fd, reinterpret_cast<sockaddr*>(&bound), &len);
+  return bound.ss_family == AF_INET ? ntohs(reinterpret_cast<sockaddr_in&>(bound).sin_port)
+                                    : ntohs(reinterpret_cast<sockaddr_in6&>(bound).sin6_port);
+}
+
+}  // namespace fulgur

@@ -1,0 +1,187 @@
+// Multi-process DDP with real processes and real Gloo over 127.0.0.1: each
+// test runs tests/distributed/ddp_worker.cpp (FULGUR_DDP_WORKER) under a
+// time limit and compares what rank 0 wrote.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+
+#include "support/process.h"
+#include "support/test_support.h"
+
+namespace {
+
+using fulgur::test::ProcessResult;
+using fulgur::test::result_value;
+using fulgur::test::run_process;
+using fulgur::test::TempDir;
+using namespace std::chrono_literals;
+
+ProcessResult run_worker(std::vector<std::string> args,
+                         std::map<std::string, std::string> env = {},
+                         std::chrono::seconds timeout = 120s) {
+  args.insert(args.begin(), FULGUR_DDP_WORKER);
+  auto r = run_process(args, env, timeout);
+  EXPECT_FALSE(r.timed_out) << "the worker did not finish in " << timeout.count() << " s:\n"
+                            << r.output;
+  EXPECT_EQ(r.leftover_processes, 0) << "processes were left running:\n" << r.output;
+  return r;
+}
+
+std::vector<at::Tensor> load_params(const std::string& path) {
+  std::vector<at::Tensor> params;
+  torch::load(params, path);
+  return params;
+}
+
+::testing::AssertionResult same_params(const std::string& a, const std::string& b,
+                                       double atol = 1e-5) {
+  auto pa = load_params(a);
+  auto pb = load_params(b);
+  if (pa.size() != pb.size()) {
+    return ::testing::AssertionFailure() << pa.size() << " vs " << pb.size() << " parameters";
+  }
+  for (size_t i = 0; i < pa.size(); ++i) {
+    if (!torch::allclose(pa[i], pb[i], /*rtol=*/1e-4, atol)) {
+      return ::testing::AssertionFailure()
+             << "parameter " << i << " differs by up to "
+             << (pa[i] - pb[i]).abs().max().item<double>();
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// One process with batch 2b against two ranks with batch b each.
+void expect_equivalent(const std::vector<std::string>& common, const std::string& strategy) {
+  TempDir dir;
+  const std::string single = dir.path() + "/single.pt";
+  const std::string multi = dir.path() + "/multi.pt";
+  auto one = run_worker([&] {
+    auto a = common;
+    for (std::string s : {"--devices", "1", "--batch", "16", "--out", single.c_str(), "--root",
+                          dir.path().c_str()}) {
+      a.push_back(s);
+    }
+    return a;
+  }());
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto two = run_worker([&] {
+    auto a = common;
+    for (std::string s : {"--strategy", strategy.c_str(), "--devices", "2", "--batch", "8",
+                          "--out", multi.c_str(), "--root", dir.path().c_str()}) {
+      a.push_back(s);
+    }
+    return a;
+  }());
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_EQ(result_value(two.output, "world_size"), "2") << two.output;
+  EXPECT_EQ(result_value(two.output, "global_step"), result_value(one.output, "global_step"));
+  EXPECT_TRUE(same_params(single, multi)) << two.output;
+}
+
+TEST(DDP, TwoRanksMatchOneProcessWithTheDoubleBatch) {
+  expect_equivalent({"--steps", "20"}, "ddp");
+}
+
+TEST(DDP, TwoRanksMatchOneProcessWithShuffleAndAdam) {
+  expect_equivalent({"--steps", "20", "--shuffle", "--optimizer", "adam"}, "ddp");
+}
+
+TEST(DDP, GradientAccumulationSkipsSyncAndStillMatches) {
+  expect_equivalent({"--steps", "10", "--accumulate", "2"}, "ddp");
+}
+
+TEST(DDP, SmallBucketsMatchToo) {
+  // 16x32 + 32 + 32x4 + 4 floats: a 1 KiB cap makes several buckets.
+  expect_equivalent({"--steps", "20", "--bucket-mb", "0.001"}, "ddp");
+}
+
+TEST(DDP, FindUnusedParametersMatches) {
+  expect_equivalent({"--steps", "20", "--unused-layer"}, "ddp_find_unused_parameters_true");
+}
+
+TEST(DDP, ForkLauncherReturnsTrainedWeightsToTheCaller) {
+  expect_equivalent({"--steps", "20", "--shuffle"}, "ddp_fork");
+}
+
+TEST(DDP, UnusedParameterWithoutFindUnusedIsNamed) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--unused-layer", "--steps", "4",
+                       "--root", dir.path()});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("extra.weight"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ddp_find_unused_parameters_true"), std::string::npos) << r.output;
+}
+
+TEST(DDP, EvaluationIsExactOnOneTwoAndThreeRanks) {
+  // The same (untrained, seeded) model evaluated on 1001 samples: 3 ranks
+  // get 334, 334 and 333 of them, none twice.
+  TempDir dir;
+  std::vector<std::string> acc;
+  for (std::string devices : {"1", "2", "3"}) {
+    auto r = run_worker({"--strategy", devices == "1" ? "auto" : "ddp", "--devices", devices,
+                         "--skip-fit", "--test-samples", "1001", "--root", dir.path()});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(result_value(r.output, "test_count"), "1001") << r.output;
+    acc.push_back(result_value(r.output, "test_acc"));
+  }
+  ASSERT_FALSE(acc[0].empty());
+  EXPECT_EQ(acc[0], acc[1]);
+  EXPECT_EQ(acc[0], acc[2]);
+}
+
+TEST(DDPFaults, KilledRankStopsEveryProcessAndIsNamed) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "1000", "--samples",
+                       "100000", "--die-rank", "1", "--fault-step", "5", "--root", dir.path()},
+                      {}, 60s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 30) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("killed by signal 9 (SIGKILL)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 1 dies now"), std::string::npos) << r.output;
+}
+
+TEST(DDPFaults, ForkLauncherNamesTheKilledRank) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp_fork", "--devices", "2", "--steps", "1000",
+                       "--samples", "100000", "--die-rank", "0", "--fault-step", "3", "--root",
+                       dir.path()},
+                      {}, 60s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.seconds, 30) << r.output;
+  EXPECT_NE(r.output.find("rank 0 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("SIGKILL"), std::string::npos) << r.output;
+}
+
+TEST(DDPFaults, HungRankIsNamedAtTheTimeout) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "1000", "--samples",
+                       "100000", "--hang-rank", "1", "--fault-step", "3", "--timeout", "4",
+                       "--root", dir.path()},
+                      {}, 60s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("hung"), std::string::npos) << r.output;
+}
+
+TEST(DDPFaults, MainAddressOfAnotherMachineIsAClearError) {
+  TempDir dir;
+  // 192.0.2.1 is TEST-NET-1: never an address of this machine.
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--root",
+                       dir.path(), "--timeout", "10"},
+                      {{"MASTER_ADDR", "192.0.2.1"}, {"MASTER_PORT", "29533"}}, 60s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("is not an address of this machine"), std::string::npos) << r.output;
+}
+
+TEST(DDPFaults, UnresolvableMainAddressIsAClearError) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--root",
+                       dir.path(), "--timeout", "10"},
+                      {{"MASTER_ADDR", "no-such-host.invalid"}, {"MASTER_PORT", "29534"}}, 60s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("does not resolve"), std::string::npos) << r.output;
+}
+
+}  // namespace

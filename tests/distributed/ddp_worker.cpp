@@ -1,0 +1,190 @@
+// The program the multi-process tests launch: trains a small classifier on
+// deterministic synthetic data with the flags given, then (global rank 0, or
+// the calling process under a forking strategy) writes the final parameters
+// and prints "RESULT key=value" lines. Faults are injected on request.
+//
+//   fulgur_ddp_worker --strategy ddp --devices 2 --batch 8 --steps 20 --out p.pt
+#include <CLI/CLI.hpp>
+#include <torch/torch.h>
+
+#include <csignal>
+#include <iostream>
+#include <thread>
+
+#include "fulgur/fulgur.h"
+#include "fulgur/strategies/ddp.h"
+
+namespace {
+
+struct Args {
+  std::string strategy = "auto";
+  std::string devices = "1";
+  int num_nodes = 1;
+  int64_t batch = 8;
+  int64_t steps = 20;
+  int64_t samples = 320;
+  int64_t test_samples = 0;
+  int64_t accumulate = 1;
+  bool shuffle = false;
+  bool skip_fit = false;
+  bool unused_layer = false;
+  std::string optimizer = "sgd";
+  std::string out;
+  std::string root = ".";
+  int die_rank = -1;
+  int hang_rank = -1;
+  int64_t fault_step = 5;
+  double timeout_s = 60;
+  int64_t seed = 7;
+  bool sync_dist = true;
+  double bucket_mb = 25;
+  std::string plugins;
+};
+
+// 16 features, 4 classes; samples depend only on their index.
+std::pair<at::Tensor, at::Tensor> make_data(int64_t n, int64_t offset) {
+  auto idx = torch::arange(offset, offset + n, torch::kDouble).unsqueeze(1);
+  auto feat = torch::arange(16, torch::kDouble).unsqueeze(0);
+  auto x = torch::sin(idx * 0.37 + feat * 1.3) + torch::cos(idx * feat * 0.011);
+  auto score = x.index({torch::indexing::Slice(), torch::indexing::Slice(0, 4)}) -
+               x.index({torch::indexing::Slice(), torch::indexing::Slice(4, 8)});
+  return {x.to(torch::kFloat), score.argmax(1)};
+}
+
+struct Classifier : fulgur::Module {
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, extra{nullptr};
+  const Args& args;
+  explicit Classifier(const Args& a) : args(a) {
+    fc1 = register_module("fc1", torch::nn::Linear(16, 32));
+    fc2 = register_module("fc2", torch::nn::Linear(32, 4));
+    // Used only on even steps, and never by the test: exercises
+    // find_unused_parameters.
+    if (args.unused_layer) extra = register_module("extra", torch::nn::Linear(32, 32));
+  }
+
+  at::Tensor forward(const at::Tensor& x, bool use_extra) {
+    auto h = torch::tanh(fc1(x));
+    if (use_extra) h = torch::tanh(extra(h));
+    return fc2(h);
+  }
+
+  at::Tensor training_step(fulgur::Batch& batch, int64_t batch_idx) override {
+    const int rank = trainer().strategy().global_rank();
+    if (rank == args.die_rank && batch_idx == args.fault_step) {
+      std::cout << "rank " << rank << " dies now" << std::endl;
+      std::raise(SIGKILL);
+    }
+    if (rank == args.hang_rank && batch_idx == args.fault_step) {
+      std::cout << "rank " << rank << " hangs now" << std::endl;
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
+    auto& [x, y] = batch.pair();
+    auto loss = torch::cross_entropy_loss(forward(x, args.unused_layer && batch_idx % 2 == 0), y);
+    log("train_loss", loss, {.on_epoch = true, .sync_dist = args.sync_dist});
+    return loss;
+  }
+
+  void test_step(fulgur::Batch& batch, int64_t) override {
+    auto& [x, y] = batch.pair();
+    auto acc = (forward(x, false).argmax(1) == y).to(torch::kDouble).mean();
+    log("test_acc", acc, {.sync_dist = args.sync_dist});
+    log("test_count", static_cast<double>(x.size(0)), {.sync_dist = args.sync_dist,
+                                                        .reduce = fulgur::Reduce::Sum});
+  }
+
+  fulgur::OptimizerConfig configure_optimizers() override {
+    if (args.optimizer == "adam") return {std::make_shared<torch::optim::Adam>(parameters(), 0.01)};
+    return {std::make_shared<torch::optim::SGD>(
+        parameters(), torch::optim::SGDOptions(0.1).momentum(0.9))};
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  CLI::App app{"fulgur multi-process test worker"};
+  app.add_option("--strategy", a.strategy);
+  app.add_option("--devices", a.devices);
+  app.add_option("--num-nodes", a.num_nodes);
+  app.add_option("--batch", a.batch);
+  app.add_option("--steps", a.steps);
+  app.add_option("--samples", a.samples);
+  app.add_option("--test-samples", a.test_samples);
+  app.add_option("--accumulate", a.accumulate);
+  app.add_flag("--shuffle", a.shuffle);
+  app.add_flag("--skip-fit", a.skip_fit);
+  app.add_flag("--unused-layer", a.unused_layer);
+  app.add_option("--optimizer", a.optimizer);
+  app.add_option("--out", a.out);
+  app.add_option("--root", a.root);
+  app.add_option("--die-rank", a.die_rank);
+  app.add_option("--hang-rank", a.hang_rank);
+  app.add_option("--fault-step", a.fault_step);
+  app.add_option("--timeout", a.timeout_s);
+  app.add_option("--seed", a.seed);
+  app.add_option("--sync-dist", a.sync_dist);
+  app.add_option("--bucket-mb", a.bucket_mb);
+  app.add_option("--plugins", a.plugins);
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    torch::manual_seed(static_cast<uint64_t>(a.seed));
+    Classifier model(a);
+    auto [x, y] = make_data(a.samples, 0);
+    auto train = fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(x, y),
+                                          {.batch_size = a.batch, .shuffle = a.shuffle});
+    fulgur::TrainerOptions options;
+    if (a.strategy.rfind("ddp", 0) == 0) {
+      // The registered variant, with this run's timeout and bucket size.
+      auto probe = fulgur::strategy_registry().create(a.strategy);
+      auto* ddp = dynamic_cast<fulgur::DDPStrategy*>(probe.get());
+      fulgur::DDPOptions ddp_options = ddp->options();
+      ddp_options.process_group_timeout =
+          std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+      ddp_options.bucket_cap_mb = a.bucket_mb;
+      options.strategy = std::make_shared<fulgur::DDPStrategy>(ddp_options, a.strategy);
+    } else {
+      options.strategy = a.strategy;
+    }
+    options.accelerator = "cpu";
+    options.devices = fulgur::DevicesSpec(a.devices);
+    options.num_nodes = a.num_nodes;
+    if (!a.plugins.empty()) options.plugins = {a.plugins};
+    options.max_steps = a.steps;
+    options.accumulate_grad_batches = a.accumulate;
+    options.enable_progress_bar = false;
+    options.enable_checkpointing = false;
+    options.logger = false;
+    options.default_root_dir = a.root;
+    options.seed = static_cast<uint64_t>(a.seed);
+    fulgur::Trainer trainer(options);
+    fulgur::FitResult result;
+    if (!a.skip_fit) result = trainer.fit(model, train);
+    fulgur::Metrics test;
+    if (a.test_samples > 0) {
+      auto [tx, ty] = make_data(a.test_samples, 100000);
+      test = trainer.test(model, fulgur::make_data_loader(
+                                     std::make_shared<fulgur::TensorDataset>(tx, ty),
+                                     {.batch_size = 64}));
+    }
+    auto& strategy = trainer.strategy();
+    if (strategy.is_global_zero()) {
+      if (!a.out.empty()) {
+        std::vector<at::Tensor> params;
+        for (auto& p : model.parameters()) params.push_back(p.detach().clone());
+        torch::save(params, a.out);
+      }
+      std::cout << "RESULT world_size=" << strategy.world_size() << "\n"
+                << "RESULT global_step=" << result.global_step << "\n"
+                << "RESULT train_loss=" << result.metrics["train_loss"] << "\n"
+                << "RESULT cluster_environment=" << strategy.cluster_environment().name() << "\n";
+      for (const auto& [k, v] : test) std::cout << "RESULT " << k << "=" << v << "\n";
+      std::cout.flush();
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "ERROR " << e.what() << std::endl;
+    return 1;
+  }
+}

@@ -1,0 +1,165 @@
+// The same training run on every launch path gives the same weights: one
+// process, fulgur's own launchers, torchrun, mpirun, srun's environment,
+// and two nodes on one machine. Real processes over 127.0.0.1.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <future>
+
+#include "fulgur/strategies/process_group.h"
+#include "support/process.h"
+#include "support/test_support.h"
+
+namespace {
+
+using fulgur::test::ProcessResult;
+using fulgur::test::result_value;
+using fulgur::test::run_process;
+using fulgur::test::TempDir;
+using namespace std::chrono_literals;
+
+const std::vector<std::string> kTraining = {"--steps", "12", "--shuffle", "--optimizer", "adam"};
+
+std::vector<std::string> worker(std::vector<std::string> extra, const std::string& out,
+                                const std::string& root) {
+  std::vector<std::string> args = {FULGUR_DDP_WORKER};
+  args.insert(args.end(), kTraining.begin(), kTraining.end());
+  args.insert(args.end(), extra.begin(), extra.end());
+  for (std::string s : {"--out", out.c_str(), "--root", root.c_str()}) args.push_back(s);
+  return args;
+}
+
+void expect_clean(const ProcessResult& r) {
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.leftover_processes, 0) << r.output;
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+::testing::AssertionResult same_params(const std::string& a, const std::string& b) {
+  std::vector<at::Tensor> pa, pb;
+  torch::load(pa, a);
+  torch::load(pb, b);
+  if (pa.size() != pb.size()) return ::testing::AssertionFailure() << "parameter counts differ";
+  for (size_t i = 0; i < pa.size(); ++i) {
+    if (!torch::allclose(pa[i], pb[i], 1e-4, 1e-5)) {
+      return ::testing::AssertionFailure() << "parameter " << i << " differs by "
+                                           << (pa[i] - pb[i]).abs().max().item<double>();
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+bool on_path(const std::string& program) {
+  return run_process({"sh", "-c", "command -v " + program}, {}, 10s).exit_code == 0;
+}
+
+class LaunchPaths : public ::testing::Test {
+ protected:
+  // One process with the batch of all ranks together (per-rank batch 8).
+  std::string baseline(int ranks) {
+    std::string out = dir.path() + "/single-" + std::to_string(ranks) + ".pt";
+    auto r = run_process(worker({"--devices", "1", "--batch", std::to_string(8 * ranks)}, out,
+                                dir.path()),
+                         {}, 120s);
+    expect_clean(r);
+    return out;
+  }
+  TempDir dir;
+};
+
+TEST_F(LaunchPaths, OwnSubprocessLauncher) {
+  std::string out = dir.path() + "/ddp.pt";
+  auto r = run_process(worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out,
+                              dir.path()),
+                       {}, 120s);
+  expect_clean(r);
+  EXPECT_EQ(result_value(r.output, "cluster_environment"), "lightning");
+  EXPECT_TRUE(same_params(baseline(2), out));
+}
+
+TEST_F(LaunchPaths, Torchrun) {
+  ASSERT_TRUE(on_path("torchrun")) << "torchrun is missing: scripts/install-deps.sh installs "
+                                      "python3-torch, which provides it.";
+  std::string out = dir.path() + "/torchrun.pt";
+  // --redirects/--tee: Debian's torchrun 1.13 under Python >= 3.11 cannot
+  // parse their default "0" (Std.from_str returns None); "1" works there
+  // and everywhere else.
+  std::vector<std::string> args = {"torchrun", "--standalone", "--nproc_per_node", "2",
+                                   "--redirects", "1", "--tee", "1", "--log_dir",
+                                   dir.path() + "/torchrun-logs", "--no_python"};
+  auto w = worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out, dir.path());
+  args.insert(args.end(), w.begin(), w.end());
+  auto r = run_process(args, {{"OMP_NUM_THREADS", "1"}}, 180s);
+  expect_clean(r);
+  EXPECT_EQ(result_value(r.output, "cluster_environment"), "torchelastic") << r.output;
+  EXPECT_TRUE(same_params(baseline(2), out));
+}
+
+TEST_F(LaunchPaths, Mpirun) {
+  ASSERT_TRUE(on_path("mpirun")) << "mpirun is missing: scripts/install-deps.sh installs "
+                                    "openmpi-bin, which provides it.";
+  std::string out = dir.path() + "/mpirun.pt";
+  const std::string port = std::to_string(fulgur::find_free_port());
+  std::vector<std::string> args = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
+                                   "2", "-x", "MASTER_ADDR=127.0.0.1", "-x",
+                                   "MASTER_PORT=" + port, "-x", "OMP_NUM_THREADS=1"};
+  auto w = worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out, dir.path());
+  args.insert(args.end(), w.begin(), w.end());
+  auto r = run_process(args, {}, 180s);
+  expect_clean(r);
+  EXPECT_EQ(result_value(r.output, "cluster_environment"), "mpi") << r.output;
+  EXPECT_TRUE(same_params(baseline(2), out));
+}
+
+// srun starts one process per task with these variables; we start them the
+// same way.
+TEST_F(LaunchPaths, SlurmEnvironmentAsSrunSetsIt) {
+  std::string out = dir.path() + "/slurm.pt";
+  const std::string port = std::to_string(fulgur::find_free_port());
+  std::vector<std::future<ProcessResult>> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    std::map<std::string, std::string> env = {
+        {"SLURM_NTASKS", "2"}, {"SLURM_PROCID", std::to_string(rank)},
+        {"SLURM_LOCALID", std::to_string(rank)}, {"SLURM_NODEID", "0"},
+        {"SLURM_JOB_ID", "4242"}, {"SLURM_JOB_NAME", "train"},
+        {"SLURM_NODELIST", "localhost"}, {"SLURM_NTASKS_PER_NODE", "2"},
+        {"MASTER_PORT", port}, {"OMP_NUM_THREADS", "1"}};
+    ranks.push_back(std::async(std::launch::async, [&, env] {
+      return run_process(worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out,
+                                dir.path()),
+                         env, 120s);
+    }));
+  }
+  auto r0 = ranks[0].get();
+  auto r1 = ranks[1].get();
+  expect_clean(r0);
+  expect_clean(r1);
+  EXPECT_EQ(result_value(r0.output, "cluster_environment"), "slurm") << r0.output;
+  EXPECT_TRUE(same_params(baseline(2), out));
+}
+
+TEST_F(LaunchPaths, TwoNodesOnOneMachine) {
+  std::string out = dir.path() + "/nodes.pt";
+  const std::string port = std::to_string(fulgur::find_free_port());
+  std::vector<std::future<ProcessResult>> nodes;
+  for (int node = 0; node < 2; ++node) {
+    std::map<std::string, std::string> env = {{"MASTER_ADDR", "127.0.0.1"},
+                                              {"MASTER_PORT", port},
+                                              {"NODE_RANK", std::to_string(node)},
+                                              {"OMP_NUM_THREADS", "1"}};
+    nodes.push_back(std::async(std::launch::async, [&, env] {
+      return run_process(worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2",
+                                 "--batch", "8"},
+                                out, dir.path()),
+                         env, 180s);
+    }));
+  }
+  auto n0 = nodes[0].get();
+  auto n1 = nodes[1].get();
+  expect_clean(n0);
+  expect_clean(n1);
+  EXPECT_EQ(result_value(n0.output, "world_size"), "4") << n0.output;
+  EXPECT_TRUE(same_params(baseline(4), out));
+}
+
+}  // namespace

@@ -1,0 +1,41 @@
+// File: tests/support/process.h
+//
+// Runs a program for the multi-process tests, bounded in time: its output
+// (stdout and stderr together) is collected, and on timeout its whole
+// process group is killed. Afterwards it checks that nothing of that group
+// is left running (no orphan ranks).
+//
+//   auto r = fulgur::test::run_process({worker, "--devices", "2"},
+//                                      {{"MASTER_PORT", "29512"}}, 60s);
+//   EXPECT_EQ(r.exit_code, 0) << r.output;
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace fulgur::test {
+
+struct ProcessResult {
+  int exit_code = -1;        // -1 when killed by a signal
+  int signal = 0;
+  bool timed_out = false;
+  /// Processes of its group still alive after it ended (orphans), killed.
+  int leftover_processes = 0;
+  double seconds = 0;
+  std::string output;
+};
+
+/// `env` is added to this process's environment; names in `unset` are
+/// removed (so a test's own variables do not leak into the child).
+ProcessResult run_process(const std::vector<std::string>& argv,
+                          const std::map<std::string, std::string>& env,
+                          std::chrono::seconds timeout,
+                          const std::vector<std::string>& unset = {});
+
+/// The value of the last "RESULT key=value" in `output` (anywhere in a
+/// line), or "" when absent.
+std::string result_value(const std::string& output, const std::string& key);
+
+}  // namespace fulgur::test
