@@ -42,6 +42,14 @@ struct GradientReducer::State {
   bool armed = false;
   bool require_sync = true;
 
+  // After the first synchronised step each .grad is a view into its
+  // bucket, so backward accumulates straight into the bucket and nothing is
+  // copied; a gradient replaced by someone else (set_to_none) is copied.
+  bool grad_in_bucket(size_t p) {
+    const at::Tensor& grad = params[p].grad();
+    return grad.defined() && grad.data_ptr() == slice(p).data_ptr();
+  }
+
   at::Tensor slice(size_t p) {
     const auto& b = buckets[bucket_of[p]];
     return b.flat.narrow(0, b.offsets[slot_of[p]], params[p].numel());
@@ -65,7 +73,7 @@ struct GradientReducer::State {
                                  "gradient, which the bucketed reducer does not average. Use a "
                                  "dense embedding (sparse=false) or the manual strategy."));
     }
-    slice(p).copy_(grad.reshape(-1));
+    if (!grad_in_bucket(p)) slice(p).copy_(grad.reshape(-1));
     ready[p] = 1;
     --buckets[bucket_of[p]].pending;
     launch_ready_buckets();
@@ -109,6 +117,9 @@ GradientReducer::GradientReducer(std::vector<std::pair<std::string, at::Tensor>>
     s.params.push_back(p);
   }
   const auto cap = static_cast<int64_t>(options.bucket_cap_mb * 1024 * 1024);
+  // The first bucket (the last layers) is small so that communication
+  // starts early in backward, as PyTorch's DDP does.
+  const int64_t first_cap = std::min<int64_t>(cap, 1024 * 1024);
   s.bucket_of.resize(s.params.size());
   s.slot_of.resize(s.params.size());
   // Reverse order: backward produces the last layers' gradients first.
@@ -121,7 +132,8 @@ GradientReducer::GradientReducer(std::vector<std::pair<std::string, at::Tensor>>
     auto it = open.find(key);
     // A new bucket when this one would pass the cap; an empty bucket takes
     // any parameter, however large.
-    if (it == open.end() || (sizes[it->second] > 0 && sizes[it->second] + bytes > cap)) {
+    const int64_t limit = it != open.end() && it->second == 0 ? first_cap : cap;
+    if (it == open.end() || (sizes[it->second] > 0 && sizes[it->second] + bytes > limit)) {
       s.buckets.emplace_back();
       sizes.push_back(0);
       it = open.insert_or_assign(key, s.buckets.size() - 1).first;
@@ -198,7 +210,7 @@ void GradientReducer::finalize_backward() {
       // micro-batches), or nothing.
       const at::Tensor& grad = s.params[k].grad();
       if (grad.defined()) {
-        s.slice(k).copy_(grad.reshape(-1));
+        if (!s.grad_in_bucket(k)) s.slice(k).copy_(grad.reshape(-1));
       } else {
         s.slice(k).zero_();
       }
@@ -221,11 +233,15 @@ void GradientReducer::finalize_backward() {
   for (auto& b : s.buckets) b.flat.div_(world);
   for (size_t k = 0; k < s.params.size(); ++k) {
     auto& p = s.params[k];
-    at::Tensor averaged = s.slice(k).view(p.sizes());
-    if (p.grad().defined()) {
-      p.mutable_grad().copy_(averaged);
-    } else if (used_anywhere.defined() && used_anywhere.data_ptr<int>()[k] > 0) {
-      p.mutable_grad() = averaged.clone();
+    if (s.grad_in_bucket(k)) continue;  // already averaged in place
+    if (p.grad().defined() ||
+        (used_anywhere.defined() && used_anywhere.data_ptr<int>()[k] > 0)) {
+      // Shares the bucket's storage without being an autograd view, so
+      // optimizers may still detach_() and zero_() it.
+      const auto& b = s.buckets[s.bucket_of[k]];
+      at::Tensor alias = at::empty({0}, b.flat.options());
+      alias.set_(b.flat.storage(), b.flat.storage_offset() + b.offsets[s.slot_of[k]], p.sizes());
+      p.mutable_grad() = alias;
     }
   }
 }
