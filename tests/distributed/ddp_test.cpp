@@ -4,6 +4,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <filesystem>
 
 #include "support/process.h"
@@ -100,6 +105,10 @@ TEST(DDP, FindUnusedParametersMatches) {
   expect_equivalent({"--steps", "20", "--unused-layer"}, "ddp_find_unused_parameters_true");
 }
 
+TEST(DDP, ManualOptimizationIsSynchronisedToo) {
+  expect_equivalent({"--steps", "20", "--manual-optimization"}, "ddp");
+}
+
 TEST(DDP, ForkLauncherReturnsTrainedWeightsToTheCaller) {
   expect_equivalent({"--steps", "20", "--shuffle"}, "ddp_fork");
 }
@@ -173,6 +182,29 @@ TEST(DDPFaults, MainAddressOfAnotherMachineIsAClearError) {
                       {{"MASTER_ADDR", "192.0.2.1"}, {"MASTER_PORT", "29533"}}, 60s);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("is not an address of this machine"), std::string::npos) << r.output;
+}
+
+TEST(DDPFaults, MainPortInUseIsAClearError) {
+  TempDir dir;
+  // Hold a listening socket on the port the ranks are told to use.
+  int sock = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ASSERT_EQ(::bind(sock, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(sock, 1), 0);
+  socklen_t len = sizeof addr;
+  ::getsockname(sock, reinterpret_cast<sockaddr*>(&addr), &len);
+  const std::string port = std::to_string(ntohs(addr.sin_port));
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--root",
+                       dir.path(), "--timeout", "10"},
+                      {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}}, 60s);
+  ::close(sock);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("main port " + port + " (MASTER_PORT) on 127.0.0.1 is already in use"),
+            std::string::npos)
+      << r.output;
 }
 
 TEST(DDPFaults, UnresolvableMainAddressIsAClearError) {

@@ -27,6 +27,7 @@ struct Args {
   int64_t accumulate = 1;
   bool shuffle = false;
   bool skip_fit = false;
+  bool manual = false;
   bool unused_layer = false;
   std::string optimizer = "sgd";
   std::string out;
@@ -55,6 +56,7 @@ struct Classifier : fulgur::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, extra{nullptr};
   const Args& args;
   explicit Classifier(const Args& a) : args(a) {
+    set_automatic_optimization(!a.manual);
     fc1 = register_module("fc1", torch::nn::Linear(16, 32));
     fc2 = register_module("fc2", torch::nn::Linear(32, 4));
     // Used only on even steps, and never by the test: exercises
@@ -81,6 +83,13 @@ struct Classifier : fulgur::Module {
     auto& [x, y] = batch.pair();
     auto loss = torch::cross_entropy_loss(forward(x, args.unused_layer && batch_idx % 2 == 0), y);
     log("train_loss", loss, {.on_epoch = true, .sync_dist = args.sync_dist});
+    if (args.manual) {
+      // The same step, written by hand: gradients must still be averaged.
+      auto& optimizer = *optimizers().front();
+      optimizer.zero_grad();
+      manual_backward(loss);
+      optimizer_step(optimizer);
+    }
     return loss;
   }
 
@@ -114,6 +123,7 @@ int main(int argc, char** argv) {
   app.add_option("--accumulate", a.accumulate);
   app.add_flag("--shuffle", a.shuffle);
   app.add_flag("--skip-fit", a.skip_fit);
+  app.add_flag("--manual-optimization", a.manual);
   app.add_flag("--unused-layer", a.unused_layer);
   app.add_option("--optimizer", a.optimizer);
   app.add_option("--out", a.out);
