@@ -46,6 +46,9 @@ int ParallelStrategy::main_port() const {
 }
 
 void ParallelStrategy::do_setup_environment() {
+  // One group for the life of the process: fit, then test, reuse it (a
+  // second rendezvous on the same port could meet the first one's keys).
+  if (group_) return;
   ProcessGroupOptions options;
   options.main_address = cluster_environment().main_address();
   options.main_port = main_port();
@@ -63,13 +66,12 @@ void ParallelStrategy::do_setup_environment() {
   group_ = ProcessGroup::connect(options);
 }
 
-void ParallelStrategy::do_teardown() { group_.reset(); }
+void ParallelStrategy::do_teardown() {}
 
 ProcessGroup& ParallelStrategy::process_group() const {
   if (!group_) {
-    throw DistributedError(str("strategy \"", name(), "\": the process group exists only between "
-                               "setup_environment() and teardown() (inside fit/validate/test/"
-                               "predict)."));
+    throw DistributedError(str("strategy \"", name(), "\": the process group exists once "
+                               "setup_environment() ran (inside fit/validate/test/predict)."));
   }
   return *group_;
 }

@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
 #include <cerrno>
@@ -15,15 +14,11 @@
 
 #include "fulgur/core/errors.h"
 #include "strategies/launchers/supervisor.h"
+#include "strategies/tcp_store.h"
 
 namespace fulgur {
 
 namespace {
-
-std::string millis_text(std::chrono::milliseconds ms) {
-  if (ms.count() % 1000 == 0) return str(ms.count() / 1000, " s");
-  return str(ms.count(), " ms");
-}
 
 // A socket that closes itself.
 struct Fd {
@@ -68,32 +63,6 @@ std::string ip_text(const sockaddr_storage& addr) {
     ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6&>(addr).sin6_addr, buf, sizeof buf);
   }
   return buf;
-}
-
-// Rank 0 runs the store: its address must belong to this machine and its
-// port must be free, or the other ranks would wait for a server that never
-// starts. Checked up front so the error says so at once.
-void check_main_address_is_local(const Resolved& r, const ProcessGroupOptions& o) {
-  Fd sock(::socket(r.family, SOCK_STREAM, 0));
-  if (sock.fd < 0) return;
-  int one = 1;
-  ::setsockopt(sock.fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  if (::bind(sock.fd, reinterpret_cast<const sockaddr*>(&r.addr), r.len) == 0) return;
-  int err = errno;
-  if (err == EADDRNOTAVAIL) {
-    throw DistributedError(str("rank 0: main address ", o.main_address, " (MASTER_ADDR) is not an "
-                               "address of this machine, but rank 0 runs here and must listen on "
-                               "it. Set MASTER_ADDR to this machine's address (127.0.0.1 for one "
-                               "machine)."));
-  }
-  if (err == EADDRINUSE) {
-    throw DistributedError(str("rank 0: main port ", o.main_port, " (MASTER_PORT) on ",
-                               o.main_address, " is already in use by another process. Set "
-                               "MASTER_PORT to a free port, or unset it on a single machine to let "
-                               "fulgur pick one."));
-  }
-  throw DistributedError(str("rank 0: cannot listen on ", o.main_address, ":", o.main_port, ": ",
-                             std::strerror(err), "."));
 }
 
 // The local IP this machine uses to reach the main address: Gloo's pairs
@@ -167,23 +136,17 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
     throw DistributedError(str("ProcessGroup: timeout ", o.timeout.count(), " ms must be > 0."));
   }
   Resolved main = resolve(o.main_address, o.main_port, o);
-  if (o.rank == 0) check_main_address_is_local(main, o);
 
   auto impl = std::make_unique<Impl>();
-  c10d::TCPStoreOptions store_options;
-  store_options.port = static_cast<std::uint16_t>(o.main_port);
-  store_options.isServer = o.rank == 0;
-  store_options.numWorkers = static_cast<size_t>(o.world_size);
-  store_options.waitWorkers = true;
-  store_options.timeout = o.timeout;
   try {
-    impl->store = c10::make_intrusive<c10d::TCPStore>(o.main_address, store_options);
-  } catch (const std::exception& e) {
-    throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": rendezvous at ",
-                               o.main_address, ":", o.main_port, " (MASTER_ADDR:MASTER_PORT) failed "
-                               "within ", millis_text(o.timeout), ": ", e.what(),
-                               "\nCheck that every rank has the same MASTER_ADDR and MASTER_PORT, "
-                               "that rank 0 started, and that the port is reachable."));
+    // Rank 0 listens on the main address only (LibTorch 1.13's TCPStore
+    // would listen on every interface); it says at once when the address is
+    // not its own or the port is taken.
+    impl->store = c10::make_intrusive<detail::TcpStore>(o.main_address, o.main_port, o.rank == 0,
+                                                        o.timeout);
+  } catch (const DistributedError& e) {
+    throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": rendezvous failed: ",
+                               e.what()));
   }
   try {
     auto gloo_options = c10d::ProcessGroupGloo::Options::create(o.timeout);

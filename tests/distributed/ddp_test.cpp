@@ -11,6 +11,7 @@
 
 #include <filesystem>
 
+#include "fulgur/strategies/process_group.h"
 #include "support/process.h"
 #include "support/test_support.h"
 
@@ -137,6 +138,39 @@ TEST(DDP, EvaluationIsExactOnOneTwoAndThreeRanks) {
   ASSERT_FALSE(acc[0].empty());
   EXPECT_EQ(acc[0], acc[1]);
   EXPECT_EQ(acc[0], acc[2]);
+}
+
+TEST(DDP, FitThenTestShareTheProcessGroup) {
+  for (std::string strategy : {"ddp", "ddp_fork"}) {
+    TempDir dir;
+    auto r = run_worker({"--strategy", strategy, "--devices", "2", "--steps", "6",
+                         "--test-samples", "1001", "--root", dir.path()});
+    ASSERT_EQ(r.exit_code, 0) << strategy << ":\n" << r.output;
+    EXPECT_EQ(result_value(r.output, "test_count"), "1001") << strategy << ":\n" << r.output;
+    EXPECT_EQ(result_value(r.output, "global_step"), "6") << strategy << ":\n" << r.output;
+  }
+}
+
+TEST(ProcessGroup, StoreListensOnTheMainAddressOnly) {
+  const int port = fulgur::find_free_port("127.0.0.1");
+  auto group = fulgur::ProcessGroup::connect(
+      {.main_address = "127.0.0.1", .main_port = port, .world_size = 1, .rank = 0,
+       .timeout = std::chrono::seconds(10)});
+  // Another loopback address, same port: free unless the store listened
+  // on every interface.
+  int sock = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, "127.0.0.2", &addr.sin_addr);
+  EXPECT_EQ(::bind(sock, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0)
+      << "port " << port << " is taken on 127.0.0.2: the store listens beyond 127.0.0.1";
+  ::close(sock);
+  // The group works: world size 1 collectives are identities.
+  auto t = torch::tensor({1.0, 2.0});
+  group->all_reduce_(t, fulgur::ReduceOp::Sum);
+  EXPECT_TRUE(torch::equal(t, torch::tensor({1.0, 2.0})));
+  EXPECT_EQ(group->broadcast_bytes("abc"), "abc");
 }
 
 TEST(DDPFaults, KilledRankStopsEveryProcessAndIsNamed) {

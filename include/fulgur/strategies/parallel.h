@@ -1,8 +1,8 @@
 // File: fulgur/strategies/parallel.h
 //
 // The parallel part of the Strategy hub: ranks from the cluster environment,
-// a ProcessGroup created in setup_environment(), and the collectives over
-// it. DDPStrategy adds gradient averaging; the `manual` strategy leaves the
+// a ProcessGroup created by the first setup_environment() and kept for the
+// strategy's life (fit, then test, share it), and the collectives over it. DDPStrategy adds gradient averaging; the `manual` strategy leaves the
 // model to the user and keeps all of this.
 #pragma once
 

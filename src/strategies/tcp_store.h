@@ -1,0 +1,51 @@
+// fulgur's rendezvous store: a c10d::Store whose server (in global rank 0)
+// listens on the main address only — LibTorch 1.13's TCPStore listens on
+// every interface of the machine. Keys and values live in rank 0's memory;
+// every rank (rank 0 included) is a client over TCP. get() and wait() block
+// until the keys exist or the timeout passes, and every failure names the
+// address, the port and what to check.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace fulgur::detail {
+
+class StoreServer;
+
+class TcpStore : public c10d::Store {
+ public:
+  /// `server`: this process runs the server (global rank 0); it binds to
+  /// `host`:`port` and fails at once when that is not possible.
+  TcpStore(const std::string& host, int port, bool server, std::chrono::milliseconds timeout);
+  ~TcpStore() override;
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override;
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override;
+  std::vector<uint8_t> get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t value) override;
+  bool deleteKey(const std::string& key) override;
+  bool check(const std::vector<std::string>& keys) override;
+  int64_t getNumKeys() override;
+  void wait(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+
+ private:
+  std::string request(const std::string& message, std::chrono::milliseconds timeout,
+                      const char* what);
+  std::string where() const;
+
+  std::string host_;
+  int port_;
+  std::unique_ptr<StoreServer> server_;
+  int fd_ = -1;
+  std::mutex mutex_;
+};
+
+}  // namespace fulgur::detail
