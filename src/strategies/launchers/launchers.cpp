@@ -1,6 +1,7 @@
 // The two launchers that create processes: re-executing the program
 // (subprocess_script) and forking at fit() (fork). Both make the calling
 // process the supervising parent of every local rank (supervisor.h).
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <torch/torch.h>
@@ -154,8 +155,14 @@ void ForkLauncher::launch(const std::function<void()>& fn, const LaunchResults& 
   for (int local = 0; local < plan.local_world_size; ++local) {
     const int global = plan.node_rank * plan.local_world_size + local;
     supervisor.spawn(local, global, [&, local, global] {
-      // libgomp's thread pool does not survive fork: one intra-op thread.
+      // libgomp's thread pool does not survive fork: one intra-op thread;
+      // and OpenBLAS's own pool to match, as OMP_NUM_THREADS=1 would.
       at::set_num_threads(1);
+      using SetThreads = void (*)(int);
+      if (auto* set_blas_threads =
+              reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+        set_blas_threads(1);
+      }
       for (const auto& [k, v] : rank_env(plan, local)) ::setenv(k.c_str(), v.c_str(), 1);
       strategy_.assign_rank(local, global, plan.world_size);
       int code = 0;

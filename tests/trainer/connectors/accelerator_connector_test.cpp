@@ -97,11 +97,43 @@ TEST(AcceleratorConnector, CudaWithoutCudaNamesWhatWasFound) {
                       "accelerator=\"cpu\""});
 }
 
-TEST(AcceleratorConnector, SeveralDevicesNeedAMultiProcessStrategy) {
-  if (fulgur::strategy_registry().contains("ddp")) GTEST_SKIP() << "ddp is registered";
-  EXPECT_THROWS_WITH(ConfigError,
-                     fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = 2}, empty_env()),
-                     {"devices=2", "multi-process strategy", "single_device"});
+TEST(AcceleratorConnector, SeveralDevicesChooseDdpWithItsLauncher) {
+  auto result = fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = 2}, empty_env());
+  auto& strategy = *result.strategy;
+  EXPECT_EQ(strategy.name(), "ddp");
+  ASSERT_NE(strategy.launcher(), nullptr);
+  EXPECT_EQ(strategy.launcher()->name(), "subprocess_script");
+  EXPECT_EQ(strategy.world_size(), 2);
+  EXPECT_EQ(strategy.global_rank(), 0);
+  EXPECT_TRUE(fulgur::test::message_contains(fulgur::join(result.notes, "\n"),
+                               {"strategy=ddp because devices=2 and num_nodes=1"}));
+}
+
+TEST(AcceleratorConnector, DdpVariantsPickTheirLauncher) {
+  for (auto [name, launcher] : std::vector<std::pair<std::string, std::string>>{
+           {"ddp", "subprocess_script"},
+           {"ddp_find_unused_parameters_true", "subprocess_script"},
+           {"ddp_fork", "fork"},
+           {"ddp_spawn", "fork"}}) {
+    auto result = fulgur::connect(
+        TrainerOptions{.accelerator = "cpu", .strategy = name, .devices = 2}, empty_env());
+    EXPECT_EQ(result.strategy->name(), name);
+    ASSERT_NE(result.strategy->launcher(), nullptr) << name;
+    EXPECT_EQ(result.strategy->launcher()->name(), launcher) << name;
+  }
+}
+
+TEST(AcceleratorConnector, ProcessesCreatedByTorchrunNeedNoLauncher) {
+  auto result = fulgur::connect(
+      TrainerOptions{.accelerator = "cpu", .strategy = "ddp", .devices = 2},
+      fulgur::EnvView(std::map<std::string, std::string>{
+          {"RANK", "1"}, {"GROUP_RANK", "0"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+          {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}}));
+  EXPECT_EQ(result.strategy->launcher(), nullptr);
+  EXPECT_EQ(result.strategy->global_rank(), 1);
+  EXPECT_EQ(result.strategy->local_rank(), 1);
+  EXPECT_EQ(result.strategy->world_size(), 2);
+  EXPECT_EQ(result.strategy->cluster_environment().name(), "torchelastic");
 }
 
 TEST(AcceleratorConnector, CpuRejectsDeviceIndices) {
