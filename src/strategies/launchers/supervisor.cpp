@@ -57,13 +57,18 @@ void write_all(int fd, const char* data, size_t n) {
   }
 }
 
+// The heartbeat pipe of this process, read again after a fork (a forked
+// rank has its own pipe; its parent had none).
 int heartbeat_fd() {
-  static int fd = [] {
+  static pid_t cached_pid = -1;
+  static int fd = -1;
+  const pid_t pid = ::getpid();
+  if (pid != cached_pid) {
+    cached_pid = pid;
     const char* v = std::getenv("FULGUR_HEARTBEAT_FD");
-    if (v == nullptr) return -1;
-    int parsed = std::atoi(v);
-    return ::fcntl(parsed, F_GETFD) == -1 ? -1 : parsed;
-  }();
+    fd = v == nullptr ? -1 : std::atoi(v);
+    if (fd >= 0 && ::fcntl(fd, F_GETFD) == -1) fd = -1;
+  }
   return fd;
 }
 
