@@ -146,6 +146,9 @@ struct Args {
   int num_nodes = 1;
   std::string precision = "32-true";
   std::string plugins;
+  bool sync_batchnorm = false;
+  std::string deterministic = "false";
+  bool benchmark = false;
   std::string max_epochs = "3";
   int64_t min_epochs = 0;
   int64_t max_steps = -1;
@@ -273,9 +276,17 @@ void add_flags(CLI::App& app, Args& a) {
       ->group("Trainer: hardware");
   app.add_option("--num_nodes,--num-nodes", a.num_nodes, "Number of machines")
       ->group("Trainer: hardware");
-  app.add_option("--precision", a.precision, "\"32-true\" (also \"32\")")
+  app.add_option("--precision", a.precision,
+                 "32-true, 64-true, bf16-mixed, 16-mixed, bf16-true, 16-true (legacy: 32, 64, 16, bf16)")
       ->group("Trainer: hardware");
   app.add_option("--plugins", a.plugins, "Comma-separated registered plugin names (e.g. slurm)")
+      ->group("Trainer: hardware");
+  app.add_option("--sync_batchnorm,--sync-batchnorm", a.sync_batchnorm,
+                 "Synchronise BatchNorm statistics across ranks (ddp)")
+      ->group("Trainer: hardware");
+  app.add_option("--deterministic", a.deterministic, "true, false or warn")
+      ->group("Trainer: hardware");
+  app.add_option("--benchmark", a.benchmark, "cuDNN autotuning (CUDA only)")
       ->group("Trainer: hardware");
 
   app.add_option("--max_epochs,--max-epochs", a.max_epochs,
@@ -355,6 +366,9 @@ fulgur::TrainerOptions trainer_options(const Args& a) {
   o.num_nodes = a.num_nodes;
   o.precision = a.precision;
   for (const auto& name : split_commas(a.plugins)) o.plugins.emplace_back(name);
+  o.sync_batchnorm = a.sync_batchnorm;
+  o.deterministic = a.deterministic;
+  o.benchmark = a.benchmark;
   o.max_epochs = parse_optional_int("--max_epochs", a.max_epochs);
   o.min_epochs = a.min_epochs;
   o.max_steps = a.max_steps;

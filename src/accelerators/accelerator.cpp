@@ -15,20 +15,19 @@ std::string trim(std::string s) {
   return s.substr(i);
 }
 
-[[noreturn]] void bad_devices(const std::string& text) {
-  throw ConfigError(str("devices=\"", text, "\": not a device spec. Pass \"auto\", a count "
-                        "(\"2\"), -1 for all devices, or a list of indices (\"0,2\" or "
-                        "\"0,\")."));
+std::string bad_devices(const std::string& text) {
+  return str("devices=\"", text, "\": not a device spec. Pass \"auto\", a count (\"2\"), -1 "
+             "for all devices, or a list of indices (\"0,2\" or \"0,\").");
 }
 
-int parse_int(const std::string& text, const std::string& whole) {
+std::optional<int> parse_int(const std::string& text) {
   try {
     size_t used = 0;
     int v = std::stoi(text, &used);
     if (used == text.size()) return v;
   } catch (const std::exception&) {
   }
-  bad_devices(whole);
+  return std::nullopt;
 }
 }  // namespace
 
@@ -37,9 +36,13 @@ DevicesSpec::DevicesSpec(const char* raw) {
   text_ = text;
   if (text == "auto") return;
   is_auto_ = false;
-  if (text.empty()) bad_devices(text);
+  if (text.empty()) {
+    error_ = bad_devices(text);
+    return;
+  }
   if (text.find(',') == std::string::npos) {
-    count_ = parse_int(text, text);
+    count_ = parse_int(text);
+    if (!count_) error_ = bad_devices(text);
     return;
   }
   index_list_ = true;
@@ -49,14 +52,20 @@ DevicesSpec::DevicesSpec(const char* raw) {
     std::string part = trim(text.substr(start, comma == std::string::npos ? std::string::npos
                                                                         : comma - start));
     if (!part.empty()) {
-      indices_.push_back(parse_int(part, text));
+      auto index = parse_int(part);
+      if (!index) {
+        error_ = bad_devices(text);
+        return;
+      }
+      indices_.push_back(*index);
     } else if (comma != std::string::npos && comma + 1 < text.size()) {
-      bad_devices(text);  // an empty entry in the middle: "0,,2"
+      error_ = bad_devices(text);  // an empty entry in the middle: "0,,2"
+      return;
     }
     if (comma == std::string::npos) break;
     start = comma + 1;
   }
-  if (indices_.empty()) bad_devices(text);
+  if (indices_.empty()) error_ = bad_devices(text);
 }
 
 DevicesSpec::DevicesSpec(std::vector<int> indices)
@@ -65,9 +74,25 @@ DevicesSpec::DevicesSpec(std::vector<int> indices)
   for (int i : indices_) parts.push_back(std::to_string(i));
   text_ = "[" + join(parts) + "]";
   if (indices_.empty()) {
-    throw ConfigError("devices=[]: an empty device list selects nothing. Pass at least one "
-                      "index, a count, or \"auto\".");
+    error_ = "devices=[]: an empty device list selects nothing. Pass at least one index, a "
+             "count, or \"auto\".";
   }
+}
+
+std::string DevicesSpec::problem() const {
+  if (!error_.empty()) return error_;
+  if (count_ && *count_ == 0) {
+    return "devices=0: selects no device. Pass a count >= 1, -1 for all devices, or \"auto\".";
+  }
+  if (count_ && *count_ < -1) {
+    return str("devices=", *count_, ": a count must be >= 1, or -1 for all devices.");
+  }
+  for (int i : indices_) {
+    if (i < 0) {
+      return str("devices=", text_, ": device index ", i, " is negative. Indices start at 0.");
+    }
+  }
+  return {};
 }
 
 AcceleratorRegistry& accelerator_registry() {

@@ -7,6 +7,7 @@
 namespace fulgur {
 
 std::vector<c10::Device> CPUAccelerator::parse_devices(const DevicesSpec& spec) const {
+  if (auto problem = spec.problem(); !problem.empty()) throw ConfigError(problem);
   int count = 1;
   if (spec.is_index_list()) {
     throw ConfigError(str("accelerator=\"cpu\", devices=", spec.text(),

@@ -21,6 +21,7 @@ int CUDAAccelerator::auto_device_count() const {
 }
 
 std::vector<c10::Device> CUDAAccelerator::parse_devices(const DevicesSpec& spec) const {
+  if (auto problem = spec.problem(); !problem.empty()) throw ConfigError(problem);
   int available = auto_device_count();
   std::vector<int> indices;
   if (spec.is_auto() || (spec.count() && *spec.count() == -1)) {

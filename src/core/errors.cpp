@@ -14,18 +14,22 @@ std::string join(const std::vector<std::string>& items, std::string_view sep) {
 }
 
 namespace {
+// Optimal string alignment distance: insertions, deletions, substitutions
+// and transpositions of adjacent characters ("slrum" -> "slurm") cost 1.
 size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
   for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
     for (size_t j = 1; j <= b.size(); ++j) {
-      size_t sub = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, sub});
+      const size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+      }
     }
-    std::swap(prev, cur);
   }
-  return prev[b.size()];
+  return d[a.size()][b.size()];
 }
 }  // namespace
 
@@ -51,5 +55,21 @@ void assert_failed(const char* cond, const char* file, int line, const std::stri
                           ". Please report it with the command that triggered it."));
 }
 }  // namespace detail
+
+}  // namespace fulgur
+
+namespace fulgur {
+
+namespace {
+std::string flag_error_message(const std::vector<std::string>& problems) {
+  if (problems.size() == 1) return "Trainer: " + problems.front();
+  return str("Trainer: ", problems.size(), " problems with the flags:\n  - ",
+             join(problems, "\n  - "));
+}
+}  // namespace
+
+FlagError::FlagError(std::string kind, std::vector<std::string> problems)
+    : ConfigError(flag_error_message(problems)), kind_(std::move(kind)),
+      problems_(std::move(problems)) {}
 
 }  // namespace fulgur

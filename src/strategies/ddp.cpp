@@ -4,6 +4,7 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
+#include "fulgur/nn/sync_batch_norm.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
 #include "fulgur/strategies/gradient_reducer.h"
 #include "fulgur/strategies/launchers/fork.h"
@@ -36,10 +37,43 @@ void DDPStrategy::configure_launcher() {
   } else {
     set_launcher(std::make_unique<SubprocessScriptLauncher>(*this, supervision));
   }
+  // This process launches the node's ranks; it stands for local rank 0 of
+  // its node, as PyTorch Lightning's launching process does.
+  const int local_world = static_cast<int>(std::max<size_t>(parallel_devices().size(), 1));
+  cluster_environment().set_global_rank(node_rank() * local_world + local_rank());
 }
+
+namespace {
+
+// sync_batchnorm: connects every fulgur::nn::SyncBatchNorm to the process
+// group; LibTorch's own BatchNorm layers cannot be swapped for synchronised
+// ones from outside the module, so they are named in an error instead.
+void connect_sync_batchnorm(Module& module, ProcessGroup& group) {
+  std::vector<std::string> plain;
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+    auto* m = item.value().get();
+    if (auto* sync = dynamic_cast<nn::SyncBatchNormImpl*>(m)) {
+      sync->set_all_reduce([&group](at::Tensor& t) { group.all_reduce_(t, ReduceOp::Sum); });
+    } else if (dynamic_cast<torch::nn::BatchNorm1dImpl*>(m) != nullptr ||
+               dynamic_cast<torch::nn::BatchNorm2dImpl*>(m) != nullptr ||
+               dynamic_cast<torch::nn::BatchNorm3dImpl*>(m) != nullptr) {
+      plain.push_back(item.key());
+    }
+  }
+  if (!plain.empty()) {
+    throw ConfigError(str("sync_batchnorm=true, but ", module.name(), " has torch::nn::BatchNorm "
+                          "layers (", join(plain), "), whose statistics LibTorch cannot "
+                          "synchronise and fulgur cannot replace from outside the module. "
+                          "Declare them as fulgur::nn::SyncBatchNorm (same options, same "
+                          "checkpoint names), or drop sync_batchnorm."));
+  }
+}
+
+}  // namespace
 
 void DDPStrategy::do_setup(Module& module) {
   module.to(root_device());
+  if (sync_batchnorm()) connect_sync_batchnorm(module, process_group());
   // Every rank starts from rank 0's parameters and buffers.
   {
     torch::NoGradGuard no_grad;

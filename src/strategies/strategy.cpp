@@ -138,7 +138,9 @@ Batch Strategy::batch_to_device(const Batch& batch) const {
   });
 }
 
-std::unique_ptr<PrecisionScope> Strategy::step_scope() { return precision().forward_scope(); }
+std::unique_ptr<PrecisionScope> Strategy::step_scope() {
+  return precision().forward_scope(root_device().type());
+}
 
 void Strategy::backward(const at::Tensor& loss, Module&) { precision().backward(loss); }
 

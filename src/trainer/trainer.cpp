@@ -17,8 +17,9 @@ namespace fulgur {
 
 namespace {
 
-// Checks the loop flags; every problem goes into one ConfigError.
-void check_loop_flags(const TrainerOptions& o) {
+// The problems with the loop flags; the connector reports them together
+// with its own in one FlagError.
+std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
   std::vector<std::string> problems;
   auto check = [&](bool ok, std::string message) {
     if (!ok) problems.push_back(std::move(message));
@@ -49,7 +50,6 @@ void check_loop_flags(const TrainerOptions& o) {
           str("check_val_every_n_epoch=", *o.check_val_every_n_epoch,
               ": must be >= 1, or unset to validate by batch count across epochs."));
   }
-  check(o.num_nodes >= 1, str("num_nodes=", o.num_nodes, ": must be >= 1."));
   auto check_limit = [&](const BatchLimit& l, const char* name) {
     if (l.is_fraction()) {
       check(l.fraction() >= 0.0 && l.fraction() <= 1.0,
@@ -83,22 +83,16 @@ void check_loop_flags(const TrainerOptions& o) {
   for (size_t i = 0; i < o.loggers.size(); ++i) {
     check(o.loggers[i] != nullptr, str("loggers[", i, "] is null: pass an instance."));
   }
-  if (!problems.empty()) {
-    std::string message = problems.size() == 1 ? "Trainer: invalid flag: "
-                                               : str("Trainer: ", problems.size(),
-                                                     " invalid flags:\n  - ");
-    message += join(problems, "\n  - ");
-    throw ConfigError(message);
-  }
+  return problems;
 }
 
 }  // namespace
 
 Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(std::move(opts)) {
-  check_loop_flags(options);
-  auto connected = connect(options);
+  auto connected = connect(options, EnvView(), check_loop_flags(options));
   strategy = std::move(connected.strategy);
-  notes = std::move(connected.notes);
+  resolution = std::move(connected.resolution);
+  apply_torch_flags(resolution);
 
   limit_train = options.limit_train_batches;
   limit_val = options.limit_val_batches;
@@ -110,10 +104,10 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
     max_epochs = *options.max_epochs;
   } else if (options.max_steps != -1) {
     max_epochs = -1;
-    notes.push_back("max_epochs=-1 because max_steps is set and max_epochs is not");
+    resolution.notes.push_back("max_epochs=-1 because max_steps is set and max_epochs is not");
   } else {
     max_epochs = 1000;
-    notes.push_back("max_epochs=1000 because neither max_epochs nor max_steps is set");
+    resolution.notes.push_back("max_epochs=1000 because neither max_epochs nor max_steps is set");
   }
   bool fast = options.fast_dev_run > 0;
   if (fast) {
@@ -124,7 +118,7 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
     num_sanity_val_steps = 0;
     options.val_check_interval = 1.0;
     options.check_val_every_n_epoch = 1;
-    notes.push_back(str("fast_dev_run=", n, ": ", n,
+    resolution.notes.push_back(str("fast_dev_run=", n, ": ", n,
                         " batch(es) per loop, 1 epoch, no sanity check, no checkpoints, no "
                         "loggers"));
   }
@@ -140,7 +134,7 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
   }
   if (!options.enable_checkpointing || fast) {
     // A ModelCheckpoint passed explicitly is kept but never asked to write.
-    if (checkpoint_callback && fast) notes.push_back("fast_dev_run: checkpoint callback disabled");
+    if (checkpoint_callback && fast) resolution.notes.push_back("fast_dev_run: checkpoint callback disabled");
   }
   if (options.enable_progress_bar) callbacks.push_back(std::make_shared<ProgressBar>());
   // Checkpoint callbacks run last, so that every other callback's state in a
@@ -481,14 +475,8 @@ int64_t Trainer::estimated_stepping_batches() const {
   return total;
 }
 
-std::string Trainer::describe() const {
-  const auto& i = *impl_;
-  std::string out = i.strategy->describe();
-  out += str("max_epochs: ", i.max_epochs, "\nmax_steps: ", i.max_steps,
-             "\naccumulate_grad_batches: ", i.options.accumulate_grad_batches,
-             "\ndefault_root_dir: ", i.root_dir(), "\n");
-  for (const auto& note : i.notes) out += "note: " + note + "\n";
-  return out;
-}
+std::string Trainer::describe() const { return impl_->resolution.to_json(); }
+
+const Resolution& Trainer::resolution() const { return impl_->resolution; }
 
 }  // namespace fulgur

@@ -16,6 +16,7 @@
 #include "fulgur/data/data_loader.h"
 #include "fulgur/loggers/logger.h"
 #include "fulgur/strategies/strategy.h"
+#include "fulgur/trainer/connectors/accelerator_connector.h"
 #include "fulgur/trainer/trainer.h"
 
 namespace fulgur {
@@ -75,7 +76,7 @@ struct Trainer::Impl {
   Trainer& self;
   TrainerOptions options;
   std::shared_ptr<Strategy> strategy;
-  std::vector<std::string> notes;  // defaults chosen by the connector and the Trainer
+  Resolution resolution;  // the connector's choices, with the Trainer's notes added
   std::vector<std::shared_ptr<Callback>> callbacks;
   std::vector<std::shared_ptr<Logger>> loggers;
   ModelCheckpoint* checkpoint_callback = nullptr;

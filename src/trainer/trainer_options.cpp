@@ -35,6 +35,15 @@ std::optional<int64_t> BatchLimit::apply(std::optional<int64_t> available, const
   return n;
 }
 
+std::string PrecisionFlag::canonical() const {
+  // PyTorch Lightning 2.x's _PRECISION_INPUT_STR_ALIAS_CONVERSION.
+  if (text_ == "32") return "32-true";
+  if (text_ == "64") return "64-true";
+  if (text_ == "16") return "16-mixed";
+  if (text_ == "bf16") return "bf16-mixed";
+  return text_;
+}
+
 std::optional<GradientClipAlgorithm> parse_gradient_clip_algorithm(const std::string& text) {
   if (text == "norm") return GradientClipAlgorithm::Norm;
   if (text == "value") return GradientClipAlgorithm::Value;

@@ -40,6 +40,8 @@ struct Args {
   bool sync_dist = true;
   double bucket_mb = 25;
   std::string plugins;
+  std::string batchnorm = "none";  // none | plain (torch::nn) | sync (fulgur::nn)
+  bool sync_batchnorm = false;
 };
 
 // 16 features, 4 classes; samples depend only on their index.
@@ -54,6 +56,8 @@ std::pair<at::Tensor, at::Tensor> make_data(int64_t n, int64_t offset) {
 
 struct Classifier : fulgur::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, extra{nullptr};
+  torch::nn::BatchNorm1d plain_bn{nullptr};
+  fulgur::nn::SyncBatchNorm sync_bn{nullptr};
   const Args& args;
   explicit Classifier(const Args& a) : args(a) {
     set_automatic_optimization(!a.manual);
@@ -62,10 +66,15 @@ struct Classifier : fulgur::Module {
     // Used only on even steps, and never by the test: exercises
     // find_unused_parameters.
     if (args.unused_layer) extra = register_module("extra", torch::nn::Linear(32, 32));
+    if (a.batchnorm == "plain") plain_bn = register_module("bn", torch::nn::BatchNorm1d(32));
+    if (a.batchnorm == "sync") sync_bn = register_module("bn", fulgur::nn::SyncBatchNorm(32));
   }
 
   at::Tensor forward(const at::Tensor& x, bool use_extra) {
-    auto h = torch::tanh(fc1(x));
+    auto h = fc1(x);
+    if (plain_bn) h = plain_bn(h);
+    if (sync_bn) h = sync_bn(h);
+    h = torch::tanh(h);
     if (use_extra) h = torch::tanh(extra(h));
     return fc2(h);
   }
@@ -136,6 +145,8 @@ int main(int argc, char** argv) {
   app.add_option("--sync-dist", a.sync_dist);
   app.add_option("--bucket-mb", a.bucket_mb);
   app.add_option("--plugins", a.plugins);
+  app.add_option("--batchnorm", a.batchnorm);
+  app.add_flag("--sync-batchnorm", a.sync_batchnorm);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -160,6 +171,7 @@ int main(int argc, char** argv) {
     options.accelerator = "cpu";
     options.devices = fulgur::DevicesSpec(a.devices);
     options.num_nodes = a.num_nodes;
+    options.sync_batchnorm = a.sync_batchnorm;
     if (!a.plugins.empty()) options.plugins = {a.plugins};
     options.max_steps = a.steps;
     options.accumulate_grad_batches = a.accumulate;
@@ -183,6 +195,7 @@ int main(int argc, char** argv) {
       if (!a.out.empty()) {
         std::vector<at::Tensor> params;
         for (auto& p : model.parameters()) params.push_back(p.detach().clone());
+        for (auto& b : model.buffers()) params.push_back(b.detach().to(torch::kFloat).clone());
         torch::save(params, a.out);
       }
       std::cout << "RESULT world_size=" << strategy.world_size() << "\n"

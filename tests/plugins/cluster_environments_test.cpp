@@ -316,7 +316,7 @@ const Vars kTorchrunSingle{{"RANK", "0"},        {"GROUP_RANK", "0"},  {"LOCAL_R
 TEST(ConnectorClusterEnvironment, UsesTheDetectedEnvironment) {
   auto result = fulgur::connect(cpu_options(1, 1), EnvView(kTorchrunSingle));
   EXPECT_EQ(result.strategy->cluster_environment().name(), "torchelastic");
-  EXPECT_NE(fulgur::join(result.notes).find("cluster_environment=torchelastic because"),
+  EXPECT_NE(fulgur::join(result.resolution.notes).find("cluster_environment=torchelastic because"),
             std::string::npos);
 }
 
@@ -328,7 +328,7 @@ TEST(ConnectorClusterEnvironment, EmptyEnvironmentIsLightning) {
 TEST(ConnectorClusterEnvironment, MismatchWithTheLauncherIsAnError) {
   auto vars = merged(kTorchrunSingle, {{"WORLD_SIZE", "2"}});
   EXPECT_THROWS_WITH(ConfigError, fulgur::connect(cpu_options(1, 1), EnvView(vars)),
-                     {"Trainer(devices=1, num_nodes=1)", "\"torchelastic\"",
+                     {"devices=1, num_nodes=1 under cluster environment \"torchelastic\"",
                       "devices=1 x num_nodes=1 = 1 processes", "WORLD_SIZE=2"});
 }
 

@@ -20,6 +20,8 @@
 namespace fulgur {
 
 /// What the user passed as `devices`: "auto", a count, -1 (all), or indices.
+/// A malformed spec does not throw here: problem() says what is wrong, and
+/// the connector reports it with every other problem of the flags.
 class DevicesSpec {
  public:
   DevicesSpec() = default;                       // "auto"
@@ -36,6 +38,9 @@ class DevicesSpec {
   bool is_index_list() const { return index_list_; }
   /// The spec as the user wrote it, for messages.
   const std::string& text() const { return text_; }
+  /// What is wrong with the spec regardless of the accelerator (malformed,
+  /// 0, < -1, a negative index); empty when nothing is.
+  std::string problem() const;
 
  private:
   bool is_auto_ = true;
@@ -43,6 +48,7 @@ class DevicesSpec {
   std::optional<int> count_;
   std::vector<int> indices_;
   std::string text_ = "auto";
+  std::string error_;
 };
 
 class Accelerator {

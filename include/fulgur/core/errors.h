@@ -25,6 +25,21 @@ class ConfigError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+/// Bad Trainer flags, found by the connector: every problem, one entry each,
+/// and a kind ("invalid_flags", "environment_mismatch", "invalid_environment",
+/// "unavailable") that
+/// tools such as `fulgur resolve` report. what() is the whole text.
+class FlagError : public ConfigError {
+ public:
+  FlagError(std::string kind, std::vector<std::string> problems);
+  const std::string& kind() const { return kind_; }
+  const std::vector<std::string>& problems() const { return problems_; }
+
+ private:
+  std::string kind_;
+  std::vector<std::string> problems_;
+};
+
 /// A failure of rendezvous, process launch, a collective or a timeout.
 class DistributedError : public std::runtime_error {
  public:

@@ -49,6 +49,8 @@ class DDPStrategy : public ParallelStrategy {
   std::string_view name() const override { return name_; }
   const DDPOptions& options() const { return options_; }
   void configure_launcher() override;
+  /// fulgur::nn::SyncBatchNorm layers reduce their statistics across ranks.
+  bool supports_sync_batchnorm() const override { return true; }
 
   void backward(const at::Tensor& loss, Module& module) override;
   void set_gradient_sync(bool enabled) override;

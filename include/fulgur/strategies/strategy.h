@@ -84,6 +84,11 @@ class Strategy {
   const std::vector<c10::Device>& parallel_devices() const { return parallel_devices_; }
   void set_num_nodes(int num_nodes) { num_nodes_ = num_nodes; }
   int num_nodes() const { return num_nodes_; }
+  /// Whether this strategy can synchronise BatchNorm statistics across
+  /// ranks (the connector rejects sync_batchnorm=true otherwise).
+  virtual bool supports_sync_batchnorm() const { return false; }
+  void set_sync_batchnorm(bool enabled) { sync_batchnorm_ = enabled; }
+  bool sync_batchnorm() const { return sync_batchnorm_; }
   /// The launcher that creates this strategy's processes; null when the
   /// current process simply runs (one process, or created externally).
   Launcher* launcher() const { return launcher_.get(); }
@@ -170,6 +175,7 @@ class Strategy {
   std::unique_ptr<Launcher> launcher_;
   std::vector<c10::Device> parallel_devices_;
   int num_nodes_ = 1;
+  bool sync_batchnorm_ = false;
   bool environment_ready_ = false;
   bool torn_down_ = false;
 };

@@ -22,6 +22,7 @@
 
 #include "fulgur/data/batch.h"
 #include "fulgur/data/data_module.h"
+#include "fulgur/trainer/connectors/accelerator_connector.h"
 #include "fulgur/trainer/trainer_options.h"
 
 namespace fulgur {
@@ -81,9 +82,11 @@ class Trainer {
   /// The first ModelCheckpoint among the callbacks; null when none.
   ModelCheckpoint* checkpoint_callback() const;
   const TrainerOptions& options() const;
-  /// The resolved configuration, one "key: value" per line, then the notes
-  /// explaining each default chosen.
+  /// The resolved configuration as the JSON object `fulgur resolve` prints
+  /// for the same flags: names, counts, ranks, and the notes explaining
+  /// every default chosen (the connector's and the loops').
   std::string describe() const;
+  const Resolution& resolution() const;
 
   // ---- Run state (valid during and after a run).
   Stage stage() const;

@@ -55,6 +55,44 @@ class BatchLimit {
 
 enum class GradientClipAlgorithm { Norm, Value };
 
+/// The precision flag as written: "32-true", "64-true", "bf16-mixed",
+/// "16-mixed", "bf16-true", "16-true", or a legacy spelling that PyTorch
+/// Lightning 2.x also accepts: 32, 64, 16, "bf16" (and "32", "64", "16").
+class PrecisionFlag {
+ public:
+  PrecisionFlag() = default;                                   // "32-true"
+  PrecisionFlag(int bits) : text_(std::to_string(bits)) {}     // NOLINT: 16, 32, 64
+  PrecisionFlag(const char* text) : text_(text) {}             // NOLINT
+  PrecisionFlag(std::string text) : text_(std::move(text)) {}  // NOLINT
+  /// As the user wrote it.
+  const std::string& text() const { return text_; }
+  /// The registered name a legacy spelling stands for ("16" -> "16-mixed");
+  /// other text unchanged.
+  std::string canonical() const;
+  bool is_legacy() const { return canonical() != text_; }
+  bool operator==(const PrecisionFlag& other) const { return text_ == other.text_; }
+
+ private:
+  std::string text_ = "32-true";
+};
+
+/// The deterministic flag: true, false, or "warn" (also "true"/"false").
+class DeterministicFlag {
+ public:
+  DeterministicFlag(bool on = false) : text_(on ? "true" : "false") {}  // NOLINT
+  DeterministicFlag(const char* text) : text_(text) {}                 // NOLINT
+  DeterministicFlag(std::string text) : text_(std::move(text)) {}      // NOLINT
+  /// "true", "false", "warn", or what was passed when it is none of them.
+  const std::string& text() const { return text_; }
+  bool is_valid() const { return text_ == "true" || text_ == "false" || text_ == "warn"; }
+  /// Deterministic algorithms on (true or "warn").
+  bool enabled() const { return text_ == "true" || text_ == "warn"; }
+  bool warn_only() const { return text_ == "warn"; }
+
+ private:
+  std::string text_;
+};
+
 /// A plugin as a registered name ("slurm") or an instance.
 using Plugin = std::variant<std::string, std::shared_ptr<Precision>,
                             std::shared_ptr<CheckpointIO>, std::shared_ptr<ClusterEnvironment>>;
@@ -68,9 +106,18 @@ struct TrainerOptions {
   /// "auto", a count, -1 for all, or a list of indices.
   DevicesSpec devices = DevicesSpec();
   int num_nodes = 1;
-  /// "32-true" (also "32"); others arrive with the precision plugins.
-  std::string precision = "32-true";
+  /// "32-true", "64-true", "bf16-mixed", "16-mixed", "bf16-true",
+  /// "16-true"; legacy 32, 64, 16, "bf16" accepted.
+  PrecisionFlag precision = PrecisionFlag();
   std::vector<Plugin> plugins = {};
+  /// Synchronise BatchNorm statistics across ranks (fulgur::nn::SyncBatchNorm
+  /// layers; DDP only).
+  bool sync_batchnorm = false;
+  /// true: deterministic algorithms only (a nondeterministic op throws);
+  /// "warn": warn on one instead; false: LibTorch's default.
+  DeterministicFlag deterministic = false;
+  /// cuDNN autotuning for fixed input shapes (CUDA only).
+  bool benchmark = false;
   /// With several ranks, split every loader across them (training padded
   /// to equal lengths, evaluation exact). Off: each rank's loaders are used
   /// as they are (the user splits the data).

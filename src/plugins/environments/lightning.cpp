@@ -20,6 +20,7 @@ LightningEnvironment::LightningEnvironment(const EnvView& env) {
     local_rank_ = static_cast<int>(*lr);
     local_rank_set_ = true;
   }
+  if (auto lws = env.get_int("LOCAL_WORLD_SIZE")) local_world_size_ = static_cast<int>(*lws);
   if (auto nr = env.get_int("NODE_RANK")) {
     node_rank_ = static_cast<int>(*nr);
   } else if (auto gr = env.get_int("GROUP_RANK")) {
@@ -31,6 +32,22 @@ bool LightningEnvironment::creates_processes_externally() const {
   // A LOCAL_RANK in the environment means a launcher (ours re-executing the
   // script, or a user's) already created this process.
   return local_rank_set_;
+}
+
+void LightningEnvironment::validate_settings(int num_devices, int num_nodes) const {
+  std::vector<std::string> problems;
+  if (num_devices * num_nodes != world_size_) {
+    problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
+                           num_devices * num_nodes, " processes, but the launcher that started "
+                           "this one set WORLD_SIZE=", world_size_));
+  }
+  if (local_world_size_ > 0 && num_devices != local_world_size_) {
+    problems.push_back(str("devices=", num_devices, " per node, but LOCAL_WORLD_SIZE=",
+                           local_world_size_));
+  }
+  if (problems.empty()) return;
+  throw ConfigError(str(join(problems, "; and "), ". Every rank must get the flags its launcher "
+                        "got; unset LOCAL_RANK to let fulgur start the processes itself."));
 }
 
 }  // namespace fulgur

@@ -21,15 +21,17 @@ TEST(AcceleratorConnector, DefaultsResolveToSingleDeviceOnTheCpuWithNotes) {
   EXPECT_EQ(result.strategy->precision().name(), "32-true");
   EXPECT_EQ(result.strategy->cluster_environment().name(), "lightning");
   EXPECT_EQ(result.strategy->root_device(), c10::Device(c10::kCPU));
-  ASSERT_EQ(result.notes.size(), 3u);
-  EXPECT_NE(result.notes[0].find("accelerator=cpu because accelerator=auto"), std::string::npos);
-  EXPECT_NE(result.notes[2].find("strategy=single_device"), std::string::npos);
+  ASSERT_EQ(result.resolution.notes.size(), 3u);
+  EXPECT_NE(result.resolution.notes[0].find("accelerator=cpu because accelerator=auto"), std::string::npos);
+  EXPECT_NE(result.resolution.notes[2].find("strategy=single_device"), std::string::npos);
 }
 
 TEST(AcceleratorConnector, LegacyPrecisionSpellingIsNoted) {
   auto result = fulgur::connect(TrainerOptions{.accelerator = "cpu", .precision = "32"}, empty_env());
   EXPECT_EQ(result.strategy->precision().name(), "32-true");
-  EXPECT_NE(fulgur::join(result.notes).find("precision=\"32\" means \"32-true\""), std::string::npos);
+  EXPECT_NE(fulgur::join(result.resolution.notes)
+                .find("precision=\"32-true\" because precision=\"32\" is its legacy spelling"),
+            std::string::npos);
 }
 
 TEST(AcceleratorConnector, EveryProblemIsReportedInOneError) {
@@ -40,7 +42,7 @@ TEST(AcceleratorConnector, EveryProblemIsReportedInOneError) {
                                      empty_env()),
                      {"3 problems", "accelerator=\"cpuu\"", "did you mean \"cpu\"",
                       "strategy=\"singel_device\"", "did you mean \"single_device\"",
-                      "precision=\"17-true\"", "Registered: 32-true"});
+                      "precision=\"17-true\"", "Registered: 16-mixed, 16-true, 32-true, 64-true, bf16-mixed, bf16-true"});
 }
 
 TEST(AcceleratorConnector, TwoPluginsOfOneTypeConflict) {
@@ -61,7 +63,7 @@ TEST(AcceleratorConnector, NullAndUnknownPluginsAreNamed) {
   EXPECT_THROWS_WITH(ConfigError, fulgur::connect(options, empty_env()),
                      {"2 problems", "plugins[0] is a null checkpoint IO", "plugins[1]=\"slrum\"",
                       "unknown plugin",
-                      "Registered plugin names: kubeflow, lightning, lsf, mpi, slurm, torch"});
+                      "did you mean \"slurm\"?", "Registered plugin names: 16-mixed, 16-true, 32-true, 64-true, bf16-mixed, bf16-true, kubeflow, lightning, lsf, mpi, slurm, torch, torchelastic"});
 }
 
 TEST(AcceleratorConnector, PrecisionPluginAndPrecisionFlagConflict) {
@@ -86,7 +88,7 @@ TEST(AcceleratorConnector, StrategyInstanceWithAnotherAcceleratorConflictsWithTh
   strategy->set_accelerator(std::make_shared<fulgur::CPUAccelerator>());
   TrainerOptions options{.accelerator = "cuda", .strategy = strategy};
   EXPECT_THROWS_WITH(ConfigError, fulgur::connect(options, empty_env()),
-                     {"accelerator=\"cuda\"", "strategy instance carries accelerator \"cpu\"",
+                     {"accelerator=\"cuda\"", "the strategy instance (single_device) carries accelerator \"cpu\"",
                       "set it in one place"});
 }
 
@@ -105,7 +107,7 @@ TEST(AcceleratorConnector, SeveralDevicesChooseDdpWithItsLauncher) {
   EXPECT_EQ(strategy.launcher()->name(), "subprocess_script");
   EXPECT_EQ(strategy.world_size(), 2);
   EXPECT_EQ(strategy.global_rank(), 0);
-  EXPECT_TRUE(fulgur::test::message_contains(fulgur::join(result.notes, "\n"),
+  EXPECT_TRUE(fulgur::test::message_contains(fulgur::join(result.resolution.notes, "\n"),
                                {"strategy=ddp because devices=2 and num_nodes=1"}));
 }
 

@@ -17,9 +17,13 @@ class LightningEnvironment : public ClusterEnvironment {
   bool creates_processes_externally() const override;
   std::string main_address() const override { return main_address_; }
   int main_port() const override { return main_port_; }
+  /// In a rank its launcher started: WORLD_SIZE and LOCAL_WORLD_SIZE must
+  /// match devices x num_nodes (the program got other flags than its parent).
+  void validate_settings(int num_devices, int num_nodes) const override;
 
  private:
   bool local_rank_set_ = false;
+  int local_world_size_ = 0;  // 0: not set
   std::string main_address_ = "127.0.0.1";
   int main_port_ = 0;  // 0: pick a free port at launch
 };

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
 
 #include <memory>
 #include <string_view>
@@ -46,8 +47,11 @@ class Precision {
   virtual void convert_module(torch::nn::Module& /*module*/) {}
   /// Converts an input batch tensor (e.g. to float64 for 64-true).
   virtual at::Tensor convert_input(const at::Tensor& tensor) const { return tensor; }
-  /// The scope around forward/steps (autocast). Null when there is none.
-  virtual std::unique_ptr<PrecisionScope> forward_scope() const { return nullptr; }
+  /// The scope around forward/steps on `device_type` (autocast). Null when
+  /// there is none.
+  virtual std::unique_ptr<PrecisionScope> forward_scope(c10::DeviceType /*device_type*/) const {
+    return nullptr;
+  }
   /// Runs backward on `loss` (scaled, for 16-mixed).
   virtual void backward(const at::Tensor& loss);
   /// Makes gradients true-scale before clipping (unscale, for 16-mixed).
@@ -61,7 +65,8 @@ class Precision {
 };
 
 using PrecisionRegistry = Registry<Precision>;
-/// The global precision registry, with the built-ins registered.
+/// The global precision registry, with the built-ins registered: 32-true,
+/// 64-true, bf16-mixed, 16-mixed, bf16-true, 16-true.
 PrecisionRegistry& precision_registry();
 
 }  // namespace fulgur

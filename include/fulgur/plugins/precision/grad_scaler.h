@@ -1,0 +1,85 @@
+// File: fulgur/plugins/precision/grad_scaler.h
+//
+// A dynamic loss scaler for float16 training, which LibTorch's C++ API does
+// not have (Python's torch.cuda.amp.GradScaler). The loss is multiplied by
+// `scale` before backward so that small float16 gradients do not flush to
+// zero; before the optimizer step the gradients are divided by it again and
+// checked for inf/NaN. A step whose gradients are not finite is skipped and
+// the scale backs off; after `growth_interval` finite steps in a row it grows.
+//
+//   GradScaler scaler;
+//   scaler.scale(loss).backward();
+//   scaler.unscale(optimizer);          // optional: before clipping
+//   bool stepped = scaler.step(optimizer);
+//   scaler.update();                    // once per iteration, after every step
+//
+// On CUDA it runs ATen's fused kernels (_amp_foreach_non_finite_check_and_
+// unscale_, _amp_update_scale_); on other devices the same arithmetic with
+// ordinary tensor ops, so its logic is testable on the CPU.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <unordered_map>
+
+namespace torch::optim {
+class Optimizer;
+}
+namespace torch::serialize {
+class OutputArchive;
+class InputArchive;
+}  // namespace torch::serialize
+
+namespace fulgur {
+
+struct GradScalerOptions {
+  double init_scale = 65536.0;
+  /// Multiplies the scale after growth_interval finite steps in a row.
+  double growth_factor = 2.0;
+  /// Multiplies the scale after a step with inf/NaN gradients.
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+};
+
+class GradScaler {
+ public:
+  /// Throws ConfigError naming the option when a factor or interval is invalid.
+  explicit GradScaler(GradScalerOptions options = {});
+
+  /// `loss` times the current scale (the scale tensor follows the loss's device).
+  at::Tensor scale(const at::Tensor& loss);
+  /// Divides the gradients of `optimizer`'s parameters by the scale and
+  /// records whether any is inf/NaN. Once per optimizer per iteration;
+  /// a second call before update() throws ConfigError.
+  void unscale(torch::optim::Optimizer& optimizer);
+  /// Unscales if not done yet, then steps unless the gradients had inf/NaN.
+  /// Returns whether the optimizer stepped.
+  bool step(torch::optim::Optimizer& optimizer);
+  /// Adjusts the scale from this iteration's steps and forgets them.
+  void update();
+
+  double get_scale() const;
+  /// Finite steps in a row since the scale last changed.
+  int64_t growth_tracker() const;
+  /// Whether the last update() saw inf/NaN gradients (the step was skipped).
+  bool last_step_skipped() const { return last_skipped_; }
+  const GradScalerOptions& options() const { return options_; }
+
+  /// The scale and growth tracker, as "scale" / "growth_tracker".
+  void save(torch::serialize::OutputArchive& archive) const;
+  /// Throws CheckpointError when the archive holds no scaler state.
+  void load(torch::serialize::InputArchive& archive);
+
+ private:
+  void ensure_state(const at::Device& device);
+
+  GradScalerOptions options_;
+  at::Tensor scale_;           // float32 [1] on the loss's device
+  at::Tensor growth_tracker_;  // int32 [1]
+  // Per optimizer of the current iteration: its found_inf ([1] float32).
+  std::unordered_map<const torch::optim::Optimizer*, at::Tensor> found_inf_;
+  bool last_skipped_ = false;
+};
+
+}  // namespace fulgur

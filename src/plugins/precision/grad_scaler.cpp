@@ -1,0 +1,149 @@
+#include "fulgur/plugins/precision/grad_scaler.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <vector>
+
+#include "fulgur/core/errors.h"
+
+namespace fulgur {
+
+namespace {
+
+std::vector<at::Tensor> gradients(torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor> grads;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+  }
+  return grads;
+}
+
+}  // namespace
+
+GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
+  std::vector<std::string> problems;
+  if (!(options.init_scale > 0.0) || !std::isfinite(options.init_scale)) {
+    problems.push_back(str("init_scale=", options.init_scale, " must be a finite number > 0"));
+  }
+  if (!(options.growth_factor > 1.0)) {
+    problems.push_back(str("growth_factor=", options.growth_factor, " must be > 1"));
+  }
+  if (!(options.backoff_factor > 0.0 && options.backoff_factor < 1.0)) {
+    problems.push_back(str("backoff_factor=", options.backoff_factor, " must be in (0, 1)"));
+  }
+  if (options.growth_interval < 1) {
+    problems.push_back(str("growth_interval=", options.growth_interval, " must be >= 1"));
+  }
+  if (!problems.empty()) {
+    throw ConfigError(str("GradScaler(", join(problems, "; "),
+                          "). The defaults (65536, 2.0, 0.5, 2000) suit most models."));
+  }
+}
+
+void GradScaler::ensure_state(const at::Device& device) {
+  if (!scale_.defined()) {
+    scale_ = torch::full({1}, options_.init_scale, torch::dtype(torch::kFloat32).device(device));
+    growth_tracker_ = torch::zeros({1}, torch::dtype(torch::kInt32).device(device));
+  } else if (scale_.device() != device) {
+    scale_ = scale_.to(device);
+    growth_tracker_ = growth_tracker_.to(device);
+  }
+}
+
+at::Tensor GradScaler::scale(const at::Tensor& loss) {
+  ensure_state(loss.device());
+  return loss * scale_.to(loss.scalar_type());
+}
+
+void GradScaler::unscale(torch::optim::Optimizer& optimizer) {
+  if (found_inf_.count(&optimizer) != 0) {
+    throw ConfigError("GradScaler::unscale(optimizer): this optimizer's gradients were already "
+                      "unscaled in this iteration. Unscale once per optimizer between "
+                      "update() calls.");
+  }
+  auto grads = gradients(optimizer);
+  const at::Device device = grads.empty() ? (scale_.defined() ? scale_.device() : at::kCPU)
+                                          : grads.front().device();
+  ensure_state(device);
+  at::Tensor found_inf = torch::zeros({1}, torch::dtype(torch::kFloat32).device(device));
+  // The reciprocal in double, then float32, as PyTorch's scaler computes it.
+  at::Tensor inv_scale = scale_.to(torch::kFloat64).reciprocal().to(torch::kFloat32);
+  torch::NoGradGuard no_grad;
+  if (device.is_cuda()) {
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
+  } else {
+    for (auto& g : grads) {
+      found_inf.add_(g.isfinite().logical_not().any().to(torch::kFloat32));
+      g.mul_(inv_scale.to(g.scalar_type()));
+    }
+    found_inf.clamp_max_(1.0);
+  }
+  found_inf_.emplace(&optimizer, found_inf);
+}
+
+bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+  if (found_inf_.count(&optimizer) == 0) unscale(optimizer);
+  if (found_inf_.at(&optimizer).item<float>() != 0.0f) return false;
+  optimizer.step();
+  return true;
+}
+
+void GradScaler::update() {
+  if (found_inf_.empty()) return;  // nothing was unscaled: no step to judge
+  at::Tensor found = torch::zeros_like(found_inf_.begin()->second);
+  for (auto& [_, f] : found_inf_) found.add_(f.to(found.device()));
+  found_inf_.clear();
+  last_skipped_ = found.item<float>() != 0.0f;
+  if (scale_.is_cuda()) {
+    at::_amp_update_scale_(scale_, growth_tracker_, found, options_.growth_factor,
+                           options_.backoff_factor, options_.growth_interval);
+    return;
+  }
+  // The same rule as ATen's _amp_update_scale_ kernel.
+  float scale = scale_.item<float>();
+  int32_t tracker = growth_tracker_.item<int32_t>();
+  if (last_skipped_) {
+    scale = static_cast<float>(scale * options_.backoff_factor);
+    tracker = 0;
+  } else if (tracker + 1 == options_.growth_interval) {
+    const float grown = static_cast<float>(scale * options_.growth_factor);
+    if (std::isfinite(grown)) scale = grown;
+    tracker = 0;
+  } else {
+    ++tracker;
+  }
+  scale_.fill_(scale);
+  growth_tracker_.fill_(tracker);
+}
+
+double GradScaler::get_scale() const {
+  return scale_.defined() ? scale_.item<double>() : options_.init_scale;
+}
+
+int64_t GradScaler::growth_tracker() const {
+  return growth_tracker_.defined() ? growth_tracker_.item<int64_t>() : 0;
+}
+
+void GradScaler::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("scale", scale_.defined() ? scale_.cpu() : torch::full({1}, options_.init_scale));
+  archive.write("growth_tracker",
+                growth_tracker_.defined() ? growth_tracker_.cpu() : torch::zeros({1}, torch::kInt32));
+}
+
+void GradScaler::load(torch::serialize::InputArchive& archive) {
+  at::Tensor scale, tracker;
+  if (!archive.try_read("scale", scale) || !archive.try_read("growth_tracker", tracker)) {
+    throw CheckpointError("the checkpoint has no GradScaler state (scale, growth_tracker): it was "
+                          "not written with precision=\"16-mixed\". Resume with the precision it "
+                          "was trained with.");
+  }
+  const at::Device device = scale_.defined() ? scale_.device() : at::Device(at::kCPU);
+  scale_ = scale.to(device, torch::kFloat32).reshape({1});
+  growth_tracker_ = tracker.to(device, torch::kInt32).reshape({1});
+  found_inf_.clear();
+}
+
+}  // namespace fulgur

@@ -1,0 +1,369 @@
+// The precision plugins: what each does to the module, its inputs and the
+// computation, through the Trainer where the CPU can run it; the dynamic
+// loss scaler's unscale / skip / update logic on CPU tensors (16-mixed
+// itself needs CUDA); and the deterministic flag.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+using fulgur::test::TempDir;
+
+// A linear model that records the dtypes it sees inside training_step.
+struct DtypeProbe : fulgur::Module {
+  torch::nn::Linear fc{nullptr};
+  c10::ScalarType input_dtype = c10::ScalarType::Undefined;
+  c10::ScalarType label_dtype = c10::ScalarType::Undefined;
+  c10::ScalarType output_dtype = c10::ScalarType::Undefined;
+  c10::ScalarType weight_dtype = c10::ScalarType::Undefined;
+  std::vector<float> losses;
+
+  DtypeProbe() { fc = register_module("fc", torch::nn::Linear(3, 1)); }
+
+  at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
+    auto& [x, y] = batch.pair();
+    input_dtype = x.scalar_type();
+    label_dtype = y.scalar_type();
+    weight_dtype = fc->weight.scalar_type();
+    auto out = fc(x);
+    output_dtype = out.scalar_type();
+    // LibTorch 1.13 has no bfloat16 mse_loss on the CPU: the loss in float32 there.
+    const auto loss_type = out.scalar_type() == torch::kBFloat16 ? torch::kFloat : out.scalar_type();
+    auto loss = torch::mse_loss(out.to(loss_type), y.to(loss_type));
+    losses.push_back(loss.detach().to(torch::kFloat).item<float>());
+    return loss;
+  }
+  fulgur::OptimizerConfig configure_optimizers() override {
+    return {std::make_shared<torch::optim::SGD>(parameters(), 0.05)};
+  }
+};
+
+fulgur::TrainerOptions options_with(const TempDir& dir, fulgur::PrecisionFlag precision) {
+  auto options = fulgur::test::test_options(dir);
+  options.precision = std::move(precision);
+  options.max_epochs = 3;
+  return options;
+}
+
+TEST(Precision, RegistryHasEveryBuiltIn) {
+  EXPECT_EQ(fulgur::precision_registry().names(),
+            (std::vector<std::string>{"16-mixed", "16-true", "32-true", "64-true", "bf16-mixed",
+                                      "bf16-true"}));
+  for (const auto& name : fulgur::precision_registry().names()) {
+    EXPECT_EQ(fulgur::precision_registry().create(name)->name(), name);
+  }
+}
+
+TEST(Precision, LegacySpellingsMeanWhatLightningMeans) {
+  EXPECT_EQ(fulgur::PrecisionFlag(32).canonical(), "32-true");
+  EXPECT_EQ(fulgur::PrecisionFlag(64).canonical(), "64-true");
+  EXPECT_EQ(fulgur::PrecisionFlag(16).canonical(), "16-mixed");
+  EXPECT_EQ(fulgur::PrecisionFlag("16").canonical(), "16-mixed");
+  EXPECT_EQ(fulgur::PrecisionFlag("bf16").canonical(), "bf16-mixed");
+  EXPECT_TRUE(fulgur::PrecisionFlag("bf16").is_legacy());
+  EXPECT_FALSE(fulgur::PrecisionFlag("bf16-true").is_legacy());
+  EXPECT_EQ(fulgur::PrecisionFlag().text(), "32-true");
+}
+
+TEST(Precision, Bf16MixedRunsMatmulsInBf16AndKeepsFloat32Parameters) {
+  TempDir dir;
+  DtypeProbe model;
+  fulgur::Trainer trainer(options_with(dir, "bf16-mixed"));
+  trainer.fit(model, fulgur::test::regression_loader(4));
+  EXPECT_EQ(model.input_dtype, torch::kFloat);       // inputs are not converted
+  EXPECT_EQ(model.output_dtype, torch::kBFloat16);   // autocast ran the linear in bf16
+  EXPECT_EQ(model.weight_dtype, torch::kFloat);      // master weights stay float32
+  for (const auto& p : model.parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat);
+  EXPECT_LT(model.losses.back(), model.losses.front());
+  // Autocast is off again outside the step.
+  EXPECT_EQ(model.fc(torch::ones({1, 3})).scalar_type(), torch::kFloat);
+}
+
+TEST(Precision, AutocastScopeNestsAndRestores) {
+  auto linear = torch::nn::Linear(4, 2);
+  auto x = torch::ones({2, 4});
+  {
+    fulgur::AutocastScope outer(c10::kCPU, at::kBFloat16);
+    EXPECT_EQ(linear(x).scalar_type(), at::kBFloat16);
+    {
+      fulgur::AutocastScope inner(c10::kCPU, at::kBFloat16);
+      EXPECT_EQ(linear(x).scalar_type(), at::kBFloat16);
+    }
+    EXPECT_EQ(linear(x).scalar_type(), at::kBFloat16);
+  }
+  EXPECT_EQ(linear(x).scalar_type(), at::kFloat);
+}
+
+TEST(Precision, SixtyFourTrueTrainsInFloat64) {
+  TempDir dir;
+  DtypeProbe model;
+  fulgur::Trainer trainer(options_with(dir, 64));
+  trainer.fit(model, fulgur::test::regression_loader(4));
+  EXPECT_EQ(model.input_dtype, torch::kDouble);
+  EXPECT_EQ(model.label_dtype, torch::kDouble);
+  EXPECT_EQ(model.weight_dtype, torch::kDouble);
+  EXPECT_EQ(model.output_dtype, torch::kDouble);
+  for (const auto& p : model.parameters()) EXPECT_EQ(p.scalar_type(), torch::kDouble);
+  EXPECT_LT(model.losses.back(), model.losses.front());
+}
+
+TEST(Precision, TruePrecisionLeavesIntegerInputsAlone) {
+  fulgur::TruePrecision p(at::kDouble);
+  EXPECT_EQ(p.convert_input(torch::ones({2}, torch::kLong)).scalar_type(), torch::kLong);
+  EXPECT_EQ(p.convert_input(torch::ones({2}, torch::kFloat)).scalar_type(), torch::kDouble);
+}
+
+TEST(Precision, Bf16TrueConvertsTheModule) {
+  TempDir dir;
+  DtypeProbe model;
+  fulgur::Trainer trainer(options_with(dir, "bf16-true"));
+  trainer.fit(model, fulgur::test::regression_loader(4));
+  EXPECT_EQ(model.input_dtype, torch::kBFloat16);
+  EXPECT_EQ(model.weight_dtype, torch::kBFloat16);
+  for (const auto& p : model.parameters()) EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
+}
+
+TEST(Precision, HalfPrecisionsOnTheCpuSuggestBf16) {
+  TempDir dir;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer(options_with(dir, "16-mixed")),
+                     {"precision=\"16-mixed\" with accelerator=\"cpu\"", "bfloat16 only",
+                      "precision=\"bf16-mixed\""});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer(options_with(dir, 16)),
+                     {"precision=\"16-mixed\" with accelerator=\"cpu\""});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer(options_with(dir, "16-true")),
+                     {"precision=\"16-true\" with accelerator=\"cpu\"", "\"bf16-true\""});
+}
+
+TEST(Precision, HalfMixedTrainsOnCuda) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  TempDir dir;
+  DtypeProbe model;
+  auto options = options_with(dir, "16-mixed");
+  options.accelerator = "cuda";
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, fulgur::test::regression_loader(4));
+  EXPECT_EQ(model.output_dtype, torch::kHalf);
+  EXPECT_EQ(model.weight_dtype, torch::kFloat);
+  auto* mixed = dynamic_cast<fulgur::MixedPrecision*>(&trainer.strategy().precision());
+  ASSERT_NE(mixed, nullptr);
+  ASSERT_NE(mixed->scaler(), nullptr);
+  EXPECT_EQ(mixed->scaler()->get_scale(), 65536.0);  // 12 finite steps: no change yet
+}
+
+// ---- GradScaler, on CPU tensors.
+
+struct ScalerFixture {
+  at::Tensor w = torch::tensor({1.0f, 2.0f}).requires_grad_();
+  torch::optim::SGD sgd{std::vector<at::Tensor>{w}, torch::optim::SGDOptions(0.5)};
+  void backward(fulgur::GradScaler& scaler, float factor) {
+    sgd.zero_grad();
+    auto loss = (w * factor).sum();  // d loss / d w = factor
+    scaler.scale(loss).backward();
+  }
+};
+
+TEST(GradScaler, ScalesTheLossAndUnscalesTheGradients) {
+  fulgur::GradScaler scaler({.init_scale = 1024.0});
+  ScalerFixture f;
+  f.backward(scaler, 3.0f);
+  EXPECT_TRUE(torch::allclose(f.w.grad(), torch::full({2}, 3.0f * 1024.0f)));
+  scaler.unscale(f.sgd);
+  EXPECT_TRUE(torch::allclose(f.w.grad(), torch::full({2}, 3.0f)));
+  EXPECT_TRUE(scaler.step(f.sgd));  // already unscaled: not divided twice
+  EXPECT_TRUE(torch::allclose(f.w.detach(), torch::tensor({1.0f - 1.5f, 2.0f - 1.5f})));
+  scaler.update();
+  EXPECT_FALSE(scaler.last_step_skipped());
+  EXPECT_EQ(scaler.get_scale(), 1024.0);
+  EXPECT_EQ(scaler.growth_tracker(), 1);
+}
+
+TEST(GradScaler, SkipsTheStepOnInfOrNanAndBacksOff) {
+  for (float bad : {std::numeric_limits<float>::infinity(), std::nanf("")}) {
+    fulgur::GradScaler scaler({.init_scale = 1024.0, .backoff_factor = 0.25});
+    ScalerFixture f;
+    f.backward(scaler, 1.0f);
+    scaler.step(f.sgd);
+    scaler.update();
+    EXPECT_EQ(scaler.growth_tracker(), 1);
+    f.backward(scaler, 1.0f);
+    f.w.mutable_grad()[1].fill_(bad);
+    const auto before = f.w.detach().clone();
+    EXPECT_FALSE(scaler.step(f.sgd));
+    EXPECT_TRUE(torch::equal(f.w.detach(), before)) << "the step was not skipped";
+    scaler.update();
+    EXPECT_TRUE(scaler.last_step_skipped());
+    EXPECT_EQ(scaler.get_scale(), 256.0);
+    EXPECT_EQ(scaler.growth_tracker(), 0);
+  }
+}
+
+TEST(GradScaler, GrowsAfterGrowthIntervalFiniteSteps) {
+  fulgur::GradScaler scaler({.init_scale = 8.0, .growth_factor = 2.0, .growth_interval = 3});
+  ScalerFixture f;
+  std::vector<double> scales;
+  for (int i = 0; i < 7; ++i) {
+    f.backward(scaler, 1.0f);
+    EXPECT_TRUE(scaler.step(f.sgd));
+    scaler.update();
+    scales.push_back(scaler.get_scale());
+  }
+  EXPECT_EQ(scales, (std::vector<double>{8, 8, 16, 16, 16, 32, 32}));
+}
+
+TEST(GradScaler, UpdateJudgesEveryOptimizerOfTheIteration) {
+  fulgur::GradScaler scaler({.init_scale = 64.0});
+  ScalerFixture a, b;
+  a.backward(scaler, 1.0f);
+  b.backward(scaler, 1.0f);
+  b.w.mutable_grad()[0].fill_(std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(scaler.step(a.sgd));
+  EXPECT_FALSE(scaler.step(b.sgd));
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 32.0);
+}
+
+TEST(GradScaler, UnscalingTwiceInOneIterationIsAnError) {
+  fulgur::GradScaler scaler;
+  ScalerFixture f;
+  f.backward(scaler, 1.0f);
+  scaler.unscale(f.sgd);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, scaler.unscale(f.sgd), {"already unscaled"});
+  scaler.update();
+  f.backward(scaler, 1.0f);
+  EXPECT_NO_THROW(scaler.unscale(f.sgd));
+}
+
+TEST(GradScaler, StateRoundTripsThroughAnArchive) {
+  fulgur::GradScaler scaler({.init_scale = 128.0, .growth_interval = 10});
+  ScalerFixture f;
+  for (int i = 0; i < 3; ++i) {
+    f.backward(scaler, 1.0f);
+    scaler.step(f.sgd);
+    scaler.update();
+  }
+  f.backward(scaler, 1.0f);
+  f.w.mutable_grad().fill_(std::nanf(""));
+  scaler.step(f.sgd);
+  scaler.update();
+  f.backward(scaler, 1.0f);
+  scaler.step(f.sgd);
+  scaler.update();
+  torch::serialize::OutputArchive out;
+  scaler.save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  fulgur::GradScaler restored({.init_scale = 128.0, .growth_interval = 10});
+  torch::serialize::InputArchive in;
+  std::istringstream stream(bytes.str());
+  in.load_from(stream);
+  restored.load(in);
+  EXPECT_EQ(restored.get_scale(), 64.0);
+  EXPECT_EQ(restored.growth_tracker(), 1);
+
+  torch::serialize::OutputArchive empty_out;
+  empty_out.write("other", torch::zeros({1}));
+  std::ostringstream empty_bytes;
+  empty_out.save_to(empty_bytes);
+  torch::serialize::InputArchive empty;
+  std::istringstream empty_stream(empty_bytes.str());
+  empty.load_from(empty_stream);
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, restored.load(empty),
+                     {"no GradScaler state", "16-mixed"});
+}
+
+TEST(GradScaler, RejectsInvalidOptionsAllAtOnce) {
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::GradScaler({.init_scale = 0.0, .growth_factor = 1.0,
+                                         .backoff_factor = 1.5, .growth_interval = 0}),
+                     {"init_scale=0", "growth_factor=1", "backoff_factor=1.5", "growth_interval=0"});
+}
+
+TEST(MixedPrecision, HalfHasAScalerWhoseStateTravelsInCheckpoints) {
+  fulgur::MixedPrecision half(at::kHalf);
+  fulgur::MixedPrecision bf16(at::kBFloat16);
+  ASSERT_NE(half.scaler(), nullptr);
+  EXPECT_EQ(bf16.scaler(), nullptr);
+  // The 16-mixed training step without autocast (CPU): backward scales,
+  // optimizer_step unscales and steps, update adjusts.
+  ScalerFixture f;
+  f.sgd.zero_grad();
+  half.backward((f.w * 2.0f).sum());
+  EXPECT_TRUE(torch::allclose(f.w.grad(), torch::full({2}, 2.0f * 65536.0f)));
+  EXPECT_TRUE(half.optimizer_step(f.sgd));
+  EXPECT_TRUE(torch::allclose(f.w.detach(), torch::tensor({0.0f, 1.0f})));
+  half.update();
+  torch::serialize::OutputArchive archive;
+  half.save_state(archive);
+  std::ostringstream bytes;
+  archive.save_to(bytes);
+  torch::serialize::InputArchive in;
+  std::istringstream stream(bytes.str());
+  in.load_from(stream);
+  fulgur::MixedPrecision other(at::kHalf);
+  EXPECT_NO_THROW(other.load_state(in));
+  EXPECT_EQ(other.scaler()->growth_tracker(), 1);
+}
+
+// ---- deterministic.
+
+class DeterministicFlag : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    at::globalContext().setDeterministicAlgorithms(false, false);
+  }
+};
+
+TEST_F(DeterministicFlag, TrueMakesNondeterministicOpsThrow) {
+  TempDir dir;
+  auto options = fulgur::test::test_options(dir);
+  options.deterministic = true;
+  fulgur::Trainer trainer(options);
+  EXPECT_TRUE(at::globalContext().deterministicAlgorithms());
+  EXPECT_FALSE(at::globalContext().deterministicAlgorithmsWarnOnly());
+  EXPECT_THROW(at::globalContext().alertNotDeterministic("an op"), c10::Error);
+}
+
+TEST_F(DeterministicFlag, WarnOnlyWarns) {
+  TempDir dir;
+  auto options = fulgur::test::test_options(dir);
+  options.deterministic = "warn";
+  fulgur::Trainer trainer(options);
+  EXPECT_TRUE(at::globalContext().deterministicAlgorithms());
+  EXPECT_TRUE(at::globalContext().deterministicAlgorithmsWarnOnly());
+  EXPECT_NO_THROW(at::globalContext().alertNotDeterministic("an op"));
+}
+
+TEST_F(DeterministicFlag, FalseTurnsItOffAgain) {
+  TempDir dir;
+  at::globalContext().setDeterministicAlgorithms(true, false);
+  fulgur::Trainer trainer(fulgur::test::test_options(dir));
+  EXPECT_FALSE(at::globalContext().deterministicAlgorithms());
+}
+
+TEST_F(DeterministicFlag, WithASeedTwoRunsGiveBitIdenticalWeights) {
+  auto run = [] {
+    TempDir dir;
+    auto options = fulgur::test::test_options(dir);
+    options.deterministic = true;
+    options.seed = 7;
+    options.max_epochs = 2;
+    fulgur::seed_everything(7);
+    DtypeProbe model;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, fulgur::make_data_loader(fulgur::test::regression_dataset(32),
+                                                {.batch_size = 4, .shuffle = true}));
+    return fulgur::test::clone_parameters(model);
+  };
+  auto a = run();
+  auto b = run();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
+}
+
+}  // namespace

@@ -1,0 +1,106 @@
+// fulgur: the command-line companion of the library.
+//
+//   fulgur resolve [--FLAG VALUE ...]   how the Trainer would resolve these flags
+//                                        in this environment, as JSON; starts nothing
+//   fulgur list                          the registered strategies, accelerators,
+//                                        precisions, cluster environments, checkpoint IO
+//
+// Flags are the Trainer's hardware options, snake_case or kebab-case, each
+// with a value: --accelerator, --strategy, --devices, --num_nodes,
+// --precision, --plugins (comma-separated), --sync_batchnorm, --deterministic,
+// --benchmark. Exit status: 0 resolved, 2 bad flags (JSON error on stdout),
+// 1 anything else (message on stderr).
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fulgur/fulgur.h"
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: fulgur resolve [--accelerator A] [--strategy S] [--devices D] [--num_nodes N]\n"
+    "                      [--precision P] [--plugins a,b] [--sync_batchnorm true|false]\n"
+    "                      [--deterministic true|false|warn] [--benchmark true|false]\n"
+    "       fulgur list\n"
+    "resolve prints, as JSON, what fulgur::Trainer would choose for these flags in this\n"
+    "environment (torchrun, SLURM, MPI, LSF or Kubeflow variables included), and starts\n"
+    "nothing. Exit status 2 and a JSON error when the flags are wrong.\n";
+
+int resolve(int argc, char** argv) {
+  std::vector<std::pair<std::string, std::string>> flags;
+  std::vector<std::string> problems;
+  for (int i = 2; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "-h" || arg == "--help") {
+      std::cout << kUsage;
+      return 0;
+    }
+    if (arg.rfind("--", 0) != 0) {
+      problems.push_back(fulgur::str("\"", arg, "\": expected a flag such as --devices 2."));
+      continue;
+    }
+    if (auto eq = arg.find('='); eq != std::string::npos) {
+      flags.emplace_back(arg.substr(0, eq), arg.substr(eq + 1));
+    } else if (i + 1 < argc) {
+      flags.emplace_back(arg, argv[++i]);
+    } else {
+      problems.push_back(fulgur::str(arg, " has no value: every flag takes one (", arg,
+                                     " VALUE)."));
+    }
+  }
+  try {
+    if (!problems.empty()) throw fulgur::FlagError("invalid_flags", problems);
+    fulgur::TrainerOptions options = fulgur::options_from_flags(flags);
+    // A Trainer resolves exactly as it would in a program; it touches no
+    // file and starts no process until fit().
+    options.enable_checkpointing = false;
+    options.logger = false;
+    options.enable_progress_bar = false;
+    fulgur::Trainer trainer(std::move(options));
+    std::cout << trainer.describe();
+    return 0;
+  } catch (const fulgur::FlagError& e) {
+    std::cout << fulgur::to_json(e);
+    return 2;
+  }
+}
+
+template <class Registry>
+void print_registry(const char* title, const Registry& registry) {
+  std::cout << title << ":\n";
+  for (const auto* entry : registry.entries()) {
+    std::cout << "  " << entry->name;
+    for (size_t pad = entry->name.size(); pad < 36; ++pad) std::cout << ' ';
+    std::cout << entry->description << "\n";
+  }
+}
+
+int list() {
+  print_registry("strategies", fulgur::strategy_registry());
+  print_registry("accelerators", fulgur::accelerator_registry());
+  print_registry("precision", fulgur::precision_registry());
+  print_registry("cluster environments (plugins)", fulgur::cluster_environment_registry());
+  print_registry("checkpoint IO (plugins)", fulgur::checkpoint_io_registry());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (argc >= 2 && std::strcmp(argv[1], "resolve") == 0) return resolve(argc, argv);
+    if (argc >= 2 && std::strcmp(argv[1], "list") == 0) return list();
+    if (argc >= 2 && (std::strcmp(argv[1], "-h") == 0 || std::strcmp(argv[1], "--help") == 0)) {
+      std::cout << kUsage;
+      return 0;
+    }
+    std::cerr << kUsage;
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "fulgur: " << e.what() << "\n";
+    return 1;
+  }
+}
