@@ -1,5 +1,6 @@
 # Checks that an installed fulgur works from another project:
-#   1. cmake --install <BUILD_DIR> --prefix <WORK_DIR>/prefix
+#   1. cmake --install <BUILD_DIR> --prefix <WORK_DIR>/prefix, and run the
+#      installed `fulgur resolve`
 #   2. configure <SOURCE_DIR> (tests/downstream) with CMAKE_PREFIX_PATH=<WORK_DIR>/prefix
 #   3. build it
 #   4. run <WORK_DIR>/build/downstream
@@ -49,6 +50,13 @@ file(REMOVE_RECURSE "${WORK_DIR}")
 file(MAKE_DIRECTORY "${WORK_DIR}" "${WORK_DIR}/run")
 
 run_step(install COMMAND "${CMAKE_COMMAND}" --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+
+# The `fulgur` program is installed with the library and runs from there.
+run_step(installed_fulgur_resolve
+         COMMAND "${WORK_DIR}/prefix/bin/fulgur" resolve --accelerator cpu --devices 2)
+if(NOT STEP_STDOUT MATCHES "\"strategy\": \"ddp\"")
+  message(FATAL_ERROR "downstream: the installed fulgur resolve printed:\n${STEP_STDOUT}")
+endif()
 
 set(configure_args
   -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -G Ninja

@@ -75,6 +75,7 @@ void print_registry(const char* title, const Registry& registry) {
     std::cout << "  " << entry->name;
     for (size_t pad = entry->name.size(); pad < 36; ++pad) std::cout << ' ';
     std::cout << entry->description << "\n";
+    if (!entry->defaults.empty()) std::cout << std::string(38, ' ') << "(" << entry->defaults << ")\n";
   }
 }
 

@@ -44,10 +44,12 @@ class FashionCNN : public fulgur::Module {
       : fulgur::Module("FashionCNN"), lr_(lr), lr_step_size_(lr_step_size), lr_gamma_(lr_gamma) {
     conv1_ = register_module(
         "conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1).bias(false)));
-    bn1_ = register_module("bn1", torch::nn::BatchNorm2d(32));
+    // fulgur's BatchNorm: LibTorch's unless --sync_batchnorm true under ddp,
+    // where the statistics span every rank's batch.
+    bn1_ = register_module("bn1", fulgur::nn::SyncBatchNorm(32));
     conv2_ = register_module(
         "conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1).bias(false)));
-    bn2_ = register_module("bn2", torch::nn::BatchNorm2d(64));
+    bn2_ = register_module("bn2", fulgur::nn::SyncBatchNorm(64));
     drop_conv_ = register_module("drop_conv", torch::nn::Dropout(0.25));
     fc1_ = register_module("fc1", torch::nn::Linear(64 * 7 * 7, 128));
     drop_fc_ = register_module("drop_fc", torch::nn::Dropout(0.25));
@@ -112,9 +114,9 @@ class FashionCNN : public fulgur::Module {
   int64_t lr_step_size_;
   double lr_gamma_;
   torch::nn::Conv2d conv1_{nullptr};
-  torch::nn::BatchNorm2d bn1_{nullptr};
+  fulgur::nn::SyncBatchNorm bn1_{nullptr};
   torch::nn::Conv2d conv2_{nullptr};
-  torch::nn::BatchNorm2d bn2_{nullptr};
+  fulgur::nn::SyncBatchNorm bn2_{nullptr};
   torch::nn::Dropout drop_conv_{nullptr};
   torch::nn::Linear fc1_{nullptr};
   torch::nn::Dropout drop_fc_{nullptr};

@@ -114,6 +114,14 @@ void DDPStrategy::set_gradient_sync(bool enabled) {
   if (reducer_) reducer_->set_require_sync(enabled);
 }
 
+std::string DDPStrategy::describe_options(const DDPOptions& o) {
+  return str("start_method=", o.start_method,
+             ", find_unused_parameters=", o.find_unused_parameters ? "true" : "false",
+             ", bucket_cap_mb=", o.bucket_cap_mb,
+             ", process_group_timeout=", o.process_group_timeout.count() / 1000, "s",
+             ", stop_grace=", o.stop_grace.count() / 1000, "s");
+}
+
 void DDPStrategy::register_strategies(StrategyRegistry& registry) {
   register_variants<DDPStrategy>(registry, "ddp", "Distributed data parallel");
 }

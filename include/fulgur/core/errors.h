@@ -63,7 +63,7 @@ class InternalError : public std::logic_error {
 template <class... Args>
 std::string str(const Args&... args) {
   std::ostringstream out;
-  (out << ... << args);
+  ((out << args), ...);
   return out.str();
 }
 

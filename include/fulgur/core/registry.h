@@ -35,6 +35,9 @@ class Registry {
     std::string name;
     std::string description;
     Factory factory;
+    /// The arguments the factory passes ("start_method=fork, ..."), for
+    /// listings; empty when it takes none.
+    std::string defaults;
   };
 
   /// `kind` names the family in messages ("strategy", "accelerator").
@@ -42,7 +45,8 @@ class Registry {
 
   /// Adds `name`. Throws ConfigError if it is already registered; use
   /// replace() to override an entry on purpose.
-  void add(const std::string& name, std::string description, Factory factory) {
+  void add(const std::string& name, std::string description, Factory factory,
+           std::string defaults = {}) {
     if (name.empty()) {
       throw ConfigError(str("register ", kind_, " \"\": a ", kind_,
                             " needs a non-empty name."));
@@ -54,12 +58,15 @@ class Registry {
                             "). Pick another name, or call replace() to "
                             "override it on purpose."));
     }
-    entries_.emplace(name, Entry{name, std::move(description), std::move(factory)});
+    entries_.emplace(name, Entry{name, std::move(description), std::move(factory),
+                                 std::move(defaults)});
   }
 
   /// Adds or overrides `name`.
-  void replace(const std::string& name, std::string description, Factory factory) {
-    entries_.insert_or_assign(name, Entry{name, std::move(description), std::move(factory)});
+  void replace(const std::string& name, std::string description, Factory factory,
+               std::string defaults = {}) {
+    entries_.insert_or_assign(name, Entry{name, std::move(description), std::move(factory),
+                                          std::move(defaults)});
   }
 
   bool contains(const std::string& name) const { return entries_.count(name) > 0; }

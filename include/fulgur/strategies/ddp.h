@@ -60,6 +60,8 @@ class DDPStrategy : public ParallelStrategy {
   /// Registers every variant listed above. A subclass registers its own
   /// with register_variants<Subclass>(registry, "prefix").
   static void register_strategies(StrategyRegistry& registry);
+  /// "start_method=popen, find_unused_parameters=false, ...", for listings.
+  static std::string describe_options(const DDPOptions& options);
 
   template <class Derived>
   static void register_variants(StrategyRegistry& registry, const std::string& prefix,
@@ -84,7 +86,8 @@ class DDPStrategy : public ParallelStrategy {
       options.start_method = v.start_method;
       options.find_unused_parameters = v.find_unused;
       registry.add(name, what + ": " + v.description,
-                   [options, name] { return std::make_unique<Derived>(options, name); });
+                   [options, name] { return std::make_unique<Derived>(options, name); },
+                   describe_options(options));
     }
   }
 

@@ -99,8 +99,8 @@ using Plugin = std::variant<std::string, std::shared_ptr<Precision>,
 
 struct TrainerOptions {
   // ---- Hardware: where and how the loops run.
-  /// "auto", "cpu", "cuda" (alias "gpu"), or a registered name.
-  std::string accelerator = "auto";
+  /// "auto", "cpu", "cuda" (alias "gpu"), a registered name, or an instance.
+  std::variant<std::string, std::shared_ptr<Accelerator>> accelerator = std::string("auto");
   /// "auto", "single_device", ..., a registered name, or an instance.
   std::variant<std::string, std::shared_ptr<Strategy>> strategy = std::string("auto");
   /// "auto", a count, -1 for all, or a list of indices.

@@ -121,11 +121,25 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
   Problems problems(other_problems);
 
   // ---- Phase 1: names, instances and values, every problem collected.
-  const std::string accelerator_name = options.accelerator == "gpu" ? "cuda" : options.accelerator;
-  const bool accelerator_known =
-      accelerator_name == "auto" || accelerator_registry().contains(accelerator_name);
-  if (!accelerator_known) {
-    problems.add(str("accelerator=\"", options.accelerator, "\": ",
+  // The accelerator flag: a name, or an instance (named by its name() in
+  // messages).
+  std::shared_ptr<Accelerator> accelerator_instance;
+  std::string accelerator_flag = "auto";
+  if (const auto* name = std::get_if<std::string>(&options.accelerator)) {
+    accelerator_flag = *name;
+  } else {
+    accelerator_instance = std::get<std::shared_ptr<Accelerator>>(options.accelerator);
+    if (accelerator_instance) {
+      accelerator_flag = std::string(accelerator_instance->name());
+    } else {
+      problems.add("accelerator is a null Accelerator instance: pass an instance or a name.");
+    }
+  }
+  const std::string accelerator_name = accelerator_flag == "gpu" ? "cuda" : accelerator_flag;
+  const bool accelerator_known = accelerator_instance || accelerator_name == "auto" ||
+                                 accelerator_registry().contains(accelerator_name);
+  if (!accelerator_known && !std::holds_alternative<std::shared_ptr<Accelerator>>(options.accelerator)) {
+    problems.add(str("accelerator=\"", accelerator_flag, "\": ",
                      accelerator_registry().unknown_name_message(accelerator_name),
                      " Or pass \"auto\"."));
   }
@@ -221,9 +235,10 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
   if (strategy_is_instance && strategy) {
     // What the instance carries beats flags; naming something else is an error.
     const std::string carried = str("the strategy instance (", strategy->name(), ") carries ");
-    if (strategy->has_accelerator() && options.accelerator != "auto" &&
-        strategy->accelerator().name() != accelerator_name) {
-      problems.add(str("accelerator=\"", options.accelerator, "\" but ", carried, "accelerator \"",
+    if (strategy->has_accelerator() && accelerator_flag != "auto" &&
+        (accelerator_instance ? accelerator_instance.get() != &strategy->accelerator()
+                              : strategy->accelerator().name() != accelerator_name)) {
+      problems.add(str("accelerator=\"", accelerator_flag, "\" but ", carried, "accelerator \"",
                        strategy->accelerator().name(), "\": set it in one place. Drop the "
                        "accelerator flag or the strategy's accelerator."));
     }
@@ -281,6 +296,8 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
   std::shared_ptr<Accelerator> accelerator;
   if (strategy_is_instance && strategy && strategy->has_accelerator()) {
     accelerator = std::shared_ptr<Accelerator>(strategy, &strategy->accelerator());
+  } else if (accelerator_instance) {
+    accelerator = accelerator_instance;
   } else if (accelerator_known && accelerator_name != "auto") {
     accelerator = accelerator_registry().create(accelerator_name);
   }
@@ -315,7 +332,7 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
     }
   } else if (!accelerator->is_available()) {
     throw FlagError("unavailable",
-                    {str("accelerator=\"", options.accelerator, "\" is not available on this "
+                    {str("accelerator=\"", accelerator_flag, "\" is not available on this "
                          "machine: ", accelerator->unavailable_reason(),
                          ". Pass accelerator=\"cpu\" or \"auto\".")});
   }

@@ -157,4 +157,98 @@ TEST(AcceleratorConnector, UserRegisteredAcceleratorIsSelectedByName) {
   EXPECT_EQ(result.strategy->accelerator().name(), "my_cpu");
 }
 
+TEST(AcceleratorConnector, AcceleratorInstanceIsUsedAsIs) {
+  auto cpu = std::make_shared<fulgur::CPUAccelerator>();
+  auto result = fulgur::connect(TrainerOptions{.accelerator = cpu, .devices = 2}, empty_env());
+  EXPECT_EQ(&result.strategy->accelerator(), cpu.get());
+  EXPECT_EQ(result.resolution.accelerator, "cpu");
+  EXPECT_EQ(result.resolution.strategy, "ddp");
+}
+
+TEST(AcceleratorConnector, AcceleratorInstanceAndAnotherOnTheStrategyConflict) {
+  auto strategy = std::make_shared<fulgur::SingleDeviceStrategy>();
+  strategy->set_accelerator(std::make_shared<fulgur::CPUAccelerator>());
+  TrainerOptions options{.accelerator = std::make_shared<fulgur::CPUAccelerator>(),
+                         .strategy = strategy};
+  EXPECT_THROWS_WITH(fulgur::FlagError, fulgur::connect(options, empty_env()),
+                     {"accelerator=\"cpu\" but the strategy instance (single_device) carries "
+                      "accelerator \"cpu\"", "set it in one place"});
+  TrainerOptions null_accelerator{.accelerator = std::shared_ptr<fulgur::Accelerator>()};
+  EXPECT_THROWS_WITH(fulgur::FlagError, fulgur::connect(null_accelerator, empty_env()),
+                     {"accelerator is a null Accelerator instance"});
+}
+
+TEST(AcceleratorConnector, StrategyInstanceCarriesPrecisionAndEnvironment) {
+  auto strategy = std::make_shared<fulgur::SingleDeviceStrategy>();
+  strategy->set_precision(std::make_shared<fulgur::TruePrecision>(at::kDouble));
+  strategy->set_cluster_environment(std::make_shared<fulgur::LightningEnvironment>(empty_env()));
+  // What the instance carries is used...
+  auto result = fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = strategy},
+                                empty_env());
+  EXPECT_EQ(result.resolution.precision, "64-true");
+  // ...and a flag or plugin naming something else is a problem, all at once.
+  TrainerOptions conflicting{.accelerator = "cpu",
+                             .strategy = strategy,
+                             .precision = "bf16-mixed",
+                             .plugins = {std::string("lightning")}};
+  std::optional<fulgur::FlagError> error;
+  try {
+    fulgur::connect(conflicting, empty_env());
+  } catch (const fulgur::FlagError& e) {
+    error.emplace(e);
+  }
+  ASSERT_TRUE(error.has_value());
+  EXPECT_EQ(error->kind(), "invalid_flags");
+  ASSERT_EQ(error->problems().size(), 2u) << error->what();
+  EXPECT_TRUE(fulgur::test::message_contains(
+      error->problems()[0], {"precision=\"bf16-mixed\" but the strategy instance (single_device) "
+                             "carries precision \"64-true\""}));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      error->problems()[1], {"plugins has a cluster environment (lightning) but the strategy "
+                             "instance (single_device) carries cluster environment"}));
+}
+
+// A user's DDP subclass registers the same variants under its own prefix,
+// without repeating the base's code.
+struct MyDDP : fulgur::DDPStrategy {
+  using fulgur::DDPStrategy::DDPStrategy;
+};
+
+TEST(StrategyRegistry, SubclassRegistersItsVariantsThroughTheBase) {
+  fulgur::StrategyRegistry registry("strategy");
+  fulgur::DDPStrategy::register_variants<MyDDP>(registry, "my_ddp", "My DDP");
+  EXPECT_EQ(registry.names(),
+            (std::vector<std::string>{"my_ddp", "my_ddp_find_unused_parameters_false",
+                                      "my_ddp_find_unused_parameters_true", "my_ddp_fork",
+                                      "my_ddp_fork_find_unused_parameters_true", "my_ddp_spawn"}));
+  auto fork = registry.create("my_ddp_fork");
+  auto* mine = dynamic_cast<MyDDP*>(fork.get());
+  ASSERT_NE(mine, nullptr);
+  EXPECT_EQ(mine->name(), "my_ddp_fork");
+  EXPECT_EQ(mine->options().start_method, "fork");
+  const auto& entry = registry.entry("my_ddp_find_unused_parameters_true");
+  EXPECT_TRUE(fulgur::test::message_contains(entry.description, {"My DDP: "}));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      entry.defaults, {"start_method=popen", "find_unused_parameters=true", "bucket_cap_mb=25"}));
+}
+
+TEST(StrategyRegistry, UserStrategyIsSelectedByNameThroughTheGlobalRegistry) {
+  auto& registry = fulgur::strategy_registry();
+  if (!registry.contains("my_ddp_small_buckets")) {
+    fulgur::DDPOptions options;
+    options.bucket_cap_mb = 1;
+    registry.add("my_ddp_small_buckets", "DDP with 1 MiB buckets", [options] {
+      return std::make_unique<MyDDP>(options, "my_ddp_small_buckets");
+    });
+  }
+  auto result = fulgur::connect(
+      TrainerOptions{.accelerator = "cpu", .strategy = "my_ddp_small_buckets", .devices = 2},
+      empty_env());
+  EXPECT_EQ(result.resolution.strategy, "my_ddp_small_buckets");
+  EXPECT_EQ(result.resolution.launcher, "subprocess_script");
+  auto* mine = dynamic_cast<MyDDP*>(result.strategy.get());
+  ASSERT_NE(mine, nullptr);
+  EXPECT_EQ(mine->options().bucket_cap_mb, 1);
+}
+
 }  // namespace
