@@ -4,6 +4,7 @@
 
 #include "fulgur/accelerators/cpu.h"
 #include "fulgur/accelerators/cuda.h"
+#include "fulgur/accelerators/mps.h"
 
 namespace fulgur {
 
@@ -102,6 +103,8 @@ AcceleratorRegistry& accelerator_registry() {
           [] { return std::make_unique<CPUAccelerator>(); });
     r.add("cuda", "NVIDIA GPUs through LibTorch's CUDA build",
           [] { return std::make_unique<CUDAAccelerator>(); });
+    r.add("mps", "Apple's Metal GPUs (macOS LibTorch builds); one device",
+          [] { return std::make_unique<MPSAccelerator>(); });
     return r;
   }();
   return registry;

@@ -2,73 +2,14 @@
 
 #include <torch/torch.h>
 
-#include <mutex>
-#include <unordered_map>
-
 #include "fulgur/core/errors.h"
+#include "fulgur/nn/functional.h"
 
 namespace fulgur::nn {
-
-namespace {
-
-// The autograd function below outlives no layer, but backward can only
-// carry IValues: layers register their all-reduce here under a handle.
-class Registry {
- public:
-  int64_t add(SyncBatchNormImpl::AllReduceSum fn) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    entries_.emplace(next_, std::move(fn));
-    return next_++;
-  }
-  void remove(int64_t handle) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    entries_.erase(handle);
-  }
-  SyncBatchNormImpl::AllReduceSum get(int64_t handle) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = entries_.find(handle);
-    FULGUR_ASSERT(it != entries_.end(), "SyncBatchNorm all-reduce ", handle, " is gone");
-    return it->second;
-  }
-
- private:
-  std::mutex mutex_;
-  std::unordered_map<int64_t, SyncBatchNormImpl::AllReduceSum> entries_;
-  int64_t next_ = 0;
-};
-
-Registry& registry() {
-  static Registry r;
-  return r;
-}
-
-// y = sum over ranks of x; dL/dx = sum over ranks of dL/dy (each rank's
-// output depends on every rank's input).
-struct AllReduceSumFunction : torch::autograd::Function<AllReduceSumFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            int64_t handle) {
-    ctx->saved_data["handle"] = handle;
-    at::Tensor out = x.clone();
-    registry().get(handle)(out);
-    return out;
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    at::Tensor grad = grads[0].contiguous().clone();
-    registry().get(ctx->saved_data["handle"].toInt())(grad);
-    return {grad, at::Tensor()};
-  }
-};
-
-}  // namespace
 
 SyncBatchNormImpl::SyncBatchNormImpl(const torch::nn::BatchNormOptions& options_)
     : options(options_) {
   reset();
-}
-
-SyncBatchNormImpl::~SyncBatchNormImpl() {
-  if (handle_ >= 0) registry().remove(handle_);
 }
 
 void SyncBatchNormImpl::reset() {
@@ -121,8 +62,7 @@ void SyncBatchNormImpl::pretty_print(std::ostream& stream) const {
 }
 
 void SyncBatchNormImpl::set_all_reduce(AllReduceSum all_reduce) {
-  if (handle_ >= 0) registry().remove(handle_);
-  handle_ = all_reduce ? registry().add(std::move(all_reduce)) : -1;
+  all_reduce_ = std::move(all_reduce);
 }
 
 at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
@@ -137,7 +77,7 @@ at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
     num_batches_tracked.add_(1);
     if (!options.momentum()) momentum = 1.0 / num_batches_tracked.item<double>();
   }
-  if (is_training() && handle_ >= 0) return synchronized_forward(input, momentum);
+  if (is_training() && all_reduce_) return synchronized_forward(input, momentum);
   return torch::batch_norm(input, weight, bias, running_mean, running_var,
                            is_training() || !options.track_running_stats(), momentum,
                            options.eps(), at::globalContext().userEnabledCuDNN());
@@ -155,7 +95,7 @@ at::Tensor SyncBatchNormImpl::synchronized_forward(const at::Tensor& input, doub
   const double local_count = static_cast<double>(input.numel() / std::max<int64_t>(channels, 1));
   at::Tensor packed = torch::cat({x.sum(reduce_dims), (x * x).sum(reduce_dims),
                                   torch::full({1}, local_count, x.options())});
-  at::Tensor global = AllReduceSumFunction::apply(packed, handle_);
+  at::Tensor global = all_reduce_sum(packed, all_reduce_);
   at::Tensor count = global.narrow(0, 2 * channels, 1);
   at::Tensor mean = global.narrow(0, 0, channels) / count;
   at::Tensor var = (global.narrow(0, channels, channels) / count - mean * mean).clamp_min(0.0);

@@ -7,8 +7,6 @@
 #include "fulgur/nn/sync_batch_norm.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
 #include "fulgur/strategies/gradient_reducer.h"
-#include "fulgur/strategies/launchers/fork.h"
-#include "fulgur/strategies/launchers/subprocess_script.h"
 #include "fulgur/strategies/process_group.h"
 
 namespace fulgur {
@@ -30,17 +28,7 @@ DDPStrategy::DDPStrategy(DDPOptions options, std::string name)
 DDPStrategy::~DDPStrategy() = default;
 
 void DDPStrategy::configure_launcher() {
-  if (cluster_environment().creates_processes_externally()) return;  // torchrun, srun, ...
-  Supervision supervision{options_.stop_grace, options_.process_group_timeout};
-  if (options_.start_method == "fork") {
-    set_launcher(std::make_unique<ForkLauncher>(*this, supervision));
-  } else {
-    set_launcher(std::make_unique<SubprocessScriptLauncher>(*this, supervision));
-  }
-  // This process launches the node's ranks; it stands for local rank 0 of
-  // its node, as PyTorch Lightning's launching process does.
-  const int local_world = static_cast<int>(std::max<size_t>(parallel_devices().size(), 1));
-  cluster_environment().set_global_rank(node_rank() * local_world + local_rank());
+  configure_launcher_for(options_.start_method, options_.stop_grace);
 }
 
 namespace {

@@ -4,6 +4,8 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
+#include "fulgur/strategies/launchers/fork.h"
+#include "fulgur/strategies/launchers/subprocess_script.h"
 #include "fulgur/strategies/process_group.h"
 #include "strategies/launchers/supervisor.h"
 
@@ -67,6 +69,35 @@ void ParallelStrategy::do_setup_environment() {
 }
 
 void ParallelStrategy::do_teardown() {}
+
+void ParallelStrategy::set_process_group(std::shared_ptr<ProcessGroup> group) {
+  if (!group) {
+    throw ConfigError(str("strategy \"", name(), "\".set_process_group(nullptr): pass a group, "
+                          "or none at all to let the strategy create one."));
+  }
+  if (group->size() != world_size() || group->rank() != global_rank()) {
+    throw ConfigError(str("strategy \"", name(), "\".set_process_group: the group has rank ",
+                          group->rank(), " of ", group->size(), " but this process is rank ",
+                          global_rank(), " of ", world_size(), " (from cluster environment \"",
+                          cluster_environment().name(), "\"). Pass the group of all ranks."));
+  }
+  group_ = std::move(group);
+}
+
+void ParallelStrategy::configure_launcher_for(const std::string& start_method,
+                                              std::chrono::milliseconds stop_grace) {
+  if (cluster_environment().creates_processes_externally()) return;  // torchrun, srun, ...
+  const int local_world = static_cast<int>(std::max<size_t>(parallel_devices().size(), 1));
+  cluster_environment().set_global_rank(node_rank() * local_world + local_rank());
+  // One process on this node: it is the rank itself, nothing to launch.
+  if (local_world == 1) return;
+  Supervision supervision{stop_grace, process_group_timeout()};
+  if (start_method == "fork") {
+    set_launcher(std::make_unique<ForkLauncher>(*this, supervision));
+  } else {
+    set_launcher(std::make_unique<SubprocessScriptLauncher>(*this, supervision));
+  }
+}
 
 ProcessGroup& ParallelStrategy::process_group() const {
   if (!group_) {

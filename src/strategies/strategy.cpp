@@ -12,6 +12,7 @@
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/strategies/launchers/launcher.h"
 #include "fulgur/strategies/ddp.h"
+#include "fulgur/strategies/manual.h"
 #include "fulgur/strategies/single_device.h"
 
 namespace fulgur {
@@ -243,6 +244,7 @@ StrategyRegistry& strategy_registry() {
     StrategyRegistry r("strategy");
     SingleDeviceStrategy::register_strategies(r);
     DDPStrategy::register_strategies(r);
+    ManualStrategy::register_strategies(r);
     return r;
   }();
   return registry;

@@ -117,6 +117,8 @@ INSTANTIATE_TEST_SUITE_P(
              {.accelerator = "cpu", .precision = 64, .deterministic = "warn"}},
         Case{"plugins", {"--accelerator", "cpu", "--plugins", "lightning,torch"},
              {.accelerator = "cpu", .plugins = {std::string("lightning"), std::string("torch")}}},
+        Case{"manual", {"--strategy", "manual", "--devices", "2", "--accelerator", "cpu"},
+             {.accelerator = "cpu", .strategy = std::string("manual"), .devices = 2}},
         Case{"torchrun", {"--accelerator", "cpu", "--devices", "2"},
              {.accelerator = "cpu", .devices = 2}, kTorchrun},
         Case{"srun", {"--accelerator", "cpu", "--devices", "2"},

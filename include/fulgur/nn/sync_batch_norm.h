@@ -36,7 +36,6 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   explicit SyncBatchNormImpl(int64_t num_features)
       : SyncBatchNormImpl(torch::nn::BatchNormOptions(num_features)) {}
   explicit SyncBatchNormImpl(const torch::nn::BatchNormOptions& options);
-  ~SyncBatchNormImpl() override;
 
   void reset() override;
   void reset_running_stats();
@@ -48,14 +47,14 @@ class SyncBatchNormImpl : public torch::nn::Cloneable<SyncBatchNormImpl> {
   /// Connects the layer to the ranks (null: local statistics). Called by
   /// the strategy at setup when sync_batchnorm is on.
   void set_all_reduce(AllReduceSum all_reduce);
-  bool is_synchronized() const { return handle_ >= 0; }
+  bool is_synchronized() const { return static_cast<bool>(all_reduce_); }
 
   torch::nn::BatchNormOptions options;
   at::Tensor weight, bias, running_mean, running_var, num_batches_tracked;
 
  private:
   at::Tensor synchronized_forward(const at::Tensor& input, double momentum);
-  int64_t handle_ = -1;  // the all-reduce in the registry backward reads
+  AllReduceSum all_reduce_;
 };
 
 TORCH_MODULE(SyncBatchNorm);

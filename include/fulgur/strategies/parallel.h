@@ -41,6 +41,9 @@ class ParallelStrategy : public Strategy {
   /// The group of all ranks; DistributedError before setup_environment().
   ProcessGroup& process_group() const;
   std::shared_ptr<ProcessGroup> shared_process_group() const { return group_; }
+  /// Uses a group the program already created instead of rendezvousing at
+  /// setup_environment(). Its rank and size must be this process's.
+  void set_process_group(std::shared_ptr<ProcessGroup> group);
 
   /// Bounds the rendezvous and every collective (default 30 minutes).
   void set_process_group_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
@@ -55,6 +58,11 @@ class ParallelStrategy : public Strategy {
 
  protected:
   void do_setup_environment() override;
+  /// Unless the cluster environment created the processes: this process
+  /// stands for local rank 0 of its node (as PyTorch Lightning's launching
+  /// process does) and, with several devices, gets a fork or
+  /// subprocess-script launcher; with one device it runs in place.
+  void configure_launcher_for(const std::string& start_method, std::chrono::milliseconds stop_grace);
   void do_teardown() override;
 
  private:

@@ -288,7 +288,11 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
   if (options.sync_batchnorm && strategy && !strategy->supports_sync_batchnorm()) {
     problems.add(str("sync_batchnorm=true with strategy=\"", strategy->name(),
                      "\", which cannot synchronise BatchNorm statistics",
-                     strategy->name() == "single_device" ? " (one process has no peers)" : "",
+                     strategy->name() == "single_device" ? " (one process has no peers)"
+                     : strategy->name() == "manual"
+                         ? " (under manual the Module connects its fulgur::nn::SyncBatchNorm "
+                           "layers itself, with set_all_reduce)"
+                         : "",
                      ". Pass strategy=\"ddp\" with several devices, or drop sync_batchnorm."));
   }
   // An explicit, available accelerator parses devices now, so that its

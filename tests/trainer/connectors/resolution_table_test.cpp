@@ -113,7 +113,8 @@ std::vector<Case> cases() {
     {"auto_devices_2", {{"devices", "2"}}, kClean, "cpu ddp subprocess_script 32-true lightning 1 2 2 0 0 0"},
     {"single_device_by_name", cpu({{"strategy", "single_device"}}), kClean, "cpu single_device - 32-true lightning 1 1 1 0 0 0"},
     {"single_device_devices_1", cpu({{"strategy", "single_device"}, {"devices", "1"}}), kClean, "cpu single_device - 32-true lightning 1 1 1 0 0 0"},
-    {"ddp_one_device", cpu({{"strategy", "ddp"}}), kClean, "cpu ddp subprocess_script 32-true lightning 1 1 1 0 0 0"},
+    {"ddp_one_device_runs_in_place", cpu({{"strategy", "ddp"}}), kClean, "cpu ddp - 32-true lightning 1 1 1 0 0 0"},
+    {"ddp_fork_one_device_runs_in_place", cpu({{"strategy", "ddp_fork"}, {"devices", "1"}}), kClean, "cpu ddp_fork - 32-true lightning 1 1 1 0 0 0"},
     {"ddp_2", cpu({{"strategy", "ddp"}, {"devices", "2"}}), kClean, "cpu ddp subprocess_script 32-true lightning 1 2 2 0 0 0"},
     {"ddp_fork_2", cpu({{"strategy", "ddp_fork"}, {"devices", "2"}}), kClean, "cpu ddp_fork fork 32-true lightning 1 2 2 0 0 0"},
     {"ddp_spawn_2", cpu({{"strategy", "ddp_spawn"}, {"devices", "2"}}), kClean, "cpu ddp_spawn fork 32-true lightning 1 2 2 0 0 0"},
@@ -121,6 +122,12 @@ std::vector<Case> cases() {
     {"ddp_unused_true", cpu({{"strategy", "ddp_find_unused_parameters_true"}, {"devices", "2"}}), kClean, "cpu ddp_find_unused_parameters_true subprocess_script 32-true lightning 1 2 2 0 0 0"},
     {"ddp_unused_false", cpu({{"strategy", "ddp_find_unused_parameters_false"}, {"devices", "2"}}), kClean, "cpu ddp_find_unused_parameters_false subprocess_script 32-true lightning 1 2 2 0 0 0"},
     {"ddp_fork_unused_true", cpu({{"strategy", "ddp_fork_find_unused_parameters_true"}, {"devices", "2"}}), kClean, "cpu ddp_fork_find_unused_parameters_true fork 32-true lightning 1 2 2 0 0 0"},
+    {"manual_one", cpu({{"strategy", "manual"}}), kClean, "cpu manual - 32-true lightning 1 1 1 0 0 0"},
+    {"manual_2", cpu({{"strategy", "manual"}, {"devices", "2"}}), kClean, "cpu manual subprocess_script 32-true lightning 1 2 2 0 0 0"},
+    {"manual_4_bf16", cpu({{"strategy", "manual"}, {"devices", "4"}, {"precision", "bf16-mixed"}}), kClean, "cpu manual subprocess_script bf16-mixed lightning 1 4 4 0 0 0"},
+    {"manual_torchrun", cpu({{"strategy", "manual"}, {"devices", "2"}}), kTorchrun1x2, "cpu manual - 32-true torchelastic 1 2 2 1 1 0"},
+    {"manual_srun_2x2", cpu({{"strategy", "manual"}, {"devices", "2"}, {"num_nodes", "2"}}), kSrun2x2, "cpu manual - 32-true slurm 2 2 4 2 0 1"},
+    {"manual_own_child", cpu({{"strategy", "manual"}, {"devices", "2"}}), kOwnChild, "cpu manual - 32-true lightning 1 2 2 1 1 0"},
     {"kebab_case_flags", {{"--accelerator", "cpu"}, {"--num-nodes", "1"}, {"--devices", "2"}}, kClean, "cpu ddp subprocess_script 32-true lightning 1 2 2 0 0 0"},
     {"snake_case_dashes", {{"--accelerator", "cpu"}, {"--num_nodes", "1"}}, kClean, "cpu single_device - 32-true lightning 1 1 1 0 0 0"},
     // ---- Precision, legacy spellings included.
@@ -150,7 +157,7 @@ std::vector<Case> cases() {
     {"plugins_trailing_comma", cpu({{"plugins", "torch,"}}), kClean, "cpu single_device - 32-true lightning 1 1 1 0 0 0"},
     // ---- Several nodes with fulgur's own launcher.
     {"two_nodes_second_node", cpu({{"num_nodes", "2"}, {"devices", "2"}}), kSecondNode, "cpu ddp subprocess_script 32-true lightning 2 2 4 2 0 1"},
-    {"two_nodes_one_device_each", cpu({{"num_nodes", "2"}}), kSecondNode, "cpu ddp subprocess_script 32-true lightning 2 1 2 1 0 1"},
+    {"two_nodes_one_device_each", cpu({{"num_nodes", "2"}}), kSecondNode, "cpu ddp - 32-true lightning 2 1 2 1 0 1"},
     {"two_nodes_fork", cpu({{"num_nodes", "2"}, {"devices", "2"}, {"strategy", "ddp_fork"}}), kSecondNode, "cpu ddp_fork fork 32-true lightning 2 2 4 2 0 1"},
     {"two_nodes_first_node", cpu({{"num_nodes", "2"}, {"devices", "2"}}), merged(kSecondNode, {{"NODE_RANK", "0"}}), "cpu ddp subprocess_script 32-true lightning 2 2 4 0 0 0"},
     // ---- A rank that fulgur's own launcher started.
@@ -191,9 +198,9 @@ std::vector<Case> cases() {
   // ---- Failures: the kind, then one fragment per problem, in order.
   std::vector<Case> failures = {
     {"unknown_accelerator", {{"accelerator", "cpuu"}}, kClean, "invalid_flags", {"accelerator=\"cpuu\": unknown accelerator \"cpuu\"; did you mean \"cpu\"?"}},
-    {"unknown_accelerator_far", {{"accelerator", "neuron"}}, kClean, "invalid_flags", {"accelerator=\"neuron\": unknown accelerator \"neuron\". Registered: cpu, cuda."}},
+    {"unknown_accelerator_far", {{"accelerator", "neuron"}}, kClean, "invalid_flags", {"accelerator=\"neuron\": unknown accelerator \"neuron\". Registered: cpu, cuda, mps."}},
     {"unknown_accelerator_close", {{"accelerator", "tpu"}}, kClean, "invalid_flags", {"accelerator=\"tpu\": unknown accelerator \"tpu\"; did you mean \"cpu\"?"}},
-    {"mps_is_not_registered", {{"accelerator", "mps"}}, kClean, "invalid_flags", {"accelerator=\"mps\": unknown accelerator"}},
+    {"mps_unavailable", {{"accelerator", "mps"}}, kClean, "unavailable", {"accelerator=\"mps\" is not available on this machine: this LibTorch has no MPS backend"}},
     {"unknown_strategy", cpu({{"strategy", "dpp"}}), kClean, "invalid_flags", {"strategy=\"dpp\": unknown strategy \"dpp\"; did you mean \"ddp\"?"}},
     {"unknown_strategy_dp", cpu({{"strategy", "dp"}}), kClean, "invalid_flags", {"strategy=\"dp\": unknown strategy \"dp\""}},
     {"unknown_strategy_ddp2", cpu({{"strategy", "ddp2"}}), kClean, "invalid_flags", {"strategy=\"ddp2\": unknown strategy \"ddp2\""}},
@@ -227,6 +234,8 @@ std::vector<Case> cases() {
     {"deterministic_and_benchmark", {{"deterministic", "true"}, {"benchmark", "true"}, {"accelerator", "cuda"}}, kClean, "invalid_flags", {"deterministic=true and benchmark=true"}},
     {"benchmark_on_cpu", cpu({{"benchmark", "true"}}), kClean, "invalid_flags", {"benchmark=true with accelerator=\"cpu\""}},
     {"benchmark_auto_without_cuda", {{"benchmark", "true"}}, kClean, "invalid_flags", {"benchmark=true, but accelerator=auto chose \"cpu\""}},
+    {"sync_batchnorm_manual", cpu({{"sync_batchnorm", "true"}, {"strategy", "manual"}, {"devices", "2"}}), kClean, "invalid_flags", {"sync_batchnorm=true with strategy=\"manual\", which cannot synchronise BatchNorm statistics (under manual the Module connects its fulgur::nn::SyncBatchNorm layers itself"}},
+    {"manual_typo", cpu({{"strategy", "manuel"}}), kClean, "invalid_flags", {"strategy=\"manuel\": unknown strategy \"manuel\"; did you mean \"manual\"?"}},
     {"sync_batchnorm_single_device", cpu({{"sync_batchnorm", "true"}, {"strategy", "single_device"}}), kClean, "invalid_flags", {"sync_batchnorm=true with strategy=\"single_device\", which cannot synchronise BatchNorm statistics (one process has no peers)"}},
     {"sync_batchnorm_auto_one_device", cpu({{"sync_batchnorm", "true"}}), kClean, "invalid_flags", {"sync_batchnorm=true, but strategy=auto chose \"single_device\""}},
     {"single_device_with_two_devices", cpu({{"strategy", "single_device"}, {"devices", "2"}}), kClean, "invalid_flags", {"strategy=\"single_device\" runs one process on one device, but devices=2"}},

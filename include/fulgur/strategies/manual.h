@@ -1,0 +1,68 @@
+// File: fulgur/strategies/manual.h
+//
+// strategy = "manual": parallelism belongs to the Module.
+//
+// The strategy still creates the processes (its launcher, or torchrun /
+// srun / mpirun), knows the ranks, creates the default process group before
+// the Module's configure_model() runs, provides the collectives to the
+// Trainer and to callbacks, and tears down. It does not move the Module to a
+// device, does not wrap it and does not touch its gradients: the Module
+// places its parameters, creates sub-groups, wraps parts of itself (e.g. a
+// fulgur::GradientReducer on a replicated sub-module) and normalises its own
+// gradients. Batches are moved to root_device(); the Module may move them on.
+//
+// Checkpoints are written by every rank: `<path>/rank-<k>-of-<n>.ckpt`, then
+// `<path>/manifest.txt` by rank 0 once every shard is complete. Loading needs
+// the same world size, and names the saved and current sizes otherwise.
+// Several nodes need a filesystem all ranks share for `<path>`.
+//
+//   fulgur::Trainer trainer({.strategy = "manual", .devices = 2});
+#pragma once
+
+#include <chrono>
+#include <string>
+
+#include "fulgur/strategies/parallel.h"
+
+namespace fulgur {
+
+struct ManualOptions {
+  std::chrono::milliseconds process_group_timeout = std::chrono::minutes(30);
+  /// Between SIGTERM and SIGKILL when the launcher stops ranks.
+  std::chrono::milliseconds stop_grace = std::chrono::seconds(5);
+};
+
+class ManualStrategy : public ParallelStrategy {
+ public:
+  explicit ManualStrategy(ManualOptions options = {}, std::string name = "manual");
+
+  std::string_view name() const override { return name_; }
+  const ManualOptions& options() const { return options_; }
+  void configure_launcher() override;
+
+  /// Every rank writes its own shard.
+  bool is_checkpoint_writer() const override { return true; }
+  void save_checkpoint(torch::serialize::OutputArchive& checkpoint,
+                       const std::string& path) override;
+  /// Throws CheckpointError naming the saved and current world sizes, or the
+  /// missing shards, or an unfinished save (no manifest).
+  void load_checkpoint(const std::string& path,
+                       torch::serialize::InputArchive& checkpoint) override;
+  void remove_checkpoint(const std::string& path) override;
+
+  /// `<path>/rank-<k>-of-<n>.ckpt`.
+  static std::string shard_path(const std::string& path, int rank, int world_size);
+  static constexpr const char* kManifest = "manifest.txt";
+
+  static void register_strategies(StrategyRegistry& registry);
+
+ protected:
+  /// Nothing: the Module placed itself.
+  void do_setup(Module& /*module*/) override {}
+
+ private:
+  ManualOptions options_;
+  std::string name_;
+};
+
+}  // namespace fulgur

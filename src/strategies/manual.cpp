@@ -1,0 +1,160 @@
+#include "fulgur/strategies/manual.h"
+
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/plugins/io/checkpoint_io.h"
+
+namespace fulgur {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kManifestHeader = "fulgur sharded checkpoint v1";
+
+struct Manifest {
+  int world_size = 0;
+  std::vector<std::string> shards;
+};
+
+Manifest read_manifest(const std::string& path) {
+  const fs::path file = fs::path(path) / ManualStrategy::kManifest;
+  std::ifstream in(file);
+  if (!in) {
+    throw CheckpointError(str("checkpoint \"", path, "\" has no ", ManualStrategy::kManifest,
+                              ": its save did not complete (rank 0 writes it after every shard). "
+                              "Resume from an earlier checkpoint."));
+  }
+  Manifest m;
+  std::string line;
+  std::getline(in, line);
+  if (line != kManifestHeader) {
+    throw CheckpointError(str(file.string(), " is not a fulgur manifest (first line \"", line,
+                              "\", expected \"", kManifestHeader, "\")."));
+  }
+  while (std::getline(in, line)) {
+    if (line.rfind("world_size=", 0) == 0) {
+      m.world_size = std::atoi(line.c_str() + 11);
+    } else if (line.rfind("shard=", 0) == 0) {
+      m.shards.push_back(line.substr(6));
+    }
+  }
+  if (m.world_size < 1 || static_cast<int>(m.shards.size()) != m.world_size) {
+    throw CheckpointError(str(file.string(), " is damaged: world_size=", m.world_size, " with ",
+                              m.shards.size(), " shards listed."));
+  }
+  return m;
+}
+
+}  // namespace
+
+ManualStrategy::ManualStrategy(ManualOptions options, std::string name)
+    : options_(options), name_(std::move(name)) {
+  set_process_group_timeout(options_.process_group_timeout);
+}
+
+void ManualStrategy::configure_launcher() { configure_launcher_for("popen", options_.stop_grace); }
+
+std::string ManualStrategy::shard_path(const std::string& path, int rank, int world_size) {
+  return (fs::path(path) / str("rank-", rank, "-of-", world_size, ".ckpt")).string();
+}
+
+void ManualStrategy::save_checkpoint(torch::serialize::OutputArchive& checkpoint,
+                                     const std::string& path) {
+  const int rank = global_rank();
+  const int world = world_size();
+  // 1. Rank 0 clears what a save at this path left before (a single-file
+  //    checkpoint, the manifest, shards of another world size), so a crash
+  //    from here on leaves a directory without a manifest, never a mix.
+  barrier("manual save: start");
+  if (rank == 0) {
+    std::error_code ec;
+    if (fs::exists(path, ec) && !fs::is_directory(path, ec)) fs::remove(path, ec);
+    fs::remove(fs::path(path) / kManifest, ec);
+    fs::create_directories(path, ec);
+    if (ec) {
+      throw CheckpointError(str("cannot create the checkpoint directory \"", path,
+                                "\": ", ec.message(), "."));
+    }
+    for (const auto& entry : fs::directory_iterator(path, ec)) {
+      const auto name = entry.path().filename().string();
+      if (name.rfind("rank-", 0) == 0 && name.find(str("-of-", world, ".ckpt")) == std::string::npos) {
+        fs::remove(entry.path(), ec);
+      }
+    }
+  }
+  barrier("manual save: directory ready");
+  // 2. Every rank writes its shard.
+  checkpoint_io().save_checkpoint(checkpoint, shard_path(path, rank, world));
+  barrier("manual save: shards written");
+  // 3. The manifest marks the checkpoint complete.
+  if (rank == 0) {
+    std::ostringstream text;
+    text << kManifestHeader << "\nworld_size=" << world << "\n";
+    for (int r = 0; r < world; ++r) {
+      text << "shard=" << fs::path(shard_path(path, r, world)).filename().string() << "\n";
+    }
+    const fs::path tmp = fs::path(path) / (std::string(kManifest) + ".tmp");
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << text.str();
+      if (!out) throw CheckpointError(str("cannot write ", tmp.string(), "."));
+    }
+    fs::rename(tmp, fs::path(path) / kManifest);
+  }
+  barrier("manual save: manifest written");
+}
+
+void ManualStrategy::load_checkpoint(const std::string& path,
+                                     torch::serialize::InputArchive& checkpoint) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    throw CheckpointError(str("checkpoint \"", path, "\" does not exist."));
+  }
+  if (!fs::is_directory(path, ec)) {
+    throw CheckpointError(str("checkpoint \"", path, "\" is one file, written by a strategy that "
+                              "saves whole models; strategy \"", name(), "\" reads a directory of "
+                              "per-rank shards written under it. Resume with the strategy that "
+                              "wrote it, or load its weights in configure_model()."));
+  }
+  const Manifest manifest = read_manifest(path);
+  if (manifest.world_size != world_size()) {
+    throw CheckpointError(str("checkpoint \"", path, "\" was saved by ", manifest.world_size,
+                              " ranks, and this run has ", world_size(), ": each rank holds its "
+                              "own shard, so resuming needs the same world size. Run with "
+                              "devices x num_nodes = ", manifest.world_size, "."));
+  }
+  std::vector<std::string> missing;
+  for (const auto& shard : manifest.shards) {
+    if (!fs::exists(fs::path(path) / shard, ec)) missing.push_back(shard);
+  }
+  if (!missing.empty()) {
+    throw CheckpointError(str("checkpoint \"", path, "\" is missing shard(s) ", join(missing),
+                              " of the ", manifest.world_size, " listed in ", kManifest,
+                              ". Restore them, or resume from another checkpoint."));
+  }
+  checkpoint_io().load_checkpoint(shard_path(path, global_rank(), world_size()), checkpoint);
+}
+
+void ManualStrategy::remove_checkpoint(const std::string& path) {
+  barrier("manual remove");
+  if (global_rank() == 0) {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+}
+
+void ManualStrategy::register_strategies(StrategyRegistry& registry) {
+  registry.add(
+      "manual", "Parallelism in the Module: processes, ranks, process group and collectives "
+                "from fulgur; placement, wrapping and gradients by the Module; per-rank checkpoints",
+      [] { return std::make_unique<ManualStrategy>(); },
+      "start_method=popen, process_group_timeout=1800s, stop_grace=5s");
+}
+
+}  // namespace fulgur

@@ -1,0 +1,101 @@
+// strategy = "manual" over real processes: the Module owns its parallelism
+// (no device move, no wrapping, no gradient averaging by the strategy), the
+// process group exists in configure_model(), callbacks use collectives, and
+// checkpoints are per rank with a manifest.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+
+#include "support/process.h"
+#include "support/test_support.h"
+
+namespace {
+
+using fulgur::test::ProcessResult;
+using fulgur::test::result_value;
+using fulgur::test::TempDir;
+using namespace std::chrono_literals;
+namespace fs = std::filesystem;
+
+ProcessResult run_manual(std::vector<std::string> args) {
+  args.insert(args.begin(), FULGUR_MANUAL_WORKER);
+  auto r = fulgur::test::run_process(args, {}, 120s);
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.leftover_processes, 0) << r.output;
+  return r;
+}
+
+std::vector<at::Tensor> load(const std::string& path) {
+  std::vector<at::Tensor> params;
+  torch::load(params, path);
+  return params;
+}
+
+TEST(ManualStrategy, LeavesPlacementWrappingAndGradientsToTheModule) {
+  auto r = run_manual({"--devices", "2", "--steps", "6"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (int rank : {0, 1}) {
+    const auto k = std::to_string(rank);
+    EXPECT_EQ(result_value(r.output, "rank" + k + "_to_calls"), "0") << r.output;
+    // The group existed in configure_model(), and callbacks reach every rank.
+    EXPECT_EQ(result_value(r.output, "rank" + k + "_configure_model_world"), "2") << r.output;
+    EXPECT_EQ(result_value(r.output, "rank" + k + "_callback_sum"), "3") << r.output;
+    EXPECT_EQ(result_value(r.output, "rank" + k + "_global_step"), "6") << r.output;
+  }
+  // The replicated layer saw different data on each rank and nobody averaged
+  // its gradients: the ranks' copies differ.
+  EXPECT_NE(result_value(r.output, "rank0_fc_sum"), result_value(r.output, "rank1_fc_sum"))
+      << r.output;
+}
+
+TEST(ManualStrategy, EveryRankWritesItsShardAndResumeRestoresEachExactly) {
+  TempDir dir;
+  const std::string root = dir.path() + "/run";
+  const std::string first = dir.path() + "/first";
+  const std::string second = dir.path() + "/second";
+  fs::create_directories(first);
+  fs::create_directories(second);
+  auto r1 = run_manual({"--devices", "2", "--steps", "6", "--ckpt-root", root, "--out", first});
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  const fs::path last = fs::path(root) / "checkpoints" / "last.ckpt";
+  ASSERT_TRUE(fs::is_directory(last)) << r1.output;
+  EXPECT_TRUE(fs::exists(last / "rank-0-of-2.ckpt"));
+  EXPECT_TRUE(fs::exists(last / "rank-1-of-2.ckpt"));
+  EXPECT_TRUE(fs::exists(last / "manifest.txt"));
+  // Resuming at the step it stopped trains no further: the weights each rank
+  // loads are exactly the ones it saved.
+  auto r2 = run_manual({"--devices", "2", "--steps", "6", "--ckpt-root", root, "--resume", "last",
+                        "--out", second});
+  ASSERT_EQ(r2.exit_code, 0) << r2.output;
+  for (int rank : {0, 1}) {
+    auto a = load(first + "/rank-" + std::to_string(rank) + ".pt");
+    auto b = load(second + "/rank-" + std::to_string(rank) + ".pt");
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << rank << " parameter " << i;
+    }
+  }
+  // The shards differ: each rank restored its own.
+  // (The table, a parameter of the module itself, comes first.)
+  EXPECT_FALSE(torch::equal(load(first + "/rank-0.pt").front(), load(first + "/rank-1.pt").front()));
+}
+
+TEST(ManualStrategy, ResumingOnAnotherWorldSizeOrWithoutAShardIsAClearError) {
+  TempDir dir;
+  const std::string root = dir.path() + "/run";
+  auto r1 = run_manual({"--devices", "2", "--steps", "4", "--ckpt-root", root});
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  auto one = run_manual({"--devices", "1", "--steps", "8", "--ckpt-root", root, "--resume", "last"});
+  EXPECT_NE(one.exit_code, 0);
+  EXPECT_TRUE(fulgur::test::message_contains(
+      one.output, {"was saved by 2 ranks, and this run has 1", "devices x num_nodes = 2"}));
+  fs::remove(fs::path(root) / "checkpoints" / "last.ckpt" / "rank-1-of-2.ckpt");
+  auto missing = run_manual({"--devices", "2", "--steps", "8", "--ckpt-root", root, "--resume",
+                             "last"});
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_TRUE(fulgur::test::message_contains(missing.output,
+                                             {"is missing shard(s) rank-1-of-2.ckpt"}));
+}
+
+}  // namespace

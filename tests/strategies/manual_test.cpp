@@ -1,0 +1,183 @@
+// The `manual` strategy in one process: it never moves or wraps the Module,
+// its process group is there in configure_model(), and its checkpoints are a
+// directory of per-rank shards with a manifest whose every failure is named.
+// Two-rank runs: tests/distributed/manual_test.cpp.
+#include "fulgur/strategies/manual.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using fulgur::test::TempDir;
+
+// Records every device move asked of it.
+struct MoveRecorder : fulgur::Module {
+  torch::nn::Linear fc{nullptr};
+  std::vector<std::string> moves;
+  bool group_seen_in_configure_model = false;
+
+  MoveRecorder() { fc = register_module("fc", torch::nn::Linear(3, 1)); }
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking) override {
+    moves.push_back("to(device, dtype)");
+    fulgur::Module::to(device, dtype, non_blocking);
+  }
+  void to(torch::Dtype dtype, bool non_blocking) override {
+    moves.push_back("to(dtype)");
+    fulgur::Module::to(dtype, non_blocking);
+  }
+  void to(torch::Device device, bool non_blocking) override {
+    moves.push_back("to(device)");
+    fulgur::Module::to(device, non_blocking);
+  }
+  void configure_model() override {
+    auto* parallel = dynamic_cast<fulgur::ParallelStrategy*>(&trainer().strategy());
+    group_seen_in_configure_model = parallel != nullptr && parallel->shared_process_group() != nullptr;
+  }
+  at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
+    auto& [x, y] = batch.pair();
+    return torch::mse_loss(fc(x), y);
+  }
+  fulgur::OptimizerConfig configure_optimizers() override {
+    return {std::make_shared<torch::optim::SGD>(parameters(), 0.05)};
+  }
+};
+
+fulgur::TrainerOptions manual_options(const TempDir& dir) {
+  auto options = fulgur::test::test_options(dir);
+  options.strategy = "manual";
+  options.max_steps = 3;
+  return options;
+}
+
+TEST(ManualStrategy, NeverMovesTheModule) {
+  TempDir dir;
+  MoveRecorder model;
+  fulgur::Trainer trainer(manual_options(dir));
+  EXPECT_EQ(trainer.strategy().name(), "manual");
+  trainer.fit(model, fulgur::test::regression_loader(4));
+  EXPECT_TRUE(model.moves.empty()) << fulgur::join(model.moves);
+  EXPECT_TRUE(model.group_seen_in_configure_model);
+  // The control: single_device does move it, so the recorder records.
+  MoveRecorder moved;
+  auto options = fulgur::test::test_options(dir);
+  options.max_steps = 1;
+  fulgur::Trainer single(options);
+  single.fit(moved, fulgur::test::regression_loader(2));
+  EXPECT_FALSE(moved.moves.empty());
+}
+
+TEST(ManualStrategy, ResolvesWithItsLauncherWithoutAModule) {
+  auto result = fulgur::connect(
+      fulgur::TrainerOptions{.accelerator = "cpu", .strategy = "manual", .devices = 2},
+      fulgur::EnvView(std::map<std::string, std::string>{}));
+  EXPECT_EQ(result.resolution.strategy, "manual");
+  EXPECT_EQ(result.resolution.launcher, "subprocess_script");
+  EXPECT_EQ(result.resolution.world_size, 2);
+}
+
+TEST(ManualStrategy, CheckpointIsADirectoryOfShardsWithAManifest) {
+  TempDir dir;
+  MoveRecorder model;
+  auto options = manual_options(dir);
+  options.enable_checkpointing = true;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, fulgur::test::regression_loader(4));
+  const fs::path last = fs::path(dir.path()) / "checkpoints" / "last.ckpt";
+  ASSERT_TRUE(fs::is_directory(last));
+  EXPECT_TRUE(fs::is_regular_file(last / "rank-0-of-1.ckpt"));
+  std::ifstream manifest(last / "manifest.txt");
+  std::string text((std::istreambuf_iterator<char>(manifest)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "fulgur sharded checkpoint v1\nworld_size=1\nshard=rank-0-of-1.ckpt\n");
+
+  // Resuming restores the shard exactly.
+  auto saved = fulgur::test::clone_parameters(model);
+  MoveRecorder resumed;
+  fulgur::Trainer again(options);
+  again.fit(resumed, fulgur::test::regression_loader(4), nullptr,
+            fulgur::FitOptions{.ckpt_path = "last"});
+  EXPECT_EQ(again.global_step(), 3);
+  auto restored = fulgur::test::clone_parameters(resumed);
+  for (size_t i = 0; i < saved.size(); ++i) EXPECT_TRUE(torch::equal(saved[i], restored[i]));
+}
+
+class ManualCheckpointErrors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    MoveRecorder model;
+    auto options = manual_options(dir_);
+    options.enable_checkpointing = true;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, fulgur::test::regression_loader(4));
+    last_ = (fs::path(dir_.path()) / "checkpoints" / "last.ckpt").string();
+  }
+  void resume_expecting(const std::vector<std::string>& fragments) {
+    MoveRecorder model;
+    fulgur::Trainer trainer(manual_options(dir_));
+    EXPECT_TRUE(fulgur::test::throws_with<fulgur::CheckpointError>(
+        [&] {
+          trainer.fit(model, fulgur::test::regression_loader(4), nullptr,
+                      fulgur::FitOptions{.ckpt_path = last_});
+        },
+        fragments));
+  }
+  TempDir dir_;
+  std::string last_;
+};
+
+TEST_F(ManualCheckpointErrors, OtherWorldSizeNamesBoth) {
+  std::ofstream(fs::path(last_) / "manifest.txt", std::ios::trunc)
+      << "fulgur sharded checkpoint v1\nworld_size=2\nshard=rank-0-of-2.ckpt\nshard=rank-1-of-2.ckpt\n";
+  resume_expecting({"was saved by 2 ranks, and this run has 1", "devices x num_nodes = 2"});
+}
+
+TEST_F(ManualCheckpointErrors, MissingShardIsNamed) {
+  fs::remove(fs::path(last_) / "rank-0-of-1.ckpt");
+  resume_expecting({"is missing shard(s) rank-0-of-1.ckpt"});
+}
+
+TEST_F(ManualCheckpointErrors, NoManifestMeansTheSaveDidNotComplete) {
+  fs::remove(fs::path(last_) / "manifest.txt");
+  resume_expecting({"has no manifest.txt", "did not complete"});
+}
+
+TEST_F(ManualCheckpointErrors, AOneFileCheckpointIsNamed) {
+  fs::remove_all(last_);
+  {
+    MoveRecorder model;
+    auto options = fulgur::test::test_options(dir_);
+    options.max_steps = 1;
+    fulgur::Trainer single(options);
+    single.fit(model, fulgur::test::regression_loader(2));
+    single.save_checkpoint(last_);
+  }
+  resume_expecting({"is one file", "per-rank shards"});
+}
+
+TEST(ManualStrategy, BringsItsOwnProcessGroupOnlyIfItFits) {
+  fulgur::ManualStrategy strategy;
+  strategy.set_cluster_environment(std::make_shared<fulgur::LightningEnvironment>(
+      fulgur::EnvView(std::map<std::string, std::string>{})));
+  strategy.set_parallel_devices({c10::Device(c10::kCPU), c10::Device(c10::kCPU)});
+  fulgur::ProcessGroupOptions options;
+  options.main_address = "127.0.0.1";
+  options.main_port = fulgur::find_free_port("127.0.0.1");
+  options.world_size = 1;
+  options.rank = 0;
+  options.timeout = std::chrono::seconds(20);
+  auto group = fulgur::ProcessGroup::connect(options);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, strategy.set_process_group(group),
+                     {"the group has rank 0 of 1 but this process is rank 0 of 2"});
+  strategy.set_parallel_devices({c10::Device(c10::kCPU)});
+  EXPECT_NO_THROW(strategy.set_process_group(group));
+  EXPECT_EQ(strategy.shared_process_group(), group);
+}
+
+}  // namespace
