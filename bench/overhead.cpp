@@ -3,13 +3,23 @@
 // run interleaved (A B A B ...) in one process so that a noisy machine
 // affects both sides alike. Prints one JSON object per comparison.
 //
+// Heap allocations are counted too: this binary replaces the global
+// operator new, and each side counts the allocations of its steady-state
+// steps (from the second step to the last), so "extra_allocs_per_step" is
+// what the framework allocates per step beyond the hand-written loop.
+// (Tensor storage comes from c10's CPU allocator, not operator new; what is
+// counted is every C++ object: TensorImpls, autograd nodes, strings, maps.)
+//
 //   overhead --model mlp --steps 2000 --reps 5
 //   overhead --model cnn --steps 200 --reps 3
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <new>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -18,9 +28,42 @@
 
 #include "fulgur/fulgur.h"
 
+// ---- Counting operator new (every form routes through these two).
+namespace {
+std::atomic<int64_t> g_allocations{0};
+}  // namespace
+
+void* operator new(std::size_t size) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(size == 0 ? 1 : size)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(std::size_t size, std::align_val_t align) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  std::size_t a = static_cast<std::size_t>(align);
+  if (void* p = std::aligned_alloc(a, (size + a - 1) / a * a)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t size) { return operator new(size); }
+void* operator new[](std::size_t size, std::align_val_t align) { return operator new(size, align); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Time and allocations of the steady-state steps of one run.
+struct Measure {
+  double us_per_step = 0;
+  double allocs_per_step = 0;
+};
 
 struct Args {
   std::string model = "mlp";
@@ -54,11 +97,12 @@ Data make_data(int64_t samples) {
 }
 
 // ---- A: the loop a LibTorch user writes by hand.
-double hand_written(const Args& a, const Data& d) {
+Measure hand_written(const Args& a, const Data& d) {
   auto net = make_net(a.model);
   torch::optim::SGD opt(net->parameters(), 0.01);
   const int64_t batches = d.x.size(0) / a.batch;
   auto start = Clock::now();
+  int64_t allocs_start = 0;
   for (int64_t s = 0; s < a.steps; ++s) {
     int64_t b = s % batches;
     // Gather the batch as a loader does (a copy: steps may modify their
@@ -70,10 +114,14 @@ double hand_written(const Args& a, const Data& d) {
     opt.zero_grad();
     loss.backward();
     opt.step();
-    if (s == 0) start = Clock::now();  // exclude the first step (allocator warm-up) on both sides
+    if (s == 0) {  // exclude the first step (allocator warm-up) on both sides
+      start = Clock::now();
+      allocs_start = g_allocations.load();
+    }
   }
-  return std::chrono::duration<double, std::micro>(Clock::now() - start).count() /
-         static_cast<double>(a.steps - 1);
+  const auto steps = static_cast<double>(a.steps - 1);
+  return {std::chrono::duration<double, std::micro>(Clock::now() - start).count() / steps,
+          static_cast<double>(g_allocations.load() - allocs_start) / steps};
 }
 
 // ---- B: the same work as a fulgur Module under Trainer::fit.
@@ -85,9 +133,16 @@ struct Net : fulgur::Module {
     log("train_loss", loss);
     if (timing && global_step() == 1 && !started) {
       start = Clock::now();
+      allocs_start = g_allocations.load();
       started = true;
     }
     return loss;
+  }
+  // The last step's optimizer step is where the hand-written loop's count
+  // ends too; what follows (teardown, logger finalize) is once per fit.
+  void on_train_batch_end(const at::Tensor&, const fulgur::Batch&, int64_t) override {
+    end = Clock::now();
+    allocs_end = g_allocations.load();
   }
   fulgur::OptimizerConfig configure_optimizers() override {
     return {std::make_shared<torch::optim::SGD>(parameters(), 0.01)};
@@ -95,10 +150,11 @@ struct Net : fulgur::Module {
   torch::nn::Sequential net{nullptr};
   bool timing = true;
   bool started = false;
-  Clock::time_point start;
+  Clock::time_point start, end;
+  int64_t allocs_start = 0, allocs_end = 0;
 };
 
-double with_fulgur(const Args& a, const Data& d, const std::string& root) {
+Measure with_fulgur(const Args& a, const Data& d, const std::string& root) {
   Net model(a.model);
   auto loader = fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(d.x, d.y),
                                          {.batch_size = a.batch});
@@ -110,9 +166,9 @@ double with_fulgur(const Args& a, const Data& d, const std::string& root) {
                            .enable_progress_bar = a.progress_bar,
                            .log_every_n_steps = a.log_every_step ? 1 : 50});
   trainer.fit(model, loader);
-  auto end = Clock::now();
-  return std::chrono::duration<double, std::micro>(end - model.start).count() /
-         static_cast<double>(a.steps - 1);
+  const auto steps = static_cast<double>(a.steps - 1);
+  return {std::chrono::duration<double, std::micro>(model.end - model.start).count() / steps,
+          static_cast<double>(model.allocs_end - model.allocs_start) / steps};
 }
 
 double median(std::vector<double> v) {
@@ -154,19 +210,25 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);
   auto data = make_data(std::min<int64_t>(a.steps, 500) * a.batch);
   std::string root = std::filesystem::temp_directory_path() / ("fulgur_bench_" + std::to_string(::getpid()));
-  std::vector<double> hand, fulgur_us;
+  std::vector<double> hand, fulgur_us, hand_allocs, fulgur_allocs;
   for (int r = 0; r < a.reps; ++r) {  // interleaved: A B A B ...
-    hand.push_back(hand_written(a, data));
-    fulgur_us.push_back(with_fulgur(a, data, root));
+    auto h = hand_written(a, data);
+    auto f = with_fulgur(a, data, root);
+    hand.push_back(h.us_per_step);
+    hand_allocs.push_back(h.allocs_per_step);
+    fulgur_us.push_back(f.us_per_step);
+    fulgur_allocs.push_back(f.allocs_per_step);
   }
   std::filesystem::remove_all(root);
   double h = median(hand), f = median(fulgur_us);
+  double ha = median(hand_allocs), fa = median(fulgur_allocs);
   std::printf(
       "{\"benchmark\": \"step_overhead_%s%s%s\", \"steps\": %lld, \"reps\": %d, "
       "\"reference_us_per_step\": %.2f, \"fulgur_us_per_step\": %.2f, \"ratio\": %.4f, "
-      "\"overhead_us_per_step\": %.2f}\n",
+      "\"overhead_us_per_step\": %.2f, \"reference_allocs_per_step\": %.2f, "
+      "\"fulgur_allocs_per_step\": %.2f, \"extra_allocs_per_step\": %.2f}\n",
       a.model.c_str(), a.log_every_step ? "_log_every_step" : "",
       a.progress_bar ? "_progress_bar" : "", static_cast<long long>(a.steps), a.reps, h, f, f / h,
-      f - h);
+      f - h, ha, fa, fa - ha);
   return 0;
 }

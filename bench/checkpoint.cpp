@@ -1,0 +1,141 @@
+// Checkpoint speed: a training state (parameters + SGD momentum, half each)
+// of --mb megabytes saved and loaded through fulgur's TorchCheckpointIO (the
+// archive the Trainer writes, written to a temporary file, fsync'ed, renamed
+// into place) against plain torch::save / torch::load of the same tensors,
+// and torch::save followed by an fsync (the same durability as fulgur's).
+// Interleaved over --reps; medians in MB/s. Loads read from the page cache
+// (the file was just written), so they measure deserialisation, not disk.
+//
+//   checkpoint --mb 100 --reps 5 --dir /tmp
+#include <fcntl.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "fulgur/fulgur.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+// Parameters of 4 MiB each adding up to half the state.
+struct State : torch::nn::Module {
+  std::vector<at::Tensor> params;
+  explicit State(int64_t param_bytes) {
+    const int64_t per = 1 << 20;  // floats per tensor: 4 MiB
+    const int64_t n = std::max<int64_t>(1, param_bytes / (per * 4));
+    for (int64_t i = 0; i < n; ++i) {
+      params.push_back(register_parameter("p" + std::to_string(i), torch::randn({per})));
+    }
+  }
+};
+
+void fsync_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t mb = 100;
+  int reps = 5;
+  std::string dir = std::filesystem::temp_directory_path().string();
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string flag = argv[i];
+    if (flag == "--mb") mb = std::stoll(argv[i + 1]);
+    else if (flag == "--reps") reps = std::stoi(argv[i + 1]);
+    else if (flag == "--dir") dir = argv[i + 1];
+    else {
+      std::fprintf(stderr, "checkpoint: unknown flag %s (--mb N, --reps N, --dir DIR)\n", flag.c_str());
+      return 2;
+    }
+  }
+  torch::set_num_threads(1);
+  torch::manual_seed(0);
+  auto state = std::make_shared<State>(mb * 1000 * 1000 / 2);
+  torch::optim::SGD sgd(state->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  for (auto& p : state->parameters()) p.mutable_grad() = torch::ones_like(p);
+  sgd.step();  // creates the momentum buffers
+  std::vector<at::Tensor> tensors;
+  for (auto& p : state->parameters()) tensors.push_back(p.detach());
+  for (auto& [key, s] : sgd.state()) {
+    tensors.push_back(static_cast<torch::optim::SGDParamState&>(*s).momentum_buffer());
+  }
+  double bytes = 0;
+  for (auto& t : tensors) bytes += static_cast<double>(t.numel() * t.element_size());
+  const double megabytes = bytes / 1e6;
+
+  const std::string base = (std::filesystem::path(dir) / ("fulgur_bench_ckpt_" + std::to_string(::getpid()))).string();
+  const std::string f_path = base + ".fulgur.ckpt", r_path = base + ".torch.pt",
+                    s_path = base + ".torch_fsync.pt";
+  fulgur::TorchCheckpointIO io;
+  std::vector<double> f_save, r_save, s_save, f_load, r_load;
+  for (int r = 0; r < reps; ++r) {
+    {
+      auto t = Clock::now();
+      torch::serialize::OutputArchive root, module, optimizer;
+      state->save(module);
+      sgd.save(optimizer);
+      root.write("state_dict", module);
+      root.write("optimizer_states", optimizer);
+      io.save_checkpoint(root, f_path);
+      f_save.push_back(megabytes / seconds_since(t));
+    }
+    {
+      auto t = Clock::now();
+      torch::save(tensors, r_path);
+      r_save.push_back(megabytes / seconds_since(t));
+    }
+    {
+      auto t = Clock::now();
+      torch::save(tensors, s_path);
+      fsync_file(s_path);
+      s_save.push_back(megabytes / seconds_since(t));
+    }
+    {
+      auto t = Clock::now();
+      torch::serialize::InputArchive root, module, optimizer;
+      io.load_checkpoint(f_path, root);
+      root.read("state_dict", module);
+      root.read("optimizer_states", optimizer);
+      state->load(module);
+      sgd.load(optimizer);
+      f_load.push_back(megabytes / seconds_since(t));
+    }
+    {
+      auto t = Clock::now();
+      std::vector<at::Tensor> loaded;
+      torch::load(loaded, r_path);
+      r_load.push_back(megabytes / seconds_since(t));
+    }
+  }
+  for (const auto& p : {f_path, r_path, s_path}) std::filesystem::remove(p);
+  std::printf(
+      "{\"benchmark\": \"checkpoint_%lldMB\", \"megabytes\": %.1f, \"reps\": %d, "
+      "\"fulgur_save_mb_s\": %.1f, \"torch_save_mb_s\": %.1f, \"torch_save_fsync_mb_s\": %.1f, "
+      "\"fulgur_load_mb_s\": %.1f, \"torch_load_mb_s\": %.1f, "
+      "\"save_ratio_vs_torch_save_fsync\": %.3f, \"load_ratio\": %.3f}\n",
+      static_cast<long long>(mb), megabytes, reps, median(f_save), median(r_save), median(s_save),
+      median(f_load), median(r_load), median(f_save) / median(s_save),
+      median(f_load) / median(r_load));
+  return 0;
+}
