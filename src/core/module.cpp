@@ -73,7 +73,9 @@ void Module::log(std::string_view name, const at::Tensor& value, LogOptions opti
                           "): only scalars can be logged. Reduce it first, e.g. "
                           "value.mean()."));
   }
-  log(name, value.detach().item<double>(), options);
+  // item() reads the value without touching the graph: no detached copy
+  // (which would allocate a TensorImpl every step).
+  log(name, value.item<double>(), options);
 }
 
 void Module::log(std::string_view name, double value, LogOptions options) {

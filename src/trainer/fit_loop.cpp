@@ -187,7 +187,17 @@ void Trainer::Impl::training_batch(Batch& batch, int64_t idx, bool is_last_batch
   }
   batch_position = idx + 1;
   publish_step_metrics();
-  at::Tensor detached = loss.defined() ? loss.detach() : loss;
+  // The hooks get the loss without its graph. Backward is done, so the loss
+  // itself is detached in place (no allocation); a view, or a leaf (which
+  // could be a parameter), is copied instead.
+  at::Tensor detached = loss;
+  if (loss.defined() && loss.requires_grad()) {
+    if (loss.is_view() || loss.grad_fn() == nullptr) {
+      detached = loss.detach();
+    } else {
+      detached.detach_();
+    }
+  }
   call_hooks([&](Module& mod) { mod.on_train_batch_end(detached, batch, idx); },
              [&](Callback& cb) { cb.on_train_batch_end(self, m, detached, batch, idx); });
   bool ends_epoch = is_last_batch || (max_steps >= 0 && global_step >= max_steps);

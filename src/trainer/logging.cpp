@@ -57,14 +57,21 @@ void LogSink::log(std::string_view name, double value, const LogOptions& options
   }
 }
 
-std::vector<LogSink::Value> LogSink::collect_step() const {
-  std::vector<Value> out;
+const std::vector<LogSink::Value>& LogSink::collect_step() {
+  // Reuses the vector and its strings: assign() keeps their capacity.
+  size_t n = 0;
   for (const auto& [name, e] : entries_) {
     if (!e.step_fresh) continue;
-    out.push_back({e.on_epoch ? name + "_step" : name, e.step_value, e.options.logger,
-                   e.options.prog_bar});
+    if (n == step_values_.size()) step_values_.emplace_back();
+    Value& v = step_values_[n++];
+    v.name.assign(name);
+    if (e.on_epoch) v.name.append("_step");
+    v.value = e.step_value;
+    v.logger = e.options.logger;
+    v.prog_bar = e.options.prog_bar;
   }
-  return out;
+  step_values_.resize(n);
+  return step_values_;
 }
 
 void LogSink::clear_step_flags() {
@@ -102,17 +109,33 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
 void Trainer::Impl::publish(const std::vector<detail::LogSink::Value>& values,
                             const char* suffix, bool to_loggers) {
   const std::string_view sfx(suffix);
-  Metrics row;
+  // Updates in place: a key published before allocates nothing.
+  // (Metrics has no heterogeneous lookup: the key goes through one reused string.)
+  auto set = [](Metrics& m, std::string_view key, double value) {
+    thread_local std::string scratch;
+    scratch.assign(key);
+    auto it = m.find(scratch);
+    if (it != m.end()) {
+      it->second = value;
+    } else {
+      m.emplace(std::string(key), value);
+    }
+  };
   for (const auto& v : values) {
-    callback_metrics[v.name] = v.value;
+    set(callback_metrics, v.name, v.value);
     std::string_view name(v.name);
     if (name.size() > sfx.size() && name.substr(name.size() - sfx.size()) == sfx) {
-      callback_metrics[std::string(name.substr(0, name.size() - sfx.size()))] = v.value;
+      set(callback_metrics, name.substr(0, name.size() - sfx.size()), v.value);
     }
-    if (v.prog_bar) progress_bar_metrics[v.name] = v.value;
+    if (v.prog_bar) set(progress_bar_metrics, v.name, v.value);
+  }
+  // The loggers' row is built only on the steps that reach them.
+  if (!to_loggers || loggers.empty() || !strategy->is_global_zero()) return;
+  Metrics row;
+  for (const auto& v : values) {
     if (v.logger) row[v.name] = v.value;
   }
-  if (!to_loggers || row.empty() || loggers.empty() || !strategy->is_global_zero()) return;
+  if (row.empty()) return;
   row["epoch"] = static_cast<double>(current_epoch);
   for (auto& logger : loggers) logger->log_metrics(row, global_step);
 }

@@ -54,7 +54,9 @@ class LogSink {
   };
   /// Values logged with on_step since clear_step_flags(): name, or
   /// name_step when the metric is also aggregated per epoch.
-  std::vector<Value> collect_step() const;
+  /// The vector is the sink's own, reused from step to step (no allocation
+  /// in steady state); valid until the next call.
+  const std::vector<Value>& collect_step();
   void clear_step_flags();
   /// Epoch aggregates: name, or name_epoch when also logged per step.
   /// Reduces sync_dist metrics across ranks (a collective: every rank calls).
@@ -64,6 +66,7 @@ class LogSink {
 
  private:
   std::map<std::string, Entry, std::less<>> entries_;
+  std::vector<Value> step_values_;
   bool in_step_ = true;
   int64_t batch_size_ = 1;
 };

@@ -126,6 +126,8 @@ class Module : public torch::nn::Module {
   virtual void on_train_epoch_start() {}
   virtual void on_train_epoch_end() {}
   virtual void on_train_batch_start(const Batch& /*batch*/, int64_t /*batch_idx*/) {}
+  /// `loss` is training_step's loss after backward, detached from its graph
+  /// (in place: the tensor training_step returned is detached too).
   virtual void on_train_batch_end(const at::Tensor& /*loss*/, const Batch& /*batch*/,
                                   int64_t /*batch_idx*/) {}
   virtual void on_validation_epoch_start() {}
