@@ -146,6 +146,12 @@ print("Targets (issue: benchmarks): < 200 ms to the first step for 1 process (%s
     "$py" -c 'import json,sys; r=json.loads(sys.argv[1]); print("| %.0f MB | %.0f | %.0f | %.0f | %.3f | %.0f | %.0f | %.3f |" % (r["megabytes"], r["fulgur_save_mb_s"], r["torch_save_mb_s"], r["torch_save_fsync_mb_s"], r["save_ratio_vs_torch_save_fsync"], r["fulgur_load_mb_s"], r["torch_load_mb_s"], r["load_ratio"]))' "$r"
   done
   echo
+  echo "Reading this table: fulgur's side writes the Trainer's nested archive (a module section and"
+  echo "an optimizer section) and loads it back into the live module and optimizer (a copy into the"
+  echo "existing parameters). Its save falls short of torch::save + fsync, and the cause is not found"
+  echo "yet: it is not the number of write system calls (gathering the archive's pieces into a"
+  echo "4 MiB buffer left the figures unchanged). Loads from the page cache are noisy (0.66-1.0)."
+  echo
   echo "## DDP: 2 ranks on this machine, 784-1024-1024-10 MLP, batch 64 per rank, SGD, Gloo, 1 thread per rank"
   echo
   echo "Each side started by torchrun (\`--nproc_per_node 2\`), DDP_STEPS=$ddp_steps timed steps after 20"
