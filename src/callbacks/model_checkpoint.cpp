@@ -188,6 +188,10 @@ void ModelCheckpoint::save_state(torch::serialize::OutputArchive& archive) const
   archive.write("best_model_path", c10::IValue(best_model_path_));
   archive.write("best_model_score", c10::IValue(best_model_score_.value_or(std::nan(""))));
   archive.write("latest_path", c10::IValue(latest_path_));
+  // Where it wrote: a resumed fit recomputes dirpath at on_fit_start; a
+  // forking launcher's caller gets the rank's values with them.
+  archive.write("dirpath", c10::IValue(dirpath_));
+  archive.write("last_model_path", c10::IValue(last_model_path_));
   c10::List<double> scores;
   c10::List<std::string> paths;
   for (const auto& [s, p] : top_k_) {
@@ -205,6 +209,8 @@ void ModelCheckpoint::load_state(torch::serialize::InputArchive& archive) {
     best_model_score_ = v.toDouble();
   }
   if (archive.try_read("latest_path", v)) latest_path_ = v.toStringRef();
+  if (archive.try_read("dirpath", v)) dirpath_ = v.toStringRef();
+  if (archive.try_read("last_model_path", v)) last_model_path_ = v.toStringRef();
   c10::IValue scores, paths;
   if (archive.try_read("top_k_scores", scores) && archive.try_read("top_k_paths", paths)) {
     top_k_.clear();

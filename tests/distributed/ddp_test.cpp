@@ -121,6 +121,19 @@ TEST(DDP, ForkLauncherReturnsTrainedWeightsToTheCaller) {
   expect_equivalent({"--steps", "20", "--shuffle"}, "ddp_fork");
 }
 
+TEST(DDP, ForkLauncherUpdatesTheCallersModelCheckpoint) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp_fork", "--devices", "2", "--steps", "6",
+                       "--checkpoint", "--root", dir.path()});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto best = result_value(r.output, "callback_best");
+  EXPECT_FALSE(best.empty()) << r.output;
+  EXPECT_EQ(best, result_value(r.output, "result_best")) << r.output;
+  EXPECT_EQ(result_value(r.output, "callback_dirpath"), dir.path() + "/checkpoints") << r.output;
+  EXPECT_EQ(result_value(r.output, "callback_last"), dir.path() + "/checkpoints/last.ckpt")
+      << r.output;
+}
+
 TEST(DDP, SyncBatchNormMatchesOneProcessBatchNorm) {
   // Batch statistics over both ranks' 8 samples = one process's 16.
   expect_equivalent({"--steps", "12", "--batchnorm", "sync"}, "ddp", {"--sync-batchnorm"});

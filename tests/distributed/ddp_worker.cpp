@@ -42,6 +42,7 @@ struct Args {
   std::string plugins;
   std::string batchnorm = "none";  // none | plain (torch::nn) | sync (fulgur::nn)
   bool sync_batchnorm = false;
+  bool checkpoint = false;
 };
 
 // 16 features, 4 classes; samples depend only on their index.
@@ -147,6 +148,7 @@ int main(int argc, char** argv) {
   app.add_option("--plugins", a.plugins);
   app.add_option("--batchnorm", a.batchnorm);
   app.add_flag("--sync-batchnorm", a.sync_batchnorm);
+  app.add_flag("--checkpoint", a.checkpoint);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -176,7 +178,10 @@ int main(int argc, char** argv) {
     options.max_steps = a.steps;
     options.accumulate_grad_batches = a.accumulate;
     options.enable_progress_bar = false;
-    options.enable_checkpointing = false;
+    auto checkpoint = std::make_shared<fulgur::ModelCheckpoint>(
+        fulgur::ModelCheckpointOptions{.monitor = "train_loss", .save_top_k = 1});
+    options.enable_checkpointing = a.checkpoint;
+    if (a.checkpoint) options.callbacks = {checkpoint};
     options.logger = false;
     options.default_root_dir = a.root;
     options.seed = static_cast<uint64_t>(a.seed);
@@ -202,6 +207,13 @@ int main(int argc, char** argv) {
                 << "RESULT global_step=" << result.global_step << "\n"
                 << "RESULT train_loss=" << result.metrics["train_loss"] << "\n"
                 << "RESULT cluster_environment=" << strategy.cluster_environment().name() << "\n";
+      if (a.checkpoint) {
+        // The caller's callback object, which a forking launcher updates too.
+        std::cout << "RESULT result_best=" << result.best_model_path << "\n"
+                  << "RESULT callback_best=" << checkpoint->best_model_path() << "\n"
+                  << "RESULT callback_last=" << checkpoint->last_model_path() << "\n"
+                  << "RESULT callback_dirpath=" << checkpoint->dirpath() << "\n";
+      }
       for (const auto& [k, v] : test) std::cout << "RESULT " << k << "=" << v << "\n";
       std::cout.flush();
     }
