@@ -10,6 +10,7 @@
 // --precision, --plugins (comma-separated), --sync_batchnorm, --deterministic,
 // --benchmark. Exit status: 0 resolved, 2 bad flags (JSON error on stdout),
 // 1 anything else (message on stderr).
+#include <algorithm>
 #include <cstring>
 #include <iostream>
 #include <string>
@@ -68,14 +69,19 @@ int resolve(int argc, char** argv) {
   }
 }
 
+// Names in a column as wide as the longest, then the description and, on
+// the next line, the default arguments.
 template <class Registry>
 void print_registry(const char* title, const Registry& registry) {
+  size_t width = 0;
+  for (const auto* entry : registry.entries()) width = std::max(width, entry->name.size());
   std::cout << title << ":\n";
   for (const auto* entry : registry.entries()) {
-    std::cout << "  " << entry->name;
-    for (size_t pad = entry->name.size(); pad < 36; ++pad) std::cout << ' ';
-    std::cout << entry->description << "\n";
-    if (!entry->defaults.empty()) std::cout << std::string(38, ' ') << "(" << entry->defaults << ")\n";
+    std::cout << "  " << entry->name << std::string(width + 2 - entry->name.size(), ' ')
+              << entry->description << "\n";
+    if (!entry->defaults.empty()) {
+      std::cout << std::string(width + 4, ' ') << "(" << entry->defaults << ")\n";
+    }
   }
 }
 

@@ -361,8 +361,28 @@ void Supervisor::wait_all() {
     }
   }
   if (failed == nullptr) return;
-  std::string report;
   if (hang_report.empty()) {
+    // Ranks fail together: a killed rank's peers fail in their next
+    // collective within milliseconds and may be reaped first. Collect the
+    // deaths of the next moment before naming the cause; a rank killed by
+    // a signal is a cause, never a victim.
+    const auto settle = Clock::now() + std::chrono::milliseconds(500);
+    for (;;) {
+      bool any_running = false;
+      for (const auto& c : children_) any_running = any_running || c.running;
+      if (!any_running || Clock::now() >= settle) break;
+      pump(50);
+      reap();
+    }
+    for (const auto& c : children_) {
+      if (!c.running && WIFSIGNALED(c.status)) {
+        failed = &c;
+        break;
+      }
+    }
+  }
+  std::string report;
+  if (hang_report.empty() && !WIFSIGNALED(failed->status)) {
     // A rank that failed in a collective (timeout, closed connection) is
     // usually the victim: a running rank that fell behind it is the cause.
     const Child* lagging = nullptr;
