@@ -1,5 +1,6 @@
 #include "fulgur/accelerators/cuda.h"
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/torch.h>
 
 #include <set>
@@ -59,9 +60,11 @@ std::vector<c10::Device> CUDAAccelerator::parse_devices(const DevicesSpec& spec)
 
 void CUDAAccelerator::setup_device(c10::Device device) {
   FULGUR_ASSERT(device.is_cuda(), "CUDAAccelerator::setup_device got ", device.str());
-  // Binding the process to its GPU happens through the device guard of each
-  // operation; LibTorch 1.13's C++ API has no public set_device outside
-  // c10::cuda, which is only present in CUDA builds.
+  // The rank's GPU becomes the current device, so that what is created
+  // without a device (NCCL's communicators, the default stream's work)
+  // lands there and not on GPU 0. Through the device-guard interface, which
+  // CUDA builds register at load time: no CUDA header needed here.
+  if (device.has_index()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);
 }
 
 std::map<std::string, double> CUDAAccelerator::device_stats(c10::Device) const { return {}; }

@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <map>
+
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
 #include "fulgur/nn/sync_batch_norm.h"
@@ -22,7 +24,13 @@ DDPStrategy::DDPStrategy(DDPOptions options, std::string name)
     throw ConfigError(str("DDPStrategy: bucket_cap_mb=", options_.bucket_cap_mb,
                           " must be > 0 (default 25)."));
   }
+  const auto& backend = options_.process_group_backend;
+  if (!backend.empty() && backend != "gloo" && backend != "nccl" && backend != "mpi") {
+    throw ConfigError(str("DDPStrategy: process_group_backend=\"", backend, "\" is not one of "
+                          "\"gloo\", \"nccl\", \"mpi\" (or empty: nccl on CUDA, else gloo)."));
+  }
   set_process_group_timeout(options_.process_group_timeout);
+  set_process_group_backend(backend);
 }
 
 DDPStrategy::~DDPStrategy() = default;
@@ -75,6 +83,30 @@ void DDPStrategy::do_setup(Module& module) {
       group.broadcast_(data, 0);
     }
   }
+  buffer_groups_.clear();
+  if (options_.broadcast_buffers) {
+    std::map<std::pair<int, std::string>, size_t> group_of;  // (dtype, device)
+    for (auto& b : module.buffers()) {
+      if (!b.defined() || b.numel() == 0) continue;
+      auto key = std::make_pair(static_cast<int>(b.scalar_type()), b.device().str());
+      auto it = group_of.find(key);
+      if (it == group_of.end()) {
+        it = group_of.emplace(key, buffer_groups_.size()).first;
+        buffer_groups_.emplace_back();
+      }
+      buffer_groups_[it->second].buffers.push_back(b);
+    }
+    for (auto& g : buffer_groups_) {
+      int64_t total = 0;
+      for (auto& b : g.buffers) total += b.numel();
+      g.flat = torch::empty({total}, g.buffers.front().options().requires_grad(false));
+      int64_t offset = 0;
+      for (auto& b : g.buffers) {
+        g.slices.push_back(g.flat.narrow(0, offset, b.numel()).view(b.sizes()));
+        offset += b.numel();
+      }
+    }
+  }
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (auto& item : module.named_parameters()) named.emplace_back(item.key(), item.value());
   GradientReducerOptions reducer_options;
@@ -85,7 +117,30 @@ void DDPStrategy::do_setup(Module& module) {
   reducer_->set_require_sync(sync_);
 }
 
+void DDPStrategy::broadcast_buffers() {
+  torch::NoGradGuard no_grad;
+  const bool source = global_rank() == 0;
+  auto& group = process_group();
+  for (auto& g : buffer_groups_) {
+    if (source) {
+      for (size_t k = 0; k < g.buffers.size(); ++k) g.slices[k].copy_(g.buffers[k]);
+    }
+    group.broadcast_(g.flat, 0);
+    if (!source) {
+      for (size_t k = 0; k < g.buffers.size(); ++k) g.buffers[k].copy_(g.slices[k]);
+    }
+  }
+}
+
+at::Tensor DDPStrategy::training_step(Module& module, Batch& batch, int64_t batch_idx) {
+  // As PyTorch's DDP: only before a forward whose gradients are synchronised
+  // (not in the no_sync micro-batches of gradient accumulation).
+  if (sync_ && !buffer_groups_.empty()) broadcast_buffers();
+  return ParallelStrategy::training_step(module, batch, batch_idx);
+}
+
 void DDPStrategy::do_teardown() {
+  buffer_groups_.clear();
   reducer_.reset();
   ParallelStrategy::do_teardown();
 }
@@ -97,6 +152,11 @@ void DDPStrategy::backward(const at::Tensor& loss, Module& module) {
   if (sync) reducer_->finalize_backward();
 }
 
+bool DDPStrategy::backward_skipped(Module&, bool accumulated) {
+  if (!reducer_ || !sync_) return accumulated;
+  return reducer_->join_without_backward(accumulated) > 0;
+}
+
 void DDPStrategy::set_gradient_sync(bool enabled) {
   sync_ = enabled;
   if (reducer_) reducer_->set_require_sync(enabled);
@@ -106,7 +166,9 @@ std::string DDPStrategy::describe_options(const DDPOptions& o) {
   return str("start_method=", o.start_method,
              ", find_unused_parameters=", o.find_unused_parameters ? "true" : "false",
              ", bucket_cap_mb=", o.bucket_cap_mb,
+             ", broadcast_buffers=", o.broadcast_buffers ? "true" : "false",
              ", process_group_timeout=", o.process_group_timeout.count() / 1000, "s",
+             ", process_group_backend=", o.process_group_backend.empty() ? "auto" : o.process_group_backend,
              ", stop_grace=", o.stop_grace.count() / 1000, "s");
 }
 

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -32,6 +33,12 @@ struct GradientReducer::State {
   std::vector<size_t> bucket_of;    // param index -> bucket
   std::vector<size_t> slot_of;      // param index -> position in its bucket
   std::vector<Bucket> buckets;
+  // The last element of the first bucket, beyond every gradient: 1 on a
+  // rank that has gradients to contribute this step, 0 on one that had no
+  // loss in it (nor in the micro-batches accumulated before it).
+  // Summed with the gradients, it counts the contributing ranks without a
+  // collective of its own.
+  at::Tensor contributors;
   std::vector<char> ready;          // per param, this backward
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;
@@ -54,6 +61,9 @@ struct GradientReducer::State {
     const auto& b = buckets[bucket_of[p]];
     return b.flat.narrow(0, b.offsets[slot_of[p]], params[p].numel());
   }
+
+  void prepare(bool contributes);
+  int finalize(bool ran_backward);
 
   void launch_ready_buckets() {
     while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
@@ -147,9 +157,11 @@ GradientReducer::GradientReducer(std::vector<std::pair<std::string, at::Tensor>>
   }
   for (size_t i = 0; i < s.buckets.size(); ++i) {
     const auto& first = s.params[s.buckets[i].params.front()];
-    s.buckets[i].flat = torch::zeros({sizes[i] / static_cast<int64_t>(first.element_size())},
+    const int64_t extra = i == 0 ? 1 : 0;  // the contributor count
+    s.buckets[i].flat = torch::zeros({sizes[i] / static_cast<int64_t>(first.element_size()) + extra},
                                      first.options().requires_grad(false));
   }
+  if (!s.buckets.empty()) s.contributors = s.buckets[0].flat.narrow(0, s.buckets[0].flat.numel() - 1, 1);
   s.ready.assign(s.params.size(), 0);
   for (size_t k = 0; k < s.params.size(); ++k) {
     auto accumulator = torch::autograd::impl::grad_accumulator(s.params[k]);
@@ -170,24 +182,34 @@ GradientReducer::~GradientReducer() {
 void GradientReducer::set_require_sync(bool sync) { state_->require_sync = sync; }
 bool GradientReducer::require_sync() const { return state_->require_sync; }
 
-void GradientReducer::prepare_for_backward() {
+void GradientReducer::prepare_for_backward() { state_->prepare(/*contributes=*/true); }
+
+int GradientReducer::finalize_backward() { return state_->finalize(/*ran_backward=*/true); }
+
+int GradientReducer::join_without_backward(bool accumulated) {
   auto& s = *state_;
-  std::lock_guard<std::mutex> lock(s.mutex);
-  s.armed = s.require_sync && !s.params.empty();
-  if (!s.armed) return;
-  std::fill(s.ready.begin(), s.ready.end(), 0);
-  for (auto& b : s.buckets) {
+  s.prepare(/*contributes=*/accumulated);
+  return s.finalize(/*ran_backward=*/false);
+}
+
+void GradientReducer::State::prepare(bool contributes) {
+  std::lock_guard<std::mutex> lock(mutex);
+  armed = require_sync && !params.empty();
+  if (!armed) return;
+  std::fill(ready.begin(), ready.end(), 0);
+  for (auto& b : buckets) {
     b.pending = b.params.size();
     b.launched = false;
     b.work.reset();
   }
-  s.next_to_launch = 0;
+  contributors.fill_(contributes ? 1 : 0);
+  next_to_launch = 0;
 }
 
-void GradientReducer::finalize_backward() {
-  auto& s = *state_;
+int GradientReducer::State::finalize(bool ran_backward) {
+  auto& s = *this;
   std::unique_lock<std::mutex> lock(s.mutex);
-  if (!s.armed) return;
+  if (!s.armed) return 0;
   s.armed = false;
   std::vector<size_t> unused;
   for (size_t k = 0; k < s.params.size(); ++k) {
@@ -195,7 +217,7 @@ void GradientReducer::finalize_backward() {
   }
   at::Tensor used_anywhere;
   if (!unused.empty()) {
-    if (!s.options.find_unused_parameters) {
+    if (ran_backward && !s.options.find_unused_parameters) {
       std::vector<std::string> names;
       for (size_t i = 0; i < unused.size() && i < 8; ++i) names.push_back(s.names[unused[i]]);
       throw DistributedError(str(
@@ -228,14 +250,23 @@ void GradientReducer::finalize_backward() {
   lock.unlock();
   for (auto& b : s.buckets) b.work->wait();
   if (used_anywhere.defined()) s.group->all_reduce_(used_anywhere, ReduceOp::Sum);
-  const double world = s.group->size();
+  // Exact for float32/64 at any world size (and for half/bf16 up to 2048
+  // and 256 ranks); rounded to be safe.
+  const int count = static_cast<int>(std::lround(s.contributors.item<double>()));
+  // The mean over the ranks that had a loss. When none had one, nobody
+  // steps (and no rank had a gradient to average).
+  const double divisor = count > 0 ? count : s.group->size();
   torch::NoGradGuard no_grad;
-  for (auto& b : s.buckets) b.flat.div_(world);
+  for (auto& b : s.buckets) b.flat.div_(divisor);
   for (size_t k = 0; k < s.params.size(); ++k) {
     auto& p = s.params[k];
     if (s.grad_in_bucket(k)) continue;  // already averaged in place
-    if (p.grad().defined() ||
-        (used_anywhere.defined() && used_anywhere.data_ptr<int>()[k] > 0)) {
+    // A rank that joined without a backward takes every gradient its peers
+    // hold (all of them, unless find_unused_parameters says which), so
+    // that every replica takes the same step.
+    const bool used_by_a_peer = used_anywhere.defined() ? used_anywhere.data_ptr<int>()[k] > 0
+                                                        : !ran_backward;
+    if (p.grad().defined() || used_by_a_peer) {
       // Shares the bucket's storage without being an autograd view, so
       // optimizers may still detach_() and zero_() it.
       const auto& b = s.buckets[s.bucket_of[k]];
@@ -244,6 +275,7 @@ void GradientReducer::finalize_backward() {
       p.mutable_grad() = alias;
     }
   }
+  return count;
 }
 
 std::vector<std::vector<std::string>> GradientReducer::bucket_layout() const {

@@ -57,6 +57,8 @@ void ParallelStrategy::do_setup_environment() {
   options.world_size = world_size();
   options.rank = global_rank();
   options.timeout = timeout_;
+  options.backend = process_group_backend();
+  options.device = root_device();
   if (options.main_port == 0) {
     if (options.world_size > 1) {
       throw DistributedError(str("strategy \"", name(), "\": rank ", options.rank, " of ",
@@ -66,6 +68,10 @@ void ParallelStrategy::do_setup_environment() {
     options.main_port = find_free_port(options.main_address);
   }
   group_ = ProcessGroup::connect(options);
+}
+
+std::string ParallelStrategy::process_group_backend() const {
+  return backend_.empty() ? default_process_group_backend(root_device()) : backend_;
 }
 
 void ParallelStrategy::do_teardown() {}

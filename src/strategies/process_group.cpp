@@ -7,9 +7,17 @@
 #include <unistd.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+#ifdef USE_C10D_MPI
+#include <torch/csrc/distributed/c10d/ProcessGroupMPI.hpp>
+#endif
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "fulgur/core/errors.h"
@@ -91,8 +99,51 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  c10::intrusive_ptr<C10dGroup> group;
 };
+
+std::vector<std::string> available_process_group_backends() {
+  std::vector<std::string> out = {"gloo"};
+#ifdef USE_C10D_NCCL
+  out.emplace_back("nccl");
+#endif
+#ifdef USE_C10D_MPI
+  out.emplace_back("mpi");
+#endif
+  return out;
+}
+
+std::string default_process_group_backend(c10::Device device) {
+  const auto available = available_process_group_backends();
+  const bool nccl = std::find(available.begin(), available.end(), "nccl") != available.end();
+  return device.is_cuda() && nccl ? "nccl" : "gloo";
+}
+
+namespace {
+
+c10::intrusive_ptr<C10dGroup> make_gloo(const ProcessGroupOptions& o, const Resolved& main,
+                                        const c10::intrusive_ptr<c10d::Store>& store) {
+  auto options = c10d::ProcessGroupGloo::Options::create(o.timeout);
+  options->devices.push_back(
+      c10d::ProcessGroupGloo::createDeviceForHostname(local_ip_towards(main)));
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, o.rank, o.world_size, options);
+}
+
+#ifdef USE_C10D_NCCL
+c10::intrusive_ptr<C10dGroup> make_nccl(const ProcessGroupOptions& o,
+                                        const c10::intrusive_ptr<c10d::Store>& store) {
+  // Without asynchronous error handling a collective that never completes
+  // blocks forever; with it, NCCL's watchdog aborts it at the timeout and
+  // the rank fails (its launcher then names it). The user's setting wins.
+  ::setenv("NCCL_ASYNC_ERROR_HANDLING", "1", /*overwrite=*/0);
+  ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", /*overwrite=*/0);
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = o.timeout;
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, o.rank, o.world_size, options);
+}
+#endif
+
+}  // namespace
 
 PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what)
     : work_(std::move(work)), what_(std::move(what)) {}
@@ -128,16 +179,43 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
     throw DistributedError(str("ProcessGroup: main port ", o.main_port, " (MASTER_PORT) is not a "
                                "TCP port; set MASTER_PORT to a port in 1..65535."));
   }
-  if (o.backend != "gloo") {
-    throw DistributedError(str("ProcessGroup: backend \"", o.backend, "\" is not available in this "
-                               "build of fulgur (its LibTorch has Gloo only). Use \"gloo\"."));
+  const auto available = available_process_group_backends();
+  if (std::find(available.begin(), available.end(), o.backend) == available.end()) {
+    const bool known = o.backend == "nccl" || o.backend == "mpi";
+    throw DistributedError(str(
+        "ProcessGroup: backend \"", o.backend, "\" ",
+        known ? "is not in this build: its LibTorch was built without it" : "is not a backend",
+        ". Available: ", join(available), o.backend == "nccl" ? " (nccl needs a CUDA build of "
+        "LibTorch with NCCL; gloo also runs on CPU)" : "", "."));
+  }
+  if (o.backend == "nccl" && !o.device.is_cuda()) {
+    throw DistributedError(str("ProcessGroup: backend \"nccl\" runs on CUDA devices, but this "
+                               "rank's device is ", o.device.str(), ". Use \"gloo\" on CPU."));
   }
   if (o.timeout.count() <= 0) {
     throw DistributedError(str("ProcessGroup: timeout ", o.timeout.count(), " ms must be > 0."));
   }
+  auto impl = std::make_unique<Impl>();
+#ifdef USE_C10D_MPI
+  if (o.backend == "mpi") {
+    // mpirun made the ranks and MPI connects them: no store.
+    try {
+      impl->group = c10d::ProcessGroupMPI::createProcessGroupMPI();
+    } catch (const std::exception& e) {
+      throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": building the MPI "
+                                 "process group failed: ", e.what()));
+    }
+    if (impl->group->getRank() != o.rank || impl->group->getSize() != o.world_size) {
+      throw DistributedError(str("ProcessGroup: MPI says this is rank ", impl->group->getRank(),
+                                 " of ", impl->group->getSize(), ", but the cluster environment "
+                                 "says rank ", o.rank, " of ", o.world_size, ". Start the "
+                                 "program with mpirun -np <devices x num_nodes>."));
+    }
+    return std::shared_ptr<ProcessGroup>(new ProcessGroup(o, std::move(impl)));
+  }
+#endif
   Resolved main = resolve(o.main_address, o.main_port, o);
 
-  auto impl = std::make_unique<Impl>();
   try {
     // Rank 0 listens on the main address only (LibTorch 1.13's TCPStore
     // would listen on every interface); it says at once when the address is
@@ -149,21 +227,23 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
                                e.what()));
   }
   try {
-    auto gloo_options = c10d::ProcessGroupGloo::Options::create(o.timeout);
-    gloo_options->devices.push_back(
-        c10d::ProcessGroupGloo::createDeviceForHostname(local_ip_towards(main)));
-    impl->group = c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, o.rank, o.world_size,
-                                                              gloo_options);
+#ifdef USE_C10D_NCCL
+    if (o.backend == "nccl") impl->group = make_nccl(o, impl->store);
+#endif
+    if (o.backend == "gloo") impl->group = make_gloo(o, main, impl->store);
   } catch (const std::exception& e) {
-    throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": building the Gloo process "
-                               "group through ", o.main_address, ":", o.main_port, " failed: ",
-                               e.what()));
+    throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": building the ", o.backend,
+                               " process group through ", o.main_address, ":", o.main_port,
+                               " failed: ", e.what()));
   }
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(o, std::move(impl)));
 }
 
-const c10::intrusive_ptr<c10d::ProcessGroup>& ProcessGroup::c10d_group() const {
-  return impl_->group;
+const c10::intrusive_ptr<C10dGroup>& ProcessGroup::c10d_group() const { return impl_->group; }
+
+at::Tensor ProcessGroup::staged(const at::Tensor& tensor) const {
+  if (options_.backend == "nccl" && !tensor.is_cuda()) return tensor.to(options_.device);
+  return tensor;
 }
 
 void ProcessGroup::run(const char* what,
@@ -179,17 +259,21 @@ void ProcessGroup::run(const char* what,
 }
 
 void ProcessGroup::barrier() {
-  run("barrier", [&] { return impl_->group->barrier(); });
+  c10d::BarrierOptions opts;
+  // NCCL would otherwise guess the device from the rank.
+  if (options_.device.is_cuda()) opts.device_ids = {options_.device.index()};
+  run("barrier", [&] { return impl_->group->barrier(opts); });
 }
 
 void ProcessGroup::broadcast_(at::Tensor& tensor, int src) {
   if (src < 0 || src >= size()) {
     throw DistributedError(str("broadcast from rank ", src, ": the world has ranks 0..", size() - 1, "."));
   }
-  std::vector<at::Tensor> tensors = {tensor};
+  std::vector<at::Tensor> tensors = {staged(tensor)};
   c10d::BroadcastOptions opts;
   opts.rootRank = src;
   run("broadcast", [&] { return impl_->group->broadcast(tensors, opts); });
+  if (!tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
 }
 
 std::string ProcessGroup::broadcast_bytes(const std::string& value, int src) {
@@ -202,10 +286,11 @@ std::string ProcessGroup::broadcast_bytes(const std::string& value, int src) {
 }
 
 void ProcessGroup::all_reduce_(at::Tensor& tensor, ReduceOp op) {
-  std::vector<at::Tensor> tensors = {tensor};
+  std::vector<at::Tensor> tensors = {staged(tensor)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
   run("all_reduce", [&] { return impl_->group->allreduce(tensors, opts); });
+  if (!tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
   if (op == ReduceOp::Mean) {
     if (tensor.is_floating_point()) {
       tensor.div_(size());
@@ -227,12 +312,12 @@ PendingCollective ProcessGroup::all_reduce_sum_async_(at::Tensor& tensor) {
 }
 
 at::Tensor ProcessGroup::all_gather(const at::Tensor& tensor) {
-  at::Tensor input = tensor.contiguous();
+  at::Tensor input = staged(tensor.contiguous());
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < size(); ++r) outputs[0].push_back(torch::empty_like(input));
   std::vector<at::Tensor> inputs = {input};
   run("all_gather", [&] { return impl_->group->allgather(outputs, inputs); });
-  return torch::stack(outputs[0]);
+  return torch::stack(outputs[0]).to(tensor.device());
 }
 
 int find_free_port(const std::string& address) {

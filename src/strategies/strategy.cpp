@@ -139,6 +139,10 @@ Batch Strategy::batch_to_device(const Batch& batch) const {
   });
 }
 
+at::Tensor Strategy::training_step(Module& module, Batch& batch, int64_t batch_idx) {
+  return module.training_step(batch, batch_idx);
+}
+
 std::unique_ptr<PrecisionScope> Strategy::step_scope() {
   return precision().forward_scope(root_device().type());
 }

@@ -294,6 +294,10 @@ class StoreServer {
 
 // ---- Client.
 
+c10::intrusive_ptr<c10d::Store> TcpStore::clone() {
+  return c10::make_intrusive<TcpStore>(host_, port_, /*server=*/false, timeout_);
+}
+
 TcpStore::TcpStore(const std::string& host, int port, bool server,
                    std::chrono::milliseconds timeout)
     : c10d::Store(timeout), host_(host), port_(port) {

@@ -35,6 +35,10 @@ class TcpStore : public c10d::Store {
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+  /// Another client of the same server, with its own connection. LibTorch
+  /// 2.x's Store declares it (NCCL's watchdog uses a copy); in 1.13 it is
+  /// fulgur's own, hence no `override`.
+  c10::intrusive_ptr<c10d::Store> clone();
 
  private:
   std::string request(const std::string& message, std::chrono::milliseconds timeout,

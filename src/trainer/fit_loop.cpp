@@ -155,8 +155,11 @@ void Trainer::Impl::training_batch(Batch& batch, int64_t idx, bool is_last_batch
   bool should_step = (idx + 1) % options.accumulate_grad_batches == 0 || is_last_batch;
   at::Tensor loss;
   if (m.automatic_optimization()) {
+    // Micro-batches that do not step accumulate locally, without a
+    // cross-rank gradient sync (nor, under DDP, a buffer broadcast).
+    strategy->set_gradient_sync(should_step);
     auto scope = strategy->step_scope();
-    loss = m.training_step(on_device, idx);
+    loss = strategy->training_step(m, on_device, idx);
     scope.reset();
     if (loss.defined()) {
       if (loss.numel() != 1) {
@@ -172,17 +175,22 @@ void Trainer::Impl::training_batch(Batch& batch, int64_t idx, bool is_last_batch
       at::Tensor scaled =
           options.accumulate_grad_batches > 1 ? loss / options.accumulate_grad_batches : loss;
       call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
-      // Micro-batches that do not step accumulate locally, without a
-      // cross-rank gradient sync.
-      strategy->set_gradient_sync(should_step);
       strategy->backward(scaled, m);
       call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
+      window_has_gradient = !should_step;
       if (should_step) step_optimizers();
+    } else if (should_step) {
+      // No loss here, but earlier micro-batches may have accumulated
+      // gradients, and under DDP the peers may have a loss: every replica
+      // must take the same step (or none).
+      const bool accumulated = window_has_gradient;
+      window_has_gradient = false;
+      if (strategy->backward_skipped(m, accumulated)) step_optimizers();
     }
   } else {
     strategy->set_gradient_sync(true);
     auto scope = strategy->step_scope();
-    loss = m.training_step(on_device, idx);
+    loss = strategy->training_step(m, on_device, idx);
     if (global_step > steps_before) ++batches_that_stepped;
   }
   batch_position = idx + 1;

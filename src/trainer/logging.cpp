@@ -4,6 +4,9 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <algorithm>
+#include <functional>
+#include <string>
 
 #include "fulgur/core/errors.h"
 #include "trainer/trainer_impl.h"
@@ -78,7 +81,49 @@ void LogSink::clear_step_flags() {
   for (auto& [_, e] : entries_) e.step_fresh = false;
 }
 
+namespace {
+
+// The reductions below pair up by position: every rank must reduce the same
+// metrics in the same order, or each would silently take another metric's
+// values (or wait for a collective that never comes). One all-gather of a
+// hash of the names per epoch makes a difference an error naming them.
+void check_same_synced_metrics(const std::string& synced, Strategy& strategy) {
+  const auto hash = static_cast<int64_t>(std::hash<std::string>{}(synced));
+  at::Tensor all = strategy.all_gather(torch::tensor({hash}, torch::kLong));
+  if ((all == hash).all().item<bool>()) return;
+  // Only on this error path: every rank's list, to name who differs.
+  std::vector<std::pair<std::string, std::vector<std::string>>> ranks_of;  // in rank order
+  for (int r = 0; r < strategy.world_size(); ++r) {
+    std::string names = strategy.broadcast_bytes(synced, r);
+    auto it = std::find_if(ranks_of.begin(), ranks_of.end(),
+                           [&](const auto& entry) { return entry.first == names; });
+    if (it == ranks_of.end()) it = ranks_of.insert(ranks_of.end(), {std::move(names), {}});
+    it->second.push_back(std::to_string(r));
+  }
+  std::string which;
+  for (const auto& [names, ranks] : ranks_of) {
+    which += str(which.empty() ? "" : "; ", ranks.size() == 1 ? "rank " : "ranks ", join(ranks),
+                 " logged ", names.empty() ? "none" : names.substr(0, names.size() - 2));
+  }
+  throw ConfigError(str("metrics logged with sync_dist=true differ across ranks this epoch: ",
+                        which, ". Their reductions pair up by name across ranks, so every rank "
+                        "must log the same sync_dist metrics in an epoch (log them on every rank; "
+                        "a rank with nothing to add can log a mean with .batch_size = 0), or log "
+                        "rank-local values without sync_dist."));
+}
+
+}  // namespace
+
 std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
+  if (strategy.world_size() > 1) {
+    std::string synced;
+    for (const auto& [name, e] : entries_) {
+      if (e.on_epoch && e.epoch_has_value && e.options.sync_dist) {
+        synced.append(name).append(" (").append(to_string(e.options.reduce)).append("), ");
+      }
+    }
+    check_same_synced_metrics(synced, strategy);
+  }
   std::vector<Value> out;
   for (const auto& [name, e] : entries_) {
     if (!e.on_epoch || !e.epoch_has_value) continue;

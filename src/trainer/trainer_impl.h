@@ -100,6 +100,8 @@ struct Trainer::Impl {
   int64_t batch_idx = 0;
   int64_t batch_position = 0;  // training batches done in the current epoch
   int64_t batches_that_stepped = 0;
+  // An earlier micro-batch of the current accumulation window ran backward.
+  bool window_has_gradient = false;
   int64_t num_training_batches = -1;
   bool should_stop = false;
   std::string stop_reason;

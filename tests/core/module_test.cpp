@@ -176,4 +176,46 @@ TEST(Module, UndefinedLossSkipsTheBatch) {
   EXPECT_EQ(result.global_step, 2);
 }
 
+TEST(Module, UndefinedLossAtAnAccumulationStepStepsWithWhatWasAccumulated) {
+  // accumulate_grad_batches=2 over 6 batches: windows {0,1} {2,3} {4,5}.
+  // Batch 1 has no loss: the window still steps with batch 0's gradient.
+  // Batches 2 and 3 have none: that window has nothing to step with.
+  struct Skipping : LinearRegression {
+    at::Tensor training_step(fulgur::Batch& batch, int64_t idx) override {
+      auto loss = LinearRegression::training_step(batch, idx);
+      return idx == 1 || idx == 2 || idx == 3 ? at::Tensor() : loss;
+    }
+  };
+  TempDir dir;
+  auto options = test_options(dir);
+  options.accumulate_grad_batches = 2;
+  Skipping model;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(6));
+  EXPECT_EQ(model.count("on_before_backward"), 3);
+  EXPECT_EQ(result.global_step, 2);
+
+  // That first step is the one batch 0 alone gives with its loss halved.
+  struct Halved : LinearRegression {
+    at::Tensor training_step(fulgur::Batch& batch, int64_t idx) override {
+      return LinearRegression::training_step(batch, idx) / 2;
+    }
+  };
+  torch::manual_seed(0);
+  Skipping accumulated;
+  torch::manual_seed(0);
+  Halved reference;
+  auto two = test_options(dir);
+  two.accumulate_grad_batches = 2;
+  fulgur::Trainer(two).fit(accumulated, regression_loader(2));
+  fulgur::Trainer(test_options(dir)).fit(reference, regression_loader(1));
+  auto a = accumulated.parameters();
+  auto b = reference.parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t k = 0; k < a.size(); ++k) EXPECT_TRUE(torch::allclose(a[k], b[k])) << k;
+  torch::manual_seed(0);
+  LinearRegression initial;
+  EXPECT_FALSE(torch::allclose(a[0], initial.parameters()[0])) << "no step was taken";
+}
+
 }  // namespace

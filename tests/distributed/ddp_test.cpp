@@ -113,6 +113,51 @@ TEST(DDP, FindUnusedParametersMatches) {
   expect_equivalent({"--steps", "20", "--unused-layer"}, "ddp_find_unused_parameters_true");
 }
 
+TEST(DDP, ARankWithoutALossTakesTheStepOfTheRanksWithOne) {
+  // Rank 1's training_step returns no loss at batches 3 and 8: those steps
+  // are rank 0's gradient alone, as on one process without rank 1's rows.
+  // (Rank 1 skipping its all-reduces would pair them with the wrong ones.)
+  expect_equivalent({"--steps", "20", "--skip-ranks", "1", "--skip-at", "3,8"}, "ddp");
+}
+
+TEST(DDP, WhenNoRankHasALossNobodySteps) {
+  expect_equivalent({"--steps", "20", "--skip-ranks", "0,1", "--skip-at", "4"}, "ddp");
+}
+
+TEST(DDP, NoLossAtAnAccumulationStepStepsWithWhatWasAccumulated) {
+  // Windows of two: {2,3} steps with batch 2's gradients; {6,7} has none.
+  expect_equivalent({"--steps", "8", "--accumulate", "2", "--skip-ranks", "0,1", "--skip-at",
+                     "3,6,7"},
+                    "ddp");
+}
+
+TEST(DDP, BuffersComeFromRankZeroBeforeEachStep) {
+  // Each rank adds rank + 1 to a buffer in every training step; 6 steps.
+  auto run = [](const std::string& broadcast) {
+    return run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "6", "--count-buffer",
+                       "--broadcast-buffers", broadcast});
+  };
+  auto synced = run("true");
+  ASSERT_EQ(synced.exit_code, 0) << synced.output;
+  EXPECT_EQ(result_value(synced.output, "seen_rank0"), "6") << synced.output;
+  // Rank 0's 5 before the last step, then its own 2.
+  EXPECT_EQ(result_value(synced.output, "seen_rank1"), "7") << synced.output;
+  auto local = run("false");
+  ASSERT_EQ(local.exit_code, 0) << local.output;
+  EXPECT_EQ(result_value(local.output, "seen_rank1"), "12") << local.output;
+}
+
+TEST(DDP, SyncDistMetricsThatDifferAcrossRanksAreAnErrorNotAMixUp) {
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "20",
+                       "--extra-metric-rank", "1", "--timeout", "30"});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("differ across ranks"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 0 logged train_loss (mean); rank 1 logged only_here (mean), "
+                          "train_loss (mean)"),
+            std::string::npos)
+      << r.output;
+}
+
 TEST(DDP, ManualOptimizationIsSynchronisedToo) {
   expect_equivalent({"--steps", "20", "--manual-optimization"}, "ddp");
 }

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <csignal>
 #include <iostream>
 #include <thread>
@@ -43,6 +44,17 @@ struct Args {
   std::string batchnorm = "none";  // none | plain (torch::nn) | sync (fulgur::nn)
   bool sync_batchnorm = false;
   bool checkpoint = false;
+  // Ranks whose training_step returns no loss at the batches in skip_at.
+  // On one process (the reference run) the batch is cut to the rows those
+  // ranks would not have had under `reference_world` ranks.
+  std::vector<int> skip_ranks;
+  std::vector<int64_t> skip_at;
+  int reference_world = 2;
+  // A buffer every rank adds rank + 1 to in each training step.
+  bool count_buffer = false;
+  bool broadcast_buffers = true;
+  // A rank that logs one more sync_dist metric than the others.
+  int extra_metric_rank = -1;
 };
 
 // 16 features, 4 classes; samples depend only on their index.
@@ -69,7 +81,10 @@ struct Classifier : fulgur::Module {
     if (args.unused_layer) extra = register_module("extra", torch::nn::Linear(32, 32));
     if (a.batchnorm == "plain") plain_bn = register_module("bn", torch::nn::BatchNorm1d(32));
     if (a.batchnorm == "sync") sync_bn = register_module("bn", fulgur::nn::SyncBatchNorm(32));
+    if (a.count_buffer) seen = register_buffer("seen", torch::zeros({}, torch::kLong));
   }
+
+  at::Tensor seen;
 
   at::Tensor forward(const at::Tensor& x, bool use_extra) {
     auto h = fc1(x);
@@ -90,7 +105,28 @@ struct Classifier : fulgur::Module {
       std::cout << "rank " << rank << " hangs now" << std::endl;
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
-    auto& [x, y] = batch.pair();
+    if (seen.defined()) seen.add_(rank + 1);
+    if (rank == args.extra_metric_rank) log("only_here", 1.0, {.on_epoch = true, .sync_dist = true});
+    auto [x, y] = batch.pair();
+    if (std::count(args.skip_at.begin(), args.skip_at.end(), batch_idx) > 0) {
+      const int world = trainer().strategy().world_size();
+      auto skips = [&](int r) {
+        return std::count(args.skip_ranks.begin(), args.skip_ranks.end(), r) > 0;
+      };
+      if (world > 1 && skips(rank)) return {};
+      if (world == 1) {
+        // The distributed sampler deals sample i to rank i % world: keep
+        // the rows of the ranks that do not skip.
+        std::vector<int64_t> keep;
+        for (int64_t i = 0; i < x.size(0); ++i) {
+          if (!skips(static_cast<int>(i % args.reference_world))) keep.push_back(i);
+        }
+        if (keep.empty()) return {};
+        auto index = torch::tensor(keep, torch::kLong);
+        x = x.index_select(0, index);
+        y = y.index_select(0, index);
+      }
+    }
     auto loss = torch::cross_entropy_loss(forward(x, args.unused_layer && batch_idx % 2 == 0), y);
     log("train_loss", loss, {.on_epoch = true, .sync_dist = args.sync_dist});
     if (args.manual) {
@@ -149,6 +185,12 @@ int main(int argc, char** argv) {
   app.add_option("--batchnorm", a.batchnorm);
   app.add_flag("--sync-batchnorm", a.sync_batchnorm);
   app.add_flag("--checkpoint", a.checkpoint);
+  app.add_option("--skip-ranks", a.skip_ranks)->delimiter(',');
+  app.add_option("--skip-at", a.skip_at)->delimiter(',');
+  app.add_option("--reference-world", a.reference_world);
+  app.add_flag("--count-buffer", a.count_buffer);
+  app.add_option("--broadcast-buffers", a.broadcast_buffers);
+  app.add_option("--extra-metric-rank", a.extra_metric_rank);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -166,6 +208,7 @@ int main(int argc, char** argv) {
       ddp_options.process_group_timeout =
           std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
       ddp_options.bucket_cap_mb = a.bucket_mb;
+      ddp_options.broadcast_buffers = a.broadcast_buffers;
       options.strategy = std::make_shared<fulgur::DDPStrategy>(ddp_options, a.strategy);
     } else {
       options.strategy = a.strategy;
@@ -196,6 +239,10 @@ int main(int argc, char** argv) {
                                      {.batch_size = 64}));
     }
     auto& strategy = trainer.strategy();
+    if (model.seen.defined()) {
+      std::cout << "RESULT seen_rank" << strategy.global_rank() << "=" << model.seen.item<int64_t>()
+                << std::endl;
+    }
     if (strategy.is_global_zero()) {
       if (!a.out.empty()) {
         std::vector<at::Tensor> params;

@@ -104,8 +104,11 @@ class Module : public torch::nn::Module {
 
   // ---- Steps. The Trainer calls these with batches already on the device.
   /// One training step: returns the loss to minimise (automatic
-  /// optimization), or an undefined tensor to skip this batch. With manual
-  /// optimization it calls manual_backward/optimizer_step itself.
+  /// optimization), or an undefined tensor to skip this batch. Under ddp a
+  /// rank may skip while others do not: the step then averages the
+  /// gradients of the ranks that had a loss, and every rank takes it (when
+  /// no rank had a loss, nobody steps). With manual optimization it calls
+  /// manual_backward/optimizer_step itself.
   virtual at::Tensor training_step(Batch& batch, int64_t batch_idx);
   /// Called when a validation loader is given; log metrics with log().
   virtual void validation_step(Batch& batch, int64_t batch_idx);

@@ -1,7 +1,8 @@
 // File: fulgur/strategies/ddp.h
 //
 // Distributed data parallel: every rank holds the whole module; parameters
-// and buffers are broadcast from rank 0 at setup; gradients are averaged in
+// and buffers are broadcast from rank 0 at setup (buffers again before each
+// training step, unless broadcast_buffers=false); gradients are averaged in
 // buckets while backward runs (GradientReducer); every rank then takes the
 // same optimizer step.
 //
@@ -21,6 +22,9 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
 
 #include "fulgur/strategies/parallel.h"
 
@@ -36,7 +40,15 @@ struct DDPOptions {
   bool find_unused_parameters = false;
   /// Gradient bucket size in MiB.
   double bucket_cap_mb = 25.0;
+  /// Before each training step that synchronises gradients, every rank
+  /// takes rank 0's buffers (BatchNorm running statistics), as PyTorch's
+  /// DistributedDataParallel does by default: the replicas stay identical
+  /// and a checkpoint holds the statistics every rank used. One broadcast
+  /// per buffer dtype; nothing for a module without buffers.
+  bool broadcast_buffers = true;
   std::chrono::milliseconds process_group_timeout = std::chrono::minutes(30);
+  /// "gloo", "nccl" or "mpi"; empty: nccl on CUDA where available, else gloo.
+  std::string process_group_backend;
   /// Between SIGTERM and SIGKILL when the launcher stops ranks.
   std::chrono::milliseconds stop_grace = std::chrono::seconds(5);
 };
@@ -52,7 +64,12 @@ class DDPStrategy : public ParallelStrategy {
   /// fulgur::nn::SyncBatchNorm layers reduce their statistics across ranks.
   bool supports_sync_batchnorm() const override { return true; }
 
+  /// Broadcasts rank 0's buffers (broadcast_buffers), then the step.
+  at::Tensor training_step(Module& module, Batch& batch, int64_t batch_idx) override;
   void backward(const at::Tensor& loss, Module& module) override;
+  /// Joins the peers' gradient all-reduces with no gradient; the optimizers
+  /// step with the mean over the ranks that had a loss, or nobody steps.
+  bool backward_skipped(Module& module, bool accumulated) override;
   void set_gradient_sync(bool enabled) override;
   /// The module's reducer after setup(); null before.
   GradientReducer* reducer() const { return reducer_.get(); }
@@ -98,8 +115,17 @@ class DDPStrategy : public ParallelStrategy {
  private:
   DDPOptions options_;
   std::string name_;
+  /// Rank 0's buffers into every rank, one flat broadcast per dtype.
+  void broadcast_buffers();
+
   std::unique_ptr<GradientReducer> reducer_;
   bool sync_ = true;
+  struct BufferGroup {
+    at::Tensor flat;
+    std::vector<at::Tensor> buffers;
+    std::vector<at::Tensor> slices;  // views of `flat`, one per buffer
+  };
+  std::vector<BufferGroup> buffer_groups_;
 };
 
 }  // namespace fulgur

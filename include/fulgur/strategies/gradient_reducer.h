@@ -7,7 +7,9 @@
 // and as soon as a bucket is complete its all-reduce starts asynchronously,
 // so communication overlaps the rest of backward. Buckets are started in the
 // same order on every rank. finalize_backward() waits for all of them and
-// writes the averages back into the parameters' .grad.
+// writes the averages back into the parameters' .grad. A rank with no loss
+// in a step joins with join_without_backward(); the mean is then over the
+// ranks that had one (counted in the first bucket, at no extra collective).
 //
 //   GradientReducer reducer(module.named_parameters(), group);
 //   reducer.prepare_for_backward();
@@ -50,10 +52,17 @@ class GradientReducer {
 
   /// Arms the hooks for the next backward (when sync is on).
   void prepare_for_backward();
-  /// Waits for every bucket and writes the averaged gradients. Throws
-  /// DistributedError naming the parameters that got no gradient (unless
-  /// find_unused_parameters) and on a failed collective.
-  void finalize_backward();
+  /// Waits for every bucket and writes the averaged gradients. Returns how
+  /// many ranks contributed (the world size, unless some joined without a
+  /// backward). Throws DistributedError naming the parameters that got no
+  /// gradient (unless find_unused_parameters) and on a failed collective.
+  int finalize_backward();
+  /// For a rank that has no loss this step while its peers run backward:
+  /// joins their all-reduces, so the collectives stay paired, and takes the
+  /// mean over the ranks that contributed. It contributes the gradients it
+  /// accumulated in earlier micro-batches when `accumulated`, else nothing.
+  /// Returns how many ranks contributed: when 0, nobody should step.
+  int join_without_backward(bool accumulated = false);
   /// Off: backward only accumulates locally (gradient accumulation's
   /// non-stepping micro-batches); the next synchronised backward averages
   /// the accumulated gradients.

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "fulgur/strategies/strategy.h"
 
@@ -45,6 +46,12 @@ class ParallelStrategy : public Strategy {
   /// setup_environment(). Its rank and size must be this process's.
   void set_process_group(std::shared_ptr<ProcessGroup> group);
 
+  /// "gloo", "nccl" or "mpi"; empty (the default): nccl on CUDA devices
+  /// where this build has it, else gloo.
+  void set_process_group_backend(std::string backend) { backend_ = std::move(backend); }
+  /// The backend setup_environment() uses (the default resolved).
+  std::string process_group_backend() const;
+
   /// Bounds the rendezvous and every collective (default 30 minutes).
   void set_process_group_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
   std::chrono::milliseconds process_group_timeout() const { return timeout_; }
@@ -68,6 +75,7 @@ class ParallelStrategy : public Strategy {
  private:
   std::shared_ptr<ProcessGroup> group_;
   std::chrono::milliseconds timeout_ = std::chrono::minutes(30);
+  std::string backend_;
   std::optional<int> main_port_;
 };
 

@@ -1,11 +1,12 @@
 // File: fulgur/strategies/process_group.h
 //
 // A ProcessGroup is the set of ranks of one run and the collectives between
-// them, on top of LibTorch's c10d: a TCPStore rendezvous at the main
-// address:port, then ProcessGroupGloo (CPU tensors). Every collective is
-// bounded by the group's timeout, and every failure (a peer that died, a
-// timeout, a bad address) is a DistributedError naming the operation, this
-// rank and what to check.
+// them, on top of LibTorch's c10d: a store rendezvous at the main
+// address:port, then ProcessGroupGloo (CPU tensors), ProcessGroupNCCL (CUDA
+// tensors; in LibTorch builds with NCCL) or ProcessGroupMPI (in builds with
+// MPI). Every collective is bounded by the group's timeout, and every
+// failure (a peer that died, a timeout, a bad address) is a DistributedError
+// naming the operation, this rank and what to check.
 //
 //   auto group = fulgur::ProcessGroup::connect({.main_address = "127.0.0.1",
 //                                               .main_port = 29500,
@@ -18,7 +19,9 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/version.h>
 
 #include <chrono>
 #include <functional>
@@ -30,10 +33,20 @@
 
 namespace c10d {
 class ProcessGroup;
+class Backend;
 class Work;
 }  // namespace c10d
 
 namespace fulgur {
+
+/// The c10d object the collectives run on: the backend's process group in
+/// LibTorch 1.x; in 2.x the backend itself (ProcessGroupGloo and
+/// ProcessGroupNCCL became c10d::Backends).
+#if TORCH_VERSION_MAJOR >= 2
+using C10dGroup = c10d::Backend;
+#else
+using C10dGroup = c10d::ProcessGroup;
+#endif
 
 struct ProcessGroupOptions {
   /// Where rank 0 listens (MASTER_ADDR). Rank 0 must own this address.
@@ -44,10 +57,21 @@ struct ProcessGroupOptions {
   int rank = 0;
   /// Bounds the rendezvous and every collective.
   std::chrono::milliseconds timeout = std::chrono::minutes(30);
-  /// "gloo" (CPU tensors). "nccl" and "mpi" are rejected with a clear error
-  /// in builds whose LibTorch lacks them.
+  /// "gloo" (CPU tensors), "nccl" (CUDA tensors), "mpi" (ranks from
+  /// mpirun; no store). A backend this build's LibTorch lacks is a clear
+  /// error (available_backends() lists the others).
   std::string backend = "gloo";
+  /// This rank's device. nccl needs a CUDA device: CPU tensors passed to a
+  /// collective (a decision, a path's bytes) go through it and back.
+  c10::Device device = c10::Device(c10::kCPU);
 };
+
+/// The backends this build's LibTorch has: "gloo", and "nccl" / "mpi"
+/// where it was built with them.
+std::vector<std::string> available_process_group_backends();
+/// "nccl" for a CUDA device when available, else "gloo" (as PyTorch
+/// Lightning's DDP picks).
+std::string default_process_group_backend(c10::Device device);
 
 /// A started asynchronous collective.
 class PendingCollective {
@@ -91,7 +115,7 @@ class ProcessGroup {
   at::Tensor all_gather(const at::Tensor& tensor);
 
   /// The underlying c10d group (include the c10d headers to use it).
-  const c10::intrusive_ptr<c10d::ProcessGroup>& c10d_group() const;
+  const c10::intrusive_ptr<C10dGroup>& c10d_group() const;
 
  private:
   struct Impl;
@@ -99,6 +123,8 @@ class ProcessGroup {
   /// Runs a blocking collective, turning a c10d failure into a
   /// DistributedError that says which operation failed on which rank.
   void run(const char* what, const std::function<c10::intrusive_ptr<c10d::Work>()>& start);
+  /// `tensor` itself, or (nccl, CPU tensor) a copy on the group's device.
+  at::Tensor staged(const at::Tensor& tensor) const;
 
   ProcessGroupOptions options_;
   std::unique_ptr<Impl> impl_;

@@ -13,6 +13,7 @@
 //   module.configure_model();
 //   strategy.setup(module);               // dtype, placement, wrapping
 //   auto batch = strategy.batch_to_device(raw);
+//   auto loss = strategy.training_step(module, batch, batch_idx);
 //   strategy.backward(loss, module);
 //   strategy.optimizer_step(optimizer, module);
 //   strategy.teardown();
@@ -120,8 +121,19 @@ class Strategy {
   virtual Batch batch_to_device(const Batch& batch) const;
   /// The precision's scope around a step (autocast); null when none.
   std::unique_ptr<PrecisionScope> step_scope();
+  /// Calls the module's training_step (as Lightning's strategy does around
+  /// its wrapped model): DDP first broadcasts rank 0's buffers.
+  virtual at::Tensor training_step(Module& module, Batch& batch, int64_t batch_idx);
   /// Backward through the precision plugin (and gradient sync when wrapped).
   virtual void backward(const at::Tensor& loss, Module& module);
+  /// training_step returned no loss on this rank at a micro-batch that
+  /// steps the optimizers; `accumulated`: an earlier micro-batch of the
+  /// accumulation window had one. Returns whether the optimizers step. A
+  /// strategy that averages gradients joins the ranks that had a loss (so
+  /// that their collectives stay paired) and says true when any rank has a
+  /// gradient: every replica then takes the same step. Default:
+  /// `accumulated` (step with what earlier micro-batches accumulated).
+  virtual bool backward_skipped(Module& /*module*/, bool accumulated) { return accumulated; }
   /// Unscales the optimizer's gradients before clipping (16-mixed).
   void unscale_gradients(torch::optim::Optimizer& optimizer);
   /// Steps the optimizer through the precision plugin; false if skipped.
