@@ -152,8 +152,17 @@ void DDPStrategy::backward(const at::Tensor& loss, Module& module) {
   if (sync) reducer_->finalize_backward();
 }
 
-bool DDPStrategy::backward_skipped(Module&, bool accumulated) {
+bool DDPStrategy::backward_skipped(Module& module, bool accumulated) {
   if (!reducer_ || !sync_) return accumulated;
+  if (sync_batchnorm()) {
+    // Its peers' backward runs SyncBatchNorm's all-reduces, which this rank
+    // cannot pair without a backward of its own.
+    throw ConfigError(str("rank ", global_rank(), ": ", module.name(), "'s training_step returned "
+                          "no loss while sync_batchnorm=true: SyncBatchNorm reduces across ranks "
+                          "in forward and backward, so every rank must run both. Return a loss "
+                          "on every rank (e.g. loss * 0 to make a batch count for nothing), or "
+                          "turn sync_batchnorm off."));
+  }
   return reducer_->join_without_backward(accumulated) > 0;
 }
 

@@ -48,6 +48,7 @@ struct GradientReducer::State {
   size_t next_to_launch = 0;
   bool armed = false;
   bool require_sync = true;
+  bool contributes = true;  // this step: see `contributors`
 
   // After the first synchronised step each .grad is a view into its
   // bucket, so backward accumulates straight into the bucket and nothing is
@@ -67,6 +68,9 @@ struct GradientReducer::State {
 
   void launch_ready_buckets() {
     while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
+      // Written here, on the thread (and CUDA stream) that launches the
+      // bucket, like the gradients next to it.
+      if (next_to_launch == 0) contributors.fill_(contributes ? 1 : 0);
       auto& b = buckets[next_to_launch++];
       b.work.emplace(group->all_reduce_sum_async_(b.flat));
       b.launched = true;
@@ -202,7 +206,7 @@ void GradientReducer::State::prepare(bool contributes) {
     b.launched = false;
     b.work.reset();
   }
-  contributors.fill_(contributes ? 1 : 0);
+  this->contributes = contributes;
   next_to_launch = 0;
 }
 
@@ -245,7 +249,12 @@ int GradientReducer::State::finalize(bool ran_backward) {
     // a parameter nobody used keeps an undefined gradient.
     used_anywhere = torch::zeros({static_cast<int64_t>(s.params.size())}, torch::kInt);
     auto* flags = used_anywhere.data_ptr<int>();
-    for (size_t k = 0; k < s.params.size(); ++k) flags[k] = s.ready[k] ? 1 : 0;
+    // Used: a gradient from this backward, or one accumulated in earlier
+    // micro-batches that this rank contributes; a parameter some rank has a
+    // gradient for then gets one on every rank, so all step it alike.
+    for (size_t k = 0; k < s.params.size(); ++k) {
+      flags[k] = s.ready[k] || (s.contributes && s.params[k].grad().defined()) ? 1 : 0;
+    }
   }
   lock.unlock();
   for (auto& b : s.buckets) b.work->wait();

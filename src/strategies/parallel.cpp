@@ -59,7 +59,7 @@ void ParallelStrategy::do_setup_environment() {
   options.timeout = timeout_;
   options.backend = process_group_backend();
   options.device = root_device();
-  if (options.main_port == 0) {
+  if (options.main_port == 0 && options.backend != "mpi") {  // MPI connects without a store
     if (options.world_size > 1) {
       throw DistributedError(str("strategy \"", name(), "\": rank ", options.rank, " of ",
                                  options.world_size, " has no main port. Set MASTER_PORT (the same "
@@ -97,6 +97,14 @@ void ParallelStrategy::configure_launcher_for(const std::string& start_method,
   cluster_environment().set_global_rank(node_rank() * local_world + local_rank());
   // One process on this node: it is the rank itself, nothing to launch.
   if (local_world == 1) return;
+  if (start_method == "fork" && parallel_devices().front().is_cuda()) {
+    // Counting the GPUs (which resolving devices does) initialises CUDA in
+    // this process, and CUDA does not work in a process forked after that.
+    throw ConfigError(str("strategy \"", name(), "\" forks its ranks, which cannot use CUDA: this "
+                          "process has already initialised it (counting the GPUs does). Use "
+                          "strategy \"ddp\" (the program is re-executed once per rank), or "
+                          "torchrun / srun / mpirun."));
+  }
   Supervision supervision{stop_grace, process_group_timeout()};
   if (start_method == "fork") {
     set_launcher(std::make_unique<ForkLauncher>(*this, supervision));

@@ -160,9 +160,7 @@ void PendingCollective::wait() {
   try {
     work->wait();
   } catch (const std::exception& e) {
-    throw DistributedError(str(what_, " failed: ", e.what(), "\nA peer rank probably died or "
-                               "stopped responding (see the launcher's message about it), or the "
-                               "process_group_timeout passed."));
+    throw DistributedError(str(what_, " failed: ", e.what(), "\n", detail::kPeerFailedHint));
   }
 }
 
@@ -187,6 +185,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
         known ? "is not in this build: its LibTorch was built without it" : "is not a backend",
         ". Available: ", join(available), o.backend == "nccl" ? " (nccl needs a CUDA build of "
         "LibTorch with NCCL; gloo also runs on CPU)" : "", "."));
+  }
+  if (o.backend == "mpi" && o.device.is_cuda()) {
+    throw DistributedError(str("ProcessGroup: backend \"mpi\" on ", o.device.str(), " would need "
+                               "a CUDA-aware MPI; use \"nccl\" for CUDA devices."));
   }
   if (o.backend == "nccl" && !o.device.is_cuda()) {
     throw DistributedError(str("ProcessGroup: backend \"nccl\" runs on CUDA devices, but this "

@@ -25,6 +25,12 @@ std::vector<at::Tensor> optimizer_params(torch::optim::Optimizer& optimizer) {
 }  // namespace
 
 bool Trainer::Impl::stop_requested_by_limits() {
+  // A stop requested on one rank (request_stop() from its step, a hook or a
+  // callback) is agreed by every rank here, after each batch and before each
+  // epoch: a rank leaving the loop alone would leave its peers waiting in
+  // their next collective until the timeout. Every rank calls it equally
+  // often, so it comes before any early return.
+  if (strategy->world_size() > 1) should_stop = strategy->reduce_boolean_decision(should_stop, false);
   if (max_steps >= 0 && global_step >= max_steps) {
     stop_reason = "max_steps";
     return true;
@@ -70,6 +76,7 @@ void Trainer::Impl::fit_loop() {
                           "epochs."));
   }
   for (auto& opt : optimizer_config.optimizers) opt->zero_grad();
+  window_has_gradient = false;
   if (num_training_batches == 0) {
     stop_reason = "limit_train_batches=0";
     return;

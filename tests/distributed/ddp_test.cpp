@@ -131,6 +131,19 @@ TEST(DDP, NoLossAtAnAccumulationStepStepsWithWhatWasAccumulated) {
                     "ddp");
 }
 
+TEST(DDP, NoLossOnOneRankUnderSyncBatchNormIsAClearError) {
+  // SyncBatchNorm reduces in forward and backward: a rank that skips them
+  // cannot be paired with its peers, so it says so instead of hanging.
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "20", "--batchnorm",
+                       "sync", "--sync-batchnorm", "--skip-ranks", "1", "--skip-at", "3",
+                       "--timeout", "60"},
+                      {}, 50s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("returned no loss while sync_batchnorm=true"), std::string::npos)
+      << r.output;
+}
+
 TEST(DDP, BuffersComeFromRankZeroBeforeEachStep) {
   // Each rank adds rank + 1 to a buffer in every training step; 6 steps.
   auto run = [](const std::string& broadcast) {
@@ -156,6 +169,18 @@ TEST(DDP, SyncDistMetricsThatDifferAcrossRanksAreAnErrorNotAMixUp) {
                           "train_loss (mean)"),
             std::string::npos)
       << r.output;
+}
+
+TEST(DDP, AStopRequestedOnOneRankStopsEveryRank) {
+  // Rank 1 calls request_stop() in batch 5 of 20: every rank ends after
+  // that batch (6 steps), and the run succeeds instead of rank 0 waiting
+  // for rank 1 in its next collective until the timeout.
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "20", "--stop-rank", "1",
+                       "--fault-step", "5", "--timeout", "60", "--count-buffer"},
+                      {}, 50s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(result_value(r.output, "global_step"), "6") << r.output;
+  EXPECT_EQ(result_value(r.output, "seen_rank0"), "6") << r.output;
 }
 
 TEST(DDP, ManualOptimizationIsSynchronisedToo) {

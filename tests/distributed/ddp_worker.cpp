@@ -55,6 +55,8 @@ struct Args {
   bool broadcast_buffers = true;
   // A rank that logs one more sync_dist metric than the others.
   int extra_metric_rank = -1;
+  // A rank that calls trainer().request_stop() at batch fault_step.
+  int stop_rank = -1;
 };
 
 // 16 features, 4 classes; samples depend only on their index.
@@ -106,6 +108,7 @@ struct Classifier : fulgur::Module {
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
     if (seen.defined()) seen.add_(rank + 1);
+    if (rank == args.stop_rank && batch_idx == args.fault_step) trainer().request_stop();
     if (rank == args.extra_metric_rank) log("only_here", 1.0, {.on_epoch = true, .sync_dist = true});
     auto [x, y] = batch.pair();
     if (std::count(args.skip_at.begin(), args.skip_at.end(), batch_idx) > 0) {
@@ -191,6 +194,7 @@ int main(int argc, char** argv) {
   app.add_flag("--count-buffer", a.count_buffer);
   app.add_option("--broadcast-buffers", a.broadcast_buffers);
   app.add_option("--extra-metric-rank", a.extra_metric_rank);
+  app.add_option("--stop-rank", a.stop_rank);
   CLI11_PARSE(app, argc, argv);
 
   try {

@@ -107,7 +107,9 @@ class Module : public torch::nn::Module {
   /// optimization), or an undefined tensor to skip this batch. Under ddp a
   /// rank may skip while others do not: the step then averages the
   /// gradients of the ranks that had a loss, and every rank takes it (when
-  /// no rank had a loss, nobody steps). With manual optimization it calls
+  /// no rank had a loss, nobody steps); collectives of your own in backward
+  /// hooks then run only on the ranks with a loss, and sync_batchnorm
+  /// forbids it. With manual optimization it calls
   /// manual_backward/optimizer_step itself.
   virtual at::Tensor training_step(Batch& batch, int64_t batch_idx);
   /// Called when a validation loader is given; log metrics with log().

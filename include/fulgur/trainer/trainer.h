@@ -100,6 +100,8 @@ class Trainer {
   /// Training batches per epoch after limits; -1 when unknown.
   int64_t num_training_batches() const;
   /// Asks the fit loop to stop at the next safe point (respects min_epochs).
+  /// With several ranks, one rank's request stops them all after the same
+  /// batch (the ranks agree on it after every batch).
   void request_stop();
   bool should_stop() const;
   /// Latest value of every logged metric.

@@ -136,28 +136,7 @@ void SubprocessScriptLauncher::launch(const std::function<void()>&, const Launch
 ForkLauncher::ForkLauncher(ParallelStrategy& strategy, Supervision supervision)
     : strategy_(strategy), supervision_(supervision) {}
 
-namespace {
-
-// A CUDA context does not survive fork(): ranks forked from a process that
-// already used its GPU fail at their first CUDA call, so say it up front.
-void check_no_cuda_context(const Strategy& strategy) {
-  const auto& devices = strategy.parallel_devices();
-  if (devices.empty() || !devices.front().is_cuda() || !at::hasCUDA()) return;
-  const auto count = static_cast<int64_t>(torch::cuda::device_count());
-  for (int64_t i = 0; i < count; ++i) {
-    if (at::detail::getCUDAHooks().hasPrimaryContext(i)) {
-      throw ConfigError(str("strategy \"", strategy.name(), "\" forks its ranks, but this process "
-                            "has already used CUDA (device ", i, " has a context), which forked "
-                            "processes cannot use. Use strategy \"ddp\" (the program is "
-                            "re-executed per rank), or put nothing on the GPU before fit()."));
-    }
-  }
-}
-
-}  // namespace
-
 void ForkLauncher::launch(const std::function<void()>& fn, const LaunchResults& results) {
-  check_no_cuda_context(strategy_);
   Plan plan = plan_for(strategy_, "fork");
   strategy_.set_main_port(plan.main_port);
   static std::atomic<int> counter{0};

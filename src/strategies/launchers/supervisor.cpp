@@ -380,6 +380,19 @@ void Supervisor::wait_all() {
         break;
       }
     }
+    // Among ranks that exited with an error, one whose collective failed
+    // because a peer left is a victim of one that failed on its own.
+    auto victim = [&](const Child& c) {
+      return tail_text(c).find(kPeerFailedHint) != std::string::npos;
+    };
+    if (!WIFSIGNALED(failed->status) && victim(*failed)) {
+      for (const auto& c : children_) {
+        if (!c.running && WIFEXITED(c.status) && WEXITSTATUS(c.status) != 0 && !victim(c)) {
+          failed = &c;
+          break;
+        }
+      }
+    }
   }
   std::string report;
   if (hang_report.empty() && !WIFSIGNALED(failed->status)) {

@@ -77,4 +77,11 @@ class Supervisor {
 /// started by one; a no-op otherwise. Cheap: one write to a pipe.
 void send_heartbeat(const char* what);
 
+/// Ends the message of a collective that failed because a peer left (a
+/// closed connection, a timeout): the supervisor reads it in a dead rank's
+/// last lines as "a victim, not the cause".
+inline constexpr const char* kPeerFailedHint =
+    "A peer rank probably died or stopped responding (see the launcher's message about it), or "
+    "the process_group_timeout passed.";
+
 }  // namespace fulgur::detail
