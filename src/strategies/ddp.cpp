@@ -70,6 +70,30 @@ void connect_sync_batchnorm(Module& module, ProcessGroup& group) {
 void DDPStrategy::do_setup(Module& module) {
   module.to(root_device());
   if (sync_batchnorm()) connect_sync_batchnorm(module, process_group());
+  // The buffers in one flat tensor per (dtype, device), broadcast from rank
+  // 0 now and, with broadcast_buffers, before every synchronised step.
+  buffer_groups_.clear();
+  std::map<std::pair<int, std::string>, size_t> group_of;
+  for (auto& b : module.buffers()) {
+    if (!b.defined() || b.numel() == 0) continue;
+    auto key = std::make_pair(static_cast<int>(b.scalar_type()), b.device().str());
+    auto it = group_of.find(key);
+    if (it == group_of.end()) {
+      it = group_of.emplace(key, buffer_groups_.size()).first;
+      buffer_groups_.emplace_back();
+    }
+    buffer_groups_[it->second].buffers.push_back(b);
+  }
+  for (auto& g : buffer_groups_) {
+    int64_t total = 0;
+    for (auto& b : g.buffers) total += b.numel();
+    g.flat = torch::empty({total}, g.buffers.front().options().requires_grad(false));
+    int64_t offset = 0;
+    for (auto& b : g.buffers) {
+      g.slices.push_back(g.flat.narrow(0, offset, b.numel()).view(b.sizes()));
+      offset += b.numel();
+    }
+  }
   // Every rank starts from rank 0's parameters and buffers.
   {
     torch::NoGradGuard no_grad;
@@ -78,35 +102,8 @@ void DDPStrategy::do_setup(Module& module) {
       at::Tensor data = p.detach();
       group.broadcast_(data, 0);
     }
-    for (auto& b : module.buffers()) {
-      at::Tensor data = b.detach();
-      group.broadcast_(data, 0);
-    }
   }
-  buffer_groups_.clear();
-  if (options_.broadcast_buffers) {
-    std::map<std::pair<int, std::string>, size_t> group_of;  // (dtype, device)
-    for (auto& b : module.buffers()) {
-      if (!b.defined() || b.numel() == 0) continue;
-      auto key = std::make_pair(static_cast<int>(b.scalar_type()), b.device().str());
-      auto it = group_of.find(key);
-      if (it == group_of.end()) {
-        it = group_of.emplace(key, buffer_groups_.size()).first;
-        buffer_groups_.emplace_back();
-      }
-      buffer_groups_[it->second].buffers.push_back(b);
-    }
-    for (auto& g : buffer_groups_) {
-      int64_t total = 0;
-      for (auto& b : g.buffers) total += b.numel();
-      g.flat = torch::empty({total}, g.buffers.front().options().requires_grad(false));
-      int64_t offset = 0;
-      for (auto& b : g.buffers) {
-        g.slices.push_back(g.flat.narrow(0, offset, b.numel()).view(b.sizes()));
-        offset += b.numel();
-      }
-    }
-  }
+  broadcast_buffers();
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (auto& item : module.named_parameters()) named.emplace_back(item.key(), item.value());
   GradientReducerOptions reducer_options;
@@ -135,7 +132,7 @@ void DDPStrategy::broadcast_buffers() {
 at::Tensor DDPStrategy::training_step(Module& module, Batch& batch, int64_t batch_idx) {
   // As PyTorch's DDP: only before a forward whose gradients are synchronised
   // (not in the no_sync micro-batches of gradient accumulation).
-  if (sync_ && !buffer_groups_.empty()) broadcast_buffers();
+  if (options_.broadcast_buffers && sync_ && !buffer_groups_.empty()) broadcast_buffers();
   return ParallelStrategy::training_step(module, batch, batch_idx);
 }
 

@@ -115,7 +115,8 @@ class DDPStrategy : public ParallelStrategy {
  private:
   DDPOptions options_;
   std::string name_;
-  /// Rank 0's buffers into every rank, one flat broadcast per dtype.
+  /// Rank 0's buffers into every rank: one flat broadcast per (dtype,
+  /// device), at setup and (broadcast_buffers) before each synced step.
   void broadcast_buffers();
 
   std::unique_ptr<GradientReducer> reducer_;
