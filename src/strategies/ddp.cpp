@@ -10,6 +10,7 @@
 #include "fulgur/plugins/environments/cluster_environment.h"
 #include "fulgur/strategies/gradient_reducer.h"
 #include "fulgur/strategies/process_group.h"
+#include "fulgur/trainer/trainer.h"
 
 namespace fulgur {
 
@@ -112,6 +113,8 @@ void DDPStrategy::do_setup(Module& module) {
   reducer_ = std::make_unique<GradientReducer>(std::move(named), shared_process_group(),
                                                reducer_options);
   reducer_->set_require_sync(sync_);
+  exchanges_seen_ = 0;
+  stop_agreed_ = false;
 }
 
 void DDPStrategy::broadcast_buffers() {
@@ -142,9 +145,16 @@ void DDPStrategy::do_teardown() {
   ParallelStrategy::do_teardown();
 }
 
+void DDPStrategy::cast_stop_vote(Module& module) {
+  reducer_->set_stop_vote(module.has_trainer() && module.trainer().should_stop());
+}
+
 void DDPStrategy::backward(const at::Tensor& loss, Module& module) {
   bool sync = reducer_ && sync_;
-  if (sync) reducer_->prepare_for_backward();
+  if (sync) {
+    cast_stop_vote(module);
+    reducer_->prepare_for_backward();
+  }
   ParallelStrategy::backward(loss, module);
   if (sync) reducer_->finalize_backward();
 }
@@ -160,7 +170,26 @@ bool DDPStrategy::backward_skipped(Module& module, bool accumulated) {
                           "on every rank (e.g. loss * 0 to make a batch count for nothing), or "
                           "turn sync_batchnorm off."));
   }
+  cast_stop_vote(module);
   return reducer_->join_without_backward(accumulated) > 0;
+}
+
+bool DDPStrategy::agree_to_stop(bool requested, bool boundary) {
+  if (world_size() <= 1) return requested;
+  if (!stop_agreed_ && !boundary && reducer_) {
+    if (reducer_->exchanges() != exchanges_seen_) {
+      // Every rank voted in this batch's gradient exchange (each rank runs
+      // one exactly when its peers do); a request made after it is in the
+      // next one's votes.
+      exchanges_seen_ = reducer_->exchanges();
+      stop_agreed_ = reducer_->stop_votes() > 0;
+      return stop_agreed_;
+    }
+    if (!sync_) return false;  // a no_sync micro-batch: the step's exchange votes
+  }
+  if (reducer_) exchanges_seen_ = reducer_->exchanges();
+  if (!stop_agreed_) stop_agreed_ = reduce_boolean_decision(requested, /*all=*/false);
+  return stop_agreed_;
 }
 
 void DDPStrategy::set_gradient_sync(bool enabled) {

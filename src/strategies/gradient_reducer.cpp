@@ -33,12 +33,14 @@ struct GradientReducer::State {
   std::vector<size_t> bucket_of;    // param index -> bucket
   std::vector<size_t> slot_of;      // param index -> position in its bucket
   std::vector<Bucket> buckets;
-  // The last element of the first bucket, beyond every gradient: 1 on a
-  // rank that has gradients to contribute this step, 0 on one that had no
-  // loss in it (nor in the micro-batches accumulated before it).
-  // Summed with the gradients, it counts the contributing ranks without a
-  // collective of its own.
-  at::Tensor contributors;
+  // The last two elements of the first bucket, beyond every gradient:
+  // [0] 1 on a rank that has gradients to contribute this step, 0 on one
+  // that had no loss in it (nor in the micro-batches accumulated before it);
+  // [1] 1 on a rank that votes to stop. Summed with the gradients, they
+  // count the contributing ranks and the stop votes without a collective
+  // of their own.
+  at::Tensor tail;
+  static constexpr int64_t kTail = 2;
   std::vector<char> ready;          // per param, this backward
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;
@@ -48,7 +50,10 @@ struct GradientReducer::State {
   size_t next_to_launch = 0;
   bool armed = false;
   bool require_sync = true;
-  bool contributes = true;  // this step: see `contributors`
+  bool contributes = true;  // this step: see `tail`
+  bool stop_vote = false;   // the next exchange's: see `tail`
+  int stop_votes = 0;       // summed over ranks in the last exchange
+  int64_t exchanges = 0;
 
   // After the first synchronised step each .grad is a view into its
   // bucket, so backward accumulates straight into the bucket and nothing is
@@ -70,7 +75,10 @@ struct GradientReducer::State {
     while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
       // Written here, on the thread (and CUDA stream) that launches the
       // bucket, like the gradients next to it.
-      if (next_to_launch == 0) contributors.fill_(contributes ? 1 : 0);
+      if (next_to_launch == 0) {
+        tail.select(0, 0).fill_(contributes ? 1 : 0);
+        tail.select(0, 1).fill_(stop_vote ? 1 : 0);
+      }
       auto& b = buckets[next_to_launch++];
       b.work.emplace(group->all_reduce_sum_async_(b.flat));
       b.launched = true;
@@ -161,11 +169,13 @@ GradientReducer::GradientReducer(std::vector<std::pair<std::string, at::Tensor>>
   }
   for (size_t i = 0; i < s.buckets.size(); ++i) {
     const auto& first = s.params[s.buckets[i].params.front()];
-    const int64_t extra = i == 0 ? 1 : 0;  // the contributor count
+    const int64_t extra = i == 0 ? State::kTail : 0;
     s.buckets[i].flat = torch::zeros({sizes[i] / static_cast<int64_t>(first.element_size()) + extra},
                                      first.options().requires_grad(false));
   }
-  if (!s.buckets.empty()) s.contributors = s.buckets[0].flat.narrow(0, s.buckets[0].flat.numel() - 1, 1);
+  if (!s.buckets.empty()) {
+    s.tail = s.buckets[0].flat.narrow(0, s.buckets[0].flat.numel() - State::kTail, State::kTail);
+  }
   s.ready.assign(s.params.size(), 0);
   for (size_t k = 0; k < s.params.size(); ++k) {
     auto accumulator = torch::autograd::impl::grad_accumulator(s.params[k]);
@@ -185,6 +195,9 @@ GradientReducer::~GradientReducer() {
 
 void GradientReducer::set_require_sync(bool sync) { state_->require_sync = sync; }
 bool GradientReducer::require_sync() const { return state_->require_sync; }
+void GradientReducer::set_stop_vote(bool stop) { state_->stop_vote = stop; }
+int GradientReducer::stop_votes() const { return state_->stop_votes; }
+int64_t GradientReducer::exchanges() const { return state_->exchanges; }
 
 void GradientReducer::prepare_for_backward() { state_->prepare(/*contributes=*/true); }
 
@@ -233,9 +246,10 @@ int GradientReducer::State::finalize(bool ran_backward) {
     }
     for (size_t k : unused) {
       // Its contribution is what it accumulated (e.g. in no_sync
-      // micro-batches), or nothing.
+      // micro-batches), or nothing: a rank that joins without contributing
+      // adds zeros, whatever its .grad still holds.
       const at::Tensor& grad = s.params[k].grad();
-      if (grad.defined()) {
+      if (grad.defined() && s.contributes) {
         if (!s.grad_in_bucket(k)) s.slice(k).copy_(grad.reshape(-1));
       } else {
         s.slice(k).zero_();
@@ -261,7 +275,10 @@ int GradientReducer::State::finalize(bool ran_backward) {
   if (used_anywhere.defined()) s.group->all_reduce_(used_anywhere, ReduceOp::Sum);
   // Exact for float32/64 at any world size (and for half/bf16 up to 2048
   // and 256 ranks); rounded to be safe.
-  const int count = static_cast<int>(std::lround(s.contributors.item<double>()));
+  const at::Tensor counts = s.tail.to(at::kCPU, at::kDouble);
+  const int count = static_cast<int>(std::lround(counts.data_ptr<double>()[0]));
+  s.stop_votes = static_cast<int>(std::lround(counts.data_ptr<double>()[1]));
+  ++s.exchanges;
   // The mean over the ranks that had a loss. When none had one, nobody
   // steps (and no rank had a gradient to average).
   const double divisor = count > 0 ? count : s.group->size();

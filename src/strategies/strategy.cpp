@@ -95,6 +95,10 @@ void Strategy::setup(Module& module) {
 
 void Strategy::do_setup(Module& module) { module.to(root_device()); }
 
+bool Strategy::agree_to_stop(bool requested, bool /*boundary*/) {
+  return world_size() > 1 ? reduce_boolean_decision(requested, /*all=*/false) : requested;
+}
+
 OptimizerConfig Strategy::setup_optimizers(Module& module) {
   OptimizerConfig config = module.configure_optimizers();
   if (config.optimizers.empty() && module.automatic_optimization()) {

@@ -24,18 +24,23 @@ std::vector<at::Tensor> optimizer_params(torch::optim::Optimizer& optimizer) {
 }
 }  // namespace
 
-bool Trainer::Impl::stop_requested_by_limits() {
+bool Trainer::Impl::stop_requested_by_limits(bool boundary) {
   // A stop requested on one rank (request_stop() from its step, a hook or a
   // callback) is agreed by every rank here, after each batch and before each
   // epoch: a rank leaving the loop alone would leave its peers waiting in
   // their next collective until the timeout. Every rank calls it equally
-  // often, so it comes before any early return.
-  if (strategy->world_size() > 1) should_stop = strategy->reduce_boolean_decision(should_stop, false);
+  // often, so it comes before any early return. After a plain batch the
+  // strategy may answer from votes already exchanged in it (DDP: in the
+  // gradient all-reduce), so a request made after that batch's backward
+  // is agreed after the next; before an epoch and after a validation it
+  // covers every request. A request not agreed yet stays pending here.
+  const bool stop = strategy->agree_to_stop(should_stop, boundary);
+  if (stop) should_stop = true;
   if (max_steps >= 0 && global_step >= max_steps) {
     stop_reason = "max_steps";
     return true;
   }
-  if (should_stop && current_epoch >= options.min_epochs && global_step >= options.min_steps) {
+  if (stop && current_epoch >= options.min_epochs && global_step >= options.min_steps) {
     stop_reason = "should_stop";
     return true;
   }
@@ -91,7 +96,7 @@ void Trainer::Impl::fit_loop() {
       stop_reason = "max_epochs";
       break;
     }
-    if (stop_requested_by_limits()) break;
+    if (stop_requested_by_limits(/*boundary=*/true)) break;
     train_epoch();
     ++current_epoch;
   }
@@ -128,7 +133,8 @@ void Trainer::Impl::train_epoch() {
     batch_idx = idx;
     training_batch(*batch, idx, last);
     ++idx;
-    if (stop_requested_by_limits() || last) break;
+    // A validation (its metrics may decide a stop) makes a boundary.
+    if (stop_requested_by_limits(/*boundary=*/validated_at_position == idx) || last) break;
     batch = limit >= 0 ? loader.next() : std::move(next_batch);
   }
   if (idx == start && start > 0 && validated_at_position != start &&

@@ -141,7 +141,7 @@ struct Trainer::Impl {
   void step_schedulers(Interval interval);
   bool should_validate_now(int64_t position, bool is_last_batch) const;
   void run_validation(bool sanity);
-  bool stop_requested_by_limits();
+  bool stop_requested_by_limits(bool boundary);
   void manual_backward(Module& module, const at::Tensor& loss);
   void manual_optimizer_step(Module& module, torch::optim::Optimizer& optimizer);
 

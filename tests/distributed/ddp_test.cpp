@@ -88,7 +88,9 @@ bool expect_equivalent(const std::vector<std::string>& common, const std::string
   EXPECT_EQ(result_value(two.output, "world_size"), "2") << two.output;
   EXPECT_EQ(result_value(two.output, "global_step"), result_value(one.output, "global_step"));
   auto same = same_params(single, multi);
-  if (expect_same) EXPECT_TRUE(same) << two.output;
+  if (expect_same) {
+    EXPECT_TRUE(same) << two.output;
+  }
   return static_cast<bool>(same);
 }
 
@@ -181,6 +183,45 @@ TEST(DDP, AStopRequestedOnOneRankStopsEveryRank) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(result_value(r.output, "global_step"), "6") << r.output;
   EXPECT_EQ(result_value(r.output, "seen_rank0"), "6") << r.output;
+}
+
+TEST(DDP, AStopRequestedAfterBackwardIsAgreedAtTheNextBatch) {
+  // The stop votes ride in each batch's gradient all-reduce: a request made
+  // in on_train_batch_end of batch 5 is in batch 6's votes, so every rank
+  // ends after batch 6 (7 steps), together.
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "20", "--stop-rank", "1",
+                       "--stop-in", "batch-end", "--fault-step", "5", "--timeout", "60",
+                       "--count-buffer"},
+                      {}, 50s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(result_value(r.output, "global_step"), "7") << r.output;
+  EXPECT_EQ(result_value(r.output, "seen_rank0"), "7") << r.output;
+}
+
+TEST(DDP, AStopRequestedInANoSyncMicroBatchIsAgreedAtTheStep) {
+  // Batch 4 only accumulates (accumulate_grad_batches=2): no exchange to
+  // vote in, so the request waits for batch 5's, which steps; every rank
+  // ends there, after 3 optimizer steps.
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "20", "--accumulate", "2",
+                       "--stop-rank", "1", "--fault-step", "4", "--timeout", "60",
+                       "--count-buffer"},
+                      {}, 50s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(result_value(r.output, "global_step"), "3") << r.output;
+  EXPECT_EQ(result_value(r.output, "seen_rank0"), "6") << r.output;
+}
+
+TEST(DDP, AStopRequestedInValidationStopsEveryRankBeforeTheNextBatch) {
+  // A validation is a boundary: the ranks agree right after it, so a stop
+  // requested from its metrics (as early stopping does) takes effect at
+  // once, as on one process.
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "20", "--val-every", "4",
+                       "--stop-rank", "1", "--stop-in", "validation", "--fault-step", "4",
+                       "--timeout", "60", "--count-buffer"},
+                      {}, 50s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(result_value(r.output, "global_step"), "4") << r.output;
+  EXPECT_EQ(result_value(r.output, "seen_rank0"), "4") << r.output;
 }
 
 TEST(DDP, ManualOptimizationIsSynchronisedToo) {

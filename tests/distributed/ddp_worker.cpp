@@ -55,8 +55,13 @@ struct Args {
   bool broadcast_buffers = true;
   // A rank that logs one more sync_dist metric than the others.
   int extra_metric_rank = -1;
-  // A rank that calls trainer().request_stop() at batch fault_step.
+  // A rank that calls trainer().request_stop() at batch fault_step: in
+  // training_step ("step"), on_train_batch_end ("batch-end"), or in the
+  // validation that follows the step numbered fault_step ("validation").
   int stop_rank = -1;
+  std::string stop_in = "step";
+  // Validate every N training batches (0: no validation loader).
+  int64_t val_every = 0;
 };
 
 // 16 features, 4 classes; samples depend only on their index.
@@ -108,7 +113,9 @@ struct Classifier : fulgur::Module {
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
     if (seen.defined()) seen.add_(rank + 1);
-    if (rank == args.stop_rank && batch_idx == args.fault_step) trainer().request_stop();
+    if (rank == args.stop_rank && batch_idx == args.fault_step && args.stop_in == "step") {
+      trainer().request_stop();
+    }
     if (rank == args.extra_metric_rank) log("only_here", 1.0, {.on_epoch = true, .sync_dist = true});
     auto [x, y] = batch.pair();
     if (std::count(args.skip_at.begin(), args.skip_at.end(), batch_idx) > 0) {
@@ -140,6 +147,26 @@ struct Classifier : fulgur::Module {
       optimizer_step(optimizer);
     }
     return loss;
+  }
+
+  void on_train_batch_end(const at::Tensor&, const fulgur::Batch&, int64_t batch_idx) override {
+    if (trainer().strategy().global_rank() == args.stop_rank && batch_idx == args.fault_step &&
+        args.stop_in == "batch-end") {
+      trainer().request_stop();
+    }
+  }
+
+  void validation_step(fulgur::Batch& batch, int64_t) override {
+    auto& [x, y] = batch.pair();
+    auto acc = (forward(x, false).argmax(1) == y).to(torch::kDouble).mean();
+    log("val_acc", acc, {.sync_dist = args.sync_dist});
+  }
+
+  void on_validation_epoch_end() override {
+    if (trainer().strategy().global_rank() == args.stop_rank && !trainer().sanity_checking() &&
+        trainer().global_step() == args.fault_step && args.stop_in == "validation") {
+      trainer().request_stop();
+    }
   }
 
   void test_step(fulgur::Batch& batch, int64_t) override {
@@ -195,6 +222,8 @@ int main(int argc, char** argv) {
   app.add_option("--broadcast-buffers", a.broadcast_buffers);
   app.add_option("--extra-metric-rank", a.extra_metric_rank);
   app.add_option("--stop-rank", a.stop_rank);
+  app.add_option("--stop-in", a.stop_in)->check(CLI::IsMember({"step", "batch-end", "validation"}));
+  app.add_option("--val-every", a.val_every);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -232,9 +261,19 @@ int main(int argc, char** argv) {
     options.logger = false;
     options.default_root_dir = a.root;
     options.seed = static_cast<uint64_t>(a.seed);
+    if (a.val_every > 0) options.val_check_interval = a.val_every;
     fulgur::Trainer trainer(options);
     fulgur::FitResult result;
-    if (!a.skip_fit) result = trainer.fit(model, train);
+    if (!a.skip_fit) {
+      if (a.val_every > 0) {
+        auto [vx, vy] = make_data(64, 50000);
+        result = trainer.fit(model, train,
+                             fulgur::make_data_loader(
+                                 std::make_shared<fulgur::TensorDataset>(vx, vy), {.batch_size = 16}));
+      } else {
+        result = trainer.fit(model, train);
+      }
+    }
     fulgur::Metrics test;
     if (a.test_samples > 0) {
       auto [tx, ty] = make_data(a.test_samples, 100000);

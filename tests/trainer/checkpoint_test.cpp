@@ -320,7 +320,9 @@ class MidEpochResume : public ::testing::Test {
     auto counter = std::make_shared<BatchCounter>();
     fulgur::Trainer trainer(resume_options(root_b, ckpt_dir, counter));
     auto result = trainer.fit(resumed, shuffled_loader(), nullptr, {.ckpt_path = ckpt_path});
-    if (expected_steps) EXPECT_EQ(resumed.training_steps, *expected_steps);
+    if (expected_steps) {
+      EXPECT_EQ(resumed.training_steps, *expected_steps);
+    }
     EXPECT_EQ(result.global_step, result_.global_step);
     EXPECT_EQ(result.epochs, result_.epochs);
     EXPECT_EQ(counter->batches, kEpochs * kBatchesPerEpoch) << "callback state restored";

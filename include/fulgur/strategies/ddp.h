@@ -71,6 +71,11 @@ class DDPStrategy : public ParallelStrategy {
   /// step with the mean over the ranks that had a loss, or nobody steps.
   bool backward_skipped(Module& module, bool accumulated) override;
   void set_gradient_sync(bool enabled) override;
+  /// After a batch whose gradients were exchanged: the stop votes that
+  /// exchange carried (no collective of its own); after a no_sync
+  /// micro-batch: deferred to the next exchange; otherwise (a boundary, a
+  /// batch without an exchange) a reduce_boolean_decision.
+  bool agree_to_stop(bool requested, bool boundary) override;
   /// The module's reducer after setup(); null before.
   GradientReducer* reducer() const { return reducer_.get(); }
 
@@ -121,6 +126,12 @@ class DDPStrategy : public ParallelStrategy {
 
   std::unique_ptr<GradientReducer> reducer_;
   bool sync_ = true;
+  /// The reducer's exchange count at the last agree_to_stop, and whether
+  /// the ranks have agreed to stop (it stays agreed).
+  int64_t exchanges_seen_ = 0;
+  bool stop_agreed_ = false;
+  /// This rank's stop vote, read from the Trainer, in the next exchange.
+  void cast_stop_vote(Module& module);
   struct BufferGroup {
     at::Tensor flat;
     std::vector<at::Tensor> buffers;

@@ -10,6 +10,9 @@
 // writes the averages back into the parameters' .grad. A rank with no loss
 // in a step joins with join_without_backward(); the mean is then over the
 // ranks that had one (counted in the first bucket, at no extra collective).
+// The first bucket also carries each rank's stop vote (set_stop_vote()), so
+// a training loop learns whether any rank asked to stop from the gradient
+// exchange it runs anyway (stop_votes()).
 //
 //   GradientReducer reducer(module.named_parameters(), group);
 //   reducer.prepare_for_backward();
@@ -22,6 +25,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -68,6 +72,14 @@ class GradientReducer {
   /// the accumulated gradients.
   void set_require_sync(bool sync);
   bool require_sync() const;
+  /// This rank's vote in the next exchange (finalize_backward or
+  /// join_without_backward): true when it wants the run to stop.
+  void set_stop_vote(bool stop);
+  /// How many ranks voted to stop in the last exchange (0 before any).
+  int stop_votes() const;
+  /// How many exchanges completed so far (a backward or join with sync on
+  /// and parameters to average): tells whether stop_votes() is new.
+  int64_t exchanges() const;
 
   /// Parameter names per bucket, in launch order (for tests and describe).
   std::vector<std::vector<std::string>> bucket_layout() const;

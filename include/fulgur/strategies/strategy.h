@@ -155,6 +155,15 @@ class Strategy {
   virtual at::Tensor all_gather(const at::Tensor& tensor) = 0;
   /// `all`: true when every rank decided true; otherwise true when any did.
   virtual bool reduce_boolean_decision(bool decision, bool all = true) = 0;
+  /// Whether any rank asked to stop (Trainer::request_stop). Every rank
+  /// calls it at the same points of the fit loop: after each training batch
+  /// and, with `boundary`, before each epoch and after a validation. At a
+  /// boundary the answer covers every request made so far; after a plain
+  /// batch a strategy may answer from votes it already exchanged in that
+  /// batch (DDP's ride in the gradient all-reduce), so a request made after
+  /// the batch's backward is agreed at the next one. Default: a
+  /// reduce_boolean_decision (any rank) when there are several ranks.
+  virtual bool agree_to_stop(bool requested, bool boundary);
 
   // ---- Checkpoints.
   /// Whether this rank writes checkpoint files (rank 0 by default).
