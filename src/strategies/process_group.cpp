@@ -132,11 +132,14 @@ c10::intrusive_ptr<C10dGroup> make_gloo(const ProcessGroupOptions& o, const Reso
 #ifdef USE_C10D_NCCL
 c10::intrusive_ptr<C10dGroup> make_nccl(const ProcessGroupOptions& o,
                                         const c10::intrusive_ptr<c10d::Store>& store) {
+#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 2)
   // Without asynchronous error handling a collective that never completes
   // blocks forever; with it, NCCL's watchdog aborts it at the timeout and
   // the rank fails (its launcher then names it). The user's setting wins.
+  // From 2.2 it is on by default (and the old name is deprecated).
   ::setenv("NCCL_ASYNC_ERROR_HANDLING", "1", /*overwrite=*/0);
   ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", /*overwrite=*/0);
+#endif
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = o.timeout;
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, o.rank, o.world_size, options);
@@ -166,7 +169,19 @@ void PendingCollective::wait() {
 
 ProcessGroup::ProcessGroup(ProcessGroupOptions options, std::unique_ptr<Impl> impl)
     : options_(std::move(options)), impl_(std::move(impl)) {}
-ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::~ProcessGroup() {
+#if defined(USE_C10D_NCCL) && \
+    (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
+  // From 2.4 a ProcessGroupNCCL destroyed without shutdown() warns at exit.
+  if (impl_ && impl_->group && options_.backend == "nccl") {
+    try {
+      static_cast<c10d::ProcessGroupNCCL&>(*impl_->group).shutdown();
+    } catch (const std::exception&) {
+      // Tearing down after a failed collective: the error was reported.
+    }
+  }
+#endif
+}
 
 std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o) {
   if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size) {

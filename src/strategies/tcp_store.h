@@ -7,12 +7,20 @@
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/version.h>
 
 #include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
+
+// c10d::Store::clone() is a pure virtual from LibTorch 2.8.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+#define FULGUR_STORE_CLONE_OVERRIDE override
+#else
+#define FULGUR_STORE_CLONE_OVERRIDE
+#endif
 
 namespace fulgur::detail {
 
@@ -36,9 +44,9 @@ class TcpStore : public c10d::Store {
   void wait(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
   /// Another client of the same server, with its own connection. LibTorch
-  /// 2.x's Store declares it (NCCL's watchdog uses a copy); in 1.13 it is
-  /// fulgur's own, hence no `override`.
-  c10::intrusive_ptr<c10d::Store> clone();
+  /// 2.8's Store declares it (NCCL's watchdog uses a copy); before, it is
+  /// fulgur's own.
+  c10::intrusive_ptr<c10d::Store> clone() FULGUR_STORE_CLONE_OVERRIDE;
 
  private:
   std::string request(const std::string& message, std::chrono::milliseconds timeout,
