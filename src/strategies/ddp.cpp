@@ -26,9 +26,10 @@ DDPStrategy::DDPStrategy(DDPOptions options, std::string name)
                           " must be > 0 (default 25)."));
   }
   const auto& backend = options_.process_group_backend;
-  if (!backend.empty() && backend != "gloo" && backend != "nccl" && backend != "mpi") {
-    throw ConfigError(str("DDPStrategy: process_group_backend=\"", backend, "\" is not one of "
-                          "\"gloo\", \"nccl\", \"mpi\" (or empty: nccl on CUDA, else gloo)."));
+  const auto& known = known_process_group_backends();
+  if (!backend.empty() && std::find(known.begin(), known.end(), backend) == known.end()) {
+    throw ConfigError(str("DDPStrategy: process_group_backend=\"", backend, "\" is not one of ",
+                          join(known), " (or empty: nccl on CUDA, else gloo)."));
   }
   set_process_group_timeout(options_.process_group_timeout);
   set_process_group_backend(backend);

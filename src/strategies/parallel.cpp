@@ -74,6 +74,26 @@ std::string ParallelStrategy::process_group_backend() const {
   return backend_.empty() ? default_process_group_backend(root_device()) : backend_;
 }
 
+void ParallelStrategy::explain_choices(std::vector<std::string>& notes) const {
+  // Every device of a node has one type, which is all the backend depends
+  // on; root_device() would also check this process's local rank, which is
+  // the cluster environment's to report, not a flag problem.
+  const auto& devices = parallel_devices();
+  const c10::Device device = devices.empty() ? c10::Device(c10::kCPU) : devices.front();
+  const std::string backend = backend_.empty() ? default_process_group_backend(device) : backend_;
+  if (auto problem = process_group_backend_problem(backend, device); !problem.empty()) {
+    throw ConfigError(str("strategy \"", name(), "\" with process_group_backend=\"", backend_,
+                          "\": ", problem));
+  }
+  if (backend_.empty()) {
+    notes.push_back(str("process_group_backend=", backend, " because process_group_backend=auto "
+                        "and the devices are ", c10::DeviceTypeName(device.type(), true),
+                        device.is_cuda() ? (backend == "nccl" ? " (this LibTorch has NCCL)"
+                                                              : " but this LibTorch has no NCCL")
+                                         : ""));
+  }
+}
+
 void ParallelStrategy::do_teardown() {}
 
 void ParallelStrategy::set_process_group(std::shared_ptr<ProcessGroup> group) {

@@ -102,6 +102,11 @@ struct ProcessGroup::Impl {
   c10::intrusive_ptr<C10dGroup> group;
 };
 
+const std::vector<std::string>& known_process_group_backends() {
+  static const std::vector<std::string> names = {"gloo", "nccl", "mpi"};
+  return names;
+}
+
 std::vector<std::string> available_process_group_backends() {
   std::vector<std::string> out = {"gloo"};
 #ifdef USE_C10D_NCCL
@@ -111,6 +116,31 @@ std::vector<std::string> available_process_group_backends() {
   out.emplace_back("mpi");
 #endif
   return out;
+}
+
+std::string process_group_backend_problem(const std::string& backend, c10::Device device) {
+  const auto available = available_process_group_backends();
+  if (std::find(available.begin(), available.end(), backend) == available.end()) {
+    const auto& known = known_process_group_backends();
+    const bool is_known = std::find(known.begin(), known.end(), backend) != known.end();
+    return str("backend \"", backend, "\" ",
+               is_known ? "is not in this build: its LibTorch was built without it"
+                        : "is not a backend",
+               ". Available: ", join(available),
+               backend == "nccl" ? " (nccl needs a CUDA build of LibTorch with NCCL; gloo also "
+                                   "runs on CPU)"
+                                 : "",
+               ".");
+  }
+  if (backend == "mpi" && device.is_cuda()) {
+    return str("backend \"mpi\" on ", device.str(), " would need a CUDA-aware MPI; use \"nccl\" "
+               "for CUDA devices.");
+  }
+  if (backend == "nccl" && !device.is_cuda()) {
+    return str("backend \"nccl\" runs on CUDA devices, but this rank's device is ", device.str(),
+               ". Use \"gloo\" on CPU.");
+  }
+  return {};
 }
 
 std::string default_process_group_backend(c10::Device device) {
@@ -192,22 +222,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
     throw DistributedError(str("ProcessGroup: main port ", o.main_port, " (MASTER_PORT) is not a "
                                "TCP port; set MASTER_PORT to a port in 1..65535."));
   }
-  const auto available = available_process_group_backends();
-  if (std::find(available.begin(), available.end(), o.backend) == available.end()) {
-    const bool known = o.backend == "nccl" || o.backend == "mpi";
-    throw DistributedError(str(
-        "ProcessGroup: backend \"", o.backend, "\" ",
-        known ? "is not in this build: its LibTorch was built without it" : "is not a backend",
-        ". Available: ", join(available), o.backend == "nccl" ? " (nccl needs a CUDA build of "
-        "LibTorch with NCCL; gloo also runs on CPU)" : "", "."));
-  }
-  if (o.backend == "mpi" && o.device.is_cuda()) {
-    throw DistributedError(str("ProcessGroup: backend \"mpi\" on ", o.device.str(), " would need "
-                               "a CUDA-aware MPI; use \"nccl\" for CUDA devices."));
-  }
-  if (o.backend == "nccl" && !o.device.is_cuda()) {
-    throw DistributedError(str("ProcessGroup: backend \"nccl\" runs on CUDA devices, but this "
-                               "rank's device is ", o.device.str(), ". Use \"gloo\" on CPU."));
+  if (auto problem = process_group_backend_problem(o.backend, o.device); !problem.empty()) {
+    throw DistributedError("ProcessGroup: " + problem);
   }
   if (o.timeout.count() <= 0) {
     throw DistributedError(str("ProcessGroup: timeout ", o.timeout.count(), " ms must be > 0."));

@@ -86,7 +86,9 @@ TEST(GradientReducer, ARankThatJoinsWithoutABackwardVotesAndTakesItsPeersMean) {
       } else {
         contributors[rank] = reducer.join_without_backward();
       }
-      if (step == 0) EXPECT_EQ(reducer.stop_votes(), 0) << "rank " << rank;
+      if (step == 0) {
+        EXPECT_EQ(reducer.stop_votes(), 0) << "rank " << rank;
+      }
     }
     grads[rank] = r.w.grad().clone();
     votes[rank] = reducer.stop_votes();

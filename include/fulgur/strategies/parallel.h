@@ -51,6 +51,9 @@ class ParallelStrategy : public Strategy {
   void set_process_group_backend(std::string backend) { backend_ = std::move(backend); }
   /// The backend setup_environment() uses (the default resolved).
   std::string process_group_backend() const;
+  /// Notes the process group backend when it was left to the default;
+  /// ConfigError when the backend cannot run on the devices.
+  void explain_choices(std::vector<std::string>& notes) const override;
 
   /// Bounds the rendezvous and every collective (default 30 minutes).
   void set_process_group_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }

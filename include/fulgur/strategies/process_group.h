@@ -66,9 +66,14 @@ struct ProcessGroupOptions {
   c10::Device device = c10::Device(c10::kCPU);
 };
 
+/// Every backend name fulgur knows: "gloo", "nccl", "mpi".
+const std::vector<std::string>& known_process_group_backends();
 /// The backends this build's LibTorch has: "gloo", and "nccl" / "mpi"
 /// where it was built with them.
 std::vector<std::string> available_process_group_backends();
+/// Why `backend` cannot run a rank on `device` with this build (naming
+/// both and what to use instead); empty when it can.
+std::string process_group_backend_problem(const std::string& backend, c10::Device device);
 /// "nccl" for a CUDA device when available, else "gloo" (as PyTorch
 /// Lightning's DDP picks).
 std::string default_process_group_backend(c10::Device device);

@@ -96,6 +96,11 @@ class Strategy {
   /// Called by the connector once every component is in place; a strategy
   /// that launches processes creates its launcher here.
   virtual void configure_launcher() {}
+  /// Called by the connector after configure_launcher(): adds a note (as
+  /// `fulgur resolve` and Trainer::describe() show them) for each default
+  /// the strategy resolves itself, and throws ConfigError for a choice of
+  /// its own that cannot work with the resolved devices.
+  virtual void explain_choices(std::vector<std::string>& /*notes*/) const {}
 
   // ---- Ranks.
   virtual int global_rank() const { return 0; }

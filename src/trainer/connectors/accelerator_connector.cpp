@@ -433,6 +433,7 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
                         strategy->name(), " under cluster environment \"",
                         strategy->cluster_environment().name(), "\" starts its own processes"));
   }
+  reported_as("invalid_flags", [&] { strategy->explain_choices(notes); });
 
   ConnectorResult result;
   Resolution& r = result.resolution;

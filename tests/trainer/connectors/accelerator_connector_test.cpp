@@ -108,7 +108,35 @@ TEST(AcceleratorConnector, SeveralDevicesChooseDdpWithItsLauncher) {
   EXPECT_EQ(strategy.world_size(), 2);
   EXPECT_EQ(strategy.global_rank(), 0);
   EXPECT_TRUE(fulgur::test::message_contains(fulgur::join(result.resolution.notes, "\n"),
-                               {"strategy=ddp because devices=2 and num_nodes=1"}));
+                               {"strategy=ddp because devices=2 and num_nodes=1",
+                                "process_group_backend=gloo because process_group_backend=auto "
+                                "and the devices are cpu"}));
+}
+
+TEST(AcceleratorConnector, AProcessGroupBackendThatCannotRunHereIsAFlagError) {
+  auto ddp = [](const std::string& backend) {
+    fulgur::DDPOptions options;
+    options.process_group_backend = backend;
+    return std::make_shared<fulgur::DDPStrategy>(options);
+  };
+  // nccl on CPU devices: not in this build (Debian's LibTorch), or not on CPU.
+  const auto available = fulgur::available_process_group_backends();
+  const bool has_nccl = std::find(available.begin(), available.end(), "nccl") != available.end();
+  EXPECT_THROWS_WITH(
+      fulgur::FlagError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = ddp("nccl"), .devices = 2},
+                      empty_env()),
+      {"strategy \"ddp\" with process_group_backend=\"nccl\"",
+       has_nccl ? "runs on CUDA devices, but this rank's device is cpu" : "is not in this build",
+       has_nccl ? "Use \"gloo\" on CPU" : "Available: gloo"});
+  // Set explicitly and valid: no note about a default.
+  auto result = fulgur::connect(
+      TrainerOptions{.accelerator = "cpu", .strategy = ddp("gloo"), .devices = 2}, empty_env());
+  EXPECT_EQ(fulgur::join(result.resolution.notes, "\n").find("process_group_backend="),
+            std::string::npos);
+  // A name that is no backend at all is refused when the strategy is built.
+  EXPECT_THROWS_WITH(fulgur::ConfigError, ddp("glo"),
+                     {"process_group_backend=\"glo\" is not one of gloo, nccl, mpi"});
 }
 
 TEST(AcceleratorConnector, DdpVariantsPickTheirLauncher) {
