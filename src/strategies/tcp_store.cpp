@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -82,6 +83,40 @@ Address resolve_address(const std::string& host, int port) {
   a.family = found->ai_family;
   ::freeaddrinfo(found);
   return a;
+}
+
+// A connected socket to `a`, or -1 with `error` set. Bounded by `deadline`:
+// a blocking connect() to an address that drops packets (a firewall, a full
+// accept queue) waits for the kernel's SYN retries, about two minutes.
+int connect_before(const Address& a, Clock::time_point deadline, int& error) {
+  int fd = ::socket(a.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) {
+    error = errno;
+    return -1;
+  }
+  auto give_up = [&](int why) {
+    error = why;
+    ::close(fd);
+    return -1;
+  };
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&a.addr), a.len) != 0) {
+    if (errno != EINPROGRESS) return give_up(errno);
+    pollfd p{fd, POLLOUT, 0};
+    int n;
+    do {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      n = ::poll(&p, 1, static_cast<int>(std::max<int64_t>(left.count(), 0)));
+    } while (n < 0 && errno == EINTR);
+    if (n == 0) return give_up(ETIMEDOUT);
+    if (n < 0) return give_up(errno);
+    int so_error = 0;
+    socklen_t len = sizeof so_error;
+    ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &so_error, &len);
+    if (so_error != 0) return give_up(so_error);
+  }
+  // Requests wait with poll() and their own timeout; writes may block.
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
 }
 
 }  // namespace
@@ -167,7 +202,13 @@ class StoreServer {
         }
         std::string& in = conns_[fd];
         in.append(buf, static_cast<size_t>(n));
-        while (handle_one(fd, in)) {
+        try {
+          while (handle_one(fd, in)) {
+          }
+        } catch (const std::exception&) {
+          // A malformed request (not one of our clients, or a corrupted
+          // stream): that connection goes, the store and rank 0 stay.
+          drop(fd);
         }
       }
     }
@@ -307,12 +348,9 @@ TcpStore::TcpStore(const std::string& host, int port, bool server,
   const auto deadline = Clock::now() + timeout;
   int last_error = 0;
   for (;;) {
-    fd_ = ::socket(a.family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd_ >= 0 && ::connect(fd_, reinterpret_cast<const sockaddr*>(&a.addr), a.len) == 0) break;
-    last_error = errno;
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-    if (Clock::now() > deadline) {
+    fd_ = connect_before(a, deadline, last_error);
+    if (fd_ >= 0) break;
+    if (Clock::now() >= deadline) {
       throw DistributedError(str("cannot reach the main process's store at ", where(), " within ",
                                  timeout.count() / 1000.0, " s: ", std::strerror(last_error),
                                  ". Check that rank 0 is running, that MASTER_ADDR and MASTER_PORT "

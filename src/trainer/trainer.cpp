@@ -288,6 +288,14 @@ LaunchResults Trainer::Impl::fit_results(Module& m, FitResult& result) {
       }};
 }
 
+void Trainer::Impl::prepare_and_set_up(DataModule& data, Stage s) {
+  // Once per node, then every rank waits for it: setup() reads what
+  // prepare_data() downloads or unpacks.
+  if (strategy->local_rank() == 0) data.prepare_data();
+  if (strategy->world_size() > 1) strategy->barrier("prepare_data");
+  data.setup(s);
+}
+
 FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
                                  std::shared_ptr<DataLoader> val, DataModule* data,
                                  const FitOptions& fit) {
@@ -295,8 +303,7 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
   run_stage(m, Stage::Fit, [&] {
     if (options.seed) seed_everything(*options.seed);
     if (data) {
-      if (strategy->local_rank() == 0) data->prepare_data();
-      data->setup(Stage::Fit);
+      prepare_and_set_up(*data, Stage::Fit);
       train = data->train_dataloader();
       val = data->val_dataloader();
     }
@@ -361,8 +368,7 @@ Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loa
   run_stage(m, s, [&] {
     if (options.seed) seed_everything(*options.seed);
     if (data) {
-      if (strategy->local_rank() == 0) data->prepare_data();
-      data->setup(s);
+      prepare_and_set_up(*data, s);
       loader = s == Stage::Test ? data->test_dataloader() : data->val_dataloader();
     }
     const char* what = s == Stage::Test ? "test" : "validate";
@@ -398,8 +404,7 @@ std::vector<Batch> Trainer::Impl::run_predict(Module& m, std::shared_ptr<DataLoa
   run_stage(m, Stage::Predict, [&] {
     if (options.seed) seed_everything(*options.seed);
     if (data) {
-      if (strategy->local_rank() == 0) data->prepare_data();
-      data->setup(Stage::Predict);
+      prepare_and_set_up(*data, Stage::Predict);
       loader = data->predict_dataloader();
     }
     if (!loader) {

@@ -142,6 +142,9 @@ struct Trainer::Impl {
   bool should_validate_now(int64_t position, bool is_last_batch) const;
   void run_validation(bool sanity);
   bool stop_requested_by_limits(bool boundary);
+  /// DataModule::prepare_data() on each node's local rank 0, a barrier, then
+  /// setup(s) on every rank.
+  void prepare_and_set_up(DataModule& data, Stage s);
   void manual_backward(Module& module, const at::Tensor& loss);
   void manual_optimizer_step(Module& module, torch::optim::Optimizer& optimizer);
 

@@ -304,6 +304,16 @@ TEST(DDP, FitThenTestShareTheProcessGroup) {
   }
 }
 
+TEST(DDP, EveryRanksSetupWaitsForTheNodesPrepareData) {
+  // prepare_data() (local rank 0) takes 1.5 s to write the file that every
+  // rank's setup() reads.
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4",
+                       "--prepare-seconds", "1.5", "--root", dir.path()});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(result_value(r.output, "global_step"), "4") << r.output;
+}
+
 TEST(ProcessGroup, StoreListensOnTheMainAddressOnly) {
   const int port = fulgur::find_free_port("127.0.0.1");
   auto group = fulgur::ProcessGroup::connect(
@@ -359,6 +369,36 @@ TEST(DDPFaults, HungRankIsNamedAtTheTimeout) {
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("hung"), std::string::npos) << r.output;
+  // Named at the 4 s timeout (plus start-up), not after minutes.
+  EXPECT_LT(r.seconds, 45) << r.output;
+}
+
+TEST(DDPFaults, ARankStuckOnItsWayOutIsNamedOnceItsPeersFinished) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4",
+                       "--hang-at-exit-rank", "1", "--timeout", "4", "--root", dir.path()},
+                      {}, 90s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("still running"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("after rank 0 finished"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 1 hangs on its way out"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 45) << r.output;
+}
+
+TEST(DDPFaults, ARankThatFailsOnItsOwnIsNamedNotAPeerBehindIt) {
+  // Rank 1 sleeps after batch 2 (behind, not hung); rank 0 throws in batch
+  // 3's training_step, outside any collective. Rank 0 is the cause.
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "100", "--fail-rank",
+                       "0", "--slow-rank", "1", "--slow-seconds", "6", "--fault-step", "3",
+                       "--timeout", "30", "--root", dir.path()},
+                      {}, 90s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("launcher: rank 0 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exited with code 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 0 fails on its own now"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("hung"), std::string::npos) << r.output;
 }
 
 TEST(DDPFaults, MainAddressOfAnotherMachineIsAClearError) {

@@ -9,7 +9,9 @@
 
 #include <algorithm>
 #include <csignal>
+#include <filesystem>
 #include <iostream>
+#include <stdexcept>
 #include <thread>
 
 #include "fulgur/fulgur.h"
@@ -62,6 +64,18 @@ struct Args {
   std::string stop_in = "step";
   // Validate every N training batches (0: no validation loader).
   int64_t val_every = 0;
+  // A rank that throws from training_step at batch fault_step (it fails on
+  // its own, outside any collective).
+  int fail_rank = -1;
+  // A rank that sleeps slow_seconds in on_train_batch_end of the batch
+  // before fault_step (it falls behind without hanging).
+  int slow_rank = -1;
+  double slow_seconds = 0;
+  // A rank that never exits once fit and test are done.
+  int hang_at_exit_rank = -1;
+  // > 0: the data comes from a DataModule whose prepare_data() takes this
+  // long to write the file every rank's setup() reads.
+  double prepare_seconds = 0;
 };
 
 // 16 features, 4 classes; samples depend only on their index.
@@ -112,6 +126,9 @@ struct Classifier : fulgur::Module {
       std::cout << "rank " << rank << " hangs now" << std::endl;
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
+    if (rank == args.fail_rank && batch_idx == args.fault_step) {
+      throw std::runtime_error("rank " + std::to_string(rank) + " fails on its own now");
+    }
     if (seen.defined()) seen.add_(rank + 1);
     if (rank == args.stop_rank && batch_idx == args.fault_step && args.stop_in == "step") {
       trainer().request_stop();
@@ -150,6 +167,9 @@ struct Classifier : fulgur::Module {
   }
 
   void on_train_batch_end(const at::Tensor&, const fulgur::Batch&, int64_t batch_idx) override {
+    if (trainer().strategy().global_rank() == args.slow_rank && batch_idx + 1 == args.fault_step) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(args.slow_seconds));
+    }
     if (trainer().strategy().global_rank() == args.stop_rank && batch_idx == args.fault_step &&
         args.stop_in == "batch-end") {
       trainer().request_stop();
@@ -181,6 +201,34 @@ struct Classifier : fulgur::Module {
     if (args.optimizer == "adam") return {std::make_shared<torch::optim::Adam>(parameters(), 0.01)};
     return {std::make_shared<torch::optim::SGD>(
         parameters(), torch::optim::SGDOptions(0.1).momentum(0.9))};
+  }
+};
+
+// Writes the training data to a file in prepare_data() (slowly: it is a
+// download), reads it back in setup(): every rank's setup() must come after
+// the node's prepare_data() has finished.
+struct SlowlyPreparedData : fulgur::DataModule {
+  const Args& args;
+  std::string file;
+  std::shared_ptr<fulgur::TensorDataset> train;
+  explicit SlowlyPreparedData(const Args& a) : args(a), file(a.root + "/prepared.pt") {}
+
+  void prepare_data() override {
+    std::this_thread::sleep_for(std::chrono::duration<double>(args.prepare_seconds));
+    auto [x, y] = make_data(args.samples, 0);
+    torch::save(std::vector<at::Tensor>{x, y}, file + ".tmp");
+    std::filesystem::rename(file + ".tmp", file);
+  }
+  void setup(fulgur::Stage) override {
+    if (!std::filesystem::exists(file)) {
+      throw std::runtime_error("setup() ran before prepare_data() wrote " + file);
+    }
+    std::vector<at::Tensor> xy;
+    torch::load(xy, file);
+    train = std::make_shared<fulgur::TensorDataset>(xy.at(0), xy.at(1));
+  }
+  std::shared_ptr<fulgur::DataLoader> train_dataloader() override {
+    return fulgur::make_data_loader(train, {.batch_size = args.batch, .shuffle = args.shuffle});
   }
 };
 
@@ -224,6 +272,11 @@ int main(int argc, char** argv) {
   app.add_option("--stop-rank", a.stop_rank);
   app.add_option("--stop-in", a.stop_in)->check(CLI::IsMember({"step", "batch-end", "validation"}));
   app.add_option("--val-every", a.val_every);
+  app.add_option("--fail-rank", a.fail_rank);
+  app.add_option("--slow-rank", a.slow_rank);
+  app.add_option("--slow-seconds", a.slow_seconds);
+  app.add_option("--hang-at-exit-rank", a.hang_at_exit_rank);
+  app.add_option("--prepare-seconds", a.prepare_seconds);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -264,8 +317,11 @@ int main(int argc, char** argv) {
     if (a.val_every > 0) options.val_check_interval = a.val_every;
     fulgur::Trainer trainer(options);
     fulgur::FitResult result;
+    SlowlyPreparedData prepared(a);
     if (!a.skip_fit) {
-      if (a.val_every > 0) {
+      if (a.prepare_seconds > 0) {
+        result = trainer.fit(model, prepared);
+      } else if (a.val_every > 0) {
         auto [vx, vy] = make_data(64, 50000);
         result = trainer.fit(model, train,
                              fulgur::make_data_loader(
@@ -306,6 +362,10 @@ int main(int argc, char** argv) {
       }
       for (const auto& [k, v] : test) std::cout << "RESULT " << k << "=" << v << "\n";
       std::cout.flush();
+    }
+    if (strategy.global_rank() == a.hang_at_exit_rank) {
+      std::cout << "rank " << a.hang_at_exit_rank << " hangs on its way out" << std::endl;
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
     return 0;
   } catch (const std::exception& e) {

@@ -4,39 +4,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <exception>
-#include <functional>
-#include <thread>
-
 #include "fulgur/strategies/gradient_reducer.h"
 #include "fulgur/strategies/process_group.h"
+#include "support/test_support.h"
 
 namespace {
-
-// Runs body(rank, group) on two ranks at once; rethrows the first failure.
-void on_two_ranks(const std::function<void(int, std::shared_ptr<fulgur::ProcessGroup>)>& body) {
-  const int port = fulgur::find_free_port();
-  std::exception_ptr failure[2];
-  std::vector<std::thread> ranks;
-  for (int rank = 0; rank < 2; ++rank) {
-    ranks.emplace_back([&, rank] {
-      try {
-        fulgur::ProcessGroupOptions o;
-        o.main_port = port;
-        o.world_size = 2;
-        o.rank = rank;
-        o.timeout = std::chrono::seconds(20);
-        body(rank, fulgur::ProcessGroup::connect(o));
-      } catch (...) {
-        failure[rank] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : ranks) t.join();
-  for (auto& f : failure) {
-    if (f) std::rethrow_exception(f);
-  }
-}
 
 // y = w . x with w = 0 and x = (rank + 1) * ones: dL/dw = (rank + 1).
 struct Replica {
@@ -49,7 +21,7 @@ TEST(GradientReducer, AveragesGradientsAndCountsTheStopVotes) {
   at::Tensor grads[2];
   int votes[2] = {-1, -1};
   int64_t exchanges[2] = {-1, -1};
-  on_two_ranks([&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+  fulgur::test::on_ranks(2, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
     Replica r;
     fulgur::GradientReducer reducer(r.named(), group);
     EXPECT_EQ(reducer.exchanges(), 0);
@@ -72,7 +44,7 @@ TEST(GradientReducer, ARankThatJoinsWithoutABackwardVotesAndTakesItsPeersMean) {
   at::Tensor grads[2];
   int contributors[2] = {-1, -1};
   int votes[2] = {-1, -1};
-  on_two_ranks([&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+  fulgur::test::on_ranks(2, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
     Replica r;
     fulgur::GradientReducer reducer(r.named(), group);
     // Two exchanges, gradients not zeroed between them; the votes are per
@@ -105,7 +77,7 @@ TEST(GradientReducer, ARankThatJoinsWithoutABackwardVotesAndTakesItsPeersMean) {
 TEST(GradientReducer, WithoutSyncThereIsNoExchangeAndNoNewVote) {
   int64_t exchanges[2] = {-1, -1};
   at::Tensor grads[2];
-  on_two_ranks([&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+  fulgur::test::on_ranks(2, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
     Replica r;
     fulgur::GradientReducer reducer(r.named(), group);
     reducer.set_require_sync(false);

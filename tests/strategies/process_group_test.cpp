@@ -1,8 +1,17 @@
 // The process group's backends and its store, in one process: which
 // backends this build has, the errors for the others, and a store's clone
-// (a second client of the same server, which LibTorch 2.x's NCCL uses).
+// (a second client of the same server, which LibTorch 2.x's NCCL uses), its
+// bounded connect and its server's handling of a malformed request.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/strategies/process_group.h"
@@ -63,6 +72,47 @@ TEST(ProcessGroup, OneRankCollectivesReturnTheirInput) {
   group->barrier();
 }
 
+TEST(ProcessGroup, TwoRankCollectivesCombineEveryRanksValues) {
+  at::Tensor sum[2], mean[2], max[2], min[2], int_max[2], int_min[2], from_one[2], gathered[2];
+  std::string bytes[2];
+  const std::string long_path = std::string(5000, 'x').append("/best.ckpt");
+  fulgur::test::on_ranks(2, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+    // Rank 0 holds {1, 5}, rank 1 holds {4, 2}: each op picks differently.
+    const auto mine = rank == 0 ? torch::tensor({1.0, 5.0}) : torch::tensor({4.0, 2.0});
+    auto reduce = [&](fulgur::ReduceOp op, const at::Tensor& t) {
+      at::Tensor out = t.clone();
+      group->all_reduce_(out, op);
+      return out;
+    };
+    sum[rank] = reduce(fulgur::ReduceOp::Sum, mine);
+    mean[rank] = reduce(fulgur::ReduceOp::Mean, mine);
+    max[rank] = reduce(fulgur::ReduceOp::Max, mine);
+    min[rank] = reduce(fulgur::ReduceOp::Min, mine);
+    // reduce_boolean_decision's form: one int, all = Min, any = Max.
+    const auto vote = torch::tensor({rank}, torch::kInt);
+    int_max[rank] = reduce(fulgur::ReduceOp::Max, vote);
+    int_min[rank] = reduce(fulgur::ReduceOp::Min, vote);
+    from_one[rank] = mine.clone();
+    group->broadcast_(from_one[rank], /*src=*/1);
+    // Rank 1's bytes are longer than rank 0's: every rank gets all of them.
+    bytes[rank] = group->broadcast_bytes(rank == 1 ? long_path : "", /*src=*/1);
+    gathered[rank] = group->all_gather(mine);
+    group->barrier();
+  });
+  for (int r = 0; r < 2; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_TRUE(torch::equal(sum[r], torch::tensor({5.0, 7.0})));
+    EXPECT_TRUE(torch::equal(mean[r], torch::tensor({2.5, 3.5})));
+    EXPECT_TRUE(torch::equal(max[r], torch::tensor({4.0, 5.0})));
+    EXPECT_TRUE(torch::equal(min[r], torch::tensor({1.0, 2.0})));
+    EXPECT_EQ(int_max[r].item<int>(), 1);
+    EXPECT_EQ(int_min[r].item<int>(), 0);
+    EXPECT_TRUE(torch::equal(from_one[r], torch::tensor({4.0, 2.0})));
+    EXPECT_EQ(bytes[r], long_path);
+    EXPECT_TRUE(torch::equal(gathered[r], torch::tensor({{1.0, 5.0}, {4.0, 2.0}})));
+  }
+}
+
 TEST(TcpStore, AClonePointsAtTheSameServer) {
   const int port = fulgur::find_free_port();
   auto store = c10::make_intrusive<fulgur::detail::TcpStore>("127.0.0.1", port, /*server=*/true,
@@ -72,6 +122,62 @@ TEST(TcpStore, AClonePointsAtTheSameServer) {
   EXPECT_EQ(store->get("written-by-the-clone"), (std::vector<uint8_t>{1, 2, 3}));
   EXPECT_EQ(copy->add("counter", 2), 2);
   EXPECT_EQ(store->add("counter", 1), 3);
+}
+
+TEST(TcpStore, GivesUpAtItsTimeoutWhenTheServerDoesNotAnswer) {
+  // A listener whose accept queue is full drops new connections' SYNs, as
+  // a firewall would: a blocking connect() would wait about two minutes.
+  const int port = fulgur::find_free_port();
+  int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(listener, 0), 0);
+  int queued = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_EQ(::connect(queued, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROWS_WITH(fulgur::DistributedError,
+                     fulgur::detail::TcpStore("127.0.0.1", port, /*server=*/false,
+                                              std::chrono::seconds(1)),
+                     {"cannot reach the main process's store at 127.0.0.1:" +
+                          std::to_string(port),
+                      "within 1 s"});
+  // The timeout, not the kernel's two minutes of SYN retries.
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  ::close(queued);
+  ::close(listener);
+}
+
+TEST(TcpStore, AMalformedRequestDropsThatConnectionOnly) {
+  const int port = fulgur::find_free_port();
+  auto store = c10::make_intrusive<fulgur::detail::TcpStore>("127.0.0.1", port, /*server=*/true,
+                                                             std::chrono::seconds(10));
+  // An "add" whose amount is no number, from a client that is not ours.
+  int raw = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::connect(raw, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  std::string request(1, '\x03');
+  for (const std::string part : {"key", "not a number"}) {
+    uint32_t n = htonl(static_cast<uint32_t>(part.size()));
+    request.append(reinterpret_cast<const char*>(&n), 4);
+    request += part;
+  }
+  ASSERT_EQ(::send(raw, request.data(), request.size(), MSG_NOSIGNAL),
+            static_cast<ssize_t>(request.size()));
+  pollfd p{raw, POLLIN, 0};
+  ASSERT_EQ(::poll(&p, 1, 10000), 1) << "the store neither answered nor closed the connection";
+  char byte;
+  EXPECT_EQ(::recv(raw, &byte, 1, 0), 0) << "the malformed request's connection stays open";
+  ::close(raw);
+  // The server (rank 0's thread) is still there for everyone else.
+  EXPECT_EQ(store->add("key", 2), 2);
+  store->set("other", std::vector<uint8_t>{7});
+  EXPECT_EQ(store->get("other"), std::vector<uint8_t>{7});
 }
 
 }  // namespace

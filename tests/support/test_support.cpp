@@ -10,6 +10,9 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
+
+#include "fulgur/strategies/process_group.h"
 
 namespace fulgur::test {
 
@@ -400,6 +403,31 @@ std::shared_ptr<fulgur::DataLoader> RecordingDataModule::test_dataloader() {
 std::shared_ptr<fulgur::DataLoader> RecordingDataModule::predict_dataloader() {
   events.emplace_back("predict_dataloader");
   return regression_loader(val_batches, batch_size);
+}
+
+void on_ranks(int world,
+              const std::function<void(int, std::shared_ptr<fulgur::ProcessGroup>)>& body) {
+  const int port = fulgur::find_free_port();
+  std::vector<std::exception_ptr> failure(static_cast<size_t>(world));
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < world; ++rank) {
+    ranks.emplace_back([&, rank] {
+      try {
+        fulgur::ProcessGroupOptions o;
+        o.main_port = port;
+        o.world_size = world;
+        o.rank = rank;
+        o.timeout = std::chrono::seconds(20);
+        body(rank, fulgur::ProcessGroup::connect(o));
+      } catch (...) {
+        failure[static_cast<size_t>(rank)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (auto& f : failure) {
+    if (f) std::rethrow_exception(f);
+  }
 }
 
 }  // namespace fulgur::test

@@ -35,6 +35,10 @@
 
 #include "fulgur/fulgur.h"
 
+namespace fulgur {
+class ProcessGroup;
+}  // namespace fulgur
+
 namespace fulgur::test {
 
 // ---- Exceptions.
@@ -154,6 +158,14 @@ void copy_parameters(const torch::nn::Module& from, torch::nn::Module& to);
 std::vector<at::Tensor> clone_parameters(const torch::nn::Module& module);
 /// The lr of the first param group of an SGD optimizer.
 double sgd_lr(torch::optim::Optimizer& optimizer);
+
+// ---- Ranks as threads.
+
+/// Runs body(rank, group) on `world` ranks of this process at once, a
+/// thread each, every one with a real Gloo group over 127.0.0.1 (20 s
+/// timeout); rethrows the first rank's failure once all have ended.
+void on_ranks(int world,
+              const std::function<void(int, std::shared_ptr<fulgur::ProcessGroup>)>& body);
 
 // ---- Recording fixtures.
 

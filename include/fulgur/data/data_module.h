@@ -2,8 +2,9 @@
 //
 // A DataModule packages the data side of a run: download/prepare once,
 // build the splits per stage, hand out the loaders. The Trainer calls
-// prepare_data() (once per node, on local rank 0), then setup(stage) on every
-// rank, then the loader it needs, then teardown(stage).
+// prepare_data() (once per node, on local rank 0), then, once every rank has
+// reached that point (a barrier), setup(stage) on every rank, then the loader
+// it needs, then teardown(stage).
 //
 //   struct MyData : fulgur::DataModule {
 //     void setup(fulgur::Stage stage) override { train_ = ...; }

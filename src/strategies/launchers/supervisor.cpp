@@ -82,13 +82,30 @@ void send_heartbeat(const char* what) {
   write_all(fd, line, static_cast<size_t>(std::min<int>(n, sizeof line - 1)));
 }
 
-Supervisor::Supervisor(Options options) : options_(options), started_(Clock::now()) {}
+Supervisor::Supervisor(Options options) : options_(options), started_(Clock::now()) {
+  // With SIGCHLD ignored (or SA_NOCLDWAIT) the kernel reaps the ranks
+  // itself and their exit status is lost: supervise with the default.
+  struct sigaction current {};
+  ::sigaction(SIGCHLD, nullptr, &current);
+  if (current.sa_handler == SIG_IGN || (current.sa_flags & SA_NOCLDWAIT) != 0) {
+    struct sigaction fallback {};
+    fallback.sa_handler = SIG_DFL;
+    sigemptyset(&fallback.sa_mask);
+    ::sigaction(SIGCHLD, &fallback, &saved_sigchld_);
+    restore_sigchld_ = true;
+  }
+}
 
 Supervisor::~Supervisor() {
   try {
     stop_all();
   } catch (...) {
   }
+  if (restore_sigchld_) ::sigaction(SIGCHLD, &saved_sigchld_, nullptr);
+}
+
+bool Supervisor::succeeded(const Child& c) {
+  return !c.running && !c.lost && WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
 }
 
 void Supervisor::spawn(int local_rank, int global_rank, const std::function<void()>& body) {
@@ -227,6 +244,10 @@ bool Supervisor::reap() {
       c.running = false;
       c.status = status;
       any = true;
+    } else if (r < 0 && errno == ECHILD) {
+      c.running = false;
+      c.lost = true;
+      any = true;
     }
   }
   return any;
@@ -253,6 +274,10 @@ void Supervisor::close_fds(Child& c) {
 }
 
 std::string Supervisor::describe_death(const Child& c) const {
+  if (c.lost) {
+    return "ended, but another part of the program reaped it (a waitpid(-1), or SIGCHLD set to "
+           "SIG_IGN after the launch), so how is unknown";
+  }
   if (WIFSIGNALED(c.status)) {
     int sig = WTERMSIG(c.status);
     return str("was killed by signal ", sig, " (", signal_name(sig), ")");
@@ -288,8 +313,10 @@ void Supervisor::stop_all() {
     if (c.running) {
       ::kill(c.pid, SIGKILL);
       int status = 0;
-      while (::waitpid(c.pid, &status, 0) < 0 && errno == EINTR) {
+      pid_t r;
+      while ((r = ::waitpid(c.pid, &status, 0)) < 0 && errno == EINTR) {
       }
+      if (r < 0) c.lost = true;
       c.running = false;
       c.status = status;
     }
@@ -314,7 +341,13 @@ void Supervisor::wait_all() {
   } restore{old_int, old_term};
 
   const Child* failed = nullptr;
+  // The first rank seen to finish successfully, and when.
+  const Child* finished = nullptr;
+  Clock::time_point finished_at;
   std::string hang_report;
+  auto seconds = [](Clock::duration d) {
+    return std::chrono::duration_cast<std::chrono::seconds>(d).count();
+  };
   for (;;) {
     pump(100);
     reap();
@@ -322,8 +355,11 @@ void Supervisor::wait_all() {
     for (auto& c : children_) {
       if (!c.running) {
         if (c.out_fd >= 0 || c.err_fd >= 0 || c.beat_fd >= 0) close_fds(c);
-        bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
-        if (!ok && failed == nullptr) failed = &c;
+        if (!succeeded(c) && failed == nullptr) failed = &c;
+        if (succeeded(c) && finished == nullptr) {
+          finished = &c;
+          finished_at = Clock::now();
+        }
       } else {
         all_done = false;
       }
@@ -343,15 +379,32 @@ void Supervisor::wait_all() {
         if (ahead == nullptr || c.beats > ahead->beats) ahead = &c;
       }
       for (const auto& c : children_) {
-        if (!c.running || c.beats >= ahead->beats) continue;
+        if (!c.running) continue;
+        // A rank that finished is ahead of every rank still running: one
+        // stuck on its way out (a teardown that never returns) is hung too.
+        if (finished != nullptr) {
+          const auto silent = now - std::max(c.last_beat_time, finished_at);
+          if (silent > options_.hang_timeout) {
+            hang_report = str(
+                "rank ", c.global_rank, " (pid ", c.pid, ") hung: it is still running ",
+                seconds(now - finished_at), " s after rank ", finished->global_rank,
+                " finished, with no progress for ", seconds(silent), " s (the timeout is ",
+                seconds(options_.hang_timeout), " s); it last reported \"",
+                c.last_beat.empty() ? "nothing" : c.last_beat, "\". Its last lines:\n",
+                tail_text(c));
+            failed = &c;
+            break;
+          }
+          continue;
+        }
+        if (c.beats >= ahead->beats) continue;
         if (now - c.last_beat_time > options_.hang_timeout) {
           hang_report = str(
               "rank ", c.global_rank, " (pid ", c.pid, ") hung: no progress for ",
-              std::chrono::duration_cast<std::chrono::seconds>(now - c.last_beat_time).count(),
-              " s (the timeout is ",
-              std::chrono::duration_cast<std::chrono::seconds>(options_.hang_timeout).count(),
-              " s); it last reported \"", c.last_beat.empty() ? "nothing" : c.last_beat,
-              "\" while rank ", ahead->global_rank, " reported \"", ahead->last_beat, "\". Its last lines:\n",
+              seconds(now - c.last_beat_time), " s (the timeout is ",
+              seconds(options_.hang_timeout), " s); it last reported \"",
+              c.last_beat.empty() ? "nothing" : c.last_beat, "\" while rank ",
+              ahead->global_rank, " reported \"", ahead->last_beat, "\". Its last lines:\n",
               tail_text(c));
           failed = &c;
           break;
@@ -361,6 +414,11 @@ void Supervisor::wait_all() {
     }
   }
   if (failed == nullptr) return;
+  // A rank whose collective failed because a peer left (its message ends
+  // with kPeerFailedHint) is a victim of one that failed on its own.
+  auto victim = [&](const Child& c) {
+    return tail_text(c).find(kPeerFailedHint) != std::string::npos;
+  };
   if (hang_report.empty()) {
     // Ranks fail together: a killed rank's peers fail in their next
     // collective within milliseconds and may be reaped first. Collect the
@@ -380,11 +438,7 @@ void Supervisor::wait_all() {
         break;
       }
     }
-    // Among ranks that exited with an error, one whose collective failed
-    // because a peer left is a victim of one that failed on its own.
-    auto victim = [&](const Child& c) {
-      return tail_text(c).find(kPeerFailedHint) != std::string::npos;
-    };
+    // Among ranks that exited with an error, name one that failed on its own.
     if (!WIFSIGNALED(failed->status) && victim(*failed)) {
       for (const auto& c : children_) {
         if (!c.running && WIFEXITED(c.status) && WEXITSTATUS(c.status) != 0 && !victim(c)) {
@@ -395,9 +449,10 @@ void Supervisor::wait_all() {
     }
   }
   std::string report;
-  if (hang_report.empty() && !WIFSIGNALED(failed->status)) {
+  if (hang_report.empty() && !WIFSIGNALED(failed->status) && victim(*failed)) {
     // A rank that failed in a collective (timeout, closed connection) is
     // usually the victim: a running rank that fell behind it is the cause.
+    // (A rank that failed on its own is the cause, whoever is behind it.)
     const Child* lagging = nullptr;
     for (const auto& c : children_) {
       if (c.running && c.beats < failed->beats && (lagging == nullptr || c.beats < lagging->beats)) {
@@ -407,8 +462,7 @@ void Supervisor::wait_all() {
     if (lagging != nullptr) {
       hang_report = str(
           "rank ", lagging->global_rank, " (pid ", lagging->pid, ") hung: it sent no progress for ",
-          std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - lagging->last_beat_time).count(),
-          " s and fell behind rank ", failed->global_rank, ", which gave up waiting for it (",
+          seconds(Clock::now() - lagging->last_beat_time), " s and fell behind rank ", failed->global_rank, ", which gave up waiting for it (",
           describe_death(*failed), "). Rank ", lagging->global_rank, "'s last lines:\n",
           tail_text(*lagging), "\nRank ", failed->global_rank, "'s last lines:\n", tail_text(*failed));
       failed = lagging;

@@ -6,6 +6,7 @@
 // printed last. Children get PR_SET_PDEATHSIG so they never outlive it.
 #pragma once
 
+#include <signal.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -23,7 +24,8 @@ class Supervisor {
     /// Between SIGTERM and SIGKILL when stopping ranks.
     std::chrono::milliseconds grace{std::chrono::seconds(5)};
     /// A rank is declared hung when it sent no heartbeat for this long
-    /// while another rank did (0: never).
+    /// while another rank did, or while it is still running after another
+    /// rank finished (0: never).
     std::chrono::milliseconds hang_timeout{0};
     /// Lines of each rank's output kept for the failure message.
     size_t tail_lines = 20;
@@ -53,6 +55,9 @@ class Supervisor {
     int err_fd = -1;
     int beat_fd = -1;
     bool running = true;
+    /// Reaped by someone else (SIGCHLD ignored, a waitpid(-1) elsewhere):
+    /// how it ended is unknown.
+    bool lost = false;
     int status = 0;
     std::string partial[2];
     std::deque<std::string> tail;
@@ -68,8 +73,15 @@ class Supervisor {
   std::string tail_text(const Child& c) const;
   void close_fds(Child& c);
 
+  /// Whether `c` ended with exit status 0.
+  static bool succeeded(const Child& c);
+
   Options options_;
   std::vector<Child> children_;
+  /// The program's SIGCHLD disposition, when it ignored SIGCHLD (children
+  /// would then be reaped by the kernel, unseen): restored at the end.
+  struct sigaction saved_sigchld_ {};
+  bool restore_sigchld_ = false;
   std::chrono::steady_clock::time_point started_;
 };
 
