@@ -182,7 +182,9 @@ TEST(DDP, AStopRequestedOnOneRankStopsEveryRank) {
                       {}, 50s);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(result_value(r.output, "global_step"), "6") << r.output;
-  EXPECT_EQ(result_value(r.output, "seen_rank0"), "6") << r.output;
+  EXPECT_EQ(result_value(r.output, "seen_rank0"), "6") << r.output;  // Rank 1 took as many training steps: it holds rank 0's count from
+  // before the last step (buffers come from rank 0) plus its own 2.
+  EXPECT_EQ(result_value(r.output, "seen_rank1"), "7") << r.output;
 }
 
 TEST(DDP, AStopRequestedAfterBackwardIsAgreedAtTheNextBatch) {
@@ -195,7 +197,9 @@ TEST(DDP, AStopRequestedAfterBackwardIsAgreedAtTheNextBatch) {
                       {}, 50s);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(result_value(r.output, "global_step"), "7") << r.output;
-  EXPECT_EQ(result_value(r.output, "seen_rank0"), "7") << r.output;
+  EXPECT_EQ(result_value(r.output, "seen_rank0"), "7") << r.output;  // Rank 1 took as many training steps: it holds rank 0's count from
+  // before the last step (buffers come from rank 0) plus its own 2.
+  EXPECT_EQ(result_value(r.output, "seen_rank1"), "8") << r.output;
 }
 
 TEST(DDP, AStopRequestedInANoSyncMicroBatchIsAgreedAtTheStep) {
@@ -208,7 +212,9 @@ TEST(DDP, AStopRequestedInANoSyncMicroBatchIsAgreedAtTheStep) {
                       {}, 50s);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(result_value(r.output, "global_step"), "3") << r.output;
-  EXPECT_EQ(result_value(r.output, "seen_rank0"), "6") << r.output;
+  EXPECT_EQ(result_value(r.output, "seen_rank0"), "6") << r.output;  // Rank 1 took as many training steps: it holds rank 0's count from
+  // before the last step (buffers come from rank 0) plus its own 2.
+  EXPECT_EQ(result_value(r.output, "seen_rank1"), "7") << r.output;
 }
 
 TEST(DDP, AStopRequestedInValidationStopsEveryRankBeforeTheNextBatch) {
@@ -221,7 +227,9 @@ TEST(DDP, AStopRequestedInValidationStopsEveryRankBeforeTheNextBatch) {
                       {}, 50s);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(result_value(r.output, "global_step"), "4") << r.output;
-  EXPECT_EQ(result_value(r.output, "seen_rank0"), "4") << r.output;
+  EXPECT_EQ(result_value(r.output, "seen_rank0"), "4") << r.output;  // Rank 1 took as many training steps: it holds rank 0's count from
+  // before the last step (buffers come from rank 0) plus its own 2.
+  EXPECT_EQ(result_value(r.output, "seen_rank1"), "5") << r.output;
 }
 
 TEST(DDP, ManualOptimizationIsSynchronisedToo) {

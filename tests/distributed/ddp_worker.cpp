@@ -76,6 +76,9 @@ struct Args {
   // > 0: the data comes from a DataModule whose prepare_data() takes this
   // long to write the file every rank's setup() reads.
   double prepare_seconds = 0;
+  // Runs a multi-threaded matrix product before fit, so the intra-op
+  // thread pool is up when a forking launcher forks.
+  bool warm_parent = false;
 };
 
 // 16 features, 4 classes; samples depend only on their index.
@@ -277,6 +280,7 @@ int main(int argc, char** argv) {
   app.add_option("--slow-seconds", a.slow_seconds);
   app.add_option("--hang-at-exit-rank", a.hang_at_exit_rank);
   app.add_option("--prepare-seconds", a.prepare_seconds);
+  app.add_flag("--warm-parent", a.warm_parent);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -317,6 +321,13 @@ int main(int argc, char** argv) {
     if (a.val_every > 0) options.val_check_interval = a.val_every;
     fulgur::Trainer trainer(options);
     fulgur::FitResult result;
+    if (a.warm_parent) {
+      // No random numbers: the run's weights must not depend on this.
+      torch::set_num_threads(2);
+      auto m = torch::ones({384, 384}) / 384.0;
+      std::cout << "warm-up product " << torch::mm(m, m).sum().item<double>() << " on "
+                << torch::get_num_threads() << " intra-op threads" << std::endl;
+    }
     SlowlyPreparedData prepared(a);
     if (!a.skip_fit) {
       if (a.prepare_seconds > 0) {

@@ -1,6 +1,8 @@
 // The same training run on every launch path gives the same weights: one
 // process, fulgur's own launchers, torchrun, mpirun, srun's environment,
-// and two nodes on one machine. Real processes over 127.0.0.1.
+// and two nodes on one machine. Real processes over 127.0.0.1. Every
+// two-rank path is bit-identical to fulgur's own launcher; all are close to
+// one process with the double batch.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -35,13 +37,16 @@ void expect_clean(const ProcessResult& r) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
 }
 
-::testing::AssertionResult same_params(const std::string& a, const std::string& b) {
+// `exact`: bit-identical (the same ranks on another launch path); otherwise
+// allclose (one process with the double batch sums in another order).
+::testing::AssertionResult same_params(const std::string& a, const std::string& b,
+                                       bool exact = false) {
   std::vector<at::Tensor> pa, pb;
   torch::load(pa, a);
   torch::load(pb, b);
   if (pa.size() != pb.size()) return ::testing::AssertionFailure() << "parameter counts differ";
   for (size_t i = 0; i < pa.size(); ++i) {
-    if (!torch::allclose(pa[i], pb[i], 1e-4, 1e-5)) {
+    if (exact ? !torch::equal(pa[i], pb[i]) : !torch::allclose(pa[i], pb[i], 1e-4, 1e-5)) {
       return ::testing::AssertionFailure() << "parameter " << i << " differs by "
                                            << (pa[i] - pb[i]).abs().max().item<double>();
     }
@@ -64,17 +69,43 @@ class LaunchPaths : public ::testing::Test {
     expect_clean(r);
     return out;
   }
+  // Two ranks under fulgur's own launcher: every other two-rank path must
+  // give exactly these weights (same seed, same data split, same sums).
+  std::string own_launcher(ProcessResult* result = nullptr) {
+    std::string out = dir.path() + "/ddp.pt";
+    auto r = run_process(worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out,
+                                dir.path()),
+                         {}, 120s);
+    expect_clean(r);
+    if (result != nullptr) *result = r;
+    return out;
+  }
+  // Close to one process with the double batch, identical to the own launcher.
+  void expect_same_weights(const std::string& out) {
+    EXPECT_TRUE(same_params(baseline(2), out));
+    EXPECT_TRUE(same_params(own_launcher(), out, /*exact=*/true));
+  }
   TempDir dir;
 };
 
 TEST_F(LaunchPaths, OwnSubprocessLauncher) {
-  std::string out = dir.path() + "/ddp.pt";
-  auto r = run_process(worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out,
-                              dir.path()),
-                       {}, 120s);
-  expect_clean(r);
+  ProcessResult r;
+  std::string out = own_launcher(&r);
   EXPECT_EQ(result_value(r.output, "cluster_environment"), "lightning");
   EXPECT_TRUE(same_params(baseline(2), out));
+}
+
+TEST_F(LaunchPaths, ForkLauncher) {
+  std::string out = dir.path() + "/fork.pt";
+  // The caller ran LibTorch on two intra-op threads before fit() forks,
+  // and writes the weights afterwards: they came back from rank 0.
+  auto r = run_process(worker({"--strategy", "ddp_fork", "--devices", "2", "--batch", "8",
+                               "--warm-parent"},
+                              out, dir.path()),
+                       {}, 120s);
+  expect_clean(r);
+  EXPECT_EQ(result_value(r.output, "world_size"), "2") << r.output;
+  expect_same_weights(out);
 }
 
 TEST_F(LaunchPaths, Torchrun) {
@@ -92,7 +123,7 @@ TEST_F(LaunchPaths, Torchrun) {
   auto r = run_process(args, {{"OMP_NUM_THREADS", "1"}}, 180s);
   expect_clean(r);
   EXPECT_EQ(result_value(r.output, "cluster_environment"), "torchelastic") << r.output;
-  EXPECT_TRUE(same_params(baseline(2), out));
+  expect_same_weights(out);
 }
 
 TEST_F(LaunchPaths, Mpirun) {
@@ -108,7 +139,7 @@ TEST_F(LaunchPaths, Mpirun) {
   auto r = run_process(args, {}, 180s);
   expect_clean(r);
   EXPECT_EQ(result_value(r.output, "cluster_environment"), "mpi") << r.output;
-  EXPECT_TRUE(same_params(baseline(2), out));
+  expect_same_weights(out);
 }
 
 // srun starts one process per task with these variables; we start them the
@@ -135,7 +166,7 @@ TEST_F(LaunchPaths, SlurmEnvironmentAsSrunSetsIt) {
   expect_clean(r0);
   expect_clean(r1);
   EXPECT_EQ(result_value(r0.output, "cluster_environment"), "slurm") << r0.output;
-  EXPECT_TRUE(same_params(baseline(2), out));
+  expect_same_weights(out);
 }
 
 TEST_F(LaunchPaths, TwoNodesOnOneMachine) {
