@@ -248,6 +248,11 @@ INSTANTIATE_TEST_SUITE_P(
                      "slurm", 1, 2,
                      {"devices=1", "SLURM_NTASKS_PER_NODE=2", "num_nodes=2",
                       "SLURM_JOB_NUM_NODES=3"}},
+        // Per node agrees and SLURM_NNODES is unset, but srun started 2
+        // tasks, not devices x num_nodes = 4.
+        MismatchCase{"slurm_total_without_nnodes",
+                     merged(without(kSrun, "SLURM_NNODES"), {{"SLURM_NTASKS", "2"}}), "slurm",
+                     2, 2, {"devices=2 x num_nodes=2 = 4 processes", "SLURM_NTASKS=2"}},
         MismatchCase{"mpi_world", kMpirun, "mpi", 2, 1,
                      {"devices=2 x num_nodes=1", "OMPI_COMM_WORLD_SIZE=4",
                       "OMPI_COMM_WORLD_LOCAL_SIZE=4"}},

@@ -120,7 +120,9 @@ void SLURMEnvironment::validate_settings(int num_devices, int num_nodes) const {
                            " nodes (", nnodes_source_, "=", *nnodes_, "): pass num_nodes=",
                            *nnodes_, " or run sbatch / srun --nodes=", num_nodes));
   }
-  if (problems.empty() && !ntasks_per_node_ && num_devices * num_nodes != world_size_) {
+  // Per node and nodes may agree while the total does not (SLURM_NNODES
+  // unset, or fewer tasks on the last node): the total decides the world.
+  if (problems.empty() && num_devices * num_nodes != world_size_) {
     problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
                            num_devices * num_nodes, " processes, but SLURM started ",
                            world_size_, " tasks (SLURM_NTASKS=", world_size_,
