@@ -115,6 +115,27 @@ TEST(DDP, FindUnusedParametersMatches) {
   expect_equivalent({"--steps", "20", "--unused-layer"}, "ddp_find_unused_parameters_true");
 }
 
+TEST(DDP, WithoutTheDistributedSamplerEveryRankSeesEveryBatch) {
+  // use_distributed_sampler=false: each rank iterates the whole loader, so
+  // two ranks average two equal gradients: one process with the same batch.
+  TempDir dir;
+  const std::string single = dir.path() + "/single.pt";
+  const std::string multi = dir.path() + "/multi.pt";
+  auto one = run_worker({"--devices", "1", "--batch", "8", "--steps", "12", "--shuffle",
+                         "--out", single, "--root", dir.path()});
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto two = run_worker({"--strategy", "ddp", "--devices", "2", "--batch", "8", "--steps", "12",
+                         "--shuffle", "--distributed-sampler", "false", "--out", multi, "--root",
+                         dir.path()});
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_TRUE(same_params(single, multi)) << two.output;
+  // And with the sampler (the default) the ranks split the data: different.
+  auto split = run_worker({"--strategy", "ddp", "--devices", "2", "--batch", "8", "--steps",
+                           "12", "--shuffle", "--out", multi, "--root", dir.path()});
+  ASSERT_EQ(split.exit_code, 0) << split.output;
+  EXPECT_FALSE(same_params(single, multi));
+}
+
 TEST(DDP, ARankWithoutALossTakesTheStepOfTheRanksWithOne) {
   // Rank 1's training_step returns no loss at batches 3 and 8: those steps
   // are rank 0's gradient alone, as on one process without rank 1's rows.
@@ -407,6 +428,35 @@ TEST(DDPFaults, ARankThatFailsOnItsOwnIsNamedNotAPeerBehindIt) {
   EXPECT_NE(r.output.find("exited with code 1"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rank 0 fails on its own now"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("hung"), std::string::npos) << r.output;
+}
+
+TEST(DDPFaults, ARankThatIgnoresSigtermIsKilledAfterTheGracePeriod) {
+  // Rank 0 dies while rank 1 sleeps 60 s outside any collective, ignoring
+  // SIGTERM: the launcher's SIGKILL after the 5 s grace ends it.
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "100", "--die-rank",
+                       "0", "--slow-rank", "1", "--slow-seconds", "60", "--ignore-sigterm-rank",
+                       "1", "--fault-step", "3", "--timeout", "120", "--root", dir.path()},
+                      {}, 90s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("launcher: rank 0 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("Stopped the other ranks: 1 (pid"), std::string::npos) << r.output;
+  EXPECT_LT(r.seconds, 40) << "rank 1 was not killed after the grace period:\n" << r.output;
+}
+
+TEST(DDPFaults, ALauncherStoppedBySigtermStopsEveryRank) {
+  for (const std::string strategy : {"ddp", "ddp_fork"}) {
+    TempDir dir;
+    auto r = run_worker({"--strategy", strategy, "--devices", "2", "--steps", "1000",
+                         "--samples", "100000", "--signal-launcher-rank", "1", "--fault-step",
+                         "3", "--timeout", "60", "--root", dir.path()},
+                        {}, 60s);
+    EXPECT_NE(r.exit_code, 0) << strategy << ":\n" << r.output;
+    EXPECT_NE(r.output.find("interrupted by signal 15 (SIGTERM); stopped every rank"),
+              std::string::npos)
+        << strategy << ":\n" << r.output;
+    EXPECT_LT(r.seconds, 30) << strategy << ":\n" << r.output;
+  }
 }
 
 TEST(DDPFaults, MainAddressOfAnotherMachineIsAClearError) {

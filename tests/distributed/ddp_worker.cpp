@@ -6,6 +6,7 @@
 //   fulgur_ddp_worker --strategy ddp --devices 2 --batch 8 --steps 20 --out p.pt
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <csignal>
@@ -79,6 +80,12 @@ struct Args {
   // Runs a multi-threaded matrix product before fit, so the intra-op
   // thread pool is up when a forking launcher forks.
   bool warm_parent = false;
+  bool distributed_sampler = true;
+  // A rank that ignores SIGTERM from its first batch on (the launcher must
+  // escalate to SIGKILL after the grace period).
+  int ignore_sigterm_rank = -1;
+  // A rank that sends SIGTERM to its launcher (its parent) at fault_step.
+  int signal_launcher_rank = -1;
 };
 
 // 16 features, 4 classes; samples depend only on their index.
@@ -128,6 +135,11 @@ struct Classifier : fulgur::Module {
     if (rank == args.hang_rank && batch_idx == args.fault_step) {
       std::cout << "rank " << rank << " hangs now" << std::endl;
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
+    if (rank == args.ignore_sigterm_rank && batch_idx == 0) std::signal(SIGTERM, SIG_IGN);
+    if (rank == args.signal_launcher_rank && batch_idx == args.fault_step) {
+      std::cout << "rank " << rank << " sends SIGTERM to its launcher" << std::endl;
+      ::kill(::getppid(), SIGTERM);
     }
     if (rank == args.fail_rank && batch_idx == args.fault_step) {
       throw std::runtime_error("rank " + std::to_string(rank) + " fails on its own now");
@@ -281,6 +293,9 @@ int main(int argc, char** argv) {
   app.add_option("--hang-at-exit-rank", a.hang_at_exit_rank);
   app.add_option("--prepare-seconds", a.prepare_seconds);
   app.add_flag("--warm-parent", a.warm_parent);
+  app.add_option("--distributed-sampler", a.distributed_sampler);
+  app.add_option("--ignore-sigterm-rank", a.ignore_sigterm_rank);
+  app.add_option("--signal-launcher-rank", a.signal_launcher_rank);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -307,6 +322,7 @@ int main(int argc, char** argv) {
     options.devices = fulgur::DevicesSpec(a.devices);
     options.num_nodes = a.num_nodes;
     options.sync_batchnorm = a.sync_batchnorm;
+    options.use_distributed_sampler = a.distributed_sampler;
     if (!a.plugins.empty()) options.plugins = {a.plugins};
     options.max_steps = a.steps;
     options.accumulate_grad_batches = a.accumulate;
