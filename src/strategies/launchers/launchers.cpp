@@ -6,9 +6,10 @@
 
 #include <torch/torch.h>
 
-#include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -139,18 +140,24 @@ ForkLauncher::ForkLauncher(ParallelStrategy& strategy, Supervision supervision)
 void ForkLauncher::launch(const std::function<void()>& fn, const LaunchResults& results) {
   Plan plan = plan_for(strategy_, "fork");
   strategy_.set_main_port(plan.main_port);
-  static std::atomic<int> counter{0};
-  const auto results_path =
-      (std::filesystem::temp_directory_path() /
-       str("fulgur-fork-", ::getpid(), "-", counter++, ".pt"))
-          .string();
+  // Rank 0's results travel through a file in a directory of our own
+  // (mkdtemp: mode 0700, a fresh name), not a predictable name in /tmp that
+  // another user could have planted a link at.
+  std::string dir_template =
+      (std::filesystem::temp_directory_path() / "fulgur-fork-XXXXXX").string();
+  if (::mkdtemp(dir_template.data()) == nullptr) {
+    throw DistributedError(str("launcher: cannot create a directory for rank 0's results in ",
+                               std::filesystem::temp_directory_path().string(), ": ",
+                               std::strerror(errno), ". Set TMPDIR to a writable directory."));
+  }
   struct Cleanup {
-    std::string path;
+    std::string dir;
     ~Cleanup() {
       std::error_code ec;
-      std::filesystem::remove(path, ec);
+      std::filesystem::remove_all(dir, ec);
     }
-  } cleanup{results_path};
+  } cleanup{dir_template};
+  const std::string results_path = dir_template + "/results.pt";
   detail::Supervisor supervisor(supervisor_options(supervision_));
   for (int local = 0; local < plan.local_world_size; ++local) {
     const int global = plan.node_rank * plan.local_world_size + local;
