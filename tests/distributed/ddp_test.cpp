@@ -194,63 +194,48 @@ TEST(DDP, SyncDistMetricsThatDifferAcrossRanksAreAnErrorNotAMixUp) {
       << r.output;
 }
 
+// Rank 1 requests a stop (where `where` says); every rank must end after
+// `steps` optimizer steps having run `batches` training steps. Each step
+// adds rank + 1 to a buffer that rank 0 broadcasts before the next one, so
+// rank 1 ends with rank 0's count from before its last step plus 2.
+void expect_everyone_stops(std::vector<std::string> where, int steps, int batches) {
+  std::vector<std::string> args = {"--strategy", "ddp", "--devices", "2", "--steps", "20",
+                                   "--stop-rank", "1", "--timeout", "60", "--count-buffer"};
+  args.insert(args.end(), where.begin(), where.end());
+  auto r = run_worker(args, {}, 50s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(result_value(r.output, "global_step"), std::to_string(steps)) << r.output;
+  EXPECT_EQ(result_value(r.output, "seen_rank0"), std::to_string(batches)) << r.output;
+  EXPECT_EQ(result_value(r.output, "seen_rank1"), std::to_string(batches + 1)) << r.output;
+}
+
 TEST(DDP, AStopRequestedOnOneRankStopsEveryRank) {
   // Rank 1 calls request_stop() in batch 5 of 20: every rank ends after
   // that batch (6 steps), and the run succeeds instead of rank 0 waiting
   // for rank 1 in its next collective until the timeout.
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "20", "--stop-rank", "1",
-                       "--fault-step", "5", "--timeout", "60", "--count-buffer"},
-                      {}, 50s);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(result_value(r.output, "global_step"), "6") << r.output;
-  EXPECT_EQ(result_value(r.output, "seen_rank0"), "6") << r.output;  // Rank 1 took as many training steps: it holds rank 0's count from
-  // before the last step (buffers come from rank 0) plus its own 2.
-  EXPECT_EQ(result_value(r.output, "seen_rank1"), "7") << r.output;
+  expect_everyone_stops({"--fault-step", "5"}, 6, 6);
 }
 
 TEST(DDP, AStopRequestedAfterBackwardIsAgreedAtTheNextBatch) {
   // The stop votes ride in each batch's gradient all-reduce: a request made
   // in on_train_batch_end of batch 5 is in batch 6's votes, so every rank
   // ends after batch 6 (7 steps), together.
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "20", "--stop-rank", "1",
-                       "--stop-in", "batch-end", "--fault-step", "5", "--timeout", "60",
-                       "--count-buffer"},
-                      {}, 50s);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(result_value(r.output, "global_step"), "7") << r.output;
-  EXPECT_EQ(result_value(r.output, "seen_rank0"), "7") << r.output;  // Rank 1 took as many training steps: it holds rank 0's count from
-  // before the last step (buffers come from rank 0) plus its own 2.
-  EXPECT_EQ(result_value(r.output, "seen_rank1"), "8") << r.output;
+  expect_everyone_stops({"--stop-in", "batch-end", "--fault-step", "5"}, 7, 7);
 }
 
 TEST(DDP, AStopRequestedInANoSyncMicroBatchIsAgreedAtTheStep) {
   // Batch 4 only accumulates (accumulate_grad_batches=2): no exchange to
   // vote in, so the request waits for batch 5's, which steps; every rank
-  // ends there, after 3 optimizer steps.
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "20", "--accumulate", "2",
-                       "--stop-rank", "1", "--fault-step", "4", "--timeout", "60",
-                       "--count-buffer"},
-                      {}, 50s);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(result_value(r.output, "global_step"), "3") << r.output;
-  EXPECT_EQ(result_value(r.output, "seen_rank0"), "6") << r.output;  // Rank 1 took as many training steps: it holds rank 0's count from
-  // before the last step (buffers come from rank 0) plus its own 2.
-  EXPECT_EQ(result_value(r.output, "seen_rank1"), "7") << r.output;
+  // ends there, after 3 optimizer steps (6 batches).
+  expect_everyone_stops({"--accumulate", "2", "--fault-step", "4"}, 3, 6);
 }
 
 TEST(DDP, AStopRequestedInValidationStopsEveryRankBeforeTheNextBatch) {
   // A validation is a boundary: the ranks agree right after it, so a stop
   // requested from its metrics (as early stopping does) takes effect at
   // once, as on one process.
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "20", "--val-every", "4",
-                       "--stop-rank", "1", "--stop-in", "validation", "--fault-step", "4",
-                       "--timeout", "60", "--count-buffer"},
-                      {}, 50s);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_EQ(result_value(r.output, "global_step"), "4") << r.output;
-  EXPECT_EQ(result_value(r.output, "seen_rank0"), "4") << r.output;  // Rank 1 took as many training steps: it holds rank 0's count from
-  // before the last step (buffers come from rank 0) plus its own 2.
-  EXPECT_EQ(result_value(r.output, "seen_rank1"), "5") << r.output;
+  expect_everyone_stops({"--val-every", "4", "--stop-in", "validation", "--fault-step", "4"}, 4,
+                        4);
 }
 
 TEST(DDP, ManualOptimizationIsSynchronisedToo) {

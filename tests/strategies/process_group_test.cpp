@@ -124,15 +124,20 @@ TEST(TcpStore, AClonePointsAtTheSameServer) {
   EXPECT_EQ(store->add("counter", 1), 3);
 }
 
+sockaddr_in loopback(int port) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  return addr;
+}
+
 TEST(TcpStore, GivesUpAtItsTimeoutWhenTheServerDoesNotAnswer) {
   // A listener whose accept queue is full drops new connections' SYNs, as
   // a firewall would: a blocking connect() would wait about two minutes.
   const int port = fulgur::find_free_port();
   int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sockaddr_in addr = loopback(port);
   ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
   ASSERT_EQ(::listen(listener, 0), 0);
   int queued = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -156,10 +161,7 @@ TEST(TcpStore, AMalformedRequestDropsThatConnectionOnly) {
                                                              std::chrono::seconds(10));
   // An "add" whose amount is no number, from a client that is not ours.
   int raw = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sockaddr_in addr = loopback(port);
   ASSERT_EQ(::connect(raw, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
   std::string request(1, '\x03');
   for (const std::string part : {"key", "not a number"}) {
