@@ -1,7 +1,6 @@
 #include "fulgur/strategies/process_group.h"
 
 #include <arpa/inet.h>
-#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -37,30 +36,16 @@ struct Fd {
   }
 };
 
-struct Resolved {
-  sockaddr_storage addr{};
-  socklen_t len = 0;
-  int family = AF_INET;
-};
+using Resolved = detail::SocketAddress;
 
 Resolved resolve(const std::string& host, int port, const ProcessGroupOptions& o) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
-  if (rc != 0 || found == nullptr) {
-    throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": main address \"", host,
-                               "\" (MASTER_ADDR) does not resolve: ", ::gai_strerror(rc),
-                               ". Set MASTER_ADDR to the IP or host name of the machine that "
+  try {
+    return detail::resolve_address(host, port);
+  } catch (const DistributedError& e) {
+    throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": ", e.what(),
+                               " Set MASTER_ADDR to the IP or host name of the machine that "
                                "runs rank 0."));
   }
-  Resolved r;
-  std::memcpy(&r.addr, found->ai_addr, found->ai_addrlen);
-  r.len = found->ai_addrlen;
-  r.family = found->ai_family;
-  ::freeaddrinfo(found);
-  return r;
 }
 
 std::string ip_text(const sockaddr_storage& addr) {

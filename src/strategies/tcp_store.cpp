@@ -61,13 +61,9 @@ bool send_all(int fd, const std::string& data) {
   return true;
 }
 
-struct Address {
-  sockaddr_storage addr{};
-  socklen_t len = 0;
-  int family = AF_INET;
-};
+}  // namespace
 
-Address resolve_address(const std::string& host, int port) {
+SocketAddress resolve_address(const std::string& host, int port) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -77,7 +73,7 @@ Address resolve_address(const std::string& host, int port) {
     throw DistributedError(str("main address \"", host, "\" (MASTER_ADDR) does not resolve: ",
                                ::gai_strerror(rc), "."));
   }
-  Address a;
+  SocketAddress a;
   std::memcpy(&a.addr, found->ai_addr, found->ai_addrlen);
   a.len = found->ai_addrlen;
   a.family = found->ai_family;
@@ -85,10 +81,12 @@ Address resolve_address(const std::string& host, int port) {
   return a;
 }
 
+namespace {
+
 // A connected socket to `a`, or -1 with `error` set. Bounded by `deadline`:
 // a blocking connect() to an address that drops packets (a firewall, a full
 // accept queue) waits for the kernel's SYN retries, about two minutes.
-int connect_before(const Address& a, Clock::time_point deadline, int& error) {
+int connect_before(const SocketAddress& a, Clock::time_point deadline, int& error) {
   int fd = ::socket(a.family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) {
     error = errno;
@@ -125,7 +123,7 @@ int connect_before(const Address& a, Clock::time_point deadline, int& error) {
 class StoreServer {
  public:
   StoreServer(const std::string& host, int port) {
-    Address a = resolve_address(host, port);
+    SocketAddress a = resolve_address(host, port);
     listen_fd_ = ::socket(a.family, SOCK_STREAM | SOCK_CLOEXEC, 0);
     int one = 1;
     ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
@@ -343,7 +341,7 @@ TcpStore::TcpStore(const std::string& host, int port, bool server,
                    std::chrono::milliseconds timeout)
     : c10d::Store(timeout), host_(host), port_(port) {
   if (server) server_ = std::make_unique<StoreServer>(host, port);
-  Address a = resolve_address(host, port);
+  SocketAddress a = resolve_address(host, port);
   // Rank 0 may start later than the others: retry until the timeout.
   const auto deadline = Clock::now() + timeout;
   int last_error = 0;

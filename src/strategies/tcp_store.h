@@ -6,6 +6,8 @@
 // address, the port and what to check.
 #pragma once
 
+#include <sys/socket.h>
+
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/version.h>
 
@@ -23,6 +25,16 @@
 #endif
 
 namespace fulgur::detail {
+
+/// A resolved TCP address (the first getaddrinfo() gives).
+struct SocketAddress {
+  sockaddr_storage addr{};
+  socklen_t len = 0;
+  int family = AF_INET;
+};
+/// `host`:`port` resolved; DistributedError naming the host as MASTER_ADDR
+/// when it does not resolve.
+SocketAddress resolve_address(const std::string& host, int port);
 
 class StoreServer;
 
