@@ -70,17 +70,23 @@ void ParallelStrategy::do_setup_environment() {
   group_ = ProcessGroup::connect(options);
 }
 
+namespace {
+// The backend depends only on the devices' type, which every device of a
+// node shares. (root_device() would also check this process's local rank,
+// which is the cluster environment's to report, not a flag problem.)
+c10::Device device_of_the_node(const std::vector<c10::Device>& devices) {
+  return devices.empty() ? c10::Device(c10::kCPU) : devices.front();
+}
+}  // namespace
+
 std::string ParallelStrategy::process_group_backend() const {
-  return backend_.empty() ? default_process_group_backend(root_device()) : backend_;
+  return backend_.empty() ? default_process_group_backend(device_of_the_node(parallel_devices()))
+                          : backend_;
 }
 
 void ParallelStrategy::explain_choices(std::vector<std::string>& notes) const {
-  // Every device of a node has one type, which is all the backend depends
-  // on; root_device() would also check this process's local rank, which is
-  // the cluster environment's to report, not a flag problem.
-  const auto& devices = parallel_devices();
-  const c10::Device device = devices.empty() ? c10::Device(c10::kCPU) : devices.front();
-  const std::string backend = backend_.empty() ? default_process_group_backend(device) : backend_;
+  const c10::Device device = device_of_the_node(parallel_devices());
+  const std::string backend = process_group_backend();
   if (auto problem = process_group_backend_problem(backend, device); !problem.empty()) {
     throw ConfigError(str("strategy \"", name(), "\" with process_group_backend=\"", backend_,
                           "\": ", problem));

@@ -462,7 +462,8 @@ void Supervisor::wait_all() {
     if (lagging != nullptr) {
       hang_report = str(
           "rank ", lagging->global_rank, " (pid ", lagging->pid, ") hung: it sent no progress for ",
-          seconds(Clock::now() - lagging->last_beat_time), " s and fell behind rank ", failed->global_rank, ", which gave up waiting for it (",
+          seconds(Clock::now() - lagging->last_beat_time), " s and fell behind rank ",
+          failed->global_rank, ", which gave up waiting for it (",
           describe_death(*failed), "). Rank ", lagging->global_rank, "'s last lines:\n",
           tail_text(*lagging), "\nRank ", failed->global_rank, "'s last lines:\n", tail_text(*failed));
       failed = lagging;
