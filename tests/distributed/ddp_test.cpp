@@ -444,6 +444,41 @@ TEST(DDPFaults, ALauncherStoppedBySigtermStopsEveryRank) {
   }
 }
 
+TEST(DDPFaults, ALauncherInAProgramThatIgnoresSigchldStillSeesItsRanks) {
+  // With SIGCHLD ignored the kernel would reap the ranks unseen; the
+  // launcher supervises with the default disposition.
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--ignore-sigchld",
+                       "--timeout", "20", "--root", dir.path()},
+                      {}, 60s);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(result_value(r.output, "global_step"), "4") << r.output;
+}
+
+TEST(DDPFaults, RanksReapedByAnotherPartOfTheProgramAreAClearError) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--reap-elsewhere",
+                       "--timeout", "20", "--root", dir.path()},
+                      {}, 60s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("ended, but another part of the program reaped it"), std::string::npos)
+      << r.output;
+}
+
+TEST(DDPFaults, AForkLauncherWithoutAUsableTmpdirIsAClearError) {
+  TempDir dir;
+  const std::string missing = dir.path() + "/no-such-directory";
+  auto r = run_worker({"--strategy", "ddp_fork", "--devices", "2", "--steps", "4", "--root",
+                       dir.path()},
+                      {{"TMPDIR", missing}}, 60s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("cannot create a directory for rank 0's results in " + missing +
+                          " (TMPDIR)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("Set TMPDIR to a writable directory"), std::string::npos) << r.output;
+}
+
 TEST(DDPFaults, MainAddressOfAnotherMachineIsAClearError) {
   TempDir dir;
   // 192.0.2.1 is TEST-NET-1: never an address of this machine.

@@ -6,6 +6,7 @@
 //   fulgur_ddp_worker --strategy ddp --devices 2 --batch 8 --steps 20 --out p.pt
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -86,6 +87,10 @@ struct Args {
   int ignore_sigterm_rank = -1;
   // A rank that sends SIGTERM to its launcher (its parent) at fault_step.
   int signal_launcher_rank = -1;
+  // The calling process ignores SIGCHLD, or runs a thread that reaps any
+  // child (waitpid(-1)), before fit: the launcher must still see its ranks.
+  bool ignore_sigchld = false;
+  bool reap_elsewhere = false;
 };
 
 // 16 features, 4 classes; samples depend only on their index.
@@ -296,6 +301,8 @@ int main(int argc, char** argv) {
   app.add_option("--distributed-sampler", a.distributed_sampler);
   app.add_option("--ignore-sigterm-rank", a.ignore_sigterm_rank);
   app.add_option("--signal-launcher-rank", a.signal_launcher_rank);
+  app.add_flag("--ignore-sigchld", a.ignore_sigchld);
+  app.add_flag("--reap-elsewhere", a.reap_elsewhere);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -343,6 +350,17 @@ int main(int argc, char** argv) {
       auto m = torch::ones({384, 384}) / 384.0;
       std::cout << "warm-up product " << torch::mm(m, m).sum().item<double>() << " on "
                 << torch::get_num_threads() << " intra-op threads" << std::endl;
+    }
+    if (a.ignore_sigchld) std::signal(SIGCHLD, SIG_IGN);
+    if (a.reap_elsewhere) {
+      std::thread([] {
+        for (;;) {
+          int status = 0;
+          if (::waitpid(-1, &status, 0) < 0) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          }
+        }
+      }).detach();
     }
     SlowlyPreparedData prepared(a);
     if (!a.skip_fit) {

@@ -143,12 +143,13 @@ void ForkLauncher::launch(const std::function<void()>& fn, const LaunchResults& 
   // Rank 0's results travel through a file in a directory of our own
   // (mkdtemp: mode 0700, a fresh name), not a predictable name in /tmp that
   // another user could have planted a link at.
-  std::string dir_template =
-      (std::filesystem::temp_directory_path() / "fulgur-fork-XXXXXX").string();
+  const char* tmpdir = std::getenv("TMPDIR");
+  const std::string parent = tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp";
+  std::string dir_template = parent + "/fulgur-fork-XXXXXX";
   if (::mkdtemp(dir_template.data()) == nullptr) {
     throw DistributedError(str("launcher: cannot create a directory for rank 0's results in ",
-                               std::filesystem::temp_directory_path().string(), ": ",
-                               std::strerror(errno), ". Set TMPDIR to a writable directory."));
+                               parent, " (TMPDIR): ", std::strerror(errno),
+                               ". Set TMPDIR to a writable directory."));
   }
   struct Cleanup {
     std::string dir;
