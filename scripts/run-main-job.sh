@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job on a fresh Debian 12 machine: install the dependencies, build,
+# The main job on a fresh Debian 12 or 13 machine: install the dependencies, build,
 # and train the Fashion-MNIST example (test accuracy >= 0.90 with the defaults).
 # Arguments go to the example, e.g.:
 #   scripts/run-main-job.sh --max_epochs 5 --min-test-acc 0.9

@@ -48,3 +48,4 @@
 #include "fulgur/trainer/trainer.h"
 #include "fulgur/trainer/trainer_options.h"
 #include "fulgur/utilities/seed.h"
+#include "fulgur/utilities/torch_compat.h"

@@ -54,6 +54,7 @@ void ParallelStrategy::do_setup_environment() {
   ProcessGroupOptions options;
   options.main_address = cluster_environment().main_address();
   options.main_port = main_port();
+  options.hosted_store_prefix = cluster_environment().hosted_store_prefix();
   options.world_size = world_size();
   options.rank = global_rank();
   options.timeout = timeout_;

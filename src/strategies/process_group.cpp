@@ -5,10 +5,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#ifdef USE_C10D_NCCL
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
-#endif
 #ifdef USE_C10D_MPI
 #include <torch/csrc/distributed/c10d/ProcessGroupMPI.hpp>
 #endif
@@ -144,23 +142,6 @@ c10::intrusive_ptr<C10dGroup> make_gloo(const ProcessGroupOptions& o, const Reso
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, o.rank, o.world_size, options);
 }
 
-#ifdef USE_C10D_NCCL
-c10::intrusive_ptr<C10dGroup> make_nccl(const ProcessGroupOptions& o,
-                                        const c10::intrusive_ptr<c10d::Store>& store) {
-#if TORCH_VERSION_MAJOR < 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 2)
-  // Without asynchronous error handling a collective that never completes
-  // blocks forever; with it, NCCL's watchdog aborts it at the timeout and
-  // the rank fails (its launcher then names it). The user's setting wins.
-  // From 2.2 it is on by default (and the old name is deprecated).
-  ::setenv("NCCL_ASYNC_ERROR_HANDLING", "1", /*overwrite=*/0);
-  ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", /*overwrite=*/0);
-#endif
-  auto options = c10d::ProcessGroupNCCL::Options::create();
-  options->timeout = o.timeout;
-  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, o.rank, o.world_size, options);
-}
-#endif
-
 }  // namespace
 
 PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what)
@@ -185,17 +166,7 @@ void PendingCollective::wait() {
 ProcessGroup::ProcessGroup(ProcessGroupOptions options, std::unique_ptr<Impl> impl)
     : options_(std::move(options)), impl_(std::move(impl)) {}
 ProcessGroup::~ProcessGroup() {
-#if defined(USE_C10D_NCCL) && \
-    (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
-  // From 2.4 a ProcessGroupNCCL destroyed without shutdown() warns at exit.
-  if (impl_ && impl_->group && options_.backend == "nccl") {
-    try {
-      static_cast<c10d::ProcessGroupNCCL&>(*impl_->group).shutdown();
-    } catch (const std::exception&) {
-      // Tearing down after a failed collective: the error was reported.
-    }
-  }
-#endif
+  if (impl_ && impl_->group) compat::shutdown_group(*impl_->group, options_.backend);
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o) {
@@ -234,20 +205,34 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
 #endif
   Resolved main = resolve(o.main_address, o.main_port, o);
 
-  try {
-    // Rank 0 listens on the main address only (LibTorch 1.13's TCPStore
-    // would listen on every interface); it says at once when the address is
-    // not its own or the port is taken.
-    impl->store = c10::make_intrusive<detail::TcpStore>(o.main_address, o.main_port, o.rank == 0,
-                                                        o.timeout);
-  } catch (const DistributedError& e) {
-    throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": rendezvous failed: ",
-                               e.what()));
+  if (!o.hosted_store_prefix.empty()) {
+    // torchrun's agent hosts a c10d TCPStore there: join it as a client.
+    try {
+      impl->store = c10::make_intrusive<c10d::PrefixStore>(
+          o.hosted_store_prefix, compat::connect_tcp_store(o.main_address, o.main_port, o.timeout));
+    } catch (const std::exception& e) {
+      throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": rendezvous failed: "
+                                 "could not join the store that torchrun's agent hosts at ",
+                                 o.main_address, ":", o.main_port, " (TORCHELASTIC_USE_AGENT_"
+                                 "STORE=True): ", e.what(), " Check that torchrun is still "
+                                 "running and that MASTER_ADDR/MASTER_PORT are torchrun's."));
+    }
+  } else {
+    try {
+      // Rank 0 listens on the main address only (LibTorch 1.13's TCPStore
+      // would listen on every interface); it says at once when the address
+      // is not its own or the port is taken.
+      impl->store = c10::make_intrusive<detail::TcpStore>(o.main_address, o.main_port,
+                                                          o.rank == 0, o.timeout);
+    } catch (const DistributedError& e) {
+      throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": rendezvous failed: ",
+                                 e.what()));
+    }
   }
   try {
-#ifdef USE_C10D_NCCL
-    if (o.backend == "nccl") impl->group = make_nccl(o, impl->store);
-#endif
+    if (o.backend == "nccl") {
+      impl->group = compat::make_nccl_group(impl->store, o.rank, o.world_size, o.timeout);
+    }
     if (o.backend == "gloo") impl->group = make_gloo(o, main, impl->store);
   } catch (const std::exception& e) {
     throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": building the ", o.backend,

@@ -9,7 +9,6 @@
 #include <sys/socket.h>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/version.h>
 
 #include <chrono>
 #include <memory>
@@ -17,12 +16,8 @@
 #include <string>
 #include <vector>
 
-// c10d::Store::clone() is a pure virtual from LibTorch 2.8.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
-#define FULGUR_STORE_CLONE_OVERRIDE override
-#else
-#define FULGUR_STORE_CLONE_OVERRIDE
-#endif
+#include "fulgur/utilities/torch_compat.h"
+
 
 namespace fulgur::detail {
 

@@ -271,6 +271,48 @@ TEST(DDP, WithoutSyncBatchNormEachRankNormalisesAlone) {
                                  /*expect_same=*/false));
 }
 
+// ---- On CUDA: NCCL (scripts/gpu-check.sh runs these on a machine with GPUs;
+// elsewhere they skip, saying how many GPUs they need).
+
+TEST(DDP, NcclTwoRanksMatchOneProcess_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(2);
+  expect_equivalent({"--steps", "12", "--accelerator", "cuda"}, "ddp");
+}
+
+TEST(DDP, NcclOnCudaMatchesGlooOnCpu_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(2);
+  TempDir dir;
+  const std::string gloo = dir.path() + "/gloo.pt";
+  const std::string nccl = dir.path() + "/nccl.pt";
+  for (const auto& [accelerator, out] : {std::pair{"cpu", gloo}, std::pair{"cuda", nccl}}) {
+    auto r = run_worker({"--steps", "12", "--strategy", "ddp", "--devices", "2", "--batch", "8",
+                         "--accelerator", accelerator, "--out", out, "--root", dir.path()});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(result_value(r.output, "process_group_backend"),
+              std::string(accelerator) == "cuda" ? "nccl" : "gloo")
+        << r.output;
+  }
+  // CUDA kernels sum in another order than the CPU's: close, not identical.
+  EXPECT_TRUE(same_params(gloo, nccl, /*atol=*/1e-4));
+}
+
+TEST(DDP, SyncBatchNormOnCudaMatchesOneProcessBatchNorm_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(2);
+  expect_equivalent({"--steps", "12", "--batchnorm", "sync", "--accelerator", "cuda"}, "ddp",
+                    {"--sync-batchnorm"});
+}
+
+TEST(DDP, ForkLauncherOnCudaIsRefusedPointingToDdp_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(2);
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp_fork", "--devices", "2", "--accelerator", "cuda",
+                       "--root", dir.path()});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("forks its ranks, which cannot use CUDA"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("Use strategy \"ddp\""), std::string::npos) << r.output;
+}
+
 TEST(DDP, SyncBatchNormNamesLibTorchBatchNormLayers) {
   TempDir dir;
   auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--batchnorm", "plain",

@@ -44,6 +44,8 @@ struct Args {
   int64_t seed = 7;
   bool sync_dist = true;
   double bucket_mb = 25;
+  std::string process_group_backend;  // empty: the strategy's default
+  std::string accelerator = "cpu";
   std::string plugins;
   std::string batchnorm = "none";  // none | plain (torch::nn) | sync (fulgur::nn)
   bool sync_batchnorm = false;
@@ -279,6 +281,8 @@ int main(int argc, char** argv) {
   app.add_option("--seed", a.seed);
   app.add_option("--sync-dist", a.sync_dist);
   app.add_option("--bucket-mb", a.bucket_mb);
+  app.add_option("--process-group-backend", a.process_group_backend);
+  app.add_option("--accelerator", a.accelerator);
   app.add_option("--plugins", a.plugins);
   app.add_option("--batchnorm", a.batchnorm);
   app.add_flag("--sync-batchnorm", a.sync_batchnorm);
@@ -321,11 +325,14 @@ int main(int argc, char** argv) {
           std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
       ddp_options.bucket_cap_mb = a.bucket_mb;
       ddp_options.broadcast_buffers = a.broadcast_buffers;
+      if (!a.process_group_backend.empty()) {
+        ddp_options.process_group_backend = a.process_group_backend;
+      }
       options.strategy = std::make_shared<fulgur::DDPStrategy>(ddp_options, a.strategy);
     } else {
       options.strategy = a.strategy;
     }
-    options.accelerator = "cpu";
+    options.accelerator = a.accelerator;
     options.devices = fulgur::DevicesSpec(a.devices);
     options.num_nodes = a.num_nodes;
     options.sync_batchnorm = a.sync_batchnorm;
@@ -390,14 +397,19 @@ int main(int argc, char** argv) {
     if (strategy.is_global_zero()) {
       if (!a.out.empty()) {
         std::vector<at::Tensor> params;
-        for (auto& p : model.parameters()) params.push_back(p.detach().clone());
-        for (auto& b : model.buffers()) params.push_back(b.detach().to(torch::kFloat).clone());
+        for (auto& p : model.parameters()) params.push_back(p.detach().cpu().clone());
+        for (auto& b : model.buffers()) {
+          params.push_back(b.detach().cpu().to(torch::kFloat).clone());
+        }
         torch::save(params, a.out);
       }
       std::cout << "RESULT world_size=" << strategy.world_size() << "\n"
                 << "RESULT global_step=" << result.global_step << "\n"
                 << "RESULT train_loss=" << result.metrics["train_loss"] << "\n"
                 << "RESULT cluster_environment=" << strategy.cluster_environment().name() << "\n";
+      if (auto* parallel = dynamic_cast<fulgur::ParallelStrategy*>(&strategy)) {
+        std::cout << "RESULT process_group_backend=" << parallel->process_group_backend() << "\n";
+      }
       if (a.checkpoint) {
         // The caller's callback object, which a forking launcher updates too.
         std::cout << "RESULT result_best=" << result.best_model_path << "\n"

@@ -273,6 +273,25 @@ TEST(ClusterEnvironments, MatchingCountsPass) {
   fulgur::KubeflowEnvironment(EnvView(kKubeflow)).validate_settings(1, 3);
 }
 
+// torchrun 2.x (and 1.x's static rendezvous) hosts the store in its agent:
+// the ranks join it, under a prefix per run and restart.
+TEST(TorchElasticEnvironment, AgentHostedStoreIsJoinedUnderAPrefixPerRunAndRestart) {
+  EXPECT_EQ(fulgur::TorchElasticEnvironment(EnvView(kTorchrun)).hosted_store_prefix(), "");
+  EXPECT_EQ(fulgur::TorchElasticEnvironment(
+                EnvView(merged(kTorchrun, {{"TORCHELASTIC_USE_AGENT_STORE", "False"}})))
+                .hosted_store_prefix(),
+            "");
+  EXPECT_EQ(fulgur::TorchElasticEnvironment(
+                EnvView(merged(kTorchrun, {{"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                                           {"TORCHELASTIC_RESTART_COUNT", "2"}})))
+                .hosted_store_prefix(),
+            "fulgur/job7/2/");
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::TorchElasticEnvironment(
+                         EnvView(merged(kTorchrun, {{"TORCHELASTIC_USE_AGENT_STORE", "yes"}}))),
+                     {"TORCHELASTIC_USE_AGENT_STORE=\"yes\"", "True"});
+}
+
 TEST(MPIEnvironment, MultiNodeWithoutMasterAddrHasNoAddress) {
   fulgur::MPIEnvironment env(EnvView(merged(kMpirun, {{"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}})));
   EXPECT_EQ(env.node_rank(), 1);

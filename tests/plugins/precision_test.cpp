@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 
 #include "fulgur/fulgur.h"
@@ -140,7 +141,20 @@ TEST(Precision, HalfPrecisionsOnTheCpuSuggestBf16) {
                      {"precision=\"16-true\" with accelerator=\"cpu\"", "\"bf16-true\""});
 }
 
-TEST(Precision, HalfMixedTrainsOnCuda) {
+TEST(Precision, Bf16MixedTrainsOnCuda_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  TempDir dir;
+  DtypeProbe model;
+  auto options = options_with(dir, "bf16-mixed");
+  options.accelerator = "cuda";
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, fulgur::test::regression_loader(4));
+  EXPECT_EQ(model.output_dtype, torch::kBFloat16);
+  EXPECT_EQ(model.weight_dtype, torch::kFloat);
+  EXPECT_LT(model.losses.back(), model.losses.front());
+}
+
+TEST(Precision, HalfMixedTrainsOnCuda_CUDA) {
   FULGUR_SKIP_UNLESS_CUDA(1);
   TempDir dir;
   DtypeProbe model;
@@ -364,6 +378,31 @@ TEST_F(DeterministicFlag, WithASeedTwoRunsGiveBitIdenticalWeights) {
   auto b = run();
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
+}
+
+TEST_F(DeterministicFlag, OnCudaTwoSeededRunsGiveBitIdenticalWeights_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  auto run = [] {
+    TempDir dir;
+    auto options = fulgur::test::test_options(dir);
+    options.accelerator = "cuda";
+    options.deterministic = true;
+    options.seed = 7;
+    options.max_epochs = 2;
+    fulgur::seed_everything(7);
+    DtypeProbe model;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, fulgur::make_data_loader(fulgur::test::regression_dataset(32),
+                                                {.batch_size = 4, .shuffle = true}));
+    return fulgur::test::clone_parameters(model);
+  };
+  auto a = run();
+  auto b = run();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
+  // cuBLAS's deterministic workspace setting was made for the run.
+  const char* workspace = std::getenv("CUBLAS_WORKSPACE_CONFIG");
+  ASSERT_NE(workspace, nullptr);
 }
 
 }  // namespace

@@ -267,7 +267,7 @@ std::vector<at::Tensor> momentum_buffers(const DropoutNet& model) {
   std::vector<at::Tensor> out;
   for (const auto& p : model.parameters()) {
     auto& state = model.optimizer->state();
-    auto it = state.find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+    auto it = state.find(fulgur::compat::optimizer_state_key(p));
     if (it == state.end()) {
       out.emplace_back();
       continue;

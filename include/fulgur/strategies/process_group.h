@@ -21,7 +21,6 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
-#include <torch/version.h>
 
 #include <chrono>
 #include <functional>
@@ -31,22 +30,16 @@
 
 #include "fulgur/strategies/strategy.h"
 
+#include "fulgur/utilities/torch_compat.h"
+
 namespace c10d {
-class ProcessGroup;
-class Backend;
 class Work;
 }  // namespace c10d
 
 namespace fulgur {
 
-/// The c10d object the collectives run on: the backend's process group in
-/// LibTorch 1.x; in 2.x the backend itself (ProcessGroupGloo and
-/// ProcessGroupNCCL became c10d::Backends).
-#if TORCH_VERSION_MAJOR >= 2
-using C10dGroup = c10d::Backend;
-#else
-using C10dGroup = c10d::ProcessGroup;
-#endif
+/// The c10d object the collectives run on (see compat::C10dGroup).
+using C10dGroup = compat::C10dGroup;
 
 struct ProcessGroupOptions {
   /// Where rank 0 listens (MASTER_ADDR). Rank 0 must own this address.
@@ -55,6 +48,10 @@ struct ProcessGroupOptions {
   int main_port = 0;
   int world_size = 1;
   int rank = 0;
+  /// Non-empty: a store already listens at main_address:main_port (hosted
+  /// by torchrun's agent); every rank joins it as a client and keeps its
+  /// keys under this prefix. Empty: rank 0 hosts fulgur's own store.
+  std::string hosted_store_prefix;
   /// Bounds the rendezvous and every collective.
   std::chrono::milliseconds timeout = std::chrono::minutes(30);
   /// "gloo" (CPU tensors), "nccl" (CUDA tensors), "mpi" (ranks from

@@ -25,6 +25,19 @@ TorchElasticEnvironment::TorchElasticEnvironment(const EnvView& env) {
   local_world_size_ = require_int(env, "LOCAL_WORLD_SIZE", name(), kSetBy);
   main_port_ = checked_port(require_int(env, "MASTER_PORT", name(), kSetBy), "MASTER_PORT");
   main_address_ = require_string(env, "MASTER_ADDR", name(), kSetBy);
+  if (auto agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE")) {
+    // Python writes str(bool).
+    if (*agent_store == "True" || *agent_store == "true" || *agent_store == "1") {
+      hosted_store_prefix_ =
+          str("fulgur/", env.get("TORCHELASTIC_RUN_ID").value_or("run"), "/",
+              env.get("TORCHELASTIC_RESTART_COUNT").value_or("0"), "/");
+    } else if (*agent_store != "False" && *agent_store != "false" && *agent_store != "0") {
+      throw ConfigError(str("environment variable TORCHELASTIC_USE_AGENT_STORE=\"", *agent_store,
+                            "\" is neither True nor False (torchrun sets it). Unset it, or set "
+                            "True when torchrun's agent hosts the store at MASTER_ADDR:"
+                            "MASTER_PORT."));
+    }
+  }
 }
 
 std::string TorchElasticEnvironment::main_address() const { return main_address_; }

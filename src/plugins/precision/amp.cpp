@@ -5,35 +5,15 @@
 
 #include "fulgur/accelerators/accelerator.h"
 #include "fulgur/core/errors.h"
+#include "fulgur/utilities/torch_compat.h"
 
 namespace fulgur {
 
-// ---- AutocastScope. LibTorch 1.13's API is per device family; 2.4 made it
-// take the device type (the old names are deprecated there).
-namespace {
-
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
-bool autocast_enabled(c10::DeviceType t) { return at::autocast::is_autocast_enabled(t); }
-void set_autocast_enabled(c10::DeviceType t, bool on) { at::autocast::set_autocast_enabled(t, on); }
-c10::ScalarType autocast_dtype(c10::DeviceType t) { return at::autocast::get_autocast_dtype(t); }
-void set_autocast_dtype(c10::DeviceType t, c10::ScalarType d) { at::autocast::set_autocast_dtype(t, d); }
-#else
-bool autocast_enabled(c10::DeviceType t) {
-  return t == c10::kCUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
-}
-void set_autocast_enabled(c10::DeviceType t, bool on) {
-  t == c10::kCUDA ? at::autocast::set_enabled(on) : at::autocast::set_cpu_enabled(on);
-}
-c10::ScalarType autocast_dtype(c10::DeviceType t) {
-  return t == c10::kCUDA ? at::autocast::get_autocast_gpu_dtype()
-                         : at::autocast::get_autocast_cpu_dtype();
-}
-void set_autocast_dtype(c10::DeviceType t, c10::ScalarType d) {
-  t == c10::kCUDA ? at::autocast::set_autocast_gpu_dtype(d) : at::autocast::set_autocast_cpu_dtype(d);
-}
-#endif
-
-}  // namespace
+// ---- AutocastScope.
+using compat::autocast_dtype;
+using compat::autocast_enabled;
+using compat::set_autocast_dtype;
+using compat::set_autocast_enabled;
 
 AutocastScope::AutocastScope(c10::DeviceType device_type, c10::ScalarType dtype)
     : device_type_(device_type),

@@ -139,6 +139,26 @@ TEST(AcceleratorConnector, AProcessGroupBackendThatCannotRunHereIsAFlagError) {
                      {"process_group_backend=\"glo\" is not one of gloo, nccl, mpi"});
 }
 
+// mpi: a resolved choice where LibTorch has ProcessGroupMPI (Debian 13's), a
+// flag error naming the build where it has not (Debian 12's).
+TEST(AcceleratorConnector, TheMpiBackendResolvesExactlyWhereTheBuildHasIt) {
+  fulgur::DDPOptions options;
+  options.process_group_backend = "mpi";
+  auto flags = [&] {
+    return TrainerOptions{.accelerator = "cpu",
+                          .strategy = std::make_shared<fulgur::DDPStrategy>(options),
+                          .devices = 2};
+  };
+  const auto available = fulgur::available_process_group_backends();
+  if (std::find(available.begin(), available.end(), "mpi") != available.end()) {
+    EXPECT_NO_THROW(fulgur::connect(flags(), empty_env()));
+  } else {
+    EXPECT_THROWS_WITH(fulgur::FlagError, fulgur::connect(flags(), empty_env()),
+                       {"process_group_backend=\"mpi\"", "is not in this build",
+                        "Available: gloo"});
+  }
+}
+
 TEST(AcceleratorConnector, DdpVariantsPickTheirLauncher) {
   for (auto [name, launcher] : std::vector<std::pair<std::string, std::string>>{
            {"ddp", "subprocess_script"},

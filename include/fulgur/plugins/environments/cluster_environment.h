@@ -27,6 +27,12 @@ class ClusterEnvironment {
   virtual bool creates_processes_externally() const = 0;
   virtual std::string main_address() const = 0;
   virtual int main_port() const = 0;
+  /// Non-empty when a rendezvous store already listens at main_address():
+  /// main_port(), hosted by whoever created the processes (torchrun's agent
+  /// with TORCHELASTIC_USE_AGENT_STORE=True): every rank, rank 0 included,
+  /// then connects to it as a client, and keeps its keys under this prefix.
+  /// Empty (the default): rank 0 hosts the store itself.
+  virtual std::string hosted_store_prefix() const { return {}; }
   /// The ranks as read from the environment (the defaults describe one
   /// process); launchers set world size and global rank once known.
   virtual int world_size() const { return world_size_; }
