@@ -7,7 +7,8 @@
 #                                             [--prepare-only] [--no-bench]
 #                                             [-- ctest arguments...]
 #   --cuda          the CUDA root; tests run on the CPU (no GPU is needed or used)
-#   --main-job      also run the README's first command (the main job) inside
+#   --main-job      run the README's first command (the main job) inside, instead of
+#                   the second (the test suite)
 #   --rebuild-root  make the root anew even when the cached one is current
 #   --prepare-only  make (or check) the root, then stop: no build, no tests
 #   --no-bench      configure with -DFULGUR_BUILD_BENCH=OFF first (CI's CUDA check)
@@ -23,7 +24,7 @@
 #   2. Copies this checkout (tracked and untracked files that git does not ignore:
 #      no build outputs) into a fresh work directory, and runs inside the root,
 #      exactly as the README says: bash scripts/run-tests.sh (which installs, builds
-#      and runs CTest).
+#      and runs CTest), or with --main-job bash scripts/run-main-job.sh.
 #   3. Prints CTest's summary. The exit status is the suite's.
 # Everything inside runs in its own mount and PID namespaces (unshare): the mounts
 # vanish and every process started inside is killed on any exit, even SIGKILL of
@@ -145,9 +146,18 @@ cudnn_stub_package() {
     # The LibTorch runtime package, unpacked to read what it imports from cuDNN.
     pkg=$(apt-cache depends libtorch-cuda-dev | awk "/Depends: libtorch-cuda/ {print \$2; exit}")
     apt-get download -qq "$pkg"; dpkg-deb -x ./*.deb x
+    # "cudnnCreate@libcudnn.so.9": the name, and the version node it is bound to.
     find x -name "*.so*" -type f -exec nm -D --undefined-only {} + 2>/dev/null |
-      awk "{print \$2}" | grep "^cudnn" | sed "s/@.*//" | sort -u > symbols
-    [ -s symbols ] || { echo "no cudnn symbols imported by $pkg" >&2; exit 1; }
+      awk "{print \$2}" | grep "^cudnn" | sort -u > imports
+    [ -s imports ] || { echo "no cudnn symbols imported by $pkg" >&2; exit 1; }
+    sed "s/@.*//" imports | sort -u > symbols
+    # A version script giving each symbol the version node LibTorch asks for.
+    grep "@" imports | sed "s/^[^@]*@*//" | sort -u | while read -r node; do
+      echo "$node { global:"
+      grep "@@*$node\$" imports | sed "s/@.*//; s/.*/  &;/"
+      echo "};"
+    done > versions
+    [ -s versions ] && version_flag="-Wl,--version-script=versions" || version_flag=""
     {
       echo "/* fulgur: LINK-ONLY cuDNN stand-in for a build check without a GPU. */"
       echo "#include <stdio.h>"
@@ -156,7 +166,8 @@ cudnn_stub_package() {
       while read -r s; do echo "int $s(void) { stub(\"$s\"); return 1; }"; done < symbols
     } > stub.c
     mkdir -p p/DEBIAN p/usr/lib/x86_64-linux-gnu
-    gcc -shared -fPIC -O1 -Wl,-soname,libcudnn.so.9 -o p/usr/lib/x86_64-linux-gnu/libcudnn.so.9 stub.c
+    gcc -shared -fPIC -O1 -Wl,-soname,libcudnn.so.9 $version_flag \
+      -o p/usr/lib/x86_64-linux-gnu/libcudnn.so.9 stub.c
     ln -s libcudnn.so.9 p/usr/lib/x86_64-linux-gnu/libcudnn.so
     # Named as the package the CUDA LibTorch depends on (nvidia-cudnn, whose
     # real version downloads cuDNN from NVIDIA), at a version above the archive one,
@@ -230,7 +241,7 @@ if [ "$no_bench" = 1 ]; then
   commands="bash scripts/install-deps.sh && bash scripts/build.sh -DFULGUR_BUILD_BENCH=OFF && $commands"
 fi
 if [ "$main_job" = 1 ]; then
-  commands="bash scripts/run-main-job.sh && $commands"
+  commands='bash scripts/run-main-job.sh'
 fi
 commands="cd /work/fulgur && $commands"
 # Not in a pipeline: in_root must be this shell's own child (see in_root).

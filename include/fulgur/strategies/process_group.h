@@ -51,7 +51,7 @@ struct ProcessGroupOptions {
   /// Non-empty: a store already listens at main_address:main_port (hosted
   /// by torchrun's agent); every rank joins it as a client and keeps its
   /// keys under this prefix. Empty: rank 0 hosts fulgur's own store.
-  std::string hosted_store_prefix;
+  std::string hosted_store_prefix = {};
   /// Bounds the rendezvous and every collective.
   std::chrono::milliseconds timeout = std::chrono::minutes(30);
   /// "gloo" (CPU tensors), "nccl" (CUDA tensors), "mpi" (ranks from
