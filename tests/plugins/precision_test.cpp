@@ -103,6 +103,9 @@ TEST(Precision, AutocastScopeNestsAndRestores) {
 
 TEST(Precision, SixtyFourTrueTrainsInFloat64) {
   TempDir dir;
+  // Seeded: from an unseeded start the few steps of the loader raised the
+  // loss about once in a few hundred runs (seen in CI here).
+  torch::manual_seed(3);
   DtypeProbe model;
   fulgur::Trainer trainer(options_with(dir, 64));
   trainer.fit(model, fulgur::test::regression_loader(4));
