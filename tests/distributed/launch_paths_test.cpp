@@ -58,6 +58,22 @@ bool on_path(const std::string& program) {
   return run_process({"sh", "-c", "command -v " + program}, {}, 10s).exit_code == 0;
 }
 
+// torchrun through tools/fulgur-torchrun: plain torchrun where PyTorch has
+// libuv, and the classic TCPStore transport where it has not (Debian 13's
+// PyTorch 2.6, whose own torchrun cannot start).
+std::vector<std::string> torchrun(std::vector<std::string> rendezvous, const std::string& logs) {
+  std::vector<std::string> args = {FULGUR_TORCHRUN};
+  args.insert(args.end(), rendezvous.begin(), rendezvous.end());
+  // --redirects/--tee: Debian's torchrun 1.13 under Python >= 3.11 cannot
+  // parse their default "0" (Std.from_str returns None); "1" works there
+  // and everywhere else.
+  for (std::string s : {"--nproc_per_node", "2", "--redirects", "1", "--tee", "1", "--log_dir",
+                        logs.c_str(), "--no_python"}) {
+    args.push_back(s);
+  }
+  return args;
+}
+
 class LaunchPaths : public ::testing::Test {
  protected:
   // One process with the batch of all ranks together (per-rank batch 8).
@@ -85,6 +101,20 @@ class LaunchPaths : public ::testing::Test {
     EXPECT_TRUE(same_params(baseline(2), out));
     EXPECT_TRUE(same_params(own_launcher(), out, /*exact=*/true));
   }
+  // Two ranks under torchrun (through tools/fulgur-torchrun) with these
+  // rendezvous arguments: detected as torchelastic, the own launcher's weights.
+  void expect_torchrun_matches(std::vector<std::string> rendezvous, const std::string& name) {
+    ASSERT_TRUE(on_path("torchrun")) << "torchrun is missing: scripts/install-deps.sh installs "
+                                        "python3-torch, which provides it.";
+    std::string out = dir.path() + "/" + name + ".pt";
+    auto args = torchrun(std::move(rendezvous), dir.path() + "/" + name + "-logs");
+    auto w = worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out, dir.path());
+    args.insert(args.end(), w.begin(), w.end());
+    auto r = run_process(args, {{"OMP_NUM_THREADS", "1"}}, 180s);
+    expect_clean(r);
+    EXPECT_EQ(result_value(r.output, "cluster_environment"), "torchelastic") << r.output;
+    expect_same_weights(out);
+  }
   TempDir dir;
 };
 
@@ -108,55 +138,19 @@ TEST_F(LaunchPaths, ForkLauncher) {
   expect_same_weights(out);
 }
 
-// torchrun through tools/fulgur-torchrun: plain torchrun where PyTorch has
-// libuv, and the classic TCPStore transport where it has not (Debian 13's
-// PyTorch 2.6, whose own torchrun cannot start).
-std::vector<std::string> torchrun(std::vector<std::string> rendezvous, const std::string& logs) {
-  std::vector<std::string> args = {FULGUR_TORCHRUN};
-  args.insert(args.end(), rendezvous.begin(), rendezvous.end());
-  // --redirects/--tee: Debian's torchrun 1.13 under Python >= 3.11 cannot
-  // parse their default "0" (Std.from_str returns None); "1" works there
-  // and everywhere else.
-  for (std::string s : {"--nproc_per_node", "2", "--redirects", "1", "--tee", "1", "--log_dir",
-                        logs.c_str(), "--no_python"}) {
-    args.push_back(s);
-  }
-  return args;
-}
-
 // The c10d rendezvous. From 2.x torchrun's agent hosts the store at
 // MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True) and the ranks join it; in
 // 1.x rank 0 hosts fulgur's own store there.
-TEST_F(LaunchPaths, Torchrun) {
-  ASSERT_TRUE(on_path("torchrun")) << "torchrun is missing: scripts/install-deps.sh installs "
-                                      "python3-torch, which provides it.";
-  std::string out = dir.path() + "/torchrun.pt";
-  auto args = torchrun({"--standalone"}, dir.path() + "/torchrun-logs");
-  auto w = worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out, dir.path());
-  args.insert(args.end(), w.begin(), w.end());
-  auto r = run_process(args, {{"OMP_NUM_THREADS", "1"}}, 180s);
-  expect_clean(r);
-  EXPECT_EQ(result_value(r.output, "cluster_environment"), "torchelastic") << r.output;
-  expect_same_weights(out);
-}
+TEST_F(LaunchPaths, Torchrun) { expect_torchrun_matches({"--standalone"}, "torchrun"); }
 
 // The static rendezvous (--master_addr/--master_port, no --standalone): the
 // agent hosts the store at MASTER_PORT in every version, so rank 0 must join
 // it rather than listen there (it failed with "port in use" before).
 TEST_F(LaunchPaths, TorchrunStaticRendezvousJoinsTheAgentsStore) {
-  ASSERT_TRUE(on_path("torchrun")) << "torchrun is missing: scripts/install-deps.sh installs "
-                                      "python3-torch, which provides it.";
-  std::string out = dir.path() + "/torchrun-static.pt";
   const std::string port = std::to_string(fulgur::find_free_port());
-  auto args = torchrun({"--nnodes", "1", "--node_rank", "0", "--master_addr", "127.0.0.1",
-                        "--master_port", port},
-                       dir.path() + "/torchrun-static-logs");
-  auto w = worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out, dir.path());
-  args.insert(args.end(), w.begin(), w.end());
-  auto r = run_process(args, {{"OMP_NUM_THREADS", "1"}}, 180s);
-  expect_clean(r);
-  EXPECT_EQ(result_value(r.output, "cluster_environment"), "torchelastic") << r.output;
-  expect_same_weights(out);
+  expect_torchrun_matches({"--nnodes", "1", "--node_rank", "0", "--master_addr", "127.0.0.1",
+                           "--master_port", port},
+                          "torchrun-static");
 }
 
 TEST_F(LaunchPaths, Mpirun) {

@@ -363,46 +363,38 @@ TEST_F(DeterministicFlag, FalseTurnsItOffAgain) {
   EXPECT_FALSE(at::globalContext().deterministicAlgorithms());
 }
 
-TEST_F(DeterministicFlag, WithASeedTwoRunsGiveBitIdenticalWeights) {
-  auto run = [] {
-    TempDir dir;
-    auto options = fulgur::test::test_options(dir);
-    options.deterministic = true;
-    options.seed = 7;
-    options.max_epochs = 2;
-    fulgur::seed_everything(7);
-    DtypeProbe model;
-    fulgur::Trainer trainer(options);
-    trainer.fit(model, fulgur::make_data_loader(fulgur::test::regression_dataset(32),
-                                                {.batch_size = 4, .shuffle = true}));
-    return fulgur::test::clone_parameters(model);
-  };
-  auto a = run();
-  auto b = run();
+// One seeded, deterministic fit on `accelerator`; its trained parameters.
+std::vector<at::Tensor> seeded_deterministic_run(const char* accelerator) {
+  TempDir dir;
+  auto options = fulgur::test::test_options(dir);
+  options.accelerator = accelerator;
+  options.deterministic = true;
+  options.seed = 7;
+  options.max_epochs = 2;
+  fulgur::seed_everything(7);
+  DtypeProbe model;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, fulgur::make_data_loader(fulgur::test::regression_dataset(32),
+                                              {.batch_size = 4, .shuffle = true}));
+  return fulgur::test::clone_parameters(model);
+}
+
+void expect_bit_identical(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
 }
 
+TEST_F(DeterministicFlag, WithASeedTwoRunsGiveBitIdenticalWeights) {
+  auto a = seeded_deterministic_run("cpu");
+  auto b = seeded_deterministic_run("cpu");
+  expect_bit_identical(a, b);
+}
+
 TEST_F(DeterministicFlag, OnCudaTwoSeededRunsGiveBitIdenticalWeights_CUDA) {
   FULGUR_SKIP_UNLESS_CUDA(1);
-  auto run = [] {
-    TempDir dir;
-    auto options = fulgur::test::test_options(dir);
-    options.accelerator = "cuda";
-    options.deterministic = true;
-    options.seed = 7;
-    options.max_epochs = 2;
-    fulgur::seed_everything(7);
-    DtypeProbe model;
-    fulgur::Trainer trainer(options);
-    trainer.fit(model, fulgur::make_data_loader(fulgur::test::regression_dataset(32),
-                                                {.batch_size = 4, .shuffle = true}));
-    return fulgur::test::clone_parameters(model);
-  };
-  auto a = run();
-  auto b = run();
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
+  auto a = seeded_deterministic_run("cuda");
+  auto b = seeded_deterministic_run("cuda");
+  expect_bit_identical(a, b);
   // cuBLAS's deterministic workspace setting was made for the run.
   const char* workspace = std::getenv("CUBLAS_WORKSPACE_CONFIG");
   ASSERT_NE(workspace, nullptr);
