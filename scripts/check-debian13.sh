@@ -4,7 +4,7 @@
 # LibTorch 2.6 (CUDA 12, NCCL) compiled, linked and its CPU suite run.
 #
 # Usage (as root): scripts/check-debian13.sh [--cuda] [--main-job] [--rebuild-root]
-#                                             [--prepare-only] [--no-bench]
+#                                             [--prepare-only] [--no-bench] [--werror]
 #                                             [-- ctest arguments...]
 #   --cuda          the CUDA root; tests run on the CPU (no GPU is needed or used)
 #   --main-job      run the README's first command (the main job) inside, instead of
@@ -12,6 +12,8 @@
 #   --rebuild-root  make the root anew even when the cached one is current
 #   --prepare-only  make (or check) the root, then stop: no build, no tests
 #   --no-bench      configure with -DFULGUR_BUILD_BENCH=OFF first (CI's CUDA check)
+#   --werror        configure with -DFULGUR_WERROR=ON first: a compiler warning in
+#                   fulgur's own code fails the build (CI)
 #   after --        passed to ctest through scripts/run-tests.sh, e.g. -- -R 'DDP|Precision'
 #
 # What it does:
@@ -43,7 +45,7 @@ cuda=0
 main_job=0
 rebuild=0
 prepare_only=0
-no_bench=0
+build_args=()
 ctest_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -51,11 +53,12 @@ while [ $# -gt 0 ]; do
     --main-job) main_job=1 ;;
     --rebuild-root) rebuild=1 ;;
     --prepare-only) prepare_only=1 ;;
-    --no-bench) no_bench=1 ;;
+    --no-bench) build_args+=(-DFULGUR_BUILD_BENCH=OFF) ;;
+    --werror) build_args+=(-DFULGUR_WERROR=ON) ;;
     --) shift; ctest_args=("$@"); break ;;
-    -h|--help) sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "check-debian13: unknown argument '$1' (known: --cuda, --main-job, --rebuild-root," \
-            "--prepare-only, --no-bench, -- ctest args)" >&2
+            "--prepare-only, --no-bench, --werror, -- ctest args)" >&2
        exit 2 ;;
   esac
   shift
@@ -236,9 +239,9 @@ mkdir -p "$work/fulgur"
 say "copied $(cd "$work/fulgur" && find . -type f | wc -l) files of $here"
 
 commands='bash scripts/run-tests.sh "$@"'
-if [ "$no_bench" = 1 ]; then
-  # The cache keeps the option for run-tests.sh's own configure.
-  commands="bash scripts/install-deps.sh && bash scripts/build.sh -DFULGUR_BUILD_BENCH=OFF && $commands"
+if [ "${#build_args[@]}" -gt 0 ]; then
+  # The cache keeps the options for run-tests.sh's own configure.
+  commands="bash scripts/install-deps.sh && bash scripts/build.sh ${build_args[*]} && $commands"
 fi
 if [ "$main_job" = 1 ]; then
   commands='bash scripts/run-main-job.sh'

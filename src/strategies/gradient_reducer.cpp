@@ -14,20 +14,17 @@
 
 namespace fulgur {
 
-namespace {
-
-struct Bucket {
-  std::vector<size_t> params;       // indices into State::params
-  std::vector<int64_t> offsets;     // element offset of each in `flat`
-  at::Tensor flat;
-  size_t pending = 0;
-  bool launched = false;
-  std::optional<PendingCollective> work;
-};
-
-}  // namespace
-
 struct GradientReducer::State {
+  // One bucket of gradients reduced together.
+  struct Bucket {
+    std::vector<size_t> params;       // indices into State::params
+    std::vector<int64_t> offsets;     // element offset of each in `flat`
+    at::Tensor flat;
+    size_t pending = 0;
+    bool launched = false;
+    std::optional<PendingCollective> work;
+  };
+
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
   std::vector<size_t> bucket_of;    // param index -> bucket

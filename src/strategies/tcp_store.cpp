@@ -21,11 +21,13 @@
 
 namespace fulgur::detail {
 
+// The wire's op codes (outside the anonymous namespace: StoreServer, which
+// has external linkage, holds one).
+enum StoreOp : uint8_t { kSet = 1, kGet, kAdd, kCheck, kDelete, kNumKeys, kWait, kCompareSet };
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-enum Op : uint8_t { kSet = 1, kGet, kAdd, kCheck, kDelete, kNumKeys, kWait, kCompareSet };
 
 // ---- Framing: an op byte, then length-prefixed strings; replies are one
 // length-prefixed string.
@@ -172,7 +174,7 @@ class StoreServer {
  private:
   struct Waiter {
     int fd;
-    Op op;  // kGet or kWait
+    StoreOp op;  // kGet or kWait
     std::vector<std::string> keys;
   };
 
@@ -246,7 +248,7 @@ class StoreServer {
   // does not hold a complete one yet.
   bool handle_one(int fd, std::string& in) {
     if (in.empty()) return false;
-    const auto op = static_cast<Op>(in[0]);
+    const auto op = static_cast<StoreOp>(in[0]);
     size_t pos = 1;
     std::vector<std::string> args;
     const int count = op == kNumKeys ? 0
@@ -407,7 +409,7 @@ std::string TcpStore::request(const std::string& message, std::chrono::milliseco
 }
 
 namespace {
-std::string message(Op op, const std::vector<std::string>& args, bool counted = false) {
+std::string message(StoreOp op, const std::vector<std::string>& args, bool counted = false) {
   std::string out(1, static_cast<char>(op));
   if (counted) put_string(out, std::to_string(args.size()));
   for (const auto& a : args) put_string(out, a);

@@ -20,6 +20,7 @@ namespace {
 using fulgur::test::ProcessResult;
 using fulgur::test::result_value;
 using fulgur::test::run_process;
+using fulgur::test::same_params;
 using fulgur::test::TempDir;
 using namespace std::chrono_literals;
 
@@ -32,29 +33,6 @@ ProcessResult run_worker(std::vector<std::string> args,
                             << r.output;
   EXPECT_EQ(r.leftover_processes, 0) << "processes were left running:\n" << r.output;
   return r;
-}
-
-std::vector<at::Tensor> load_params(const std::string& path) {
-  std::vector<at::Tensor> params;
-  torch::load(params, path);
-  return params;
-}
-
-::testing::AssertionResult same_params(const std::string& a, const std::string& b,
-                                       double atol = 1e-5) {
-  auto pa = load_params(a);
-  auto pb = load_params(b);
-  if (pa.size() != pb.size()) {
-    return ::testing::AssertionFailure() << pa.size() << " vs " << pb.size() << " parameters";
-  }
-  for (size_t i = 0; i < pa.size(); ++i) {
-    if (!torch::allclose(pa[i], pb[i], /*rtol=*/1e-4, atol)) {
-      return ::testing::AssertionFailure()
-             << "parameter " << i << " differs by up to "
-             << (pa[i] - pb[i]).abs().max().item<double>();
-    }
-  }
-  return ::testing::AssertionSuccess();
 }
 
 // One process with batch 2b against two ranks with batch b each (the two
@@ -293,7 +271,7 @@ TEST(DDP, NcclOnCudaMatchesGlooOnCpu_CUDA) {
         << r.output;
   }
   // CUDA kernels sum in another order than the CPU's: close, not identical.
-  EXPECT_TRUE(same_params(gloo, nccl, /*atol=*/1e-4));
+  EXPECT_TRUE(same_params(gloo, nccl, {.atol = 1e-4}));
 }
 
 TEST(DDP, SyncBatchNormOnCudaMatchesOneProcessBatchNorm_CUDA) {

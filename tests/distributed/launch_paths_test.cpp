@@ -17,6 +17,7 @@ namespace {
 using fulgur::test::ProcessResult;
 using fulgur::test::result_value;
 using fulgur::test::run_process;
+using fulgur::test::same_params;
 using fulgur::test::TempDir;
 using namespace std::chrono_literals;
 
@@ -35,23 +36,6 @@ void expect_clean(const ProcessResult& r) {
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.leftover_processes, 0) << r.output;
   EXPECT_EQ(r.exit_code, 0) << r.output;
-}
-
-// `exact`: bit-identical (the same ranks on another launch path); otherwise
-// allclose (one process with the double batch sums in another order).
-::testing::AssertionResult same_params(const std::string& a, const std::string& b,
-                                       bool exact = false) {
-  std::vector<at::Tensor> pa, pb;
-  torch::load(pa, a);
-  torch::load(pb, b);
-  if (pa.size() != pb.size()) return ::testing::AssertionFailure() << "parameter counts differ";
-  for (size_t i = 0; i < pa.size(); ++i) {
-    if (exact ? !torch::equal(pa[i], pb[i]) : !torch::allclose(pa[i], pb[i], 1e-4, 1e-5)) {
-      return ::testing::AssertionFailure() << "parameter " << i << " differs by "
-                                           << (pa[i] - pb[i]).abs().max().item<double>();
-    }
-  }
-  return ::testing::AssertionSuccess();
 }
 
 bool on_path(const std::string& program) {
@@ -99,7 +83,7 @@ class LaunchPaths : public ::testing::Test {
   // Close to one process with the double batch, identical to the own launcher.
   void expect_same_weights(const std::string& out) {
     EXPECT_TRUE(same_params(baseline(2), out));
-    EXPECT_TRUE(same_params(own_launcher(), out, /*exact=*/true));
+    EXPECT_TRUE(same_params(own_launcher(), out, {.exact = true}));
   }
   // Two ranks under torchrun (through tools/fulgur-torchrun) with these
   // rendezvous arguments: detected as torchelastic, the own launcher's weights.

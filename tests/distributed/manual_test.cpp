@@ -15,6 +15,7 @@ namespace {
 using fulgur::test::ProcessResult;
 using fulgur::test::result_value;
 using fulgur::test::TempDir;
+using fulgur::test::load_tensors;
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
@@ -24,12 +25,6 @@ ProcessResult run_manual(std::vector<std::string> args) {
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.leftover_processes, 0) << r.output;
   return r;
-}
-
-std::vector<at::Tensor> load(const std::string& path) {
-  std::vector<at::Tensor> params;
-  torch::load(params, path);
-  return params;
 }
 
 TEST(ManualStrategy, LeavesPlacementWrappingAndGradientsToTheModule) {
@@ -69,8 +64,8 @@ TEST(ManualStrategy, EveryRankWritesItsShardAndResumeRestoresEachExactly) {
                         "--out", second});
   ASSERT_EQ(r2.exit_code, 0) << r2.output;
   for (int rank : {0, 1}) {
-    auto a = load(first + "/rank-" + std::to_string(rank) + ".pt");
-    auto b = load(second + "/rank-" + std::to_string(rank) + ".pt");
+    auto a = load_tensors(first + "/rank-" + std::to_string(rank) + ".pt");
+    auto b = load_tensors(second + "/rank-" + std::to_string(rank) + ".pt");
     ASSERT_EQ(a.size(), b.size());
     for (size_t i = 0; i < a.size(); ++i) {
       EXPECT_TRUE(torch::equal(a[i], b[i])) << "rank " << rank << " parameter " << i;
@@ -78,7 +73,8 @@ TEST(ManualStrategy, EveryRankWritesItsShardAndResumeRestoresEachExactly) {
   }
   // The shards differ: each rank restored its own.
   // (The table, a parameter of the module itself, comes first.)
-  EXPECT_FALSE(torch::equal(load(first + "/rank-0.pt").front(), load(first + "/rank-1.pt").front()));
+  EXPECT_FALSE(torch::equal(load_tensors(first + "/rank-0.pt").front(),
+                            load_tensors(first + "/rank-1.pt").front()));
 }
 
 TEST(ManualStrategy, ResumingOnAnotherWorldSizeOrWithoutAShardIsAClearError) {

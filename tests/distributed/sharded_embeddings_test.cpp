@@ -14,6 +14,7 @@ namespace {
 
 using fulgur::test::ProcessResult;
 using fulgur::test::TempDir;
+using fulgur::test::load_tensors;
 using namespace std::chrono_literals;
 
 ProcessResult run_example(std::vector<std::string> args) {
@@ -24,17 +25,11 @@ ProcessResult run_example(std::vector<std::string> args) {
   return r;
 }
 
-std::vector<at::Tensor> load(const std::string& path) {
-  std::vector<at::Tensor> tensors;
-  torch::load(tensors, path);
-  return tensors;
-}
-
 // (ids, logits) of one or more files, ordered by sample id.
 std::pair<at::Tensor, at::Tensor> by_id(const std::vector<std::string>& files) {
   std::vector<at::Tensor> ids, logits;
   for (const auto& f : files) {
-    auto t = load(f);
+    auto t = load_tensors(f);
     ids.push_back(t[0]);
     logits.push_back(t[1]);
   }
@@ -71,9 +66,9 @@ TEST(ShardedEmbeddings, TwoRanksMatchTheUnshardedModel) {
   EXPECT_TRUE(torch::allclose(logits1, logits2, 1e-5, 1e-6));
 
   // After 5 steps: both tables (shards put back together) and the MLP.
-  auto p1 = load(one + "/params-rank-0.pt");
-  auto p2a = load(two + "/params-rank-0.pt");
-  auto p2b = load(two + "/params-rank-1.pt");
+  auto p1 = load_tensors(one + "/params-rank-0.pt");
+  auto p2a = load_tensors(two + "/params-rank-0.pt");
+  auto p2b = load_tensors(two + "/params-rank-1.pt");
   ASSERT_EQ(p1.size(), p2a.size());
   for (size_t table : {0u, 1u}) {
     auto joined = torch::cat({p2a[table], p2b[table]});

@@ -137,6 +137,10 @@ std::shared_ptr<fulgur::DatasetLoader> regression_loader(int64_t num_batches, in
                                   {.batch_size = batch_size, .shuffle = shuffle});
 }
 
+std::shared_ptr<fulgur::DatasetLoader> uneven_loader() {
+  return fulgur::make_data_loader(regression_dataset(10), {.batch_size = 4});
+}
+
 std::shared_ptr<fulgur::TensorDataset> index_dataset(int64_t n) {
   return std::make_shared<fulgur::TensorDataset>(
       std::vector<at::Tensor>{torch::arange(n, torch::kLong)});
@@ -181,6 +185,30 @@ namespace {
   return ::testing::AssertionSuccess();
 }
 }  // namespace
+
+std::vector<at::Tensor> load_tensors(const std::string& path) {
+  std::vector<at::Tensor> tensors;
+  torch::load(tensors, path);
+  return tensors;
+}
+
+::testing::AssertionResult same_params(const std::string& a, const std::string& b,
+                                       TensorMatch match) {
+  auto pa = load_tensors(a);
+  auto pb = load_tensors(b);
+  if (pa.size() != pb.size()) {
+    return ::testing::AssertionFailure() << pa.size() << " vs " << pb.size() << " parameters";
+  }
+  for (size_t i = 0; i < pa.size(); ++i) {
+    const bool same = match.exact ? torch::equal(pa[i], pb[i])
+                                  : torch::allclose(pa[i], pb[i], /*rtol=*/1e-4, match.atol);
+    if (!same) {
+      return ::testing::AssertionFailure() << "parameter " << i << " differs by up to "
+                                           << (pa[i] - pb[i]).abs().max().item<double>();
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
 
 ::testing::AssertionResult parameters_equal(const torch::nn::Module& a,
                                             const torch::nn::Module& b) {

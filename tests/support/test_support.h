@@ -140,12 +140,27 @@ std::shared_ptr<fulgur::TensorDataset> regression_dataset(int64_t n, int64_t in_
 std::shared_ptr<fulgur::DatasetLoader> regression_loader(int64_t num_batches,
                                                          int64_t batch_size = 2,
                                                          bool shuffle = false);
+/// 10 regression samples in batches of 4, 4 and 2 (an uneven last batch).
+std::shared_ptr<fulgur::DatasetLoader> uneven_loader();
 /// A dataset of one int64 tensor 0..n-1 (tensor batches): shows the order.
 std::shared_ptr<fulgur::TensorDataset> index_dataset(int64_t n);
 /// The values of a 1-d int64 tensor.
 std::vector<int64_t> to_vector(const at::Tensor& tensor);
 
 // ---- Parameters.
+
+/// The tensors torch::save wrote to `path` as a vector (a worker's parameters).
+std::vector<at::Tensor> load_tensors(const std::string& path);
+/// How close two saved tensor lists must be: bit-identical (the same ranks
+/// on another launch path), or allclose(rtol 1e-4, atol) (one process with
+/// the double batch sums in another order).
+struct TensorMatch {
+  bool exact = false;
+  double atol = 1e-5;
+};
+/// The two files of load_tensors hold as many tensors, pairwise matching.
+::testing::AssertionResult same_params(const std::string& a, const std::string& b,
+                                       TensorMatch match = {});
 
 /// Every parameter bit-identical (torch::equal), matched by name.
 ::testing::AssertionResult parameters_equal(const torch::nn::Module& a, const torch::nn::Module& b);

@@ -14,12 +14,8 @@ using fulgur::test::only;
 using fulgur::test::parameters_equal;
 using fulgur::test::regression_dataset;
 using fulgur::test::TempDir;
+using fulgur::test::uneven_loader;
 using fulgur::test::test_options;
-
-/// 10 samples in batches of 4, 4 and 2.
-std::shared_ptr<fulgur::DataLoader> uneven_loader() {
-  return fulgur::make_data_loader(regression_dataset(10), {.batch_size = 4});
-}
 
 /// The MSE over the whole dataset, computed outside fulgur.
 double full_mse(LinearRegression& model) {

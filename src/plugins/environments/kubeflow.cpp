@@ -5,7 +5,7 @@
 namespace fulgur {
 
 namespace {
-constexpr const char* kSetBy = "the Kubeflow training operator (PyTorchJob)";
+constexpr const char* kKubeflowSetBy = "the Kubeflow training operator (PyTorchJob)";
 }
 
 bool KubeflowEnvironment::detect(const EnvView& env) {
@@ -18,12 +18,12 @@ bool KubeflowEnvironment::detect(const EnvView& env) {
 
 KubeflowEnvironment::KubeflowEnvironment(const EnvView& env) {
   using namespace env_support;
-  world_size_ = require_int(env, "WORLD_SIZE", name(), kSetBy);
-  global_rank_ = require_int(env, "RANK", name(), kSetBy);
+  world_size_ = require_int(env, "WORLD_SIZE", name(), kKubeflowSetBy);
+  global_rank_ = require_int(env, "RANK", name(), kKubeflowSetBy);
   local_rank_ = 0;
   node_rank_ = global_rank_;
-  main_port_ = checked_port(require_int(env, "MASTER_PORT", name(), kSetBy), "MASTER_PORT");
-  main_address_ = require_string(env, "MASTER_ADDR", name(), kSetBy);
+  main_port_ = checked_port(require_int(env, "MASTER_PORT", name(), kKubeflowSetBy), "MASTER_PORT");
+  main_address_ = require_string(env, "MASTER_ADDR", name(), kKubeflowSetBy);
 }
 
 std::string KubeflowEnvironment::main_address() const { return main_address_; }

@@ -8,7 +8,7 @@ namespace fulgur {
 
 namespace {
 
-constexpr const char* kSetBy = "LSF's jsrun";
+constexpr const char* kLsfSetBy = "LSF's jsrun";
 
 // LSB_MCPU_HOSTS: "host slots host slots ..." → the host names.
 std::vector<std::string> mcpu_hosts(const std::string& text) {
@@ -40,9 +40,9 @@ std::string LSFEnvironment::first_compute_host(const std::string& mcpu_hosts_tex
 
 LSFEnvironment::LSFEnvironment(const EnvView& env) {
   using namespace env_support;
-  world_size_ = require_int(env, "JSM_NAMESPACE_SIZE", name(), kSetBy);
-  global_rank_ = require_int(env, "JSM_NAMESPACE_RANK", name(), kSetBy);
-  local_rank_ = require_int(env, "JSM_NAMESPACE_LOCAL_RANK", name(), kSetBy);
+  world_size_ = require_int(env, "JSM_NAMESPACE_SIZE", name(), kLsfSetBy);
+  global_rank_ = require_int(env, "JSM_NAMESPACE_RANK", name(), kLsfSetBy);
+  local_rank_ = require_int(env, "JSM_NAMESPACE_LOCAL_RANK", name(), kLsfSetBy);
   auto hosts_text = env.get("LSB_MCPU_HOSTS");
   if (auto local_size = get_int(env, "JSM_NAMESPACE_LOCAL_SIZE"); local_size && *local_size > 0) {
     local_size_ = *local_size;

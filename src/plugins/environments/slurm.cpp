@@ -8,7 +8,7 @@ namespace fulgur {
 
 namespace {
 
-constexpr const char* kSetBy = "srun";
+constexpr const char* kSlurmSetBy = "srun";
 
 // "2", "2(x3)" or "2,1" (SLURM's per-node task counts): the leading count.
 std::optional<int> leading_count(const EnvView& env, const std::string& var) {
@@ -72,10 +72,10 @@ std::string SLURMEnvironment::first_host(const std::string& nodelist) {
 
 SLURMEnvironment::SLURMEnvironment(const EnvView& env) {
   using namespace env_support;
-  world_size_ = require_int(env, "SLURM_NTASKS", name(), kSetBy);
-  global_rank_ = require_int(env, "SLURM_PROCID", name(), kSetBy);
-  local_rank_ = require_int(env, "SLURM_LOCALID", name(), kSetBy);
-  node_rank_ = require_int(env, "SLURM_NODEID", name(), kSetBy);
+  world_size_ = require_int(env, "SLURM_NTASKS", name(), kSlurmSetBy);
+  global_rank_ = require_int(env, "SLURM_PROCID", name(), kSlurmSetBy);
+  local_rank_ = require_int(env, "SLURM_LOCALID", name(), kSlurmSetBy);
+  node_rank_ = require_int(env, "SLURM_NODEID", name(), kSlurmSetBy);
   if (auto addr = env.get("MASTER_ADDR")) {
     main_address_ = *addr;
   } else if (auto list = env.get("SLURM_NODELIST")) {
@@ -83,7 +83,7 @@ SLURMEnvironment::SLURMEnvironment(const EnvView& env) {
   } else if (auto job_list = env.get("SLURM_JOB_NODELIST")) {
     main_address_ = first_host(*job_list);
   } else {
-    missing("SLURM_NODELIST (or MASTER_ADDR)", name(), kSetBy);
+    missing("SLURM_NODELIST (or MASTER_ADDR)", name(), kSlurmSetBy);
   }
   if (auto port = master_port(env)) {
     main_port_ = *port;

@@ -5,7 +5,7 @@
 namespace fulgur {
 
 namespace {
-constexpr const char* kSetBy = "torchrun";
+constexpr const char* kTorchrunSetBy = "torchrun";
 }
 
 bool TorchElasticEnvironment::detect(const EnvView& env) {
@@ -18,13 +18,13 @@ bool TorchElasticEnvironment::detect(const EnvView& env) {
 
 TorchElasticEnvironment::TorchElasticEnvironment(const EnvView& env) {
   using namespace env_support;
-  world_size_ = require_int(env, "WORLD_SIZE", name(), kSetBy);
-  global_rank_ = require_int(env, "RANK", name(), kSetBy);
-  local_rank_ = require_int(env, "LOCAL_RANK", name(), kSetBy);
-  node_rank_ = require_int(env, "GROUP_RANK", name(), kSetBy);
-  local_world_size_ = require_int(env, "LOCAL_WORLD_SIZE", name(), kSetBy);
-  main_port_ = checked_port(require_int(env, "MASTER_PORT", name(), kSetBy), "MASTER_PORT");
-  main_address_ = require_string(env, "MASTER_ADDR", name(), kSetBy);
+  world_size_ = require_int(env, "WORLD_SIZE", name(), kTorchrunSetBy);
+  global_rank_ = require_int(env, "RANK", name(), kTorchrunSetBy);
+  local_rank_ = require_int(env, "LOCAL_RANK", name(), kTorchrunSetBy);
+  node_rank_ = require_int(env, "GROUP_RANK", name(), kTorchrunSetBy);
+  local_world_size_ = require_int(env, "LOCAL_WORLD_SIZE", name(), kTorchrunSetBy);
+  main_port_ = checked_port(require_int(env, "MASTER_PORT", name(), kTorchrunSetBy), "MASTER_PORT");
+  main_address_ = require_string(env, "MASTER_ADDR", name(), kTorchrunSetBy);
   if (auto agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE")) {
     // Python writes str(bool).
     if (*agent_store == "True" || *agent_store == "true" || *agent_store == "1") {
