@@ -81,14 +81,9 @@ class ShardedRecommender : public fulgur::Module {
   // builds this rank's shards and the reducer of the replicated part.
   void configure_model() override {
     if (user_shard_.defined()) return;
-    auto* parallel = dynamic_cast<fulgur::ParallelStrategy*>(&trainer().strategy());
-    if (parallel == nullptr) {
-      throw fulgur::ConfigError("ShardedRecommender needs a parallel strategy: run it with "
-                                "--strategy manual.");
-    }
-    group_ = parallel->shared_process_group();
-    world_ = parallel->world_size();
-    rank_ = parallel->global_rank();
+    group_ = process_group();  // a clear error under a strategy without one
+    world_ = trainer().strategy().world_size();
+    rank_ = trainer().strategy().global_rank();
     rows_per_rank_ = (a_.rows + world_ - 1) / world_;
     row_begin_ = rank_ * rows_per_rank_;
     // Initial rows are a function of the global row index, so a shard holds

@@ -33,6 +33,14 @@ size_t edit_distance(std::string_view a, std::string_view b) {
 }
 }  // namespace
 
+std::string to_lower(std::string_view text) {
+  std::string out(text);
+  for (char& c : out) {
+    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+  }
+  return out;
+}
+
 std::string closest_match(std::string_view name, const std::vector<std::string>& candidates) {
   std::string best;
   size_t best_distance = std::string::npos;

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/strategies/parallel.h"
 #include "trainer/trainer_impl.h"
 
 namespace fulgur {
@@ -108,6 +109,19 @@ const std::vector<std::shared_ptr<torch::optim::Optimizer>>& Module::optimizers(
 
 const std::vector<SchedulerConfig>& Module::lr_schedulers() const {
   return trainer().impl().optimizer_config.schedulers;
+}
+
+std::shared_ptr<ProcessGroup> Module::process_group() const {
+  const Strategy& strategy = trainer().strategy();
+  const auto* parallel = dynamic_cast<const ParallelStrategy*>(&strategy);
+  if (parallel == nullptr) {
+    throw ConfigError(str(name(), ".process_group(): strategy \"", strategy.name(),
+                          "\" runs one process and has no process group. Pass a parallel "
+                          "strategy (e.g. strategy=\"ddp\" or \"manual\") for collectives of "
+                          "the module's own."));
+  }
+  parallel->process_group();  // throws, naming the strategy, before the group exists
+  return parallel->shared_process_group();
 }
 
 void Module::manual_backward(const at::Tensor& loss) {

@@ -112,6 +112,25 @@ TEST(Module, AttachedDuringFitAndDetachedAfter) {
   EXPECT_FALSE(model.has_trainer());
 }
 
+TEST(Module, ProcessGroupUnderOneProcessIsAConfigErrorNamingTheStrategy) {
+  TempDir dir;
+  LinearRegression model;
+  std::string message;
+  model.train_hook = [&](LinearRegression& self, fulgur::Batch&, int64_t) {
+    try {
+      self.process_group();
+    } catch (const fulgur::ConfigError& e) {
+      message = e.what();
+    }
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  trainer.fit(model, regression_loader(1));
+  EXPECT_NE(message.find("process_group(): strategy \"single_device\" runs one process"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("strategy=\"ddp\""), std::string::npos) << message;
+}
+
 TEST(Module, CurrentEpochAndGlobalStepFollowTheTrainer) {
   TempDir dir;
   LinearRegression model;

@@ -34,6 +34,20 @@ WidgetRegistry::Factory make(std::string label) {
   return [label] { return std::make_unique<NamedWidget>(label); };
 }
 
+TEST(Registry, NamesMatchInAnyCaseAndMayNotDifferOnlyInCase) {
+  WidgetRegistry registry("widget");
+  registry.add("my_Widget", "mixed case", make("M"));
+  EXPECT_TRUE(registry.contains("MY_WIDGET"));
+  EXPECT_TRUE(registry.contains("my_widget"));
+  EXPECT_EQ(registry.create("My_Widget")->label(), "M");
+  EXPECT_EQ(registry.entry("my_widget").name, "my_Widget");
+  EXPECT_THROWS_WITH(fulgur::ConfigError, registry.add("MY_widget", "again", make("X")),
+                     {"register widget \"MY_widget\"", "(in another case) is already registered"});
+  registry.replace("MY_WIDGET", "replaced", make("R"));
+  EXPECT_EQ(registry.names(), std::vector<std::string>{"MY_WIDGET"});
+  EXPECT_EQ(registry.create("my_widget")->label(), "R");
+}
+
 TEST(Registry, CreateBuildsTheRegisteredEntry) {
   WidgetRegistry registry("widget");
   registry.add("alpha", "the first", make("A"));

@@ -476,13 +476,27 @@ TEST(DDPFaults, ALauncherInAProgramThatIgnoresSigchldStillSeesItsRanks) {
 }
 
 TEST(DDPFaults, RanksReapedByAnotherPartOfTheProgramAreAClearError) {
-  TempDir dir;
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--reap-elsewhere",
-                       "--timeout", "20", "--root", dir.path()},
-                      {}, 60s);
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("ended, but another part of the program reaped it"), std::string::npos)
-      << r.output;
+  // The worker's thread blocked in waitpid(-1) and the supervisor race for
+  // each rank's exit status; the thread nearly always wins, but on a loaded
+  // machine the supervisor may see a rank's clean exit first (the run then
+  // succeeds). So up to three runs: each either succeeds or fails with the
+  // clear message, and at least one run must have its ranks reaped away.
+  bool reaped_elsewhere = false;
+  for (int attempt = 0; attempt < 3 && !reaped_elsewhere; ++attempt) {
+    TempDir dir;
+    auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4",
+                         "--reap-elsewhere", "--timeout", "20", "--root", dir.path()},
+                        {}, 60s);
+    if (r.exit_code == 0) {
+      EXPECT_EQ(result_value(r.output, "global_step"), "4") << r.output;
+      continue;
+    }
+    EXPECT_NE(r.output.find("ended, but another part of the program reaped it"),
+              std::string::npos)
+        << r.output;
+    reaped_elsewhere = true;
+  }
+  EXPECT_TRUE(reaped_elsewhere) << "in three runs the supervisor saw every rank's exit itself";
 }
 
 TEST(DDPFaults, AForkLauncherWithoutAUsableTmpdirIsAClearError) {

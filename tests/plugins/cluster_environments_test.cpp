@@ -3,6 +3,8 @@
 // environment is never read.
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include "fulgur/core/errors.h"
 #include "fulgur/plugins/environments/kubeflow.h"
 #include "fulgur/plugins/environments/lightning.h"
@@ -115,6 +117,20 @@ TEST(LSFEnvironment, LocalSizeFromJsmWhenSet) {
   EXPECT_EQ(fulgur::LSFEnvironment::first_compute_host(""), "");
 }
 
+TEST(LSFEnvironment, MainAddressFromTheRankFileWithoutMcpuHosts) {
+  fulgur::test::TempDir dir;
+  const std::string rankfile = dir.file("rankfile");
+  std::ofstream(rankfile) << "batch1\nh1\nh1\nh1\nh2\nh2\nh2\n";
+  Vars vars = merged(kLsf, {{"LSB_DJOB_RANKFILE", rankfile}});
+  vars.erase("LSB_MCPU_HOSTS");
+  // The launch host (first line) runs no ranks: the first compute host.
+  EXPECT_EQ(fulgur::LSFEnvironment(EnvView(vars)).main_address(), "h1");
+  vars["LSB_DJOB_RANKFILE"] = dir.file("missing");
+  EXPECT_THROWS_WITH(ConfigError, fulgur::LSFEnvironment{EnvView(vars)},
+                     {"LSB_DJOB_RANKFILE=" + dir.file("missing") + " cannot be read",
+                      "Set MASTER_ADDR"});
+}
+
 // ---- Detection.
 
 struct DetectCase {
@@ -138,6 +154,19 @@ Vars without(Vars vars, const std::string& key) {
   return vars;
 }
 
+TEST(DetectClusterEnvironment, TorchrunWithoutMasterPortIsRecognisedAndNamesIt) {
+  // torchrun's own variables decide; the missing one is named instead of
+  // another environment being chosen silently.
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::detect_cluster_environment(EnvView(without(kTorchrun, "MASTER_PORT")),
+                                                        nullptr),
+                     {"\"torchelastic\" needs the environment variable MASTER_PORT"});
+  Vars run_id_only = {{"TORCHELASTIC_RUN_ID", "job7"}};
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::detect_cluster_environment(EnvView(run_id_only), nullptr),
+                     {"\"torchelastic\" needs the environment variable WORLD_SIZE"});
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Cases, Detection,
     ::testing::Values(
@@ -147,7 +176,6 @@ INSTANTIATE_TEST_SUITE_P(
                         {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "5000"}, {"NODE_RANK", "0"}},
                    "lightning"},
         DetectCase{"torchrun", kTorchrun, "torchelastic"},
-        DetectCase{"torchrun_without_MASTER_PORT", without(kTorchrun, "MASTER_PORT"), "lightning"},
         DetectCase{"torchrun_inside_slurm", merged(kSrun, kTorchrun), "torchelastic"},
         DetectCase{"torchrun_inside_kubeflow", merged(kKubeflow, kTorchrun), "torchelastic"},
         DetectCase{"srun", kSrun, "slurm"},

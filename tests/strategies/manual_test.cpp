@@ -38,8 +38,11 @@ struct MoveRecorder : fulgur::Module {
     fulgur::Module::to(device, non_blocking);
   }
   void configure_model() override {
-    auto* parallel = dynamic_cast<fulgur::ParallelStrategy*>(&trainer().strategy());
-    group_seen_in_configure_model = parallel != nullptr && parallel->shared_process_group() != nullptr;
+    try {
+      group_seen_in_configure_model = process_group() != nullptr;
+    } catch (const fulgur::ConfigError&) {  // a strategy without a group
+      group_seen_in_configure_model = false;
+    }
   }
   at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
     auto& [x, y] = batch.pair();

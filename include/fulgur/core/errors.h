@@ -71,6 +71,9 @@ std::string str(const Args&... args) {
 std::string join(const std::vector<std::string>& items,
                  std::string_view sep = ", ");
 
+/// `text` in ASCII lower case ("DDP" -> "ddp").
+std::string to_lower(std::string_view text);
+
 /// The candidate closest to `name` by edit distance, or "" when none is
 /// close enough to be a plausible typo.
 std::string closest_match(std::string_view name,

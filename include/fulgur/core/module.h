@@ -39,6 +39,7 @@ class LRScheduler;
 
 namespace fulgur {
 
+class ProcessGroup;
 class Trainer;
 namespace detail {
 class LogSink;
@@ -178,6 +179,12 @@ class Module : public torch::nn::Module {
   bool has_trainer() const { return trainer_ != nullptr; }
   int64_t current_epoch() const;
   int64_t global_step() const;
+  /// The process group of this run's ranks, for collectives of the module's
+  /// own (sharded layers, a GradientReducer of its own): available from
+  /// configure_model() on, in every rank. Throws ConfigError when the
+  /// strategy runs one process without a group (single_device), naming it,
+  /// and DistributedError before the group exists (e.g. in the constructor).
+  std::shared_ptr<ProcessGroup> process_group() const;
 
  private:
   friend class Trainer;

@@ -13,6 +13,8 @@
 //
 // No static-initialisation macros: built-ins are registered in one place per
 // family and users call add() from their own code before building a Trainer.
+// Names match regardless of case ("DDP", "Ddp_Spawn"), as Lightning's do; two
+// names that differ only in case cannot both be registered.
 #pragma once
 
 #include <algorithm>
@@ -51,10 +53,10 @@ class Registry {
       throw ConfigError(str("register ", kind_, " \"\": a ", kind_,
                             " needs a non-empty name."));
     }
-    if (contains(name)) {
+    if (const Entry* existing = find(name)) {
       throw ConfigError(str("register ", kind_, " \"", name, "\": a ", kind_,
-                            " with this name is already registered (",
-                            entries_.at(name).description,
+                            " with this name", existing->name == name ? "" : " (in another case)",
+                            " is already registered (", existing->description,
                             "). Pick another name, or call replace() to "
                             "override it on purpose."));
     }
@@ -65,16 +67,21 @@ class Registry {
   /// Adds or overrides `name`.
   void replace(const std::string& name, std::string description, Factory factory,
                std::string defaults = {}) {
+    if (const Entry* existing = find(name)) {
+      const std::string old_name = existing->name;  // a copy: erase() frees the entry
+      entries_.erase(old_name);
+    }
     entries_.insert_or_assign(name, Entry{name, std::move(description), std::move(factory),
                                           std::move(defaults)});
   }
 
-  bool contains(const std::string& name) const { return entries_.count(name) > 0; }
+  bool contains(const std::string& name) const { return find(name) != nullptr; }
 
   /// Builds the entry `name`; never returns null. Throws ConfigError naming
   /// the closest registered name when `name` is unknown.
   std::unique_ptr<Base> create(const std::string& name, Args... args) const {
-    auto result = entry(name).factory(std::forward<Args>(args)...);
+    const Entry& e = entry(name);
+    auto result = e.factory(std::forward<Args>(args)...);
     FULGUR_ASSERT(result != nullptr, "the factory of ", kind_, " \"", name,
                   "\" returned null");
     return result;
@@ -82,9 +89,18 @@ class Registry {
 
   /// The entry `name`; throws ConfigError when unknown.
   const Entry& entry(const std::string& name) const {
-    auto it = entries_.find(name);
-    if (it == entries_.end()) throw ConfigError(unknown_name_message(name));
-    return it->second;
+    const Entry* found = find(name);
+    if (found == nullptr) throw ConfigError(unknown_name_message(name));
+    return *found;
+  }
+  /// The entry `name` (in any case); null when unknown.
+  const Entry* find(const std::string& name) const {
+    if (auto it = entries_.find(name); it != entries_.end()) return &it->second;
+    const std::string lower = to_lower(name);
+    for (const auto& [key, e] : entries_) {
+      if (to_lower(key) == lower) return &e;
+    }
+    return nullptr;
   }
 
   /// "unknown strategy "dpp"; did you mean "ddp"? Registered: ddp, ...".

@@ -12,7 +12,8 @@
 //                                    results and weights come back
 //   ddp_find_unused_parameters_true  ddp, parameters may miss gradients
 //   ddp_find_unused_parameters_false ddp (the default, spelled out)
-//   ddp_fork_find_unused_parameters_true
+//   ddp_{fork,spawn}_find_unused_parameters_{true,false}
+//                                    the same for forked ranks
 //
 //   fulgur::Trainer trainer({.strategy = "ddp", .devices = 2});
 //   fulgur::Trainer trainer({.strategy = std::make_shared<fulgur::DDPStrategy>(
@@ -101,6 +102,9 @@ class DDPStrategy : public ParallelStrategy {
         {"_find_unused_parameters_true", "re-executing launcher; parameters may get no gradient", "popen", true},
         {"_find_unused_parameters_false", "re-executing launcher; every parameter gets a gradient", "popen", false},
         {"_fork_find_unused_parameters_true", "forked ranks; parameters may get no gradient", "fork", true},
+        {"_fork_find_unused_parameters_false", "forked ranks; every parameter gets a gradient", "fork", false},
+        {"_spawn_find_unused_parameters_true", "same as _fork_find_unused_parameters_true", "fork", true},
+        {"_spawn_find_unused_parameters_false", "same as _fork_find_unused_parameters_false", "fork", false},
     };
     for (const auto& v : variants) {
       std::string name = prefix + v.suffix;

@@ -7,7 +7,45 @@
 #include "fulgur/plugins/environments/slurm.h"
 #include "fulgur/plugins/environments/torchelastic.h"
 
+#include "fulgur/core/errors.h"
+
 namespace fulgur {
+
+namespace {
+
+// "RANK=5" when read from a variable, else "the derived global rank 5".
+std::string described(const std::string& variable, const char* what, int value) {
+  return variable.empty() ? str("the ", what, " ", value, " (derived from the others)")
+                          : str(variable, "=", value);
+}
+
+}  // namespace
+
+std::vector<std::string> ClusterEnvironment::rank_problems(int num_devices, int num_nodes) const {
+  const auto& s = rank_sources_;
+  const std::string env = str("cluster environment \"", name(), "\"");
+  std::vector<std::string> problems;
+  if (world_size_ < 1) {
+    problems.push_back(str(described(s.world_size, "world size", world_size_), " (", env,
+                           "): the number of processes must be >= 1"));
+  } else if (global_rank_ < 0 || global_rank_ >= world_size_) {
+    problems.push_back(str(described(s.global_rank, "global rank", global_rank_), " (", env,
+                           ") is outside 0..", world_size_ - 1, " (",
+                           described(s.world_size, "world size", world_size_),
+                           "): each process needs its own rank below the world size"));
+  }
+  if (local_rank_ < 0 || local_rank_ >= num_devices) {
+    problems.push_back(str(described(s.local_rank, "local rank", local_rank_), " (", env,
+                           ") is outside 0..", num_devices - 1, " for devices=", num_devices,
+                           ": pass devices equal to the processes started per node"));
+  }
+  if (node_rank_ < 0 || node_rank_ >= num_nodes) {
+    problems.push_back(str(described(s.node_rank, "node rank", node_rank_), " (", env,
+                           ") is outside 0..", num_nodes - 1, " for num_nodes=", num_nodes,
+                           ": pass num_nodes equal to the machines the job runs on"));
+  }
+  return problems;
+}
 
 ClusterEnvironmentRegistry& cluster_environment_registry() {
   static ClusterEnvironmentRegistry registry = [] {
@@ -45,8 +83,9 @@ std::unique_ptr<ClusterEnvironment> detect_cluster_environment(const EnvView& en
   //  - kubeflow last: its variables (MASTER_ADDR, RANK, WORLD_SIZE) are the
   //    most generic, and KUBERNETES_PORT is set in every pod.
   if (TorchElasticEnvironment::detect(env)) {
-    note(str("cluster_environment=torchelastic because torchrun's RANK, GROUP_RANK, LOCAL_RANK, "
-             "LOCAL_WORLD_SIZE, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set",
+    note(str("cluster_environment=torchelastic because torchrun's ",
+             env.has("GROUP_RANK") ? "RANK, GROUP_RANK, LOCAL_RANK and LOCAL_WORLD_SIZE are set"
+                                   : "TORCHELASTIC_RUN_ID is set",
              env.has("TORCHELASTIC_RUN_ID") ? str(" (run id \"", *env.get("TORCHELASTIC_RUN_ID"),
                                                   "\")")
                                             : std::string()));

@@ -22,6 +22,7 @@ KubeflowEnvironment::KubeflowEnvironment(const EnvView& env) {
   global_rank_ = require_int(env, "RANK", name(), kKubeflowSetBy);
   local_rank_ = 0;
   node_rank_ = global_rank_;
+  rank_sources_ = {"WORLD_SIZE", "RANK", "", "RANK"};  // one process per pod
   main_port_ = checked_port(require_int(env, "MASTER_PORT", name(), kKubeflowSetBy), "MASTER_PORT");
   main_address_ = require_string(env, "MASTER_ADDR", name(), kKubeflowSetBy);
 }

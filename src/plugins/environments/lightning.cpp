@@ -1,6 +1,7 @@
 #include "fulgur/plugins/environments/lightning.h"
 
 #include "fulgur/core/errors.h"
+#include "env_support.h"
 
 namespace fulgur {
 
@@ -14,17 +15,26 @@ LightningEnvironment::LightningEnvironment(const EnvView& env) {
     }
     main_port_ = static_cast<int>(*port);
   }
-  if (auto ws = env.get_int("WORLD_SIZE")) world_size_ = static_cast<int>(*ws);
-  if (auto r = env.get_int("RANK")) global_rank_ = static_cast<int>(*r);
-  if (auto lr = env.get_int("LOCAL_RANK")) {
-    local_rank_ = static_cast<int>(*lr);
-    local_rank_set_ = true;
+  if (auto ws = env_support::get_int(env, "WORLD_SIZE")) {
+    world_size_ = *ws;
+    rank_sources_.world_size = "WORLD_SIZE";
   }
-  if (auto lws = env.get_int("LOCAL_WORLD_SIZE")) local_world_size_ = static_cast<int>(*lws);
-  if (auto nr = env.get_int("NODE_RANK")) {
-    node_rank_ = static_cast<int>(*nr);
-  } else if (auto gr = env.get_int("GROUP_RANK")) {
-    node_rank_ = static_cast<int>(*gr);
+  if (auto r = env_support::get_int(env, "RANK")) {
+    global_rank_ = *r;
+    rank_sources_.global_rank = "RANK";
+  }
+  if (auto lr = env_support::get_int(env, "LOCAL_RANK")) {
+    local_rank_ = *lr;
+    local_rank_set_ = true;
+    rank_sources_.local_rank = "LOCAL_RANK";
+  }
+  if (auto lws = env_support::get_int(env, "LOCAL_WORLD_SIZE")) local_world_size_ = *lws;
+  for (const char* var : {"NODE_RANK", "GROUP_RANK"}) {
+    if (auto nr = env_support::get_int(env, var)) {
+      node_rank_ = *nr;
+      rank_sources_.node_rank = var;
+      break;
+    }
   }
 }
 
@@ -39,7 +49,9 @@ void LightningEnvironment::validate_settings(int num_devices, int num_nodes) con
   if (num_devices * num_nodes != world_size_) {
     problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
                            num_devices * num_nodes, " processes, but the launcher that started "
-                           "this one set WORLD_SIZE=", world_size_));
+                           "this one ", rank_sources_.world_size.empty()
+                                            ? std::string("did not set WORLD_SIZE (one process)")
+                                            : str("set WORLD_SIZE=", world_size_)));
   }
   if (local_world_size_ > 0 && num_devices != local_world_size_) {
     problems.push_back(str("devices=", num_devices, " per node, but LOCAL_WORLD_SIZE=",

@@ -1,5 +1,8 @@
 #include "fulgur/plugins/environments/lsf.h"
 
+#include <cerrno>
+#include <cstring>
+#include <fstream>
 #include <sstream>
 
 #include "env_support.h"
@@ -20,6 +23,26 @@ std::vector<std::string> mcpu_hosts(const std::string& text) {
     if (!(in >> slots)) break;
   }
   return hosts;
+}
+
+// LSB_DJOB_RANKFILE: one host name per line (one line per slot), the launch
+// host first. As Lightning reads it: the first compute host.
+std::string rankfile_first_compute_host(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    throw ConfigError(str("cluster environment \"lsf\": LSB_DJOB_RANKFILE=", path,
+                          " cannot be read (", std::strerror(errno), "), and LSB_MCPU_HOSTS is "
+                          "not set: one of them names the job's hosts. Set MASTER_ADDR to the "
+                          "first compute host instead."));
+  }
+  std::vector<std::string> hosts;
+  for (std::string line; std::getline(in, line);) {
+    const auto begin = line.find_first_not_of(" \t\r");
+    if (begin == std::string::npos) continue;
+    hosts.push_back(line.substr(begin, line.find_last_not_of(" \t\r") - begin + 1));
+  }
+  if (hosts.empty()) return "";
+  return hosts.size() > 1 ? hosts[1] : hosts[0];
 }
 
 }  // namespace
@@ -43,6 +66,7 @@ LSFEnvironment::LSFEnvironment(const EnvView& env) {
   world_size_ = require_int(env, "JSM_NAMESPACE_SIZE", name(), kLsfSetBy);
   global_rank_ = require_int(env, "JSM_NAMESPACE_RANK", name(), kLsfSetBy);
   local_rank_ = require_int(env, "JSM_NAMESPACE_LOCAL_RANK", name(), kLsfSetBy);
+  rank_sources_ = {"JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_LOCAL_RANK", ""};
   auto hosts_text = env.get("LSB_MCPU_HOSTS");
   if (auto local_size = get_int(env, "JSM_NAMESPACE_LOCAL_SIZE"); local_size && *local_size > 0) {
     local_size_ = *local_size;
@@ -58,8 +82,11 @@ LSFEnvironment::LSFEnvironment(const EnvView& env) {
     main_address_ = *addr;
   } else if (hosts_text && !first_compute_host(*hosts_text).empty()) {
     main_address_ = first_compute_host(*hosts_text);
+  } else if (auto rankfile = env.get("LSB_DJOB_RANKFILE");
+             rankfile && !(main_address_ = rankfile_first_compute_host(*rankfile)).empty()) {
+    // The hosts from the rank file.
   } else {
-    missing("LSB_MCPU_HOSTS (or MASTER_ADDR)", name(), "LSF's bsub");
+    missing("LSB_MCPU_HOSTS or LSB_DJOB_RANKFILE (or MASTER_ADDR)", name(), "LSF's bsub");
   }
   if (auto port = master_port(env)) {
     main_port_ = *port;

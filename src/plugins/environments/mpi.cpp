@@ -25,12 +25,15 @@ MPIEnvironment::MPIEnvironment(const EnvView& env) {
     global_rank_ = require_int(env, "OMPI_COMM_WORLD_RANK", name(), set_by);
     local_rank = get_int(env, "OMPI_COMM_WORLD_LOCAL_RANK");
     local_size = get_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE");
+    rank_sources_ = {"OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                     local_rank ? "OMPI_COMM_WORLD_LOCAL_RANK" : "", ""};
   } else {
     family_ = "PMI";
     world_size_ = require_int(env, "PMI_SIZE", name(), set_by);
     global_rank_ = require_int(env, "PMI_RANK", name(), set_by);
     local_rank = get_int(env, "MPI_LOCALRANKID");
     local_size = get_int(env, "MPI_LOCALNRANKS");
+    rank_sources_ = {"PMI_SIZE", "PMI_RANK", local_rank ? "MPI_LOCALRANKID" : "", ""};
   }
   // Without the local variables, assume every rank is on this node.
   local_size_ = local_size && *local_size > 0 ? *local_size : world_size_;

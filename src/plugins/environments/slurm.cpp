@@ -76,6 +76,7 @@ SLURMEnvironment::SLURMEnvironment(const EnvView& env) {
   global_rank_ = require_int(env, "SLURM_PROCID", name(), kSlurmSetBy);
   local_rank_ = require_int(env, "SLURM_LOCALID", name(), kSlurmSetBy);
   node_rank_ = require_int(env, "SLURM_NODEID", name(), kSlurmSetBy);
+  rank_sources_ = {"SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"};
   if (auto addr = env.get("MASTER_ADDR")) {
     main_address_ = *addr;
   } else if (auto list = env.get("SLURM_NODELIST")) {

@@ -9,8 +9,12 @@ constexpr const char* kTorchrunSetBy = "torchrun";
 }
 
 bool TorchElasticEnvironment::detect(const EnvView& env) {
-  for (const char* var : {"RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                          "MASTER_PORT", "WORLD_SIZE"}) {
+  // torchrun's own variables (GROUP_RANK and LOCAL_WORLD_SIZE are set by no
+  // other launcher), or its run id: the contract is recognised even when
+  // MASTER_ADDR or MASTER_PORT is missing, so that the constructor names the
+  // missing one instead of another environment being chosen.
+  if (env.has("TORCHELASTIC_RUN_ID")) return true;
+  for (const char* var : {"RANK", "GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}) {
     if (!env.has(var)) return false;
   }
   return true;
@@ -22,6 +26,7 @@ TorchElasticEnvironment::TorchElasticEnvironment(const EnvView& env) {
   global_rank_ = require_int(env, "RANK", name(), kTorchrunSetBy);
   local_rank_ = require_int(env, "LOCAL_RANK", name(), kTorchrunSetBy);
   node_rank_ = require_int(env, "GROUP_RANK", name(), kTorchrunSetBy);
+  rank_sources_ = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK"};
   local_world_size_ = require_int(env, "LOCAL_WORLD_SIZE", name(), kTorchrunSetBy);
   main_port_ = checked_port(require_int(env, "MASTER_PORT", name(), kTorchrunSetBy), "MASTER_PORT");
   main_address_ = require_string(env, "MASTER_ADDR", name(), kTorchrunSetBy);

@@ -37,7 +37,7 @@ struct Plan {
   int main_port = 0;
 };
 
-Plan plan_for(ParallelStrategy& strategy, const char* launcher) {
+Plan plan_for(ParallelStrategy& strategy) {
   Plan p;
   p.local_world_size = static_cast<int>(std::max<size_t>(strategy.parallel_devices().size(), 1));
   p.num_nodes = strategy.num_nodes();
@@ -45,23 +45,8 @@ Plan plan_for(ParallelStrategy& strategy, const char* launcher) {
   p.world_size = p.local_world_size * p.num_nodes;
   p.main_address = strategy.cluster_environment().main_address();
   p.main_port = strategy.main_port();
-  if (p.num_nodes > 1 && (p.main_port == 0 || std::getenv("MASTER_ADDR") == nullptr ||
-                          (std::getenv("NODE_RANK") == nullptr && std::getenv("GROUP_RANK") == nullptr))) {
-    throw ConfigError(str("strategy \"", strategy.name(), "\" with num_nodes=", p.num_nodes,
-                          " and fulgur's ", launcher, " launcher: start the program once per "
-                          "node with MASTER_ADDR (the address of node 0), MASTER_PORT (the same "
-                          "free port everywhere) and NODE_RANK (0..", p.num_nodes - 1,
-                          ") set; missing: ",
-                          join(std::vector<std::string>{
-                              std::getenv("MASTER_ADDR") ? "" : "MASTER_ADDR",
-                              p.main_port ? "" : "MASTER_PORT",
-                              (std::getenv("NODE_RANK") || std::getenv("GROUP_RANK")) ? "" : "NODE_RANK"}),
-                          ". Or run under torchrun / srun / mpirun, which set them."));
-  }
-  if (p.node_rank < 0 || p.node_rank >= p.num_nodes) {
-    throw ConfigError(str("NODE_RANK=", p.node_rank, " but num_nodes=", p.num_nodes,
-                          ": NODE_RANK must be in 0..", p.num_nodes - 1, "."));
-  }
+  // The connector checked the rest (one place): several nodes have
+  // MASTER_ADDR, MASTER_PORT and NODE_RANK, and NODE_RANK is in range.
   if (p.main_port == 0) p.main_port = find_free_port(p.main_address);
   return p;
 }
@@ -104,7 +89,7 @@ SubprocessScriptLauncher::SubprocessScriptLauncher(ParallelStrategy& strategy,
     : strategy_(strategy), supervision_(supervision) {}
 
 void SubprocessScriptLauncher::launch(const std::function<void()>&, const LaunchResults&) {
-  Plan plan = plan_for(strategy_, "subprocess_script");
+  Plan plan = plan_for(strategy_);
   const std::vector<std::string> args = own_command_line();
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -138,7 +123,7 @@ ForkLauncher::ForkLauncher(ParallelStrategy& strategy, Supervision supervision)
     : strategy_(strategy), supervision_(supervision) {}
 
 void ForkLauncher::launch(const std::function<void()>& fn, const LaunchResults& results) {
-  Plan plan = plan_for(strategy_, "fork");
+  Plan plan = plan_for(strategy_);
   strategy_.set_main_port(plan.main_port);
   // Rank 0's results travel through a file in a directory of our own
   // (mkdtemp: mode 0700, a fresh name), not a predictable name in /tmp that

@@ -135,7 +135,10 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
       problems.add("accelerator is a null Accelerator instance: pass an instance or a name.");
     }
   }
-  const std::string accelerator_name = accelerator_flag == "gpu" ? "cuda" : accelerator_flag;
+  // Names match in any case ("CPU", "Auto"), as Lightning's do; "gpu" is its
+  // alias of "cuda".
+  const std::string accelerator_lower = to_lower(accelerator_flag);
+  const std::string accelerator_name = accelerator_lower == "gpu" ? "cuda" : accelerator_lower;
   const bool accelerator_known = accelerator_instance || accelerator_name == "auto" ||
                                  accelerator_registry().contains(accelerator_name);
   if (!accelerator_known && !std::holds_alternative<std::shared_ptr<Accelerator>>(options.accelerator)) {
@@ -217,7 +220,7 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
   std::string strategy_name = "auto";
   bool strategy_is_instance = false;
   if (const auto* name = std::get_if<std::string>(&options.strategy)) {
-    strategy_name = *name;
+    strategy_name = to_lower(*name) == "auto" ? std::string("auto") : *name;
     if (strategy_name != "auto") {
       if (strategy_registry().contains(strategy_name)) {
         strategy = std::shared_ptr<Strategy>(strategy_registry().create(strategy_name));
@@ -235,9 +238,9 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
   if (strategy_is_instance && strategy) {
     // What the instance carries beats flags; naming something else is an error.
     const std::string carried = str("the strategy instance (", strategy->name(), ") carries ");
-    if (strategy->has_accelerator() && accelerator_flag != "auto" &&
+    if (strategy->has_accelerator() && accelerator_name != "auto" &&
         (accelerator_instance ? accelerator_instance.get() != &strategy->accelerator()
-                              : strategy->accelerator().name() != accelerator_name)) {
+                              : to_lower(strategy->accelerator().name()) != accelerator_name)) {
       problems.add(str("accelerator=\"", accelerator_flag, "\" but ", carried, "accelerator \"",
                        strategy->accelerator().name(), "\": set it in one place. Drop the "
                        "accelerator flag or the strategy's accelerator."));
@@ -371,6 +374,18 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
                               env_instance->name(), "\": ", e.what()));
       }
     });
+  }
+  // Ranks out of range would otherwise surface as a process group that never
+  // forms, with a message that cannot name the variable.
+  {
+    auto rank_problems =
+        env_instance->rank_problems(static_cast<int>(devices.size()), options.num_nodes);
+    if (options.num_nodes > 1 && env.has("MASTER_ADDR") && env_instance->main_address().empty()) {
+      rank_problems.push_back(str("MASTER_ADDR is set but empty, with num_nodes=",
+                                  options.num_nodes, ": every node reaches node 0 at this "
+                                  "address. Set it to node 0's host name or IP address."));
+    }
+    if (!rank_problems.empty()) throw FlagError("invalid_environment", rank_problems);
   }
   if (!env_instance->creates_processes_externally() && options.num_nodes > 1) {
     // fulgur's own launcher starts one node's ranks; the nodes find each

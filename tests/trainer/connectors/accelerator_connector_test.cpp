@@ -164,13 +164,26 @@ TEST(AcceleratorConnector, DdpVariantsPickTheirLauncher) {
            {"ddp", "subprocess_script"},
            {"ddp_find_unused_parameters_true", "subprocess_script"},
            {"ddp_fork", "fork"},
-           {"ddp_spawn", "fork"}}) {
+           {"ddp_spawn", "fork"},
+           {"ddp_fork_find_unused_parameters_false", "fork"},
+           {"ddp_spawn_find_unused_parameters_true", "fork"},
+           {"ddp_spawn_find_unused_parameters_false", "fork"}}) {
     auto result = fulgur::connect(
         TrainerOptions{.accelerator = "cpu", .strategy = name, .devices = 2}, empty_env());
     EXPECT_EQ(result.strategy->name(), name);
     ASSERT_NE(result.strategy->launcher(), nullptr) << name;
     EXPECT_EQ(result.strategy->launcher()->name(), launcher) << name;
   }
+}
+
+TEST(AcceleratorConnector, NamesMatchInAnyCase) {
+  auto result = fulgur::connect(
+      TrainerOptions{.accelerator = "CPU", .strategy = "Ddp_Spawn", .devices = 2}, empty_env());
+  EXPECT_EQ(result.strategy->name(), "ddp_spawn");
+  EXPECT_EQ(result.strategy->accelerator().name(), "cpu");
+  auto capitals = fulgur::connect(TrainerOptions{.accelerator = "Auto", .strategy = "AUTO"},
+                                   empty_env());
+  EXPECT_EQ(capitals.resolution.strategy, "single_device");
 }
 
 TEST(AcceleratorConnector, ProcessesCreatedByTorchrunNeedNoLauncher) {
@@ -184,6 +197,85 @@ TEST(AcceleratorConnector, ProcessesCreatedByTorchrunNeedNoLauncher) {
   EXPECT_EQ(result.strategy->local_rank(), 1);
   EXPECT_EQ(result.strategy->world_size(), 2);
   EXPECT_EQ(result.strategy->cluster_environment().name(), "torchelastic");
+}
+
+fulgur::EnvView env_of(std::map<std::string, std::string> vars) {
+  return fulgur::EnvView(std::move(vars));
+}
+
+TEST(AcceleratorConnector, RanksOutOfRangeNameTheVariableTheyCameFrom) {
+  const TrainerOptions ddp2{.accelerator = "cpu", .strategy = "ddp", .devices = 2};
+  const std::map<std::string, std::string> torchrun = {
+      {"RANK", "1"}, {"GROUP_RANK", "0"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+      {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+  auto with = [&](std::map<std::string, std::string> changes) {
+    auto vars = torchrun;
+    for (auto& [k, v] : changes) vars[k] = v;
+    return env_of(vars);
+  };
+  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(ddp2, with({{"RANK", "5"}})),
+                     {"RANK=5 (cluster environment \"torchelastic\") is outside 0..1",
+                      "WORLD_SIZE=2"});
+  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(ddp2, with({{"RANK", "-1"}})),
+                     {"RANK=-1", "outside 0..1"});
+  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(ddp2, with({{"LOCAL_RANK", "5"}})),
+                     {"LOCAL_RANK=5", "outside 0..1 for devices=2"});
+  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(ddp2, with({{"LOCAL_RANK", "-2"}})),
+                     {"LOCAL_RANK=-2"});
+  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(ddp2, with({{"GROUP_RANK", "1"}})),
+                     {"GROUP_RANK=1", "outside 0..0 for num_nodes=1"});
+  // Every problem at once.
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::connect(ddp2, with({{"RANK", "9"}, {"LOCAL_RANK", "7"}})),
+                     {"RANK=9", "LOCAL_RANK=7"});
+  // Open MPI and SLURM name their own variables.
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::connect(ddp2, env_of({{"OMPI_COMM_WORLD_SIZE", "2"},
+                                                   {"OMPI_COMM_WORLD_RANK", "9"},
+                                                   {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                                   {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                                                   {"MASTER_ADDR", "127.0.0.1"},
+                                                   {"MASTER_PORT", "29500"}})),
+                     {"OMPI_COMM_WORLD_RANK=9", "OMPI_COMM_WORLD_SIZE=2"});
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::connect(ddp2, env_of({{"SLURM_NTASKS", "2"},
+                                                   {"SLURM_PROCID", "5"},
+                                                   {"SLURM_LOCALID", "1"},
+                                                   {"SLURM_NODEID", "0"},
+                                                   {"SLURM_NODELIST", "node1"},
+                                                   {"SLURM_JOB_NAME", "train"}})),
+                     {"SLURM_PROCID=5", "SLURM_NTASKS=2"});
+}
+
+TEST(AcceleratorConnector, TorchrunWithoutMasterAddrNamesTheMissingVariable) {
+  // torchrun's own variables are there, MASTER_ADDR is not: torchelastic is
+  // still recognised, and the error names what is missing.
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = "ddp", .devices = 2},
+                      env_of({{"RANK", "0"}, {"GROUP_RANK", "0"}, {"LOCAL_RANK", "0"},
+                              {"LOCAL_WORLD_SIZE", "2"}, {"WORLD_SIZE", "2"},
+                              {"MASTER_PORT", "29500"}})),
+      {"\"torchelastic\" needs the environment variable MASTER_ADDR, which is not set"});
+}
+
+TEST(AcceleratorConnector, AnEmptyMasterAddrWithSeveralNodesIsNamed) {
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = 1, .num_nodes = 2},
+                      env_of({{"MASTER_ADDR", ""}, {"MASTER_PORT", "29500"},
+                              {"NODE_RANK", "1"}})),
+      {"MASTER_ADDR is set but empty, with num_nodes=2"});
+}
+
+TEST(AcceleratorConnector, AWorldSizeTheLauncherDidNotSetIsNotGivenAValue) {
+  // LOCAL_RANK alone: a launcher started this process but said nothing of
+  // the world size.
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = "ddp", .devices = 2},
+                      env_of({{"LOCAL_RANK", "0"}})),
+      {"did not set WORLD_SIZE"});
 }
 
 TEST(AcceleratorConnector, CpuRejectsDeviceIndices) {
@@ -268,7 +360,10 @@ TEST(StrategyRegistry, SubclassRegistersItsVariantsThroughTheBase) {
   EXPECT_EQ(registry.names(),
             (std::vector<std::string>{"my_ddp", "my_ddp_find_unused_parameters_false",
                                       "my_ddp_find_unused_parameters_true", "my_ddp_fork",
-                                      "my_ddp_fork_find_unused_parameters_true", "my_ddp_spawn"}));
+                                      "my_ddp_fork_find_unused_parameters_false",
+                                      "my_ddp_fork_find_unused_parameters_true", "my_ddp_spawn",
+                                      "my_ddp_spawn_find_unused_parameters_false",
+                                      "my_ddp_spawn_find_unused_parameters_true"}));
   auto fork = registry.create("my_ddp_fork");
   auto* mine = dynamic_cast<MyDDP*>(fork.get());
   ASSERT_NE(mine, nullptr);

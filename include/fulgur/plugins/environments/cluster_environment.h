@@ -48,12 +48,26 @@ class ClusterEnvironment {
   /// Called in each process once its rank is known.
   virtual void teardown() {}
 
+  /// The ranks read from the environment against the flags, one problem
+  /// each, naming the variable it came from: the global rank in
+  /// [0, world size), the local rank in [0, num_devices), the node rank in
+  /// [0, num_nodes). Empty when all are in range. The connector reports
+  /// them for processes created externally (a rank out of range would
+  /// otherwise surface as a process group that never forms).
+  std::vector<std::string> rank_problems(int num_devices, int num_nodes) const;
+
  protected:
   // Filled by each environment's constructor from its variables.
   int world_size_ = 1;
   int global_rank_ = 0;
   int local_rank_ = 0;
   int node_rank_ = 0;
+  /// The variable each value was read from, for rank_problems(); empty for
+  /// a value derived from others (then described as such) or a default.
+  struct RankSources {
+    std::string world_size, global_rank, local_rank, node_rank;
+  };
+  RankSources rank_sources_;
 };
 
 using ClusterEnvironmentRegistry = Registry<ClusterEnvironment, const EnvView&>;
