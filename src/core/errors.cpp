@@ -56,6 +56,12 @@ std::string closest_match(std::string_view name, const std::vector<std::string>&
   return best_distance <= limit ? best : std::string();
 }
 
+std::string did_you_mean(std::string_view name, const std::vector<std::string>& candidates,
+                         std::string_view before, std::string_view after) {
+  const std::string guess = closest_match(name, candidates);
+  return guess.empty() ? std::string(". ") : str("; did you mean ", before, guess, after, "? ");
+}
+
 namespace detail {
 void assert_failed(const char* cond, const char* file, int line, const std::string& message) {
   throw InternalError(str("bug in fulgur: ", cond, " failed at ", file, ":", line,

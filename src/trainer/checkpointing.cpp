@@ -28,7 +28,7 @@ namespace fulgur {
 namespace {
 
 constexpr int64_t kFormatVersion = 1;
-constexpr const char* kVersion = "0.1.0";
+constexpr const char* kVersion = FULGUR_VERSION;  // project() in CMakeLists.txt
 
 // LRScheduler keeps its step count protected and has no state_dict in
 // LibTorch; a derived type may name the member to read and restore it.
@@ -106,13 +106,7 @@ void Trainer::Impl::dump_checkpoint(OutputArchive& archive) {
     archive.write("train_loader", loader);
   }
 
-  OutputArchive cbs(cu);
-  for (auto& cb : callbacks) {
-    OutputArchive one(cu);
-    cb->save_state(one);
-    cbs.write(cb->state_key(), one);
-  }
-  archive.write("callbacks", cbs);
+  save_callback_states(archive);
 
   OutputArchive rng(cu);
   save_rng_states(rng);
@@ -127,6 +121,25 @@ void Trainer::Impl::dump_checkpoint(OutputArchive& archive) {
   OutputArchive extra(cu);
   module->on_save_checkpoint(extra);
   archive.write("module", extra);
+}
+
+void Trainer::Impl::save_callback_states(OutputArchive& archive) {
+  OutputArchive cbs(archive.compilation_unit());
+  for (auto& cb : callbacks) {
+    OutputArchive one(archive.compilation_unit());
+    cb->save_state(one);
+    cbs.write(cb->state_key(), one);
+  }
+  archive.write("callbacks", cbs);
+}
+
+void Trainer::Impl::load_callback_states(InputArchive& archive) {
+  InputArchive cbs;
+  if (!archive.try_read("callbacks", cbs)) return;
+  for (auto& cb : callbacks) {
+    InputArchive one;
+    if (cbs.try_read(cb->state_key(), one)) cb->load_state(one);
+  }
 }
 
 void Trainer::Impl::save_checkpoint(const std::string& path) {
@@ -245,13 +258,7 @@ void Trainer::Impl::restore_checkpoint(const std::string& path, bool full) {
     }
   }
 
-  InputArchive cbs;
-  if (archive.try_read("callbacks", cbs)) {
-    for (auto& cb : callbacks) {
-      InputArchive one;
-      if (cbs.try_read(cb->state_key(), one)) cb->load_state(one);
-    }
-  }
+  load_callback_states(archive);
   // Last: nothing above may draw random numbers after the RNGs are restored.
   InputArchive rng;
   if (archive.try_read("rng", rng)) load_rng_states(rng);

@@ -250,13 +250,7 @@ LaunchResults Trainer::Impl::fit_results(Module& m, FitResult& result) {
         archive.write("module", module_state);
         // The callbacks' state too (ModelCheckpoint's paths and scores), so
         // the caller's callback objects reflect the run.
-        torch::serialize::OutputArchive cbs(archive.compilation_unit());
-        for (auto& cb : callbacks) {
-          torch::serialize::OutputArchive one(archive.compilation_unit());
-          cb->save_state(one);
-          cbs.write(cb->state_key(), one);
-        }
-        archive.write("callbacks", cbs);
+        save_callback_states(archive);
         archive.save_to(path);
       },
       [this, &m, &result](const std::string& path) {
@@ -278,13 +272,7 @@ LaunchResults Trainer::Impl::fit_results(Module& m, FitResult& result) {
         torch::serialize::InputArchive module_state;
         archive.read("module", module_state);
         strategy->load_module_state(m, module_state);
-        torch::serialize::InputArchive cbs;
-        if (archive.try_read("callbacks", cbs)) {
-          for (auto& cb : callbacks) {
-            torch::serialize::InputArchive one;
-            if (cbs.try_read(cb->state_key(), one)) cb->load_state(one);
-          }
-        }
+        load_callback_states(archive);
       }};
 }
 

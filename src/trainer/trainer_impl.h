@@ -159,6 +159,11 @@ struct Trainer::Impl {
   /// Loads `path` into the module (weights only when `full` is false).
   void restore_checkpoint(const std::string& path, bool full);
   std::string resolve_ckpt_path(const std::string& ckpt_path) const;
+  /// Every callback's state under "callbacks", one archive per state_key()
+  /// (checkpoints, and a forked run's results); loading skips callbacks the
+  /// archive has no state for.
+  void save_callback_states(torch::serialize::OutputArchive& archive);
+  void load_callback_states(torch::serialize::InputArchive& archive);
 
   // ---- Logging (logging.cpp).
   void publish_step_metrics();

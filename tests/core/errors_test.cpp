@@ -37,6 +37,13 @@ TEST(Errors, ClosestMatchIsEmptyWhenNothingIsClose) {
   EXPECT_EQ(fulgur::closest_match("ddp", {}), "");
 }
 
+TEST(Errors, DidYouMeanWordsTheSuggestionOrEndsTheSentence) {
+  EXPECT_EQ(fulgur::did_you_mean("dpp", {"ddp", "manual"}), "; did you mean \"ddp\"? ");
+  EXPECT_EQ(fulgur::did_you_mean("xyzzy", {"ddp", "manual"}), ". ");
+  EXPECT_EQ(fulgur::did_you_mean("max_step", {"max_steps", "seed"}, "--", ""),
+            "; did you mean --max_steps? ");
+}
+
 TEST(Errors, AssertThrowsInternalErrorWithContext) {
   EXPECT_THROWS_WITH(fulgur::InternalError, FULGUR_ASSERT(1 + 1 == 3, "context ", 42),
                      {"bug in fulgur", "1 + 1 == 3", "context 42"});

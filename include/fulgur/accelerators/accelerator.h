@@ -70,6 +70,14 @@ class Accelerator {
   virtual void teardown() {}
   /// Device statistics for logging (memory, ...).
   virtual std::map<std::string, double> device_stats(c10::Device /*device*/) const { return {}; }
+
+  // ---- Capabilities: what the connector and the precision plugins ask,
+  // instead of comparing names (a subclass answers for itself).
+  /// Whether its float16 kernels (and float16 autocast) cover training:
+  /// false on the CPU, where LibTorch has few and autocasts to bfloat16 only.
+  virtual bool supports_float16() const { return true; }
+  /// Whether benchmark=true means something: cuDNN's autotuner (CUDA).
+  virtual bool has_cudnn_autotuner() const { return false; }
 };
 
 using AcceleratorRegistry = Registry<Accelerator>;

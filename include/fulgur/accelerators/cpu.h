@@ -14,6 +14,7 @@ class CPUAccelerator : public Accelerator {
   int auto_device_count() const override { return 1; }
   std::vector<c10::Device> parse_devices(const DevicesSpec& spec) const override;
   std::map<std::string, double> device_stats(c10::Device device) const override;
+  bool supports_float16() const override { return false; }
 };
 
 }  // namespace fulgur

@@ -16,6 +16,7 @@ class CUDAAccelerator : public Accelerator {
   std::vector<c10::Device> parse_devices(const DevicesSpec& spec) const override;
   void setup_device(c10::Device device) override;
   std::map<std::string, double> device_stats(c10::Device device) const override;
+  bool has_cudnn_autotuner() const override { return true; }
 };
 
 }  // namespace fulgur

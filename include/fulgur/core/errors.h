@@ -79,6 +79,13 @@ std::string to_lower(std::string_view text);
 std::string closest_match(std::string_view name,
                           const std::vector<std::string>& candidates);
 
+/// The joint between "unknown ... \"dpp\"" and the list of what is known:
+/// "; did you mean \"ddp\"? " when a candidate is a plausible typo of `name`
+/// (spelled between `before` and `after`), else ". ". The one place that
+/// words a suggestion.
+std::string did_you_mean(std::string_view name, const std::vector<std::string>& candidates,
+                         std::string_view before = "\"", std::string_view after = "\"");
+
 namespace detail {
 [[noreturn]] void assert_failed(const char* cond, const char* file, int line,
                                 const std::string& message);

@@ -106,10 +106,8 @@ class Registry {
   /// "unknown strategy "dpp"; did you mean "ddp"? Registered: ddp, ...".
   std::string unknown_name_message(const std::string& name) const {
     auto known = names();
-    auto guess = closest_match(name, known);
-    return str("unknown ", kind_, " \"", name, "\"",
-               guess.empty() ? std::string() : str("; did you mean \"", guess, "\"?"),
-               guess.empty() ? ". " : " ", "Registered: ", join(known), ".");
+    return str("unknown ", kind_, " \"", name, "\"", did_you_mean(name, known), "Registered: ",
+               join(known), ".");
   }
 
   /// Registered names, sorted.

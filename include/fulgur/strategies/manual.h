@@ -39,6 +39,10 @@ class ManualStrategy : public ParallelStrategy {
   std::string_view name() const override { return name_; }
   const ManualOptions& options() const { return options_; }
   void configure_launcher() override;
+  std::string sync_batchnorm_unsupported_reason() const override {
+    return "under manual the Module connects its fulgur::nn::SyncBatchNorm layers itself, with "
+           "set_all_reduce";
+  }
 
   /// Every rank writes its own shard.
   bool is_checkpoint_writer() const override { return true; }

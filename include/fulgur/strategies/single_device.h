@@ -16,6 +16,10 @@ class SingleDeviceStrategy : public Strategy {
       : device_(device) {}
 
   std::string_view name() const override { return "single_device"; }
+  int max_processes() const override { return 1; }
+  std::string sync_batchnorm_unsupported_reason() const override {
+    return "one process has no peers";
+  }
   c10::Device root_device() const override;
 
   void barrier(std::string_view name = {}) override;

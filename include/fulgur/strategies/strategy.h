@@ -88,6 +88,11 @@ class Strategy {
   /// Whether this strategy can synchronise BatchNorm statistics across
   /// ranks (the connector rejects sync_batchnorm=true otherwise).
   virtual bool supports_sync_batchnorm() const { return false; }
+  /// Why not, when supports_sync_batchnorm() is false ("one process has no
+  /// peers"), for the connector's message; empty when it has nothing to add.
+  virtual std::string sync_batchnorm_unsupported_reason() const { return {}; }
+  /// The most processes it runs (1: one device on one node); 0: no limit.
+  virtual int max_processes() const { return 0; }
   void set_sync_batchnorm(bool enabled) { sync_batchnorm_ = enabled; }
   bool sync_batchnorm() const { return sync_batchnorm_; }
   /// The launcher that creates this strategy's processes; null when the

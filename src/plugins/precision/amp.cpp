@@ -46,10 +46,10 @@ std::string_view MixedPrecision::name() const {
 }
 
 void MixedPrecision::check_accelerator(const Accelerator& accelerator) const {
-  if (dtype_ == at::kHalf && accelerator.name() == "cpu") {
-    throw ConfigError("precision=\"16-mixed\" with accelerator=\"cpu\": LibTorch's CPU autocast "
-                      "runs in bfloat16 only. Pass precision=\"bf16-mixed\" on the CPU, or "
-                      "accelerator=\"cuda\".");
+  if (dtype_ == at::kHalf && !accelerator.supports_float16()) {
+    throw ConfigError(str("precision=\"16-mixed\" with accelerator=\"", accelerator.name(),
+                          "\": LibTorch's CPU autocast runs in bfloat16 only. Pass "
+                          "precision=\"bf16-mixed\" on the CPU, or accelerator=\"cuda\"."));
   }
 }
 

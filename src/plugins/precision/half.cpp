@@ -23,10 +23,11 @@ std::string_view TruePrecision::name() const {
 }
 
 void TruePrecision::check_accelerator(const Accelerator& accelerator) const {
-  if (dtype_ == at::kHalf && accelerator.name() == "cpu") {
-    throw ConfigError("precision=\"16-true\" with accelerator=\"cpu\": LibTorch's CPU kernels "
-                      "lack float16 for most operations. Pass precision=\"bf16-true\" or "
-                      "\"bf16-mixed\" on the CPU, or accelerator=\"cuda\".");
+  if (dtype_ == at::kHalf && !accelerator.supports_float16()) {
+    throw ConfigError(str("precision=\"16-true\" with accelerator=\"", accelerator.name(),
+                          "\": LibTorch's CPU kernels lack float16 for most operations. Pass "
+                          "precision=\"bf16-true\" or \"bf16-mixed\" on the CPU, or "
+                          "accelerator=\"cuda\"."));
   }
 }
 

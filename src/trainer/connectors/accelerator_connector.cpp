@@ -190,10 +190,8 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
         for (const auto& n : checkpoint_io_registry().names()) known.push_back(n);
         for (const auto& n : precision_registry().names()) known.push_back(n);
         std::sort(known.begin(), known.end());
-        auto guess = closest_match(*name, known);
         problems.add(str("plugins[", i, "]=\"", *name, "\": unknown plugin",
-                         guess.empty() ? std::string() : str("; did you mean \"", guess, "\"?"),
-                         guess.empty() ? ". " : " ", "Registered plugin names: ", join(known),
+                         did_you_mean(*name, known), "Registered plugin names: ", join(known),
                          "."));
       }
     } else if (const auto* p = std::get_if<std::shared_ptr<Precision>>(&plugin)) {
@@ -272,11 +270,11 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
   if (options.num_nodes < 1) {
     problems.add(str("num_nodes=", options.num_nodes, ": must be >= 1 (the number of machines)."));
   }
-  if (strategy && strategy->name() == "single_device" &&
+  if (strategy && strategy->max_processes() == 1 &&
       (options.num_nodes > 1 ||
        (options.devices.problem().empty() && !options.devices.is_auto() &&
         (device_count_of(options.devices) > 1 || device_count_of(options.devices) == -1)))) {
-    problems.add(str("strategy=\"single_device\" runs one process on one device, but devices=",
+    problems.add(str("strategy=\"", strategy->name(), "\" runs one process on one device, but devices=",
                      options.devices.text(), " and num_nodes=", options.num_nodes,
                      ". Pass strategy=\"ddp\" (or \"auto\") for several, or devices=1."));
   }
@@ -291,11 +289,9 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
   if (options.sync_batchnorm && strategy && !strategy->supports_sync_batchnorm()) {
     problems.add(str("sync_batchnorm=true with strategy=\"", strategy->name(),
                      "\", which cannot synchronise BatchNorm statistics",
-                     strategy->name() == "single_device" ? " (one process has no peers)"
-                     : strategy->name() == "manual"
-                         ? " (under manual the Module connects its fulgur::nn::SyncBatchNorm "
-                           "layers itself, with set_all_reduce)"
-                         : "",
+                     strategy->sync_batchnorm_unsupported_reason().empty()
+                         ? std::string()
+                         : str(" (", strategy->sync_batchnorm_unsupported_reason(), ")"),
                      ". Pass strategy=\"ddp\" with several devices, or drop sync_batchnorm."));
   }
   // An explicit, available accelerator parses devices now, so that its
@@ -315,7 +311,7 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
       problems.add(e.what());
     }
   }
-  if (options.benchmark && accelerator && accelerator->name() != "cuda") {
+  if (options.benchmark && accelerator && !accelerator->has_cudnn_autotuner()) {
     problems.add(str("benchmark=true with accelerator=\"", accelerator->name(),
                      "\": benchmark turns on cuDNN's autotuner, which only CUDA has. Drop it."));
   }
@@ -331,7 +327,7 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
       accelerator = accelerator_registry().create("cpu");
       notes.push_back("accelerator=cpu because accelerator=auto and CUDA is not available");
     }
-    if (options.benchmark && accelerator->name() != "cuda") {
+    if (options.benchmark && !accelerator->has_cudnn_autotuner()) {
       throw FlagError("invalid_flags",
                       {str("benchmark=true, but accelerator=auto chose \"", accelerator->name(),
                            "\" (no CUDA here): benchmark tunes cuDNN, which only CUDA has. Drop "
@@ -545,10 +541,8 @@ TrainerOptions options_from_flags(const std::vector<std::pair<std::string, std::
     } else if (flag == "benchmark") {
       options.benchmark = parse_bool(flag, value);
     } else {
-      auto guess = closest_match(flag, known);
-      problems.push_back(str("--", flag, ": unknown flag",
-                             guess.empty() ? std::string() : str("; did you mean --", guess, "?"),
-                             guess.empty() ? ". " : " ", "Flags: --", join(known, ", --"), "."));
+      problems.push_back(str("--", flag, ": unknown flag", did_you_mean(flag, known, "--", ""),
+                             "Flags: --", join(known, ", --"), "."));
     }
   }
   if (!problems.empty()) throw FlagError("invalid_flags", problems);

@@ -278,6 +278,43 @@ TEST(AcceleratorConnector, AWorldSizeTheLauncherDidNotSetIsNotGivenAValue) {
       {"did not set WORLD_SIZE"});
 }
 
+// A user's subclasses under other names: the components' capabilities
+// decide, not their names.
+struct RenamedCpu : fulgur::CPUAccelerator {
+  std::string_view name() const override { return "my_cpu"; }
+};
+struct RenamedSingleDevice : fulgur::SingleDeviceStrategy {
+  std::string_view name() const override { return "my_single"; }
+};
+
+TEST(AcceleratorConnector, CapabilitiesDecideNotNames) {
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::connect(TrainerOptions{.accelerator = std::make_shared<RenamedCpu>(),
+                                                    .precision = "16-mixed"},
+                                     empty_env()),
+                     {"precision=\"16-mixed\" with accelerator=\"my_cpu\"", "bfloat16 only"});
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::connect(TrainerOptions{.accelerator = std::make_shared<RenamedCpu>(),
+                                                    .benchmark = true},
+                                     empty_env()),
+                     {"benchmark=true with accelerator=\"my_cpu\""});
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu",
+                                     .strategy = std::make_shared<RenamedSingleDevice>(),
+                                     .devices = 2},
+                      empty_env()),
+      {"strategy=\"my_single\" runs one process on one device"});
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu",
+                                     .strategy = std::make_shared<RenamedSingleDevice>(),
+                                     .sync_batchnorm = true},
+                      empty_env()),
+      {"strategy=\"my_single\", which cannot synchronise BatchNorm statistics (one process has "
+       "no peers)"});
+}
+
 TEST(AcceleratorConnector, CpuRejectsDeviceIndices) {
   EXPECT_THROWS_WITH(
       ConfigError,
