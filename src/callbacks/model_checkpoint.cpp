@@ -93,6 +93,21 @@ bool ModelCheckpoint::better(double candidate, double reference) const {
   return options_.mode == "min" ? candidate < reference : candidate > reference;
 }
 
+namespace {
+
+// Whether `path` lies directly in `dirpath` (where this run writes). A top-k
+// list or latest path restored from a checkpoint of another run (copied, or
+// resumed with another default_root_dir) names that run's files, which are
+// never this run's to delete.
+bool in_directory(const std::string& path, const std::string& dirpath) {
+  std::error_code ec1, ec2;
+  const fs::path file = fs::weakly_canonical(fs::path(path), ec1);
+  const fs::path dir = fs::weakly_canonical(fs::path(dirpath), ec2);
+  return !ec1 && !ec2 && file.parent_path() == dir;
+}
+
+}  // namespace
+
 void ModelCheckpoint::save(Trainer& trainer, bool) {
   if (!enabled(trainer)) return;
   if (last_saved_step_ == trainer.global_step()) return;  // already saved at this step
@@ -103,7 +118,8 @@ void ModelCheckpoint::save(Trainer& trainer, bool) {
     std::string path = format_name(trainer);
     if (options_.monitor.empty()) {
       trainer.save_checkpoint(path);
-      if (options_.save_top_k == 1 && !latest_path_.empty() && latest_path_ != path) {
+      if (options_.save_top_k == 1 && !latest_path_.empty() && latest_path_ != path &&
+          in_directory(latest_path_, dirpath_)) {
         strategy.remove_checkpoint(latest_path_);
       }
       latest_path_ = path;
@@ -132,7 +148,10 @@ void ModelCheckpoint::save(Trainer& trainer, bool) {
         std::stable_sort(top_k_.begin(), top_k_.end(),
                          [&](const auto& a, const auto& b) { return better(a.first, b.first); });
         while (options_.save_top_k > 0 && static_cast<int64_t>(top_k_.size()) > options_.save_top_k) {
-          strategy.remove_checkpoint(top_k_.back().second);
+          // Another run's file leaves the list but stays on disk.
+          if (in_directory(top_k_.back().second, dirpath_)) {
+            strategy.remove_checkpoint(top_k_.back().second);
+          }
           top_k_.pop_back();
         }
         best_model_path_ = top_k_.front().second;

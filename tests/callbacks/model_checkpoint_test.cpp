@@ -182,6 +182,36 @@ TEST(ModelCheckpoint, MonitorMaxKeepsTheBest) {
   EXPECT_DOUBLE_EQ(callback->best_model_score().value_or(-1.0), 3.0);
 }
 
+TEST(ModelCheckpoint, ResumingACopiedCheckpointElsewhereNeverDeletesTheOriginalRunsFiles) {
+  // Run A keeps its best (score 3, epoch 0). Its last.ckpt is copied and
+  // resumed by run B in another directory, whose epoch 1 scores better (1):
+  // the top-k list restored from A names A's best, which B must evict from
+  // its list but never delete.
+  TempDir a, b, copies;
+  LinearRegression model_a;
+  log_scores(model_a);
+  auto options_a = with_checkpoint(a, {.monitor = "score", .mode = "min", .save_top_k = 1});
+  options_a.max_epochs = 1;
+  options_a.num_sanity_val_steps = 0;
+  fulgur::Trainer(options_a).fit(model_a, regression_loader(2), regression_loader(1));
+  ASSERT_THAT(list_files(a.file("ckpts")), ElementsAre("epoch=0-step=2.ckpt", "last.ckpt"));
+  const std::string copy = copies.file("copy.ckpt");
+  fs::copy_file(a.file("ckpts/last.ckpt"), copy);
+
+  LinearRegression model_b;
+  log_scores(model_b);
+  std::shared_ptr<fulgur::ModelCheckpoint> callback;
+  auto options_b =
+      with_checkpoint(b, {.monitor = "score", .mode = "min", .save_top_k = 1}, &callback);
+  options_b.max_epochs = 2;
+  options_b.num_sanity_val_steps = 0;
+  fulgur::Trainer(options_b).fit(model_b, regression_loader(2), regression_loader(1),
+                                 {.ckpt_path = copy});
+  EXPECT_THAT(list_files(a.file("ckpts")), ElementsAre("epoch=0-step=2.ckpt", "last.ckpt"));
+  EXPECT_THAT(list_files(b.file("ckpts")), ElementsAre("epoch=1-step=4.ckpt", "last.ckpt"));
+  EXPECT_EQ(fs::path(callback->best_model_path()).parent_path(), fs::path(b.file("ckpts")));
+}
+
 TEST(ModelCheckpoint, SanityCheckWritesNothing) {
   TempDir dir;
   LinearRegression model;
