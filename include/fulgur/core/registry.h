@@ -80,8 +80,7 @@ class Registry {
   /// Builds the entry `name`; never returns null. Throws ConfigError naming
   /// the closest registered name when `name` is unknown.
   std::unique_ptr<Base> create(const std::string& name, Args... args) const {
-    const Entry& e = entry(name);
-    auto result = e.factory(std::forward<Args>(args)...);
+    auto result = entry(name).factory(std::forward<Args>(args)...);
     FULGUR_ASSERT(result != nullptr, "the factory of ", kind_, " \"", name,
                   "\" returned null");
     return result;

@@ -25,9 +25,16 @@ std::vector<std::string> mcpu_hosts(const std::string& text) {
   return hosts;
 }
 
+// As Lightning: the first host is the batch (launch) host, which runs no
+// ranks when there are compute hosts after it. "" for no host.
+std::string first_compute(const std::vector<std::string>& hosts) {
+  if (hosts.empty()) return "";
+  return hosts.size() > 1 ? hosts[1] : hosts[0];
+}
+
 // LSB_DJOB_RANKFILE: one host name per line (one line per slot), the launch
-// host first. As Lightning reads it: the first compute host.
-std::string rankfile_first_compute_host(const std::string& path) {
+// host first.
+std::vector<std::string> rankfile_hosts(const std::string& path) {
   std::ifstream in(path);
   if (!in) {
     throw ConfigError(str("cluster environment \"lsf\": LSB_DJOB_RANKFILE=", path,
@@ -41,8 +48,7 @@ std::string rankfile_first_compute_host(const std::string& path) {
     if (begin == std::string::npos) continue;
     hosts.push_back(line.substr(begin, line.find_last_not_of(" \t\r") - begin + 1));
   }
-  if (hosts.empty()) return "";
-  return hosts.size() > 1 ? hosts[1] : hosts[0];
+  return hosts;
 }
 
 }  // namespace
@@ -54,11 +60,7 @@ bool LSFEnvironment::detect(const EnvView& env) {
 }
 
 std::string LSFEnvironment::first_compute_host(const std::string& mcpu_hosts_text) {
-  // As Lightning: the first entry is the batch (launch) host, which runs no
-  // ranks when there are compute hosts after it.
-  auto hosts = mcpu_hosts(mcpu_hosts_text);
-  if (hosts.empty()) return "";
-  return hosts.size() > 1 ? hosts[1] : hosts[0];
+  return first_compute(mcpu_hosts(mcpu_hosts_text));
 }
 
 LSFEnvironment::LSFEnvironment(const EnvView& env) {
@@ -80,13 +82,17 @@ LSFEnvironment::LSFEnvironment(const EnvView& env) {
   node_rank_ = local_size_ > 0 ? global_rank_ / local_size_ : 0;
   if (auto addr = env.get("MASTER_ADDR")) {
     main_address_ = *addr;
-  } else if (hosts_text && !first_compute_host(*hosts_text).empty()) {
-    main_address_ = first_compute_host(*hosts_text);
-  } else if (auto rankfile = env.get("LSB_DJOB_RANKFILE");
-             rankfile && !(main_address_ = rankfile_first_compute_host(*rankfile)).empty()) {
-    // The hosts from the rank file.
   } else {
-    missing("LSB_MCPU_HOSTS or LSB_DJOB_RANKFILE (or MASTER_ADDR)", name(), "LSF's bsub");
+    // The job's hosts: LSB_MCPU_HOSTS, else the rank file.
+    if (hosts_text) main_address_ = first_compute_host(*hosts_text);
+    if (main_address_.empty()) {
+      if (auto rankfile = env.get("LSB_DJOB_RANKFILE")) {
+        main_address_ = first_compute(rankfile_hosts(*rankfile));
+      }
+    }
+    if (main_address_.empty()) {
+      missing("LSB_MCPU_HOSTS or LSB_DJOB_RANKFILE (or MASTER_ADDR)", name(), "LSF's bsub");
+    }
   }
   if (auto port = master_port(env)) {
     main_port_ = *port;

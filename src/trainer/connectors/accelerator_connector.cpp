@@ -274,7 +274,8 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
       (options.num_nodes > 1 ||
        (options.devices.problem().empty() && !options.devices.is_auto() &&
         (device_count_of(options.devices) > 1 || device_count_of(options.devices) == -1)))) {
-    problems.add(str("strategy=\"", strategy->name(), "\" runs one process on one device, but devices=",
+    problems.add(str("strategy=\"", strategy->name(),
+                     "\" runs one process on one device, but devices=",
                      options.devices.text(), " and num_nodes=", options.num_nodes,
                      ". Pass strategy=\"ddp\" (or \"auto\") for several, or devices=1."));
   }
@@ -287,11 +288,10 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
                      "is not deterministic. Drop benchmark=true."));
   }
   if (options.sync_batchnorm && strategy && !strategy->supports_sync_batchnorm()) {
+    const std::string why = strategy->sync_batchnorm_unsupported_reason();
     problems.add(str("sync_batchnorm=true with strategy=\"", strategy->name(),
                      "\", which cannot synchronise BatchNorm statistics",
-                     strategy->sync_batchnorm_unsupported_reason().empty()
-                         ? std::string()
-                         : str(" (", strategy->sync_batchnorm_unsupported_reason(), ")"),
+                     why.empty() ? std::string() : str(" (", why, ")"),
                      ". Pass strategy=\"ddp\" with several devices, or drop sync_batchnorm."));
   }
   // An explicit, available accelerator parses devices now, so that its
