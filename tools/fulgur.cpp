@@ -53,8 +53,14 @@ int resolve(int argc, char** argv) {
     }
   }
   try {
-    if (!problems.empty()) throw fulgur::FlagError("invalid_flags", problems);
-    fulgur::TrainerOptions options = fulgur::options_from_flags(flags);
+    auto parsed = fulgur::parse_flags(flags);
+    problems.insert(problems.end(), parsed.problems.begin(), parsed.problems.end());
+    if (!problems.empty()) {
+      // The connector checks the flags that did parse and throws one error
+      // listing these problems and its own.
+      fulgur::resolve(parsed.options, fulgur::ConnectorContext(), problems);
+    }
+    fulgur::TrainerOptions options = std::move(parsed.options);
     // A Trainer resolves exactly as it would in a program; it touches no
     // file and starts no process until fit().
     options.enable_checkpointing = false;

@@ -45,6 +45,7 @@
 #include "fulgur/strategies/single_device.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/connectors/accelerator_connector.h"
+#include "fulgur/trainer/flags.h"
 #include "fulgur/trainer/trainer.h"
 #include "fulgur/trainer/trainer_options.h"
 #include "fulgur/utilities/seed.h"

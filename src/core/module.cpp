@@ -4,7 +4,9 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/strategies/parallel.h"
-#include "trainer/trainer_impl.h"
+#include "fulgur/trainer/trainer.h"
+#include "trainer/connectors/logger_connector.h"
+#include "trainer/trainer_link.h"
 
 namespace fulgur {
 
@@ -100,15 +102,21 @@ Trainer& Module::trainer() const {
   return *trainer_;
 }
 
+detail::TrainerLink& Module::link() const {
+  trainer();  // throws, naming this module, when not attached
+  FULGUR_ASSERT(link_ != nullptr, "a Module attached to a Trainer without its link");
+  return *link_;
+}
+
 int64_t Module::current_epoch() const { return trainer_ ? trainer_->current_epoch() : 0; }
 int64_t Module::global_step() const { return trainer_ ? trainer_->global_step() : 0; }
 
 const std::vector<std::shared_ptr<torch::optim::Optimizer>>& Module::optimizers() const {
-  return trainer().impl().optimizer_config.optimizers;
+  return link().configured_optimizers().optimizers;
 }
 
 const std::vector<SchedulerConfig>& Module::lr_schedulers() const {
-  return trainer().impl().optimizer_config.schedulers;
+  return link().configured_optimizers().schedulers;
 }
 
 std::shared_ptr<ProcessGroup> Module::process_group() const {
@@ -125,11 +133,11 @@ std::shared_ptr<ProcessGroup> Module::process_group() const {
 }
 
 void Module::manual_backward(const at::Tensor& loss) {
-  trainer().impl().manual_backward(*this, loss);
+  link().manual_backward(*this, loss);
 }
 
 void Module::optimizer_step(torch::optim::Optimizer& optimizer) {
-  trainer().impl().manual_optimizer_step(*this, optimizer);
+  link().manual_optimizer_step(*this, optimizer);
 }
 
 void Module::optimizer_step(size_t optimizer_index) {

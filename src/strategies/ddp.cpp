@@ -111,11 +111,13 @@ void DDPStrategy::do_setup(Module& module) {
   GradientReducerOptions reducer_options;
   reducer_options.bucket_cap_mb = options_.bucket_cap_mb;
   reducer_options.find_unused_parameters = options_.find_unused_parameters;
+  reducer_options.extra_scalars = 1;  // kStopVote
   reducer_ = std::make_unique<GradientReducer>(std::move(named), shared_process_group(),
                                                reducer_options);
   reducer_->set_require_sync(sync_);
   exchanges_seen_ = 0;
   stop_agreed_ = false;
+  stop_vote_ = false;
 }
 
 void DDPStrategy::broadcast_buffers() {
@@ -146,14 +148,10 @@ void DDPStrategy::do_teardown() {
   ParallelStrategy::do_teardown();
 }
 
-void DDPStrategy::cast_stop_vote(Module& module) {
-  reducer_->set_stop_vote(module.has_trainer() && module.trainer().should_stop());
-}
-
 void DDPStrategy::backward(const at::Tensor& loss, Module& module) {
   bool sync = reducer_ && sync_;
   if (sync) {
-    cast_stop_vote(module);
+    reducer_->set_extra_scalar(kStopVote, stop_vote_ ? 1.0 : 0.0);
     reducer_->prepare_for_backward();
   }
   ParallelStrategy::backward(loss, module);
@@ -171,7 +169,7 @@ bool DDPStrategy::backward_skipped(Module& module, bool accumulated) {
                           "on every rank (e.g. loss * 0 to make a batch count for nothing), or "
                           "turn sync_batchnorm off."));
   }
-  cast_stop_vote(module);
+  reducer_->set_extra_scalar(kStopVote, stop_vote_ ? 1.0 : 0.0);
   return reducer_->join_without_backward(accumulated) > 0;
 }
 
@@ -183,7 +181,7 @@ bool DDPStrategy::agree_to_stop(bool requested, bool boundary) {
       // one exactly when its peers do); a request made after it is in the
       // next one's votes.
       exchanges_seen_ = reducer_->exchanges();
-      stop_agreed_ = reducer_->stop_votes() > 0;
+      stop_agreed_ = reducer_->extra_scalar_sum(kStopVote) > 0.5;
       return stop_agreed_;
     }
     if (!sync_) return false;  // a no_sync micro-batch: the step's exchange votes

@@ -30,14 +30,13 @@ struct GradientReducer::State {
   std::vector<size_t> bucket_of;    // param index -> bucket
   std::vector<size_t> slot_of;      // param index -> position in its bucket
   std::vector<Bucket> buckets;
-  // The last two elements of the first bucket, beyond every gradient:
-  // [0] 1 on a rank that has gradients to contribute this step, 0 on one
-  // that had no loss in it (nor in the micro-batches accumulated before it);
-  // [1] 1 on a rank that votes to stop. Summed with the gradients, they
-  // count the contributing ranks and the stop votes without a collective
-  // of their own.
+  // The last elements of the first bucket, beyond every gradient: [0] 1 on
+  // a rank that has gradients to contribute this step, 0 on one that had no
+  // loss in it (nor in the micro-batches accumulated before it); [1..] the
+  // caller's extra scalars. Summed with the gradients, they count the
+  // contributing ranks and sum the extras without a collective of their own.
   at::Tensor tail;
-  static constexpr int64_t kTail = 2;
+  int64_t tail_size() const { return 1 + static_cast<int64_t>(extra_values.size()); }
   std::vector<char> ready;          // per param, this backward
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;
@@ -48,8 +47,8 @@ struct GradientReducer::State {
   bool armed = false;
   bool require_sync = true;
   bool contributes = true;  // this step: see `tail`
-  bool stop_vote = false;   // the next exchange's: see `tail`
-  int stop_votes = 0;       // summed over ranks in the last exchange
+  std::vector<double> extra_values;  // this rank's, for the next exchange: see `tail`
+  std::vector<double> extra_sums;    // summed over ranks in the last exchange
   int64_t exchanges = 0;
 
   // After the first synchronised step each .grad is a view into its
@@ -74,7 +73,9 @@ struct GradientReducer::State {
       // bucket, like the gradients next to it.
       if (next_to_launch == 0) {
         tail.select(0, 0).fill_(contributes ? 1 : 0);
-        tail.select(0, 1).fill_(stop_vote ? 1 : 0);
+        for (size_t i = 0; i < extra_values.size(); ++i) {
+          tail.select(0, static_cast<int64_t>(i) + 1).fill_(extra_values[i]);
+        }
       }
       auto& b = buckets[next_to_launch++];
       b.work.emplace(group->all_reduce_sum_async_(b.flat));
@@ -130,6 +131,8 @@ GradientReducer::GradientReducer(std::vector<std::pair<std::string, at::Tensor>>
   auto& s = *state_;
   s.group = std::move(group);
   s.options = options;
+  s.extra_values.assign(options.extra_scalars, 0.0);
+  s.extra_sums.assign(options.extra_scalars, 0.0);
   for (auto& [name, p] : named_parameters) {
     if (!p.requires_grad()) continue;
     s.names.push_back(name);
@@ -166,12 +169,13 @@ GradientReducer::GradientReducer(std::vector<std::pair<std::string, at::Tensor>>
   }
   for (size_t i = 0; i < s.buckets.size(); ++i) {
     const auto& first = s.params[s.buckets[i].params.front()];
-    const int64_t extra = i == 0 ? State::kTail : 0;
+    const int64_t extra = i == 0 ? s.tail_size() : 0;
     s.buckets[i].flat = torch::zeros({sizes[i] / static_cast<int64_t>(first.element_size()) + extra},
                                      first.options().requires_grad(false));
   }
   if (!s.buckets.empty()) {
-    s.tail = s.buckets[0].flat.narrow(0, s.buckets[0].flat.numel() - State::kTail, State::kTail);
+    s.tail = s.buckets[0].flat.narrow(0, s.buckets[0].flat.numel() - s.tail_size(),
+                                      s.tail_size());
   }
   s.ready.assign(s.params.size(), 0);
   for (size_t k = 0; k < s.params.size(); ++k) {
@@ -192,8 +196,25 @@ GradientReducer::~GradientReducer() {
 
 void GradientReducer::set_require_sync(bool sync) { state_->require_sync = sync; }
 bool GradientReducer::require_sync() const { return state_->require_sync; }
-void GradientReducer::set_stop_vote(bool stop) { state_->stop_vote = stop; }
-int GradientReducer::stop_votes() const { return state_->stop_votes; }
+void GradientReducer::set_extra_scalar(size_t i, double value) {
+  auto& values = state_->extra_values;
+  if (i >= values.size()) {
+    throw ConfigError(str("GradientReducer::set_extra_scalar(", i, "): the reducer carries ",
+                          values.size(), " extra scalar(s) (GradientReducerOptions::"
+                          "extra_scalars); pass an index below it, or raise extra_scalars."));
+  }
+  values[i] = value;
+}
+
+double GradientReducer::extra_scalar_sum(size_t i) const {
+  const auto& sums = state_->extra_sums;
+  if (i >= sums.size()) {
+    throw ConfigError(str("GradientReducer::extra_scalar_sum(", i, "): the reducer carries ",
+                          sums.size(), " extra scalar(s) (GradientReducerOptions::"
+                          "extra_scalars); pass an index below it, or raise extra_scalars."));
+  }
+  return sums[i];
+}
 int64_t GradientReducer::exchanges() const { return state_->exchanges; }
 
 void GradientReducer::prepare_for_backward() { state_->prepare(/*contributes=*/true); }
@@ -274,7 +295,9 @@ int GradientReducer::State::finalize(bool ran_backward) {
   // and 256 ranks); rounded to be safe.
   const at::Tensor counts = s.tail.to(at::kCPU, at::kDouble);
   const int count = static_cast<int>(std::lround(counts.data_ptr<double>()[0]));
-  s.stop_votes = static_cast<int>(std::lround(counts.data_ptr<double>()[1]));
+  for (size_t i = 0; i < s.extra_sums.size(); ++i) {
+    s.extra_sums[i] = counts.data_ptr<double>()[i + 1];
+  }
   ++s.exchanges;
   // The mean over the ranks that had a loss. When none had one, nobody
   // steps (and no rank had a gradient to average).

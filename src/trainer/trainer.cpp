@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <sstream>
 
 #include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/callbacks/progress_bar.h"
@@ -94,28 +95,29 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
   resolution = std::move(connected.resolution);
   apply_torch_flags(resolution);
 
-  limit_train = options.limit_train_batches;
-  limit_val = options.limit_val_batches;
-  limit_test = options.limit_test_batches;
-  limit_predict = options.limit_predict_batches;
-  num_sanity_val_steps = options.num_sanity_val_steps;
-  max_steps = options.max_steps;
+  limits.train = options.limit_train_batches;
+  limits.val = options.limit_val_batches;
+  limits.test = options.limit_test_batches;
+  limits.predict = options.limit_predict_batches;
+  limits.num_sanity_val_steps = options.num_sanity_val_steps;
+  limits.max_steps = options.max_steps;
   if (options.max_epochs) {
-    max_epochs = *options.max_epochs;
+    limits.max_epochs = *options.max_epochs;
   } else if (options.max_steps != -1) {
-    max_epochs = -1;
+    limits.max_epochs = -1;
     resolution.notes.push_back("max_epochs=-1 because max_steps is set and max_epochs is not");
   } else {
-    max_epochs = 1000;
+    limits.max_epochs = 1000;
     resolution.notes.push_back("max_epochs=1000 because neither max_epochs nor max_steps is set");
   }
   bool fast = options.fast_dev_run > 0;
   if (fast) {
     int64_t n = options.fast_dev_run;
-    limit_train = limit_val = limit_test = limit_predict = BatchLimit(static_cast<long long>(n));
-    max_steps = n;
-    max_epochs = 1;
-    num_sanity_val_steps = 0;
+    limits.train = limits.val = limits.test = limits.predict =
+        BatchLimit(static_cast<long long>(n));
+    limits.max_steps = n;
+    limits.max_epochs = 1;
+    limits.num_sanity_val_steps = 0;
     options.val_check_interval = 1.0;
     options.check_val_every_n_epoch = 1;
     resolution.notes.push_back(str("fast_dev_run=", n, ": ", n,
@@ -144,9 +146,9 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
   });
   if (options.logger && !fast) {
     if (options.loggers.empty()) {
-      loggers.push_back(std::make_shared<CSVLogger>(CSVLoggerOptions{.save_dir = root_dir()}));
+      logging.set_loggers({std::make_shared<CSVLogger>(CSVLoggerOptions{.save_dir = root_dir()})});
     } else {
-      loggers = options.loggers;
+      logging.set_loggers(options.loggers);
     }
   }
 }
@@ -196,18 +198,30 @@ Metrics read_metrics(torch::serialize::InputArchive& archive, const std::string&
   return out;
 }
 
+std::string to_bytes(torch::serialize::OutputArchive& archive) {
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
+void from_bytes(const std::string& bytes, torch::serialize::InputArchive& archive) {
+  std::istringstream in(bytes);
+  archive.load_from(in);
+}
+
 }  // namespace
 
 void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& body,
-                              const LaunchResults& results) {
+                              const StageResults& results) {
   module = &m;
   stage = s;
   m.trainer_ = &self;
+  m.link_ = this;
   auto detach = [&] {
     m.trainer_ = nullptr;
+    m.link_ = nullptr;
     m.log_sink_ = nullptr;
-    training = false;
-    sanity_checking = false;
+    fit_loop.detach();
     strategy->teardown();
   };
   try {
@@ -216,7 +230,12 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
       body();
     };
     if (auto* launcher = strategy->launcher()) {
-      launcher->launch(run, results);
+      auto bytes = launcher->launch([&] {
+        run();
+        // Only rank 0's reach the caller: the others serialise nothing.
+        return results.send && strategy->is_global_zero() ? results.send() : std::string();
+      });
+      if (bytes && results.receive) results.receive(*bytes);
     } else {
       run();
     }
@@ -234,12 +253,12 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
   detach();
 }
 
-LaunchResults Trainer::Impl::fit_results(Module& m, FitResult& result) {
-  return LaunchResults{
-      [this, &m, &result](const std::string& path) {
+Trainer::Impl::StageResults Trainer::Impl::fit_results(Module& m, FitResult& result) {
+  return StageResults{
+      [this, &m, &result] {
         torch::serialize::OutputArchive archive;
         write_metrics(archive, "metrics", result.metrics);
-        write_metrics(archive, "callback_metrics", callback_metrics);
+        write_metrics(archive, "callback_metrics", logging.callback_metrics());
         archive.write("global_step", c10::IValue(result.global_step));
         archive.write("epochs", c10::IValue(result.epochs));
         archive.write("stop_reason", c10::IValue(result.stop_reason));
@@ -250,19 +269,20 @@ LaunchResults Trainer::Impl::fit_results(Module& m, FitResult& result) {
         archive.write("module", module_state);
         // The callbacks' state too (ModelCheckpoint's paths and scores), so
         // the caller's callback objects reflect the run.
-        save_callback_states(archive);
-        archive.save_to(path);
+        checkpoints.save_callback_states(archive);
+        return to_bytes(archive);
       },
-      [this, &m, &result](const std::string& path) {
+      [this, &m, &result](const std::string& bytes) {
         torch::serialize::InputArchive archive;
-        archive.load_from(path);
+        from_bytes(bytes, archive);
         result.metrics = read_metrics(archive, "metrics");
-        callback_metrics = read_metrics(archive, "callback_metrics");
+        logging.restore_callback_metrics(read_metrics(archive, "callback_metrics"));
         c10::IValue v;
         archive.read("global_step", v);
-        result.global_step = global_step = v.toInt();
+        result.global_step = v.toInt();
         archive.read("epochs", v);
-        result.epochs = current_epoch = v.toInt();
+        result.epochs = v.toInt();
+        fit_loop.set_result(result.epochs, result.global_step);
         archive.read("stop_reason", v);
         result.stop_reason = v.toStringRef();
         archive.read("best_model_path", v);
@@ -272,7 +292,7 @@ LaunchResults Trainer::Impl::fit_results(Module& m, FitResult& result) {
         torch::serialize::InputArchive module_state;
         archive.read("module", module_state);
         strategy->load_module_state(m, module_state);
-        load_callback_states(archive);
+        checkpoints.load_callback_states(archive);
       }};
 }
 
@@ -284,68 +304,89 @@ void Trainer::Impl::prepare_and_set_up(DataModule& data, Stage s) {
   data.setup(s);
 }
 
+std::shared_ptr<DataLoader> Trainer::Impl::set_up_stage_data(
+    Stage s, DataModule* data, std::shared_ptr<DataLoader> loader) {
+  if (options.seed) seed_everything(*options.seed);
+  if (data) {
+    prepare_and_set_up(*data, s);
+    switch (s) {
+      case Stage::Fit: loader = data->train_dataloader(); break;
+      case Stage::Validate: loader = data->val_dataloader(); break;
+      case Stage::Test: loader = data->test_dataloader(); break;
+      case Stage::Predict: loader = data->predict_dataloader(); break;
+    }
+  }
+  if (!loader) {
+    switch (s) {
+      case Stage::Fit:
+        throw ConfigError("Trainer.fit: no training data. Pass a train loader, or a DataModule "
+                          "whose train_dataloader() returns one.");
+      case Stage::Validate:
+      case Stage::Test: {
+        const bool test = s == Stage::Test;
+        throw ConfigError(str("Trainer.", test ? "test" : "validate", ": no data. Pass a loader, "
+                              "or a DataModule whose ", test ? "test" : "val",
+                              "_dataloader() returns one."));
+      }
+      case Stage::Predict:
+        throw ConfigError("Trainer.predict: no data. Pass a loader, or a DataModule whose "
+                          "predict_dataloader() returns one.");
+    }
+  }
+  if (s == Stage::Fit) loader->set_default_seed(options.seed.value_or(0));
+  distribute(*loader, /*even=*/s == Stage::Fit,
+             s == Stage::Fit        ? "training"
+             : s == Stage::Validate ? "validation"
+             : s == Stage::Test     ? "test"
+                                    : "predict");
+  return loader;
+}
+
+void Trainer::Impl::set_up_module_and_load_weights(Module& m, const std::string& ckpt_path) {
+  strategy->setup(m);
+  std::string ckpt = checkpoints.resolve_path(ckpt_path);
+  if (!ckpt.empty()) checkpoints.restore(ckpt, /*full=*/false);
+}
+
 FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
                                  std::shared_ptr<DataLoader> val, DataModule* data,
                                  const FitOptions& fit) {
   FitResult result;
   run_stage(m, Stage::Fit, [&] {
-    if (options.seed) seed_everything(*options.seed);
-    if (data) {
-      prepare_and_set_up(*data, Stage::Fit);
-      train = data->train_dataloader();
-      val = data->val_dataloader();
+    train = set_up_stage_data(Stage::Fit, data, std::move(train));
+    if (data) val = data->val_dataloader();
+    if (val) {
+      val->set_default_seed(options.seed.value_or(0));
+      distribute(*val, /*even=*/false, "validation");
     }
-    if (!train) {
-      throw ConfigError("Trainer.fit: no training data. Pass a train loader, or a DataModule "
-                        "whose train_dataloader() returns one.");
-    }
-    train_loader = train;
-    val_loader = val;
-    train_loader->set_default_seed(options.seed.value_or(0));
-    if (val_loader) val_loader->set_default_seed(options.seed.value_or(0));
-    distribute(*train_loader, /*even=*/true, "training");
-    if (val_loader) distribute(*val_loader, /*even=*/false, "validation");
-
-    current_epoch = 0;
-    global_step = 0;
-    batch_idx = 0;
-    batches_that_stepped = 0;
-    should_stop = false;
-    stop_reason.clear();
-    validated_at_position = -1;
-    callback_metrics.clear();
-    progress_bar_metrics.clear();
+    fit_loop.start(train, val);
+    logging.reset_metrics();
 
     m.configure_model();
     strategy->setup(m);
-    optimizer_config = strategy->setup_optimizers(m);
-    std::string ckpt = resolve_ckpt_path(fit.ckpt_path);
-    if (!ckpt.empty()) restore_checkpoint(ckpt, /*full=*/true);
-    if (strategy->is_global_zero()) {
-      for (auto& logger : loggers) logger->log_hyperparams(m.hparams());
-    }
+    fit_loop.set_optimizers(strategy->setup_optimizers(m));
+    std::string ckpt = checkpoints.resolve_path(fit.ckpt_path);
+    if (!ckpt.empty()) checkpoints.restore(ckpt, /*full=*/true);
+    if (strategy->is_global_zero()) logging.log_hyperparams(m.hparams());
 
     call_hooks([](Module& mod) { mod.on_fit_start(); },
                [&](Callback& cb) { cb.on_fit_start(self, m); });
-    if (val_loader && num_sanity_val_steps != 0) run_validation(/*sanity=*/true);
-    fit_loop();
+    fit_loop.run_sanity_check();
+    fit_loop.run();
     call_hooks([](Module& mod) { mod.on_fit_end(); },
                [&](Callback& cb) { cb.on_fit_end(self, m); });
-    if (strategy->is_global_zero()) {
-      for (auto& logger : loggers) logger->finalize();
-    }
+    if (strategy->is_global_zero()) logging.finalize();
     if (data) data->teardown(Stage::Fit);
 
-    result.metrics = callback_metrics;
-    result.global_step = global_step;
-    result.epochs = current_epoch;
-    result.stop_reason = stop_reason;
+    result.metrics = logging.callback_metrics();
+    result.global_step = fit_loop.global_step();
+    result.epochs = fit_loop.current_epoch();
+    result.stop_reason = fit_loop.stop_reason();
     if (checkpoint_callback) {
       result.best_model_path = checkpoint_callback->best_model_path();
       result.last_model_path = checkpoint_callback->last_model_path();
     }
-    train_loader.reset();
-    val_loader.reset();
+    fit_loop.finish();
   }, fit_results(m, result));
   return result;
 }
@@ -354,66 +395,44 @@ Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loa
                                       DataModule* data, Stage s, const std::string& ckpt_path) {
   Metrics out;
   run_stage(m, s, [&] {
-    if (options.seed) seed_everything(*options.seed);
-    if (data) {
-      prepare_and_set_up(*data, s);
-      loader = s == Stage::Test ? data->test_dataloader() : data->val_dataloader();
-    }
-    const char* what = s == Stage::Test ? "test" : "validate";
-    if (!loader) {
-      throw ConfigError(str("Trainer.", what, ": no data. Pass a loader, or a DataModule whose ",
-                            s == Stage::Test ? "test" : "val", "_dataloader() returns one."));
-    }
-    distribute(*loader, /*even=*/false, s == Stage::Test ? "test" : "validation");
-    strategy->setup(m);
-    std::string ckpt = resolve_ckpt_path(ckpt_path);
-    if (!ckpt.empty()) restore_checkpoint(ckpt, /*full=*/false);
-    auto limit = (s == Stage::Test ? limit_test : limit_val)
+    loader = set_up_stage_data(s, data, std::move(loader));
+    set_up_module_and_load_weights(m, ckpt_path);
+    auto limit = (s == Stage::Test ? limits.test : limits.val)
                      .apply(loader->num_batches(),
                             s == Stage::Test ? "limit_test_batches" : "limit_val_batches");
-    out = evaluation_epoch(*loader, s, limit);
+    out = evaluation_loop.run(*loader, s, limit);
     if (data) data->teardown(s);
-  }, LaunchResults{[&](const std::string& path) {
-                     torch::serialize::OutputArchive archive;
-                     write_metrics(archive, "metrics", out);
-                     archive.save_to(path);
-                   },
-                   [&](const std::string& path) {
-                     torch::serialize::InputArchive archive;
-                     archive.load_from(path);
-                     out = read_metrics(archive, "metrics");
-                   }});
+  }, StageResults{[&] {
+                    torch::serialize::OutputArchive archive;
+                    write_metrics(archive, "metrics", out);
+                    return to_bytes(archive);
+                  },
+                  [&](const std::string& bytes) {
+                    torch::serialize::InputArchive archive;
+                    from_bytes(bytes, archive);
+                    out = read_metrics(archive, "metrics");
+                  }});
   return out;
 }
 
 std::vector<Batch> Trainer::Impl::run_predict(Module& m, std::shared_ptr<DataLoader> loader,
                                               DataModule* data, const std::string& ckpt_path) {
+  if (auto* launcher = strategy->launcher(); launcher && launcher->returns_to_caller()) {
+    // Refused before any rank starts: their predictions could not come back.
+    throw ConfigError(str("Trainer.predict under strategy \"", strategy->name(), "\" (launcher ",
+                          launcher->name(), "): the predictions would stay in the ranks that "
+                          "made them and never come back to this process. Write them from "
+                          "predict_step (e.g. to a file per rank), or run predict with "
+                          "strategy=\"ddp\" or on one device."));
+  }
   std::vector<Batch> out;
   run_stage(m, Stage::Predict, [&] {
-    if (options.seed) seed_everything(*options.seed);
-    if (data) {
-      prepare_and_set_up(*data, Stage::Predict);
-      loader = data->predict_dataloader();
-    }
-    if (!loader) {
-      throw ConfigError("Trainer.predict: no data. Pass a loader, or a DataModule whose "
-                        "predict_dataloader() returns one.");
-    }
-    distribute(*loader, /*even=*/false, "predict");
-    strategy->setup(m);
-    std::string ckpt = resolve_ckpt_path(ckpt_path);
-    if (!ckpt.empty()) restore_checkpoint(ckpt, /*full=*/false);
-    out = prediction_epoch(*loader, limit_predict.apply(loader->num_batches(),
-                                                        "limit_predict_batches"));
+    loader = set_up_stage_data(Stage::Predict, data, std::move(loader));
+    set_up_module_and_load_weights(m, ckpt_path);
+    out = prediction_loop.run(*loader, limits.predict.apply(loader->num_batches(),
+                                                            "limit_predict_batches"));
     if (data) data->teardown(Stage::Predict);
-  }, LaunchResults{[&](const std::string&) {},
-                   [&](const std::string&) {
-                     throw ConfigError(
-                         "Trainer.predict under a forking strategy: the predictions stay in the "
-                         "ranks that made them and do not come back to this process. Write them "
-                         "from predict_step (e.g. to a file per rank), or run predict with "
-                         "strategy=\"ddp\" or on one device.");
-                   }});
+  });
   return out;
 }
 
@@ -455,32 +474,35 @@ std::vector<Batch> Trainer::predict(Module& module, std::shared_ptr<DataLoader> 
 
 Strategy& Trainer::strategy() const { return *impl_->strategy; }
 const std::vector<std::shared_ptr<Callback>>& Trainer::callbacks() const { return impl_->callbacks; }
-const std::vector<std::shared_ptr<Logger>>& Trainer::loggers() const { return impl_->loggers; }
+const std::vector<std::shared_ptr<Logger>>& Trainer::loggers() const { return impl_->logging.loggers(); }
 ModelCheckpoint* Trainer::checkpoint_callback() const { return impl_->checkpoint_callback; }
 const TrainerOptions& Trainer::options() const { return impl_->options; }
 Stage Trainer::stage() const { return impl_->stage; }
-bool Trainer::sanity_checking() const { return impl_->sanity_checking; }
-int64_t Trainer::current_epoch() const { return impl_->current_epoch; }
-int64_t Trainer::global_step() const { return impl_->global_step; }
-int64_t Trainer::batch_idx() const { return impl_->batch_idx; }
-int64_t Trainer::num_training_batches() const { return impl_->num_training_batches; }
-void Trainer::request_stop() { impl_->should_stop = true; }
-bool Trainer::should_stop() const { return impl_->should_stop; }
-const Metrics& Trainer::callback_metrics() const { return impl_->callback_metrics; }
-const Metrics& Trainer::progress_bar_metrics() const { return impl_->progress_bar_metrics; }
+bool Trainer::sanity_checking() const { return impl_->fit_loop.sanity_checking(); }
+int64_t Trainer::current_epoch() const { return impl_->fit_loop.current_epoch(); }
+int64_t Trainer::global_step() const { return impl_->fit_loop.global_step(); }
+int64_t Trainer::batch_idx() const { return impl_->fit_loop.batch_idx(); }
+int64_t Trainer::num_training_batches() const { return impl_->fit_loop.num_training_batches(); }
+void Trainer::request_stop() { impl_->fit_loop.request_stop(); }
+bool Trainer::should_stop() const { return impl_->fit_loop.should_stop(); }
+const Metrics& Trainer::callback_metrics() const { return impl_->logging.callback_metrics(); }
+const Metrics& Trainer::progress_bar_metrics() const { return impl_->logging.progress_bar_metrics(); }
 std::string Trainer::default_root_dir() const { return impl_->root_dir(); }
 std::string Trainer::log_dir() const {
-  return impl_->loggers.empty() ? std::string() : impl_->loggers.front()->log_dir();
+  const auto& loggers = impl_->logging.loggers();
+  return loggers.empty() ? std::string() : loggers.front()->log_dir();
 }
-void Trainer::save_checkpoint(const std::string& path) { impl_->save_checkpoint(path); }
+void Trainer::save_checkpoint(const std::string& path) { impl_->checkpoints.save(path); }
 
 int64_t Trainer::estimated_stepping_batches() const {
   const auto& i = *impl_;
-  if (i.num_training_batches < 0) return i.max_steps;
-  int64_t per_epoch = (i.num_training_batches + i.options.accumulate_grad_batches - 1) /
+  const auto& limits = i.limits;
+  const int64_t batches = i.fit_loop.num_training_batches();
+  if (batches < 0) return limits.max_steps;
+  int64_t per_epoch = (batches + i.options.accumulate_grad_batches - 1) /
                       i.options.accumulate_grad_batches;
-  int64_t total = i.max_epochs < 0 ? -1 : per_epoch * i.max_epochs;
-  if (i.max_steps >= 0 && (total < 0 || i.max_steps < total)) total = i.max_steps;
+  int64_t total = limits.max_epochs < 0 ? -1 : per_epoch * limits.max_epochs;
+  if (limits.max_steps >= 0 && (total < 0 || limits.max_steps < total)) total = limits.max_steps;
   return total;
 }
 

@@ -216,6 +216,56 @@ TEST(ClusterEnvironmentRegistry, HasEveryBuiltInWithADescription) {
   }
 }
 
+TEST(ClusterEnvironmentRegistry, DetectsInItsDeclaredPriorityOrder) {
+  EXPECT_EQ(fulgur::cluster_environment_registry().detection_order(),
+            (std::vector<std::string>{"torchelastic", "slurm", "mpi", "lsf", "kubeflow"}));
+}
+
+// An environment a user registers is detected like a built-in, at the
+// priority it declares: above torchelastic it wins even inside torchrun.
+TEST(ClusterEnvironmentRegistry, DetectsAUserEnvironmentByItsPriority) {
+  struct MySchedulerEnvironment : fulgur::LightningEnvironment {
+    using fulgur::LightningEnvironment::LightningEnvironment;
+    std::string_view name() const override { return "my_scheduler"; }
+  };
+  using Detection = fulgur::ClusterEnvironmentRegistry::Detection;
+  fulgur::ClusterEnvironmentRegistry registry = fulgur::cluster_environment_registry();
+  registry.add("my_scheduler", "a user's scheduler", [](const EnvView& env) {
+    return std::make_unique<MySchedulerEnvironment>(env);
+  });
+  auto detector = [](const EnvView& env) {
+    return env.has("MY_SCHED_JOB") ? Detection::match("MY_SCHED_JOB is set") : Detection::no();
+  };
+  registry.set_detector("my_scheduler", 50, detector);
+  const Vars mine{{"MY_SCHED_JOB", "12"}};
+  std::vector<std::string> notes;
+  EXPECT_EQ(registry.detect(EnvView(mine), &notes)->name(), "my_scheduler");
+  EXPECT_EQ(notes, (std::vector<std::string>{"cluster_environment=my_scheduler because "
+                                             "MY_SCHED_JOB is set"}));
+  // Below torchelastic: torchrun's variables decide first.
+  EXPECT_EQ(registry.detect(EnvView(merged(kTorchrun, mine)), nullptr)->name(), "torchelastic");
+  // Above it: the user's environment decides.
+  registry.set_detector("my_scheduler", 900, detector);
+  EXPECT_EQ(registry.detection_order().front(), "my_scheduler");
+  EXPECT_EQ(registry.detect(EnvView(merged(kTorchrun, mine)), nullptr)->name(), "my_scheduler");
+  // Nothing matches: fulgur creates the processes.
+  EXPECT_EQ(registry.detect(EnvView(Vars{}), nullptr)->name(), "lightning");
+  // The global registry is untouched.
+  EXPECT_FALSE(fulgur::cluster_environment_registry().contains("my_scheduler"));
+}
+
+TEST(ClusterEnvironmentRegistry, DetectorsNeedARegisteredNameAndTheirOwnPriority) {
+  fulgur::ClusterEnvironmentRegistry registry = fulgur::cluster_environment_registry();
+  auto never = [](const EnvView&) { return fulgur::ClusterEnvironmentRegistry::Detection::no(); };
+  EXPECT_THROWS_WITH(ConfigError, registry.set_detector("my_sched", 50, never),
+                     {"unknown cluster environment \"my_sched\""});
+  registry.add("my_sched", "a user's scheduler",
+               [](const EnvView& env) { return std::make_unique<fulgur::LightningEnvironment>(env); });
+  EXPECT_THROWS_WITH(ConfigError, registry.set_detector("my_sched", 400, never),
+                     {"detector priority 400 is taken by \"slurm\"", "Pick another priority",
+                      "torchelastic, slurm, mpi, lsf, kubeflow"});
+}
+
 // ---- SLURM_NODELIST.
 
 TEST(SLURMEnvironment, FirstHostOfANodeList) {

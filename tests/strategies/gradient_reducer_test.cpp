@@ -17,20 +17,27 @@ struct Replica {
   std::vector<std::pair<std::string, at::Tensor>> named() { return {{"w", w}}; }
 };
 
-TEST(GradientReducer, AveragesGradientsAndCountsTheStopVotes) {
+// One extra scalar (as DDP's stop vote) rides in the first bucket.
+fulgur::GradientReducerOptions one_extra() {
+  fulgur::GradientReducerOptions options;
+  options.extra_scalars = 1;
+  return options;
+}
+
+TEST(GradientReducer, AveragesGradientsAndSumsTheExtraScalars) {
   at::Tensor grads[2];
   int votes[2] = {-1, -1};
   int64_t exchanges[2] = {-1, -1};
   fulgur::test::on_ranks(2, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
     Replica r;
-    fulgur::GradientReducer reducer(r.named(), group);
+    fulgur::GradientReducer reducer(r.named(), group, one_extra());
     EXPECT_EQ(reducer.exchanges(), 0);
-    reducer.set_stop_vote(rank == 1);
+    reducer.set_extra_scalar(0, rank == 1 ? 1.0 : 0.0);
     reducer.prepare_for_backward();
     r.loss(rank).backward();
     EXPECT_EQ(reducer.finalize_backward(), 2);
     grads[rank] = r.w.grad().clone();
-    votes[rank] = reducer.stop_votes();
+    votes[rank] = static_cast<int>(reducer.extra_scalar_sum(0));
     exchanges[rank] = reducer.exchanges();
   });
   for (int rank = 0; rank < 2; ++rank) {
@@ -46,11 +53,11 @@ TEST(GradientReducer, ARankThatJoinsWithoutABackwardVotesAndTakesItsPeersMean) {
   int votes[2] = {-1, -1};
   fulgur::test::on_ranks(2, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
     Replica r;
-    fulgur::GradientReducer reducer(r.named(), group);
-    // Two exchanges, gradients not zeroed between them; the votes are per
+    fulgur::GradientReducer reducer(r.named(), group, one_extra());
+    // Two exchanges, gradients not zeroed between them; the sums are per
     // exchange, not accumulated.
     for (int step = 0; step < 2; ++step) {
-      reducer.set_stop_vote(step == 1);  // both ranks vote to stop in the second
+      reducer.set_extra_scalar(0, step == 1 ? 1.0 : 0.0);  // both ranks vote in the second
       if (rank == 0) {
         reducer.prepare_for_backward();
         r.loss(rank).backward();
@@ -59,11 +66,11 @@ TEST(GradientReducer, ARankThatJoinsWithoutABackwardVotesAndTakesItsPeersMean) {
         contributors[rank] = reducer.join_without_backward();
       }
       if (step == 0) {
-        EXPECT_EQ(reducer.stop_votes(), 0) << "rank " << rank;
+        EXPECT_EQ(reducer.extra_scalar_sum(0), 0.0) << "rank " << rank;
       }
     }
     grads[rank] = r.w.grad().clone();
-    votes[rank] = reducer.stop_votes();
+    votes[rank] = static_cast<int>(reducer.extra_scalar_sum(0));
   });
   // Rank 0 accumulates 1 + 1; rank 1 holds the first mean (1) in its .grad
   // but contributes nothing to the second, so both end with 2.
@@ -79,13 +86,16 @@ TEST(GradientReducer, WithoutSyncThereIsNoExchangeAndNoNewVote) {
   at::Tensor grads[2];
   fulgur::test::on_ranks(2, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
     Replica r;
-    fulgur::GradientReducer reducer(r.named(), group);
+    fulgur::GradientReducer reducer(r.named(), group, one_extra());
     reducer.set_require_sync(false);
-    reducer.set_stop_vote(true);
+    reducer.set_extra_scalar(0, 1.0);
     reducer.prepare_for_backward();
     r.loss(rank).backward();
     EXPECT_EQ(reducer.finalize_backward(), 0);
-    EXPECT_EQ(reducer.stop_votes(), 0);
+    EXPECT_EQ(reducer.extra_scalar_sum(0), 0.0);
+    // An index beyond the extras asked for is an error naming their number.
+    EXPECT_THROWS_WITH(fulgur::ConfigError, reducer.set_extra_scalar(1, 1.0),
+                       {"set_extra_scalar(1)", "carries 1 extra scalar(s)"});
     exchanges[rank] = reducer.exchanges();
     grads[rank] = r.w.grad().clone();
   });

@@ -43,6 +43,7 @@ class ProcessGroup;
 class Trainer;
 namespace detail {
 class LogSink;
+class TrainerLink;
 }
 
 /// How a logged value is reduced over an epoch (and across ranks).
@@ -189,8 +190,11 @@ class Module : public torch::nn::Module {
  private:
   friend class Trainer;
   friend class detail::LogSink;
+  /// The Trainer's link; throws like trainer() when not attached.
+  detail::TrainerLink& link() const;
 
   Trainer* trainer_ = nullptr;
+  detail::TrainerLink* link_ = nullptr;  // set with trainer_
   detail::LogSink* log_sink_ = nullptr;
   HParams hparams_;
   bool automatic_optimization_ = true;

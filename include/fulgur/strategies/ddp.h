@@ -77,6 +77,8 @@ class DDPStrategy : public ParallelStrategy {
   /// micro-batch: deferred to the next exchange; otherwise (a boundary, a
   /// batch without an exchange) a reduce_boolean_decision.
   bool agree_to_stop(bool requested, bool boundary) override;
+  /// Carried by the next gradient exchange, in the reducer's extra scalar.
+  void vote_to_stop(bool stop) override { stop_vote_ = stop; }
   /// The module's reducer after setup(); null before.
   GradientReducer* reducer() const { return reducer_.get(); }
 
@@ -134,8 +136,10 @@ class DDPStrategy : public ParallelStrategy {
   /// the ranks have agreed to stop (it stays agreed).
   int64_t exchanges_seen_ = 0;
   bool stop_agreed_ = false;
-  /// This rank's stop vote, read from the Trainer, in the next exchange.
-  void cast_stop_vote(Module& module);
+  /// This rank's stop vote for the next exchange (vote_to_stop), carried as
+  /// the reducer's extra scalar kStopVote.
+  bool stop_vote_ = false;
+  static constexpr size_t kStopVote = 0;
   struct BufferGroup {
     at::Tensor flat;
     std::vector<at::Tensor> buffers;

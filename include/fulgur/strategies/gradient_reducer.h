@@ -10,9 +10,10 @@
 // writes the averages back into the parameters' .grad. A rank with no loss
 // in a step joins with join_without_backward(); the mean is then over the
 // ranks that had one (counted in the first bucket, at no extra collective).
-// The first bucket also carries each rank's stop vote (set_stop_vote()), so
-// a training loop learns whether any rank asked to stop from the gradient
-// exchange it runs anyway (stop_votes()).
+// The first bucket can also carry a few scalars of the caller's
+// (GradientReducerOptions::extra_scalars: set_extra_scalar() before, then
+// extra_scalar_sum()), summed across ranks with the gradients at no
+// collective of their own; DDPStrategy exchanges its ranks' stop votes so.
 //
 //   GradientReducer reducer(module.named_parameters(), group);
 //   reducer.prepare_for_backward();
@@ -42,6 +43,10 @@ struct GradientReducerOptions {
   /// rank instead of being an error; a parameter no rank used keeps an
   /// undefined .grad, as on one process.
   bool find_unused_parameters = false;
+  /// How many scalars of the caller's ride in the first bucket, summed
+  /// across ranks in every exchange (in the parameters' dtype: exact for
+  /// small integers such as votes).
+  size_t extra_scalars = 0;
 };
 
 class GradientReducer {
@@ -72,13 +77,15 @@ class GradientReducer {
   /// the accumulated gradients.
   void set_require_sync(bool sync);
   bool require_sync() const;
-  /// This rank's vote in the next exchange (finalize_backward or
-  /// join_without_backward): true when it wants the run to stop.
-  void set_stop_vote(bool stop);
-  /// How many ranks voted to stop in the last exchange (0 before any).
-  int stop_votes() const;
+  /// This rank's value of extra scalar `i` in the next exchange
+  /// (finalize_backward or join_without_backward); it stays until set again.
+  /// ConfigError when `i` is not below GradientReducerOptions::extra_scalars.
+  void set_extra_scalar(size_t i, double value);
+  /// Extra scalar `i` summed over the ranks in the last exchange (0 before
+  /// any).
+  double extra_scalar_sum(size_t i) const;
   /// How many exchanges completed so far (a backward or join with sync on
-  /// and parameters to average): tells whether stop_votes() is new.
+  /// and parameters to average): tells whether extra_scalar_sum() is new.
   int64_t exchanges() const;
 
   /// Parameter names per bucket, in launch order (for tests and describe).

@@ -174,6 +174,11 @@ class Strategy {
   /// the batch's backward is agreed at the next one. Default: a
   /// reduce_boolean_decision (any rank) when there are several ranks.
   virtual bool agree_to_stop(bool requested, bool boundary);
+  /// This rank's stop request as the fit loop hands it down before each
+  /// backward (automatic or manual) and each step without one, for a
+  /// strategy that exchanges it with that step's collectives (DDP). The
+  /// strategy never reads it back from the Trainer. Default: ignored.
+  virtual void vote_to_stop(bool /*stop*/) {}
 
   // ---- Checkpoints.
   /// Whether this rank writes checkpoint files (rank 0 by default).

@@ -22,7 +22,7 @@
 
 #include "fulgur/data/batch.h"
 #include "fulgur/data/data_module.h"
-#include "fulgur/trainer/connectors/accelerator_connector.h"
+#include "fulgur/trainer/connectors/resolution.h"
 #include "fulgur/trainer/trainer_options.h"
 
 namespace fulgur {
@@ -121,9 +121,8 @@ class Trainer {
   /// strategy. Call from callbacks or after fit.
   void save_checkpoint(const std::string& path);
 
-  /// Internal state, shared with the loops and Module.
+  /// Internal state, shared with the loops (src/trainer/trainer_impl.h).
   struct Impl;
-  Impl& impl() { return *impl_; }
 
  private:
   std::unique_ptr<Impl> impl_;

@@ -7,6 +7,8 @@
 #include "fulgur/plugins/environments/slurm.h"
 #include "fulgur/plugins/environments/torchelastic.h"
 
+#include <algorithm>
+
 #include "fulgur/core/errors.h"
 
 namespace fulgur {
@@ -47,8 +49,49 @@ std::vector<std::string> ClusterEnvironment::rank_problems(int num_devices, int 
   return problems;
 }
 
+void ClusterEnvironmentRegistry::set_detector(const std::string& name, int priority,
+                                              Detector detector) {
+  const Entry& e = entry(name);  // throws when unknown
+  std::erase_if(detectors_, [&](const DetectorEntry& d) { return d.name == e.name; });
+  for (const auto& d : detectors_) {
+    if (d.priority == priority) {
+      throw ConfigError(str("cluster environment \"", name, "\": detector priority ", priority,
+                            " is taken by \"", d.name, "\". Pick another priority (higher is "
+                            "asked first; detection order: ", join(detection_order()), ")."));
+    }
+  }
+  detectors_.push_back({e.name, priority, std::move(detector)});
+  std::sort(detectors_.begin(), detectors_.end(),
+            [](const DetectorEntry& a, const DetectorEntry& b) { return a.priority > b.priority; });
+}
+
+std::vector<std::string> ClusterEnvironmentRegistry::detection_order() const {
+  std::vector<std::string> names;
+  for (const auto& d : detectors_) names.push_back(d.name);
+  return names;
+}
+
+std::unique_ptr<ClusterEnvironment> ClusterEnvironmentRegistry::detect(
+    const EnvView& env, std::vector<std::string>* notes) const {
+  std::vector<std::string> declined;
+  for (const auto& d : detectors_) {
+    if (!contains(d.name)) continue;  // replaced away since
+    Detection verdict = d.detect(env);
+    if (verdict.matched) {
+      if (notes) notes->push_back(str("cluster_environment=", d.name, " because ", verdict.reason));
+      return create(d.name, env);
+    }
+    if (!verdict.reason.empty()) declined.push_back(std::move(verdict.reason));
+  }
+  if (notes) {
+    for (auto& reason : declined) notes->push_back(str("cluster_environment=lightning: ", reason));
+  }
+  return create("lightning", env);
+}
+
 ClusterEnvironmentRegistry& cluster_environment_registry() {
   static ClusterEnvironmentRegistry registry = [] {
+    using Detection = ClusterEnvironmentRegistry::Detection;
     ClusterEnvironmentRegistry r("cluster environment");
     r.add("lightning", "fulgur creates the processes (default)",
           [](const EnvView& env) { return std::make_unique<LightningEnvironment>(env); });
@@ -62,6 +105,49 @@ ClusterEnvironmentRegistry& cluster_environment_registry() {
           [](const EnvView& env) { return std::make_unique<LSFEnvironment>(env); });
     r.add("kubeflow", "a Kubeflow PyTorchJob, one process per pod (KUBERNETES_PORT, RANK, ...)",
           [](const EnvView& env) { return std::make_unique<KubeflowEnvironment>(env); });
+
+    // Where launchers nest, the most specific is asked first (see set_detector).
+    r.set_detector("torchelastic", 500, [](const EnvView& env) {
+      if (!TorchElasticEnvironment::detect(env)) return Detection::no();
+      return Detection::match(str(
+          "torchrun's ",
+          env.has("GROUP_RANK") ? "RANK, GROUP_RANK, LOCAL_RANK and LOCAL_WORLD_SIZE are set"
+                                : "TORCHELASTIC_RUN_ID is set",
+          env.has("TORCHELASTIC_RUN_ID")
+              ? str(" (run id \"", *env.get("TORCHELASTIC_RUN_ID"), "\")")
+              : std::string()));
+    });
+    r.set_detector("slurm", 400, [](const EnvView& env) {
+      if (SLURMEnvironment::detect(env)) {
+        auto job_name = env.get("SLURM_JOB_NAME");
+        return Detection::match(str("SLURM_NTASKS is set",
+                                    job_name ? str(" (job name \"", *job_name, "\")")
+                                             : std::string()));
+      }
+      if (env.has("SLURM_NTASKS") && SLURMEnvironment::is_interactive(env)) {
+        return Detection::no(str("SLURM_NTASKS is set but SLURM_JOB_NAME=\"",
+                                 *env.get("SLURM_JOB_NAME"), "\" is an interactive allocation, "
+                                 "so fulgur creates the processes"));
+      }
+      return Detection::no();
+    });
+    r.set_detector("mpi", 300, [](const EnvView& env) {
+      if (!MPIEnvironment::detect(env)) return Detection::no();
+      return Detection::match(env.has("OMPI_COMM_WORLD_SIZE") && env.has("OMPI_COMM_WORLD_RANK")
+                                  ? "OMPI_COMM_WORLD_SIZE and OMPI_COMM_WORLD_RANK are set "
+                                    "(Open MPI)"
+                                  : "PMI_SIZE and PMI_RANK are set (MPICH / Intel MPI)");
+    });
+    r.set_detector("lsf", 200, [](const EnvView& env) {
+      if (!LSFEnvironment::detect(env)) return Detection::no();
+      return Detection::match("LSB_JOBID and JSM_NAMESPACE_SIZE / _RANK / _LOCAL_RANK are set "
+                              "(jsrun)");
+    });
+    r.set_detector("kubeflow", 100, [](const EnvView& env) {
+      if (!KubeflowEnvironment::detect(env)) return Detection::no();
+      return Detection::match("KUBERNETES_PORT, MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK "
+                              "are set (one process per pod)");
+    });
     return r;
   }();
   return registry;
@@ -69,58 +155,7 @@ ClusterEnvironmentRegistry& cluster_environment_registry() {
 
 std::unique_ptr<ClusterEnvironment> detect_cluster_environment(const EnvView& env,
                                                                std::vector<std::string>* notes) {
-  auto note = [&](std::string text) {
-    if (notes) notes->push_back(std::move(text));
-  };
-  // Order matters where launchers nest, most specific first:
-  //  - torchelastic first: torchrun is often started inside a SLURM, LSF or
-  //    Kubernetes job, and then it, not the outer scheduler, created this
-  //    process (SLURM_NTASKS counts srun's tasks, not torchrun's workers);
-  //  - slurm before mpi: srun --mpi=pmi2 also sets PMI_SIZE / PMI_RANK, and
-  //    the SLURM variables are the more complete description;
-  //  - mpi before lsf: LSF sites also run mpirun inside a job; jsrun sets
-  //    JSM_NAMESPACE_* which mpirun does not;
-  //  - kubeflow last: its variables (MASTER_ADDR, RANK, WORLD_SIZE) are the
-  //    most generic, and KUBERNETES_PORT is set in every pod.
-  if (TorchElasticEnvironment::detect(env)) {
-    note(str("cluster_environment=torchelastic because torchrun's ",
-             env.has("GROUP_RANK") ? "RANK, GROUP_RANK, LOCAL_RANK and LOCAL_WORLD_SIZE are set"
-                                   : "TORCHELASTIC_RUN_ID is set",
-             env.has("TORCHELASTIC_RUN_ID") ? str(" (run id \"", *env.get("TORCHELASTIC_RUN_ID"),
-                                                  "\")")
-                                            : std::string()));
-    return std::make_unique<TorchElasticEnvironment>(env);
-  }
-  if (SLURMEnvironment::detect(env)) {
-    auto job_name = env.get("SLURM_JOB_NAME");
-    note(str("cluster_environment=slurm because SLURM_NTASKS is set",
-             job_name ? str(" (job name \"", *job_name, "\")") : std::string()));
-    return std::make_unique<SLURMEnvironment>(env);
-  }
-  if (MPIEnvironment::detect(env)) {
-    auto mpi = std::make_unique<MPIEnvironment>(env);
-    note(str("cluster_environment=mpi because ",
-             mpi->family() == "PMI" ? "PMI_SIZE and PMI_RANK are set (MPICH / Intel MPI)"
-                                    : "OMPI_COMM_WORLD_SIZE and OMPI_COMM_WORLD_RANK are set "
-                                      "(Open MPI)"));
-    return mpi;
-  }
-  if (LSFEnvironment::detect(env)) {
-    note("cluster_environment=lsf because LSB_JOBID and JSM_NAMESPACE_SIZE / _RANK / "
-         "_LOCAL_RANK are set (jsrun)");
-    return std::make_unique<LSFEnvironment>(env);
-  }
-  if (KubeflowEnvironment::detect(env)) {
-    note("cluster_environment=kubeflow because KUBERNETES_PORT, MASTER_ADDR, MASTER_PORT, "
-         "WORLD_SIZE and RANK are set (one process per pod)");
-    return std::make_unique<KubeflowEnvironment>(env);
-  }
-  if (env.has("SLURM_NTASKS") && SLURMEnvironment::is_interactive(env)) {
-    note(str("cluster_environment=lightning: SLURM_NTASKS is set but SLURM_JOB_NAME=\"",
-             *env.get("SLURM_JOB_NAME"), "\" is an interactive allocation, so fulgur creates "
-             "the processes"));
-  }
-  return std::make_unique<LightningEnvironment>(env);
+  return cluster_environment_registry().detect(env, notes);
 }
 
 }  // namespace fulgur

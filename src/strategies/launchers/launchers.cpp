@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <thread>
 
 #include "fulgur/core/errors.h"
@@ -26,6 +27,29 @@
 namespace fulgur {
 
 namespace {
+
+// Rank 0's results, from its process to the calling one: written whole to a
+// file of the launcher's private directory, read back after every rank
+// exited 0.
+void write_results(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  out.close();
+  if (!out) {
+    throw DistributedError(str("rank 0: cannot write its results for the calling process to \"",
+                               path, "\" (", bytes.size(), " bytes): ", std::strerror(errno),
+                               ". Free space in TMPDIR, or set TMPDIR to another directory."));
+  }
+}
+
+std::string read_results(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw DistributedError(str("launcher: every rank exited 0 but rank 0's results \"", path,
+                               "\" are missing: ", std::strerror(errno), "."));
+  }
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
 
 // Where and how many: one node's share of the run.
 struct Plan {
@@ -88,7 +112,7 @@ SubprocessScriptLauncher::SubprocessScriptLauncher(ParallelStrategy& strategy,
                                                    Supervision supervision)
     : strategy_(strategy), supervision_(supervision) {}
 
-void SubprocessScriptLauncher::launch(const std::function<void()>&, const LaunchResults&) {
+std::optional<std::string> SubprocessScriptLauncher::launch(const std::function<std::string()>&) {
   Plan plan = plan_for(strategy_);
   const std::vector<std::string> args = own_command_line();
   std::vector<char*> argv;
@@ -122,7 +146,7 @@ void SubprocessScriptLauncher::launch(const std::function<void()>&, const Launch
 ForkLauncher::ForkLauncher(ParallelStrategy& strategy, Supervision supervision)
     : strategy_(strategy), supervision_(supervision) {}
 
-void ForkLauncher::launch(const std::function<void()>& fn, const LaunchResults& results) {
+std::optional<std::string> ForkLauncher::launch(const std::function<std::string()>& fn) {
   Plan plan = plan_for(strategy_);
   strategy_.set_main_port(plan.main_port);
   // Rank 0's results travel through a file in a directory of our own
@@ -143,7 +167,7 @@ void ForkLauncher::launch(const std::function<void()>& fn, const LaunchResults& 
       std::filesystem::remove_all(dir, ec);
     }
   } cleanup{dir_template};
-  const std::string results_path = dir_template + "/results.pt";
+  const std::string results_path = dir_template + "/rank0-results.bin";
   detail::Supervisor supervisor(supervisor_options(supervision_));
   for (int local = 0; local < plan.local_world_size; ++local) {
     const int global = plan.node_rank * plan.local_world_size + local;
@@ -160,8 +184,8 @@ void ForkLauncher::launch(const std::function<void()>& fn, const LaunchResults& 
       strategy_.assign_rank(local, global, plan.world_size);
       int code = 0;
       try {
-        fn();
-        if (global == 0 && results.save) results.save(results_path);
+        std::string bytes = fn();
+        if (global == 0) write_results(results_path, bytes);
       } catch (const std::exception& e) {
         std::cerr << "fulgur: rank " << global << " failed: " << e.what() << std::endl;
         code = 1;
@@ -176,7 +200,8 @@ void ForkLauncher::launch(const std::function<void()>& fn, const LaunchResults& 
     });
   }
   supervisor.wait_all();
-  if (results.load && plan.node_rank == 0) results.load(results_path);
+  if (plan.node_rank != 0) return std::nullopt;
+  return read_results(results_path);
 }
 
 }  // namespace fulgur

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "fulgur/fulgur.h"
+#include "support/fake_machine.h"
 #include "support/test_support.h"
 
 namespace {
@@ -14,8 +15,8 @@ using fulgur::TrainerOptions;
 fulgur::EnvView empty_env() { return fulgur::EnvView(std::map<std::string, std::string>{}); }
 
 TEST(AcceleratorConnector, DefaultsResolveToSingleDeviceOnTheCpuWithNotes) {
-  if (torch::cuda::is_available()) GTEST_SKIP() << "this machine has CUDA; the default differs";
-  auto result = fulgur::connect(TrainerOptions{}, empty_env());
+  const fulgur::test::FakeMachine no_gpu(0);
+  auto result = fulgur::connect(TrainerOptions{}, no_gpu.context());
   EXPECT_EQ(result.strategy->name(), "single_device");
   EXPECT_EQ(result.strategy->accelerator().name(), "cpu");
   EXPECT_EQ(result.strategy->precision().name(), "32-true");
@@ -326,11 +327,10 @@ TEST(AcceleratorConnector, UserRegisteredAcceleratorIsSelectedByName) {
   struct MyCpu : fulgur::CPUAccelerator {
     std::string_view name() const override { return "my_cpu"; }
   };
-  auto& registry = fulgur::accelerator_registry();
-  if (!registry.contains("my_cpu")) {
-    registry.add("my_cpu", "a user's accelerator", [] { return std::make_unique<MyCpu>(); });
-  }
-  auto result = fulgur::connect(TrainerOptions{.accelerator = "my_cpu"}, empty_env());
+  fulgur::test::FakeMachine machine(0);
+  machine.accelerators.add("my_cpu", "a user's accelerator",
+                           [] { return std::make_unique<MyCpu>(); });
+  auto result = fulgur::connect(TrainerOptions{.accelerator = "my_cpu"}, machine.context());
   EXPECT_EQ(result.strategy->accelerator().name(), "my_cpu");
 }
 
@@ -412,18 +412,16 @@ TEST(StrategyRegistry, SubclassRegistersItsVariantsThroughTheBase) {
       entry.defaults, {"start_method=popen", "find_unused_parameters=true", "bucket_cap_mb=25"}));
 }
 
-TEST(StrategyRegistry, UserStrategyIsSelectedByNameThroughTheGlobalRegistry) {
-  auto& registry = fulgur::strategy_registry();
-  if (!registry.contains("my_ddp_small_buckets")) {
-    fulgur::DDPOptions options;
-    options.bucket_cap_mb = 1;
-    registry.add("my_ddp_small_buckets", "DDP with 1 MiB buckets", [options] {
-      return std::make_unique<MyDDP>(options, "my_ddp_small_buckets");
-    });
-  }
+TEST(StrategyRegistry, UserStrategyIsSelectedByNameThroughItsRegistry) {
+  fulgur::test::FakeMachine machine(0);
+  fulgur::DDPOptions options;
+  options.bucket_cap_mb = 1;
+  machine.strategies.add("my_ddp_small_buckets", "DDP with 1 MiB buckets", [options] {
+    return std::make_unique<MyDDP>(options, "my_ddp_small_buckets");
+  });
   auto result = fulgur::connect(
       TrainerOptions{.accelerator = "cpu", .strategy = "my_ddp_small_buckets", .devices = 2},
-      empty_env());
+      machine.context());
   EXPECT_EQ(result.resolution.strategy, "my_ddp_small_buckets");
   EXPECT_EQ(result.resolution.launcher, "subprocess_script");
   auto* mine = dynamic_cast<MyDDP*>(result.strategy.get());

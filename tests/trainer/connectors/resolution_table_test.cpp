@@ -1,9 +1,10 @@
 // The connector as a table: command-line style flags x environment
 // variables -> the full resolution, or the exact list of problems.
 //
-// Each case parses its flags with options_from_flags (what `fulgur resolve`
-// does) and resolves them against its own EnvView, so no case sees another's
-// variables or the test process's. A resolution is asserted field by field:
+// Each case parses its flags with parse_flags (what `fulgur resolve` does)
+// and resolves them on a pretend machine without GPUs with its own
+// environment (support/fake_machine.h), so no case sees another's variables
+// or the test process's, and the table runs the same on a machine with CUDA. A resolution is asserted field by field:
 //   "accelerator strategy launcher precision cluster_environment
 //    num_nodes num_devices world_size global_rank local_rank node_rank"
 // with "-" for no launcher. A failure is asserted as the error's kind and one
@@ -15,6 +16,7 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/trainer/connectors/accelerator_connector.h"
+#include "support/fake_machine.h"
 #include "support/test_support.h"
 
 namespace {
@@ -231,7 +233,7 @@ std::vector<Case> cases() {
     {"bad_bool", cpu({{"sync_batchnorm", "yes"}}), kClean, "invalid_flags", {"--sync_batchnorm yes: pass true or false"}},
     {"bad_benchmark_bool", cpu({{"benchmark", "maybe"}}), kClean, "invalid_flags", {"--benchmark maybe: pass true or false"}},
     {"deterministic_typo", cpu({{"deterministic", "warning"}}), kClean, "invalid_flags", {"deterministic=\"warning\": pass true, false or \"warn\""}},
-    {"deterministic_and_benchmark", {{"deterministic", "true"}, {"benchmark", "true"}, {"accelerator", "cuda"}}, kClean, "invalid_flags", {"deterministic=true and benchmark=true"}},
+    {"deterministic_and_benchmark", {{"deterministic", "true"}, {"benchmark", "true"}, {"accelerator", "cuda"}}, kClean, "invalid_flags", {"deterministic=true and benchmark=true", "accelerator=\"cuda\" is not available on this machine"}},
     {"benchmark_on_cpu", cpu({{"benchmark", "true"}}), kClean, "invalid_flags", {"benchmark=true with accelerator=\"cpu\""}},
     {"benchmark_auto_without_cuda", {{"benchmark", "true"}}, kClean, "invalid_flags", {"benchmark=true, but accelerator=auto chose \"cpu\""}},
     {"sync_batchnorm_manual", cpu({{"sync_batchnorm", "true"}, {"strategy", "manual"}, {"devices", "2"}}), kClean, "invalid_flags", {"sync_batchnorm=true with strategy=\"manual\", which cannot synchronise BatchNorm statistics (under manual the Module connects its fulgur::nn::SyncBatchNorm layers itself"}},
@@ -276,6 +278,25 @@ std::vector<Case> cases() {
      {"precision=\"99\"", "not device indices"}},
     {"benchmark_and_deterministic_on_cpu", cpu({{"benchmark", "true"}, {"deterministic", "true"}}), kClean, "invalid_flags",
      {"deterministic=true and benchmark=true", "benchmark=true with accelerator=\"cpu\""}},
+    // Across phases: a flag that does not parse, phase 1's problems and the
+    // checks of phase 2 whose own inputs are valid, in one error.
+    {"unknown_strategy_and_bad_sync_batchnorm_value", {{"strategy", "xyz"}, {"sync_batchnorm", "-1"}}, kClean, "invalid_flags",
+     {"--sync_batchnorm -1: pass true or false", "strategy=\"xyz\": unknown strategy"}},
+    {"unknown_strategy_and_rank_out_of_range", cpu({{"strategy", "dpp"}, {"devices", "2"}}), merged(kTorchrun1x2, {{"RANK", "5"}}), "invalid_flags",
+     {"strategy=\"dpp\"", "RANK=5 (cluster environment \"torchelastic\") is outside 0..1"}},
+    {"unknown_plugin_and_cuda_unavailable", {{"accelerator", "cuda"}, {"plugins", "slrum"}}, kClean, "invalid_flags",
+     {"plugins[0]=\"slrum\"", "accelerator=\"cuda\" is not available on this machine"}},
+    {"cuda_unavailable_and_two_nodes_without_rendezvous", {{"accelerator", "cuda"}, {"num_nodes", "2"}}, kClean, "unavailable",
+     {"accelerator=\"cuda\" is not available", "missing: MASTER_ADDR, MASTER_PORT, NODE_RANK"}},
+    {"bad_environment_and_unknown_precision", cpu({{"precision", "17"}}), {{"MASTER_PORT", "99999"}}, "invalid_flags",
+     {"precision=\"17\"", "MASTER_PORT=99999 is not a TCP port"}},
+    // Integers that do not fit are errors, never clamped.
+    {"num_nodes_beyond_int", cpu({{"num_nodes", "99999999999999999999"}}), kClean, "invalid_flags",
+     {"--num_nodes 99999999999999999999: out of range"}},
+    {"num_nodes_beyond_int_negative", cpu({{"num_nodes", "-99999999999999999999"}}), kClean, "invalid_flags",
+     {"--num_nodes -99999999999999999999: out of range"}},
+    {"num_nodes_just_beyond_int", cpu({{"num_nodes", "2147483648"}}), kClean, "invalid_flags",
+     {"--num_nodes 2147483648: out of range"}},
   };
   c.insert(c.end(), failures.begin(), failures.end());
   return c;
@@ -285,11 +306,11 @@ std::vector<Case> cases() {
 class ResolutionTable : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ResolutionTable, ResolvesOrReportsEveryProblem) {
-  if (torch::cuda::is_available()) GTEST_SKIP() << "the table assumes a machine without CUDA";
   const Case& c = GetParam();
+  const fulgur::test::FakeMachine no_gpu(0, c.env);
   try {
-    auto options = fulgur::options_from_flags(c.flags);
-    auto result = fulgur::connect(options, fulgur::EnvView(c.env));
+    auto parsed = fulgur::parse_flags(c.flags);
+    auto result = fulgur::connect(parsed.options, no_gpu.context(), parsed.problems);
     ASSERT_TRUE(c.problems.empty()) << "resolved, but expected " << c.expected << " with "
                                     << fulgur::join(c.problems, " | ") << "\n"
                                     << result.resolution.to_json();
@@ -329,10 +350,10 @@ TEST(ResolutionTable, HasAtLeast120Cases) { EXPECT_GE(cases().size(), 120u); }
 // ---- Notes: every default chosen, with its reason.
 
 TEST(ResolutionNotes, StateEachDefaultAndWhy) {
-  if (torch::cuda::is_available()) GTEST_SKIP() << "the notes assume a machine without CUDA";
-  auto notes = [](const Flags& flags, const Vars& env) {
+  const fulgur::test::FakeMachine no_gpu(0);
+  auto notes = [&](const Flags& flags, const Vars& env) {
     return fulgur::join(
-        fulgur::connect(fulgur::options_from_flags(flags), fulgur::EnvView(env)).resolution.notes,
+        fulgur::connect(fulgur::options_from_flags(flags), no_gpu.context(env)).resolution.notes,
         "\n");
   };
   EXPECT_TRUE(fulgur::test::message_contains(
@@ -353,56 +374,51 @@ TEST(ResolutionNotes, StateEachDefaultAndWhy) {
   EXPECT_EQ(notes({{"devices", "2"}}, kTorchrun1x2).find("launcher="), std::string::npos);
 }
 
-// ---- JSON.
+// ---- The same connector on a machine with two GPUs.
 
-TEST(ResolutionJson, HasExactlyTheDocumentedKeysInOrder) {
-  fulgur::Resolution r;
-  r.accelerator = "cpu";
-  r.strategy = "ddp";
-  r.launcher = "subprocess_script";
-  r.precision = "bf16-mixed";
-  r.cluster_environment = "lightning";
-  r.num_devices = 2;
-  r.world_size = 2;
-  r.parallel_devices = {"cpu", "cpu"};
-  r.deterministic = "warn";
-  r.notes = {"a \"quoted\" note\twith a tab"};
-  EXPECT_EQ(r.to_json(),
-            "{\n"
-            "  \"accelerator\": \"cpu\",\n"
-            "  \"strategy\": \"ddp\",\n"
-            "  \"launcher\": \"subprocess_script\",\n"
-            "  \"precision\": \"bf16-mixed\",\n"
-            "  \"cluster_environment\": \"lightning\",\n"
-            "  \"num_nodes\": 1,\n"
-            "  \"num_devices\": 2,\n"
-            "  \"world_size\": 2,\n"
-            "  \"global_rank\": 0,\n"
-            "  \"local_rank\": 0,\n"
-            "  \"node_rank\": 0,\n"
-            "  \"parallel_devices\": [\n    \"cpu\",\n    \"cpu\"\n  ],\n"
-            "  \"deterministic\": \"warn\",\n"
-            "  \"sync_batchnorm\": false,\n"
-            "  \"notes\": [\n    \"a \\\"quoted\\\" note\\twith a tab\"\n  ]\n"
-            "}\n");
-  r.launcher.clear();
-  r.deterministic = "true";
-  r.notes.clear();
-  const auto json = r.to_json();
-  EXPECT_NE(json.find("\"launcher\": null,"), std::string::npos) << json;
-  EXPECT_NE(json.find("\"deterministic\": true,"), std::string::npos) << json;
-  EXPECT_NE(json.find("\"notes\": []\n"), std::string::npos) << json;
+TEST(ResolutionOnAGpuMachine, AutoPicksCudaAndEveryGpu) {
+  const fulgur::test::FakeMachine two_gpus(2);
+  auto result = fulgur::connect(fulgur::TrainerOptions{}, two_gpus.context());
+  const auto& r = result.resolution;
+  EXPECT_EQ(summary(r), "cuda ddp subprocess_script 32-true lightning 1 2 2 0 0 0");
+  EXPECT_EQ(r.parallel_devices, (std::vector<std::string>{"cuda:0", "cuda:1"}));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      fulgur::join(r.notes, "\n"),
+      {"accelerator=cuda because accelerator=auto and CUDA is available",
+       "devices=2 because devices=auto on cuda", "strategy=ddp because devices=2"}));
 }
 
-TEST(ResolutionJson, ErrorsListEveryProblemAndTheMessage) {
-  fulgur::FlagError error("invalid_flags", {"devices=0: selects no device.", "num_nodes=0: bad"});
-  EXPECT_EQ(fulgur::to_json(error),
-            "{\n"
-            "  \"error\": \"invalid_flags\",\n"
-            "  \"problems\": [\n    \"devices=0: selects no device.\",\n    \"num_nodes=0: bad\"\n  ],\n"
-            "  \"message\": \"Trainer: 2 problems with the flags:\\n  - devices=0: selects no "
-            "device.\\n  - num_nodes=0: bad\"\n"
-            "}\n");
+TEST(ResolutionOnAGpuMachine, ChoosesDevicesAndChecksWhatCudaCannotDo) {
+  const fulgur::test::FakeMachine two_gpus(2);
+  auto resolve = [&](const Flags& flags) {
+    return fulgur::connect(fulgur::options_from_flags(flags), two_gpus.context()).resolution;
+  };
+  EXPECT_EQ(summary(resolve({{"devices", "1"}})),
+            "cuda single_device - 32-true lightning 1 1 1 0 0 0");
+  EXPECT_EQ(resolve({{"accelerator", "gpu"}, {"devices", "1,"}}).parallel_devices,
+            (std::vector<std::string>{"cuda:1"}));
+  EXPECT_EQ(resolve({{"devices", "1"}, {"precision", "16-mixed"}}).precision, "16-mixed");
+  EXPECT_TRUE(resolve({{"devices", "1"}, {"benchmark", "true"}}).benchmark);
+  EXPECT_EQ(summary(resolve({{"accelerator", "cpu"}})),
+            "cpu single_device - 32-true lightning 1 1 1 0 0 0");
+  auto problems = [&](const Flags& flags) {
+    try {
+      resolve(flags);
+    } catch (const fulgur::FlagError& e) {
+      return fulgur::join(e.problems(), " | ");
+    }
+    return std::string("resolved");
+  };
+  EXPECT_TRUE(fulgur::test::message_contains(problems({{"devices", "3"}}),
+                                             {"asked for 3 GPUs but 2 are visible"}));
+  EXPECT_TRUE(fulgur::test::message_contains(problems({{"devices", "0,2"}}),
+                                             {"GPU index 2 does not exist"}));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      problems({{"strategy", "ddp_fork"}, {"devices", "2"}}),
+      {"strategy \"ddp_fork\" forks its ranks, which cannot use CUDA"}));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      problems({{"devices", "2"}, {"deterministic", "true"}, {"benchmark", "true"}}),
+      {"deterministic=true and benchmark=true"}));
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -70,15 +71,63 @@ class ClusterEnvironment {
   RankSources rank_sources_;
 };
 
-using ClusterEnvironmentRegistry = Registry<ClusterEnvironment, const EnvView&>;
+/// The cluster environments by name, and how each is recognised. An entry
+/// may declare a detector with a priority; detect() asks the detectors from
+/// the highest priority down and falls back to "lightning" (fulgur creates
+/// the processes), so an environment a user registers is detected like a
+/// built-in:
+///
+///   auto& r = fulgur::cluster_environment_registry();
+///   r.add("my_scheduler", "...", [](const EnvView& env) { return ...; });
+///   r.set_detector("my_scheduler", 600, [](const EnvView& env) {
+///     return env.has("MY_SCHED_RANK") ? Detection::match("MY_SCHED_RANK is set")
+///                                     : Detection::no();
+///   });
+class ClusterEnvironmentRegistry : public Registry<ClusterEnvironment, const EnvView&> {
+ public:
+  /// A detector's verdict. `reason` completes "cluster_environment=NAME
+  /// because ..." when it matches; a detector that declines may still say
+  /// why (a note: "SLURM_NTASKS is set but ... interactive").
+  struct Detection {
+    bool matched = false;
+    std::string reason;
+    static Detection match(std::string why) { return {true, std::move(why)}; }
+    static Detection no(std::string why = {}) { return {false, std::move(why)}; }
+  };
+  using Detector = std::function<Detection(const EnvView&)>;
+
+  using Registry::Registry;
+
+  /// Makes the registered environment `name` detectable (replacing its
+  /// detector if it has one). Higher priorities are asked first. The
+  /// built-ins: torchelastic 500 (torchrun runs inside other schedulers'
+  /// jobs), slurm 400, mpi 300 (srun --mpi=pmi2 sets PMI_* too), lsf 200,
+  /// kubeflow 100 (its variables are the most generic). Throws ConfigError
+  /// when `name` is not registered, or another detector has this priority.
+  void set_detector(const std::string& name, int priority, Detector detector);
+
+  /// The environment `env` describes, created from its entry; "lightning"
+  /// when no detector matches. Appends to `notes` (when not null) which one
+  /// was chosen and why, and what declining detectors said.
+  std::unique_ptr<ClusterEnvironment> detect(const EnvView& env,
+                                             std::vector<std::string>* notes) const;
+
+  /// Detectable names, highest priority first.
+  std::vector<std::string> detection_order() const;
+
+ private:
+  struct DetectorEntry {
+    std::string name;
+    int priority;
+    Detector detect;
+  };
+  std::vector<DetectorEntry> detectors_;  // highest priority first
+};
+
 /// lightning, torchelastic, slurm, mpi, lsf, kubeflow, and what users add.
 ClusterEnvironmentRegistry& cluster_environment_registry();
 
-/// The environment this process runs in, checked in order torchelastic,
-/// slurm, mpi, lsf, kubeflow, else lightning (fulgur creates the processes).
-/// Appends to `notes` (when not null) which one was chosen and which
-/// variables decided it; nothing for plain lightning on an empty
-/// environment.
+/// cluster_environment_registry().detect(env, notes).
 std::unique_ptr<ClusterEnvironment> detect_cluster_environment(const EnvView& env,
                                                                std::vector<std::string>* notes);
 

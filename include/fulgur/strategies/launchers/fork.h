@@ -19,9 +19,11 @@ class ForkLauncher : public Launcher {
   ForkLauncher(ParallelStrategy& strategy, Supervision supervision);
   std::string_view name() const override { return "fork"; }
   bool is_interactive_compatible() const override { return true; }
-  /// Returns in the calling process once every rank exited 0, after
-  /// results.load; throws DistributedError when one failed.
-  void launch(const std::function<void()>& fn, const LaunchResults& results) override;
+  bool returns_to_caller() const override { return true; }
+  /// Returns in the calling process once every rank exited 0, with what
+  /// global rank 0's fn returned (through a file in a private temporary
+  /// directory); throws DistributedError when one failed.
+  std::optional<std::string> launch(const std::function<std::string()>& fn) override;
 
  private:
   ParallelStrategy& strategy_;

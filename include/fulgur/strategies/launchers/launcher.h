@@ -2,10 +2,17 @@
 //
 // A Launcher creates the worker processes of one node and runs a function on
 // every rank. It is owned by its Strategy; the Trainer asks the strategy for
-// it and, when there is one, calls launch(fn, results) instead of fn().
+// it and, when there is one, calls launch(fn) instead of running the stage
+// itself. Where the calling process goes on after the ranks (fork), it gets
+// back the bytes global rank 0's fn returned: the Trainer decides what they
+// hold, the launcher only carries them.
 //
-//   if (auto* launcher = strategy.launcher()) launcher->launch(run, results);
-//   else run();
+//   if (auto* launcher = strategy.launcher()) {
+//     auto bytes = launcher->launch([&] { run(); return results_of_rank_0(); });
+//     if (bytes) take(*bytes);
+//   } else {
+//     run();
+//   }
 //
 // The launching process is the parent of every local rank: it forwards
 // their output, reaps them all, and when one dies (exit code, signal, a
@@ -14,18 +21,11 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 
 namespace fulgur {
-
-/// How rank 0's results reach the calling process (fork launcher): `save`
-/// runs on global rank 0 after fn, writing to `path`; `load` runs in the
-/// calling process once every rank succeeded.
-struct LaunchResults {
-  std::function<void(const std::string& path)> save;
-  std::function<void(const std::string& path)> load;
-};
 
 class Launcher {
  public:
@@ -34,9 +34,14 @@ class Launcher {
   virtual std::string_view name() const = 0;
   /// Whether it can run from an interactive session (no re-executed script).
   virtual bool is_interactive_compatible() const = 0;
+  /// Whether the calling process is not one of the ranks and goes on after
+  /// launch() (fork): then it has only what rank 0's fn returned, so a stage
+  /// whose results cannot travel as bytes must be refused before launching.
+  virtual bool returns_to_caller() const = 0;
   /// Runs `fn` on every local rank. Throws DistributedError when a rank
-  /// fails. See each launcher for what the calling process does after.
-  virtual void launch(const std::function<void()>& fn, const LaunchResults& results) = 0;
+  /// fails. Returns, where returns_to_caller(), the bytes global rank 0's
+  /// `fn` returned (nullopt on other nodes); see each launcher for the rest.
+  virtual std::optional<std::string> launch(const std::function<std::string()>& fn) = 0;
 };
 
 }  // namespace fulgur

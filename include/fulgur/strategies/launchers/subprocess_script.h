@@ -34,8 +34,11 @@ class SubprocessScriptLauncher : public Launcher {
   SubprocessScriptLauncher(ParallelStrategy& strategy, Supervision supervision);
   std::string_view name() const override { return "subprocess_script"; }
   bool is_interactive_compatible() const override { return false; }
-  /// Does not return on success: the process exits 0 once every rank has.
-  void launch(const std::function<void()>& fn, const LaunchResults& results) override;
+  /// Every rank re-runs the whole program; the launching process only waits.
+  bool returns_to_caller() const override { return false; }
+  /// Does not return on success: the process exits 0 once every rank has
+  /// (`fn` is not called here: each rank runs the program itself).
+  std::optional<std::string> launch(const std::function<std::string()>& fn) override;
 
  private:
   ParallelStrategy& strategy_;

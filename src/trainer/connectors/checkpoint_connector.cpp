@@ -12,6 +12,8 @@
 //   rng                    archive  every RNG state
 //   hparams                archive  the module's hyper-parameters
 //   module                 archive  what Module::on_save_checkpoint adds
+#include "trainer/connectors/checkpoint_connector.h"
+
 #include <torch/torch.h>
 
 #include <filesystem>
@@ -23,7 +25,7 @@
 #include "fulgur/utilities/seed.h"
 #include "trainer/trainer_impl.h"
 
-namespace fulgur {
+namespace fulgur::detail {
 
 namespace {
 
@@ -62,45 +64,46 @@ InputArchive read_section(InputArchive& archive, const char* key, const std::str
 
 }  // namespace
 
-void Trainer::Impl::dump_checkpoint(OutputArchive& archive) {
-  FULGUR_ASSERT(module != nullptr, "dump_checkpoint without a module");
+void CheckpointConnector::dump(OutputArchive& archive) {
+  FULGUR_ASSERT(trainer_.module != nullptr, "dump() without a module");
   auto cu = archive.compilation_unit();
   archive.write("fulgur_format_version", c10::IValue(kFormatVersion));
   archive.write("fulgur_version", c10::IValue(std::string(kVersion)));
 
   OutputArchive state(cu);
-  strategy->save_module_state(*module, state);
+  trainer_.strategy->save_module_state(*trainer_.module, state);
   archive.write("state_dict", state);
 
   OutputArchive optimizers(cu);
-  optimizers.write("count", c10::IValue(static_cast<int64_t>(optimizer_config.optimizers.size())));
-  for (size_t i = 0; i < optimizer_config.optimizers.size(); ++i) {
+  optimizers.write("count", c10::IValue(static_cast<int64_t>(trainer_.fit_loop.optimizers().optimizers.size())));
+  for (size_t i = 0; i < trainer_.fit_loop.optimizers().optimizers.size(); ++i) {
     OutputArchive one(cu);
-    optimizer_config.optimizers[i]->save(one);
+    trainer_.fit_loop.optimizers().optimizers[i]->save(one);
     optimizers.write(std::to_string(i), one);
   }
   archive.write("optimizer_states", optimizers);
 
   c10::List<int64_t> steps;
-  for (auto& s : optimizer_config.schedulers) {
+  for (auto& s : trainer_.fit_loop.optimizers().schedulers) {
     steps.push_back(SchedulerAccess::step_count(*s.scheduler));
   }
   archive.write("lr_schedulers", c10::IValue(steps));
 
   OutputArchive precision(cu);
-  strategy->precision().save_state(precision);
+  trainer_.strategy->precision().save_state(precision);
   archive.write("precision", precision);
 
+  const FitProgress progress = trainer_.fit_loop.progress();
   OutputArchive loops(cu);
-  loops.write("epoch", c10::IValue(current_epoch));
-  loops.write("global_step", c10::IValue(global_step));
-  loops.write("batch_position", c10::IValue(batch_position));
-  loops.write("batches_that_stepped", c10::IValue(batches_that_stepped));
-  loops.write("epoch_done", c10::IValue(in_epoch_end));
-  loops.write("validated_at_position", c10::IValue(validated_at_position));
+  loops.write("epoch", c10::IValue(progress.epoch));
+  loops.write("global_step", c10::IValue(progress.global_step));
+  loops.write("batch_position", c10::IValue(progress.batch_position));
+  loops.write("batches_that_stepped", c10::IValue(progress.batches_that_stepped));
+  loops.write("epoch_done", c10::IValue(progress.epoch_done));
+  loops.write("validated_at_position", c10::IValue(progress.validated_at_position));
   archive.write("loops", loops);
 
-  if (train_loader) {
+  if (DataLoader* train_loader = trainer_.fit_loop.train_loader()) {
     OutputArchive loader(cu);
     train_loader->save_state(loader);
     archive.write("train_loader", loader);
@@ -113,19 +116,19 @@ void Trainer::Impl::dump_checkpoint(OutputArchive& archive) {
   archive.write("rng", rng);
 
   OutputArchive hparams(cu);
-  for (const auto& [key, value] : module->hparams()) {
+  for (const auto& [key, value] : trainer_.module->hparams()) {
     std::visit([&](const auto& v) { hparams.write(key, c10::IValue(v)); }, value);
   }
   archive.write("hparams", hparams);
 
   OutputArchive extra(cu);
-  module->on_save_checkpoint(extra);
+  trainer_.module->on_save_checkpoint(extra);
   archive.write("module", extra);
 }
 
-void Trainer::Impl::save_callback_states(OutputArchive& archive) {
+void CheckpointConnector::save_callback_states(OutputArchive& archive) {
   OutputArchive cbs(archive.compilation_unit());
-  for (auto& cb : callbacks) {
+  for (auto& cb : trainer_.callbacks) {
     OutputArchive one(archive.compilation_unit());
     cb->save_state(one);
     cbs.write(cb->state_key(), one);
@@ -133,32 +136,32 @@ void Trainer::Impl::save_callback_states(OutputArchive& archive) {
   archive.write("callbacks", cbs);
 }
 
-void Trainer::Impl::load_callback_states(InputArchive& archive) {
+void CheckpointConnector::load_callback_states(InputArchive& archive) {
   InputArchive cbs;
   if (!archive.try_read("callbacks", cbs)) return;
-  for (auto& cb : callbacks) {
+  for (auto& cb : trainer_.callbacks) {
     InputArchive one;
     if (cbs.try_read(cb->state_key(), one)) cb->load_state(one);
   }
 }
 
-void Trainer::Impl::save_checkpoint(const std::string& path) {
-  if (module == nullptr) {
+void CheckpointConnector::save(const std::string& path) {
+  if (trainer_.module == nullptr) {
     throw ConfigError(str("Trainer.save_checkpoint(\"", path, "\"): no module is attached. Call "
                           "it during fit (e.g. from a callback)."));
   }
   OutputArchive archive;
-  dump_checkpoint(archive);
-  strategy->save_checkpoint(archive, path);
+  dump(archive);
+  trainer_.strategy->save_checkpoint(archive, path);
 }
 
-std::string Trainer::Impl::resolve_ckpt_path(const std::string& ckpt_path) const {
+std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) const {
   if (ckpt_path != "last") return ckpt_path;
-  std::string dir = checkpoint_callback && !checkpoint_callback->dirpath().empty()
-                        ? checkpoint_callback->dirpath()
-                        : (checkpoint_callback && !checkpoint_callback->options().dirpath.empty()
-                               ? checkpoint_callback->options().dirpath
-                               : (std::filesystem::path(root_dir()) / "checkpoints").string());
+  std::string dir = trainer_.checkpoint_callback && !trainer_.checkpoint_callback->dirpath().empty()
+                        ? trainer_.checkpoint_callback->dirpath()
+                        : (trainer_.checkpoint_callback && !trainer_.checkpoint_callback->options().dirpath.empty()
+                               ? trainer_.checkpoint_callback->options().dirpath
+                               : (std::filesystem::path(trainer_.root_dir()) / "checkpoints").string());
   auto last = (std::filesystem::path(dir) / "last.ckpt").string();
   std::error_code ec;
   if (!std::filesystem::exists(last, ec)) {
@@ -169,9 +172,9 @@ std::string Trainer::Impl::resolve_ckpt_path(const std::string& ckpt_path) const
   return last;
 }
 
-void Trainer::Impl::restore_checkpoint(const std::string& path, bool full) {
+void CheckpointConnector::restore(const std::string& path, bool full) {
   InputArchive archive;
-  strategy->load_checkpoint(path, archive);
+  trainer_.strategy->load_checkpoint(path, archive);
   c10::IValue version;
   if (!archive.try_read("fulgur_format_version", version) || !version.isInt()) {
     auto keys = archive.keys();
@@ -189,28 +192,28 @@ void Trainer::Impl::restore_checkpoint(const std::string& path, bool full) {
 
   auto state = read_section(archive, "state_dict", path);
   try {
-    strategy->load_module_state(*module, state);
+    trainer_.strategy->load_module_state(*trainer_.module, state);
   } catch (const c10::Error& e) {
-    throw CheckpointError(str("checkpoint \"", path, "\" does not fit module ", module->name(),
+    throw CheckpointError(str("checkpoint \"", path, "\" does not fit module ", trainer_.module->name(),
                               ": ", e.what_without_backtrace(),
                               ". Build the same model (same layers and sizes) before loading."));
   }
   InputArchive extra;
-  if (archive.try_read("module", extra)) module->on_load_checkpoint(extra);
+  if (archive.try_read("module", extra)) trainer_.module->on_load_checkpoint(extra);
   if (!full) return;
 
   auto optimizers = read_section(archive, "optimizer_states", path);
   int64_t count = read_int(optimizers, "count", path);
-  if (count != static_cast<int64_t>(optimizer_config.optimizers.size())) {
+  if (count != static_cast<int64_t>(trainer_.fit_loop.optimizers().optimizers.size())) {
     throw CheckpointError(str("checkpoint \"", path, "\" holds ", count,
                               " optimizer state(s) but configure_optimizers returned ",
-                              optimizer_config.optimizers.size(),
+                              trainer_.fit_loop.optimizers().optimizers.size(),
                               ". Resume with the same optimizers it was trained with."));
   }
   for (int64_t i = 0; i < count; ++i) {
     InputArchive one = read_section(optimizers, std::to_string(i).c_str(), path);
     try {
-      optimizer_config.optimizers[static_cast<size_t>(i)]->load(one);
+      trainer_.fit_loop.optimizers().optimizers[static_cast<size_t>(i)]->load(one);
     } catch (const c10::Error& e) {
       throw CheckpointError(str("checkpoint \"", path, "\": optimizer ", i,
                                 " state does not fit: ", e.what_without_backtrace(),
@@ -221,42 +224,34 @@ void Trainer::Impl::restore_checkpoint(const std::string& path, bool full) {
   c10::IValue steps;
   if (archive.try_read("lr_schedulers", steps) && steps.isIntList()) {
     auto list = steps.toIntList();
-    if (list.size() != optimizer_config.schedulers.size()) {
+    if (list.size() != trainer_.fit_loop.optimizers().schedulers.size()) {
       throw CheckpointError(str("checkpoint \"", path, "\" holds ", list.size(),
                                 " scheduler state(s) but configure_optimizers returned ",
-                                optimizer_config.schedulers.size(),
+                                trainer_.fit_loop.optimizers().schedulers.size(),
                                 ". Resume with the same schedulers."));
     }
     for (size_t i = 0; i < list.size(); ++i) {
-      SchedulerAccess::step_count(*optimizer_config.schedulers[i].scheduler) =
+      SchedulerAccess::step_count(*trainer_.fit_loop.optimizers().schedulers[i].scheduler) =
           static_cast<unsigned>(list.get(i));
     }
   }
 
   InputArchive precision;
-  if (archive.try_read("precision", precision)) strategy->precision().load_state(precision);
+  if (archive.try_read("precision", precision)) trainer_.strategy->precision().load_state(precision);
 
   auto loops = read_section(archive, "loops", path);
-  int64_t epoch = read_int(loops, "epoch", path);
-  global_step = read_int(loops, "global_step", path);
-  batches_that_stepped = read_int(loops, "batches_that_stepped", path);
-  int64_t position = read_int(loops, "batch_position", path);
-  validated_at_position = read_int(loops, "validated_at_position", path);
+  FitProgress progress;
+  progress.epoch = read_int(loops, "epoch", path);
+  progress.global_step = read_int(loops, "global_step", path);
+  progress.batches_that_stepped = read_int(loops, "batches_that_stepped", path);
+  progress.batch_position = read_int(loops, "batch_position", path);
+  progress.validated_at_position = read_int(loops, "validated_at_position", path);
   c10::IValue epoch_done;
   loops.read("epoch_done", epoch_done);
-  if (epoch_done.toBool()) {
-    // Written during on_train_epoch_end: that epoch is complete.
-    current_epoch = epoch + 1;
-    validated_at_position = -1;
-  } else {
-    current_epoch = epoch;
-    InputArchive loader;
-    if (train_loader && archive.try_read("train_loader", loader)) {
-      train_loader->load_state(loader, position);
-    } else if (train_loader) {
-      train_loader->seek(epoch, position);
-    }
-  }
+  progress.epoch_done = epoch_done.toBool();
+  InputArchive loader;
+  const bool has_loader_state = archive.try_read("train_loader", loader);
+  trainer_.fit_loop.restore(progress, has_loader_state ? &loader : nullptr);
 
   load_callback_states(archive);
   // Last: nothing above may draw random numbers after the RNGs are restored.
@@ -264,4 +259,4 @@ void Trainer::Impl::restore_checkpoint(const std::string& path, bool full) {
   if (archive.try_read("rng", rng)) load_rng_states(rng);
 }
 
-}  // namespace fulgur
+}  // namespace fulgur::detail

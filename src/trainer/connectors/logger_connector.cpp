@@ -1,15 +1,17 @@
-// What a Module logs: step values and epoch aggregates (weighted means by
-// batch size, sums, extremes), optionally reduced across ranks, published to
-// callback_metrics, the progress bar and the loggers.
+// The logger connector. What a Module logs: step values and epoch aggregates
+// (weighted means by batch size, sums, extremes), optionally reduced across
+// ranks, published to callback_metrics, the progress bar and the loggers.
+#include "trainer/connectors/logger_connector.h"
+
 #include <torch/torch.h>
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <string>
 
 #include "fulgur/core/errors.h"
-#include "trainer/trainer_impl.h"
+#include "fulgur/strategies/strategy.h"
 
 namespace fulgur {
 namespace detail {
@@ -149,10 +151,13 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
   return out;
 }
 
-}  // namespace detail
+void LoggerConnector::reset_metrics() {
+  callback_metrics_.clear();
+  progress_bar_metrics_.clear();
+}
 
-void Trainer::Impl::publish(const std::vector<detail::LogSink::Value>& values,
-                            const char* suffix, bool to_loggers) {
+void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const char* suffix,
+                              bool to_loggers, bool global_zero, int64_t epoch, int64_t step) {
   const std::string_view sfx(suffix);
   // Updates in place: a key published before allocates nothing.
   // (Metrics has no heterogeneous lookup: the key goes through one reused string.)
@@ -167,37 +172,49 @@ void Trainer::Impl::publish(const std::vector<detail::LogSink::Value>& values,
     }
   };
   for (const auto& v : values) {
-    set(callback_metrics, v.name, v.value);
+    set(callback_metrics_, v.name, v.value);
     std::string_view name(v.name);
     if (name.size() > sfx.size() && name.substr(name.size() - sfx.size()) == sfx) {
-      set(callback_metrics, name.substr(0, name.size() - sfx.size()), v.value);
+      set(callback_metrics_, name.substr(0, name.size() - sfx.size()), v.value);
     }
-    if (v.prog_bar) set(progress_bar_metrics, v.name, v.value);
+    if (v.prog_bar) set(progress_bar_metrics_, v.name, v.value);
   }
   // The loggers' row is built only on the steps that reach them.
-  if (!to_loggers || loggers.empty() || !strategy->is_global_zero()) return;
+  if (!to_loggers || loggers_.empty() || !global_zero) return;
   Metrics row;
   for (const auto& v : values) {
     if (v.logger) row[v.name] = v.value;
   }
   if (row.empty()) return;
-  row["epoch"] = static_cast<double>(current_epoch);
-  for (auto& logger : loggers) logger->log_metrics(row, global_step);
+  row["epoch"] = static_cast<double>(epoch);
+  for (auto& logger : loggers_) logger->log_metrics(row, step);
 }
 
-void Trainer::Impl::publish_step_metrics() {
-  bool to_loggers = batches_that_stepped > 0 &&
-                    batches_that_stepped % options.log_every_n_steps == 0 && !sanity_checking;
-  publish(train_log.collect_step(), "_step", to_loggers);
-  train_log.clear_step_flags();
+void LoggerConnector::publish_step(const Strategy& strategy, bool to_loggers, int64_t epoch,
+                                   int64_t step) {
+  publish(train_sink_.collect_step(), "_step", to_loggers, strategy.is_global_zero(), epoch,
+          step);
+  train_sink_.clear_step_flags();
 }
 
-Metrics Trainer::Impl::publish_epoch_metrics(detail::LogSink& sink) {
-  auto values = sink.collect_epoch(*strategy);
+Metrics LoggerConnector::publish_epoch(LogSink& sink, Strategy& strategy, bool sanity_checking,
+                                       int64_t epoch, int64_t step) {
+  auto values = sink.collect_epoch(strategy);
   Metrics out;
   for (const auto& v : values) out[v.name] = v.value;
-  if (!sanity_checking) publish(values, "_epoch", /*to_loggers=*/true);
+  if (!sanity_checking) {
+    publish(values, "_epoch", /*to_loggers=*/true, strategy.is_global_zero(), epoch, step);
+  }
   return out;
 }
 
+void LoggerConnector::log_hyperparams(const HParams& hparams) {
+  for (auto& logger : loggers_) logger->log_hyperparams(hparams);
+}
+
+void LoggerConnector::finalize() {
+  for (auto& logger : loggers_) logger->finalize();
+}
+
+}  // namespace detail
 }  // namespace fulgur

@@ -134,6 +134,24 @@ TEST(Evaluation, NoDataIsAConfigError) {
   EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.predict(model, nullptr), {"predict", "no data"});
 }
 
+// Under the fork launcher the calling process is not a rank and gets back
+// only what rank 0 sends: predictions cannot travel, so predict is refused
+// before any rank starts (nothing runs, nothing is predicted).
+TEST(Evaluation, PredictUnderTheForkLauncherIsRefusedBeforeAnyRankStarts) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.accelerator = "cpu";
+  options.strategy = "ddp_fork";
+  options.devices = 2;
+  fulgur::Trainer trainer(options);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.predict(model, uneven_loader()),
+                     {"Trainer.predict under strategy \"ddp_fork\" (launcher fork)",
+                      "never come back to this process", "strategy=\"ddp\""});
+  EXPECT_EQ(model.predict_steps, 0);
+  EXPECT_FALSE(model.has_trainer());
+}
+
 TEST(Evaluation, ModuleWithoutTestStepIsAConfigError) {
   class NoTestStep : public fulgur::Module {
    public:

@@ -1,0 +1,47 @@
+// Private: the checkpoint connector. The training state as a checkpoint
+// (module, optimizers, schedulers, precision, the fit loop's progress, the
+// training loader, callbacks, RNGs, hyper-parameters, the module's extras)
+// written and read through the strategy, and which file `ckpt_path` names.
+// Not installed.
+#pragma once
+
+#include <string>
+
+#include "fulgur/trainer/trainer.h"
+
+namespace torch::serialize {
+class InputArchive;
+class OutputArchive;
+}  // namespace torch::serialize
+
+namespace fulgur::detail {
+
+class CheckpointConnector {
+ public:
+  explicit CheckpointConnector(Trainer::Impl& trainer) : trainer_(trainer) {}
+  CheckpointConnector(const CheckpointConnector&) = delete;
+  CheckpointConnector& operator=(const CheckpointConnector&) = delete;
+
+  /// The complete training state of the attached module into `archive`.
+  void dump(torch::serialize::OutputArchive& archive);
+  /// dump() written to `path` through the strategy (its checkpoint IO).
+  void save(const std::string& path);
+  /// `ckpt_path` as a file: "last" is the newest last.ckpt of this run's
+  /// checkpoint directory (CheckpointError when there is none); anything
+  /// else is returned as given ("" for none).
+  std::string resolve_path(const std::string& ckpt_path) const;
+  /// Loads `path` into the module, and with `full` everything else a fit
+  /// resumes from. CheckpointError names the file and what does not fit.
+  void restore(const std::string& path, bool full);
+
+  /// Every callback's state under "callbacks", one archive per state_key()
+  /// (checkpoints, and a forked run's results); loading skips callbacks the
+  /// archive has no state for.
+  void save_callback_states(torch::serialize::OutputArchive& archive);
+  void load_callback_states(torch::serialize::InputArchive& archive);
+
+ private:
+  Trainer::Impl& trainer_;
+};
+
+}  // namespace fulgur::detail

@@ -1,0 +1,116 @@
+// Private: the logger connector. What a Module logs goes into a LogSink
+// (one for training, one for evaluation); the connector publishes it to the
+// callback metrics, the progress bar's metrics and the loggers, and owns all
+// of them. Not installed.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "fulgur/core/module.h"
+#include "fulgur/loggers/logger.h"
+#include "fulgur/trainer/trainer.h"
+
+namespace fulgur {
+
+class Strategy;
+
+namespace detail {
+
+/// Collects what a Module logs during one loop (training or evaluation):
+/// step values, and epoch aggregates weighted by batch size.
+class LogSink {
+ public:
+  struct Entry {
+    LogOptions options;
+    bool on_step = false;
+    bool on_epoch = false;
+    double step_value = 0.0;
+    bool step_fresh = false;  // logged since the last collect_step()
+    double epoch_sum = 0.0;   // mean: weighted sum; sum: sum; max/min: extreme
+    double epoch_weight = 0.0;
+    bool epoch_has_value = false;
+  };
+
+  /// Defaults for unset on_step/on_epoch: per step inside training_step,
+  /// per epoch everywhere else (evaluation steps, epoch hooks).
+  void set_context(bool training_step, int64_t batch_size) {
+    in_step_ = training_step;
+    batch_size_ = batch_size;
+  }
+  void log(std::string_view name, double value, const LogOptions& options);
+
+  /// A value ready to publish, under its published name.
+  struct Value {
+    std::string name;
+    double value;
+    bool logger;
+    bool prog_bar;
+  };
+  /// Values logged with on_step since clear_step_flags(): name, or
+  /// name_step when the metric is also aggregated per epoch.
+  /// The vector is the sink's own, reused from step to step (no allocation
+  /// in steady state); valid until the next call.
+  const std::vector<Value>& collect_step();
+  void clear_step_flags();
+  /// Epoch aggregates: name, or name_epoch when also logged per step.
+  /// Reduces sync_dist metrics across ranks (a collective: every rank calls).
+  std::vector<Value> collect_epoch(Strategy& strategy) const;
+  void reset() { entries_.clear(); }
+  bool empty() const { return entries_.empty(); }
+
+ private:
+  std::map<std::string, Entry, std::less<>> entries_;
+  std::vector<Value> step_values_;
+  bool in_step_ = true;
+  int64_t batch_size_ = 1;
+};
+
+/// Where logged values go. The fit and evaluation loops hand their sinks'
+/// values here at step and epoch ends; the Trainer's accessors read the
+/// published metrics.
+class LoggerConnector {
+ public:
+  void set_loggers(std::vector<std::shared_ptr<Logger>> loggers) { loggers_ = std::move(loggers); }
+  const std::vector<std::shared_ptr<Logger>>& loggers() const { return loggers_; }
+
+  LogSink& train_sink() { return train_sink_; }
+  LogSink& eval_sink() { return eval_sink_; }
+
+  const Metrics& callback_metrics() const { return callback_metrics_; }
+  const Metrics& progress_bar_metrics() const { return progress_bar_metrics_; }
+  /// Forgets every published metric (a new stage starts).
+  void reset_metrics();
+  /// The callback metrics a forked run's rank 0 sent back.
+  void restore_callback_metrics(Metrics metrics) { callback_metrics_ = std::move(metrics); }
+
+  /// Publishes the training step's fresh values, to the loggers too when
+  /// `to_loggers` (every log_every_n_steps optimizer steps).
+  void publish_step(const Strategy& strategy, bool to_loggers, int64_t epoch, int64_t step);
+  /// The epoch aggregates of `sink`, reduced across ranks for sync_dist
+  /// metrics (a collective: every rank calls), published unless
+  /// `sanity_checking`, and returned.
+  Metrics publish_epoch(LogSink& sink, Strategy& strategy, bool sanity_checking, int64_t epoch,
+                        int64_t step);
+
+  void log_hyperparams(const HParams& hparams);
+  void finalize();
+
+ private:
+  /// Sets callback/progress-bar metrics; `suffix` ("_step", "_epoch") is
+  /// stripped for the base name, which follows the latest value too.
+  void publish(const std::vector<LogSink::Value>& values, const char* suffix, bool to_loggers,
+               bool global_zero, int64_t epoch, int64_t step);
+
+  std::vector<std::shared_ptr<Logger>> loggers_;
+  LogSink train_sink_;
+  LogSink eval_sink_;
+  Metrics callback_metrics_;
+  Metrics progress_bar_metrics_;
+};
+
+}  // namespace detail
+}  // namespace fulgur

@@ -1,0 +1,98 @@
+// Validation, test and predict loops: eval mode, no gradients, the stage's
+// step and hooks, and epoch metrics published at the end.
+#include "trainer/loops/evaluation_loop.h"
+
+#include <torch/torch.h>
+
+#include "fulgur/callbacks/callback.h"
+#include "fulgur/core/errors.h"
+#include "trainer/trainer_impl.h"
+
+namespace fulgur::detail {
+
+namespace {
+// Runs `fn(batch, batch on the device, index)` for the first `limit` batches
+// (all when unset) of one pass over `loader`.
+template <class Fn>
+void for_each_batch(Strategy& strategy, DataLoader& loader, std::optional<int64_t> limit, Fn fn) {
+  loader.start_epoch(0);
+  for (int64_t idx = 0; !limit || idx < *limit; ++idx) {
+    auto batch = loader.next();
+    if (!batch) break;
+    Batch on_device = strategy.batch_to_device(*batch);
+    fn(*batch, on_device, idx);
+  }
+}
+}  // namespace
+
+Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> limit) {
+  Module& m = *trainer_.module;
+  const bool is_test = s == Stage::Test;
+  torch::NoGradGuard no_grad;
+  m.eval();
+  trainer_.logging.eval_sink().reset();
+  Trainer::Impl::set_log_sink(m, &trainer_.logging.eval_sink());
+  trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
+  if (is_test) {
+    m.on_test_epoch_start();
+  } else {
+    m.on_validation_epoch_start();
+  }
+  for_each_batch(*trainer_.strategy, loader, limit, [&](const Batch& batch, Batch& on_device, int64_t idx) {
+    trainer_.logging.eval_sink().set_context(/*training_step=*/false, on_device.batch_size());
+    {
+      auto scope = trainer_.strategy->step_scope();
+      if (is_test) {
+        m.test_step(on_device, idx);
+      } else {
+        m.validation_step(on_device, idx);
+      }
+    }
+    trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
+    for (auto& cb : trainer_.callbacks) {
+      if (is_test) {
+        cb->on_test_batch_end(trainer_.self, m, batch, idx);
+      } else {
+        cb->on_validation_batch_end(trainer_.self, m, batch, idx);
+      }
+    }
+  });
+  if (is_test) {
+    m.on_test_epoch_end();
+  } else {
+    m.on_validation_epoch_end();
+  }
+  const auto& fit = trainer_.fit_loop;
+  Metrics out = trainer_.logging.publish_epoch(trainer_.logging.eval_sink(), *trainer_.strategy,
+                                               fit.sanity_checking(), fit.current_epoch(),
+                                               fit.global_step());
+  for (auto& cb : trainer_.callbacks) {
+    if (is_test) {
+      cb->on_test_epoch_end(trainer_.self, m);
+    } else {
+      cb->on_validation_epoch_end(trainer_.self, m);
+    }
+  }
+  Trainer::Impl::set_log_sink(m, nullptr);
+  return out;
+}
+
+std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t> limit) {
+  Module& m = *trainer_.module;
+  torch::NoGradGuard no_grad;
+  m.eval();
+  m.on_predict_epoch_start();
+  std::vector<Batch> out;
+  if (auto n = loader.num_batches()) out.reserve(static_cast<size_t>(limit ? std::min(*n, *limit) : *n));
+  for_each_batch(*trainer_.strategy, loader, limit, [&](const Batch& batch, Batch& on_device, int64_t idx) {
+    {
+      auto scope = trainer_.strategy->step_scope();
+      out.push_back(m.predict_step(on_device, idx));
+    }
+    for (auto& cb : trainer_.callbacks) cb->on_predict_batch_end(trainer_.self, m, batch, idx);
+  });
+  m.on_predict_epoch_end();
+  return out;
+}
+
+}  // namespace fulgur::detail

@@ -1,0 +1,42 @@
+// Private: the evaluation loop (validation and test) and the prediction
+// loop: eval mode, no gradients, the stage's step and hooks. Not installed.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "fulgur/data/data_loader.h"
+#include "fulgur/trainer/trainer.h"
+
+namespace fulgur::detail {
+
+class EvaluationLoop {
+ public:
+  explicit EvaluationLoop(Trainer::Impl& trainer) : trainer_(trainer) {}
+  EvaluationLoop(const EvaluationLoop&) = delete;
+  EvaluationLoop& operator=(const EvaluationLoop&) = delete;
+
+  /// One pass of the first `limit` batches (all when unset) of `loader`
+  /// through validation_step or test_step; returns the epoch's metrics,
+  /// published unless sanity checking.
+  Metrics run(DataLoader& loader, Stage stage, std::optional<int64_t> limit);
+
+ private:
+  Trainer::Impl& trainer_;
+};
+
+class PredictionLoop {
+ public:
+  explicit PredictionLoop(Trainer::Impl& trainer) : trainer_(trainer) {}
+  PredictionLoop(const PredictionLoop&) = delete;
+  PredictionLoop& operator=(const PredictionLoop&) = delete;
+
+  /// predict_step over the first `limit` batches of `loader`, in order.
+  std::vector<Batch> run(DataLoader& loader, std::optional<int64_t> limit);
+
+ private:
+  Trainer::Impl& trainer_;
+};
+
+}  // namespace fulgur::detail

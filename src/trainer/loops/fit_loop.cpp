@@ -1,0 +1,400 @@
+// The fit loop: epochs, training batches, automatic and manual
+// optimization, gradient accumulation and clipping, schedulers, and when to
+// validate. Order of hooks per batch (automatic optimization):
+//   on_train_batch_start → training_step → on_before_backward → backward →
+//   on_after_backward → [stepping batch: on_before_optimizer_step → clip →
+//   optimizer.step → on_before_zero_grad → zero_grad → step schedulers] →
+//   on_train_batch_end → validation when due.
+#include "trainer/loops/fit_loop.h"
+
+#include <torch/torch.h>
+
+#include "fulgur/callbacks/callback.h"
+#include "fulgur/core/errors.h"
+#include "fulgur/plugins/precision/precision.h"
+#include "trainer/trainer_impl.h"
+
+namespace fulgur::detail {
+
+namespace {
+std::vector<at::Tensor> optimizer_params(torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor> params;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) params.push_back(p);
+  }
+  return params;
+}
+}  // namespace
+
+bool FitLoop::stop_requested_by_limits(bool boundary) {
+  // A stop requested on one rank (request_stop() from its step, a hook or a
+  // callback) is agreed by every rank here, after each batch and before each
+  // epoch: a rank leaving the loop alone would leave its peers waiting in
+  // their next collective until the timeout. Every rank calls it equally
+  // often, so it comes before any early return. After a plain batch the
+  // strategy may answer from votes already exchanged in it (DDP: in the
+  // gradient all-reduce), so a request made after that batch's backward
+  // is agreed after the next; before an epoch and after a validation it
+  // covers every request. A request not agreed yet stays pending here.
+  const bool stop = trainer_.strategy->agree_to_stop(should_stop_, boundary);
+  if (stop) should_stop_ = true;
+  if (trainer_.limits.max_steps >= 0 && global_step_ >= trainer_.limits.max_steps) {
+    stop_reason_ = "max_steps";
+    return true;
+  }
+  if (stop && current_epoch_ >= trainer_.options.min_epochs && global_step_ >= trainer_.options.min_steps) {
+    stop_reason_ = "should_stop";
+    return true;
+  }
+  return false;
+}
+
+void FitLoop::run() {
+  Module& m = *trainer_.module;
+  if (!m.automatic_optimization()) {
+    if (trainer_.options.accumulate_grad_batches != 1) {
+      throw ConfigError(str("Trainer(accumulate_grad_batches=", trainer_.options.accumulate_grad_batches,
+                            ") with manual optimization: accumulation is the Module's job when "
+                            "it steps itself. Pass accumulate_grad_batches=1 and step every N "
+                            "batches in training_step."));
+    }
+    if (trainer_.options.gradient_clip_val && *trainer_.options.gradient_clip_val > 0) {
+      throw ConfigError(str("Trainer(gradient_clip_val=", *trainer_.options.gradient_clip_val,
+                            ") with manual optimization: clip in training_step before "
+                            "optimizer_step (torch::nn::utils::clip_grad_norm_), and leave "
+                            "gradient_clip_val unset."));
+    }
+  }
+  num_training_batches_ =
+      trainer_.limits.train.apply(train_loader_->num_batches(), "limit_train_batches").value_or(-1);
+  if (trainer_.options.val_check_interval.is_fraction() && trainer_.options.val_check_interval.fraction() < 1.0 &&
+      num_training_batches_ < 0) {
+    throw ConfigError(str("val_check_interval=", trainer_.options.val_check_interval.text(),
+                          ": a fraction of an epoch needs a training loader of known length. "
+                          "Pass an int (validate every N batches) instead."));
+  }
+  if (!trainer_.options.val_check_interval.is_fraction() && trainer_.options.check_val_every_n_epoch &&
+      num_training_batches_ >= 0 && trainer_.options.val_check_interval.count() > num_training_batches_ &&
+      val_loader_) {
+    throw ConfigError(str("val_check_interval=", trainer_.options.val_check_interval.count(),
+                          " is larger than the ", num_training_batches_,
+                          " training batches per epoch. Pass a value <= ", num_training_batches_,
+                          ", or check_val_every_n_epoch=std::nullopt to count batches across "
+                          "epochs."));
+  }
+  for (auto& opt : optimizers_.optimizers) opt->zero_grad();
+  window_has_gradient_ = false;
+  if (num_training_batches_ == 0) {
+    stop_reason_ = "limit_train_batches=0";
+    return;
+  }
+
+  training_ = true;
+  m.train(true);
+  trainer_.call_hooks([](Module& mod) { mod.on_train_start(); },
+             [&](Callback& cb) { cb.on_train_start(trainer_.self, m); });
+  while (true) {
+    if (trainer_.limits.max_epochs >= 0 && current_epoch_ >= trainer_.limits.max_epochs) {
+      stop_reason_ = "max_epochs";
+      break;
+    }
+    if (stop_requested_by_limits(/*boundary=*/true)) break;
+    train_epoch();
+    ++current_epoch_;
+  }
+  trainer_.call_hooks([](Module& mod) { mod.on_train_end(); },
+             [&](Callback& cb) { cb.on_train_end(trainer_.self, m); });
+  training_ = false;
+}
+
+void FitLoop::train_epoch() {
+  Module& m = *trainer_.module;
+  DataLoader& loader = *train_loader_;
+  // A resumed run arrives with the loader already positioned in this epoch.
+  if (loader.epoch() != current_epoch_) loader.start_epoch(current_epoch_);
+  const int64_t start = loader.position();
+  batch_position_ = start;
+  trainer_.logging.train_sink().reset();
+  m.train(true);
+  trainer_.call_hooks([](Module& mod) { mod.on_train_epoch_start(); },
+             [&](Callback& cb) { cb.on_train_epoch_start(trainer_.self, m); });
+
+  const int64_t limit = num_training_batches_;  // -1: until the loader ends
+  int64_t idx = start;
+  std::optional<Batch> batch;
+  if (limit < 0 || idx < limit) batch = loader.next();
+  while (batch) {
+    std::optional<Batch> next_batch;
+    bool last;
+    if (limit >= 0) {
+      last = idx + 1 >= limit;
+    } else {
+      next_batch = loader.next();  // look ahead: is this the last batch?
+      last = !next_batch.has_value();
+    }
+    batch_idx_ = idx;
+    training_batch(*batch, idx, last);
+    ++idx;
+    // A validation (its metrics may decide a stop) makes a boundary.
+    if (stop_requested_by_limits(/*boundary=*/validated_at_position_ == idx) || last) break;
+    batch = limit >= 0 ? loader.next() : std::move(next_batch);
+  }
+  if (idx == start && start > 0 && validated_at_position_ != start &&
+      should_validate_now(start, /*is_last_batch=*/true)) {
+    // Resumed from a checkpoint written after the epoch's last batch but
+    // before its validation: run what the uninterrupted run ran next.
+    run_validation(false);
+  }
+
+  in_epoch_end_ = true;
+  if (m.automatic_optimization()) step_schedulers(Interval::Epoch);
+  trainer_.logging.train_sink().set_context(/*training_step=*/false, 1);
+  Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
+  m.on_train_epoch_end();
+  trainer_.logging.publish_epoch(trainer_.logging.train_sink(), *trainer_.strategy,
+                                 sanity_checking_, current_epoch_, global_step_);
+  for (auto& cb : trainer_.callbacks) cb->on_train_epoch_end(trainer_.self, m);
+  in_epoch_end_ = false;
+  validated_at_position_ = -1;
+}
+
+void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
+  Module& m = *trainer_.module;
+  trainer_.strategy->heartbeat("train batch");
+  trainer_.call_hooks([&](Module& mod) { mod.on_train_batch_start(batch, idx); },
+             [&](Callback& cb) { cb.on_train_batch_start(trainer_.self, m, batch, idx); });
+  Batch on_device = trainer_.strategy->batch_to_device(batch);
+  trainer_.logging.train_sink().set_context(/*training_step=*/true, on_device.batch_size());
+  Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
+
+  const int64_t steps_before = global_step_;
+  bool should_step = (idx + 1) % trainer_.options.accumulate_grad_batches == 0 || is_last_batch;
+  at::Tensor loss;
+  if (m.automatic_optimization()) {
+    // Micro-batches that do not step accumulate locally, without a
+    // cross-rank gradient sync (nor, under DDP, a buffer broadcast).
+    trainer_.strategy->set_gradient_sync(should_step);
+    auto scope = trainer_.strategy->step_scope();
+    loss = trainer_.strategy->training_step(m, on_device, idx);
+    scope.reset();
+    if (loss.defined()) {
+      if (loss.numel() != 1) {
+        throw ConfigError(str("training_step returned a tensor of shape ", c10::str(loss.sizes()),
+                              "; return a scalar loss (e.g. .mean()), or an undefined tensor "
+                              "to skip the batch."));
+      }
+      if (!loss.requires_grad()) {
+        throw ConfigError("training_step returned a loss that does not require grad: it was "
+                          "computed without the module's parameters, or under NoGradGuard. "
+                          "Return the loss of the forward pass.");
+      }
+      at::Tensor scaled =
+          trainer_.options.accumulate_grad_batches > 1 ? loss / trainer_.options.accumulate_grad_batches : loss;
+      trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
+      trainer_.strategy->vote_to_stop(should_stop_);
+      trainer_.strategy->backward(scaled, m);
+      trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
+      window_has_gradient_ = !should_step;
+      if (should_step) step_optimizers();
+    } else if (should_step) {
+      // No loss here, but earlier micro-batches may have accumulated
+      // gradients, and under DDP the peers may have a loss: every replica
+      // must take the same step (or none).
+      const bool accumulated = window_has_gradient_;
+      window_has_gradient_ = false;
+      trainer_.strategy->vote_to_stop(should_stop_);
+      if (trainer_.strategy->backward_skipped(m, accumulated)) step_optimizers();
+    }
+  } else {
+    trainer_.strategy->set_gradient_sync(true);
+    auto scope = trainer_.strategy->step_scope();
+    loss = trainer_.strategy->training_step(m, on_device, idx);
+    if (global_step_ > steps_before) ++batches_that_stepped_;
+  }
+  batch_position_ = idx + 1;
+  publish_step_metrics();
+  // The hooks get the loss without its graph. Backward is done, so the loss
+  // itself is detached in place (no allocation); a view, or a leaf (which
+  // could be a parameter), is copied instead.
+  at::Tensor detached = loss;
+  if (loss.defined() && loss.requires_grad()) {
+    if (loss.is_view() || loss.grad_fn() == nullptr) {
+      detached = loss.detach();
+    } else {
+      detached.detach_();
+    }
+  }
+  trainer_.call_hooks([&](Module& mod) { mod.on_train_batch_end(detached, batch, idx); },
+             [&](Callback& cb) { cb.on_train_batch_end(trainer_.self, m, detached, batch, idx); });
+  bool ends_epoch = is_last_batch || (trainer_.limits.max_steps >= 0 && global_step_ >= trainer_.limits.max_steps);
+  if (should_validate_now(idx + 1, ends_epoch)) run_validation(false);
+}
+
+void FitLoop::step_optimizers() {
+  Module& m = *trainer_.module;
+  for (auto& opt : optimizers_.optimizers) {
+    trainer_.strategy->unscale_gradients(*opt);
+    trainer_.call_hooks([&](Module& mod) { mod.on_before_optimizer_step(*opt); },
+               [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, *opt); });
+    if (trainer_.options.gradient_clip_val && *trainer_.options.gradient_clip_val > 0) {
+      auto params = optimizer_params(*opt);
+      if (trainer_.options.gradient_clip_algorithm == GradientClipAlgorithm::Norm) {
+        torch::nn::utils::clip_grad_norm_(params, *trainer_.options.gradient_clip_val);
+      } else {
+        torch::nn::utils::clip_grad_value_(params, *trainer_.options.gradient_clip_val);
+      }
+    }
+    trainer_.strategy->optimizer_step(*opt, m);
+  }
+  trainer_.strategy->precision().update();
+  for (auto& opt : optimizers_.optimizers) {
+    trainer_.call_hooks([&](Module& mod) { mod.on_before_zero_grad(*opt); }, [](Callback&) {});
+    opt->zero_grad();
+  }
+  ++global_step_;
+  ++batches_that_stepped_;
+  step_schedulers(Interval::Step);
+}
+
+void FitLoop::step_schedulers(Interval interval) {
+  int64_t counter = interval == Interval::Step ? global_step_ : current_epoch_ + 1;
+  for (auto& config : optimizers_.schedulers) {
+    if (config.interval == interval && counter % config.frequency == 0) config.scheduler->step();
+  }
+}
+
+bool FitLoop::should_validate_now(int64_t position, bool is_last_batch) const {
+  if (!val_loader_ || sanity_checking_) return false;
+  if (!trainer_.limits.val.is_fraction() && trainer_.limits.val.count() == 0) return false;
+  if (trainer_.limits.val.is_fraction() && trainer_.limits.val.fraction() == 0.0) return false;
+  const auto& interval = trainer_.options.val_check_interval;
+  if (trainer_.options.check_val_every_n_epoch &&
+      (current_epoch_ + 1) % *trainer_.options.check_val_every_n_epoch != 0) {
+    return false;
+  }
+  if (interval.is_fraction()) {
+    if (num_training_batches_ < 0) return is_last_batch;
+    int64_t every = std::max<int64_t>(
+        1, static_cast<int64_t>(static_cast<double>(num_training_batches_) * interval.fraction()));
+    return position % every == 0 || (is_last_batch && interval.fraction() >= 1.0);
+  }
+  if (trainer_.options.check_val_every_n_epoch) return position % interval.count() == 0;
+  // Counted across epochs: every N training batches since the start of fit.
+  int64_t seen = (num_training_batches_ >= 0 ? current_epoch_ * num_training_batches_ : 0) + position;
+  return seen % interval.count() == 0;
+}
+
+void FitLoop::run_validation(bool sanity) {
+  Module& m = *trainer_.module;
+  auto limit = trainer_.limits.val.apply(val_loader_->num_batches(), "limit_val_batches");
+  if (sanity && trainer_.limits.num_sanity_val_steps >= 0) {
+    limit = limit ? std::min(*limit, trainer_.limits.num_sanity_val_steps) : trainer_.limits.num_sanity_val_steps;
+  }
+  if (limit && *limit == 0) return;
+  bool was_training = m.is_training();
+  sanity_checking_ = sanity;
+  for (auto& cb : trainer_.callbacks) cb->on_validation_start(trainer_.self, m);
+  trainer_.evaluation_loop.run(*val_loader_, Stage::Validate, limit);
+  for (auto& cb : trainer_.callbacks) cb->on_validation_end(trainer_.self, m);
+  sanity_checking_ = false;
+  if (!sanity) validated_at_position_ = batch_position_;
+  m.train(was_training);
+  Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
+}
+
+void FitLoop::manual_backward(Module& m, const at::Tensor& loss) {
+  if (!training_) {
+    throw ConfigError("manual_backward(loss): called outside training_step. Call it from "
+                      "training_step while fitting.");
+  }
+  trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
+  trainer_.strategy->vote_to_stop(should_stop_);
+  trainer_.strategy->backward(loss, m);
+  trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
+}
+
+void FitLoop::manual_optimizer_step(Module& m, torch::optim::Optimizer& optimizer) {
+  if (!training_) {
+    throw ConfigError("optimizer_step(optimizer): called outside training_step. Call it from "
+                      "training_step while fitting.");
+  }
+  trainer_.strategy->unscale_gradients(optimizer);
+  trainer_.call_hooks([&](Module& mod) { mod.on_before_optimizer_step(optimizer); },
+             [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, optimizer); });
+  trainer_.strategy->optimizer_step(optimizer, m);
+  trainer_.strategy->precision().update();
+  ++global_step_;
+}
+
+void FitLoop::publish_step_metrics() {
+  const bool to_loggers = batches_that_stepped_ > 0 &&
+                          batches_that_stepped_ % trainer_.options.log_every_n_steps == 0 &&
+                          !sanity_checking_;
+  trainer_.logging.publish_step(*trainer_.strategy, to_loggers, current_epoch_, global_step_);
+}
+
+void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoader> val) {
+  train_loader_ = std::move(train);
+  val_loader_ = std::move(val);
+  optimizers_ = OptimizerConfig();
+  current_epoch_ = 0;
+  global_step_ = 0;
+  batch_idx_ = 0;
+  batch_position_ = 0;
+  batches_that_stepped_ = 0;
+  window_has_gradient_ = false;
+  num_training_batches_ = -1;
+  should_stop_ = false;
+  stop_reason_.clear();
+  in_epoch_end_ = false;
+  validated_at_position_ = -1;
+}
+
+void FitLoop::run_sanity_check() {
+  if (val_loader_ && trainer_.limits.num_sanity_val_steps != 0) run_validation(/*sanity=*/true);
+}
+
+void FitLoop::finish() {
+  train_loader_.reset();
+  val_loader_.reset();
+}
+
+void FitLoop::detach() {
+  training_ = false;
+  sanity_checking_ = false;
+}
+
+FitProgress FitLoop::progress() const {
+  return FitProgress{.epoch = current_epoch_,
+                     .global_step = global_step_,
+                     .batch_position = batch_position_,
+                     .batches_that_stepped = batches_that_stepped_,
+                     .epoch_done = in_epoch_end_,
+                     .validated_at_position = validated_at_position_};
+}
+
+void FitLoop::restore(const FitProgress& p, torch::serialize::InputArchive* loader_state) {
+  global_step_ = p.global_step;
+  batches_that_stepped_ = p.batches_that_stepped;
+  validated_at_position_ = p.validated_at_position;
+  if (p.epoch_done) {
+    // Written during on_train_epoch_end: that epoch is complete.
+    current_epoch_ = p.epoch + 1;
+    validated_at_position_ = -1;
+    return;
+  }
+  current_epoch_ = p.epoch;
+  if (!train_loader_) return;
+  if (loader_state != nullptr) {
+    train_loader_->load_state(*loader_state, p.batch_position);
+  } else {
+    train_loader_->seek(p.epoch, p.batch_position);
+  }
+}
+
+void FitLoop::set_result(int64_t epochs, int64_t global_step) {
+  current_epoch_ = epochs;
+  global_step_ = global_step;
+}
+
+}  // namespace fulgur::detail

@@ -1,0 +1,122 @@
+// Private: the fit loop. Epochs of training batches, automatic and manual
+// optimization, gradient accumulation and clipping, schedulers, and when to
+// validate; it owns the progress of a fit (epoch, step, position in the
+// epoch, the stop request) and nothing else. Not installed.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "fulgur/core/module.h"
+#include "fulgur/data/data_loader.h"
+#include "fulgur/trainer/trainer.h"
+#include "fulgur/trainer/trainer_options.h"
+
+namespace torch::serialize {
+class InputArchive;
+}
+
+namespace fulgur::detail {
+
+/// The loop flags as the Trainer resolved them (defaults chosen,
+/// fast_dev_run applied).
+struct LoopLimits {
+  int64_t max_epochs = 1000;  // -1: unlimited
+  int64_t max_steps = -1;
+  BatchLimit train = 1.0, val = 1.0, test = 1.0, predict = 1.0;
+  int64_t num_sanity_val_steps = 2;
+};
+
+/// Where a fit stands: what a checkpoint records to resume it exactly.
+struct FitProgress {
+  int64_t epoch = 0;
+  int64_t global_step = 0;
+  /// Training batches done in the current epoch.
+  int64_t batch_position = 0;
+  int64_t batches_that_stepped = 0;
+  /// Taken during on_train_epoch_end: the epoch is complete.
+  bool epoch_done = false;
+  /// Batch position of the last in-epoch validation; -1 for none.
+  int64_t validated_at_position = -1;
+};
+
+class FitLoop {
+ public:
+  explicit FitLoop(Trainer::Impl& trainer) : trainer_(trainer) {}
+  FitLoop(const FitLoop&) = delete;
+  FitLoop& operator=(const FitLoop&) = delete;
+
+  /// A new fit over these loaders (already split across ranks): progress
+  /// back to zero, no stop requested.
+  void start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoader> val);
+  /// What configure_optimizers returned, set up by the strategy.
+  void set_optimizers(OptimizerConfig optimizers) { optimizers_ = std::move(optimizers); }
+  /// The sanity check: a few validation batches before training, when there
+  /// is validation data and num_sanity_val_steps is not 0.
+  void run_sanity_check();
+  /// Trains until a limit or an agreed stop.
+  void run();
+  /// Lets go of the loaders; the progress stays readable.
+  void finish();
+  /// Run state back to idle, whatever way the stage ended.
+  void detach();
+
+  // ---- Progress, for the Trainer's accessors and the checkpoint connector.
+  int64_t current_epoch() const { return current_epoch_; }
+  int64_t global_step() const { return global_step_; }
+  int64_t batch_idx() const { return batch_idx_; }
+  int64_t num_training_batches() const { return num_training_batches_; }
+  bool sanity_checking() const { return sanity_checking_; }
+  void request_stop() { should_stop_ = true; }
+  bool should_stop() const { return should_stop_; }
+  const std::string& stop_reason() const { return stop_reason_; }
+  const OptimizerConfig& optimizers() const { return optimizers_; }
+  DataLoader* train_loader() const { return train_loader_.get(); }
+
+  FitProgress progress() const;
+  /// Resumes at `p`: the training loader is positioned from `loader_state`
+  /// (its saved state) or, when null, by seeking to the position.
+  void restore(const FitProgress& p, torch::serialize::InputArchive* loader_state);
+  /// What a forked run's rank 0 reached, for the calling process.
+  void set_result(int64_t epochs, int64_t global_step);
+
+  // ---- Manual optimization (the Module, through TrainerLink).
+  void manual_backward(Module& module, const at::Tensor& loss);
+  void manual_optimizer_step(Module& module, torch::optim::Optimizer& optimizer);
+
+ private:
+  void train_epoch();
+  void training_batch(Batch& batch, int64_t batch_idx, bool is_last_batch);
+  void step_optimizers();
+  void step_schedulers(Interval interval);
+  bool should_validate_now(int64_t position, bool is_last_batch) const;
+  void run_validation(bool sanity);
+  bool stop_requested_by_limits(bool boundary);
+  void publish_step_metrics();
+
+  Trainer::Impl& trainer_;
+  OptimizerConfig optimizers_;
+  std::shared_ptr<DataLoader> train_loader_;
+  std::shared_ptr<DataLoader> val_loader_;
+
+  bool training_ = false;
+  bool sanity_checking_ = false;
+  int64_t current_epoch_ = 0;
+  int64_t global_step_ = 0;
+  int64_t batch_idx_ = 0;
+  int64_t batch_position_ = 0;  // training batches done in the current epoch
+  int64_t batches_that_stepped_ = 0;
+  // An earlier micro-batch of the current accumulation window ran backward.
+  bool window_has_gradient_ = false;
+  int64_t num_training_batches_ = -1;
+  bool should_stop_ = false;
+  std::string stop_reason_;
+  bool in_epoch_end_ = false;           // checkpoints taken now resume at the next epoch
+  int64_t validated_at_position_ = -1;  // batch position of the last in-epoch validation
+};
+
+}  // namespace fulgur::detail
