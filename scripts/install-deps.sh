@@ -57,6 +57,7 @@ packages=(
   libgtest-dev libgmock-dev googletest
   libcli11-dev          # command-line parsing for examples and tools
   zlib1g-dev            # reads the gzip IDX files of Fashion-MNIST
+  libisal-dev           # CRC32C of every checkpoint (Intel ISA-L)
   dataset-fashion-mnist # the main job's data under /usr/share/datasets/fashion-mnist
   openmpi-bin           # mpirun (a launch path under test)
 )

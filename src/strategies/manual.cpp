@@ -2,12 +2,15 @@
 
 #include <torch/torch.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/plugins/io/checkpoint_io.h"
+#include "fulgur/utilities/checksum.h"
 
 namespace fulgur {
 
@@ -15,7 +18,16 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr const char* kManifestHeader = "fulgur sharded checkpoint v1";
+// v2 ends with a line "crc32c=XXXXXXXX", the CRC32C of every byte before it;
+// v1 (fulgur 0.1) has none and is read unverified.
+constexpr const char* kManifestHeader = "fulgur sharded checkpoint v2";
+constexpr const char* kManifestHeaderV1 = "fulgur sharded checkpoint v1";
+
+std::string hex32(uint32_t value) {
+  char buf[9];
+  std::snprintf(buf, sizeof(buf), "%08x", value);
+  return buf;
+}
 
 struct Manifest {
   int world_size = 0;
@@ -30,14 +42,31 @@ Manifest read_manifest(const std::string& path) {
                               ": its save did not complete (rank 0 writes it after every shard). "
                               "Resume from an earlier checkpoint."));
   }
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::istringstream lines(text);
   Manifest m;
   std::string line;
-  std::getline(in, line);
-  if (line != kManifestHeader) {
+  std::getline(lines, line);
+  const bool v1 = line == kManifestHeaderV1;
+  if (line != kManifestHeader && !v1) {
     throw CheckpointError(str(file.string(), " is not a fulgur manifest (first line \"", line,
                               "\", expected \"", kManifestHeader, "\")."));
   }
-  while (std::getline(in, line)) {
+  if (!v1) {
+    const auto at = text.rfind("crc32c=");
+    const bool has_crc = at != std::string::npos && (at == 0 || text[at - 1] == '\n');
+    const std::string stored = has_crc ? text.substr(at + 7, 8) : std::string();
+    const std::string actual = hex32(crc32c(text.data(), has_crc ? at : text.size()));
+    if (!has_crc || stored != actual) {
+      throw CheckpointError(str(
+          "checkpoint \"", path, "\" is corrupt: its ", ManualStrategy::kManifest,
+          has_crc ? str(" does not match the CRC32C written with it (expected ", stored,
+                        ", got ", actual, ")")
+                  : std::string(" lost its checksum line (cut short)"),
+          ". The file is corrupt; use an earlier checkpoint."));
+    }
+  }
+  while (std::getline(lines, line)) {
     if (line.rfind("world_size=", 0) == 0) {
       m.world_size = std::atoi(line.c_str() + 11);
     } else if (line.rfind("shard=", 0) == 0) {
@@ -99,6 +128,8 @@ void ManualStrategy::save_checkpoint(torch::serialize::OutputArchive& checkpoint
     for (int r = 0; r < world; ++r) {
       text << "shard=" << fs::path(shard_path(path, r, world)).filename().string() << "\n";
     }
+    const std::string body = text.str();
+    text << "crc32c=" << hex32(crc32c(body.data(), body.size())) << "\n";
     const fs::path tmp = fs::path(path) / (std::string(kManifest) + ".tmp");
     {
       std::ofstream out(tmp, std::ios::trunc);

@@ -217,6 +217,8 @@ void load_strict(torch::nn::Module& module, torch::serialize::InputArchive& arch
     load_strict(*child.value(), nested, prefix + child.key() + ".");
   }
   for (const auto& key : archive.keys()) {
+    // The checkpoint IO's own marker, beside a module saved at the top.
+    if (prefix.empty() && key == TorchCheckpointIO::kIntegrityKey) continue;
     if (expected.count(key) == 0) {
       throw c10::Error({__func__, __FILE__, __LINE__},
                        ::fulgur::str("the checkpoint has \"", prefix, key, "\", which the module does not"));

@@ -4,7 +4,17 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sched.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
 #include <filesystem>
+#include <random>
 
 #include "fulgur/core/errors.h"
 #include "support/test_support.h"
@@ -101,6 +111,209 @@ TEST(TorchCheckpointIO, RemoveIgnoresMissingFiles) {
   io.remove_checkpoint(dir.file("a.ckpt"));
   EXPECT_FALSE(fs::exists(dir.file("a.ckpt")));
   EXPECT_NO_THROW(io.remove_checkpoint(dir.file("a.ckpt")));
+}
+
+// ---- Integrity.
+
+// A checkpoint large enough to have several records: two tensors and a value.
+void save_model_like(fulgur::CheckpointIO& io, const std::string& path, double scale = 1.0) {
+  torch::serialize::OutputArchive archive;
+  archive.write("weight", torch::arange(4096, torch::kFloat) * scale);
+  archive.write("bias", torch::ones({64}) * scale);
+  archive.write("step", c10::IValue(static_cast<int64_t>(7)));
+  io.save_checkpoint(archive, path);
+}
+
+std::string load_error(fulgur::CheckpointIO& io, const std::string& path) {
+  try {
+    torch::serialize::InputArchive archive;
+    io.load_checkpoint(path, archive);
+  } catch (const fulgur::CheckpointError& e) {
+    return e.what();
+  }
+  return "loaded";
+}
+
+TEST(TorchCheckpointIOIntegrity, EndsWithAFooterAndVerifies) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  save_model_like(io, dir.file("a.ckpt"));
+  const std::string bytes = fulgur::test::read_text(dir.file("a.ckpt"));
+  ASSERT_GT(bytes.size(), 32u);
+  EXPECT_EQ(bytes.substr(bytes.size() - 32, 8), "FULGURCK");
+  EXPECT_EQ(fulgur::TorchCheckpointIO::verify(dir.file("a.ckpt")), "");
+  EXPECT_EQ(load_error(io, dir.file("a.ckpt")), "loaded");
+}
+
+// One flipped bit anywhere (the archive's header, its tensors' bytes, its
+// directory, the footer) is refused before LibTorch reads anything.
+TEST(TorchCheckpointIOIntegrity, EveryFlippedByteIsRefused) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  const std::string path = dir.file("a.ckpt");
+  save_model_like(io, path);
+  const std::string good = fulgur::test::read_text(path);
+  std::vector<size_t> positions = {0, 1, 30, good.size() / 2, good.size() - 33,
+                                   good.size() - 32, good.size() - 20, good.size() - 1};
+  std::mt19937 rng(5);
+  for (int i = 0; i < 40; ++i) positions.push_back(rng() % good.size());
+  int named_a_tensor = 0;
+  for (size_t pos : positions) {
+    std::string bad = good;
+    bad[pos] = static_cast<char>(bad[pos] ^ (1 << (pos % 8)));
+    fulgur::test::write_text(path, bad);
+    const std::string error = load_error(io, path);
+    EXPECT_TRUE(fulgur::test::message_contains(error, {path, "is corrupt",
+                                                       "use an earlier checkpoint"}))
+        << "byte " << pos << " of " << good.size() << ": " << error;
+    EXPECT_NE(fulgur::TorchCheckpointIO::verify(path), "") << "byte " << pos;
+    if (error.find("the bytes of a tensor (record data/") != std::string::npos) ++named_a_tensor;
+  }
+  // Most of the file is the tensors' bytes: the damaged record is named.
+  EXPECT_GT(named_a_tensor, 10);
+  fulgur::test::write_text(path, good);
+  EXPECT_EQ(load_error(io, path), "loaded");
+}
+
+TEST(TorchCheckpointIOIntegrity, NamesTheNewestOtherCheckpointThatVerifies) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  save_model_like(io, dir.file("epoch=0.ckpt"));
+  save_model_like(io, dir.file("epoch=1.ckpt"));
+  save_model_like(io, dir.file("epoch=2.ckpt"));
+  save_model_like(io, dir.file("last.ckpt"));
+  const auto now = fs::file_time_type::clock::now();
+  fs::last_write_time(dir.file("epoch=0.ckpt"), now - std::chrono::hours(3));
+  fs::last_write_time(dir.file("epoch=1.ckpt"), now - std::chrono::hours(2));
+  fs::last_write_time(dir.file("epoch=2.ckpt"), now - std::chrono::hours(1));
+  // epoch=2 is damaged too: the alternative is epoch=1.
+  for (const char* name : {"epoch=2.ckpt", "last.ckpt"}) {
+    std::string bytes = fulgur::test::read_text(dir.file(name));
+    bytes[bytes.size() / 3] = static_cast<char>(bytes[bytes.size() / 3] ^ 1);
+    fulgur::test::write_text(dir.file(name), bytes);
+  }
+  fs::last_write_time(dir.file("epoch=2.ckpt"), now - std::chrono::hours(1));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      load_error(io, dir.file("last.ckpt")),
+      {"\"" + dir.file("epoch=1.ckpt") + "\" is the newest other one in its directory that "
+       "verifies"}));
+  fs::remove(dir.file("epoch=0.ckpt"));
+  fs::remove(dir.file("epoch=1.ckpt"));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      load_error(io, dir.file("last.ckpt")), {"no other checkpoint in its directory verifies"}));
+}
+
+// Written before checkpoints had checksums: still loads.
+TEST(TorchCheckpointIOIntegrity, ACheckpointWithoutChecksumStillLoads) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  torch::serialize::OutputArchive archive;
+  archive.write("value", torch::arange(5));
+  archive.save_to(dir.file("old.ckpt"));
+  EXPECT_TRUE(torch::equal(load_tensor(io, dir.file("old.ckpt")), torch::arange(5)));
+  EXPECT_TRUE(fulgur::test::message_contains(fulgur::TorchCheckpointIO::verify(dir.file("old.ckpt")),
+                                             {"no checksum footer"}));
+}
+
+// A checkpoint that had a footer and lost it (cut at its end, or its footer
+// overwritten) is corrupt, not an old one.
+TEST(TorchCheckpointIOIntegrity, ALostFooterIsCorruption) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  const std::string path = dir.file("a.ckpt");
+  save_model_like(io, path);
+  fs::resize_file(path, fs::file_size(path) - 32);
+  EXPECT_TRUE(fulgur::test::message_contains(
+      load_error(io, path), {path, "is corrupt", "checksum footer is missing or damaged"}));
+}
+
+TEST(TorchCheckpointIOIntegrity, AFifoIsRefusedWithoutOpeningIt) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  const std::string path = dir.file("pipe.ckpt");
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << std::strerror(errno);
+  // Opening a FIFO for reading would block until a writer comes: it is
+  // refused from its type alone.
+  EXPECT_TRUE(fulgur::test::message_contains(
+      load_error(io, path), {path, "is a FIFO (named pipe), not a checkpoint file"}));
+}
+
+TEST(TorchCheckpointIOIntegrity, AnUnreadableFileNamesTheOsReason) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  const std::string path = dir.file("a.ckpt");
+  save_model_like(io, path);
+  fs::permissions(path, fs::perms::owner_write);
+  // The directory stays searchable: the open, not the lookup, is refused.
+  fs::permissions(dir.path(), fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
+  if (::geteuid() != 0) {
+    EXPECT_TRUE(fulgur::test::message_contains(
+        load_error(io, path), {path, "cannot open it for reading: Permission denied"}));
+    return;
+  }
+  // Root reads anything: the check runs as nobody, in a child.
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    at::set_num_threads(1);  // the parent's thread pool did not survive fork
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
+    const std::string error = load_error(io, path);
+    ::_exit(fulgur::test::message_contains(
+                error, {path, "cannot open it for reading: Permission denied",
+                        "Give this user read permission"})
+                ? 0
+                : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  if (WEXITSTATUS(status) == 3) GTEST_SKIP() << "cannot switch to user nobody here";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's error did not name the OS reason";
+}
+
+// A full disk: a clear error, the partial file removed, the previous
+// checkpoint intact, no abort. The file system is a 256 KiB tmpfs mounted in
+// a child's own mount namespace (root only).
+TEST(TorchCheckpointIOIntegrity, AFullDiskIsAClearErrorAndLosesNothing) {
+  if (::geteuid() != 0) GTEST_SKIP() << "mounting a small tmpfs needs root";
+  TempDir dir;
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    at::set_num_threads(1);  // the parent's thread pool did not survive fork
+    if (::unshare(CLONE_NEWNS) != 0 || ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        ::mount("tmpfs", dir.path().c_str(), "tmpfs", 0, "size=256k") != 0) {
+      ::_exit(3);
+    }
+    fulgur::TorchCheckpointIO io;
+    const std::string path = dir.file("last.ckpt");
+    save_model_like(io, path);  // ~17 KB: fits
+    int code = 0;
+    try {
+      torch::serialize::OutputArchive big;
+      big.write("weight", torch::ones({200000}));  // 800 KB: does not
+      io.save_checkpoint(big, path);
+      code = 10;
+    } catch (const fulgur::CheckpointError& e) {
+      if (!fulgur::test::message_contains(e.what(), {path, "No space left on device",
+                                                     "partial file was removed",
+                                                     "Free space"})) {
+        std::cerr << e.what() << std::endl;
+        code = 11;
+      }
+    }
+    if (code == 0 && list_files(dir.path()) != std::vector<std::string>{"last.ckpt"}) code = 12;
+    if (code == 0 && load_error(io, path) != "loaded") code = 13;
+    std::fflush(nullptr);
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the saving child died (signal " << WTERMSIG(status) << ")";
+  if (WEXITSTATUS(status) == 3) GTEST_SKIP() << "cannot mount a tmpfs here";
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "10: saved anyway, 11: wrong message, 12: a file left behind, 13: the previous "
+         "checkpoint does not load";
 }
 
 TEST(TorchCheckpointIO, RegisteredAsTorch) {

@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "fulgur/fulgur.h"
+#include "fulgur/utilities/checksum.h"
 #include "support/test_support.h"
 
 namespace {
@@ -98,7 +99,10 @@ TEST(ManualStrategy, CheckpointIsADirectoryOfShardsWithAManifest) {
   EXPECT_TRUE(fs::is_regular_file(last / "rank-0-of-1.ckpt"));
   std::ifstream manifest(last / "manifest.txt");
   std::string text((std::istreambuf_iterator<char>(manifest)), std::istreambuf_iterator<char>());
-  EXPECT_EQ(text, "fulgur sharded checkpoint v1\nworld_size=1\nshard=rank-0-of-1.ckpt\n");
+  const std::string body = "fulgur sharded checkpoint v2\nworld_size=1\nshard=rank-0-of-1.ckpt\n";
+  char crc[9];
+  std::snprintf(crc, sizeof(crc), "%08x", fulgur::crc32c(body.data(), body.size()));
+  EXPECT_EQ(text, body + "crc32c=" + crc + "\n");
 
   // Resuming restores the shard exactly.
   auto saved = fulgur::test::clone_parameters(model);
@@ -139,6 +143,30 @@ TEST_F(ManualCheckpointErrors, OtherWorldSizeNamesBoth) {
   std::ofstream(fs::path(last_) / "manifest.txt", std::ios::trunc)
       << "fulgur sharded checkpoint v1\nworld_size=2\nshard=rank-0-of-2.ckpt\nshard=rank-1-of-2.ckpt\n";
   resume_expecting({"was saved by 2 ranks, and this run has 1", "devices x num_nodes = 2"});
+}
+
+// A v1 manifest (fulgur 0.1, no checksum) is still read: the test above.
+// A v2 manifest verifies its CRC32C; every shard verifies its own.
+TEST_F(ManualCheckpointErrors, CorruptManifestOrShardIsNamed) {
+  const fs::path manifest = fs::path(last_) / "manifest.txt";
+  std::string text;
+  {
+    std::ifstream in(manifest);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  std::string flipped = text;
+  flipped[flipped.find("world_size=1") + 11] = '3';
+  std::ofstream(manifest, std::ios::trunc) << flipped;
+  resume_expecting({"is corrupt: its manifest.txt does not match the CRC32C",
+                    "use an earlier checkpoint"});
+  std::ofstream(manifest, std::ios::trunc) << text.substr(0, text.find("crc32c="));
+  resume_expecting({"manifest.txt lost its checksum line"});
+  std::ofstream(manifest, std::ios::trunc) << text;
+  const fs::path shard = fs::path(last_) / "rank-0-of-1.ckpt";
+  std::string bytes = fulgur::test::read_text(shard.string());
+  bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x10);
+  fulgur::test::write_text(shard.string(), bytes);
+  resume_expecting({shard.string(), "is corrupt", "use an earlier checkpoint"});
 }
 
 TEST_F(ManualCheckpointErrors, MissingShardIsNamed) {

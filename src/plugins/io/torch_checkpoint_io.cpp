@@ -1,110 +1,427 @@
+// LibTorch archives with a checksum: the archive's bytes, then a 32-byte
+// footer holding their length and CRC32C. Written to a temporary file,
+// flushed, renamed into place, and the directory flushed; read whole,
+// verified, then parsed from memory.
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <iostream>
+#include <optional>
+#include <vector>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/utilities/checksum.h"
 
 namespace fulgur {
 
 namespace fs = std::filesystem;
 
 namespace {
-// Writes through a file descriptor so the bytes can be fsync'ed before the
-// rename makes them visible under the final name.
-class FileWriter {
- public:
-  explicit FileWriter(const std::string& path) : path_(path) {
-    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail("cannot create");
+
+// ---- The footer: magic, version, algorithm, data size, CRC32C of the data,
+// and CRC32C of the footer's first 28 bytes (a damaged footer is told apart
+// from damaged data).
+constexpr char kMagic[8] = {'F', 'U', 'L', 'G', 'U', 'R', 'C', 'K'};
+constexpr size_t kFooterSize = 32;
+constexpr uint32_t kFooterVersion = 1;
+constexpr uint32_t kAlgorithmCrc32c = 1;
+constexpr const char* kIntegrityKey = TorchCheckpointIO::kIntegrityKey;
+
+void put_le(std::string& out, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((value >> (8 * i)) & 0xFF));
+}
+
+uint64_t get_le(const char* p, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) value |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  return value;
+}
+
+std::string encode_footer(uint64_t data_size, uint32_t crc) {
+  std::string footer(kMagic, sizeof(kMagic));
+  put_le(footer, kFooterVersion, 4);
+  put_le(footer, kAlgorithmCrc32c, 4);
+  put_le(footer, data_size, 8);
+  put_le(footer, crc, 4);
+  put_le(footer, crc32c(footer.data(), footer.size()), 4);
+  return footer;
+}
+
+// What the end of a file says about its data.
+struct Verdict {
+  bool has_footer = false;  // a footer whose own checksum holds
+  uint64_t data_size = 0;   // with a footer: the archive's bytes
+  std::string problem;      // with a footer: empty when the data verifies
+  uint32_t expected = 0, actual = 0;
+};
+
+Verdict check(const std::string& bytes) {
+  Verdict v;
+  if (bytes.size() < kFooterSize) return v;
+  const char* f = bytes.data() + bytes.size() - kFooterSize;
+  if (std::memcmp(f, kMagic, sizeof(kMagic)) != 0) return v;
+  if (static_cast<uint32_t>(get_le(f + 28, 4)) != crc32c(f, 28)) return v;
+  v.has_footer = true;
+  const uint64_t version = get_le(f + 8, 4);
+  const uint64_t algorithm = get_le(f + 12, 4);
+  v.data_size = get_le(f + 16, 8);
+  if (version != kFooterVersion || algorithm != kAlgorithmCrc32c) {
+    v.problem = str("its checksum footer has version ", version, " and algorithm ", algorithm,
+                    ", which this fulgur does not know (a newer fulgur wrote it)");
+    return v;
   }
-  ~FileWriter() {
+  if (v.data_size != bytes.size() - kFooterSize) {
+    v.problem = str("it holds ", bytes.size() - kFooterSize, " bytes of data but was written with ",
+                    v.data_size, " (cut short, or bytes were inserted)");
+    return v;
+  }
+  v.expected = static_cast<uint32_t>(get_le(f + 24, 4));
+  v.actual = crc32c(bytes.data(), v.data_size);
+  if (v.actual != v.expected) {
+    v.problem = str("its content does not match the CRC32C written with it (expected 0x", std::hex,
+                    v.expected, ", got 0x", v.actual, std::dec, ")");
+  }
+  return v;
+}
+
+// ---- Which record of the archive (a zip) is damaged: each record's stored
+// CRC-32 against its bytes. LibTorch stores records uncompressed.
+std::string describe_record(const std::string& name) {
+  const auto slash = name.find('/');
+  const std::string record = slash == std::string::npos ? name : name.substr(slash + 1);
+  if (record == "data.pkl") {
+    return "the archive's structure (record data.pkl: which tensors and values it holds)";
+  }
+  if (record.rfind("data/", 0) == 0) return str("the bytes of a tensor (record ", record, ")");
+  return str("record ", record);
+}
+
+std::string damaged_part(const char* data, uint64_t size) {
+  const char* const end = data + size;
+  auto u16 = [](const char* p) { return get_le(p, 2); };
+  auto u32 = [](const char* p) { return get_le(p, 4); };
+  // The end-of-central-directory record, searched back from the end.
+  const char* eocd = nullptr;
+  for (const char* p = end - 22; p >= data && p >= end - 22 - 65535; --p) {
+    if (u32(p) == 0x06054b50) {
+      eocd = p;
+      break;
+    }
+  }
+  if (eocd == nullptr) return "the archive's end (its directory of records is unreadable)";
+  uint64_t count = u16(eocd + 10);
+  uint64_t cd_offset = u32(eocd + 16);
+  if ((count == 0xFFFF || cd_offset == 0xFFFFFFFF) && eocd - 20 >= data &&
+      u32(eocd - 20) == 0x07064b50) {
+    const uint64_t z64 = get_le(eocd - 20 + 8, 8);
+    if (z64 + 56 <= size && u32(data + z64) == 0x06064b50) {
+      count = get_le(data + z64 + 32, 8);
+      cd_offset = get_le(data + z64 + 48, 8);
+    }
+  }
+  const char* p = data + std::min<uint64_t>(cd_offset, size);
+  for (uint64_t i = 0; i < count; ++i) {
+    if (p + 46 > end || u32(p) != 0x02014b50) {
+      return "the archive's directory of records";
+    }
+    const uint32_t stored_crc = static_cast<uint32_t>(u32(p + 16));
+    uint64_t compressed = u32(p + 20);
+    uint64_t uncompressed = u32(p + 24);
+    const uint64_t name_len = u16(p + 28), extra_len = u16(p + 30), comment_len = u16(p + 32);
+    uint64_t local = u32(p + 42);
+    if (p + 46 + name_len + extra_len > end) return "the archive's directory of records";
+    const std::string name(p + 46, name_len);
+    // Zip64: the 32-bit fields that overflowed, in order, in extra block 1.
+    for (const char* e = p + 46 + name_len; e + 4 <= p + 46 + name_len + extra_len;) {
+      const uint64_t id = u16(e), len = u16(e + 2);
+      if (id == 0x0001) {
+        const char* v = e + 4;
+        if (uncompressed == 0xFFFFFFFF) { uncompressed = get_le(v, 8); v += 8; }
+        if (compressed == 0xFFFFFFFF) { compressed = get_le(v, 8); v += 8; }
+        if (local == 0xFFFFFFFF) local = get_le(v, 8);
+      }
+      e += 4 + len;
+    }
+    p += 46 + name_len + extra_len + comment_len;
+    if (local + 30 > size || u32(data + local) != 0x04034b50) {
+      return str("the header of ", describe_record(name));
+    }
+    const uint64_t start = local + 30 + u16(data + local + 26) + u16(data + local + 28);
+    if (start + compressed > size) return str("the header of ", describe_record(name));
+    if (crc32_ieee(data + start, compressed) != stored_crc) return describe_record(name);
+  }
+  return "the archive's headers or padding (every record's bytes are intact)";
+}
+
+// ---- Files.
+std::string kind_of(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+// The whole file; CheckpointError naming it, the operation and the OS
+// reason. Never opens what is not a regular file (a FIFO would block).
+std::string read_checkpoint_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    if (err == ENOENT) {
+      throw CheckpointError(str("checkpoint \"", path, "\" does not exist. Check the path, or "
+                                "pass ckpt_path=\"last\" to resume from the newest last.ckpt."));
+    }
+    throw CheckpointError(str("checkpoint \"", path, "\": cannot look it up: ",
+                              std::strerror(err), "."));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    throw CheckpointError(str("checkpoint \"", path, "\" is ", kind_of(st.st_mode),
+                              ", not a checkpoint file. Pass the path of a .ckpt file."));
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    const int err = errno;
+    throw CheckpointError(str("checkpoint \"", path, "\": cannot open it for reading: ",
+                              std::strerror(err),
+                              err == EACCES ? ". Give this user read permission on it (and "
+                                              "search permission on its directories)."
+                                            : "."));
+  }
+  std::string bytes(static_cast<size_t>(st.st_size), '\0');
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : 0;
+      ::close(fd);
+      throw CheckpointError(str("checkpoint \"", path, "\": cannot read it: ",
+                                err ? std::strerror(err) : "it shrank while being read", "."));
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return bytes;
+}
+
+// The newest other *.ckpt of `path`'s directory whose checksum verifies;
+// empty when there is none.
+std::string newest_valid_sibling(const std::string& path) {
+  std::error_code ec;
+  const fs::path self = fs::weakly_canonical(path, ec);
+  const fs::path dir = fs::path(path).has_parent_path() ? fs::path(path).parent_path() : ".";
+  std::vector<std::pair<fs::file_time_type, fs::path>> candidates;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (!it->is_regular_file(ec) || it->path().extension() != ".ckpt") continue;
+    if (fs::weakly_canonical(it->path(), ec) == self) continue;
+    candidates.emplace_back(it->last_write_time(ec), it->path());
+  }
+  std::sort(candidates.begin(), candidates.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& [_, candidate] : candidates) {
+    try {
+      const Verdict v = check(read_checkpoint_file(candidate.string()));
+      if (v.has_footer && v.problem.empty()) return candidate.string();
+    } catch (const CheckpointError&) {
+      // Unreadable: not an alternative.
+    }
+  }
+  return {};
+}
+
+[[noreturn]] void corrupt(const std::string& path, const std::string& what) {
+  const std::string alternative = newest_valid_sibling(path);
+  throw CheckpointError(str(
+      "checkpoint \"", path, "\" is corrupt: ", what, ". The file is corrupt; use an earlier "
+      "checkpoint",
+      alternative.empty() ? std::string(" (no other checkpoint in its directory verifies).")
+                          : str(": \"", alternative, "\" is the newest other one in its "
+                                "directory that verifies.")));
+}
+
+// ---- Writing: through a file descriptor, computing the CRC on the way. A
+// failure is remembered, not thrown: LibTorch's writer must finish normally
+// (an exception inside it ends the process), and the caller throws after.
+class ChecksummingWriter {
+ public:
+  explicit ChecksummingWriter(const std::string& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd_ < 0) fail("create");
+  }
+  ~ChecksummingWriter() {
     if (fd_ >= 0) ::close(fd_);
   }
   size_t write(const void* data, size_t n) {
+    if (error_ != 0) return n;
     const char* p = static_cast<const char*>(data);
     size_t left = n;
     while (left > 0) {
-      ssize_t w = ::write(fd_, p, left);
+      const ssize_t w = ::write(fd_, p, left);
       if (w < 0) {
         if (errno == EINTR) continue;
-        fail("cannot write");
+        fail("write");
+        return n;
       }
       p += w;
       left -= static_cast<size_t>(w);
     }
+    crc_ = crc32c(data, n, crc_);
+    size_ += n;
     return n;
   }
-  void close() {
-    if (::fsync(fd_) != 0) fail("cannot flush");
-    int fd = fd_;
+  void finish() {
+    if (error_ == 0) {
+      const std::string footer = encode_footer(size_, crc_);
+      const uint32_t crc = crc_;
+      const uint64_t size = size_;
+      write(footer.data(), footer.size());
+      crc_ = crc;  // the footer is not part of the checksummed data
+      size_ = size;
+    }
+    if (error_ == 0 && ::fsync(fd_) != 0) fail("flush (fsync)");
+    const int fd = fd_;
     fd_ = -1;
-    if (::close(fd) != 0) fail("cannot close");
+    if (::close(fd) != 0 && error_ == 0) fail("close");
   }
+  int error() const { return error_; }
+  const char* failed_operation() const { return operation_; }
+  uint64_t size() const { return size_; }
 
  private:
-  [[noreturn]] void fail(const char* what) {
-    throw CheckpointError(str("saving checkpoint: ", what, " \"", path_, "\": ",
-                              std::strerror(errno), ". Check the directory exists, is writable "
-                              "and has free space."));
+  void fail(const char* operation) {
+    if (error_ != 0) return;
+    error_ = errno != 0 ? errno : EIO;
+    operation_ = operation;
   }
   std::string path_;
   int fd_ = -1;
+  int error_ = 0;
+  const char* operation_ = "";
+  uint32_t crc_ = 0;
+  uint64_t size_ = 0;
 };
+
+std::string advice_for(int err) {
+  switch (err) {
+    case ENOSPC:
+    case EDQUOT:
+      return " Free space on its file system (or raise the quota), or save elsewhere "
+             "(ModelCheckpoint dirpath, default_root_dir).";
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      return " Make the directory writable by this user, or save elsewhere (ModelCheckpoint "
+             "dirpath, default_root_dir).";
+    default:
+      return "";
+  }
+}
+
 }  // namespace
 
 void TorchCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpoint,
                                         const std::string& path) {
-  fs::path target(path);
+  const fs::path target(path);
   std::error_code ec;
   if (target.has_parent_path()) {
     fs::create_directories(target.parent_path(), ec);
     if (ec) {
       throw CheckpointError(str("saving checkpoint \"", path, "\": cannot create directory \"",
-                                target.parent_path().string(), "\": ", ec.message(), "."));
+                                target.parent_path().string(), "\": ", ec.message(), ".",
+                                advice_for(ec.value())));
     }
   }
-  std::string tmp = str(path, ".tmp.", ::getpid());
-  try {
-    FileWriter writer(tmp);
-    checkpoint.save_to([&](const void* data, size_t n) { return writer.write(data, n); });
-    writer.close();
-  } catch (...) {
+  checkpoint.write(kIntegrityKey, c10::IValue(std::string("crc32c footer v1")));
+  const std::string tmp = str(path, ".tmp.", ::getpid());
+  auto fail = [&](const char* operation, int err, const std::string& file) {
     fs::remove(tmp, ec);
-    throw;
+    throw CheckpointError(str("saving checkpoint \"", path, "\": cannot ", operation, " \"", file,
+                              "\": ", std::strerror(err), ". The partial file was removed; the "
+                              "previous checkpoint at this path (if any) is untouched.",
+                              advice_for(err)));
+  };
+  {
+    ChecksummingWriter writer(tmp);
+    if (writer.error() == 0) {
+      checkpoint.save_to([&](const void* data, size_t n) { return writer.write(data, n); });
+    }
+    writer.finish();
+    if (writer.error() != 0) fail(writer.failed_operation(), writer.error(), tmp);
   }
-  fs::rename(tmp, target, ec);
-  if (ec) {
-    fs::remove(tmp, ec);
-    throw CheckpointError(str("saving checkpoint: cannot move the complete file into place at \"",
-                              path, "\": ", ec.message(), "."));
+  if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename into place", errno, tmp);
+  // The rename is durable only once the directory is.
+  const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    const int rc = ::fsync(dfd);
+    const int err = errno;
+    ::close(dfd);
+    if (rc != 0 && err != EINVAL) {
+      throw CheckpointError(str("saving checkpoint \"", path, "\": cannot flush its directory \"",
+                                dir, "\" (fsync): ", std::strerror(err), "."));
+    }
   }
 }
 
 void TorchCheckpointIO::load_checkpoint(const std::string& path,
                                         torch::serialize::InputArchive& checkpoint) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) {
-    throw CheckpointError(str("checkpoint \"", path, "\" does not exist. Check the path, or pass "
-                              "ckpt_path=\"last\" to resume from the newest last.ckpt."));
+  const std::string bytes = read_checkpoint_file(path);
+  const Verdict v = check(bytes);
+  if (v.has_footer && !v.problem.empty()) {
+    const bool content = v.actual != v.expected;
+    corrupt(path, content ? str(v.problem, "; the damage is in ",
+                                damaged_part(bytes.data(), v.data_size))
+                          : v.problem);
   }
-  if (fs::is_directory(path, ec)) {
-    throw CheckpointError(str("checkpoint \"", path, "\" is a directory, not a checkpoint file."));
-  }
+  const size_t size = v.has_footer ? v.data_size : bytes.size();
   try {
-    checkpoint.load_from(path);
+    checkpoint.load_from(bytes.data(), size);
   } catch (const c10::Error& e) {
-    auto size = fs::file_size(path, ec);
-    throw CheckpointError(str("checkpoint \"", path, "\" (", ec ? 0 : size,
-                              " bytes) cannot be read: it is truncated or not a LibTorch archive (",
-                              e.what_without_backtrace(), "). Use a complete checkpoint written "
-                              "by fulgur."));
+    if (v.has_footer) {
+      throw CheckpointError(str("checkpoint \"", path, "\" verifies against its checksum but "
+                                "LibTorch cannot read it (", e.what_without_backtrace(),
+                                "): it was not written by fulgur's checkpoint IO. Pass a "
+                                "checkpoint written by fulgur."));
+    }
+    corrupt(path, str("it has no checksum footer and LibTorch cannot read it (",
+                      e.what_without_backtrace(), "): it is truncated, damaged at its end, or "
+                      "not a checkpoint (", bytes.size(), " bytes)"));
+  }
+  if (!v.has_footer) {
+    c10::IValue marker;
+    if (checkpoint.try_read(kIntegrityKey, marker)) {
+      corrupt(path, "its checksum footer is missing or damaged (the file was cut short or "
+                    "overwritten at its end)");
+    }
+    // Written before checkpoints had checksums (fulgur 0.1): loads, unverified.
+    std::cerr << "fulgur: checkpoint \"" << path << "\" has no checksum (written before fulgur "
+              << "0.2); loaded without verifying it. Save it again to add one." << std::endl;
+  }
+}
+
+std::string TorchCheckpointIO::verify(const std::string& path) {
+  try {
+    const std::string bytes = read_checkpoint_file(path);
+    const Verdict v = check(bytes);
+    if (!v.has_footer) return "it has no checksum footer (written before fulgur 0.2, or cut short)";
+    if (v.problem.empty()) return {};
+    if (v.actual != v.expected) {
+      return str(v.problem, "; the damage is in ", damaged_part(bytes.data(), v.data_size));
+    }
+    return v.problem;
+  } catch (const CheckpointError& e) {
+    return e.what();
   }
 }
 
@@ -116,7 +433,8 @@ void TorchCheckpointIO::remove_checkpoint(const std::string& path) {
 CheckpointIORegistry& checkpoint_io_registry() {
   static CheckpointIORegistry registry = [] {
     CheckpointIORegistry r("checkpoint_io");
-    r.add("torch", "LibTorch archives, written atomically (tmp file, fsync, rename)",
+    r.add("torch", "LibTorch archives with a CRC32C footer, verified on load; written "
+                   "atomically (tmp file, fsync, rename, directory fsync)",
           [] { return std::make_unique<TorchCheckpointIO>(); });
     return r;
   }();

@@ -5,10 +5,30 @@
 
 namespace fulgur {
 
-/// LibTorch's archive format (the zip container torch::save writes), written
-/// to `<path>.tmp.<pid>`, flushed to disk, then renamed over `path`.
+/// LibTorch's archive format (the zip container torch::save writes)
+/// followed by a 32-byte footer with its length and CRC32C. Written to
+/// `<path>.tmp.<pid>`, flushed to disk, renamed over `path`, and the
+/// directory flushed: after a crash `path` holds the old checkpoint or the
+/// complete new one. A write error (a full disk, no permission) is a
+/// CheckpointError naming the file, the operation and the OS reason; the
+/// partial file is removed.
+///
+/// Loading reads the file whole and verifies the checksum before LibTorch
+/// parses a byte: a mismatch is a CheckpointError naming the damaged part (a
+/// tensor's record, the archive's structure, its directory) and the newest
+/// other checkpoint of the same directory that verifies. A file without the
+/// footer, written before fulgur 0.2, loads unverified (with a warning on
+/// stderr); one that had a footer and lost it is corrupt.
 class TorchCheckpointIO : public CheckpointIO {
  public:
+  /// A key this IO adds to every archive it saves (a reserved name: module
+  /// state loading ignores it): an archive that has it but no valid footer
+  /// lost its footer, rather than predating checksums.
+  static constexpr const char* kIntegrityKey = "fulgur_integrity";
+  /// Empty when `path` verifies against its checksum; otherwise what is
+  /// wrong with it, in one sentence. Reads the file; loads nothing.
+  static std::string verify(const std::string& path);
+
   std::string_view name() const override { return "torch"; }
   void save_checkpoint(torch::serialize::OutputArchive& checkpoint,
                        const std::string& path) override;
