@@ -61,11 +61,15 @@ int main(int argc, char** argv) {
   std::string dir = std::filesystem::temp_directory_path().string();
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i];
-    if (flag == "--mb") mb = std::stoll(argv[i + 1]);
-    else if (flag == "--reps") reps = std::stoi(argv[i + 1]);
-    else if (flag == "--dir") dir = argv[i + 1];
+    if (flag == "--mb")
+      mb = std::stoll(argv[i + 1]);
+    else if (flag == "--reps")
+      reps = std::stoi(argv[i + 1]);
+    else if (flag == "--dir")
+      dir = argv[i + 1];
     else {
-      std::fprintf(stderr, "checkpoint: unknown flag %s (--mb N, --reps N, --dir DIR)\n", flag.c_str());
+      std::fprintf(stderr, "checkpoint: unknown flag %s (--mb N, --reps N, --dir DIR)\n",
+                   flag.c_str());
       return 2;
     }
   }
@@ -84,7 +88,8 @@ int main(int argc, char** argv) {
   for (auto& t : tensors) bytes += static_cast<double>(t.numel() * t.element_size());
   const double megabytes = bytes / 1e6;
 
-  const std::string base = (std::filesystem::path(dir) / ("fulgur_bench_ckpt_" + std::to_string(::getpid()))).string();
+  const std::string base =
+      (std::filesystem::path(dir) / ("fulgur_bench_ckpt_" + std::to_string(::getpid()))).string();
   const std::string f_path = base + ".fulgur.ckpt", r_path = base + ".torch.pt",
                     s_path = base + ".torch_fsync.pt";
   fulgur::TorchCheckpointIO io;

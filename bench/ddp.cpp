@@ -51,10 +51,11 @@ std::pair<torch::Tensor, torch::Tensor> make_data(int64_t samples) {
 
 void report(const Args& a, int world, double seconds) {
   double samples = static_cast<double>(a.steps * a.batch * world);
-  std::printf("{\"benchmark\": \"ddp_mlp_784_1024_1024_10\", \"impl\": \"%s\", \"world_size\": %d, "
-              "\"steps\": %lld, \"batch_per_rank\": %lld, \"samples_per_s\": %.1f}\n",
-              a.impl.c_str(), world, static_cast<long long>(a.steps),
-              static_cast<long long>(a.batch), samples / seconds);
+  std::printf(
+      "{\"benchmark\": \"ddp_mlp_784_1024_1024_10\", \"impl\": \"%s\", \"world_size\": %d, "
+      "\"steps\": %lld, \"batch_per_rank\": %lld, \"samples_per_s\": %.1f}\n",
+      a.impl.c_str(), world, static_cast<long long>(a.steps), static_cast<long long>(a.batch),
+      samples / seconds);
   std::fflush(stdout);
 }
 
@@ -120,7 +121,8 @@ int run_naive(const Args& a) {
     if (step == a.warmup) start = Clock::now();
     // This rank's share of the global batch, gathered like a loader does.
     auto idx = torch::arange((step * o.world_size) * a.batch, (step * o.world_size + 1) * a.batch,
-                             torch::kLong) + o.rank * a.batch;
+                             torch::kLong) +
+               o.rank * a.batch;
     auto bx = x.index_select(0, idx);
     auto by = y.index_select(0, idx);
     sgd.zero_grad();
@@ -141,10 +143,14 @@ int run_naive(const Args& a) {
 int main(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--impl")) a.impl = argv[i + 1];
-    else if (!std::strcmp(argv[i], "--steps")) a.steps = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--warmup")) a.warmup = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--batch")) a.batch = std::atoll(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--impl"))
+      a.impl = argv[i + 1];
+    else if (!std::strcmp(argv[i], "--steps"))
+      a.steps = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--warmup"))
+      a.warmup = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--batch"))
+      a.batch = std::atoll(argv[i + 1]);
     else {
       std::fprintf(stderr, "usage: %s --impl fulgur|naive [--steps N] [--warmup N] [--batch N]\n",
                    argv[0]);

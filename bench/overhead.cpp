@@ -189,12 +189,18 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (arg == "--model") a.model = next();
-    else if (arg == "--steps") a.steps = std::stoll(next());
-    else if (arg == "--reps") a.reps = std::stoi(next());
-    else if (arg == "--batch") a.batch = std::stoll(next());
-    else if (arg == "--log-every-step") a.log_every_step = true;
-    else if (arg == "--progress-bar") a.progress_bar = true;
+    if (arg == "--model")
+      a.model = next();
+    else if (arg == "--steps")
+      a.steps = std::stoll(next());
+    else if (arg == "--reps")
+      a.reps = std::stoi(next());
+    else if (arg == "--batch")
+      a.batch = std::stoll(next());
+    else if (arg == "--log-every-step")
+      a.log_every_step = true;
+    else if (arg == "--progress-bar")
+      a.progress_bar = true;
     else {
       std::fprintf(stderr,
                    "overhead: unknown argument %s\nusage: overhead [--model mlp|cnn] [--steps N] "
@@ -209,7 +215,8 @@ int main(int argc, char** argv) {
   }
   torch::set_num_threads(1);
   auto data = make_data(std::min<int64_t>(a.steps, 500) * a.batch);
-  std::string root = std::filesystem::temp_directory_path() / ("fulgur_bench_" + std::to_string(::getpid()));
+  std::string root =
+      std::filesystem::temp_directory_path() / ("fulgur_bench_" + std::to_string(::getpid()));
   std::vector<double> hand, fulgur_us, hand_allocs, fulgur_allocs;
   for (int r = 0; r < a.reps; ++r) {  // interleaved: A B A B ...
     auto h = hand_written(a, data);

@@ -59,11 +59,15 @@ int main(int argc, char** argv) {
   std::string impl = "fulgur", devices = "1", root = "/tmp/fulgur_bench_startup";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i];
-    if (flag == "--impl") impl = argv[i + 1];
-    else if (flag == "--devices") devices = argv[i + 1];
-    else if (flag == "--root") root = argv[i + 1];
+    if (flag == "--impl")
+      impl = argv[i + 1];
+    else if (flag == "--devices")
+      devices = argv[i + 1];
+    else if (flag == "--root")
+      root = argv[i + 1];
     else {
-      std::fprintf(stderr, "startup: unknown flag %s (--impl noop|hand|fulgur, --devices N, --root DIR)\n",
+      std::fprintf(stderr,
+                   "startup: unknown flag %s (--impl noop|hand|fulgur, --devices N, --root DIR)\n",
                    flag.c_str());
       return 2;
     }

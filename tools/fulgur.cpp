@@ -48,8 +48,8 @@ int resolve(int argc, char** argv) {
     } else if (i + 1 < argc) {
       flags.emplace_back(arg, argv[++i]);
     } else {
-      problems.push_back(fulgur::str(arg, " has no value: every flag takes one (", arg,
-                                     " VALUE)."));
+      problems.push_back(
+          fulgur::str(arg, " has no value: every flag takes one (", arg, " VALUE)."));
     }
   }
   try {

@@ -40,12 +40,12 @@ class GzFile {
   explicit GzFile(std::string path) : path_(std::move(path)) {
     std::error_code ec;
     if (!std::filesystem::exists(path_, ec)) {
-      throw ConfigError(str("FashionMNIST(", path_, "): the file does not exist. ", kInstallHint,
-                            "."));
+      throw ConfigError(
+          str("FashionMNIST(", path_, "): the file does not exist. ", kInstallHint, "."));
     }
     if (std::filesystem::is_directory(path_, ec)) {
-      throw ConfigError(
-          str("FashionMNIST(", path_, "): is a directory, not a gzip IDX file. ", kInstallHint, "."));
+      throw ConfigError(str("FashionMNIST(", path_, "): is a directory, not a gzip IDX file. ",
+                            kInstallHint, "."));
     }
     errno = 0;
     file_ = gzopen(path_.c_str(), "rb");
@@ -79,9 +79,9 @@ class GzFile {
                               " (truncated or corrupt gzip data). ", kReinstallHint, "."));
       }
       if (got == 0) {
-        throw ConfigError(str("FashionMNIST(", path_, "): the file is truncated: ", what,
-                              " needs ", size, " bytes but only ", done,
-                              " could be read. ", kReinstallHint, "."));
+        throw ConfigError(str("FashionMNIST(", path_, "): the file is truncated: ", what, " needs ",
+                              size, " bytes but only ", done, " could be read. ", kReinstallHint,
+                              "."));
       }
       done += static_cast<size_t>(got);
     }
@@ -101,16 +101,15 @@ class GzFile {
 
 void check_magic(const GzFile& file, uint32_t magic, uint32_t expected, const char* kind) {
   if (magic == expected) return;
-  throw ConfigError(str("FashionMNIST(", file.path(), "): bad magic number ", magic,
-                        " (expected ", expected, " for an IDX ", kind,
-                        " file); this is not a Fashion-MNIST ", kind, " file. ", kReinstallHint,
-                        "."));
+  throw ConfigError(str("FashionMNIST(", file.path(), "): bad magic number ", magic, " (expected ",
+                        expected, " for an IDX ", kind, " file); this is not a Fashion-MNIST ",
+                        kind, " file. ", kReinstallHint, "."));
 }
 
 void check_count(const GzFile& file, uint32_t count, const char* what) {
   if (count > 0 && count <= kMaxItems) return;
-  throw ConfigError(str("FashionMNIST(", file.path(), "): the header announces ", count, " ",
-                        what, ", expected between 1 and ", kMaxItems, ". ", kReinstallHint, "."));
+  throw ConfigError(str("FashionMNIST(", file.path(), "): the header announces ", count, " ", what,
+                        ", expected between 1 and ", kMaxItems, ". ", kReinstallHint, "."));
 }
 
 std::string file_in(const std::string& dir, const char* name) {
@@ -140,8 +139,8 @@ torch::Tensor read_idx_images(const std::string& path) {
   const uint32_t rows = file.read_u32("the row count");
   const uint32_t cols = file.read_u32("the column count");
   if (rows != kRows || cols != kCols) {
-    throw ConfigError(str("FashionMNIST(", path, "): images are ", rows, "x", cols,
-                          ", expected ", kRows, "x", kCols, ". ", kReinstallHint, "."));
+    throw ConfigError(str("FashionMNIST(", path, "): images are ", rows, "x", cols, ", expected ",
+                          kRows, "x", kCols, ". ", kReinstallHint, "."));
   }
   auto images = torch::empty({static_cast<int64_t>(count), 1, kRows, kCols}, torch::kUInt8);
   file.read(images.data_ptr<uint8_t>(), static_cast<size_t>(images.numel()), "the pixels");
@@ -170,8 +169,8 @@ Split load_split(const std::string& data_dir, bool train) {
   auto images = read_idx_images(images_path);
   auto labels = read_idx_labels(labels_path);
   if (images.size(0) != labels.size(0)) {
-    throw ConfigError(str("FashionMNIST(", data_dir, "): ", images_path, " holds ",
-                          images.size(0), " images but ", labels_path, " holds ", labels.size(0),
+    throw ConfigError(str("FashionMNIST(", data_dir, "): ", images_path, " holds ", images.size(0),
+                          " images but ", labels_path, " holds ", labels.size(0),
                           " labels; the files do not belong together. ", kReinstallHint, "."));
   }
   Split split;

@@ -96,11 +96,11 @@ class FashionCNN : public fulgur::Module {
     fulgur::OptimizerConfig config(adam);
     if (lr_step_size_ > 0) {
       // Multiply the learning rate by lr_gamma every lr_step_size epochs.
-      config.schedulers.push_back(fulgur::SchedulerConfig{
-          .scheduler = std::make_shared<torch::optim::StepLR>(
-              *adam, static_cast<unsigned>(lr_step_size_), lr_gamma_),
-          .interval = fulgur::Interval::Epoch,
-          .frequency = 1});
+      config.schedulers.push_back(
+          fulgur::SchedulerConfig{.scheduler = std::make_shared<torch::optim::StepLR>(
+                                      *adam, static_cast<unsigned>(lr_step_size_), lr_gamma_),
+                                  .interval = fulgur::Interval::Epoch,
+                                  .frequency = 1});
     }
     return config;
   }
@@ -270,7 +270,8 @@ void add_flags(CLI::App& app, Args& a) {
                  "Exit with status 1 when the test accuracy is below this (0: off)");
 
   // fulgur::TrainerOptions.
-  app.add_option("--accelerator", a.accelerator, "\"auto\", \"cpu\", \"cuda\" (\"gpu\"), or a registered name")
+  app.add_option("--accelerator", a.accelerator,
+                 "\"auto\", \"cpu\", \"cuda\" (\"gpu\"), or a registered name")
       ->group("Trainer: hardware");
   app.add_option("--strategy", a.strategy, "\"auto\", \"single_device\", ... or a registered name")
       ->group("Trainer: hardware");
@@ -278,8 +279,9 @@ void add_flags(CLI::App& app, Args& a) {
       ->group("Trainer: hardware");
   app.add_option("--num_nodes,--num-nodes", a.num_nodes, "Number of machines")
       ->group("Trainer: hardware");
-  app.add_option("--precision", a.precision,
-                 "32-true, 64-true, bf16-mixed, 16-mixed, bf16-true, 16-true (legacy: 32, 64, 16, bf16)")
+  app.add_option(
+         "--precision", a.precision,
+         "32-true, 64-true, bf16-mixed, 16-mixed, bf16-true, 16-true (legacy: 32, 64, 16, bf16)")
       ->group("Trainer: hardware");
   app.add_option("--plugins", a.plugins, "Comma-separated registered plugin names (e.g. slurm)")
       ->group("Trainer: hardware");
@@ -296,7 +298,8 @@ void add_flags(CLI::App& app, Args& a) {
       ->group("Trainer: run length");
   app.add_option("--min_epochs,--min-epochs", a.min_epochs, "Train at least this many epochs")
       ->group("Trainer: run length");
-  app.add_option("--max_steps,--max-steps", a.max_steps, "Optimizer steps to train for (-1: no limit)")
+  app.add_option("--max_steps,--max-steps", a.max_steps,
+                 "Optimizer steps to train for (-1: no limit)")
       ->group("Trainer: run length");
   app.add_option("--min_steps,--min-steps", a.min_steps, "Train at least this many steps")
       ->group("Trainer: run length");
@@ -319,22 +322,21 @@ void add_flags(CLI::App& app, Args& a) {
   app.add_option("--val_check_interval,--val-check-interval", a.val_check_interval,
                  "Validate every N training batches (int) or fraction of an epoch")
       ->group("Trainer: validation");
-  app.add_option("--check_val_every_n_epoch,--check-val-every-n-epoch",
-                 a.check_val_every_n_epoch,
+  app.add_option("--check_val_every_n_epoch,--check-val-every-n-epoch", a.check_val_every_n_epoch,
                  "Validate at the end of every N-th epoch (none: by batch count across epochs)")
       ->group("Trainer: validation");
   app.add_option("--num_sanity_val_steps,--num-sanity-val-steps", a.num_sanity_val_steps,
                  "Validation batches run before training (-1: all)")
       ->group("Trainer: validation");
 
-  app.add_option("--accumulate_grad_batches,--accumulate-grad-batches",
-                 a.accumulate_grad_batches, "Batches whose gradients are summed per step")
+  app.add_option("--accumulate_grad_batches,--accumulate-grad-batches", a.accumulate_grad_batches,
+                 "Batches whose gradients are summed per step")
       ->group("Trainer: optimization");
   app.add_option("--gradient_clip_val,--gradient-clip-val", a.gradient_clip_val,
                  "Clip gradients at this value (none: no clipping)")
       ->group("Trainer: optimization");
-  app.add_option("--gradient_clip_algorithm,--gradient-clip-algorithm",
-                 a.gradient_clip_algorithm, "\"norm\" or \"value\"")
+  app.add_option("--gradient_clip_algorithm,--gradient-clip-algorithm", a.gradient_clip_algorithm,
+                 "\"norm\" or \"value\"")
       ->group("Trainer: optimization");
 
   app.add_option("--seed", a.seed, "Seed of every RNG (none: unseeded)")
@@ -399,9 +401,9 @@ fulgur::TrainerOptions trainer_options(const Args& a) {
   o.enable_progress_bar = a.enable_progress_bar;
   o.logger = a.logger;
   o.log_every_n_steps = a.log_every_n_steps;
-  const bool validates = a.val_size > 0 && (o.limit_val_batches.is_fraction()
-                                                ? o.limit_val_batches.fraction() > 0.0
-                                                : o.limit_val_batches.count() > 0);
+  const bool validates =
+      a.val_size > 0 && (o.limit_val_batches.is_fraction() ? o.limit_val_batches.fraction() > 0.0
+                                                           : o.limit_val_batches.count() > 0);
   if (a.enable_checkpointing && validates) {
     // Keep the best checkpoint by validation accuracy (and last.ckpt).
     o.callbacks.push_back(std::make_shared<fulgur::ModelCheckpoint>(

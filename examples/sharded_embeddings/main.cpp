@@ -66,9 +66,9 @@ std::pair<at::Tensor, at::Tensor> make_data(const Args& a) {
 class ShardedRecommender : public fulgur::Module {
  public:
   explicit ShardedRecommender(const Args& a) : fulgur::Module("ShardedRecommender"), a_(a) {
-    mlp_ = register_module("mlp", torch::nn::Sequential(torch::nn::Linear(2 * a.dim, 64),
-                                                        torch::nn::ReLU(),
-                                                        torch::nn::Linear(64, 1)));
+    mlp_ =
+        register_module("mlp", torch::nn::Sequential(torch::nn::Linear(2 * a.dim, 64),
+                                                     torch::nn::ReLU(), torch::nn::Linear(64, 1)));
     // The dense layers start from a fixed seed on every rank.
     torch::NoGradGuard no_grad;
     for (auto& p : mlp_->parameters()) {
@@ -90,8 +90,10 @@ class ShardedRecommender : public fulgur::Module {
     // exactly the rows of the unsharded table.
     auto rows = torch::arange(row_begin_, row_begin_ + rows_per_rank_, torch::kFloat).unsqueeze(1);
     auto cols = torch::arange(a_.dim, torch::kFloat).unsqueeze(0);
-    user_shard_ = register_parameter("user_table_shard", torch::sin(rows * 0.013 + cols * 0.7) * 0.1);
-    item_shard_ = register_parameter("item_table_shard", torch::cos(rows * 0.017 + cols * 0.3) * 0.1);
+    user_shard_ =
+        register_parameter("user_table_shard", torch::sin(rows * 0.013 + cols * 0.7) * 0.1);
+    item_shard_ =
+        register_parameter("item_table_shard", torch::cos(rows * 0.017 + cols * 0.3) * 0.1);
     std::vector<std::pair<std::string, at::Tensor>> dense;
     for (auto& p : mlp_->named_parameters()) dense.emplace_back("mlp." + p.key(), p.value());
     reducer_ = std::make_unique<fulgur::GradientReducer>(std::move(dense), group_);
@@ -111,7 +113,8 @@ class ShardedRecommender : public fulgur::Module {
                   a_.dump + "/first-logits-rank-" + std::to_string(rank_) + ".pt");
     }
     auto loss = torch::binary_cross_entropy_with_logits(logits, label);
-    log("train_loss", loss, {.on_step = false, .on_epoch = true, .prog_bar = true, .sync_dist = true});
+    log("train_loss", loss,
+        {.on_step = false, .on_epoch = true, .prog_bar = true, .sync_dist = true});
     return loss;
   }
 
@@ -176,12 +179,14 @@ struct EpochLosses : fulgur::Callback {
 
 int main(int argc, char** argv) {
   Args a;
-  CLI::App app{"A recommendation model with embedding tables sharded across ranks (strategy manual)"};
+  CLI::App app{
+      "A recommendation model with embedding tables sharded across ranks (strategy manual)"};
   app.add_option("--strategy", a.strategy, "manual (the Module shards itself)");
   app.add_option("--devices", a.devices, "Processes on this machine");
   app.add_option("--rows", a.rows, "Rows of each embedding table");
   app.add_option("--dim", a.dim, "Embedding width");
-  app.add_option("--active-ids,--active_ids", a.active_ids, "Distinct ids the data use per feature");
+  app.add_option("--active-ids,--active_ids", a.active_ids,
+                 "Distinct ids the data use per feature");
   app.add_option("--samples", a.samples, "Synthetic interactions");
   app.add_option("--batch", a.batch, "Batch size per rank");
   app.add_option("--max_epochs,--max-epochs", a.max_epochs);

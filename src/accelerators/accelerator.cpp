@@ -17,7 +17,8 @@ std::string trim(std::string s) {
 }
 
 std::string bad_devices(const std::string& text) {
-  return str("devices=\"", text, "\": not a device spec. Pass \"auto\", a count (\"2\"), -1 "
+  return str("devices=\"", text,
+             "\": not a device spec. Pass \"auto\", a count (\"2\"), -1 "
              "for all devices, or a list of indices (\"0,2\" or \"0,\").");
 }
 
@@ -50,8 +51,8 @@ DevicesSpec::DevicesSpec(const char* raw) {
   size_t start = 0;
   while (start < text.size()) {
     size_t comma = text.find(',', start);
-    std::string part = trim(text.substr(start, comma == std::string::npos ? std::string::npos
-                                                                        : comma - start));
+    std::string part =
+        trim(text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
     if (!part.empty()) {
       auto index = parse_int(part);
       if (!index) {
@@ -75,8 +76,9 @@ DevicesSpec::DevicesSpec(std::vector<int> indices)
   for (int i : indices_) parts.push_back(std::to_string(i));
   text_ = "[" + join(parts) + "]";
   if (indices_.empty()) {
-    error_ = "devices=[]: an empty device list selects nothing. Pass at least one index, a "
-             "count, or \"auto\".";
+    error_ =
+        "devices=[]: an empty device list selects nothing. Pass at least one index, a "
+        "count, or \"auto\".";
   }
 }
 

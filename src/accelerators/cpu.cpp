@@ -12,8 +12,8 @@ std::vector<c10::Device> CPUAccelerator::parse_devices(const DevicesSpec& spec) 
   if (spec.is_index_list()) {
     throw ConfigError(str("accelerator=\"cpu\", devices=", spec.text(),
                           ": the CPU takes a number of processes, not device indices. "
-                          "Pass devices=", spec.indices().size(), " for ", spec.indices().size(),
-                          " process(es)."));
+                          "Pass devices=",
+                          spec.indices().size(), " for ", spec.indices().size(), " process(es)."));
   }
   if (spec.count()) {
     count = *spec.count();

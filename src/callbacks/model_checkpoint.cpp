@@ -21,8 +21,8 @@ ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std:
     problems.push_back(str("mode=\"", options_.mode, "\": pass \"min\" or \"max\""));
   }
   if (options_.save_top_k < -1) {
-    problems.push_back(str("save_top_k=", options_.save_top_k,
-                           ": pass -1 (keep all), 0 (none) or k >= 1"));
+    problems.push_back(
+        str("save_top_k=", options_.save_top_k, ": pass -1 (keep all), 0 (none) or k >= 1"));
   }
   if (options_.every_n_train_steps < 0) {
     problems.push_back(str("every_n_train_steps=", options_.every_n_train_steps, ": must be >= 0"));
@@ -39,8 +39,8 @@ ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std:
 
 std::string ModelCheckpoint::state_key() const {
   return str("ModelCheckpoint{monitor=", options_.monitor, ",mode=", options_.mode,
-             ",every_n_train_steps=", options_.every_n_train_steps, ",every_n_epochs=",
-             options_.every_n_epochs.value_or(0), "}");
+             ",every_n_train_steps=", options_.every_n_train_steps,
+             ",every_n_epochs=", options_.every_n_epochs.value_or(0), "}");
 }
 
 void ModelCheckpoint::on_fit_start(Trainer& trainer, Module&) {
@@ -147,7 +147,8 @@ void ModelCheckpoint::save(Trainer& trainer, bool) {
         top_k_.emplace_back(score, path);
         std::stable_sort(top_k_.begin(), top_k_.end(),
                          [&](const auto& a, const auto& b) { return better(a.first, b.first); });
-        while (options_.save_top_k > 0 && static_cast<int64_t>(top_k_.size()) > options_.save_top_k) {
+        while (options_.save_top_k > 0 &&
+               static_cast<int64_t>(top_k_.size()) > options_.save_top_k) {
           // Another run's file leaves the list but stays on disk.
           if (in_directory(top_k_.back().second, dirpath_)) {
             strategy.remove_checkpoint(top_k_.back().second);
@@ -168,8 +169,8 @@ void ModelCheckpoint::save_last(Trainer& trainer) {
   trainer.save_checkpoint(last_model_path_);
 }
 
-void ModelCheckpoint::on_train_batch_end(Trainer& trainer, Module&, const at::Tensor&,
-                                         const Batch&, int64_t) {
+void ModelCheckpoint::on_train_batch_end(Trainer& trainer, Module&, const at::Tensor&, const Batch&,
+                                         int64_t) {
   int64_t n = options_.every_n_train_steps;
   if (n > 0 && trainer.global_step() > 0 && trainer.global_step() % n == 0) save(trainer, false);
 }

@@ -23,7 +23,8 @@ void ProgressBar::print_line(Trainer& trainer, bool final_line) {
   std::string line = "Epoch " + std::to_string(trainer.current_epoch());
   int64_t total = trainer.num_training_batches();
   line += " [" + std::to_string(batches_) + (total >= 0 ? "/" + std::to_string(total) : "") + "]";
-  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start_).count();
+  double secs =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_start_).count();
   char buf[64];
   std::snprintf(buf, sizeof buf, " %.1fs", secs);
   line += buf;

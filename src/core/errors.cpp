@@ -83,7 +83,8 @@ std::string flag_error_message(const std::vector<std::string>& problems) {
 }  // namespace
 
 FlagError::FlagError(std::string kind, std::vector<std::string> problems)
-    : ConfigError(flag_error_message(problems)), kind_(std::move(kind)),
+    : ConfigError(flag_error_message(problems)),
+      kind_(std::move(kind)),
       problems_(std::move(problems)) {}
 
 }  // namespace fulgur

@@ -45,7 +45,8 @@ at::Tensor Module::training_step(Batch&, int64_t) {
 }
 
 void Module::validation_step(Batch&, int64_t) {
-  throw ConfigError(str(name(), ": a validation loader was given but the Module does not override "
+  throw ConfigError(str(name(),
+                        ": a validation loader was given but the Module does not override "
                         "validation_step(batch, batch_idx). Override it, or pass no validation "
                         "loader (or limit_val_batches = 0)."));
 }
@@ -83,7 +84,8 @@ void Module::log(std::string_view name, const at::Tensor& value, LogOptions opti
 
 void Module::log(std::string_view name, double value, LogOptions options) {
   if (log_sink_ == nullptr) {
-    throw ConfigError(str("log(\"", name, "\"): called outside a Trainer run. Log from "
+    throw ConfigError(str("log(\"", name,
+                          "\"): called outside a Trainer run. Log from "
                           "training_step, validation_step, test_step or a hook the Trainer "
                           "calls."));
   }
@@ -96,7 +98,8 @@ void Module::save_hyperparameters(HParams hparams) {
 
 Trainer& Module::trainer() const {
   if (trainer_ == nullptr) {
-    throw ConfigError(str(name(), ".trainer(): this Module is not attached to a Trainer. "
+    throw ConfigError(str(name(),
+                          ".trainer(): this Module is not attached to a Trainer. "
                           "trainer() is available inside fit/validate/test/predict."));
   }
   return *trainer_;
@@ -132,9 +135,7 @@ std::shared_ptr<ProcessGroup> Module::process_group() const {
   return parallel->shared_process_group();
 }
 
-void Module::manual_backward(const at::Tensor& loss) {
-  link().manual_backward(*this, loss);
-}
+void Module::manual_backward(const at::Tensor& loss) { link().manual_backward(*this, loss); }
 
 void Module::optimizer_step(torch::optim::Optimizer& optimizer) {
   link().manual_optimizer_step(*this, optimizer);

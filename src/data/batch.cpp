@@ -6,8 +6,8 @@ namespace fulgur {
 
 namespace {
 template <class T>
-T& expect(std::variant<at::Tensor, Batch::Pair, Batch::List, Batch::Map>& value,
-          const char* wanted, const char* have) {
+T& expect(std::variant<at::Tensor, Batch::Pair, Batch::List, Batch::Map>& value, const char* wanted,
+          const char* have) {
   if (auto* p = std::get_if<T>(&value)) return *p;
   throw ConfigError(str("Batch::", wanted, "(): this batch is a ", have, ", not a ", wanted,
                         ". Use batch.", have, "() or check what the DataLoader yields."));
@@ -41,8 +41,8 @@ const at::Tensor& Batch::operator[](size_t i) const {
     throw ConfigError(str("batch[", i, "]: this batch is a ", kind(),
                           "; integer indexing works on pairs and lists."));
   }
-  throw ConfigError(str("batch[", i, "]: index out of range; the batch holds ", num_tensors(),
-                        " tensors."));
+  throw ConfigError(
+      str("batch[", i, "]: index out of range; the batch holds ", num_tensors(), " tensors."));
 }
 
 const at::Tensor& Batch::operator[](const std::string& key) const {
@@ -118,9 +118,8 @@ Batch Batch::map_tensors(const std::function<at::Tensor(const at::Tensor&)>& fn)
 }
 
 Batch Batch::to(c10::Device device, bool non_blocking) const {
-  return map_tensors([&](const at::Tensor& t) {
-    return t.device() == device ? t : t.to(device, non_blocking);
-  });
+  return map_tensors(
+      [&](const at::Tensor& t) { return t.device() == device ? t : t.to(device, non_blocking); });
 }
 
 }  // namespace fulgur

@@ -31,7 +31,8 @@ at::Tensor Sampler::shard(const at::Tensor& indices) const {
   if (shard_world_size_ == 1) return indices;
   at::Tensor all = indices;
   const int64_t n = indices.size(0);
-  const int64_t padded = shard_even_ ? (n + shard_world_size_ - 1) / shard_world_size_ * shard_world_size_ : n;
+  const int64_t padded =
+      shard_even_ ? (n + shard_world_size_ - 1) / shard_world_size_ * shard_world_size_ : n;
   if (padded > n && n > 0) {
     all = torch::cat({indices, indices.repeat({(padded - n + n - 1) / n}).slice(0, 0, padded - n)});
   }
@@ -45,8 +46,8 @@ at::Tensor SequentialSampler::epoch_indices(int64_t, int64_t dataset_size) {
 at::Tensor RandomSampler::epoch_indices(int64_t epoch, int64_t dataset_size) {
   // A private generator seeded from (seed, epoch): the order depends on
   // nothing else, so it is the same after a resume and on every rank.
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(
-      seed_ * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(epoch));
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed_ * 0x9E3779B97F4A7C15ULL +
+                                                            static_cast<uint64_t>(epoch));
   return shard(torch::randperm(dataset_size, generator, torch::kLong));
 }
 
@@ -129,9 +130,7 @@ DatasetLoader::DatasetLoader(std::shared_ptr<Dataset> dataset, DataLoaderOptions
   }
 }
 
-int64_t DatasetLoader::samples_per_epoch() const {
-  return sampler_->shard_size(dataset_->size());
-}
+int64_t DatasetLoader::samples_per_epoch() const { return sampler_->shard_size(dataset_->size()); }
 
 std::optional<int64_t> DatasetLoader::num_batches() const {
   int64_t n = samples_per_epoch();
@@ -208,8 +207,8 @@ std::optional<Batch> IterableLoader::do_next() {
   return current_();
 }
 
-std::shared_ptr<IterableLoader> make_iterable_loader(
-    std::function<BatchGenerator(int64_t)> factory, std::optional<int64_t> num_batches) {
+std::shared_ptr<IterableLoader> make_iterable_loader(std::function<BatchGenerator(int64_t)> factory,
+                                                     std::optional<int64_t> num_batches) {
   return std::make_shared<IterableLoader>(std::move(factory), num_batches);
 }
 

@@ -13,8 +13,8 @@ namespace fs = std::filesystem;
 
 CSVLogger::CSVLogger(CSVLoggerOptions options) : options_(std::move(options)) {
   if (options_.flush_every < 1) {
-    throw ConfigError(str("CSVLoggerOptions{.flush_every = ", options_.flush_every,
-                          "}: must be >= 1."));
+    throw ConfigError(
+        str("CSVLoggerOptions{.flush_every = ", options_.flush_every, "}: must be >= 1."));
   }
   version_ = options_.version;
 }
@@ -45,7 +45,9 @@ std::string CSVLogger::log_dir() const {
   return (root / ("version_" + std::to_string(*version_))).string();
 }
 
-std::string CSVLogger::metrics_file() const { return (fs::path(log_dir()) / "metrics.csv").string(); }
+std::string CSVLogger::metrics_file() const {
+  return (fs::path(log_dir()) / "metrics.csv").string();
+}
 
 void CSVLogger::log_hyperparams(const HParams& params) {
   fs::create_directories(log_dir());
@@ -65,7 +67,8 @@ void CSVLogger::log_hyperparams(const HParams& params) {
     }
   }
   if (!out) {
-    throw ConfigError(str("CSVLogger: cannot write \"", log_dir(), "/hparams.yaml\". Check that "
+    throw ConfigError(str("CSVLogger: cannot write \"", log_dir(),
+                          "/hparams.yaml\". Check that "
                           "save_dir is writable."));
   }
 }

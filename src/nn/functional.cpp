@@ -37,13 +37,15 @@ struct AllReduceSumFunction : torch::autograd::Function<AllReduceSumFunction> {
 
 at::Tensor all_reduce_sum(const at::Tensor& x, AllReduceSum all_reduce) {
   FULGUR_ASSERT(all_reduce != nullptr, "all_reduce_sum needs an all-reduce");
-  return AllReduceSumFunction::apply(x, c10::make_intrusive<AllReduceHolder>(std::move(all_reduce)));
+  return AllReduceSumFunction::apply(x,
+                                     c10::make_intrusive<AllReduceHolder>(std::move(all_reduce)));
 }
 
 at::Tensor all_reduce_sum(const at::Tensor& x, std::shared_ptr<ProcessGroup> group) {
   if (!group) {
-    throw ConfigError("fulgur::nn::all_reduce_sum(x, group): the group is null. Pass the "
-                      "strategy's (ParallelStrategy::shared_process_group()) or your own.");
+    throw ConfigError(
+        "fulgur::nn::all_reduce_sum(x, group): the group is null. Pass the "
+        "strategy's (ParallelStrategy::shared_process_group()) or your own.");
   }
   return all_reduce_sum(x, [group](at::Tensor& t) { group->all_reduce_(t, ReduceOp::Sum); });
 }

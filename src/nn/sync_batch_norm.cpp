@@ -67,9 +67,10 @@ void SyncBatchNormImpl::set_all_reduce(AllReduceSum all_reduce) {
 
 at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
   if (input.dim() < 2 || input.size(1) != options.num_features()) {
-    throw ConfigError(str("SyncBatchNorm(", options.num_features(), "): expected an input of "
-                          "shape [N, ", options.num_features(), ", ...], got ",
-                          c10::str(input.sizes()), "."));
+    throw ConfigError(str("SyncBatchNorm(", options.num_features(),
+                          "): expected an input of "
+                          "shape [N, ",
+                          options.num_features(), ", ...], got ", c10::str(input.sizes()), "."));
   }
   // The momentum as torch::nn::BatchNorm computes it (None: cumulative average).
   double momentum = options.momentum().value_or(0.0);
@@ -79,8 +80,8 @@ at::Tensor SyncBatchNormImpl::forward(const at::Tensor& input) {
   }
   if (is_training() && all_reduce_) return synchronized_forward(input, momentum);
   return torch::batch_norm(input, weight, bias, running_mean, running_var,
-                           is_training() || !options.track_running_stats(), momentum,
-                           options.eps(), at::globalContext().userEnabledCuDNN());
+                           is_training() || !options.track_running_stats(), momentum, options.eps(),
+                           at::globalContext().userEnabledCuDNN());
 }
 
 at::Tensor SyncBatchNormImpl::synchronized_forward(const at::Tensor& input, double momentum) {
@@ -93,8 +94,8 @@ at::Tensor SyncBatchNormImpl::synchronized_forward(const at::Tensor& input, doub
   const auto stat_type = at::promote_types(input.scalar_type(), at::kFloat);
   at::Tensor x = input.to(stat_type);
   const double local_count = static_cast<double>(input.numel() / std::max<int64_t>(channels, 1));
-  at::Tensor packed = torch::cat({x.sum(reduce_dims), (x * x).sum(reduce_dims),
-                                  torch::full({1}, local_count, x.options())});
+  at::Tensor packed = torch::cat(
+      {x.sum(reduce_dims), (x * x).sum(reduce_dims), torch::full({1}, local_count, x.options())});
   at::Tensor global = all_reduce_sum(packed, all_reduce_);
   at::Tensor count = global.narrow(0, 2 * channels, 1);
   at::Tensor mean = global.narrow(0, 0, channels) / count;

@@ -17,13 +17,14 @@ namespace fulgur {
 DDPStrategy::DDPStrategy(DDPOptions options, std::string name)
     : options_(std::move(options)), name_(std::move(name)) {
   if (options_.start_method != "popen" && options_.start_method != "fork") {
-    throw ConfigError(str("DDPStrategy: start_method=\"", options_.start_method, "\" is not one "
+    throw ConfigError(str("DDPStrategy: start_method=\"", options_.start_method,
+                          "\" is not one "
                           "of \"popen\" (re-execute the program per rank) or \"fork\" (fork the "
                           "ranks at fit())."));
   }
   if (!(options_.bucket_cap_mb > 0)) {
-    throw ConfigError(str("DDPStrategy: bucket_cap_mb=", options_.bucket_cap_mb,
-                          " must be > 0 (default 25)."));
+    throw ConfigError(
+        str("DDPStrategy: bucket_cap_mb=", options_.bucket_cap_mb, " must be > 0 (default 25)."));
   }
   const auto& backend = options_.process_group_backend;
   const auto& known = known_process_group_backends();
@@ -59,8 +60,11 @@ void connect_sync_batchnorm(Module& module, ProcessGroup& group) {
     }
   }
   if (!plain.empty()) {
-    throw ConfigError(str("sync_batchnorm=true, but ", module.name(), " has torch::nn::BatchNorm "
-                          "layers (", join(plain), "), whose statistics LibTorch cannot "
+    throw ConfigError(str("sync_batchnorm=true, but ", module.name(),
+                          " has torch::nn::BatchNorm "
+                          "layers (",
+                          join(plain),
+                          "), whose statistics LibTorch cannot "
                           "synchronise and fulgur cannot replace from outside the module. "
                           "Declare them as fulgur::nn::SyncBatchNorm (same options, same "
                           "checkpoint names), or drop sync_batchnorm."));
@@ -112,8 +116,8 @@ void DDPStrategy::do_setup(Module& module) {
   reducer_options.bucket_cap_mb = options_.bucket_cap_mb;
   reducer_options.find_unused_parameters = options_.find_unused_parameters;
   reducer_options.extra_scalars = 1;  // kStopVote
-  reducer_ = std::make_unique<GradientReducer>(std::move(named), shared_process_group(),
-                                               reducer_options);
+  reducer_ =
+      std::make_unique<GradientReducer>(std::move(named), shared_process_group(), reducer_options);
   reducer_->set_require_sync(sync_);
   exchanges_seen_ = 0;
   stop_agreed_ = false;
@@ -163,7 +167,8 @@ bool DDPStrategy::backward_skipped(Module& module, bool accumulated) {
   if (sync_batchnorm()) {
     // Its peers' backward runs SyncBatchNorm's all-reduces, which this rank
     // cannot pair without a backward of its own.
-    throw ConfigError(str("rank ", global_rank(), ": ", module.name(), "'s training_step returned "
+    throw ConfigError(str("rank ", global_rank(), ": ", module.name(),
+                          "'s training_step returned "
                           "no loss while sync_batchnorm=true: SyncBatchNorm reduces across ranks "
                           "in forward and backward, so every rank must run both. Return a loss "
                           "on every rank (e.g. loss * 0 to make a batch count for nothing), or "
@@ -202,7 +207,8 @@ std::string DDPStrategy::describe_options(const DDPOptions& o) {
              ", bucket_cap_mb=", o.bucket_cap_mb,
              ", broadcast_buffers=", o.broadcast_buffers ? "true" : "false",
              ", process_group_timeout=", o.process_group_timeout.count() / 1000, "s",
-             ", process_group_backend=", o.process_group_backend.empty() ? "auto" : o.process_group_backend,
+             ", process_group_backend=",
+             o.process_group_backend.empty() ? "auto" : o.process_group_backend,
              ", stop_grace=", o.stop_grace.count() / 1000, "s");
 }
 

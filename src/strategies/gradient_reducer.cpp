@@ -17,8 +17,8 @@ namespace fulgur {
 struct GradientReducer::State {
   // One bucket of gradients reduced together.
   struct Bucket {
-    std::vector<size_t> params;       // indices into State::params
-    std::vector<int64_t> offsets;     // element offset of each in `flat`
+    std::vector<size_t> params;    // indices into State::params
+    std::vector<int64_t> offsets;  // element offset of each in `flat`
     at::Tensor flat;
     size_t pending = 0;
     bool launched = false;
@@ -27,8 +27,8 @@ struct GradientReducer::State {
 
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
-  std::vector<size_t> bucket_of;    // param index -> bucket
-  std::vector<size_t> slot_of;      // param index -> position in its bucket
+  std::vector<size_t> bucket_of;  // param index -> bucket
+  std::vector<size_t> slot_of;    // param index -> position in its bucket
   std::vector<Bucket> buckets;
   // The last elements of the first bucket, beyond every gradient: [0] 1 on
   // a rank that has gradients to contribute this step, 0 on one that had no
@@ -37,7 +37,7 @@ struct GradientReducer::State {
   // contributing ranks and sum the extras without a collective of their own.
   at::Tensor tail;
   int64_t tail_size() const { return 1 + static_cast<int64_t>(extra_values.size()); }
-  std::vector<char> ready;          // per param, this backward
+  std::vector<char> ready;  // per param, this backward
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;
   std::shared_ptr<ProcessGroup> group;
@@ -46,7 +46,7 @@ struct GradientReducer::State {
   size_t next_to_launch = 0;
   bool armed = false;
   bool require_sync = true;
-  bool contributes = true;  // this step: see `tail`
+  bool contributes = true;           // this step: see `tail`
   std::vector<double> extra_values;  // this rank's, for the next exchange: see `tail`
   std::vector<double> extra_sums;    // summed over ranks in the last exchange
   int64_t exchanges = 0;
@@ -89,7 +89,8 @@ struct GradientReducer::State {
     const at::Tensor& grad = params[p].grad();
     if (!grad.defined()) return;
     if (grad.is_sparse()) {
-      throw DistributedError(str("GradientReducer: parameter \"", names[p], "\" has a sparse "
+      throw DistributedError(str("GradientReducer: parameter \"", names[p],
+                                 "\" has a sparse "
                                  "gradient, which the bucketed reducer does not average. Use a "
                                  "dense embedding (sparse=false) or the manual strategy."));
     }
@@ -170,18 +171,19 @@ GradientReducer::GradientReducer(std::vector<std::pair<std::string, at::Tensor>>
   for (size_t i = 0; i < s.buckets.size(); ++i) {
     const auto& first = s.params[s.buckets[i].params.front()];
     const int64_t extra = i == 0 ? s.tail_size() : 0;
-    s.buckets[i].flat = torch::zeros({sizes[i] / static_cast<int64_t>(first.element_size()) + extra},
-                                     first.options().requires_grad(false));
+    s.buckets[i].flat =
+        torch::zeros({sizes[i] / static_cast<int64_t>(first.element_size()) + extra},
+                     first.options().requires_grad(false));
   }
   if (!s.buckets.empty()) {
-    s.tail = s.buckets[0].flat.narrow(0, s.buckets[0].flat.numel() - s.tail_size(),
-                                      s.tail_size());
+    s.tail = s.buckets[0].flat.narrow(0, s.buckets[0].flat.numel() - s.tail_size(), s.tail_size());
   }
   s.ready.assign(s.params.size(), 0);
   for (size_t k = 0; k < s.params.size(); ++k) {
     auto accumulator = torch::autograd::impl::grad_accumulator(s.params[k]);
     if (!accumulator) {
-      throw ConfigError(str("GradientReducer: parameter \"", s.names[k], "\" is not a leaf "
+      throw ConfigError(str("GradientReducer: parameter \"", s.names[k],
+                            "\" is not a leaf "
                             "tensor; pass the module's own parameters."));
     }
     s.hook_keys.push_back(accumulator->add_post_hook(std::make_unique<ReadyHook>(state_, k)));
@@ -191,7 +193,8 @@ GradientReducer::GradientReducer(std::vector<std::pair<std::string, at::Tensor>>
 
 GradientReducer::~GradientReducer() {
   auto& s = *state_;
-  for (size_t k = 0; k < s.accumulators.size(); ++k) s.accumulators[k]->del_post_hook(s.hook_keys[k]);
+  for (size_t k = 0; k < s.accumulators.size(); ++k)
+    s.accumulators[k]->del_post_hook(s.hook_keys[k]);
 }
 
 void GradientReducer::set_require_sync(bool sync) { state_->require_sync = sync; }
@@ -200,7 +203,8 @@ void GradientReducer::set_extra_scalar(size_t i, double value) {
   auto& values = state_->extra_values;
   if (i >= values.size()) {
     throw ConfigError(str("GradientReducer::set_extra_scalar(", i, "): the reducer carries ",
-                          values.size(), " extra scalar(s) (GradientReducerOptions::"
+                          values.size(),
+                          " extra scalar(s) (GradientReducerOptions::"
                           "extra_scalars); pass an index below it, or raise extra_scalars."));
   }
   values[i] = value;
@@ -210,7 +214,8 @@ double GradientReducer::extra_scalar_sum(size_t i) const {
   const auto& sums = state_->extra_sums;
   if (i >= sums.size()) {
     throw ConfigError(str("GradientReducer::extra_scalar_sum(", i, "): the reducer carries ",
-                          sums.size(), " extra scalar(s) (GradientReducerOptions::"
+                          sums.size(),
+                          " extra scalar(s) (GradientReducerOptions::"
                           "extra_scalars); pass an index below it, or raise extra_scalars."));
   }
   return sums[i];
@@ -310,8 +315,8 @@ int GradientReducer::State::finalize(bool ran_backward) {
     // A rank that joined without a backward takes every gradient its peers
     // hold (all of them, unless find_unused_parameters says which), so
     // that every replica takes the same step.
-    const bool used_by_a_peer = used_anywhere.defined() ? used_anywhere.data_ptr<int>()[k] > 0
-                                                        : !ran_backward;
+    const bool used_by_a_peer =
+        used_anywhere.defined() ? used_anywhere.data_ptr<int>()[k] > 0 : !ran_backward;
     if (p.grad().defined() || used_by_a_peer) {
       // Shares the bucket's storage without being an autograd view, so
       // optimizers may still detach_() and zero_() it.

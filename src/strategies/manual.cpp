@@ -58,12 +58,12 @@ Manifest read_manifest(const std::string& path) {
     const std::string stored = has_crc ? text.substr(at + 7, 8) : std::string();
     const std::string actual = hex32(crc32c(text.data(), has_crc ? at : text.size()));
     if (!has_crc || stored != actual) {
-      throw CheckpointError(str(
-          "checkpoint \"", path, "\" is corrupt: its ", ManualStrategy::kManifest,
-          has_crc ? str(" does not match the CRC32C written with it (expected ", stored,
-                        ", got ", actual, ")")
-                  : std::string(" lost its checksum line (cut short)"),
-          ". The file is corrupt; use an earlier checkpoint."));
+      throw CheckpointError(
+          str("checkpoint \"", path, "\" is corrupt: its ", ManualStrategy::kManifest,
+              has_crc ? str(" does not match the CRC32C written with it (expected ", stored,
+                            ", got ", actual, ")")
+                      : std::string(" lost its checksum line (cut short)"),
+              ". The file is corrupt; use an earlier checkpoint."));
     }
   }
   while (std::getline(lines, line)) {
@@ -107,12 +107,13 @@ void ManualStrategy::save_checkpoint(torch::serialize::OutputArchive& checkpoint
     fs::remove(fs::path(path) / kManifest, ec);
     fs::create_directories(path, ec);
     if (ec) {
-      throw CheckpointError(str("cannot create the checkpoint directory \"", path,
-                                "\": ", ec.message(), "."));
+      throw CheckpointError(
+          str("cannot create the checkpoint directory \"", path, "\": ", ec.message(), "."));
     }
     for (const auto& entry : fs::directory_iterator(path, ec)) {
       const auto name = entry.path().filename().string();
-      if (name.rfind("rank-", 0) == 0 && name.find(str("-of-", world, ".ckpt")) == std::string::npos) {
+      if (name.rfind("rank-", 0) == 0 &&
+          name.find(str("-of-", world, ".ckpt")) == std::string::npos) {
         fs::remove(entry.path(), ec);
       }
     }
@@ -148,17 +149,22 @@ void ManualStrategy::load_checkpoint(const std::string& path,
     throw CheckpointError(str("checkpoint \"", path, "\" does not exist."));
   }
   if (!fs::is_directory(path, ec)) {
-    throw CheckpointError(str("checkpoint \"", path, "\" is one file, written by a strategy that "
-                              "saves whole models; strategy \"", name(), "\" reads a directory of "
+    throw CheckpointError(str("checkpoint \"", path,
+                              "\" is one file, written by a strategy that "
+                              "saves whole models; strategy \"",
+                              name(),
+                              "\" reads a directory of "
                               "per-rank shards written under it. Resume with the strategy that "
                               "wrote it, or load its weights in configure_model()."));
   }
   const Manifest manifest = read_manifest(path);
   if (manifest.world_size != world_size()) {
     throw CheckpointError(str("checkpoint \"", path, "\" was saved by ", manifest.world_size,
-                              " ranks, and this run has ", world_size(), ": each rank holds its "
+                              " ranks, and this run has ", world_size(),
+                              ": each rank holds its "
                               "own shard, so resuming needs the same world size. Run with "
-                              "devices x num_nodes = ", manifest.world_size, "."));
+                              "devices x num_nodes = ",
+                              manifest.world_size, "."));
   }
   std::vector<std::string> missing;
   for (const auto& shard : manifest.shards) {
@@ -182,8 +188,9 @@ void ManualStrategy::remove_checkpoint(const std::string& path) {
 
 void ManualStrategy::register_strategies(StrategyRegistry& registry) {
   registry.add(
-      "manual", "Parallelism in the Module: processes, ranks, process group and collectives "
-                "from fulgur; placement, wrapping and gradients by the Module; per-rank checkpoints",
+      "manual",
+      "Parallelism in the Module: processes, ranks, process group and collectives "
+      "from fulgur; placement, wrapping and gradients by the Module; per-rank checkpoints",
       [] { return std::make_unique<ManualStrategy>(); },
       "start_method=popen, process_group_timeout=1800s, stop_grace=5s");
 }

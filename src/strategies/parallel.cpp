@@ -30,7 +30,8 @@ c10::Device ParallelStrategy::root_device() const {
   if (devices.empty()) return c10::Device(c10::kCPU);
   if (local < 0 || local >= static_cast<int>(devices.size())) {
     throw DistributedError(str("strategy \"", name(), "\": this process has local rank ", local,
-                               " but the node has ", devices.size(), " device(s). Set devices to "
+                               " but the node has ", devices.size(),
+                               " device(s). Set devices to "
                                "the number of processes per node (LOCAL_WORLD_SIZE)."));
   }
   return devices[static_cast<size_t>(local)];
@@ -63,7 +64,8 @@ void ParallelStrategy::do_setup_environment() {
   if (options.main_port == 0 && options.backend != "mpi") {  // MPI connects without a store
     if (options.world_size > 1) {
       throw DistributedError(str("strategy \"", name(), "\": rank ", options.rank, " of ",
-                                 options.world_size, " has no main port. Set MASTER_PORT (the same "
+                                 options.world_size,
+                                 " has no main port. Set MASTER_PORT (the same "
                                  "on every rank), or let fulgur's launcher start the ranks."));
     }
     options.main_port = find_free_port(options.main_address);
@@ -89,12 +91,14 @@ void ParallelStrategy::explain_choices(std::vector<std::string>& notes) const {
   const c10::Device device = device_of_the_node(parallel_devices());
   const std::string backend = process_group_backend();
   if (auto problem = process_group_backend_problem(backend, device); !problem.empty()) {
-    throw ConfigError(str("strategy \"", name(), "\" with process_group_backend=\"", backend_,
-                          "\": ", problem));
+    throw ConfigError(
+        str("strategy \"", name(), "\" with process_group_backend=\"", backend_, "\": ", problem));
   }
   if (backend_.empty()) {
-    notes.push_back(str("process_group_backend=", backend, " because process_group_backend=auto "
-                        "and the devices are ", c10::DeviceTypeName(device.type(), true),
+    notes.push_back(str("process_group_backend=", backend,
+                        " because process_group_backend=auto "
+                        "and the devices are ",
+                        c10::DeviceTypeName(device.type(), true),
                         device.is_cuda() ? (backend == "nccl" ? " (this LibTorch has NCCL)"
                                                               : " but this LibTorch has no NCCL")
                                          : ""));
@@ -105,7 +109,8 @@ void ParallelStrategy::do_teardown() {}
 
 void ParallelStrategy::set_process_group(std::shared_ptr<ProcessGroup> group) {
   if (!group) {
-    throw ConfigError(str("strategy \"", name(), "\".set_process_group(nullptr): pass a group, "
+    throw ConfigError(str("strategy \"", name(),
+                          "\".set_process_group(nullptr): pass a group, "
                           "or none at all to let the strategy create one."));
   }
   if (group->size() != world_size() || group->rank() != global_rank()) {
@@ -127,7 +132,8 @@ void ParallelStrategy::configure_launcher_for(const std::string& start_method,
   if (start_method == "fork" && parallel_devices().front().is_cuda()) {
     // Counting the GPUs (which resolving devices does) initialises CUDA in
     // this process, and CUDA does not work in a process forked after that.
-    throw ConfigError(str("strategy \"", name(), "\" forks its ranks, which cannot use CUDA: this "
+    throw ConfigError(str("strategy \"", name(),
+                          "\" forks its ranks, which cannot use CUDA: this "
                           "process has already initialised it (counting the GPUs does). Use "
                           "strategy \"ddp\" (the program is re-executed once per rank), or "
                           "torchrun / srun / mpirun."));
@@ -142,7 +148,8 @@ void ParallelStrategy::configure_launcher_for(const std::string& start_method,
 
 ProcessGroup& ParallelStrategy::process_group() const {
   if (!group_) {
-    throw DistributedError(str("strategy \"", name(), "\": the process group exists once "
+    throw DistributedError(str("strategy \"", name(),
+                               "\": the process group exists once "
                                "setup_environment() ran (inside fit/validate/test/predict)."));
   }
   return *group_;

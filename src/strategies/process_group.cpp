@@ -60,10 +60,12 @@ std::string ip_text(const sockaddr_storage& addr) {
 // listen there, so other machines can connect back.
 std::string local_ip_towards(const Resolved& main) {
   Fd sock(::socket(main.family, SOCK_DGRAM, 0));
-  if (sock.fd >= 0 && ::connect(sock.fd, reinterpret_cast<const sockaddr*>(&main.addr), main.len) == 0) {
+  if (sock.fd >= 0 &&
+      ::connect(sock.fd, reinterpret_cast<const sockaddr*>(&main.addr), main.len) == 0) {
     sockaddr_storage local{};
     socklen_t len = sizeof local;
-    if (::getsockname(sock.fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) return ip_text(local);
+    if (::getsockname(sock.fd, reinterpret_cast<sockaddr*>(&local), &len) == 0)
+      return ip_text(local);
   }
   return main.family == AF_INET6 ? "::1" : "127.0.0.1";
 }
@@ -106,17 +108,18 @@ std::string process_group_backend_problem(const std::string& backend, c10::Devic
   if (std::find(available.begin(), available.end(), backend) == available.end()) {
     const auto& known = known_process_group_backends();
     const bool is_known = std::find(known.begin(), known.end(), backend) != known.end();
-    return str("backend \"", backend, "\" ",
-               is_known ? "is not in this build: its LibTorch was built without it"
-                        : "is not a backend",
-               ". Available: ", join(available),
-               backend == "nccl" ? " (nccl needs a CUDA build of LibTorch with NCCL; gloo also "
-                                   "runs on CPU)"
-                                 : "",
-               ".");
+    return str(
+        "backend \"", backend, "\" ",
+        is_known ? "is not in this build: its LibTorch was built without it" : "is not a backend",
+        ". Available: ", join(available),
+        backend == "nccl" ? " (nccl needs a CUDA build of LibTorch with NCCL; gloo also "
+                            "runs on CPU)"
+                          : "",
+        ".");
   }
   if (backend == "mpi" && device.is_cuda()) {
-    return str("backend \"mpi\" on ", device.str(), " would need a CUDA-aware MPI; use \"nccl\" "
+    return str("backend \"mpi\" on ", device.str(),
+               " would need a CUDA-aware MPI; use \"nccl\" "
                "for CUDA devices.");
   }
   if (backend == "nccl" && !device.is_cuda()) {
@@ -175,7 +178,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
                                o.world_size, ". Check RANK and WORLD_SIZE."));
   }
   if (o.main_port < 1 || o.main_port > 65535) {
-    throw DistributedError(str("ProcessGroup: main port ", o.main_port, " (MASTER_PORT) is not a "
+    throw DistributedError(str("ProcessGroup: main port ", o.main_port,
+                               " (MASTER_PORT) is not a "
                                "TCP port; set MASTER_PORT to a port in 1..65535."));
   }
   if (auto problem = process_group_backend_problem(o.backend, o.device); !problem.empty()) {
@@ -191,13 +195,18 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
     try {
       impl->group = c10d::ProcessGroupMPI::createProcessGroupMPI();
     } catch (const std::exception& e) {
-      throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": building the MPI "
-                                 "process group failed: ", e.what()));
+      throw DistributedError(str("rank ", o.rank, " of ", o.world_size,
+                                 ": building the MPI "
+                                 "process group failed: ",
+                                 e.what()));
     }
     if (impl->group->getRank() != o.rank || impl->group->getSize() != o.world_size) {
       throw DistributedError(str("ProcessGroup: MPI says this is rank ", impl->group->getRank(),
-                                 " of ", impl->group->getSize(), ", but the cluster environment "
-                                 "says rank ", o.rank, " of ", o.world_size, ". Start the "
+                                 " of ", impl->group->getSize(),
+                                 ", but the cluster environment "
+                                 "says rank ",
+                                 o.rank, " of ", o.world_size,
+                                 ". Start the "
                                  "program with mpirun -np <devices x num_nodes>."));
     }
     return std::shared_ptr<ProcessGroup>(new ProcessGroup(o, std::move(impl)));
@@ -211,10 +220,14 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
       impl->store = c10::make_intrusive<c10d::PrefixStore>(
           o.hosted_store_prefix, compat::connect_tcp_store(o.main_address, o.main_port, o.timeout));
     } catch (const std::exception& e) {
-      throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": rendezvous failed: "
+      throw DistributedError(str("rank ", o.rank, " of ", o.world_size,
+                                 ": rendezvous failed: "
                                  "could not join the store that torchrun's agent hosts at ",
-                                 o.main_address, ":", o.main_port, " (TORCHELASTIC_USE_AGENT_"
-                                 "STORE=True): ", e.what(), " Check that torchrun is still "
+                                 o.main_address, ":", o.main_port,
+                                 " (TORCHELASTIC_USE_AGENT_"
+                                 "STORE=True): ",
+                                 e.what(),
+                                 " Check that torchrun is still "
                                  "running and that MASTER_ADDR/MASTER_PORT are torchrun's."));
     }
   } else {
@@ -222,11 +235,11 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
       // Rank 0 listens on the main address only (LibTorch 1.13's TCPStore
       // would listen on every interface); it says at once when the address
       // is not its own or the port is taken.
-      impl->store = c10::make_intrusive<detail::TcpStore>(o.main_address, o.main_port,
-                                                          o.rank == 0, o.timeout);
+      impl->store = c10::make_intrusive<detail::TcpStore>(o.main_address, o.main_port, o.rank == 0,
+                                                          o.timeout);
     } catch (const DistributedError& e) {
-      throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": rendezvous failed: ",
-                                 e.what()));
+      throw DistributedError(
+          str("rank ", o.rank, " of ", o.world_size, ": rendezvous failed: ", e.what()));
     }
   }
   try {
@@ -255,8 +268,8 @@ void ProcessGroup::run(const char* what,
   try {
     work = start();
   } catch (const std::exception& e) {
-    throw DistributedError(str(what, " on rank ", rank(), " of ", size(), " failed to start: ",
-                               e.what()));
+    throw DistributedError(
+        str(what, " on rank ", rank(), " of ", size(), " failed to start: ", e.what()));
   }
   PendingCollective(std::move(work), str(what, " on rank ", rank(), " of ", size())).wait();
 }
@@ -270,7 +283,8 @@ void ProcessGroup::barrier() {
 
 void ProcessGroup::broadcast_(at::Tensor& tensor, int src) {
   if (src < 0 || src >= size()) {
-    throw DistributedError(str("broadcast from rank ", src, ": the world has ranks 0..", size() - 1, "."));
+    throw DistributedError(
+        str("broadcast from rank ", src, ": the world has ranks 0..", size() - 1, "."));
   }
   std::vector<at::Tensor> tensors = {staged(tensor)};
   c10d::BroadcastOptions opts;
@@ -285,7 +299,8 @@ std::string ProcessGroup::broadcast_bytes(const std::string& value, int src) {
   at::Tensor bytes = torch::empty({length.item<int64_t>()}, torch::kUInt8);
   if (rank() == src && !value.empty()) std::memcpy(bytes.data_ptr(), value.data(), value.size());
   if (bytes.numel() > 0) broadcast_(bytes, src);
-  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
+  return std::string(static_cast<const char*>(bytes.data_ptr()),
+                     static_cast<size_t>(bytes.numel()));
 }
 
 void ProcessGroup::all_reduce_(at::Tensor& tensor, ReduceOp op) {

@@ -13,7 +13,9 @@ c10::Device SingleDeviceStrategy::root_device() const {
 void SingleDeviceStrategy::barrier(std::string_view) {}
 at::Tensor SingleDeviceStrategy::broadcast(const at::Tensor& tensor, int) { return tensor; }
 at::Tensor SingleDeviceStrategy::all_reduce(const at::Tensor& tensor, ReduceOp) { return tensor; }
-at::Tensor SingleDeviceStrategy::all_gather(const at::Tensor& tensor) { return tensor.unsqueeze(0); }
+at::Tensor SingleDeviceStrategy::all_gather(const at::Tensor& tensor) {
+  return tensor.unsqueeze(0);
+}
 bool SingleDeviceStrategy::reduce_boolean_decision(bool decision, bool) { return decision; }
 
 void SingleDeviceStrategy::register_strategies(StrategyRegistry& registry) {

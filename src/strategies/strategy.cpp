@@ -36,7 +36,8 @@ void Strategy::set_accelerator(std::shared_ptr<Accelerator> accelerator) {
 
 Accelerator& Strategy::accelerator() const {
   if (!accelerator_) {
-    throw ConfigError(str("strategy \"", name(), "\" has no accelerator. Build it through the "
+    throw ConfigError(str("strategy \"", name(),
+                          "\" has no accelerator. Build it through the "
                           "Trainer, or call set_accelerator() first."));
   }
   return *accelerator_;
@@ -51,7 +52,9 @@ Precision& Strategy::precision() {
   return *precision_;
 }
 
-void Strategy::set_checkpoint_io(std::shared_ptr<CheckpointIO> io) { checkpoint_io_ = std::move(io); }
+void Strategy::set_checkpoint_io(std::shared_ptr<CheckpointIO> io) {
+  checkpoint_io_ = std::move(io);
+}
 
 CheckpointIO& Strategy::checkpoint_io() {
   if (!checkpoint_io_) checkpoint_io_ = std::make_shared<TorchCheckpointIO>();
@@ -102,7 +105,8 @@ bool Strategy::agree_to_stop(bool requested, bool /*boundary*/) {
 OptimizerConfig Strategy::setup_optimizers(Module& module) {
   OptimizerConfig config = module.configure_optimizers();
   if (config.optimizers.empty() && module.automatic_optimization()) {
-    throw ConfigError(str(module.name(), ".configure_optimizers() returned no optimizer. Return "
+    throw ConfigError(str(module.name(),
+                          ".configure_optimizers() returned no optimizer. Return "
                           "at least one, or call set_automatic_optimization(false) to step "
                           "yourself."));
   }
@@ -161,11 +165,13 @@ bool Strategy::optimizer_step(torch::optim::Optimizer& optimizer, Module&) {
   return precision().optimizer_step(optimizer);
 }
 
-void Strategy::save_checkpoint(torch::serialize::OutputArchive& checkpoint, const std::string& path) {
+void Strategy::save_checkpoint(torch::serialize::OutputArchive& checkpoint,
+                               const std::string& path) {
   if (is_checkpoint_writer()) checkpoint_io().save_checkpoint(checkpoint, path);
 }
 
-void Strategy::load_checkpoint(const std::string& path, torch::serialize::InputArchive& checkpoint) {
+void Strategy::load_checkpoint(const std::string& path,
+                               torch::serialize::InputArchive& checkpoint) {
   checkpoint_io().load_checkpoint(path, checkpoint);
 }
 
@@ -193,14 +199,14 @@ void load_strict(torch::nn::Module& module, torch::serialize::InputArchive& arch
     if (!archive.try_read(name, saved, is_buffer)) {
       throw c10::Error({__func__, __FILE__, __LINE__},
                        ::fulgur::str(is_buffer ? "buffer \"" : "parameter \"", prefix, name,
-                           "\" is missing from the checkpoint"));
+                                     "\" is missing from the checkpoint"));
     }
     if (saved.sizes() != target.sizes() || saved.scalar_type() != target.scalar_type()) {
-      throw c10::Error({__func__, __FILE__, __LINE__},
-                       ::fulgur::str(is_buffer ? "buffer \"" : "parameter \"", prefix, name, "\" is ",
-                           c10::toString(target.scalar_type()), target.sizes(),
-                           " in the module but ", c10::toString(saved.scalar_type()),
-                           saved.sizes(), " in the checkpoint"));
+      throw c10::Error(
+          {__func__, __FILE__, __LINE__},
+          ::fulgur::str(is_buffer ? "buffer \"" : "parameter \"", prefix, name, "\" is ",
+                        c10::toString(target.scalar_type()), target.sizes(), " in the module but ",
+                        c10::toString(saved.scalar_type()), saved.sizes(), " in the checkpoint"));
     }
     torch::NoGradGuard no_grad;
     target.copy_(saved);
@@ -211,8 +217,9 @@ void load_strict(torch::nn::Module& module, torch::serialize::InputArchive& arch
     expected.insert(child.key());
     torch::serialize::InputArchive nested;
     if (!archive.try_read(child.key(), nested)) {
-      throw c10::Error({__func__, __FILE__, __LINE__},
-                       ::fulgur::str("submodule \"", prefix, child.key(), "\" is missing from the checkpoint"));
+      throw c10::Error(
+          {__func__, __FILE__, __LINE__},
+          ::fulgur::str("submodule \"", prefix, child.key(), "\" is missing from the checkpoint"));
     }
     load_strict(*child.value(), nested, prefix + child.key() + ".");
   }
@@ -220,8 +227,9 @@ void load_strict(torch::nn::Module& module, torch::serialize::InputArchive& arch
     // The checkpoint IO's own marker, beside a module saved at the top.
     if (prefix.empty() && key == TorchCheckpointIO::kIntegrityKey) continue;
     if (expected.count(key) == 0) {
-      throw c10::Error({__func__, __FILE__, __LINE__},
-                       ::fulgur::str("the checkpoint has \"", prefix, key, "\", which the module does not"));
+      throw c10::Error(
+          {__func__, __FILE__, __LINE__},
+          ::fulgur::str("the checkpoint has \"", prefix, key, "\", which the module does not"));
     }
   }
 }
@@ -242,10 +250,8 @@ std::string Strategy::describe() const {
              "checkpoint_io: ", self->checkpoint_io().name(), "\n",
              "cluster_environment: ", self->cluster_environment().name(), "\n",
              "launcher: ", launcher_ ? std::string(launcher_->name()) : "none", "\n",
-             "num_nodes: ", num_nodes_, "\n",
-             "parallel_devices: [", join(devices), "]\n",
-             "world_size: ", world_size(), "\n",
-             "global_rank: ", global_rank(), "\n",
+             "num_nodes: ", num_nodes_, "\n", "parallel_devices: [", join(devices), "]\n",
+             "world_size: ", world_size(), "\n", "global_rank: ", global_rank(), "\n",
              "root_device: ", root_device().str(), "\n");
 }
 

@@ -37,8 +37,12 @@ void put_string(std::string& out, const std::string& s) {
   out += s;
 }
 
-std::string bytes_to_string(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
-std::vector<uint8_t> string_to_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+std::string bytes_to_string(const std::vector<uint8_t>& v) {
+  return std::string(v.begin(), v.end());
+}
+std::vector<uint8_t> string_to_bytes(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
 
 // Reads length-prefixed strings from `in` starting at `pos`.
 bool take_string(const std::string& in, size_t& pos, std::string& out) {
@@ -72,8 +76,8 @@ SocketAddress resolve_address(const std::string& host, int port) {
   addrinfo* found = nullptr;
   int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
   if (rc != 0 || found == nullptr) {
-    throw DistributedError(str("main address \"", host, "\" (MASTER_ADDR) does not resolve: ",
-                               ::gai_strerror(rc), "."));
+    throw DistributedError(str("main address \"", host,
+                               "\" (MASTER_ADDR) does not resolve: ", ::gai_strerror(rc), "."));
   }
   SocketAddress a;
   std::memcpy(&a.addr, found->ai_addr, found->ai_addrlen);
@@ -133,7 +137,8 @@ class StoreServer {
       int err = errno;
       ::close(listen_fd_);
       if (err == EADDRNOTAVAIL) {
-        throw DistributedError(str("rank 0: main address ", host, " (MASTER_ADDR) is not an "
+        throw DistributedError(str("rank 0: main address ", host,
+                                   " (MASTER_ADDR) is not an "
                                    "address of this machine, but rank 0 runs here and must listen "
                                    "on it. Set MASTER_ADDR to this machine's address (127.0.0.1 "
                                    "for one machine)."));
@@ -144,14 +149,14 @@ class StoreServer {
                                    "free port, or unset it on a single machine to let fulgur pick "
                                    "one."));
       }
-      throw DistributedError(str("rank 0: cannot listen on ", host, ":", port, ": ",
-                                 std::strerror(err), "."));
+      throw DistributedError(
+          str("rank 0: cannot listen on ", host, ":", port, ": ", std::strerror(err), "."));
     }
     if (::listen(listen_fd_, 128) != 0) {
       int err = errno;
       ::close(listen_fd_);
-      throw DistributedError(str("rank 0: cannot listen on ", host, ":", port, ": ",
-                                 std::strerror(err), "."));
+      throw DistributedError(
+          str("rank 0: cannot listen on ", host, ":", port, ": ", std::strerror(err), "."));
     }
     if (::pipe2(wake_, O_CLOEXEC) != 0) {
       ::close(listen_fd_);
@@ -251,11 +256,11 @@ class StoreServer {
     const auto op = static_cast<StoreOp>(in[0]);
     size_t pos = 1;
     std::vector<std::string> args;
-    const int count = op == kNumKeys ? 0
-                      : op == kSet || op == kAdd ? 2
-                      : op == kCompareSet ? 3
+    const int count = op == kNumKeys                ? 0
+                      : op == kSet || op == kAdd    ? 2
+                      : op == kCompareSet           ? 3
                       : op == kCheck || op == kWait ? -1
-                      : 1;
+                                                    : 1;
     if (count < 0) {
       std::string n;
       if (!take_string(in, pos, n)) return false;
@@ -296,15 +301,9 @@ class StoreServer {
         wake_waiters();
         break;
       }
-      case kCheck:
-        reply(fd, has_all(args) ? "1" : "0");
-        break;
-      case kDelete:
-        reply(fd, data_.erase(args[0]) > 0 ? "1" : "0");
-        break;
-      case kNumKeys:
-        reply(fd, std::to_string(data_.size()));
-        break;
+      case kCheck: reply(fd, has_all(args) ? "1" : "0"); break;
+      case kDelete: reply(fd, data_.erase(args[0]) > 0 ? "1" : "0"); break;
+      case kNumKeys: reply(fd, std::to_string(data_.size())); break;
       case kCompareSet: {
         auto it = data_.find(args[0]);
         if (it == data_.end()) {
@@ -381,8 +380,7 @@ std::string TcpStore::request(const std::string& message, std::chrono::milliseco
   };
   if (!send_all(fd_, message)) fail(std::strerror(errno));
   std::string in;
-  const auto deadline =
-      timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point::max();
+  const auto deadline = timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point::max();
   for (;;) {
     size_t pos = 0;
     std::string payload;
@@ -391,7 +389,8 @@ std::string TcpStore::request(const std::string& message, std::chrono::milliseco
     if (deadline != Clock::time_point::max()) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       if (left.count() <= 0) {
-        fail(str("no answer within ", timeout.count() / 1000.0, " s (a rank that should have "
+        fail(str("no answer within ", timeout.count() / 1000.0,
+                 " s (a rank that should have "
                  "written the key did not arrive: check that every rank started)"));
       }
       wait_ms = static_cast<int>(left.count());
@@ -424,9 +423,9 @@ void TcpStore::set(const std::string& key, const std::vector<uint8_t>& value) {
 std::vector<uint8_t> TcpStore::compareSet(const std::string& key,
                                           const std::vector<uint8_t>& expected,
                                           const std::vector<uint8_t>& desired) {
-  return string_to_bytes(request(
-      message(kCompareSet, {key, bytes_to_string(expected), bytes_to_string(desired)}), timeout_,
-      "compare_set"));
+  return string_to_bytes(
+      request(message(kCompareSet, {key, bytes_to_string(expected), bytes_to_string(desired)}),
+              timeout_, "compare_set"));
 }
 
 std::vector<uint8_t> TcpStore::get(const std::string& key) {
@@ -451,7 +450,8 @@ int64_t TcpStore::getNumKeys() {
 
 void TcpStore::wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
 
-void TcpStore::wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) {
+void TcpStore::wait(const std::vector<std::string>& keys,
+                    const std::chrono::milliseconds& timeout) {
   request(message(kWait, keys, /*counted=*/true), timeout, "wait");
 }
 

@@ -18,7 +18,6 @@
 
 #include "fulgur/utilities/torch_compat.h"
 
-
 namespace fulgur::detail {
 
 /// A resolved TCP address (the first getaddrinfo() gives).
@@ -49,7 +48,8 @@ class TcpStore : public c10d::Store {
   bool check(const std::vector<std::string>& keys) override;
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override;
   /// Another client of the same server, with its own connection. LibTorch
   /// 2.8's Store declares it (NCCL's watchdog uses a copy); before, it is
   /// fulgur's own.

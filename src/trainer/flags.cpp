@@ -50,9 +50,9 @@ ParsedInt parse_int(const std::string& text, long long min, long long max) {
 }
 
 ParsedFlags parse_flags(const std::vector<std::pair<std::string, std::string>>& flags) {
-  static const std::vector<std::string> known = {
-      "accelerator", "benchmark", "deterministic", "devices", "num_nodes",
-      "plugins",     "precision", "strategy",      "sync_batchnorm"};
+  static const std::vector<std::string> known = {"accelerator", "benchmark", "deterministic",
+                                                 "devices",     "num_nodes", "plugins",
+                                                 "precision",   "strategy",  "sync_batchnorm"};
   ParsedFlags parsed;
   TrainerOptions& options = parsed.options;
   std::vector<std::string>& problems = parsed.problems;
@@ -83,8 +83,7 @@ ParsedFlags parse_flags(const std::vector<std::pair<std::string, std::string>>& 
         options.num_nodes = static_cast<int>(n.value);
       } else {
         problems.push_back(str("--num_nodes ", value,
-                               n.ok ? ": out of range (at most 2147483647)."
-                                    : ": not an integer.",
+                               n.ok ? ": out of range (at most 2147483647)." : ": not an integer.",
                                " Pass the number of machines, e.g. --num_nodes 2."));
       }
     } else if (flag == "precision") {
@@ -93,8 +92,8 @@ ParsedFlags parse_flags(const std::vector<std::pair<std::string, std::string>>& 
       size_t start = 0;
       while (start <= value.size()) {
         size_t comma = value.find(',', start);
-        std::string name = value.substr(start, comma == std::string::npos ? std::string::npos
-                                                                          : comma - start);
+        std::string name =
+            value.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
         if (!name.empty()) options.plugins.emplace_back(name);
         if (comma == std::string::npos) break;
         start = comma + 1;

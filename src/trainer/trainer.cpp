@@ -26,8 +26,8 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
     if (!ok) problems.push_back(std::move(message));
   };
   if (o.max_epochs) {
-    check(*o.max_epochs >= -1, str("max_epochs=", *o.max_epochs,
-                                   ": must be >= -1 (-1 trains until max_steps)."));
+    check(*o.max_epochs >= -1,
+          str("max_epochs=", *o.max_epochs, ": must be >= -1 (-1 trains until max_steps)."));
   }
   check(o.min_epochs >= 0, str("min_epochs=", o.min_epochs, ": must be >= 0."));
   check(o.max_steps >= -1, str("max_steps=", o.max_steps, ": must be >= -1 (-1: no limit)."));
@@ -36,15 +36,13 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
                                  ": must be >= 0 (true or N runs N batches, 0 is off)."));
   check(o.accumulate_grad_batches >= 1,
         str("accumulate_grad_batches=", o.accumulate_grad_batches, ": must be >= 1."));
-  check(o.log_every_n_steps >= 1,
-        str("log_every_n_steps=", o.log_every_n_steps,
-            ": must be >= 1. Pass logger=false to turn logging off."));
+  check(o.log_every_n_steps >= 1, str("log_every_n_steps=", o.log_every_n_steps,
+                                      ": must be >= 1. Pass logger=false to turn logging off."));
   check(o.num_sanity_val_steps >= -1,
         str("num_sanity_val_steps=", o.num_sanity_val_steps, ": must be >= -1 (-1: all)."));
   if (o.gradient_clip_val) {
-    check(*o.gradient_clip_val >= 0.0,
-          str("gradient_clip_val=", *o.gradient_clip_val,
-              ": must be >= 0 (0 or unset turns clipping off)."));
+    check(*o.gradient_clip_val >= 0.0, str("gradient_clip_val=", *o.gradient_clip_val,
+                                           ": must be >= 0 (0 or unset turns clipping off)."));
   }
   if (o.check_val_every_n_epoch) {
     check(*o.check_val_every_n_epoch >= 1,
@@ -54,7 +52,8 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
   auto check_limit = [&](const BatchLimit& l, const char* name) {
     if (l.is_fraction()) {
       check(l.fraction() >= 0.0 && l.fraction() <= 1.0,
-            str(name, "=", l.text(), ": a fraction must be in [0.0, 1.0]; pass an int for a "
+            str(name, "=", l.text(),
+                ": a fraction must be in [0.0, 1.0]; pass an int for a "
                 "number of batches."));
     } else {
       check(l.count() >= 0, str(name, "=", l.text(), ": a batch count must be >= 0."));
@@ -71,12 +70,12 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
               "N batches."));
   } else {
     check(o.val_check_interval.count() >= 1,
-          str("val_check_interval=", o.val_check_interval.text(),
-              ": a batch count must be >= 1."));
+          str("val_check_interval=", o.val_check_interval.text(), ": a batch count must be >= 1."));
   }
   if (o.max_epochs && o.min_epochs > 0 && *o.max_epochs >= 0) {
-    check(o.min_epochs <= *o.max_epochs, str("min_epochs=", o.min_epochs, " > max_epochs=",
-                                             *o.max_epochs, ": lower min_epochs or raise max_epochs."));
+    check(o.min_epochs <= *o.max_epochs,
+          str("min_epochs=", o.min_epochs, " > max_epochs=", *o.max_epochs,
+              ": lower min_epochs or raise max_epochs."));
   }
   for (size_t i = 0; i < o.callbacks.size(); ++i) {
     check(o.callbacks[i] != nullptr, str("callbacks[", i, "] is null: pass an instance."));
@@ -120,9 +119,10 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
     limits.num_sanity_val_steps = 0;
     options.val_check_interval = 1.0;
     options.check_val_every_n_epoch = 1;
-    resolution.notes.push_back(str("fast_dev_run=", n, ": ", n,
-                        " batch(es) per loop, 1 epoch, no sanity check, no checkpoints, no "
-                        "loggers"));
+    resolution.notes.push_back(
+        str("fast_dev_run=", n, ": ", n,
+            " batch(es) per loop, 1 epoch, no sanity check, no checkpoints, no "
+            "loggers"));
   }
 
   for (const auto& cb : options.callbacks) {
@@ -136,7 +136,8 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
   }
   if (!options.enable_checkpointing || fast) {
     // A ModelCheckpoint passed explicitly is kept but never asked to write.
-    if (checkpoint_callback && fast) resolution.notes.push_back("fast_dev_run: checkpoint callback disabled");
+    if (checkpoint_callback && fast)
+      resolution.notes.push_back("fast_dev_run: checkpoint callback disabled");
   }
   if (options.enable_progress_bar) callbacks.push_back(std::make_shared<ProgressBar>());
   // Checkpoint callbacks run last, so that every other callback's state in a
@@ -254,46 +255,45 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
 }
 
 Trainer::Impl::StageResults Trainer::Impl::fit_results(Module& m, FitResult& result) {
-  return StageResults{
-      [this, &m, &result] {
-        torch::serialize::OutputArchive archive;
-        write_metrics(archive, "metrics", result.metrics);
-        write_metrics(archive, "callback_metrics", logging.callback_metrics());
-        archive.write("global_step", c10::IValue(result.global_step));
-        archive.write("epochs", c10::IValue(result.epochs));
-        archive.write("stop_reason", c10::IValue(result.stop_reason));
-        archive.write("best_model_path", c10::IValue(result.best_model_path));
-        archive.write("last_model_path", c10::IValue(result.last_model_path));
-        torch::serialize::OutputArchive module_state(archive.compilation_unit());
-        strategy->save_module_state(m, module_state);
-        archive.write("module", module_state);
-        // The callbacks' state too (ModelCheckpoint's paths and scores), so
-        // the caller's callback objects reflect the run.
-        checkpoints.save_callback_states(archive);
-        return to_bytes(archive);
-      },
-      [this, &m, &result](const std::string& bytes) {
-        torch::serialize::InputArchive archive;
-        from_bytes(bytes, archive);
-        result.metrics = read_metrics(archive, "metrics");
-        logging.restore_callback_metrics(read_metrics(archive, "callback_metrics"));
-        c10::IValue v;
-        archive.read("global_step", v);
-        result.global_step = v.toInt();
-        archive.read("epochs", v);
-        result.epochs = v.toInt();
-        fit_loop.set_result(result.epochs, result.global_step);
-        archive.read("stop_reason", v);
-        result.stop_reason = v.toStringRef();
-        archive.read("best_model_path", v);
-        result.best_model_path = v.toStringRef();
-        archive.read("last_model_path", v);
-        result.last_model_path = v.toStringRef();
-        torch::serialize::InputArchive module_state;
-        archive.read("module", module_state);
-        strategy->load_module_state(m, module_state);
-        checkpoints.load_callback_states(archive);
-      }};
+  return StageResults{[this, &m, &result] {
+                        torch::serialize::OutputArchive archive;
+                        write_metrics(archive, "metrics", result.metrics);
+                        write_metrics(archive, "callback_metrics", logging.callback_metrics());
+                        archive.write("global_step", c10::IValue(result.global_step));
+                        archive.write("epochs", c10::IValue(result.epochs));
+                        archive.write("stop_reason", c10::IValue(result.stop_reason));
+                        archive.write("best_model_path", c10::IValue(result.best_model_path));
+                        archive.write("last_model_path", c10::IValue(result.last_model_path));
+                        torch::serialize::OutputArchive module_state(archive.compilation_unit());
+                        strategy->save_module_state(m, module_state);
+                        archive.write("module", module_state);
+                        // The callbacks' state too (ModelCheckpoint's paths and scores), so
+                        // the caller's callback objects reflect the run.
+                        checkpoints.save_callback_states(archive);
+                        return to_bytes(archive);
+                      },
+                      [this, &m, &result](const std::string& bytes) {
+                        torch::serialize::InputArchive archive;
+                        from_bytes(bytes, archive);
+                        result.metrics = read_metrics(archive, "metrics");
+                        logging.restore_callback_metrics(read_metrics(archive, "callback_metrics"));
+                        c10::IValue v;
+                        archive.read("global_step", v);
+                        result.global_step = v.toInt();
+                        archive.read("epochs", v);
+                        result.epochs = v.toInt();
+                        fit_loop.set_result(result.epochs, result.global_step);
+                        archive.read("stop_reason", v);
+                        result.stop_reason = v.toStringRef();
+                        archive.read("best_model_path", v);
+                        result.best_model_path = v.toStringRef();
+                        archive.read("last_model_path", v);
+                        result.last_model_path = v.toStringRef();
+                        torch::serialize::InputArchive module_state;
+                        archive.read("module", module_state);
+                        strategy->load_module_state(m, module_state);
+                        checkpoints.load_callback_states(archive);
+                      }};
 }
 
 void Trainer::Impl::prepare_and_set_up(DataModule& data, Stage s) {
@@ -304,8 +304,8 @@ void Trainer::Impl::prepare_and_set_up(DataModule& data, Stage s) {
   data.setup(s);
 }
 
-std::shared_ptr<DataLoader> Trainer::Impl::set_up_stage_data(
-    Stage s, DataModule* data, std::shared_ptr<DataLoader> loader) {
+std::shared_ptr<DataLoader> Trainer::Impl::set_up_stage_data(Stage s, DataModule* data,
+                                                             std::shared_ptr<DataLoader> loader) {
   if (options.seed) seed_everything(*options.seed);
   if (data) {
     prepare_and_set_up(*data, s);
@@ -319,18 +319,21 @@ std::shared_ptr<DataLoader> Trainer::Impl::set_up_stage_data(
   if (!loader) {
     switch (s) {
       case Stage::Fit:
-        throw ConfigError("Trainer.fit: no training data. Pass a train loader, or a DataModule "
-                          "whose train_dataloader() returns one.");
+        throw ConfigError(
+            "Trainer.fit: no training data. Pass a train loader, or a DataModule "
+            "whose train_dataloader() returns one.");
       case Stage::Validate:
       case Stage::Test: {
         const bool test = s == Stage::Test;
-        throw ConfigError(str("Trainer.", test ? "test" : "validate", ": no data. Pass a loader, "
-                              "or a DataModule whose ", test ? "test" : "val",
-                              "_dataloader() returns one."));
+        throw ConfigError(str("Trainer.", test ? "test" : "validate",
+                              ": no data. Pass a loader, "
+                              "or a DataModule whose ",
+                              test ? "test" : "val", "_dataloader() returns one."));
       }
       case Stage::Predict:
-        throw ConfigError("Trainer.predict: no data. Pass a loader, or a DataModule whose "
-                          "predict_dataloader() returns one.");
+        throw ConfigError(
+            "Trainer.predict: no data. Pass a loader, or a DataModule whose "
+            "predict_dataloader() returns one.");
     }
   }
   if (s == Stage::Fit) loader->set_default_seed(options.seed.value_or(0));
@@ -352,66 +355,72 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
                                  std::shared_ptr<DataLoader> val, DataModule* data,
                                  const FitOptions& fit) {
   FitResult result;
-  run_stage(m, Stage::Fit, [&] {
-    train = set_up_stage_data(Stage::Fit, data, std::move(train));
-    if (data) val = data->val_dataloader();
-    if (val) {
-      val->set_default_seed(options.seed.value_or(0));
-      distribute(*val, /*even=*/false, "validation");
-    }
-    fit_loop.start(train, val);
-    logging.reset_metrics();
+  run_stage(
+      m, Stage::Fit,
+      [&] {
+        train = set_up_stage_data(Stage::Fit, data, std::move(train));
+        if (data) val = data->val_dataloader();
+        if (val) {
+          val->set_default_seed(options.seed.value_or(0));
+          distribute(*val, /*even=*/false, "validation");
+        }
+        fit_loop.start(train, val);
+        logging.reset_metrics();
 
-    m.configure_model();
-    strategy->setup(m);
-    fit_loop.set_optimizers(strategy->setup_optimizers(m));
-    std::string ckpt = checkpoints.resolve_path(fit.ckpt_path);
-    if (!ckpt.empty()) checkpoints.restore(ckpt, /*full=*/true);
-    if (strategy->is_global_zero()) logging.log_hyperparams(m.hparams());
+        m.configure_model();
+        strategy->setup(m);
+        fit_loop.set_optimizers(strategy->setup_optimizers(m));
+        std::string ckpt = checkpoints.resolve_path(fit.ckpt_path);
+        if (!ckpt.empty()) checkpoints.restore(ckpt, /*full=*/true);
+        if (strategy->is_global_zero()) logging.log_hyperparams(m.hparams());
 
-    call_hooks([](Module& mod) { mod.on_fit_start(); },
-               [&](Callback& cb) { cb.on_fit_start(self, m); });
-    fit_loop.run_sanity_check();
-    fit_loop.run();
-    call_hooks([](Module& mod) { mod.on_fit_end(); },
-               [&](Callback& cb) { cb.on_fit_end(self, m); });
-    if (strategy->is_global_zero()) logging.finalize();
-    if (data) data->teardown(Stage::Fit);
+        call_hooks([](Module& mod) { mod.on_fit_start(); },
+                   [&](Callback& cb) { cb.on_fit_start(self, m); });
+        fit_loop.run_sanity_check();
+        fit_loop.run();
+        call_hooks([](Module& mod) { mod.on_fit_end(); },
+                   [&](Callback& cb) { cb.on_fit_end(self, m); });
+        if (strategy->is_global_zero()) logging.finalize();
+        if (data) data->teardown(Stage::Fit);
 
-    result.metrics = logging.callback_metrics();
-    result.global_step = fit_loop.global_step();
-    result.epochs = fit_loop.current_epoch();
-    result.stop_reason = fit_loop.stop_reason();
-    if (checkpoint_callback) {
-      result.best_model_path = checkpoint_callback->best_model_path();
-      result.last_model_path = checkpoint_callback->last_model_path();
-    }
-    fit_loop.finish();
-  }, fit_results(m, result));
+        result.metrics = logging.callback_metrics();
+        result.global_step = fit_loop.global_step();
+        result.epochs = fit_loop.current_epoch();
+        result.stop_reason = fit_loop.stop_reason();
+        if (checkpoint_callback) {
+          result.best_model_path = checkpoint_callback->best_model_path();
+          result.last_model_path = checkpoint_callback->last_model_path();
+        }
+        fit_loop.finish();
+      },
+      fit_results(m, result));
   return result;
 }
 
 Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loader,
                                       DataModule* data, Stage s, const std::string& ckpt_path) {
   Metrics out;
-  run_stage(m, s, [&] {
-    loader = set_up_stage_data(s, data, std::move(loader));
-    set_up_module_and_load_weights(m, ckpt_path);
-    auto limit = (s == Stage::Test ? limits.test : limits.val)
-                     .apply(loader->num_batches(),
-                            s == Stage::Test ? "limit_test_batches" : "limit_val_batches");
-    out = evaluation_loop.run(*loader, s, limit);
-    if (data) data->teardown(s);
-  }, StageResults{[&] {
-                    torch::serialize::OutputArchive archive;
-                    write_metrics(archive, "metrics", out);
-                    return to_bytes(archive);
-                  },
-                  [&](const std::string& bytes) {
-                    torch::serialize::InputArchive archive;
-                    from_bytes(bytes, archive);
-                    out = read_metrics(archive, "metrics");
-                  }});
+  run_stage(
+      m, s,
+      [&] {
+        loader = set_up_stage_data(s, data, std::move(loader));
+        set_up_module_and_load_weights(m, ckpt_path);
+        auto limit = (s == Stage::Test ? limits.test : limits.val)
+                         .apply(loader->num_batches(),
+                                s == Stage::Test ? "limit_test_batches" : "limit_val_batches");
+        out = evaluation_loop.run(*loader, s, limit);
+        if (data) data->teardown(s);
+      },
+      StageResults{[&] {
+                     torch::serialize::OutputArchive archive;
+                     write_metrics(archive, "metrics", out);
+                     return to_bytes(archive);
+                   },
+                   [&](const std::string& bytes) {
+                     torch::serialize::InputArchive archive;
+                     from_bytes(bytes, archive);
+                     out = read_metrics(archive, "metrics");
+                   }});
   return out;
 }
 
@@ -420,7 +429,8 @@ std::vector<Batch> Trainer::Impl::run_predict(Module& m, std::shared_ptr<DataLoa
   if (auto* launcher = strategy->launcher(); launcher && launcher->returns_to_caller()) {
     // Refused before any rank starts: their predictions could not come back.
     throw ConfigError(str("Trainer.predict under strategy \"", strategy->name(), "\" (launcher ",
-                          launcher->name(), "): the predictions would stay in the ranks that "
+                          launcher->name(),
+                          "): the predictions would stay in the ranks that "
                           "made them and never come back to this process. Write them from "
                           "predict_step (e.g. to a file per rank), or run predict with "
                           "strategy=\"ddp\" or on one device."));
@@ -429,8 +439,8 @@ std::vector<Batch> Trainer::Impl::run_predict(Module& m, std::shared_ptr<DataLoa
   run_stage(m, Stage::Predict, [&] {
     loader = set_up_stage_data(Stage::Predict, data, std::move(loader));
     set_up_module_and_load_weights(m, ckpt_path);
-    out = prediction_loop.run(*loader, limits.predict.apply(loader->num_batches(),
-                                                            "limit_predict_batches"));
+    out = prediction_loop.run(*loader,
+                              limits.predict.apply(loader->num_batches(), "limit_predict_batches"));
     if (data) data->teardown(Stage::Predict);
   });
   return out;
@@ -473,8 +483,12 @@ std::vector<Batch> Trainer::predict(Module& module, std::shared_ptr<DataLoader> 
 }
 
 Strategy& Trainer::strategy() const { return *impl_->strategy; }
-const std::vector<std::shared_ptr<Callback>>& Trainer::callbacks() const { return impl_->callbacks; }
-const std::vector<std::shared_ptr<Logger>>& Trainer::loggers() const { return impl_->logging.loggers(); }
+const std::vector<std::shared_ptr<Callback>>& Trainer::callbacks() const {
+  return impl_->callbacks;
+}
+const std::vector<std::shared_ptr<Logger>>& Trainer::loggers() const {
+  return impl_->logging.loggers();
+}
 ModelCheckpoint* Trainer::checkpoint_callback() const { return impl_->checkpoint_callback; }
 const TrainerOptions& Trainer::options() const { return impl_->options; }
 Stage Trainer::stage() const { return impl_->stage; }
@@ -486,7 +500,9 @@ int64_t Trainer::num_training_batches() const { return impl_->fit_loop.num_train
 void Trainer::request_stop() { impl_->fit_loop.request_stop(); }
 bool Trainer::should_stop() const { return impl_->fit_loop.should_stop(); }
 const Metrics& Trainer::callback_metrics() const { return impl_->logging.callback_metrics(); }
-const Metrics& Trainer::progress_bar_metrics() const { return impl_->logging.progress_bar_metrics(); }
+const Metrics& Trainer::progress_bar_metrics() const {
+  return impl_->logging.progress_bar_metrics();
+}
 std::string Trainer::default_root_dir() const { return impl_->root_dir(); }
 std::string Trainer::log_dir() const {
   const auto& loggers = impl_->logging.loggers();
@@ -499,8 +515,8 @@ int64_t Trainer::estimated_stepping_batches() const {
   const auto& limits = i.limits;
   const int64_t batches = i.fit_loop.num_training_batches();
   if (batches < 0) return limits.max_steps;
-  int64_t per_epoch = (batches + i.options.accumulate_grad_batches - 1) /
-                      i.options.accumulate_grad_batches;
+  int64_t per_epoch =
+      (batches + i.options.accumulate_grad_batches - 1) / i.options.accumulate_grad_batches;
   int64_t total = limits.max_epochs < 0 ? -1 : per_epoch * limits.max_epochs;
   if (limits.max_steps >= 0 && (total < 0 || limits.max_steps < total)) total = limits.max_steps;
   return total;

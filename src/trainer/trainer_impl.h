@@ -4,7 +4,7 @@
 //   FitLoop              epochs, batches, optimization, progress  (loops/fit_loop.h)
 //   EvaluationLoop       validation and test passes               (loops/evaluation_loop.h)
 //   PredictionLoop       predict passes                           (loops/evaluation_loop.h)
-//   CheckpointConnector  the training state to and from files     (connectors/checkpoint_connector.h)
+//   CheckpointConnector  the training state to and from files (connectors/checkpoint_connector.h)
 //   LoggerConnector      logged values to metrics and loggers     (connectors/logger_connector.h)
 // The stage runners (fit, validate, test, predict) live in trainer.cpp. A
 // Module reaches the hub only through TrainerLink. Not installed.

@@ -22,13 +22,15 @@ std::optional<int64_t> BatchLimit::apply(std::optional<int64_t> available, const
   }
   if (*fraction_ >= 1.0) return available;
   if (!available) {
-    throw ConfigError(str(flag, "=", text(), ": a fraction needs a loader of known length, and "
+    throw ConfigError(str(flag, "=", text(),
+                          ": a fraction needs a loader of known length, and "
                           "this loader's length is unknown. Pass a number of batches (an int) "
                           "instead."));
   }
   auto n = static_cast<int64_t>(std::floor(static_cast<double>(*available) * *fraction_));
   if (n == 0 && *fraction_ > 0.0) {
-    throw ConfigError(str(flag, "=", text(), " of ", *available, " batches rounds down to 0 "
+    throw ConfigError(str(flag, "=", text(), " of ", *available,
+                          " batches rounds down to 0 "
                           "batches. Pass a larger fraction, an int number of batches, or 0 to "
                           "skip this loop."));
   }

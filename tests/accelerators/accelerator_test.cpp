@@ -144,7 +144,8 @@ TEST(MPSAccelerator, SaysWhyItIsNotAvailable) {
   fulgur::MPSAccelerator mps;
   EXPECT_EQ(mps.name(), "mps");
   if (mps.is_available()) {
-    EXPECT_EQ(mps.parse_devices(fulgur::DevicesSpec()), std::vector<c10::Device>{c10::Device(c10::kMPS, 0)});
+    EXPECT_EQ(mps.parse_devices(fulgur::DevicesSpec()),
+              std::vector<c10::Device>{c10::Device(c10::kMPS, 0)});
     EXPECT_THROWS_WITH(fulgur::ConfigError, mps.parse_devices(2), {"one MPS device"});
     return;
   }

@@ -12,12 +12,12 @@
 namespace {
 
 namespace fs = std::filesystem;
-using ::testing::ElementsAre;
 using fulgur::test::LinearRegression;
 using fulgur::test::list_files;
 using fulgur::test::regression_loader;
 using fulgur::test::TempDir;
 using fulgur::test::test_options;
+using ::testing::ElementsAre;
 
 /// Options with one ModelCheckpoint writing to `<dir>/ckpts`.
 fulgur::TrainerOptions with_checkpoint(const TempDir& dir, fulgur::ModelCheckpointOptions o,
@@ -42,10 +42,9 @@ TEST(ModelCheckpoint, RejectsInvalidOptions) {
       fulgur::ConfigError,
       fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.every_n_train_steps = -1}},
       {"every_n_train_steps=-1"});
-  EXPECT_THROWS_WITH(
-      fulgur::ConfigError,
-      fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.every_n_epochs = -1}},
-      {"every_n_epochs=-1"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.every_n_epochs = -1}},
+                     {"every_n_epochs=-1"});
 }
 
 TEST(ModelCheckpoint, DefaultDirectoryIsUnderDefaultRootDir) {

@@ -40,7 +40,8 @@ TEST(Module, TrainerIsUnavailableWhenDetached) {
   EXPECT_EQ(model.current_epoch(), 0);
   EXPECT_EQ(model.global_step(), 0);
   EXPECT_THROWS_WITH(fulgur::ConfigError, model.optimizers(), {"not attached"});
-  EXPECT_THROWS_WITH(fulgur::ConfigError, model.manual_backward(torch::ones({1}, torch::requires_grad())),
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     model.manual_backward(torch::ones({1}, torch::requires_grad())),
                      {"not attached"});
 }
 

@@ -89,9 +89,9 @@ TEST(Registry, UnknownNameSuggestsTheClosestAndListsAll) {
   WidgetRegistry registry("widget");
   registry.add("beta", "", make("B"));
   registry.add("alpha", "", make("A"));
-  EXPECT_THROWS_WITH(fulgur::ConfigError, registry.create("alpho"),
-                     {"unknown widget \"alpho\"", "did you mean \"alpha\"?",
-                      "Registered: alpha, beta."});
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError, registry.create("alpho"),
+      {"unknown widget \"alpho\"", "did you mean \"alpha\"?", "Registered: alpha, beta."});
   EXPECT_THROWS_WITH(fulgur::ConfigError, registry.entry("alpho"), {"did you mean \"alpha\"?"});
 }
 
@@ -99,7 +99,8 @@ TEST(Registry, UnknownNameWithoutAPlausibleTypoHasNoSuggestion) {
   WidgetRegistry registry("widget");
   registry.add("alpha", "", make("A"));
   auto result = fulgur::test::throws_with<fulgur::ConfigError>(
-      [&] { registry.create("zzzzzzzzzz"); }, {"unknown widget \"zzzzzzzzzz\"", "Registered: alpha."});
+      [&] { registry.create("zzzzzzzzzz"); },
+      {"unknown widget \"zzzzzzzzzz\"", "Registered: alpha."});
   EXPECT_TRUE(result);
   try {
     registry.create("zzzzzzzzzz");
@@ -123,10 +124,9 @@ TEST(Registry, NamesAndEntriesAreSorted) {
 
 TEST(Registry, FactoriesReceiveArguments) {
   fulgur::Registry<Widget, int> registry("widget");
-  registry.add("numbered", "label from an int",
-               [](int n) -> std::unique_ptr<Widget> {
-                 return std::make_unique<NamedWidget>(std::to_string(n));
-               });
+  registry.add("numbered", "label from an int", [](int n) -> std::unique_ptr<Widget> {
+    return std::make_unique<NamedWidget>(std::to_string(n));
+  });
   EXPECT_EQ(registry.create("numbered", 7)->label(), "7");
 }
 

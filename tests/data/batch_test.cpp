@@ -38,7 +38,8 @@ TEST(Batch, PairBatch) {
 }
 
 TEST(Batch, ListBatch) {
-  fulgur::Batch batch(fulgur::Batch::List{torch::ones({5}), torch::zeros({5, 2}), torch::ones({5})});
+  fulgur::Batch batch(
+      fulgur::Batch::List{torch::ones({5}), torch::zeros({5, 2}), torch::ones({5})});
   EXPECT_TRUE(batch.is_list());
   EXPECT_STREQ(batch.kind(), "list");
   EXPECT_EQ(batch.list().size(), 3u);
@@ -91,7 +92,8 @@ TEST(Batch, ScalarTensorCountsAsOneSample) {
 }
 
 TEST(Batch, ForEachVisitsEveryTensorInOrder) {
-  fulgur::Batch batch(fulgur::Batch::List{torch::full({1}, 1), torch::full({1}, 2), torch::full({1}, 3)});
+  fulgur::Batch batch(
+      fulgur::Batch::List{torch::full({1}, 1), torch::full({1}, 2), torch::full({1}, 3)});
   std::vector<double> seen;
   batch.for_each([&](const at::Tensor& t) { seen.push_back(t.item<double>()); });
   EXPECT_EQ(seen, (std::vector<double>{1, 2, 3}));

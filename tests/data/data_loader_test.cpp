@@ -12,9 +12,9 @@
 
 namespace {
 
-using ::testing::ElementsAre;
 using fulgur::test::index_dataset;
 using fulgur::test::to_vector;
+using ::testing::ElementsAre;
 
 /// The sample indices of every batch of epoch `epoch`, batch by batch.
 std::vector<std::vector<int64_t>> read_epoch(fulgur::DataLoader& loader, int64_t epoch) {
@@ -117,7 +117,8 @@ TEST(DatasetLoader, NextWithoutStartEpochStartsEpochZero) {
 }
 
 TEST(DatasetLoader, ShuffleVisitsEverySampleOnce) {
-  auto loader = fulgur::make_data_loader(index_dataset(32), {.batch_size = 5, .shuffle = true, .seed = 7});
+  auto loader =
+      fulgur::make_data_loader(index_dataset(32), {.batch_size = 5, .shuffle = true, .seed = 7});
   auto order = flatten(read_epoch(*loader, 0));
   auto sorted = order;
   std::sort(sorted.begin(), sorted.end());
@@ -128,9 +129,12 @@ TEST(DatasetLoader, ShuffleVisitsEverySampleOnce) {
 }
 
 TEST(DatasetLoader, ShuffleIsDeterministicPerSeedAndEpoch) {
-  auto a = fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 7});
-  auto b = fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 7});
-  auto c = fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 8});
+  auto a =
+      fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 7});
+  auto b =
+      fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 7});
+  auto c =
+      fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 8});
   auto a0 = read_epoch(*a, 0);
   auto a1 = read_epoch(*a, 1);
   EXPECT_EQ(read_epoch(*b, 0), a0);  // same seed, same epoch: same order
@@ -142,8 +146,10 @@ TEST(DatasetLoader, ShuffleIsDeterministicPerSeedAndEpoch) {
 
 TEST(DatasetLoader, DefaultSeedAppliesOnlyWhenTheSeedIsUnset) {
   auto unset = fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true});
-  auto five = fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 5});
-  auto seven = fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 7});
+  auto five =
+      fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 5});
+  auto seven =
+      fulgur::make_data_loader(index_dataset(32), {.batch_size = 4, .shuffle = true, .seed = 7});
   auto seven_order = read_epoch(*seven, 0);
   unset->set_default_seed(5);
   seven->set_default_seed(5);
@@ -152,7 +158,8 @@ TEST(DatasetLoader, DefaultSeedAppliesOnlyWhenTheSeedIsUnset) {
 }
 
 TEST(DatasetLoader, SeekGivesTheSameBatchesAsReadingThrough) {
-  auto loader = fulgur::make_data_loader(index_dataset(30), {.batch_size = 4, .shuffle = true, .seed = 3});
+  auto loader =
+      fulgur::make_data_loader(index_dataset(30), {.batch_size = 4, .shuffle = true, .seed = 3});
   auto epoch1 = read_epoch(*loader, 1);
   loader->seek(1, 3);
   EXPECT_EQ(loader->epoch(), 1);
@@ -177,7 +184,8 @@ TEST(DatasetLoader, SeekRejectsNegativePositions) {
 }
 
 TEST(DatasetLoader, SaveAndLoadStateResumeMidEpoch) {
-  auto loader = fulgur::make_data_loader(index_dataset(30), {.batch_size = 4, .shuffle = true, .seed = 11});
+  auto loader =
+      fulgur::make_data_loader(index_dataset(30), {.batch_size = 4, .shuffle = true, .seed = 11});
   loader->start_epoch(2);
   loader->next();
   loader->next();
@@ -189,7 +197,8 @@ TEST(DatasetLoader, SaveAndLoadStateResumeMidEpoch) {
   }
   auto expected = read_rest(*loader);
 
-  auto resumed = fulgur::make_data_loader(index_dataset(30), {.batch_size = 4, .shuffle = true, .seed = 11});
+  auto resumed =
+      fulgur::make_data_loader(index_dataset(30), {.batch_size = 4, .shuffle = true, .seed = 11});
   torch::serialize::InputArchive archive;
   archive.load_from(buffer);
   resumed->load_state(archive);

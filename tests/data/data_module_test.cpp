@@ -10,13 +10,13 @@
 
 namespace {
 
-using ::testing::ElementsAre;
 using fulgur::test::LinearRegression;
 using fulgur::test::only;
 using fulgur::test::RecordingDataModule;
 using fulgur::test::TempDir;
 using fulgur::test::test_options;
 using fulgur::test::with_prefix;
+using ::testing::ElementsAre;
 
 // Stage events without prepare_data (fit is the stage that must call it).
 std::vector<std::string> stage_events(const RecordingDataModule& data) {
@@ -111,7 +111,8 @@ TEST(DataModule, ValidateWithoutValidationLoaderIsAConfigError) {
   LinearRegression model;
   NoVal data;
   fulgur::Trainer trainer(test_options(dir));
-  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.validate(model, data), {"validate", "val_dataloader"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.validate(model, data),
+                     {"validate", "val_dataloader"});
 }
 
 }  // namespace

@@ -43,13 +43,15 @@ TEST(TorchDatasetAdapter, CollatesExamplesIntoPairs) {
   EXPECT_EQ(dataset->size(), 10);
   auto batch = dataset->get_batch(torch::tensor({0, 3, 4}, torch::kLong));
   ASSERT_TRUE(batch.is_pair());
-  auto reference = fulgur::test::regression_dataset(10)->get_batch(torch::tensor({0, 3, 4}, torch::kLong));
+  auto reference =
+      fulgur::test::regression_dataset(10)->get_batch(torch::tensor({0, 3, 4}, torch::kLong));
   EXPECT_TRUE(torch::equal(batch.pair().first, reference.pair().first));
   EXPECT_TRUE(torch::equal(batch.pair().second, reference.pair().second));
 }
 
 TEST(TorchDatasetAdapter, CollatesTensorExamplesIntoTensors) {
-  auto loader = fulgur::make_data_loader(fulgur::from_torch_dataset(TorchIndices()), {.batch_size = 4});
+  auto loader =
+      fulgur::make_data_loader(fulgur::from_torch_dataset(TorchIndices()), {.batch_size = 4});
   EXPECT_EQ(loader->num_batches(), 3);
   EXPECT_EQ(epoch_order(*loader, 0), (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
 }

@@ -24,8 +24,7 @@ using fulgur::test::same_params;
 using fulgur::test::TempDir;
 using namespace std::chrono_literals;
 
-ProcessResult run_worker(std::vector<std::string> args,
-                         std::map<std::string, std::string> env = {},
+ProcessResult run_worker(std::vector<std::string> args, std::map<std::string, std::string> env = {},
                          std::chrono::seconds timeout = 120s) {
   args.insert(args.begin(), FULGUR_DDP_WORKER);
   auto r = run_process(args, env, timeout);
@@ -55,8 +54,8 @@ bool expect_equivalent(const std::vector<std::string>& common, const std::string
   auto two = run_worker([&] {
     auto a = common;
     a.insert(a.end(), multi_only.begin(), multi_only.end());
-    for (std::string s : {"--strategy", strategy.c_str(), "--devices", "2", "--batch", "8",
-                          "--out", multi.c_str(), "--root", dir.path().c_str()}) {
+    for (std::string s : {"--strategy", strategy.c_str(), "--devices", "2", "--batch", "8", "--out",
+                          multi.c_str(), "--root", dir.path().c_str()}) {
       a.push_back(s);
     }
     return a;
@@ -99,8 +98,8 @@ TEST(DDP, WithoutTheDistributedSamplerEveryRankSeesEveryBatch) {
   TempDir dir;
   const std::string single = dir.path() + "/single.pt";
   const std::string multi = dir.path() + "/multi.pt";
-  auto one = run_worker({"--devices", "1", "--batch", "8", "--steps", "12", "--shuffle",
-                         "--out", single, "--root", dir.path()});
+  auto one = run_worker({"--devices", "1", "--batch", "8", "--steps", "12", "--shuffle", "--out",
+                         single, "--root", dir.path()});
   ASSERT_EQ(one.exit_code, 0) << one.output;
   auto two = run_worker({"--strategy", "ddp", "--devices", "2", "--batch", "8", "--steps", "12",
                          "--shuffle", "--distributed-sampler", "false", "--out", multi, "--root",
@@ -108,8 +107,8 @@ TEST(DDP, WithoutTheDistributedSamplerEveryRankSeesEveryBatch) {
   ASSERT_EQ(two.exit_code, 0) << two.output;
   EXPECT_TRUE(same_params(single, multi)) << two.output;
   // And with the sampler (the default) the ranks split the data: different.
-  auto split = run_worker({"--strategy", "ddp", "--devices", "2", "--batch", "8", "--steps",
-                           "12", "--shuffle", "--out", multi, "--root", dir.path()});
+  auto split = run_worker({"--strategy", "ddp", "--devices", "2", "--batch", "8", "--steps", "12",
+                           "--shuffle", "--out", multi, "--root", dir.path()});
   ASSERT_EQ(split.exit_code, 0) << split.output;
   EXPECT_FALSE(same_params(single, multi));
 }
@@ -127,18 +126,17 @@ TEST(DDP, WhenNoRankHasALossNobodySteps) {
 
 TEST(DDP, NoLossAtAnAccumulationStepStepsWithWhatWasAccumulated) {
   // Windows of two: {2,3} steps with batch 2's gradients; {6,7} has none.
-  expect_equivalent({"--steps", "8", "--accumulate", "2", "--skip-ranks", "0,1", "--skip-at",
-                     "3,6,7"},
-                    "ddp");
+  expect_equivalent(
+      {"--steps", "8", "--accumulate", "2", "--skip-ranks", "0,1", "--skip-at", "3,6,7"}, "ddp");
 }
 
 TEST(DDP, NoLossOnOneRankUnderSyncBatchNormIsAClearError) {
   // SyncBatchNorm reduces in forward and backward: a rank that skips them
   // cannot be paired with its peers, so it says so instead of hanging.
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "20", "--batchnorm",
-                       "sync", "--sync-batchnorm", "--skip-ranks", "1", "--skip-at", "3",
-                       "--timeout", "60"},
-                      {}, 50s);
+  auto r =
+      run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "20", "--batchnorm", "sync",
+                  "--sync-batchnorm", "--skip-ranks", "1", "--skip-at", "3", "--timeout", "60"},
+                 {}, 50s);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("returned no loss while sync_batchnorm=true"), std::string::npos)
@@ -177,8 +175,8 @@ TEST(DDP, SyncDistMetricsThatDifferAcrossRanksAreAnErrorNotAMixUp) {
 // adds rank + 1 to a buffer that rank 0 broadcasts before the next one, so
 // rank 1 ends with rank 0's count from before its last step plus 2.
 void expect_everyone_stops(std::vector<std::string> where, int steps, int batches) {
-  std::vector<std::string> args = {"--strategy", "ddp", "--devices", "2", "--steps", "20",
-                                   "--stop-rank", "1", "--timeout", "60", "--count-buffer"};
+  std::vector<std::string> args = {"--strategy",  "ddp", "--devices", "2",  "--steps",       "20",
+                                   "--stop-rank", "1",   "--timeout", "60", "--count-buffer"};
   args.insert(args.end(), where.begin(), where.end());
   auto r = run_worker(args, {}, 50s);
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -212,8 +210,7 @@ TEST(DDP, AStopRequestedInValidationStopsEveryRankBeforeTheNextBatch) {
   // A validation is a boundary: the ranks agree right after it, so a stop
   // requested from its metrics (as early stopping does) takes effect at
   // once, as on one process.
-  expect_everyone_stops({"--val-every", "4", "--stop-in", "validation", "--fault-step", "4"}, 4,
-                        4);
+  expect_everyone_stops({"--val-every", "4", "--stop-in", "validation", "--fault-step", "4"}, 4, 4);
 }
 
 TEST(DDP, ManualOptimizationIsSynchronisedToo) {
@@ -226,8 +223,8 @@ TEST(DDP, ForkLauncherReturnsTrainedWeightsToTheCaller) {
 
 TEST(DDP, ForkLauncherUpdatesTheCallersModelCheckpoint) {
   TempDir dir;
-  auto r = run_worker({"--strategy", "ddp_fork", "--devices", "2", "--steps", "6",
-                       "--checkpoint", "--root", dir.path()});
+  auto r = run_worker({"--strategy", "ddp_fork", "--devices", "2", "--steps", "6", "--checkpoint",
+                       "--root", dir.path()});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto best = result_value(r.output, "callback_best");
   EXPECT_FALSE(best.empty()) << r.output;
@@ -283,11 +280,10 @@ TEST(DDP, SyncBatchNormOnCudaMatchesOneProcessBatchNorm_CUDA) {
 TEST(DDP, ForkLauncherOnCudaIsRefusedPointingToDdp_CUDA) {
   FULGUR_SKIP_UNLESS_CUDA(2);
   TempDir dir;
-  auto r = run_worker({"--strategy", "ddp_fork", "--devices", "2", "--accelerator", "cuda",
-                       "--root", dir.path()});
+  auto r = run_worker(
+      {"--strategy", "ddp_fork", "--devices", "2", "--accelerator", "cuda", "--root", dir.path()});
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("forks its ranks, which cannot use CUDA"), std::string::npos)
-      << r.output;
+  EXPECT_NE(r.output.find("forks its ranks, which cannot use CUDA"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("Use strategy \"ddp\""), std::string::npos) << r.output;
 }
 
@@ -297,8 +293,8 @@ TEST(DDP, SyncBatchNormNamesLibTorchBatchNormLayers) {
                        "--sync-batchnorm", "--steps", "2", "--root", dir.path()});
   EXPECT_NE(r.exit_code, 0);
   EXPECT_TRUE(fulgur::test::message_contains(
-      r.output, {"sync_batchnorm=true", "torch::nn::BatchNorm layers (bn)",
-                 "fulgur::nn::SyncBatchNorm"}));
+      r.output,
+      {"sync_batchnorm=true", "torch::nn::BatchNorm layers (bn)", "fulgur::nn::SyncBatchNorm"}));
 }
 
 TEST(DDP, UnusedParameterWithoutFindUnusedIsNamed) {
@@ -330,8 +326,8 @@ TEST(DDP, EvaluationIsExactOnOneTwoAndThreeRanks) {
 TEST(DDP, FitThenTestShareTheProcessGroup) {
   for (std::string strategy : {"ddp", "ddp_fork"}) {
     TempDir dir;
-    auto r = run_worker({"--strategy", strategy, "--devices", "2", "--steps", "6",
-                         "--test-samples", "1001", "--root", dir.path()});
+    auto r = run_worker({"--strategy", strategy, "--devices", "2", "--steps", "6", "--test-samples",
+                         "1001", "--root", dir.path()});
     ASSERT_EQ(r.exit_code, 0) << strategy << ":\n" << r.output;
     EXPECT_EQ(result_value(r.output, "test_count"), "1001") << strategy << ":\n" << r.output;
     EXPECT_EQ(result_value(r.output, "global_step"), "6") << strategy << ":\n" << r.output;
@@ -342,17 +338,19 @@ TEST(DDP, EveryRanksSetupWaitsForTheNodesPrepareData) {
   // prepare_data() (local rank 0) takes 1.5 s to write the file that every
   // rank's setup() reads.
   TempDir dir;
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4",
-                       "--prepare-seconds", "1.5", "--root", dir.path()});
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--prepare-seconds",
+                       "1.5", "--root", dir.path()});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(result_value(r.output, "global_step"), "4") << r.output;
 }
 
 TEST(ProcessGroup, StoreListensOnTheMainAddressOnly) {
   const int port = fulgur::find_free_port("127.0.0.1");
-  auto group = fulgur::ProcessGroup::connect(
-      {.main_address = "127.0.0.1", .main_port = port, .world_size = 1, .rank = 0,
-       .timeout = std::chrono::seconds(10)});
+  auto group = fulgur::ProcessGroup::connect({.main_address = "127.0.0.1",
+                                              .main_port = port,
+                                              .world_size = 1,
+                                              .rank = 0,
+                                              .timeout = std::chrono::seconds(10)});
   // Another loopback address, same port: free unless the store listened
   // on every interface.
   int sock = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -384,9 +382,8 @@ TEST(DDPFaults, KilledRankStopsEveryProcessAndIsNamed) {
 
 TEST(DDPFaults, ForkLauncherNamesTheKilledRank) {
   TempDir dir;
-  auto r = run_worker({"--strategy", "ddp_fork", "--devices", "2", "--steps", "1000",
-                       "--samples", "100000", "--die-rank", "0", "--fault-step", "3", "--root",
-                       dir.path()},
+  auto r = run_worker({"--strategy", "ddp_fork", "--devices", "2", "--steps", "1000", "--samples",
+                       "100000", "--die-rank", "0", "--fault-step", "3", "--root", dir.path()},
                       {}, 60s);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_LT(r.seconds, 30) << r.output;
@@ -396,10 +393,10 @@ TEST(DDPFaults, ForkLauncherNamesTheKilledRank) {
 
 TEST(DDPFaults, HungRankIsNamedAtTheTimeout) {
   TempDir dir;
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "1000", "--samples",
-                       "100000", "--hang-rank", "1", "--fault-step", "3", "--timeout", "4",
-                       "--root", dir.path()},
-                      {}, 60s);
+  auto r =
+      run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "1000", "--samples", "100000",
+                  "--hang-rank", "1", "--fault-step", "3", "--timeout", "4", "--root", dir.path()},
+                 {}, 60s);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("hung"), std::string::npos) << r.output;
@@ -409,8 +406,8 @@ TEST(DDPFaults, HungRankIsNamedAtTheTimeout) {
 
 TEST(DDPFaults, ARankStuckOnItsWayOutIsNamedOnceItsPeersFinished) {
   TempDir dir;
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4",
-                       "--hang-at-exit-rank", "1", "--timeout", "4", "--root", dir.path()},
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--hang-at-exit-rank",
+                       "1", "--timeout", "4", "--root", dir.path()},
                       {}, 90s);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << r.output;
@@ -424,10 +421,10 @@ TEST(DDPFaults, ARankThatFailsOnItsOwnIsNamedNotAPeerBehindIt) {
   // Rank 1 sleeps after batch 2 (behind, not hung); rank 0 throws in batch
   // 3's training_step, outside any collective. Rank 0 is the cause.
   TempDir dir;
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "100", "--fail-rank",
-                       "0", "--slow-rank", "1", "--slow-seconds", "6", "--fault-step", "3",
-                       "--timeout", "30", "--root", dir.path()},
-                      {}, 90s);
+  auto r = run_worker(
+      {"--strategy", "ddp", "--devices", "2", "--steps", "100", "--fail-rank", "0", "--slow-rank",
+       "1", "--slow-seconds", "6", "--fault-step", "3", "--timeout", "30", "--root", dir.path()},
+      {}, 90s);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("launcher: rank 0 (pid"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("exited with code 1"), std::string::npos) << r.output;
@@ -439,9 +436,26 @@ TEST(DDPFaults, ARankThatIgnoresSigtermIsKilledAfterTheGracePeriod) {
   // Rank 0 dies while rank 1 sleeps 60 s outside any collective, ignoring
   // SIGTERM: the launcher's SIGKILL after the 5 s grace ends it.
   TempDir dir;
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "100", "--die-rank",
-                       "0", "--slow-rank", "1", "--slow-seconds", "60", "--ignore-sigterm-rank",
-                       "1", "--fault-step", "3", "--timeout", "120", "--root", dir.path()},
+  auto r = run_worker({"--strategy",
+                       "ddp",
+                       "--devices",
+                       "2",
+                       "--steps",
+                       "100",
+                       "--die-rank",
+                       "0",
+                       "--slow-rank",
+                       "1",
+                       "--slow-seconds",
+                       "60",
+                       "--ignore-sigterm-rank",
+                       "1",
+                       "--fault-step",
+                       "3",
+                       "--timeout",
+                       "120",
+                       "--root",
+                       dir.path()},
                       {}, 90s);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("launcher: rank 0 (pid"), std::string::npos) << r.output;
@@ -452,14 +466,15 @@ TEST(DDPFaults, ARankThatIgnoresSigtermIsKilledAfterTheGracePeriod) {
 TEST(DDPFaults, ALauncherStoppedBySigtermStopsEveryRank) {
   for (const std::string strategy : {"ddp", "ddp_fork"}) {
     TempDir dir;
-    auto r = run_worker({"--strategy", strategy, "--devices", "2", "--steps", "1000",
-                         "--samples", "100000", "--signal-launcher-rank", "1", "--fault-step",
-                         "3", "--timeout", "60", "--root", dir.path()},
+    auto r = run_worker({"--strategy", strategy, "--devices", "2", "--steps", "1000", "--samples",
+                         "100000", "--signal-launcher-rank", "1", "--fault-step", "3", "--timeout",
+                         "60", "--root", dir.path()},
                         {}, 60s);
     EXPECT_NE(r.exit_code, 0) << strategy << ":\n" << r.output;
     EXPECT_NE(r.output.find("interrupted by signal 15 (SIGTERM); stopped every rank"),
               std::string::npos)
-        << strategy << ":\n" << r.output;
+        << strategy << ":\n"
+        << r.output;
     EXPECT_LT(r.seconds, 30) << strategy << ":\n" << r.output;
   }
 }
@@ -484,15 +499,14 @@ TEST(DDPFaults, RanksReapedByAnotherPartOfTheProgramAreAClearError) {
   bool reaped_elsewhere = false;
   for (int attempt = 0; attempt < 3 && !reaped_elsewhere; ++attempt) {
     TempDir dir;
-    auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4",
-                         "--reap-elsewhere", "--timeout", "20", "--root", dir.path()},
+    auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--reap-elsewhere",
+                         "--timeout", "20", "--root", dir.path()},
                         {}, 60s);
     if (r.exit_code == 0) {
       EXPECT_EQ(result_value(r.output, "global_step"), "4") << r.output;
       continue;
     }
-    EXPECT_NE(r.output.find("ended, but another part of the program reaped it"),
-              std::string::npos)
+    EXPECT_NE(r.output.find("ended, but another part of the program reaped it"), std::string::npos)
         << r.output;
     reaped_elsewhere = true;
   }
@@ -502,13 +516,13 @@ TEST(DDPFaults, RanksReapedByAnotherPartOfTheProgramAreAClearError) {
 TEST(DDPFaults, AForkLauncherWithoutAUsableTmpdirIsAClearError) {
   TempDir dir;
   const std::string missing = dir.path() + "/no-such-directory";
-  auto r = run_worker({"--strategy", "ddp_fork", "--devices", "2", "--steps", "4", "--root",
-                       dir.path()},
-                      {{"TMPDIR", missing}}, 60s);
+  auto r =
+      run_worker({"--strategy", "ddp_fork", "--devices", "2", "--steps", "4", "--root", dir.path()},
+                 {{"TMPDIR", missing}}, 60s);
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("cannot create a directory for rank 0's results in " + missing +
-                          " (TMPDIR)"),
-            std::string::npos)
+  EXPECT_NE(
+      r.output.find("cannot create a directory for rank 0's results in " + missing + " (TMPDIR)"),
+      std::string::npos)
       << r.output;
   EXPECT_NE(r.output.find("Set TMPDIR to a writable directory"), std::string::npos) << r.output;
 }
@@ -516,8 +530,8 @@ TEST(DDPFaults, AForkLauncherWithoutAUsableTmpdirIsAClearError) {
 TEST(DDPFaults, MainAddressOfAnotherMachineIsAClearError) {
   TempDir dir;
   // 192.0.2.1 is TEST-NET-1: never an address of this machine.
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--root",
-                       dir.path(), "--timeout", "10"},
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--root", dir.path(),
+                       "--timeout", "10"},
                       {{"MASTER_ADDR", "192.0.2.1"}, {"MASTER_PORT", "29533"}}, 60s);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("is not an address of this machine"), std::string::npos) << r.output;
@@ -536,8 +550,8 @@ TEST(DDPFaults, MainPortInUseIsAClearError) {
   socklen_t len = sizeof addr;
   ::getsockname(sock, reinterpret_cast<sockaddr*>(&addr), &len);
   const std::string port = std::to_string(ntohs(addr.sin_port));
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--root",
-                       dir.path(), "--timeout", "10"},
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--root", dir.path(),
+                       "--timeout", "10"},
                       {{"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}}, 60s);
   ::close(sock);
   EXPECT_NE(r.exit_code, 0) << r.output;
@@ -548,8 +562,8 @@ TEST(DDPFaults, MainPortInUseIsAClearError) {
 
 TEST(DDPFaults, UnresolvableMainAddressIsAClearError) {
   TempDir dir;
-  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--root",
-                       dir.path(), "--timeout", "10"},
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--root", dir.path(),
+                       "--timeout", "10"},
                       {{"MASTER_ADDR", "no-such-host.invalid"}, {"MASTER_PORT", "29534"}}, 60s);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("does not resolve"), std::string::npos) << r.output;

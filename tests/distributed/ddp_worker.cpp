@@ -155,7 +155,8 @@ struct Classifier : fulgur::Module {
     if (rank == args.stop_rank && batch_idx == args.fault_step && args.stop_in == "step") {
       trainer().request_stop();
     }
-    if (rank == args.extra_metric_rank) log("only_here", 1.0, {.on_epoch = true, .sync_dist = true});
+    if (rank == args.extra_metric_rank)
+      log("only_here", 1.0, {.on_epoch = true, .sync_dist = true});
     auto [x, y] = batch.pair();
     if (std::count(args.skip_at.begin(), args.skip_at.end(), batch_idx) > 0) {
       const int world = trainer().strategy().world_size();
@@ -215,14 +216,14 @@ struct Classifier : fulgur::Module {
     auto& [x, y] = batch.pair();
     auto acc = (forward(x, false).argmax(1) == y).to(torch::kDouble).mean();
     log("test_acc", acc, {.sync_dist = args.sync_dist});
-    log("test_count", static_cast<double>(x.size(0)), {.sync_dist = args.sync_dist,
-                                                        .reduce = fulgur::Reduce::Sum});
+    log("test_count", static_cast<double>(x.size(0)),
+        {.sync_dist = args.sync_dist, .reduce = fulgur::Reduce::Sum});
   }
 
   fulgur::OptimizerConfig configure_optimizers() override {
     if (args.optimizer == "adam") return {std::make_shared<torch::optim::Adam>(parameters(), 0.01)};
-    return {std::make_shared<torch::optim::SGD>(
-        parameters(), torch::optim::SGDOptions(0.1).momentum(0.9))};
+    return {std::make_shared<torch::optim::SGD>(parameters(),
+                                                torch::optim::SGDOptions(0.1).momentum(0.9))};
   }
 };
 
@@ -375,9 +376,10 @@ int main(int argc, char** argv) {
         result = trainer.fit(model, prepared);
       } else if (a.val_every > 0) {
         auto [vx, vy] = make_data(64, 50000);
-        result = trainer.fit(model, train,
-                             fulgur::make_data_loader(
-                                 std::make_shared<fulgur::TensorDataset>(vx, vy), {.batch_size = 16}));
+        result =
+            trainer.fit(model, train,
+                        fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(vx, vy),
+                                                 {.batch_size = 16}));
       } else {
         result = trainer.fit(model, train);
       }
@@ -385,9 +387,9 @@ int main(int argc, char** argv) {
     fulgur::Metrics test;
     if (a.test_samples > 0) {
       auto [tx, ty] = make_data(a.test_samples, 100000);
-      test = trainer.test(model, fulgur::make_data_loader(
-                                     std::make_shared<fulgur::TensorDataset>(tx, ty),
-                                     {.batch_size = 64}));
+      test = trainer.test(model,
+                          fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(tx, ty),
+                                                   {.batch_size = 64}));
     }
     auto& strategy = trainer.strategy();
     if (model.seen.defined()) {

@@ -63,9 +63,9 @@ class LaunchPaths : public ::testing::Test {
   // One process with the batch of all ranks together (per-rank batch 8).
   std::string baseline(int ranks) {
     std::string out = dir.path() + "/single-" + std::to_string(ranks) + ".pt";
-    auto r = run_process(worker({"--devices", "1", "--batch", std::to_string(8 * ranks)}, out,
-                                dir.path()),
-                         {}, 120s);
+    auto r = run_process(
+        worker({"--devices", "1", "--batch", std::to_string(8 * ranks)}, out, dir.path()), {},
+        120s);
     expect_clean(r);
     return out;
   }
@@ -73,9 +73,8 @@ class LaunchPaths : public ::testing::Test {
   // give exactly these weights (same seed, same data split, same sums).
   std::string own_launcher(ProcessResult* result = nullptr) {
     std::string out = dir.path() + "/ddp.pt";
-    auto r = run_process(worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out,
-                                dir.path()),
-                         {}, 120s);
+    auto r = run_process(
+        worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out, dir.path()), {}, 120s);
     expect_clean(r);
     if (result != nullptr) *result = r;
     return out;
@@ -113,10 +112,10 @@ TEST_F(LaunchPaths, ForkLauncher) {
   std::string out = dir.path() + "/fork.pt";
   // The caller ran LibTorch on two intra-op threads before fit() forks,
   // and writes the weights afterwards: they came back from rank 0.
-  auto r = run_process(worker({"--strategy", "ddp_fork", "--devices", "2", "--batch", "8",
-                               "--warm-parent"},
-                              out, dir.path()),
-                       {}, 120s);
+  auto r = run_process(
+      worker({"--strategy", "ddp_fork", "--devices", "2", "--batch", "8", "--warm-parent"}, out,
+             dir.path()),
+      {}, 120s);
   expect_clean(r);
   EXPECT_EQ(result_value(r.output, "world_size"), "2") << r.output;
   expect_same_weights(out);
@@ -132,9 +131,9 @@ TEST_F(LaunchPaths, Torchrun) { expect_torchrun_matches({"--standalone"}, "torch
 // it rather than listen there (it failed with "port in use" before).
 TEST_F(LaunchPaths, TorchrunStaticRendezvousJoinsTheAgentsStore) {
   const std::string port = std::to_string(fulgur::find_free_port());
-  expect_torchrun_matches({"--nnodes", "1", "--node_rank", "0", "--master_addr", "127.0.0.1",
-                           "--master_port", port},
-                          "torchrun-static");
+  expect_torchrun_matches(
+      {"--nnodes", "1", "--node_rank", "0", "--master_addr", "127.0.0.1", "--master_port", port},
+      "torchrun-static");
 }
 
 TEST_F(LaunchPaths, Mpirun) {
@@ -142,9 +141,17 @@ TEST_F(LaunchPaths, Mpirun) {
                                     "openmpi-bin, which provides it.";
   std::string out = dir.path() + "/mpirun.pt";
   const std::string port = std::to_string(fulgur::find_free_port());
-  std::vector<std::string> args = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
-                                   "2", "-x", "MASTER_ADDR=127.0.0.1", "-x",
-                                   "MASTER_PORT=" + port, "-x", "OMP_NUM_THREADS=1"};
+  std::vector<std::string> args = {"mpirun",
+                                   "--allow-run-as-root",
+                                   "--oversubscribe",
+                                   "-np",
+                                   "2",
+                                   "-x",
+                                   "MASTER_ADDR=127.0.0.1",
+                                   "-x",
+                                   "MASTER_PORT=" + port,
+                                   "-x",
+                                   "OMP_NUM_THREADS=1"};
   auto w = worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out, dir.path());
   args.insert(args.end(), w.begin(), w.end());
   auto r = run_process(args, {}, 180s);
@@ -164,11 +171,11 @@ TEST_F(LaunchPaths, MpirunWithTheMpiBackendMatchesGloo) {
   ASSERT_TRUE(on_path("mpirun")) << "mpirun is missing: scripts/install-deps.sh installs "
                                     "openmpi-bin, which provides it.";
   std::string out = dir.path() + "/mpi-backend.pt";
-  std::vector<std::string> args = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np",
-                                   "2", "-x", "OMP_NUM_THREADS=1"};
-  auto w = worker({"--strategy", "ddp", "--devices", "2", "--batch", "8",
-                   "--process-group-backend", "mpi"},
-                  out, dir.path());
+  std::vector<std::string> args = {"mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2",
+                                   "-x",     "OMP_NUM_THREADS=1"};
+  auto w = worker(
+      {"--strategy", "ddp", "--devices", "2", "--batch", "8", "--process-group-backend", "mpi"},
+      out, dir.path());
   args.insert(args.end(), w.begin(), w.end());
   auto r = run_process(args, {}, 180s);
   expect_clean(r);
@@ -184,16 +191,20 @@ TEST_F(LaunchPaths, SlurmEnvironmentAsSrunSetsIt) {
   const std::string port = std::to_string(fulgur::find_free_port());
   std::vector<std::future<ProcessResult>> ranks;
   for (int rank = 0; rank < 2; ++rank) {
-    std::map<std::string, std::string> env = {
-        {"SLURM_NTASKS", "2"}, {"SLURM_PROCID", std::to_string(rank)},
-        {"SLURM_LOCALID", std::to_string(rank)}, {"SLURM_NODEID", "0"},
-        {"SLURM_JOB_ID", "4242"}, {"SLURM_JOB_NAME", "train"},
-        {"SLURM_NODELIST", "localhost"}, {"SLURM_NTASKS_PER_NODE", "2"},
-        {"MASTER_PORT", port}, {"OMP_NUM_THREADS", "1"}};
+    std::map<std::string, std::string> env = {{"SLURM_NTASKS", "2"},
+                                              {"SLURM_PROCID", std::to_string(rank)},
+                                              {"SLURM_LOCALID", std::to_string(rank)},
+                                              {"SLURM_NODEID", "0"},
+                                              {"SLURM_JOB_ID", "4242"},
+                                              {"SLURM_JOB_NAME", "train"},
+                                              {"SLURM_NODELIST", "localhost"},
+                                              {"SLURM_NTASKS_PER_NODE", "2"},
+                                              {"MASTER_PORT", port},
+                                              {"OMP_NUM_THREADS", "1"}};
     ranks.push_back(std::async(std::launch::async, [&, env] {
-      return run_process(worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out,
-                                dir.path()),
-                         env, 120s);
+      return run_process(
+          worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out, dir.path()), env,
+          120s);
     }));
   }
   auto r0 = ranks[0].get();
@@ -214,10 +225,10 @@ TEST_F(LaunchPaths, TwoNodesOnOneMachine) {
                                               {"NODE_RANK", std::to_string(node)},
                                               {"OMP_NUM_THREADS", "1"}};
     nodes.push_back(std::async(std::launch::async, [&, env] {
-      return run_process(worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2",
-                                 "--batch", "8"},
-                                out, dir.path()),
-                         env, 180s);
+      return run_process(
+          worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"}, out,
+                 dir.path()),
+          env, 180s);
     }));
   }
   auto n0 = nodes[0].get();

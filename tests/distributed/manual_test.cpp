@@ -12,10 +12,10 @@
 
 namespace {
 
+using fulgur::test::load_tensors;
 using fulgur::test::ProcessResult;
 using fulgur::test::result_value;
 using fulgur::test::TempDir;
-using fulgur::test::load_tensors;
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
 
@@ -60,8 +60,8 @@ TEST(ManualStrategy, EveryRankWritesItsShardAndResumeRestoresEachExactly) {
   EXPECT_TRUE(fs::exists(last / "manifest.txt"));
   // Resuming at the step it stopped trains no further: the weights each rank
   // loads are exactly the ones it saved.
-  auto r2 = run_manual({"--devices", "2", "--steps", "6", "--ckpt-root", root, "--resume", "last",
-                        "--out", second});
+  auto r2 = run_manual(
+      {"--devices", "2", "--steps", "6", "--ckpt-root", root, "--resume", "last", "--out", second});
   ASSERT_EQ(r2.exit_code, 0) << r2.output;
   for (int rank : {0, 1}) {
     auto a = load_tensors(first + "/rank-" + std::to_string(rank) + ".pt");
@@ -82,16 +82,17 @@ TEST(ManualStrategy, ResumingOnAnotherWorldSizeOrWithoutAShardIsAClearError) {
   const std::string root = dir.path() + "/run";
   auto r1 = run_manual({"--devices", "2", "--steps", "4", "--ckpt-root", root});
   ASSERT_EQ(r1.exit_code, 0) << r1.output;
-  auto one = run_manual({"--devices", "1", "--steps", "8", "--ckpt-root", root, "--resume", "last"});
+  auto one =
+      run_manual({"--devices", "1", "--steps", "8", "--ckpt-root", root, "--resume", "last"});
   EXPECT_NE(one.exit_code, 0);
   EXPECT_TRUE(fulgur::test::message_contains(
       one.output, {"was saved by 2 ranks, and this run has 1", "devices x num_nodes = 2"}));
   fs::remove(fs::path(root) / "checkpoints" / "last.ckpt" / "rank-1-of-2.ckpt");
-  auto missing = run_manual({"--devices", "2", "--steps", "8", "--ckpt-root", root, "--resume",
-                             "last"});
+  auto missing =
+      run_manual({"--devices", "2", "--steps", "8", "--ckpt-root", root, "--resume", "last"});
   EXPECT_NE(missing.exit_code, 0);
-  EXPECT_TRUE(fulgur::test::message_contains(missing.output,
-                                             {"is missing shard(s) rank-1-of-2.ckpt"}));
+  EXPECT_TRUE(
+      fulgur::test::message_contains(missing.output, {"is missing shard(s) rank-1-of-2.ckpt"}));
 }
 
 }  // namespace

@@ -107,10 +107,11 @@ int main(int argc, char** argv) {
     auto idx = torch::arange(64, torch::kFloat).unsqueeze(1);
     auto x = torch::sin(idx * torch::arange(1, 5, torch::kFloat) * 0.3);
     auto y = x.sum(1, true) * 0.5 + 0.1;
-    auto loader = fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(x, y),
-                                           {.batch_size = 4});
+    auto loader =
+        fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(x, y), {.batch_size = 4});
     fulgur::ManualOptions manual;
-    manual.process_group_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+    manual.process_group_timeout =
+        std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
     fulgur::TrainerOptions options;
     options.accelerator = "cpu";
     options.strategy = std::make_shared<fulgur::ManualStrategy>(manual);

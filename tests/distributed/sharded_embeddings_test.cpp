@@ -12,9 +12,9 @@
 
 namespace {
 
+using fulgur::test::load_tensors;
 using fulgur::test::ProcessResult;
 using fulgur::test::TempDir;
-using fulgur::test::load_tensors;
 using namespace std::chrono_literals;
 
 ProcessResult run_example(std::vector<std::string> args) {
@@ -43,13 +43,14 @@ TEST(ShardedEmbeddings, TwoRanksMatchTheUnshardedModel) {
   const std::string one = dir.path() + "/one", two = dir.path() + "/two";
   std::filesystem::create_directories(one);
   std::filesystem::create_directories(two);
-  const std::vector<std::string> common = {"--rows", "1000", "--dim", "8", "--active-ids", "200",
-                                           "--samples", "256", "--max_steps", "5", "--lr", "0.5"};
+  const std::vector<std::string> common = {"--rows",       "1000", "--dim",     "8",
+                                           "--active-ids", "200",  "--samples", "256",
+                                           "--max_steps",  "5",    "--lr",      "0.5"};
   auto args = [&](const std::string& devices, const std::string& batch, const std::string& out) {
     std::vector<std::string> a = common;
-    for (const auto& s : {std::string("--devices"), devices, std::string("--batch"), batch,
-                          std::string("--dump"), out, std::string("--default_root_dir"),
-                          dir.path() + "/runs-" + devices}) {
+    for (const auto& s :
+         {std::string("--devices"), devices, std::string("--batch"), batch, std::string("--dump"),
+          out, std::string("--default_root_dir"), dir.path() + "/runs-" + devices}) {
       a.push_back(s);
     }
     return a;
@@ -84,9 +85,26 @@ TEST(ShardedEmbeddings, TwoRanksMatchTheUnshardedModel) {
 
 TEST(ShardedEmbeddings, LossFallsOnTwoRanks) {
   TempDir dir;
-  auto r = run_example({"--devices", "2", "--rows", "20000", "--dim", "16", "--active-ids", "400",
-                        "--samples", "8192", "--batch", "64", "--max_epochs", "4", "--lr", "1.0",
-                        "--default_root_dir", dir.path(), "--min-improvement", "0.2"});
+  auto r = run_example({"--devices",
+                        "2",
+                        "--rows",
+                        "20000",
+                        "--dim",
+                        "16",
+                        "--active-ids",
+                        "400",
+                        "--samples",
+                        "8192",
+                        "--batch",
+                        "64",
+                        "--max_epochs",
+                        "4",
+                        "--lr",
+                        "1.0",
+                        "--default_root_dir",
+                        dir.path(),
+                        "--min-improvement",
+                        "0.2"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/checkpoints/last.ckpt/rank-1-of-2.ckpt"))
       << r.output;

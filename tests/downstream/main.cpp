@@ -43,8 +43,8 @@ int main() {
                              .logger = false});
     const auto result = trainer.fit(model, loader);
 
-    std::cout << "downstream: global_step=" << trainer.global_step()
-              << " train_loss=" << (result.metrics.count("train_loss") ? result.metrics.at("train_loss") : -1.0)
+    std::cout << "downstream: global_step=" << trainer.global_step() << " train_loss="
+              << (result.metrics.count("train_loss") ? result.metrics.at("train_loss") : -1.0)
               << "\n";
     return trainer.global_step() > 0 && result.global_step > 0 ? 0 : 1;
   } catch (const std::exception& e) {

@@ -11,11 +11,11 @@
 namespace {
 
 namespace fs = std::filesystem;
-using ::testing::ElementsAre;
 using fulgur::test::read_lines;
 using fulgur::test::read_text;
 using fulgur::test::split;
 using fulgur::test::TempDir;
+using ::testing::ElementsAre;
 
 /// metrics.csv as rows of cells, header first.
 std::vector<std::vector<std::string>> read_csv(const std::string& path) {

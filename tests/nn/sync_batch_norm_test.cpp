@@ -17,7 +17,8 @@
 namespace {
 
 ::testing::AssertionResult close(const at::Tensor& a, const at::Tensor& b, double atol = 1e-5) {
-  if (a.sizes() != b.sizes()) return ::testing::AssertionFailure() << a.sizes() << " vs " << b.sizes();
+  if (a.sizes() != b.sizes())
+    return ::testing::AssertionFailure() << a.sizes() << " vs " << b.sizes();
   if (torch::allclose(a, b, 1e-4, atol)) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << "differ by up to " << (a - b).abs().max().item<double>();
 }

@@ -27,25 +27,42 @@ Vars merged(Vars base, const Vars& extra) {
 }
 
 // torchrun --nnodes 2 --nproc-per-node 2: the worker with rank 3.
-const Vars kTorchrun{{"RANK", "3"},          {"GROUP_RANK", "1"},       {"LOCAL_RANK", "1"},
-                     {"LOCAL_WORLD_SIZE", "2"}, {"WORLD_SIZE", "4"},    {"MASTER_ADDR", "10.0.0.1"},
-                     {"MASTER_PORT", "29400"},  {"TORCHELASTIC_RUN_ID", "job7"}};
+const Vars kTorchrun{{"RANK", "3"},
+                     {"GROUP_RANK", "1"},
+                     {"LOCAL_RANK", "1"},
+                     {"LOCAL_WORLD_SIZE", "2"},
+                     {"WORLD_SIZE", "4"},
+                     {"MASTER_ADDR", "10.0.0.1"},
+                     {"MASTER_PORT", "29400"},
+                     {"TORCHELASTIC_RUN_ID", "job7"}};
 // srun --nodes 2 --ntasks-per-node 2 inside sbatch job 4123456: task 2.
-const Vars kSrun{{"SLURM_NTASKS", "4"},          {"SLURM_PROCID", "2"},
-                 {"SLURM_LOCALID", "0"},         {"SLURM_NODEID", "1"},
-                 {"SLURM_NODELIST", "gpu[017-018]"}, {"SLURM_JOB_ID", "4123456"},
-                 {"SLURM_JOB_NAME", "train"},    {"SLURM_NTASKS_PER_NODE", "2"},
+const Vars kSrun{{"SLURM_NTASKS", "4"},
+                 {"SLURM_PROCID", "2"},
+                 {"SLURM_LOCALID", "0"},
+                 {"SLURM_NODEID", "1"},
+                 {"SLURM_NODELIST", "gpu[017-018]"},
+                 {"SLURM_JOB_ID", "4123456"},
+                 {"SLURM_JOB_NAME", "train"},
+                 {"SLURM_NTASKS_PER_NODE", "2"},
                  {"SLURM_NNODES", "2"}};
 // mpirun -np 4 on one node (Open MPI): rank 2.
-const Vars kMpirun{{"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_RANK", "2"},
-                   {"OMPI_COMM_WORLD_LOCAL_RANK", "2"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}};
+const Vars kMpirun{{"OMPI_COMM_WORLD_SIZE", "4"},
+                   {"OMPI_COMM_WORLD_RANK", "2"},
+                   {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
+                   {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}};
 // jsrun on 2 compute hosts x 3 ranks, job 98765: rank 4.
-const Vars kLsf{{"LSB_JOBID", "98765"},          {"LSB_DJOB_RANKFILE", "/tmp/rankfile"},
-                {"LSB_MCPU_HOSTS", "batch1 1 h1 42 h2 42"}, {"JSM_NAMESPACE_SIZE", "6"},
-                {"JSM_NAMESPACE_RANK", "4"},     {"JSM_NAMESPACE_LOCAL_RANK", "1"}};
+const Vars kLsf{{"LSB_JOBID", "98765"},
+                {"LSB_DJOB_RANKFILE", "/tmp/rankfile"},
+                {"LSB_MCPU_HOSTS", "batch1 1 h1 42 h2 42"},
+                {"JSM_NAMESPACE_SIZE", "6"},
+                {"JSM_NAMESPACE_RANK", "4"},
+                {"JSM_NAMESPACE_LOCAL_RANK", "1"}};
 // A PyTorchJob with 3 pods: the pod of rank 2.
-const Vars kKubeflow{{"KUBERNETES_PORT", "tcp://10.96.0.1:443"}, {"MASTER_ADDR", "job-master-0"},
-                     {"MASTER_PORT", "23456"}, {"WORLD_SIZE", "3"}, {"RANK", "2"}};
+const Vars kKubeflow{{"KUBERNETES_PORT", "tcp://10.96.0.1:443"},
+                     {"MASTER_ADDR", "job-master-0"},
+                     {"MASTER_PORT", "23456"},
+                     {"WORLD_SIZE", "3"},
+                     {"RANK", "2"}};
 
 // ---- Getters for a realistic environment of each kind.
 
@@ -83,14 +100,19 @@ INSTANTIATE_TEST_SUITE_P(
         Expected{"torchrun_2x2", kTorchrun, "torchelastic", "10.0.0.1", 29400, 4, 3, 1, 1},
         // Port: 15000 + the last 4 digits of the job id, as Lightning.
         Expected{"srun_2x2", kSrun, "slurm", "gpu017", 15000 + 3456, 4, 2, 0, 1},
-        Expected{"srun_master_vars", merged(kSrun, {{"MASTER_ADDR", "n0"}, {"MASTER_PORT", "1234"}}),
-                 "slurm", "n0", 1234, 4, 2, 0, 1},
-        Expected{"srun_no_job_id", merged(kSrun, {{"SLURM_JOB_ID", ""}}), "slurm", "gpu017",
-                 15000, 4, 2, 0, 1},
+        Expected{"srun_master_vars",
+                 merged(kSrun, {{"MASTER_ADDR", "n0"}, {"MASTER_PORT", "1234"}}), "slurm", "n0",
+                 1234, 4, 2, 0, 1},
+        Expected{"srun_no_job_id", merged(kSrun, {{"SLURM_JOB_ID", ""}}), "slurm", "gpu017", 15000,
+                 4, 2, 0, 1},
         Expected{"mpirun_np4_one_node", kMpirun, "mpi", "127.0.0.1", 29500, 4, 2, 2, 0},
         Expected{"mpich_pmi_2x2",
-                 Vars{{"PMI_SIZE", "4"}, {"PMI_RANK", "3"}, {"MPI_LOCALRANKID", "1"},
-                      {"MPI_LOCALNRANKS", "2"}, {"MASTER_ADDR", "h0"}, {"MASTER_PORT", "4000"}},
+                 Vars{{"PMI_SIZE", "4"},
+                      {"PMI_RANK", "3"},
+                      {"MPI_LOCALRANKID", "1"},
+                      {"MPI_LOCALNRANKS", "2"},
+                      {"MASTER_ADDR", "h0"},
+                      {"MASTER_PORT", "4000"}},
                  "mpi", "h0", 4000, 4, 3, 1, 1},
         // LSF port: 10000 + LSB_JOBID % 1000, as Lightning.
         Expected{"jsrun_2x3", kLsf, "lsf", "h1", 10765, 6, 4, 1, 1},
@@ -126,9 +148,9 @@ TEST(LSFEnvironment, MainAddressFromTheRankFileWithoutMcpuHosts) {
   // The launch host (first line) runs no ranks: the first compute host.
   EXPECT_EQ(fulgur::LSFEnvironment(EnvView(vars)).main_address(), "h1");
   vars["LSB_DJOB_RANKFILE"] = dir.file("missing");
-  EXPECT_THROWS_WITH(ConfigError, fulgur::LSFEnvironment{EnvView(vars)},
-                     {"LSB_DJOB_RANKFILE=" + dir.file("missing") + " cannot be read",
-                      "Set MASTER_ADDR"});
+  EXPECT_THROWS_WITH(
+      ConfigError, fulgur::LSFEnvironment{EnvView(vars)},
+      {"LSB_DJOB_RANKFILE=" + dir.file("missing") + " cannot be read", "Set MASTER_ADDR"});
 }
 
 // ---- Detection.
@@ -157,13 +179,12 @@ Vars without(Vars vars, const std::string& key) {
 TEST(DetectClusterEnvironment, TorchrunWithoutMasterPortIsRecognisedAndNamesIt) {
   // torchrun's own variables decide; the missing one is named instead of
   // another environment being chosen silently.
-  EXPECT_THROWS_WITH(ConfigError,
-                     fulgur::detect_cluster_environment(EnvView(without(kTorchrun, "MASTER_PORT")),
-                                                        nullptr),
-                     {"\"torchelastic\" needs the environment variable MASTER_PORT"});
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::detect_cluster_environment(EnvView(without(kTorchrun, "MASTER_PORT")), nullptr),
+      {"\"torchelastic\" needs the environment variable MASTER_PORT"});
   Vars run_id_only = {{"TORCHELASTIC_RUN_ID", "job7"}};
-  EXPECT_THROWS_WITH(ConfigError,
-                     fulgur::detect_cluster_environment(EnvView(run_id_only), nullptr),
+  EXPECT_THROWS_WITH(ConfigError, fulgur::detect_cluster_environment(EnvView(run_id_only), nullptr),
                      {"\"torchelastic\" needs the environment variable WORLD_SIZE"});
 }
 
@@ -172,8 +193,12 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         DetectCase{"empty", Vars{}, "lightning"},
         DetectCase{"lightning_launcher_child",
-                   Vars{{"LOCAL_RANK", "1"}, {"RANK", "1"}, {"WORLD_SIZE", "2"},
-                        {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "5000"}, {"NODE_RANK", "0"}},
+                   Vars{{"LOCAL_RANK", "1"},
+                        {"RANK", "1"},
+                        {"WORLD_SIZE", "2"},
+                        {"MASTER_ADDR", "127.0.0.1"},
+                        {"MASTER_PORT", "5000"},
+                        {"NODE_RANK", "0"}},
                    "lightning"},
         DetectCase{"torchrun", kTorchrun, "torchelastic"},
         DetectCase{"torchrun_inside_slurm", merged(kSrun, kTorchrun), "torchelastic"},
@@ -188,7 +213,8 @@ INSTANTIATE_TEST_SUITE_P(
         DetectCase{"ompi_size_without_rank", without(kMpirun, "OMPI_COMM_WORLD_RANK"), "lightning"},
         DetectCase{"lsf", kLsf, "lsf"},
         DetectCase{"lsf_with_lsb_hosts",
-                   merged(without(kLsf, "LSB_DJOB_RANKFILE"), {{"LSB_HOSTS", "h1 h1 h2 h2"}}), "lsf"},
+                   merged(without(kLsf, "LSB_DJOB_RANKFILE"), {{"LSB_HOSTS", "h1 h1 h2 h2"}}),
+                   "lsf"},
         DetectCase{"lsf_without_jsm_rank", without(kLsf, "JSM_NAMESPACE_RANK"), "lightning"},
         DetectCase{"kubeflow", kKubeflow, "kubeflow"},
         DetectCase{"kubernetes_without_rank", without(kKubeflow, "RANK"), "lightning"}),
@@ -202,7 +228,8 @@ TEST(DetectClusterEnvironment, NotesSayWhy) {
   notes.clear();
   fulgur::detect_cluster_environment(EnvView(merged(kSrun, {{"SLURM_JOB_NAME", "bash"}})), &notes);
   ASSERT_EQ(notes.size(), 1u);
-  EXPECT_NE(notes[0].find("SLURM_JOB_NAME=\"bash\" is an interactive allocation"), std::string::npos);
+  EXPECT_NE(notes[0].find("SLURM_JOB_NAME=\"bash\" is an interactive allocation"),
+            std::string::npos);
   notes.clear();
   fulgur::detect_cluster_environment(EnvView(Vars{}), &notes);
   EXPECT_TRUE(notes.empty());
@@ -230,9 +257,8 @@ TEST(ClusterEnvironmentRegistry, DetectsAUserEnvironmentByItsPriority) {
   };
   using Detection = fulgur::ClusterEnvironmentRegistry::Detection;
   fulgur::ClusterEnvironmentRegistry registry = fulgur::cluster_environment_registry();
-  registry.add("my_scheduler", "a user's scheduler", [](const EnvView& env) {
-    return std::make_unique<MySchedulerEnvironment>(env);
-  });
+  registry.add("my_scheduler", "a user's scheduler",
+               [](const EnvView& env) { return std::make_unique<MySchedulerEnvironment>(env); });
   auto detector = [](const EnvView& env) {
     return env.has("MY_SCHED_JOB") ? Detection::match("MY_SCHED_JOB is set") : Detection::no();
   };
@@ -259,8 +285,9 @@ TEST(ClusterEnvironmentRegistry, DetectorsNeedARegisteredNameAndTheirOwnPriority
   auto never = [](const EnvView&) { return fulgur::ClusterEnvironmentRegistry::Detection::no(); };
   EXPECT_THROWS_WITH(ConfigError, registry.set_detector("my_sched", 50, never),
                      {"unknown cluster environment \"my_sched\""});
-  registry.add("my_sched", "a user's scheduler",
-               [](const EnvView& env) { return std::make_unique<fulgur::LightningEnvironment>(env); });
+  registry.add("my_sched", "a user's scheduler", [](const EnvView& env) {
+    return std::make_unique<fulgur::LightningEnvironment>(env);
+  });
   EXPECT_THROWS_WITH(ConfigError, registry.set_detector("my_sched", 400, never),
                      {"detector priority 400 is taken by \"slurm\"", "Pick another priority",
                       "torchelastic, slurm, mpi, lsf, kubeflow"});
@@ -310,36 +337,65 @@ TEST_P(Mismatch, NamesBothNumbersAndTheVariable) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, Mismatch,
     ::testing::Values(
-        MismatchCase{"torchrun_world", kTorchrun, "torchelastic", 2, 1,
-                     {"devices=2 x num_nodes=1 = 2 processes", "WORLD_SIZE=4",
-                      "devices=LOCAL_WORLD_SIZE", "num_nodes=WORLD_SIZE/LOCAL_WORLD_SIZE",
-                      "devices=2, num_nodes=2"}},
-        MismatchCase{"torchrun_local", kTorchrun, "torchelastic", 4, 1,
+        MismatchCase{
+            "torchrun_world",
+            kTorchrun,
+            "torchelastic",
+            2,
+            1,
+            {"devices=2 x num_nodes=1 = 2 processes", "WORLD_SIZE=4", "devices=LOCAL_WORLD_SIZE",
+             "num_nodes=WORLD_SIZE/LOCAL_WORLD_SIZE", "devices=2, num_nodes=2"}},
+        MismatchCase{"torchrun_local",
+                     kTorchrun,
+                     "torchelastic",
+                     4,
+                     1,
                      {"devices=4 per node", "LOCAL_WORLD_SIZE=2"}},
-        MismatchCase{"slurm_devices", kSrun, "slurm", 4, 2,
+        MismatchCase{"slurm_devices",
+                     kSrun,
+                     "slurm",
+                     4,
+                     2,
                      {"devices=4", "SLURM_NTASKS_PER_NODE=2", "srun --ntasks-per-node=4"}},
-        MismatchCase{"slurm_nodes", kSrun, "slurm", 2, 1,
-                     {"num_nodes=1", "SLURM_NNODES=2", "--nodes=1"}},
-        MismatchCase{"slurm_per_node_with_repeat",
-                     merged(without(kSrun, "SLURM_NNODES"),
-                            {{"SLURM_NTASKS_PER_NODE", "2(x3)"}, {"SLURM_JOB_NUM_NODES", "3"}}),
-                     "slurm", 1, 2,
-                     {"devices=1", "SLURM_NTASKS_PER_NODE=2", "num_nodes=2",
-                      "SLURM_JOB_NUM_NODES=3"}},
+        MismatchCase{
+            "slurm_nodes", kSrun, "slurm", 2, 1, {"num_nodes=1", "SLURM_NNODES=2", "--nodes=1"}},
+        MismatchCase{
+            "slurm_per_node_with_repeat",
+            merged(without(kSrun, "SLURM_NNODES"),
+                   {{"SLURM_NTASKS_PER_NODE", "2(x3)"}, {"SLURM_JOB_NUM_NODES", "3"}}),
+            "slurm",
+            1,
+            2,
+            {"devices=1", "SLURM_NTASKS_PER_NODE=2", "num_nodes=2", "SLURM_JOB_NUM_NODES=3"}},
         // Per node agrees and SLURM_NNODES is unset, but srun started 2
         // tasks, not devices x num_nodes = 4.
         MismatchCase{"slurm_total_without_nnodes",
-                     merged(without(kSrun, "SLURM_NNODES"), {{"SLURM_NTASKS", "2"}}), "slurm",
-                     2, 2, {"devices=2 x num_nodes=2 = 4 processes", "SLURM_NTASKS=2"}},
-        MismatchCase{"mpi_world", kMpirun, "mpi", 2, 1,
-                     {"devices=2 x num_nodes=1", "OMPI_COMM_WORLD_SIZE=4",
-                      "OMPI_COMM_WORLD_LOCAL_SIZE=4"}},
+                     merged(without(kSrun, "SLURM_NNODES"), {{"SLURM_NTASKS", "2"}}),
+                     "slurm",
+                     2,
+                     2,
+                     {"devices=2 x num_nodes=2 = 4 processes", "SLURM_NTASKS=2"}},
+        MismatchCase{
+            "mpi_world",
+            kMpirun,
+            "mpi",
+            2,
+            1,
+            {"devices=2 x num_nodes=1", "OMPI_COMM_WORLD_SIZE=4", "OMPI_COMM_WORLD_LOCAL_SIZE=4"}},
         MismatchCase{"mpi_multi_node_without_master_addr",
-                     merged(kMpirun, {{"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}}), "mpi", 2, 2,
+                     merged(kMpirun, {{"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}}),
+                     "mpi",
+                     2,
+                     2,
                      {"MASTER_ADDR is not set", "mpirun -x MASTER_ADDR=<host of rank 0>",
                       "-x MASTER_PORT=<port>"}},
-        MismatchCase{"lsf_world", kLsf, "lsf", 2, 2, {"devices=2 x num_nodes=2", "JSM_NAMESPACE_SIZE=6"}},
-        MismatchCase{"kubeflow_devices", kKubeflow, "kubeflow", 2, 3,
+        MismatchCase{
+            "lsf_world", kLsf, "lsf", 2, 2, {"devices=2 x num_nodes=2", "JSM_NAMESPACE_SIZE=6"}},
+        MismatchCase{"kubeflow_devices",
+                     kKubeflow,
+                     "kubeflow",
+                     2,
+                     3,
                      {"devices=2", "WORLD_SIZE=3", "devices=1 and num_nodes=3"}}),
     [](const auto& info) { return std::string(info.param.label); });
 
@@ -382,14 +438,14 @@ TEST(ClusterEnvironments, NonIntegerVariableIsAConfigError) {
   EXPECT_THROWS_WITH(ConfigError,
                      fulgur::SLURMEnvironment(EnvView(merged(kSrun, {{"SLURM_PROCID", "two"}}))),
                      {"SLURM_PROCID", "two"});
-  EXPECT_THROWS_WITH(ConfigError,
-                     fulgur::TorchElasticEnvironment(
-                         EnvView(merged(kTorchrun, {{"LOCAL_WORLD_SIZE", "2x"}}))),
-                     {"LOCAL_WORLD_SIZE", "2x"});
-  EXPECT_THROWS_WITH(ConfigError,
-                     fulgur::SLURMEnvironment(
-                         EnvView(merged(kSrun, {{"SLURM_NTASKS_PER_NODE", "many"}}))),
-                     {"SLURM_NTASKS_PER_NODE=\"many\""});
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::TorchElasticEnvironment(EnvView(merged(kTorchrun, {{"LOCAL_WORLD_SIZE", "2x"}}))),
+      {"LOCAL_WORLD_SIZE", "2x"});
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::SLURMEnvironment(EnvView(merged(kSrun, {{"SLURM_NTASKS_PER_NODE", "many"}}))),
+      {"SLURM_NTASKS_PER_NODE=\"many\""});
 }
 
 TEST(ClusterEnvironments, MissingVariableNamesIt) {
@@ -411,9 +467,10 @@ fulgur::TrainerOptions cpu_options(int devices, int num_nodes) {
   return options;
 }
 
-const Vars kTorchrunSingle{{"RANK", "0"},        {"GROUP_RANK", "0"},  {"LOCAL_RANK", "0"},
-                           {"LOCAL_WORLD_SIZE", "1"}, {"WORLD_SIZE", "1"},
-                           {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+const Vars kTorchrunSingle{{"RANK", "0"},           {"GROUP_RANK", "0"},
+                           {"LOCAL_RANK", "0"},     {"LOCAL_WORLD_SIZE", "1"},
+                           {"WORLD_SIZE", "1"},     {"MASTER_ADDR", "127.0.0.1"},
+                           {"MASTER_PORT", "29500"}};
 
 TEST(ConnectorClusterEnvironment, UsesTheDetectedEnvironment) {
   auto result = fulgur::connect(cpu_options(1, 1), EnvView(kTorchrunSingle));

@@ -20,12 +20,13 @@ TEST(LightningEnvironment, EmptyEnvironmentIsOneLocalProcess) {
 }
 
 TEST(LightningEnvironment, ReadsTorchrunStyleVariables) {
-  fulgur::LightningEnvironment env{fulgur::EnvView(std::map<std::string, std::string>{{"MASTER_ADDR", "10.0.0.1"},
-                                                    {"MASTER_PORT", "29500"},
-                                                    {"WORLD_SIZE", "8"},
-                                                    {"RANK", "5"},
-                                                    {"LOCAL_RANK", "1"},
-                                                    {"NODE_RANK", "2"}})};
+  fulgur::LightningEnvironment env{
+      fulgur::EnvView(std::map<std::string, std::string>{{"MASTER_ADDR", "10.0.0.1"},
+                                                         {"MASTER_PORT", "29500"},
+                                                         {"WORLD_SIZE", "8"},
+                                                         {"RANK", "5"},
+                                                         {"LOCAL_RANK", "1"},
+                                                         {"NODE_RANK", "2"}})};
   EXPECT_TRUE(env.creates_processes_externally());
   EXPECT_EQ(env.main_address(), "10.0.0.1");
   EXPECT_EQ(env.main_port(), 29500);
@@ -36,16 +37,19 @@ TEST(LightningEnvironment, ReadsTorchrunStyleVariables) {
 }
 
 TEST(LightningEnvironment, GroupRankIsTheNodeRankWhenNodeRankIsUnset) {
-  fulgur::LightningEnvironment env{fulgur::EnvView(std::map<std::string, std::string>{{"GROUP_RANK", "3"}})};
+  fulgur::LightningEnvironment env{
+      fulgur::EnvView(std::map<std::string, std::string>{{"GROUP_RANK", "3"}})};
   EXPECT_EQ(env.node_rank(), 3);
 }
 
 TEST(LightningEnvironment, BadPortIsAConfigError) {
   EXPECT_THROWS_WITH(fulgur::ConfigError,
-                     fulgur::LightningEnvironment{fulgur::EnvView(std::map<std::string, std::string>{{"MASTER_PORT", "70000"}})},
+                     fulgur::LightningEnvironment{fulgur::EnvView(
+                         std::map<std::string, std::string>{{"MASTER_PORT", "70000"}})},
                      {"MASTER_PORT=70000", "1..65535"});
   EXPECT_THROWS_WITH(fulgur::ConfigError,
-                     fulgur::LightningEnvironment{fulgur::EnvView(std::map<std::string, std::string>{{"RANK", "zero"}})},
+                     fulgur::LightningEnvironment{
+                         fulgur::EnvView(std::map<std::string, std::string>{{"RANK", "zero"}})},
                      {"RANK", "zero"});
 }
 

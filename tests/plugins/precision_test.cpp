@@ -35,7 +35,8 @@ struct DtypeProbe : fulgur::Module {
     auto out = fc(x);
     output_dtype = out.scalar_type();
     // LibTorch 1.13 has no bfloat16 mse_loss on the CPU: the loss in float32 there.
-    const auto loss_type = out.scalar_type() == torch::kBFloat16 ? torch::kFloat : out.scalar_type();
+    const auto loss_type =
+        out.scalar_type() == torch::kBFloat16 ? torch::kFloat : out.scalar_type();
     auto loss = torch::mse_loss(out.to(loss_type), y.to(loss_type));
     losses.push_back(loss.detach().to(torch::kFloat).item<float>());
     return loss;
@@ -77,9 +78,9 @@ TEST(Precision, Bf16MixedRunsMatmulsInBf16AndKeepsFloat32Parameters) {
   DtypeProbe model;
   fulgur::Trainer trainer(options_with(dir, "bf16-mixed"));
   trainer.fit(model, fulgur::test::regression_loader(4));
-  EXPECT_EQ(model.input_dtype, torch::kFloat);       // inputs are not converted
-  EXPECT_EQ(model.output_dtype, torch::kBFloat16);   // autocast ran the linear in bf16
-  EXPECT_EQ(model.weight_dtype, torch::kFloat);      // master weights stay float32
+  EXPECT_EQ(model.input_dtype, torch::kFloat);      // inputs are not converted
+  EXPECT_EQ(model.output_dtype, torch::kBFloat16);  // autocast ran the linear in bf16
+  EXPECT_EQ(model.weight_dtype, torch::kFloat);     // master weights stay float32
   for (const auto& p : model.parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat);
   EXPECT_LT(model.losses.back(), model.losses.front());
   // Autocast is off again outside the step.
@@ -295,10 +296,11 @@ TEST(GradScaler, StateRoundTripsThroughAnArchive) {
 }
 
 TEST(GradScaler, RejectsInvalidOptionsAllAtOnce) {
-  EXPECT_THROWS_WITH(fulgur::ConfigError,
-                     fulgur::GradScaler({.init_scale = 0.0, .growth_factor = 1.0,
-                                         .backoff_factor = 1.5, .growth_interval = 0}),
-                     {"init_scale=0", "growth_factor=1", "backoff_factor=1.5", "growth_interval=0"});
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      fulgur::GradScaler(
+          {.init_scale = 0.0, .growth_factor = 1.0, .backoff_factor = 1.5, .growth_interval = 0}),
+      {"init_scale=0", "growth_factor=1", "backoff_factor=1.5", "growth_interval=0"});
 }
 
 TEST(MixedPrecision, HalfHasAScalerWhoseStateTravelsInCheckpoints) {
@@ -331,9 +333,7 @@ TEST(MixedPrecision, HalfHasAScalerWhoseStateTravelsInCheckpoints) {
 
 class DeterministicFlag : public ::testing::Test {
  protected:
-  void TearDown() override {
-    at::globalContext().setDeterministicAlgorithms(false, false);
-  }
+  void TearDown() override { at::globalContext().setDeterministicAlgorithms(false, false); }
 };
 
 TEST_F(DeterministicFlag, TrueMakesNondeterministicOpsThrow) {

@@ -22,9 +22,9 @@
 namespace {
 
 namespace fs = std::filesystem;
-using ::testing::ElementsAre;
 using fulgur::test::list_files;
 using fulgur::test::TempDir;
+using ::testing::ElementsAre;
 
 void save_tensor(fulgur::CheckpointIO& io, const at::Tensor& value, const std::string& path) {
   torch::serialize::OutputArchive archive;
@@ -153,8 +153,14 @@ TEST(TorchCheckpointIOIntegrity, EveryFlippedByteIsRefused) {
   const std::string path = dir.file("a.ckpt");
   save_model_like(io, path);
   const std::string good = fulgur::test::read_text(path);
-  std::vector<size_t> positions = {0, 1, 30, good.size() / 2, good.size() - 33,
-                                   good.size() - 32, good.size() - 20, good.size() - 1};
+  std::vector<size_t> positions = {0,
+                                   1,
+                                   30,
+                                   good.size() / 2,
+                                   good.size() - 33,
+                                   good.size() - 32,
+                                   good.size() - 20,
+                                   good.size() - 1};
   std::mt19937 rng(5);
   for (int i = 0; i < 40; ++i) positions.push_back(rng() % good.size());
   int named_a_tensor = 0;
@@ -163,8 +169,8 @@ TEST(TorchCheckpointIOIntegrity, EveryFlippedByteIsRefused) {
     bad[pos] = static_cast<char>(bad[pos] ^ (1 << (pos % 8)));
     fulgur::test::write_text(path, bad);
     const std::string error = load_error(io, path);
-    EXPECT_TRUE(fulgur::test::message_contains(error, {path, "is corrupt",
-                                                       "use an earlier checkpoint"}))
+    EXPECT_TRUE(
+        fulgur::test::message_contains(error, {path, "is corrupt", "use an earlier checkpoint"}))
         << "byte " << pos << " of " << good.size() << ": " << error;
     EXPECT_NE(fulgur::TorchCheckpointIO::verify(path), "") << "byte " << pos;
     if (error.find("the bytes of a tensor (record data/") != std::string::npos) ++named_a_tensor;
@@ -193,14 +199,14 @@ TEST(TorchCheckpointIOIntegrity, NamesTheNewestOtherCheckpointThatVerifies) {
     fulgur::test::write_text(dir.file(name), bytes);
   }
   fs::last_write_time(dir.file("epoch=2.ckpt"), now - std::chrono::hours(1));
-  EXPECT_TRUE(fulgur::test::message_contains(
-      load_error(io, dir.file("last.ckpt")),
-      {"\"" + dir.file("epoch=1.ckpt") + "\" is the newest other one in its directory that "
-       "verifies"}));
+  EXPECT_TRUE(fulgur::test::message_contains(load_error(io, dir.file("last.ckpt")),
+                                             {"\"" + dir.file("epoch=1.ckpt") +
+                                              "\" is the newest other one in its directory that "
+                                              "verifies"}));
   fs::remove(dir.file("epoch=0.ckpt"));
   fs::remove(dir.file("epoch=1.ckpt"));
-  EXPECT_TRUE(fulgur::test::message_contains(
-      load_error(io, dir.file("last.ckpt")), {"no other checkpoint in its directory verifies"}));
+  EXPECT_TRUE(fulgur::test::message_contains(load_error(io, dir.file("last.ckpt")),
+                                             {"no other checkpoint in its directory verifies"}));
 }
 
 // Written before checkpoints had checksums: still loads.
@@ -211,8 +217,8 @@ TEST(TorchCheckpointIOIntegrity, ACheckpointWithoutChecksumStillLoads) {
   archive.write("value", torch::arange(5));
   archive.save_to(dir.file("old.ckpt"));
   EXPECT_TRUE(torch::equal(load_tensor(io, dir.file("old.ckpt")), torch::arange(5)));
-  EXPECT_TRUE(fulgur::test::message_contains(fulgur::TorchCheckpointIO::verify(dir.file("old.ckpt")),
-                                             {"no checksum footer"}));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      fulgur::TorchCheckpointIO::verify(dir.file("old.ckpt")), {"no checksum footer"}));
 }
 
 // A checkpoint that had a footer and lost it (cut at its end, or its footer
@@ -245,7 +251,8 @@ TEST(TorchCheckpointIOIntegrity, AnUnreadableFileNamesTheOsReason) {
   save_model_like(io, path);
   fs::permissions(path, fs::perms::owner_write);
   // The directory stays searchable: the open, not the lookup, is refused.
-  fs::permissions(dir.path(), fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
+  fs::permissions(dir.path(),
+                  fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
   if (::geteuid() != 0) {
     EXPECT_TRUE(fulgur::test::message_contains(
         load_error(io, path), {path, "cannot open it for reading: Permission denied"}));
@@ -258,9 +265,9 @@ TEST(TorchCheckpointIOIntegrity, AnUnreadableFileNamesTheOsReason) {
     at::set_num_threads(1);  // the parent's thread pool did not survive fork
     if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(3);
     const std::string error = load_error(io, path);
-    ::_exit(fulgur::test::message_contains(
-                error, {path, "cannot open it for reading: Permission denied",
-                        "Give this user read permission"})
+    ::_exit(fulgur::test::message_contains(error,
+                                           {path, "cannot open it for reading: Permission denied",
+                                            "Give this user read permission"})
                 ? 0
                 : 1);
   }
@@ -281,7 +288,8 @@ TEST(TorchCheckpointIOIntegrity, AFullDiskIsAClearErrorAndLosesNothing) {
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     at::set_num_threads(1);  // the parent's thread pool did not survive fork
-    if (::unshare(CLONE_NEWNS) != 0 || ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+    if (::unshare(CLONE_NEWNS) != 0 ||
+        ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
         ::mount("tmpfs", dir.path().c_str(), "tmpfs", 0, "size=256k") != 0) {
       ::_exit(3);
     }
@@ -296,8 +304,7 @@ TEST(TorchCheckpointIOIntegrity, AFullDiskIsAClearErrorAndLosesNothing) {
       code = 10;
     } catch (const fulgur::CheckpointError& e) {
       if (!fulgur::test::message_contains(e.what(), {path, "No space left on device",
-                                                     "partial file was removed",
-                                                     "Free space"})) {
+                                                     "partial file was removed", "Free space"})) {
         std::cerr << e.what() << std::endl;
         code = 11;
       }

@@ -141,7 +141,8 @@ class ManualCheckpointErrors : public ::testing::Test {
 
 TEST_F(ManualCheckpointErrors, OtherWorldSizeNamesBoth) {
   std::ofstream(fs::path(last_) / "manifest.txt", std::ios::trunc)
-      << "fulgur sharded checkpoint v1\nworld_size=2\nshard=rank-0-of-2.ckpt\nshard=rank-1-of-2.ckpt\n";
+      << "fulgur sharded checkpoint "
+         "v1\nworld_size=2\nshard=rank-0-of-2.ckpt\nshard=rank-1-of-2.ckpt\n";
   resume_expecting({"was saved by 2 ranks, and this run has 1", "devices x num_nodes = 2"});
 }
 
@@ -157,8 +158,8 @@ TEST_F(ManualCheckpointErrors, CorruptManifestOrShardIsNamed) {
   std::string flipped = text;
   flipped[flipped.find("world_size=1") + 11] = '3';
   std::ofstream(manifest, std::ios::trunc) << flipped;
-  resume_expecting({"is corrupt: its manifest.txt does not match the CRC32C",
-                    "use an earlier checkpoint"});
+  resume_expecting(
+      {"is corrupt: its manifest.txt does not match the CRC32C", "use an earlier checkpoint"});
   std::ofstream(manifest, std::ios::trunc) << text.substr(0, text.find("crc32c="));
   resume_expecting({"manifest.txt lost its checksum line"});
   std::ofstream(manifest, std::ios::trunc) << text;

@@ -143,12 +143,10 @@ TEST(TcpStore, GivesUpAtItsTimeoutWhenTheServerDoesNotAnswer) {
   int queued = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   ASSERT_EQ(::connect(queued, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
   const auto start = std::chrono::steady_clock::now();
-  EXPECT_THROWS_WITH(fulgur::DistributedError,
-                     fulgur::detail::TcpStore("127.0.0.1", port, /*server=*/false,
-                                              std::chrono::seconds(1)),
-                     {"cannot reach the main process's store at 127.0.0.1:" +
-                          std::to_string(port),
-                      "within 1 s"});
+  EXPECT_THROWS_WITH(
+      fulgur::DistributedError,
+      fulgur::detail::TcpStore("127.0.0.1", port, /*server=*/false, std::chrono::seconds(1)),
+      {"cannot reach the main process's store at 127.0.0.1:" + std::to_string(port), "within 1 s"});
   // The timeout, not the kernel's two minutes of SYN retries.
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
   ::close(queued);

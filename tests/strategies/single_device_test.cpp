@@ -141,9 +141,9 @@ TEST(SingleDeviceStrategy, DescribeListsEveryComponent) {
   strategy.set_accelerator(std::make_unique<fulgur::CPUAccelerator>());
   auto text = strategy.describe();
   EXPECT_TRUE(fulgur::test::message_contains(
-      text, {"strategy: single_device", "accelerator: cpu", "precision: 32-true",
-             "checkpoint_io: torch", "cluster_environment: lightning", "launcher: none",
-             "world_size: 1", "root_device: cpu"}));
+      text,
+      {"strategy: single_device", "accelerator: cpu", "precision: 32-true", "checkpoint_io: torch",
+       "cluster_environment: lightning", "launcher: none", "world_size: 1", "root_device: cpu"}));
 }
 
 TEST(ReduceOp, Names) {

@@ -18,12 +18,29 @@ namespace fulgur::test {
 namespace {
 // Every variable a cluster environment reads: cleared for the child unless
 // the test sets it, so the machine's own environment cannot leak in.
-const char* const kClusterVariables[] = {
-    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-    "NODE_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID",
-    "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_NODELIST",
-    "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_SIZE",
-    "PMI_RANK", "LSB_JOBID", "FULGUR_HEARTBEAT_FD"};
+const char* const kClusterVariables[] = {"MASTER_ADDR",
+                                         "MASTER_PORT",
+                                         "WORLD_SIZE",
+                                         "RANK",
+                                         "LOCAL_RANK",
+                                         "LOCAL_WORLD_SIZE",
+                                         "NODE_RANK",
+                                         "GROUP_RANK",
+                                         "TORCHELASTIC_RUN_ID",
+                                         "SLURM_NTASKS",
+                                         "SLURM_PROCID",
+                                         "SLURM_LOCALID",
+                                         "SLURM_NODEID",
+                                         "SLURM_JOB_ID",
+                                         "SLURM_JOB_NAME",
+                                         "SLURM_NODELIST",
+                                         "OMPI_COMM_WORLD_SIZE",
+                                         "OMPI_COMM_WORLD_RANK",
+                                         "OMPI_COMM_WORLD_LOCAL_RANK",
+                                         "PMI_SIZE",
+                                         "PMI_RANK",
+                                         "LSB_JOBID",
+                                         "FULGUR_HEARTBEAT_FD"};
 }  // namespace
 
 ProcessResult run_process(const std::vector<std::string>& argv,

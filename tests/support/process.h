@@ -18,7 +18,7 @@
 namespace fulgur::test {
 
 struct ProcessResult {
-  int exit_code = -1;        // -1 when killed by a signal
+  int exit_code = -1;  // -1 when killed by a signal
   int signal = 0;
   bool timed_out = false;
   /// Processes of its group still alive after it ended (orphans), killed.
@@ -31,8 +31,7 @@ struct ProcessResult {
 /// removed (so a test's own variables do not leak into the child).
 ProcessResult run_process(const std::vector<std::string>& argv,
                           const std::map<std::string, std::string>& env,
-                          std::chrono::seconds timeout,
-                          const std::vector<std::string>& unset = {});
+                          std::chrono::seconds timeout, const std::vector<std::string>& unset = {});
 
 /// The value of the last "RESULT key=value" in `output` (anywhere in a
 /// line), or "" when absent.

@@ -159,8 +159,7 @@ namespace {
 // the comparison in the failure message.
 ::testing::AssertionResult compare_parameters(
     const torch::nn::Module& a, const torch::nn::Module& b,
-    const std::function<bool(const at::Tensor&, const at::Tensor&)>& same,
-    const std::string& how) {
+    const std::function<bool(const at::Tensor&, const at::Tensor&)>& same, const std::string& how) {
   auto pa = a.named_parameters();
   auto pb = b.named_parameters();
   if (pa.size() != pb.size()) {
@@ -178,8 +177,8 @@ namespace {
     }
     if (!same(item.value(), *other)) {
       return ::testing::AssertionFailure()
-             << "parameter " << item.key() << " differs" << how << "; max |a - b| = "
-             << (item.value() - *other).abs().max().item<double>();
+             << "parameter " << item.key() << " differs" << how
+             << "; max |a - b| = " << (item.value() - *other).abs().max().item<double>();
     }
   }
   return ::testing::AssertionSuccess();

@@ -67,8 +67,8 @@ template <class Exception, class Fn>
                                          << ", but it threw something that is not a "
                                             "std::exception";
   }
-  return ::testing::AssertionFailure() << "expected " << type_name(typeid(Exception))
-                                       << ", but nothing was thrown";
+  return ::testing::AssertionFailure()
+         << "expected " << type_name(typeid(Exception)) << ", but nothing was thrown";
 }
 
 }  // namespace fulgur::test
@@ -76,22 +76,22 @@ template <class Exception, class Fn>
 /// EXPECT_THROWS_WITH(fulgur::ConfigError, Trainer({.max_epochs = -5}), {"max_epochs=-5"});
 /// A statement with a top-level comma outside parentheses must be wrapped in
 /// parentheses.
-#define EXPECT_THROWS_WITH(ExceptionType, statement, ...)                                 \
-  EXPECT_TRUE(::fulgur::test::throws_with<ExceptionType>([&] { statement; },             \
+#define EXPECT_THROWS_WITH(ExceptionType, statement, ...)                                       \
+  EXPECT_TRUE(::fulgur::test::throws_with<ExceptionType>([&] { statement; },                    \
                                                          std::vector<std::string> __VA_ARGS__)) \
       << "  statement: " #statement
-#define ASSERT_THROWS_WITH(ExceptionType, statement, ...)                                 \
-  ASSERT_TRUE(::fulgur::test::throws_with<ExceptionType>([&] { statement; },             \
+#define ASSERT_THROWS_WITH(ExceptionType, statement, ...)                                       \
+  ASSERT_TRUE(::fulgur::test::throws_with<ExceptionType>([&] { statement; },                    \
                                                          std::vector<std::string> __VA_ARGS__)) \
       << "  statement: " #statement
 
 /// Skips the current test unless `n` CUDA devices are visible.
-#define FULGUR_SKIP_UNLESS_CUDA(n)                                                      \
-  do {                                                                                  \
-    const auto fulgur_found_cuda_ = static_cast<int64_t>(torch::cuda::device_count()); \
-    if (fulgur_found_cuda_ < static_cast<int64_t>(n)) {                                 \
+#define FULGUR_SKIP_UNLESS_CUDA(n)                                                        \
+  do {                                                                                    \
+    const auto fulgur_found_cuda_ = static_cast<int64_t>(torch::cuda::device_count());    \
+    if (fulgur_found_cuda_ < static_cast<int64_t>(n)) {                                   \
       GTEST_SKIP() << "needs " << (n) << " CUDA device(s), found " << fulgur_found_cuda_; \
-    }                                                                                   \
+    }                                                                                     \
   } while (false)
 
 namespace fulgur::test {

@@ -19,15 +19,40 @@ using Vars = std::map<std::string, std::string>;
 
 // Every variable a cluster environment reads: unset in the child and, while
 // a case runs, in this process, so the machine's own never leak in.
-const std::vector<std::string> kClusterVars = {
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID",
-    "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NODELIST", "SLURM_JOB_NODELIST", "SLURM_JOB_ID",
-    "SLURM_JOB_NAME", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES", "OMPI_COMM_WORLD_SIZE",
-    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
-    "PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "LSB_JOBID",
-    "LSB_DJOB_RANKFILE", "LSB_MCPU_HOSTS", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK",
-    "JSM_NAMESPACE_LOCAL_RANK", "KUBERNETES_PORT"};
+const std::vector<std::string> kClusterVars = {"RANK",
+                                               "LOCAL_RANK",
+                                               "WORLD_SIZE",
+                                               "LOCAL_WORLD_SIZE",
+                                               "GROUP_RANK",
+                                               "NODE_RANK",
+                                               "MASTER_ADDR",
+                                               "MASTER_PORT",
+                                               "TORCHELASTIC_RUN_ID",
+                                               "SLURM_NTASKS",
+                                               "SLURM_PROCID",
+                                               "SLURM_LOCALID",
+                                               "SLURM_NODEID",
+                                               "SLURM_NODELIST",
+                                               "SLURM_JOB_NODELIST",
+                                               "SLURM_JOB_ID",
+                                               "SLURM_JOB_NAME",
+                                               "SLURM_NTASKS_PER_NODE",
+                                               "SLURM_NNODES",
+                                               "OMPI_COMM_WORLD_SIZE",
+                                               "OMPI_COMM_WORLD_RANK",
+                                               "OMPI_COMM_WORLD_LOCAL_RANK",
+                                               "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                               "PMI_SIZE",
+                                               "PMI_RANK",
+                                               "MPI_LOCALRANKID",
+                                               "MPI_LOCALNRANKS",
+                                               "LSB_JOBID",
+                                               "LSB_DJOB_RANKFILE",
+                                               "LSB_MCPU_HOSTS",
+                                               "JSM_NAMESPACE_SIZE",
+                                               "JSM_NAMESPACE_RANK",
+                                               "JSM_NAMESPACE_LOCAL_RANK",
+                                               "KUBERNETES_PORT"};
 
 // Sets `vars` (and unsets every other cluster variable) for its lifetime.
 class EnvScope {
@@ -93,36 +118,51 @@ TEST_P(ResolveMatchesDescribe, ForTheSameFlagsAndEnvironment) {
   EXPECT_EQ(r.output, describe(c.options, c.env));
 }
 
-const Vars kTorchrun{{"RANK", "1"},          {"GROUP_RANK", "0"},   {"LOCAL_RANK", "1"},
-                     {"LOCAL_WORLD_SIZE", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                     {"MASTER_PORT", "29500"},  {"TORCHELASTIC_RUN_ID", "none"}};
-const Vars kSrun{{"SLURM_NTASKS", "2"},       {"SLURM_PROCID", "0"},     {"SLURM_LOCALID", "0"},
-                 {"SLURM_NODEID", "0"},       {"SLURM_NODELIST", "node01"}, {"SLURM_JOB_ID", "77"},
-                 {"SLURM_JOB_NAME", "train"}, {"SLURM_NTASKS_PER_NODE", "2"}, {"SLURM_NNODES", "1"}};
+const Vars kTorchrun{{"RANK", "1"},
+                     {"GROUP_RANK", "0"},
+                     {"LOCAL_RANK", "1"},
+                     {"LOCAL_WORLD_SIZE", "2"},
+                     {"WORLD_SIZE", "2"},
+                     {"MASTER_ADDR", "127.0.0.1"},
+                     {"MASTER_PORT", "29500"},
+                     {"TORCHELASTIC_RUN_ID", "none"}};
+const Vars kSrun{
+    {"SLURM_NTASKS", "2"},       {"SLURM_PROCID", "0"},          {"SLURM_LOCALID", "0"},
+    {"SLURM_NODEID", "0"},       {"SLURM_NODELIST", "node01"},   {"SLURM_JOB_ID", "77"},
+    {"SLURM_JOB_NAME", "train"}, {"SLURM_NTASKS_PER_NODE", "2"}, {"SLURM_NNODES", "1"}};
 
 INSTANTIATE_TEST_SUITE_P(
     Cli, ResolveMatchesDescribe,
     ::testing::Values(
-        Case{"plain", {"--accelerator", "cpu"}, {.accelerator = "cpu"}},
-        Case{"no_flags", {}, {}},
-        Case{"ddp_bf16", {"--accelerator", "cpu", "--devices", "2", "--precision", "bf16"},
+        Case{"plain", {"--accelerator", "cpu"}, {.accelerator = "cpu"}}, Case{"no_flags", {}, {}},
+        Case{"ddp_bf16",
+             {"--accelerator", "cpu", "--devices", "2", "--precision", "bf16"},
              {.accelerator = "cpu", .devices = 2, .precision = "bf16"}},
         Case{"kebab_and_equals",
-             {"--accelerator=cpu", "--num-nodes", "1", "--sync-batchnorm", "true",
-              "--devices=2", "--strategy", "ddp_fork"},
-             {.accelerator = "cpu", .strategy = std::string("ddp_fork"), .devices = 2,
-              .num_nodes = 1, .sync_batchnorm = true}},
-        Case{"deterministic_warn_64", {"--accelerator", "cpu", "--deterministic", "warn",
-                                       "--precision", "64"},
+             {"--accelerator=cpu", "--num-nodes", "1", "--sync-batchnorm", "true", "--devices=2",
+              "--strategy", "ddp_fork"},
+             {.accelerator = "cpu",
+              .strategy = std::string("ddp_fork"),
+              .devices = 2,
+              .num_nodes = 1,
+              .sync_batchnorm = true}},
+        Case{"deterministic_warn_64",
+             {"--accelerator", "cpu", "--deterministic", "warn", "--precision", "64"},
              {.accelerator = "cpu", .precision = 64, .deterministic = "warn"}},
-        Case{"plugins", {"--accelerator", "cpu", "--plugins", "lightning,torch"},
+        Case{"plugins",
+             {"--accelerator", "cpu", "--plugins", "lightning,torch"},
              {.accelerator = "cpu", .plugins = {std::string("lightning"), std::string("torch")}}},
-        Case{"manual", {"--strategy", "manual", "--devices", "2", "--accelerator", "cpu"},
+        Case{"manual",
+             {"--strategy", "manual", "--devices", "2", "--accelerator", "cpu"},
              {.accelerator = "cpu", .strategy = std::string("manual"), .devices = 2}},
-        Case{"torchrun", {"--accelerator", "cpu", "--devices", "2"},
-             {.accelerator = "cpu", .devices = 2}, kTorchrun},
-        Case{"srun", {"--accelerator", "cpu", "--devices", "2"},
-             {.accelerator = "cpu", .devices = 2}, kSrun}),
+        Case{"torchrun",
+             {"--accelerator", "cpu", "--devices", "2"},
+             {.accelerator = "cpu", .devices = 2},
+             kTorchrun},
+        Case{"srun",
+             {"--accelerator", "cpu", "--devices", "2"},
+             {.accelerator = "cpu", .devices = 2},
+             kSrun}),
     [](const auto& info) { return info.param.name; });
 
 TEST(FulgurResolve, PrintsTheDocumentedKeys) {
@@ -164,12 +204,11 @@ TEST(FulgurResolve, BadFlagsGiveTheJsonErrorAndStatus2) {
 TEST(FulgurResolve, CommandLineMistakesAreFlagErrorsToo) {
   auto missing = resolve({"--accelerator", "cpu", "--devices"});
   EXPECT_EQ(missing.exit_code, 2) << missing.output;
-  EXPECT_TRUE(fulgur::test::message_contains(missing.output,
-                                             {"\"error\": \"invalid_flags\"", "--devices has no value"}));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      missing.output, {"\"error\": \"invalid_flags\"", "--devices has no value"}));
   auto unknown = resolve({"--accelerator", "cpu", "--gpus", "2", "stray"});
   EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
-  EXPECT_TRUE(fulgur::test::message_contains(
-      unknown.output, {"\\\"stray\\\": expected a flag"}));
+  EXPECT_TRUE(fulgur::test::message_contains(unknown.output, {"\\\"stray\\\": expected a flag"}));
   auto unknown_flag = resolve({"--accelerator", "cpu", "--gpus", "2"});
   EXPECT_EQ(unknown_flag.exit_code, 2) << unknown_flag.output;
   EXPECT_TRUE(fulgur::test::message_contains(unknown_flag.output, {"--gpus: unknown flag"}));

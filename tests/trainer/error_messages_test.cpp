@@ -51,9 +51,10 @@ TEST(CheckpointErrors, ANewerFormatVersionIsNamed) {
   write_archive(path, [](auto& a) { a.write("fulgur_format_version", c10::IValue(int64_t{99})); });
   LinearRegression model;
   fulgur::Trainer trainer(test_options(dir));
-  EXPECT_THROWS_WITH(CheckpointError, trainer.fit(model, fulgur::test::regression_loader(2),
-                                                  nullptr, {.ckpt_path = path}),
-                     {path, "format version 99", "reads versions 1 to 1"});
+  EXPECT_THROWS_WITH(
+      CheckpointError,
+      trainer.fit(model, fulgur::test::regression_loader(2), nullptr, {.ckpt_path = path}),
+      {path, "format version 99", "reads versions 1 to 1"});
 }
 
 TEST(CheckpointErrors, AMissingSectionIsNamed) {
@@ -62,27 +63,29 @@ TEST(CheckpointErrors, AMissingSectionIsNamed) {
   write_archive(path, [](auto& a) { a.write("fulgur_format_version", c10::IValue(int64_t{1})); });
   LinearRegression model;
   fulgur::Trainer trainer(test_options(dir));
-  EXPECT_THROWS_WITH(CheckpointError, trainer.fit(model, fulgur::test::regression_loader(2),
-                                                  nullptr, {.ckpt_path = path}),
-                     {path, "is incomplete", "section \"state_dict\" is missing"});
+  EXPECT_THROWS_WITH(
+      CheckpointError,
+      trainer.fit(model, fulgur::test::regression_loader(2), nullptr, {.ckpt_path = path}),
+      {path, "is incomplete", "section \"state_dict\" is missing"});
 }
 
 TEST(CheckpointErrors, ADirectoryIsNotACheckpoint) {
   TempDir dir;
   LinearRegression model;
   fulgur::Trainer trainer(test_options(dir));
-  EXPECT_THROWS_WITH(CheckpointError, trainer.fit(model, fulgur::test::regression_loader(2),
-                                                  nullptr, {.ckpt_path = dir.path()}),
-                     {dir.path(), "is a directory"});
+  EXPECT_THROWS_WITH(
+      CheckpointError,
+      trainer.fit(model, fulgur::test::regression_loader(2), nullptr, {.ckpt_path = dir.path()}),
+      {dir.path(), "is a directory"});
 }
 
 TEST(CheckpointErrors, ResumingOnLessDataSaysTheDataChanged) {
   TempDir dir;
   auto options = test_options(dir);
   options.enable_checkpointing = true;
-  options.callbacks.push_back(std::make_shared<fulgur::ModelCheckpoint>(
-      fulgur::ModelCheckpointOptions{.save_top_k = -1, .save_last = false,
-                                     .every_n_train_steps = 3}));
+  options.callbacks.push_back(
+      std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+          .save_top_k = -1, .save_last = false, .every_n_train_steps = 3}));
   LinearRegression model;
   fulgur::Trainer trainer(std::move(options));
   trainer.fit(model, fulgur::test::regression_loader(4));
@@ -91,9 +94,10 @@ TEST(CheckpointErrors, ResumingOnLessDataSaysTheDataChanged) {
 
   LinearRegression resumed;
   fulgur::Trainer again(test_options(dir));
-  EXPECT_THROWS_WITH(CheckpointError, again.fit(resumed, fulgur::test::regression_loader(2),
-                                                nullptr, {.ckpt_path = path}),
-                     {"batch 3", "only 2 batches", "data changed"});
+  EXPECT_THROWS_WITH(
+      CheckpointError,
+      again.fit(resumed, fulgur::test::regression_loader(2), nullptr, {.ckpt_path = path}),
+      {"batch 3", "only 2 batches", "data changed"});
 }
 
 struct TwoOptimizers : LinearRegression {
@@ -109,9 +113,10 @@ TEST(CheckpointErrors, AnotherNumberOfOptimizersIsNamed) {
   auto path = write_checkpoint(dir);
   TwoOptimizers model;
   fulgur::Trainer trainer(test_options(dir));
-  EXPECT_THROWS_WITH(CheckpointError, trainer.fit(model, fulgur::test::regression_loader(2),
-                                                  nullptr, {.ckpt_path = path}),
-                     {path, "holds 1 optimizer state(s)", "returned 2"});
+  EXPECT_THROWS_WITH(
+      CheckpointError,
+      trainer.fit(model, fulgur::test::regression_loader(2), nullptr, {.ckpt_path = path}),
+      {path, "holds 1 optimizer state(s)", "returned 2"});
 }
 
 TEST(CheckpointErrors, AnotherNumberOfSchedulersIsNamed) {
@@ -123,9 +128,10 @@ TEST(CheckpointErrors, AnotherNumberOfSchedulersIsNamed) {
         {.scheduler = std::make_shared<torch::optim::StepLR>(opt, 1, 0.5)}};
   };
   fulgur::Trainer trainer(test_options(dir));
-  EXPECT_THROWS_WITH(CheckpointError, trainer.fit(model, fulgur::test::regression_loader(2),
-                                                  nullptr, {.ckpt_path = path}),
-                     {path, "holds 0 scheduler state(s)", "returned 1"});
+  EXPECT_THROWS_WITH(
+      CheckpointError,
+      trainer.fit(model, fulgur::test::regression_loader(2), nullptr, {.ckpt_path = path}),
+      {path, "holds 0 scheduler state(s)", "returned 1"});
 }
 
 TEST(ModelCheckpointErrors, AMonitorThatWasNeverLoggedListsTheLoggedMetrics) {
@@ -193,14 +199,13 @@ TEST(LimitErrors, AFractionalValCheckIntervalNeedsAKnownLength) {
   for (int64_t i = 0; i < 2; ++i) {
     batches->push_back(data->get_batch(torch::arange(2 * i, 2 * i + 2, torch::kLong)));
   }
-  auto unknown = fulgur::make_iterable_loader(
-      [batches](int64_t) -> fulgur::BatchGenerator {
-        auto i = std::make_shared<size_t>(0);
-        return [batches, i]() -> std::optional<fulgur::Batch> {
-          if (*i >= batches->size()) return std::nullopt;
-          return (*batches)[(*i)++];
-        };
-      });
+  auto unknown = fulgur::make_iterable_loader([batches](int64_t) -> fulgur::BatchGenerator {
+    auto i = std::make_shared<size_t>(0);
+    return [batches, i]() -> std::optional<fulgur::Batch> {
+      if (*i >= batches->size()) return std::nullopt;
+      return (*batches)[(*i)++];
+    };
+  });
   fulgur::Trainer trainer(std::move(options));
   EXPECT_THROWS_WITH(ConfigError, trainer.fit(model, unknown, fulgur::test::regression_loader(1)),
                      {"val_check_interval=0.5", "known length", "Pass an int"});

@@ -27,9 +27,8 @@ TEST(ParseInt, AcceptsIntegersInRangeOnly) {
   }
   // Too large for any integer type, or for the range asked: out of range,
   // never clamped to the nearest bound.
-  for (const char* big : {"9223372036854775808", "99999999999999999999",
-                          "-9223372036854775809", "-99999999999999999999",
-                          "123456789012345678901234567890"}) {
+  for (const char* big : {"9223372036854775808", "99999999999999999999", "-9223372036854775809",
+                          "-99999999999999999999", "123456789012345678901234567890"}) {
     auto r = fulgur::parse_int(big, LLONG_MIN, LLONG_MAX);
     EXPECT_TRUE(r.ok && r.out_of_range) << big;
   }
@@ -48,15 +47,14 @@ TEST(ParseFlags, ListsEveryProblemAndKeepsDefaultsForThem) {
                                      {"devices", "4"}});
   ASSERT_EQ(parsed.problems.size(), 5u) << fulgur::join(parsed.problems, "\n");
   EXPECT_TRUE(fulgur::test::message_contains(
-      parsed.problems[0], {"--num_nodes 99999999999999999999: out of range (at most 2147483647)",
-                           "--num_nodes 2"}));
+      parsed.problems[0],
+      {"--num_nodes 99999999999999999999: out of range (at most 2147483647)", "--num_nodes 2"}));
   EXPECT_TRUE(fulgur::test::message_contains(parsed.problems[1],
                                              {"--sync_batchnorm -1: pass true or false"}));
   EXPECT_TRUE(fulgur::test::message_contains(parsed.problems[2], {"--benchmark maybe"}));
   EXPECT_TRUE(fulgur::test::message_contains(
       parsed.problems[3], {"--devcies: unknown flag", "did you mean --devices"}));
-  EXPECT_TRUE(fulgur::test::message_contains(parsed.problems[4],
-                                             {"--devices is given twice"}));
+  EXPECT_TRUE(fulgur::test::message_contains(parsed.problems[4], {"--devices is given twice"}));
   // What parsed is kept; what did not stays at its default.
   EXPECT_EQ(parsed.options.devices.text(), "2");
   EXPECT_EQ(parsed.options.num_nodes, 1);

@@ -111,7 +111,8 @@ TEST(GradientClipping, ByNormScalesTheGradientToTheMaxNorm) {
   auto result = trainer.fit(model, data.loader());
   ASSERT_EQ(result.global_step, 1);
   EXPECT_TRUE(torch::allclose(model.fc->weight.detach(), expected, 1e-5, 1e-6))
-      << model.fc->weight << "\nexpected\n" << expected;
+      << model.fc->weight << "\nexpected\n"
+      << expected;
   // on_before_optimizer_step sees the gradient before clipping.
   ASSERT_TRUE(model.grad_at_hook.defined());
   EXPECT_TRUE(torch::allclose(model.grad_at_hook, grad, 1e-5, 1e-6));
@@ -132,7 +133,8 @@ TEST(GradientClipping, ByValueClampsEveryComponent) {
   fulgur::Trainer trainer(options);
   trainer.fit(model, data.loader());
   EXPECT_TRUE(torch::allclose(model.fc->weight.detach(), expected, 1e-5, 1e-6))
-      << model.fc->weight << "\nexpected\n" << expected;
+      << model.fc->weight << "\nexpected\n"
+      << expected;
   EXPECT_TRUE(torch::allclose(model.grad_at_hook, grad, 1e-5, 1e-6));
 }
 
@@ -227,8 +229,8 @@ double step_lr_after(int64_t steps) {
 }
 
 TEST(Schedulers, StepLRPerStepAndPerEpoch) {
-  for (auto [interval, expected_calls] :
-       {std::pair{fulgur::Interval::Step, int64_t{8}}, std::pair{fulgur::Interval::Epoch, int64_t{2}}}) {
+  for (auto [interval, expected_calls] : {std::pair{fulgur::Interval::Step, int64_t{8}},
+                                          std::pair{fulgur::Interval::Epoch, int64_t{2}}}) {
     TempDir dir;
     LinearRegression model({.lr = 0.1});
     model.make_schedulers = [interval = interval](torch::optim::Optimizer& optimizer) {
@@ -303,7 +305,8 @@ TEST(ManualOptimization, MatchesTheSameStepsDoneByHand) {
   trainer.fit(model, regression_loader(4));
 
   // The same thing without fulgur: backward on every batch, step every second.
-  torch::optim::SGD optimizer(reference.parameters(), torch::optim::SGDOptions(reference.config.lr));
+  torch::optim::SGD optimizer(reference.parameters(),
+                              torch::optim::SGDOptions(reference.config.lr));
   auto data = regression_dataset(8);
   for (int64_t k = 0; k < 4; ++k) {
     auto x = data->tensors()[0].slice(0, 2 * k, 2 * k + 2);

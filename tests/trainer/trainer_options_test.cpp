@@ -108,19 +108,28 @@ const BadFlagCase kBadFlags[] = {
     {"min_steps", [](auto& o) { o.min_steps = -1; }, {"min_steps=-1"}},
     {"fast_dev_run", [](auto& o) { o.fast_dev_run = -1; }, {"fast_dev_run=-1"}},
     {"log_every_n_steps", [](auto& o) { o.log_every_n_steps = 0; }, {"log_every_n_steps=0"}},
-    {"num_sanity_val_steps", [](auto& o) { o.num_sanity_val_steps = -2; },
+    {"num_sanity_val_steps",
+     [](auto& o) { o.num_sanity_val_steps = -2; },
      {"num_sanity_val_steps=-2"}},
     {"gradient_clip_val", [](auto& o) { o.gradient_clip_val = -1.0; }, {"gradient_clip_val=-1"}},
-    {"check_val_every_n_epoch", [](auto& o) { o.check_val_every_n_epoch = 0; },
+    {"check_val_every_n_epoch",
+     [](auto& o) { o.check_val_every_n_epoch = 0; },
      {"check_val_every_n_epoch=0"}},
-    {"limit_train_fraction", [](auto& o) { o.limit_train_batches = 1.5; },
+    {"limit_train_fraction",
+     [](auto& o) { o.limit_train_batches = 1.5; },
      {"limit_train_batches=1.5", "[0.0, 1.0]"}},
     {"limit_val_count", [](auto& o) { o.limit_val_batches = -3; }, {"limit_val_batches=-3"}},
-    {"val_check_interval_zero", [](auto& o) { o.val_check_interval = 0; },
+    {"val_check_interval_zero",
+     [](auto& o) { o.val_check_interval = 0; },
      {"val_check_interval=0"}},
-    {"val_check_interval_fraction", [](auto& o) { o.val_check_interval = 1.5; },
+    {"val_check_interval_fraction",
+     [](auto& o) { o.val_check_interval = 1.5; },
      {"val_check_interval=1.5"}},
-    {"min_above_max", [](auto& o) { o.max_epochs = 2; o.min_epochs = 3; },
+    {"min_above_max",
+     [](auto& o) {
+       o.max_epochs = 2;
+       o.min_epochs = 3;
+     },
      {"min_epochs=3", "max_epochs=2"}},
     {"null_callback", [](auto& o) { o.callbacks = {nullptr}; }, {"callbacks[0]", "null"}},
     {"num_nodes", [](auto& o) { o.num_nodes = 0; }, {"num_nodes=0"}},
@@ -152,9 +161,8 @@ TEST(TrainerDefaults, MaxEpochsDefaultIsStatedInDescribe) {
   options.max_epochs = std::nullopt;
   fulgur::Trainer trainer(options);
   EXPECT_TRUE(fulgur::test::message_contains(
-      trainer.describe(),
-      {"\"strategy\": \"single_device\"", "\"accelerator\": \"cpu\"",
-       "max_epochs=1000 because neither max_epochs nor max_steps is set"}));
+      trainer.describe(), {"\"strategy\": \"single_device\"", "\"accelerator\": \"cpu\"",
+                           "max_epochs=1000 because neither max_epochs nor max_steps is set"}));
 }
 
 TEST(TrainerDefaults, MaxStepsAloneMeansUnlimitedEpochs) {

@@ -24,11 +24,12 @@ namespace fulgur {
 /// the connector reports it with every other problem of the flags.
 class DevicesSpec {
  public:
-  DevicesSpec() = default;                       // "auto"
-  DevicesSpec(int count) : is_auto_(false), count_(count), text_(std::to_string(count)) {}  // NOLINT
-  DevicesSpec(const char* text);                 // NOLINT: "auto", "2", "0,2", "0,", "-1"
+  DevicesSpec() = default;  // "auto"
+  DevicesSpec(int count)
+      : is_auto_(false), count_(count), text_(std::to_string(count)) {}  // NOLINT
+  DevicesSpec(const char* text);  // NOLINT: "auto", "2", "0,2", "0,", "-1"
   DevicesSpec(std::string text) : DevicesSpec(text.c_str()) {}  // NOLINT
-  DevicesSpec(std::vector<int> indices);         // NOLINT: {0, 2}
+  DevicesSpec(std::vector<int> indices);                        // NOLINT: {0, 2}
 
   bool is_auto() const { return is_auto_; }
   /// A plain count (N or -1); nullopt for "auto" and for index lists.

@@ -68,16 +68,14 @@ std::string str(const Args&... args) {
 }
 
 /// Joins `items` with `sep` ("a, b, c").
-std::string join(const std::vector<std::string>& items,
-                 std::string_view sep = ", ");
+std::string join(const std::vector<std::string>& items, std::string_view sep = ", ");
 
 /// `text` in ASCII lower case ("DDP" -> "ddp").
 std::string to_lower(std::string_view text);
 
 /// The candidate closest to `name` by edit distance, or "" when none is
 /// close enough to be a plausible typo.
-std::string closest_match(std::string_view name,
-                          const std::vector<std::string>& candidates);
+std::string closest_match(std::string_view name, const std::vector<std::string>& candidates);
 
 /// The joint between "unknown ... \"dpp\"" and the list of what is known:
 /// "; did you mean \"ddp\"? " when a candidate is a plausible typo of `name`
@@ -95,10 +93,10 @@ namespace detail {
 
 /// Checks an invariant of fulgur itself; throws fulgur::InternalError
 /// ("bug in fulgur") when it does not hold. Not for user input.
-#define FULGUR_ASSERT(cond, ...)                                           \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      ::fulgur::detail::assert_failed(#cond, __FILE__, __LINE__,           \
+#define FULGUR_ASSERT(cond, ...)                                                     \
+  do {                                                                               \
+    if (!(cond)) {                                                                   \
+      ::fulgur::detail::assert_failed(#cond, __FILE__, __LINE__,                     \
                                       ::fulgur::str("" __VA_OPT__(, ) __VA_ARGS__)); \
-    }                                                                      \
+    }                                                                                \
   } while (false)

@@ -44,7 +44,7 @@ class Trainer;
 namespace detail {
 class LogSink;
 class TrainerLink;
-}
+}  // namespace detail
 
 /// How a logged value is reduced over an epoch (and across ranks).
 enum class Reduce { Mean, Sum, Max, Min };
@@ -84,7 +84,8 @@ struct SchedulerConfig {
 /// alternate between optimizers (GANs).
 struct OptimizerConfig {
   OptimizerConfig() = default;
-  OptimizerConfig(std::shared_ptr<torch::optim::Optimizer> optimizer)  // NOLINT: implicit on purpose
+  OptimizerConfig(
+      std::shared_ptr<torch::optim::Optimizer> optimizer)  // NOLINT: implicit on purpose
       : optimizers{std::move(optimizer)} {}
   OptimizerConfig(std::vector<std::shared_ptr<torch::optim::Optimizer>> opts,
                   std::vector<SchedulerConfig> scheds = {})

@@ -50,18 +50,17 @@ class Registry {
   void add(const std::string& name, std::string description, Factory factory,
            std::string defaults = {}) {
     if (name.empty()) {
-      throw ConfigError(str("register ", kind_, " \"\": a ", kind_,
-                            " needs a non-empty name."));
+      throw ConfigError(str("register ", kind_, " \"\": a ", kind_, " needs a non-empty name."));
     }
     if (const Entry* existing = find(name)) {
-      throw ConfigError(str("register ", kind_, " \"", name, "\": a ", kind_,
-                            " with this name", existing->name == name ? "" : " (in another case)",
+      throw ConfigError(str("register ", kind_, " \"", name, "\": a ", kind_, " with this name",
+                            existing->name == name ? "" : " (in another case)",
                             " is already registered (", existing->description,
                             "). Pick another name, or call replace() to "
                             "override it on purpose."));
     }
-    entries_.emplace(name, Entry{name, std::move(description), std::move(factory),
-                                 std::move(defaults)});
+    entries_.emplace(name,
+                     Entry{name, std::move(description), std::move(factory), std::move(defaults)});
   }
 
   /// Adds or overrides `name`.
@@ -71,8 +70,8 @@ class Registry {
       const std::string old_name = existing->name;  // a copy: erase() frees the entry
       entries_.erase(old_name);
     }
-    entries_.insert_or_assign(name, Entry{name, std::move(description), std::move(factory),
-                                          std::move(defaults)});
+    entries_.insert_or_assign(
+        name, Entry{name, std::move(description), std::move(factory), std::move(defaults)});
   }
 
   bool contains(const std::string& name) const { return find(name) != nullptr; }
@@ -81,8 +80,7 @@ class Registry {
   /// the closest registered name when `name` is unknown.
   std::unique_ptr<Base> create(const std::string& name, Args... args) const {
     auto result = entry(name).factory(std::forward<Args>(args)...);
-    FULGUR_ASSERT(result != nullptr, "the factory of ", kind_, " \"", name,
-                  "\" returned null");
+    FULGUR_ASSERT(result != nullptr, "the factory of ", kind_, " \"", name, "\" returned null");
     return result;
   }
 
@@ -105,8 +103,8 @@ class Registry {
   /// "unknown strategy "dpp"; did you mean "ddp"? Registered: ddp, ...".
   std::string unknown_name_message(const std::string& name) const {
     auto known = names();
-    return str("unknown ", kind_, " \"", name, "\"", did_you_mean(name, known), "Registered: ",
-               join(known), ".");
+    return str("unknown ", kind_, " \"", name, "\"", did_you_mean(name, known),
+               "Registered: ", join(known), ".");
   }
 
   /// Registered names, sorted.

@@ -30,11 +30,11 @@ class Batch {
   using Map = std::map<std::string, at::Tensor>;
 
   Batch() = default;
-  Batch(at::Tensor t) : value_(std::move(t)) {}              // NOLINT: implicit on purpose
+  Batch(at::Tensor t) : value_(std::move(t)) {}  // NOLINT: implicit on purpose
   Batch(at::Tensor input, at::Tensor target) : value_(Pair(std::move(input), std::move(target))) {}
-  Batch(Pair p) : value_(std::move(p)) {}                     // NOLINT
-  Batch(List l) : value_(std::move(l)) {}                     // NOLINT
-  Batch(Map m) : value_(std::move(m)) {}                      // NOLINT
+  Batch(Pair p) : value_(std::move(p)) {}  // NOLINT
+  Batch(List l) : value_(std::move(l)) {}  // NOLINT
+  Batch(Map m) : value_(std::move(m)) {}   // NOLINT
 
   bool is_tensor() const { return std::holds_alternative<at::Tensor>(value_); }
   bool is_pair() const { return std::holds_alternative<Pair>(value_); }

@@ -44,9 +44,10 @@ class TorchDatasetAdapter : public Dataset {
  public:
   explicit TorchDatasetAdapter(TorchDataset dataset) : dataset_(std::move(dataset)) {
     if (!dataset_.size().has_value()) {
-      throw ConfigError("from_torch_dataset: the dataset's size() is unknown; fulgur's "
-                        "DatasetLoader needs a map-style dataset of known size. Wrap a "
-                        "stream in make_iterable_loader instead.");
+      throw ConfigError(
+          "from_torch_dataset: the dataset's size() is unknown; fulgur's "
+          "DatasetLoader needs a map-style dataset of known size. Wrap a "
+          "stream in make_iterable_loader instead.");
     }
   }
   int64_t size() const override { return static_cast<int64_t>(*dataset_.size()); }

@@ -99,23 +99,31 @@ class DDPStrategy : public ParallelStrategy {
     };
     static constexpr Variant variants[] = {
         {"", "one process per device, launched by re-executing the program", "popen", false},
-        {"_fork", "one process per device, forked at fit(); results return to the caller", "fork", false},
+        {"_fork", "one process per device, forked at fit(); results return to the caller", "fork",
+         false},
         {"_spawn", "same as _fork (no pickling in C++)", "fork", false},
-        {"_find_unused_parameters_true", "re-executing launcher; parameters may get no gradient", "popen", true},
-        {"_find_unused_parameters_false", "re-executing launcher; every parameter gets a gradient", "popen", false},
-        {"_fork_find_unused_parameters_true", "forked ranks; parameters may get no gradient", "fork", true},
-        {"_fork_find_unused_parameters_false", "forked ranks; every parameter gets a gradient", "fork", false},
-        {"_spawn_find_unused_parameters_true", "same as _fork_find_unused_parameters_true", "fork", true},
-        {"_spawn_find_unused_parameters_false", "same as _fork_find_unused_parameters_false", "fork", false},
+        {"_find_unused_parameters_true", "re-executing launcher; parameters may get no gradient",
+         "popen", true},
+        {"_find_unused_parameters_false", "re-executing launcher; every parameter gets a gradient",
+         "popen", false},
+        {"_fork_find_unused_parameters_true", "forked ranks; parameters may get no gradient",
+         "fork", true},
+        {"_fork_find_unused_parameters_false", "forked ranks; every parameter gets a gradient",
+         "fork", false},
+        {"_spawn_find_unused_parameters_true", "same as _fork_find_unused_parameters_true", "fork",
+         true},
+        {"_spawn_find_unused_parameters_false", "same as _fork_find_unused_parameters_false",
+         "fork", false},
     };
     for (const auto& v : variants) {
       std::string name = prefix + v.suffix;
       DDPOptions options;
       options.start_method = v.start_method;
       options.find_unused_parameters = v.find_unused;
-      registry.add(name, what + ": " + v.description,
-                   [options, name] { return std::make_unique<Derived>(options, name); },
-                   describe_options(options));
+      registry.add(
+          name, what + ": " + v.description,
+          [options, name] { return std::make_unique<Derived>(options, name); },
+          describe_options(options));
     }
   }
 

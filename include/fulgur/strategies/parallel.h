@@ -2,8 +2,8 @@
 //
 // The parallel part of the Strategy hub: ranks from the cluster environment,
 // a ProcessGroup created by the first setup_environment() and kept for the
-// strategy's life (fit, then test, share it), and the collectives over it. DDPStrategy adds gradient averaging; the `manual` strategy leaves the
-// model to the user and keeps all of this.
+// strategy's life (fit, then test, share it), and the collectives over it. DDPStrategy adds
+// gradient averaging; the `manual` strategy leaves the model to the user and keeps all of this.
 #pragma once
 
 #include <chrono>
@@ -72,7 +72,8 @@ class ParallelStrategy : public Strategy {
   /// stands for local rank 0 of its node (as PyTorch Lightning's launching
   /// process does) and, with several devices, gets a fork or
   /// subprocess-script launcher; with one device it runs in place.
-  void configure_launcher_for(const std::string& start_method, std::chrono::milliseconds stop_grace);
+  void configure_launcher_for(const std::string& start_method,
+                              std::chrono::milliseconds stop_grace);
   void do_teardown() override;
 
  private:

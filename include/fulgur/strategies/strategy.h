@@ -186,8 +186,7 @@ class Strategy {
   /// Writes through the CheckpointIO on writer ranks; a no-op elsewhere.
   virtual void save_checkpoint(torch::serialize::OutputArchive& checkpoint,
                                const std::string& path);
-  virtual void load_checkpoint(const std::string& path,
-                               torch::serialize::InputArchive& checkpoint);
+  virtual void load_checkpoint(const std::string& path, torch::serialize::InputArchive& checkpoint);
   virtual void remove_checkpoint(const std::string& path);
   /// The module's parameters and buffers into / out of a checkpoint.
   virtual void save_module_state(Module& module, torch::serialize::OutputArchive& archive);

@@ -68,8 +68,7 @@ class Trainer {
   Metrics validate(Module& module, std::shared_ptr<DataLoader> val,
                    const std::string& ckpt_path = "");
   Metrics test(Module& module, DataModule& data, const std::string& ckpt_path = "");
-  Metrics test(Module& module, std::shared_ptr<DataLoader> test,
-               const std::string& ckpt_path = "");
+  Metrics test(Module& module, std::shared_ptr<DataLoader> test, const std::string& ckpt_path = "");
   /// predict_step's outputs, one per batch, in order.
   std::vector<Batch> predict(Module& module, DataModule& data, const std::string& ckpt_path = "");
   std::vector<Batch> predict(Module& module, std::shared_ptr<DataLoader> data,

@@ -33,9 +33,9 @@ class ClusterEnvironment;
 /// `10` means ten batches, `0.25` a quarter, `1.0` all of them.
 class BatchLimit {
  public:
-  BatchLimit(int count) : count_(count) {}            // NOLINT: implicit on purpose
-  BatchLimit(long count) : count_(count) {}           // NOLINT
-  BatchLimit(long long count) : count_(count) {}      // NOLINT
+  BatchLimit(int count) : count_(count) {}              // NOLINT: implicit on purpose
+  BatchLimit(long count) : count_(count) {}             // NOLINT
+  BatchLimit(long long count) : count_(count) {}        // NOLINT
   BatchLimit(double fraction) : fraction_(fraction) {}  // NOLINT
 
   bool is_fraction() const { return fraction_.has_value(); }
@@ -80,8 +80,8 @@ class PrecisionFlag {
 class DeterministicFlag {
  public:
   DeterministicFlag(bool on = false) : text_(on ? "true" : "false") {}  // NOLINT
-  DeterministicFlag(const char* text) : text_(text) {}                 // NOLINT
-  DeterministicFlag(std::string text) : text_(std::move(text)) {}      // NOLINT
+  DeterministicFlag(const char* text) : text_(text) {}                  // NOLINT
+  DeterministicFlag(std::string text) : text_(std::move(text)) {}       // NOLINT
   /// "true", "false", "warn", or what was passed when it is none of them.
   const std::string& text() const { return text_; }
   bool is_valid() const { return text_ == "true" || text_ == "false" || text_ == "warn"; }
@@ -94,8 +94,8 @@ class DeterministicFlag {
 };
 
 /// A plugin as a registered name ("slurm") or an instance.
-using Plugin = std::variant<std::string, std::shared_ptr<Precision>,
-                            std::shared_ptr<CheckpointIO>, std::shared_ptr<ClusterEnvironment>>;
+using Plugin = std::variant<std::string, std::shared_ptr<Precision>, std::shared_ptr<CheckpointIO>,
+                            std::shared_ptr<ClusterEnvironment>>;
 
 struct TrainerOptions {
   // ---- Hardware: where and how the loops run.

@@ -56,8 +56,10 @@ void ClusterEnvironmentRegistry::set_detector(const std::string& name, int prior
   for (const auto& d : detectors_) {
     if (d.priority == priority) {
       throw ConfigError(str("cluster environment \"", name, "\": detector priority ", priority,
-                            " is taken by \"", d.name, "\". Pick another priority (higher is "
-                            "asked first; detection order: ", join(detection_order()), ")."));
+                            " is taken by \"", d.name,
+                            "\". Pick another priority (higher is "
+                            "asked first; detection order: ",
+                            join(detection_order()), ")."));
     }
   }
   detectors_.push_back({e.name, priority, std::move(detector)});
@@ -109,24 +111,25 @@ ClusterEnvironmentRegistry& cluster_environment_registry() {
     // Where launchers nest, the most specific is asked first (see set_detector).
     r.set_detector("torchelastic", 500, [](const EnvView& env) {
       if (!TorchElasticEnvironment::detect(env)) return Detection::no();
-      return Detection::match(str(
-          "torchrun's ",
-          env.has("GROUP_RANK") ? "RANK, GROUP_RANK, LOCAL_RANK and LOCAL_WORLD_SIZE are set"
-                                : "TORCHELASTIC_RUN_ID is set",
-          env.has("TORCHELASTIC_RUN_ID")
-              ? str(" (run id \"", *env.get("TORCHELASTIC_RUN_ID"), "\")")
-              : std::string()));
+      return Detection::match(str("torchrun's ",
+                                  env.has("GROUP_RANK")
+                                      ? "RANK, GROUP_RANK, LOCAL_RANK and LOCAL_WORLD_SIZE are set"
+                                      : "TORCHELASTIC_RUN_ID is set",
+                                  env.has("TORCHELASTIC_RUN_ID")
+                                      ? str(" (run id \"", *env.get("TORCHELASTIC_RUN_ID"), "\")")
+                                      : std::string()));
     });
     r.set_detector("slurm", 400, [](const EnvView& env) {
       if (SLURMEnvironment::detect(env)) {
         auto job_name = env.get("SLURM_JOB_NAME");
-        return Detection::match(str("SLURM_NTASKS is set",
-                                    job_name ? str(" (job name \"", *job_name, "\")")
-                                             : std::string()));
+        return Detection::match(
+            str("SLURM_NTASKS is set",
+                job_name ? str(" (job name \"", *job_name, "\")") : std::string()));
       }
       if (env.has("SLURM_NTASKS") && SLURMEnvironment::is_interactive(env)) {
         return Detection::no(str("SLURM_NTASKS is set but SLURM_JOB_NAME=\"",
-                                 *env.get("SLURM_JOB_NAME"), "\" is an interactive allocation, "
+                                 *env.get("SLURM_JOB_NAME"),
+                                 "\" is an interactive allocation, "
                                  "so fulgur creates the processes"));
       }
       return Detection::no();
@@ -140,13 +143,15 @@ ClusterEnvironmentRegistry& cluster_environment_registry() {
     });
     r.set_detector("lsf", 200, [](const EnvView& env) {
       if (!LSFEnvironment::detect(env)) return Detection::no();
-      return Detection::match("LSB_JOBID and JSM_NAMESPACE_SIZE / _RANK / _LOCAL_RANK are set "
-                              "(jsrun)");
+      return Detection::match(
+          "LSB_JOBID and JSM_NAMESPACE_SIZE / _RANK / _LOCAL_RANK are set "
+          "(jsrun)");
     });
     r.set_detector("kubeflow", 100, [](const EnvView& env) {
       if (!KubeflowEnvironment::detect(env)) return Detection::no();
-      return Detection::match("KUBERNETES_PORT, MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK "
-                              "are set (one process per pod)");
+      return Detection::match(
+          "KUBERNETES_PORT, MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK "
+          "are set (one process per pod)");
     });
     return r;
   }();

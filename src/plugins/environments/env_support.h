@@ -24,9 +24,11 @@ inline std::optional<int> get_int(const EnvView& env, const std::string& var) {
 }
 
 [[noreturn]] inline void missing(const std::string& var, std::string_view environment,
-                             std::string_view set_by) {
-  throw ConfigError(str("cluster environment \"", environment, "\" needs the environment "
-                        "variable ", var, ", which is not set. It is set by ", set_by,
+                                 std::string_view set_by) {
+  throw ConfigError(str("cluster environment \"", environment,
+                        "\" needs the environment "
+                        "variable ",
+                        var, ", which is not set. It is set by ", set_by,
                         "; run under it, or drop the \"", environment,
                         "\" plugin to let fulgur detect the environment."));
 }

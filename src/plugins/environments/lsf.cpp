@@ -38,7 +38,8 @@ std::vector<std::string> rankfile_hosts(const std::string& path) {
   std::ifstream in(path);
   if (!in) {
     throw ConfigError(str("cluster environment \"lsf\": LSB_DJOB_RANKFILE=", path,
-                          " cannot be read (", std::strerror(errno), "), and LSB_MCPU_HOSTS is "
+                          " cannot be read (", std::strerror(errno),
+                          "), and LSB_MCPU_HOSTS is "
                           "not set: one of them names the job's hosts. Set MASTER_ADDR to the "
                           "first compute host instead."));
   }
@@ -113,13 +114,14 @@ void LSFEnvironment::validate_settings(int num_devices, int num_nodes) const {
                            "JSM_NAMESPACE_SIZE=", world_size_, " ranks"));
   }
   if (local_size_ > 0 && num_devices != local_size_) {
-    problems.push_back(str("devices=", num_devices, " per node, but jsrun started ",
-                           local_size_, " ranks per node"));
+    problems.push_back(str("devices=", num_devices, " per node, but jsrun started ", local_size_,
+                           " ranks per node"));
   }
   if (problems.empty()) return;
   throw ConfigError(str(join(problems, "; and "),
                         ". Pass devices=<ranks per node> and num_nodes=<nodes>, or run jsrun "
-                        "with --nrs ", num_devices * num_nodes, " and ", num_devices,
+                        "with --nrs ",
+                        num_devices * num_nodes, " and ", num_devices,
                         " resource sets per host (--rs_per_host ", num_devices, ")."));
 }
 

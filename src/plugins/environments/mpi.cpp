@@ -64,18 +64,18 @@ void MPIEnvironment::validate_settings(int num_devices, int num_nodes) const {
   const std::string local_var = family_ == "PMI" ? "MPI_LOCALNRANKS" : "OMPI_COMM_WORLD_LOCAL_SIZE";
   if (num_devices * num_nodes != world_size_) {
     problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
-                           num_devices * num_nodes, " processes, but mpirun started ",
-                           size_var, "=", world_size_, " ranks"));
+                           num_devices * num_nodes, " processes, but mpirun started ", size_var,
+                           "=", world_size_, " ranks"));
   }
   if (num_devices != local_size_) {
-    problems.push_back(str("devices=", num_devices, " per node, but mpirun started ",
-                           local_var, "=", local_size_, " ranks on this node"));
+    problems.push_back(str("devices=", num_devices, " per node, but mpirun started ", local_var,
+                           "=", local_size_, " ranks on this node"));
   }
   if (!problems.empty()) {
     throw ConfigError(str(join(problems, "; and "), ". Pass devices=", local_size_,
                           " and num_nodes=", (world_size_ + local_size_ - 1) / local_size_,
-                          ", or run mpirun -np ", num_devices * num_nodes, " with ",
-                          num_devices, " ranks per node (--npernode ", num_devices, ")."));
+                          ", or run mpirun -np ", num_devices * num_nodes, " with ", num_devices,
+                          " ranks per node (--npernode ", num_devices, ")."));
   }
   if (!main_address_) (void)main_address();  // throws: how to export MASTER_ADDR
 }

@@ -117,18 +117,18 @@ void SLURMEnvironment::validate_settings(int num_devices, int num_nodes) const {
                            " or run srun --ntasks-per-node=", num_devices));
   }
   if (nnodes_ && *nnodes_ != num_nodes) {
-    problems.push_back(str("num_nodes=", num_nodes, " but SLURM allocated ", *nnodes_,
-                           " nodes (", nnodes_source_, "=", *nnodes_, "): pass num_nodes=",
-                           *nnodes_, " or run sbatch / srun --nodes=", num_nodes));
+    problems.push_back(str("num_nodes=", num_nodes, " but SLURM allocated ", *nnodes_, " nodes (",
+                           nnodes_source_, "=", *nnodes_, "): pass num_nodes=", *nnodes_,
+                           " or run sbatch / srun --nodes=", num_nodes));
   }
   // Per node and nodes may agree while the total does not (SLURM_NNODES
   // unset, or fewer tasks on the last node): the total decides the world.
   if (problems.empty() && num_devices * num_nodes != world_size_) {
     problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
-                           num_devices * num_nodes, " processes, but SLURM started ",
-                           world_size_, " tasks (SLURM_NTASKS=", world_size_,
-                           "): run srun --ntasks-per-node=", num_devices, " --nodes=",
-                           num_nodes, ", or pass matching devices and num_nodes"));
+                           num_devices * num_nodes, " processes, but SLURM started ", world_size_,
+                           " tasks (SLURM_NTASKS=", world_size_,
+                           "): run srun --ntasks-per-node=", num_devices, " --nodes=", num_nodes,
+                           ", or pass matching devices and num_nodes"));
   }
   if (problems.empty()) return;
   throw ConfigError(join(problems, "; and ") + ".");

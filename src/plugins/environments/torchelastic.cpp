@@ -33,9 +33,8 @@ TorchElasticEnvironment::TorchElasticEnvironment(const EnvView& env) {
   if (auto agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE")) {
     // Python writes str(bool).
     if (*agent_store == "True" || *agent_store == "true" || *agent_store == "1") {
-      hosted_store_prefix_ =
-          str("fulgur/", env.get("TORCHELASTIC_RUN_ID").value_or("run"), "/",
-              env.get("TORCHELASTIC_RESTART_COUNT").value_or("0"), "/");
+      hosted_store_prefix_ = str("fulgur/", env.get("TORCHELASTIC_RUN_ID").value_or("run"), "/",
+                                 env.get("TORCHELASTIC_RESTART_COUNT").value_or("0"), "/");
     } else if (*agent_store != "False" && *agent_store != "false" && *agent_store != "0") {
       throw ConfigError(str("environment variable TORCHELASTIC_USE_AGENT_STORE=\"", *agent_store,
                             "\" is neither True nor False (torchrun sets it). Unset it, or set "
@@ -51,9 +50,9 @@ int TorchElasticEnvironment::main_port() const { return main_port_; }
 void TorchElasticEnvironment::validate_settings(int num_devices, int num_nodes) const {
   std::vector<std::string> problems;
   if (num_devices * num_nodes != world_size_) {
-    problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
-                           num_devices * num_nodes, " processes, but torchrun's WORLD_SIZE=",
-                           world_size_, " processes were started"));
+    problems.push_back(
+        str("devices=", num_devices, " x num_nodes=", num_nodes, " = ", num_devices * num_nodes,
+            " processes, but torchrun's WORLD_SIZE=", world_size_, " processes were started"));
   }
   if (num_devices != local_world_size_) {
     problems.push_back(str("devices=", num_devices, " per node, but torchrun's LOCAL_WORLD_SIZE=",
@@ -64,9 +63,10 @@ void TorchElasticEnvironment::validate_settings(int num_devices, int num_nodes) 
                          ? str(" (here devices=", local_world_size_,
                                ", num_nodes=", world_size_ / local_world_size_, ")")
                          : std::string();
-  throw ConfigError(str(join(problems, "; and "), ". Pass devices=LOCAL_WORLD_SIZE and "
-                        "num_nodes=WORLD_SIZE/LOCAL_WORLD_SIZE", hint,
-                        ", or change torchrun's --nproc-per-node / --nnodes."));
+  throw ConfigError(str(join(problems, "; and "),
+                        ". Pass devices=LOCAL_WORLD_SIZE and "
+                        "num_nodes=WORLD_SIZE/LOCAL_WORLD_SIZE",
+                        hint, ", or change torchrun's --nproc-per-node / --nnodes."));
 }
 
 }  // namespace fulgur

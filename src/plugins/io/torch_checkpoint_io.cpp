@@ -42,7 +42,8 @@ void put_le(std::string& out, uint64_t value, int bytes) {
 
 uint64_t get_le(const char* p, int bytes) {
   uint64_t value = 0;
-  for (int i = 0; i < bytes; ++i) value |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  for (int i = 0; i < bytes; ++i)
+    value |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
   return value;
 }
 
@@ -145,8 +146,14 @@ std::string damaged_part(const char* data, uint64_t size) {
       const uint64_t id = u16(e), len = u16(e + 2);
       if (id == 0x0001) {
         const char* v = e + 4;
-        if (uncompressed == 0xFFFFFFFF) { uncompressed = get_le(v, 8); v += 8; }
-        if (compressed == 0xFFFFFFFF) { compressed = get_le(v, 8); v += 8; }
+        if (uncompressed == 0xFFFFFFFF) {
+          uncompressed = get_le(v, 8);
+          v += 8;
+        }
+        if (compressed == 0xFFFFFFFF) {
+          compressed = get_le(v, 8);
+          v += 8;
+        }
         if (local == 0xFFFFFFFF) local = get_le(v, 8);
       }
       e += 4 + len;
@@ -179,11 +186,12 @@ std::string read_checkpoint_file(const std::string& path) {
   if (::stat(path.c_str(), &st) != 0) {
     const int err = errno;
     if (err == ENOENT) {
-      throw CheckpointError(str("checkpoint \"", path, "\" does not exist. Check the path, or "
+      throw CheckpointError(str("checkpoint \"", path,
+                                "\" does not exist. Check the path, or "
                                 "pass ckpt_path=\"last\" to resume from the newest last.ckpt."));
     }
-    throw CheckpointError(str("checkpoint \"", path, "\": cannot look it up: ",
-                              std::strerror(err), "."));
+    throw CheckpointError(
+        str("checkpoint \"", path, "\": cannot look it up: ", std::strerror(err), "."));
   }
   if (!S_ISREG(st.st_mode)) {
     throw CheckpointError(str("checkpoint \"", path, "\" is ", kind_of(st.st_mode),
@@ -192,8 +200,8 @@ std::string read_checkpoint_file(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
-    throw CheckpointError(str("checkpoint \"", path, "\": cannot open it for reading: ",
-                              std::strerror(err),
+    throw CheckpointError(str("checkpoint \"", path,
+                              "\": cannot open it for reading: ", std::strerror(err),
                               err == EACCES ? ". Give this user read permission on it (and "
                                               "search permission on its directories)."
                                             : "."));
@@ -242,12 +250,14 @@ std::string newest_valid_sibling(const std::string& path) {
 
 [[noreturn]] void corrupt(const std::string& path, const std::string& what) {
   const std::string alternative = newest_valid_sibling(path);
-  throw CheckpointError(str(
-      "checkpoint \"", path, "\" is corrupt: ", what, ". The file is corrupt; use an earlier "
-      "checkpoint",
-      alternative.empty() ? std::string(" (no other checkpoint in its directory verifies).")
-                          : str(": \"", alternative, "\" is the newest other one in its "
-                                "directory that verifies.")));
+  throw CheckpointError(str("checkpoint \"", path, "\" is corrupt: ", what,
+                            ". The file is corrupt; use an earlier "
+                            "checkpoint",
+                            alternative.empty()
+                                ? std::string(" (no other checkpoint in its directory verifies).")
+                                : str(": \"", alternative,
+                                      "\" is the newest other one in its "
+                                      "directory that verifies.")));
 }
 
 // ---- Writing: through a file descriptor, computing the CRC on the way. A
@@ -323,8 +333,7 @@ std::string advice_for(int err) {
     case EROFS:
       return " Make the directory writable by this user, or save elsewhere (ModelCheckpoint "
              "dirpath, default_root_dir).";
-    default:
-      return "";
+    default: return "";
   }
 }
 
@@ -347,7 +356,8 @@ void TorchCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpo
   auto fail = [&](const char* operation, int err, const std::string& file) {
     fs::remove(tmp, ec);
     throw CheckpointError(str("saving checkpoint \"", path, "\": cannot ", operation, " \"", file,
-                              "\": ", std::strerror(err), ". The partial file was removed; the "
+                              "\": ", std::strerror(err),
+                              ". The partial file was removed; the "
                               "previous checkpoint at this path (if any) is untouched.",
                               advice_for(err)));
   };
@@ -380,29 +390,34 @@ void TorchCheckpointIO::load_checkpoint(const std::string& path,
   const Verdict v = check(bytes);
   if (v.has_footer && !v.problem.empty()) {
     const bool content = v.actual != v.expected;
-    corrupt(path, content ? str(v.problem, "; the damage is in ",
-                                damaged_part(bytes.data(), v.data_size))
-                          : v.problem);
+    corrupt(path,
+            content ? str(v.problem, "; the damage is in ", damaged_part(bytes.data(), v.data_size))
+                    : v.problem);
   }
   const size_t size = v.has_footer ? v.data_size : bytes.size();
   try {
     checkpoint.load_from(bytes.data(), size);
   } catch (const c10::Error& e) {
     if (v.has_footer) {
-      throw CheckpointError(str("checkpoint \"", path, "\" verifies against its checksum but "
-                                "LibTorch cannot read it (", e.what_without_backtrace(),
+      throw CheckpointError(str("checkpoint \"", path,
+                                "\" verifies against its checksum but "
+                                "LibTorch cannot read it (",
+                                e.what_without_backtrace(),
                                 "): it was not written by fulgur's checkpoint IO. Pass a "
                                 "checkpoint written by fulgur."));
     }
     corrupt(path, str("it has no checksum footer and LibTorch cannot read it (",
-                      e.what_without_backtrace(), "): it is truncated, damaged at its end, or "
-                      "not a checkpoint (", bytes.size(), " bytes)"));
+                      e.what_without_backtrace(),
+                      "): it is truncated, damaged at its end, or "
+                      "not a checkpoint (",
+                      bytes.size(), " bytes)"));
   }
   if (!v.has_footer) {
     c10::IValue marker;
     if (checkpoint.try_read(kIntegrityKey, marker)) {
-      corrupt(path, "its checksum footer is missing or damaged (the file was cut short or "
-                    "overwritten at its end)");
+      corrupt(path,
+              "its checksum footer is missing or damaged (the file was cut short or "
+              "overwritten at its end)");
     }
     // Written before checkpoints had checksums (fulgur 0.1): loads, unverified.
     std::cerr << "fulgur: checkpoint \"" << path << "\" has no checksum (written before fulgur "
@@ -433,8 +448,9 @@ void TorchCheckpointIO::remove_checkpoint(const std::string& path) {
 CheckpointIORegistry& checkpoint_io_registry() {
   static CheckpointIORegistry registry = [] {
     CheckpointIORegistry r("checkpoint_io");
-    r.add("torch", "LibTorch archives with a CRC32C footer, verified on load; written "
-                   "atomically (tmp file, fsync, rename, directory fsync)",
+    r.add("torch",
+          "LibTorch archives with a CRC32C footer, verified on load; written "
+          "atomically (tmp file, fsync, rename, directory fsync)",
           [] { return std::make_unique<TorchCheckpointIO>(); });
     return r;
   }();

@@ -60,13 +60,14 @@ at::Tensor GradScaler::scale(const at::Tensor& loss) {
 
 void GradScaler::unscale(torch::optim::Optimizer& optimizer) {
   if (found_inf_.count(&optimizer) != 0) {
-    throw ConfigError("GradScaler::unscale(optimizer): this optimizer's gradients were already "
-                      "unscaled in this iteration. Unscale once per optimizer between "
-                      "update() calls.");
+    throw ConfigError(
+        "GradScaler::unscale(optimizer): this optimizer's gradients were already "
+        "unscaled in this iteration. Unscale once per optimizer between "
+        "update() calls.");
   }
   auto grads = gradients(optimizer);
-  const at::Device device = grads.empty() ? (scale_.defined() ? scale_.device() : at::kCPU)
-                                          : grads.front().device();
+  const at::Device device =
+      grads.empty() ? (scale_.defined() ? scale_.device() : at::kCPU) : grads.front().device();
   ensure_state(device);
   at::Tensor found_inf = torch::zeros({1}, torch::dtype(torch::kFloat32).device(device));
   // The reciprocal in double, then float32, as PyTorch's scaler computes it.
@@ -129,16 +130,17 @@ int64_t GradScaler::growth_tracker() const {
 
 void GradScaler::save(torch::serialize::OutputArchive& archive) const {
   archive.write("scale", scale_.defined() ? scale_.cpu() : torch::full({1}, options_.init_scale));
-  archive.write("growth_tracker",
-                growth_tracker_.defined() ? growth_tracker_.cpu() : torch::zeros({1}, torch::kInt32));
+  archive.write("growth_tracker", growth_tracker_.defined() ? growth_tracker_.cpu()
+                                                            : torch::zeros({1}, torch::kInt32));
 }
 
 void GradScaler::load(torch::serialize::InputArchive& archive) {
   at::Tensor scale, tracker;
   if (!archive.try_read("scale", scale) || !archive.try_read("growth_tracker", tracker)) {
-    throw CheckpointError("the checkpoint has no GradScaler state (scale, growth_tracker): it was "
-                          "not written with precision=\"16-mixed\". Resume with the precision it "
-                          "was trained with.");
+    throw CheckpointError(
+        "the checkpoint has no GradScaler state (scale, growth_tracker): it was "
+        "not written with precision=\"16-mixed\". Resume with the precision it "
+        "was trained with.");
   }
   const at::Device device = scale_.defined() ? scale_.device() : at::Device(at::kCPU);
   scale_ = scale.to(device, torch::kFloat32).reshape({1});

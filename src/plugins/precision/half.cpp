@@ -9,8 +9,10 @@ namespace fulgur {
 
 TruePrecision::TruePrecision(c10::ScalarType dtype) : dtype_(dtype) {
   if (dtype != at::kDouble && dtype != at::kBFloat16 && dtype != at::kHalf) {
-    throw ConfigError(str("TruePrecision(", c10::toString(dtype), "): pass Double (64-true), "
-                          "BFloat16 (bf16-true) or Half (16-true); float32 is the base Precision."));
+    throw ConfigError(
+        str("TruePrecision(", c10::toString(dtype),
+            "): pass Double (64-true), "
+            "BFloat16 (bf16-true) or Half (16-true); float32 is the base Precision."));
   }
 }
 

@@ -92,9 +92,10 @@ std::vector<std::string> own_command_line() {
   std::string arg;
   while (std::getline(in, arg, '\0')) args.push_back(arg);
   if (args.empty()) {
-    throw DistributedError("subprocess_script launcher: cannot read /proc/self/cmdline to "
-                           "re-execute the program. Use strategy=\"ddp_fork\", or start the ranks "
-                           "with torchrun.");
+    throw DistributedError(
+        "subprocess_script launcher: cannot read /proc/self/cmdline to "
+        "re-execute the program. Use strategy=\"ddp_fork\", or start the ranks "
+        "with torchrun.");
   }
   return args;
 }
@@ -131,7 +132,8 @@ std::optional<std::string> SubprocessScriptLauncher::launch(const std::function<
     supervisor.spawn(local, plan.node_rank * plan.local_world_size + local, [&] {
       for (const auto& [k, v] : vars) ::setenv(k.c_str(), v.c_str(), 1);
       ::execv("/proc/self/exe", argv.data());
-      std::fprintf(stderr, "fulgur: cannot re-execute %s: %s\n", args[0].c_str(), std::strerror(errno));
+      std::fprintf(stderr, "fulgur: cannot re-execute %s: %s\n", args[0].c_str(),
+                   std::strerror(errno));
       ::_exit(127);
     });
   }

@@ -110,9 +110,10 @@ bool Supervisor::succeeded(const Child& c) {
 
 void Supervisor::spawn(int local_rank, int global_rank, const std::function<void()>& body) {
   int out[2], err[2], beat[2];
-  if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0 || ::pipe2(beat, O_CLOEXEC) != 0) {
-    throw DistributedError(str("launcher: cannot create pipes for rank ", global_rank, ": ",
-                               std::strerror(errno)));
+  if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0 ||
+      ::pipe2(beat, O_CLOEXEC) != 0) {
+    throw DistributedError(
+        str("launcher: cannot create pipes for rank ", global_rank, ": ", std::strerror(errno)));
   }
   std::fflush(nullptr);
   std::cout.flush();
@@ -265,8 +266,8 @@ void Supervisor::close_fds(Child& c) {
   for (int w = 0; w < 2; ++w) {
     if (!c.partial[w].empty()) {
       c.tail.push_back(c.partial[w]);
-      std::string line = (c.global_rank == 0 ? "" : str("[rank ", c.global_rank, "] ")) +
-                         c.partial[w] + "\n";
+      std::string line =
+          (c.global_rank == 0 ? "" : str("[rank ", c.global_rank, "] ")) + c.partial[w] + "\n";
       write_all(w == 0 ? STDOUT_FILENO : STDERR_FILENO, line.data(), line.size());
       c.partial[w].clear();
     }
@@ -328,7 +329,8 @@ void Supervisor::wait_all() {
   struct sigaction action {};
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);
-  struct sigaction old_int {}, old_term {};
+  struct sigaction old_int {
+  }, old_term{};
   g_signal.store(0);
   ::sigaction(SIGINT, &action, &old_int);
   ::sigaction(SIGTERM, &action, &old_term);
@@ -385,13 +387,13 @@ void Supervisor::wait_all() {
         if (finished != nullptr) {
           const auto silent = now - std::max(c.last_beat_time, finished_at);
           if (silent > options_.hang_timeout) {
-            hang_report = str(
-                "rank ", c.global_rank, " (pid ", c.pid, ") hung: it is still running ",
-                seconds(now - finished_at), " s after rank ", finished->global_rank,
-                " finished, with no progress for ", seconds(silent), " s (the timeout is ",
-                seconds(options_.hang_timeout), " s); it last reported \"",
-                c.last_beat.empty() ? "nothing" : c.last_beat, "\". Its last lines:\n",
-                tail_text(c));
+            hang_report =
+                str("rank ", c.global_rank, " (pid ", c.pid, ") hung: it is still running ",
+                    seconds(now - finished_at), " s after rank ", finished->global_rank,
+                    " finished, with no progress for ", seconds(silent), " s (the timeout is ",
+                    seconds(options_.hang_timeout), " s); it last reported \"",
+                    c.last_beat.empty() ? "nothing" : c.last_beat, "\". Its last lines:\n",
+                    tail_text(c));
             failed = &c;
             break;
           }
@@ -399,13 +401,12 @@ void Supervisor::wait_all() {
         }
         if (c.beats >= ahead->beats) continue;
         if (now - c.last_beat_time > options_.hang_timeout) {
-          hang_report = str(
-              "rank ", c.global_rank, " (pid ", c.pid, ") hung: no progress for ",
-              seconds(now - c.last_beat_time), " s (the timeout is ",
-              seconds(options_.hang_timeout), " s); it last reported \"",
-              c.last_beat.empty() ? "nothing" : c.last_beat, "\" while rank ",
-              ahead->global_rank, " reported \"", ahead->last_beat, "\". Its last lines:\n",
-              tail_text(c));
+          hang_report = str("rank ", c.global_rank, " (pid ", c.pid, ") hung: no progress for ",
+                            seconds(now - c.last_beat_time), " s (the timeout is ",
+                            seconds(options_.hang_timeout), " s); it last reported \"",
+                            c.last_beat.empty() ? "nothing" : c.last_beat, "\" while rank ",
+                            ahead->global_rank, " reported \"", ahead->last_beat,
+                            "\". Its last lines:\n", tail_text(c));
           failed = &c;
           break;
         }
@@ -455,7 +456,8 @@ void Supervisor::wait_all() {
     // (A rank that failed on its own is the cause, whoever is behind it.)
     const Child* lagging = nullptr;
     for (const auto& c : children_) {
-      if (c.running && c.beats < failed->beats && (lagging == nullptr || c.beats < lagging->beats)) {
+      if (c.running && c.beats < failed->beats &&
+          (lagging == nullptr || c.beats < lagging->beats)) {
         lagging = &c;
       }
     }
@@ -463,19 +465,21 @@ void Supervisor::wait_all() {
       hang_report = str(
           "rank ", lagging->global_rank, " (pid ", lagging->pid, ") hung: it sent no progress for ",
           seconds(Clock::now() - lagging->last_beat_time), " s and fell behind rank ",
-          failed->global_rank, ", which gave up waiting for it (",
-          describe_death(*failed), "). Rank ", lagging->global_rank, "'s last lines:\n",
-          tail_text(*lagging), "\nRank ", failed->global_rank, "'s last lines:\n", tail_text(*failed));
+          failed->global_rank, ", which gave up waiting for it (", describe_death(*failed),
+          "). Rank ", lagging->global_rank, "'s last lines:\n", tail_text(*lagging), "\nRank ",
+          failed->global_rank, "'s last lines:\n", tail_text(*failed));
       failed = lagging;
     }
   }
   if (!hang_report.empty()) {
     report = hang_report;
   } else {
-    report = str("rank ", failed->global_rank, " (pid ", failed->pid, ") ", describe_death(*failed),
-                 " after ",
-                 std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started_).count() / 1000.0,
-                 " s. Its last lines:\n", tail_text(*failed));
+    report =
+        str("rank ", failed->global_rank, " (pid ", failed->pid, ") ", describe_death(*failed),
+            " after ",
+            std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - started_).count() /
+                1000.0,
+            " s. Its last lines:\n", tail_text(*failed));
   }
   std::vector<std::string> others;
   for (const auto& c : children_) {

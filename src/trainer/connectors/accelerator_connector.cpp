@@ -118,8 +118,8 @@ class ConnectorRun {
       accelerator_valid_ =
           accelerator_name_ == "auto" || context_.accelerators->contains(accelerator_name_);
       if (!accelerator_valid_) {
-        problems_.add(str("accelerator=\"", accelerator_flag_, "\": ",
-                          context_.accelerators->unknown_name_message(accelerator_name_),
+        problems_.add(str("accelerator=\"", accelerator_flag_,
+                          "\": ", context_.accelerators->unknown_name_message(accelerator_name_),
                           " Or pass \"auto\"."));
       }
       return;
@@ -204,12 +204,13 @@ class ConnectorRun {
     if (precision_) {
       if (precision_flag_set_ && precision_name_ != precision_->name()) {
         problems_.add(str("precision=\"", options_.precision.text(), "\" and a precision plugin (",
-                          precision_->name(), ") in plugins: choose one. Drop the plugin or "
+                          precision_->name(),
+                          ") in plugins: choose one. Drop the plugin or "
                           "the precision flag."));
       }
     } else if (!context_.precisions->contains(precision_name_)) {
-      problems_.add(str("precision=\"", options_.precision.text(), "\": ",
-                        context_.precisions->unknown_name_message(precision_name_),
+      problems_.add(str("precision=\"", options_.precision.text(),
+                        "\": ", context_.precisions->unknown_name_message(precision_name_),
                         " Legacy spellings: 32, 64, 16, \"bf16\"."));
     }
   }
@@ -222,8 +223,8 @@ class ConnectorRun {
         strategy_ = std::shared_ptr<Strategy>(context_.strategies->create(strategy_flag_));
       } else {
         strategy_valid_ = false;
-        problems_.add(str("strategy=\"", strategy_flag_, "\": ",
-                          context_.strategies->unknown_name_message(strategy_flag_),
+        problems_.add(str("strategy=\"", strategy_flag_,
+                          "\": ", context_.strategies->unknown_name_message(strategy_flag_),
                           " Or pass \"auto\"."));
       }
       return;
@@ -244,17 +245,19 @@ class ConnectorRun {
         (accelerator_instance_ ? accelerator_instance_.get() != &strategy_->accelerator()
                                : to_lower(strategy_->accelerator().name()) != accelerator_name_)) {
       problems_.add(str("accelerator=\"", accelerator_flag_, "\" but ", carried, "accelerator \"",
-                        strategy_->accelerator().name(), "\": set it in one place. Drop the "
+                        strategy_->accelerator().name(),
+                        "\": set it in one place. Drop the "
                         "accelerator flag or the strategy's accelerator."));
     }
     if (strategy_->has_precision()) {
       if (precision_) {
-        problems_.add(str("plugins has a precision plugin (", precision_->name(), ") but ",
-                          carried, "precision \"", strategy_->precision().name(),
+        problems_.add(str("plugins has a precision plugin (", precision_->name(), ") but ", carried,
+                          "precision \"", strategy_->precision().name(),
                           "\": set it in one place. Drop the plugin."));
       } else if (precision_flag_set_ && precision_name_ != strategy_->precision().name()) {
         problems_.add(str("precision=\"", options_.precision.text(), "\" but ", carried,
-                          "precision \"", strategy_->precision().name(), "\": set it in one "
+                          "precision \"", strategy_->precision().name(),
+                          "\": set it in one "
                           "place. Drop the precision flag or the strategy's precision."));
       }
     }
@@ -265,7 +268,8 @@ class ConnectorRun {
     }
     if (strategy_->has_checkpoint_io() && io_) {
       problems_.add(str("plugins has a checkpoint IO (", io_->name(), ") but ", carried,
-                        "checkpoint IO \"", strategy_->checkpoint_io().name(), "\": set it in one "
+                        "checkpoint IO \"", strategy_->checkpoint_io().name(),
+                        "\": set it in one "
                         "place. Drop the plugin."));
     }
   }
@@ -276,8 +280,8 @@ class ConnectorRun {
       devices_reported_ = true;
     }
     if (options_.num_nodes < 1) {
-      problems_.add(str("num_nodes=", options_.num_nodes,
-                        ": must be >= 1 (the number of machines)."));
+      problems_.add(
+          str("num_nodes=", options_.num_nodes, ": must be >= 1 (the number of machines)."));
     }
   }
 
@@ -345,10 +349,12 @@ class ConnectorRun {
   void choose_accelerator() {
     if (accelerator_) {
       if (!accelerator_->is_available()) {
-        problems_.add(str("accelerator=\"", accelerator_flag_, "\" is not available on this "
-                          "machine: ", accelerator_->unavailable_reason(),
-                          ". Pass accelerator=\"cpu\" or \"auto\"."),
-                      "unavailable");
+        problems_.add(
+            str("accelerator=\"", accelerator_flag_,
+                "\" is not available on this "
+                "machine: ",
+                accelerator_->unavailable_reason(), ". Pass accelerator=\"cpu\" or \"auto\"."),
+            "unavailable");
         accelerator_.reset();
       }
       return;
@@ -418,10 +424,10 @@ class ConnectorRun {
     try {
       environment_->validate_settings(static_cast<int>(devices_.size()), options_.num_nodes);
     } catch (const ConfigError& e) {
-      problems_.add(str("devices=", options_.devices.text(), ", num_nodes=", options_.num_nodes,
-                        " under cluster environment \"", environment_->name(), "\": ",
-                        problem_text(e)),
-                    "environment_mismatch");
+      problems_.add(
+          str("devices=", options_.devices.text(), ", num_nodes=", options_.num_nodes,
+              " under cluster environment \"", environment_->name(), "\": ", problem_text(e)),
+          "environment_mismatch");
       counts_mismatch_ = true;
     }
   }
@@ -448,8 +454,7 @@ class ConnectorRun {
   // fulgur's own launcher starts one node's ranks; the nodes find each other
   // only through these.
   void check_nodes_can_find_each_other() {
-    if (!environment_ || environment_->creates_processes_externally() ||
-        options_.num_nodes <= 1) {
+    if (!environment_ || environment_->creates_processes_externally() || options_.num_nodes <= 1) {
       return;
     }
     const EnvView& env = context_.env;
@@ -459,13 +464,14 @@ class ConnectorRun {
     }
     if (!env.has("NODE_RANK") && !env.has("GROUP_RANK")) missing.push_back("NODE_RANK");
     if (missing.empty()) return;
-    problems_.add(str("num_nodes=", options_.num_nodes, " with cluster environment \"",
-                      environment_->name(), "\" (fulgur starts the processes): start the program "
-                      "once per node with MASTER_ADDR (node 0's address), MASTER_PORT (one free "
-                      "port, the same everywhere) and NODE_RANK (0..", options_.num_nodes - 1,
-                      ") set; missing: ", join(missing),
-                      ". Or run under torchrun, srun or mpirun, which set them."),
-                  "invalid_environment");
+    problems_.add(
+        str("num_nodes=", options_.num_nodes, " with cluster environment \"", environment_->name(),
+            "\" (fulgur starts the processes): start the program "
+            "once per node with MASTER_ADDR (node 0's address), MASTER_PORT (one free "
+            "port, the same everywhere) and NODE_RANK (0..",
+            options_.num_nodes - 1, ") set; missing: ", join(missing),
+            ". Or run under torchrun, srun or mpirun, which set them."),
+        "invalid_environment");
   }
 
   void choose_strategy() {
@@ -482,7 +488,8 @@ class ConnectorRun {
     } else {
       problems_.add(str("devices=", options_.devices.text(), ", num_nodes=", options_.num_nodes,
                         " needs a multi-process strategy, and none is registered in this "
-                        "build (registered: ", join(strategies.names()), "). Pass devices=1."));
+                        "build (registered: ",
+                        join(strategies.names()), "). Pass devices=1."));
       return;
     }
     strategy_ = std::shared_ptr<Strategy>(strategies.create(name));
@@ -499,9 +506,9 @@ class ConnectorRun {
     c.accelerator = std::move(accelerator_);
     c.devices = std::move(devices_);
     if (!c.strategy->has_precision()) {
-      c.precision = precision_ ? std::move(precision_)
-                               : std::shared_ptr<Precision>(
-                                     context_.precisions->create(precision_name_));
+      c.precision = precision_
+                        ? std::move(precision_)
+                        : std::shared_ptr<Precision>(context_.precisions->create(precision_name_));
     }
     c.checkpoint_io = std::move(io_);
     c.cluster_environment = std::move(environment_);
@@ -567,8 +574,8 @@ ConnectorResult build(Choices choices) {
               [&] { strategy->precision().check_accelerator(strategy->accelerator()); });
   reported_as("invalid_flags", [&] { strategy->configure_launcher(); });
   if (strategy->launcher() != nullptr) {
-    notes.push_back(str("launcher=", strategy->launcher()->name(), " because strategy=",
-                        strategy->name(), " under cluster environment \"",
+    notes.push_back(str("launcher=", strategy->launcher()->name(),
+                        " because strategy=", strategy->name(), " under cluster environment \"",
                         strategy->cluster_environment().name(), "\" starts its own processes"));
   }
   reported_as("invalid_flags", [&] { strategy->explain_choices(notes); });

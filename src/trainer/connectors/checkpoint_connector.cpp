@@ -75,7 +75,8 @@ void CheckpointConnector::dump(OutputArchive& archive) {
   archive.write("state_dict", state);
 
   OutputArchive optimizers(cu);
-  optimizers.write("count", c10::IValue(static_cast<int64_t>(trainer_.fit_loop.optimizers().optimizers.size())));
+  optimizers.write(
+      "count", c10::IValue(static_cast<int64_t>(trainer_.fit_loop.optimizers().optimizers.size())));
   for (size_t i = 0; i < trainer_.fit_loop.optimizers().optimizers.size(); ++i) {
     OutputArchive one(cu);
     trainer_.fit_loop.optimizers().optimizers[i]->save(one);
@@ -147,7 +148,8 @@ void CheckpointConnector::load_callback_states(InputArchive& archive) {
 
 void CheckpointConnector::save(const std::string& path) {
   if (trainer_.module == nullptr) {
-    throw ConfigError(str("Trainer.save_checkpoint(\"", path, "\"): no module is attached. Call "
+    throw ConfigError(str("Trainer.save_checkpoint(\"", path,
+                          "\"): no module is attached. Call "
                           "it during fit (e.g. from a callback)."));
   }
   OutputArchive archive;
@@ -157,11 +159,13 @@ void CheckpointConnector::save(const std::string& path) {
 
 std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) const {
   if (ckpt_path != "last") return ckpt_path;
-  std::string dir = trainer_.checkpoint_callback && !trainer_.checkpoint_callback->dirpath().empty()
-                        ? trainer_.checkpoint_callback->dirpath()
-                        : (trainer_.checkpoint_callback && !trainer_.checkpoint_callback->options().dirpath.empty()
-                               ? trainer_.checkpoint_callback->options().dirpath
-                               : (std::filesystem::path(trainer_.root_dir()) / "checkpoints").string());
+  std::string dir =
+      trainer_.checkpoint_callback && !trainer_.checkpoint_callback->dirpath().empty()
+          ? trainer_.checkpoint_callback->dirpath()
+          : (trainer_.checkpoint_callback &&
+                     !trainer_.checkpoint_callback->options().dirpath.empty()
+                 ? trainer_.checkpoint_callback->options().dirpath
+                 : (std::filesystem::path(trainer_.root_dir()) / "checkpoints").string());
   auto last = (std::filesystem::path(dir) / "last.ckpt").string();
   std::error_code ec;
   if (!std::filesystem::exists(last, ec)) {
@@ -178,7 +182,8 @@ void CheckpointConnector::restore(const std::string& path, bool full) {
   c10::IValue version;
   if (!archive.try_read("fulgur_format_version", version) || !version.isInt()) {
     auto keys = archive.keys();
-    throw CheckpointError(str("\"", path, "\" is not a fulgur checkpoint: it is a LibTorch archive "
+    throw CheckpointError(str("\"", path,
+                              "\" is not a fulgur checkpoint: it is a LibTorch archive "
                               "without a \"fulgur_format_version\" entry (it holds: ",
                               keys.empty() ? std::string("nothing") : join(keys),
                               "). A file written by torch::save is loaded with torch::load; pass "
@@ -186,16 +191,16 @@ void CheckpointConnector::restore(const std::string& path, bool full) {
   }
   if (version.toInt() > kFormatVersion || version.toInt() < 1) {
     throw CheckpointError(str("checkpoint \"", path, "\" has format version ", version.toInt(),
-                              "; this fulgur (", kVersion, ") reads versions 1 to ",
-                              kFormatVersion, ". Use a matching fulgur."));
+                              "; this fulgur (", kVersion, ") reads versions 1 to ", kFormatVersion,
+                              ". Use a matching fulgur."));
   }
 
   auto state = read_section(archive, "state_dict", path);
   try {
     trainer_.strategy->load_module_state(*trainer_.module, state);
   } catch (const c10::Error& e) {
-    throw CheckpointError(str("checkpoint \"", path, "\" does not fit module ", trainer_.module->name(),
-                              ": ", e.what_without_backtrace(),
+    throw CheckpointError(str("checkpoint \"", path, "\" does not fit module ",
+                              trainer_.module->name(), ": ", e.what_without_backtrace(),
                               ". Build the same model (same layers and sizes) before loading."));
   }
   InputArchive extra;
@@ -237,7 +242,8 @@ void CheckpointConnector::restore(const std::string& path, bool full) {
   }
 
   InputArchive precision;
-  if (archive.try_read("precision", precision)) trainer_.strategy->precision().load_state(precision);
+  if (archive.try_read("precision", precision))
+    trainer_.strategy->precision().load_state(precision);
 
   auto loops = read_section(archive, "loops", path);
   FitProgress progress;

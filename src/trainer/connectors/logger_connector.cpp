@@ -21,17 +21,18 @@ void LogSink::log(std::string_view name, double value, const LogOptions& options
   bool on_step = options.on_step.value_or(in_step_);
   bool on_epoch = options.on_epoch.value_or(!in_step_);
   if (!on_step && !on_epoch) {
-    throw ConfigError(str("log(\"", name, "\", on_step=false, on_epoch=false): the value would "
+    throw ConfigError(str("log(\"", name,
+                          "\", on_step=false, on_epoch=false): the value would "
                           "go nowhere. Set on_step or on_epoch."));
   }
   auto it = entries_.find(name);
   if (it == entries_.end()) {
     it = entries_.emplace(std::string(name), Entry{}).first;
   } else if (it->second.options.reduce != options.reduce) {
-    throw ConfigError(str("log(\"", name, "\", reduce=", to_string(options.reduce),
-                          "): this metric was logged with reduce=",
-                          to_string(it->second.options.reduce),
-                          " earlier in the epoch. Use one reduction per metric name."));
+    throw ConfigError(
+        str("log(\"", name, "\", reduce=", to_string(options.reduce),
+            "): this metric was logged with reduce=", to_string(it->second.options.reduce),
+            " earlier in the epoch. Use one reduction per metric name."));
   }
   Entry& e = it->second;
   e.options = options;
@@ -48,9 +49,7 @@ void LogSink::log(std::string_view name, double value, const LogOptions& options
         e.epoch_sum += value * weight;
         e.epoch_weight += weight;
         break;
-      case Reduce::Sum:
-        e.epoch_sum += value;
-        break;
+      case Reduce::Sum: e.epoch_sum += value; break;
       case Reduce::Max:
         e.epoch_sum = e.epoch_has_value ? std::max(e.epoch_sum, value) : value;
         break;
@@ -107,11 +106,12 @@ void check_same_synced_metrics(const std::string& synced, Strategy& strategy) {
     which += str(which.empty() ? "" : "; ", ranks.size() == 1 ? "rank " : "ranks ", join(ranks),
                  " logged ", names.empty() ? "none" : names.substr(0, names.size() - 2));
   }
-  throw ConfigError(str("metrics logged with sync_dist=true differ across ranks this epoch: ",
-                        which, ". Their reductions pair up by name across ranks, so every rank "
-                        "must log the same sync_dist metrics in an epoch (log them on every rank; "
-                        "a rank with nothing to add can log a mean with .batch_size = 0), or log "
-                        "rank-local values without sync_dist."));
+  throw ConfigError(
+      str("metrics logged with sync_dist=true differ across ranks this epoch: ", which,
+          ". Their reductions pair up by name across ranks, so every rank "
+          "must log the same sync_dist metrics in an epoch (log them on every rank; "
+          "a rank with nothing to add can log a mean with .batch_size = 0), or log "
+          "rank-local values without sync_dist."));
 }
 
 }  // namespace
@@ -146,7 +146,8 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
       }
     }
     if (e.options.reduce == Reduce::Mean) value = weight > 0 ? value / weight : std::nan("");
-    out.push_back({e.on_step ? name + "_epoch" : name, value, e.options.logger, e.options.prog_bar});
+    out.push_back(
+        {e.on_step ? name + "_epoch" : name, value, e.options.logger, e.options.prog_bar});
   }
   return out;
 }
@@ -192,8 +193,7 @@ void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const c
 
 void LoggerConnector::publish_step(const Strategy& strategy, bool to_loggers, int64_t epoch,
                                    int64_t step) {
-  publish(train_sink_.collect_step(), "_step", to_loggers, strategy.is_global_zero(), epoch,
-          step);
+  publish(train_sink_.collect_step(), "_step", to_loggers, strategy.is_global_zero(), epoch, step);
   train_sink_.clear_step_flags();
 }
 

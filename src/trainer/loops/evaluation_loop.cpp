@@ -38,34 +38,35 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   } else {
     m.on_validation_epoch_start();
   }
-  for_each_batch(*trainer_.strategy, loader, limit, [&](const Batch& batch, Batch& on_device, int64_t idx) {
-    trainer_.logging.eval_sink().set_context(/*training_step=*/false, on_device.batch_size());
-    {
-      auto scope = trainer_.strategy->step_scope();
-      if (is_test) {
-        m.test_step(on_device, idx);
-      } else {
-        m.validation_step(on_device, idx);
-      }
-    }
-    trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
-    for (auto& cb : trainer_.callbacks) {
-      if (is_test) {
-        cb->on_test_batch_end(trainer_.self, m, batch, idx);
-      } else {
-        cb->on_validation_batch_end(trainer_.self, m, batch, idx);
-      }
-    }
-  });
+  for_each_batch(
+      *trainer_.strategy, loader, limit, [&](const Batch& batch, Batch& on_device, int64_t idx) {
+        trainer_.logging.eval_sink().set_context(/*training_step=*/false, on_device.batch_size());
+        {
+          auto scope = trainer_.strategy->step_scope();
+          if (is_test) {
+            m.test_step(on_device, idx);
+          } else {
+            m.validation_step(on_device, idx);
+          }
+        }
+        trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
+        for (auto& cb : trainer_.callbacks) {
+          if (is_test) {
+            cb->on_test_batch_end(trainer_.self, m, batch, idx);
+          } else {
+            cb->on_validation_batch_end(trainer_.self, m, batch, idx);
+          }
+        }
+      });
   if (is_test) {
     m.on_test_epoch_end();
   } else {
     m.on_validation_epoch_end();
   }
   const auto& fit = trainer_.fit_loop;
-  Metrics out = trainer_.logging.publish_epoch(trainer_.logging.eval_sink(), *trainer_.strategy,
-                                               fit.sanity_checking(), fit.current_epoch(),
-                                               fit.global_step());
+  Metrics out =
+      trainer_.logging.publish_epoch(trainer_.logging.eval_sink(), *trainer_.strategy,
+                                     fit.sanity_checking(), fit.current_epoch(), fit.global_step());
   for (auto& cb : trainer_.callbacks) {
     if (is_test) {
       cb->on_test_epoch_end(trainer_.self, m);
@@ -83,14 +84,17 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
   m.eval();
   m.on_predict_epoch_start();
   std::vector<Batch> out;
-  if (auto n = loader.num_batches()) out.reserve(static_cast<size_t>(limit ? std::min(*n, *limit) : *n));
-  for_each_batch(*trainer_.strategy, loader, limit, [&](const Batch& batch, Batch& on_device, int64_t idx) {
-    {
-      auto scope = trainer_.strategy->step_scope();
-      out.push_back(m.predict_step(on_device, idx));
-    }
-    for (auto& cb : trainer_.callbacks) cb->on_predict_batch_end(trainer_.self, m, batch, idx);
-  });
+  if (auto n = loader.num_batches())
+    out.reserve(static_cast<size_t>(limit ? std::min(*n, *limit) : *n));
+  for_each_batch(*trainer_.strategy, loader, limit,
+                 [&](const Batch& batch, Batch& on_device, int64_t idx) {
+                   {
+                     auto scope = trainer_.strategy->step_scope();
+                     out.push_back(m.predict_step(on_device, idx));
+                   }
+                   for (auto& cb : trainer_.callbacks)
+                     cb->on_predict_batch_end(trainer_.self, m, batch, idx);
+                 });
   m.on_predict_epoch_end();
   return out;
 }

@@ -42,7 +42,8 @@ bool FitLoop::stop_requested_by_limits(bool boundary) {
     stop_reason_ = "max_steps";
     return true;
   }
-  if (stop && current_epoch_ >= trainer_.options.min_epochs && global_step_ >= trainer_.options.min_steps) {
+  if (stop && current_epoch_ >= trainer_.options.min_epochs &&
+      global_step_ >= trainer_.options.min_steps) {
     stop_reason_ = "should_stop";
     return true;
   }
@@ -53,10 +54,11 @@ void FitLoop::run() {
   Module& m = *trainer_.module;
   if (!m.automatic_optimization()) {
     if (trainer_.options.accumulate_grad_batches != 1) {
-      throw ConfigError(str("Trainer(accumulate_grad_batches=", trainer_.options.accumulate_grad_batches,
-                            ") with manual optimization: accumulation is the Module's job when "
-                            "it steps itself. Pass accumulate_grad_batches=1 and step every N "
-                            "batches in training_step."));
+      throw ConfigError(
+          str("Trainer(accumulate_grad_batches=", trainer_.options.accumulate_grad_batches,
+              ") with manual optimization: accumulation is the Module's job when "
+              "it steps itself. Pass accumulate_grad_batches=1 and step every N "
+              "batches in training_step."));
     }
     if (trainer_.options.gradient_clip_val && *trainer_.options.gradient_clip_val > 0) {
       throw ConfigError(str("Trainer(gradient_clip_val=", *trainer_.options.gradient_clip_val,
@@ -67,15 +69,15 @@ void FitLoop::run() {
   }
   num_training_batches_ =
       trainer_.limits.train.apply(train_loader_->num_batches(), "limit_train_batches").value_or(-1);
-  if (trainer_.options.val_check_interval.is_fraction() && trainer_.options.val_check_interval.fraction() < 1.0 &&
-      num_training_batches_ < 0) {
+  if (trainer_.options.val_check_interval.is_fraction() &&
+      trainer_.options.val_check_interval.fraction() < 1.0 && num_training_batches_ < 0) {
     throw ConfigError(str("val_check_interval=", trainer_.options.val_check_interval.text(),
                           ": a fraction of an epoch needs a training loader of known length. "
                           "Pass an int (validate every N batches) instead."));
   }
-  if (!trainer_.options.val_check_interval.is_fraction() && trainer_.options.check_val_every_n_epoch &&
-      num_training_batches_ >= 0 && trainer_.options.val_check_interval.count() > num_training_batches_ &&
-      val_loader_) {
+  if (!trainer_.options.val_check_interval.is_fraction() &&
+      trainer_.options.check_val_every_n_epoch && num_training_batches_ >= 0 &&
+      trainer_.options.val_check_interval.count() > num_training_batches_ && val_loader_) {
     throw ConfigError(str("val_check_interval=", trainer_.options.val_check_interval.count(),
                           " is larger than the ", num_training_batches_,
                           " training batches per epoch. Pass a value <= ", num_training_batches_,
@@ -92,7 +94,7 @@ void FitLoop::run() {
   training_ = true;
   m.train(true);
   trainer_.call_hooks([](Module& mod) { mod.on_train_start(); },
-             [&](Callback& cb) { cb.on_train_start(trainer_.self, m); });
+                      [&](Callback& cb) { cb.on_train_start(trainer_.self, m); });
   while (true) {
     if (trainer_.limits.max_epochs >= 0 && current_epoch_ >= trainer_.limits.max_epochs) {
       stop_reason_ = "max_epochs";
@@ -103,7 +105,7 @@ void FitLoop::run() {
     ++current_epoch_;
   }
   trainer_.call_hooks([](Module& mod) { mod.on_train_end(); },
-             [&](Callback& cb) { cb.on_train_end(trainer_.self, m); });
+                      [&](Callback& cb) { cb.on_train_end(trainer_.self, m); });
   training_ = false;
 }
 
@@ -117,7 +119,7 @@ void FitLoop::train_epoch() {
   trainer_.logging.train_sink().reset();
   m.train(true);
   trainer_.call_hooks([](Module& mod) { mod.on_train_epoch_start(); },
-             [&](Callback& cb) { cb.on_train_epoch_start(trainer_.self, m); });
+                      [&](Callback& cb) { cb.on_train_epoch_start(trainer_.self, m); });
 
   const int64_t limit = num_training_batches_;  // -1: until the loader ends
   int64_t idx = start;
@@ -162,7 +164,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   Module& m = *trainer_.module;
   trainer_.strategy->heartbeat("train batch");
   trainer_.call_hooks([&](Module& mod) { mod.on_train_batch_start(batch, idx); },
-             [&](Callback& cb) { cb.on_train_batch_start(trainer_.self, m, batch, idx); });
+                      [&](Callback& cb) { cb.on_train_batch_start(trainer_.self, m, batch, idx); });
   Batch on_device = trainer_.strategy->batch_to_device(batch);
   trainer_.logging.train_sink().set_context(/*training_step=*/true, on_device.batch_size());
   Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
@@ -184,12 +186,14 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
                               "to skip the batch."));
       }
       if (!loss.requires_grad()) {
-        throw ConfigError("training_step returned a loss that does not require grad: it was "
-                          "computed without the module's parameters, or under NoGradGuard. "
-                          "Return the loss of the forward pass.");
+        throw ConfigError(
+            "training_step returned a loss that does not require grad: it was "
+            "computed without the module's parameters, or under NoGradGuard. "
+            "Return the loss of the forward pass.");
       }
-      at::Tensor scaled =
-          trainer_.options.accumulate_grad_batches > 1 ? loss / trainer_.options.accumulate_grad_batches : loss;
+      at::Tensor scaled = trainer_.options.accumulate_grad_batches > 1
+                              ? loss / trainer_.options.accumulate_grad_batches
+                              : loss;
       trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
       trainer_.strategy->vote_to_stop(should_stop_);
       trainer_.strategy->backward(scaled, m);
@@ -224,9 +228,11 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
       detached.detach_();
     }
   }
-  trainer_.call_hooks([&](Module& mod) { mod.on_train_batch_end(detached, batch, idx); },
-             [&](Callback& cb) { cb.on_train_batch_end(trainer_.self, m, detached, batch, idx); });
-  bool ends_epoch = is_last_batch || (trainer_.limits.max_steps >= 0 && global_step_ >= trainer_.limits.max_steps);
+  trainer_.call_hooks(
+      [&](Module& mod) { mod.on_train_batch_end(detached, batch, idx); },
+      [&](Callback& cb) { cb.on_train_batch_end(trainer_.self, m, detached, batch, idx); });
+  bool ends_epoch = is_last_batch ||
+                    (trainer_.limits.max_steps >= 0 && global_step_ >= trainer_.limits.max_steps);
   if (should_validate_now(idx + 1, ends_epoch)) run_validation(false);
 }
 
@@ -235,7 +241,7 @@ void FitLoop::step_optimizers() {
   for (auto& opt : optimizers_.optimizers) {
     trainer_.strategy->unscale_gradients(*opt);
     trainer_.call_hooks([&](Module& mod) { mod.on_before_optimizer_step(*opt); },
-               [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, *opt); });
+                        [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, *opt); });
     if (trainer_.options.gradient_clip_val && *trainer_.options.gradient_clip_val > 0) {
       auto params = optimizer_params(*opt);
       if (trainer_.options.gradient_clip_algorithm == GradientClipAlgorithm::Norm) {
@@ -280,7 +286,8 @@ bool FitLoop::should_validate_now(int64_t position, bool is_last_batch) const {
   }
   if (trainer_.options.check_val_every_n_epoch) return position % interval.count() == 0;
   // Counted across epochs: every N training batches since the start of fit.
-  int64_t seen = (num_training_batches_ >= 0 ? current_epoch_ * num_training_batches_ : 0) + position;
+  int64_t seen =
+      (num_training_batches_ >= 0 ? current_epoch_ * num_training_batches_ : 0) + position;
   return seen % interval.count() == 0;
 }
 
@@ -288,7 +295,8 @@ void FitLoop::run_validation(bool sanity) {
   Module& m = *trainer_.module;
   auto limit = trainer_.limits.val.apply(val_loader_->num_batches(), "limit_val_batches");
   if (sanity && trainer_.limits.num_sanity_val_steps >= 0) {
-    limit = limit ? std::min(*limit, trainer_.limits.num_sanity_val_steps) : trainer_.limits.num_sanity_val_steps;
+    limit = limit ? std::min(*limit, trainer_.limits.num_sanity_val_steps)
+                  : trainer_.limits.num_sanity_val_steps;
   }
   if (limit && *limit == 0) return;
   bool was_training = m.is_training();
@@ -304,8 +312,9 @@ void FitLoop::run_validation(bool sanity) {
 
 void FitLoop::manual_backward(Module& m, const at::Tensor& loss) {
   if (!training_) {
-    throw ConfigError("manual_backward(loss): called outside training_step. Call it from "
-                      "training_step while fitting.");
+    throw ConfigError(
+        "manual_backward(loss): called outside training_step. Call it from "
+        "training_step while fitting.");
   }
   trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
   trainer_.strategy->vote_to_stop(should_stop_);
@@ -315,12 +324,14 @@ void FitLoop::manual_backward(Module& m, const at::Tensor& loss) {
 
 void FitLoop::manual_optimizer_step(Module& m, torch::optim::Optimizer& optimizer) {
   if (!training_) {
-    throw ConfigError("optimizer_step(optimizer): called outside training_step. Call it from "
-                      "training_step while fitting.");
+    throw ConfigError(
+        "optimizer_step(optimizer): called outside training_step. Call it from "
+        "training_step while fitting.");
   }
   trainer_.strategy->unscale_gradients(optimizer);
-  trainer_.call_hooks([&](Module& mod) { mod.on_before_optimizer_step(optimizer); },
-             [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, optimizer); });
+  trainer_.call_hooks(
+      [&](Module& mod) { mod.on_before_optimizer_step(optimizer); },
+      [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, optimizer); });
   trainer_.strategy->optimizer_step(optimizer, m);
   trainer_.strategy->precision().update();
   ++global_step_;

@@ -23,12 +23,14 @@ TEST(AcceleratorConnector, DefaultsResolveToSingleDeviceOnTheCpuWithNotes) {
   EXPECT_EQ(result.strategy->cluster_environment().name(), "lightning");
   EXPECT_EQ(result.strategy->root_device(), c10::Device(c10::kCPU));
   ASSERT_EQ(result.resolution.notes.size(), 3u);
-  EXPECT_NE(result.resolution.notes[0].find("accelerator=cpu because accelerator=auto"), std::string::npos);
+  EXPECT_NE(result.resolution.notes[0].find("accelerator=cpu because accelerator=auto"),
+            std::string::npos);
   EXPECT_NE(result.resolution.notes[2].find("strategy=single_device"), std::string::npos);
 }
 
 TEST(AcceleratorConnector, LegacyPrecisionSpellingIsNoted) {
-  auto result = fulgur::connect(TrainerOptions{.accelerator = "cpu", .precision = "32"}, empty_env());
+  auto result =
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .precision = "32"}, empty_env());
   EXPECT_EQ(result.strategy->precision().name(), "32-true");
   EXPECT_NE(fulgur::join(result.resolution.notes)
                 .find("precision=\"32-true\" because precision=\"32\" is its legacy spelling"),
@@ -36,14 +38,15 @@ TEST(AcceleratorConnector, LegacyPrecisionSpellingIsNoted) {
 }
 
 TEST(AcceleratorConnector, EveryProblemIsReportedInOneError) {
-  EXPECT_THROWS_WITH(ConfigError,
-                     fulgur::connect(TrainerOptions{.accelerator = "cpuu",
-                                                    .strategy = std::string("singel_device"),
-                                                    .precision = "17-true"},
-                                     empty_env()),
-                     {"3 problems", "accelerator=\"cpuu\"", "did you mean \"cpu\"",
-                      "strategy=\"singel_device\"", "did you mean \"single_device\"",
-                      "precision=\"17-true\"", "Registered: 16-mixed, 16-true, 32-true, 64-true, bf16-mixed, bf16-true"});
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpuu",
+                                     .strategy = std::string("singel_device"),
+                                     .precision = "17-true"},
+                      empty_env()),
+      {"3 problems", "accelerator=\"cpuu\"", "did you mean \"cpu\"", "strategy=\"singel_device\"",
+       "did you mean \"single_device\"", "precision=\"17-true\"",
+       "Registered: 16-mixed, 16-true, 32-true, 64-true, bf16-mixed, bf16-true"});
 }
 
 TEST(AcceleratorConnector, TwoPluginsOfOneTypeConflict) {
@@ -52,19 +55,22 @@ TEST(AcceleratorConnector, TwoPluginsOfOneTypeConflict) {
                                      std::make_shared<fulgur::LightningEnvironment>(empty_env())}};
   EXPECT_THROWS_WITH(ConfigError, fulgur::connect(options, empty_env()),
                      {"plugins[1]", "a second cluster environment", "after lightning", "Pass one"});
-  TrainerOptions io{.accelerator = "cpu",
-                    .plugins = {std::make_shared<fulgur::TorchCheckpointIO>(), std::string("torch")}};
+  TrainerOptions io{
+      .accelerator = "cpu",
+      .plugins = {std::make_shared<fulgur::TorchCheckpointIO>(), std::string("torch")}};
   EXPECT_THROWS_WITH(ConfigError, fulgur::connect(io, empty_env()),
                      {"plugins[1]", "a second checkpoint IO"});
 }
 
 TEST(AcceleratorConnector, NullAndUnknownPluginsAreNamed) {
-  TrainerOptions options{.accelerator = "cpu",
-                         .plugins = {std::shared_ptr<fulgur::CheckpointIO>(), std::string("slrum")}};
+  TrainerOptions options{
+      .accelerator = "cpu",
+      .plugins = {std::shared_ptr<fulgur::CheckpointIO>(), std::string("slrum")}};
   EXPECT_THROWS_WITH(ConfigError, fulgur::connect(options, empty_env()),
                      {"2 problems", "plugins[0] is a null checkpoint IO", "plugins[1]=\"slrum\"",
-                      "unknown plugin",
-                      "did you mean \"slurm\"?", "Registered plugin names: 16-mixed, 16-true, 32-true, 64-true, bf16-mixed, bf16-true, kubeflow, lightning, lsf, mpi, slurm, torch, torchelastic"});
+                      "unknown plugin", "did you mean \"slurm\"?",
+                      "Registered plugin names: 16-mixed, 16-true, 32-true, 64-true, bf16-mixed, "
+                      "bf16-true, kubeflow, lightning, lsf, mpi, slurm, torch, torchelastic"});
 }
 
 TEST(AcceleratorConnector, PrecisionPluginAndPrecisionFlagConflict) {
@@ -88,16 +94,17 @@ TEST(AcceleratorConnector, StrategyInstanceWithAnotherAcceleratorConflictsWithTh
   auto strategy = std::make_shared<fulgur::SingleDeviceStrategy>();
   strategy->set_accelerator(std::make_shared<fulgur::CPUAccelerator>());
   TrainerOptions options{.accelerator = "cuda", .strategy = strategy};
-  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(options, empty_env()),
-                     {"accelerator=\"cuda\"", "the strategy instance (single_device) carries accelerator \"cpu\"",
-                      "set it in one place"});
+  EXPECT_THROWS_WITH(
+      ConfigError, fulgur::connect(options, empty_env()),
+      {"accelerator=\"cuda\"", "the strategy instance (single_device) carries accelerator \"cpu\"",
+       "set it in one place"});
 }
 
 TEST(AcceleratorConnector, CudaWithoutCudaNamesWhatWasFound) {
   if (torch::cuda::is_available()) GTEST_SKIP() << "this machine has CUDA";
-  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(TrainerOptions{.accelerator = "gpu"}, empty_env()),
-                     {"accelerator=\"gpu\"", "not available", "found 0 CUDA devices",
-                      "accelerator=\"cpu\""});
+  EXPECT_THROWS_WITH(
+      ConfigError, fulgur::connect(TrainerOptions{.accelerator = "gpu"}, empty_env()),
+      {"accelerator=\"gpu\"", "not available", "found 0 CUDA devices", "accelerator=\"cpu\""});
 }
 
 TEST(AcceleratorConnector, SeveralDevicesChooseDdpWithItsLauncher) {
@@ -108,10 +115,11 @@ TEST(AcceleratorConnector, SeveralDevicesChooseDdpWithItsLauncher) {
   EXPECT_EQ(strategy.launcher()->name(), "subprocess_script");
   EXPECT_EQ(strategy.world_size(), 2);
   EXPECT_EQ(strategy.global_rank(), 0);
-  EXPECT_TRUE(fulgur::test::message_contains(fulgur::join(result.resolution.notes, "\n"),
-                               {"strategy=ddp because devices=2 and num_nodes=1",
-                                "process_group_backend=gloo because process_group_backend=auto "
-                                "and the devices are cpu"}));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      fulgur::join(result.resolution.notes, "\n"),
+      {"strategy=ddp because devices=2 and num_nodes=1",
+       "process_group_backend=gloo because process_group_backend=auto "
+       "and the devices are cpu"}));
 }
 
 TEST(AcceleratorConnector, AProcessGroupBackendThatCannotRunHereIsAFlagError) {
@@ -154,9 +162,9 @@ TEST(AcceleratorConnector, TheMpiBackendResolvesExactlyWhereTheBuildHasIt) {
   if (std::find(available.begin(), available.end(), "mpi") != available.end()) {
     EXPECT_NO_THROW(fulgur::connect(flags(), empty_env()));
   } else {
-    EXPECT_THROWS_WITH(fulgur::FlagError, fulgur::connect(flags(), empty_env()),
-                       {"process_group_backend=\"mpi\"", "is not in this build",
-                        "Available: gloo"});
+    EXPECT_THROWS_WITH(
+        fulgur::FlagError, fulgur::connect(flags(), empty_env()),
+        {"process_group_backend=\"mpi\"", "is not in this build", "Available: gloo"});
   }
 }
 
@@ -182,17 +190,21 @@ TEST(AcceleratorConnector, NamesMatchInAnyCase) {
       TrainerOptions{.accelerator = "CPU", .strategy = "Ddp_Spawn", .devices = 2}, empty_env());
   EXPECT_EQ(result.strategy->name(), "ddp_spawn");
   EXPECT_EQ(result.strategy->accelerator().name(), "cpu");
-  auto capitals = fulgur::connect(TrainerOptions{.accelerator = "Auto", .strategy = "AUTO"},
-                                   empty_env());
+  auto capitals =
+      fulgur::connect(TrainerOptions{.accelerator = "Auto", .strategy = "AUTO"}, empty_env());
   EXPECT_EQ(capitals.resolution.strategy, "single_device");
 }
 
 TEST(AcceleratorConnector, ProcessesCreatedByTorchrunNeedNoLauncher) {
   auto result = fulgur::connect(
       TrainerOptions{.accelerator = "cpu", .strategy = "ddp", .devices = 2},
-      fulgur::EnvView(std::map<std::string, std::string>{
-          {"RANK", "1"}, {"GROUP_RANK", "0"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
-          {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}}));
+      fulgur::EnvView(std::map<std::string, std::string>{{"RANK", "1"},
+                                                         {"GROUP_RANK", "0"},
+                                                         {"LOCAL_RANK", "1"},
+                                                         {"LOCAL_WORLD_SIZE", "2"},
+                                                         {"WORLD_SIZE", "2"},
+                                                         {"MASTER_ADDR", "127.0.0.1"},
+                                                         {"MASTER_PORT", "29500"}}));
   EXPECT_EQ(result.strategy->launcher(), nullptr);
   EXPECT_EQ(result.strategy->global_rank(), 1);
   EXPECT_EQ(result.strategy->local_rank(), 1);
@@ -207,16 +219,18 @@ fulgur::EnvView env_of(std::map<std::string, std::string> vars) {
 TEST(AcceleratorConnector, RanksOutOfRangeNameTheVariableTheyCameFrom) {
   const TrainerOptions ddp2{.accelerator = "cpu", .strategy = "ddp", .devices = 2};
   const std::map<std::string, std::string> torchrun = {
-      {"RANK", "1"}, {"GROUP_RANK", "0"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
-      {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+      {"RANK", "1"},           {"GROUP_RANK", "0"},
+      {"LOCAL_RANK", "1"},     {"LOCAL_WORLD_SIZE", "2"},
+      {"WORLD_SIZE", "2"},     {"MASTER_ADDR", "127.0.0.1"},
+      {"MASTER_PORT", "29500"}};
   auto with = [&](std::map<std::string, std::string> changes) {
     auto vars = torchrun;
     for (auto& [k, v] : changes) vars[k] = v;
     return env_of(vars);
   };
-  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(ddp2, with({{"RANK", "5"}})),
-                     {"RANK=5 (cluster environment \"torchelastic\") is outside 0..1",
-                      "WORLD_SIZE=2"});
+  EXPECT_THROWS_WITH(
+      ConfigError, fulgur::connect(ddp2, with({{"RANK", "5"}})),
+      {"RANK=5 (cluster environment \"torchelastic\") is outside 0..1", "WORLD_SIZE=2"});
   EXPECT_THROWS_WITH(ConfigError, fulgur::connect(ddp2, with({{"RANK", "-1"}})),
                      {"RANK=-1", "outside 0..1"});
   EXPECT_THROWS_WITH(ConfigError, fulgur::connect(ddp2, with({{"LOCAL_RANK", "5"}})),
@@ -226,8 +240,7 @@ TEST(AcceleratorConnector, RanksOutOfRangeNameTheVariableTheyCameFrom) {
   EXPECT_THROWS_WITH(ConfigError, fulgur::connect(ddp2, with({{"GROUP_RANK", "1"}})),
                      {"GROUP_RANK=1", "outside 0..0 for num_nodes=1"});
   // Every problem at once.
-  EXPECT_THROWS_WITH(ConfigError,
-                     fulgur::connect(ddp2, with({{"RANK", "9"}, {"LOCAL_RANK", "7"}})),
+  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(ddp2, with({{"RANK", "9"}, {"LOCAL_RANK", "7"}})),
                      {"RANK=9", "LOCAL_RANK=7"});
   // Open MPI and SLURM name their own variables.
   EXPECT_THROWS_WITH(ConfigError,
@@ -254,8 +267,11 @@ TEST(AcceleratorConnector, TorchrunWithoutMasterAddrNamesTheMissingVariable) {
   EXPECT_THROWS_WITH(
       ConfigError,
       fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = "ddp", .devices = 2},
-                      env_of({{"RANK", "0"}, {"GROUP_RANK", "0"}, {"LOCAL_RANK", "0"},
-                              {"LOCAL_WORLD_SIZE", "2"}, {"WORLD_SIZE", "2"},
+                      env_of({{"RANK", "0"},
+                              {"GROUP_RANK", "0"},
+                              {"LOCAL_RANK", "0"},
+                              {"LOCAL_WORLD_SIZE", "2"},
+                              {"WORLD_SIZE", "2"},
                               {"MASTER_PORT", "29500"}})),
       {"\"torchelastic\" needs the environment variable MASTER_ADDR, which is not set"});
 }
@@ -264,8 +280,7 @@ TEST(AcceleratorConnector, AnEmptyMasterAddrWithSeveralNodesIsNamed) {
   EXPECT_THROWS_WITH(
       ConfigError,
       fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = 1, .num_nodes = 2},
-                      env_of({{"MASTER_ADDR", ""}, {"MASTER_PORT", "29500"},
-                              {"NODE_RANK", "1"}})),
+                      env_of({{"MASTER_ADDR", ""}, {"MASTER_PORT", "29500"}, {"NODE_RANK", "1"}})),
       {"MASTER_ADDR is set but empty, with num_nodes=2"});
 }
 
@@ -349,7 +364,8 @@ TEST(AcceleratorConnector, AcceleratorInstanceAndAnotherOnTheStrategyConflict) {
                          .strategy = strategy};
   EXPECT_THROWS_WITH(fulgur::FlagError, fulgur::connect(options, empty_env()),
                      {"accelerator=\"cpu\" but the strategy instance (single_device) carries "
-                      "accelerator \"cpu\"", "set it in one place"});
+                      "accelerator \"cpu\"",
+                      "set it in one place"});
   TrainerOptions null_accelerator{.accelerator = std::shared_ptr<fulgur::Accelerator>()};
   EXPECT_THROWS_WITH(fulgur::FlagError, fulgur::connect(null_accelerator, empty_env()),
                      {"accelerator is a null Accelerator instance"});
@@ -360,8 +376,8 @@ TEST(AcceleratorConnector, StrategyInstanceCarriesPrecisionAndEnvironment) {
   strategy->set_precision(std::make_shared<fulgur::TruePrecision>(at::kDouble));
   strategy->set_cluster_environment(std::make_shared<fulgur::LightningEnvironment>(empty_env()));
   // What the instance carries is used...
-  auto result = fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = strategy},
-                                empty_env());
+  auto result =
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = strategy}, empty_env());
   EXPECT_EQ(result.resolution.precision, "64-true");
   // ...and a flag or plugin naming something else is a problem, all at once.
   TrainerOptions conflicting{.accelerator = "cpu",

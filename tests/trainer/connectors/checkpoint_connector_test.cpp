@@ -209,8 +209,8 @@ class DropoutNet : public fulgur::Module {
     return torch::nn::functional::mse_loss(out, y);
   }
   fulgur::OptimizerConfig configure_optimizers() override {
-    optimizer = std::make_shared<torch::optim::SGD>(
-        parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    optimizer = std::make_shared<torch::optim::SGD>(parameters(),
+                                                    torch::optim::SGDOptions(0.05).momentum(0.9));
     return fulgur::OptimizerConfig(optimizer);
   }
 
@@ -346,9 +346,9 @@ class MidEpochResume : public ::testing::Test {
 
 TEST_F(MidEpochResume, WritesACheckpointEveryThreeSteps) {
   auto files = list_files(ckpt_dir_);
-  for (const char* name : {"epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "epoch=0-step=9.ckpt",
-                           "epoch=1-step=12.ckpt", "epoch=1-step=15.ckpt", "epoch=1-step=18.ckpt",
-                           "last.ckpt"}) {
+  for (const char* name :
+       {"epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "epoch=0-step=9.ckpt", "epoch=1-step=12.ckpt",
+        "epoch=1-step=15.ckpt", "epoch=1-step=18.ckpt", "last.ckpt"}) {
     EXPECT_THAT(files, ::testing::Contains(name));
   }
 }

@@ -13,8 +13,8 @@ using fulgur::test::LinearRegression;
 using fulgur::test::regression_dataset;
 using fulgur::test::regression_loader;
 using fulgur::test::TempDir;
-using fulgur::test::uneven_loader;
 using fulgur::test::test_options;
+using fulgur::test::uneven_loader;
 
 TEST(Logging, TrainingStepLogsPerStepByDefault) {
   TempDir dir;

@@ -4,7 +4,8 @@
 // Each case parses its flags with parse_flags (what `fulgur resolve` does)
 // and resolves them on a pretend machine without GPUs with its own
 // environment (support/fake_machine.h), so no case sees another's variables
-// or the test process's, and the table runs the same on a machine with CUDA. A resolution is asserted field by field:
+// or the test process's, and the table runs the same on a machine with CUDA. A resolution is
+// asserted field by field:
 //   "accelerator strategy launcher precision cluster_environment
 //    num_nodes num_devices world_size global_rank local_rank node_rank"
 // with "-" for no launcher. A failure is asserted as the error's kind and one
@@ -32,49 +33,75 @@ Vars merged(Vars base, const Vars& extra) {
 // ---- Environments, as their launchers set them.
 const Vars kClean{};
 // fulgur's own subprocess-script launcher: the child of local rank 1 of 2.
-const Vars kOwnChild{{"RANK", "1"},        {"LOCAL_RANK", "1"},  {"WORLD_SIZE", "2"},
-                     {"LOCAL_WORLD_SIZE", "2"}, {"NODE_RANK", "0"}, {"MASTER_ADDR", "127.0.0.1"},
+const Vars kOwnChild{{"RANK", "1"},           {"LOCAL_RANK", "1"},
+                     {"WORLD_SIZE", "2"},     {"LOCAL_WORLD_SIZE", "2"},
+                     {"NODE_RANK", "0"},      {"MASTER_ADDR", "127.0.0.1"},
                      {"MASTER_PORT", "29511"}};
 // One node of two, started by hand for fulgur's own launcher.
 const Vars kSecondNode{{"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29400"}, {"NODE_RANK", "1"}};
 // torchrun --nproc-per-node 2: worker 1.
-const Vars kTorchrun1x2{{"RANK", "1"},          {"GROUP_RANK", "0"},   {"LOCAL_RANK", "1"},
-                        {"LOCAL_WORLD_SIZE", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                        {"MASTER_PORT", "29500"},  {"TORCHELASTIC_RUN_ID", "none"}};
+const Vars kTorchrun1x2{{"RANK", "1"},
+                        {"GROUP_RANK", "0"},
+                        {"LOCAL_RANK", "1"},
+                        {"LOCAL_WORLD_SIZE", "2"},
+                        {"WORLD_SIZE", "2"},
+                        {"MASTER_ADDR", "127.0.0.1"},
+                        {"MASTER_PORT", "29500"},
+                        {"TORCHELASTIC_RUN_ID", "none"}};
 // torchrun --nnodes 2 --nproc-per-node 2: worker 3.
-const Vars kTorchrun2x2{{"RANK", "3"},          {"GROUP_RANK", "1"},   {"LOCAL_RANK", "1"},
-                        {"LOCAL_WORLD_SIZE", "2"}, {"WORLD_SIZE", "4"}, {"MASTER_ADDR", "10.0.0.1"},
-                        {"MASTER_PORT", "29400"},  {"TORCHELASTIC_RUN_ID", "job7"}};
+const Vars kTorchrun2x2{{"RANK", "3"},
+                        {"GROUP_RANK", "1"},
+                        {"LOCAL_RANK", "1"},
+                        {"LOCAL_WORLD_SIZE", "2"},
+                        {"WORLD_SIZE", "4"},
+                        {"MASTER_ADDR", "10.0.0.1"},
+                        {"MASTER_PORT", "29400"},
+                        {"TORCHELASTIC_RUN_ID", "job7"}};
 // srun --nodes 2 --ntasks-per-node 2: task 2.
-const Vars kSrun2x2{{"SLURM_NTASKS", "4"},          {"SLURM_PROCID", "2"},
-                    {"SLURM_LOCALID", "0"},         {"SLURM_NODEID", "1"},
-                    {"SLURM_NODELIST", "gpu[017-018]"}, {"SLURM_JOB_ID", "4123456"},
-                    {"SLURM_JOB_NAME", "train"},    {"SLURM_NTASKS_PER_NODE", "2"},
+const Vars kSrun2x2{{"SLURM_NTASKS", "4"},
+                    {"SLURM_PROCID", "2"},
+                    {"SLURM_LOCALID", "0"},
+                    {"SLURM_NODEID", "1"},
+                    {"SLURM_NODELIST", "gpu[017-018]"},
+                    {"SLURM_JOB_ID", "4123456"},
+                    {"SLURM_JOB_NAME", "train"},
+                    {"SLURM_NTASKS_PER_NODE", "2"},
                     {"SLURM_NNODES", "2"}};
 // srun --ntasks 2 on one node: task 1.
-const Vars kSrun1x2{{"SLURM_NTASKS", "2"},       {"SLURM_PROCID", "1"},     {"SLURM_LOCALID", "1"},
-                    {"SLURM_NODEID", "0"},       {"SLURM_NODELIST", "node01"}, {"SLURM_JOB_ID", "77"},
-                    {"SLURM_JOB_NAME", "train"}, {"SLURM_NTASKS_PER_NODE", "2"}, {"SLURM_NNODES", "1"}};
+const Vars kSrun1x2{
+    {"SLURM_NTASKS", "2"},       {"SLURM_PROCID", "1"},          {"SLURM_LOCALID", "1"},
+    {"SLURM_NODEID", "0"},       {"SLURM_NODELIST", "node01"},   {"SLURM_JOB_ID", "77"},
+    {"SLURM_JOB_NAME", "train"}, {"SLURM_NTASKS_PER_NODE", "2"}, {"SLURM_NNODES", "1"}};
 // salloc + a shell: an interactive allocation, not an srun task.
-const Vars kSallocBash = merged(kSrun1x2, {{"SLURM_JOB_NAME", "bash"}, {"SLURM_PROCID", "0"},
-                                           {"SLURM_LOCALID", "0"}});
+const Vars kSallocBash =
+    merged(kSrun1x2, {{"SLURM_JOB_NAME", "bash"}, {"SLURM_PROCID", "0"}, {"SLURM_LOCALID", "0"}});
 const Vars kSallocInteractive = merged(kSallocBash, {{"SLURM_JOB_NAME", "interactive"}});
 // mpirun -np 2 (Open MPI): rank 1.
-const Vars kMpirun1x2{{"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "1"},
-                      {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
+const Vars kMpirun1x2{{"OMPI_COMM_WORLD_SIZE", "2"},
+                      {"OMPI_COMM_WORLD_RANK", "1"},
+                      {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                      {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}};
 // mpirun -np 4 on one node: rank 2.
-const Vars kMpirun1x4{{"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_RANK", "2"},
-                      {"OMPI_COMM_WORLD_LOCAL_RANK", "2"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}};
+const Vars kMpirun1x4{{"OMPI_COMM_WORLD_SIZE", "4"},
+                      {"OMPI_COMM_WORLD_RANK", "2"},
+                      {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
+                      {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}};
 // MPICH / Intel MPI (PMI): rank 1 of 2.
-const Vars kPmi1x2{{"PMI_SIZE", "2"}, {"PMI_RANK", "1"}, {"MPI_LOCALRANKID", "1"},
-                   {"MPI_LOCALNRANKS", "2"}};
+const Vars kPmi1x2{
+    {"PMI_SIZE", "2"}, {"PMI_RANK", "1"}, {"MPI_LOCALRANKID", "1"}, {"MPI_LOCALNRANKS", "2"}};
 // jsrun on 2 compute hosts x 3 ranks: rank 4.
-const Vars kLsf{{"LSB_JOBID", "98765"},          {"LSB_DJOB_RANKFILE", "/tmp/rankfile"},
-                {"LSB_MCPU_HOSTS", "batch1 1 h1 42 h2 42"}, {"JSM_NAMESPACE_SIZE", "6"},
-                {"JSM_NAMESPACE_RANK", "4"},     {"JSM_NAMESPACE_LOCAL_RANK", "1"}};
+const Vars kLsf{{"LSB_JOBID", "98765"},
+                {"LSB_DJOB_RANKFILE", "/tmp/rankfile"},
+                {"LSB_MCPU_HOSTS", "batch1 1 h1 42 h2 42"},
+                {"JSM_NAMESPACE_SIZE", "6"},
+                {"JSM_NAMESPACE_RANK", "4"},
+                {"JSM_NAMESPACE_LOCAL_RANK", "1"}};
 // A PyTorchJob with 3 pods: rank 2.
-const Vars kKubeflow{{"KUBERNETES_PORT", "tcp://10.96.0.1:443"}, {"MASTER_ADDR", "job-master-0"},
-                     {"MASTER_PORT", "23456"}, {"WORLD_SIZE", "3"}, {"RANK", "2"}};
+const Vars kKubeflow{{"KUBERNETES_PORT", "tcp://10.96.0.1:443"},
+                     {"MASTER_ADDR", "job-master-0"},
+                     {"MASTER_PORT", "23456"},
+                     {"WORLD_SIZE", "3"},
+                     {"RANK", "2"}};
 
 struct Case {
   std::string name;
@@ -366,11 +393,11 @@ TEST(ResolutionNotes, StateEachDefaultAndWhy) {
       {"devices=1 because devices=auto on cpu",
        "precision=\"bf16-mixed\" because precision=\"bf16\" is its legacy spelling",
        "strategy=single_device because one device on one node"}));
-  EXPECT_TRUE(fulgur::test::message_contains(
-      notes({{"devices", "2"}}, kTorchrun1x2), {"cluster_environment=torchelastic because"}));
-  EXPECT_TRUE(fulgur::test::message_contains(
-      notes({{"devices", "2"}}, kSallocBash),
-      {"SLURM_JOB_NAME=\"bash\" is an interactive allocation"}));
+  EXPECT_TRUE(fulgur::test::message_contains(notes({{"devices", "2"}}, kTorchrun1x2),
+                                             {"cluster_environment=torchelastic because"}));
+  EXPECT_TRUE(
+      fulgur::test::message_contains(notes({{"devices", "2"}}, kSallocBash),
+                                     {"SLURM_JOB_NAME=\"bash\" is an interactive allocation"}));
   EXPECT_EQ(notes({{"devices", "2"}}, kTorchrun1x2).find("launcher="), std::string::npos);
 }
 

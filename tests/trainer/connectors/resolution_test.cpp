@@ -51,13 +51,14 @@ TEST(ResolutionJson, HasExactlyTheDocumentedKeysInOrder) {
 
 TEST(ResolutionJson, ErrorsListEveryProblemAndTheMessage) {
   fulgur::FlagError error("invalid_flags", {"devices=0: selects no device.", "num_nodes=0: bad"});
-  EXPECT_EQ(fulgur::to_json(error),
-            "{\n"
-            "  \"error\": \"invalid_flags\",\n"
-            "  \"problems\": [\n    \"devices=0: selects no device.\",\n    \"num_nodes=0: bad\"\n  ],\n"
-            "  \"message\": \"Trainer: 2 problems with the flags:\\n  - devices=0: selects no "
-            "device.\\n  - num_nodes=0: bad\"\n"
-            "}\n");
+  EXPECT_EQ(
+      fulgur::to_json(error),
+      "{\n"
+      "  \"error\": \"invalid_flags\",\n"
+      "  \"problems\": [\n    \"devices=0: selects no device.\",\n    \"num_nodes=0: bad\"\n  ],\n"
+      "  \"message\": \"Trainer: 2 problems with the flags:\\n  - devices=0: selects no "
+      "device.\\n  - num_nodes=0: bad\"\n"
+      "}\n");
 }
 
 }  // namespace

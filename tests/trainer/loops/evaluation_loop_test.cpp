@@ -8,14 +8,14 @@
 
 namespace {
 
-using ::testing::ElementsAre;
 using fulgur::test::LinearRegression;
 using fulgur::test::only;
 using fulgur::test::parameters_equal;
 using fulgur::test::regression_dataset;
 using fulgur::test::TempDir;
-using fulgur::test::uneven_loader;
 using fulgur::test::test_options;
+using fulgur::test::uneven_loader;
+using ::testing::ElementsAre;
 
 /// The MSE over the whole dataset, computed outside fulgur.
 double full_mse(LinearRegression& model) {
@@ -39,7 +39,8 @@ TEST(Evaluation, PredictReturnsOneBatchPerBatchInOrder) {
   auto x = regression_dataset(10)->tensors()[0];
   torch::NoGradGuard no_grad;
   auto expected = model.forward(x);
-  auto got = torch::cat({predictions[0].tensor(), predictions[1].tensor(), predictions[2].tensor()});
+  auto got =
+      torch::cat({predictions[0].tensor(), predictions[1].tensor(), predictions[2].tensor()});
   EXPECT_TRUE(torch::allclose(got.detach(), expected, 1e-6, 1e-7));
 }
 
@@ -51,9 +52,10 @@ TEST(Evaluation, PredictHooksAndLimit) {
   fulgur::Trainer trainer(options);
   auto predictions = trainer.predict(model, uneven_loader());
   EXPECT_EQ(predictions.size(), 2u);
-  EXPECT_THAT(only(model.events, {"on_predict_epoch_start", "predict_step", "on_predict_epoch_end"}),
-              ElementsAre("on_predict_epoch_start", "predict_step", "predict_step",
-                          "on_predict_epoch_end"));
+  EXPECT_THAT(
+      only(model.events, {"on_predict_epoch_start", "predict_step", "on_predict_epoch_end"}),
+      ElementsAre("on_predict_epoch_start", "predict_step", "predict_step",
+                  "on_predict_epoch_end"));
 }
 
 TEST(Evaluation, TestReturnsTheLoggedMetricsWeightedByBatchSize) {
@@ -129,7 +131,8 @@ TEST(Evaluation, NoDataIsAConfigError) {
   TempDir dir;
   LinearRegression model;
   fulgur::Trainer trainer(test_options(dir));
-  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.validate(model, nullptr), {"validate", "no data"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.validate(model, nullptr),
+                     {"validate", "no data"});
   EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.test(model, nullptr), {"test", "no data"});
   EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.predict(model, nullptr), {"predict", "no data"});
 }
@@ -160,8 +163,7 @@ TEST(Evaluation, ModuleWithoutTestStepIsAConfigError) {
   TempDir dir;
   NoTestStep model;
   fulgur::Trainer trainer(test_options(dir));
-  EXPECT_THROWS_WITH(fulgur::ConfigError,
-                     trainer.test(model, fulgur::test::regression_loader(1)),
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.test(model, fulgur::test::regression_loader(1)),
                      {"NoTestStep", "test_step"});
 }
 

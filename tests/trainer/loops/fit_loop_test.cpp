@@ -12,8 +12,6 @@
 
 namespace {
 
-using ::testing::ElementsAre;
-using ::testing::IsEmpty;
 using fulgur::test::LinearRegression;
 using fulgur::test::list_files;
 using fulgur::test::only;
@@ -21,6 +19,8 @@ using fulgur::test::regression_loader;
 using fulgur::test::TempDir;
 using fulgur::test::test_options;
 using fulgur::test::ValidationRecorder;
+using ::testing::ElementsAre;
+using ::testing::IsEmpty;
 
 // ---- Run length.
 
@@ -393,9 +393,9 @@ TEST(FitLoop, SanityCheckRunsBeforeTrainingAndItsMetricsAreDropped) {
   EXPECT_FALSE(probe->sanity_checking);
   EXPECT_EQ(result.metrics.count("val_loss"), 1u) << "the real validation's metrics are kept";
   auto order = only(model.events, {"on_fit_start", "validation_step", "on_train_start"});
-  EXPECT_THAT(order, ElementsAre("on_fit_start", "validation_step", "validation_step",
-                                 "on_train_start", "validation_step", "validation_step",
-                                 "validation_step"));
+  EXPECT_THAT(order,
+              ElementsAre("on_fit_start", "validation_step", "validation_step", "on_train_start",
+                          "validation_step", "validation_step", "validation_step"));
 }
 
 // ---- fast_dev_run.
@@ -517,18 +517,17 @@ TEST(FitLoop, HookOrderWithAccumulation) {
   fulgur::Trainer trainer(options);
   trainer.fit(model, regression_loader(2));
   auto batch_events =
-      only(model.events, {"on_train_batch_start", "training_step", "on_before_backward",
-                          "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
-                          "on_train_batch_end"});
-  EXPECT_THAT(batch_events,
-              ElementsAre(
-                  // batch 0: accumulate only
-                  "on_train_batch_start", "training_step", "on_before_backward",
-                  "on_after_backward", "on_train_batch_end",
-                  // batch 1: accumulate, then step
-                  "on_train_batch_start", "training_step", "on_before_backward",
-                  "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad",
-                  "on_train_batch_end"));
+      only(model.events,
+           {"on_train_batch_start", "training_step", "on_before_backward", "on_after_backward",
+            "on_before_optimizer_step", "on_before_zero_grad", "on_train_batch_end"});
+  EXPECT_THAT(batch_events, ElementsAre(
+                                // batch 0: accumulate only
+                                "on_train_batch_start", "training_step", "on_before_backward",
+                                "on_after_backward", "on_train_batch_end",
+                                // batch 1: accumulate, then step
+                                "on_train_batch_start", "training_step", "on_before_backward",
+                                "on_after_backward", "on_before_optimizer_step",
+                                "on_before_zero_grad", "on_train_batch_end"));
 }
 
 TEST(FitLoop, HookOrderWithValidation) {
@@ -538,10 +537,9 @@ TEST(FitLoop, HookOrderWithValidation) {
   options.num_sanity_val_steps = 1;
   fulgur::Trainer trainer(options);
   trainer.fit(model, regression_loader(2), regression_loader(1));
-  auto order = only(model.events,
-                    {"on_fit_start", "on_fit_end", "on_train_start", "on_train_end",
-                     "on_train_epoch_start", "on_train_epoch_end", "training_step",
-                     "validation_step", "on_train_batch_end"});
+  auto order = only(model.events, {"on_fit_start", "on_fit_end", "on_train_start", "on_train_end",
+                                   "on_train_epoch_start", "on_train_epoch_end", "training_step",
+                                   "validation_step", "on_train_batch_end"});
   EXPECT_THAT(order, ElementsAre("on_fit_start",
                                  "validation_step",  // sanity check
                                  "on_train_start", "on_train_epoch_start", "training_step",
@@ -570,10 +568,9 @@ TEST(FitLoop, CallbackHooksRunRightAfterTheModuleHook) {
   options.callbacks = {std::make_shared<fulgur::test::RecordingCallback>(&model.events)};
   fulgur::Trainer trainer(options);
   trainer.fit(model, regression_loader(1));
-  for (const char* hook :
-       {"on_fit_start", "on_train_start", "on_train_epoch_start", "on_train_batch_start",
-        "on_before_optimizer_step", "on_train_batch_end", "on_train_epoch_end", "on_train_end",
-        "on_fit_end"}) {
+  for (const char* hook : {"on_fit_start", "on_train_start", "on_train_epoch_start",
+                           "on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end",
+                           "on_train_epoch_end", "on_train_end", "on_fit_end"}) {
     auto it = std::find(model.events.begin(), model.events.end(), hook);
     ASSERT_NE(it, model.events.end()) << hook;
     ASSERT_NE(it + 1, model.events.end()) << hook;
