@@ -323,6 +323,33 @@ TEST(TorchCheckpointIOIntegrity, AFullDiskIsAClearErrorAndLosesNothing) {
          "checkpoint does not load";
 }
 
+// A save killed mid-write leaves `<path>.tmp.<pid>`: the next save in the
+// directory removes it once its writer is dead, never a live writer's.
+TEST(TorchCheckpointIOIntegrity, ASaveRemovesDeadWritersTemporaryFiles) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  const pid_t dead = ::fork();
+  ASSERT_GE(dead, 0);
+  if (dead == 0) ::_exit(0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(dead, &status, 0), dead);  // reaped: this pid is free now
+  char host[256] = {};
+  ASSERT_EQ(::gethostname(host, sizeof(host) - 1), 0);
+  const std::string here = std::string(".") + host;
+  const std::string dead_pid = std::to_string(dead), live_pid = std::to_string(::getppid());
+  const std::vector<std::string> names = {
+      "last.ckpt.tmp." + dead_pid + here,         // a dead writer here: removed
+      "epoch=1.ckpt.tmp." + dead_pid,             // fulgur 0.1's name, dead: removed
+      "epoch=0.ckpt.tmp." + live_pid + here,      // a live writer: kept
+      "epoch=2.ckpt.tmp." + dead_pid + ".node7",  // another host's: kept
+      "notes.tmp.txt"};                           // not a temporary checkpoint: kept
+  for (const auto& name : names) fulgur::test::write_text(dir.file(name), "partial");
+  save_model_like(io, dir.file("last.ckpt"));
+  EXPECT_THAT(list_files(dir.path()),
+              ElementsAre("epoch=0.ckpt.tmp." + live_pid + here,
+                          "epoch=2.ckpt.tmp." + dead_pid + ".node7", "last.ckpt", "notes.tmp.txt"));
+}
+
 TEST(TorchCheckpointIO, RegisteredAsTorch) {
   auto io = fulgur::checkpoint_io_registry().create("torch");
   EXPECT_EQ(io->name(), "torch");

@@ -5,6 +5,7 @@
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -322,6 +323,13 @@ class ChecksummingWriter {
   uint64_t size_ = 0;
 };
 
+// This machine's name, as temporary files record their writer's.
+std::string this_host() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "localhost";
+  return name;
+}
+
 std::string advice_for(int err) {
   switch (err) {
     case ENOSPC:
@@ -352,7 +360,7 @@ void TorchCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpo
     }
   }
   checkpoint.write(kIntegrityKey, c10::IValue(std::string("crc32c footer v1")));
-  const std::string tmp = str(path, ".tmp.", ::getpid());
+  const std::string tmp = str(path, ".tmp.", ::getpid(), ".", this_host());
   auto fail = [&](const char* operation, int err, const std::string& file) {
     fs::remove(tmp, ec);
     throw CheckpointError(str("saving checkpoint \"", path, "\": cannot ", operation, " \"", file,
@@ -381,6 +389,35 @@ void TorchCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpo
       throw CheckpointError(str("saving checkpoint \"", path, "\": cannot flush its directory \"",
                                 dir, "\" (fsync): ", std::strerror(err), "."));
     }
+  }
+  remove_stale_temporary_files(dir);
+}
+
+void TorchCheckpointIO::remove_stale_temporary_files(const std::string& dir) {
+  const std::string host = this_host();
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    // "<name>.tmp.<pid>.<host>" (fulgur 0.1: "<name>.tmp.<pid>").
+    const std::string name = it->path().filename().string();
+    const auto at = name.rfind(".tmp.");
+    if (at == std::string::npos) continue;
+    const std::string rest = name.substr(at + 5);
+    const auto dot = rest.find('.');
+    const std::string pid_text = rest.substr(0, dot);
+    const std::string writer_host = dot == std::string::npos ? host : rest.substr(dot + 1);
+    if (pid_text.empty() || pid_text.size() > 9 ||
+        !std::all_of(pid_text.begin(), pid_text.end(),
+                     [](char c) { return c >= '0' && c <= '9'; })) {
+      continue;
+    }
+    // Another machine's writer (a shared file system) cannot be checked
+    // from here: its file stays. So does a live writer's (or one this
+    // process may not signal); only a dead local writer's leftover goes.
+    if (writer_host != host) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
+    if (pid <= 0 || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    std::error_code remove_ec;
+    fs::remove(it->path(), remove_ec);
   }
 }
 

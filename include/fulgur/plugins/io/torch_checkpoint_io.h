@@ -7,7 +7,7 @@ namespace fulgur {
 
 /// LibTorch's archive format (the zip container torch::save writes)
 /// followed by a 32-byte footer with its length and CRC32C. Written to
-/// `<path>.tmp.<pid>`, flushed to disk, renamed over `path`, and the
+/// `<path>.tmp.<pid>.<host>`, flushed to disk, renamed over `path`, and the
 /// directory flushed: after a crash `path` holds the old checkpoint or the
 /// complete new one. A write error (a full disk, no permission) is a
 /// CheckpointError naming the file, the operation and the OS reason; the
@@ -28,6 +28,11 @@ class TorchCheckpointIO : public CheckpointIO {
   /// Empty when `path` verifies against its checksum; otherwise what is
   /// wrong with it, in one sentence. Reads the file; loads nothing.
   static std::string verify(const std::string& path);
+  /// Removes `<name>.tmp.<pid>.<host>` files in `dir` whose writer `pid`
+  /// on this host is no longer alive (a save killed mid-write); a live
+  /// writer's, and another host's (a shared file system), stay. Every save
+  /// does it in its own directory.
+  static void remove_stale_temporary_files(const std::string& dir);
 
   std::string_view name() const override { return "torch"; }
   void save_checkpoint(torch::serialize::OutputArchive& checkpoint,
