@@ -199,26 +199,23 @@ GradientReducer::~GradientReducer() {
 
 void GradientReducer::set_require_sync(bool sync) { state_->require_sync = sync; }
 bool GradientReducer::require_sync() const { return state_->require_sync; }
+namespace {
+void check_extra_index(const char* method, size_t i, size_t count) {
+  if (i < count) return;
+  throw ConfigError(str("GradientReducer::", method, "(", i, "): the reducer carries ", count,
+                        " extra scalar(s) (GradientReducerOptions::extra_scalars); pass an index "
+                        "below it, or raise extra_scalars."));
+}
+}  // namespace
+
 void GradientReducer::set_extra_scalar(size_t i, double value) {
-  auto& values = state_->extra_values;
-  if (i >= values.size()) {
-    throw ConfigError(str("GradientReducer::set_extra_scalar(", i, "): the reducer carries ",
-                          values.size(),
-                          " extra scalar(s) (GradientReducerOptions::"
-                          "extra_scalars); pass an index below it, or raise extra_scalars."));
-  }
-  values[i] = value;
+  check_extra_index("set_extra_scalar", i, state_->extra_values.size());
+  state_->extra_values[i] = value;
 }
 
 double GradientReducer::extra_scalar_sum(size_t i) const {
-  const auto& sums = state_->extra_sums;
-  if (i >= sums.size()) {
-    throw ConfigError(str("GradientReducer::extra_scalar_sum(", i, "): the reducer carries ",
-                          sums.size(),
-                          " extra scalar(s) (GradientReducerOptions::"
-                          "extra_scalars); pass an index below it, or raise extra_scalars."));
-  }
-  return sums[i];
+  check_extra_index("extra_scalar_sum", i, state_->extra_sums.size());
+  return state_->extra_sums[i];
 }
 int64_t GradientReducer::exchanges() const { return state_->exchanges; }
 

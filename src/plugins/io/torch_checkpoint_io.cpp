@@ -170,6 +170,13 @@ std::string damaged_part(const char* data, uint64_t size) {
   return "the archive's headers or padding (every record's bytes are intact)";
 }
 
+// A failed verification in one sentence: a content mismatch names the
+// damaged part.
+std::string explained(const Verdict& v, const std::string& bytes) {
+  if (v.actual == v.expected) return v.problem;
+  return str(v.problem, "; the damage is in ", damaged_part(bytes.data(), v.data_size));
+}
+
 // ---- Files.
 std::string kind_of(mode_t mode) {
   if (S_ISDIR(mode)) return "a directory";
@@ -273,20 +280,9 @@ class ChecksummingWriter {
   ~ChecksummingWriter() {
     if (fd_ >= 0) ::close(fd_);
   }
+  /// The archive's bytes: written and checksummed.
   size_t write(const void* data, size_t n) {
-    if (error_ != 0) return n;
-    const char* p = static_cast<const char*>(data);
-    size_t left = n;
-    while (left > 0) {
-      const ssize_t w = ::write(fd_, p, left);
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        fail("write");
-        return n;
-      }
-      p += w;
-      left -= static_cast<size_t>(w);
-    }
+    if (!write_raw(data, n)) return n;
     crc_ = crc32c(data, n, crc_);
     size_ += n;
     return n;
@@ -294,11 +290,7 @@ class ChecksummingWriter {
   void finish() {
     if (error_ == 0) {
       const std::string footer = encode_footer(size_, crc_);
-      const uint32_t crc = crc_;
-      const uint64_t size = size_;
-      write(footer.data(), footer.size());
-      crc_ = crc;  // the footer is not part of the checksummed data
-      size_ = size;
+      write_raw(footer.data(), footer.size());  // not part of the checksummed data
     }
     if (error_ == 0 && ::fsync(fd_) != 0) fail("flush (fsync)");
     const int fd = fd_;
@@ -307,9 +299,25 @@ class ChecksummingWriter {
   }
   int error() const { return error_; }
   const char* failed_operation() const { return operation_; }
-  uint64_t size() const { return size_; }
 
  private:
+  // False once a write failed (then nothing more is written).
+  bool write_raw(const void* data, size_t n) {
+    if (error_ != 0) return false;
+    const char* p = static_cast<const char*>(data);
+    size_t left = n;
+    while (left > 0) {
+      const ssize_t w = ::write(fd_, p, left);
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        fail("write");
+        return false;
+      }
+      p += w;
+      left -= static_cast<size_t>(w);
+    }
+    return true;
+  }
   void fail(const char* operation) {
     if (error_ != 0) return;
     error_ = errno != 0 ? errno : EIO;
@@ -425,12 +433,7 @@ void TorchCheckpointIO::load_checkpoint(const std::string& path,
                                         torch::serialize::InputArchive& checkpoint) {
   const std::string bytes = read_checkpoint_file(path);
   const Verdict v = check(bytes);
-  if (v.has_footer && !v.problem.empty()) {
-    const bool content = v.actual != v.expected;
-    corrupt(path,
-            content ? str(v.problem, "; the damage is in ", damaged_part(bytes.data(), v.data_size))
-                    : v.problem);
-  }
+  if (v.has_footer && !v.problem.empty()) corrupt(path, explained(v, bytes));
   const size_t size = v.has_footer ? v.data_size : bytes.size();
   try {
     checkpoint.load_from(bytes.data(), size);
@@ -467,11 +470,7 @@ std::string TorchCheckpointIO::verify(const std::string& path) {
     const std::string bytes = read_checkpoint_file(path);
     const Verdict v = check(bytes);
     if (!v.has_footer) return "it has no checksum footer (written before fulgur 0.2, or cut short)";
-    if (v.problem.empty()) return {};
-    if (v.actual != v.expected) {
-      return str(v.problem, "; the damage is in ", damaged_part(bytes.data(), v.data_size));
-    }
-    return v.problem;
+    return v.problem.empty() ? std::string() : explained(v, bytes);
   } catch (const CheckpointError& e) {
     return e.what();
   }
