@@ -214,6 +214,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   torch::set_num_threads(1);
+  // Both sides with the same malloc settings: fit() tunes the host allocator
+  // for the whole process (fulgur/utilities/host_allocator.h), and would
+  // otherwise do it only after the first hand-written repetition.
+  fulgur::tune_host_allocator();
   auto data = make_data(std::min<int64_t>(a.steps, 500) * a.batch);
   std::string root =
       std::filesystem::temp_directory_path() / ("fulgur_bench_" + std::to_string(::getpid()));

@@ -4,7 +4,8 @@
 # LibTorch 2.6 (CUDA 12, NCCL) compiled, linked and its CPU suite run.
 #
 # Usage (as root): scripts/check-debian13.sh [--cuda] [--main-job] [--rebuild-root]
-#                                             [--prepare-only] [--no-bench] [--werror]
+#                                             [--prepare-only] [--no-bench] [--no-examples]
+#                                             [--werror]
 #                                             [-- ctest arguments...]
 #   --cuda          the CUDA root; tests run on the CPU (no GPU is needed or used)
 #   --main-job      run the README's first command (the main job) inside, instead of
@@ -12,6 +13,8 @@
 #   --rebuild-root  make the root anew even when the cached one is current
 #   --prepare-only  make (or check) the root, then stop: no build, no tests
 #   --no-bench      configure with -DFULGUR_BUILD_BENCH=OFF first (CI's CUDA check)
+#   --no-examples   configure with -DFULGUR_BUILD_EXAMPLES=OFF first (CI's CUDA check;
+#                   the tests of the examples are then not built either)
 #   --werror        configure with -DFULGUR_WERROR=ON first: a compiler warning in
 #                   fulgur's own code fails the build (CI)
 #   after --        passed to ctest through scripts/run-tests.sh, e.g. -- -R 'DDP|Precision'
@@ -54,11 +57,12 @@ while [ $# -gt 0 ]; do
     --rebuild-root) rebuild=1 ;;
     --prepare-only) prepare_only=1 ;;
     --no-bench) build_args+=(-DFULGUR_BUILD_BENCH=OFF) ;;
+    --no-examples) build_args+=(-DFULGUR_BUILD_EXAMPLES=OFF) ;;
     --werror) build_args+=(-DFULGUR_WERROR=ON) ;;
     --) shift; ctest_args=("$@"); break ;;
-    -h|--help) sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "check-debian13: unknown argument '$1' (known: --cuda, --main-job, --rebuild-root," \
-            "--prepare-only, --no-bench, --werror, -- ctest args)" >&2
+            "--prepare-only, --no-bench, --no-examples, --werror, -- ctest args)" >&2
        exit 2 ;;
   esac
   shift

@@ -48,5 +48,6 @@
 #include "fulgur/trainer/flags.h"
 #include "fulgur/trainer/trainer.h"
 #include "fulgur/trainer/trainer_options.h"
+#include "fulgur/utilities/host_allocator.h"
 #include "fulgur/utilities/seed.h"
 #include "fulgur/utilities/torch_compat.h"

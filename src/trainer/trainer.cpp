@@ -11,6 +11,7 @@
 #include "fulgur/loggers/csv_logger.h"
 #include "fulgur/strategies/launchers/launcher.h"
 #include "fulgur/trainer/connectors/accelerator_connector.h"
+#include "fulgur/utilities/host_allocator.h"
 #include "fulgur/utilities/seed.h"
 #include "trainer/trainer_impl.h"
 
@@ -226,6 +227,9 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
     strategy->teardown();
   };
   try {
+    // Before any rank starts: a forked rank inherits it, a launched one
+    // comes here itself.
+    tune_host_allocator();
     auto run = [&] {
       strategy->setup_environment();
       body();
