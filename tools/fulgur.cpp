@@ -4,6 +4,8 @@
 //                                        in this environment, as JSON; starts nothing
 //   fulgur list                          the registered strategies, accelerators,
 //                                        precisions, cluster environments, checkpoint IO
+//   fulgur checkpoint inspect PATH       what a checkpoint holds, and whether it
+//                                        verifies (exit status 0, or 1 when corrupt)
 //
 // Flags are the Trainer's hardware options, snake_case or kebab-case, each
 // with a value: --accelerator, --strategy, --devices, --num_nodes,
@@ -17,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint_inspect.h"
 #include "fulgur/fulgur.h"
 
 namespace {
@@ -26,9 +29,12 @@ constexpr const char* kUsage =
     "                      [--precision P] [--plugins a,b] [--sync_batchnorm true|false]\n"
     "                      [--deterministic true|false|warn] [--benchmark true|false]\n"
     "       fulgur list\n"
+    "       fulgur checkpoint inspect PATH\n"
     "resolve prints, as JSON, what fulgur::Trainer would choose for these flags in this\n"
     "environment (torchrun, SLURM, MPI, LSF or Kubeflow variables included), and starts\n"
-    "nothing. Exit status 2 and a JSON error when the flags are wrong.\n";
+    "nothing. Exit status 2 and a JSON error when the flags are wrong.\n"
+    "checkpoint inspect prints what a checkpoint (a .ckpt file, or a directory of per-rank\n"
+    "shards) holds and verifies its checksums: exit status 0 when it verifies, 1 when not.\n";
 
 int resolve(int argc, char** argv) {
   std::vector<std::pair<std::string, std::string>> flags;
@@ -100,12 +106,25 @@ int list() {
   return 0;
 }
 
+int checkpoint(int argc, char** argv) {
+  if (argc == 4 && std::strcmp(argv[2], "inspect") == 0) {
+    return fulgur_cli::inspect_checkpoint(argv[3], std::cout);
+  }
+  std::cerr << "fulgur checkpoint: expected \"inspect PATH\" (got "
+            << (argc > 2 ? fulgur::str(argc - 2, " argument(s) starting with \"", argv[2], "\"")
+                         : std::string("nothing"))
+            << ").\n"
+            << kUsage;
+  return 2;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     if (argc >= 2 && std::strcmp(argv[1], "resolve") == 0) return resolve(argc, argv);
     if (argc >= 2 && std::strcmp(argv[1], "list") == 0) return list();
+    if (argc >= 2 && std::strcmp(argv[1], "checkpoint") == 0) return checkpoint(argc, argv);
     if (argc >= 2 && (std::strcmp(argv[1], "-h") == 0 || std::strcmp(argv[1], "--help") == 0)) {
       std::cout << kUsage;
       return 0;

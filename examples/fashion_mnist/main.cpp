@@ -2,7 +2,7 @@
 //
 //   fashion_mnist                          # defaults: 3 epochs, test accuracy >= 0.90
 //   fashion_mnist --max_epochs 5 --lr 5e-4
-//   fashion_mnist --ckpt-path last         # resume from the newest last.ckpt
+//   fashion_mnist --ckpt-path last         # resume from the newest valid checkpoint
 //   fashion_mnist --fast_dev_run 1         # one batch of everything, no outputs
 //   fashion_mnist --help                   # every Trainer flag
 //
@@ -264,7 +264,8 @@ void add_flags(CLI::App& app, Args& a) {
   app.add_option("--val-size,--val_size", a.val_size,
                  "Training images held out for validation (0: no validation)");
   app.add_option("--ckpt-path,--ckpt_path", a.ckpt_path,
-                 "Resume from this checkpoint, or \"last\" for the newest last.ckpt");
+                 "Resume from this checkpoint; \"last\": the newest one of this run that "
+                 "verifies; \"auto\": the same, or a fresh start when there is none");
   app.add_option("--threads", a.threads, "torch::set_num_threads (0: LibTorch's default)");
   app.add_option("--min-test-acc,--min_test_acc", a.min_test_acc,
                  "Exit with status 1 when the test accuracy is below this (0: off)");

@@ -47,6 +47,12 @@ void ModelCheckpoint::on_fit_start(Trainer& trainer, Module&) {
   dirpath_ = options_.dirpath.empty()
                  ? (fs::path(trainer.default_root_dir()) / "checkpoints").string()
                  : options_.dirpath;
+  // What saves killed mid-write left (a later save would remove it too,
+  // but a run may end before its first save).
+  std::error_code ec;
+  if (enabled(trainer) && fs::is_directory(dirpath_, ec)) {
+    trainer.strategy().remove_stale_checkpoint_files(dirpath_);
+  }
 }
 
 std::string ModelCheckpoint::format_name(Trainer& trainer) const {

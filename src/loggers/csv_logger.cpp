@@ -1,7 +1,9 @@
 #include "fulgur/loggers/csv_logger.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -49,8 +51,28 @@ std::string CSVLogger::metrics_file() const {
   return (fs::path(log_dir()) / "metrics.csv").string();
 }
 
+namespace {
+
+// The OS's reason for the last failed open or write, for an error message.
+std::string os_reason() { return errno != 0 ? std::strerror(errno) : "unknown reason"; }
+
+// `dir` and its parents; ConfigError naming it, the OS reason and a way out.
+void make_directory(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) {
+    throw ConfigError(str("CSVLogger: cannot create the log directory \"", dir,
+                          "\": ", ec.message(),
+                          ". Make its parent writable by this user, or log elsewhere "
+                          "(CSVLoggerOptions save_dir, or the Trainer's default_root_dir)."));
+  }
+}
+
+}  // namespace
+
 void CSVLogger::log_hyperparams(const HParams& params) {
-  fs::create_directories(log_dir());
+  make_directory(log_dir());
+  errno = 0;
   std::ofstream out(fs::path(log_dir()) / "hparams.yaml");
   if (params.empty()) out << "{}\n";
   for (const auto& [key, value] : params) {
@@ -66,10 +88,10 @@ void CSVLogger::log_hyperparams(const HParams& params) {
       out << key << ": " << to_string(value) << "\n";
     }
   }
+  out.flush();
   if (!out) {
-    throw ConfigError(str("CSVLogger: cannot write \"", log_dir(),
-                          "/hparams.yaml\". Check that "
-                          "save_dir is writable."));
+    throw ConfigError(str("CSVLogger: cannot write \"", log_dir(), "/hparams.yaml\": ", os_reason(),
+                          ". Check that save_dir is writable and has space."));
   }
 }
 
@@ -103,8 +125,9 @@ void write_row(std::ostream& out, const std::vector<std::string>& columns, int64
 
 void CSVLogger::save() {
   if (pending_.empty() && !header_changed_) return;
-  fs::create_directories(log_dir());
+  make_directory(log_dir());
   auto path = metrics_file();
+  errno = 0;
   if (header_changed_ || !header_written_) {
     // A new column: rewrite the whole file with the wider header.
     std::ofstream out(path, std::ios::trunc);
@@ -113,13 +136,23 @@ void CSVLogger::save() {
     out << '\n';
     for (const auto& [step, row] : written_) write_row(out, columns_, step, row);
     for (const auto& [step, row] : pending_) write_row(out, columns_, step, row);
-    if (!out) throw ConfigError(str("CSVLogger: cannot write \"", path, "\"."));
+    out.flush();
+    if (!out) {
+      throw ConfigError(str("CSVLogger: cannot write \"", path, "\": ", os_reason(),
+                            ". Check that save_dir is writable and has space; the rows stay "
+                            "pending and are written by the next save."));
+    }
     header_written_ = true;
     header_changed_ = false;
   } else {
     std::ofstream out(path, std::ios::app);
     for (const auto& [step, row] : pending_) write_row(out, columns_, step, row);
-    if (!out) throw ConfigError(str("CSVLogger: cannot append to \"", path, "\"."));
+    out.flush();
+    if (!out) {
+      throw ConfigError(str("CSVLogger: cannot append to \"", path, "\": ", os_reason(),
+                            ". Check that save_dir is writable and has space; the rows stay "
+                            "pending and are written by the next save."));
+    }
   }
   for (auto& r : pending_) written_.push_back(std::move(r));
   pending_.clear();

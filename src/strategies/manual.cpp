@@ -29,12 +29,24 @@ std::string hex32(uint32_t value) {
   return buf;
 }
 
-struct Manifest {
-  int world_size = 0;
-  std::vector<std::string> shards;
-};
+using Manifest = ManualStrategy::Manifest;
 
-Manifest read_manifest(const std::string& path) {
+// Empty when every shard the manifest lists exists; otherwise the error.
+std::string missing_shards(const std::string& path, const Manifest& manifest) {
+  std::vector<std::string> missing;
+  std::error_code ec;
+  for (const auto& shard : manifest.shards) {
+    if (!fs::exists(fs::path(path) / shard, ec)) missing.push_back(shard);
+  }
+  if (missing.empty()) return {};
+  return str("checkpoint \"", path, "\" is missing shard(s) ", join(missing), " of the ",
+             manifest.world_size, " listed in ", ManualStrategy::kManifest,
+             ". Restore them, or resume from another checkpoint.");
+}
+
+}  // namespace
+
+ManualStrategy::Manifest ManualStrategy::read_manifest(const std::string& path) {
   const fs::path file = fs::path(path) / ManualStrategy::kManifest;
   std::ifstream in(file);
   if (!in) {
@@ -79,8 +91,6 @@ Manifest read_manifest(const std::string& path) {
   }
   return m;
 }
-
-}  // namespace
 
 ManualStrategy::ManualStrategy(ManualOptions options, std::string name)
     : options_(options), name_(std::move(name)) {
@@ -166,15 +176,8 @@ void ManualStrategy::load_checkpoint(const std::string& path,
                               "devices x num_nodes = ",
                               manifest.world_size, "."));
   }
-  std::vector<std::string> missing;
-  for (const auto& shard : manifest.shards) {
-    if (!fs::exists(fs::path(path) / shard, ec)) missing.push_back(shard);
-  }
-  if (!missing.empty()) {
-    throw CheckpointError(str("checkpoint \"", path, "\" is missing shard(s) ", join(missing),
-                              " of the ", manifest.world_size, " listed in ", kManifest,
-                              ". Restore them, or resume from another checkpoint."));
-  }
+  if (auto missing = missing_shards(path, manifest); !missing.empty())
+    throw CheckpointError(missing);
   checkpoint_io().load_checkpoint(shard_path(path, global_rank(), world_size()), checkpoint);
 }
 
@@ -183,6 +186,34 @@ void ManualStrategy::remove_checkpoint(const std::string& path) {
   if (global_rank() == 0) {
     std::error_code ec;
     fs::remove_all(path, ec);
+  }
+}
+
+std::string ManualStrategy::verify_checkpoint(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) {
+    return fs::exists(path, ec) ? "it is one file, not a directory of per-rank shards"
+                                : "it does not exist";
+  }
+  try {
+    const Manifest manifest = read_manifest(path);
+    if (auto missing = missing_shards(path, manifest); !missing.empty()) return missing;
+    for (const auto& shard : manifest.shards) {
+      const std::string problem = checkpoint_io().verify((fs::path(path) / shard).string());
+      if (!problem.empty()) return str("its shard ", shard, ": ", problem);
+    }
+  } catch (const CheckpointError& e) {
+    return e.what();
+  }
+  return {};
+}
+
+void ManualStrategy::remove_stale_checkpoint_files(const std::string& dir) {
+  if (local_rank() != 0) return;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code type_ec;
+    if (it->is_directory(type_ec)) checkpoint_io().remove_stale_files(it->path().string());
   }
 }
 

@@ -179,6 +179,14 @@ void Strategy::remove_checkpoint(const std::string& path) {
   if (is_checkpoint_writer()) checkpoint_io().remove_checkpoint(path);
 }
 
+std::string Strategy::verify_checkpoint(const std::string& path) {
+  return checkpoint_io().verify(path);
+}
+
+void Strategy::remove_stale_checkpoint_files(const std::string& dir) {
+  if (is_checkpoint_writer()) checkpoint_io().remove_stale_files(dir);
+}
+
 void Strategy::save_module_state(Module& module, torch::serialize::OutputArchive& archive) {
   module.save(archive);
 }

@@ -4,7 +4,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <filesystem>
+#include <map>
+#include <string>
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
@@ -18,6 +23,15 @@ using fulgur::test::regression_loader;
 using fulgur::test::TempDir;
 using fulgur::test::test_options;
 using ::testing::ElementsAre;
+
+/// Every file under `dir` (recursively), by path, with its bytes.
+std::map<std::string, std::string> snapshot(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& entry : fs::recursive_directory_iterator(dir)) {
+    if (entry.is_regular_file()) files[entry.path().string()] = fulgur::test::read_text(entry.path());
+  }
+  return files;
+}
 
 /// Options with one ModelCheckpoint writing to `<dir>/ckpts`.
 fulgur::TrainerOptions with_checkpoint(const TempDir& dir, fulgur::ModelCheckpointOptions o,
@@ -196,6 +210,7 @@ TEST(ModelCheckpoint, ResumingACopiedCheckpointElsewhereNeverDeletesTheOriginalR
   ASSERT_THAT(list_files(a.file("ckpts")), ElementsAre("epoch=0-step=2.ckpt", "last.ckpt"));
   const std::string copy = copies.file("copy.ckpt");
   fs::copy_file(a.file("ckpts/last.ckpt"), copy);
+  const auto original = snapshot(a.path());
 
   LinearRegression model_b;
   log_scores(model_b);
@@ -207,6 +222,7 @@ TEST(ModelCheckpoint, ResumingACopiedCheckpointElsewhereNeverDeletesTheOriginalR
   fulgur::Trainer(options_b).fit(model_b, regression_loader(2), regression_loader(1),
                                  {.ckpt_path = copy});
   EXPECT_THAT(list_files(a.file("ckpts")), ElementsAre("epoch=0-step=2.ckpt", "last.ckpt"));
+  EXPECT_TRUE(snapshot(a.path()) == original) << "run A's directory changed";
   EXPECT_THAT(list_files(b.file("ckpts")), ElementsAre("epoch=1-step=4.ckpt", "last.ckpt"));
   EXPECT_EQ(fs::path(callback->best_model_path()).parent_path(), fs::path(b.file("ckpts")));
 }
@@ -221,6 +237,30 @@ TEST(ModelCheckpoint, SanityCheckWritesNothing) {
   trainer.fit(model, regression_loader(2), regression_loader(1));
   EXPECT_EQ(model.sanity_steps, 1);
   EXPECT_THAT(list_files(dir.path()), ::testing::IsEmpty());
+}
+
+// At the start of fit, what a save killed mid-write left in the directory
+// (a dead writer's temporary file) goes; a live writer's stays, and so does
+// everything else, even when the run saves nothing.
+TEST(ModelCheckpoint, FitStartRemovesDeadWritersTemporaryFiles) {
+  TempDir dir;
+  const pid_t dead = ::fork();
+  ASSERT_GE(dead, 0);
+  if (dead == 0) ::_exit(0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(dead, &status, 0), dead);  // reaped: this pid is free now
+  char host[256] = {};
+  ASSERT_EQ(::gethostname(host, sizeof(host) - 1), 0);
+  fs::create_directories(dir.file("ckpts"));
+  const std::string stale = fulgur::str("last.ckpt.tmp.", dead, ".", host);
+  const std::string live = fulgur::str("last.ckpt.tmp.", ::getpid(), ".", host);
+  for (const auto& name : {stale, live, std::string("notes.txt")}) {
+    fulgur::test::write_text(dir.file("ckpts/" + name), "partial\n");
+  }
+  LinearRegression model;
+  auto options = with_checkpoint(dir, {.save_top_k = 0, .save_last = false});
+  fulgur::Trainer(options).fit(model, regression_loader(2));
+  EXPECT_THAT(list_files(dir.file("ckpts")), ::testing::UnorderedElementsAre(live, "notes.txt"));
 }
 
 }  // namespace

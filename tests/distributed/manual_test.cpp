@@ -87,12 +87,20 @@ TEST(ManualStrategy, ResumingOnAnotherWorldSizeOrWithoutAShardIsAClearError) {
   EXPECT_NE(one.exit_code, 0);
   EXPECT_TRUE(fulgur::test::message_contains(
       one.output, {"was saved by 2 ranks, and this run has 1", "devices x num_nodes = 2"}));
-  fs::remove(fs::path(root) / "checkpoints" / "last.ckpt" / "rank-1-of-2.ckpt");
+  const std::string last = (fs::path(root) / "checkpoints" / "last.ckpt").string();
+  fs::remove(fs::path(last) / "rank-1-of-2.ckpt");
   auto missing =
-      run_manual({"--devices", "2", "--steps", "8", "--ckpt-root", root, "--resume", "last"});
+      run_manual({"--devices", "2", "--steps", "8", "--ckpt-root", root, "--resume", last});
   EXPECT_NE(missing.exit_code, 0);
   EXPECT_TRUE(
       fulgur::test::message_contains(missing.output, {"is missing shard(s) rank-1-of-2.ckpt"}));
+  // "last" skips it, says so, and resumes from the newest complete one.
+  auto skipped =
+      run_manual({"--devices", "2", "--steps", "8", "--ckpt-root", root, "--resume", "last"});
+  EXPECT_EQ(skipped.exit_code, 0) << skipped.output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      skipped.output, {"ckpt_path=\"last\": skipped", last, "is missing shard(s) rank-1-of-2.ckpt",
+                       "Resuming from"}));
 }
 
 }  // namespace

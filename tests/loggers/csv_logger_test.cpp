@@ -153,4 +153,23 @@ TEST(CSVLogger, NoLoggerMeansNoLogDir) {
   EXPECT_THAT(fulgur::test::list_files(dir.path()), ::testing::IsEmpty());
 }
 
+// A log directory that cannot be created (a file stands where a parent
+// should be): a ConfigError naming it and the OS reason, and the rows stay
+// pending for a later save.
+TEST(CSVLogger, AnUncreatableLogDirectoryIsAClearError) {
+  TempDir dir;
+  fulgur::test::write_text(dir.file("taken"), "a file, not a directory\n");
+  fulgur::CSVLogger logger({.save_dir = dir.file("taken"), .name = "run"});
+  logger.log_metrics({{"loss", 1.0}}, 0);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, logger.save(),
+                     {"cannot create the log directory", dir.file("taken/run/version_0"),
+                      "Not a directory", "save_dir"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, logger.log_hyperparams({{"lr", 0.1}}),
+                     {"cannot create the log directory", "Not a directory"});
+  // Once the way is clear, the pending row is written.
+  fs::remove(dir.file("taken"));
+  logger.save();
+  EXPECT_EQ(read_csv(logger.metrics_file()).size(), 2u);
+}
+
 }  // namespace

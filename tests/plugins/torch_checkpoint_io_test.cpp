@@ -141,7 +141,7 @@ TEST(TorchCheckpointIOIntegrity, EndsWithAFooterAndVerifies) {
   const std::string bytes = fulgur::test::read_text(dir.file("a.ckpt"));
   ASSERT_GT(bytes.size(), 32u);
   EXPECT_EQ(bytes.substr(bytes.size() - 32, 8), "FULGURCK");
-  EXPECT_EQ(fulgur::TorchCheckpointIO::verify(dir.file("a.ckpt")), "");
+  EXPECT_EQ(fulgur::TorchCheckpointIO().verify(dir.file("a.ckpt")), "");
   EXPECT_EQ(load_error(io, dir.file("a.ckpt")), "loaded");
 }
 
@@ -172,7 +172,7 @@ TEST(TorchCheckpointIOIntegrity, EveryFlippedByteIsRefused) {
     EXPECT_TRUE(
         fulgur::test::message_contains(error, {path, "is corrupt", "use an earlier checkpoint"}))
         << "byte " << pos << " of " << good.size() << ": " << error;
-    EXPECT_NE(fulgur::TorchCheckpointIO::verify(path), "") << "byte " << pos;
+    EXPECT_NE(fulgur::TorchCheckpointIO().verify(path), "") << "byte " << pos;
     if (error.find("the bytes of a tensor (record data/") != std::string::npos) ++named_a_tensor;
   }
   // Most of the file is the tensors' bytes: the damaged record is named.
@@ -217,8 +217,14 @@ TEST(TorchCheckpointIOIntegrity, ACheckpointWithoutChecksumStillLoads) {
   archive.write("value", torch::arange(5));
   archive.save_to(dir.file("old.ckpt"));
   EXPECT_TRUE(torch::equal(load_tensor(io, dir.file("old.ckpt")), torch::arange(5)));
-  EXPECT_TRUE(fulgur::test::message_contains(
-      fulgur::TorchCheckpointIO::verify(dir.file("old.ckpt")), {"no checksum footer"}));
+  // It verifies as loadable, and is told apart by has_checksum().
+  EXPECT_EQ(io.verify(dir.file("old.ckpt")), "");
+  EXPECT_FALSE(fulgur::TorchCheckpointIO::has_checksum(dir.file("old.ckpt")));
+  // Cut short, it does not.
+  const auto size = fs::file_size(dir.file("old.ckpt"));
+  fs::resize_file(dir.file("old.ckpt"), size / 2);
+  EXPECT_TRUE(fulgur::test::message_contains(io.verify(dir.file("old.ckpt")),
+                                             {"no checksum footer", "cannot read it"}));
 }
 
 // A checkpoint that had a footer and lost it (cut at its end, or its footer
@@ -231,6 +237,8 @@ TEST(TorchCheckpointIOIntegrity, ALostFooterIsCorruption) {
   fs::resize_file(path, fs::file_size(path) - 32);
   EXPECT_TRUE(fulgur::test::message_contains(
       load_error(io, path), {path, "is corrupt", "checksum footer is missing or damaged"}));
+  EXPECT_TRUE(fulgur::test::message_contains(io.verify(path),
+                                             {"checksum footer is missing or damaged"}));
 }
 
 TEST(TorchCheckpointIOIntegrity, AFifoIsRefusedWithoutOpeningIt) {
@@ -321,6 +329,65 @@ TEST(TorchCheckpointIOIntegrity, AFullDiskIsAClearErrorAndLosesNothing) {
   EXPECT_EQ(WEXITSTATUS(status), 0)
       << "10: saved anyway, 11: wrong message, 12: a file left behind, 13: the previous "
          "checkpoint does not load";
+}
+
+// A read-only file system (a tmpfs remounted read-only in a child's mount
+// namespace): a clear error naming the OS reason, the previous checkpoint
+// intact, nothing left behind.
+TEST(TorchCheckpointIOIntegrity, AReadOnlyFileSystemIsAClearErrorAndLosesNothing) {
+  if (::geteuid() != 0) GTEST_SKIP() << "mounting a tmpfs needs root";
+  TempDir dir;
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    at::set_num_threads(1);  // the parent's thread pool did not survive fork
+    if (::unshare(CLONE_NEWNS) != 0 ||
+        ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+        ::mount("tmpfs", dir.path().c_str(), "tmpfs", 0, "size=1m") != 0) {
+      ::_exit(3);
+    }
+    fulgur::TorchCheckpointIO io;
+    const std::string path = dir.file("last.ckpt");
+    save_model_like(io, path);
+    if (::mount(nullptr, dir.path().c_str(), nullptr, MS_REMOUNT | MS_RDONLY, nullptr) != 0) {
+      ::_exit(3);
+    }
+    int code = 0;
+    try {
+      save_model_like(io, path);
+      code = 10;
+    } catch (const fulgur::CheckpointError& e) {
+      if (!fulgur::test::message_contains(
+              e.what(), {path, "Read-only file system", "Make the directory writable"})) {
+        std::cerr << e.what() << std::endl;
+        code = 11;
+      }
+    }
+    if (code == 0 && list_files(dir.path()) != std::vector<std::string>{"last.ckpt"}) code = 12;
+    if (code == 0 && load_error(io, path) != "loaded") code = 13;
+    std::fflush(nullptr);
+    ::_exit(code);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status)) << "the saving child died (signal " << WTERMSIG(status) << ")";
+  if (WEXITSTATUS(status) == 3) GTEST_SKIP() << "cannot mount a tmpfs here";
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "10: saved anyway, 11: wrong message, 12: a file left behind, 13: the previous "
+         "checkpoint does not load";
+}
+
+// A directory that cannot be created (a file stands where a parent should
+// be): the error names it and the OS reason.
+TEST(TorchCheckpointIOIntegrity, AnUncreatableDirectoryIsAClearError) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  fulgur::test::write_text(dir.file("taken"), "a file, not a directory\n");
+  const std::string path = dir.file("taken/checkpoints/last.ckpt");
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, save_model_like(io, path),
+                     {path, "cannot create directory", dir.file("taken/checkpoints"),
+                      "Not a directory"});
+  EXPECT_EQ(list_files(dir.path()), std::vector<std::string>{"taken"});
 }
 
 // A save killed mid-write leaves `<path>.tmp.<pid>`: the next save in the

@@ -95,6 +95,16 @@ void write_text(const std::string& path, const std::string& text) {
   out << text;
 }
 
+void damage_middle_byte(const std::string& path) {
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  if (!file) throw std::runtime_error("damage_middle_byte: cannot open " + path);
+  const auto middle = static_cast<std::streamoff>(std::filesystem::file_size(path) / 2);
+  file.seekg(middle);
+  const char byte = static_cast<char>(file.get() ^ 0x5A);
+  file.seekp(middle);
+  file.put(byte);
+}
+
 std::vector<std::string> split(const std::string& text, char sep) {
   std::vector<std::string> out;
   std::string current;

@@ -121,6 +121,9 @@ std::vector<std::string> list_files(const std::string& dir);
 std::string read_text(const std::string& path);
 std::vector<std::string> read_lines(const std::string& path);
 void write_text(const std::string& path, const std::string& text);
+/// Flips the bits of the byte in the middle of `path` (a checkpoint's data;
+/// its checksum footer stays intact).
+void damage_middle_byte(const std::string& path);
 /// "a,b,,c" → {"a", "b", "", "c"}.
 std::vector<std::string> split(const std::string& text, char sep);
 

@@ -3,7 +3,9 @@
 // Saves checkpoints during fit: every N training steps and/or every N
 // epochs, keeps the best `save_top_k` by a monitored metric, and maintains
 // `last.ckpt` for `fit(..., {.ckpt_path = "last"})`. Files go to
-// `<default_root_dir>/checkpoints/` unless `dirpath` is set.
+// `<default_root_dir>/checkpoints/` unless `dirpath` is set. At the start of
+// fit it removes what saves killed mid-write left there (temporary files of
+// writers no longer alive). It deletes only files of its own directory.
 //
 //   trainer_options.callbacks.push_back(std::make_shared<fulgur::ModelCheckpoint>(
 //       fulgur::ModelCheckpointOptions{.monitor = "val_acc", .mode = "max",

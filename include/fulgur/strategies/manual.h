@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <string>
+#include <vector>
 
 #include "fulgur/strategies/parallel.h"
 
@@ -53,6 +54,20 @@ class ManualStrategy : public ParallelStrategy {
   void load_checkpoint(const std::string& path,
                        torch::serialize::InputArchive& checkpoint) override;
   void remove_checkpoint(const std::string& path) override;
+  /// The manifest and every shard it lists (any world size).
+  std::string verify_checkpoint(const std::string& path) override;
+  /// In each checkpoint directory under `dir`: the local rank 0 of every
+  /// node removes its host's dead writers' temporary files.
+  void remove_stale_checkpoint_files(const std::string& dir) override;
+
+  /// What a checkpoint directory's manifest lists: its world size and the
+  /// shards' file names. CheckpointError when the manifest is missing,
+  /// damaged or fails its CRC32C.
+  struct Manifest {
+    int world_size = 0;
+    std::vector<std::string> shards;
+  };
+  static Manifest read_manifest(const std::string& path);
 
   /// `<path>/rank-<k>-of-<n>.ckpt`.
   static std::string shard_path(const std::string& path, int rank, int world_size);

@@ -188,6 +188,13 @@ class Strategy {
                                const std::string& path);
   virtual void load_checkpoint(const std::string& path, torch::serialize::InputArchive& checkpoint);
   virtual void remove_checkpoint(const std::string& path);
+  /// Empty when the checkpoint at `path`, as this strategy writes them (one
+  /// file; a directory of shards under `manual`), is complete and verifies;
+  /// otherwise what is wrong with it. Reads only.
+  virtual std::string verify_checkpoint(const std::string& path);
+  /// Removes what interrupted saves left in the checkpoint directory `dir`
+  /// (never a live writer's file); on the ranks that write checkpoints.
+  virtual void remove_stale_checkpoint_files(const std::string& dir);
   /// The module's parameters and buffers into / out of a checkpoint.
   virtual void save_module_state(Module& module, torch::serialize::OutputArchive& archive);
   virtual void load_module_state(Module& module, torch::serialize::InputArchive& archive);

@@ -172,8 +172,10 @@ struct TrainerOptions {
 
 /// Options of a single fit call.
 struct FitOptions {
-  /// Resume from this checkpoint: a path, or "last" for the newest
-  /// last.ckpt the Trainer's ModelCheckpoint wrote.
+  /// Resume from this checkpoint: a path; "last", the newest checkpoint in
+  /// the ModelCheckpoint's directory that verifies (last.ckpt first; a
+  /// corrupt newer one is skipped with a note; an error when there is none);
+  /// or "auto", the same but a fresh start when the directory holds none.
   std::string ckpt_path = "";
 };
 

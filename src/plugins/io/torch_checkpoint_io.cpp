@@ -380,12 +380,20 @@ void TorchCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpo
   {
     ChecksummingWriter writer(tmp);
     if (writer.error() == 0) {
-      checkpoint.save_to([&](const void* data, size_t n) { return writer.write(data, n); });
+      observe(SaveStep::kCreated);
+      int64_t chunk = 0;
+      checkpoint.save_to([&](const void* data, size_t n) {
+        const size_t written = writer.write(data, n);
+        observe(SaveStep::kWrote, chunk++);
+        return written;
+      });
     }
     writer.finish();
     if (writer.error() != 0) fail(writer.failed_operation(), writer.error(), tmp);
   }
+  observe(SaveStep::kFlushed);
   if (::rename(tmp.c_str(), path.c_str()) != 0) fail("rename into place", errno, tmp);
+  observe(SaveStep::kRenamed);
   // The rename is durable only once the directory is.
   const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
   const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -398,10 +406,11 @@ void TorchCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpo
                                 dir, "\" (fsync): ", std::strerror(err), "."));
     }
   }
-  remove_stale_temporary_files(dir);
+  observe(SaveStep::kDirectoryFlushed);
+  remove_stale_files(dir);
 }
 
-void TorchCheckpointIO::remove_stale_temporary_files(const std::string& dir) {
+void TorchCheckpointIO::remove_stale_files(const std::string& dir) {
   const std::string host = this_host();
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
@@ -469,16 +478,48 @@ std::string TorchCheckpointIO::verify(const std::string& path) {
   try {
     const std::string bytes = read_checkpoint_file(path);
     const Verdict v = check(bytes);
-    if (!v.has_footer) return "it has no checksum footer (written before fulgur 0.2, or cut short)";
-    return v.problem.empty() ? std::string() : explained(v, bytes);
+    if (v.has_footer) return v.problem.empty() ? std::string() : explained(v, bytes);
+    // No footer: a file from before checksums (fulgur 0.1) loads, unverified,
+    // when LibTorch reads it and it lacks the marker of a footer written.
+    torch::serialize::InputArchive archive;
+    try {
+      archive.load_from(bytes.data(), bytes.size());
+    } catch (const c10::Error&) {
+      return "it has no checksum footer and LibTorch cannot read it (truncated, damaged at its "
+             "end, or not a checkpoint)";
+    }
+    c10::IValue marker;
+    if (archive.try_read(kIntegrityKey, marker)) {
+      return "its checksum footer is missing or damaged (the file was cut short or overwritten "
+             "at its end)";
+    }
+    return {};
   } catch (const CheckpointError& e) {
     return e.what();
+  }
+}
+
+bool TorchCheckpointIO::has_checksum(const std::string& path) {
+  try {
+    return check(read_checkpoint_file(path)).has_footer;
+  } catch (const CheckpointError&) {
+    return false;
   }
 }
 
 void TorchCheckpointIO::remove_checkpoint(const std::string& path) {
   std::error_code ec;
   fs::remove(path, ec);
+}
+
+std::string CheckpointIO::verify(const std::string& path) {
+  try {
+    torch::serialize::InputArchive scratch;
+    load_checkpoint(path, scratch);
+    return {};
+  } catch (const std::exception& e) {
+    return e.what();
+  }
 }
 
 CheckpointIORegistry& checkpoint_io_registry() {

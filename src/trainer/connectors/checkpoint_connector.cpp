@@ -16,7 +16,11 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <iostream>
+#include <utility>
+#include <vector>
 
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/callbacks/model_checkpoint.h"
@@ -157,23 +161,58 @@ void CheckpointConnector::save(const std::string& path) {
   trainer_.strategy->save_checkpoint(archive, path);
 }
 
+std::string CheckpointConnector::checkpoint_dir() const {
+  const ModelCheckpoint* callback = trainer_.checkpoint_callback;
+  if (callback && !callback->dirpath().empty()) return callback->dirpath();
+  if (callback && !callback->options().dirpath.empty()) return callback->options().dirpath;
+  return (std::filesystem::path(trainer_.root_dir()) / "checkpoints").string();
+}
+
 std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) const {
-  if (ckpt_path != "last") return ckpt_path;
-  std::string dir =
-      trainer_.checkpoint_callback && !trainer_.checkpoint_callback->dirpath().empty()
-          ? trainer_.checkpoint_callback->dirpath()
-          : (trainer_.checkpoint_callback &&
-                     !trainer_.checkpoint_callback->options().dirpath.empty()
-                 ? trainer_.checkpoint_callback->options().dirpath
-                 : (std::filesystem::path(trainer_.root_dir()) / "checkpoints").string());
-  auto last = (std::filesystem::path(dir) / "last.ckpt").string();
+  if (ckpt_path != "last" && ckpt_path != "auto") return ckpt_path;
+  namespace fs = std::filesystem;
+  const std::string dir = checkpoint_dir();
+  // Every checkpoint of the directory (a file, or a directory of shards),
+  // newest first; last.ckpt first among equals.
+  std::vector<std::pair<fs::file_time_type, fs::path>> found;
   std::error_code ec;
-  if (!std::filesystem::exists(last, ec)) {
-    throw CheckpointError(str("ckpt_path=\"last\": there is no last.ckpt in \"", dir,
-                              "\". Train once with checkpointing enabled (ModelCheckpoint with "
-                              "save_last) in this default_root_dir, or pass a checkpoint path."));
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->path().extension() != ".ckpt") continue;
+    std::error_code time_ec;
+    const auto written = fs::last_write_time(it->path(), time_ec);
+    if (!time_ec) found.emplace_back(written, it->path());
   }
-  return last;
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) {
+    if (a.first != b.first) return a.first > b.first;
+    const bool a_last = a.second.filename() == "last.ckpt";
+    const bool b_last = b.second.filename() == "last.ckpt";
+    return a_last != b_last ? a_last : a.second < b.second;
+  });
+  if (found.empty()) {
+    if (ckpt_path == "auto") return {};
+    throw CheckpointError(str("ckpt_path=\"last\": there is no checkpoint in \"", dir,
+                              "\". Train once with checkpointing enabled (ModelCheckpoint) in "
+                              "this default_root_dir, pass ckpt_path=\"auto\" to start fresh "
+                              "when there is none, or pass a checkpoint path."));
+  }
+  std::vector<std::string> skipped;
+  for (const auto& [_, candidate] : found) {
+    const std::string problem = trainer_.strategy->verify_checkpoint(candidate.string());
+    if (problem.empty()) {
+      if (!skipped.empty() && trainer_.strategy->is_global_zero()) {
+        std::cerr << "fulgur: ckpt_path=\"" << ckpt_path << "\": skipped " << join(skipped, "; ")
+                  << ". Resuming from \"" << candidate.string()
+                  << "\", the newest checkpoint of its directory that verifies." << std::endl;
+      }
+      return candidate.string();
+    }
+    skipped.push_back(
+        str("\"", candidate.string(), "\", which is corrupt or incomplete (", problem, ")"));
+  }
+  throw CheckpointError(str("ckpt_path=\"", ckpt_path, "\": none of the ", found.size(),
+                            " checkpoint(s) in \"", dir, "\" verifies: ", join(skipped, "; "),
+                            ". Nothing was loaded or changed. Move the damaged files away and "
+                            "pass ckpt_path=\"\" to start fresh, or restore a copy."));
 }
 
 void CheckpointConnector::restore(const std::string& path, bool full) {

@@ -26,10 +26,16 @@ class CheckpointConnector {
   void dump(torch::serialize::OutputArchive& archive);
   /// dump() written to `path` through the strategy (its checkpoint IO).
   void save(const std::string& path);
-  /// `ckpt_path` as a file: "last" is the newest last.ckpt of this run's
-  /// checkpoint directory (CheckpointError when there is none); anything
-  /// else is returned as given ("" for none).
+  /// `ckpt_path` as a file ("" for none). "last": the newest checkpoint of
+  /// this run's checkpoint directory that verifies (last.ckpt first among
+  /// equals), with a note on rank 0 naming any newer one it skipped;
+  /// CheckpointError when there is none. "auto": the same, but "" (start
+  /// fresh) when the directory holds no checkpoint. Anything else is
+  /// returned as given.
   std::string resolve_path(const std::string& ckpt_path) const;
+  /// Where this run's ModelCheckpoint writes (or will): its dirpath, else
+  /// `<default_root_dir>/checkpoints`.
+  std::string checkpoint_dir() const;
   /// Loads `path` into the module, and with `full` everything else a fit
   /// resumes from. CheckpointError names the file and what does not fit.
   void restore(const std::string& path, bool full);

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
@@ -433,6 +434,69 @@ TEST(CheckpointErrors, LastWithoutALastCheckpoint) {
                      trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = "last"}),
                      {"last"});
   EXPECT_EQ(model.training_steps, 0);
+}
+
+// "last" is the newest checkpoint that verifies: a corrupt last.ckpt is
+// skipped, with a note naming it and what is resumed instead.
+TEST(CheckpointLast, SkipsACorruptNewerCheckpointWithANote) {
+  TempDir dir;
+  LinearRegression trained;
+  const std::string last = train_and_checkpoint(dir, trained);  // 2 epochs, 8 steps
+  ASSERT_THAT(list_files(dir.file("checkpoints")),
+              ::testing::ElementsAre("epoch=1-step=8.ckpt", "last.ckpt"));
+  fulgur::test::damage_middle_byte(last);
+
+  LinearRegression resumed;
+  auto options = test_options(dir);
+  options.max_epochs = 3;
+  options.enable_checkpointing = true;
+  fulgur::Trainer trainer(options);
+  ::testing::internal::CaptureStderr();
+  auto result = trainer.fit(resumed, regression_loader(4), nullptr, {.ckpt_path = "last"});
+  const std::string note = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(result.global_step, 12);  // 8 restored + one more epoch of 4
+  EXPECT_TRUE(fulgur::test::message_contains(
+      note, {"ckpt_path=\"last\": skipped", last, "is corrupt", "Resuming from",
+             dir.file("checkpoints/epoch=1-step=8.ckpt")}));
+}
+
+TEST(CheckpointLast, WhenNoneVerifiesItIsAnErrorNamingEach) {
+  TempDir dir;
+  LinearRegression trained;
+  const std::string last = train_and_checkpoint(dir, trained);
+  const std::string epoch = dir.file("checkpoints/epoch=1-step=8.ckpt");
+  fulgur::test::damage_middle_byte(last);
+  fulgur::test::damage_middle_byte(epoch);
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  fulgur::Trainer trainer(options);
+  for (const char* which : {"last", "auto"}) {
+    EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                       trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = which}),
+                       {fulgur::str("ckpt_path=\"", which, "\": none of the 2 checkpoint(s)"), last,
+                        epoch, "Nothing was loaded"});
+  }
+  EXPECT_EQ(model.training_steps, 0);
+}
+
+// "auto": a fresh start when there is no checkpoint yet, the newest valid
+// one after.
+TEST(CheckpointLast, AutoStartsFreshThenResumes) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_epochs = 1;
+  options.enable_checkpointing = true;
+  LinearRegression first;
+  auto one =
+      fulgur::Trainer(options).fit(first, regression_loader(4), nullptr, {.ckpt_path = "auto"});
+  EXPECT_EQ(one.global_step, 4);
+  options.max_epochs = 2;
+  LinearRegression second;
+  auto two =
+      fulgur::Trainer(options).fit(second, regression_loader(4), nullptr, {.ckpt_path = "auto"});
+  EXPECT_EQ(two.global_step, 8);
+  EXPECT_EQ(second.training_steps, 4);
 }
 
 TEST(CheckpointErrors, TheTrainerIsUsableAfterAFailedResume) {

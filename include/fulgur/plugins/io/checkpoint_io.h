@@ -31,6 +31,14 @@ class CheckpointIO {
                                torch::serialize::InputArchive& checkpoint) = 0;
   /// Removes `path`; a missing file is not an error.
   virtual void remove_checkpoint(const std::string& path) = 0;
+  /// Empty when `path` holds a complete, intact checkpoint; otherwise what
+  /// is wrong with it, in one sentence. Changes nothing. Default: a load
+  /// into a scratch archive (an IO with a cheaper check overrides it).
+  virtual std::string verify(const std::string& path);
+  /// Removes what interrupted saves left in `dir` (a killed writer's
+  /// temporary files), never a live writer's file or a checkpoint.
+  /// ModelCheckpoint calls it at the start of fit. Default: nothing.
+  virtual void remove_stale_files(const std::string& /*dir*/) {}
 };
 
 using CheckpointIORegistry = Registry<CheckpointIO>;

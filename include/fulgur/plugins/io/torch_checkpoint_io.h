@@ -1,6 +1,10 @@
 // File: fulgur/plugins/io/torch_checkpoint_io.h
 #pragma once
 
+#include <cstdint>
+#include <functional>
+#include <utility>
+
 #include "fulgur/plugins/io/checkpoint_io.h"
 
 namespace fulgur {
@@ -25,14 +29,6 @@ class TorchCheckpointIO : public CheckpointIO {
   /// state loading ignores it): an archive that has it but no valid footer
   /// lost its footer, rather than predating checksums.
   static constexpr const char* kIntegrityKey = "fulgur_integrity";
-  /// Empty when `path` verifies against its checksum; otherwise what is
-  /// wrong with it, in one sentence. Reads the file; loads nothing.
-  static std::string verify(const std::string& path);
-  /// Removes `<name>.tmp.<pid>.<host>` files in `dir` whose writer `pid`
-  /// on this host is no longer alive (a save killed mid-write); a live
-  /// writer's, and another host's (a shared file system), stay. Every save
-  /// does it in its own directory.
-  static void remove_stale_temporary_files(const std::string& dir);
 
   std::string_view name() const override { return "torch"; }
   void save_checkpoint(torch::serialize::OutputArchive& checkpoint,
@@ -40,6 +36,37 @@ class TorchCheckpointIO : public CheckpointIO {
   void load_checkpoint(const std::string& path,
                        torch::serialize::InputArchive& checkpoint) override;
   void remove_checkpoint(const std::string& path) override;
+  /// Checks the file against its checksum footer (reads it; parses
+  /// nothing). A file without a footer verifies when it is one from before
+  /// checksums that LibTorch reads (it loads, unverified: has_checksum()
+  /// tells them apart).
+  std::string verify(const std::string& path) override;
+  /// Whether `path` ends with a checksum footer (intact or not is verify's).
+  static bool has_checksum(const std::string& path);
+
+  /// The steps of a save, in order; a save observer runs after each (for
+  /// fault-injection tests: a process killed at any of them).
+  enum class SaveStep {
+    kCreated,           // the temporary file exists, empty
+    kWrote,             // one more chunk of the archive written (`chunk`: 0, 1, ...)
+    kFlushed,           // footer written and the file fsynced and closed
+    kRenamed,           // renamed over the checkpoint's path
+    kDirectoryFlushed,  // the directory fsynced: the save is durable
+  };
+  /// Must not throw: it runs inside LibTorch's archive writer.
+  using SaveObserver = std::function<void(SaveStep step, int64_t chunk)>;
+  void set_save_observer(SaveObserver observer) { save_observer_ = std::move(observer); }
+
+ private:
+  void observe(SaveStep step, int64_t chunk = 0) const {
+    if (save_observer_) save_observer_(step, chunk);
+  }
+  SaveObserver save_observer_;
+  /// Removes `<name>.tmp.<pid>.<host>` files in `dir` whose writer `pid`
+  /// on this host is no longer alive (a save killed mid-write); a live
+  /// writer's, and another host's (a shared file system), stay. Every save
+  /// also does it in its own directory.
+  void remove_stale_files(const std::string& dir) override;
 };
 
 }  // namespace fulgur

@@ -1,0 +1,207 @@
+#include "checkpoint_inspect.h"
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/plugins/io/torch_checkpoint_io.h"
+#include "fulgur/strategies/manual.h"
+
+namespace fulgur_cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+using fulgur::str;
+using torch::serialize::InputArchive;
+
+std::string bytes_text(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024 && unit < 4) {
+    value /= 1024;
+    ++unit;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), unit == 0 ? "%.0f %s" : "%.1f %s", value, units[unit]);
+  return buf;
+}
+
+std::string shape_text(const at::Tensor& t) {
+  std::string out = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) out += str(d ? ", " : "", t.size(d));
+  return out + "]";
+}
+
+std::string value_text(const c10::IValue& v) {
+  if (v.isString()) return str("\"", v.toStringRef(), "\"");
+  if (v.isInt()) return std::to_string(v.toInt());
+  if (v.isDouble()) return str(v.toDouble());
+  if (v.isBool()) return v.toBool() ? "true" : "false";
+  if (v.isIntList()) {
+    std::vector<std::string> items;
+    for (int64_t i : v.toIntList()) items.push_back(std::to_string(i));
+    return str("[", fulgur::join(items, ", "), "]");
+  }
+  return v.tagKind();
+}
+
+// Every tensor under `archive` (sub-archives as dotted prefixes).
+struct TensorLine {
+  std::string name, dtype, shape;
+  uint64_t bytes = 0;
+};
+
+void collect_tensors(InputArchive& archive, const std::string& prefix,
+                     std::vector<TensorLine>& tensors, std::vector<std::string>& values) {
+  for (const auto& key : archive.keys()) {
+    c10::IValue v;
+    if (!archive.try_read(key, v)) continue;
+    if (v.isTensor()) {
+      const at::Tensor t = v.toTensor();
+      tensors.push_back({prefix + key, std::string(c10::toString(t.scalar_type())), shape_text(t),
+                         static_cast<uint64_t>(t.numel() * t.element_size())});
+    } else if (v.isModule()) {
+      InputArchive sub;
+      archive.try_read(key, sub);
+      collect_tensors(sub, prefix + key + ".", tensors, values);
+    } else {
+      values.push_back(str(prefix, key, " = ", value_text(v)));
+    }
+  }
+}
+
+void print_section(InputArchive& archive, const std::string& key, const std::string& title,
+                   bool list_tensors, std::ostream& out) {
+  InputArchive section;
+  if (!archive.try_read(key, section)) return;
+  std::vector<TensorLine> tensors;
+  std::vector<std::string> values;
+  collect_tensors(section, "", tensors, values);
+  uint64_t total = 0;
+  for (const auto& t : tensors) total += t.bytes;
+  out << title << ": ";
+  if (tensors.empty() && values.empty()) {
+    out << "empty\n";
+    return;
+  }
+  out << tensors.size() << " tensor(s), " << bytes_text(total);
+  if (!values.empty()) out << ", " << values.size() << " value(s)";
+  out << "\n";
+  if (list_tensors) {
+    size_t width = 0;
+    for (const auto& t : tensors) width = std::max(width, t.name.size());
+    for (const auto& t : tensors) {
+      out << "  " << t.name << std::string(width + 2 - t.name.size(), ' ') << t.dtype << " "
+          << t.shape << "  " << bytes_text(t.bytes) << "\n";
+    }
+  }
+  for (const auto& v : values) out << "  " << v << "\n";
+}
+
+// The contents of one verified (or unverifiable, older) checkpoint file.
+void print_contents(const std::string& file, std::ostream& out) {
+  fulgur::TorchCheckpointIO io;
+  InputArchive archive;
+  io.load_checkpoint(file, archive);
+  c10::IValue version, written_by;
+  if (archive.try_read("fulgur_format_version", version) && version.isInt()) {
+    out << "format: fulgur checkpoint version " << version.toInt();
+    if (archive.try_read("fulgur_version", written_by) && written_by.isString()) {
+      out << ", written by fulgur " << written_by.toStringRef();
+    }
+    out << "\n";
+  } else {
+    out << "format: not a fulgur Trainer checkpoint (keys: " << fulgur::join(archive.keys())
+        << ")\n";
+  }
+  InputArchive loops;
+  if (archive.try_read("loops", loops)) {
+    c10::IValue epoch, step, position;
+    loops.try_read("epoch", epoch);
+    loops.try_read("global_step", step);
+    loops.try_read("batch_position", position);
+    out << "progress: epoch " << value_text(epoch) << ", global step " << value_text(step)
+        << ", batch position " << value_text(position) << "\n";
+  }
+  print_section(archive, "state_dict", "module state", /*list_tensors=*/true, out);
+  InputArchive optimizers;
+  if (archive.try_read("optimizer_states", optimizers)) {
+    c10::IValue count;
+    optimizers.try_read("count", count);
+    out << "optimizers: " << value_text(count) << "\n";
+    if (count.isInt()) {
+      for (int64_t i = 0; i < count.toInt(); ++i) {
+        print_section(optimizers, std::to_string(i), str("  optimizer ", i), false, out);
+      }
+    }
+  }
+  c10::IValue schedulers;
+  if (archive.try_read("lr_schedulers", schedulers)) {
+    out << "lr schedulers (step counts): " << value_text(schedulers) << "\n";
+  }
+  print_section(archive, "precision", "precision", false, out);
+  print_section(archive, "train_loader", "training loader", false, out);
+  InputArchive callbacks;
+  if (archive.try_read("callbacks", callbacks)) {
+    const auto keys = callbacks.keys();
+    out << "callbacks: " << (keys.empty() ? std::string("none") : fulgur::join(keys)) << "\n";
+  }
+  print_section(archive, "rng", "RNG states", false, out);
+  print_section(archive, "hparams", "hyper-parameters", false, out);
+  print_section(archive, "module", "the module's own (on_save_checkpoint)", false, out);
+}
+
+// One file's size and checksum line; false when it does not verify.
+bool print_file_check(const std::string& file, const std::string& label, std::ostream& out) {
+  fulgur::TorchCheckpointIO io;
+  std::error_code ec;
+  const auto size = fs::file_size(file, ec);
+  out << label << ": " << (ec ? std::string("?") : bytes_text(size)) << ", ";
+  const std::string problem = io.verify(file);
+  if (!problem.empty()) {
+    out << "CORRUPT: " << problem << "\n";
+    return false;
+  }
+  out << (fulgur::TorchCheckpointIO::has_checksum(file)
+              ? "CRC32C verified"
+              : "no checksum (written before fulgur 0.2): unverified")
+      << "\n";
+  return true;
+}
+
+}  // namespace
+
+int inspect_checkpoint(const std::string& path, std::ostream& out) {
+  try {
+    out << "checkpoint: " << path << "\n";
+    std::error_code ec;
+    if (!fs::is_directory(path, ec)) {
+      if (!print_file_check(path, "file", out)) return 1;
+      print_contents(path, out);
+      return 0;
+    }
+    // A directory of per-rank shards (strategy "manual").
+    const auto manifest = fulgur::ManualStrategy::read_manifest(path);
+    out << "per-rank checkpoint: " << manifest.world_size << " shard(s), "
+        << fulgur::ManualStrategy::kManifest << " verified\n";
+    bool all = true;
+    for (const auto& shard : manifest.shards) {
+      all = print_file_check((fs::path(path) / shard).string(), str("shard ", shard), out) && all;
+    }
+    if (!all) return 1;
+    out << "contents of shard " << manifest.shards.front() << ":\n";
+    print_contents((fs::path(path) / manifest.shards.front()).string(), out);
+    return 0;
+  } catch (const std::exception& e) {
+    out << "CORRUPT or unreadable: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace fulgur_cli
