@@ -3,8 +3,10 @@
 // archive the Trainer writes, written to a temporary file, fsync'ed, renamed
 // into place) against plain torch::save / torch::load of the same tensors,
 // and torch::save followed by an fsync (the same durability as fulgur's).
-// Interleaved over --reps; medians in MB/s. Loads read from the page cache
-// (the file was just written), so they measure deserialisation, not disk.
+// Interleaved over --reps; medians in MB/s. Every timed operation starts
+// after a sync(), so that no side pays for the write-back of another's
+// unflushed data. Loads read from the page cache (the file was just
+// written), so they measure verification and deserialisation, not disk.
 //
 //   checkpoint --mb 100 --reps 5 --dir /tmp
 #include <fcntl.h>
@@ -96,6 +98,7 @@ int main(int argc, char** argv) {
   std::vector<double> f_save, r_save, s_save, f_load, r_load;
   for (int r = 0; r < reps; ++r) {
     {
+      ::sync();
       auto t = Clock::now();
       torch::serialize::OutputArchive root, module, optimizer;
       state->save(module);
@@ -106,17 +109,20 @@ int main(int argc, char** argv) {
       f_save.push_back(megabytes / seconds_since(t));
     }
     {
+      ::sync();
       auto t = Clock::now();
       torch::save(tensors, r_path);
       r_save.push_back(megabytes / seconds_since(t));
     }
     {
+      ::sync();
       auto t = Clock::now();
       torch::save(tensors, s_path);
       fsync_file(s_path);
       s_save.push_back(megabytes / seconds_since(t));
     }
     {
+      ::sync();
       auto t = Clock::now();
       torch::serialize::InputArchive root, module, optimizer;
       io.load_checkpoint(f_path, root);
@@ -127,6 +133,7 @@ int main(int argc, char** argv) {
       f_load.push_back(megabytes / seconds_since(t));
     }
     {
+      ::sync();
       auto t = Clock::now();
       std::vector<at::Tensor> loaded;
       torch::load(loaded, r_path);

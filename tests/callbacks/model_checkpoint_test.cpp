@@ -7,9 +7,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <map>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
@@ -28,7 +32,8 @@ using ::testing::ElementsAre;
 std::map<std::string, std::string> snapshot(const std::string& dir) {
   std::map<std::string, std::string> files;
   for (const auto& entry : fs::recursive_directory_iterator(dir)) {
-    if (entry.is_regular_file()) files[entry.path().string()] = fulgur::test::read_text(entry.path());
+    if (entry.is_regular_file())
+      files[entry.path().string()] = fulgur::test::read_text(entry.path());
   }
   return files;
 }
@@ -261,6 +266,113 @@ TEST(ModelCheckpoint, FitStartRemovesDeadWritersTemporaryFiles) {
   auto options = with_checkpoint(dir, {.save_top_k = 0, .save_last = false});
   fulgur::Trainer(options).fit(model, regression_loader(2));
   EXPECT_THAT(list_files(dir.file("ckpts")), ::testing::UnorderedElementsAre(live, "notes.txt"));
+}
+
+// ---- Crash consistency: a writer killed at any point of a save.
+
+using SaveStep = fulgur::TorchCheckpointIO::SaveStep;
+
+struct KillPoint {
+  int save;  // the how-many-th save of the run (1-based)
+  SaveStep step;
+  int64_t chunk;  // for kWrote: after which chunk of the archive
+  const char* name;
+};
+
+// The child's exit status, or SIGKILL sent to it after `timeout` (then the
+// test fails on the status: nothing hangs).
+int wait_bounded(pid_t pid, std::chrono::seconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return status;
+}
+
+// Three epochs of 4 steps, checkpointing each epoch (epoch=N-step=M.ckpt,
+// then last.ckpt: two saves an epoch) into `<dir>/ckpts` through `io`.
+fulgur::TrainerOptions crash_options(const TempDir& dir,
+                                     std::shared_ptr<fulgur::TorchCheckpointIO> io) {
+  auto options = with_checkpoint(dir, {.save_top_k = 1, .save_last = true});
+  options.max_epochs = 3;
+  if (io) options.plugins.push_back(std::shared_ptr<fulgur::CheckpointIO>(std::move(io)));
+  return options;
+}
+
+// A writer SIGKILLed at each step of a save — the temporary file just
+// created, after its first and a middle chunk, once flushed, once renamed
+// into place, once its directory is flushed — during the second epoch's
+// top-k save and during its last.ckpt rewrite. After each: every checkpoint
+// left in the directory verifies, ckpt_path="last" resumes and finishes the
+// run, and that next run leaves no temporary file behind.
+TEST(CheckpointCrash, AWriterKilledAtAnyPointOfASaveLosesNothing) {
+  std::vector<KillPoint> points;
+  for (int save : {3, 4}) {
+    points.push_back({save, SaveStep::kCreated, 0, "the temporary file created"});
+    points.push_back({save, SaveStep::kWrote, 0, "the first chunk written"});
+    points.push_back({save, SaveStep::kWrote, 8, "mid-write"});
+    points.push_back({save, SaveStep::kFlushed, 0, "flushed, not yet renamed"});
+    points.push_back({save, SaveStep::kRenamed, 0, "renamed, directory not flushed"});
+    points.push_back({save, SaveStep::kDirectoryFlushed, 0, "durable"});
+  }
+  for (const KillPoint& point : points) {
+    SCOPED_TRACE(fulgur::str("killed in save ", point.save, " at ", point.name));
+    TempDir dir;
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      at::set_num_threads(1);  // the parent's thread pool did not survive fork
+      auto io = std::make_shared<fulgur::TorchCheckpointIO>();
+      int saves = 0;
+      io->set_save_observer([&](SaveStep step, int64_t chunk) {
+        if (step == SaveStep::kCreated) ++saves;
+        if (saves == point.save && step == point.step &&
+            (step != SaveStep::kWrote || chunk == point.chunk)) {
+          ::kill(::getpid(), SIGKILL);
+        }
+      });
+      LinearRegression model;
+      try {
+        fulgur::Trainer(crash_options(dir, io)).fit(model, regression_loader(4));
+      } catch (...) {
+        ::_exit(3);
+      }
+      ::_exit(0);  // the kill point never came
+    }
+    const int status = wait_bounded(pid, std::chrono::seconds(60));
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
+        << "the writer was not killed at that point (status " << status << ")";
+
+    // Every checkpoint left verifies (a temporary file may be left).
+    const fs::path ckpts = dir.file("ckpts");
+    int checkpoints = 0;
+    for (const auto& name : list_files(ckpts.string())) {
+      if (fs::path(name).extension() != ".ckpt") continue;
+      ++checkpoints;
+      EXPECT_EQ(fulgur::TorchCheckpointIO().verify((ckpts / name).string()), "") << name;
+    }
+    EXPECT_GE(checkpoints, 2);  // the first epoch's two saves at least
+
+    // "last" resumes from the newest that verifies and finishes the run.
+    LinearRegression resumed;
+    fulgur::FitResult result;
+    ASSERT_NO_THROW(result =
+                        fulgur::Trainer(crash_options(dir, nullptr))
+                            .fit(resumed, regression_loader(4), nullptr, {.ckpt_path = "last"}));
+    EXPECT_EQ(result.global_step, 12);
+    EXPECT_GE(resumed.training_steps, 4);  // resumed, not restarted
+    EXPECT_LE(resumed.training_steps, 8);
+    for (const auto& name : list_files(ckpts.string())) {
+      EXPECT_EQ(name.find(".tmp."), std::string::npos) << "left behind: " << name;
+      EXPECT_EQ(fulgur::TorchCheckpointIO().verify((ckpts / name).string()), "") << name;
+    }
+  }
 }
 
 }  // namespace

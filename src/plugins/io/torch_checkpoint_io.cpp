@@ -66,35 +66,6 @@ struct Verdict {
   uint32_t expected = 0, actual = 0;
 };
 
-Verdict check(const std::string& bytes) {
-  Verdict v;
-  if (bytes.size() < kFooterSize) return v;
-  const char* f = bytes.data() + bytes.size() - kFooterSize;
-  if (std::memcmp(f, kMagic, sizeof(kMagic)) != 0) return v;
-  if (static_cast<uint32_t>(get_le(f + 28, 4)) != crc32c(f, 28)) return v;
-  v.has_footer = true;
-  const uint64_t version = get_le(f + 8, 4);
-  const uint64_t algorithm = get_le(f + 12, 4);
-  v.data_size = get_le(f + 16, 8);
-  if (version != kFooterVersion || algorithm != kAlgorithmCrc32c) {
-    v.problem = str("its checksum footer has version ", version, " and algorithm ", algorithm,
-                    ", which this fulgur does not know (a newer fulgur wrote it)");
-    return v;
-  }
-  if (v.data_size != bytes.size() - kFooterSize) {
-    v.problem = str("it holds ", bytes.size() - kFooterSize, " bytes of data but was written with ",
-                    v.data_size, " (cut short, or bytes were inserted)");
-    return v;
-  }
-  v.expected = static_cast<uint32_t>(get_le(f + 24, 4));
-  v.actual = crc32c(bytes.data(), v.data_size);
-  if (v.actual != v.expected) {
-    v.problem = str("its content does not match the CRC32C written with it (expected 0x", std::hex,
-                    v.expected, ", got 0x", v.actual, std::dec, ")");
-  }
-  return v;
-}
-
 // ---- Which record of the archive (a zip) is damaged: each record's stored
 // CRC-32 against its bytes. LibTorch stores records uncompressed.
 std::string describe_record(const std::string& name) {
@@ -170,13 +141,6 @@ std::string damaged_part(const char* data, uint64_t size) {
   return "the archive's headers or padding (every record's bytes are intact)";
 }
 
-// A failed verification in one sentence: a content mismatch names the
-// damaged part.
-std::string explained(const Verdict& v, const std::string& bytes) {
-  if (v.actual == v.expected) return v.problem;
-  return str(v.problem, "; the damage is in ", damaged_part(bytes.data(), v.data_size));
-}
-
 // ---- Files.
 std::string kind_of(mode_t mode) {
   if (S_ISDIR(mode)) return "a directory";
@@ -187,48 +151,152 @@ std::string kind_of(mode_t mode) {
   return "not a regular file";
 }
 
-// The whole file; CheckpointError naming it, the operation and the OS
-// reason. Never opens what is not a regular file (a FIFO would block).
-std::string read_checkpoint_file(const std::string& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    const int err = errno;
-    if (err == ENOENT) {
+// A checkpoint file opened for reading, read with pread (no copy of the
+// whole file in memory). CheckpointError naming it, the operation and the
+// OS reason; never opens what is not a regular file (a FIFO would block).
+class CheckpointFile {
+ public:
+  explicit CheckpointFile(const std::string& path) : path_(path) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+      const int err = errno;
+      if (err == ENOENT) {
+        throw CheckpointError(str("checkpoint \"", path,
+                                  "\" does not exist. Check the path, or "
+                                  "pass ckpt_path=\"last\" to resume from the newest checkpoint."));
+      }
+      throw CheckpointError(
+          str("checkpoint \"", path, "\": cannot look it up: ", std::strerror(err), "."));
+    }
+    if (!S_ISREG(st.st_mode)) {
+      throw CheckpointError(str("checkpoint \"", path, "\" is ", kind_of(st.st_mode),
+                                ", not a checkpoint file. Pass the path of a .ckpt file."));
+    }
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (fd_ < 0) {
+      const int err = errno;
       throw CheckpointError(str("checkpoint \"", path,
-                                "\" does not exist. Check the path, or "
-                                "pass ckpt_path=\"last\" to resume from the newest last.ckpt."));
+                                "\": cannot open it for reading: ", std::strerror(err),
+                                err == EACCES ? ". Give this user read permission on it (and "
+                                                "search permission on its directories)."
+                                              : "."));
     }
-    throw CheckpointError(
-        str("checkpoint \"", path, "\": cannot look it up: ", std::strerror(err), "."));
+    // The size of what was opened (the path may have been replaced since).
+    struct stat opened {};
+    size_ = ::fstat(fd_, &opened) == 0 ? static_cast<uint64_t>(opened.st_size)
+                                       : static_cast<uint64_t>(st.st_size);
   }
-  if (!S_ISREG(st.st_mode)) {
-    throw CheckpointError(str("checkpoint \"", path, "\" is ", kind_of(st.st_mode),
-                              ", not a checkpoint file. Pass the path of a .ckpt file."));
-  }
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    const int err = errno;
-    throw CheckpointError(str("checkpoint \"", path,
-                              "\": cannot open it for reading: ", std::strerror(err),
-                              err == EACCES ? ". Give this user read permission on it (and "
-                                              "search permission on its directories)."
-                                            : "."));
-  }
-  std::string bytes(static_cast<size_t>(st.st_size), '\0');
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::read(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int err = n < 0 ? errno : 0;
-      ::close(fd);
-      throw CheckpointError(str("checkpoint \"", path, "\": cannot read it: ",
-                                err ? std::strerror(err) : "it shrank while being read", "."));
+  ~CheckpointFile() { ::close(fd_); }
+  CheckpointFile(const CheckpointFile&) = delete;
+  CheckpointFile& operator=(const CheckpointFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint64_t size() const { return size_; }
+  /// Exactly `n` bytes at `pos`, or CheckpointError.
+  void read_at(uint64_t pos, void* buf, size_t n) const {
+    auto* out = static_cast<char*>(buf);
+    size_t done = 0;
+    while (done < n) {
+      const ssize_t got = ::pread(fd_, out + done, n - done, static_cast<off_t>(pos + done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) {
+        const int err = got < 0 ? errno : 0;
+        throw CheckpointError(str("checkpoint \"", path_, "\": cannot read it: ",
+                                  err ? std::strerror(err) : "it shrank while being read", "."));
+      }
+      done += static_cast<size_t>(got);
     }
-    done += static_cast<size_t>(n);
   }
-  ::close(fd);
-  return bytes;
+  /// CRC32C of the first `n` bytes, read in pieces through one small buffer.
+  uint32_t crc32c_of(uint64_t n) const {
+    std::vector<char> buf(std::min<uint64_t>(n, uint64_t{4} << 20));
+    uint32_t crc = 0;
+    for (uint64_t pos = 0; pos < n;) {
+      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(buf.size(), n - pos));
+      read_at(pos, buf.data(), chunk);
+      crc = crc32c(buf.data(), chunk, crc);
+      pos += chunk;
+    }
+    return crc;
+  }
+  /// The whole file (for explaining a failure, or a file without a footer).
+  std::string read_all() const {
+    std::string bytes(static_cast<size_t>(size_), '\0');
+    read_at(0, bytes.data(), bytes.size());
+    return bytes;
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t size_ = 0;
+};
+
+// What the end of a file says about its data (the data's checksum computed
+// while reading it through once).
+Verdict check(const CheckpointFile& file) {
+  Verdict v;
+  if (file.size() < kFooterSize) return v;
+  char f[kFooterSize];
+  file.read_at(file.size() - kFooterSize, f, kFooterSize);
+  if (std::memcmp(f, kMagic, sizeof(kMagic)) != 0) return v;
+  if (static_cast<uint32_t>(get_le(f + 28, 4)) != crc32c(f, 28)) return v;
+  v.has_footer = true;
+  const uint64_t version = get_le(f + 8, 4);
+  const uint64_t algorithm = get_le(f + 12, 4);
+  v.data_size = get_le(f + 16, 8);
+  if (version != kFooterVersion || algorithm != kAlgorithmCrc32c) {
+    v.problem = str("its checksum footer has version ", version, " and algorithm ", algorithm,
+                    ", which this fulgur does not know (a newer fulgur wrote it)");
+    return v;
+  }
+  if (v.data_size != file.size() - kFooterSize) {
+    v.problem = str("it holds ", file.size() - kFooterSize,
+                    " bytes of data but was written with ", v.data_size,
+                    " (cut short, or bytes were inserted)");
+    return v;
+  }
+  v.expected = static_cast<uint32_t>(get_le(f + 24, 4));
+  v.actual = file.crc32c_of(v.data_size);
+  if (v.actual != v.expected) {
+    v.problem = str("its content does not match the CRC32C written with it (expected 0x", std::hex,
+                    v.expected, ", got 0x", v.actual, std::dec, ")");
+  }
+  return v;
+}
+
+// A failed verification in one sentence: a content mismatch names the
+// damaged part (the file is read whole for that).
+std::string explained(const Verdict& v, const CheckpointFile& file) {
+  if (v.actual == v.expected) return v.problem;
+  const std::string bytes = file.read_all();
+  return str(v.problem, "; the damage is in ", damaged_part(bytes.data(), v.data_size));
+}
+
+// `archive` loaded from the first `size` bytes of `file`, read as LibTorch
+// asks for them. A failed read is rethrown after LibTorch's reader has
+// given up (an exception must not cross its C code).
+void load_archive(const CheckpointFile& file, uint64_t size,
+                  torch::serialize::InputArchive& archive) {
+  std::optional<CheckpointError> read_error;
+  try {
+    archive.load_from(
+        [&](uint64_t pos, void* buf, size_t n) -> size_t {
+          if (pos >= size || read_error) return 0;
+          const size_t take = static_cast<size_t>(std::min<uint64_t>(n, size - pos));
+          try {
+            file.read_at(pos, buf, take);
+          } catch (const CheckpointError& e) {
+            read_error = e;
+            return 0;
+          }
+          return take;
+        },
+        [size]() -> size_t { return static_cast<size_t>(size); });
+  } catch (const c10::Error&) {
+    if (read_error) throw *read_error;
+    throw;
+  }
 }
 
 // The newest other *.ckpt of `path`'s directory whose checksum verifies;
@@ -247,7 +315,7 @@ std::string newest_valid_sibling(const std::string& path) {
             [](const auto& a, const auto& b) { return a.first > b.first; });
   for (const auto& [_, candidate] : candidates) {
     try {
-      const Verdict v = check(read_checkpoint_file(candidate.string()));
+      const Verdict v = check(CheckpointFile(candidate.string()));
       if (v.has_footer && v.problem.empty()) return candidate.string();
     } catch (const CheckpointError&) {
       // Unreadable: not an alternative.
@@ -353,6 +421,22 @@ std::string advice_for(int err) {
   }
 }
 
+// Drops the page cache of the checkpoint a save is about to replace (its
+// data stays on disk, untouched). The new file's pages then reuse that
+// memory instead of taking fresh pages: on a virtual machine that hands
+// free memory back to its host (free page reporting, ballooning), a fresh
+// page costs a fault in the host, and writing 1 GB next to a cached 1 GB
+// checkpoint took 3-4 s instead of 1 s here. torch::save's O_TRUNC frees
+// the old pages the same way; a rename-into-place save must ask for it.
+void release_cached_pages(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return;
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+}
+
 }  // namespace
 
 void TorchCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpoint,
@@ -377,6 +461,7 @@ void TorchCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpo
                               "previous checkpoint at this path (if any) is untouched.",
                               advice_for(err)));
   };
+  release_cached_pages(path);
   {
     ChecksummingWriter writer(tmp);
     if (writer.error() == 0) {
@@ -440,12 +525,11 @@ void TorchCheckpointIO::remove_stale_files(const std::string& dir) {
 
 void TorchCheckpointIO::load_checkpoint(const std::string& path,
                                         torch::serialize::InputArchive& checkpoint) {
-  const std::string bytes = read_checkpoint_file(path);
-  const Verdict v = check(bytes);
-  if (v.has_footer && !v.problem.empty()) corrupt(path, explained(v, bytes));
-  const size_t size = v.has_footer ? v.data_size : bytes.size();
+  const CheckpointFile file(path);
+  const Verdict v = check(file);
+  if (v.has_footer && !v.problem.empty()) corrupt(path, explained(v, file));
   try {
-    checkpoint.load_from(bytes.data(), size);
+    load_archive(file, v.has_footer ? v.data_size : file.size(), checkpoint);
   } catch (const c10::Error& e) {
     if (v.has_footer) {
       throw CheckpointError(str("checkpoint \"", path,
@@ -459,7 +543,7 @@ void TorchCheckpointIO::load_checkpoint(const std::string& path,
                       e.what_without_backtrace(),
                       "): it is truncated, damaged at its end, or "
                       "not a checkpoint (",
-                      bytes.size(), " bytes)"));
+                      file.size(), " bytes)"));
   }
   if (!v.has_footer) {
     c10::IValue marker;
@@ -476,14 +560,14 @@ void TorchCheckpointIO::load_checkpoint(const std::string& path,
 
 std::string TorchCheckpointIO::verify(const std::string& path) {
   try {
-    const std::string bytes = read_checkpoint_file(path);
-    const Verdict v = check(bytes);
-    if (v.has_footer) return v.problem.empty() ? std::string() : explained(v, bytes);
+    const CheckpointFile file(path);
+    const Verdict v = check(file);
+    if (v.has_footer) return v.problem.empty() ? std::string() : explained(v, file);
     // No footer: a file from before checksums (fulgur 0.1) loads, unverified,
     // when LibTorch reads it and it lacks the marker of a footer written.
     torch::serialize::InputArchive archive;
     try {
-      archive.load_from(bytes.data(), bytes.size());
+      load_archive(file, file.size(), archive);
     } catch (const c10::Error&) {
       return "it has no checksum footer and LibTorch cannot read it (truncated, damaged at its "
              "end, or not a checkpoint)";
@@ -501,7 +585,7 @@ std::string TorchCheckpointIO::verify(const std::string& path) {
 
 bool TorchCheckpointIO::has_checksum(const std::string& path) {
   try {
-    return check(read_checkpoint_file(path)).has_footer;
+    return check(CheckpointFile(path)).has_footer;
   } catch (const CheckpointError&) {
     return false;
   }
