@@ -136,12 +136,14 @@ print("Targets (issue: benchmarks): < 200 ms to the first step for 1 process (%s
   echo
   echo "A training state (parameters + SGD momentum) saved and loaded: fulgur's TorchCheckpointIO"
   echo "(the Trainer's archive, written to a temporary file, fsync'ed, renamed into place) against"
-  echo "torch::save / torch::load of the same tensors, and torch::save + fsync (the same durability)."
+  echo "LibTorch alone doing the same: the same archive through OutputArchive::save_to (what"
+  echo "torch::save does), with and without an fsync (the same durability), and loaded with"
+  echo "InputArchive::load_from into the same module and optimizer."
   echo "CKPT_REPS=$ckpt_reps interleaved repetitions, medians; every timed operation starts after a"
   echo "sync() (no side pays for another's write-back); loads read the file just written, from the"
   echo "page cache."
   echo
-  echo "| state | fulgur save MB/s | torch::save MB/s | torch::save + fsync MB/s | fulgur ÷ (save + fsync) | fulgur load MB/s | torch::load MB/s | load ratio |"
+  echo "| state | fulgur save MB/s | LibTorch save MB/s | LibTorch save + fsync MB/s | fulgur ÷ (save + fsync) | fulgur load MB/s | LibTorch load MB/s | load ratio |"
   echo "|---|---|---|---|---|---|---|---|"
   for r in "${ckpt_rows[@]}"; do
     "$py" -c 'import json,sys; r=json.loads(sys.argv[1]); print("| %.0f MB | %.0f | %.0f | %.0f | %.3f | %.0f | %.0f | %.3f |" % (r["megabytes"], r["fulgur_save_mb_s"], r["torch_save_mb_s"], r["torch_save_fsync_mb_s"], r["save_ratio_vs_torch_save_fsync"], r["fulgur_load_mb_s"], r["torch_load_mb_s"], r["load_ratio"]))' "$r"
@@ -156,7 +158,7 @@ print("Targets (issue: benchmarks): < 200 ms to the first step for 1 process (%s
   echo "without it). torch::save's O_TRUNC frees the old pages first; fulgur's save now drops the"
   echo "replaced file's cached pages before writing (its data stays on disk until the rename). The"
   echo "load's verification reads the file once more at CRC32C speed; it runs on a second thread"
-  echo "beside LibTorch's parse (torch::load checks no checksum at all)."
+  echo "beside LibTorch's parse (LibTorch's own load checks no checksum at all)."
   echo
   echo "## DDP: 2 ranks on this machine, 784-1024-1024-10 MLP, batch 64 per rank, SGD, Gloo, 1 thread per rank"
   echo
