@@ -28,6 +28,7 @@
 #include "fulgur/plugins/environments/mpi.h"
 #include "fulgur/plugins/environments/slurm.h"
 #include "fulgur/plugins/environments/torchelastic.h"
+#include "fulgur/plugins/io/async_checkpoint_io.h"
 #include "fulgur/plugins/io/checkpoint_io.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 #include "fulgur/plugins/precision/amp.h"

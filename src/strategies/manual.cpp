@@ -131,6 +131,9 @@ void ManualStrategy::save_checkpoint(torch::serialize::OutputArchive& checkpoint
   barrier("manual save: directory ready");
   // 2. Every rank writes its shard.
   checkpoint_io().save_checkpoint(checkpoint, shard_path(path, rank, world));
+  // The manifest may claim only shards that are durable (an asynchronous
+  // checkpoint IO has handed its shard to a writer thread).
+  checkpoint_io().wait_until_durable();
   barrier("manual save: shards written");
   // 3. The manifest marks the checkpoint complete.
   if (rank == 0) {

@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <iostream>
 #include <set>
 
 #include "fulgur/accelerators/accelerator.h"
@@ -133,6 +134,15 @@ OptimizerConfig Strategy::setup_optimizers(Module& module) {
 void Strategy::teardown() {
   if (torn_down_) return;
   torn_down_ = true;
+  // A save still being written in the background finishes first (after a
+  // failed stage too: a checkpoint handed over is never dropped).
+  if (checkpoint_io_) {
+    try {
+      checkpoint_io_->wait_until_durable();
+    } catch (const std::exception& e) {
+      std::cerr << "fulgur: " << e.what() << std::endl;
+    }
+  }
   do_teardown();
   if (has_accelerator()) accelerator().teardown();
   environment_ready_ = false;
@@ -177,6 +187,14 @@ void Strategy::load_checkpoint(const std::string& path,
 
 void Strategy::remove_checkpoint(const std::string& path) {
   if (is_checkpoint_writer()) checkpoint_io().remove_checkpoint(path);
+}
+
+void Strategy::raise_checkpoint_errors() {
+  if (checkpoint_io_) checkpoint_io_->raise_pending_error();
+}
+
+void Strategy::wait_for_checkpoints() {
+  if (checkpoint_io_) checkpoint_io_->wait_until_durable();
 }
 
 std::string Strategy::verify_checkpoint(const std::string& path) {

@@ -384,6 +384,8 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         fit_loop.run();
         call_hooks([](Module& mod) { mod.on_fit_end(); },
                    [&](Callback& cb) { cb.on_fit_end(self, m); });
+        // Fit returns only once its checkpoints are durable.
+        strategy->wait_for_checkpoints();
         if (strategy->is_global_zero()) logging.finalize();
         if (data) data->teardown(Stage::Fit);
 

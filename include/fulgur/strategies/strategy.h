@@ -195,6 +195,13 @@ class Strategy {
   /// Removes what interrupted saves left in the checkpoint directory `dir`
   /// (never a live writer's file); on the ranks that write checkpoints.
   virtual void remove_stale_checkpoint_files(const std::string& dir);
+  /// Throws the error of a checkpoint that failed to write in the
+  /// background (an asynchronous checkpoint IO); never blocks. The fit loop
+  /// calls it at every step boundary.
+  void raise_checkpoint_errors();
+  /// Returns once every checkpoint handed to the checkpoint IO is durable;
+  /// throws the error of one that failed. Fit calls it before returning.
+  void wait_for_checkpoints();
   /// The module's parameters and buffers into / out of a checkpoint.
   virtual void save_module_state(Module& module, torch::serialize::OutputArchive& archive);
   virtual void load_module_state(Module& module, torch::serialize::InputArchive& archive);

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/plugins/io/async_checkpoint_io.h"
 #include "fulgur/utilities/checksum.h"
 
 namespace fulgur {
@@ -253,9 +254,8 @@ Verdict check_footer(const CheckpointFile& file) {
     v.problem = str("its checksum footer has version ", version, " and algorithm ", algorithm,
                     ", which this fulgur does not know (a newer fulgur wrote it)");
   } else if (v.data_size != file.size() - kFooterSize) {
-    v.problem = str("it holds ", file.size() - kFooterSize,
-                    " bytes of data but was written with ", v.data_size,
-                    " (cut short, or bytes were inserted)");
+    v.problem = str("it holds ", file.size() - kFooterSize, " bytes of data but was written with ",
+                    v.data_size, " (cut short, or bytes were inserted)");
   }
   v.actual = v.expected;  // until check_data has read the data
   return v;
@@ -453,6 +453,38 @@ void release_cached_pages(const std::string& path) {
 
 void TorchCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpoint,
                                         const std::string& path) {
+  mark_verified(checkpoint);
+  write_atomically(path, [&](const ByteSink& sink) { checkpoint.save_to(sink); });
+}
+
+void TorchCheckpointIO::mark_verified(torch::serialize::OutputArchive& checkpoint) {
+  checkpoint.write(kIntegrityKey, c10::IValue(std::string("crc32c footer v1")));
+}
+
+void TorchCheckpointIO::serialize(torch::serialize::OutputArchive& checkpoint,
+                                  SerializedCheckpoint& out) {
+  mark_verified(checkpoint);
+  out.clear();
+  checkpoint.save_to([&](const void* data, size_t n) {
+    out.append(data, n);
+    return n;
+  });
+}
+
+void TorchCheckpointIO::save_serialized(const SerializedCheckpoint& archive,
+                                        const std::string& path) {
+  write_atomically(path, [&](const ByteSink& sink) {
+    // In pieces, as LibTorch's writer hands them over (the save observer
+    // sees chunks either way).
+    constexpr size_t kPiece = size_t{4} << 20;
+    for (size_t at = 0; at < archive.size(); at += kPiece) {
+      sink(archive.data() + at, std::min(kPiece, archive.size() - at));
+    }
+  });
+}
+
+void TorchCheckpointIO::write_atomically(const std::string& path,
+                                         const std::function<void(const ByteSink&)>& produce) {
   const fs::path target(path);
   std::error_code ec;
   if (target.has_parent_path()) {
@@ -463,7 +495,6 @@ void TorchCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpo
                                 advice_for(ec.value())));
     }
   }
-  checkpoint.write(kIntegrityKey, c10::IValue(std::string("crc32c footer v1")));
   const std::string tmp = str(path, ".tmp.", ::getpid(), ".", this_host());
   auto fail = [&](const char* operation, int err, const std::string& file) {
     fs::remove(tmp, ec);
@@ -479,7 +510,7 @@ void TorchCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpo
     if (writer.error() == 0) {
       observe(SaveStep::kCreated);
       int64_t chunk = 0;
-      checkpoint.save_to([&](const void* data, size_t n) {
+      produce([&](const void* data, size_t n) {
         const size_t written = writer.write(data, n);
         observe(SaveStep::kWrote, chunk++);
         return written;
@@ -637,6 +668,35 @@ void TorchCheckpointIO::remove_checkpoint(const std::string& path) {
   fs::remove(path, ec);
 }
 
+void SerializedCheckpoint::append(const void* data, size_t n) {
+  if (size_ + n > bytes_.size()) {
+    // Grows on the first saves only: later ones reuse the capacity.
+    bytes_.resize(std::max(size_ + n, bytes_.size() + bytes_.size() / 2));
+  }
+  std::memcpy(bytes_.data() + size_, data, n);
+  size_ += n;
+}
+
+namespace {
+
+[[noreturn]] void cannot_write_serialized(std::string_view io, const std::string& what) {
+  throw ConfigError(str("checkpoint IO \"", io, "\" cannot ", what,
+                        ": it writes only through save_checkpoint. Implement writes_serialized(), "
+                        "serialize() and save_serialized() to let AsyncCheckpointIO wrap it."));
+}
+
+}  // namespace
+
+void CheckpointIO::serialize(torch::serialize::OutputArchive& /*checkpoint*/,
+                             SerializedCheckpoint& /*out*/) {
+  cannot_write_serialized(name(), "serialize a checkpoint in memory");
+}
+
+void CheckpointIO::save_serialized(const SerializedCheckpoint& /*archive*/,
+                                   const std::string& path) {
+  cannot_write_serialized(name(), str("write the serialized checkpoint \"", path, "\""));
+}
+
 std::string CheckpointIO::verify(const std::string& path) {
   try {
     torch::serialize::InputArchive scratch;
@@ -654,6 +714,11 @@ CheckpointIORegistry& checkpoint_io_registry() {
           "LibTorch archives with a CRC32C footer, verified on load; written "
           "atomically (tmp file, fsync, rename, directory fsync)",
           [] { return std::make_unique<TorchCheckpointIO>(); });
+    r.add("async",
+          "the torch checkpoint IO written on a background thread: the checkpoint is "
+          "serialized into a reused buffer at the save point and written while training goes "
+          "on (one save in flight; errors raised at the next step; fit waits for the last)",
+          [] { return std::make_unique<AsyncCheckpointIO>(); });
     return r;
   }();
   return registry;

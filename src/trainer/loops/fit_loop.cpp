@@ -163,6 +163,7 @@ void FitLoop::train_epoch() {
 void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   Module& m = *trainer_.module;
   trainer_.strategy->heartbeat("train batch");
+  trainer_.strategy->raise_checkpoint_errors();
   trainer_.call_hooks([&](Module& mod) { mod.on_train_batch_start(batch, idx); },
                       [&](Callback& cb) { cb.on_train_batch_start(trainer_.self, m, batch, idx); });
   Batch on_device = trainer_.strategy->batch_to_device(batch);

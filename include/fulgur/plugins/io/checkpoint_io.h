@@ -4,9 +4,11 @@
 // remove. It never decides which rank writes; the Strategy does.
 #pragma once
 
+#include <cstddef>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "fulgur/core/registry.h"
 
@@ -16,6 +18,23 @@ class InputArchive;
 }  // namespace torch::serialize
 
 namespace fulgur {
+
+/// A checkpoint serialized in memory, in a buffer whose capacity is kept
+/// between saves (AsyncCheckpointIO's snapshot: no allocation per save once
+/// the first saves have sized it).
+class SerializedCheckpoint {
+ public:
+  void clear() { size_ = 0; }
+  void append(const void* data, size_t n);
+  const char* data() const { return bytes_.data(); }
+  size_t size() const { return size_; }
+  /// Bytes held, used or not.
+  size_t capacity() const { return bytes_.size(); }
+
+ private:
+  std::vector<char> bytes_;
+  size_t size_ = 0;
+};
 
 class CheckpointIO {
  public:
@@ -39,6 +58,30 @@ class CheckpointIO {
   /// temporary files), never a live writer's file or a checkpoint.
   /// ModelCheckpoint calls it at the start of fit. Default: nothing.
   virtual void remove_stale_files(const std::string& /*dir*/) {}
+
+  // ---- Writing in two halves, for AsyncCheckpointIO: the caller's thread
+  // serializes (a snapshot: training may change the tensors right after),
+  // a writer thread writes.
+
+  /// Whether this IO writes in two halves (serialize, then
+  /// save_serialized); false by default.
+  virtual bool writes_serialized() const { return false; }
+  /// `checkpoint` serialized into `out` (cleared first, its capacity kept),
+  /// in the form save_serialized() writes. Default: a ConfigError.
+  virtual void serialize(torch::serialize::OutputArchive& checkpoint, SerializedCheckpoint& out);
+  /// Writes what serialize() produced to `path`, with save_checkpoint's
+  /// guarantees. Default: a ConfigError.
+  virtual void save_serialized(const SerializedCheckpoint& archive, const std::string& path);
+
+  // ---- Saves that finish in the background (AsyncCheckpointIO); a
+  // synchronous IO has nothing to do here.
+
+  /// Throws the error of a save that failed in the background, once. Never
+  /// blocks. The fit loop calls it at every step boundary.
+  virtual void raise_pending_error() {}
+  /// Returns once every save handed over is durable; throws the error of
+  /// one that failed. Fit calls it before it returns.
+  virtual void wait_until_durable() {}
 };
 
 using CheckpointIORegistry = Registry<CheckpointIO>;

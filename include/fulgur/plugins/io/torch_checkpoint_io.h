@@ -36,6 +36,11 @@ class TorchCheckpointIO : public CheckpointIO {
   void load_checkpoint(const std::string& path,
                        torch::serialize::InputArchive& checkpoint) override;
   void remove_checkpoint(const std::string& path) override;
+  /// The archive's bytes as save_checkpoint writes them (the footer is
+  /// added by save_serialized).
+  bool writes_serialized() const override { return true; }
+  void serialize(torch::serialize::OutputArchive& checkpoint, SerializedCheckpoint& out) override;
+  void save_serialized(const SerializedCheckpoint& archive, const std::string& path) override;
   /// Checks the file against its checksum footer (reads it; parses
   /// nothing). A file without a footer verifies when it is one from before
   /// checksums that LibTorch reads (it loads, unverified: has_checksum()
@@ -58,6 +63,16 @@ class TorchCheckpointIO : public CheckpointIO {
   void set_save_observer(SaveObserver observer) { save_observer_ = std::move(observer); }
 
  private:
+  using ByteSink = std::function<size_t(const void*, size_t)>;
+  /// Marks an archive as written with a footer: one that lost its footer is
+  /// then told apart from one written before checksums.
+  static void mark_verified(torch::serialize::OutputArchive& checkpoint);
+  /// `produce` writes the archive's bytes into the sink; they go to a
+  /// temporary file with the footer, fsynced, renamed over `path`, and the
+  /// directory fsynced. CheckpointError on any failure (the partial file
+  /// removed, a previous checkpoint at `path` untouched).
+  void write_atomically(const std::string& path,
+                        const std::function<void(const ByteSink&)>& produce);
   void observe(SaveStep step, int64_t chunk = 0) const {
     if (save_observer_) save_observer_(step, chunk);
   }

@@ -1,0 +1,279 @@
+// AsyncCheckpointIO: what is written is the state at the save point even
+// though training changes it right after; one save in flight, removals after
+// the saves before them; a failed write is raised (never lost) and stops the
+// removals queued behind it; fit waits for its last save; an IO that cannot
+// write in two halves is refused by name.
+#include "fulgur/plugins/io/async_checkpoint_io.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using fulgur::test::LinearRegression;
+using fulgur::test::list_files;
+using fulgur::test::regression_loader;
+using fulgur::test::TempDir;
+
+at::Tensor load_value(const std::string& path) {
+  torch::serialize::InputArchive archive;
+  fulgur::TorchCheckpointIO().load_checkpoint(path, archive);
+  at::Tensor value;
+  archive.read("value", value);
+  return value;
+}
+
+TEST(AsyncCheckpointIO, WritesTheStateAtTheSavePointWhileTrainingChangesIt) {
+  TempDir dir;
+  fulgur::AsyncCheckpointIO io;
+  at::Tensor state = torch::arange(1 << 20, torch::kFloat);
+  const at::Tensor at_save = state.clone();
+  for (int save = 0; save < 3; ++save) {
+    const std::string path = dir.file(fulgur::str("step-", save, ".ckpt"));
+    torch::serialize::OutputArchive archive;
+    archive.write("value", state);
+    io.save_checkpoint(archive, path);
+    state.add_(1);  // the next step, at once
+    io.wait_until_durable();
+    EXPECT_TRUE(torch::equal(load_value(path), at_save + save)) << path;
+    EXPECT_EQ(fulgur::TorchCheckpointIO().verify(path), "") << path;
+  }
+  // The snapshot buffer is sized by the first save and reused after.
+  EXPECT_GE(io.buffer_capacity(), size_t{4} << 20);
+  EXPECT_LT(io.buffer_capacity(), size_t{8} << 20);
+}
+
+// The torch IO, with each write held until the test lets it go, and every
+// save and removal recorded in order.
+class GatedIO : public fulgur::TorchCheckpointIO {
+ public:
+  void save_serialized(const fulgur::SerializedCheckpoint& archive,
+                       const std::string& path) override {
+    record("save start " + fs::path(path).filename().string());
+    gate_.wait();
+    fulgur::TorchCheckpointIO::save_serialized(archive, path);
+    record("save end " + fs::path(path).filename().string());
+  }
+  void remove_checkpoint(const std::string& path) override {
+    fulgur::TorchCheckpointIO::remove_checkpoint(path);
+    record("remove " + fs::path(path).filename().string());
+  }
+  void open_gate() { open_.set_value(); }
+  std::vector<std::string> events() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return events_;
+  }
+
+ private:
+  void record(std::string event) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    events_.push_back(std::move(event));
+  }
+  std::promise<void> open_;
+  std::shared_future<void> gate_ = open_.get_future().share();
+  std::mutex mutex_;
+  std::vector<std::string> events_;
+};
+
+void save_value(fulgur::CheckpointIO& io, const std::string& path, double value) {
+  torch::serialize::OutputArchive archive;
+  archive.write("value", torch::full({4}, value));
+  io.save_checkpoint(archive, path);
+}
+
+TEST(AsyncCheckpointIO, OneSaveInFlightAndRemovalsAfterTheSavesBeforeThem) {
+  TempDir dir;
+  fulgur::test::write_text(dir.file("old.ckpt"), "an older checkpoint\n");
+  auto gated = std::make_shared<GatedIO>();
+  fulgur::AsyncCheckpointIO io(gated);
+  save_value(io, dir.file("a.ckpt"), 1.0);  // returns; its write waits at the gate
+  io.remove_checkpoint(dir.file("old.ckpt"));
+  std::atomic<bool> second_returned{false};
+  std::thread second([&] {
+    save_value(io, dir.file("b.ckpt"), 2.0);
+    second_returned = true;
+  });
+  // Whatever the timing, the second save cannot return while the first is
+  // held: the snapshot buffer is still being written.
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(second_returned);
+  EXPECT_TRUE(fs::exists(dir.file("old.ckpt")));
+  gated->open_gate();
+  second.join();
+  io.wait_until_durable();
+  EXPECT_THAT(gated->events(),
+              ::testing::ElementsAre("save start a.ckpt", "save end a.ckpt", "remove old.ckpt",
+                                     "save start b.ckpt", "save end b.ckpt"));
+  EXPECT_TRUE(torch::equal(load_value(dir.file("a.ckpt")), torch::full({4}, 1.0)));
+  EXPECT_TRUE(torch::equal(load_value(dir.file("b.ckpt")), torch::full({4}, 2.0)));
+}
+
+TEST(AsyncCheckpointIO, AFailedWriteIsRaisedOnceAndStopsTheRemovalsBehindIt) {
+  TempDir dir;
+  fulgur::test::write_text(dir.file("taken"), "a file where a directory should be\n");
+  fulgur::test::write_text(dir.file("good.ckpt"), "the newest good checkpoint\n");
+  fulgur::AsyncCheckpointIO io;
+  const std::string bad = dir.file("taken/checkpoints/last.ckpt");
+  save_value(io, bad, 1.0);  // fails in the background
+  io.remove_checkpoint(dir.file("good.ckpt"));
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, io.wait_until_durable(),
+                     {"a checkpoint written in the background failed", bad,
+                      "cannot create directory", "Not a directory"});
+  EXPECT_TRUE(fs::exists(dir.file("good.ckpt"))) << "removed after a failed save";
+  EXPECT_NO_THROW(io.wait_until_durable());  // raised once
+  // The next save raises a failure that happened since, before snapshotting.
+  save_value(io, bad, 2.0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, save_value(io, dir.file("next.ckpt"), 3.0),
+                     {"a checkpoint written in the background failed", bad});
+  io.wait_until_durable();
+  EXPECT_FALSE(fs::exists(dir.file("next.ckpt")));
+}
+
+TEST(AsyncCheckpointIO, RefusesAnIOThatWritesOnlyWholeArchives) {
+  struct WholeOnly : fulgur::CheckpointIO {
+    std::string_view name() const override { return "whole_only"; }
+    void save_checkpoint(torch::serialize::OutputArchive&, const std::string&) override {}
+    void load_checkpoint(const std::string&, torch::serialize::InputArchive&) override {}
+    void remove_checkpoint(const std::string&) override {}
+  };
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::AsyncCheckpointIO(std::make_shared<WholeOnly>()),
+                     {"cannot wrap checkpoint IO \"whole_only\"", "serialize()",
+                      "save_serialized()", "drop \"async\""});
+}
+
+// Every tensor of `a` (nested archives included) equals the one of `b`
+// under the same key.
+void expect_same_tensors(torch::serialize::InputArchive& a, torch::serialize::InputArchive& b,
+                         const std::string& where) {
+  EXPECT_EQ(a.keys(), b.keys()) << where;
+  for (const auto& key : a.keys()) {
+    at::Tensor ta, tb;
+    torch::serialize::InputArchive na, nb;
+    if (a.try_read(key, ta)) {
+      ASSERT_TRUE(b.try_read(key, tb)) << where << "." << key;
+      EXPECT_TRUE(torch::equal(ta, tb)) << where << "." << key;
+    } else if (a.try_read(key, na)) {
+      ASSERT_TRUE(b.try_read(key, nb)) << where << "." << key;
+      expect_same_tensors(na, nb, where + "." + key);
+    }
+  }
+}
+
+// Every tensor under `archive`, sorted by size then sum.
+void collect_tensors(torch::serialize::InputArchive& archive, std::vector<at::Tensor>& out) {
+  for (const auto& key : archive.keys()) {
+    at::Tensor t;
+    torch::serialize::InputArchive nested;
+    if (archive.try_read(key, t)) {
+      out.push_back(t);
+    } else if (archive.try_read(key, nested)) {
+      collect_tensors(nested, out);
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const at::Tensor& a, const at::Tensor& b) {
+    if (a.numel() != b.numel()) return a.numel() < b.numel();
+    return a.sum().item<double>() < b.sum().item<double>();
+  });
+}
+
+// Two epochs checkpointing at every step, once synchronously and once with
+// plugins = {"async"}: the same files with the same states (the async saves
+// were written while training went on), every one durable and verified when
+// fit returns.
+TEST(AsyncCheckpointIO, FitWritesWhatASynchronousFitWrites) {
+  auto run = [](const TempDir& dir, bool async) {
+    auto options = fulgur::test::test_options(dir);
+    options.max_epochs = 2;
+    options.seed = 7;
+    options.enable_checkpointing = true;
+    options.callbacks.push_back(
+        std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+            .dirpath = dir.file("ckpts"), .save_top_k = -1, .every_n_train_steps = 1}));
+    if (async) options.plugins.push_back(std::string("async"));
+    torch::manual_seed(7);  // the same initial weights in both runs
+    LinearRegression model({.momentum = 0.9});
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(4));
+    EXPECT_EQ(trainer.strategy().checkpoint_io().name(), async ? "async" : "torch");
+  };
+  TempDir sync_dir, async_dir;
+  run(sync_dir, false);
+  run(async_dir, true);
+  const auto names = list_files(sync_dir.file("ckpts"));
+  ASSERT_EQ(names, list_files(async_dir.file("ckpts")));
+  ASSERT_GE(names.size(), 8u);
+  for (const auto& name : names) {
+    const std::string a = sync_dir.file("ckpts/" + name), b = async_dir.file("ckpts/" + name);
+    ASSERT_EQ(fulgur::TorchCheckpointIO().verify(b), "") << name;
+    torch::serialize::InputArchive ra, rb;
+    fulgur::TorchCheckpointIO().load_checkpoint(a, ra);
+    fulgur::TorchCheckpointIO().load_checkpoint(b, rb);
+    torch::serialize::InputArchive sa, sb, oa, ob;
+    ra.read("state_dict", sa);
+    rb.read("state_dict", sb);
+    expect_same_tensors(sa, sb, name + " state_dict");
+    // The optimizer's state is keyed by parameter addresses, which differ
+    // between runs: its tensors are compared as a sorted list.
+    ra.read("optimizer_states", oa);
+    rb.read("optimizer_states", ob);
+    std::vector<at::Tensor> ta, tb;
+    collect_tensors(oa, ta);
+    collect_tensors(ob, tb);
+    ASSERT_EQ(ta.size(), tb.size()) << name;
+    ASSERT_FALSE(ta.empty()) << name << ": no momentum buffers";
+    for (size_t i = 0; i < ta.size(); ++i) {
+      EXPECT_TRUE(torch::equal(ta[i], tb[i])) << name << " optimizer tensor " << i;
+    }
+  }
+}
+
+// The torch IO failing its second write.
+class FailingSecondWrite : public fulgur::TorchCheckpointIO {
+ public:
+  void save_serialized(const fulgur::SerializedCheckpoint& archive,
+                       const std::string& path) override {
+    if (++writes_ == 2) {
+      throw fulgur::CheckpointError(
+          fulgur::str("saving checkpoint \"", path, "\": cannot write: No space left on device."));
+    }
+    fulgur::TorchCheckpointIO::save_serialized(archive, path);
+  }
+
+ private:
+  int writes_ = 0;
+};
+
+TEST(AsyncCheckpointIO, FitRaisesAFailedBackgroundWrite) {
+  TempDir dir;
+  auto options = fulgur::test::test_options(dir);
+  options.max_epochs = 3;
+  options.enable_checkpointing = true;
+  options.callbacks.push_back(std::make_shared<fulgur::ModelCheckpoint>(
+      fulgur::ModelCheckpointOptions{.dirpath = dir.file("ckpts"), .every_n_train_steps = 1}));
+  options.plugins.push_back(std::shared_ptr<fulgur::CheckpointIO>(
+      std::make_shared<fulgur::AsyncCheckpointIO>(std::make_shared<FailingSecondWrite>())));
+  LinearRegression model;
+  fulgur::Trainer trainer(options);
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, trainer.fit(model, regression_loader(4)),
+                     {"a checkpoint written in the background failed", "No space left on device",
+                      dir.file("ckpts")});
+  EXPECT_LT(model.training_steps, 12);  // stopped, not run to the end
+}
+
+}  // namespace
