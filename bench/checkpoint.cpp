@@ -98,6 +98,22 @@ int main(int argc, char** argv) {
                     s_path = base + ".torch_fsync.pt";
   fulgur::TorchCheckpointIO io;
   std::vector<double> f_save, r_save, s_save, f_load, r_load;
+  // The training stall of a save: how long save_checkpoint keeps the
+  // caller, synchronous (the whole save) and asynchronous (the snapshot;
+  // the write goes on in the background and is waited for untimed).
+  const std::string a_path = base + ".async.ckpt";
+  fulgur::AsyncCheckpointIO async_io;
+  std::vector<double> sync_stall, async_stall;
+  {
+    // The first save sizes the snapshot buffer; the timed ones reuse it.
+    torch::serialize::OutputArchive root, module, optimizer;
+    state->save(module);
+    sgd.save(optimizer);
+    root.write("state_dict", module);
+    root.write("optimizer_states", optimizer);
+    async_io.save_checkpoint(root, a_path);
+    async_io.wait_until_durable();
+  }
   for (int r = 0; r < reps; ++r) {
     {
       ::sync();
@@ -109,6 +125,19 @@ int main(int argc, char** argv) {
       root.write("optimizer_states", optimizer);
       io.save_checkpoint(root, f_path);
       f_save.push_back(megabytes / seconds_since(t));
+      sync_stall.push_back(seconds_since(t));
+    }
+    {
+      ::sync();
+      auto t = Clock::now();
+      torch::serialize::OutputArchive root, module, optimizer;
+      state->save(module);
+      sgd.save(optimizer);
+      root.write("state_dict", module);
+      root.write("optimizer_states", optimizer);
+      async_io.save_checkpoint(root, a_path);
+      async_stall.push_back(seconds_since(t));
+      async_io.wait_until_durable();
     }
     {
       ::sync();
@@ -156,14 +185,18 @@ int main(int argc, char** argv) {
       r_load.push_back(megabytes / seconds_since(t));
     }
   }
-  for (const auto& p : {f_path, r_path, s_path}) std::filesystem::remove(p);
+  for (const auto& p : {f_path, r_path, s_path, a_path}) std::filesystem::remove(p);
   std::printf(
       "{\"benchmark\": \"checkpoint_%lldMB\", \"megabytes\": %.1f, \"reps\": %d, "
       "\"fulgur_save_mb_s\": %.1f, \"torch_save_mb_s\": %.1f, \"torch_save_fsync_mb_s\": %.1f, "
       "\"fulgur_load_mb_s\": %.1f, \"torch_load_mb_s\": %.1f, "
-      "\"save_ratio_vs_torch_save_fsync\": %.3f, \"load_ratio\": %.3f}\n",
+      "\"save_ratio_vs_torch_save_fsync\": %.3f, \"load_ratio\": %.3f, "
+      "\"sync_stall_ms\": %.1f, \"async_stall_ms\": %.1f, \"async_stall_ratio\": %.3f, "
+      "\"async_buffer_over_state\": %.3f}\n",
       static_cast<long long>(mb), megabytes, reps, median(f_save), median(r_save), median(s_save),
       median(f_load), median(r_load), median(f_save) / median(s_save),
-      median(f_load) / median(r_load));
+      median(f_load) / median(r_load), 1e3 * median(sync_stall), 1e3 * median(async_stall),
+      median(async_stall) / median(sync_stall),
+      static_cast<double>(async_io.buffer_capacity()) / bytes);
   return 0;
 }

@@ -55,7 +55,7 @@ TEST(AsyncCheckpointIO, WritesTheStateAtTheSavePointWhileTrainingChangesIt) {
   }
   // The snapshot buffer is sized by the first save and reused after.
   EXPECT_GE(io.buffer_capacity(), size_t{4} << 20);
-  EXPECT_LT(io.buffer_capacity(), size_t{8} << 20);
+  EXPECT_LE(io.buffer_capacity(), size_t{8} << 20);  // at most one block (4 MiB) more
 }
 
 // The torch IO, with each write held until the test lets it go, and every

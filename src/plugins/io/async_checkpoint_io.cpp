@@ -59,8 +59,7 @@ struct AsyncCheckpointIO::Writer {
       std::rethrow_exception(failure);
     } catch (const std::exception& e) {
       throw CheckpointError(str("a checkpoint written in the background failed: ", e.what(),
-                                " Training stopped at the next step boundary; the checkpoints "
-                                "written before it are intact."));
+                                " The checkpoints written before it are intact."));
     }
   }
 

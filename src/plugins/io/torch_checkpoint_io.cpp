@@ -474,12 +474,7 @@ void TorchCheckpointIO::serialize(torch::serialize::OutputArchive& checkpoint,
 void TorchCheckpointIO::save_serialized(const SerializedCheckpoint& archive,
                                         const std::string& path) {
   write_atomically(path, [&](const ByteSink& sink) {
-    // In pieces, as LibTorch's writer hands them over (the save observer
-    // sees chunks either way).
-    constexpr size_t kPiece = size_t{4} << 20;
-    for (size_t at = 0; at < archive.size(); at += kPiece) {
-      sink(archive.data() + at, std::min(kPiece, archive.size() - at));
-    }
+    archive.for_each_piece([&](const char* data, size_t n) { sink(data, n); });
   });
 }
 
@@ -669,12 +664,23 @@ void TorchCheckpointIO::remove_checkpoint(const std::string& path) {
 }
 
 void SerializedCheckpoint::append(const void* data, size_t n) {
-  if (size_ + n > bytes_.size()) {
-    // Grows on the first saves only: later ones reuse the capacity.
-    bytes_.resize(std::max(size_ + n, bytes_.size() + bytes_.size() / 2));
+  const char* from = static_cast<const char*>(data);
+  while (n > 0) {
+    const size_t block = size_ / kBlock, offset = size_ % kBlock;
+    if (block == blocks_.size()) blocks_.push_back(std::make_unique_for_overwrite<char[]>(kBlock));
+    const size_t take = std::min(n, kBlock - offset);
+    std::memcpy(blocks_[block].get() + offset, from, take);
+    from += take;
+    size_ += take;
+    n -= take;
   }
-  std::memcpy(bytes_.data() + size_, data, n);
-  size_ += n;
+}
+
+void SerializedCheckpoint::for_each_piece(
+    const std::function<void(const char*, size_t)>& piece) const {
+  for (size_t at = 0; at < size_; at += kBlock) {
+    piece(blocks_[at / kBlock].get(), std::min(kBlock, size_ - at));
+  }
 }
 
 namespace {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -19,20 +20,22 @@ class InputArchive;
 
 namespace fulgur {
 
-/// A checkpoint serialized in memory, in a buffer whose capacity is kept
-/// between saves (AsyncCheckpointIO's snapshot: no allocation per save once
-/// the first saves have sized it).
+/// A checkpoint serialized in memory, in blocks kept between saves
+/// (AsyncCheckpointIO's snapshot: once the first save has sized it, later
+/// ones allocate nothing; it holds at most one block more than the bytes).
 class SerializedCheckpoint {
  public:
   void clear() { size_ = 0; }
   void append(const void* data, size_t n);
-  const char* data() const { return bytes_.data(); }
   size_t size() const { return size_; }
   /// Bytes held, used or not.
-  size_t capacity() const { return bytes_.size(); }
+  size_t capacity() const { return blocks_.size() * kBlock; }
+  /// `piece(data, n)` for the bytes, in order.
+  void for_each_piece(const std::function<void(const char*, size_t)>& piece) const;
 
  private:
-  std::vector<char> bytes_;
+  static constexpr size_t kBlock = size_t{4} << 20;
+  std::vector<std::unique_ptr<char[]>> blocks_;
   size_t size_ = 0;
 };
 
