@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <csignal>
 #include <filesystem>
 #include <map>
@@ -340,14 +341,17 @@ TEST(CheckpointCrash, AWriterKilledAtAnyPointOfASaveLosesNothing) {
       LinearRegression model;
       try {
         fulgur::Trainer(crash_options(dir, io)).fit(model, regression_loader(4));
-      } catch (...) {
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "the writer's fit failed: %s\n", e.what());
+        std::fflush(stderr);
         ::_exit(3);
       }
       ::_exit(0);  // the kill point never came
     }
     const int status = wait_bounded(pid, std::chrono::seconds(60));
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
-        << "the writer was not killed at that point (status " << status << ")";
+        << "the writer was not killed at that point (status " << status
+        << "; exit status 3: its fit failed, see above)";
 
     // Every checkpoint left verifies (a temporary file may be left).
     const fs::path ckpts = dir.file("ckpts");
