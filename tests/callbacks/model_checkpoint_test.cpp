@@ -4,12 +4,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
-#include <cstdio>
 #include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "fulgur/fulgur.h"
+#include "support/process.h"
 #include "support/test_support.h"
 
 namespace {
@@ -273,37 +274,47 @@ TEST(ModelCheckpoint, FitStartRemovesDeadWritersTemporaryFiles) {
 
 using SaveStep = fulgur::TorchCheckpointIO::SaveStep;
 
-struct KillPoint {
-  int save;  // the how-many-th save of the run (1-based)
-  SaveStep step;
-  int64_t chunk;  // for kWrote: after which chunk of the archive
-  const char* name;
-};
-
-// The child's exit status, or SIGKILL sent to it after `timeout` (then the
-// test fails on the status: nothing hangs).
-int wait_bounded(pid_t pid, std::chrono::seconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  int status = 0;
-  while (::waitpid(pid, &status, WNOHANG) == 0) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return -1;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return status;
-}
-
-// Three epochs of 4 steps, checkpointing each epoch (epoch=N-step=M.ckpt,
-// then last.ckpt: two saves an epoch) into `<dir>/ckpts` through `io`.
-fulgur::TrainerOptions crash_options(const TempDir& dir,
+// Three epochs of 4 steps under `root`, checkpointing each epoch
+// (epoch=N-step=M.ckpt, then last.ckpt: two saves an epoch) into
+// `<root>/ckpts` through `io` (the default IO when null).
+fulgur::TrainerOptions crash_options(const std::string& root,
                                      std::shared_ptr<fulgur::TorchCheckpointIO> io) {
-  auto options = with_checkpoint(dir, {.save_top_k = 1, .save_last = true});
-  options.max_epochs = 3;
+  fulgur::TrainerOptions options{.accelerator = "cpu",
+                                 .max_epochs = 3,
+                                 .default_root_dir = root,
+                                 .enable_checkpointing = true,
+                                 .enable_progress_bar = false,
+                                 .logger = false};
+  options.callbacks.push_back(std::make_shared<fulgur::ModelCheckpoint>(
+      fulgur::ModelCheckpointOptions{.dirpath = root + "/ckpts", .save_top_k = 1}));
   if (io) options.plugins.push_back(std::shared_ptr<fulgur::CheckpointIO>(std::move(io)));
   return options;
+}
+
+// The writer, in a process of its own (started by the test below through
+// this binary): it trains into FULGUR_TEST_CRASH_DIR and SIGKILLs itself at
+// FULGUR_TEST_CRASH_AT = "<save>:<step>:<chunk>" (the how-many-th save, a
+// SaveStep, and for kWrote the chunk after which). A process of its own,
+// not a fork: LibTorch 2.x refuses autograd in a child forked from a
+// process that has used it.
+TEST(CheckpointCrash, WriterChild) {
+  const char* at = std::getenv("FULGUR_TEST_CRASH_AT");
+  const char* dir = std::getenv("FULGUR_TEST_CRASH_DIR");
+  if (at == nullptr || dir == nullptr) GTEST_SKIP() << "the writer of the test below";
+  int save = 0, step = 0;
+  long long chunk = 0;
+  ASSERT_EQ(std::sscanf(at, "%d:%d:%lld", &save, &step, &chunk), 3) << at;
+  auto io = std::make_shared<fulgur::TorchCheckpointIO>();
+  int saves = 0;
+  io->set_save_observer([&](SaveStep s, int64_t c) {
+    if (s == SaveStep::kCreated) ++saves;
+    if (saves == save && static_cast<int>(s) == step && (s != SaveStep::kWrote || c == chunk)) {
+      ::kill(::getpid(), SIGKILL);
+    }
+  });
+  LinearRegression model;
+  fulgur::Trainer(crash_options(dir, io)).fit(model, regression_loader(4));
+  FAIL() << "the kill point " << at << " never came";
 }
 
 // A writer SIGKILLed at each step of a save — the temporary file just
@@ -313,7 +324,13 @@ fulgur::TrainerOptions crash_options(const TempDir& dir,
 // left in the directory verifies, ckpt_path="last" resumes and finishes the
 // run, and that next run leaves no temporary file behind.
 TEST(CheckpointCrash, AWriterKilledAtAnyPointOfASaveLosesNothing) {
-  std::vector<KillPoint> points;
+  struct Point {
+    int save;
+    SaveStep step;
+    int64_t chunk;
+    const char* name;
+  };
+  std::vector<Point> points;
   for (int save : {3, 4}) {
     points.push_back({save, SaveStep::kCreated, 0, "the temporary file created"});
     points.push_back({save, SaveStep::kWrote, 0, "the first chunk written"});
@@ -322,36 +339,17 @@ TEST(CheckpointCrash, AWriterKilledAtAnyPointOfASaveLosesNothing) {
     points.push_back({save, SaveStep::kRenamed, 0, "renamed, directory not flushed"});
     points.push_back({save, SaveStep::kDirectoryFlushed, 0, "durable"});
   }
-  for (const KillPoint& point : points) {
+  const std::string self = fs::read_symlink("/proc/self/exe").string();
+  for (const Point& point : points) {
     SCOPED_TRACE(fulgur::str("killed in save ", point.save, " at ", point.name));
     TempDir dir;
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      at::set_num_threads(1);  // the parent's thread pool did not survive fork
-      auto io = std::make_shared<fulgur::TorchCheckpointIO>();
-      int saves = 0;
-      io->set_save_observer([&](SaveStep step, int64_t chunk) {
-        if (step == SaveStep::kCreated) ++saves;
-        if (saves == point.save && step == point.step &&
-            (step != SaveStep::kWrote || chunk == point.chunk)) {
-          ::kill(::getpid(), SIGKILL);
-        }
-      });
-      LinearRegression model;
-      try {
-        fulgur::Trainer(crash_options(dir, io)).fit(model, regression_loader(4));
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "the writer's fit failed: %s\n", e.what());
-        std::fflush(stderr);
-        ::_exit(3);
-      }
-      ::_exit(0);  // the kill point never came
-    }
-    const int status = wait_bounded(pid, std::chrono::seconds(60));
-    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
-        << "the writer was not killed at that point (status " << status
-        << "; exit status 3: its fit failed, see above)";
+    const auto writer = fulgur::test::run_process(
+        {self, "--gtest_filter=CheckpointCrash.WriterChild"},
+        {{"FULGUR_TEST_CRASH_DIR", dir.path()},
+         {"FULGUR_TEST_CRASH_AT",
+          fulgur::str(point.save, ":", static_cast<int>(point.step), ":", point.chunk)}},
+        std::chrono::seconds(60));
+    ASSERT_EQ(writer.signal, SIGKILL) << "the writer was not killed there:\n" << writer.output;
 
     // Every checkpoint left verifies (a temporary file may be left).
     const fs::path ckpts = dir.file("ckpts");
@@ -367,7 +365,7 @@ TEST(CheckpointCrash, AWriterKilledAtAnyPointOfASaveLosesNothing) {
     LinearRegression resumed;
     fulgur::FitResult result;
     ASSERT_NO_THROW(result =
-                        fulgur::Trainer(crash_options(dir, nullptr))
+                        fulgur::Trainer(crash_options(dir.path(), nullptr))
                             .fit(resumed, regression_loader(4), nullptr, {.ckpt_path = "last"}));
     EXPECT_EQ(result.global_step, 12);
     EXPECT_GE(resumed.training_steps, 4);  // resumed, not restarted
