@@ -69,7 +69,7 @@ TEST(AcceleratorConnector, NullAndUnknownPluginsAreNamed) {
   EXPECT_THROWS_WITH(ConfigError, fulgur::connect(options, empty_env()),
                      {"2 problems", "plugins[0] is a null checkpoint IO", "plugins[1]=\"slrum\"",
                       "unknown plugin", "did you mean \"slurm\"?",
-                      "Registered plugin names: 16-mixed, 16-true, 32-true, 64-true, bf16-mixed, "
+                      "Registered plugin names: 16-mixed, 16-true, 32-true, 64-true, async, bf16-mixed, "
                       "bf16-true, kubeflow, lightning, lsf, mpi, slurm, torch, torchelastic"});
 }
 
