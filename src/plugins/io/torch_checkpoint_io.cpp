@@ -652,7 +652,7 @@ std::string TorchCheckpointIO::verify(const std::string& path) {
 
 bool TorchCheckpointIO::has_checksum(const std::string& path) {
   try {
-    return check(CheckpointFile(path)).has_footer;
+    return check_footer(CheckpointFile(path)).has_footer;  // the footer alone
   } catch (const CheckpointError&) {
     return false;
   }
