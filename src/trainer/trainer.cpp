@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <iostream>
 #include <sstream>
 
 #include "fulgur/callbacks/model_checkpoint.h"
@@ -236,7 +237,18 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
     };
     if (auto* launcher = strategy->launcher()) {
       auto bytes = launcher->launch([&] {
-        run();
+        try {
+          run();
+        } catch (...) {
+          // A rank the launcher created ends without this process's
+          // teardown: a checkpoint still being written there finishes first.
+          try {
+            strategy->wait_for_checkpoints();
+          } catch (const std::exception& e) {
+            std::cerr << "fulgur: " << e.what() << std::endl;
+          }
+          throw;
+        }
         // Only rank 0's reach the caller: the others serialise nothing.
         return results.send && strategy->is_global_zero() ? results.send() : std::string();
       });

@@ -181,6 +181,33 @@ TEST(TorchCheckpointIOIntegrity, EveryFlippedByteIsRefused) {
   EXPECT_EQ(load_error(io, path), "loaded");
 }
 
+// LibTorch parses a file while its checksum is computed beside it: damage
+// in the archive's structure (its first records, the pickled description of
+// its tensors, its directory of records at the end) must still end in the
+// corrupt-file error, never a crash, a hang or a different error. Every
+// byte of the last KiB, every third of the first 2 KiB, and a sample of the
+// rest.
+TEST(TorchCheckpointIOIntegrity, DamagedStructureIsRefusedWhileParsedBeside) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  const std::string path = dir.file("a.ckpt");
+  save_model_like(io, path);
+  const std::string good = fulgur::test::read_text(path);
+  ASSERT_GT(good.size(), size_t{4096});
+  std::vector<size_t> positions;
+  for (size_t pos = good.size() - 1024; pos < good.size(); ++pos) positions.push_back(pos);
+  for (size_t pos = 0; pos < 2048; pos += 3) positions.push_back(pos);
+  for (size_t pos = 2048; pos < good.size() - 1024; pos += 509) positions.push_back(pos);
+  for (size_t pos : positions) {
+    std::string bad = good;
+    bad[pos] = static_cast<char>(~bad[pos]);
+    fulgur::test::write_text(path, bad);
+    const std::string error = load_error(io, path);
+    ASSERT_TRUE(fulgur::test::message_contains(error, {path, "is corrupt"}))
+        << "byte " << pos << " of " << good.size() << ": " << error;
+  }
+}
+
 TEST(TorchCheckpointIOIntegrity, NamesTheNewestOtherCheckpointThatVerifies) {
   TempDir dir;
   fulgur::TorchCheckpointIO io;
@@ -237,8 +264,8 @@ TEST(TorchCheckpointIOIntegrity, ALostFooterIsCorruption) {
   fs::resize_file(path, fs::file_size(path) - 32);
   EXPECT_TRUE(fulgur::test::message_contains(
       load_error(io, path), {path, "is corrupt", "checksum footer is missing or damaged"}));
-  EXPECT_TRUE(fulgur::test::message_contains(io.verify(path),
-                                             {"checksum footer is missing or damaged"}));
+  EXPECT_TRUE(
+      fulgur::test::message_contains(io.verify(path), {"checksum footer is missing or damaged"}));
 }
 
 TEST(TorchCheckpointIOIntegrity, AFifoIsRefusedWithoutOpeningIt) {
@@ -384,9 +411,9 @@ TEST(TorchCheckpointIOIntegrity, AnUncreatableDirectoryIsAClearError) {
   fulgur::TorchCheckpointIO io;
   fulgur::test::write_text(dir.file("taken"), "a file, not a directory\n");
   const std::string path = dir.file("taken/checkpoints/last.ckpt");
-  EXPECT_THROWS_WITH(fulgur::CheckpointError, save_model_like(io, path),
-                     {path, "cannot create directory", dir.file("taken/checkpoints"),
-                      "Not a directory"});
+  EXPECT_THROWS_WITH(
+      fulgur::CheckpointError, save_model_like(io, path),
+      {path, "cannot create directory", dir.file("taken/checkpoints"), "Not a directory"});
   EXPECT_EQ(list_files(dir.path()), std::vector<std::string>{"taken"});
 }
 

@@ -38,9 +38,11 @@ struct AsyncCheckpointIO::Writer {
   void push(Operation operation) {
     {
       std::lock_guard<std::mutex> lock(mutex);
+      // The thread first: if it cannot start (std::system_error), nothing
+      // is queued that would never be written.
+      if (!thread.joinable()) thread = std::thread([this] { run(); });
       if (operation.save) buffer_busy = true;
       queue.push_back(std::move(operation));
-      if (!thread.joinable()) thread = std::thread([this] { run(); });
     }
     changed.notify_all();
   }
@@ -60,6 +62,10 @@ struct AsyncCheckpointIO::Writer {
     } catch (const std::exception& e) {
       throw CheckpointError(str("a checkpoint written in the background failed: ", e.what(),
                                 " The checkpoints written before it are intact."));
+    } catch (...) {
+      throw CheckpointError(
+          "a checkpoint written in the background failed with an exception that is not a "
+          "std::exception. The checkpoints written before it are intact.");
     }
   }
 
@@ -134,6 +140,11 @@ AsyncCheckpointIO::~AsyncCheckpointIO() {
       std::cerr << "fulgur: a checkpoint written in the background failed, and nothing "
                    "reported it before its writer closed: "
                 << e.what() << std::endl;
+    } catch (...) {
+      std::cerr << "fulgur: a checkpoint written in the background failed (an exception "
+                   "that is not a std::exception), and nothing reported it before its writer "
+                   "closed."
+                << std::endl;
     }
   }
   lock.unlock();

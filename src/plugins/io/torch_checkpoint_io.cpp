@@ -120,26 +120,27 @@ std::string damaged_part(const char* data, uint64_t size) {
     // Zip64: the 32-bit fields that overflowed, in order, in extra block 1.
     for (const char* e = p + 46 + name_len; e + 4 <= p + 46 + name_len + extra_len;) {
       const uint64_t id = u16(e), len = u16(e + 2);
+      const char* block_end = e + 4 + len;
+      if (block_end > p + 46 + name_len + extra_len) return "the archive's directory of records";
       if (id == 0x0001) {
         const char* v = e + 4;
-        if (uncompressed == 0xFFFFFFFF) {
-          uncompressed = get_le(v, 8);
+        for (uint64_t* field : {&uncompressed, &compressed, &local}) {
+          if (*field != 0xFFFFFFFF) continue;
+          if (v + 8 > block_end) return "the archive's directory of records";
+          *field = get_le(v, 8);
           v += 8;
         }
-        if (compressed == 0xFFFFFFFF) {
-          compressed = get_le(v, 8);
-          v += 8;
-        }
-        if (local == 0xFFFFFFFF) local = get_le(v, 8);
       }
-      e += 4 + len;
+      e = block_end;
     }
     p += 46 + name_len + extra_len + comment_len;
-    if (local + 30 > size || u32(data + local) != 0x04034b50) {
+    if (size < 30 || local > size - 30 || u32(data + local) != 0x04034b50) {
       return str("the header of ", describe_record(name));
     }
     const uint64_t start = local + 30 + u16(data + local + 26) + u16(data + local + 28);
-    if (start + compressed > size) return str("the header of ", describe_record(name));
+    if (start > size || compressed > size - start) {
+      return str("the header of ", describe_record(name));
+    }
     if (crc32_ieee(data + start, compressed) != stored_crc) return describe_record(name);
   }
   return "the archive's headers or padding (every record's bytes are intact)";
@@ -449,6 +450,21 @@ void release_cached_pages(const std::string& path) {
   ::close(fd);
 }
 
+// fsync of directory `dir`, for the save of checkpoint `path`: what was
+// renamed or created in it is durable once this returns. A file system
+// that cannot flush directories (EINVAL) is taken as it is.
+void flush_directory(const std::string& dir, const std::string& path) {
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) return;
+  const int rc = ::fsync(dfd);
+  const int err = errno;
+  ::close(dfd);
+  if (rc != 0 && err != EINVAL) {
+    throw CheckpointError(str("saving checkpoint \"", path, "\": cannot flush its directory \"",
+                              dir, "\" (fsync): ", std::strerror(err), "."));
+  }
+}
+
 }  // namespace
 
 void TorchCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpoint,
@@ -483,11 +499,21 @@ void TorchCheckpointIO::write_atomically(const std::string& path,
   const fs::path target(path);
   std::error_code ec;
   if (target.has_parent_path()) {
+    // The directories this save creates: each is durable only once its
+    // parent is flushed too.
+    std::vector<fs::path> created;
+    for (fs::path d = target.parent_path(); !d.empty() && !fs::exists(d, ec); d = d.parent_path()) {
+      created.push_back(d);
+      if (d == d.parent_path()) break;
+    }
     fs::create_directories(target.parent_path(), ec);
     if (ec) {
       throw CheckpointError(str("saving checkpoint \"", path, "\": cannot create directory \"",
                                 target.parent_path().string(), "\": ", ec.message(), ".",
                                 advice_for(ec.value())));
+    }
+    for (const auto& d : created) {
+      flush_directory(d.has_parent_path() ? d.parent_path().string() : ".", path);
     }
   }
   const std::string tmp = str(path, ".tmp.", ::getpid(), ".", this_host());
@@ -519,16 +545,7 @@ void TorchCheckpointIO::write_atomically(const std::string& path,
   observe(SaveStep::kRenamed);
   // The rename is durable only once the directory is.
   const std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    const int rc = ::fsync(dfd);
-    const int err = errno;
-    ::close(dfd);
-    if (rc != 0 && err != EINVAL) {
-      throw CheckpointError(str("saving checkpoint \"", path, "\": cannot flush its directory \"",
-                                dir, "\" (fsync): ", std::strerror(err), "."));
-    }
-  }
+  flush_directory(dir, path);
   observe(SaveStep::kDirectoryFlushed);
   remove_stale_files(dir);
 }
@@ -586,7 +603,10 @@ void TorchCheckpointIO::load_checkpoint(const std::string& path,
       parse_error = std::current_exception();
     }
     verifier.join();
-    if (verify_error) std::rethrow_exception(verify_error);
+    if (verify_error) {
+      checkpoint = torch::serialize::InputArchive();
+      std::rethrow_exception(verify_error);
+    }
     if (!v.problem.empty()) {
       checkpoint = torch::serialize::InputArchive();
       corrupt(path, explained(v, file));

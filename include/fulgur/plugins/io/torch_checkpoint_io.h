@@ -17,8 +17,10 @@ namespace fulgur {
 /// CheckpointError naming the file, the operation and the OS reason; the
 /// partial file is removed.
 ///
-/// Loading reads the file whole and verifies the checksum before LibTorch
-/// parses a byte: a mismatch is a CheckpointError naming the damaged part (a
+/// Loading computes the checksum on a second thread while LibTorch parses
+/// the file (reading it with pread), and hands nothing parsed back before it
+/// matches; a parse that fails on a damaged file reports the checksum
+/// mismatch, not LibTorch's error. A mismatch is a CheckpointError naming the damaged part (a
 /// tensor's record, the archive's structure, its directory) and the newest
 /// other checkpoint of the same directory that verifies. A file without the
 /// footer, written before fulgur 0.2, loads unverified (with a warning on
