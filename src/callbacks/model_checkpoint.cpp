@@ -17,8 +17,9 @@ namespace fs = std::filesystem;
 
 ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std::move(options)) {
   std::vector<std::string> problems;
-  if (options_.mode != "min" && options_.mode != "max") {
-    problems.push_back(str("mode=\"", options_.mode, "\": pass \"min\" or \"max\""));
+  if (!options_.mode.is_valid()) {
+    problems.push_back(
+        str("mode=\"", options_.mode.text(), "\": pass ", options_.mode.spellings()));
   }
   if (options_.save_top_k < -1) {
     problems.push_back(
@@ -38,7 +39,7 @@ ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std:
 }
 
 std::string ModelCheckpoint::state_key() const {
-  return str("ModelCheckpoint{monitor=", options_.monitor, ",mode=", options_.mode,
+  return str("ModelCheckpoint{monitor=", options_.monitor, ",mode=", options_.mode.text(),
              ",every_n_train_steps=", options_.every_n_train_steps,
              ",every_n_epochs=", options_.every_n_epochs.value_or(0), "}");
 }
@@ -96,7 +97,7 @@ bool ModelCheckpoint::enabled(Trainer& trainer) const {
 bool ModelCheckpoint::better(double candidate, double reference) const {
   if (std::isnan(candidate)) return false;
   if (std::isnan(reference)) return true;
-  return options_.mode == "min" ? candidate < reference : candidate > reference;
+  return options_.mode == CheckpointMode::kMin ? candidate < reference : candidate > reference;
 }
 
 namespace {

@@ -16,8 +16,8 @@ namespace fulgur {
 
 DDPStrategy::DDPStrategy(DDPOptions options, std::string name)
     : options_(std::move(options)), name_(std::move(name)) {
-  if (options_.start_method != "popen" && options_.start_method != "fork") {
-    throw ConfigError(str("DDPStrategy: start_method=\"", options_.start_method,
+  if (!options_.start_method.is_valid()) {
+    throw ConfigError(str("DDPStrategy: start_method=\"", options_.start_method.text(),
                           "\" is not one "
                           "of \"popen\" (re-execute the program per rank) or \"fork\" (fork the "
                           "ranks at fit())."));
@@ -39,7 +39,7 @@ DDPStrategy::DDPStrategy(DDPOptions options, std::string name)
 DDPStrategy::~DDPStrategy() = default;
 
 void DDPStrategy::configure_launcher() {
-  configure_launcher_for(options_.start_method, options_.stop_grace);
+  configure_launcher_for(options_.start_method.value(), options_.stop_grace);
 }
 
 namespace {
@@ -202,7 +202,7 @@ void DDPStrategy::set_gradient_sync(bool enabled) {
 }
 
 std::string DDPStrategy::describe_options(const DDPOptions& o) {
-  return str("start_method=", o.start_method,
+  return str("start_method=", o.start_method.text(),
              ", find_unused_parameters=", o.find_unused_parameters ? "true" : "false",
              ", bucket_cap_mb=", o.bucket_cap_mb,
              ", broadcast_buffers=", o.broadcast_buffers ? "true" : "false",

@@ -97,7 +97,9 @@ ManualStrategy::ManualStrategy(ManualOptions options, std::string name)
   set_process_group_timeout(options_.process_group_timeout);
 }
 
-void ManualStrategy::configure_launcher() { configure_launcher_for("popen", options_.stop_grace); }
+void ManualStrategy::configure_launcher() {
+  configure_launcher_for(StartMethod::kPopen, options_.stop_grace);
+}
 
 std::string ManualStrategy::shard_path(const std::string& path, int rank, int world_size) {
   return (fs::path(path) / str("rank-", rank, "-of-", world_size, ".ckpt")).string();

@@ -122,14 +122,14 @@ void ParallelStrategy::set_process_group(std::shared_ptr<ProcessGroup> group) {
   group_ = std::move(group);
 }
 
-void ParallelStrategy::configure_launcher_for(const std::string& start_method,
+void ParallelStrategy::configure_launcher_for(StartMethod start_method,
                                               std::chrono::milliseconds stop_grace) {
   if (cluster_environment().creates_processes_externally()) return;  // torchrun, srun, ...
   const int local_world = static_cast<int>(std::max<size_t>(parallel_devices().size(), 1));
   cluster_environment().set_global_rank(node_rank() * local_world + local_rank());
   // One process on this node: it is the rank itself, nothing to launch.
   if (local_world == 1) return;
-  if (start_method == "fork" && parallel_devices().front().is_cuda()) {
+  if (start_method == StartMethod::kFork && parallel_devices().front().is_cuda()) {
     // Counting the GPUs (which resolving devices does) initialises CUDA in
     // this process, and CUDA does not work in a process forked after that.
     throw ConfigError(str("strategy \"", name(),
@@ -139,7 +139,7 @@ void ParallelStrategy::configure_launcher_for(const std::string& start_method,
                           "torchrun / srun / mpirun."));
   }
   Supervision supervision{stop_grace, process_group_timeout()};
-  if (start_method == "fork") {
+  if (start_method == StartMethod::kFork) {
     set_launcher(std::make_unique<ForkLauncher>(*this, supervision));
   } else {
     set_launcher(std::make_unique<SubprocessScriptLauncher>(*this, supervision));

@@ -18,8 +18,17 @@
 #include <vector>
 
 #include "fulgur/callbacks/callback.h"
+#include "fulgur/core/choice.h"
 
 namespace fulgur {
+
+/// Which end of the monitored metric is best.
+enum class CheckpointMode { kMin, kMax };
+template <>
+struct ChoiceNames<CheckpointMode> {
+  static constexpr std::pair<CheckpointMode, const char*> kNames[] = {
+      {CheckpointMode::kMin, "min"}, {CheckpointMode::kMax, "max"}};
+};
 
 struct ModelCheckpointOptions {
   /// Directory for checkpoints; default `<default_root_dir>/checkpoints`.
@@ -28,8 +37,8 @@ struct ModelCheckpointOptions {
   std::string filename = "epoch={epoch}-step={step}";
   /// Metric to rank checkpoints by; empty keeps the latest only.
   std::string monitor = "";
-  /// "min" or "max".
-  std::string mode = "min";
+  /// "min" or "max" (CheckpointMode::kMin / kMax).
+  Choice<CheckpointMode> mode = CheckpointMode::kMin;
   /// How many to keep: -1 all, 0 none (only last), k the k best.
   int64_t save_top_k = 1;
   /// Also maintain `last.ckpt`.

@@ -37,7 +37,7 @@ struct DDPOptions {
   /// "popen": re-execute the program once per local rank (the launching
   /// process waits for them and exits with their status). "fork": create
   /// the ranks at fit(); the calling process gets rank 0's results.
-  std::string start_method = "popen";
+  Choice<StartMethod> start_method = StartMethod::kPopen;
   bool find_unused_parameters = false;
   /// Gradient bucket size in MiB.
   double bucket_cap_mb = 25.0;
@@ -94,26 +94,27 @@ class DDPStrategy : public ParallelStrategy {
     struct Variant {
       const char* suffix;
       const char* description;
-      const char* start_method;
+      StartMethod start_method;
       bool find_unused;
     };
     static constexpr Variant variants[] = {
-        {"", "one process per device, launched by re-executing the program", "popen", false},
-        {"_fork", "one process per device, forked at fit(); results return to the caller", "fork",
+        {"", "one process per device, launched by re-executing the program", StartMethod::kPopen,
          false},
-        {"_spawn", "same as _fork (no pickling in C++)", "fork", false},
+        {"_fork", "one process per device, forked at fit(); results return to the caller",
+         StartMethod::kFork, false},
+        {"_spawn", "same as _fork (no pickling in C++)", StartMethod::kFork, false},
         {"_find_unused_parameters_true", "re-executing launcher; parameters may get no gradient",
-         "popen", true},
+         StartMethod::kPopen, true},
         {"_find_unused_parameters_false", "re-executing launcher; every parameter gets a gradient",
-         "popen", false},
+         StartMethod::kPopen, false},
         {"_fork_find_unused_parameters_true", "forked ranks; parameters may get no gradient",
-         "fork", true},
+         StartMethod::kFork, true},
         {"_fork_find_unused_parameters_false", "forked ranks; every parameter gets a gradient",
-         "fork", false},
-        {"_spawn_find_unused_parameters_true", "same as _fork_find_unused_parameters_true", "fork",
-         true},
+         StartMethod::kFork, false},
+        {"_spawn_find_unused_parameters_true", "same as _fork_find_unused_parameters_true",
+         StartMethod::kFork, true},
         {"_spawn_find_unused_parameters_false", "same as _fork_find_unused_parameters_false",
-         "fork", false},
+         StartMethod::kFork, false},
     };
     for (const auto& v : variants) {
       std::string name = prefix + v.suffix;

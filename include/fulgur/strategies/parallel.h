@@ -11,9 +11,20 @@
 #include <optional>
 #include <string>
 
+#include "fulgur/core/choice.h"
 #include "fulgur/strategies/strategy.h"
 
 namespace fulgur {
+
+/// How a strategy that launches its own ranks creates them: "popen"
+/// re-executes the program once per local rank, "fork" forks the ranks at
+/// fit() (the calling process gets rank 0's results).
+enum class StartMethod { kPopen, kFork };
+template <>
+struct ChoiceNames<StartMethod> {
+  static constexpr std::pair<StartMethod, const char*> kNames[] = {{StartMethod::kPopen, "popen"},
+                                                                   {StartMethod::kFork, "fork"}};
+};
 
 class ProcessGroup;
 
@@ -72,8 +83,7 @@ class ParallelStrategy : public Strategy {
   /// stands for local rank 0 of its node (as PyTorch Lightning's launching
   /// process does) and, with several devices, gets a fork or
   /// subprocess-script launcher; with one device it runs in place.
-  void configure_launcher_for(const std::string& start_method,
-                              std::chrono::milliseconds stop_grace);
+  void configure_launcher_for(StartMethod start_method, std::chrono::milliseconds stop_grace);
   void do_teardown() override;
 
  private:

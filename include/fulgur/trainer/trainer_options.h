@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "fulgur/accelerators/accelerator.h"
+#include "fulgur/trainer/determinism.h"
 
 namespace fulgur {
 
@@ -74,23 +75,6 @@ class PrecisionFlag {
 
  private:
   std::string text_ = "32-true";
-};
-
-/// The deterministic flag: true, false, or "warn" (also "true"/"false").
-class DeterministicFlag {
- public:
-  DeterministicFlag(bool on = false) : text_(on ? "true" : "false") {}  // NOLINT
-  DeterministicFlag(const char* text) : text_(text) {}                  // NOLINT
-  DeterministicFlag(std::string text) : text_(std::move(text)) {}       // NOLINT
-  /// "true", "false", "warn", or what was passed when it is none of them.
-  const std::string& text() const { return text_; }
-  bool is_valid() const { return text_ == "true" || text_ == "false" || text_ == "warn"; }
-  /// Deterministic algorithms on (true or "warn").
-  bool enabled() const { return text_ == "true" || text_ == "warn"; }
-  bool warn_only() const { return text_ == "warn"; }
-
- private:
-  std::string text_;
 };
 
 /// A plugin as a registered name ("slurm") or an instance.

@@ -514,7 +514,8 @@ class ConnectorRun {
     c.cluster_environment = std::move(environment_);
     c.num_nodes = options_.num_nodes;
     c.sync_batchnorm = options_.sync_batchnorm;
-    c.deterministic = options_.deterministic.text();
+    c.deterministic =
+        options_.deterministic.is_valid() ? options_.deterministic.value() : Determinism::kOff;
     c.benchmark = options_.benchmark;
     c.notes = std::move(notes_);
     return c;
@@ -614,8 +615,8 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
 
 void apply_torch_flags(const Resolution& resolution) {
   auto& context = at::globalContext();
-  if (resolution.deterministic != "false") {
-    const bool warn_only = resolution.deterministic == "warn";
+  if (resolution.deterministic != Determinism::kOff) {
+    const bool warn_only = resolution.deterministic == Determinism::kWarn;
     if (resolution.accelerator == "cuda") {
       // cuBLAS is deterministic only with a fixed workspace; it reads this
       // when its first handle is created, so it must be set before that.

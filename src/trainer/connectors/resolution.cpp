@@ -48,7 +48,8 @@ std::string object(const std::vector<std::pair<std::string, std::string>>& field
 }  // namespace
 
 std::string Resolution::to_json() const {
-  const std::string det = deterministic == "warn" ? quoted("warn") : deterministic;
+  const std::string spelled = Choice<Determinism>::name_of(deterministic);
+  const std::string det = deterministic == Determinism::kWarn ? quoted(spelled) : spelled;
   return object({{"accelerator", quoted(accelerator)},
                  {"strategy", quoted(strategy)},
                  {"launcher", launcher.empty() ? "null" : quoted(launcher)},

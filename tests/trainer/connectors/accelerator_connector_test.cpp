@@ -66,11 +66,12 @@ TEST(AcceleratorConnector, NullAndUnknownPluginsAreNamed) {
   TrainerOptions options{
       .accelerator = "cpu",
       .plugins = {std::shared_ptr<fulgur::CheckpointIO>(), std::string("slrum")}};
-  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(options, empty_env()),
-                     {"2 problems", "plugins[0] is a null checkpoint IO", "plugins[1]=\"slrum\"",
-                      "unknown plugin", "did you mean \"slurm\"?",
-                      "Registered plugin names: 16-mixed, 16-true, 32-true, 64-true, async, bf16-mixed, "
-                      "bf16-true, kubeflow, lightning, lsf, mpi, slurm, torch, torchelastic"});
+  EXPECT_THROWS_WITH(
+      ConfigError, fulgur::connect(options, empty_env()),
+      {"2 problems", "plugins[0] is a null checkpoint IO", "plugins[1]=\"slrum\"", "unknown plugin",
+       "did you mean \"slurm\"?",
+       "Registered plugin names: 16-mixed, 16-true, 32-true, 64-true, async, bf16-mixed, "
+       "bf16-true, kubeflow, lightning, lsf, mpi, slurm, torch, torchelastic"});
 }
 
 TEST(AcceleratorConnector, PrecisionPluginAndPrecisionFlagConflict) {
@@ -421,7 +422,7 @@ TEST(StrategyRegistry, SubclassRegistersItsVariantsThroughTheBase) {
   auto* mine = dynamic_cast<MyDDP*>(fork.get());
   ASSERT_NE(mine, nullptr);
   EXPECT_EQ(mine->name(), "my_ddp_fork");
-  EXPECT_EQ(mine->options().start_method, "fork");
+  EXPECT_EQ(mine->options().start_method.text(), "fork");
   const auto& entry = registry.entry("my_ddp_find_unused_parameters_true");
   EXPECT_TRUE(fulgur::test::message_contains(entry.description, {"My DDP: "}));
   EXPECT_TRUE(fulgur::test::message_contains(

@@ -353,7 +353,7 @@ TEST_P(ResolutionTable, ResolvesOrReportsEveryProblem) {
       if (flag == "deterministic") deterministic = value;
       if (flag == "sync_batchnorm" || flag == "sync-batchnorm") sync_batchnorm = value == "true";
     }
-    EXPECT_EQ(r.deterministic, deterministic);
+    EXPECT_EQ(fulgur::Choice<fulgur::Determinism>::name_of(r.deterministic), deterministic);
     EXPECT_EQ(r.sync_batchnorm, sync_batchnorm);
     EXPECT_EQ(result.strategy->name(), r.strategy);
     EXPECT_EQ(result.strategy->global_rank(), r.global_rank);

@@ -20,7 +20,7 @@ TEST(ResolutionJson, HasExactlyTheDocumentedKeysInOrder) {
   r.num_devices = 2;
   r.world_size = 2;
   r.parallel_devices = {"cpu", "cpu"};
-  r.deterministic = "warn";
+  r.deterministic = fulgur::Determinism::kWarn;
   r.notes = {"a \"quoted\" note\twith a tab"};
   EXPECT_EQ(r.to_json(),
             "{\n"
@@ -41,7 +41,7 @@ TEST(ResolutionJson, HasExactlyTheDocumentedKeysInOrder) {
             "  \"notes\": [\n    \"a \\\"quoted\\\" note\\twith a tab\"\n  ]\n"
             "}\n");
   r.launcher.clear();
-  r.deterministic = "true";
+  r.deterministic = fulgur::Determinism::kOn;
   r.notes.clear();
   const auto json = r.to_json();
   EXPECT_NE(json.find("\"launcher\": null,"), std::string::npos) << json;

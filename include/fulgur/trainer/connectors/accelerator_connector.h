@@ -74,7 +74,7 @@ struct Choices {
   std::shared_ptr<ClusterEnvironment> cluster_environment;
   int num_nodes = 1;
   bool sync_batchnorm = false;
-  std::string deterministic = "false";
+  Determinism deterministic = Determinism::kOff;
   bool benchmark = false;
   std::vector<std::string> notes;
 };

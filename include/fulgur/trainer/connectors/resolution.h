@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "fulgur/trainer/determinism.h"
+
 namespace fulgur {
 
 class FlagError;
@@ -28,8 +30,8 @@ struct Resolution {
   int local_rank = 0;
   int node_rank = 0;
   std::vector<std::string> parallel_devices;
-  /// "true", "false" or "warn" (JSON true, false, "warn").
-  std::string deterministic = "false";
+  /// JSON true, false or "warn".
+  Determinism deterministic = Determinism::kOff;
   bool sync_batchnorm = false;
   bool benchmark = false;
   std::vector<std::string> notes;
