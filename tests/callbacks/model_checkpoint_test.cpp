@@ -251,13 +251,8 @@ TEST(ModelCheckpoint, SanityCheckWritesNothing) {
 // everything else, even when the run saves nothing.
 TEST(ModelCheckpoint, FitStartRemovesDeadWritersTemporaryFiles) {
   TempDir dir;
-  const pid_t dead = ::fork();
-  ASSERT_GE(dead, 0);
-  if (dead == 0) ::_exit(0);
-  int status = 0;
-  ASSERT_EQ(::waitpid(dead, &status, 0), dead);  // reaped: this pid is free now
-  char host[256] = {};
-  ASSERT_EQ(::gethostname(host, sizeof(host) - 1), 0);
+  const pid_t dead = fulgur::test::dead_pid();
+  const std::string host = fulgur::test::host_name();
   fs::create_directories(dir.file("ckpts"));
   const std::string stale = fulgur::str("last.ckpt.tmp.", dead, ".", host);
   const std::string live = fulgur::str("last.ckpt.tmp.", ::getpid(), ".", host);

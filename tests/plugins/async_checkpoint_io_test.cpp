@@ -27,31 +27,24 @@ namespace {
 namespace fs = std::filesystem;
 using fulgur::test::LinearRegression;
 using fulgur::test::list_files;
+using fulgur::test::load_tensor;
 using fulgur::test::regression_loader;
+using fulgur::test::save_tensor;
 using fulgur::test::TempDir;
-
-at::Tensor load_value(const std::string& path) {
-  torch::serialize::InputArchive archive;
-  fulgur::TorchCheckpointIO().load_checkpoint(path, archive);
-  at::Tensor value;
-  archive.read("value", value);
-  return value;
-}
 
 TEST(AsyncCheckpointIO, WritesTheStateAtTheSavePointWhileTrainingChangesIt) {
   TempDir dir;
   fulgur::AsyncCheckpointIO io;
+  fulgur::TorchCheckpointIO torch_io;  // reads what the async IO wrote
   at::Tensor state = torch::arange(1 << 20, torch::kFloat);
   const at::Tensor at_save = state.clone();
   for (int save = 0; save < 3; ++save) {
     const std::string path = dir.file(fulgur::str("step-", save, ".ckpt"));
-    torch::serialize::OutputArchive archive;
-    archive.write("value", state);
-    io.save_checkpoint(archive, path);
+    save_tensor(io, state, path);
     state.add_(1);  // the next step, at once
     io.wait_until_durable();
-    EXPECT_TRUE(torch::equal(load_value(path), at_save + save)) << path;
-    EXPECT_EQ(fulgur::TorchCheckpointIO().verify(path), "") << path;
+    EXPECT_TRUE(torch::equal(load_tensor(torch_io, path), at_save + save)) << path;
+    EXPECT_EQ(torch_io.verify(path), "") << path;
   }
   // The snapshot buffer is sized by the first save and reused after.
   EXPECT_GE(io.buffer_capacity(), size_t{4} << 20);
@@ -90,22 +83,18 @@ class GatedIO : public fulgur::TorchCheckpointIO {
   std::vector<std::string> events_;
 };
 
-void save_value(fulgur::CheckpointIO& io, const std::string& path, double value) {
-  torch::serialize::OutputArchive archive;
-  archive.write("value", torch::full({4}, value));
-  io.save_checkpoint(archive, path);
-}
-
 TEST(AsyncCheckpointIO, OneSaveInFlightAndRemovalsAfterTheSavesBeforeThem) {
   TempDir dir;
   fulgur::test::write_text(dir.file("old.ckpt"), "an older checkpoint\n");
   auto gated = std::make_shared<GatedIO>();
   fulgur::AsyncCheckpointIO io(gated);
-  save_value(io, dir.file("a.ckpt"), 1.0);  // returns; its write waits at the gate
+  fulgur::TorchCheckpointIO torch_io;  // reads what the async IO wrote
+  save_tensor(io, torch::full({4}, 1.0),
+              dir.file("a.ckpt"));  // returns; its write waits at the gate
   io.remove_checkpoint(dir.file("old.ckpt"));
   std::atomic<bool> second_returned{false};
   std::thread second([&] {
-    save_value(io, dir.file("b.ckpt"), 2.0);
+    save_tensor(io, torch::full({4}, 2.0), dir.file("b.ckpt"));
     second_returned = true;
   });
   // Whatever the timing, the second save cannot return while the first is
@@ -119,8 +108,8 @@ TEST(AsyncCheckpointIO, OneSaveInFlightAndRemovalsAfterTheSavesBeforeThem) {
   EXPECT_THAT(gated->events(),
               ::testing::ElementsAre("save start a.ckpt", "save end a.ckpt", "remove old.ckpt",
                                      "save start b.ckpt", "save end b.ckpt"));
-  EXPECT_TRUE(torch::equal(load_value(dir.file("a.ckpt")), torch::full({4}, 1.0)));
-  EXPECT_TRUE(torch::equal(load_value(dir.file("b.ckpt")), torch::full({4}, 2.0)));
+  EXPECT_TRUE(torch::equal(load_tensor(torch_io, dir.file("a.ckpt")), torch::full({4}, 1.0)));
+  EXPECT_TRUE(torch::equal(load_tensor(torch_io, dir.file("b.ckpt")), torch::full({4}, 2.0)));
 }
 
 TEST(AsyncCheckpointIO, AFailedWriteIsRaisedOnceAndStopsTheRemovalsBehindIt) {
@@ -129,7 +118,7 @@ TEST(AsyncCheckpointIO, AFailedWriteIsRaisedOnceAndStopsTheRemovalsBehindIt) {
   fulgur::test::write_text(dir.file("good.ckpt"), "the newest good checkpoint\n");
   fulgur::AsyncCheckpointIO io;
   const std::string bad = dir.file("taken/checkpoints/last.ckpt");
-  save_value(io, bad, 1.0);  // fails in the background
+  save_tensor(io, torch::full({4}, 1.0), bad);  // fails in the background
   io.remove_checkpoint(dir.file("good.ckpt"));
   EXPECT_THROWS_WITH(fulgur::CheckpointError, io.wait_until_durable(),
                      {"a checkpoint written in the background failed", bad,
@@ -137,9 +126,10 @@ TEST(AsyncCheckpointIO, AFailedWriteIsRaisedOnceAndStopsTheRemovalsBehindIt) {
   EXPECT_TRUE(fs::exists(dir.file("good.ckpt"))) << "removed after a failed save";
   EXPECT_NO_THROW(io.wait_until_durable());  // raised once
   // The next save raises a failure that happened since, before snapshotting.
-  save_value(io, bad, 2.0);
+  save_tensor(io, torch::full({4}, 2.0), bad);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  EXPECT_THROWS_WITH(fulgur::CheckpointError, save_value(io, dir.file("next.ckpt"), 3.0),
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     save_tensor(io, torch::full({4}, 3.0), dir.file("next.ckpt")),
                      {"a checkpoint written in the background failed", bad});
   io.wait_until_durable();
   EXPECT_FALSE(fs::exists(dir.file("next.ckpt")));

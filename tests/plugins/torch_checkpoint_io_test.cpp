@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <random>
 
 #include "fulgur/core/errors.h"
@@ -26,19 +27,8 @@ using fulgur::test::list_files;
 using fulgur::test::TempDir;
 using ::testing::ElementsAre;
 
-void save_tensor(fulgur::CheckpointIO& io, const at::Tensor& value, const std::string& path) {
-  torch::serialize::OutputArchive archive;
-  archive.write("value", value);
-  io.save_checkpoint(archive, path);
-}
-
-at::Tensor load_tensor(fulgur::CheckpointIO& io, const std::string& path) {
-  torch::serialize::InputArchive archive;
-  io.load_checkpoint(path, archive);
-  at::Tensor value;
-  archive.read("value", value);
-  return value;
-}
+using fulgur::test::load_tensor;
+using fulgur::test::save_tensor;
 
 TEST(TorchCheckpointIO, SaveThenLoadRoundTrips) {
   TempDir dir;
@@ -313,11 +303,17 @@ TEST(TorchCheckpointIOIntegrity, AnUnreadableFileNamesTheOsReason) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's error did not name the OS reason";
 }
 
-// A full disk: a clear error, the partial file removed, the previous
-// checkpoint intact, no abort. The file system is a 256 KiB tmpfs mounted in
-// a child's own mount namespace (root only).
-TEST(TorchCheckpointIOIntegrity, AFullDiskIsAClearErrorAndLosesNothing) {
-  if (::geteuid() != 0) GTEST_SKIP() << "mounting a small tmpfs needs root";
+// In a forked child with its own mount namespace and a tmpfs of
+// `tmpfs_size` over a new directory: a first checkpoint is saved to
+// last.ckpt, `make_it_fail` prepares the failure (false: it cannot here),
+// then `failing_save` to last.ckpt must throw a CheckpointError naming the
+// path and each of `expected`, leave no file beside last.ckpt, and leave
+// last.ckpt loading. Skipped where a tmpfs cannot be mounted (root only).
+void expect_failed_save_loses_nothing(
+    const char* tmpfs_size, const std::function<bool(const std::string& dir)>& make_it_fail,
+    const std::function<void(fulgur::TorchCheckpointIO&, const std::string&)>& failing_save,
+    const std::vector<std::string>& expected) {
+  if (::geteuid() != 0) GTEST_SKIP() << "mounting a tmpfs needs root";
   TempDir dir;
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
@@ -325,21 +321,22 @@ TEST(TorchCheckpointIOIntegrity, AFullDiskIsAClearErrorAndLosesNothing) {
     at::set_num_threads(1);  // the parent's thread pool did not survive fork
     if (::unshare(CLONE_NEWNS) != 0 ||
         ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
-        ::mount("tmpfs", dir.path().c_str(), "tmpfs", 0, "size=256k") != 0) {
+        ::mount("tmpfs", dir.path().c_str(), "tmpfs", 0,
+                fulgur::str("size=", tmpfs_size).c_str()) != 0) {
       ::_exit(3);
     }
     fulgur::TorchCheckpointIO io;
     const std::string path = dir.file("last.ckpt");
     save_model_like(io, path);  // ~17 KB: fits
+    if (!make_it_fail(dir.path())) ::_exit(3);
     int code = 0;
     try {
-      torch::serialize::OutputArchive big;
-      big.write("weight", torch::ones({200000}));  // 800 KB: does not
-      io.save_checkpoint(big, path);
+      failing_save(io, path);
       code = 10;
     } catch (const fulgur::CheckpointError& e) {
-      if (!fulgur::test::message_contains(e.what(), {path, "No space left on device",
-                                                     "partial file was removed", "Free space"})) {
+      std::vector<std::string> wanted = expected;
+      wanted.push_back(path);
+      if (!fulgur::test::message_contains(e.what(), wanted)) {
         std::cerr << e.what() << std::endl;
         code = 11;
       }
@@ -358,50 +355,29 @@ TEST(TorchCheckpointIOIntegrity, AFullDiskIsAClearErrorAndLosesNothing) {
          "checkpoint does not load";
 }
 
-// A read-only file system (a tmpfs remounted read-only in a child's mount
-// namespace): a clear error naming the OS reason, the previous checkpoint
-// intact, nothing left behind.
+// A full disk (a 256 KiB tmpfs): a clear error, the partial file removed,
+// the previous checkpoint intact, no abort.
+TEST(TorchCheckpointIOIntegrity, AFullDiskIsAClearErrorAndLosesNothing) {
+  expect_failed_save_loses_nothing(
+      "256k", [](const std::string&) { return true; },
+      [](fulgur::TorchCheckpointIO& io, const std::string& path) {
+        torch::serialize::OutputArchive big;
+        big.write("weight", torch::ones({200000}));  // 800 KB: does not fit
+        io.save_checkpoint(big, path);
+      },
+      {"No space left on device", "partial file was removed", "Free space"});
+}
+
+// A read-only file system (the tmpfs remounted read-only): a clear error
+// naming the OS reason, the previous checkpoint intact, nothing left behind.
 TEST(TorchCheckpointIOIntegrity, AReadOnlyFileSystemIsAClearErrorAndLosesNothing) {
-  if (::geteuid() != 0) GTEST_SKIP() << "mounting a tmpfs needs root";
-  TempDir dir;
-  const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    at::set_num_threads(1);  // the parent's thread pool did not survive fork
-    if (::unshare(CLONE_NEWNS) != 0 ||
-        ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
-        ::mount("tmpfs", dir.path().c_str(), "tmpfs", 0, "size=1m") != 0) {
-      ::_exit(3);
-    }
-    fulgur::TorchCheckpointIO io;
-    const std::string path = dir.file("last.ckpt");
-    save_model_like(io, path);
-    if (::mount(nullptr, dir.path().c_str(), nullptr, MS_REMOUNT | MS_RDONLY, nullptr) != 0) {
-      ::_exit(3);
-    }
-    int code = 0;
-    try {
-      save_model_like(io, path);
-      code = 10;
-    } catch (const fulgur::CheckpointError& e) {
-      if (!fulgur::test::message_contains(
-              e.what(), {path, "Read-only file system", "Make the directory writable"})) {
-        std::cerr << e.what() << std::endl;
-        code = 11;
-      }
-    }
-    if (code == 0 && list_files(dir.path()) != std::vector<std::string>{"last.ckpt"}) code = 12;
-    if (code == 0 && load_error(io, path) != "loaded") code = 13;
-    std::fflush(nullptr);
-    ::_exit(code);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
-  ASSERT_TRUE(WIFEXITED(status)) << "the saving child died (signal " << WTERMSIG(status) << ")";
-  if (WEXITSTATUS(status) == 3) GTEST_SKIP() << "cannot mount a tmpfs here";
-  EXPECT_EQ(WEXITSTATUS(status), 0)
-      << "10: saved anyway, 11: wrong message, 12: a file left behind, 13: the previous "
-         "checkpoint does not load";
+  expect_failed_save_loses_nothing(
+      "1m",
+      [](const std::string& dir) {
+        return ::mount(nullptr, dir.c_str(), nullptr, MS_REMOUNT | MS_RDONLY, nullptr) == 0;
+      },
+      [](fulgur::TorchCheckpointIO& io, const std::string& path) { save_model_like(io, path); },
+      {"Read-only file system", "Make the directory writable"});
 }
 
 // A directory that cannot be created (a file stands where a parent should
@@ -422,15 +398,9 @@ TEST(TorchCheckpointIOIntegrity, AnUncreatableDirectoryIsAClearError) {
 TEST(TorchCheckpointIOIntegrity, ASaveRemovesDeadWritersTemporaryFiles) {
   TempDir dir;
   fulgur::TorchCheckpointIO io;
-  const pid_t dead = ::fork();
-  ASSERT_GE(dead, 0);
-  if (dead == 0) ::_exit(0);
-  int status = 0;
-  ASSERT_EQ(::waitpid(dead, &status, 0), dead);  // reaped: this pid is free now
-  char host[256] = {};
-  ASSERT_EQ(::gethostname(host, sizeof(host) - 1), 0);
-  const std::string here = std::string(".") + host;
-  const std::string dead_pid = std::to_string(dead), live_pid = std::to_string(::getppid());
+  const std::string here = "." + fulgur::test::host_name();
+  const std::string dead_pid = std::to_string(fulgur::test::dead_pid()),
+                    live_pid = std::to_string(::getppid());
   const std::vector<std::string> names = {
       "last.ckpt.tmp." + dead_pid + here,         // a dead writer here: removed
       "epoch=1.ckpt.tmp." + dead_pid,             // fulgur 0.1's name, dead: removed

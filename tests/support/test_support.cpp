@@ -1,6 +1,8 @@
 #include "support/test_support.h"
 
 #include <c10/util/Type.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -93,6 +95,37 @@ void write_text(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   if (!out) throw std::runtime_error("write_text: cannot create " + path);
   out << text;
+}
+
+void save_tensor(fulgur::CheckpointIO& io, const at::Tensor& value, const std::string& path) {
+  torch::serialize::OutputArchive archive;
+  archive.write("value", value);
+  io.save_checkpoint(archive, path);
+}
+
+at::Tensor load_tensor(fulgur::CheckpointIO& io, const std::string& path) {
+  torch::serialize::InputArchive archive;
+  io.load_checkpoint(path, archive);
+  at::Tensor value;
+  archive.read("value", value);
+  return value;
+}
+
+pid_t dead_pid() {
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error(std::string("dead_pid: fork: ") + std::strerror(errno));
+  if (pid == 0) ::_exit(0);
+  int status = 0;
+  if (::waitpid(pid, &status, 0) != pid) throw std::runtime_error("dead_pid: waitpid failed");
+  return pid;  // reaped: free now
+}
+
+std::string host_name() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0) {
+    throw std::runtime_error(std::string("host_name: ") + std::strerror(errno));
+  }
+  return host;
 }
 
 void damage_middle_byte(const std::string& path) {

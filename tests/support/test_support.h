@@ -21,6 +21,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <sys/types.h>
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -121,6 +122,14 @@ std::vector<std::string> list_files(const std::string& dir);
 std::string read_text(const std::string& path);
 std::vector<std::string> read_lines(const std::string& path);
 void write_text(const std::string& path, const std::string& text);
+/// A checkpoint holding one tensor under "value", through `io`.
+void save_tensor(fulgur::CheckpointIO& io, const at::Tensor& value, const std::string& path);
+/// The "value" of such a checkpoint.
+at::Tensor load_tensor(fulgur::CheckpointIO& io, const std::string& path);
+/// A pid no process has: a child that exited and was reaped.
+pid_t dead_pid();
+/// This machine's name, as temporary checkpoint files record their writer's.
+std::string host_name();
 /// Flips the bits of the byte in the middle of `path` (a checkpoint's data;
 /// its checksum footer stays intact).
 void damage_middle_byte(const std::string& path);
