@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -104,89 +105,61 @@ int main(int argc, char** argv) {
   const std::string a_path = base + ".async.ckpt";
   fulgur::AsyncCheckpointIO async_io;
   std::vector<double> sync_stall, async_stall;
-  {
-    // The first save sizes the snapshot buffer; the timed ones reuse it.
+  // The Trainer's archive of the state, as every save here writes it.
+  auto archive = [&] {
     torch::serialize::OutputArchive root, module, optimizer;
     state->save(module);
     sgd.save(optimizer);
     root.write("state_dict", module);
     root.write("optimizer_states", optimizer);
+    return root;
+  };
+  // Seconds `save` takes with that archive, from a clean page cache.
+  auto time_save = [&](const std::function<void(torch::serialize::OutputArchive&)>& save) {
+    ::sync();
+    auto t = Clock::now();
+    auto root = archive();
+    save(root);
+    return seconds_since(t);
+  };
+  // MB/s of `read` into the root, then the state restored from it.
+  auto time_load = [&](const std::function<void(torch::serialize::InputArchive&)>& read) {
+    ::sync();
+    auto t = Clock::now();
+    torch::serialize::InputArchive root, module, optimizer;
+    read(root);
+    root.read("state_dict", module);
+    root.read("optimizer_states", optimizer);
+    state->load(module);
+    sgd.load(optimizer);
+    return megabytes / seconds_since(t);
+  };
+  {
+    // The first save sizes the snapshot buffer; the timed ones reuse it.
+    auto root = archive();
     async_io.save_checkpoint(root, a_path);
     async_io.wait_until_durable();
   }
   for (int r = 0; r < reps; ++r) {
-    {
-      ::sync();
-      auto t = Clock::now();
-      torch::serialize::OutputArchive root, module, optimizer;
-      state->save(module);
-      sgd.save(optimizer);
-      root.write("state_dict", module);
-      root.write("optimizer_states", optimizer);
-      io.save_checkpoint(root, f_path);
-      f_save.push_back(megabytes / seconds_since(t));
-      sync_stall.push_back(seconds_since(t));
-    }
-    {
-      ::sync();
-      auto t = Clock::now();
-      torch::serialize::OutputArchive root, module, optimizer;
-      state->save(module);
-      sgd.save(optimizer);
-      root.write("state_dict", module);
-      root.write("optimizer_states", optimizer);
-      async_io.save_checkpoint(root, a_path);
-      async_stall.push_back(seconds_since(t));
-      async_io.wait_until_durable();
-    }
-    {
-      ::sync();
-      auto t = Clock::now();
-      torch::serialize::OutputArchive root, module, optimizer;
-      state->save(module);
-      sgd.save(optimizer);
-      root.write("state_dict", module);
-      root.write("optimizer_states", optimizer);
-      root.save_to(r_path);
-      r_save.push_back(megabytes / seconds_since(t));
-    }
-    {
-      ::sync();
-      auto t = Clock::now();
-      torch::serialize::OutputArchive root, module, optimizer;
-      state->save(module);
-      sgd.save(optimizer);
-      root.write("state_dict", module);
-      root.write("optimizer_states", optimizer);
-      root.save_to(s_path);
-      fsync_file(s_path);
-      s_save.push_back(megabytes / seconds_since(t));
-    }
+    const double sync_seconds = time_save([&](auto& root) { io.save_checkpoint(root, f_path); });
+    f_save.push_back(megabytes / sync_seconds);
+    sync_stall.push_back(sync_seconds);
+    async_stall.push_back(time_save([&](auto& root) { async_io.save_checkpoint(root, a_path); }));
+    async_io.wait_until_durable();
+    r_save.push_back(megabytes / time_save([&](auto& root) { root.save_to(r_path); }));
+    s_save.push_back(megabytes / time_save([&](auto& root) {
+                       root.save_to(s_path);
+                       fsync_file(s_path);
+                     }));
     // The loads, in alternating order: the first load after the saves
     // gets memory the process has not touched lately (on a virtual machine,
     // fresh pages cost a fault in the host), the second the pages the first
     // just freed.
     auto fulgur_load = [&] {
-      ::sync();
-      auto t = Clock::now();
-      torch::serialize::InputArchive root, module, optimizer;
-      io.load_checkpoint(f_path, root);
-      root.read("state_dict", module);
-      root.read("optimizer_states", optimizer);
-      state->load(module);
-      sgd.load(optimizer);
-      f_load.push_back(megabytes / seconds_since(t));
+      f_load.push_back(time_load([&](auto& root) { io.load_checkpoint(f_path, root); }));
     };
     auto libtorch_load = [&] {
-      ::sync();
-      auto t = Clock::now();
-      torch::serialize::InputArchive root, module, optimizer;
-      root.load_from(r_path);
-      root.read("state_dict", module);
-      root.read("optimizer_states", optimizer);
-      state->load(module);
-      sgd.load(optimizer);
-      r_load.push_back(megabytes / seconds_since(t));
+      r_load.push_back(time_load([&](auto& root) { root.load_from(r_path); }));
     };
     if (r % 2 == 0) {
       fulgur_load();
