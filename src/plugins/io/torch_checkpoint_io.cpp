@@ -318,18 +318,13 @@ std::string newest_valid_sibling(const std::string& path) {
   std::error_code ec;
   const fs::path self = fs::weakly_canonical(path, ec);
   const fs::path dir = fs::path(path).has_parent_path() ? fs::path(path).parent_path() : ".";
-  std::vector<std::pair<fs::file_time_type, fs::path>> candidates;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    if (!it->is_regular_file(ec) || it->path().extension() != ".ckpt") continue;
-    if (fs::weakly_canonical(it->path(), ec) == self) continue;
-    candidates.emplace_back(it->last_write_time(ec), it->path());
-  }
-  std::sort(candidates.begin(), candidates.end(),
-            [](const auto& a, const auto& b) { return a.first > b.first; });
-  for (const auto& [_, candidate] : candidates) {
+  for (const auto& candidate : checkpoints_newest_first(dir.string())) {
+    if (!fs::is_regular_file(candidate, ec) || fs::weakly_canonical(candidate, ec) == self) {
+      continue;
+    }
     try {
-      const Verdict v = check(CheckpointFile(candidate.string()));
-      if (v.has_footer && v.problem.empty()) return candidate.string();
+      const Verdict v = check(CheckpointFile(candidate));
+      if (v.has_footer && v.problem.empty()) return candidate;
     } catch (const CheckpointError&) {
       // Unreadable: not an alternative.
     }
@@ -721,6 +716,26 @@ void CheckpointIO::serialize(torch::serialize::OutputArchive& /*checkpoint*/,
 void CheckpointIO::save_serialized(const SerializedCheckpoint& /*archive*/,
                                    const std::string& path) {
   cannot_write_serialized(name(), str("write the serialized checkpoint \"", path, "\""));
+}
+
+std::vector<std::string> checkpoints_newest_first(const std::string& dir) {
+  std::vector<std::pair<fs::file_time_type, fs::path>> found;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    if (it->path().extension() != ".ckpt") continue;
+    std::error_code time_ec;
+    const auto written = fs::last_write_time(it->path(), time_ec);
+    if (!time_ec) found.emplace_back(written, it->path());
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) {
+    if (a.first != b.first) return a.first > b.first;
+    const bool a_last = a.second.filename() == "last.ckpt";
+    const bool b_last = b.second.filename() == "last.ckpt";
+    return a_last != b_last ? a_last : a.second < b.second;
+  });
+  std::vector<std::string> paths;
+  for (const auto& [_, path] : found) paths.push_back(path.string());
+  return paths;
 }
 
 std::string CheckpointIO::verify(const std::string& path) {

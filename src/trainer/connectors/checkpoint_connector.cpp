@@ -16,15 +16,14 @@
 
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <filesystem>
 #include <iostream>
-#include <utility>
 #include <vector>
 
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/core/errors.h"
+#include "fulgur/plugins/io/checkpoint_io.h"
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/utilities/seed.h"
 #include "trainer/trainer_impl.h"
@@ -170,24 +169,8 @@ std::string CheckpointConnector::checkpoint_dir() const {
 
 std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) const {
   if (ckpt_path != "last" && ckpt_path != "auto") return ckpt_path;
-  namespace fs = std::filesystem;
   const std::string dir = checkpoint_dir();
-  // Every checkpoint of the directory (a file, or a directory of shards),
-  // newest first; last.ckpt first among equals.
-  std::vector<std::pair<fs::file_time_type, fs::path>> found;
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    if (it->path().extension() != ".ckpt") continue;
-    std::error_code time_ec;
-    const auto written = fs::last_write_time(it->path(), time_ec);
-    if (!time_ec) found.emplace_back(written, it->path());
-  }
-  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) {
-    if (a.first != b.first) return a.first > b.first;
-    const bool a_last = a.second.filename() == "last.ckpt";
-    const bool b_last = b.second.filename() == "last.ckpt";
-    return a_last != b_last ? a_last : a.second < b.second;
-  });
+  const std::vector<std::string> found = checkpoints_newest_first(dir);
   if (found.empty()) {
     if (ckpt_path == "auto") return {};
     throw CheckpointError(str("ckpt_path=\"last\": there is no checkpoint in \"", dir,
@@ -196,18 +179,17 @@ std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) cons
                               "when there is none, or pass a checkpoint path."));
   }
   std::vector<std::string> skipped;
-  for (const auto& [_, candidate] : found) {
-    const std::string problem = trainer_.strategy->verify_checkpoint(candidate.string());
+  for (const auto& candidate : found) {
+    const std::string problem = trainer_.strategy->verify_checkpoint(candidate);
     if (problem.empty()) {
       if (!skipped.empty() && trainer_.strategy->is_global_zero()) {
         std::cerr << "fulgur: ckpt_path=\"" << ckpt_path << "\": skipped " << join(skipped, "; ")
-                  << ". Resuming from \"" << candidate.string()
+                  << ". Resuming from \"" << candidate
                   << "\", the newest checkpoint of its directory that verifies." << std::endl;
       }
-      return candidate.string();
+      return candidate;
     }
-    skipped.push_back(
-        str("\"", candidate.string(), "\", which is corrupt or incomplete (", problem, ")"));
+    skipped.push_back(str("\"", candidate, "\", which is corrupt or incomplete (", problem, ")"));
   }
   throw CheckpointError(str("ckpt_path=\"", ckpt_path, "\": none of the ", found.size(),
                             " checkpoint(s) in \"", dir, "\" verifies: ", join(skipped, "; "),

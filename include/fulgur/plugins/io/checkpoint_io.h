@@ -87,6 +87,11 @@ class CheckpointIO {
   virtual void wait_until_durable() {}
 };
 
+/// The checkpoints of directory `dir` (its `*.ckpt` entries: files, or
+/// directories of per-rank shards), newest first by modification time,
+/// last.ckpt first among equals. Empty when `dir` cannot be read.
+std::vector<std::string> checkpoints_newest_first(const std::string& dir);
+
 using CheckpointIORegistry = Registry<CheckpointIO>;
 CheckpointIORegistry& checkpoint_io_registry();
 
