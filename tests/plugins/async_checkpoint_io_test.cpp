@@ -145,6 +145,15 @@ TEST(AsyncCheckpointIO, RefusesAnIOThatWritesOnlyWholeArchives) {
   EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::AsyncCheckpointIO(std::make_shared<WholeOnly>()),
                      {"cannot wrap checkpoint IO \"whole_only\"", "serialize()",
                       "save_serialized()", "drop \"async\""});
+  // Called directly, the two halves it lacks say the same.
+  WholeOnly io;
+  torch::serialize::OutputArchive archive;
+  fulgur::SerializedCheckpoint bytes;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, io.serialize(archive, bytes),
+                     {"checkpoint IO \"whole_only\" cannot serialize a checkpoint in memory",
+                      "save_serialized()"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, io.save_serialized(bytes, "x.ckpt"),
+                     {"cannot write the serialized checkpoint \"x.ckpt\"", "serialize()"});
 }
 
 // Every tensor of `a` (nested archives included) equals the one of `b`
