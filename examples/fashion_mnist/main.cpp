@@ -16,6 +16,7 @@
 #include <CLI/CLI.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -172,6 +173,9 @@ struct Args {
   bool enable_progress_bar = true;
   bool logger = true;
   int64_t log_every_n_steps = 50;
+  int max_restarts = 0;
+  double heartbeat_timeout = 10;
+  int64_t every_n_train_steps = 0;
 };
 
 bool is_none(const std::string& text) { return text == "none" || text == "None" || text.empty(); }
@@ -360,6 +364,17 @@ void add_flags(CLI::App& app, Args& a) {
   app.add_option("--log_every_n_steps,--log-every-n-steps", a.log_every_n_steps,
                  "Logged metrics reach the loggers every N optimizer steps")
       ->group("Trainer: outputs");
+
+  app.add_option("--max_restarts,--max-restarts", a.max_restarts,
+                 "Start every rank again (resuming from the newest checkpoint) this many times "
+                 "when one dies, freezes or hangs")
+      ->group("Trainer: recovery");
+  app.add_option("--heartbeat_timeout,--heartbeat-timeout", a.heartbeat_timeout,
+                 "Seconds without a heartbeat before a rank is named as frozen (0: off)")
+      ->group("Trainer: recovery");
+  app.add_option("--every_n_train_steps,--every-n-train-steps", a.every_n_train_steps,
+                 "Save a checkpoint (and last.ckpt) every N optimizer steps (0: every epoch)")
+      ->group("Trainer: recovery");
 }
 
 // Converts the string flags; throws CLI::ValidationError naming a bad one.
@@ -402,13 +417,28 @@ fulgur::TrainerOptions trainer_options(const Args& a) {
   o.enable_progress_bar = a.enable_progress_bar;
   o.logger = a.logger;
   o.log_every_n_steps = a.log_every_n_steps;
+  o.max_restarts = a.max_restarts;
+  if (!(a.heartbeat_timeout >= 0)) {
+    throw CLI::ValidationError(
+        "--heartbeat_timeout",
+        fulgur::str(a.heartbeat_timeout, " is not a number of seconds >= 0 (0 turns it off)"));
+  }
+  o.heartbeat_timeout = std::chrono::milliseconds(std::llround(a.heartbeat_timeout * 1000));
   const bool validates =
       a.val_size > 0 && (o.limit_val_batches.is_fraction() ? o.limit_val_batches.fraction() > 0.0
                                                            : o.limit_val_batches.count() > 0);
   if (a.enable_checkpointing && validates) {
     // Keep the best checkpoint by validation accuracy (and last.ckpt).
+    // Recovery points every N steps too, when asked, and the best checked
+    // at every epoch's end still.
     o.callbacks.push_back(std::make_shared<fulgur::ModelCheckpoint>(
-        fulgur::ModelCheckpointOptions{.monitor = "val_acc", .mode = "max", .save_top_k = 1}));
+        fulgur::ModelCheckpointOptions{.monitor = "val_acc",
+                                       .mode = "max",
+                                       .save_top_k = 1,
+                                       .every_n_train_steps = a.every_n_train_steps,
+                                       .every_n_epochs = 1}));
+  } else {
+    o.every_n_train_steps = a.every_n_train_steps;
   }
   return o;
 }

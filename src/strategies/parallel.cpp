@@ -7,7 +7,7 @@
 #include "fulgur/strategies/launchers/fork.h"
 #include "fulgur/strategies/launchers/subprocess_script.h"
 #include "fulgur/strategies/process_group.h"
-#include "strategies/launchers/supervisor.h"
+#include "strategies/launchers/heartbeat.h"
 
 namespace fulgur {
 
@@ -49,6 +49,9 @@ int ParallelStrategy::main_port() const {
 }
 
 void ParallelStrategy::do_setup_environment() {
+  // Under one of fulgur's launchers: heartbeats from a thread of their own,
+  // so a frozen rank is named in seconds (a no-op otherwise).
+  detail::start_pulse();
   // One group for the life of the process: fit, then test, reuse it (a
   // second rendezvous on the same port could meet the first one's keys).
   if (group_) return;

@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "fulgur/core/errors.h"
+#include "strategies/launchers/heartbeat.h"
 #include "strategies/launchers/supervisor.h"
 #include "strategies/tcp_store.h"
 
@@ -147,8 +148,9 @@ c10::intrusive_ptr<C10dGroup> make_gloo(const ProcessGroupOptions& o, const Reso
 
 }  // namespace
 
-PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what)
-    : work_(std::move(work)), what_(std::move(what)) {}
+PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what,
+                                     const char* kind, int64_t seq, int64_t bytes)
+    : work_(std::move(work)), what_(std::move(what)), kind_(kind), seq_(seq), bytes_(bytes) {}
 PendingCollective::~PendingCollective() = default;
 PendingCollective::PendingCollective(PendingCollective&&) noexcept = default;
 PendingCollective& PendingCollective::operator=(PendingCollective&&) noexcept = default;
@@ -159,6 +161,7 @@ void PendingCollective::wait() {
   // Reaching a collective is progress: a rank that never gets here while
   // its peers wait falls behind, and the launcher can name it.
   detail::send_heartbeat("collective");
+  detail::InCollective waiting({kind_, seq_, bytes_});
   try {
     work->wait();
   } catch (const std::exception& e) {
@@ -262,8 +265,9 @@ at::Tensor ProcessGroup::staged(const at::Tensor& tensor) const {
   return tensor;
 }
 
-void ProcessGroup::run(const char* what,
+void ProcessGroup::run(const char* what, int64_t bytes,
                        const std::function<c10::intrusive_ptr<c10d::Work>()>& start) {
+  const int64_t seq = ++calls_;
   c10::intrusive_ptr<c10d::Work> work;
   try {
     work = start();
@@ -271,14 +275,16 @@ void ProcessGroup::run(const char* what,
     throw DistributedError(
         str(what, " on rank ", rank(), " of ", size(), " failed to start: ", e.what()));
   }
-  PendingCollective(std::move(work), str(what, " on rank ", rank(), " of ", size())).wait();
+  PendingCollective(std::move(work), str(what, " #", seq, " on rank ", rank(), " of ", size()),
+                    what, seq, bytes)
+      .wait();
 }
 
 void ProcessGroup::barrier() {
   c10d::BarrierOptions opts;
   // NCCL would otherwise guess the device from the rank.
   if (options_.device.is_cuda()) opts.device_ids = {options_.device.index()};
-  run("barrier", [&] { return impl_->group->barrier(opts); });
+  run("barrier", 0, [&] { return impl_->group->barrier(opts); });
 }
 
 void ProcessGroup::broadcast_(at::Tensor& tensor, int src) {
@@ -289,7 +295,8 @@ void ProcessGroup::broadcast_(at::Tensor& tensor, int src) {
   std::vector<at::Tensor> tensors = {staged(tensor)};
   c10d::BroadcastOptions opts;
   opts.rootRank = src;
-  run("broadcast", [&] { return impl_->group->broadcast(tensors, opts); });
+  run("broadcast", static_cast<int64_t>(tensor.nbytes()),
+      [&] { return impl_->group->broadcast(tensors, opts); });
   if (!tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
 }
 
@@ -307,7 +314,8 @@ void ProcessGroup::all_reduce_(at::Tensor& tensor, ReduceOp op) {
   std::vector<at::Tensor> tensors = {staged(tensor)};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
-  run("all_reduce", [&] { return impl_->group->allreduce(tensors, opts); });
+  run("all_reduce", static_cast<int64_t>(tensor.nbytes()),
+      [&] { return impl_->group->allreduce(tensors, opts); });
   if (!tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
   if (op == ReduceOp::Mean) {
     if (tensor.is_floating_point()) {
@@ -320,10 +328,12 @@ void ProcessGroup::all_reduce_(at::Tensor& tensor, ReduceOp op) {
 
 PendingCollective ProcessGroup::all_reduce_sum_async_(at::Tensor& tensor) {
   std::vector<at::Tensor> tensors = {tensor};
-  std::string what = str("all_reduce of a ", tensor.numel(), "-element gradient bucket on rank ",
-                         rank(), " of ", size());
+  const int64_t seq = ++calls_;
+  std::string what = str("all_reduce #", seq, " of a ", tensor.numel(),
+                         "-element gradient bucket on rank ", rank(), " of ", size());
   try {
-    return PendingCollective(impl_->group->allreduce(tensors), std::move(what));
+    return PendingCollective(impl_->group->allreduce(tensors), std::move(what), "all_reduce", seq,
+                             static_cast<int64_t>(tensor.nbytes()));
   } catch (const std::exception& e) {
     throw DistributedError(str(what, " failed to start: ", e.what()));
   }
@@ -334,7 +344,8 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& tensor) {
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < size(); ++r) outputs[0].push_back(torch::empty_like(input));
   std::vector<at::Tensor> inputs = {input};
-  run("all_gather", [&] { return impl_->group->allgather(outputs, inputs); });
+  run("all_gather", static_cast<int64_t>(input.nbytes()) * size(),
+      [&] { return impl_->group->allgather(outputs, inputs); });
   return torch::stack(outputs[0]).to(tensor.device());
 }
 

@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <sstream>
@@ -10,6 +11,7 @@
 #include "fulgur/callbacks/progress_bar.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/loggers/csv_logger.h"
+#include "fulgur/plugins/environments/cluster_environment.h"
 #include "fulgur/strategies/launchers/launcher.h"
 #include "fulgur/trainer/connectors/accelerator_connector.h"
 #include "fulgur/utilities/host_allocator.h"
@@ -82,6 +84,25 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
   for (size_t i = 0; i < o.callbacks.size(); ++i) {
     check(o.callbacks[i] != nullptr, str("callbacks[", i, "] is null: pass an instance."));
   }
+  check(o.max_restarts >= 0,
+        str("max_restarts=", o.max_restarts, ": must be >= 0 (0: no restart)."));
+  check(o.heartbeat_timeout.count() >= 0,
+        str("heartbeat_timeout=", o.heartbeat_timeout.count(), " ms: must be >= 0 (0: off)."));
+  check(o.every_n_train_steps >= 0,
+        str("every_n_train_steps=", o.every_n_train_steps, ": must be >= 0 (0: once per epoch)."));
+  if (o.every_n_train_steps > 0) {
+    check(o.enable_checkpointing,
+          str("every_n_train_steps=", o.every_n_train_steps,
+              " sets how often checkpoints are saved, but enable_checkpointing=false saves none: "
+              "drop one of the two."));
+    for (size_t i = 0; i < o.callbacks.size(); ++i) {
+      check(dynamic_cast<const ModelCheckpoint*>(o.callbacks[i].get()) == nullptr,
+            str("every_n_train_steps=", o.every_n_train_steps,
+                " sets the cadence of the ModelCheckpoint the Trainer adds, but callbacks[", i,
+                "] is a ModelCheckpoint of your own: set ModelCheckpointOptions::"
+                "every_n_train_steps on it instead."));
+    }
+  }
   for (size_t i = 0; i < o.loggers.size(); ++i) {
     check(o.loggers[i] != nullptr, str("loggers[", i, "] is null: pass an instance."));
   }
@@ -132,7 +153,8 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
     if (!checkpoint_callback) checkpoint_callback = dynamic_cast<ModelCheckpoint*>(cb.get());
   }
   if (options.enable_checkpointing && !checkpoint_callback && !fast) {
-    auto cb = std::make_shared<ModelCheckpoint>();
+    auto cb = std::make_shared<ModelCheckpoint>(
+        ModelCheckpointOptions{.every_n_train_steps = options.every_n_train_steps});
     checkpoint_callback = cb.get();
     callbacks.push_back(cb);
   }
@@ -140,6 +162,20 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
     // A ModelCheckpoint passed explicitly is kept but never asked to write.
     if (checkpoint_callback && fast)
       resolution.notes.push_back("fast_dev_run: checkpoint callback disabled");
+  }
+  if (options.max_restarts > 0) {
+    if (strategy->launcher() == nullptr) {
+      resolution.notes.push_back(str(
+          "max_restarts=", options.max_restarts, " has no effect: no launcher of fulgur's starts ",
+          "the ranks here (cluster environment \"", strategy->cluster_environment().name(),
+          "\", strategy \"", strategy->name(),
+          "\"). Restart with torchrun --max-restarts or SLURM's requeue: restarted ranks resume "
+          "from the newest checkpoint that verifies by themselves"));
+    } else if (!checkpoint_callback || !options.enable_checkpointing) {
+      resolution.notes.push_back(str("max_restarts=", options.max_restarts,
+                                     ": no checkpoints are saved (enable_checkpointing=false), "
+                                     "so a restart trains again from the beginning"));
+    }
   }
   if (options.enable_progress_bar) callbacks.push_back(std::make_shared<ProgressBar>());
   // Checkpoint callbacks run last, so that every other callback's state in a
@@ -215,7 +251,8 @@ void from_bytes(const std::string& bytes, torch::serialize::InputArchive& archiv
 }  // namespace
 
 void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& body,
-                              const StageResults& results) {
+                              const StageResults& results,
+                              std::function<std::string()> resume_point) {
   module = &m;
   stage = s;
   m.trainer_ = &self;
@@ -236,6 +273,9 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
       body();
     };
     if (auto* launcher = strategy->launcher()) {
+      launcher->set_recovery(Recovery{.max_restarts = options.max_restarts,
+                                      .heartbeat_timeout = options.heartbeat_timeout,
+                                      .resume_point = std::move(resume_point)});
       auto bytes = launcher->launch([&] {
         try {
           run();
@@ -386,7 +426,7 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         m.configure_model();
         strategy->setup(m);
         fit_loop.set_optimizers(strategy->setup_optimizers(m));
-        std::string ckpt = checkpoints.resolve_path(fit.ckpt_path);
+        std::string ckpt = fit_start_checkpoint(fit.ckpt_path);
         if (!ckpt.empty()) checkpoints.restore(ckpt, /*full=*/true);
         if (strategy->is_global_zero()) logging.log_hyperparams(m.hparams());
 
@@ -411,8 +451,38 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         }
         fit_loop.finish();
       },
-      fit_results(m, result));
+      fit_results(m, result),
+      [this, requested = fit.ckpt_path]() -> std::string {
+        // In the launching process, before the ranks start again: what
+        // fit_start_checkpoint() will pick in them.
+        try {
+          std::string path = checkpoints.resolve_path("auto");
+          if (path.empty()) path = checkpoints.resolve_path(requested);
+          return path.empty() ? std::string() : str("\"", path, "\"");
+        } catch (const std::exception& e) {
+          return str("nothing: ", e.what());
+        }
+      });
   return result;
+}
+
+std::string Trainer::Impl::fit_start_checkpoint(const std::string& requested) {
+  const int restarts = strategy->cluster_environment().restart_count();
+  if (restarts == 0) return checkpoints.resolve_path(requested);
+  std::string newest = checkpoints.resolve_path("auto");
+  // fulgur's own launcher has said what the ranks resume from; after a
+  // restart by torchrun or SLURM, rank 0 says it.
+  if (strategy->is_global_zero() && std::getenv("FULGUR_RESTART_COUNT") == nullptr) {
+    std::cerr << "fulgur: restart " << restarts << " (cluster environment \""
+              << strategy->cluster_environment().name() << "\"): "
+              << (!newest.empty() ? str("resuming from \"", newest, "\"")
+                  : requested.empty()
+                      ? std::string("no checkpoint that verifies yet, starting from the beginning")
+                      : str("no checkpoint that verifies yet, starting from ckpt_path=\"",
+                            requested, "\" as the first run did"))
+              << "." << std::endl;
+  }
+  return newest.empty() ? checkpoints.resolve_path(requested) : newest;
 }
 
 Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loader,

@@ -97,8 +97,14 @@ struct Trainer::Impl final : detail::TrainerLink {
   };
   /// Attaches the module, runs `body` (through the launcher when there is
   /// one), and always detaches and tears down.
+  /// `resume_point`: what a restarted rank resumes from, for the
+  /// launcher's restart message (empty: the stage starts again).
   void run_stage(Module& module, Stage stage, const std::function<void()>& body,
-                 const StageResults& results = {});
+                 const StageResults& results = {}, std::function<std::string()> resume_point = {});
+  /// The checkpoint fit starts from: `requested` resolved, or on a restart
+  /// (the cluster environment's restart_count() > 0) the newest checkpoint
+  /// that verifies, falling back to `requested` while there is none.
+  std::string fit_start_checkpoint(const std::string& requested);
   /// How a forked run's rank 0 returns the fit's results and weights.
   StageResults fit_results(Module& module, FitResult& result);
   /// Splits `loader` across the ranks (train: `even`, padded; evaluation:

@@ -10,7 +10,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <csignal>
+#include <cstdio>
+#include <mutex>
 #include <filesystem>
 #include <iostream>
 #include <stdexcept>
@@ -18,6 +21,7 @@
 
 #include "fulgur/fulgur.h"
 #include "fulgur/strategies/ddp.h"
+#include "fulgur/utilities/torch_compat.h"
 
 namespace {
 
@@ -89,11 +93,41 @@ struct Args {
   int ignore_sigterm_rank = -1;
   // A rank that sends SIGTERM to its launcher (its parent) at fault_step.
   int signal_launcher_rank = -1;
+  int launcher_signal = SIGTERM;
   // The calling process ignores SIGCHLD, or runs a thread that reaps any
   // child (waitpid(-1)), before fit: the launcher must still see its ranks.
   bool ignore_sigchld = false;
   bool reap_elsewhere = false;
+  // Recovery: the Trainer's flags, and faults that happen in one attempt
+  // only (FULGUR_RESTART_COUNT / the cluster environment's restart count).
+  int max_restarts = 0;
+  double heartbeat_timeout_s = -1;  // < 0: the Trainer's default
+  int64_t every_n_train_steps = 0;
+  std::string ckpt_path;
+  // "R:S" or "R:S:A": rank R is SIGKILLed before global step S in attempt A
+  // (default 0).
+  std::vector<std::string> kills;
+  // A rank that stops itself (SIGSTOP) at batch fault_step of attempt 0.
+  int sigstop_rank = -1;
+  // A rank that waits forever on a condition variable (asleep, no CPU,
+  // outside any collective) at batch fault_step of attempt 0.
+  int deadlock_rank = -1;
+  // Prints "TIME kill=<ns>" before a kill and "TIME restarted_step=<ns>"
+  // (rank 0) after the first optimizer step of a restarted attempt.
+  bool report_times = false;
+  // A rank that calls one extra collective (a barrier) at batch fault_step:
+  // the ranks then wait in different collectives.
+  int desync_rank = -1;
+  bool deterministic = false;
+  // Where global rank 0 writes the optimizer's state at the end of fit.
+  std::string out_optimizer;
 };
+
+int64_t wall_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
 
 // 16 features, 4 classes; samples depend only on their index.
 std::pair<at::Tensor, at::Tensor> make_data(int64_t n, int64_t offset) {
@@ -133,8 +167,37 @@ struct Classifier : fulgur::Module {
     return fc2(h);
   }
 
+  int attempt() { return trainer().strategy().cluster_environment().restart_count(); }
+
   at::Tensor training_step(fulgur::Batch& batch, int64_t batch_idx) override {
     const int rank = trainer().strategy().global_rank();
+    for (const auto& kill : args.kills) {
+      int r = -1, a = 0;
+      long long step = -1;
+      if (std::sscanf(kill.c_str(), "%d:%lld:%d", &r, &step, &a) < 2) {
+        throw std::runtime_error("--kill " + kill + ": expected RANK:STEP[:ATTEMPT]");
+      }
+      if (r == rank && step == trainer().global_step() && a == attempt()) {
+        std::cout << "rank " << rank << " is killed before step " << step << std::endl;
+        if (args.report_times) std::cout << "TIME kill=" << wall_ns() << std::endl;
+        std::raise(SIGKILL);
+      }
+    }
+    if (rank == args.sigstop_rank && batch_idx == args.fault_step && attempt() == 0) {
+      std::cout << "rank " << rank << " stops itself now" << std::endl;
+      std::raise(SIGSTOP);
+    }
+    if (rank == args.desync_rank && batch_idx == args.fault_step) {
+      std::cout << "rank " << rank << " calls a barrier its peers do not" << std::endl;
+      trainer().strategy().barrier();
+    }
+    if (rank == args.deadlock_rank && batch_idx == args.fault_step && attempt() == 0) {
+      std::cout << "rank " << rank << " deadlocks now" << std::endl;
+      std::mutex m;
+      std::condition_variable never;
+      std::unique_lock<std::mutex> lock(m);
+      never.wait(lock, [] { return false; });
+    }
     if (rank == args.die_rank && batch_idx == args.fault_step) {
       std::cout << "rank " << rank << " dies now" << std::endl;
       std::raise(SIGKILL);
@@ -145,8 +208,9 @@ struct Classifier : fulgur::Module {
     }
     if (rank == args.ignore_sigterm_rank && batch_idx == 0) std::signal(SIGTERM, SIG_IGN);
     if (rank == args.signal_launcher_rank && batch_idx == args.fault_step) {
-      std::cout << "rank " << rank << " sends SIGTERM to its launcher" << std::endl;
-      ::kill(::getppid(), SIGTERM);
+      std::cout << "rank " << rank << " sends signal " << args.launcher_signal << " to its launcher"
+                << std::endl;
+      ::kill(::getppid(), args.launcher_signal);
     }
     if (rank == args.fail_rank && batch_idx == args.fault_step) {
       throw std::runtime_error("rank " + std::to_string(rank) + " fails on its own now");
@@ -189,7 +253,14 @@ struct Classifier : fulgur::Module {
     return loss;
   }
 
+  bool reported_restart = false;
+
   void on_train_batch_end(const at::Tensor&, const fulgur::Batch&, int64_t batch_idx) override {
+    if (args.report_times && !reported_restart && attempt() > 0 &&
+        trainer().strategy().is_global_zero()) {
+      reported_restart = true;
+      std::cout << "TIME restarted_step=" << wall_ns() << std::endl;
+    }
     if (trainer().strategy().global_rank() == args.slow_rank && batch_idx + 1 == args.fault_step) {
       std::this_thread::sleep_for(std::chrono::duration<double>(args.slow_seconds));
     }
@@ -218,6 +289,28 @@ struct Classifier : fulgur::Module {
     log("test_acc", acc, {.sync_dist = args.sync_dist});
     log("test_count", static_cast<double>(x.size(0)),
         {.sync_dist = args.sync_dist, .reduce = fulgur::Reduce::Sum});
+  }
+
+  // The optimizer's per-parameter state, in parameter order: SGD's momentum
+  // buffers, or Adam's step, exp_avg and exp_avg_sq.
+  void on_fit_end() override {
+    if (args.out_optimizer.empty() || !trainer().strategy().is_global_zero()) return;
+    auto& optimizer = *optimizers().front();
+    std::vector<at::Tensor> state;
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        auto it = optimizer.state().find(fulgur::compat::optimizer_state_key(p));
+        if (it == optimizer.state().end()) continue;
+        if (auto* sgd = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
+          state.push_back(sgd->momentum_buffer().clone());
+        } else if (auto* adam = dynamic_cast<torch::optim::AdamParamState*>(it->second.get())) {
+          state.push_back(torch::tensor(adam->step()));
+          state.push_back(adam->exp_avg().clone());
+          state.push_back(adam->exp_avg_sq().clone());
+        }
+      }
+    }
+    torch::save(state, args.out_optimizer);
   }
 
   fulgur::OptimizerConfig configure_optimizers() override {
@@ -306,8 +399,20 @@ int main(int argc, char** argv) {
   app.add_option("--distributed-sampler", a.distributed_sampler);
   app.add_option("--ignore-sigterm-rank", a.ignore_sigterm_rank);
   app.add_option("--signal-launcher-rank", a.signal_launcher_rank);
+  app.add_option("--launcher-signal", a.launcher_signal);
   app.add_flag("--ignore-sigchld", a.ignore_sigchld);
   app.add_flag("--reap-elsewhere", a.reap_elsewhere);
+  app.add_option("--max-restarts", a.max_restarts);
+  app.add_option("--heartbeat-timeout", a.heartbeat_timeout_s);
+  app.add_option("--every-n-train-steps", a.every_n_train_steps);
+  app.add_option("--ckpt-path", a.ckpt_path);
+  app.add_option("--kill", a.kills);
+  app.add_option("--sigstop-rank", a.sigstop_rank);
+  app.add_option("--deadlock-rank", a.deadlock_rank);
+  app.add_flag("--report-times", a.report_times);
+  app.add_option("--desync-rank", a.desync_rank);
+  app.add_flag("--deterministic", a.deterministic);
+  app.add_option("--out-optimizer", a.out_optimizer);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -344,8 +449,15 @@ int main(int argc, char** argv) {
     options.enable_progress_bar = false;
     auto checkpoint = std::make_shared<fulgur::ModelCheckpoint>(
         fulgur::ModelCheckpointOptions{.monitor = "train_loss", .save_top_k = 1});
-    options.enable_checkpointing = a.checkpoint;
+    options.enable_checkpointing = a.checkpoint || a.every_n_train_steps > 0;
     if (a.checkpoint) options.callbacks = {checkpoint};
+    options.every_n_train_steps = a.every_n_train_steps;
+    options.max_restarts = a.max_restarts;
+    if (a.deterministic) options.deterministic = true;
+    if (a.heartbeat_timeout_s >= 0) {
+      options.heartbeat_timeout =
+          std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout_s * 1000));
+    }
     options.logger = false;
     options.default_root_dir = a.root;
     options.seed = static_cast<uint64_t>(a.seed);
@@ -381,7 +493,7 @@ int main(int argc, char** argv) {
                         fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(vx, vy),
                                                  {.batch_size = 16}));
       } else {
-        result = trainer.fit(model, train);
+        result = trainer.fit(model, train, nullptr, {.ckpt_path = a.ckpt_path});
       }
     }
     fulgur::Metrics test;

@@ -78,7 +78,11 @@ std::string default_process_group_backend(c10::Device device);
 /// A started asynchronous collective.
 class PendingCollective {
  public:
-  explicit PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what);
+  /// `what` names it in errors; `kind` ("all_reduce"), `seq` (the group's
+  /// call number) and `bytes` are what a supervising launcher is told this
+  /// rank waits in while wait() blocks.
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what,
+                    const char* kind = "collective", int64_t seq = 0, int64_t bytes = 0);
   ~PendingCollective();
   PendingCollective(PendingCollective&&) noexcept;
   PendingCollective& operator=(PendingCollective&&) noexcept;
@@ -88,6 +92,9 @@ class PendingCollective {
  private:
   c10::intrusive_ptr<c10d::Work> work_;
   std::string what_;
+  const char* kind_;
+  int64_t seq_;
+  int64_t bytes_;
 };
 
 class ProcessGroup {
@@ -124,12 +131,15 @@ class ProcessGroup {
   ProcessGroup(ProcessGroupOptions options, std::unique_ptr<Impl> impl);
   /// Runs a blocking collective, turning a c10d failure into a
   /// DistributedError that says which operation failed on which rank.
-  void run(const char* what, const std::function<c10::intrusive_ptr<c10d::Work>()>& start);
+  void run(const char* what, int64_t bytes,
+           const std::function<c10::intrusive_ptr<c10d::Work>()>& start);
   /// `tensor` itself, or (nccl, CPU tensor) a copy on the group's device.
   at::Tensor staged(const at::Tensor& tensor) const;
 
   ProcessGroupOptions options_;
   std::unique_ptr<Impl> impl_;
+  /// Collectives started so far: the next one's sequence number.
+  int64_t calls_ = 0;
 };
 
 /// A TCP port that was free on `address` a moment ago (bind to port 0).

@@ -11,6 +11,7 @@
 // fields come first within each group.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -152,6 +153,26 @@ struct TrainerOptions {
   /// Logged metrics reach the loggers every N optimizer steps.
   int64_t log_every_n_steps = 50;
   std::vector<std::shared_ptr<Callback>> callbacks = {};
+
+  // ---- Recovery (README: "When things fail").
+  /// When a rank dies, freezes or hangs, fulgur's own launcher (strategy
+  /// "ddp", "ddp_fork", ... with several devices) starts every local rank
+  /// again, up to this many times; they resume from the newest checkpoint
+  /// that verifies, or from the start when there is none yet. Under torchrun
+  /// (--max-restarts) and SLURM requeue, restarted ranks resume the same way
+  /// without it.
+  int max_restarts = 0;
+  /// A rank whose heartbeat (sent by a thread of its own, through long steps
+  /// and long collectives) stops this long is named as frozen; one asleep
+  /// outside any collective, using no CPU, while a peer waits for it in one
+  /// this long is named as hung. Then the ranks are stopped, or restarted.
+  /// 0: off (a rank is then bounded by the process group timeout only).
+  std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(10);
+  /// Save cadence of the ModelCheckpoint the Trainer adds: every N optimizer
+  /// steps (also last.ckpt), the run's recovery points. 0: at the end of
+  /// every epoch. For a ModelCheckpoint in `callbacks`, set its own
+  /// ModelCheckpointOptions::every_n_train_steps instead.
+  int64_t every_n_train_steps = 0;
 };
 
 /// Options of a single fit call.

@@ -23,6 +23,17 @@ inline std::optional<int> get_int(const EnvView& env, const std::string& var) {
   return static_cast<int>(*v);
 }
 
+/// A restart counter (TORCHELASTIC_RESTART_COUNT, SLURM_RESTART_COUNT, ...):
+/// 0 when unset; ConfigError when negative or not an integer.
+inline int restart_count(const EnvView& env, const std::string& var) {
+  const int count = get_int(env, var).value_or(0);
+  if (count < 0) {
+    throw ConfigError(str("environment variable ", var, "=", count,
+                          " is negative; it counts restarts (0 on the first run). Unset it."));
+  }
+  return count;
+}
+
 [[noreturn]] inline void missing(const std::string& var, std::string_view environment,
                                  std::string_view set_by) {
   throw ConfigError(str("cluster environment \"", environment,

@@ -36,6 +36,8 @@ LightningEnvironment::LightningEnvironment(const EnvView& env) {
       break;
     }
   }
+  // Set by fulgur's own launcher in the ranks it starts again.
+  restart_count_ = env_support::restart_count(env, "FULGUR_RESTART_COUNT");
 }
 
 bool LightningEnvironment::creates_processes_externally() const {

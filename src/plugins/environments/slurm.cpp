@@ -77,6 +77,7 @@ SLURMEnvironment::SLURMEnvironment(const EnvView& env) {
   local_rank_ = require_int(env, "SLURM_LOCALID", name(), kSlurmSetBy);
   node_rank_ = require_int(env, "SLURM_NODEID", name(), kSlurmSetBy);
   rank_sources_ = {"SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"};
+  restart_count_ = env_support::restart_count(env, "SLURM_RESTART_COUNT");
   if (auto addr = env.get("MASTER_ADDR")) {
     main_address_ = *addr;
   } else if (auto list = env.get("SLURM_NODELIST")) {

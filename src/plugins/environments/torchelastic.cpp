@@ -27,6 +27,7 @@ TorchElasticEnvironment::TorchElasticEnvironment(const EnvView& env) {
   local_rank_ = require_int(env, "LOCAL_RANK", name(), kTorchrunSetBy);
   node_rank_ = require_int(env, "GROUP_RANK", name(), kTorchrunSetBy);
   rank_sources_ = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK"};
+  restart_count_ = env_support::restart_count(env, "TORCHELASTIC_RESTART_COUNT");
   local_world_size_ = require_int(env, "LOCAL_WORLD_SIZE", name(), kTorchrunSetBy);
   main_port_ = checked_port(require_int(env, "MASTER_PORT", name(), kTorchrunSetBy), "MASTER_PORT");
   main_address_ = require_string(env, "MASTER_ADDR", name(), kTorchrunSetBy);

@@ -2,6 +2,8 @@
 // (subprocess_script) and forking at fit() (fork). Both make the calling
 // process the supervising parent of every local rank (supervisor.h).
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <torch/torch.h>
@@ -10,7 +12,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -28,28 +29,101 @@ namespace fulgur {
 
 namespace {
 
-// Rank 0's results, from its process to the calling one: written whole to a
-// file of the launcher's private directory, read back after every rank
-// exited 0.
-void write_results(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  out.close();
-  if (!out) {
-    throw DistributedError(str("rank 0: cannot write its results for the calling process to \"",
-                               path, "\" (", bytes.size(), " bytes): ", std::strerror(errno),
-                               ". Free space in TMPDIR, or set TMPDIR to another directory."));
+// Rank 0's results, from its process to the calling one: a temporary file
+// that has no name (O_TMPFILE, or unlinked at once), opened before the ranks
+// are forked, so nothing is left behind whatever kills the launcher. Rank 0
+// writes its length and its bytes with pwrite; the caller reads them back
+// after every rank exited 0.
+class ResultsFile {
+ public:
+  ResultsFile() {
+    const char* tmpdir = std::getenv("TMPDIR");
+    dir_ = tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp";
+    fd_ = ::open(dir_.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+    if (fd_ < 0) {
+      // A file system without O_TMPFILE: a fresh name, unlinked at once.
+      std::string name = dir_ + "/fulgur-fork-results-XXXXXX";
+      fd_ = ::mkostemp(name.data(), O_CLOEXEC);
+      if (fd_ >= 0) ::unlink(name.c_str());
+    }
+    if (fd_ < 0) {
+      throw DistributedError(
+          str("launcher: cannot create a temporary file for rank 0's results "
+              "in ",
+              dir_, " (TMPDIR): ", std::strerror(errno), ". Set TMPDIR to a writable directory."));
+    }
   }
-}
+  ~ResultsFile() { ::close(fd_); }
+  ResultsFile(const ResultsFile&) = delete;
+  ResultsFile& operator=(const ResultsFile&) = delete;
 
-std::string read_results(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw DistributedError(str("launcher: every rank exited 0 but rank 0's results \"", path,
-                               "\" are missing: ", std::strerror(errno), "."));
+  /// Before each attempt: nothing written yet.
+  void clear() {
+    if (::ftruncate(fd_, 0) != 0) {
+      throw DistributedError(str("launcher: cannot empty rank 0's results file in ", dir_, ": ",
+                                 std::strerror(errno), "."));
+    }
   }
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+
+  /// In rank 0's process.
+  void write(const std::string& bytes) const {
+    const uint64_t length = bytes.size();
+    if (!write_at(reinterpret_cast<const char*>(&length), sizeof length, 0) ||
+        !write_at(bytes.data(), bytes.size(), sizeof length)) {
+      throw DistributedError(
+          str("rank 0: cannot write its results for the calling process to a "
+              "temporary file in ",
+              dir_, " (", bytes.size(), " bytes): ", std::strerror(errno),
+              ". Free space in TMPDIR, or set TMPDIR to another directory."));
+    }
+  }
+
+  std::string read() const {
+    uint64_t length = 0;
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0 || static_cast<uint64_t>(st.st_size) < sizeof length ||
+        !read_at(reinterpret_cast<char*>(&length), sizeof length, 0) ||
+        static_cast<uint64_t>(st.st_size) != sizeof length + length) {
+      throw DistributedError(
+          str("launcher: every rank exited 0 but rank 0's results (a temporary "
+              "file in ",
+              dir_, ") are missing or incomplete."));
+    }
+    std::string bytes(length, '\0');
+    if (!read_at(bytes.data(), length, sizeof length)) {
+      throw DistributedError(
+          str("launcher: cannot read rank 0's results back: ", std::strerror(errno), "."));
+    }
+    return bytes;
+  }
+
+ private:
+  bool write_at(const char* data, size_t n, off_t offset) const {
+    while (n > 0) {
+      ssize_t w = ::pwrite(fd_, data, n, offset);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) return false;
+      data += w;
+      n -= static_cast<size_t>(w);
+      offset += w;
+    }
+    return true;
+  }
+  bool read_at(char* data, size_t n, off_t offset) const {
+    while (n > 0) {
+      ssize_t r = ::pread(fd_, data, n, offset);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) return false;
+      data += r;
+      n -= static_cast<size_t>(r);
+      offset += r;
+    }
+    return true;
+  }
+
+  std::string dir_;
+  int fd_ = -1;
+};
 
 // Where and how many: one node's share of the run.
 struct Plan {
@@ -59,6 +133,8 @@ struct Plan {
   int world_size = 1;
   std::string main_address;
   int main_port = 0;
+  /// MASTER_PORT was not given: each attempt gets a free port of its own.
+  bool port_chosen = false;
 };
 
 Plan plan_for(ParallelStrategy& strategy) {
@@ -71,7 +147,10 @@ Plan plan_for(ParallelStrategy& strategy) {
   p.main_port = strategy.main_port();
   // The connector checked the rest (one place): several nodes have
   // MASTER_ADDR, MASTER_PORT and NODE_RANK, and NODE_RANK is in range.
-  if (p.main_port == 0) p.main_port = find_free_port(p.main_address);
+  if (p.main_port == 0) {
+    p.main_port = find_free_port(p.main_address);
+    p.port_chosen = true;
+  }
   return p;
 }
 
@@ -100,11 +179,43 @@ std::vector<std::string> own_command_line() {
   return args;
 }
 
-detail::Supervisor::Options supervisor_options(const Supervision& s) {
+detail::Supervisor::Options supervisor_options(const Supervision& s, const Recovery& r) {
   detail::Supervisor::Options o;
   o.grace = s.stop_grace;
   o.hang_timeout = s.hang_timeout;
+  o.heartbeat_timeout = r.heartbeat_timeout;
   return o;
+}
+
+// Starts every local rank (`spawn_all`, told the attempt number) and
+// supervises them; when one fails and restarts are left, starts them all
+// again, with one line naming the cause and what the ranks resume from.
+void supervise(Plan& plan, const Supervision& supervision, const Recovery& recovery,
+               const std::function<void(detail::Supervisor&, int)>& spawn_all) {
+  for (int attempt = 0;; ++attempt) {
+    if (attempt > 0 && plan.port_chosen) plan.main_port = find_free_port(plan.main_address);
+    detail::Supervisor supervisor(supervisor_options(supervision, recovery));
+    spawn_all(supervisor, attempt);
+    try {
+      supervisor.wait_all();
+      return;
+    } catch (const detail::RankFailure& failure) {
+      if (attempt >= recovery.max_restarts) {
+        if (recovery.max_restarts == 0) throw;
+        throw DistributedError(str(failure.what(), "\nNo restart left: the ranks were started ",
+                                   attempt + 1, " times (max_restarts=", recovery.max_restarts,
+                                   ")."));
+      }
+      const std::string from = recovery.resume_point ? recovery.resume_point() : std::string();
+      std::cout.flush();
+      std::cerr << "fulgur: restart " << attempt + 1 << " of " << recovery.max_restarts << ": "
+                << failure.cause() << "; "
+                << (from.empty() ? std::string("starting again from the beginning (no checkpoint "
+                                               "that verifies yet)")
+                                 : "resuming from " + from)
+                << "." << std::endl;
+    }
+  }
 }
 
 }  // namespace
@@ -125,19 +236,20 @@ std::optional<std::string> SubprocessScriptLauncher::launch(const std::function<
     unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     threads = std::to_string(std::max(1u, cores / static_cast<unsigned>(plan.local_world_size)));
   }
-  detail::Supervisor supervisor(supervisor_options(supervision_));
-  for (int local = 0; local < plan.local_world_size; ++local) {
-    auto vars = rank_env(plan, local);
-    if (!threads.empty()) vars.emplace_back("OMP_NUM_THREADS", threads);
-    supervisor.spawn(local, plan.node_rank * plan.local_world_size + local, [&] {
-      for (const auto& [k, v] : vars) ::setenv(k.c_str(), v.c_str(), 1);
-      ::execv("/proc/self/exe", argv.data());
-      std::fprintf(stderr, "fulgur: cannot re-execute %s: %s\n", args[0].c_str(),
-                   std::strerror(errno));
-      ::_exit(127);
-    });
-  }
-  supervisor.wait_all();
+  supervise(plan, supervision_, recovery_, [&](detail::Supervisor& supervisor, int attempt) {
+    for (int local = 0; local < plan.local_world_size; ++local) {
+      auto vars = rank_env(plan, local);
+      if (!threads.empty()) vars.emplace_back("OMP_NUM_THREADS", threads);
+      vars.emplace_back("FULGUR_RESTART_COUNT", std::to_string(attempt));
+      supervisor.spawn(local, plan.node_rank * plan.local_world_size + local, [&] {
+        for (const auto& [k, v] : vars) ::setenv(k.c_str(), v.c_str(), 1);
+        ::execv("/proc/self/exe", argv.data());
+        std::fprintf(stderr, "fulgur: cannot re-execute %s: %s\n", args[0].c_str(),
+                     std::strerror(errno));
+        ::_exit(127);
+      });
+    }
+  });
   // Every rank ran the whole program and succeeded; this process only
   // launched them, so it must not run the rest of the program again.
   std::cout.flush();
@@ -150,60 +262,46 @@ ForkLauncher::ForkLauncher(ParallelStrategy& strategy, Supervision supervision)
 
 std::optional<std::string> ForkLauncher::launch(const std::function<std::string()>& fn) {
   Plan plan = plan_for(strategy_);
-  strategy_.set_main_port(plan.main_port);
-  // Rank 0's results travel through a file in a directory of our own
-  // (mkdtemp: mode 0700, a fresh name), not a predictable name in /tmp that
-  // another user could have planted a link at.
-  const char* tmpdir = std::getenv("TMPDIR");
-  const std::string parent = tmpdir != nullptr && *tmpdir != '\0' ? tmpdir : "/tmp";
-  std::string dir_template = parent + "/fulgur-fork-XXXXXX";
-  if (::mkdtemp(dir_template.data()) == nullptr) {
-    throw DistributedError(str("launcher: cannot create a directory for rank 0's results in ",
-                               parent, " (TMPDIR): ", std::strerror(errno),
-                               ". Set TMPDIR to a writable directory."));
-  }
-  struct Cleanup {
-    std::string dir;
-    ~Cleanup() {
-      std::error_code ec;
-      std::filesystem::remove_all(dir, ec);
+  ResultsFile results;
+  supervise(plan, supervision_, recovery_, [&](detail::Supervisor& supervisor, int attempt) {
+    strategy_.set_main_port(plan.main_port);
+    results.clear();
+    for (int local = 0; local < plan.local_world_size; ++local) {
+      const int global = plan.node_rank * plan.local_world_size + local;
+      supervisor.spawn(local, global, [&, local, global] {
+        // libgomp's thread pool does not survive fork: one intra-op thread;
+        // and OpenBLAS's own pool to match, as OMP_NUM_THREADS=1 would.
+        at::set_num_threads(1);
+        using SetThreads = void (*)(int);
+        if (auto* set_blas_threads =
+                reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
+          set_blas_threads(1);
+        }
+        for (const auto& [k, v] : rank_env(plan, local)) ::setenv(k.c_str(), v.c_str(), 1);
+        ::setenv("FULGUR_RESTART_COUNT", std::to_string(attempt).c_str(), 1);
+        strategy_.assign_rank(local, global, plan.world_size);
+        strategy_.cluster_environment().set_restart_count(attempt);
+        int code = 0;
+        try {
+          std::string bytes = fn();
+          if (global == 0) results.write(bytes);
+        } catch (const std::exception& e) {
+          std::cerr << "fulgur: rank " << global << " failed: " << e.what() << std::endl;
+          code = 1;
+        } catch (...) {
+          std::cerr << "fulgur: rank " << global << " failed with an unknown exception"
+                    << std::endl;
+          code = 1;
+        }
+        std::cout.flush();
+        std::cerr.flush();
+        std::fflush(nullptr);
+        ::_exit(code);
+      });
     }
-  } cleanup{dir_template};
-  const std::string results_path = dir_template + "/rank0-results.bin";
-  detail::Supervisor supervisor(supervisor_options(supervision_));
-  for (int local = 0; local < plan.local_world_size; ++local) {
-    const int global = plan.node_rank * plan.local_world_size + local;
-    supervisor.spawn(local, global, [&, local, global] {
-      // libgomp's thread pool does not survive fork: one intra-op thread;
-      // and OpenBLAS's own pool to match, as OMP_NUM_THREADS=1 would.
-      at::set_num_threads(1);
-      using SetThreads = void (*)(int);
-      if (auto* set_blas_threads =
-              reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
-        set_blas_threads(1);
-      }
-      for (const auto& [k, v] : rank_env(plan, local)) ::setenv(k.c_str(), v.c_str(), 1);
-      strategy_.assign_rank(local, global, plan.world_size);
-      int code = 0;
-      try {
-        std::string bytes = fn();
-        if (global == 0) write_results(results_path, bytes);
-      } catch (const std::exception& e) {
-        std::cerr << "fulgur: rank " << global << " failed: " << e.what() << std::endl;
-        code = 1;
-      } catch (...) {
-        std::cerr << "fulgur: rank " << global << " failed with an unknown exception" << std::endl;
-        code = 1;
-      }
-      std::cout.flush();
-      std::cerr.flush();
-      std::fflush(nullptr);
-      ::_exit(code);
-    });
-  }
-  supervisor.wait_all();
+  });
   if (plan.node_rank != 0) return std::nullopt;
-  return read_results(results_path);
+  return results.read();
 }
 
 }  // namespace fulgur

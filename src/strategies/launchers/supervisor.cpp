@@ -13,10 +13,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
+#include <iterator>
 #include <thread>
 
 #include "fulgur/core/errors.h"
+#include "strategies/launchers/heartbeat.h"
 
 namespace fulgur::detail {
 
@@ -41,48 +44,18 @@ const char* signal_name(int sig) {
     case SIGILL: return "SIGILL";
     case SIGPIPE: return "SIGPIPE";
     case SIGHUP: return "SIGHUP";
+    case SIGQUIT: return "SIGQUIT";
+    case SIGUSR1: return "SIGUSR1";
+    case SIGUSR2: return "SIGUSR2";
+    case SIGXCPU: return "SIGXCPU";
     default: return "a signal";
   }
 }
 
-void write_all(int fd, const char* data, size_t n) {
-  while (n > 0) {
-    ssize_t w = ::write(fd, data, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    data += w;
-    n -= static_cast<size_t>(w);
-  }
-}
-
-// The heartbeat pipe of this process, read again after a fork (a forked
-// rank has its own pipe; its parent had none).
-int heartbeat_fd() {
-  static pid_t cached_pid = -1;
-  static int fd = -1;
-  const pid_t pid = ::getpid();
-  if (pid != cached_pid) {
-    cached_pid = pid;
-    const char* v = std::getenv("FULGUR_HEARTBEAT_FD");
-    fd = v == nullptr ? -1 : std::atoi(v);
-    if (fd >= 0 && ::fcntl(fd, F_GETFD) == -1) fd = -1;
-  }
-  return fd;
-}
-
 }  // namespace
 
-void send_heartbeat(const char* what) {
-  int fd = heartbeat_fd();
-  if (fd < 0) return;
-  char line[256];
-  int n = std::snprintf(line, sizeof line, "%s\n", what);
-  write_all(fd, line, static_cast<size_t>(std::min<int>(n, sizeof line - 1)));
-}
-
-Supervisor::Supervisor(Options options) : options_(options), started_(Clock::now()) {
+Supervisor::Supervisor(Options options)
+    : options_(options), started_(Clock::now()), last_look_(started_) {
   // With SIGCHLD ignored (or SA_NOCLDWAIT) the kernel reaps the ranks
   // itself and their exit status is lost: supervise with the default.
   struct sigaction current {};
@@ -137,6 +110,13 @@ void Supervisor::spawn(int local_rank, int global_rank, const std::function<void
     char value[16];
     std::snprintf(value, sizeof value, "%d", beat_fd);
     ::setenv("FULGUR_HEARTBEAT_FD", value, 1);
+    // Pulses a few times per timeout (once a second without one).
+    const auto interval =
+        options_.heartbeat_timeout.count() > 0
+            ? std::clamp<int64_t>(options_.heartbeat_timeout.count() / 5, 50, 1000)
+            : 1000;
+    std::snprintf(value, sizeof value, "%lld", static_cast<long long>(interval));
+    ::setenv("FULGUR_HEARTBEAT_INTERVAL_MS", value, 1);
     body();
     ::_exit(127);
   }
@@ -151,7 +131,7 @@ void Supervisor::spawn(int local_rank, int global_rank, const std::function<void
   c.out_fd = out[0];
   c.err_fd = err[0];
   c.beat_fd = beat[0];
-  c.last_beat_time = Clock::now();
+  c.last_beat_time = c.last_pulse_time = c.cpu_changed = Clock::now();
   children_.push_back(std::move(c));
 }
 
@@ -172,10 +152,8 @@ void Supervisor::read_fd(Child& c, int& fd, int which) {
       c.beat_partial.append(buf, static_cast<size_t>(n));
       size_t pos;
       while ((pos = c.beat_partial.find('\n')) != std::string::npos) {
-        c.last_beat = c.beat_partial.substr(0, pos);
+        take_beat(c, c.beat_partial.substr(0, pos));
         c.beat_partial.erase(0, pos + 1);
-        ++c.beats;
-        c.last_beat_time = Clock::now();
       }
       continue;
     }
@@ -205,6 +183,45 @@ void Supervisor::read_fd(Child& c, int& fd, int which) {
       part.clear();
     }
   }
+}
+
+void Supervisor::take_beat(Child& c, const std::string& line) {
+  const auto now = Clock::now();
+  if (line.rfind("pulse ", 0) != 0) {
+    c.last_beat = line;
+    ++c.beats;
+    c.last_beat_time = now;
+    if (line == "train batch") c.in_loop = true;
+    return;
+  }
+  // "pulse cpu=<ms> main=<state> coll=<kind>#<seq>:<bytes>:<waited ms>|-"
+  ++c.pulses;
+  c.last_pulse_time = now;
+  long long cpu = -1, seq = 0, bytes = 0, waited = 0;
+  char state = '?';
+  char coll[128] = "-";
+  if (std::sscanf(line.c_str(), "pulse cpu=%lld main=%c coll=%127s", &cpu, &state, coll) != 3) {
+    return;
+  }
+  // Working: more than 2% of one core (and 5 ms) since the last time it
+  // was seen working. Idle threads of LibTorch and Gloo use a little.
+  const auto since = std::chrono::duration_cast<std::chrono::milliseconds>(now - c.cpu_changed);
+  if (c.cpu_ms < 0 || cpu - c.cpu_ms > std::max<int64_t>(5, since.count() / 50)) {
+    c.cpu_ms = cpu;
+    c.cpu_changed = now;
+  }
+  c.main_state = state;
+  std::string text = coll;
+  const auto hash = text.find('#');
+  if (text == "-" || hash == std::string::npos ||
+      std::sscanf(text.c_str() + hash + 1, "%lld:%lld:%lld", &seq, &bytes, &waited) != 3) {
+    c.coll_kind.clear();
+    return;
+  }
+  c.coll_kind = text.substr(0, hash);
+  c.coll_seq = seq;
+  c.coll_bytes = bytes;
+  c.coll_since = now - std::chrono::milliseconds(waited);
 }
 
 void Supervisor::pump(int timeout_ms) {
@@ -300,6 +317,8 @@ void Supervisor::stop_all() {
   for (auto& c : children_) {
     if (c.running) {
       ::kill(c.pid, SIGTERM);
+      // A stopped rank (SIGSTOP) acts on SIGTERM only once continued.
+      ::kill(c.pid, SIGCONT);
       any_running = true;
     }
   }
@@ -323,6 +342,173 @@ void Supervisor::stop_all() {
     }
     close_fds(c);
   }
+}
+
+namespace {
+
+double seconds_of(Clock::duration d) {
+  return static_cast<double>(std::chrono::duration_cast<std::chrono::milliseconds>(d).count()) /
+         1000.0;
+}
+
+std::string one_decimal(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", v);
+  return buf;
+}
+
+// What /proc says a process is doing, for a frozen rank's message.
+std::string process_state(pid_t pid) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close = text.rfind(')');
+  if (close == std::string::npos || close + 2 >= text.size()) return "";
+  switch (text[close + 2]) {
+    case 'T': return "it is stopped (SIGSTOP, SIGTSTP or SIGTTIN; SIGCONT would continue it)";
+    case 't': return "it is stopped by a debugger or tracer";
+    case 'D': return "it is in uninterruptible I/O (a hung disk or network file system?)";
+    case 'Z': return "it has exited and waits to be reaped";
+    case 'R': return "it is running, but its heartbeat thread is not (starved, or blocked writing)";
+    default: return str("its process is in state '", text[close + 2], "'");
+  }
+}
+
+const char* thread_state(char state) {
+  switch (state) {
+    case 'R': return "running";
+    case 'S': return "sleeping";
+    case 'D': return "in uninterruptible I/O";
+    case 'T': return "stopped";
+    case 't': return "stopped by a tracer";
+    default: return "in an unknown state";
+  }
+}
+
+}  // namespace
+
+void Supervisor::forgive_own_pause() {
+  const auto now = Clock::now();
+  const auto gap = now - last_look_;
+  last_look_ = now;
+  const auto limit = options_.heartbeat_timeout.count() > 0 ? options_.heartbeat_timeout / 2
+                                                            : std::chrono::milliseconds(5000);
+  if (gap < limit) return;
+  // This process did not run for a while (the whole job was stopped): the
+  // ranks' silence during it says nothing about them.
+  for (auto& c : children_) {
+    c.last_beat_time = std::max(c.last_beat_time, now);
+    c.last_pulse_time = std::max(c.last_pulse_time, now);
+    c.cpu_changed = std::max(c.cpu_changed, now);
+    if (!c.coll_kind.empty()) c.coll_since = now;
+  }
+}
+
+std::string Supervisor::check_liveness(const Child*& failed) {
+  const auto timeout = options_.heartbeat_timeout;
+  if (timeout.count() <= 0) return "";
+  const auto now = Clock::now();
+  const std::string limit = str("heartbeat_timeout is ", one_decimal(seconds_of(timeout)), " s");
+  for (const auto& c : children_) {
+    if (!c.running || c.pulses == 0) continue;
+    const auto silent = now - c.last_pulse_time;
+    if (silent <= timeout) continue;
+    failed = &c;
+    std::string state = process_state(c.pid);
+    return str("rank ", c.global_rank, " (pid ", c.pid, ") froze: no heartbeat for ",
+               one_decimal(seconds_of(silent)), " s (", limit, ")",
+               state.empty() ? "" : "; " + state, "; it last reported \"",
+               c.last_beat.empty() ? "nothing" : c.last_beat, "\". Its last lines:\n",
+               tail_text(c));
+  }
+  // Hung outside any collective: asleep, no CPU, no progress, while a peer
+  // has waited for it in a collective for the whole timeout.
+  const Child* waiting = nullptr;
+  for (const auto& c : children_) {
+    if (c.running && !c.coll_kind.empty() && now - c.coll_since > timeout) waiting = &c;
+  }
+  if (waiting == nullptr) return "";
+  for (const auto& c : children_) {
+    if (!c.running || &c == waiting || !c.in_loop || !c.coll_kind.empty() || c.main_state != 'S' ||
+        now - c.cpu_changed <= timeout || now - c.last_beat_time <= timeout) {
+      continue;
+    }
+    failed = &c;
+    return str(
+        "rank ", c.global_rank, " (pid ", c.pid, ") hung outside any collective: for ",
+        one_decimal(seconds_of(now - std::max(c.cpu_changed, c.last_beat_time))),
+        " s it made no progress and used no CPU, its main thread asleep (a deadlock, "
+        "or a wait for something that never comes), while rank ",
+        waiting->global_rank, " waited for it in ",
+        describe({waiting->coll_kind.c_str(), waiting->coll_seq, waiting->coll_bytes}), " (", limit,
+        "; raise it if a step may wait this long on purpose). It last "
+        "reported \"",
+        c.last_beat.empty() ? "nothing" : c.last_beat, "\". Its last lines:\n", tail_text(c));
+  }
+  return "";
+}
+
+std::string Supervisor::ranks_state() const {
+  bool any = false;
+  for (const auto& c : children_) any = any || c.pulses > 0;
+  if (!any) return "";
+  const auto now = Clock::now();
+  std::string out = "\nWhat each rank was doing when last heard from:";
+  // (kind, seq) of the ranks that have waited in a collective for a while.
+  std::vector<const Child*> in_collective;
+  for (const auto& c : children_) {
+    out += str("\n  rank ", c.global_rank, ": ");
+    if (c.pulses == 0) {
+      out += "no heartbeat yet";
+    } else if (!c.coll_kind.empty()) {
+      out += str("in ", describe({c.coll_kind.c_str(), c.coll_seq, c.coll_bytes}), " for ",
+                 one_decimal(seconds_of(c.last_pulse_time - c.coll_since)), " s");
+      if (c.last_pulse_time - c.coll_since > std::chrono::seconds(1)) in_collective.push_back(&c);
+    } else {
+      out += str("not in a collective, main thread ", thread_state(c.main_state));
+    }
+    if (c.pulses > 0 && now - c.last_pulse_time > std::chrono::seconds(2)) {
+      out += str(" (", one_decimal(seconds_of(now - c.last_pulse_time)), " s ago)");
+    }
+  }
+  for (const auto* a : in_collective) {
+    for (const auto* b : in_collective) {
+      if (a->coll_seq != b->coll_seq || a->coll_kind != b->coll_kind) {
+        return out + str("\nThe ranks wait in different collectives (rank ", a->global_rank, " in ",
+                         a->coll_kind, " #", a->coll_seq, ", rank ", b->global_rank, " in ",
+                         b->coll_kind, " #", b->coll_seq,
+                         "): a desync. The program calls collectives in a different order or "
+                         "number on different ranks (a metric logged with sync_dist on some "
+                         "ranks only, a branch on the rank around a collective?).");
+      }
+    }
+  }
+  return out;
+}
+
+void Supervisor::end_by_signal(int sig) {
+  std::vector<std::string> stopped;
+  for (const auto& c : children_) {
+    if (c.running) stopped.push_back(str(c.global_rank, " (pid ", c.pid, ")"));
+  }
+  stop_all();
+  const std::string message =
+      str("launcher: interrupted by signal ", sig, " (", signal_name(sig), "); stopped every rank",
+          stopped.empty() ? std::string(" (none was still running)") : ": " + join(stopped),
+          ". Exiting with status ", 128 + sig, ".\n");
+  std::cout.flush();
+  std::fflush(nullptr);
+  write_all(STDERR_FILENO, message.data(), message.size());
+  if (restore_sigchld_) ::sigaction(SIGCHLD, &saved_sigchld_, nullptr);
+  // End as the signal would have ended this process: status 128 + sig.
+  ::signal(sig, SIG_DFL);
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, sig);
+  ::sigprocmask(SIG_UNBLOCK, &set, nullptr);
+  ::raise(sig);
+  ::_exit(128 + sig);
 }
 
 void Supervisor::wait_all() {
@@ -352,6 +538,9 @@ void Supervisor::wait_all() {
   };
   for (;;) {
     pump(100);
+    // A signal first: ranks killed by the same Ctrl-C are not a failure.
+    if (int sig = g_signal.load()) end_by_signal(sig);
+    forgive_own_pause();
     reap();
     bool all_done = true;
     for (auto& c : children_) {
@@ -367,11 +556,8 @@ void Supervisor::wait_all() {
       }
     }
     if (failed != nullptr || all_done) break;
-    if (int sig = g_signal.load()) {
-      stop_all();
-      throw DistributedError(str("launcher: interrupted by signal ", sig, " (", signal_name(sig),
-                                 "); stopped every rank."));
-    }
+    hang_report = check_liveness(failed);
+    if (failed != nullptr) break;
     if (options_.hang_timeout.count() > 0) {
       // A rank is hung when it is behind another rank and has sent nothing
       // for hang_timeout.
@@ -481,13 +667,21 @@ void Supervisor::wait_all() {
                 1000.0,
             " s. Its last lines:\n", tail_text(*failed));
   }
+  report += ranks_state();
+  // The cause in one line: the report up to its first line break, without
+  // the lead-in to the rank's last lines.
+  std::string cause = report.substr(0, report.find('\n'));
+  for (const char* lead : {" Its last lines:", ". Rank "}) {
+    if (auto at = cause.find(lead); at != std::string::npos) cause.erase(at);
+  }
+  if (!cause.empty() && cause.back() == '.') cause.pop_back();
   std::vector<std::string> others;
   for (const auto& c : children_) {
     if (&c != failed && c.running) others.push_back(str(c.global_rank, " (pid ", c.pid, ")"));
   }
   stop_all();
   if (!others.empty()) report += str("\nStopped the other ranks: ", join(others), ".");
-  throw DistributedError("launcher: " + report);
+  throw RankFailure(cause, "launcher: " + report);
 }
 
 }  // namespace fulgur::detail

@@ -4,6 +4,16 @@
 // signal) stops the others — SIGTERM, then SIGKILL after a grace period —
 // and reports one message naming the rank, its pid, how it died and what it
 // printed last. Children get PR_SET_PDEATHSIG so they never outlive it.
+//
+// It also reads each rank's heartbeats (heartbeat.h): a rank whose pulses
+// stop for `heartbeat_timeout` is frozen; one that sleeps outside any
+// collective, using no CPU, while a peer waits for it in one is hung; and
+// every failure report ends with what each rank was doing (the collective
+// it waited in, by name and sequence number, so a desync shows as such).
+//
+// SIGINT / SIGTERM to the supervising process stop every rank, print which
+// (by pid), and end the process by the same signal: its exit status is
+// 128 + the signal, as shells and schedulers expect.
 #pragma once
 
 #include <signal.h>
@@ -16,7 +26,21 @@
 #include <string>
 #include <vector>
 
+#include "fulgur/core/errors.h"
+
 namespace fulgur::detail {
+
+/// A rank failed (died, froze, hung): `cause` is the one-line summary (for a
+/// restart's message), what() the whole report.
+class RankFailure : public DistributedError {
+ public:
+  RankFailure(std::string cause, const std::string& report)
+      : DistributedError(report), cause_(std::move(cause)) {}
+  const std::string& cause() const { return cause_; }
+
+ private:
+  std::string cause_;
+};
 
 class Supervisor {
  public:
@@ -27,6 +51,11 @@ class Supervisor {
     /// while another rank did, or while it is still running after another
     /// rank finished (0: never).
     std::chrono::milliseconds hang_timeout{0};
+    /// A rank that sent pulses and then none for this long is frozen; one
+    /// in the training loop that made no progress and used no CPU outside
+    /// any collective for this long, while a peer waited in one, is hung
+    /// (0: neither is checked).
+    std::chrono::milliseconds heartbeat_timeout{0};
     /// Lines of each rank's output kept for the failure message.
     size_t tail_lines = 20;
   };
@@ -41,7 +70,8 @@ class Supervisor {
   void spawn(int local_rank, int global_rank, const std::function<void()>& body);
   /// Forwards output and reaps until every child has exited. Returns when
   /// all exited with status 0; otherwise stops the rest and throws
-  /// DistributedError with the report.
+  /// RankFailure with the report. On SIGINT / SIGTERM it stops every rank
+  /// and ends this process by that signal (it does not return).
   void wait_all();
   /// Stops and reaps every child still running (SIGTERM, grace, SIGKILL).
   void stop_all();
@@ -65,9 +95,32 @@ class Supervisor {
     std::string last_beat;
     int64_t beats = 0;
     std::chrono::steady_clock::time_point last_beat_time;
+    /// It reached the training loop ("train batch").
+    bool in_loop = false;
+    // From its pulses (heartbeat.h).
+    int64_t pulses = 0;
+    std::chrono::steady_clock::time_point last_pulse_time;
+    /// CPU time used when last seen working, and when that was.
+    int64_t cpu_ms = -1;
+    std::chrono::steady_clock::time_point cpu_changed;
+    char main_state = '?';
+    /// The collective it waits in ("" none), and since when.
+    std::string coll_kind;
+    int64_t coll_seq = 0;
+    int64_t coll_bytes = 0;
+    std::chrono::steady_clock::time_point coll_since;
   };
   void pump(int timeout_ms);
   void read_fd(Child& c, int& fd, int which);
+  void take_beat(Child& c, const std::string& line);
+  /// A frozen or hung rank's report (and `failed` set to it), or "".
+  std::string check_liveness(const Child*& failed);
+  /// Every rank's last known state, one line each, plus a desync note.
+  std::string ranks_state() const;
+  /// After this process itself was stopped (SIGSTOP of the whole job, a
+  /// suspended laptop): every rank's clocks start again now.
+  void forgive_own_pause();
+  [[noreturn]] void end_by_signal(int sig);
   bool reap();
   std::string describe_death(const Child& c) const;
   std::string tail_text(const Child& c) const;
@@ -83,11 +136,8 @@ class Supervisor {
   struct sigaction saved_sigchld_ {};
   bool restore_sigchld_ = false;
   std::chrono::steady_clock::time_point started_;
+  std::chrono::steady_clock::time_point last_look_;
 };
-
-/// Writes a heartbeat ("<what>\n") to the supervisor, when this process was
-/// started by one; a no-op otherwise. Cheap: one write to a pipe.
-void send_heartbeat(const char* what);
 
 /// Ends the message of a collective that failed because a peer left (a
 /// closed connection, a timeout): the supervisor reads it in a dead rank's

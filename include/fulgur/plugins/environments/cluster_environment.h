@@ -43,6 +43,12 @@ class ClusterEnvironment {
   virtual int local_rank() const { return local_rank_; }
   virtual void set_local_rank(int rank) { local_rank_ = rank; }
   virtual int node_rank() const { return node_rank_; }
+  /// How many times this job's processes were started before this one: a
+  /// scheduler's or launcher's restart (TORCHELASTIC_RESTART_COUNT,
+  /// SLURM_RESTART_COUNT, FULGUR_RESTART_COUNT from fulgur's own launcher).
+  /// When > 0, fit resumes from the newest checkpoint that verifies.
+  virtual int restart_count() const { return restart_count_; }
+  void set_restart_count(int count) { restart_count_ = count; }
   /// Throws ConfigError when `num_devices` x `num_nodes` disagrees with what
   /// the cluster reports, naming both numbers and both sources.
   virtual void validate_settings(int /*num_devices*/, int /*num_nodes*/) const {}
@@ -63,6 +69,7 @@ class ClusterEnvironment {
   int global_rank_ = 0;
   int local_rank_ = 0;
   int node_rank_ = 0;
+  int restart_count_ = 0;
   /// The variable each value was read from, for rank_problems(); empty for
   /// a value derived from others (then described as such) or a default.
   struct RankSources {

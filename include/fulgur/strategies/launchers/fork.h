@@ -21,8 +21,10 @@ class ForkLauncher : public Launcher {
   bool is_interactive_compatible() const override { return true; }
   bool returns_to_caller() const override { return true; }
   /// Returns in the calling process once every rank exited 0, with what
-  /// global rank 0's fn returned (through a file in a private temporary
-  /// directory); throws DistributedError when one failed.
+  /// global rank 0's fn returned (through a temporary file without a name,
+  /// so nothing is left in TMPDIR whatever ends the launcher); throws
+  /// DistributedError when one failed. With Recovery::max_restarts, forks
+  /// every rank again after one failed.
   std::optional<std::string> launch(const std::function<std::string()>& fn) override;
 
  private:

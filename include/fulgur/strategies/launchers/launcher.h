@@ -20,12 +20,28 @@
 // pid, how it died and the last lines it printed.
 #pragma once
 
+#include <chrono>
 #include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
 
 namespace fulgur {
+
+/// What a launcher does when a rank fails; the Trainer sets it before each
+/// launch() from TrainerOptions::max_restarts and heartbeat_timeout.
+struct Recovery {
+  /// Times the launcher starts every local rank again after one died, froze
+  /// or hung (a new rendezvous, the same world size). The ranks see
+  /// FULGUR_RESTART_COUNT and resume from the newest checkpoint that
+  /// verifies.
+  int max_restarts = 0;
+  /// A rank whose heartbeat thread falls silent this long is frozen (0: off).
+  std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(10);
+  /// What a restart resumes from, for its message (a quoted checkpoint
+  /// path); empty: the beginning.
+  std::function<std::string()> resume_point;
+};
 
 class Launcher {
  public:
@@ -42,6 +58,12 @@ class Launcher {
   /// fails. Returns, where returns_to_caller(), the bytes global rank 0's
   /// `fn` returned (nullopt on other nodes); see each launcher for the rest.
   virtual std::optional<std::string> launch(const std::function<std::string()>& fn) = 0;
+
+  void set_recovery(Recovery recovery) { recovery_ = std::move(recovery); }
+  const Recovery& recovery() const { return recovery_; }
+
+ protected:
+  Recovery recovery_;
 };
 
 }  // namespace fulgur

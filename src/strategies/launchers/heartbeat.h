@@ -1,0 +1,56 @@
+// The rank's side of supervision: what a process started by one of
+// fulgur's launchers tells its supervisor (supervisor.h) through the pipe
+// named by FULGUR_HEARTBEAT_FD. Two kinds of lines:
+//
+//  - progress: "<what>" from the training loop and every collective; a rank
+//    that stops sending them while its peers go on has fallen behind.
+//  - pulses: "pulse cpu=<ms> main=<state> coll=<call>" every
+//    FULGUR_HEARTBEAT_INTERVAL_MS from a thread of their own, which keeps
+//    running through a long step or a long collective. A process that sends
+//    none for the heartbeat timeout is frozen (SIGSTOP, a debugger, a
+//    machine that stopped scheduling it); `cpu` and `main` (the main
+//    thread's scheduler state) tell a rank that is working from one that
+//    waits on nothing; `coll` names the collective it is inside ("-": none).
+//
+// Everything here is a no-op in a process no launcher of fulgur's started.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace fulgur::detail {
+
+/// Writes all of `data` to `fd`, retrying on EINTR; gives up on an error.
+void write_all(int fd, const char* data, size_t n);
+
+/// A progress line ("train batch", "collective"). Cheap: one write.
+void send_heartbeat(const char* what);
+
+/// Starts this process's pulse thread (once per process; a forked child
+/// starts its own). A no-op without a supervisor.
+void start_pulse();
+
+/// One collective as the ranks see it: the n-th call of this process's
+/// group, so that the same sequence number on two ranks is the same call
+/// unless the program called collectives in different orders (a desync).
+struct CollectiveCall {
+  const char* kind = "";  // "all_reduce", "broadcast", "all_gather", "barrier"
+  int64_t seq = 0;
+  int64_t bytes = 0;
+};
+
+/// Marks this process as waiting inside `call` for as long as it lives;
+/// the pulses carry it. One at a time (the innermost wins).
+class InCollective {
+ public:
+  explicit InCollective(const CollectiveCall& call);
+  ~InCollective();
+  InCollective(const InCollective&) = delete;
+  InCollective& operator=(const InCollective&) = delete;
+};
+
+/// "all_reduce #57 (4.0 KiB)": for messages.
+std::string describe(const CollectiveCall& call);
+
+}  // namespace fulgur::detail
