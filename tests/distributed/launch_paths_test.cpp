@@ -136,6 +136,39 @@ TEST_F(LaunchPaths, TorchrunStaticRendezvousJoinsTheAgentsStore) {
       "torchrun-static");
 }
 
+// torchrun --max_restarts: a worker killed at step 7 makes torchrun start
+// both again (TORCHELASTIC_RESTART_COUNT=1); they resume from the newest
+// checkpoint by themselves and end with the uninterrupted run's parameters
+// and optimizer state, bit for bit.
+TEST_F(LaunchPaths, TorchrunRestartedWorkersResumeAndEndBitIdentical) {
+  ASSERT_TRUE(on_path("torchrun")) << "torchrun is missing: scripts/install-deps.sh installs "
+                                      "python3-torch, which provides it.";
+  auto run = [&](const std::string& name, std::vector<std::string> extra) {
+    std::vector<std::string> flags = {"--strategy", "ddp", "--devices", "2", "--batch", "8",
+                                      "--every-n-train-steps", "4", "--out-optimizer",
+                                      dir.path() + "/" + name + "-optimizer.pt"};
+    flags.insert(flags.end(), extra.begin(), extra.end());
+    return worker(flags, dir.path() + "/" + name + ".pt", dir.path() + "/" + name);
+  };
+  expect_clean(run_process(run("uninterrupted", {}), {}, 120s));
+  auto args = torchrun({"--standalone", "--max_restarts", "1", "--monitor_interval", "1"},
+                       dir.path() + "/restarted-logs");
+  auto w = run("restarted", {"--kill", "1:7"});
+  args.insert(args.end(), w.begin(), w.end());
+  auto r = run_process(args, {{"OMP_NUM_THREADS", "1"}}, 180s);
+  expect_clean(r);
+  EXPECT_NE(r.output.find("rank 1 is killed before step 7"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fulgur: restart 1 (cluster environment \"torchelastic\"): resuming "
+                          "from"),
+            std::string::npos)
+      << r.output;
+  for (const std::string suffix : {".pt", "-optimizer.pt"}) {
+    EXPECT_TRUE(same_params(dir.path() + "/uninterrupted" + suffix,
+                            dir.path() + "/restarted" + suffix, {.exact = true}))
+        << suffix;
+  }
+}
+
 TEST_F(LaunchPaths, Mpirun) {
   ASSERT_TRUE(on_path("mpirun")) << "mpirun is missing: scripts/install-deps.sh installs "
                                     "openmpi-bin, which provides it.";
