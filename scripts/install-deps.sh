@@ -60,6 +60,9 @@ packages=(
   libisal-dev           # CRC32C of every checkpoint (Intel ISA-L)
   dataset-fashion-mnist # the main job's data under /usr/share/datasets/fashion-mnist
   openmpi-bin           # mpirun (a launch path under test)
+  slurmctld slurmd      # a real SLURM cluster on localhost (scripts/slurm-cluster.sh),
+  slurm-client          #   a launch path under test: srun, sbatch, scontrol, sinfo
+  munge                 # SLURM's authentication; the cluster script runs its own munged and key
 )
 if [ "$cuda" = 1 ]; then
   if [ "$release" = 12 ]; then

@@ -133,6 +133,27 @@ const BadFlagCase kBadFlags[] = {
      {"min_epochs=3", "max_epochs=2"}},
     {"null_callback", [](auto& o) { o.callbacks = {nullptr}; }, {"callbacks[0]", "null"}},
     {"num_nodes", [](auto& o) { o.num_nodes = 0; }, {"num_nodes=0"}},
+    {"max_restarts", [](auto& o) { o.max_restarts = -1; }, {"max_restarts=-1", ">= 0"}},
+    {"heartbeat_timeout",
+     [](auto& o) { o.heartbeat_timeout = std::chrono::milliseconds(-5); },
+     {"heartbeat_timeout=-5 ms", "0: off"}},
+    {"every_n_train_steps",
+     [](auto& o) { o.every_n_train_steps = -2; },
+     {"every_n_train_steps=-2"}},
+    {"every_n_train_steps_without_checkpointing",
+     [](auto& o) {
+       o.every_n_train_steps = 5;
+       o.enable_checkpointing = false;
+     },
+     {"every_n_train_steps=5", "enable_checkpointing=false saves none"}},
+    {"every_n_train_steps_with_own_checkpoint",
+     [](auto& o) {
+       o.every_n_train_steps = 5;
+       o.enable_checkpointing = true;
+       o.callbacks = {std::make_shared<fulgur::ModelCheckpoint>()};
+     },
+     {"every_n_train_steps=5", "callbacks[0] is a ModelCheckpoint of your own",
+      "ModelCheckpointOptions::every_n_train_steps"}},
 };
 
 INSTANTIATE_TEST_SUITE_P(BadFlags, TrainerFlagsTest, ::testing::ValuesIn(kBadFlags),
@@ -154,6 +175,29 @@ TEST(TrainerFlags, ValidFlagsConstruct) {
 }
 
 // ---- Resolved defaults.
+
+TEST(TrainerDefaults, MaxRestartsWithoutALauncherSaysItHasNoEffect) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_restarts = 2;
+  fulgur::Trainer trainer(options);
+  EXPECT_TRUE(fulgur::test::message_contains(
+      trainer.describe(), {"max_restarts=2 has no effect", "torchrun --max-restarts"}));
+}
+
+TEST(TrainerDefaults, EveryNTrainStepsSetsTheCadenceOfTheTrainersCheckpoint) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  options.every_n_train_steps = 7;
+  fulgur::Trainer trainer(options);
+  const fulgur::ModelCheckpoint* checkpoint = nullptr;
+  for (const auto& cb : trainer.callbacks()) {
+    if (auto* c = dynamic_cast<const fulgur::ModelCheckpoint*>(cb.get())) checkpoint = c;
+  }
+  ASSERT_NE(checkpoint, nullptr);
+  EXPECT_EQ(checkpoint->options().every_n_train_steps, 7);
+}
 
 TEST(TrainerDefaults, MaxEpochsDefaultIsStatedInDescribe) {
   TempDir dir;
