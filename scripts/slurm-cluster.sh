@@ -422,6 +422,10 @@ start() {
   chmod 0755 "$dir" "$dir/log"
   chmod 0700 "$dir/munge" "$dir/ctld"
 
+  # munged runs as user munge: every directory above ours must let it pass.
+  if ! runuser -u munge -- test -x "$dir"; then
+    fail "user munge cannot reach $dir: a directory above it is not searchable by others (one made by mkdtemp has mode 0700; munged wants it searchable by all). chmod go+x it, or set FULGUR_SLURM_DIR elsewhere"
+  fi
   # munged, as user munge, with a key of its own.
   dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none
   chown -R munge:munge "$dir/munge"

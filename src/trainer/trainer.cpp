@@ -258,6 +258,7 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
   m.trainer_ = &self;
   m.link_ = this;
   auto detach = [&] {
+    signals.disarm();
     m.trainer_ = nullptr;
     m.link_ = nullptr;
     m.log_sink_ = nullptr;
@@ -423,6 +424,8 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         fit_loop.start(train, val);
         logging.reset_metrics();
 
+        // SLURM's requeue signal and SIGTERM: a checkpoint, then the end.
+        signals.arm(strategy->cluster_environment().preemption_signals());
         m.configure_model();
         strategy->setup(m);
         fit_loop.set_optimizers(strategy->setup_optimizers(m));
@@ -464,6 +467,30 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         }
       });
   return result;
+}
+
+void Trainer::Impl::end_by_preemption(int signal) {
+  const std::string path =
+      (std::filesystem::path(checkpoints.checkpoint_dir()) / "last.ckpt").string();
+  checkpoints.save(path);
+  strategy->wait_for_checkpoints();
+  // Every rank's part is durable before anyone asks for the requeue.
+  if (strategy->world_size() > 1) strategy->barrier("preemption checkpoint");
+  if (strategy->is_global_zero()) {
+    const std::string requeued = strategy->cluster_environment().requeue(signal);
+    try {
+      logging.finalize();
+    } catch (const std::exception& e) {
+      std::cerr << "fulgur: " << e.what() << std::endl;
+    }
+    std::cerr << "fulgur: " << detail::signal_name(signal) << " (cluster environment \""
+              << strategy->cluster_environment().name() << "\"): saved \"" << path << "\" at step "
+              << fit_loop.global_step() << (requeued.empty() ? std::string() : "; " + requeued)
+              << ". A run of this job with ckpt_path=\"auto\" (a requeued one does so by "
+                 "itself) resumes from it. Ending by the signal (status "
+              << 128 + signal << ")." << std::endl;
+  }
+  detail::end_by_signal(signal);
 }
 
 std::string Trainer::Impl::fit_start_checkpoint(const std::string& requested) {

@@ -24,6 +24,7 @@
 #include "fulgur/trainer/trainer.h"
 #include "trainer/connectors/checkpoint_connector.h"
 #include "trainer/connectors/logger_connector.h"
+#include "trainer/connectors/signal_connector.h"
 #include "trainer/loops/evaluation_loop.h"
 #include "trainer/loops/fit_loop.h"
 #include "trainer/trainer_link.h"
@@ -50,6 +51,8 @@ struct Trainer::Impl final : detail::TrainerLink {
   detail::EvaluationLoop evaluation_loop{*this};
   detail::PredictionLoop prediction_loop{*this};
   detail::CheckpointConnector checkpoints{*this};
+  /// The cluster environment's preemption signals, armed during fit.
+  detail::SignalConnector signals;
 
   // ---- Stage runners (trainer.cpp).
   FitResult run_fit(Module& module, std::shared_ptr<DataLoader> train,
@@ -78,6 +81,12 @@ struct Trainer::Impl final : detail::TrainerLink {
     for (auto& cb : callbacks) callback_hook(*cb);
   }
   std::string root_dir() const;
+  /// Every rank agreed the job is ending by `signal` (preemption, time
+  /// limit, requeue request): saves last.ckpt in the checkpoint directory,
+  /// waits until it is durable on every rank, lets global rank 0 requeue
+  /// the job (ClusterEnvironment::requeue), and ends the process by the
+  /// signal.
+  [[noreturn]] void end_by_preemption(int signal);
 
  private:
   /// What every stage does first, in this order: seed, the DataModule's

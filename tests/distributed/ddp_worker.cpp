@@ -119,6 +119,11 @@ struct Args {
   // the ranks then wait in different collectives.
   int desync_rank = -1;
   bool deterministic = false;
+  // "R:S:SIG": rank R raises signal SIG before global step S of attempt 0
+  // (a scheduler's preemption or requeue signal, delivered to one rank).
+  std::vector<std::string> raises;
+  // Each training step sleeps this long (a run long enough to be signalled).
+  int step_sleep_ms = 0;
   // Where global rank 0 writes the optimizer's state at the end of fit.
   std::string out_optimizer;
 };
@@ -181,6 +186,21 @@ struct Classifier : fulgur::Module {
         std::cout << "rank " << rank << " is killed before step " << step << std::endl;
         if (args.report_times) std::cout << "TIME kill=" << wall_ns() << std::endl;
         std::raise(SIGKILL);
+      }
+    }
+    if (args.step_sleep_ms > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(args.step_sleep_ms));
+    }
+    for (const auto& spec : args.raises) {
+      int r = -1, sig = 0;
+      long long step = -1;
+      if (std::sscanf(spec.c_str(), "%d:%lld:%d", &r, &step, &sig) != 3) {
+        throw std::runtime_error("--raise " + spec + ": expected RANK:STEP:SIGNAL");
+      }
+      if (r == rank && step == trainer().global_step() && attempt() == 0) {
+        std::cout << "rank " << rank << " receives signal " << sig << " before step " << step
+                  << std::endl;
+        std::raise(sig);
       }
     }
     if (rank == args.sigstop_rank && batch_idx == args.fault_step && attempt() == 0) {
@@ -413,6 +433,8 @@ int main(int argc, char** argv) {
   app.add_option("--desync-rank", a.desync_rank);
   app.add_flag("--deterministic", a.deterministic);
   app.add_option("--out-optimizer", a.out_optimizer);
+  app.add_option("--raise", a.raises);
+  app.add_option("--step-sleep-ms", a.step_sleep_ms);
   CLI11_PARSE(app, argc, argv);
 
   try {

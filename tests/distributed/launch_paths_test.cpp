@@ -144,8 +144,15 @@ TEST_F(LaunchPaths, TorchrunRestartedWorkersResumeAndEndBitIdentical) {
   ASSERT_TRUE(on_path("torchrun")) << "torchrun is missing: scripts/install-deps.sh installs "
                                       "python3-torch, which provides it.";
   auto run = [&](const std::string& name, std::vector<std::string> extra) {
-    std::vector<std::string> flags = {"--strategy", "ddp", "--devices", "2", "--batch", "8",
-                                      "--every-n-train-steps", "4", "--out-optimizer",
+    std::vector<std::string> flags = {"--strategy",
+                                      "ddp",
+                                      "--devices",
+                                      "2",
+                                      "--batch",
+                                      "8",
+                                      "--every-n-train-steps",
+                                      "4",
+                                      "--out-optimizer",
                                       dir.path() + "/" + name + "-optimizer.pt"};
     flags.insert(flags.end(), extra.begin(), extra.end());
     return worker(flags, dir.path() + "/" + name + ".pt", dir.path() + "/" + name);

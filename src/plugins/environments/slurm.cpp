@@ -1,6 +1,14 @@
 #include "fulgur/plugins/environments/slurm.h"
 
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <thread>
 
 #include "env_support.h"
 
@@ -70,8 +78,16 @@ std::string SLURMEnvironment::first_host(const std::string& nodelist) {
   return host;
 }
 
-SLURMEnvironment::SLURMEnvironment(const EnvView& env) {
+SLURMEnvironment::SLURMEnvironment(const EnvView& env, SLURMOptions options)
+    : options_(std::move(options)) {
   using namespace env_support;
+  if (options_.requeue_signal < 1 || options_.requeue_signal >= NSIG ||
+      options_.requeue_signal == SIGKILL || options_.requeue_signal == SIGSTOP) {
+    throw ConfigError(str("SLURMOptions::requeue_signal=", options_.requeue_signal,
+                          " cannot be caught: pass a signal such as SIGUSR1 (", SIGUSR1,
+                          "), the one given to sbatch --signal."));
+  }
+  job_id_ = env.get("SLURM_JOB_ID").value_or("");
   world_size_ = require_int(env, "SLURM_NTASKS", name(), kSlurmSetBy);
   global_rank_ = require_int(env, "SLURM_PROCID", name(), kSlurmSetBy);
   local_rank_ = require_int(env, "SLURM_LOCALID", name(), kSlurmSetBy);
@@ -104,6 +120,54 @@ SLURMEnvironment::SLURMEnvironment(const EnvView& env) {
   } else if ((nnodes_ = get_int(env, "SLURM_JOB_NUM_NODES"))) {
     nnodes_source_ = "SLURM_JOB_NUM_NODES";
   }
+}
+
+std::vector<int> SLURMEnvironment::preemption_signals() const {
+  if (options_.requeue_signal == SIGTERM) return {SIGTERM};
+  return {options_.requeue_signal, SIGTERM};
+}
+
+std::string SLURMEnvironment::requeue(int signal) {
+  if (signal != options_.requeue_signal) return {};
+  if (!options_.auto_requeue) return "not requeued (SLURMOptions::auto_requeue is false)";
+  if (job_id_.empty()) return "not requeued: SLURM_JOB_ID is not set";
+  const std::string command = str(options_.scontrol, " requeue ", job_id_);
+  std::vector<std::string> args = {options_.scontrol, "requeue", job_id_};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  if (int err =
+          ::posix_spawnp(&pid, options_.scontrol.c_str(), nullptr, nullptr, argv.data(), environ);
+      err != 0) {
+    return str("NOT requeued: cannot run `", command, "`: ", std::strerror(err),
+               " (is slurm-client installed and scontrol on PATH?). Resubmit the job: it "
+               "resumes from the checkpoint");
+  }
+  // Bounded: a controller that does not answer must not keep the job alive.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  int status = 0;
+  for (;;) {
+    pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) break;
+    if (r < 0 && errno != EINTR) return str("NOT requeued: lost `", command, "`");
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return str("NOT requeued: `", command,
+                 "` did not finish in 60 s. Resubmit the job: it "
+                 "resumes from the checkpoint");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+    return str("requeued SLURM job ", job_id_, " (`", command, "`)");
+  }
+  return str("NOT requeued: `", command, "` ",
+             WIFEXITED(status) ? str("exited with status ", WEXITSTATUS(status))
+                               : str("was killed by signal ", WTERMSIG(status)),
+             " (its message is above; was the job submitted with --requeue?). Resubmit the job: "
+             "it resumes from the checkpoint");
 }
 
 std::string SLURMEnvironment::main_address() const { return main_address_; }

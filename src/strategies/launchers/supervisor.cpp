@@ -20,6 +20,7 @@
 
 #include "fulgur/core/errors.h"
 #include "strategies/launchers/heartbeat.h"
+#include "trainer/connectors/signal_connector.h"
 
 namespace fulgur::detail {
 
@@ -31,26 +32,6 @@ using Clock = std::chrono::steady_clock;
 // stopped and the supervisor ends the same way.
 std::atomic<int> g_signal{0};
 extern "C" void on_stop_signal(int sig) { g_signal.store(sig); }
-
-const char* signal_name(int sig) {
-  switch (sig) {
-    case SIGKILL: return "SIGKILL";
-    case SIGTERM: return "SIGTERM";
-    case SIGINT: return "SIGINT";
-    case SIGSEGV: return "SIGSEGV";
-    case SIGABRT: return "SIGABRT";
-    case SIGBUS: return "SIGBUS";
-    case SIGFPE: return "SIGFPE";
-    case SIGILL: return "SIGILL";
-    case SIGPIPE: return "SIGPIPE";
-    case SIGHUP: return "SIGHUP";
-    case SIGQUIT: return "SIGQUIT";
-    case SIGUSR1: return "SIGUSR1";
-    case SIGUSR2: return "SIGUSR2";
-    case SIGXCPU: return "SIGXCPU";
-    default: return "a signal";
-  }
-}
 
 }  // namespace
 
@@ -487,7 +468,7 @@ std::string Supervisor::ranks_state() const {
   return out;
 }
 
-void Supervisor::end_by_signal(int sig) {
+void Supervisor::stop_all_and_end_by(int sig) {
   std::vector<std::string> stopped;
   for (const auto& c : children_) {
     if (c.running) stopped.push_back(str(c.global_rank, " (pid ", c.pid, ")"));
@@ -502,13 +483,7 @@ void Supervisor::end_by_signal(int sig) {
   write_all(STDERR_FILENO, message.data(), message.size());
   if (restore_sigchld_) ::sigaction(SIGCHLD, &saved_sigchld_, nullptr);
   // End as the signal would have ended this process: status 128 + sig.
-  ::signal(sig, SIG_DFL);
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, sig);
-  ::sigprocmask(SIG_UNBLOCK, &set, nullptr);
-  ::raise(sig);
-  ::_exit(128 + sig);
+  end_by_signal(sig);
 }
 
 void Supervisor::wait_all() {
@@ -539,7 +514,7 @@ void Supervisor::wait_all() {
   for (;;) {
     pump(100);
     // A signal first: ranks killed by the same Ctrl-C are not a failure.
-    if (int sig = g_signal.load()) end_by_signal(sig);
+    if (int sig = g_signal.load()) stop_all_and_end_by(sig);
     forgive_own_pause();
     reap();
     bool all_done = true;

@@ -120,7 +120,7 @@ class Supervisor {
   /// After this process itself was stopped (SIGSTOP of the whole job, a
   /// suspended laptop): every rank's clocks start again now.
   void forgive_own_pause();
-  [[noreturn]] void end_by_signal(int sig);
+  [[noreturn]] void stop_all_and_end_by(int sig);
   bool reap();
   std::string describe_death(const Child& c) const;
   std::string tail_text(const Child& c) const;

@@ -38,6 +38,16 @@ bool FitLoop::stop_requested_by_limits(bool boundary) {
   // covers every request. A request not agreed yet stays pending here.
   const bool stop = trainer_.strategy->agree_to_stop(should_stop_, boundary);
   if (stop) should_stop_ = true;
+  if (stop && trainer_.signals.armed()) {
+    // Is the job ending (a preemption signal on some rank)? Every rank saw
+    // `stop` here, so every rank asks; it ends the process when so.
+    int signal = trainer_.signals.received();
+    if (trainer_.strategy->world_size() > 1) {
+      signal = trainer_.strategy->all_reduce(torch::tensor({signal}, torch::kInt), ReduceOp::Max)
+                   .item<int>();
+    }
+    if (signal != 0) trainer_.end_by_preemption(signal);
+  }
   if (trainer_.limits.max_steps >= 0 && global_step_ >= trainer_.limits.max_steps) {
     stop_reason_ = "max_steps";
     return true;
@@ -163,6 +173,8 @@ void FitLoop::train_epoch() {
 void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   Module& m = *trainer_.module;
   trainer_.strategy->heartbeat("train batch");
+  // A preemption signal is a stop request, voted with this batch.
+  if (trainer_.signals.received() != 0) should_stop_ = true;
   trainer_.strategy->raise_checkpoint_errors();
   trainer_.call_hooks([&](Module& mod) { mod.on_train_batch_start(batch, idx); },
                       [&](Callback& cb) { cb.on_train_batch_start(trainer_.self, m, batch, idx); });

@@ -49,6 +49,17 @@ class ClusterEnvironment {
   /// When > 0, fit resumes from the newest checkpoint that verifies.
   virtual int restart_count() const { return restart_count_; }
   void set_restart_count(int count) { restart_count_ = count; }
+  /// Signals by which the scheduler announces the end of this job
+  /// (preemption, the time limit, a requeue request). While fit runs they
+  /// only set a flag; the ranks agree at the next step boundary, save one
+  /// checkpoint (`last.ckpt` of the checkpoint directory), global rank 0
+  /// calls requeue(), and every process ends by that signal (status
+  /// 128 + signal). Empty (the default): the signals keep their action.
+  virtual std::vector<int> preemption_signals() const { return {}; }
+  /// On global rank 0, once that checkpoint is durable: asks the scheduler
+  /// to start the job again when `signal` asks for it. Returns what was done,
+  /// for the message ("" when nothing).
+  virtual std::string requeue(int /*signal*/) { return {}; }
   /// Throws ConfigError when `num_devices` x `num_nodes` disagrees with what
   /// the cluster reports, naming both numbers and both sources.
   virtual void validate_settings(int /*num_devices*/, int /*num_nodes*/) const {}
