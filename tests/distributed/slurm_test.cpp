@@ -208,4 +208,29 @@ TEST_F(Slurm, RequeueSignalSavesOnceRequeuesOnceAndTheRequeuedJobEndsBitIdentica
   expect_identical("reference", "requeued");
 }
 
+// SIGTERM (the time limit, a preemption) reaching one rank only: every
+// rank agrees at the next step, one checkpoint is saved, and the job step
+// ends by the signal; a new job with ckpt_path="auto" resumes from it and
+// ends bit-identical to an uninterrupted run.
+TEST_F(Slurm, SigtermOnOneRankSavesACheckpointAndANewJobResumesBitIdentical) {
+  auto reference = slurm(with_srun({"srun", "-N1", "-n2", "--overcommit", "-J", "reference"},
+                                   worker("reference", {}, 0)));
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  auto stopped = slurm(with_srun({"srun", "-N1", "-n2", "--overcommit", "-J", "train"},
+                                 worker("stopped", {"--raise", "1:13:15"}, 0)));
+  EXPECT_NE(stopped.exit_code, 0) << stopped.output;
+  EXPECT_NE(stopped.output.find("rank 1 receives signal 15 before step 13"), std::string::npos)
+      << stopped.output;
+  EXPECT_EQ(count(stopped.output, "fulgur: SIGTERM (cluster environment \"slurm\"): saved"), 1)
+      << stopped.output;
+  EXPECT_EQ(stopped.output.find("requeued SLURM job"), std::string::npos) << stopped.output;
+  EXPECT_EQ(result_value(stopped.output, "global_step"), "") << "fit went on:\n"
+                                                             << stopped.output;
+  auto resumed = slurm(with_srun({"srun", "-N1", "-n2", "--overcommit", "-J", "train"},
+                                 worker("stopped", {"--ckpt-path", "auto"}, 0)));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(result_value(resumed.output, "global_step"), "150") << resumed.output;
+  expect_identical("reference", "stopped");
+}
+
 }  // namespace
