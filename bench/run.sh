@@ -55,6 +55,11 @@ for mb in 100 1000; do
 done
 results+=("${ckpt_rows[@]}")
 
+# Restart after a killed rank (max_restarts), a small and a large state.
+restart_reps=${RESTART_REPS:-5}
+mapfile -t restart_rows < <("$py" bench/restart.py --build build --reps "$restart_reps" --sizes 1,256)
+results+=("${restart_rows[@]}")
+
 # DDP: fulgur, PyTorch's DDP (Python) and the naive per-parameter all-reduce
 # loop, 2 ranks started by torchrun each, interleaved over the repetitions.
 # (--redirects/--tee 1: Debian's torchrun 1.13 cannot parse their default.)
@@ -77,6 +82,31 @@ print(json.dumps({"benchmark": "ddp_mlp_784_1024_1024_10_2_ranks", "samples_per_
                   "fulgur_vs_naive": round(med["fulgur"] / med["naive"], 3),
                   "runs": len(runs)}))' "${ddp_runs[@]}")
 results+=("$ddp_summary")
+
+# The "Restart" section of RESULTS.md from bench/restart.py's rows.
+restart_section() {
+  local reps="$1"
+  shift
+  echo "## Restart after a killed rank"
+  echo
+  echo "Two ranks under fulgur's own launcher (\`strategy=\"ddp\"\`, \`max_restarts=1\`, a checkpoint every"
+  echo "4 steps); rank 1 is SIGKILLed before step 10 and every rank is started again, resuming from"
+  echo "\`last.ckpt\`. From the kill to the restarted rank 0's first optimizer step, split at the new"
+  echo "process's start and at the end of its checkpoint restore; RESTART_REPS=$reps interleaved"
+  echo "repetitions, medians (\`python3 bench/restart.py --build build --reps $reps --sizes 1,256\`)."
+  echo
+  echo "| state (parameters; as much SGD momentum) | checkpoint MB | kill → first step ms | kill → new processes ms | start → checkpoint restored ms | restored → first step ms |"
+  echo "|---|---|---|---|---|---|"
+  for r in "$@"; do
+    "$py" -c 'import json,sys; r=json.loads(sys.argv[1]); print("| %d MB + MLP | %.0f | %.0f | %.0f | %.0f | %.0f |" % (r["state_mb"], r["checkpoint_mb"], r["kill_to_first_step_ms"], r["kill_to_process_start_ms"], r["start_to_restored_ms"], r["restored_to_first_step_ms"]))' "$r"
+  done
+  echo
+  echo "Target (issue: recovery): under 3 s plus the checkpoint load. \"kill → new processes\" is the"
+  echo "launcher noticing the death (its poll of the ranks), stopping rank 0 and starting both again;"
+  echo "\"start → restored\" is loading LibTorch, the rendezvous, the parameter broadcast and the"
+  echo "verified checkpoint load; the first step after it includes the gradient all-reduce of the"
+  echo "whole state."
+}
 
 printf '[\n%s\n]\n' "$(IFS=$',\n'; echo "${results[*]}")" > bench/results.json
 {
@@ -200,5 +230,7 @@ for k in ("fulgur", "pytorch_ddp", "naive"):
   echo "same day each rank's vote rides in the first gradient bucket, next to the count of ranks that"
   echo "had a loss, so the agreement costs no collective after a batch that exchanges gradients. Runs"
   echo "vary by 5-10% on this shared machine, so ratios near 1.0 read as parity."
+  echo
+  restart_section "$restart_reps" "${restart_rows[@]}"
 } > bench/RESULTS.md
 cat bench/RESULTS.md
