@@ -142,6 +142,20 @@ TEST_F(Slurm, SrunStartsTheRanksAndFulgurDetectsSlurm) {
   EXPECT_EQ(result_value(r.output, "global_step"), "150") << r.output;
 }
 
+#ifdef FULGUR_FASHION_EXAMPLE
+// The main example, unchanged, as two SLURM tasks: detected as slurm (the
+// description it prints), trained for 60 steps, tested on every image.
+TEST_F(Slurm, SrunRunsTheExampleAsTwoRanks) {
+  auto r = slurm({"srun", "-N1", "-n2", "--overcommit", "-J", "fashion", FULGUR_FASHION_EXAMPLE,
+                  "--strategy", "ddp", "--devices", "2", "--max_steps", "60", "--limit_val_batches",
+                  "0", "--enable_progress_bar", "false", "--default_root_dir", dir_.path() + "/ex"},
+                 240s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("\"cluster_environment\": \"slurm\""), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("test_acc="), std::string::npos) << r.output;
+}
+#endif
+
 TEST_F(Slurm, TwoNodesFourRanks) {
   auto r = slurm(with_srun({"srun", "-N2", "-n4", "--overcommit", "-J", "train"},
                            worker("nodes", {"--num-nodes", "2"}, 0)));
@@ -224,8 +238,7 @@ TEST_F(Slurm, SigtermOnOneRankSavesACheckpointAndANewJobResumesBitIdentical) {
   EXPECT_EQ(count(stopped.output, "fulgur: SIGTERM (cluster environment \"slurm\"): saved"), 1)
       << stopped.output;
   EXPECT_EQ(stopped.output.find("requeued SLURM job"), std::string::npos) << stopped.output;
-  EXPECT_EQ(result_value(stopped.output, "global_step"), "") << "fit went on:\n"
-                                                             << stopped.output;
+  EXPECT_EQ(result_value(stopped.output, "global_step"), "") << "fit went on:\n" << stopped.output;
   auto resumed = slurm(with_srun({"srun", "-N1", "-n2", "--overcommit", "-J", "train"},
                                  worker("stopped", {"--ckpt-path", "auto"}, 0)));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
