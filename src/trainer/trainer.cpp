@@ -9,6 +9,7 @@
 
 #include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/callbacks/progress_bar.h"
+#include "fulgur/callbacks/timer.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/loggers/csv_logger.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
@@ -83,6 +84,16 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
   }
   for (size_t i = 0; i < o.callbacks.size(); ++i) {
     check(o.callbacks[i] != nullptr, str("callbacks[", i, "] is null: pass an instance."));
+  }
+  if (o.max_time) {
+    check(o.max_time->count() > 0,
+          str("max_time=", o.max_time->count(), " ms: must be > 0, or unset for no limit."));
+    for (size_t i = 0; i < o.callbacks.size(); ++i) {
+      check(dynamic_cast<const Timer*>(o.callbacks[i].get()) == nullptr,
+            str("max_time is set and callbacks[", i,
+                "] is a Timer too: set the duration in one place (TimerOptions::duration or "
+                "max_time)."));
+    }
   }
   check(o.max_restarts >= 0,
         str("max_restarts=", o.max_restarts, ": must be >= 0 (0: no restart)."));
@@ -162,6 +173,9 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
     // A ModelCheckpoint passed explicitly is kept but never asked to write.
     if (checkpoint_callback && fast)
       resolution.notes.push_back("fast_dev_run: checkpoint callback disabled");
+  }
+  if (options.max_time && options.max_time->count() > 0) {
+    callbacks.push_back(std::make_shared<Timer>(TimerOptions{.duration = *options.max_time}));
   }
   if (options.max_restarts > 0) {
     if (strategy->launcher() == nullptr) {

@@ -162,6 +162,21 @@ TEST(DDP, SyncDistMetricsThatDifferAcrossRanksAreAnErrorNotAMixUp) {
       << r.output;
 }
 
+// EarlyStopping decides on rank 1 only (its metric, logged without
+// sync_dist, gets worse; rank 0's gets better): every rank stops at the
+// end of the same epoch.
+TEST(DDP, EarlyStoppingOnOneRankStopsEveryRankAtTheSameStep) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "1000", "--samples", "320",
+                       "--early-stop-rank", "1", "--timeout", "30", "--root", dir.path()});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // 20 steps per epoch; rank 1's metric is worse at epoch 1 (patience 1).
+  EXPECT_EQ(result_value(r.output, "global_step"), "40") << r.output;
+  EXPECT_NE(r.output.find("EarlyStopping: another rank's EarlyStopping decided to stop"),
+            std::string::npos)
+      << r.output;
+}
+
 // Rank 1 requests a stop (where `where` says); every rank must end after
 // `steps` optimizer steps having run `batches` training steps. Each step
 // adds rank + 1 to a buffer that rank 0 broadcasts before the next one, so

@@ -124,6 +124,9 @@ struct Args {
   std::vector<std::string> raises;
   // Each training step sleeps this long (a run long enough to be signalled).
   int step_sleep_ms = 0;
+  // EarlyStopping (patience 1) on "es_metric", logged without sync_dist at
+  // each epoch's end: worse every epoch on this rank, better on the others.
+  int early_stop_rank = -1;
   // Where global rank 0 writes the optimizer's state at the end of fit.
   std::string out_optimizer;
 };
@@ -290,6 +293,12 @@ struct Classifier : fulgur::Module {
     }
   }
 
+  void on_train_epoch_end() override {
+    if (args.early_stop_rank < 0) return;
+    const double epoch = static_cast<double>(trainer().current_epoch());
+    log("es_metric", trainer().strategy().global_rank() == args.early_stop_rank ? epoch : -epoch);
+  }
+
   void validation_step(fulgur::Batch& batch, int64_t) override {
     auto& [x, y] = batch.pair();
     auto acc = (forward(x, false).argmax(1) == y).to(torch::kDouble).mean();
@@ -435,6 +444,7 @@ int main(int argc, char** argv) {
   app.add_option("--out-optimizer", a.out_optimizer);
   app.add_option("--raise", a.raises);
   app.add_option("--step-sleep-ms", a.step_sleep_ms);
+  app.add_option("--early-stop-rank", a.early_stop_rank);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -473,6 +483,10 @@ int main(int argc, char** argv) {
         fulgur::ModelCheckpointOptions{.monitor = "train_loss", .save_top_k = 1});
     options.enable_checkpointing = a.checkpoint || a.every_n_train_steps > 0;
     if (a.checkpoint) options.callbacks = {checkpoint};
+    if (a.early_stop_rank >= 0) {
+      options.callbacks.push_back(std::make_shared<fulgur::EarlyStopping>(
+          fulgur::EarlyStoppingOptions{.monitor = "es_metric", .patience = 1}));
+    }
     options.every_n_train_steps = a.every_n_train_steps;
     options.max_restarts = a.max_restarts;
     if (a.deterministic) options.deterministic = true;

@@ -115,6 +115,9 @@ struct TrainerOptions {
   /// Optimizer steps to train for; -1 means no limit.
   int64_t max_steps = -1;
   int64_t min_steps = 0;
+  /// Training time after which fit stops (a Timer callback; the stop is
+  /// agreed by every rank and ends fit as usual, its checkpoints included).
+  std::optional<std::chrono::milliseconds> max_time = std::nullopt;
   /// Run N (true = 1) batches of train/val/test/predict and stop; no
   /// checkpoints, no loggers, no sanity check. For smoke-testing a Module.
   int64_t fast_dev_run = 0;

@@ -179,14 +179,6 @@ std::vector<std::string> own_command_line() {
   return args;
 }
 
-detail::Supervisor::Options supervisor_options(const Supervision& s, const Recovery& r) {
-  detail::Supervisor::Options o;
-  o.grace = s.stop_grace;
-  o.hang_timeout = s.hang_timeout;
-  o.heartbeat_timeout = r.heartbeat_timeout;
-  return o;
-}
-
 // Starts every local rank (`spawn_all`, told the attempt number) and
 // supervises them; when one fails and restarts are left, starts them all
 // again, with one line naming the cause and what the ranks resume from.
@@ -194,7 +186,7 @@ void supervise(Plan& plan, const Supervision& supervision, const Recovery& recov
                const std::function<void(detail::Supervisor&, int)>& spawn_all) {
   for (int attempt = 0;; ++attempt) {
     if (attempt > 0 && plan.port_chosen) plan.main_port = find_free_port(plan.main_address);
-    detail::Supervisor supervisor(supervisor_options(supervision, recovery));
+    detail::Supervisor supervisor(supervision, recovery.heartbeat_timeout);
     spawn_all(supervisor, attempt);
     try {
       supervisor.wait_all();

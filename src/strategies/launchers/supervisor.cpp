@@ -35,8 +35,11 @@ extern "C" void on_stop_signal(int sig) { g_signal.store(sig); }
 
 }  // namespace
 
-Supervisor::Supervisor(Options options)
-    : options_(options), started_(Clock::now()), last_look_(started_) {
+Supervisor::Supervisor(const Supervision& supervision, std::chrono::milliseconds heartbeat_timeout)
+    : supervision_(supervision),
+      heartbeat_timeout_(heartbeat_timeout),
+      started_(Clock::now()),
+      last_look_(started_) {
   // With SIGCHLD ignored (or SA_NOCLDWAIT) the kernel reaps the ranks
   // itself and their exit status is lost: supervise with the default.
   struct sigaction current {};
@@ -92,10 +95,9 @@ void Supervisor::spawn(int local_rank, int global_rank, const std::function<void
     std::snprintf(value, sizeof value, "%d", beat_fd);
     ::setenv("FULGUR_HEARTBEAT_FD", value, 1);
     // Pulses a few times per timeout (once a second without one).
-    const auto interval =
-        options_.heartbeat_timeout.count() > 0
-            ? std::clamp<int64_t>(options_.heartbeat_timeout.count() / 5, 50, 1000)
-            : 1000;
+    const auto interval = heartbeat_timeout_.count() > 0
+                              ? std::clamp<int64_t>(heartbeat_timeout_.count() / 5, 50, 1000)
+                              : 1000;
     std::snprintf(value, sizeof value, "%lld", static_cast<long long>(interval));
     ::setenv("FULGUR_HEARTBEAT_INTERVAL_MS", value, 1);
     body();
@@ -156,7 +158,7 @@ void Supervisor::read_fd(Child& c, int& fd, int which) {
       }
       auto cr = line.find_last_of('\r');
       c.tail.push_back(cr == std::string::npos ? line : line.substr(cr + 1));
-      if (c.tail.size() > options_.tail_lines) c.tail.pop_front();
+      if (c.tail.size() > kTailLines) c.tail.pop_front();
     }
     if (c.global_rank == 0 && !part.empty() && part.find('\r') != std::string::npos) {
       // A progress bar redraw: show it now, keep only its last state.
@@ -303,7 +305,7 @@ void Supervisor::stop_all() {
       any_running = true;
     }
   }
-  auto deadline = Clock::now() + options_.grace;
+  auto deadline = Clock::now() + supervision_.stop_grace;
   while (any_running && Clock::now() < deadline) {
     pump(50);
     reap();
@@ -373,8 +375,8 @@ void Supervisor::forgive_own_pause() {
   const auto now = Clock::now();
   const auto gap = now - last_look_;
   last_look_ = now;
-  const auto limit = options_.heartbeat_timeout.count() > 0 ? options_.heartbeat_timeout / 2
-                                                            : std::chrono::milliseconds(5000);
+  const auto limit =
+      heartbeat_timeout_.count() > 0 ? heartbeat_timeout_ / 2 : std::chrono::milliseconds(5000);
   if (gap < limit) return;
   // This process did not run for a while (the whole job was stopped): the
   // ranks' silence during it says nothing about them.
@@ -387,7 +389,7 @@ void Supervisor::forgive_own_pause() {
 }
 
 std::string Supervisor::check_liveness(const Child*& failed) {
-  const auto timeout = options_.heartbeat_timeout;
+  const auto timeout = heartbeat_timeout_;
   if (timeout.count() <= 0) return "";
   const auto now = Clock::now();
   const std::string limit = str("heartbeat_timeout is ", one_decimal(seconds_of(timeout)), " s");
@@ -533,7 +535,7 @@ void Supervisor::wait_all() {
     if (failed != nullptr || all_done) break;
     hang_report = check_liveness(failed);
     if (failed != nullptr) break;
-    if (options_.hang_timeout.count() > 0) {
+    if (supervision_.hang_timeout.count() > 0) {
       // A rank is hung when it is behind another rank and has sent nothing
       // for hang_timeout.
       auto now = Clock::now();
@@ -547,12 +549,12 @@ void Supervisor::wait_all() {
         // stuck on its way out (a teardown that never returns) is hung too.
         if (finished != nullptr) {
           const auto silent = now - std::max(c.last_beat_time, finished_at);
-          if (silent > options_.hang_timeout) {
+          if (silent > supervision_.hang_timeout) {
             hang_report =
                 str("rank ", c.global_rank, " (pid ", c.pid, ") hung: it is still running ",
                     seconds(now - finished_at), " s after rank ", finished->global_rank,
                     " finished, with no progress for ", seconds(silent), " s (the timeout is ",
-                    seconds(options_.hang_timeout), " s); it last reported \"",
+                    seconds(supervision_.hang_timeout), " s); it last reported \"",
                     c.last_beat.empty() ? "nothing" : c.last_beat, "\". Its last lines:\n",
                     tail_text(c));
             failed = &c;
@@ -561,10 +563,10 @@ void Supervisor::wait_all() {
           continue;
         }
         if (c.beats >= ahead->beats) continue;
-        if (now - c.last_beat_time > options_.hang_timeout) {
+        if (now - c.last_beat_time > supervision_.hang_timeout) {
           hang_report = str("rank ", c.global_rank, " (pid ", c.pid, ") hung: no progress for ",
                             seconds(now - c.last_beat_time), " s (the timeout is ",
-                            seconds(options_.hang_timeout), " s); it last reported \"",
+                            seconds(supervision_.hang_timeout), " s); it last reported \"",
                             c.last_beat.empty() ? "nothing" : c.last_beat, "\" while rank ",
                             ahead->global_rank, " reported \"", ahead->last_beat,
                             "\". Its last lines:\n", tail_text(c));

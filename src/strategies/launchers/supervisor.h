@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/strategies/launchers/subprocess_script.h"
 
 namespace fulgur::detail {
 
@@ -44,22 +45,13 @@ class RankFailure : public DistributedError {
 
 class Supervisor {
  public:
-  struct Options {
-    /// Between SIGTERM and SIGKILL when stopping ranks.
-    std::chrono::milliseconds grace{std::chrono::seconds(5)};
-    /// A rank is declared hung when it sent no heartbeat for this long
-    /// while another rank did, or while it is still running after another
-    /// rank finished (0: never).
-    std::chrono::milliseconds hang_timeout{0};
-    /// A rank that sent pulses and then none for this long is frozen; one
-    /// in the training loop that made no progress and used no CPU outside
-    /// any collective for this long, while a peer waited in one, is hung
-    /// (0: neither is checked).
-    std::chrono::milliseconds heartbeat_timeout{0};
-    /// Lines of each rank's output kept for the failure message.
-    size_t tail_lines = 20;
-  };
-  explicit Supervisor(Options options);
+  /// `supervision`: the stop grace (SIGTERM to SIGKILL) and the hang timeout
+  /// (a rank behind the others, or still running after one finished, with
+  /// no progress for this long; 0: never). `heartbeat_timeout`: a rank that
+  /// sent pulses and then none for this long is frozen; one in the training
+  /// loop that made no progress and used no CPU outside any collective for
+  /// this long, while a peer waited in one, is hung (0: neither is checked).
+  Supervisor(const Supervision& supervision, std::chrono::milliseconds heartbeat_timeout);
   ~Supervisor();
   Supervisor(const Supervisor&) = delete;
   Supervisor& operator=(const Supervisor&) = delete;
@@ -129,7 +121,10 @@ class Supervisor {
   /// Whether `c` ended with exit status 0.
   static bool succeeded(const Child& c);
 
-  Options options_;
+  /// Lines of each rank's output kept for the failure message.
+  static constexpr size_t kTailLines = 20;
+  Supervision supervision_;
+  std::chrono::milliseconds heartbeat_timeout_;
   std::vector<Child> children_;
   /// The program's SIGCHLD disposition, when it ignored SIGCHLD (children
   /// would then be reaped by the kernel, unseen): restored at the end.

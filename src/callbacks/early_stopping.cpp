@@ -1,0 +1,136 @@
+#include "fulgur/callbacks/early_stopping.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <iostream>
+#include <limits>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/strategies/strategy.h"
+#include "fulgur/trainer/trainer.h"
+
+namespace fulgur {
+
+EarlyStopping::EarlyStopping(EarlyStoppingOptions options)
+    : options_(std::move(options)), best_score_(std::numeric_limits<double>::quiet_NaN()) {
+  std::vector<std::string> problems;
+  if (options_.monitor.empty()) {
+    problems.push_back("monitor=\"\": name the logged metric to watch (e.g. \"val_loss\")");
+  }
+  if (!options_.mode.is_valid()) {
+    problems.push_back(
+        str("mode=\"", options_.mode.text(), "\": pass ", options_.mode.spellings()));
+  }
+  if (!(options_.min_delta >= 0.0)) {
+    problems.push_back(
+        str("min_delta=", options_.min_delta, ": must be >= 0 (an improvement must exceed it)"));
+  }
+  if (options_.patience < 1) {
+    problems.push_back(str("patience=", options_.patience, ": must be >= 1"));
+  }
+  for (const auto& [name, value] :
+       {std::pair{"stopping_threshold", options_.stopping_threshold},
+        std::pair{"divergence_threshold", options_.divergence_threshold}}) {
+    if (value && !std::isfinite(*value)) {
+      problems.push_back(str(name, "=", *value, ": must be a finite number, or unset"));
+    }
+  }
+  if (!problems.empty()) throw ConfigError(str("EarlyStopping(", join(problems, "; "), ")."));
+}
+
+std::string EarlyStopping::state_key() const {
+  return str("EarlyStopping{monitor=", options_.monitor, ",mode=", options_.mode.text(), "}");
+}
+
+bool EarlyStopping::better(double a, double b, double delta) const {
+  if (std::isnan(a)) return false;
+  if (std::isnan(b)) return true;
+  return options_.mode == CheckpointMode::kMin ? a < b - delta : a > b + delta;
+}
+
+bool EarlyStopping::checks_at_epoch_end(const Trainer& trainer) const {
+  if (options_.check_on_train_epoch_end) return *options_.check_on_train_epoch_end;
+  const BatchLimit& interval = trainer.options().val_check_interval;
+  return interval.is_fraction() && interval.fraction() >= 1.0;
+}
+
+void EarlyStopping::on_train_epoch_end(Trainer& trainer, Module&) {
+  if (checks_at_epoch_end(trainer)) check(trainer);
+}
+
+void EarlyStopping::on_validation_end(Trainer& trainer, Module&) {
+  if (!trainer.sanity_checking() && !checks_at_epoch_end(trainer)) check(trainer);
+}
+
+void EarlyStopping::check(Trainer& trainer) {
+  if (trainer.options().fast_dev_run > 0) return;
+  Strategy& strategy = trainer.strategy();
+  const auto& metrics = trainer.callback_metrics();
+  auto it = metrics.find(options_.monitor);
+  // Every rank reaches this point equally often, so the agreement below is
+  // one collective on every rank; a missing metric is missing everywhere.
+  if (it == metrics.end()) {
+    std::vector<std::string> names;
+    for (const auto& [k, _] : metrics) names.push_back(k);
+    const std::string what =
+        str("EarlyStopping(monitor=\"", options_.monitor,
+            "\"): no metric of that name was logged. Logged metrics: ",
+            names.empty() ? std::string("none") : join(names), ". Log it with log(\"",
+            options_.monitor, "\", ...) or change monitor");
+    if (options_.strict) throw ConfigError(what + ".");
+    if (!warned_missing_ && strategy.is_global_zero()) {
+      std::cerr << "fulgur: " << what << "; not checking (strict=false)." << std::endl;
+    }
+    warned_missing_ = true;
+    return;
+  }
+  const double current = it->second;
+  std::string reason;
+  if (options_.check_finite && !std::isfinite(current)) {
+    reason = str(options_.monitor, " = ", current, " is not finite; the best was ", best_score_);
+  } else if (options_.stopping_threshold && better(current, *options_.stopping_threshold, 0.0)) {
+    reason = str(options_.monitor, " = ", current,
+                 " reached stopping_threshold=", *options_.stopping_threshold);
+  } else if (options_.divergence_threshold &&
+             !better(current, *options_.divergence_threshold, 0.0) &&
+             current != *options_.divergence_threshold) {
+    reason = str(options_.monitor, " = ", current,
+                 " is worse than divergence_threshold=", *options_.divergence_threshold);
+  } else if (better(current, best_score_, options_.min_delta)) {
+    best_score_ = current;
+    wait_count_ = 0;
+  } else if (++wait_count_ >= options_.patience) {
+    reason =
+        str(options_.monitor, " did not improve by more than min_delta=", options_.min_delta,
+            " in ", wait_count_, " checks in a row (best ", best_score_, ", now ", current, ")");
+  }
+  bool stop = !reason.empty();
+  // One rank's decision stops every rank (a metric without sync_dist may
+  // differ by rank).
+  if (strategy.world_size() > 1) stop = strategy.reduce_boolean_decision(stop, /*all=*/false);
+  if (!stop) return;
+  if (reason.empty()) reason = "another rank's EarlyStopping decided to stop";
+  stopped_epoch_ = trainer.current_epoch();
+  stop_reason_ = reason;
+  trainer.request_stop();
+  if (strategy.is_global_zero()) {
+    std::cerr << "fulgur: EarlyStopping: " << reason << ". Stopping at epoch "
+              << trainer.current_epoch() << ", step " << trainer.global_step() << "." << std::endl;
+  }
+}
+
+void EarlyStopping::save_state(torch::serialize::OutputArchive& archive) const {
+  archive.write("wait_count", c10::IValue(wait_count_));
+  archive.write("best_score", c10::IValue(best_score_));
+  archive.write("stopped_epoch", c10::IValue(stopped_epoch_));
+}
+
+void EarlyStopping::load_state(torch::serialize::InputArchive& archive) {
+  c10::IValue v;
+  if (archive.try_read("wait_count", v)) wait_count_ = v.toInt();
+  if (archive.try_read("best_score", v)) best_score_ = v.toDouble();
+  if (archive.try_read("stopped_epoch", v)) stopped_epoch_ = v.toInt();
+}
+
+}  // namespace fulgur

@@ -1,0 +1,121 @@
+#include "fulgur/callbacks/timer.h"
+
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <iostream>
+
+#include "fulgur/callbacks/model_checkpoint.h"
+#include "fulgur/core/errors.h"
+#include "fulgur/strategies/strategy.h"
+#include "fulgur/trainer/trainer.h"
+
+namespace fulgur {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+std::string seconds_text(std::chrono::milliseconds d) {
+  return str(static_cast<double>(d.count()) / 1000.0, " s");
+}
+}  // namespace
+
+Timer::Timer(TimerOptions options) : options_(std::move(options)) {
+  std::vector<std::string> problems;
+  if (options_.duration.count() <= 0) {
+    problems.push_back(str("duration=", options_.duration.count(), " ms: must be > 0"));
+  }
+  if (!options_.interval.is_valid()) {
+    problems.push_back(
+        str("interval=\"", options_.interval.text(), "\": pass ", options_.interval.spellings()));
+  }
+  if (!problems.empty()) throw ConfigError(str("Timer(", join(problems, "; "), ")."));
+}
+
+std::chrono::milliseconds Timer::time_elapsed() const {
+  auto total = before_;
+  if (running_since_) {
+    total += std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - *running_since_);
+  }
+  return total;
+}
+
+void Timer::on_train_start(Trainer&, Module&) { running_since_ = Clock::now(); }
+
+void Timer::on_train_end(Trainer&, Module&) {
+  before_ = time_elapsed();
+  running_since_.reset();
+}
+
+void Timer::check(Trainer& trainer) {
+  if (stopped_ || time_elapsed() < options_.duration) return;
+  stopped_ = true;
+  trainer.request_stop();
+  if (trainer.strategy().is_global_zero()) {
+    std::cerr << "fulgur: Timer: " << seconds_text(time_elapsed()) << " of training reached "
+              << "max_time=" << seconds_text(options_.duration) << "; stopping at epoch "
+              << trainer.current_epoch() << ", step " << trainer.global_step() << "." << std::endl;
+  }
+}
+
+void Timer::on_train_batch_end(Trainer& trainer, Module&, const at::Tensor&, const Batch&,
+                               int64_t) {
+  if (options_.interval == LoggingInterval::kStep) check(trainer);
+}
+
+void Timer::on_train_epoch_end(Trainer& trainer, Module&) {
+  if (options_.interval == LoggingInterval::kEpoch) check(trainer);
+}
+
+void Timer::save_state(torch::serialize::OutputArchive& archive) const {
+  archive.write("elapsed_ms", c10::IValue(static_cast<int64_t>(time_elapsed().count())));
+}
+
+void Timer::load_state(torch::serialize::InputArchive& archive) {
+  c10::IValue v;
+  if (archive.try_read("elapsed_ms", v)) {
+    before_ = std::chrono::milliseconds(v.toInt());
+    if (running_since_) running_since_ = Clock::now();
+  }
+}
+
+OnExceptionCheckpoint::OnExceptionCheckpoint(OnExceptionCheckpointOptions options)
+    : options_(std::move(options)) {
+  if (options_.filename.empty()) {
+    throw ConfigError("OnExceptionCheckpoint(filename=\"\"): pass a file name.");
+  }
+}
+
+void OnExceptionCheckpoint::on_fit_start(Trainer&, Module&) { in_fit_ = true; }
+void OnExceptionCheckpoint::on_fit_end(Trainer&, Module&) { in_fit_ = false; }
+
+void OnExceptionCheckpoint::on_exception(Trainer& trainer, Module&, const std::exception& error) {
+  // Only once fit has started: an error before (a bad flag, a missing
+  // file) leaves no training state worth saving.
+  if (!in_fit_) return;
+  in_fit_ = false;
+  std::string dir = options_.dirpath;
+  if (dir.empty()) {
+    const ModelCheckpoint* mc = trainer.checkpoint_callback();
+    dir = mc && !mc->dirpath().empty()
+              ? mc->dirpath()
+              : (std::filesystem::path(trainer.default_root_dir()) / "checkpoints").string();
+  }
+  const std::string path = (std::filesystem::path(dir) / (options_.filename + ".ckpt")).string();
+  std::string first_line = error.what();
+  first_line = first_line.substr(0, first_line.find('\n'));
+  try {
+    trainer.save_checkpoint(path);
+    if (trainer.strategy().is_checkpoint_writer()) saved_path_ = path;
+    if (trainer.strategy().is_global_zero()) {
+      std::cerr << "fulgur: OnExceptionCheckpoint: saved \"" << path << "\" at epoch "
+                << trainer.current_epoch() << ", step " << trainer.global_step()
+                << " after: " << first_line << std::endl;
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "fulgur: OnExceptionCheckpoint: could not save \"" << path << "\": " << e.what()
+              << std::endl;
+  }
+}
+
+}  // namespace fulgur

@@ -1,0 +1,173 @@
+#include "fulgur/callbacks/early_stopping.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+using fulgur::EarlyStopping;
+using fulgur::EarlyStoppingOptions;
+using fulgur::test::LinearRegression;
+using fulgur::test::regression_loader;
+using fulgur::test::TempDir;
+using fulgur::test::test_options;
+using ::testing::HasSubstr;
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Logs scores[epoch] as "score" at the end of every training epoch (the last
+// value again after the list ends) and trains up to `max_epochs` epochs of
+// 2 batches with `stopper`; returns the epochs completed.
+struct ScriptedRun {
+  std::vector<double> scores;
+  fulgur::FitResult run(const TempDir& dir, std::shared_ptr<EarlyStopping> stopper,
+                        int64_t max_epochs = 10, const std::string& ckpt_path = "",
+                        bool checkpoints = false) {
+    LinearRegression model;
+    model.train_epoch_end_hook = [this](LinearRegression& m) {
+      const auto epoch = static_cast<size_t>(m.trainer().current_epoch());
+      m.log("score", scores[std::min(epoch, scores.size() - 1)]);
+    };
+    auto options = test_options(dir);
+    options.max_epochs = max_epochs;
+    options.enable_checkpointing = checkpoints;
+    options.callbacks = {stopper};
+    fulgur::Trainer trainer(options);
+    return trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = ckpt_path});
+  }
+};
+
+std::shared_ptr<EarlyStopping> stopper(EarlyStoppingOptions options) {
+  if (options.monitor.empty()) options.monitor = "score";
+  return std::make_shared<EarlyStopping>(options);
+}
+
+TEST(EarlyStopping, StopsAfterPatienceChecksWithoutImprovement) {
+  TempDir dir;
+  ScriptedRun script{{5, 4, 4.5, 4.2, 4.1, 3}};
+  auto es = stopper({.patience = 2});
+  auto result = script.run(dir, es);
+  // Epoch 1 is the best (4); epochs 2 and 3 do not beat it.
+  EXPECT_EQ(es->stopped_epoch(), 3);
+  EXPECT_EQ(result.epochs, 4);
+  EXPECT_EQ(result.global_step, 8);
+  EXPECT_EQ(es->wait_count(), 2);
+  EXPECT_EQ(es->best_score(), 4);
+  EXPECT_THAT(es->stop_reason(), HasSubstr("score did not improve by more than min_delta=0 in 2"));
+}
+
+TEST(EarlyStopping, MinDeltaInModeMax) {
+  TempDir dir;
+  ScriptedRun script{{1, 1.4, 1.8, 2.6, 2.7, 2.8, 9}};
+  auto es = stopper({.min_delta = 0.5, .patience = 2, .mode = "max"});
+  script.run(dir, es);
+  // 1.4 is not 0.5 better than 1; 1.8 and 2.6 are; 2.7 and 2.8 are not.
+  EXPECT_EQ(es->stopped_epoch(), 5);
+  EXPECT_EQ(es->best_score(), 2.6);
+}
+
+TEST(EarlyStopping, ThresholdsStopAtOnce) {
+  TempDir dir;
+  ScriptedRun good{{5, 3, 1.5, 1, 0.5}};
+  auto reached = stopper({.patience = 100, .stopping_threshold = 2.0});
+  good.run(dir, reached);
+  EXPECT_EQ(reached->stopped_epoch(), 2);
+  EXPECT_THAT(reached->stop_reason(), HasSubstr("reached stopping_threshold=2"));
+
+  ScriptedRun bad{{5, 4, 11, 3}};
+  auto diverged = stopper({.patience = 100, .divergence_threshold = 10.0});
+  bad.run(dir, diverged);
+  EXPECT_EQ(diverged->stopped_epoch(), 2);
+  EXPECT_THAT(diverged->stop_reason(), HasSubstr("worse than divergence_threshold=10"));
+}
+
+TEST(EarlyStopping, ANonFiniteMetricStopsUnlessCheckFiniteIsOff) {
+  TempDir dir;
+  ScriptedRun script{{5, kNaN, 4, 3, 2}};
+  auto checked = stopper({.patience = 100});
+  script.run(dir, checked);
+  EXPECT_EQ(checked->stopped_epoch(), 1);
+  EXPECT_THAT(checked->stop_reason(), HasSubstr("is not finite"));
+  auto unchecked = stopper({.patience = 100, .check_finite = false});
+  auto result = script.run(dir, unchecked, 5);
+  EXPECT_EQ(unchecked->stopped_epoch(), -1);
+  EXPECT_EQ(result.epochs, 5);
+}
+
+TEST(EarlyStopping, AMissingMetricIsAnErrorNamingTheLoggedOnesUnlessNotStrict) {
+  TempDir dir;
+  ScriptedRun script{{1}};
+  try {
+    script.run(dir, stopper({.monitor = "val_los"}));
+    ADD_FAILURE() << "no error";
+  } catch (const fulgur::ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("EarlyStopping(monitor=\"val_los\"): no metric"));
+    EXPECT_THAT(e.what(), HasSubstr("score"));
+    EXPECT_THAT(e.what(), HasSubstr("train_loss"));
+  }
+  auto lenient = stopper({.monitor = "val_los", .strict = false});
+  auto result = script.run(dir, lenient, 3);
+  EXPECT_EQ(result.epochs, 3);
+}
+
+TEST(EarlyStopping, BadOptionsAreNamedTogether) {
+  try {
+    EarlyStopping es({.monitor = "", .min_delta = -1, .patience = 0, .mode = "up"});
+    ADD_FAILURE() << "no error";
+  } catch (const fulgur::ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("monitor=\"\""));
+    EXPECT_THAT(e.what(), HasSubstr("min_delta=-1"));
+    EXPECT_THAT(e.what(), HasSubstr("patience=0"));
+    EXPECT_THAT(e.what(), HasSubstr("mode=\"up\""));
+  }
+}
+
+// Its wait count and best score are in the checkpoint: a run stopped by
+// max_epochs and resumed stops where the uninterrupted run stopped.
+TEST(EarlyStopping, AResumedRunStopsWhereTheUninterruptedOneDid) {
+  TempDir whole, parts;
+  ScriptedRun script{{5, 4, 4.5, 4.6, 4.7, 4.8, 4.9}};
+  auto uninterrupted = stopper({.patience = 3});
+  script.run(whole, uninterrupted, 10, "", /*checkpoints=*/true);
+  ASSERT_EQ(uninterrupted->stopped_epoch(), 4);
+
+  script.run(parts, stopper({.patience = 3}), 3, "", /*checkpoints=*/true);
+  auto resumed = stopper({.patience = 3});
+  auto result = script.run(parts, resumed, 10, "last", /*checkpoints=*/true);
+  EXPECT_EQ(resumed->stopped_epoch(), 4);
+  EXPECT_EQ(result.epochs, 5);
+}
+
+TEST(EarlyStopping, ChecksAfterEachValidationWhenValidationRunsWithinTheEpoch) {
+  TempDir dir;
+  LinearRegression model;
+  int validations = 0;
+  // val_loss rises with every validation after the second.
+  model.val_hook = [&](LinearRegression& m, fulgur::Batch&, int64_t) {
+    if (!m.trainer().sanity_checking()) ++validations;
+  };
+  auto es = std::make_shared<EarlyStopping>(
+      EarlyStoppingOptions{.monitor = "val_loss", .patience = 1, .mode = "max"});
+  auto options = test_options(dir);
+  options.max_epochs = 5;
+  options.val_check_interval = 2;
+  options.num_sanity_val_steps = 0;
+  options.callbacks = {es};
+  fulgur::Trainer trainer(options);
+  // val_loss falls as the model learns: in mode "max" the second
+  // validation is already no better, so the run stops after it, mid-epoch.
+  auto result = trainer.fit(model, regression_loader(8), regression_loader(2));
+  EXPECT_EQ(validations, 2 * 2);  // two validations of two batches
+  EXPECT_EQ(result.global_step, 4);
+  EXPECT_EQ(es->stopped_epoch(), 0);
+}
+
+}  // namespace

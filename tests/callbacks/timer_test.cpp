@@ -1,0 +1,127 @@
+#include "fulgur/callbacks/timer.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <filesystem>
+#include <thread>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+using fulgur::test::LinearRegression;
+using fulgur::test::regression_loader;
+using fulgur::test::TempDir;
+using fulgur::test::test_options;
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+fulgur::Timer* timer_of(const fulgur::Trainer& trainer) {
+  for (const auto& cb : trainer.callbacks()) {
+    if (auto* t = dynamic_cast<fulgur::Timer*>(cb.get())) return t;
+  }
+  return nullptr;
+}
+
+// Each step takes at least 20 ms; max_time is 50 ms: fit stops after the
+// step that crosses it, far before its 100 steps, and saves its checkpoint.
+TEST(Timer, MaxTimeStopsFitWithACheckpoint) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression&, fulgur::Batch&, int64_t) {
+    std::this_thread::sleep_for(20ms);
+  };
+  auto options = test_options(dir);
+  options.max_time = 50ms;
+  options.enable_checkpointing = true;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(100));
+  auto* timer = timer_of(trainer);
+  ASSERT_NE(timer, nullptr);
+  EXPECT_TRUE(timer->stopped());
+  EXPECT_GE(result.global_step, 1);
+  EXPECT_LT(result.global_step, 100);
+  EXPECT_GE(timer->time_elapsed(), 50ms);
+  EXPECT_TRUE(std::filesystem::exists(dir.file("checkpoints/last.ckpt")));
+}
+
+// The time trained is in the checkpoint: a resumed run counts on from it.
+TEST(Timer, AResumedRunCountsOnFromTheCheckpoint) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  options.max_time = 1h;
+  {
+    LinearRegression model;
+    model.train_hook = [](LinearRegression&, fulgur::Batch&, int64_t) {
+      std::this_thread::sleep_for(30ms);
+    };
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(3));
+  }
+  LinearRegression model;
+  options.max_epochs = 2;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(3), nullptr, {.ckpt_path = "last"});
+  EXPECT_GE(timer_of(trainer)->time_elapsed(), 90ms);
+}
+
+TEST(Timer, BadDurationsAreErrors) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_time = 0ms;
+  EXPECT_THROW(fulgur::Trainer{options}, fulgur::ConfigError);
+  options.max_time = 1s;
+  options.callbacks = {std::make_shared<fulgur::Timer>(fulgur::TimerOptions{.duration = 2s})};
+  try {
+    fulgur::Trainer trainer(options);
+    ADD_FAILURE() << "no error";
+  } catch (const fulgur::ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("max_time is set and callbacks[0] is a Timer too"));
+  }
+  EXPECT_THROW(fulgur::Timer({.duration = -1s}), fulgur::ConfigError);
+}
+
+// A step that throws: the state the run reached is saved before the error
+// reaches the caller, and it verifies.
+TEST(OnExceptionCheckpoint, SavesTheReachedStateBeforeTheErrorPropagates) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression&, fulgur::Batch&, int64_t idx) {
+    if (idx == 3) throw std::runtime_error("a bug in step 3");
+  };
+  auto callback = std::make_shared<fulgur::OnExceptionCheckpoint>();
+  auto options = test_options(dir);
+  options.callbacks = {callback};
+  fulgur::Trainer trainer(options);
+  EXPECT_THROW(trainer.fit(model, regression_loader(5)), std::runtime_error);
+  const std::string path = dir.file("checkpoints/on_exception.ckpt");
+  EXPECT_EQ(callback->saved_path(), path);
+  ASSERT_TRUE(std::filesystem::exists(path));
+  EXPECT_EQ(trainer.strategy().verify_checkpoint(path), "");
+  // It resumes at the step the run had reached.
+  LinearRegression again;
+  auto resume = test_options(dir);
+  fulgur::Trainer second(resume);
+  auto result = second.fit(again, regression_loader(5), nullptr, {.ckpt_path = path});
+  EXPECT_EQ(result.global_step, 5);
+  EXPECT_EQ(again.training_steps, 2);
+}
+
+TEST(OnExceptionCheckpoint, AnErrorBeforeFitStartsSavesNothing) {
+  TempDir dir;
+  LinearRegression model;
+  auto callback = std::make_shared<fulgur::OnExceptionCheckpoint>();
+  auto options = test_options(dir);
+  options.callbacks = {callback};
+  fulgur::Trainer trainer(options);
+  EXPECT_THROW(trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = "/no/such.ckpt"}),
+               std::exception);
+  EXPECT_EQ(callback->saved_path(), "");
+}
+
+}  // namespace
