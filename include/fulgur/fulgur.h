@@ -9,6 +9,7 @@
 #include "fulgur/accelerators/mps.h"
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/callbacks/early_stopping.h"
+#include "fulgur/callbacks/gradient_accumulation_scheduler.h"
 #include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/callbacks/monitors.h"
 #include "fulgur/callbacks/progress_bar.h"

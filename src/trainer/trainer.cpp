@@ -627,6 +627,12 @@ int64_t Trainer::global_step() const { return impl_->fit_loop.global_step(); }
 int64_t Trainer::batch_idx() const { return impl_->fit_loop.batch_idx(); }
 int64_t Trainer::num_training_batches() const { return impl_->fit_loop.num_training_batches(); }
 void Trainer::request_stop() { impl_->fit_loop.request_stop(); }
+int64_t Trainer::accumulate_grad_batches() const {
+  return impl_->fit_loop.accumulate_grad_batches();
+}
+void Trainer::set_accumulate_grad_batches(int64_t n) {
+  impl_->fit_loop.set_accumulate_grad_batches(n);
+}
 bool Trainer::should_stop() const { return impl_->fit_loop.should_stop(); }
 const Metrics& Trainer::callback_metrics() const { return impl_->logging.callback_metrics(); }
 const Metrics& Trainer::progress_bar_metrics() const {

@@ -102,6 +102,13 @@ class Trainer {
   /// With several ranks, one rank's request stops them all after the same
   /// batch (the ranks agree on it after every batch).
   void request_stop();
+  /// Batches per optimizer step now: accumulate_grad_batches, or what a
+  /// callback set (GradientAccumulationScheduler).
+  int64_t accumulate_grad_batches() const;
+  /// Changes it from the next batch on; call at an epoch's start
+  /// (on_train_epoch_start). ConfigError when < 1, inside an accumulation
+  /// window, or with manual optimization.
+  void set_accumulate_grad_batches(int64_t n);
   bool should_stop() const;
   /// Latest value of every logged metric.
   const Metrics& callback_metrics() const;

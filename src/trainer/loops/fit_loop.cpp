@@ -60,6 +60,23 @@ bool FitLoop::stop_requested_by_limits(bool boundary) {
   return false;
 }
 
+void FitLoop::set_accumulate_grad_batches(int64_t n) {
+  if (n < 1) {
+    throw ConfigError(str("accumulate_grad_batches=", n, ": must be >= 1."));
+  }
+  if (n != 1 && trainer_.module != nullptr && !trainer_.module->automatic_optimization()) {
+    throw ConfigError(str("accumulate_grad_batches=", n,
+                          " with manual optimization: accumulation is the Module's job when it "
+                          "steps itself."));
+  }
+  if (window_has_gradient_ && n != accumulate_) {
+    throw ConfigError(str("accumulate_grad_batches changed from ", accumulate_, " to ", n,
+                          " inside an accumulation window (after batch ", batch_idx_,
+                          "): change it at an epoch's start (on_train_epoch_start)."));
+  }
+  accumulate_ = n;
+}
+
 void FitLoop::run() {
   Module& m = *trainer_.module;
   if (!m.automatic_optimization()) {
@@ -96,6 +113,7 @@ void FitLoop::run() {
   }
   for (auto& opt : optimizers_.optimizers) opt->zero_grad();
   window_has_gradient_ = false;
+  accumulate_ = trainer_.options.accumulate_grad_batches;
   if (num_training_batches_ == 0) {
     stop_reason_ = "limit_train_batches=0";
     return;
@@ -183,7 +201,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
 
   const int64_t steps_before = global_step_;
-  bool should_step = (idx + 1) % trainer_.options.accumulate_grad_batches == 0 || is_last_batch;
+  bool should_step = (idx + 1) % accumulate_ == 0 || is_last_batch;
   at::Tensor loss;
   if (m.automatic_optimization()) {
     // Micro-batches that do not step accumulate locally, without a
@@ -204,9 +222,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
             "computed without the module's parameters, or under NoGradGuard. "
             "Return the loss of the forward pass.");
       }
-      at::Tensor scaled = trainer_.options.accumulate_grad_batches > 1
-                              ? loss / trainer_.options.accumulate_grad_batches
-                              : loss;
+      at::Tensor scaled = accumulate_ > 1 ? loss / accumulate_ : loss;
       trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
       trainer_.strategy->vote_to_stop(should_stop_);
       trainer_.strategy->backward(scaled, m);

@@ -72,6 +72,12 @@ class FitLoop {
   int64_t num_training_batches() const { return num_training_batches_; }
   bool sanity_checking() const { return sanity_checking_; }
   void request_stop() { should_stop_ = true; }
+  /// Batches per optimizer step now (accumulate_grad_batches, or what a
+  /// GradientAccumulationScheduler set for this epoch).
+  int64_t accumulate_grad_batches() const { return accumulate_; }
+  /// From the next batch on; ConfigError when < 1, inside an accumulation
+  /// window, or with manual optimization.
+  void set_accumulate_grad_batches(int64_t n);
   bool should_stop() const { return should_stop_; }
   const std::string& stop_reason() const { return stop_reason_; }
   const OptimizerConfig& optimizers() const { return optimizers_; }
@@ -112,6 +118,7 @@ class FitLoop {
   int64_t batches_that_stepped_ = 0;
   // An earlier micro-batch of the current accumulation window ran backward.
   bool window_has_gradient_ = false;
+  int64_t accumulate_ = 1;
   int64_t num_training_batches_ = -1;
   bool should_stop_ = false;
   std::string stop_reason_;
