@@ -500,4 +500,22 @@ void on_ranks(int world,
   }
 }
 
+std::vector<std::pair<int64_t, double>> RecordingLogger::series(const std::string& key) const {
+  std::vector<std::pair<int64_t, double>> out;
+  for (const auto& [step, m] : calls) {
+    if (auto it = m.find(key); it != m.end()) out.emplace_back(step, it->second);
+  }
+  return out;
+}
+
+fulgur::TrainerOptions logged_options(const TempDir& dir, std::shared_ptr<RecordingLogger> logger,
+                                      std::shared_ptr<fulgur::Callback> callback) {
+  auto options = test_options(dir);
+  options.logger = true;
+  options.loggers = {std::move(logger)};
+  options.log_every_n_steps = 1;
+  options.callbacks = {std::move(callback)};
+  return options;
+}
+
 }  // namespace fulgur::test

@@ -276,6 +276,25 @@ class LinearRegression : public fulgur::Module {
   bool validated_in_training_mode = false;
 };
 
+/// Keeps every log_metrics call.
+class RecordingLogger : public fulgur::Logger {
+ public:
+  std::string name() const override { return "recording"; }
+  std::string log_dir() const override { return ""; }
+  void log_hyperparams(const fulgur::HParams&) override {}
+  void log_metrics(const std::map<std::string, double>& metrics, int64_t step) override {
+    calls.emplace_back(step, metrics);
+  }
+  /// The values of `key` in logging order, with their steps.
+  std::vector<std::pair<int64_t, double>> series(const std::string& key) const;
+  std::vector<std::pair<int64_t, std::map<std::string, double>>> calls;
+};
+
+/// test_options with `logger` as the only logger (logging every step) and
+/// `callback` as the only callback.
+fulgur::TrainerOptions logged_options(const TempDir& dir, std::shared_ptr<RecordingLogger> logger,
+                                      std::shared_ptr<fulgur::Callback> callback);
+
 /// Appends "cb:<hook>" to `events` (shared with a LinearRegression to check
 /// that callbacks run right after the Module's hook of the same name).
 class RecordingCallback : public fulgur::Callback {

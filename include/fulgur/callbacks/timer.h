@@ -1,14 +1,10 @@
 // File: fulgur/callbacks/timer.h
 //
-// Timer: stops fit once its training time reaches a duration (the
+// Stops fit once its training time reaches a duration (the
 // Trainer's max_time adds one). The request is agreed by every rank like
 // request_stop(); the end of fit then runs as usual (the ModelCheckpoint's
 // epoch-end save included). The time already trained is saved in
 // checkpoints, so a resumed run counts on from it.
-//
-// OnExceptionCheckpoint: when fit fails with an exception (a NaN check, a
-// bug in a step, a peer that died), saves a checkpoint of the state the run
-// had reached, named in a message, before the error reaches the caller.
 #pragma once
 
 #include <chrono>
@@ -16,7 +12,7 @@
 #include <string>
 
 #include "fulgur/callbacks/callback.h"
-#include "fulgur/callbacks/monitors.h"
+#include "fulgur/callbacks/logging_interval.h"
 
 namespace fulgur {
 
@@ -50,29 +46,6 @@ class Timer : public Callback {
   std::chrono::milliseconds before_{0};  // from a checkpoint, or ended runs
   std::optional<std::chrono::steady_clock::time_point> running_since_;
   bool stopped_ = false;
-};
-
-struct OnExceptionCheckpointOptions {
-  /// Default: the run's checkpoint directory (<default_root_dir>/checkpoints,
-  /// or the ModelCheckpoint's dirpath).
-  std::string dirpath = "";
-  std::string filename = "on_exception";
-};
-
-class OnExceptionCheckpoint : public Callback {
- public:
-  explicit OnExceptionCheckpoint(OnExceptionCheckpointOptions options = {});
-  std::string state_key() const override { return "OnExceptionCheckpoint"; }
-  void on_fit_start(Trainer& trainer, Module& module) override;
-  void on_fit_end(Trainer& trainer, Module& module) override;
-  void on_exception(Trainer& trainer, Module& module, const std::exception& error) override;
-  /// Where it saved ("" while it has not).
-  const std::string& saved_path() const { return saved_path_; }
-
- private:
-  OnExceptionCheckpointOptions options_;
-  bool in_fit_ = false;
-  std::string saved_path_;
 };
 
 }  // namespace fulgur

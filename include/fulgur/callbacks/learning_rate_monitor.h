@@ -1,0 +1,44 @@
+// File: fulgur/callbacks/learning_rate_monitor.h
+//
+// Logs every optimizer's learning rate (and momentum, on request) to the
+// loggers, as "lr-SGD", "lr-Adam", "lr-Adam/pg2" for a second parameter
+// group, "lr-SGD-1" for a second SGD: the rate each optimizer step is about
+// to use, at that step's index, every log_every_n_steps steps (or at each
+// epoch's end), on global rank 0.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "fulgur/callbacks/callback.h"
+#include "fulgur/callbacks/logging_interval.h"
+
+namespace fulgur {
+
+struct LearningRateMonitorOptions {
+  /// "step" (every log_every_n_steps optimizer steps) or "epoch".
+  Choice<LoggingInterval> logging_interval = LoggingInterval::kStep;
+  /// Also "momentum-<name>": SGD's momentum, Adam's and AdamW's beta1,
+  /// RMSprop's momentum.
+  bool log_momentum = false;
+};
+
+class LearningRateMonitor : public Callback {
+ public:
+  explicit LearningRateMonitor(LearningRateMonitorOptions options = {});
+  std::string state_key() const override { return "LearningRateMonitor"; }
+  void on_train_batch_start(Trainer& trainer, Module& module, const Batch& batch,
+                            int64_t batch_idx) override;
+  void on_train_epoch_end(Trainer& trainer, Module& module) override;
+  /// What it logged last (name → value), for programs and tests.
+  const std::map<std::string, double>& last_logged() const { return last_; }
+
+ private:
+  void log(Trainer& trainer, Module& module);
+  LearningRateMonitorOptions options_;
+  std::map<std::string, double> last_;
+  int64_t logged_step_ = -1;
+};
+
+}  // namespace fulgur

@@ -1,0 +1,43 @@
+// File: fulgur/callbacks/throughput_monitor.h
+//
+// Logs training throughput over a window of recent batches to the loggers:
+// "throughput/batches_per_sec" and "throughput/samples_per_sec" (every
+// rank's samples), every log_every_n_steps steps, on global rank 0.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <utility>
+
+#include "fulgur/callbacks/callback.h"
+
+namespace fulgur {
+
+struct ThroughputMonitorOptions {
+  /// Batches the rates are averaged over (>= 2).
+  int64_t window = 50;
+};
+
+class ThroughputMonitor : public Callback {
+ public:
+  explicit ThroughputMonitor(ThroughputMonitorOptions options = {});
+  std::string state_key() const override { return "ThroughputMonitor"; }
+  void on_train_epoch_start(Trainer& trainer, Module& module) override;
+  void on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor& loss,
+                          const Batch& batch, int64_t batch_idx) override;
+  /// The latest rates (0 before the window has two batches).
+  double batches_per_sec() const { return batches_per_sec_; }
+  double samples_per_sec() const { return samples_per_sec_; }
+
+ private:
+  ThroughputMonitorOptions options_;
+  /// (end of batch, samples in it) of the window's batches.
+  std::deque<std::pair<std::chrono::steady_clock::time_point, int64_t>> window_;
+  double batches_per_sec_ = 0;
+  double samples_per_sec_ = 0;
+  int64_t logged_step_ = -1;
+};
+
+}  // namespace fulgur

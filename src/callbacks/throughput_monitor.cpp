@@ -1,0 +1,61 @@
+#include "fulgur/callbacks/throughput_monitor.h"
+
+#include <torch/torch.h>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/core/module.h"
+#include "fulgur/data/batch.h"
+#include "fulgur/strategies/strategy.h"
+#include "fulgur/trainer/trainer.h"
+#include "callbacks/log_support.h"
+
+namespace fulgur {
+
+namespace {
+
+// Every log_every_n_steps optimizer steps, once per step.
+bool step_due(Trainer& trainer, int64_t& logged_step) {
+  const int64_t step = trainer.global_step();
+  if (step == 0 || step == logged_step || step % trainer.options().log_every_n_steps != 0) {
+    return false;
+  }
+  logged_step = step;
+  return true;
+}
+
+}  // namespace
+
+ThroughputMonitor::ThroughputMonitor(ThroughputMonitorOptions options) : options_(options) {
+  if (options_.window < 2) {
+    throw ConfigError(str("ThroughputMonitor(window=", options_.window,
+                          "): must be >= 2 (a rate needs two batch ends)."));
+  }
+}
+
+void ThroughputMonitor::on_train_epoch_start(Trainer&, Module&) {
+  // The time between epochs (validation, checkpoints) is not training.
+  window_.clear();
+}
+
+void ThroughputMonitor::on_train_batch_end(Trainer& trainer, Module&, const at::Tensor&,
+                                           const Batch& batch, int64_t) {
+  window_.emplace_back(std::chrono::steady_clock::now(), batch.batch_size());
+  if (static_cast<int64_t>(window_.size()) > options_.window) window_.pop_front();
+  if (window_.size() >= 2) {
+    const double seconds =
+        std::chrono::duration<double>(window_.back().first - window_.front().first).count();
+    int64_t samples = 0;
+    // The first entry marks the window's start; its samples came before it.
+    for (size_t i = 1; i < window_.size(); ++i) samples += window_[i].second;
+    if (seconds > 0) {
+      batches_per_sec_ = static_cast<double>(window_.size() - 1) / seconds;
+      samples_per_sec_ = static_cast<double>(samples) * trainer.strategy().world_size() / seconds;
+    }
+  }
+  if (batches_per_sec_ > 0 && step_due(trainer, logged_step_)) {
+    detail::log_to_loggers(trainer, {{"throughput/batches_per_sec", batches_per_sec_},
+                                     {"throughput/samples_per_sec", samples_per_sec_}});
+  }
+}
+
+}  // namespace fulgur
