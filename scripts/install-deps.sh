@@ -58,6 +58,7 @@ packages=(
   libcli11-dev          # command-line parsing for examples and tools
   zlib1g-dev            # reads the gzip IDX files of Fashion-MNIST
   libisal-dev           # CRC32C of every checkpoint (Intel ISA-L)
+  gnuplot-nox           # the curves of a run as a PNG (CSVLogger, fulgur plot)
   dataset-fashion-mnist # the main job's data under /usr/share/datasets/fashion-mnist
   openmpi-bin           # mpirun (a launch path under test)
   slurmctld slurmd      # a real SLURM cluster on localhost (scripts/slurm-cluster.sh),

@@ -6,6 +6,7 @@
 //                                        precisions, cluster environments, checkpoint IO
 //   fulgur checkpoint inspect PATH       what a checkpoint holds, and whether it
 //                                        verifies (exit status 0, or 1 when corrupt)
+//   fulgur plot PATH [--out PNG]         a run's curves as a PNG (gnuplot)
 //
 // Flags are the Trainer's hardware options, snake_case or kebab-case, each
 // with a value: --accelerator, --strategy, --devices, --num_nodes,
@@ -14,6 +15,7 @@
 // 1 anything else (message on stderr).
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <string>
 #include <utility>
@@ -30,11 +32,15 @@ constexpr const char* kUsage =
     "                      [--deterministic true|false|warn] [--benchmark true|false]\n"
     "       fulgur list\n"
     "       fulgur checkpoint inspect PATH\n"
+    "       fulgur plot PATH [--out PNG]\n"
     "resolve prints, as JSON, what fulgur::Trainer would choose for these flags in this\n"
     "environment (torchrun, SLURM, MPI, LSF or Kubeflow variables included), and starts\n"
     "nothing. Exit status 2 and a JSON error when the flags are wrong.\n"
     "checkpoint inspect prints what a checkpoint (a .ckpt file, or a directory of per-rank\n"
-    "shards) holds and verifies its checksums: exit status 0 when it verifies, 1 when not.\n";
+    "shards) holds and verifies its checksums: exit status 0 when it verifies, 1 when not.\n"
+    "plot draws the curves of a run (a metrics.csv, its version directory, or the run's\n"
+    "default_root_dir: the newest version) with gnuplot, into metrics.png next to the CSV\n"
+    "unless --out says where; exit status 1 when it cannot.\n";
 
 int resolve(int argc, char** argv) {
   std::vector<std::pair<std::string, std::string>> flags;
@@ -118,6 +124,35 @@ int checkpoint(int argc, char** argv) {
   return 2;
 }
 
+int plot(int argc, char** argv) {
+  std::string path, out;
+  for (int i = 2; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if ((arg == "--out" || arg == "-o") && i + 1 < argc) {
+      out = argv[++i];
+    } else if (arg.rfind("--out=", 0) == 0) {
+      out = arg.substr(6);
+    } else if (path.empty() && arg.rfind("-", 0) != 0) {
+      path = arg;
+    } else {
+      std::cerr << "fulgur plot: unexpected \"" << arg << "\".\n" << kUsage;
+      return 2;
+    }
+  }
+  if (path.empty()) {
+    std::cerr << "fulgur plot: which run? Pass a metrics.csv or a run directory.\n" << kUsage;
+    return 2;
+  }
+  const std::string csv = fulgur::find_metrics_csv(path);
+  if (out.empty()) out = (std::filesystem::path(csv).parent_path() / "metrics.png").string();
+  if (const std::string problem = fulgur::plot_metrics(csv, out); !problem.empty()) {
+    std::cerr << "fulgur " << problem << "\n";
+    return 1;
+  }
+  std::cout << out << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -125,6 +160,7 @@ int main(int argc, char** argv) {
     if (argc >= 2 && std::strcmp(argv[1], "resolve") == 0) return resolve(argc, argv);
     if (argc >= 2 && std::strcmp(argv[1], "list") == 0) return list();
     if (argc >= 2 && std::strcmp(argv[1], "checkpoint") == 0) return checkpoint(argc, argv);
+    if (argc >= 2 && std::strcmp(argv[1], "plot") == 0) return plot(argc, argv);
     if (argc >= 2 && (std::strcmp(argv[1], "-h") == 0 || std::strcmp(argv[1], "--help") == 0)) {
       std::cout << kUsage;
       return 0;

@@ -27,6 +27,7 @@
 #include "fulgur/data/sampler.h"
 #include "fulgur/loggers/csv_logger.h"
 #include "fulgur/loggers/logger.h"
+#include "fulgur/loggers/plot.h"
 #include "fulgur/nn/functional.h"
 #include "fulgur/nn/sync_batch_norm.h"
 #include "fulgur/plugins/environments/cluster_environment.h"

@@ -1,5 +1,10 @@
 #include "fulgur/loggers/csv_logger.h"
 
+#include <filesystem>
+#include <iostream>
+
+#include "fulgur/loggers/plot.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -156,6 +161,15 @@ void CSVLogger::save() {
   }
   for (auto& r : pending_) written_.push_back(std::move(r));
   pending_.clear();
+}
+
+void CSVLogger::finalize() {
+  save();
+  if (!options_.plot || written_.empty()) return;
+  const std::string png = (std::filesystem::path(log_dir()) / "metrics.png").string();
+  if (const std::string problem = plot_metrics(metrics_file(), png); !problem.empty()) {
+    std::cerr << "fulgur: CSVLogger: " << problem << std::endl;
+  }
 }
 
 }  // namespace fulgur

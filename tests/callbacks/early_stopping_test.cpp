@@ -149,25 +149,28 @@ TEST(EarlyStopping, AResumedRunStopsWhereTheUninterruptedOneDid) {
 TEST(EarlyStopping, ChecksAfterEachValidationWhenValidationRunsWithinTheEpoch) {
   TempDir dir;
   LinearRegression model;
-  int validations = 0;
-  // val_loss rises with every validation after the second.
+  // Validation i (every 2 training batches, 2 batches each) logs scores[i].
+  const std::vector<double> scores = {3, 2, 2.5, 2.6, 1, 1};
+  int validation_batches = 0;
   model.val_hook = [&](LinearRegression& m, fulgur::Batch&, int64_t) {
-    if (!m.trainer().sanity_checking()) ++validations;
+    if (m.trainer().sanity_checking()) return;
+    m.log("score", scores[static_cast<size_t>(validation_batches++ / 2)]);
   };
-  auto es = std::make_shared<EarlyStopping>(
-      EarlyStoppingOptions{.monitor = "val_loss", .patience = 1, .mode = "max"});
+  auto es =
+      std::make_shared<EarlyStopping>(EarlyStoppingOptions{.monitor = "score", .patience = 2});
   auto options = test_options(dir);
   options.max_epochs = 5;
   options.val_check_interval = 2;
   options.num_sanity_val_steps = 0;
   options.callbacks = {es};
   fulgur::Trainer trainer(options);
-  // val_loss falls as the model learns: in mode "max" the second
-  // validation is already no better, so the run stops after it, mid-epoch.
-  auto result = trainer.fit(model, regression_loader(8), regression_loader(2));
-  EXPECT_EQ(validations, 2 * 2);  // two validations of two batches
-  EXPECT_EQ(result.global_step, 4);
+  // The third and fourth validations (after steps 6 and 8) do not beat the
+  // second: the run stops after the fourth, in the middle of the epoch.
+  auto result = trainer.fit(model, regression_loader(12), regression_loader(2));
+  EXPECT_EQ(validation_batches, 4 * 2);
+  EXPECT_EQ(result.global_step, 8);
   EXPECT_EQ(es->stopped_epoch(), 0);
+  EXPECT_EQ(es->best_score(), 2);
 }
 
 }  // namespace

@@ -17,12 +17,16 @@ struct CSVLoggerOptions {
   std::optional<int64_t> version = std::nullopt;
   /// Rows kept in memory before a write.
   int64_t flush_every = 100;
+  /// At the end of fit, draw metrics.png next to metrics.csv (gnuplot; one
+  /// line on stderr instead when it is missing).
+  bool plot = true;
 };
 
 /// Writes `<save_dir>/<name>/version_<N>/metrics.csv` (one row per step, one
 /// column per metric, empty cells where a metric was not logged) and
 /// `hparams.yaml` next to it. New columns rewrite the file with the wider
-/// header, so the CSV is always rectangular.
+/// header, so the CSV is always rectangular. At the end of fit, metrics.png:
+/// the curves (fulgur/loggers/plot.h).
 class CSVLogger : public Logger {
  public:
   explicit CSVLogger(CSVLoggerOptions options = {});
@@ -31,6 +35,8 @@ class CSVLogger : public Logger {
   void log_hyperparams(const HParams& params) override;
   void log_metrics(const std::map<std::string, double>& metrics, int64_t step) override;
   void save() override;
+  /// save(), then metrics.png when `plot` is on.
+  void finalize() override;
   /// Path of metrics.csv.
   std::string metrics_file() const;
 

@@ -1,0 +1,287 @@
+#include "fulgur/loggers/plot.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include "fulgur/core/errors.h"
+
+extern char** environ;
+
+namespace fulgur {
+
+namespace {
+
+std::vector<std::string> split_csv_line(const std::string& line) {
+  std::vector<std::string> cells;
+  std::string cell;
+  for (char c : line) {
+    if (c == ',') {
+      cells.push_back(cell);
+      cell.clear();
+    } else if (c != '\r') {
+      cell += c;
+    }
+  }
+  cells.push_back(cell);
+  return cells;
+}
+
+// A string for a gnuplot double-quoted literal.
+std::string gnuplot_quoted(const std::string& text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out + "\"";
+}
+
+// Underscores are subscripts in gnuplot's enhanced text: shown as written.
+std::string gnuplot_label(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '_' || c == '^' || c == '{' || c == '}' || c == '@' || c == '&') out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string metric_panel(const std::string& metric) {
+  std::string name = metric;
+  for (const char* prefix : {"train_", "val_", "test_"}) {
+    if (name.rfind(prefix, 0) == 0 && name.size() > std::strlen(prefix)) {
+      name = name.substr(std::strlen(prefix));
+      break;
+    }
+  }
+  for (const char* suffix : {"_step", "_epoch"}) {
+    const size_t n = std::strlen(suffix);
+    if (name.size() > n && name.compare(name.size() - n, n, suffix) == 0) {
+      name = name.substr(0, name.size() - n);
+      break;
+    }
+  }
+  return name;
+}
+
+std::string gnuplot_script(const std::string& csv_path, const std::string& png_path,
+                           const std::string& title) {
+  std::ifstream in(csv_path);
+  if (!in) {
+    throw ConfigError(str("plot: cannot read \"", csv_path, "\": ", std::strerror(errno),
+                          ". Pass a CSVLogger's metrics.csv or its run directory."));
+  }
+  std::string line;
+  if (!std::getline(in, line)) {
+    throw ConfigError(str("plot: \"", csv_path, "\" is empty: no metric was logged."));
+  }
+  const std::vector<std::string> header = split_csv_line(line);
+  if (header.empty() || header[0] != "step") {
+    throw ConfigError(str("plot: \"", csv_path,
+                          "\" is not a CSVLogger's metrics.csv (its first column is \"",
+                          header.empty() ? "" : header[0], "\", not \"step\")."));
+  }
+  // Each metric's (step, value) points, in file order.
+  std::vector<std::vector<std::pair<double, double>>> points(header.size());
+  int64_t row = 1;
+  while (std::getline(in, line)) {
+    ++row;
+    if (line.empty()) continue;
+    const auto cells = split_csv_line(line);
+    char* end = nullptr;
+    const double step = std::strtod(cells[0].c_str(), &end);
+    if (cells[0].empty() || *end != '\0') {
+      throw ConfigError(str("plot: \"", csv_path, "\" line ", row, ": the step \"", cells[0],
+                            "\" is not a number."));
+    }
+    for (size_t c = 1; c < cells.size() && c < header.size(); ++c) {
+      if (cells[c].empty()) continue;
+      const double v = std::strtod(cells[c].c_str(), &end);
+      if (*end == '\0' && std::isfinite(v)) points[c].emplace_back(step, v);
+    }
+  }
+  // Panels in the order their first metric appears; "epoch" is the x axis's
+  // companion, not a curve.
+  std::vector<std::string> panels;
+  std::map<std::string, std::vector<size_t>> members;
+  for (size_t c = 1; c < header.size(); ++c) {
+    if (header[c] == "epoch" || points[c].empty()) continue;
+    const std::string panel = metric_panel(header[c]);
+    if (!members.count(panel)) panels.push_back(panel);
+    members[panel].push_back(c);
+  }
+  // The loss first: what a reader looks for.
+  std::stable_partition(panels.begin(), panels.end(),
+                        [](const std::string& p) { return p.find("loss") != std::string::npos; });
+  if (panels.empty()) {
+    throw ConfigError(str("plot: \"", csv_path, "\" holds no metric value to draw."));
+  }
+  const size_t cols = std::min<size_t>(panels.size(), 2);
+  const size_t rows = (panels.size() + cols - 1) / cols;
+  std::ostringstream s;
+  s.precision(10);
+  for (size_t c = 1; c < header.size(); ++c) {
+    if (points[c].empty()) continue;
+    s << "$m" << c << " << EOD\n";
+    for (const auto& [x, y] : points[c]) s << x << ' ' << y << '\n';
+    s << "EOD\n";
+  }
+  s << "set terminal pngcairo size " << 560 * cols << "," << 380 * rows
+    << " enhanced font \"DejaVu Sans,10\"\n"
+    << "set output " << gnuplot_quoted(png_path) << "\n"
+    << "set multiplot layout " << rows << "," << cols << " title "
+    << gnuplot_quoted(gnuplot_label(title)) << " font \",12\"\n"
+    << "set grid\nset bmargin 5\nset key outside bottom center horizontal\nset xlabel \"optimizer "
+       "step\" offset 0,0.5\n";
+  for (const auto& panel : panels) {
+    s << "set title " << gnuplot_quoted(gnuplot_label(panel)) << "\nset ylabel "
+      << gnuplot_quoted(gnuplot_label(panel)) << "\n";
+    s << "plot ";
+    const auto& cols_of = members[panel];
+    for (size_t i = 0; i < cols_of.size(); ++i) {
+      const size_t c = cols_of[i];
+      // Sparse series (once per epoch) get points to stay visible.
+      const char* style = points[c].size() <= 50 ? "linespoints pt 7 ps 0.6" : "lines";
+      s << (i ? ", " : "") << "$m" << c << " using 1:2 with " << style << " lw 1.5 title "
+        << gnuplot_quoted(gnuplot_label(header[c]));
+    }
+    s << "\n";
+  }
+  s << "unset multiplot\nset output\n";
+  return s.str();
+}
+
+std::string find_metrics_csv(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) return path;
+  if (!fs::is_directory(path, ec)) {
+    throw ConfigError(str("plot: \"", path, "\" is neither a metrics.csv nor a directory."));
+  }
+  if (fs::is_regular_file(fs::path(path) / "metrics.csv", ec)) {
+    return (fs::path(path) / "metrics.csv").string();
+  }
+  // A run's root: <name>/version_N/metrics.csv, the highest N of the first
+  // logger directory that has one (fulgur_logs first).
+  std::vector<fs::path> names = {fs::path(path) / "fulgur_logs"};
+  for (const auto& entry : fs::directory_iterator(path, ec)) {
+    if (entry.is_directory(ec) && entry.path().filename() != "fulgur_logs") {
+      names.push_back(entry.path());
+    }
+  }
+  for (const auto& name : names) {
+    long best = -1;
+    fs::path found;
+    for (const auto& entry : fs::directory_iterator(name, ec)) {
+      const std::string dir = entry.path().filename().string();
+      if (dir.rfind("version_", 0) != 0) continue;
+      char* end = nullptr;
+      const long n = std::strtol(dir.c_str() + 8, &end, 10);
+      if (*end == '\0' && n > best && fs::is_regular_file(entry.path() / "metrics.csv", ec)) {
+        best = n;
+        found = entry.path() / "metrics.csv";
+      }
+    }
+    if (best >= 0) return found.string();
+  }
+  throw ConfigError(str("plot: no metrics.csv in \"", path,
+                        "\", nor in a <logger>/version_N directory below it. Pass a CSVLogger's "
+                        "metrics.csv, its version directory, or the run's default_root_dir."));
+}
+
+std::string plot_metrics(const std::string& csv_path, const std::string& png_path) {
+  std::string script;
+  try {
+    const auto dir = std::filesystem::path(csv_path).parent_path();
+    script = gnuplot_script(csv_path, png_path,
+                            dir.filename().string().empty()
+                                ? csv_path
+                                : (dir.parent_path().filename() / dir.filename()).string());
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  int in[2], err[2];
+  if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
+    return str("plot: cannot create pipes for gnuplot: ", std::strerror(errno));
+  }
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, in[0], STDIN_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, err[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, err[1], STDERR_FILENO);
+  char arg0[] = "gnuplot";
+  char* argv[] = {arg0, nullptr};
+  pid_t pid = -1;
+  const int spawned = ::posix_spawnp(&pid, "gnuplot", &actions, nullptr, argv, environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(in[0]);
+  ::close(err[1]);
+  if (spawned != 0) {
+    ::close(in[1]);
+    ::close(err[0]);
+    return str("plot: gnuplot is not installed (", std::strerror(spawned),
+               "), so there is no picture of \"", csv_path,
+               "\": apt install gnuplot-nox (scripts/install-deps.sh installs it), then run "
+               "`fulgur plot ",
+               std::filesystem::path(csv_path).parent_path().string(), "`.");
+  }
+  // The script into its stdin (a SIGPIPE if gnuplot died would end us).
+  struct sigaction ignore {
+  }, old{};
+  ignore.sa_handler = SIG_IGN;
+  ::sigaction(SIGPIPE, &ignore, &old);
+  size_t off = 0;
+  while (off < script.size()) {
+    ssize_t w = ::write(in[1], script.data() + off, script.size() - off);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) break;
+    off += static_cast<size_t>(w);
+  }
+  ::close(in[1]);
+  ::sigaction(SIGPIPE, &old, nullptr);
+  std::string output;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  int status = 0;
+  for (;;) {
+    pollfd p{err[0], POLLIN, 0};
+    if (::poll(&p, 1, 100) > 0) {
+      char buf[4096];
+      ssize_t n = ::read(err[0], buf, sizeof buf);
+      if (n > 0) output.append(buf, static_cast<size_t>(n));
+    }
+    pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      ::close(err[0]);
+      return str("plot: gnuplot did not finish in 60 s drawing \"", png_path, "\".");
+    }
+  }
+  ::close(err[0]);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || !std::filesystem::exists(png_path)) {
+    while (!output.empty() && output.back() == '\n') output.pop_back();
+    return str("plot: gnuplot failed drawing \"", png_path,
+               "\": ", output.empty() ? std::string("no message") : output);
+  }
+  return "";
+}
+
+}  // namespace fulgur
