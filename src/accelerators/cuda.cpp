@@ -1,5 +1,7 @@
 #include "fulgur/accelerators/cuda.h"
 
+#include <cstdlib>
+
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/torch.h>
 
@@ -68,5 +70,9 @@ void CUDAAccelerator::setup_device(c10::Device device) {
 }
 
 std::map<std::string, double> CUDAAccelerator::device_stats(c10::Device) const { return {}; }
+
+void CUDAAccelerator::prepare_determinism() {
+  ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+}
 
 }  // namespace fulgur

@@ -126,7 +126,7 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
   auto connected = connect(options, EnvView(), check_loop_flags(options));
   strategy = std::move(connected.strategy);
   resolution = std::move(connected.resolution);
-  apply_torch_flags(resolution);
+  apply_torch_flags(resolution, strategy->accelerator());
 
   limits.train = options.limit_train_batches;
   limits.val = options.limit_val_batches;

@@ -153,4 +153,26 @@ TEST(MPSAccelerator, SaysWhyItIsNotAvailable) {
   EXPECT_TRUE(fulgur::test::message_contains(mps.unavailable_reason(), {"no MPS backend"}));
 }
 
+// ---- Capabilities.
+
+// deterministic=true asks the accelerator for its own part (the connector
+// does not compare names): a user's accelerator is asked too, once.
+TEST(Accelerator, DeterministicAsksTheAcceleratorToPrepare) {
+  struct Counting : fulgur::CPUAccelerator {
+    std::string_view name() const override { return "counting_cpu"; }
+    void prepare_determinism() override { ++prepared; }
+    int prepared = 0;
+  };
+  fulgur::test::TempDir dir;
+  for (bool deterministic : {true, false}) {
+    auto accelerator = std::make_shared<Counting>();
+    auto options = fulgur::test::test_options(dir);
+    options.accelerator = accelerator;
+    options.deterministic = deterministic;
+    fulgur::Trainer trainer(options);
+    EXPECT_EQ(accelerator->prepared, deterministic ? 1 : 0) << deterministic;
+  }
+  at::globalContext().setDeterministicAlgorithms(false, false);
+}
+
 }  // namespace

@@ -79,6 +79,10 @@ class Accelerator {
   virtual bool supports_float16() const { return true; }
   /// Whether benchmark=true means something: cuDNN's autotuner (CUDA).
   virtual bool has_cudnn_autotuner() const { return false; }
+  /// What the device needs for deterministic=true beyond LibTorch's own
+  /// switch, done before its first kernel (CUDA: cuBLAS's fixed workspace,
+  /// CUBLAS_WORKSPACE_CONFIG). Default: nothing.
+  virtual void prepare_determinism() {}
 };
 
 using AcceleratorRegistry = Registry<Accelerator>;

@@ -17,6 +17,10 @@ class CUDAAccelerator : public Accelerator {
   void setup_device(c10::Device device) override;
   std::map<std::string, double> device_stats(c10::Device device) const override;
   bool has_cudnn_autotuner() const override { return true; }
+  /// Sets CUBLAS_WORKSPACE_CONFIG=:4096:8 unless the user set it: cuBLAS is
+  /// deterministic only with a fixed workspace, read when its first handle
+  /// is created.
+  void prepare_determinism() override;
 };
 
 }  // namespace fulgur

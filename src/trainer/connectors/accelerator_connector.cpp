@@ -613,15 +613,12 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
   return connect(options, ConnectorContext(env), other_problems);
 }
 
-void apply_torch_flags(const Resolution& resolution) {
+void apply_torch_flags(const Resolution& resolution, Accelerator& accelerator) {
   auto& context = at::globalContext();
   if (resolution.deterministic != Determinism::kOff) {
     const bool warn_only = resolution.deterministic == Determinism::kWarn;
-    if (resolution.accelerator == "cuda") {
-      // cuBLAS is deterministic only with a fixed workspace; it reads this
-      // when its first handle is created, so it must be set before that.
-      ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
-    }
+    // The device's own part (cuBLAS's workspace), before its first kernel.
+    accelerator.prepare_determinism();
     context.setDeterministicAlgorithms(true, warn_only);
     context.setDeterministicCuDNN(true);
     context.setBenchmarkCuDNN(false);

@@ -103,8 +103,9 @@ ConnectorResult connect(const TrainerOptions& options, const EnvView& env = EnvV
                         const std::vector<std::string>& other_problems = {});
 
 /// Applies the process-wide LibTorch flags of a resolution: deterministic
-/// algorithms (and cuBLAS's workspace setting on CUDA), cuDNN benchmark.
-/// The Trainer calls it; `fulgur resolve` does not.
-void apply_torch_flags(const Resolution& resolution);
+/// algorithms (and what `accelerator` needs for them, e.g. cuBLAS's
+/// workspace setting on CUDA), cuDNN benchmark. The Trainer calls it;
+/// `fulgur resolve` does not.
+void apply_torch_flags(const Resolution& resolution, Accelerator& accelerator);
 
 }  // namespace fulgur
