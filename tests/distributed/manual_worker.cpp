@@ -9,6 +9,8 @@
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
+#include <csignal>
+#include <cstdio>
 #include <iostream>
 
 #include "fulgur/fulgur.h"
@@ -23,10 +25,14 @@ struct Args {
   std::string ckpt_root;
   std::string resume;
   double timeout_s = 60;
+  // "R:S:SIG": rank R raises signal SIG before global step S of the first
+  // attempt (a scheduler's preemption signal, delivered to one rank).
+  std::string raise_at;
 };
 
 struct ShardedModel : fulgur::Module {
   int64_t rows_per_rank;
+  std::string raise_at;
   torch::nn::Linear fc{nullptr};
   at::Tensor table;  // this rank's rows, created in configure_model()
   int to_calls = 0;
@@ -63,6 +69,15 @@ struct ShardedModel : fulgur::Module {
   }
 
   at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
+    int r = -1, sig = 0;
+    long long step = -1;
+    if (!raise_at.empty() && std::sscanf(raise_at.c_str(), "%d:%lld:%d", &r, &step, &sig) == 3 &&
+        r == trainer().strategy().global_rank() && step == trainer().global_step() &&
+        trainer().strategy().cluster_environment().restart_count() == 0) {
+      std::cout << "rank " << r << " receives signal " << sig << " before step " << step
+                << std::endl;
+      std::raise(sig);
+    }
     auto& [x, y] = batch.pair();
     // Each rank's rows enter the loss through its own shard only.
     auto shard_term = table.sum(0).unsqueeze(0) * 0.001;
@@ -99,10 +114,12 @@ int main(int argc, char** argv) {
   app.add_option("--ckpt-root", a.ckpt_root);
   app.add_option("--resume", a.resume);
   app.add_option("--timeout", a.timeout_s);
+  app.add_option("--raise", a.raise_at);
   CLI11_PARSE(app, argc, argv);
   try {
     torch::manual_seed(3);
     ShardedModel model(a.rows_per_rank);
+    model.raise_at = a.raise_at;
     // 64 samples whose values depend only on their index.
     auto idx = torch::arange(64, torch::kFloat).unsqueeze(1);
     auto x = torch::sin(idx * torch::arange(1, 5, torch::kFloat) * 0.3);

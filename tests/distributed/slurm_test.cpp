@@ -246,4 +246,48 @@ TEST_F(Slurm, SigtermOnOneRankSavesACheckpointAndANewJobResumesBitIdentical) {
   expect_identical("reference", "stopped");
 }
 
+// Under `manual` every rank writes its own shard: SIGTERM on one rank makes
+// every rank save its part of last.ckpt (a manifest and a shard per rank,
+// verified), and a new job with ckpt_path="auto" resumes each rank's shard
+// and ends with every rank's parameters bit-identical to an uninterrupted run.
+TEST_F(Slurm, SigtermUnderManualSavesEveryRanksShardAndANewJobResumesThem) {
+  auto manual = [&](const std::string& name, std::vector<std::string> extra) {
+    std::filesystem::create_directories(dir_.path() + "/" + name + "-out");
+    std::vector<std::string> args = {"srun",
+                                     "-N1",
+                                     "-n2",
+                                     "--overcommit",
+                                     "-J",
+                                     "train",
+                                     FULGUR_MANUAL_WORKER,
+                                     "--devices",
+                                     "2",
+                                     "--steps",
+                                     "12",
+                                     "--ckpt-root",
+                                     dir_.path() + "/" + name,
+                                     "--out",
+                                     dir_.path() + "/" + name + "-out"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return slurm(args);
+  };
+  auto reference = manual("reference", {});
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  auto stopped = manual("stopped", {"--raise", "1:5:15"});
+  EXPECT_NE(stopped.exit_code, 0) << stopped.output;
+  EXPECT_EQ(count(stopped.output, "fulgur: SIGTERM (cluster environment \"slurm\"): saved"), 1)
+      << stopped.output;
+  const std::string last = dir_.path() + "/stopped/checkpoints/last.ckpt";
+  auto inspect = run_process({FULGUR_CLI, "checkpoint", "inspect", last}, {}, 60s);
+  EXPECT_EQ(inspect.exit_code, 0) << inspect.output;
+  auto resumed = manual("stopped", {"--resume", "auto"});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  for (const std::string rank : {"0", "1"}) {
+    EXPECT_EQ(result_value(resumed.output, "rank" + rank + "_global_step"), "12") << resumed.output;
+    EXPECT_TRUE(same_params(dir_.path() + "/reference-out/rank-" + rank + ".pt",
+                            dir_.path() + "/stopped-out/rank-" + rank + ".pt", {.exact = true}))
+        << "rank " << rank;
+  }
+}
+
 }  // namespace
