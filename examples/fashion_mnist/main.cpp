@@ -155,6 +155,7 @@ struct Args {
   std::string max_epochs = "3";
   int64_t min_epochs = 0;
   int64_t max_steps = -1;
+  double max_time = 0;
   int64_t min_steps = 0;
   std::string fast_dev_run = "0";
   std::string limit_train_batches = "1.0";
@@ -306,6 +307,9 @@ void add_flags(CLI::App& app, Args& a) {
   app.add_option("--max_steps,--max-steps", a.max_steps,
                  "Optimizer steps to train for (-1: no limit)")
       ->group("Trainer: run length");
+  app.add_option("--max_time,--max-time", a.max_time,
+                 "Stop after this many seconds of training, with a checkpoint (0: no limit)")
+      ->group("Trainer: run length");
   app.add_option("--min_steps,--min-steps", a.min_steps, "Train at least this many steps")
       ->group("Trainer: run length");
   app.add_option("--fast_dev_run,--fast-dev-run", a.fast_dev_run,
@@ -392,6 +396,12 @@ fulgur::TrainerOptions trainer_options(const Args& a) {
   o.max_epochs = parse_optional_int("--max_epochs", a.max_epochs);
   o.min_epochs = a.min_epochs;
   o.max_steps = a.max_steps;
+  if (!(a.max_time >= 0)) {
+    throw CLI::ValidationError("--max_time", fulgur::str(a.max_time,
+                                                         " is not a number of seconds >= 0 (0: no "
+                                                         "limit)"));
+  }
+  if (a.max_time > 0) o.max_time = std::chrono::milliseconds(std::llround(a.max_time * 1000));
   o.min_steps = a.min_steps;
   o.fast_dev_run = parse_fast_dev_run("--fast_dev_run", a.fast_dev_run);
   o.limit_train_batches = parse_batch_limit("--limit_train_batches", a.limit_train_batches);

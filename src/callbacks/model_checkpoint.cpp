@@ -133,6 +133,12 @@ void ModelCheckpoint::save(Trainer& trainer, bool) {
       best_model_path_ = path;
     } else {
       auto it = trainer.callback_metrics().find(options_.monitor);
+      if (it == trainer.callback_metrics().end() && trainer.should_stop()) {
+        // The run stops (request_stop, a Timer) before the validation that
+        // logs the metric: nothing to rank, but last.ckpt keeps the state.
+        if (options_.save_last) save_last(trainer);
+        return;
+      }
       if (it == trainer.callback_metrics().end()) {
         std::vector<std::string> names;
         for (const auto& [k, _] : trainer.callback_metrics()) names.push_back(k);

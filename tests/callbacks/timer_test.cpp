@@ -49,6 +49,28 @@ TEST(Timer, MaxTimeStopsFitWithACheckpoint) {
   EXPECT_TRUE(std::filesystem::exists(dir.file("checkpoints/last.ckpt")));
 }
 
+// A stop in the middle of an epoch comes before the validation that logs
+// the monitored metric: the ModelCheckpoint keeps last.ckpt and ranks
+// nothing, instead of failing the run for a missing val_loss.
+TEST(Timer, AStopBeforeTheValidationKeepsLastCkptWithAMonitoredCheckpoint) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [](LinearRegression&, fulgur::Batch&, int64_t) {
+    std::this_thread::sleep_for(20ms);
+  };
+  auto options = test_options(dir);
+  options.max_time = 50ms;
+  options.num_sanity_val_steps = 0;
+  options.enable_checkpointing = true;
+  options.callbacks = {std::make_shared<fulgur::ModelCheckpoint>(
+      fulgur::ModelCheckpointOptions{.monitor = "val_loss"})};
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(100), regression_loader(2));
+  EXPECT_LT(result.global_step, 100);
+  EXPECT_TRUE(std::filesystem::exists(dir.file("checkpoints/last.ckpt")));
+  EXPECT_EQ(trainer.checkpoint_callback()->best_model_path(), "");
+}
+
 // The time trained is in the checkpoint: a resumed run counts on from it.
 TEST(Timer, AResumedRunCountsOnFromTheCheckpoint) {
   TempDir dir;
