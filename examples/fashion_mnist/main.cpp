@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <memory>
@@ -512,6 +513,10 @@ int run(const Args& a, fulgur::TrainerOptions options) {
   if (!result.last_model_path.empty()) std::cout << "last: " << result.last_model_path << "\n";
   if (const auto log_dir = trainer.log_dir(); !log_dir.empty()) {
     std::cout << "metrics: " << log_dir << "/metrics.csv\n";
+    // Drawn at the end of fit when gnuplot is installed.
+    if (std::ifstream(log_dir + "/metrics.png")) {
+      std::cout << "curves: " << log_dir << "/metrics.png\n";
+    }
   }
   std::cout << std::flush;
 
