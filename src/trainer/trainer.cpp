@@ -82,18 +82,9 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
           str("min_epochs=", o.min_epochs, " > max_epochs=", *o.max_epochs,
               ": lower min_epochs or raise max_epochs."));
   }
-  for (size_t i = 0; i < o.callbacks.size(); ++i) {
-    check(o.callbacks[i] != nullptr, str("callbacks[", i, "] is null: pass an instance."));
-  }
   if (o.max_time) {
     check(o.max_time->count() > 0,
           str("max_time=", o.max_time->count(), " ms: must be > 0, or unset for no limit."));
-    for (size_t i = 0; i < o.callbacks.size(); ++i) {
-      check(dynamic_cast<const Timer*>(o.callbacks[i].get()) == nullptr,
-            str("max_time is set and callbacks[", i,
-                "] is a Timer too: set the duration in one place (TimerOptions::duration or "
-                "max_time)."));
-    }
   }
   check(o.max_restarts >= 0,
         str("max_restarts=", o.max_restarts, ": must be >= 0 (0: no restart)."));
@@ -106,8 +97,19 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
           str("every_n_train_steps=", o.every_n_train_steps,
               " sets how often checkpoints are saved, but enable_checkpointing=false saves none: "
               "drop one of the two."));
-    for (size_t i = 0; i < o.callbacks.size(); ++i) {
-      check(dynamic_cast<const ModelCheckpoint*>(o.callbacks[i].get()) == nullptr,
+  }
+  // Each callback: present, and not a second home for a Trainer flag.
+  for (size_t i = 0; i < o.callbacks.size(); ++i) {
+    const Callback* cb = o.callbacks[i].get();
+    check(cb != nullptr, str("callbacks[", i, "] is null: pass an instance."));
+    if (o.max_time) {
+      check(dynamic_cast<const Timer*>(cb) == nullptr,
+            str("max_time is set and callbacks[", i,
+                "] is a Timer too: set the duration in one place (TimerOptions::duration or "
+                "max_time)."));
+    }
+    if (o.every_n_train_steps > 0) {
+      check(dynamic_cast<const ModelCheckpoint*>(cb) == nullptr,
             str("every_n_train_steps=", o.every_n_train_steps,
                 " sets the cadence of the ModelCheckpoint the Trainer adds, but callbacks[", i,
                 "] is a ModelCheckpoint of your own: set ModelCheckpointOptions::"
@@ -473,8 +475,7 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         // In the launching process, before the ranks start again: what
         // fit_start_checkpoint() will pick in them.
         try {
-          std::string path = checkpoints.resolve_path("auto");
-          if (path.empty()) path = checkpoints.resolve_path(requested);
+          const std::string path = restart_checkpoint(requested).path;
           return path.empty() ? std::string() : str("\"", path, "\"");
         } catch (const std::exception& e) {
           return str("nothing: ", e.what());
@@ -507,23 +508,29 @@ void Trainer::Impl::end_by_preemption(int signal) {
   detail::end_by_signal(signal);
 }
 
+Trainer::Impl::RestartPoint Trainer::Impl::restart_checkpoint(const std::string& requested) {
+  std::string newest = checkpoints.resolve_path("auto");
+  if (!newest.empty()) return {std::move(newest), true};
+  return {checkpoints.resolve_path(requested), false};
+}
+
 std::string Trainer::Impl::fit_start_checkpoint(const std::string& requested) {
   const int restarts = strategy->cluster_environment().restart_count();
   if (restarts == 0) return checkpoints.resolve_path(requested);
-  std::string newest = checkpoints.resolve_path("auto");
+  RestartPoint point = restart_checkpoint(requested);
   // fulgur's own launcher has said what the ranks resume from; after a
   // restart by torchrun or SLURM, rank 0 says it.
   if (strategy->is_global_zero() && std::getenv("FULGUR_RESTART_COUNT") == nullptr) {
     std::cerr << "fulgur: restart " << restarts << " (cluster environment \""
               << strategy->cluster_environment().name() << "\"): "
-              << (!newest.empty() ? str("resuming from \"", newest, "\"")
+              << (point.newest ? str("resuming from \"", point.path, "\"")
                   : requested.empty()
                       ? std::string("no checkpoint that verifies yet, starting from the beginning")
                       : str("no checkpoint that verifies yet, starting from ckpt_path=\"",
                             requested, "\" as the first run did"))
               << "." << std::endl;
   }
-  return newest.empty() ? checkpoints.resolve_path(requested) : newest;
+  return std::move(point.path);
 }
 
 Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loader,

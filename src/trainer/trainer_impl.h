@@ -114,6 +114,13 @@ struct Trainer::Impl final : detail::TrainerLink {
   /// (the cluster environment's restart_count() > 0) the newest checkpoint
   /// that verifies, falling back to `requested` while there is none.
   std::string fit_start_checkpoint(const std::string& requested);
+  /// What a restarted fit resumes from: the newest checkpoint of the run's
+  /// directory that verifies (`newest`), else `requested` resolved.
+  struct RestartPoint {
+    std::string path;
+    bool newest = false;
+  };
+  RestartPoint restart_checkpoint(const std::string& requested);
   /// How a forked run's rank 0 returns the fit's results and weights.
   StageResults fit_results(Module& module, FitResult& result);
   /// Splits `loader` across the ranks (train: `even`, padded; evaluation:

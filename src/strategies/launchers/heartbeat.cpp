@@ -60,23 +60,6 @@ void publish(const char* kind, int64_t seq, int64_t bytes) {
   g_collective.generation.fetch_add(1);
 }
 
-// The main thread's scheduler state ('R' running, 'S' sleeping, 'D' in
-// uninterruptible I/O, ...), from /proc; '?' when unreadable.
-char main_thread_state(pid_t pid) {
-  char path[64];
-  std::snprintf(path, sizeof path, "/proc/self/task/%d/stat", static_cast<int>(pid));
-  int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return '?';
-  char buf[512];
-  ssize_t n = ::read(fd, buf, sizeof buf - 1);
-  ::close(fd);
-  if (n <= 0) return '?';
-  buf[n] = '\0';
-  // "pid (comm) S ...": the command may hold spaces and parentheses.
-  const char* close = std::strrchr(buf, ')');
-  return close != nullptr && close[1] == ' ' && close[2] != '\0' ? close[2] : '?';
-}
-
 int64_t cpu_ms_of(int who) {
   rusage usage{};
   ::getrusage(who, &usage);
@@ -89,6 +72,9 @@ int64_t cpu_ms_of(int who) {
 int64_t cpu_ms() { return cpu_ms_of(RUSAGE_SELF) - cpu_ms_of(RUSAGE_THREAD); }
 
 void pulse_loop(int fd, pid_t main_tid, std::chrono::milliseconds interval) {
+  // The main thread's scheduler state: 'R' running, 'S' sleeping, ...
+  char main_stat[64];
+  std::snprintf(main_stat, sizeof main_stat, "/proc/self/task/%d/stat", static_cast<int>(main_tid));
   for (;;) {
     char coll[160] = "-";
     for (;;) {
@@ -110,7 +96,7 @@ void pulse_loop(int fd, pid_t main_tid, std::chrono::milliseconds interval) {
     }
     char line[256];
     int n = std::snprintf(line, sizeof line, "pulse cpu=%lld main=%c coll=%s\n",
-                          static_cast<long long>(cpu_ms()), main_thread_state(main_tid), coll);
+                          static_cast<long long>(cpu_ms()), proc_stat_state(main_stat), coll);
     write_all(fd, line, static_cast<size_t>(std::min<int>(n, sizeof line - 1)));
     std::this_thread::sleep_for(interval);
   }
@@ -128,6 +114,19 @@ void write_all(int fd, const char* data, size_t n) {
     data += w;
     n -= static_cast<size_t>(w);
   }
+}
+
+char proc_stat_state(const char* stat_path) {
+  int fd = ::open(stat_path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return '?';
+  char buf[512];
+  ssize_t n = ::read(fd, buf, sizeof buf - 1);
+  ::close(fd);
+  if (n <= 0) return '?';
+  buf[n] = '\0';
+  // "pid (comm) S ...": the command may hold spaces and parentheses.
+  const char* close = std::strrchr(buf, ')');
+  return close != nullptr && close[1] == ' ' && close[2] != '\0' ? close[2] : '?';
 }
 
 void send_heartbeat(const char* what) {

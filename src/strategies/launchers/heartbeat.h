@@ -24,6 +24,10 @@ namespace fulgur::detail {
 /// Writes all of `data` to `fd`, retrying on EINTR; gives up on an error.
 void write_all(int fd, const char* data, size_t n);
 
+/// The scheduler state in a /proc stat file ('R' running, 'S' sleeping,
+/// 'D' uninterruptible I/O, 'T' stopped, ...); '?' when unreadable.
+char proc_stat_state(const char* stat_path);
+
 /// A progress line ("train batch", "collective"). Cheap: one write.
 void send_heartbeat(const char* what);
 

@@ -154,15 +154,18 @@ Plan plan_for(ParallelStrategy& strategy) {
   return p;
 }
 
-// The torchrun-style variables of one rank.
-std::vector<std::pair<std::string, std::string>> rank_env(const Plan& p, int local_rank) {
+// The torchrun-style variables of one rank, and how many times the ranks
+// were started before this attempt (FULGUR_RESTART_COUNT).
+std::vector<std::pair<std::string, std::string>> rank_env(const Plan& p, int local_rank,
+                                                          int attempt) {
   return {{"MASTER_ADDR", p.main_address},
           {"MASTER_PORT", std::to_string(p.main_port)},
           {"WORLD_SIZE", std::to_string(p.world_size)},
           {"RANK", std::to_string(p.node_rank * p.local_world_size + local_rank)},
           {"LOCAL_RANK", std::to_string(local_rank)},
           {"LOCAL_WORLD_SIZE", std::to_string(p.local_world_size)},
-          {"NODE_RANK", std::to_string(p.node_rank)}};
+          {"NODE_RANK", std::to_string(p.node_rank)},
+          {"FULGUR_RESTART_COUNT", std::to_string(attempt)}};
 }
 
 std::vector<std::string> own_command_line() {
@@ -230,9 +233,8 @@ std::optional<std::string> SubprocessScriptLauncher::launch(const std::function<
   }
   supervise(plan, supervision_, recovery_, [&](detail::Supervisor& supervisor, int attempt) {
     for (int local = 0; local < plan.local_world_size; ++local) {
-      auto vars = rank_env(plan, local);
+      auto vars = rank_env(plan, local, attempt);
       if (!threads.empty()) vars.emplace_back("OMP_NUM_THREADS", threads);
-      vars.emplace_back("FULGUR_RESTART_COUNT", std::to_string(attempt));
       supervisor.spawn(local, plan.node_rank * plan.local_world_size + local, [&] {
         for (const auto& [k, v] : vars) ::setenv(k.c_str(), v.c_str(), 1);
         ::execv("/proc/self/exe", argv.data());
@@ -269,8 +271,9 @@ std::optional<std::string> ForkLauncher::launch(const std::function<std::string(
                 reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) {
           set_blas_threads(1);
         }
-        for (const auto& [k, v] : rank_env(plan, local)) ::setenv(k.c_str(), v.c_str(), 1);
-        ::setenv("FULGUR_RESTART_COUNT", std::to_string(attempt).c_str(), 1);
+        for (const auto& [k, v] : rank_env(plan, local, attempt)) {
+          ::setenv(k.c_str(), v.c_str(), 1);
+        }
         strategy_.assign_rank(local, global, plan.world_size);
         strategy_.cluster_environment().set_restart_count(attempt);
         int code = 0;

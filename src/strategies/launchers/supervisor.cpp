@@ -13,14 +13,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <iostream>
-#include <iterator>
 #include <thread>
 
+#include "core/signals.h"
 #include "fulgur/core/errors.h"
 #include "strategies/launchers/heartbeat.h"
-#include "trainer/connectors/signal_connector.h"
 
 namespace fulgur::detail {
 
@@ -344,17 +342,15 @@ std::string one_decimal(double v) {
 std::string process_state(pid_t pid) {
   char path[64];
   std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
-  std::ifstream in(path);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto close = text.rfind(')');
-  if (close == std::string::npos || close + 2 >= text.size()) return "";
-  switch (text[close + 2]) {
+  const char state = proc_stat_state(path);
+  switch (state) {
+    case '?': return "";
     case 'T': return "it is stopped (SIGSTOP, SIGTSTP or SIGTTIN; SIGCONT would continue it)";
     case 't': return "it is stopped by a debugger or tracer";
     case 'D': return "it is in uninterruptible I/O (a hung disk or network file system?)";
     case 'Z': return "it has exited and waits to be reaped";
     case 'R': return "it is running, but its heartbeat thread is not (starved, or blocked writing)";
-    default: return str("its process is in state '", text[close + 2], "'");
+    default: return str("its process is in state '", state, "'");
   }
 }
 

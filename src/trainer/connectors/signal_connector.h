@@ -10,6 +10,8 @@
 
 #include <vector>
 
+#include "core/signals.h"
+
 namespace fulgur::detail {
 
 class SignalConnector {
@@ -34,12 +36,5 @@ class SignalConnector {
   };
   std::vector<Saved> saved_;
 };
-
-/// "SIGTERM", "SIGUSR1", ... ("signal N" for others).
-const char* signal_name(int signal);
-
-/// Ends this process by `signal` with its default action (so its exit
-/// status is 128 + signal), after flushing standard output and error.
-[[noreturn]] void end_by_signal(int signal);
 
 }  // namespace fulgur::detail
