@@ -3,6 +3,7 @@
 // environment is never read.
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <fstream>
 
 #include "fulgur/core/errors.h"
@@ -497,6 +498,51 @@ TEST(ConnectorClusterEnvironment, APluginInstanceWinsOverDetection) {
       std::make_shared<fulgur::LightningEnvironment>(EnvView(Vars{}))));
   auto result = fulgur::connect(options, EnvView(merged(kTorchrunSingle, {{"WORLD_SIZE", "2"}})));
   EXPECT_EQ(result.strategy->cluster_environment().name(), "lightning");
+}
+
+// ---- Restarts and preemption.
+
+TEST(ClusterEnvironmentRestarts, EachEnvironmentReadsItsSchedulersCounter) {
+  EXPECT_EQ(fulgur::SLURMEnvironment(EnvView(kSrun)).restart_count(), 0);
+  EXPECT_EQ(fulgur::SLURMEnvironment(EnvView(merged(kSrun, {{"SLURM_RESTART_COUNT", "2"}})))
+                .restart_count(),
+            2);
+  EXPECT_EQ(
+      fulgur::LightningEnvironment(EnvView(Vars{{"FULGUR_RESTART_COUNT", "1"}})).restart_count(),
+      1);
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::SLURMEnvironment(EnvView(merged(kSrun, {{"SLURM_RESTART_COUNT", "-1"}}))),
+      {"SLURM_RESTART_COUNT=-1 is negative", "counts restarts"});
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::LightningEnvironment(EnvView(Vars{{"FULGUR_RESTART_COUNT", "two"}})),
+                     {"FULGUR_RESTART_COUNT"});
+}
+
+TEST(ClusterEnvironmentRestarts, SlurmAnswersItsRequeueSignalAndSigterm) {
+  fulgur::SLURMEnvironment slurm{EnvView(kSrun)};
+  EXPECT_EQ(slurm.preemption_signals(), (std::vector<int>{SIGUSR1, SIGTERM}));
+  EXPECT_EQ(fulgur::LightningEnvironment(EnvView(Vars{})).preemption_signals(), std::vector<int>{});
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::SLURMEnvironment(EnvView(kSrun), {.requeue_signal = SIGKILL}),
+                     {"SLURMOptions::requeue_signal=9 cannot be caught", "sbatch --signal"});
+}
+
+// requeue() says what it did, and never throws: the checkpoint is saved
+// whatever scontrol does.
+TEST(ClusterEnvironmentRestarts, SlurmRequeueNamesWhatItCouldNotDo) {
+  fulgur::SLURMEnvironment unrun(EnvView(kSrun), {.scontrol = "/no/such/scontrol"});
+  EXPECT_EQ(unrun.requeue(SIGTERM), "");  // not the requeue signal
+  EXPECT_NE(unrun.requeue(SIGUSR1).find("NOT requeued: cannot run `/no/such/scontrol requeue"),
+            std::string::npos);
+  fulgur::SLURMEnvironment failing(EnvView(kSrun), {.scontrol = "false"});
+  EXPECT_NE(failing.requeue(SIGUSR1).find("exited with status 1"), std::string::npos);
+  fulgur::SLURMEnvironment off(EnvView(kSrun), {.auto_requeue = false});
+  EXPECT_EQ(off.requeue(SIGUSR1), "not requeued (SLURMOptions::auto_requeue is false)");
+  fulgur::SLURMEnvironment no_job(EnvView(merged(kSrun, {{"SLURM_JOB_ID", ""}})),
+                                  {.scontrol = "true"});
+  // An empty SLURM_JOB_ID counts as none.
+  EXPECT_EQ(no_job.requeue(SIGUSR1), "not requeued: SLURM_JOB_ID is not set");
 }
 
 }  // namespace
