@@ -59,6 +59,8 @@ packages=(
   zlib1g-dev            # reads the gzip IDX files of Fashion-MNIST
   libisal-dev           # CRC32C of every checkpoint (Intel ISA-L)
   gnuplot-nox           # the curves of a run as a PNG (CSVLogger, fulgur plot)
+  libyaml-cpp-dev       # config files of fulgur::cli
+  libprotobuf-dev libprotoc-dev  # the tests read TensorBoard's event files with Google's protobuf
   dataset-fashion-mnist # the main job's data under /usr/share/datasets/fashion-mnist
   openmpi-bin           # mpirun (a launch path under test)
   slurmctld slurmd      # a real SLURM cluster on localhost (scripts/slurm-cluster.sh),

@@ -1,9 +1,6 @@
 #include "fulgur/loggers/csv_logger.h"
 
-#include <filesystem>
-#include <iostream>
-
-#include "fulgur/loggers/plot.h"
+#include <torch/serialize/archive.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -11,8 +8,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <sstream>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/loggers/plot.h"
+#include "loggers/log_dir.h"
 
 namespace fulgur {
 
@@ -27,29 +28,14 @@ CSVLogger::CSVLogger(CSVLoggerOptions options) : options_(std::move(options)) {
 }
 
 void CSVLogger::resolve_version() const {
-  if (version_) return;
-  // The next free version_N under save_dir/name.
-  fs::path root = fs::path(options_.save_dir.empty() ? "." : options_.save_dir) / options_.name;
-  int64_t next = 0;
-  std::error_code ec;
-  if (fs::is_directory(root, ec)) {
-    for (const auto& entry : fs::directory_iterator(root, ec)) {
-      auto name = entry.path().filename().string();
-      if (name.rfind("version_", 0) == 0) {
-        try {
-          next = std::max<int64_t>(next, std::stoll(name.substr(8)) + 1);
-        } catch (const std::exception&) {
-        }
-      }
-    }
-  }
-  version_ = next;
+  if (!version_) version_ = detail::next_free_version(detail::versions_root(options_.save_dir, options_.name));
 }
 
 std::string CSVLogger::log_dir() const {
   resolve_version();
-  fs::path root = fs::path(options_.save_dir.empty() ? "." : options_.save_dir) / options_.name;
-  return (root / ("version_" + std::to_string(*version_))).string();
+  return (fs::path(detail::versions_root(options_.save_dir, options_.name)) /
+          ("version_" + std::to_string(*version_)))
+      .string();
 }
 
 std::string CSVLogger::metrics_file() const {
@@ -61,17 +47,7 @@ namespace {
 // The OS's reason for the last failed open or write, for an error message.
 std::string os_reason() { return errno != 0 ? std::strerror(errno) : "unknown reason"; }
 
-// `dir` and its parents; ConfigError naming it, the OS reason and a way out.
-void make_directory(const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) {
-    throw ConfigError(str("CSVLogger: cannot create the log directory \"", dir,
-                          "\": ", ec.message(),
-                          ". Make its parent writable by this user, or log elsewhere "
-                          "(CSVLoggerOptions save_dir, or the Trainer's default_root_dir)."));
-  }
-}
+void make_directory(const std::string& dir) { detail::make_log_directory(dir, "CSVLogger"); }
 
 }  // namespace
 
@@ -128,9 +104,71 @@ void write_row(std::ostream& out, const std::vector<std::string>& columns, int64
 }
 }  // namespace
 
+std::string CSVLogger::state_key() const {
+  return str("CSVLogger{", detail::versions_root(options_.save_dir, options_.name), "}");
+}
+
+void CSVLogger::save_state(torch::serialize::OutputArchive& archive) const {
+  archive.write("log_dir", c10::IValue(log_dir()));
+}
+
+void CSVLogger::load_state(torch::serialize::InputArchive& archive, int64_t step) {
+  c10::IValue dir;
+  if (!archive.try_read("log_dir", dir) || !dir.isString()) return;
+  if (!options_.version) {
+    version_ = detail::resumed_version(dir.toStringRef(),
+                                       detail::versions_root(options_.save_dir, options_.name),
+                                       "CSVLogger");
+    if (!version_) return;  // a new version: nothing to continue
+  }
+  resume_step_ = step;
+}
+
+void CSVLogger::read_previous_rows() {
+  std::ifstream in(metrics_file());
+  std::string line;
+  if (!in || !std::getline(in, line)) return;
+  std::vector<std::string> header;
+  {
+    std::stringstream cells(line);
+    std::string cell;
+    while (std::getline(cells, cell, ',')) header.push_back(cell);
+  }
+  if (header.empty() || header.front() != "step") return;  // not ours: rewritten below
+  std::vector<std::string> columns(header.begin() + 1, header.end());
+  for (const auto& c : columns_) {
+    if (std::find(columns.begin(), columns.end(), c) == columns.end()) columns.push_back(c);
+  }
+  std::vector<std::pair<int64_t, std::map<std::string, double>>> rows;
+  while (std::getline(in, line)) {
+    std::stringstream cells(line);
+    std::string cell;
+    std::map<std::string, double> row;
+    int64_t step = 0;
+    bool ok = static_cast<bool>(std::getline(cells, cell, ','));
+    try {
+      if (ok) step = std::stoll(cell);
+      for (size_t i = 1; ok && i < header.size() && std::getline(cells, cell, ','); ++i) {
+        if (!cell.empty()) row[header[i]] = std::stod(cell);
+      }
+    } catch (const std::exception&) {
+      ok = false;  // a row cut by the interruption
+    }
+    if (ok && step <= *resume_step_) rows.emplace_back(step, std::move(row));
+  }
+  columns_ = std::move(columns);
+  rows.insert(rows.end(), std::make_move_iterator(written_.begin()),
+              std::make_move_iterator(written_.end()));
+  written_ = std::move(rows);
+}
+
 void CSVLogger::save() {
   if (pending_.empty() && !header_changed_) return;
   make_directory(log_dir());
+  if (resume_step_ && !header_written_) {
+    read_previous_rows();
+    header_changed_ = true;  // rewrite: the file holds only the kept rows
+  }
   auto path = metrics_file();
   errno = 0;
   if (header_changed_ || !header_written_) {

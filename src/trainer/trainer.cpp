@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <sstream>
 
 #include "fulgur/callbacks/model_checkpoint.h"
@@ -116,8 +117,14 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
                 "every_n_train_steps on it instead."));
     }
   }
+  std::map<std::string, size_t> logger_keys;
   for (size_t i = 0; i < o.loggers.size(); ++i) {
     check(o.loggers[i] != nullptr, str("loggers[", i, "] is null: pass an instance."));
+    if (o.loggers[i] == nullptr) continue;
+    const auto [it, fresh] = logger_keys.emplace(o.loggers[i]->state_key(), i);
+    check(fresh, str("loggers[", it->second, "] and loggers[", i, "] both write to ",
+                     o.loggers[i]->state_key(),
+                     ": their files would mix. Give one of them another save_dir or name."));
   }
   return problems;
 }
@@ -287,7 +294,13 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
     tune_host_allocator();
     auto run = [&] {
       strategy->setup_environment();
-      body();
+      try {
+        body();
+      } catch (...) {
+        // What was logged so far reaches the files, marked as failed.
+        if (strategy->is_global_zero()) logging.finalize_quietly(RunStatus::Failed);
+        throw;
+      }
     };
     if (auto* launcher = strategy->launcher()) {
       launcher->set_recovery(Recovery{.max_restarts = options.max_restarts,
@@ -493,11 +506,7 @@ void Trainer::Impl::end_by_preemption(int signal) {
   if (strategy->world_size() > 1) strategy->barrier("preemption checkpoint");
   if (strategy->is_global_zero()) {
     const std::string requeued = strategy->cluster_environment().requeue(signal);
-    try {
-      logging.finalize();
-    } catch (const std::exception& e) {
-      std::cerr << "fulgur: " << e.what() << std::endl;
-    }
+    logging.finalize_quietly(RunStatus::Interrupted);
     std::cerr << "fulgur: " << detail::signal_name(signal) << " (cluster environment \""
               << strategy->cluster_environment().name() << "\"): saved \"" << path << "\" at step "
               << fit_loop.global_step() << (requeued.empty() ? std::string() : "; " + requeued)

@@ -26,7 +26,9 @@ struct CSVLoggerOptions {
 /// column per metric, empty cells where a metric was not logged) and
 /// `hparams.yaml` next to it. New columns rewrite the file with the wider
 /// header, so the CSV is always rectangular. At the end of fit, metrics.png:
-/// the curves (fulgur/loggers/plot.h).
+/// the curves (fulgur/loggers/plot.h). A run resumed from a checkpoint
+/// continues the same version: the rows the interrupted run wrote after the
+/// resumed step are dropped, the others kept.
 class CSVLogger : public Logger {
  public:
   explicit CSVLogger(CSVLoggerOptions options = {});
@@ -37,11 +39,17 @@ class CSVLogger : public Logger {
   void save() override;
   /// save(), then metrics.png when `plot` is on.
   void finalize() override;
+  /// "CSVLogger{<save_dir>/<name>}"
+  std::string state_key() const override;
+  void save_state(torch::serialize::OutputArchive& archive) const override;
+  void load_state(torch::serialize::InputArchive& archive, int64_t step) override;
   /// Path of metrics.csv.
   std::string metrics_file() const;
 
  private:
   void resolve_version() const;
+  // A resumed run: the rows of metrics.csv up to `resume_step_`.
+  void read_previous_rows();
 
   CSVLoggerOptions options_;
   mutable std::optional<int64_t> version_;
@@ -50,6 +58,7 @@ class CSVLogger : public Logger {
   std::vector<std::pair<int64_t, std::map<std::string, double>>> written_;
   bool header_written_ = false;
   bool header_changed_ = false;
+  std::optional<int64_t> resume_step_;
 };
 
 }  // namespace fulgur

@@ -1,7 +1,9 @@
 // File: fulgur/loggers/logger.h
 //
 // A Logger receives metrics (name → value at a step) and hyper-parameters.
-// The Trainer calls loggers on rank 0 only.
+// The Trainer calls loggers on global rank 0 only. A logger with state (the
+// version directory it writes to) saves it in checkpoints, so that a resumed
+// run continues the same logs instead of starting a new version.
 #pragma once
 
 #include <cstdint>
@@ -10,7 +12,20 @@
 
 #include "fulgur/core/module.h"
 
+namespace torch::serialize {
+class InputArchive;
+class OutputArchive;
+}  // namespace torch::serialize
+
 namespace fulgur {
+
+/// How a run ended, for loggers that record it (TensorBoard's HParams tab).
+enum class RunStatus {
+  Success,
+  Failed,
+  /// Stopped by a preemption signal, to be resumed.
+  Interrupted,
+};
 
 class Logger {
  public:
@@ -20,10 +35,25 @@ class Logger {
   virtual std::string log_dir() const = 0;
   virtual void log_hyperparams(const HParams& params) = 0;
   virtual void log_metrics(const std::map<std::string, double>& metrics, int64_t step) = 0;
+  /// At the end of every training epoch: loggers that record the module's
+  /// parameters (histograms) read them here. Default: nothing.
+  virtual void log_parameters(const Module& /*module*/, int64_t /*step*/) {}
   /// Flushes buffered rows.
   virtual void save() {}
+  /// How the run ended; called before finalize(). Default: nothing.
+  virtual void log_run_status(RunStatus /*status*/) {}
   /// Flushes and closes at the end of a run.
   virtual void finalize() { save(); }
+
+  /// Identifies this logger's state in a checkpoint; unique among the run's
+  /// loggers.
+  virtual std::string state_key() const { return name(); }
+  /// What a resumed run needs to continue this logger's logs.
+  virtual void save_state(torch::serialize::OutputArchive& /*archive*/) const {}
+  /// Fit resumes at optimizer step `step` from a checkpoint holding what
+  /// save_state() wrote; called before anything is logged. What the
+  /// interrupted run logged after `step` is superseded.
+  virtual void load_state(torch::serialize::InputArchive& /*archive*/, int64_t /*step*/) {}
 };
 
 }  // namespace fulgur

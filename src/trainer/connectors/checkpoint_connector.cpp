@@ -9,6 +9,7 @@
 //   loops                  archive  epoch, global_step, batch_position, ...
 //   train_loader           archive  epoch, position, sampler state
 //   callbacks              archive  one archive per callback state_key()
+//   loggers                archive  one archive per logger state_key()
 //   rng                    archive  every RNG state
 //   hparams                archive  the module's hyper-parameters
 //   module                 archive  what Module::on_save_checkpoint adds
@@ -114,6 +115,14 @@ void CheckpointConnector::dump(OutputArchive& archive) {
   }
 
   save_callback_states(archive);
+
+  OutputArchive loggers(cu);
+  for (const auto& logger : trainer_.logging.loggers()) {
+    OutputArchive one(cu);
+    logger->save_state(one);
+    loggers.write(logger->state_key(), one);
+  }
+  archive.write("loggers", loggers);
 
   OutputArchive rng(cu);
   save_rng_states(rng);
@@ -281,6 +290,13 @@ void CheckpointConnector::restore(const std::string& path, bool full) {
   trainer_.fit_loop.restore(progress, has_loader_state ? &loader : nullptr);
 
   load_callback_states(archive);
+  InputArchive loggers;
+  if (archive.try_read("loggers", loggers)) {
+    for (auto& logger : trainer_.logging.loggers()) {
+      InputArchive one;
+      if (loggers.try_read(logger->state_key(), one)) logger->load_state(one, progress.global_step);
+    }
+  }
   // Last: nothing above may draw random numbers after the RNGs are restored.
   InputArchive rng;
   if (archive.try_read("rng", rng)) load_rng_states(rng);

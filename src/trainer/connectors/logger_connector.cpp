@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <iostream>
 #include <string>
 
 #include "fulgur/core/errors.h"
@@ -188,6 +189,7 @@ void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const c
   }
   if (row.empty()) return;
   row["epoch"] = static_cast<double>(epoch);
+  choose_versions();
   for (auto& logger : loggers_) logger->log_metrics(row, step);
 }
 
@@ -208,12 +210,38 @@ Metrics LoggerConnector::publish_epoch(LogSink& sink, Strategy& strategy, bool s
   return out;
 }
 
+void LoggerConnector::choose_versions() {
+  if (versions_chosen_) return;
+  for (auto& logger : loggers_) (void)logger->log_dir();
+  versions_chosen_ = true;
+}
+
 void LoggerConnector::log_hyperparams(const HParams& hparams) {
+  choose_versions();
   for (auto& logger : loggers_) logger->log_hyperparams(hparams);
 }
 
-void LoggerConnector::finalize() {
-  for (auto& logger : loggers_) logger->finalize();
+void LoggerConnector::log_parameters(const Module& module, int64_t step) {
+  choose_versions();
+  for (auto& logger : loggers_) logger->log_parameters(module, step);
+}
+
+void LoggerConnector::finalize(RunStatus status) {
+  for (auto& logger : loggers_) {
+    logger->log_run_status(status);
+    logger->finalize();
+  }
+}
+
+void LoggerConnector::finalize_quietly(RunStatus status) noexcept {
+  for (auto& logger : loggers_) {
+    try {
+      logger->log_run_status(status);
+      logger->finalize();
+    } catch (const std::exception& e) {
+      std::cerr << "fulgur: " << e.what() << std::endl;
+    }
+  }
 }
 
 }  // namespace detail

@@ -74,7 +74,10 @@ class LogSink {
 /// published metrics.
 class LoggerConnector {
  public:
-  void set_loggers(std::vector<std::shared_ptr<Logger>> loggers) { loggers_ = std::move(loggers); }
+  void set_loggers(std::vector<std::shared_ptr<Logger>> loggers) {
+    loggers_ = std::move(loggers);
+    versions_chosen_ = false;
+  }
   const std::vector<std::shared_ptr<Logger>>& loggers() const { return loggers_; }
 
   LogSink& train_sink() { return train_sink_; }
@@ -96,8 +99,16 @@ class LoggerConnector {
   Metrics publish_epoch(LogSink& sink, Strategy& strategy, bool sanity_checking, int64_t epoch,
                         int64_t step);
 
+  /// Every logger's version directory is chosen before any of them writes,
+  /// so that loggers of the same save_dir and name share one.
   void log_hyperparams(const HParams& hparams);
-  void finalize();
+  /// At the end of a training epoch (global rank 0).
+  void log_parameters(const Module& module, int64_t step);
+  /// Every logger's run status, then its finalize().
+  void finalize(RunStatus status = RunStatus::Success);
+  /// finalize() for a run that ends by an error or a signal: a logger's
+  /// error goes to stderr, so that the run's own error stays the one raised.
+  void finalize_quietly(RunStatus status) noexcept;
 
  private:
   /// Sets callback/progress-bar metrics; `suffix` ("_step", "_epoch") is
@@ -105,7 +116,10 @@ class LoggerConnector {
   void publish(const std::vector<LogSink::Value>& values, const char* suffix, bool to_loggers,
                bool global_zero, int64_t epoch, int64_t step);
 
+  void choose_versions();
+
   std::vector<std::shared_ptr<Logger>> loggers_;
+  bool versions_chosen_ = false;
   LogSink train_sink_;
   LogSink eval_sink_;
   Metrics callback_metrics_;

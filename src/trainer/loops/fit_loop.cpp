@@ -183,6 +183,7 @@ void FitLoop::train_epoch() {
   m.on_train_epoch_end();
   trainer_.logging.publish_epoch(trainer_.logging.train_sink(), *trainer_.strategy,
                                  sanity_checking_, current_epoch_, global_step_);
+  if (trainer_.strategy->is_global_zero()) trainer_.logging.log_parameters(m, global_step_);
   for (auto& cb : trainer_.callbacks) cb->on_train_epoch_end(trainer_.self, m);
   in_epoch_end_ = false;
   validated_at_position_ = -1;

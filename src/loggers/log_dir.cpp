@@ -1,0 +1,71 @@
+#include "loggers/log_dir.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <iostream>
+#include <system_error>
+
+#include "fulgur/core/errors.h"
+
+namespace fulgur::detail {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// N of "version_N", or nothing.
+std::optional<int64_t> version_number(const std::string& dir_name) {
+  const std::string prefix = "version_";
+  if (dir_name.rfind(prefix, 0) != 0 || dir_name.size() == prefix.size()) return std::nullopt;
+  int64_t n = 0;
+  for (size_t i = prefix.size(); i < dir_name.size(); ++i) {
+    const char c = dir_name[i];
+    if (c < '0' || c > '9' || n > (INT64_MAX - 9) / 10) return std::nullopt;
+    n = n * 10 + (c - '0');
+  }
+  return n;
+}
+
+}  // namespace
+
+std::string versions_root(const std::string& save_dir, const std::string& name) {
+  return (fs::path(save_dir.empty() ? "." : save_dir) / name).string();
+}
+
+int64_t next_free_version(const std::string& root) {
+  int64_t next = 0;
+  std::error_code ec;
+  if (!fs::is_directory(root, ec)) return 0;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    if (auto n = version_number(entry.path().filename().string())) next = std::max(next, *n + 1);
+  }
+  return next;
+}
+
+void make_log_directory(const std::string& dir, const std::string& logger) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) {
+    throw ConfigError(str(logger, ": cannot create the log directory \"", dir, "\": ", ec.message(),
+                          ". Make its parent writable by this user, or log elsewhere (the "
+                          "logger's save_dir, or the Trainer's default_root_dir)."));
+  }
+}
+
+std::optional<int64_t> resumed_version(const std::string& previous_dir, const std::string& root,
+                                       const std::string& logger) {
+  if (previous_dir.empty()) return std::nullopt;
+  const fs::path previous(previous_dir);
+  std::error_code ec1, ec2;
+  const fs::path parent = fs::weakly_canonical(fs::absolute(previous).parent_path(), ec1);
+  const fs::path here = fs::weakly_canonical(fs::absolute(root), ec2);
+  const auto n = version_number(previous.filename().string());
+  if (!ec1 && !ec2 && n && parent == here) return n;
+  std::cerr << "fulgur: " << logger << ": the checkpoint's run logged to \"" << previous_dir
+            << "\", which is not a version directory under \"" << root
+            << "\"; this run logs to a new version there and leaves those logs as they are."
+            << std::endl;
+  return std::nullopt;
+}
+
+}  // namespace fulgur::detail

@@ -1,0 +1,471 @@
+#include "fulgur/loggers/tensorboard_logger.h"
+
+#include <google/protobuf/compiler/importer.h>
+#include <google/protobuf/dynamic_message.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace pb = google::protobuf;
+using fulgur::test::TempDir;
+
+// ---- An independent reader: TFRecord framing checked with a bitwise
+// CRC32C, messages decoded by Google's protobuf from a schema file.
+
+uint32_t reference_crc32c(const std::string& bytes) {
+  uint32_t crc = 0xffffffffu;
+  for (unsigned char byte : bytes) {
+    crc ^= byte;
+    for (int k = 0; k < 8; ++k) crc = (crc >> 1) ^ (0x82f63b78u & (0u - (crc & 1u)));
+  }
+  return ~crc;
+}
+
+uint32_t masked(uint32_t crc) { return ((crc >> 15) | (crc << 17)) + 0xa282ead8u; }
+
+uint64_t read_le(const std::string& bytes, size_t at, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; ++i) v |= uint64_t{static_cast<unsigned char>(bytes[at + i])} << (8 * i);
+  return v;
+}
+
+/// The records of one event file; every CRC is checked.
+std::vector<std::string> read_records(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string bytes = ss.str();
+  std::vector<std::string> records;
+  size_t at = 0;
+  while (at < bytes.size()) {
+    EXPECT_LE(at + 12, bytes.size()) << path << ": a record header cut at byte " << at;
+    if (at + 12 > bytes.size()) break;
+    const uint64_t length = read_le(bytes, at, 8);
+    EXPECT_EQ(read_le(bytes, at + 8, 4), masked(reference_crc32c(bytes.substr(at, 8))))
+        << path << ": the length CRC of the record at byte " << at;
+    EXPECT_LE(at + 12 + length + 4, bytes.size()) << path << ": a record cut at byte " << at;
+    if (at + 12 + length + 4 > bytes.size()) break;
+    std::string data = bytes.substr(at + 12, length);
+    EXPECT_EQ(read_le(bytes, at + 12 + length, 4), masked(reference_crc32c(data)))
+        << path << ": the data CRC of the record at byte " << at;
+    records.push_back(std::move(data));
+    at += 12 + length + 4;
+  }
+  return records;
+}
+
+class NoErrors : public pb::compiler::MultiFileErrorCollector {
+ public:
+  void AddError(const std::string& file, int line, int, const std::string& message) override {
+    ADD_FAILURE() << file << ":" << line << ": " << message;
+  }
+};
+
+class Decoder {
+ public:
+  Decoder() {
+    tree_.MapPath("", FULGUR_TEST_PROTO_DIR);
+    tree_.MapPath("", FULGUR_PROTOBUF_INCLUDE_DIR);
+    EXPECT_NE(importer_.Import("tensorboard_events.proto"), nullptr);
+  }
+  std::unique_ptr<pb::Message> parse(const std::string& type, const std::string& bytes) {
+    const pb::Descriptor* d = importer_.pool()->FindMessageTypeByName("fulgur_test." + type);
+    EXPECT_NE(d, nullptr) << type;
+    std::unique_ptr<pb::Message> m(factory_.GetPrototype(d)->New());
+    EXPECT_TRUE(m->ParseFromString(bytes)) << "not a " << type;
+    return m;
+  }
+
+ private:
+  pb::compiler::DiskSourceTree tree_;
+  NoErrors errors_;
+  pb::compiler::Importer importer_{&tree_, &errors_};
+  pb::DynamicMessageFactory factory_;
+};
+
+const pb::FieldDescriptor* field(const pb::Message& m, const std::string& name) {
+  const auto* f = m.GetDescriptor()->FindFieldByName(name);
+  if (f == nullptr) ADD_FAILURE() << m.GetTypeName() << " has no field " << name;
+  return f;
+}
+bool has(const pb::Message& m, const std::string& name) {
+  return m.GetReflection()->HasField(m, field(m, name));
+}
+double number(const pb::Message& m, const std::string& name) {
+  const auto* f = field(m, name);
+  const auto* r = m.GetReflection();
+  switch (f->cpp_type()) {
+    case pb::FieldDescriptor::CPPTYPE_DOUBLE: return r->GetDouble(m, f);
+    case pb::FieldDescriptor::CPPTYPE_FLOAT: return r->GetFloat(m, f);
+    case pb::FieldDescriptor::CPPTYPE_INT64: return static_cast<double>(r->GetInt64(m, f));
+    case pb::FieldDescriptor::CPPTYPE_INT32: return r->GetInt32(m, f);
+    case pb::FieldDescriptor::CPPTYPE_BOOL: return r->GetBool(m, f) ? 1 : 0;
+    case pb::FieldDescriptor::CPPTYPE_ENUM: return r->GetEnumValue(m, f);
+    default: ADD_FAILURE() << name << " is not a number"; return 0;
+  }
+}
+std::string text(const pb::Message& m, const std::string& name) {
+  return m.GetReflection()->GetString(m, field(m, name));
+}
+const pb::Message& sub(const pb::Message& m, const std::string& name) {
+  return m.GetReflection()->GetMessage(m, field(m, name));
+}
+int count(const pb::Message& m, const std::string& name) {
+  return m.GetReflection()->FieldSize(m, field(m, name));
+}
+const pb::Message& at(const pb::Message& m, const std::string& name, int i) {
+  return m.GetReflection()->GetRepeatedMessage(m, field(m, name), i);
+}
+double number_at(const pb::Message& m, const std::string& name, int i) {
+  return m.GetReflection()->GetRepeatedDouble(m, field(m, name), i);
+}
+
+/// Every event of every event file in `dir`, files in name order (as
+/// TensorBoard reads them).
+struct Events {
+  std::vector<std::string> files;
+  std::vector<std::unique_ptr<pb::Message>> events;
+  std::vector<size_t> first_of_file;  // index in `events` of each file's first
+};
+Events read_events(Decoder& decoder, const std::string& dir) {
+  Events out;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    if (name.find("tfevents") != std::string::npos) out.files.push_back(entry.path().string());
+  }
+  std::sort(out.files.begin(), out.files.end());
+  for (const auto& file : out.files) {
+    out.first_of_file.push_back(out.events.size());
+    for (const auto& record : read_records(file)) out.events.push_back(decoder.parse("Event", record));
+  }
+  return out;
+}
+
+/// (step, tag, value) of every scalar, in file order.
+struct Scalar {
+  int64_t step;
+  std::string tag;
+  float value;
+  bool operator==(const Scalar& o) const {
+    return step == o.step && tag == o.tag && value == o.value;
+  }
+};
+std::ostream& operator<<(std::ostream& os, const Scalar& s) {
+  return os << "(" << s.step << ", " << s.tag << ", " << s.value << ")";
+}
+std::vector<Scalar> scalars(const Events& events) {
+  std::vector<Scalar> out;
+  for (const auto& e : events.events) {
+    if (!has(*e, "summary")) continue;
+    const auto& summary = sub(*e, "summary");
+    for (int i = 0; i < count(summary, "value"); ++i) {
+      const auto& v = at(summary, "value", i);
+      if (has(v, "simple_value")) {
+        out.push_back({static_cast<int64_t>(number(*e, "step")), text(v, "tag"),
+                       static_cast<float>(number(v, "simple_value"))});
+      }
+    }
+  }
+  return out;
+}
+
+/// The HParamsPluginData of the value tagged `tag`, or null.
+std::unique_ptr<pb::Message> hparams_data(Decoder& decoder, const Events& events,
+                                          const std::string& tag) {
+  for (const auto& e : events.events) {
+    if (!has(*e, "summary")) continue;
+    const auto& summary = sub(*e, "summary");
+    for (int i = 0; i < count(summary, "value"); ++i) {
+      const auto& v = at(summary, "value", i);
+      if (text(v, "tag") != tag) continue;
+      const auto& plugin = sub(sub(v, "metadata"), "plugin_data");
+      EXPECT_EQ(text(plugin, "plugin_name"), "hparams");
+      EXPECT_TRUE(has(v, "tensor")) << tag << " carries the null tensor TensorBoard expects";
+      return decoder.parse("HParamsPluginData", text(plugin, "content"));
+    }
+  }
+  return nullptr;
+}
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+TEST(TensorBoardLogger, EventsDecodeToWhatWasLoggedWithValidCrcs) {
+  TempDir dir;
+  const double before = now();
+  std::vector<Scalar> logged;
+  {
+    fulgur::TensorBoardLogger logger({.save_dir = dir.path(), .flush_every = 7});
+    logger.log_hyperparams({{"lr", 0.125}, {"layers", int64_t{3}}, {"arch", std::string("mlp")},
+                            {"augment", true}});
+    for (int64_t step = 1; step <= 25; ++step) {
+      const float loss = 1.0f / static_cast<float>(step);
+      logger.log_metrics({{"train_loss", loss}, {"epoch", static_cast<double>(step / 10)}}, step);
+      logged.push_back({step, "epoch", static_cast<float>(step / 10)});
+      logged.push_back({step, "train_loss", loss});
+    }
+    logger.log_run_status(fulgur::RunStatus::Success);
+    logger.finalize();
+    EXPECT_EQ(fs::path(logger.event_file()).parent_path(), fs::path(logger.log_dir()));
+  }
+  const double after = now();
+
+  Decoder decoder;
+  const Events events = read_events(decoder, dir.file("fulgur_logs/version_0"));
+  ASSERT_EQ(events.files.size(), 1u);
+  const std::string name = fs::path(events.files[0]).filename().string();
+  EXPECT_EQ(name.rfind("events.out.tfevents.", 0), 0u) << name;
+  EXPECT_NE(name.find("." + fulgur::test::host_name() + "."), std::string::npos) << name;
+
+  ASSERT_FALSE(events.events.empty());
+  EXPECT_EQ(text(*events.events[0], "file_version"), "brain.Event:2");
+  for (const auto& e : events.events) {
+    EXPECT_GE(number(*e, "wall_time"), before - 1);
+    EXPECT_LE(number(*e, "wall_time"), after + 1);
+  }
+  EXPECT_EQ(scalars(events), logged);
+
+  auto start = hparams_data(decoder, events, "_hparams_/session_start_info");
+  ASSERT_NE(start, nullptr);
+  const auto& info = sub(*start, "session_start_info");
+  std::map<std::string, std::string> hparams;
+  for (int i = 0; i < count(info, "hparams"); ++i) {
+    const auto& entry = at(info, "hparams", i);
+    const auto& value = sub(entry, "value");
+    std::string shown;
+    if (has(value, "number_value")) shown = "number " + std::to_string(number(value, "number_value"));
+    if (has(value, "string_value")) shown = "string " + text(value, "string_value");
+    if (has(value, "bool_value")) shown = std::string("bool ") + (number(value, "bool_value") ? "true" : "false");
+    hparams[text(entry, "key")] = shown;
+  }
+  EXPECT_EQ(hparams, (std::map<std::string, std::string>{{"arch", "string mlp"},
+                                                         {"augment", "bool true"},
+                                                         {"layers", "number 3.000000"},
+                                                         {"lr", "number 0.125000"}}));
+  EXPECT_GE(number(info, "start_time_secs"), before - 1);
+
+  auto end = hparams_data(decoder, events, "_hparams_/session_end_info");
+  ASSERT_NE(end, nullptr);
+  EXPECT_EQ(number(sub(*end, "session_end_info"), "status"), 1);  // STATUS_SUCCESS
+}
+
+TEST(TensorBoardLogger, HistogramHoldsEveryFiniteValue) {
+  TempDir dir;
+  fulgur::TensorBoardLogger logger({.save_dir = dir.path()});
+  auto values = torch::tensor({-2.0, -1.0, 0.0, 0.5, 0.5, 3.0, std::nan(""), 1.0 / 0.0},
+                              torch::kFloat32).reshape({2, 4});
+  logger.log_histogram("weights", values, 7);
+  logger.finalize();
+
+  Decoder decoder;
+  const Events events = read_events(decoder, logger.log_dir());
+  ASSERT_EQ(events.events.size(), 2u);  // file version, histogram
+  const auto& e = *events.events[1];
+  EXPECT_EQ(number(e, "step"), 7);
+  const auto& v = at(sub(e, "summary"), "value", 0);
+  EXPECT_EQ(text(v, "tag"), "weights");
+  const auto& h = sub(v, "histo");
+  EXPECT_EQ(number(h, "min"), -2.0);
+  EXPECT_EQ(number(h, "max"), 3.0);
+  EXPECT_EQ(number(h, "num"), 6);
+  EXPECT_DOUBLE_EQ(number(h, "sum"), 1.0);
+  EXPECT_DOUBLE_EQ(number(h, "sum_squares"), 4 + 1 + 0.25 + 0.25 + 9);
+  ASSERT_EQ(count(h, "bucket"), count(h, "bucket_limit"));
+  double total = 0;
+  for (int i = 0; i < count(h, "bucket"); ++i) {
+    total += number_at(h, "bucket", i);
+    if (i > 0) {
+      EXPECT_GT(number_at(h, "bucket_limit", i), number_at(h, "bucket_limit", i - 1));
+    }
+  }
+  EXPECT_EQ(total, 6);
+  EXPECT_EQ(number_at(h, "bucket_limit", count(h, "bucket_limit") - 1), 3.0);
+
+  EXPECT_THROW(logger.log_histogram("ids", torch::arange(3), 8), fulgur::ConfigError);
+}
+
+TEST(TensorBoardLogger, RotatesFilesThatTensorBoardReadsInOrder) {
+  TempDir dir;
+  std::vector<Scalar> logged;
+  {
+    fulgur::TensorBoardLogger logger(
+        {.save_dir = dir.path(), .flush_every = 1, .max_file_bytes = 200});
+    for (int64_t step = 0; step < 40; ++step) {
+      logger.log_metrics({{"loss", static_cast<double>(step)}}, step);
+      logged.push_back({step, "loss", static_cast<float>(step)});
+    }
+  }  // the destructor writes what is left
+  Decoder decoder;
+  const Events events = read_events(decoder, dir.file("fulgur_logs/version_0"));
+  EXPECT_GT(events.files.size(), 3u);
+  for (size_t first : events.first_of_file) {
+    EXPECT_EQ(text(*events.events[first], "file_version"), "brain.Event:2");
+  }
+  EXPECT_EQ(scalars(events), logged);
+}
+
+TEST(TensorBoardLogger, RejectsOptionsThatCannotWork) {
+  EXPECT_THROW(fulgur::TensorBoardLogger({.flush_every = 0}), fulgur::ConfigError);
+  EXPECT_THROW(fulgur::TensorBoardLogger({.max_file_bytes = 0}), fulgur::ConfigError);
+  EXPECT_THROW(fulgur::TensorBoardLogger({.version = -1}), fulgur::ConfigError);
+}
+
+TEST(TensorBoardLogger, UnwritableDirectoryIsNamed) {
+  TempDir dir;
+  fulgur::test::write_text(dir.file("file"), "x");
+  fulgur::TensorBoardLogger logger({.save_dir = dir.file("file")});
+  try {
+    logger.log_metrics({{"loss", 1.0}}, 1);
+    FAIL() << "no error";
+  } catch (const fulgur::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(dir.file("file")), std::string::npos) << e.what();
+  }
+}
+
+// ---- Through the Trainer: both loggers in one version directory, and a
+// resumed run continuing it.
+
+/// Saves a checkpoint at optimizer step `at`.
+class SaveAt : public fulgur::Callback {
+ public:
+  SaveAt(int64_t at, std::string path) : at_(at), path_(std::move(path)) {}
+  std::string state_key() const override { return "SaveAt"; }
+  void on_train_batch_end(fulgur::Trainer& trainer, fulgur::Module&, const at::Tensor&,
+                          const fulgur::Batch&, int64_t) override {
+    if (trainer.global_step() == at_) trainer.save_checkpoint(path_);
+  }
+
+ private:
+  int64_t at_;
+  std::string path_;
+};
+
+fulgur::TrainerOptions logged(const TempDir& dir, std::vector<std::shared_ptr<fulgur::Logger>> loggers) {
+  auto options = fulgur::test::test_options(dir);
+  options.max_epochs = 2;
+  options.logger = true;
+  options.loggers = std::move(loggers);
+  options.log_every_n_steps = 1;
+  return options;
+}
+
+TEST(TensorBoardLogger, ResumedRunAppendsToItsVersionAndSupersedesLaterSteps) {
+  TempDir dir;
+  const std::string ckpt = dir.file("step4.ckpt");
+  const std::string logs = dir.file("logs.v1");  // a dot in the state's key
+  {
+    auto tb = std::make_shared<fulgur::TensorBoardLogger>(
+        fulgur::TensorBoardLoggerOptions{.save_dir = logs, .log_histograms = true});
+    auto csv = std::make_shared<fulgur::CSVLogger>(fulgur::CSVLoggerOptions{.save_dir = logs});
+    auto options = logged(dir, {csv, tb});
+    options.callbacks = {std::make_shared<SaveAt>(4, ckpt)};
+    fulgur::Trainer trainer(options);
+    fulgur::test::LinearRegression model;
+    trainer.fit(model, fulgur::test::regression_loader(3));  // 6 steps over 2 epochs
+    EXPECT_EQ(tb->log_dir(), csv->log_dir());
+  }
+  const std::string run = logs + "/fulgur_logs/version_0";
+  Decoder decoder;
+  const Events first = read_events(decoder, run);
+  ASSERT_EQ(first.files.size(), 1u);
+  const std::vector<Scalar> first_scalars = scalars(first);
+  // Histograms at each epoch end.
+  int histograms = 0;
+  for (const auto& e : first.events) {
+    if (has(*e, "summary") && has(at(sub(*e, "summary"), "value", 0), "histo")) ++histograms;
+  }
+  EXPECT_EQ(histograms, 2 * 2);  // fc.weight and fc.bias, two epochs
+
+  {
+    auto tb = std::make_shared<fulgur::TensorBoardLogger>(
+        fulgur::TensorBoardLoggerOptions{.save_dir = logs});
+    auto csv = std::make_shared<fulgur::CSVLogger>(fulgur::CSVLoggerOptions{.save_dir = logs});
+    auto options = logged(dir, {csv, tb});
+    options.max_epochs = 3;
+    fulgur::Trainer trainer(options);
+    fulgur::test::LinearRegression model;
+    trainer.fit(model, fulgur::test::regression_loader(3), nullptr, {.ckpt_path = ckpt});
+    EXPECT_EQ(tb->log_dir(), run);
+    EXPECT_EQ(csv->log_dir(), run);
+  }
+  EXPECT_FALSE(fs::exists(logs + "/fulgur_logs/version_1"));
+  const Events both = read_events(decoder, run);
+  ASSERT_EQ(both.files.size(), 2u);
+  // The resumed file: its version, then the start that drops steps after 4.
+  const auto& resumed = both.events;
+  const size_t second = both.first_of_file[1];
+  EXPECT_EQ(text(*resumed[second], "file_version"), "brain.Event:2");
+  ASSERT_TRUE(has(*resumed[second + 1], "session_log"));
+  EXPECT_EQ(number(sub(*resumed[second + 1], "session_log"), "status"), 1);  // START
+  EXPECT_EQ(number(*resumed[second + 1], "step"), 5);
+  // What the resumed run logged starts after step 4.
+  for (size_t i = second; i < resumed.size(); ++i) {
+    if (has(*resumed[i], "summary")) {
+      const auto& summary = sub(*resumed[i], "summary");
+      for (int k = 0; k < count(summary, "value"); ++k) {
+        const auto& v = at(summary, "value", k);
+        if (has(v, "simple_value")) {
+          EXPECT_GT(number(*resumed[i], "step"), 4) << text(v, "tag");
+        }
+      }
+    }
+  }
+  EXPECT_EQ(first_scalars.back().step, 6);
+
+  // The CSV: the first run's rows up to step 4, then the resumed run's.
+  std::vector<int64_t> steps;
+  for (const auto& line : fulgur::test::read_lines(run + "/metrics.csv")) {
+    if (!line.empty() && line.rfind("step", 0) != 0) steps.push_back(std::stoll(line.substr(0, line.find(','))));
+  }
+  ASSERT_FALSE(steps.empty());
+  EXPECT_TRUE(std::is_sorted(steps.begin(), steps.end())) << "rows after step 4 were dropped";
+  EXPECT_EQ(steps.front(), 1);
+  EXPECT_EQ(steps.back(), 9);
+  EXPECT_NE(std::find(steps.begin(), steps.end(), 4), steps.end());
+}
+
+TEST(TensorBoardLogger, CheckpointFromAnotherPlaceLogsToANewVersion) {
+  TempDir first_dir, second_dir;
+  const std::string ckpt = first_dir.file("step2.ckpt");
+  {
+    auto options = logged(first_dir, {std::make_shared<fulgur::TensorBoardLogger>(
+                                         fulgur::TensorBoardLoggerOptions{.save_dir = first_dir.path()})});
+    options.max_epochs = 1;
+    options.callbacks = {std::make_shared<SaveAt>(2, ckpt)};
+    fulgur::Trainer trainer(options);
+    fulgur::test::LinearRegression model;
+    trainer.fit(model, fulgur::test::regression_loader(3));
+  }
+  const auto before = fulgur::test::list_files(first_dir.path());
+  auto tb = std::make_shared<fulgur::TensorBoardLogger>(
+      fulgur::TensorBoardLoggerOptions{.save_dir = second_dir.path()});
+  auto options = logged(second_dir, {tb});
+  fulgur::Trainer trainer(options);
+  fulgur::test::LinearRegression model;
+  trainer.fit(model, fulgur::test::regression_loader(3), nullptr, {.ckpt_path = ckpt});
+  EXPECT_EQ(tb->log_dir(), second_dir.file("fulgur_logs/version_0"));
+  EXPECT_EQ(fulgur::test::list_files(first_dir.path()), before);
+}
+
+TEST(TensorBoardLogger, TwoLoggersWritingTheSameFilesAreRefused) {
+  TempDir dir;
+  auto options = logged(dir, {std::make_shared<fulgur::TensorBoardLogger>(
+                                  fulgur::TensorBoardLoggerOptions{.save_dir = dir.path()}),
+                              std::make_shared<fulgur::TensorBoardLogger>(
+                                  fulgur::TensorBoardLoggerOptions{.save_dir = dir.path()})});
+  EXPECT_THROW(fulgur::Trainer trainer(options), fulgur::ConfigError);
+}
+
+}  // namespace
