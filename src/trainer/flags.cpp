@@ -3,10 +3,25 @@
 #include "fulgur/trainer/flags.h"
 
 #include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <chrono>
 #include <climits>
+#include <cmath>
+#include <cstdlib>
+#include <iomanip>
+#include <limits>
+#include <memory>
+#include <optional>
 #include <set>
+#include <sstream>
+#include <type_traits>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/plugins/environments/cluster_environment.h"
+#include "fulgur/plugins/io/checkpoint_io.h"
+#include "fulgur/plugins/precision/precision.h"
+#include "fulgur/strategies/strategy.h"
 
 namespace fulgur {
 
@@ -49,64 +64,393 @@ ParsedInt parse_int(const std::string& text, long long min, long long max) {
   return result;
 }
 
-ParsedFlags parse_flags(const std::vector<std::pair<std::string, std::string>>& flags) {
-  static const std::vector<std::string> known = {"accelerator", "benchmark", "deterministic",
-                                                 "devices",     "num_nodes", "plugins",
-                                                 "precision",   "strategy",  "sync_batchnorm"};
-  ParsedFlags parsed;
-  TrainerOptions& options = parsed.options;
-  std::vector<std::string>& problems = parsed.problems;
-  std::set<std::string> seen;
-  auto parse_bool = [&](const std::string& flag, const std::string& value, bool fallback) {
-    if (value == "true" || value == "1") return true;
-    if (value == "false" || value == "0") return false;
-    problems.push_back(str("--", flag, " ", value, ": pass true or false."));
-    return fallback;
+namespace {
+
+bool is_none(const std::string& text) {
+  return text == "none" || text == "None" || text == "null" || text == "~";
+}
+
+std::optional<bool> bool_text(const std::string& text) {
+  if (text == "true" || text == "True" || text == "1") return true;
+  if (text == "false" || text == "False" || text == "0") return false;
+  return std::nullopt;
+}
+
+std::optional<double> double_text(const std::string& text) {
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0]))) return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const double value = std::strtod(text.c_str(), &end);
+  if (end != text.c_str() + text.size() || errno == ERANGE || std::isnan(value)) {
+    return std::nullopt;
+  }
+  return value;
+}
+
+std::string double_string(double value) {
+  std::ostringstream out;
+  out << std::setprecision(17) << value;
+  return out.str();
+}
+
+std::string seconds_string(std::chrono::milliseconds ms) {
+  return double_string(static_cast<double>(ms.count()) / 1000.0);
+}
+
+// Setters for the common kinds of field. Each returns "" or the problem.
+using Set = std::function<std::string(TrainerOptions&, const std::string&)>;
+
+template <class T>
+Set set_bool(T TrainerOptions::*field) {
+  return [field](TrainerOptions& o, const std::string& text) -> std::string {
+    const auto value = bool_text(text);
+    if (!value) return "pass true or false.";
+    o.*field = *value;
+    return "";
   };
+}
+
+template <class T>
+Set set_int(T TrainerOptions::*field, long long min, const char* example) {
+  return [field, min, example](TrainerOptions& o, const std::string& text) -> std::string {
+    const ParsedInt n = parse_int(text, min, std::numeric_limits<T>::max());
+    if (!n.ok) return str("not an integer. Pass e.g. ", example, ".");
+    if (n.out_of_range) {
+      return str("out of range (at least ", min, ", at most ", std::numeric_limits<T>::max(),
+                 "). Pass e.g. ", example, ".");
+    }
+    o.*field = static_cast<T>(n.value);
+    return "";
+  };
+}
+
+Set set_optional_int(std::optional<int64_t> TrainerOptions::*field, long long min,
+                     const char* example) {
+  return [field, min, example](TrainerOptions& o, const std::string& text) -> std::string {
+    if (is_none(text)) {
+      o.*field = std::nullopt;
+      return "";
+    }
+    const ParsedInt n = parse_int(text, min, std::numeric_limits<int64_t>::max());
+    if (!n.ok || n.out_of_range) {
+      return str(n.ok ? "out of range" : "not an integer", ". Pass an integer >= ", min,
+                 " (e.g. ", example, ") or none.");
+    }
+    o.*field = n.value;
+    return "";
+  };
+}
+
+template <class T>
+std::string get_int(const TrainerOptions& o, T TrainerOptions::*field) {
+  return std::to_string(o.*field);
+}
+
+// "10" → ten batches; "0.25" → a fraction of the loader.
+Set set_batch_limit(BatchLimit TrainerOptions::*field) {
+  return [field](TrainerOptions& o, const std::string& text) -> std::string {
+    if (text.find_first_of(".eE") != std::string::npos) {
+      const auto value = double_text(text);
+      if (!value) return "not a number. Pass a count of batches (10) or a fraction (0.25).";
+      o.*field = BatchLimit(*value);
+      return "";
+    }
+    const ParsedInt n = parse_int(text, 0, std::numeric_limits<int64_t>::max());
+    if (!n.ok || n.out_of_range) {
+      return "not a count of batches >= 0 or a fraction. Pass e.g. 10, or 0.25.";
+    }
+    o.*field = BatchLimit(static_cast<long long>(n.value));
+    return "";
+  };
+}
+
+Set set_seconds(std::chrono::milliseconds TrainerOptions::*field) {
+  return [field](TrainerOptions& o, const std::string& text) -> std::string {
+    const auto value = double_text(text);
+    if (!value || *value < 0 || *value > 1e12) return "not a number of seconds >= 0.";
+    o.*field = std::chrono::milliseconds(std::llround(*value * 1000));
+    return "";
+  };
+}
+
+template <class Object>
+std::string name_or_text(const std::variant<std::string, std::shared_ptr<Object>>& value) {
+  if (const auto* text = std::get_if<std::string>(&value)) return *text;
+  const auto& object = std::get<std::shared_ptr<Object>>(value);
+  return object ? std::string(object->name()) : "null";
+}
+
+std::string plugin_text(const Plugin& plugin) {
+  return std::visit(
+      [](const auto& p) -> std::string {
+        if constexpr (std::is_same_v<std::decay_t<decltype(p)>, std::string>) {
+          return p;
+        } else {
+          return p ? std::string(p->name()) : "null";
+        }
+      },
+      plugin);
+}
+
+std::vector<TrainerFlag> make_flags() {
+  using O = TrainerOptions;
+  std::vector<TrainerFlag> f;
+  // ---- Hardware.
+  f.push_back({"accelerator", "hardware", "\"auto\", \"cpu\", \"cuda\" (\"gpu\"), or a registered name",
+               [](const O& o) { return name_or_text(o.accelerator); },
+               [](O& o, const std::string& t) { o.accelerator = t; return std::string(); }});
+  f.push_back({"strategy", "hardware", "\"auto\", \"single_device\", \"ddp\", ... or a registered name",
+               [](const O& o) { return name_or_text(o.strategy); },
+               [](O& o, const std::string& t) { o.strategy = t; return std::string(); }});
+  f.push_back({"devices", "hardware", "\"auto\", a count, -1 for all, or indices \"0,2\"",
+               [](const O& o) { return o.devices.text(); },
+               [](O& o, const std::string& t) { o.devices = DevicesSpec(t); return std::string(); }});
+  f.push_back({"num_nodes", "hardware", "Number of machines",
+               [](const O& o) { return get_int(o, &O::num_nodes); },
+               [](O& o, const std::string& t) -> std::string {
+                 const ParsedInt n = parse_int(t, INT_MIN, INT_MAX);
+                 if (n.ok && !n.out_of_range) {
+                   o.num_nodes = static_cast<int>(n.value);
+                   return "";
+                 }
+                 return str(n.ok ? "out of range (at most 2147483647)." : "not an integer.",
+                            " Pass the number of machines, e.g. --num_nodes 2.");
+               }});
+  f.push_back({"precision", "hardware",
+               "32-true, 64-true, bf16-mixed, 16-mixed, bf16-true, 16-true (legacy: 32, 64, 16, bf16)",
+               [](const O& o) { return o.precision.text(); },
+               [](O& o, const std::string& t) { o.precision = t; return std::string(); }});
+  f.push_back({"plugins", "hardware", "Comma-separated registered plugin names (e.g. slurm)",
+               [](const O& o) {
+                 std::vector<std::string> names;
+                 for (const auto& p : o.plugins) names.push_back(plugin_text(p));
+                 return join(names, ",");
+               },
+               [](O& o, const std::string& t) {
+                 o.plugins.clear();
+                 size_t start = 0;
+                 while (start <= t.size()) {
+                   const size_t comma = t.find(',', start);
+                   std::string name =
+                       t.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+                   if (!name.empty()) o.plugins.emplace_back(name);
+                   if (comma == std::string::npos) break;
+                   start = comma + 1;
+                 }
+                 return std::string();
+               }});
+  f.push_back({"sync_batchnorm", "hardware", "Synchronise BatchNorm statistics across ranks (ddp)",
+               [](const O& o) { return std::string(o.sync_batchnorm ? "true" : "false"); },
+               set_bool(&O::sync_batchnorm)});
+  f.push_back({"deterministic", "hardware", "true, false or warn",
+               [](const O& o) { return o.deterministic.text(); },
+               [](O& o, const std::string& t) { o.deterministic = t; return std::string(); }});
+  f.push_back({"benchmark", "hardware", "cuDNN autotuning (CUDA only)",
+               [](const O& o) { return std::string(o.benchmark ? "true" : "false"); },
+               set_bool(&O::benchmark)});
+  f.push_back({"use_distributed_sampler", "hardware",
+               "Split each epoch's samples across ranks (a DistributedSampler)",
+               [](const O& o) { return std::string(o.use_distributed_sampler ? "true" : "false"); },
+               set_bool(&O::use_distributed_sampler)});
+  // ---- Run length.
+  f.push_back({"max_epochs", "run length",
+               "Epochs to train; none: 1000, or unlimited when max_steps is set",
+               [](const O& o) { return o.max_epochs ? std::to_string(*o.max_epochs) : "none"; },
+               set_optional_int(&O::max_epochs, -1, "3")});
+  f.push_back({"min_epochs", "run length", "Train at least this many epochs",
+               [](const O& o) { return get_int(o, &O::min_epochs); },
+               set_int(&O::min_epochs, 0, "1")});
+  f.push_back({"max_steps", "run length", "Optimizer steps to train for (-1: no limit)",
+               [](const O& o) { return get_int(o, &O::max_steps); },
+               set_int(&O::max_steps, -1, "1000")});
+  f.push_back({"min_steps", "run length", "Train at least this many steps",
+               [](const O& o) { return get_int(o, &O::min_steps); },
+               set_int(&O::min_steps, 0, "100")});
+  f.push_back({"max_time", "run length",
+               "Stop after this many seconds of training, with a checkpoint (none: no limit)",
+               [](const O& o) { return o.max_time ? seconds_string(*o.max_time) : "none"; },
+               [](O& o, const std::string& t) -> std::string {
+                 if (is_none(t)) {
+                   o.max_time = std::nullopt;
+                   return "";
+                 }
+                 const auto value = double_text(t);
+                 if (!value || *value <= 0 || *value > 1e12) {
+                   return "not a number of seconds > 0. Pass e.g. 3600, or none.";
+                 }
+                 o.max_time = std::chrono::milliseconds(std::llround(*value * 1000));
+                 return "";
+               }});
+  f.push_back({"fast_dev_run", "run length",
+               "Run N (true = 1) batches of each stage and stop; no checkpoints or logs",
+               [](const O& o) { return get_int(o, &O::fast_dev_run); },
+               [](O& o, const std::string& t) -> std::string {
+                 if (t == "true" || t == "True") {
+                   o.fast_dev_run = 1;
+                   return "";
+                 }
+                 if (t == "false" || t == "False") {
+                   o.fast_dev_run = 0;
+                   return "";
+                 }
+                 const ParsedInt n = parse_int(t, 0, std::numeric_limits<int64_t>::max());
+                 if (!n.ok || n.out_of_range) return "pass true, false or a number of batches >= 0.";
+                 o.fast_dev_run = n.value;
+                 return "";
+               }});
+  f.push_back({"limit_train_batches", "run length",
+               "Training batches per epoch: a count (10) or a fraction (0.25)",
+               [](const O& o) { return o.limit_train_batches.text(); },
+               set_batch_limit(&O::limit_train_batches)});
+  f.push_back({"limit_val_batches", "run length", "Validation batches: a count or a fraction",
+               [](const O& o) { return o.limit_val_batches.text(); },
+               set_batch_limit(&O::limit_val_batches)});
+  f.push_back({"limit_test_batches", "run length", "Test batches: a count or a fraction",
+               [](const O& o) { return o.limit_test_batches.text(); },
+               set_batch_limit(&O::limit_test_batches)});
+  f.push_back({"limit_predict_batches", "run length", "Prediction batches: a count or a fraction",
+               [](const O& o) { return o.limit_predict_batches.text(); },
+               set_batch_limit(&O::limit_predict_batches)});
+  // ---- Validation.
+  f.push_back({"val_check_interval", "validation",
+               "Validate every N training batches (integer) or fraction of an epoch",
+               [](const O& o) { return o.val_check_interval.text(); },
+               set_batch_limit(&O::val_check_interval)});
+  f.push_back({"check_val_every_n_epoch", "validation",
+               "Validate at the end of every N-th epoch (none: by batch count across epochs)",
+               [](const O& o) {
+                 return o.check_val_every_n_epoch ? std::to_string(*o.check_val_every_n_epoch)
+                                                  : "none";
+               },
+               set_optional_int(&O::check_val_every_n_epoch, 1, "1")});
+  f.push_back({"num_sanity_val_steps", "validation",
+               "Validation batches run before training (-1: all)",
+               [](const O& o) { return get_int(o, &O::num_sanity_val_steps); },
+               set_int(&O::num_sanity_val_steps, -1, "2")});
+  // ---- Optimization.
+  f.push_back({"accumulate_grad_batches", "optimization",
+               "Batches whose gradients are summed per optimizer step",
+               [](const O& o) { return get_int(o, &O::accumulate_grad_batches); },
+               set_int(&O::accumulate_grad_batches, 1, "4")});
+  f.push_back({"gradient_clip_val", "optimization",
+               "Clip gradients at this value (none: no clipping)",
+               [](const O& o) {
+                 return o.gradient_clip_val ? double_string(*o.gradient_clip_val) : "none";
+               },
+               [](O& o, const std::string& t) -> std::string {
+                 if (is_none(t)) {
+                   o.gradient_clip_val = std::nullopt;
+                   return "";
+                 }
+                 const auto value = double_text(t);
+                 if (!value || *value < 0) return "not a number >= 0. Pass e.g. 1.0, or none.";
+                 o.gradient_clip_val = *value;
+                 return "";
+               }});
+  f.push_back({"gradient_clip_algorithm", "optimization", "\"norm\" or \"value\"",
+               [](const O& o) { return std::string(to_string(o.gradient_clip_algorithm)); },
+               [](O& o, const std::string& t) -> std::string {
+                 const auto algorithm = parse_gradient_clip_algorithm(t);
+                 if (!algorithm) return "not an algorithm. Pass norm or value.";
+                 o.gradient_clip_algorithm = *algorithm;
+                 return "";
+               }});
+  // ---- Reproducibility.
+  f.push_back({"seed", "reproducibility", "Seed of every RNG (none: unseeded)",
+               [](const O& o) { return o.seed ? std::to_string(*o.seed) : "none"; },
+               [](O& o, const std::string& t) -> std::string {
+                 if (is_none(t)) {
+                   o.seed = std::nullopt;
+                   return "";
+                 }
+                 const ParsedInt n = parse_int(t, 0, std::numeric_limits<int64_t>::max());
+                 if (!n.ok || n.out_of_range) return "not an integer >= 0. Pass e.g. 42, or none.";
+                 o.seed = static_cast<uint64_t>(n.value);
+                 return "";
+               }});
+  // ---- Outputs.
+  f.push_back({"default_root_dir", "outputs", "Root of logs and checkpoints (\"\": the working directory)",
+               [](const O& o) { return o.default_root_dir; },
+               [](O& o, const std::string& t) { o.default_root_dir = t; return std::string(); }});
+  f.push_back({"enable_checkpointing", "outputs", "Save checkpoints (last.ckpt and the best)",
+               [](const O& o) { return std::string(o.enable_checkpointing ? "true" : "false"); },
+               set_bool(&O::enable_checkpointing)});
+  f.push_back({"enable_progress_bar", "outputs", "Show progress",
+               [](const O& o) { return std::string(o.enable_progress_bar ? "true" : "false"); },
+               set_bool(&O::enable_progress_bar)});
+  f.push_back({"logger", "outputs",
+               "Loggers by name, comma-separated: csv, tensorboard (true: csv; false: none)",
+               [](const O& o) { return o.logger.text(); },
+               [](O& o, const std::string& t) -> std::string {
+                 o.logger = LoggerFlag(t);
+                 return o.logger.problem();
+               }});
+  f.push_back({"log_every_n_steps", "outputs",
+               "Logged metrics reach the loggers every N optimizer steps",
+               [](const O& o) { return get_int(o, &O::log_every_n_steps); },
+               set_int(&O::log_every_n_steps, 1, "50")});
+  // ---- Recovery.
+  f.push_back({"max_restarts", "recovery",
+               "Start every rank again (resuming from the newest checkpoint) this many times when "
+               "one dies, freezes or hangs",
+               [](const O& o) { return get_int(o, &O::max_restarts); },
+               set_int(&O::max_restarts, 0, "3")});
+  f.push_back({"heartbeat_timeout", "recovery",
+               "Seconds without a heartbeat before a rank is named as frozen (0: off)",
+               [](const O& o) { return seconds_string(o.heartbeat_timeout); },
+               set_seconds(&O::heartbeat_timeout)});
+  f.push_back({"every_n_train_steps", "recovery",
+               "Save a checkpoint (and last.ckpt) every N optimizer steps (0: every epoch)",
+               [](const O& o) { return get_int(o, &O::every_n_train_steps); },
+               set_int(&O::every_n_train_steps, 0, "500")});
+  return f;
+}
+
+std::string snake(std::string_view name) {
+  std::string flag(name);
+  while (!flag.empty() && flag.front() == '-') flag.erase(flag.begin());
+  std::replace(flag.begin(), flag.end(), '-', '_');
+  return flag;
+}
+
+}  // namespace
+
+const std::vector<TrainerFlag>& trainer_flags() {
+  static const std::vector<TrainerFlag> flags = make_flags();
+  return flags;
+}
+
+const TrainerFlag* find_trainer_flag(std::string_view name) {
+  const std::string flag = snake(name);
+  for (const auto& f : trainer_flags()) {
+    if (f.name == flag) return &f;
+  }
+  return nullptr;
+}
+
+ParsedFlags parse_flags(const std::vector<std::pair<std::string, std::string>>& flags) {
+  ParsedFlags parsed;
+  std::set<std::string> seen;
+  std::vector<std::string> known;
+  for (const auto& f : trainer_flags()) known.push_back(f.name);
   for (const auto& [raw, value] : flags) {
-    std::string flag = raw;
-    while (!flag.empty() && flag.front() == '-') flag.erase(flag.begin());
-    std::replace(flag.begin(), flag.end(), '-', '_');
+    const std::string flag = snake(raw);
     if (!seen.insert(flag).second) {
-      problems.push_back(str("--", flag, " is given twice: pass it once."));
+      parsed.problems.push_back(str("--", flag, " is given twice: pass it once."));
       continue;
     }
-    if (flag == "accelerator") {
-      options.accelerator = value;
-    } else if (flag == "strategy") {
-      options.strategy = value;
-    } else if (flag == "devices") {
-      options.devices = DevicesSpec(value);
-    } else if (flag == "num_nodes") {
-      const ParsedInt n = parse_int(value, INT_MIN, INT_MAX);
-      if (n.ok && !n.out_of_range) {
-        options.num_nodes = static_cast<int>(n.value);
-      } else {
-        problems.push_back(str("--num_nodes ", value,
-                               n.ok ? ": out of range (at most 2147483647)." : ": not an integer.",
-                               " Pass the number of machines, e.g. --num_nodes 2."));
-      }
-    } else if (flag == "precision") {
-      options.precision = value;
-    } else if (flag == "plugins") {
-      size_t start = 0;
-      while (start <= value.size()) {
-        size_t comma = value.find(',', start);
-        std::string name =
-            value.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-        if (!name.empty()) options.plugins.emplace_back(name);
-        if (comma == std::string::npos) break;
-        start = comma + 1;
-      }
-    } else if (flag == "sync_batchnorm") {
-      options.sync_batchnorm = parse_bool(flag, value, options.sync_batchnorm);
-    } else if (flag == "deterministic") {
-      options.deterministic = value;
-    } else if (flag == "benchmark") {
-      options.benchmark = parse_bool(flag, value, options.benchmark);
+    const TrainerFlag* f = find_trainer_flag(flag);
+    if (f == nullptr) {
+      parsed.problems.push_back(str("--", flag, ": unknown flag", did_you_mean(flag, known, "--", ""),
+                                    "`--help` lists every flag."));
+      continue;
+    }
+    // A value that does not parse leaves the option at its default.
+    TrainerOptions attempt = parsed.options;
+    if (std::string problem = f->set(attempt, value); !problem.empty()) {
+      parsed.problems.push_back(str("--", flag, " ", value, ": ", problem));
     } else {
-      problems.push_back(str("--", flag, ": unknown flag", did_you_mean(flag, known, "--", ""),
-                             "Flags: --", join(known, ", --"), "."));
+      parsed.options = std::move(attempt);
     }
   }
   return parsed;

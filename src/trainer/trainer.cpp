@@ -12,7 +12,7 @@
 #include "fulgur/callbacks/progress_bar.h"
 #include "fulgur/callbacks/timer.h"
 #include "fulgur/core/errors.h"
-#include "fulgur/loggers/csv_logger.h"
+#include "fulgur/loggers/logger.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
 #include "fulgur/strategies/launchers/launcher.h"
 #include "fulgur/trainer/connectors/accelerator_connector.h"
@@ -117,6 +117,13 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
                 "every_n_train_steps on it instead."));
     }
   }
+  if (!o.logger.problem().empty()) {
+    check(false, str("logger=\"", o.logger.text(), "\": ", o.logger.problem()));
+  }
+  for (const auto& name : o.logger.names()) {
+    check(logger_registry().contains(name),
+          str("logger=\"", o.logger.text(), "\": ", logger_registry().unknown_name_message(name)));
+  }
   std::map<std::string, size_t> logger_keys;
   for (size_t i = 0; i < o.loggers.size(); ++i) {
     check(o.loggers[i] != nullptr, str("loggers[", i, "] is null: pass an instance."));
@@ -208,7 +215,11 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
   });
   if (options.logger && !fast) {
     if (options.loggers.empty()) {
-      logging.set_loggers({std::make_shared<CSVLogger>(CSVLoggerOptions{.save_dir = root_dir()})});
+      std::vector<std::shared_ptr<Logger>> loggers;
+      for (const auto& name : options.logger.names()) {
+        loggers.push_back(logger_registry().create(name, root_dir()));
+      }
+      logging.set_loggers(std::move(loggers));
     } else {
       logging.set_loggers(options.loggers);
     }

@@ -56,4 +56,42 @@ const char* to_string(GradientClipAlgorithm algorithm) {
   return algorithm == GradientClipAlgorithm::Norm ? "norm" : "value";
 }
 
+LoggerFlag::LoggerFlag(const char* raw) {
+  const std::string text = raw == nullptr ? std::string() : std::string(raw);
+  if (text == "true" || text == "True") {
+    names_ = {"csv"};
+    return;
+  }
+  if (text == "false" || text == "False" || text == "none") return;
+  size_t start = 0;
+  while (start <= text.size()) {
+    const size_t comma = text.find(',', start);
+    std::string name =
+        text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    name.erase(0, name.find_first_not_of(" \t"));
+    name.erase(name.find_last_not_of(" \t") + 1);
+    if (name.empty()) {
+      problem_ = "a logger name is empty. Pass names separated by commas (csv,tensorboard), "
+                 "true or false.";
+    } else {
+      names_.push_back(name);
+    }
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+}
+
+LoggerFlag::LoggerFlag(std::vector<std::string> names) : names_(std::move(names)) {
+  for (const auto& n : names_) {
+    if (n.empty()) problem_ = "a logger name is empty.";
+  }
+}
+
+std::string LoggerFlag::text() const {
+  if (names_.empty()) return "false";
+  std::string out;
+  for (const auto& n : names_) out += (out.empty() ? "" : ",") + n;
+  return out;
+}
+
 }  // namespace fulgur

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "fulgur/core/module.h"
+#include "fulgur/core/registry.h"
 
 namespace torch::serialize {
 class InputArchive;
@@ -55,5 +56,12 @@ class Logger {
   /// interrupted run logged after `step` is superseded.
   virtual void load_state(torch::serialize::InputArchive& /*archive*/, int64_t /*step*/) {}
 };
+
+/// Loggers by name, for TrainerOptions::logger ("csv,tensorboard") and the
+/// CLI. A factory gets the run's root directory (default_root_dir, or the
+/// working directory). Built in: "csv" (CSVLogger) and "tensorboard"
+/// (TensorBoardLogger), both writing `<root>/fulgur_logs/version_<N>`.
+using LoggerRegistry = Registry<Logger, const std::string&>;
+LoggerRegistry& logger_registry();
 
 }  // namespace fulgur

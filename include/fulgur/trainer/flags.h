@@ -1,13 +1,16 @@
 // File: fulgur/trainer/flags.h
 //
-// The connector's flags from command-line text, in one place: `fulgur
-// resolve`, the examples and tests parse them here.
+// The Trainer's flags as text, in one table: fulgur::cli (command lines and
+// YAML files), `fulgur resolve`, the examples and the docs all read it, so a
+// new TrainerOptions field with a text form appears everywhere at once.
 //
 //   auto parsed = fulgur::parse_flags({{"devices", "2"}, {"num-nodes", "2"}});
 //   fulgur::connect(parsed.options, fulgur::EnvView(), parsed.problems);
 #pragma once
 
+#include <functional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -24,10 +27,31 @@ struct ParsedFlags {
   std::vector<std::string> problems;
 };
 
-/// Parses {"devices", "0,1"}, {"num-nodes", "2"}, {"plugins", "slurm,torch"},
-/// ... (snake_case or kebab-case, leading dashes optional) for accelerator,
-/// strategy, devices, num_nodes, precision, plugins, sync_batchnorm,
-/// deterministic, benchmark. Never throws for a bad flag: see problems.
+/// One field of TrainerOptions as text.
+struct TrainerFlag {
+  std::string name;   // snake_case, as the field
+  std::string group;  // "hardware", "run length", "validation", ...
+  std::string help;   // one line
+  /// The field's value as set() reads it back ("none" when unset; an
+  /// object passed in code shows as its name).
+  std::function<std::string(const TrainerOptions&)> get;
+  /// Sets the field from text; "" when it parsed, else what is wrong and
+  /// what to pass instead ("not an integer. Pass ..."). Values the
+  /// connector judges (devices, precision, ...) are stored as written and
+  /// judged there, with every other problem of the configuration.
+  std::function<std::string(TrainerOptions&, const std::string&)> set;
+};
+
+/// Every flag, in TrainerOptions' declaration order.
+const std::vector<TrainerFlag>& trainer_flags();
+
+/// The flag named `name` (snake_case or kebab-case, leading dashes
+/// optional), or null.
+const TrainerFlag* find_trainer_flag(std::string_view name);
+
+/// Parses {"devices", "0,1"}, {"num-nodes", "2"}, {"max_epochs", "5"}, ...
+/// (any flag of trainer_flags(); snake_case or kebab-case, leading dashes
+/// optional). Never throws for a bad flag: see problems.
 ParsedFlags parse_flags(const std::vector<std::pair<std::string, std::string>>& flags);
 
 /// parse_flags(), throwing FlagError("invalid_flags") listing every problem.

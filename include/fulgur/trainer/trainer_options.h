@@ -79,6 +79,29 @@ class PrecisionFlag {
 };
 
 /// A plugin as a registered name ("slurm") or an instance.
+/// Which loggers the Trainer adds when `loggers` is empty: true (a
+/// CSVLogger), false (none), or names of logger_registry() entries, comma-
+/// separated ("csv,tensorboard").
+class LoggerFlag {
+ public:
+  LoggerFlag(bool enabled = true)  // NOLINT: implicit on purpose
+      : names_(enabled ? std::vector<std::string>{"csv"} : std::vector<std::string>{}) {}
+  LoggerFlag(const char* text);                         // NOLINT
+  LoggerFlag(std::string text) : LoggerFlag(text.c_str()) {}  // NOLINT
+  LoggerFlag(std::vector<std::string> names);           // NOLINT
+  explicit operator bool() const { return !names_.empty(); }
+  const std::vector<std::string>& names() const { return names_; }
+  /// "false", or the names joined by commas.
+  std::string text() const;
+  /// What is wrong with the text (an empty name); "" when nothing is.
+  /// Unknown names are the Trainer's to report, with the registry's list.
+  const std::string& problem() const { return problem_; }
+
+ private:
+  std::vector<std::string> names_;
+  std::string problem_;
+};
+
 using Plugin = std::variant<std::string, std::shared_ptr<Precision>, std::shared_ptr<CheckpointIO>,
                             std::shared_ptr<ClusterEnvironment>>;
 
@@ -151,7 +174,7 @@ struct TrainerOptions {
   bool enable_checkpointing = true;
   bool enable_progress_bar = true;
   /// Add a CSVLogger unless loggers are given; false: no logging.
-  bool logger = true;
+  LoggerFlag logger = true;
   std::vector<std::shared_ptr<Logger>> loggers = {};
   /// Logged metrics reach the loggers every N optimizer steps.
   int64_t log_every_n_steps = 50;
