@@ -8,11 +8,10 @@
 //                                        verifies (exit status 0, or 1 when corrupt)
 //   fulgur plot PATH [--out PNG]         a run's curves as a PNG (gnuplot)
 //
-// Flags are the Trainer's hardware options, snake_case or kebab-case, each
-// with a value: --accelerator, --strategy, --devices, --num_nodes,
-// --precision, --plugins (comma-separated), --sync_batchnorm, --deterministic,
-// --benchmark. Exit status: 0 resolved, 2 bad flags (JSON error on stdout),
-// 1 anything else (message on stderr).
+// resolve reads what a program on fulgur::CLI reads: every Trainer flag
+// (--trainer.devices 2, or --devices 2; snake_case or kebab-case) and YAML
+// config files (--config a.yaml). Exit status: 0 resolved, 2 bad flags (JSON
+// error on stdout), 1 anything else (message on stderr).
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
@@ -27,9 +26,8 @@
 namespace {
 
 constexpr const char* kUsage =
-    "usage: fulgur resolve [--accelerator A] [--strategy S] [--devices D] [--num_nodes N]\n"
-    "                      [--precision P] [--plugins a,b] [--sync_batchnorm true|false]\n"
-    "                      [--deterministic true|false|warn] [--benchmark true|false]\n"
+    "usage: fulgur resolve [--config FILE]... [--accelerator A] [--strategy S] [--devices D]\n"
+    "                      [--num_nodes N] [--precision P] [--plugins a,b] [--KEY VALUE]...\n"
     "       fulgur list\n"
     "       fulgur checkpoint inspect PATH\n"
     "       fulgur plot PATH [--out PNG]\n"
@@ -43,41 +41,31 @@ constexpr const char* kUsage =
     "unless --out says where; exit status 1 when it cannot.\n";
 
 int resolve(int argc, char** argv) {
-  std::vector<std::pair<std::string, std::string>> flags;
-  std::vector<std::string> problems;
-  for (int i = 2; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "-h" || arg == "--help") {
-      std::cout << kUsage;
-      return 0;
-    }
-    if (arg.rfind("--", 0) != 0) {
-      problems.push_back(fulgur::str("\"", arg, "\": expected a flag such as --devices 2."));
-      continue;
-    }
-    if (auto eq = arg.find('='); eq != std::string::npos) {
-      flags.emplace_back(arg.substr(0, eq), arg.substr(eq + 1));
-    } else if (i + 1 < argc) {
-      flags.emplace_back(arg, argv[++i]);
-    } else {
-      problems.push_back(
-          fulgur::str(arg, " has no value: every flag takes one (", arg, " VALUE)."));
-    }
+  // The same command line and config files as a program on fulgur::CLI.
+  fulgur::CLI cli({.program = "fulgur resolve",
+                   .description = "How fulgur::Trainer would resolve these flags here, as JSON."});
+  const std::vector<std::string> args(argv + 2, argv + argc);
+  if (std::find(args.begin(), args.end(), "-h") != args.end() ||
+      std::find(args.begin(), args.end(), "--help") != args.end()) {
+    std::cout << kUsage << "\n" << cli.help();
+    return 0;
   }
   try {
-    auto parsed = fulgur::parse_flags(flags);
-    problems.insert(problems.end(), parsed.problems.begin(), parsed.problems.end());
-    if (!problems.empty()) {
+    try {
+      if (!cli.parse_arguments(args, std::cout)) return 0;  // --print_config
+    } catch (const fulgur::FlagError& e) {
       // The connector checks the flags that did parse and throws one error
       // listing these problems and its own.
-      fulgur::resolve(parsed.options, fulgur::ConnectorContext(), problems);
+      std::vector<std::string> problems = e.problems();
+      fulgur::resolve(cli.trainer_options(), fulgur::ConnectorContext(), problems);
     }
-    fulgur::TrainerOptions options = std::move(parsed.options);
+    fulgur::TrainerOptions options = cli.trainer_options();
     // A Trainer resolves exactly as it would in a program; it touches no
     // file and starts no process until fit().
     options.enable_checkpointing = false;
     options.logger = false;
     options.enable_progress_bar = false;
+    options.callbacks.clear();
     fulgur::Trainer trainer(std::move(options));
     std::cout << trainer.describe();
     return 0;

@@ -18,6 +18,7 @@
 #include "fulgur/callbacks/progress_bar.h"
 #include "fulgur/callbacks/throughput_monitor.h"
 #include "fulgur/callbacks/timer.h"
+#include "fulgur/cli/cli.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
 #include "fulgur/data/batch.h"

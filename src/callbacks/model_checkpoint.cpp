@@ -48,6 +48,7 @@ void ModelCheckpoint::on_fit_start(Trainer& trainer, Module&) {
   dirpath_ = options_.dirpath.empty()
                  ? (fs::path(trainer.default_root_dir()) / "checkpoints").string()
                  : options_.dirpath;
+  validation_ran_ = false;
   // What saves killed mid-write left (a later save would remove it too,
   // but a run may end before its first save).
   std::error_code ec;
@@ -115,7 +116,7 @@ bool in_directory(const std::string& path, const std::string& dirpath) {
 
 }  // namespace
 
-void ModelCheckpoint::save(Trainer& trainer, bool) {
+void ModelCheckpoint::save(Trainer& trainer, bool end_of_epoch) {
   if (!enabled(trainer)) return;
   if (last_saved_step_ == trainer.global_step()) return;  // already saved at this step
   last_saved_step_ = trainer.global_step();
@@ -133,9 +134,12 @@ void ModelCheckpoint::save(Trainer& trainer, bool) {
       best_model_path_ = path;
     } else {
       auto it = trainer.callback_metrics().find(options_.monitor);
-      if (it == trainer.callback_metrics().end() && trainer.should_stop()) {
-        // The run stops (request_stop, a Timer) before the validation that
-        // logs the metric: nothing to rank, but last.ckpt keeps the state.
+      if (it == trainer.callback_metrics().end() &&
+          (trainer.should_stop() || (!end_of_epoch && !validation_ran_))) {
+        // A step's save before the first validation (every N steps from the
+        // start of a run), or a run that stops (request_stop, a Timer)
+        // before the validation that logs the metric: nothing to rank, but
+        // last.ckpt keeps the state.
         if (options_.save_last) save_last(trainer);
         return;
       }
@@ -192,7 +196,9 @@ void ModelCheckpoint::on_validation_end(Trainer& trainer, Module&) {
   // A monitored metric usually comes from validation: the epoch's checkpoint
   // is taken once the end-of-epoch validation has produced it. Mid-epoch
   // validations are covered by every_n_train_steps.
-  if (trainer.sanity_checking() || options_.monitor.empty()) return;
+  if (trainer.sanity_checking()) return;
+  validation_ran_ = true;
+  if (options_.monitor.empty()) return;
   int64_t n = options_.every_n_epochs.value_or(1);
   bool epoch_due = n > 0 && (trainer.current_epoch() + 1) % n == 0;
   bool at_epoch_end = trainer.num_training_batches() < 0 ||

@@ -87,6 +87,9 @@ class ModelCheckpoint : public Callback {
   std::string latest_path_;                            // when no monitor
   int64_t last_saved_step_ = -1;
   bool validated_this_epoch_ = false;
+  // A validation (not the sanity check) has run in this fit: from then on a
+  // monitored metric that is missing is an error.
+  bool validation_ran_ = false;
 };
 
 }  // namespace fulgur

@@ -1,0 +1,173 @@
+// File: fulgur/cli/cli.h
+//
+// The LightningCLI of C++: one object gives a program the subcommands fit,
+// validate, test and predict, every Trainer flag (from trainer_flags()), the
+// program's own options in a few lines, YAML config files and dotted
+// overrides.
+//
+//   int main(int argc, char** argv) {
+//     fulgur::CLI cli({.program = "train", .trainer_defaults = {.max_epochs = 3}});
+//     double lr = 1e-3;
+//     int64_t batch_size = 64;
+//     cli.model().add("lr", lr, "learning rate");
+//     cli.data().add("batch_size", batch_size, "samples per batch");
+//     if (auto status = cli.parse(argc, argv)) return *status;  // --help, errors
+//     fulgur::Trainer trainer(cli.trainer_options());
+//     MyModel model(lr);
+//     MyData data(batch_size);
+//     cli.run(trainer, model, data);
+//   }
+//
+//   train fit --config base.yaml --config fast.yaml --trainer.max_epochs 5 --lr 3e-4
+//   train fit --print_config > run.yaml          # the complete config; re-run it with
+//   train fit --config run.yaml                  #   exactly the same settings
+//   train fit --ckpt_path runs/.../last.ckpt     # the checkpoint's config, then overrides
+//   train --max_epochs 5                         # no subcommand: fit; flat names work
+//
+// A config file has the sections `trainer:`, `model:` and `data:`, and the
+// program's top-level keys (`ckpt_path:` and what program() adds):
+//
+//   trainer:
+//     max_epochs: 5
+//     devices: 2
+//     logger: [csv, tensorboard]
+//   model:
+//     lr: 0.0003
+//
+// Precedence, lowest first: the program's defaults; the config saved in the
+// checkpoint given as ckpt_path (a run resumes with its own settings); the
+// --config files, in order; the command line. Every problem (an unknown key,
+// with "did you mean"; a value that does not parse; an ambiguous flat name)
+// is reported at once, naming where the value came from.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <iosfwd>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fulgur/trainer/trainer.h"
+#include "fulgur/trainer/trainer_options.h"
+
+namespace fulgur {
+
+enum class Subcommand { Fit, Validate, Test, Predict };
+const char* to_string(Subcommand subcommand);
+
+/// A section of a program's own options: `model:`, `data:`, or the top level.
+/// Each add() binds a variable; its value when added is the default, and
+/// CLI::parse() writes the configured value into it.
+class OptionGroup {
+ public:
+  OptionGroup& add(const std::string& name, bool& value, std::string help);
+  OptionGroup& add(const std::string& name, int& value, std::string help);
+  OptionGroup& add(const std::string& name, int64_t& value, std::string help);
+  OptionGroup& add(const std::string& name, double& value, std::string help);
+  OptionGroup& add(const std::string& name, std::string& value, std::string help);
+
+  struct Option {
+    std::string name;
+    std::string help;
+    bool is_bool = false;
+    std::function<std::string()> get;
+    /// "" or what is wrong with the text.
+    std::function<std::string(const std::string&)> set;
+  };
+  const std::vector<Option>& options() const { return options_; }
+
+ private:
+  OptionGroup& add_option(Option option);
+  std::vector<Option> options_;
+};
+
+struct CLIOptions {
+  /// The program's name, for --help and messages.
+  std::string program = "fulgur";
+  /// One line for --help.
+  std::string description = "";
+  /// The Trainer's options before config files and the command line: the
+  /// program's defaults for the flags, and the objects a flag cannot name
+  /// (callbacks, loggers, plugins as instances) that trainer_options() keeps.
+  TrainerOptions trainer_defaults = {};
+  /// The subcommand when none is given.
+  Subcommand default_subcommand = Subcommand::Fit;
+};
+
+class CLI {
+ public:
+  explicit CLI(CLIOptions options = {});
+
+  /// The `model:` section.
+  OptionGroup& model() { return model_; }
+  /// The `data:` section.
+  OptionGroup& data() { return data_; }
+  /// The program's top-level keys (next to `ckpt_path`).
+  OptionGroup& program() { return program_; }
+
+  /// Parses the command line, reads the config files and the checkpoint's
+  /// config, and sets every bound variable. Returns nothing when the program
+  /// should go on; an exit status when it is done: 0 after --help or
+  /// --print_config (printed on stdout), 2 after a bad configuration (every
+  /// problem printed on stderr).
+  std::optional<int> parse(int argc, const char* const* argv);
+  /// parse() on the arguments after the program's name; throws FlagError
+  /// ("invalid_config") listing every problem. Returns false after --help or
+  /// --print_config (`out` got the text).
+  bool parse_arguments(const std::vector<std::string>& args, std::ostream& out);
+
+  Subcommand subcommand() const { return subcommand_; }
+  /// The checkpoint to start from ("" for none), as configured.
+  const std::string& ckpt_path() const { return ckpt_path_; }
+  /// trainer_defaults with the configured flags applied, plus a callback
+  /// that writes config.yaml into the run's log directory at fit start and
+  /// the config into every checkpoint.
+  TrainerOptions trainer_options() const;
+  /// The complete configuration as YAML: fed back with --config, it
+  /// reproduces the run.
+  std::string config_yaml() const;
+  /// The configured value of a dotted key ("trainer.max_epochs", "model.lr",
+  /// "ckpt_path"), as text; throws ConfigError for an unknown key.
+  std::string value(const std::string& key) const;
+
+  /// Runs the subcommand on `trainer` with ckpt_path: fit, validate, test or
+  /// predict. The result of the one that ran is set.
+  struct Result {
+    std::optional<FitResult> fit;
+    std::optional<Metrics> metrics;
+    std::optional<std::vector<Batch>> predictions;
+  };
+  Result run(Trainer& trainer, Module& model, DataModule& data) const;
+
+  /// --help's text.
+  std::string help() const;
+
+ private:
+  struct Key {
+    std::string section;  // "trainer", "model", "data", "" (top level)
+    std::string name;
+    std::string help;
+    bool is_bool = false;
+    std::string dotted() const { return section.empty() ? name : section + "." + name; }
+  };
+  struct Setting {
+    std::string text;
+    std::string source;  // "default", "a.yaml line 3", "the command line", ...
+  };
+
+  std::vector<Key> keys() const;
+  // Sets the Trainer's options and the bound variables from `values`; a
+  // problem per value that does not parse.
+  void apply(std::map<std::string, Setting>& values, std::vector<std::string>& problems);
+
+  CLIOptions options_;
+  OptionGroup model_, data_, program_;
+  Subcommand subcommand_;
+  std::string ckpt_path_;
+  std::map<std::string, Setting> values_;
+  TrainerOptions trainer_;
+};
+
+}  // namespace fulgur
