@@ -258,3 +258,17 @@ TEST(CLI, TheConfigGoesToTheRunDirectoryAndIntoCheckpointsAndBackFirst) {
 }
 
 }  // namespace
+
+namespace {
+
+// The README's table of Trainer flags follows trainer_flags(): a flag added
+// to the table in the code and not to the docs fails here.
+TEST(CLI, TheReadmeDocumentsEveryFlagOfTheTable) {
+  const std::string readme = fulgur::test::read_text(FULGUR_SOURCE_DIR "/README.md");
+  for (const auto& flag : fulgur::trainer_flags()) {
+    EXPECT_NE(readme.find("| `" + flag.name + "` |"), std::string::npos)
+        << "README.md's \"Trainer flags\" table has no row for " << flag.name;
+  }
+}
+
+}  // namespace
