@@ -141,6 +141,7 @@ struct ModelOptions {
 struct ProgramOptions {
   int threads = 0;
   double min_test_acc = 0.0;
+  bool resolution_json = false;
 };
 
 int run(fulgur::CLI& cli, const ModelOptions& mo, const fashion_mnist::FashionMNISTOptions& data_options,
@@ -168,6 +169,8 @@ int run(fulgur::CLI& cli, const ModelOptions& mo, const fashion_mnist::FashionMN
                                        .every_n_epochs = 1}));
     options.every_n_train_steps = 0;  // the cadence is this callback's
   }
+  // The layers and their parameter counts, at fit start.
+  options.callbacks.push_back(std::make_shared<fulgur::ModelSummary>());
 
   fulgur::Trainer trainer(std::move(options));
   // With several ranks, only global rank 0 reports. (Under --strategy ddp
@@ -175,7 +178,8 @@ int run(fulgur::CLI& cli, const ModelOptions& mo, const fashion_mnist::FashionMN
   const auto* launcher = trainer.strategy().launcher();
   const bool reports = trainer.strategy().is_global_zero() &&
                        (launcher == nullptr || launcher->is_interactive_compatible());
-  if (reports) std::cout << trainer.describe() << std::endl;
+  // What was chosen and why; the JSON of `fulgur resolve` on request.
+  if (reports) std::cout << (po.resolution_json ? trainer.describe() : trainer.resolution().to_text()) << std::endl;
 
   FashionCNN model(mo.lr, mo.lr_step_size, mo.lr_gamma);
   fulgur::HParams hparams;
@@ -227,7 +231,8 @@ int run(fulgur::CLI& cli, const ModelOptions& mo, const fashion_mnist::FashionMN
     if (std::ifstream(log_dir + "/metrics.png")) {
       std::cout << "curves: " << log_dir << "/metrics.png\n";
     }
-    for (const auto& entry : std::filesystem::directory_iterator(log_dir)) {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(log_dir, ec)) {
       if (entry.path().filename().string().find("tfevents") != std::string::npos) {
         std::cout << "tensorboard: tensorboard --logdir " << log_dir << "\n";
         break;
@@ -273,7 +278,9 @@ int main(int argc, char** argv) {
   cli.program()
       .add("threads", po.threads, "torch::set_num_threads (0: LibTorch's default)")
       .add("min_test_acc", po.min_test_acc,
-           "Exit with status 1 when the test accuracy is below this (0: off)");
+           "Exit with status 1 when the test accuracy is below this (0: off)")
+      .add("resolution_json", po.resolution_json,
+           "Print the Trainer's resolution as JSON (fulgur resolve's) instead of the summary");
   if (auto status = cli.parse(argc, argv)) return *status;
 
   try {

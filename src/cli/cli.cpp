@@ -51,7 +51,7 @@ std::string unknown(const std::string& what, const std::string& name,
   return text;
 }
 
-std::string snake(std::string name) {
+std::string snake_key(std::string name) {
   std::replace(name.begin(), name.end(), '-', '_');
   return name;
 }
@@ -178,7 +178,7 @@ OptionGroup& OptionGroup::add_option(Option option) {
 }
 
 OptionGroup& OptionGroup::add(const std::string& name, bool& value, std::string help) {
-  return add_option({snake(name), std::move(help), true,
+  return add_option({snake_key(name), std::move(help), true,
                      [&value] { return std::string(value ? "true" : "false"); },
                      [&value](const std::string& t) -> std::string {
                        if (t == "true" || t == "True" || t == "1") {
@@ -193,7 +193,7 @@ OptionGroup& OptionGroup::add(const std::string& name, bool& value, std::string 
 }
 
 OptionGroup& OptionGroup::add(const std::string& name, int& value, std::string help) {
-  return add_option({snake(name), std::move(help), false, [&value] { return std::to_string(value); },
+  return add_option({snake_key(name), std::move(help), false, [&value] { return std::to_string(value); },
                      [&value](const std::string& t) -> std::string {
                        long long v = 0;
                        auto problem = parse_integer(t, std::numeric_limits<int>::min(),
@@ -204,7 +204,7 @@ OptionGroup& OptionGroup::add(const std::string& name, int& value, std::string h
 }
 
 OptionGroup& OptionGroup::add(const std::string& name, int64_t& value, std::string help) {
-  return add_option({snake(name), std::move(help), false, [&value] { return std::to_string(value); },
+  return add_option({snake_key(name), std::move(help), false, [&value] { return std::to_string(value); },
                      [&value](const std::string& t) -> std::string {
                        long long v = 0;
                        auto problem = parse_integer(t, std::numeric_limits<int64_t>::min(),
@@ -215,7 +215,7 @@ OptionGroup& OptionGroup::add(const std::string& name, int64_t& value, std::stri
 }
 
 OptionGroup& OptionGroup::add(const std::string& name, double& value, std::string help) {
-  return add_option({snake(name), std::move(help), false, [&value] { return double_text(value); },
+  return add_option({snake_key(name), std::move(help), false, [&value] { return double_text(value); },
                      [&value](const std::string& t) -> std::string {
                        char* end = nullptr;
                        errno = 0;
@@ -230,7 +230,7 @@ OptionGroup& OptionGroup::add(const std::string& name, double& value, std::strin
 }
 
 OptionGroup& OptionGroup::add(const std::string& name, std::string& value, std::string help) {
-  return add_option({snake(name), std::move(help), false, [&value] { return value; },
+  return add_option({snake_key(name), std::move(help), false, [&value] { return value; },
                      [&value](const std::string& t) -> std::string {
                        value = t;
                        return "";
@@ -323,7 +323,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       value = name.substr(eq + 1);
       name = name.substr(0, eq);
     }
-    name = snake(name);
+    name = snake_key(name);
     if (name == "print_config") {
       print_config = true;
       continue;
@@ -410,7 +410,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       items.push_back({key, *text, source + line_of(value)});
     };
     for (const auto& entry : root) {
-      const std::string section = snake(entry.first.as<std::string>());
+      const std::string section = snake_key(entry.first.as<std::string>());
       const YAML::Node& value = entry.second;
       if (section == "trainer" || section == "model" || section == "data") {
         if (value.IsNull()) continue;
@@ -420,7 +420,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
           continue;
         }
         for (const auto& sub : value) {
-          add(section + "." + snake(sub.first.as<std::string>()), sub.second);
+          add(section + "." + snake_key(sub.first.as<std::string>()), sub.second);
         }
       } else {
         add(section, value);

@@ -2,6 +2,10 @@
 
 #include <torch/torch.h>
 
+#include <sstream>
+
+#include "data/prefetcher.h"
+#include "data/sample_scope.h"
 #include "fulgur/core/errors.h"
 
 namespace fulgur {
@@ -120,6 +124,13 @@ DatasetLoader::DatasetLoader(std::shared_ptr<Dataset> dataset, DataLoaderOptions
     throw ConfigError(str("DataLoaderOptions{.batch_size = ", options_.batch_size,
                           "}: batch_size must be >= 1."));
   }
+  if (options_.num_workers < 0 || options_.prefetch_factor < 1) {
+    throw ConfigError(str("DataLoaderOptions{.num_workers = ", options_.num_workers,
+                          ", .prefetch_factor = ", options_.prefetch_factor,
+                          "}: num_workers must be >= 0 (0: load on the training thread) and "
+                          "prefetch_factor >= 1."));
+  }
+  seed_ = options_.seed.value_or(0);
   if (!sampler_) {
     if (options_.shuffle) {
       sampler_ = std::make_shared<RandomSampler>(options_.seed.value_or(0));
@@ -143,7 +154,10 @@ bool DatasetLoader::set_shard(int64_t rank, int64_t world_size, bool even) {
   return true;
 }
 
+DatasetLoader::~DatasetLoader() = default;
+
 void DatasetLoader::set_default_seed(uint64_t seed) {
+  if (!options_.seed) seed_ = seed;
   if (!owns_random_sampler_) return;
   auto sharded = sampler_;
   sampler_ = std::make_shared<RandomSampler>(seed);
@@ -152,19 +166,89 @@ void DatasetLoader::set_default_seed(uint64_t seed) {
   }
 }
 
+namespace {
+
+// "sample 17", or the samples of a batch: "samples 3, 9, 12 (3)".
+std::string samples_text(const at::Tensor& indices) {
+  const int64_t n = indices.numel();
+  const auto* p = indices.data_ptr<int64_t>();
+  if (n == 1) return str("sample ", p[0]);
+  std::ostringstream out;
+  out << "samples ";
+  for (int64_t i = 0; i < std::min<int64_t>(n, 8); ++i) out << (i ? ", " : "") << p[i];
+  if (n > 8) out << ", ... " << p[n - 1];
+  out << " (" << n << ")";
+  return out.str();
+}
+
+}  // namespace
+
+Batch DatasetLoader::load_batch(const at::Tensor& order, int64_t epoch, int64_t index) const {
+  const int64_t begin = index * options_.batch_size;
+  const int64_t end = std::min(begin + options_.batch_size, order.size(0));
+  const at::Tensor indices = order.slice(0, begin, end).contiguous();
+  detail::SampleScope scope(seed_, epoch);
+  Batch batch;
+  try {
+    batch = dataset_->get_batch(indices);
+  } catch (const std::exception& e) {
+    // Which sample: each alone, until one fails the same way.
+    std::string culprit = samples_text(indices);
+    std::string what = e.what();
+    if (indices.numel() > 1) {
+      for (int64_t i = 0; i < indices.numel(); ++i) {
+        try {
+          (void)dataset_->get_batch(indices.slice(0, i, i + 1));
+        } catch (const std::exception& single) {
+          culprit = samples_text(indices.slice(0, i, i + 1));
+          what = single.what();
+          break;
+        }
+      }
+    }
+    throw DataLoaderError(str("DataLoader: loading ", culprit, " (batch ", index, " of epoch ",
+                              epoch, ") failed: ", what));
+  }
+  if (options_.pin_memory && torch::cuda::is_available()) {
+    batch = batch.map_tensors([](const at::Tensor& t) { return t.is_pinned() ? t : t.pin_memory(); });
+  }
+  return batch;
+}
+
+void DatasetLoader::start_workers(int64_t first) {
+  if (!prefetcher_) {
+    prefetcher_ = std::make_unique<detail::Prefetcher>(
+        options_.num_workers, options_.num_workers * options_.prefetch_factor);
+  }
+  int64_t n = order_.size(0);
+  const int64_t b = options_.batch_size;
+  const int64_t batches = options_.drop_last ? n / b : (n + b - 1) / b;
+  prefetcher_->start([this, order = order_, epoch = epoch()](int64_t index) {
+    return load_batch(order, epoch, index);
+  }, first, batches);
+}
+
 void DatasetLoader::do_start_epoch(int64_t epoch) {
+  // Loads of the previous epoch still running end first (start_workers, or
+  // stop when this loader has no workers).
   order_ = sampler_->epoch_indices(epoch, dataset_->size());
   cursor_ = 0;
+  if (options_.num_workers > 0) start_workers(0);
 }
 
 std::optional<Batch> DatasetLoader::do_next() {
+  if (options_.num_workers > 0) {
+    auto batch = prefetcher_->next();
+    if (!batch && !options_.persistent_workers) prefetcher_->stop();
+    return batch;
+  }
   int64_t n = order_.size(0);
   if (cursor_ >= n) return std::nullopt;
   int64_t end = std::min(cursor_ + options_.batch_size, n);
   if (options_.drop_last && end - cursor_ < options_.batch_size) return std::nullopt;
-  auto indices = order_.slice(0, cursor_, end);
+  const int64_t index = cursor_ / options_.batch_size;
   cursor_ = end;
-  return dataset_->get_batch(indices);
+  return load_batch(order_, epoch(), index);
 }
 
 void DatasetLoader::do_skip(int64_t n) {
@@ -173,6 +257,7 @@ void DatasetLoader::do_skip(int64_t n) {
     throw_data_changed(n, epoch(), available);
   }
   cursor_ = std::min(cursor_ + n * options_.batch_size, order_.size(0));
+  if (options_.num_workers > 0) start_workers(n);
 }
 
 void DatasetLoader::do_save_state(torch::serialize::OutputArchive& archive) const {

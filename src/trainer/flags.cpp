@@ -406,7 +406,7 @@ std::vector<TrainerFlag> make_flags() {
   return f;
 }
 
-std::string snake(std::string_view name) {
+std::string flag_name(std::string_view name) {
   std::string flag(name);
   while (!flag.empty() && flag.front() == '-') flag.erase(flag.begin());
   std::replace(flag.begin(), flag.end(), '-', '_');
@@ -421,7 +421,7 @@ const std::vector<TrainerFlag>& trainer_flags() {
 }
 
 const TrainerFlag* find_trainer_flag(std::string_view name) {
-  const std::string flag = snake(name);
+  const std::string flag = flag_name(name);
   for (const auto& f : trainer_flags()) {
     if (f.name == flag) return &f;
   }
@@ -434,7 +434,7 @@ ParsedFlags parse_flags(const std::vector<std::pair<std::string, std::string>>& 
   std::vector<std::string> known;
   for (const auto& f : trainer_flags()) known.push_back(f.name);
   for (const auto& [raw, value] : flags) {
-    const std::string flag = snake(raw);
+    const std::string flag = flag_name(raw);
     if (!seen.insert(flag).second) {
       parsed.problems.push_back(str("--", flag, " is given twice: pass it once."));
       continue;

@@ -314,6 +314,8 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
       }
     };
     if (auto* launcher = strategy->launcher()) {
+      // Forked ranks inherit the loggers' directories.
+      logging.choose_versions();
       launcher->set_recovery(Recovery{.max_restarts = options.max_restarts,
                                       .heartbeat_timeout = options.heartbeat_timeout,
                                       .resume_point = std::move(resume_point)});
@@ -653,6 +655,10 @@ int64_t Trainer::current_epoch() const { return impl_->fit_loop.current_epoch();
 int64_t Trainer::global_step() const { return impl_->fit_loop.global_step(); }
 int64_t Trainer::batch_idx() const { return impl_->fit_loop.batch_idx(); }
 int64_t Trainer::num_training_batches() const { return impl_->fit_loop.num_training_batches(); }
+int64_t Trainer::num_evaluation_batches() const {
+  return stage() == Stage::Predict ? impl_->prediction_loop.num_batches()
+                                   : impl_->evaluation_loop.num_batches();
+}
 void Trainer::request_stop() { impl_->fit_loop.request_stop(); }
 int64_t Trainer::accumulate_grad_batches() const {
   return impl_->fit_loop.accumulate_grad_batches();

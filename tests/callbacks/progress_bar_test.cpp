@@ -2,7 +2,12 @@
 
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <pty.h>
+#include <unistd.h>
+
 #include <cstdio>
+#include <thread>
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
@@ -32,6 +37,50 @@ TEST(ProgressBar, OneLinePerEpochWhenNotATerminal) {
   // A file is not a terminal: no redrawn lines, at least one line per epoch.
   EXPECT_GE(non_empty, 3);
   EXPECT_EQ(fulgur::test::read_text(path).find('\r'), std::string::npos);
+}
+
+// What a ProgressBar draws on a pseudo-terminal during a fit with
+// validation and a test.
+std::string drawn_on_a_terminal(int64_t epochs) {
+  int master = -1, slave = -1;
+  EXPECT_EQ(::openpty(&master, &slave, nullptr, nullptr, nullptr), 0);
+  std::FILE* out = ::fdopen(slave, "w");
+  std::string text;
+  std::thread reader([&] {
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::read(master, buf, sizeof buf)) > 0) text.append(buf, static_cast<size_t>(n));
+  });
+  {
+    TempDir dir;
+    LinearRegression model;
+    model.train_hook = [](LinearRegression& m, fulgur::Batch&, int64_t) {
+      m.log("shown", 0.25, {.prog_bar = true});
+    };
+    auto options = fulgur::test::test_options(dir);
+    options.max_epochs = epochs;
+    options.callbacks = {std::make_shared<fulgur::ProgressBar>(0, out)};
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, fulgur::test::regression_loader(4), fulgur::test::regression_loader(3));
+    trainer.test(model, fulgur::test::regression_loader(2));
+  }
+  std::fclose(out);
+  reader.join();
+  ::close(master);
+  return text;
+}
+
+TEST(ProgressBar, OnATerminalABarPerStageWithCountRateTimesAndMetrics) {
+  const std::string text = drawn_on_a_terminal(2);
+  for (const std::string& part : std::vector<std::string>{
+           "\r\033[K", "Epoch 0 [", "Epoch 1 [", "=====", "] 4/4 ", "it/s", "00:00<00:00",
+        "Validation [", "] 3/3 ", "Sanity check [", "] 2/3 ", "Testing [", "] 2/2 ",
+        "shown=0.25"}) {
+    EXPECT_NE(text.find(part), std::string::npos) << "no \"" << part << "\" in:\n" << text;
+  }
+  // A half-done bar shows its head.
+  EXPECT_NE(text.find("] 2/4 "), std::string::npos) << text;
+  EXPECT_NE(text.find(">"), std::string::npos) << text;
 }
 
 TEST(ProgressBar, StateKey) {

@@ -345,3 +345,119 @@ TEST(IterableLoader, EmptyFactoryIsAConfigError) {
 }
 
 }  // namespace
+
+// ---- Worker threads.
+
+namespace {
+
+/// x[i] = i plus noise drawn from sample_generator(i) (an augmentation);
+/// throws for sample `bad` when set. Each sample costs a little CPU time.
+class AugmentedDataset : public fulgur::Dataset {
+ public:
+  explicit AugmentedDataset(int64_t n, int64_t bad = -1) : n_(n), bad_(bad) {}
+  int64_t size() const override { return n_; }
+  fulgur::Batch get_batch(const at::Tensor& indices) const override {
+    std::vector<at::Tensor> rows;
+    const auto* p = indices.data_ptr<int64_t>();
+    for (int64_t k = 0; k < indices.numel(); ++k) {
+      if (p[k] == bad_) throw std::runtime_error("cannot decode image " + std::to_string(p[k]));
+      auto noise = torch::rand({8}, fulgur::sample_generator(p[k]));
+      rows.push_back(noise.cumsum(0) + static_cast<double>(p[k]));
+    }
+    return fulgur::Batch(torch::stack(rows));
+  }
+
+ private:
+  int64_t n_;
+  int64_t bad_;
+};
+
+/// Every batch of epochs 0 and 1, in order.
+std::vector<at::Tensor> two_epochs(fulgur::DataLoader& loader) {
+  std::vector<at::Tensor> out;
+  for (int64_t epoch = 0; epoch < 2; ++epoch) {
+    loader.start_epoch(epoch);
+    while (auto batch = loader.next()) out.push_back(batch->tensor());
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(DataLoaderWorkers, TheSameBatchesForZeroOneAndThreeWorkers) {
+  std::vector<std::vector<at::Tensor>> runs;
+  for (int64_t workers : {0, 1, 3}) {
+    for (bool persistent : {false, true}) {
+      auto loader = fulgur::make_data_loader(
+          std::make_shared<AugmentedDataset>(45),
+          {.batch_size = 4, .shuffle = true, .seed = 7, .num_workers = workers,
+           .prefetch_factor = 2, .persistent_workers = persistent});
+      runs.push_back(two_epochs(*loader));
+    }
+  }
+  ASSERT_EQ(runs[0].size(), 2u * 12u);
+  EXPECT_FALSE(torch::equal(runs[0][0], runs[0][12])) << "epochs differ (shuffle, augmentation)";
+  for (size_t r = 1; r < runs.size(); ++r) {
+    ASSERT_EQ(runs[r].size(), runs[0].size()) << "run " << r;
+    for (size_t b = 0; b < runs[0].size(); ++b) {
+      EXPECT_TRUE(torch::equal(runs[r][b], runs[0][b])) << "run " << r << ", batch " << b;
+    }
+  }
+}
+
+TEST(DataLoaderWorkers, ASeekMidEpochGivesTheRestOfTheSameEpoch) {
+  auto reference = fulgur::make_data_loader(std::make_shared<AugmentedDataset>(30),
+                                            {.batch_size = 3, .shuffle = true, .seed = 3});
+  auto workers = fulgur::make_data_loader(
+      std::make_shared<AugmentedDataset>(30),
+      {.batch_size = 3, .shuffle = true, .seed = 3, .num_workers = 3});
+  workers->start_epoch(1);
+  (void)workers->next();  // in flight: batches the seek drops
+  reference->seek(1, 4);
+  workers->seek(1, 4);
+  int64_t compared = 0;
+  while (auto expected = reference->next()) {
+    auto got = workers->next();
+    ASSERT_TRUE(got.has_value());
+    EXPECT_TRUE(torch::equal(got->tensor(), expected->tensor())) << "batch " << 4 + compared;
+    ++compared;
+  }
+  EXPECT_EQ(compared, 10 - 4);
+  EXPECT_FALSE(workers->next().has_value());
+}
+
+TEST(DataLoaderWorkers, AWorkersExceptionNamesTheSampleInTheTrainingThread) {
+  for (int64_t workers : {0, 3}) {
+    auto loader = fulgur::make_data_loader(std::make_shared<AugmentedDataset>(40, /*bad=*/13),
+                                           {.batch_size = 4, .num_workers = workers});
+    loader->start_epoch(0);
+    try {
+      while (loader->next()) {
+      }
+      FAIL() << "no error with " << workers << " workers";
+    } catch (const fulgur::DataLoaderError& e) {
+      EXPECT_TRUE(fulgur::test::message_contains(
+          e.what(), {"sample 13 (batch 3 of epoch 0)", "cannot decode image 13"}))
+          << e.what();
+    }
+    // The loader still works for the next epoch.
+    auto good = fulgur::make_data_loader(std::make_shared<AugmentedDataset>(8),
+                                         {.batch_size = 4, .num_workers = workers});
+    EXPECT_EQ(two_epochs(*good).size(), 4u);
+  }
+}
+
+TEST(DataLoaderWorkers, BadOptionsAreNamed) {
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::make_data_loader(index_dataset(4), {.num_workers = -1}),
+                     {"num_workers = -1", "num_workers must be >= 0"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::make_data_loader(index_dataset(4), {.num_workers = 2, .prefetch_factor = 0}),
+                     {"prefetch_factor = 0", "prefetch_factor >= 1"});
+}
+
+TEST(DataLoaderWorkers, SampleGeneratorDependsOnSeedEpochAndIndexOnly) {
+  auto draw = [](int64_t i) { return torch::rand({4}, fulgur::sample_generator(i)); };
+  EXPECT_TRUE(torch::equal(draw(5), draw(5)));
+  EXPECT_FALSE(torch::equal(draw(5), draw(6)));
+}

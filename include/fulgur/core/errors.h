@@ -53,6 +53,13 @@ class CheckpointError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// Loading a batch failed: the message names the sample (or the batch's
+/// samples), the epoch and what the dataset raised.
+class DataLoaderError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 /// A violated invariant inside fulgur: a bug in fulgur, never the user's.
 class InternalError : public std::logic_error {
  public:

@@ -79,9 +79,28 @@ struct DataLoaderOptions {
   bool shuffle = false;
   /// Drop the last batch when it is smaller than batch_size.
   bool drop_last = false;
-  /// Shuffle seed; unset: the Trainer's `seed` (0 when it has none).
+  /// Shuffle seed, and the seed of sample_generator(); unset: the Trainer's
+  /// `seed` (0 when it has none).
   std::optional<uint64_t> seed = std::nullopt;
+  /// Threads that load batches (Dataset::get_batch) ahead of the training
+  /// step; 0: the training thread loads each batch when it needs it. The
+  /// batches, their order and a mid-epoch resume are the same for any
+  /// number of workers. A worker's exception reaches the training thread as
+  /// a DataLoaderError naming the sample.
+  int64_t num_workers = 0;
+  /// Batches loaded ahead, per worker.
+  int64_t prefetch_factor = 2;
+  /// Batches in page-locked memory, for faster copies to a GPU; applies
+  /// only where CUDA is available.
+  bool pin_memory = false;
+  /// Keep the worker threads from one epoch to the next (default: they
+  /// end with each epoch).
+  bool persistent_workers = false;
 };
+
+namespace detail {
+class Prefetcher;
+}  // namespace detail
 
 /// Batches of a map-style Dataset, in the order its Sampler gives.
 class DatasetLoader : public DataLoader {
@@ -90,6 +109,7 @@ class DatasetLoader : public DataLoader {
   /// Throws ConfigError on batch_size < 1 or a null dataset.
   DatasetLoader(std::shared_ptr<Dataset> dataset, DataLoaderOptions options,
                 std::shared_ptr<Sampler> sampler = nullptr);
+  ~DatasetLoader() override;
 
   std::optional<int64_t> num_batches() const override;
   bool set_shard(int64_t rank, int64_t world_size, bool even = false) override;
@@ -108,8 +128,14 @@ class DatasetLoader : public DataLoader {
 
  private:
   int64_t samples_per_epoch() const;
+  // Batch `index` of the epoch whose order is `order`; on any thread.
+  Batch load_batch(const at::Tensor& order, int64_t epoch, int64_t index) const;
+  // Workers load from batch `first` of the current epoch on.
+  void start_workers(int64_t first);
 
   std::shared_ptr<Dataset> dataset_;
+  uint64_t seed_ = 0;
+  std::unique_ptr<detail::Prefetcher> prefetcher_;
   DataLoaderOptions options_;
   std::shared_ptr<Sampler> sampler_;
   bool owns_random_sampler_ = false;

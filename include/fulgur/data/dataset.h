@@ -5,6 +5,7 @@
 // fulgur/data/torch_dataset.h adapts torch::data datasets.
 #pragma once
 
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -25,6 +26,18 @@ class Dataset {
 
 /// Tensors that share dimension 0; a batch has the same kind as the tensors
 /// given: one tensor → a tensor batch, two → a pair, more → a list.
+/// The generator for the random choices (augmentation) of sample `index`
+/// while a loader loads it in Dataset::get_batch: seeded from the loader's
+/// seed, the epoch and `index`, so a sample gets the same choices whichever
+/// worker thread loads it and whichever batch holds it, and a resumed run
+/// repeats them. (torch's default generator is shared by every thread: in a
+/// loader with workers, draw from this one.) Outside a loader: seed 0,
+/// epoch 0.
+///
+///   Batch get_batch(const at::Tensor& indices) const override {
+///     ... auto flip = torch::rand({1}, fulgur::sample_generator(i)).item<float>() < 0.5;
+at::Generator sample_generator(int64_t index);
+
 class TensorDataset : public Dataset {
  public:
   /// Throws ConfigError if the tensors are empty or differ in dimension 0.

@@ -98,6 +98,9 @@ class Trainer {
   int64_t batch_idx() const;
   /// Training batches per epoch after limits; -1 when unknown.
   int64_t num_training_batches() const;
+  /// Batches of the validation, test or predict pass running (or last
+  /// run), after limits; -1 when unknown.
+  int64_t num_evaluation_batches() const;
   /// Asks the fit loop to stop at the next safe point (respects min_epochs).
   /// With several ranks, one rank's request stops them all after the same
   /// batch (the ranks agree on it after every batch).

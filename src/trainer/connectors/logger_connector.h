@@ -109,14 +109,16 @@ class LoggerConnector {
   /// finalize() for a run that ends by an error or a signal: a logger's
   /// error goes to stderr, so that the run's own error stays the one raised.
   void finalize_quietly(RunStatus status) noexcept;
+  /// Every logger's version directory, chosen once (no file is written):
+  /// before any logger writes, and before a launcher forks the ranks, so
+  /// that every stage of the run logs to the same directory.
+  void choose_versions();
 
  private:
   /// Sets callback/progress-bar metrics; `suffix` ("_step", "_epoch") is
   /// stripped for the base name, which follows the latest value too.
   void publish(const std::vector<LogSink::Value>& values, const char* suffix, bool to_loggers,
                bool global_zero, int64_t epoch, int64_t step);
-
-  void choose_versions();
 
   std::vector<std::shared_ptr<Logger>> loggers_;
   bool versions_chosen_ = false;

@@ -73,4 +73,19 @@ std::string to_json(const FlagError& error) {
                  {"message", quoted(error.what())}});
 }
 
+std::string Resolution::to_text() const {
+  std::string out = str("fulgur: strategy ", strategy, ", ", num_devices, " ", accelerator,
+                        num_devices == 1 ? " device" : " devices", " on ", num_nodes,
+                        num_nodes == 1 ? " node" : " nodes", " (world size ", world_size,
+                        "), precision ", precision, ", cluster environment ", cluster_environment,
+                        launcher.empty() ? std::string() : ", launcher " + launcher);
+  if (deterministic != Determinism::kOff) {
+    out += str(", deterministic ", Choice<Determinism>::name_of(deterministic));
+  }
+  if (sync_batchnorm) out += ", sync_batchnorm";
+  out += "\n";
+  for (const auto& note : notes) out += "  " + note + "\n";
+  return out;
+}
+
 }  // namespace fulgur

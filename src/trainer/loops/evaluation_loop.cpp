@@ -11,6 +11,15 @@
 namespace fulgur::detail {
 
 namespace {
+// Batches a pass over `loader` runs: the loader's count cut at `limit`; -1
+// when neither is known.
+int64_t pass_length(const DataLoader& loader, std::optional<int64_t> limit) {
+  const auto n = loader.num_batches();
+  if (n && limit) return std::min(*n, *limit);
+  if (n) return *n;
+  return limit.value_or(-1);
+}
+
 // Runs `fn(batch, batch on the device, index)` for the first `limit` batches
 // (all when unset) of one pass over `loader`.
 template <class Fn>
@@ -28,6 +37,7 @@ void for_each_batch(Strategy& strategy, DataLoader& loader, std::optional<int64_
 Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> limit) {
   Module& m = *trainer_.module;
   const bool is_test = s == Stage::Test;
+  num_batches_ = pass_length(loader, limit);
   torch::NoGradGuard no_grad;
   m.eval();
   trainer_.logging.eval_sink().reset();
@@ -83,6 +93,7 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
   torch::NoGradGuard no_grad;
   m.eval();
   m.on_predict_epoch_start();
+  num_batches_ = pass_length(loader, limit);
   std::vector<Batch> out;
   if (auto n = loader.num_batches())
     out.reserve(static_cast<size_t>(limit ? std::min(*n, *limit) : *n));

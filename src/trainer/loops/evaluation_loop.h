@@ -21,9 +21,12 @@ class EvaluationLoop {
   /// through validation_step or test_step; returns the epoch's metrics,
   /// published unless sanity checking.
   Metrics run(DataLoader& loader, Stage stage, std::optional<int64_t> limit);
+  /// Batches of the pass running (or last run); -1 when unknown.
+  int64_t num_batches() const { return num_batches_; }
 
  private:
   Trainer::Impl& trainer_;
+  int64_t num_batches_ = -1;
 };
 
 class PredictionLoop {
@@ -34,9 +37,12 @@ class PredictionLoop {
 
   /// predict_step over the first `limit` batches of `loader`, in order.
   std::vector<Batch> run(DataLoader& loader, std::optional<int64_t> limit);
+  /// Batches of the pass running (or last run); -1 when unknown.
+  int64_t num_batches() const { return num_batches_; }
 
  private:
   Trainer::Impl& trainer_;
+  int64_t num_batches_ = -1;
 };
 
 }  // namespace fulgur::detail

@@ -244,9 +244,9 @@ class BatchCounter : public fulgur::Callback {
 constexpr int64_t kEpochs = 2;
 constexpr int64_t kBatchesPerEpoch = 10;
 
-std::shared_ptr<fulgur::DataLoader> shuffled_loader() {
+std::shared_ptr<fulgur::DataLoader> shuffled_loader(int64_t num_workers = 0) {
   return fulgur::make_data_loader(regression_dataset(4 * kBatchesPerEpoch),
-                                  {.batch_size = 4, .shuffle = true});
+                                  {.batch_size = 4, .shuffle = true, .num_workers = num_workers});
 }
 
 fulgur::TrainerOptions resume_options(const TempDir& root, const std::string& ckpt_dir,
@@ -313,14 +313,15 @@ class MidEpochResume : public ::testing::Test {
   /// Run B: a fresh module (other initial weights) resumed from `ckpt_path`;
   /// checks it ends bit-identical to run A after `expected_steps` steps.
   void ExpectResumeMatches(const std::string& ckpt_path, std::optional<int64_t> expected_steps,
-                           const std::string& ckpt_dir) {
+                           const std::string& ckpt_dir, int64_t num_workers = 0) {
     torch::manual_seed(2);
     DropoutNet resumed;
     ASSERT_FALSE(parameters_equal(*uninterrupted_, resumed));
     TempDir root_b;
     auto counter = std::make_shared<BatchCounter>();
     fulgur::Trainer trainer(resume_options(root_b, ckpt_dir, counter));
-    auto result = trainer.fit(resumed, shuffled_loader(), nullptr, {.ckpt_path = ckpt_path});
+    auto result =
+        trainer.fit(resumed, shuffled_loader(num_workers), nullptr, {.ckpt_path = ckpt_path});
     if (expected_steps) {
       EXPECT_EQ(resumed.training_steps, *expected_steps);
     }
@@ -360,6 +361,13 @@ TEST_F(MidEpochResume, FromStepThreeInTheFirstEpoch) {
 
 TEST_F(MidEpochResume, FromStepTwelveInTheSecondEpoch) {
   ExpectResumeMatches(checkpoint("epoch=1-step=12.ckpt"), 20 - 12, root_.file("ckpts_b"));
+}
+
+TEST_F(MidEpochResume, WithFourLoaderWorkersFromStepSix) {
+  // Run A loaded on the training thread; run B resumes mid-epoch with four
+  // worker threads loading ahead: the same batches, bit-identical weights.
+  const std::string path = checkpoint("epoch=0-step=6.ckpt");
+  ExpectResumeMatches(path, 20 - 6, root_.file("ckpts_b"), /*num_workers=*/4);
 }
 
 TEST_F(MidEpochResume, FromLast) {

@@ -41,6 +41,12 @@ struct Resolution {
   /// global_rank, local_rank, node_rank, parallel_devices, deterministic,
   /// sync_batchnorm, notes; two-space indented, ending in a newline.
   std::string to_json() const;
+  /// The same for a person: one line of what was chosen, then one line per
+  /// note (why), ending in a newline:
+  ///   fulgur: strategy ddp, 2 cpu devices on 1 node (world size 2), precision 32-true,
+  ///           cluster environment lightning, launcher subprocess_script
+  ///     accelerator=cpu because accelerator=auto and CUDA is not available
+  std::string to_text() const;
 };
 
 /// {"error": kind, "problems": [...], "message": what()}, ending in a newline.
