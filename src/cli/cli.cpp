@@ -39,6 +39,7 @@ const char* to_string(Subcommand subcommand) {
 namespace {
 
 constexpr const char* kConfigStateKey = "fulgur.cli.config";
+constexpr const char* kDefault = "default";
 constexpr const char* kCkptPathHelp =
     "Checkpoint to start from: a file, \"last\" (the newest of this run that verifies), "
     "\"auto\" (the same, or a fresh start when there is none)";
@@ -51,25 +52,7 @@ std::string unknown(const std::string& what, const std::string& name,
   return text;
 }
 
-std::string snake_key(std::string name) {
-  std::replace(name.begin(), name.end(), '-', '_');
-  return name;
-}
-
-std::string quoted(const std::string& text) { return "\"" + text + "\""; }
-
-std::string double_text(double value) {
-  std::ostringstream out;
-  out << std::setprecision(17) << value;
-  std::string s = out.str();
-  // Shortest text that reads back to the same double.
-  for (int digits = 1; digits < 17; ++digits) {
-    std::ostringstream shorter;
-    shorter << std::setprecision(digits) << value;
-    if (std::strtod(shorter.str().c_str(), nullptr) == value) return shorter.str();
-  }
-  return s;
-}
+std::string in_quotes(const std::string& text) { return "\"" + text + "\""; }
 
 std::string parse_integer(const std::string& text, long long min, long long max,
                           long long& out) {
@@ -178,22 +161,18 @@ OptionGroup& OptionGroup::add_option(Option option) {
 }
 
 OptionGroup& OptionGroup::add(const std::string& name, bool& value, std::string help) {
-  return add_option({snake_key(name), std::move(help), true,
+  return add_option({flag_key(name), std::move(help), true,
                      [&value] { return std::string(value ? "true" : "false"); },
                      [&value](const std::string& t) -> std::string {
-                       if (t == "true" || t == "True" || t == "1") {
-                         value = true;
-                       } else if (t == "false" || t == "False" || t == "0") {
-                         value = false;
-                       } else {
-                         return "pass true or false.";
-                       }
+                       const auto v = parse_bool(t);
+                       if (!v) return "pass true or false.";
+                       value = *v;
                        return "";
                      }});
 }
 
 OptionGroup& OptionGroup::add(const std::string& name, int& value, std::string help) {
-  return add_option({snake_key(name), std::move(help), false, [&value] { return std::to_string(value); },
+  return add_option({flag_key(name), std::move(help), false, [&value] { return std::to_string(value); },
                      [&value](const std::string& t) -> std::string {
                        long long v = 0;
                        auto problem = parse_integer(t, std::numeric_limits<int>::min(),
@@ -204,7 +183,7 @@ OptionGroup& OptionGroup::add(const std::string& name, int& value, std::string h
 }
 
 OptionGroup& OptionGroup::add(const std::string& name, int64_t& value, std::string help) {
-  return add_option({snake_key(name), std::move(help), false, [&value] { return std::to_string(value); },
+  return add_option({flag_key(name), std::move(help), false, [&value] { return std::to_string(value); },
                      [&value](const std::string& t) -> std::string {
                        long long v = 0;
                        auto problem = parse_integer(t, std::numeric_limits<int64_t>::min(),
@@ -215,22 +194,17 @@ OptionGroup& OptionGroup::add(const std::string& name, int64_t& value, std::stri
 }
 
 OptionGroup& OptionGroup::add(const std::string& name, double& value, std::string help) {
-  return add_option({snake_key(name), std::move(help), false, [&value] { return double_text(value); },
+  return add_option({flag_key(name), std::move(help), false, [&value] { return number_text(value); },
                      [&value](const std::string& t) -> std::string {
-                       char* end = nullptr;
-                       errno = 0;
-                       const double v = std::strtod(t.c_str(), &end);
-                       if (t.empty() || end != t.c_str() + t.size() || errno == ERANGE ||
-                           std::isnan(v)) {
-                         return "not a number.";
-                       }
-                       value = v;
+                       const auto v = parse_double(t);
+                       if (!v) return "not a number.";
+                       value = *v;
                        return "";
                      }});
 }
 
 OptionGroup& OptionGroup::add(const std::string& name, std::string& value, std::string help) {
-  return add_option({snake_key(name), std::move(help), false, [&value] { return value; },
+  return add_option({flag_key(name), std::move(help), false, [&value] { return value; },
                      [&value](const std::string& t) -> std::string {
                        value = t;
                        return "";
@@ -312,7 +286,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       continue;
     }
     if (arg.rfind("--", 0) != 0 || arg.size() == 2) {
-      problems.push_back(str(quoted(arg), ": expected a flag such as --devices 2 (--KEY VALUE or "
+      problems.push_back(str(in_quotes(arg), ": expected a flag such as --devices 2 (--KEY VALUE or "
                              "--KEY=VALUE)",
                              i == 0 ? ", or a subcommand: fit, validate, test, predict." : "."));
       continue;
@@ -323,7 +297,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       value = name.substr(eq + 1);
       name = name.substr(0, eq);
     }
-    name = snake_key(name);
+    name = flag_key(name);
     if (name == "print_config") {
       print_config = true;
       continue;
@@ -410,7 +384,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       items.push_back({key, *text, source + line_of(value)});
     };
     for (const auto& entry : root) {
-      const std::string section = snake_key(entry.first.as<std::string>());
+      const std::string section = flag_key(entry.first.as<std::string>());
       const YAML::Node& value = entry.second;
       if (section == "trainer" || section == "model" || section == "data") {
         if (value.IsNull()) continue;
@@ -420,7 +394,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
           continue;
         }
         for (const auto& sub : value) {
-          add(section + "." + snake_key(sub.first.as<std::string>()), sub.second);
+          add(section + "." + flag_key(sub.first.as<std::string>()), sub.second);
         }
       } else {
         add(section, value);
@@ -450,6 +424,16 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
     }
   }
   std::vector<Item> from_checkpoint;
+  if (ckpt == "last" || ckpt == "auto") {
+    // The run's own last.ckpt, under the default_root_dir configured so far.
+    std::string root = options_.trainer_defaults.default_root_dir;
+    for (const auto* items : {&from_files, &command_line}) {
+      for (const auto& item : *items) {
+        if (item.key == "trainer.default_root_dir") root = item.text;
+      }
+    }
+    ckpt = (fs::path(root.empty() ? "." : root) / "checkpoints" / "last.ckpt").string();
+  }
   if (!ckpt.empty()) {
     if (const std::string yaml = checkpoint_config(ckpt); !yaml.empty()) {
       try {
@@ -466,11 +450,11 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
   std::map<std::string, Setting> values;
   {
     const TrainerOptions& d = options_.trainer_defaults;
-    for (const auto& f : trainer_flags()) values["trainer." + f.name] = {f.get(d), "default"};
-    for (const auto& o : model_.options()) values["model." + o.name] = {o.get(), "default"};
-    for (const auto& o : data_.options()) values["data." + o.name] = {o.get(), "default"};
-    for (const auto& o : program_.options()) values[o.name] = {o.get(), "default"};
-    values["ckpt_path"] = {"", "default"};
+    for (const auto& f : trainer_flags()) values["trainer." + f.name] = {f.get(d), kDefault};
+    for (const auto& o : model_.options()) values["model." + o.name] = {o.get(), kDefault};
+    for (const auto& o : data_.options()) values["data." + o.name] = {o.get(), kDefault};
+    for (const auto& o : program_.options()) values[o.name] = {o.get(), kDefault};
+    values["ckpt_path"] = {"", kDefault};
   }
   for (const auto* items : {&from_checkpoint, &from_files, &command_line}) {
     for (const auto& item : *items) values[item.key] = {item.text, item.source};
@@ -489,18 +473,28 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
 
 void CLI::apply(std::map<std::string, Setting>& values, std::vector<std::string>& problems) {
   auto report = [&](const std::string& key, const Setting& s, const std::string& problem) {
-    problems.push_back(str(key, ": ", quoted(s.text), " (from ", s.source, "): ", problem));
+    problems.push_back(str(key, ": ", in_quotes(s.text), " (from ", s.source, "): ", problem));
   };
+  // Defaults stay as the program set them (objects included): only what a
+  // checkpoint, a file or the command line gave is applied.
   TrainerOptions trainer = options_.trainer_defaults;
   for (const auto& f : trainer_flags()) {
     const Setting& s = values.at("trainer." + f.name);
+    if (s.source == kDefault) continue;
     if (std::string problem = f.set(trainer, s.text); !problem.empty()) {
       report("trainer." + f.name, s, problem);
     }
   }
+  if (const Setting& s = values.at("trainer.logger");
+      s.source != kDefault && !options_.trainer_defaults.loggers.empty()) {
+    report("trainer.logger", s,
+           str("this program passes its own loggers (", options_.trainer_defaults.loggers.size(),
+               "), which the logger flag does not replace. Leave it out."));
+  }
   auto apply_group = [&](const OptionGroup& group, const std::string& prefix) {
     for (const auto& o : group.options()) {
       const Setting& s = values.at(prefix + o.name);
+      if (s.source == kDefault) continue;
       if (std::string problem = o.set(s.text); !problem.empty()) report(prefix + o.name, s, problem);
     }
   };

@@ -4,6 +4,20 @@
 
 namespace fulgur {
 
+std::vector<std::string> split_list(std::string_view text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = text.find(',', start);
+    std::string_view item = text.substr(start, comma == std::string_view::npos ? text.npos : comma - start);
+    const size_t first = item.find_first_not_of(" \t");
+    const size_t last = item.find_last_not_of(" \t");
+    out.emplace_back(first == item.npos ? std::string_view() : item.substr(first, last - first + 1));
+    if (comma == std::string_view::npos) return out;
+    start = comma + 1;
+  }
+}
+
 std::string join(const std::vector<std::string>& items, std::string_view sep) {
   std::string out;
   for (size_t i = 0; i < items.size(); ++i) {

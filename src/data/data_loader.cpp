@@ -130,6 +130,13 @@ DatasetLoader::DatasetLoader(std::shared_ptr<Dataset> dataset, DataLoaderOptions
                           "}: num_workers must be >= 0 (0: load on the training thread) and "
                           "prefetch_factor >= 1."));
   }
+  if (options_.num_workers == 0 && (options_.persistent_workers || options_.prefetch_factor != 2)) {
+    throw ConfigError(str("DataLoaderOptions{.num_workers = 0, .prefetch_factor = ",
+                          options_.prefetch_factor, ", .persistent_workers = ",
+                          options_.persistent_workers ? "true" : "false",
+                          "}: prefetch_factor and persistent_workers apply to worker threads; set "
+                          "num_workers, or leave them at their defaults."));
+  }
   seed_ = options_.seed.value_or(0);
   if (!sampler_) {
     if (options_.shuffle) {
@@ -154,7 +161,10 @@ bool DatasetLoader::set_shard(int64_t rank, int64_t world_size, bool even) {
   return true;
 }
 
-DatasetLoader::~DatasetLoader() = default;
+DatasetLoader::~DatasetLoader() {
+  // Loads in flight read this loader's members: they end first.
+  if (prefetcher_) prefetcher_->stop();
+}
 
 void DatasetLoader::set_default_seed(uint64_t seed) {
   if (!options_.seed) seed_ = seed;
@@ -183,11 +193,12 @@ std::string samples_text(const at::Tensor& indices) {
 
 }  // namespace
 
-Batch DatasetLoader::load_batch(const at::Tensor& order, int64_t epoch, int64_t index) const {
+Batch DatasetLoader::load_batch(const at::Tensor& order, uint64_t seed, int64_t epoch,
+                                int64_t index) const {
   const int64_t begin = index * options_.batch_size;
   const int64_t end = std::min(begin + options_.batch_size, order.size(0));
   const at::Tensor indices = order.slice(0, begin, end).contiguous();
-  detail::SampleScope scope(seed_, epoch);
+  detail::SampleScope scope(seed, epoch);
   Batch batch;
   try {
     batch = dataset_->get_batch(indices);
@@ -223,21 +234,23 @@ void DatasetLoader::start_workers(int64_t first) {
   int64_t n = order_.size(0);
   const int64_t b = options_.batch_size;
   const int64_t batches = options_.drop_last ? n / b : (n + b - 1) / b;
-  prefetcher_->start([this, order = order_, epoch = epoch()](int64_t index) {
-    return load_batch(order, epoch, index);
+  prefetcher_->start([this, order = order_, seed = seed_, epoch = epoch()](int64_t index) {
+    return load_batch(order, seed, epoch, index);
   }, first, batches);
+  workers_started_ = true;
 }
 
 void DatasetLoader::do_start_epoch(int64_t epoch) {
-  // Loads of the previous epoch still running end first (start_workers, or
-  // stop when this loader has no workers).
   order_ = sampler_->epoch_indices(epoch, dataset_->size());
   cursor_ = 0;
-  if (options_.num_workers > 0) start_workers(0);
+  // The workers start at the first next(), from where a seek left the
+  // cursor (a previous epoch's loads still in flight end first).
+  workers_started_ = false;
 }
 
 std::optional<Batch> DatasetLoader::do_next() {
   if (options_.num_workers > 0) {
+    if (!workers_started_) start_workers(cursor_ / options_.batch_size);
     auto batch = prefetcher_->next();
     if (!batch && !options_.persistent_workers) prefetcher_->stop();
     return batch;
@@ -248,7 +261,7 @@ std::optional<Batch> DatasetLoader::do_next() {
   if (options_.drop_last && end - cursor_ < options_.batch_size) return std::nullopt;
   const int64_t index = cursor_ / options_.batch_size;
   cursor_ = end;
-  return load_batch(order_, epoch(), index);
+  return load_batch(order_, seed_, epoch(), index);
 }
 
 void DatasetLoader::do_skip(int64_t n) {
@@ -257,7 +270,7 @@ void DatasetLoader::do_skip(int64_t n) {
     throw_data_changed(n, epoch(), available);
   }
   cursor_ = std::min(cursor_ + n * options_.batch_size, order_.size(0));
-  if (options_.num_workers > 0) start_workers(n);
+  workers_started_ = false;
 }
 
 void DatasetLoader::do_save_state(torch::serialize::OutputArchive& archive) const {

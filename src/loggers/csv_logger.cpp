@@ -44,8 +44,7 @@ std::string CSVLogger::metrics_file() const {
 
 namespace {
 
-// The OS's reason for the last failed open or write, for an error message.
-std::string os_reason() { return errno != 0 ? std::strerror(errno) : "unknown reason"; }
+std::string os_reason() { return detail::os_reason(errno); }
 
 void make_directory(const std::string& dir) { detail::make_log_directory(dir, "CSVLogger"); }
 
@@ -116,10 +115,10 @@ void CSVLogger::load_state(torch::serialize::InputArchive& archive, int64_t step
   c10::IValue dir;
   if (!archive.try_read("log_dir", dir) || !dir.isString()) return;
   if (!options_.version) {
-    version_ = detail::resumed_version(dir.toStringRef(),
-                                       detail::versions_root(options_.save_dir, options_.name),
-                                       "CSVLogger");
-    if (!version_) return;  // a new version: nothing to continue
+    const auto resumed = detail::resumed_version(
+        dir.toStringRef(), detail::versions_root(options_.save_dir, options_.name), "CSVLogger");
+    if (!resumed) return;  // a version of its own (possibly chosen already)
+    version_ = resumed;  // a new version: nothing to continue
   }
   resume_step_ = step;
 }
@@ -141,6 +140,7 @@ void CSVLogger::read_previous_rows() {
   }
   std::vector<std::pair<int64_t, std::map<std::string, double>>> rows;
   while (std::getline(in, line)) {
+    if (in.eof()) break;  // no newline: a row cut by the interruption
     std::stringstream cells(line);
     std::string cell;
     std::map<std::string, double> row;
@@ -165,8 +165,9 @@ void CSVLogger::read_previous_rows() {
 void CSVLogger::save() {
   if (pending_.empty() && !header_changed_) return;
   make_directory(log_dir());
-  if (resume_step_ && !header_written_) {
+  if (resume_step_ && !previous_rows_read_) {
     read_previous_rows();
+    previous_rows_read_ = true;
     header_changed_ = true;  // rewrite: the file holds only the kept rows
   }
   auto path = metrics_file();

@@ -1,6 +1,7 @@
 #include "loggers/log_dir.h"
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <system_error>
@@ -27,6 +28,8 @@ std::optional<int64_t> version_number(const std::string& dir_name) {
 }
 
 }  // namespace
+
+std::string os_reason(int err) { return err != 0 ? std::strerror(err) : "unknown reason"; }
 
 std::string versions_root(const std::string& save_dir, const std::string& name) {
   return (fs::path(save_dir.empty() ? "." : save_dir) / name).string();

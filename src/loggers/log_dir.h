@@ -12,6 +12,9 @@ namespace fulgur::detail {
 /// `<save_dir>/<name>` ("." when save_dir is empty).
 std::string versions_root(const std::string& save_dir, const std::string& name);
 
+/// The OS's reason for a failed open or write (`err` is an errno value).
+std::string os_reason(int err);
+
 /// The next free N of `version_N` under `root` (0 when there is none).
 int64_t next_free_version(const std::string& root);
 

@@ -19,6 +19,7 @@
 #include "fulgur/core/errors.h"
 #include "fulgur/utilities/checksum.h"
 #include "loggers/log_dir.h"
+#include "utilities/little_endian.h"
 
 namespace fulgur {
 
@@ -127,12 +128,9 @@ uint32_t masked_crc(const void* data, size_t n) {
   return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
 }
 
-void put_le(std::string& out, uint64_t value, int bytes) {
-  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>(value >> (8 * i)));
-}
-
 // length (u64), masked CRC of the length (u32), data, masked CRC of the data (u32).
 void append_record(std::string& out, const std::string& data) {
+  using detail::put_le;
   std::string length;
   put_le(length, data.size(), 8);
   out += length;
@@ -140,8 +138,6 @@ void append_record(std::string& out, const std::string& data) {
   out += data;
   put_le(out, masked_crc(data.data(), data.size()), 4);
 }
-
-std::string os_reason(int err) { return err != 0 ? std::strerror(err) : "unknown reason"; }
 
 }  // namespace
 
@@ -201,7 +197,7 @@ void TensorBoardLogger::open_file() {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (fd < 0) {
     throw ConfigError(str("TensorBoardLogger: cannot create the event file \"", path,
-                          "\": ", os_reason(errno),
+                          "\": ", detail::os_reason(errno),
                           ". Check that the log directory is writable and has space."));
   }
   fd_ = fd;
@@ -239,7 +235,7 @@ void TensorBoardLogger::save() {
       pending_.erase(0, done);
       file_bytes_ += static_cast<int64_t>(done);
       throw ConfigError(str("TensorBoardLogger: cannot write to \"", file_, "\": ",
-                            os_reason(err),
+                            detail::os_reason(err),
                             ". Check that the log directory has space; the events not written "
                             "stay pending and are written by the next save."));
     }
@@ -364,10 +360,10 @@ void TensorBoardLogger::load_state(torch::serialize::InputArchive& archive, int6
   c10::IValue dir;
   if (!archive.try_read("log_dir", dir) || !dir.isString()) return;
   if (!options_.version) {
-    version_ = detail::resumed_version(dir.toStringRef(),
-                                       detail::versions_root(options_.save_dir, options_.name),
-                                       "TensorBoardLogger");
-    if (!version_) return;  // a new version: nothing to supersede
+    const auto resumed = detail::resumed_version(
+        dir.toStringRef(), detail::versions_root(options_.save_dir, options_.name), "TensorBoardLogger");
+    if (!resumed) return;  // a version of its own (possibly chosen already)
+    version_ = resumed;  // a new version: nothing to supersede
   }
   resume_step_ = step;
 }

@@ -64,19 +64,13 @@ ParsedInt parse_int(const std::string& text, long long min, long long max) {
   return result;
 }
 
-namespace {
-
-bool is_none(const std::string& text) {
-  return text == "none" || text == "None" || text == "null" || text == "~";
-}
-
-std::optional<bool> bool_text(const std::string& text) {
+std::optional<bool> parse_bool(const std::string& text) {
   if (text == "true" || text == "True" || text == "1") return true;
   if (text == "false" || text == "False" || text == "0") return false;
   return std::nullopt;
 }
 
-std::optional<double> double_text(const std::string& text) {
+std::optional<double> parse_double(const std::string& text) {
   if (text.empty() || std::isspace(static_cast<unsigned char>(text[0]))) return std::nullopt;
   char* end = nullptr;
   errno = 0;
@@ -87,14 +81,33 @@ std::optional<double> double_text(const std::string& text) {
   return value;
 }
 
-std::string double_string(double value) {
+std::string number_text(double value) {
+  // The shortest text that reads back to the same double.
+  for (int digits = 1; digits < 17; ++digits) {
+    std::ostringstream shorter;
+    shorter << std::setprecision(digits) << value;
+    if (std::strtod(shorter.str().c_str(), nullptr) == value) return shorter.str();
+  }
   std::ostringstream out;
   out << std::setprecision(17) << value;
   return out.str();
 }
 
+std::string flag_key(std::string_view name) {
+  std::string flag(name);
+  while (!flag.empty() && flag.front() == '-') flag.erase(flag.begin());
+  std::replace(flag.begin(), flag.end(), '-', '_');
+  return flag;
+}
+
+namespace {
+
+bool is_none(const std::string& text) {
+  return text == "none" || text == "None" || text == "null" || text == "~";
+}
+
 std::string seconds_string(std::chrono::milliseconds ms) {
-  return double_string(static_cast<double>(ms.count()) / 1000.0);
+  return number_text(static_cast<double>(ms.count()) / 1000.0);
 }
 
 // Setters for the common kinds of field. Each returns "" or the problem.
@@ -103,7 +116,7 @@ using Set = std::function<std::string(TrainerOptions&, const std::string&)>;
 template <class T>
 Set set_bool(T TrainerOptions::*field) {
   return [field](TrainerOptions& o, const std::string& text) -> std::string {
-    const auto value = bool_text(text);
+    const auto value = parse_bool(text);
     if (!value) return "pass true or false.";
     o.*field = *value;
     return "";
@@ -150,7 +163,7 @@ std::string get_int(const TrainerOptions& o, T TrainerOptions::*field) {
 Set set_batch_limit(BatchLimit TrainerOptions::*field) {
   return [field](TrainerOptions& o, const std::string& text) -> std::string {
     if (text.find_first_of(".eE") != std::string::npos) {
-      const auto value = double_text(text);
+      const auto value = parse_double(text);
       if (!value) return "not a number. Pass a count of batches (10) or a fraction (0.25).";
       o.*field = BatchLimit(*value);
       return "";
@@ -166,7 +179,7 @@ Set set_batch_limit(BatchLimit TrainerOptions::*field) {
 
 Set set_seconds(std::chrono::milliseconds TrainerOptions::*field) {
   return [field](TrainerOptions& o, const std::string& text) -> std::string {
-    const auto value = double_text(text);
+    const auto value = parse_double(text);
     if (!value || *value < 0 || *value > 1e12) return "not a number of seconds >= 0.";
     o.*field = std::chrono::milliseconds(std::llround(*value * 1000));
     return "";
@@ -228,14 +241,8 @@ std::vector<TrainerFlag> make_flags() {
                },
                [](O& o, const std::string& t) {
                  o.plugins.clear();
-                 size_t start = 0;
-                 while (start <= t.size()) {
-                   const size_t comma = t.find(',', start);
-                   std::string name =
-                       t.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-                   if (!name.empty()) o.plugins.emplace_back(name);
-                   if (comma == std::string::npos) break;
-                   start = comma + 1;
+                 for (auto& name : split_list(t)) {
+                   if (!name.empty()) o.plugins.emplace_back(std::move(name));
                  }
                  return std::string();
                }});
@@ -274,7 +281,7 @@ std::vector<TrainerFlag> make_flags() {
                    o.max_time = std::nullopt;
                    return "";
                  }
-                 const auto value = double_text(t);
+                 const auto value = parse_double(t);
                  if (!value || *value <= 0 || *value > 1e12) {
                    return "not a number of seconds > 0. Pass e.g. 3600, or none.";
                  }
@@ -335,14 +342,14 @@ std::vector<TrainerFlag> make_flags() {
   f.push_back({"gradient_clip_val", "optimization",
                "Clip gradients at this value (none: no clipping)",
                [](const O& o) {
-                 return o.gradient_clip_val ? double_string(*o.gradient_clip_val) : "none";
+                 return o.gradient_clip_val ? number_text(*o.gradient_clip_val) : "none";
                },
                [](O& o, const std::string& t) -> std::string {
                  if (is_none(t)) {
                    o.gradient_clip_val = std::nullopt;
                    return "";
                  }
-                 const auto value = double_text(t);
+                 const auto value = parse_double(t);
                  if (!value || *value < 0) return "not a number >= 0. Pass e.g. 1.0, or none.";
                  o.gradient_clip_val = *value;
                  return "";
@@ -406,13 +413,6 @@ std::vector<TrainerFlag> make_flags() {
   return f;
 }
 
-std::string flag_name(std::string_view name) {
-  std::string flag(name);
-  while (!flag.empty() && flag.front() == '-') flag.erase(flag.begin());
-  std::replace(flag.begin(), flag.end(), '-', '_');
-  return flag;
-}
-
 }  // namespace
 
 const std::vector<TrainerFlag>& trainer_flags() {
@@ -421,7 +421,7 @@ const std::vector<TrainerFlag>& trainer_flags() {
 }
 
 const TrainerFlag* find_trainer_flag(std::string_view name) {
-  const std::string flag = flag_name(name);
+  const std::string flag = flag_key(name);
   for (const auto& f : trainer_flags()) {
     if (f.name == flag) return &f;
   }
@@ -434,7 +434,7 @@ ParsedFlags parse_flags(const std::vector<std::pair<std::string, std::string>>& 
   std::vector<std::string> known;
   for (const auto& f : trainer_flags()) known.push_back(f.name);
   for (const auto& [raw, value] : flags) {
-    const std::string flag = flag_name(raw);
+    const std::string flag = flag_key(raw);
     if (!seen.insert(flag).second) {
       parsed.problems.push_back(str("--", flag, " is given twice: pass it once."));
       continue;

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "fulgur/callbacks/model_checkpoint.h"
@@ -120,9 +121,13 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
   if (!o.logger.problem().empty()) {
     check(false, str("logger=\"", o.logger.text(), "\": ", o.logger.problem()));
   }
+  std::set<std::string> logger_names;
   for (const auto& name : o.logger.names()) {
     check(logger_registry().contains(name),
           str("logger=\"", o.logger.text(), "\": ", logger_registry().unknown_name_message(name)));
+    check(logger_names.insert(name).second,
+          str("logger=\"", o.logger.text(), "\": \"", name,
+              "\" is given twice; its files would mix. Name each logger once."));
   }
   std::map<std::string, size_t> logger_keys;
   for (size_t i = 0; i < o.loggers.size(); ++i) {
@@ -308,8 +313,10 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
       try {
         body();
       } catch (...) {
-        // What was logged so far reaches the files, marked as failed.
-        if (strategy->is_global_zero()) logging.finalize_quietly(RunStatus::Failed);
+        // What fit logged so far reaches the files, marked as failed.
+        if (s == Stage::Fit && strategy->is_global_zero()) {
+          logging.finalize_quietly(RunStatus::Failed);
+        }
         throw;
       }
     };

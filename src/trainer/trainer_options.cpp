@@ -63,21 +63,13 @@ LoggerFlag::LoggerFlag(const char* raw) {
     return;
   }
   if (text == "false" || text == "False" || text == "none") return;
-  size_t start = 0;
-  while (start <= text.size()) {
-    const size_t comma = text.find(',', start);
-    std::string name =
-        text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    name.erase(0, name.find_first_not_of(" \t"));
-    name.erase(name.find_last_not_of(" \t") + 1);
+  for (auto& name : split_list(text)) {
     if (name.empty()) {
       problem_ = "a logger name is empty. Pass names separated by commas (csv,tensorboard), "
                  "true or false.";
     } else {
-      names_.push_back(name);
+      names_.push_back(std::move(name));
     }
-    if (comma == std::string::npos) break;
-    start = comma + 1;
   }
 }
 

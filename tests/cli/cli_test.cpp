@@ -272,3 +272,66 @@ TEST(CLI, TheReadmeDocumentsEveryFlagOfTheTable) {
 }
 
 }  // namespace
+
+namespace {
+
+// Objects a program passes in trainer_defaults (a strategy, a plugin)
+// stay objects: only configured values are applied from text.
+TEST(CLI, ObjectsInTheProgramsDefaultsAreKept) {
+  auto strategy = fulgur::strategy_registry().create("single_device");
+  std::shared_ptr<fulgur::Strategy> shared(std::move(strategy));
+  fulgur::CLI cli({.program = "prog", .trainer_defaults = {.strategy = shared, .max_epochs = 2}});
+  std::ostringstream out;
+  ASSERT_TRUE(cli.parse_arguments({"--max_epochs", "4"}, out));
+  const auto o = cli.trainer_options();
+  ASSERT_TRUE(std::holds_alternative<std::shared_ptr<fulgur::Strategy>>(o.strategy));
+  EXPECT_EQ(std::get<std::shared_ptr<fulgur::Strategy>>(o.strategy), shared);
+  EXPECT_EQ(o.max_epochs, 4);
+}
+
+TEST(CLI, TheLoggerFlagIsRefusedWhenTheProgramPassesItsOwnLoggers) {
+  TempDir dir;
+  fulgur::CLI cli({.program = "prog",
+                   .trainer_defaults = {.loggers = {std::make_shared<fulgur::CSVLogger>(
+                                            fulgur::CSVLoggerOptions{.save_dir = dir.path()})}}});
+  std::ostringstream out;
+  try {
+    cli.parse_arguments({"--logger", "tensorboard"}, out);
+    FAIL() << "no error";
+  } catch (const fulgur::FlagError& e) {
+    EXPECT_TRUE(contains(e.what(), "passes its own loggers")) << e.what();
+  }
+}
+
+// --ckpt_path last/auto: the config of the run's own last.ckpt.
+TEST(CLI, LastAndAutoReadTheConfigOfTheRunsLastCheckpoint) {
+  TempDir dir;
+  const std::string root = dir.file("run");
+  {
+    Program p(fulgur::test::test_options(dir));
+    ASSERT_TRUE(p.parse({"--default_root_dir", root, "--lr", "0.0625", "--enable_checkpointing", "true"}));
+    fulgur::Trainer trainer(p.cli.trainer_options());
+    fulgur::test::LinearRegression model;
+    trainer.fit(model, fulgur::test::regression_loader(2));
+  }
+  ASSERT_TRUE(fs::exists(root + "/checkpoints/last.ckpt"));
+  for (const char* which : {"last", "auto"}) {
+    Program resumed;
+    ASSERT_TRUE(resumed.parse({"--default_root_dir", root, "--ckpt_path", which}));
+    EXPECT_EQ(resumed.lr, 0.0625) << which;
+    EXPECT_EQ(resumed.cli.ckpt_path(), which);
+  }
+}
+
+TEST(CLI, ALoggerNamedTwiceIsRefused) {
+  TempDir dir;
+  auto options = fulgur::test::test_options(dir);
+  options.logger = "csv, csv";
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer trainer(options),
+                     {"logger=\"csv,csv\"", "\"csv\" is given twice"});
+  options.logger = "csv,tensorbord";
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer trainer(options),
+                     {"unknown logger \"tensorbord\"", "did you mean \"tensorboard\""});
+}
+
+}  // namespace

@@ -388,6 +388,7 @@ TEST(DataLoaderWorkers, TheSameBatchesForZeroOneAndThreeWorkers) {
   std::vector<std::vector<at::Tensor>> runs;
   for (int64_t workers : {0, 1, 3}) {
     for (bool persistent : {false, true}) {
+      if (workers == 0 && persistent) continue;  // no workers to keep
       auto loader = fulgur::make_data_loader(
           std::make_shared<AugmentedDataset>(45),
           {.batch_size = 4, .shuffle = true, .seed = 7, .num_workers = workers,
@@ -448,6 +449,9 @@ TEST(DataLoaderWorkers, AWorkersExceptionNamesTheSampleInTheTrainingThread) {
 }
 
 TEST(DataLoaderWorkers, BadOptionsAreNamed) {
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::make_data_loader(index_dataset(4), {.persistent_workers = true}),
+                     {"num_workers = 0", "persistent_workers = true", "set num_workers"});
   EXPECT_THROWS_WITH(fulgur::ConfigError,
                      fulgur::make_data_loader(index_dataset(4), {.num_workers = -1}),
                      {"num_workers = -1", "num_workers must be >= 0"});

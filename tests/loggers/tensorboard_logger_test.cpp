@@ -468,4 +468,42 @@ TEST(TensorBoardLogger, TwoLoggersWritingTheSameFilesAreRefused) {
   EXPECT_THROW(fulgur::Trainer trainer(options), fulgur::ConfigError);
 }
 
+// A checkpoint is written after the loggers flushed: a run killed right
+// after it loses no logged row that its resume would not log again.
+TEST(TensorBoardLogger, LoggersFlushBeforeEveryCheckpoint) {
+  TempDir dir;
+  const std::string ckpt = dir.file("step3.ckpt");
+  auto tb = std::make_shared<fulgur::TensorBoardLogger>(
+      fulgur::TensorBoardLoggerOptions{.save_dir = dir.path(), .flush_every = 1000});
+  auto csv = std::make_shared<fulgur::CSVLogger>(
+      fulgur::CSVLoggerOptions{.save_dir = dir.path(), .flush_every = 1000});
+  struct Check : fulgur::Callback {
+    std::string state_key() const override { return "Check"; }
+    void on_train_batch_end(fulgur::Trainer& trainer, fulgur::Module&, const at::Tensor&,
+                            const fulgur::Batch&, int64_t) override {
+      if (trainer.global_step() != 3) return;
+      trainer.save_checkpoint(path);
+      csv_lines = fulgur::test::read_lines(csv->metrics_file()).size();
+      Decoder decoder;
+      tb_scalars = scalars(read_events(decoder, tb->log_dir())).size();
+    }
+    std::string path;
+    std::shared_ptr<fulgur::CSVLogger> csv;
+    std::shared_ptr<fulgur::TensorBoardLogger> tb;
+    size_t csv_lines = 0, tb_scalars = 0;
+  };
+  auto check = std::make_shared<Check>();
+  check->path = ckpt;
+  check->csv = csv;
+  check->tb = tb;
+  auto options = logged(dir, {csv, tb});
+  options.max_epochs = 1;
+  options.callbacks = {check};
+  fulgur::Trainer trainer(options);
+  fulgur::test::LinearRegression model;
+  trainer.fit(model, fulgur::test::regression_loader(4));
+  EXPECT_EQ(check->csv_lines, 1u + 3u);   // header, steps 1-3
+  EXPECT_EQ(check->tb_scalars, 3u * 2u);  // train_loss and epoch at steps 1-3
+}
+
 }  // namespace

@@ -77,6 +77,10 @@ std::string str(const Args&... args) {
 /// Joins `items` with `sep` ("a, b, c").
 std::string join(const std::vector<std::string>& items, std::string_view sep = ", ");
 
+/// "a, b,,c" → {"a", "b", "", "c"}: the comma-separated items of a flag's
+/// value, spaces and tabs around each trimmed, empty ones kept.
+std::vector<std::string> split_list(std::string_view text);
+
 /// `text` in ASCII lower case ("DDP" -> "ddp").
 std::string to_lower(std::string_view text);
 

@@ -129,13 +129,14 @@ class DatasetLoader : public DataLoader {
  private:
   int64_t samples_per_epoch() const;
   // Batch `index` of the epoch whose order is `order`; on any thread.
-  Batch load_batch(const at::Tensor& order, int64_t epoch, int64_t index) const;
+  Batch load_batch(const at::Tensor& order, uint64_t seed, int64_t epoch, int64_t index) const;
   // Workers load from batch `first` of the current epoch on.
   void start_workers(int64_t first);
 
   std::shared_ptr<Dataset> dataset_;
   uint64_t seed_ = 0;
   std::unique_ptr<detail::Prefetcher> prefetcher_;
+  bool workers_started_ = false;
   DataLoaderOptions options_;
   std::shared_ptr<Sampler> sampler_;
   bool owns_random_sampler_ = false;

@@ -24,8 +24,6 @@ class Dataset {
   virtual Batch get_batch(const at::Tensor& indices) const = 0;
 };
 
-/// Tensors that share dimension 0; a batch has the same kind as the tensors
-/// given: one tensor → a tensor batch, two → a pair, more → a list.
 /// The generator for the random choices (augmentation) of sample `index`
 /// while a loader loads it in Dataset::get_batch: seeded from the loader's
 /// seed, the epoch and `index`, so a sample gets the same choices whichever
@@ -38,6 +36,8 @@ class Dataset {
 ///     ... auto flip = torch::rand({1}, fulgur::sample_generator(i)).item<float>() < 0.5;
 at::Generator sample_generator(int64_t index);
 
+/// Tensors that share dimension 0; a batch has the same kind as the tensors
+/// given: one tensor → a tensor batch, two → a pair, more → a list.
 class TensorDataset : public Dataset {
  public:
   /// Throws ConfigError if the tensors are empty or differ in dimension 0.

@@ -59,6 +59,7 @@ class CSVLogger : public Logger {
   bool header_written_ = false;
   bool header_changed_ = false;
   std::optional<int64_t> resume_step_;
+  bool previous_rows_read_ = false;
 };
 
 }  // namespace fulgur

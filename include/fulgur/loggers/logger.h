@@ -39,7 +39,7 @@ class Logger {
   /// At the end of every training epoch: loggers that record the module's
   /// parameters (histograms) read them here. Default: nothing.
   virtual void log_parameters(const Module& /*module*/, int64_t /*step*/) {}
-  /// Flushes buffered rows.
+  /// Flushes buffered rows; the Trainer calls it before every checkpoint.
   virtual void save() {}
   /// How the run ended; called before finalize(). Default: nothing.
   virtual void log_run_status(RunStatus /*status*/) {}

@@ -26,8 +26,8 @@ struct TensorBoardLoggerOptions {
   /// CSVLogger of the same save_dir and name writes to), or the resumed
   /// run's.
   std::optional<int64_t> version = std::nullopt;
-  /// Events kept in memory before a write (they are also written at every
-  /// save(), i.e. every epoch end, and at the end of the run).
+  /// Events kept in memory before a write (they are also written before
+  /// every checkpoint and at the end of the run).
   int64_t flush_every = 10;
   /// A histogram of every parameter at the end of each training epoch.
   bool log_histograms = false;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -26,6 +27,16 @@ struct ParsedFlags {
   TrainerOptions options;
   std::vector<std::string> problems;
 };
+
+/// "true"/"True"/"1" or "false"/"False"/"0"; nothing for anything else.
+std::optional<bool> parse_bool(const std::string& text);
+/// A finite or infinite number written in full (no trailing text, no NaN).
+std::optional<double> parse_double(const std::string& text);
+/// The shortest text that parse_double() reads back to `value`.
+std::string number_text(double value);
+/// A flag's name as the table spells it: leading dashes dropped, '-' → '_'
+/// ("--max-epochs" → "max_epochs", "trainer.max-epochs" → "trainer.max_epochs").
+std::string flag_key(std::string_view name);
 
 /// One field of TrainerOptions as text.
 struct TrainerFlag {

@@ -3,6 +3,7 @@
 // flushed, renamed into place, and the directory flushed. Read with pread:
 // the checksum is computed beside LibTorch's parse, and nothing parsed is
 // handed back before it matches.
+#include "utilities/little_endian.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 
 #include <fcntl.h>
@@ -41,16 +42,8 @@ constexpr uint32_t kFooterVersion = 1;
 constexpr uint32_t kAlgorithmCrc32c = 1;
 constexpr const char* kIntegrityKey = TorchCheckpointIO::kIntegrityKey;
 
-void put_le(std::string& out, uint64_t value, int bytes) {
-  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((value >> (8 * i)) & 0xFF));
-}
-
-uint64_t get_le(const char* p, int bytes) {
-  uint64_t value = 0;
-  for (int i = 0; i < bytes; ++i)
-    value |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
-  return value;
-}
+using detail::get_le;
+using detail::put_le;
 
 std::string encode_footer(uint64_t data_size, uint32_t crc) {
   std::string footer(kMagic, sizeof(kMagic));

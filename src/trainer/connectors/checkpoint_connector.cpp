@@ -164,6 +164,15 @@ void CheckpointConnector::save(const std::string& path) {
                           "\"): no module is attached. Call "
                           "it during fit (e.g. from a callback)."));
   }
+  // What the loggers hold reaches their files first: a run resumed from
+  // this checkpoint keeps the logs up to its step and does not log them again.
+  for (const auto& logger : trainer_.logging.loggers()) {
+    try {
+      logger->save();
+    } catch (const std::exception& e) {
+      std::cerr << "fulgur: " << e.what() << std::endl;
+    }
+  }
   OutputArchive archive;
   dump(archive);
   trainer_.strategy->save_checkpoint(archive, path);

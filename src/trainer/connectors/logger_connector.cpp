@@ -154,6 +154,7 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
 }
 
 void LoggerConnector::reset_metrics() {
+  ended_ = false;
   callback_metrics_.clear();
   progress_bar_metrics_.clear();
 }
@@ -227,6 +228,7 @@ void LoggerConnector::log_parameters(const Module& module, int64_t step) {
 }
 
 void LoggerConnector::finalize(RunStatus status) {
+  ended_ = true;
   for (auto& logger : loggers_) {
     logger->log_run_status(status);
     logger->finalize();
@@ -234,6 +236,8 @@ void LoggerConnector::finalize(RunStatus status) {
 }
 
 void LoggerConnector::finalize_quietly(RunStatus status) noexcept {
+  if (ended_) return;  // finalize() itself failed: the run's end is recorded
+  ended_ = true;
   for (auto& logger : loggers_) {
     try {
       logger->log_run_status(status);

@@ -85,7 +85,8 @@ class LoggerConnector {
 
   const Metrics& callback_metrics() const { return callback_metrics_; }
   const Metrics& progress_bar_metrics() const { return progress_bar_metrics_; }
-  /// Forgets every published metric (a new stage starts).
+  /// Forgets every published metric (a new stage starts); a new run's end
+  /// can be recorded.
   void reset_metrics();
   /// The callback metrics a forked run's rank 0 sent back.
   void restore_callback_metrics(Metrics metrics) { callback_metrics_ = std::move(metrics); }
@@ -122,6 +123,7 @@ class LoggerConnector {
 
   std::vector<std::shared_ptr<Logger>> loggers_;
   bool versions_chosen_ = false;
+  bool ended_ = false;  // this fit's end is recorded (finalize)
   LogSink train_sink_;
   LogSink eval_sink_;
   Metrics callback_metrics_;
