@@ -18,19 +18,14 @@
 #include <vector>
 
 #include "fulgur/fulgur.h"
+#include "stats.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t) {
-  return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
+using fulgur_bench::median;
+using fulgur_bench::seconds_since;
 
 // Busy CPU work for `us` microseconds (no sleep: a decode costs a core).
 float spin(int64_t us, int64_t seed) {

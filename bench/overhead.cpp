@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "fulgur/fulgur.h"
+#include "stats.h"
 
 // ---- Counting operator new (every form routes through these two).
 namespace {
@@ -212,10 +213,7 @@ Measure with_fulgur(const Args& a, const Data& d, const std::string& root) {
           static_cast<double>(model.allocs_end - model.allocs_start) / steps};
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-}
+using fulgur_bench::median;
 
 }  // namespace
 

@@ -171,26 +171,24 @@ OptionGroup& OptionGroup::add(const std::string& name, bool& value, std::string 
                      }});
 }
 
-OptionGroup& OptionGroup::add(const std::string& name, int& value, std::string help) {
+template <class Int>
+OptionGroup& OptionGroup::add_integer(const std::string& name, Int& value, std::string help) {
   return add_option({flag_key(name), std::move(help), false, [&value] { return std::to_string(value); },
                      [&value](const std::string& t) -> std::string {
                        long long v = 0;
-                       auto problem = parse_integer(t, std::numeric_limits<int>::min(),
-                                                    std::numeric_limits<int>::max(), v);
-                       if (problem.empty()) value = static_cast<int>(v);
+                       auto problem = parse_integer(t, std::numeric_limits<Int>::min(),
+                                                    std::numeric_limits<Int>::max(), v);
+                       if (problem.empty()) value = static_cast<Int>(v);
                        return problem;
                      }});
 }
 
+OptionGroup& OptionGroup::add(const std::string& name, int& value, std::string help) {
+  return add_integer(name, value, std::move(help));
+}
+
 OptionGroup& OptionGroup::add(const std::string& name, int64_t& value, std::string help) {
-  return add_option({flag_key(name), std::move(help), false, [&value] { return std::to_string(value); },
-                     [&value](const std::string& t) -> std::string {
-                       long long v = 0;
-                       auto problem = parse_integer(t, std::numeric_limits<int64_t>::min(),
-                                                    std::numeric_limits<int64_t>::max(), v);
-                       if (problem.empty()) value = static_cast<int64_t>(v);
-                       return problem;
-                     }});
+  return add_integer(name, value, std::move(help));
 }
 
 OptionGroup& OptionGroup::add(const std::string& name, double& value, std::string help) {

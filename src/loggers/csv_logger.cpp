@@ -108,18 +108,14 @@ std::string CSVLogger::state_key() const {
 }
 
 void CSVLogger::save_state(torch::serialize::OutputArchive& archive) const {
-  archive.write("log_dir", c10::IValue(log_dir()));
+  detail::save_log_dir(archive, log_dir());
 }
 
 void CSVLogger::load_state(torch::serialize::InputArchive& archive, int64_t step) {
-  c10::IValue dir;
-  if (!archive.try_read("log_dir", dir) || !dir.isString()) return;
-  if (!options_.version) {
-    const auto resumed = detail::resumed_version(
-        dir.toStringRef(), detail::versions_root(options_.save_dir, options_.name), "CSVLogger");
-    if (!resumed) return;  // a version of its own (possibly chosen already)
-    version_ = resumed;  // a new version: nothing to continue
-  }
+  const auto version = detail::continued_version(
+      archive, options_.version, detail::versions_root(options_.save_dir, options_.name), "CSVLogger");
+  if (!version) return;  // a version of its own (possibly chosen already)
+  version_ = version;
   resume_step_ = step;
 }
 

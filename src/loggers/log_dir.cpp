@@ -6,6 +6,8 @@
 #include <iostream>
 #include <system_error>
 
+#include <torch/serialize/archive.h>
+
 #include "fulgur/core/errors.h"
 
 namespace fulgur::detail {
@@ -69,6 +71,19 @@ std::optional<int64_t> resumed_version(const std::string& previous_dir, const st
             << "\"; this run logs to a new version there and leaves those logs as they are."
             << std::endl;
   return std::nullopt;
+}
+
+void save_log_dir(torch::serialize::OutputArchive& archive, const std::string& dir) {
+  archive.write("log_dir", c10::IValue(dir));
+}
+
+std::optional<int64_t> continued_version(torch::serialize::InputArchive& archive,
+                                         std::optional<int64_t> explicit_version,
+                                         const std::string& root, const std::string& logger) {
+  c10::IValue dir;
+  if (!archive.try_read("log_dir", dir) || !dir.isString()) return std::nullopt;
+  if (explicit_version) return explicit_version;
+  return resumed_version(dir.toStringRef(), root, logger);
 }
 
 }  // namespace fulgur::detail

@@ -80,6 +80,8 @@ class OptionGroup {
 
  private:
   OptionGroup& add_option(Option option);
+  template <class Int>
+  OptionGroup& add_integer(const std::string& name, Int& value, std::string help);
   std::vector<Option> options_;
 };
 
