@@ -19,23 +19,13 @@ namespace fulgur {
 
 namespace fs = std::filesystem;
 
-CSVLogger::CSVLogger(CSVLoggerOptions options) : options_(std::move(options)) {
+CSVLogger::CSVLogger(CSVLoggerOptions options)
+    : VersionedLogger("CSVLogger", options.save_dir, options.name, options.version),
+      options_(std::move(options)) {
   if (options_.flush_every < 1) {
     throw ConfigError(
         str("CSVLoggerOptions{.flush_every = ", options_.flush_every, "}: must be >= 1."));
   }
-  version_ = options_.version;
-}
-
-void CSVLogger::resolve_version() const {
-  if (!version_) version_ = detail::next_free_version(detail::versions_root(options_.save_dir, options_.name));
-}
-
-std::string CSVLogger::log_dir() const {
-  resolve_version();
-  return (fs::path(detail::versions_root(options_.save_dir, options_.name)) /
-          ("version_" + std::to_string(*version_)))
-      .string();
 }
 
 std::string CSVLogger::metrics_file() const {
@@ -103,22 +93,6 @@ void write_row(std::ostream& out, const std::vector<std::string>& columns, int64
 }
 }  // namespace
 
-std::string CSVLogger::state_key() const {
-  return str("CSVLogger{", detail::versions_root(options_.save_dir, options_.name), "}");
-}
-
-void CSVLogger::save_state(torch::serialize::OutputArchive& archive) const {
-  detail::save_log_dir(archive, log_dir());
-}
-
-void CSVLogger::load_state(torch::serialize::InputArchive& archive, int64_t step) {
-  const auto version = detail::continued_version(
-      archive, options_.version, detail::versions_root(options_.save_dir, options_.name), "CSVLogger");
-  if (!version) return;  // a version of its own (possibly chosen already)
-  version_ = version;
-  resume_step_ = step;
-}
-
 void CSVLogger::read_previous_rows() {
   std::ifstream in(metrics_file());
   std::string line;
@@ -150,7 +124,7 @@ void CSVLogger::read_previous_rows() {
     } catch (const std::exception&) {
       ok = false;  // a row cut by the interruption
     }
-    if (ok && step <= *resume_step_) rows.emplace_back(step, std::move(row));
+    if (ok && step <= *resume_step()) rows.emplace_back(step, std::move(row));
   }
   columns_ = std::move(columns);
   rows.insert(rows.end(), std::make_move_iterator(written_.begin()),
@@ -161,7 +135,7 @@ void CSVLogger::read_previous_rows() {
 void CSVLogger::save() {
   if (pending_.empty() && !header_changed_) return;
   make_directory(log_dir());
-  if (resume_step_ && !previous_rows_read_) {
+  if (resume_step() && !previous_rows_read_) {
     read_previous_rows();
     previous_rows_read_ = true;
     header_changed_ = true;  // rewrite: the file holds only the kept rows

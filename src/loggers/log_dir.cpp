@@ -9,6 +9,7 @@
 #include <torch/serialize/archive.h>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/loggers/logger.h"
 
 namespace fulgur::detail {
 
@@ -73,17 +74,47 @@ std::optional<int64_t> resumed_version(const std::string& previous_dir, const st
   return std::nullopt;
 }
 
-void save_log_dir(torch::serialize::OutputArchive& archive, const std::string& dir) {
-  archive.write("log_dir", c10::IValue(dir));
-}
-
-std::optional<int64_t> continued_version(torch::serialize::InputArchive& archive,
-                                         std::optional<int64_t> explicit_version,
-                                         const std::string& root, const std::string& logger) {
-  c10::IValue dir;
-  if (!archive.try_read("log_dir", dir) || !dir.isString()) return std::nullopt;
-  if (explicit_version) return explicit_version;
-  return resumed_version(dir.toStringRef(), root, logger);
-}
-
 }  // namespace fulgur::detail
+
+namespace fulgur {
+
+VersionedLogger::VersionedLogger(std::string kind, std::string save_dir, std::string name,
+                                 std::optional<int64_t> version)
+    : kind_(std::move(kind)),
+      save_dir_(std::move(save_dir)),
+      name_(std::move(name)),
+      explicit_version_(version),
+      version_(version) {
+  if (version && *version < 0) {
+    throw ConfigError(str(kind_, "Options{.version = ", *version,
+                          "}: must be >= 0, or unset for the next free one."));
+  }
+}
+
+std::string VersionedLogger::log_dir() const {
+  const std::string root = detail::versions_root(save_dir_, name_);
+  if (!version_) version_ = detail::next_free_version(root);
+  return (fs::path(root) / ("version_" + std::to_string(*version_))).string();
+}
+
+std::string VersionedLogger::state_key() const {
+  return str(kind_, "{", detail::versions_root(save_dir_, name_), "}");
+}
+
+void VersionedLogger::save_state(torch::serialize::OutputArchive& archive) const {
+  archive.write("log_dir", c10::IValue(log_dir()));
+}
+
+void VersionedLogger::load_state(torch::serialize::InputArchive& archive, int64_t step) {
+  c10::IValue dir;
+  if (!archive.try_read("log_dir", dir) || !dir.isString()) return;
+  const auto version =
+      explicit_version_ ? explicit_version_
+                        : detail::resumed_version(dir.toStringRef(),
+                                                  detail::versions_root(save_dir_, name_), kind_);
+  if (!version) return;  // a version of its own (possibly chosen already)
+  version_ = version;
+  resume_step_ = step;
+}
+
+}  // namespace fulgur

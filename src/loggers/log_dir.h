@@ -7,11 +7,6 @@
 #include <optional>
 #include <string>
 
-namespace torch::serialize {
-class InputArchive;
-class OutputArchive;
-}  // namespace torch::serialize
-
 namespace fulgur::detail {
 
 /// `<save_dir>/<name>` ("." when save_dir is empty).
@@ -33,15 +28,5 @@ void make_log_directory(const std::string& dir, const std::string& logger);
 /// and its logs are left as they are).
 std::optional<int64_t> resumed_version(const std::string& previous_dir, const std::string& root,
                                        const std::string& logger);
-
-/// A logger's state in a checkpoint: the directory it writes to.
-void save_log_dir(torch::serialize::OutputArchive& archive, const std::string& dir);
-
-/// The version a run resumed from `archive` continues: `explicit_version`
-/// when set, else resumed_version() of the saved directory; nothing when
-/// the archive holds none or it is another place's.
-std::optional<int64_t> continued_version(torch::serialize::InputArchive& archive,
-                                         std::optional<int64_t> explicit_version,
-                                         const std::string& root, const std::string& logger);
 
 }  // namespace fulgur::detail

@@ -142,7 +142,8 @@ void append_record(std::string& out, const std::string& data) {
 }  // namespace
 
 TensorBoardLogger::TensorBoardLogger(TensorBoardLoggerOptions options)
-    : options_(std::move(options)) {
+    : VersionedLogger("TensorBoardLogger", options.save_dir, options.name, options.version),
+      options_(std::move(options)) {
   if (options_.flush_every < 1) {
     throw ConfigError(str("TensorBoardLoggerOptions{.flush_every = ", options_.flush_every,
                           "}: must be >= 1."));
@@ -151,11 +152,6 @@ TensorBoardLogger::TensorBoardLogger(TensorBoardLoggerOptions options)
     throw ConfigError(str("TensorBoardLoggerOptions{.max_file_bytes = ", options_.max_file_bytes,
                           "}: must be >= 1 (a new event file is opened past it)."));
   }
-  if (options_.version && *options_.version < 0) {
-    throw ConfigError(str("TensorBoardLoggerOptions{.version = ", *options_.version,
-                          "}: must be >= 0, or unset for the next free one."));
-  }
-  version_ = options_.version;
 }
 
 TensorBoardLogger::~TensorBoardLogger() {
@@ -165,19 +161,6 @@ TensorBoardLogger::~TensorBoardLogger() {
     std::cerr << "fulgur: " << e.what() << std::endl;
   }
   if (fd_ >= 0) ::close(fd_);
-}
-
-void TensorBoardLogger::resolve_version() const {
-  if (!version_) {
-    version_ = detail::next_free_version(detail::versions_root(options_.save_dir, options_.name));
-  }
-}
-
-std::string TensorBoardLogger::log_dir() const {
-  resolve_version();
-  return (std::filesystem::path(detail::versions_root(options_.save_dir, options_.name)) /
-          ("version_" + std::to_string(*version_)))
-      .string();
 }
 
 void TensorBoardLogger::open_file() {
@@ -207,13 +190,13 @@ void TensorBoardLogger::open_file() {
   Message version = event_at(0);
   version.bytes(kEventFileVersion, "brain.Event:2");
   append_record(pending_, version.data());
-  if (resume_step_ && files_opened_ == 0) {
+  if (resume_step() && files_opened_ == 0) {
     // Resumed at step s: TensorBoard drops the interrupted run's events
     // after s (those at s were logged before the checkpoint was taken, or
     // are logged again identically).
     Message log;
     log.varint(1, kSessionLogStart);
-    append_record(pending_, event_at(*resume_step_ + 1).message(kEventSessionLog, log).data());
+    append_record(pending_, event_at(*resume_step() + 1).message(kEventSessionLog, log).data());
   }
   ++files_opened_;
 }
@@ -346,22 +329,6 @@ void TensorBoardLogger::finalize() {
     ::close(fd_);
     fd_ = -1;
   }
-}
-
-std::string TensorBoardLogger::state_key() const {
-  return str("TensorBoardLogger{", detail::versions_root(options_.save_dir, options_.name), "}");
-}
-
-void TensorBoardLogger::save_state(torch::serialize::OutputArchive& archive) const {
-  detail::save_log_dir(archive, log_dir());
-}
-
-void TensorBoardLogger::load_state(torch::serialize::InputArchive& archive, int64_t step) {
-  const auto version = detail::continued_version(
-      archive, options_.version, detail::versions_root(options_.save_dir, options_.name), "TensorBoardLogger");
-  if (!version) return;  // a version of its own (possibly chosen already)
-  version_ = version;
-  resume_step_ = step;
 }
 
 }  // namespace fulgur

@@ -93,15 +93,15 @@ class Decoder {
   pb::DynamicMessageFactory factory_;
 };
 
-const pb::FieldDescriptor* field(const pb::Message& m, const std::string& name) {
+const pb::FieldDescriptor* field(const pb::Message& m, const char* name) {
   const auto* f = m.GetDescriptor()->FindFieldByName(name);
   if (f == nullptr) ADD_FAILURE() << m.GetTypeName() << " has no field " << name;
   return f;
 }
-bool has(const pb::Message& m, const std::string& name) {
+bool has(const pb::Message& m, const char* name) {
   return m.GetReflection()->HasField(m, field(m, name));
 }
-double number(const pb::Message& m, const std::string& name) {
+double number(const pb::Message& m, const char* name) {
   const auto* f = field(m, name);
   const auto* r = m.GetReflection();
   switch (f->cpp_type()) {
@@ -114,19 +114,19 @@ double number(const pb::Message& m, const std::string& name) {
     default: ADD_FAILURE() << name << " is not a number"; return 0;
   }
 }
-std::string text(const pb::Message& m, const std::string& name) {
+std::string text(const pb::Message& m, const char* name) {
   return m.GetReflection()->GetString(m, field(m, name));
 }
-const pb::Message& sub(const pb::Message& m, const std::string& name) {
+const pb::Message& sub(const pb::Message& m, const char* name) {
   return m.GetReflection()->GetMessage(m, field(m, name));
 }
-int count(const pb::Message& m, const std::string& name) {
+int count(const pb::Message& m, const char* name) {
   return m.GetReflection()->FieldSize(m, field(m, name));
 }
-const pb::Message& at(const pb::Message& m, const std::string& name, int i) {
+const pb::Message& at(const pb::Message& m, const char* name, int i) {
   return m.GetReflection()->GetRepeatedMessage(m, field(m, name), i);
 }
-double number_at(const pb::Message& m, const std::string& name, int i) {
+double number_at(const pb::Message& m, const char* name, int i) {
   return m.GetReflection()->GetRepeatedDouble(m, field(m, name), i);
 }
 

@@ -29,36 +29,27 @@ struct CSVLoggerOptions {
 /// the curves (fulgur/loggers/plot.h). A run resumed from a checkpoint
 /// continues the same version: the rows the interrupted run wrote after the
 /// resumed step are dropped, the others kept.
-class CSVLogger : public Logger {
+class CSVLogger : public VersionedLogger {
  public:
   explicit CSVLogger(CSVLoggerOptions options = {});
-  std::string name() const override { return options_.name; }
-  std::string log_dir() const override;
   void log_hyperparams(const HParams& params) override;
   void log_metrics(const std::map<std::string, double>& metrics, int64_t step) override;
   void save() override;
   /// save(), then metrics.png when `plot` is on.
   void finalize() override;
-  /// "CSVLogger{<save_dir>/<name>}"
-  std::string state_key() const override;
-  void save_state(torch::serialize::OutputArchive& archive) const override;
-  void load_state(torch::serialize::InputArchive& archive, int64_t step) override;
   /// Path of metrics.csv.
   std::string metrics_file() const;
 
  private:
-  void resolve_version() const;
   // A resumed run: the rows of metrics.csv up to `resume_step_`.
   void read_previous_rows();
 
   CSVLoggerOptions options_;
-  mutable std::optional<int64_t> version_;
   std::vector<std::string> columns_;  // "step" first, then metric names in order seen
   std::vector<std::pair<int64_t, std::map<std::string, double>>> pending_;
   std::vector<std::pair<int64_t, std::map<std::string, double>>> written_;
   bool header_written_ = false;
   bool header_changed_ = false;
-  std::optional<int64_t> resume_step_;
   bool previous_rows_read_ = false;
 };
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "fulgur/core/module.h"
@@ -55,6 +56,35 @@ class Logger {
   /// save_state() wrote; called before anything is logged. What the
   /// interrupted run logged after `step` is superseded.
   virtual void load_state(torch::serialize::InputArchive& /*archive*/, int64_t /*step*/) {}
+};
+
+/// A Logger that writes into `<save_dir>/<name>/version_<N>`: N is the
+/// version given, or the next free one when the logger first needs it, or,
+/// when fit resumes from a checkpoint this logger's run wrote under the same
+/// root, that run's own (what it logged after the resumed step is then the
+/// subclass's to supersede, see resume_step()).
+class VersionedLogger : public Logger {
+ public:
+  std::string name() const override { return name_; }
+  std::string log_dir() const override;
+  /// "<kind>{<save_dir>/<name>}"
+  std::string state_key() const override;
+  void save_state(torch::serialize::OutputArchive& archive) const override;
+  void load_state(torch::serialize::InputArchive& archive, int64_t step) override;
+
+ protected:
+  /// `kind` names the logger in messages and its checkpoint state.
+  VersionedLogger(std::string kind, std::string save_dir, std::string name,
+                  std::optional<int64_t> version);
+  /// The step fit resumed at when this logger continues a run's logs.
+  const std::optional<int64_t>& resume_step() const { return resume_step_; }
+  const std::string& kind() const { return kind_; }
+
+ private:
+  std::string kind_, save_dir_, name_;
+  std::optional<int64_t> explicit_version_;
+  mutable std::optional<int64_t> version_;
+  std::optional<int64_t> resume_step_;
 };
 
 /// Loggers by name, for TrainerOptions::logger ("csv,tensorboard") and the

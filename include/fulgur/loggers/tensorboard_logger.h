@@ -42,7 +42,7 @@ struct TensorBoardLoggerOptions {
 /// resumed from a checkpoint appends to the same directory: its first event
 /// file starts with a SessionLog START just after the resumed step, which
 /// tells TensorBoard to drop what the interrupted run logged after it.
-class TensorBoardLogger : public Logger {
+class TensorBoardLogger : public VersionedLogger {
  public:
   explicit TensorBoardLogger(TensorBoardLoggerOptions options = {});
   /// Writes what is buffered; errors are reported on stderr, never thrown.
@@ -50,8 +50,6 @@ class TensorBoardLogger : public Logger {
   TensorBoardLogger(const TensorBoardLogger&) = delete;
   TensorBoardLogger& operator=(const TensorBoardLogger&) = delete;
 
-  std::string name() const override { return options_.name; }
-  std::string log_dir() const override;
   /// The HParams plugin's session start: the hyper-parameters of this run.
   void log_hyperparams(const HParams& params) override;
   /// One scalar per metric, at `step`, with the wall time.
@@ -65,22 +63,15 @@ class TensorBoardLogger : public Logger {
   /// interrupted run is resumed later).
   void log_run_status(RunStatus status) override;
   void finalize() override;
-  /// "TensorBoardLogger{<save_dir>/<name>}"
-  std::string state_key() const override;
-  void save_state(torch::serialize::OutputArchive& archive) const override;
-  void load_state(torch::serialize::InputArchive& archive, int64_t step) override;
 
   /// The event file being written ("" before the first event).
   const std::string& event_file() const { return file_; }
 
  private:
-  void resolve_version() const;
   void add_event(const std::string& event);
   void open_file();
 
   TensorBoardLoggerOptions options_;
-  mutable std::optional<int64_t> version_;
-  std::optional<int64_t> resume_step_;
   std::string file_;
   int fd_ = -1;
   int64_t file_bytes_ = 0;
