@@ -465,3 +465,15 @@ TEST(DataLoaderWorkers, SampleGeneratorDependsOnSeedEpochAndIndexOnly) {
   EXPECT_TRUE(torch::equal(draw(5), draw(5)));
   EXPECT_FALSE(torch::equal(draw(5), draw(6)));
 }
+
+TEST(DataLoaderWorkers, PinMemoryPinsTheBatchesWhereCudaIsAvailable) {
+  auto loader = fulgur::make_data_loader(std::make_shared<AugmentedDataset>(8),
+                                         {.batch_size = 4, .num_workers = 2, .pin_memory = true});
+  loader->start_epoch(0);
+  auto batch = loader->next();
+  ASSERT_TRUE(batch.has_value());
+  if (!torch::cuda::is_available()) {
+    GTEST_SKIP() << "no CUDA here: pin_memory applies only where CUDA is available";
+  }
+  EXPECT_TRUE(batch->tensor().is_pinned());
+}

@@ -173,7 +173,8 @@ struct TrainerOptions {
   /// Add a ModelCheckpoint (saving last.ckpt) unless one is in callbacks.
   bool enable_checkpointing = true;
   bool enable_progress_bar = true;
-  /// Add a CSVLogger unless loggers are given; false: no logging.
+  /// The loggers the Trainer adds unless `loggers` are given: true (a
+  /// CSVLogger), names ("csv,tensorboard"), or false (no logging).
   LoggerFlag logger = true;
   std::vector<std::shared_ptr<Logger>> loggers = {};
   /// Logged metrics reach the loggers every N optimizer steps.
