@@ -1,12 +1,5 @@
 #include "fulgur/loggers/plot.h"
 
-#include <fcntl.h>
-#include <poll.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -16,11 +9,9 @@
 #include <fstream>
 #include <map>
 #include <sstream>
-#include <thread>
 
+#include "core/run_program.h"
 #include "fulgur/core/errors.h"
-
-extern char** environ;
 
 namespace fulgur {
 
@@ -217,69 +208,18 @@ std::string plot_metrics(const std::string& csv_path, const std::string& png_pat
   } catch (const std::exception& e) {
     return e.what();
   }
-  int in[2], err[2];
-  if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0) {
-    return str("plot: cannot create pipes for gnuplot: ", std::strerror(errno));
-  }
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, in[0], STDIN_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, err[1], STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, err[1], STDERR_FILENO);
-  char arg0[] = "gnuplot";
-  char* argv[] = {arg0, nullptr};
-  pid_t pid = -1;
-  const int spawned = ::posix_spawnp(&pid, "gnuplot", &actions, nullptr, argv, environ);
-  posix_spawn_file_actions_destroy(&actions);
-  ::close(in[0]);
-  ::close(err[1]);
-  if (spawned != 0) {
-    ::close(in[1]);
-    ::close(err[0]);
-    return str("plot: gnuplot is not installed (", std::strerror(spawned),
+  const auto ran = detail::run_program({"gnuplot"}, script, std::chrono::seconds(60));
+  if (ran.spawn_error != 0) {
+    return str("plot: gnuplot is not installed (", std::strerror(ran.spawn_error),
                "), so there is no picture of \"", csv_path,
                "\": apt install gnuplot-nox (scripts/install-deps.sh installs it), then run "
                "`fulgur plot ",
                std::filesystem::path(csv_path).parent_path().string(), "`.");
   }
-  // The script into its stdin (a SIGPIPE if gnuplot died would end us).
-  struct sigaction ignore {
-  }, old{};
-  ignore.sa_handler = SIG_IGN;
-  ::sigaction(SIGPIPE, &ignore, &old);
-  size_t off = 0;
-  while (off < script.size()) {
-    ssize_t w = ::write(in[1], script.data() + off, script.size() - off);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) break;
-    off += static_cast<size_t>(w);
-  }
-  ::close(in[1]);
-  ::sigaction(SIGPIPE, &old, nullptr);
-  std::string output;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  int status = 0;
-  for (;;) {
-    pollfd p{err[0], POLLIN, 0};
-    if (::poll(&p, 1, 100) > 0) {
-      char buf[4096];
-      ssize_t n = ::read(err[0], buf, sizeof buf);
-      if (n > 0) output.append(buf, static_cast<size_t>(n));
-    }
-    pid_t r = ::waitpid(pid, &status, WNOHANG);
-    if (r == pid) break;
-    if (std::chrono::steady_clock::now() > deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      ::close(err[0]);
-      return str("plot: gnuplot did not finish in 60 s drawing \"", png_path, "\".");
-    }
-  }
-  ::close(err[0]);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || !std::filesystem::exists(png_path)) {
-    while (!output.empty() && output.back() == '\n') output.pop_back();
+  if (ran.timed_out) return str("plot: gnuplot did not finish in 60 s drawing \"", png_path, "\".");
+  if (!ran.succeeded() || !std::filesystem::exists(png_path)) {
     return str("plot: gnuplot failed drawing \"", png_path,
-               "\": ", output.empty() ? std::string("no message") : output);
+               "\": ", ran.output.empty() ? ran.how_it_ended() : ran.output);
   }
   return "";
 }

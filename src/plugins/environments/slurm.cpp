@@ -1,15 +1,11 @@
 #include "fulgur/plugins/environments/slurm.h"
 
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <thread>
 
+#include "core/run_program.h"
 #include "env_support.h"
 
 namespace fulgur {
@@ -132,42 +128,23 @@ std::string SLURMEnvironment::requeue(int signal) {
   if (!options_.auto_requeue) return "not requeued (SLURMOptions::auto_requeue is false)";
   if (job_id_.empty()) return "not requeued: SLURM_JOB_ID is not set";
   const std::string command = str(options_.scontrol, " requeue ", job_id_);
-  std::vector<std::string> args = {options_.scontrol, "requeue", job_id_};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  if (int err =
-          ::posix_spawnp(&pid, options_.scontrol.c_str(), nullptr, nullptr, argv.data(), environ);
-      err != 0) {
-    return str("NOT requeued: cannot run `", command, "`: ", std::strerror(err),
+  // Bounded: a controller that does not answer must not keep the job alive.
+  const auto ran = detail::run_program({options_.scontrol, "requeue", job_id_}, "",
+                                       std::chrono::seconds(60));
+  if (ran.spawn_error != 0) {
+    return str("NOT requeued: cannot run `", command, "`: ", std::strerror(ran.spawn_error),
                " (is slurm-client installed and scontrol on PATH?). Resubmit the job: it "
                "resumes from the checkpoint");
   }
-  // Bounded: a controller that does not answer must not keep the job alive.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-  int status = 0;
-  for (;;) {
-    pid_t r = ::waitpid(pid, &status, WNOHANG);
-    if (r == pid) break;
-    if (r < 0 && errno != EINTR) return str("NOT requeued: lost `", command, "`");
-    if (std::chrono::steady_clock::now() > deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return str("NOT requeued: `", command,
-                 "` did not finish in 60 s. Resubmit the job: it "
-                 "resumes from the checkpoint");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  if (ran.timed_out) {
+    return str("NOT requeued: `", command,
+               "` did not finish in 60 s. Resubmit the job: it resumes from the checkpoint");
   }
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
-    return str("requeued SLURM job ", job_id_, " (`", command, "`)");
-  }
-  return str("NOT requeued: `", command, "` ",
-             WIFEXITED(status) ? str("exited with status ", WEXITSTATUS(status))
-                               : str("was killed by signal ", WTERMSIG(status)),
-             " (its message is above; was the job submitted with --requeue?). Resubmit the job: "
-             "it resumes from the checkpoint");
+  if (ran.succeeded()) return str("requeued SLURM job ", job_id_, " (`", command, "`)");
+  return str("NOT requeued: `", command, "` ", ran.how_it_ended(),
+             ran.output.empty() ? std::string() : ": " + ran.output,
+             " (was the job submitted with --requeue?). Resubmit the job: it resumes from the "
+             "checkpoint");
 }
 
 std::string SLURMEnvironment::main_address() const { return main_address_; }
