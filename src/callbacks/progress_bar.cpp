@@ -98,14 +98,16 @@ void ProgressBar::on_train_batch_end(Trainer& trainer, Module&, const at::Tensor
                                      int64_t) {
   ++train_.done;
   if (!tty_ || Clock::now() - train_.last_draw < std::chrono::milliseconds(refresh_ms_)) return;
-  std::snprintf(label_.data(), label_.size(), "Epoch %lld", static_cast<long long>(trainer.current_epoch()));
-  draw(trainer, train_, label_.data(), trainer.num_training_batches(), false);
+  draw_epoch(trainer, false);
 }
 
-void ProgressBar::on_train_epoch_end(Trainer& trainer, Module&) {
-  std::snprintf(label_.data(), label_.size(), "Epoch %lld", static_cast<long long>(trainer.current_epoch()));
-  draw(trainer, train_, label_.data(), trainer.num_training_batches(), true);
+void ProgressBar::draw_epoch(Trainer& trainer, bool final) {
+  std::snprintf(label_.data(), label_.size(), "Epoch %lld",
+                static_cast<long long>(trainer.current_epoch()));
+  draw(trainer, train_, label_.data(), trainer.num_training_batches(), final);
 }
+
+void ProgressBar::on_train_epoch_end(Trainer& trainer, Module&) { draw_epoch(trainer, true); }
 
 void ProgressBar::on_validation_start(Trainer&, Module&) { eval_ = Bar{0, Clock::now(), {}}; }
 
@@ -137,8 +139,7 @@ void ProgressBar::on_validation_end(Trainer& trainer, Module&) {
   if (trainer.sanity_checking()) return;
   // Without a terminal, mid-epoch validations get their own line.
   if (trainer.num_training_batches() >= 0 && train_.done < trainer.num_training_batches()) {
-    std::snprintf(label_.data(), label_.size(), "Epoch %lld", static_cast<long long>(trainer.current_epoch()));
-    draw(trainer, train_, label_.data(), trainer.num_training_batches(), false);
+    draw_epoch(trainer, false);
   }
 }
 

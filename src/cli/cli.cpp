@@ -415,21 +415,21 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
   }
 
   // ---- The checkpoint's config: under the files and the command line.
-  std::string ckpt;
-  for (const auto* items : {&from_files, &command_line}) {
-    for (const auto& item : *items) {
-      if (item.key == "ckpt_path") ckpt = item.text;
+  // What the files and the command line set `key` to (the last one wins).
+  auto configured = [&](const std::string& key, std::string fallback) {
+    for (const auto* items : {&from_files, &command_line}) {
+      for (const auto& item : *items) {
+        if (item.key == key) fallback = item.text;
+      }
     }
-  }
+    return fallback;
+  };
+  std::string ckpt = configured("ckpt_path", "");
   std::vector<Item> from_checkpoint;
   if (ckpt == "last" || ckpt == "auto") {
     // The run's own last.ckpt, under the default_root_dir configured so far.
-    std::string root = options_.trainer_defaults.default_root_dir;
-    for (const auto* items : {&from_files, &command_line}) {
-      for (const auto& item : *items) {
-        if (item.key == "trainer.default_root_dir") root = item.text;
-      }
-    }
+    const std::string root =
+        configured("trainer.default_root_dir", options_.trainer_defaults.default_root_dir);
     ckpt = (fs::path(root.empty() ? "." : root) / "checkpoints" / "last.ckpt").string();
   }
   if (!ckpt.empty()) {

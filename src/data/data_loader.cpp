@@ -231,12 +231,9 @@ void DatasetLoader::start_workers(int64_t first) {
     prefetcher_ = std::make_unique<detail::Prefetcher>(
         options_.num_workers, options_.num_workers * options_.prefetch_factor);
   }
-  int64_t n = order_.size(0);
-  const int64_t b = options_.batch_size;
-  const int64_t batches = options_.drop_last ? n / b : (n + b - 1) / b;
   prefetcher_->start([this, order = order_, seed = seed_, epoch = epoch()](int64_t index) {
     return load_batch(order, seed, epoch, index);
-  }, first, batches);
+  }, first, *num_batches());
   workers_started_ = true;
 }
 

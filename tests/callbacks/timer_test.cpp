@@ -27,14 +27,20 @@ fulgur::Timer* timer_of(const fulgur::Trainer& trainer) {
   return nullptr;
 }
 
+// A model whose every step takes at least 20 ms.
+struct SlowModel : LinearRegression {
+  SlowModel() {
+    train_hook = [](LinearRegression&, fulgur::Batch&, int64_t) {
+      std::this_thread::sleep_for(20ms);
+    };
+  }
+};
+
 // Each step takes at least 20 ms; max_time is 50 ms: fit stops after the
 // step that crosses it, far before its 100 steps, and saves its checkpoint.
 TEST(Timer, MaxTimeStopsFitWithACheckpoint) {
   TempDir dir;
-  LinearRegression model;
-  model.train_hook = [](LinearRegression&, fulgur::Batch&, int64_t) {
-    std::this_thread::sleep_for(20ms);
-  };
+  SlowModel model;
   auto options = test_options(dir);
   options.max_time = 50ms;
   options.enable_checkpointing = true;
@@ -54,10 +60,7 @@ TEST(Timer, MaxTimeStopsFitWithACheckpoint) {
 // nothing, instead of failing the run for a missing val_loss.
 TEST(Timer, AStopBeforeTheValidationKeepsLastCkptWithAMonitoredCheckpoint) {
   TempDir dir;
-  LinearRegression model;
-  model.train_hook = [](LinearRegression&, fulgur::Batch&, int64_t) {
-    std::this_thread::sleep_for(20ms);
-  };
+  SlowModel model;
   auto options = test_options(dir);
   options.max_time = 50ms;
   options.num_sanity_val_steps = 0;

@@ -54,6 +54,8 @@ class ProgressBar : public Callback {
   };
   // Draws `bar` for `label` (redrawn on a terminal; `final` ends the line).
   void draw(Trainer& trainer, Bar& bar, const char* label, int64_t total, bool final);
+  // The training epoch's bar.
+  void draw_epoch(Trainer& trainer, bool final);
   // Counts a batch of an evaluation stage and draws at the refresh rate.
   void evaluation_batch(Trainer& trainer, const char* label);
 
