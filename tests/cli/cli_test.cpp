@@ -335,3 +335,18 @@ TEST(CLI, ALoggerNamedTwiceIsRefused) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(CLI, AConfigThatCannotBeWrittenNamesThePath) {
+  TempDir dir;
+  fulgur::test::write_text(dir.file("file"), "x");
+  Program p(fulgur::test::test_options(dir));
+  ASSERT_TRUE(p.parse({"--default_root_dir", dir.file("file") + "/run"}));
+  fulgur::Trainer trainer(p.cli.trainer_options());
+  fulgur::test::LinearRegression model;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(model, fulgur::test::regression_loader(2)),
+                     {"cannot write the run's config", dir.file("file") + "/run/config.yaml"});
+}
+
+}  // namespace
