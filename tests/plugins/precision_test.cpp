@@ -44,6 +44,19 @@ struct DtypeProbe : fulgur::Module {
   fulgur::OptimizerConfig configure_optimizers() override {
     return {std::make_shared<torch::optim::SGD>(parameters(), 0.05)};
   }
+  // Whether the last epoch's mean loss is below the first's. Single batches
+  // are too noisy to compare: the first and the last batch of a run hold
+  // different samples, and from some starts the last one's loss was higher
+  // while the epochs' means fell (seen in CI on LibTorch 2.6).
+  [[nodiscard]] bool loss_fell(size_t batches_per_epoch) const {
+    if (losses.size() < 2 * batches_per_epoch) return false;
+    auto mean = [&](size_t first) {
+      float sum = 0;
+      for (size_t i = first; i < first + batches_per_epoch; ++i) sum += losses[i];
+      return sum / static_cast<float>(batches_per_epoch);
+    };
+    return mean(losses.size() - batches_per_epoch) < mean(0);
+  }
 };
 
 fulgur::TrainerOptions options_with(const TempDir& dir, fulgur::PrecisionFlag precision) {
@@ -75,6 +88,7 @@ TEST(Precision, LegacySpellingsMeanWhatLightningMeans) {
 
 TEST(Precision, Bf16MixedRunsMatmulsInBf16AndKeepsFloat32Parameters) {
   TempDir dir;
+  torch::manual_seed(3);
   DtypeProbe model;
   fulgur::Trainer trainer(options_with(dir, "bf16-mixed"));
   trainer.fit(model, fulgur::test::regression_loader(4));
@@ -82,7 +96,7 @@ TEST(Precision, Bf16MixedRunsMatmulsInBf16AndKeepsFloat32Parameters) {
   EXPECT_EQ(model.output_dtype, torch::kBFloat16);  // autocast ran the linear in bf16
   EXPECT_EQ(model.weight_dtype, torch::kFloat);     // master weights stay float32
   for (const auto& p : model.parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat);
-  EXPECT_LT(model.losses.back(), model.losses.front());
+  EXPECT_TRUE(model.loss_fell(4));
   // Autocast is off again outside the step.
   EXPECT_EQ(model.fc(torch::ones({1, 3})).scalar_type(), torch::kFloat);
 }
@@ -104,8 +118,6 @@ TEST(Precision, AutocastScopeNestsAndRestores) {
 
 TEST(Precision, SixtyFourTrueTrainsInFloat64) {
   TempDir dir;
-  // Seeded: from an unseeded start the few steps of the loader raised the
-  // loss about once in a few hundred runs (seen in CI here).
   torch::manual_seed(3);
   DtypeProbe model;
   fulgur::Trainer trainer(options_with(dir, 64));
@@ -115,7 +127,7 @@ TEST(Precision, SixtyFourTrueTrainsInFloat64) {
   EXPECT_EQ(model.weight_dtype, torch::kDouble);
   EXPECT_EQ(model.output_dtype, torch::kDouble);
   for (const auto& p : model.parameters()) EXPECT_EQ(p.scalar_type(), torch::kDouble);
-  EXPECT_LT(model.losses.back(), model.losses.front());
+  EXPECT_TRUE(model.loss_fell(4));
 }
 
 TEST(Precision, TruePrecisionLeavesIntegerInputsAlone) {
@@ -148,6 +160,7 @@ TEST(Precision, HalfPrecisionsOnTheCpuSuggestBf16) {
 TEST(Precision, Bf16MixedTrainsOnCuda_CUDA) {
   FULGUR_SKIP_UNLESS_CUDA(1);
   TempDir dir;
+  torch::manual_seed(3);
   DtypeProbe model;
   auto options = options_with(dir, "bf16-mixed");
   options.accelerator = "cuda";
@@ -155,12 +168,13 @@ TEST(Precision, Bf16MixedTrainsOnCuda_CUDA) {
   trainer.fit(model, fulgur::test::regression_loader(4));
   EXPECT_EQ(model.output_dtype, torch::kBFloat16);
   EXPECT_EQ(model.weight_dtype, torch::kFloat);
-  EXPECT_LT(model.losses.back(), model.losses.front());
+  EXPECT_TRUE(model.loss_fell(4));
 }
 
 TEST(Precision, HalfMixedTrainsOnCuda_CUDA) {
   FULGUR_SKIP_UNLESS_CUDA(1);
   TempDir dir;
+  torch::manual_seed(3);
   DtypeProbe model;
   auto options = options_with(dir, "16-mixed");
   options.accelerator = "cuda";
