@@ -15,7 +15,9 @@
 namespace fulgur {
 
 DDPStrategy::DDPStrategy(DDPOptions options, std::string name)
-    : options_(std::move(options)), name_(std::move(name)) {
+    : ParallelStrategy(options.parallel, "DDPStrategy"),
+      options_(std::move(options)),
+      name_(std::move(name)) {
   if (!options_.start_method.is_valid()) {
     throw ConfigError(str("DDPStrategy: start_method=\"", options_.start_method.text(),
                           "\" is not one "
@@ -26,21 +28,11 @@ DDPStrategy::DDPStrategy(DDPOptions options, std::string name)
     throw ConfigError(
         str("DDPStrategy: bucket_cap_mb=", options_.bucket_cap_mb, " must be > 0 (default 25)."));
   }
-  const auto& backend = options_.process_group_backend;
-  const auto& known = known_process_group_backends();
-  if (!backend.empty() && std::find(known.begin(), known.end(), backend) == known.end()) {
-    throw ConfigError(str("DDPStrategy: process_group_backend=\"", backend, "\" is not one of ",
-                          join(known), " (or empty: nccl on CUDA, else gloo)."));
-  }
-  set_process_group_timeout(options_.process_group_timeout);
-  set_process_group_backend(backend);
 }
 
 DDPStrategy::~DDPStrategy() = default;
 
-void DDPStrategy::configure_launcher() {
-  configure_launcher_for(options_.start_method.value(), options_.stop_grace);
-}
+void DDPStrategy::configure_launcher() { configure_launcher_for(options_.start_method.value()); }
 
 namespace {
 
@@ -206,10 +198,7 @@ std::string DDPStrategy::describe_options(const DDPOptions& o) {
              ", find_unused_parameters=", o.find_unused_parameters ? "true" : "false",
              ", bucket_cap_mb=", o.bucket_cap_mb,
              ", broadcast_buffers=", o.broadcast_buffers ? "true" : "false",
-             ", process_group_timeout=", o.process_group_timeout.count() / 1000, "s",
-             ", process_group_backend=",
-             o.process_group_backend.empty() ? "auto" : o.process_group_backend,
-             ", stop_grace=", o.stop_grace.count() / 1000, "s");
+             describe_parallel_options(o.parallel));
 }
 
 void DDPStrategy::register_strategies(StrategyRegistry& registry) {

@@ -93,13 +93,9 @@ ManualStrategy::Manifest ManualStrategy::read_manifest(const std::string& path) 
 }
 
 ManualStrategy::ManualStrategy(ManualOptions options, std::string name)
-    : options_(options), name_(std::move(name)) {
-  set_process_group_timeout(options_.process_group_timeout);
-}
+    : ParallelStrategy(std::move(options), "ManualStrategy"), name_(std::move(name)) {}
 
-void ManualStrategy::configure_launcher() {
-  configure_launcher_for(StartMethod::kPopen, options_.stop_grace);
-}
+void ManualStrategy::configure_launcher() { configure_launcher_for(StartMethod::kPopen); }
 
 std::string ManualStrategy::shard_path(const std::string& path, int rank, int world_size) {
   return (fs::path(path) / str("rank-", rank, "-of-", world_size, ".ckpt")).string();
@@ -228,7 +224,7 @@ void ManualStrategy::register_strategies(StrategyRegistry& registry) {
       "Parallelism in the Module: processes, ranks, process group and collectives "
       "from fulgur; placement, wrapping and gradients by the Module; per-rank checkpoints",
       [] { return std::make_unique<ManualStrategy>(); },
-      "start_method=popen, process_group_timeout=1800s, stop_grace=5s");
+      "start_method=popen" + describe_parallel_options(ManualOptions{}));
 }
 
 }  // namespace fulgur

@@ -11,7 +11,23 @@
 
 namespace fulgur {
 
-ParallelStrategy::ParallelStrategy() = default;
+ParallelStrategy::ParallelStrategy(ParallelOptions options, std::string_view owner)
+    : parallel_(std::move(options)) {
+  const auto& backend = parallel_.process_group_backend;
+  const auto& known = known_process_group_backends();
+  if (!backend.empty() && std::find(known.begin(), known.end(), backend) == known.end()) {
+    throw ConfigError(str(owner, ": process_group_backend=\"", backend, "\" is not one of ",
+                          join(known), " (or empty: nccl on CUDA, else gloo)."));
+  }
+}
+
+std::string describe_parallel_options(const ParallelOptions& o) {
+  return str(", process_group_timeout=", o.process_group_timeout.count() / 1000, "s",
+             ", process_group_backend=",
+             o.process_group_backend.empty() ? "auto" : o.process_group_backend,
+             ", stop_grace=", o.stop_grace.count() / 1000, "s");
+}
+
 ParallelStrategy::~ParallelStrategy() = default;
 
 int ParallelStrategy::global_rank() const { return cluster_environment().global_rank(); }
@@ -61,7 +77,7 @@ void ParallelStrategy::do_setup_environment() {
   options.hosted_store_prefix = cluster_environment().hosted_store_prefix();
   options.world_size = world_size();
   options.rank = global_rank();
-  options.timeout = timeout_;
+  options.timeout = parallel_.process_group_timeout;
   options.backend = process_group_backend();
   options.device = root_device();
   if (options.main_port == 0 && options.backend != "mpi") {  // MPI connects without a store
@@ -86,8 +102,9 @@ c10::Device device_of_the_node(const std::vector<c10::Device>& devices) {
 }  // namespace
 
 std::string ParallelStrategy::process_group_backend() const {
-  return backend_.empty() ? default_process_group_backend(device_of_the_node(parallel_devices()))
-                          : backend_;
+  const auto& backend = parallel_.process_group_backend;
+  return backend.empty() ? default_process_group_backend(device_of_the_node(parallel_devices()))
+                         : backend;
 }
 
 void ParallelStrategy::explain_choices(std::vector<std::string>& notes) const {
@@ -95,9 +112,9 @@ void ParallelStrategy::explain_choices(std::vector<std::string>& notes) const {
   const std::string backend = process_group_backend();
   if (auto problem = process_group_backend_problem(backend, device); !problem.empty()) {
     throw ConfigError(
-        str("strategy \"", name(), "\" with process_group_backend=\"", backend_, "\": ", problem));
+        str("strategy \"", name(), "\" with process_group_backend=\"", backend, "\": ", problem));
   }
-  if (backend_.empty()) {
+  if (parallel_.process_group_backend.empty()) {
     notes.push_back(str("process_group_backend=", backend,
                         " because process_group_backend=auto "
                         "and the devices are ",
@@ -125,8 +142,7 @@ void ParallelStrategy::set_process_group(std::shared_ptr<ProcessGroup> group) {
   group_ = std::move(group);
 }
 
-void ParallelStrategy::configure_launcher_for(StartMethod start_method,
-                                              std::chrono::milliseconds stop_grace) {
+void ParallelStrategy::configure_launcher_for(StartMethod start_method) {
   if (cluster_environment().creates_processes_externally()) return;  // torchrun, srun, ...
   const int local_world = static_cast<int>(std::max<size_t>(parallel_devices().size(), 1));
   cluster_environment().set_global_rank(node_rank() * local_world + local_rank());
@@ -141,7 +157,7 @@ void ParallelStrategy::configure_launcher_for(StartMethod start_method,
                           "strategy \"ddp\" (the program is re-executed once per rank), or "
                           "torchrun / srun / mpirun."));
   }
-  Supervision supervision{stop_grace, process_group_timeout()};
+  Supervision supervision{parallel_.stop_grace, parallel_.process_group_timeout};
   if (start_method == StartMethod::kFork) {
     set_launcher(std::make_unique<ForkLauncher>(*this, supervision));
   } else {

@@ -459,12 +459,12 @@ int main(int argc, char** argv) {
       auto probe = fulgur::strategy_registry().create(a.strategy);
       auto* ddp = dynamic_cast<fulgur::DDPStrategy*>(probe.get());
       fulgur::DDPOptions ddp_options = ddp->options();
-      ddp_options.process_group_timeout =
+      ddp_options.parallel.process_group_timeout =
           std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
       ddp_options.bucket_cap_mb = a.bucket_mb;
       ddp_options.broadcast_buffers = a.broadcast_buffers;
       if (!a.process_group_backend.empty()) {
-        ddp_options.process_group_backend = a.process_group_backend;
+        ddp_options.parallel.process_group_backend = a.process_group_backend;
       }
       options.strategy = std::make_shared<fulgur::DDPStrategy>(ddp_options, a.strategy);
     } else {

@@ -87,6 +87,23 @@ TEST(ManualStrategy, ResolvesWithItsLauncherWithoutAModule) {
   EXPECT_EQ(result.resolution.world_size, 2);
 }
 
+// ManualOptions is DDP's ParallelOptions: the same backend choice and checks.
+TEST(ManualStrategy, TakesTheProcessGroupOptionsDdpTakes) {
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::ManualStrategy(fulgur::ManualOptions{.process_group_backend = "glo"}),
+                     {"ManualStrategy: process_group_backend=\"glo\" is not one of gloo"});
+  auto manual = std::make_shared<fulgur::ManualStrategy>(fulgur::ManualOptions{
+      .process_group_timeout = std::chrono::seconds(7), .process_group_backend = "gloo"});
+  EXPECT_EQ(manual->process_group_timeout(), std::chrono::seconds(7));
+  auto result = fulgur::connect(
+      fulgur::TrainerOptions{.accelerator = "cpu", .strategy = manual, .devices = 2},
+      fulgur::EnvView(std::map<std::string, std::string>{}));
+  EXPECT_EQ(manual->process_group_backend(), "gloo");
+  // Chosen, not defaulted: no note explains it.
+  EXPECT_EQ(fulgur::join(result.resolution.notes, "\n").find("process_group_backend="),
+            std::string::npos);
+}
+
 TEST(ManualStrategy, CheckpointIsADirectoryOfShardsWithAManifest) {
   TempDir dir;
   MoveRecorder model;

@@ -47,11 +47,8 @@ struct DDPOptions {
   /// and a checkpoint holds the statistics every rank used. One broadcast
   /// per buffer dtype; nothing for a module without buffers.
   bool broadcast_buffers = true;
-  std::chrono::milliseconds process_group_timeout = std::chrono::minutes(30);
-  /// "gloo", "nccl" or "mpi"; empty: nccl on CUDA where available, else gloo.
-  std::string process_group_backend;
-  /// Between SIGTERM and SIGKILL when the launcher stops ranks.
-  std::chrono::milliseconds stop_grace = std::chrono::seconds(5);
+  /// The process group's timeout and backend, and the launcher's stop grace.
+  ParallelOptions parallel;
 };
 
 class DDPStrategy : public ParallelStrategy {

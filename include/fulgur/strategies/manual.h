@@ -27,18 +27,16 @@
 
 namespace fulgur {
 
-struct ManualOptions {
-  std::chrono::milliseconds process_group_timeout = std::chrono::minutes(30);
-  /// Between SIGTERM and SIGKILL when the launcher stops ranks.
-  std::chrono::milliseconds stop_grace = std::chrono::seconds(5);
-};
+/// The process group's timeout and backend, and the launcher's stop grace:
+/// all `manual` has to choose (it always re-executes the program per rank).
+using ManualOptions = ParallelOptions;
 
 class ManualStrategy : public ParallelStrategy {
  public:
   explicit ManualStrategy(ManualOptions options = {}, std::string name = "manual");
 
   std::string_view name() const override { return name_; }
-  const ManualOptions& options() const { return options_; }
+  const ManualOptions& options() const { return parallel_options(); }
   void configure_launcher() override;
   std::string sync_batchnorm_unsupported_reason() const override {
     return "under manual the Module connects its fulgur::nn::SyncBatchNorm layers itself, with "
@@ -80,7 +78,6 @@ class ManualStrategy : public ParallelStrategy {
   void do_setup(Module& /*module*/) override {}
 
  private:
-  ManualOptions options_;
   std::string name_;
 };
 

@@ -28,10 +28,28 @@ struct ChoiceNames<StartMethod> {
 
 class ProcessGroup;
 
+/// What every strategy that runs several processes shares: its process
+/// group and how its launcher stops the ranks. DDPOptions::parallel,
+/// ManualOptions (the same struct) and the sharded strategies take it.
+struct ParallelOptions {
+  /// Bounds the rendezvous and every collective.
+  std::chrono::milliseconds process_group_timeout = std::chrono::minutes(30);
+  /// "gloo", "nccl" or "mpi"; empty: nccl on CUDA where available, else gloo.
+  std::string process_group_backend;
+  /// Between SIGTERM and SIGKILL when the launcher stops ranks.
+  std::chrono::milliseconds stop_grace = std::chrono::seconds(5);
+};
+/// ", process_group_timeout=1800s, process_group_backend=auto, stop_grace=5s".
+std::string describe_parallel_options(const ParallelOptions& options);
+
 class ParallelStrategy : public Strategy {
  public:
-  ParallelStrategy();
+  /// ConfigError naming `owner` ("DDPStrategy") for a backend that is not
+  /// one of known_process_group_backends().
+  explicit ParallelStrategy(ParallelOptions options = {},
+                            std::string_view owner = "ParallelStrategy");
   ~ParallelStrategy() override;
+  const ParallelOptions& parallel_options() const { return parallel_; }
 
   // Ranks: from the cluster environment when it created the processes (or
   // a launcher set them), else what the launcher will create.
@@ -59,7 +77,9 @@ class ParallelStrategy : public Strategy {
 
   /// "gloo", "nccl" or "mpi"; empty (the default): nccl on CUDA devices
   /// where this build has it, else gloo.
-  void set_process_group_backend(std::string backend) { backend_ = std::move(backend); }
+  void set_process_group_backend(std::string backend) {
+    parallel_.process_group_backend = std::move(backend);
+  }
   /// The backend setup_environment() uses (the default resolved).
   std::string process_group_backend() const;
   /// Notes the process group backend when it was left to the default;
@@ -67,8 +87,12 @@ class ParallelStrategy : public Strategy {
   void explain_choices(std::vector<std::string>& notes) const override;
 
   /// Bounds the rendezvous and every collective (default 30 minutes).
-  void set_process_group_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
-  std::chrono::milliseconds process_group_timeout() const { return timeout_; }
+  void set_process_group_timeout(std::chrono::milliseconds timeout) {
+    parallel_.process_group_timeout = timeout;
+  }
+  std::chrono::milliseconds process_group_timeout() const {
+    return parallel_.process_group_timeout;
+  }
 
   /// Called by a launcher in the process of one rank it created.
   void assign_rank(int local_rank, int global_rank, int world_size);
@@ -82,14 +106,14 @@ class ParallelStrategy : public Strategy {
   /// Unless the cluster environment created the processes: this process
   /// stands for local rank 0 of its node (as PyTorch Lightning's launching
   /// process does) and, with several devices, gets a fork or
-  /// subprocess-script launcher; with one device it runs in place.
-  void configure_launcher_for(StartMethod start_method, std::chrono::milliseconds stop_grace);
+  /// subprocess-script launcher (stopping ranks with
+  /// ParallelOptions::stop_grace); with one device it runs in place.
+  void configure_launcher_for(StartMethod start_method);
   void do_teardown() override;
 
  private:
   std::shared_ptr<ProcessGroup> group_;
-  std::chrono::milliseconds timeout_ = std::chrono::minutes(30);
-  std::string backend_;
+  ParallelOptions parallel_;
   std::optional<int> main_port_;
 };
 

@@ -126,7 +126,7 @@ TEST(AcceleratorConnector, SeveralDevicesChooseDdpWithItsLauncher) {
 TEST(AcceleratorConnector, AProcessGroupBackendThatCannotRunHereIsAFlagError) {
   auto ddp = [](const std::string& backend) {
     fulgur::DDPOptions options;
-    options.process_group_backend = backend;
+    options.parallel.process_group_backend = backend;
     return std::make_shared<fulgur::DDPStrategy>(options);
   };
   // nccl on CPU devices: not in this build (Debian's LibTorch), or not on CPU.
@@ -153,7 +153,7 @@ TEST(AcceleratorConnector, AProcessGroupBackendThatCannotRunHereIsAFlagError) {
 // flag error naming the build where it has not (Debian 12's).
 TEST(AcceleratorConnector, TheMpiBackendResolvesExactlyWhereTheBuildHasIt) {
   fulgur::DDPOptions options;
-  options.process_group_backend = "mpi";
+  options.parallel.process_group_backend = "mpi";
   auto flags = [&] {
     return TrainerOptions{.accelerator = "cpu",
                           .strategy = std::make_shared<fulgur::DDPStrategy>(options),
