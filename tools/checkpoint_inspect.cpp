@@ -9,7 +9,7 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
-#include "fulgur/strategies/manual.h"
+#include "fulgur/strategies/checkpoint_layout.h"
 
 namespace fulgur_cli {
 
@@ -187,9 +187,9 @@ int inspect_checkpoint(const std::string& path, std::ostream& out) {
       return 0;
     }
     // A directory of per-rank shards (strategy "manual").
-    const auto manifest = fulgur::ManualStrategy::read_manifest(path);
+    const auto manifest = fulgur::ShardedCheckpoint::read_manifest(path);
     out << "per-rank checkpoint: " << manifest.world_size << " shard(s), "
-        << fulgur::ManualStrategy::kManifest << " verified\n";
+        << fulgur::ShardedCheckpoint::kManifest << " verified\n";
     bool all = true;
     for (const auto& shard : manifest.shards) {
       all = print_file_check((fs::path(path) / shard).string(), str("shard ", shard), out) && all;

@@ -46,6 +46,7 @@
 #include "fulgur/plugins/precision/grad_scaler.h"
 #include "fulgur/plugins/precision/half.h"
 #include "fulgur/plugins/precision/precision.h"
+#include "fulgur/strategies/checkpoint_layout.h"
 #include "fulgur/strategies/ddp.h"
 #include "fulgur/strategies/gradient_reducer.h"
 #include "fulgur/strategies/launchers/fork.h"

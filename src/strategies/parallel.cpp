@@ -196,12 +196,4 @@ at::Tensor ParallelStrategy::all_gather(const at::Tensor& tensor) {
   return process_group().all_gather(tensor);
 }
 
-bool ParallelStrategy::reduce_boolean_decision(bool decision, bool all) {
-  at::Tensor t = torch::tensor({decision ? 1 : 0}, torch::kInt);
-  process_group().all_reduce_(t, all ? ReduceOp::Min : ReduceOp::Max);
-  return t.item<int>() != 0;
-}
-
-void ParallelStrategy::heartbeat(const char* what) { detail::send_heartbeat(what); }
-
 }  // namespace fulgur

@@ -16,7 +16,6 @@ at::Tensor SingleDeviceStrategy::all_reduce(const at::Tensor& tensor, ReduceOp) 
 at::Tensor SingleDeviceStrategy::all_gather(const at::Tensor& tensor) {
   return tensor.unsqueeze(0);
 }
-bool SingleDeviceStrategy::reduce_boolean_decision(bool decision, bool) { return decision; }
 
 void SingleDeviceStrategy::register_strategies(StrategyRegistry& registry) {
   registry.add("single_device", "One process on one device",

@@ -11,10 +11,12 @@
 #include "fulgur/plugins/environments/lightning.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 #include "fulgur/plugins/precision/precision.h"
+#include "fulgur/strategies/checkpoint_layout.h"
 #include "fulgur/strategies/launchers/launcher.h"
 #include "fulgur/strategies/ddp.h"
 #include "fulgur/strategies/manual.h"
 #include "fulgur/strategies/single_device.h"
+#include "strategies/launchers/heartbeat.h"
 
 namespace fulgur {
 
@@ -28,7 +30,7 @@ const char* to_string(ReduceOp op) {
   return "?";
 }
 
-Strategy::Strategy() = default;
+Strategy::Strategy() : checkpoint_layout_(std::make_shared<SingleFileCheckpoint>()) {}
 Strategy::~Strategy() = default;
 
 void Strategy::set_accelerator(std::shared_ptr<Accelerator> accelerator) {
@@ -55,6 +57,15 @@ Precision& Strategy::precision() {
 
 void Strategy::set_checkpoint_io(std::shared_ptr<CheckpointIO> io) {
   checkpoint_io_ = std::move(io);
+}
+
+void Strategy::set_checkpoint_layout(std::shared_ptr<CheckpointLayout> layout) {
+  if (!layout) {
+    throw ConfigError(str("strategy \"", name(),
+                          "\".set_checkpoint_layout(nullptr): pass a layout "
+                          "(SingleFileCheckpoint, ShardedCheckpoint)."));
+  }
+  checkpoint_layout_ = std::move(layout);
 }
 
 CheckpointIO& Strategy::checkpoint_io() {
@@ -175,18 +186,29 @@ bool Strategy::optimizer_step(torch::optim::Optimizer& optimizer, Module&) {
   return precision().optimizer_step(optimizer);
 }
 
+void Strategy::heartbeat(const char* what) { detail::send_heartbeat(what); }
+
+bool Strategy::reduce_boolean_decision(bool decision, bool all) {
+  if (world_size() <= 1) return decision;
+  at::Tensor t = torch::tensor({decision ? 1 : 0}, torch::kInt);
+  t = all_reduce(t, all ? ReduceOp::Min : ReduceOp::Max);
+  return t.item<int>() != 0;
+}
+
+bool Strategy::is_checkpoint_writer() const { return checkpoint_layout_->is_writer(*this); }
+
 void Strategy::save_checkpoint(torch::serialize::OutputArchive& checkpoint,
                                const std::string& path) {
-  if (is_checkpoint_writer()) checkpoint_io().save_checkpoint(checkpoint, path);
+  checkpoint_layout_->save(*this, checkpoint, path);
 }
 
 void Strategy::load_checkpoint(const std::string& path,
                                torch::serialize::InputArchive& checkpoint) {
-  checkpoint_io().load_checkpoint(path, checkpoint);
+  checkpoint_layout_->load(*this, path, checkpoint);
 }
 
 void Strategy::remove_checkpoint(const std::string& path) {
-  if (is_checkpoint_writer()) checkpoint_io().remove_checkpoint(path);
+  checkpoint_layout_->remove(*this, path);
 }
 
 void Strategy::raise_checkpoint_errors() {
@@ -198,11 +220,11 @@ void Strategy::wait_for_checkpoints() {
 }
 
 std::string Strategy::verify_checkpoint(const std::string& path) {
-  return checkpoint_io().verify(path);
+  return checkpoint_layout_->verify(*this, path);
 }
 
 void Strategy::remove_stale_checkpoint_files(const std::string& dir) {
-  if (is_checkpoint_writer()) checkpoint_io().remove_stale_files(dir);
+  checkpoint_layout_->remove_stale_files(*this, dir);
 }
 
 void Strategy::save_module_state(Module& module, torch::serialize::OutputArchive& archive) {
@@ -274,6 +296,7 @@ std::string Strategy::describe() const {
              "accelerator: ", has_accelerator() ? std::string(accelerator().name()) : "none", "\n",
              "precision: ", self->precision().name(), "\n",
              "checkpoint_io: ", self->checkpoint_io().name(), "\n",
+             "checkpoint_layout: ", checkpoint_layout_->name(), "\n",
              "cluster_environment: ", self->cluster_environment().name(), "\n",
              "launcher: ", launcher_ ? std::string(launcher_->name()) : "none", "\n",
              "num_nodes: ", num_nodes_, "\n", "parallel_devices: [", join(devices), "]\n",

@@ -60,7 +60,7 @@ class DDPStrategy : public ParallelStrategy {
   const DDPOptions& options() const { return options_; }
   void configure_launcher() override;
   /// fulgur::nn::SyncBatchNorm layers reduce their statistics across ranks.
-  bool supports_sync_batchnorm() const override { return true; }
+  std::string sync_batchnorm_unsupported_reason() const override { return {}; }
 
   /// Broadcasts rank 0's buffers (broadcast_buffers), then the step.
   at::Tensor training_step(Module& module, Batch& batch, int64_t batch_idx) override;

@@ -11,10 +11,11 @@
 // fulgur::GradientReducer on a replicated sub-module) and normalises its own
 // gradients. Batches are moved to root_device(); the Module may move them on.
 //
-// Checkpoints are written by every rank: `<path>/rank-<k>-of-<n>.ckpt`, then
-// `<path>/manifest.txt` by rank 0 once every shard is complete. Loading needs
-// the same world size, and names the saved and current sizes otherwise.
-// Several nodes need a filesystem all ranks share for `<path>`.
+// Checkpoints are sharded (ShardedCheckpoint): every rank writes
+// `<path>/rank-<k>-of-<n>.ckpt`, then rank 0 `<path>/manifest.txt` once every
+// shard is complete. Loading needs the same world size, and names the saved
+// and current sizes otherwise. Several nodes need a filesystem all ranks
+// share for `<path>`.
 //
 //   fulgur::Trainer trainer({.strategy = "manual", .devices = 2});
 #pragma once
@@ -42,34 +43,6 @@ class ManualStrategy : public ParallelStrategy {
     return "under manual the Module connects its fulgur::nn::SyncBatchNorm layers itself, with "
            "set_all_reduce";
   }
-
-  /// Every rank writes its own shard.
-  bool is_checkpoint_writer() const override { return true; }
-  void save_checkpoint(torch::serialize::OutputArchive& checkpoint,
-                       const std::string& path) override;
-  /// Throws CheckpointError naming the saved and current world sizes, or the
-  /// missing shards, or an unfinished save (no manifest).
-  void load_checkpoint(const std::string& path,
-                       torch::serialize::InputArchive& checkpoint) override;
-  void remove_checkpoint(const std::string& path) override;
-  /// The manifest and every shard it lists (any world size).
-  std::string verify_checkpoint(const std::string& path) override;
-  /// In each checkpoint directory under `dir`: the local rank 0 of every
-  /// node removes its host's dead writers' temporary files.
-  void remove_stale_checkpoint_files(const std::string& dir) override;
-
-  /// What a checkpoint directory's manifest lists: its world size and the
-  /// shards' file names. CheckpointError when the manifest is missing,
-  /// damaged or fails its CRC32C.
-  struct Manifest {
-    int world_size = 0;
-    std::vector<std::string> shards;
-  };
-  static Manifest read_manifest(const std::string& path);
-
-  /// `<path>/rank-<k>-of-<n>.ckpt`.
-  static std::string shard_path(const std::string& path, int rank, int world_size);
-  static constexpr const char* kManifest = "manifest.txt";
 
   static void register_strategies(StrategyRegistry& registry);
 

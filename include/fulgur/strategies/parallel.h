@@ -65,8 +65,6 @@ class ParallelStrategy : public Strategy {
   std::string broadcast_bytes(const std::string& value, int src = 0) override;
   at::Tensor all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Mean) override;
   at::Tensor all_gather(const at::Tensor& tensor) override;
-  bool reduce_boolean_decision(bool decision, bool all = true) override;
-  void heartbeat(const char* what) override;
 
   /// The group of all ranks; DistributedError before setup_environment().
   ProcessGroup& process_group() const;

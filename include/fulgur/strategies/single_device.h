@@ -27,7 +27,6 @@ class SingleDeviceStrategy : public Strategy {
   std::string broadcast_bytes(const std::string& value, int /*src*/ = 0) override { return value; }
   at::Tensor all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Mean) override;
   at::Tensor all_gather(const at::Tensor& tensor) override;
-  bool reduce_boolean_decision(bool decision, bool all = true) override;
 
   /// Registers "single_device".
   static void register_strategies(StrategyRegistry& registry);

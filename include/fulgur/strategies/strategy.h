@@ -1,8 +1,9 @@
 // File: fulgur/strategies/strategy.h
 //
 // The Strategy is the hub between the Trainer and the hardware. It owns the
-// Accelerator, the Precision plugin, the CheckpointIO, the ClusterEnvironment,
-// the parallel devices and the Launcher; it knows the ranks, places (and for
+// Accelerator, the Precision plugin, the CheckpointIO and the CheckpointLayout
+// (which ranks write which files), the ClusterEnvironment, the parallel
+// devices and the Launcher; it knows the ranks, places (and for
 // parallel strategies wraps) the module, runs backward and optimizer steps
 // through its precision, moves batches to the device, provides collectives,
 // and decides which ranks touch checkpoint files. The Trainer reaches every
@@ -46,6 +47,7 @@ namespace fulgur {
 
 class Accelerator;
 class CheckpointIO;
+class CheckpointLayout;
 class ClusterEnvironment;
 class Launcher;
 class Module;
@@ -77,6 +79,9 @@ class Strategy {
   void set_checkpoint_io(std::shared_ptr<CheckpointIO> io);
   bool has_checkpoint_io() const { return checkpoint_io_ != nullptr; }
   CheckpointIO& checkpoint_io();
+  /// Default: SingleFileCheckpoint (global rank 0 writes one file).
+  void set_checkpoint_layout(std::shared_ptr<CheckpointLayout> layout);
+  CheckpointLayout& checkpoint_layout() const { return *checkpoint_layout_; }
   void set_cluster_environment(std::shared_ptr<ClusterEnvironment> env);
   bool has_cluster_environment() const { return cluster_environment_ != nullptr; }
   ClusterEnvironment& cluster_environment();
@@ -85,12 +90,12 @@ class Strategy {
   const std::vector<c10::Device>& parallel_devices() const { return parallel_devices_; }
   void set_num_nodes(int num_nodes) { num_nodes_ = num_nodes; }
   int num_nodes() const { return num_nodes_; }
-  /// Whether this strategy can synchronise BatchNorm statistics across
-  /// ranks (the connector rejects sync_batchnorm=true otherwise).
-  virtual bool supports_sync_batchnorm() const { return false; }
-  /// Why not, when supports_sync_batchnorm() is false ("one process has no
-  /// peers"), for the connector's message; empty when it has nothing to add.
-  virtual std::string sync_batchnorm_unsupported_reason() const { return {}; }
+  /// Empty when this strategy synchronises BatchNorm statistics across
+  /// ranks; otherwise why not ("one process has no peers"), for the
+  /// connector's message rejecting sync_batchnorm=true.
+  virtual std::string sync_batchnorm_unsupported_reason() const {
+    return "a strategy that can says so with an empty sync_batchnorm_unsupported_reason()";
+  }
   /// The most processes it runs (1: one device on one node); 0: no limit.
   virtual int max_processes() const { return 0; }
   void set_sync_batchnorm(bool enabled) { sync_batchnorm_ = enabled; }
@@ -152,8 +157,8 @@ class Strategy {
   /// optimizer (gradient accumulation): no cross-rank gradient sync.
   virtual void set_gradient_sync(bool /*enabled*/) {}
   /// Progress report to a supervising launcher (once per training batch),
-  /// used to name a rank that hangs. No-op without one.
-  virtual void heartbeat(const char* /*what*/) {}
+  /// used to name a rank that hangs. No-op outside one of fulgur's launchers.
+  void heartbeat(const char* what);
 
   // ---- Collectives. On one process they return their input.
   virtual void barrier(std::string_view name = {}) = 0;
@@ -164,7 +169,8 @@ class Strategy {
   /// Tensors of every rank stacked on a new dimension 0.
   virtual at::Tensor all_gather(const at::Tensor& tensor) = 0;
   /// `all`: true when every rank decided true; otherwise true when any did.
-  virtual bool reduce_boolean_decision(bool decision, bool all = true) = 0;
+  /// One all_reduce (none on one rank).
+  bool reduce_boolean_decision(bool decision, bool all = true);
   /// Whether any rank asked to stop (Trainer::request_stop). Every rank
   /// calls it at the same points of the fit loop: after each training batch
   /// and, with `boundary`, before each epoch and after a validation. At a
@@ -180,21 +186,22 @@ class Strategy {
   /// strategy never reads it back from the Trainer. Default: ignored.
   virtual void vote_to_stop(bool /*stop*/) {}
 
-  // ---- Checkpoints.
+  // ---- Checkpoints, as the checkpoint layout places them (every rank
+  // calls each at the same point).
   /// Whether this rank writes checkpoint files (rank 0 by default).
-  virtual bool is_checkpoint_writer() const { return is_global_zero(); }
-  /// Writes through the CheckpointIO on writer ranks; a no-op elsewhere.
-  virtual void save_checkpoint(torch::serialize::OutputArchive& checkpoint,
-                               const std::string& path);
-  virtual void load_checkpoint(const std::string& path, torch::serialize::InputArchive& checkpoint);
-  virtual void remove_checkpoint(const std::string& path);
+  bool is_checkpoint_writer() const;
+  /// This rank's part of the checkpoint at `path` (a no-op on a rank that
+  /// writes nothing).
+  void save_checkpoint(torch::serialize::OutputArchive& checkpoint, const std::string& path);
+  void load_checkpoint(const std::string& path, torch::serialize::InputArchive& checkpoint);
+  void remove_checkpoint(const std::string& path);
   /// Empty when the checkpoint at `path`, as this strategy writes them (one
   /// file; a directory of shards under `manual`), is complete and verifies;
   /// otherwise what is wrong with it. Reads only.
-  virtual std::string verify_checkpoint(const std::string& path);
+  std::string verify_checkpoint(const std::string& path);
   /// Removes what interrupted saves left in the checkpoint directory `dir`
   /// (never a live writer's file); on the ranks that write checkpoints.
-  virtual void remove_stale_checkpoint_files(const std::string& dir);
+  void remove_stale_checkpoint_files(const std::string& dir);
   /// Throws the error of a checkpoint that failed to write in the
   /// background (an asynchronous checkpoint IO); never blocks. The fit loop
   /// calls it at every step boundary.
@@ -220,6 +227,7 @@ class Strategy {
   std::shared_ptr<Accelerator> accelerator_;
   std::shared_ptr<Precision> precision_;
   std::shared_ptr<CheckpointIO> checkpoint_io_;
+  std::shared_ptr<CheckpointLayout> checkpoint_layout_;
   std::shared_ptr<ClusterEnvironment> cluster_environment_;
   std::unique_ptr<Launcher> launcher_;
   std::vector<c10::Device> parallel_devices_;

@@ -310,11 +310,11 @@ class ConnectorRun {
   }
 
   void check_strategy_can_sync_batchnorm() {
-    if (!options_.sync_batchnorm || !strategy_ || strategy_->supports_sync_batchnorm()) return;
+    if (!options_.sync_batchnorm || !strategy_) return;
     const std::string why = strategy_->sync_batchnorm_unsupported_reason();
+    if (why.empty()) return;
     problems_.add(str("sync_batchnorm=true with strategy=\"", strategy_->name(),
-                      "\", which cannot synchronise BatchNorm statistics",
-                      why.empty() ? std::string() : str(" (", why, ")"),
+                      "\", which cannot synchronise BatchNorm statistics (", why, ")",
                       ". Pass strategy=\"ddp\" with several devices, or drop sync_batchnorm."));
   }
 
@@ -493,7 +493,7 @@ class ConnectorRun {
       return;
     }
     strategy_ = std::shared_ptr<Strategy>(strategies.create(name));
-    if (options_.sync_batchnorm && !strategy_->supports_sync_batchnorm()) {
+    if (options_.sync_batchnorm && !strategy_->sync_batchnorm_unsupported_reason().empty()) {
       problems_.add(str("sync_batchnorm=true, but strategy=auto chose \"", strategy_->name(),
                         "\" (one device on one node), which has no peers to synchronise "
                         "with. Drop sync_batchnorm, or pass devices >= 2."));

@@ -1,0 +1,253 @@
+#include "fulgur/strategies/checkpoint_layout.h"
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/plugins/io/checkpoint_io.h"
+#include "fulgur/strategies/strategy.h"
+#include "fulgur/utilities/checksum.h"
+
+namespace fulgur {
+
+namespace fs = std::filesystem;
+
+CheckpointLayout::~CheckpointLayout() = default;
+
+// ---- One file, written by global rank 0.
+
+bool SingleFileCheckpoint::is_writer(const Strategy& strategy) const {
+  return strategy.is_global_zero();
+}
+
+void SingleFileCheckpoint::save(Strategy& strategy, torch::serialize::OutputArchive& checkpoint,
+                                const std::string& path) {
+  if (is_writer(strategy)) strategy.checkpoint_io().save_checkpoint(checkpoint, path);
+}
+
+void SingleFileCheckpoint::load(Strategy& strategy, const std::string& path,
+                                torch::serialize::InputArchive& checkpoint) {
+  strategy.checkpoint_io().load_checkpoint(path, checkpoint);
+}
+
+void SingleFileCheckpoint::remove(Strategy& strategy, const std::string& path) {
+  if (is_writer(strategy)) strategy.checkpoint_io().remove_checkpoint(path);
+}
+
+std::string SingleFileCheckpoint::verify(Strategy& strategy, const std::string& path) {
+  return strategy.checkpoint_io().verify(path);
+}
+
+void SingleFileCheckpoint::remove_stale_files(Strategy& strategy, const std::string& dir) {
+  if (is_writer(strategy)) strategy.checkpoint_io().remove_stale_files(dir);
+}
+
+// ---- Per-rank shards and a manifest.
+
+namespace {
+
+// v2 ends with a line "crc32c=XXXXXXXX", the CRC32C of every byte before it;
+// v1 (fulgur 0.1) has none and is read unverified.
+constexpr const char* kManifestHeader = "fulgur sharded checkpoint v2";
+constexpr const char* kManifestHeaderV1 = "fulgur sharded checkpoint v1";
+
+std::string hex32(uint32_t value) {
+  char buf[9];
+  std::snprintf(buf, sizeof(buf), "%08x", value);
+  return buf;
+}
+
+using Manifest = ShardedCheckpoint::Manifest;
+
+// Empty when every shard the manifest lists exists; otherwise the error.
+std::string missing_shards(const std::string& path, const Manifest& manifest) {
+  std::vector<std::string> missing;
+  std::error_code ec;
+  for (const auto& shard : manifest.shards) {
+    if (!fs::exists(fs::path(path) / shard, ec)) missing.push_back(shard);
+  }
+  if (missing.empty()) return {};
+  return str("checkpoint \"", path, "\" is missing shard(s) ", join(missing), " of the ",
+             manifest.world_size, " listed in ", ShardedCheckpoint::kManifest,
+             ". Restore them, or resume from another checkpoint.");
+}
+
+}  // namespace
+
+ShardedCheckpoint::Manifest ShardedCheckpoint::read_manifest(const std::string& path) {
+  const fs::path file = fs::path(path) / ShardedCheckpoint::kManifest;
+  std::ifstream in(file);
+  if (!in) {
+    throw CheckpointError(str("checkpoint \"", path, "\" has no ", ShardedCheckpoint::kManifest,
+                              ": its save did not complete (rank 0 writes it after every shard). "
+                              "Resume from an earlier checkpoint."));
+  }
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::istringstream lines(text);
+  Manifest m;
+  std::string line;
+  std::getline(lines, line);
+  const bool v1 = line == kManifestHeaderV1;
+  if (line != kManifestHeader && !v1) {
+    throw CheckpointError(str(file.string(), " is not a fulgur manifest (first line \"", line,
+                              "\", expected \"", kManifestHeader, "\")."));
+  }
+  if (!v1) {
+    const auto at = text.rfind("crc32c=");
+    const bool has_crc = at != std::string::npos && (at == 0 || text[at - 1] == '\n');
+    const std::string stored = has_crc ? text.substr(at + 7, 8) : std::string();
+    const std::string actual = hex32(crc32c(text.data(), has_crc ? at : text.size()));
+    if (!has_crc || stored != actual) {
+      throw CheckpointError(
+          str("checkpoint \"", path, "\" is corrupt: its ", ShardedCheckpoint::kManifest,
+              has_crc ? str(" does not match the CRC32C written with it (expected ", stored,
+                            ", got ", actual, ")")
+                      : std::string(" lost its checksum line (cut short)"),
+              ". The file is corrupt; use an earlier checkpoint."));
+    }
+  }
+  while (std::getline(lines, line)) {
+    if (line.rfind("world_size=", 0) == 0) {
+      m.world_size = std::atoi(line.c_str() + 11);
+    } else if (line.rfind("shard=", 0) == 0) {
+      m.shards.push_back(line.substr(6));
+    }
+  }
+  if (m.world_size < 1 || static_cast<int>(m.shards.size()) != m.world_size) {
+    throw CheckpointError(str(file.string(), " is damaged: world_size=", m.world_size, " with ",
+                              m.shards.size(), " shards listed."));
+  }
+  return m;
+}
+
+std::string ShardedCheckpoint::shard_path(const std::string& path, int rank, int world_size) {
+  return (fs::path(path) / str("rank-", rank, "-of-", world_size, ".ckpt")).string();
+}
+
+bool ShardedCheckpoint::is_writer(const Strategy&) const { return true; }
+
+void ShardedCheckpoint::save(Strategy& strategy, torch::serialize::OutputArchive& checkpoint,
+                             const std::string& path) {
+  const int rank = strategy.global_rank();
+  const int world = strategy.world_size();
+  // 1. Rank 0 clears what a save at this path left before (a single-file
+  //    checkpoint, the manifest, shards of another world size), so a crash
+  //    from here on leaves a directory without a manifest, never a mix.
+  strategy.barrier("sharded checkpoint save: start");
+  if (rank == 0) {
+    std::error_code ec;
+    if (fs::exists(path, ec) && !fs::is_directory(path, ec)) fs::remove(path, ec);
+    fs::remove(fs::path(path) / kManifest, ec);
+    fs::create_directories(path, ec);
+    if (ec) {
+      throw CheckpointError(
+          str("cannot create the checkpoint directory \"", path, "\": ", ec.message(), "."));
+    }
+    for (const auto& entry : fs::directory_iterator(path, ec)) {
+      const auto name = entry.path().filename().string();
+      if (name.rfind("rank-", 0) == 0 &&
+          name.find(str("-of-", world, ".ckpt")) == std::string::npos) {
+        fs::remove(entry.path(), ec);
+      }
+    }
+  }
+  strategy.barrier("sharded checkpoint save: directory ready");
+  // 2. Every rank writes its shard.
+  strategy.checkpoint_io().save_checkpoint(checkpoint, shard_path(path, rank, world));
+  // The manifest may claim only shards that are durable (an asynchronous
+  // checkpoint IO has handed its shard to a writer thread).
+  strategy.checkpoint_io().wait_until_durable();
+  strategy.barrier("sharded checkpoint save: shards written");
+  // 3. The manifest marks the checkpoint complete.
+  if (rank == 0) {
+    std::ostringstream text;
+    text << kManifestHeader << "\nworld_size=" << world << "\n";
+    for (int r = 0; r < world; ++r) {
+      text << "shard=" << fs::path(shard_path(path, r, world)).filename().string() << "\n";
+    }
+    const std::string body = text.str();
+    text << "crc32c=" << hex32(crc32c(body.data(), body.size())) << "\n";
+    const fs::path tmp = fs::path(path) / (std::string(kManifest) + ".tmp");
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << text.str();
+      if (!out) throw CheckpointError(str("cannot write ", tmp.string(), "."));
+    }
+    fs::rename(tmp, fs::path(path) / kManifest);
+  }
+  strategy.barrier("sharded checkpoint save: manifest written");
+}
+
+void ShardedCheckpoint::load(Strategy& strategy, const std::string& path,
+                             torch::serialize::InputArchive& checkpoint) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    throw CheckpointError(str("checkpoint \"", path, "\" does not exist."));
+  }
+  if (!fs::is_directory(path, ec)) {
+    throw CheckpointError(str("checkpoint \"", path,
+                              "\" is one file, written by a strategy that "
+                              "saves whole models; strategy \"",
+                              strategy.name(),
+                              "\" reads a directory of "
+                              "per-rank shards written under it. Resume with the strategy that "
+                              "wrote it, or load its weights in configure_model()."));
+  }
+  const Manifest manifest = read_manifest(path);
+  if (manifest.world_size != strategy.world_size()) {
+    throw CheckpointError(str("checkpoint \"", path, "\" was saved by ", manifest.world_size,
+                              " ranks, and this run has ", strategy.world_size(),
+                              ": each rank holds its "
+                              "own shard, so resuming needs the same world size. Run with "
+                              "devices x num_nodes = ",
+                              manifest.world_size, "."));
+  }
+  if (auto missing = missing_shards(path, manifest); !missing.empty())
+    throw CheckpointError(missing);
+  strategy.checkpoint_io().load_checkpoint(
+      shard_path(path, strategy.global_rank(), strategy.world_size()), checkpoint);
+}
+
+void ShardedCheckpoint::remove(Strategy& strategy, const std::string& path) {
+  strategy.barrier("sharded checkpoint remove");
+  if (strategy.global_rank() == 0) {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+}
+
+std::string ShardedCheckpoint::verify(Strategy& strategy, const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) {
+    return fs::exists(path, ec) ? "it is one file, not a directory of per-rank shards"
+                                : "it does not exist";
+  }
+  try {
+    const Manifest manifest = read_manifest(path);
+    if (auto missing = missing_shards(path, manifest); !missing.empty()) return missing;
+    for (const auto& shard : manifest.shards) {
+      const std::string problem =
+          strategy.checkpoint_io().verify((fs::path(path) / shard).string());
+      if (!problem.empty()) return str("its shard ", shard, ": ", problem);
+    }
+  } catch (const CheckpointError& e) {
+    return e.what();
+  }
+  return {};
+}
+
+void ShardedCheckpoint::remove_stale_files(Strategy& strategy, const std::string& dir) {
+  if (strategy.local_rank() != 0) return;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    std::error_code type_ec;
+    if (it->is_directory(type_ec)) strategy.checkpoint_io().remove_stale_files(it->path().string());
+  }
+}
+
+}  // namespace fulgur
