@@ -5,11 +5,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <thread>
 
 #include "fulgur/accelerators/cpu.h"
-#include "fulgur/accelerators/cuda.h"
-#include "fulgur/accelerators/mps.h"
 #include "fulgur/core/errors.h"
 #include "support/test_support.h"
 
@@ -80,77 +77,6 @@ TEST(DevicesSpec, MalformedSpecsEchoTheTextInTheirProblem) {
   // An accelerator asked to parse a malformed spec throws that problem.
   EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::CPUAccelerator().parse_devices("two"),
                      {"devices=\"two\""});
-}
-
-// ---- CPUAccelerator.
-
-TEST(CPUAccelerator, ParsesCounts) {
-  fulgur::CPUAccelerator cpu;
-  EXPECT_EQ(cpu.name(), "cpu");
-  EXPECT_TRUE(cpu.is_available());
-  EXPECT_EQ(cpu.auto_device_count(), 1);
-  EXPECT_EQ(cpu.parse_devices(fulgur::DevicesSpec()),
-            std::vector<c10::Device>{c10::Device(c10::kCPU)});
-  EXPECT_EQ(cpu.parse_devices(fulgur::DevicesSpec(3)).size(), 3u);
-  auto cores = std::max(1u, std::thread::hardware_concurrency());
-  EXPECT_EQ(cpu.parse_devices(fulgur::DevicesSpec(-1)).size(), static_cast<size_t>(cores));
-}
-
-TEST(CPUAccelerator, RejectsIndicesAndNonPositiveCounts) {
-  fulgur::CPUAccelerator cpu;
-  EXPECT_THROWS_WITH(fulgur::ConfigError, cpu.parse_devices(fulgur::DevicesSpec("0,1")),
-                     {"accelerator=\"cpu\"", "0,1", "devices=2"});
-  EXPECT_THROWS_WITH(fulgur::ConfigError, cpu.parse_devices(fulgur::DevicesSpec(0)),
-                     {"devices=0", "selects no device"});
-}
-
-// ---- CUDAAccelerator: both outcomes of availability.
-
-TEST(CUDAAccelerator, AvailabilityMatchesLibTorch) {
-  fulgur::CUDAAccelerator cuda;
-  EXPECT_EQ(cuda.name(), "cuda");
-  EXPECT_EQ(cuda.is_available(), torch::cuda::is_available());
-  if (!cuda.is_available()) {
-    EXPECT_FALSE(cuda.unavailable_reason().empty());
-  } else {
-    EXPECT_TRUE(cuda.unavailable_reason().empty());
-  }
-}
-
-TEST(CUDAAccelerator, AskingForMoreGpusThanVisibleIsAConfigError) {
-  fulgur::CUDAAccelerator cuda;
-  int visible = cuda.auto_device_count();
-  EXPECT_THROWS_WITH(fulgur::ConfigError, cuda.parse_devices(fulgur::DevicesSpec(visible + 1)),
-                     {"accelerator=\"cuda\"", fulgur::str("devices=", visible + 1)});
-  EXPECT_THROWS_WITH(fulgur::ConfigError,
-                     cuda.parse_devices(fulgur::DevicesSpec(std::vector<int>{visible})),
-                     {"GPU index", "does not exist"});
-}
-
-TEST(CUDAAccelerator, ParsesCountsAndIndices_CUDA) {
-  FULGUR_SKIP_UNLESS_CUDA(1);
-  fulgur::CUDAAccelerator cuda;
-  EXPECT_EQ(cuda.parse_devices(fulgur::DevicesSpec(1)),
-            std::vector<c10::Device>{c10::Device(c10::kCUDA, 0)});
-  EXPECT_EQ(cuda.parse_devices(fulgur::DevicesSpec("0,")),
-            std::vector<c10::Device>{c10::Device(c10::kCUDA, 0)});
-  EXPECT_THROWS_WITH(fulgur::ConfigError, cuda.parse_devices(fulgur::DevicesSpec("0,0")),
-                     {"listed twice"});
-}
-
-// ---- MPSAccelerator: unavailable on Linux, with the reason.
-
-TEST(MPSAccelerator, SaysWhyItIsNotAvailable) {
-  fulgur::MPSAccelerator mps;
-  EXPECT_EQ(mps.name(), "mps");
-  if (mps.is_available()) {
-    EXPECT_EQ(mps.parse_devices(fulgur::DevicesSpec()),
-              std::vector<c10::Device>{c10::Device(c10::kMPS, 0)});
-    EXPECT_THROWS_WITH(fulgur::ConfigError, mps.parse_devices(2), {"one MPS device"});
-    return;
-  }
-  EXPECT_EQ(mps.auto_device_count(), 0);
-  EXPECT_TRUE(fulgur::test::message_contains(mps.unavailable_reason(), {"no MPS backend"}));
 }
 
 // ---- Capabilities.
