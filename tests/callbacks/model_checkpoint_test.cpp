@@ -44,12 +44,7 @@ std::map<std::string, std::string> snapshot(const std::string& dir) {
 fulgur::TrainerOptions with_checkpoint(const TempDir& dir, fulgur::ModelCheckpointOptions o,
                                        std::shared_ptr<fulgur::ModelCheckpoint>* out = nullptr) {
   if (o.dirpath.empty()) o.dirpath = dir.file("ckpts");
-  auto callback = std::make_shared<fulgur::ModelCheckpoint>(std::move(o));
-  if (out != nullptr) *out = callback;
-  auto options = test_options(dir);
-  options.enable_checkpointing = true;
-  options.callbacks = {callback};
-  return options;
+  return fulgur::test::checkpointed_options(dir, std::move(o), out);
 }
 
 TEST(ModelCheckpoint, RejectsInvalidOptions) {

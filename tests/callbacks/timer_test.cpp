@@ -61,12 +61,9 @@ TEST(Timer, MaxTimeStopsFitWithACheckpoint) {
 TEST(Timer, AStopBeforeTheValidationKeepsLastCkptWithAMonitoredCheckpoint) {
   TempDir dir;
   SlowModel model;
-  auto options = test_options(dir);
+  auto options = fulgur::test::checkpointed_options(dir, {.monitor = "val_loss"});
   options.max_time = 50ms;
   options.num_sanity_val_steps = 0;
-  options.enable_checkpointing = true;
-  options.callbacks = {std::make_shared<fulgur::ModelCheckpoint>(
-      fulgur::ModelCheckpointOptions{.monitor = "val_loss"})};
   fulgur::Trainer trainer(options);
   auto result = trainer.fit(model, regression_loader(100), regression_loader(2));
   EXPECT_LT(result.global_step, 100);

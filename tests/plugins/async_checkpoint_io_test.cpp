@@ -197,13 +197,10 @@ void collect_tensors(torch::serialize::InputArchive& archive, std::vector<at::Te
 // fit returns.
 TEST(AsyncCheckpointIO, FitWritesWhatASynchronousFitWrites) {
   auto run = [](const TempDir& dir, bool async) {
-    auto options = fulgur::test::test_options(dir);
+    auto options = fulgur::test::checkpointed_options(
+        dir, {.dirpath = dir.file("ckpts"), .save_top_k = -1, .every_n_train_steps = 1});
     options.max_epochs = 2;
     options.seed = 7;
-    options.enable_checkpointing = true;
-    options.callbacks.push_back(
-        std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
-            .dirpath = dir.file("ckpts"), .save_top_k = -1, .every_n_train_steps = 1}));
     if (async) options.plugins.push_back(std::string("async"));
     torch::manual_seed(7);  // the same initial weights in both runs
     LinearRegression model({.momentum = 0.9});
@@ -260,11 +257,9 @@ class FailingSecondWrite : public fulgur::TorchCheckpointIO {
 
 TEST(AsyncCheckpointIO, FitRaisesAFailedBackgroundWrite) {
   TempDir dir;
-  auto options = fulgur::test::test_options(dir);
+  auto options = fulgur::test::checkpointed_options(
+      dir, {.dirpath = dir.file("ckpts"), .every_n_train_steps = 1});
   options.max_epochs = 3;
-  options.enable_checkpointing = true;
-  options.callbacks.push_back(std::make_shared<fulgur::ModelCheckpoint>(
-      fulgur::ModelCheckpointOptions{.dirpath = dir.file("ckpts"), .every_n_train_steps = 1}));
   options.plugins.push_back(std::shared_ptr<fulgur::CheckpointIO>(
       std::make_shared<fulgur::AsyncCheckpointIO>(std::make_shared<FailingSecondWrite>())));
   LinearRegression model;

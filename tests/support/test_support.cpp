@@ -164,6 +164,17 @@ fulgur::TrainerOptions test_options(const TempDir& dir) {
                                 .logger = false};
 }
 
+fulgur::TrainerOptions checkpointed_options(const TempDir& dir,
+                                            fulgur::ModelCheckpointOptions checkpoint,
+                                            std::shared_ptr<fulgur::ModelCheckpoint>* callback) {
+  auto model_checkpoint = std::make_shared<fulgur::ModelCheckpoint>(std::move(checkpoint));
+  if (callback != nullptr) *callback = model_checkpoint;
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  options.callbacks = {std::move(model_checkpoint)};
+  return options;
+}
+
 // ---- Data.
 
 std::shared_ptr<fulgur::TensorDataset> regression_dataset(int64_t n, int64_t in_features) {

@@ -141,6 +141,11 @@ std::vector<std::string> split(const std::string& text, char sep);
 /// CPU, max_epochs = 1, outputs under `dir`, no progress bar, no logger, no
 /// checkpointing. Tests change what they exercise.
 fulgur::TrainerOptions test_options(const TempDir& dir);
+/// test_options with checkpointing on and one ModelCheckpoint of `checkpoint`'s
+/// options as the only callback (returned through `callback` when given).
+fulgur::TrainerOptions checkpointed_options(
+    const TempDir& dir, fulgur::ModelCheckpointOptions checkpoint,
+    std::shared_ptr<fulgur::ModelCheckpoint>* callback = nullptr);
 
 // ---- Data. No random generator is involved: the same call gives the same
 // tensors in every process.

@@ -81,11 +81,8 @@ TEST(CheckpointErrors, ADirectoryIsNotACheckpoint) {
 
 TEST(CheckpointErrors, ResumingOnLessDataSaysTheDataChanged) {
   TempDir dir;
-  auto options = test_options(dir);
-  options.enable_checkpointing = true;
-  options.callbacks.push_back(
-      std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
-          .save_top_k = -1, .save_last = false, .every_n_train_steps = 3}));
+  auto options = fulgur::test::checkpointed_options(
+      dir, {.save_top_k = -1, .save_last = false, .every_n_train_steps = 3});
   LinearRegression model;
   fulgur::Trainer trainer(std::move(options));
   trainer.fit(model, fulgur::test::regression_loader(4));
@@ -136,10 +133,7 @@ TEST(CheckpointErrors, AnotherNumberOfSchedulersIsNamed) {
 
 TEST(ModelCheckpointErrors, AMonitorThatWasNeverLoggedListsTheLoggedMetrics) {
   TempDir dir;
-  auto options = test_options(dir);
-  options.enable_checkpointing = true;
-  options.callbacks.push_back(std::make_shared<fulgur::ModelCheckpoint>(
-      fulgur::ModelCheckpointOptions{.monitor = "val_accuracy"}));
+  auto options = fulgur::test::checkpointed_options(dir, {.monitor = "val_accuracy"});
   LinearRegression model;
   fulgur::Trainer trainer(std::move(options));
   EXPECT_THROWS_WITH(ConfigError, trainer.fit(model, fulgur::test::regression_loader(2)),

@@ -440,11 +440,9 @@ TEST(FitLoop, FastDevRunNRunsNBatchesOfTrainAndVal) {
 TEST(FitLoop, FastDevRunSilencesAnExplicitModelCheckpoint) {
   TempDir dir;
   LinearRegression model;
-  auto options = test_options(dir);
+  auto options = fulgur::test::checkpointed_options(
+      dir, {.dirpath = dir.file("ckpts"), .save_top_k = -1, .every_n_train_steps = 1});
   options.fast_dev_run = 2;
-  options.enable_checkpointing = true;
-  options.callbacks = {std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
-      .dirpath = dir.file("ckpts"), .save_top_k = -1, .every_n_train_steps = 1})};
   fulgur::Trainer trainer(options);
   trainer.fit(model, regression_loader(10));
   EXPECT_EQ(model.training_steps, 2);
