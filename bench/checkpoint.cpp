@@ -176,6 +176,6 @@ int main(int argc, char** argv) {
       median(f_load), median(r_load), median(f_save) / median(s_save),
       median(f_load) / median(r_load), 1e3 * median(sync_stall), 1e3 * median(async_stall),
       median(async_stall) / median(sync_stall),
-      static_cast<double>(async_io.buffer_capacity()) / bytes);
+      static_cast<double>(async_io.snapshot_bytes()) / bytes);
   return 0;
 }

@@ -10,14 +10,17 @@
 #include <thread>
 #include <utility>
 
+#include <torch/serialize/output-archive.h>
+
 #include "fulgur/core/errors.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
+#include "plugins/io/archive_snapshot.h"
 
 namespace fulgur {
 
 // The writer thread and what it shares with the saving thread. Saves and
-// removals run in the order they were handed over; the one snapshot buffer
-// is busy from a save's hand-over until its write ends.
+// removals run in the order they were handed over; the snapshot's buffers
+// are busy from a save's hand-over until its write ends.
 struct AsyncCheckpointIO::Writer {
   struct Operation {
     bool save;  // else a removal
@@ -85,7 +88,7 @@ struct AsyncCheckpointIO::Writer {
       if (!skip) {
         try {
           if (operation.save) {
-            io.save_serialized(buffer, operation.path);
+            io.save_checkpoint(*archive, operation.path);
           } else {
             io.remove_checkpoint(operation.path);
           }
@@ -93,6 +96,8 @@ struct AsyncCheckpointIO::Writer {
           failure = std::current_exception();
         }
       }
+      // The archive's objects go on this thread; the buffers stay.
+      if (operation.save) archive.reset();
       lock.lock();
       running = false;
       if (operation.save) buffer_busy = false;
@@ -106,23 +111,17 @@ struct AsyncCheckpointIO::Writer {
   std::mutex mutex;
   std::condition_variable changed;
   std::deque<Operation> queue;
-  bool buffer_busy = false;  // a save's bytes are queued or being written
+  bool buffer_busy = false;  // a snapshot is queued or being written
   bool running = false;      // the thread is carrying out an operation
   bool stopping = false;
   std::exception_ptr error;  // the first failure not raised yet
-  SerializedCheckpoint buffer;
+  detail::ArchiveSnapshot snapshot;
+  std::unique_ptr<torch::serialize::OutputArchive> archive;  // the save in flight
   std::thread thread;
 };
 
 AsyncCheckpointIO::AsyncCheckpointIO(std::shared_ptr<CheckpointIO> io)
-    : io_(io ? std::move(io) : std::make_shared<TorchCheckpointIO>()) {
-  if (!io_->writes_serialized()) {
-    throw ConfigError(str("AsyncCheckpointIO cannot wrap checkpoint IO \"", io_->name(),
-                          "\": it writes only through save_checkpoint. Implement its "
-                          "serialize() and save_serialized(), or save synchronously (drop "
-                          "\"async\")."));
-  }
-}
+    : io_(io ? std::move(io) : std::make_shared<TorchCheckpointIO>()) {}
 
 AsyncCheckpointIO::~AsyncCheckpointIO() {
   if (!writer_) return;
@@ -169,8 +168,10 @@ void AsyncCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpo
     w.changed.wait(lock, [&] { return !w.buffer_busy; });
     w.raise(lock);
   }
-  // The buffer is free: the snapshot, on this thread.
-  io_->serialize(checkpoint, w.buffer);
+  // The buffers are free: the snapshot, on this thread; then the archive,
+  // holding only copies, is the writer's.
+  w.snapshot.take(checkpoint);
+  w.archive = std::make_unique<torch::serialize::OutputArchive>(std::move(checkpoint));
   w.push({/*save=*/true, path});
 }
 
@@ -217,10 +218,10 @@ void AsyncCheckpointIO::wait_until_durable() {
   w.raise(lock);
 }
 
-size_t AsyncCheckpointIO::buffer_capacity() const {
+size_t AsyncCheckpointIO::snapshot_bytes() const {
   if (!writer_) return 0;
   std::lock_guard<std::mutex> lock(writer_->mutex);
-  return writer_->buffer.capacity();
+  return writer_->snapshot.capacity_bytes();
 }
 
 }  // namespace fulgur

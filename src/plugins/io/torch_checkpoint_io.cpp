@@ -465,23 +465,6 @@ void TorchCheckpointIO::mark_verified(torch::serialize::OutputArchive& checkpoin
   checkpoint.write(kIntegrityKey, c10::IValue(std::string("crc32c footer v1")));
 }
 
-void TorchCheckpointIO::serialize(torch::serialize::OutputArchive& checkpoint,
-                                  SerializedCheckpoint& out) {
-  mark_verified(checkpoint);
-  out.clear();
-  checkpoint.save_to([&](const void* data, size_t n) {
-    out.append(data, n);
-    return n;
-  });
-}
-
-void TorchCheckpointIO::save_serialized(const SerializedCheckpoint& archive,
-                                        const std::string& path) {
-  write_atomically(path, [&](const ByteSink& sink) {
-    archive.for_each_piece([&](const char* data, size_t n) { sink(data, n); });
-  });
-}
-
 void TorchCheckpointIO::write_atomically(const std::string& path,
                                          const std::function<void(const ByteSink&)>& produce) {
   const fs::path target(path);
@@ -669,46 +652,6 @@ bool TorchCheckpointIO::has_checksum(const std::string& path) {
 void TorchCheckpointIO::remove_checkpoint(const std::string& path) {
   std::error_code ec;
   fs::remove(path, ec);
-}
-
-void SerializedCheckpoint::append(const void* data, size_t n) {
-  const char* from = static_cast<const char*>(data);
-  while (n > 0) {
-    const size_t block = size_ / kBlock, offset = size_ % kBlock;
-    if (block == blocks_.size()) blocks_.push_back(std::make_unique_for_overwrite<char[]>(kBlock));
-    const size_t take = std::min(n, kBlock - offset);
-    std::memcpy(blocks_[block].get() + offset, from, take);
-    from += take;
-    size_ += take;
-    n -= take;
-  }
-}
-
-void SerializedCheckpoint::for_each_piece(
-    const std::function<void(const char*, size_t)>& piece) const {
-  for (size_t at = 0; at < size_; at += kBlock) {
-    piece(blocks_[at / kBlock].get(), std::min(kBlock, size_ - at));
-  }
-}
-
-namespace {
-
-[[noreturn]] void cannot_write_serialized(std::string_view io, const std::string& what) {
-  throw ConfigError(str("checkpoint IO \"", io, "\" cannot ", what,
-                        ": it writes only through save_checkpoint. Implement writes_serialized(), "
-                        "serialize() and save_serialized() to let AsyncCheckpointIO wrap it."));
-}
-
-}  // namespace
-
-void CheckpointIO::serialize(torch::serialize::OutputArchive& /*checkpoint*/,
-                             SerializedCheckpoint& /*out*/) {
-  cannot_write_serialized(name(), "serialize a checkpoint in memory");
-}
-
-void CheckpointIO::save_serialized(const SerializedCheckpoint& /*archive*/,
-                                   const std::string& path) {
-  cannot_write_serialized(name(), str("write the serialized checkpoint \"", path, "\""));
 }
 
 std::vector<std::string> checkpoints_newest_first(const std::string& dir) {

@@ -1,17 +1,20 @@
 // File: fulgur/plugins/io/async_checkpoint_io.h
 //
 // AsyncCheckpointIO writes checkpoints on a background thread while
-// training goes on. At the save point the checkpoint is serialized into a
-// buffer kept between saves (a snapshot: the step after may change every
-// tensor); one writer thread then writes it through the wrapped IO, with
+// training goes on. At the save point every tensor of the checkpoint is
+// copied into buffers kept between saves (a snapshot: the step after may
+// change every tensor; a copy costs about a quarter of serializing); one
+// writer thread then serializes and writes it through the wrapped IO, with
 // that IO's guarantees (the `torch` IO: checksum footer, temporary file,
-// fsync, rename, directory fsync).
+// fsync, rename, directory fsync). The snapshot is as large as the
+// checkpoint's tensors, on their devices (a GPU's tensors are copied on
+// that GPU); nothing else is held.
 //
 //   fulgur::Trainer trainer({.plugins = {"async"}});          // wraps "torch"
 //   auto io = std::make_shared<fulgur::AsyncCheckpointIO>(my_io);
 //
 // - At most one save is in flight: a save that comes while one is being
-//   written waits for it (the buffer is reused, so memory stays at one
+//   written waits for it (the buffers are reused, so memory stays at one
 //   checkpoint's size).
 // - Removals (ModelCheckpoint's top-k eviction) run on the writer thread
 //   after the saves handed over before them, so a checkpoint is never
@@ -32,8 +35,8 @@ namespace fulgur {
 
 class AsyncCheckpointIO : public CheckpointIO {
  public:
-  /// Wraps `io` (default: TorchCheckpointIO). ConfigError when `io` cannot
-  /// write a serialized checkpoint (its serialize() returns false).
+  /// Wraps `io` (default: TorchCheckpointIO); its save_checkpoint runs on
+  /// the writer thread, one save at a time.
   explicit AsyncCheckpointIO(std::shared_ptr<CheckpointIO> io = nullptr);
   /// Waits for the save in flight; an error nobody raised is printed.
   ~AsyncCheckpointIO() override;
@@ -41,8 +44,9 @@ class AsyncCheckpointIO : public CheckpointIO {
   AsyncCheckpointIO& operator=(const AsyncCheckpointIO&) = delete;
 
   std::string_view name() const override { return "async"; }
-  /// Snapshots `checkpoint` (waiting first for a save still in flight) and
-  /// returns; the write goes on in the background.
+  /// Snapshots `checkpoint`'s tensors (waiting first for a save still in
+  /// flight), takes the archive and returns; the write goes on in the
+  /// background.
   void save_checkpoint(torch::serialize::OutputArchive& checkpoint,
                        const std::string& path) override;
   void load_checkpoint(const std::string& path,
@@ -56,8 +60,8 @@ class AsyncCheckpointIO : public CheckpointIO {
 
   /// The IO that writes.
   CheckpointIO& wrapped() { return *io_; }
-  /// Bytes of the snapshot buffer (kept between saves).
-  size_t buffer_capacity() const;
+  /// Bytes of the snapshot's buffers (kept between saves).
+  size_t snapshot_bytes() const;
 
  private:
   struct Writer;

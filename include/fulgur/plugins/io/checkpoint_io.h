@@ -20,31 +20,14 @@ class InputArchive;
 
 namespace fulgur {
 
-/// A checkpoint serialized in memory, in blocks kept between saves
-/// (AsyncCheckpointIO's snapshot: once the first save has sized it, later
-/// ones allocate nothing; it holds at most one block more than the bytes).
-class SerializedCheckpoint {
- public:
-  void clear() { size_ = 0; }
-  void append(const void* data, size_t n);
-  size_t size() const { return size_; }
-  /// Bytes held, used or not.
-  size_t capacity() const { return blocks_.size() * kBlock; }
-  /// `piece(data, n)` for the bytes, in order.
-  void for_each_piece(const std::function<void(const char*, size_t)>& piece) const;
-
- private:
-  static constexpr size_t kBlock = size_t{4} << 20;
-  std::vector<std::unique_ptr<char[]>> blocks_;
-  size_t size_ = 0;
-};
-
 class CheckpointIO {
  public:
   virtual ~CheckpointIO() = default;
   virtual std::string_view name() const = 0;
   /// Writes `checkpoint` to `path` atomically: readers see the old file or the
-  /// complete new one, never a partial file. Creates parent directories.
+  /// complete new one, never a partial file. Creates parent directories. An
+  /// IO that writes in the background (AsyncCheckpointIO) takes the
+  /// archive's contents, leaving `checkpoint` empty.
   virtual void save_checkpoint(torch::serialize::OutputArchive& checkpoint,
                                const std::string& path) = 0;
   /// Reads `path` into `checkpoint`. Throws CheckpointError naming the file
@@ -61,20 +44,6 @@ class CheckpointIO {
   /// temporary files), never a live writer's file or a checkpoint.
   /// ModelCheckpoint calls it at the start of fit. Default: nothing.
   virtual void remove_stale_files(const std::string& /*dir*/) {}
-
-  // ---- Writing in two halves, for AsyncCheckpointIO: the caller's thread
-  // serializes (a snapshot: training may change the tensors right after),
-  // a writer thread writes.
-
-  /// Whether this IO writes in two halves (serialize, then
-  /// save_serialized); false by default.
-  virtual bool writes_serialized() const { return false; }
-  /// `checkpoint` serialized into `out` (cleared first, its capacity kept),
-  /// in the form save_serialized() writes. Default: a ConfigError.
-  virtual void serialize(torch::serialize::OutputArchive& checkpoint, SerializedCheckpoint& out);
-  /// Writes what serialize() produced to `path`, with save_checkpoint's
-  /// guarantees. Default: a ConfigError.
-  virtual void save_serialized(const SerializedCheckpoint& archive, const std::string& path);
 
   // ---- Saves that finish in the background (AsyncCheckpointIO); a
   // synchronous IO has nothing to do here.

@@ -38,11 +38,6 @@ class TorchCheckpointIO : public CheckpointIO {
   void load_checkpoint(const std::string& path,
                        torch::serialize::InputArchive& checkpoint) override;
   void remove_checkpoint(const std::string& path) override;
-  /// The archive's bytes as save_checkpoint writes them (the footer is
-  /// added by save_serialized).
-  bool writes_serialized() const override { return true; }
-  void serialize(torch::serialize::OutputArchive& checkpoint, SerializedCheckpoint& out) override;
-  void save_serialized(const SerializedCheckpoint& archive, const std::string& path) override;
   /// Checks the file against its checksum footer (reads it; parses
   /// nothing). A file without a footer verifies when it is one from before
   /// checksums that LibTorch reads (it loads, unverified: has_checksum()

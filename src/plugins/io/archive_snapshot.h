@@ -1,0 +1,52 @@
+// File: src/plugins/io/archive_snapshot.h (internal)
+//
+// A snapshot of the tensors an OutputArchive holds: each tensor, in nested
+// archives and in lists, tuples and dicts too, is replaced by a copy in a
+// buffer kept between snapshots, so the archive no longer shares memory
+// with the live state and can be serialized on another thread while
+// training changes that state. A copy is a memcpy (on the tensor's own
+// device); the serialization it spares the caller (pickling, a CRC-32 per
+// record) costs about four times as much.
+//
+//   ArchiveSnapshot snapshot;       // kept between saves
+//   snapshot.take(archive);         // the archive now holds copies
+//   // ... a writer thread serializes the archive; once it is written,
+//   // the next take() reuses the buffers ...
+//
+// OutputArchive has no accessor for the module that holds its values; the
+// snapshot reaches it through the one private member both LibTorch 1.13 and
+// 2.x have (`module_`). A LibTorch that renamed it fails to compile here,
+// never silently.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstddef>
+#include <vector>
+
+namespace torch::serialize {
+class OutputArchive;
+}
+
+namespace fulgur::detail {
+
+class ArchiveSnapshot {
+ public:
+  /// Replaces every tensor of `archive` with a copy; returns the bytes
+  /// copied. The buffers of the previous take() are reused where the n-th
+  /// tensor has the same shape, dtype and device; take() must not be
+  /// called again before the archive it last snapshotted is written.
+  size_t take(torch::serialize::OutputArchive& archive);
+  /// Bytes held by the buffers (kept between snapshots).
+  size_t capacity_bytes() const;
+  /// The buffers, in the order take() met the tensors.
+  const std::vector<at::Tensor>& buffers() const { return buffers_; }
+
+ private:
+  at::Tensor copy(const at::Tensor& tensor);
+  std::vector<at::Tensor> buffers_;
+  size_t next_ = 0;
+  size_t copied_ = 0;
+};
+
+}  // namespace fulgur::detail
