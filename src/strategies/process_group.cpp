@@ -349,6 +349,43 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& tensor) {
   return torch::stack(outputs[0]).to(tensor.device());
 }
 
+void ProcessGroup::all_gather_into(at::Tensor& out, const at::Tensor& shard) {
+  const int64_t n = shard.numel();
+  if (shard.dim() != 1 || out.dim() != 1 || out.numel() != n * size() || !out.is_contiguous() ||
+      out.scalar_type() != shard.scalar_type()) {
+    throw DistributedError(fulgur::str("all_gather_into on rank ", rank(), " of ", size(), ": the shard ",
+                               shard.sizes(), " ", shard.scalar_type(), " and the output ",
+                               out.sizes(), " ", out.scalar_type(),
+                               " do not fit: pass a 1-D shard and a contiguous 1-D output of ",
+                               size(), " times its length, of its dtype."));
+  }
+  at::Tensor target = staged(out);
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < size(); ++r) outputs[0].push_back(target.narrow(0, r * n, n));
+  std::vector<at::Tensor> inputs = {staged(shard.contiguous())};
+  run("all_gather", static_cast<int64_t>(shard.nbytes()) * size(),
+      [&] { return impl_->group->allgather(outputs, inputs); });
+  if (!target.is_same(out)) out.copy_(target);
+}
+
+at::Tensor ProcessGroup::reduce_scatter_sum(const at::Tensor& input) {
+  const int64_t world = size();
+  if (input.dim() != 1 || input.numel() % world != 0) {
+    throw DistributedError(fulgur::str("reduce_scatter on rank ", rank(), " of ", world, ": the input ",
+                               input.sizes(), " is not 1-D with a length divisible by ", world,
+                               ". Pad it to a multiple of the world size."));
+  }
+  const int64_t chunk = input.numel() / world;
+  if (world == 1) return input.clone();
+  at::Tensor send = staged(input.contiguous());
+  at::Tensor received = torch::empty_like(send);
+  // Chunk r of `send` goes to rank r; chunk r of `received` came from rank r.
+  std::vector<int64_t> splits(static_cast<size_t>(world), chunk);
+  run("reduce_scatter", static_cast<int64_t>(input.nbytes()),
+      [&] { return impl_->group->alltoall_base(received, send, splits, splits); });
+  return received.view({world, chunk}).sum(0).to(input.device());
+}
+
 int find_free_port(const std::string& address) {
   ProcessGroupOptions o;
   o.main_address = address;

@@ -113,6 +113,46 @@ TEST(ProcessGroup, TwoRankCollectivesCombineEveryRanksValues) {
   }
 }
 
+// The collectives of sharded data parallel, on 3 ranks (chunks that do not
+// line up with the world of 2): a reduce-scatter gives each rank its chunk
+// of the sum; an all-gather into one buffer concatenates the shards.
+TEST(ProcessGroup, ReduceScatterAndAllGatherIntoOnThreeRanks) {
+  constexpr int kWorld = 3;
+  at::Tensor scattered[kWorld], gathered[kWorld], one_rank_sum;
+  std::string bad_input[kWorld], bad_output[kWorld];
+  // Rank r holds r * 100 + [0, 1, ..., 11]: 4 elements per rank.
+  auto input_of = [](int rank) { return torch::arange(12, torch::kFloat) + 100.0 * rank; };
+  fulgur::test::on_ranks(kWorld, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+    scattered[rank] = group->reduce_scatter_sum(input_of(rank));
+    at::Tensor out = torch::full({6}, -1.0);
+    group->all_gather_into(out, torch::full({2}, static_cast<double>(rank)));
+    gathered[rank] = out;
+    try {
+      group->reduce_scatter_sum(torch::zeros({10}));  // 10 is not a multiple of 3
+    } catch (const fulgur::DistributedError& e) {
+      bad_input[rank] = e.what();
+    }
+    try {
+      at::Tensor small = torch::zeros({5});
+      group->all_gather_into(small, torch::zeros({2}));
+    } catch (const fulgur::DistributedError& e) {
+      bad_output[rank] = e.what();
+    }
+    group->barrier();  // the refused calls started no collective: still in step
+  });
+  const at::Tensor sum = input_of(0) + input_of(1) + input_of(2);
+  for (int r = 0; r < kWorld; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_TRUE(torch::equal(scattered[r], sum.narrow(0, 4 * r, 4)));
+    EXPECT_TRUE(torch::equal(gathered[r], torch::tensor({0.0, 0.0, 1.0, 1.0, 2.0, 2.0})));
+    EXPECT_TRUE(fulgur::test::message_contains(
+        bad_input[r], {"reduce_scatter", "[10]", "divisible by 3", "Pad it"}));
+    EXPECT_TRUE(fulgur::test::message_contains(bad_output[r], {"all_gather_into", "[5]"}));
+  }
+  auto single = fulgur::ProcessGroup::connect(one_rank("gloo"));
+  EXPECT_TRUE(torch::equal(single->reduce_scatter_sum(input_of(1)), input_of(1)));
+}
+
 TEST(TcpStore, AClonePointsAtTheSameServer) {
   const int port = fulgur::find_free_port();
   auto store = c10::make_intrusive<fulgur::detail::TcpStore>("127.0.0.1", port, /*server=*/true,

@@ -122,6 +122,15 @@ class ProcessGroup {
   PendingCollective all_reduce_sum_async_(at::Tensor& tensor);
   /// Every rank's `tensor` (same shape everywhere), stacked on dimension 0.
   at::Tensor all_gather(const at::Tensor& tensor);
+  /// Every rank's 1-D `shard` (the same length everywhere) written in rank
+  /// order into `out`, 1-D of size() times that length (no copy after).
+  void all_gather_into(at::Tensor& out, const at::Tensor& shard);
+  /// This rank's chunk of the sum over every rank of `input`: 1-D, its
+  /// length a multiple of size(), chunk r for rank r (a reduce-scatter, as
+  /// sharded data parallel reduces gradients). Runs as an all-to-all and a
+  /// local sum, which moves the bytes a ring reduce-scatter moves and which
+  /// every backend has (Debian 12's Gloo has no reduce-scatter).
+  at::Tensor reduce_scatter_sum(const at::Tensor& input);
 
   /// The underlying c10d group (include the c10d headers to use it).
   const c10::intrusive_ptr<C10dGroup>& c10d_group() const;

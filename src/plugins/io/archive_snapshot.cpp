@@ -78,14 +78,15 @@ c10::IValue with_copies(const c10::IValue& value, Copy& copy) {
   if (value.isTensor()) return copy(value.toTensor());
   if (value.isTensorList()) {
     c10::List<at::Tensor> out;
-    for (const at::Tensor& t : value.toTensorList()) out.push_back(copy(t));
+    for (at::Tensor t : value.toTensorList())
+      out.push_back(copy(t));  // by value: the list yields proxies
     return out;
   }
   if (value.isList()) {
     auto list = value.toList();
     c10::impl::GenericList out(list.elementType());
     out.reserve(list.size());
-    for (const c10::IValue& element : list) out.push_back(with_copies(element, copy));
+    for (c10::IValue element : list) out.push_back(with_copies(element, copy));
     return out;
   }
   if (value.isTuple()) {
