@@ -10,6 +10,8 @@
 
 #include <sstream>
 
+#include "support/test_support.h"
+
 namespace {
 
 // The archive serialized and read back, as the writer thread would.
@@ -89,6 +91,24 @@ TEST(ArchiveSnapshot, TheNextSnapshotReusesTheBuffers) {
   other.write("state", torch::zeros({10}));
   snapshot.take(other);
   EXPECT_EQ(snapshot.capacity_bytes(), size_t{10} * sizeof(float));
+}
+
+// A GPU's tensors are copied on that GPU (no host memory, no transfer at
+// the save point); the writer thread's serialization moves them.
+TEST(ArchiveSnapshot, CopiesOnTheTensorsDevice_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  at::Tensor state = torch::arange(1000, torch::kFloat).to(torch::kCUDA);
+  torch::serialize::OutputArchive archive;
+  archive.write("state", state);
+  fulgur::detail::ArchiveSnapshot snapshot;
+  snapshot.take(archive);
+  ASSERT_EQ(snapshot.buffers().size(), 1u);
+  EXPECT_TRUE(snapshot.buffers()[0].is_cuda());
+  state.add_(1);
+  auto in = round_trip(archive);
+  at::Tensor saved;
+  in.read("state", saved);
+  EXPECT_TRUE(torch::equal(saved.cpu(), torch::arange(1000, torch::kFloat)));
 }
 
 }  // namespace
