@@ -55,6 +55,7 @@
 #include "fulgur/strategies/manual.h"
 #include "fulgur/strategies/parallel.h"
 #include "fulgur/strategies/process_group.h"
+#include "fulgur/strategies/sharded_parameters.h"
 #include "fulgur/strategies/single_device.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/connectors/accelerator_connector.h"

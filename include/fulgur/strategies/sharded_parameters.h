@@ -1,0 +1,74 @@
+// File: fulgur/strategies/sharded_parameters.h
+//
+// Parameters sharded across the ranks of a process group, one shard per
+// parameter (as PyTorch's FSDP2 shards them): each parameter is flattened,
+// padded to a multiple of the world size, and rank r keeps chunk r as a 1-D
+// leaf tensor of its own. An optimizer built on the shards steps only this
+// rank's part, so its state is 1/N of DDP's, and a parameter keeps its own
+// optimizer options and state (no flat parameter mixes them).
+//
+//   fulgur::ShardedParameters sharded(model.parameters(), group);
+//   torch::optim::Adam adam(sharded.shards(), 1e-3);
+//   loss.backward();                      // full gradients, as usual
+//   sharded.reduce_scatter_gradients();   // shard.grad = this rank's part of the mean
+//   adam.step();                          // on the shards
+//   sharded.all_gather_parameters();      // every rank's parameters updated
+//
+// The gradients follow DDP's rule: the mean over the ranks, a rank without
+// a gradient for a parameter counting as zeros, and a parameter no rank has
+// a gradient for left without one (the optimizer skips it). Each exchange is
+// one collective for all the parameters: a reduce-scatter of their packed
+// chunks, and an all-gather of the packed shards.
+//
+// This is the mechanism of sharded data parallel; the `fsdp` strategy is
+// built on it. Under `manual`, a Module can use it directly to shard its
+// optimizer state (ZeRO stage 1 and 2).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace fulgur {
+
+class ProcessGroup;
+
+class ShardedParameters {
+ public:
+  /// Every rank passes the same parameters (the same shapes, in the same
+  /// order, of one dtype and device each) with the same values (broadcast
+  /// them first). ConfigError for an empty list or a parameter that does
+  /// not require a gradient (keep frozen ones out).
+  ShardedParameters(std::vector<at::Tensor> parameters, std::shared_ptr<ProcessGroup> group);
+
+  /// This rank's shard of each parameter, in order: 1-D leaf tensors that
+  /// require a gradient, `chunk(i)` elements each.
+  const std::vector<at::Tensor>& shards() const { return shards_; }
+  const std::vector<at::Tensor>& parameters() const { return parameters_; }
+  /// Elements of parameter i's shard: its element count divided by the
+  /// world size, rounded up.
+  int64_t chunk(size_t i) const { return chunks_[i]; }
+  /// Bytes of this rank's shards (what an optimizer's per-element state is
+  /// proportional to), and of the full parameters.
+  int64_t shard_bytes() const;
+  int64_t parameter_bytes() const;
+
+  /// Each shard's gradient becomes this rank's part of the mean over the
+  /// ranks of its parameter's gradient; the parameters' gradients are
+  /// released. One all-reduce of a flag per parameter (which have a
+  /// gradient anywhere), one reduce-scatter per dtype.
+  void reduce_scatter_gradients();
+  /// Every parameter takes the ranks' shards (after the optimizer stepped
+  /// them): one all-gather per dtype.
+  void all_gather_parameters();
+
+ private:
+  std::vector<at::Tensor> parameters_;
+  std::vector<at::Tensor> shards_;
+  std::vector<int64_t> chunks_;
+  std::shared_ptr<ProcessGroup> group_;
+};
+
+}  // namespace fulgur

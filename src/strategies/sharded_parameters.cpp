@@ -1,0 +1,148 @@
+#include "fulgur/strategies/sharded_parameters.h"
+
+#include <torch/torch.h>
+
+#include <utility>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/strategies/process_group.h"
+
+namespace fulgur {
+
+namespace {
+
+// The indices of `parameters` per (dtype, device), in order of first
+// appearance: one collective each.
+std::vector<std::vector<size_t>> by_dtype_and_device(const std::vector<at::Tensor>& parameters) {
+  std::vector<std::vector<size_t>> groups;
+  std::vector<std::pair<c10::ScalarType, c10::Device>> keys;
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    const std::pair<c10::ScalarType, c10::Device> key{parameters[i].scalar_type(),
+                                                      parameters[i].device()};
+    size_t g = 0;
+    while (g < keys.size() && keys[g] != key) ++g;
+    if (g == keys.size()) {
+      keys.push_back(key);
+      groups.emplace_back();
+    }
+    groups[g].push_back(i);
+  }
+  return groups;
+}
+
+}  // namespace
+
+ShardedParameters::ShardedParameters(std::vector<at::Tensor> parameters,
+                                     std::shared_ptr<ProcessGroup> group)
+    : parameters_(std::move(parameters)), group_(std::move(group)) {
+  if (!group_) {
+    throw ConfigError("ShardedParameters: pass the process group the parameters are sharded over.");
+  }
+  if (parameters_.empty()) {
+    throw ConfigError(
+        "ShardedParameters: no parameters to shard. Pass the parameters the optimizer steps.");
+  }
+  const int64_t world = group_->size();
+  const int64_t rank = group_->rank();
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    const at::Tensor& p = parameters_[i];
+    if (!p.defined() || !p.requires_grad()) {
+      throw ConfigError(fulgur::str("ShardedParameters: parameter ", i, " (",
+                                    p.defined() ? p.sizes() : at::IntArrayRef{},
+                                    ") does not require a gradient. Shard only the parameters that "
+                                    "train; frozen ones stay whole on every rank."));
+    }
+    const int64_t n = p.numel();
+    const int64_t k = (n + world - 1) / world;
+    chunks_.push_back(k);
+    at::Tensor shard = torch::zeros({k}, p.options().requires_grad(false));
+    const int64_t start = std::min(rank * k, n);
+    const int64_t take = std::min(k, n - start);
+    if (take > 0) shard.narrow(0, 0, take).copy_(p.detach().reshape({-1}).narrow(0, start, take));
+    shards_.push_back(shard.requires_grad_(true));
+  }
+}
+
+int64_t ShardedParameters::shard_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& s : shards_) bytes += static_cast<int64_t>(s.nbytes());
+  return bytes;
+}
+
+int64_t ShardedParameters::parameter_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& p : parameters_) bytes += static_cast<int64_t>(p.nbytes());
+  return bytes;
+}
+
+void ShardedParameters::reduce_scatter_gradients() {
+  const int64_t world = group_->size();
+  torch::NoGradGuard no_grad;
+  // Which parameters have a gradient on some rank (DDP's rule: the others
+  // keep none, and the optimizer skips them).
+  at::Tensor has = torch::zeros({static_cast<int64_t>(parameters_.size())}, torch::kInt);
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    if (parameters_[i].grad().defined()) has[static_cast<int64_t>(i)] = 1;
+  }
+  group_->all_reduce_(has, ReduceOp::Max);
+  const auto anywhere = has.accessor<int, 1>();
+  for (const auto& indices : by_dtype_and_device(parameters_)) {
+    // Rank-major packing: block r holds every parameter's chunk r, so the
+    // reduce-scatter hands each rank its chunks of all of them at once.
+    std::vector<size_t> mine;
+    std::vector<int64_t> offsets;
+    int64_t total = 0;
+    for (size_t i : indices) {
+      if (anywhere[static_cast<int64_t>(i)] == 0) continue;
+      mine.push_back(i);
+      offsets.push_back(total);
+      total += chunks_[i];
+    }
+    if (mine.empty()) continue;
+    const at::Tensor& first = parameters_[mine.front()];
+    at::Tensor packed = torch::zeros({world * total}, first.options().requires_grad(false));
+    const at::Tensor blocks = packed.view({world, total});
+    for (size_t j = 0; j < mine.size(); ++j) {
+      const at::Tensor grad = parameters_[mine[j]].grad();
+      if (!grad.defined()) continue;  // zeros from this rank
+      const at::Tensor flat = grad.reshape({-1});
+      const int64_t n = flat.numel(), k = chunks_[mine[j]];
+      for (int64_t r = 0; r < world && r * k < n; ++r) {
+        const int64_t len = std::min(k, n - r * k);
+        blocks[r].narrow(0, offsets[j], len).copy_(flat.narrow(0, r * k, len));
+      }
+    }
+    at::Tensor reduced = group_->reduce_scatter_sum(packed).div_(static_cast<double>(world));
+    for (size_t j = 0; j < mine.size(); ++j) {
+      shards_[mine[j]].mutable_grad() = reduced.narrow(0, offsets[j], chunks_[mine[j]]);
+    }
+  }
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    if (anywhere[static_cast<int64_t>(i)] == 0) shards_[i].mutable_grad().reset();
+    parameters_[i].mutable_grad().reset();
+  }
+}
+
+void ShardedParameters::all_gather_parameters() {
+  const int64_t world = group_->size();
+  torch::NoGradGuard no_grad;
+  for (const auto& indices : by_dtype_and_device(parameters_)) {
+    std::vector<at::Tensor> pieces;
+    for (size_t i : indices) pieces.push_back(shards_[i].detach());
+    const at::Tensor packed = torch::cat(pieces);
+    const int64_t total = packed.numel();
+    at::Tensor gathered = torch::empty({world * total}, packed.options());
+    group_->all_gather_into(gathered, packed);
+    const at::Tensor blocks = gathered.view({world, total});
+    int64_t offset = 0;
+    for (size_t i : indices) {
+      at::Tensor& p = parameters_[i];
+      const at::Tensor full = blocks.narrow(1, offset, chunks_[i]).reshape({-1});
+      p.copy_(full.narrow(0, 0, p.numel()).view(p.sizes()));
+      offset += chunks_[i];
+    }
+  }
+}
+
+}  // namespace fulgur

@@ -1,0 +1,156 @@
+// Sharded parameters on 2 and 3 ranks (threads, Gloo over 127.0.0.1): after
+// steps of SGD with momentum and of Adam on the shards, every rank's model
+// equals one process stepping the whole model with the mean gradient, DDP's
+// rule included (a parameter some rank has no gradient for counts zeros
+// there; one no rank has a gradient for is skipped); uneven shards (sizes
+// not divisible by the world), and the errors.
+#include "fulgur/strategies/sharded_parameters.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+// 35 + 7 + 21 + 3 + 4 + 2 elements: none but one divisible by 2 and 3 both.
+struct Net : torch::nn::Module {
+  torch::nn::Linear a{nullptr}, b{nullptr}, sometimes{nullptr};
+  Net() {
+    a = register_module("a", torch::nn::Linear(5, 7));
+    b = register_module("b", torch::nn::Linear(7, 3));
+    sometimes = register_module("sometimes", torch::nn::Linear(2, 2));
+    // The same values in every rank's thread (the random generator is
+    // shared between the threads, so its draws are not).
+    torch::NoGradGuard no_grad;
+    double phase = 0;
+    for (auto& p : parameters()) {
+      p.copy_(torch::sin(torch::arange(p.numel(), torch::kFloat) * 0.7 + (phase += 1.0))
+                  .reshape(p.sizes()) *
+              0.5);
+    }
+  }
+  // Rank `rank`'s loss at `step`: `sometimes` is used by rank 0 on even
+  // steps only (odd steps: no rank has a gradient for it).
+  at::Tensor loss(int step, int rank) {
+    const at::Tensor x =
+        torch::sin(torch::arange(20, torch::kFloat).reshape({4, 5}) * 0.3 + step + 10.0 * rank);
+    at::Tensor l = b(torch::relu(a(x))).pow(2).mean();
+    if (rank == 0 && step % 2 == 0) l = l + 0.1 * sometimes(x.narrow(1, 0, 2)).sum();
+    return l;
+  }
+};
+
+using MakeOptimizer =
+    std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+
+std::unique_ptr<torch::optim::Optimizer> sgd(std::vector<at::Tensor> params) {
+  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+}
+std::unique_ptr<torch::optim::Optimizer> adam(std::vector<at::Tensor> params) {
+  return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
+}
+
+void release_grads(const std::vector<at::Tensor>& params) {
+  for (auto p : params) p.mutable_grad().reset();
+}
+
+constexpr int kSteps = 6;
+
+// One process, the whole model, the mean of the ranks' gradients.
+std::vector<at::Tensor> reference(int world, const MakeOptimizer& make) {
+  Net net;
+  auto opt = make(net.parameters());
+  for (int step = 0; step < kSteps; ++step) {
+    release_grads(net.parameters());
+    for (int r = 0; r < world; ++r) (net.loss(step, r) / world).backward();
+    opt->step();
+  }
+  return net.parameters();
+}
+
+void expect_sharded_equals_reference(int world, const MakeOptimizer& make) {
+  const auto expected = reference(world, make);
+  std::vector<std::vector<at::Tensor>> got(static_cast<size_t>(world));
+  fulgur::test::on_ranks(world, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+    Net net;
+    fulgur::ShardedParameters sharded(net.parameters(), group);
+    auto opt = make(sharded.shards());
+    for (int step = 0; step < kSteps; ++step) {
+      release_grads(sharded.shards());
+      net.loss(step, rank).backward();
+      sharded.reduce_scatter_gradients();
+      // No rank had a gradient for `sometimes` on odd steps: nothing to step.
+      const bool used = step % 2 == 0;
+      for (size_t i = 4; i < 6; ++i) EXPECT_EQ(sharded.shards()[i].grad().defined(), used);
+      opt->step();
+      sharded.all_gather_parameters();
+    }
+    for (const auto& p : net.parameters()) EXPECT_FALSE(p.grad().defined());  // released
+    got[static_cast<size_t>(rank)] = net.parameters();
+  });
+  for (int r = 0; r < world; ++r) {
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(got[static_cast<size_t>(r)][i], expected[i], 1e-5, 1e-6))
+          << "rank " << r << " of " << world << ", parameter " << i << ": "
+          << (got[static_cast<size_t>(r)][i] - expected[i]).abs().max().item<float>();
+    }
+  }
+}
+
+TEST(ShardedParameters, SgdWithMomentumOnTwoAndThreeRanksEqualsOneProcess) {
+  expect_sharded_equals_reference(2, sgd);
+  expect_sharded_equals_reference(3, sgd);
+}
+
+TEST(ShardedParameters, AdamOnTwoAndThreeRanksEqualsOneProcess) {
+  expect_sharded_equals_reference(2, adam);
+  expect_sharded_equals_reference(3, adam);
+}
+
+TEST(ShardedParameters, EachRankHoldsItsChunkOfEveryParameter) {
+  std::vector<int64_t> chunks[3];
+  std::vector<at::Tensor> shards[3];
+  int64_t shard_bytes[3] = {0, 0, 0}, parameter_bytes = 0;
+  fulgur::test::on_ranks(3, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+    Net net;
+    fulgur::ShardedParameters sharded(net.parameters(), group);
+    for (size_t i = 0; i < net.parameters().size(); ++i) chunks[rank].push_back(sharded.chunk(i));
+    shards[rank] = sharded.shards();
+    shard_bytes[rank] = sharded.shard_bytes();
+    if (rank == 0) parameter_bytes = sharded.parameter_bytes();
+  });
+  Net net;
+  const auto params = net.parameters();
+  // a.weight has 35 elements: chunks of 12, the last one 11 and a zero pad.
+  EXPECT_EQ(chunks[0], (std::vector<int64_t>{12, 3, 7, 1, 2, 1}));
+  EXPECT_EQ(shard_bytes[1], (12 + 3 + 7 + 1 + 2 + 1) * 4);
+  EXPECT_EQ(parameter_bytes, (35 + 7 + 21 + 3 + 4 + 2) * 4);
+  const at::Tensor flat = params[0].detach().reshape({-1});
+  EXPECT_TRUE(torch::equal(shards[1][0].detach(), flat.narrow(0, 12, 12)));
+  EXPECT_TRUE(torch::equal(shards[2][0].detach().narrow(0, 0, 11), flat.narrow(0, 24, 11)));
+  EXPECT_EQ(shards[2][0][11].item<float>(), 0.0f);
+  for (const auto& s : shards[0]) {
+    EXPECT_TRUE(s.is_leaf());
+    EXPECT_TRUE(s.requires_grad());
+  }
+}
+
+TEST(ShardedParameters, FrozenOrMissingParametersAreRefused) {
+  fulgur::test::on_ranks(1, [&](int, std::shared_ptr<fulgur::ProcessGroup> group) {
+    Net net;
+    net.a->weight.requires_grad_(false);
+    EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::ShardedParameters(net.parameters(), group),
+                       {"parameter 0 ([7, 5])", "does not require a gradient", "frozen"});
+    EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::ShardedParameters({}, group),
+                       {"no parameters to shard"});
+    EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::ShardedParameters(net.parameters(), nullptr),
+                       {"process group"});
+  });
+}
+
+}  // namespace
