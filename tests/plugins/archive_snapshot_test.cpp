@@ -68,6 +68,28 @@ TEST(ArchiveSnapshot, TheArchiveKeepsTheValuesOfTheSavePoint) {
   EXPECT_EQ(step.toInt(), 12);
 }
 
+// Tied weights: one tensor under two keys is copied once and still shared
+// after the round trip, as a synchronous save would keep it.
+TEST(ArchiveSnapshot, ATensorHeldTwiceIsCopiedOnce) {
+  at::Tensor tied = torch::ones({64});
+  torch::serialize::OutputArchive archive, nested;
+  archive.write("encoder", tied);
+  nested.write("decoder", tied);
+  archive.write("head", nested);
+  fulgur::detail::ArchiveSnapshot snapshot;
+  EXPECT_EQ(snapshot.take(archive), 64 * sizeof(float));
+  EXPECT_EQ(snapshot.buffers().size(), 1u);
+  tied.add_(1);
+  auto in = round_trip(archive);
+  at::Tensor encoder, decoder;
+  torch::serialize::InputArchive head;
+  in.read("encoder", encoder);
+  in.read("head", head);
+  head.read("decoder", decoder);
+  EXPECT_TRUE(torch::equal(encoder, torch::ones({64})));
+  EXPECT_EQ(encoder.data_ptr(), decoder.data_ptr());  // one storage in the file
+}
+
 TEST(ArchiveSnapshot, TheNextSnapshotReusesTheBuffers) {
   at::Tensor state = torch::zeros({1 << 16});
   fulgur::detail::ArchiveSnapshot snapshot;

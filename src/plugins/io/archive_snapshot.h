@@ -22,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstddef>
+#include <unordered_map>
 #include <vector>
 
 namespace torch::serialize {
@@ -32,10 +33,10 @@ namespace fulgur::detail {
 
 class ArchiveSnapshot {
  public:
-  /// Replaces every tensor of `archive` with a copy; returns the bytes
-  /// copied. The buffers of the previous take() are reused where the n-th
-  /// tensor has the same shape, dtype and device; take() must not be
-  /// called again before the archive it last snapshotted is written.
+  /// Replaces every tensor of `archive` with a copy (one copy for a tensor
+  /// it holds twice); returns the bytes copied. The buffers of the previous take() are reused where
+  /// the n-th tensor has the same shape, dtype and device; take() must not be called again before
+  /// the archive it last snapshotted is written.
   size_t take(torch::serialize::OutputArchive& archive);
   /// Bytes held by the buffers (kept between snapshots).
   size_t capacity_bytes() const;
@@ -45,6 +46,8 @@ class ArchiveSnapshot {
  private:
   at::Tensor copy(const at::Tensor& tensor);
   std::vector<at::Tensor> buffers_;
+  /// The copy of each tensor met during this take() (by its impl).
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> seen_;
   size_t next_ = 0;
   size_t copied_ = 0;
 };
