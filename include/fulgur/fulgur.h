@@ -48,6 +48,7 @@
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/strategies/checkpoint_layout.h"
 #include "fulgur/strategies/ddp.h"
+#include "fulgur/strategies/fsdp.h"
 #include "fulgur/strategies/gradient_reducer.h"
 #include "fulgur/strategies/launchers/fork.h"
 #include "fulgur/strategies/launchers/launcher.h"

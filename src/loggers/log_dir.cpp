@@ -78,6 +78,8 @@ std::optional<int64_t> resumed_version(const std::string& previous_dir, const st
 
 namespace fulgur {
 
+namespace fs = std::filesystem;
+
 VersionedLogger::VersionedLogger(std::string kind, std::string save_dir, std::string name,
                                  std::optional<int64_t> version)
     : kind_(std::move(kind)),

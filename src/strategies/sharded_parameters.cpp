@@ -30,6 +30,19 @@ std::vector<std::vector<size_t>> by_dtype_and_device(const std::vector<at::Tenso
   return groups;
 }
 
+// Chunk `rank` of `parameter` (flattened) into `shard`; the padding past the
+// parameter's end stays as it is (zeros).
+void copy_chunk(const at::Tensor& parameter, int64_t rank, at::Tensor& shard) {
+  const int64_t n = parameter.numel(), k = shard.numel();
+  const int64_t start = std::min(rank * k, n);
+  const int64_t take = std::min(k, n - start);
+  if (take > 0) {
+    shard.detach()
+        .narrow(0, 0, take)
+        .copy_(parameter.detach().reshape({-1}).narrow(0, start, take));
+  }
+}
+
 }  // namespace
 
 ShardedParameters::ShardedParameters(std::vector<at::Tensor> parameters,
@@ -57,9 +70,7 @@ ShardedParameters::ShardedParameters(std::vector<at::Tensor> parameters,
     const int64_t k = (n + world - 1) / world;
     chunks_.push_back(k);
     at::Tensor shard = torch::zeros({k}, p.options().requires_grad(false));
-    const int64_t start = std::min(rank * k, n);
-    const int64_t take = std::min(k, n - start);
-    if (take > 0) shard.narrow(0, 0, take).copy_(p.detach().reshape({-1}).narrow(0, start, take));
+    copy_chunk(p, rank, shard);
     shards_.push_back(shard.requires_grad_(true));
   }
 }
@@ -115,13 +126,16 @@ void ShardedParameters::reduce_scatter_gradients() {
     }
     at::Tensor reduced = group_->reduce_scatter_sum(packed).div_(static_cast<double>(world));
     for (size_t j = 0; j < mine.size(); ++j) {
-      shards_[mine[j]].mutable_grad() = reduced.narrow(0, offsets[j], chunks_[mine[j]]);
+      at::Tensor part = reduced.narrow(0, offsets[j], chunks_[mine[j]]);
+      at::Tensor& grad = shards_[mine[j]].mutable_grad();
+      if (grad.defined()) {
+        grad.add_(part);  // a second backward before the step accumulates
+      } else {
+        grad = part.clone();
+      }
     }
   }
-  for (size_t i = 0; i < parameters_.size(); ++i) {
-    if (anywhere[static_cast<int64_t>(i)] == 0) shards_[i].mutable_grad().reset();
-    parameters_[i].mutable_grad().reset();
-  }
+  for (auto& p : parameters_) p.mutable_grad().reset();
 }
 
 void ShardedParameters::all_gather_parameters() {
@@ -142,6 +156,13 @@ void ShardedParameters::all_gather_parameters() {
       p.copy_(full.narrow(0, 0, p.numel()).view(p.sizes()));
       offset += chunks_[i];
     }
+  }
+}
+
+void ShardedParameters::take_from_parameters() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    copy_chunk(parameters_[i], group_->rank(), shards_[i]);
   }
 }
 

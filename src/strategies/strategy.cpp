@@ -14,6 +14,7 @@
 #include "fulgur/strategies/checkpoint_layout.h"
 #include "fulgur/strategies/launchers/launcher.h"
 #include "fulgur/strategies/ddp.h"
+#include "fulgur/strategies/fsdp.h"
 #include "fulgur/strategies/manual.h"
 #include "fulgur/strategies/single_device.h"
 #include "strategies/launchers/heartbeat.h"
@@ -178,6 +179,10 @@ std::unique_ptr<PrecisionScope> Strategy::step_scope() {
 
 void Strategy::backward(const at::Tensor& loss, Module&) { precision().backward(loss); }
 
+void Strategy::clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm) {
+  torch::nn::utils::clip_grad_norm_(parameters, max_norm);
+}
+
 void Strategy::unscale_gradients(torch::optim::Optimizer& optimizer) {
   precision().unscale_gradients(optimizer);
 }
@@ -309,6 +314,7 @@ StrategyRegistry& strategy_registry() {
     StrategyRegistry r("strategy");
     SingleDeviceStrategy::register_strategies(r);
     DDPStrategy::register_strategies(r);
+    FSDPStrategy::register_strategies(r);
     ManualStrategy::register_strategies(r);
     return r;
   }();

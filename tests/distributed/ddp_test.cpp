@@ -18,6 +18,7 @@
 
 namespace {
 
+using fulgur::test::expect_equivalent;
 using fulgur::test::ProcessResult;
 using fulgur::test::result_value;
 using fulgur::test::run_process;
@@ -25,43 +26,6 @@ using fulgur::test::run_worker;
 using fulgur::test::same_params;
 using fulgur::test::TempDir;
 using namespace std::chrono_literals;
-
-// One process with batch 2b against two ranks with batch b each (the two
-// ranks also get `multi_only`). Returns whether the parameters matched.
-bool expect_equivalent(const std::vector<std::string>& common, const std::string& strategy,
-                       const std::vector<std::string>& multi_only = {}, bool expect_same = true) {
-  TempDir dir;
-  const std::string single = dir.path() + "/single.pt";
-  const std::string multi = dir.path() + "/multi.pt";
-  auto one = run_worker([&] {
-    auto a = common;
-    for (std::string s : {"--devices", "1", "--batch", "16", "--out", single.c_str(), "--root",
-                          dir.path().c_str()}) {
-      a.push_back(s);
-    }
-    return a;
-  }());
-  EXPECT_EQ(one.exit_code, 0) << one.output;
-  if (one.exit_code != 0) return false;
-  auto two = run_worker([&] {
-    auto a = common;
-    a.insert(a.end(), multi_only.begin(), multi_only.end());
-    for (std::string s : {"--strategy", strategy.c_str(), "--devices", "2", "--batch", "8", "--out",
-                          multi.c_str(), "--root", dir.path().c_str()}) {
-      a.push_back(s);
-    }
-    return a;
-  }());
-  EXPECT_EQ(two.exit_code, 0) << two.output;
-  if (two.exit_code != 0) return false;
-  EXPECT_EQ(result_value(two.output, "world_size"), "2") << two.output;
-  EXPECT_EQ(result_value(two.output, "global_step"), result_value(one.output, "global_step"));
-  auto same = same_params(single, multi);
-  if (expect_same) {
-    EXPECT_TRUE(same) << two.output;
-  }
-  return static_cast<bool>(same);
-}
 
 TEST(DDP, TwoRanksMatchOneProcessWithTheDoubleBatch) {
   expect_equivalent({"--steps", "20"}, "ddp");

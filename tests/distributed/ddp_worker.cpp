@@ -38,6 +38,7 @@ struct Args {
   bool skip_fit = false;
   bool manual = false;
   bool unused_layer = false;
+  double gradient_clip_val = 0;  // > 0: clip by norm
   std::string optimizer = "sgd";
   std::string out;
   std::string root = ".";
@@ -395,6 +396,7 @@ int main(int argc, char** argv) {
   app.add_flag("--manual-optimization", a.manual);
   app.add_flag("--unused-layer", a.unused_layer);
   app.add_option("--optimizer", a.optimizer);
+  app.add_option("--gradient-clip-val", a.gradient_clip_val);
   app.add_option("--out", a.out);
   app.add_option("--root", a.root);
   app.add_option("--die-rank", a.die_rank);
@@ -478,6 +480,7 @@ int main(int argc, char** argv) {
     if (!a.plugins.empty()) options.plugins = {a.plugins};
     options.max_steps = a.steps;
     options.accumulate_grad_batches = a.accumulate;
+    if (a.gradient_clip_val > 0) options.gradient_clip_val = a.gradient_clip_val;
     options.enable_progress_bar = false;
     auto checkpoint = std::make_shared<fulgur::ModelCheckpoint>(
         fulgur::ModelCheckpointOptions{.monitor = "train_loss", .save_top_k = 1});

@@ -16,6 +16,7 @@
 
 namespace {
 
+using fulgur::test::count_occurrences;
 using fulgur::test::ProcessResult;
 using fulgur::test::result_value;
 using fulgur::test::run_worker;
@@ -71,12 +72,6 @@ void expect_identical(const std::string& dir, const std::string& reference,
       << name;
 }
 
-int count(const std::string& text, const std::string& what) {
-  int n = 0;
-  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
-  return n;
-}
-
 void expect_success(const ProcessResult& r, const std::string& what) {
   EXPECT_EQ(r.exit_code, 0) << what << ":\n" << r.output;
   EXPECT_EQ(result_value(r.output, "global_step"), "30") << what << ":\n" << r.output;
@@ -100,7 +95,8 @@ TEST(Recovery, RanksKilledAtRandomStepsAreRestartedAndTheRunEndsBitIdentical) {
       auto once = run_worker(
           with(training(strategy, seed, d, "once"), {"--max-restarts", "1", "--kill", kill}));
       expect_success(once, "killed once at " + kill);
-      EXPECT_EQ(count(once.output, "fulgur: restart 1 of 1: rank " + std::to_string(rank)), 1)
+      EXPECT_EQ(
+          count_occurrences(once.output, "fulgur: restart 1 of 1: rank " + std::to_string(rank)), 1)
           << once.output;
       EXPECT_NE(once.output.find("SIGKILL"), std::string::npos) << once.output;
       expect_identical(d, "reference", "once");
@@ -110,7 +106,7 @@ TEST(Recovery, RanksKilledAtRandomStepsAreRestartedAndTheRunEndsBitIdentical) {
       auto twice = run_worker(with(training(strategy, seed, d, "twice"),
                                    {"--max-restarts", "2", "--kill", first, "--kill", second}));
       expect_success(twice, "killed at " + first + " and " + second);
-      EXPECT_EQ(count(twice.output, "fulgur: restart "), 2) << twice.output;
+      EXPECT_EQ(count_occurrences(twice.output, "fulgur: restart "), 2) << twice.output;
       expect_identical(d, "reference", "twice");
     }
   }
@@ -132,7 +128,7 @@ TEST(Recovery, WhenTheRestartsAreUsedUpTheLastFailureIsReported) {
   auto r = run_worker(with(training("ddp", 5, dir.path(), "run"),
                            {"--max-restarts", "1", "--kill", "1:6:0", "--kill", "0:9:1"}));
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_EQ(count(r.output, "fulgur: restart "), 1) << r.output;
+  EXPECT_EQ(count_occurrences(r.output, "fulgur: restart "), 1) << r.output;
   EXPECT_NE(r.output.find("launcher: rank 0 (pid"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("No restart left: the ranks were started 2 times (max_restarts=1)"),
             std::string::npos)

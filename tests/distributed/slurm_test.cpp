@@ -20,18 +20,13 @@
 
 namespace {
 
+using fulgur::test::count_occurrences;
 using fulgur::test::ProcessResult;
 using fulgur::test::result_value;
 using fulgur::test::run_process;
 using fulgur::test::same_params;
 using fulgur::test::TempDir;
 using namespace std::chrono_literals;
-
-int count(const std::string& text, const std::string& what) {
-  int n = 0;
-  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
-  return n;
-}
 
 std::vector<std::string> with_srun(std::vector<std::string> srun,
                                    const std::vector<std::string>& program) {
@@ -214,9 +209,12 @@ TEST_F(Slurm, RequeueSignalSavesOnceRequeuesOnceAndTheRequeuedJobEndsBitIdentica
   const std::string output = read_file(log);
   ASSERT_NE(state.find("JobState=COMPLETED"), std::string::npos) << state << "\n" << output;
   EXPECT_NE(state.find("Restarts=1"), std::string::npos) << state;
-  EXPECT_EQ(count(output, "fulgur: SIGUSR1 (cluster environment \"slurm\"): saved"), 1) << output;
-  EXPECT_EQ(count(output, "requeued SLURM job " + id), 1) << output;
-  EXPECT_EQ(count(output, "fulgur: restart 1 (cluster environment \"slurm\"): resuming from"), 1)
+  EXPECT_EQ(count_occurrences(output, "fulgur: SIGUSR1 (cluster environment \"slurm\"): saved"), 1)
+      << output;
+  EXPECT_EQ(count_occurrences(output, "requeued SLURM job " + id), 1) << output;
+  EXPECT_EQ(
+      count_occurrences(output, "fulgur: restart 1 (cluster environment \"slurm\"): resuming from"),
+      1)
       << output;
   EXPECT_EQ(result_value(output, "global_step"), "150") << output;
   expect_identical("reference", "requeued");
@@ -235,7 +233,9 @@ TEST_F(Slurm, SigtermOnOneRankSavesACheckpointAndANewJobResumesBitIdentical) {
   EXPECT_NE(stopped.exit_code, 0) << stopped.output;
   EXPECT_NE(stopped.output.find("rank 1 receives signal 15 before step 13"), std::string::npos)
       << stopped.output;
-  EXPECT_EQ(count(stopped.output, "fulgur: SIGTERM (cluster environment \"slurm\"): saved"), 1)
+  EXPECT_EQ(
+      count_occurrences(stopped.output, "fulgur: SIGTERM (cluster environment \"slurm\"): saved"),
+      1)
       << stopped.output;
   EXPECT_EQ(stopped.output.find("requeued SLURM job"), std::string::npos) << stopped.output;
   EXPECT_EQ(result_value(stopped.output, "global_step"), "") << "fit went on:\n" << stopped.output;
@@ -275,7 +275,9 @@ TEST_F(Slurm, SigtermUnderManualSavesEveryRanksShardAndANewJobResumesThem) {
   ASSERT_EQ(reference.exit_code, 0) << reference.output;
   auto stopped = manual("stopped", {"--raise", "1:5:15"});
   EXPECT_NE(stopped.exit_code, 0) << stopped.output;
-  EXPECT_EQ(count(stopped.output, "fulgur: SIGTERM (cluster environment \"slurm\"): saved"), 1)
+  EXPECT_EQ(
+      count_occurrences(stopped.output, "fulgur: SIGTERM (cluster environment \"slurm\"): saved"),
+      1)
       << stopped.output;
   const std::string last = dir_.path() + "/stopped/checkpoints/last.ckpt";
   auto inspect = run_process({FULGUR_CLI, "checkpoint", "inspect", last}, {}, 60s);

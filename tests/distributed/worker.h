@@ -1,5 +1,6 @@
 // Runs tests/distributed/ddp_worker.cpp (FULGUR_DDP_WORKER) with `args`
-// under a time limit, expecting it to finish and leave no process behind.
+// under a time limit, expecting it to finish and leave no process behind;
+// and compares a multi-rank run with one process.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "support/process.h"
+#include "support/test_support.h"
 
 namespace fulgur::test {
 
@@ -22,6 +24,44 @@ inline ProcessResult run_worker(std::vector<std::string> args,
                             << r.output;
   EXPECT_EQ(r.leftover_processes, 0) << "processes were left running:\n" << r.output;
   return r;
+}
+
+// One process with batch 2b against two ranks with batch b each (the two
+// ranks also get `multi_only`). Returns whether the parameters matched.
+inline bool expect_equivalent(const std::vector<std::string>& common, const std::string& strategy,
+                              const std::vector<std::string>& multi_only = {},
+                              bool expect_same = true) {
+  TempDir dir;
+  const std::string single = dir.path() + "/single.pt";
+  const std::string multi = dir.path() + "/multi.pt";
+  auto one = run_worker([&] {
+    auto a = common;
+    for (std::string s : {"--devices", "1", "--batch", "16", "--out", single.c_str(), "--root",
+                          dir.path().c_str()}) {
+      a.push_back(s);
+    }
+    return a;
+  }());
+  EXPECT_EQ(one.exit_code, 0) << one.output;
+  if (one.exit_code != 0) return false;
+  auto two = run_worker([&] {
+    auto a = common;
+    a.insert(a.end(), multi_only.begin(), multi_only.end());
+    for (std::string s : {"--strategy", strategy.c_str(), "--devices", "2", "--batch", "8", "--out",
+                          multi.c_str(), "--root", dir.path().c_str()}) {
+      a.push_back(s);
+    }
+    return a;
+  }());
+  EXPECT_EQ(two.exit_code, 0) << two.output;
+  if (two.exit_code != 0) return false;
+  EXPECT_EQ(result_value(two.output, "world_size"), "2") << two.output;
+  EXPECT_EQ(result_value(two.output, "global_step"), result_value(one.output, "global_step"));
+  auto same = same_params(single, multi);
+  if (expect_same) {
+    EXPECT_TRUE(same) << two.output;
+  }
+  return static_cast<bool>(same);
 }
 
 }  // namespace fulgur::test

@@ -175,6 +175,12 @@ fulgur::TrainerOptions checkpointed_options(const TempDir& dir,
   return options;
 }
 
+int count_occurrences(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
 // ---- Data.
 
 std::shared_ptr<fulgur::TensorDataset> regression_dataset(int64_t n, int64_t in_features) {

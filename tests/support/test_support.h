@@ -141,6 +141,8 @@ std::vector<std::string> split(const std::string& text, char sep);
 /// CPU, max_epochs = 1, outputs under `dir`, no progress bar, no logger, no
 /// checkpointing. Tests change what they exercise.
 fulgur::TrainerOptions test_options(const TempDir& dir);
+/// How many times `what` occurs in `text` (overlapping occurrences too).
+int count_occurrences(const std::string& text, const std::string& what);
 /// test_options with checkpointing on and one ModelCheckpoint of `checkpoint`'s
 /// options as the only callback (returned through `callback` when given).
 fulgur::TrainerOptions checkpointed_options(

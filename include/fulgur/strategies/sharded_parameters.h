@@ -16,7 +16,7 @@
 //
 // The gradients follow DDP's rule: the mean over the ranks, a rank without
 // a gradient for a parameter counting as zeros, and a parameter no rank has
-// a gradient for left without one (the optimizer skips it). Each exchange is
+// a gradient for left as it is (without one, the optimizer skips it). Each exchange is
 // one collective for all the parameters: a reduce-scatter of their packed
 // chunks, and an all-gather of the packed shards.
 //
@@ -55,14 +55,20 @@ class ShardedParameters {
   int64_t shard_bytes() const;
   int64_t parameter_bytes() const;
 
-  /// Each shard's gradient becomes this rank's part of the mean over the
-  /// ranks of its parameter's gradient; the parameters' gradients are
-  /// released. One all-reduce of a flag per parameter (which have a
-  /// gradient anywhere), one reduce-scatter per dtype.
+  /// Adds to each shard's gradient (or sets, when it has none) this rank's
+  /// part of the mean over the ranks of its parameter's gradient; a shard
+  /// whose parameter has a gradient on no rank is left as it is (without
+  /// one, the optimizer skips it). The parameters' gradients are released.
+  /// One all-reduce of a flag per parameter (which have a gradient
+  /// anywhere), one reduce-scatter per dtype.
   void reduce_scatter_gradients();
   /// Every parameter takes the ranks' shards (after the optimizer stepped
   /// them): one all-gather per dtype.
   void all_gather_parameters();
+  /// Each shard takes this rank's chunk of its parameter again (after the
+  /// parameters were loaded from a checkpoint); the shard tensors stay the
+  /// same objects, so an optimizer built on them stays valid.
+  void take_from_parameters();
 
  private:
   std::vector<at::Tensor> parameters_;

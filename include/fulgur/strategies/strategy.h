@@ -151,6 +151,11 @@ class Strategy {
   virtual bool backward_skipped(Module& /*module*/, bool accumulated) { return accumulated; }
   /// Unscales the optimizer's gradients before clipping (16-mixed).
   void unscale_gradients(torch::optim::Optimizer& optimizer);
+  /// Scales the gradients of `parameters` so that their 2-norm is at most
+  /// `max_norm` (gradient_clip_val with the norm algorithm). Default:
+  /// torch::nn::utils::clip_grad_norm_; a strategy whose ranks each hold a
+  /// shard of the gradients takes the norm over all of them.
+  virtual void clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm);
   /// Steps the optimizer through the precision plugin; false if skipped.
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer, Module& module);
   /// Off for the backward passes of micro-batches that do not step the

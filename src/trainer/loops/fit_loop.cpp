@@ -275,7 +275,7 @@ void FitLoop::step_optimizers() {
     if (trainer_.options.gradient_clip_val && *trainer_.options.gradient_clip_val > 0) {
       auto params = optimizer_params(*opt);
       if (trainer_.options.gradient_clip_algorithm == GradientClipAlgorithm::Norm) {
-        torch::nn::utils::clip_grad_norm_(params, *trainer_.options.gradient_clip_val);
+        trainer_.strategy->clip_gradients_norm(params, *trainer_.options.gradient_clip_val);
       } else {
         torch::nn::utils::clip_grad_value_(params, *trainer_.options.gradient_clip_val);
       }
