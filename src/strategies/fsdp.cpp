@@ -66,10 +66,11 @@ OptimizerConfig FSDPStrategy::setup_optimizers(Module& module) {
       for (const auto& p : group.params()) {
         if (!p.requires_grad()) continue;  // frozen: stays whole, never stepped
         if (!taken.insert(p.unsafeGetTensorImpl()).second) {
-          throw ConfigError(fulgur::str("strategy \"", name(), "\": a parameter of shape ", p.sizes(),
-                                " is in two optimizers (or twice in one). Under sharded data "
-                                "parallel each parameter is sharded for one optimizer: give "
-                                "each parameter to one optimizer, once."));
+          throw ConfigError(
+              fulgur::str("strategy \"", name(), "\": a parameter of shape ", p.sizes(),
+                          " is in two optimizers (or twice in one). Under sharded data "
+                          "parallel each parameter is sharded for one optimizer: give "
+                          "each parameter to one optimizer, once."));
         }
         params.push_back(p);
       }
@@ -169,6 +170,18 @@ void FSDPStrategy::register_strategies(StrategyRegistry& registry) {
       {"fsdp_shard_grad_op_fork",
        "Sharded data parallel, SHARD_GRAD_OP (ZeRO 2), ranks forked at fit()", StartMethod::kFork},
   };
+  // Lightning's spelling of FULL_SHARD: named, so that it says what to use.
+  registry.add(
+      "fsdp",
+      "Sharded data parallel, FULL_SHARD (parameters sharded between uses too): not in this "
+      "version; fsdp_shard_grad_op shards gradients and optimizer state",
+      []() -> std::unique_ptr<Strategy> {
+        throw ConfigError(
+            "strategy=\"fsdp\" (FULL_SHARD: parameters sharded between their uses too) is not in "
+            "this version of fulgur: LibTorch's C++ modules have no forward hooks to gather "
+            "parameters around. Use strategy=\"fsdp_shard_grad_op\" (gradients and optimizer "
+            "state sharded, ZeRO stage 2), or \"ddp\".");
+      });
   for (const auto& v : variants) {
     FSDPOptions options;
     options.start_method = v.start_method;

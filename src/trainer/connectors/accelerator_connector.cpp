@@ -220,7 +220,13 @@ class ConnectorRun {
       strategy_flag_ = to_lower(*name) == "auto" ? std::string("auto") : *name;
       if (strategy_flag_ == "auto") return;
       if (context_.strategies->contains(strategy_flag_)) {
-        strategy_ = std::shared_ptr<Strategy>(context_.strategies->create(strategy_flag_));
+        try {
+          strategy_ = std::shared_ptr<Strategy>(context_.strategies->create(strategy_flag_));
+        } catch (const ConfigError& e) {
+          // A name registered to say what to use instead ("fsdp").
+          strategy_valid_ = false;
+          problems_.add(e.what());
+        }
       } else {
         strategy_valid_ = false;
         problems_.add(str("strategy=\"", strategy_flag_,

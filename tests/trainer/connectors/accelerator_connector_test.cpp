@@ -149,6 +149,23 @@ TEST(AcceleratorConnector, AProcessGroupBackendThatCannotRunHereIsAFlagError) {
                      {"process_group_backend=\"glo\" is not one of gloo, nccl, mpi"});
 }
 
+// Lightning's "fsdp" (FULL_SHARD) is named, so that it says what this
+// version has instead; the problem is listed with the others.
+TEST(AcceleratorConnector, FsdpFullShardSaysWhatToUseInstead) {
+  EXPECT_THROWS_WITH(
+      fulgur::FlagError,
+      fulgur::connect(
+          TrainerOptions{
+              .accelerator = "cpu", .strategy = "fsdp", .devices = 2, .sync_batchnorm = true},
+          empty_env()),
+      {"strategy=\"fsdp\" (FULL_SHARD", "no forward hooks", "strategy=\"fsdp_shard_grad_op\""});
+  auto result = fulgur::connect(
+      TrainerOptions{.accelerator = "cpu", .strategy = "fsdp_shard_grad_op", .devices = 2},
+      empty_env());
+  EXPECT_EQ(result.resolution.strategy, "fsdp_shard_grad_op");
+  EXPECT_EQ(result.resolution.world_size, 2);
+}
+
 // mpi: a resolved choice where LibTorch has ProcessGroupMPI (Debian 13's), a
 // flag error naming the build where it has not (Debian 12's).
 TEST(AcceleratorConnector, TheMpiBackendResolvesExactlyWhereTheBuildHasIt) {
