@@ -35,6 +35,21 @@ TEST(DDP, TwoRanksMatchOneProcessWithShuffleAndAdam) {
   expect_equivalent({"--steps", "20", "--shuffle", "--optimizer", "adam"}, "ddp");
 }
 
+// A rank writing to a peer that died gets an error (EPIPE) it reports, not a
+// SIGPIPE that kills it first and gets it named as the cause (seen under
+// load: rank 0 "killed by signal 13" when rank 1 had been SIGKILLed). One
+// process leaves the program's SIGPIPE as it was.
+TEST(DDP, RanksIgnoreSigpipeAsPythonDoes) {
+  TempDir dir;
+  auto two =
+      run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "2", "--root", dir.path()});
+  EXPECT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_EQ(result_value(two.output, "sigpipe"), "ignored") << two.output;
+  auto one = run_worker({"--devices", "1", "--steps", "2", "--root", dir.path()});
+  EXPECT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_EQ(result_value(one.output, "sigpipe"), "default") << one.output;
+}
+
 TEST(DDP, GradientAccumulationSkipsSyncAndStillMatches) {
   expect_equivalent({"--steps", "10", "--accumulate", "2"}, "ddp");
 }

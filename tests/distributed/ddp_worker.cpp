@@ -559,7 +559,9 @@ int main(int argc, char** argv) {
       std::cout << "RESULT world_size=" << strategy.world_size() << "\n"
                 << "RESULT global_step=" << result.global_step << "\n"
                 << "RESULT train_loss=" << result.metrics["train_loss"] << "\n"
-                << "RESULT cluster_environment=" << strategy.cluster_environment().name() << "\n";
+                << "RESULT cluster_environment=" << strategy.cluster_environment().name() << "\n"
+                << "RESULT sigpipe="
+                << (std::signal(SIGPIPE, SIG_IGN) == SIG_IGN ? "ignored" : "default") << "\n";
       if (auto* parallel = dynamic_cast<fulgur::ParallelStrategy*>(&strategy)) {
         std::cout << "RESULT process_group_backend=" << parallel->process_group_backend() << "\n";
       }

@@ -4,6 +4,8 @@
 // a ProcessGroup created by the first setup_environment() and kept for the
 // strategy's life (fit, then test, share it), and the collectives over it. DDPStrategy adds
 // gradient averaging; the `manual` strategy leaves the model to the user and keeps all of this.
+// With several ranks, setup_environment() sets SIGPIPE to be ignored, as Python does at
+// start-up: a write to a dead peer is then an error the rank reports, not its own death.
 #pragma once
 
 #include <chrono>
