@@ -7,6 +7,7 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
+#include "fulgur/plugins/precision/amp.h"
 #include "fulgur/strategies/checkpoint_layout.h"
 #include "fulgur/strategies/process_group.h"
 #include "fulgur/strategies/sharded_parameters.h"
@@ -50,6 +51,15 @@ void FSDPStrategy::do_teardown() {
 }
 
 OptimizerConfig FSDPStrategy::setup_optimizers(Module& module) {
+  // The loss scaler decides from the gradients it sees whether to skip a
+  // step; each rank sees only its shard, so an inf in one shard would make
+  // that rank alone skip. A scaler that agrees across ranks is not here yet.
+  if (auto* mixed = dynamic_cast<MixedPrecision*>(&precision()); mixed && mixed->scaler()) {
+    throw ConfigError(str("strategy \"", name(), "\" with precision=\"", precision().name(),
+                          "\": its loss scaler would judge each rank's shard of the gradients "
+                          "alone, and ranks could disagree on skipping a step. Use "
+                          "precision=\"bf16-mixed\" (no loss scaler), or strategy \"ddp\"."));
+  }
   OptimizerConfig config = ParallelStrategy::setup_optimizers(module);
   sharded_.clear();
   std::set<const c10::TensorImpl*> taken;

@@ -1,0 +1,58 @@
+// The fsdp strategies in one process: what is registered and how, and what
+// is refused before any rank starts. Training on real ranks:
+// tests/distributed/fsdp_test.cpp.
+#include "fulgur/strategies/fsdp.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+TEST(FSDPStrategy, RegisteredWithItsLaunchVariantsAndSharded) {
+  auto& registry = fulgur::strategy_registry();
+  ASSERT_TRUE(registry.contains("fsdp_shard_grad_op"));
+  ASSERT_TRUE(registry.contains("fsdp_shard_grad_op_fork"));
+  auto popen = registry.create("fsdp_shard_grad_op");
+  auto fork = registry.create("fsdp_shard_grad_op_fork");
+  EXPECT_EQ(popen->name(), "fsdp_shard_grad_op");
+  EXPECT_EQ(dynamic_cast<fulgur::FSDPStrategy&>(*popen).options().start_method.value(),
+            fulgur::StartMethod::kPopen);
+  EXPECT_EQ(dynamic_cast<fulgur::FSDPStrategy&>(*fork).options().start_method.value(),
+            fulgur::StartMethod::kFork);
+  // Each rank writes its own optimizer shard.
+  EXPECT_EQ(popen->checkpoint_layout().name(), "sharded");
+  EXPECT_FALSE(popen->sync_batchnorm_unsupported_reason().empty());
+}
+
+TEST(FSDPStrategy, TheHalfPrecisionLossScalerIsRefusedNamingWhatToUse) {
+  // A scaler judging each rank's shard alone could skip a step on one rank.
+  struct Linear : fulgur::Module {
+    torch::nn::Linear fc{nullptr};
+    Linear() { fc = register_module("fc", torch::nn::Linear(3, 1)); }
+    at::Tensor training_step(fulgur::Batch&, int64_t) override { return {}; }
+    fulgur::OptimizerConfig configure_optimizers() override {
+      return {std::make_shared<torch::optim::SGD>(parameters(), 0.1)};
+    }
+  } model;
+  fulgur::FSDPStrategy strategy;
+  strategy.set_precision(std::make_shared<fulgur::MixedPrecision>(at::kHalf));
+  EXPECT_THROWS_WITH(fulgur::ConfigError, strategy.setup_optimizers(model),
+                     {"strategy \"fsdp_shard_grad_op\" with precision=\"16-mixed\"", "loss scaler",
+                      "precision=\"bf16-mixed\""});
+}
+
+TEST(FSDPStrategy, ABadStartMethodOrBackendIsNamed) {
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      fulgur::FSDPStrategy(fulgur::FSDPOptions{.start_method = "spawn", .parallel = {}}),
+      {"FSDPStrategy: start_method=\"spawn\"", "\"popen\"", "\"fork\""});
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      fulgur::FSDPStrategy(fulgur::FSDPOptions{.parallel = {.process_group_backend = "glo"}}),
+      {"FSDPStrategy: process_group_backend=\"glo\""});
+}
+
+}  // namespace
