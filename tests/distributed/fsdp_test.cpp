@@ -7,7 +7,9 @@
 // checkpoint and ends bit-identical to the run never stopped.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "distributed/worker.h"
@@ -16,9 +18,10 @@
 namespace {
 
 using fulgur::test::expect_equivalent;
+using fulgur::test::expect_identical_runs;
+using fulgur::test::recovery_training;
 using fulgur::test::result_value;
 using fulgur::test::run_worker;
-using fulgur::test::same_params;
 using fulgur::test::TempDir;
 
 constexpr const char* kFsdp = "fsdp_shard_grad_op";
@@ -53,53 +56,26 @@ TEST(FSDP, TheForkLauncherMatchesToo) {
   expect_equivalent({"--steps", "20", "--optimizer", "adam"}, "fsdp_shard_grad_op_fork");
 }
 
-// Adam, shuffled, deterministic, a sharded checkpoint every 4 steps; a rank
-// SIGKILLed at step 13 and restarted resumes from the newest one.
+// recovery_training's run (Adam, shuffled, deterministic, a sharded
+// checkpoint every 4 steps); a rank SIGKILLed at step 13 and restarted
+// resumes from the newest one.
 TEST(FSDP, ARankKilledAndRestartedResumesFromTheShardedCheckpointBitIdentical) {
   TempDir dir;
   const std::string d = dir.path();
-  auto run = [&](const std::string& name, std::vector<std::string> more) {
-    std::vector<std::string> args = {"--strategy",
-                                     kFsdp,
-                                     "--devices",
-                                     "2",
-                                     "--batch",
-                                     "8",
-                                     "--steps",
-                                     "30",
-                                     "--samples",
-                                     "320",
-                                     "--shuffle",
-                                     "--optimizer",
-                                     "adam",
-                                     "--deterministic",
-                                     "--seed",
-                                     "5",
-                                     "--every-n-train-steps",
-                                     "4",
-                                     "--timeout",
-                                     "60",
-                                     "--root",
-                                     d + "/" + name,
-                                     "--out",
-                                     d + "/" + name + ".pt",
-                                     "--out-optimizer",
-                                     d + "/" + name + "-optimizer.pt"};
+  for (const auto& [name, more] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"reference", {}}, {"killed", {"--max-restarts", "1", "--kill", "1:13"}}}) {
+    auto args = recovery_training(kFsdp, 5, d, name);
     args.insert(args.end(), more.begin(), more.end());
     auto r = run_worker(args);
     EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
     EXPECT_EQ(result_value(r.output, "global_step"), "30") << name << ":\n" << r.output;
-    return r;
-  };
-  run("reference", {});
-  auto killed = run("killed", {"--max-restarts", "1", "--kill", "1:13"});
-  EXPECT_NE(killed.output.find("fulgur: restart 1 of 1"), std::string::npos) << killed.output;
+    if (name == "killed") {
+      EXPECT_NE(r.output.find("fulgur: restart 1 of 1"), std::string::npos) << r.output;
+    }
+  }
   // The checkpoints are directories of per-rank shards with a manifest.
-  EXPECT_TRUE(std::filesystem::exists(d + "/killed/checkpoints/last.ckpt/manifest.txt"))
-      << killed.output;
-  EXPECT_TRUE(same_params(d + "/reference.pt", d + "/killed.pt", {.exact = true}));
-  EXPECT_TRUE(
-      same_params(d + "/reference-optimizer.pt", d + "/killed-optimizer.pt", {.exact = true}));
+  EXPECT_TRUE(std::filesystem::exists(d + "/killed/checkpoints/last.ckpt/manifest.txt"));
+  expect_identical_runs(d, "reference", "killed");
 }
 
 }  // namespace

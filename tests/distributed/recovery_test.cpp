@@ -17,59 +17,17 @@
 namespace {
 
 using fulgur::test::count_occurrences;
+using fulgur::test::expect_identical_runs;
 using fulgur::test::ProcessResult;
+using fulgur::test::recovery_training;
 using fulgur::test::result_value;
 using fulgur::test::run_worker;
-using fulgur::test::same_params;
 using fulgur::test::TempDir;
 using namespace std::chrono_literals;
-
-// 30 optimizer steps over 20 steps per epoch (an epoch boundary inside),
-// Adam (whose state counts steps), shuffled, deterministic, a checkpoint
-// every 4 steps: the run every recovery test compares against.
-std::vector<std::string> training(const std::string& strategy, int seed, const std::string& dir,
-                                  const std::string& name) {
-  return {"--strategy",
-          strategy,
-          "--devices",
-          strategy == "auto" ? "1" : "2",
-          "--batch",
-          strategy == "auto" ? "16" : "8",
-          "--steps",
-          "30",
-          "--samples",
-          "320",
-          "--shuffle",
-          "--optimizer",
-          "adam",
-          "--deterministic",
-          "--seed",
-          std::to_string(seed),
-          "--every-n-train-steps",
-          "4",
-          "--timeout",
-          "60",
-          "--root",
-          dir + "/" + name,
-          "--out",
-          dir + "/" + name + ".pt",
-          "--out-optimizer",
-          dir + "/" + name + "-optimizer.pt"};
-}
 
 std::vector<std::string> with(std::vector<std::string> args, const std::vector<std::string>& more) {
   args.insert(args.end(), more.begin(), more.end());
   return args;
-}
-
-// Parameters and optimizer state bit-identical to the run named `reference`.
-void expect_identical(const std::string& dir, const std::string& reference,
-                      const std::string& name) {
-  EXPECT_TRUE(same_params(dir + "/" + reference + ".pt", dir + "/" + name + ".pt", {.exact = true}))
-      << name;
-  EXPECT_TRUE(same_params(dir + "/" + reference + "-optimizer.pt",
-                          dir + "/" + name + "-optimizer.pt", {.exact = true}))
-      << name;
 }
 
 void expect_success(const ProcessResult& r, const std::string& what) {
@@ -86,28 +44,28 @@ TEST(Recovery, RanksKilledAtRandomStepsAreRestartedAndTheRunEndsBitIdentical) {
       SCOPED_TRACE(strategy + " seed " + std::to_string(seed));
       TempDir dir;
       const std::string d = dir.path();
-      expect_success(run_worker(training(strategy, seed, d, "reference")), "reference");
+      expect_success(run_worker(recovery_training(strategy, seed, d, "reference")), "reference");
       // The draw is the seed's: a failure names steps that reproduce it.
       std::mt19937 draw(static_cast<unsigned>(seed));
       std::uniform_int_distribution<int> step(1, 29);
       const int rank = seed % 2;
       const std::string kill = std::to_string(rank) + ":" + std::to_string(step(draw));
-      auto once = run_worker(
-          with(training(strategy, seed, d, "once"), {"--max-restarts", "1", "--kill", kill}));
+      auto once = run_worker(with(recovery_training(strategy, seed, d, "once"),
+                                  {"--max-restarts", "1", "--kill", kill}));
       expect_success(once, "killed once at " + kill);
       EXPECT_EQ(
           count_occurrences(once.output, "fulgur: restart 1 of 1: rank " + std::to_string(rank)), 1)
           << once.output;
       EXPECT_NE(once.output.find("SIGKILL"), std::string::npos) << once.output;
-      expect_identical(d, "reference", "once");
+      expect_identical_runs(d, "reference", "once");
 
       const std::string first = "0:" + std::to_string(step(draw)) + ":0";
       const std::string second = "1:" + std::to_string(step(draw)) + ":1";
-      auto twice = run_worker(with(training(strategy, seed, d, "twice"),
+      auto twice = run_worker(with(recovery_training(strategy, seed, d, "twice"),
                                    {"--max-restarts", "2", "--kill", first, "--kill", second}));
       expect_success(twice, "killed at " + first + " and " + second);
       EXPECT_EQ(count_occurrences(twice.output, "fulgur: restart "), 2) << twice.output;
-      expect_identical(d, "reference", "twice");
+      expect_identical_runs(d, "reference", "twice");
     }
   }
 }
@@ -115,17 +73,17 @@ TEST(Recovery, RanksKilledAtRandomStepsAreRestartedAndTheRunEndsBitIdentical) {
 TEST(Recovery, ARankKilledBeforeTheFirstCheckpointStartsAgainFromTheBeginning) {
   TempDir dir;
   const std::string d = dir.path();
-  expect_success(run_worker(training("ddp", 5, d, "reference")), "reference");
-  auto r =
-      run_worker(with(training("ddp", 5, d, "early"), {"--max-restarts", "1", "--kill", "1:2"}));
+  expect_success(run_worker(recovery_training("ddp", 5, d, "reference")), "reference");
+  auto r = run_worker(
+      with(recovery_training("ddp", 5, d, "early"), {"--max-restarts", "1", "--kill", "1:2"}));
   expect_success(r, "killed before step 2");
   EXPECT_NE(r.output.find("starting again from the beginning"), std::string::npos) << r.output;
-  expect_identical(d, "reference", "early");
+  expect_identical_runs(d, "reference", "early");
 }
 
 TEST(Recovery, WhenTheRestartsAreUsedUpTheLastFailureIsReported) {
   TempDir dir;
-  auto r = run_worker(with(training("ddp", 5, dir.path(), "run"),
+  auto r = run_worker(with(recovery_training("ddp", 5, dir.path(), "run"),
                            {"--max-restarts", "1", "--kill", "1:6:0", "--kill", "0:9:1"}));
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_EQ(count_occurrences(r.output, "fulgur: restart "), 1) << r.output;
@@ -140,12 +98,12 @@ TEST(Recovery, WhenTheRestartsAreUsedUpTheLastFailureIsReported) {
 TEST(Recovery, ASingleProcessKilledAndRunAgainWithAutoEndsBitIdentical) {
   TempDir dir;
   const std::string d = dir.path();
-  expect_success(run_worker(training("auto", 7, d, "reference")), "reference");
-  auto killed = run_worker(with(training("auto", 7, d, "run"), {"--kill", "0:13"}));
+  expect_success(run_worker(recovery_training("auto", 7, d, "reference")), "reference");
+  auto killed = run_worker(with(recovery_training("auto", 7, d, "run"), {"--kill", "0:13"}));
   EXPECT_EQ(killed.signal, SIGKILL) << killed.output;
-  auto again = run_worker(with(training("auto", 7, d, "run"), {"--ckpt-path", "auto"}));
+  auto again = run_worker(with(recovery_training("auto", 7, d, "run"), {"--ckpt-path", "auto"}));
   expect_success(again, "run again");
-  expect_identical(d, "reference", "run");
+  expect_identical_runs(d, "reference", "run");
 }
 
 // SIGSTOP: the process is alive but frozen. Named by its silent heartbeat
@@ -153,11 +111,11 @@ TEST(Recovery, ASingleProcessKilledAndRunAgainWithAutoEndsBitIdentical) {
 TEST(Recovery, AFrozenRankIsNamedWithinTheHeartbeatTimeoutAndRestarted) {
   TempDir dir;
   const std::string d = dir.path();
-  expect_success(run_worker(training("ddp", 5, d, "reference")), "reference");
-  auto r = run_worker(
-      with(training("ddp", 5, d, "frozen"), {"--sigstop-rank", "1", "--fault-step", "6",
-                                             "--heartbeat-timeout", "2", "--max-restarts", "1"}),
-      {}, 90s);
+  expect_success(run_worker(recovery_training("ddp", 5, d, "reference")), "reference");
+  auto r = run_worker(with(recovery_training("ddp", 5, d, "frozen"),
+                           {"--sigstop-rank", "1", "--fault-step", "6", "--heartbeat-timeout", "2",
+                            "--max-restarts", "1"}),
+                      {}, 90s);
   expect_success(r, "rank 1 stopped");
   EXPECT_NE(r.output.find("fulgur: restart 1 of 1: rank 1 (pid"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("froze: no heartbeat for"), std::string::npos) << r.output;
@@ -165,7 +123,7 @@ TEST(Recovery, AFrozenRankIsNamedWithinTheHeartbeatTimeoutAndRestarted) {
   EXPECT_NE(r.output.find("it is stopped (SIGSTOP"), std::string::npos) << r.output;
   // Named by the heartbeat, well before the process group's 60 s.
   EXPECT_LT(r.seconds, 50) << r.output;
-  expect_identical(d, "reference", "frozen");
+  expect_identical_runs(d, "reference", "frozen");
 }
 
 // Asleep on a condition variable that is never signalled, outside any
@@ -173,7 +131,7 @@ TEST(Recovery, AFrozenRankIsNamedWithinTheHeartbeatTimeoutAndRestarted) {
 TEST(Recovery, ARankAsleepOutsideAnyCollectiveWhileItsPeerWaitsIsNamedAsHung) {
   TempDir dir;
   auto r =
-      run_worker(with(training("ddp", 5, dir.path(), "run"),
+      run_worker(with(recovery_training("ddp", 5, dir.path(), "run"),
                       {"--deadlock-rank", "1", "--fault-step", "6", "--heartbeat-timeout", "2"}),
                  {}, 90s);
   EXPECT_NE(r.exit_code, 0) << r.output;

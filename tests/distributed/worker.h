@@ -64,4 +64,47 @@ inline bool expect_equivalent(const std::vector<std::string>& common, const std:
   return static_cast<bool>(same);
 }
 
+// 30 optimizer steps over 20 steps per epoch (an epoch boundary inside),
+// Adam (whose state counts steps), shuffled, deterministic, a checkpoint
+// every 4 steps: the run every recovery test compares against.
+inline std::vector<std::string> recovery_training(const std::string& strategy, int seed,
+                                                  const std::string& dir, const std::string& name) {
+  return {"--strategy",
+          strategy,
+          "--devices",
+          strategy == "auto" ? "1" : "2",
+          "--batch",
+          strategy == "auto" ? "16" : "8",
+          "--steps",
+          "30",
+          "--samples",
+          "320",
+          "--shuffle",
+          "--optimizer",
+          "adam",
+          "--deterministic",
+          "--seed",
+          std::to_string(seed),
+          "--every-n-train-steps",
+          "4",
+          "--timeout",
+          "60",
+          "--root",
+          dir + "/" + name,
+          "--out",
+          dir + "/" + name + ".pt",
+          "--out-optimizer",
+          dir + "/" + name + "-optimizer.pt"};
+}
+
+// Parameters and optimizer state bit-identical to the run named `reference`.
+inline void expect_identical_runs(const std::string& dir, const std::string& reference,
+                                  const std::string& name) {
+  EXPECT_TRUE(same_params(dir + "/" + reference + ".pt", dir + "/" + name + ".pt", {.exact = true}))
+      << name;
+  EXPECT_TRUE(same_params(dir + "/" + reference + "-optimizer.pt",
+                          dir + "/" + name + "-optimizer.pt", {.exact = true}))
+      << name;
+}
+
 }  // namespace fulgur::test
