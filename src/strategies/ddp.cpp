@@ -18,12 +18,7 @@ DDPStrategy::DDPStrategy(DDPOptions options, std::string name)
     : ParallelStrategy(options.parallel, "DDPStrategy"),
       options_(std::move(options)),
       name_(std::move(name)) {
-  if (!options_.start_method.is_valid()) {
-    throw ConfigError(str("DDPStrategy: start_method=\"", options_.start_method.text(),
-                          "\" is not one "
-                          "of \"popen\" (re-execute the program per rank) or \"fork\" (fork the "
-                          "ranks at fit())."));
-  }
+  check_start_method(options_.start_method, "DDPStrategy");
   if (!(options_.bucket_cap_mb > 0)) {
     throw ConfigError(
         str("DDPStrategy: bucket_cap_mb=", options_.bucket_cap_mb, " must be > 0 (default 25)."));
@@ -93,14 +88,7 @@ void DDPStrategy::do_setup(Module& module) {
     }
   }
   // Every rank starts from rank 0's parameters and buffers.
-  {
-    torch::NoGradGuard no_grad;
-    auto& group = process_group();
-    for (auto& p : module.parameters()) {
-      at::Tensor data = p.detach();
-      group.broadcast_(data, 0);
-    }
-  }
+  broadcast_parameters_from_rank_zero(module);
   broadcast_buffers();
   std::vector<std::pair<std::string, at::Tensor>> named;
   for (auto& item : module.named_parameters()) named.emplace_back(item.key(), item.value());

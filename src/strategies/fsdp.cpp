@@ -18,11 +18,7 @@ FSDPStrategy::FSDPStrategy(FSDPOptions options, std::string name)
     : ParallelStrategy(options.parallel, "FSDPStrategy"),
       options_(std::move(options)),
       name_(std::move(name)) {
-  if (!options_.start_method.is_valid()) {
-    throw ConfigError(str("FSDPStrategy: start_method=\"", options_.start_method.text(),
-                          "\" is not one of \"popen\" (re-execute the program per rank) or "
-                          "\"fork\" (fork the ranks at fit())."));
-  }
+  check_start_method(options_.start_method, "FSDPStrategy");
   // Each rank's optimizer state is its own shard.
   set_checkpoint_layout(std::make_shared<ShardedCheckpoint>());
 }
@@ -34,14 +30,10 @@ void FSDPStrategy::configure_launcher() { configure_launcher_for(options_.start_
 void FSDPStrategy::do_setup(Module& module) {
   module.to(root_device());
   // Every rank starts from rank 0's parameters and buffers.
+  broadcast_parameters_from_rank_zero(module);
   torch::NoGradGuard no_grad;
-  auto& group = process_group();
-  for (auto& p : module.parameters()) {
-    at::Tensor data = p.detach();
-    group.broadcast_(data, 0);
-  }
   for (auto& b : module.buffers()) {
-    if (b.defined() && b.numel() > 0) group.broadcast_(b, 0);
+    if (b.defined() && b.numel() > 0) process_group().broadcast_(b, 0);
   }
 }
 
@@ -107,12 +99,6 @@ ShardedParameters* FSDPStrategy::sharded_for(const torch::optim::Optimizer& opti
   return nullptr;
 }
 
-std::vector<const ShardedParameters*> FSDPStrategy::sharded() const {
-  std::vector<const ShardedParameters*> out;
-  for (const auto& entry : sharded_) out.push_back(entry.second.get());
-  return out;
-}
-
 void FSDPStrategy::reduce_gradients() {
   for (auto& entry : sharded_) entry.second->reduce_scatter_gradients();
 }
@@ -145,12 +131,14 @@ bool FSDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer, Module& mo
 void FSDPStrategy::clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm) {
   // The 2-norm over every rank's shards: the sum of squares, all-reduced
   // (padding holds zeros). As torch::nn::utils::clip_grad_norm_ then does.
-  double local = 0;
+  // Summed on the gradients' device, read once (not once per parameter).
+  at::Tensor total = torch::zeros({1}, torch::kDouble);
   for (const auto& p : parameters) {
-    if (p.grad().defined())
-      local += p.grad().detach().to(torch::kDouble).pow(2).sum().item<double>();
+    if (!p.grad().defined()) continue;
+    if (total.device() != p.grad().device()) total = total.to(p.grad().device());
+    total += p.grad().detach().to(torch::kDouble).pow(2).sum();
   }
-  at::Tensor total = torch::tensor({local}, torch::kDouble);
+  total = total.cpu();
   process_group().all_reduce_(total, ReduceOp::Sum);
   const double norm = std::sqrt(total.item<double>());
   const double coef = max_norm / (norm + 1e-6);

@@ -5,6 +5,7 @@
 #include <csignal>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/core/module.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
 #include "fulgur/strategies/launchers/fork.h"
 #include "fulgur/strategies/launchers/subprocess_script.h"
@@ -133,6 +134,23 @@ void ParallelStrategy::explain_choices(std::vector<std::string>& notes) const {
 }
 
 void ParallelStrategy::do_teardown() {}
+
+void ParallelStrategy::check_start_method(const Choice<StartMethod>& start_method,
+                                          std::string_view owner) {
+  if (start_method.is_valid()) return;
+  throw ConfigError(str(owner, ": start_method=\"", start_method.text(),
+                        "\" is not one of \"popen\" (re-execute the program per rank) or "
+                        "\"fork\" (fork the ranks at fit())."));
+}
+
+void ParallelStrategy::broadcast_parameters_from_rank_zero(Module& module) {
+  torch::NoGradGuard no_grad;
+  auto& group = process_group();
+  for (auto& p : module.parameters()) {
+    at::Tensor data = p.detach();
+    group.broadcast_(data, 0);
+  }
+}
 
 void ParallelStrategy::set_process_group(std::shared_ptr<ProcessGroup> group) {
   if (!group) {

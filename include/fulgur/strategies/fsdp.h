@@ -72,9 +72,6 @@ class FSDPStrategy : public ParallelStrategy {
   /// The module's state, then every shard taken from it again.
   void load_module_state(Module& module, torch::serialize::InputArchive& archive) override;
 
-  /// The sharded parameters of each optimizer, after setup_optimizers().
-  std::vector<const ShardedParameters*> sharded() const;
-
   static void register_strategies(StrategyRegistry& registry);
 
  protected:

@@ -75,21 +75,15 @@ class ParallelStrategy : public Strategy {
   /// setup_environment(). Its rank and size must be this process's.
   void set_process_group(std::shared_ptr<ProcessGroup> group);
 
-  /// "gloo", "nccl" or "mpi"; empty (the default): nccl on CUDA devices
-  /// where this build has it, else gloo.
-  void set_process_group_backend(std::string backend) {
-    parallel_.process_group_backend = std::move(backend);
-  }
-  /// The backend setup_environment() uses (the default resolved).
+  /// The backend setup_environment() uses: ParallelOptions'
+  /// process_group_backend, or when it is empty nccl on CUDA devices where
+  /// this build has it, else gloo.
   std::string process_group_backend() const;
   /// Notes the process group backend when it was left to the default;
   /// ConfigError when the backend cannot run on the devices.
   void explain_choices(std::vector<std::string>& notes) const override;
 
   /// Bounds the rendezvous and every collective (default 30 minutes).
-  void set_process_group_timeout(std::chrono::milliseconds timeout) {
-    parallel_.process_group_timeout = timeout;
-  }
   std::chrono::milliseconds process_group_timeout() const {
     return parallel_.process_group_timeout;
   }
@@ -110,6 +104,11 @@ class ParallelStrategy : public Strategy {
   /// ParallelOptions::stop_grace); with one device it runs in place.
   void configure_launcher_for(StartMethod start_method);
   void do_teardown() override;
+  /// ConfigError naming `owner` ("DDPStrategy") for a start method that is
+  /// neither "popen" nor "fork".
+  static void check_start_method(const Choice<StartMethod>& start_method, std::string_view owner);
+  /// Every rank takes rank 0's parameters (one broadcast each).
+  void broadcast_parameters_from_rank_zero(Module& module);
 
  private:
   std::shared_ptr<ProcessGroup> group_;

@@ -35,11 +35,11 @@ size_t ArchiveSnapshot::capacity_bytes() const {
   return bytes;
 }
 
-at::Tensor ArchiveSnapshot::copy(const at::Tensor& tensor) {
+at::Tensor ArchiveSnapshot::copy(const at::Tensor& tensor, Seen& seen) {
   if (!tensor.defined()) return tensor;
   // A tensor the archive holds twice (tied weights) is copied once, so the
   // file shares its storage as a synchronous save's would.
-  if (auto it = seen_.find(tensor.unsafeGetTensorImpl()); it != seen_.end()) return it->second;
+  if (auto it = seen.find(tensor.unsafeGetTensorImpl()); it != seen.end()) return it->second;
   const at::Tensor source = tensor.detach();
   if (next_ == buffers_.size()) buffers_.emplace_back();
   at::Tensor& buffer = buffers_[next_++];
@@ -69,7 +69,7 @@ at::Tensor ArchiveSnapshot::copy(const at::Tensor& tensor) {
   // what a parameter pickles); set on an alias, so the buffer stays a plain
   // tensor for the next copy_.
   at::Tensor copied = tensor.requires_grad() ? buffer.detach().requires_grad_(true) : buffer;
-  seen_.emplace(tensor.unsafeGetTensorImpl(), copied);
+  seen.emplace(tensor.unsafeGetTensorImpl(), copied);
   return copied;
 }
 
@@ -131,12 +131,11 @@ void copy_slots(const c10::intrusive_ptr<c10::ivalue::Object>& object, Copy& cop
 size_t ArchiveSnapshot::take(torch::serialize::OutputArchive& archive) {
   next_ = 0;
   copied_ = 0;
-  seen_.clear();
+  Seen seen;
   torch::jit::Module& module = archive.*member_of(ArchiveModule());
-  auto copy = [this](const at::Tensor& t) { return this->copy(t); };
+  auto copy = [this, &seen](const at::Tensor& t) { return this->copy(t, seen); };
   copy_slots(module._ivalue(), copy);
   buffers_.resize(next_);  // tensors this archive no longer has
-  seen_.clear();           // the archive holds the copies now
   return copied_;
 }
 

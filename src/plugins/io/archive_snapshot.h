@@ -34,9 +34,10 @@ namespace fulgur::detail {
 class ArchiveSnapshot {
  public:
   /// Replaces every tensor of `archive` with a copy (one copy for a tensor
-  /// it holds twice); returns the bytes copied. The buffers of the previous take() are reused where
-  /// the n-th tensor has the same shape, dtype and device; take() must not be called again before
-  /// the archive it last snapshotted is written.
+  /// it holds twice); returns the bytes copied. The buffers of the previous
+  /// take() are reused where the n-th tensor has the same shape, dtype and
+  /// device; take() must not be called again before the archive it last
+  /// snapshotted is written.
   size_t take(torch::serialize::OutputArchive& archive);
   /// Bytes held by the buffers (kept between snapshots).
   size_t capacity_bytes() const;
@@ -44,10 +45,10 @@ class ArchiveSnapshot {
   const std::vector<at::Tensor>& buffers() const { return buffers_; }
 
  private:
-  at::Tensor copy(const at::Tensor& tensor);
+  /// The copy of each tensor met during one take(), by its impl.
+  using Seen = std::unordered_map<const c10::TensorImpl*, at::Tensor>;
+  at::Tensor copy(const at::Tensor& tensor, Seen& seen);
   std::vector<at::Tensor> buffers_;
-  /// The copy of each tensor met during this take() (by its impl).
-  std::unordered_map<const c10::TensorImpl*, at::Tensor> seen_;
   size_t next_ = 0;
   size_t copied_ = 0;
 };

@@ -4,9 +4,6 @@
 // remove. It never decides which rank writes; the Strategy does.
 #pragma once
 
-#include <cstddef>
-#include <functional>
-#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
