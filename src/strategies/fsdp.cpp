@@ -2,11 +2,18 @@
 
 #include <torch/torch.h>
 
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
 #include <cmath>
+#include <iostream>
+#include <map>
 #include <set>
+#include <sstream>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
+#include "fulgur/nn/fsdp_unit.h"
 #include "fulgur/plugins/precision/amp.h"
 #include "fulgur/strategies/checkpoint_layout.h"
 #include "fulgur/strategies/process_group.h"
@@ -14,11 +21,168 @@
 
 namespace fulgur {
 
+
+// One declared fulgur::nn::FSDPUnit under FULL_SHARD: which shards hold its
+// parameters, whether their full values are here, and how many of its
+// gradients this backward has completed.
+class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_this<Unit> {
+ public:
+  Unit(FSDPStrategy& strategy, std::string name) : strategy_(strategy), name_(std::move(name)) {}
+  ~Unit() override {
+    for (size_t k = 0; k < accumulators_.size(); ++k) {
+      accumulators_[k]->del_post_hook(hook_keys_[k]);
+    }
+  }
+
+  const std::string& name() const { return name_; }
+  void attach_module(std::shared_ptr<torch::nn::Module> module) {
+    module_ = std::move(module);
+    static_cast<nn::FSDPUnitBase&>(*module_).set_unit_hooks(shared_from_this());
+  }
+  void detach_module() {
+    if (module_) static_cast<nn::FSDPUnitBase&>(*module_).set_unit_hooks(nullptr);
+    module_.reset();
+  }
+  /// (ShardedParameters, its indices) of this unit's parameters.
+  std::vector<std::pair<ShardedParameters*, std::vector<size_t>>> members;
+
+  void watch_gradients();
+  void gather() {
+    if (gathered_) return;
+    for (auto& [sharded, indices] : members) sharded->all_gather_parameters(indices);
+    gathered_ = true;
+    strategy_.note_held_parameters();
+  }
+  void release() {
+    if (!gathered_) return;
+    for (auto& [sharded, indices] : members) sharded->release_parameters(indices);
+    gathered_ = false;
+  }
+  void start_backward() {
+    ready_ = 0;
+    reduced_ = false;
+  }
+  bool reduced() const { return reduced_; }
+
+  void before_forward() override { gather(); }
+  void after_forward(const std::vector<at::Tensor>& outputs) override {
+    if (!at::GradMode::is_enabled()) {
+      release();
+      return;
+    }
+    if (outputs.empty()) return;  // unseen results: whole until the backward
+    std::weak_ptr<Unit> self = weak_from_this();
+    for (const auto& out : outputs) {
+      if (!out.defined() || !out.requires_grad()) continue;
+      // Runs when the output's gradient arrives, before any of the unit's
+      // own backward: the parameters its graph saved are needed again.
+      const_cast<at::Tensor&>(out).register_hook([self](const at::Tensor&) {
+        if (auto unit = self.lock()) unit->gather();
+      });
+    }
+    release();
+  }
+  void gradient_ready() {
+    if (++ready_ < static_cast<int>(accumulators_.size())) return;
+    if (strategy_.sync_) {
+      for (auto& [sharded, indices] : members) sharded->reduce_scatter_gradients(indices);
+      reduced_ = true;
+    }
+    release();
+  }
+
+ private:
+  FSDPStrategy& strategy_;
+  std::string name_;
+  std::shared_ptr<torch::nn::Module> module_;
+  bool gathered_ = true;
+  bool reduced_ = false;
+  int ready_ = 0;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+};
+
+namespace {
+
+// The bytes of the tensors in `optimizer`'s state (torch::optim's own
+// optimizers; another's state is counted by its serialized size).
+int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
+  int64_t bytes = 0;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
+  };
+  for (const auto& [key, state] : optimizer.state()) {
+    (void)key;
+    if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(state.get())) {
+      add(adam->exp_avg());
+      add(adam->exp_avg_sq());
+      add(adam->max_exp_avg_sq());
+    } else if (const auto* adamw =
+                   dynamic_cast<const torch::optim::AdamWParamState*>(state.get())) {
+      add(adamw->exp_avg());
+      add(adamw->exp_avg_sq());
+      add(adamw->max_exp_avg_sq());
+    } else if (const auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(state.get())) {
+      add(sgd->momentum_buffer());
+    } else if (const auto* rms =
+                   dynamic_cast<const torch::optim::RMSpropParamState*>(state.get())) {
+      add(rms->square_avg());
+      add(rms->momentum_buffer());
+      add(rms->grad_avg());
+    } else if (const auto* ada =
+                   dynamic_cast<const torch::optim::AdagradParamState*>(state.get())) {
+      add(ada->sum());
+    } else {
+      torch::serialize::OutputArchive archive;
+      state->serialize(archive);
+      std::ostringstream out;
+      archive.save_to(out);
+      bytes += static_cast<int64_t>(out.str().size());
+    }
+  }
+  return bytes;
+}
+
+// Runs after autograd accumulated a unit parameter's gradient.
+class UnitGradientHook : public torch::autograd::FunctionPostHook {
+ public:
+  explicit UnitGradientHook(std::function<void()> ready) : ready_(std::move(ready)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    ready_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> ready_;
+};
+
+}  // namespace
+
+void FSDPStrategy::Unit::watch_gradients() {
+  std::weak_ptr<Unit> self = weak_from_this();
+  for (auto& [sharded, indices] : members) {
+    for (size_t i : indices) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(sharded->parameters()[i]);
+      FULGUR_ASSERT(accumulator != nullptr, "a unit parameter is not a leaf");
+      hook_keys_.push_back(accumulator->add_post_hook(std::make_unique<UnitGradientHook>([self] {
+        if (auto unit = self.lock()) unit->gradient_ready();
+      })));
+      accumulators_.push_back(std::move(accumulator));
+    }
+  }
+}
+
 FSDPStrategy::FSDPStrategy(FSDPOptions options, std::string name)
     : ParallelStrategy(options.parallel, "FSDPStrategy"),
       options_(std::move(options)),
       name_(std::move(name)) {
   check_start_method(options_.start_method, "FSDPStrategy");
+  if (!options_.sharding_strategy.is_valid()) {
+    throw ConfigError(str("FSDPStrategy: sharding_strategy=\"", options_.sharding_strategy.text(),
+                          "\" is not one of \"FULL_SHARD\" (strategy \"fsdp\") or "
+                          "\"SHARD_GRAD_OP\" (strategy \"fsdp_shard_grad_op\")."));
+  }
   // Each rank's optimizer state is its own shard.
   set_checkpoint_layout(std::make_shared<ShardedCheckpoint>());
 }
@@ -38,6 +202,10 @@ void FSDPStrategy::do_setup(Module& module) {
 }
 
 void FSDPStrategy::do_teardown() {
+  // The module leaves fit whole, as it came (after a failed stage the peers
+  // may be gone: no gather, and a released parameter stays unreadable).
+  if (stage_completed()) gather_units();
+  detach_units();
   sharded_.clear();
   ParallelStrategy::do_teardown();
 }
@@ -89,7 +257,85 @@ OptimizerConfig FSDPStrategy::setup_optimizers(Module& module) {
     }
     sharded_.emplace_back(&optimizer, std::move(sharded));
   }
+  if (options_.sharding_strategy.value() == ShardingStrategy::kFullShard) attach_units(module);
   return config;
+}
+
+void FSDPStrategy::attach_units(Module& module) {
+  detach_units();
+  // Which shard holds each trainable parameter.
+  std::map<const c10::TensorImpl*, std::pair<ShardedParameters*, size_t>> where;
+  for (auto& entry : sharded_) {
+    const auto& params = entry.second->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      where[params[i].unsafeGetTensorImpl()] = {entry.second.get(), i};
+    }
+  }
+  std::set<const c10::TensorImpl*> taken;
+  // Innermost units first: a parameter belongs to the innermost unit
+  // around it.
+  auto named = module.named_modules(/*name_prefix=*/"", /*include_self=*/false);
+  for (size_t m = named.size(); m-- > 0;) {
+    auto* unit_module = dynamic_cast<nn::FSDPUnitBase*>(named[m].value().get());
+    if (unit_module == nullptr) continue;
+    auto unit = std::make_shared<Unit>(*this, named[m].key());
+    std::map<ShardedParameters*, std::vector<size_t>> members;
+    for (const auto& p : unit_module->parameters()) {
+      auto it = where.find(p.unsafeGetTensorImpl());
+      if (it == where.end() || !taken.insert(it->first).second) continue;
+      members[it->second.first].push_back(it->second.second);
+    }
+    for (auto& [sharded, indices] : members) unit->members.emplace_back(sharded, std::move(indices));
+    unit->watch_gradients();
+    unit->attach_module(named[m].value());
+    units_.push_back(std::move(unit));
+  }
+  if (units_.empty() && is_global_zero()) {
+    std::cerr << (str("fulgur: strategy \"", name(),
+                    "\": the module declares no fulgur::nn::FSDPUnit, so every parameter stays "
+                    "whole between its uses (only the gradients and the optimizer state are "
+                    "sharded, as under fsdp_shard_grad_op). Wrap the large layers: "
+                    "register_module(\"fc1\", fulgur::nn::FSDPUnit(torch::nn::Linear(...)))."))
+              << std::endl;
+  }
+  release_units();
+  peak_parameter_bytes_ = 0;
+  note_held_parameters();
+}
+
+void FSDPStrategy::detach_units() {
+  // The module may outlive the strategy: its units forget the hooks.
+  for (auto& unit : units_) unit->detach_module();
+  units_.clear();
+}
+
+void FSDPStrategy::gather_units() {
+  for (auto& unit : units_) unit->gather();
+}
+
+void FSDPStrategy::release_units() {
+  for (auto& unit : units_) unit->release();
+}
+
+void FSDPStrategy::note_held_parameters() {
+  int64_t held = 0;
+  for (const auto& entry : sharded_) held += entry.second->held_parameter_bytes();
+  peak_parameter_bytes_ = std::max(peak_parameter_bytes_, held);
+}
+
+std::vector<size_t> FSDPStrategy::whole_indices(const ShardedParameters& sharded) const {
+  std::vector<char> in_unit(sharded.parameters().size(), 0);
+  for (const auto& unit : units_) {
+    for (const auto& [s, indices] : unit->members) {
+      if (s != &sharded) continue;
+      for (size_t i : indices) in_unit[i] = 1;
+    }
+  }
+  std::vector<size_t> whole;
+  for (size_t i = 0; i < in_unit.size(); ++i) {
+    if (in_unit[i] == 0) whole.push_back(i);
+  }
+  return whole;
 }
 
 ShardedParameters* FSDPStrategy::sharded_for(const torch::optim::Optimizer& optimizer) const {
@@ -100,15 +346,39 @@ ShardedParameters* FSDPStrategy::sharded_for(const torch::optim::Optimizer& opti
 }
 
 void FSDPStrategy::reduce_gradients() {
-  for (auto& entry : sharded_) entry.second->reduce_scatter_gradients();
+  // What the units did not reduce in backward: the parameters outside every
+  // unit, and units with a parameter that got no gradient.
+  for (auto& entry : sharded_) {
+    std::vector<size_t> rest = whole_indices(*entry.second);
+    for (const auto& unit : units_) {
+      if (unit->reduced()) continue;
+      for (const auto& [s, indices] : unit->members) {
+        if (s == entry.second.get()) rest.insert(rest.end(), indices.begin(), indices.end());
+      }
+    }
+    entry.second->reduce_scatter_gradients(rest);
+  }
 }
 
 void FSDPStrategy::backward(const at::Tensor& loss, Module& module) {
+  for (auto& unit : units_) unit->start_backward();
   ParallelStrategy::backward(loss, module);
+  // A unit whose parameters did not all get a gradient is still whole.
+  release_units();
   if (sync_) reduce_gradients();
 }
 
 bool FSDPStrategy::backward_skipped(Module& /*module*/, bool accumulated) {
+  if (!units_.empty()) {
+    // The peers gather and reduce unit by unit in their backward: there is
+    // no joining them without running it.
+    throw ConfigError(str(
+        "strategy \"", name(), "\" (FULL_SHARD): training_step returned no loss on rank ",
+        global_rank(), " at a step the optimizers take. Every rank runs the backward of every "
+        "step (each unit's gather is a collective); return a loss on every rank (e.g. "
+        "0 * output.sum() for a batch to ignore), or use strategy \"fsdp_shard_grad_op\"."));
+  }
+  for (auto& unit : units_) unit->start_backward();
   if (!sync_) return accumulated;
   // The peers reduce-scatter now: join them with what this rank has
   // accumulated (or nothing). The flags are all-reduced, so every rank
@@ -124,7 +394,11 @@ bool FSDPStrategy::backward_skipped(Module& /*module*/, bool accumulated) {
 
 bool FSDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer, Module& module) {
   const bool stepped = ParallelStrategy::optimizer_step(optimizer, module);
-  if (ShardedParameters* sharded = sharded_for(optimizer)) sharded->all_gather_parameters();
+  // The parameters outside every unit are whole again; a unit's stay
+  // sharded until its next forward.
+  if (ShardedParameters* sharded = sharded_for(optimizer)) {
+    sharded->all_gather_parameters(whole_indices(*sharded));
+  }
   return stepped;
 }
 
@@ -149,45 +423,138 @@ void FSDPStrategy::clip_gradients_norm(const std::vector<at::Tensor>& parameters
   }
 }
 
+namespace {
+
+// nn::Module::save's layout, with `copies` in place of the parameters they
+// name; a submodule without any goes through its own save().
+bool holds_any(const torch::nn::Module& module,
+               const std::map<const c10::TensorImpl*, at::Tensor>& copies) {
+  for (const auto& p : module.parameters()) {
+    if (copies.count(p.unsafeGetTensorImpl()) != 0) return true;
+  }
+  return false;
+}
+
+void save_with_copies(const torch::nn::Module& module, torch::serialize::OutputArchive& archive,
+                      const std::map<const c10::TensorImpl*, at::Tensor>& copies) {
+  if (!holds_any(module, copies)) {
+    module.save(archive);
+    return;
+  }
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
+    auto it = copies.find(p.value().unsafeGetTensorImpl());
+    archive.write(p.key(), it != copies.end() ? it->second : p.value());
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/false)) {
+    archive.write(b.key(), b.value(), /*is_buffer=*/true);
+  }
+  for (const auto& child : module.named_children()) {
+    if (!child.value()->is_serializable()) continue;
+    torch::serialize::OutputArchive nested(archive.compilation_unit());
+    save_with_copies(*child.value(), nested, copies);
+    archive.write(child.key(), nested);
+  }
+}
+
+}  // namespace
+
+void FSDPStrategy::save_module_state(Module& module, torch::serialize::OutputArchive& archive) {
+  if (units_.empty()) {
+    ParallelStrategy::save_module_state(module, archive);
+    return;
+  }
+  // The archive keeps the tensors it is given until it is written, and a
+  // unit's parameters are freed again: it gets copies, one unit gathered
+  // at a time.
+  std::map<const c10::TensorImpl*, at::Tensor> copies;
+  torch::NoGradGuard no_grad;
+  for (auto& unit : units_) {
+    unit->gather();
+    for (const auto& [sharded, indices] : unit->members) {
+      for (size_t i : indices) {
+        const at::Tensor& p = sharded->parameters()[i];
+        copies[p.unsafeGetTensorImpl()] = p.detach().clone().requires_grad_(p.requires_grad());
+      }
+    }
+    unit->release();
+  }
+  save_with_copies(module, archive, copies);
+}
+
 void FSDPStrategy::load_module_state(Module& module, torch::serialize::InputArchive& archive) {
+  // Every parameter whole to take the checkpoint's values; the shards are
+  // then taken from them.
+  gather_units();
   ParallelStrategy::load_module_state(module, archive);
   for (auto& entry : sharded_) entry.second->take_from_parameters();
+  release_units();
+}
+
+bool FSDPStrategy::forward_is_collective() const {
+  return options_.sharding_strategy.value() == ShardingStrategy::kFullShard;
+}
+
+void FSDPStrategy::with_full_parameters(Module& /*module*/, const std::function<void()>& body) {
+  gather_units();
+  note_held_parameters();
+  try {
+    body();
+  } catch (...) {
+    release_units();
+    throw;
+  }
+  release_units();
+}
+
+FSDPStrategy::Memory FSDPStrategy::memory() const {
+  Memory m;
+  for (const auto& entry : sharded_) {
+    const ShardedParameters& sharded = *entry.second;
+    m.parameters += sharded.held_parameter_bytes();
+    m.shards += sharded.shard_bytes();
+    for (size_t i = 0; i < sharded.parameters().size(); ++i) {
+      const at::Tensor& g = sharded.parameters()[i].grad();
+      if (g.defined()) m.gradients += static_cast<int64_t>(g.nbytes());
+      const at::Tensor& sg = sharded.shards()[i].grad();
+      if (sg.defined()) m.gradients += static_cast<int64_t>(sg.nbytes());
+    }
+    m.optimizer_state += optimizer_state_bytes(*entry.first);
+  }
+  return m;
 }
 
 void FSDPStrategy::register_strategies(StrategyRegistry& registry) {
   struct Variant {
     const char* name;
     const char* description;
+    ShardingStrategy sharding;
     StartMethod start_method;
   };
   static constexpr Variant variants[] = {
+      {"fsdp",
+       "Sharded data parallel, FULL_SHARD (ZeRO 3): the parameters of each declared "
+       "fulgur::nn::FSDPUnit sharded between their uses, gradients and optimizer state sharded; "
+       "one process per device, launched by re-executing the program",
+       ShardingStrategy::kFullShard, StartMethod::kPopen},
+      {"fsdp_fork", "Sharded data parallel, FULL_SHARD (ZeRO 3), ranks forked at fit()",
+       ShardingStrategy::kFullShard, StartMethod::kFork},
       {"fsdp_shard_grad_op",
        "Sharded data parallel, SHARD_GRAD_OP (ZeRO 2): gradients and optimizer state sharded, "
        "parameters whole; one process per device, launched by re-executing the program",
-       StartMethod::kPopen},
+       ShardingStrategy::kShardGradOp, StartMethod::kPopen},
       {"fsdp_shard_grad_op_fork",
-       "Sharded data parallel, SHARD_GRAD_OP (ZeRO 2), ranks forked at fit()", StartMethod::kFork},
+       "Sharded data parallel, SHARD_GRAD_OP (ZeRO 2), ranks forked at fit()",
+       ShardingStrategy::kShardGradOp, StartMethod::kFork},
   };
-  // Lightning's spelling of FULL_SHARD: named, so that it says what to use.
-  registry.add(
-      "fsdp",
-      "Sharded data parallel, FULL_SHARD (parameters sharded between uses too): not in this "
-      "version; fsdp_shard_grad_op shards gradients and optimizer state",
-      []() -> std::unique_ptr<Strategy> {
-        throw ConfigError(
-            "strategy=\"fsdp\" (FULL_SHARD: parameters sharded between their uses too) is not in "
-            "this version of fulgur: LibTorch's C++ modules have no forward hooks to gather "
-            "parameters around. Use strategy=\"fsdp_shard_grad_op\" (gradients and optimizer "
-            "state sharded, ZeRO stage 2), or \"ddp\".");
-      });
   for (const auto& v : variants) {
     FSDPOptions options;
+    options.sharding_strategy = v.sharding;
     options.start_method = v.start_method;
     const std::string name = v.name;
     registry.add(
         name, v.description,
         [options, name] { return std::make_unique<FSDPStrategy>(options, name); },
-        str("sharding_strategy=SHARD_GRAD_OP, start_method=", options.start_method.text(),
+        str("sharding_strategy=", options.sharding_strategy.text(), ", start_method=", options.start_method.text(),
             describe_parallel_options(options.parallel)));
   }
 }

@@ -11,12 +11,13 @@ namespace fulgur {
 
 namespace {
 
-// The indices of `parameters` per (dtype, device), in order of first
+// `indices` of `parameters` per (dtype, device), in order of first
 // appearance: one collective each.
-std::vector<std::vector<size_t>> by_dtype_and_device(const std::vector<at::Tensor>& parameters) {
+std::vector<std::vector<size_t>> by_dtype_and_device(const std::vector<at::Tensor>& parameters,
+                                                     const std::vector<size_t>& indices) {
   std::vector<std::vector<size_t>> groups;
   std::vector<std::pair<c10::ScalarType, c10::Device>> keys;
-  for (size_t i = 0; i < parameters.size(); ++i) {
+  for (size_t i : indices) {
     const std::pair<c10::ScalarType, c10::Device> key{parameters[i].scalar_type(),
                                                       parameters[i].device()};
     size_t g = 0;
@@ -67,11 +68,57 @@ ShardedParameters::ShardedParameters(std::vector<at::Tensor> parameters,
                                     "train; frozen ones stay whole on every rank."));
     }
     const int64_t n = p.numel();
+    sizes_.emplace_back(p.sizes().begin(), p.sizes().end());
+    bytes_.push_back(static_cast<int64_t>(p.nbytes()));
     const int64_t k = (n + world - 1) / world;
     chunks_.push_back(k);
     at::Tensor shard = torch::zeros({k}, p.options().requires_grad(false));
     copy_chunk(p, rank, shard);
     shards_.push_back(shard.requires_grad_(true));
+  }
+  released_.assign(parameters_.size(), 0);
+}
+
+std::vector<size_t> ShardedParameters::all_indices() const {
+  std::vector<size_t> indices(parameters_.size());
+  for (size_t i = 0; i < indices.size(); ++i) indices[i] = i;
+  return indices;
+}
+
+int64_t ShardedParameters::held_parameter_bytes() const {
+  int64_t bytes = 0;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    if (!released(i)) bytes += static_cast<int64_t>(parameters_[i].nbytes());
+  }
+  return bytes;
+}
+
+void ShardedParameters::release_parameters(const std::vector<size_t>& indices) {
+  for (size_t i : indices) {
+    if (released(i)) continue;
+    const at::Tensor& p = parameters_[i];
+    c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
+    if (storage->nbytes() != p.nbytes() || p.storage_offset() != 0 || !p.is_contiguous()) {
+      throw ConfigError(fulgur::str(
+          "ShardedParameters: parameter ", i, " (", p.sizes(), ") is a view of a storage of ",
+          storage->nbytes(), " bytes, not the owner of its own ", p.nbytes(),
+          " bytes; freeing it between uses would free what shares that storage. Give the "
+          "parameter its own tensor (e.g. register_parameter(name, tensor.clone()))."));
+    }
+    if (storage->allocator() == nullptr) {
+      throw ConfigError(fulgur::str("ShardedParameters: parameter ", i, " (", p.sizes(),
+                                    ") wraps memory fulgur cannot allocate again (from_blob); "
+                                    "give the parameter a tensor of its own."));
+    }
+    // The same StorageImpl stays (graphs saved views of it): only its
+    // memory goes, and comes back in place. The parameter itself shows no
+    // elements meanwhile, so an op on it is a shape error (or an empty
+    // result), never a read of freed memory; its shape comes back with
+    // the values (and so for a graph that saved the parameter itself).
+    storage->set_data_ptr_noswap(c10::DataPtr(nullptr, p.device()));
+    storage->set_nbytes(0);
+    p.unsafeGetTensorImpl()->set_sizes_contiguous({0});
+    released_[i] = 1;
   }
 }
 
@@ -83,29 +130,38 @@ int64_t ShardedParameters::shard_bytes() const {
 
 int64_t ShardedParameters::parameter_bytes() const {
   int64_t bytes = 0;
-  for (const auto& p : parameters_) bytes += static_cast<int64_t>(p.nbytes());
+  for (int64_t b : bytes_) bytes += b;
   return bytes;
 }
 
-void ShardedParameters::reduce_scatter_gradients() {
+void ShardedParameters::reduce_scatter_gradients() { reduce_scatter_gradients(all_indices()); }
+
+void ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indices) {
+  if (indices.empty()) return;
   const int64_t world = group_->size();
   torch::NoGradGuard no_grad;
   // Which parameters have a gradient on some rank (DDP's rule: the others
   // keep none, and the optimizer skips them).
-  at::Tensor has = torch::zeros({static_cast<int64_t>(parameters_.size())}, torch::kInt);
-  for (size_t i = 0; i < parameters_.size(); ++i) {
-    if (parameters_[i].grad().defined()) has[static_cast<int64_t>(i)] = 1;
+  std::vector<char> anywhere(parameters_.size(), 0);
+  {
+    at::Tensor has = torch::zeros({static_cast<int64_t>(indices.size())}, torch::kInt);
+    auto flags = has.accessor<int, 1>();
+    for (size_t j = 0; j < indices.size(); ++j) {
+      if (parameters_[indices[j]].grad().defined()) flags[static_cast<int64_t>(j)] = 1;
+    }
+    group_->all_reduce_(has, ReduceOp::Max);
+    for (size_t j = 0; j < indices.size(); ++j) {
+      anywhere[indices[j]] = static_cast<char>(flags[static_cast<int64_t>(j)] != 0);
+    }
   }
-  group_->all_reduce_(has, ReduceOp::Max);
-  const auto anywhere = has.accessor<int, 1>();
-  for (const auto& indices : by_dtype_and_device(parameters_)) {
+  for (const auto& group : by_dtype_and_device(parameters_, indices)) {
     // Rank-major packing: block r holds every parameter's chunk r, so the
     // reduce-scatter hands each rank its chunks of all of them at once.
     std::vector<size_t> mine;
     std::vector<int64_t> offsets;
     int64_t total = 0;
-    for (size_t i : indices) {
-      if (anywhere[static_cast<int64_t>(i)] == 0) continue;
+    for (size_t i : group) {
+      if (anywhere[i] == 0) continue;
       mine.push_back(i);
       offsets.push_back(total);
       total += chunks_[i];
@@ -135,13 +191,15 @@ void ShardedParameters::reduce_scatter_gradients() {
       }
     }
   }
-  for (auto& p : parameters_) p.mutable_grad().reset();
+  for (size_t i : indices) parameters_[i].mutable_grad().reset();
 }
 
-void ShardedParameters::all_gather_parameters() {
+void ShardedParameters::all_gather_parameters() { all_gather_parameters(all_indices()); }
+
+void ShardedParameters::all_gather_parameters(const std::vector<size_t>& all) {
   const int64_t world = group_->size();
   torch::NoGradGuard no_grad;
-  for (const auto& indices : by_dtype_and_device(parameters_)) {
+  for (const auto& indices : by_dtype_and_device(parameters_, all)) {
     std::vector<at::Tensor> pieces;
     for (size_t i : indices) pieces.push_back(shards_[i].detach());
     const at::Tensor packed = torch::cat(pieces);
@@ -152,8 +210,19 @@ void ShardedParameters::all_gather_parameters() {
     int64_t offset = 0;
     for (size_t i : indices) {
       at::Tensor& p = parameters_[i];
+      if (released(i)) {
+        c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
+        const auto bytes = static_cast<size_t>(bytes_[i]);
+        storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+        storage->set_nbytes(bytes);
+        p.unsafeGetTensorImpl()->set_sizes_contiguous(sizes_[i]);
+        released_[i] = 0;
+      }
       const at::Tensor full = blocks.narrow(1, offset, chunks_[i]).reshape({-1});
-      p.copy_(full.narrow(0, 0, p.numel()).view(p.sizes()));
+      // Written through an alias with a version counter of its own: a graph
+      // that saved the parameter (gathered again for its backward) finds
+      // it at the version it saved, holding the same values.
+      p.variable_data().copy_(full.narrow(0, 0, p.numel()).view(p.sizes()));
       offset += chunks_[i];
     }
   }

@@ -98,6 +98,7 @@ void Strategy::setup_environment() {
   do_setup_environment();
   environment_ready_ = true;
   torn_down_ = false;
+  stage_completed_ = true;
 }
 
 void Strategy::setup(Module& module) {
@@ -143,9 +144,10 @@ OptimizerConfig Strategy::setup_optimizers(Module& module) {
   return config;
 }
 
-void Strategy::teardown() {
+void Strategy::teardown(bool completed) {
   if (torn_down_) return;
   torn_down_ = true;
+  stage_completed_ = completed;
   // A save still being written in the background finishes first (after a
   // failed stage too: a checkpoint handed over is never dropped).
   if (checkpoint_io_) {

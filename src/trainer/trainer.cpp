@@ -296,13 +296,13 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
   stage = s;
   m.trainer_ = &self;
   m.link_ = this;
-  auto detach = [&] {
+  auto detach = [&](bool completed) {
     signals.disarm();
     m.trainer_ = nullptr;
     m.link_ = nullptr;
     m.log_sink_ = nullptr;
     fit_loop.detach();
-    strategy->teardown();
+    strategy->teardown(completed);
   };
   try {
     // Before any rank starts: a forked rank inherits it, a launched one
@@ -339,6 +339,9 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
           }
           throw;
         }
+        // The strategy lets go of the module first (fsdp gathers its sharded
+        // parameters back, on every rank), so rank 0's results hold it whole.
+        strategy->teardown();
         // Only rank 0's reach the caller: the others serialise nothing.
         return results.send && strategy->is_global_zero() ? results.send() : std::string();
       });
@@ -354,10 +357,10 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
         // The original error is the one the user needs to see.
       }
     }
-    detach();
+    detach(/*completed=*/false);
     throw;
   }
-  detach();
+  detach(/*completed=*/true);
 }
 
 Trainer::Impl::StageResults Trainer::Impl::fit_results(Module& m, FitResult& result) {
@@ -468,7 +471,7 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         if (data) val = data->val_dataloader();
         if (val) {
           val->set_default_seed(options.seed.value_or(0));
-          distribute(*val, /*even=*/false, "validation");
+          distribute(*val, /*even=*/strategy->forward_is_collective(), "validation");
         }
         fit_loop.start(train, val);
         logging.reset_metrics();

@@ -37,6 +37,7 @@ struct Args {
   bool shuffle = false;
   bool skip_fit = false;
   bool manual = false;
+  bool fsdp_units = false;
   bool unused_layer = false;
   double gradient_clip_val = 0;  // > 0: clip by norm
   std::string optimizer = "sgd";
@@ -150,16 +151,27 @@ std::pair<at::Tensor, at::Tensor> make_data(int64_t n, int64_t offset) {
 
 struct Classifier : fulgur::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, extra{nullptr};
+  // --fsdp-units: the same layers (and names), each a unit of sharding.
+  fulgur::nn::FSDPUnit<torch::nn::Linear> unit1{nullptr}, unit2{nullptr}, unit_extra{nullptr};
   torch::nn::BatchNorm1d plain_bn{nullptr};
   fulgur::nn::SyncBatchNorm sync_bn{nullptr};
   const Args& args;
   explicit Classifier(const Args& a) : args(a) {
     set_automatic_optimization(!a.manual);
-    fc1 = register_module("fc1", torch::nn::Linear(16, 32));
-    fc2 = register_module("fc2", torch::nn::Linear(32, 4));
+    if (a.fsdp_units) {
+      unit1 = register_module("fc1", fulgur::nn::FSDPUnit(torch::nn::Linear(16, 32)));
+      unit2 = register_module("fc2", fulgur::nn::FSDPUnit(torch::nn::Linear(32, 4)));
+    } else {
+      fc1 = register_module("fc1", torch::nn::Linear(16, 32));
+      fc2 = register_module("fc2", torch::nn::Linear(32, 4));
+    }
     // Used only on even steps, and never by the test: exercises
     // find_unused_parameters.
-    if (args.unused_layer) extra = register_module("extra", torch::nn::Linear(32, 32));
+    if (args.unused_layer && a.fsdp_units) {
+      unit_extra = register_module("extra", fulgur::nn::FSDPUnit(torch::nn::Linear(32, 32)));
+    } else if (args.unused_layer) {
+      extra = register_module("extra", torch::nn::Linear(32, 32));
+    }
     if (a.batchnorm == "plain") plain_bn = register_module("bn", torch::nn::BatchNorm1d(32));
     if (a.batchnorm == "sync") sync_bn = register_module("bn", fulgur::nn::SyncBatchNorm(32));
     if (a.count_buffer) seen = register_buffer("seen", torch::zeros({}, torch::kLong));
@@ -168,12 +180,12 @@ struct Classifier : fulgur::Module {
   at::Tensor seen;
 
   at::Tensor forward(const at::Tensor& x, bool use_extra) {
-    auto h = fc1(x);
+    auto h = unit1 ? unit1(x) : fc1(x);
     if (plain_bn) h = plain_bn(h);
     if (sync_bn) h = sync_bn(h);
     h = torch::tanh(h);
-    if (use_extra) h = torch::tanh(extra(h));
-    return fc2(h);
+    if (use_extra) h = torch::tanh(unit_extra ? unit_extra(h) : extra(h));
+    return unit2 ? unit2(h) : fc2(h);
   }
 
   int attempt() { return trainer().strategy().cluster_environment().restart_count(); }
@@ -321,6 +333,19 @@ struct Classifier : fulgur::Module {
         {.sync_dist = args.sync_dist, .reduce = fulgur::Reduce::Sum});
   }
 
+  // What a sharded strategy holds at the end of training (before it
+  // gathers the parameters back), per rank.
+  void on_train_end() override {
+    auto* fsdp = dynamic_cast<fulgur::FSDPStrategy*>(&trainer().strategy());
+    if (fsdp == nullptr) return;
+    const auto memory = fsdp->memory();
+    const int rank = trainer().strategy().global_rank();
+    std::cout << "RESULT rank" << rank << "_held_parameter_bytes=" << memory.parameters << "\n"
+              << "RESULT rank" << rank << "_peak_parameter_bytes=" << fsdp->peak_parameter_bytes()
+              << "\n"
+              << "RESULT rank" << rank << "_shard_bytes=" << memory.shards << std::endl;
+  }
+
   // The optimizer's per-parameter state, in parameter order: SGD's momentum
   // buffers, or Adam's step, exp_avg and exp_avg_sq.
   void on_fit_end() override {
@@ -395,6 +420,7 @@ int main(int argc, char** argv) {
   app.add_flag("--skip-fit", a.skip_fit);
   app.add_flag("--manual-optimization", a.manual);
   app.add_flag("--unused-layer", a.unused_layer);
+  app.add_flag("--fsdp-units", a.fsdp_units);
   app.add_option("--optimizer", a.optimizer);
   app.add_option("--gradient-clip-val", a.gradient_clip_val);
   app.add_option("--out", a.out);

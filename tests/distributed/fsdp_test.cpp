@@ -1,10 +1,12 @@
-// Sharded data parallel (fsdp_shard_grad_op) with real processes and Gloo
-// over 127.0.0.1, through tests/distributed/ddp_worker.cpp: two ranks with
-// batch b end with the parameters of one process with batch 2b (as DDP
-// does), under SGD and Adam, accumulation, manual optimization, a layer
-// some steps do not use, and clipping by the norm over every shard; the
-// fork launcher; a rank killed and restarted resumes from the sharded
-// checkpoint and ends bit-identical to the run never stopped.
+// Sharded data parallel (fsdp_shard_grad_op, and fsdp with its layers
+// declared as fulgur::nn::FSDPUnit) with real processes and Gloo over
+// 127.0.0.1, through tests/distributed/ddp_worker.cpp: two ranks with batch
+// b end with the parameters of one process with batch 2b (as DDP does),
+// under SGD and Adam, accumulation, manual optimization, a layer some steps
+// do not use, and clipping by the norm over every shard; the fork launcher;
+// a rank killed and restarted resumes from the sharded checkpoint and ends
+// bit-identical to the run never stopped. Under FULL_SHARD a rank holds one
+// unit's full parameters at a time.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -25,6 +27,12 @@ using fulgur::test::run_worker;
 using fulgur::test::TempDir;
 
 constexpr const char* kFsdp = "fsdp_shard_grad_op";
+constexpr const char* kFullShard = "fsdp";
+
+std::vector<std::string> with_units(std::vector<std::string> args) {
+  args.emplace_back("--fsdp-units");
+  return args;
+}
 
 TEST(FSDP, ShardGradOpOnTwoRanksMatchesOneProcessWithTheDoubleBatch) {
   expect_equivalent({"--steps", "20"}, kFsdp);
@@ -56,15 +64,79 @@ TEST(FSDP, TheForkLauncherMatchesToo) {
   expect_equivalent({"--steps", "20", "--optimizer", "adam"}, "fsdp_shard_grad_op_fork");
 }
 
+TEST(FSDP, FullShardOnTwoRanksMatchesOneProcessWithTheDoubleBatch) {
+  expect_equivalent(with_units({"--steps", "20"}), kFullShard);
+}
+
+TEST(FSDP, FullShardWithShuffleAndAdamMatches) {
+  expect_equivalent(with_units({"--steps", "20", "--shuffle", "--optimizer", "adam"}), kFullShard);
+}
+
+// No reduce-scatter at the micro-batches that do not step: each unit's full
+// gradients accumulate while its parameters are freed between uses.
+TEST(FSDP, FullShardGradientAccumulationMatches) {
+  expect_equivalent(with_units({"--steps", "10", "--accumulate", "2"}), kFullShard);
+}
+
+TEST(FSDP, FullShardManualOptimizationMatches) {
+  expect_equivalent(with_units({"--steps", "20", "--manual-optimization"}), kFullShard);
+}
+
+// The unit some steps do not run has no gradient then: it is reduced with
+// the rest at the end of the backward, and DDP's rule holds.
+TEST(FSDP, FullShardALayerSomeStepsDoNotUseMatches) {
+  expect_equivalent(with_units({"--steps", "20", "--unused-layer"}), kFullShard);
+}
+
+TEST(FSDP, FullShardClippingByNormMatches) {
+  expect_equivalent(with_units({"--steps", "20", "--gradient-clip-val", "0.05"}), kFullShard);
+}
+
+TEST(FSDP, FullShardTheForkLauncherMatchesToo) {
+  expect_equivalent(with_units({"--steps", "20", "--optimizer", "adam"}), "fsdp_fork");
+}
+
+// Without declared units the strategy says so, and trains as SHARD_GRAD_OP.
+TEST(FSDP, FullShardWithoutUnitsSaysSoAndMatches) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", kFullShard, "--devices", "2", "--batch", "8", "--steps", "4",
+                       "--root", dir.path()});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("declares no fulgur::nn::FSDPUnit"), std::string::npos) << r.output;
+  expect_equivalent({"--steps", "20"}, kFullShard);
+}
+
+// Between steps a rank holds no unit's full parameters, and at most one
+// unit's at any time (fc1: 16x32 + 32 floats, the larger of the two); its
+// shards are half of every parameter.
+TEST(FSDP, FullShardHoldsOneUnitsParametersAtATime) {
+  TempDir dir;
+  auto r = run_worker(with_units({"--strategy", kFullShard, "--devices", "2", "--batch", "8",
+                                  "--steps", "6", "--root", dir.path()}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const int64_t fc1 = (16 * 32 + 32) * 4, fc2 = (32 * 4 + 4) * 4;
+  for (const char* rank : {"rank0", "rank1"}) {
+    EXPECT_EQ(result_value(r.output, std::string(rank) + "_held_parameter_bytes"), "0") << r.output;
+    EXPECT_EQ(result_value(r.output, std::string(rank) + "_peak_parameter_bytes"),
+              std::to_string(fc1))
+        << r.output;
+    EXPECT_EQ(result_value(r.output, std::string(rank) + "_shard_bytes"),
+              std::to_string((fc1 + fc2) / 2))
+        << r.output;
+  }
+}
+
 // recovery_training's run (Adam, shuffled, deterministic, a sharded
 // checkpoint every 4 steps); a rank SIGKILLed at step 13 and restarted
 // resumes from the newest one.
-TEST(FSDP, ARankKilledAndRestartedResumesFromTheShardedCheckpointBitIdentical) {
+void expect_bit_identical_after_a_kill(const std::string& strategy,
+                                       const std::vector<std::string>& extra) {
   TempDir dir;
   const std::string d = dir.path();
   for (const auto& [name, more] : std::vector<std::pair<std::string, std::vector<std::string>>>{
            {"reference", {}}, {"killed", {"--max-restarts", "1", "--kill", "1:13"}}}) {
-    auto args = recovery_training(kFsdp, 5, d, name);
+    auto args = recovery_training(strategy, 5, d, name);
+    args.insert(args.end(), extra.begin(), extra.end());
     args.insert(args.end(), more.begin(), more.end());
     auto r = run_worker(args);
     EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
@@ -76,6 +148,14 @@ TEST(FSDP, ARankKilledAndRestartedResumesFromTheShardedCheckpointBitIdentical) {
   // The checkpoints are directories of per-rank shards with a manifest.
   EXPECT_TRUE(std::filesystem::exists(d + "/killed/checkpoints/last.ckpt/manifest.txt"));
   expect_identical_runs(d, "reference", "killed");
+}
+
+TEST(FSDP, ARankKilledAndRestartedResumesFromTheShardedCheckpointBitIdentical) {
+  expect_bit_identical_after_a_kill(kFsdp, {});
+}
+
+TEST(FSDP, FullShardARankKilledAndRestartedResumesBitIdentical) {
+  expect_bit_identical_after_a_kill(kFullShard, {"--fsdp-units"});
 }
 
 }  // namespace

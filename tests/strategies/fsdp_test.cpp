@@ -13,6 +13,13 @@ namespace {
 
 TEST(FSDPStrategy, RegisteredWithItsLaunchVariantsAndSharded) {
   auto& registry = fulgur::strategy_registry();
+  for (const char* name : {"fsdp", "fsdp_fork"}) {
+    auto full = registry.create(name);
+    EXPECT_EQ(full->name(), name);
+    EXPECT_EQ(dynamic_cast<fulgur::FSDPStrategy&>(*full).options().sharding_strategy.value(),
+              fulgur::ShardingStrategy::kFullShard);
+    EXPECT_TRUE(full->forward_is_collective());
+  }
   ASSERT_TRUE(registry.contains("fsdp_shard_grad_op"));
   ASSERT_TRUE(registry.contains("fsdp_shard_grad_op_fork"));
   auto popen = registry.create("fsdp_shard_grad_op");
@@ -23,6 +30,9 @@ TEST(FSDPStrategy, RegisteredWithItsLaunchVariantsAndSharded) {
   EXPECT_EQ(dynamic_cast<fulgur::FSDPStrategy&>(*fork).options().start_method.value(),
             fulgur::StartMethod::kFork);
   // Each rank writes its own optimizer shard.
+  EXPECT_EQ(dynamic_cast<fulgur::FSDPStrategy&>(*popen).options().sharding_strategy.value(),
+            fulgur::ShardingStrategy::kShardGradOp);
+  EXPECT_FALSE(popen->forward_is_collective());
   EXPECT_EQ(popen->checkpoint_layout().name(), "sharded");
   EXPECT_FALSE(popen->sync_batchnorm_unsupported_reason().empty());
 }
@@ -37,7 +47,10 @@ TEST(FSDPStrategy, TheHalfPrecisionLossScalerIsRefusedNamingWhatToUse) {
       return {std::make_shared<torch::optim::SGD>(parameters(), 0.1)};
     }
   } model;
-  fulgur::FSDPStrategy strategy;
+  fulgur::FSDPStrategy strategy({.sharding_strategy = fulgur::ShardingStrategy::kShardGradOp,
+                                .start_method = fulgur::StartMethod::kPopen,
+                                .parallel = {}},
+                               "fsdp_shard_grad_op");
   strategy.set_precision(std::make_shared<fulgur::MixedPrecision>(at::kHalf));
   EXPECT_THROWS_WITH(fulgur::ConfigError, strategy.setup_optimizers(model),
                      {"strategy \"fsdp_shard_grad_op\" with precision=\"16-mixed\"", "loss scaler",
@@ -53,6 +66,10 @@ TEST(FSDPStrategy, ABadStartMethodOrBackendIsNamed) {
       fulgur::ConfigError,
       fulgur::FSDPStrategy(fulgur::FSDPOptions{.parallel = {.process_group_backend = "glo"}}),
       {"FSDPStrategy: process_group_backend=\"glo\""});
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::FSDPStrategy(fulgur::FSDPOptions{
+                         .sharding_strategy = "ZERO3", .start_method = "popen", .parallel = {}}),
+                     {"sharding_strategy=\"ZERO3\"", "\"FULL_SHARD\"", "\"SHARD_GRAD_OP\""});
 }
 
 }  // namespace

@@ -153,4 +153,58 @@ TEST(ShardedParameters, FrozenOrMissingParametersAreRefused) {
   });
 }
 
+// Sharding between uses (FULL_SHARD's mechanism), on 3 ranks (uneven
+// chunks): the memory of released parameters is freed, one shows no
+// elements (an op on it is a shape error, not a read of freed memory), and
+// the gather brings the values back into the same storage, so
+// a graph recorded before the release computes the same gradients (a
+// version bump would make autograd refuse it).
+TEST(ShardedParameters, ReleasedParametersComeBackForTheGraphThatSavedThem) {
+  fulgur::test::on_ranks(3, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+    Net reference, net;
+    reference.loss(0, rank).backward();
+    fulgur::ShardedParameters sharded(net.parameters(), group);
+    const int64_t all = sharded.parameter_bytes();
+    EXPECT_EQ(sharded.held_parameter_bytes(), all);
+    const std::vector<size_t> a_params = {0, 1};  // a.weight, a.bias
+    at::Tensor loss = net.loss(0, rank);  // the graph saves a's weight
+    sharded.release_parameters(a_params);
+    EXPECT_TRUE(sharded.released(0) && sharded.released(1) && !sharded.released(2));
+    EXPECT_EQ(sharded.held_parameter_bytes(), all - (35 + 7) * 4);
+    EXPECT_EQ(net.a->weight.storage().nbytes(), 0u);
+    EXPECT_EQ(net.a->weight.numel(), 0);
+    EXPECT_THROWS_WITH(c10::Error, net.a(torch::ones({1, 5})), {"must be a matrix"});
+    sharded.release_parameters(a_params);  // twice: nothing more to free
+    sharded.all_gather_parameters(a_params);
+    EXPECT_EQ(sharded.held_parameter_bytes(), all);
+    EXPECT_TRUE(torch::equal(net.a->weight, reference.a->weight));
+    loss.backward();
+    for (size_t i = 0; i < net.parameters().size(); ++i) {
+      const at::Tensor got = net.parameters()[i].grad(), want = reference.parameters()[i].grad();
+      ASSERT_EQ(got.defined(), want.defined()) << i;  // `sometimes`: rank 0 only
+      if (want.defined()) {
+        EXPECT_TRUE(torch::equal(got, want)) << i;
+      }
+    }
+    // Only the released subset is reduced and gathered: b keeps its
+    // gradient until its own turn.
+    sharded.reduce_scatter_gradients(a_params);
+    EXPECT_FALSE(net.a->weight.grad().defined());
+    EXPECT_TRUE(net.b->weight.grad().defined());
+    EXPECT_TRUE(sharded.shards()[0].grad().defined());
+    EXPECT_FALSE(sharded.shards()[2].grad().defined());
+  });
+}
+
+TEST(ShardedParameters, AParameterThatIsAViewIsNotReleased) {
+  fulgur::test::on_ranks(1, [&](int, std::shared_ptr<fulgur::ProcessGroup> group) {
+    at::Tensor flat = torch::zeros({10}, torch::kFloat);
+    at::Tensor half = flat.narrow(0, 5, 5).detach().requires_grad_(true);
+    fulgur::ShardedParameters sharded({half}, group);
+    EXPECT_THROWS_WITH(fulgur::ConfigError, sharded.release_parameters({0}),
+                       {"parameter 0 ([5])", "view of a storage of 40 bytes", "its own tensor"});
+    EXPECT_FALSE(sharded.released(0));
+  });
+}
+
 }  // namespace

@@ -512,9 +512,19 @@ void on_ranks(int world,
     });
   }
   for (auto& t : ranks) t.join();
-  for (auto& f : failure) {
-    if (f) std::rethrow_exception(f);
+  // Every rank's error: the first one is often a peer's echo of the cause.
+  std::string messages;
+  for (size_t rank = 0; rank < failure.size(); ++rank) {
+    if (!failure[rank]) continue;
+    try {
+      std::rethrow_exception(failure[rank]);
+    } catch (const std::exception& e) {
+      messages += fulgur::str("\nrank ", rank, ": ", e.what());
+    } catch (...) {
+      messages += fulgur::str("\nrank ", rank, ": an exception that is not a std::exception");
+    }
   }
+  if (!messages.empty()) throw std::runtime_error("on_ranks: a rank failed:" + messages);
 }
 
 std::vector<std::pair<int64_t, double>> RecordingLogger::series(const std::string& key) const {

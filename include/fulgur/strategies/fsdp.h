@@ -1,28 +1,42 @@
 // File: fulgur/strategies/fsdp.h
 //
-// Sharded data parallel. strategy = "fsdp_shard_grad_op" (ZeRO stage 2,
-// PyTorch FSDP's SHARD_GRAD_OP): every rank holds the whole model for its
-// forward and backward, as under DDP; the gradients are reduce-scattered so
-// that each rank keeps its shard of their mean, the optimizer keeps state
-// for that shard only and steps it, and the parameters are all-gathered
-// after the step. Per rank, with Adam in fp32 (16 bytes per parameter under
-// DDP): 4 + 4 + 8/N bytes while the full gradients exist in backward, then
-// 4 + 12/N (ShardedParameters: one shard per parameter, so each keeps its
-// own optimizer options and state, and DDP's rule for a parameter without
-// a gradient holds).
+// Sharded data parallel: each rank keeps a shard of the gradients and of
+// the optimizer state (and, under FULL_SHARD, of the parameters between
+// their uses), as PyTorch's FSDP and DeepSpeed's ZeRO do. Per rank, with
+// Adam in fp32 (16 bytes per parameter Ψ under DDP) and N ranks:
 //
-//   fulgur::Trainer trainer({.strategy = "fsdp_shard_grad_op", .devices = 2});
+//   strategy              sharding (ZeRO stage)   model state per rank
+//   "fsdp"                FULL_SHARD (3)          16Ψ/N + one unit's full parameters
+//   "fsdp_shard_grad_op"  SHARD_GRAD_OP (2)       4Ψ + 12Ψ/N
+//
+//   fulgur::Trainer trainer({.strategy = "fsdp", .devices = 2});
+//
+// SHARD_GRAD_OP: every rank holds the whole model for its forward and
+// backward, as under DDP; the gradients are reduce-scattered so that each
+// rank keeps its shard of their mean, the optimizer keeps state for that
+// shard only and steps it, and the parameters are all-gathered after the
+// step. FULL_SHARD does the same for the parameters outside every unit,
+// and shards the parameters of each fulgur::nn::FSDPUnit the module
+// declares (fulgur/nn/fsdp_unit.h) between their uses: gathered before the
+// unit's forward and freed after it, gathered again before its backward,
+// and freed once its gradients are reduce-scattered, in backward, as each
+// unit's gradients complete. Shards are per parameter (ShardedParameters),
+// so each keeps its own optimizer options and state, and DDP's rule for a
+// parameter without a gradient holds.
 //
 // The same launchers, cluster environments and process groups as DDP;
-// gradient accumulation, manual optimization, precision plugins and
-// gradient clipping (the norm over every shard) work as under DDP.
-// Checkpoints are sharded (ShardedCheckpoint): each rank writes the model
-// and its optimizer shard, and resuming needs the same world size.
+// gradient accumulation, manual optimization, precision plugins (not
+// 16-mixed's loss scaler) and gradient clipping (the norm over every
+// shard) work as under DDP. Checkpoints are sharded (ShardedCheckpoint):
+// each rank writes the model (gathered) and its optimizer shard, and
+// resuming needs the same world size.
 //
-// Not yet: FULL_SHARD (parameters sharded between their uses too), which
-// needs units around which to gather: LibTorch's C++ modules have no
-// forward hooks, so they will be declared (as fulgur::nn::SyncBatchNorm is);
-// a full single-file checkpoint; sync_batchnorm.
+// Under FULL_SHARD every rank must run the same forwards and backwards (the
+// gathers are collectives): a training_step that returns no loss on one
+// rank only is an error, and validation is split evenly (padded).
+//
+// Not yet: prefetching the next unit's gather, a full single-file
+// checkpoint, sync_batchnorm, CPU offload.
 #pragma once
 
 #include <memory>
@@ -36,7 +50,17 @@ namespace fulgur {
 
 class ShardedParameters;
 
+/// PyTorch FSDP's names: FULL_SHARD shards the parameters of the declared
+/// units between their uses too; SHARD_GRAD_OP keeps parameters whole.
+enum class ShardingStrategy { kFullShard, kShardGradOp };
+template <>
+struct ChoiceNames<ShardingStrategy> {
+  static constexpr std::pair<ShardingStrategy, const char*> kNames[] = {
+      {ShardingStrategy::kFullShard, "FULL_SHARD"}, {ShardingStrategy::kShardGradOp, "SHARD_GRAD_OP"}};
+};
+
 struct FSDPOptions {
+  Choice<ShardingStrategy> sharding_strategy = ShardingStrategy::kFullShard;
   /// "popen" (re-execute the program per rank) or "fork", as for DDP.
   Choice<StartMethod> start_method = StartMethod::kPopen;
   /// The process group's timeout and backend, and the launcher's stop grace.
@@ -45,7 +69,7 @@ struct FSDPOptions {
 
 class FSDPStrategy : public ParallelStrategy {
  public:
-  explicit FSDPStrategy(FSDPOptions options = {}, std::string name = "fsdp_shard_grad_op");
+  explicit FSDPStrategy(FSDPOptions options = {}, std::string name = "fsdp");
   ~FSDPStrategy() override;
 
   std::string_view name() const override { return name_; }
@@ -69,8 +93,28 @@ class FSDPStrategy : public ParallelStrategy {
   bool optimizer_step(torch::optim::Optimizer& optimizer, Module& module) override;
   /// The norm over the shards of every rank (one all-reduce).
   void clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm) override;
+  /// The module's state, its units' parameters gathered (one unit at a
+  /// time, copied).
+  void save_module_state(Module& module, torch::serialize::OutputArchive& archive) override;
   /// The module's state, then every shard taken from it again.
   void load_module_state(Module& module, torch::serialize::InputArchive& archive) override;
+  bool forward_is_collective() const override;
+  void with_full_parameters(Module& module, const std::function<void()>& body) override;
+
+  /// Bytes this rank holds now for the model state the strategy manages:
+  /// full parameters (gathered or never sharded), shards, gradients (full
+  /// and sharded) and the optimizers' state.
+  struct Memory {
+    int64_t parameters = 0;
+    int64_t shards = 0;
+    int64_t gradients = 0;
+    int64_t optimizer_state = 0;
+    int64_t total() const { return parameters + shards + gradients + optimizer_state; }
+  };
+  Memory memory() const;
+  /// The most full-parameter bytes held at once since setup (all the
+  /// whole ones plus the units gathered together).
+  int64_t peak_parameter_bytes() const { return peak_parameter_bytes_; }
 
   static void register_strategies(StrategyRegistry& registry);
 
@@ -79,14 +123,26 @@ class FSDPStrategy : public ParallelStrategy {
   void do_teardown() override;
 
  private:
+  class Unit;
+  friend class Unit;
+
   ShardedParameters* sharded_for(const torch::optim::Optimizer& optimizer) const;
   void reduce_gradients();
+  void attach_units(Module& module);
+  void detach_units();
+  void gather_units();
+  void release_units();
+  void note_held_parameters();
+  /// The indices of each ShardedParameters that no unit holds.
+  std::vector<size_t> whole_indices(const ShardedParameters& sharded) const;
 
   FSDPOptions options_;
   std::string name_;
   bool sync_ = true;
   std::vector<std::pair<const torch::optim::Optimizer*, std::unique_ptr<ShardedParameters>>>
       sharded_;
+  std::vector<std::shared_ptr<Unit>> units_;
+  int64_t peak_parameter_bytes_ = 0;
 };
 
 }  // namespace fulgur

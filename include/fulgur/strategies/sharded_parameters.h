@@ -70,10 +70,34 @@ class ShardedParameters {
   /// same objects, so an optimizer built on them stays valid.
   void take_from_parameters();
 
+  /// The same three, for some of the parameters (indices into parameters(),
+  /// in any order), as sharding between uses (FULL_SHARD) does per unit.
+  void reduce_scatter_gradients(const std::vector<size_t>& indices);
+  /// Gives back the full values of released parameters (allocating them).
+  void all_gather_parameters(const std::vector<size_t>& indices);
+  /// Frees the memory of these parameters' full values; their shards stay.
+  /// A released parameter shows shape [0] (an op on it is a shape error,
+  /// never a read of freed memory) until all_gather_parameters brings its
+  /// shape and values back into the same storage, for any graph that saved
+  /// it or a view of it.
+  /// ConfigError for a parameter that does not own its whole storage (a
+  /// view of a bigger tensor): freeing it would free its neighbours too.
+  void release_parameters(const std::vector<size_t>& indices);
+  bool released(size_t i) const { return released_[i] != 0; }
+  /// Bytes of the full parameters whose values are held now (released
+  /// ones hold none).
+  int64_t held_parameter_bytes() const;
+
  private:
+  std::vector<size_t> all_indices() const;
+
   std::vector<at::Tensor> parameters_;
   std::vector<at::Tensor> shards_;
   std::vector<int64_t> chunks_;
+  std::vector<char> released_;
+  // Each parameter's shape and bytes (a released one shows none).
+  std::vector<std::vector<int64_t>> sizes_;
+  std::vector<int64_t> bytes_;
   std::shared_ptr<ProcessGroup> group_;
 };
 

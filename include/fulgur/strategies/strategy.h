@@ -26,6 +26,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -129,7 +130,10 @@ class Strategy {
   /// Calls the module's configure_optimizers and checks the result.
   virtual OptimizerConfig setup_optimizers(Module& module);
   /// Releases what setup_environment/setup acquired. Safe to call twice.
-  void teardown();
+  /// `completed`: false after a failed stage, when the peers may be gone:
+  /// the strategy then runs no collective (fsdp leaves the parameters
+  /// sharded instead of gathering them back).
+  void teardown(bool completed = true);
 
   // ---- Steps.
   /// Moves (and for 64-true converts) every tensor of `batch`.
@@ -161,6 +165,16 @@ class Strategy {
   /// Off for the backward passes of micro-batches that do not step the
   /// optimizer (gradient accumulation): no cross-rank gradient sync.
   virtual void set_gradient_sync(bool /*enabled*/) {}
+  /// Whether the module's forward runs collectives (fsdp gathers its
+  /// units' parameters there): every rank must then run as many forwards,
+  /// so evaluation is sharded evenly, padded as training is.
+  virtual bool forward_is_collective() const { return false; }
+  /// Runs `body` with every parameter of the module whole on this rank
+  /// (fsdp gathers the sharded ones first and shards them again after).
+  /// Every rank calls it at the same point.
+  virtual void with_full_parameters(Module& /*module*/, const std::function<void()>& body) {
+    body();
+  }
   /// Progress report to a supervising launcher (once per training batch),
   /// used to name a rank that hangs. No-op outside one of fulgur's launchers.
   void heartbeat(const char* what);
@@ -226,6 +240,8 @@ class Strategy {
   /// Default: moves the module to root_device().
   virtual void do_setup(Module& module);
   virtual void do_teardown() {}
+  /// In do_teardown: whether the stage completed (teardown's argument).
+  bool stage_completed() const { return stage_completed_; }
   void set_launcher(std::unique_ptr<Launcher> launcher);
 
  private:
@@ -240,6 +256,7 @@ class Strategy {
   bool sync_batchnorm_ = false;
   bool environment_ready_ = false;
   bool torn_down_ = false;
+  bool stage_completed_ = true;
 };
 
 using StrategyRegistry = Registry<Strategy>;
