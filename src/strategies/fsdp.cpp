@@ -298,9 +298,10 @@ void FSDPStrategy::attach_units(Module& module) {
                     "register_module(\"fc1\", fulgur::nn::FSDPUnit(torch::nn::Linear(...)))."))
               << std::endl;
   }
-  release_units();
+  // The units stay whole until their first forward (the module came whole:
+  // releasing them now would save nothing, and hooks such as the model
+  // summary at fit start see every parameter).
   peak_parameter_bytes_ = 0;
-  note_held_parameters();
 }
 
 void FSDPStrategy::detach_units() {
@@ -345,7 +346,8 @@ ShardedParameters* FSDPStrategy::sharded_for(const torch::optim::Optimizer& opti
   return nullptr;
 }
 
-void FSDPStrategy::reduce_gradients() {
+bool FSDPStrategy::reduce_gradients(bool contributes) {
+  bool any = false;
   // What the units did not reduce in backward: the parameters outside every
   // unit, and units with a parameter that got no gradient.
   for (auto& entry : sharded_) {
@@ -356,11 +358,31 @@ void FSDPStrategy::reduce_gradients() {
         if (s == entry.second.get()) rest.insert(rest.end(), indices.begin(), indices.end());
       }
     }
-    entry.second->reduce_scatter_gradients(rest);
+    any = entry.second->reduce_scatter_gradients(rest, contributes) || any;
   }
+  return any;
+}
+
+void FSDPStrategy::agree_on_backward(bool has_loss) {
+  // Under FULL_SHARD the backward itself runs collectives (each unit's
+  // gather and reduce-scatter): a rank without a loss cannot join its
+  // peers' backward. Every rank learns how many have one, so a mixed step
+  // is the same error everywhere instead of a hang.
+  at::Tensor count = torch::full({1}, has_loss ? 1 : 0, torch::kLong);
+  process_group().all_reduce_(count, ReduceOp::Sum);
+  const int64_t with_loss = count.item<int64_t>();
+  if (with_loss == 0 || with_loss == world_size()) return;
+  throw ConfigError(str(
+      "strategy \"", name(), "\" (FULL_SHARD): training_step returned no loss on ",
+      world_size() - with_loss, " of ", world_size(), " ranks (this rank: ",
+      has_loss ? "a loss" : "none", ") at a step the optimizers take. Each unit's gather and "
+      "reduce-scatter in backward is a collective, so every rank runs the backward of every "
+      "step, or none does: return a loss on every rank (e.g. 0 * output.sum() for a batch to "
+      "ignore), or use strategy \"fsdp_shard_grad_op\"."));
 }
 
 void FSDPStrategy::backward(const at::Tensor& loss, Module& module) {
+  if (!units_.empty() && sync_) agree_on_backward(true);
   for (auto& unit : units_) unit->start_backward();
   ParallelStrategy::backward(loss, module);
   // A unit whose parameters did not all get a gradient is still whole.
@@ -369,33 +391,24 @@ void FSDPStrategy::backward(const at::Tensor& loss, Module& module) {
 }
 
 bool FSDPStrategy::backward_skipped(Module& /*module*/, bool accumulated) {
-  if (!units_.empty()) {
-    // The peers gather and reduce unit by unit in their backward: there is
-    // no joining them without running it.
-    throw ConfigError(str(
-        "strategy \"", name(), "\" (FULL_SHARD): training_step returned no loss on rank ",
-        global_rank(), " at a step the optimizers take. Every rank runs the backward of every "
-        "step (each unit's gather is a collective); return a loss on every rank (e.g. "
-        "0 * output.sum() for a batch to ignore), or use strategy \"fsdp_shard_grad_op\"."));
-  }
-  for (auto& unit : units_) unit->start_backward();
   if (!sync_) return accumulated;
+  if (!units_.empty()) agree_on_backward(false);
+  for (auto& unit : units_) unit->start_backward();  // no unit reduced in this step yet
   // The peers reduce-scatter now: join them with what this rank has
   // accumulated (or nothing). The flags are all-reduced, so every rank
   // comes to the same answer.
-  reduce_gradients();
-  for (const auto& entry : sharded_) {
-    for (const auto& s : entry.second->shards()) {
-      if (s.grad().defined()) return true;
-    }
-  }
-  return false;
+  // Whether any rank has a gradient: not whether a shard's is defined
+  // (zero_grad may leave zeros there, and a step on them would move
+  // momentum where one process would not step at all).
+  return reduce_gradients(/*contributes=*/accumulated);
 }
 
 bool FSDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer, Module& module) {
   const bool stepped = ParallelStrategy::optimizer_step(optimizer, module);
   // The parameters outside every unit are whole again; a unit's stay
-  // sharded until its next forward.
+  // sharded until its next forward (one still whole, never used since its
+  // last gather, is stale now: released).
+  release_units();
   if (ShardedParameters* sharded = sharded_for(optimizer)) {
     sharded->all_gather_parameters(whole_indices(*sharded));
   }
@@ -483,11 +496,11 @@ void FSDPStrategy::save_module_state(Module& module, torch::serialize::OutputArc
 
 void FSDPStrategy::load_module_state(Module& module, torch::serialize::InputArchive& archive) {
   // Every parameter whole to take the checkpoint's values; the shards are
-  // then taken from them.
+  // then taken from them, and the units stay whole until their next
+  // forward (resuming happens at fit start, where they are whole anyway).
   gather_units();
   ParallelStrategy::load_module_state(module, archive);
   for (auto& entry : sharded_) entry.second->take_from_parameters();
-  release_units();
 }
 
 bool FSDPStrategy::forward_is_collective() const {

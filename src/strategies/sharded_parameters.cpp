@@ -134,26 +134,36 @@ int64_t ShardedParameters::parameter_bytes() const {
   return bytes;
 }
 
-void ShardedParameters::reduce_scatter_gradients() { reduce_scatter_gradients(all_indices()); }
+bool ShardedParameters::reduce_scatter_gradients() {
+  return reduce_scatter_gradients(all_indices());
+}
 
-void ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indices) {
-  if (indices.empty()) return;
-  const int64_t world = group_->size();
+bool ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indices,
+                                                 bool contributes) {
+  if (indices.empty()) return false;
+  bool any = false;
   torch::NoGradGuard no_grad;
   // Which parameters have a gradient on some rank (DDP's rule: the others
-  // keep none, and the optimizer skips them).
+  // keep none, and the optimizer skips them), and how many ranks
+  // contribute (the mean is over them, as DDP's join takes it).
   std::vector<char> anywhere(parameters_.size(), 0);
+  int64_t contributors = 0;
   {
-    at::Tensor has = torch::zeros({static_cast<int64_t>(indices.size())}, torch::kInt);
+    const auto n = static_cast<int64_t>(indices.size());
+    at::Tensor has = torch::zeros({n + 1}, torch::kInt);
     auto flags = has.accessor<int, 1>();
     for (size_t j = 0; j < indices.size(); ++j) {
       if (parameters_[indices[j]].grad().defined()) flags[static_cast<int64_t>(j)] = 1;
     }
-    group_->all_reduce_(has, ReduceOp::Max);
+    flags[n] = contributes ? 1 : 0;
+    group_->all_reduce_(has, ReduceOp::Sum);
     for (size_t j = 0; j < indices.size(); ++j) {
       anywhere[indices[j]] = static_cast<char>(flags[static_cast<int64_t>(j)] != 0);
+      any = any || anywhere[indices[j]] != 0;
     }
+    contributors = flags[n];
   }
+  const int64_t world = group_->size();
   for (const auto& group : by_dtype_and_device(parameters_, indices)) {
     // Rank-major packing: block r holds every parameter's chunk r, so the
     // reduce-scatter hands each rank its chunks of all of them at once.
@@ -180,7 +190,8 @@ void ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indi
         blocks[r].narrow(0, offsets[j], len).copy_(flat.narrow(0, r * k, len));
       }
     }
-    at::Tensor reduced = group_->reduce_scatter_sum(packed).div_(static_cast<double>(world));
+    at::Tensor reduced =
+        group_->reduce_scatter_sum(packed).div_(static_cast<double>(std::max<int64_t>(contributors, 1)));
     for (size_t j = 0; j < mine.size(); ++j) {
       at::Tensor part = reduced.narrow(0, offsets[j], chunks_[mine[j]]);
       at::Tensor& grad = shards_[mine[j]].mutable_grad();
@@ -192,6 +203,7 @@ void ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indi
     }
   }
   for (size_t i : indices) parameters_[i].mutable_grad().reset();
+  return any;
 }
 
 void ShardedParameters::all_gather_parameters() { all_gather_parameters(all_indices()); }

@@ -38,6 +38,8 @@ struct Args {
   bool skip_fit = false;
   bool manual = false;
   bool fsdp_units = false;
+  bool histograms = false;
+  bool skip_after_forward = false;
   bool unused_layer = false;
   double gradient_clip_val = 0;  // > 0: clip by norm
   std::string optimizer = "sgd";
@@ -263,7 +265,10 @@ struct Classifier : fulgur::Module {
       auto skips = [&](int r) {
         return std::count(args.skip_ranks.begin(), args.skip_ranks.end(), r) > 0;
       };
-      if (world > 1 && skips(rank)) return {};
+      if (world > 1 && skips(rank)) {
+        if (args.skip_after_forward) forward(x, false);  // and drop the output
+        return {};
+      }
       if (world == 1) {
         // The distributed sampler deals sample i to rank i % world: keep
         // the rows of the ranks that do not skip.
@@ -421,6 +426,8 @@ int main(int argc, char** argv) {
   app.add_flag("--manual-optimization", a.manual);
   app.add_flag("--unused-layer", a.unused_layer);
   app.add_flag("--fsdp-units", a.fsdp_units);
+  app.add_flag("--histograms", a.histograms);
+  app.add_flag("--skip-after-forward", a.skip_after_forward);
   app.add_option("--optimizer", a.optimizer);
   app.add_option("--gradient-clip-val", a.gradient_clip_val);
   app.add_option("--out", a.out);
@@ -495,6 +502,13 @@ int main(int argc, char** argv) {
         ddp_options.parallel.process_group_backend = a.process_group_backend;
       }
       options.strategy = std::make_shared<fulgur::DDPStrategy>(ddp_options, a.strategy);
+    } else if (a.strategy.rfind("fsdp", 0) == 0) {
+      // The registered variant, with this run's timeout.
+      auto probe = fulgur::strategy_registry().create(a.strategy);
+      fulgur::FSDPOptions fsdp_options = dynamic_cast<fulgur::FSDPStrategy&>(*probe).options();
+      fsdp_options.parallel.process_group_timeout =
+          std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+      options.strategy = std::make_shared<fulgur::FSDPStrategy>(fsdp_options, a.strategy);
     } else {
       options.strategy = a.strategy;
     }
@@ -523,7 +537,13 @@ int main(int argc, char** argv) {
       options.heartbeat_timeout =
           std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout_s * 1000));
     }
-    options.logger = false;
+    options.logger = a.histograms;
+    if (a.histograms) {
+      // Every rank has it (a sharded strategy gathers for it on each);
+      // rank 0 writes.
+      options.loggers.push_back(std::make_shared<fulgur::TensorBoardLogger>(
+          fulgur::TensorBoardLoggerOptions{.save_dir = a.root, .log_histograms = true}));
+    }
     options.default_root_dir = a.root;
     options.seed = static_cast<uint64_t>(a.seed);
     if (a.val_every > 0) options.val_check_interval = a.val_every;

@@ -56,6 +56,17 @@ TEST(FSDP, ALayerSomeStepsDoNotUseMatches) {
 
 // The clipping norm is over every rank's shard: the same as one process's
 // over the whole gradient (a local norm would clip differently, and fail).
+// A window no rank has a loss in is no step (zero_grad's zeros in the
+// shards are no gradient: a step on them would move SGD's momentum), and a
+// rank without a loss joins its peers' reduce-scatter with what it
+// accumulated.
+TEST(FSDP, ShardGradOpSkipsAStepNoRankHasALossForAndJoinsTheRest) {
+  expect_equivalent({"--steps", "8", "--accumulate", "2", "--skip-ranks", "0,1", "--skip-at",
+                     "3,6,7"},
+                    kFsdp);
+  expect_equivalent({"--steps", "20", "--skip-ranks", "1", "--skip-at", "3,8"}, kFsdp);
+}
+
 TEST(FSDP, ClippingByNormUsesTheNormOverEveryShard) {
   expect_equivalent({"--steps", "20", "--gradient-clip-val", "0.05"}, kFsdp);
 }
@@ -94,6 +105,52 @@ TEST(FSDP, FullShardClippingByNormMatches) {
 
 TEST(FSDP, FullShardTheForkLauncherMatchesToo) {
   expect_equivalent(with_units({"--steps", "20", "--optimizer", "adam"}), "fsdp_fork");
+}
+
+// A step no rank has a loss for is skipped together (what earlier
+// micro-batches accumulated is still reduced); a step some ranks have a
+// loss for and others not is the same error on every rank, never a hang.
+TEST(FSDP, FullShardSkipsAStepEveryRankSkipsAndRefusesAMixedOne) {
+  expect_equivalent(with_units({"--steps", "8", "--accumulate", "2", "--skip-ranks", "0,1",
+                                "--skip-at", "3,6,7"}),
+                    kFullShard);
+  TempDir dir;
+  auto r = run_worker(with_units({"--strategy", kFullShard, "--devices", "2", "--batch", "8",
+                                  "--steps", "6", "--root", dir.path(), "--skip-ranks", "1",
+                                  "--skip-at", "3", "--skip-after-forward"}));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  // Each rank's error (the launcher repeats the first).
+  EXPECT_GE(fulgur::test::count_occurrences(r.output, "returned no loss on 1 of 2 ranks"), 2)
+      << r.output;
+  EXPECT_NE(r.output.find("(this rank: a loss)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(this rank: none)"), std::string::npos) << r.output;
+  // A rank that skips its forward too leaves its peers in a unit's gather:
+  // the process group's timeout ends it, naming the collective.
+  auto before = run_worker(with_units({"--strategy", kFullShard, "--devices", "2", "--batch", "8",
+                                       "--steps", "6", "--root", dir.path(), "--skip-ranks", "1",
+                                       "--skip-at", "3", "--timeout", "3"}));
+  EXPECT_NE(before.exit_code, 0) << before.output;
+  EXPECT_NE(before.output.find("process_group_timeout"), std::string::npos) << before.output;
+}
+
+// TensorBoard's parameter histograms read every parameter at the end of an
+// epoch: the units are gathered around them (a released parameter has no
+// elements, and would leave its histogram out).
+TEST(FSDP, FullShardGathersTheParametersForTensorBoardHistograms) {
+  TempDir dir;
+  auto r = run_worker(with_units({"--strategy", kFullShard, "--devices", "2", "--batch", "8",
+                                  "--steps", "6", "--samples", "48", "--root", dir.path(),
+                                  "--histograms"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::string events;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir.path())) {
+    if (entry.path().filename().string().rfind("events.out.tfevents", 0) == 0) {
+      events += fulgur::test::read_text(entry.path().string());
+    }
+  }
+  for (const char* tag : {"parameters/fc1.weight", "parameters/fc2.bias"}) {
+    EXPECT_NE(events.find(tag), std::string::npos) << tag << "\n" << r.output;
+  }
 }
 
 // Without declared units the strategy says so, and trains as SHARD_GRAD_OP.

@@ -40,6 +40,10 @@ class Logger {
   /// At the end of every training epoch: loggers that record the module's
   /// parameters (histograms) read them here. Default: nothing.
   virtual void log_parameters(const Module& /*module*/, int64_t /*step*/) {}
+  /// Whether log_parameters reads the parameters: a sharded strategy then
+  /// gathers them first (every rank asks its own loggers, so configure
+  /// them alike on every rank). Default: false.
+  virtual bool logs_parameters() const { return false; }
   /// Flushes buffered rows; the Trainer calls it before every checkpoint.
   virtual void save() {}
   /// How the run ended; called before finalize(). Default: nothing.

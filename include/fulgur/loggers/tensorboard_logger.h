@@ -56,6 +56,7 @@ class TensorBoardLogger : public VersionedLogger {
   void log_metrics(const std::map<std::string, double>& metrics, int64_t step) override;
   /// Histograms of the parameters, when `log_histograms` is on.
   void log_parameters(const Module& module, int64_t step) override;
+  bool logs_parameters() const override { return options_.log_histograms; }
   /// A histogram of `values` (any shape and floating dtype) under `tag`.
   void log_histogram(const std::string& tag, const at::Tensor& values, int64_t step);
   void save() override;

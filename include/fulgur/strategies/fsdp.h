@@ -32,8 +32,9 @@
 // resuming needs the same world size.
 //
 // Under FULL_SHARD every rank must run the same forwards and backwards (the
-// gathers are collectives): a training_step that returns no loss on one
-// rank only is an error, and validation is split evenly (padded).
+// gathers are collectives): a step the optimizers take where training_step
+// returned no loss on some ranks only is the same error on every rank, and
+// validation is split evenly (padded).
 //
 // Not yet: prefetching the next unit's gather, a full single-file
 // checkpoint, sync_batchnorm, CPU offload.
@@ -112,8 +113,9 @@ class FSDPStrategy : public ParallelStrategy {
     int64_t total() const { return parameters + shards + gradients + optimizer_state; }
   };
   Memory memory() const;
-  /// The most full-parameter bytes held at once since setup (all the
-  /// whole ones plus the units gathered together).
+  /// The most full-parameter bytes held at once when a unit was gathered
+  /// since setup (the module comes whole; each unit is released after its
+  /// first forward).
   int64_t peak_parameter_bytes() const { return peak_parameter_bytes_; }
 
   static void register_strategies(StrategyRegistry& registry);
@@ -127,7 +129,8 @@ class FSDPStrategy : public ParallelStrategy {
   friend class Unit;
 
   ShardedParameters* sharded_for(const torch::optim::Optimizer& optimizer) const;
-  void reduce_gradients();
+  bool reduce_gradients(bool contributes = true);
+  void agree_on_backward(bool has_loss);
   void attach_units(Module& module);
   void detach_units();
   void gather_units();

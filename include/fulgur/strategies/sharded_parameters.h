@@ -14,11 +14,12 @@
 //   adam.step();                          // on the shards
 //   sharded.all_gather_parameters();      // every rank's parameters updated
 //
-// The gradients follow DDP's rule: the mean over the ranks, a rank without
-// a gradient for a parameter counting as zeros, and a parameter no rank has
-// a gradient for left as it is (without one, the optimizer skips it). Each exchange is
-// one collective for all the parameters: a reduce-scatter of their packed
-// chunks, and an all-gather of the packed shards.
+// The gradients follow DDP's rule: the mean over the ranks that ran a
+// backward, one without a gradient for a parameter counting as zeros, and a
+// parameter no rank has a gradient for left as it is (without one, the
+// optimizer skips it). Each exchange is one collective for all the
+// parameters: a reduce-scatter of their packed chunks, and an all-gather
+// of the packed shards (plus a small all-reduce of which have gradients).
 //
 // This is the mechanism of sharded data parallel; the `fsdp` strategy is
 // built on it. Under `manual`, a Module can use it directly to shard its
@@ -60,8 +61,10 @@ class ShardedParameters {
   /// whose parameter has a gradient on no rank is left as it is (without
   /// one, the optimizer skips it). The parameters' gradients are released.
   /// One all-reduce of a flag per parameter (which have a gradient
-  /// anywhere), one reduce-scatter per dtype.
-  void reduce_scatter_gradients();
+  /// anywhere), one reduce-scatter per dtype. Returns whether any rank had
+  /// a gradient for any of them (a shard's gradient left at zeros by
+  /// zero_grad is no gradient: the optimizers must not step on it).
+  bool reduce_scatter_gradients();
   /// Every parameter takes the ranks' shards (after the optimizer stepped
   /// them): one all-gather per dtype.
   void all_gather_parameters();
@@ -72,7 +75,10 @@ class ShardedParameters {
 
   /// The same three, for some of the parameters (indices into parameters(),
   /// in any order), as sharding between uses (FULL_SHARD) does per unit.
-  void reduce_scatter_gradients(const std::vector<size_t>& indices);
+  /// `contributes`: false on a rank that ran no backward in this step (its
+  /// training_step returned no loss, and no earlier micro-batch
+  /// accumulated): the mean is over the ranks that contribute, as DDP's.
+  bool reduce_scatter_gradients(const std::vector<size_t>& indices, bool contributes = true);
   /// Gives back the full values of released parameters (allocating them).
   void all_gather_parameters(const std::vector<size_t>& indices);
   /// Frees the memory of these parameters' full values; their shards stay.

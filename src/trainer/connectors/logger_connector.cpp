@@ -227,6 +227,13 @@ void LoggerConnector::log_parameters(const Module& module, int64_t step) {
   for (auto& logger : loggers_) logger->log_parameters(module, step);
 }
 
+bool LoggerConnector::logs_parameters() const {
+  for (const auto& logger : loggers_) {
+    if (logger->logs_parameters()) return true;
+  }
+  return false;
+}
+
 void LoggerConnector::finalize(RunStatus status) {
   ended_ = true;
   for (auto& logger : loggers_) {

@@ -105,6 +105,8 @@ class LoggerConnector {
   void log_hyperparams(const HParams& hparams);
   /// At the end of a training epoch (global rank 0).
   void log_parameters(const Module& module, int64_t step);
+  /// Whether any logger reads the parameters in log_parameters.
+  bool logs_parameters() const;
   /// Every logger's run status, then its finalize().
   void finalize(RunStatus status = RunStatus::Success);
   /// finalize() for a run that ends by an error or a signal: a logger's

@@ -183,7 +183,16 @@ void FitLoop::train_epoch() {
   m.on_train_epoch_end();
   trainer_.logging.publish_epoch(trainer_.logging.train_sink(), *trainer_.strategy,
                                  sanity_checking_, current_epoch_, global_step_);
-  if (trainer_.strategy->is_global_zero()) trainer_.logging.log_parameters(m, global_step_);
+  // Histograms read every parameter: a sharded strategy gathers them (on
+  // every rank) around rank 0's logging.
+  auto log_parameters = [&] {
+    if (trainer_.strategy->is_global_zero()) trainer_.logging.log_parameters(m, global_step_);
+  };
+  if (trainer_.logging.logs_parameters()) {
+    trainer_.strategy->with_full_parameters(m, log_parameters);
+  } else {
+    log_parameters();
+  }
   for (auto& cb : trainer_.callbacks) cb->on_train_epoch_end(trainer_.self, m);
   in_epoch_end_ = false;
   validated_at_position_ = -1;
