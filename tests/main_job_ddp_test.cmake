@@ -1,6 +1,7 @@
 # The main job goes multi-process: the Fashion-MNIST example trained for the
 # same 150 optimizer steps on one process (batch 128) and on two ranks
-# (batch 64 each) under `ddp`, `ddp_fork` and `fsdp_shard_grad_op` reaches the same test accuracy
+# (batch 64 each) under `ddp`, `ddp_fork`, `fsdp_shard_grad_op` and `fsdp` (the example
+# declares its two large layers as FSDPUnit) reaches the same test accuracy
 # on the full 10,000-image test set (within 2 points; BatchNorm statistics
 # are per rank, so not bit-identical). Each run is bounded in time.
 # Run with -DEXAMPLE=<fashion_mnist binary> -DWORK_DIR=<scratch directory>.
@@ -36,7 +37,7 @@ to_basis_points(${single} single_bp)
 if(single_bp LESS 8000)
   message(FATAL_ERROR "one process reached test_acc=${single} after 150 steps (expected >= 0.80)")
 endif()
-foreach(strategy ddp ddp_fork fsdp_shard_grad_op)
+foreach(strategy ddp ddp_fork fsdp_shard_grad_op fsdp)
   train(${strategy} multi --batch_size 64 --devices 2 --strategy ${strategy})
   to_basis_points(${multi} multi_bp)
   math(EXPR diff "${multi_bp} - ${single_bp}")

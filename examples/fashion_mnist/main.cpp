@@ -51,11 +51,14 @@ class FashionCNN : public fulgur::Module {
     // fulgur's BatchNorm: LibTorch's unless --sync_batchnorm true under ddp,
     // where the statistics span every rank's batch.
     bn1_ = register_module("bn1", fulgur::nn::SyncBatchNorm(32));
-    conv2_ = register_module(
-        "conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1).bias(false)));
+    // The two large layers are units of sharding for strategy "fsdp": their
+    // parameters are sharded across the ranks between uses. Anywhere else a
+    // unit is the layer itself, under the same parameter names.
+    conv2_ = register_module("conv2", fulgur::nn::FSDPUnit(torch::nn::Conv2d(
+                                          torch::nn::Conv2dOptions(32, 64, 3).padding(1).bias(false))));
     bn2_ = register_module("bn2", fulgur::nn::SyncBatchNorm(64));
     drop_conv_ = register_module("drop_conv", torch::nn::Dropout(0.25));
-    fc1_ = register_module("fc1", torch::nn::Linear(64 * 7 * 7, 128));
+    fc1_ = register_module("fc1", fulgur::nn::FSDPUnit(torch::nn::Linear(64 * 7 * 7, 128)));
     drop_fc_ = register_module("drop_fc", torch::nn::Dropout(0.25));
     fc2_ = register_module("fc2", torch::nn::Linear(128, 10));
   }
@@ -119,10 +122,10 @@ class FashionCNN : public fulgur::Module {
   double lr_gamma_;
   torch::nn::Conv2d conv1_{nullptr};
   fulgur::nn::SyncBatchNorm bn1_{nullptr};
-  torch::nn::Conv2d conv2_{nullptr};
+  fulgur::nn::FSDPUnit<torch::nn::Conv2d> conv2_{nullptr};
   fulgur::nn::SyncBatchNorm bn2_{nullptr};
   torch::nn::Dropout drop_conv_{nullptr};
-  torch::nn::Linear fc1_{nullptr};
+  fulgur::nn::FSDPUnit<torch::nn::Linear> fc1_{nullptr};
   torch::nn::Dropout drop_fc_{nullptr};
   torch::nn::Linear fc2_{nullptr};
 };

@@ -5,7 +5,9 @@
 namespace fulgur::nn {
 
 FSDPUnitBase::FSDPUnitBase(std::shared_ptr<torch::nn::Module> contained)
-    : torch::nn::Module("fulgur::nn::FSDPUnit"), contained_(std::move(contained)) {
+    : torch::nn::Module(contained ? "fulgur::nn::FSDPUnit<" + contained->name() + ">"
+                                  : std::string("fulgur::nn::FSDPUnit")),
+      contained_(std::move(contained)) {
   if (!contained_) {
     throw ConfigError(
         "fulgur::nn::FSDPUnit: the module to hold is empty (a holder made with nullptr); "

@@ -40,6 +40,7 @@ struct Args {
   bool fsdp_units = false;
   bool histograms = false;
   bool skip_after_forward = false;
+  std::string precision;
   bool unused_layer = false;
   double gradient_clip_val = 0;  // > 0: clip by norm
   std::string optimizer = "sgd";
@@ -428,6 +429,7 @@ int main(int argc, char** argv) {
   app.add_flag("--fsdp-units", a.fsdp_units);
   app.add_flag("--histograms", a.histograms);
   app.add_flag("--skip-after-forward", a.skip_after_forward);
+  app.add_option("--precision", a.precision);
   app.add_option("--optimizer", a.optimizer);
   app.add_option("--gradient-clip-val", a.gradient_clip_val);
   app.add_option("--out", a.out);
@@ -519,6 +521,7 @@ int main(int argc, char** argv) {
     options.use_distributed_sampler = a.distributed_sampler;
     if (!a.plugins.empty()) options.plugins = {a.plugins};
     options.max_steps = a.steps;
+    if (!a.precision.empty()) options.precision = a.precision;
     options.accumulate_grad_batches = a.accumulate;
     if (a.gradient_clip_val > 0) options.gradient_clip_val = a.gradient_clip_val;
     options.enable_progress_bar = false;

@@ -107,6 +107,22 @@ TEST(FSDP, FullShardTheForkLauncherMatchesToo) {
   expect_equivalent(with_units({"--steps", "20", "--optimizer", "adam"}), "fsdp_fork");
 }
 
+// bf16-mixed (autocast, fp32 parameters and gradients): the same steps as
+// DDP's, whose ranks compute the same bf16 products (one process with the
+// double batch would sum in another order).
+TEST(FSDP, FullShardInBf16MixedTrainsAsDdpDoes) {
+  TempDir dir;
+  for (const char* strategy : {"ddp", kFullShard}) {
+    auto r = run_worker(with_units({"--strategy", strategy, "--devices", "2", "--batch", "8",
+                                    "--steps", "20", "--optimizer", "adam", "--precision",
+                                    "bf16-mixed", "--root", dir.path(), "--out",
+                                    dir.path() + "/" + strategy + ".pt"}));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("RESULT global_step=20"), std::string::npos) << r.output;
+  }
+  EXPECT_TRUE(fulgur::test::same_params(dir.path() + "/ddp.pt", dir.path() + "/fsdp.pt"));
+}
+
 // A step no rank has a loss for is skipped together (what earlier
 // micro-batches accumulated is still reduced); a step some ranks have a
 // loss for and others not is the same error on every rank, never a hang.
