@@ -60,6 +60,12 @@ restart_reps=${RESTART_REPS:-5}
 mapfile -t restart_rows < <("$py" bench/restart.py --build build --reps "$restart_reps" --sizes 1,256)
 results+=("${restart_rows[@]}")
 
+# Sharded data parallel: ddp, fsdp_shard_grad_op and fsdp on a 50 M-parameter
+# MLP (Adam), 2 ranks, interleaved.
+fsdp_reps=${FSDP_REPS:-3}
+mapfile -t fsdp_rows < <("$py" bench/fsdp.py --build build --reps "$fsdp_reps")
+results+=("${fsdp_rows[@]}")
+
 # DDP: fulgur, PyTorch's DDP (Python) and the naive per-parameter all-reduce
 # loop, 2 ranks started by torchrun each, interleaved over the repetitions.
 # (--redirects/--tee 1: Debian's torchrun 1.13 cannot parse their default.)
@@ -111,6 +117,29 @@ print("one worker the step takes %.2f ms (%.2fx the in-memory step), against %.2
 print("training thread. Two workers double the loader alone on this 2-core machine, but under fit")
 print("they share the cores with the training thread. The batches are the same for any number of")
 print("workers (tests/data/data_loader_test.cpp).")' "$1"
+}
+
+# The "Sharded data parallel" section of RESULTS.md from bench/fsdp.py's rows.
+fsdp_section() {
+  local reps="$1"
+  shift
+  echo "## Sharded data parallel: memory and throughput"
+  echo
+  echo "An MLP of three 4096 x 4096 layers (50.3 M parameters, each layer a \`fulgur::nn::FSDPUnit\`),"
+  echo "Adam in fp32, 2 ranks under fulgur's launcher, batch 16 per rank, 1 thread per rank, Gloo;"
+  echo "FSDP_REPS=$reps interleaved repetitions, medians (\`python3 bench/fsdp.py --build build --reps $reps\`)."
+  echo "Model state per rank is counted from the tensors after an optimizer step (parameters held"
+  echo "whole, shards, gradients, Adam's moments); the formula is ZeRO's with P parameters and N = 2"
+  echo "ranks: 16P (ddp), 4P + 12P/N (SHARD_GRAD_OP), 16P/N (FULL_SHARD)."
+  echo
+  echo "| strategy | samples/s | ÷ ddp | state MB | formula MB | state ÷ formula | whole params MB | shards MB | grads MB | Adam MB | most params held at once MB | one unit MB | peak RSS MB |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+  for r in "$@"; do
+    "$py" -c 'import json,sys; r=json.loads(sys.argv[1]); print("| %s | %.1f | %.3f | %.0f | %.0f | %.3f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f | %.0f |" % (r["strategy"], r["samples_per_s"], r["vs_ddp"], r["state_mb"], r["formula_mb"], r["state_over_formula"], r["parameter_mb"], r["shard_mb"], r["gradient_mb"], r["optimizer_state_mb"], r["peak_parameter_mb"], r["unit_mb"], r["peak_rss_mb"]))' "$r"
+  done
+  echo
+  echo "Targets (issue: fsdp): state within 10% of the formula plus one unit; SHARD_GRAD_OP >= 0.9x"
+  echo "ddp's samples/s, FULL_SHARD >= 0.75x."
 }
 
 # The "Restart" section of RESULTS.md from bench/restart.py's rows.
@@ -265,6 +294,8 @@ for k in ("fulgur", "pytorch_ddp", "naive"):
   echo "vary by 5-10% on this shared machine, so ratios near 1.0 read as parity."
   echo
   restart_section "$restart_reps" "${restart_rows[@]}"
+  echo
+  fsdp_section "$fsdp_reps" "${fsdp_rows[@]}"
   echo
   data_section "$data_row"
 } > bench/RESULTS.md
