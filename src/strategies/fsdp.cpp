@@ -411,6 +411,7 @@ bool FSDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer, Module& mo
   release_units();
   if (ShardedParameters* sharded = sharded_for(optimizer)) {
     sharded->all_gather_parameters(whole_indices(*sharded));
+    note_held_parameters();
   }
   return stepped;
 }
