@@ -11,12 +11,11 @@
 //
 //   build/bench/fulgur_bench_fsdp --strategy fsdp --width 4096 --layers 3 --steps 6
 #include <sys/resource.h>
+#include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "fulgur/fulgur.h"
@@ -127,29 +126,15 @@ struct Probe : fulgur::Callback {
 
 int main(int argc, char** argv) {
   Args a;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--strategy"))
-      a.strategy = argv[i + 1];
-    else if (!std::strcmp(argv[i], "--width"))
-      a.width = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--layers"))
-      a.layers = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--steps"))
-      a.steps = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--warmup"))
-      a.warmup = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--batch"))
-      a.batch = std::atoll(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--devices"))
-      a.devices = std::atoi(argv[i + 1]);
-    else {
-      std::fprintf(stderr,
-                   "usage: %s [--strategy ddp|fsdp_shard_grad_op|fsdp] [--width N] [--layers N] "
-                   "[--steps N] [--warmup N] [--batch N] [--devices N]\n",
-                   argv[0]);
-      return 2;
-    }
-  }
+  CLI::App app("fulgur_bench_fsdp: one strategy on 2 ranks; bench/fsdp.py compares them");
+  app.add_option("--strategy", a.strategy, "ddp, fsdp_shard_grad_op or fsdp");
+  app.add_option("--width", a.width);
+  app.add_option("--layers", a.layers);
+  app.add_option("--steps", a.steps, "timed steps");
+  app.add_option("--warmup", a.warmup, "untimed steps first");
+  app.add_option("--batch", a.batch, "per rank");
+  app.add_option("--devices", a.devices);
+  CLI11_PARSE(app, argc, argv);
   try {
     torch::set_num_threads(1);
     const int64_t samples = (a.steps + a.warmup) * a.batch * a.devices;

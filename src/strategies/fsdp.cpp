@@ -111,17 +111,18 @@ int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
   auto add = [&](const at::Tensor& t) {
     if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
   };
+  auto add_moments = [&](const auto& s) {  // Adam's and AdamW's
+    add(s.exp_avg());
+    add(s.exp_avg_sq());
+    add(s.max_exp_avg_sq());
+  };
   for (const auto& [key, state] : optimizer.state()) {
     (void)key;
     if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(state.get())) {
-      add(adam->exp_avg());
-      add(adam->exp_avg_sq());
-      add(adam->max_exp_avg_sq());
+      add_moments(*adam);
     } else if (const auto* adamw =
                    dynamic_cast<const torch::optim::AdamWParamState*>(state.get())) {
-      add(adamw->exp_avg());
-      add(adamw->exp_avg_sq());
-      add(adamw->max_exp_avg_sq());
+      add_moments(*adamw);
     } else if (const auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(state.get())) {
       add(sgd->momentum_buffer());
     } else if (const auto* rms =
