@@ -41,6 +41,7 @@ struct Args {
   bool histograms = false;
   bool skip_after_forward = false;
   std::string precision;
+  bool frozen_bias = false;
   bool unused_layer = false;
   double gradient_clip_val = 0;  // > 0: clip by norm
   std::string optimizer = "sgd";
@@ -178,6 +179,8 @@ struct Classifier : fulgur::Module {
     if (a.batchnorm == "plain") plain_bn = register_module("bn", torch::nn::BatchNorm1d(32));
     if (a.batchnorm == "sync") sync_bn = register_module("bn", fulgur::nn::SyncBatchNorm(32));
     if (a.count_buffer) seen = register_buffer("seen", torch::zeros({}, torch::kLong));
+    // --frozen-bias: fc1's bias never trains (whole on every rank, in no shard).
+    if (a.frozen_bias) named_parameters()["fc1.bias"].requires_grad_(false);
   }
 
   at::Tensor seen;
@@ -430,6 +433,7 @@ int main(int argc, char** argv) {
   app.add_flag("--histograms", a.histograms);
   app.add_flag("--skip-after-forward", a.skip_after_forward);
   app.add_option("--precision", a.precision);
+  app.add_flag("--frozen-bias", a.frozen_bias);
   app.add_option("--optimizer", a.optimizer);
   app.add_option("--gradient-clip-val", a.gradient_clip_val);
   app.add_option("--out", a.out);

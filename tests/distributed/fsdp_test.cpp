@@ -107,6 +107,34 @@ TEST(FSDP, FullShardTheForkLauncherMatchesToo) {
   expect_equivalent(with_units({"--steps", "20", "--optimizer", "adam"}), "fsdp_fork");
 }
 
+// A frozen parameter inside a unit stays whole on every rank and never
+// moves; the unit shards the rest.
+TEST(FSDP, FullShardAFrozenParameterStaysWholeAndMatches) {
+  expect_equivalent(with_units({"--steps", "20", "--frozen-bias"}), kFullShard);
+  expect_equivalent({"--steps", "20", "--frozen-bias"}, kFsdp);
+}
+
+// Three ranks: every parameter's element count (16x32, 32, 32x4, 4) leaves
+// the last rank a shorter, padded chunk. Batch 8 on each equals one
+// process with batch 24.
+TEST(FSDP, FullShardOnThreeRanksWithUnevenShardsMatchesOneProcess) {
+  TempDir dir;
+  const std::string single = dir.path() + "/single.pt", multi = dir.path() + "/multi.pt";
+  const std::vector<std::string> common = {"--steps", "20", "--samples", "240", "--optimizer",
+                                           "adam", "--fsdp-units", "--root", dir.path()};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), common.begin(), common.end());
+    return more;
+  };
+  auto one = run_worker(with({"--devices", "1", "--batch", "24", "--out", single}));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto three = run_worker(
+      with({"--strategy", kFullShard, "--devices", "3", "--batch", "8", "--out", multi}));
+  ASSERT_EQ(three.exit_code, 0) << three.output;
+  EXPECT_EQ(result_value(three.output, "world_size"), "3") << three.output;
+  EXPECT_TRUE(fulgur::test::same_params(single, multi));
+}
+
 // bf16-mixed (autocast, fp32 parameters and gradients): the same steps as
 // DDP's, whose ranks compute the same bf16 products (one process with the
 // double batch would sum in another order).
