@@ -18,6 +18,7 @@
 #include "fulgur/strategies/checkpoint_layout.h"
 #include "fulgur/strategies/process_group.h"
 #include "fulgur/strategies/sharded_parameters.h"
+#include "fulgur/utilities/torch_compat.h"
 
 namespace fulgur {
 
@@ -144,6 +145,37 @@ int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
   return bytes;
 }
 
+// Calls `change` with each per-element tensor of a torch::optim state (in a
+// fixed order: every rank gathers the same ones), storing what it returns;
+// false for the state of another optimizer.
+template <typename Change>
+bool change_state_tensors(torch::optim::OptimizerParamState& state, Change&& change) {
+  auto one = [&](const at::Tensor& t, const auto& set) {
+    if (t.defined()) set(change(t));
+  };
+  namespace optim = torch::optim;
+  if (auto* s = dynamic_cast<optim::AdamParamState*>(&state)) {
+    one(s->exp_avg(), [&](const at::Tensor& v) { s->exp_avg(v); });
+    one(s->exp_avg_sq(), [&](const at::Tensor& v) { s->exp_avg_sq(v); });
+    one(s->max_exp_avg_sq(), [&](const at::Tensor& v) { s->max_exp_avg_sq(v); });
+  } else if (auto* w = dynamic_cast<optim::AdamWParamState*>(&state)) {
+    one(w->exp_avg(), [&](const at::Tensor& v) { w->exp_avg(v); });
+    one(w->exp_avg_sq(), [&](const at::Tensor& v) { w->exp_avg_sq(v); });
+    one(w->max_exp_avg_sq(), [&](const at::Tensor& v) { w->max_exp_avg_sq(v); });
+  } else if (auto* sgd = dynamic_cast<optim::SGDParamState*>(&state)) {
+    one(sgd->momentum_buffer(), [&](const at::Tensor& v) { sgd->momentum_buffer(v); });
+  } else if (auto* rms = dynamic_cast<optim::RMSpropParamState*>(&state)) {
+    one(rms->square_avg(), [&](const at::Tensor& v) { rms->square_avg(v); });
+    one(rms->momentum_buffer(), [&](const at::Tensor& v) { rms->momentum_buffer(v); });
+    one(rms->grad_avg(), [&](const at::Tensor& v) { rms->grad_avg(v); });
+  } else if (auto* ada = dynamic_cast<optim::AdagradParamState*>(&state)) {
+    one(ada->sum(), [&](const at::Tensor& v) { ada->sum(v); });
+  } else {
+    return false;
+  }
+  return true;
+}
+
 // Runs after autograd accumulated a unit parameter's gradient.
 class UnitGradientHook : public torch::autograd::FunctionPostHook {
  public:
@@ -179,13 +211,21 @@ FSDPStrategy::FSDPStrategy(FSDPOptions options, std::string name)
       options_(std::move(options)),
       name_(std::move(name)) {
   check_start_method(options_.start_method, "FSDPStrategy");
+  if (!options_.state_dict_type.is_valid()) {
+    throw ConfigError(str("FSDPStrategy: state_dict_type=\"", options_.state_dict_type.text(),
+                          "\" is not one of \"sharded\" (each rank writes its shard) or \"full\" "
+                          "(rank 0 writes one file that loads on any world size)."));
+  }
   if (!options_.sharding_strategy.is_valid()) {
     throw ConfigError(str("FSDPStrategy: sharding_strategy=\"", options_.sharding_strategy.text(),
                           "\" is not one of \"FULL_SHARD\" (strategy \"fsdp\") or "
                           "\"SHARD_GRAD_OP\" (strategy \"fsdp_shard_grad_op\")."));
   }
-  // Each rank's optimizer state is its own shard.
-  set_checkpoint_layout(std::make_shared<ShardedCheckpoint>());
+  // Each rank's optimizer state is its own shard; a full state dict is one
+  // file, rank 0's.
+  if (options_.state_dict_type.value() == StateDictType::kSharded) {
+    set_checkpoint_layout(std::make_shared<ShardedCheckpoint>());
+  }
 }
 
 FSDPStrategy::~FSDPStrategy() = default;
@@ -503,6 +543,70 @@ void FSDPStrategy::load_module_state(Module& module, torch::serialize::InputArch
   gather_units();
   ParallelStrategy::load_module_state(module, archive);
   for (auto& entry : sharded_) entry.second->take_from_parameters();
+}
+
+namespace {
+
+// The optimizer's state of each of `sharded`'s shards, by shard index.
+std::vector<torch::optim::OptimizerParamState*> shard_states(torch::optim::Optimizer& optimizer,
+                                                             const ShardedParameters& sharded) {
+  std::vector<torch::optim::OptimizerParamState*> states;
+  for (const auto& shard : sharded.shards()) {
+    auto it = optimizer.state().find(compat::optimizer_state_key(shard));
+    states.push_back(it == optimizer.state().end() ? nullptr : it->second.get());
+  }
+  return states;
+}
+
+}  // namespace
+
+void FSDPStrategy::save_optimizer_state(torch::optim::Optimizer& optimizer,
+                                        torch::serialize::OutputArchive& archive) {
+  ShardedParameters* sharded = sharded_for(optimizer);
+  if (sharded == nullptr || options_.state_dict_type.value() == StateDictType::kSharded) {
+    ParallelStrategy::save_optimizer_state(optimizer, archive);
+    return;
+  }
+  // Every shard's state whole for the save (the archive keeps the whole
+  // tensors), then the shards' own again. Every rank gathers the same
+  // tensors in the same order.
+  auto states = shard_states(optimizer, *sharded);
+  std::vector<std::vector<at::Tensor>> kept(states.size());
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (states[i] == nullptr) continue;
+    const bool known = change_state_tensors(*states[i], [&](const at::Tensor& t) {
+      kept[i].push_back(t);
+      return t.numel() == sharded->chunk(i) ? sharded->gather_whole(i, t) : t;
+    });
+    if (!known) {
+      throw ConfigError(str("strategy \"", name(), "\" with state_dict_type=\"full\": the state of ",
+                            "this optimizer is not one fulgur can gather (torch::optim's Adam, AdamW, "
+                            "SGD, RMSprop and Adagrad are); use state_dict_type=\"sharded\"."));
+    }
+  }
+  ParallelStrategy::save_optimizer_state(optimizer, archive);
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (states[i] == nullptr) continue;
+    size_t k = 0;
+    change_state_tensors(*states[i], [&](const at::Tensor&) { return kept[i][k++]; });
+  }
+}
+
+void FSDPStrategy::load_optimizer_state(torch::optim::Optimizer& optimizer,
+                                        torch::serialize::InputArchive& archive) {
+  ParallelStrategy::load_optimizer_state(optimizer, archive);
+  ShardedParameters* sharded = sharded_for(optimizer);
+  if (sharded == nullptr) return;
+  // A whole state (of the parameter's shape) becomes this rank's shard of
+  // it; a shard's own state (a sharded checkpoint) is already one.
+  auto states = shard_states(optimizer, *sharded);
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (states[i] == nullptr) continue;
+    const c10::IntArrayRef whole(sharded->full_sizes(i));
+    change_state_tensors(*states[i], [&](const at::Tensor& t) {
+      return t.sizes() == whole ? sharded->shard_of(i, t) : t;
+    });
+  }
 }
 
 bool FSDPStrategy::forward_is_collective() const {

@@ -240,6 +240,21 @@ void ShardedParameters::all_gather_parameters(const std::vector<size_t>& all) {
   }
 }
 
+at::Tensor ShardedParameters::shard_of(size_t i, const at::Tensor& whole) const {
+  at::Tensor shard = torch::zeros({chunks_[i]}, whole.options().requires_grad(false));
+  copy_chunk(whole, group_->rank(), shard);
+  return shard;
+}
+
+at::Tensor ShardedParameters::gather_whole(size_t i, const at::Tensor& shard) const {
+  torch::NoGradGuard no_grad;
+  at::Tensor gathered = torch::empty({group_->size() * chunks_[i]}, shard.options());
+  group_->all_gather_into(gathered, shard.detach().contiguous());
+  int64_t numel = 1;
+  for (int64_t d : sizes_[i]) numel *= d;
+  return gathered.narrow(0, 0, numel).view(sizes_[i]).clone();
+}
+
 void ShardedParameters::take_from_parameters() {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < parameters_.size(); ++i) {

@@ -295,6 +295,16 @@ void Strategy::load_module_state(Module& module, torch::serialize::InputArchive&
   load_strict(module, archive, "");
 }
 
+void Strategy::save_optimizer_state(torch::optim::Optimizer& optimizer,
+                                    torch::serialize::OutputArchive& archive) {
+  optimizer.save(archive);
+}
+
+void Strategy::load_optimizer_state(torch::optim::Optimizer& optimizer,
+                                    torch::serialize::InputArchive& archive) {
+  optimizer.load(archive);
+}
+
 std::string Strategy::describe() const {
   auto* self = const_cast<Strategy*>(this);
   std::vector<std::string> devices;

@@ -42,6 +42,7 @@ struct Args {
   bool skip_after_forward = false;
   std::string precision;
   bool frozen_bias = false;
+  std::string state_dict_type;
   bool unused_layer = false;
   double gradient_clip_val = 0;  // > 0: clip by norm
   std::string optimizer = "sgd";
@@ -434,6 +435,7 @@ int main(int argc, char** argv) {
   app.add_flag("--skip-after-forward", a.skip_after_forward);
   app.add_option("--precision", a.precision);
   app.add_flag("--frozen-bias", a.frozen_bias);
+  app.add_option("--state-dict-type", a.state_dict_type);
   app.add_option("--optimizer", a.optimizer);
   app.add_option("--gradient-clip-val", a.gradient_clip_val);
   app.add_option("--out", a.out);
@@ -514,6 +516,7 @@ int main(int argc, char** argv) {
       fulgur::FSDPOptions fsdp_options = dynamic_cast<fulgur::FSDPStrategy&>(*probe).options();
       fsdp_options.parallel.process_group_timeout =
           std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+      if (!a.state_dict_type.empty()) fsdp_options.state_dict_type = a.state_dict_type;
       options.strategy = std::make_shared<fulgur::FSDPStrategy>(fsdp_options, a.strategy);
     } else {
       options.strategy = a.strategy;

@@ -135,6 +135,50 @@ TEST(FSDP, FullShardOnThreeRanksWithUnevenShardsMatchesOneProcess) {
   EXPECT_TRUE(fulgur::test::same_params(single, multi));
 }
 
+// state_dict_type "full": rank 0 writes one file with every optimizer state
+// gathered whole. One process loads it and holds exactly DDP's parameters
+// and Adam moments; fsdp resumes from it on 2 ranks as if never stopped,
+// and loads it on 3 (enough samples that step 20 is inside the first epoch
+// of 3 ranks too).
+TEST(FSDP, AFullStateDictIsOneFileThatLoadsOnAnyWorldSize) {
+  TempDir dir;
+  const std::string d = dir.path();
+  auto run = [&](const std::string& strategy, const std::string& devices, const std::string& batch,
+                 const std::string& steps, const std::string& root,
+                 std::vector<std::string> more) {
+    std::vector<std::string> args = {"--strategy", strategy, "--devices", devices, "--batch",
+                                     batch, "--steps", steps, "--optimizer", "adam",
+                                     "--fsdp-units", "--every-n-train-steps", "10",
+                                     "--state-dict-type", "full", "--samples", "960", "--root",
+                                     d + "/" + root};
+    args.insert(args.end(), more.begin(), more.end());
+    auto r = run_worker(args);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r;
+  };
+  run(kFullShard, "2", "8", "20", "ref", {"--out", d + "/ref.pt"});
+  run(kFullShard, "2", "8", "10", "part", {});
+  EXPECT_TRUE(std::filesystem::is_regular_file(d + "/part/checkpoints/last.ckpt"));
+  run(kFullShard, "2", "8", "20", "part",
+      {"--ckpt-path", d + "/part/checkpoints/last.ckpt", "--out", d + "/resumed.pt"});
+  EXPECT_TRUE(fulgur::test::same_params(d + "/ref.pt", d + "/resumed.pt", {.exact = true}));
+
+  auto ddp = run_worker({"--strategy", "ddp", "--devices", "2", "--batch", "8", "--steps", "20",
+                         "--samples", "960", "--optimizer", "adam", "--root", d + "/ddp", "--out",
+                         d + "/ddp.pt",
+                         "--out-optimizer", d + "/ddp-optimizer.pt"});
+  ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
+  const std::string last = d + "/ref/checkpoints/last.ckpt";
+  run("auto", "1", "16", "20", "single",
+      {"--ckpt-path", last, "--out", d + "/single.pt", "--out-optimizer",
+       d + "/single-optimizer.pt"});
+  EXPECT_TRUE(fulgur::test::same_params(d + "/ddp.pt", d + "/single.pt"));
+  EXPECT_TRUE(
+      fulgur::test::same_params(d + "/ddp-optimizer.pt", d + "/single-optimizer.pt"));
+  run(kFullShard, "3", "8", "20", "three", {"--ckpt-path", last, "--out", d + "/three.pt"});
+  EXPECT_TRUE(fulgur::test::same_params(d + "/ref.pt", d + "/three.pt", {.exact = true}));
+}
+
 // bf16-mixed (autocast, fp32 parameters and gradients): the same steps as
 // DDP's, whose ranks compute the same bf16 products (one process with the
 // double batch would sum in another order).

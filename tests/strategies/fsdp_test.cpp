@@ -72,4 +72,15 @@ TEST(FSDPStrategy, ABadStartMethodOrBackendIsNamed) {
                      {"sharding_strategy=\"ZERO3\"", "\"FULL_SHARD\"", "\"SHARD_GRAD_OP\""});
 }
 
+// state_dict_type "full": one file, rank 0's (the single-file layout).
+TEST(FSDPStrategy, AFullStateDictIsWrittenAsOneFileAndABadTypeIsNamed) {
+  fulgur::FSDPOptions options;
+  options.state_dict_type = fulgur::StateDictType::kFull;
+  fulgur::FSDPStrategy full(options);
+  EXPECT_NE(full.checkpoint_layout().name(), "sharded");
+  options.state_dict_type = "whole";
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::FSDPStrategy{options},
+                     {"state_dict_type=\"whole\"", "\"sharded\"", "\"full\""});
+}
+
 }  // namespace

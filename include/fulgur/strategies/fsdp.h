@@ -29,15 +29,16 @@
 // 16-mixed's loss scaler) and gradient clipping (the norm over every
 // shard) work as under DDP. Checkpoints are sharded (ShardedCheckpoint):
 // each rank writes the model (gathered) and its optimizer shard, and
-// resuming needs the same world size.
+// resuming needs the same world size; with state_dict_type = "full", rank 0
+// writes one file a single process could have written.
 //
 // Under FULL_SHARD every rank must run the same forwards and backwards (the
 // gathers are collectives): a step the optimizers take where training_step
 // returned no loss on some ranks only is the same error on every rank, and
 // validation is split evenly (padded).
 //
-// Not yet: prefetching the next unit's gather, a full single-file
-// checkpoint, sync_batchnorm, CPU offload.
+// Not yet: prefetching the next unit's gather, `fulgur checkpoint
+// consolidate`, sync_batchnorm, CPU offload.
 #pragma once
 
 #include <memory>
@@ -60,8 +61,20 @@ struct ChoiceNames<ShardingStrategy> {
       {ShardingStrategy::kFullShard, "FULL_SHARD"}, {ShardingStrategy::kShardGradOp, "SHARD_GRAD_OP"}};
 };
 
+/// How checkpoints hold the sharded state: "sharded" (each rank writes its
+/// shard; resuming needs the same world size) or "full" (rank 0 writes one
+/// file with every optimizer state gathered whole, as a single process
+/// would: it loads into single_device, ddp or fsdp on any world size).
+enum class StateDictType { kSharded, kFull };
+template <>
+struct ChoiceNames<StateDictType> {
+  static constexpr std::pair<StateDictType, const char*> kNames[] = {
+      {StateDictType::kSharded, "sharded"}, {StateDictType::kFull, "full"}};
+};
+
 struct FSDPOptions {
   Choice<ShardingStrategy> sharding_strategy = ShardingStrategy::kFullShard;
+  Choice<StateDictType> state_dict_type = StateDictType::kSharded;
   /// "popen" (re-execute the program per rank) or "fork", as for DDP.
   Choice<StartMethod> start_method = StartMethod::kPopen;
   /// The process group's timeout and backend, and the launcher's stop grace.
@@ -99,6 +112,15 @@ class FSDPStrategy : public ParallelStrategy {
   void save_module_state(Module& module, torch::serialize::OutputArchive& archive) override;
   /// The module's state, then every shard taken from it again.
   void load_module_state(Module& module, torch::serialize::InputArchive& archive) override;
+  /// state_dict_type "full": the state of every shard gathered into whole
+  /// tensors of its parameter's shape (torch::optim's Adam, AdamW, SGD,
+  /// RMSprop and Adagrad); "sharded": the shards' own.
+  void save_optimizer_state(torch::optim::Optimizer& optimizer,
+                            torch::serialize::OutputArchive& archive) override;
+  /// Takes this rank's shard of a whole state (a "full" checkpoint, or one
+  /// written by single_device or ddp); a shard's state loads as it is.
+  void load_optimizer_state(torch::optim::Optimizer& optimizer,
+                            torch::serialize::InputArchive& archive) override;
   bool forward_is_collective() const override;
   void with_full_parameters(Module& module, const std::function<void()>& body) override;
 

@@ -51,6 +51,13 @@ class ShardedParameters {
   /// Elements of parameter i's shard: its element count divided by the
   /// world size, rounded up.
   int64_t chunk(size_t i) const { return chunks_[i]; }
+  /// Parameter i's whole shape (a released parameter shows [0]).
+  const std::vector<int64_t>& full_sizes(size_t i) const { return sizes_[i]; }
+  /// Shard `shard` (chunk(i) elements, this rank's) of a tensor of
+  /// parameter i's shape, padded with zeros; and the whole tensor from
+  /// every rank's shard of it (one all-gather).
+  at::Tensor shard_of(size_t i, const at::Tensor& whole) const;
+  at::Tensor gather_whole(size_t i, const at::Tensor& shard) const;
   /// Bytes of this rank's shards (what an optimizer's per-element state is
   /// proportional to), and of the full parameters.
   int64_t shard_bytes() const;

@@ -231,6 +231,13 @@ class Strategy {
   /// The module's parameters and buffers into / out of a checkpoint.
   virtual void save_module_state(Module& module, torch::serialize::OutputArchive& archive);
   virtual void load_module_state(Module& module, torch::serialize::InputArchive& archive);
+  /// An optimizer's state into / out of a checkpoint. Default: its own
+  /// save and load (fsdp with state_dict_type "full" gathers the shards'
+  /// state into whole tensors, and takes its shards of them back).
+  virtual void save_optimizer_state(torch::optim::Optimizer& optimizer,
+                                    torch::serialize::OutputArchive& archive);
+  virtual void load_optimizer_state(torch::optim::Optimizer& optimizer,
+                                    torch::serialize::InputArchive& archive);
 
   /// One line per component, for Trainer::describe().
   std::string describe() const;

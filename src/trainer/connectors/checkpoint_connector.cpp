@@ -83,7 +83,7 @@ void CheckpointConnector::dump(OutputArchive& archive) {
       "count", c10::IValue(static_cast<int64_t>(trainer_.fit_loop.optimizers().optimizers.size())));
   for (size_t i = 0; i < trainer_.fit_loop.optimizers().optimizers.size(); ++i) {
     OutputArchive one(cu);
-    trainer_.fit_loop.optimizers().optimizers[i]->save(one);
+    trainer_.strategy->save_optimizer_state(*trainer_.fit_loop.optimizers().optimizers[i], one);
     optimizers.write(std::to_string(i), one);
   }
   archive.write("optimizer_states", optimizers);
@@ -257,7 +257,8 @@ void CheckpointConnector::restore(const std::string& path, bool full) {
   for (int64_t i = 0; i < count; ++i) {
     InputArchive one = read_section(optimizers, std::to_string(i).c_str(), path);
     try {
-      trainer_.fit_loop.optimizers().optimizers[static_cast<size_t>(i)]->load(one);
+      trainer_.strategy->load_optimizer_state(
+          *trainer_.fit_loop.optimizers().optimizers[static_cast<size_t>(i)], one);
     } catch (const c10::Error& e) {
       throw CheckpointError(str("checkpoint \"", path, "\": optimizer ", i,
                                 " state does not fit: ", e.what_without_backtrace(),
