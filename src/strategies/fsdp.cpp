@@ -22,20 +22,18 @@
 
 namespace fulgur {
 
-
 // One declared fulgur::nn::FSDPUnit under FULL_SHARD: which shards hold its
 // parameters, whether their full values are here, and how many of its
 // gradients this backward has completed.
 class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_this<Unit> {
  public:
-  Unit(FSDPStrategy& strategy, std::string name) : strategy_(strategy), name_(std::move(name)) {}
+  explicit Unit(FSDPStrategy& strategy) : strategy_(strategy) {}
   ~Unit() override {
     for (size_t k = 0; k < accumulators_.size(); ++k) {
       accumulators_[k]->del_post_hook(hook_keys_[k]);
     }
   }
 
-  const std::string& name() const { return name_; }
   void attach_module(std::shared_ptr<torch::nn::Module> module) {
     module_ = std::move(module);
     static_cast<nn::FSDPUnitBase&>(*module_).set_unit_hooks(shared_from_this());
@@ -94,7 +92,6 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
 
  private:
   FSDPStrategy& strategy_;
-  std::string name_;
   std::shared_ptr<torch::nn::Module> module_;
   bool gathered_ = true;
   bool reduced_ = false;
@@ -319,7 +316,7 @@ void FSDPStrategy::attach_units(Module& module) {
   for (size_t m = named.size(); m-- > 0;) {
     auto* unit_module = dynamic_cast<nn::FSDPUnitBase*>(named[m].value().get());
     if (unit_module == nullptr) continue;
-    auto unit = std::make_shared<Unit>(*this, named[m].key());
+    auto unit = std::make_shared<Unit>(*this);
     std::map<ShardedParameters*, std::vector<size_t>> members;
     for (const auto& p : unit_module->parameters()) {
       auto it = where.find(p.unsafeGetTensorImpl());
@@ -332,11 +329,11 @@ void FSDPStrategy::attach_units(Module& module) {
     units_.push_back(std::move(unit));
   }
   if (units_.empty() && is_global_zero()) {
-    std::cerr << (str("fulgur: strategy \"", name(),
+    std::cerr << str("fulgur: strategy \"", name(),
                     "\": the module declares no fulgur::nn::FSDPUnit, so every parameter stays "
                     "whole between its uses (only the gradients and the optimizer state are "
                     "sharded, as under fsdp_shard_grad_op). Wrap the large layers: "
-                    "register_module(\"fc1\", fulgur::nn::FSDPUnit(torch::nn::Linear(...)))."))
+                    "register_module(\"fc1\", fulgur::nn::FSDPUnit(torch::nn::Linear(...))).")
               << std::endl;
   }
   // The units stay whole until their first forward (the module came whole:
