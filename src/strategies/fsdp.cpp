@@ -150,15 +150,16 @@ bool change_state_tensors(torch::optim::OptimizerParamState& state, Change&& cha
   auto one = [&](const at::Tensor& t, const auto& set) {
     if (t.defined()) set(change(t));
   };
-  namespace optim = torch::optim;
-  if (auto* s = dynamic_cast<optim::AdamParamState*>(&state)) {
+  auto moments = [&](auto* s) {  // Adam's and AdamW's
     one(s->exp_avg(), [&](const at::Tensor& v) { s->exp_avg(v); });
     one(s->exp_avg_sq(), [&](const at::Tensor& v) { s->exp_avg_sq(v); });
     one(s->max_exp_avg_sq(), [&](const at::Tensor& v) { s->max_exp_avg_sq(v); });
-  } else if (auto* w = dynamic_cast<optim::AdamWParamState*>(&state)) {
-    one(w->exp_avg(), [&](const at::Tensor& v) { w->exp_avg(v); });
-    one(w->exp_avg_sq(), [&](const at::Tensor& v) { w->exp_avg_sq(v); });
-    one(w->max_exp_avg_sq(), [&](const at::Tensor& v) { w->max_exp_avg_sq(v); });
+  };
+  namespace optim = torch::optim;
+  if (auto* adam = dynamic_cast<optim::AdamParamState*>(&state)) {
+    moments(adam);
+  } else if (auto* adamw = dynamic_cast<optim::AdamWParamState*>(&state)) {
+    moments(adamw);
   } else if (auto* sgd = dynamic_cast<optim::SGDParamState*>(&state)) {
     one(sgd->momentum_buffer(), [&](const at::Tensor& v) { sgd->momentum_buffer(v); });
   } else if (auto* rms = dynamic_cast<optim::RMSpropParamState*>(&state)) {
