@@ -68,11 +68,7 @@ fulgur::FSDPStrategy::Memory ddp_memory(const Mlp& model, const torch::optim::Op
     m.parameters += bytes_of(p);
     m.gradients += bytes_of(p.grad());
   }
-  for (const auto& [key, state] : adam.state()) {
-    (void)key;
-    const auto& s = static_cast<const torch::optim::AdamParamState&>(*state);
-    m.optimizer_state += bytes_of(s.exp_avg()) + bytes_of(s.exp_avg_sq());
-  }
+  m.optimizer_state = fulgur::optimizer_state_bytes(adam);
   return m;
 }
 

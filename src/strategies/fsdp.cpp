@@ -9,7 +9,6 @@
 #include <iostream>
 #include <map>
 #include <set>
-#include <sstream>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
@@ -75,7 +74,7 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
       if (!out.defined() || !out.requires_grad()) continue;
       // Runs when the output's gradient arrives, before any of the unit's
       // own backward: the parameters its graph saved are needed again.
-      const_cast<at::Tensor&>(out).register_hook([self](const at::Tensor&) {
+      out.register_hook([self](const at::Tensor&) {
         if (auto unit = self.lock()) unit->gather();
       });
     }
@@ -102,53 +101,14 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
 
 namespace {
 
-// The bytes of the tensors in `optimizer`'s state (torch::optim's own
-// optimizers; another's state is counted by its serialized size).
-int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
-  int64_t bytes = 0;
-  auto add = [&](const at::Tensor& t) {
-    if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
-  };
-  auto add_moments = [&](const auto& s) {  // Adam's and AdamW's
-    add(s.exp_avg());
-    add(s.exp_avg_sq());
-    add(s.max_exp_avg_sq());
-  };
-  for (const auto& [key, state] : optimizer.state()) {
-    (void)key;
-    if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(state.get())) {
-      add_moments(*adam);
-    } else if (const auto* adamw =
-                   dynamic_cast<const torch::optim::AdamWParamState*>(state.get())) {
-      add_moments(*adamw);
-    } else if (const auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(state.get())) {
-      add(sgd->momentum_buffer());
-    } else if (const auto* rms =
-                   dynamic_cast<const torch::optim::RMSpropParamState*>(state.get())) {
-      add(rms->square_avg());
-      add(rms->momentum_buffer());
-      add(rms->grad_avg());
-    } else if (const auto* ada =
-                   dynamic_cast<const torch::optim::AdagradParamState*>(state.get())) {
-      add(ada->sum());
-    } else {
-      torch::serialize::OutputArchive archive;
-      state->serialize(archive);
-      std::ostringstream out;
-      archive.save_to(out);
-      bytes += static_cast<int64_t>(out.str().size());
-    }
-  }
-  return bytes;
-}
-
-// Calls `change` with each per-element tensor of a torch::optim state (in a
-// fixed order: every rank gathers the same ones), storing what it returns;
+// Calls visit(tensor, set) for each per-element tensor of a torch::optim
+// state (Adam's, AdamW's, SGD's, RMSprop's, Adagrad's) in a fixed order
+// (every rank gathers the same ones), `set` replacing it in the state;
 // false for the state of another optimizer.
-template <typename Change>
-bool change_state_tensors(torch::optim::OptimizerParamState& state, Change&& change) {
+template <typename Visit>
+bool visit_state_tensors(torch::optim::OptimizerParamState& state, Visit&& visit) {
   auto one = [&](const at::Tensor& t, const auto& set) {
-    if (t.defined()) set(change(t));
+    if (t.defined()) visit(t, set);
   };
   auto moments = [&](auto* s) {  // Adam's and AdamW's
     one(s->exp_avg(), [&](const at::Tensor& v) { s->exp_avg(v); });
@@ -174,6 +134,12 @@ bool change_state_tensors(torch::optim::OptimizerParamState& state, Change&& cha
   return true;
 }
 
+// Replaces each per-element tensor of `state` with change(tensor).
+template <typename Change>
+bool change_state_tensors(torch::optim::OptimizerParamState& state, Change&& change) {
+  return visit_state_tensors(state, [&](const at::Tensor& t, const auto& set) { set(change(t)); });
+}
+
 // Runs after autograd accumulated a unit parameter's gradient.
 class UnitGradientHook : public torch::autograd::FunctionPostHook {
  public:
@@ -189,6 +155,34 @@ class UnitGradientHook : public torch::autograd::FunctionPostHook {
 };
 
 }  // namespace
+
+int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer) {
+  int64_t bytes = 0;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
+  };
+  for (const auto& [key, state] : optimizer.state()) {
+    (void)key;
+    // Only read: the visitor's setters go unused.
+    const bool per_element =
+        visit_state_tensors(const_cast<torch::optim::OptimizerParamState&>(*state),
+                            [&](const at::Tensor& t, const auto&) { add(t); });
+    if (per_element) continue;
+    // LBFGS keeps one state for all its parameters, with its history.
+    if (const auto* lbfgs = dynamic_cast<const torch::optim::LBFGSParamState*>(state.get())) {
+      add(lbfgs->d());
+      add(lbfgs->H_diag());
+      add(lbfgs->prev_flat_grad());
+      for (const auto* history : {&lbfgs->old_dirs(), &lbfgs->old_stps(), &lbfgs->ro()}) {
+        for (const auto& t : *history) add(t);
+      }
+      if (lbfgs->al()) {
+        for (const auto& t : *lbfgs->al()) add(t);
+      }
+    }
+  }
+  return bytes;
+}
 
 void FSDPStrategy::Unit::watch_gradients() {
   std::weak_ptr<Unit> self = weak_from_this();
@@ -245,6 +239,7 @@ void FSDPStrategy::do_teardown() {
   // may be gone: no gather, and a released parameter stays unreadable).
   if (stage_completed()) gather_units();
   detach_units();
+  whole_.clear();
   sharded_.clear();
   ParallelStrategy::do_teardown();
 }
@@ -297,6 +292,7 @@ OptimizerConfig FSDPStrategy::setup_optimizers(Module& module) {
     sharded_.emplace_back(&optimizer, std::move(sharded));
   }
   if (options_.sharding_strategy.value() == ShardingStrategy::kFullShard) attach_units(module);
+  index_whole_parameters();
   return config;
 }
 
@@ -324,17 +320,18 @@ void FSDPStrategy::attach_units(Module& module) {
       if (it == where.end() || !taken.insert(it->first).second) continue;
       members[it->second.first].push_back(it->second.second);
     }
-    for (auto& [sharded, indices] : members) unit->members.emplace_back(sharded, std::move(indices));
+    for (auto& [sharded, indices] : members)
+      unit->members.emplace_back(sharded, std::move(indices));
     unit->watch_gradients();
     unit->attach_module(named[m].value());
     units_.push_back(std::move(unit));
   }
   if (units_.empty() && is_global_zero()) {
     std::cerr << str("fulgur: strategy \"", name(),
-                    "\": the module declares no fulgur::nn::FSDPUnit, so every parameter stays "
-                    "whole between its uses (only the gradients and the optimizer state are "
-                    "sharded, as under fsdp_shard_grad_op). Wrap the large layers: "
-                    "register_module(\"fc1\", fulgur::nn::FSDPUnit(torch::nn::Linear(...))).")
+                     "\": the module declares no fulgur::nn::FSDPUnit, so every parameter stays "
+                     "whole between its uses (only the gradients and the optimizer state are "
+                     "sharded, as under fsdp_shard_grad_op). Wrap the large layers: "
+                     "register_module(\"fc1\", fulgur::nn::FSDPUnit(torch::nn::Linear(...))).")
               << std::endl;
   }
   // The units stay whole until their first forward (the module came whole:
@@ -363,19 +360,21 @@ void FSDPStrategy::note_held_parameters() {
   peak_parameter_bytes_ = std::max(peak_parameter_bytes_, held);
 }
 
-std::vector<size_t> FSDPStrategy::whole_indices(const ShardedParameters& sharded) const {
-  std::vector<char> in_unit(sharded.parameters().size(), 0);
-  for (const auto& unit : units_) {
-    for (const auto& [s, indices] : unit->members) {
-      if (s != &sharded) continue;
-      for (size_t i : indices) in_unit[i] = 1;
+void FSDPStrategy::index_whole_parameters() {
+  whole_.clear();
+  for (const auto& entry : sharded_) {
+    std::vector<char> in_unit(entry.second->parameters().size(), 0);
+    for (const auto& unit : units_) {
+      for (const auto& [s, indices] : unit->members) {
+        if (s != entry.second.get()) continue;
+        for (size_t i : indices) in_unit[i] = 1;
+      }
+    }
+    std::vector<size_t>& whole = whole_[entry.second.get()];
+    for (size_t i = 0; i < in_unit.size(); ++i) {
+      if (in_unit[i] == 0) whole.push_back(i);
     }
   }
-  std::vector<size_t> whole;
-  for (size_t i = 0; i < in_unit.size(); ++i) {
-    if (in_unit[i] == 0) whole.push_back(i);
-  }
-  return whole;
 }
 
 ShardedParameters* FSDPStrategy::sharded_for(const torch::optim::Optimizer& optimizer) const {
@@ -390,7 +389,7 @@ bool FSDPStrategy::reduce_gradients(bool contributes) {
   // What the units did not reduce in backward: the parameters outside every
   // unit, and units with a parameter that got no gradient.
   for (auto& entry : sharded_) {
-    std::vector<size_t> rest = whole_indices(*entry.second);
+    std::vector<size_t> rest = whole_.at(entry.second.get());
     for (const auto& unit : units_) {
       if (unit->reduced()) continue;
       for (const auto& [s, indices] : unit->members) {
@@ -411,13 +410,14 @@ void FSDPStrategy::agree_on_backward(bool has_loss) {
   process_group().all_reduce_(count, ReduceOp::Sum);
   const int64_t with_loss = count.item<int64_t>();
   if (with_loss == 0 || with_loss == world_size()) return;
-  throw ConfigError(str(
-      "strategy \"", name(), "\" (FULL_SHARD): training_step returned no loss on ",
-      world_size() - with_loss, " of ", world_size(), " ranks (this rank: ",
-      has_loss ? "a loss" : "none", ") at a step the optimizers take. Each unit's gather and "
-      "reduce-scatter in backward is a collective, so every rank runs the backward of every "
-      "step, or none does: return a loss on every rank (e.g. 0 * output.sum() for a batch to "
-      "ignore), or use strategy \"fsdp_shard_grad_op\"."));
+  throw ConfigError(
+      str("strategy \"", name(), "\" (FULL_SHARD): training_step returned no loss on ",
+          world_size() - with_loss, " of ", world_size(),
+          " ranks (this rank: ", has_loss ? "a loss" : "none",
+          ") at a step the optimizers take. Each unit's gather and "
+          "reduce-scatter in backward is a collective, so every rank runs the backward of every "
+          "step, or none does: return a loss on every rank (e.g. 0 * output.sum() for a batch to "
+          "ignore), or use strategy \"fsdp_shard_grad_op\"."));
 }
 
 void FSDPStrategy::backward(const at::Tensor& loss, Module& module) {
@@ -434,11 +434,11 @@ bool FSDPStrategy::backward_skipped(Module& /*module*/, bool accumulated) {
   if (!units_.empty()) agree_on_backward(false);
   for (auto& unit : units_) unit->start_backward();  // no unit reduced in this step yet
   // The peers reduce-scatter now: join them with what this rank has
-  // accumulated (or nothing). The flags are all-reduced, so every rank
-  // comes to the same answer.
-  // Whether any rank has a gradient: not whether a shard's is defined
-  // (zero_grad may leave zeros there, and a step on them would move
-  // momentum where one process would not step at all).
+  // accumulated (or nothing). The step is taken when any rank has a
+  // gradient, from the all-reduced flags, so every rank comes to the same
+  // answer (not whether a shard's gradient is defined: zero_grad may leave
+  // zeros there, and a step on them would move momentum where one process
+  // would not step at all).
   return reduce_gradients(/*contributes=*/accumulated);
 }
 
@@ -449,7 +449,7 @@ bool FSDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer, Module& mo
   // last gather, is stale now: released).
   release_units();
   if (ShardedParameters* sharded = sharded_for(optimizer)) {
-    sharded->all_gather_parameters(whole_indices(*sharded));
+    sharded->all_gather_parameters(whole_.at(sharded));
     note_held_parameters();
   }
   return stepped;
@@ -577,9 +577,10 @@ void FSDPStrategy::save_optimizer_state(torch::optim::Optimizer& optimizer,
       return t.numel() == sharded->chunk(i) ? sharded->gather_whole(i, t) : t;
     });
     if (!known) {
-      throw ConfigError(str("strategy \"", name(), "\" with state_dict_type=\"full\": the state of ",
-                            "this optimizer is not one fulgur can gather (torch::optim's Adam, AdamW, "
-                            "SGD, RMSprop and Adagrad are); use state_dict_type=\"sharded\"."));
+      throw ConfigError(
+          str("strategy \"", name(), "\" with state_dict_type=\"full\": the state of ",
+              "this optimizer is not one fulgur can gather (torch::optim's Adam, AdamW, "
+              "SGD, RMSprop and Adagrad are); use state_dict_type=\"sharded\"."));
     }
   }
   ParallelStrategy::save_optimizer_state(optimizer, archive);
@@ -671,8 +672,8 @@ void FSDPStrategy::register_strategies(StrategyRegistry& registry) {
     registry.add(
         name, v.description,
         [options, name] { return std::make_unique<FSDPStrategy>(options, name); },
-        str("sharding_strategy=", options.sharding_strategy.text(), ", start_method=", options.start_method.text(),
-            describe_parallel_options(options.parallel)));
+        str("sharding_strategy=", options.sharding_strategy.text(), ", start_method=",
+            options.start_method.text(), describe_parallel_options(options.parallel)));
   }
 }
 

@@ -48,9 +48,9 @@ TEST(FSDPStrategy, TheHalfPrecisionLossScalerIsRefusedNamingWhatToUse) {
     }
   } model;
   fulgur::FSDPStrategy strategy({.sharding_strategy = fulgur::ShardingStrategy::kShardGradOp,
-                                .start_method = fulgur::StartMethod::kPopen,
-                                .parallel = {}},
-                               "fsdp_shard_grad_op");
+                                 .start_method = fulgur::StartMethod::kPopen,
+                                 .parallel = {}},
+                                "fsdp_shard_grad_op");
   strategy.set_precision(std::make_shared<fulgur::MixedPrecision>(at::kHalf));
   EXPECT_THROWS_WITH(fulgur::ConfigError, strategy.setup_optimizers(model),
                      {"strategy \"fsdp_shard_grad_op\" with precision=\"16-mixed\"", "loss scaler",
@@ -81,6 +81,42 @@ TEST(FSDPStrategy, AFullStateDictIsWrittenAsOneFileAndABadTypeIsNamed) {
   options.state_dict_type = "whole";
   EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::FSDPStrategy{options},
                      {"state_dict_type=\"whole\"", "\"sharded\"", "\"full\""});
+}
+
+// The optimizer-state bytes the fsdp bench and FSDPStrategy::memory()
+// report: Adam's two moments per parameter once it stepped (none before),
+// SGD's momentum buffer, and LBFGS's direction, gradient and history (its
+// one state for all the parameters).
+TEST(FSDPStrategy, OptimizerStateBytesCountTheStatesTensors) {
+  torch::nn::Linear fc(3, 2);  // 8 parameters
+  auto step = [&](torch::optim::Optimizer& optimizer) {
+    optimizer.zero_grad();
+    fc(torch::ones({1, 3})).sum().backward();
+    optimizer.step();
+  };
+  torch::optim::Adam adam(fc->parameters(), 0.1);
+  EXPECT_EQ(fulgur::optimizer_state_bytes(adam), 0);
+  step(adam);
+  EXPECT_EQ(fulgur::optimizer_state_bytes(adam), 2 * 8 * 4);
+  torch::optim::SGD sgd(fc->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  step(sgd);
+  EXPECT_EQ(fulgur::optimizer_state_bytes(sgd), 8 * 4);
+  torch::optim::LBFGS lbfgs(fc->parameters());
+  lbfgs.step([&] {
+    lbfgs.zero_grad();
+    auto loss = fc(torch::ones({1, 3})).sum();
+    loss.backward();
+    return loss;
+  });
+  // After its first step: d and prev_flat_grad (8 floats each) and H_diag
+  // (a scalar, of LBFGS's own dtype); no history (y.s never passed its
+  // threshold on this linear loss).
+  ASSERT_EQ(lbfgs.state().size(), 1u);
+  const auto& state =
+      static_cast<const torch::optim::LBFGSParamState&>(*lbfgs.state().begin()->second);
+  ASSERT_TRUE(state.old_dirs().empty());
+  EXPECT_EQ(fulgur::optimizer_state_bytes(lbfgs),
+            (8 + 8) * 4 + static_cast<int64_t>(state.H_diag().element_size()));
 }
 
 }  // namespace

@@ -41,6 +41,8 @@
 // consolidate`, sync_batchnorm, CPU offload.
 #pragma once
 
+#include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -52,13 +54,19 @@ namespace fulgur {
 
 class ShardedParameters;
 
+/// Bytes of the tensors in an optimizer's state: those of torch::optim's
+/// Adam, AdamW, SGD, RMSprop, Adagrad and LBFGS (another optimizer's state
+/// is not counted).
+int64_t optimizer_state_bytes(const torch::optim::Optimizer& optimizer);
+
 /// PyTorch FSDP's names: FULL_SHARD shards the parameters of the declared
 /// units between their uses too; SHARD_GRAD_OP keeps parameters whole.
 enum class ShardingStrategy { kFullShard, kShardGradOp };
 template <>
 struct ChoiceNames<ShardingStrategy> {
   static constexpr std::pair<ShardingStrategy, const char*> kNames[] = {
-      {ShardingStrategy::kFullShard, "FULL_SHARD"}, {ShardingStrategy::kShardGradOp, "SHARD_GRAD_OP"}};
+      {ShardingStrategy::kFullShard, "FULL_SHARD"},
+      {ShardingStrategy::kShardGradOp, "SHARD_GRAD_OP"}};
 };
 
 /// How checkpoints hold the sharded state: "sharded" (each rank writes its
@@ -158,8 +166,8 @@ class FSDPStrategy : public ParallelStrategy {
   void gather_units();
   void release_units();
   void note_held_parameters();
-  /// The indices of each ShardedParameters that no unit holds.
-  std::vector<size_t> whole_indices(const ShardedParameters& sharded) const;
+  /// Fills whole_ (after the units are attached).
+  void index_whole_parameters();
 
   FSDPOptions options_;
   std::string name_;
@@ -167,6 +175,9 @@ class FSDPStrategy : public ParallelStrategy {
   std::vector<std::pair<const torch::optim::Optimizer*, std::unique_ptr<ShardedParameters>>>
       sharded_;
   std::vector<std::shared_ptr<Unit>> units_;
+  // The indices of each ShardedParameters that no unit holds: whole
+  // between steps, all-gathered after each.
+  std::map<const ShardedParameters*, std::vector<size_t>> whole_;
   int64_t peak_parameter_bytes_ = 0;
 };
 
