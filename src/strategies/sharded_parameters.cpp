@@ -88,7 +88,7 @@ std::vector<size_t> ShardedParameters::all_indices() const {
 int64_t ShardedParameters::held_parameter_bytes() const {
   int64_t bytes = 0;
   for (size_t i = 0; i < parameters_.size(); ++i) {
-    if (!released(i)) bytes += static_cast<int64_t>(parameters_[i].nbytes());
+    if (!released(i)) bytes += bytes_[i];
   }
   return bytes;
 }

@@ -119,4 +119,30 @@ TEST(FSDPStrategy, OptimizerStateBytesCountTheStatesTensors) {
             (8 + 8) * 4 + static_cast<int64_t>(state.H_diag().element_size()));
 }
 
+// A full state dict gathers per-element state; LBFGS's one state for all
+// its parameters is not that, and the save says what to use instead.
+TEST(FSDPStrategy, AFullStateDictRefusesAnOptimizerStateItCannotGather) {
+  fulgur::test::on_ranks(1, [&](int, std::shared_ptr<fulgur::ProcessGroup> group) {
+    struct Model : fulgur::Module {
+      torch::nn::Linear fc{nullptr};
+      Model() { fc = register_module("fc", torch::nn::Linear(3, 2)); }
+      at::Tensor training_step(fulgur::Batch&, int64_t) override { return {}; }
+      fulgur::OptimizerConfig configure_optimizers() override {
+        return {std::make_shared<torch::optim::LBFGS>(parameters())};
+      }
+    } model;
+    fulgur::FSDPOptions options;
+    options.state_dict_type = fulgur::StateDictType::kFull;
+    fulgur::FSDPStrategy strategy(options);
+    strategy.set_process_group(group);
+    auto config = strategy.setup_optimizers(model);
+    auto& lbfgs = static_cast<torch::optim::LBFGS&>(*config.optimizers.front());
+    lbfgs.step([&] { return torch::zeros({}); });  // its state exists after a step
+    torch::serialize::OutputArchive archive;
+    EXPECT_THROWS_WITH(fulgur::ConfigError, strategy.save_optimizer_state(lbfgs, archive),
+                       {"state_dict_type=\"full\"", "not one fulgur can gather",
+                        "state_dict_type=\"sharded\""});
+  });
+}
+
 }  // namespace

@@ -196,7 +196,7 @@ TEST(ShardedParameters, ReleasedParametersComeBackForTheGraphThatSavedThem) {
   });
 }
 
-TEST(ShardedParameters, AParameterThatIsAViewIsNotReleased) {
+TEST(ShardedParameters, AParameterThatIsAViewOrBorrowedMemoryIsNotReleased) {
   fulgur::test::on_ranks(1, [&](int, std::shared_ptr<fulgur::ProcessGroup> group) {
     at::Tensor flat = torch::zeros({10}, torch::kFloat);
     at::Tensor half = flat.narrow(0, 5, 5).detach().requires_grad_(true);
@@ -204,6 +204,13 @@ TEST(ShardedParameters, AParameterThatIsAViewIsNotReleased) {
     EXPECT_THROWS_WITH(fulgur::ConfigError, sharded.release_parameters({0}),
                        {"parameter 0 ([5])", "view of a storage of 40 bytes", "its own tensor"});
     EXPECT_FALSE(sharded.released(0));
+    // Memory fulgur did not allocate (from_blob) cannot be allocated again.
+    std::vector<float> values(4, 1.0f);
+    at::Tensor wrapped = torch::from_blob(values.data(), {4}).requires_grad_(true);
+    fulgur::ShardedParameters borrowed({wrapped}, group);
+    EXPECT_THROWS_WITH(fulgur::ConfigError, borrowed.release_parameters({0}),
+                       {"parameter 0 ([4])", "cannot allocate again (from_blob)"});
+    EXPECT_FALSE(borrowed.released(0));
   });
 }
 
