@@ -1,7 +1,5 @@
 #include "fulgur/loggers/tensorboard_logger.h"
 
-#include <google/protobuf/compiler/importer.h>
-#include <google/protobuf/dynamic_message.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,130 +9,29 @@
 #include <sstream>
 
 #include "fulgur/fulgur.h"
+#include "support/tensorboard_events.h"
 #include "support/test_support.h"
 
 namespace {
 
 namespace fs = std::filesystem;
-namespace pb = google::protobuf;
 using fulgur::test::TempDir;
-
-// ---- An independent reader: TFRecord framing checked with a bitwise
-// CRC32C, messages decoded by Google's protobuf from a schema file.
-
-uint32_t reference_crc32c(const std::string& bytes) {
-  uint32_t crc = 0xffffffffu;
-  for (unsigned char byte : bytes) {
-    crc ^= byte;
-    for (int k = 0; k < 8; ++k) crc = (crc >> 1) ^ (0x82f63b78u & (0u - (crc & 1u)));
-  }
-  return ~crc;
-}
-
-uint32_t masked(uint32_t crc) { return ((crc >> 15) | (crc << 17)) + 0xa282ead8u; }
-
-uint64_t read_le(const std::string& bytes, size_t at, int n) {
-  uint64_t v = 0;
-  for (int i = 0; i < n; ++i) v |= uint64_t{static_cast<unsigned char>(bytes[at + i])} << (8 * i);
-  return v;
-}
-
-/// The records of one event file; every CRC is checked.
-std::vector<std::string> read_records(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string bytes = ss.str();
-  std::vector<std::string> records;
-  size_t at = 0;
-  while (at < bytes.size()) {
-    EXPECT_LE(at + 12, bytes.size()) << path << ": a record header cut at byte " << at;
-    if (at + 12 > bytes.size()) break;
-    const uint64_t length = read_le(bytes, at, 8);
-    EXPECT_EQ(read_le(bytes, at + 8, 4), masked(reference_crc32c(bytes.substr(at, 8))))
-        << path << ": the length CRC of the record at byte " << at;
-    EXPECT_LE(at + 12 + length + 4, bytes.size()) << path << ": a record cut at byte " << at;
-    if (at + 12 + length + 4 > bytes.size()) break;
-    std::string data = bytes.substr(at + 12, length);
-    EXPECT_EQ(read_le(bytes, at + 12 + length, 4), masked(reference_crc32c(data)))
-        << path << ": the data CRC of the record at byte " << at;
-    records.push_back(std::move(data));
-    at += 12 + length + 4;
-  }
-  return records;
-}
-
-class NoErrors : public pb::compiler::MultiFileErrorCollector {
- public:
-  void AddError(const std::string& file, int line, int, const std::string& message) override {
-    ADD_FAILURE() << file << ":" << line << ": " << message;
-  }
-};
-
-class Decoder {
- public:
-  Decoder() {
-    tree_.MapPath("", FULGUR_TEST_PROTO_DIR);
-    tree_.MapPath("", FULGUR_PROTOBUF_INCLUDE_DIR);
-    EXPECT_NE(importer_.Import("tensorboard_events.proto"), nullptr);
-  }
-  std::unique_ptr<pb::Message> parse(const std::string& type, const std::string& bytes) {
-    const pb::Descriptor* d = importer_.pool()->FindMessageTypeByName("fulgur_test." + type);
-    EXPECT_NE(d, nullptr) << type;
-    std::unique_ptr<pb::Message> m(factory_.GetPrototype(d)->New());
-    EXPECT_TRUE(m->ParseFromString(bytes)) << "not a " << type;
-    return m;
-  }
-
- private:
-  pb::compiler::DiskSourceTree tree_;
-  NoErrors errors_;
-  pb::compiler::Importer importer_{&tree_, &errors_};
-  pb::DynamicMessageFactory factory_;
-};
-
-const pb::FieldDescriptor* field(const pb::Message& m, const char* name) {
-  const auto* f = m.GetDescriptor()->FindFieldByName(name);
-  if (f == nullptr) ADD_FAILURE() << m.GetTypeName() << " has no field " << name;
-  return f;
-}
-bool has(const pb::Message& m, const char* name) {
-  return m.GetReflection()->HasField(m, field(m, name));
-}
-double number(const pb::Message& m, const char* name) {
-  const auto* f = field(m, name);
-  const auto* r = m.GetReflection();
-  switch (f->cpp_type()) {
-    case pb::FieldDescriptor::CPPTYPE_DOUBLE: return r->GetDouble(m, f);
-    case pb::FieldDescriptor::CPPTYPE_FLOAT: return r->GetFloat(m, f);
-    case pb::FieldDescriptor::CPPTYPE_INT64: return static_cast<double>(r->GetInt64(m, f));
-    case pb::FieldDescriptor::CPPTYPE_INT32: return r->GetInt32(m, f);
-    case pb::FieldDescriptor::CPPTYPE_BOOL: return r->GetBool(m, f) ? 1 : 0;
-    case pb::FieldDescriptor::CPPTYPE_ENUM: return r->GetEnumValue(m, f);
-    default: ADD_FAILURE() << name << " is not a number"; return 0;
-  }
-}
-std::string text(const pb::Message& m, const char* name) {
-  return m.GetReflection()->GetString(m, field(m, name));
-}
-const pb::Message& sub(const pb::Message& m, const char* name) {
-  return m.GetReflection()->GetMessage(m, field(m, name));
-}
-int count(const pb::Message& m, const char* name) {
-  return m.GetReflection()->FieldSize(m, field(m, name));
-}
-const pb::Message& at(const pb::Message& m, const char* name, int i) {
-  return m.GetReflection()->GetRepeatedMessage(m, field(m, name), i);
-}
-double number_at(const pb::Message& m, const char* name, int i) {
-  return m.GetReflection()->GetRepeatedDouble(m, field(m, name), i);
-}
+using fulgur::test::tb::at;
+using fulgur::test::tb::count;
+using fulgur::test::tb::Decoder;
+using fulgur::test::tb::has;
+using fulgur::test::tb::number;
+using fulgur::test::tb::number_at;
+using fulgur::test::tb::read_records;
+using fulgur::test::tb::sub;
+using fulgur::test::tb::text;
+namespace tb = fulgur::test::tb;
 
 /// Every event of every event file in `dir`, files in name order (as
 /// TensorBoard reads them).
 struct Events {
   std::vector<std::string> files;
-  std::vector<std::unique_ptr<pb::Message>> events;
+  std::vector<std::unique_ptr<tb::Message>> events;
   std::vector<size_t> first_of_file;  // index in `events` of each file's first
 };
 Events read_events(Decoder& decoder, const std::string& dir) {
@@ -180,7 +77,7 @@ std::vector<Scalar> scalars(const Events& events) {
 }
 
 /// The HParamsPluginData of the value tagged `tag`, or null.
-std::unique_ptr<pb::Message> hparams_data(Decoder& decoder, const Events& events,
+std::unique_ptr<tb::Message> hparams_data(Decoder& decoder, const Events& events,
                                           const std::string& tag) {
   for (const auto& e : events.events) {
     if (!has(*e, "summary")) continue;
