@@ -100,6 +100,7 @@ double now() {
 }
 
 TEST(TensorBoardLogger, EventsDecodeToWhatWasLoggedWithValidCrcs) {
+  if (!tb::available()) GTEST_SKIP() << tb::why_not();
   TempDir dir;
   const double before = now();
   std::vector<Scalar> logged;
@@ -159,6 +160,7 @@ TEST(TensorBoardLogger, EventsDecodeToWhatWasLoggedWithValidCrcs) {
 }
 
 TEST(TensorBoardLogger, HistogramHoldsEveryFiniteValue) {
+  if (!tb::available()) GTEST_SKIP() << tb::why_not();
   TempDir dir;
   fulgur::TensorBoardLogger logger({.save_dir = dir.path()});
   auto values = torch::tensor({-2.0, -1.0, 0.0, 0.5, 0.5, 3.0, std::nan(""), 1.0 / 0.0},
@@ -194,6 +196,7 @@ TEST(TensorBoardLogger, HistogramHoldsEveryFiniteValue) {
 }
 
 TEST(TensorBoardLogger, RotatesFilesThatTensorBoardReadsInOrder) {
+  if (!tb::available()) GTEST_SKIP() << tb::why_not();
   TempDir dir;
   std::vector<Scalar> logged;
   {
@@ -259,6 +262,7 @@ fulgur::TrainerOptions logged(const TempDir& dir, std::vector<std::shared_ptr<fu
 }
 
 TEST(TensorBoardLogger, ResumedRunAppendsToItsVersionAndSupersedesLaterSteps) {
+  if (!tb::available()) GTEST_SKIP() << tb::why_not();
   TempDir dir;
   const std::string ckpt = dir.file("step4.ckpt");
   const std::string logs = dir.file("logs.v1");  // a dot in the state's key
@@ -368,6 +372,7 @@ TEST(TensorBoardLogger, TwoLoggersWritingTheSameFilesAreRefused) {
 // A checkpoint is written after the loggers flushed: a run killed right
 // after it loses no logged row that its resume would not log again.
 TEST(TensorBoardLogger, LoggersFlushBeforeEveryCheckpoint) {
+  if (!tb::available()) GTEST_SKIP() << tb::why_not();
   TempDir dir;
   const std::string ckpt = dir.file("step3.ckpt");
   auto tb = std::make_shared<fulgur::TensorBoardLogger>(

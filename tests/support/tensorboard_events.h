@@ -31,6 +31,13 @@ struct Message {
   std::map<std::string, Field> fields;
 };
 
+/// Whether messages can be decoded in this build: not where LibTorch brings
+/// its own protobuf (a pip wheel's exports protobuf 3.13's symbols, which
+/// would collide with the system's at run time); then `why_not()` says so
+/// and the tests that decode skip (the TFRecord framing is still checked).
+bool available();
+std::string why_not();
+
 /// A test failure (gtest) when `m` has no field `name`.
 bool has(const Message& m, const char* name);
 double number(const Message& m, const char* name);
