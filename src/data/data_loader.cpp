@@ -7,6 +7,7 @@
 #include "data/prefetcher.h"
 #include "data/sample_scope.h"
 #include "fulgur/core/errors.h"
+#include "fulgur/utilities/seed.h"
 
 namespace fulgur {
 
@@ -220,7 +221,7 @@ Batch DatasetLoader::load_batch(const at::Tensor& order, uint64_t seed, int64_t 
     throw DataLoaderError(str("DataLoader: loading ", culprit, " (batch ", index, " of epoch ",
                               epoch, ") failed: ", what));
   }
-  if (options_.pin_memory && torch::cuda::is_available()) {
+  if (options_.pin_memory && cuda_usable()) {
     batch = batch.map_tensors([](const at::Tensor& t) { return t.is_pinned() ? t : t.pin_memory(); });
   }
   return batch;

@@ -18,6 +18,7 @@
 
 #include "core/signals.h"
 #include "fulgur/core/errors.h"
+#include "fulgur/utilities/seed.h"
 #include "strategies/launchers/heartbeat.h"
 
 namespace fulgur::detail {
@@ -98,6 +99,7 @@ void Supervisor::spawn(int local_rank, int global_rank, const std::function<void
                               : 1000;
     std::snprintf(value, sizeof value, "%lld", static_cast<long long>(interval));
     ::setenv("FULGUR_HEARTBEAT_INTERVAL_MS", value, 1);
+    detail::mark_forked_child();  // no CUDA here: the parent may have initialised it
     body();
     ::_exit(127);
   }
