@@ -12,6 +12,7 @@
 #include "fulgur/plugins/io/checkpoint_io.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/utilities/checksum.h"
+#include "utilities/remove_tree.h"
 
 namespace fulgur {
 
@@ -217,7 +218,7 @@ void ShardedCheckpoint::remove(Strategy& strategy, const std::string& path) {
   strategy.barrier("sharded checkpoint remove");
   if (strategy.global_rank() == 0) {
     std::error_code ec;
-    fs::remove_all(path, ec);
+    detail::remove_tree(path, ec);
   }
 }
 

@@ -12,6 +12,7 @@
 
 #include "fulgur/fulgur.h"
 #include "fulgur/utilities/checksum.h"
+#include "utilities/remove_tree.h"
 #include "support/test_support.h"
 
 namespace {
@@ -198,7 +199,9 @@ TEST_F(ManualCheckpointErrors, NoManifestMeansTheSaveDidNotComplete) {
 }
 
 TEST_F(ManualCheckpointErrors, AOneFileCheckpointIsNamed) {
-  fs::remove_all(last_);
+  std::error_code ec;
+  fulgur::detail::remove_tree(last_, ec);
+  ASSERT_FALSE(ec) << last_ << ": " << ec.message();
   {
     MoveRecorder model;
     auto options = fulgur::test::test_options(dir_);

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "fulgur/strategies/process_group.h"
+#include "utilities/remove_tree.h"
 
 namespace fulgur::test {
 
@@ -52,7 +53,7 @@ TempDir::TempDir() {
 
 TempDir::~TempDir() {
   std::error_code ec;
-  fs::remove_all(path_, ec);
+  fulgur::detail::remove_tree(path_, ec);
 }
 
 std::string TempDir::file(const std::string& relative) const {
