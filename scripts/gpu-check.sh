@@ -2,11 +2,18 @@
 # What only a machine with NVIDIA GPUs can check: builds fulgur against a CUDA
 # LibTorch and runs every CUDA test, then the main job on the GPUs.
 #
-# Usage: scripts/gpu-check.sh [cmake configure arguments...]
+# Usage: scripts/gpu-check.sh [--pip-torch] [cmake configure arguments...]
 #   On Debian 13 with Debian's CUDA LibTorch (bash scripts/install-deps.sh --cuda):
 #     bash scripts/gpu-check.sh
 #   With pytorch.org's CUDA LibTorch zip unpacked in /opt/libtorch:
 #     bash scripts/gpu-check.sh -DCMAKE_PREFIX_PATH=/opt/libtorch
+#   With the LibTorch inside a CUDA PyTorch pip install (python3 imports torch):
+#     bash scripts/gpu-check.sh --pip-torch
+#     It finds the wheel's CMake package, NCCL in the nvidia-nccl wheel, and
+#     defines USE_C10D_GLOO/USE_C10D_NCCL, which the wheel's CMake package does
+#     not pass on. The wheel has no Gloo headers: Debian's libgloo-dev (or
+#     -I to another copy in CXXFLAGS) provides them. Checked with torch 2.11
+#     (CUDA 13) on an H200.
 #
 # It builds in build-gpu/ (no benchmarks), then runs:
 #   1. the CUDA tests (named *_CUDA; on a machine without enough GPUs each skips
@@ -20,6 +27,34 @@
 # Exit status: 0 when everything passed, else the first failure's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = "--pip-torch" ]; then
+  shift
+  prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') || {
+    echo "gpu-check: --pip-torch: python3 cannot import torch; install a CUDA PyTorch or pass" \
+         "-DCMAKE_PREFIX_PATH=/path/to/libtorch instead." >&2
+    exit 2
+  }
+  site=$(cd "$prefix/../../.." && pwd)
+  nccl_h=$(find "$site/nvidia" -name nccl.h -path '*nccl*' 2>/dev/null | head -1)
+  nccl_so=$(find "$site/nvidia" -name 'libnccl.so*' 2>/dev/null | head -1)
+  flags="${CXXFLAGS:-} -DUSE_C10D_GLOO"
+  libs=""
+  if [ -n "$nccl_h" ] && [ -n "$nccl_so" ]; then
+    flags="$flags -DUSE_C10D_NCCL -I$(dirname "$nccl_h")"
+    libs="-L$(dirname "$nccl_so") -l:$(basename "$nccl_so") -Wl,-rpath,$(dirname "$nccl_so")"
+  else
+    echo "gpu-check: --pip-torch: no NCCL found under $site/nvidia; building without NCCL" >&2
+  fi
+  if [ ! -e /usr/include/gloo/algorithm.h ] && [[ "$flags" != *gloo* ]]; then
+    echo "gpu-check: --pip-torch: the wheel has no Gloo headers and /usr/include/gloo is" \
+         "missing: install libgloo-dev, or put -I/path/to/gloo-headers in CXXFLAGS." >&2
+    exit 2
+  fi
+  set -- -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_FLAGS="$flags" \
+    -DCMAKE_CXX_STANDARD_LIBRARIES="$libs" "$@"
+  echo "gpu-check: LibTorch $(python3 -c 'import torch; print(torch.__version__)') from $prefix"
+fi
 
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
   echo "gpu-check: no NVIDIA GPU here (nvidia-smi -L fails or is missing); this script is for" \
