@@ -7,10 +7,20 @@ DDP: 16P; SHARD_GRAD_OP: 4P + 12P/N; FULL_SHARD: 16P/N), the most
 full-parameter bytes held at once, and the peak RSS of rank 0.
 
     python3 bench/fsdp.py --build build --reps 3 --width 4096 --layers 3
+
+With --largest-under MB, instead: the widest MLP (of --layers layers, widths
+in steps of 128) that trains 2 steps on 2 ranks when every process may hold
+at most MB of data (RLIMIT_DATA: heap and private writable mappings, which
+is where LibTorch's CPU tensors live; the libraries' code is not counted),
+for ddp and for fsdp, found by bisection (a run that fails, whatever the
+error, does not fit). One JSON object per strategy.
+
+    python3 bench/fsdp.py --build build --largest-under 1536
 """
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 
@@ -26,6 +36,54 @@ def run(exe, strategy, a):
         if line.startswith('{"benchmark": "fsdp_mlp"'):
             return json.loads(line)
     raise SystemExit("fsdp: no result from %s in:\n%s\n%s" % (strategy, out.stdout, out.stderr))
+
+
+def trains_under(exe, strategy, width, a, cap_bytes):
+    """The run's JSON row when `strategy` trains `width` under the cap, else None."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_DATA, (cap_bytes, cap_bytes))
+    try:
+        out = subprocess.run([exe, "--strategy", strategy, "--width", str(width), "--layers",
+                              str(a.layers), "--steps", "2", "--warmup", "0", "--batch",
+                              str(a.batch)],
+                             preexec_fn=limit, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return None
+    if out.returncode != 0:
+        return None
+    for line in out.stdout.splitlines():
+        if line.startswith('{"benchmark": "fsdp_mlp"'):
+            return json.loads(line)
+    return None
+
+
+def largest_under(exe, a):
+    cap = a.largest_under * 1024 * 1024
+    step = 128
+    for s in ["ddp", "fsdp"]:
+        lo, hi = step, a.max_width  # lo fits (checked), hi + step does not (assumed)
+        fit = trains_under(exe, s, lo, a, cap)
+        if fit is None:
+            raise SystemExit("fsdp: %s does not train even width %d under %d MB; raise "
+                             "--largest-under" % (s, lo, a.largest_under))
+        if trains_under(exe, s, hi, a, cap) is not None:
+            raise SystemExit("fsdp: %s trains width %d under %d MB; raise --max-width"
+                             % (s, hi, a.largest_under))
+        tries = 2
+        while hi - lo > step:
+            mid = (lo + hi) // 2 // step * step
+            row = trains_under(exe, s, mid, a, cap)
+            tries += 1
+            if row is None:
+                hi = mid
+            else:
+                lo, fit = mid, row
+        print(json.dumps({
+            "benchmark": "fsdp_memory_cap", "strategy": s, "cap_mb": a.largest_under,
+            "layers": a.layers, "largest_width": lo, "parameters": fit["parameters"],
+            "state_mb": round(fit["state_bytes"] / 1e6, 1),
+            "peak_rss_mb": round(fit["peak_rss_bytes"] / 1e6, 1),
+            "width_that_failed": lo + step, "runs": tries}), flush=True)
 
 
 def formula(strategy, p, n):
@@ -45,8 +103,13 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--largest-under", type=int, default=0, metavar="MB")
+    ap.add_argument("--max-width", type=int, default=16384)
     a = ap.parse_args()
     exe = os.path.join(a.build, "bench", "fulgur_bench_fsdp")
+    if a.largest_under:
+        largest_under(exe, a)
+        return
     runs = {s: [] for s in STRATEGIES}
     for _ in range(a.reps):
         for s in STRATEGIES:

@@ -65,6 +65,10 @@ results+=("${restart_rows[@]}")
 fsdp_reps=${FSDP_REPS:-3}
 mapfile -t fsdp_rows < <("$py" bench/fsdp.py --build build --reps "$fsdp_reps")
 results+=("${fsdp_rows[@]}")
+# The widest MLP each trains when every process may hold FSDP_CAP_MB of data.
+fsdp_cap_mb=${FSDP_CAP_MB:-1536}
+mapfile -t fsdp_cap_rows < <("$py" bench/fsdp.py --build build --largest-under "$fsdp_cap_mb")
+results+=("${fsdp_cap_rows[@]}")
 
 # DDP: fulgur, PyTorch's DDP (Python) and the naive per-parameter all-reduce
 # loop, 2 ranks started by torchrun each, interleaved over the repetitions.
@@ -140,6 +144,24 @@ fsdp_section() {
   echo
   echo "Targets (issue: fsdp): state within 10% of the formula plus one unit; SHARD_GRAD_OP >= 0.9x"
   echo "ddp's samples/s, FULL_SHARD >= 0.75x."
+}
+
+# The memory-cap table of RESULTS.md from bench/fsdp.py --largest-under's rows.
+fsdp_cap_section() {
+  local cap="$1"
+  shift
+  echo "### The largest model under a memory cap"
+  echo
+  echo "The widest MLP of three square layers (Adam, fp32, 2 ranks, batch 16) that trains when every"
+  echo "process may hold at most $cap MB of data (RLIMIT_DATA: heap and private writable mappings,"
+  echo "where LibTorch's CPU tensors live; shared libraries' code is not counted), widths in steps of"
+  echo "128, bisected (\`python3 bench/fsdp.py --build build --largest-under $cap\`)."
+  echo
+  echo "| strategy | widest | parameters | model state MB | peak RSS MB | next width (fails) |"
+  echo "|---|---|---|---|---|---|"
+  for r in "$@"; do
+    "$py" -c 'import json,sys; r=json.loads(sys.argv[1]); print("| %s | %d | %.1f M | %.0f | %.0f | %d |" % (r["strategy"], r["largest_width"], r["parameters"] / 1e6, r["state_mb"], r["peak_rss_mb"], r["width_that_failed"]))' "$r"
+  done
 }
 
 # The "Restart" section of RESULTS.md from bench/restart.py's rows.
@@ -296,6 +318,8 @@ for k in ("fulgur", "pytorch_ddp", "naive"):
   restart_section "$restart_reps" "${restart_rows[@]}"
   echo
   fsdp_section "$fsdp_reps" "${fsdp_rows[@]}"
+  echo
+  fsdp_cap_section "$fsdp_cap_mb" "${fsdp_cap_rows[@]}"
   echo
   data_section "$data_row"
 } > bench/RESULTS.md

@@ -80,7 +80,7 @@ void EarlyStopping::check(Trainer& trainer) {
             options_.monitor, "\", ...) or change monitor");
     if (options_.strict) throw ConfigError(what + ".");
     if (!warned_missing_ && strategy.is_global_zero()) {
-      std::cerr << "fulgur: " << what << "; not checking (strict=false)." << std::endl;
+      detail::print_note(str(what, "; not checking (strict=false)."));
     }
     warned_missing_ = true;
     return;
@@ -115,8 +115,8 @@ void EarlyStopping::check(Trainer& trainer) {
   stop_reason_ = reason;
   trainer.request_stop();
   if (strategy.is_global_zero()) {
-    std::cerr << "fulgur: EarlyStopping: " << reason << ". Stopping at epoch "
-              << trainer.current_epoch() << ", step " << trainer.global_step() << "." << std::endl;
+    detail::print_note(str("EarlyStopping: ", reason, ". Stopping at epoch ",
+                           trainer.current_epoch(), ", step ", trainer.global_step(), "."));
   }
 }
 

@@ -41,13 +41,12 @@ void OnExceptionCheckpoint::on_exception(Trainer& trainer, Module&, const std::e
     trainer.save_checkpoint(path);
     if (trainer.strategy().is_checkpoint_writer()) saved_path_ = path;
     if (trainer.strategy().is_global_zero()) {
-      std::cerr << "fulgur: OnExceptionCheckpoint: saved \"" << path << "\" at epoch "
-                << trainer.current_epoch() << ", step " << trainer.global_step()
-                << " after: " << first_line << std::endl;
+      detail::print_note(str("OnExceptionCheckpoint: saved \"", path, "\" at epoch ",
+                             trainer.current_epoch(), ", step ", trainer.global_step(),
+                             " after: ", first_line));
     }
   } catch (const std::exception& e) {
-    std::cerr << "fulgur: OnExceptionCheckpoint: could not save \"" << path << "\": " << e.what()
-              << std::endl;
+    detail::print_note(str("OnExceptionCheckpoint: could not save \"", path, "\": ", e.what()));
   }
 }
 

@@ -1,6 +1,7 @@
 #include "fulgur/core/errors.h"
 
 #include <algorithm>
+#include <iostream>
 
 namespace fulgur {
 
@@ -9,10 +10,12 @@ std::vector<std::string> split_list(std::string_view text) {
   size_t start = 0;
   while (true) {
     const size_t comma = text.find(',', start);
-    std::string_view item = text.substr(start, comma == std::string_view::npos ? text.npos : comma - start);
+    std::string_view item =
+        text.substr(start, comma == std::string_view::npos ? text.npos : comma - start);
     const size_t first = item.find_first_not_of(" \t");
     const size_t last = item.find_last_not_of(" \t");
-    out.emplace_back(first == item.npos ? std::string_view() : item.substr(first, last - first + 1));
+    out.emplace_back(first == item.npos ? std::string_view()
+                                        : item.substr(first, last - first + 1));
     if (comma == std::string_view::npos) return out;
     start = comma + 1;
   }
@@ -25,6 +28,11 @@ std::string join(const std::vector<std::string>& items, std::string_view sep) {
     out += items[i];
   }
   return out;
+}
+
+void detail::print_note(const std::string& text) {
+  // One insertion: unbuffered std::cerr hands it to the stream in one write.
+  std::cerr << ("fulgur: " + text + "\n") << std::flush;
 }
 
 namespace {

@@ -177,7 +177,7 @@ void CSVLogger::finalize() {
   if (!options_.plot || written_.empty()) return;
   const std::string png = (std::filesystem::path(log_dir()) / "metrics.png").string();
   if (const std::string problem = plot_metrics(metrics_file(), png); !problem.empty()) {
-    std::cerr << "fulgur: CSVLogger: " << problem << std::endl;
+    detail::print_note(str("CSVLogger: ", problem));
   }
 }
 

@@ -67,10 +67,10 @@ std::optional<int64_t> resumed_version(const std::string& previous_dir, const st
   const fs::path here = fs::weakly_canonical(fs::absolute(root), ec2);
   const auto n = version_number(previous.filename().string());
   if (!ec1 && !ec2 && n && parent == here) return n;
-  std::cerr << "fulgur: " << logger << ": the checkpoint's run logged to \"" << previous_dir
-            << "\", which is not a version directory under \"" << root
-            << "\"; this run logs to a new version there and leaves those logs as they are."
-            << std::endl;
+  detail::print_note(
+      str(logger, ": the checkpoint's run logged to \"", previous_dir,
+          "\", which is not a version directory under \"", root,
+          "\"; this run logs to a new version there and leaves those logs as they are."));
   return std::nullopt;
 }
 
@@ -110,10 +110,10 @@ void VersionedLogger::save_state(torch::serialize::OutputArchive& archive) const
 void VersionedLogger::load_state(torch::serialize::InputArchive& archive, int64_t step) {
   c10::IValue dir;
   if (!archive.try_read("log_dir", dir) || !dir.isString()) return;
-  const auto version =
-      explicit_version_ ? explicit_version_
-                        : detail::resumed_version(dir.toStringRef(),
-                                                  detail::versions_root(save_dir_, name_), kind_);
+  const auto version = explicit_version_
+                           ? explicit_version_
+                           : detail::resumed_version(
+                                 dir.toStringRef(), detail::versions_root(save_dir_, name_), kind_);
   if (!version) return;  // a version of its own (possibly chosen already)
   version_ = version;
   resume_step_ = step;

@@ -59,7 +59,9 @@ class Message {
   const std::string& data() const { return out_; }
 
  private:
-  void key(int field, int wire_type) { put_varint((static_cast<uint64_t>(field) << 3) | wire_type); }
+  void key(int field, int wire_type) {
+    put_varint((static_cast<uint64_t>(field) << 3) | wire_type);
+  }
   void put_varint(uint64_t v) {
     while (v >= 0x80) {
       out_.push_back(static_cast<char>((v & 0x7f) | 0x80));
@@ -91,8 +93,7 @@ constexpr int kSessionLogStart = 1;  // SessionLog.SessionStatus START
 constexpr int kPluginSessionStart = 3, kPluginSessionEnd = 4;
 
 double wall_time() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 Message event_at(int64_t step) {
@@ -145,8 +146,8 @@ TensorBoardLogger::TensorBoardLogger(TensorBoardLoggerOptions options)
     : VersionedLogger("TensorBoardLogger", options.save_dir, options.name, options.version),
       options_(std::move(options)) {
   if (options_.flush_every < 1) {
-    throw ConfigError(str("TensorBoardLoggerOptions{.flush_every = ", options_.flush_every,
-                          "}: must be >= 1."));
+    throw ConfigError(
+        str("TensorBoardLoggerOptions{.flush_every = ", options_.flush_every, "}: must be >= 1."));
   }
   if (options_.max_file_bytes < 1) {
     throw ConfigError(str("TensorBoardLoggerOptions{.max_file_bytes = ", options_.max_file_bytes,
@@ -158,7 +159,7 @@ TensorBoardLogger::~TensorBoardLogger() {
   try {
     save();
   } catch (const std::exception& e) {
-    std::cerr << "fulgur: " << e.what() << std::endl;
+    detail::print_note(e.what());
   }
   if (fd_ >= 0) ::close(fd_);
 }
@@ -217,8 +218,8 @@ void TensorBoardLogger::save() {
       const int err = n < 0 ? errno : ENOSPC;
       pending_.erase(0, done);
       file_bytes_ += static_cast<int64_t>(done);
-      throw ConfigError(str("TensorBoardLogger: cannot write to \"", file_, "\": ",
-                            detail::os_reason(err),
+      throw ConfigError(str("TensorBoardLogger: cannot write to \"", file_,
+                            "\": ", detail::os_reason(err),
                             ". Check that the log directory has space; the events not written "
                             "stay pending and are written by the next save."));
     }
@@ -294,7 +295,8 @@ void TensorBoardLogger::log_histogram(const std::string& tag, const at::Tensor& 
   const auto* c = counts.data_ptr<double>();
   for (int64_t i = 0; i < bins; ++i) {
     limits[static_cast<size_t>(i)] =
-        i + 1 == bins ? hi : lo + (hi - lo) * static_cast<double>(i + 1) / static_cast<double>(bins);
+        i + 1 == bins ? hi
+                      : lo + (hi - lo) * static_cast<double>(i + 1) / static_cast<double>(bins);
     buckets[static_cast<size_t>(i)] = c[i];
   }
   Message histo;  // HistogramProto

@@ -280,7 +280,11 @@ OptimizerConfig FSDPStrategy::setup_optimizers(Module& module) {
       }
     }
     if (params.empty()) continue;
-    auto sharded = std::make_unique<ShardedParameters>(params, shared_process_group());
+    // SHARD_GRAD_OP keeps every parameter whole: the shards are views of
+    // them (ZeRO 2's 4P + 12P/N). FULL_SHARD frees a unit's parameters
+    // between uses, so its shards hold memory of their own.
+    const bool whole = options_.sharding_strategy.value() == ShardingStrategy::kShardGradOp;
+    auto sharded = std::make_unique<ShardedParameters>(params, shared_process_group(), whole);
     // The optimizer steps the shards, in the parameters' places (each keeps
     // its group's options).
     size_t k = 0;
@@ -327,12 +331,12 @@ void FSDPStrategy::attach_units(Module& module) {
     units_.push_back(std::move(unit));
   }
   if (units_.empty() && is_global_zero()) {
-    std::cerr << str("fulgur: strategy \"", name(),
-                     "\": the module declares no fulgur::nn::FSDPUnit, so every parameter stays "
-                     "whole between its uses (only the gradients and the optimizer state are "
-                     "sharded, as under fsdp_shard_grad_op). Wrap the large layers: "
-                     "register_module(\"fc1\", fulgur::nn::FSDPUnit(torch::nn::Linear(...))).")
-              << std::endl;
+    detail::print_note(
+        str("strategy \"", name(),
+            "\": the module declares no fulgur::nn::FSDPUnit, so every parameter stays "
+            "whole between its uses (only the gradients and the optimizer state are "
+            "sharded, as under fsdp_shard_grad_op). Wrap the large layers: "
+            "register_module(\"fc1\", fulgur::nn::FSDPUnit(torch::nn::Linear(...)))."));
   }
   // The units stay whole until their first forward (the module came whole:
   // releasing them now would save nothing, and hooks such as the model

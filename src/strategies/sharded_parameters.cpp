@@ -47,7 +47,7 @@ void copy_chunk(const at::Tensor& parameter, int64_t rank, at::Tensor& shard) {
 }  // namespace
 
 ShardedParameters::ShardedParameters(std::vector<at::Tensor> parameters,
-                                     std::shared_ptr<ProcessGroup> group)
+                                     std::shared_ptr<ProcessGroup> group, bool share_storage)
     : parameters_(std::move(parameters)), group_(std::move(group)) {
   if (!group_) {
     throw ConfigError("ShardedParameters: pass the process group the parameters are sharded over.");
@@ -72,9 +72,18 @@ ShardedParameters::ShardedParameters(std::vector<at::Tensor> parameters,
     bytes_.push_back(static_cast<int64_t>(p.nbytes()));
     const int64_t k = (n + world - 1) / world;
     chunks_.push_back(k);
-    at::Tensor shard = torch::zeros({k}, p.options().requires_grad(false));
-    copy_chunk(p, rank, shard);
+    at::Tensor shard;
+    const bool view = share_storage && p.is_contiguous() && (rank + 1) * k <= n;
+    if (view) {
+      // Shares p's memory (and version counter): the optimizer's in-place
+      // step on the shard is a write of p's chunk.
+      shard = p.detach().view({-1}).narrow(0, rank * k, k);
+    } else {
+      shard = torch::zeros({k}, p.options().requires_grad(false));
+      copy_chunk(p, rank, shard);
+    }
     shards_.push_back(shard.requires_grad_(true));
+    shared_.push_back(view ? 1 : 0);
   }
   released_.assign(parameters_.size(), 0);
 }
@@ -97,6 +106,13 @@ void ShardedParameters::release_parameters(const std::vector<size_t>& indices) {
   for (size_t i : indices) {
     if (released(i)) continue;
     const at::Tensor& p = parameters_[i];
+    if (shares_storage(i)) {
+      throw ConfigError(fulgur::str(
+          "ShardedParameters: parameter ", i, " (", p.sizes(),
+          ") holds its own shard "
+          "(share_storage), so its memory cannot be freed between uses; shard it without "
+          "share_storage to release it."));
+    }
     c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
     if (storage->nbytes() != p.nbytes() || p.storage_offset() != 0 || !p.is_contiguous()) {
       throw ConfigError(fulgur::str(
@@ -124,7 +140,9 @@ void ShardedParameters::release_parameters(const std::vector<size_t>& indices) {
 
 int64_t ShardedParameters::shard_bytes() const {
   int64_t bytes = 0;
-  for (const auto& s : shards_) bytes += static_cast<int64_t>(s.nbytes());
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    if (!shares_storage(i)) bytes += static_cast<int64_t>(shards_[i].nbytes());
+  }
   return bytes;
 }
 
@@ -190,8 +208,8 @@ bool ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indi
         blocks[r].narrow(0, offsets[j], len).copy_(flat.narrow(0, r * k, len));
       }
     }
-    at::Tensor reduced =
-        group_->reduce_scatter_sum(packed).div_(static_cast<double>(std::max<int64_t>(contributors, 1)));
+    at::Tensor reduced = group_->reduce_scatter_sum(packed).div_(
+        static_cast<double>(std::max<int64_t>(contributors, 1)));
     for (size_t j = 0; j < mine.size(); ++j) {
       at::Tensor part = reduced.narrow(0, offsets[j], chunks_[mine[j]]);
       at::Tensor& grad = shards_[mine[j]].mutable_grad();
@@ -258,7 +276,8 @@ at::Tensor ShardedParameters::gather_whole(size_t i, const at::Tensor& shard) co
 void ShardedParameters::take_from_parameters() {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < parameters_.size(); ++i) {
-    copy_chunk(parameters_[i], group_->rank(), shards_[i]);
+    // A shard sharing its parameter's memory already holds the new values.
+    if (!shares_storage(i)) copy_chunk(parameters_[i], group_->rank(), shards_[i]);
   }
 }
 

@@ -154,7 +154,7 @@ void Strategy::teardown(bool completed) {
     try {
       checkpoint_io_->wait_until_durable();
     } catch (const std::exception& e) {
-      std::cerr << "fulgur: " << e.what() << std::endl;
+      detail::print_note(e.what());
     }
   }
   do_teardown();

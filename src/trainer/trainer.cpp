@@ -335,7 +335,7 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
           try {
             strategy->wait_for_checkpoints();
           } catch (const std::exception& e) {
-            std::cerr << "fulgur: " << e.what() << std::endl;
+            detail::print_note(e.what());
           }
           throw;
         }
@@ -530,12 +530,13 @@ void Trainer::Impl::end_by_preemption(int signal) {
   if (strategy->is_global_zero()) {
     const std::string requeued = strategy->cluster_environment().requeue(signal);
     logging.finalize_quietly(RunStatus::Interrupted);
-    std::cerr << "fulgur: " << detail::signal_name(signal) << " (cluster environment \""
-              << strategy->cluster_environment().name() << "\"): saved \"" << path << "\" at step "
-              << fit_loop.global_step() << (requeued.empty() ? std::string() : "; " + requeued)
-              << ". A run of this job with ckpt_path=\"auto\" (a requeued one does so by "
-                 "itself) resumes from it. Ending by the signal (status "
-              << 128 + signal << ")." << std::endl;
+    detail::print_note(str(detail::signal_name(signal), " (cluster environment \"",
+                           strategy->cluster_environment().name(), "\"): saved \"", path,
+                           "\" at step ", fit_loop.global_step(),
+                           (requeued.empty() ? std::string() : "; " + requeued),
+                           ". A run of this job with ckpt_path=\"auto\" (a requeued one does so by "
+                           "itself) resumes from it. Ending by the signal (status ",
+                           128 + signal, ")."));
   }
   detail::end_by_signal(signal);
 }
@@ -553,14 +554,15 @@ std::string Trainer::Impl::fit_start_checkpoint(const std::string& requested) {
   // fulgur's own launcher has said what the ranks resume from; after a
   // restart by torchrun or SLURM, rank 0 says it.
   if (strategy->is_global_zero() && std::getenv("FULGUR_RESTART_COUNT") == nullptr) {
-    std::cerr << "fulgur: restart " << restarts << " (cluster environment \""
-              << strategy->cluster_environment().name() << "\"): "
-              << (point.newest ? str("resuming from \"", point.path, "\"")
-                  : requested.empty()
-                      ? std::string("no checkpoint that verifies yet, starting from the beginning")
-                      : str("no checkpoint that verifies yet, starting from ckpt_path=\"",
-                            requested, "\" as the first run did"))
-              << "." << std::endl;
+    detail::print_note(
+        str("restart ", restarts, " (cluster environment \"",
+            strategy->cluster_environment().name(), "\"): ",
+            (point.newest ? str("resuming from \"", point.path, "\"")
+             : requested.empty()
+                 ? std::string("no checkpoint that verifies yet, starting from the beginning")
+                 : str("no checkpoint that verifies yet, starting from ckpt_path=\"", requested,
+                       "\" as the first run did")),
+            "."));
   }
   return std::move(point.path);
 }

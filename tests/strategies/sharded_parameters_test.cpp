@@ -73,12 +73,13 @@ std::vector<at::Tensor> reference(int world, const MakeOptimizer& make) {
   return net.parameters();
 }
 
-void expect_sharded_equals_reference(int world, const MakeOptimizer& make) {
+void expect_sharded_equals_reference(int world, const MakeOptimizer& make,
+                                     bool share_storage = false) {
   const auto expected = reference(world, make);
   std::vector<std::vector<at::Tensor>> got(static_cast<size_t>(world));
   fulgur::test::on_ranks(world, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
     Net net;
-    fulgur::ShardedParameters sharded(net.parameters(), group);
+    fulgur::ShardedParameters sharded(net.parameters(), group, share_storage);
     auto opt = make(sharded.shards());
     for (int step = 0; step < kSteps; ++step) {
       release_grads(sharded.shards());
@@ -96,7 +97,8 @@ void expect_sharded_equals_reference(int world, const MakeOptimizer& make) {
   for (int r = 0; r < world; ++r) {
     for (size_t i = 0; i < expected.size(); ++i) {
       EXPECT_TRUE(torch::allclose(got[static_cast<size_t>(r)][i], expected[i], 1e-5, 1e-6))
-          << "rank " << r << " of " << world << ", parameter " << i << ": "
+          << "rank " << r << " of " << world << ", parameter " << i
+          << (share_storage ? " (share_storage)" : "") << ": "
           << (got[static_cast<size_t>(r)][i] - expected[i]).abs().max().item<float>();
     }
   }
@@ -110,6 +112,57 @@ TEST(ShardedParameters, SgdWithMomentumOnTwoAndThreeRanksEqualsOneProcess) {
 TEST(ShardedParameters, AdamOnTwoAndThreeRanksEqualsOneProcess) {
   expect_sharded_equals_reference(2, adam);
   expect_sharded_equals_reference(3, adam);
+}
+
+// ZeRO 2's layout: the same steps with shards that are views of the whole
+// parameters where no padding is needed.
+TEST(ShardedParameters, SharedStorageShardsStepAsCopiesDo) {
+  expect_sharded_equals_reference(2, sgd, /*share_storage=*/true);
+  expect_sharded_equals_reference(3, adam, /*share_storage=*/true);
+}
+
+// A shared shard is the parameter's own chunk (no memory of its own, a step
+// on it writes the parameter); one needing padding is a copy; neither kind's
+// parameter can be released.
+TEST(ShardedParameters, SharedStorageShardsAreViewsOfTheirParameters) {
+  std::vector<char> shared[3];
+  int64_t shard_bytes[3] = {0, 0, 0};
+  bool wrote[3] = {false, false, false};
+  std::string release_error[3];
+  fulgur::test::on_ranks(3, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+    Net net;
+    fulgur::ShardedParameters sharded(net.parameters(), group, /*share_storage=*/true);
+    for (size_t i = 0; i < net.parameters().size(); ++i)
+      shared[rank].push_back(sharded.shares_storage(i) ? 1 : 0);
+    shard_bytes[rank] = sharded.shard_bytes();
+    {
+      torch::NoGradGuard no_grad;
+      sharded.shards()[0].fill_(7.0f);  // a.weight: 35 elements, chunks of 12
+      wrote[rank] = net.parameters()[0].reshape({-1}).narrow(0, 12 * rank, 1).item<float>() == 7.0f;
+    }
+    try {
+      sharded.release_parameters({0});
+    } catch (const fulgur::ConfigError& e) {
+      release_error[rank] = e.what();
+    }
+  });
+  // Chunks 12, 3, 7, 1, 2, 1 of 35, 7, 21, 3, 4, 2 elements: rank 2's chunks
+  // of a.weight (24..36), a.bias (6..9), sometimes.weight (4..6) and
+  // sometimes.bias (2..3) run past their parameters and need padding.
+  EXPECT_EQ(shared[0], (std::vector<char>{1, 1, 1, 1, 1, 1}));
+  EXPECT_EQ(shared[1], (std::vector<char>{1, 1, 1, 1, 1, 1}));
+  EXPECT_EQ(shared[2], (std::vector<char>{0, 0, 1, 1, 0, 0}));
+  EXPECT_EQ(shard_bytes[0], 0);
+  EXPECT_EQ(shard_bytes[2], (12 + 3 + 2 + 1) * 4);
+  EXPECT_TRUE(wrote[0]);
+  EXPECT_TRUE(wrote[1]);
+  EXPECT_FALSE(wrote[2]);  // a copy: the parameter is written by the next all-gather
+  for (int rank : {0, 1}) {
+    EXPECT_TRUE(fulgur::test::message_contains(release_error[rank],
+                                               {"parameter 0 ([7, 5])", "share_storage"}))
+        << release_error[rank];
+  }
+  EXPECT_EQ(release_error[2], "");  // its shard of a.weight is a copy
 }
 
 TEST(ShardedParameters, EachRankHoldsItsChunkOfEveryParameter) {

@@ -74,6 +74,13 @@ std::string str(const Args&... args) {
   return out.str();
 }
 
+namespace detail {
+/// Writes "fulgur: <text>" and a newline to std::cerr as one write, so a
+/// line from another process sharing the stream (srun's, another rank's)
+/// never lands inside it.
+void print_note(const std::string& text);
+}  // namespace detail
+
 /// Joins `items` with `sep` ("a, b, c").
 std::string join(const std::vector<std::string>& items, std::string_view sep = ", ");
 

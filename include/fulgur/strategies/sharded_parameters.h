@@ -42,7 +42,16 @@ class ShardedParameters {
   /// order, of one dtype and device each) with the same values (broadcast
   /// them first). ConfigError for an empty list or a parameter that does
   /// not require a gradient (keep frozen ones out).
-  ShardedParameters(std::vector<at::Tensor> parameters, std::shared_ptr<ProcessGroup> group);
+  ///
+  /// `share_storage` (ZeRO 2's layout, for parameters that stay whole): a
+  /// shard whose chunk lies wholly inside its (contiguous) parameter is a
+  /// view of the parameter's memory instead of a copy, so it costs no
+  /// memory and the optimizer's step writes the parameter's chunk in
+  /// place. Such parameters cannot be released (ConfigError); a chunk that
+  /// needs padding (the last ranks' of a parameter not divisible by the
+  /// world size) stays a copy.
+  ShardedParameters(std::vector<at::Tensor> parameters, std::shared_ptr<ProcessGroup> group,
+                    bool share_storage = false);
 
   /// This rank's shard of each parameter, in order: 1-D leaf tensors that
   /// require a gradient, `chunk(i)` elements each.
@@ -58,9 +67,12 @@ class ShardedParameters {
   /// every rank's shard of it (one all-gather).
   at::Tensor shard_of(size_t i, const at::Tensor& whole) const;
   at::Tensor gather_whole(size_t i, const at::Tensor& shard) const;
-  /// Bytes of this rank's shards (what an optimizer's per-element state is
-  /// proportional to), and of the full parameters.
+  /// Bytes of this rank's shards that hold memory of their own (a shard
+  /// that is a view of its parameter holds none), and of the full
+  /// parameters.
   int64_t shard_bytes() const;
+  /// Whether shard i is a view of parameter i's memory (share_storage).
+  bool shares_storage(size_t i) const { return shared_[i] != 0; }
   int64_t parameter_bytes() const;
 
   /// Adds to each shard's gradient (or sets, when it has none) this rank's
@@ -108,6 +120,7 @@ class ShardedParameters {
   std::vector<at::Tensor> shards_;
   std::vector<int64_t> chunks_;
   std::vector<char> released_;
+  std::vector<char> shared_;  // shard i is a view of parameter i (share_storage)
   // Each parameter's shape and bytes (a released one shows none).
   std::vector<std::vector<int64_t>> sizes_;
   std::vector<int64_t> bytes_;

@@ -136,14 +136,15 @@ AsyncCheckpointIO::~AsyncCheckpointIO() {
     try {
       std::rethrow_exception(writer_->error);
     } catch (const std::exception& e) {
-      std::cerr << "fulgur: a checkpoint written in the background failed, and nothing "
-                   "reported it before its writer closed: "
-                << e.what() << std::endl;
+      detail::print_note(
+          str("a checkpoint written in the background failed, and nothing "
+              "reported it before its writer closed: ",
+              e.what()));
     } catch (...) {
-      std::cerr << "fulgur: a checkpoint written in the background failed (an exception "
-                   "that is not a std::exception), and nothing reported it before its writer "
-                   "closed."
-                << std::endl;
+      detail::print_note(
+          std::string("a checkpoint written in the background failed (an exception "
+                      "that is not a std::exception), and nothing reported it before its writer "
+                      "closed."));
     }
   }
   lock.unlock();

@@ -203,12 +203,12 @@ void supervise(Plan& plan, const Supervision& supervision, const Recovery& recov
       }
       const std::string from = recovery.resume_point ? recovery.resume_point() : std::string();
       std::cout.flush();
-      std::cerr << "fulgur: restart " << attempt + 1 << " of " << recovery.max_restarts << ": "
-                << failure.cause() << "; "
-                << (from.empty() ? std::string("starting again from the beginning (no checkpoint "
-                                               "that verifies yet)")
-                                 : "resuming from " + from)
-                << "." << std::endl;
+      detail::print_note(
+          str("restart ", attempt + 1, " of ", recovery.max_restarts, ": ", failure.cause(), "; ",
+              (from.empty() ? std::string("starting again from the beginning (no checkpoint "
+                                          "that verifies yet)")
+                            : "resuming from " + from),
+              "."));
     }
   }
 }
@@ -281,11 +281,10 @@ std::optional<std::string> ForkLauncher::launch(const std::function<std::string(
           std::string bytes = fn();
           if (global == 0) results.write(bytes);
         } catch (const std::exception& e) {
-          std::cerr << "fulgur: rank " << global << " failed: " << e.what() << std::endl;
+          detail::print_note(str("rank ", global, " failed: ", e.what()));
           code = 1;
         } catch (...) {
-          std::cerr << "fulgur: rank " << global << " failed with an unknown exception"
-                    << std::endl;
+          detail::print_note(str("rank ", global, " failed with an unknown exception"));
           code = 1;
         }
         std::cout.flush();

@@ -170,7 +170,7 @@ void CheckpointConnector::save(const std::string& path) {
     try {
       logger->save();
     } catch (const std::exception& e) {
-      std::cerr << "fulgur: " << e.what() << std::endl;
+      detail::print_note(e.what());
     }
   }
   OutputArchive archive;
@@ -201,9 +201,9 @@ std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) cons
     const std::string problem = trainer_.strategy->verify_checkpoint(candidate);
     if (problem.empty()) {
       if (!skipped.empty() && trainer_.strategy->is_global_zero()) {
-        std::cerr << "fulgur: ckpt_path=\"" << ckpt_path << "\": skipped " << join(skipped, "; ")
-                  << ". Resuming from \"" << candidate
-                  << "\", the newest checkpoint of its directory that verifies." << std::endl;
+        detail::print_note(str("ckpt_path=\"", ckpt_path, "\": skipped ", join(skipped, "; "),
+                               ". Resuming from \"", candidate,
+                               "\", the newest checkpoint of its directory that verifies."));
       }
       return candidate;
     }

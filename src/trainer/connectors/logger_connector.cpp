@@ -250,7 +250,7 @@ void LoggerConnector::finalize_quietly(RunStatus status) noexcept {
       logger->log_run_status(status);
       logger->finalize();
     } catch (const std::exception& e) {
-      std::cerr << "fulgur: " << e.what() << std::endl;
+      detail::print_note(e.what());
     }
   }
 }
