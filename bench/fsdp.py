@@ -16,6 +16,7 @@ for ddp and for fsdp, found by bisection (a run that fails, whatever the
 error, does not fit). One JSON object per strategy.
 
     python3 bench/fsdp.py --build build --largest-under 1536
+    FULGUR_HOST_ALLOCATOR=system python3 bench/fsdp.py --build build --largest-under 1536
 """
 import argparse
 import json
@@ -80,6 +81,7 @@ def largest_under(exe, a):
                 lo, fit = mid, row
         print(json.dumps({
             "benchmark": "fsdp_memory_cap", "strategy": s, "cap_mb": a.largest_under,
+            "host_allocator": os.environ.get("FULGUR_HOST_ALLOCATOR", "cached"),
             "layers": a.layers, "largest_width": lo, "parameters": fit["parameters"],
             "state_mb": round(fit["state_bytes"] / 1e6, 1),
             "peak_rss_mb": round(fit["peak_rss_bytes"] / 1e6, 1),

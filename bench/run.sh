@@ -65,9 +65,11 @@ results+=("${restart_rows[@]}")
 fsdp_reps=${FSDP_REPS:-3}
 mapfile -t fsdp_rows < <("$py" bench/fsdp.py --build build --reps "$fsdp_reps")
 results+=("${fsdp_rows[@]}")
-# The widest MLP each trains when every process may hold FSDP_CAP_MB of data.
+# The widest MLP each trains when every process may hold FSDP_CAP_MB of data,
+# with fulgur's host allocator tuning (the default) and with glibc's.
 fsdp_cap_mb=${FSDP_CAP_MB:-1536}
-mapfile -t fsdp_cap_rows < <("$py" bench/fsdp.py --build build --largest-under "$fsdp_cap_mb")
+mapfile -t fsdp_cap_rows < <("$py" bench/fsdp.py --build build --largest-under "$fsdp_cap_mb";
+  FULGUR_HOST_ALLOCATOR=system "$py" bench/fsdp.py --build build --largest-under "$fsdp_cap_mb")
 results+=("${fsdp_cap_rows[@]}")
 
 # DDP: fulgur, PyTorch's DDP (Python) and the naive per-parameter all-reduce
@@ -157,10 +159,10 @@ fsdp_cap_section() {
   echo "where LibTorch's CPU tensors live; shared libraries' code is not counted), widths in steps of"
   echo "128, bisected (\`python3 bench/fsdp.py --build build --largest-under $cap\`)."
   echo
-  echo "| strategy | widest | parameters | model state MB | peak RSS MB | next width (fails) |"
-  echo "|---|---|---|---|---|---|"
+  echo "| strategy | FULGUR_HOST_ALLOCATOR | widest | parameters | model state MB | peak RSS MB | next width (fails) |"
+  echo "|---|---|---|---|---|---|---|"
   for r in "$@"; do
-    "$py" -c 'import json,sys; r=json.loads(sys.argv[1]); print("| %s | %d | %.1f M | %.0f | %.0f | %d |" % (r["strategy"], r["largest_width"], r["parameters"] / 1e6, r["state_mb"], r["peak_rss_mb"], r["width_that_failed"]))' "$r"
+    "$py" -c 'import json,sys; r=json.loads(sys.argv[1]); print("| %s | %s | %d | %.1f M | %.0f | %.0f | %d |" % (r["strategy"], r["host_allocator"], r["largest_width"], r["parameters"] / 1e6, r["state_mb"], r["peak_rss_mb"], r["width_that_failed"]))' "$r"
   done
 }
 

@@ -152,6 +152,33 @@ int64_t ShardedParameters::parameter_bytes() const {
   return bytes;
 }
 
+bool ShardedParameters::direct(size_t i) const {
+  const at::Tensor& p = parameters_[i];
+  const int64_t n = bytes_[i] / static_cast<int64_t>(p.element_size());
+  return n >= kDirectElements && n == chunks_[i] * group_->size() &&
+         (released(i) || p.is_contiguous());
+}
+
+void ShardedParameters::add_to_shard_grad(size_t i, const at::Tensor& part, bool owned) {
+  at::Tensor& grad = shards_[i].mutable_grad();
+  if (grad.defined()) {
+    grad.add_(part);  // a second backward before the step accumulates
+  } else {
+    grad = owned ? part : part.clone();
+  }
+}
+
+void ShardedParameters::allocate_if_released(size_t i) {
+  if (!released(i)) return;
+  at::Tensor& p = parameters_[i];
+  c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
+  const auto bytes = static_cast<size_t>(bytes_[i]);
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+  p.unsafeGetTensorImpl()->set_sizes_contiguous(sizes_[i]);
+  released_[i] = 0;
+}
+
 bool ShardedParameters::reduce_scatter_gradients() {
   return reduce_scatter_gradients(all_indices());
 }
@@ -182,6 +209,7 @@ bool ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indi
     contributors = flags[n];
   }
   const int64_t world = group_->size();
+  const double mean_over = static_cast<double>(std::max<int64_t>(contributors, 1));
   for (const auto& group : by_dtype_and_device(parameters_, indices)) {
     // Rank-major packing: block r holds every parameter's chunk r, so the
     // reduce-scatter hands each rank its chunks of all of them at once.
@@ -190,6 +218,16 @@ bool ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indi
     int64_t total = 0;
     for (size_t i : group) {
       if (anywhere[i] == 0) continue;
+      if (direct(i)) {
+        // Straight from the gradient (a view of it); zeros where this rank has none.
+        const at::Tensor& p = parameters_[i];
+        const at::Tensor grad = p.grad();
+        const at::Tensor flat =
+            grad.defined() ? grad.reshape({-1})
+                           : torch::zeros({p.numel()}, p.options().requires_grad(false));
+        add_to_shard_grad(i, group_->reduce_scatter_sum(flat).div_(mean_over), /*owned=*/true);
+        continue;
+      }
       mine.push_back(i);
       offsets.push_back(total);
       total += chunks_[i];
@@ -208,16 +246,10 @@ bool ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indi
         blocks[r].narrow(0, offsets[j], len).copy_(flat.narrow(0, r * k, len));
       }
     }
-    at::Tensor reduced = group_->reduce_scatter_sum(packed).div_(
-        static_cast<double>(std::max<int64_t>(contributors, 1)));
+    at::Tensor reduced = group_->reduce_scatter_sum(packed).div_(mean_over);
     for (size_t j = 0; j < mine.size(); ++j) {
-      at::Tensor part = reduced.narrow(0, offsets[j], chunks_[mine[j]]);
-      at::Tensor& grad = shards_[mine[j]].mutable_grad();
-      if (grad.defined()) {
-        grad.add_(part);  // a second backward before the step accumulates
-      } else {
-        grad = part.clone();
-      }
+      add_to_shard_grad(mine[j], reduced.narrow(0, offsets[j], chunks_[mine[j]]),
+                        /*owned=*/false);
     }
   }
   for (size_t i : indices) parameters_[i].mutable_grad().reset();
@@ -229,7 +261,21 @@ void ShardedParameters::all_gather_parameters() { all_gather_parameters(all_indi
 void ShardedParameters::all_gather_parameters(const std::vector<size_t>& all) {
   const int64_t world = group_->size();
   torch::NoGradGuard no_grad;
-  for (const auto& indices : by_dtype_and_device(parameters_, all)) {
+  for (const auto& group : by_dtype_and_device(parameters_, all)) {
+    std::vector<size_t> indices;
+    for (size_t i : group) {
+      if (!direct(i)) {
+        indices.push_back(i);
+        continue;
+      }
+      // Straight into the parameter's storage (its layout is the gathered
+      // one: chunk r at r * chunk), through an alias with a version counter
+      // of its own, as below.
+      allocate_if_released(i);
+      at::Tensor flat = parameters_[i].variable_data().view({-1});
+      group_->all_gather_into(flat, shards_[i].detach());
+    }
+    if (indices.empty()) continue;
     std::vector<at::Tensor> pieces;
     for (size_t i : indices) pieces.push_back(shards_[i].detach());
     const at::Tensor packed = torch::cat(pieces);
@@ -240,14 +286,7 @@ void ShardedParameters::all_gather_parameters(const std::vector<size_t>& all) {
     int64_t offset = 0;
     for (size_t i : indices) {
       at::Tensor& p = parameters_[i];
-      if (released(i)) {
-        c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
-        const auto bytes = static_cast<size_t>(bytes_[i]);
-        storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
-        storage->set_nbytes(bytes);
-        p.unsafeGetTensorImpl()->set_sizes_contiguous(sizes_[i]);
-        released_[i] = 0;
-      }
+      allocate_if_released(i);
       const at::Tensor full = blocks.narrow(1, offset, chunks_[i]).reshape({-1});
       // Written through an alias with a version counter of its own: a graph
       // that saved the parameter (gathered again for its backward) finds

@@ -165,6 +165,66 @@ TEST(ShardedParameters, SharedStorageShardsAreViewsOfTheirParameters) {
   EXPECT_EQ(release_error[2], "");  // its shard of a.weight is a copy
 }
 
+// A parameter of kDirectElements or more, divisible by the world size, is
+// exchanged on its own, straight from its gradient and into its storage;
+// the rest are packed. Both kinds, released and gathered again between
+// steps (into the released storage), step as one process does.
+struct Wide : torch::nn::Module {
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  Wide() {
+    a = register_module("a", torch::nn::Linear(256, 256));  // 65536 + 256
+    b = register_module("b", torch::nn::Linear(256, 3));    // 768 + 3
+    torch::NoGradGuard no_grad;
+    double phase = 0;
+    for (auto& p : parameters()) {
+      p.copy_(torch::cos(torch::arange(p.numel(), torch::kFloat) * 0.01 + (phase += 1.0))
+                  .reshape(p.sizes()) *
+              0.05);
+    }
+  }
+  at::Tensor loss(int step, int rank) {
+    const at::Tensor x =
+        torch::sin(torch::arange(4 * 256, torch::kFloat).reshape({4, 256}) * 0.02 + step + 3.0 * rank);
+    return b(torch::relu(a(x))).pow(2).mean();
+  }
+};
+
+TEST(ShardedParameters, LargeParametersExchangedOnTheirOwnStepAsOneProcess) {
+  ASSERT_GE(256 * 256, fulgur::ShardedParameters::kDirectElements);
+  constexpr int kWorld = 2;
+  Wide whole;
+  auto opt = adam(whole.parameters());
+  for (int step = 0; step < kSteps; ++step) {
+    release_grads(whole.parameters());
+    for (int r = 0; r < kWorld; ++r) (whole.loss(step, r) / kWorld).backward();
+    opt->step();
+  }
+  for (bool share : {false, true}) {
+    std::vector<std::vector<at::Tensor>> got(kWorld);
+    fulgur::test::on_ranks(kWorld, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+      Wide net;
+      fulgur::ShardedParameters sharded(net.parameters(), group, share);
+      auto o = adam(sharded.shards());
+      for (int step = 0; step < kSteps; ++step) {
+        release_grads(sharded.shards());
+        net.loss(step, rank).backward();
+        sharded.reduce_scatter_gradients();
+        o->step();
+        if (!share) sharded.release_parameters({0, 2});  // a.weight (direct), b.weight (packed)
+        sharded.all_gather_parameters();
+      }
+      got[static_cast<size_t>(rank)] = net.parameters();
+    });
+    for (int r = 0; r < kWorld; ++r) {
+      for (size_t i = 0; i < whole.parameters().size(); ++i) {
+        EXPECT_TRUE(torch::allclose(got[static_cast<size_t>(r)][i], whole.parameters()[i], 1e-5, 1e-6))
+            << "rank " << r << ", parameter " << i << (share ? " (share_storage)" : "") << ": "
+            << (got[static_cast<size_t>(r)][i] - whole.parameters()[i]).abs().max().item<float>();
+      }
+    }
+  }
+}
+
 TEST(ShardedParameters, EachRankHoldsItsChunkOfEveryParameter) {
   std::vector<int64_t> chunks[3];
   std::vector<at::Tensor> shards[3];

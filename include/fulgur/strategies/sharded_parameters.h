@@ -60,6 +60,11 @@ class ShardedParameters {
   /// Elements of parameter i's shard: its element count divided by the
   /// world size, rounded up.
   int64_t chunk(size_t i) const { return chunks_[i]; }
+  /// Parameters of at least this many elements, contiguous and divisible by
+  /// the world size, are exchanged on their own, straight from their
+  /// gradient and into their storage (no packed copy); smaller ones are
+  /// packed together, one exchange per dtype.
+  static constexpr int64_t kDirectElements = 65536;
   /// Parameter i's whole shape (a released parameter shows [0]).
   const std::vector<int64_t>& full_sizes(size_t i) const { return sizes_[i]; }
   /// Shard `shard` (chunk(i) elements, this rank's) of a tensor of
@@ -115,6 +120,10 @@ class ShardedParameters {
 
  private:
   std::vector<size_t> all_indices() const;
+  /// Whether parameter i is exchanged on its own (kDirectElements).
+  bool direct(size_t i) const;
+  void add_to_shard_grad(size_t i, const at::Tensor& part, bool owned);
+  void allocate_if_released(size_t i);
 
   std::vector<at::Tensor> parameters_;
   std::vector<at::Tensor> shards_;
