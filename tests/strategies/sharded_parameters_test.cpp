@@ -17,6 +17,19 @@
 
 namespace {
 
+// The same values in every rank's thread (the random generator is shared
+// between the threads, so its draws are not): scale * sin(k * freq + phase),
+// a phase of its own for each parameter.
+void fill_the_same_everywhere(torch::nn::Module& module, double freq, double scale) {
+  torch::NoGradGuard no_grad;
+  double phase = 0;
+  for (auto& p : module.parameters()) {
+    p.copy_(torch::sin(torch::arange(p.numel(), torch::kFloat) * freq + (phase += 1.0))
+                .reshape(p.sizes()) *
+            scale);
+  }
+}
+
 // 35 + 7 + 21 + 3 + 4 + 2 elements: none but one divisible by 2 and 3 both.
 struct Net : torch::nn::Module {
   torch::nn::Linear a{nullptr}, b{nullptr}, sometimes{nullptr};
@@ -24,15 +37,7 @@ struct Net : torch::nn::Module {
     a = register_module("a", torch::nn::Linear(5, 7));
     b = register_module("b", torch::nn::Linear(7, 3));
     sometimes = register_module("sometimes", torch::nn::Linear(2, 2));
-    // The same values in every rank's thread (the random generator is
-    // shared between the threads, so its draws are not).
-    torch::NoGradGuard no_grad;
-    double phase = 0;
-    for (auto& p : parameters()) {
-      p.copy_(torch::sin(torch::arange(p.numel(), torch::kFloat) * 0.7 + (phase += 1.0))
-                  .reshape(p.sizes()) *
-              0.5);
-    }
+    fill_the_same_everywhere(*this, 0.7, 0.5);
   }
   // Rank `rank`'s loss at `step`: `sometimes` is used by rank 0 on even
   // steps only (odd steps: no rank has a gradient for it).
@@ -174,13 +179,7 @@ struct Wide : torch::nn::Module {
   Wide() {
     a = register_module("a", torch::nn::Linear(256, 256));  // 65536 + 256
     b = register_module("b", torch::nn::Linear(256, 3));    // 768 + 3
-    torch::NoGradGuard no_grad;
-    double phase = 0;
-    for (auto& p : parameters()) {
-      p.copy_(torch::cos(torch::arange(p.numel(), torch::kFloat) * 0.01 + (phase += 1.0))
-                  .reshape(p.sizes()) *
-              0.05);
-    }
+    fill_the_same_everywhere(*this, 0.01, 0.05);
   }
   at::Tensor loss(int step, int rank) {
     const at::Tensor x =
