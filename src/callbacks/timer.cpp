@@ -50,9 +50,10 @@ void Timer::check(Trainer& trainer) {
   stopped_ = true;
   trainer.request_stop();
   if (trainer.strategy().is_global_zero()) {
-    detail::print_note(str("Timer: ", seconds_text(time_elapsed()), " of training reached ",
-                           "max_time=", seconds_text(options_.duration), "; stopping at epoch ",
-                           trainer.current_epoch(), ", step ", trainer.global_step(), "."));
+    detail::print_note(str("Timer: ", seconds_text(time_elapsed()),
+                           " of training reached max_time=", seconds_text(options_.duration),
+                           "; stopping at epoch ", trainer.current_epoch(), ", step ",
+                           trainer.global_step(), "."));
   }
 }
 

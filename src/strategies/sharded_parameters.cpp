@@ -152,11 +152,12 @@ int64_t ShardedParameters::parameter_bytes() const {
   return bytes;
 }
 
+int64_t ShardedParameters::numel(size_t i) const { return c10::multiply_integers(sizes_[i]); }
+
 bool ShardedParameters::direct(size_t i) const {
-  const at::Tensor& p = parameters_[i];
-  const int64_t n = bytes_[i] / static_cast<int64_t>(p.element_size());
+  const int64_t n = numel(i);
   return n >= kDirectElements && n == chunks_[i] * group_->size() &&
-         (released(i) || p.is_contiguous());
+         (released(i) || parameters_[i].is_contiguous());
 }
 
 void ShardedParameters::add_to_shard_grad(size_t i, const at::Tensor& part, bool owned) {
@@ -222,9 +223,9 @@ bool ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indi
         // Straight from the gradient (a view of it); zeros where this rank has none.
         const at::Tensor& p = parameters_[i];
         const at::Tensor grad = p.grad();
-        const at::Tensor flat =
-            grad.defined() ? grad.reshape({-1})
-                           : torch::zeros({p.numel()}, p.options().requires_grad(false));
+        const at::Tensor flat = grad.defined()
+                                    ? grad.reshape({-1})
+                                    : torch::zeros({p.numel()}, p.options().requires_grad(false));
         add_to_shard_grad(i, group_->reduce_scatter_sum(flat).div_(mean_over), /*owned=*/true);
         continue;
       }
@@ -307,9 +308,7 @@ at::Tensor ShardedParameters::gather_whole(size_t i, const at::Tensor& shard) co
   torch::NoGradGuard no_grad;
   at::Tensor gathered = torch::empty({group_->size() * chunks_[i]}, shard.options());
   group_->all_gather_into(gathered, shard.detach().contiguous());
-  int64_t numel = 1;
-  for (int64_t d : sizes_[i]) numel *= d;
-  return gathered.narrow(0, 0, numel).view(sizes_[i]).clone();
+  return gathered.narrow(0, 0, numel(i)).view(sizes_[i]).clone();
 }
 
 void ShardedParameters::take_from_parameters() {

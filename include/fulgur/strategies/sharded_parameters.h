@@ -120,6 +120,8 @@ class ShardedParameters {
 
  private:
   std::vector<size_t> all_indices() const;
+  /// Parameter i's element count (also while it is released).
+  int64_t numel(size_t i) const;
   /// Whether parameter i is exchanged on its own (kDirectElements).
   bool direct(size_t i) const;
   void add_to_shard_grad(size_t i, const at::Tensor& part, bool owned);

@@ -142,9 +142,8 @@ AsyncCheckpointIO::~AsyncCheckpointIO() {
               e.what()));
     } catch (...) {
       detail::print_note(
-          std::string("a checkpoint written in the background failed (an exception "
-                      "that is not a std::exception), and nothing reported it before its writer "
-                      "closed."));
+          "a checkpoint written in the background failed (an exception that is not a "
+          "std::exception), and nothing reported it before its writer closed.");
     }
   }
   lock.unlock();

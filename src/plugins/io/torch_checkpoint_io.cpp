@@ -612,8 +612,9 @@ void TorchCheckpointIO::load_checkpoint(const std::string& path,
             "overwritten at its end)");
   }
   // Written before checkpoints had checksums (fulgur 0.1): loads, unverified.
-  detail::print_note(str("checkpoint \"", path, "\" has no checksum (written before fulgur ",
-                         "0.2); loaded without verifying it. Save it again to add one."));
+  detail::print_note(str("checkpoint \"", path,
+                         "\" has no checksum (written before fulgur 0.2); loaded without verifying "
+                         "it. Save it again to add one."));
 }
 
 std::string TorchCheckpointIO::verify(const std::string& path) {
