@@ -6,6 +6,8 @@
 //                                        precisions, cluster environments, checkpoint IO
 //   fulgur checkpoint inspect PATH       what a checkpoint holds, and whether it
 //                                        verifies (exit status 0, or 1 when corrupt)
+//   fulgur checkpoint consolidate DIR OUT
+//                                        a sharded fsdp checkpoint as one file
 //   fulgur plot PATH [--out PNG]         a run's curves as a PNG (gnuplot)
 //
 // resolve reads what a program on fulgur::CLI reads: every Trainer flag
@@ -30,12 +32,15 @@ constexpr const char* kUsage =
     "                      [--num_nodes N] [--precision P] [--plugins a,b] [--KEY VALUE]...\n"
     "       fulgur list\n"
     "       fulgur checkpoint inspect PATH\n"
+    "       fulgur checkpoint consolidate DIR OUT\n"
     "       fulgur plot PATH [--out PNG]\n"
     "resolve prints, as JSON, what fulgur::Trainer would choose for these flags in this\n"
     "environment (torchrun, SLURM, MPI, LSF or Kubeflow variables included), and starts\n"
     "nothing. Exit status 2 and a JSON error when the flags are wrong.\n"
     "checkpoint inspect prints what a checkpoint (a .ckpt file, or a directory of per-rank\n"
     "shards) holds and verifies its checksums: exit status 0 when it verifies, 1 when not.\n"
+    "checkpoint consolidate writes a sharded fsdp checkpoint (a directory) as one file OUT,\n"
+    "the file state_dict_type \"full\" writes: it loads on any world size and strategy.\n"
     "plot draws the curves of a run (a metrics.csv, its version directory, or the run's\n"
     "default_root_dir: the newest version) with gnuplot, into metrics.png next to the CSV\n"
     "unless --out says where; exit status 1 when it cannot.\n";
@@ -104,7 +109,17 @@ int checkpoint(int argc, char** argv) {
   if (argc == 4 && std::strcmp(argv[2], "inspect") == 0) {
     return fulgur_cli::inspect_checkpoint(argv[3], std::cout);
   }
-  std::cerr << "fulgur checkpoint: expected \"inspect PATH\" (got "
+  if (argc == 5 && std::strcmp(argv[2], "consolidate") == 0) {
+    try {
+      fulgur::consolidate_sharded_checkpoint(argv[3], argv[4]);
+    } catch (const fulgur::CheckpointError& e) {
+      std::cerr << "fulgur checkpoint consolidate: " << e.what() << "\n";
+      return 1;
+    }
+    std::cout << argv[4] << "\n";
+    return 0;
+  }
+  std::cerr << "fulgur checkpoint: expected \"inspect PATH\" or \"consolidate DIR OUT\" (got "
             << (argc > 2 ? fulgur::str(argc - 2, " argument(s) starting with \"", argv[2], "\"")
                          : std::string("nothing"))
             << ").\n"

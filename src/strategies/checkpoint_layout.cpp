@@ -206,7 +206,12 @@ void ShardedCheckpoint::load(Strategy& strategy, const std::string& path,
                               ": each rank holds its "
                               "own shard, so resuming needs the same world size. Run with "
                               "devices x num_nodes = ",
-                              manifest.world_size, "."));
+                              manifest.world_size,
+                              strategy.name().rfind("fsdp", 0) == 0
+                                  ? str(", or make it one file that loads on any world size "
+                                        "with `fulgur checkpoint consolidate ",
+                                        path, " FILE`.")
+                                  : std::string(".")));
   }
   if (auto missing = missing_shards(path, manifest); !missing.empty())
     throw CheckpointError(missing);

@@ -562,11 +562,39 @@ std::vector<torch::optim::OptimizerParamState*> shard_states(torch::optim::Optim
 
 }  // namespace
 
+void FSDPStrategy::write_shard_record(const torch::optim::Optimizer& optimizer,
+                                      const ShardedParameters& sharded,
+                                      torch::serialize::OutputArchive& archive) const {
+  std::map<const c10::TensorImpl*, size_t> index;
+  for (size_t i = 0; i < sharded.shards().size(); ++i) {
+    index[sharded.shards()[i].unsafeGetTensorImpl()] = i;
+  }
+  torch::serialize::OutputArchive record(archive.compilation_unit());
+  record.write("world_size", c10::IValue(static_cast<int64_t>(world_size())));
+  record.write("rank", c10::IValue(static_cast<int64_t>(global_rank())));
+  int64_t position = 0;  // over the parameter groups, in order (the optimizer's own)
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      if (auto it = index.find(p.unsafeGetTensorImpl()); it != index.end()) {
+        record.write(str("sizes/", position), c10::IValue(sharded.full_sizes(it->second)));
+      }
+      ++position;
+    }
+  }
+  record.write("positions", c10::IValue(position));
+  archive.write(kShardRecordKey, record);
+}
+
 void FSDPStrategy::save_optimizer_state(torch::optim::Optimizer& optimizer,
                                         torch::serialize::OutputArchive& archive) {
   ShardedParameters* sharded = sharded_for(optimizer);
-  if (sharded == nullptr || options_.state_dict_type.value() == StateDictType::kSharded) {
+  if (sharded == nullptr) {
     ParallelStrategy::save_optimizer_state(optimizer, archive);
+    return;
+  }
+  if (options_.state_dict_type.value() == StateDictType::kSharded) {
+    ParallelStrategy::save_optimizer_state(optimizer, archive);
+    write_shard_record(optimizer, *sharded, archive);
     return;
   }
   // Every shard's state whole for the save (the archive keeps the whole

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +26,7 @@ using fulgur::test::recovery_training;
 using fulgur::test::result_value;
 using fulgur::test::run_worker;
 using fulgur::test::TempDir;
+using namespace std::chrono_literals;
 
 constexpr const char* kFsdp = "fsdp_shard_grad_op";
 constexpr const char* kFullShard = "fsdp";
@@ -177,6 +179,69 @@ TEST(FSDP, AFullStateDictIsOneFileThatLoadsOnAnyWorldSize) {
       fulgur::test::same_params(d + "/ddp-optimizer.pt", d + "/single-optimizer.pt"));
   run(kFullShard, "3", "8", "20", "three", {"--ckpt-path", last, "--out", d + "/three.pt"});
   EXPECT_TRUE(fulgur::test::same_params(d + "/ref.pt", d + "/three.pt", {.exact = true}));
+}
+
+// `fulgur checkpoint consolidate`: the sharded checkpoint of 3 ranks
+// (uneven shards, Adam, a frozen parameter in the optimizer) made one file
+// loads into one process exactly as the full checkpoint of the same step
+// does, and trains on from it identically. It never replaces a file, and
+// says what to pass instead of a one-file checkpoint.
+TEST(FSDP, AShardedCheckpointConsolidatesIntoTheFullOne) {
+  TempDir dir;
+  const std::string d = dir.path();
+  for (const char* type : {"sharded", "full"}) {
+    auto r = run_worker({"--strategy", kFullShard, "--devices", "3", "--batch", "8", "--steps",
+                         "10", "--optimizer", "adam", "--fsdp-units", "--frozen-bias",
+                         "--every-n-train-steps", "10", "--state-dict-type", type, "--samples",
+                         "960", "--root", d + "/" + type});
+    ASSERT_EQ(r.exit_code, 0) << type << ":\n" << r.output;
+  }
+  const std::string sharded = d + "/sharded/checkpoints/last.ckpt";
+  const std::string consolidated = d + "/consolidated.ckpt";
+  ASSERT_TRUE(std::filesystem::is_directory(sharded));
+  auto c = fulgur::test::run_process(
+      {FULGUR_CLI, "checkpoint", "consolidate", sharded, consolidated}, {}, 120s);
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  for (const std::string source : {"full", "consolidated"}) {
+    const std::string ckpt =
+        source == "full" ? d + "/full/checkpoints/last.ckpt" : consolidated;
+    auto r = run_worker({"--devices", "1", "--batch", "24", "--steps", "20", "--optimizer",
+                         "adam", "--frozen-bias", "--samples", "960", "--root",
+                         d + "/single-" + source, "--ckpt-path", ckpt, "--out",
+                         d + "/" + source + ".pt", "--out-optimizer",
+                         d + "/" + source + "-optimizer.pt"});
+    ASSERT_EQ(r.exit_code, 0) << source << ":\n" << r.output;
+  }
+  EXPECT_TRUE(fulgur::test::same_params(d + "/full.pt", d + "/consolidated.pt", {.exact = true}));
+  EXPECT_TRUE(fulgur::test::same_params(d + "/full-optimizer.pt", d + "/consolidated-optimizer.pt",
+                                        {.exact = true}));
+
+  auto again = fulgur::test::run_process(
+      {FULGUR_CLI, "checkpoint", "consolidate", sharded, consolidated}, {}, 120s);
+  EXPECT_EQ(again.exit_code, 1) << again.output;
+  EXPECT_TRUE(fulgur::test::message_contains(again.output, {consolidated, "exists", "never replaces"}));
+  auto file = fulgur::test::run_process(
+      {FULGUR_CLI, "checkpoint", "consolidate", consolidated, d + "/twice.ckpt"}, {}, 120s);
+  EXPECT_EQ(file.exit_code, 1) << file.output;
+  EXPECT_TRUE(fulgur::test::message_contains(file.output, {"is a file", "whole already"}));
+  EXPECT_FALSE(std::filesystem::exists(d + "/twice.ckpt"));
+
+  // A damaged shard is named, and nothing is written.
+  const std::string broken = d + "/broken.ckpt";
+  std::filesystem::copy(sharded, broken);
+  const std::string shard = broken + "/rank-1-of-3.ckpt";
+  {
+    std::fstream f(shard, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(std::filesystem::file_size(shard) / 2));
+    const char byte = static_cast<char>(f.get() ^ 0x5a);
+    f.seekp(static_cast<std::streamoff>(std::filesystem::file_size(shard) / 2));
+    f.put(byte);
+  }
+  auto damaged = fulgur::test::run_process(
+      {FULGUR_CLI, "checkpoint", "consolidate", broken, d + "/from-broken.ckpt"}, {}, 120s);
+  EXPECT_EQ(damaged.exit_code, 1) << damaged.output;
+  EXPECT_TRUE(fulgur::test::message_contains(damaged.output, {"rank-1-of-3.ckpt", "corrupt"}));
+  EXPECT_FALSE(std::filesystem::exists(d + "/from-broken.ckpt"));
 }
 
 // bf16-mixed (autocast, fp32 parameters and gradients): the same steps as

@@ -37,8 +37,10 @@
 // returned no loss on some ranks only is the same error on every rank, and
 // validation is split evenly (padded).
 //
-// Not yet: prefetching the next unit's gather, `fulgur checkpoint
-// consolidate`, sync_batchnorm, CPU offload.
+// `fulgur checkpoint consolidate DIR OUT` turns a sharded checkpoint into
+// the full one (consolidate_sharded_checkpoint below).
+//
+// Not yet: prefetching the next unit's gather, sync_batchnorm, CPU offload.
 #pragma once
 
 #include <cstdint>
@@ -150,6 +152,11 @@ class FSDPStrategy : public ParallelStrategy {
 
   static void register_strategies(StrategyRegistry& registry);
 
+  /// In a sharded save, each optimizer's archive also holds this: the
+  /// world size, the rank, and the whole shape of each position's
+  /// parameter (`fulgur checkpoint consolidate` reads it).
+  static constexpr const char* kShardRecordKey = "fulgur_fsdp_shards";
+
  protected:
   void do_setup(Module& module) override;
   void do_teardown() override;
@@ -159,6 +166,10 @@ class FSDPStrategy : public ParallelStrategy {
   friend class Unit;
 
   ShardedParameters* sharded_for(const torch::optim::Optimizer& optimizer) const;
+  /// kShardRecordKey's record of `optimizer`'s shards, into its archive.
+  void write_shard_record(const torch::optim::Optimizer& optimizer,
+                          const ShardedParameters& sharded,
+                          torch::serialize::OutputArchive& archive) const;
   bool reduce_gradients(bool contributes = true);
   void agree_on_backward(bool has_loss);
   void attach_units(Module& module);
@@ -180,5 +191,17 @@ class FSDPStrategy : public ParallelStrategy {
   std::map<const ShardedParameters*, std::vector<size_t>> whole_;
   int64_t peak_parameter_bytes_ = 0;
 };
+
+/// `fulgur checkpoint consolidate DIR OUT`: the sharded checkpoint `dir`
+/// (strategy fsdp, state_dict_type "sharded") as one file at `out`, the
+/// file state_dict_type "full" writes at the same step: it loads into
+/// single_device, ddp or fsdp on any world size. The module state, loops,
+/// RNG and callbacks are rank 0's; each optimizer state tensor is the
+/// ranks' shards made whole. Every shard is verified as it is read; `out`
+/// is written as any checkpoint is (checksum, atomic rename). Needs the
+/// memory of the whole optimizer state. CheckpointError naming the file and
+/// what is wrong: not an fsdp sharded checkpoint, a missing, corrupt or
+/// mismatched shard, `out` already there.
+void consolidate_sharded_checkpoint(const std::string& dir, const std::string& out);
 
 }  // namespace fulgur
