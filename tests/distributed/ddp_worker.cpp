@@ -38,6 +38,7 @@ struct Args {
   bool skip_fit = false;
   bool manual = false;
   bool fsdp_units = false;
+  bool cnn = false;  // two convolutions (the second a unit with --fsdp-units) before fc1
   bool histograms = false;
   bool skip_after_forward = false;
   std::string precision;
@@ -158,16 +159,31 @@ struct Classifier : fulgur::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, extra{nullptr};
   // --fsdp-units: the same layers (and names), each a unit of sharding.
   fulgur::nn::FSDPUnit<torch::nn::Linear> unit1{nullptr}, unit2{nullptr}, unit_extra{nullptr};
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  fulgur::nn::FSDPUnit<torch::nn::Conv2d> conv2_unit{nullptr};
   torch::nn::BatchNorm1d plain_bn{nullptr};
   fulgur::nn::SyncBatchNorm sync_bn{nullptr};
   const Args& args;
   explicit Classifier(const Args& a) : args(a) {
     set_automatic_optimization(!a.manual);
+    // --cnn: the 16 features as a 4x4 image through two 3x3 convolutions
+    // and a 2x2 max pool (16 channels of 2x2 into fc1), as the example's CNN.
+    if (a.cnn) {
+      using torch::nn::Conv2dOptions;
+      conv1 = register_module("conv1", torch::nn::Conv2d(Conv2dOptions(1, 8, 3).padding(1)));
+      if (a.fsdp_units) {
+        conv2_unit = register_module(
+            "conv2", fulgur::nn::FSDPUnit(torch::nn::Conv2d(Conv2dOptions(8, 16, 3).padding(1))));
+      } else {
+        conv2 = register_module("conv2", torch::nn::Conv2d(Conv2dOptions(8, 16, 3).padding(1)));
+      }
+    }
+    const int64_t features = a.cnn ? 64 : 16;
     if (a.fsdp_units) {
-      unit1 = register_module("fc1", fulgur::nn::FSDPUnit(torch::nn::Linear(16, 32)));
+      unit1 = register_module("fc1", fulgur::nn::FSDPUnit(torch::nn::Linear(features, 32)));
       unit2 = register_module("fc2", fulgur::nn::FSDPUnit(torch::nn::Linear(32, 4)));
     } else {
-      fc1 = register_module("fc1", torch::nn::Linear(16, 32));
+      fc1 = register_module("fc1", torch::nn::Linear(features, 32));
       fc2 = register_module("fc2", torch::nn::Linear(32, 4));
     }
     // Used only on even steps, and never by the test: exercises
@@ -187,7 +203,13 @@ struct Classifier : fulgur::Module {
   at::Tensor seen;
 
   at::Tensor forward(const at::Tensor& x, bool use_extra) {
-    auto h = unit1 ? unit1(x) : fc1(x);
+    at::Tensor in = x;
+    if (conv1) {
+      in = torch::relu(conv1(x.view({-1, 1, 4, 4})));
+      in = torch::relu(conv2_unit ? conv2_unit(in) : conv2(in));
+      in = torch::max_pool2d(in, 2).flatten(1);
+    }
+    auto h = unit1 ? unit1(in) : fc1(in);
     if (plain_bn) h = plain_bn(h);
     if (sync_bn) h = sync_bn(h);
     h = torch::tanh(h);
@@ -431,6 +453,7 @@ int main(int argc, char** argv) {
   app.add_flag("--manual-optimization", a.manual);
   app.add_flag("--unused-layer", a.unused_layer);
   app.add_flag("--fsdp-units", a.fsdp_units);
+  app.add_flag("--cnn", a.cnn);
   app.add_flag("--histograms", a.histograms);
   app.add_flag("--skip-after-forward", a.skip_after_forward);
   app.add_option("--precision", a.precision);

@@ -3,7 +3,8 @@
 // 127.0.0.1, through tests/distributed/ddp_worker.cpp: two ranks with batch
 // b end with the parameters of one process with batch 2b (as DDP does),
 // under SGD and Adam, accumulation, manual optimization, a layer some steps
-// do not use, and clipping by the norm over every shard; the fork launcher;
+// do not use, and clipping by the norm over every shard; a CNN (as DDP and
+// one process); `fulgur checkpoint consolidate`; the fork launcher;
 // a rank killed and restarted resumes from the sharded checkpoint and ends
 // bit-identical to the run never stopped. Under FULL_SHARD a rank holds one
 // unit's full parameters at a time.
@@ -135,6 +136,30 @@ TEST(FSDP, FullShardOnThreeRanksWithUnevenShardsMatchesOneProcess) {
   ASSERT_EQ(three.exit_code, 0) << three.output;
   EXPECT_EQ(result_value(three.output, "world_size"), "3") << three.output;
   EXPECT_TRUE(fulgur::test::same_params(single, multi));
+}
+
+// The example's kind of model: convolutions (one a unit under FULL_SHARD)
+// before the linear layers. Two ranks of each sharding strategy end with
+// the parameters of DDP and of one process with the double batch, under
+// Adam.
+TEST(FSDP, ACnnTrainsAsDdpAndOneProcessUnderEachShardingStrategy) {
+  TempDir dir;
+  const std::string d = dir.path();
+  auto train = [&](const std::string& name, std::vector<std::string> args) {
+    args.insert(args.end(), {"--cnn", "--steps", "20", "--optimizer", "adam", "--root", d,
+                             "--out", d + "/" + name + ".pt"});
+    auto r = run_worker(args);
+    EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
+    EXPECT_EQ(result_value(r.output, "global_step"), "20") << name << ":\n" << r.output;
+  };
+  train("single", {"--devices", "1", "--batch", "16"});
+  train("ddp", {"--strategy", "ddp", "--devices", "2", "--batch", "8"});
+  train("shard_grad_op", {"--strategy", kFsdp, "--devices", "2", "--batch", "8"});
+  train("full_shard", {"--strategy", kFullShard, "--devices", "2", "--batch", "8", "--fsdp-units"});
+  for (const char* sharded : {"shard_grad_op", "full_shard"}) {
+    EXPECT_TRUE(fulgur::test::same_params(d + "/single.pt", d + "/" + sharded + ".pt")) << sharded;
+    EXPECT_TRUE(fulgur::test::same_params(d + "/ddp.pt", d + "/" + sharded + ".pt")) << sharded;
+  }
 }
 
 // state_dict_type "full": rank 0 writes one file with every optimizer state
