@@ -353,11 +353,23 @@ void ProcessGroup::all_gather_into(at::Tensor& out, const at::Tensor& shard) {
   const int64_t n = shard.numel();
   if (shard.dim() != 1 || out.dim() != 1 || out.numel() != n * size() || !out.is_contiguous() ||
       out.scalar_type() != shard.scalar_type()) {
-    throw DistributedError(fulgur::str("all_gather_into on rank ", rank(), " of ", size(), ": the shard ",
-                               shard.sizes(), " ", shard.scalar_type(), " and the output ",
-                               out.sizes(), " ", out.scalar_type(),
-                               " do not fit: pass a 1-D shard and a contiguous 1-D output of ",
-                               size(), " times its length, of its dtype."));
+    throw DistributedError(fulgur::str(
+        "all_gather_into on rank ", rank(), " of ", size(), ": the shard ", shard.sizes(), " ",
+        shard.scalar_type(), " and the output ", out.sizes(), " ", out.scalar_type(),
+        " do not fit: pass a 1-D shard and a contiguous 1-D output of ", size(),
+        " times its length, of its dtype."));
+  }
+  if (uses_rings(out)) {
+    // Chunk k moves one rank along the ring per step, straight from the
+    // `out` of the rank that has it into the `out` of the next.
+    at::Tensor mine = out.narrow(0, rank() * n, n);
+    if (mine.data_ptr() != shard.data_ptr()) mine.copy_(shard);
+    ring("all_gather", static_cast<int64_t>(shard.nbytes()) * size(), [&](int step) {
+      const int64_t send = (rank() - step + size()) % size();
+      const int64_t receive = (rank() - step - 1 + size()) % size();
+      return std::pair{out.narrow(0, send * n, n), out.narrow(0, receive * n, n)};
+    });
+    return;
   }
   at::Tensor target = staged(out);
   std::vector<std::vector<at::Tensor>> outputs(1);
@@ -368,15 +380,80 @@ void ProcessGroup::all_gather_into(at::Tensor& out, const at::Tensor& shard) {
   if (!target.is_same(out)) out.copy_(target);
 }
 
-at::Tensor ProcessGroup::reduce_scatter_sum(const at::Tensor& input) {
-  const int64_t world = size();
-  if (input.dim() != 1 || input.numel() % world != 0) {
-    throw DistributedError(fulgur::str("reduce_scatter on rank ", rank(), " of ", world, ": the input ",
-                               input.sizes(), " is not 1-D with a length divisible by ", world,
-                               ". Pad it to a multiple of the world size."));
+bool ProcessGroup::uses_rings(const at::Tensor& tensor) const {
+  // Gloo's sends and receives read and write host memory only.
+  return options_.backend == "gloo" && size() > 1 && tensor.device().is_cpu();
+}
+
+void ProcessGroup::ring(const char* what, int64_t bytes,
+                        const std::function<std::pair<at::Tensor, at::Tensor>(int)>& step,
+                        const std::function<void(int)>& received) {
+  const int64_t seq = ++calls_;
+  const int next = (rank() + 1) % size(), previous = (rank() - 1 + size()) % size();
+  for (int k = 0; k + 1 < size(); ++k) {
+    auto [send, receive] = step(k);
+    std::vector<at::Tensor> sent = {send}, into = {receive};
+    c10::intrusive_ptr<c10d::Work> out_work, in_work;
+    try {
+      out_work = impl_->group->send(sent, next, kRingTag);
+      in_work = impl_->group->recv(into, previous, kRingTag);
+    } catch (const std::exception& e) {
+      throw DistributedError(
+          str(what, " on rank ", rank(), " of ", size(), " failed to start: ", e.what()));
+    }
+    const std::string name = str(what, " #", seq, " (ring step ", k + 1, " of ", size() - 1,
+                                 ") on rank ", rank(), " of ", size());
+    PendingCollective(std::move(in_work),
+                      name + ", receiving from rank " + std::to_string(previous), what, seq, bytes)
+        .wait();
+    PendingCollective(std::move(out_work), name + ", sending to rank " + std::to_string(next), what,
+                      seq, bytes)
+        .wait();
+    if (received) received(k);
   }
+}
+
+at::Tensor ProcessGroup::reduce_scatter_sum_(at::Tensor& input) {
+  check_reduce_scatter_input(input);
+  const int64_t chunk = input.numel() / size();
+  at::Tensor mine = input.narrow(0, rank() * chunk, chunk);
+  if (size() == 1) return mine;
+  if (!uses_rings(input) || !input.is_contiguous()) {
+    mine.copy_(reduce_scatter_sum(input));
+    return mine;
+  }
+  // Step k sends the partial sum of chunk rank-k-1 on to the next rank and
+  // adds the previous rank's partial sum of chunk rank-k-2 into this
+  // rank's; after size()-1 steps chunk rank() holds every rank's sum.
+  at::Tensor incoming = torch::empty({chunk}, input.options().requires_grad(false));
+  auto index = [&](int offset) { return (rank() - offset + 2 * size()) % size(); };
+  ring(
+      "reduce_scatter", static_cast<int64_t>(input.nbytes()),
+      [&](int k) {
+        return std::pair{input.narrow(0, index(k + 1) * chunk, chunk), incoming};
+      },
+      [&](int k) { input.narrow(0, index(k + 2) * chunk, chunk).add_(incoming); });
+  return mine;
+}
+
+void ProcessGroup::check_reduce_scatter_input(const at::Tensor& input) const {
+  if (input.dim() != 1 || input.numel() % size() != 0) {
+    throw DistributedError(fulgur::str("reduce_scatter on rank ", rank(), " of ", size(),
+                                       ": the input ", input.sizes(),
+                                       " is not 1-D with a length divisible by ", size(),
+                                       ". Pad it to a multiple of the world size."));
+  }
+}
+
+at::Tensor ProcessGroup::reduce_scatter_sum(const at::Tensor& input) {
+  check_reduce_scatter_input(input);
+  const int64_t world = size();
   const int64_t chunk = input.numel() / world;
   if (world == 1) return input.clone();
+  if (uses_rings(input)) {
+    at::Tensor scratch = input.contiguous().clone();
+    return reduce_scatter_sum_(scratch).clone();
+  }
   at::Tensor send = staged(input.contiguous());
   at::Tensor received = torch::empty_like(send);
   // Chunk r of `send` goes to rank r; chunk r of `received` came from rank r.

@@ -223,10 +223,12 @@ bool ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indi
         // Straight from the gradient (a view of it); zeros where this rank has none.
         const at::Tensor& p = parameters_[i];
         const at::Tensor grad = p.grad();
-        const at::Tensor flat = grad.defined()
-                                    ? grad.reshape({-1})
-                                    : torch::zeros({p.numel()}, p.options().requires_grad(false));
-        add_to_shard_grad(i, group_->reduce_scatter_sum(flat).div_(mean_over), /*owned=*/true);
+        // The gradient's memory is the exchange's scratch (it is released
+        // below); the shard's gradient is a copy of its chunk.
+        at::Tensor flat = grad.defined()
+                              ? grad.reshape({-1})
+                              : torch::zeros({p.numel()}, p.options().requires_grad(false));
+        add_to_shard_grad(i, group_->reduce_scatter_sum_(flat).div_(mean_over), /*owned=*/false);
         continue;
       }
       mine.push_back(i);
@@ -247,7 +249,7 @@ bool ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indi
         blocks[r].narrow(0, offsets[j], len).copy_(flat.narrow(0, r * k, len));
       }
     }
-    at::Tensor reduced = group_->reduce_scatter_sum(packed).div_(mean_over);
+    at::Tensor reduced = group_->reduce_scatter_sum_(packed).div_(mean_over);
     for (size_t j = 0; j < mine.size(); ++j) {
       add_to_shard_grad(mine[j], reduced.narrow(0, offsets[j], chunks_[mine[j]]),
                         /*owned=*/false);

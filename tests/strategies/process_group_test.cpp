@@ -153,6 +153,54 @@ TEST(ProcessGroup, ReduceScatterAndAllGatherIntoOnThreeRanks) {
   EXPECT_TRUE(torch::equal(single->reduce_scatter_sum(input_of(1)), input_of(1)));
 }
 
+// Four ranks (a ring of three steps): the in-place reduce-scatter leaves
+// each rank's sum in its own chunk of the input and returns that view; an
+// all-gather whose shard is already the rank's chunk of the output fills the
+// rest around it.
+TEST(ProcessGroup, InPlaceReduceScatterAndAllGatherOnFourRanks) {
+  constexpr int kWorld = 4;
+  at::Tensor scattered[kWorld], gathered[kWorld];
+  bool is_view[kWorld] = {};
+  auto input_of = [](int rank) { return torch::arange(16, torch::kFloat) * (rank + 1); };
+  fulgur::test::on_ranks(kWorld, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+    at::Tensor input = input_of(rank);
+    at::Tensor mine = group->reduce_scatter_sum_(input);
+    is_view[rank] = mine.data_ptr() == input.narrow(0, 4 * rank, 4).data_ptr();
+    scattered[rank] = mine.clone();
+    at::Tensor out = torch::full({8}, -1.0);
+    out.narrow(0, 2 * rank, 2).fill_(rank);
+    group->all_gather_into(out, out.narrow(0, 2 * rank, 2));
+    gathered[rank] = out;
+  });
+  const at::Tensor sum = torch::arange(16, torch::kFloat) * 10;  // 1 + 2 + 3 + 4
+  for (int r = 0; r < kWorld; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_TRUE(is_view[r]);
+    EXPECT_TRUE(torch::equal(scattered[r], sum.narrow(0, 4 * r, 4)));
+    EXPECT_TRUE(torch::equal(gathered[r], torch::tensor({0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0})));
+  }
+}
+
+// A peer that leaves instead of joining a ring: the rank waiting in it gets
+// an error naming the exchange, the step and the peer, not a hang or an
+// abort.
+TEST(ProcessGroup, ARingWhosePeerLeavesIsAnErrorNamingTheStepAndThePeer) {
+  std::string error;
+  fulgur::test::on_ranks(2, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+    group->barrier();
+    if (rank == 1) return;  // leaves: its group is destroyed, its sockets closed
+    at::Tensor out = torch::zeros({1 << 20});
+    try {
+      group->all_gather_into(out, torch::ones({1 << 19}));
+    } catch (const fulgur::DistributedError& e) {
+      error = e.what();
+    }
+  });
+  EXPECT_TRUE(fulgur::test::message_contains(
+      error, {"all_gather", "ring step 1 of 1", "rank 0 of 2", "rank 1", "failed"}))
+      << error;
+}
+
 TEST(TcpStore, AClonePointsAtTheSameServer) {
   const int port = fulgur::find_free_port();
   auto store = c10::make_intrusive<fulgur::detail::TcpStore>("127.0.0.1", port, /*server=*/true,

@@ -26,6 +26,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fulgur/strategies/strategy.h"
@@ -127,10 +128,19 @@ class ProcessGroup {
   void all_gather_into(at::Tensor& out, const at::Tensor& shard);
   /// This rank's chunk of the sum over every rank of `input`: 1-D, its
   /// length a multiple of size(), chunk r for rank r (a reduce-scatter, as
-  /// sharded data parallel reduces gradients). Runs as an all-to-all and a
-  /// local sum, which moves the bytes a ring reduce-scatter moves and which
-  /// every backend has (Debian 12's Gloo has no reduce-scatter).
+  /// sharded data parallel reduces gradients).
   at::Tensor reduce_scatter_sum(const at::Tensor& input);
+  /// The same in `input`'s own memory, which the exchange uses as its
+  /// scratch (it holds partial sums after): returns the view of chunk
+  /// rank() of `input`, which holds the sum.
+  at::Tensor reduce_scatter_sum_(at::Tensor& input);
+  //
+  // Under Gloo the all-gather and the reduce-scatter run as rings of
+  // sends and receives straight between the callers' tensors (size()-1
+  // steps of one chunk each: the bytes of a ring collective, and no copy;
+  // Debian 12's Gloo has no reduce-scatter, and its all-gather copies
+  // through buffers it allocates, 5x slower on 200 MB); other backends use
+  // their all-gather, and an all-to-all with a local sum.
 
   /// The underlying c10d group (include the c10d headers to use it).
   const c10::intrusive_ptr<C10dGroup>& c10d_group() const;
@@ -144,6 +154,17 @@ class ProcessGroup {
            const std::function<c10::intrusive_ptr<c10d::Work>()>& start);
   /// `tensor` itself, or (nccl, CPU tensor) a copy on the group's device.
   at::Tensor staged(const at::Tensor& tensor) const;
+  /// Whether all-gathers and reduce-scatters of `tensor` run as rings of
+  /// sends and receives (Gloo, more than one rank, host memory).
+  bool uses_rings(const at::Tensor& tensor) const;
+  /// size()-1 ring steps, one call number: step(k) gives what this rank
+  /// sends to the next rank and the tensor the previous rank's arrives in;
+  /// received(k) runs once it has.
+  void ring(const char* what, int64_t bytes,
+            const std::function<std::pair<at::Tensor, at::Tensor>(int)>& step,
+            const std::function<void(int)>& received = {});
+  void check_reduce_scatter_input(const at::Tensor& input) const;
+  static constexpr int kRingTag = 0x7269;
 
   ProcessGroupOptions options_;
   std::unique_ptr<Impl> impl_;
