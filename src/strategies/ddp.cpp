@@ -29,40 +29,9 @@ DDPStrategy::~DDPStrategy() = default;
 
 void DDPStrategy::configure_launcher() { configure_launcher_for(options_.start_method.value()); }
 
-namespace {
-
-// sync_batchnorm: connects every fulgur::nn::SyncBatchNorm to the process
-// group; LibTorch's own BatchNorm layers cannot be swapped for synchronised
-// ones from outside the module, so they are named in an error instead.
-void connect_sync_batchnorm(Module& module, ProcessGroup& group) {
-  std::vector<std::string> plain;
-  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
-    auto* m = item.value().get();
-    if (auto* sync = dynamic_cast<nn::SyncBatchNormImpl*>(m)) {
-      sync->set_all_reduce([&group](at::Tensor& t) { group.all_reduce_(t, ReduceOp::Sum); });
-    } else if (dynamic_cast<torch::nn::BatchNorm1dImpl*>(m) != nullptr ||
-               dynamic_cast<torch::nn::BatchNorm2dImpl*>(m) != nullptr ||
-               dynamic_cast<torch::nn::BatchNorm3dImpl*>(m) != nullptr) {
-      plain.push_back(item.key());
-    }
-  }
-  if (!plain.empty()) {
-    throw ConfigError(str("sync_batchnorm=true, but ", module.name(),
-                          " has torch::nn::BatchNorm "
-                          "layers (",
-                          join(plain),
-                          "), whose statistics LibTorch cannot "
-                          "synchronise and fulgur cannot replace from outside the module. "
-                          "Declare them as fulgur::nn::SyncBatchNorm (same options, same "
-                          "checkpoint names), or drop sync_batchnorm."));
-  }
-}
-
-}  // namespace
-
 void DDPStrategy::do_setup(Module& module) {
   module.to(root_device());
-  if (sync_batchnorm()) connect_sync_batchnorm(module, process_group());
+  if (sync_batchnorm()) connect_sync_batchnorm(module);
   // The buffers in one flat tensor per (dtype, device), broadcast from rank
   // 0 now and, with broadcast_buffers, before every synchronised step.
   buffer_groups_.clear();

@@ -226,6 +226,7 @@ void FSDPStrategy::configure_launcher() { configure_launcher_for(options_.start_
 
 void FSDPStrategy::do_setup(Module& module) {
   module.to(root_device());
+  if (sync_batchnorm()) connect_sync_batchnorm(module);
   // Every rank starts from rank 0's parameters and buffers.
   broadcast_parameters_from_rank_zero(module);
   torch::NoGradGuard no_grad;
@@ -405,27 +406,31 @@ bool FSDPStrategy::reduce_gradients(bool contributes) {
   return any;
 }
 
+bool FSDPStrategy::backward_is_collective() const { return !units_.empty() || sync_batchnorm(); }
+
 void FSDPStrategy::agree_on_backward(bool has_loss) {
   // Under FULL_SHARD the backward itself runs collectives (each unit's
-  // gather and reduce-scatter): a rank without a loss cannot join its
-  // peers' backward. Every rank learns how many have one, so a mixed step
-  // is the same error everywhere instead of a hang.
+  // gather and reduce-scatter), as SyncBatchNorm's does: a rank without a
+  // loss cannot join its peers' backward. Every rank learns how many have
+  // one, so a mixed step is the same error everywhere instead of a hang.
   at::Tensor count = torch::full({1}, has_loss ? 1 : 0, torch::kLong);
   process_group().all_reduce_(count, ReduceOp::Sum);
   const int64_t with_loss = count.item<int64_t>();
   if (with_loss == 0 || with_loss == world_size()) return;
+  const bool units = !units_.empty();
   throw ConfigError(
-      str("strategy \"", name(), "\" (FULL_SHARD): training_step returned no loss on ",
-          world_size() - with_loss, " of ", world_size(),
-          " ranks (this rank: ", has_loss ? "a loss" : "none",
-          ") at a step the optimizers take. Each unit's gather and "
-          "reduce-scatter in backward is a collective, so every rank runs the backward of every "
-          "step, or none does: return a loss on every rank (e.g. 0 * output.sum() for a batch to "
-          "ignore), or use strategy \"fsdp_shard_grad_op\"."));
+      str("strategy \"", name(), units ? "\" (FULL_SHARD)" : "\" with sync_batchnorm=true",
+          ": training_step returned no loss on ", world_size() - with_loss, " of ", world_size(),
+          " ranks (this rank: ", has_loss ? "a loss" : "none", ") at a step the optimizers take. ",
+          units ? "Each unit's gather and reduce-scatter in backward is a collective"
+                : "SyncBatchNorm reduces across ranks in backward",
+          ", so every rank runs the backward of every step, or none does: return a loss on every "
+          "rank (e.g. 0 * output.sum() for a batch to ignore), or ",
+          units ? "use strategy \"fsdp_shard_grad_op\"." : "turn sync_batchnorm off."));
 }
 
 void FSDPStrategy::backward(const at::Tensor& loss, Module& module) {
-  if (!units_.empty() && sync_) agree_on_backward(true);
+  if (backward_is_collective() && sync_) agree_on_backward(true);
   for (auto& unit : units_) unit->start_backward();
   ParallelStrategy::backward(loss, module);
   // A unit whose parameters did not all get a gradient is still whole.
@@ -435,7 +440,7 @@ void FSDPStrategy::backward(const at::Tensor& loss, Module& module) {
 
 bool FSDPStrategy::backward_skipped(Module& /*module*/, bool accumulated) {
   if (!sync_) return accumulated;
-  if (!units_.empty()) agree_on_backward(false);
+  if (backward_is_collective()) agree_on_backward(false);
   for (auto& unit : units_) unit->start_backward();  // no unit reduced in this step yet
   // The peers reduce-scatter now: join them with what this rank has
   // accumulated (or nothing). The step is taken when any rank has a

@@ -6,6 +6,7 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
+#include "fulgur/nn/sync_batch_norm.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
 #include "fulgur/strategies/launchers/fork.h"
 #include "fulgur/strategies/launchers/subprocess_script.h"
@@ -219,6 +220,34 @@ at::Tensor ParallelStrategy::all_reduce(const at::Tensor& tensor, ReduceOp op) {
 
 at::Tensor ParallelStrategy::all_gather(const at::Tensor& tensor) {
   return process_group().all_gather(tensor);
+}
+
+// sync_batchnorm: connects every fulgur::nn::SyncBatchNorm to the process
+// group; LibTorch's own BatchNorm layers cannot be swapped for synchronised
+// ones from outside the module, so they are named in an error instead.
+void ParallelStrategy::connect_sync_batchnorm(Module& module) {
+  ProcessGroup& group = process_group();
+  std::vector<std::string> plain;
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+    auto* m = item.value().get();
+    if (auto* sync = dynamic_cast<nn::SyncBatchNormImpl*>(m)) {
+      sync->set_all_reduce([&group](at::Tensor& t) { group.all_reduce_(t, ReduceOp::Sum); });
+    } else if (dynamic_cast<torch::nn::BatchNorm1dImpl*>(m) != nullptr ||
+               dynamic_cast<torch::nn::BatchNorm2dImpl*>(m) != nullptr ||
+               dynamic_cast<torch::nn::BatchNorm3dImpl*>(m) != nullptr) {
+      plain.push_back(item.key());
+    }
+  }
+  if (!plain.empty()) {
+    throw ConfigError(str("sync_batchnorm=true, but ", module.name(),
+                          " has torch::nn::BatchNorm "
+                          "layers (",
+                          join(plain),
+                          "), whose statistics LibTorch cannot "
+                          "synchronise and fulgur cannot replace from outside the module. "
+                          "Declare them as fulgur::nn::SyncBatchNorm (same options, same "
+                          "checkpoint names), or drop sync_batchnorm."));
+  }
 }
 
 }  // namespace fulgur

@@ -206,6 +206,28 @@ TEST(FSDP, AFullStateDictIsOneFileThatLoadsOnAnyWorldSize) {
   EXPECT_TRUE(fulgur::test::same_params(d + "/ref.pt", d + "/three.pt", {.exact = true}));
 }
 
+// sync_batchnorm: two ranks with fulgur::nn::SyncBatchNorm normalise as one
+// process's BatchNorm over the double batch, under each sharding strategy;
+// a step one rank has no loss for is the same error on every rank (its
+// peers' backward reduces the statistics' gradients).
+TEST(FSDP, SyncBatchNormMatchesOneProcessBatchNormUnderEachShardingStrategy) {
+  expect_equivalent({"--steps", "12", "--batchnorm", "sync"}, kFsdp, {"--sync-batchnorm"});
+  // (SGD: fc1's bias feeds the normalisation, so its true gradient is 0
+  // and Adam would scale rounding noise up to whole steps, under ddp too.)
+  expect_equivalent(with_units({"--steps", "12", "--batchnorm", "sync"}), kFullShard,
+                    {"--sync-batchnorm"});
+  TempDir dir;
+  auto r = run_worker({"--strategy", kFsdp, "--devices", "2", "--batch", "8", "--steps", "6",
+                       "--batchnorm", "sync", "--sync-batchnorm", "--root", dir.path(),
+                       "--skip-ranks", "1", "--skip-at", "3", "--skip-after-forward"});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_GE(fulgur::test::count_occurrences(r.output, "returned no loss on 1 of 2 ranks"), 2)
+      << r.output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      r.output, {"sync_batchnorm=true", "SyncBatchNorm reduces across ranks in backward",
+                 "turn sync_batchnorm off"}));
+}
+
 // `fulgur checkpoint consolidate`: the sharded checkpoint of 3 ranks
 // (uneven shards, Adam, a frozen parameter in the optimizer) made one file
 // loads into one process exactly as the full checkpoint of the same step

@@ -34,7 +34,7 @@ TEST(FSDPStrategy, RegisteredWithItsLaunchVariantsAndSharded) {
             fulgur::ShardingStrategy::kShardGradOp);
   EXPECT_FALSE(popen->forward_is_collective());
   EXPECT_EQ(popen->checkpoint_layout().name(), "sharded");
-  EXPECT_FALSE(popen->sync_batchnorm_unsupported_reason().empty());
+  EXPECT_TRUE(popen->sync_batchnorm_unsupported_reason().empty());
 }
 
 TEST(FSDPStrategy, TheHalfPrecisionLossScalerIsRefusedNamingWhatToUse) {

@@ -40,7 +40,9 @@
 // `fulgur checkpoint consolidate DIR OUT` turns a sharded checkpoint into
 // the full one (consolidate_sharded_checkpoint below).
 //
-// Not yet: prefetching the next unit's gather, sync_batchnorm, CPU offload.
+// sync_batchnorm connects fulgur::nn::SyncBatchNorm layers as under DDP.
+//
+// Not yet: prefetching the next unit's gather, CPU offload.
 #pragma once
 
 #include <cstdint>
@@ -99,9 +101,8 @@ class FSDPStrategy : public ParallelStrategy {
   std::string_view name() const override { return name_; }
   const FSDPOptions& options() const { return options_; }
   void configure_launcher() override;
-  std::string sync_batchnorm_unsupported_reason() const override {
-    return "fsdp does not connect SyncBatchNorm layers yet; use strategy \"ddp\" for them";
-  }
+  /// fulgur::nn::SyncBatchNorm layers reduce their statistics across ranks.
+  std::string sync_batchnorm_unsupported_reason() const override { return {}; }
 
   /// The module's optimizers, each rebuilt on the shards of the parameters
   /// it steps (ConfigError for a parameter two optimizers step, or an
@@ -171,6 +172,9 @@ class FSDPStrategy : public ParallelStrategy {
                           const ShardedParameters& sharded,
                           torch::serialize::OutputArchive& archive) const;
   bool reduce_gradients(bool contributes = true);
+  /// Whether a backward runs collectives (FULL_SHARD's units,
+  /// SyncBatchNorm): then every rank runs it, or none.
+  bool backward_is_collective() const;
   void agree_on_backward(bool has_loss);
   void attach_units(Module& module);
   void detach_units();

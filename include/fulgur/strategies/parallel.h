@@ -109,6 +109,11 @@ class ParallelStrategy : public Strategy {
   static void check_start_method(const Choice<StartMethod>& start_method, std::string_view owner);
   /// Every rank takes rank 0's parameters (one broadcast each).
   void broadcast_parameters_from_rank_zero(Module& module);
+  /// sync_batchnorm: every fulgur::nn::SyncBatchNorm of `module` reduces
+  /// its statistics over the process group. ConfigError naming LibTorch's
+  /// own BatchNorm layers, which cannot be swapped for synchronised ones
+  /// from outside the module.
+  void connect_sync_batchnorm(Module& module);
 
  private:
   std::shared_ptr<ProcessGroup> group_;

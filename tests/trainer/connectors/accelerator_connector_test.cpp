@@ -149,21 +149,20 @@ TEST(AcceleratorConnector, AProcessGroupBackendThatCannotRunHereIsAFlagError) {
                      {"process_group_backend=\"glo\" is not one of gloo, nccl, mpi"});
 }
 
-// Lightning's "fsdp" is FULL_SHARD here too; what it does not support yet
-// (SyncBatchNorm) is refused with the other problems.
-TEST(AcceleratorConnector, FsdpIsFullShardAndRefusesSyncBatchnorm) {
-  EXPECT_THROWS_WITH(
-      fulgur::FlagError,
-      fulgur::connect(
-          TrainerOptions{
-              .accelerator = "cpu", .strategy = "fsdp", .devices = 2, .sync_batchnorm = true},
-          empty_env()),
-      {"sync_batchnorm", "fsdp does not connect SyncBatchNorm layers yet"});
+// Lightning's "fsdp" is FULL_SHARD here too; both sharding strategies take
+// sync_batchnorm, as ddp does.
+TEST(AcceleratorConnector, FsdpIsFullShardAndTakesSyncBatchnorm) {
   for (const char* name : {"fsdp", "fsdp_shard_grad_op"}) {
     auto result = fulgur::connect(
         TrainerOptions{.accelerator = "cpu", .strategy = name, .devices = 2}, empty_env());
     EXPECT_EQ(result.resolution.strategy, name);
     EXPECT_EQ(result.resolution.world_size, 2);
+    EXPECT_NO_THROW(fulgur::connect(TrainerOptions{.accelerator = "cpu",
+                                                   .strategy = name,
+                                                   .devices = 2,
+                                                   .sync_batchnorm = true},
+                                    empty_env()))
+        << name;
   }
 }
 
