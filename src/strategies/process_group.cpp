@@ -16,6 +16,8 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <tuple>
 
 #include "fulgur/core/errors.h"
 #include "strategies/launchers/heartbeat.h"
@@ -349,7 +351,7 @@ at::Tensor ProcessGroup::all_gather(const at::Tensor& tensor) {
   return torch::stack(outputs[0]).to(tensor.device());
 }
 
-void ProcessGroup::all_gather_into(at::Tensor& out, const at::Tensor& shard) {
+void ProcessGroup::check_all_gather_into(const at::Tensor& out, const at::Tensor& shard) const {
   const int64_t n = shard.numel();
   if (shard.dim() != 1 || out.dim() != 1 || out.numel() != n * size() || !out.is_contiguous() ||
       out.scalar_type() != shard.scalar_type()) {
@@ -359,16 +361,13 @@ void ProcessGroup::all_gather_into(at::Tensor& out, const at::Tensor& shard) {
         " do not fit: pass a 1-D shard and a contiguous 1-D output of ", size(),
         " times its length, of its dtype."));
   }
+}
+
+void ProcessGroup::all_gather_into(at::Tensor& out, const at::Tensor& shard) {
+  check_all_gather_into(out, shard);
+  const int64_t n = shard.numel();
   if (uses_rings(out)) {
-    // Chunk k moves one rank along the ring per step, straight from the
-    // `out` of the rank that has it into the `out` of the next.
-    at::Tensor mine = out.narrow(0, rank() * n, n);
-    if (mine.data_ptr() != shard.data_ptr()) mine.copy_(shard);
-    ring("all_gather", static_cast<int64_t>(shard.nbytes()) * size(), [&](int step) {
-      const int64_t send = (rank() - step + size()) % size();
-      const int64_t receive = (rank() - step - 1 + size()) % size();
-      return std::pair{out.narrow(0, send * n, n), out.narrow(0, receive * n, n)};
-    });
+    all_gather_into_async(out, shard).wait();
     return;
   }
   at::Tensor target = staged(out);
@@ -380,60 +379,153 @@ void ProcessGroup::all_gather_into(at::Tensor& out, const at::Tensor& shard) {
   if (!target.is_same(out)) out.copy_(target);
 }
 
+PendingExchange ProcessGroup::all_gather_into_async(at::Tensor out, at::Tensor shard) {
+  check_all_gather_into(out, shard);
+  const int64_t n = shard.numel();
+  if (!uses_rings(out)) {
+    all_gather_into(out, shard);
+    return {};
+  }
+  // Chunk k moves one rank along the ring per step, straight from the
+  // `out` of the rank that has it into the `out` of the next.
+  at::Tensor mine = out.narrow(0, rank() * n, n);
+  if (mine.data_ptr() != shard.data_ptr()) mine.copy_(shard);
+  const int world = size(), me = rank();
+  return start_ring("all_gather", static_cast<int64_t>(shard.nbytes()) * size(),
+                    [out, n, world, me](int k) {
+                      const int64_t send = (me - k + world) % world;
+                      const int64_t receive = (me - k - 1 + world) % world;
+                      return std::pair{out.narrow(0, send * n, n), out.narrow(0, receive * n, n)};
+                    });
+}
+
 bool ProcessGroup::uses_rings(const at::Tensor& tensor) const {
   // Gloo's sends and receives read and write host memory only.
   return options_.backend == "gloo" && size() > 1 && tensor.device().is_cpu();
 }
 
-void ProcessGroup::ring(const char* what, int64_t bytes,
-                        const std::function<std::pair<at::Tensor, at::Tensor>(int)>& step,
-                        const std::function<void(int)>& received) {
-  const int64_t seq = ++calls_;
+struct PendingExchange::State {
+  ProcessGroup* group = nullptr;
+  const char* what = "";
+  int64_t seq = 0, bytes = 0;
+  int tag = 0;
+  std::function<std::pair<at::Tensor, at::Tensor>(int)> step;
+  std::function<void(int)> received;
+  int next_step = 0;  // the step posted last is next_step - 1
+  c10::intrusive_ptr<c10d::Work> out_work, in_work;
+  at::Tensor sending, receiving;  // the posted step's, alive until it is done
+};
+
+PendingExchange::PendingExchange() = default;
+PendingExchange::PendingExchange(std::unique_ptr<State> state) : state_(std::move(state)) {}
+PendingExchange::PendingExchange(PendingExchange&&) noexcept = default;
+PendingExchange& PendingExchange::operator=(PendingExchange&& other) noexcept {
+  if (this != &other) {
+    PendingExchange dropped(std::move(*this));
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
+
+PendingExchange::~PendingExchange() {
+  if (!state_) return;
+  // Unwinding past an exchange still under way: the transport may write
+  // into its tensors until the process ends, so they are never freed.
+  static std::mutex mutex;
+  static auto* kept = new std::vector<std::unique_ptr<State>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  kept->push_back(std::move(state_));
+}
+
+void PendingExchange::wait() {
+  if (!state_) return;
+  std::unique_ptr<State> state = std::move(state_);
+  try {
+    state->group->finish_ring(*state);
+  } catch (...) {
+    state_ = std::move(state);  // kept by the destructor
+    throw;
+  }
+}
+
+PendingExchange ProcessGroup::start_ring(const char* what, int64_t bytes,
+                                         std::function<std::pair<at::Tensor, at::Tensor>(int)> step,
+                                         std::function<void(int)> received) {
+  auto ring = std::make_unique<PendingExchange::State>();
+  ring->group = this;
+  ring->what = what;
+  ring->seq = ++calls_;
+  ring->bytes = bytes;
+  // Rings under way at once each have a tag of their own (the same on
+  // every rank: the call numbers are).
+  ring->tag = kRingTag + static_cast<int>(ring->seq % 4096);
+  ring->step = std::move(step);
+  ring->received = std::move(received);
+  post_ring_step(*ring);
+  return PendingExchange(std::move(ring));
+}
+
+void ProcessGroup::post_ring_step(PendingExchange::State& ring) {
   const int next = (rank() + 1) % size(), previous = (rank() - 1 + size()) % size();
-  for (int k = 0; k + 1 < size(); ++k) {
-    auto [send, receive] = step(k);
-    std::vector<at::Tensor> sent = {send}, into = {receive};
-    c10::intrusive_ptr<c10d::Work> out_work, in_work;
-    try {
-      out_work = impl_->group->send(sent, next, kRingTag);
-      in_work = impl_->group->recv(into, previous, kRingTag);
-    } catch (const std::exception& e) {
-      throw DistributedError(
-          str(what, " on rank ", rank(), " of ", size(), " failed to start: ", e.what()));
-    }
-    const std::string name = str(what, " #", seq, " (ring step ", k + 1, " of ", size() - 1,
-                                 ") on rank ", rank(), " of ", size());
-    PendingCollective(std::move(in_work),
-                      name + ", receiving from rank " + std::to_string(previous), what, seq, bytes)
+  std::tie(ring.sending, ring.receiving) = ring.step(ring.next_step);
+  std::vector<at::Tensor> sent = {ring.sending}, into = {ring.receiving};
+  try {
+    ring.out_work = impl_->group->send(sent, next, ring.tag);
+    ring.in_work = impl_->group->recv(into, previous, ring.tag);
+  } catch (const std::exception& e) {
+    throw DistributedError(
+        str(ring.what, " on rank ", rank(), " of ", size(), " failed to start: ", e.what()));
+  }
+  ++ring.next_step;
+}
+
+void ProcessGroup::finish_ring(PendingExchange::State& ring) {
+  const int next = (rank() + 1) % size(), previous = (rank() - 1 + size()) % size();
+  for (;;) {
+    const int k = ring.next_step - 1;
+    const std::string name = str(ring.what, " #", ring.seq, " (ring step ", k + 1, " of ",
+                                 size() - 1, ") on rank ", rank(), " of ", size());
+    PendingCollective(std::move(ring.in_work),
+                      name + ", receiving from rank " + std::to_string(previous), ring.what,
+                      ring.seq, ring.bytes)
         .wait();
-    PendingCollective(std::move(out_work), name + ", sending to rank " + std::to_string(next), what,
-                      seq, bytes)
+    PendingCollective(std::move(ring.out_work), name + ", sending to rank " + std::to_string(next),
+                      ring.what, ring.seq, ring.bytes)
         .wait();
-    if (received) received(k);
+    if (ring.received) ring.received(k);
+    if (ring.next_step + 1 >= size()) return;
+    post_ring_step(ring);
   }
 }
 
 at::Tensor ProcessGroup::reduce_scatter_sum_(at::Tensor& input) {
+  reduce_scatter_sum_async_(input).wait();
+  const int64_t chunk = input.numel() / size();
+  return input.narrow(0, rank() * chunk, chunk);
+}
+
+PendingExchange ProcessGroup::reduce_scatter_sum_async_(at::Tensor input) {
   check_reduce_scatter_input(input);
   const int64_t chunk = input.numel() / size();
-  at::Tensor mine = input.narrow(0, rank() * chunk, chunk);
-  if (size() == 1) return mine;
+  if (size() == 1) return {};
   if (!uses_rings(input) || !input.is_contiguous()) {
-    mine.copy_(reduce_scatter_sum(input));
-    return mine;
+    input.narrow(0, rank() * chunk, chunk).copy_(reduce_scatter_sum(input));
+    return {};
   }
   // Step k sends the partial sum of chunk rank-k-1 on to the next rank and
   // adds the previous rank's partial sum of chunk rank-k-2 into this
   // rank's; after size()-1 steps chunk rank() holds every rank's sum.
   at::Tensor incoming = torch::empty({chunk}, input.options().requires_grad(false));
-  auto index = [&](int offset) { return (rank() - offset + 2 * size()) % size(); };
-  ring(
+  const int world = size(), me = rank();
+  auto index = [world, me](int offset) { return (me - offset + 2 * world) % world; };
+  return start_ring(
       "reduce_scatter", static_cast<int64_t>(input.nbytes()),
-      [&](int k) {
+      [input, incoming, chunk, index](int k) {
         return std::pair{input.narrow(0, index(k + 1) * chunk, chunk), incoming};
       },
-      [&](int k) { input.narrow(0, index(k + 2) * chunk, chunk).add_(incoming); });
-  return mine;
+      [input, incoming, chunk, index](int k) {
+        input.narrow(0, index(k + 2) * chunk, chunk).add_(incoming);
+      });
 }
 
 void ProcessGroup::check_reduce_scatter_input(const at::Tensor& input) const {

@@ -181,6 +181,36 @@ TEST(ProcessGroup, InPlaceReduceScatterAndAllGatherOnFourRanks) {
   }
 }
 
+// Exchanges under way at once on 3 ranks (each ring has a tag of its own),
+// with a blocking collective between their start and their end, waited in
+// the other order: each lands where it should.
+TEST(ProcessGroup, AsyncExchangesOverlapEachOtherAndACollective) {
+  constexpr int kWorld = 3;
+  at::Tensor gathered[kWorld], scattered[kWorld], reduced[kWorld];
+  fulgur::test::on_ranks(kWorld, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+    at::Tensor out = torch::zeros({3 * 4});
+    at::Tensor input = torch::arange(9, torch::kFloat) + 10.0 * rank;
+    auto gather = group->all_gather_into_async(out, torch::full({4}, static_cast<float>(rank)));
+    auto scatter = group->reduce_scatter_sum_async_(input);
+    EXPECT_TRUE(gather.pending());
+    at::Tensor one = torch::ones({2});
+    group->all_reduce_(one, fulgur::ReduceOp::Sum);
+    scatter.wait();
+    gather.wait();
+    EXPECT_FALSE(gather.pending());
+    gathered[rank] = out;
+    scattered[rank] = input.narrow(0, 3 * rank, 3).clone();
+    reduced[rank] = one;
+  });
+  const at::Tensor sum = torch::arange(9, torch::kFloat) * 3 + 30.0;  // 0 + 10 + 20
+  for (int r = 0; r < kWorld; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    EXPECT_TRUE(torch::equal(gathered[r], torch::arange(3, torch::kFloat).repeat_interleave(4)));
+    EXPECT_TRUE(torch::equal(scattered[r], sum.narrow(0, 3 * r, 3)));
+    EXPECT_TRUE(torch::equal(reduced[r], torch::full({2}, 3.0f)));
+  }
+}
+
 // A peer that leaves instead of joining a ring: the rank waiting in it gets
 // an error naming the exchange, the step and the peer, not a hang or an
 // abort.

@@ -98,6 +98,30 @@ class PendingCollective {
   int64_t bytes_;
 };
 
+class ProcessGroup;
+
+/// An all-gather or reduce-scatter under way (ProcessGroup's *_async), to
+/// overlap with computation: wait() finishes it (DistributedError as the
+/// blocking call's). A ring of more than two ranks moves its first step
+/// when started and the rest in wait(). One dropped without wait() (an
+/// error unwinding) keeps its tensors alive for the rest of the process, as
+/// the transfer may still write into them.
+class PendingExchange {
+ public:
+  PendingExchange();
+  ~PendingExchange();
+  PendingExchange(PendingExchange&&) noexcept;
+  PendingExchange& operator=(PendingExchange&&) noexcept;
+  void wait();
+  bool pending() const { return state_ != nullptr; }
+
+ private:
+  friend class ProcessGroup;
+  struct State;
+  explicit PendingExchange(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
 class ProcessGroup {
  public:
   /// Rendezvous with every rank and build the group. DistributedError when
@@ -134,6 +158,11 @@ class ProcessGroup {
   /// scratch (it holds partial sums after): returns the view of chunk
   /// rank() of `input`, which holds the sum.
   at::Tensor reduce_scatter_sum_(at::Tensor& input);
+  /// all_gather_into and reduce_scatter_sum_, started: `out` (and, for the
+  /// reduce-scatter, chunk rank() of `input`) hold the result after wait().
+  /// Neither tensor may be touched until then.
+  PendingExchange all_gather_into_async(at::Tensor out, at::Tensor shard);
+  PendingExchange reduce_scatter_sum_async_(at::Tensor input);
   //
   // Under Gloo the all-gather and the reduce-scatter run as rings of
   // sends and receives straight between the callers' tensors (size()-1
@@ -157,13 +186,17 @@ class ProcessGroup {
   /// Whether all-gathers and reduce-scatters of `tensor` run as rings of
   /// sends and receives (Gloo, more than one rank, host memory).
   bool uses_rings(const at::Tensor& tensor) const;
+  friend class PendingExchange;
   /// size()-1 ring steps, one call number: step(k) gives what this rank
   /// sends to the next rank and the tensor the previous rank's arrives in;
-  /// received(k) runs once it has.
-  void ring(const char* what, int64_t bytes,
-            const std::function<std::pair<at::Tensor, at::Tensor>(int)>& step,
-            const std::function<void(int)>& received = {});
+  /// received(k) runs once it has. The first step starts now.
+  PendingExchange start_ring(const char* what, int64_t bytes,
+                             std::function<std::pair<at::Tensor, at::Tensor>(int)> step,
+                             std::function<void(int)> received = {});
+  void post_ring_step(PendingExchange::State& ring);
+  void finish_ring(PendingExchange::State& ring);
   void check_reduce_scatter_input(const at::Tensor& input) const;
+  void check_all_gather_into(const at::Tensor& out, const at::Tensor& shard) const;
   static constexpr int kRingTag = 0x7269;
 
   ProcessGroupOptions options_;
