@@ -46,6 +46,21 @@ void copy_chunk(const at::Tensor& parameter, int64_t rank, at::Tensor& shard) {
 
 }  // namespace
 
+ShardedExchange::ShardedExchange() = default;
+ShardedExchange::~ShardedExchange() = default;
+ShardedExchange::ShardedExchange(ShardedExchange&&) noexcept = default;
+ShardedExchange& ShardedExchange::operator=(ShardedExchange&&) noexcept = default;
+
+bool ShardedExchange::pending() const { return !exchanges_.empty() || !then_.empty(); }
+
+void ShardedExchange::wait() {
+  for (auto& e : exchanges_) e.wait();
+  exchanges_.clear();
+  auto then = std::move(then_);
+  then_.clear();
+  for (auto& step : then) step();
+}
+
 ShardedParameters::ShardedParameters(std::vector<at::Tensor> parameters,
                                      std::shared_ptr<ProcessGroup> group, bool share_storage)
     : parameters_(std::move(parameters)), group_(std::move(group)) {
@@ -186,7 +201,15 @@ bool ShardedParameters::reduce_scatter_gradients() {
 
 bool ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indices,
                                                  bool contributes) {
-  if (indices.empty()) return false;
+  auto exchange = start_reduce_scatter_gradients(indices, contributes);
+  exchange.wait();
+  return exchange.any_gradient();
+}
+
+ShardedExchange ShardedParameters::start_reduce_scatter_gradients(
+    const std::vector<size_t>& indices, bool contributes) {
+  ShardedExchange exchange;
+  if (indices.empty()) return exchange;
   bool any = false;
   torch::NoGradGuard no_grad;
   // Which parameters have a gradient on some rank (DDP's rule: the others
@@ -228,7 +251,12 @@ bool ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indi
         at::Tensor flat = grad.defined()
                               ? grad.reshape({-1})
                               : torch::zeros({p.numel()}, p.options().requires_grad(false));
-        add_to_shard_grad(i, group_->reduce_scatter_sum_(flat).div_(mean_over), /*owned=*/false);
+        exchange.exchanges_.push_back(group_->reduce_scatter_sum_async_(flat));
+        const int64_t k = chunks_[i], r = group_->rank();
+        exchange.then_.push_back([this, i, flat, k, r, mean_over] {
+          torch::NoGradGuard no_grad;
+          add_to_shard_grad(i, flat.narrow(0, r * k, k).div_(mean_over), /*owned=*/false);
+        });
         continue;
       }
       mine.push_back(i);
@@ -249,19 +277,32 @@ bool ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indi
         blocks[r].narrow(0, offsets[j], len).copy_(flat.narrow(0, r * k, len));
       }
     }
-    at::Tensor reduced = group_->reduce_scatter_sum_(packed).div_(mean_over);
-    for (size_t j = 0; j < mine.size(); ++j) {
-      add_to_shard_grad(mine[j], reduced.narrow(0, offsets[j], chunks_[mine[j]]),
-                        /*owned=*/false);
-    }
+    exchange.exchanges_.push_back(group_->reduce_scatter_sum_async_(packed));
+    exchange.then_.push_back([this, packed, mine, offsets, total, mean_over] {
+      torch::NoGradGuard no_grad;
+      const at::Tensor reduced = packed.narrow(0, group_->rank() * total, total).div_(mean_over);
+      for (size_t j = 0; j < mine.size(); ++j) {
+        add_to_shard_grad(mine[j], reduced.narrow(0, offsets[j], chunks_[mine[j]]),
+                          /*owned=*/false);
+      }
+    });
   }
-  for (size_t i : indices) parameters_[i].mutable_grad().reset();
-  return any;
+  // The gradients are the exchanges' scratch until they end.
+  exchange.then_.push_back([this, indices] {
+    for (size_t i : indices) parameters_[i].mutable_grad().reset();
+  });
+  exchange.any_ = any;
+  return exchange;
 }
 
 void ShardedParameters::all_gather_parameters() { all_gather_parameters(all_indices()); }
 
 void ShardedParameters::all_gather_parameters(const std::vector<size_t>& all) {
+  start_all_gather_parameters(all).wait();
+}
+
+ShardedExchange ShardedParameters::start_all_gather_parameters(const std::vector<size_t>& all) {
+  ShardedExchange exchange;
   const int64_t world = group_->size();
   torch::NoGradGuard no_grad;
   for (const auto& group : by_dtype_and_device(parameters_, all)) {
@@ -276,7 +317,7 @@ void ShardedParameters::all_gather_parameters(const std::vector<size_t>& all) {
       // of its own, as below.
       allocate_if_released(i);
       at::Tensor flat = parameters_[i].variable_data().view({-1});
-      group_->all_gather_into(flat, shards_[i].detach());
+      exchange.exchanges_.push_back(group_->all_gather_into_async(flat, shards_[i].detach()));
     }
     if (indices.empty()) continue;
     std::vector<at::Tensor> pieces;
@@ -284,20 +325,24 @@ void ShardedParameters::all_gather_parameters(const std::vector<size_t>& all) {
     const at::Tensor packed = torch::cat(pieces);
     const int64_t total = packed.numel();
     at::Tensor gathered = torch::empty({world * total}, packed.options());
-    group_->all_gather_into(gathered, packed);
-    const at::Tensor blocks = gathered.view({world, total});
-    int64_t offset = 0;
-    for (size_t i : indices) {
-      at::Tensor& p = parameters_[i];
-      allocate_if_released(i);
-      const at::Tensor full = blocks.narrow(1, offset, chunks_[i]).reshape({-1});
-      // Written through an alias with a version counter of its own: a graph
-      // that saved the parameter (gathered again for its backward) finds
-      // it at the version it saved, holding the same values.
-      p.variable_data().copy_(full.narrow(0, 0, p.numel()).view(p.sizes()));
-      offset += chunks_[i];
-    }
+    exchange.exchanges_.push_back(group_->all_gather_into_async(gathered, packed));
+    for (size_t i : indices) allocate_if_released(i);
+    exchange.then_.push_back([this, gathered, indices, world, total] {
+      torch::NoGradGuard no_grad;
+      const at::Tensor blocks = gathered.view({world, total});
+      int64_t offset = 0;
+      for (size_t i : indices) {
+        at::Tensor& p = parameters_[i];
+        const at::Tensor full = blocks.narrow(1, offset, chunks_[i]).reshape({-1});
+        // Written through an alias with a version counter of its own: a
+        // graph that saved the parameter (gathered again for its backward)
+        // finds it at the version it saved, holding the same values.
+        p.variable_data().copy_(full.narrow(0, 0, p.numel()).view(p.sizes()));
+        offset += chunks_[i];
+      }
+    });
   }
+  return exchange;
 }
 
 at::Tensor ShardedParameters::shard_of(size_t i, const at::Tensor& whole) const {

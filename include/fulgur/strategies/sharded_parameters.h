@@ -29,12 +29,37 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
 namespace fulgur {
 
 class ProcessGroup;
+class PendingExchange;
+
+/// An exchange of ShardedParameters under way (its start_* calls): wait()
+/// ends it, the parameters then holding their values or the shards their
+/// gradients. Until then the tensors it works on (the parameters being
+/// gathered, the gradients being reduced) must not be used.
+class ShardedExchange {
+ public:
+  ShardedExchange();
+  ~ShardedExchange();
+  ShardedExchange(ShardedExchange&&) noexcept;
+  ShardedExchange& operator=(ShardedExchange&&) noexcept;
+  void wait();
+  bool pending() const;
+  /// A reduce-scatter's: whether any rank had a gradient for any of them
+  /// (known when it starts).
+  bool any_gradient() const { return any_; }
+
+ private:
+  friend class ShardedParameters;
+  std::vector<PendingExchange> exchanges_;
+  std::vector<std::function<void()>> then_;
+  bool any_ = false;
+};
 
 class ShardedParameters {
  public:
@@ -105,6 +130,12 @@ class ShardedParameters {
   bool reduce_scatter_gradients(const std::vector<size_t>& indices, bool contributes = true);
   /// Gives back the full values of released parameters (allocating them).
   void all_gather_parameters(const std::vector<size_t>& indices);
+  /// The same two, started, to overlap with computation (the flags'
+  /// all-reduce of the reduce-scatter runs before it returns). Exchanges
+  /// under way at once end in any order.
+  ShardedExchange start_reduce_scatter_gradients(const std::vector<size_t>& indices,
+                                                 bool contributes = true);
+  ShardedExchange start_all_gather_parameters(const std::vector<size_t>& indices);
   /// Frees the memory of these parameters' full values; their shards stay.
   /// A released parameter shows shape [0] (an op on it is a shape error,
   /// never a read of freed memory) until all_gather_parameters brings its
