@@ -1,6 +1,6 @@
-"""Sharded data parallel benchmark: ddp, fsdp_shard_grad_op and fsdp on the
-same MLP (Adam, fp32, 2 ranks), run interleaved (ddp, grad_op, fsdp, ddp,
-...), medians. Per strategy one JSON object: samples/s and its ratio to
+"""Sharded data parallel benchmark: ddp, fsdp_shard_grad_op and fsdp (with
+and without prefetch) on the same MLP (Adam, fp32, 2 ranks), run interleaved
+(ddp, grad_op, fsdp, fsdp without prefetch, ddp, ...), medians. Per strategy one JSON object: samples/s and its ratio to
 ddp's, the model-state bytes a rank holds after an optimizer step (counted
 from the tensors) against the ZeRO formula (16 bytes per parameter P under
 DDP: 16P; SHARD_GRAD_OP: 4P + 12P/N; FULL_SHARD: 16P/N), the most
@@ -25,18 +25,22 @@ import resource
 import statistics
 import subprocess
 
-STRATEGIES = ["ddp", "fsdp_shard_grad_op", "fsdp"]
+# "fsdp, no prefetch": FULL_SHARD with FSDPOptions::prefetch off (no gather
+# ahead, no reduce-scatter overlapping backward), to show what prefetch does.
+STRATEGIES = ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp, no prefetch"]
 
 
-def run(exe, strategy, a):
+def run(exe, label, a):
+    strategy = label.split(",")[0]
+    extra = ["--no-prefetch"] if label.endswith("no prefetch") else []
     out = subprocess.run([exe, "--strategy", strategy, "--width", str(a.width), "--layers",
                           str(a.layers), "--steps", str(a.steps), "--warmup", str(a.warmup),
-                          "--batch", str(a.batch)],
+                          "--batch", str(a.batch)] + extra,
                          check=True, capture_output=True, text=True, timeout=900)
     for line in out.stdout.splitlines():
         if line.startswith('{"benchmark": "fsdp_mlp"'):
             return json.loads(line)
-    raise SystemExit("fsdp: no result from %s in:\n%s\n%s" % (strategy, out.stdout, out.stderr))
+    raise SystemExit("fsdp: no result from %s in:\n%s\n%s" % (label, out.stdout, out.stderr))
 
 
 def trains_under(exe, strategy, width, a, cap_bytes):
@@ -88,7 +92,8 @@ def largest_under(exe, a):
             "width_that_failed": lo + step, "runs": tries}), flush=True)
 
 
-def formula(strategy, p, n):
+def formula(label, p, n):
+    strategy = label.split(",")[0]
     if strategy == "ddp":
         return 16 * p
     if strategy == "fsdp_shard_grad_op":

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 #include <map>
@@ -45,13 +46,24 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
   std::vector<std::pair<ShardedParameters*, std::vector<size_t>>> members;
 
   void watch_gradients();
+  /// Starts gathering the parameters (a prefetch); gather() ends it.
+  void start_gather() {
+    if (gathered_ || !gathering_.empty()) return;
+    for (auto& [sharded, indices] : members) {
+      gathering_.push_back(sharded->start_all_gather_parameters(indices));
+    }
+    strategy_.note_held_parameters();
+  }
   void gather() {
     if (gathered_) return;
-    for (auto& [sharded, indices] : members) sharded->all_gather_parameters(indices);
+    start_gather();
+    for (auto& exchange : gathering_) exchange.wait();
+    gathering_.clear();
     gathered_ = true;
     strategy_.note_held_parameters();
   }
   void release() {
+    if (!gathering_.empty()) gather();  // a prefetch under way ends first
     if (!gathered_) return;
     for (auto& [sharded, indices] : members) sharded->release_parameters(indices);
     gathered_ = false;
@@ -62,7 +74,10 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
   }
   bool reduced() const { return reduced_; }
 
-  void before_forward() override { gather(); }
+  void before_forward() override {
+    gather();
+    if (at::GradMode::is_enabled()) strategy_.unit_forward_started(this);
+  }
   void after_forward(const std::vector<at::Tensor>& outputs) override {
     if (!at::GradMode::is_enabled()) {
       release();
@@ -75,7 +90,10 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
       // Runs when the output's gradient arrives, before any of the unit's
       // own backward: the parameters its graph saved are needed again.
       out.register_hook([self](const at::Tensor&) {
-        if (auto unit = self.lock()) unit->gather();
+        if (auto unit = self.lock()) {
+          unit->gather();
+          unit->strategy_.unit_backward_started(unit.get());
+        }
       });
     }
     release();
@@ -83,7 +101,17 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
   void gradient_ready() {
     if (++ready_ < static_cast<int>(accumulators_.size())) return;
     if (strategy_.sync_) {
-      for (auto& [sharded, indices] : members) sharded->reduce_scatter_gradients(indices);
+      // With prefetch, the reduce-scatter runs while the rest of backward
+      // does (one unit's under way at a time); without, now.
+      if (strategy_.options_.prefetch) strategy_.finish_reductions();
+      for (auto& [sharded, indices] : members) {
+        ShardedExchange exchange = sharded->start_reduce_scatter_gradients(indices);
+        if (strategy_.options_.prefetch) {
+          strategy_.reducing_.push_back(std::move(exchange));
+        } else {
+          exchange.wait();
+        }
+      }
       reduced_ = true;
     }
     release();
@@ -93,6 +121,7 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
   FSDPStrategy& strategy_;
   std::shared_ptr<torch::nn::Module> module_;
   bool gathered_ = true;
+  std::vector<ShardedExchange> gathering_;  // a prefetch under way
   bool reduced_ = false;
   int ready_ = 0;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
@@ -348,6 +377,9 @@ void FSDPStrategy::attach_units(Module& module) {
 void FSDPStrategy::detach_units() {
   // The module may outlive the strategy: its units forget the hooks.
   for (auto& unit : units_) unit->detach_module();
+  forward_order_.clear();
+  last_forward_order_.clear();
+  reducing_.clear();
   units_.clear();
 }
 
@@ -357,6 +389,32 @@ void FSDPStrategy::gather_units() {
 
 void FSDPStrategy::release_units() {
   for (auto& unit : units_) unit->release();
+}
+
+void FSDPStrategy::unit_forward_started(Unit* unit) {
+  auto at = std::find(forward_order_.begin(), forward_order_.end(), unit);
+  const auto position = static_cast<size_t>(at - forward_order_.begin());
+  if (at == forward_order_.end()) forward_order_.push_back(unit);
+  // The unit after this one in the last step's forward, when this step has
+  // followed it so far (every rank has: their forwards are the same).
+  if (!options_.prefetch || position + 1 >= last_forward_order_.size() ||
+      last_forward_order_[position] != unit) {
+    return;
+  }
+  last_forward_order_[position + 1]->start_gather();
+}
+
+void FSDPStrategy::unit_backward_started(Unit* unit) {
+  if (!options_.prefetch) return;
+  // Backward meets the units in the reverse of this step's forward.
+  auto at = std::find(forward_order_.begin(), forward_order_.end(), unit);
+  if (at != forward_order_.end() && at != forward_order_.begin()) (*(at - 1))->start_gather();
+}
+
+void FSDPStrategy::finish_reductions() {
+  auto reducing = std::move(reducing_);
+  reducing_.clear();
+  for (auto& exchange : reducing) exchange.wait();
 }
 
 void FSDPStrategy::note_held_parameters() {
@@ -433,12 +491,16 @@ void FSDPStrategy::backward(const at::Tensor& loss, Module& module) {
   if (backward_is_collective() && sync_) agree_on_backward(true);
   for (auto& unit : units_) unit->start_backward();
   ParallelStrategy::backward(loss, module);
+  finish_reductions();
+  last_forward_order_ = std::move(forward_order_);
+  forward_order_.clear();
   // A unit whose parameters did not all get a gradient is still whole.
   release_units();
   if (sync_) reduce_gradients();
 }
 
 bool FSDPStrategy::backward_skipped(Module& /*module*/, bool accumulated) {
+  forward_order_.clear();  // no backward: nothing to learn the order from
   if (!sync_) return accumulated;
   if (backward_is_collective()) agree_on_backward(false);
   for (auto& unit : units_) unit->start_backward();  // no unit reduced in this step yet

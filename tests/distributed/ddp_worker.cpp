@@ -38,7 +38,8 @@ struct Args {
   bool skip_fit = false;
   bool manual = false;
   bool fsdp_units = false;
-  bool cnn = false;  // two convolutions (the second a unit with --fsdp-units) before fc1
+  bool cnn = false;
+  bool no_prefetch = false;  // FSDPOptions::prefetch = false  // two convolutions (the second a unit with --fsdp-units) before fc1
   bool histograms = false;
   bool skip_after_forward = false;
   std::string precision;
@@ -454,6 +455,7 @@ int main(int argc, char** argv) {
   app.add_flag("--unused-layer", a.unused_layer);
   app.add_flag("--fsdp-units", a.fsdp_units);
   app.add_flag("--cnn", a.cnn);
+  app.add_flag("--no-prefetch", a.no_prefetch);
   app.add_flag("--histograms", a.histograms);
   app.add_flag("--skip-after-forward", a.skip_after_forward);
   app.add_option("--precision", a.precision);
@@ -540,6 +542,7 @@ int main(int argc, char** argv) {
       fsdp_options.parallel.process_group_timeout =
           std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
       if (!a.state_dict_type.empty()) fsdp_options.state_dict_type = a.state_dict_type;
+      fsdp_options.prefetch = !a.no_prefetch;
       options.strategy = std::make_shared<fulgur::FSDPStrategy>(fsdp_options, a.strategy);
     } else {
       options.strategy = a.strategy;

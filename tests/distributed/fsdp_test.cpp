@@ -364,23 +364,33 @@ TEST(FSDP, FullShardWithoutUnitsSaysSoAndMatches) {
 }
 
 // Between steps a rank holds no unit's full parameters, and at most one
-// unit's at any time (fc1: 16x32 + 32 floats, the larger of the two); its
-// shards are half of every parameter.
-TEST(FSDP, FullShardHoldsOneUnitsParametersAtATime) {
+// unit's at any time without prefetch (fc1: 16x32 + 32 floats, the larger
+// of the two), two with it (the next unit is gathered while one computes);
+// its shards are half of every parameter. Prefetch changes no result.
+TEST(FSDP, FullShardHoldsOneUnitsParametersAtATimeOrTwoWithPrefetch) {
   TempDir dir;
-  auto r = run_worker(with_units({"--strategy", kFullShard, "--devices", "2", "--batch", "8",
-                                  "--steps", "6", "--root", dir.path()}));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
   const int64_t fc1 = (16 * 32 + 32) * 4, fc2 = (32 * 4 + 4) * 4;
-  for (const char* rank : {"rank0", "rank1"}) {
-    EXPECT_EQ(result_value(r.output, std::string(rank) + "_held_parameter_bytes"), "0") << r.output;
-    EXPECT_EQ(result_value(r.output, std::string(rank) + "_peak_parameter_bytes"),
-              std::to_string(fc1))
-        << r.output;
-    EXPECT_EQ(result_value(r.output, std::string(rank) + "_shard_bytes"),
-              std::to_string((fc1 + fc2) / 2))
-        << r.output;
+  for (const bool prefetch : {false, true}) {
+    SCOPED_TRACE(prefetch ? "prefetch" : "no prefetch");
+    std::vector<std::string> args = {"--strategy", kFullShard, "--devices", "2", "--batch",
+                                     "8", "--steps", "6", "--root", dir.path(), "--out",
+                                     dir.path() + (prefetch ? "/with.pt" : "/without.pt")};
+    if (!prefetch) args.emplace_back("--no-prefetch");
+    auto r = run_worker(with_units(args));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    for (const char* rank : {"rank0", "rank1"}) {
+      EXPECT_EQ(result_value(r.output, std::string(rank) + "_held_parameter_bytes"), "0")
+          << r.output;
+      EXPECT_EQ(result_value(r.output, std::string(rank) + "_peak_parameter_bytes"),
+                std::to_string(prefetch ? fc1 + fc2 : fc1))
+          << r.output;
+      EXPECT_EQ(result_value(r.output, std::string(rank) + "_shard_bytes"),
+                std::to_string((fc1 + fc2) / 2))
+          << r.output;
+    }
   }
+  EXPECT_TRUE(fulgur::test::same_params(dir.path() + "/with.pt", dir.path() + "/without.pt",
+                                        {.exact = true}));
 }
 
 // recovery_training's run (Adam, shuffled, deterministic, a sharded

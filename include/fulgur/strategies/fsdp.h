@@ -42,7 +42,10 @@
 //
 // sync_batchnorm connects fulgur::nn::SyncBatchNorm layers as under DDP.
 //
-// Not yet: prefetching the next unit's gather, CPU offload.
+// Under FULL_SHARD the next unit's gather is prefetched and a unit's
+// reduce-scatter overlaps the rest of backward (FSDPOptions::prefetch).
+//
+// Not yet: CPU offload.
 #pragma once
 
 #include <cstdint>
@@ -57,6 +60,7 @@
 namespace fulgur {
 
 class ShardedParameters;
+class ShardedExchange;
 
 /// Bytes of the tensors in an optimizer's state: those of torch::optim's
 /// Adam, AdamW, SGD, RMSprop, Adagrad and LBFGS (another optimizer's state
@@ -87,6 +91,13 @@ struct ChoiceNames<StateDictType> {
 struct FSDPOptions {
   Choice<ShardingStrategy> sharding_strategy = ShardingStrategy::kFullShard;
   Choice<StateDictType> state_dict_type = StateDictType::kSharded;
+  /// FULL_SHARD: gather the next unit's parameters while the current unit
+  /// computes (the next in the last step's forward order; in backward, the
+  /// one before it), and reduce-scatter a unit's gradients while the rest
+  /// of backward runs. Up to two units' full parameters (and gradients) are
+  /// held at once instead of one. PyTorch FSDP's backward_prefetch and
+  /// forward_prefetch together.
+  bool prefetch = true;
   /// "popen" (re-execute the program per rank) or "fork", as for DDP.
   Choice<StartMethod> start_method = StartMethod::kPopen;
   /// The process group's timeout and backend, and the launcher's stop grace.
@@ -181,6 +192,11 @@ class FSDPStrategy : public ParallelStrategy {
   void gather_units();
   void release_units();
   void note_held_parameters();
+  /// Prefetch (FSDPOptions::prefetch): a unit's forward or backward starts.
+  void unit_forward_started(Unit* unit);
+  void unit_backward_started(Unit* unit);
+  /// Waits for the units' reduce-scatters under way.
+  void finish_reductions();
   /// Fills whole_ (after the units are attached).
   void index_whole_parameters();
 
@@ -190,6 +206,10 @@ class FSDPStrategy : public ParallelStrategy {
   std::vector<std::pair<const torch::optim::Optimizer*, std::unique_ptr<ShardedParameters>>>
       sharded_;
   std::vector<std::shared_ptr<Unit>> units_;
+  // The units in the order this step's forward met them, and the last
+  // step's (what prefetch follows).
+  std::vector<Unit*> forward_order_, last_forward_order_;
+  std::vector<ShardedExchange> reducing_;
   // The indices of each ShardedParameters that no unit holds: whole
   // between steps, all-gathered after each.
   std::map<const ShardedParameters*, std::vector<size_t>> whole_;
