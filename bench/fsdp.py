@@ -12,7 +12,7 @@ With --largest-under MB, instead: the widest MLP (of --layers layers, widths
 in steps of 128) that trains 2 steps on 2 ranks when every process may hold
 at most MB of data (RLIMIT_DATA: heap and private writable mappings, which
 is where LibTorch's CPU tensors live; the libraries' code is not counted),
-for ddp and for fsdp, found by bisection (a run that fails, whatever the
+for ddp and for fsdp (with and without prefetch), found by bisection (a run that fails, whatever the
 error, does not fit). One JSON object per strategy.
 
     python3 bench/fsdp.py --build build --largest-under 1536
@@ -31,11 +31,9 @@ STRATEGIES = ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp, no prefetch"]
 
 
 def run(exe, label, a):
-    strategy = label.split(",")[0]
-    extra = ["--no-prefetch"] if label.endswith("no prefetch") else []
-    out = subprocess.run([exe, "--strategy", strategy, "--width", str(a.width), "--layers",
+    out = subprocess.run([exe] + strategy_args(label) + ["--width", str(a.width), "--layers",
                           str(a.layers), "--steps", str(a.steps), "--warmup", str(a.warmup),
-                          "--batch", str(a.batch)] + extra,
+                          "--batch", str(a.batch)],
                          check=True, capture_output=True, text=True, timeout=900)
     for line in out.stdout.splitlines():
         if line.startswith('{"benchmark": "fsdp_mlp"'):
@@ -43,12 +41,18 @@ def run(exe, label, a):
     raise SystemExit("fsdp: no result from %s in:\n%s\n%s" % (label, out.stdout, out.stderr))
 
 
-def trains_under(exe, strategy, width, a, cap_bytes):
-    """The run's JSON row when `strategy` trains `width` under the cap, else None."""
+def strategy_args(label):
+    """The bench's flags for a row label ("fsdp, no prefetch": fsdp --no-prefetch)."""
+    extra = ["--no-prefetch"] if label.endswith("no prefetch") else []
+    return ["--strategy", label.split(",")[0]] + extra
+
+
+def trains_under(exe, label, width, a, cap_bytes):
+    """The run's JSON row when `label` trains `width` under the cap, else None."""
     def limit():
         resource.setrlimit(resource.RLIMIT_DATA, (cap_bytes, cap_bytes))
     try:
-        out = subprocess.run([exe, "--strategy", strategy, "--width", str(width), "--layers",
+        out = subprocess.run([exe] + strategy_args(label) + ["--width", str(width), "--layers",
                               str(a.layers), "--steps", "2", "--warmup", "0", "--batch",
                               str(a.batch)],
                              preexec_fn=limit, capture_output=True, text=True, timeout=600)
@@ -65,7 +69,7 @@ def trains_under(exe, strategy, width, a, cap_bytes):
 def largest_under(exe, a):
     cap = a.largest_under * 1024 * 1024
     step = 128
-    for s in ["ddp", "fsdp"]:
+    for s in ["ddp", "fsdp", "fsdp, no prefetch"]:
         lo, hi = step, a.max_width  # lo fits (checked), hi + step does not (assumed)
         fit = trains_under(exe, s, lo, a, cap)
         if fit is None:
