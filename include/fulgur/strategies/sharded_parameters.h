@@ -17,9 +17,12 @@
 // The gradients follow DDP's rule: the mean over the ranks that ran a
 // backward, one without a gradient for a parameter counting as zeros, and a
 // parameter no rank has a gradient for left as it is (without one, the
-// optimizer skips it). Each exchange is one collective for all the
-// parameters: a reduce-scatter of their packed chunks, and an all-gather
-// of the packed shards (plus a small all-reduce of which have gradients).
+// optimizer skips it). Small parameters are exchanged packed, one
+// collective per dtype (a reduce-scatter of their chunks, an all-gather of
+// their shards); large ones on their own, straight from their gradient and
+// into their storage (plus a small all-reduce of which have gradients).
+// The start_* forms return the exchange under way, to overlap it with
+// computation.
 //
 // This is the mechanism of sharded data parallel; the `fsdp` strategy is
 // built on it. Under `manual`, a Module can use it directly to shard its
