@@ -32,7 +32,7 @@ struct Args {
   int64_t warmup = 2;
   int64_t batch = 16;
   int devices = 2;
-  bool no_prefetch = false;  // FSDPOptions::prefetch = false
+  bool prefetch = false;  // FSDPOptions::prefetch
 };
 
 struct Mlp : fulgur::Module {
@@ -131,7 +131,7 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", a.warmup, "untimed steps first");
   app.add_option("--batch", a.batch, "per rank");
   app.add_option("--devices", a.devices);
-  app.add_flag("--no-prefetch", a.no_prefetch, "fsdp: no prefetch, no overlapped reduce-scatter");
+  app.add_flag("--prefetch", a.prefetch, "fsdp: prefetch the next unit, overlap reduce-scatters");
   CLI11_PARSE(app, argc, argv);
   try {
     torch::set_num_threads(1);
@@ -144,11 +144,11 @@ int main(int argc, char** argv) {
     Mlp model(a);
     auto probe = std::make_shared<Probe>(a);
     std::variant<std::string, std::shared_ptr<fulgur::Strategy>> strategy = a.strategy;
-    if (a.no_prefetch) {
+    if (a.prefetch) {
       auto named = fulgur::strategy_registry().create(a.strategy);
       if (auto* fsdp = dynamic_cast<fulgur::FSDPStrategy*>(named.get())) {
         fulgur::FSDPOptions options = fsdp->options();
-        options.prefetch = false;
+        options.prefetch = true;
         strategy = std::make_shared<fulgur::FSDPStrategy>(options, a.strategy);
       }
     }

@@ -1,8 +1,9 @@
-"""Sharded data parallel benchmark: ddp, fsdp_shard_grad_op and fsdp (with
-and without prefetch) on the same MLP (Adam, fp32, 2 ranks), run interleaved
-(ddp, grad_op, fsdp, fsdp without prefetch, ddp, ...), medians. Per strategy one JSON object: samples/s and its ratio to
-ddp's, the model-state bytes a rank holds after an optimizer step (counted
-from the tensors) against the ZeRO formula (16 bytes per parameter P under
+"""Sharded data parallel benchmark: ddp, fsdp_shard_grad_op and fsdp (without
+and with prefetch) on the same MLP (Adam, fp32, 2 ranks), run interleaved
+(ddp, grad_op, fsdp, fsdp with prefetch, ddp, ...), medians. Per strategy
+one JSON object: samples/s and its ratio to ddp's, the model-state bytes a
+rank holds after an optimizer step (counted from the tensors) against the
+ZeRO formula (16 bytes per parameter P under
 DDP: 16P; SHARD_GRAD_OP: 4P + 12P/N; FULL_SHARD: 16P/N), the most
 full-parameter bytes held at once, and the peak RSS of rank 0.
 
@@ -12,8 +13,8 @@ With --largest-under MB, instead: the widest MLP (of --layers layers, widths
 in steps of 128) that trains 2 steps on 2 ranks when every process may hold
 at most MB of data (RLIMIT_DATA: heap and private writable mappings, which
 is where LibTorch's CPU tensors live; the libraries' code is not counted),
-for ddp and for fsdp (with and without prefetch), found by bisection (a run that fails, whatever the
-error, does not fit). One JSON object per strategy.
+for ddp and for fsdp (without and with prefetch), found by bisection (a run
+that fails, whatever the error, does not fit). One JSON object per strategy.
 
     python3 bench/fsdp.py --build build --largest-under 1536
     FULGUR_HOST_ALLOCATOR=system python3 bench/fsdp.py --build build --largest-under 1536
@@ -25,9 +26,10 @@ import resource
 import statistics
 import subprocess
 
-# "fsdp, no prefetch": FULL_SHARD with FSDPOptions::prefetch off (no gather
-# ahead, no reduce-scatter overlapping backward), to show what prefetch does.
-STRATEGIES = ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp, no prefetch"]
+# "fsdp, prefetch": FULL_SHARD with FSDPOptions::prefetch (the next unit
+# gathered ahead, reduce-scatters overlapping backward), to show what it
+# buys and what it costs.
+STRATEGIES = ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp, prefetch"]
 
 
 def run(exe, label, a):
@@ -42,8 +44,8 @@ def run(exe, label, a):
 
 
 def strategy_args(label):
-    """The bench's flags for a row label ("fsdp, no prefetch": fsdp --no-prefetch)."""
-    extra = ["--no-prefetch"] if label.endswith("no prefetch") else []
+    """The bench's flags for a row label ("fsdp, prefetch": fsdp --prefetch)."""
+    extra = ["--prefetch"] if label.endswith(", prefetch") else []
     return ["--strategy", label.split(",")[0]] + extra
 
 
@@ -69,7 +71,7 @@ def trains_under(exe, label, width, a, cap_bytes):
 def largest_under(exe, a):
     cap = a.largest_under * 1024 * 1024
     step = 128
-    for s in ["ddp", "fsdp", "fsdp, no prefetch"]:
+    for s in ["ddp", "fsdp", "fsdp, prefetch"]:
         lo, hi = step, a.max_width  # lo fits (checked), hi + step does not (assumed)
         fit = trains_under(exe, s, lo, a, cap)
         if fit is None:

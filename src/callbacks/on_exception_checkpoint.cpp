@@ -7,6 +7,7 @@
 
 #include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/core/errors.h"
+#include "fulgur/plugins/environments/cluster_environment.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
 
@@ -37,6 +38,22 @@ void OnExceptionCheckpoint::on_exception(Trainer& trainer, Module&, const std::e
   const std::string path = (std::filesystem::path(dir) / (options_.filename + ".ckpt")).string();
   std::string first_line = error.what();
   first_line = first_line.substr(0, first_line.find('\n'));
+  Strategy& strategy = trainer.strategy();
+  if (strategy.checkpoint_is_collective() &&
+      !strategy.peers_arrive(str("on_exception/", strategy.cluster_environment().restart_count(),
+                                 "/", trainer.global_step()),
+                             options_.peer_timeout)) {
+    detail::print_note(
+        str("OnExceptionCheckpoint: not saving \"", path, "\" on rank ", strategy.global_rank(),
+            ": strategy \"", strategy.name(),
+            "\" saves with every rank, and not every rank reached "
+            "this point within ",
+            options_.peer_timeout.count() / 1000.0,
+            " s (the error was not every rank's; the others wait in another collective). Resume "
+            "from the last checkpoint. Error: ",
+            first_line));
+    return;
+  }
   try {
     trainer.save_checkpoint(path);
     if (trainer.strategy().is_checkpoint_writer()) saved_path_ = path;

@@ -250,4 +250,8 @@ void ParallelStrategy::connect_sync_batchnorm(Module& module) {
   }
 }
 
+bool ParallelStrategy::peers_arrive(const std::string& key, std::chrono::milliseconds timeout) {
+  return world_size() <= 1 || process_group().ranks_arrive(key, timeout);
+}
+
 }  // namespace fulgur

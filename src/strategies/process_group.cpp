@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <thread>
 #include <tuple>
 
 #include "fulgur/core/errors.h"
@@ -553,6 +554,35 @@ at::Tensor ProcessGroup::reduce_scatter_sum(const at::Tensor& input) {
   run("reduce_scatter", static_cast<int64_t>(input.nbytes()),
       [&] { return impl_->group->alltoall_base(received, send, splits, splits); });
   return received.view({world, chunk}).sum(0).to(input.device());
+}
+
+bool ProcessGroup::ranks_arrive(const std::string& key, std::chrono::milliseconds timeout) {
+  if (!impl_->store) return false;
+  const std::string prefix = str("fulgur/arrive/", key, "/");
+  std::vector<std::string> keys;
+  for (int r = 0; r < size(); ++r) keys.push_back(prefix + std::to_string(r));
+  // A rank that gave up says so: its arrival key stays, and a rank coming
+  // later must not count it as there.
+  const std::string gave_up = prefix + "gave_up";
+  try {
+    impl_->store->set(keys[static_cast<size_t>(rank())], std::vector<uint8_t>{1});
+    // Polled: a store's blocking wait that times out leaves its
+    // connection unusable.
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      if (impl_->store->check(keys)) return !impl_->store->check({gave_up});
+      if (std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  } catch (const std::exception&) {
+    // The store's host is gone.
+  }
+  try {
+    impl_->store->set(gave_up, std::vector<uint8_t>{1});
+  } catch (const std::exception&) {
+    // The store's host is gone: nobody is left to tell.
+  }
+  return false;
 }
 
 int find_free_port(const std::string& address) {

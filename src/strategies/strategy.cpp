@@ -204,6 +204,10 @@ bool Strategy::reduce_boolean_decision(bool decision, bool all) {
 
 bool Strategy::is_checkpoint_writer() const { return checkpoint_layout_->is_writer(*this); }
 
+bool Strategy::checkpoint_is_collective() const {
+  return world_size() > 1 && checkpoint_layout_->name() == "sharded";
+}
+
 void Strategy::save_checkpoint(torch::serialize::OutputArchive& checkpoint,
                                const std::string& path) {
   checkpoint_layout_->save(*this, checkpoint, path);

@@ -39,7 +39,7 @@ struct Args {
   bool manual = false;
   bool fsdp_units = false;
   bool cnn = false;
-  bool no_prefetch = false;  // FSDPOptions::prefetch = false  // two convolutions (the second a unit with --fsdp-units) before fc1
+  bool prefetch = false;  // FSDPOptions::prefetch  // two convolutions (the second a unit with --fsdp-units) before fc1
   bool histograms = false;
   bool skip_after_forward = false;
   std::string precision;
@@ -84,6 +84,8 @@ struct Args {
   // A rank that throws from training_step at batch fault_step (it fails on
   // its own, outside any collective).
   int fail_rank = -1;
+  bool fail_all = false;           // every rank fails at --fault-step
+  double on_exception_timeout = -1;  // >= 0: an OnExceptionCheckpoint with this peer_timeout (s)
   // A rank that sleeps slow_seconds in on_train_batch_end of the batch
   // before fault_step (it falls behind without hanging).
   int slow_rank = -1;
@@ -278,7 +280,7 @@ struct Classifier : fulgur::Module {
                 << std::endl;
       ::kill(::getppid(), args.launcher_signal);
     }
-    if (rank == args.fail_rank && batch_idx == args.fault_step) {
+    if ((rank == args.fail_rank || args.fail_all) && batch_idx == args.fault_step) {
       throw std::runtime_error("rank " + std::to_string(rank) + " fails on its own now");
     }
     if (seen.defined()) seen.add_(rank + 1);
@@ -455,7 +457,7 @@ int main(int argc, char** argv) {
   app.add_flag("--unused-layer", a.unused_layer);
   app.add_flag("--fsdp-units", a.fsdp_units);
   app.add_flag("--cnn", a.cnn);
-  app.add_flag("--no-prefetch", a.no_prefetch);
+  app.add_flag("--prefetch", a.prefetch);
   app.add_flag("--histograms", a.histograms);
   app.add_flag("--skip-after-forward", a.skip_after_forward);
   app.add_option("--precision", a.precision);
@@ -488,6 +490,8 @@ int main(int argc, char** argv) {
   app.add_option("--stop-in", a.stop_in)->check(CLI::IsMember({"step", "batch-end", "validation"}));
   app.add_option("--val-every", a.val_every);
   app.add_option("--fail-rank", a.fail_rank);
+  app.add_flag("--fail-all", a.fail_all);
+  app.add_option("--on-exception-checkpoint", a.on_exception_timeout);
   app.add_option("--slow-rank", a.slow_rank);
   app.add_option("--slow-seconds", a.slow_seconds);
   app.add_option("--hang-at-exit-rank", a.hang_at_exit_rank);
@@ -542,7 +546,7 @@ int main(int argc, char** argv) {
       fsdp_options.parallel.process_group_timeout =
           std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
       if (!a.state_dict_type.empty()) fsdp_options.state_dict_type = a.state_dict_type;
-      fsdp_options.prefetch = !a.no_prefetch;
+      fsdp_options.prefetch = a.prefetch;
       options.strategy = std::make_shared<fulgur::FSDPStrategy>(fsdp_options, a.strategy);
     } else {
       options.strategy = a.strategy;
@@ -562,6 +566,12 @@ int main(int argc, char** argv) {
         fulgur::ModelCheckpointOptions{.monitor = "train_loss", .save_top_k = 1});
     options.enable_checkpointing = a.checkpoint || a.every_n_train_steps > 0;
     if (a.checkpoint) options.callbacks = {checkpoint};
+    if (a.on_exception_timeout >= 0) {
+      options.callbacks.push_back(std::make_shared<fulgur::OnExceptionCheckpoint>(
+          fulgur::OnExceptionCheckpointOptions{
+              .peer_timeout = std::chrono::milliseconds(
+                  static_cast<int64_t>(a.on_exception_timeout * 1000))}));
+    }
     if (a.early_stop_rank >= 0) {
       options.callbacks.push_back(std::make_shared<fulgur::EarlyStopping>(
           fulgur::EarlyStoppingOptions{.monitor = "es_metric", .patience = 1}));

@@ -101,6 +101,15 @@ TEST(FSDP, FullShardManualOptimizationMatches) {
 TEST(FSDP, FullShardALayerSomeStepsDoNotUseMatches) {
   expect_equivalent(with_units({"--steps", "20", "--unused-layer"}), kFullShard);
 }
+// With prefetch the order of the last step's forward guides the gathers:
+// a layer used on even steps only is gathered ahead on the odd ones too
+// (and released unused), accumulation runs two forwards per step, and the
+// results are one process's.
+TEST(FSDP, FullShardWithPrefetchMatchesWhenTheForwardOrderChanges) {
+  expect_equivalent(with_units({"--steps", "20", "--unused-layer"}), kFullShard, {"--prefetch"});
+  expect_equivalent(with_units({"--steps", "10", "--accumulate", "2", "--optimizer", "adam"}),
+                    kFullShard, {"--prefetch"});
+}
 
 TEST(FSDP, FullShardClippingByNormMatches) {
   expect_equivalent(with_units({"--steps", "20", "--gradient-clip-val", "0.05"}), kFullShard);
@@ -204,6 +213,39 @@ TEST(FSDP, AFullStateDictIsOneFileThatLoadsOnAnyWorldSize) {
       fulgur::test::same_params(d + "/ddp-optimizer.pt", d + "/single-optimizer.pt"));
   run(kFullShard, "3", "8", "20", "three", {"--ckpt-path", last, "--out", d + "/three.pt"});
   EXPECT_TRUE(fulgur::test::same_params(d + "/ref.pt", d + "/three.pt", {.exact = true}));
+}
+
+// OnExceptionCheckpoint under fsdp, whose saves are collective: when every
+// rank fails at the same step it saves the sharded checkpoint (which
+// resumes); when one rank fails alone, its peers are in another collective,
+// so it saves nothing and says so after its peer_timeout, instead of
+// waiting the process group's timeout (10 minutes here) for them.
+TEST(FSDP, OnExceptionCheckpointSavesWhenEveryRankFailsAndSkipsWhenOneDoes) {
+  TempDir dir;
+  const std::string d = dir.path();
+  auto all = run_worker(with_units({"--strategy", kFullShard, "--devices", "2", "--batch", "8",
+                                    "--steps", "10", "--root", d + "/all", "--fail-all",
+                                    "--fault-step", "4", "--on-exception-checkpoint", "20",
+                                    "--timeout", "600"}));
+  EXPECT_NE(all.exit_code, 0) << all.output;
+  EXPECT_NE(all.output.find("OnExceptionCheckpoint: saved"), std::string::npos) << all.output;
+  const std::string saved = d + "/all/checkpoints/on_exception.ckpt";
+  EXPECT_TRUE(std::filesystem::exists(saved + "/manifest.txt")) << all.output;
+  auto resumed = run_worker(with_units({"--strategy", kFullShard, "--devices", "2", "--batch",
+                                        "8", "--steps", "10", "--root", d + "/all",
+                                        "--ckpt-path", saved}));
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_EQ(result_value(resumed.output, "global_step"), "10") << resumed.output;
+
+  auto one = run_worker(with_units({"--strategy", kFullShard, "--devices", "2", "--batch", "8",
+                                    "--steps", "10", "--root", d + "/one", "--fail-rank", "1",
+                                    "--fault-step", "4", "--on-exception-checkpoint", "2",
+                                    "--timeout", "600"}));
+  EXPECT_NE(one.exit_code, 0) << one.output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      one.output, {"rank 1 fails on its own now", "OnExceptionCheckpoint: not saving",
+                   "not every rank reached this point within 2 s"}));
+  EXPECT_FALSE(std::filesystem::exists(d + "/one/checkpoints/on_exception.ckpt"));
 }
 
 // sync_batchnorm: two ranks with fulgur::nn::SyncBatchNorm normalise as one
@@ -375,7 +417,7 @@ TEST(FSDP, FullShardHoldsOneUnitsParametersAtATimeOrTwoWithPrefetch) {
     std::vector<std::string> args = {"--strategy", kFullShard, "--devices", "2", "--batch",
                                      "8", "--steps", "6", "--root", dir.path(), "--out",
                                      dir.path() + (prefetch ? "/with.pt" : "/without.pt")};
-    if (!prefetch) args.emplace_back("--no-prefetch");
+    if (prefetch) args.emplace_back("--prefetch");
     auto r = run_worker(with_units(args));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     for (const char* rank : {"rank0", "rank1"}) {

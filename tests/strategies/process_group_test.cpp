@@ -211,6 +211,22 @@ TEST(ProcessGroup, AsyncExchangesOverlapEachOtherAndACollective) {
   }
 }
 
+// ranks_arrive: true when every rank comes with the key in time; false for
+// the one that waited in vain, and for a rank that comes after it gave up.
+TEST(ProcessGroup, RanksArriveOnlyWhenEveryRankComesInTime) {
+  bool together[2] = {}, waited = true, late = true;
+  fulgur::test::on_ranks(2, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+    together[rank] = group->ranks_arrive("together", std::chrono::seconds(20));
+    if (rank == 0) waited = group->ranks_arrive("alone", std::chrono::milliseconds(200));
+    group->barrier();  // rank 0 gave up by now
+    if (rank == 1) late = group->ranks_arrive("alone", std::chrono::seconds(20));
+  });
+  EXPECT_TRUE(together[0]);
+  EXPECT_TRUE(together[1]);
+  EXPECT_FALSE(waited);
+  EXPECT_FALSE(late);
+}
+
 // A peer that leaves instead of joining a ring: the rank waiting in it gets
 // an error naming the exchange, the step and the peer, not a hang or an
 // abort.

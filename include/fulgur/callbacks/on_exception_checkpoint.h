@@ -6,6 +6,8 @@
 // started (a bad flag, a missing file) saves nothing.
 #pragma once
 
+#include <chrono>
+
 #include <string>
 
 #include "fulgur/callbacks/callback.h"
@@ -17,6 +19,12 @@ struct OnExceptionCheckpointOptions {
   /// or the ModelCheckpoint's dirpath).
   std::string dirpath = "";
   std::string filename = "on_exception";
+  /// Where saving runs collectives (sharded checkpoints, fsdp), the save
+  /// happens only when every rank reaches it within this time (all failed
+  /// together); after an error on some ranks only, the others are in
+  /// another collective and the save would wait for them until the process
+  /// group's timeout: it is skipped, with a note.
+  std::chrono::milliseconds peer_timeout = std::chrono::seconds(30);
 };
 
 class OnExceptionCheckpoint : public Callback {

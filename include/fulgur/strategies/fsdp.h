@@ -42,8 +42,8 @@
 //
 // sync_batchnorm connects fulgur::nn::SyncBatchNorm layers as under DDP.
 //
-// Under FULL_SHARD the next unit's gather is prefetched and a unit's
-// reduce-scatter overlaps the rest of backward (FSDPOptions::prefetch).
+// Under FULL_SHARD with FSDPOptions::prefetch, the next unit's gather is
+// prefetched and a unit's reduce-scatter overlaps the rest of backward.
 //
 // Not yet: CPU offload.
 #pragma once
@@ -95,9 +95,11 @@ struct FSDPOptions {
   /// computes (the next in the last step's forward order; in backward, the
   /// one before it), and reduce-scatter a unit's gradients while the rest
   /// of backward runs. Up to two units' full parameters (and gradients) are
-  /// held at once instead of one. PyTorch FSDP's backward_prefetch and
-  /// forward_prefetch together.
-  bool prefetch = true;
+  /// held at once instead of one: faster (1.07x in bench/RESULTS.md), but
+  /// the largest model that fits is smaller (0.77x there, where each unit
+  /// is a third of the model), so it is off unless asked for. PyTorch
+  /// FSDP's backward_prefetch and forward_prefetch together.
+  bool prefetch = false;
   /// "popen" (re-execute the program per rank) or "fork", as for DDP.
   Choice<StartMethod> start_method = StartMethod::kPopen;
   /// The process group's timeout and backend, and the launcher's stop grace.
@@ -144,6 +146,9 @@ class FSDPStrategy : public ParallelStrategy {
   void load_optimizer_state(torch::optim::Optimizer& optimizer,
                             torch::serialize::InputArchive& archive) override;
   bool forward_is_collective() const override;
+  /// Every save gathers (the units' parameters, a full state's optimizer
+  /// state) on several ranks.
+  bool checkpoint_is_collective() const override { return world_size() > 1; }
   void with_full_parameters(Module& module, const std::function<void()>& body) override;
 
   /// Bytes this rank holds now for the model state the strategy manages:

@@ -95,6 +95,9 @@ class ParallelStrategy : public Strategy {
   /// MASTER_PORT: the launcher's choice, else the cluster environment's.
   int main_port() const;
 
+  /// Through the rendezvous store (ProcessGroup::ranks_arrive).
+  bool peers_arrive(const std::string& key, std::chrono::milliseconds timeout) override;
+
  protected:
   void do_setup_environment() override;
   /// Unless the cluster environment created the processes: this process

@@ -171,6 +171,12 @@ class ProcessGroup {
   // through buffers it allocates, 5x slower on 200 MB); other backends use
   // their all-gather, and an all-to-all with a local sum.
 
+  /// Whether every rank calls this with the same `key` within `timeout`
+  /// (through the rendezvous store, not a collective: a rank stuck in a
+  /// collective elsewhere only makes it false, never blocks it). False
+  /// without a store (mpi). Each key is used once per group.
+  bool ranks_arrive(const std::string& key, std::chrono::milliseconds timeout);
+
   /// The underlying c10d group (include the c10d headers to use it).
   const c10::intrusive_ptr<C10dGroup>& c10d_group() const;
 

@@ -26,6 +26,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <string>
@@ -169,6 +170,16 @@ class Strategy {
   /// units' parameters there): every rank must then run as many forwards,
   /// so evaluation is sharded evenly, padded as training is.
   virtual bool forward_is_collective() const { return false; }
+  /// Whether saving a checkpoint runs collectives, so every rank must save
+  /// at the same point: a sharded layout (several ranks), or a strategy
+  /// that gathers what it saves.
+  virtual bool checkpoint_is_collective() const;
+  /// Whether every rank gets here with the same `key` within `timeout`:
+  /// bounded, and never a collective (a rank stuck in one elsewhere only
+  /// makes it false). One rank: true.
+  virtual bool peers_arrive(const std::string& /*key*/, std::chrono::milliseconds /*timeout*/) {
+    return true;
+  }
   /// Runs `body` with every parameter of the module whole on this rank
   /// (fsdp gathers the sharded ones first and shards them again after).
   /// Every rank calls it at the same point.
