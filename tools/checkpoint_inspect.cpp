@@ -10,6 +10,7 @@
 #include "fulgur/core/errors.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 #include "fulgur/strategies/checkpoint_layout.h"
+#include "fulgur/strategies/fsdp.h"
 
 namespace fulgur_cli {
 
@@ -140,6 +141,14 @@ void print_contents(const std::string& file, std::ostream& out) {
         print_section(optimizers, std::to_string(i), str("  optimizer ", i), false, out);
       }
     }
+    InputArchive first;
+    c10::IValue record;
+    if (optimizers.try_read("0", first) &&
+        first.try_read(fulgur::FSDPStrategy::kShardRecordKey, record)) {
+      out << "  (strategy fsdp, sharded: each rank's file holds its part of the optimizer "
+             "state; `fulgur checkpoint consolidate DIR FILE` makes one file that loads on any "
+             "world size)\n";
+    }
   }
   c10::IValue schedulers;
   if (archive.try_read("lr_schedulers", schedulers)) {
@@ -186,7 +195,7 @@ int inspect_checkpoint(const std::string& path, std::ostream& out) {
       print_contents(path, out);
       return 0;
     }
-    // A directory of per-rank shards (strategy "manual").
+    // A directory of per-rank shards (strategies "manual" and "fsdp").
     const auto manifest = fulgur::ShardedCheckpoint::read_manifest(path);
     out << "per-rank checkpoint: " << manifest.world_size << " shard(s), "
         << fulgur::ShardedCheckpoint::kManifest << " verified\n";

@@ -129,7 +129,7 @@ TEST(FSDP, FullShardAFrozenParameterStaysWholeAndMatches) {
 // Three ranks: every parameter's element count (16x32, 32, 32x4, 4) leaves
 // the last rank a shorter, padded chunk. Batch 8 on each equals one
 // process with batch 24.
-TEST(FSDP, FullShardOnThreeRanksWithUnevenShardsMatchesOneProcess) {
+TEST(FSDP, EachStrategyOnThreeRanksWithUnevenShardsMatchesOneProcess) {
   TempDir dir;
   const std::string single = dir.path() + "/single.pt", multi = dir.path() + "/multi.pt";
   const std::vector<std::string> common = {"--steps", "20", "--samples", "240", "--optimizer",
@@ -145,6 +145,13 @@ TEST(FSDP, FullShardOnThreeRanksWithUnevenShardsMatchesOneProcess) {
   ASSERT_EQ(three.exit_code, 0) << three.output;
   EXPECT_EQ(result_value(three.output, "world_size"), "3") << three.output;
   EXPECT_TRUE(fulgur::test::same_params(single, multi));
+  // SHARD_GRAD_OP on the same 3 ranks (shards that are views of their
+  // parameters, and padded copies for the last rank's chunks).
+  const std::string grad_op = dir.path() + "/grad_op.pt";
+  auto sgo = run_worker(
+      with({"--strategy", kFsdp, "--devices", "3", "--batch", "8", "--out", grad_op}));
+  ASSERT_EQ(sgo.exit_code, 0) << sgo.output;
+  EXPECT_TRUE(fulgur::test::same_params(single, grad_op));
 }
 
 // The example's kind of model: convolutions (one a unit under FULL_SHARD)
@@ -288,6 +295,11 @@ TEST(FSDP, AShardedCheckpointConsolidatesIntoTheFullOne) {
   const std::string sharded = d + "/sharded/checkpoints/last.ckpt";
   const std::string consolidated = d + "/consolidated.ckpt";
   ASSERT_TRUE(std::filesystem::is_directory(sharded));
+  auto inspected = fulgur::test::run_process({FULGUR_CLI, "checkpoint", "inspect", sharded}, {},
+                                             120s);
+  EXPECT_EQ(inspected.exit_code, 0) << inspected.output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      inspected.output, {"3 shard(s)", "strategy fsdp, sharded", "fulgur checkpoint consolidate"}));
   auto c = fulgur::test::run_process(
       {FULGUR_CLI, "checkpoint", "consolidate", sharded, consolidated}, {}, 120s);
   ASSERT_EQ(c.exit_code, 0) << c.output;
