@@ -27,7 +27,10 @@ namespace fulgur {
 // gradients this backward has completed.
 class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_this<Unit> {
  public:
-  explicit Unit(FSDPStrategy& strategy) : strategy_(strategy) {}
+  /// `shards`: FULL_SHARD (its parameters are released between uses);
+  /// under SHARD_GRAD_OP a unit only reduce-scatters its gradients in
+  /// backward (prefetch).
+  Unit(FSDPStrategy& strategy, bool shards) : strategy_(strategy), shards_(shards) {}
   ~Unit() override {
     for (size_t k = 0; k < accumulators_.size(); ++k) {
       accumulators_[k]->del_post_hook(hook_keys_[k]);
@@ -48,7 +51,7 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
   void watch_gradients();
   /// Starts gathering the parameters (a prefetch); gather() ends it.
   void start_gather() {
-    if (gathered_ || !gathering_.empty()) return;
+    if (!shards_ || gathered_ || !gathering_.empty()) return;
     for (auto& [sharded, indices] : members) {
       gathering_.push_back(sharded->start_all_gather_parameters(indices));
     }
@@ -63,6 +66,7 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
     strategy_.note_held_parameters();
   }
   void release() {
+    if (!shards_) return;
     if (!gathering_.empty()) gather();  // a prefetch under way ends first
     if (!gathered_) return;
     for (auto& [sharded, indices] : members) sharded->release_parameters(indices);
@@ -75,10 +79,12 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
   bool reduced() const { return reduced_; }
 
   void before_forward() override {
+    if (!shards_) return;
     gather();
     if (at::GradMode::is_enabled()) strategy_.unit_forward_started(this);
   }
   void after_forward(const std::vector<at::Tensor>& outputs) override {
+    if (!shards_) return;
     if (!at::GradMode::is_enabled()) {
       release();
       return;
@@ -119,6 +125,7 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
 
  private:
   FSDPStrategy& strategy_;
+  const bool shards_;
   std::shared_ptr<torch::nn::Module> module_;
   bool gathered_ = true;
   std::vector<ShardedExchange> gathering_;  // a prefetch under way
@@ -325,7 +332,9 @@ OptimizerConfig FSDPStrategy::setup_optimizers(Module& module) {
     }
     sharded_.emplace_back(&optimizer, std::move(sharded));
   }
-  if (options_.sharding_strategy.value() == ShardingStrategy::kFullShard) attach_units(module);
+  // Under SHARD_GRAD_OP the units matter only to reduce-scatter their
+  // gradients during backward (prefetch).
+  if (full_shard() || options_.prefetch) attach_units(module);
   index_whole_parameters();
   return config;
 }
@@ -347,7 +356,7 @@ void FSDPStrategy::attach_units(Module& module) {
   for (size_t m = named.size(); m-- > 0;) {
     auto* unit_module = dynamic_cast<nn::FSDPUnitBase*>(named[m].value().get());
     if (unit_module == nullptr) continue;
-    auto unit = std::make_shared<Unit>(*this);
+    auto unit = std::make_shared<Unit>(*this, full_shard());
     std::map<ShardedParameters*, std::vector<size_t>> members;
     for (const auto& p : unit_module->parameters()) {
       auto it = where.find(p.unsafeGetTensorImpl());
@@ -360,7 +369,7 @@ void FSDPStrategy::attach_units(Module& module) {
     unit->attach_module(named[m].value());
     units_.push_back(std::move(unit));
   }
-  if (units_.empty() && is_global_zero()) {
+  if (units_.empty() && full_shard() && is_global_zero()) {
     detail::print_note(
         str("strategy \"", name(),
             "\": the module declares no fulgur::nn::FSDPUnit, so every parameter stays "
@@ -427,7 +436,8 @@ void FSDPStrategy::index_whole_parameters() {
   whole_.clear();
   for (const auto& entry : sharded_) {
     std::vector<char> in_unit(entry.second->parameters().size(), 0);
-    for (const auto& unit : units_) {
+    // Under SHARD_GRAD_OP every parameter stays whole, units' too.
+    for (const auto& unit : full_shard() ? units_ : std::vector<std::shared_ptr<Unit>>()) {
       for (const auto& [s, indices] : unit->members) {
         if (s != entry.second.get()) continue;
         for (size_t i : indices) in_unit[i] = 1;
@@ -452,12 +462,17 @@ bool FSDPStrategy::reduce_gradients(bool contributes) {
   // What the units did not reduce in backward: the parameters outside every
   // unit, and units with a parameter that got no gradient.
   for (auto& entry : sharded_) {
-    std::vector<size_t> rest = whole_.at(entry.second.get());
+    std::vector<char> reduced(entry.second->parameters().size(), 0);
     for (const auto& unit : units_) {
-      if (unit->reduced()) continue;
+      if (!unit->reduced()) continue;
       for (const auto& [s, indices] : unit->members) {
-        if (s == entry.second.get()) rest.insert(rest.end(), indices.begin(), indices.end());
+        if (s != entry.second.get()) continue;
+        for (size_t i : indices) reduced[i] = 1;
       }
+    }
+    std::vector<size_t> rest;
+    for (size_t i = 0; i < reduced.size(); ++i) {
+      if (reduced[i] == 0) rest.push_back(i);
     }
     any = entry.second->reduce_scatter_gradients(rest, contributes) || any;
   }
@@ -476,15 +491,23 @@ void FSDPStrategy::agree_on_backward(bool has_loss) {
   const int64_t with_loss = count.item<int64_t>();
   if (with_loss == 0 || with_loss == world_size()) return;
   const bool units = !units_.empty();
-  throw ConfigError(
-      str("strategy \"", name(), units ? "\" (FULL_SHARD)" : "\" with sync_batchnorm=true",
-          ": training_step returned no loss on ", world_size() - with_loss, " of ", world_size(),
-          " ranks (this rank: ", has_loss ? "a loss" : "none", ") at a step the optimizers take. ",
-          units ? "Each unit's gather and reduce-scatter in backward is a collective"
-                : "SyncBatchNorm reduces across ranks in backward",
-          ", so every rank runs the backward of every step, or none does: return a loss on every "
-          "rank (e.g. 0 * output.sum() for a batch to ignore), or ",
-          units ? "use strategy \"fsdp_shard_grad_op\"." : "turn sync_batchnorm off."));
+  const char* why = !units ? "SyncBatchNorm reduces across ranks in backward"
+                    : full_shard()
+                        ? "Each unit's gather and reduce-scatter in backward is a collective"
+                        : "Each unit's reduce-scatter in backward (prefetch) is a collective";
+  const char* instead = !units         ? "turn sync_batchnorm off."
+                        : full_shard() ? "use strategy \"fsdp_shard_grad_op\"."
+                                       : "turn prefetch off.";
+  throw ConfigError(str("strategy \"", name(),
+                        !units         ? "\" with sync_batchnorm=true"
+                        : full_shard() ? "\" (FULL_SHARD)"
+                                       : "\" with prefetch",
+                        ": training_step returned no loss on ", world_size() - with_loss, " of ",
+                        world_size(), " ranks (this rank: ", has_loss ? "a loss" : "none",
+                        ") at a step the optimizers take. ", why,
+                        ", so every rank runs the backward of every step, or none does: return a "
+                        "loss on every rank (e.g. 0 * output.sum() for a batch to ignore), or ",
+                        instead));
 }
 
 void FSDPStrategy::backward(const at::Tensor& loss, Module& module) {
@@ -583,7 +606,7 @@ void save_with_copies(const torch::nn::Module& module, torch::serialize::OutputA
 }  // namespace
 
 void FSDPStrategy::save_module_state(Module& module, torch::serialize::OutputArchive& archive) {
-  if (units_.empty()) {
+  if (units_.empty() || !full_shard()) {
     ParallelStrategy::save_module_state(module, archive);
     return;
   }
@@ -705,6 +728,10 @@ void FSDPStrategy::load_optimizer_state(torch::optim::Optimizer& optimizer,
       return t.sizes() == whole ? sharded->shard_of(i, t) : t;
     });
   }
+}
+
+bool FSDPStrategy::full_shard() const {
+  return options_.sharding_strategy.value() == ShardingStrategy::kFullShard;
 }
 
 bool FSDPStrategy::forward_is_collective() const {

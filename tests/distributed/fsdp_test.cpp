@@ -104,11 +104,25 @@ TEST(FSDP, FullShardALayerSomeStepsDoNotUseMatches) {
 // With prefetch the order of the last step's forward guides the gathers:
 // a layer used on even steps only is gathered ahead on the odd ones too
 // (and released unused), accumulation runs two forwards per step, and the
-// results are one process's.
-TEST(FSDP, FullShardWithPrefetchMatchesWhenTheForwardOrderChanges) {
-  expect_equivalent(with_units({"--steps", "20", "--unused-layer"}), kFullShard, {"--prefetch"});
-  expect_equivalent(with_units({"--steps", "10", "--accumulate", "2", "--optimizer", "adam"}),
-                    kFullShard, {"--prefetch"});
+// results are one process's. Under SHARD_GRAD_OP prefetch reduce-scatters
+// each unit in backward (a unit some steps leave without gradients is
+// reduced after it); a step one rank has no loss for is then an error on
+// every rank.
+TEST(FSDP, WithPrefetchEachStrategyMatchesWhenTheForwardOrderChanges) {
+  for (const char* strategy : {kFullShard, kFsdp}) {
+    SCOPED_TRACE(strategy);
+    expect_equivalent(with_units({"--steps", "20", "--unused-layer"}), strategy, {"--prefetch"});
+    expect_equivalent(with_units({"--steps", "10", "--accumulate", "2", "--optimizer", "adam"}),
+                      strategy, {"--prefetch"});
+  }
+  TempDir dir;
+  auto r = run_worker(with_units({"--strategy", kFsdp, "--prefetch", "--devices", "2", "--batch",
+                                  "8", "--steps", "6", "--root", dir.path(), "--skip-ranks", "1",
+                                  "--skip-at", "3", "--skip-after-forward"}));
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      r.output, {"\"fsdp_shard_grad_op\" with prefetch", "returned no loss on 1 of 2 ranks",
+                 "turn prefetch off"}));
 }
 
 TEST(FSDP, FullShardClippingByNormMatches) {

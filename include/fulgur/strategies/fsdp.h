@@ -91,14 +91,16 @@ struct ChoiceNames<StateDictType> {
 struct FSDPOptions {
   Choice<ShardingStrategy> sharding_strategy = ShardingStrategy::kFullShard;
   Choice<StateDictType> state_dict_type = StateDictType::kSharded;
-  /// FULL_SHARD: gather the next unit's parameters while the current unit
-  /// computes (the next in the last step's forward order; in backward, the
-  /// one before it), and reduce-scatter a unit's gradients while the rest
-  /// of backward runs. Up to two units' full parameters (and gradients) are
-  /// held at once instead of one: faster (1.07x in bench/RESULTS.md), but
-  /// the largest model that fits is smaller (0.77x there, where each unit
-  /// is a third of the model), so it is off unless asked for. PyTorch
-  /// FSDP's backward_prefetch and forward_prefetch together.
+  /// Reduce-scatter each declared unit's gradients while the rest of
+  /// backward runs (both sharding strategies; every rank then runs every
+  /// backward), and under FULL_SHARD also gather the next unit's parameters
+  /// while the current unit computes (the next in the last step's forward
+  /// order; in backward, the one before it). Up to two units' full
+  /// parameters (and gradients) are held at once instead of one: faster
+  /// (1.07x for FULL_SHARD in bench/RESULTS.md), but the largest model that
+  /// fits is smaller (0.77x there, where each unit is a third of the
+  /// model), so it is off unless asked for. PyTorch FSDP's backward_prefetch
+  /// and forward_prefetch together.
   bool prefetch = false;
   /// "popen" (re-execute the program per rank) or "fork", as for DDP.
   Choice<StartMethod> start_method = StartMethod::kPopen;
@@ -188,6 +190,7 @@ class FSDPStrategy : public ParallelStrategy {
                           const ShardedParameters& sharded,
                           torch::serialize::OutputArchive& archive) const;
   bool reduce_gradients(bool contributes = true);
+  bool full_shard() const;
   /// Whether a backward runs collectives (FULL_SHARD's units,
   /// SyncBatchNorm): then every rank runs it, or none.
   bool backward_is_collective() const;
