@@ -1,7 +1,8 @@
 """Sharded data parallel benchmark: ddp, fsdp_shard_grad_op and fsdp (without
 and with prefetch) on the same MLP (Adam, fp32, 2 ranks), run interleaved
-(ddp, grad_op, fsdp, fsdp with prefetch, ddp, ...), medians. Per strategy
-one JSON object: samples/s and its ratio to ddp's, the model-state bytes a
+(ddp, grad_op, grad_op with prefetch, fsdp, fsdp with prefetch, ddp, ...),
+medians. Per strategy one JSON object: samples/s and its ratio to ddp's, the
+model-state bytes a
 rank holds after an optimizer step (counted from the tensors) against the
 ZeRO formula (16 bytes per parameter P under
 DDP: 16P; SHARD_GRAD_OP: 4P + 12P/N; FULL_SHARD: 16P/N), the most
@@ -26,10 +27,11 @@ import resource
 import statistics
 import subprocess
 
-# "fsdp, prefetch": FULL_SHARD with FSDPOptions::prefetch (the next unit
-# gathered ahead, reduce-scatters overlapping backward), to show what it
-# buys and what it costs.
-STRATEGIES = ["ddp", "fsdp_shard_grad_op", "fsdp", "fsdp, prefetch"]
+# ", prefetch": with FSDPOptions::prefetch (each unit's reduce-scatter
+# overlapping backward; under FULL_SHARD also the next unit gathered
+# ahead), to show what it buys and what it costs.
+STRATEGIES = ["ddp", "fsdp_shard_grad_op", "fsdp_shard_grad_op, prefetch", "fsdp",
+              "fsdp, prefetch"]
 
 
 def run(exe, label, a):

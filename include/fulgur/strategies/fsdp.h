@@ -97,7 +97,7 @@ struct FSDPOptions {
   /// while the current unit computes (the next in the last step's forward
   /// order; in backward, the one before it). Up to two units' full
   /// parameters (and gradients) are held at once instead of one: faster
-  /// (1.07x for FULL_SHARD in bench/RESULTS.md), but the largest model that
+  /// (1.03-1.07x for FULL_SHARD in bench/RESULTS.md), but the largest model that
   /// fits is smaller (0.77x there, where each unit is a third of the
   /// model), so it is off unless asked for. PyTorch FSDP's backward_prefetch
   /// and forward_prefetch together.
