@@ -42,10 +42,15 @@
 //
 // sync_batchnorm connects fulgur::nn::SyncBatchNorm layers as under DDP.
 //
-// Under FULL_SHARD with FSDPOptions::prefetch, the next unit's gather is
-// prefetched and a unit's reduce-scatter overlaps the rest of backward.
+// With FSDPOptions::prefetch, each unit's reduce-scatter overlaps the rest
+// of backward (both strategies; every rank then runs every backward) and,
+// under FULL_SHARD, the next unit's gather is prefetched.
 //
-// Not yet: CPU offload.
+// Under Gloo the exchanges are rings of sends and receives between the
+// tensors themselves (ProcessGroup::all_gather_into, reduce_scatter_sum_).
+//
+// Not yet: building the model sharded (every rank builds it whole first),
+// CPU offload.
 #pragma once
 
 #include <cstdint>
