@@ -474,8 +474,12 @@ void ProcessGroup::post_ring_step(PendingExchange::State& ring) {
     ring.out_work = impl_->group->send(sent, next, ring.tag);
     ring.in_work = impl_->group->recv(into, previous, ring.tag);
   } catch (const std::exception& e) {
-    throw DistributedError(
-        str(ring.what, " on rank ", rank(), " of ", size(), " failed to start: ", e.what()));
+    // A peer that is gone by now shows here (its connection closed) or in
+    // the wait: the same names either way.
+    throw DistributedError(str(ring.what, " #", ring.seq, " (ring step ", ring.next_step + 1,
+                               " of ", size() - 1, ") on rank ", rank(), " of ", size(),
+                               ", sending to rank ", next, " and receiving from rank ", previous,
+                               ", failed to start: ", e.what(), "\n", detail::kPeerFailedHint));
   }
   ++ring.next_step;
 }
