@@ -65,8 +65,9 @@ std::string hex32(uint32_t value) {
 
 using Manifest = ShardedCheckpoint::Manifest;
 
-// Empty when every shard the manifest lists exists; otherwise the error.
-std::string missing_shards(const std::string& path, const Manifest& manifest) {
+}  // namespace
+
+std::string ShardedCheckpoint::missing_shards(const std::string& path, const Manifest& manifest) {
   std::vector<std::string> missing;
   std::error_code ec;
   for (const auto& shard : manifest.shards) {
@@ -77,8 +78,6 @@ std::string missing_shards(const std::string& path, const Manifest& manifest) {
              manifest.world_size, " listed in ", ShardedCheckpoint::kManifest,
              ". Restore them, or resume from another checkpoint.");
 }
-
-}  // namespace
 
 ShardedCheckpoint::Manifest ShardedCheckpoint::read_manifest(const std::string& path) {
   const fs::path file = fs::path(path) / ShardedCheckpoint::kManifest;

@@ -198,6 +198,9 @@ void consolidate_sharded_checkpoint(const std::string& dir, const std::string& o
                               "\" does not exist. Create it first."));
   }
   const auto manifest = ShardedCheckpoint::read_manifest(dir);
+  if (auto missing = ShardedCheckpoint::missing_shards(dir, manifest); !missing.empty()) {
+    throw CheckpointError(missing);
+  }
   const int64_t world = manifest.world_size;
   TorchCheckpointIO io;
   auto shard_file = [&](int64_t r) {
@@ -207,15 +210,12 @@ void consolidate_sharded_checkpoint(const std::string& dir, const std::string& o
   // Rank 0's file gives everything but the optimizers' state; every rank's
   // gives its chunks of that state. Each file is read (and verified) once,
   // and only its optimizer sections are kept.
-  std::vector<InputArchive> files(static_cast<size_t>(world));
+  InputArchive rank0;
   std::vector<std::vector<InputArchive>> optimizers(static_cast<size_t>(world));
+  std::vector<ShardRecord> records;  // rank 0's, one per optimizer
   int64_t count = 0;
   for (int64_t r = 0; r < world; ++r) {
     const std::string file = shard_file(r);
-    if (!fs::exists(file, ec)) {
-      throw CheckpointError(str("checkpoint \"", dir, "\" lists ", world, " shards but \"", file,
-                                "\" is missing. Use an earlier checkpoint."));
-    }
     InputArchive archive;
     io.load_checkpoint(file, archive);
     InputArchive states = section(archive, "optimizer_states", file);
@@ -227,26 +227,26 @@ void consolidate_sharded_checkpoint(const std::string& dir, const std::string& o
     }
     for (int64_t o = 0; o < n; ++o) {
       optimizers[r].push_back(section(states, std::to_string(o), file));
-      const ShardRecord record = shard_record(optimizers[r].back(), file, o);
+      ShardRecord record = shard_record(optimizers[r].back(), file, o);
       if (record.world_size != world || record.rank != r) {
         throw CheckpointError(str("\"", file, "\" was written by rank ", record.rank, " of ",
                                   record.world_size, ", but ", ShardedCheckpoint::kManifest,
                                   " lists it as rank ", r, " of ", world,
                                   ": the directory mixes saves. Use an earlier checkpoint."));
       }
+      if (r == 0) records.push_back(std::move(record));
     }
-    if (r == 0) files[0] = std::move(archive);
+    if (r == 0) rank0 = std::move(archive);
   }
 
   auto cu = std::make_shared<torch::jit::CompilationUnit>();
   OutputArchive whole(cu);
-  copy_archive(files[0], whole,
-               {"optimizer_states", std::string(TorchCheckpointIO::kIntegrityKey)});
+  copy_archive(rank0, whole, {"optimizer_states", std::string(TorchCheckpointIO::kIntegrityKey)});
   OutputArchive states(cu);
   states.write("count", c10::IValue(count));
   for (int64_t o = 0; o < count; ++o) {
     const std::string file0 = shard_file(0);
-    const ShardRecord record = shard_record(optimizers[0][o], file0, o);
+    const ShardRecord& record = records[static_cast<size_t>(o)];
     std::vector<RankState> ranks;
     for (int64_t r = 0; r < world; ++r) {
       ranks.push_back(rank_state(optimizers[r][o], shard_file(r)));

@@ -357,6 +357,14 @@ TEST(FSDP, AShardedCheckpointConsolidatesIntoTheFullOne) {
   EXPECT_EQ(damaged.exit_code, 1) << damaged.output;
   EXPECT_TRUE(fulgur::test::message_contains(damaged.output, {"rank-1-of-3.ckpt", "corrupt"}));
   EXPECT_FALSE(std::filesystem::exists(d + "/from-broken.ckpt"));
+  // So is a missing one, before any shard is read.
+  std::filesystem::remove(broken + "/rank-2-of-3.ckpt");
+  auto missing = fulgur::test::run_process(
+      {FULGUR_CLI, "checkpoint", "consolidate", broken, d + "/from-broken.ckpt"}, {}, 120s);
+  EXPECT_EQ(missing.exit_code, 1) << missing.output;
+  EXPECT_TRUE(fulgur::test::message_contains(missing.output,
+                                             {"is missing shard(s) rank-2-of-3.ckpt", "of the 3"}));
+  EXPECT_FALSE(std::filesystem::exists(d + "/from-broken.ckpt"));
 }
 
 // bf16-mixed (autocast, fp32 parameters and gradients): the same steps as

@@ -97,6 +97,9 @@ class ShardedCheckpoint : public CheckpointLayout {
     std::vector<std::string> shards;
   };
   static Manifest read_manifest(const std::string& path);
+  /// Empty when every shard the manifest lists exists; otherwise the
+  /// CheckpointError's message naming the missing ones.
+  static std::string missing_shards(const std::string& path, const Manifest& manifest);
   /// `<path>/rank-<k>-of-<n>.ckpt`.
   static std::string shard_path(const std::string& path, int rank, int world_size);
   static constexpr const char* kManifest = "manifest.txt";
