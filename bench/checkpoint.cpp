@@ -5,12 +5,16 @@
 // with OutputArchive::save_to (as torch::save does), with and without an
 // fsync (the same durability as fulgur's), and loaded with
 // InputArchive::load_from into the same module and optimizer.
-// Interleaved over --reps; medians in MB/s. Every timed operation starts
-// after a sync(), so that no side pays for the write-back of another's
-// unflushed data. Loads read from the page cache (the file was just
+// Interleaved over --reps, after --warmup repetitions whose times are
+// dropped (on a virtual machine the first gigabytes a process touches cost
+// a fault in the host each: the first loads took 2-3 s for 1 GB here,
+// later ones 0.11-0.19 s); medians in MB/s. The loads are timed twice:
+// between the saves of each repetition, and then alone, back to back.
+// Every timed operation starts after a sync(), so that no side pays for the
+// write-back of another's unflushed data. Loads read from the page cache (the file was just
 // written), so they measure verification and deserialisation, not disk.
 //
-//   checkpoint --mb 100 --reps 5 --dir /tmp
+//   checkpoint --mb 100 --reps 5 --warmup 2 --dir /tmp
 #include <fcntl.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -58,6 +62,7 @@ void fsync_file(const std::string& path) {
 int main(int argc, char** argv) {
   int64_t mb = 100;
   int reps = 5;
+  int warmup = 2;
   std::string dir = std::filesystem::temp_directory_path().string();
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i];
@@ -65,10 +70,13 @@ int main(int argc, char** argv) {
       mb = std::stoll(argv[i + 1]);
     else if (flag == "--reps")
       reps = std::stoi(argv[i + 1]);
+    else if (flag == "--warmup")
+      warmup = std::stoi(argv[i + 1]);
     else if (flag == "--dir")
       dir = argv[i + 1];
     else {
-      std::fprintf(stderr, "checkpoint: unknown flag %s (--mb N, --reps N, --dir DIR)\n",
+      std::fprintf(stderr,
+                   "checkpoint: unknown flag %s (--mb N, --reps N, --warmup N, --dir DIR)\n",
                    flag.c_str());
       return 2;
     }
@@ -135,7 +143,24 @@ int main(int argc, char** argv) {
     async_io.save_checkpoint(root, a_path);
     async_io.wait_until_durable();
   }
-  for (int r = 0; r < reps; ++r) {
+  // One load of each checkpoint, in an order alternating with `r`.
+  auto load_pair = [&](int r, std::vector<double>& fulgur, std::vector<double>& libtorch) {
+    auto fulgur_load = [&] {
+      fulgur.push_back(time_load([&](auto& root) { io.load_checkpoint(f_path, root); }));
+    };
+    auto libtorch_load = [&] {
+      libtorch.push_back(time_load([&](auto& root) { root.load_from(r_path); }));
+    };
+    if (r % 2 == 0) {
+      fulgur_load();
+      libtorch_load();
+    } else {
+      libtorch_load();
+      fulgur_load();
+    }
+  };
+  std::vector<double> f_load_alone, r_load_alone;
+  for (int r = 0; r < warmup + reps; ++r) {
     const double sync_seconds = time_save([&](auto& root) { io.save_checkpoint(root, f_path); });
     f_save.push_back(megabytes / sync_seconds);
     sync_stall.push_back(sync_seconds);
@@ -150,31 +175,30 @@ int main(int argc, char** argv) {
     // gets memory the process has not touched lately (on a virtual machine,
     // fresh pages cost a fault in the host), the second the pages the first
     // just freed.
-    auto fulgur_load = [&] {
-      f_load.push_back(time_load([&](auto& root) { io.load_checkpoint(f_path, root); }));
-    };
-    auto libtorch_load = [&] {
-      r_load.push_back(time_load([&](auto& root) { root.load_from(r_path); }));
-    };
-    if (r % 2 == 0) {
-      fulgur_load();
-      libtorch_load();
-    } else {
-      libtorch_load();
-      fulgur_load();
-    }
+    load_pair(r, f_load, r_load);
+  }
+  // Loads alone, back to back (after the same warm-up): without the saves'
+  // churn of memory and page cache between them, the loads' own cost.
+  for (int r = 0; r < warmup + reps; ++r) load_pair(r, f_load_alone, r_load_alone);
+  for (auto* timings : {&f_save, &r_save, &s_save, &f_load, &r_load, &f_load_alone,
+                        &r_load_alone, &sync_stall, &async_stall}) {
+    timings->erase(timings->begin(), timings->begin() + warmup);
   }
   for (const auto& p : {f_path, r_path, s_path, a_path}) std::filesystem::remove(p);
   std::printf(
-      "{\"benchmark\": \"checkpoint_%lldMB\", \"megabytes\": %.1f, \"reps\": %d, "
+      "{\"benchmark\": \"checkpoint_%lldMB\", \"megabytes\": %.1f, \"reps\": %d, \"warmup\": %d, "
       "\"fulgur_save_mb_s\": %.1f, \"torch_save_mb_s\": %.1f, \"torch_save_fsync_mb_s\": %.1f, "
       "\"fulgur_load_mb_s\": %.1f, \"torch_load_mb_s\": %.1f, "
       "\"save_ratio_vs_torch_save_fsync\": %.3f, \"load_ratio\": %.3f, "
+      "\"fulgur_load_alone_mb_s\": %.1f, \"torch_load_alone_mb_s\": %.1f, "
+      "\"load_alone_ratio\": %.3f, "
       "\"sync_stall_ms\": %.1f, \"async_stall_ms\": %.1f, \"async_stall_ratio\": %.3f, "
       "\"async_buffer_over_state\": %.3f}\n",
-      static_cast<long long>(mb), megabytes, reps, median(f_save), median(r_save), median(s_save),
-      median(f_load), median(r_load), median(f_save) / median(s_save),
-      median(f_load) / median(r_load), 1e3 * median(sync_stall), 1e3 * median(async_stall),
+      static_cast<long long>(mb), megabytes, reps, warmup, median(f_save), median(r_save),
+      median(s_save), median(f_load), median(r_load), median(f_save) / median(s_save),
+      median(f_load) / median(r_load), median(f_load_alone), median(r_load_alone),
+      median(f_load_alone) / median(r_load_alone), 1e3 * median(sync_stall),
+      1e3 * median(async_stall),
       median(async_stall) / median(sync_stall),
       static_cast<double>(async_io.snapshot_bytes()) / bytes);
   return 0;

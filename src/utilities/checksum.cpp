@@ -20,6 +20,47 @@ uint32_t crc32c(const void* data, size_t n, uint32_t crc) {
   return ~state;
 }
 
+namespace {
+
+// Polynomials over GF(2) modulo CRC32C's, in the CRC's reflected order:
+// bit 31 holds x^0, bit 0 holds x^31.
+constexpr uint32_t kCastagnoliReflected = 0x82F63B78u;
+constexpr uint32_t kOne = 1u << 31;  // x^0
+
+uint32_t multiply_mod(uint32_t a, uint32_t b) {
+  uint32_t product = 0;
+  for (uint32_t bit = kOne; bit != 0; bit >>= 1) {
+    if (a & bit) product ^= b;
+    b = (b & 1u) ? (b >> 1) ^ kCastagnoliReflected : b >> 1;  // b *= x
+  }
+  return product;
+}
+
+// x^(2^k) mod P for k = 0..63.
+struct PowersOfX {
+  uint32_t x_to_2_to_the[64];
+  PowersOfX() {
+    x_to_2_to_the[0] = kOne >> 1;  // x^1
+    for (int k = 1; k < 64; ++k) {
+      x_to_2_to_the[k] = multiply_mod(x_to_2_to_the[k - 1], x_to_2_to_the[k - 1]);
+    }
+  }
+};
+
+}  // namespace
+
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b) {
+  // Appending n bytes multiplies A's CRC register by x^(8n) mod P; the
+  // initial and final inversions cancel between the two CRCs.
+  static const PowersOfX powers;
+  uint32_t shift = kOne;
+  int k = 3;  // 8n = n * 2^3
+  for (uint64_t n = length_b; n != 0; n >>= 1, ++k) {
+    if (n & 1u) shift = multiply_mod(powers.x_to_2_to_the[k % 64], shift);
+  }
+  return multiply_mod(shift, crc_a) ^ crc_b;
+}
+
 uint32_t crc32_ieee(const void* data, size_t n, uint32_t crc) {
   return crc32_gzip_refl(crc, static_cast<const unsigned char*>(data), n);
 }

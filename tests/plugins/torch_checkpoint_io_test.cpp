@@ -171,7 +171,55 @@ TEST(TorchCheckpointIOIntegrity, EveryFlippedByteIsRefused) {
   EXPECT_EQ(load_error(io, path), "loaded");
 }
 
-// LibTorch parses a file while its checksum is computed beside it: damage
+// Reads of 1 MiB and more are split between two threads, each half read
+// and checksummed in pieces: a tensor of 3.2 MB and one of an odd size
+// (1.5 MB) load intact, and a flipped byte in either half of either, at a
+// piece's edge or at the split, is refused naming the tensor's record.
+TEST(TorchCheckpointIOIntegrity, LargeRecordsAreVerifiedInBothHalves) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  const std::string path = dir.file("a.ckpt");
+  const auto big = torch::arange(800000, torch::kFloat);
+  const auto odd = torch::arange(393217, torch::kFloat) * -1;
+  {
+    torch::serialize::OutputArchive archive;
+    archive.write("big", big);
+    archive.write("small", torch::ones({16}));
+    archive.write("odd", odd);
+    io.save_checkpoint(archive, path);
+  }
+  {
+    torch::serialize::InputArchive archive;
+    io.load_checkpoint(path, archive);
+    at::Tensor loaded;
+    archive.read("big", loaded);
+    EXPECT_TRUE(torch::equal(loaded, big));
+    archive.read("odd", loaded);
+    EXPECT_TRUE(torch::equal(loaded, odd));
+  }
+  const std::string good = fulgur::test::read_text(path);
+  for (const auto& tensor : {big, odd}) {
+    const std::string head(static_cast<const char*>(tensor.data_ptr()), 64);
+    const size_t start = good.find(head);
+    ASSERT_NE(start, std::string::npos);
+    const size_t bytes = static_cast<size_t>(tensor.numel()) * 4;
+    const size_t half = (bytes / 2) & ~size_t{4095};
+    for (size_t offset : {size_t{0}, size_t{256} << 10, half - 1, half, half + (size_t{256} << 10),
+                          bytes / 2 + bytes / 4, bytes - 1}) {
+      std::string bad = good;
+      bad[start + offset] = static_cast<char>(~bad[start + offset]);
+      fulgur::test::write_text(path, bad);
+      const std::string error = load_error(io, path);
+      EXPECT_TRUE(fulgur::test::message_contains(
+          error, {path, "is corrupt", "the bytes of a tensor (record data/"}))
+          << "tensor of " << bytes << " bytes, offset " << offset << ": " << error;
+    }
+  }
+  fulgur::test::write_text(path, good);
+  EXPECT_EQ(load_error(io, path), "loaded");
+}
+
+// LibTorch parses a file while its checksum is computed as it reads: damage
 // in the archive's structure (its first records, the pickled description of
 // its tensors, its directory of records at the end) must still end in the
 // corrupt-file error, never a crash, a hang or a different error. Every

@@ -1,8 +1,8 @@
 // LibTorch archives with a checksum: the archive's bytes, then a 32-byte
 // footer holding their length and CRC32C. Written to a temporary file,
 // flushed, renamed into place, and the directory flushed. Read with pread:
-// the checksum is computed beside LibTorch's parse, and nothing parsed is
-// handed back before it matches.
+// the bytes are checksummed as LibTorch reads them, and nothing parsed is
+// handed back before the checksum matches.
 #include "utilities/little_endian.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 
@@ -14,13 +14,17 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <exception>
 #include <iostream>
+#include <mutex>
 #include <optional>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "fulgur/core/errors.h"
@@ -205,14 +209,19 @@ class CheckpointFile {
       done += static_cast<size_t>(got);
     }
   }
-  /// CRC32C of the first `n` bytes, read in pieces through one small buffer.
-  uint32_t crc32c_of(uint64_t n) const {
-    std::vector<char> buf(std::min<uint64_t>(n, uint64_t{4} << 20));
-    uint32_t crc = 0;
-    for (uint64_t pos = 0; pos < n;) {
-      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(buf.size(), n - pos));
-      read_at(pos, buf.data(), chunk);
-      crc = crc32c(buf.data(), chunk, crc);
+  /// CRC32C of the `n` bytes at `pos`, continuing `crc`, read in pieces
+  /// through one small buffer (`buffer` when given).
+  uint32_t crc32c_of(uint64_t pos, uint64_t n, uint32_t crc = 0,
+                     std::vector<char>* buffer = nullptr) const {
+    std::vector<char> own;
+    if (buffer == nullptr) {
+      own.resize(std::min<uint64_t>(n, uint64_t{4} << 20));
+      buffer = &own;
+    }
+    for (const uint64_t end = pos + n; pos < end;) {
+      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(buffer->size(), end - pos));
+      read_at(pos, buffer->data(), chunk);
+      crc = crc32c(buffer->data(), chunk, crc);
       pos += chunk;
     }
     return crc;
@@ -231,7 +240,7 @@ class CheckpointFile {
 };
 
 // What the end of a file says about its data, from its footer alone (the
-// data's checksum is check_data's).
+// data's checksum is judge_data's).
 Verdict check_footer(const CheckpointFile& file) {
   Verdict v;
   if (file.size() < kFooterSize) return v;
@@ -251,14 +260,14 @@ Verdict check_footer(const CheckpointFile& file) {
     v.problem = str("it holds ", file.size() - kFooterSize, " bytes of data but was written with ",
                     v.data_size, " (cut short, or bytes were inserted)");
   }
-  v.actual = v.expected;  // until check_data has read the data
+  v.actual = v.expected;  // until judge_data is given the data's
   return v;
 }
 
-// The data's CRC32C against the footer's (a footer that holds, with no
-// problem found yet): reads the data through once.
-void check_data(const CheckpointFile& file, Verdict& v) {
-  v.actual = file.crc32c_of(v.data_size);
+// The data's CRC32C, `actual`, against the footer's (a footer that holds,
+// with no problem found yet).
+void judge_data(uint32_t actual, Verdict& v) {
+  v.actual = actual;
   if (v.actual != v.expected) {
     v.problem = str("its content does not match the CRC32C written with it (expected 0x", std::hex,
                     v.expected, ", got 0x", v.actual, std::dec, ")");
@@ -267,7 +276,7 @@ void check_data(const CheckpointFile& file, Verdict& v) {
 
 Verdict check(const CheckpointFile& file) {
   Verdict v = check_footer(file);
-  if (v.has_footer && v.problem.empty()) check_data(file, v);
+  if (v.has_footer && v.problem.empty()) judge_data(file.crc32c_of(0, v.data_size), v);
   return v;
 }
 
@@ -279,11 +288,146 @@ std::string explained(const Verdict& v, const CheckpointFile& file) {
   return str(v.problem, "; the damage is in ", damaged_part(bytes.data(), v.data_size));
 }
 
+// The reads of a verified load: every byte handed to LibTorch is
+// checksummed where it lands, right after it is read, while it is still in
+// the processor's cache, so the file is read once. A large read is split
+// in two: a second thread reads and checksums one half while this thread
+// does the other, and the read returns when both are done (LibTorch's
+// buffer is never touched after). A separate checksum pass over the file,
+// even on a second thread beside the parse, read everything twice: 0.8-0.9x
+// of LibTorch's own load at 1 GB on 2 cores. The pieces' CRCs are joined
+// in file order; what LibTorch never read (zip headers, padding, a rest
+// left by a failed parse) is read apart.
+class VerifyingReader {
+ public:
+  VerifyingReader(const CheckpointFile& file, uint64_t size) : file_(file), size_(size) {}
+  ~VerifyingReader() {
+    if (!helper_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      state_.store(kStop, std::memory_order_release);
+    }
+    posted_.notify_one();
+    helper_.join();
+  }
+  VerifyingReader(const VerifyingReader&) = delete;
+  VerifyingReader& operator=(const VerifyingReader&) = delete;
+
+  /// Exactly `n` bytes at `pos` into `buf`; CheckpointError when the file
+  /// cannot be read.
+  void read(uint64_t pos, void* buf, size_t n) {
+    auto* out = static_cast<char*>(buf);
+    if (n < kSplitAbove) {
+      read_and_checksum({pos, n, 0}, out, spans_);
+      return;
+    }
+    if (!helper_.joinable()) helper_ = std::thread([this] { help(); });
+    const size_t half = (n / 2) & ~size_t{4095};
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = {pos + half, n - half, 0};
+      job_buffer_ = out + half;
+      state_.store(kPosted, std::memory_order_release);
+    }
+    posted_.notify_one();
+    std::exception_ptr error;
+    try {
+      read_and_checksum({pos, half, 0}, out, spans_);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    // The other half: usually done within microseconds of this one.
+    for (int spins = 0; state_.load(std::memory_order_acquire) != kDone; ++spins) {
+      if (spins > 1000) std::this_thread::yield();
+    }
+    state_.store(kIdle, std::memory_order_relaxed);
+    if (error) std::rethrow_exception(error);
+    if (helper_error_) std::rethrow_exception(std::exchange(helper_error_, nullptr));
+  }
+
+  /// The CRC32C of the first `size` bytes, once the parse is over.
+  uint32_t crc32c_of_data() {
+    spans_.insert(spans_.end(), helper_spans_.begin(), helper_spans_.end());
+    std::sort(spans_.begin(), spans_.end(), [](const Span& a, const Span& b) {
+      return a.pos != b.pos ? a.pos < b.pos : a.length > b.length;
+    });
+    uint32_t crc = 0;
+    uint64_t covered = 0;
+    for (const Span& span : spans_) {
+      if (span.pos < covered) continue;  // read twice: the first read counts
+      if (span.pos > covered) crc = file_.crc32c_of(covered, span.pos - covered, crc);
+      crc = crc32c_combine(crc, span.crc, span.length);
+      covered = span.pos + span.length;
+    }
+    if (covered < size_) crc = file_.crc32c_of(covered, size_ - covered, crc);
+    return crc;
+  }
+
+ private:
+  // Reads of 1 MiB and more are split; each half is read in pieces of
+  // 256 KiB, each checksummed while it is in its core's cache.
+  static constexpr size_t kSplitAbove = size_t{1} << 20;
+  static constexpr size_t kPiece = size_t{256} << 10;
+  enum : int { kIdle, kPosted, kDone, kStop };
+  struct Span {
+    uint64_t pos, length;
+    uint32_t crc;
+  };
+
+  void read_and_checksum(Span span, char* out, std::vector<Span>& spans) const {
+    for (size_t done = 0; done < span.length; done += kPiece) {
+      const size_t piece = static_cast<size_t>(std::min<uint64_t>(kPiece, span.length - done));
+      file_.read_at(span.pos + done, out + done, piece);
+      span.crc = crc32c(out + done, piece, span.crc);
+    }
+    spans.push_back(span);
+  }
+
+  // The second thread: one half-read at a time. It polls briefly after a
+  // job (LibTorch's next read usually follows at once), then sleeps.
+  void help() {
+    for (;;) {
+      int state = kIdle;
+      for (int spins = 0; spins < 20000; ++spins) {
+        state = state_.load(std::memory_order_acquire);
+        if (state == kPosted || state == kStop) break;
+      }
+      if (state != kPosted && state != kStop) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        posted_.wait(lock, [&] {
+          state = state_.load(std::memory_order_acquire);
+          return state == kPosted || state == kStop;
+        });
+      }
+      if (state == kStop) return;
+      try {
+        read_and_checksum(job_, job_buffer_, helper_spans_);
+      } catch (...) {
+        helper_error_ = std::current_exception();
+      }
+      state_.store(kDone, std::memory_order_release);
+    }
+  }
+
+  const CheckpointFile& file_;
+  const uint64_t size_;
+  std::vector<Span> spans_;         // this thread's
+  std::vector<Span> helper_spans_;  // the helper's, read here between jobs
+  std::thread helper_;
+  std::mutex mutex_;
+  std::condition_variable posted_;
+  std::atomic<int> state_{kIdle};
+  Span job_{};  // the half the helper reads, set before kPosted
+  char* job_buffer_ = nullptr;
+  std::exception_ptr helper_error_;  // set before kDone
+};
+
 // `archive` loaded from the first `size` bytes of `file`, read as LibTorch
-// asks for them. A failed read is rethrown after LibTorch's reader has
-// given up (an exception must not cross its C code).
+// asks for them (through `verifier` when there is one). A failed read is
+// rethrown after LibTorch's reader has given up (an exception must not
+// cross its C code).
 void load_archive(const CheckpointFile& file, uint64_t size,
-                  torch::serialize::InputArchive& archive) {
+                  torch::serialize::InputArchive& archive, VerifyingReader* verifier = nullptr) {
   std::optional<CheckpointError> read_error;
   try {
     archive.load_from(
@@ -291,7 +435,11 @@ void load_archive(const CheckpointFile& file, uint64_t size,
           if (pos >= size || read_error) return 0;
           const size_t take = static_cast<size_t>(std::min<uint64_t>(n, size - pos));
           try {
-            file.read_at(pos, buf, take);
+            if (verifier != nullptr) {
+              verifier->read(pos, buf, take);
+            } else {
+              file.read_at(pos, buf, take);
+            }
           } catch (const CheckpointError& e) {
             read_error = e;
             return 0;
@@ -555,28 +703,22 @@ void TorchCheckpointIO::load_checkpoint(const std::string& path,
   Verdict v = check_footer(file);
   if (v.has_footer && !v.problem.empty()) corrupt(path, explained(v, file));
   if (v.has_footer) {
-    // The data's checksum is computed on a second thread while LibTorch
-    // parses the same bytes (from the page cache): a load then takes about
-    // the parse's time instead of a full extra pass before it. Nothing
-    // parsed is handed back before the checksum matches, so the module is
-    // never touched by unverified data.
-    std::exception_ptr verify_error, parse_error;
-    std::thread verifier([&] {
-      try {
-        check_data(file, v);
-      } catch (...) {
-        verify_error = std::current_exception();
-      }
-    });
+    // The data is checksummed as LibTorch reads it (VerifyingReader): a
+    // load takes about the parse's time. Nothing parsed is handed back
+    // before the checksum matches, so the module is never touched by
+    // unverified data.
+    std::exception_ptr parse_error;
+    VerifyingReader reader(file, v.data_size);
     try {
-      load_archive(file, v.data_size, checkpoint);
+      load_archive(file, v.data_size, checkpoint, &reader);
     } catch (...) {
       parse_error = std::current_exception();
     }
-    verifier.join();
-    if (verify_error) {
+    try {
+      judge_data(reader.crc32c_of_data(), v);
+    } catch (...) {
       checkpoint = torch::serialize::InputArchive();
-      std::rethrow_exception(verify_error);
+      throw;
     }
     if (!v.problem.empty()) {
       checkpoint = torch::serialize::InputArchive();
