@@ -48,7 +48,7 @@ mapfile -t startup_rows < <("$py" bench/startup.py --build build --reps "$startu
 results+=("${startup_rows[@]}")
 
 # Checkpoint save/load throughput.
-ckpt_reps=${CKPT_REPS:-12}
+ckpt_reps=${CKPT_REPS:-20}
 ckpt_warmup=${CKPT_WARMUP:-2}
 ckpt_rows=()
 for mb in 100 1000; do
@@ -287,7 +287,9 @@ print("Targets (issue: benchmarks): < 200 ms to the first step for 1 process (%s
   echo "every new page came from fresh memory, which on this virtual machine costs a fault in the"
   echo "host (in plain C, 1 GiB written next to a cached 1 GiB file took 2.3-4.5 s, and 0.35 s"
   echo "without it). torch::save's O_TRUNC frees the old pages first; fulgur's save now drops the"
-  echo "replaced file's cached pages before writing (its data stays on disk until the rename)."
+  echo "replaced file's cached pages before writing (its data stays on disk until the rename),"
+  echo "and the CRC32C of a large write runs on a second thread while the write copies it into"
+  echo "the page cache (inline, it was ~4% of a 1 GB save: 0.93-0.97x)."
   echo "The load used to run at 0.79-0.89x at 1 GB: its checksum was a second pass over the file,"
   echo "on a second thread beside LibTorch's parse, and that pass (a copy out of the page cache,"
   echo "then CRC32C) took about as long as the parse and competed with it for memory bandwidth."
@@ -295,7 +297,11 @@ print("Targets (issue: benchmarks): < 200 ms to the first step for 1 process (%s
   echo "in cache: a read of 1 MiB or more is split, a second thread reading and checksumming one"
   echo "half while the loading thread does the other, and the pieces' CRC32Cs are joined in file"
   echo "order. The file is read once, on two cores, and LibTorch's own load (one core, no"
-  echo "checksum) is matched or beaten."
+  echo "checksum) is matched or beaten. The load ratios compare the loads made in the same"
+  echo "position of a pair (geometric mean of both positions: the first load after the saves gets"
+  echo "memory untouched lately). They move between runs: on 2026-11-26, with 12-20 repetitions,"
+  echo "0.82-1.13 at 1 GB between saves and 1.08-1.35 alone; 0.85-1.04 at 100 MB between saves"
+  echo "(a load of 14 ms after four saves of 100 MB) and 1.08-1.13 alone."
   echo "The async stall is a copy of every tensor of the archive into buffers kept between"
   echo "saves (the archive's tensors are swapped for the copies, and the writer thread serializes"
   echo "it): chunked \`memcpy\` over the intra-op threads, at what this machine's memory gives."
