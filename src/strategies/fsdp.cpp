@@ -19,6 +19,7 @@
 #include "fulgur/strategies/process_group.h"
 #include "fulgur/strategies/sharded_parameters.h"
 #include "fulgur/utilities/torch_compat.h"
+#include "strategies/fsdp_auto_wrap.h"
 
 namespace fulgur {
 
@@ -350,12 +351,7 @@ void FSDPStrategy::attach_units(Module& module) {
     }
   }
   std::set<const c10::TensorImpl*> taken;
-  // Innermost units first: a parameter belongs to the innermost unit
-  // around it.
-  auto named = module.named_modules(/*name_prefix=*/"", /*include_self=*/false);
-  for (size_t m = named.size(); m-- > 0;) {
-    auto* unit_module = dynamic_cast<nn::FSDPUnitBase*>(named[m].value().get());
-    if (unit_module == nullptr) continue;
+  auto add_unit = [&](const std::shared_ptr<torch::nn::Module>& unit_module) {
     auto unit = std::make_shared<Unit>(*this, full_shard());
     std::map<ShardedParameters*, std::vector<size_t>> members;
     for (const auto& p : unit_module->parameters()) {
@@ -366,16 +362,41 @@ void FSDPStrategy::attach_units(Module& module) {
     for (auto& [sharded, indices] : members)
       unit->members.emplace_back(sharded, std::move(indices));
     unit->watch_gradients();
-    unit->attach_module(named[m].value());
+    unit->attach_module(unit_module);
     units_.push_back(std::move(unit));
+  };
+  // Innermost units first: a parameter belongs to the innermost unit
+  // around it. The auto-wrapped layers hold no other unit.
+  if (options_.auto_wrap_min_params != 0) {
+    auto_wrap_ =
+        std::make_unique<detail::SequentialAutoWrap>(module, options_.auto_wrap_min_params);
+    for (const auto& layer : auto_wrap_->layers()) add_unit(layer.unit);
+    if (is_global_zero()) {
+      detail::print_note(
+          auto_wrap_->layers().empty()
+              ? str("strategy \"", name(),
+                    "\": auto_wrap_min_params = ", options_.auto_wrap_min_params,
+                    " made no unit: no torch::nn::Sequential of the module holds a layer "
+                    "(Linear, Conv, Embedding, a norm) with that many parameters. Lower it, "
+                    "or declare units with fulgur::nn::FSDPUnit.")
+              : str("strategy \"", name(), "\": auto_wrap_min_params = ",
+                    options_.auto_wrap_min_params, " made units of ", auto_wrap_->describe(), "."));
+    }
   }
-  if (units_.empty() && full_shard() && is_global_zero()) {
+  auto named = module.named_modules(/*name_prefix=*/"", /*include_self=*/false);
+  for (size_t m = named.size(); m-- > 0;) {
+    if (dynamic_cast<nn::FSDPUnitBase*>(named[m].value().get()) != nullptr) {
+      add_unit(named[m].value());
+    }
+  }
+  if (units_.empty() && full_shard() && is_global_zero() && options_.auto_wrap_min_params == 0) {
     detail::print_note(
         str("strategy \"", name(),
             "\": the module declares no fulgur::nn::FSDPUnit, so every parameter stays "
             "whole between its uses (only the gradients and the optimizer state are "
             "sharded, as under fsdp_shard_grad_op). Wrap the large layers: "
-            "register_module(\"fc1\", fulgur::nn::FSDPUnit(torch::nn::Linear(...)))."));
+            "register_module(\"fc1\", fulgur::nn::FSDPUnit(torch::nn::Linear(...))), or "
+            "set FSDPOptions::auto_wrap_min_params for the layers of a torch::nn::Sequential."));
   }
   // The units stay whole until their first forward (the module came whole:
   // releasing them now would save nothing, and hooks such as the model
@@ -386,6 +407,7 @@ void FSDPStrategy::attach_units(Module& module) {
 void FSDPStrategy::detach_units() {
   // The module may outlive the strategy: its units forget the hooks.
   for (auto& unit : units_) unit->detach_module();
+  auto_wrap_.reset();  // the Sequentials' own entries back
   forward_order_.clear();
   last_forward_order_.clear();
   reducing_.clear();

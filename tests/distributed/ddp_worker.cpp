@@ -38,8 +38,12 @@ struct Args {
   bool skip_fit = false;
   bool manual = false;
   bool fsdp_units = false;
-  bool cnn = false;
-  bool prefetch = false;  // FSDPOptions::prefetch  // two convolutions (the second a unit with --fsdp-units) before fc1
+  bool cnn = false;  // two convolutions (the second a unit with --fsdp-units) before fc1
+  bool prefetch = false;  // FSDPOptions::prefetch
+  // --sequential: fc1, tanh, fc2 as a torch::nn::Sequential "body"
+  // (FSDPOptions::auto_wrap_min_params = --auto-wrap N makes its units).
+  bool sequential = false;
+  int64_t auto_wrap = 0;
   bool histograms = false;
   bool skip_after_forward = false;
   std::string precision;
@@ -164,6 +168,8 @@ struct Classifier : fulgur::Module {
   fulgur::nn::FSDPUnit<torch::nn::Linear> unit1{nullptr}, unit2{nullptr}, unit_extra{nullptr};
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   fulgur::nn::FSDPUnit<torch::nn::Conv2d> conv2_unit{nullptr};
+  torch::nn::Sequential body{nullptr};
+  std::shared_ptr<torch::nn::Module> body_first;  // body's first entry, as built
   torch::nn::BatchNorm1d plain_bn{nullptr};
   fulgur::nn::SyncBatchNorm sync_bn{nullptr};
   const Args& args;
@@ -182,7 +188,12 @@ struct Classifier : fulgur::Module {
       }
     }
     const int64_t features = a.cnn ? 64 : 16;
-    if (a.fsdp_units) {
+    if (a.sequential) {
+      body = register_module("body", torch::nn::Sequential(torch::nn::Linear(features, 32),
+                                                           torch::nn::Tanh(),
+                                                           torch::nn::Linear(32, 4)));
+      body_first = body->ptr(0);
+    } else if (a.fsdp_units) {
       unit1 = register_module("fc1", fulgur::nn::FSDPUnit(torch::nn::Linear(features, 32)));
       unit2 = register_module("fc2", fulgur::nn::FSDPUnit(torch::nn::Linear(32, 4)));
     } else {
@@ -212,6 +223,7 @@ struct Classifier : fulgur::Module {
       in = torch::relu(conv2_unit ? conv2_unit(in) : conv2(in));
       in = torch::max_pool2d(in, 2).flatten(1);
     }
+    if (body) return body->forward(in);
     auto h = unit1 ? unit1(in) : fc1(in);
     if (plain_bn) h = plain_bn(h);
     if (sync_bn) h = sync_bn(h);
@@ -458,6 +470,8 @@ int main(int argc, char** argv) {
   app.add_flag("--fsdp-units", a.fsdp_units);
   app.add_flag("--cnn", a.cnn);
   app.add_flag("--prefetch", a.prefetch);
+  app.add_flag("--sequential", a.sequential);
+  app.add_option("--auto-wrap", a.auto_wrap);
   app.add_flag("--histograms", a.histograms);
   app.add_flag("--skip-after-forward", a.skip_after_forward);
   app.add_option("--precision", a.precision);
@@ -547,6 +561,7 @@ int main(int argc, char** argv) {
           std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
       if (!a.state_dict_type.empty()) fsdp_options.state_dict_type = a.state_dict_type;
       fsdp_options.prefetch = a.prefetch;
+      fsdp_options.auto_wrap_min_params = a.auto_wrap;
       options.strategy = std::make_shared<fulgur::FSDPStrategy>(fsdp_options, a.strategy);
     } else {
       options.strategy = a.strategy;
@@ -635,6 +650,11 @@ int main(int argc, char** argv) {
                                                    {.batch_size = 64}));
     }
     auto& strategy = trainer.strategy();
+    if (model.body) {
+      // After fit the Sequential runs its own entries again.
+      std::cout << "RESULT body_entries_restored="
+                << (model.body->ptr(0).get() == model.body_first.get()) << std::endl;
+    }
     if (model.seen.defined()) {
       std::cout << "RESULT seen_rank" << strategy.global_rank() << "=" << model.seen.item<int64_t>()
                 << std::endl;

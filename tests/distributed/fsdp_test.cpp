@@ -469,6 +469,50 @@ TEST(FSDP, FullShardHoldsOneUnitsParametersAtATimeOrTwoWithPrefetch) {
                                         {.exact = true}));
 }
 
+// FSDPOptions::auto_wrap_min_params: the model's layers held in a
+// torch::nn::Sequential ("body": Linear 16->32, Tanh, Linear 32->4) become
+// units when they have that many parameters (fc1: 544, fc2: 132), as
+// declared units do: one unit's parameters held at a time, the same
+// training as one process; after fit the Sequential runs its own entries.
+TEST(FSDP, AutoWrapMakesUnitsOfASequentialsLayersAndMatches) {
+  TempDir dir;
+  const int64_t fc1 = (16 * 32 + 32) * 4, fc2 = (32 * 4 + 4) * 4;
+  auto r = run_worker({"--strategy", kFullShard, "--devices", "2", "--batch", "8", "--steps", "6",
+                       "--root", dir.path(), "--sequential", "--auto-wrap", "100"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("auto_wrap_min_params = 100 made units of body.0 (torch::nn::Linear, "
+                          "544 parameters), body.2 (torch::nn::Linear, 132 parameters)."),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("declares no fulgur::nn::FSDPUnit"), std::string::npos) << r.output;
+  for (const char* rank : {"rank0", "rank1"}) {
+    EXPECT_EQ(result_value(r.output, std::string(rank) + "_held_parameter_bytes"), "0")
+        << r.output;
+    EXPECT_EQ(result_value(r.output, std::string(rank) + "_peak_parameter_bytes"),
+              std::to_string(fc1))
+        << r.output;
+    EXPECT_EQ(result_value(r.output, std::string(rank) + "_shard_bytes"),
+              std::to_string((fc1 + fc2) / 2))
+        << r.output;
+  }
+  EXPECT_EQ(result_value(r.output, "body_entries_restored"), "1") << r.output;
+  // Only fc1 reaches 200; none reaches 1000 (then the strategy says so).
+  r = run_worker({"--strategy", kFullShard, "--devices", "2", "--batch", "8", "--steps", "2",
+                  "--root", dir.path(), "--sequential", "--auto-wrap", "200"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("made units of body.0 (torch::nn::Linear, 544 parameters)."),
+            std::string::npos)
+      << r.output;
+  r = run_worker({"--strategy", kFullShard, "--devices", "2", "--batch", "8", "--steps", "2",
+                  "--root", dir.path(), "--sequential", "--auto-wrap", "1000"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("auto_wrap_min_params = 1000 made no unit"), std::string::npos)
+      << r.output;
+  expect_equivalent({"--steps", "20", "--sequential"}, kFullShard, {"--auto-wrap", "100"});
+  expect_equivalent({"--steps", "20", "--sequential", "--optimizer", "adam", "--accumulate", "2"},
+                    kFullShard, {"--auto-wrap", "100", "--prefetch"});
+}
+
 // recovery_training's run (Adam, shuffled, deterministic, a sharded
 // checkpoint every 4 steps); a rank SIGKILLed at step 13 and restarted
 // resumes from the newest one.

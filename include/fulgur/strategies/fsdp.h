@@ -17,7 +17,9 @@
 // shard only and steps it, and the parameters are all-gathered after the
 // step. FULL_SHARD does the same for the parameters outside every unit,
 // and shards the parameters of each fulgur::nn::FSDPUnit the module
-// declares (fulgur/nn/fsdp_unit.h) between their uses: gathered before the
+// declares (fulgur/nn/fsdp_unit.h), and of each large layer of a
+// torch::nn::Sequential with FSDPOptions::auto_wrap_min_params, between
+// their uses: gathered before the
 // unit's forward and freed after it, gathered again before its backward,
 // and freed once its gradients are reduce-scattered, in backward, as each
 // unit's gradients complete. Shards are per parameter (ShardedParameters),
@@ -66,6 +68,9 @@ namespace fulgur {
 
 class ShardedParameters;
 class ShardedExchange;
+namespace detail {
+class SequentialAutoWrap;
+}
 
 /// Bytes of the tensors in an optimizer's state: those of torch::optim's
 /// Adam, AdamW, SGD, RMSprop, Adagrad and LBFGS (another optimizer's state
@@ -107,6 +112,15 @@ struct FSDPOptions {
   /// model), so it is off unless asked for. PyTorch FSDP's backward_prefetch
   /// and forward_prefetch together.
   bool prefetch = false;
+  /// Size-based auto-wrap (0: off): every layer held in a torch::nn::Sequential
+  /// (at any depth) with at least this many parameters becomes a unit, as if
+  /// declared with fulgur::nn::FSDPUnit; names and checkpoints do not change.
+  /// Layers whose forward takes and returns one tensor: Linear, Conv1d/2d/3d,
+  /// Embedding, BatchNorm/InstanceNorm 1d/2d/3d, LayerNorm, GroupNorm. A
+  /// layer held as a typed member (`torch::nn::Linear fc1;`) is called by its
+  /// parent's forward directly, which LibTorch gives no hook into: declare
+  /// it as a unit. PyTorch FSDP's size_based_auto_wrap_policy(min_num_params).
+  int64_t auto_wrap_min_params = 0;
   /// "popen" (re-execute the program per rank) or "fork", as for DDP.
   Choice<StartMethod> start_method = StartMethod::kPopen;
   /// The process group's timeout and backend, and the launcher's stop grace.
@@ -219,6 +233,9 @@ class FSDPStrategy : public ParallelStrategy {
   std::vector<std::pair<const torch::optim::Optimizer*, std::unique_ptr<ShardedParameters>>>
       sharded_;
   std::vector<std::shared_ptr<Unit>> units_;
+  // The Sequential entries auto_wrap_min_params made units (put back at
+  // detach_units).
+  std::unique_ptr<detail::SequentialAutoWrap> auto_wrap_;
   // The units in the order this step's forward met them, and the last
   // step's (what prefetch follows).
   std::vector<Unit*> forward_order_, last_forward_order_;
