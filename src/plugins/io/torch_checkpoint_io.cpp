@@ -24,6 +24,7 @@
 #include <iostream>
 #include <mutex>
 #include <optional>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -311,7 +312,20 @@ class HelperThread {
   /// Starts `job` on the helper (the previous one has been waited for).
   /// The job's exception comes back from wait().
   void post(std::function<void()> job) {
-    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+    if (!thread_.joinable()) {
+      try {
+        thread_ = std::thread([this] { run(); });
+      } catch (const std::system_error&) {
+        // No thread to be had (a process at its limit): the job runs here.
+        try {
+          job();
+        } catch (...) {
+          error_ = std::current_exception();
+        }
+        state_.store(kDone, std::memory_order_release);
+        return;
+      }
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       job_ = std::move(job);
