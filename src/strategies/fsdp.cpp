@@ -240,6 +240,11 @@ FSDPStrategy::FSDPStrategy(FSDPOptions options, std::string name)
       options_(std::move(options)),
       name_(std::move(name)) {
   check_start_method(options_.start_method, "FSDPStrategy");
+  if (options_.auto_wrap_min_params < 0) {
+    throw ConfigError(str("FSDPStrategy: auto_wrap_min_params=", options_.auto_wrap_min_params,
+                          " is negative: pass the number of parameters from which a layer of "
+                          "a torch::nn::Sequential becomes a unit, or 0 to turn auto-wrap off."));
+  }
   if (!options_.state_dict_type.is_valid()) {
     throw ConfigError(str("FSDPStrategy: state_dict_type=\"", options_.state_dict_type.text(),
                           "\" is not one of \"sharded\" (each rank writes its shard) or \"full\" "
@@ -335,7 +340,15 @@ OptimizerConfig FSDPStrategy::setup_optimizers(Module& module) {
   }
   // Under SHARD_GRAD_OP the units matter only to reduce-scatter their
   // gradients during backward (prefetch).
-  if (full_shard() || options_.prefetch) attach_units(module);
+  if (full_shard() || options_.prefetch) {
+    attach_units(module);
+  } else if (options_.auto_wrap_min_params > 0 && is_global_zero()) {
+    detail::print_note(str("strategy \"", name(),
+                           "\": auto_wrap_min_params = ", options_.auto_wrap_min_params,
+                           " has no effect here: under SHARD_GRAD_OP every parameter stays "
+                           "whole, and units only reduce-scatter their gradients early with "
+                           "prefetch (FSDPOptions::prefetch)."));
+  }
   index_whole_parameters();
   return config;
 }

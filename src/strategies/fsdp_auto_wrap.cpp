@@ -7,7 +7,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
-#include <set>
+#include <map>
 #include <utility>
 
 #include "fulgur/core/errors.h"
@@ -67,40 +67,67 @@ SequentialAutoWrap::SequentialAutoWrap(torch::nn::Module& root, int64_t min_para
     throw ConfigError(str("FSDPOptions::auto_wrap_min_params is ", min_parameters,
                           ": pass a positive number of parameters (0 turns auto-wrap off)."));
   }
-  std::set<const torch::nn::Module*> seen;  // a layer held in two places is wrapped once
+  try {
+    wrap(root, min_parameters);
+  } catch (...) {
+    restore();  // a constructor that throws runs no destructor
+    throw;
+  }
+}
+
+void SequentialAutoWrap::wrap(torch::nn::Module& root, int64_t min_parameters) {
+  // One unit per layer, even where a layer is an entry of several
+  // Sequentials (or twice of one): every entry runs it.
+  std::map<const torch::nn::Module*, std::shared_ptr<AutoUnitImpl>> units;
   // Not the root itself (a fulgur::Module, which may live on the stack).
   for (const auto& item : root.named_modules(/*name_prefix=*/"", /*include_self=*/false)) {
-    auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(item.value());
+    std::shared_ptr<torch::nn::Module> candidate = item.value();
+    // A declared unit around a Sequential: its entries are the unit's
+    // children, and the Sequential is held, not registered.
+    if (auto* declared = dynamic_cast<nn::FSDPUnitBase*>(candidate.get())) {
+      candidate = declared->held_module();
+    }
+    auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(candidate);
     if (!sequential) continue;
     const auto children = sequential->named_children();
     size_t index = 0;
     for (auto entry = sequential->begin(); entry != sequential->end(); ++entry, ++index) {
       const std::shared_ptr<torch::nn::Module> layer = entry->ptr();
-      if (!is_wrappable_layer(*layer) || !seen.insert(layer.get()).second) continue;
-      const int64_t count = parameter_count(*layer);
-      if (count < min_parameters) continue;
-      std::string name;
-      for (const auto& child : children) {
-        if (child.value().get() == layer.get()) name = child.key();
+      if (!is_wrappable_layer(*layer)) continue;
+      auto& unit = units[layer.get()];
+      if (!unit) {
+        const int64_t count = parameter_count(*layer);
+        if (count < min_parameters) continue;
+        std::string name;
+        for (const auto& child : children) {
+          if (child.value().get() == layer.get()) {
+            name = child.key();  // its first name there
+            break;
+          }
+        }
+        std::string type = layer->name();  // "torch::nn::LinearImpl": the holder's name
+        if (type.size() > 4 && type.compare(type.size() - 4, 4, "Impl") == 0) {
+          type.resize(type.size() - 4);
+        }
+        unit = std::make_shared<AutoUnitImpl>(*entry);
+        layers_.push_back({item.key() + "." + name, type, count, unit});
       }
-      name = item.key() + "." + name;
-      auto unit = std::make_shared<AutoUnitImpl>(*entry);
       swapped_.push_back({sequential, index, *entry});
       *entry = torch::nn::AnyModule(unit);
-      std::string type = layer->name();  // "torch::nn::LinearImpl": the holder's name
-      if (type.size() > 4 && type.compare(type.size() - 4, 4, "Impl") == 0)
-        type.resize(type.size() - 4);
-      layers_.push_back({name, type, count, unit});
     }
   }
 }
 
-SequentialAutoWrap::~SequentialAutoWrap() {
-  for (auto& swap : swapped_) {
-    *(swap.sequential->begin() + static_cast<std::ptrdiff_t>(swap.index)) =
-        std::move(swap.original);
+void SequentialAutoWrap::restore() {
+  // Last swapped first: an entry swapped twice gets its first original.
+  for (auto swap = swapped_.rbegin(); swap != swapped_.rend(); ++swap) {
+    *(swap->sequential->begin() + static_cast<std::ptrdiff_t>(swap->index)) =
+        std::move(swap->original);
   }
+  swapped_.clear();
 }
+
+SequentialAutoWrap::~SequentialAutoWrap() { restore(); }
 
 std::string SequentialAutoWrap::describe() const {
   std::string text;

@@ -6,6 +6,10 @@
 // A Sequential's forward runs its entries (AnyModule) in order, so an
 // entry can be swapped for a unit around the same layer; the layer stays
 // registered where it was, so the names (and checkpoints) do not change.
+// While the units are in place, the Sequential's ptr(i), operator[] and
+// at<T>(i) give the unit (an FSDPUnitBase whose held_module() is the
+// layer); named_children() and named_modules() still give the layer.
+// Sequentials held by a declared fulgur::nn::FSDPUnit are searched too.
 // The layer types are those whose forward takes and returns one tensor:
 // Linear, Conv1d/2d/3d, Embedding, BatchNorm1d/2d/3d, InstanceNorm1d/2d/3d,
 // LayerNorm, GroupNorm. A layer held as a typed member (`torch::nn::Linear
@@ -52,6 +56,8 @@ class SequentialAutoWrap {
     size_t index;
     torch::nn::AnyModule original;
   };
+  void wrap(torch::nn::Module& root, int64_t min_parameters);
+  void restore();
   std::vector<AutoWrappedLayer> layers_;
   std::vector<Swapped> swapped_;
 };

@@ -2,6 +2,7 @@
 
 #include <isa-l/crc.h>
 
+#include <algorithm>
 #include <climits>
 
 namespace fulgur {
@@ -59,6 +60,24 @@ uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b) {
     if (n & 1u) shift = multiply_mod(powers.x_to_2_to_the[k % 64], shift);
   }
   return multiply_mod(shift, crc_a) ^ crc_b;
+}
+
+uint32_t crc32c_of_spans(
+    std::vector<ChecksummedSpan> spans, uint64_t size,
+    const std::function<uint32_t(uint64_t pos, uint64_t length, uint32_t crc)>& checksum_range) {
+  std::sort(spans.begin(), spans.end(), [](const ChecksummedSpan& a, const ChecksummedSpan& b) {
+    return a.pos != b.pos ? a.pos < b.pos : a.length > b.length;
+  });
+  uint32_t crc = 0;
+  uint64_t covered = 0;
+  for (const ChecksummedSpan& span : spans) {
+    if (span.pos < covered || span.pos > size || span.length > size - span.pos) continue;
+    if (span.pos > covered) crc = checksum_range(covered, span.pos - covered, crc);
+    crc = crc32c_combine(crc, span.crc, span.length);
+    covered = span.pos + span.length;
+  }
+  if (covered < size) crc = checksum_range(covered, size - covered, crc);
+  return crc;
 }
 
 uint32_t crc32_ieee(const void* data, size_t n, uint32_t crc) {

@@ -113,6 +113,47 @@ TEST(SequentialAutoWrap, AThresholdNoLayerReachesWrapsNothingAndALowOneWrapsEver
   EXPECT_EQ(wrapped, (std::vector<std::string>{"body.0", "body.3", "body.4", "body.2.inner.0"}));
 }
 
+// A layer that is an entry of two Sequentials (twice of one) gets one unit,
+// which every entry runs; a Sequential a declared unit holds is searched
+// too; every entry is put back.
+TEST(SequentialAutoWrap, ASharedLayerIsOneUnitEverywhereAndDeclaredUnitsAreSearched) {
+  struct Shared : torch::nn::Module {
+    torch::nn::Linear shared{nullptr};
+    torch::nn::Sequential a{nullptr}, b{nullptr};
+    fulgur::nn::FSDPUnit<torch::nn::Sequential> held{nullptr};
+    Shared() {
+      shared = torch::nn::Linear(4, 4);
+      a = register_module("a", torch::nn::Sequential(shared, torch::nn::Tanh(), shared));
+      b = register_module("b", torch::nn::Sequential(shared));
+      held = register_module("held", fulgur::nn::FSDPUnit(torch::nn::Sequential(
+                                          torch::nn::Linear(4, 50), torch::nn::Linear(50, 1))));
+    }
+  } net;
+  const at::Tensor x = torch::randn({3, 4});
+  const at::Tensor before = net.held(net.b->forward(net.a->forward(x)));
+  {
+    fulgur::detail::SequentialAutoWrap wrap(net, 10);
+    std::vector<std::string> wrapped;
+    for (const auto& layer : wrap.layers()) wrapped.push_back(layer.name);
+    EXPECT_EQ(wrapped, (std::vector<std::string>{"a.0", "held.0", "held.1"}));
+    // Every entry of the shared layer runs the one unit.
+    EXPECT_EQ(net.a->ptr(0).get(), wrap.layers()[0].unit.get());
+    EXPECT_EQ(net.a->ptr(2).get(), wrap.layers()[0].unit.get());
+    EXPECT_EQ(net.b->ptr(0).get(), wrap.layers()[0].unit.get());
+    EXPECT_EQ(wrap.layers()[0].unit->held_module().get(), net.shared.ptr().get());
+    auto counter = std::make_shared<WrapCounter>();
+    wrap.layers()[0].unit->set_unit_hooks(counter);
+    EXPECT_TRUE(torch::equal(net.held(net.b->forward(net.a->forward(x))), before));
+    EXPECT_EQ(counter->before, 3);
+    wrap.layers()[0].unit->set_unit_hooks(nullptr);
+  }
+  EXPECT_EQ(net.a->ptr(0).get(), net.shared.ptr().get());
+  EXPECT_EQ(net.a->ptr(2).get(), net.shared.ptr().get());
+  EXPECT_EQ(net.b->ptr(0).get(), net.shared.ptr().get());
+  EXPECT_EQ(net.held->module->ptr(1)->name(), "torch::nn::LinearImpl");
+  EXPECT_TRUE(torch::equal(net.held(net.b->forward(net.a->forward(x))), before));
+}
+
 TEST(SequentialAutoWrap, ANonPositiveThresholdIsAConfigError) {
   WrapNet net;
   EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::detail::SequentialAutoWrap(net, -5),

@@ -70,6 +70,9 @@ TEST(FSDPStrategy, ABadStartMethodOrBackendIsNamed) {
                      fulgur::FSDPStrategy(fulgur::FSDPOptions{
                          .sharding_strategy = "ZERO3", .start_method = "popen", .parallel = {}}),
                      {"sharding_strategy=\"ZERO3\"", "\"FULL_SHARD\"", "\"SHARD_GRAD_OP\""});
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::FSDPStrategy(fulgur::FSDPOptions{.auto_wrap_min_params = -1, .parallel = {}}),
+                     {"auto_wrap_min_params=-1 is negative", "0 to turn auto-wrap off"});
 }
 
 // state_dict_type "full": one file, rank 0's (the single-file layout).

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <string>
@@ -76,6 +77,49 @@ TEST(Checksum, CombiningPiecesChecksummedApartEqualsTheWhole) {
   EXPECT_EQ(fulgur::crc32c_combine(one, rest, uint64_t{64} << 26), continued);
   EXPECT_EQ(fulgur::crc32c_combine(continued, p3, bytes.size() - 201000),
             fulgur::crc32c(bytes.data() + 201000, bytes.size() - 201000, continued));
+}
+
+// Spans read in any order, some twice, some overlapping partially, with
+// gaps: joined, they give the CRC of the whole; a gap is asked for exactly
+// once per uncovered stretch, and a span past the end is ignored.
+TEST(Checksum, SpansCheckedApartJoinIntoTheWholesCrc) {
+  std::mt19937 rng(3);
+  std::vector<unsigned char> bytes(50000);
+  for (auto& b : bytes) b = static_cast<unsigned char>(rng());
+  const uint32_t whole = fulgur::crc32c(bytes.data(), bytes.size());
+  auto span = [&](uint64_t pos, uint64_t length) {
+    return fulgur::ChecksummedSpan{pos, length, fulgur::crc32c(bytes.data() + pos, length)};
+  };
+  uint64_t gap_bytes = 0;
+  auto gaps = [&](uint64_t pos, uint64_t length, uint32_t crc) {
+    gap_bytes += length;
+    return fulgur::crc32c(bytes.data() + pos, length, crc);
+  };
+  // Headers, a record, the same record again, one overlapping its end, a
+  // zero-length read, the directory at the end (read first), a span past
+  // the end.
+  const std::vector<fulgur::ChecksummedSpan> spans = {
+      span(49000, 1000), span(0, 30), span(64, 20000), span(64, 20000), span(20000, 100),
+      span(30000, 0), span(30000, 15000), {49990, 100, 0}};
+  EXPECT_EQ(fulgur::crc32c_of_spans(spans, bytes.size(), gaps), whole);
+  // Uncovered: 30..64, 20064..30000 (the overlapping span counts as not
+  // there), 45000..49000.
+  EXPECT_EQ(gap_bytes, (64 - 30) + (30000 - 20064) + (49000 - 45000));
+  // Random layouts.
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<fulgur::ChecksummedSpan> random;
+    for (int i = 0; i < 12; ++i) {
+      const uint64_t pos = rng() % bytes.size();
+      random.push_back(span(pos, rng() % (bytes.size() - pos + 1)));
+    }
+    std::shuffle(random.begin(), random.end(), rng);
+    EXPECT_EQ(fulgur::crc32c_of_spans(random, bytes.size(), gaps), whole) << trial;
+  }
+  // No span: the whole is one gap. A wrong span's CRC shows.
+  EXPECT_EQ(fulgur::crc32c_of_spans({}, bytes.size(), gaps), whole);
+  auto wrong = span(100, 50);
+  wrong.crc ^= 1;
+  EXPECT_NE(fulgur::crc32c_of_spans({wrong}, bytes.size(), gaps), whole);
 }
 
 }  // namespace

@@ -57,6 +57,8 @@ class FSDPUnitBase : public torch::nn::Module {
  public:
   void set_unit_hooks(std::shared_ptr<UnitHooks> hooks) { hooks_ = std::move(hooks); }
   bool has_unit_hooks() const { return hooks_ != nullptr; }
+  /// The module the unit holds.
+  const std::shared_ptr<torch::nn::Module>& held_module() const { return contained_; }
   /// The held module's own training flag follows too (its children are
   /// the unit's children).
   void train(bool on = true) override;

@@ -113,13 +113,17 @@ struct FSDPOptions {
   /// and forward_prefetch together.
   bool prefetch = false;
   /// Size-based auto-wrap (0: off): every layer held in a torch::nn::Sequential
-  /// (at any depth) with at least this many parameters becomes a unit, as if
-  /// declared with fulgur::nn::FSDPUnit; names and checkpoints do not change.
-  /// Layers whose forward takes and returns one tensor: Linear, Conv1d/2d/3d,
-  /// Embedding, BatchNorm/InstanceNorm 1d/2d/3d, LayerNorm, GroupNorm. A
-  /// layer held as a typed member (`torch::nn::Linear fc1;`) is called by its
-  /// parent's forward directly, which LibTorch gives no hook into: declare
-  /// it as a unit. PyTorch FSDP's size_based_auto_wrap_policy(min_num_params).
+  /// (at any depth, inside declared units too) with at least this many
+  /// parameters becomes a unit, as if declared with fulgur::nn::FSDPUnit;
+  /// names and checkpoints do not change. Layers whose forward takes and
+  /// returns one tensor: Linear, Conv1d/2d/3d, Embedding, BatchNorm/
+  /// InstanceNorm 1d/2d/3d, LayerNorm, GroupNorm. During fit the
+  /// Sequential's ptr(i) / at<T>(i) give the unit around the layer (its
+  /// held_module() is the layer). A layer held as a typed member
+  /// (`torch::nn::Linear fc1;`) is called by its parent's forward directly,
+  /// which LibTorch gives no hook into: declare it as a unit. PyTorch FSDP's
+  /// size_based_auto_wrap_policy(min_num_params). Units matter under
+  /// FULL_SHARD, and under SHARD_GRAD_OP with prefetch only.
   int64_t auto_wrap_min_params = 0;
   /// "popen" (re-execute the program per rank) or "fork", as for DDP.
   Choice<StartMethod> start_method = StartMethod::kPopen;

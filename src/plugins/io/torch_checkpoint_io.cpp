@@ -1,8 +1,9 @@
 // LibTorch archives with a checksum: the archive's bytes, then a 32-byte
 // footer holding their length and CRC32C. Written to a temporary file,
 // flushed, renamed into place, and the directory flushed. Read with pread:
-// the bytes are checksummed as LibTorch reads them, and nothing parsed is
-// handed back before the checksum matches.
+// the bytes are checksummed as LibTorch reads them (crc32c_of_spans joins
+// the pieces), and nothing parsed is handed back before the checksum
+// matches.
 #include "utilities/little_endian.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 
@@ -23,7 +24,6 @@
 #include <functional>
 #include <iostream>
 #include <mutex>
-#include <optional>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -309,34 +309,40 @@ class HelperThread {
   HelperThread(const HelperThread&) = delete;
   HelperThread& operator=(const HelperThread&) = delete;
 
-  /// Starts `job` on the helper (the previous one has been waited for).
-  /// The job's exception comes back from wait().
-  void post(std::function<void()> job) {
-    if (!thread_.joinable()) {
-      try {
-        thread_ = std::thread([this] { run(); });
-      } catch (const std::system_error&) {
-        // No thread to be had (a process at its limit): the job runs here.
-        try {
-          job();
-        } catch (...) {
-          error_ = std::current_exception();
-        }
-        state_.store(kDone, std::memory_order_release);
-        return;
+  /// Starts `job` on the helper (the previous one has been waited for);
+  /// where no thread (or memory for the job) can be had, runs it here. The
+  /// job's exception comes back from wait(). Never throws.
+  template <typename Job>
+  void post(const Job& job) {
+    try {
+      std::function<void()> task(job);
+      if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        job_ = std::move(task);
+        state_.store(kPosted, std::memory_order_release);
       }
+      posted_.notify_one();
+      return;
+    } catch (const std::exception&) {
+      // A process at its limit of threads or memory.
     }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      job_ = std::move(job);
-      state_.store(kPosted, std::memory_order_release);
+    try {
+      job();
+    } catch (...) {
+      error_ = std::current_exception();
     }
-    posted_.notify_one();
+    state_.store(kDone, std::memory_order_release);
   }
   /// Until the posted job is over; rethrows what it threw.
   void wait() {
+    // The helper's half usually ends within microseconds of the caller's:
+    // a short spin, then sleep.
     for (int spins = 0; state_.load(std::memory_order_acquire) != kDone; ++spins) {
-      if (spins > 1000) std::this_thread::yield();
+      if (spins < 2000) continue;
+      std::unique_lock<std::mutex> lock(mutex_);
+      done_.wait(lock, [this] { return state_.load(std::memory_order_acquire) == kDone; });
+      break;
     }
     state_.store(kIdle, std::memory_order_relaxed);
     job_ = nullptr;
@@ -365,21 +371,26 @@ class HelperThread {
       } catch (...) {
         error_ = std::current_exception();
       }
-      state_.store(kDone, std::memory_order_release);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        state_.store(kDone, std::memory_order_release);
+      }
+      done_.notify_one();
     }
   }
 
   std::thread thread_;
   std::mutex mutex_;
-  std::condition_variable posted_;
+  std::condition_variable posted_, done_;
   std::atomic<int> state_{kIdle};
   std::function<void()> job_;  // set before kPosted
   std::exception_ptr error_;   // set before kDone
 };
 
-// The reads of a verified load: every byte handed to LibTorch is
-// checksummed where it lands, right after it is read, while it is still in
-// the processor's cache, so the file is read once. A large read is split
+// The reads of a verified load: the bytes LibTorch reads are checksummed
+// where they land, right after they are read, while they are still in the
+// processor's cache, so the file is read once (bytes read twice are
+// counted on one of the reads). A large read is split
 // in two: the helper thread reads and checksums one half while this thread
 // does the other, and the read returns when both are done (LibTorch's
 // buffer is never touched after). A separate checksum pass over the file,
@@ -416,19 +427,10 @@ class VerifyingReader {
   /// The CRC32C of the first `size` bytes, once the parse is over.
   uint32_t crc32c_of_data() {
     spans_.insert(spans_.end(), helper_spans_.begin(), helper_spans_.end());
-    std::sort(spans_.begin(), spans_.end(), [](const Span& a, const Span& b) {
-      return a.pos != b.pos ? a.pos < b.pos : a.length > b.length;
-    });
-    uint32_t crc = 0;
-    uint64_t covered = 0;
-    for (const Span& span : spans_) {
-      if (span.pos < covered) continue;  // read twice: the first read counts
-      if (span.pos > covered) crc = file_.crc32c_of(covered, span.pos - covered, crc);
-      crc = crc32c_combine(crc, span.crc, span.length);
-      covered = span.pos + span.length;
-    }
-    if (covered < size_) crc = file_.crc32c_of(covered, size_ - covered, crc);
-    return crc;
+    return crc32c_of_spans(std::move(spans_), size_,
+                           [this](uint64_t pos, uint64_t length, uint32_t crc) {
+                             return file_.crc32c_of(pos, length, crc);
+                           });
   }
 
  private:
@@ -436,10 +438,7 @@ class VerifyingReader {
   // 256 KiB, each checksummed while it is in its core's cache.
   static constexpr size_t kSplitAbove = size_t{1} << 20;
   static constexpr size_t kPiece = size_t{256} << 10;
-  struct Span {
-    uint64_t pos, length;
-    uint32_t crc;
-  };
+  using Span = ChecksummedSpan;
 
   void read_and_checksum(Span span, char* out, std::vector<Span>& spans) const {
     for (size_t done = 0; done < span.length; done += kPiece) {
@@ -463,7 +462,7 @@ class VerifyingReader {
 // cross its C code).
 void load_archive(const CheckpointFile& file, uint64_t size,
                   torch::serialize::InputArchive& archive, VerifyingReader* verifier = nullptr) {
-  std::optional<CheckpointError> read_error;
+  std::exception_ptr read_error;  // a CheckpointError, or out of memory
   try {
     archive.load_from(
         [&](uint64_t pos, void* buf, size_t n) -> size_t {
@@ -475,15 +474,15 @@ void load_archive(const CheckpointFile& file, uint64_t size,
             } else {
               file.read_at(pos, buf, take);
             }
-          } catch (const CheckpointError& e) {
-            read_error = e;
+          } catch (...) {
+            read_error = std::current_exception();
             return 0;
           }
           return take;
         },
         [size]() -> size_t { return static_cast<size_t>(size); });
   } catch (const c10::Error&) {
-    if (read_error) throw *read_error;
+    if (read_error) std::rethrow_exception(read_error);
     throw;
   }
 }
