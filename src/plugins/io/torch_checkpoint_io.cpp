@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
@@ -337,9 +338,15 @@ class HelperThread {
   /// Until the posted job is over; rethrows what it threw.
   void wait() {
     // The helper's half usually ends within microseconds of the caller's:
-    // a short spin, then sleep.
+    // polled for up to 200 us (waking from a sleep costs about as much),
+    // then slept for (slow storage).
+    const auto poll_until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
     for (int spins = 0; state_.load(std::memory_order_acquire) != kDone; ++spins) {
-      if (spins < 2000) continue;
+      if (spins < 1000) continue;
+      if (std::chrono::steady_clock::now() < poll_until) {
+        std::this_thread::yield();
+        continue;
+      }
       std::unique_lock<std::mutex> lock(mutex_);
       done_.wait(lock, [this] { return state_.load(std::memory_order_acquire) == kDone; });
       break;
