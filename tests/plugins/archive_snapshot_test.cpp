@@ -9,6 +9,8 @@
 #include <torch/torch.h>
 
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "support/test_support.h"
 
@@ -113,6 +115,36 @@ TEST(ArchiveSnapshot, TheNextSnapshotReusesTheBuffers) {
   other.write("state", torch::zeros({10}));
   snapshot.take(other);
   EXPECT_EQ(snapshot.capacity_bytes(), size_t{10} * sizeof(float));
+}
+
+// From the second snapshot on, the copies into the kept buffers are split
+// between the caller and a helper thread (over 8 MiB in all, in 4 MiB
+// pieces): every tensor, a large one of odd size and one the archive held
+// the only reference to among them, keeps the values of its save point.
+TEST(ArchiveSnapshot, LargeStatesAreCopiedOnTwoThreadsWithTheSavePointsValues) {
+  std::vector<at::Tensor> live = {torch::randn({1000003}), torch::randn({2 << 20}),
+                                  torch::randn({17})};
+  fulgur::detail::ArchiveSnapshot snapshot;
+  for (int save = 0; save < 3; ++save) {
+    torch::serialize::OutputArchive archive;
+    for (size_t i = 0; i < live.size(); ++i) archive.write("t" + std::to_string(i), live[i]);
+    // Written only here: the snapshot must keep it alive until it is copied.
+    archive.write("temporary", torch::arange(3 << 20, torch::kFloat) * (save + 1));
+    std::vector<at::Tensor> expected;
+    for (const auto& t : live) expected.push_back(t.clone());
+    snapshot.take(archive);
+    for (auto& t : live) t.add_(1);  // the next step
+    auto in = round_trip(archive);
+    for (size_t i = 0; i < live.size(); ++i) {
+      at::Tensor saved;
+      in.read("t" + std::to_string(i), saved);
+      EXPECT_TRUE(torch::equal(saved, expected[i])) << "save " << save << ", tensor " << i;
+    }
+    at::Tensor temporary;
+    in.read("temporary", temporary);
+    EXPECT_TRUE(torch::equal(temporary, torch::arange(3 << 20, torch::kFloat) * (save + 1)))
+        << "save " << save;
+  }
 }
 
 // A GPU's tensors are copied on that GPU (no host memory, no transfer at

@@ -3,13 +3,15 @@
 #include <torch/csrc/jit/api/module.h>
 #include <torch/serialize/output-archive.h>
 
-#include <ATen/Parallel.h>
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 #include <ATen/core/ivalue.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+
+#include "utilities/helper_thread.h"
 
 namespace fulgur::detail {
 
@@ -47,18 +49,9 @@ at::Tensor ArchiveSnapshot::copy(const at::Tensor& tensor, Seen& seen) {
                         buffer.scalar_type() == source.scalar_type() &&
                         buffer.device() == source.device();
   if (reusable && source.is_cpu() && source.is_contiguous()) {
-    // A plain memcpy in chunks over the intra-op threads: glibc's memcpy
-    // streams large copies past the cache, which at::copy_ does not.
-    const auto* from = static_cast<const char*>(source.data_ptr());
-    auto* to = static_cast<char*>(buffer.data_ptr());
-    const int64_t bytes = static_cast<int64_t>(source.nbytes());
-    constexpr int64_t kChunk = int64_t{16} << 20;
-    at::parallel_for(0, (bytes + kChunk - 1) / kChunk, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) {
-        const int64_t at = c * kChunk;
-        std::memcpy(to + at, from + at, static_cast<size_t>(std::min(kChunk, bytes - at)));
-      }
-    });
+    // A plain memcpy (glibc's streams large copies past the cache, which
+    // at::copy_ does not), at the end of take(), on two threads.
+    pending_.push_back({source, static_cast<char*>(buffer.data_ptr()), source.nbytes()});
   } else if (reusable) {
     buffer.copy_(source);
   } else {
@@ -128,15 +121,62 @@ void copy_slots(const c10::intrusive_ptr<c10::ivalue::Object>& object, Copy& cop
 
 }  // namespace
 
+ArchiveSnapshot::ArchiveSnapshot() = default;
+ArchiveSnapshot::~ArchiveSnapshot() = default;
+ArchiveSnapshot::ArchiveSnapshot(ArchiveSnapshot&&) noexcept = default;
+ArchiveSnapshot& ArchiveSnapshot::operator=(ArchiveSnapshot&&) noexcept = default;
+
 size_t ArchiveSnapshot::take(torch::serialize::OutputArchive& archive) {
   next_ = 0;
   copied_ = 0;
+  pending_.clear();
   Seen seen;
   torch::jit::Module& module = archive.*member_of(ArchiveModule());
   auto copy = [this, &seen](const at::Tensor& t) { return this->copy(t, seen); };
-  copy_slots(module._ivalue(), copy);
+  try {
+    copy_slots(module._ivalue(), copy);
+    run_pending_copies();
+  } catch (...) {
+    pending_.clear();
+    throw;
+  }
   buffers_.resize(next_);  // tensors this archive no longer has
   return copied_;
+}
+
+void ArchiveSnapshot::run_pending_copies() {
+  // Pieces of 4 MiB, taken in turn by this thread and the helper: one
+  // thread's memcpy reaches about 10 GB/s here, two about 1.5x that.
+  constexpr size_t kPiece = size_t{4} << 20;
+  struct Piece {
+    const char* from;
+    char* to;
+    size_t bytes;
+  };
+  std::vector<Piece> pieces;
+  size_t total = 0;
+  for (const auto& c : pending_) {
+    const auto* from = static_cast<const char*>(c.source.data_ptr());
+    for (size_t at = 0; at < c.bytes; at += kPiece) {
+      pieces.push_back({from + at, c.to + at, std::min(kPiece, c.bytes - at)});
+    }
+    total += c.bytes;
+  }
+  std::atomic<size_t> next{0};
+  auto copy_pieces = [&pieces, &next] {
+    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < pieces.size();) {
+      std::memcpy(pieces[i].to, pieces[i].from, pieces[i].bytes);
+    }
+  };
+  if (total >= 2 * kPiece) {
+    if (!helper_) helper_ = std::make_unique<HelperThread>();
+    helper_->post(copy_pieces);
+    copy_pieces();
+    helper_->wait();
+  } else {
+    copy_pieces();
+  }
+  pending_.clear();
 }
 
 }  // namespace fulgur::detail

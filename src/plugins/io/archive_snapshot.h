@@ -5,8 +5,9 @@
 // buffer kept between snapshots, so the archive no longer shares memory
 // with the live state and can be serialized on another thread while
 // training changes that state. A copy is a memcpy (on the tensor's own
-// device); the serialization it spares the caller (pickling, a CRC-32 per
-// record) costs about four times as much.
+// device; those of CPU tensors split between the caller and a helper
+// thread, idle then as the writer is); the serialization it spares the
+// caller (pickling, a CRC-32 per record) costs about four times as much.
 //
 //   ArchiveSnapshot snapshot;       // kept between saves
 //   snapshot.take(archive);         // the archive now holds copies
@@ -22,6 +23,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstddef>
+#include <memory>
 #include <unordered_map>
 #include <vector>
 
@@ -31,8 +33,14 @@ class OutputArchive;
 
 namespace fulgur::detail {
 
+class HelperThread;
+
 class ArchiveSnapshot {
  public:
+  ArchiveSnapshot();
+  ~ArchiveSnapshot();
+  ArchiveSnapshot(ArchiveSnapshot&&) noexcept;
+  ArchiveSnapshot& operator=(ArchiveSnapshot&&) noexcept;
   /// Replaces every tensor of `archive` with a copy (one copy for a tensor
   /// it holds twice); returns the bytes copied. The buffers of the previous
   /// take() are reused where the n-th tensor has the same shape, dtype and
@@ -48,6 +56,16 @@ class ArchiveSnapshot {
   /// The copy of each tensor met during one take(), by its impl.
   using Seen = std::unordered_map<const c10::TensorImpl*, at::Tensor>;
   at::Tensor copy(const at::Tensor& tensor, Seen& seen);
+  /// The memcpys copy() left for the end of take(): split between this
+  /// thread and a helper.
+  void run_pending_copies();
+  struct PendingCopy {
+    at::Tensor source;  // kept alive: the archive may have held the only reference
+    char* to;
+    size_t bytes;
+  };
+  std::vector<PendingCopy> pending_;
+  std::unique_ptr<HelperThread> helper_;
   std::vector<at::Tensor> buffers_;
   size_t next_ = 0;
   size_t copied_ = 0;
