@@ -13,18 +13,11 @@
 #include <vector>
 
 #include "support/test_support.h"
+#include "support/unit_hooks_recorder.h"
 
 namespace {
 
-struct Recorder : fulgur::nn::UnitHooks {
-  int before = 0, after = 0;
-  std::vector<size_t> outputs;
-  void before_forward() override { ++before; }
-  void after_forward(const std::vector<at::Tensor>& tensors) override {
-    ++after;
-    outputs.push_back(tensors.size());
-  }
-};
+using Recorder = fulgur::test::UnitHooksRecorder;
 
 struct PairImpl : torch::nn::Module {
   torch::nn::Linear fc{nullptr};

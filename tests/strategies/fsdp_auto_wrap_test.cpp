@@ -14,18 +14,11 @@
 
 #include "fulgur/core/errors.h"
 #include "support/test_support.h"
+#include "support/unit_hooks_recorder.h"
 
 namespace {
 
-struct WrapCounter : fulgur::nn::UnitHooks {
-  int before = 0, after = 0;
-  std::vector<size_t> outputs;
-  void before_forward() override { ++before; }
-  void after_forward(const std::vector<at::Tensor>& tensors) override {
-    ++after;
-    outputs.push_back(tensors.size());
-  }
-};
+using WrapCounter = fulgur::test::UnitHooksRecorder;
 
 // A Sequential inside a module inside a Sequential (LibTorch cannot hold a
 // Sequential in a Sequential directly).
