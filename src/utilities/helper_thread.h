@@ -22,9 +22,9 @@
 namespace fulgur::detail {
 
 // One job at a time: post(job), the caller's own share of the work, then
-// wait(). It polls
-// briefly after a job (a checkpoint's next large read or write usually
-// follows at once), then sleeps; it is started by the first post.
+// wait(). The helper polls briefly after a job (a checkpoint's next large
+// read or write usually follows at once), then sleeps; it is started by
+// the first post.
 class HelperThread {
  public:
   HelperThread() = default;
