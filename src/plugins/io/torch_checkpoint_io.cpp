@@ -15,18 +15,12 @@
 #include <torch/torch.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
-#include <chrono>
-#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <exception>
 #include <functional>
 #include <iostream>
-#include <mutex>
-#include <system_error>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -215,18 +209,13 @@ class CheckpointFile {
     }
   }
   /// CRC32C of the `n` bytes at `pos`, continuing `crc`, read in pieces
-  /// through one small buffer (`buffer` when given).
-  uint32_t crc32c_of(uint64_t pos, uint64_t n, uint32_t crc = 0,
-                     std::vector<char>* buffer = nullptr) const {
-    std::vector<char> own;
-    if (buffer == nullptr) {
-      own.resize(std::min<uint64_t>(n, uint64_t{4} << 20));
-      buffer = &own;
-    }
+  /// through one small buffer.
+  uint32_t crc32c_of(uint64_t pos, uint64_t n, uint32_t crc = 0) const {
+    std::vector<char> buf(std::min<uint64_t>(n, uint64_t{4} << 20));
     for (const uint64_t end = pos + n; pos < end;) {
-      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(buffer->size(), end - pos));
-      read_at(pos, buffer->data(), chunk);
-      crc = crc32c(buffer->data(), chunk, crc);
+      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(buf.size(), end - pos));
+      read_at(pos, buf.data(), chunk);
+      crc = crc32c(buf.data(), chunk, crc);
       pos += chunk;
     }
     return crc;
@@ -296,10 +285,10 @@ std::string explained(const Verdict& v, const CheckpointFile& file) {
 // The reads of a verified load: the bytes LibTorch reads are checksummed
 // where they land, right after they are read, while they are still in the
 // processor's cache, so the file is read once (bytes read twice are
-// counted on one of the reads). A large read is split
-// in two: the helper thread reads and checksums one half while this thread
-// does the other, and the read returns when both are done (LibTorch's
-// buffer is never touched after). A separate checksum pass over the file,
+// counted on one of the reads). A large read is split in two: the helper
+// thread reads and checksums one half while this thread does the other,
+// and the read returns when both are done (LibTorch's buffer is never
+// touched after). A separate checksum pass over the file,
 // even on a second thread beside the parse, read everything twice: 0.8-0.9x
 // of LibTorch's own load at 1 GB on 2 cores. The pieces' CRCs are joined
 // in file order; what LibTorch never read (zip headers, padding, a rest
