@@ -508,6 +508,13 @@ TEST(FSDP, AutoWrapMakesUnitsOfASequentialsLayersAndMatches) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("auto_wrap_min_params = 1000 made no unit"), std::string::npos)
       << r.output;
+  // Under SHARD_GRAD_OP without prefetch units change nothing: it says so.
+  r = run_worker({"--strategy", kFsdp, "--devices", "2", "--batch", "8", "--steps", "2", "--root",
+                  dir.path(), "--sequential", "--auto-wrap", "100"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("auto_wrap_min_params = 100 has no effect here: under SHARD_GRAD_OP"),
+            std::string::npos)
+      << r.output;
   expect_equivalent({"--steps", "20", "--sequential"}, kFullShard, {"--auto-wrap", "100"});
   expect_equivalent({"--steps", "20", "--sequential", "--optimizer", "adam", "--accumulate", "2"},
                     kFullShard, {"--auto-wrap", "100", "--prefetch"});
