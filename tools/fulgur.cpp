@@ -59,10 +59,11 @@ int resolve(int argc, char** argv) {
     try {
       if (!cli.parse_arguments(args, std::cout)) return 0;  // --print_config
     } catch (const fulgur::FlagError& e) {
-      // The connector checks the flags that did parse and throws one error
-      // listing these problems and its own.
-      std::vector<std::string> problems = e.problems();
-      fulgur::resolve(cli.trainer_options(), fulgur::ConnectorContext(), problems);
+      // One error lists the CLI's problems and the Trainer's (the
+      // connector's included, each naming the file and line of its value):
+      // all of them flag errors here.
+      throw fulgur::FlagError(e.kind() == "invalid_config" ? "invalid_flags" : e.kind(),
+                              e.problems());
     }
     fulgur::TrainerOptions options = cli.trainer_options();
     // A Trainer resolves exactly as it would in a program; it touches no

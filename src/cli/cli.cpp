@@ -2,10 +2,14 @@
 // Trainer's flag table and the program's own options.
 #include "fulgur/cli/cli.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <torch/serialize/archive.h>
+#include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -15,11 +19,16 @@
 #include <iostream>
 #include <limits>
 #include <sstream>
+#include <unordered_map>
+#include <tuple>
+#include <unordered_set>
+#include <variant>
 
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 #include "fulgur/strategies/strategy.h"
+#include "fulgur/trainer/connectors/accelerator_connector.h"
 #include "fulgur/trainer/flags.h"
 
 namespace fulgur {
@@ -40,6 +49,7 @@ namespace {
 
 constexpr const char* kConfigStateKey = "fulgur.cli.config";
 constexpr const char* kDefault = "default";
+constexpr const char* kCommandLine = "the command line";
 constexpr const char* kCkptPathHelp =
     "Checkpoint to start from: a file, \"last\" (the newest of this run that verifies), "
     "\"auto\" (the same, or a fresh start when there is none)";
@@ -54,8 +64,7 @@ std::string unknown(const std::string& what, const std::string& name,
 
 std::string in_quotes(const std::string& text) { return "\"" + text + "\""; }
 
-std::string parse_integer(const std::string& text, long long min, long long max,
-                          long long& out) {
+std::string parse_integer(const std::string& text, long long min, long long max, long long& out) {
   const ParsedInt n = parse_int(text, min, max);
   if (!n.ok) return "not an integer.";
   if (n.out_of_range) return str("out of range (", min, " to ", max, ").");
@@ -80,8 +89,8 @@ class ConfigCallback : public Callback {
     out << yaml_;
     out.flush();
     if (ec || !out) {
-      throw ConfigError(str("CLI: cannot write the run's config \"", path, "\": ",
-                            ec ? ec.message() : std::string(std::strerror(errno)),
+      throw ConfigError(str("CLI: cannot write the run's config \"", path,
+                            "\": ", ec ? ec.message() : std::string(std::strerror(errno)),
                             ". Make the directory writable (trainer.default_root_dir)."));
     }
   }
@@ -141,6 +150,208 @@ std::string line_of(const YAML::Node& node) {
   return mark.line >= 0 ? str(" line ", mark.line + 1) : std::string();
 }
 
+// `text` for a message: whole when short, else its start and its length (a
+// key or value from a file may be as long as the file).
+std::string shortened(const std::string& text) {
+  constexpr size_t kMax = 80;
+  if (text.size() <= kMax) return text;
+  return str(text.substr(0, kMax), "... (", text.size(), " bytes)");
+}
+
+// The "did you mean" of unknown(), skipped for a name far longer than any
+// candidate (no candidate is within a third of it, and the edit distance
+// would cost its length times theirs).
+std::string unknown_name(const std::string& what, const std::string& name,
+                         const std::vector<std::string>& candidates, const char* prefix) {
+  if (name.size() > 200) return str(what, ".");
+  return unknown(what, name, candidates, prefix);
+}
+
+std::string file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "not a regular file";
+}
+
+std::string size_text(uint64_t bytes) {
+  if (bytes < (uint64_t{1} << 20)) return str(bytes, " bytes");
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1) << static_cast<double>(bytes) / (1 << 20) << " MiB";
+  return out.str();
+}
+
+// The text of the --config file at `path`, through one checked open, as
+// TorchCheckpointIO opens checkpoints: the path's type first (a directory,
+// FIFO, device or socket is refused without being opened, so nothing can
+// block), then a non-blocking open, the type and size again on what was
+// opened (the path may have changed in between), and a read of at most
+// CLI::kMaxConfigFileBytes. "" with `text` set, or the problem: the path,
+// what is wrong and what to do.
+std::string read_config_file(const std::string& path, std::string& text) {
+  constexpr uint64_t kMax = CLI::kMaxConfigFileBytes;
+  const std::string what = str("--config ", path);
+  auto refused = [&](mode_t mode) {
+    return str(what, " is ", file_kind(mode),
+               ", not a config file. Pass the path of a YAML file (--print_config writes one).");
+  };
+  auto too_large = [&](uint64_t size) {
+    return str(what, " is ", size_text(size), "; a config file may be at most 1 MiB (", kMax,
+               " bytes). Pass the YAML file of the run's settings (a few KiB), not data.");
+  };
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    const int err = errno;
+    return str(what, ": cannot read it: ",
+               err == ENOENT ? std::string("it does not exist. Check the path")
+                             : std::string(std::strerror(err)),
+               ". Pass the path of a YAML file.");
+  }
+  if (!S_ISREG(st.st_mode)) return refused(st.st_mode);
+  if (static_cast<uint64_t>(st.st_size) > kMax) return too_large(static_cast<uint64_t>(st.st_size));
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    const int err = errno;
+    return str(what, ": cannot open it for reading: ", std::strerror(err),
+               err == EACCES ? ". Give this user read permission on it (and search permission on "
+                               "its directories)."
+                             : ".");
+  }
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat opened {};
+  if (::fstat(fd, &opened) != 0) {
+    return str(what, ": cannot read it: ", std::strerror(errno), ".");
+  }
+  if (!S_ISREG(opened.st_mode)) return refused(opened.st_mode);
+  if (static_cast<uint64_t>(opened.st_size) > kMax) {
+    return too_large(static_cast<uint64_t>(opened.st_size));
+  }
+  // One byte past the cap tells a file that grew since.
+  text.assign(static_cast<size_t>(kMax) + 1, '\0');
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t got = ::read(fd, text.data() + done, text.size() - done);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      const int err = errno;
+      text.clear();
+      return str(what, ": cannot read it: ", std::strerror(err), ".");
+    }
+    if (got == 0) break;
+    done += static_cast<size_t>(got);
+  }
+  if (done > kMax) {
+    text.clear();
+    return too_large(done);
+  }
+  text.resize(done);
+  return "";
+}
+
+// "line 3", or "line 3 column 7" where `other` is on the same line (two
+// keys of one flow mapping).
+std::string mark_text(const YAML::Mark& mark, const YAML::Mark& other) {
+  if (mark.line < 0) return "an unknown line";
+  return mark.line == other.line ? str("line ", mark.line + 1, " column ", mark.column + 1)
+                                 : str("line ", mark.line + 1);
+}
+
+std::string duplicate_key(const std::string& source, const std::string& key,
+                          const YAML::Mark& first, const YAML::Mark& again) {
+  return str(source, " ", mark_text(again, first), ": duplicate key ", shortened(key),
+             ", first at ", mark_text(first, again),
+             ". YAML allows each key once in a mapping (one value would win silently); keep one.");
+}
+
+// Every key given twice in one mapping anywhere under `root`, block or flow
+// style (yaml-cpp keeps both). A hash set per mapping keeps 10 000 keys
+// linear; each collection of a file is visited once (`visited`: by position
+// and kind, shared by the calls for one file), so that aliases (*a) cannot
+// make the walk exponential, and the walk is iterative (no recursion).
+void find_duplicate_keys(const YAML::Node& root, const std::string& path, const std::string& source,
+                         std::unordered_set<long long>& visited,
+                         std::vector<std::string>& problems) {
+  std::vector<std::pair<YAML::Node, std::string>> todo{{root, path}};
+  while (!todo.empty()) {
+    auto [node, prefix] = std::move(todo.back());
+    todo.pop_back();
+    if (!node.IsMap() && !node.IsSequence()) continue;
+    const YAML::Mark mark = node.Mark();
+    if (mark.pos >= 0 && !visited.insert(2LL * mark.pos + (node.IsMap() ? 1 : 0)).second) continue;
+    if (node.IsSequence()) {
+      for (const auto& item : node) todo.emplace_back(item, prefix + "[]");
+      continue;
+    }
+    std::unordered_map<std::string, YAML::Mark> seen;
+    for (const auto& entry : node) {
+      const YAML::Node& key = entry.first;
+      if (key.IsScalar()) {
+        const std::string& name = key.Scalar();
+        // The path for messages (shortened: each entry below keeps a copy).
+        const std::string dotted = shortened(prefix.empty() ? name : prefix + "." + name);
+        const auto [it, fresh] = seen.emplace(name, key.Mark());
+        if (!fresh) problems.push_back(duplicate_key(source, dotted, it->second, key.Mark()));
+        todo.emplace_back(entry.second, dotted);
+      } else {
+        todo.emplace_back(key, prefix);
+        todo.emplace_back(entry.second, prefix);
+      }
+    }
+  }
+}
+
+// `problem`, found by the Trainer's checks, prefixed with where the values
+// it names came from when that is a file (or a checkpoint's config):
+// "a.yaml line 4: deterministic=\"maybe\": pass true, false or \"warn\"."
+// The flags are looked for in the problem's head (up to its first ": " or
+// ". "), as name=..., name[...] or, failing those, "name ".
+template <class Setting>
+std::string with_origin(const std::string& problem, const std::map<std::string, Setting>& values,
+                        const char* default_source, const char* command_line) {
+  size_t end = std::min(problem.find(": "), problem.find(". "));
+  const std::string head = problem.substr(0, end == std::string::npos ? problem.size() : end);
+  // Where `name` followed by `after` first stands as a word in the head, or npos.
+  auto named = [&](const std::string& name, const std::string& after) {
+    for (size_t at = head.find(name + after); at != std::string::npos;
+         at = head.find(name + after, at + 1)) {
+      const char before = at == 0 ? ' ' : head[at - 1];
+      if (!std::isalnum(static_cast<unsigned char>(before)) && before != '_' && before != '.') {
+        return at;
+      }
+    }
+    return std::string::npos;
+  };
+  std::vector<std::tuple<size_t, std::string, std::string>> origins;  // at, flag, source
+  for (const std::vector<std::string>& afters :
+       {std::vector<std::string>{"=", "["}, std::vector<std::string>{" "}}) {
+    bool any_named = false;
+    for (const auto& flag : trainer_flags()) {
+      size_t at = std::string::npos;
+      for (const auto& after : afters) at = std::min(at, named(flag.name, after));
+      if (at == std::string::npos) continue;
+      any_named = true;
+      const auto it = values.find("trainer." + flag.name);
+      if (it == values.end() || it->second.source == default_source ||
+          it->second.source == command_line) {
+        continue;
+      }
+      origins.emplace_back(at, "trainer." + flag.name, it->second.source);
+    }
+    if (any_named) break;
+  }
+  std::sort(origins.begin(), origins.end());
+  if (origins.empty()) return problem;
+  if (origins.size() == 1) return str(std::get<2>(origins[0]), ": ", problem);
+  std::vector<std::string> parts;
+  for (const auto& [at, flag, source] : origins) parts.push_back(str(source, " (", flag, ")"));
+  return str(join(parts, ", "), ": ", problem);
+}
+
 }  // namespace
 
 // ---- OptionGroup.
@@ -173,14 +384,15 @@ OptionGroup& OptionGroup::add(const std::string& name, bool& value, std::string 
 
 template <class Int>
 OptionGroup& OptionGroup::add_integer(const std::string& name, Int& value, std::string help) {
-  return add_option({flag_key(name), std::move(help), false, [&value] { return std::to_string(value); },
-                     [&value](const std::string& t) -> std::string {
-                       long long v = 0;
-                       auto problem = parse_integer(t, std::numeric_limits<Int>::min(),
-                                                    std::numeric_limits<Int>::max(), v);
-                       if (problem.empty()) value = static_cast<Int>(v);
-                       return problem;
-                     }});
+  return add_option(
+      {flag_key(name), std::move(help), false, [&value] { return std::to_string(value); },
+       [&value](const std::string& t) -> std::string {
+         long long v = 0;
+         auto problem =
+             parse_integer(t, std::numeric_limits<Int>::min(), std::numeric_limits<Int>::max(), v);
+         if (problem.empty()) value = static_cast<Int>(v);
+         return problem;
+       }});
 }
 
 OptionGroup& OptionGroup::add(const std::string& name, int& value, std::string help) {
@@ -192,7 +404,8 @@ OptionGroup& OptionGroup::add(const std::string& name, int64_t& value, std::stri
 }
 
 OptionGroup& OptionGroup::add(const std::string& name, double& value, std::string help) {
-  return add_option({flag_key(name), std::move(help), false, [&value] { return number_text(value); },
+  return add_option({flag_key(name), std::move(help), false,
+                     [&value] { return number_text(value); },
                      [&value](const std::string& t) -> std::string {
                        const auto v = parse_double(t);
                        if (!v) return "not a number.";
@@ -237,21 +450,24 @@ std::optional<int> CLI::parse(int argc, const char* const* argv) {
     return parse_arguments(args, std::cout) ? std::nullopt : std::optional<int>(0);
   } catch (const FlagError& e) {
     const auto& problems = e.problems();
+    const size_t count = std::max(problems_found_, problems.size());
     std::cerr << options_.program << ": "
-              << (problems.size() == 1
-                      ? problems.front()
-                      : str(problems.size(), " problems with the configuration:\n  - ",
-                            join(problems, "\n  - ")))
+              << (count == 1 ? problems.front()
+                             : str(count, " problems with the configuration:\n  - ",
+                                   join(problems, "\n  - ")))
               << "\n"
               << options_.program << " --help lists every option." << std::endl;
     return 2;
-  } catch (const ConfigError& e) {
+  } catch (const std::exception& e) {
+    // ConfigError, and whatever else reading the configuration raised: a
+    // message and status 2, never an abort.
     std::cerr << options_.program << ": " << e.what() << std::endl;
     return 2;
   }
 }
 
 bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& out) {
+  problems_found_ = 0;
   const std::vector<Key> all = keys();
   std::vector<std::string> problems;
   std::vector<std::string> dotted;
@@ -284,7 +500,8 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       continue;
     }
     if (arg.rfind("--", 0) != 0 || arg.size() == 2) {
-      problems.push_back(str(in_quotes(arg), ": expected a flag such as --devices 2 (--KEY VALUE or "
+      problems.push_back(str(in_quotes(arg),
+                             ": expected a flag such as --devices 2 (--KEY VALUE or "
                              "--KEY=VALUE)",
                              i == 0 ? ", or a subcommand: fit, validate, test, predict." : "."));
       continue;
@@ -343,7 +560,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
     if (key == "config") {
       config_files.push_back(*value);
     } else {
-      command_line.push_back({key, *value, "the command line"});
+      command_line.push_back({key, *value, kCommandLine});
     }
   }
   if (help_wanted) {
@@ -356,59 +573,91 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
                          std::vector<Item>& items) {
     if (!root || root.IsNull()) return;
     if (!root.IsMap()) {
-      problems.push_back(str(source, ": the top level is not a mapping. Write sections "
-                                     "(trainer:, model:, data:) and top-level keys."));
+      problems.push_back(str(source, line_of(root),
+                             ": the top level is not a mapping. Write sections (trainer:, model:, "
+                             "data:) and top-level keys."));
       return;
     }
-    auto add = [&](const std::string& key, const YAML::Node& value) {
+    // Where each key was set in this file: a key given twice (in one
+    // mapping, in a section given twice, or spelled max-epochs and
+    // max_epochs) is an error, not "the last one wins".
+    std::unordered_map<std::string, YAML::Mark> set_at;
+    std::unordered_set<long long> visited;
+    auto once = [&](const std::string& key, const YAML::Node& key_node) {
+      if (from_checkpoint) return true;
+      const auto [it, fresh] = set_at.emplace(key, key_node.Mark());
+      if (!fresh) problems.push_back(duplicate_key(source, key, it->second, key_node.Mark()));
+      return fresh;
+    };
+    // The name of a key, or nothing (and a problem) for a key that is a
+    // list, a mapping or null.
+    auto name_of = [&](const YAML::Node& key_node) -> std::optional<std::string> {
+      if (key_node.IsScalar()) return flag_key(key_node.Scalar());
+      problems.push_back(str(source, line_of(key_node),
+                             ": a key that is not a name (a list, a mapping or null). Write "
+                             "name: value."));
+      return std::nullopt;
+    };
+    auto add = [&](const std::string& key, const YAML::Node& key_node, const YAML::Node& value) {
+      if (!from_checkpoint) find_duplicate_keys(value, key, source, visited, problems);
+      if (!once(key, key_node)) return;
       if (find_key(key) == nullptr) {
         if (from_checkpoint) {
-          std::cerr << options_.program << ": note: " << source << " has \"" << key
+          std::cerr << options_.program << ": note: " << source << " has \"" << shortened(key)
                     << "\", which this program does not know; it is left out." << std::endl;
-        } else {
-          problems.push_back(
-              unknown(str(source, line_of(value), ": unknown key ", key), key, dotted, ""));
+        } else if (problems.size() < CLI::kMaxProblemsListed) {
+          problems.push_back(unknown_name(
+              str(source, line_of(key_node), ": unknown key ", shortened(key)), key, dotted, ""));
+        } else {  // counted, not listed: no suggestion to compute
+          problems.push_back(str(source, line_of(key_node), ": unknown key ", shortened(key), "."));
         }
         return;
       }
       if (from_checkpoint && key == "ckpt_path") return;  // where that run started from
       const auto text = node_text(value);
       if (!text) {
-        problems.push_back(str(source, line_of(value), ": ", key,
+        problems.push_back(str(source, line_of(key_node), ": ", shortened(key),
                                " is a mapping or a nested list; write a value (or a list of "
                                "values)."));
         return;
       }
-      items.push_back({key, *text, source + line_of(value)});
+      items.push_back({key, *text, source + line_of(key_node)});
     };
     for (const auto& entry : root) {
-      const std::string section = flag_key(entry.first.as<std::string>());
+      const auto section = name_of(entry.first);
+      if (!section) continue;
       const YAML::Node& value = entry.second;
-      if (section == "trainer" || section == "model" || section == "data") {
+      if (*section == "trainer" || *section == "model" || *section == "data") {
+        // A section given twice is reported; its keys are still read, so
+        // that a key set in both is named too.
+        once(*section, entry.first);
         if (value.IsNull()) continue;
         if (!value.IsMap()) {
-          problems.push_back(str(source, line_of(value), ": ", section,
+          problems.push_back(str(source, line_of(entry.first), ": ", *section,
                                  " is not a mapping; write its keys below it, indented."));
           continue;
         }
         for (const auto& sub : value) {
-          add(section + "." + flag_key(sub.first.as<std::string>()), sub.second);
+          if (const auto name = name_of(sub.first)) {
+            add(*section + "." + *name, sub.first, sub.second);
+          } else if (!from_checkpoint) {
+            find_duplicate_keys(sub.second, *section, source, visited, problems);
+          }
         }
       } else {
-        add(section, value);
+        add(*section, entry.first, value);
       }
     }
   };
   std::vector<Item> from_files;
   for (const auto& file : config_files) {
-    std::ifstream in(file);
-    if (!in) {
-      problems.push_back(str("--config ", file, ": cannot read it: ", std::strerror(errno),
-                             ". Pass the path of a YAML file."));
+    std::string text;
+    if (std::string problem = read_config_file(file, text); !problem.empty()) {
+      problems.push_back(std::move(problem));
       continue;
     }
     try {
-      read_config(YAML::LoadFile(file), file, false, from_files);
+      read_config(YAML::Load(text), file, false, from_files);
     } catch (const YAML::Exception& e) {
       problems.push_back(str("--config ", file, ": not valid YAML: ", e.what(), "."));
     }
@@ -458,7 +707,31 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
     for (const auto& item : *items) values[item.key] = {item.text, item.source};
   }
   apply(values, problems);
-  if (!problems.empty()) throw FlagError("invalid_config", problems);
+  // The Trainer's own checks of these values (ranges, conflicts, names the
+  // connector judges), here, where each value's file and line are known.
+  // --print_config prints a config for any machine: not judged against this one.
+  std::string kind = "invalid_config";
+  if (!print_config) {
+    for (const auto& problem : trainer_problems(kind)) {
+      // A value as long as the file is not quoted whole.
+      constexpr size_t kLongest = 2000;
+      problems.push_back(
+          with_origin(problem.size() <= kLongest
+                          ? problem
+                          : str(problem.substr(0, kLongest), "... (", problem.size(), " bytes)"),
+                      values, kDefault, kCommandLine));
+    }
+  }
+  problems_found_ = problems.size();
+  if (!problems.empty()) {
+    if (problems.size() > CLI::kMaxProblemsListed) {
+      const size_t more = problems.size() - CLI::kMaxProblemsListed;
+      problems.resize(CLI::kMaxProblemsListed);
+      problems.push_back(str("and ", more, " more (", problems_found_,
+                             " problems in all); fix these and run again to see the rest."));
+    }
+    throw FlagError(kind, problems);
+  }
   values_ = std::move(values);
   ckpt_path_ = values_.at("ckpt_path").text;
   if (ckpt_path_ == "none") ckpt_path_.clear();
@@ -469,9 +742,30 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
   return true;
 }
 
+std::vector<std::string> CLI::trainer_problems(std::string& kind) const {
+  // A Trainer made and dropped runs every check a program's Trainer runs on
+  // these options; it opens no file and starts nothing before fit(). A
+  // strategy instance of the program's is not handed to it (building wires
+  // components into the instance): then the connector's checks alone.
+  try {
+    if (std::holds_alternative<std::string>(trainer_.strategy)) {
+      Trainer probe(trainer_);
+    } else {
+      resolve(trainer_, ConnectorContext());
+    }
+  } catch (const FlagError& e) {
+    kind = e.kind();
+    return e.problems();
+  } catch (const ConfigError& e) {
+    return {e.what()};
+  }
+  return {};
+}
+
 void CLI::apply(std::map<std::string, Setting>& values, std::vector<std::string>& problems) {
   auto report = [&](const std::string& key, const Setting& s, const std::string& problem) {
-    problems.push_back(str(key, ": ", in_quotes(s.text), " (from ", s.source, "): ", problem));
+    problems.push_back(
+        str(key, ": ", in_quotes(shortened(s.text)), " (from ", s.source, "): ", problem));
   };
   // Defaults stay as the program set them (objects included): only what a
   // checkpoint, a file or the command line gave is applied.
@@ -493,7 +787,8 @@ void CLI::apply(std::map<std::string, Setting>& values, std::vector<std::string>
     for (const auto& o : group.options()) {
       const Setting& s = values.at(prefix + o.name);
       if (s.source == kDefault) continue;
-      if (std::string problem = o.set(s.text); !problem.empty()) report(prefix + o.name, s, problem);
+      if (std::string problem = o.set(s.text); !problem.empty())
+        report(prefix + o.name, s, problem);
     }
   };
   apply_group(model_, "model.");
@@ -533,7 +828,8 @@ std::string CLI::config_yaml() const {
     out << YAML::BeginMap;
     for (const auto& n : names) {
       auto it = values_.find(name + "." + n);
-      out << YAML::Key << n << YAML::Value << (it == values_.end() ? std::string() : it->second.text);
+      out << YAML::Key << n << YAML::Value
+          << (it == values_.end() ? std::string() : it->second.text);
     }
     out << YAML::EndMap;
   };

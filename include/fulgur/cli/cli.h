@@ -37,10 +37,23 @@
 // Precedence, lowest first: the program's defaults; the config saved in the
 // checkpoint given as ckpt_path (a run resumes with its own settings); the
 // --config files, in order; the command line. Every problem (an unknown key,
-// with "did you mean"; a value that does not parse; an ambiguous flat name)
-// is reported at once, naming where the value came from.
+// with "did you mean"; a key given twice; a value that does not parse; an
+// ambiguous flat name; what the Trainer's own checks refuse, such as
+// `deterministic: maybe`) is reported at once, naming where the value came
+// from: the file and line for a value from a file. All are counted; the
+// first CLI::kMaxProblemsListed are listed.
+//
+// A --config path is opened once, checked as checkpoints are: it must be a
+// regular file (a directory, FIFO, device or socket is refused by its type,
+// never opened, so nothing blocks), readable, and at most
+// CLI::kMaxConfigFileBytes (1 MiB; a config is a few KiB). YAML forbids a
+// key twice in one mapping, and so does the CLI, at any depth, in block and
+// flow style (yaml-cpp would keep one silently); so are two spellings of
+// one key (max_epochs and max-epochs) in one file. Any of these is exit
+// status 2 from parse(), naming the file, the line and what to do.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <iosfwd>
@@ -100,6 +113,11 @@ struct CLIOptions {
 
 class CLI {
  public:
+  /// The largest --config file read (1 MiB); a larger one is an error.
+  static constexpr uint64_t kMaxConfigFileBytes = uint64_t{1} << 20;
+  /// How many problems an error lists; the rest are counted ("and N more").
+  static constexpr size_t kMaxProblemsListed = 20;
+
   explicit CLI(CLIOptions options = {});
 
   /// The `model:` section.
@@ -116,8 +134,14 @@ class CLI {
   /// problem printed on stderr).
   std::optional<int> parse(int argc, const char* const* argv);
   /// parse() on the arguments after the program's name; throws FlagError
-  /// ("invalid_config") listing every problem. Returns false after --help or
-  /// --print_config (`out` got the text).
+  /// (kind "invalid_config", or the kind of the Trainer's error when its
+  /// checks found something) listing the problems: the first kMaxProblemsListed,
+  /// then one entry "and N more (M problems in all)". Unless --print_config
+  /// is given, the Trainer's checks of the configured flags run here too (a
+  /// Trainer is created and dropped when the strategy is given by name;
+  /// only the connector's checks run when it is an instance), so that their
+  /// problems name the file and line of each value. Returns false after
+  /// --help or --print_config (`out` got the text).
   bool parse_arguments(const std::vector<std::string>& args, std::ostream& out);
 
   Subcommand subcommand() const { return subcommand_; }
@@ -160,11 +184,17 @@ class CLI {
   };
 
   std::vector<Key> keys() const;
+  // What the Trainer's checks (loop flags, connector) find in trainer_;
+  // `kind` becomes their FlagError's kind when they find something.
+  std::vector<std::string> trainer_problems(std::string& kind) const;
   // Sets the Trainer's options and the bound variables from `values`; a
   // problem per value that does not parse.
   void apply(std::map<std::string, Setting>& values, std::vector<std::string>& problems);
 
   CLIOptions options_;
+  /// How many problems the last parse_arguments() found (its error lists
+  /// at most kMaxProblemsListed of them).
+  size_t problems_found_ = 0;
   OptionGroup model_, data_, program_;
   Subcommand subcommand_;
   std::string ckpt_path_;

@@ -1,0 +1,82 @@
+// File: tests/support/run_in_child.h
+//
+// Runs a function in a forked child of the test process, bounded in time:
+// for code that must end with an exit status and never crash or hang (a
+// parser fed random bytes). Much cheaper than run_process() (no exec, no
+// LibTorch start-up), so a fuzz test can run hundreds of cases. The child's
+// stdout and stderr go to /dev/null; it leaves through _exit (no atexit
+// handlers, no GoogleTest teardown), so an exception the function lets out
+// aborts it, as it would abort a program.
+//
+//   auto r = fulgur::test::run_in_child([&] { return cli.parse(argc, argv).value_or(0); });
+//   EXPECT_TRUE(r.exit_code == 0 || r.exit_code == 2) << r.describe();
+#pragma once
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <iostream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+namespace fulgur::test {
+
+struct ChildResult {
+  int exit_code = -1;  // -1 when it ended by a signal or was killed
+  int signal = 0;
+  bool timed_out = false;
+  std::string describe() const {
+    if (timed_out) return "still running at the timeout (killed)";
+    if (signal != 0) return "killed by signal " + std::to_string(signal);
+    return "exit status " + std::to_string(exit_code);
+  }
+};
+
+inline ChildResult run_in_child(const std::function<int()>& body,
+                                std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("run_in_child: fork failed");
+  if (pid == 0) {
+    const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (null >= 0) {
+      ::dup2(null, STDOUT_FILENO);
+      ::dup2(null, STDERR_FILENO);
+    }
+    const int code = body();
+    std::cout.flush();
+    std::cerr.flush();
+    ::_exit(code);
+  }
+  ChildResult result;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::microseconds(50);
+  int status = 0;
+  while (true) {
+    const pid_t done = ::waitpid(pid, &status, WNOHANG);
+    if (done == pid) break;
+    if (done < 0) throw std::runtime_error("run_in_child: waitpid failed");
+    if (std::chrono::steady_clock::now() > deadline) {
+      result.timed_out = true;
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return result;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(5));
+  }
+  if (WIFEXITED(status)) result.exit_code = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) result.signal = WTERMSIG(status);
+  return result;
+}
+
+}  // namespace fulgur::test
