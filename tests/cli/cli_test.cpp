@@ -441,21 +441,39 @@ TEST(CLIConfigFile, ADirectoryAFifoADeviceAndASocketAreRefusedByTheirType) {
   ::close(sock);
 }
 
-TEST(CLIConfigFile, AMissingOrUnreadableFileNamesThePathAndWhatToDo) {
+TEST(CLIConfigFile, AMissingFileNamesThePathAndWhatToDo) {
   TempDir dir;
   Program p;
   EXPECT_EQ(only_problem(p, {"--config", dir.file("none.yaml")}),
             "--config " + dir.file("none.yaml") +
                 ": cannot read it: it does not exist. Check the path. Pass the path of a YAML "
                 "file.");
-  if (::geteuid() == 0) GTEST_SKIP() << "root reads a file without read permission";
-  write_text(dir.file("secret.yaml"), "trainer:\n  max_epochs: 1\n");
-  fs::permissions(dir.file("secret.yaml"), fs::perms::none);
-  Program q;
-  EXPECT_TRUE(fulgur::test::message_contains(
-      only_problem(q, {"--config", dir.file("secret.yaml")}),
-      {"--config " + dir.file("secret.yaml"), "cannot open it for reading: Permission denied",
-       "Give this user read permission"}));
+}
+
+TEST(CLIConfigFile, AnUnreadableFileNamesThePathAndWhatToDo) {
+  TempDir dir;
+  const std::string path = dir.file("secret.yaml");
+  write_text(path, "trainer:\n  max_epochs: 1\n");
+  fs::permissions(path, fs::perms::none);
+  auto refused = [&] {
+    Program p;
+    const auto problem = only_problem(p, {"--config", path});
+    return fulgur::test::message_contains(
+        problem, {"--config " + path +
+                  ": cannot open it for reading: Permission denied. Give "
+                  "this user read permission on it (and search permission on its directories)."});
+  };
+  if (::geteuid() != 0) {
+    EXPECT_TRUE(refused());
+    return;
+  }
+  // Root reads it anyway: as another user, in a child process.
+  fs::permissions(dir.path(), fs::perms::owner_all | fs::perms::others_exec);
+  const auto r = fulgur::test::run_in_child([&] {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) return 3;
+    return refused() ? 0 : 1;
+  });
+  EXPECT_EQ(r.exit_code, 0) << r.describe() << " (3: cannot become nobody; 1: another message)";
 }
 
 // Issue 35, row 3: one 20 MB string value hung the parse. Past the cap (1 MiB)
