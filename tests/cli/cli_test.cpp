@@ -301,6 +301,7 @@ TEST(CLI, ObjectsInTheProgramsDefaultsAreKept) {
   const auto o = cli.trainer_options();
   ASSERT_TRUE(std::holds_alternative<std::shared_ptr<fulgur::Strategy>>(o.strategy));
   EXPECT_EQ(std::get<std::shared_ptr<fulgur::Strategy>>(o.strategy), shared);
+  EXPECT_FALSE(shared->has_accelerator());  // parse() hands it to no Trainer
   EXPECT_EQ(o.max_epochs, 4);
 }
 
@@ -616,6 +617,7 @@ TEST(CLIConfigFile, TheTrainersChecksNameTheFileAndLineOfTheValue) {
   EXPECT_EQ(
       only_problem(t, {"--config", dir.file("run.yaml")}),
       dir.file("run.yaml") + " line 3: deterministic=\"maybe\": pass true, false or \"warn\".");
+  EXPECT_FALSE(strategy->has_accelerator());  // the program's instance is left as it was
   // --print_config prints without judging the values against this machine.
   Program u;
   std::string yaml;

@@ -138,10 +138,10 @@ class CLI {
   /// checks found something) listing the problems: the first kMaxProblemsListed,
   /// then one entry "and N more (M problems in all)". Unless --print_config
   /// is given, the Trainer's checks of the configured flags run here too (a
-  /// Trainer is created and dropped when the strategy is given by name;
-  /// only the connector's checks run when it is an instance), so that their
-  /// problems name the file and line of each value. Returns false after
-  /// --help or --print_config (`out` got the text).
+  /// Trainer is created and dropped; only the connector's checks run when
+  /// trainer_defaults holds a strategy, accelerator or plugin instance), so
+  /// that their problems name the file and line of each value. Returns false
+  /// after --help or --print_config (`out` got the text).
   bool parse_arguments(const std::vector<std::string>& args, std::ostream& out);
 
   Subcommand subcommand() const { return subcommand_; }
