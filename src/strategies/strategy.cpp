@@ -8,6 +8,7 @@
 #include "fulgur/accelerators/accelerator.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
+#include "fulgur/optim/lr_scheduler.h"
 #include "fulgur/plugins/environments/lightning.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 #include "fulgur/plugins/precision/precision.h"
@@ -139,6 +140,20 @@ OptimizerConfig Strategy::setup_optimizers(Module& module) {
     if (s.frequency < 1) {
       throw ConfigError(str(module.name(), ".configure_optimizers(): scheduler ", i,
                             " has frequency=", s.frequency, "; it must be >= 1."));
+    }
+    const bool monitored = dynamic_cast<MonitoredScheduler*>(s.scheduler.get()) != nullptr;
+    if (monitored && s.monitor.empty()) {
+      throw ConfigError(str(module.name(), ".configure_optimizers(): scheduler ", i,
+                            " is stepped with a metric's value (ReduceLROnPlateau) but its "
+                            "SchedulerConfig has no monitor. Pass .monitor = \"val_loss\" (or "
+                            "another metric the module logs)."));
+    }
+    if (!monitored && !s.monitor.empty()) {
+      throw ConfigError(str(module.name(), ".configure_optimizers(): scheduler ", i,
+                            " has monitor=\"", s.monitor,
+                            "\", but it is not stepped with a metric (it is not a "
+                            "fulgur::MonitoredScheduler such as fulgur::ReduceLROnPlateau). "
+                            "Drop the monitor, or use a scheduler that reads it."));
     }
   }
   return config;
@@ -304,9 +319,38 @@ void Strategy::save_optimizer_state(torch::optim::Optimizer& optimizer,
   optimizer.save(archive);
 }
 
+namespace {
+
+void restore_group_options(torch::optim::Optimizer& optimizer,
+                           torch::serialize::InputArchive& archive) {
+  // LibTorch's Optimizer::load reads each parameter group's options and
+  // drops them (torch/optim/serialize.h): the optimizer would go on with
+  // the learning rate configure_optimizers set, not the one of the save
+  // point, and a resumed schedule (or a callback's change) would diverge.
+  // The archive of torch::optim's optimizers holds them under
+  // param_groups/param_groups/<i>/options; an optimizer of one's own that
+  // saves another layout restores its options in its own load().
+  torch::serialize::InputArchive groups;
+  if (!archive.try_read("param_groups", groups)) return;
+  auto& param_groups = optimizer.param_groups();
+  for (size_t i = 0; i < param_groups.size(); ++i) {
+    torch::serialize::InputArchive group;
+    torch::serialize::InputArchive options;
+    if (!groups.try_read(str("param_groups/", i), group) || !group.try_read("options", options)) {
+      throw c10::Error({__func__, __FILE__, __LINE__},
+                       str("it holds no options for parameter group ", i, " of ",
+                           param_groups.size(), " (the save had fewer groups)"));
+    }
+    param_groups[i].options().serialize(options);
+  }
+}
+
+}  // namespace
+
 void Strategy::load_optimizer_state(torch::optim::Optimizer& optimizer,
                                     torch::serialize::InputArchive& archive) {
   optimizer.load(archive);
+  restore_group_options(optimizer, archive);
 }
 
 std::string Strategy::describe() const {

@@ -200,12 +200,17 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
   }
   if (options.max_restarts > 0) {
     if (strategy->launcher() == nullptr) {
-      resolution.notes.push_back(str(
-          "max_restarts=", options.max_restarts, " has no effect: no launcher of fulgur's starts ",
-          "the ranks here (cluster environment \"", strategy->cluster_environment().name(),
-          "\", strategy \"", strategy->name(),
-          "\"). Restart with torchrun --max-restarts or SLURM's requeue: restarted ranks resume "
-          "from the newest checkpoint that verifies by themselves"));
+      // A rank that fulgur's launcher started: the launcher above it
+      // restarts it (and has said what max_restarts does there).
+      if (!strategy->cluster_environment().started_by_fulgur_launcher()) {
+        resolution.notes.push_back(str(
+            "max_restarts=", options.max_restarts,
+            " has no effect: no launcher of fulgur's starts ",
+            "the ranks here (cluster environment \"", strategy->cluster_environment().name(),
+            "\", strategy \"", strategy->name(),
+            "\"). Restart with torchrun --max-restarts or SLURM's requeue: restarted ranks resume "
+            "from the newest checkpoint that verifies by themselves"));
+      }
     } else if (!checkpoint_callback || !options.enable_checkpointing) {
       resolution.notes.push_back(str("max_restarts=", options.max_restarts,
                                      ": no checkpoints are saved (enable_checkpointing=false), "
@@ -553,7 +558,9 @@ std::string Trainer::Impl::fit_start_checkpoint(const std::string& requested) {
   RestartPoint point = restart_checkpoint(requested);
   // fulgur's own launcher has said what the ranks resume from; after a
   // restart by torchrun or SLURM, rank 0 says it.
-  if (strategy->is_global_zero() && std::getenv("FULGUR_RESTART_COUNT") == nullptr) {
+  const bool fulgur_launcher = strategy->launcher() != nullptr ||  // ddp_fork's ranks
+                               strategy->cluster_environment().started_by_fulgur_launcher();
+  if (strategy->is_global_zero() && !fulgur_launcher) {
     detail::print_note(
         str("restart ", restarts, " (cluster environment \"",
             strategy->cluster_environment().name(), "\"): ",

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <csignal>
 #include <cstdio>
@@ -38,7 +39,7 @@ struct Args {
   bool skip_fit = false;
   bool manual = false;
   bool fsdp_units = false;
-  bool cnn = false;  // two convolutions (the second a unit with --fsdp-units) before fc1
+  bool cnn = false;       // two convolutions (the second a unit with --fsdp-units) before fc1
   bool prefetch = false;  // FSDPOptions::prefetch
   // --sequential: fc1, tanh, fc2 as a torch::nn::Sequential "body"
   // (FSDPOptions::auto_wrap_min_params = --auto-wrap N makes its units).
@@ -88,7 +89,7 @@ struct Args {
   // A rank that throws from training_step at batch fault_step (it fails on
   // its own, outside any collective).
   int fail_rank = -1;
-  bool fail_all = false;           // every rank fails at --fault-step
+  bool fail_all = false;             // every rank fails at --fault-step
   double on_exception_timeout = -1;  // >= 0: an OnExceptionCheckpoint with this peer_timeout (s)
   // A rank that sleeps slow_seconds in on_train_batch_end of the batch
   // before fault_step (it falls behind without hanging).
@@ -144,6 +145,10 @@ struct Args {
   int early_stop_rank = -1;
   // Where global rank 0 writes the optimizer's state at the end of fit.
   std::string out_optimizer;
+  // A learning-rate schedule: "epoch" (StepLR: halved every epoch),
+  // "step" (LambdaLR: a 5-step warm-up, then a cosine decay stepped every
+  // optimizer step), or "" (constant).
+  std::string schedule;
 };
 
 int64_t wall_ns() {
@@ -189,9 +194,9 @@ struct Classifier : fulgur::Module {
     }
     const int64_t features = a.cnn ? 64 : 16;
     if (a.sequential) {
-      body = register_module("body", torch::nn::Sequential(torch::nn::Linear(features, 32),
-                                                           torch::nn::Tanh(),
-                                                           torch::nn::Linear(32, 4)));
+      body = register_module(
+          "body", torch::nn::Sequential(torch::nn::Linear(features, 32), torch::nn::Tanh(),
+                                        torch::nn::Linear(32, 4)));
       body_first = body->ptr(0);
     } else if (a.fsdp_units) {
       unit1 = register_module("fc1", fulgur::nn::FSDPUnit(torch::nn::Linear(features, 32)));
@@ -412,13 +417,40 @@ struct Classifier : fulgur::Module {
         }
       }
     }
+    // Then every group's learning rate, where a schedule leaves it.
+    for (const auto& group : optimizer.param_groups()) {
+      state.push_back(torch::tensor(group.options().get_lr(), torch::kDouble));
+    }
     torch::save(state, args.out_optimizer);
   }
 
   fulgur::OptimizerConfig configure_optimizers() override {
-    if (args.optimizer == "adam") return {std::make_shared<torch::optim::Adam>(parameters(), 0.01)};
-    return {std::make_shared<torch::optim::SGD>(parameters(),
-                                                torch::optim::SGDOptions(0.1).momentum(0.9))};
+    std::shared_ptr<torch::optim::Optimizer> optimizer;
+    if (args.optimizer == "adam") {
+      optimizer = std::make_shared<torch::optim::Adam>(parameters(), 0.01);
+    } else {
+      optimizer = std::make_shared<torch::optim::SGD>(parameters(),
+                                                      torch::optim::SGDOptions(0.1).momentum(0.9));
+    }
+    if (args.schedule == "epoch") {
+      return {{optimizer},
+              {{.scheduler = std::make_shared<torch::optim::StepLR>(*optimizer, 1, 0.5),
+                .interval = fulgur::Interval::Epoch}}};
+    }
+    if (args.schedule == "step") {
+      const double steps = static_cast<double>(std::max<int64_t>(args.steps, 6));
+      auto warmup_cosine = [steps](int64_t step) {
+        if (step < 5) return (static_cast<double>(step) + 1) / 5.0;
+        return 0.5 * (1 + std::cos(M_PI * static_cast<double>(step - 5) / (steps - 5)));
+      };
+      return {{optimizer},
+              {{.scheduler = std::make_shared<fulgur::LambdaLR>(*optimizer, warmup_cosine),
+                .interval = fulgur::Interval::Step}}};
+    }
+    if (!args.schedule.empty()) {
+      throw std::runtime_error("--schedule " + args.schedule + ": expected epoch or step");
+    }
+    return {optimizer};
   }
 };
 
@@ -531,6 +563,7 @@ int main(int argc, char** argv) {
   app.add_option("--raise", a.raises);
   app.add_option("--step-sleep-ms", a.step_sleep_ms);
   app.add_option("--early-stop-rank", a.early_stop_rank);
+  app.add_option("--schedule", a.schedule);
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -582,10 +615,10 @@ int main(int argc, char** argv) {
     options.enable_checkpointing = a.checkpoint || a.every_n_train_steps > 0;
     if (a.checkpoint) options.callbacks = {checkpoint};
     if (a.on_exception_timeout >= 0) {
-      options.callbacks.push_back(std::make_shared<fulgur::OnExceptionCheckpoint>(
-          fulgur::OnExceptionCheckpointOptions{
-              .peer_timeout = std::chrono::milliseconds(
-                  static_cast<int64_t>(a.on_exception_timeout * 1000))}));
+      options.callbacks.push_back(
+          std::make_shared<fulgur::OnExceptionCheckpoint>(fulgur::OnExceptionCheckpointOptions{
+              .peer_timeout =
+                  std::chrono::milliseconds(static_cast<int64_t>(a.on_exception_timeout * 1000))}));
     }
     if (a.early_stop_rank >= 0) {
       options.callbacks.push_back(std::make_shared<fulgur::EarlyStopping>(

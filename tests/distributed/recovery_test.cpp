@@ -8,6 +8,8 @@
 
 #include <csignal>
 #include <filesystem>
+#include <algorithm>
+#include <cstdlib>
 #include <random>
 
 #include "distributed/worker.h"
@@ -104,6 +106,120 @@ TEST(Recovery, ASingleProcessKilledAndRunAgainWithAutoEndsBitIdentical) {
   auto again = run_worker(with(recovery_training("auto", 7, d, "run"), {"--ckpt-path", "auto"}));
   expect_success(again, "run again");
   expect_identical_runs(d, "reference", "run");
+}
+
+// The steps a kill is most likely to get wrong under a schedule (every
+// recovery run has 20 steps per epoch and a checkpoint every 4 steps):
+// just before the epoch boundary (19: the epoch's last batch, whose
+// checkpoint at 20 is written before the epoch's scheduler step), just
+// after it (20, 21), and just after a mid-epoch checkpoint (9, 13). Their
+// order is drawn from `seed`. A second kill comes at a step drawn from 25
+// to 29: resumed from a checkpoint written after the epoch's scheduler
+// step (24 or 28), where a per-epoch schedule shows a lost learning rate.
+std::vector<int> critical_kill_steps(unsigned seed) {
+  std::vector<int> steps = {19, 20, 21, 9, 13};
+  std::mt19937 draw(seed);
+  std::shuffle(steps.begin(), steps.end(), draw);
+  return steps;
+}
+
+// `args` under a schedule. LibTorch's StepLR leaves the rate alone at its
+// first step (PyTorch's constructor step), so "epoch" runs 10 steps per
+// epoch: its rate halves at the boundary of step 20, after the second.
+std::vector<std::string> scheduled(std::vector<std::string> args, const std::string& schedule) {
+  if (schedule == "epoch") {
+    auto samples = std::find(args.begin(), args.end(), "--samples");
+    EXPECT_NE(samples, args.end());
+    if (samples != args.end()) *std::next(samples) = "160";
+  }
+  return with(std::move(args), {"--schedule", schedule});
+}
+
+// Under a learning-rate schedule stepped every epoch (StepLR) and one
+// stepped every optimizer step (a warm-up, then a cosine decay), for each
+// strategy with a launcher: two ranks killed in turn, the first at a
+// critical step, the second at a step drawn from 25 to 29. The learning
+// rate and the schedule's position come back exactly: parameters,
+// optimizer state and learning rates end bit-identical.
+TEST(Recovery, UnderALearningRateScheduleKilledRanksEndBitIdentical) {
+  const unsigned seed = 29;
+  const std::vector<int> critical = critical_kill_steps(seed);
+  std::mt19937 draw(seed);
+  size_t next_critical = 0;
+  for (const std::string schedule : {"epoch", "step"}) {
+    for (const std::string strategy : {"ddp", "ddp_fork", "fsdp"}) {
+      const int first = critical[next_critical++ % critical.size()];
+      const int second = std::uniform_int_distribution<int>(25, 29)(draw);
+      const std::string kill_first =
+          std::to_string(draw() % 2) + ":" + std::to_string(first) + ":0";
+      const std::string kill_second =
+          std::to_string(draw() % 2) + ":" + std::to_string(second) + ":1";
+      SCOPED_TRACE(strategy + ", schedule " + schedule + ", killed at " + kill_first + " and " +
+                   kill_second);
+      TempDir dir;
+      const std::string d = dir.path();
+      expect_success(
+          run_worker(scheduled(recovery_training(strategy, 5, d, "reference"), schedule)),
+          "reference");
+      auto killed =
+          run_worker(with(scheduled(recovery_training(strategy, 5, d, "killed"), schedule),
+                          {"--max-restarts", "2", "--kill", kill_first, "--kill", kill_second}));
+      expect_success(killed, "killed twice");
+      EXPECT_EQ(count_occurrences(killed.output, "fulgur: restart "), 2) << killed.output;
+      // The ranks were started by fulgur's launcher, which restarts them.
+      EXPECT_EQ(killed.output.find("has no effect"), std::string::npos) << killed.output;
+      expect_identical_runs(d, "reference", "killed");
+    }
+  }
+}
+
+// The checkpoint of `dir` (at any depth) with the highest "step=N".
+std::string newest_step_checkpoint(const std::string& dir) {
+  std::string best;
+  long best_step = -1;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
+    const std::string name = entry.path().filename().string();
+    const auto at = name.find("step=");
+    if (at == std::string::npos || entry.path().extension() != ".ckpt") continue;
+    const long step = std::strtol(name.c_str() + at + 5, nullptr, 10);
+    if (step > best_step) {
+      best_step = step;
+      best = entry.path().string();
+    }
+  }
+  return best;
+}
+
+// A single process under each schedule: killed at a critical step, run
+// again from the newest checkpoint's path and killed again later, then run
+// again with ckpt_path="auto": it ends as if never stopped.
+TEST(Recovery, ASingleProcessUnderAScheduleResumedByPathThenByAutoEndsBitIdentical) {
+  const unsigned seed = 31;
+  const std::vector<int> critical = critical_kill_steps(seed);
+  std::mt19937 draw(seed);
+  size_t next_critical = 0;
+  for (const std::string schedule : {"epoch", "step"}) {
+    const int first = critical[next_critical++];
+    const int second = std::uniform_int_distribution<int>(25, 29)(draw);
+    SCOPED_TRACE("schedule " + schedule + ", killed at " + std::to_string(first) + " and " +
+                 std::to_string(second));
+    TempDir dir;
+    const std::string d = dir.path();
+    expect_success(run_worker(scheduled(recovery_training("auto", 7, d, "reference"), schedule)),
+                   "reference");
+    auto killed = run_worker(with(scheduled(recovery_training("auto", 7, d, "run"), schedule),
+                                  {"--kill", "0:" + std::to_string(first)}));
+    EXPECT_EQ(killed.signal, SIGKILL) << killed.output;
+    const std::string path = newest_step_checkpoint(d + "/run");
+    ASSERT_FALSE(path.empty()) << "no checkpoint before step " << first;
+    auto by_path = run_worker(with(scheduled(recovery_training("auto", 7, d, "run"), schedule),
+                                   {"--ckpt-path", path, "--kill", "0:" + std::to_string(second)}));
+    EXPECT_EQ(by_path.signal, SIGKILL) << path << ":\n" << by_path.output;
+    auto by_auto = run_worker(
+        with(scheduled(recovery_training("auto", 7, d, "run"), schedule), {"--ckpt-path", "auto"}));
+    expect_success(by_auto, "run again with auto");
+    expect_identical_runs(d, "reference", "run");
+  }
 }
 
 // SIGSTOP: the process is alive but frozen. Named by its silent heartbeat

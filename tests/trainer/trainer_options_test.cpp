@@ -185,6 +185,34 @@ TEST(TrainerDefaults, MaxRestartsWithoutALauncherSaysItHasNoEffect) {
       trainer.describe(), {"max_restarts=2 has no effect", "torchrun --max-restarts"}));
 }
 
+// A rank as fulgur's launcher starts it (FULGUR_RESTART_COUNT among its
+// variables), and one that another launcher started with the same ranks.
+std::string describe_rank_one(bool started_by_fulgur) {
+  std::map<std::string, std::string> vars = {{"RANK", "1"},
+                                             {"LOCAL_RANK", "1"},
+                                             {"WORLD_SIZE", "2"},
+                                             {"LOCAL_WORLD_SIZE", "2"},
+                                             {"MASTER_ADDR", "127.0.0.1"},
+                                             {"MASTER_PORT", "29500"}};
+  if (started_by_fulgur) vars["FULGUR_RESTART_COUNT"] = "0";
+  TempDir dir;
+  auto options = test_options(dir);
+  options.strategy = std::string("ddp");
+  options.devices = 2;
+  options.max_restarts = 2;
+  options.plugins = {
+      std::make_shared<fulgur::LightningEnvironment>(fulgur::EnvView(std::move(vars)))};
+  fulgur::Trainer trainer(options);
+  return trainer.describe();
+}
+
+TEST(TrainerDefaults, MaxRestartsInARankOfFulgursLauncherPrintsNoNote) {
+  EXPECT_EQ(describe_rank_one(/*started_by_fulgur=*/true).find("max_restarts=2"), std::string::npos)
+      << describe_rank_one(true);
+  EXPECT_TRUE(fulgur::test::message_contains(describe_rank_one(/*started_by_fulgur=*/false),
+                                             {"max_restarts=2 has no effect"}));
+}
+
 TEST(TrainerDefaults, EveryNTrainStepsSetsTheCadenceOfTheTrainersCheckpoint) {
   TempDir dir;
   auto options = test_options(dir);

@@ -76,6 +76,14 @@ struct SchedulerConfig {
   Interval interval = Interval::Epoch;
   /// Step every `frequency` intervals.
   int64_t frequency = 1;
+  /// The metric (a name in Trainer::callback_metrics(), e.g. "val_loss") a
+  /// fulgur::MonitoredScheduler such as fulgur::ReduceLROnPlateau is
+  /// stepped with; required by those, refused for any other scheduler.
+  std::string monitor = {};
+  /// With `monitor`: when the metric has not been logged at a step, stop
+  /// with an error naming the metrics there are (true), or skip the step
+  /// with a note (false).
+  bool strict = true;
 };
 
 /// What configure_optimizers returns: one or more optimizers, and optional

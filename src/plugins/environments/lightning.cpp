@@ -38,6 +38,7 @@ LightningEnvironment::LightningEnvironment(const EnvView& env) {
   }
   // Set by fulgur's own launcher in the ranks it starts again.
   restart_count_ = env_support::restart_count(env, "FULGUR_RESTART_COUNT");
+  started_by_fulgur_ = env.get("FULGUR_RESTART_COUNT").has_value();
 }
 
 bool LightningEnvironment::creates_processes_externally() const {

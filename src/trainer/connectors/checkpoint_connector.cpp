@@ -5,6 +5,7 @@
 //   state_dict             archive  module parameters and buffers (strategy)
 //   optimizer_states       archive  "count", then "0", "1", ... per optimizer
 //   lr_schedulers          list     step count of each scheduler
+//   lr_scheduler_states    archive  "<i>": what scheduler i saves (SchedulerState)
 //   precision              archive  the precision plugin's state
 //   loops                  archive  epoch, global_step, batch_position, ...
 //   train_loader           archive  epoch, position, sampler state
@@ -24,6 +25,7 @@
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/core/errors.h"
+#include "fulgur/optim/lr_scheduler.h"
 #include "fulgur/plugins/io/checkpoint_io.h"
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/utilities/seed.h"
@@ -93,6 +95,16 @@ void CheckpointConnector::dump(OutputArchive& archive) {
     steps.push_back(SchedulerAccess::step_count(*s.scheduler));
   }
   archive.write("lr_schedulers", c10::IValue(steps));
+  OutputArchive scheduler_states(cu);
+  for (size_t i = 0; i < trainer_.fit_loop.optimizers().schedulers.size(); ++i) {
+    auto* stateful =
+        dynamic_cast<SchedulerState*>(trainer_.fit_loop.optimizers().schedulers[i].scheduler.get());
+    if (stateful == nullptr) continue;
+    OutputArchive one(cu);
+    stateful->save_state(one);
+    scheduler_states.write(std::to_string(i), one);
+  }
+  archive.write("lr_scheduler_states", scheduler_states);
 
   OutputArchive precision(cu);
   trainer_.strategy->precision().save_state(precision);
@@ -278,6 +290,27 @@ void CheckpointConnector::restore(const std::string& path, bool full) {
     for (size_t i = 0; i < list.size(); ++i) {
       SchedulerAccess::step_count(*trainer_.fit_loop.optimizers().schedulers[i].scheduler) =
           static_cast<unsigned>(list.get(i));
+    }
+  }
+  InputArchive scheduler_states;
+  const bool has_scheduler_states = archive.try_read("lr_scheduler_states", scheduler_states);
+  for (size_t i = 0; i < trainer_.fit_loop.optimizers().schedulers.size(); ++i) {
+    auto* stateful =
+        dynamic_cast<SchedulerState*>(trainer_.fit_loop.optimizers().schedulers[i].scheduler.get());
+    if (stateful == nullptr) continue;
+    InputArchive one;
+    if (!has_scheduler_states || !scheduler_states.try_read(std::to_string(i), one)) {
+      throw CheckpointError(str("checkpoint \"", path, "\" holds no state for scheduler ", i,
+                                ", which keeps one (a fulgur::SchedulerState): the schedule "
+                                "could not go on as it was. Resume with the schedulers it was "
+                                "saved with, or start this schedule from the beginning."));
+    }
+    try {
+      stateful->load_state(one);
+    } catch (const c10::Error& e) {
+      throw CheckpointError(str("checkpoint \"", path, "\": the state of scheduler ", i,
+                                " does not fit: ", e.what_without_backtrace(),
+                                ". Resume with the schedulers it was saved with."));
     }
   }
 

@@ -11,6 +11,7 @@
 
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/core/errors.h"
+#include "fulgur/optim/lr_scheduler.h"
 #include "fulgur/plugins/precision/precision.h"
 #include "trainer/trainer_impl.h"
 
@@ -303,8 +304,48 @@ void FitLoop::step_optimizers() {
 
 void FitLoop::step_schedulers(Interval interval) {
   int64_t counter = interval == Interval::Step ? global_step_ : current_epoch_ + 1;
-  for (auto& config : optimizers_.schedulers) {
-    if (config.interval == interval && counter % config.frequency == 0) config.scheduler->step();
+  for (size_t i = 0; i < optimizers_.schedulers.size(); ++i) {
+    auto& config = optimizers_.schedulers[i];
+    if (config.interval != interval || counter % config.frequency != 0) continue;
+    if (config.monitor.empty()) {
+      config.scheduler->step();
+      continue;
+    }
+    // Rank 0's value (or its absence) decides on every rank: the ranks'
+    // learning rates never drift apart, whatever each one logged.
+    const Metrics& metrics = trainer_.logging.callback_metrics();
+    auto it = metrics.find(config.monitor);
+    double found[2] = {it != metrics.end() ? 1.0 : 0.0, it != metrics.end() ? it->second : 0.0};
+    if (trainer_.strategy->world_size() > 1) {
+      auto agreed =
+          trainer_.strategy->broadcast(torch::tensor({found[0], found[1]}, torch::kDouble), 0);
+      agreed = agreed.cpu();
+      found[0] = agreed[0].item<double>();
+      found[1] = agreed[1].item<double>();
+    }
+    if (found[0] == 0.0) {
+      std::vector<std::string> names;
+      for (const auto& entry : metrics) names.push_back(entry.first);
+      const std::string problem =
+          str("scheduler ", i, " monitors \"", config.monitor, "\", which ",
+              trainer_.strategy->world_size() > 1 ? "global rank 0 has" : "the module has",
+              " not logged by ", interval == Interval::Step ? "step " : "the end of epoch ",
+              interval == Interval::Step ? global_step_ : current_epoch_,
+              " (logged: ", names.empty() ? std::string("nothing") : join(names), ")");
+      if (config.strict) {
+        throw ConfigError(str(problem,
+                              ". Log it with log() before the scheduler steps (e.g. in "
+                              "validation_step, which runs before an epoch's scheduler "
+                              "step), or pass strict=false to skip the steps without it."));
+      }
+      if (missing_monitor_noted_.insert(i).second && trainer_.strategy->is_global_zero()) {
+        detail::print_note(str(problem,
+                               ": the scheduler skips this step and every other "
+                               "without it (strict=false)."));
+      }
+      continue;
+    }
+    dynamic_cast<MonitoredScheduler&>(*config.scheduler).step(found[1]);
   }
 }
 

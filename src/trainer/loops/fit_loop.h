@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 
 #include "fulgur/core/module.h"
@@ -122,6 +123,7 @@ class FitLoop {
   int64_t num_training_batches_ = -1;
   bool should_stop_ = false;
   std::string stop_reason_;
+  std::set<size_t> missing_monitor_noted_;  // schedulers whose missing metric was noted
   bool in_epoch_end_ = false;           // checkpoints taken now resume at the next epoch
   int64_t validated_at_position_ = -1;  // batch position of the last in-epoch validation
 };

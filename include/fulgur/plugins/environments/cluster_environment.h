@@ -49,6 +49,10 @@ class ClusterEnvironment {
   /// When > 0, fit resumes from the newest checkpoint that verifies.
   virtual int restart_count() const { return restart_count_; }
   void set_restart_count(int count) { restart_count_ = count; }
+  /// Whether fulgur's own launcher started this process: it supervises
+  /// the ranks and restarts them (max_restarts), and says what they
+  /// resume from.
+  virtual bool started_by_fulgur_launcher() const { return false; }
   /// Signals by which the scheduler announces the end of this job
   /// (preemption, the time limit, a requeue request). While fit runs they
   /// only set a flag; the ranks agree at the next step boundary, save one

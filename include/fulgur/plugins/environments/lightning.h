@@ -20,9 +20,12 @@ class LightningEnvironment : public ClusterEnvironment {
   /// In a rank its launcher started: WORLD_SIZE and LOCAL_WORLD_SIZE must
   /// match devices x num_nodes (the program got other flags than its parent).
   void validate_settings(int num_devices, int num_nodes) const override;
+  /// FULGUR_RESTART_COUNT is set (by fulgur's launcher, in every rank it starts).
+  bool started_by_fulgur_launcher() const override { return started_by_fulgur_; }
 
  private:
   bool local_rank_set_ = false;
+  bool started_by_fulgur_ = false;
   int local_world_size_ = 0;  // 0: not set
   std::string main_address_ = "127.0.0.1";
   int main_port_ = 0;  // 0: pick a free port at launch
