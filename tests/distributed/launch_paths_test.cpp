@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fstream>
 #include <future>
+#include <sstream>
 
 #include "fulgur/strategies/process_group.h"
 #include "support/process.h"
@@ -42,11 +44,36 @@ bool on_path(const std::string& program) {
   return run_process({"sh", "-c", "command -v " + program}, {}, 10s).exit_code == 0;
 }
 
-// torchrun through tools/fulgur-torchrun: plain torchrun where PyTorch has
-// libuv, and the classic TCPStore transport where it has not (Debian 13's
-// PyTorch 2.6, whose own torchrun cannot start).
+// The Python whose PyTorch provides torchrun: the interpreter of the
+// `torchrun` on PATH (a pip-installed PyTorch's, where /usr/bin/python3 may
+// have no torch), else `python3` on PATH, when it imports torch's launcher.
+std::string torch_python() {
+  auto imports_torchrun = [](const std::string& python) {
+    return run_process({python, "-c", "import torch.distributed.run"}, {}, 60s).exit_code == 0;
+  };
+  auto found = run_process({"sh", "-c", "command -v torchrun"}, {}, 10s);
+  if (found.exit_code == 0) {
+    std::ifstream script(found.output.substr(0, found.output.find_last_not_of("\n") + 1));
+    std::string shebang;
+    std::getline(script, shebang);
+    if (shebang.rfind("#!", 0) == 0) {
+      // "#!/path/python3" or "#!/usr/bin/env python3".
+      std::istringstream words(shebang.substr(2));
+      std::string python;
+      words >> python;
+      if (python.size() >= 4 && python.compare(python.size() - 4, 4, "/env") == 0) words >> python;
+      if (!python.empty() && imports_torchrun(python)) return python;
+    }
+  }
+  return "python3";
+}
+
+// torchrun through tools/fulgur-torchrun, run by the Python that has torch:
+// plain torchrun where PyTorch has libuv, and the classic TCPStore transport
+// where it has not (Debian 13's PyTorch 2.6, whose own torchrun cannot start).
 std::vector<std::string> torchrun(std::vector<std::string> rendezvous, const std::string& logs) {
-  std::vector<std::string> args = {FULGUR_TORCHRUN};
+  static const std::string python = torch_python();
+  std::vector<std::string> args = {python, FULGUR_TORCHRUN};
   args.insert(args.end(), rendezvous.begin(), rendezvous.end());
   // --redirects/--tee: Debian's torchrun 1.13 under Python >= 3.11 cannot
   // parse their default "0" (Std.from_str returns None); "1" works there
