@@ -77,9 +77,15 @@ void Module::log(std::string_view name, const at::Tensor& value, LogOptions opti
                           "): only scalars can be logged. Reduce it first, e.g. "
                           "value.mean()."));
   }
-  // item() reads the value without touching the graph: no detached copy
-  // (which would allocate a TensorImpl every step).
-  log(name, value.item<double>(), options);
+  if (log_sink_ == nullptr) {
+    throw ConfigError(str("log(\"", name,
+                          "\"): called outside a Trainer run. Log from "
+                          "training_step, validation_step, test_step or a hook the Trainer "
+                          "calls."));
+  }
+  // Kept on its device, read back only when a logger, the progress bar or
+  // a callback needs the number.
+  log_sink_->log(name, value, options);
 }
 
 void Module::log(std::string_view name, double value, LogOptions options) {

@@ -162,7 +162,12 @@ class Module : public torch::nn::Module {
 
   // ---- Logging. Valid inside steps and hooks called by the Trainer.
   /// Logs a scalar. Throws ConfigError for a non-scalar tensor or when called
-  /// outside a Trainer run.
+  /// outside a Trainer run. A tensor is not read back when logged: it stays
+  /// on its device (a GPU's: no host synchronisation in the step), and is
+  /// read when a logger writes (every log_every_n_steps), when a callback
+  /// or the progress bar reads callback_metrics() / progress_bar_metrics(),
+  /// and once at the epoch's end for its epoch value. It is copied when
+  /// logged, so changing it afterwards does not change what was logged.
   void log(std::string_view name, const at::Tensor& value, LogOptions options = {});
   void log(std::string_view name, double value, LogOptions options = {});
 

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <iostream>
@@ -17,10 +18,24 @@
 namespace fulgur {
 namespace detail {
 
-void LogSink::log(std::string_view name, double value, const LogOptions& options) {
+namespace {
+std::atomic<int64_t> g_tensor_reads{0};
+}  // namespace
+
+int64_t LogSink::tensor_reads() { return g_tensor_reads.load(std::memory_order_relaxed); }
+
+double LogSink::read_tensor(const at::Tensor& tensor) {
+  g_tensor_reads.fetch_add(1, std::memory_order_relaxed);
+  return tensor.item<double>();
+}
+
+double LogSink::Value::read() const { return tensor.defined() ? read_tensor(tensor) : value; }
+
+LogSink::Entry& LogSink::entry(std::string_view name, const LogOptions& options, bool& on_step,
+                               bool& on_epoch) {
   if (name.empty()) throw ConfigError("log(\"\", ...): a metric needs a non-empty name.");
-  bool on_step = options.on_step.value_or(in_step_);
-  bool on_epoch = options.on_epoch.value_or(!in_step_);
+  on_step = options.on_step.value_or(in_step_);
+  on_epoch = options.on_epoch.value_or(!in_step_);
   if (!on_step && !on_epoch) {
     throw ConfigError(str("log(\"", name,
                           "\", on_step=false, on_epoch=false): the value would "
@@ -39,12 +54,25 @@ void LogSink::log(std::string_view name, double value, const LogOptions& options
   e.options = options;
   e.on_step = on_step;
   e.on_epoch = on_epoch;
+  return e;
+}
+
+void LogSink::log(std::string_view name, double value, const LogOptions& options) {
+  bool on_step = false;
+  bool on_epoch = false;
+  Entry& e = entry(name, options, on_step, on_epoch);
   if (on_step) {
     e.step_value = value;
+    e.step_tensor = at::Tensor();
     e.step_fresh = true;
   }
   if (on_epoch) {
     double weight = static_cast<double>(options.batch_size.value_or(batch_size_));
+    if (e.epoch_tensor.defined()) {
+      // This metric was logged as a tensor earlier in the epoch.
+      accumulate(e, at::scalar_tensor(value, e.epoch_tensor.options()), weight);
+      return;
+    }
     switch (options.reduce) {
       case Reduce::Mean:
         e.epoch_sum += value * weight;
@@ -62,6 +90,60 @@ void LogSink::log(std::string_view name, double value, const LogOptions& options
   }
 }
 
+void LogSink::log(std::string_view name, const at::Tensor& value, const LogOptions& options) {
+  bool on_step = false;
+  bool on_epoch = false;
+  Entry& e = entry(name, options, on_step, on_epoch);
+  // The copies below must not join the value's graph.
+  at::NoGradGuard no_grad;
+  if (on_step) {
+    // One buffer per metric, reused from step to step: a copy on the
+    // value's device, no allocation and no read-back in steady state.
+    if (!e.step_tensor.defined() || e.step_tensor.sizes() != value.sizes() ||
+        e.step_tensor.device() != value.device() || e.step_tensor.dtype() != value.dtype()) {
+      e.step_tensor = at::empty_like(value, at::MemoryFormat::Contiguous);
+    }
+    e.step_tensor.copy_(value, /*non_blocking=*/true);
+    e.step_fresh = true;
+  }
+  if (on_epoch) {
+    accumulate(e, value, static_cast<double>(options.batch_size.value_or(batch_size_)));
+  }
+}
+
+void LogSink::accumulate(Entry& e, const at::Tensor& value, double weight) {
+  // float64 on the value's device, one element (shape [1] broadcasts with
+  // a 0-d or [1] value; anything else is flattened).
+  const at::Tensor v = value.dim() <= 1 ? value : value.reshape({1});
+  if (!e.epoch_tensor.defined()) {
+    e.epoch_tensor = at::full({1}, e.epoch_sum, value.options().dtype(at::kDouble));
+  } else if (e.epoch_tensor.device() != value.device()) {
+    e.epoch_tensor = e.epoch_tensor.to(value.device());
+  }
+  switch (e.options.reduce) {
+    case Reduce::Mean:
+      e.epoch_tensor.add_(v, weight);
+      e.epoch_weight += weight;
+      break;
+    case Reduce::Sum: e.epoch_tensor.add_(v); break;
+    case Reduce::Max:
+      if (e.epoch_has_value) {
+        at::maximum_out(e.epoch_tensor, e.epoch_tensor, v);
+      } else {
+        e.epoch_tensor.copy_(v);
+      }
+      break;
+    case Reduce::Min:
+      if (e.epoch_has_value) {
+        at::minimum_out(e.epoch_tensor, e.epoch_tensor, v);
+      } else {
+        e.epoch_tensor.copy_(v);
+      }
+      break;
+  }
+  e.epoch_has_value = true;
+}
+
 const std::vector<LogSink::Value>& LogSink::collect_step() {
   // Reuses the vector and its strings: assign() keeps their capacity.
   size_t n = 0;
@@ -72,6 +154,7 @@ const std::vector<LogSink::Value>& LogSink::collect_step() {
     v.name.assign(name);
     if (e.on_epoch) v.name.append("_step");
     v.value = e.step_value;
+    v.tensor = e.step_tensor;
     v.logger = e.options.logger;
     v.prog_bar = e.options.prog_bar;
   }
@@ -130,7 +213,8 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
   std::vector<Value> out;
   for (const auto& [name, e] : entries_) {
     if (!e.on_epoch || !e.epoch_has_value) continue;
-    double value = e.epoch_sum;
+    // Read once an epoch (logged tensors accumulated on their device).
+    double value = e.epoch_tensor.defined() ? read_tensor(e.epoch_tensor) : e.epoch_sum;
     double weight = e.epoch_weight;
     if (e.options.sync_dist && strategy.world_size() > 1) {
       // Mean: reduce the weighted sum and the weight, so ranks with more
@@ -147,8 +231,8 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
       }
     }
     if (e.options.reduce == Reduce::Mean) value = weight > 0 ? value / weight : std::nan("");
-    out.push_back(
-        {e.on_step ? name + "_epoch" : name, value, e.options.logger, e.options.prog_bar});
+    out.push_back({e.on_step ? name + "_epoch" : name, value, at::Tensor(), e.options.logger,
+                   e.options.prog_bar});
   }
   return out;
 }
@@ -157,6 +241,29 @@ void LoggerConnector::reset_metrics() {
   ended_ = false;
   callback_metrics_.clear();
   progress_bar_metrics_.clear();
+  pending_callback_.clear();
+  pending_progress_bar_.clear();
+}
+
+namespace {
+
+// Reads the pending tensors into `metrics` (the first access after the
+// steps that logged them).
+void read_pending(std::map<std::string, at::Tensor>& pending, Metrics& metrics) {
+  for (auto& [name, tensor] : pending) metrics[name] = LogSink::read_tensor(tensor);
+  pending.clear();
+}
+
+}  // namespace
+
+const Metrics& LoggerConnector::callback_metrics() const {
+  if (!pending_callback_.empty()) read_pending(pending_callback_, callback_metrics_);
+  return callback_metrics_;
+}
+
+const Metrics& LoggerConnector::progress_bar_metrics() const {
+  if (!pending_progress_bar_.empty()) read_pending(pending_progress_bar_, progress_bar_metrics_);
+  return progress_bar_metrics_;
 }
 
 void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const char* suffix,
@@ -164,29 +271,43 @@ void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const c
   const std::string_view sfx(suffix);
   // Updates in place: a key published before allocates nothing.
   // (Metrics has no heterogeneous lookup: the key goes through one reused string.)
-  auto set = [](Metrics& m, std::string_view key, double value) {
+  // A tensor goes to the pending map (read on first access), a double to
+  // the metrics; either replaces what the other holds for the key.
+  auto set = [](Metrics& m, std::map<std::string, at::Tensor>& pending, std::string_view key,
+                const LogSink::Value& v) {
     thread_local std::string scratch;
     scratch.assign(key);
+    if (v.tensor.defined()) {
+      auto it = pending.find(scratch);
+      if (it != pending.end()) {
+        it->second = v.tensor;
+      } else {
+        pending.emplace(std::string(key), v.tensor);
+      }
+      return;
+    }
+    if (!pending.empty()) pending.erase(scratch);
     auto it = m.find(scratch);
     if (it != m.end()) {
-      it->second = value;
+      it->second = v.value;
     } else {
-      m.emplace(std::string(key), value);
+      m.emplace(std::string(key), v.value);
     }
   };
   for (const auto& v : values) {
-    set(callback_metrics_, v.name, v.value);
+    set(callback_metrics_, pending_callback_, v.name, v);
     std::string_view name(v.name);
     if (name.size() > sfx.size() && name.substr(name.size() - sfx.size()) == sfx) {
-      set(callback_metrics_, name.substr(0, name.size() - sfx.size()), v.value);
+      set(callback_metrics_, pending_callback_, name.substr(0, name.size() - sfx.size()), v);
     }
-    if (v.prog_bar) set(progress_bar_metrics_, v.name, v.value);
+    if (v.prog_bar) set(progress_bar_metrics_, pending_progress_bar_, v.name, v);
   }
-  // The loggers' row is built only on the steps that reach them.
+  // The loggers' row is built only on the steps that reach them: the one
+  // place a logged tensor is read in the steady-state step.
   if (!to_loggers || loggers_.empty() || !global_zero) return;
   Metrics row;
   for (const auto& v : values) {
-    if (v.logger) row[v.name] = v.value;
+    if (v.logger) row[v.name] = v.read();
   }
   if (row.empty()) return;
   row["epoch"] = static_cast<double>(epoch);

@@ -4,6 +4,8 @@
 // of them. Not installed.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <map>
 #include <memory>
 #include <string>
@@ -22,6 +24,13 @@ namespace detail {
 
 /// Collects what a Module logs during one loop (training or evaluation):
 /// step values, and epoch aggregates weighted by batch size.
+///
+/// A tensor logged stays where it is: its step value is copied into a
+/// buffer on its device and its epoch aggregate accumulated there, with no
+/// read-back (on a GPU, no host synchronisation per step). The number is
+/// read when something needs it: a logger's row (every log_every_n_steps),
+/// callback_metrics() or progress_bar_metrics() (a callback, the progress
+/// bar's refresh), the epoch's end.
 class LogSink {
  public:
   struct Entry {
@@ -29,8 +38,10 @@ class LogSink {
     bool on_step = false;
     bool on_epoch = false;
     double step_value = 0.0;
+    at::Tensor step_tensor;   // defined: the step value is this (unread) tensor
     bool step_fresh = false;  // logged since the last collect_step()
     double epoch_sum = 0.0;   // mean: weighted sum; sum: sum; max/min: extreme
+    at::Tensor epoch_tensor;  // defined: epoch_sum lives here (float64, the values' device)
     double epoch_weight = 0.0;
     bool epoch_has_value = false;
   };
@@ -42,13 +53,17 @@ class LogSink {
     batch_size_ = batch_size;
   }
   void log(std::string_view name, double value, const LogOptions& options);
+  /// `value` has one element; it is not read here.
+  void log(std::string_view name, const at::Tensor& value, const LogOptions& options);
 
   /// A value ready to publish, under its published name.
   struct Value {
     std::string name;
     double value;
+    at::Tensor tensor;  // defined: the value is this tensor's, not yet read
     bool logger;
     bool prog_bar;
+    double read() const;
   };
   /// Values logged with on_step since clear_step_flags(): name, or
   /// name_step when the metric is also aggregated per epoch.
@@ -62,7 +77,16 @@ class LogSink {
   void reset() { entries_.clear(); }
   bool empty() const { return entries_.empty(); }
 
+  /// How many logged tensors were read back to the host in this process
+  /// (tests check that none is read between log intervals).
+  static int64_t tensor_reads();
+  /// Reads a logged tensor's value (counted in tensor_reads()).
+  static double read_tensor(const at::Tensor& tensor);
+
  private:
+  Entry& entry(std::string_view name, const LogOptions& options, bool& on_step, bool& on_epoch);
+  static void accumulate(Entry& e, const at::Tensor& value, double weight);
+
   std::map<std::string, Entry, std::less<>> entries_;
   std::vector<Value> step_values_;
   bool in_step_ = true;
@@ -83,13 +107,17 @@ class LoggerConnector {
   LogSink& train_sink() { return train_sink_; }
   LogSink& eval_sink() { return eval_sink_; }
 
-  const Metrics& callback_metrics() const { return callback_metrics_; }
-  const Metrics& progress_bar_metrics() const { return progress_bar_metrics_; }
+  /// The published metrics; logged tensors not read yet are read now.
+  const Metrics& callback_metrics() const;
+  const Metrics& progress_bar_metrics() const;
   /// Forgets every published metric (a new stage starts); a new run's end
   /// can be recorded.
   void reset_metrics();
   /// The callback metrics a forked run's rank 0 sent back.
-  void restore_callback_metrics(Metrics metrics) { callback_metrics_ = std::move(metrics); }
+  void restore_callback_metrics(Metrics metrics) {
+    pending_callback_.clear();
+    callback_metrics_ = std::move(metrics);
+  }
 
   /// Publishes the training step's fresh values, to the loggers too when
   /// `to_loggers` (every log_every_n_steps optimizer steps).
@@ -128,8 +156,13 @@ class LoggerConnector {
   bool ended_ = false;  // this fit's end is recorded (finalize)
   LogSink train_sink_;
   LogSink eval_sink_;
-  Metrics callback_metrics_;
-  Metrics progress_bar_metrics_;
+  // Published values are doubles, or tensors read on first access (the
+  // pending maps; a tensor there is the sink's step buffer, so it holds the
+  // latest value logged).
+  mutable Metrics callback_metrics_;
+  mutable Metrics progress_bar_metrics_;
+  mutable std::map<std::string, at::Tensor> pending_callback_;
+  mutable std::map<std::string, at::Tensor> pending_progress_bar_;
 };
 
 }  // namespace detail

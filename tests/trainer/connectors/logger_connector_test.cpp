@@ -6,6 +6,7 @@
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
+#include "trainer/connectors/logger_connector.h"
 
 namespace {
 
@@ -244,6 +245,73 @@ TEST(Logging, LogEveryNStepsThinsStepMetrics) {
     if (row.second.count("train_loss") > 0) ++rows_with_train_loss;
   }
   EXPECT_EQ(rows_with_train_loss, 2);  // steps 5 and 10
+}
+
+/// LogSink::tensor_reads() at the start of training and after each batch.
+class TensorReadCounter : public fulgur::Callback {
+ public:
+  std::string state_key() const override { return "TensorReadCounter"; }
+  void on_train_start(fulgur::Trainer&, fulgur::Module&) override {
+    start = fulgur::detail::LogSink::tensor_reads();
+  }
+  void on_train_batch_end(fulgur::Trainer&, fulgur::Module&, const at::Tensor&,
+                          const fulgur::Batch&, int64_t) override {
+    after_batch.push_back(fulgur::detail::LogSink::tensor_reads());
+  }
+  int64_t start = 0;
+  std::vector<int64_t> after_batch;
+};
+
+// On a GPU a read-back is a host synchronisation: a logged tensor stays
+// unread between log intervals (log_every_n_steps), and is read when a
+// logger's row is written, when callback_metrics() is asked, and once at
+// the epoch's end for its epoch value. What was logged is a copy.
+TEST(Logging, LoggedTensorsAreReadOnlyAtLogIntervals) {
+  TempDir dir;
+  LinearRegression model;
+  model.train_hook = [&](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+    auto value = torch::full({}, 0.5 * static_cast<double>(batch_idx + 1));
+    self.log("scaled", value, {.on_step = true, .on_epoch = true});
+    self.log("peak", value, {.on_epoch = true, .reduce = fulgur::Reduce::Max});
+    value.add_(100.0);  // changes nothing logged
+    // A tensor on the meta device has no value: reading it throws. Logged
+    // at every step but the last (whose value is read when fit returns its
+    // metrics), it shows that nothing reads a step value it does not need.
+    self.log("unreadable",
+             batch_idx < 9 ? torch::zeros({}, torch::Device("meta")) : torch::ones({}),
+             {.logger = false});
+  };
+  auto memory = std::make_shared<MemoryLogger>();
+  auto counter = std::make_shared<TensorReadCounter>();
+  auto options = test_options(dir);
+  options.logger = true;
+  options.loggers = {memory};
+  options.log_every_n_steps = 5;
+  options.callbacks = {counter};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(10));
+
+  ASSERT_EQ(counter->after_batch.size(), 10u);
+  int64_t before = counter->start;
+  for (size_t k = 0; k < counter->after_batch.size(); ++k) {
+    const int64_t reads = counter->after_batch[k] - before;
+    before = counter->after_batch[k];
+    if ((k + 1) % 5 == 0) {
+      EXPECT_GT(reads, 0) << "step " << k + 1 << " writes a logger row";
+    } else {
+      EXPECT_EQ(reads, 0) << "step " << k + 1 << " read a logged tensor back";
+    }
+  }
+  std::vector<double> rows;
+  for (const auto& [step, row] : memory->rows) {
+    if (row.count("scaled_step") > 0) rows.push_back(row.at("scaled_step"));
+  }
+  EXPECT_THAT(rows, ::testing::ElementsAre(2.5, 5.0));
+  const auto& metrics = trainer.callback_metrics();
+  EXPECT_DOUBLE_EQ(metrics.at("scaled_step"), 5.0);
+  EXPECT_DOUBLE_EQ(metrics.at("scaled_epoch"), 2.75);  // the mean of 0.5, 1.0, ..., 5.0
+  EXPECT_DOUBLE_EQ(metrics.at("peak"), 5.0);
+  EXPECT_DOUBLE_EQ(metrics.at("unreadable"), 1.0);
 }
 
 }  // namespace
