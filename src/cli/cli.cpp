@@ -30,6 +30,7 @@
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/connectors/accelerator_connector.h"
 #include "fulgur/trainer/flags.h"
+#include "trainer/loop_flags.h"
 
 namespace fulgur {
 
@@ -747,7 +748,8 @@ std::vector<std::string> CLI::trainer_problems(std::string& kind) const {
   // these options; it opens no file and starts nothing before fit(). When
   // the program passes components as instances (a strategy, an accelerator,
   // a plugin), they are not handed to it (building wires them together and
-  // sets ranks on them): then the connector's checks alone run.
+  // sets ranks on them): then the connector's checks and the Trainer's
+  // checks of its loop flags run, without building.
   const bool all_named =
       std::holds_alternative<std::string>(trainer_.strategy) &&
       std::holds_alternative<std::string>(trainer_.accelerator) &&
@@ -757,7 +759,7 @@ std::vector<std::string> CLI::trainer_problems(std::string& kind) const {
     if (all_named) {
       Trainer probe(trainer_);
     } else {
-      resolve(trainer_, ConnectorContext());
+      resolve(trainer_, ConnectorContext(), detail::check_loop_flags(trainer_));
     }
   } catch (const FlagError& e) {
     kind = e.kind();

@@ -19,11 +19,12 @@
 #include "fulgur/trainer/connectors/accelerator_connector.h"
 #include "fulgur/utilities/host_allocator.h"
 #include "fulgur/utilities/seed.h"
+#include "trainer/loop_flags.h"
 #include "trainer/trainer_impl.h"
 
 namespace fulgur {
 
-namespace {
+namespace detail {
 
 // The problems with the loop flags; the connector reports them together
 // with its own in one FlagError.
@@ -141,10 +142,10 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
   return problems;
 }
 
-}  // namespace
+}  // namespace detail
 
 Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(std::move(opts)) {
-  auto connected = connect(options, EnvView(), check_loop_flags(options));
+  auto connected = connect(options, EnvView(), detail::check_loop_flags(options));
   strategy = std::move(connected.strategy);
   resolution = std::move(connected.resolution);
   apply_torch_flags(resolution, strategy->accelerator());

@@ -618,6 +618,13 @@ TEST(CLIConfigFile, TheTrainersChecksNameTheFileAndLineOfTheValue) {
       only_problem(t, {"--config", dir.file("run.yaml")}),
       dir.file("run.yaml") + " line 3: deterministic=\"maybe\": pass true, false or \"warn\".");
   EXPECT_FALSE(strategy->has_accelerator());  // the program's instance is left as it was
+  // ... and the Trainer's checks of its loop flags.
+  Program t2({.strategy = strategy});
+  EXPECT_EQ(only_problem(t2, {"--config", dir.file("run.yaml"), "--config", dir.file("min.yaml"),
+                              "--deterministic", "true"}),
+            dir.file("min.yaml") + " line 2 (trainer.min_epochs), " + dir.file("run.yaml") +
+                " line 2 (trainer.max_epochs): min_epochs=5 > max_epochs=2: lower min_epochs or "
+                "raise max_epochs.");
   // --print_config prints without judging the values against this machine.
   Program u;
   std::string yaml;
