@@ -1,0 +1,501 @@
+// fulgur::optim's multi-tensor SGD, Adam and AdamW against torch::optim's:
+// the same parameters and gradients give bit-identical parameters and state
+// (every tensor and step count) for every option, with several parameter
+// groups, parameters without a gradient on some steps (Adam's step counts
+// then differ), sparse gradients, a closure, a save in one type loaded into
+// the other, an LR scheduler, and a whole Trainer::fit.
+#include <ATen/record_function.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <atomic>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace fulgur_optimizers_test {
+
+using fulgur::test::TempDir;
+using fulgur::test::test_options;
+using torch::optim::OptimizerParamGroup;
+using TensorVector = std::vector<at::Tensor>;
+
+constexpr int kSteps = 7;
+
+/// Parameters of assorted shapes (a matrix, a vector, a 3-d tensor, one
+/// element), all on the CPU in fp32, drawn from seed 0 (the same every call).
+TensorVector initial_parameters() {
+  torch::manual_seed(0);
+  return {torch::randn({4, 3}), torch::randn({5}), torch::randn({2, 3, 2}), torch::randn({1}),
+          torch::randn({3, 3})};
+}
+
+TensorVector leaves(const TensorVector& values) {
+  TensorVector out;
+  for (const auto& v : values) out.push_back(v.clone().requires_grad_(true));
+  return out;
+}
+
+/// The gradient of parameter `i` at `step`, or an undefined tensor where the
+/// parameter has none: parameter 1 has no gradient at steps 0, 2 and 3 (it
+/// starts late and skips steps: its Adam step count trails the others'),
+/// parameter 4 never has one (it gets no state).
+at::Tensor gradient(const at::Tensor& param, size_t i, int step) {
+  if (i == 4) return {};
+  if (i == 1 && (step == 0 || step == 2 || step == 3)) return {};
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * step + i);
+  return at::randn(param.sizes(), gen);
+}
+
+void set_gradients(const TensorVector& params, int step) {
+  for (size_t i = 0; i < params.size(); ++i)
+    params[i].mutable_grad() = gradient(params[i], i, step);
+}
+
+/// Two groups: parameters 0-1 with `options`, 2-4 with the same options and
+/// three times the learning rate.
+template <class Options>
+std::vector<OptimizerParamGroup> two_groups(const TensorVector& params, const Options& options) {
+  auto second = std::make_unique<Options>(options);
+  second->lr(options.lr() * 3);
+  std::vector<OptimizerParamGroup> groups;
+  groups.emplace_back(TensorVector{params[0], params[1]}, std::make_unique<Options>(options));
+  groups.emplace_back(TensorVector{params[2], params[3], params[4]}, std::move(second));
+  return groups;
+}
+
+template <class ParamState>
+ParamState* state_of(torch::optim::Optimizer& optimizer, const at::Tensor& param) {
+  auto& state = optimizer.state();
+  auto it = state.find(fulgur::compat::optimizer_state_key(param));
+  return it == state.end() ? nullptr : static_cast<ParamState*>(it->second.get());
+}
+
+bool equal_if_defined(const at::Tensor& a, const at::Tensor& b) {
+  if (a.defined() != b.defined()) return false;
+  return !a.defined() || torch::equal(a, b);
+}
+
+::testing::AssertionResult same_state(const torch::optim::SGDParamState& a,
+                                      const torch::optim::SGDParamState& b) {
+  if (!equal_if_defined(a.momentum_buffer(), b.momentum_buffer())) {
+    return ::testing::AssertionFailure() << "momentum_buffer differs";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+template <class AdamState>
+::testing::AssertionResult same_state(const AdamState& a, const AdamState& b) {
+  if (a.step() != b.step()) {
+    return ::testing::AssertionFailure() << "step " << a.step() << " != " << b.step();
+  }
+  if (!torch::equal(a.exp_avg(), b.exp_avg())) return ::testing::AssertionFailure() << "exp_avg";
+  if (!torch::equal(a.exp_avg_sq(), b.exp_avg_sq())) {
+    return ::testing::AssertionFailure() << "exp_avg_sq";
+  }
+  if (!equal_if_defined(a.max_exp_avg_sq(), b.max_exp_avg_sq())) {
+    return ::testing::AssertionFailure() << "max_exp_avg_sq";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+/// Parameters bit-identical, pairwise, and so is every state entry (both
+/// optimizers have one for the same parameters).
+template <class ParamState>
+::testing::AssertionResult same_parameters_and_state(torch::optim::Optimizer& a,
+                                                     const TensorVector& a_params,
+                                                     torch::optim::Optimizer& b,
+                                                     const TensorVector& b_params) {
+  if (a.state().size() != b.state().size()) {
+    return ::testing::AssertionFailure()
+           << "state entries " << a.state().size() << " != " << b.state().size();
+  }
+  for (size_t i = 0; i < a_params.size(); ++i) {
+    if (!torch::equal(a_params[i], b_params[i])) {
+      return ::testing::AssertionFailure() << "parameter " << i << " differs: max |diff| "
+                                           << (a_params[i] - b_params[i]).abs().max().item<float>();
+    }
+    auto* sa = state_of<ParamState>(a, a_params[i]);
+    auto* sb = state_of<ParamState>(b, b_params[i]);
+    if ((sa == nullptr) != (sb == nullptr)) {
+      return ::testing::AssertionFailure() << "parameter " << i << ": state in one only";
+    }
+    if (sa != nullptr) {
+      auto same = same_state(*sa, *sb);
+      if (!same) return same << " (parameter " << i << ")";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+/// Runs kSteps of fulgur's Fulgur and LibTorch's Torch over two groups of
+/// the same initial parameters with `options`, the same gradients, and
+/// compares parameters and state after every step.
+template <class Fulgur, class Torch, class ParamState, class Options>
+void expect_bit_identical_runs(const Options& options) {
+  auto initial = initial_parameters();
+  auto ours = leaves(initial);
+  auto theirs = leaves(initial);
+  Fulgur fulgur_optimizer(two_groups(ours, options), options);
+  Torch torch_optimizer(two_groups(theirs, options), options);
+  for (int step = 0; step < kSteps; ++step) {
+    set_gradients(ours, step);
+    set_gradients(theirs, step);
+    fulgur_optimizer.step();
+    torch_optimizer.step();
+    ASSERT_TRUE(
+        same_parameters_and_state<ParamState>(fulgur_optimizer, ours, torch_optimizer, theirs))
+        << "after step " << step;
+  }
+  // The steps did move the parameters (the comparison is not of no-ops),
+  // and the one without a gradient stayed.
+  EXPECT_FALSE(torch::equal(ours[0], initial[0]));
+  EXPECT_FALSE(torch::equal(ours[1], initial[1]));
+  EXPECT_TRUE(torch::equal(ours[4], initial[4]));
+}
+
+// ---- Every option against torch::optim.
+
+struct SGDCase {
+  const char* name;
+  torch::optim::SGDOptions options;
+};
+
+class SGDMatchesTorch : public ::testing::TestWithParam<SGDCase> {};
+
+TEST_P(SGDMatchesTorch, BitIdenticalParametersAndMomentumBuffers) {
+  expect_bit_identical_runs<fulgur::optim::SGD, torch::optim::SGD, torch::optim::SGDParamState>(
+      GetParam().options);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Options, SGDMatchesTorch,
+    ::testing::Values(
+        SGDCase{"plain", torch::optim::SGDOptions(0.1)},
+        SGDCase{"weight_decay", torch::optim::SGDOptions(0.1).weight_decay(0.01)},
+        SGDCase{"momentum", torch::optim::SGDOptions(0.1).momentum(0.9)},
+        SGDCase{"dampening", torch::optim::SGDOptions(0.1).momentum(0.9).dampening(0.3)},
+        SGDCase{"nesterov", torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true)},
+        SGDCase{"nesterov_weight_decay",
+                torch::optim::SGDOptions(0.05).momentum(0.8).nesterov(true).weight_decay(0.1)},
+        SGDCase{"all_but_nesterov",
+                torch::optim::SGDOptions(0.05).momentum(0.5).dampening(0.1).weight_decay(0.2)}),
+    [](const ::testing::TestParamInfo<SGDCase>& info) { return std::string(info.param.name); });
+
+struct AdamCase {
+  const char* name;
+  torch::optim::AdamOptions options;
+};
+
+class AdamMatchesTorch : public ::testing::TestWithParam<AdamCase> {};
+
+TEST_P(AdamMatchesTorch, BitIdenticalParametersMomentsAndStepCounts) {
+  expect_bit_identical_runs<fulgur::optim::Adam, torch::optim::Adam, torch::optim::AdamParamState>(
+      GetParam().options);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Options, AdamMatchesTorch,
+    ::testing::Values(
+        AdamCase{"defaults", torch::optim::AdamOptions(1e-2)},
+        AdamCase{"weight_decay", torch::optim::AdamOptions(1e-2).weight_decay(0.1)},
+        AdamCase{"amsgrad", torch::optim::AdamOptions(1e-2).amsgrad(true)},
+        AdamCase{"amsgrad_weight_decay",
+                 torch::optim::AdamOptions(1e-2).amsgrad(true).weight_decay(0.05)},
+        AdamCase{"betas_eps",
+                 torch::optim::AdamOptions(3e-2).betas(std::make_tuple(0.5, 0.9)).eps(1e-3)}),
+    [](const ::testing::TestParamInfo<AdamCase>& info) { return std::string(info.param.name); });
+
+struct AdamWCase {
+  const char* name;
+  torch::optim::AdamWOptions options;
+};
+
+class AdamWMatchesTorch : public ::testing::TestWithParam<AdamWCase> {};
+
+TEST_P(AdamWMatchesTorch, BitIdenticalParametersMomentsAndStepCounts) {
+  expect_bit_identical_runs<fulgur::optim::AdamW, torch::optim::AdamW,
+                            torch::optim::AdamWParamState>(GetParam().options);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Options, AdamWMatchesTorch,
+    ::testing::Values(
+        AdamWCase{"defaults", torch::optim::AdamWOptions(1e-2)},
+        AdamWCase{"no_weight_decay", torch::optim::AdamWOptions(1e-2).weight_decay(0)},
+        AdamWCase{"amsgrad", torch::optim::AdamWOptions(1e-2).amsgrad(true)},
+        AdamWCase{"amsgrad_strong_decay",
+                  torch::optim::AdamWOptions(1e-2).amsgrad(true).weight_decay(0.3)},
+        AdamWCase{"betas_eps",
+                  torch::optim::AdamWOptions(3e-2).betas(std::make_tuple(0.5, 0.9)).eps(1e-3)}),
+    [](const ::testing::TestParamInfo<AdamWCase>& info) { return std::string(info.param.name); });
+
+// ---- The step runs multi-tensor operators (and the parent's loop where it
+// must).
+
+/// Counts the ATen operators whose name starts with "aten::_foreach_" while
+/// alive (a RecordFunction callback on this process).
+class ForeachCounter {
+ public:
+  ForeachCounter() {
+    count_ = 0;
+    handle_ = at::addGlobalCallback(
+        at::RecordFunctionCallback(&ForeachCounter::on_start).scopes({at::RecordScope::FUNCTION}));
+  }
+  ~ForeachCounter() { at::removeCallback(handle_); }
+  int64_t count() const { return count_.load(); }
+
+ private:
+  static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+    if (std::strncmp(fn.name(), "aten::_foreach_", 15) == 0) ++count_;
+    return nullptr;
+  }
+  static inline std::atomic<int64_t> count_{0};
+  at::CallbackHandle handle_;
+};
+
+TEST(FulgurOptimizers, StepRunsForeachOperatorsNotOnePerParameter) {
+  auto params = leaves(initial_parameters());
+  fulgur::optim::Adam adam(params, torch::optim::AdamOptions(1e-2));
+  set_gradients(params, 5);
+  ForeachCounter counter;
+  adam.step();
+  // mul_, add_, mul_, addcmul_, sqrt, div_, add_, addcdiv_: 8 for 4
+  // parameters in one group with one step count.
+  EXPECT_EQ(counter.count(), 8);
+}
+
+// ---- Sparse gradients.
+
+TEST(FulgurOptimizers, SGDWithASparseGradientRunsTorchsStepAndMatchesIt) {
+  auto make = [] {
+    torch::manual_seed(1);
+    return torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 3).sparse(true));
+  };
+  auto ours = make();
+  auto theirs = make();
+  auto options = torch::optim::SGDOptions(0.1).momentum(0.9);
+  fulgur::optim::SGD fulgur_sgd(ours->parameters(), options);
+  torch::optim::SGD torch_sgd(theirs->parameters(), options);
+  auto indices = torch::tensor({1, 4, 4, 7}, torch::kLong);
+  for (int step = 0; step < 3; ++step) {
+    fulgur_sgd.zero_grad();
+    torch_sgd.zero_grad();
+    ours(indices).pow(2).sum().backward();
+    theirs(indices).pow(2).sum().backward();
+    ASSERT_TRUE(ours->weight.grad().is_sparse());
+    ForeachCounter counter;
+    fulgur_sgd.step();
+    EXPECT_EQ(counter.count(), 0) << "a sparse gradient takes torch::optim::SGD's own step";
+    torch_sgd.step();
+    ASSERT_TRUE(torch::equal(ours->weight, theirs->weight)) << "after step " << step;
+  }
+}
+
+TEST(FulgurOptimizers, AdamAndAdamWRefuseASparseGradientBeforeChangingAnything) {
+  torch::nn::Embedding embedding(torch::nn::EmbeddingOptions(10, 3).sparse(true));
+  auto dense = torch::zeros({2}, torch::requires_grad());
+  embedding(torch::tensor({2}, torch::kLong)).sum().backward();
+  dense.mutable_grad() = torch::ones({2});
+  auto before = embedding->weight.detach().clone();
+  // The dense parameter comes first: it is not stepped either.
+  std::vector<at::Tensor> params{dense, embedding->weight};
+  fulgur::optim::Adam adam(params, torch::optim::AdamOptions(0.1));
+  EXPECT_THROWS_WITH(c10::Error, adam.step(), {"fulgur::optim::Adam", "sparse gradients"});
+  fulgur::optim::AdamW adamw(params, torch::optim::AdamWOptions(0.1));
+  EXPECT_THROWS_WITH(c10::Error, adamw.step(), {"fulgur::optim::AdamW", "sparse gradients"});
+  EXPECT_TRUE(torch::equal(dense, torch::zeros({2})));
+  EXPECT_TRUE(torch::equal(embedding->weight, before));
+  EXPECT_TRUE(adam.state().empty());
+  EXPECT_TRUE(adamw.state().empty());
+}
+
+// ---- A parameter listed twice in one group.
+
+TEST(FulgurOptimizers, AParameterListedTwiceIsSteppedTwiceAsTorchDoes) {
+  auto initial = initial_parameters();
+  auto ours = leaves(initial);
+  auto theirs = leaves(initial);
+  TensorVector ours_twice{ours[0], ours[1], ours[0]};
+  TensorVector theirs_twice{theirs[0], theirs[1], theirs[0]};
+  fulgur::optim::Adam fulgur_adam(ours_twice, torch::optim::AdamOptions(0.1));
+  torch::optim::Adam torch_adam(theirs_twice, torch::optim::AdamOptions(0.1));
+  for (int step = 0; step < 3; ++step) {
+    ours[0].mutable_grad() = gradient(ours[0], 0, step);
+    theirs[0].mutable_grad() = gradient(theirs[0], 0, step);
+    ours[1].mutable_grad() = gradient(ours[1], 2, step);
+    theirs[1].mutable_grad() = gradient(theirs[1], 2, step);
+    fulgur_adam.step();
+    torch_adam.step();
+  }
+  EXPECT_TRUE(torch::equal(ours[0], theirs[0]));
+  EXPECT_TRUE(torch::equal(ours[1], theirs[1]));
+  EXPECT_EQ(state_of<torch::optim::AdamParamState>(fulgur_adam, ours[0])->step(), 6);
+}
+
+// ---- The closure.
+
+TEST(FulgurOptimizers, ClosureRunsOnceWithGradientsEnabledAndItsLossIsReturned) {
+  auto initial = initial_parameters();
+  auto ours = leaves(initial);
+  auto theirs = leaves(initial);
+  fulgur::optim::SGD fulgur_sgd(ours, torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD torch_sgd(theirs, torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto closure_over = [](const TensorVector& params, int* calls) {
+    return [params, calls] {
+      ++*calls;
+      EXPECT_TRUE(torch::GradMode::is_enabled());
+      for (const auto& p : params) p.mutable_grad() = at::Tensor();
+      auto loss = params[0].pow(2).sum() + params[2].sin().sum();
+      loss.backward();
+      return loss;
+    };
+  };
+  int fulgur_calls = 0;
+  int torch_calls = 0;
+  for (int step = 0; step < 3; ++step) {
+    torch::NoGradGuard no_grad;  // step() enables gradients for the closure
+    auto fulgur_loss = fulgur_sgd.step(closure_over(ours, &fulgur_calls));
+    auto torch_loss = torch_sgd.step(closure_over(theirs, &torch_calls));
+    EXPECT_TRUE(torch::equal(fulgur_loss, torch_loss));
+  }
+  EXPECT_EQ(fulgur_calls, 3);
+  EXPECT_EQ(torch_calls, 3);
+  EXPECT_TRUE(
+      same_parameters_and_state<torch::optim::SGDParamState>(fulgur_sgd, ours, torch_sgd, theirs));
+  EXPECT_FALSE(fulgur_sgd.step().defined()) << "no closure, no loss";
+}
+
+// ---- Save and load across the two types.
+
+/// Steps `optimizer` over `params` for steps [from, to).
+void run_steps(torch::optim::Optimizer& optimizer, const TensorVector& params, int from, int to) {
+  for (int step = from; step < to; ++step) {
+    set_gradients(params, step);
+    optimizer.step();
+  }
+}
+
+template <class Saved, class Loaded, class ParamState, class Options>
+void expect_round_trip(const Options& options) {
+  TempDir dir;
+  const auto path = dir.file("optimizer.pt");
+  auto initial = initial_parameters();
+  // The reference: one optimizer of the saved type, never saved.
+  auto reference_params = leaves(initial);
+  Saved reference(two_groups(reference_params, options), options);
+  run_steps(reference, reference_params, 0, kSteps);
+
+  // Three steps, saved; the parameters and the archive go to an optimizer of
+  // the other type, which takes the remaining steps.
+  auto saved_params = leaves(initial);
+  Saved saved(two_groups(saved_params, options), options);
+  run_steps(saved, saved_params, 0, 3);
+  torch::save(saved, path);
+  auto loaded_params = leaves(initial);
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < loaded_params.size(); ++i) loaded_params[i].copy_(saved_params[i]);
+  }
+  Loaded loaded(two_groups(loaded_params, options), options);
+  torch::load(loaded, path);
+  ASSERT_TRUE(same_parameters_and_state<ParamState>(saved, saved_params, loaded, loaded_params));
+  run_steps(loaded, loaded_params, 3, kSteps);
+  EXPECT_TRUE(
+      same_parameters_and_state<ParamState>(reference, reference_params, loaded, loaded_params));
+}
+
+TEST(FulgurOptimizers, SavedByFulgurLoadsIntoTorchOptimAndGoesOnIdentically) {
+  expect_round_trip<fulgur::optim::SGD, torch::optim::SGD, torch::optim::SGDParamState>(
+      torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
+  expect_round_trip<fulgur::optim::Adam, torch::optim::Adam, torch::optim::AdamParamState>(
+      torch::optim::AdamOptions(1e-2).amsgrad(true).weight_decay(0.01));
+  expect_round_trip<fulgur::optim::AdamW, torch::optim::AdamW, torch::optim::AdamWParamState>(
+      torch::optim::AdamWOptions(1e-2));
+}
+
+TEST(FulgurOptimizers, SavedByTorchOptimLoadsIntoFulgurAndGoesOnIdentically) {
+  expect_round_trip<torch::optim::SGD, fulgur::optim::SGD, torch::optim::SGDParamState>(
+      torch::optim::SGDOptions(0.1).momentum(0.9).dampening(0.2));
+  expect_round_trip<torch::optim::Adam, fulgur::optim::Adam, torch::optim::AdamParamState>(
+      torch::optim::AdamOptions(1e-2));
+  expect_round_trip<torch::optim::AdamW, fulgur::optim::AdamW, torch::optim::AdamWParamState>(
+      torch::optim::AdamWOptions(1e-2).amsgrad(true));
+}
+
+// ---- Schedulers.
+
+TEST(FulgurOptimizers, StepLRChangesTheLearningRateTheStepUses) {
+  auto initial = initial_parameters();
+  auto ours = leaves(initial);
+  auto theirs = leaves(initial);
+  auto options = torch::optim::AdamOptions(1e-2);
+  fulgur::optim::Adam fulgur_adam(two_groups(ours, options), options);
+  torch::optim::Adam torch_adam(two_groups(theirs, options), options);
+  torch::optim::StepLR fulgur_schedule(fulgur_adam, /*step_size=*/2, /*gamma=*/0.5);
+  torch::optim::StepLR torch_schedule(torch_adam, /*step_size=*/2, /*gamma=*/0.5);
+  for (int step = 0; step < kSteps; ++step) {
+    set_gradients(ours, step);
+    set_gradients(theirs, step);
+    fulgur_adam.step();
+    torch_adam.step();
+    fulgur_schedule.step();
+    torch_schedule.step();
+  }
+  // 7 scheduler steps: the lr was halved three times, in both groups.
+  EXPECT_DOUBLE_EQ(fulgur_adam.param_groups()[0].options().get_lr(), 1e-2 / 8);
+  EXPECT_DOUBLE_EQ(fulgur_adam.param_groups()[1].options().get_lr(), 3e-2 / 8);
+  EXPECT_TRUE(same_parameters_and_state<torch::optim::AdamParamState>(fulgur_adam, ours, torch_adam,
+                                                                      theirs));
+}
+
+// ---- A whole fit.
+
+/// A 3-8-8-1 MLP on the regression data, with Adam from fulgur or LibTorch.
+class AdamMLP : public fulgur::Module {
+ public:
+  explicit AdamMLP(bool fulgur_adam) : fulgur::Module("AdamMLP"), fulgur_adam_(fulgur_adam) {
+    torch::manual_seed(7);
+    net = register_module("net", torch::nn::Sequential(torch::nn::Linear(3, 8), torch::nn::Tanh(),
+                                                       torch::nn::Linear(8, 8), torch::nn::Tanh(),
+                                                       torch::nn::Linear(8, 1)));
+  }
+  at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
+    const auto& [x, y] = batch.pair();
+    return torch::nn::functional::mse_loss(net->forward(x), y);
+  }
+  fulgur::OptimizerConfig configure_optimizers() override {
+    auto options = torch::optim::AdamOptions(1e-2).weight_decay(1e-3);
+    if (fulgur_adam_) {
+      return fulgur::OptimizerConfig(std::make_shared<fulgur::optim::Adam>(parameters(), options));
+    }
+    return fulgur::OptimizerConfig(std::make_shared<torch::optim::Adam>(parameters(), options));
+  }
+  torch::nn::Sequential net{nullptr};
+
+ private:
+  bool fulgur_adam_;
+};
+
+TEST(FulgurOptimizers, TrainerFitWithFulgurAdamEqualsFitWithTorchAdam) {
+  AdamMLP ours(/*fulgur_adam=*/true);
+  AdamMLP theirs(/*fulgur_adam=*/false);
+  ASSERT_TRUE(fulgur::test::parameters_equal(ours, theirs));
+  TempDir dir_a;
+  TempDir dir_b;
+  auto options_a = test_options(dir_a);
+  options_a.max_epochs = 3;
+  auto options_b = test_options(dir_b);
+  options_b.max_epochs = 3;
+  fulgur::Trainer(options_a).fit(ours, fulgur::test::regression_loader(/*num_batches=*/6));
+  fulgur::Trainer(options_b).fit(theirs, fulgur::test::regression_loader(/*num_batches=*/6));
+  EXPECT_TRUE(fulgur::test::parameters_equal(ours, theirs));
+  AdamMLP untrained(/*fulgur_adam=*/true);
+  EXPECT_FALSE(fulgur::test::parameters_equal(ours, untrained)) << "the fit moved nothing";
+}
+
+}  // namespace fulgur_optimizers_test
