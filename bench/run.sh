@@ -102,6 +102,47 @@ data_reps=${DATA_REPS:-5}
 data_row=$(build/bench/fulgur_bench_data_workers --samples 960 --batch 16 --sample-us 200 --reps "$data_reps")
 results+=("$data_row")
 
+# Multi-tensor optimizer steps: fulgur::optim's SGD (momentum) and Adam against
+# torch::optim's on a model of 50 parameter tensors.
+optim_steps=${OPTIM_STEPS:-500}
+optim_reps=${OPTIM_REPS:-7}
+mapfile -t optim_rows < <(build/bench/fulgur_bench_optimizers --tensors 50 --width 64 \
+  --steps "$optim_steps" --reps "$optim_reps")
+results+=("${optim_rows[@]}")
+
+# The "Multi-tensor optimizer steps" section of RESULTS.md from
+# bench/optimizers.cpp's rows.
+optim_section() {
+  echo "## Multi-tensor optimizer steps"
+  echo
+  "$py" -c '
+import json, sys
+rows = [json.loads(a) for a in sys.argv[1:]]
+r = rows[0]
+print("One optimizer step of a model of %d parameter tensors (%d weights %s and as many biases; %d parameters)," % (r["tensors"], r["tensors"] // 2, "64 x 64", r["parameters"]))
+print("with fixed gradients: fulgur::optim (each parameter group stepped with `at::_foreach_*` operators)")
+print("against torch::optim (several operators per parameter), on the same parameters; %d repetitions of %d steps," % (r["reps"], r["steps"]))
+print("interleaved, the side going first alternating; medians")
+print("(`build/bench/fulgur_bench_optimizers --tensors %d --width 64 --steps %d --reps %d`)." % (r["tensors"], r["steps"], r["reps"]))
+print("ATen operators per step are counted with a RecordFunction callback: those the step calls")
+print("(top-level) and all of them (with the per-tensor operators that a multi-tensor operator runs")
+print("inside on the CPU).")
+print()
+print("| optimizer | torch::optim µs/step | fulgur::optim µs/step | fulgur ÷ torch | ATen operators/step, torch::optim: top-level / all | fulgur::optim: top-level / all | parameters bit-identical |")
+print("|---|---|---|---|---|---|---|")
+names = {"optimizer_step_sgd_momentum": "SGD, momentum 0.9", "optimizer_step_adam": "Adam"}
+for r in rows:
+    print("| %s | %.1f | %.1f | %.3f | %d / %d | %d / %d | %s |" % (names.get(r["benchmark"], r["benchmark"]), r["torch_us_per_step"], r["fulgur_us_per_step"], r["fulgur_over_torch"], r["torch_ops_per_step"], r["torch_ops_per_step_all"], r["fulgur_ops_per_step"], r["fulgur_ops_per_step_all"], "yes" if r["bit_identical"] else "NO"))' "$@"
+  echo
+  echo "Reading this table: on the CPU a multi-tensor operator runs the same per-tensor kernel on each"
+  echo "tensor (that is what makes the results bit-identical), so the kernels cost the same on both"
+  echo "sides. What fulgur saves is the work around them: the dispatcher's autograd and in-place"
+  echo "layers, passed once per multi-tensor operator instead of once per operator and parameter, and"
+  echo "torch::optim's per-parameter state lookup (by a string key in LibTorch 1.13). On a GPU each"
+  echo "top-level operator is a kernel launch (a multi-tensor one covers many tensors per launch):"
+  echo "there the top-level counts are what matters; that has not been measured yet."
+}
+
 # The "Data loading" section of RESULTS.md from bench/data_workers.cpp's row.
 data_section() {
   echo "## Data loading with worker threads"
@@ -341,5 +382,7 @@ for k in ("fulgur", "pytorch_ddp", "naive"):
   fsdp_cap_section "$fsdp_cap_mb" "${fsdp_cap_rows[@]}"
   echo
   data_section "$data_row"
+  echo
+  optim_section "${optim_rows[@]}"
 } > bench/RESULTS.md
 cat bench/RESULTS.md
