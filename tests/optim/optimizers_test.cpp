@@ -3,7 +3,8 @@
 // (every tensor and step count) for every option, with several parameter
 // groups, parameters without a gradient on some steps (Adam's step counts
 // then differ), sparse gradients, a closure, a save in one type loaded into
-// the other, an LR scheduler, and a whole Trainer::fit.
+// the other, an LR scheduler, and a whole Trainer::fit; on a GPU (a _CUDA
+// test), equal within float rounding.
 #include <ATen/record_function.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -51,9 +52,13 @@ at::Tensor gradient(const at::Tensor& param, size_t i, int step) {
   return at::randn(param.sizes(), gen);
 }
 
+/// Sets every parameter's gradient for `step` (made on the CPU, moved to the
+/// parameter's device).
 void set_gradients(const TensorVector& params, int step) {
-  for (size_t i = 0; i < params.size(); ++i)
-    params[i].mutable_grad() = gradient(params[i], i, step);
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto grad = gradient(params[i], i, step);
+    params[i].mutable_grad() = grad.defined() ? grad.to(params[i].device()) : grad;
+  }
 }
 
 /// Two groups: parameters 0-1 with `options`, 2-4 with the same options and
@@ -267,6 +272,52 @@ TEST(FulgurOptimizers, StepRunsForeachOperatorsNotOnePerParameter) {
   // mul_, add_, mul_, addcmul_, sqrt, div_, add_, addcdiv_: 8 for 4
   // parameters in one group with one step count.
   EXPECT_EQ(counter.count(), 8);
+}
+
+// ---- State that cannot work.
+
+TEST(FulgurOptimizers, AmsgradSwitchedOnAfterTheFirstStepIsAnErrorNamingTheFix) {
+  auto params = leaves(initial_parameters());
+  fulgur::optim::Adam adam(params, torch::optim::AdamOptions(1e-2));
+  set_gradients(params, 0);
+  adam.step();
+  static_cast<torch::optim::AdamOptions&>(adam.param_groups()[0].options()).amsgrad(true);
+  EXPECT_THROWS_WITH(c10::Error, adam.step(),
+                     {"fulgur::optim::Adam", "no max_exp_avg_sq", "amsgrad=true before the first"});
+}
+
+// ---- On a GPU: the multi-tensor kernels compute the same expressions.
+
+TEST(FulgurOptimizers, MatchesTorchOptimWithinFloatRounding_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  auto check = [](auto make_fulgur, auto make_torch) {
+    TensorVector initial;
+    for (const auto& p : initial_parameters()) initial.push_back(p.to(torch::kCUDA));
+    auto ours = leaves(initial);
+    auto theirs = leaves(initial);
+    auto fulgur_optimizer = make_fulgur(ours);
+    auto torch_optimizer = make_torch(theirs);
+    for (int step = 0; step < kSteps; ++step) {
+      set_gradients(ours, step);
+      set_gradients(theirs, step);
+      fulgur_optimizer->step();
+      torch_optimizer->step();
+    }
+    for (size_t i = 0; i < ours.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(ours[i], theirs[i], /*rtol=*/1e-5, /*atol=*/1e-6))
+          << "parameter " << i;
+    }
+    EXPECT_FALSE(torch::equal(ours[0], initial[0]));
+  };
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true).weight_decay(0.01);
+  check([&](const TensorVector& p) { return std::make_unique<fulgur::optim::SGD>(p, sgd); },
+        [&](const TensorVector& p) { return std::make_unique<torch::optim::SGD>(p, sgd); });
+  const auto adam = torch::optim::AdamOptions(1e-2).amsgrad(true).weight_decay(0.01);
+  check([&](const TensorVector& p) { return std::make_unique<fulgur::optim::Adam>(p, adam); },
+        [&](const TensorVector& p) { return std::make_unique<torch::optim::Adam>(p, adam); });
+  const auto adamw = torch::optim::AdamWOptions(1e-2);
+  check([&](const TensorVector& p) { return std::make_unique<fulgur::optim::AdamW>(p, adamw); },
+        [&](const TensorVector& p) { return std::make_unique<torch::optim::AdamW>(p, adamw); });
 }
 
 // ---- Sparse gradients.
