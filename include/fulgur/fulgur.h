@@ -34,6 +34,7 @@
 #include "fulgur/nn/functional.h"
 #include "fulgur/nn/sync_batch_norm.h"
 #include "fulgur/optim/lr_scheduler.h"
+#include "fulgur/optim/optimizers.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
 #include "fulgur/plugins/environments/kubeflow.h"
 #include "fulgur/plugins/environments/lightning.h"
