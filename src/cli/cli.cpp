@@ -31,6 +31,7 @@
 #include "fulgur/trainer/connectors/accelerator_connector.h"
 #include "fulgur/trainer/flags.h"
 #include "trainer/loop_flags.h"
+#include "utilities/file_kind.h"
 
 namespace fulgur {
 
@@ -168,15 +169,6 @@ std::string unknown_name(const std::string& what, const std::string& name,
   return unknown(what, name, candidates, prefix);
 }
 
-std::string file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
-
 std::string size_text(uint64_t bytes) {
   if (bytes < (uint64_t{1} << 20)) return str(bytes, " bytes");
   std::ostringstream out;
@@ -195,7 +187,7 @@ std::string read_config_file(const std::string& path, std::string& text) {
   constexpr uint64_t kMax = CLI::kMaxConfigFileBytes;
   const std::string what = str("--config ", path);
   auto refused = [&](mode_t mode) {
-    return str(what, " is ", file_kind(mode),
+    return str(what, " is ", detail::file_kind(mode),
                ", not a config file. Pass the path of a YAML file (--print_config writes one).");
   };
   auto too_large = [&](uint64_t size) {

@@ -70,6 +70,21 @@ OptimizerConfig Module::configure_optimizers() {
                         "`return {std::make_shared<torch::optim::SGD>(parameters(), 0.1)};`."));
 }
 
+namespace {
+
+// The sink of the running loop; none outside a Trainer run.
+detail::LogSink& attached_sink(detail::LogSink* sink, std::string_view name) {
+  if (sink == nullptr) {
+    throw ConfigError(str("log(\"", name,
+                          "\"): called outside a Trainer run. Log from "
+                          "training_step, validation_step, test_step or a hook the Trainer "
+                          "calls."));
+  }
+  return *sink;
+}
+
+}  // namespace
+
 void Module::log(std::string_view name, const at::Tensor& value, LogOptions options) {
   if (!value.defined() || value.numel() != 1) {
     throw ConfigError(str("log(\"", name, "\", tensor of shape ",
@@ -77,25 +92,13 @@ void Module::log(std::string_view name, const at::Tensor& value, LogOptions opti
                           "): only scalars can be logged. Reduce it first, e.g. "
                           "value.mean()."));
   }
-  if (log_sink_ == nullptr) {
-    throw ConfigError(str("log(\"", name,
-                          "\"): called outside a Trainer run. Log from "
-                          "training_step, validation_step, test_step or a hook the Trainer "
-                          "calls."));
-  }
   // Kept on its device, read back only when a logger, the progress bar or
   // a callback needs the number.
-  log_sink_->log(name, value, options);
+  attached_sink(log_sink_, name).log(name, value, options);
 }
 
 void Module::log(std::string_view name, double value, LogOptions options) {
-  if (log_sink_ == nullptr) {
-    throw ConfigError(str("log(\"", name,
-                          "\"): called outside a Trainer run. Log from "
-                          "training_step, validation_step, test_step or a hook the Trainer "
-                          "calls."));
-  }
-  log_sink_->log(name, value, options);
+  attached_sink(log_sink_, name).log(name, value, options);
 }
 
 void Module::save_hyperparameters(HParams hparams) {

@@ -190,15 +190,41 @@ void adam_group_step(const char* optimizer, const Options& options, WithGrad& gr
   for (auto& [step, b] : by_step) adam_update<kDecoupled>(options, step, b);
 }
 
+/// The closure's loss, computed with gradients on (as torch::optim's steps
+/// do); undefined without a closure.
+at::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
+  if (closure == nullptr) return {};
+  at::AutoGradMode enable_grad(true);
+  return closure();
+}
+
+/// Adam's and AdamW's step (`Parent`: torch::optim's class, whose own step
+/// runs where a group lists a tensor twice): the closure, the sparse check
+/// before anything changes, then every group's adam_group_step.
+template <bool kDecoupled, class Options, class ParamState, class Parent>
+at::Tensor adam_family_step(Parent& self, const char* name,
+                            const torch::optim::Optimizer::LossClosure& closure) {
+  at::NoGradGuard no_grad;
+  at::Tensor loss = run_closure(closure);
+  auto groups = parameters_with_grad(self.param_groups());
+  TORCH_CHECK(!any_sparse_grad(groups), "fulgur::optim::", name,
+              " does not support sparse gradients (nor does torch::optim::", name, ")");
+  if (any_group_lists_a_tensor_twice(groups)) {
+    self.Parent::step(nullptr);
+    return loss;
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& options = static_cast<const Options&>(self.param_groups()[g].options());
+    adam_group_step<kDecoupled, Options, ParamState>(name, options, groups[g], self.state());
+  }
+  return loss;
+}
+
 }  // namespace
 
 at::Tensor SGD::step(LossClosure closure) {
   at::NoGradGuard no_grad;
-  at::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  at::Tensor loss = run_closure(closure);
   auto groups = parameters_with_grad(param_groups_);
   if (any_sparse_grad(groups) || any_group_lists_a_tensor_twice(groups)) {
     torch::optim::SGD::step(nullptr);
@@ -251,50 +277,13 @@ at::Tensor SGD::step(LossClosure closure) {
 }
 
 at::Tensor Adam::step(LossClosure closure) {
-  at::NoGradGuard no_grad;
-  at::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  auto groups = parameters_with_grad(param_groups_);
-  TORCH_CHECK(
-      !any_sparse_grad(groups),
-      "fulgur::optim::Adam does not support sparse gradients (nor does torch::optim::Adam)");
-  if (any_group_lists_a_tensor_twice(groups)) {
-    torch::optim::Adam::step(nullptr);
-    return loss;
-  }
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const auto& options = static_cast<const torch::optim::AdamOptions&>(param_groups_[g].options());
-    adam_group_step<false, torch::optim::AdamOptions, torch::optim::AdamParamState>(
-        "Adam", options, groups[g], state_);
-  }
-  return loss;
+  return adam_family_step<false, torch::optim::AdamOptions, torch::optim::AdamParamState,
+                          torch::optim::Adam>(*this, "Adam", closure);
 }
 
 at::Tensor AdamW::step(LossClosure closure) {
-  at::NoGradGuard no_grad;
-  at::Tensor loss;
-  if (closure != nullptr) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
-  auto groups = parameters_with_grad(param_groups_);
-  TORCH_CHECK(
-      !any_sparse_grad(groups),
-      "fulgur::optim::AdamW does not support sparse gradients (nor does torch::optim::AdamW)");
-  if (any_group_lists_a_tensor_twice(groups)) {
-    torch::optim::AdamW::step(nullptr);
-    return loss;
-  }
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const auto& options =
-        static_cast<const torch::optim::AdamWOptions&>(param_groups_[g].options());
-    adam_group_step<true, torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-        "AdamW", options, groups[g], state_);
-  }
-  return loss;
+  return adam_family_step<true, torch::optim::AdamWOptions, torch::optim::AdamWParamState,
+                          torch::optim::AdamW>(*this, "AdamW", closure);
 }
 
 }  // namespace fulgur::optim

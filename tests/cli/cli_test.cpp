@@ -601,12 +601,15 @@ TEST(CLIConfigFile, TheTrainersChecksNameTheFileAndLineOfTheValue) {
 
   // The loop flags' checks; a value from each of two files.
   write_text(dir.file("min.yaml"), "trainer:\n  min_epochs: 5\n");
+  const std::vector<std::string> two_files = {"--config",        dir.file("run.yaml"),
+                                              "--config",        dir.file("min.yaml"),
+                                              "--deterministic", "true"};
+  const std::string min_over_max =
+      dir.file("min.yaml") + " line 2 (trainer.min_epochs), " + dir.file("run.yaml") +
+      " line 2 (trainer.max_epochs): min_epochs=5 > max_epochs=2: lower min_epochs or "
+      "raise max_epochs.";
   Program r;
-  EXPECT_EQ(only_problem(r, {"--config", dir.file("run.yaml"), "--config", dir.file("min.yaml"),
-                             "--deterministic", "true"}),
-            dir.file("min.yaml") + " line 2 (trainer.min_epochs), " + dir.file("run.yaml") +
-                " line 2 (trainer.max_epochs): min_epochs=5 > max_epochs=2: lower min_epochs or "
-                "raise max_epochs.");
+  EXPECT_EQ(only_problem(r, two_files), min_over_max);
   // From the command line: the problem as the Trainer words it.
   Program s;
   EXPECT_EQ(only_problem(s, {"--deterministic", "maybe"}),
@@ -620,11 +623,7 @@ TEST(CLIConfigFile, TheTrainersChecksNameTheFileAndLineOfTheValue) {
   EXPECT_FALSE(strategy->has_accelerator());  // the program's instance is left as it was
   // ... and the Trainer's checks of its loop flags.
   Program t2({.strategy = strategy});
-  EXPECT_EQ(only_problem(t2, {"--config", dir.file("run.yaml"), "--config", dir.file("min.yaml"),
-                              "--deterministic", "true"}),
-            dir.file("min.yaml") + " line 2 (trainer.min_epochs), " + dir.file("run.yaml") +
-                " line 2 (trainer.max_epochs): min_epochs=5 > max_epochs=2: lower min_epochs or "
-                "raise max_epochs.");
+  EXPECT_EQ(only_problem(t2, two_files), min_over_max);
   // --print_config prints without judging the values against this machine.
   Program u;
   std::string yaml;

@@ -27,6 +27,7 @@
 #include "fulgur/core/errors.h"
 #include "fulgur/plugins/io/async_checkpoint_io.h"
 #include "fulgur/utilities/checksum.h"
+#include "utilities/file_kind.h"
 #include "utilities/helper_thread.h"
 
 namespace fulgur {
@@ -143,15 +144,6 @@ std::string damaged_part(const char* data, uint64_t size) {
 }
 
 // ---- Files.
-std::string kind_of(mode_t mode) {
-  if (S_ISDIR(mode)) return "a directory";
-  if (S_ISFIFO(mode)) return "a FIFO (named pipe)";
-  if (S_ISCHR(mode)) return "a character device";
-  if (S_ISBLK(mode)) return "a block device";
-  if (S_ISSOCK(mode)) return "a socket";
-  return "not a regular file";
-}
-
 // A checkpoint file opened for reading, read with pread (no copy of the
 // whole file in memory). CheckpointError naming it, the operation and the
 // OS reason; never opens what is not a regular file (a FIFO would block).
@@ -170,7 +162,7 @@ class CheckpointFile {
           str("checkpoint \"", path, "\": cannot look it up: ", std::strerror(err), "."));
     }
     if (!S_ISREG(st.st_mode)) {
-      throw CheckpointError(str("checkpoint \"", path, "\" is ", kind_of(st.st_mode),
+      throw CheckpointError(str("checkpoint \"", path, "\" is ", detail::file_kind(st.st_mode),
                                 ", not a checkpoint file. Pass the path of a .ckpt file."));
     }
     fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
