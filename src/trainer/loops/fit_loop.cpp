@@ -439,6 +439,7 @@ void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoade
   stop_reason_.clear();
   in_epoch_end_ = false;
   validated_at_position_ = -1;
+  missing_monitor_noted_.clear();
 }
 
 void FitLoop::run_sanity_check() {
