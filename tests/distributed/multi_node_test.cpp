@@ -7,7 +7,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <filesystem>
+#include <fstream>
 #include <future>
+#include <thread>
 
 #include "support/process.h"
 #include "support/test_support.h"
@@ -194,6 +200,77 @@ TEST_F(AcrossNamespaces, RankZeroRefusesAMainAddressThatIsNotItsNodes) {
   EXPECT_TRUE(fulgur::test::message_contains(
       r.output, {"10.213.0.11 (MASTER_ADDR) is not an address of this machine"}))
       << r.output;
+}
+
+}  // namespace
+
+namespace {
+
+// The cluster script itself: bad input is refused by name, and down leaves
+// nothing behind, whatever runs in the nodes.
+TEST(NetnsCluster, DownLeavesNothingAndBadInputIsNamed) {
+  if (::geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
+  const std::string name = "fulgur-d" + std::to_string(::getpid());
+  const std::map<std::string, std::string> env = {{"FULGUR_NETNS_NAME", name}};
+  auto script = [&](std::vector<std::string> args, std::chrono::seconds timeout = 60s) {
+    args.insert(args.begin(), {"bash", FULGUR_NETNS_CLUSTER});
+    return run_process(args, env, timeout);
+  };
+  auto up = script({"up", "0"});
+  EXPECT_EQ(up.exit_code, 2);
+  EXPECT_NE(up.output.find("up 0: give a node count from 1 to 16"), std::string::npos) << up.output;
+  up = script({"up", "2", "--rate", "fast"});
+  EXPECT_EQ(up.exit_code, 2);
+  EXPECT_NE(up.output.find("rate \"fast\": give a tc rate such as 1gbit"), std::string::npos)
+      << up.output;
+  auto no_cluster = script({"exec", "0", "true"});
+  EXPECT_EQ(no_cluster.exit_code, 2);
+  EXPECT_NE(no_cluster.output.find("no cluster \"" + name + "\" is up"), std::string::npos)
+      << no_cluster.output;
+
+  up = script({"up", "2", "--rate", "100mbit"});
+  ASSERT_EQ(up.exit_code, 0) << up.output;
+  EXPECT_NE(up.output.find("node 1: host n1, 10.213.0.11"), std::string::npos) << up.output;
+  EXPECT_NE(up.output.find("rate 100mbit"), std::string::npos) << up.output;
+  auto again = script({"up", "3"});
+  EXPECT_EQ(again.exit_code, 2);
+  EXPECT_NE(again.output.find("is up with 2 node(s), not 3"), std::string::npos) << again.output;
+  auto out_of_range = script({"exec", "2", "true"});
+  EXPECT_EQ(out_of_range.exit_code, 2);
+  EXPECT_NE(out_of_range.output.find("node \"2\": the cluster \"" + name + "\" has nodes 0 to 1"),
+            std::string::npos)
+      << out_of_range.output;
+  // A partition: node 1's link down, node 0 unreachable from it; up again.
+  ASSERT_EQ(script({"link", "1", "down"}).exit_code, 0);
+  EXPECT_NE(script({"exec", "1", "ping", "-c", "1", "-W", "1", "n0"}).exit_code, 0);
+  ASSERT_EQ(script({"link", "1", "up"}).exit_code, 0);
+  EXPECT_EQ(script({"exec", "1", "ping", "-c", "1", "-W", "2", "n0"}).exit_code, 0);
+
+  // A process that would outlive its caller: down ends it.
+  auto started = script({"exec", "1", "sh", "-c", "setsid sleep 600 >/dev/null 2>&1 & echo $!"});
+  ASSERT_EQ(started.exit_code, 0) << started.output;
+  const pid_t sleeper = std::stoi(started.output);
+  // Running: not gone and not a zombie (this process may be its reaper).
+  auto running = [&] {
+    if (::kill(sleeper, 0) != 0) return false;
+    std::ifstream status("/proc/" + std::to_string(sleeper) + "/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("State:", 0) == 0) return line.find('Z') == std::string::npos;
+    }
+    return false;
+  };
+  EXPECT_TRUE(running()) << "the sleeper should run until down";
+  auto down = script({"down"});
+  EXPECT_EQ(down.exit_code, 0) << down.output;
+  for (int i = 0; i < 50 && running(); ++i) std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(running()) << "pid " << sleeper << " survived down";
+  ::waitpid(sleeper, nullptr, WNOHANG);
+  auto namespaces = run_process({"ip", "netns", "list"}, {}, 10s);
+  EXPECT_EQ(namespaces.output.find(name), std::string::npos) << namespaces.output;
+  EXPECT_FALSE(std::filesystem::exists("/run/fulgur-netns/" + name));
+  EXPECT_EQ(script({"down"}).exit_code, 0) << "down twice is a no-op";
+  EXPECT_EQ(script({"status"}).exit_code, 3);
 }
 
 }  // namespace
