@@ -2,6 +2,7 @@
 // use of them. Every environment is a fixed EnvView map: the process
 // environment is never read.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <csignal>
 #include <fstream>
@@ -143,7 +144,10 @@ TEST(LSFEnvironment, LocalSizeFromJsmWhenSet) {
 TEST(LSFEnvironment, MainAddressFromTheRankFileWithoutMcpuHosts) {
   fulgur::test::TempDir dir;
   const std::string rankfile = dir.file("rankfile");
-  std::ofstream(rankfile) << "batch1\nh1\nh1\nh1\nh2\nh2\nh2\n";
+  // The second compute host is this machine (a rank reads the file of its own job).
+  char name[256] = {};
+  ASSERT_EQ(::gethostname(name, sizeof name - 1), 0);
+  std::ofstream(rankfile) << "batch1\nh1\nh1\nh1\n" << name << "\n" << name << "\n" << name << "\n";
   Vars vars = merged(kLsf, {{"LSB_DJOB_RANKFILE", rankfile}});
   vars.erase("LSB_MCPU_HOSTS");
   // The launch host (first line) runs no ranks: the first compute host.
@@ -152,6 +156,45 @@ TEST(LSFEnvironment, MainAddressFromTheRankFileWithoutMcpuHosts) {
   EXPECT_THROWS_WITH(
       ConfigError, fulgur::LSFEnvironment{EnvView(vars)},
       {"LSB_DJOB_RANKFILE=" + dir.file("missing") + " cannot be read", "Set MASTER_ADDR"});
+}
+
+// Lightning's node rank under LSF: this host's place among the distinct
+// compute hosts of the rank file, whatever order jsrun gave the ranks.
+TEST(LSFEnvironment, NodeRankIsThisHostsPlaceAmongTheRankFilesComputeHosts) {
+  using fulgur::LSFEnvironment;
+  const std::vector<std::string> lines = {"launch", "h7", "h7", "c3.site", "c3.site", "h2"};
+  EXPECT_EQ(LSFEnvironment::node_rank_among(lines, "h7"), 0);
+  EXPECT_EQ(LSFEnvironment::node_rank_among(lines, "c3"), 1);
+  EXPECT_EQ(LSFEnvironment::node_rank_among(lines, "c3.site"), 1);
+  EXPECT_EQ(LSFEnvironment::node_rank_among(lines, "h2.other"), 2);
+  EXPECT_EQ(LSFEnvironment::node_rank_among(lines, "launch"), -1);
+  EXPECT_EQ(LSFEnvironment::node_rank_among({"solo", "solo"}, "solo"), 0);
+  EXPECT_EQ(LSFEnvironment::node_rank_among({"solo"}, "solo"), 0);
+
+  // This machine, third of the job's compute hosts, runs global rank 1
+  // (jsrun numbered its ranks first): node rank 2, from the file, not
+  // rank / local size (0).
+  char name[256] = {};
+  ASSERT_EQ(::gethostname(name, sizeof name - 1), 0);
+  fulgur::test::TempDir dir;
+  const std::string rankfile = dir.file("rankfile");
+  std::ofstream(rankfile) << "batch1\nh1\nh1\nh2\nh2\n" << name << "\n" << name << "\n";
+  Vars vars = merged(kLsf, {{"LSB_DJOB_RANKFILE", rankfile},
+                            {"LSB_MCPU_HOSTS", "batch1 1 h1 2 h2 2 " + std::string(name) + " 2"},
+                            {"JSM_NAMESPACE_RANK", "1"},
+                            {"JSM_NAMESPACE_LOCAL_RANK", "1"}});
+  LSFEnvironment env{EnvView(vars)};
+  EXPECT_EQ(env.node_rank(), 2);
+  EXPECT_EQ(env.global_rank(), 1);
+
+  // A rank file without this host: its node rank cannot be known.
+  std::ofstream(rankfile) << "batch1\nh1\nh2\n";
+  EXPECT_THROWS_WITH(ConfigError, LSFEnvironment{EnvView(vars)},
+                     {"this host, \"" + std::string(name) + "\"",
+                      "LSB_DJOB_RANKFILE=" + rankfile + " (h1, h2)", "node rank is unknown"});
+  // No readable rank file: rank / local size, as before.
+  vars["LSB_DJOB_RANKFILE"] = dir.file("missing");
+  EXPECT_EQ(LSFEnvironment{EnvView(vars)}.node_rank(), 0);
 }
 
 // ---- Detection.

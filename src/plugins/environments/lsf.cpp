@@ -1,5 +1,8 @@
 #include "fulgur/plugins/environments/lsf.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -52,6 +55,16 @@ std::vector<std::string> rankfile_hosts(const std::string& path) {
   return hosts;
 }
 
+// The distinct compute hosts of a rank file's lines, in order of first
+// appearance: the launch host (first line) is left out when there are others.
+std::vector<std::string> compute_hosts(const std::vector<std::string>& lines) {
+  std::vector<std::string> hosts;
+  for (size_t i = lines.size() > 1 ? 1 : 0; i < lines.size(); ++i) {
+    if (std::find(hosts.begin(), hosts.end(), lines[i]) == hosts.end()) hosts.push_back(lines[i]);
+  }
+  return hosts;
+}
+
 }  // namespace
 
 bool LSFEnvironment::detect(const EnvView& env) {
@@ -81,6 +94,24 @@ LSFEnvironment::LSFEnvironment(const EnvView& env) {
     }
   }
   node_rank_ = local_size_ > 0 ? global_rank_ / local_size_ : 0;
+  if (auto rankfile = env.get("LSB_DJOB_RANKFILE"); rankfile && std::ifstream(*rankfile)) {
+    // Which host this is, from the job's own list of hosts: right however
+    // jsrun numbered the ranks across them.
+    const std::vector<std::string> lines = rankfile_hosts(*rankfile);
+    char name[256] = {};
+    ::gethostname(name, sizeof name - 1);
+    const int place = node_rank_among(lines, name);
+    if (place < 0) {
+      const std::vector<std::string> distinct = compute_hosts(lines);
+      throw ConfigError(str("cluster environment \"lsf\": this host, \"", name,
+                            "\", is not among the compute hosts of LSB_DJOB_RANKFILE=", *rankfile,
+                            " (", distinct.empty() ? std::string("none") : join(distinct),
+                            "), so its node rank is unknown. Run the ranks with jsrun inside "
+                            "the job that wrote that file."));
+    }
+    node_rank_ = place;
+    rank_sources_.node_rank = "LSB_DJOB_RANKFILE";
+  }
   if (auto addr = env.get("MASTER_ADDR")) {
     main_address_ = *addr;
   } else {
@@ -101,6 +132,16 @@ LSFEnvironment::LSFEnvironment(const EnvView& env) {
     // Lightning: LSB_JOBID % 1000 + 10000, the same in every process of the job.
     main_port_ = 10000 + require_int(env, "LSB_JOBID", name(), "LSF's bsub") % 1000;
   }
+}
+
+int LSFEnvironment::node_rank_among(const std::vector<std::string>& rankfile_lines,
+                                    const std::string& host) {
+  auto short_name = [](const std::string& h) { return h.substr(0, h.find('.')); };
+  const std::vector<std::string> hosts = compute_hosts(rankfile_lines);
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    if (hosts[i] == host || short_name(hosts[i]) == short_name(host)) return static_cast<int>(i);
+  }
+  return -1;
 }
 
 std::string LSFEnvironment::main_address() const { return main_address_; }
