@@ -9,6 +9,7 @@
 # Usage (as root): scripts/netns-cluster.sh up N [--rate RATE]
 #                  scripts/netns-cluster.sh down
 #                  scripts/netns-cluster.sh exec NODE CMD [ARGS...]
+#                  scripts/netns-cluster.sh rsh HOST COMMAND...
 #                  scripts/netns-cluster.sh addr NODE
 #                  scripts/netns-cluster.sh link NODE up|down
 #                  scripts/netns-cluster.sh rate NODE RATE|off
@@ -22,6 +23,9 @@
 #           and the state directory. Nothing up: no-op. Always leaves nothing.
 #   exec    runs CMD on node NODE (its network, host name, and an /etc/hosts that
 #           names every node); the exit status is CMD's.
+#   rsh     a remote shell for launchers that start their daemons over ssh (Open
+#           MPI's plm_rsh_agent): runs COMMAND (words joined, as ssh does) with sh -c
+#           on the node whose host name (n<i>) or address is HOST
 #   addr    prints node NODE's address
 #   link    takes node NODE's link down (a network partition: its packets are
 #           dropped, its sockets stay open) or up again
@@ -37,7 +41,7 @@ set -euo pipefail
 
 say() { echo "netns-cluster: $*"; }
 die() { echo "netns-cluster: $*" >&2; exit 2; }
-usage() { sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; }
 
 name="${FULGUR_NETNS_NAME:-fulgur}"
 subnet="${FULGUR_NETNS_SUBNET:-10.213.0}"
@@ -191,6 +195,19 @@ do_exec() {
     "$state/uts-n$i" "$state/hosts" _ "$@"
 }
 
+do_rsh() {
+  local host="$1" n i; shift
+  n="$(nodes_up)"
+  [ "$n" -gt 0 ] || die "no cluster \"$name\" is up: run '$0 up N' first."
+  for ((i = 0; i < n; i++)); do
+    if [ "$host" = "n$i" ] || [ "$host" = "$(node_addr "$i")" ]; then
+      [ $# -gt 0 ] || die "rsh $host: give a command."
+      do_exec "$i" sh -c "$*"
+    fi
+  done
+  die "rsh: host \"$host\" is not a node of the cluster \"$name\" (n0 to n$((n - 1)), or their addresses)."
+}
+
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
@@ -210,6 +227,7 @@ case "$cmd" in
     do_up "$count" "$rate" ;;
   down) need_root down; do_down ;;
   exec) need_root exec; [ $# -ge 1 ] || die "exec: give a node and a command."; do_exec "$@" ;;
+  rsh) need_root rsh; [ $# -ge 1 ] || die "rsh: give a host and a command."; do_rsh "$@" ;;
   addr) [ $# -eq 1 ] || die "addr: give one node."; check_node "$1"; node_addr "$1" ;;
   link)
     need_root link
@@ -228,5 +246,5 @@ case "$cmd" in
   status) do_status ;;
   -h|--help|help) usage ;;
   "") usage; exit 2 ;;
-  *) die "unknown command \"$cmd\" (up, down, exec, addr, link, rate, status)" ;;
+  *) die "unknown command \"$cmd\" (up, down, exec, rsh, addr, link, rate, status)" ;;
 esac

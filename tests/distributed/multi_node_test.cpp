@@ -183,6 +183,35 @@ TEST_F(AcrossNamespaces, TorchrunC10dRendezvousTwoNodesOfTwoRanksMatchOneProcess
   EXPECT_TRUE(same_params(baseline(4), out));
 }
 
+// mpirun on node 0 starts its daemon on node 1 through the cluster's remote
+// shell (Open MPI's plm_rsh_agent, as ssh on a cluster), two ranks per node.
+TEST_F(AcrossNamespaces, MpirunTwoNodesOfTwoRanksMatchOneProcess) {
+  ASSERT_TRUE(on_path("mpirun")) << "mpirun is missing: scripts/install-deps.sh installs "
+                                    "openmpi-bin, which provides it.";
+  auto mpirun = [&](std::vector<std::string> program) {
+    std::vector<std::string> args = {"mpirun", "--allow-run-as-root", "--oversubscribe",
+                                     "--mca", "plm_rsh_agent",
+                                     std::string(FULGUR_NETNS_CLUSTER) + " rsh", "--host",
+                                     "n0:2,n1:2", "-np", "4", "-x", "MASTER_ADDR=" + address(0),
+                                     "-x", "MASTER_PORT=29614", "-x", "OMP_NUM_THREADS=1"};
+    args.insert(args.end(), program.begin(), program.end());
+    return run_process(on_node(0, args), env_, 180s);
+  };
+  // Two ranks on each node.
+  auto hosts = mpirun({"sh", "-c", "echo rank-host=$(hostname)"});
+  expect_clean(hosts, 0);
+  EXPECT_EQ(fulgur::test::count_occurrences(hosts.output, "rank-host=n0"), 2) << hosts.output;
+  EXPECT_EQ(fulgur::test::count_occurrences(hosts.output, "rank-host=n1"), 2) << hosts.output;
+
+  const std::string out = dir_.path() + "/mpirun.pt";
+  auto r = mpirun(worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"},
+                         out, dir_.path()));
+  expect_clean(r, 0);
+  EXPECT_EQ(result_value(r.output, "cluster_environment"), "mpi") << r.output;
+  EXPECT_EQ(result_value(r.output, "world_size"), "4") << r.output;
+  EXPECT_TRUE(same_params(baseline(4), out));
+}
+
 TEST_F(AcrossNamespaces, RankZeroRefusesAMainAddressThatIsNotItsNodes) {
   // MASTER_ADDR names node 1 while node rank 0 (which hosts the store) runs
   // on node 0: rank 0 cannot listen there, and says so.
