@@ -188,11 +188,13 @@ do_exec() {
   local i="$1"; shift
   check_node "$i"
   [ $# -gt 0 ] || die "exec $i: give a command to run on node $i."
-  # ip netns exec gives the command a mount namespace of its own: /etc/hosts
-  # there names the nodes without touching the host's.
-  exec ip netns exec "$(node_ns "$i")" \
-    sh -c 'mount --bind "$1" /etc/hosts && shift 2 && exec nsenter --uts="$0" -- "$@"' \
-    "$state/uts-n$i" "$state/hosts" _ "$@"
+  # The node's network and host name, and a mount namespace of the command's own
+  # in which /etc/hosts names the nodes (the host's is untouched). Not through
+  # ip netns exec, which also mounts a sysfs over /sys and so hides the cgroup
+  # file systems that slurmd needs.
+  exec nsenter --net="/run/netns/$(node_ns "$i")" --uts="$state/uts-n$i" -- \
+    unshare --mount --propagation private \
+    sh -c 'mount --bind "$0" /etc/hosts && exec "$@"' "$state/hosts" "$@"
 }
 
 do_rsh() {

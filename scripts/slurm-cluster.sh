@@ -3,7 +3,7 @@
 # suite: Debian's slurmctld, slurmd and munged (22.05 on Debian 12, 24.11 on
 # Debian 13; installed by scripts/install-deps.sh), run as root without systemd.
 #
-# Usage (as root): scripts/slurm-cluster.sh start [--nodes 1|2] [--cpus N]
+# Usage (as root): scripts/slurm-cluster.sh start [--nodes 1|2] [--cpus N] [--netns]
 #                  scripts/slurm-cluster.sh stop [--keep]
 #                  scripts/slurm-cluster.sh status
 #                  scripts/slurm-cluster.sh env        # eval "$(scripts/slurm-cluster.sh env)"
@@ -14,6 +14,10 @@
 #            two slurmd on this host (NodeAddr 127.0.0.1, a port each)
 #   --cpus   declare N CPUs per node instead of the machine's (SlurmdParameters=
 #            config_overrides), e.g. to run more tasks than cores without --overcommit
+#   --netns  nodes n0 (and n1) on the nodes of the running scripts/netns-cluster.sh
+#            cluster (FULGUR_NETNS_NAME): slurmctld and slurmd n0 on node 0, slurmd n1
+#            on node 1, each at its node's address. SLURM's commands then reach the
+#            cluster only from a node: scripts/netns-cluster.sh exec 0 srun ...
 #   stop     ends every process of this cluster (munged, slurmctld, slurmd, slurmstepd
 #            and the jobs' tasks: SIGTERM, then SIGKILL) and removes the state
 #            directory; --keep keeps it (logs, slurm.conf). Nothing running: no-op.
@@ -40,12 +44,14 @@ cmd="${1:-}"
 nodes=1
 cpus=""
 keep=0
+netns=0
 while [ $# -gt 0 ]; do
   case "$cmd:$1" in
     start:--nodes) [ $# -ge 2 ] || die "--nodes needs a value (1 or 2)"; nodes="$2"; shift ;;
     start:--nodes=*) nodes="${1#*=}" ;;
     start:--cpus) [ $# -ge 2 ] || die "--cpus needs a value"; cpus="$2"; shift ;;
     start:--cpus=*) cpus="${1#*=}" ;;
+    start:--netns) netns=1 ;;
     stop:--keep) keep=1 ;;
     *:-h|*:--help) usage; exit 0 ;;
     *) die "unknown argument '$1' for '$cmd' (see --help)" ;;
@@ -68,6 +74,19 @@ conf="$dir/slurm.conf"
 marker="$dir/.fulgur-slurm"   # says the directory is ours: stop/start may remove it
 node_names=(n1)
 [ "$nodes" = 2 ] && node_names=(n1 n2)
+netns_script="$(dirname "$(realpath "$0")")/netns-cluster.sh"
+# In a netns cluster the nodes are named after its hosts (n0, n1), and what runs
+# on node i runs in its namespaces.
+if [ -e "$dir/.netns" ] || [ "$netns" = 1 ]; then
+  node_names=(n0)
+  [ "$nodes" = 2 ] && node_names=(n0 n1)
+fi
+# The words that run a command on node I: nothing here, or netns-cluster.sh exec I.
+on_node=()
+set_on_node() {
+  on_node=()
+  if [ "$netns" = 1 ] || [ -e "$dir/.netns" ]; then on_node=(bash "$netns_script" exec "$1"); fi
+}
 
 now() { echo "${EPOCHREALTIME/[.,]/}"; }  # microseconds
 elapsed() { local us=$(( $(now) - $1 )); printf '%d.%02d s' $((us / 1000000)) $((us % 1000000 / 10000)); }
@@ -218,7 +237,7 @@ daemons_state() {
 
 cluster_running() { daemons_state >/dev/null 2>&1; }
 
-slurm_cmd() { SLURM_CONF="$conf" timeout 10 "$@"; }
+slurm_cmd() { set_on_node 0; SLURM_CONF="$conf" timeout 10 "${on_node[@]}" "$@"; }
 
 print_status() {
   say "directory $dir"
@@ -277,7 +296,11 @@ write_conf() {
   {
     echo "# Written by fulgur scripts/slurm-cluster.sh for SLURM $(slurmctld -V | cut -d' ' -f2): a test cluster on localhost."
     echo "ClusterName=fulgur"
-    echo "SlurmctldHost=$host(127.0.0.1)"
+    if [ "$netns" = 1 ]; then
+      echo "SlurmctldHost=n0($(bash "$netns_script" addr 0))"
+    else
+      echo "SlurmctldHost=$host(127.0.0.1)"
+    fi
     echo "SlurmctldPort=$ctld_port"
     echo "SlurmdPort=${node_ports[0]}"
     echo "SlurmUser=root"
@@ -321,7 +344,11 @@ write_conf() {
     [ -z "$cpus" ] || echo "SlurmdParameters=config_overrides"
     for i in "${!node_names[@]}"; do
       n="${node_names[$i]}"
-      echo "NodeName=$n NodeAddr=127.0.0.1 NodeHostname=$host Port=${node_ports[$i]} $topo State=UNKNOWN"
+      if [ "$netns" = 1 ]; then
+        echo "NodeName=$n NodeAddr=$(bash "$netns_script" addr "$i") NodeHostname=$n Port=${node_ports[$i]} $topo State=UNKNOWN"
+      else
+        echo "NodeName=$n NodeAddr=127.0.0.1 NodeHostname=$host Port=${node_ports[$i]} $topo State=UNKNOWN"
+      fi
     done
     echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
   } >"$conf"
@@ -416,9 +443,14 @@ start() {
   [ ${#longest} -le 107 ] ||
     die "FULGUR_SLURM_DIR='$dir' is too long for unix sockets (${#longest} > 107 bytes with slurmstepd's); use a shorter path"
 
+  if [ "$netns" = 1 ]; then
+    bash "$netns_script" addr $((nodes - 1)) >/dev/null 2>&1 ||
+      die "--netns: no netns cluster \"${FULGUR_NETNS_NAME:-fulgur}\" with $nodes node(s) is up: run 'scripts/netns-cluster.sh up $nodes' first"
+  fi
   mkdir -p "$dir"/{ctld,run,log,munge}
   for n in "${node_names[@]}"; do mkdir -p "$dir/spool-$n"; done
   touch "$marker"
+  [ "$netns" = 0 ] || touch "$dir/.netns"
   chmod 0755 "$dir" "$dir/log"
   chmod 0700 "$dir/munge" "$dir/ctld"
 
@@ -448,15 +480,18 @@ start() {
 
   # slurmctld (-i: no state to recover; the directory is new).
   spawned_at=$(now)
-  spawn slurmctld -i -f "$conf" </dev/null >>"$dir/log/slurmctld.out" 2>&1 ||
+  set_on_node 0
+  spawn "${on_node[@]}" slurmctld -i -f "$conf" </dev/null >>"$dir/log/slurmctld.out" 2>&1 ||
     fail "slurmctld did not start (exit status $?)" "$dir/log/slurmctld.out" "$dir/log/slurmctld.log"
   wait_for "$timeout_s" ctld_up slurmctld ||
     fail "$(wait_failure $? "slurmctld is up (scontrol ping)")" "$dir/log/slurmctld.log" "$dir/log/slurmctld.out"
 
   local daemons=(slurmctld) logs=("$dir/log/slurmctld.log")
   spawned_at=$(now)
-  for n in "${node_names[@]}"; do
-    spawn slurmd -N "$n" -f "$conf" </dev/null >>"$dir/log/slurmd-$n.out" 2>&1 ||
+  for i in "${!node_names[@]}"; do
+    n="${node_names[$i]}"
+    set_on_node "$i"
+    spawn "${on_node[@]}" slurmd -N "$n" -f "$conf" </dev/null >>"$dir/log/slurmd-$n.out" 2>&1 ||
       fail "slurmd -N $n did not start (exit status $?)" "$dir/log/slurmd-$n.out" "$dir/log/slurmd-$n.log"
     daemons+=("slurmd-$n")
     logs+=("$dir/log/slurmd-$n.log" "$dir/log/slurmd-$n.out")

@@ -212,6 +212,47 @@ TEST_F(AcrossNamespaces, MpirunTwoNodesOfTwoRanksMatchOneProcess) {
   EXPECT_TRUE(same_params(baseline(4), out));
 }
 
+// A real SLURM with one slurmd per node, each at its node's address
+// (scripts/slurm-cluster.sh --netns), and srun -N2 from node 0: the tasks of
+// node 1 run there, and rank 0's address is host n0 from SLURM_NODELIST.
+TEST_F(AcrossNamespaces, SlurmOneSlurmdPerNodeTwoNodesOfTwoRanksMatchOneProcess) {
+  // Short (SLURM's unix sockets), and passable by the munge user.
+  std::filesystem::permissions(
+      dir_.path(), std::filesystem::perms::group_exec | std::filesystem::perms::others_exec,
+      std::filesystem::perm_options::add);
+  auto env = with_cluster({{"FULGUR_SLURM_DIR", dir_.path() + "/s"}});
+  auto start = run_process({"bash", FULGUR_SLURM_CLUSTER, "start", "--nodes", "2", "--netns"},
+                           env, 90s);
+  ASSERT_EQ(start.exit_code, 0) << "scripts/slurm-cluster.sh start --netns failed:\n"
+                                << start.output;
+  struct Stop {
+    std::map<std::string, std::string> env;
+    ~Stop() {
+      auto r = run_process({"bash", FULGUR_SLURM_CLUSTER, "stop"}, env, 60s);
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+    }
+  } stop{env};
+  env["SLURM_CONF"] = dir_.path() + "/s/slurm.conf";
+  env["OMP_NUM_THREADS"] = "1";
+  auto srun = [&](std::vector<std::string> program) {
+    std::vector<std::string> args = {"srun", "-N2", "-n4", "--overcommit", "-J", "train"};
+    args.insert(args.end(), program.begin(), program.end());
+    return run_process(on_node(0, args), env, 180s);
+  };
+  auto hosts = srun({"sh", "-c", "echo task-host=$(hostname)"});
+  expect_clean(hosts, 0);
+  EXPECT_EQ(fulgur::test::count_occurrences(hosts.output, "task-host=n0"), 2) << hosts.output;
+  EXPECT_EQ(fulgur::test::count_occurrences(hosts.output, "task-host=n1"), 2) << hosts.output;
+
+  const std::string out = dir_.path() + "/slurm.pt";
+  auto r = srun(worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"},
+                       out, dir_.path()));
+  expect_clean(r, 0);
+  EXPECT_EQ(result_value(r.output, "cluster_environment"), "slurm") << r.output;
+  EXPECT_EQ(result_value(r.output, "world_size"), "4") << r.output;
+  EXPECT_TRUE(same_params(baseline(4), out));
+}
+
 TEST_F(AcrossNamespaces, RankZeroRefusesAMainAddressThatIsNotItsNodes) {
   // MASTER_ADDR names node 1 while node rank 0 (which hosts the store) runs
   // on node 0: rank 0 cannot listen there, and says so.
