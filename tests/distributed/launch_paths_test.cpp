@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "fulgur/strategies/process_group.h"
+#include "distributed/worker.h"
 #include "support/process.h"
 #include "support/test_support.h"
 
@@ -25,15 +26,9 @@ using fulgur::test::torch_python;
 using fulgur::test::TempDir;
 using namespace std::chrono_literals;
 
-const std::vector<std::string> kTraining = {"--steps", "12", "--shuffle", "--optimizer", "adam"};
-
-std::vector<std::string> worker(std::vector<std::string> extra, const std::string& out,
+std::vector<std::string> worker(const std::vector<std::string>& extra, const std::string& out,
                                 const std::string& root) {
-  std::vector<std::string> args = {FULGUR_DDP_WORKER};
-  args.insert(args.end(), kTraining.begin(), kTraining.end());
-  args.insert(args.end(), extra.begin(), extra.end());
-  for (std::string s : {"--out", out.c_str(), "--root", root.c_str()}) args.push_back(s);
-  return args;
+  return fulgur::test::launch_worker(extra, out, root);
 }
 
 void expect_clean(const ProcessResult& r) {

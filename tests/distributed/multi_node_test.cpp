@@ -12,14 +12,17 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <thread>
 
+#include "distributed/worker.h"
 #include "support/process.h"
 #include "support/test_support.h"
 
 namespace {
 
+using fulgur::test::launch_worker;
 using fulgur::test::on_path;
 using fulgur::test::ProcessResult;
 using fulgur::test::result_value;
@@ -28,17 +31,6 @@ using fulgur::test::same_params;
 using fulgur::test::TempDir;
 using fulgur::test::torch_python;
 using namespace std::chrono_literals;
-
-const std::vector<std::string> kTraining = {"--steps", "12", "--shuffle", "--optimizer", "adam"};
-
-std::vector<std::string> worker(std::vector<std::string> extra, const std::string& out,
-                                const std::string& root) {
-  std::vector<std::string> args = {FULGUR_DDP_WORKER};
-  args.insert(args.end(), kTraining.begin(), kTraining.end());
-  args.insert(args.end(), extra.begin(), extra.end());
-  for (std::string s : {"--out", out.c_str(), "--root", root.c_str()}) args.push_back(s);
-  return args;
-}
 
 class AcrossNamespaces : public ::testing::Test {
  protected:
@@ -81,8 +73,8 @@ class AcrossNamespaces : public ::testing::Test {
   std::string baseline(int ranks) {
     std::string out = dir_.path() + "/single-" + std::to_string(ranks) + ".pt";
     auto r = run_process(
-        worker({"--devices", "1", "--batch", std::to_string(8 * ranks)}, out, dir_.path()), {},
-        120s);
+        launch_worker({"--devices", "1", "--batch", std::to_string(8 * ranks)}, out, dir_.path()),
+        {}, 120s);
     EXPECT_EQ(r.exit_code, 0) << r.output;
     return out;
   }
@@ -101,6 +93,27 @@ class AcrossNamespaces : public ::testing::Test {
     std::vector<ProcessResult> out;
     for (auto& n : nodes) out.push_back(n.get());
     return out;
+  }
+
+  /// `launch` (a launcher started on node 0, given the program's argv) runs
+  /// a command printing its host on 4 ranks: two on each node; then the
+  /// worker on 2 nodes x 2 ranks: detected as `environment`, with the weights
+  /// of one process with the 4x batch.
+  void expect_two_per_node_matching_one_process(
+      const std::function<ProcessResult(std::vector<std::string>)>& launch,
+      const std::string& environment) {
+    auto hosts = launch({"sh", "-c", "echo rank-host=$(hostname)"});
+    expect_clean(hosts, 0);
+    EXPECT_EQ(fulgur::test::count_occurrences(hosts.output, "rank-host=n0"), 2) << hosts.output;
+    EXPECT_EQ(fulgur::test::count_occurrences(hosts.output, "rank-host=n1"), 2) << hosts.output;
+    const std::string out = dir_.path() + "/" + environment + ".pt";
+    auto r = launch(
+        launch_worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"},
+                      out, dir_.path()));
+    expect_clean(r, 0);
+    EXPECT_EQ(result_value(r.output, "cluster_environment"), environment) << r.output;
+    EXPECT_EQ(result_value(r.output, "world_size"), "4") << r.output;
+    EXPECT_TRUE(same_params(baseline(4), out));
   }
 
   static void expect_clean(const ProcessResult& r, int node) {
@@ -137,8 +150,9 @@ TEST_F(AcrossNamespaces, FulgursLauncherTwoNodesOfTwoRanksMatchOneProcess) {
   const std::string port = "29611";
   auto results = run_nodes(
       [&](int) {
-        return worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"},
-                      out, dir_.path());
+        return launch_worker(
+            {"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"}, out,
+            dir_.path());
       },
       [&](int node) {
         return std::map<std::string, std::string>{{"MASTER_ADDR", main_address},
@@ -164,17 +178,35 @@ TEST_F(AcrossNamespaces, TorchrunC10dRendezvousTwoNodesOfTwoRanksMatchOneProcess
   const std::string endpoint = address(0) + ":29613";
   auto results = run_nodes(
       [&](int node) {
-        std::vector<std::string> args = {
-            python,      FULGUR_TORCHRUN, "--nnodes",  "2", "--nproc_per_node", "2",
-            "--rdzv_backend", "c10d",     "--rdzv_endpoint", endpoint, "--rdzv_id",
-            "multi-node-test", "--redirects", "1", "--tee", "1", "--log_dir",
-            dir_.path() + "/logs-" + std::to_string(node), "--no_python"};
-        auto w = worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"},
-                        out, dir_.path());
+        std::vector<std::string> args = {python,
+                                         FULGUR_TORCHRUN,
+                                         "--nnodes",
+                                         "2",
+                                         "--nproc_per_node",
+                                         "2",
+                                         "--rdzv_backend",
+                                         "c10d",
+                                         "--rdzv_endpoint",
+                                         endpoint,
+                                         "--rdzv_id",
+                                         "multi-node-test",
+                                         "--redirects",
+                                         "1",
+                                         "--tee",
+                                         "1",
+                                         "--log_dir",
+                                         dir_.path() + "/logs-" + std::to_string(node),
+                                         "--no_python"};
+        auto w = launch_worker(
+            {"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"}, out,
+            dir_.path());
         args.insert(args.end(), w.begin(), w.end());
         return args;
       },
-      [](int) { return std::map<std::string, std::string>{{"OMP_NUM_THREADS", "1"}}; }, 240s);
+      [](int) {
+        return std::map<std::string, std::string>{{"OMP_NUM_THREADS", "1"}};
+      },
+      240s);
   expect_clean(results[0], 0);
   expect_clean(results[1], 1);
   const std::string both = results[0].output + results[1].output;
@@ -189,40 +221,36 @@ TEST_F(AcrossNamespaces, MpirunTwoNodesOfTwoRanksMatchOneProcess) {
   ASSERT_TRUE(on_path("mpirun")) << "mpirun is missing: scripts/install-deps.sh installs "
                                     "openmpi-bin, which provides it.";
   auto mpirun = [&](std::vector<std::string> program) {
-    std::vector<std::string> args = {"mpirun", "--allow-run-as-root", "--oversubscribe",
-                                     "--mca", "plm_rsh_agent",
-                                     std::string(FULGUR_NETNS_CLUSTER) + " rsh", "--host",
-                                     "n0:2,n1:2", "-np", "4", "-x", "MASTER_ADDR=" + address(0),
-                                     "-x", "MASTER_PORT=29614", "-x", "OMP_NUM_THREADS=1"};
+    std::vector<std::string> args = {"mpirun",
+                                     "--allow-run-as-root",
+                                     "--oversubscribe",
+                                     "--mca",
+                                     "plm_rsh_agent",
+                                     std::string(FULGUR_NETNS_CLUSTER) + " rsh",
+                                     "--host",
+                                     "n0:2,n1:2",
+                                     "-np",
+                                     "4",
+                                     "-x",
+                                     "MASTER_ADDR=" + address(0),
+                                     "-x",
+                                     "MASTER_PORT=29614",
+                                     "-x",
+                                     "OMP_NUM_THREADS=1"};
     args.insert(args.end(), program.begin(), program.end());
     return run_process(on_node(0, args), env_, 180s);
   };
-  // Two ranks on each node.
-  auto hosts = mpirun({"sh", "-c", "echo rank-host=$(hostname)"});
-  expect_clean(hosts, 0);
-  EXPECT_EQ(fulgur::test::count_occurrences(hosts.output, "rank-host=n0"), 2) << hosts.output;
-  EXPECT_EQ(fulgur::test::count_occurrences(hosts.output, "rank-host=n1"), 2) << hosts.output;
-
-  const std::string out = dir_.path() + "/mpirun.pt";
-  auto r = mpirun(worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"},
-                         out, dir_.path()));
-  expect_clean(r, 0);
-  EXPECT_EQ(result_value(r.output, "cluster_environment"), "mpi") << r.output;
-  EXPECT_EQ(result_value(r.output, "world_size"), "4") << r.output;
-  EXPECT_TRUE(same_params(baseline(4), out));
+  expect_two_per_node_matching_one_process(mpirun, "mpi");
 }
 
-// A real SLURM with one slurmd per node, each at its node's address
-// (scripts/slurm-cluster.sh --netns), and srun -N2 from node 0: the tasks of
-// node 1 run there, and rank 0's address is host n0 from SLURM_NODELIST.
 TEST_F(AcrossNamespaces, SlurmOneSlurmdPerNodeTwoNodesOfTwoRanksMatchOneProcess) {
   // Short (SLURM's unix sockets), and passable by the munge user.
   std::filesystem::permissions(
       dir_.path(), std::filesystem::perms::group_exec | std::filesystem::perms::others_exec,
       std::filesystem::perm_options::add);
   auto env = with_cluster({{"FULGUR_SLURM_DIR", dir_.path() + "/s"}});
-  auto start = run_process({"bash", FULGUR_SLURM_CLUSTER, "start", "--nodes", "2", "--netns"},
-                           env, 90s);
+  auto start =
+      run_process({"bash", FULGUR_SLURM_CLUSTER, "start", "--nodes", "2", "--netns"}, env, 90s);
   ASSERT_EQ(start.exit_code, 0) << "scripts/slurm-cluster.sh start --netns failed:\n"
                                 << start.output;
   struct Stop {
@@ -239,31 +267,20 @@ TEST_F(AcrossNamespaces, SlurmOneSlurmdPerNodeTwoNodesOfTwoRanksMatchOneProcess)
     args.insert(args.end(), program.begin(), program.end());
     return run_process(on_node(0, args), env, 180s);
   };
-  auto hosts = srun({"sh", "-c", "echo task-host=$(hostname)"});
-  expect_clean(hosts, 0);
-  EXPECT_EQ(fulgur::test::count_occurrences(hosts.output, "task-host=n0"), 2) << hosts.output;
-  EXPECT_EQ(fulgur::test::count_occurrences(hosts.output, "task-host=n1"), 2) << hosts.output;
-
-  const std::string out = dir_.path() + "/slurm.pt";
-  auto r = srun(worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"},
-                       out, dir_.path()));
-  expect_clean(r, 0);
-  EXPECT_EQ(result_value(r.output, "cluster_environment"), "slurm") << r.output;
-  EXPECT_EQ(result_value(r.output, "world_size"), "4") << r.output;
-  EXPECT_TRUE(same_params(baseline(4), out));
+  expect_two_per_node_matching_one_process(srun, "slurm");
 }
 
 TEST_F(AcrossNamespaces, RankZeroRefusesAMainAddressThatIsNotItsNodes) {
   // MASTER_ADDR names node 1 while node rank 0 (which hosts the store) runs
   // on node 0: rank 0 cannot listen there, and says so.
-  auto r = run_process(
-      on_node(0, worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"},
-                        dir_.path() + "/wrong.pt", dir_.path())),
-      with_cluster({{"MASTER_ADDR", address(1)},
-                    {"MASTER_PORT", "29612"},
-                    {"NODE_RANK", "0"},
-                    {"OMP_NUM_THREADS", "1"}}),
-      120s);
+  auto r = run_process(on_node(0, launch_worker({"--strategy", "ddp", "--devices", "2",
+                                                 "--num-nodes", "2", "--batch", "8"},
+                                                dir_.path() + "/wrong.pt", dir_.path())),
+                       with_cluster({{"MASTER_ADDR", address(1)},
+                                     {"MASTER_PORT", "29612"},
+                                     {"NODE_RANK", "0"},
+                                     {"OMP_NUM_THREADS", "1"}}),
+                       120s);
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_EQ(r.leftover_processes, 0) << r.output;

@@ -15,6 +15,19 @@
 
 namespace fulgur::test {
 
+// The argv of the launch tests' run (12 shuffled Adam steps) with `extra`,
+// rank 0 writing its parameters to `out`, logs and checkpoints under `root`.
+inline std::vector<std::string> launch_worker(const std::vector<std::string>& extra,
+                                              const std::string& out, const std::string& root) {
+  std::vector<std::string> args = {FULGUR_DDP_WORKER, "--steps",     "12",
+                                   "--shuffle",       "--optimizer", "adam"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  for (const std::string& s : {std::string("--out"), out, std::string("--root"), root}) {
+    args.push_back(s);
+  }
+  return args;
+}
+
 inline ProcessResult run_worker(std::vector<std::string> args,
                                 std::map<std::string, std::string> env = {},
                                 std::chrono::seconds timeout = std::chrono::seconds(120)) {

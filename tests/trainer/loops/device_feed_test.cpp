@@ -54,11 +54,11 @@ struct Seen {
 /// How a run gets its data and stops.
 struct RunSetup {
   const char* name;
-  int64_t batches = 12;       // training batches per epoch
-  bool iterable = false;      // a loader of unknown length (the loop looks ahead)
-  int64_t num_workers = 0;    // DatasetLoader worker threads
-  double limit_train = 1.0;   // limit_train_batches as a fraction
-  int64_t val_every = 0;      // val_check_interval in batches; 0: per epoch
+  int64_t batches = 12;      // training batches per epoch
+  bool iterable = false;     // a loader of unknown length (the loop looks ahead)
+  int64_t num_workers = 0;   // DatasetLoader worker threads
+  double limit_train = 1.0;  // limit_train_batches as a fraction
+  int64_t val_every = 0;     // val_check_interval in batches; 0: per epoch
   int64_t max_steps = -1;
   int64_t accumulate = 1;
 };
@@ -66,19 +66,20 @@ struct RunSetup {
 std::shared_ptr<fulgur::DataLoader> train_loader(const RunSetup& s) {
   auto data = regression_dataset(4 * s.batches);
   if (!s.iterable) {
-    return fulgur::make_data_loader(data, {.batch_size = 4, .shuffle = true,
-                                           .num_workers = s.num_workers});
+    return fulgur::make_data_loader(
+        data, {.batch_size = 4, .shuffle = true, .num_workers = s.num_workers});
   }
-  return fulgur::make_iterable_loader([data, n = s.batches](int64_t epoch) -> fulgur::BatchGenerator {
-    auto i = std::make_shared<int64_t>(0);
-    return [data, n, epoch, i]() -> std::optional<fulgur::Batch> {
-      if (*i >= n) return std::nullopt;
-      // Each epoch visits the batches in another order.
-      const int64_t b = (*i * 5 + epoch * 7) % n;
-      ++*i;
-      return data->get_batch(torch::arange(4 * b, 4 * b + 4));
-    };
-  });
+  return fulgur::make_iterable_loader(
+      [data, n = s.batches](int64_t epoch) -> fulgur::BatchGenerator {
+        auto i = std::make_shared<int64_t>(0);
+        return [data, n, epoch, i]() -> std::optional<fulgur::Batch> {
+          if (*i >= n) return std::nullopt;
+          // Each epoch visits the batches in another order.
+          const int64_t b = (*i * 5 + epoch * 7) % n;
+          ++*i;
+          return data->get_batch(torch::arange(4 * b, 4 * b + 4));
+        };
+      });
 }
 
 Seen run(const RunSetup& s, std::optional<bool> prefetch) {
@@ -110,8 +111,8 @@ Seen run(const RunSetup& s, std::optional<bool> prefetch) {
   seen.global_step = result.global_step;
   seen.weights = fulgur::test::clone_parameters(model);
   trainer.test(model, fulgur::make_data_loader(regression_dataset(10, 3), {.batch_size = 3}));
-  for (auto& out : trainer.predict(model, fulgur::make_data_loader(regression_dataset(9),
-                                                                     {.batch_size = 2}))) {
+  for (auto& out :
+       trainer.predict(model, fulgur::make_data_loader(regression_dataset(9), {.batch_size = 2}))) {
     seen.predict.push_back(std::to_string(out.tensor().index({0, 0}).item<float>()));
   }
   return seen;
@@ -146,7 +147,8 @@ INSTANTIATE_TEST_SUITE_P(
                       RunSetup{.name = "limit_train_batches_half", .limit_train = 0.5},
                       RunSetup{.name = "validation_mid_epoch", .val_every = 5},
                       RunSetup{.name = "max_steps_mid_epoch", .max_steps = 17},
-                      RunSetup{.name = "iterable_max_steps_mid_epoch", .iterable = true, .max_steps = 7},
+                      RunSetup{
+                          .name = "iterable_max_steps_mid_epoch", .iterable = true, .max_steps = 7},
                       RunSetup{.name = "accumulating_three", .batches = 10, .accumulate = 3}),
     [](const ::testing::TestParamInfo<RunSetup>& info) { return std::string(info.param.name); });
 
@@ -231,8 +233,8 @@ TEST(PrefetchToDevice_CUDA, TheSideStreamCopyTrainsBitIdenticallyToThePlainMove)
     options.max_epochs = 2;
     options.prefetch_to_device = prefetch;
     fulgur::Trainer trainer(options);
-    auto loader = fulgur::make_data_loader(regression_dataset(64), {.batch_size = 8, .shuffle = true,
-                                                                     .num_workers = 2});
+    auto loader = fulgur::make_data_loader(regression_dataset(64),
+                                           {.batch_size = 8, .shuffle = true, .num_workers = 2});
     trainer.fit(model, loader);
     return fulgur::test::clone_parameters(model);
   };
