@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <variant>
 
 #include "fulgur/fulgur.h"
 
@@ -28,7 +29,35 @@ struct Args {
   int64_t steps = 200;
   int64_t warmup = 20;
   int64_t batch = 64;
+  double bucket_mb = 25.0;  // fulgur's DDPOptions::bucket_cap_mb
 };
+
+// Bytes this process's network namespace has sent on its interfaces other
+// than the loopback (/proc/self/net/dev): what the ranks of a node exchange
+// with other nodes.
+double bytes_sent_off_loopback() {
+  std::FILE* f = std::fopen("/proc/self/net/dev", "r");
+  if (f == nullptr) return 0;
+  char line[512];
+  double total = 0;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    char name[64];
+    double rx[8], tx;
+    if (std::sscanf(line, " %63[^:]: %lf %lf %lf %lf %lf %lf %lf %lf %lf", name, &rx[0], &rx[1],
+                    &rx[2], &rx[3], &rx[4], &rx[5], &rx[6], &rx[7], &tx) == 10 &&
+        std::strcmp(name, "lo") != 0) {
+      total += tx;
+    }
+  }
+  std::fclose(f);
+  return total;
+}
+
+double gradient_bytes(const torch::nn::Module& net) {
+  double bytes = 0;
+  for (const auto& p : net.parameters()) bytes += static_cast<double>(p.numel() * p.element_size());
+  return bytes;
+}
 
 int env_int(const char* name, int fallback) {
   const char* v = std::getenv(name);
@@ -49,13 +78,16 @@ std::pair<torch::Tensor, torch::Tensor> make_data(int64_t samples) {
   return {torch::randn({samples, 784}, gen), torch::randint(0, 10, {samples}, gen)};
 }
 
-void report(const Args& a, int world, double seconds) {
+// `sent`: bytes sent off the loopback during the timed steps (rank 0's node).
+void report(const Args& a, int world, double seconds, double sent, double grad_bytes) {
   double samples = static_cast<double>(a.steps * a.batch * world);
   std::printf(
       "{\"benchmark\": \"ddp_mlp_784_1024_1024_10\", \"impl\": \"%s\", \"world_size\": %d, "
-      "\"steps\": %lld, \"batch_per_rank\": %lld, \"samples_per_s\": %.1f}\n",
+      "\"steps\": %lld, \"batch_per_rank\": %lld, \"bucket_mb\": %g, \"samples_per_s\": %.1f, "
+      "\"sent_bytes_per_step\": %.0f, \"gradient_bytes\": %.0f}\n",
       a.impl.c_str(), world, static_cast<long long>(a.steps), static_cast<long long>(a.batch),
-      samples / seconds);
+      a.impl == "fulgur" ? a.bucket_mb : 0.0, samples / seconds,
+      sent / static_cast<double>(a.steps), grad_bytes);
   std::fflush(stdout);
 }
 
@@ -75,15 +107,22 @@ struct Net : fulgur::Module {
 struct Timer : fulgur::Callback {
   const Args& args;
   Clock::time_point start;
+  double sent_at_start = 0;
   explicit Timer(const Args& a) : args(a) {}
   std::string state_key() const override { return "Timer"; }
   void on_train_batch_start(fulgur::Trainer&, fulgur::Module&, const fulgur::Batch&,
                             int64_t idx) override {
-    if (idx == args.warmup) start = Clock::now();
+    if (idx == args.warmup) {
+      start = Clock::now();
+      sent_at_start = bytes_sent_off_loopback();
+    }
   }
-  void on_train_end(fulgur::Trainer& trainer, fulgur::Module&) override {
+  void on_train_end(fulgur::Trainer& trainer, fulgur::Module& module) override {
     double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    if (trainer.strategy().is_global_zero()) report(args, trainer.strategy().world_size(), seconds);
+    double sent = bytes_sent_off_loopback() - sent_at_start;
+    if (trainer.strategy().is_global_zero()) {
+      report(args, trainer.strategy().world_size(), seconds, sent, gradient_bytes(module));
+    }
   }
 };
 
@@ -93,9 +132,18 @@ int run_fulgur(const Args& a) {
   auto loader = fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(x, y),
                                          {.batch_size = a.batch});
   Net model;
+  const int local = env_int("LOCAL_WORLD_SIZE", 1);
+  std::variant<std::string, std::shared_ptr<fulgur::Strategy>> strategy =
+      std::string("single_device");
+  if (world > 1) {
+    fulgur::DDPOptions options;
+    options.bucket_cap_mb = a.bucket_mb;
+    strategy = std::make_shared<fulgur::DDPStrategy>(options);
+  }
   fulgur::Trainer trainer({.accelerator = "cpu",
-                           .strategy = world > 1 ? "ddp" : "single_device",
-                           .devices = env_int("LOCAL_WORLD_SIZE", 1),
+                           .strategy = strategy,
+                           .devices = local,
+                           .num_nodes = world / local,
                            .max_steps = a.steps + a.warmup,
                            .enable_checkpointing = false,
                            .enable_progress_bar = false,
@@ -117,8 +165,12 @@ int run_naive(const Args& a) {
   torch::optim::SGD sgd(net->parameters(), 0.01);
   auto [x, y] = make_data((a.steps + a.warmup) * a.batch * o.world_size);
   Clock::time_point start;
+  double sent_at_start = 0;
   for (int64_t step = 0; step < a.steps + a.warmup; ++step) {
-    if (step == a.warmup) start = Clock::now();
+    if (step == a.warmup) {
+      start = Clock::now();
+      sent_at_start = bytes_sent_off_loopback();
+    }
     // This rank's share of the global batch, gathered like a loader does.
     auto idx = torch::arange((step * o.world_size) * a.batch, (step * o.world_size + 1) * a.batch,
                              torch::kLong) +
@@ -134,7 +186,8 @@ int run_naive(const Args& a) {
     sgd.step();
   }
   double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  if (o.rank == 0) report(a, o.world_size, seconds);
+  double sent = bytes_sent_off_loopback() - sent_at_start;
+  if (o.rank == 0) report(a, o.world_size, seconds, sent, gradient_bytes(*net));
   return 0;
 }
 
@@ -151,8 +204,12 @@ int main(int argc, char** argv) {
       a.warmup = std::atoll(argv[i + 1]);
     else if (!std::strcmp(argv[i], "--batch"))
       a.batch = std::atoll(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--bucket-mb"))
+      a.bucket_mb = std::atof(argv[i + 1]);
     else {
-      std::fprintf(stderr, "usage: %s --impl fulgur|naive [--steps N] [--warmup N] [--batch N]\n",
+      std::fprintf(stderr,
+                   "usage: %s --impl fulgur|naive [--steps N] [--warmup N] [--batch N] "
+                   "[--bucket-mb MB]\n",
                    argv[0]);
       return 2;
     }

@@ -14,11 +14,23 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 
+def bytes_sent_off_loopback():
+    """Bytes this network namespace sent on interfaces other than lo."""
+    total = 0
+    with open("/proc/self/net/dev") as f:
+        for line in f.readlines()[2:]:
+            name, counters = line.split(":", 1)
+            if name.strip() != "lo":
+                total += int(counters.split()[8])
+    return total
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -27,7 +39,7 @@ def main():
     net = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(),
                               torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
                               torch.nn.Linear(1024, 10))
-    model = DistributedDataParallel(net)
+    model = DistributedDataParallel(net, bucket_cap_mb=args.bucket_mb)
     sgd = torch.optim.SGD(model.parameters(), lr=0.01)
     total = args.steps + args.warmup
     gen = torch.Generator().manual_seed(1)
@@ -38,6 +50,7 @@ def main():
     for step in range(total):
         if step == args.warmup:
             start = time.perf_counter()
+            sent_at_start = bytes_sent_off_loopback()
         lo = (step * world + rank) * args.batch
         idx = torch.arange(lo, lo + args.batch)
         bx, by = x.index_select(0, idx), y.index_select(0, idx)
@@ -45,11 +58,15 @@ def main():
         loss_fn(model(bx), by).backward()
         sgd.step()
     seconds = time.perf_counter() - start
+    sent = bytes_sent_off_loopback() - sent_at_start
+    grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     if rank == 0:
         print(json.dumps({"benchmark": "ddp_mlp_784_1024_1024_10", "impl": "pytorch_ddp",
                           "world_size": world, "steps": args.steps,
-                          "batch_per_rank": args.batch,
-                          "samples_per_s": round(args.steps * args.batch * world / seconds, 1)}),
+                          "batch_per_rank": args.batch, "bucket_mb": args.bucket_mb,
+                          "samples_per_s": round(args.steps * args.batch * world / seconds, 1),
+                          "sent_bytes_per_step": round(sent / args.steps),
+                          "gradient_bytes": grad_bytes}),
               flush=True)
     dist.destroy_process_group()
 

@@ -97,6 +97,9 @@ print(json.dumps({"benchmark": "ddp_mlp_784_1024_1024_10_2_ranks", "samples_per_
                   "runs": len(runs)}))' "${ddp_runs[@]}")
 results+=("$ddp_summary")
 
+# DDP across machines with slow links is bench/ddp_links.sh (as root: it makes
+# network namespaces); its table is in RESULTS.md, made separately.
+
 # Data loading with worker threads: a 200 µs-per-sample dataset.
 data_reps=${DATA_REPS:-5}
 data_row=$(build/bench/fulgur_bench_data_workers --samples 960 --batch 16 --sample-us 200 --reps "$data_reps")
