@@ -13,11 +13,11 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
+#include "fulgur/distributed/process_group.h"
+#include "fulgur/distributed/sharded_parameters.h"
 #include "fulgur/nn/fsdp_unit.h"
 #include "fulgur/plugins/precision/amp.h"
 #include "fulgur/strategies/checkpoint_layout.h"
-#include "fulgur/strategies/process_group.h"
-#include "fulgur/strategies/sharded_parameters.h"
 #include "fulgur/utilities/torch_compat.h"
 #include "strategies/fsdp_auto_wrap.h"
 

@@ -18,7 +18,7 @@
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/core/module.h"
 #include "fulgur/data/data_loader.h"
-#include "fulgur/strategies/launchers/launcher.h"
+#include "fulgur/distributed/launchers/launcher.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/connectors/resolution.h"
 #include "fulgur/trainer/trainer.h"

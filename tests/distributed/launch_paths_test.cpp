@@ -10,7 +10,7 @@
 #include <future>
 #include <sstream>
 
-#include "fulgur/strategies/process_group.h"
+#include "fulgur/distributed/process_group.h"
 #include "support/process.h"
 #include "support/test_support.h"
 

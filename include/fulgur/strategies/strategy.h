@@ -35,6 +35,7 @@
 
 #include "fulgur/core/registry.h"
 #include "fulgur/data/batch.h"
+#include "fulgur/distributed/types.h"
 #include "fulgur/plugins/precision/precision.h"
 
 namespace torch::optim {
@@ -54,10 +55,6 @@ class ClusterEnvironment;
 class Launcher;
 class Module;
 struct OptimizerConfig;
-
-/// Reduction of a collective.
-enum class ReduceOp { Sum, Mean, Max, Min };
-const char* to_string(ReduceOp op);
 
 class Strategy {
  public:
