@@ -217,6 +217,11 @@ void ParallelStrategy::configure_launcher_for(StartMethod start_method) {
   }
 }
 
+std::shared_ptr<ProcessGroup> ParallelStrategy::module_process_group() const {
+  process_group();  // throws, naming the strategy, before the group exists
+  return group_;
+}
+
 ProcessGroup& ParallelStrategy::process_group() const {
   if (!group_) {
     throw DistributedError(str("strategy \"", name(),

@@ -300,13 +300,10 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
                               std::function<std::string()> resume_point) {
   module = &m;
   stage = s;
-  m.trainer_ = &self;
-  m.link_ = this;
+  attach(m, this);
   auto detach = [&](bool completed) {
     signals.disarm();
-    m.trainer_ = nullptr;
-    m.link_ = nullptr;
-    m.log_sink_ = nullptr;
+    attach(m, nullptr);
     fit_loop.detach();
     strategy->teardown(completed);
   };

@@ -72,6 +72,8 @@ class ParallelStrategy : public Strategy {
   /// The group of all ranks; DistributedError before setup_environment().
   ProcessGroup& process_group() const;
   std::shared_ptr<ProcessGroup> shared_process_group() const { return group_; }
+  /// process_group(), shared.
+  std::shared_ptr<ProcessGroup> module_process_group() const override;
   /// Uses a group the program already created instead of rendezvousing at
   /// setup_environment(). Its rank and size must be this process's.
   void set_process_group(std::shared_ptr<ProcessGroup> group);
