@@ -157,8 +157,4 @@ std::string DDPStrategy::describe_options(const DDPOptions& o) {
              describe_parallel_options(o.parallel));
 }
 
-void DDPStrategy::register_strategies(StrategyRegistry& registry) {
-  register_variants<DDPStrategy>(registry, "ddp", "Distributed data parallel");
-}
-
 }  // namespace fulgur
