@@ -66,6 +66,7 @@ packages=(
   slurmctld slurmd      # a real SLURM cluster on localhost (scripts/slurm-cluster.sh),
   slurm-client          #   a launch path under test: srun, sbatch, scontrol, sinfo
   munge                 # SLURM's authentication; the cluster script runs its own munged and key
+  iproute2 iputils-ping # nodes as network namespaces (scripts/netns-cluster.sh): ip, tc, ping
 )
 if [ "$cuda" = 1 ]; then
   if [ "$release" = 12 ]; then

@@ -221,7 +221,7 @@ Batch DatasetLoader::load_batch(const at::Tensor& order, uint64_t seed, int64_t 
     throw DataLoaderError(str("DataLoader: loading ", culprit, " (batch ", index, " of epoch ",
                               epoch, ") failed: ", what));
   }
-  if (options_.pin_memory && cuda_usable()) {
+  if (options_.pin_memory.value_or(default_pin_memory_) && cuda_usable()) {
     batch = batch.map_tensors([](const at::Tensor& t) { return t.is_pinned() ? t : t.pin_memory(); });
   }
   return batch;

@@ -255,6 +255,24 @@ std::vector<TrainerFlag> make_flags() {
   f.push_back({"benchmark", "hardware", "cuDNN autotuning (CUDA only)",
                [](const O& o) { return std::string(o.benchmark ? "true" : "false"); },
                set_bool(&O::benchmark)});
+  f.push_back({"prefetch_to_device", "hardware",
+               "Move the next batch to the device during the current step: auto (on a GPU), "
+               "true or false",
+               [](const O& o) {
+                 return std::string(!o.prefetch_to_device ? "auto"
+                                    : *o.prefetch_to_device ? "true"
+                                                            : "false");
+               },
+               [](O& o, const std::string& t) -> std::string {
+                 if (t == "auto" || is_none(t)) {
+                   o.prefetch_to_device = std::nullopt;
+                   return "";
+                 }
+                 const auto value = parse_bool(t);
+                 if (!value) return "pass auto, true or false.";
+                 o.prefetch_to_device = *value;
+                 return "";
+               }});
   f.push_back({"use_distributed_sampler", "hardware",
                "Split each epoch's samples across ranks (a DistributedSampler)",
                [](const O& o) { return std::string(o.use_distributed_sampler ? "true" : "false"); },

@@ -243,6 +243,7 @@ std::string Trainer::Impl::root_dir() const {
 }
 
 void Trainer::Impl::distribute(DataLoader& loader, bool even, const char* which) {
+  loader.set_default_pin_memory(strategy->root_device().is_cuda());
   const int world = strategy->world_size();
   if (world <= 1 || !options.use_distributed_sampler) return;
   if (!loader.set_shard(strategy->global_rank(), world, even)) {

@@ -16,10 +16,12 @@
 
 namespace {
 
+using fulgur::test::on_path;
 using fulgur::test::ProcessResult;
 using fulgur::test::result_value;
 using fulgur::test::run_process;
 using fulgur::test::same_params;
+using fulgur::test::torch_python;
 using fulgur::test::TempDir;
 using namespace std::chrono_literals;
 
@@ -38,34 +40,6 @@ void expect_clean(const ProcessResult& r) {
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.leftover_processes, 0) << r.output;
   EXPECT_EQ(r.exit_code, 0) << r.output;
-}
-
-bool on_path(const std::string& program) {
-  return run_process({"sh", "-c", "command -v " + program}, {}, 10s).exit_code == 0;
-}
-
-// The Python whose PyTorch provides torchrun: the interpreter of the
-// `torchrun` on PATH (a pip-installed PyTorch's, where /usr/bin/python3 may
-// have no torch), else `python3` on PATH, when it imports torch's launcher.
-std::string torch_python() {
-  auto imports_torchrun = [](const std::string& python) {
-    return run_process({python, "-c", "import torch.distributed.run"}, {}, 60s).exit_code == 0;
-  };
-  auto found = run_process({"sh", "-c", "command -v torchrun"}, {}, 10s);
-  if (found.exit_code == 0) {
-    std::ifstream script(found.output.substr(0, found.output.find_last_not_of("\n") + 1));
-    std::string shebang;
-    std::getline(script, shebang);
-    if (shebang.rfind("#!", 0) == 0) {
-      // "#!/path/python3" or "#!/usr/bin/env python3".
-      std::istringstream words(shebang.substr(2));
-      std::string python;
-      words >> python;
-      if (python.size() >= 4 && python.compare(python.size() - 4, 4, "/env") == 0) words >> python;
-      if (!python.empty() && imports_torchrun(python)) return python;
-    }
-  }
-  return "python3";
 }
 
 // torchrun through tools/fulgur-torchrun, run by the Python that has torch:

@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -128,6 +129,34 @@ std::string result_value(const std::string& output, const std::string& key) {
     if (at != std::string::npos) value = line.substr(at + marker.size());
   }
   return value;
+}
+
+bool on_path(const std::string& program) {
+  return run_process({"sh", "-c", "command -v " + program}, {}, std::chrono::seconds(10))
+             .exit_code == 0;
+}
+
+std::string torch_python() {
+  auto imports_torchrun = [](const std::string& python) {
+    return run_process({python, "-c", "import torch.distributed.run"}, {},
+                       std::chrono::seconds(60))
+               .exit_code == 0;
+  };
+  auto found = run_process({"sh", "-c", "command -v torchrun"}, {}, std::chrono::seconds(10));
+  if (found.exit_code == 0) {
+    std::ifstream script(found.output.substr(0, found.output.find_last_not_of("\n") + 1));
+    std::string shebang;
+    std::getline(script, shebang);
+    if (shebang.rfind("#!", 0) == 0) {
+      // "#!/path/python3" or "#!/usr/bin/env python3".
+      std::istringstream words(shebang.substr(2));
+      std::string python;
+      words >> python;
+      if (python.size() >= 4 && python.compare(python.size() - 4, 4, "/env") == 0) words >> python;
+      if (!python.empty() && imports_torchrun(python)) return python;
+    }
+  }
+  return "python3";
 }
 
 }  // namespace fulgur::test

@@ -37,4 +37,12 @@ ProcessResult run_process(const std::vector<std::string>& argv,
 /// line), or "" when absent.
 std::string result_value(const std::string& output, const std::string& key);
 
+/// Whether `program` is found on PATH.
+bool on_path(const std::string& program);
+
+/// The Python whose PyTorch provides torchrun: the interpreter of the
+/// `torchrun` on PATH (a pip-installed PyTorch's, where /usr/bin/python3 may
+/// have no torch), else `python3` on PATH, when it imports torch's launcher.
+std::string torch_python();
+
 }  // namespace fulgur::test

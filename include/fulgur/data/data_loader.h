@@ -59,6 +59,9 @@ class DataLoader {
   virtual bool set_shard(int64_t rank, int64_t world_size, bool even = false);
   /// The Trainer's seed, for loaders whose own seed is unset.
   virtual void set_default_seed(uint64_t /*seed*/) {}
+  /// Whether the Trainer's device wants page-locked batches (a GPU), for
+  /// loaders whose own pin_memory is unset.
+  virtual void set_default_pin_memory(bool /*pin*/) {}
 
  protected:
   virtual void do_start_epoch(int64_t epoch) = 0;
@@ -90,9 +93,11 @@ struct DataLoaderOptions {
   int64_t num_workers = 0;
   /// Batches loaded ahead, per worker.
   int64_t prefetch_factor = 2;
-  /// Batches in page-locked memory, for faster copies to a GPU; applies
-  /// only where CUDA is available.
-  bool pin_memory = false;
+  /// Batches in page-locked memory, for faster copies to a GPU (and copies
+  /// that overlap the step: Trainer's prefetch_to_device); applies only
+  /// where CUDA is available. Unset: pinned when the Trainer running the
+  /// loader trains on a GPU.
+  std::optional<bool> pin_memory = std::nullopt;
   /// Keep the worker threads from one epoch to the next (default: they
   /// end with each epoch).
   bool persistent_workers = false;
@@ -114,6 +119,7 @@ class DatasetLoader : public DataLoader {
   std::optional<int64_t> num_batches() const override;
   bool set_shard(int64_t rank, int64_t world_size, bool even = false) override;
   void set_default_seed(uint64_t seed) override;
+  void set_default_pin_memory(bool pin) override { default_pin_memory_ = pin; }
 
   const Dataset& dataset() const { return *dataset_; }
   Sampler& sampler() { return *sampler_; }
@@ -135,6 +141,7 @@ class DatasetLoader : public DataLoader {
 
   std::shared_ptr<Dataset> dataset_;
   uint64_t seed_ = 0;
+  bool default_pin_memory_ = false;
   std::unique_ptr<detail::Prefetcher> prefetcher_;
   bool workers_started_ = false;
   DataLoaderOptions options_;

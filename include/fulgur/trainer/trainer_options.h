@@ -126,6 +126,15 @@ struct TrainerOptions {
   DeterministicFlag deterministic = false;
   /// cuDNN autotuning for fixed input shapes (CUDA only).
   bool benchmark = false;
+  /// Move each batch to the device while the step before it runs. On a GPU
+  /// the copy runs on a side stream, from page-locked memory (the loaders'
+  /// pin_memory defaults to true there), and a step waits for its batch on
+  /// the device, never on the host. Unset ("auto"): on where the device is a
+  /// GPU. true: also elsewhere, where the move is only made one batch early
+  /// (the same batches in the same order). false: each batch is moved when
+  /// its step starts. Either way a hook's `batch` is the loader's batch and
+  /// a step's is the moved one.
+  std::optional<bool> prefetch_to_device = std::nullopt;
   /// With several ranks, split every loader across them (training padded
   /// to equal lengths, evaluation exact). Off: each rank's loaders are used
   /// as they are (the user splits the data).

@@ -97,8 +97,9 @@ void GradScaler::update() {
   at::Tensor found = torch::zeros_like(found_inf_.begin()->second);
   for (auto& [_, f] : found_inf_) found.add_(f.to(found.device()));
   found_inf_.clear();
-  last_skipped_ = found.item<float>() != 0.0f;
+  last_found_ = found;
   if (scale_.is_cuda()) {
+    // On the device, without reading `found` back: no host synchronisation.
     at::_amp_update_scale_(scale_, growth_tracker_, found, options_.growth_factor,
                            options_.backoff_factor, options_.growth_interval);
     return;
@@ -106,7 +107,7 @@ void GradScaler::update() {
   // The same rule as ATen's _amp_update_scale_ kernel.
   float scale = scale_.item<float>();
   int32_t tracker = growth_tracker_.item<int32_t>();
-  if (last_skipped_) {
+  if (found.item<float>() != 0.0f) {
     scale = static_cast<float>(scale * options_.backoff_factor);
     tracker = 0;
   } else if (tracker + 1 == options_.growth_interval) {
@@ -118,6 +119,10 @@ void GradScaler::update() {
   }
   scale_.fill_(scale);
   growth_tracker_.fill_(tracker);
+}
+
+bool GradScaler::last_step_skipped() const {
+  return last_found_.defined() && last_found_.item<float>() != 0.0f;
 }
 
 double GradScaler::get_scale() const {

@@ -6,6 +6,7 @@
 
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/core/errors.h"
+#include "trainer/loops/device_feed.h"
 #include "trainer/trainer_impl.h"
 
 namespace fulgur::detail {
@@ -21,15 +22,28 @@ int64_t pass_length(const DataLoader& loader, std::optional<int64_t> limit) {
 }
 
 // Runs `fn(batch, batch on the device, index)` for the first `limit` batches
-// (all when unset) of one pass over `loader`.
+// (all when unset) of one pass over `loader`; with prefetch, each batch is
+// put on the device while the step before it runs.
 template <class Fn>
-void for_each_batch(Strategy& strategy, DataLoader& loader, std::optional<int64_t> limit, Fn fn) {
+void for_each_batch(Strategy& strategy, std::optional<bool> prefetch, DataLoader& loader,
+                    std::optional<int64_t> limit, Fn fn) {
+  DeviceFeed feed;
+  feed.reset(strategy, prefetch_to_device_enabled(prefetch, strategy.root_device()));
   loader.start_epoch(0);
-  for (int64_t idx = 0; !limit || idx < *limit; ++idx) {
-    auto batch = loader.next();
-    if (!batch) break;
-    Batch on_device = strategy.batch_to_device(*batch);
+  std::optional<Batch> batch;
+  if (!limit || *limit > 0) batch = loader.next();
+  if (batch) feed.put(*batch);
+  for (int64_t idx = 0; batch; ++idx) {
+    const bool more = !limit || idx + 1 < *limit;
+    std::optional<Batch> next;
+    if (feed.enabled() && more) {
+      next = loader.next();
+      if (next) feed.put(*next);
+    }
+    Batch on_device = feed.take(*batch);
     fn(*batch, on_device, idx);
+    if (!more) break;
+    batch = feed.enabled() ? std::move(next) : loader.next();
   }
 }
 }  // namespace
@@ -49,7 +63,7 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
     m.on_validation_epoch_start();
   }
   for_each_batch(
-      *trainer_.strategy, loader, limit, [&](const Batch& batch, Batch& on_device, int64_t idx) {
+      *trainer_.strategy, trainer_.options.prefetch_to_device, loader, limit, [&](const Batch& batch, Batch& on_device, int64_t idx) {
         trainer_.logging.eval_sink().set_context(/*training_step=*/false, on_device.batch_size());
         {
           auto scope = trainer_.strategy->step_scope();
@@ -97,7 +111,7 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
   std::vector<Batch> out;
   if (auto n = loader.num_batches())
     out.reserve(static_cast<size_t>(limit ? std::min(*n, *limit) : *n));
-  for_each_batch(*trainer_.strategy, loader, limit,
+  for_each_batch(*trainer_.strategy, trainer_.options.prefetch_to_device, loader, limit,
                  [&](const Batch& batch, Batch& on_device, int64_t idx) {
                    {
                      auto scope = trainer_.strategy->step_scope();

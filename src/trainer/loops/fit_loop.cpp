@@ -151,25 +151,37 @@ void FitLoop::train_epoch() {
                       [&](Callback& cb) { cb.on_train_epoch_start(trainer_.self, m); });
 
   const int64_t limit = num_training_batches_;  // -1: until the loader ends
+  // With prefetch, each batch goes to the device as soon as the loader gives
+  // it, one batch ahead of the step that takes it. The loader is then one
+  // batch ahead of the loop, as it is without a known length (the look-ahead
+  // for the last batch); a checkpoint records the loop's position.
+  feed_.reset(*trainer_.strategy, prefetch_to_device_enabled(trainer_.options.prefetch_to_device,
+                                                             trainer_.strategy->root_device()));
   int64_t idx = start;
   std::optional<Batch> batch;
   if (limit < 0 || idx < limit) batch = loader.next();
+  if (batch) feed_.put(*batch);
   while (batch) {
     std::optional<Batch> next_batch;
     bool last;
+    bool looked_ahead = true;
     if (limit >= 0) {
       last = idx + 1 >= limit;
+      looked_ahead = feed_.enabled() && !last;
+      if (looked_ahead) next_batch = loader.next();
     } else {
       next_batch = loader.next();  // look ahead: is this the last batch?
       last = !next_batch.has_value();
     }
+    if (next_batch) feed_.put(*next_batch);
     batch_idx_ = idx;
     training_batch(*batch, idx, last);
     ++idx;
     // A validation (its metrics may decide a stop) makes a boundary.
     if (stop_requested_by_limits(/*boundary=*/validated_at_position_ == idx) || last) break;
-    batch = limit >= 0 ? loader.next() : std::move(next_batch);
+    batch = looked_ahead ? std::move(next_batch) : loader.next();
   }
+  feed_.clear();
   if (idx == start && start > 0 && validated_at_position_ != start &&
       should_validate_now(start, /*is_last_batch=*/true)) {
     // Resumed from a checkpoint written after the epoch's last batch but
@@ -207,7 +219,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   trainer_.strategy->raise_checkpoint_errors();
   trainer_.call_hooks([&](Module& mod) { mod.on_train_batch_start(batch, idx); },
                       [&](Callback& cb) { cb.on_train_batch_start(trainer_.self, m, batch, idx); });
-  Batch on_device = trainer_.strategy->batch_to_device(batch);
+  Batch on_device = feed_.take(batch);
   trainer_.logging.train_sink().set_context(/*training_step=*/true, on_device.batch_size());
   Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
 

@@ -16,6 +16,7 @@
 #include "fulgur/data/data_loader.h"
 #include "fulgur/trainer/trainer.h"
 #include "fulgur/trainer/trainer_options.h"
+#include "trainer/loops/device_feed.h"
 
 namespace torch::serialize {
 class InputArchive;
@@ -126,6 +127,7 @@ class FitLoop {
   std::set<size_t> missing_monitor_noted_;  // schedulers whose missing metric was noted
   bool in_epoch_end_ = false;           // checkpoints taken now resume at the next epoch
   int64_t validated_at_position_ = -1;  // batch position of the last in-epoch validation
+  DeviceFeed feed_;                     // the training batches, moved to the device ahead
 };
 
 }  // namespace fulgur::detail

@@ -313,13 +313,16 @@ class MidEpochResume : public ::testing::Test {
   /// Run B: a fresh module (other initial weights) resumed from `ckpt_path`;
   /// checks it ends bit-identical to run A after `expected_steps` steps.
   void ExpectResumeMatches(const std::string& ckpt_path, std::optional<int64_t> expected_steps,
-                           const std::string& ckpt_dir, int64_t num_workers = 0) {
+                           const std::string& ckpt_dir, int64_t num_workers = 0,
+                           bool prefetch_to_device = false) {
     torch::manual_seed(2);
     DropoutNet resumed;
     ASSERT_FALSE(parameters_equal(*uninterrupted_, resumed));
     TempDir root_b;
     auto counter = std::make_shared<BatchCounter>();
-    fulgur::Trainer trainer(resume_options(root_b, ckpt_dir, counter));
+    auto options = resume_options(root_b, ckpt_dir, counter);
+    options.prefetch_to_device = prefetch_to_device;
+    fulgur::Trainer trainer(options);
     auto result =
         trainer.fit(resumed, shuffled_loader(num_workers), nullptr, {.ckpt_path = ckpt_path});
     if (expected_steps) {
@@ -368,6 +371,16 @@ TEST_F(MidEpochResume, WithFourLoaderWorkersFromStepSix) {
   // worker threads loading ahead: the same batches, bit-identical weights.
   const std::string path = checkpoint("epoch=0-step=6.ckpt");
   ExpectResumeMatches(path, 20 - 6, root_.file("ckpts_b"), /*num_workers=*/4);
+}
+
+TEST_F(MidEpochResume, WithPrefetchToDeviceFromStepsNineAndFifteen) {
+  // Run B moves each batch to the device one batch ahead of its step (the
+  // loader one batch ahead of the loop): the checkpoint's position is the
+  // loop's, so the resumed run takes the same batches.
+  ExpectResumeMatches(checkpoint("epoch=0-step=9.ckpt"), 20 - 9, root_.file("ckpts_b"),
+                      /*num_workers=*/0, /*prefetch_to_device=*/true);
+  ExpectResumeMatches(checkpoint("epoch=1-step=15.ckpt"), 20 - 15, root_.file("ckpts_c"),
+                      /*num_workers=*/2, /*prefetch_to_device=*/true);
 }
 
 TEST_F(MidEpochResume, FromLast) {

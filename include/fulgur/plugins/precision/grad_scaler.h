@@ -63,7 +63,8 @@ class GradScaler {
   /// Finite steps in a row since the scale last changed.
   int64_t growth_tracker() const;
   /// Whether the last update() saw inf/NaN gradients (the step was skipped).
-  bool last_step_skipped() const { return last_skipped_; }
+  /// Read from the device when asked: update() itself does not wait for it.
+  bool last_step_skipped() const;
   const GradScalerOptions& options() const { return options_; }
 
   /// The scale and growth tracker, as "scale" / "growth_tracker".
@@ -79,7 +80,7 @@ class GradScaler {
   at::Tensor growth_tracker_;  // int32 [1]
   // Per optimizer of the current iteration: its found_inf ([1] float32).
   std::unordered_map<const torch::optim::Optimizer*, at::Tensor> found_inf_;
-  bool last_skipped_ = false;
+  at::Tensor last_found_;  // the last update()'s found_inf, on the scale's device
 };
 
 }  // namespace fulgur

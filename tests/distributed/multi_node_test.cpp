@@ -1,0 +1,276 @@
+// Nodes with network stacks of their own: scripts/netns-cluster.sh makes two
+// "machines" on this host (network and UTS namespaces, each with its own
+// address on a bridge that reaches nothing else), and the launch paths run
+// across them as on a cluster: rank 0's store and Gloo listen on node 0's
+// interface, node 1 reaches it over the bridge. Each run ends with the weights
+// of one process with the combined batch.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <thread>
+
+#include "support/process.h"
+#include "support/test_support.h"
+
+namespace {
+
+using fulgur::test::on_path;
+using fulgur::test::ProcessResult;
+using fulgur::test::result_value;
+using fulgur::test::run_process;
+using fulgur::test::same_params;
+using fulgur::test::TempDir;
+using fulgur::test::torch_python;
+using namespace std::chrono_literals;
+
+const std::vector<std::string> kTraining = {"--steps", "12", "--shuffle", "--optimizer", "adam"};
+
+std::vector<std::string> worker(std::vector<std::string> extra, const std::string& out,
+                                const std::string& root) {
+  std::vector<std::string> args = {FULGUR_DDP_WORKER};
+  args.insert(args.end(), kTraining.begin(), kTraining.end());
+  args.insert(args.end(), extra.begin(), extra.end());
+  for (std::string s : {"--out", out.c_str(), "--root", root.c_str()}) args.push_back(s);
+  return args;
+}
+
+class AcrossNamespaces : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (::geteuid() != 0) return;
+    // A cluster of this process's own: tests of other processes may run
+    // clusters of their own at the same time.
+    env_ = {{"FULGUR_NETNS_NAME", "fulgur-t" + std::to_string(::getpid())}};
+    up_ = run_process({"bash", FULGUR_NETNS_CLUSTER, "up", "2"}, env_, 60s);
+  }
+  static void TearDownTestSuite() {
+    if (::geteuid() != 0) return;
+    auto r = run_process({"bash", FULGUR_NETNS_CLUSTER, "down"}, env_, 60s);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+  }
+  void SetUp() override {
+    if (::geteuid() != 0) {
+      GTEST_SKIP() << "network namespaces need root; run the suite as root (CI does)";
+    }
+    ASSERT_EQ(up_.exit_code, 0) << "scripts/netns-cluster.sh up 2 failed:\n" << up_.output;
+  }
+
+  /// `argv` run on node `node` of the cluster.
+  static std::vector<std::string> on_node(int node, const std::vector<std::string>& argv) {
+    std::vector<std::string> out = {"bash", FULGUR_NETNS_CLUSTER, "exec", std::to_string(node)};
+    out.insert(out.end(), argv.begin(), argv.end());
+    return out;
+  }
+  static std::string address(int node) {
+    auto r = run_process({"bash", FULGUR_NETNS_CLUSTER, "addr", std::to_string(node)}, env_, 10s);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r.output.substr(0, r.output.find('\n'));
+  }
+  static std::map<std::string, std::string> with_cluster(std::map<std::string, std::string> env) {
+    env.insert(env_.begin(), env_.end());
+    return env;
+  }
+
+  /// One process on this host with the batch of `ranks` ranks together.
+  std::string baseline(int ranks) {
+    std::string out = dir_.path() + "/single-" + std::to_string(ranks) + ".pt";
+    auto r = run_process(
+        worker({"--devices", "1", "--batch", std::to_string(8 * ranks)}, out, dir_.path()), {},
+        120s);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return out;
+  }
+
+  /// Both nodes at once, each its own command; their results in node order.
+  std::vector<ProcessResult> run_nodes(
+      const std::function<std::vector<std::string>(int node)>& argv,
+      const std::function<std::map<std::string, std::string>(int node)>& env,
+      std::chrono::seconds timeout) {
+    std::vector<std::future<ProcessResult>> nodes;
+    for (int node = 0; node < 2; ++node) {
+      nodes.push_back(std::async(std::launch::async, [&, node] {
+        return run_process(on_node(node, argv(node)), with_cluster(env(node)), timeout);
+      }));
+    }
+    std::vector<ProcessResult> out;
+    for (auto& n : nodes) out.push_back(n.get());
+    return out;
+  }
+
+  static void expect_clean(const ProcessResult& r, int node) {
+    EXPECT_FALSE(r.timed_out) << "node " << node << ":\n" << r.output;
+    EXPECT_EQ(r.leftover_processes, 0) << "node " << node << ":\n" << r.output;
+    EXPECT_EQ(r.exit_code, 0) << "node " << node << ":\n" << r.output;
+  }
+
+  TempDir dir_;
+  static inline std::map<std::string, std::string> env_;
+  static inline ProcessResult up_;
+};
+
+TEST_F(AcrossNamespaces, EachNodeHasItsOwnAddressAndHostNameAndNoRouteOut) {
+  EXPECT_EQ(address(0), "10.213.0.10");
+  EXPECT_EQ(address(1), "10.213.0.11");
+  auto r = run_process(on_node(1, {"sh", "-c",
+                                   "hostname; ip -4 -o addr show eth0; ip route; "
+                                   "ping -c 1 -W 2 n0 >/dev/null && echo reached-n0; "
+                                   "ping -c 1 -W 1 192.0.2.1 2>&1 | tail -n 1"}),
+                       env_, 30s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("n1\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("inet 10.213.0.11/24"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("reached-n0"), std::string::npos) << r.output;
+  // No default route: an address off the bridge is unreachable.
+  EXPECT_EQ(r.output.find("default"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("Network is unreachable"), std::string::npos) << r.output;
+}
+
+TEST_F(AcrossNamespaces, FulgursLauncherTwoNodesOfTwoRanksMatchOneProcess) {
+  const std::string out = dir_.path() + "/nodes.pt";
+  const std::string main_address = address(0);
+  const std::string port = "29611";
+  auto results = run_nodes(
+      [&](int) {
+        return worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"},
+                      out, dir_.path());
+      },
+      [&](int node) {
+        return std::map<std::string, std::string>{{"MASTER_ADDR", main_address},
+                                                  {"MASTER_PORT", port},
+                                                  {"NODE_RANK", std::to_string(node)},
+                                                  {"OMP_NUM_THREADS", "1"}};
+      },
+      180s);
+  expect_clean(results[0], 0);
+  expect_clean(results[1], 1);
+  EXPECT_EQ(result_value(results[0].output, "world_size"), "4") << results[0].output;
+  EXPECT_TRUE(same_params(baseline(4), out));
+}
+
+// torchrun's c10d rendezvous across the nodes: node 0's agent hosts the
+// rendezvous at its own address (it knows the endpoint is itself by host name
+// and address), node 1's agent joins it over the bridge; four ranks.
+TEST_F(AcrossNamespaces, TorchrunC10dRendezvousTwoNodesOfTwoRanksMatchOneProcess) {
+  ASSERT_TRUE(on_path("torchrun")) << "torchrun is missing: scripts/install-deps.sh installs "
+                                      "python3-torch, which provides it.";
+  static const std::string python = torch_python();
+  const std::string out = dir_.path() + "/torchrun.pt";
+  const std::string endpoint = address(0) + ":29613";
+  auto results = run_nodes(
+      [&](int node) {
+        std::vector<std::string> args = {
+            python,      FULGUR_TORCHRUN, "--nnodes",  "2", "--nproc_per_node", "2",
+            "--rdzv_backend", "c10d",     "--rdzv_endpoint", endpoint, "--rdzv_id",
+            "multi-node-test", "--redirects", "1", "--tee", "1", "--log_dir",
+            dir_.path() + "/logs-" + std::to_string(node), "--no_python"};
+        auto w = worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"},
+                        out, dir_.path());
+        args.insert(args.end(), w.begin(), w.end());
+        return args;
+      },
+      [](int) { return std::map<std::string, std::string>{{"OMP_NUM_THREADS", "1"}}; }, 240s);
+  expect_clean(results[0], 0);
+  expect_clean(results[1], 1);
+  const std::string both = results[0].output + results[1].output;
+  EXPECT_EQ(result_value(both, "cluster_environment"), "torchelastic") << both;
+  EXPECT_EQ(result_value(both, "world_size"), "4") << both;
+  EXPECT_TRUE(same_params(baseline(4), out));
+}
+
+TEST_F(AcrossNamespaces, RankZeroRefusesAMainAddressThatIsNotItsNodes) {
+  // MASTER_ADDR names node 1 while node rank 0 (which hosts the store) runs
+  // on node 0: rank 0 cannot listen there, and says so.
+  auto r = run_process(
+      on_node(0, worker({"--strategy", "ddp", "--devices", "2", "--num-nodes", "2", "--batch", "8"},
+                        dir_.path() + "/wrong.pt", dir_.path())),
+      with_cluster({{"MASTER_ADDR", address(1)},
+                    {"MASTER_PORT", "29612"},
+                    {"NODE_RANK", "0"},
+                    {"OMP_NUM_THREADS", "1"}}),
+      120s);
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.leftover_processes, 0) << r.output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      r.output, {"10.213.0.11 (MASTER_ADDR) is not an address of this machine"}))
+      << r.output;
+}
+
+}  // namespace
+
+namespace {
+
+// The cluster script itself: bad input is refused by name, and down leaves
+// nothing behind, whatever runs in the nodes.
+TEST(NetnsCluster, DownLeavesNothingAndBadInputIsNamed) {
+  if (::geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
+  const std::string name = "fulgur-d" + std::to_string(::getpid());
+  const std::map<std::string, std::string> env = {{"FULGUR_NETNS_NAME", name}};
+  auto script = [&](std::vector<std::string> args, std::chrono::seconds timeout = 60s) {
+    args.insert(args.begin(), {"bash", FULGUR_NETNS_CLUSTER});
+    return run_process(args, env, timeout);
+  };
+  auto up = script({"up", "0"});
+  EXPECT_EQ(up.exit_code, 2);
+  EXPECT_NE(up.output.find("up 0: give a node count from 1 to 16"), std::string::npos) << up.output;
+  up = script({"up", "2", "--rate", "fast"});
+  EXPECT_EQ(up.exit_code, 2);
+  EXPECT_NE(up.output.find("rate \"fast\": give a tc rate such as 1gbit"), std::string::npos)
+      << up.output;
+  auto no_cluster = script({"exec", "0", "true"});
+  EXPECT_EQ(no_cluster.exit_code, 2);
+  EXPECT_NE(no_cluster.output.find("no cluster \"" + name + "\" is up"), std::string::npos)
+      << no_cluster.output;
+
+  up = script({"up", "2", "--rate", "100mbit"});
+  ASSERT_EQ(up.exit_code, 0) << up.output;
+  EXPECT_NE(up.output.find("node 1: host n1, 10.213.0.11"), std::string::npos) << up.output;
+  EXPECT_NE(up.output.find("rate 100mbit"), std::string::npos) << up.output;
+  auto again = script({"up", "3"});
+  EXPECT_EQ(again.exit_code, 2);
+  EXPECT_NE(again.output.find("is up with 2 node(s), not 3"), std::string::npos) << again.output;
+  auto out_of_range = script({"exec", "2", "true"});
+  EXPECT_EQ(out_of_range.exit_code, 2);
+  EXPECT_NE(out_of_range.output.find("node \"2\": the cluster \"" + name + "\" has nodes 0 to 1"),
+            std::string::npos)
+      << out_of_range.output;
+  // A partition: node 1's link down, node 0 unreachable from it; up again.
+  ASSERT_EQ(script({"link", "1", "down"}).exit_code, 0);
+  EXPECT_NE(script({"exec", "1", "ping", "-c", "1", "-W", "1", "n0"}).exit_code, 0);
+  ASSERT_EQ(script({"link", "1", "up"}).exit_code, 0);
+  EXPECT_EQ(script({"exec", "1", "ping", "-c", "1", "-W", "2", "n0"}).exit_code, 0);
+
+  // A process that would outlive its caller: down ends it.
+  auto started = script({"exec", "1", "sh", "-c", "setsid sleep 600 >/dev/null 2>&1 & echo $!"});
+  ASSERT_EQ(started.exit_code, 0) << started.output;
+  const pid_t sleeper = std::stoi(started.output);
+  // Running: not gone and not a zombie (this process may be its reaper).
+  auto running = [&] {
+    if (::kill(sleeper, 0) != 0) return false;
+    std::ifstream status("/proc/" + std::to_string(sleeper) + "/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("State:", 0) == 0) return line.find('Z') == std::string::npos;
+    }
+    return false;
+  };
+  EXPECT_TRUE(running()) << "the sleeper should run until down";
+  auto down = script({"down"});
+  EXPECT_EQ(down.exit_code, 0) << down.output;
+  for (int i = 0; i < 50 && running(); ++i) std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(running()) << "pid " << sleeper << " survived down";
+  ::waitpid(sleeper, nullptr, WNOHANG);
+  auto namespaces = run_process({"ip", "netns", "list"}, {}, 10s);
+  EXPECT_EQ(namespaces.output.find(name), std::string::npos) << namespaces.output;
+  EXPECT_FALSE(std::filesystem::exists("/run/fulgur-netns/" + name));
+  EXPECT_EQ(script({"down"}).exit_code, 0) << "down twice is a no-op";
+  EXPECT_EQ(script({"status"}).exit_code, 3);
+}
+
+}  // namespace
