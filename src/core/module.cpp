@@ -3,10 +3,8 @@
 #include <torch/torch.h>
 
 #include "fulgur/core/errors.h"
-#include "fulgur/strategies/parallel.h"
-#include "fulgur/trainer/trainer.h"
-#include "trainer/connectors/logger_connector.h"
-#include "trainer/trainer_link.h"
+#include "core/module_log_sink.h"
+#include "core/trainer_link.h"
 
 namespace fulgur {
 
@@ -73,7 +71,7 @@ OptimizerConfig Module::configure_optimizers() {
 namespace {
 
 // The sink of the running loop; none outside a Trainer run.
-detail::LogSink& attached_sink(detail::LogSink* sink, std::string_view name) {
+detail::ModuleLogSink& attached_sink(detail::ModuleLogSink* sink, std::string_view name) {
   if (sink == nullptr) {
     throw ConfigError(str("log(\"", name,
                           "\"): called outside a Trainer run. Log from "
@@ -105,23 +103,19 @@ void Module::save_hyperparameters(HParams hparams) {
   for (auto& [k, v] : hparams) hparams_.insert_or_assign(k, std::move(v));
 }
 
-Trainer& Module::trainer() const {
-  if (trainer_ == nullptr) {
+Trainer& Module::trainer() const { return link().trainer(); }
+
+detail::TrainerLink& Module::link() const {
+  if (link_ == nullptr) {
     throw ConfigError(str(name(),
                           ".trainer(): this Module is not attached to a Trainer. "
                           "trainer() is available inside fit/validate/test/predict."));
   }
-  return *trainer_;
-}
-
-detail::TrainerLink& Module::link() const {
-  trainer();  // throws, naming this module, when not attached
-  FULGUR_ASSERT(link_ != nullptr, "a Module attached to a Trainer without its link");
   return *link_;
 }
 
-int64_t Module::current_epoch() const { return trainer_ ? trainer_->current_epoch() : 0; }
-int64_t Module::global_step() const { return trainer_ ? trainer_->global_step() : 0; }
+int64_t Module::current_epoch() const { return link_ ? link_->current_epoch() : 0; }
+int64_t Module::global_step() const { return link_ ? link_->global_step() : 0; }
 
 const std::vector<std::shared_ptr<torch::optim::Optimizer>>& Module::optimizers() const {
   return link().configured_optimizers().optimizers;
@@ -132,16 +126,16 @@ const std::vector<SchedulerConfig>& Module::lr_schedulers() const {
 }
 
 std::shared_ptr<ProcessGroup> Module::process_group() const {
-  const Strategy& strategy = trainer().strategy();
-  const auto* parallel = dynamic_cast<const ParallelStrategy*>(&strategy);
-  if (parallel == nullptr) {
-    throw ConfigError(str(name(), ".process_group(): strategy \"", strategy.name(),
+  const detail::TrainerLink& run = link();
+  // DistributedError, naming the strategy, before the group exists.
+  std::shared_ptr<ProcessGroup> group = run.process_group();
+  if (group == nullptr) {
+    throw ConfigError(str(name(), ".process_group(): strategy \"", run.strategy_name(),
                           "\" runs one process and has no process group. Pass a parallel "
                           "strategy (e.g. strategy=\"ddp\" or \"manual\") for collectives of "
                           "the module's own."));
   }
-  parallel->process_group();  // throws, naming the strategy, before the group exists
-  return parallel->shared_process_group();
+  return group;
 }
 
 void Module::manual_backward(const at::Tensor& loss) { link().manual_backward(*this, loss); }

@@ -3,7 +3,7 @@
 #include <torch/torch.h>
 
 #include "fulgur/core/errors.h"
-#include "fulgur/strategies/process_group.h"
+#include "fulgur/distributed/process_group.h"
 
 namespace fulgur::nn {
 

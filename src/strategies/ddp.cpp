@@ -6,11 +6,10 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
+#include "fulgur/distributed/gradient_reducer.h"
+#include "fulgur/distributed/process_group.h"
 #include "fulgur/nn/sync_batch_norm.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
-#include "fulgur/strategies/gradient_reducer.h"
-#include "fulgur/strategies/process_group.h"
-#include "fulgur/trainer/trainer.h"
 
 namespace fulgur {
 
@@ -156,10 +155,6 @@ std::string DDPStrategy::describe_options(const DDPOptions& o) {
              ", bucket_cap_mb=", o.bucket_cap_mb,
              ", broadcast_buffers=", o.broadcast_buffers ? "true" : "false",
              describe_parallel_options(o.parallel));
-}
-
-void DDPStrategy::register_strategies(StrategyRegistry& registry) {
-  register_variants<DDPStrategy>(registry, "ddp", "Distributed data parallel");
 }
 
 }  // namespace fulgur

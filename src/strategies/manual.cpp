@@ -11,13 +11,4 @@ ManualStrategy::ManualStrategy(ManualOptions options, std::string name)
 
 void ManualStrategy::configure_launcher() { configure_launcher_for(StartMethod::kPopen); }
 
-void ManualStrategy::register_strategies(StrategyRegistry& registry) {
-  registry.add(
-      "manual",
-      "Parallelism in the Module: processes, ranks, process group and collectives "
-      "from fulgur; placement, wrapping and gradients by the Module; per-rank checkpoints",
-      [] { return std::make_unique<ManualStrategy>(); },
-      "start_method=popen" + describe_parallel_options(ManualOptions{}));
-}
-
 }  // namespace fulgur

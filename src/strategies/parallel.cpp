@@ -6,12 +6,12 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
+#include "fulgur/distributed/launchers/fork.h"
+#include "fulgur/distributed/launchers/subprocess_script.h"
+#include "fulgur/distributed/process_group.h"
 #include "fulgur/nn/sync_batch_norm.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
-#include "fulgur/strategies/launchers/fork.h"
-#include "fulgur/strategies/launchers/subprocess_script.h"
-#include "fulgur/strategies/process_group.h"
-#include "strategies/launchers/heartbeat.h"
+#include "distributed/launchers/heartbeat.h"
 
 namespace fulgur {
 
@@ -34,11 +34,22 @@ std::string describe_parallel_options(const ParallelOptions& o) {
 
 ParallelStrategy::~ParallelStrategy() = default;
 
-int ParallelStrategy::global_rank() const { return cluster_environment().global_rank(); }
-int ParallelStrategy::local_rank() const { return cluster_environment().local_rank(); }
+const LaunchedRank* ParallelStrategy::launched_rank() const {
+  return launcher() != nullptr ? launcher()->launched_rank() : nullptr;
+}
+
+int ParallelStrategy::global_rank() const {
+  if (const auto* launched = launched_rank()) return launched->global_rank;
+  return cluster_environment().global_rank();
+}
+int ParallelStrategy::local_rank() const {
+  if (const auto* launched = launched_rank()) return launched->local_rank;
+  return cluster_environment().local_rank();
+}
 int ParallelStrategy::node_rank() const { return cluster_environment().node_rank(); }
 
 int ParallelStrategy::world_size() const {
+  if (const auto* launched = launched_rank()) return launched->world_size;
   const auto& env = cluster_environment();
   if (env.creates_processes_externally() || env.world_size() > 1) return env.world_size();
   return static_cast<int>(std::max<size_t>(parallel_devices().size(), 1)) * num_nodes();
@@ -57,18 +68,32 @@ c10::Device ParallelStrategy::root_device() const {
   return devices[static_cast<size_t>(local)];
 }
 
-void ParallelStrategy::assign_rank(int local_rank, int global_rank, int world_size) {
-  auto& env = cluster_environment();
-  env.set_local_rank(local_rank);
-  env.set_global_rank(global_rank);
-  env.set_world_size(world_size);
+int ParallelStrategy::main_port() const {
+  if (launcher() != nullptr) {
+    if (auto port = launcher()->main_port()) return *port;
+  }
+  return cluster_environment().main_port();
 }
 
-int ParallelStrategy::main_port() const {
-  return main_port_ ? *main_port_ : cluster_environment().main_port();
+RankLayout ParallelStrategy::rank_layout() const {
+  return RankLayout{
+      .local_world_size = static_cast<int>(std::max<size_t>(parallel_devices().size(), 1)),
+      .num_nodes = num_nodes(),
+      .node_rank = node_rank(),
+      .main_address = cluster_environment().main_address(),
+      .main_port = main_port()};
 }
 
 void ParallelStrategy::do_setup_environment() {
+  // In a rank the launcher forked: the cluster environment says what the
+  // launcher assigned, to whoever reads it (the restart count, the ranks).
+  if (const auto* launched = launched_rank()) {
+    auto& env = cluster_environment();
+    env.set_local_rank(launched->local_rank);
+    env.set_global_rank(launched->global_rank);
+    env.set_world_size(launched->world_size);
+    env.set_restart_count(launched->restart_count);
+  }
   // A write to a peer that died must be an error this rank reports (EPIPE,
   // a failed collective), not a SIGPIPE that kills it first and gets it
   // named as the cause of the failure. Python ignores SIGPIPE at start-up,
@@ -185,10 +210,16 @@ void ParallelStrategy::configure_launcher_for(StartMethod start_method) {
   }
   Supervision supervision{parallel_.stop_grace, parallel_.process_group_timeout};
   if (start_method == StartMethod::kFork) {
-    set_launcher(std::make_unique<ForkLauncher>(*this, supervision));
+    set_launcher(std::make_unique<ForkLauncher>([this] { return rank_layout(); }, supervision));
   } else {
-    set_launcher(std::make_unique<SubprocessScriptLauncher>(*this, supervision));
+    set_launcher(
+        std::make_unique<SubprocessScriptLauncher>([this] { return rank_layout(); }, supervision));
   }
+}
+
+std::shared_ptr<ProcessGroup> ParallelStrategy::module_process_group() const {
+  process_group();  // throws, naming the strategy, before the group exists
+  return group_;
 }
 
 ProcessGroup& ParallelStrategy::process_group() const {

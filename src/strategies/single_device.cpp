@@ -17,9 +17,4 @@ at::Tensor SingleDeviceStrategy::all_gather(const at::Tensor& tensor) {
   return tensor.unsqueeze(0);
 }
 
-void SingleDeviceStrategy::register_strategies(StrategyRegistry& registry) {
-  registry.add("single_device", "One process on one device",
-               [] { return std::make_unique<SingleDeviceStrategy>(); });
-}
-
 }  // namespace fulgur

@@ -8,29 +8,15 @@
 #include "fulgur/accelerators/accelerator.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
+#include "fulgur/distributed/launchers/launcher.h"
 #include "fulgur/optim/lr_scheduler.h"
 #include "fulgur/plugins/environments/lightning.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/strategies/checkpoint_layout.h"
-#include "fulgur/strategies/launchers/launcher.h"
-#include "fulgur/strategies/ddp.h"
-#include "fulgur/strategies/fsdp.h"
-#include "fulgur/strategies/manual.h"
-#include "fulgur/strategies/single_device.h"
-#include "strategies/launchers/heartbeat.h"
+#include "distributed/launchers/heartbeat.h"
 
 namespace fulgur {
-
-const char* to_string(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum: return "sum";
-    case ReduceOp::Mean: return "mean";
-    case ReduceOp::Max: return "max";
-    case ReduceOp::Min: return "min";
-  }
-  return "?";
-}
 
 Strategy::Strategy() : checkpoint_layout_(std::make_shared<SingleFileCheckpoint>()) {}
 Strategy::~Strategy() = default;
@@ -367,18 +353,6 @@ std::string Strategy::describe() const {
              "num_nodes: ", num_nodes_, "\n", "parallel_devices: [", join(devices), "]\n",
              "world_size: ", world_size(), "\n", "global_rank: ", global_rank(), "\n",
              "root_device: ", root_device().str(), "\n");
-}
-
-StrategyRegistry& strategy_registry() {
-  static StrategyRegistry registry = [] {
-    StrategyRegistry r("strategy");
-    SingleDeviceStrategy::register_strategies(r);
-    DDPStrategy::register_strategies(r);
-    FSDPStrategy::register_strategies(r);
-    ManualStrategy::register_strategies(r);
-    return r;
-  }();
-  return registry;
 }
 
 }  // namespace fulgur

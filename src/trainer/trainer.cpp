@@ -13,9 +13,9 @@
 #include "fulgur/callbacks/progress_bar.h"
 #include "fulgur/callbacks/timer.h"
 #include "fulgur/core/errors.h"
+#include "fulgur/distributed/launchers/launcher.h"
 #include "fulgur/loggers/logger.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
-#include "fulgur/strategies/launchers/launcher.h"
 #include "fulgur/trainer/connectors/accelerator_connector.h"
 #include "fulgur/utilities/host_allocator.h"
 #include "fulgur/utilities/seed.h"
@@ -301,13 +301,10 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
                               std::function<std::string()> resume_point) {
   module = &m;
   stage = s;
-  m.trainer_ = &self;
-  m.link_ = this;
+  attach(m, this);
   auto detach = [&](bool completed) {
     signals.disarm();
-    m.trainer_ = nullptr;
-    m.link_ = nullptr;
-    m.log_sink_ = nullptr;
+    attach(m, nullptr);
     fit_loop.detach();
     strategy->teardown(completed);
   };

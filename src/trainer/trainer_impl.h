@@ -18,16 +18,16 @@
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/core/module.h"
 #include "fulgur/data/data_loader.h"
-#include "fulgur/strategies/launchers/launcher.h"
+#include "fulgur/distributed/launchers/launcher.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/connectors/resolution.h"
 #include "fulgur/trainer/trainer.h"
+#include "core/trainer_link.h"
 #include "trainer/connectors/checkpoint_connector.h"
 #include "trainer/connectors/logger_connector.h"
 #include "trainer/connectors/signal_connector.h"
 #include "trainer/loops/evaluation_loop.h"
 #include "trainer/loops/fit_loop.h"
-#include "trainer/trainer_link.h"
 
 namespace fulgur {
 
@@ -63,6 +63,13 @@ struct Trainer::Impl final : detail::TrainerLink {
                                  DataModule* data, const std::string& ckpt_path);
 
   // ---- TrainerLink: what the Module may ask.
+  Trainer& trainer() const override { return self; }
+  int64_t current_epoch() const override { return self.current_epoch(); }
+  int64_t global_step() const override { return self.global_step(); }
+  std::shared_ptr<ProcessGroup> process_group() const override {
+    return strategy->module_process_group();
+  }
+  std::string_view strategy_name() const override { return strategy->name(); }
   const OptimizerConfig& configured_optimizers() const override { return fit_loop.optimizers(); }
   void manual_backward(Module& m, const at::Tensor& loss) override {
     fit_loop.manual_backward(m, loss);
@@ -72,7 +79,9 @@ struct Trainer::Impl final : detail::TrainerLink {
   }
 
   /// Where the loops point the Module's log() (null: nowhere).
-  static void set_log_sink(Module& m, detail::LogSink* sink) { m.log_sink_ = sink; }
+  static void set_log_sink(Module& m, detail::LogSink* sink) {
+    detail::TrainerLink::set_log_sink(m, sink);
+  }
 
   /// Hook dispatch: the Module's hook first, then every callback's.
   template <class ModuleHook, class CallbackHook>

@@ -11,7 +11,7 @@
 
 #include <filesystem>
 
-#include "fulgur/strategies/process_group.h"
+#include "fulgur/distributed/process_group.h"
 #include "distributed/worker.h"
 #include "support/process.h"
 #include "support/test_support.h"

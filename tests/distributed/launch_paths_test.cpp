@@ -10,8 +10,8 @@
 #include <future>
 #include <sstream>
 
-#include "fulgur/strategies/process_group.h"
 #include "distributed/worker.h"
+#include "fulgur/distributed/process_group.h"
 #include "support/process.h"
 #include "support/test_support.h"
 

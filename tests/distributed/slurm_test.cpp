@@ -14,7 +14,7 @@
 #include <sstream>
 #include <thread>
 
-#include "fulgur/strategies/process_group.h"
+#include "fulgur/distributed/process_group.h"
 #include "support/process.h"
 #include "support/test_support.h"
 

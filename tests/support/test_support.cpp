@@ -14,7 +14,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "fulgur/strategies/process_group.h"
+#include "fulgur/distributed/process_group.h"
 #include "utilities/remove_tree.h"
 
 namespace fulgur::test {

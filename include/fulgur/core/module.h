@@ -42,7 +42,7 @@ namespace fulgur {
 class ProcessGroup;
 class Trainer;
 namespace detail {
-class LogSink;
+class ModuleLogSink;
 class TrainerLink;
 }  // namespace detail
 
@@ -191,7 +191,7 @@ class Module : public torch::nn::Module {
   // ---- Trainer state.
   /// The Trainer running this module; throws ConfigError when not attached.
   Trainer& trainer() const;
-  bool has_trainer() const { return trainer_ != nullptr; }
+  bool has_trainer() const { return link_ != nullptr; }
   int64_t current_epoch() const;
   int64_t global_step() const;
   /// The process group of this run's ranks, for collectives of the module's
@@ -202,14 +202,14 @@ class Module : public torch::nn::Module {
   std::shared_ptr<ProcessGroup> process_group() const;
 
  private:
-  friend class Trainer;
-  friend class detail::LogSink;
-  /// The Trainer's link; throws like trainer() when not attached.
+  /// The Trainer attaches and detaches a module through its link.
+  friend class detail::TrainerLink;
+  /// The Trainer's link; throws ConfigError naming this module when not
+  /// attached.
   detail::TrainerLink& link() const;
 
-  Trainer* trainer_ = nullptr;
-  detail::TrainerLink* link_ = nullptr;  // set with trainer_
-  detail::LogSink* log_sink_ = nullptr;
+  detail::TrainerLink* link_ = nullptr;
+  detail::ModuleLogSink* log_sink_ = nullptr;
   HParams hparams_;
   bool automatic_optimization_ = true;
 };

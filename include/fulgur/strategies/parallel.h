@@ -14,6 +14,7 @@
 #include <string>
 
 #include "fulgur/core/choice.h"
+#include "fulgur/distributed/launchers/launcher.h"
 #include "fulgur/strategies/strategy.h"
 
 namespace fulgur {
@@ -71,6 +72,8 @@ class ParallelStrategy : public Strategy {
   /// The group of all ranks; DistributedError before setup_environment().
   ProcessGroup& process_group() const;
   std::shared_ptr<ProcessGroup> shared_process_group() const { return group_; }
+  /// process_group(), shared.
+  std::shared_ptr<ProcessGroup> module_process_group() const override;
   /// Uses a group the program already created instead of rendezvousing at
   /// setup_environment(). Its rank and size must be this process's.
   void set_process_group(std::shared_ptr<ProcessGroup> group);
@@ -88,11 +91,8 @@ class ParallelStrategy : public Strategy {
     return parallel_.process_group_timeout;
   }
 
-  /// Called by a launcher in the process of one rank it created.
-  void assign_rank(int local_rank, int global_rank, int world_size);
-  /// The port a launcher chose for MASTER_PORT when none was set.
-  void set_main_port(int port) { main_port_ = port; }
-  /// MASTER_PORT: the launcher's choice, else the cluster environment's.
+  /// MASTER_PORT: the one the launcher gave the ranks it forked, else the
+  /// cluster environment's.
   int main_port() const;
 
   /// Through the rendezvous store (ProcessGroup::ranks_arrive).
@@ -119,9 +119,14 @@ class ParallelStrategy : public Strategy {
   void connect_sync_batchnorm(Module& module);
 
  private:
+  /// What the launcher says of this process when it forked it; null
+  /// otherwise (the ranks then come from the cluster environment).
+  const LaunchedRank* launched_rank() const;
+  /// What the launcher starts, read at each of its launches.
+  RankLayout rank_layout() const;
+
   std::shared_ptr<ProcessGroup> group_;
   ParallelOptions parallel_;
-  std::optional<int> main_port_;
 };
 
 }  // namespace fulgur

@@ -35,6 +35,7 @@
 
 #include "fulgur/core/registry.h"
 #include "fulgur/data/batch.h"
+#include "fulgur/distributed/types.h"
 #include "fulgur/plugins/precision/precision.h"
 
 namespace torch::optim {
@@ -53,11 +54,8 @@ class CheckpointLayout;
 class ClusterEnvironment;
 class Launcher;
 class Module;
+class ProcessGroup;
 struct OptimizerConfig;
-
-/// Reduction of a collective.
-enum class ReduceOp { Sum, Mean, Max, Min };
-const char* to_string(ReduceOp op);
 
 class Strategy {
  public:
@@ -189,6 +187,12 @@ class Strategy {
   /// Progress report to a supervising launcher (once per training batch),
   /// used to name a rank that hangs. No-op outside one of fulgur's launchers.
   void heartbeat(const char* what);
+
+  /// The group of this strategy's ranks, for collectives of the module's
+  /// own (Module::process_group()): null when it runs one process without
+  /// one (single_device). A parallel strategy throws DistributedError before
+  /// setup_environment() created it.
+  virtual std::shared_ptr<ProcessGroup> module_process_group() const { return nullptr; }
 
   // ---- Collectives. On one process they return their input.
   virtual void barrier(std::string_view name = {}) = 0;

@@ -11,7 +11,7 @@
 #include <cstdlib>
 
 #include "fulgur/core/errors.h"
-#include "fulgur/strategies/launchers/launcher.h"
+#include "fulgur/distributed/launchers/launcher.h"
 
 namespace fulgur {
 

@@ -15,6 +15,7 @@
 #include "fulgur/core/module.h"
 #include "fulgur/loggers/logger.h"
 #include "fulgur/trainer/trainer.h"
+#include "core/module_log_sink.h"
 
 namespace fulgur {
 
@@ -31,7 +32,7 @@ namespace detail {
 /// read when something needs it: a logger's row (every log_every_n_steps),
 /// callback_metrics() or progress_bar_metrics() (a callback, the progress
 /// bar's refresh), the epoch's end.
-class LogSink {
+class LogSink final : public ModuleLogSink {
  public:
   struct Entry {
     LogOptions options;
@@ -52,9 +53,9 @@ class LogSink {
     in_step_ = training_step;
     batch_size_ = batch_size;
   }
-  void log(std::string_view name, double value, const LogOptions& options);
+  void log(std::string_view name, double value, const LogOptions& options) override;
   /// `value` has one element; it is not read here.
-  void log(std::string_view name, const at::Tensor& value, const LogOptions& options);
+  void log(std::string_view name, const at::Tensor& value, const LogOptions& options) override;
 
   /// A value ready to publish, under its published name.
   struct Value {

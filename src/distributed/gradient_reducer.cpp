@@ -1,4 +1,4 @@
-#include "fulgur/strategies/gradient_reducer.h"
+#include "fulgur/distributed/gradient_reducer.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -10,7 +10,7 @@
 #include <optional>
 
 #include "fulgur/core/errors.h"
-#include "fulgur/strategies/process_group.h"
+#include "fulgur/distributed/process_group.h"
 
 namespace fulgur {
 

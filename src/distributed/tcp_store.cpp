@@ -1,4 +1,4 @@
-#include "strategies/tcp_store.h"
+#include "distributed/tcp_store.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

@@ -1,4 +1,4 @@
-#include "strategies/launchers/heartbeat.h"
+#include "distributed/launchers/heartbeat.h"
 
 #include <fcntl.h>
 #include <sys/resource.h>

@@ -1,11 +1,11 @@
-#include "fulgur/strategies/sharded_parameters.h"
+#include "fulgur/distributed/sharded_parameters.h"
 
 #include <torch/torch.h>
 
 #include <utility>
 
 #include "fulgur/core/errors.h"
-#include "fulgur/strategies/process_group.h"
+#include "fulgur/distributed/process_group.h"
 
 namespace fulgur {
 

@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "fulgur/core/errors.h"
-#include "fulgur/strategies/launchers/subprocess_script.h"
+#include "fulgur/distributed/launchers/subprocess_script.h"
 
 namespace fulgur::detail {
 

@@ -1,4 +1,4 @@
-#include "strategies/launchers/supervisor.h"
+#include "distributed/launchers/supervisor.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -16,10 +16,10 @@
 #include <iostream>
 #include <thread>
 
-#include "core/signals.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/utilities/seed.h"
-#include "strategies/launchers/heartbeat.h"
+#include "core/signals.h"
+#include "distributed/launchers/heartbeat.h"
 
 namespace fulgur::detail {
 

@@ -1,4 +1,4 @@
-#include "fulgur/strategies/process_group.h"
+#include "fulgur/distributed/process_group.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -21,11 +21,21 @@
 #include <tuple>
 
 #include "fulgur/core/errors.h"
-#include "strategies/launchers/heartbeat.h"
-#include "strategies/launchers/supervisor.h"
-#include "strategies/tcp_store.h"
+#include "distributed/launchers/heartbeat.h"
+#include "distributed/launchers/supervisor.h"
+#include "distributed/tcp_store.h"
 
 namespace fulgur {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Mean: return "mean";
+    case ReduceOp::Max: return "max";
+    case ReduceOp::Min: return "min";
+  }
+  return "?";
+}
 
 namespace {
 

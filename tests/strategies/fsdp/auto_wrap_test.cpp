@@ -4,7 +4,7 @@
 // hooks a strategy attaches see each wrapped layer's forward; the
 // Sequentials get their own entries back. Sharding on real ranks:
 // tests/distributed/fsdp_test.cpp.
-#include "strategies/fsdp_auto_wrap.h"
+#include "strategies/fsdp/auto_wrap.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

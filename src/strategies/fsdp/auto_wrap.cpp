@@ -1,4 +1,4 @@
-#include "strategies/fsdp_auto_wrap.h"
+#include "strategies/fsdp/auto_wrap.h"
 
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/conv.h>

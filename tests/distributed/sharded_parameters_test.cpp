@@ -4,7 +4,7 @@
 // rule included (a parameter some rank has no gradient for counts zeros
 // there; one no rank has a gradient for is skipped); uneven shards (sizes
 // not divisible by the world), and the errors.
-#include "fulgur/strategies/sharded_parameters.h"
+#include "fulgur/distributed/sharded_parameters.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

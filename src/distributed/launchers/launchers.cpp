@@ -18,12 +18,10 @@
 #include <thread>
 
 #include "fulgur/core/errors.h"
-#include "fulgur/plugins/environments/cluster_environment.h"
-#include "fulgur/strategies/launchers/fork.h"
-#include "fulgur/strategies/launchers/subprocess_script.h"
-#include "fulgur/strategies/parallel.h"
-#include "fulgur/strategies/process_group.h"
-#include "strategies/launchers/supervisor.h"
+#include "fulgur/distributed/launchers/fork.h"
+#include "fulgur/distributed/launchers/subprocess_script.h"
+#include "fulgur/distributed/process_group.h"
+#include "distributed/launchers/supervisor.h"
 
 namespace fulgur {
 
@@ -137,14 +135,14 @@ struct Plan {
   bool port_chosen = false;
 };
 
-Plan plan_for(ParallelStrategy& strategy) {
+Plan plan_for(const RankLayout& layout) {
   Plan p;
-  p.local_world_size = static_cast<int>(std::max<size_t>(strategy.parallel_devices().size(), 1));
-  p.num_nodes = strategy.num_nodes();
-  p.node_rank = strategy.node_rank();
+  p.local_world_size = layout.local_world_size;
+  p.num_nodes = layout.num_nodes;
+  p.node_rank = layout.node_rank;
   p.world_size = p.local_world_size * p.num_nodes;
-  p.main_address = strategy.cluster_environment().main_address();
-  p.main_port = strategy.main_port();
+  p.main_address = layout.main_address;
+  p.main_port = layout.main_port;
   // The connector checked the rest (one place): several nodes have
   // MASTER_ADDR, MASTER_PORT and NODE_RANK, and NODE_RANK is in range.
   if (p.main_port == 0) {
@@ -215,12 +213,12 @@ void supervise(Plan& plan, const Supervision& supervision, const Recovery& recov
 
 }  // namespace
 
-SubprocessScriptLauncher::SubprocessScriptLauncher(ParallelStrategy& strategy,
+SubprocessScriptLauncher::SubprocessScriptLauncher(std::function<RankLayout()> layout,
                                                    Supervision supervision)
-    : strategy_(strategy), supervision_(supervision) {}
+    : layout_(std::move(layout)), supervision_(supervision) {}
 
 std::optional<std::string> SubprocessScriptLauncher::launch(const std::function<std::string()>&) {
-  Plan plan = plan_for(strategy_);
+  Plan plan = plan_for(layout_());
   const std::vector<std::string> args = own_command_line();
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
@@ -251,14 +249,16 @@ std::optional<std::string> SubprocessScriptLauncher::launch(const std::function<
   std::exit(0);
 }
 
-ForkLauncher::ForkLauncher(ParallelStrategy& strategy, Supervision supervision)
-    : strategy_(strategy), supervision_(supervision) {}
+ForkLauncher::ForkLauncher(std::function<RankLayout()> layout, Supervision supervision)
+    : layout_(std::move(layout)), supervision_(supervision) {}
 
 std::optional<std::string> ForkLauncher::launch(const std::function<std::string()>& fn) {
-  Plan plan = plan_for(strategy_);
+  Plan plan = plan_for(layout_());
   ResultsFile results;
   supervise(plan, supervision_, recovery_, [&](detail::Supervisor& supervisor, int attempt) {
-    strategy_.set_main_port(plan.main_port);
+    // The forks inherit it; the owner's layout reads it back (a later
+    // launch() starts on the same port).
+    main_port_ = plan.main_port;
     results.clear();
     for (int local = 0; local < plan.local_world_size; ++local) {
       const int global = plan.node_rank * plan.local_world_size + local;
@@ -274,8 +274,11 @@ std::optional<std::string> ForkLauncher::launch(const std::function<std::string(
         for (const auto& [k, v] : rank_env(plan, local, attempt)) {
           ::setenv(k.c_str(), v.c_str(), 1);
         }
-        strategy_.assign_rank(local, global, plan.world_size);
-        strategy_.cluster_environment().set_restart_count(attempt);
+        // The owning strategy reads it (launched_rank()).
+        launched_rank_ = LaunchedRank{.local_rank = local,
+                                      .global_rank = global,
+                                      .world_size = plan.world_size,
+                                      .restart_count = attempt};
         int code = 0;
         try {
           std::string bytes = fn();

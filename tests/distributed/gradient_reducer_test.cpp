@@ -4,8 +4,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "fulgur/strategies/gradient_reducer.h"
-#include "fulgur/strategies/process_group.h"
+#include "fulgur/distributed/gradient_reducer.h"
+#include "fulgur/distributed/process_group.h"
 #include "support/test_support.h"
 
 namespace {

@@ -14,8 +14,8 @@
 #include <chrono>
 
 #include "fulgur/core/errors.h"
-#include "fulgur/strategies/process_group.h"
-#include "strategies/tcp_store.h"
+#include "fulgur/distributed/process_group.h"
+#include "distributed/tcp_store.h"
 #include "support/test_support.h"
 
 namespace {

@@ -1,0 +1,216 @@
+// File: fulgur/distributed/process_group.h
+//
+// A ProcessGroup is the set of ranks of one run and the collectives between
+// them, on top of LibTorch's c10d: a store rendezvous at the main
+// address:port, then ProcessGroupGloo (CPU tensors), ProcessGroupNCCL (CUDA
+// tensors; in LibTorch builds with NCCL) or ProcessGroupMPI (in builds with
+// MPI). Every collective is bounded by the group's timeout, and every
+// failure (a peer that died, a timeout, a bad address) is a DistributedError
+// naming the operation, this rank and what to check.
+//
+//   auto group = fulgur::ProcessGroup::connect({.main_address = "127.0.0.1",
+//                                               .main_port = 29500,
+//                                               .world_size = 2, .rank = r});
+//   group->all_reduce_(grad, fulgur::ReduceOp::Sum);
+//
+// Parallel strategies create one in setup_environment(); a Module reaches it
+// through Module::process_group() (see fulgur/strategies/parallel.h). The raw
+// c10d group is there for what fulgur does not wrap.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "fulgur/distributed/types.h"
+#include "fulgur/utilities/torch_compat.h"
+
+namespace c10d {
+class Work;
+}  // namespace c10d
+
+namespace fulgur {
+
+/// The c10d object the collectives run on (see compat::C10dGroup).
+using C10dGroup = compat::C10dGroup;
+
+struct ProcessGroupOptions {
+  /// Where rank 0 listens (MASTER_ADDR). Rank 0 must own this address.
+  std::string main_address = "127.0.0.1";
+  /// MASTER_PORT; must be set (launchers pick a free one when unset).
+  int main_port = 0;
+  int world_size = 1;
+  int rank = 0;
+  /// Non-empty: a store already listens at main_address:main_port (hosted
+  /// by torchrun's agent); every rank joins it as a client and keeps its
+  /// keys under this prefix. Empty: rank 0 hosts fulgur's own store.
+  std::string hosted_store_prefix = {};
+  /// Bounds the rendezvous and every collective.
+  std::chrono::milliseconds timeout = std::chrono::minutes(30);
+  /// "gloo" (CPU tensors), "nccl" (CUDA tensors), "mpi" (ranks from
+  /// mpirun; no store). A backend this build's LibTorch lacks is a clear
+  /// error (available_backends() lists the others).
+  std::string backend = "gloo";
+  /// This rank's device. nccl needs a CUDA device: CPU tensors passed to a
+  /// collective (a decision, a path's bytes) go through it and back.
+  c10::Device device = c10::Device(c10::kCPU);
+};
+
+/// Every backend name fulgur knows: "gloo", "nccl", "mpi".
+const std::vector<std::string>& known_process_group_backends();
+/// The backends this build's LibTorch has: "gloo", and "nccl" / "mpi"
+/// where it was built with them.
+std::vector<std::string> available_process_group_backends();
+/// Why `backend` cannot run a rank on `device` with this build (naming
+/// both and what to use instead); empty when it can.
+std::string process_group_backend_problem(const std::string& backend, c10::Device device);
+/// "nccl" for a CUDA device when available, else "gloo" (as PyTorch
+/// Lightning's DDP picks).
+std::string default_process_group_backend(c10::Device device);
+
+/// A started asynchronous collective.
+class PendingCollective {
+ public:
+  /// `what` names it in errors; `kind` ("all_reduce"), `seq` (the group's
+  /// call number) and `bytes` are what a supervising launcher is told this
+  /// rank waits in while wait() blocks.
+  PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what,
+                    const char* kind = "collective", int64_t seq = 0, int64_t bytes = 0);
+  ~PendingCollective();
+  PendingCollective(PendingCollective&&) noexcept;
+  PendingCollective& operator=(PendingCollective&&) noexcept;
+  /// Blocks until done; DistributedError on failure or timeout.
+  void wait();
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::string what_;
+  const char* kind_;
+  int64_t seq_;
+  int64_t bytes_;
+};
+
+class ProcessGroup;
+
+/// An all-gather or reduce-scatter under way (ProcessGroup's *_async), to
+/// overlap with computation: wait() finishes it (DistributedError as the
+/// blocking call's). A ring of more than two ranks moves its first step
+/// when started and the rest in wait(). One dropped without wait() (an
+/// error unwinding) keeps its tensors alive for the rest of the process, as
+/// the transfer may still write into them.
+class PendingExchange {
+ public:
+  PendingExchange();
+  ~PendingExchange();
+  PendingExchange(PendingExchange&&) noexcept;
+  PendingExchange& operator=(PendingExchange&&) noexcept;
+  void wait();
+  bool pending() const { return state_ != nullptr; }
+
+ private:
+  friend class ProcessGroup;
+  struct State;
+  explicit PendingExchange(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
+class ProcessGroup {
+ public:
+  /// Rendezvous with every rank and build the group. DistributedError when
+  /// the peers do not all arrive within the timeout, or the address cannot
+  /// be used, naming the address, port, rank and world size.
+  static std::shared_ptr<ProcessGroup> connect(const ProcessGroupOptions& options);
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const { return options_.rank; }
+  int size() const { return options_.world_size; }
+  const ProcessGroupOptions& options() const { return options_; }
+
+  void barrier();
+  /// `tensor` takes rank `src`'s values (in place).
+  void broadcast_(at::Tensor& tensor, int src = 0);
+  /// `value` takes rank `src`'s bytes; any length.
+  std::string broadcast_bytes(const std::string& value, int src = 0);
+  /// In place. Mean is a sum divided by the world size.
+  void all_reduce_(at::Tensor& tensor, ReduceOp op);
+  /// Starts a sum all-reduce of `tensor` in place; wait on the result.
+  PendingCollective all_reduce_sum_async_(at::Tensor& tensor);
+  /// Every rank's `tensor` (same shape everywhere), stacked on dimension 0.
+  at::Tensor all_gather(const at::Tensor& tensor);
+  /// Every rank's 1-D `shard` (the same length everywhere) written in rank
+  /// order into `out`, 1-D of size() times that length (no copy after).
+  void all_gather_into(at::Tensor& out, const at::Tensor& shard);
+  /// This rank's chunk of the sum over every rank of `input`: 1-D, its
+  /// length a multiple of size(), chunk r for rank r (a reduce-scatter, as
+  /// sharded data parallel reduces gradients).
+  at::Tensor reduce_scatter_sum(const at::Tensor& input);
+  /// The same in `input`'s own memory, which the exchange uses as its
+  /// scratch (it holds partial sums after): returns the view of chunk
+  /// rank() of `input`, which holds the sum.
+  at::Tensor reduce_scatter_sum_(at::Tensor& input);
+  /// all_gather_into and reduce_scatter_sum_, started: `out` (and, for the
+  /// reduce-scatter, chunk rank() of `input`) hold the result after wait().
+  /// Neither tensor may be touched until then.
+  PendingExchange all_gather_into_async(at::Tensor out, at::Tensor shard);
+  PendingExchange reduce_scatter_sum_async_(at::Tensor input);
+  //
+  // Under Gloo the all-gather and the reduce-scatter run as rings of
+  // sends and receives straight between the callers' tensors (size()-1
+  // steps of one chunk each: the bytes of a ring collective, and no copy;
+  // Debian 12's Gloo has no reduce-scatter, and its all-gather copies
+  // through buffers it allocates, 5x slower on 200 MB); other backends use
+  // their all-gather, and an all-to-all with a local sum.
+
+  /// Whether every rank calls this with the same `key` within `timeout`
+  /// (through the rendezvous store, not a collective: a rank stuck in a
+  /// collective elsewhere only makes it false, never blocks it). False
+  /// without a store (mpi). Each key is used once per group.
+  bool ranks_arrive(const std::string& key, std::chrono::milliseconds timeout);
+
+  /// The underlying c10d group (include the c10d headers to use it).
+  const c10::intrusive_ptr<C10dGroup>& c10d_group() const;
+
+ private:
+  struct Impl;
+  ProcessGroup(ProcessGroupOptions options, std::unique_ptr<Impl> impl);
+  /// Runs a blocking collective, turning a c10d failure into a
+  /// DistributedError that says which operation failed on which rank.
+  void run(const char* what, int64_t bytes,
+           const std::function<c10::intrusive_ptr<c10d::Work>()>& start);
+  /// `tensor` itself, or (nccl, CPU tensor) a copy on the group's device.
+  at::Tensor staged(const at::Tensor& tensor) const;
+  /// Whether all-gathers and reduce-scatters of `tensor` run as rings of
+  /// sends and receives (Gloo, more than one rank, host memory).
+  bool uses_rings(const at::Tensor& tensor) const;
+  friend class PendingExchange;
+  /// size()-1 ring steps, one call number: step(k) gives what this rank
+  /// sends to the next rank and the tensor the previous rank's arrives in;
+  /// received(k) runs once it has. The first step starts now.
+  PendingExchange start_ring(const char* what, int64_t bytes,
+                             std::function<std::pair<at::Tensor, at::Tensor>(int)> step,
+                             std::function<void(int)> received = {});
+  void post_ring_step(PendingExchange::State& ring);
+  void finish_ring(PendingExchange::State& ring);
+  void check_reduce_scatter_input(const at::Tensor& input) const;
+  void check_all_gather_into(const at::Tensor& out, const at::Tensor& shard) const;
+  static constexpr int kRingTag = 0x7269;
+
+  ProcessGroupOptions options_;
+  std::unique_ptr<Impl> impl_;
+  /// Collectives started so far: the next one's sequence number.
+  int64_t calls_ = 0;
+};
+
+/// A TCP port that was free on `address` a moment ago (bind to port 0).
+int find_free_port(const std::string& address = "127.0.0.1");
+
+}  // namespace fulgur

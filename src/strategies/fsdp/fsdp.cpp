@@ -1,0 +1,253 @@
+// The fsdp strategy (FSDPStrategy): its lifecycle, backward and optimizer
+// steps over the units (unit.cpp) and sharded parameters (parameters.cpp),
+// gradient clipping over every shard, and the module's state in
+// checkpoints. Optimizer state: optimizer_state.cpp. Its registered names:
+// strategies/builtin.cpp.
+#include "fulgur/strategies/fsdp.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <map>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/core/module.h"
+#include "fulgur/distributed/process_group.h"
+#include "fulgur/distributed/sharded_parameters.h"
+#include "fulgur/strategies/checkpoint_layout.h"
+#include "strategies/fsdp/auto_wrap.h"
+#include "strategies/fsdp/unit.h"
+
+namespace fulgur {
+
+FSDPStrategy::FSDPStrategy(FSDPOptions options, std::string name)
+    : ParallelStrategy(options.parallel, "FSDPStrategy"),
+      options_(std::move(options)),
+      name_(std::move(name)) {
+  check_start_method(options_.start_method, "FSDPStrategy");
+  if (options_.auto_wrap_min_params < 0) {
+    throw ConfigError(str("FSDPStrategy: auto_wrap_min_params=", options_.auto_wrap_min_params,
+                          " is negative: pass the number of parameters from which a layer of "
+                          "a torch::nn::Sequential becomes a unit, or 0 to turn auto-wrap off."));
+  }
+  if (!options_.state_dict_type.is_valid()) {
+    throw ConfigError(str("FSDPStrategy: state_dict_type=\"", options_.state_dict_type.text(),
+                          "\" is not one of \"sharded\" (each rank writes its shard) or \"full\" "
+                          "(rank 0 writes one file that loads on any world size)."));
+  }
+  if (!options_.sharding_strategy.is_valid()) {
+    throw ConfigError(str("FSDPStrategy: sharding_strategy=\"", options_.sharding_strategy.text(),
+                          "\" is not one of \"FULL_SHARD\" (strategy \"fsdp\") or "
+                          "\"SHARD_GRAD_OP\" (strategy \"fsdp_shard_grad_op\")."));
+  }
+  // Each rank's optimizer state is its own shard; a full state dict is one
+  // file, rank 0's.
+  if (options_.state_dict_type.value() == StateDictType::kSharded) {
+    set_checkpoint_layout(std::make_shared<ShardedCheckpoint>());
+  }
+}
+
+FSDPStrategy::~FSDPStrategy() = default;
+
+void FSDPStrategy::configure_launcher() { configure_launcher_for(options_.start_method.value()); }
+
+void FSDPStrategy::do_setup(Module& module) {
+  module.to(root_device());
+  if (sync_batchnorm()) connect_sync_batchnorm(module);
+  // Every rank starts from rank 0's parameters and buffers.
+  broadcast_parameters_from_rank_zero(module);
+  torch::NoGradGuard no_grad;
+  for (auto& b : module.buffers()) {
+    if (b.defined() && b.numel() > 0) process_group().broadcast_(b, 0);
+  }
+}
+
+void FSDPStrategy::do_teardown() {
+  // The module leaves fit whole, as it came (after a failed stage the peers
+  // may be gone: no gather, and a released parameter stays unreadable).
+  if (stage_completed()) gather_units();
+  detach_units();
+  whole_.clear();
+  sharded_.clear();
+  ParallelStrategy::do_teardown();
+}
+
+bool FSDPStrategy::backward_is_collective() const { return !units_.empty() || sync_batchnorm(); }
+
+void FSDPStrategy::agree_on_backward(bool has_loss) {
+  // Under FULL_SHARD the backward itself runs collectives (each unit's
+  // gather and reduce-scatter), as SyncBatchNorm's does: a rank without a
+  // loss cannot join its peers' backward. Every rank learns how many have
+  // one, so a mixed step is the same error everywhere instead of a hang.
+  at::Tensor count = torch::full({1}, has_loss ? 1 : 0, torch::kLong);
+  process_group().all_reduce_(count, ReduceOp::Sum);
+  const int64_t with_loss = count.item<int64_t>();
+  if (with_loss == 0 || with_loss == world_size()) return;
+  const bool units = !units_.empty();
+  const char* why = !units ? "SyncBatchNorm reduces across ranks in backward"
+                    : full_shard()
+                        ? "Each unit's gather and reduce-scatter in backward is a collective"
+                        : "Each unit's reduce-scatter in backward (prefetch) is a collective";
+  const char* instead = !units         ? "turn sync_batchnorm off."
+                        : full_shard() ? "use strategy \"fsdp_shard_grad_op\"."
+                                       : "turn prefetch off.";
+  throw ConfigError(str("strategy \"", name(),
+                        !units         ? "\" with sync_batchnorm=true"
+                        : full_shard() ? "\" (FULL_SHARD)"
+                                       : "\" with prefetch",
+                        ": training_step returned no loss on ", world_size() - with_loss, " of ",
+                        world_size(), " ranks (this rank: ", has_loss ? "a loss" : "none",
+                        ") at a step the optimizers take. ", why,
+                        ", so every rank runs the backward of every step, or none does: return a "
+                        "loss on every rank (e.g. 0 * output.sum() for a batch to ignore), or ",
+                        instead));
+}
+
+void FSDPStrategy::backward(const at::Tensor& loss, Module& module) {
+  if (backward_is_collective() && sync_) agree_on_backward(true);
+  for (auto& unit : units_) unit->start_backward();
+  ParallelStrategy::backward(loss, module);
+  finish_reductions();
+  last_forward_order_ = std::move(forward_order_);
+  forward_order_.clear();
+  // A unit whose parameters did not all get a gradient is still whole.
+  release_units();
+  if (sync_) reduce_gradients();
+}
+
+bool FSDPStrategy::backward_skipped(Module& /*module*/, bool accumulated) {
+  forward_order_.clear();  // no backward: nothing to learn the order from
+  if (!sync_) return accumulated;
+  if (backward_is_collective()) agree_on_backward(false);
+  for (auto& unit : units_) unit->start_backward();  // no unit reduced in this step yet
+  // The peers reduce-scatter now: join them with what this rank has
+  // accumulated (or nothing). The step is taken when any rank has a
+  // gradient, from the all-reduced flags, so every rank comes to the same
+  // answer (not whether a shard's gradient is defined: zero_grad may leave
+  // zeros there, and a step on them would move momentum where one process
+  // would not step at all).
+  return reduce_gradients(/*contributes=*/accumulated);
+}
+
+bool FSDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer, Module& module) {
+  const bool stepped = ParallelStrategy::optimizer_step(optimizer, module);
+  // The parameters outside every unit are whole again; a unit's stay
+  // sharded until its next forward (one still whole, never used since its
+  // last gather, is stale now: released).
+  release_units();
+  if (ShardedParameters* sharded = sharded_for(optimizer)) {
+    sharded->all_gather_parameters(whole_.at(sharded));
+    note_held_parameters();
+  }
+  return stepped;
+}
+
+void FSDPStrategy::clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm) {
+  // The 2-norm over every rank's shards: the sum of squares, all-reduced
+  // (padding holds zeros). As torch::nn::utils::clip_grad_norm_ then does.
+  // Summed on the gradients' device, read once (not once per parameter).
+  at::Tensor total = torch::zeros({1}, torch::kDouble);
+  for (const auto& p : parameters) {
+    if (!p.grad().defined()) continue;
+    if (total.device() != p.grad().device()) total = total.to(p.grad().device());
+    total += p.grad().detach().to(torch::kDouble).pow(2).sum();
+  }
+  total = total.cpu();
+  process_group().all_reduce_(total, ReduceOp::Sum);
+  const double norm = std::sqrt(total.item<double>());
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef >= 1.0) return;
+  torch::NoGradGuard no_grad;
+  for (const auto& p : parameters) {
+    if (p.grad().defined()) p.grad().mul_(coef);
+  }
+}
+
+namespace {
+
+// nn::Module::save's layout, with `copies` in place of the parameters they
+// name; a submodule without any goes through its own save().
+bool holds_any(const torch::nn::Module& module,
+               const std::map<const c10::TensorImpl*, at::Tensor>& copies) {
+  for (const auto& p : module.parameters()) {
+    if (copies.count(p.unsafeGetTensorImpl()) != 0) return true;
+  }
+  return false;
+}
+
+void save_with_copies(const torch::nn::Module& module, torch::serialize::OutputArchive& archive,
+                      const std::map<const c10::TensorImpl*, at::Tensor>& copies) {
+  if (!holds_any(module, copies)) {
+    module.save(archive);
+    return;
+  }
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
+    auto it = copies.find(p.value().unsafeGetTensorImpl());
+    archive.write(p.key(), it != copies.end() ? it->second : p.value());
+  }
+  for (const auto& b : module.named_buffers(/*recurse=*/false)) {
+    archive.write(b.key(), b.value(), /*is_buffer=*/true);
+  }
+  for (const auto& child : module.named_children()) {
+    if (!child.value()->is_serializable()) continue;
+    torch::serialize::OutputArchive nested(archive.compilation_unit());
+    save_with_copies(*child.value(), nested, copies);
+    archive.write(child.key(), nested);
+  }
+}
+
+}  // namespace
+
+void FSDPStrategy::save_module_state(Module& module, torch::serialize::OutputArchive& archive) {
+  if (units_.empty() || !full_shard()) {
+    ParallelStrategy::save_module_state(module, archive);
+    return;
+  }
+  // The archive keeps the tensors it is given until it is written, and a
+  // unit's parameters are freed again: it gets copies, one unit gathered
+  // at a time.
+  std::map<const c10::TensorImpl*, at::Tensor> copies;
+  torch::NoGradGuard no_grad;
+  for (auto& unit : units_) {
+    unit->gather();
+    for (const auto& [sharded, indices] : unit->members) {
+      for (size_t i : indices) {
+        const at::Tensor& p = sharded->parameters()[i];
+        copies[p.unsafeGetTensorImpl()] = p.detach().clone().requires_grad_(p.requires_grad());
+      }
+    }
+    unit->release();
+  }
+  save_with_copies(module, archive, copies);
+}
+
+void FSDPStrategy::load_module_state(Module& module, torch::serialize::InputArchive& archive) {
+  // Every parameter whole to take the checkpoint's values; the shards are
+  // then taken from them, and the units stay whole until their next
+  // forward (resuming happens at fit start, where they are whole anyway).
+  gather_units();
+  ParallelStrategy::load_module_state(module, archive);
+  for (auto& entry : sharded_) entry.second->take_from_parameters();
+}
+
+bool FSDPStrategy::full_shard() const {
+  return options_.sharding_strategy.value() == ShardingStrategy::kFullShard;
+}
+
+bool FSDPStrategy::forward_is_collective() const {
+  return options_.sharding_strategy.value() == ShardingStrategy::kFullShard;
+}
+
+void FSDPStrategy::with_full_parameters(Module& /*module*/, const std::function<void()>& body) {
+  gather_units();
+  note_held_parameters();
+  try {
+    body();
+  } catch (...) {
+    release_units();
+    throw;
+  }
+  release_units();
+}
+
+}  // namespace fulgur
