@@ -19,20 +19,16 @@ std::vector<const c10::TensorImpl*> identity(const Batch& batch) {
 }
 }  // namespace
 
-bool prefetch_to_device_enabled(std::optional<bool> option, c10::Device device) {
-  return option.value_or(device.is_cuda());
-}
-
-void DeviceFeed::reset(const Strategy& strategy, bool enabled) {
+void DeviceFeed::reset(const Strategy& strategy, std::optional<bool> prefetch_to_device) {
   in_flight_.clear();
   strategy_ = &strategy;
-  enabled_ = enabled;
   const c10::Device device = strategy.root_device();
+  enabled_ = prefetch_to_device.value_or(device.is_cuda());
   if (device != device_) side_.reset();
   device_ = device;
   // Streams through the device-guard interface that CUDA builds register:
   // no CUDA header here, and CPU-only builds compile the same code.
-  streams_ = enabled && device.is_cuda();
+  streams_ = enabled_ && device.is_cuda();
 }
 
 void DeviceFeed::put(const Batch& host) {

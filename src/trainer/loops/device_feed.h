@@ -34,8 +34,10 @@ namespace fulgur::detail {
 
 class DeviceFeed {
  public:
-  /// A feed for `strategy`'s root device, prefetching when `enabled`.
-  void reset(const Strategy& strategy, bool enabled);
+  /// A feed for `strategy`'s root device, prefetching as the Trainer option
+  /// prefetch_to_device says (unset: only where the device has streams to
+  /// overlap the copy with, i.e. CUDA). Drops the batches put and not taken.
+  void reset(const Strategy& strategy, std::optional<bool> prefetch_to_device);
   bool enabled() const { return enabled_; }
 
   /// Starts moving `host`, the batch after those already put, to the device.
@@ -43,8 +45,6 @@ class DeviceFeed {
   /// `host` on the device, ready for the current stream. With batches put,
   /// `host` must be the first of them (the feed checks that it is).
   Batch take(const Batch& host);
-  /// Batches put and not taken (they are dropped by the next reset or clear).
-  size_t pending() const { return in_flight_.size(); }
   /// Drops the batches put and not taken.
   void clear() { in_flight_.clear(); }
 
@@ -62,9 +62,5 @@ class DeviceFeed {
   std::optional<c10::Stream> side_;
   std::deque<InFlight> in_flight_;
 };
-
-/// Whether the loops prefetch to `device` for the option's value (unset:
-/// only where the device has streams to overlap the copy with, i.e. CUDA).
-bool prefetch_to_device_enabled(std::optional<bool> option, c10::Device device);
 
 }  // namespace fulgur::detail

@@ -28,7 +28,7 @@ template <class Fn>
 void for_each_batch(Strategy& strategy, std::optional<bool> prefetch, DataLoader& loader,
                     std::optional<int64_t> limit, Fn fn) {
   DeviceFeed feed;
-  feed.reset(strategy, prefetch_to_device_enabled(prefetch, strategy.root_device()));
+  feed.reset(strategy, prefetch);
   loader.start_epoch(0);
   std::optional<Batch> batch;
   if (!limit || *limit > 0) batch = loader.next();
@@ -62,26 +62,27 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   } else {
     m.on_validation_epoch_start();
   }
-  for_each_batch(
-      *trainer_.strategy, trainer_.options.prefetch_to_device, loader, limit, [&](const Batch& batch, Batch& on_device, int64_t idx) {
-        trainer_.logging.eval_sink().set_context(/*training_step=*/false, on_device.batch_size());
-        {
-          auto scope = trainer_.strategy->step_scope();
-          if (is_test) {
-            m.test_step(on_device, idx);
-          } else {
-            m.validation_step(on_device, idx);
-          }
-        }
-        trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
-        for (auto& cb : trainer_.callbacks) {
-          if (is_test) {
-            cb->on_test_batch_end(trainer_.self, m, batch, idx);
-          } else {
-            cb->on_validation_batch_end(trainer_.self, m, batch, idx);
-          }
-        }
-      });
+  for_each_batch(*trainer_.strategy, trainer_.options.prefetch_to_device, loader, limit,
+                 [&](const Batch& batch, Batch& on_device, int64_t idx) {
+                   trainer_.logging.eval_sink().set_context(/*training_step=*/false,
+                                                            on_device.batch_size());
+                   {
+                     auto scope = trainer_.strategy->step_scope();
+                     if (is_test) {
+                       m.test_step(on_device, idx);
+                     } else {
+                       m.validation_step(on_device, idx);
+                     }
+                   }
+                   trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
+                   for (auto& cb : trainer_.callbacks) {
+                     if (is_test) {
+                       cb->on_test_batch_end(trainer_.self, m, batch, idx);
+                     } else {
+                       cb->on_validation_batch_end(trainer_.self, m, batch, idx);
+                     }
+                   }
+                 });
   if (is_test) {
     m.on_test_epoch_end();
   } else {

@@ -155,8 +155,7 @@ void FitLoop::train_epoch() {
   // it, one batch ahead of the step that takes it. The loader is then one
   // batch ahead of the loop, as it is without a known length (the look-ahead
   // for the last batch); a checkpoint records the loop's position.
-  feed_.reset(*trainer_.strategy, prefetch_to_device_enabled(trainer_.options.prefetch_to_device,
-                                                             trainer_.strategy->root_device()));
+  feed_.reset(*trainer_.strategy, trainer_.options.prefetch_to_device);
   int64_t idx = start;
   std::optional<Batch> batch;
   if (limit < 0 || idx < limit) batch = loader.next();
