@@ -310,6 +310,15 @@ TEST(NetnsCluster, DownLeavesNothingAndBadInputIsNamed) {
   EXPECT_EQ(up.exit_code, 2);
   EXPECT_NE(up.output.find("rate \"fast\": give a tc rate such as 1gbit"), std::string::npos)
       << up.output;
+  // SLURM on the nodes of a cluster that is not up: named, nothing started.
+  TempDir slurm_dir;
+  auto slurm = run_process(
+      {"bash", FULGUR_SLURM_CLUSTER, "start", "--nodes", "2", "--netns"},
+      {{"FULGUR_NETNS_NAME", name}, {"FULGUR_SLURM_DIR", slurm_dir.path() + "/s"}}, 60s);
+  EXPECT_EQ(slurm.exit_code, 2) << slurm.output;
+  EXPECT_NE(slurm.output.find("--netns: no netns cluster \"" + name + "\" with 2 node(s) is up"),
+            std::string::npos)
+      << slurm.output;
   auto no_cluster = script({"exec", "0", "true"});
   EXPECT_EQ(no_cluster.exit_code, 2);
   EXPECT_NE(no_cluster.output.find("no cluster \"" + name + "\" is up"), std::string::npos)
