@@ -122,6 +122,10 @@ in_root() {
   setpriv --pdeathsig KILL -- \
     unshare --mount --pid --fork --kill-child --propagation private -- bash -euc '
     r="$1"; binds="$2"; shift 2
+    # The root a mount point of its own: inside, "/" is then a mount whose
+    # propagation can change, as ip -n/ip netns exec and unshare --mount change
+    # it (on a plain directory that fails with EINVAL).
+    mount --bind "$r" "$r"
     mount -t proc proc "$r/proc"
     mount --rbind /dev "$r/dev"
     mount -t tmpfs -o size=50% tmpfs "$r/dev/shm"

@@ -22,7 +22,6 @@
 
 #include "fulgur/core/errors.h"
 #include "distributed/launchers/heartbeat.h"
-#include "distributed/launchers/supervisor.h"
 #include "distributed/tcp_store.h"
 
 namespace fulgur {
@@ -178,7 +177,11 @@ void PendingCollective::wait() {
   try {
     work->wait();
   } catch (const std::exception& e) {
-    throw DistributedError(str(what_, " failed: ", e.what(), "\n", detail::kPeerFailedHint));
+    std::string message = str(what_, " failed: ", e.what());
+    // The launcher learns from the record that this rank is a victim.
+    const detail::CollectiveCall call{kind_, seq_, bytes_};
+    detail::report_failure(/*peer_lost=*/true, &call, message);
+    throw DistributedError(str(message, "\n", detail::kPeerFailedHint));
   }
 }
 
@@ -486,10 +489,13 @@ void ProcessGroup::post_ring_step(PendingExchange::State& ring) {
   } catch (const std::exception& e) {
     // A peer that is gone by now shows here (its connection closed) or in
     // the wait: the same names either way.
-    throw DistributedError(str(ring.what, " #", ring.seq, " (ring step ", ring.next_step + 1,
-                               " of ", size() - 1, ") on rank ", rank(), " of ", size(),
-                               ", sending to rank ", next, " and receiving from rank ", previous,
-                               ", failed to start: ", e.what(), "\n", detail::kPeerFailedHint));
+    std::string message = str(ring.what, " #", ring.seq, " (ring step ", ring.next_step + 1,
+                              " of ", size() - 1, ") on rank ", rank(), " of ", size(),
+                              ", sending to rank ", next, " and receiving from rank ", previous,
+                              ", failed to start: ", e.what());
+    const detail::CollectiveCall call{ring.what, ring.seq, ring.bytes};
+    detail::report_failure(/*peer_lost=*/true, &call, message);
+    throw DistributedError(str(message, "\n", detail::kPeerFailedHint));
   }
   ++ring.next_step;
 }

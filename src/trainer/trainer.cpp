@@ -19,6 +19,7 @@
 #include "fulgur/trainer/connectors/accelerator_connector.h"
 #include "fulgur/utilities/host_allocator.h"
 #include "fulgur/utilities/seed.h"
+#include "distributed/launchers/heartbeat.h"
 #include "trainer/loop_flags.h"
 #include "trainer/trainer_impl.h"
 
@@ -313,14 +314,21 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
     // comes here itself.
     tune_host_allocator();
     auto run = [&] {
-      strategy->setup_environment();
       try {
-        body();
-      } catch (...) {
-        // What fit logged so far reaches the files, marked as failed.
-        if (s == Stage::Fit && strategy->is_global_zero()) {
-          logging.finalize_quietly(RunStatus::Failed);
+        strategy->setup_environment();
+        try {
+          body();
+        } catch (...) {
+          // What fit logged so far reaches the files, marked as failed.
+          if (s == Stage::Fit && strategy->is_global_zero()) {
+            logging.finalize_quietly(RunStatus::Failed);
+          }
+          throw;
         }
+      } catch (const std::exception& e) {
+        // A launched rank tells its launcher how it failed (unless a
+        // collective already said that a peer was lost).
+        detail::report_failure(/*peer_lost=*/false, nullptr, e.what());
         throw;
       }
     };

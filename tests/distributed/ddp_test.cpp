@@ -418,6 +418,26 @@ TEST(DDPFaults, ARankThatFailsOnItsOwnIsNamedNotAPeerBehindIt) {
   EXPECT_EQ(r.output.find("hung"), std::string::npos) << r.output;
 }
 
+TEST(DDPFaults, TheCauseComesFromFailureRecordsNotFromWhatARankPrinted) {
+  // Rank 1 fails on its own with an error whose text reads like a lost
+  // peer's; rank 0 sleeps, behind it. The launcher knows from rank 1's
+  // failure record that it failed on its own: rank 1 is the cause, and rank
+  // 0 (behind, not hung) is not blamed.
+  TempDir dir;
+  const std::string looks_like_a_victim =
+      ". A peer rank probably died or stopped responding (see the launcher's message about it), "
+      "or the process_group_timeout passed.";
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "100", "--fail-rank", "1",
+                       "--fail-text", looks_like_a_victim, "--slow-rank", "0", "--slow-seconds",
+                       "6", "--fault-step", "3", "--timeout", "30", "--root", dir.path()},
+                      {}, 90s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("launcher: rank 1 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("exited with code 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 1 fails on its own now"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("hung"), std::string::npos) << r.output;
+}
+
 TEST(DDPFaults, ARankThatIgnoresSigtermIsKilledAfterTheGracePeriod) {
   // Rank 0 dies while rank 1 sleeps 60 s outside any collective, ignoring
   // SIGTERM: the launcher's SIGKILL after the 5 s grace ends it.

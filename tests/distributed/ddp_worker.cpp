@@ -89,6 +89,8 @@ struct Args {
   // A rank that throws from training_step at batch fault_step (it fails on
   // its own, outside any collective).
   int fail_rank = -1;
+  // Appended to its error's text (e.g. words a collective's error uses).
+  std::string fail_text;
   bool fail_all = false;             // every rank fails at --fault-step
   double on_exception_timeout = -1;  // >= 0: an OnExceptionCheckpoint with this peer_timeout (s)
   // A rank that sleeps slow_seconds in on_train_batch_end of the batch
@@ -298,7 +300,8 @@ struct Classifier : fulgur::Module {
       ::kill(::getppid(), args.launcher_signal);
     }
     if ((rank == args.fail_rank || args.fail_all) && batch_idx == args.fault_step) {
-      throw std::runtime_error("rank " + std::to_string(rank) + " fails on its own now");
+      throw std::runtime_error("rank " + std::to_string(rank) + " fails on its own now" +
+                               args.fail_text);
     }
     if (seen.defined()) seen.add_(rank + 1);
     if (rank == args.stop_rank && batch_idx == args.fault_step && args.stop_in == "step") {
@@ -536,6 +539,7 @@ int main(int argc, char** argv) {
   app.add_option("--stop-in", a.stop_in)->check(CLI::IsMember({"step", "batch-end", "validation"}));
   app.add_option("--val-every", a.val_every);
   app.add_option("--fail-rank", a.fail_rank);
+  app.add_option("--fail-text", a.fail_text);
   app.add_flag("--fail-all", a.fail_all);
   app.add_option("--on-exception-checkpoint", a.on_exception_timeout);
   app.add_option("--slow-rank", a.slow_rank);

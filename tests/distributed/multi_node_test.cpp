@@ -216,14 +216,19 @@ TEST_F(AcrossNamespaces, TorchrunC10dRendezvousTwoNodesOfTwoRanksMatchOneProcess
 }
 
 // mpirun on node 0 starts its daemon on node 1 through the cluster's remote
-// shell (Open MPI's plm_rsh_agent, as ssh on a cluster), two ranks per node.
+// shell (Open MPI's plm_rsh_agent, as ssh on a cluster), two ranks per node:
+// placed by --map-by ppr:2:node, which Open MPI 4 (Debian 12) and 5 (Debian
+// 13, PRRTE) both honour (with --oversubscribe, 5 put all four on node 0).
 TEST_F(AcrossNamespaces, MpirunTwoNodesOfTwoRanksMatchOneProcess) {
   ASSERT_TRUE(on_path("mpirun")) << "mpirun is missing: scripts/install-deps.sh installs "
                                     "openmpi-bin, which provides it.";
   auto mpirun = [&](std::vector<std::string> program) {
     std::vector<std::string> args = {"mpirun",
                                      "--allow-run-as-root",
-                                     "--oversubscribe",
+                                     "--map-by",
+                                     "ppr:2:node",
+                                     "--bind-to",
+                                     "none",
                                      "--mca",
                                      "plm_rsh_agent",
                                      std::string(FULGUR_NETNS_CLUSTER) + " rsh",

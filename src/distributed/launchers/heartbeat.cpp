@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 
 namespace fulgur::detail {
@@ -166,6 +167,55 @@ std::string describe(const CollectiveCall& call) {
     std::snprintf(size, sizeof size, "%lld B", static_cast<long long>(call.bytes));
   }
   return std::string(call.kind) + " #" + std::to_string(call.seq) + " (" + size + ")";
+}
+
+std::string encode(const FailureRecord& record) {
+  // One line: the error's line breaks become " / "; the collective (its
+  // description has spaces) runs up to " what=".
+  std::string what = record.what;
+  for (size_t at; (at = what.find('\n')) != std::string::npos;) what.replace(at, 1, " / ");
+  return "failure peer=" + std::string(record.peer_lost ? "1" : "0") +
+         " at=" + std::to_string(record.at_ms) +
+         " coll=" + (record.collective.empty() ? std::string("-") : record.collective) +
+         " what=" + what;
+}
+
+std::optional<FailureRecord> decode_failure(const std::string& line) {
+  static constexpr const char* kLead = "failure peer=";
+  if (line.rfind(kLead, 0) != 0) return std::nullopt;
+  FailureRecord record;
+  long long at = 0;
+  int peer = 0, used = 0;
+  if (std::sscanf(line.c_str(), "failure peer=%d at=%lld coll=%n", &peer, &at, &used) != 2 ||
+      used == 0) {
+    return std::nullopt;
+  }
+  const auto what = line.find(" what=", static_cast<size_t>(used));
+  if (what == std::string::npos) return std::nullopt;
+  record.peer_lost = peer != 0;
+  record.at_ms = at;
+  record.collective = line.substr(static_cast<size_t>(used), what - static_cast<size_t>(used));
+  if (record.collective == "-") record.collective.clear();
+  record.what = line.substr(what + 6);
+  return record;
+}
+
+void report_failure(bool peer_lost, const CollectiveCall* call, const std::string& what) {
+  static pid_t reported_in = -1;
+  const int fd = heartbeat_fd();
+  const pid_t pid = ::getpid();
+  if (fd < 0 || reported_in == pid) return;
+  reported_in = pid;
+  FailureRecord record;
+  record.peer_lost = peer_lost;
+  if (call != nullptr) record.collective = describe(*call);
+  record.at_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                     std::chrono::system_clock::now().time_since_epoch())
+                     .count();
+  // Its first line, at most 1000 bytes: the pipe takes it in one write.
+  record.what = what.substr(0, std::min<size_t>(what.find('\n'), 1000));
+  const std::string line = encode(record) + "\n";
+  write_all(fd, line.data(), line.size());
 }
 
 }  // namespace fulgur::detail

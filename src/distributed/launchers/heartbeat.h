@@ -12,11 +12,15 @@
 //    thread's scheduler state) tell a rank that is working from one that
 //    waits on nothing; `coll` names the collective it is inside ("-": none).
 //
+//  - one failure record: "failure peer=<0|1> at=<ms> coll=<call> what=<text>",
+//    when the process fails (report_failure below).
+//
 // Everything here is a no-op in a process no launcher of fulgur's started.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace fulgur::detail {
@@ -56,5 +60,39 @@ class InCollective {
 
 /// "all_reduce #57 (4.0 KiB)": for messages.
 std::string describe(const CollectiveCall& call);
+
+/// Ends the message of a collective that failed because a peer left (a
+/// closed connection, a timeout), for the user who reads it. (The launcher
+/// learns it from the failure record, not from this text.)
+inline constexpr const char* kPeerFailedHint =
+    "A peer rank probably died or stopped responding (see the launcher's message about it), or "
+    "the process_group_timeout passed.";
+
+/// How a rank failed, as it tells its supervisor (a third kind of line,
+/// "failure ...", sent once, when the failure is seen): the supervisor names
+/// the rank that failed first on its own from these records, never by
+/// searching what the ranks printed.
+struct FailureRecord {
+  /// A collective failed because a peer left or stopped answering (a closed
+  /// connection, a timeout): this rank is a victim, not the cause.
+  bool peer_lost = false;
+  /// The collective it failed in ("" outside one).
+  std::string collective;
+  /// When, in milliseconds of the system clock (comparable between machines
+  /// whose clocks agree).
+  int64_t at_ms = 0;
+  /// The error's first line.
+  std::string what;
+};
+
+/// The record as one line (no newline at the end), and back; nullopt for a
+/// line that is not one.
+std::string encode(const FailureRecord& record);
+std::optional<FailureRecord> decode_failure(const std::string& line);
+
+/// Tells the supervisor how this process failed: the first call wins (a
+/// collective's failure comes before the exception it raises reaches the
+/// Trainer). A no-op without a supervisor.
+void report_failure(bool peer_lost, const CollectiveCall* call, const std::string& what);
 
 }  // namespace fulgur::detail

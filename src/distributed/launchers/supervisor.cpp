@@ -111,14 +111,15 @@ void Supervisor::spawn(int local_rank, int global_rank, const std::function<void
   c.local_rank = local_rank;
   c.global_rank = global_rank;
   c.pid = pid;
-  c.out_fd = out[0];
-  c.err_fd = err[0];
-  c.beat_fd = beat[0];
-  c.last_beat_time = c.last_pulse_time = c.cpu_changed = Clock::now();
+  c.fds[0] = out[0];
+  c.fds[1] = err[0];
+  c.fds[2] = beat[0];
+  c.progress.at = c.pulse.at = c.pulse.cpu_changed = Clock::now();
   children_.push_back(std::move(c));
 }
 
-void Supervisor::read_fd(Child& c, int& fd, int which) {
+void Supervisor::read_fd(Child& c, int which) {
+  int& fd = c.fds[which];
   char buf[8192];
   for (;;) {
     ssize_t n = ::read(fd, buf, sizeof buf);
@@ -143,7 +144,7 @@ void Supervisor::read_fd(Child& c, int& fd, int which) {
     // Rank 0's output passes through unchanged (progress bars included);
     // other ranks' complete lines are prefixed with their rank.
     int target = which == 0 ? STDOUT_FILENO : STDERR_FILENO;
-    std::string& part = c.partial[which];
+    std::string& part = c.output.partial[which];
     part.append(buf, static_cast<size_t>(n));
     size_t pos;
     while ((pos = part.find('\n')) != std::string::npos) {
@@ -157,8 +158,8 @@ void Supervisor::read_fd(Child& c, int& fd, int which) {
         write_all(target, prefixed.data(), prefixed.size());
       }
       auto cr = line.find_last_of('\r');
-      c.tail.push_back(cr == std::string::npos ? line : line.substr(cr + 1));
-      if (c.tail.size() > kTailLines) c.tail.pop_front();
+      c.output.tail.push_back(cr == std::string::npos ? line : line.substr(cr + 1));
+      if (c.output.tail.size() > kTailLines) c.output.tail.pop_front();
     }
     if (c.global_rank == 0 && !part.empty() && part.find('\r') != std::string::npos) {
       // A progress bar redraw: show it now, keep only its last state.
@@ -170,16 +171,21 @@ void Supervisor::read_fd(Child& c, int& fd, int which) {
 
 void Supervisor::take_beat(Child& c, const std::string& line) {
   const auto now = Clock::now();
+  if (auto record = decode_failure(line)) {
+    if (!c.failure) c.failure = std::move(record);
+    return;
+  }
   if (line.rfind("pulse ", 0) != 0) {
-    c.last_beat = line;
-    ++c.beats;
-    c.last_beat_time = now;
-    if (line == "train batch") c.in_loop = true;
+    c.progress.last = line;
+    ++c.progress.count;
+    c.progress.at = now;
+    if (line == "train batch") c.progress.in_loop = true;
     return;
   }
   // "pulse cpu=<ms> main=<state> coll=<kind>#<seq>:<bytes>:<waited ms>|-"
-  ++c.pulses;
-  c.last_pulse_time = now;
+  auto& p = c.pulse;
+  ++p.count;
+  p.at = now;
   long long cpu = -1, seq = 0, bytes = 0, waited = 0;
   char state = '?';
   char coll[128] = "-";
@@ -188,34 +194,32 @@ void Supervisor::take_beat(Child& c, const std::string& line) {
   }
   // Working: more than 2% of one core (and 5 ms) since the last time it
   // was seen working. Idle threads of LibTorch and Gloo use a little.
-  const auto since = std::chrono::duration_cast<std::chrono::milliseconds>(now - c.cpu_changed);
-  if (c.cpu_ms < 0 || cpu - c.cpu_ms > std::max<int64_t>(5, since.count() / 50)) {
-    c.cpu_ms = cpu;
-    c.cpu_changed = now;
+  const auto since = std::chrono::duration_cast<std::chrono::milliseconds>(now - p.cpu_changed);
+  if (p.cpu_ms < 0 || cpu - p.cpu_ms > std::max<int64_t>(5, since.count() / 50)) {
+    p.cpu_ms = cpu;
+    p.cpu_changed = now;
   }
-  c.main_state = state;
+  p.main_state = state;
   std::string text = coll;
   const auto hash = text.find('#');
   if (text == "-" || hash == std::string::npos ||
       std::sscanf(text.c_str() + hash + 1, "%lld:%lld:%lld", &seq, &bytes, &waited) != 3) {
-    c.coll_kind.clear();
+    p.kind.clear();
     return;
   }
-  c.coll_kind = text.substr(0, hash);
-  c.coll_seq = seq;
-  c.coll_bytes = bytes;
-  c.coll_since = now - std::chrono::milliseconds(waited);
+  p.kind = text.substr(0, hash);
+  p.seq = seq;
+  p.bytes = bytes;
+  p.since = now - std::chrono::milliseconds(waited);
 }
 
 void Supervisor::pump(int timeout_ms) {
   std::vector<pollfd> fds;
   std::vector<std::pair<size_t, int>> owners;
   for (size_t i = 0; i < children_.size(); ++i) {
-    auto& c = children_[i];
-    int* slots[3] = {&c.out_fd, &c.err_fd, &c.beat_fd};
     for (int w = 0; w < 3; ++w) {
-      if (*slots[w] >= 0) {
-        fds.push_back({*slots[w], POLLIN, 0});
+      if (children_[i].fds[w] >= 0) {
+        fds.push_back({children_[i].fds[w], POLLIN, 0});
         owners.emplace_back(i, w);
       }
     }
@@ -228,10 +232,7 @@ void Supervisor::pump(int timeout_ms) {
   if (n <= 0) return;
   for (size_t k = 0; k < fds.size(); ++k) {
     if (fds[k].revents == 0) continue;
-    auto& c = children_[owners[k].first];
-    int which = owners[k].second;
-    int& fd = which == 0 ? c.out_fd : which == 1 ? c.err_fd : c.beat_fd;
-    read_fd(c, fd, which);
+    read_fd(children_[owners[k].first], owners[k].second);
   }
 }
 
@@ -255,21 +256,21 @@ bool Supervisor::reap() {
 }
 
 void Supervisor::close_fds(Child& c) {
-  for (int* fd : {&c.out_fd, &c.err_fd, &c.beat_fd}) {
-    if (*fd >= 0) {
+  for (int w = 0; w < 3; ++w) {
+    if (c.fds[w] >= 0) {
       // Whatever is still buffered goes out first.
-      read_fd(c, *fd, fd == &c.out_fd ? 0 : fd == &c.err_fd ? 1 : 2);
-      if (*fd >= 0) ::close(*fd);
-      *fd = -1;
+      read_fd(c, w);
+      if (c.fds[w] >= 0) ::close(c.fds[w]);
+      c.fds[w] = -1;
     }
   }
   for (int w = 0; w < 2; ++w) {
-    if (!c.partial[w].empty()) {
-      c.tail.push_back(c.partial[w]);
-      std::string line =
-          (c.global_rank == 0 ? "" : str("[rank ", c.global_rank, "] ")) + c.partial[w] + "\n";
+    std::string& part = c.output.partial[w];
+    if (!part.empty()) {
+      c.output.tail.push_back(part);
+      std::string line = (c.global_rank == 0 ? "" : str("[rank ", c.global_rank, "] ")) + part + "\n";
       write_all(w == 0 ? STDOUT_FILENO : STDERR_FILENO, line.data(), line.size());
-      c.partial[w].clear();
+      part.clear();
     }
   }
 }
@@ -288,9 +289,9 @@ std::string Supervisor::describe_death(const Child& c) const {
 }
 
 std::string Supervisor::tail_text(const Child& c) const {
-  if (c.tail.empty()) return "  (it printed nothing)";
+  if (c.output.tail.empty()) return "  (it printed nothing)";
   std::string out;
-  for (const auto& line : c.tail) out += "  | " + line + "\n";
+  for (const auto& line : c.output.tail) out += "  | " + line + "\n";
   if (!out.empty()) out.pop_back();
   return out;
 }
@@ -379,10 +380,10 @@ void Supervisor::forgive_own_pause() {
   // This process did not run for a while (the whole job was stopped): the
   // ranks' silence during it says nothing about them.
   for (auto& c : children_) {
-    c.last_beat_time = std::max(c.last_beat_time, now);
-    c.last_pulse_time = std::max(c.last_pulse_time, now);
-    c.cpu_changed = std::max(c.cpu_changed, now);
-    if (!c.coll_kind.empty()) c.coll_since = now;
+    c.progress.at = std::max(c.progress.at, now);
+    c.pulse.at = std::max(c.pulse.at, now);
+    c.pulse.cpu_changed = std::max(c.pulse.cpu_changed, now);
+    if (c.pulse.in_collective()) c.pulse.since = now;
   }
 }
 
@@ -392,73 +393,77 @@ std::string Supervisor::check_liveness(const Child*& failed) {
   const auto now = Clock::now();
   const std::string limit = str("heartbeat_timeout is ", one_decimal(seconds_of(timeout)), " s");
   for (const auto& c : children_) {
-    if (!c.running || c.pulses == 0) continue;
-    const auto silent = now - c.last_pulse_time;
+    if (!c.running || c.pulse.count == 0) continue;
+    const auto silent = now - c.pulse.at;
     if (silent <= timeout) continue;
     failed = &c;
     std::string state = process_state(c.pid);
     return str("rank ", c.global_rank, " (pid ", c.pid, ") froze: no heartbeat for ",
                one_decimal(seconds_of(silent)), " s (", limit, ")",
                state.empty() ? "" : "; " + state, "; it last reported \"",
-               c.last_beat.empty() ? "nothing" : c.last_beat, "\". Its last lines:\n",
+               c.progress.last.empty() ? "nothing" : c.progress.last, "\". Its last lines:\n",
                tail_text(c));
   }
   // Hung outside any collective: asleep, no CPU, no progress, while a peer
   // has waited for it in a collective for the whole timeout.
   const Child* waiting = nullptr;
   for (const auto& c : children_) {
-    if (c.running && !c.coll_kind.empty() && now - c.coll_since > timeout) waiting = &c;
+    if (c.running && c.pulse.in_collective() && now - c.pulse.since > timeout) waiting = &c;
   }
   if (waiting == nullptr) return "";
   for (const auto& c : children_) {
-    if (!c.running || &c == waiting || !c.in_loop || !c.coll_kind.empty() || c.main_state != 'S' ||
-        now - c.cpu_changed <= timeout || now - c.last_beat_time <= timeout) {
+    if (!c.running || &c == waiting || !c.progress.in_loop || c.pulse.in_collective() ||
+        c.pulse.main_state != 'S' || now - c.pulse.cpu_changed <= timeout ||
+        now - c.progress.at <= timeout) {
       continue;
     }
     failed = &c;
     return str(
         "rank ", c.global_rank, " (pid ", c.pid, ") hung outside any collective: for ",
-        one_decimal(seconds_of(now - std::max(c.cpu_changed, c.last_beat_time))),
+        one_decimal(seconds_of(now - std::max(c.pulse.cpu_changed, c.progress.at))),
         " s it made no progress and used no CPU, its main thread asleep (a deadlock, "
         "or a wait for something that never comes), while rank ",
         waiting->global_rank, " waited for it in ",
-        describe({waiting->coll_kind.c_str(), waiting->coll_seq, waiting->coll_bytes}), " (", limit,
+        describe({waiting->pulse.kind.c_str(), waiting->pulse.seq, waiting->pulse.bytes}), " (",
+        limit,
         "; raise it if a step may wait this long on purpose). It last "
         "reported \"",
-        c.last_beat.empty() ? "nothing" : c.last_beat, "\". Its last lines:\n", tail_text(c));
+        c.progress.last.empty() ? "nothing" : c.progress.last, "\". Its last lines:\n",
+        tail_text(c));
   }
   return "";
 }
 
 std::string Supervisor::ranks_state() const {
   bool any = false;
-  for (const auto& c : children_) any = any || c.pulses > 0;
+  for (const auto& c : children_) any = any || c.pulse.count > 0;
   if (!any) return "";
   const auto now = Clock::now();
   std::string out = "\nWhat each rank was doing when last heard from:";
   // (kind, seq) of the ranks that have waited in a collective for a while.
   std::vector<const Child*> in_collective;
   for (const auto& c : children_) {
+    const auto& p = c.pulse;
     out += str("\n  rank ", c.global_rank, ": ");
-    if (c.pulses == 0) {
+    if (p.count == 0) {
       out += "no heartbeat yet";
-    } else if (!c.coll_kind.empty()) {
-      out += str("in ", describe({c.coll_kind.c_str(), c.coll_seq, c.coll_bytes}), " for ",
-                 one_decimal(seconds_of(c.last_pulse_time - c.coll_since)), " s");
-      if (c.last_pulse_time - c.coll_since > std::chrono::seconds(1)) in_collective.push_back(&c);
+    } else if (p.in_collective()) {
+      out += str("in ", describe({p.kind.c_str(), p.seq, p.bytes}), " for ",
+                 one_decimal(seconds_of(p.at - p.since)), " s");
+      if (p.at - p.since > std::chrono::seconds(1)) in_collective.push_back(&c);
     } else {
-      out += str("not in a collective, main thread ", thread_state(c.main_state));
+      out += str("not in a collective, main thread ", thread_state(p.main_state));
     }
-    if (c.pulses > 0 && now - c.last_pulse_time > std::chrono::seconds(2)) {
-      out += str(" (", one_decimal(seconds_of(now - c.last_pulse_time)), " s ago)");
+    if (p.count > 0 && now - p.at > std::chrono::seconds(2)) {
+      out += str(" (", one_decimal(seconds_of(now - p.at)), " s ago)");
     }
   }
   for (const auto* a : in_collective) {
     for (const auto* b : in_collective) {
-      if (a->coll_seq != b->coll_seq || a->coll_kind != b->coll_kind) {
+      if (a->pulse.seq != b->pulse.seq || a->pulse.kind != b->pulse.kind) {
         return out + str("\nThe ranks wait in different collectives (rank ", a->global_rank, " in ",
-                         a->coll_kind, " #", a->coll_seq, ", rank ", b->global_rank, " in ",
-                         b->coll_kind, " #", b->coll_seq,
+                         a->pulse.kind, " #", a->pulse.seq, ", rank ", b->global_rank, " in ",
+                         b->pulse.kind, " #", b->pulse.seq,
                          "): a desync. The program calls collectives in a different order or "
                          "number on different ranks (a metric logged with sync_dist on some "
                          "ranks only, a branch on the rank around a collective?).");
@@ -486,155 +491,168 @@ void Supervisor::stop_all_and_end_by(int sig) {
   end_by_signal(sig);
 }
 
-void Supervisor::wait_all() {
-  struct sigaction action {};
-  action.sa_handler = on_stop_signal;
-  sigemptyset(&action.sa_mask);
-  struct sigaction old_int {
-  }, old_term{};
-  g_signal.store(0);
-  ::sigaction(SIGINT, &action, &old_int);
-  ::sigaction(SIGTERM, &action, &old_term);
-  struct Restore {
-    struct sigaction i, t;
-    ~Restore() {
-      ::sigaction(SIGINT, &i, nullptr);
-      ::sigaction(SIGTERM, &t, nullptr);
-    }
-  } restore{old_int, old_term};
+namespace {
 
-  const Child* failed = nullptr;
-  // The first rank seen to finish successfully, and when.
-  const Child* finished = nullptr;
-  Clock::time_point finished_at;
-  std::string hang_report;
-  auto seconds = [](Clock::duration d) {
-    return std::chrono::duration_cast<std::chrono::seconds>(d).count();
-  };
+// SIGINT / SIGTERM noted (on_stop_signal) while it lives; the program's
+// own handlers restored after.
+class CatchStopSignals {
+ public:
+  CatchStopSignals() {
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    sigemptyset(&action.sa_mask);
+    g_signal.store(0);
+    ::sigaction(SIGINT, &action, &old_int_);
+    ::sigaction(SIGTERM, &action, &old_term_);
+  }
+  ~CatchStopSignals() {
+    ::sigaction(SIGINT, &old_int_, nullptr);
+    ::sigaction(SIGTERM, &old_term_, nullptr);
+  }
+  CatchStopSignals(const CatchStopSignals&) = delete;
+  CatchStopSignals& operator=(const CatchStopSignals&) = delete;
+
+ private:
+  struct sigaction old_int_ {};
+  struct sigaction old_term_ {};
+};
+
+int64_t whole_seconds(Clock::duration d) {
+  return std::chrono::duration_cast<std::chrono::seconds>(d).count();
+}
+
+}  // namespace
+
+void Supervisor::wait_all() {
+  CatchStopSignals catching;
+  Watch w;
+  while (!watch_once(w)) {
+  }
+  if (w.failed == nullptr) return;
+  if (w.report.empty()) w.failed = settle_on_cause(w.failed);
+  if (w.report.empty()) w.report = blame_lagging(w.failed);
+  fail(w.failed, std::move(w.report));
+}
+
+bool Supervisor::watch_once(Watch& w) {
+  pump(100);
+  // A signal first: ranks killed by the same Ctrl-C are not a failure.
+  if (int sig = g_signal.load()) stop_all_and_end_by(sig);
+  forgive_own_pause();
+  reap();
+  note_exits(w);
+  bool all_done = true;
+  for (const auto& c : children_) all_done = all_done && !c.running;
+  if (w.failed != nullptr || all_done) return true;
+  w.report = check_liveness(w.failed);
+  if (w.failed == nullptr) check_progress(w);
+  return w.failed != nullptr;
+}
+
+void Supervisor::note_exits(Watch& w) {
+  for (auto& c : children_) {
+    if (c.running) continue;
+    close_fds(c);
+    if (!succeeded(c) && w.failed == nullptr) w.failed = &c;
+    if (succeeded(c) && w.finished == nullptr) {
+      w.finished = &c;
+      w.finished_at = Clock::now();
+    }
+  }
+}
+
+void Supervisor::check_progress(Watch& w) {
+  const auto timeout = supervision_.hang_timeout;
+  if (timeout.count() <= 0) return;
+  const auto now = Clock::now();
+  const Child* ahead = nullptr;
+  for (const auto& c : children_) {
+    if (ahead == nullptr || c.progress.count > ahead->progress.count) ahead = &c;
+  }
+  for (const auto& c : children_) {
+    if (!c.running) continue;
+    const std::string last = c.progress.last.empty() ? "nothing" : c.progress.last;
+    // A rank that finished is ahead of every rank still running: one stuck
+    // on its way out (a teardown that never returns) is hung too.
+    if (w.finished != nullptr) {
+      const auto silent = now - std::max(c.progress.at, w.finished_at);
+      if (silent <= timeout) continue;
+      w.report = str("rank ", c.global_rank, " (pid ", c.pid, ") hung: it is still running ",
+                     whole_seconds(now - w.finished_at), " s after rank ", w.finished->global_rank,
+                     " finished, with no progress for ", whole_seconds(silent),
+                     " s (the timeout is ", whole_seconds(timeout), " s); it last reported \"",
+                     last, "\". Its last lines:\n", tail_text(c));
+      w.failed = &c;
+      return;
+    }
+    // A rank behind another one that sent nothing for the timeout.
+    if (c.progress.count >= ahead->progress.count || now - c.progress.at <= timeout) continue;
+    w.report = str("rank ", c.global_rank, " (pid ", c.pid, ") hung: no progress for ",
+                   whole_seconds(now - c.progress.at), " s (the timeout is ",
+                   whole_seconds(timeout), " s); it last reported \"", last, "\" while rank ",
+                   ahead->global_rank, " reported \"", ahead->progress.last,
+                   "\". Its last lines:\n", tail_text(c));
+    w.failed = &c;
+    return;
+  }
+}
+
+const Supervisor::Child* Supervisor::settle_on_cause(const Child* failed) {
+  // A killed rank's peers fail in their next collective within
+  // milliseconds and may be reaped first: collect the deaths of the next
+  // moment (their records with them) before naming the cause.
+  const auto settle = Clock::now() + std::chrono::milliseconds(500);
   for (;;) {
-    pump(100);
-    // A signal first: ranks killed by the same Ctrl-C are not a failure.
-    if (int sig = g_signal.load()) stop_all_and_end_by(sig);
-    forgive_own_pause();
+    bool any_running = false;
+    for (const auto& c : children_) any_running = any_running || c.running;
+    if (!any_running || Clock::now() >= settle) break;
+    pump(50);
     reap();
-    bool all_done = true;
-    for (auto& c : children_) {
-      if (!c.running) {
-        if (c.out_fd >= 0 || c.err_fd >= 0 || c.beat_fd >= 0) close_fds(c);
-        if (!succeeded(c) && failed == nullptr) failed = &c;
-        if (succeeded(c) && finished == nullptr) {
-          finished = &c;
-          finished_at = Clock::now();
-        }
-      } else {
-        all_done = false;
-      }
-    }
-    if (failed != nullptr || all_done) break;
-    hang_report = check_liveness(failed);
-    if (failed != nullptr) break;
-    if (supervision_.hang_timeout.count() > 0) {
-      // A rank is hung when it is behind another rank and has sent nothing
-      // for hang_timeout.
-      auto now = Clock::now();
-      const Child* ahead = nullptr;
-      for (const auto& c : children_) {
-        if (ahead == nullptr || c.beats > ahead->beats) ahead = &c;
-      }
-      for (const auto& c : children_) {
-        if (!c.running) continue;
-        // A rank that finished is ahead of every rank still running: one
-        // stuck on its way out (a teardown that never returns) is hung too.
-        if (finished != nullptr) {
-          const auto silent = now - std::max(c.last_beat_time, finished_at);
-          if (silent > supervision_.hang_timeout) {
-            hang_report =
-                str("rank ", c.global_rank, " (pid ", c.pid, ") hung: it is still running ",
-                    seconds(now - finished_at), " s after rank ", finished->global_rank,
-                    " finished, with no progress for ", seconds(silent), " s (the timeout is ",
-                    seconds(supervision_.hang_timeout), " s); it last reported \"",
-                    c.last_beat.empty() ? "nothing" : c.last_beat, "\". Its last lines:\n",
-                    tail_text(c));
-            failed = &c;
-            break;
-          }
-          continue;
-        }
-        if (c.beats >= ahead->beats) continue;
-        if (now - c.last_beat_time > supervision_.hang_timeout) {
-          hang_report = str("rank ", c.global_rank, " (pid ", c.pid, ") hung: no progress for ",
-                            seconds(now - c.last_beat_time), " s (the timeout is ",
-                            seconds(supervision_.hang_timeout), " s); it last reported \"",
-                            c.last_beat.empty() ? "nothing" : c.last_beat, "\" while rank ",
-                            ahead->global_rank, " reported \"", ahead->last_beat,
-                            "\". Its last lines:\n", tail_text(c));
-          failed = &c;
-          break;
-        }
-      }
-      if (failed != nullptr) break;
+  }
+  for (auto& c : children_) {
+    if (!c.running) close_fds(c);
+  }
+  // A rank killed by a signal is a cause, never a victim.
+  for (const auto& c : children_) {
+    if (!c.running && WIFSIGNALED(c.status)) return &c;
+  }
+  if (!failed->victim()) return failed;
+  // Among the ranks that exited with an error, the one that failed first on
+  // its own (by its record; one without a record failed on its own too).
+  const Child* cause = nullptr;
+  auto at = [](const Child& c) { return c.failure ? c.failure->at_ms : INT64_MAX; };
+  for (const auto& c : children_) {
+    if (c.running || !WIFEXITED(c.status) || WEXITSTATUS(c.status) == 0 || c.victim()) continue;
+    if (cause == nullptr || at(c) < at(*cause)) cause = &c;
+  }
+  return cause != nullptr ? cause : failed;
+}
+
+std::string Supervisor::blame_lagging(const Child*& failed) {
+  // A rank that failed in a collective (timeout, closed connection) is
+  // usually the victim: a running rank that fell behind it is the cause.
+  // (A rank that failed on its own is the cause, whoever is behind it.)
+  if (WIFSIGNALED(failed->status) || !failed->victim()) return "";
+  const Child* lagging = nullptr;
+  for (const auto& c : children_) {
+    if (c.running && c.progress.count < failed->progress.count &&
+        (lagging == nullptr || c.progress.count < lagging->progress.count)) {
+      lagging = &c;
     }
   }
-  if (failed == nullptr) return;
-  // A rank whose collective failed because a peer left (its message ends
-  // with kPeerFailedHint) is a victim of one that failed on its own.
-  auto victim = [&](const Child& c) {
-    return tail_text(c).find(kPeerFailedHint) != std::string::npos;
-  };
-  if (hang_report.empty()) {
-    // Ranks fail together: a killed rank's peers fail in their next
-    // collective within milliseconds and may be reaped first. Collect the
-    // deaths of the next moment before naming the cause; a rank killed by
-    // a signal is a cause, never a victim.
-    const auto settle = Clock::now() + std::chrono::milliseconds(500);
-    for (;;) {
-      bool any_running = false;
-      for (const auto& c : children_) any_running = any_running || c.running;
-      if (!any_running || Clock::now() >= settle) break;
-      pump(50);
-      reap();
-    }
-    for (const auto& c : children_) {
-      if (!c.running && WIFSIGNALED(c.status)) {
-        failed = &c;
-        break;
-      }
-    }
-    // Among ranks that exited with an error, name one that failed on its own.
-    if (!WIFSIGNALED(failed->status) && victim(*failed)) {
-      for (const auto& c : children_) {
-        if (!c.running && WIFEXITED(c.status) && WEXITSTATUS(c.status) != 0 && !victim(c)) {
-          failed = &c;
-          break;
-        }
-      }
-    }
-  }
-  std::string report;
-  if (hang_report.empty() && !WIFSIGNALED(failed->status) && victim(*failed)) {
-    // A rank that failed in a collective (timeout, closed connection) is
-    // usually the victim: a running rank that fell behind it is the cause.
-    // (A rank that failed on its own is the cause, whoever is behind it.)
-    const Child* lagging = nullptr;
-    for (const auto& c : children_) {
-      if (c.running && c.beats < failed->beats &&
-          (lagging == nullptr || c.beats < lagging->beats)) {
-        lagging = &c;
-      }
-    }
-    if (lagging != nullptr) {
-      hang_report = str(
-          "rank ", lagging->global_rank, " (pid ", lagging->pid, ") hung: it sent no progress for ",
-          seconds(Clock::now() - lagging->last_beat_time), " s and fell behind rank ",
+  if (lagging == nullptr) return "";
+  std::string report =
+      str("rank ", lagging->global_rank, " (pid ", lagging->pid, ") hung: it sent no progress for ",
+          whole_seconds(Clock::now() - lagging->progress.at), " s and fell behind rank ",
           failed->global_rank, ", which gave up waiting for it (", describe_death(*failed),
           "). Rank ", lagging->global_rank, "'s last lines:\n", tail_text(*lagging), "\nRank ",
           failed->global_rank, "'s last lines:\n", tail_text(*failed));
-      failed = lagging;
-    }
-  }
-  if (!hang_report.empty()) {
-    report = hang_report;
-  } else {
+  failed = lagging;
+  return report;
+}
+
+void Supervisor::fail(const Child* failed, std::string report) {
+  if (report.empty()) {
     report =
         str("rank ", failed->global_rank, " (pid ", failed->pid, ") ", describe_death(*failed),
             " after ",

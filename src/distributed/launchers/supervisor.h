@@ -10,6 +10,10 @@
 // collective, using no CPU, while a peer waits for it in one is hung; and
 // every failure report ends with what each rank was doing (the collective
 // it waited in, by name and sequence number, so a desync shows as such).
+// A rank that fails sends a failure record on the same pipe (a collective
+// that lost a peer, or an error of its own): when ranks fail together, the
+// cause named is a rank killed by a signal, else the first that failed on
+// its own, else one that fell behind the victims.
 //
 // SIGINT / SIGTERM to the supervising process stop every rank, print which
 // (by pid), and end the process by the same signal: its exit status is
@@ -23,11 +27,13 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/distributed/launchers/subprocess_script.h"
+#include "distributed/launchers/heartbeat.h"
 
 namespace fulgur::detail {
 
@@ -69,44 +75,84 @@ class Supervisor {
   void stop_all();
 
  private:
+  /// What a rank printed: its partial lines, and the last lines kept for
+  /// the failure message.
+  struct Output {
+    std::string partial[2];
+    std::deque<std::string> tail;
+  };
+  /// Its progress lines ("train batch", "collective").
+  struct Progress {
+    std::string last;
+    int64_t count = 0;
+    std::chrono::steady_clock::time_point at;
+    /// It reached the training loop ("train batch").
+    bool in_loop = false;
+  };
+  /// Its pulses (heartbeat.h).
+  struct Pulse {
+    int64_t count = 0;
+    std::chrono::steady_clock::time_point at;
+    /// CPU time used when last seen working, and when that was.
+    int64_t cpu_ms = -1;
+    std::chrono::steady_clock::time_point cpu_changed;
+    char main_state = '?';
+    /// The collective it waits in (kind "" none), and since when.
+    std::string kind;
+    int64_t seq = 0;
+    int64_t bytes = 0;
+    std::chrono::steady_clock::time_point since;
+    bool in_collective() const { return !kind.empty(); }
+  };
   struct Child {
     int local_rank = 0;
     int global_rank = 0;
     pid_t pid = -1;
-    int out_fd = -1;
-    int err_fd = -1;
-    int beat_fd = -1;
+    /// Read ends of its stdout, stderr and heartbeat pipes (-1: closed).
+    int fds[3] = {-1, -1, -1};
+    std::string beat_partial;
     bool running = true;
     /// Reaped by someone else (SIGCHLD ignored, a waitpid(-1) elsewhere):
     /// how it ended is unknown.
     bool lost = false;
     int status = 0;
-    std::string partial[2];
-    std::deque<std::string> tail;
-    std::string beat_partial;
-    std::string last_beat;
-    int64_t beats = 0;
-    std::chrono::steady_clock::time_point last_beat_time;
-    /// It reached the training loop ("train batch").
-    bool in_loop = false;
-    // From its pulses (heartbeat.h).
-    int64_t pulses = 0;
-    std::chrono::steady_clock::time_point last_pulse_time;
-    /// CPU time used when last seen working, and when that was.
-    int64_t cpu_ms = -1;
-    std::chrono::steady_clock::time_point cpu_changed;
-    char main_state = '?';
-    /// The collective it waits in ("" none), and since when.
-    std::string coll_kind;
-    int64_t coll_seq = 0;
-    int64_t coll_bytes = 0;
-    std::chrono::steady_clock::time_point coll_since;
+    Output output;
+    Progress progress;
+    Pulse pulse;
+    /// How it said it failed (its first record), if it did.
+    std::optional<FailureRecord> failure;
+    /// It failed in a collective because a peer was lost.
+    bool victim() const { return failure && failure->peer_lost; }
+  };
+  /// What the monitor loop found: the rank that failed (or hung) and the
+  /// report of a hang; the first rank that finished, and when.
+  struct Watch {
+    const Child* failed = nullptr;
+    std::string report;
+    const Child* finished = nullptr;
+    std::chrono::steady_clock::time_point finished_at;
   };
   void pump(int timeout_ms);
-  void read_fd(Child& c, int& fd, int which);
+  void read_fd(Child& c, int which);
   void take_beat(Child& c, const std::string& line);
+  /// One round of the monitor loop: true when every rank is done or one failed.
+  bool watch_once(Watch& w);
+  /// Ranks that ended: their pipes drained, the first failure and the first
+  /// success noted.
+  void note_exits(Watch& w);
   /// A frozen or hung rank's report (and `failed` set to it), or "".
   std::string check_liveness(const Child*& failed);
+  /// hang_timeout: a rank behind the others, or still running after one
+  /// finished, with no progress for that long.
+  void check_progress(Watch& w);
+  /// Ranks fail together: the deaths of the next moment, then the cause among
+  /// them (a rank killed by a signal, else one that failed on its own first).
+  const Child* settle_on_cause(const Child* failed);
+  /// A victim's failure whose cause is a running rank behind it: that rank's
+  /// hang report (and `failed` set to it), or "".
+  std::string blame_lagging(const Child*& failed);
+  /// Stops the rest and throws the RankFailure.
+  [[noreturn]] void fail(const Child* failed, std::string report);
   /// Every rank's last known state, one line each, plus a desync note.
   std::string ranks_state() const;
   /// After this process itself was stopped (SIGSTOP of the whole job, a
@@ -133,12 +179,5 @@ class Supervisor {
   std::chrono::steady_clock::time_point started_;
   std::chrono::steady_clock::time_point last_look_;
 };
-
-/// Ends the message of a collective that failed because a peer left (a
-/// closed connection, a timeout): the supervisor reads it in a dead rank's
-/// last lines as "a victim, not the cause".
-inline constexpr const char* kPeerFailedHint =
-    "A peer rank probably died or stopped responding (see the launcher's message about it), or "
-    "the process_group_timeout passed.";
 
 }  // namespace fulgur::detail
