@@ -5,7 +5,7 @@
 #
 # Usage (as root): scripts/check-debian13.sh [--cuda] [--main-job] [--rebuild-root]
 #                                             [--prepare-only] [--no-bench] [--no-examples]
-#                                             [--werror]
+#                                             [--werror] [--keep-build] [--build-only]
 #                                             [-- ctest arguments...]
 #   --cuda          the CUDA root; tests run on the CPU (no GPU is needed or used)
 #   --main-job      run the README's first command (the main job) inside, instead of
@@ -17,6 +17,12 @@
 #                   the tests of the examples are then not built either)
 #   --werror        configure with -DFULGUR_WERROR=ON first: a compiler warning in
 #                   fulgur's own code fails the build (CI)
+#   --keep-build    work in $FULGUR_ROOT_CACHE/work/<variant>.kept and keep its build/
+#                   for the next --keep-build run (the checkout is copied in anew
+#                   each time; Ninja then rebuilds only what changed)
+#   --build-only    install and build (with the options above), run no test: CI
+#                   builds a root's tree in the background, then tests it with
+#                   --keep-build in the foreground
 #   after --        passed to ctest through scripts/run-tests.sh, e.g. -- -R 'DDP|Precision'
 #
 # What it does:
@@ -48,6 +54,8 @@ cuda=0
 main_job=0
 rebuild=0
 prepare_only=0
+keep_build=0
+build_only=0
 build_args=()
 ctest_args=()
 while [ $# -gt 0 ]; do
@@ -59,10 +67,13 @@ while [ $# -gt 0 ]; do
     --no-bench) build_args+=(-DFULGUR_BUILD_BENCH=OFF) ;;
     --no-examples) build_args+=(-DFULGUR_BUILD_EXAMPLES=OFF) ;;
     --werror) build_args+=(-DFULGUR_WERROR=ON) ;;
+    --keep-build) keep_build=1 ;;
+    --build-only) build_only=1 ;;
     --) shift; ctest_args=("$@"); break ;;
-    -h|--help) sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,49p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "check-debian13: unknown argument '$1' (known: --cuda, --main-job, --rebuild-root," \
-            "--prepare-only, --no-bench, --no-examples, --werror, -- ctest args)" >&2
+            "--prepare-only, --no-bench, --no-examples, --werror, --keep-build, --build-only," \
+            "-- ctest args)" >&2
        exit 2 ;;
   esac
   shift
@@ -231,23 +242,33 @@ else
 fi
 [ "$prepare_only" = 0 ] || exit 0
 
-# ---- A clean copy of this checkout, in a work directory removed on every exit.
+# ---- A clean copy of this checkout, in a work directory removed on every exit
+# (with --keep-build: one kept per variant, whose build/ alone survives).
 mkdir -p "$cache/work" "$cache/ccache-$variant"
-for d in "$cache"/work/*; do  # work directories of runs that were killed
+for d in "$cache"/work/*.[0-9]*; do  # work directories of runs that were killed
   [ -d "$d" ] && ! kill -0 "${d##*.}" 2>/dev/null && rm -rf "$d"
 done
-work="$cache/work/$variant.$$"
-trap 'rm -rf "$work"' EXIT
+if [ "$keep_build" = 1 ]; then
+  work="$cache/work/$variant.kept"
+  mkdir -p "$work/fulgur"
+  find "$work/fulgur" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
+  rm -f "$work/log"
+else
+  work="$cache/work/$variant.$$"
+  trap 'rm -rf "$work"' EXIT
+  mkdir -p "$work/fulgur"
+fi
 trap 'exit 130' INT
 trap 'exit 143' TERM
-mkdir -p "$work/fulgur"
 (cd "$here" && git ls-files -z --cached --others --exclude-standard |
    xargs -0 -r sh -c 'for f; do [ -e "$f" ] && printf "%s\0" "$f"; done' sh |
    tar --null -T - -cf -) | tar -xf - -C "$work/fulgur"
 say "copied $(cd "$work/fulgur" && find . -type f | wc -l) files of $here"
 
 commands='bash scripts/run-tests.sh "$@"'
-if [ "${#build_args[@]}" -gt 0 ]; then
+if [ "$build_only" = 1 ]; then
+  commands="bash scripts/install-deps.sh && bash scripts/build.sh ${build_args[*]}"
+elif [ "${#build_args[@]}" -gt 0 ]; then
   # The cache keeps the options for run-tests.sh's own configure.
   commands="bash scripts/install-deps.sh && bash scripts/build.sh ${build_args[*]} && $commands"
 fi
@@ -262,10 +283,12 @@ BINDS="$work:/work $cache/ccache-$variant:/root/.cache/ccache" \
 status=$?
 set -e
 wait  # for tee
-cp "$work/log" "$cache/last-$variant.log"
+last="$cache/last-$variant.log"
+[ "$build_only" = 0 ] || last="$cache/last-$variant-build.log"
+cp "$work/log" "$last"
 
 echo
 say "Debian 13, LibTorch $(sed -n 's/^Version: //p' <(chroot "$root" dpkg -s libtorch-dev libtorch-cuda-dev 2>/dev/null) | head -1), $variant:"
-grep -E '^[0-9]+% tests passed|^The following tests|^[[:space:]]+[0-9]+ - |^Total Test time' "$cache/last-$variant.log" || true
-say "full log: $cache/last-$variant.log; exit status $status"
+grep -E '^[0-9]+% tests passed|^The following tests|^[[:space:]]+[0-9]+ - |^Total Test time' "$last" || true
+say "full log: $last; exit status $status"
 exit "$status"

@@ -21,6 +21,7 @@
 #include "fulgur/distributed/launchers/fork.h"
 #include "fulgur/distributed/launchers/subprocess_script.h"
 #include "fulgur/distributed/process_group.h"
+#include "distributed/launchers/node_watch.h"
 #include "distributed/launchers/supervisor.h"
 
 namespace fulgur {
@@ -182,17 +183,39 @@ std::vector<std::string> own_command_line() {
 
 // Starts every local rank (`spawn_all`, told the attempt number) and
 // supervises them; when one fails and restarts are left, starts them all
-// again, with one line naming the cause and what the ranks resume from.
+// again, with one line naming the cause and what the ranks resume from. On
+// several nodes the launchers also watch each other (node_watch.h): a lost
+// node fails every node's ranks, which restart together.
 void supervise(Plan& plan, const Supervision& supervision, const Recovery& recovery,
                const std::function<void(detail::Supervisor&, int)>& spawn_all) {
+  std::unique_ptr<detail::NodeWatch> nodes;
+  if (plan.num_nodes > 1 && recovery.heartbeat_timeout.count() > 0) {
+    nodes = std::make_unique<detail::NodeWatch>(
+        detail::NodeWatchOptions{.node_rank = plan.node_rank,
+                                 .num_nodes = plan.num_nodes,
+                                 .main_address = plan.main_address,
+                                 .port = detail::launcher_store_port(plan.main_port),
+                                 .heartbeat_timeout = recovery.heartbeat_timeout,
+                                 .rejoin_timeout = supervision.hang_timeout});
+  }
   for (int attempt = 0;; ++attempt) {
     if (attempt > 0 && plan.port_chosen) plan.main_port = find_free_port(plan.main_address);
     detail::Supervisor supervisor(supervision, recovery.heartbeat_timeout);
-    spawn_all(supervisor, attempt);
+    if (nodes) {
+      nodes->begin_attempt(attempt);
+      supervisor.watch_nodes(nodes.get());
+      // No request of the watch's thread while the ranks are forked.
+      auto quiet = nodes->quiet();
+      spawn_all(supervisor, attempt);
+    } else {
+      spawn_all(supervisor, attempt);
+    }
     try {
       supervisor.wait_all();
+      if (nodes) nodes->finish();
       return;
     } catch (const detail::RankFailure& failure) {
+      if (failure.final()) throw DistributedError(failure.what());
       if (attempt >= recovery.max_restarts) {
         if (recovery.max_restarts == 0) throw;
         throw DistributedError(str(failure.what(), "\nNo restart left: the ranks were started ",

@@ -20,6 +20,7 @@
 #include "fulgur/utilities/seed.h"
 #include "core/signals.h"
 #include "distributed/launchers/heartbeat.h"
+#include "distributed/launchers/node_watch.h"
 
 namespace fulgur::detail {
 
@@ -528,9 +529,17 @@ void Supervisor::wait_all() {
   Watch w;
   while (!watch_once(w)) {
   }
+  if (w.node_loss) fail_for(*w.node_loss);
   if (w.failed == nullptr) return;
   if (w.report.empty()) w.failed = settle_on_cause(w.failed);
   if (w.report.empty()) w.report = blame_lagging(w.failed);
+  if (nodes_ != nullptr && w.report.empty() && w.failed->victim()) {
+    // It lost a peer and nothing on this node caused it: the cause may be
+    // another node, which the watch names within the heartbeat timeout.
+    if (auto loss = nodes_->wait_for_loss(heartbeat_timeout_ + std::chrono::seconds(2))) {
+      fail_for(*loss);
+    }
+  }
   fail(w.failed, std::move(w.report));
 }
 
@@ -544,6 +553,13 @@ bool Supervisor::watch_once(Watch& w) {
   bool all_done = true;
   for (const auto& c : children_) all_done = all_done && !c.running;
   if (w.failed != nullptr || all_done) return true;
+  if (nodes_ != nullptr) {
+    nodes_->publish(ranks_line());
+    if (auto loss = nodes_->lost()) {
+      w.node_loss = std::make_shared<const NodeLoss>(std::move(*loss));
+      return true;
+    }
+  }
   w.report = check_liveness(w.failed);
   if (w.failed == nullptr) check_progress(w);
   return w.failed != nullptr;
@@ -675,6 +691,38 @@ void Supervisor::fail(const Child* failed, std::string report) {
   stop_all();
   if (!others.empty()) report += str("\nStopped the other ranks: ", join(others), ".");
   throw RankFailure(cause, "launcher: " + report);
+}
+
+void Supervisor::fail_for(const NodeLoss& loss) {
+  std::vector<std::string> stopped;
+  for (const auto& c : children_) {
+    if (c.running) stopped.push_back(str(c.global_rank, " (pid ", c.pid, ")"));
+  }
+  std::string report = loss.report + ranks_state();
+  stop_all();
+  if (!stopped.empty()) report += str("\nStopped this node's ranks: ", join(stopped), ".");
+  throw RankFailure(loss.cause, "launcher: " + report, loss.final);
+}
+
+std::string Supervisor::ranks_line() const {
+  const auto now = Clock::now();
+  std::vector<std::string> parts;
+  for (const auto& c : children_) {
+    const auto& p = c.pulse;
+    std::string what;
+    if (!c.running) {
+      what = "ended";
+    } else if (p.in_collective()) {
+      what = str("in ", describe({p.kind.c_str(), p.seq, p.bytes}), " for ",
+                 one_decimal(seconds_of(now - p.since)), " s");
+    } else if (c.progress.count == 0) {
+      what = "starting";
+    } else {
+      what = str("last reported \"", c.progress.last, "\"");
+    }
+    parts.push_back(str("rank ", c.global_rank, " ", what));
+  }
+  return join(parts, "; ");
 }
 
 }  // namespace fulgur::detail

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -41,13 +42,19 @@ namespace fulgur::detail {
 /// restart's message), what() the whole report.
 class RankFailure : public DistributedError {
  public:
-  RankFailure(std::string cause, const std::string& report)
-      : DistributedError(report), cause_(std::move(cause)) {}
+  RankFailure(std::string cause, const std::string& report, bool final = false)
+      : DistributedError(report), cause_(std::move(cause)), final_(final) {}
   const std::string& cause() const { return cause_; }
+  /// A restart cannot help (a lost node that did not come back).
+  bool final() const { return final_; }
 
  private:
   std::string cause_;
+  bool final_;
 };
+
+class NodeWatch;
+struct NodeLoss;
 
 class Supervisor {
  public:
@@ -73,6 +80,11 @@ class Supervisor {
   void wait_all();
   /// Stops and reaps every child still running (SIGTERM, grace, SIGKILL).
   void stop_all();
+  /// A multi-node run: the other nodes' launchers, watched by `nodes`
+  /// (node_watch.h). A lost node fails this node's ranks too (RankFailure,
+  /// final when it did not come back after a restart); it hears what this
+  /// node's ranks are doing.
+  void watch_nodes(NodeWatch* nodes) { nodes_ = nodes; }
 
  private:
   /// What a rank printed: its partial lines, and the last lines kept for
@@ -129,6 +141,8 @@ class Supervisor {
   struct Watch {
     const Child* failed = nullptr;
     std::string report;
+    /// Another node was lost (a multi-node run).
+    std::shared_ptr<const NodeLoss> node_loss;
     const Child* finished = nullptr;
     std::chrono::steady_clock::time_point finished_at;
   };
@@ -153,6 +167,10 @@ class Supervisor {
   std::string blame_lagging(const Child*& failed);
   /// Stops the rest and throws the RankFailure.
   [[noreturn]] void fail(const Child* failed, std::string report);
+  /// Stops every rank of this node and throws the node's loss.
+  [[noreturn]] void fail_for(const NodeLoss& loss);
+  /// Every rank's state on one line, for the other nodes.
+  std::string ranks_line() const;
   /// Every rank's last known state, one line each, plus a desync note.
   std::string ranks_state() const;
   /// After this process itself was stopped (SIGSTOP of the whole job, a
@@ -178,6 +196,7 @@ class Supervisor {
   bool restore_sigchld_ = false;
   std::chrono::steady_clock::time_point started_;
   std::chrono::steady_clock::time_point last_look_;
+  NodeWatch* nodes_ = nullptr;
 };
 
 }  // namespace fulgur::detail
