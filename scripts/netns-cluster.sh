@@ -13,6 +13,7 @@
 #                  scripts/netns-cluster.sh addr NODE
 #                  scripts/netns-cluster.sh link NODE up|down
 #                  scripts/netns-cluster.sh rate NODE RATE|off
+#                  scripts/netns-cluster.sh signal NODE SIGNAL
 #                  scripts/netns-cluster.sh status
 #   up      makes nodes 0..N-1 (N from 1 to 16): node i is host "n<i>" at
 #           <subnet>.<10+i>/24. With the same cluster already up, only prints its
@@ -30,6 +31,8 @@
 #   link    takes node NODE's link down (a network partition: its packets are
 #           dropped, its sockets stay open) or up again
 #   rate    limits node NODE's link to RATE both ways, or removes the limit (off)
+#   signal  sends SIGNAL (KILL, STOP, CONT, TERM, ... or a number) to every process
+#           running on node NODE: KILL is a lost machine, STOP a frozen one
 #   status  the nodes, their addresses, links and limits, and the processes in each;
 #           exit status 0 if the cluster is up, 3 if not
 #
@@ -41,7 +44,7 @@ set -euo pipefail
 
 say() { echo "netns-cluster: $*"; }
 die() { echo "netns-cluster: $*" >&2; exit 2; }
-usage() { sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,42p' "$0" | sed 's/^# \{0,1\}//'; }
 
 name="${FULGUR_NETNS_NAME:-fulgur}"
 subnet="${FULGUR_NETNS_SUBNET:-10.213.0}"
@@ -245,8 +248,19 @@ case "$cmd" in
     check_node "$1"
     [ "$2" = off ] || check_rate "$2"
     set_rate "$1" "$2" ;;
+  signal)
+    need_root signal
+    [ $# -eq 2 ] || die "signal: give a node and a signal (KILL, STOP, CONT, ...)."
+    check_node "$1"
+    sig="${2#SIG}"
+    { [[ "$sig" =~ ^[0-9]+$ ]] || kill -l "$sig" >/dev/null 2>&1; } ||
+      die "signal $1 $2: not a signal (kill -l lists them: KILL, STOP, CONT, TERM, ...)."
+    # Every process whose network is the node's (ip netns pids).
+    pids="$(ip netns pids "$(node_ns "$1")" 2>/dev/null | tr '\n' ' ')"
+    [ -z "$pids" ] || kill -s "$sig" $pids 2>/dev/null || true
+    say "signal $sig sent to node $1: $(echo $pids | wc -w) process(es)" ;;
   status) do_status ;;
   -h|--help|help) usage ;;
   "") usage; exit 2 ;;
-  *) die "unknown command \"$cmd\" (up, down, exec, rsh, addr, link, rate, status)" ;;
+  *) die "unknown command \"$cmd\" (up, down, exec, rsh, addr, link, rate, signal, status)" ;;
 esac

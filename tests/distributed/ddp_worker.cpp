@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <mutex>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <stdexcept>
 #include <thread>
@@ -127,6 +128,12 @@ struct Args {
   std::vector<std::string> kills;
   // A rank that stops itself (SIGSTOP) at batch fault_step of attempt 0.
   int sigstop_rank = -1;
+  // Every rank sleeps pause_seconds after global step pause_step of attempt
+  // 0 (outside any collective), rank 0 first creating pause_file: a test
+  // then does something to a node while the run is under way.
+  int64_t pause_step = -1;
+  double pause_seconds = 0;
+  std::string pause_file;
   // A rank that waits forever on a condition variable (asleep, no CPU,
   // outside any collective) at batch fault_step of attempt 0.
   int deadlock_rank = -1;
@@ -352,6 +359,12 @@ struct Classifier : fulgur::Module {
       reported_restart = true;
       std::cout << "TIME restarted_step=" << wall_ns() << std::endl;
     }
+    if (trainer().global_step() == args.pause_step && attempt() == 0) {
+      if (trainer().strategy().is_global_zero() && !args.pause_file.empty()) {
+        std::ofstream(args.pause_file) << "paused\n";
+      }
+      std::this_thread::sleep_for(std::chrono::duration<double>(args.pause_seconds));
+    }
     if (trainer().strategy().global_rank() == args.slow_rank && batch_idx + 1 == args.fault_step) {
       std::this_thread::sleep_for(std::chrono::duration<double>(args.slow_seconds));
     }
@@ -543,6 +556,9 @@ int main(int argc, char** argv) {
   app.add_flag("--fail-all", a.fail_all);
   app.add_option("--on-exception-checkpoint", a.on_exception_timeout);
   app.add_option("--slow-rank", a.slow_rank);
+  app.add_option("--pause-step", a.pause_step);
+  app.add_option("--pause-seconds", a.pause_seconds);
+  app.add_option("--pause-file", a.pause_file);
   app.add_option("--slow-seconds", a.slow_seconds);
   app.add_option("--hang-at-exit-rank", a.hang_at_exit_rank);
   app.add_option("--prepare-seconds", a.prepare_seconds);

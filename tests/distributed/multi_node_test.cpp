@@ -275,6 +275,151 @@ TEST_F(AcrossNamespaces, SlurmOneSlurmdPerNodeTwoNodesOfTwoRanksMatchOneProcess)
   expect_two_per_node_matching_one_process(srun, "slurm");
 }
 
+// Faults across nodes while fulgur's own launcher trains on 2 nodes x 2 ranks
+// (the recovery run of worker.h: 30 Adam steps, a checkpoint every 4): every
+// rank pauses after step 10 (attempt 0), and the test then cuts node 1's link,
+// stops (SIGSTOP) or kills (SIGKILL) every process of node 1. Each node's
+// launcher names the lost node within heartbeat_timeout (2 s) plus a round,
+// not after the process_group_timeout; with a restart left, the nodes restart
+// together from the step-8 checkpoint and end bit-identical to a run that was
+// never interrupted; a node that never comes back is a bounded error.
+class NodeFaults : public AcrossNamespaces {
+ protected:
+  /// The recovery run named `name` under `dir_`, on 2 nodes, its collectives
+  /// and a lost node's return bounded by `timeout_s`.
+  std::vector<std::string> training(const std::string& name, int timeout_s,
+                                    const std::vector<std::string>& extra = {}) {
+    auto args = fulgur::test::recovery_training("ddp", 7, dir_.path(), name);
+    args.insert(args.begin(), FULGUR_DDP_WORKER);
+    for (size_t i = 0; i + 1 < args.size(); ++i) {
+      if (args[i] == "--timeout") args[i + 1] = std::to_string(timeout_s);
+    }
+    args.insert(args.end(), {"--num-nodes", "2", "--heartbeat-timeout", "2"});
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  }
+  /// With a pause after step 10 of attempt 0 that `meanwhile` uses.
+  std::vector<std::string> paused(const std::string& name, int timeout_s,
+                                  const std::vector<std::string>& extra = {}) {
+    auto args = training(name, timeout_s, extra);
+    args.insert(args.end(), {"--pause-step", "10", "--pause-seconds", "3", "--pause-file",
+                             dir_.path() + "/" + name + ".paused"});
+    return args;
+  }
+
+  /// `argv` on both nodes (MASTER_ADDR node 0, MASTER_PORT `port`), with
+  /// `meanwhile` run by this process while they train.
+  std::vector<ProcessResult> on_both(const std::vector<std::string>& argv, const std::string& port,
+                                     const std::function<void()>& meanwhile = {}) {
+    const std::string main_address = address(0);
+    std::vector<std::future<ProcessResult>> nodes;
+    for (int node = 0; node < 2; ++node) {
+      nodes.push_back(std::async(std::launch::async, [&, node] {
+        return run_process(on_node(node, argv),
+                           with_cluster({{"MASTER_ADDR", main_address},
+                                         {"MASTER_PORT", port},
+                                         {"NODE_RANK", std::to_string(node)},
+                                         {"OMP_NUM_THREADS", "1"}}),
+                           240s);
+      }));
+    }
+    if (meanwhile) meanwhile();
+    std::vector<ProcessResult> out;
+    for (auto& n : nodes) out.push_back(n.get());
+    return out;
+  }
+
+  /// Waits for the pause of run `name` (rank 0 writes the file).
+  void wait_for_pause(const std::string& name) {
+    const std::string file = dir_.path() + "/" + name + ".paused";
+    for (int i = 0; i < 1200 && !std::filesystem::exists(file); ++i) {
+      std::this_thread::sleep_for(100ms);
+    }
+    ASSERT_TRUE(std::filesystem::exists(file)) << "the run never reached its pause";
+  }
+
+  static void cluster(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {"bash", FULGUR_NETNS_CLUSTER};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto r = run_process(argv, env_, 30s);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+  }
+
+  static void expect_finished(const std::vector<ProcessResult>& runs, const std::string& what) {
+    for (int node = 0; node < 2; ++node) expect_clean(runs[node], node);
+    EXPECT_EQ(result_value(runs[0].output, "global_step"), "30") << what << ":\n" << runs[0].output;
+  }
+};
+
+TEST_F(NodeFaults, ALinkDownOrAFrozenNodeIsNamedOnEveryNodeAndTheNodesRestartTogetherBitIdentical) {
+  expect_finished(on_both(training("reference", 20), "29621"), "reference");
+
+  // A partition: node 1's link down for 6 s. Node 0 hears nothing from node
+  // 1's launcher, node 1 nothing from node 0's store; both stop their ranks,
+  // restart, and meet again once the link is back.
+  auto cut = on_both(paused("partition", 20, {"--max-restarts", "1"}), "29623", [&] {
+    wait_for_pause("partition");
+    cluster({"link", "1", "down"});
+    std::this_thread::sleep_for(6s);
+    cluster({"link", "1", "up"});
+  });
+  expect_finished(cut, "partition");
+  EXPECT_NE(cut[0].output.find("fulgur: restart 1 of 1: node 1 is lost: no heartbeat from its "
+                               "launcher for"),
+            std::string::npos)
+      << cut[0].output;
+  EXPECT_NE(cut[1].output.find("fulgur: restart 1 of 1: node 0 is lost: the launchers' store it "
+                               "keeps at 10.213.0.10:29624 has not answered for"),
+            std::string::npos)
+      << cut[1].output;
+  EXPECT_NE(cut[0].output.find("heartbeat_timeout is 2.0 s"), std::string::npos) << cut[0].output;
+  fulgur::test::expect_identical_runs(dir_.path(), "reference", "partition");
+
+  // A frozen machine: every process of node 1 stopped for 5 s. Node 0 names
+  // it and restarts; node 1, continued, finds its peers gone and restarts.
+  auto frozen = on_both(paused("frozen", 20, {"--max-restarts", "1"}), "29625", [&] {
+    wait_for_pause("frozen");
+    cluster({"signal", "1", "STOP"});
+    std::this_thread::sleep_for(5s);
+    cluster({"signal", "1", "CONT"});
+  });
+  expect_finished(frozen, "frozen");
+  EXPECT_NE(frozen[0].output.find("fulgur: restart 1 of 1: node 1 is lost: no heartbeat from its "
+                                  "launcher for"),
+            std::string::npos)
+      << frozen[0].output;
+  fulgur::test::expect_identical_runs(dir_.path(), "reference", "frozen");
+}
+
+TEST_F(NodeFaults, AKilledNodeIsNamedAndWhenItNeverComesBackTheErrorSaysSoInBoundedTime) {
+  // Every process of node 1 killed: node 0 names node 1 (what its ranks were
+  // doing included), restarts, waits the rejoin timeout (the 10 s
+  // process_group_timeout) for it, then fails saying it did not come back.
+  auto runs = on_both(paused("killed", 10, {"--max-restarts", "1"}), "29627", [&] {
+    wait_for_pause("killed");
+    cluster({"signal", "1", "KILL"});
+  });
+  const auto& zero = runs[0];
+  EXPECT_FALSE(zero.timed_out) << zero.output;
+  EXPECT_EQ(zero.leftover_processes, 0) << zero.output;
+  EXPECT_NE(zero.exit_code, 0) << zero.output;
+  EXPECT_NE(zero.output.find("fulgur: restart 1 of 1: node 1 is lost: no heartbeat from its "
+                             "launcher for"),
+            std::string::npos)
+      << zero.output;
+  EXPECT_NE(zero.output.find("node 1 did not come back: no heartbeat from its launcher in the"),
+            std::string::npos)
+      << zero.output;
+  EXPECT_NE(zero.output.find("restarting again cannot help"), std::string::npos) << zero.output;
+  EXPECT_NE(zero.output.find("What node 1's ranks were doing when last heard from"),
+            std::string::npos)
+      << zero.output;
+  // Start-up, steps 1-10, the 3 s pause, the 2 s timeout and the 10 s wait:
+  // well under the minutes a collective would wait.
+  EXPECT_LT(zero.seconds, 90) << zero.output;
+  EXPECT_NE(runs[1].exit_code, 0) << "node 1 was killed:\n" << runs[1].output;
+}
+
 TEST_F(AcrossNamespaces, RankZeroRefusesAMainAddressThatIsNotItsNodes) {
   // MASTER_ADDR names node 1 while node rank 0 (which hosts the store) runs
   // on node 0: rank 0 cannot listen there, and says so.
@@ -362,6 +507,26 @@ TEST(NetnsCluster, DownLeavesNothingAndBadInputIsNamed) {
     return false;
   };
   EXPECT_TRUE(running()) << "the sleeper should run until down";
+  // signal: every process of the node, and only those (a frozen machine).
+  auto state_of = [&] {
+    std::ifstream status("/proc/" + std::to_string(sleeper) + "/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("State:", 0) == 0) return line;
+    }
+    return std::string();
+  };
+  auto stop = script({"signal", "1", "STOP"});
+  EXPECT_EQ(stop.exit_code, 0) << stop.output;
+  EXPECT_NE(state_of().find("T (stopped)"), std::string::npos) << state_of();
+  EXPECT_EQ(script({"signal", "0", "STOP"}).exit_code, 0);
+  EXPECT_NE(state_of().find("T (stopped)"), std::string::npos) << "node 0's signal reached node 1";
+  EXPECT_EQ(script({"signal", "1", "CONT"}).exit_code, 0);
+  EXPECT_EQ(state_of().find("T (stopped)"), std::string::npos) << state_of();
+  auto bad_signal = script({"signal", "1", "FREEZE"});
+  EXPECT_EQ(bad_signal.exit_code, 2);
+  EXPECT_NE(bad_signal.output.find("signal 1 FREEZE: not a signal"), std::string::npos)
+      << bad_signal.output;
   auto down = script({"down"});
   EXPECT_EQ(down.exit_code, 0) << down.output;
   for (int i = 0; i < 50 && running(); ++i) std::this_thread::sleep_for(100ms);

@@ -715,10 +715,11 @@ std::string Supervisor::ranks_line() const {
     } else if (p.in_collective()) {
       what = str("in ", describe({p.kind.c_str(), p.seq, p.bytes}), " for ",
                  one_decimal(seconds_of(now - p.since)), " s");
-    } else if (c.progress.count == 0) {
+    } else if (p.count == 0) {
       what = "starting";
     } else {
-      what = str("last reported \"", c.progress.last, "\"");
+      what = str("not in a collective, main thread ", thread_state(p.main_state));
+      if (!c.progress.last.empty()) what += str(", last reported \"", c.progress.last, "\"");
     }
     parts.push_back(str("rank ", c.global_rank, " ", what));
   }
