@@ -37,6 +37,7 @@
 #include "fulgur/loggers/logger.h"
 #include "fulgur/loggers/plot.h"
 #include "fulgur/loggers/tensorboard_logger.h"
+#include "fulgur/nn/checkpoint.h"
 #include "fulgur/nn/fsdp_unit.h"
 #include "fulgur/nn/functional.h"
 #include "fulgur/nn/sync_batch_norm.h"

@@ -35,6 +35,13 @@ TEST(DDP, TwoRanksMatchOneProcessWithShuffleAndAdam) {
   expect_equivalent({"--steps", "20", "--shuffle", "--optimizer", "adam"}, "ddp");
 }
 
+TEST(DDP, CheckpointedActivationsTrainLikeOneProcess) {
+  // The hidden block recomputed in backward (fulgur::nn::checkpoint): its
+  // parameters' gradients reach DDP's reducer through the checkpoint's node.
+  expect_equivalent({"--steps", "20", "--shuffle", "--optimizer", "adam"}, "ddp",
+                    {"--checkpoint-activations"});
+}
+
 // A rank writing to a peer that died gets an error (EPIPE) it reports, not a
 // SIGPIPE that kills it first and gets it named as the cause (seen under
 // load: rank 0 "killed by signal 13" when rank 1 had been SIGKILLed). One

@@ -45,6 +45,8 @@ struct Args {
   // --sequential: fc1, tanh, fc2 as a torch::nn::Sequential "body"
   // (FSDPOptions::auto_wrap_min_params = --auto-wrap N makes its units).
   bool sequential = false;
+  // fc1 and tanh run as one checkpointed block (fulgur::nn::checkpoint).
+  bool checkpoint_activations = false;
   int64_t auto_wrap = 0;
   bool histograms = false;
   bool skip_after_forward = false;
@@ -238,7 +240,14 @@ struct Classifier : fulgur::Module {
       in = torch::max_pool2d(in, 2).flatten(1);
     }
     if (body) return body->forward(in);
-    auto h = unit1 ? unit1(in) : fc1(in);
+    at::Tensor h;
+    if (args.checkpoint_activations) {
+      h = fulgur::nn::checkpoint(
+          [this](const std::vector<at::Tensor>& v) { return std::vector{torch::tanh(fc1(v[0]))}; },
+          {in}, fc1->parameters())[0];
+      return fc2(h);
+    }
+    h = unit1 ? unit1(in) : fc1(in);
     if (plain_bn) h = plain_bn(h);
     if (sync_bn) h = sync_bn(h);
     h = torch::tanh(h);
@@ -556,6 +565,7 @@ int main(int argc, char** argv) {
   app.add_flag("--fail-all", a.fail_all);
   app.add_option("--on-exception-checkpoint", a.on_exception_timeout);
   app.add_option("--slow-rank", a.slow_rank);
+  app.add_flag("--checkpoint-activations", a.checkpoint_activations);
   app.add_option("--pause-step", a.pause_step);
   app.add_option("--pause-seconds", a.pause_seconds);
   app.add_option("--pause-file", a.pause_file);
