@@ -9,6 +9,7 @@
 #include "fulgur/accelerators/mps.h"
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/callbacks/early_stopping.h"
+#include "fulgur/callbacks/ema.h"
 #include "fulgur/callbacks/gradient_accumulation_scheduler.h"
 #include "fulgur/callbacks/learning_rate_monitor.h"
 #include "fulgur/callbacks/logging_interval.h"

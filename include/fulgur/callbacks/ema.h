@@ -1,0 +1,68 @@
+// File: fulgur/callbacks/ema.h
+//
+// An exponential moving average of the weights, often better than the last
+// weights themselves: after every `every_n_steps`-th optimizer step,
+//   average = decay * average + (1 - decay) * weight
+// for every parameter (buffers, e.g. BatchNorm's running statistics, stay the
+// training run's). Validation runs with the averaged weights (the training
+// weights are swapped back before a checkpoint is written: checkpoint
+// callbacks run last), and at the end of fit the module keeps them. The
+// average is in checkpoints: a resumed run goes on bit-identical. Under ddp
+// every rank holds the same average; fsdp is refused for now (the optimizer
+// steps shards there).
+//
+//   fulgur::Trainer trainer({.max_epochs = 10,
+//                            .callbacks = {std::make_shared<fulgur::EMA>(
+//                                fulgur::EMAOptions{.decay = 0.999})}});
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fulgur/callbacks/callback.h"
+
+namespace fulgur {
+
+struct EMAOptions {
+  /// Weight of the average so far, in [0, 1).
+  double decay = 0.999;
+  /// The average is updated after every n-th optimizer step (>= 1).
+  int64_t every_n_steps = 1;
+  /// Validation runs with the averaged weights.
+  bool validate_with_average = true;
+  /// At the end of fit, the module keeps the averaged weights.
+  bool apply_at_end = true;
+};
+
+class EMA : public Callback {
+ public:
+  explicit EMA(EMAOptions options = {});
+  std::string state_key() const override { return "EMA"; }
+  void on_fit_start(Trainer& trainer, Module& module) override;
+  void on_train_start(Trainer& trainer, Module& module) override;
+  void on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor& loss,
+                          const Batch& batch, int64_t batch_idx) override;
+  void on_validation_start(Trainer& trainer, Module& module) override;
+  void on_validation_end(Trainer& trainer, Module& module) override;
+  void on_train_end(Trainer& trainer, Module& module) override;
+  void on_exception(Trainer& trainer, Module& module, const std::exception& error) override;
+  void save_state(torch::serialize::OutputArchive& archive) const override;
+  void load_state(torch::serialize::InputArchive& archive) override;
+
+  /// The averaged parameters, in the module's parameters() order (empty
+  /// before training starts).
+  const std::vector<at::Tensor>& average() const { return average_; }
+  /// The optimizer step of the last update (-1: none yet).
+  int64_t last_update_step() const { return last_update_step_; }
+
+ private:
+  void swap_in(Module& module);
+  void swap_out(Module& module);
+  EMAOptions options_;
+  std::vector<at::Tensor> average_;
+  std::vector<at::Tensor> training_weights_;  // while the average is swapped in
+  int64_t last_update_step_ = -1;
+};
+
+}  // namespace fulgur

@@ -1,0 +1,126 @@
+#include "fulgur/callbacks/ema.h"
+
+#include <torch/torch.h>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/core/module.h"
+#include "fulgur/strategies/strategy.h"
+#include "fulgur/trainer/trainer.h"
+
+namespace fulgur {
+
+EMA::EMA(EMAOptions options) : options_(options) {
+  std::vector<std::string> problems;
+  if (!(options_.decay >= 0.0 && options_.decay < 1.0)) {
+    problems.push_back(str("decay=", options_.decay, ": must be in [0, 1), e.g. 0.999"));
+  }
+  if (options_.every_n_steps < 1) {
+    problems.push_back(str("every_n_steps=", options_.every_n_steps, ": must be >= 1"));
+  }
+  if (!problems.empty()) throw ConfigError(str("EMA(", join(problems, "; "), ")."));
+}
+
+void EMA::on_fit_start(Trainer& trainer, Module&) {
+  const std::string_view strategy = trainer.strategy().name();
+  if (strategy.rfind("fsdp", 0) == 0) {
+    throw ConfigError(str("EMA under strategy=\"", strategy,
+                          "\": not supported yet (the optimizer steps each rank's shard of the "
+                          "parameters there). Use strategy=\"ddp\", or train without EMA."));
+  }
+}
+
+void EMA::on_train_start(Trainer&, Module& module) {
+  const auto parameters = module.parameters();
+  if (!average_.empty()) {
+    // From a checkpoint: it must be this module's.
+    bool fits = average_.size() == parameters.size();
+    for (size_t i = 0; fits && i < parameters.size(); ++i) {
+      fits = average_[i].sizes() == parameters[i].sizes();
+    }
+    if (!fits) {
+      throw ConfigError(str("EMA: the checkpoint's average holds ", average_.size(),
+                            " tensors that do not fit the module's ", parameters.size(),
+                            " parameters: it was written for another model. Resume from a "
+                            "checkpoint of this model, or start without it."));
+    }
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      average_[i] = average_[i].to(parameters[i].device(), parameters[i].scalar_type());
+    }
+    return;
+  }
+  torch::NoGradGuard no_grad;
+  for (const auto& p : parameters) average_.push_back(p.detach().clone());
+}
+
+void EMA::on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor&, const Batch&,
+                             int64_t) {
+  const int64_t step = trainer.global_step();
+  // Once per optimizer step (not per micro-batch of gradient accumulation).
+  if (step <= 0 || step == last_update_step_ || step % options_.every_n_steps != 0) return;
+  last_update_step_ = step;
+  torch::NoGradGuard no_grad;
+  const auto parameters = module.parameters();
+  for (size_t i = 0; i < parameters.size() && i < average_.size(); ++i) {
+    average_[i].mul_(options_.decay).add_(parameters[i].detach(), 1.0 - options_.decay);
+  }
+}
+
+void EMA::swap_in(Module& module) {
+  if (average_.empty() || !training_weights_.empty()) return;
+  torch::NoGradGuard no_grad;
+  const auto parameters = module.parameters();
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    training_weights_.push_back(parameters[i].detach().clone());
+    parameters[i].copy_(average_[i]);
+  }
+}
+
+void EMA::swap_out(Module& module) {
+  if (training_weights_.empty()) return;
+  torch::NoGradGuard no_grad;
+  const auto parameters = module.parameters();
+  for (size_t i = 0; i < parameters.size(); ++i) parameters[i].copy_(training_weights_[i]);
+  training_weights_.clear();
+}
+
+void EMA::on_validation_start(Trainer&, Module& module) {
+  if (options_.validate_with_average) swap_in(module);
+}
+
+void EMA::on_validation_end(Trainer&, Module& module) { swap_out(module); }
+
+void EMA::on_exception(Trainer&, Module& module, const std::exception&) { swap_out(module); }
+
+void EMA::on_train_end(Trainer&, Module& module) {
+  swap_out(module);
+  if (!options_.apply_at_end || average_.empty()) return;
+  torch::NoGradGuard no_grad;
+  const auto parameters = module.parameters();
+  for (size_t i = 0; i < parameters.size(); ++i) parameters[i].copy_(average_[i]);
+}
+
+void EMA::save_state(torch::serialize::OutputArchive& archive) const {
+  archive.write("count", c10::IValue(static_cast<int64_t>(average_.size())));
+  archive.write("last_update_step", c10::IValue(last_update_step_));
+  for (size_t i = 0; i < average_.size(); ++i) {
+    archive.write("average_" + std::to_string(i), average_[i], /*is_buffer=*/true);
+  }
+}
+
+void EMA::load_state(torch::serialize::InputArchive& archive) {
+  c10::IValue v;
+  if (!archive.try_read("count", v)) return;
+  const int64_t count = v.toInt();
+  if (archive.try_read("last_update_step", v)) last_update_step_ = v.toInt();
+  average_.clear();
+  for (int64_t i = 0; i < count; ++i) {
+    at::Tensor t;
+    if (!archive.try_read("average_" + std::to_string(i), t, /*is_buffer=*/true)) {
+      throw ConfigError(str("EMA: the checkpoint's average lacks tensor ", i, " of ", count,
+                            ": the file is damaged or was written by another program."));
+    }
+    average_.push_back(t);
+  }
+}
+
+}  // namespace fulgur

@@ -1,0 +1,157 @@
+// The EMA callback: the average against the formula applied to the weights
+// after each optimizer step (once per step under gradient accumulation, every
+// n-th step), validation with the averaged weights and the training weights
+// back after it, the module keeping the average at the end, a resumed run
+// ending bit-identical, and bad options named.
+#include "fulgur/callbacks/ema.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+using ::testing::HasSubstr;
+using fulgur::EMA;
+using fulgur::EMAOptions;
+using fulgur::test::clone_parameters;
+using fulgur::test::LinearRegression;
+using fulgur::test::parameters_equal;
+using fulgur::test::regression_loader;
+using fulgur::test::TempDir;
+using fulgur::test::test_options;
+
+// Records the module's parameters after every optimizer step (it runs after
+// the EMA callback, which comes first in the list).
+class StepRecorder : public fulgur::Callback {
+ public:
+  std::string state_key() const override { return "StepRecorder"; }
+  void on_train_start(fulgur::Trainer&, fulgur::Module& m) override {
+    if (steps.empty()) steps.push_back(clone_parameters(m));
+  }
+  void on_train_batch_end(fulgur::Trainer& t, fulgur::Module& m, const at::Tensor&,
+                          const fulgur::Batch&, int64_t) override {
+    if (t.global_step() == last) return;
+    last = t.global_step();
+    steps.push_back(clone_parameters(m));
+  }
+  std::vector<std::vector<at::Tensor>> steps;  // [0]: before the first step
+  int64_t last = 0;
+};
+
+// The formula, with the callback's own operations.
+std::vector<at::Tensor> expected_average(const std::vector<std::vector<at::Tensor>>& steps,
+                                         double decay, int64_t every_n) {
+  std::vector<at::Tensor> average;
+  for (const auto& p : steps[0]) average.push_back(p.clone());
+  for (size_t k = 1; k < steps.size(); ++k) {
+    if (static_cast<int64_t>(k) % every_n != 0) continue;
+    for (size_t i = 0; i < average.size(); ++i) average[i].mul_(decay).add_(steps[k][i], 1 - decay);
+  }
+  return average;
+}
+
+void expect_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
+}
+
+TEST(EMA, TheAverageIsTheFormulaOverTheWeightsAfterEachStep) {
+  TempDir dir;
+  LinearRegression model;
+  auto ema = std::make_shared<EMA>(EMAOptions{.decay = 0.75, .apply_at_end = false});
+  auto recorder = std::make_shared<StepRecorder>();
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.callbacks = {ema, recorder};
+  auto result = fulgur::Trainer(options).fit(model, regression_loader(4));
+  ASSERT_EQ(result.global_step, 8);
+  ASSERT_EQ(recorder->steps.size(), 9u);
+  expect_equal(ema->average(), expected_average(recorder->steps, 0.75, 1));
+  EXPECT_EQ(ema->last_update_step(), 8);
+  // apply_at_end=false: the module keeps its last training weights.
+  expect_equal(clone_parameters(model), recorder->steps.back());
+}
+
+TEST(EMA, EveryNthOptimizerStepNotEveryMicroBatch) {
+  TempDir dir;
+  LinearRegression model;
+  auto ema = std::make_shared<EMA>(EMAOptions{.decay = 0.5, .every_n_steps = 2});
+  auto recorder = std::make_shared<StepRecorder>();
+  auto options = test_options(dir);
+  options.max_epochs = 3;
+  options.accumulate_grad_batches = 2;
+  options.callbacks = {ema, recorder};
+  auto result = fulgur::Trainer(options).fit(model, regression_loader(4));
+  ASSERT_EQ(result.global_step, 6);
+  expect_equal(ema->average(), expected_average(recorder->steps, 0.5, 2));
+  EXPECT_EQ(ema->last_update_step(), 6);
+  // apply_at_end (the default): the module ends with the average.
+  expect_equal(clone_parameters(model), ema->average());
+}
+
+TEST(EMA, ValidationRunsWithTheAverageAndTrainingGoesOnWithItsOwnWeights) {
+  TempDir dir;
+  LinearRegression model;
+  std::vector<std::vector<at::Tensor>> seen_in_validation;
+  model.val_hook = [&](LinearRegression& m, fulgur::Batch&, int64_t batch_idx) {
+    if (batch_idx == 0) seen_in_validation.push_back(clone_parameters(m));
+  };
+  auto ema = std::make_shared<EMA>(EMAOptions{.decay = 0.9, .apply_at_end = false});
+  auto recorder = std::make_shared<StepRecorder>();
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.num_sanity_val_steps = 0;
+  options.callbacks = {ema, recorder};
+  fulgur::Trainer(options).fit(model, regression_loader(4), regression_loader(2));
+  ASSERT_EQ(seen_in_validation.size(), 2u);
+  // After epoch 1's 4 steps, validation saw the average of those.
+  std::vector<std::vector<at::Tensor>> first_epoch(recorder->steps.begin(),
+                                                   recorder->steps.begin() + 5);
+  expect_equal(seen_in_validation[0], expected_average(first_epoch, 0.9, 1));
+  // ...and epoch 2 trained on from the weights of step 4, not the average:
+  // the run ends as the formula over the recorded steps says.
+  expect_equal(ema->average(), expected_average(recorder->steps, 0.9, 1));
+  expect_equal(clone_parameters(model), recorder->steps.back());
+  EXPECT_FALSE(torch::equal(seen_in_validation[0][0], recorder->steps[4][0]));
+}
+
+TEST(EMA, AResumedRunEndsBitIdenticalToTheUninterruptedOne) {
+  TempDir whole, parts;
+  LinearRegression uninterrupted, first, resumed;
+  fulgur::test::copy_parameters(uninterrupted, first);
+  fulgur::test::copy_parameters(uninterrupted, resumed);
+  auto options = test_options(whole);
+  options.enable_checkpointing = true;
+  options.max_epochs = 3;
+  auto full_ema = std::make_shared<EMA>(EMAOptions{.decay = 0.8});
+  options.callbacks = {full_ema};
+  fulgur::Trainer(options).fit(uninterrupted, regression_loader(4));
+
+  options.default_root_dir = parts.path();
+  options.max_epochs = 2;
+  options.callbacks = {std::make_shared<EMA>(EMAOptions{.decay = 0.8})};
+  fulgur::Trainer(options).fit(first, regression_loader(4));
+  options.max_epochs = 3;
+  auto resumed_ema = std::make_shared<EMA>(EMAOptions{.decay = 0.8});
+  options.callbacks = {resumed_ema};
+  fulgur::Trainer(options).fit(resumed, regression_loader(4), nullptr, {.ckpt_path = "last"});
+  EXPECT_EQ(resumed_ema->last_update_step(), 12);
+  expect_equal(resumed_ema->average(), full_ema->average());
+  EXPECT_TRUE(parameters_equal(uninterrupted, resumed));
+}
+
+TEST(EMA, BadOptionsAreNamed) {
+  try {
+    EMA bad(EMAOptions{.decay = 1.0, .every_n_steps = 0});
+    ADD_FAILURE() << "no error";
+  } catch (const fulgur::ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("decay=1: must be in [0, 1)"));
+    EXPECT_THAT(e.what(), HasSubstr("every_n_steps=0: must be >= 1"));
+  }
+}
+
+}  // namespace
