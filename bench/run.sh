@@ -113,6 +113,37 @@ mapfile -t optim_rows < <(build/bench/fulgur_bench_optimizers --tensors 50 --wid
   --steps "$optim_steps" --reps "$optim_reps")
 results+=("${optim_rows[@]}")
 
+# Activation checkpointing: memory and step time of a deep MLP, plain and with
+# each block a fulgur::nn::Checkpoint.
+activations_reps=${ACTIVATIONS_REPS:-5}
+activations_row=$(build/bench/fulgur_bench_activations --layers 16 --width 512 --batch 128 \
+  --steps 5 --reps "$activations_reps" | head -n 1)
+results+=("$activations_row")
+
+# The "Activation checkpointing" section of RESULTS.md from bench/activations.cpp's row.
+activations_section() {
+  echo "## Activation checkpointing"
+  echo
+  "$py" -c '
+import json, sys
+r = json.loads(sys.argv[1])
+print("An MLP of %d blocks (Linear(%d, %d), GELU, Linear(%d, %d), GELU), batch %d, SGD, one process, %d thread(s):" % (r["layers"], r["width"], 4 * r["width"], 4 * r["width"], r["width"], r["batch"], r["threads"]))
+print("plain, and with each block a `fulgur::nn::Checkpoint`. Each measurement runs in a process of its own;")
+print("activation memory is its peak RSS over 5 steps (reset with /proc/self/clear_refs after a warm-up step,")
+print("gradients allocated) minus its RSS before them; the variants alternate, medians of %s" % sys.argv[2])
+print("(`build/bench/fulgur_bench_activations --layers %d --width %d --batch %d --steps 5 --reps %s`)." % (r["layers"], r["width"], r["batch"], sys.argv[2]))
+print()
+print("| variant | activation MB | ms per step | same loss after the steps |")
+print("|---|---|---|---|")
+print("| plain | %.1f | %.1f | |" % (r["plain_activation_mb"], r["plain_ms_per_step"]))
+print("| each block a `fulgur::nn::Checkpoint` | %.1f (%.2fx) | %.1f (%.2fx) | %s |" % (r["checkpointed_activation_mb"], r["memory_ratio"], r["checkpointed_ms_per_step"], r["time_ratio"], "yes (bit-identical)" if r["same_loss"] else "NO"))' "$@"
+  echo
+  echo "Reading this table: a checkpointed block keeps only its input (1/10 of what the plain block"
+  echo "keeps for backward: its input, the 4x-wide hidden activation twice and its output) and runs its"
+  echo "forward twice, so memory falls toward one block's activations plus each block's input while a"
+  echo "step costs about one more forward (~1.3x of forward + backward)."
+}
+
 # The "Multi-tensor optimizer steps" section of RESULTS.md from
 # bench/optimizers.cpp's rows.
 optim_section() {
@@ -387,5 +418,7 @@ for k in ("fulgur", "pytorch_ddp", "naive"):
   data_section "$data_row"
   echo
   optim_section "${optim_rows[@]}"
+  echo
+  activations_section "$activations_row" "$activations_reps"
 } > bench/RESULTS.md
 cat bench/RESULTS.md
