@@ -20,7 +20,7 @@
 #                   fulgur's own code fails the build (CI)
 #   --unoptimized   compile everything without optimisation (-O0; the tests share the
 #                   library's precompiled header): a compile, link and behaviour check
-#                   in a third less time (CI's CUDA step; the CPU step compiles at -O3)
+#                   in less time (CI's CUDA step; the CPU step compiles at -O3)
 #   --keep-build    work in $FULGUR_ROOT_CACHE/work/<variant>.kept and keep its build/
 #                   for the next --keep-build run (the checkout is copied in anew
 #                   each time; Ninja then rebuilds only what changed)
