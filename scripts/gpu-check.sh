@@ -2,7 +2,8 @@
 # What only a machine with NVIDIA GPUs can check: builds fulgur against a CUDA
 # LibTorch and runs every CUDA test, then the main job on the GPUs.
 #
-# Usage: scripts/gpu-check.sh [--pip-torch] [cmake configure arguments...]
+# Usage: scripts/gpu-check.sh [--deps DIR] [--pip-torch] [--bench]
+#                            [cmake configure arguments...]
 #   On Debian 13 with Debian's CUDA LibTorch (bash scripts/install-deps.sh --cuda):
 #     bash scripts/gpu-check.sh
 #   With pytorch.org's CUDA LibTorch zip unpacked in /opt/libtorch:
@@ -15,7 +16,16 @@
 #     -I to another copy in CXXFLAGS) provides them. Checked with torch 2.11
 #     (CUDA 13) on an H200.
 #
-# It builds in build-gpu/ (no benchmarks), then runs:
+#   On a machine without Debian's packages (no network, no apt), with the
+#   dev packages that scripts/gpu-carry.sh unpacked into DIR on a Debian
+#   machine and carried along:
+#     bash scripts/gpu-check.sh --deps .gpu-carry --pip-torch --bench
+#   --deps puts DIR/usr on CMake's, pkg-config's, the compiler's and the
+#   loader's search paths, and links the main job's dataset into place.
+#   --bench also builds the GPU benchmark and runs it after the checks
+#   (bench/gpu.cpp; it writes bench/gpu-results.md).
+#
+# It builds in build-gpu/ (no benchmarks unless --bench), then runs:
 #   1. the CUDA tests (named *_CUDA; on a machine without enough GPUs each skips
 #      and says how many it needs): devices and batches on CUDA, bf16-mixed and
 #      16-mixed with the GradScaler, deterministic seeded runs, NCCL two-rank DDP
@@ -28,6 +38,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+bench=0
+if [ "${1:-}" = "--deps" ]; then
+  deps=$(cd "${2:?--deps needs a directory (made by scripts/gpu-carry.sh)}" && pwd)/usr
+  shift 2
+  [ -d "$deps/include" ] || { echo "gpu-check: --deps: $deps/include is missing; make the" \
+    "directory with bash scripts/gpu-carry.sh DIR on a Debian machine" >&2; exit 2; }
+  arch_lib="$deps/lib/x86_64-linux-gnu"
+  export CMAKE_PREFIX_PATH="$deps${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}"
+  export PKG_CONFIG_PATH="$arch_lib/pkgconfig:$deps/share/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
+  export CXXFLAGS="${CXXFLAGS:-} -I$deps/include"
+  export LDFLAGS="${LDFLAGS:-} -L$arch_lib -Wl,-rpath,$arch_lib"
+  export LD_LIBRARY_PATH="$arch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  if [ -d "$deps/share/datasets/fashion-mnist" ] && [ ! -e /usr/share/datasets/fashion-mnist ]; then
+    mkdir -p /usr/share/datasets 2>/dev/null &&
+      ln -s "$deps/share/datasets/fashion-mnist" /usr/share/datasets/fashion-mnist 2>/dev/null ||
+      echo "gpu-check: --deps: could not link the dataset into /usr/share/datasets" >&2
+  fi
+fi
 if [ "${1:-}" = "--pip-torch" ]; then
   shift
   prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)') || {
@@ -46,7 +74,8 @@ if [ "${1:-}" = "--pip-torch" ]; then
   else
     echo "gpu-check: --pip-torch: no NCCL found under $site/nvidia; building without NCCL" >&2
   fi
-  if [ ! -e /usr/include/gloo/algorithm.h ] && [[ "$flags" != *gloo* ]]; then
+  if [ ! -e /usr/include/gloo/algorithm.h ] && [ ! -e "${deps:-/nonexistent}/include/gloo/algorithm.h" ] &&
+     [[ "$flags" != *gloo* ]]; then
     echo "gpu-check: --pip-torch: the wheel has no Gloo headers and /usr/include/gloo is" \
          "missing: install libgloo-dev, or put -I/path/to/gloo-headers in CXXFLAGS." >&2
     exit 2
@@ -54,6 +83,10 @@ if [ "${1:-}" = "--pip-torch" ]; then
   set -- -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_FLAGS="$flags" \
     -DCMAKE_CXX_STANDARD_LIBRARIES="$libs" "$@"
   echo "gpu-check: LibTorch $(python3 -c 'import torch; print(torch.__version__)') from $prefix"
+fi
+if [ "${1:-}" = "--bench" ]; then
+  bench=1
+  shift
 fi
 
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
@@ -66,7 +99,8 @@ gpus=$(nvidia-smi -L | grep -c '^GPU ')
 echo "gpu-check: $gpus GPU(s):"
 nvidia-smi -L
 
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DFULGUR_BUILD_BENCH=OFF "$@"
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DFULGUR_BUILD_BENCH=$([ "$bench" = 1 ] && echo ON || echo OFF) "$@"
 cmake --build build-gpu
 
 # The build must see the GPUs, or every test below would only skip.
@@ -88,4 +122,8 @@ strategy=$([ "$devices" -ge 2 ] && echo ddp || echo single_device)
 echo "gpu-check: main job on $devices GPU(s), strategy $strategy"
 build-gpu/examples/fashion_mnist/fashion_mnist --accelerator cuda --devices "$devices" \
   --strategy "$strategy" || fail $?
+if [ "$bench" = 1 ]; then
+  echo "gpu-check: the GPU benchmark"
+  build-gpu/bench/fulgur_bench_gpu --markdown bench/gpu-results.md || fail $?
+fi
 exit "$status"

@@ -16,6 +16,7 @@
 #include <ATen/ops/_foreach_mul.h>
 #include <ATen/ops/_foreach_sqrt.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <cmath>
@@ -198,17 +199,96 @@ at::Tensor run_closure(const torch::optim::Optimizer::LossClosure& closure) {
   return closure();
 }
 
+/// `n` copies of one 0-dim tensor: the scalar operand of a list-list
+/// multi-tensor operator (each tensor broadcasts it).
+TensorVector repeated(const at::Tensor& scalar, size_t n) { return TensorVector(n, scalar); }
+
+/// Adam's or AdamW's update in device-scalar mode: the arithmetic of
+/// adam_update with the per-step numbers read from 0-dim device tensors:
+/// `neg_step_size` = -lr / bias_correction1, `sqrt_bc2` =
+/// sqrt(bias_correction2) (the constants are the options').
+template <bool kDecoupled, class Options>
+void adam_update_device(const Options& options, const at::Tensor& neg_step_size,
+                        const at::Tensor& sqrt_bc2, AdamBatch& b) {
+  const size_t n = b.params.size();
+  const double beta1 = std::get<0>(options.betas());
+  const double beta2 = std::get<1>(options.betas());
+  const double weight_decay = options.weight_decay();
+  TensorVector decayed;
+  if (!kDecoupled && weight_decay != 0) decayed = at::_foreach_add(b.grads, b.params, weight_decay);
+  const TensorVector& grads = decayed.empty() ? b.grads : decayed;
+  at::_foreach_mul_(b.exp_avgs, beta1);
+  at::_foreach_add_(b.exp_avgs, grads, 1 - beta1);
+  at::_foreach_mul_(b.exp_avg_sqs, beta2);
+  at::_foreach_addcmul_(b.exp_avg_sqs, grads, grads, 1 - beta2);
+  TensorVector denom;
+  if (options.amsgrad()) {
+    at::_foreach_maximum_(b.max_exp_avg_sqs, b.exp_avg_sqs);
+    denom = at::_foreach_sqrt(b.max_exp_avg_sqs);
+  } else {
+    denom = at::_foreach_sqrt(b.exp_avg_sqs);
+  }
+  at::_foreach_div_(denom, repeated(sqrt_bc2, n));
+  at::_foreach_add_(denom, options.eps());
+  TensorVector update = at::_foreach_div(b.exp_avgs, denom);
+  at::_foreach_mul_(update, repeated(neg_step_size, n));
+  at::_foreach_add_(b.params, update);
+}
+
+/// One Adam/AdamW step of a group in device-scalar mode: every parameter
+/// with a gradient has a state, and all share one step count (checked by
+/// why_not_device_scalars); `slots` = {-step_size, sqrt(bias_correction2),
+/// 1 - lr * weight_decay}.
+template <bool kDecoupled, class Options, class ParamState, class StateMap>
+void adam_group_step_device(const char* optimizer, const Options& options, WithGrad& group,
+                            StateMap& state, const at::Tensor* slots, TensorVector& stepped) {
+  const size_t n = group.params.size();
+  if (n == 0) return;
+  AdamBatch b;
+  for (size_t i = 0; i < n; ++i) {
+    auto* s = find_state<ParamState>(state, group.params[i]);
+    TORCH_CHECK(s != nullptr, "fulgur::optim::", optimizer,
+                ": in device-scalar mode (a CUDA-graph step) a parameter has a gradient but no "
+                "state: it had no gradient in the steps before the capture. Give every trained "
+                "parameter a gradient in the warm-up steps.");
+    b.params.push_back(group.params[i]);
+    b.grads.push_back(group.grads[i]);
+    b.exp_avgs.push_back(s->exp_avg());
+    b.exp_avg_sqs.push_back(s->exp_avg_sq());
+    if (options.amsgrad()) b.max_exp_avg_sqs.push_back(s->max_exp_avg_sq());
+    stepped.push_back(group.params[i]);
+  }
+  if (kDecoupled && options.weight_decay() != 0) {
+    at::_foreach_mul_(b.params, repeated(slots[2], n));
+  }
+  adam_update_device<kDecoupled>(options, slots[0], slots[1], b);
+}
+
 /// Adam's and AdamW's step (`Parent`: torch::optim's class, whose own step
 /// runs where a group lists a tensor twice): the closure, the sparse check
-/// before anything changes, then every group's adam_group_step.
+/// before anything changes, then every group's adam_group_step (or, in
+/// device-scalar mode, adam_group_step_device).
 template <bool kDecoupled, class Options, class ParamState, class Parent>
 at::Tensor adam_family_step(Parent& self, const char* name,
-                            const torch::optim::Optimizer::LossClosure& closure) {
+                            const torch::optim::Optimizer::LossClosure& closure,
+                            const TensorVector* slots, TensorVector* stepped) {
   at::NoGradGuard no_grad;
   at::Tensor loss = run_closure(closure);
   auto groups = parameters_with_grad(self.param_groups());
   TORCH_CHECK(!any_sparse_grad(groups), "fulgur::optim::", name,
               " does not support sparse gradients (nor does torch::optim::", name, ")");
+  if (slots != nullptr) {
+    TORCH_CHECK(!any_group_lists_a_tensor_twice(groups), "fulgur::optim::", name,
+                ": a parameter group lists a tensor twice, which a device-scalar step (a "
+                "CUDA-graph step) cannot update twice. List each tensor once.");
+    stepped->clear();
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const auto& options = static_cast<const Options&>(self.param_groups()[g].options());
+      adam_group_step_device<kDecoupled, Options, ParamState>(
+          name, options, groups[g], self.state(), &(*slots)[3 * g], *stepped);
+    }
+    return loss;
+  }
   if (any_group_lists_a_tensor_twice(groups)) {
     self.Parent::step(nullptr);
     return loss;
@@ -226,7 +306,12 @@ at::Tensor SGD::step(LossClosure closure) {
   at::NoGradGuard no_grad;
   at::Tensor loss = run_closure(closure);
   auto groups = parameters_with_grad(param_groups_);
-  if (any_sparse_grad(groups) || any_group_lists_a_tensor_twice(groups)) {
+  const bool device_scalars = uses_device_scalars();
+  if (device_scalars) {
+    TORCH_CHECK(!any_sparse_grad(groups) && !any_group_lists_a_tensor_twice(groups),
+                "fulgur::optim::SGD: a device-scalar step (a CUDA-graph step) needs dense "
+                "gradients and parameter groups that list each tensor once.");
+  } else if (any_sparse_grad(groups) || any_group_lists_a_tensor_twice(groups)) {
     torch::optim::SGD::step(nullptr);
     return loss;
   }
@@ -248,6 +333,12 @@ at::Tensor SGD::step(LossClosure closure) {
       TensorVector old_d_p;
       for (size_t i = 0; i < params.size(); ++i) {
         auto* s = find_state<torch::optim::SGDParamState>(state_, params[i]);
+        // A new buffer in a captured step would be set again at each replay.
+        TORCH_CHECK(s != nullptr || !device_scalars,
+                    "fulgur::optim::SGD: in device-scalar mode (a CUDA-graph step) a parameter "
+                    "has a gradient but no momentum buffer: it had no gradient in the steps "
+                    "before the capture. Give every trained parameter a gradient in the warm-up "
+                    "steps.");
         if (s == nullptr) {
           bufs[i] = d_p[i].detach().clone();
           auto fresh = std::make_unique<torch::optim::SGDParamState>();
@@ -271,19 +362,212 @@ at::Tensor SGD::step(LossClosure closure) {
     TensorVector data;
     data.reserve(params.size());
     for (const auto& p : params) data.push_back(p.data());
-    at::_foreach_add_(data, d_p, -1 * options.lr());
+    if (device_scalars) {
+      at::_foreach_add_(data, at::_foreach_mul(d_p, repeated(scalar(g, 0, 1), d_p.size())));
+    } else {
+      at::_foreach_add_(data, d_p, -1 * options.lr());
+    }
   }
   return loss;
 }
 
+namespace {
+
+/// Why Adam's or AdamW's state cannot take a device-scalar step, or "".
+template <class ParamState, class Parent>
+std::string adam_why_not_device_scalars(const Parent& self, const char* name) {
+  for (size_t g = 0; g < self.param_groups().size(); ++g) {
+    std::optional<int64_t> step;
+    for (const auto& p : self.param_groups()[g].params()) {
+      auto it = self.state().find(compat::optimizer_state_key(p));
+      if (it == self.state().end()) continue;
+      const int64_t count = static_cast<const ParamState&>(*it->second).step();
+      if (step && *step != count) {
+        return c10::str(name, ": parameter group ", g, " holds parameters with different step counts (",
+                      *step, " and ", count, "; some had no gradient on some steps), whose bias "
+                      "corrections differ: a captured step has one per group");
+      }
+      step = count;
+    }
+  }
+  return "";
+}
+
+/// The step count of a group's parameters that the next device-scalar step
+/// steps (those of the last such step, else any with a state).
+template <class ParamState, class Parent>
+int64_t adam_group_step_count(const Parent& self, size_t g, const TensorVector& stepped) {
+  std::vector<const void*> in_group;
+  for (const auto& p : self.param_groups()[g].params()) {
+    in_group.push_back(p.unsafeGetTensorImpl());
+  }
+  auto count_of = [&](const at::Tensor& p) -> std::optional<int64_t> {
+    auto it = self.state().find(compat::optimizer_state_key(p));
+    if (it == self.state().end()) return std::nullopt;
+    return static_cast<const ParamState&>(*it->second).step();
+  };
+  for (const auto& p : stepped) {
+    if (std::find(in_group.begin(), in_group.end(), p.unsafeGetTensorImpl()) == in_group.end()) {
+      continue;
+    }
+    if (auto count = count_of(p)) return *count;
+  }
+  for (const auto& p : self.param_groups()[g].params()) {
+    if (auto count = count_of(p)) return *count;
+  }
+  return 0;
+}
+
+/// The per-step numbers of Adam or AdamW for the next step, three per
+/// group: -lr / bias_correction1, sqrt(bias_correction2), 1 - lr * weight_decay.
+template <class Options, class ParamState, class Parent>
+std::vector<double> adam_step_scalars(const Parent& self, const TensorVector& stepped) {
+  std::vector<double> values;
+  for (size_t g = 0; g < self.param_groups().size(); ++g) {
+    const auto& options = static_cast<const Options&>(self.param_groups()[g].options());
+    const int64_t step = adam_group_step_count<ParamState>(self, g, stepped) + 1;
+    const double bias_correction1 = 1 - std::pow(std::get<0>(options.betas()), step);
+    const double bias_correction2 = 1 - std::pow(std::get<1>(options.betas()), step);
+    values.push_back(-(options.lr() / bias_correction1));
+    values.push_back(std::sqrt(bias_correction2));
+    values.push_back(1 - options.lr() * options.weight_decay());
+  }
+  return values;
+}
+
+template <class ParamState, class StateMap>
+void advance_step_counts(StateMap& state, const TensorVector& stepped) {
+  for (const auto& p : stepped) {
+    if (auto* s = find_state<ParamState>(state, p)) s->step(s->step() + 1);
+  }
+}
+
+template <class Options, class Parent>
+std::vector<double> adam_baked_options(const Parent& self) {
+  std::vector<double> baked;
+  for (const auto& group : self.param_groups()) {
+    const auto& options = static_cast<const Options&>(group.options());
+    baked.insert(baked.end(), {std::get<0>(options.betas()), std::get<1>(options.betas()),
+                               options.eps(), options.weight_decay(),
+                               options.amsgrad() ? 1.0 : 0.0,
+                               static_cast<double>(group.params().size())});
+  }
+  return baked;
+}
+
+}  // namespace
+
+void DeviceScalarSteps::set_device_scalars(std::optional<c10::Device> device) {
+  if (device != device_) {
+    scalars_ = at::Tensor();
+    views_.clear();
+  }
+  device_ = device;
+}
+
+const std::vector<at::Tensor>& DeviceScalarSteps::write_scalars(const std::vector<double>& values) {
+  TORCH_CHECK(device_.has_value(), "DeviceScalarSteps::write_scalars outside device-scalar mode");
+  const auto n = static_cast<int64_t>(values.size());
+  if (!scalars_.defined() || scalars_.numel() != n) {
+    scalars_ = at::zeros({n}, at::TensorOptions().dtype(at::kDouble).device(*device_));
+    views_.clear();
+    for (int64_t i = 0; i < n; ++i) views_.push_back(scalars_[i]);
+  }
+  // From page-locked memory where the device is a GPU: the copy is queued
+  // on the current stream and the host never waits; the caching host
+  // allocator keeps the buffer until the copy has run.
+  at::Tensor host = at::empty(
+      {n}, at::TensorOptions().dtype(at::kDouble).pinned_memory(device_->is_cuda()));
+  std::copy(values.begin(), values.end(), host.data_ptr<double>());
+  scalars_.copy_(host, /*non_blocking=*/device_->is_cuda());
+  return views_;
+}
+
+const at::Tensor& DeviceScalarSteps::scalar(size_t group, size_t index, size_t per_group) const {
+  const size_t i = group * per_group + index;
+  TORCH_CHECK(i < views_.size(), "DeviceScalarSteps: no device scalar ", i,
+              " (prepare_step() was not called since the parameter groups changed)");
+  return views_[i];
+}
+
+std::string SGD::why_not_device_scalars() const {
+  // Nothing to refuse up front: a parameter without a momentum buffer may
+  // be one that never gets a gradient (frozen); one that gets a gradient in
+  // a device-scalar step without having a buffer is refused by step().
+  return "";
+}
+
+void SGD::prepare_step() {
+  std::vector<double> values;
+  for (const auto& group : param_groups_) values.push_back(-1 * group.options().get_lr());
+  write_scalars(values);
+}
+
+std::vector<double> SGD::baked_options() const {
+  std::vector<double> baked;
+  for (const auto& group : param_groups_) {
+    const auto& options = static_cast<const torch::optim::SGDOptions&>(group.options());
+    baked.insert(baked.end(), {options.momentum(), options.dampening(), options.weight_decay(),
+                               options.nesterov() ? 1.0 : 0.0,
+                               static_cast<double>(group.params().size())});
+  }
+  return baked;
+}
+
 at::Tensor Adam::step(LossClosure closure) {
+  TensorVector slots;
+  for (size_t g = 0; uses_device_scalars() && g < param_groups_.size(); ++g) {
+    for (size_t i = 0; i < 3; ++i) slots.push_back(scalar(g, i, 3));
+  }
   return adam_family_step<false, torch::optim::AdamOptions, torch::optim::AdamParamState,
-                          torch::optim::Adam>(*this, "Adam", closure);
+                          torch::optim::Adam>(*this, "Adam", closure,
+                                              uses_device_scalars() ? &slots : nullptr,
+                                              &device_stepped_);
+}
+
+std::string Adam::why_not_device_scalars() const {
+  return adam_why_not_device_scalars<torch::optim::AdamParamState>(*this, "Adam");
+}
+
+void Adam::prepare_step() {
+  write_scalars(adam_step_scalars<torch::optim::AdamOptions, torch::optim::AdamParamState>(
+      *this, device_stepped_));
+}
+
+void Adam::finish_step() {
+  advance_step_counts<torch::optim::AdamParamState>(state_, device_stepped_);
+}
+
+std::vector<double> Adam::baked_options() const {
+  return adam_baked_options<torch::optim::AdamOptions>(*this);
 }
 
 at::Tensor AdamW::step(LossClosure closure) {
+  TensorVector slots;
+  for (size_t g = 0; uses_device_scalars() && g < param_groups_.size(); ++g) {
+    for (size_t i = 0; i < 3; ++i) slots.push_back(scalar(g, i, 3));
+  }
   return adam_family_step<true, torch::optim::AdamWOptions, torch::optim::AdamWParamState,
-                          torch::optim::AdamW>(*this, "AdamW", closure);
+                          torch::optim::AdamW>(*this, "AdamW", closure,
+                                               uses_device_scalars() ? &slots : nullptr,
+                                               &device_stepped_);
+}
+
+std::string AdamW::why_not_device_scalars() const {
+  return adam_why_not_device_scalars<torch::optim::AdamWParamState>(*this, "AdamW");
+}
+
+void AdamW::prepare_step() {
+  write_scalars(adam_step_scalars<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+      *this, device_stepped_));
+}
+
+void AdamW::finish_step() {
+  advance_step_counts<torch::optim::AdamWParamState>(state_, device_stepped_);
+}
+
+std::vector<double> AdamW::baked_options() const {
+  return adam_baked_options<torch::optim::AdamWOptions>(*this);
 }
 
 }  // namespace fulgur::optim

@@ -273,6 +273,11 @@ std::vector<TrainerFlag> make_flags() {
                  o.prefetch_to_device = *value;
                  return "";
                }});
+  f.push_back({"cuda_graph", "hardware",
+               "Capture the training step into a CUDA graph and replay it (cuda, single_device, "
+               "fulgur::optim)",
+               [](const O& o) { return std::string(o.cuda_graph ? "true" : "false"); },
+               set_bool(&O::cuda_graph)});
   f.push_back({"use_distributed_sampler", "hardware",
                "Split each epoch's samples across ranks (a DistributedSampler)",
                [](const O& o) { return std::string(o.use_distributed_sampler ? "true" : "false"); },

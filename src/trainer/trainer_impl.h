@@ -78,8 +78,9 @@ struct Trainer::Impl final : detail::TrainerLink {
     fit_loop.manual_optimizer_step(m, optimizer);
   }
 
-  /// Where the loops point the Module's log() (null: nowhere).
-  static void set_log_sink(Module& m, detail::LogSink* sink) {
+  /// Where the loops point the Module's log() (null: nowhere; a sink of
+  /// its own while a CUDA graph captures the step).
+  static void set_log_sink(Module& m, detail::ModuleLogSink* sink) {
     detail::TrainerLink::set_log_sink(m, sink);
   }
 

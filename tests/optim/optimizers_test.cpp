@@ -549,4 +549,119 @@ TEST(FulgurOptimizers, TrainerFitWithFulgurAdamEqualsFitWithTorchAdam) {
   EXPECT_FALSE(fulgur::test::parameters_equal(ours, untrained)) << "the fit moved nothing";
 }
 
+// ---- Device-scalar steps (what a CUDA-graph step uses), on the CPU.
+
+/// Every parameter but the last (which never has one) gets a gradient.
+void set_all_gradients(const TensorVector& params, int step) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * step + i);
+    params[i].mutable_grad() = i + 1 == params.size() ? at::Tensor()
+                                                      : at::randn(params[i].sizes(), gen);
+  }
+}
+
+/// Two host steps on both, then `device_steps` steps with fulgur's in
+/// device-scalar mode (prepare_step, step, finish_step) and a learning rate
+/// scaled by 0.7 after each step in both groups (a schedule): parameters
+/// within float rounding of torch::optim's, step counts equal.
+template <class Fulgur, class Torch, class ParamState, class Options>
+void expect_device_scalar_steps_match(const Options& options) {
+  auto initial = initial_parameters();
+  auto ours = leaves(initial);
+  auto theirs = leaves(initial);
+  Fulgur fulgur_optimizer(two_groups(ours, options), options);
+  Torch torch_optimizer(two_groups(theirs, options), options);
+  for (int step = 0; step < 2; ++step) {
+    set_all_gradients(ours, step);
+    set_all_gradients(theirs, step);
+    fulgur_optimizer.step();
+    torch_optimizer.step();
+  }
+  ASSERT_EQ(fulgur_optimizer.why_not_device_scalars(), "");
+  fulgur_optimizer.set_device_scalars(c10::Device(c10::kCPU));
+  for (int step = 2; step < 8; ++step) {
+    set_all_gradients(ours, step);
+    set_all_gradients(theirs, step);
+    fulgur_optimizer.prepare_step();
+    fulgur_optimizer.step();
+    fulgur_optimizer.finish_step();
+    torch_optimizer.step();
+    for (auto* opt : std::vector<torch::optim::Optimizer*>{&fulgur_optimizer, &torch_optimizer}) {
+      for (auto& group : opt->param_groups()) {
+        group.options().set_lr(group.options().get_lr() * 0.7);
+      }
+    }
+    for (size_t i = 0; i < ours.size(); ++i) {
+      ASSERT_TRUE(torch::allclose(ours[i], theirs[i], 1e-5, 1e-6))
+          << "parameter " << i << " after step " << step << ": max |diff| "
+          << (ours[i] - theirs[i]).abs().max().item<float>();
+    }
+  }
+  if constexpr (!std::is_same_v<ParamState, torch::optim::SGDParamState>) {
+    for (size_t i = 0; i + 1 < ours.size(); ++i) {
+      EXPECT_EQ(state_of<ParamState>(fulgur_optimizer, ours[i])->step(), 8) << "parameter " << i;
+    }
+  }
+  // The steps moved the parameters with the scheduled rates: host steps at
+  // the rate of the first step would end elsewhere.
+  fulgur_optimizer.set_device_scalars(std::nullopt);
+  EXPECT_FALSE(fulgur_optimizer.uses_device_scalars());
+}
+
+TEST(FulgurOptimizers, DeviceScalarStepsMatchTorchOptimWithAChangingRate) {
+  expect_device_scalar_steps_match<fulgur::optim::SGD, torch::optim::SGD,
+                                   torch::optim::SGDParamState>(
+      torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(1e-2));
+  expect_device_scalar_steps_match<fulgur::optim::SGD, torch::optim::SGD,
+                                   torch::optim::SGDParamState>(
+      torch::optim::SGDOptions(0.05).momentum(0.5).dampening(0.1));
+  expect_device_scalar_steps_match<fulgur::optim::Adam, torch::optim::Adam,
+                                   torch::optim::AdamParamState>(
+      torch::optim::AdamOptions(1e-2).weight_decay(1e-2).amsgrad(true));
+  expect_device_scalar_steps_match<fulgur::optim::AdamW, torch::optim::AdamW,
+                                   torch::optim::AdamWParamState>(
+      torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+}
+
+TEST(FulgurOptimizers, DeviceScalarStepsSayWhyTheyCannotRun) {
+  {
+    // Parameter 1 misses steps (gradient()): its Adam step count trails.
+    auto params = leaves(initial_parameters());
+    fulgur::optim::Adam adam(two_groups(params, torch::optim::AdamOptions(1e-2)),
+                             torch::optim::AdamOptions(1e-2));
+    for (int step = 0; step < 3; ++step) {
+      set_gradients(params, step);
+      adam.step();
+    }
+    EXPECT_THAT(adam.why_not_device_scalars(),
+                ::testing::HasSubstr("parameter group 0 holds parameters with different step "
+                                     "counts"));
+  }
+  {
+    // Momentum buffers exist only for parameters that had a gradient (the
+    // last one had none: a frozen parameter, which is no reason to refuse).
+    auto params = leaves(initial_parameters());
+    fulgur::optim::SGD sgd(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+    set_all_gradients(params, 0);
+    sgd.step();
+    EXPECT_EQ(sgd.why_not_device_scalars(), "");
+    // A parameter with a gradient but no buffer cannot get one in a
+    // device-scalar step (a captured step would set it again each replay).
+    sgd.set_device_scalars(c10::Device(c10::kCPU));
+    sgd.prepare_step();
+    params.back().mutable_grad() = torch::ones_like(params.back());
+    EXPECT_THROWS_WITH(c10::Error, sgd.step(), {"has a gradient but no momentum buffer"});
+  }
+}
+
+TEST(FulgurOptimizers, BakedOptionsChangeWithTheConstantsNotWithTheRate) {
+  auto params = leaves(initial_parameters());
+  fulgur::optim::AdamW adamw(params, torch::optim::AdamWOptions(1e-2));
+  const auto before = adamw.baked_options();
+  adamw.param_groups()[0].options().set_lr(1.0);
+  EXPECT_EQ(adamw.baked_options(), before);
+  static_cast<torch::optim::AdamWOptions&>(adamw.param_groups()[0].options()).weight_decay(0.5);
+  EXPECT_NE(adamw.baked_options(), before);
+}
+
 }  // namespace fulgur_optimizers_test

@@ -35,48 +35,130 @@
 //     by torch::optim (its state is shared), which one multi-tensor batch
 //     cannot do: a step that finds such a group runs the parent's
 //     per-parameter step instead (same result, LibTorch's speed).
+//
+// Graph-capturable steps (Trainer option cuda_graph): a step recorded into a
+// CUDA graph replays the same kernels with the same arguments, so a number
+// passed to a kernel as a scalar (the learning rate a scheduler changes,
+// Adam's bias corrections, which change with the step count) would stay the
+// one of the captured step. In device-scalar mode (set_device_scalars) the
+// step takes those numbers from a small tensor on the parameters' device,
+// which prepare_step() rewrites before each step, in stream order, without
+// waiting for the device; the step counts advance on the host
+// (finish_step()). The numbers that stay constant (momentum, dampening,
+// betas, eps, weight decay, nesterov, amsgrad) are read at capture:
+// baked_options() lists them so a captured step can be re-captured when one
+// changes. Numerics in that mode: the same operations with the scalar
+// multiplications done by tensor products, so equal to torch::optim within
+// float rounding (not bitwise).
 #pragma once
 
+#include <c10/core/Device.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <optional>
+#include <string>
+#include <vector>
+
 namespace fulgur::optim {
+
+/// What a CUDA-graph step needs from an optimizer: its per-step numbers in
+/// device tensors (see the file comment). fulgur's SGD, Adam and AdamW
+/// implement it; torch::optim's optimizers do not.
+class DeviceScalarSteps {
+ public:
+  /// On: from now on step() reads its per-step numbers from tensors on
+  /// `device`, which prepare_step() writes, and leaves the step counts to
+  /// finish_step(). nullopt: back to LibTorch's host scalars. The tensors
+  /// stay allocated (a captured graph keeps their addresses).
+  void set_device_scalars(std::optional<c10::Device> device);
+  bool uses_device_scalars() const { return device_.has_value(); }
+
+  /// Why this optimizer's state cannot take device-scalar steps (empty
+  /// when it can): Adam parameters of one group whose step counts differ.
+  /// What only the step can see (a sparse gradient, a tensor listed twice,
+  /// a gradient for a parameter without state) step() refuses.
+  virtual std::string why_not_device_scalars() const = 0;
+  /// Writes the numbers of the next step (its learning rates, bias
+  /// corrections) into the device tensors, asynchronously in stream order.
+  virtual void prepare_step() = 0;
+  /// The host's part of a step done in device-scalar mode: Adam's and
+  /// AdamW's step counts advance by one.
+  virtual void finish_step() {}
+  /// The options a captured step uses as constants, in a fixed order.
+  virtual std::vector<double> baked_options() const = 0;
+
+ protected:
+  DeviceScalarSteps() = default;
+  DeviceScalarSteps(const DeviceScalarSteps&) = default;
+  DeviceScalarSteps& operator=(const DeviceScalarSteps&) = default;
+  ~DeviceScalarSteps() = default;
+
+  /// Writes `values` into the device tensor (allocated on first use or when
+  /// the count changes) and returns one 0-dim view per value.
+  const std::vector<at::Tensor>& write_scalars(const std::vector<double>& values);
+  /// The views of the last write_scalars, `per_group` of them per group.
+  const at::Tensor& scalar(size_t group, size_t index, size_t per_group) const;
+
+  /// The parameters that the last step in device-scalar mode stepped (for
+  /// finish_step's step counts).
+  std::vector<at::Tensor> device_stepped_;
+
+ private:
+  std::optional<c10::Device> device_;
+  at::Tensor scalars_;
+  std::vector<at::Tensor> views_;
+};
 
 /// torch::optim::SGD (momentum, dampening, nesterov, weight_decay) stepped
 /// with multi-tensor operators; bit-identical to it on the CPU.
-class SGD : public torch::optim::SGD {
+class SGD : public torch::optim::SGD, public DeviceScalarSteps {
  public:
   using torch::optim::SGD::SGD;
 
   /// One step of every parameter with a gradient; calls `closure` first
   /// (with gradients enabled) and returns its loss, as torch::optim does.
   at::Tensor step(LossClosure closure = nullptr) override;
+
+  std::string why_not_device_scalars() const override;
+  void prepare_step() override;
+  std::vector<double> baked_options() const override;
 };
 
 /// torch::optim::Adam (betas, eps, weight_decay as L2, amsgrad) stepped with
 /// multi-tensor operators; bit-identical to it on the CPU. Parameters whose
 /// step counts differ (one had no gradient on some steps) are stepped in one
 /// batch per step count. Throws c10::Error on a sparse gradient, as Adam does.
-class Adam : public torch::optim::Adam {
+class Adam : public torch::optim::Adam, public DeviceScalarSteps {
  public:
   using torch::optim::Adam::Adam;
 
   /// One step of every parameter with a gradient; calls `closure` first
   /// (with gradients enabled) and returns its loss, as torch::optim does.
   at::Tensor step(LossClosure closure = nullptr) override;
+
+  std::string why_not_device_scalars() const override;
+  void prepare_step() override;
+  void finish_step() override;
+  std::vector<double> baked_options() const override;
 };
 
 /// torch::optim::AdamW (betas, eps, decoupled weight_decay, amsgrad) stepped
 /// with multi-tensor operators; bit-identical to it on the CPU. As Adam for
 /// step counts and sparse gradients.
-class AdamW : public torch::optim::AdamW {
+class AdamW : public torch::optim::AdamW, public DeviceScalarSteps {
  public:
   using torch::optim::AdamW::AdamW;
 
   /// One step of every parameter with a gradient; calls `closure` first
   /// (with gradients enabled) and returns its loss, as torch::optim does.
   at::Tensor step(LossClosure closure = nullptr) override;
+
+  std::string why_not_device_scalars() const override;
+  void prepare_step() override;
+  void finish_step() override;
+  std::vector<double> baked_options() const override;
 };
 
 }  // namespace fulgur::optim

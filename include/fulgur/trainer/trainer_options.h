@@ -135,6 +135,17 @@ struct TrainerOptions {
   /// its step starts. Either way a hook's `batch` is the loader's batch and
   /// a step's is the moved one.
   std::optional<bool> prefetch_to_device = std::nullopt;
+  /// Capture each training step (forward, backward, clipping, optimizer
+  /// steps) into a CUDA graph after 3 warm-up steps and replay it: one
+  /// launch per step instead of hundreds. Needs accelerator "cuda",
+  /// single_device, automatic optimization without accumulation, a
+  /// precision without loss scaler, and fulgur::optim's SGD, Adam or AdamW
+  /// (their learning rates and bias corrections live in device tensors, so
+  /// schedulers work); anything else is refused up front. Host code in
+  /// training_step and the step hooks runs only for the capture; log() a
+  /// tensor there (it is read from the graph's output every step). A batch
+  /// of other shapes (a last partial batch) runs eagerly.
+  bool cuda_graph = false;
   /// With several ranks, split every loader across them (training padded
   /// to equal lengths, evaluation exact). Off: each rank's loaders are used
   /// as they are (the user splits the data).

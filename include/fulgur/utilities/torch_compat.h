@@ -33,6 +33,10 @@
 #define FULGUR_STORE_CLONE_OVERRIDE
 #endif
 
+/// at::cuda::CUDAGraph::capture_begin takes a stream capture mode from
+/// LibTorch 2.0 (1.13: global capture only).
+#define FULGUR_CUDA_GRAPH_CAPTURE_MODE FULGUR_TORCH_AT_LEAST(2, 0)
+
 namespace c10d {
 class ProcessGroup;
 class Backend;

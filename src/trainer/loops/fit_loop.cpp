@@ -70,6 +70,11 @@ void FitLoop::set_accumulate_grad_batches(int64_t n) {
                           " with manual optimization: accumulation is the Module's job when it "
                           "steps itself."));
   }
+  if (n != 1 && cuda_graph_) {
+    throw ConfigError(str("accumulate_grad_batches=", n,
+                          " with cuda_graph=true: a captured step steps the optimizers every "
+                          "batch. Keep accumulate_grad_batches=1, or pass cuda_graph=false."));
+  }
   if (window_has_gradient_ && n != accumulate_) {
     throw ConfigError(str("accumulate_grad_batches changed from ", accumulate_, " to ", n,
                           " inside an accumulation window (after batch ", batch_idx_,
@@ -111,6 +116,13 @@ void FitLoop::run() {
                           " training batches per epoch. Pass a value <= ", num_training_batches_,
                           ", or check_val_every_n_epoch=std::nullopt to count batches across "
                           "epochs."));
+  }
+  cuda_graph_ = false;
+  graph_.reset();
+  if (trainer_.options.cuda_graph) {
+    CudaGraphStep::check(*trainer_.strategy, m, optimizers_,
+                         trainer_.options.accumulate_grad_batches);
+    cuda_graph_ = true;
   }
   for (auto& opt : optimizers_.optimizers) opt->zero_grad();
   window_has_gradient_ = false;
@@ -225,7 +237,9 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   const int64_t steps_before = global_step_;
   bool should_step = (idx + 1) % accumulate_ == 0 || is_last_batch;
   at::Tensor loss;
-  if (m.automatic_optimization()) {
+  if (cuda_graph_) {
+    loss = graph_training_batch(on_device, idx);
+  } else if (m.automatic_optimization()) {
     // Micro-batches that do not step accumulate locally, without a
     // cross-rank gradient sync (nor, under DDP, a buffer broadcast).
     trainer_.strategy->set_gradient_sync(should_step);
@@ -233,17 +247,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
     loss = trainer_.strategy->training_step(m, on_device, idx);
     scope.reset();
     if (loss.defined()) {
-      if (loss.numel() != 1) {
-        throw ConfigError(str("training_step returned a tensor of shape ", c10::str(loss.sizes()),
-                              "; return a scalar loss (e.g. .mean()), or an undefined tensor "
-                              "to skip the batch."));
-      }
-      if (!loss.requires_grad()) {
-        throw ConfigError(
-            "training_step returned a loss that does not require grad: it was "
-            "computed without the module's parameters, or under NoGradGuard. "
-            "Return the loss of the forward pass.");
-      }
+      check_loss(loss);
       at::Tensor scaled = accumulate_ > 1 ? loss / accumulate_ : loss;
       trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
       trainer_.strategy->vote_to_stop(should_stop_);
@@ -293,14 +297,7 @@ void FitLoop::step_optimizers() {
     trainer_.strategy->unscale_gradients(*opt);
     trainer_.call_hooks([&](Module& mod) { mod.on_before_optimizer_step(*opt); },
                         [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, *opt); });
-    if (trainer_.options.gradient_clip_val && *trainer_.options.gradient_clip_val > 0) {
-      auto params = optimizer_params(*opt);
-      if (trainer_.options.gradient_clip_algorithm == GradientClipAlgorithm::Norm) {
-        trainer_.strategy->clip_gradients_norm(params, *trainer_.options.gradient_clip_val);
-      } else {
-        torch::nn::utils::clip_grad_value_(params, *trainer_.options.gradient_clip_val);
-      }
-    }
+    clip_gradients(*opt, /*on_device=*/false);
     trainer_.strategy->optimizer_step(*opt, m);
   }
   trainer_.strategy->precision().update();
@@ -311,6 +308,77 @@ void FitLoop::step_optimizers() {
   ++global_step_;
   ++batches_that_stepped_;
   step_schedulers(Interval::Step);
+}
+
+void FitLoop::check_loss(const at::Tensor& loss) {
+  if (loss.numel() != 1) {
+    throw ConfigError(str("training_step returned a tensor of shape ", c10::str(loss.sizes()),
+                          "; return a scalar loss (e.g. .mean()), or an undefined tensor "
+                          "to skip the batch."));
+  }
+  if (!loss.requires_grad()) {
+    throw ConfigError(
+        "training_step returned a loss that does not require grad: it was "
+        "computed without the module's parameters, or under NoGradGuard. "
+        "Return the loss of the forward pass.");
+  }
+}
+
+void FitLoop::clip_gradients(torch::optim::Optimizer& optimizer, bool on_device) {
+  if (!trainer_.options.gradient_clip_val || *trainer_.options.gradient_clip_val <= 0) return;
+  auto params = optimizer_params(optimizer);
+  const double max = *trainer_.options.gradient_clip_val;
+  if (trainer_.options.gradient_clip_algorithm == GradientClipAlgorithm::Value) {
+    torch::nn::utils::clip_grad_value_(params, max);
+  } else if (on_device) {
+    clip_grad_norm_on_device(params, max);
+  } else {
+    trainer_.strategy->clip_gradients_norm(params, max);
+  }
+}
+
+at::Tensor FitLoop::step_body(Batch& on_device, int64_t idx) {
+  Module& m = *trainer_.module;
+  auto scope = trainer_.strategy->step_scope();
+  at::Tensor loss = trainer_.strategy->training_step(m, on_device, idx);
+  scope.reset();
+  if (!loss.defined()) {
+    throw ConfigError(str("cuda_graph=true: training_step returned no loss for batch ", idx,
+                          ": a captured step always steps. Return a loss for every batch, or "
+                          "pass cuda_graph=false to skip batches."));
+  }
+  check_loss(loss);
+  trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
+  trainer_.strategy->backward(loss, m);
+  trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
+  for (auto& opt : optimizers_.optimizers) {
+    trainer_.strategy->unscale_gradients(*opt);
+    trainer_.call_hooks([&](Module& mod) { mod.on_before_optimizer_step(*opt); },
+                        [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, *opt); });
+    clip_gradients(*opt, /*on_device=*/true);
+    trainer_.strategy->optimizer_step(*opt, m);
+  }
+  trainer_.strategy->precision().update();
+  return loss;
+}
+
+at::Tensor FitLoop::graph_training_batch(Batch& on_device, int64_t idx) {
+  Module& m = *trainer_.module;
+  trainer_.strategy->set_gradient_sync(true);
+  trainer_.strategy->vote_to_stop(should_stop_);
+  at::Tensor loss = graph_.run(
+      on_device, [&](Batch& batch) { return step_body(batch, idx); }, m,
+      trainer_.logging.train_sink(), optimizers_, trainer_.strategy->is_global_zero());
+  // The host's part of step_optimizers; the gradients are not zeroed (the
+  // next step's backward writes them afresh).
+  for (auto& opt : optimizers_.optimizers) {
+    trainer_.call_hooks([&](Module& mod) { mod.on_before_zero_grad(*opt); }, [](Callback&) {});
+  }
+  window_has_gradient_ = false;
+  ++global_step_;
+  ++batches_that_stepped_;
+  step_schedulers(Interval::Step);
+  return loss;
 }
 
 void FitLoop::step_schedulers(Interval interval) {
@@ -465,6 +533,15 @@ void FitLoop::finish() {
 void FitLoop::detach() {
   training_ = false;
   sanity_checking_ = false;
+  if (cuda_graph_ && trainer_.strategy && trainer_.strategy->is_global_zero() &&
+      graph_.captures() > 0) {
+    print_note(str("cuda_graph: ", graph_.replayed_steps(), " steps replayed from ",
+                   graph_.captures(), graph_.captures() == 1 ? " capture, " : " captures, ",
+                   graph_.eager_steps(), " eager (", CudaGraphStep::kWarmupSteps,
+                   " warm-up steps and batches of other shapes)."));
+  }
+  cuda_graph_ = false;
+  graph_.release(&optimizers_);
 }
 
 FitProgress FitLoop::progress() const {

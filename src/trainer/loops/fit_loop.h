@@ -16,6 +16,7 @@
 #include "fulgur/data/data_loader.h"
 #include "fulgur/trainer/trainer.h"
 #include "fulgur/trainer/trainer_options.h"
+#include "trainer/loops/cuda_graph_step.h"
 #include "trainer/loops/device_feed.h"
 
 namespace torch::serialize {
@@ -100,6 +101,16 @@ class FitLoop {
   void train_epoch();
   void training_batch(Batch& batch, int64_t batch_idx, bool is_last_batch);
   void step_optimizers();
+  /// A batch's step under cuda_graph: CudaGraphStep runs step_body (eagerly
+  /// or as a graph), then the host's part of step_optimizers.
+  at::Tensor graph_training_batch(Batch& on_device, int64_t batch_idx);
+  /// The device work of one step under cuda_graph: training_step, backward,
+  /// clipping and the optimizer steps (gradients are not zeroed: the next
+  /// step's backward writes them afresh).
+  at::Tensor step_body(Batch& on_device, int64_t batch_idx);
+  /// The checks on what training_step returned (automatic optimization).
+  static void check_loss(const at::Tensor& loss);
+  void clip_gradients(torch::optim::Optimizer& optimizer, bool on_device);
   void step_schedulers(Interval interval);
   bool should_validate_now(int64_t position, bool is_last_batch) const;
   void run_validation(bool sanity);
@@ -128,6 +139,8 @@ class FitLoop {
   bool in_epoch_end_ = false;           // checkpoints taken now resume at the next epoch
   int64_t validated_at_position_ = -1;  // batch position of the last in-epoch validation
   DeviceFeed feed_;                     // the training batches, moved to the device ahead
+  bool cuda_graph_ = false;             // this fit's steps go through graph_
+  CudaGraphStep graph_;
 };
 
 }  // namespace fulgur::detail
