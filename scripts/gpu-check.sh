@@ -2,8 +2,9 @@
 # What only a machine with NVIDIA GPUs can check: builds fulgur against a CUDA
 # LibTorch and runs every CUDA test, then the main job on the GPUs.
 #
-# Usage: scripts/gpu-check.sh [--deps DIR] [--pip-torch] [--bench]
+# Usage: scripts/gpu-check.sh [--deps DIR] [--pip-torch] [--bench] [--quick]
 #                            [cmake configure arguments...]
+# (the options in this order)
 #   On Debian 13 with Debian's CUDA LibTorch (bash scripts/install-deps.sh --cuda):
 #     bash scripts/gpu-check.sh
 #   With pytorch.org's CUDA LibTorch zip unpacked in /opt/libtorch:
@@ -23,7 +24,9 @@
 #   --deps puts DIR/usr on CMake's, pkg-config's, the compiler's and the
 #   loader's search paths, and links the main job's dataset into place.
 #   --bench also builds the GPU benchmark and runs it after the checks
-#   (bench/gpu.cpp; it writes bench/gpu-results.md).
+#   (bench/gpu.cpp, then bench/gpu.py where python3 has torch; they write
+#   bench/gpu-results.md and bench/gpu-results-python.md).
+#   --quick runs only step 1 and 3 below (for a short lease of a GPU).
 #
 # It builds in build-gpu/ (no benchmarks unless --bench), then runs:
 #   1. the CUDA tests (named *_CUDA; on a machine without enough GPUs each skips
@@ -88,6 +91,11 @@ if [ "${1:-}" = "--bench" ]; then
   bench=1
   shift
 fi
+quick=0
+if [ "${1:-}" = "--quick" ]; then
+  quick=1
+  shift
+fi
 
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
   echo "gpu-check: no NVIDIA GPU here (nvidia-smi -L fails or is missing); this script is for" \
@@ -114,16 +122,31 @@ fi
 status=0
 fail() { [ "$status" != 0 ] || status=$1; }
 ctest --test-dir build-gpu --output-on-failure --timeout 600 -R '_CUDA' || fail $?
-ctest --test-dir build-gpu --output-on-failure --timeout 600 \
-  -R 'ProcessGroup|Precision|DDP|LaunchPaths|Accelerator|SyncBatchNorm|DataLoaderWorkers|ArchiveSnapshot|AsyncCheckpointIO' || fail $?
+if [ "$quick" = 0 ]; then
+  ctest --test-dir build-gpu --output-on-failure --timeout 600 \
+    -R 'ProcessGroup|Precision|DDP|LaunchPaths|Accelerator|SyncBatchNorm|DataLoaderWorkers|ArchiveSnapshot|AsyncCheckpointIO' || fail $?
+fi
 
 devices=$(( gpus >= 2 ? 2 : 1 ))
 strategy=$([ "$devices" -ge 2 ] && echo ddp || echo single_device)
 echo "gpu-check: main job on $devices GPU(s), strategy $strategy"
+now() { date +%s.%N; }
+start=$(now)
 build-gpu/examples/fashion_mnist/fashion_mnist --accelerator cuda --devices "$devices" \
   --strategy "$strategy" || fail $?
+echo "gpu-check: main job: $(awk "BEGIN { printf \"%.1f\", $(now) - $start }") s"
+if [ "$devices" = 1 ]; then
+  echo "gpu-check: the main job with --cuda_graph true"
+  start=$(now)
+  build-gpu/examples/fashion_mnist/fashion_mnist --accelerator cuda --devices 1 \
+    --cuda_graph true --default_root_dir runs/cuda_graph || fail $?
+  echo "gpu-check: main job, cuda_graph: $(awk "BEGIN { printf \"%.1f\", $(now) - $start }") s"
+fi
 if [ "$bench" = 1 ]; then
   echo "gpu-check: the GPU benchmark"
   build-gpu/bench/fulgur_bench_gpu --markdown bench/gpu-results.md || fail $?
+  if python3 -c 'import torch' 2>/dev/null; then
+    python3 bench/gpu.py --markdown bench/gpu-results-python.md || fail $?
+  fi
 fi
 exit "$status"

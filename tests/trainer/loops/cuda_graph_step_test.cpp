@@ -293,6 +293,7 @@ TEST(CudaGraph, AnAccumulationSchedulerIsRefused_CUDA) {
 class NoSyncBetween : public fulgur::Callback {
  public:
   NoSyncBetween(int64_t from, int64_t to) : from_(from), to_(to) {}
+  std::string state_key() const override { return "NoSyncBetween"; }
   void on_train_batch_start(fulgur::Trainer&, fulgur::Module&, const fulgur::Batch&,
                             int64_t batch_idx) override {
     if (batch_idx == from_) {
