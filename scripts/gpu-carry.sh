@@ -23,7 +23,7 @@ packages=(
   libyaml-cpp-dev "libyaml-cpp0.[0-9]*"
   libgtest-dev libgmock-dev
   libcli11-dev
-  zlib1g-dev
+  zlib1g-dev zlib1g
   libisal-dev "libisal2"
   dataset-fashion-mnist
 )
