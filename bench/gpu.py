@@ -75,7 +75,7 @@ def plain_loop(spec, data, warmup, steps):
     return (time.perf_counter() - start) * 1e6 / steps
 
 
-def lightning(spec, data, warmup, steps):
+def lightning_fit(spec, data, warmup, steps):
     import lightning.pytorch as pl  # noqa: deferred: optional
 
     _, _, bf16, make = spec
@@ -151,7 +151,7 @@ def main():
         for rep in range(args.reps):
             for k in range(len(variants)):
                 v = variants[(k + rep) % len(variants)]
-                run = plain_loop if v == "pytorch" else lightning
+                run = plain_loop if v == "pytorch" else lightning_fit
                 us[v].append(run(spec, data, args.warmup, args.steps))
         med = {v: sorted(x)[len(x) // 2] if len(x) % 2 else sum(sorted(x)[len(x) // 2 - 1:
                len(x) // 2 + 1]) / 2 for v, x in us.items()}

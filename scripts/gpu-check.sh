@@ -4,7 +4,7 @@
 #
 # Usage: scripts/gpu-check.sh [--deps DIR] [--pip-torch] [--bench] [--quick]
 #                            [cmake configure arguments...]
-# (the options in this order)
+# (--deps and --pip-torch first, in this order)
 #   On Debian 13 with Debian's CUDA LibTorch (bash scripts/install-deps.sh --cuda):
 #     bash scripts/gpu-check.sh
 #   With pytorch.org's CUDA LibTorch zip unpacked in /opt/libtorch:
@@ -41,9 +41,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# --bench and --quick anywhere; the rest in the order of the usage line.
 bench=0
+quick=0
+args=()
+for arg in "$@"; do
+  case "$arg" in
+    --bench) bench=1 ;;
+    --quick) quick=1 ;;
+    *) args+=("$arg") ;;
+  esac
+done
+set -- ${args[@]+"${args[@]}"}
 if [ "${1:-}" = "--deps" ]; then
-  deps=$(cd "${2:?--deps needs a directory (made by scripts/gpu-carry.sh)}" && pwd)/usr
+  deps=$(cd "${2:?--deps needs a directory (made by scripts/gpu-carry.sh)}" && pwd)/root/usr
   shift 2
   [ -d "$deps/include" ] || { echo "gpu-check: --deps: $deps/include is missing; make the" \
     "directory with bash scripts/gpu-carry.sh DIR on a Debian machine" >&2; exit 2; }
@@ -86,15 +97,6 @@ if [ "${1:-}" = "--pip-torch" ]; then
   set -- -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_FLAGS="$flags" \
     -DCMAKE_CXX_STANDARD_LIBRARIES="$libs" "$@"
   echo "gpu-check: LibTorch $(python3 -c 'import torch; print(torch.__version__)') from $prefix"
-fi
-if [ "${1:-}" = "--bench" ]; then
-  bench=1
-  shift
-fi
-quick=0
-if [ "${1:-}" = "--quick" ]; then
-  quick=1
-  shift
 fi
 
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then

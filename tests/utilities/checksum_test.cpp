@@ -104,7 +104,7 @@ TEST(Checksum, SpansCheckedApartJoinIntoTheWholesCrc) {
   EXPECT_EQ(fulgur::crc32c_of_spans(spans, bytes.size(), gaps), whole);
   // Uncovered: 30..64, 20064..30000 (the overlapping span counts as not
   // there), 45000..49000.
-  EXPECT_EQ(gap_bytes, (64 - 30) + (30000 - 20064) + (49000 - 45000));
+  EXPECT_EQ(gap_bytes, uint64_t{(64 - 30) + (30000 - 20064) + (49000 - 45000)});
   // Random layouts.
   for (int trial = 0; trial < 200; ++trial) {
     std::vector<fulgur::ChecksummedSpan> random;
