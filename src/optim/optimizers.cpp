@@ -379,6 +379,7 @@ std::string adam_why_not_device_scalars(const Parent& self, const char* name) {
   for (size_t g = 0; g < self.param_groups().size(); ++g) {
     std::optional<int64_t> step;
     for (const auto& p : self.param_groups()[g].params()) {
+      if (!p.requires_grad()) continue;  // frozen: not stepped
       auto it = self.state().find(compat::optimizer_state_key(p));
       if (it == self.state().end()) continue;
       const int64_t count = static_cast<const ParamState&>(*it->second).step();
@@ -442,6 +443,18 @@ void advance_step_counts(StateMap& state, const TensorVector& stepped) {
   }
 }
 
+/// Which of a group's parameters are trainable, as one number (a graph
+/// steps those that had gradients at its capture).
+double trainable_mask(const torch::optim::OptimizerParamGroup& group) {
+  double mask = 0;
+  double weight = 1;
+  for (const auto& p : group.params()) {
+    if (p.requires_grad()) mask += weight;
+    weight = weight * 2 > 1e15 ? 1 : weight * 2;
+  }
+  return mask;
+}
+
 template <class Options, class Parent>
 std::vector<double> adam_baked_options(const Parent& self) {
   std::vector<double> baked;
@@ -450,7 +463,8 @@ std::vector<double> adam_baked_options(const Parent& self) {
     baked.insert(baked.end(), {std::get<0>(options.betas()), std::get<1>(options.betas()),
                                options.eps(), options.weight_decay(),
                                options.amsgrad() ? 1.0 : 0.0,
-                               static_cast<double>(group.params().size())});
+                               static_cast<double>(group.params().size()),
+                               trainable_mask(group)});
   }
   return baked;
 }
@@ -458,7 +472,9 @@ std::vector<double> adam_baked_options(const Parent& self) {
 }  // namespace
 
 void DeviceScalarSteps::set_device_scalars(std::optional<c10::Device> device) {
-  if (device != device_) {
+  // Host scalars for a while (an eager step between replays) keep the
+  // tensors: a captured graph still reads them at their addresses.
+  if (device && scalars_.defined() && scalars_.device() != *device) {
     scalars_ = at::Tensor();
     views_.clear();
   }
@@ -509,7 +525,8 @@ std::vector<double> SGD::baked_options() const {
     const auto& options = static_cast<const torch::optim::SGDOptions&>(group.options());
     baked.insert(baked.end(), {options.momentum(), options.dampening(), options.weight_decay(),
                                options.nesterov() ? 1.0 : 0.0,
-                               static_cast<double>(group.params().size())});
+                               static_cast<double>(group.params().size()),
+                               trainable_mask(group)});
   }
   return baked;
 }

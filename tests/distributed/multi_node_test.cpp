@@ -79,17 +79,19 @@ class AcrossNamespaces : public ::testing::Test {
     return out;
   }
 
-  /// Both nodes at once, each its own command; their results in node order.
+  /// Both nodes at once, each its own command, with `meanwhile` run by this
+  /// process while they do; their results in node order.
   std::vector<ProcessResult> run_nodes(
       const std::function<std::vector<std::string>(int node)>& argv,
       const std::function<std::map<std::string, std::string>(int node)>& env,
-      std::chrono::seconds timeout) {
+      std::chrono::seconds timeout, const std::function<void()>& meanwhile = {}) {
     std::vector<std::future<ProcessResult>> nodes;
     for (int node = 0; node < 2; ++node) {
       nodes.push_back(std::async(std::launch::async, [&, node] {
         return run_process(on_node(node, argv(node)), with_cluster(env(node)), timeout);
       }));
     }
+    if (meanwhile) meanwhile();
     std::vector<ProcessResult> out;
     for (auto& n : nodes) out.push_back(n.get());
     return out;
@@ -312,21 +314,15 @@ class NodeFaults : public AcrossNamespaces {
   std::vector<ProcessResult> on_both(const std::vector<std::string>& argv, const std::string& port,
                                      const std::function<void()>& meanwhile = {}) {
     const std::string main_address = address(0);
-    std::vector<std::future<ProcessResult>> nodes;
-    for (int node = 0; node < 2; ++node) {
-      nodes.push_back(std::async(std::launch::async, [&, node] {
-        return run_process(on_node(node, argv),
-                           with_cluster({{"MASTER_ADDR", main_address},
-                                         {"MASTER_PORT", port},
-                                         {"NODE_RANK", std::to_string(node)},
-                                         {"OMP_NUM_THREADS", "1"}}),
-                           240s);
-      }));
-    }
-    if (meanwhile) meanwhile();
-    std::vector<ProcessResult> out;
-    for (auto& n : nodes) out.push_back(n.get());
-    return out;
+    return run_nodes(
+        [&](int) { return argv; },
+        [&](int node) -> std::map<std::string, std::string> {
+          return {{"MASTER_ADDR", main_address},
+                  {"MASTER_PORT", port},
+                  {"NODE_RANK", std::to_string(node)},
+                  {"OMP_NUM_THREADS", "1"}};
+        },
+        240s, meanwhile);
   }
 
   /// Waits for the pause of run `name` (rank 0 writes the file).

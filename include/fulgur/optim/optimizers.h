@@ -45,11 +45,12 @@
 // which prepare_step() rewrites before each step, in stream order, without
 // waiting for the device; the step counts advance on the host
 // (finish_step()). The numbers that stay constant (momentum, dampening,
-// betas, eps, weight decay, nesterov, amsgrad) are read at capture:
-// baked_options() lists them so a captured step can be re-captured when one
-// changes. Numerics in that mode: the same operations with the scalar
-// multiplications done by tensor products, so equal to torch::optim within
-// float rounding (not bitwise).
+// betas, eps, weight decay, nesterov, amsgrad, which parameters are
+// trainable) are read at capture: baked_options() lists them so a captured
+// step can be re-captured when one changes. Numerics in that mode: the same
+// operations, with a scaled add (add(x, alpha), addcdiv) done as a product
+// and a sum, so equal to torch::optim within the rounding of the
+// parameters' dtype (one more rounding per update), not bitwise.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -71,12 +72,14 @@ class DeviceScalarSteps {
   /// On: from now on step() reads its per-step numbers from tensors on
   /// `device`, which prepare_step() writes, and leaves the step counts to
   /// finish_step(). nullopt: back to LibTorch's host scalars. The tensors
-  /// stay allocated (a captured graph keeps their addresses).
+  /// stay allocated, also in host mode (a captured graph keeps their
+  /// addresses); only another device replaces them.
   void set_device_scalars(std::optional<c10::Device> device);
   bool uses_device_scalars() const { return device_.has_value(); }
 
   /// Why this optimizer's state cannot take device-scalar steps (empty
-  /// when it can): Adam parameters of one group whose step counts differ.
+  /// when it can): trainable Adam parameters of one group whose step counts
+  /// differ.
   /// What only the step can see (a sparse gradient, a tensor listed twice,
   /// a gradient for a parameter without state) step() refuses.
   virtual std::string why_not_device_scalars() const = 0;

@@ -218,4 +218,12 @@ void report_failure(bool peer_lost, const CollectiveCall* call, const std::strin
   write_all(fd, line.data(), line.size());
 }
 
+std::string seconds_text(std::chrono::steady_clock::duration d) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f",
+                static_cast<double>(std::chrono::duration_cast<std::chrono::milliseconds>(d).count()) /
+                    1000.0);
+  return buf;
+}
+
 }  // namespace fulgur::detail

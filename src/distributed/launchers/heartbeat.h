@@ -18,6 +18,7 @@
 // Everything here is a no-op in a process no launcher of fulgur's started.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -60,6 +61,10 @@ class InCollective {
 
 /// "all_reduce #57 (4.0 KiB)": for messages.
 std::string describe(const CollectiveCall& call);
+
+/// A duration in seconds with one decimal ("2.0"), as the launchers'
+/// messages give it.
+std::string seconds_text(std::chrono::steady_clock::duration d);
 
 /// Ends the message of a collective that failed because a peer left (a
 /// closed connection, a timeout), for the user who reads it. (The launcher

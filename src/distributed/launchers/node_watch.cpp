@@ -1,10 +1,10 @@
 #include "distributed/launchers/node_watch.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <cstdlib>
 
 #include "fulgur/core/errors.h"
+#include "distributed/launchers/heartbeat.h"
 #include "distributed/tcp_store.h"
 
 namespace fulgur::detail {
@@ -16,14 +16,6 @@ using Clock = std::chrono::steady_clock;
 std::string key_of(int node) { return "fulgur/launcher/node/" + std::to_string(node); }
 
 std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
-
-std::string seconds_text(Clock::duration d) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f",
-                static_cast<double>(std::chrono::duration_cast<std::chrono::milliseconds>(d).count()) /
-                    1000.0);
-  return buf;
-}
 
 }  // namespace
 

@@ -331,17 +331,6 @@ void Supervisor::stop_all() {
 
 namespace {
 
-double seconds_of(Clock::duration d) {
-  return static_cast<double>(std::chrono::duration_cast<std::chrono::milliseconds>(d).count()) /
-         1000.0;
-}
-
-std::string one_decimal(double v) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f", v);
-  return buf;
-}
-
 // What /proc says a process is doing, for a frozen rank's message.
 std::string process_state(pid_t pid) {
   char path[64];
@@ -392,7 +381,7 @@ std::string Supervisor::check_liveness(const Child*& failed) {
   const auto timeout = heartbeat_timeout_;
   if (timeout.count() <= 0) return "";
   const auto now = Clock::now();
-  const std::string limit = str("heartbeat_timeout is ", one_decimal(seconds_of(timeout)), " s");
+  const std::string limit = str("heartbeat_timeout is ", seconds_text(timeout), " s");
   for (const auto& c : children_) {
     if (!c.running || c.pulse.count == 0) continue;
     const auto silent = now - c.pulse.at;
@@ -400,7 +389,7 @@ std::string Supervisor::check_liveness(const Child*& failed) {
     failed = &c;
     std::string state = process_state(c.pid);
     return str("rank ", c.global_rank, " (pid ", c.pid, ") froze: no heartbeat for ",
-               one_decimal(seconds_of(silent)), " s (", limit, ")",
+               seconds_text(silent), " s (", limit, ")",
                state.empty() ? "" : "; " + state, "; it last reported \"",
                c.progress.last.empty() ? "nothing" : c.progress.last, "\". Its last lines:\n",
                tail_text(c));
@@ -421,7 +410,7 @@ std::string Supervisor::check_liveness(const Child*& failed) {
     failed = &c;
     return str(
         "rank ", c.global_rank, " (pid ", c.pid, ") hung outside any collective: for ",
-        one_decimal(seconds_of(now - std::max(c.pulse.cpu_changed, c.progress.at))),
+        seconds_text(now - std::max(c.pulse.cpu_changed, c.progress.at)),
         " s it made no progress and used no CPU, its main thread asleep (a deadlock, "
         "or a wait for something that never comes), while rank ",
         waiting->global_rank, " waited for it in ",
@@ -450,13 +439,13 @@ std::string Supervisor::ranks_state() const {
       out += "no heartbeat yet";
     } else if (p.in_collective()) {
       out += str("in ", describe({p.kind.c_str(), p.seq, p.bytes}), " for ",
-                 one_decimal(seconds_of(p.at - p.since)), " s");
+                 seconds_text(p.at - p.since), " s");
       if (p.at - p.since > std::chrono::seconds(1)) in_collective.push_back(&c);
     } else {
       out += str("not in a collective, main thread ", thread_state(p.main_state));
     }
     if (p.count > 0 && now - p.at > std::chrono::seconds(2)) {
-      out += str(" (", one_decimal(seconds_of(now - p.at)), " s ago)");
+      out += str(" (", seconds_text(now - p.at), " s ago)");
     }
   }
   for (const auto* a : in_collective) {
@@ -714,7 +703,7 @@ std::string Supervisor::ranks_line() const {
       what = "ended";
     } else if (p.in_collective()) {
       what = str("in ", describe({p.kind.c_str(), p.seq, p.bytes}), " for ",
-                 one_decimal(seconds_of(now - p.since)), " s");
+                 seconds_text(now - p.since), " s");
     } else if (p.count == 0) {
       what = "starting";
     } else {

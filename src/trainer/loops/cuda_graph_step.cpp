@@ -76,14 +76,17 @@ void CudaGraphStep::check(Strategy& strategy,
   const std::string precision(strategy.precision().name());
   if (!graph_step::precision_is_capturable(precision)) {
     throw ConfigError(str("cuda_graph=true with precision=\"", precision,
-                          "\": its loss scaler reads on the host, every step, whether the "
-                          "gradients are finite, which a captured step cannot. Use "
+                          "\": a captured step holds only precisions without a loss scaler "
+                          "(32-true, 64-true, bf16-mixed, bf16-true, 16-true); a scaler (16-mixed) "
+                          "reads on the host, every step, whether the gradients are finite. Use "
                           "precision=\"bf16-mixed\" (no scaler needed) or cuda_graph=false."));
   }
   if (strategy.name() != "single_device") {
     throw ConfigError(str("cuda_graph=true with strategy=\"", strategy.name(),
-                          "\": captured steps run on one device (single_device) for now; their "
-                          "collectives are not captured. Pass devices=1, or cuda_graph=false."));
+                          "\": captured steps run on one device (strategy \"single_device\", "
+                          "which \"auto\" picks for devices=1) for now; collectives are not "
+                          "captured. Pass strategy=\"single_device\" with devices=1, or "
+                          "cuda_graph=false."));
   }
   for (size_t i = 0; i < optimizers.optimizers.size(); ++i) {
     const auto& opt = optimizers.optimizers[i];
@@ -114,8 +117,8 @@ struct CudaGraphStep::State {};
 
 bool CudaGraphStep::supported() { return false; }
 
-at::Tensor CudaGraphStep::run(Batch&, const Body&, Module&, LogSink&, const OptimizerConfig&,
-                              bool) {
+at::Tensor CudaGraphStep::run(Batch&, bool, const Body&, Module&, LogSink&,
+                              const OptimizerConfig&, bool) {
   throw ConfigError("cuda_graph=true: this LibTorch has no CUDA graphs (a CPU build).");
 }
 
@@ -161,6 +164,37 @@ std::string signature(const Batch& batch) {
   return text;
 }
 
+/// While a step is captured: the module logs into `recorder` and autocast
+/// keeps no weight cache (a cached cast would be made once, at capture).
+class CaptureScope {
+ public:
+  CaptureScope(Module& module, ModuleLogSink* recorder, ModuleLogSink* sink)
+      : module_(module), sink_(sink), cache_was_(at::autocast::is_autocast_cache_enabled()) {
+    at::autocast::set_autocast_cache_enabled(false);
+    Trainer::Impl::set_log_sink(module_, recorder);
+  }
+  ~CaptureScope() {
+    Trainer::Impl::set_log_sink(module_, sink_);
+    at::autocast::set_autocast_cache_enabled(cache_was_);
+  }
+  CaptureScope(const CaptureScope&) = delete;
+  CaptureScope& operator=(const CaptureScope&) = delete;
+
+ private:
+  Module& module_;
+  ModuleLogSink* sink_;
+  bool cache_was_;
+};
+
+/// Ends a capture that failed midway (if it began), keeping nothing.
+void end_failed_capture(at::cuda::CUDAGraph& graph) {
+  try {
+    graph.capture_end();
+  } catch (const std::exception&) {
+    // Invalidated by the failure, or never begun.
+  }
+}
+
 std::vector<optim::DeviceScalarSteps*> device_scalar_steps(const OptimizerConfig& optimizers) {
   std::vector<optim::DeviceScalarSteps*> out;
   for (const auto& opt : optimizers.optimizers) {
@@ -197,21 +231,26 @@ struct CudaGraphStep::State {
 bool CudaGraphStep::supported() { return true; }
 
 void CudaGraphStep::release(const OptimizerConfig* optimizers) {
-  if (state_ && state_->graph) {
-    // The graph's kernels may still run; its memory goes with it.
-    c10::cuda::getCurrentCUDAStream().synchronize();
-  }
-  state_.reset();
-  if (optimizers == nullptr) return;
-  for (const auto& opt : optimizers->optimizers) {
-    if (auto* steps = dynamic_cast<optim::DeviceScalarSteps*>(opt.get())) {
-      steps->set_device_scalars(std::nullopt);
+  if (optimizers != nullptr) {
+    for (const auto& opt : optimizers->optimizers) {
+      if (auto* steps = dynamic_cast<optim::DeviceScalarSteps*>(opt.get())) {
+        steps->set_device_scalars(std::nullopt);
+      }
     }
   }
+  if (state_ && state_->graph) {
+    // The graph's kernels may still run; its memory goes with it. After a
+    // CUDA error (the fit's own, reported by it) the wait fails too.
+    try {
+      c10::cuda::getCurrentCUDAStream().synchronize();
+    } catch (const std::exception&) {
+    }
+  }
+  state_.reset();
 }
 
-at::Tensor CudaGraphStep::run(Batch& batch, const Body& body, Module& module, LogSink& sink,
-                              const OptimizerConfig& optimizers, bool global_zero) {
+at::Tensor CudaGraphStep::run(Batch& batch, bool last_batch, const Body& body, Module& module,
+                              LogSink& sink, const OptimizerConfig& optimizers, bool global_zero) {
   if (!state_) state_ = std::make_unique<State>();
   State& s = *state_;
   auto steps = graph_step::device_scalar_steps(optimizers);
@@ -235,8 +274,10 @@ at::Tensor CudaGraphStep::run(Batch& batch, const Body& body, Module& module, Lo
     done.block(current);
   };
 
-  // 1. Warm-up: eager steps on the side stream.
-  if (!s.graph && s.warmed_up < kWarmupSteps) {
+  // 1. Warm-up: eager steps on the side stream. An epoch's last batch is
+  // not captured (it may be a partial one, whose shapes the graph would
+  // then keep): it warms up once more.
+  if (!s.graph && (s.warmed_up < kWarmupSteps || last_batch)) {
     ++s.warmed_up;
     ++eager_;
     host_scalars();
@@ -296,6 +337,14 @@ at::Tensor CudaGraphStep::run(Batch& batch, const Body& body, Module& module, Lo
                               why, "."));
       }
     }
+    batch.for_each([&](const at::Tensor& t) {
+      if (!t.is_cuda()) {
+        throw ConfigError(str("cuda_graph=true: the batch holds a tensor on ", t.device().str(),
+                              " (", t.sizes(), "), whose values a captured step would keep "
+                              "from the capture. Keep every tensor of a batch on the GPU (the "
+                              "Trainer moves what the loader gives), or pass cuda_graph=false."));
+      }
+    });
     s.inputs = batch.map_tensors([](const at::Tensor& t) { return t.clone(); });
     s.inputs_signature = sig;
     s.baked.clear();
@@ -309,30 +358,28 @@ at::Tensor CudaGraphStep::run(Batch& batch, const Body& body, Module& module, Lo
     auto graph = std::make_unique<at::cuda::CUDAGraph>();
     at::Tensor loss;
     on_side_stream([&] {
-      const bool cache_was = at::autocast::is_autocast_cache_enabled();
-      at::autocast::set_autocast_cache_enabled(false);
-      Trainer::Impl::set_log_sink(module, &recorder);
-      auto restore = [&] {
-        Trainer::Impl::set_log_sink(module, &sink);
-        at::autocast::set_autocast_cache_enabled(cache_was);
-      };
-#if FULGUR_CUDA_GRAPH_CAPTURE_MODE
-      // Thread-local: the loader's workers may allocate page-locked memory
-      // meanwhile, which a global capture would forbid.
-      graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
-#else
-      graph->capture_begin();
-#endif
+      // The module logs into the recorder and autocast keeps no cache
+      // while the step is recorded; both are put back however it ends.
+      graph_step::CaptureScope scope(module, &recorder, &sink);
       try {
+#if FULGUR_CUDA_GRAPH_CAPTURE_MODE
+        // Thread-local: the loader's workers may allocate page-locked
+        // memory meanwhile, which a global capture would forbid.
+        graph->capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+#else
+        graph->capture_begin();
+#endif
         loss = body(s.inputs);
+        graph->capture_end();
       } catch (const std::exception& e) {
-        try {
-          graph->capture_end();
-        } catch (const std::exception&) {
-          // The capture was invalidated by the failure; nothing to keep.
-        }
-        restore();
+        graph_step::end_failed_capture(*graph);
         for (auto* st : steps) st->set_device_scalars(std::nullopt);
+        // The step's own errors (a refusal, out of memory, the user's) go
+        // as they are; what only a capture forbids is explained.
+        if (dynamic_cast<const ConfigError*>(&e) != nullptr ||
+            std::string_view(e.what()).find("captur") == std::string_view::npos) {
+          throw;
+        }
         throw ConfigError(str(
             "cuda_graph=true: the training step could not be captured into a CUDA graph: ",
             e.what(),
@@ -342,8 +389,6 @@ at::Tensor CudaGraphStep::run(Batch& batch, const Body& body, Module& module, Lo
             "step hooks (on_before_backward, on_after_backward, on_before_optimizer_step), "
             "or pass cuda_graph=false."));
       }
-      graph->capture_end();
-      restore();
     });
     s.loss = loss.detach();
     s.logged = std::move(recorder.logged);

@@ -5,7 +5,8 @@
 // clipping, the optimizer steps) to run() as a function of the batch:
 //   1. the first kWarmupSteps steps run it eagerly, on a side stream (lazy
 //      initialisations, cuBLAS workspaces and the allocator's blocks happen
-//      there, as PyTorch's capture recipe has it);
+//      there, as PyTorch's capture recipe has it), and so does an epoch's
+//      last batch before the capture (it may be a partial one);
 //   2. the next step records it into an at::cuda::CUDAGraph on that stream,
 //      with the batch in static input tensors, the gradients set to none (so
 //      backward writes them afresh), the optimizers in device-scalar mode
@@ -20,7 +21,9 @@
 // eagerly, with a note once; a change of an option that the graph uses as a
 // constant (momentum, betas, ...) re-captures it, with a note.
 //
-// Only CUDA builds of LibTorch can capture; elsewhere check() refuses.
+// Only CUDA builds of LibTorch can capture; elsewhere check() refuses. On
+// LibTorch 1.13 the capture is global (2.x: this thread's only), so loader
+// worker threads that allocate page-locked memory during it fail it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -73,7 +76,7 @@ class CudaGraphStep {
   /// One training step (see the file comment); returns its loss (after a
   /// replay, the graph's static output: its value is this step's until the
   /// next step).
-  at::Tensor run(Batch& batch, const Body& body, Module& module, LogSink& sink,
+  at::Tensor run(Batch& batch, bool last_batch, const Body& body, Module& module, LogSink& sink,
                  const OptimizerConfig& optimizers, bool global_zero);
 
   /// Steps run so far by replaying a graph, eagerly, and captures made.

@@ -117,13 +117,6 @@ void FitLoop::run() {
                           ", or check_val_every_n_epoch=std::nullopt to count batches across "
                           "epochs."));
   }
-  cuda_graph_ = false;
-  graph_.reset();
-  if (trainer_.options.cuda_graph) {
-    CudaGraphStep::check(*trainer_.strategy, m, optimizers_,
-                         trainer_.options.accumulate_grad_batches);
-    cuda_graph_ = true;
-  }
   for (auto& opt : optimizers_.optimizers) opt->zero_grad();
   window_has_gradient_ = false;
   accumulate_ = trainer_.options.accumulate_grad_batches;
@@ -238,7 +231,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   bool should_step = (idx + 1) % accumulate_ == 0 || is_last_batch;
   at::Tensor loss;
   if (cuda_graph_) {
-    loss = graph_training_batch(on_device, idx);
+    loss = graph_training_batch(on_device, idx, is_last_batch);
   } else if (m.automatic_optimization()) {
     // Micro-batches that do not step accumulate locally, without a
     // cross-rank gradient sync (nor, under DDP, a buffer broadcast).
@@ -362,12 +355,12 @@ at::Tensor FitLoop::step_body(Batch& on_device, int64_t idx) {
   return loss;
 }
 
-at::Tensor FitLoop::graph_training_batch(Batch& on_device, int64_t idx) {
+at::Tensor FitLoop::graph_training_batch(Batch& on_device, int64_t idx, bool is_last_batch) {
   Module& m = *trainer_.module;
   trainer_.strategy->set_gradient_sync(true);
   trainer_.strategy->vote_to_stop(should_stop_);
   at::Tensor loss = graph_.run(
-      on_device, [&](Batch& batch) { return step_body(batch, idx); }, m,
+      on_device, is_last_batch, [&](Batch& batch) { return step_body(batch, idx); }, m,
       trainer_.logging.train_sink(), optimizers_, trainer_.strategy->is_global_zero());
   // The host's part of step_optimizers; the gradients are not zeroed (the
   // next step's backward writes them afresh).
@@ -519,6 +512,19 @@ void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoade
   in_epoch_end_ = false;
   validated_at_position_ = -1;
   missing_monitor_noted_.clear();
+}
+
+void FitLoop::set_optimizers(OptimizerConfig optimizers) {
+  optimizers_ = std::move(optimizers);
+  // cuda_graph's refusals come before anything runs (the sanity check
+  // included).
+  cuda_graph_ = false;
+  graph_.reset();
+  if (trainer_.options.cuda_graph) {
+    CudaGraphStep::check(*trainer_.strategy, *trainer_.module, optimizers_,
+                         trainer_.options.accumulate_grad_batches);
+    cuda_graph_ = true;
+  }
 }
 
 void FitLoop::run_sanity_check() {

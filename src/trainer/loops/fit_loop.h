@@ -56,8 +56,9 @@ class FitLoop {
   /// A new fit over these loaders (already split across ranks): progress
   /// back to zero, no stop requested.
   void start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoader> val);
-  /// What configure_optimizers returned, set up by the strategy.
-  void set_optimizers(OptimizerConfig optimizers) { optimizers_ = std::move(optimizers); }
+  /// What configure_optimizers returned, set up by the strategy; under
+  /// cuda_graph, refuses (ConfigError) what a captured step cannot do.
+  void set_optimizers(OptimizerConfig optimizers);
   /// The sanity check: a few validation batches before training, when there
   /// is validation data and num_sanity_val_steps is not 0.
   void run_sanity_check();
@@ -103,7 +104,7 @@ class FitLoop {
   void step_optimizers();
   /// A batch's step under cuda_graph: CudaGraphStep runs step_body (eagerly
   /// or as a graph), then the host's part of step_optimizers.
-  at::Tensor graph_training_batch(Batch& on_device, int64_t batch_idx);
+  at::Tensor graph_training_batch(Batch& on_device, int64_t batch_idx, bool is_last_batch);
   /// The device work of one step under cuda_graph: training_step, backward,
   /// clipping and the optimizer steps (gradients are not zeroed: the next
   /// step's backward writes them afresh).

@@ -272,6 +272,18 @@ TEST(CudaGraph, ALastPartialBatchRunsEagerly_CUDA) {
   EXPECT_THAT(graph.notes, testing::HasSubstr("11 steps replayed from 1 capture, 5 eager"));
 }
 
+TEST(CudaGraph, AnEpochsLastBatchIsNeverTheOneCaptured_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  // 28 samples in batches of 8: 3 full batches and one of 4 per epoch. The
+  // 4th step (the partial batch) would be the first captured: it warms up
+  // instead, and the capture takes the next epoch's first, full batch.
+  const GraphNet::Config config{.optimizer = "sgd", .lr = 0.05};
+  const FitResult eager = fit_on_gpu(config, false, 28, 8);
+  const FitResult graph = fit_on_gpu(config, true, 28, 8);
+  expect_close(eager, graph, 1e-4, 1e-5);
+  EXPECT_THAT(graph.notes, testing::HasSubstr("3 steps replayed from 1 capture, 5 eager"));
+}
+
 TEST(CudaGraph, ANumberLoggedInACapturedStepIsRefused_CUDA) {
   FULGUR_SKIP_UNLESS_CUDA(1);
   EXPECT_THROWS_WITH(fulgur::ConfigError, fit_on_gpu({.log_number = true}, true, 64, 8),
