@@ -6,10 +6,14 @@
 // (top-level: what the optimizer launches itself; all: with the per-tensor operators a CPU
 // multi-tensor operator runs inside), and whether the two sides' parameters ended bit-identical.
 //
-//   optimizers --tensors 50 --width 64 --steps 500 --reps 7
+//   optimizers --tensors 50 --width 64 --steps 500 --reps 7 [--device cuda]
+// On a GPU (--device cuda) the ATen operator counts are the launches the
+// step makes from the host (a multi-tensor operator launches one kernel per
+// chunk of tensors), and the parameters are equal within float rounding.
 #include <ATen/record_function.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -53,12 +57,14 @@ OpCount count_ops(const std::function<void()>& fn) {
 /// `tensors` parameters: weights [width, width] and biases [width] of
 /// tensors / 2 linear layers, with fixed gradients (an optimizer does not
 /// change them; every step sees the same).
-TensorVector make_parameters(int tensors, int64_t width) {
+TensorVector make_parameters(int tensors, int64_t width, c10::Device device) {
   torch::manual_seed(0);
   TensorVector params;
   for (int i = 0; i < tensors; ++i) {
-    auto p = (i % 2 == 0 ? torch::randn({width, width}) : torch::randn({width})).requires_grad_();
-    p.mutable_grad() = torch::randn_like(p);
+    auto p = (i % 2 == 0 ? torch::randn({width, width}) : torch::randn({width}))
+                 .to(device)
+                 .requires_grad_();
+    p.mutable_grad() = torch::randn(p.sizes()).to(device);
     params.push_back(p);
   }
   return params;
@@ -70,17 +76,24 @@ struct Side {
   std::vector<double> us_per_step;
 };
 
-double time_steps(torch::optim::Optimizer& optimizer, int steps) {
+/// Waits for the device's queued work (a read-back; nothing on the CPU).
+void sync(c10::Device device) {
+  if (device.is_cuda()) (void)torch::zeros({1}, device).cpu();
+}
+
+double time_steps(torch::optim::Optimizer& optimizer, int steps, c10::Device device) {
+  sync(device);
   auto t0 = fulgur_bench::Clock::now();
   for (int s = 0; s < steps; ++s) optimizer.step();
+  sync(device);
   return fulgur_bench::seconds_since(t0) * 1e6 / steps;
 }
 
 template <class Fulgur, class Torch, class Options>
 void compare(const char* name, const Options& options, int tensors, int64_t width, int steps,
-             int reps) {
-  Side ours{make_parameters(tensors, width), nullptr, {}};
-  Side theirs{make_parameters(tensors, width), nullptr, {}};
+             int reps, c10::Device device) {
+  Side ours{make_parameters(tensors, width, device), nullptr, {}};
+  Side theirs{make_parameters(tensors, width, device), nullptr, {}};
   ours.optimizer = std::make_unique<Fulgur>(ours.params, options);
   theirs.optimizer = std::make_unique<Torch>(theirs.params, options);
   // Warm-up: creates the state (a step of its own), then a few steps.
@@ -94,12 +107,14 @@ void compare(const char* name, const Options& options, int tensors, int64_t widt
   for (int r = 0; r < reps; ++r) {
     Side& first = r % 2 == 0 ? ours : theirs;
     Side& second = r % 2 == 0 ? theirs : ours;
-    first.us_per_step.push_back(time_steps(*first.optimizer, steps));
-    second.us_per_step.push_back(time_steps(*second.optimizer, steps));
+    first.us_per_step.push_back(time_steps(*first.optimizer, steps, device));
+    second.us_per_step.push_back(time_steps(*second.optimizer, steps, device));
   }
   bool identical = true;
+  double max_diff = 0;
   for (size_t i = 0; i < ours.params.size(); ++i) {
     identical = identical && torch::equal(ours.params[i], theirs.params[i]);
+    max_diff = std::max(max_diff, (ours.params[i] - theirs.params[i]).abs().max().item<double>());
   }
   int64_t numel = 0;
   for (const auto& p : ours.params) numel += p.numel();
@@ -110,11 +125,11 @@ void compare(const char* name, const Options& options, int tensors, int64_t widt
       "\"steps\": %d, \"reps\": %d, \"torch_us_per_step\": %.2f, \"fulgur_us_per_step\": %.2f, "
       "\"fulgur_over_torch\": %.3f, \"torch_ops_per_step\": %lld, \"fulgur_ops_per_step\": %lld, "
       "\"torch_ops_per_step_all\": %lld, \"fulgur_ops_per_step_all\": %lld, "
-      "\"bit_identical\": %s}\n",
+      "\"bit_identical\": %s, \"max_abs_diff\": %.3g, \"device\": \"%s\"}\n",
       name, tensors, static_cast<long long>(numel), steps, reps, t, f, f / t,
       static_cast<long long>(theirs_ops.top_level), static_cast<long long>(ours_ops.top_level),
       static_cast<long long>(theirs_ops.all), static_cast<long long>(ours_ops.all),
-      identical ? "true" : "false");
+      identical ? "true" : "false", max_diff, device.str().c_str());
   std::fflush(stdout);
 }
 
@@ -125,6 +140,7 @@ int main(int argc, char** argv) {
   int64_t width = 64;
   int steps = 500;
   int reps = 7;
+  std::string device_name = "cpu";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i];
     if (flag == "--tensors")
@@ -135,17 +151,26 @@ int main(int argc, char** argv) {
       steps = std::stoi(argv[i + 1]);
     else if (flag == "--reps")
       reps = std::stoi(argv[i + 1]);
+    else if (flag == "--device")
+      device_name = argv[i + 1];
     else {
       std::fprintf(stderr,
-                   "optimizers: unknown flag %s (--tensors N, --width N, --steps N, --reps N)\n",
+                   "optimizers: unknown flag %s (--tensors N, --width N, --steps N, --reps N, "
+                   "--device cpu|cuda)\n",
                    flag.c_str());
       return 2;
     }
   }
+  if (device_name != "cpu" && device_name != "cuda") {
+    std::fprintf(stderr, "optimizers: --device %s: pass cpu or cuda\n", device_name.c_str());
+    return 2;
+  }
+  const c10::Device device(device_name == "cuda" ? c10::kCUDA : c10::kCPU);
   torch::set_num_threads(1);
   compare<fulgur::optim::SGD, torch::optim::SGD>(
-      "sgd_momentum", torch::optim::SGDOptions(0.01).momentum(0.9), tensors, width, steps, reps);
+      "sgd_momentum", torch::optim::SGDOptions(0.01).momentum(0.9), tensors, width, steps, reps,
+      device);
   compare<fulgur::optim::Adam, torch::optim::Adam>("adam", torch::optim::AdamOptions(1e-3), tensors,
-                                                   width, steps, reps);
+                                                   width, steps, reps, device);
   return 0;
 }

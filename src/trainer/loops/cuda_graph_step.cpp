@@ -339,10 +339,11 @@ at::Tensor CudaGraphStep::run(Batch& batch, bool last_batch, const Body& body, M
     }
     batch.for_each([&](const at::Tensor& t) {
       if (!t.is_cuda()) {
-        throw ConfigError(str("cuda_graph=true: the batch holds a tensor on ", t.device().str(),
-                              " (", t.sizes(), "), whose values a captured step would keep "
-                              "from the capture. Keep every tensor of a batch on the GPU (the "
-                              "Trainer moves what the loader gives), or pass cuda_graph=false."));
+        const std::string where = t.device().str() + " (" + c10::str(t.sizes()) + ")";
+        throw ConfigError(str("cuda_graph=true: the batch holds a tensor on ", where,
+                              ", whose values a captured step would keep from the capture. Keep "
+                              "every tensor of a batch on the GPU (the Trainer moves what the "
+                              "loader gives), or pass cuda_graph=false."));
       }
     });
     s.inputs = batch.map_tensors([](const at::Tensor& t) { return t.clone(); });
