@@ -415,6 +415,16 @@ std::vector<TrainerFlag> make_flags() {
                  o.logger = LoggerFlag(t);
                  return o.logger.problem();
                }});
+  f.push_back({"profiler", "outputs",
+               "simple: print where the fit loop's time went at the end of fit; none: off",
+               [](const O& o) { return o.profiler.empty() ? std::string("none") : o.profiler; },
+               [](O& o, const std::string& t) -> std::string {
+                 if (t != "none" && t != "simple" && !is_none(t)) {
+                   return "pass simple or none.";
+                 }
+                 o.profiler = is_none(t) ? "none" : t;
+                 return "";
+               }});
   f.push_back({"log_every_n_steps", "outputs",
                "Logged metrics reach the loggers every N optimizer steps",
                [](const O& o) { return get_int(o, &O::log_every_n_steps); },

@@ -47,6 +47,10 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
         str("accumulate_grad_batches=", o.accumulate_grad_batches, ": must be >= 1."));
   check(o.log_every_n_steps >= 1, str("log_every_n_steps=", o.log_every_n_steps,
                                       ": must be >= 1. Pass logger=false to turn logging off."));
+  check(o.profiler.empty() || o.profiler == "none" || o.profiler == "simple",
+        str("profiler=\"", o.profiler, "\": pass \"simple\" (time per phase of the fit loop) "
+            "or \"none\"", o.profiler == "pytorch" ? " (LibTorch's operator profiler is not in yet)" : "",
+            "."));
   check(o.num_sanity_val_steps >= -1,
         str("num_sanity_val_steps=", o.num_sanity_val_steps, ": must be >= -1 (-1: all)."));
   if (o.gradient_clip_val) {

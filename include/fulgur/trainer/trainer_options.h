@@ -199,6 +199,11 @@ struct TrainerOptions {
   std::vector<std::shared_ptr<Logger>> loggers = {};
   /// Logged metrics reach the loggers every N optimizer steps.
   int64_t log_every_n_steps = 50;
+  /// "simple": at the end of fit, global rank 0 prints where the fit loop's
+  /// time went (fetching batches, training_step, backward, optimizer steps,
+  /// logging, batch-end hooks and checkpoints, validation, epoch ends; calls,
+  /// total, mean and max time). "none" (or ""): no profiling, no cost.
+  std::string profiler = "none";
   std::vector<std::shared_ptr<Callback>> callbacks = {};
 
   // ---- Recovery (README: "When things fail").

@@ -9,6 +9,8 @@
 
 #include <torch/torch.h>
 
+#include <cstdio>
+
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/optim/lr_scheduler.h"
@@ -126,6 +128,11 @@ void FitLoop::run() {
   }
 
   training_ = true;
+  profiler_.reset();
+  if (trainer_.options.profiler == "simple") {
+    profiler_ = std::make_unique<SimpleProfiler>();
+    profiler_->start();
+  }
   m.train(true);
   trainer_.call_hooks([](Module& mod) { mod.on_train_start(); },
                       [&](Callback& cb) { cb.on_train_start(trainer_.self, m); });
@@ -137,6 +144,10 @@ void FitLoop::run() {
     if (stop_requested_by_limits(/*boundary=*/true)) break;
     train_epoch();
     ++current_epoch_;
+  }
+  if (profiler_ && trainer_.strategy->is_global_zero()) {
+    std::fputs(profiler_->table().c_str(), stdout);
+    std::fflush(stdout);
   }
   trainer_.call_hooks([](Module& mod) { mod.on_train_end(); },
                       [&](Callback& cb) { cb.on_train_end(trainer_.self, m); });
@@ -163,27 +174,38 @@ void FitLoop::train_epoch() {
   feed_.reset(*trainer_.strategy, trainer_.options.prefetch_to_device);
   int64_t idx = start;
   std::optional<Batch> batch;
-  if (limit < 0 || idx < limit) batch = loader.next();
-  if (batch) feed_.put(*batch);
+  {
+    SimpleProfiler::Scope fetch(profiler_.get(), SimpleProfiler::Phase::kFetch);
+    if (limit < 0 || idx < limit) batch = loader.next();
+    if (batch) feed_.put(*batch);
+  }
   while (batch) {
     std::optional<Batch> next_batch;
     bool last;
     bool looked_ahead = true;
-    if (limit >= 0) {
-      last = idx + 1 >= limit;
-      looked_ahead = feed_.enabled() && !last;
-      if (looked_ahead) next_batch = loader.next();
-    } else {
-      next_batch = loader.next();  // look ahead: is this the last batch?
-      last = !next_batch.has_value();
+    {
+      SimpleProfiler::Scope fetch(profiler_.get(), SimpleProfiler::Phase::kFetch);
+      if (limit >= 0) {
+        last = idx + 1 >= limit;
+        looked_ahead = feed_.enabled() && !last;
+        if (looked_ahead) next_batch = loader.next();
+      } else {
+        next_batch = loader.next();  // look ahead: is this the last batch?
+        last = !next_batch.has_value();
+      }
+      if (next_batch) feed_.put(*next_batch);
     }
-    if (next_batch) feed_.put(*next_batch);
     batch_idx_ = idx;
     training_batch(*batch, idx, last);
     ++idx;
     // A validation (its metrics may decide a stop) makes a boundary.
     if (stop_requested_by_limits(/*boundary=*/validated_at_position_ == idx) || last) break;
-    batch = looked_ahead ? std::move(next_batch) : loader.next();
+    if (looked_ahead) {
+      batch = std::move(next_batch);
+    } else {
+      SimpleProfiler::Scope fetch(profiler_.get(), SimpleProfiler::Phase::kFetch);
+      batch = loader.next();
+    }
   }
   feed_.clear();
   if (idx == start && start > 0 && validated_at_position_ != start &&
@@ -193,6 +215,7 @@ void FitLoop::train_epoch() {
     run_validation(false);
   }
 
+  SimpleProfiler::Scope epoch_end(profiler_.get(), SimpleProfiler::Phase::kEpochEnd);
   in_epoch_end_ = true;
   if (m.automatic_optimization()) step_schedulers(Interval::Epoch);
   trainer_.logging.train_sink().set_context(/*training_step=*/false, 1);
@@ -231,21 +254,28 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   bool should_step = (idx + 1) % accumulate_ == 0 || is_last_batch;
   at::Tensor loss;
   if (cuda_graph_) {
+    SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kGraphStep);
     loss = graph_training_batch(on_device, idx, is_last_batch);
   } else if (m.automatic_optimization()) {
     // Micro-batches that do not step accumulate locally, without a
     // cross-rank gradient sync (nor, under DDP, a buffer broadcast).
     trainer_.strategy->set_gradient_sync(should_step);
-    auto scope = trainer_.strategy->step_scope();
-    loss = trainer_.strategy->training_step(m, on_device, idx);
-    scope.reset();
+    {
+      SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kTrainingStep);
+      auto scope = trainer_.strategy->step_scope();
+      loss = trainer_.strategy->training_step(m, on_device, idx);
+    }
     if (loss.defined()) {
       check_loss(loss);
       at::Tensor scaled = accumulate_ > 1 ? loss / accumulate_ : loss;
-      trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
-      trainer_.strategy->vote_to_stop(should_stop_);
-      trainer_.strategy->backward(scaled, m);
-      trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
+      {
+        SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kBackward);
+        trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); },
+                            [](Callback&) {});
+        trainer_.strategy->vote_to_stop(should_stop_);
+        trainer_.strategy->backward(scaled, m);
+        trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
+      }
       window_has_gradient_ = !should_step;
       if (should_step) step_optimizers();
     } else if (should_step) {
@@ -259,12 +289,17 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
     }
   } else {
     trainer_.strategy->set_gradient_sync(true);
+    // Manual optimization: training_step holds its backward and steps.
+    SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kTrainingStep);
     auto scope = trainer_.strategy->step_scope();
     loss = trainer_.strategy->training_step(m, on_device, idx);
     if (global_step_ > steps_before) ++batches_that_stepped_;
   }
   batch_position_ = idx + 1;
-  publish_step_metrics();
+  {
+    SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kLogging);
+    publish_step_metrics();
+  }
   // The hooks get the loss without its graph. Backward is done, so the loss
   // itself is detached in place (no allocation); a view, or a leaf (which
   // could be a parameter), is copied instead.
@@ -276,15 +311,19 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
       detached.detach_();
     }
   }
-  trainer_.call_hooks(
-      [&](Module& mod) { mod.on_train_batch_end(detached, batch, idx); },
-      [&](Callback& cb) { cb.on_train_batch_end(trainer_.self, m, detached, batch, idx); });
+  {
+    SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kBatchEnd);
+    trainer_.call_hooks(
+        [&](Module& mod) { mod.on_train_batch_end(detached, batch, idx); },
+        [&](Callback& cb) { cb.on_train_batch_end(trainer_.self, m, detached, batch, idx); });
+  }
   bool ends_epoch = is_last_batch ||
                     (trainer_.limits.max_steps >= 0 && global_step_ >= trainer_.limits.max_steps);
   if (should_validate_now(idx + 1, ends_epoch)) run_validation(false);
 }
 
 void FitLoop::step_optimizers() {
+  SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kOptimizerStep);
   Module& m = *trainer_.module;
   for (auto& opt : optimizers_.optimizers) {
     trainer_.strategy->unscale_gradients(*opt);
@@ -451,6 +490,8 @@ void FitLoop::run_validation(bool sanity) {
                   : trainer_.limits.num_sanity_val_steps;
   }
   if (limit && *limit == 0) return;
+  SimpleProfiler::Scope timed(sanity ? nullptr : profiler_.get(),
+                              SimpleProfiler::Phase::kValidation);
   bool was_training = m.is_training();
   sanity_checking_ = sanity;
   for (auto& cb : trainer_.callbacks) cb->on_validation_start(trainer_.self, m);

@@ -18,6 +18,7 @@
 #include "fulgur/trainer/trainer_options.h"
 #include "trainer/loops/cuda_graph_step.h"
 #include "trainer/loops/device_feed.h"
+#include "trainer/profiler.h"
 
 namespace torch::serialize {
 class InputArchive;
@@ -142,6 +143,7 @@ class FitLoop {
   DeviceFeed feed_;                     // the training batches, moved to the device ahead
   bool cuda_graph_ = false;             // this fit's steps go through graph_
   CudaGraphStep graph_;
+  std::unique_ptr<SimpleProfiler> profiler_;  // profiler = "simple"; else null
 };
 
 }  // namespace fulgur::detail
