@@ -184,7 +184,11 @@ void FitLoop::train_epoch() {
     bool last;
     bool looked_ahead = true;
     {
-      SimpleProfiler::Scope fetch(profiler_.get(), SimpleProfiler::Phase::kFetch);
+      // Timed only where it fetches: ahead of the step, or to learn
+      // whether this batch is the last.
+      const bool fetches = limit < 0 || (feed_.enabled() && idx + 1 < limit);
+      SimpleProfiler::Scope fetch(fetches ? profiler_.get() : nullptr,
+                                  SimpleProfiler::Phase::kFetch);
       if (limit >= 0) {
         last = idx + 1 >= limit;
         looked_ahead = feed_.enabled() && !last;
