@@ -363,7 +363,8 @@ at::Tensor SGD::step(LossClosure closure) {
     data.reserve(params.size());
     for (const auto& p : params) data.push_back(p.data());
     if (device_scalars) {
-      at::_foreach_add_(data, at::_foreach_mul(d_p, repeated(scalar(g, 0, 1), d_p.size())));
+      const at::Tensor& neg_lr = (*DeviceScalarSteps::device_scalars(param_groups_.size()))[g];
+      at::_foreach_add_(data, at::_foreach_mul(d_p, repeated(neg_lr, d_p.size())));
     } else {
       at::_foreach_add_(data, d_p, -1 * options.lr());
     }
@@ -499,11 +500,12 @@ const std::vector<at::Tensor>& DeviceScalarSteps::write_scalars(const std::vecto
   return views_;
 }
 
-const at::Tensor& DeviceScalarSteps::scalar(size_t group, size_t index, size_t per_group) const {
-  const size_t i = group * per_group + index;
-  TORCH_CHECK(i < views_.size(), "DeviceScalarSteps: no device scalar ", i,
+const std::vector<at::Tensor>* DeviceScalarSteps::device_scalars(size_t expected) const {
+  if (!device_.has_value()) return nullptr;
+  TORCH_CHECK(views_.size() == expected, "DeviceScalarSteps: ", views_.size(),
+              " device scalars where the step needs ", expected,
               " (prepare_step() was not called since the parameter groups changed)");
-  return views_[i];
+  return &views_;
 }
 
 std::string SGD::why_not_device_scalars() const {
@@ -532,13 +534,9 @@ std::vector<double> SGD::baked_options() const {
 }
 
 at::Tensor Adam::step(LossClosure closure) {
-  TensorVector slots;
-  for (size_t g = 0; uses_device_scalars() && g < param_groups_.size(); ++g) {
-    for (size_t i = 0; i < 3; ++i) slots.push_back(scalar(g, i, 3));
-  }
   return adam_family_step<false, torch::optim::AdamOptions, torch::optim::AdamParamState,
                           torch::optim::Adam>(*this, "Adam", closure,
-                                              uses_device_scalars() ? &slots : nullptr,
+                                              device_scalars(3 * param_groups_.size()),
                                               &device_stepped_);
 }
 
@@ -560,13 +558,9 @@ std::vector<double> Adam::baked_options() const {
 }
 
 at::Tensor AdamW::step(LossClosure closure) {
-  TensorVector slots;
-  for (size_t g = 0; uses_device_scalars() && g < param_groups_.size(); ++g) {
-    for (size_t i = 0; i < 3; ++i) slots.push_back(scalar(g, i, 3));
-  }
   return adam_family_step<true, torch::optim::AdamWOptions, torch::optim::AdamWParamState,
                           torch::optim::AdamW>(*this, "AdamW", closure,
-                                               uses_device_scalars() ? &slots : nullptr,
+                                               device_scalars(3 * param_groups_.size()),
                                                &device_stepped_);
 }
 

@@ -101,8 +101,9 @@ class DeviceScalarSteps {
   /// Writes `values` into the device tensor (allocated on first use or when
   /// the count changes) and returns one 0-dim view per value.
   const std::vector<at::Tensor>& write_scalars(const std::vector<double>& values);
-  /// The views of the last write_scalars, `per_group` of them per group.
-  const at::Tensor& scalar(size_t group, size_t index, size_t per_group) const;
+  /// In device-scalar mode, the views of the last write_scalars (in the
+  /// order written; `expected` of them, else c10::Error); else null.
+  const std::vector<at::Tensor>* device_scalars(size_t expected) const;
 
   /// The parameters that the last step in device-scalar mode stepped (for
   /// finish_step's step counts).

@@ -328,18 +328,26 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
 
 void FitLoop::step_optimizers() {
   SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kOptimizerStep);
+  run_optimizer_steps(/*clip_on_device=*/false);
+  finish_optimizer_steps(/*zero_grads=*/true);
+}
+
+void FitLoop::run_optimizer_steps(bool clip_on_device) {
   Module& m = *trainer_.module;
   for (auto& opt : optimizers_.optimizers) {
     trainer_.strategy->unscale_gradients(*opt);
     trainer_.call_hooks([&](Module& mod) { mod.on_before_optimizer_step(*opt); },
                         [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, *opt); });
-    clip_gradients(*opt, /*on_device=*/false);
+    clip_gradients(*opt, clip_on_device);
     trainer_.strategy->optimizer_step(*opt, m);
   }
   trainer_.strategy->precision().update();
+}
+
+void FitLoop::finish_optimizer_steps(bool zero_grads) {
   for (auto& opt : optimizers_.optimizers) {
     trainer_.call_hooks([&](Module& mod) { mod.on_before_zero_grad(*opt); }, [](Callback&) {});
-    opt->zero_grad();
+    if (zero_grads) opt->zero_grad();
   }
   ++global_step_;
   ++batches_that_stepped_;
@@ -387,14 +395,7 @@ at::Tensor FitLoop::step_body(Batch& on_device, int64_t idx) {
   trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
   trainer_.strategy->backward(loss, m);
   trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
-  for (auto& opt : optimizers_.optimizers) {
-    trainer_.strategy->unscale_gradients(*opt);
-    trainer_.call_hooks([&](Module& mod) { mod.on_before_optimizer_step(*opt); },
-                        [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, *opt); });
-    clip_gradients(*opt, /*on_device=*/true);
-    trainer_.strategy->optimizer_step(*opt, m);
-  }
-  trainer_.strategy->precision().update();
+  run_optimizer_steps(/*clip_on_device=*/true);
   return loss;
 }
 
@@ -405,15 +406,10 @@ at::Tensor FitLoop::graph_training_batch(Batch& on_device, int64_t idx, bool is_
   at::Tensor loss = graph_.run(
       on_device, is_last_batch, [&](Batch& batch) { return step_body(batch, idx); }, m,
       trainer_.logging.train_sink(), optimizers_, trainer_.strategy->is_global_zero());
-  // The host's part of step_optimizers; the gradients are not zeroed (the
-  // next step's backward writes them afresh).
-  for (auto& opt : optimizers_.optimizers) {
-    trainer_.call_hooks([&](Module& mod) { mod.on_before_zero_grad(*opt); }, [](Callback&) {});
-  }
+  // The gradients are not zeroed: the next step's backward writes them
+  // afresh.
   window_has_gradient_ = false;
-  ++global_step_;
-  ++batches_that_stepped_;
-  step_schedulers(Interval::Step);
+  finish_optimizer_steps(/*zero_grads=*/false);
   return loss;
 }
 

@@ -103,6 +103,12 @@ class FitLoop {
   void train_epoch();
   void training_batch(Batch& batch, int64_t batch_idx, bool is_last_batch);
   void step_optimizers();
+  /// Every optimizer's unscale, hooks, clipping and step, then the
+  /// precision's update (the device work of step_optimizers).
+  void run_optimizer_steps(bool clip_on_device);
+  /// The host's part after the steps: on_before_zero_grad (and zero_grad
+  /// when `zero_grads`), the step counters, step-interval schedulers.
+  void finish_optimizer_steps(bool zero_grads);
   /// A batch's step under cuda_graph: CudaGraphStep runs step_body (eagerly
   /// or as a graph), then the host's part of step_optimizers.
   at::Tensor graph_training_batch(Batch& on_device, int64_t batch_idx, bool is_last_batch);
