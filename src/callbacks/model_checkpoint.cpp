@@ -10,6 +10,7 @@
 #include "fulgur/core/errors.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
+#include "strategies/strategy_driver.h"
 
 namespace fulgur {
 
@@ -53,7 +54,7 @@ void ModelCheckpoint::on_fit_start(Trainer& trainer, Module&) {
   // but a run may end before its first save).
   std::error_code ec;
   if (enabled(trainer) && fs::is_directory(dirpath_, ec)) {
-    trainer.strategy().remove_stale_checkpoint_files(dirpath_);
+    detail::drive(trainer.strategy()).remove_stale_checkpoint_files(dirpath_);
   }
 }
 
@@ -128,7 +129,7 @@ void ModelCheckpoint::save(Trainer& trainer, bool end_of_epoch) {
       trainer.save_checkpoint(path);
       if (options_.save_top_k == 1 && !latest_path_.empty() && latest_path_ != path &&
           in_directory(latest_path_, dirpath_)) {
-        strategy.remove_checkpoint(latest_path_);
+        detail::drive(strategy).remove_checkpoint(latest_path_);
       }
       latest_path_ = path;
       best_model_path_ = path;
@@ -168,7 +169,7 @@ void ModelCheckpoint::save(Trainer& trainer, bool end_of_epoch) {
                static_cast<int64_t>(top_k_.size()) > options_.save_top_k) {
           // Another run's file leaves the list but stays on disk.
           if (in_directory(top_k_.back().second, dirpath_)) {
-            strategy.remove_checkpoint(top_k_.back().second);
+            detail::drive(strategy).remove_checkpoint(top_k_.back().second);
           }
           top_k_.pop_back();
         }

@@ -10,6 +10,7 @@
 #include "fulgur/plugins/environments/cluster_environment.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
+#include "strategies/strategy_driver.h"
 
 namespace fulgur {
 
@@ -39,8 +40,9 @@ void OnExceptionCheckpoint::on_exception(Trainer& trainer, Module&, const std::e
   std::string first_line = error.what();
   first_line = first_line.substr(0, first_line.find('\n'));
   Strategy& strategy = trainer.strategy();
-  if (strategy.checkpoint_is_collective() &&
-      !strategy.peers_arrive(str("on_exception/", strategy.cluster_environment().restart_count(),
+  detail::StrategyDriver driver(strategy);
+  if (driver.checkpoint_is_collective() &&
+      !driver.peers_arrive(str("on_exception/", strategy.cluster_environment().restart_count(),
                                  "/", trainer.global_step()),
                              options_.peer_timeout)) {
     detail::print_note(
@@ -56,7 +58,7 @@ void OnExceptionCheckpoint::on_exception(Trainer& trainer, Module&, const std::e
   }
   try {
     trainer.save_checkpoint(path);
-    if (trainer.strategy().is_checkpoint_writer()) saved_path_ = path;
+    if (driver.is_checkpoint_writer()) saved_path_ = path;
     if (trainer.strategy().is_global_zero()) {
       detail::print_note(str("OnExceptionCheckpoint: saved \"", path, "\" at epoch ",
                              trainer.current_epoch(), ", step ", trainer.global_step(),

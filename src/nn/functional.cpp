@@ -45,7 +45,7 @@ at::Tensor all_reduce_sum(const at::Tensor& x, std::shared_ptr<ProcessGroup> gro
   if (!group) {
     throw ConfigError(
         "fulgur::nn::all_reduce_sum(x, group): the group is null. Pass the "
-        "strategy's (ParallelStrategy::shared_process_group()) or your own.");
+        "strategy's (Strategy::shared_process_group()) or your own.");
   }
   return all_reduce_sum(x, [group](at::Tensor& t) { group->all_reduce_(t, ReduceOp::Sum); });
 }

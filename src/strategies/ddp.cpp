@@ -14,10 +14,10 @@
 namespace fulgur {
 
 DDPStrategy::DDPStrategy(DDPOptions options, std::string name)
-    : ParallelStrategy(options.parallel, "DDPStrategy"),
+    : ParallelStrategy(options.parallel, "DDPStrategy", options.start_method),
       options_(std::move(options)),
       name_(std::move(name)) {
-  check_start_method(options_.start_method, "DDPStrategy");
+  set_traits({.sync_batchnorm_unsupported_reason = {}});
   if (!(options_.bucket_cap_mb > 0)) {
     throw ConfigError(
         str("DDPStrategy: bucket_cap_mb=", options_.bucket_cap_mb, " must be > 0 (default 25)."));
@@ -25,8 +25,6 @@ DDPStrategy::DDPStrategy(DDPOptions options, std::string name)
 }
 
 DDPStrategy::~DDPStrategy() = default;
-
-void DDPStrategy::configure_launcher() { configure_launcher_for(options_.start_method.value()); }
 
 void DDPStrategy::do_setup(Module& module) {
   module.to(root_device());
@@ -66,10 +64,10 @@ void DDPStrategy::do_setup(Module& module) {
   reducer_options.extra_scalars = 1;  // kStopVote
   reducer_ =
       std::make_unique<GradientReducer>(std::move(named), shared_process_group(), reducer_options);
-  reducer_->set_require_sync(sync_);
+  reducer_->set_require_sync(gradient_sync());
   exchanges_seen_ = 0;
   stop_agreed_ = false;
-  stop_vote_ = false;
+  set_stop_vote(false);
 }
 
 void DDPStrategy::broadcast_buffers() {
@@ -90,7 +88,9 @@ void DDPStrategy::broadcast_buffers() {
 at::Tensor DDPStrategy::training_step(Module& module, Batch& batch, int64_t batch_idx) {
   // As PyTorch's DDP: only before a forward whose gradients are synchronised
   // (not in the no_sync micro-batches of gradient accumulation).
-  if (options_.broadcast_buffers && sync_ && !buffer_groups_.empty()) broadcast_buffers();
+  if (options_.broadcast_buffers && gradient_sync() && !buffer_groups_.empty()) {
+    broadcast_buffers();
+  }
   return ParallelStrategy::training_step(module, batch, batch_idx);
 }
 
@@ -101,17 +101,18 @@ void DDPStrategy::do_teardown() {
 }
 
 void DDPStrategy::backward(const at::Tensor& loss, Module& module) {
-  bool sync = reducer_ && sync_;
+  if (reducer_) reducer_->set_require_sync(gradient_sync());
+  bool sync = reducer_ && gradient_sync();
   if (sync) {
-    reducer_->set_extra_scalar(kStopVote, stop_vote_ ? 1.0 : 0.0);
+    reducer_->set_extra_scalar(kStopVote, stop_vote() ? 1.0 : 0.0);
     reducer_->prepare_for_backward();
   }
   ParallelStrategy::backward(loss, module);
   if (sync) reducer_->finalize_backward();
 }
 
-bool DDPStrategy::backward_skipped(Module& module, bool accumulated) {
-  if (!reducer_ || !sync_) return accumulated;
+bool DDPStrategy::steps_without_loss(Module& module, bool accumulated) {
+  if (!reducer_ || !gradient_sync()) return accumulated;
   if (sync_batchnorm()) {
     // Its peers' backward runs SyncBatchNorm's all-reduces, which this rank
     // cannot pair without a backward of its own.
@@ -122,7 +123,7 @@ bool DDPStrategy::backward_skipped(Module& module, bool accumulated) {
                           "on every rank (e.g. loss * 0 to make a batch count for nothing), or "
                           "turn sync_batchnorm off."));
   }
-  reducer_->set_extra_scalar(kStopVote, stop_vote_ ? 1.0 : 0.0);
+  reducer_->set_extra_scalar(kStopVote, stop_vote() ? 1.0 : 0.0);
   return reducer_->join_without_backward(accumulated) > 0;
 }
 
@@ -137,16 +138,11 @@ bool DDPStrategy::agree_to_stop(bool requested, bool boundary) {
       stop_agreed_ = reducer_->extra_scalar_sum(kStopVote) > 0.5;
       return stop_agreed_;
     }
-    if (!sync_) return false;  // a no_sync micro-batch: the step's exchange votes
+    if (!gradient_sync()) return false;  // a no_sync micro-batch: the step's exchange votes
   }
   if (reducer_) exchanges_seen_ = reducer_->exchanges();
   if (!stop_agreed_) stop_agreed_ = reduce_boolean_decision(requested, /*all=*/false);
   return stop_agreed_;
-}
-
-void DDPStrategy::set_gradient_sync(bool enabled) {
-  sync_ = enabled;
-  if (reducer_) reducer_->set_require_sync(enabled);
 }
 
 std::string DDPStrategy::describe_options(const DDPOptions& o) {

@@ -7,8 +7,9 @@ namespace fulgur {
 ManualStrategy::ManualStrategy(ManualOptions options, std::string name)
     : ParallelStrategy(std::move(options), "ManualStrategy"), name_(std::move(name)) {
   set_checkpoint_layout(std::make_shared<ShardedCheckpoint>());
+  set_traits({.sync_batchnorm_unsupported_reason =
+                  "under manual the Module connects its fulgur::nn::SyncBatchNorm layers itself, "
+                  "with set_all_reduce"});
 }
-
-void ManualStrategy::configure_launcher() { configure_launcher_for(StartMethod::kPopen); }
 
 }  // namespace fulgur

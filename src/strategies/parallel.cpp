@@ -15,7 +15,8 @@
 
 namespace fulgur {
 
-ParallelStrategy::ParallelStrategy(ParallelOptions options, std::string_view owner)
+ParallelStrategy::ParallelStrategy(ParallelOptions options, std::string_view owner,
+                                   const Choice<StartMethod>& start_method)
     : parallel_(std::move(options)) {
   const auto& backend = parallel_.process_group_backend;
   const auto& known = known_process_group_backends();
@@ -23,6 +24,12 @@ ParallelStrategy::ParallelStrategy(ParallelOptions options, std::string_view own
     throw ConfigError(str(owner, ": process_group_backend=\"", backend, "\" is not one of ",
                           join(known), " (or empty: nccl on CUDA, else gloo)."));
   }
+  if (!start_method.is_valid()) {
+    throw ConfigError(str(owner, ": start_method=\"", start_method.text(),
+                          "\" is not one of \"popen\" (re-execute the program per rank) or "
+                          "\"fork\" (fork the ranks at fit())."));
+  }
+  start_method_ = start_method.value();
 }
 
 std::string describe_parallel_options(const ParallelOptions& o) {
@@ -38,21 +45,22 @@ const LaunchedRank* ParallelStrategy::launched_rank() const {
   return launcher() != nullptr ? launcher()->launched_rank() : nullptr;
 }
 
-int ParallelStrategy::global_rank() const {
-  if (const auto* launched = launched_rank()) return launched->global_rank;
-  return cluster_environment().global_rank();
-}
-int ParallelStrategy::local_rank() const {
-  if (const auto* launched = launched_rank()) return launched->local_rank;
-  return cluster_environment().local_rank();
-}
-int ParallelStrategy::node_rank() const { return cluster_environment().node_rank(); }
-
-int ParallelStrategy::world_size() const {
-  if (const auto* launched = launched_rank()) return launched->world_size;
+Ranks ParallelStrategy::ranks() const {
   const auto& env = cluster_environment();
-  if (env.creates_processes_externally() || env.world_size() > 1) return env.world_size();
-  return static_cast<int>(std::max<size_t>(parallel_devices().size(), 1)) * num_nodes();
+  if (const auto* launched = launched_rank()) {
+    return {.global = launched->global_rank,
+            .local = launched->local_rank,
+            .node = env.node_rank(),
+            .world_size = launched->world_size};
+  }
+  int world = env.world_size();
+  if (!env.creates_processes_externally() && world <= 1) {
+    world = static_cast<int>(std::max<size_t>(parallel_devices().size(), 1)) * num_nodes();
+  }
+  return {.global = env.global_rank(),
+          .local = env.local_rank(),
+          .node = env.node_rank(),
+          .world_size = world};
 }
 
 c10::Device ParallelStrategy::root_device() const {
@@ -104,7 +112,7 @@ void ParallelStrategy::do_setup_environment() {
   detail::start_pulse();
   // One group for the life of the process: fit, then test, reuse it (a
   // second rendezvous on the same port could meet the first one's keys).
-  if (group_) return;
+  if (has_group()) return;
   ProcessGroupOptions options;
   options.main_address = cluster_environment().main_address();
   options.main_port = main_port();
@@ -123,7 +131,7 @@ void ParallelStrategy::do_setup_environment() {
     }
     options.main_port = find_free_port(options.main_address);
   }
-  group_ = ProcessGroup::connect(options);
+  set_group(ProcessGroup::connect(options));
 }
 
 namespace {
@@ -141,7 +149,8 @@ std::string ParallelStrategy::process_group_backend() const {
                          : backend;
 }
 
-void ParallelStrategy::explain_choices(std::vector<std::string>& notes) const {
+void ParallelStrategy::configure(std::vector<std::string>& notes) {
+  configure_launcher();
   const c10::Device device = device_of_the_node(parallel_devices());
   const std::string backend = process_group_backend();
   if (auto problem = process_group_backend_problem(backend, device); !problem.empty()) {
@@ -160,14 +169,6 @@ void ParallelStrategy::explain_choices(std::vector<std::string>& notes) const {
 }
 
 void ParallelStrategy::do_teardown() {}
-
-void ParallelStrategy::check_start_method(const Choice<StartMethod>& start_method,
-                                          std::string_view owner) {
-  if (start_method.is_valid()) return;
-  throw ConfigError(str(owner, ": start_method=\"", start_method.text(),
-                        "\" is not one of \"popen\" (re-execute the program per rank) or "
-                        "\"fork\" (fork the ranks at fit())."));
-}
 
 void ParallelStrategy::broadcast_parameters_from_rank_zero(Module& module) {
   torch::NoGradGuard no_grad;
@@ -190,10 +191,11 @@ void ParallelStrategy::set_process_group(std::shared_ptr<ProcessGroup> group) {
                           global_rank(), " of ", world_size(), " (from cluster environment \"",
                           cluster_environment().name(), "\"). Pass the group of all ranks."));
   }
-  group_ = std::move(group);
+  set_group(std::move(group));
 }
 
-void ParallelStrategy::configure_launcher_for(StartMethod start_method) {
+void ParallelStrategy::configure_launcher() {
+  const StartMethod start_method = start_method_;
   if (cluster_environment().creates_processes_externally()) return;  // torchrun, srun, ...
   const int local_world = static_cast<int>(std::max<size_t>(parallel_devices().size(), 1));
   cluster_environment().set_global_rank(node_rank() * local_world + local_rank());
@@ -217,45 +219,6 @@ void ParallelStrategy::configure_launcher_for(StartMethod start_method) {
   }
 }
 
-std::shared_ptr<ProcessGroup> ParallelStrategy::module_process_group() const {
-  process_group();  // throws, naming the strategy, before the group exists
-  return group_;
-}
-
-ProcessGroup& ParallelStrategy::process_group() const {
-  if (!group_) {
-    throw DistributedError(str("strategy \"", name(),
-                               "\": the process group exists once "
-                               "setup_environment() ran (inside fit/validate/test/predict)."));
-  }
-  return *group_;
-}
-
-void ParallelStrategy::barrier(std::string_view) { process_group().barrier(); }
-
-at::Tensor ParallelStrategy::broadcast(const at::Tensor& tensor, int src) {
-  at::Tensor out = tensor.clone();
-  process_group().broadcast_(out, src);
-  return out;
-}
-
-std::string ParallelStrategy::broadcast_bytes(const std::string& value, int src) {
-  return process_group().broadcast_bytes(value, src);
-}
-
-at::Tensor ParallelStrategy::all_reduce(const at::Tensor& tensor, ReduceOp op) {
-  at::Tensor out = tensor.clone();
-  process_group().all_reduce_(out, op);
-  return out;
-}
-
-at::Tensor ParallelStrategy::all_gather(const at::Tensor& tensor) {
-  return process_group().all_gather(tensor);
-}
-
-// sync_batchnorm: connects every fulgur::nn::SyncBatchNorm to the process
-// group; LibTorch's own BatchNorm layers cannot be swapped for synchronised
-// ones from outside the module, so they are named in an error instead.
 void ParallelStrategy::connect_sync_batchnorm(Module& module) {
   ProcessGroup& group = process_group();
   std::vector<std::string> plain;
@@ -279,10 +242,6 @@ void ParallelStrategy::connect_sync_batchnorm(Module& module) {
                           "Declare them as fulgur::nn::SyncBatchNorm (same options, same "
                           "checkpoint names), or drop sync_batchnorm."));
   }
-}
-
-bool ParallelStrategy::peers_arrive(const std::string& key, std::chrono::milliseconds timeout) {
-  return world_size() <= 1 || process_group().ranks_arrive(key, timeout);
 }
 
 }  // namespace fulgur

@@ -9,6 +9,7 @@
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
 #include "fulgur/distributed/launchers/launcher.h"
+#include "fulgur/distributed/process_group.h"
 #include "fulgur/optim/lr_scheduler.h"
 #include "fulgur/plugins/environments/lightning.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
@@ -196,6 +197,53 @@ bool Strategy::optimizer_step(torch::optim::Optimizer& optimizer, Module&) {
 
 void Strategy::heartbeat(const char* what) { detail::send_heartbeat(what); }
 
+std::shared_ptr<ProcessGroup> Strategy::shared_process_group() const {
+  if (!runs_alone()) process_group();  // throws, naming the strategy, before the group exists
+  return group_;
+}
+
+ProcessGroup& Strategy::process_group() const {
+  if (group_) return *group_;
+  if (traits_.max_processes == 1) {
+    throw DistributedError(str("strategy \"", name(),
+                               "\" runs one process and has no process group. Use a parallel "
+                               "strategy (\"ddp\", \"fsdp\", \"manual\") for collectives."));
+  }
+  throw DistributedError(str("strategy \"", name(),
+                             "\": the process group exists once "
+                             "setup_environment() ran (inside fit/validate/test/predict)."));
+}
+
+void Strategy::barrier(std::string_view /*name*/) {
+  if (!runs_alone()) process_group().barrier();
+}
+
+at::Tensor Strategy::broadcast(const at::Tensor& tensor, int src) {
+  if (runs_alone()) return tensor;
+  at::Tensor out = tensor.clone();
+  process_group().broadcast_(out, src);
+  return out;
+}
+
+std::string Strategy::broadcast_bytes(const std::string& value, int src) {
+  return runs_alone() ? value : process_group().broadcast_bytes(value, src);
+}
+
+at::Tensor Strategy::all_reduce(const at::Tensor& tensor, ReduceOp op) {
+  if (runs_alone()) return tensor;
+  at::Tensor out = tensor.clone();
+  process_group().all_reduce_(out, op);
+  return out;
+}
+
+at::Tensor Strategy::all_gather(const at::Tensor& tensor) {
+  return runs_alone() ? tensor.unsqueeze(0) : process_group().all_gather(tensor);
+}
+
+bool Strategy::peers_arrive(const std::string& key, std::chrono::milliseconds timeout) {
+  return world_size() <= 1 || process_group().ranks_arrive(key, timeout);
+}
+
 bool Strategy::reduce_boolean_decision(bool decision, bool all) {
   if (world_size() <= 1) return decision;
   at::Tensor t = torch::tensor({decision ? 1 : 0}, torch::kInt);
@@ -206,7 +254,7 @@ bool Strategy::reduce_boolean_decision(bool decision, bool all) {
 bool Strategy::is_checkpoint_writer() const { return checkpoint_layout_->is_writer(*this); }
 
 bool Strategy::checkpoint_is_collective() const {
-  return world_size() > 1 && checkpoint_layout_->name() == "sharded";
+  return world_size() > 1 && (traits_.save_gathers || checkpoint_layout_->name() == "sharded");
 }
 
 void Strategy::save_checkpoint(torch::serialize::OutputArchive& checkpoint,

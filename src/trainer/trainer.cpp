@@ -311,7 +311,7 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
     signals.disarm();
     attach(m, nullptr);
     fit_loop.detach();
-    strategy->teardown(completed);
+    drive().teardown(completed);
   };
   try {
     // Before any rank starts: a forked rank inherits it, a launched one
@@ -319,7 +319,7 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
     tune_host_allocator();
     auto run = [&] {
       try {
-        strategy->setup_environment();
+        drive().setup_environment();
         try {
           body();
         } catch (...) {
@@ -349,7 +349,7 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
           // A rank the launcher created ends without this process's
           // teardown: a checkpoint still being written there finishes first.
           try {
-            strategy->wait_for_checkpoints();
+            drive().wait_for_checkpoints();
           } catch (const std::exception& e) {
             detail::print_note(e.what());
           }
@@ -357,7 +357,7 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
         }
         // The strategy lets go of the module first (fsdp gathers its sharded
         // parameters back, on every rank), so rank 0's results hold it whole.
-        strategy->teardown();
+        drive().teardown();
         // Only rank 0's reach the caller: the others serialise nothing.
         return results.send && strategy->is_global_zero() ? results.send() : std::string();
       });
@@ -390,7 +390,7 @@ Trainer::Impl::StageResults Trainer::Impl::fit_results(Module& m, FitResult& res
                         archive.write("best_model_path", c10::IValue(result.best_model_path));
                         archive.write("last_model_path", c10::IValue(result.last_model_path));
                         torch::serialize::OutputArchive module_state(archive.compilation_unit());
-                        strategy->save_module_state(m, module_state);
+                        drive().save_module_state(m, module_state);
                         archive.write("module", module_state);
                         // The callbacks' state too (ModelCheckpoint's paths and scores), so
                         // the caller's callback objects reflect the run.
@@ -416,7 +416,7 @@ Trainer::Impl::StageResults Trainer::Impl::fit_results(Module& m, FitResult& res
                         result.last_model_path = v.toStringRef();
                         torch::serialize::InputArchive module_state;
                         archive.read("module", module_state);
-                        strategy->load_module_state(m, module_state);
+                        drive().load_module_state(m, module_state);
                         checkpoints.load_callback_states(archive);
                       }};
 }
@@ -471,7 +471,7 @@ std::shared_ptr<DataLoader> Trainer::Impl::set_up_stage_data(Stage s, DataModule
 }
 
 void Trainer::Impl::set_up_module_and_load_weights(Module& m, const std::string& ckpt_path) {
-  strategy->setup(m);
+  drive().setup(m);
   std::string ckpt = checkpoints.resolve_path(ckpt_path);
   if (!ckpt.empty()) checkpoints.restore(ckpt, /*full=*/false);
 }
@@ -487,7 +487,7 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         if (data) val = data->val_dataloader();
         if (val) {
           val->set_default_seed(options.seed.value_or(0));
-          distribute(*val, /*even=*/strategy->forward_is_collective(), "validation");
+          distribute(*val, /*even=*/drive().forward_is_collective(), "validation");
         }
         fit_loop.start(train, val);
         logging.reset_metrics();
@@ -495,8 +495,8 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         // SLURM's requeue signal and SIGTERM: a checkpoint, then the end.
         signals.arm(strategy->cluster_environment().preemption_signals());
         m.configure_model();
-        strategy->setup(m);
-        fit_loop.set_optimizers(strategy->setup_optimizers(m));
+        drive().setup(m);
+        fit_loop.set_optimizers(drive().setup_optimizers(m));
         std::string ckpt = fit_start_checkpoint(fit.ckpt_path);
         if (!ckpt.empty()) checkpoints.restore(ckpt, /*full=*/true);
         if (strategy->is_global_zero()) logging.log_hyperparams(m.hparams());
@@ -508,7 +508,7 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         call_hooks([](Module& mod) { mod.on_fit_end(); },
                    [&](Callback& cb) { cb.on_fit_end(self, m); });
         // Fit returns only once its checkpoints are durable.
-        strategy->wait_for_checkpoints();
+        drive().wait_for_checkpoints();
         if (strategy->is_global_zero()) logging.finalize();
         if (data) data->teardown(Stage::Fit);
 
@@ -540,7 +540,7 @@ void Trainer::Impl::end_by_preemption(int signal) {
   const std::string path =
       (std::filesystem::path(checkpoints.checkpoint_dir()) / "last.ckpt").string();
   checkpoints.save(path);
-  strategy->wait_for_checkpoints();
+  drive().wait_for_checkpoints();
   // Every rank's part is durable before anyone asks for the requeue.
   if (strategy->world_size() > 1) strategy->barrier("preemption checkpoint");
   if (strategy->is_global_zero()) {

@@ -23,6 +23,7 @@
 #include "fulgur/trainer/connectors/resolution.h"
 #include "fulgur/trainer/trainer.h"
 #include "core/trainer_link.h"
+#include "strategies/strategy_driver.h"
 #include "trainer/connectors/checkpoint_connector.h"
 #include "trainer/connectors/logger_connector.h"
 #include "trainer/connectors/signal_connector.h"
@@ -37,6 +38,8 @@ struct Trainer::Impl final : detail::TrainerLink {
   Trainer& self;
   TrainerOptions options;
   std::shared_ptr<Strategy> strategy;
+  /// The strategy's protocol (setup, steps, checkpoints), as the loops call it.
+  detail::StrategyDriver drive() const { return detail::StrategyDriver(*strategy); }
   Resolution resolution;  // the connector's choices, with the Trainer's notes added
   std::vector<std::shared_ptr<Callback>> callbacks;
   ModelCheckpoint* checkpoint_callback = nullptr;
@@ -67,7 +70,7 @@ struct Trainer::Impl final : detail::TrainerLink {
   int64_t current_epoch() const override { return self.current_epoch(); }
   int64_t global_step() const override { return self.global_step(); }
   std::shared_ptr<ProcessGroup> process_group() const override {
-    return strategy->module_process_group();
+    return strategy->shared_process_group();
   }
   std::string_view strategy_name() const override { return strategy->name(); }
   const OptimizerConfig& configured_optimizers() const override { return fit_loop.optimizers(); }

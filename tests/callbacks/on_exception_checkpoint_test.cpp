@@ -8,6 +8,7 @@
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
+#include "strategies/strategy_driver.h"
 
 namespace {
 
@@ -32,7 +33,7 @@ TEST(OnExceptionCheckpoint, SavesTheReachedStateBeforeTheErrorPropagates) {
   const std::string path = dir.file("checkpoints/on_exception.ckpt");
   EXPECT_EQ(callback->saved_path(), path);
   ASSERT_TRUE(std::filesystem::exists(path));
-  EXPECT_EQ(trainer.strategy().verify_checkpoint(path), "");
+  EXPECT_EQ(fulgur::detail::drive(trainer.strategy()).verify_checkpoint(path), "");
   // It resumes at the step the run had reached.
   LinearRegression again;
   auto resume = test_options(dir);

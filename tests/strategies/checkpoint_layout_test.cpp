@@ -12,6 +12,7 @@
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
+#include "strategies/strategy_driver.h"
 
 namespace {
 
@@ -35,18 +36,18 @@ TEST(CheckpointLayout, TheDefaultIsOneFileWrittenByRankZero) {
   fulgur::SingleDeviceStrategy strategy;
   strategy.set_accelerator(std::make_unique<fulgur::CPUAccelerator>());
   EXPECT_EQ(strategy.checkpoint_layout().name(), "single_file");
-  EXPECT_TRUE(strategy.is_checkpoint_writer());
+  EXPECT_TRUE(fulgur::detail::drive(strategy).is_checkpoint_writer());
   EXPECT_TRUE(
       fulgur::test::message_contains(strategy.describe(), {"checkpoint_layout: single_file"}));
   Linear model;
   {
     torch::serialize::OutputArchive archive;
-    strategy.save_module_state(model, archive);
-    strategy.save_checkpoint(archive, dir.file("one.ckpt"));
+    fulgur::detail::drive(strategy).save_module_state(model, archive);
+    fulgur::detail::drive(strategy).save_checkpoint(archive, dir.file("one.ckpt"));
   }
   EXPECT_TRUE(fs::is_regular_file(dir.file("one.ckpt")));
-  EXPECT_EQ(strategy.verify_checkpoint(dir.file("one.ckpt")), "");
-  strategy.remove_checkpoint(dir.file("one.ckpt"));
+  EXPECT_EQ(fulgur::detail::drive(strategy).verify_checkpoint(dir.file("one.ckpt")), "");
+  fulgur::detail::drive(strategy).remove_checkpoint(dir.file("one.ckpt"));
   EXPECT_FALSE(fs::exists(dir.file("one.ckpt")));
   EXPECT_THROWS_WITH(fulgur::ConfigError, strategy.set_checkpoint_layout(nullptr),
                      {"set_checkpoint_layout(nullptr)", "ShardedCheckpoint"});
@@ -71,7 +72,7 @@ TEST(CheckpointLayout, ShardedOnOneDeviceWritesOneShardAndTheManifest) {
   const auto manifest = fulgur::ShardedCheckpoint::read_manifest(last.string());
   EXPECT_EQ(manifest.world_size, 1);
   EXPECT_EQ(manifest.shards, std::vector<std::string>{"rank-0-of-1.ckpt"});
-  EXPECT_EQ(trainer.strategy().verify_checkpoint(last.string()), "");
+  EXPECT_EQ(fulgur::detail::drive(trainer.strategy()).verify_checkpoint(last.string()), "");
 
   // A single-file strategy is told what it was given.
   Linear other;

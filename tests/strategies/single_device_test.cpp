@@ -5,6 +5,7 @@
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
+#include "strategies/strategy_driver.h"
 
 namespace {
 
@@ -18,7 +19,7 @@ TEST(SingleDeviceStrategy, RanksOfOneProcess) {
   EXPECT_EQ(strategy.node_rank(), 0);
   EXPECT_EQ(strategy.world_size(), 1);
   EXPECT_TRUE(strategy.is_global_zero());
-  EXPECT_TRUE(strategy.is_checkpoint_writer());
+  EXPECT_TRUE(fulgur::detail::drive(strategy).is_checkpoint_writer());
   EXPECT_EQ(strategy.launcher(), nullptr);
 }
 
@@ -46,6 +47,67 @@ TEST(SingleDeviceStrategy, CollectivesAreIdentities) {
   EXPECT_NO_THROW(strategy.barrier("test"));
 }
 
+TEST(SingleDeviceStrategy, HasNoProcessGroup) {
+  fulgur::SingleDeviceStrategy strategy;
+  EXPECT_EQ(strategy.shared_process_group(), nullptr);
+  EXPECT_THROWS_WITH(fulgur::DistributedError, strategy.process_group(),
+                     {"single_device", "one process", "\"ddp\""});
+  EXPECT_EQ(strategy.traits().max_processes, 1);
+  EXPECT_EQ(strategy.traits().sync_batchnorm_unsupported_reason, "one process has no peers");
+}
+
+// What trainer.strategy() offers a user's code: the components, the ranks
+// and the collectives. The Trainer's protocol (setup, steps, stop votes,
+// checkpoint files, the node count) is reached only through
+// detail::StrategyDriver; a call from outside does not compile.
+template <class S>
+concept UserSurface = requires(S& s, const at::Tensor& t) {
+  s.all_reduce(t);
+  s.broadcast(t);
+  s.barrier();
+  s.world_size();
+  s.global_rank();
+  s.root_device();
+  s.shared_process_group();
+  s.precision();
+  s.cluster_environment();
+  s.traits();
+};
+template <class S>
+concept SetsUp = requires(S& s, fulgur::Module& m) { s.setup(m); };
+template <class S>
+concept Steps = requires(S& s, fulgur::Module& m, const at::Tensor& t) { s.backward(t, m); };
+template <class S>
+concept VotesToStop = requires(S& s) { s.set_stop_vote(true); };
+template <class S>
+concept SetsNodes = requires(S& s) { s.set_num_nodes(2); };
+template <class S>
+concept RemovesCheckpoints = requires(S& s) { s.remove_checkpoint(std::string()); };
+template <class S>
+concept Reconfigures = requires(S& s, std::vector<std::string>& notes) { s.configure(notes); };
+template <class S>
+constexpr bool internals_hidden =
+    !SetsUp<S> && !Steps<S> && !VotesToStop<S> && !SetsNodes<S> && !RemovesCheckpoints<S> &&
+    !Reconfigures<S>;
+
+TEST(Strategy, UsersSeeComponentsRanksAndCollectivesOnly) {
+  static_assert(UserSurface<fulgur::Strategy> && UserSurface<fulgur::DDPStrategy> &&
+                UserSurface<fulgur::FSDPStrategy>);
+  static_assert(internals_hidden<fulgur::Strategy> && internals_hidden<fulgur::SingleDeviceStrategy> &&
+                internals_hidden<fulgur::DDPStrategy> && internals_hidden<fulgur::FSDPStrategy> &&
+                internals_hidden<fulgur::ManualStrategy>);
+  static_assert(SetsUp<fulgur::detail::StrategyDriver> && Steps<fulgur::detail::StrategyDriver> &&
+                VotesToStop<fulgur::detail::StrategyDriver>);
+  // The driver reaches the same strategy.
+  fulgur::SingleDeviceStrategy strategy;
+  LinearRegression model;
+  auto driver = fulgur::detail::drive(strategy);
+  driver.setup_environment();
+  driver.setup(model);
+  EXPECT_TRUE(driver.is_checkpoint_writer());
+  driver.teardown();
+}
+
 TEST(SingleDeviceStrategy, DefaultComponentsAreFilledLazily) {
   fulgur::SingleDeviceStrategy strategy;
   EXPECT_FALSE(strategy.has_precision());
@@ -67,17 +129,17 @@ TEST(SingleDeviceStrategy, AcceleratorHasNoDefault) {
 TEST(SingleDeviceStrategy, SetupBeforeSetupEnvironmentIsABug) {
   fulgur::SingleDeviceStrategy strategy;
   LinearRegression model;
-  EXPECT_THROWS_WITH(fulgur::InternalError, strategy.setup(model), {"setup_environment"});
-  strategy.setup_environment();
-  EXPECT_NO_THROW(strategy.setup(model));
-  strategy.teardown();
-  EXPECT_NO_THROW(strategy.teardown());  // safe to call twice
+  EXPECT_THROWS_WITH(fulgur::InternalError, fulgur::detail::drive(strategy).setup(model), {"setup_environment"});
+  fulgur::detail::drive(strategy).setup_environment();
+  EXPECT_NO_THROW(fulgur::detail::drive(strategy).setup(model));
+  fulgur::detail::drive(strategy).teardown();
+  EXPECT_NO_THROW(fulgur::detail::drive(strategy).teardown());  // safe to call twice
 }
 
 TEST(SingleDeviceStrategy, BatchToDeviceKeepsTheShapeOfTheBatch) {
   fulgur::SingleDeviceStrategy strategy;
   fulgur::Batch batch(fulgur::Batch::Map{{"x", torch::ones({2, 3})}, {"y", torch::zeros({2})}});
-  auto moved = strategy.batch_to_device(batch);
+  auto moved = fulgur::detail::drive(strategy).batch_to_device(batch);
   ASSERT_TRUE(moved.is_map());
   EXPECT_TRUE(torch::equal(moved["x"], torch::ones({2, 3})));
   EXPECT_EQ(moved["y"].device(), c10::Device(c10::kCPU));
@@ -86,19 +148,19 @@ TEST(SingleDeviceStrategy, BatchToDeviceKeepsTheShapeOfTheBatch) {
 TEST(SingleDeviceStrategy, BackwardAndOptimizerStepGoThroughThePrecision) {
   fulgur::SingleDeviceStrategy strategy;
   LinearRegression model({.lr = 1.0});
-  strategy.setup_environment();
-  strategy.setup(model);
-  auto config = strategy.setup_optimizers(model);
+  fulgur::detail::drive(strategy).setup_environment();
+  fulgur::detail::drive(strategy).setup(model);
+  auto config = fulgur::detail::drive(strategy).setup_optimizers(model);
   ASSERT_EQ(config.optimizers.size(), 1u);
   auto before = model.fc->weight.detach().clone();
   auto x = torch::ones({1, 3});
   auto loss = model.forward(x).sum();
-  strategy.backward(loss, model);
+  fulgur::detail::drive(strategy).backward(loss, model);
   auto grad = model.fc->weight.grad().clone();
   EXPECT_TRUE(torch::equal(grad, torch::ones({1, 3})));
-  EXPECT_TRUE(strategy.optimizer_step(*config.optimizers[0], model));
+  EXPECT_TRUE(fulgur::detail::drive(strategy).optimizer_step(*config.optimizers[0], model));
   EXPECT_TRUE(torch::allclose(model.fc->weight, before - grad));
-  strategy.teardown();
+  fulgur::detail::drive(strategy).teardown();
 }
 
 TEST(SingleDeviceStrategy, SchedulerWithBadFrequencyIsAConfigError) {
@@ -110,7 +172,7 @@ TEST(SingleDeviceStrategy, SchedulerWithBadFrequencyIsAConfigError) {
          .interval = fulgur::Interval::Step,
          .frequency = 0}};
   };
-  EXPECT_THROWS_WITH(fulgur::ConfigError, strategy.setup_optimizers(model),
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::detail::drive(strategy).setup_optimizers(model),
                      {"scheduler 0", "frequency=0"});
 }
 
@@ -125,12 +187,12 @@ TEST(SingleDeviceStrategy, SaveAndLoadModuleState) {
   const auto* weight_impl = b.fc->weight.unsafeGetTensorImpl();
   {
     torch::serialize::OutputArchive archive;
-    strategy.save_module_state(a, archive);
-    strategy.save_checkpoint(archive, dir.file("state.ckpt"));
+    fulgur::detail::drive(strategy).save_module_state(a, archive);
+    fulgur::detail::drive(strategy).save_checkpoint(archive, dir.file("state.ckpt"));
   }
   torch::serialize::InputArchive archive;
-  strategy.load_checkpoint(dir.file("state.ckpt"), archive);
-  strategy.load_module_state(b, archive);
+  fulgur::detail::drive(strategy).load_checkpoint(dir.file("state.ckpt"), archive);
+  fulgur::detail::drive(strategy).load_module_state(b, archive);
   EXPECT_TRUE(fulgur::test::parameters_equal(a, b));
   // Loaded into the same tensors: an optimizer holding b's parameters stays valid.
   EXPECT_EQ(b.fc->weight.unsafeGetTensorImpl(), weight_impl);

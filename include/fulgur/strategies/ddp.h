@@ -58,24 +58,6 @@ class DDPStrategy : public ParallelStrategy {
 
   std::string_view name() const override { return name_; }
   const DDPOptions& options() const { return options_; }
-  void configure_launcher() override;
-  /// fulgur::nn::SyncBatchNorm layers reduce their statistics across ranks.
-  std::string sync_batchnorm_unsupported_reason() const override { return {}; }
-
-  /// Broadcasts rank 0's buffers (broadcast_buffers), then the step.
-  at::Tensor training_step(Module& module, Batch& batch, int64_t batch_idx) override;
-  void backward(const at::Tensor& loss, Module& module) override;
-  /// Joins the peers' gradient all-reduces with no gradient; the optimizers
-  /// step with the mean over the ranks that had a loss, or nobody steps.
-  bool backward_skipped(Module& module, bool accumulated) override;
-  void set_gradient_sync(bool enabled) override;
-  /// After a batch whose gradients were exchanged: the stop votes that
-  /// exchange carried (no collective of its own); after a no_sync
-  /// micro-batch: deferred to the next exchange; otherwise (a boundary, a
-  /// batch without an exchange) a reduce_boolean_decision.
-  bool agree_to_stop(bool requested, bool boundary) override;
-  /// Carried by the next gradient exchange, in the reducer's extra scalar.
-  void vote_to_stop(bool stop) override { stop_vote_ = stop; }
   /// The module's reducer after setup(); null before.
   GradientReducer* reducer() const { return reducer_.get(); }
 
@@ -128,6 +110,19 @@ class DDPStrategy : public ParallelStrategy {
  protected:
   void do_setup(Module& module) override;
   void do_teardown() override;
+  /// Broadcasts rank 0's buffers (broadcast_buffers), then the step.
+  at::Tensor training_step(Module& module, Batch& batch, int64_t batch_idx) override;
+  /// Backward; when the gradients sync, their all-reduce carries this
+  /// rank's stop vote (stop_vote()) in the reducer's extra scalar.
+  void backward(const at::Tensor& loss, Module& module) override;
+  /// Joins the peers' gradient all-reduces with no gradient; the optimizers
+  /// step with the mean over the ranks that had a loss, or nobody steps.
+  bool steps_without_loss(Module& module, bool accumulated) override;
+  /// After a batch whose gradients were exchanged: the stop votes that
+  /// exchange carried (no collective of its own); after a no_sync
+  /// micro-batch: deferred to the next exchange; otherwise (a boundary, a
+  /// batch without an exchange) a reduce_boolean_decision.
+  bool agree_to_stop(bool requested, bool boundary) override;
 
  private:
   DDPOptions options_;
@@ -137,14 +132,11 @@ class DDPStrategy : public ParallelStrategy {
   void broadcast_buffers();
 
   std::unique_ptr<GradientReducer> reducer_;
-  bool sync_ = true;
   /// The reducer's exchange count at the last agree_to_stop, and whether
   /// the ranks have agreed to stop (it stays agreed).
   int64_t exchanges_seen_ = 0;
   bool stop_agreed_ = false;
-  /// This rank's stop vote for the next exchange (vote_to_stop), carried as
-  /// the reducer's extra scalar kStopVote.
-  bool stop_vote_ = false;
+  /// The reducer's extra scalar that carries the stop votes.
   static constexpr size_t kStopVote = 0;
   struct BufferGroup {
     at::Tensor flat;

@@ -138,43 +138,6 @@ class FSDPStrategy : public ParallelStrategy {
 
   std::string_view name() const override { return name_; }
   const FSDPOptions& options() const { return options_; }
-  void configure_launcher() override;
-  /// fulgur::nn::SyncBatchNorm layers reduce their statistics across ranks.
-  std::string sync_batchnorm_unsupported_reason() const override { return {}; }
-
-  /// The module's optimizers, each rebuilt on the shards of the parameters
-  /// it steps (ConfigError for a parameter two optimizers step, or an
-  /// optimizer that already has state).
-  OptimizerConfig setup_optimizers(Module& module) override;
-  /// Backward; at the last micro-batch of a step, the reduce-scatter.
-  void backward(const at::Tensor& loss, Module& module) override;
-  /// Joins the peers' reduce-scatter with this rank's accumulated gradient
-  /// (or none); the optimizers step when any rank has one.
-  bool backward_skipped(Module& module, bool accumulated) override;
-  void set_gradient_sync(bool enabled) override { sync_ = enabled; }
-  /// The step on the shards, then the all-gather of the parameters.
-  bool optimizer_step(torch::optim::Optimizer& optimizer, Module& module) override;
-  /// The norm over the shards of every rank (one all-reduce).
-  void clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm) override;
-  /// The module's state, its units' parameters gathered (one unit at a
-  /// time, copied).
-  void save_module_state(Module& module, torch::serialize::OutputArchive& archive) override;
-  /// The module's state, then every shard taken from it again.
-  void load_module_state(Module& module, torch::serialize::InputArchive& archive) override;
-  /// state_dict_type "full": the state of every shard gathered into whole
-  /// tensors of its parameter's shape (torch::optim's Adam, AdamW, SGD,
-  /// RMSprop and Adagrad); "sharded": the shards' own.
-  void save_optimizer_state(torch::optim::Optimizer& optimizer,
-                            torch::serialize::OutputArchive& archive) override;
-  /// Takes this rank's shard of a whole state (a "full" checkpoint, or one
-  /// written by single_device or ddp); a shard's state loads as it is.
-  void load_optimizer_state(torch::optim::Optimizer& optimizer,
-                            torch::serialize::InputArchive& archive) override;
-  bool forward_is_collective() const override;
-  /// Every save gathers (the units' parameters, a full state's optimizer
-  /// state) on several ranks.
-  bool checkpoint_is_collective() const override { return world_size() > 1; }
-  void with_full_parameters(Module& module, const std::function<void()>& body) override;
 
   /// Bytes this rank holds now for the model state the strategy manages:
   /// full parameters (gathered or never sharded), shards, gradients (full
@@ -202,6 +165,34 @@ class FSDPStrategy : public ParallelStrategy {
  protected:
   void do_setup(Module& module) override;
   void do_teardown() override;
+  /// The module's optimizers, each rebuilt on the shards of the parameters
+  /// it steps (ConfigError for a parameter two optimizers step, or an
+  /// optimizer that already has state).
+  OptimizerConfig setup_optimizers(Module& module) override;
+  /// Backward; at the last micro-batch of a step, the reduce-scatter.
+  void backward(const at::Tensor& loss, Module& module) override;
+  /// Joins the peers' reduce-scatter with this rank's accumulated gradient
+  /// (or none); the optimizers step when any rank has one.
+  bool steps_without_loss(Module& module, bool accumulated) override;
+  /// The step on the shards, then the all-gather of the parameters.
+  bool optimizer_step(torch::optim::Optimizer& optimizer, Module& module) override;
+  /// The norm over the shards of every rank (one all-reduce).
+  void clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm) override;
+  /// The module's state, its units' parameters gathered (one unit at a
+  /// time, copied).
+  void save_module_state(Module& module, torch::serialize::OutputArchive& archive) override;
+  /// The module's state, then every shard taken from it again.
+  void load_module_state(Module& module, torch::serialize::InputArchive& archive) override;
+  /// state_dict_type "full": the state of every shard gathered into whole
+  /// tensors of its parameter's shape (torch::optim's Adam, AdamW, SGD,
+  /// RMSprop and Adagrad); "sharded": the shards' own.
+  void save_optimizer_state(torch::optim::Optimizer& optimizer,
+                            torch::serialize::OutputArchive& archive) override;
+  /// Takes this rank's shard of a whole state (a "full" checkpoint, or one
+  /// written by single_device or ddp); a shard's state loads as it is.
+  void load_optimizer_state(torch::optim::Optimizer& optimizer,
+                            torch::serialize::InputArchive& archive) override;
+  void with_full_parameters(Module& module, const std::function<void()>& body) override;
 
  private:
   class Unit;
@@ -233,7 +224,6 @@ class FSDPStrategy : public ParallelStrategy {
 
   FSDPOptions options_;
   std::string name_;
-  bool sync_ = true;
   std::vector<std::pair<const torch::optim::Optimizer*, std::unique_ptr<ShardedParameters>>>
       sharded_;
   std::vector<std::shared_ptr<Unit>> units_;

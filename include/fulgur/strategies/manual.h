@@ -38,11 +38,6 @@ class ManualStrategy : public ParallelStrategy {
 
   std::string_view name() const override { return name_; }
   const ManualOptions& options() const { return parallel_options(); }
-  void configure_launcher() override;
-  std::string sync_batchnorm_unsupported_reason() const override {
-    return "under manual the Module connects its fulgur::nn::SyncBatchNorm layers itself, with "
-           "set_all_reduce";
-  }
 
   static void register_strategies(StrategyRegistry& registry);
 

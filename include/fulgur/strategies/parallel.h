@@ -48,32 +48,20 @@ std::string describe_parallel_options(const ParallelOptions& options);
 class ParallelStrategy : public Strategy {
  public:
   /// ConfigError naming `owner` ("DDPStrategy") for a backend that is not
-  /// one of known_process_group_backends().
+  /// one of known_process_group_backends(), or a start method that is
+  /// neither "popen" nor "fork".
   explicit ParallelStrategy(ParallelOptions options = {},
-                            std::string_view owner = "ParallelStrategy");
+                            std::string_view owner = "ParallelStrategy",
+                            const Choice<StartMethod>& start_method = StartMethod::kPopen);
   ~ParallelStrategy() override;
   const ParallelOptions& parallel_options() const { return parallel_; }
 
-  // Ranks: from the cluster environment when it created the processes (or
-  // a launcher set them), else what the launcher will create.
-  int global_rank() const override;
-  int local_rank() const override;
-  int node_rank() const override;
-  int world_size() const override;
+  /// From the cluster environment when it created the processes (or a
+  /// launcher set them), else what the launcher will create.
+  Ranks ranks() const override;
   /// parallel_devices()[local_rank()].
   c10::Device root_device() const override;
 
-  void barrier(std::string_view name = {}) override;
-  at::Tensor broadcast(const at::Tensor& tensor, int src = 0) override;
-  std::string broadcast_bytes(const std::string& value, int src = 0) override;
-  at::Tensor all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Mean) override;
-  at::Tensor all_gather(const at::Tensor& tensor) override;
-
-  /// The group of all ranks; DistributedError before setup_environment().
-  ProcessGroup& process_group() const;
-  std::shared_ptr<ProcessGroup> shared_process_group() const { return group_; }
-  /// process_group(), shared.
-  std::shared_ptr<ProcessGroup> module_process_group() const override;
   /// Uses a group the program already created instead of rendezvousing at
   /// setup_environment(). Its rank and size must be this process's.
   void set_process_group(std::shared_ptr<ProcessGroup> group);
@@ -82,9 +70,6 @@ class ParallelStrategy : public Strategy {
   /// process_group_backend, or when it is empty nccl on CUDA devices where
   /// this build has it, else gloo.
   std::string process_group_backend() const;
-  /// Notes the process group backend when it was left to the default;
-  /// ConfigError when the backend cannot run on the devices.
-  void explain_choices(std::vector<std::string>& notes) const override;
 
   /// Bounds the rendezvous and every collective (default 30 minutes).
   std::chrono::milliseconds process_group_timeout() const {
@@ -95,21 +80,17 @@ class ParallelStrategy : public Strategy {
   /// cluster environment's.
   int main_port() const;
 
-  /// Through the rendezvous store (ProcessGroup::ranks_arrive).
-  bool peers_arrive(const std::string& key, std::chrono::milliseconds timeout) override;
-
  protected:
-  void do_setup_environment() override;
   /// Unless the cluster environment created the processes: this process
   /// stands for local rank 0 of its node (as PyTorch Lightning's launching
   /// process does) and, with several devices, gets a fork or
   /// subprocess-script launcher (stopping ranks with
-  /// ParallelOptions::stop_grace); with one device it runs in place.
-  void configure_launcher_for(StartMethod start_method);
+  /// ParallelOptions::stop_grace); with one device it runs in place. Then
+  /// notes the process group backend when it was left to the default;
+  /// ConfigError when the backend cannot run on the devices.
+  void configure(std::vector<std::string>& notes) override;
+  void do_setup_environment() override;
   void do_teardown() override;
-  /// ConfigError naming `owner` ("DDPStrategy") for a start method that is
-  /// neither "popen" nor "fork".
-  static void check_start_method(const Choice<StartMethod>& start_method, std::string_view owner);
   /// Every rank takes rank 0's parameters (one broadcast each).
   void broadcast_parameters_from_rank_zero(Module& module);
   /// sync_batchnorm: every fulgur::nn::SyncBatchNorm of `module` reduces
@@ -124,9 +105,11 @@ class ParallelStrategy : public Strategy {
   const LaunchedRank* launched_rank() const;
   /// What the launcher starts, read at each of its launches.
   RankLayout rank_layout() const;
+  /// configure()'s first half: the launcher.
+  void configure_launcher();
 
-  std::shared_ptr<ProcessGroup> group_;
   ParallelOptions parallel_;
+  StartMethod start_method_;
 };
 
 }  // namespace fulgur

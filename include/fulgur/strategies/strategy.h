@@ -10,14 +10,21 @@
 // device-, rank- and file-related operation through it and never checks its
 // concrete type.
 //
-//   strategy.setup_environment();         // device, process group
+// Its public functions are what a user may call (trainer.strategy(): the
+// components, the ranks, the collectives). The protocol the Trainer drives
+// is protected, reached through detail::StrategyDriver, in this order:
+//
+//   setup_environment();                  // device, process group
 //   module.configure_model();
-//   strategy.setup(module);               // dtype, placement, wrapping
-//   auto batch = strategy.batch_to_device(raw);
-//   auto loss = strategy.training_step(module, batch, batch_idx);
-//   strategy.backward(loss, module);
-//   strategy.optimizer_step(optimizer, module);
-//   strategy.teardown();
+//   setup(module);                        // dtype, placement, wrapping
+//   auto batch = batch_to_device(raw);
+//   auto loss = training_step(module, batch, batch_idx);
+//   backward(loss, module);
+//   optimizer_step(optimizer, module);
+//   teardown();
+//
+// A strategy of one's own overrides the protected virtual functions (at
+// most 20 in all) and declares what it can run in StrategyTraits.
 //
 // Missing components are filled lazily with the defaults: 32-true
 // precision, TorchCheckpointIO, LightningEnvironment.
@@ -57,6 +64,37 @@ class Module;
 class ProcessGroup;
 struct OptimizerConfig;
 
+/// The ranks of this process as its strategy knows them.
+struct Ranks {
+  int global = 0;
+  int local = 0;
+  int node = 0;
+  int world_size = 1;
+};
+
+/// What a strategy can run, declared once by its constructor.
+struct StrategyTraits {
+  /// The most processes it runs (1: one device on one node, and no process
+  /// group); 0: no limit.
+  int max_processes = 0;
+  /// Empty when it synchronises BatchNorm statistics across ranks;
+  /// otherwise why not ("one process has no peers"), for the connector's
+  /// message rejecting sync_batchnorm=true.
+  std::string sync_batchnorm_unsupported_reason =
+      "it does not declare that it can (StrategyTraits::sync_batchnorm_unsupported_reason)";
+  /// Whether the module's forward runs collectives (fsdp's FULL_SHARD
+  /// gathers its units' parameters there): every rank must then run as
+  /// many forwards, so evaluation is sharded evenly, padded as training is.
+  bool forward_is_collective = false;
+  /// Whether every save gathers what it writes on several ranks (fsdp):
+  /// every rank must then save at the same point.
+  bool save_gathers = false;
+};
+
+namespace detail {
+class StrategyDriver;
+}
+
 class Strategy {
  public:
   Strategy();
@@ -66,10 +104,12 @@ class Strategy {
 
   /// The registered name ("single_device", "ddp").
   virtual std::string_view name() const = 0;
+  const StrategyTraits& traits() const { return traits_; }
 
   // ---- Components. Setters share ownership (a plugin instance passed to the
   // Trainer stays valid in the caller); getters throw ConfigError on an
-  // empty slot that has no default (the accelerator).
+  // empty slot that has no default (the accelerator). The connector fills
+  // the slots left empty.
   void set_accelerator(std::shared_ptr<Accelerator> accelerator);
   bool has_accelerator() const { return accelerator_ != nullptr; }
   Accelerator& accelerator() const;
@@ -88,40 +128,68 @@ class Strategy {
   const ClusterEnvironment& cluster_environment() const;
   void set_parallel_devices(std::vector<c10::Device> devices);
   const std::vector<c10::Device>& parallel_devices() const { return parallel_devices_; }
-  void set_num_nodes(int num_nodes) { num_nodes_ = num_nodes; }
   int num_nodes() const { return num_nodes_; }
-  /// Empty when this strategy synchronises BatchNorm statistics across
-  /// ranks; otherwise why not ("one process has no peers"), for the
-  /// connector's message rejecting sync_batchnorm=true.
-  virtual std::string sync_batchnorm_unsupported_reason() const {
-    return "a strategy that can says so with an empty sync_batchnorm_unsupported_reason()";
-  }
-  /// The most processes it runs (1: one device on one node); 0: no limit.
-  virtual int max_processes() const { return 0; }
   void set_sync_batchnorm(bool enabled) { sync_batchnorm_ = enabled; }
   bool sync_batchnorm() const { return sync_batchnorm_; }
   /// The launcher that creates this strategy's processes; null when the
   /// current process simply runs (one process, or created externally).
   Launcher* launcher() const { return launcher_.get(); }
-  /// Called by the connector once every component is in place; a strategy
-  /// that launches processes creates its launcher here.
-  virtual void configure_launcher() {}
-  /// Called by the connector after configure_launcher(): adds a note (as
-  /// `fulgur resolve` and Trainer::describe() show them) for each default
-  /// the strategy resolves itself, and throws ConfigError for a choice of
-  /// its own that cannot work with the resolved devices.
-  virtual void explain_choices(std::vector<std::string>& /*notes*/) const {}
 
   // ---- Ranks.
-  virtual int global_rank() const { return 0; }
-  virtual int local_rank() const { return 0; }
-  virtual int node_rank() const { return 0; }
-  virtual int world_size() const { return 1; }
+  virtual Ranks ranks() const { return {}; }
+  int global_rank() const { return ranks().global; }
+  int local_rank() const { return ranks().local; }
+  int node_rank() const { return ranks().node; }
+  int world_size() const { return ranks().world_size; }
   bool is_global_zero() const { return global_rank() == 0; }
   /// The device this process computes on.
   virtual c10::Device root_device() const = 0;
 
-  // ---- Lifecycle, called by the Trainer in this order on every rank.
+  // ---- Collectives, over process_group(). On a strategy of one process
+  // (StrategyTraits::max_processes 1) they return their input; a parallel
+  // strategy throws DistributedError before its group exists (it does
+  // inside fit/validate/test/predict).
+  /// The group of this strategy's ranks (Module::process_group() hands it
+  /// to the module): null on a strategy of one process.
+  std::shared_ptr<ProcessGroup> shared_process_group() const;
+  /// The same group; DistributedError where there is none.
+  ProcessGroup& process_group() const;
+  /// `name` says at the call site what the ranks wait for.
+  void barrier(std::string_view name = {});
+  at::Tensor broadcast(const at::Tensor& tensor, int src = 0);
+  /// Small serialised values (a path, a decision, an archive's bytes).
+  std::string broadcast_bytes(const std::string& value, int src = 0);
+  at::Tensor all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Mean);
+  /// Tensors of every rank stacked on a new dimension 0.
+  at::Tensor all_gather(const at::Tensor& tensor);
+  /// `all`: true when every rank decided true; otherwise true when any did.
+  /// One all_reduce (none on one rank).
+  bool reduce_boolean_decision(bool decision, bool all = true);
+
+  /// One line per component, for Trainer::describe().
+  std::string describe() const;
+
+ protected:
+  // ---- The Trainer's protocol. Subclasses override the virtual ones; the
+  // Trainer, its loops, connectors and built-in callbacks call them through
+  // detail::StrategyDriver (src/strategies/strategy_driver.h), which lists
+  // them in the order a run calls them. They are not for a user's code.
+  friend class detail::StrategyDriver;
+
+  /// The strategy's own part of the configuration, called by the connector
+  /// once every component is in place: a strategy that launches processes
+  /// creates its launcher (set_launcher); it adds a note (as `fulgur
+  /// resolve` and Trainer::describe() show them) for each default it
+  /// resolves itself, and throws ConfigError for a choice of its own that
+  /// cannot work with the resolved devices.
+  virtual void configure(std::vector<std::string>& /*notes*/) {}
+  void set_num_nodes(int num_nodes) { num_nodes_ = num_nodes; }
+  void set_launcher(std::unique_ptr<Launcher> launcher);
+  void set_traits(StrategyTraits traits) { traits_ = std::move(traits); }
+  /// The group a parallel strategy's collectives run over.
+  void set_group(std::shared_ptr<ProcessGroup> group) { group_ = std::move(group); }
+  bool has_group() const { return group_ != nullptr; }
+
   /// Prepares the device and (parallel strategies) the process group.
   void setup_environment();
   /// Converts (precision), places and wraps the module.
@@ -133,8 +201,14 @@ class Strategy {
   /// the strategy then runs no collective (fsdp leaves the parameters
   /// sharded instead of gathering them back).
   void teardown(bool completed = true);
+  virtual void do_setup_environment() {}
+  /// Default: moves the module to root_device().
+  virtual void do_setup(Module& module);
+  virtual void do_teardown() {}
+  /// In do_teardown: whether the stage completed (teardown's argument).
+  bool stage_completed() const { return stage_completed_; }
 
-  // ---- Steps.
+  // Steps.
   /// Moves (and for 64-true converts) every tensor of `batch`.
   virtual Batch batch_to_device(const Batch& batch) const;
   /// The precision's scope around a step (autocast); null when none.
@@ -144,14 +218,14 @@ class Strategy {
   virtual at::Tensor training_step(Module& module, Batch& batch, int64_t batch_idx);
   /// Backward through the precision plugin (and gradient sync when wrapped).
   virtual void backward(const at::Tensor& loss, Module& module);
-  /// training_step returned no loss on this rank at a micro-batch that
-  /// steps the optimizers; `accumulated`: an earlier micro-batch of the
-  /// accumulation window had one. Returns whether the optimizers step. A
-  /// strategy that averages gradients joins the ranks that had a loss (so
-  /// that their collectives stay paired) and says true when any rank has a
-  /// gradient: every replica then takes the same step. Default:
-  /// `accumulated` (step with what earlier micro-batches accumulated).
-  virtual bool backward_skipped(Module& /*module*/, bool accumulated) { return accumulated; }
+  /// Whether the optimizers step at a micro-batch where training_step
+  /// returned no loss on this rank; `accumulated`: an earlier micro-batch
+  /// of the accumulation window had one. A strategy that averages
+  /// gradients joins the ranks that had a loss (so that their collectives
+  /// stay paired) and says true when any rank has a gradient: every replica
+  /// then takes the same step. Default: `accumulated` (step with what
+  /// earlier micro-batches accumulated).
+  virtual bool steps_without_loss(Module& /*module*/, bool accumulated) { return accumulated; }
   /// Unscales the optimizer's gradients before clipping (16-mixed).
   void unscale_gradients(torch::optim::Optimizer& optimizer);
   /// Scales the gradients of `parameters` so that their 2-norm is at most
@@ -162,22 +236,20 @@ class Strategy {
   /// Steps the optimizer through the precision plugin; false if skipped.
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer, Module& module);
   /// Off for the backward passes of micro-batches that do not step the
-  /// optimizer (gradient accumulation): no cross-rank gradient sync.
-  virtual void set_gradient_sync(bool /*enabled*/) {}
-  /// Whether the module's forward runs collectives (fsdp gathers its
-  /// units' parameters there): every rank must then run as many forwards,
-  /// so evaluation is sharded evenly, padded as training is.
-  virtual bool forward_is_collective() const { return false; }
+  /// optimizer (gradient accumulation): a strategy that syncs gradients
+  /// reads gradient_sync() and skips the cross-rank sync.
+  void set_gradient_sync(bool enabled) { gradient_sync_ = enabled; }
+  bool gradient_sync() const { return gradient_sync_; }
+  /// StrategyTraits::forward_is_collective.
+  bool forward_is_collective() const { return traits_.forward_is_collective; }
   /// Whether saving a checkpoint runs collectives, so every rank must save
-  /// at the same point: a sharded layout (several ranks), or a strategy
-  /// that gathers what it saves.
-  virtual bool checkpoint_is_collective() const;
+  /// at the same point: a sharded layout or a strategy whose saves gather
+  /// (StrategyTraits::save_gathers), on several ranks.
+  bool checkpoint_is_collective() const;
   /// Whether every rank gets here with the same `key` within `timeout`:
   /// bounded, and never a collective (a rank stuck in one elsewhere only
   /// makes it false). One rank: true.
-  virtual bool peers_arrive(const std::string& /*key*/, std::chrono::milliseconds /*timeout*/) {
-    return true;
-  }
+  bool peers_arrive(const std::string& key, std::chrono::milliseconds timeout);
   /// Runs `body` with every parameter of the module whole on this rank
   /// (fsdp gathers the sharded ones first and shards them again after).
   /// Every rank calls it at the same point.
@@ -188,23 +260,7 @@ class Strategy {
   /// used to name a rank that hangs. No-op outside one of fulgur's launchers.
   void heartbeat(const char* what);
 
-  /// The group of this strategy's ranks, for collectives of the module's
-  /// own (Module::process_group()): null when it runs one process without
-  /// one (single_device). A parallel strategy throws DistributedError before
-  /// setup_environment() created it.
-  virtual std::shared_ptr<ProcessGroup> module_process_group() const { return nullptr; }
-
-  // ---- Collectives. On one process they return their input.
-  virtual void barrier(std::string_view name = {}) = 0;
-  virtual at::Tensor broadcast(const at::Tensor& tensor, int src = 0) = 0;
-  /// Small serialised values (a path, a decision, an archive's bytes).
-  virtual std::string broadcast_bytes(const std::string& value, int src = 0) = 0;
-  virtual at::Tensor all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Mean) = 0;
-  /// Tensors of every rank stacked on a new dimension 0.
-  virtual at::Tensor all_gather(const at::Tensor& tensor) = 0;
-  /// `all`: true when every rank decided true; otherwise true when any did.
-  /// One all_reduce (none on one rank).
-  bool reduce_boolean_decision(bool decision, bool all = true);
+  // Stopping.
   /// Whether any rank asked to stop (Trainer::request_stop). Every rank
   /// calls it at the same points of the fit loop: after each training batch
   /// and, with `boundary`, before each epoch and after a validation. At a
@@ -216,12 +272,13 @@ class Strategy {
   virtual bool agree_to_stop(bool requested, bool boundary);
   /// This rank's stop request as the fit loop hands it down before each
   /// backward (automatic or manual) and each step without one, for a
-  /// strategy that exchanges it with that step's collectives (DDP). The
-  /// strategy never reads it back from the Trainer. Default: ignored.
-  virtual void vote_to_stop(bool /*stop*/) {}
+  /// strategy that exchanges it with that step's collectives (DDP reads
+  /// stop_vote()). The strategy never reads it back from the Trainer.
+  void set_stop_vote(bool stop) { stop_vote_ = stop; }
+  bool stop_vote() const { return stop_vote_; }
 
-  // ---- Checkpoints, as the checkpoint layout places them (every rank
-  // calls each at the same point).
+  // Checkpoints, as the checkpoint layout places them (every rank calls
+  // each at the same point).
   /// Whether this rank writes checkpoint files (rank 0 by default).
   bool is_checkpoint_writer() const;
   /// This rank's part of the checkpoint at `path` (a no-op on a rank that
@@ -254,18 +311,6 @@ class Strategy {
   virtual void load_optimizer_state(torch::optim::Optimizer& optimizer,
                                     torch::serialize::InputArchive& archive);
 
-  /// One line per component, for Trainer::describe().
-  std::string describe() const;
-
- protected:
-  virtual void do_setup_environment() {}
-  /// Default: moves the module to root_device().
-  virtual void do_setup(Module& module);
-  virtual void do_teardown() {}
-  /// In do_teardown: whether the stage completed (teardown's argument).
-  bool stage_completed() const { return stage_completed_; }
-  void set_launcher(std::unique_ptr<Launcher> launcher);
-
  private:
   std::shared_ptr<Accelerator> accelerator_;
   std::shared_ptr<Precision> precision_;
@@ -273,12 +318,19 @@ class Strategy {
   std::shared_ptr<CheckpointLayout> checkpoint_layout_;
   std::shared_ptr<ClusterEnvironment> cluster_environment_;
   std::unique_ptr<Launcher> launcher_;
+  std::shared_ptr<ProcessGroup> group_;
   std::vector<c10::Device> parallel_devices_;
+  StrategyTraits traits_;
   int num_nodes_ = 1;
   bool sync_batchnorm_ = false;
   bool environment_ready_ = false;
   bool torn_down_ = false;
   bool stage_completed_ = true;
+  bool gradient_sync_ = true;
+  bool stop_vote_ = false;
+
+  /// A strategy of one process without a group: collectives return their input.
+  bool runs_alone() const { return group_ == nullptr && traits_.max_processes == 1; }
 };
 
 using StrategyRegistry = Registry<Strategy>;

@@ -21,10 +21,9 @@
 namespace fulgur {
 
 FSDPStrategy::FSDPStrategy(FSDPOptions options, std::string name)
-    : ParallelStrategy(options.parallel, "FSDPStrategy"),
+    : ParallelStrategy(options.parallel, "FSDPStrategy", options.start_method),
       options_(std::move(options)),
       name_(std::move(name)) {
-  check_start_method(options_.start_method, "FSDPStrategy");
   if (options_.auto_wrap_min_params < 0) {
     throw ConfigError(str("FSDPStrategy: auto_wrap_min_params=", options_.auto_wrap_min_params,
                           " is negative: pass the number of parameters from which a layer of "
@@ -45,11 +44,15 @@ FSDPStrategy::FSDPStrategy(FSDPOptions options, std::string name)
   if (options_.state_dict_type.value() == StateDictType::kSharded) {
     set_checkpoint_layout(std::make_shared<ShardedCheckpoint>());
   }
+  // fulgur::nn::SyncBatchNorm layers reduce their statistics across ranks;
+  // FULL_SHARD's forward gathers the units' parameters; every save gathers
+  // (the units' parameters, a full state's optimizer state).
+  set_traits({.sync_batchnorm_unsupported_reason = {},
+              .forward_is_collective = full_shard(),
+              .save_gathers = true});
 }
 
 FSDPStrategy::~FSDPStrategy() = default;
-
-void FSDPStrategy::configure_launcher() { configure_launcher_for(options_.start_method.value()); }
 
 void FSDPStrategy::do_setup(Module& module) {
   module.to(root_device());
@@ -104,7 +107,7 @@ void FSDPStrategy::agree_on_backward(bool has_loss) {
 }
 
 void FSDPStrategy::backward(const at::Tensor& loss, Module& module) {
-  if (backward_is_collective() && sync_) agree_on_backward(true);
+  if (backward_is_collective() && gradient_sync()) agree_on_backward(true);
   for (auto& unit : units_) unit->start_backward();
   ParallelStrategy::backward(loss, module);
   finish_reductions();
@@ -112,12 +115,12 @@ void FSDPStrategy::backward(const at::Tensor& loss, Module& module) {
   forward_order_.clear();
   // A unit whose parameters did not all get a gradient is still whole.
   release_units();
-  if (sync_) reduce_gradients();
+  if (gradient_sync()) reduce_gradients();
 }
 
-bool FSDPStrategy::backward_skipped(Module& /*module*/, bool accumulated) {
+bool FSDPStrategy::steps_without_loss(Module& /*module*/, bool accumulated) {
   forward_order_.clear();  // no backward: nothing to learn the order from
-  if (!sync_) return accumulated;
+  if (!gradient_sync()) return accumulated;
   if (backward_is_collective()) agree_on_backward(false);
   for (auto& unit : units_) unit->start_backward();  // no unit reduced in this step yet
   // The peers reduce-scatter now: join them with what this rank has
@@ -231,10 +234,6 @@ void FSDPStrategy::load_module_state(Module& module, torch::serialize::InputArch
 }
 
 bool FSDPStrategy::full_shard() const {
-  return options_.sharding_strategy.value() == ShardingStrategy::kFullShard;
-}
-
-bool FSDPStrategy::forward_is_collective() const {
   return options_.sharding_strategy.value() == ShardingStrategy::kFullShard;
 }
 

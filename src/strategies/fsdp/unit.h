@@ -105,7 +105,7 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
   }
   void gradient_ready() {
     if (++ready_ < static_cast<int>(accumulators_.size())) return;
-    if (strategy_.sync_) {
+    if (strategy_.gradient_sync()) {
       // With prefetch, the reduce-scatter runs while the rest of backward
       // does (one unit's under way at a time); without, now.
       if (strategy_.options_.prefetch) strategy_.finish_reductions();

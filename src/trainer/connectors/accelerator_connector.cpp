@@ -12,6 +12,7 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/distributed/launchers/launcher.h"
+#include "strategies/strategy_driver.h"
 
 namespace fulgur {
 
@@ -293,7 +294,7 @@ class ConnectorRun {
 
   void check_one_process_strategy_gets_one_device() {
     const auto& devices = options_.devices;
-    if (strategy_ && strategy_->max_processes() == 1 &&
+    if (strategy_ && strategy_->traits().max_processes == 1 &&
         (options_.num_nodes > 1 ||
          (devices.problem().empty() && !devices.is_auto() &&
           (device_count_of(devices) > 1 || device_count_of(devices) == -1)))) {
@@ -317,7 +318,7 @@ class ConnectorRun {
 
   void check_strategy_can_sync_batchnorm() {
     if (!options_.sync_batchnorm || !strategy_) return;
-    const std::string why = strategy_->sync_batchnorm_unsupported_reason();
+    const std::string why = strategy_->traits().sync_batchnorm_unsupported_reason;
     if (why.empty()) return;
     problems_.add(str("sync_batchnorm=true with strategy=\"", strategy_->name(),
                       "\", which cannot synchronise BatchNorm statistics (", why, ")",
@@ -499,7 +500,7 @@ class ConnectorRun {
       return;
     }
     strategy_ = std::shared_ptr<Strategy>(strategies.create(name));
-    if (options_.sync_batchnorm && !strategy_->sync_batchnorm_unsupported_reason().empty()) {
+    if (options_.sync_batchnorm && !strategy_->traits().sync_batchnorm_unsupported_reason.empty()) {
       problems_.add(str("sync_batchnorm=true, but strategy=auto chose \"", strategy_->name(),
                         "\" (one device on one node), which has no peers to synchronise "
                         "with. Drop sync_batchnorm, or pass devices >= 2."));
@@ -575,17 +576,19 @@ ConnectorResult build(Choices choices) {
     strategy->set_cluster_environment(choices.cluster_environment);
   }
   if (strategy->parallel_devices().empty()) strategy->set_parallel_devices(choices.devices);
-  strategy->set_num_nodes(choices.num_nodes);
+  detail::StrategyDriver driver(*strategy);
+  driver.set_num_nodes(choices.num_nodes);
   strategy->set_sync_batchnorm(choices.sync_batchnorm);
   reported_as("unavailable",
               [&] { strategy->precision().check_accelerator(strategy->accelerator()); });
-  reported_as("invalid_flags", [&] { strategy->configure_launcher(); });
+  std::vector<std::string> strategy_notes;
+  reported_as("invalid_flags", [&] { driver.configure(strategy_notes); });
   if (strategy->launcher() != nullptr) {
     notes.push_back(str("launcher=", strategy->launcher()->name(),
                         " because strategy=", strategy->name(), " under cluster environment \"",
                         strategy->cluster_environment().name(), "\" starts its own processes"));
   }
-  reported_as("invalid_flags", [&] { strategy->explain_choices(notes); });
+  notes.insert(notes.end(), strategy_notes.begin(), strategy_notes.end());
 
   ConnectorResult result;
   Resolution& r = result.resolution;

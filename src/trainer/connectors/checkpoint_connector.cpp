@@ -77,7 +77,7 @@ void CheckpointConnector::dump(OutputArchive& archive) {
   archive.write("fulgur_version", c10::IValue(std::string(kVersion)));
 
   OutputArchive state(cu);
-  trainer_.strategy->save_module_state(*trainer_.module, state);
+  trainer_.drive().save_module_state(*trainer_.module, state);
   archive.write("state_dict", state);
 
   OutputArchive optimizers(cu);
@@ -85,7 +85,7 @@ void CheckpointConnector::dump(OutputArchive& archive) {
       "count", c10::IValue(static_cast<int64_t>(trainer_.fit_loop.optimizers().optimizers.size())));
   for (size_t i = 0; i < trainer_.fit_loop.optimizers().optimizers.size(); ++i) {
     OutputArchive one(cu);
-    trainer_.strategy->save_optimizer_state(*trainer_.fit_loop.optimizers().optimizers[i], one);
+    trainer_.drive().save_optimizer_state(*trainer_.fit_loop.optimizers().optimizers[i], one);
     optimizers.write(std::to_string(i), one);
   }
   archive.write("optimizer_states", optimizers);
@@ -187,7 +187,7 @@ void CheckpointConnector::save(const std::string& path) {
   }
   OutputArchive archive;
   dump(archive);
-  trainer_.strategy->save_checkpoint(archive, path);
+  trainer_.drive().save_checkpoint(archive, path);
 }
 
 std::string CheckpointConnector::checkpoint_dir() const {
@@ -210,7 +210,7 @@ std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) cons
   }
   std::vector<std::string> skipped;
   for (const auto& candidate : found) {
-    const std::string problem = trainer_.strategy->verify_checkpoint(candidate);
+    const std::string problem = trainer_.drive().verify_checkpoint(candidate);
     if (problem.empty()) {
       if (!skipped.empty() && trainer_.strategy->is_global_zero()) {
         detail::print_note(str("ckpt_path=\"", ckpt_path, "\": skipped ", join(skipped, "; "),
@@ -229,7 +229,7 @@ std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) cons
 
 void CheckpointConnector::restore(const std::string& path, bool full) {
   InputArchive archive;
-  trainer_.strategy->load_checkpoint(path, archive);
+  trainer_.drive().load_checkpoint(path, archive);
   c10::IValue version;
   if (!archive.try_read("fulgur_format_version", version) || !version.isInt()) {
     auto keys = archive.keys();
@@ -248,7 +248,7 @@ void CheckpointConnector::restore(const std::string& path, bool full) {
 
   auto state = read_section(archive, "state_dict", path);
   try {
-    trainer_.strategy->load_module_state(*trainer_.module, state);
+    trainer_.drive().load_module_state(*trainer_.module, state);
   } catch (const c10::Error& e) {
     throw CheckpointError(str("checkpoint \"", path, "\" does not fit module ",
                               trainer_.module->name(), ": ", e.what_without_backtrace(),
@@ -269,7 +269,7 @@ void CheckpointConnector::restore(const std::string& path, bool full) {
   for (int64_t i = 0; i < count; ++i) {
     InputArchive one = read_section(optimizers, std::to_string(i).c_str(), path);
     try {
-      trainer_.strategy->load_optimizer_state(
+      trainer_.drive().load_optimizer_state(
           *trainer_.fit_loop.optimizers().optimizers[static_cast<size_t>(i)], one);
     } catch (const c10::Error& e) {
       throw CheckpointError(str("checkpoint \"", path, "\": optimizer ", i,

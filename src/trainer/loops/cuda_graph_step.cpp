@@ -81,7 +81,7 @@ void CudaGraphStep::check(Strategy& strategy,
                           "reads on the host, every step, whether the gradients are finite. Use "
                           "precision=\"bf16-mixed\" (no scaler needed) or cuda_graph=false."));
   }
-  if (strategy.name() != "single_device") {
+  if (strategy.traits().max_processes != 1) {  // single_device, or a subclass of it
     throw ConfigError(str("cuda_graph=true with strategy=\"", strategy.name(),
                           "\": captured steps run on one device (strategy \"single_device\", "
                           "which \"auto\" picks for devices=1) for now; collectives are not "

@@ -6,6 +6,7 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/strategies/strategy.h"
+#include "strategies/strategy_driver.h"
 
 namespace fulgur::detail {
 
@@ -19,7 +20,7 @@ std::vector<const c10::TensorImpl*> identity(const Batch& batch) {
 }
 }  // namespace
 
-void DeviceFeed::reset(const Strategy& strategy, std::optional<bool> prefetch_to_device) {
+void DeviceFeed::reset(Strategy& strategy, std::optional<bool> prefetch_to_device) {
   in_flight_.clear();
   strategy_ = &strategy;
   const c10::Device device = strategy.root_device();
@@ -36,7 +37,7 @@ void DeviceFeed::put(const Batch& host) {
   FULGUR_ASSERT(strategy_ != nullptr, "DeviceFeed::put before reset");
   InFlight entry{.host = host, .device = Batch(), .ready = std::nullopt};
   if (!streams_) {
-    entry.device = strategy_->batch_to_device(host);
+    entry.device = drive(*strategy_).batch_to_device(host);
     in_flight_.push_back(std::move(entry));
     return;
   }
@@ -53,7 +54,7 @@ void DeviceFeed::put(const Batch& host) {
   }
   {
     c10::StreamGuard on_side(*side_);
-    entry.device = strategy_->batch_to_device(host);
+    entry.device = drive(*strategy_).batch_to_device(host);
   }
   entry.ready.emplace(device_.type());
   entry.ready->record(*side_);
@@ -62,7 +63,7 @@ void DeviceFeed::put(const Batch& host) {
 
 Batch DeviceFeed::take(const Batch& host) {
   FULGUR_ASSERT(strategy_ != nullptr, "DeviceFeed::take before reset");
-  if (in_flight_.empty()) return strategy_->batch_to_device(host);
+  if (in_flight_.empty()) return drive(*strategy_).batch_to_device(host);
   InFlight entry = std::move(in_flight_.front());
   in_flight_.pop_front();
   FULGUR_ASSERT(identity(entry.host) == identity(host),

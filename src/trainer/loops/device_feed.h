@@ -37,7 +37,7 @@ class DeviceFeed {
   /// A feed for `strategy`'s root device, prefetching as the Trainer option
   /// prefetch_to_device says (unset: only where the device has streams to
   /// overlap the copy with, i.e. CUDA). Drops the batches put and not taken.
-  void reset(const Strategy& strategy, std::optional<bool> prefetch_to_device);
+  void reset(Strategy& strategy, std::optional<bool> prefetch_to_device);
   bool enabled() const { return enabled_; }
 
   /// Starts moving `host`, the batch after those already put, to the device.
@@ -55,7 +55,7 @@ class DeviceFeed {
     std::optional<c10::Event> ready;  // recorded on the side stream after the copy
   };
 
-  const Strategy* strategy_ = nullptr;
+  Strategy* strategy_ = nullptr;
   bool enabled_ = false;
   bool streams_ = false;  // the device orders work by streams (CUDA)
   c10::Device device_ = c10::Device(c10::kCPU);

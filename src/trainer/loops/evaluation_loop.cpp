@@ -67,7 +67,7 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
                    trainer_.logging.eval_sink().set_context(/*training_step=*/false,
                                                             on_device.batch_size());
                    {
-                     auto scope = trainer_.strategy->step_scope();
+                     auto scope = trainer_.drive().step_scope();
                      if (is_test) {
                        m.test_step(on_device, idx);
                      } else {
@@ -115,7 +115,7 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
   for_each_batch(*trainer_.strategy, trainer_.options.prefetch_to_device, loader, limit,
                  [&](const Batch& batch, Batch& on_device, int64_t idx) {
                    {
-                     auto scope = trainer_.strategy->step_scope();
+                     auto scope = trainer_.drive().step_scope();
                      out.push_back(m.predict_step(on_device, idx));
                    }
                    for (auto& cb : trainer_.callbacks)

@@ -39,7 +39,7 @@ bool FitLoop::stop_requested_by_limits(bool boundary) {
   // gradient all-reduce), so a request made after that batch's backward
   // is agreed after the next; before an epoch and after a validation it
   // covers every request. A request not agreed yet stays pending here.
-  const bool stop = trainer_.strategy->agree_to_stop(should_stop_, boundary);
+  const bool stop = trainer_.drive().agree_to_stop(should_stop_, boundary);
   if (stop) should_stop_ = true;
   if (stop && trainer_.signals.armed()) {
     // Is the job ending (a preemption signal on some rank)? Every rank saw
@@ -233,7 +233,7 @@ void FitLoop::train_epoch() {
     if (trainer_.strategy->is_global_zero()) trainer_.logging.log_parameters(m, global_step_);
   };
   if (trainer_.logging.logs_parameters()) {
-    trainer_.strategy->with_full_parameters(m, log_parameters);
+    trainer_.drive().with_full_parameters(m, log_parameters);
   } else {
     log_parameters();
   }
@@ -244,10 +244,10 @@ void FitLoop::train_epoch() {
 
 void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   Module& m = *trainer_.module;
-  trainer_.strategy->heartbeat("train batch");
+  trainer_.drive().heartbeat("train batch");
   // A preemption signal is a stop request, voted with this batch.
   if (trainer_.signals.received() != 0) should_stop_ = true;
-  trainer_.strategy->raise_checkpoint_errors();
+  trainer_.drive().raise_checkpoint_errors();
   trainer_.call_hooks([&](Module& mod) { mod.on_train_batch_start(batch, idx); },
                       [&](Callback& cb) { cb.on_train_batch_start(trainer_.self, m, batch, idx); });
   Batch on_device = feed_.take(batch);
@@ -263,11 +263,11 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   } else if (m.automatic_optimization()) {
     // Micro-batches that do not step accumulate locally, without a
     // cross-rank gradient sync (nor, under DDP, a buffer broadcast).
-    trainer_.strategy->set_gradient_sync(should_step);
+    trainer_.drive().set_gradient_sync(should_step);
     {
       SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kTrainingStep);
-      auto scope = trainer_.strategy->step_scope();
-      loss = trainer_.strategy->training_step(m, on_device, idx);
+      auto scope = trainer_.drive().step_scope();
+      loss = trainer_.drive().training_step(m, on_device, idx);
     }
     if (loss.defined()) {
       check_loss(loss);
@@ -276,8 +276,8 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
         SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kBackward);
         trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); },
                             [](Callback&) {});
-        trainer_.strategy->vote_to_stop(should_stop_);
-        trainer_.strategy->backward(scaled, m);
+        trainer_.drive().set_stop_vote(should_stop_);
+        trainer_.drive().backward(scaled, m);
         trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
       }
       window_has_gradient_ = !should_step;
@@ -288,15 +288,15 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
       // must take the same step (or none).
       const bool accumulated = window_has_gradient_;
       window_has_gradient_ = false;
-      trainer_.strategy->vote_to_stop(should_stop_);
-      if (trainer_.strategy->backward_skipped(m, accumulated)) step_optimizers();
+      trainer_.drive().set_stop_vote(should_stop_);
+      if (trainer_.drive().steps_without_loss(m, accumulated)) step_optimizers();
     }
   } else {
-    trainer_.strategy->set_gradient_sync(true);
+    trainer_.drive().set_gradient_sync(true);
     // Manual optimization: training_step holds its backward and steps.
     SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kTrainingStep);
-    auto scope = trainer_.strategy->step_scope();
-    loss = trainer_.strategy->training_step(m, on_device, idx);
+    auto scope = trainer_.drive().step_scope();
+    loss = trainer_.drive().training_step(m, on_device, idx);
     if (global_step_ > steps_before) ++batches_that_stepped_;
   }
   batch_position_ = idx + 1;
@@ -335,11 +335,11 @@ void FitLoop::step_optimizers() {
 void FitLoop::run_optimizer_steps(bool clip_on_device) {
   Module& m = *trainer_.module;
   for (auto& opt : optimizers_.optimizers) {
-    trainer_.strategy->unscale_gradients(*opt);
+    trainer_.drive().unscale_gradients(*opt);
     trainer_.call_hooks([&](Module& mod) { mod.on_before_optimizer_step(*opt); },
                         [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, *opt); });
     clip_gradients(*opt, clip_on_device);
-    trainer_.strategy->optimizer_step(*opt, m);
+    trainer_.drive().optimizer_step(*opt, m);
   }
   trainer_.strategy->precision().update();
 }
@@ -377,14 +377,14 @@ void FitLoop::clip_gradients(torch::optim::Optimizer& optimizer, bool on_device)
   } else if (on_device) {
     clip_grad_norm_on_device(params, max);
   } else {
-    trainer_.strategy->clip_gradients_norm(params, max);
+    trainer_.drive().clip_gradients_norm(params, max);
   }
 }
 
 at::Tensor FitLoop::step_body(Batch& on_device, int64_t idx) {
   Module& m = *trainer_.module;
-  auto scope = trainer_.strategy->step_scope();
-  at::Tensor loss = trainer_.strategy->training_step(m, on_device, idx);
+  auto scope = trainer_.drive().step_scope();
+  at::Tensor loss = trainer_.drive().training_step(m, on_device, idx);
   scope.reset();
   if (!loss.defined()) {
     throw ConfigError(str("cuda_graph=true: training_step returned no loss for batch ", idx,
@@ -393,7 +393,7 @@ at::Tensor FitLoop::step_body(Batch& on_device, int64_t idx) {
   }
   check_loss(loss);
   trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
-  trainer_.strategy->backward(loss, m);
+  trainer_.drive().backward(loss, m);
   trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
   run_optimizer_steps(/*clip_on_device=*/true);
   return loss;
@@ -401,8 +401,8 @@ at::Tensor FitLoop::step_body(Batch& on_device, int64_t idx) {
 
 at::Tensor FitLoop::graph_training_batch(Batch& on_device, int64_t idx, bool is_last_batch) {
   Module& m = *trainer_.module;
-  trainer_.strategy->set_gradient_sync(true);
-  trainer_.strategy->vote_to_stop(should_stop_);
+  trainer_.drive().set_gradient_sync(true);
+  trainer_.drive().set_stop_vote(should_stop_);
   at::Tensor loss = graph_.run(
       on_device, is_last_batch, [&](Batch& batch) { return step_body(batch, idx); }, m,
       trainer_.logging.train_sink(), optimizers_, trainer_.strategy->is_global_zero());
@@ -510,8 +510,8 @@ void FitLoop::manual_backward(Module& m, const at::Tensor& loss) {
         "training_step while fitting.");
   }
   trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
-  trainer_.strategy->vote_to_stop(should_stop_);
-  trainer_.strategy->backward(loss, m);
+  trainer_.drive().set_stop_vote(should_stop_);
+  trainer_.drive().backward(loss, m);
   trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
 }
 
@@ -521,11 +521,11 @@ void FitLoop::manual_optimizer_step(Module& m, torch::optim::Optimizer& optimize
         "optimizer_step(optimizer): called outside training_step. Call it from "
         "training_step while fitting.");
   }
-  trainer_.strategy->unscale_gradients(optimizer);
+  trainer_.drive().unscale_gradients(optimizer);
   trainer_.call_hooks(
       [&](Module& mod) { mod.on_before_optimizer_step(optimizer); },
       [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, optimizer); });
-  trainer_.strategy->optimizer_step(optimizer, m);
+  trainer_.drive().optimizer_step(optimizer, m);
   trainer_.strategy->precision().update();
   ++global_step_;
 }

@@ -8,6 +8,7 @@
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
+#include "strategies/strategy_driver.h"
 
 namespace {
 
@@ -18,7 +19,7 @@ TEST(FSDPStrategy, RegisteredWithItsLaunchVariantsAndSharded) {
     EXPECT_EQ(full->name(), name);
     EXPECT_EQ(dynamic_cast<fulgur::FSDPStrategy&>(*full).options().sharding_strategy.value(),
               fulgur::ShardingStrategy::kFullShard);
-    EXPECT_TRUE(full->forward_is_collective());
+    EXPECT_TRUE(full->traits().forward_is_collective);
   }
   ASSERT_TRUE(registry.contains("fsdp_shard_grad_op"));
   ASSERT_TRUE(registry.contains("fsdp_shard_grad_op_fork"));
@@ -32,9 +33,9 @@ TEST(FSDPStrategy, RegisteredWithItsLaunchVariantsAndSharded) {
   // Each rank writes its own optimizer shard.
   EXPECT_EQ(dynamic_cast<fulgur::FSDPStrategy&>(*popen).options().sharding_strategy.value(),
             fulgur::ShardingStrategy::kShardGradOp);
-  EXPECT_FALSE(popen->forward_is_collective());
+  EXPECT_FALSE(popen->traits().forward_is_collective);
   EXPECT_EQ(popen->checkpoint_layout().name(), "sharded");
-  EXPECT_TRUE(popen->sync_batchnorm_unsupported_reason().empty());
+  EXPECT_TRUE(popen->traits().sync_batchnorm_unsupported_reason.empty());
 }
 
 TEST(FSDPStrategy, TheHalfPrecisionLossScalerIsRefusedNamingWhatToUse) {
@@ -52,7 +53,7 @@ TEST(FSDPStrategy, TheHalfPrecisionLossScalerIsRefusedNamingWhatToUse) {
                                  .parallel = {}},
                                 "fsdp_shard_grad_op");
   strategy.set_precision(std::make_shared<fulgur::MixedPrecision>(at::kHalf));
-  EXPECT_THROWS_WITH(fulgur::ConfigError, strategy.setup_optimizers(model),
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::detail::drive(strategy).setup_optimizers(model),
                      {"strategy \"fsdp_shard_grad_op\" with precision=\"16-mixed\"", "loss scaler",
                       "precision=\"bf16-mixed\""});
 }
@@ -138,11 +139,11 @@ TEST(FSDPStrategy, AFullStateDictRefusesAnOptimizerStateItCannotGather) {
     options.state_dict_type = fulgur::StateDictType::kFull;
     fulgur::FSDPStrategy strategy(options);
     strategy.set_process_group(group);
-    auto config = strategy.setup_optimizers(model);
+    auto config = fulgur::detail::drive(strategy).setup_optimizers(model);
     auto& lbfgs = static_cast<torch::optim::LBFGS&>(*config.optimizers.front());
     lbfgs.step([&] { return torch::zeros({}); });  // its state exists after a step
     torch::serialize::OutputArchive archive;
-    EXPECT_THROWS_WITH(fulgur::ConfigError, strategy.save_optimizer_state(lbfgs, archive),
+    EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::detail::drive(strategy).save_optimizer_state(lbfgs, archive),
                        {"state_dict_type=\"full\"", "not one fulgur can gather",
                         "state_dict_type=\"sharded\""});
   });

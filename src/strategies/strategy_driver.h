@@ -1,0 +1,104 @@
+// Private: the Trainer's side of a Strategy. The Trainer, its loops and
+// connectors and the built-in callbacks drive a strategy's protected protocol
+// through this view; a user's code sees only the strategy's public functions
+// (components, ranks, collectives). Each function is the strategy's own, as
+// documented in fulgur/strategies/strategy.h. Not installed.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fulgur/core/module.h"
+#include "fulgur/strategies/strategy.h"
+
+namespace fulgur::detail {
+
+class StrategyDriver {
+ public:
+  explicit StrategyDriver(Strategy& strategy) : s_(strategy) {}
+
+  // The connector.
+  void set_num_nodes(int num_nodes) { s_.set_num_nodes(num_nodes); }
+  void configure(std::vector<std::string>& notes) { s_.configure(notes); }
+
+  // A stage's lifecycle.
+  void setup_environment() { s_.setup_environment(); }
+  void setup(Module& module) { s_.setup(module); }
+  OptimizerConfig setup_optimizers(Module& module) { return s_.setup_optimizers(module); }
+  void teardown(bool completed = true) { s_.teardown(completed); }
+
+  // Steps.
+  Batch batch_to_device(const Batch& batch) const { return s_.batch_to_device(batch); }
+  std::unique_ptr<PrecisionScope> step_scope() { return s_.step_scope(); }
+  at::Tensor training_step(Module& module, Batch& batch, int64_t batch_idx) {
+    return s_.training_step(module, batch, batch_idx);
+  }
+  void backward(const at::Tensor& loss, Module& module) { s_.backward(loss, module); }
+  bool steps_without_loss(Module& module, bool accumulated) {
+    return s_.steps_without_loss(module, accumulated);
+  }
+  void unscale_gradients(torch::optim::Optimizer& optimizer) { s_.unscale_gradients(optimizer); }
+  void clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm) {
+    s_.clip_gradients_norm(parameters, max_norm);
+  }
+  bool optimizer_step(torch::optim::Optimizer& optimizer, Module& module) {
+    return s_.optimizer_step(optimizer, module);
+  }
+  void set_gradient_sync(bool enabled) { s_.set_gradient_sync(enabled); }
+  bool forward_is_collective() const { return s_.forward_is_collective(); }
+  bool checkpoint_is_collective() const { return s_.checkpoint_is_collective(); }
+  bool peers_arrive(const std::string& key, std::chrono::milliseconds timeout) {
+    return s_.peers_arrive(key, timeout);
+  }
+  void with_full_parameters(Module& module, const std::function<void()>& body) {
+    s_.with_full_parameters(module, body);
+  }
+  void heartbeat(const char* what) { s_.heartbeat(what); }
+
+  // Stopping.
+  bool agree_to_stop(bool requested, bool boundary) {
+    return s_.agree_to_stop(requested, boundary);
+  }
+  void set_stop_vote(bool stop) { s_.set_stop_vote(stop); }
+
+  // Checkpoints.
+  bool is_checkpoint_writer() const { return s_.is_checkpoint_writer(); }
+  void save_checkpoint(torch::serialize::OutputArchive& checkpoint, const std::string& path) {
+    s_.save_checkpoint(checkpoint, path);
+  }
+  void load_checkpoint(const std::string& path, torch::serialize::InputArchive& checkpoint) {
+    s_.load_checkpoint(path, checkpoint);
+  }
+  void remove_checkpoint(const std::string& path) { s_.remove_checkpoint(path); }
+  std::string verify_checkpoint(const std::string& path) { return s_.verify_checkpoint(path); }
+  void remove_stale_checkpoint_files(const std::string& dir) {
+    s_.remove_stale_checkpoint_files(dir);
+  }
+  void raise_checkpoint_errors() { s_.raise_checkpoint_errors(); }
+  void wait_for_checkpoints() { s_.wait_for_checkpoints(); }
+  void save_module_state(Module& module, torch::serialize::OutputArchive& archive) {
+    s_.save_module_state(module, archive);
+  }
+  void load_module_state(Module& module, torch::serialize::InputArchive& archive) {
+    s_.load_module_state(module, archive);
+  }
+  void save_optimizer_state(torch::optim::Optimizer& optimizer,
+                            torch::serialize::OutputArchive& archive) {
+    s_.save_optimizer_state(optimizer, archive);
+  }
+  void load_optimizer_state(torch::optim::Optimizer& optimizer,
+                            torch::serialize::InputArchive& archive) {
+    s_.load_optimizer_state(optimizer, archive);
+  }
+
+ private:
+  Strategy& s_;
+};
+
+/// The driver of `strategy`: `drive(*strategy).backward(loss, module)`.
+inline StrategyDriver drive(Strategy& strategy) { return StrategyDriver(strategy); }
+
+}  // namespace fulgur::detail
