@@ -180,7 +180,7 @@ int run_naive(const Args& a) {
     sgd.zero_grad();
     torch::cross_entropy_loss(net->forward(bx), by).backward();
     for (auto& p : net->parameters()) {
-      group->all_reduce_(p.mutable_grad(), fulgur::ReduceOp::Sum);
+      group->all_reduce_(p.mutable_grad(), fulgur::ReduceOp::kSum);
       p.mutable_grad().div_(o.world_size);
     }
     sgd.step();

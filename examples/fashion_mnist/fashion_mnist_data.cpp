@@ -198,7 +198,7 @@ void FashionMNISTDataModule::prepare_data() {
 
 void FashionMNISTDataModule::setup(fulgur::Stage stage) {
   using fulgur::Stage;
-  if ((stage == Stage::Fit || stage == Stage::Validate) && !train_) {
+  if ((stage == Stage::kFit || stage == Stage::kValidate) && !train_) {
     auto split = load_split(options_.data_dir, /*train=*/true);
     const int64_t total = split.images.size(0);
     if (options_.val_size >= total) {
@@ -217,7 +217,7 @@ void FashionMNISTDataModule::setup(fulgur::Stage stage) {
           split.labels.narrow(0, n_train, options_.val_size));
     }
   }
-  if (stage == Stage::Test && !test_) {
+  if (stage == Stage::kTest && !test_) {
     auto split = load_split(options_.data_dir, /*train=*/false);
     test_ = std::make_shared<fulgur::TensorDataset>(split.images, split.labels);
   }

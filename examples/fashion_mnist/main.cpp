@@ -87,14 +87,17 @@ class FashionCNN : public fulgur::Module {
     // sync_dist: with several ranks, each sees part of the data; the
     // logged epoch values are reduced across them (a no-op on one process).
     log("val_loss", F::cross_entropy(logits, y), {.prog_bar = true, .sync_dist = true});
-    log("val_acc", accuracy(logits, y), {.prog_bar = true, .sync_dist = true});
+    // A metric: every rank's counts are combined, then the ratio taken once.
+    val_acc_.update(logits, y);
+    log("val_acc", val_acc_, {.prog_bar = true});
   }
 
   void test_step(fulgur::Batch& batch, int64_t /*batch_idx*/) override {
     auto& [x, y] = batch.pair();
     auto logits = forward(x);
     log("test_loss", F::cross_entropy(logits, y), {.sync_dist = true});
-    log("test_acc", accuracy(logits, y), {.sync_dist = true});
+    test_acc_.update(logits, y);
+    log("test_acc", test_acc_);
   }
 
   fulgur::OptimizerConfig configure_optimizers() override {
@@ -109,7 +112,7 @@ class FashionCNN : public fulgur::Module {
       config.schedulers.push_back(
           fulgur::SchedulerConfig{.scheduler = std::make_shared<torch::optim::StepLR>(
                                       *adam, static_cast<unsigned>(lr_step_size_), lr_gamma_),
-                                  .interval = fulgur::Interval::Epoch,
+                                  .interval = fulgur::Interval::kEpoch,
                                   .frequency = 1});
     }
     return config;
@@ -120,6 +123,9 @@ class FashionCNN : public fulgur::Module {
     return (logits.detach().argmax(1) == target).to(torch::kFloat32).mean();
   }
 
+  // Accuracy over every validation / test sample, exact on any number of ranks.
+  fulgur::metrics::Accuracy val_acc_{{.num_classes = 10}};
+  fulgur::metrics::Accuracy test_acc_{{.num_classes = 10}};
   double lr_;
   int64_t lr_step_size_;
   double lr_gamma_;

@@ -3,6 +3,12 @@
 //
 //   sharded_embeddings --devices 2            # 2 ranks, each owns half of every table
 //   sharded_embeddings --devices 1            # the same model, unsharded
+//   sharded_embeddings --help                 # every option
+//
+// The command line is fulgur::CLI's: every Trainer flag (--trainer.max_epochs,
+// or --max_epochs where the name is unique), the model's (--rows, --dim,
+// --lr) and the data's (--active_ids, --samples, --batch) options, YAML
+// config files, and a checkpoint's own config when resuming (--ckpt_path).
 //
 // Model: two sparse features (user id, item id), each with a table of
 // --rows x --dim (200k x 64 by default), row-sharded: rank k owns rows
@@ -24,7 +30,6 @@
 // by the world size, which makes 2 ranks x batch B train exactly like 1 x 2B.
 //
 // The data are synthetic interactions generated from the sample index.
-#include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
 #include <chrono>
@@ -35,19 +40,15 @@
 
 namespace {
 
+// The model's, the data's and the program's own options (the Trainer's are
+// fulgur::CLI's).
 struct Args {
-  std::string strategy = "manual";
-  std::string devices = "2";
   int64_t rows = 200000;
   int64_t dim = 64;
+  double lr = 1.0;
   int64_t active_ids = 1000;
   int64_t samples = 32768;
   int64_t batch = 256;
-  int64_t max_epochs = 5;
-  int64_t max_steps = -1;
-  double lr = 1.0;
-  std::string root = "runs/sharded_embeddings";
-  std::string ckpt_path;
   std::string dump;
   double min_improvement = 0.0;
 };
@@ -178,26 +179,31 @@ struct EpochLosses : fulgur::Callback {
 }  // namespace
 
 int main(int argc, char** argv) {
+  fulgur::TrainerOptions defaults;
+  defaults.accelerator = "cpu";
+  defaults.strategy = "manual";
+  defaults.devices = 2;
+  defaults.max_epochs = 5;
+  defaults.enable_progress_bar = false;
+  defaults.default_root_dir = "runs/sharded_embeddings";
+  fulgur::CLI cli({.program = "sharded_embeddings",
+                   .description = "A recommendation model with embedding tables sharded across "
+                                  "ranks (strategy manual: the Module shards itself)",
+                   .trainer_defaults = defaults});
   Args a;
-  CLI::App app{
-      "A recommendation model with embedding tables sharded across ranks (strategy manual)"};
-  app.add_option("--strategy", a.strategy, "manual (the Module shards itself)");
-  app.add_option("--devices", a.devices, "Processes on this machine");
-  app.add_option("--rows", a.rows, "Rows of each embedding table");
-  app.add_option("--dim", a.dim, "Embedding width");
-  app.add_option("--active-ids,--active_ids", a.active_ids,
-                 "Distinct ids the data use per feature");
-  app.add_option("--samples", a.samples, "Synthetic interactions");
-  app.add_option("--batch", a.batch, "Batch size per rank");
-  app.add_option("--max_epochs,--max-epochs", a.max_epochs);
-  app.add_option("--max_steps,--max-steps", a.max_steps);
-  app.add_option("--lr", a.lr, "SGD learning rate");
-  app.add_option("--default_root_dir,--default-root-dir", a.root, "Checkpoints and logs");
-  app.add_option("--ckpt_path,--ckpt-path", a.ckpt_path, "Resume: a checkpoint directory or last");
-  app.add_option("--dump", a.dump, "Write each rank's final parameters and first logits here");
-  app.add_option("--min-improvement,--min_improvement", a.min_improvement,
-                 "Exit 1 unless the last epoch's loss is this much below the first's");
-  CLI11_PARSE(app, argc, argv);
+  cli.model()
+      .add("rows", a.rows, "Rows of each embedding table")
+      .add("dim", a.dim, "Embedding width")
+      .add("lr", a.lr, "SGD learning rate");
+  cli.data()
+      .add("active_ids", a.active_ids, "Distinct ids the data use per feature")
+      .add("samples", a.samples, "Synthetic interactions")
+      .add("batch", a.batch, "Batch size per rank");
+  cli.program()
+      .add("dump", a.dump, "Write each rank's final parameters and first logits here")
+      .add("min_improvement", a.min_improvement,
+           "Exit 1 unless the last epoch's loss is this much below the first's");
+  if (auto status = cli.parse(argc, argv)) return *status;
   try {
     const auto start = std::chrono::steady_clock::now();
     ShardedRecommender model(a);
@@ -205,17 +211,10 @@ int main(int argc, char** argv) {
     auto loader = fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(ids, labels),
                                            {.batch_size = a.batch});
     auto losses = std::make_shared<EpochLosses>();
-    fulgur::TrainerOptions options;
-    options.accelerator = "cpu";
-    options.strategy = a.strategy;
-    options.devices = fulgur::DevicesSpec(a.devices);
-    options.max_epochs = a.max_epochs;
-    options.max_steps = a.max_steps;
-    options.enable_progress_bar = false;
-    options.default_root_dir = a.root;
-    options.callbacks = {losses};
+    fulgur::TrainerOptions options = cli.trainer_options();
+    options.callbacks.push_back(losses);
     fulgur::Trainer trainer(options);
-    trainer.fit(model, loader, nullptr, fulgur::FitOptions{.ckpt_path = a.ckpt_path});
+    trainer.fit(model, loader, nullptr, fulgur::FitOptions{.ckpt_path = cli.ckpt_path()});
 
     if (!a.dump.empty()) {
       std::vector<at::Tensor> params;
@@ -234,7 +233,8 @@ int main(int argc, char** argv) {
         std::cout << "RESULT first_loss=" << losses->losses.front() << "\n"
                   << "RESULT last_loss=" << losses->losses.back() << "\n";
       }
-      std::cout << "checkpoints: " << (std::filesystem::path(a.root) / "checkpoints").string()
+      std::cout << "checkpoints: "
+                << (std::filesystem::path(options.default_root_dir) / "checkpoints").string()
                 << " (one shard per rank in each)" << std::endl;
       if (a.min_improvement > 0 && losses->losses.size() >= 2 &&
           losses->losses.front() - losses->losses.back() < a.min_improvement) {

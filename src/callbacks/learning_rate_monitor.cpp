@@ -75,7 +75,7 @@ void LearningRateMonitor::on_train_batch_start(Trainer& trainer, Module& module,
   // The rate the coming optimizer step uses, logged at that step's index
   // when it is the log_every_n_steps-th (as PyTorch Lightning does).
   const int64_t step = trainer.global_step();
-  if (options_.logging_interval != LoggingInterval::kStep || step == logged_step_ ||
+  if (options_.logging_interval != Interval::kStep || step == logged_step_ ||
       (step + 1) % trainer.options().log_every_n_steps != 0) {
     return;
   }
@@ -84,7 +84,7 @@ void LearningRateMonitor::on_train_batch_start(Trainer& trainer, Module& module,
 }
 
 void LearningRateMonitor::on_train_epoch_end(Trainer& trainer, Module& module) {
-  if (options_.logging_interval == LoggingInterval::kEpoch) log(trainer, module);
+  if (options_.logging_interval == Interval::kEpoch) log(trainer, module);
 }
 
 }  // namespace fulgur

@@ -59,11 +59,11 @@ void Timer::check(Trainer& trainer) {
 
 void Timer::on_train_batch_end(Trainer& trainer, Module&, const at::Tensor&, const Batch&,
                                int64_t) {
-  if (options_.interval == LoggingInterval::kStep) check(trainer);
+  if (options_.interval == Interval::kStep) check(trainer);
 }
 
 void Timer::on_train_epoch_end(Trainer& trainer, Module&) {
-  if (options_.interval == LoggingInterval::kEpoch) check(trainer);
+  if (options_.interval == Interval::kEpoch) check(trainer);
 }
 
 void Timer::save_state(torch::serialize::OutputArchive& archive) const {

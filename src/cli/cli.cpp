@@ -37,16 +37,6 @@ namespace fulgur {
 
 namespace fs = std::filesystem;
 
-const char* to_string(Subcommand subcommand) {
-  switch (subcommand) {
-    case Subcommand::Fit: return "fit";
-    case Subcommand::Validate: return "validate";
-    case Subcommand::Test: return "test";
-    case Subcommand::Predict: return "predict";
-  }
-  return "fit";
-}
-
 namespace {
 
 constexpr const char* kConfigStateKey = "fulgur.cli.config";
@@ -476,7 +466,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
   size_t i = 0;
   subcommand_ = options_.default_subcommand;
   if (!args.empty()) {
-    for (auto s : {Subcommand::Fit, Subcommand::Validate, Subcommand::Test, Subcommand::Predict}) {
+    for (auto s : {Stage::kFit, Stage::kValidate, Stage::kTest, Stage::kPredict}) {
       if (args[0] == to_string(s)) {
         subcommand_ = s;
         i = 1;
@@ -896,10 +886,10 @@ std::string CLI::help() const {
 CLI::Result CLI::run(Trainer& trainer, Module& model, DataModule& data) const {
   Result result;
   switch (subcommand_) {
-    case Subcommand::Fit: result.fit = trainer.fit(model, data, {.ckpt_path = ckpt_path_}); break;
-    case Subcommand::Validate: result.metrics = trainer.validate(model, data, ckpt_path_); break;
-    case Subcommand::Test: result.metrics = trainer.test(model, data, ckpt_path_); break;
-    case Subcommand::Predict: result.predictions = trainer.predict(model, data, ckpt_path_); break;
+    case Stage::kFit: result.fit = trainer.fit(model, data, {.ckpt_path = ckpt_path_}); break;
+    case Stage::kValidate: result.metrics = trainer.validate(model, data, ckpt_path_); break;
+    case Stage::kTest: result.metrics = trainer.test(model, data, ckpt_path_); break;
+    case Stage::kPredict: result.predictions = trainer.predict(model, data, ckpt_path_); break;
   }
   return result;
 }

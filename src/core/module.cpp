@@ -8,16 +8,6 @@
 
 namespace fulgur {
 
-const char* to_string(Reduce reduce) {
-  switch (reduce) {
-    case Reduce::Mean: return "mean";
-    case Reduce::Sum: return "sum";
-    case Reduce::Max: return "max";
-    case Reduce::Min: return "min";
-  }
-  return "?";
-}
-
 std::string to_string(const HParam& value) {
   return std::visit(
       [](const auto& v) -> std::string {
@@ -97,6 +87,14 @@ void Module::log(std::string_view name, const at::Tensor& value, LogOptions opti
 
 void Module::log(std::string_view name, double value, LogOptions options) {
   attached_sink(log_sink_, name).log(name, value, options);
+}
+
+void Module::log(std::string_view name, metrics::Metric& metric, LogOptions options) {
+  attached_sink(log_sink_, name).log(name, metric, options);
+}
+
+void Module::log_dict(metrics::MetricCollection& collection, LogOptions options) {
+  attached_sink(log_sink_, "a MetricCollection").log_dict(collection, options);
 }
 
 void Module::save_hyperparameters(HParams hparams) {

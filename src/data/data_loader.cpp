@@ -162,6 +162,18 @@ bool DatasetLoader::set_shard(int64_t rank, int64_t world_size, bool even) {
   return true;
 }
 
+int64_t DatasetLoader::padded_rows(int64_t batch_idx) const {
+  const Sampler& s = *sampler_;
+  const int64_t n = dataset_->size();
+  const int64_t w = s.shard_world_size();
+  if (!s.shard_even() || w <= 1 || n == 0) return 0;
+  const int64_t m = s.shard_size(n);  // ceil(n / w): the last is position (m-1)*w + rank
+  if ((m - 1) * w + s.shard_rank() < n) return 0;
+  const int64_t b = options_.batch_size;
+  if (options_.drop_last && m % b != 0) return 0;  // the sample is in the dropped remainder
+  return batch_idx == (m + b - 1) / b - 1 ? 1 : 0;
+}
+
 DatasetLoader::~DatasetLoader() {
   // Loads in flight read this loader's members: they end first.
   if (prefetcher_) prefetcher_->stop();

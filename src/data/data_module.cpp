@@ -7,10 +7,10 @@ namespace fulgur {
 
 const char* to_string(Stage stage) {
   switch (stage) {
-    case Stage::Fit: return "fit";
-    case Stage::Validate: return "validate";
-    case Stage::Test: return "test";
-    case Stage::Predict: return "predict";
+    case Stage::kFit: return "fit";
+    case Stage::kValidate: return "validate";
+    case Stage::kTest: return "test";
+    case Stage::kPredict: return "predict";
   }
   return "?";
 }

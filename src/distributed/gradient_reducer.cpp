@@ -292,7 +292,7 @@ int GradientReducer::State::finalize(bool ran_backward) {
   }
   lock.unlock();
   for (auto& b : s.buckets) b.work->wait();
-  if (used_anywhere.defined()) s.group->all_reduce_(used_anywhere, ReduceOp::Sum);
+  if (used_anywhere.defined()) s.group->all_reduce_(used_anywhere, ReduceOp::kSum);
   // Exact for float32/64 at any world size (and for half/bf16 up to 2048
   // and 256 ranks); rounded to be safe.
   const at::Tensor counts = s.tail.to(at::kCPU, at::kDouble);

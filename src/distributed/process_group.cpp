@@ -26,16 +26,6 @@
 
 namespace fulgur {
 
-const char* to_string(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::Sum: return "sum";
-    case ReduceOp::Mean: return "mean";
-    case ReduceOp::Max: return "max";
-    case ReduceOp::Min: return "min";
-  }
-  return "?";
-}
-
 namespace {
 
 // A socket that closes itself.
@@ -85,10 +75,10 @@ std::string local_ip_towards(const Resolved& main) {
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
-    case ReduceOp::Sum:
-    case ReduceOp::Mean: return c10d::ReduceOp::SUM;
-    case ReduceOp::Max: return c10d::ReduceOp::MAX;
-    case ReduceOp::Min: return c10d::ReduceOp::MIN;
+    case ReduceOp::kSum:
+    case ReduceOp::kMean: return c10d::ReduceOp::SUM;
+    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
   }
   return c10d::ReduceOp::SUM;
 }
@@ -333,7 +323,7 @@ void ProcessGroup::all_reduce_(at::Tensor& tensor, ReduceOp op) {
   run("all_reduce", static_cast<int64_t>(tensor.nbytes()),
       [&] { return impl_->group->allreduce(tensors, opts); });
   if (!tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
-  if (op == ReduceOp::Mean) {
+  if (op == ReduceOp::kMean) {
     if (tensor.is_floating_point()) {
       tensor.div_(size());
     } else {

@@ -225,7 +225,7 @@ ShardedExchange ShardedParameters::start_reduce_scatter_gradients(
       if (parameters_[indices[j]].grad().defined()) flags[static_cast<int64_t>(j)] = 1;
     }
     flags[n] = contributes ? 1 : 0;
-    group_->all_reduce_(has, ReduceOp::Sum);
+    group_->all_reduce_(has, ReduceOp::kSum);
     for (size_t j = 0; j < indices.size(); ++j) {
       anywhere[indices[j]] = static_cast<char>(flags[static_cast<int64_t>(j)] != 0);
       any = any || anywhere[indices[j]] != 0;

@@ -318,7 +318,7 @@ void TensorBoardLogger::log_run_status(RunStatus status) {
   if (files_opened_ == 0) return;  // nothing was logged: no run to end
   Message end;
   // tensorboard.hparams.Status: SUCCESS 1, FAILURE 2, RUNNING 3.
-  end.varint(1, status == RunStatus::Success ? 1 : status == RunStatus::Failed ? 2 : 3);
+  end.varint(1, status == RunStatus::kSuccess ? 1 : status == RunStatus::kFailed ? 2 : 3);
   end.f64(2, wall_time());
   Message plugin_data;
   plugin_data.message(kPluginSessionEnd, end);

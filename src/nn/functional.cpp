@@ -47,7 +47,7 @@ at::Tensor all_reduce_sum(const at::Tensor& x, std::shared_ptr<ProcessGroup> gro
         "fulgur::nn::all_reduce_sum(x, group): the group is null. Pass the "
         "strategy's (Strategy::shared_process_group()) or your own.");
   }
-  return all_reduce_sum(x, [group](at::Tensor& t) { group->all_reduce_(t, ReduceOp::Sum); });
+  return all_reduce_sum(x, [group](at::Tensor& t) { group->all_reduce_(t, ReduceOp::kSum); });
 }
 
 }  // namespace fulgur::nn

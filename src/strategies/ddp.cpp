@@ -123,6 +123,7 @@ bool DDPStrategy::steps_without_loss(Module& module, bool accumulated) {
                           "on every rank (e.g. loss * 0 to make a batch count for nothing), or "
                           "turn sync_batchnorm off."));
   }
+  reducer_->set_require_sync(true);  // the micro-batches before may have run without it
   reducer_->set_extra_scalar(kStopVote, stop_vote() ? 1.0 : 0.0);
   return reducer_->join_without_backward(accumulated) > 0;
 }

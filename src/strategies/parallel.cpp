@@ -210,7 +210,9 @@ void ParallelStrategy::configure_launcher() {
                           "strategy \"ddp\" (the program is re-executed once per rank), or "
                           "torchrun / srun / mpirun."));
   }
-  Supervision supervision{parallel_.stop_grace, parallel_.process_group_timeout};
+  Supervision supervision;
+  supervision.stop_grace = parallel_.stop_grace;
+  supervision.hang_timeout = parallel_.process_group_timeout;
   if (start_method == StartMethod::kFork) {
     set_launcher(std::make_unique<ForkLauncher>([this] { return rank_layout(); }, supervision));
   } else {
@@ -225,7 +227,7 @@ void ParallelStrategy::connect_sync_batchnorm(Module& module) {
   for (const auto& item : module.named_modules("", /*include_self=*/false)) {
     auto* m = item.value().get();
     if (auto* sync = dynamic_cast<nn::SyncBatchNormImpl*>(m)) {
-      sync->set_all_reduce([&group](at::Tensor& t) { group.all_reduce_(t, ReduceOp::Sum); });
+      sync->set_all_reduce([&group](at::Tensor& t) { group.all_reduce_(t, ReduceOp::kSum); });
     } else if (dynamic_cast<torch::nn::BatchNorm1dImpl*>(m) != nullptr ||
                dynamic_cast<torch::nn::BatchNorm2dImpl*>(m) != nullptr ||
                dynamic_cast<torch::nn::BatchNorm3dImpl*>(m) != nullptr) {

@@ -247,7 +247,7 @@ bool Strategy::peers_arrive(const std::string& key, std::chrono::milliseconds ti
 bool Strategy::reduce_boolean_decision(bool decision, bool all) {
   if (world_size() <= 1) return decision;
   at::Tensor t = torch::tensor({decision ? 1 : 0}, torch::kInt);
-  t = all_reduce(t, all ? ReduceOp::Min : ReduceOp::Max);
+  t = all_reduce(t, all ? ReduceOp::kMin : ReduceOp::kMax);
   return t.item<int>() != 0;
 }
 

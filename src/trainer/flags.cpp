@@ -378,12 +378,16 @@ std::vector<TrainerFlag> make_flags() {
                  return "";
                }});
   f.push_back({"gradient_clip_algorithm", "optimization", "\"norm\" or \"value\"",
-               [](const O& o) { return std::string(to_string(o.gradient_clip_algorithm)); },
+               [](const O& o) { return o.gradient_clip_algorithm.text(); },
                [](O& o, const std::string& t) -> std::string {
-                 const auto algorithm = parse_gradient_clip_algorithm(t);
-                 if (!algorithm) return "not an algorithm. Pass norm or value.";
-                 o.gradient_clip_algorithm = *algorithm;
-                 return "";
+                 for (const auto& [algorithm, name] : ChoiceNames<GradientClipAlgorithm>::kNames) {
+                   if (t == name) {
+                     o.gradient_clip_algorithm = algorithm;
+                     return "";
+                   }
+                 }
+                 return str("not an algorithm. Pass ", Choice<GradientClipAlgorithm>::spellings(),
+                            ".");
                }});
   // ---- Reproducibility.
   f.push_back({"seed", "reproducibility", "Seed of every RNG (none: unseeded)",

@@ -53,6 +53,9 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
             "."));
   check(o.num_sanity_val_steps >= -1,
         str("num_sanity_val_steps=", o.num_sanity_val_steps, ": must be >= -1 (-1: all)."));
+  check(o.gradient_clip_algorithm.is_valid(),
+        str("gradient_clip_algorithm=\"", o.gradient_clip_algorithm.text(), "\": pass ",
+            Choice<GradientClipAlgorithm>::spellings(), "."));
   if (o.gradient_clip_val) {
     check(*o.gradient_clip_val >= 0.0, str("gradient_clip_val=", *o.gradient_clip_val,
                                            ": must be >= 0 (0 or unset turns clipping off)."));
@@ -324,8 +327,8 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
           body();
         } catch (...) {
           // What fit logged so far reaches the files, marked as failed.
-          if (s == Stage::Fit && strategy->is_global_zero()) {
-            logging.finalize_quietly(RunStatus::Failed);
+          if (s == Stage::kFit && strategy->is_global_zero()) {
+            logging.finalize_quietly(RunStatus::kFailed);
           }
           throw;
         }
@@ -339,9 +342,10 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
     if (auto* launcher = strategy->launcher()) {
       // Forked ranks inherit the loggers' directories.
       logging.choose_versions();
-      launcher->set_recovery(Recovery{.max_restarts = options.max_restarts,
-                                      .heartbeat_timeout = options.heartbeat_timeout,
-                                      .resume_point = std::move(resume_point)});
+      Supervision& supervision = launcher->supervision();
+      supervision.max_restarts = options.max_restarts;
+      supervision.heartbeat_timeout = options.heartbeat_timeout;
+      supervision.resume_point = std::move(resume_point);
       auto bytes = launcher->launch([&] {
         try {
           run();
@@ -435,37 +439,37 @@ std::shared_ptr<DataLoader> Trainer::Impl::set_up_stage_data(Stage s, DataModule
   if (data) {
     prepare_and_set_up(*data, s);
     switch (s) {
-      case Stage::Fit: loader = data->train_dataloader(); break;
-      case Stage::Validate: loader = data->val_dataloader(); break;
-      case Stage::Test: loader = data->test_dataloader(); break;
-      case Stage::Predict: loader = data->predict_dataloader(); break;
+      case Stage::kFit: loader = data->train_dataloader(); break;
+      case Stage::kValidate: loader = data->val_dataloader(); break;
+      case Stage::kTest: loader = data->test_dataloader(); break;
+      case Stage::kPredict: loader = data->predict_dataloader(); break;
     }
   }
   if (!loader) {
     switch (s) {
-      case Stage::Fit:
+      case Stage::kFit:
         throw ConfigError(
             "Trainer.fit: no training data. Pass a train loader, or a DataModule "
             "whose train_dataloader() returns one.");
-      case Stage::Validate:
-      case Stage::Test: {
-        const bool test = s == Stage::Test;
+      case Stage::kValidate:
+      case Stage::kTest: {
+        const bool test = s == Stage::kTest;
         throw ConfigError(str("Trainer.", test ? "test" : "validate",
                               ": no data. Pass a loader, "
                               "or a DataModule whose ",
                               test ? "test" : "val", "_dataloader() returns one."));
       }
-      case Stage::Predict:
+      case Stage::kPredict:
         throw ConfigError(
             "Trainer.predict: no data. Pass a loader, or a DataModule whose "
             "predict_dataloader() returns one.");
     }
   }
-  if (s == Stage::Fit) loader->set_default_seed(options.seed.value_or(0));
-  distribute(*loader, /*even=*/s == Stage::Fit,
-             s == Stage::Fit        ? "training"
-             : s == Stage::Validate ? "validation"
-             : s == Stage::Test     ? "test"
+  if (s == Stage::kFit) loader->set_default_seed(options.seed.value_or(0));
+  distribute(*loader, /*even=*/s == Stage::kFit,
+             s == Stage::kFit        ? "training"
+             : s == Stage::kValidate ? "validation"
+             : s == Stage::kTest     ? "test"
                                     : "predict");
   return loader;
 }
@@ -481,9 +485,9 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
                                  const FitOptions& fit) {
   FitResult result;
   run_stage(
-      m, Stage::Fit,
+      m, Stage::kFit,
       [&] {
-        train = set_up_stage_data(Stage::Fit, data, std::move(train));
+        train = set_up_stage_data(Stage::kFit, data, std::move(train));
         if (data) val = data->val_dataloader();
         if (val) {
           val->set_default_seed(options.seed.value_or(0));
@@ -510,7 +514,7 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         // Fit returns only once its checkpoints are durable.
         drive().wait_for_checkpoints();
         if (strategy->is_global_zero()) logging.finalize();
-        if (data) data->teardown(Stage::Fit);
+        if (data) data->teardown(Stage::kFit);
 
         result.metrics = logging.callback_metrics();
         result.global_step = fit_loop.global_step();
@@ -545,7 +549,7 @@ void Trainer::Impl::end_by_preemption(int signal) {
   if (strategy->world_size() > 1) strategy->barrier("preemption checkpoint");
   if (strategy->is_global_zero()) {
     const std::string requeued = strategy->cluster_environment().requeue(signal);
-    logging.finalize_quietly(RunStatus::Interrupted);
+    logging.finalize_quietly(RunStatus::kInterrupted);
     detail::print_note(str(detail::signal_name(signal), " (cluster environment \"",
                            strategy->cluster_environment().name(), "\"): saved \"", path,
                            "\" at step ", fit_loop.global_step(),
@@ -593,9 +597,9 @@ Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loa
       [&] {
         loader = set_up_stage_data(s, data, std::move(loader));
         set_up_module_and_load_weights(m, ckpt_path);
-        auto limit = (s == Stage::Test ? limits.test : limits.val)
+        auto limit = (s == Stage::kTest ? limits.test : limits.val)
                          .apply(loader->num_batches(),
-                                s == Stage::Test ? "limit_test_batches" : "limit_val_batches");
+                                s == Stage::kTest ? "limit_test_batches" : "limit_val_batches");
         out = evaluation_loop.run(*loader, s, limit);
         if (data) data->teardown(s);
       },
@@ -624,12 +628,12 @@ std::vector<Batch> Trainer::Impl::run_predict(Module& m, std::shared_ptr<DataLoa
                           "strategy=\"ddp\" or on one device."));
   }
   std::vector<Batch> out;
-  run_stage(m, Stage::Predict, [&] {
-    loader = set_up_stage_data(Stage::Predict, data, std::move(loader));
+  run_stage(m, Stage::kPredict, [&] {
+    loader = set_up_stage_data(Stage::kPredict, data, std::move(loader));
     set_up_module_and_load_weights(m, ckpt_path);
     out = prediction_loop.run(*loader,
                               limits.predict.apply(loader->num_batches(), "limit_predict_batches"));
-    if (data) data->teardown(Stage::Predict);
+    if (data) data->teardown(Stage::kPredict);
   });
   return out;
 }
@@ -648,18 +652,18 @@ FitResult Trainer::fit(Module& module, std::shared_ptr<DataLoader> train,
   return impl_->run_fit(module, std::move(train), std::move(val), nullptr, options);
 }
 Metrics Trainer::validate(Module& module, DataModule& data, const std::string& ckpt_path) {
-  return impl_->run_evaluation(module, nullptr, &data, Stage::Validate, ckpt_path);
+  return impl_->run_evaluation(module, nullptr, &data, Stage::kValidate, ckpt_path);
 }
 Metrics Trainer::validate(Module& module, std::shared_ptr<DataLoader> val,
                           const std::string& ckpt_path) {
-  return impl_->run_evaluation(module, std::move(val), nullptr, Stage::Validate, ckpt_path);
+  return impl_->run_evaluation(module, std::move(val), nullptr, Stage::kValidate, ckpt_path);
 }
 Metrics Trainer::test(Module& module, DataModule& data, const std::string& ckpt_path) {
-  return impl_->run_evaluation(module, nullptr, &data, Stage::Test, ckpt_path);
+  return impl_->run_evaluation(module, nullptr, &data, Stage::kTest, ckpt_path);
 }
 Metrics Trainer::test(Module& module, std::shared_ptr<DataLoader> test,
                       const std::string& ckpt_path) {
-  return impl_->run_evaluation(module, std::move(test), nullptr, Stage::Test, ckpt_path);
+  return impl_->run_evaluation(module, std::move(test), nullptr, Stage::kTest, ckpt_path);
 }
 std::vector<Batch> Trainer::predict(Module& module, DataModule& data,
                                     const std::string& ckpt_path) {
@@ -686,7 +690,7 @@ int64_t Trainer::global_step() const { return impl_->fit_loop.global_step(); }
 int64_t Trainer::batch_idx() const { return impl_->fit_loop.batch_idx(); }
 int64_t Trainer::num_training_batches() const { return impl_->fit_loop.num_training_batches(); }
 int64_t Trainer::num_evaluation_batches() const {
-  return stage() == Stage::Predict ? impl_->prediction_loop.num_batches()
+  return stage() == Stage::kPredict ? impl_->prediction_loop.num_batches()
                                    : impl_->evaluation_loop.num_batches();
 }
 void Trainer::request_stop() { impl_->fit_loop.request_stop(); }

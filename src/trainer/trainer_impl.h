@@ -47,7 +47,7 @@ struct Trainer::Impl final : detail::TrainerLink {
 
   // The stage being run.
   Module* module = nullptr;
-  Stage stage = Stage::Fit;
+  Stage stage = Stage::kFit;
 
   detail::LoggerConnector logging;
   detail::FitLoop fit_loop{*this};

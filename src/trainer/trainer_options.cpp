@@ -46,16 +46,6 @@ std::string PrecisionFlag::canonical() const {
   return text_;
 }
 
-std::optional<GradientClipAlgorithm> parse_gradient_clip_algorithm(const std::string& text) {
-  if (text == "norm") return GradientClipAlgorithm::Norm;
-  if (text == "value") return GradientClipAlgorithm::Value;
-  return std::nullopt;
-}
-
-const char* to_string(GradientClipAlgorithm algorithm) {
-  return algorithm == GradientClipAlgorithm::Norm ? "norm" : "value";
-}
-
 LoggerFlag::LoggerFlag(const char* raw) {
   const std::string text = raw == nullptr ? std::string() : std::string(raw);
   if (text == "true" || text == "True") {

@@ -29,7 +29,7 @@ TEST(LearningRateMonitor, LogsTheRateEachStepUsesAsTheSchedulerChangesIt) {
   LinearRegression model({.lr = 0.1, .momentum = 0.9});
   model.make_schedulers = [](torch::optim::Optimizer& o) {
     return std::vector<fulgur::SchedulerConfig>{
-        {std::make_shared<torch::optim::StepLR>(o, 1, 0.5), fulgur::Interval::Step}};
+        {std::make_shared<torch::optim::StepLR>(o, 1, 0.5), fulgur::Interval::kStep}};
   };
   fulgur::Trainer trainer(logged_options(dir, logger, monitor));
   trainer.fit(model, regression_loader(3));

@@ -91,7 +91,7 @@ TEST(CLI, ConfigFilesAndOverridesGiveTheExpectedOptions) {
                "--trainer.max_epochs", "5", "--max-steps=100", "--lr", "0.003", "--model.dropout",
                "--data.data_dir", "/elsewhere", "--deterministic", "warn"}));
   const fulgur::TrainerOptions o = p.cli.trainer_options();
-  EXPECT_EQ(p.cli.subcommand(), fulgur::Subcommand::Fit);
+  EXPECT_EQ(p.cli.subcommand(), fulgur::Stage::kFit);
   EXPECT_EQ(o.max_epochs, 5);        // command line over both files
   EXPECT_EQ(o.max_steps, 100);       // flat, kebab-case, --key=value
   EXPECT_FALSE(o.seed.has_value());  // the later file's null over the default
@@ -117,10 +117,10 @@ TEST(CLI, ConfigFilesAndOverridesGiveTheExpectedOptions) {
 TEST(CLI, NoSubcommandIsFitAndSubcommandsAreRead) {
   Program fit;
   ASSERT_TRUE(fit.parse({"--max_epochs", "1"}));
-  EXPECT_EQ(fit.cli.subcommand(), fulgur::Subcommand::Fit);
-  for (auto [name, s] : {std::pair{"validate", fulgur::Subcommand::Validate},
-                         std::pair{"test", fulgur::Subcommand::Test},
-                         std::pair{"predict", fulgur::Subcommand::Predict}}) {
+  EXPECT_EQ(fit.cli.subcommand(), fulgur::Stage::kFit);
+  for (auto [name, s] : {std::pair{"validate", fulgur::Stage::kValidate},
+                         std::pair{"test", fulgur::Stage::kTest},
+                         std::pair{"predict", fulgur::Stage::kPredict}}) {
     Program p;
     ASSERT_TRUE(p.parse({name, "--ckpt_path", "x.ckpt"}));
     EXPECT_EQ(p.cli.subcommand(), s);

@@ -89,17 +89,17 @@ TEST(Module, HParamToString) {
 }
 
 TEST(Module, ReduceToString) {
-  EXPECT_STREQ(fulgur::to_string(fulgur::Reduce::Mean), "mean");
-  EXPECT_STREQ(fulgur::to_string(fulgur::Reduce::Sum), "sum");
-  EXPECT_STREQ(fulgur::to_string(fulgur::Reduce::Max), "max");
-  EXPECT_STREQ(fulgur::to_string(fulgur::Reduce::Min), "min");
+  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::kMean), "mean");
+  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::kSum), "sum");
+  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::kMax), "max");
+  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::kMin), "min");
 }
 
 TEST(Module, AttachedDuringFitAndDetachedAfter) {
   TempDir dir;
   LinearRegression model;
   bool attached = false;
-  fulgur::Stage stage = fulgur::Stage::Test;
+  fulgur::Stage stage = fulgur::Stage::kTest;
   model.train_hook = [&](LinearRegression& self, fulgur::Batch&, int64_t) {
     attached = self.has_trainer();
     stage = self.trainer().stage();
@@ -109,7 +109,7 @@ TEST(Module, AttachedDuringFitAndDetachedAfter) {
   fulgur::Trainer trainer(test_options(dir));
   trainer.fit(model, regression_loader(2));
   EXPECT_TRUE(attached);
-  EXPECT_EQ(stage, fulgur::Stage::Fit);
+  EXPECT_EQ(stage, fulgur::Stage::kFit);
   EXPECT_FALSE(model.has_trainer());
 }
 

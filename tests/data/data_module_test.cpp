@@ -28,10 +28,10 @@ std::vector<std::string> stage_events(const RecordingDataModule& data) {
 }
 
 TEST(DataModule, StageNames) {
-  EXPECT_STREQ(fulgur::to_string(fulgur::Stage::Fit), "fit");
-  EXPECT_STREQ(fulgur::to_string(fulgur::Stage::Validate), "validate");
-  EXPECT_STREQ(fulgur::to_string(fulgur::Stage::Test), "test");
-  EXPECT_STREQ(fulgur::to_string(fulgur::Stage::Predict), "predict");
+  EXPECT_STREQ(fulgur::to_string(fulgur::Stage::kFit), "fit");
+  EXPECT_STREQ(fulgur::to_string(fulgur::Stage::kValidate), "validate");
+  EXPECT_STREQ(fulgur::to_string(fulgur::Stage::kTest), "test");
+  EXPECT_STREQ(fulgur::to_string(fulgur::Stage::kPredict), "predict");
 }
 
 TEST(DataModule, FitPreparesOnceThenSetsUpAndTearsDownFit) {

@@ -10,6 +10,9 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "fulgur/distributed/process_group.h"
 #include "distributed/worker.h"
@@ -316,6 +319,46 @@ TEST(DDP, EvaluationIsExactOnOneTwoAndThreeRanks) {
   EXPECT_EQ(acc[0], acc[2]);
 }
 
+// fulgur::metrics logged in test_step: every rank's states are combined
+// before the value is computed, so macro accuracy, macro F1 and a
+// one-vs-rest AUROC over 1001 samples (shards of 501/500 and 334/334/333)
+// are the one-process values, and every sample counts once. Under fsdp
+// (FULL_SHARD: the forward is collective, so evaluation is padded to
+// 501+501 and 334x3), the padded repeats are left out.
+TEST(DDP, MetricsAreExactOnOneTwoAndThreeRanksAndPaddingCountsOnce) {
+  TempDir dir;
+  struct Run {
+    std::string strategy, devices;
+  };
+  std::vector<std::map<std::string, std::string>> values;
+  for (const Run& run : {Run{"auto", "1"}, Run{"ddp", "2"}, Run{"ddp", "3"}, Run{"fsdp", "2"},
+                         Run{"fsdp", "3"}}) {
+    auto r = run_worker({"--strategy", run.strategy, "--devices", run.devices, "--skip-fit",
+                         "--test-samples", "1001", "--root", dir.path()});
+    ASSERT_EQ(r.exit_code, 0) << run.strategy << " x" << run.devices << ":\n" << r.output;
+    std::map<std::string, std::string> v;
+    for (const char* key : {"exact_test_macro_acc", "exact_test_macro_f1", "exact_test_auroc",
+                            "exact_test_samples"}) {
+      v[key] = result_value(r.output, key);
+      ASSERT_FALSE(v[key].empty()) << key << " missing:\n" << r.output;
+    }
+    values.push_back(v);
+  }
+  EXPECT_EQ(values[0]["exact_test_samples"], "1001");
+  for (size_t i = 1; i < values.size(); ++i) {
+    SCOPED_TRACE("run " + std::to_string(i));
+    EXPECT_EQ(values[i]["exact_test_samples"], "1001");
+    // Counts: the same integers, so the same double to the last bit.
+    EXPECT_EQ(values[i]["exact_test_macro_acc"], values[0]["exact_test_macro_acc"]);
+    EXPECT_EQ(values[i]["exact_test_macro_f1"], values[0]["exact_test_macro_f1"]);
+    // Scores: batches of another composition may round a logit's last bit
+    // differently; one sample counted twice or missed would move the area
+    // by ~1e-6.
+    EXPECT_NEAR(std::stod(values[i]["exact_test_auroc"]), std::stod(values[0]["exact_test_auroc"]),
+                1e-9);
+  }
+}
+
 TEST(DDP, FitThenTestShareTheProcessGroup) {
   for (std::string strategy : {"ddp", "ddp_fork"}) {
     TempDir dir;
@@ -356,7 +399,7 @@ TEST(ProcessGroup, StoreListensOnTheMainAddressOnly) {
   ::close(sock);
   // The group works: world size 1 collectives are identities.
   auto t = torch::tensor({1.0, 2.0});
-  group->all_reduce_(t, fulgur::ReduceOp::Sum);
+  group->all_reduce_(t, fulgur::ReduceOp::kSum);
   EXPECT_TRUE(torch::equal(t, torch::tensor({1.0, 2.0})));
   EXPECT_EQ(group->broadcast_bytes("abc"), "abc");
 }

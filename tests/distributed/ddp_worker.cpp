@@ -13,6 +13,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <csignal>
+#include <iomanip>
 #include <cstdio>
 #include <mutex>
 #include <filesystem>
@@ -231,6 +232,11 @@ struct Classifier : fulgur::Module {
   }
 
   at::Tensor seen;
+  // Test metrics from every rank's states (exact on any world size).
+  fulgur::metrics::Accuracy test_macro_acc{{.num_classes = 4, .average = "macro"}};
+  fulgur::metrics::F1Score test_macro_f1{{.num_classes = 4, .average = "macro"}};
+  fulgur::metrics::AUROC test_auroc{{.num_classes = 4}};
+  fulgur::metrics::SumMetric test_samples;
 
   at::Tensor forward(const at::Tensor& x, bool use_extra) {
     at::Tensor in = x;
@@ -404,10 +410,19 @@ struct Classifier : fulgur::Module {
 
   void test_step(fulgur::Batch& batch, int64_t) override {
     auto& [x, y] = batch.pair();
-    auto acc = (forward(x, false).argmax(1) == y).to(torch::kDouble).mean();
+    const at::Tensor logits = forward(x, false);
+    auto acc = (logits.argmax(1) == y).to(torch::kDouble).mean();
     log("test_acc", acc, {.sync_dist = args.sync_dist});
+    test_macro_acc.update(logits, y);
+    test_macro_f1.update(logits, y);
+    test_auroc.update(logits.softmax(1), y);
+    test_samples.update(torch::ones({x.size(0)}));
+    log("test_macro_acc", test_macro_acc);
+    log("test_macro_f1", test_macro_f1);
+    log("test_auroc", test_auroc);
+    log("test_samples", test_samples);
     log("test_count", static_cast<double>(x.size(0)),
-        {.sync_dist = args.sync_dist, .reduce = fulgur::Reduce::Sum});
+        {.sync_dist = args.sync_dist, .reduce = fulgur::ReduceOp::kSum});
   }
 
   // What a sharded strategy holds at the end of training (before it
@@ -460,7 +475,7 @@ struct Classifier : fulgur::Module {
     if (args.schedule == "epoch") {
       return {{optimizer},
               {{.scheduler = std::make_shared<torch::optim::StepLR>(*optimizer, 1, 0.5),
-                .interval = fulgur::Interval::Epoch}}};
+                .interval = fulgur::Interval::kEpoch}}};
     }
     if (args.schedule == "step") {
       const double steps = static_cast<double>(std::max<int64_t>(args.steps, 6));
@@ -470,7 +485,7 @@ struct Classifier : fulgur::Module {
       };
       return {{optimizer},
               {{.scheduler = std::make_shared<fulgur::LambdaLR>(*optimizer, warmup_cosine),
-                .interval = fulgur::Interval::Step}}};
+                .interval = fulgur::Interval::kStep}}};
     }
     if (!args.schedule.empty()) {
       throw std::runtime_error("--schedule " + args.schedule + ": expected epoch or step");
@@ -748,6 +763,14 @@ int main(int argc, char** argv) {
                   << "RESULT callback_dirpath=" << checkpoint->dirpath() << "\n";
       }
       for (const auto& [k, v] : test) std::cout << "RESULT " << k << "=" << v << "\n";
+      // The metrics' values to the last bit (fulgur::metrics).
+      for (const auto& [k, v] : test) {
+        if (k == "test_macro_acc" || k == "test_macro_f1" || k == "test_auroc" ||
+            k == "test_samples") {
+          std::cout << "RESULT exact_" << k << "=" << std::setprecision(17) << v
+                    << std::setprecision(6) << "\n";
+        }
+      }
       std::cout.flush();
     }
     if (strategy.global_rank() == a.hang_at_exit_rank) {

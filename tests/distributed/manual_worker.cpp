@@ -63,7 +63,7 @@ struct ShardedModel : fulgur::Module {
     auto init = torch::arange(rows_per_rank, torch::kFloat).unsqueeze(1) * 0.01 + rank;
     table = register_parameter("table", init.repeat({1, 4}));
     // A collective from the hook, proving the group is usable here.
-    auto ranks = strategy.all_reduce(torch::ones({1}), fulgur::ReduceOp::Sum);
+    auto ranks = strategy.all_reduce(torch::ones({1}), fulgur::ReduceOp::kSum);
     std::cout << "RESULT rank" << rank << "_configure_model_world=" << ranks.item<float>()
               << std::endl;
   }
@@ -96,7 +96,7 @@ struct RankSumCallback : fulgur::Callback {
   void on_train_epoch_end(fulgur::Trainer& trainer, fulgur::Module&) override {
     auto& s = trainer.strategy();
     auto sum = s.all_reduce(torch::full({1}, static_cast<float>(s.global_rank() + 1)),
-                            fulgur::ReduceOp::Sum);
+                            fulgur::ReduceOp::kSum);
     std::cout << "RESULT rank" << s.global_rank() << "_callback_sum=" << sum.item<float>()
               << std::endl;
   }

@@ -63,7 +63,7 @@ TEST(ProcessGroup, NcclNeedsACudaDevice) {
 TEST(ProcessGroup, OneRankCollectivesReturnTheirInput) {
   auto group = fulgur::ProcessGroup::connect(one_rank("gloo"));
   at::Tensor t = torch::tensor({1.0, 2.0});
-  group->all_reduce_(t, fulgur::ReduceOp::Mean);
+  group->all_reduce_(t, fulgur::ReduceOp::kMean);
   EXPECT_TRUE(torch::equal(t, torch::tensor({1.0, 2.0})));
   group->broadcast_(t, 0);
   EXPECT_TRUE(torch::equal(t, torch::tensor({1.0, 2.0})));
@@ -84,14 +84,14 @@ TEST(ProcessGroup, TwoRankCollectivesCombineEveryRanksValues) {
       group->all_reduce_(out, op);
       return out;
     };
-    sum[rank] = reduce(fulgur::ReduceOp::Sum, mine);
-    mean[rank] = reduce(fulgur::ReduceOp::Mean, mine);
-    max[rank] = reduce(fulgur::ReduceOp::Max, mine);
-    min[rank] = reduce(fulgur::ReduceOp::Min, mine);
+    sum[rank] = reduce(fulgur::ReduceOp::kSum, mine);
+    mean[rank] = reduce(fulgur::ReduceOp::kMean, mine);
+    max[rank] = reduce(fulgur::ReduceOp::kMax, mine);
+    min[rank] = reduce(fulgur::ReduceOp::kMin, mine);
     // reduce_boolean_decision's form: one int, all = Min, any = Max.
     const auto vote = torch::tensor({rank}, torch::kInt);
-    int_max[rank] = reduce(fulgur::ReduceOp::Max, vote);
-    int_min[rank] = reduce(fulgur::ReduceOp::Min, vote);
+    int_max[rank] = reduce(fulgur::ReduceOp::kMax, vote);
+    int_min[rank] = reduce(fulgur::ReduceOp::kMin, vote);
     from_one[rank] = mine.clone();
     group->broadcast_(from_one[rank], /*src=*/1);
     // Rank 1's bytes are longer than rank 0's: every rank gets all of them.
@@ -194,7 +194,7 @@ TEST(ProcessGroup, AsyncExchangesOverlapEachOtherAndACollective) {
     auto scatter = group->reduce_scatter_sum_async_(input);
     EXPECT_TRUE(gather.pending());
     at::Tensor one = torch::ones({2});
-    group->all_reduce_(one, fulgur::ReduceOp::Sum);
+    group->all_reduce_(one, fulgur::ReduceOp::kSum);
     scatter.wait();
     gather.wait();
     EXPECT_FALSE(gather.pending());

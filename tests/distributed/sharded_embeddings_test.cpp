@@ -44,7 +44,7 @@ TEST(ShardedEmbeddings, TwoRanksMatchTheUnshardedModel) {
   std::filesystem::create_directories(one);
   std::filesystem::create_directories(two);
   const std::vector<std::string> common = {"--rows",       "1000", "--dim",     "8",
-                                           "--active-ids", "200",  "--samples", "256",
+                                           "--active_ids", "200",  "--samples", "256",
                                            "--max_steps",  "5",    "--lr",      "0.5"};
   auto args = [&](const std::string& devices, const std::string& batch, const std::string& out) {
     std::vector<std::string> a = common;
@@ -91,7 +91,7 @@ TEST(ShardedEmbeddings, LossFallsOnTwoRanks) {
                         "20000",
                         "--dim",
                         "16",
-                        "--active-ids",
+                        "--active_ids",
                         "400",
                         "--samples",
                         "8192",
@@ -103,10 +103,24 @@ TEST(ShardedEmbeddings, LossFallsOnTwoRanks) {
                         "1.0",
                         "--default_root_dir",
                         dir.path(),
-                        "--min-improvement",
+                        "--min_improvement",
                         "0.2"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/checkpoints/last.ckpt/rank-1-of-2.ckpt"))
+      << r.output;
+}
+
+}  // namespace
+
+namespace {
+
+// The example's command line is fulgur::CLI's: a bad value is named with its
+// key and where it came from, and the program exits 2 before training.
+TEST(ShardedEmbeddings, ABadOptionIsNamedAndExitsTwo) {
+  auto r = run_example({"--rows", "many"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("model.rows: \"many\" (from the command line): not an integer"),
+            std::string::npos)
       << r.output;
 }
 

@@ -114,7 +114,7 @@ TEST(TensorBoardLogger, EventsDecodeToWhatWasLoggedWithValidCrcs) {
       logged.push_back({step, "epoch", static_cast<float>(step / 10)});
       logged.push_back({step, "train_loss", loss});
     }
-    logger.log_run_status(fulgur::RunStatus::Success);
+    logger.log_run_status(fulgur::RunStatus::kSuccess);
     logger.finalize();
     EXPECT_EQ(fs::path(logger.event_file()).parent_path(), fs::path(logger.log_dir()));
   }

@@ -165,7 +165,7 @@ class ScheduledNet : public fulgur::Module {
       case Schedule::PerEpoch:
         schedulers.push_back(
             {.scheduler = std::make_shared<torch::optim::StepLR>(*optimizer, 1, 0.5),
-             .interval = fulgur::Interval::Epoch});
+             .interval = fulgur::Interval::kEpoch});
         break;
       case Schedule::PerStep:
         // Warm-up over 4 steps, then a cosine decay over the 36 others.
@@ -176,7 +176,7 @@ class ScheduledNet : public fulgur::Module {
                    if (step < 4) return (step + 1) / 4.0;
                    return 0.5 * (1 + std::cos(M_PI * static_cast<double>(step - 4) / 36.0));
                  }),
-             .interval = fulgur::Interval::Step});
+             .interval = fulgur::Interval::kStep});
         break;
       case Schedule::Plateau:
         // val_loss falls; in "max" mode that is no improvement, so with

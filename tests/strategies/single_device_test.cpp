@@ -36,7 +36,7 @@ TEST(SingleDeviceStrategy, CollectivesAreIdentities) {
   fulgur::SingleDeviceStrategy strategy;
   auto t = torch::arange(3.0);
   EXPECT_TRUE(torch::equal(strategy.all_reduce(t), t));
-  EXPECT_TRUE(torch::equal(strategy.all_reduce(t, fulgur::ReduceOp::Sum), t));
+  EXPECT_TRUE(torch::equal(strategy.all_reduce(t, fulgur::ReduceOp::kSum), t));
   EXPECT_TRUE(torch::equal(strategy.broadcast(t), t));
   auto gathered = strategy.all_gather(t);
   EXPECT_EQ(gathered.sizes().vec(), (std::vector<int64_t>{1, 3}));
@@ -169,7 +169,7 @@ TEST(SingleDeviceStrategy, SchedulerWithBadFrequencyIsAConfigError) {
   model.make_schedulers = [](torch::optim::Optimizer& optimizer) {
     return std::vector<fulgur::SchedulerConfig>{
         {.scheduler = std::make_shared<torch::optim::StepLR>(optimizer, 1, 0.5),
-         .interval = fulgur::Interval::Step,
+         .interval = fulgur::Interval::kStep,
          .frequency = 0}};
   };
   EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::detail::drive(strategy).setup_optimizers(model),
@@ -209,10 +209,10 @@ TEST(SingleDeviceStrategy, DescribeListsEveryComponent) {
 }
 
 TEST(ReduceOp, Names) {
-  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::Sum), "sum");
-  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::Mean), "mean");
-  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::Max), "max");
-  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::Min), "min");
+  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::kSum), "sum");
+  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::kMean), "mean");
+  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::kMax), "max");
+  EXPECT_STREQ(fulgur::to_string(fulgur::ReduceOp::kMin), "min");
 }
 
 }  // namespace

@@ -155,7 +155,7 @@ TEST(LogErrors, TwoReductionsForOneNameConflict) {
   TempDir dir;
   LinearRegression model;
   model.train_hook = [](LinearRegression& m, fulgur::Batch&, int64_t idx) {
-    m.log("m", 1.0, {.reduce = idx == 0 ? fulgur::Reduce::Mean : fulgur::Reduce::Max});
+    m.log("m", 1.0, {.reduce = idx == 0 ? fulgur::ReduceOp::kMean : fulgur::ReduceOp::kMax});
   };
   fulgur::Trainer trainer(test_options(dir));
   EXPECT_THROWS_WITH(ConfigError, trainer.fit(model, fulgur::test::regression_loader(2)),

@@ -106,7 +106,7 @@ TEST(GradientClipping, ByNormScalesTheGradientToTheMaxNorm) {
   FixedLinear model(data.w0);
   auto options = test_options(dir);
   options.gradient_clip_val = max_norm;
-  options.gradient_clip_algorithm = fulgur::GradientClipAlgorithm::Norm;
+  options.gradient_clip_algorithm = fulgur::GradientClipAlgorithm::kNorm;
   fulgur::Trainer trainer(options);
   auto result = trainer.fit(model, data.loader());
   ASSERT_EQ(result.global_step, 1);
@@ -129,7 +129,7 @@ TEST(GradientClipping, ByValueClampsEveryComponent) {
   FixedLinear model(data.w0);
   auto options = test_options(dir);
   options.gradient_clip_val = clip;
-  options.gradient_clip_algorithm = fulgur::GradientClipAlgorithm::Value;
+  options.gradient_clip_algorithm = fulgur::GradientClipAlgorithm::kValue;
   fulgur::Trainer trainer(options);
   trainer.fit(model, data.loader());
   EXPECT_TRUE(torch::allclose(model.fc->weight.detach(), expected, 1e-5, 1e-6))
@@ -206,11 +206,11 @@ TEST_P(SchedulerStepping, StepsAtTheConfiguredIntervalAndFrequency) {
 }
 
 const SchedulerCase kSchedulerCases[] = {
-    {"step_every_step", fulgur::Interval::Step, 1, 2, 1, 8},
-    {"step_every_third_step", fulgur::Interval::Step, 3, 2, 1, 2},
-    {"step_with_accumulation", fulgur::Interval::Step, 1, 2, 2, 4},
-    {"epoch_every_epoch", fulgur::Interval::Epoch, 1, 2, 1, 2},
-    {"epoch_every_second_epoch", fulgur::Interval::Epoch, 2, 3, 1, 1},
+    {"step_every_step", fulgur::Interval::kStep, 1, 2, 1, 8},
+    {"step_every_third_step", fulgur::Interval::kStep, 3, 2, 1, 2},
+    {"step_with_accumulation", fulgur::Interval::kStep, 1, 2, 2, 4},
+    {"epoch_every_epoch", fulgur::Interval::kEpoch, 1, 2, 1, 2},
+    {"epoch_every_second_epoch", fulgur::Interval::kEpoch, 2, 3, 1, 1},
 };
 
 INSTANTIATE_TEST_SUITE_P(Intervals, SchedulerStepping, ::testing::ValuesIn(kSchedulerCases),
@@ -229,8 +229,8 @@ double step_lr_after(int64_t steps) {
 }
 
 TEST(Schedulers, StepLRPerStepAndPerEpoch) {
-  for (auto [interval, expected_calls] : {std::pair{fulgur::Interval::Step, int64_t{8}},
-                                          std::pair{fulgur::Interval::Epoch, int64_t{2}}}) {
+  for (auto [interval, expected_calls] : {std::pair{fulgur::Interval::kStep, int64_t{8}},
+                                          std::pair{fulgur::Interval::kEpoch, int64_t{2}}}) {
     TempDir dir;
     LinearRegression model({.lr = 0.1});
     model.make_schedulers = [interval = interval](torch::optim::Optimizer& optimizer) {
@@ -243,7 +243,7 @@ TEST(Schedulers, StepLRPerStepAndPerEpoch) {
     fulgur::Trainer trainer(options);
     trainer.fit(model, regression_loader(4));
     EXPECT_DOUBLE_EQ(sgd_lr(*model.optimizer), step_lr_after(expected_calls))
-        << (interval == fulgur::Interval::Step ? "per step" : "per epoch");
+        << (interval == fulgur::Interval::kStep ? "per step" : "per epoch");
   }
 }
 
@@ -327,7 +327,7 @@ TEST(ManualOptimization, SchedulersAreNotSteppedAutomatically) {
   model.make_schedulers = [&](torch::optim::Optimizer& optimizer) {
     scheduler = std::make_shared<HalvingScheduler>(optimizer);
     return std::vector<fulgur::SchedulerConfig>{
-        {.scheduler = scheduler, .interval = fulgur::Interval::Epoch}};
+        {.scheduler = scheduler, .interval = fulgur::Interval::kEpoch}};
   };
   auto options = test_options(dir);
   options.max_epochs = 2;

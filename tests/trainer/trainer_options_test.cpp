@@ -51,11 +51,15 @@ TEST(BatchLimit, FractionRoundingToZeroIsAConfigError) {
 }
 
 TEST(GradientClipAlgorithm, ParseAndPrint) {
-  EXPECT_EQ(fulgur::parse_gradient_clip_algorithm("norm"), fulgur::GradientClipAlgorithm::Norm);
-  EXPECT_EQ(fulgur::parse_gradient_clip_algorithm("value"), fulgur::GradientClipAlgorithm::Value);
-  EXPECT_EQ(fulgur::parse_gradient_clip_algorithm("l2"), std::nullopt);
-  EXPECT_STREQ(fulgur::to_string(fulgur::GradientClipAlgorithm::Norm), "norm");
-  EXPECT_STREQ(fulgur::to_string(fulgur::GradientClipAlgorithm::Value), "value");
+  using Algorithm = fulgur::Choice<fulgur::GradientClipAlgorithm>;
+  EXPECT_TRUE(Algorithm("norm") == fulgur::GradientClipAlgorithm::kNorm);
+  EXPECT_TRUE(Algorithm("value") == fulgur::GradientClipAlgorithm::kValue);
+  EXPECT_FALSE(Algorithm("l2").is_valid());
+  EXPECT_EQ(Algorithm(fulgur::GradientClipAlgorithm::kNorm).text(), "norm");
+  EXPECT_EQ(Algorithm(fulgur::GradientClipAlgorithm::kValue).text(), "value");
+  // An unknown spelling in the options is named when the Trainer is built.
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer({.gradient_clip_algorithm = "l2"}),
+                     {"gradient_clip_algorithm=\"l2\"", "\"norm\" or \"value\""});
 }
 
 // ---- Flag validation in the Trainer's constructor.

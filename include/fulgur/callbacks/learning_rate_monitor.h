@@ -12,13 +12,13 @@
 #include <string>
 
 #include "fulgur/callbacks/callback.h"
-#include "fulgur/callbacks/logging_interval.h"
+#include "fulgur/core/interval.h"
 
 namespace fulgur {
 
 struct LearningRateMonitorOptions {
   /// "step" (every log_every_n_steps optimizer steps) or "epoch".
-  Choice<LoggingInterval> logging_interval = LoggingInterval::kStep;
+  Choice<Interval> logging_interval = Interval::kStep;
   /// Also "momentum-<name>": SGD's momentum, Adam's and AdamW's beta1,
   /// RMSprop's momentum.
   bool log_momentum = false;

@@ -12,7 +12,7 @@
 #include <string>
 
 #include "fulgur/callbacks/callback.h"
-#include "fulgur/callbacks/logging_interval.h"
+#include "fulgur/core/interval.h"
 
 namespace fulgur {
 
@@ -20,7 +20,7 @@ struct TimerOptions {
   /// Training time after which fit stops (> 0).
   std::chrono::milliseconds duration = std::chrono::hours(1);
   /// Checked after every training batch ("step") or epoch ("epoch").
-  Choice<LoggingInterval> interval = LoggingInterval::kStep;
+  Choice<Interval> interval = Interval::kStep;
 };
 
 class Timer : public Callback {

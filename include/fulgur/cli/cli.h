@@ -67,9 +67,6 @@
 
 namespace fulgur {
 
-enum class Subcommand { Fit, Validate, Test, Predict };
-const char* to_string(Subcommand subcommand);
-
 /// A section of a program's own options: `model:`, `data:`, or the top level.
 /// Each add() binds a variable; its value when added is the default, and
 /// CLI::parse() writes the configured value into it.
@@ -108,7 +105,7 @@ struct CLIOptions {
   /// (callbacks, loggers, plugins as instances) that trainer_options() keeps.
   TrainerOptions trainer_defaults = {};
   /// The subcommand when none is given.
-  Subcommand default_subcommand = Subcommand::Fit;
+  Stage default_subcommand = Stage::kFit;
 };
 
 class CLI {
@@ -144,7 +141,7 @@ class CLI {
   /// after --help or --print_config (`out` got the text).
   bool parse_arguments(const std::vector<std::string>& args, std::ostream& out);
 
-  Subcommand subcommand() const { return subcommand_; }
+  Stage subcommand() const { return subcommand_; }
   /// The checkpoint to start from ("" for none), as configured.
   const std::string& ckpt_path() const { return ckpt_path_; }
   /// trainer_defaults with the configured flags applied, plus a callback
@@ -196,7 +193,7 @@ class CLI {
   /// at most kMaxProblemsListed of them).
   size_t problems_found_ = 0;
   OptionGroup model_, data_, program_;
-  Subcommand subcommand_;
+  Stage subcommand_;
   std::string ckpt_path_;
   std::map<std::string, Setting> values_;
   TrainerOptions trainer_;

@@ -30,6 +30,8 @@
 #include <variant>
 #include <vector>
 
+#include "fulgur/core/interval.h"
+#include "fulgur/core/reduce_op.h"
 #include "fulgur/data/batch.h"
 
 namespace torch::optim {
@@ -41,14 +43,15 @@ namespace fulgur {
 
 class ProcessGroup;
 class Trainer;
+namespace metrics {
+class Metric;
+class MetricCollection;
+}  // namespace metrics
 namespace detail {
 class ModuleLogSink;
 class TrainerLink;
 }  // namespace detail
 
-/// How a logged value is reduced over an epoch (and across ranks).
-enum class Reduce { Mean, Sum, Max, Min };
-const char* to_string(Reduce reduce);
 
 /// Options of Module::log. Unset on_step/on_epoch take the default of the
 /// hook they are logged from: training steps log per step, evaluation steps
@@ -62,18 +65,16 @@ struct LogOptions {
   bool logger = true;
   /// Reduce across ranks before logging (no-op on one process).
   bool sync_dist = false;
-  Reduce reduce = Reduce::Mean;
+  /// How the value is reduced over an epoch (and, with sync_dist, across ranks).
+  ReduceOp reduce = ReduceOp::kMean;
   /// Weight of this value in the epoch mean; defaults to the batch's size.
   std::optional<int64_t> batch_size = std::nullopt;
 };
 
-/// When a scheduler steps.
-enum class Interval { Step, Epoch };
-
 struct SchedulerConfig {
   std::shared_ptr<torch::optim::LRScheduler> scheduler;
   /// Step after every optimizer step, or after every training epoch.
-  Interval interval = Interval::Epoch;
+  Interval interval = Interval::kEpoch;
   /// Step every `frequency` intervals.
   int64_t frequency = 1;
   /// The metric (a name in Trainer::callback_metrics(), e.g. "val_loss") a
@@ -170,6 +171,17 @@ class Module : public torch::nn::Module {
   /// logged, so changing it afterwards does not change what was logged.
   void log(std::string_view name, const at::Tensor& value, LogOptions options = {});
   void log(std::string_view name, double value, LogOptions options = {});
+  /// Logs a metric's epoch value (fulgur/metrics/metric.h): computed once at
+  /// the end of the epoch from the states of every rank, exact where a mean
+  /// of per-rank values is not (F1, macro averages, AUROC), then the metric
+  /// is reset. update() it in the steps; log it as often as you like (the
+  /// last call's options count). It must live until the epoch ends (make it
+  /// a member of the module). ConfigError for on_step=true (a metric is
+  /// logged per epoch; log a tensor for a step's value) and for a metric
+  /// that is not one number (ConfusionMatrix: compute() it yourself).
+  void log(std::string_view name, metrics::Metric& metric, LogOptions options = {});
+  /// log() of every metric of `collection`, each under its prefix + key.
+  void log_dict(metrics::MetricCollection& collection, LogOptions options = {});
 
   // ---- Hyper-parameters: saved in every checkpoint and by the loggers.
   void save_hyperparameters(HParams hparams);

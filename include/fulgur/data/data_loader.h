@@ -57,6 +57,11 @@ class DataLoader {
   /// so every rank gets as many batches; see Sampler::set_shard). Returns
   /// false when the loader cannot be sharded (the caller then reports it).
   virtual bool set_shard(int64_t rank, int64_t world_size, bool even = false);
+  /// How many trailing rows of batch `batch_idx` of an epoch repeat samples
+  /// the epoch already gave some rank (a shard padded to the others'
+  /// length; see Sampler::set_shard): an evaluation's metrics leave them
+  /// out. 0 unless sharded with `even`.
+  virtual int64_t padded_rows(int64_t /*batch_idx*/) const { return 0; }
   /// The Trainer's seed, for loaders whose own seed is unset.
   virtual void set_default_seed(uint64_t /*seed*/) {}
   /// Whether the Trainer's device wants page-locked batches (a GPU), for
@@ -118,6 +123,10 @@ class DatasetLoader : public DataLoader {
 
   std::optional<int64_t> num_batches() const override;
   bool set_shard(int64_t rank, int64_t world_size, bool even = false) override;
+  /// The shard's last sample is a repeat when its place in the padded
+  /// epoch order is past the dataset's end (the default round-robin split;
+  /// a sampler that splits otherwise is not known here: 0).
+  int64_t padded_rows(int64_t batch_idx) const override;
   void set_default_seed(uint64_t seed) override;
   void set_default_pin_memory(bool pin) override { default_pin_memory_ = pin; }
 

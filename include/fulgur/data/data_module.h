@@ -22,7 +22,7 @@ namespace fulgur {
 class DataLoader;
 
 /// What the Trainer is running.
-enum class Stage { Fit, Validate, Test, Predict };
+enum class Stage { kFit, kValidate, kTest, kPredict };
 const char* to_string(Stage stage);
 
 class DataModule {

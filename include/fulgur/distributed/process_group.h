@@ -11,7 +11,7 @@
 //   auto group = fulgur::ProcessGroup::connect({.main_address = "127.0.0.1",
 //                                               .main_port = 29500,
 //                                               .world_size = 2, .rank = r});
-//   group->all_reduce_(grad, fulgur::ReduceOp::Sum);
+//   group->all_reduce_(grad, fulgur::ReduceOp::kSum);
 //
 // Parallel strategies create one in setup_environment(); a Module reaches it
 // through Module::process_group() (see fulgur/strategies/parallel.h). The raw

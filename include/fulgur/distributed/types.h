@@ -1,17 +1,11 @@
 // File: fulgur/distributed/types.h
 //
 // The vocabulary of the distributed runtime shared by the layers above it
-// (as c10d's Types.hpp): how a collective reduces.
+// (as c10d's Types.hpp): how a collective reduces (ReduceOp, defined in core
+// because a logged value reduces the same ways).
 //
-//   group->all_reduce_(grad, fulgur::ReduceOp::Sum);
-//   strategy.all_reduce(loss, fulgur::ReduceOp::Mean);
+//   group->all_reduce_(grad, fulgur::ReduceOp::kSum);
+//   strategy.all_reduce(loss, fulgur::ReduceOp::kMean);
 #pragma once
 
-namespace fulgur {
-
-/// Reduction of a collective.
-enum class ReduceOp { Sum, Mean, Max, Min };
-/// "sum", "mean", "max", "min".
-const char* to_string(ReduceOp op);
-
-}  // namespace fulgur
+#include "fulgur/core/reduce_op.h"

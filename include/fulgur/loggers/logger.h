@@ -23,10 +23,10 @@ namespace fulgur {
 
 /// How a run ended, for loggers that record it (TensorBoard's HParams tab).
 enum class RunStatus {
-  Success,
-  Failed,
+  kSuccess,
+  kFailed,
   /// Stopped by a preemption signal, to be resumed.
-  Interrupted,
+  kInterrupted,
 };
 
 class Logger {

@@ -19,7 +19,7 @@
 //     });
 //     auto plateau = std::make_shared<fulgur::ReduceLROnPlateau>(*adam);
 //     return {{adam},
-//             {{.scheduler = warmup_cosine, .interval = fulgur::Interval::Step},
+//             {{.scheduler = warmup_cosine, .interval = fulgur::Interval::kStep},
 //              {.scheduler = plateau, .monitor = "val_loss"}}};
 //   }
 #pragma once

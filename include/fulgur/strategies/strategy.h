@@ -159,7 +159,7 @@ class Strategy {
   at::Tensor broadcast(const at::Tensor& tensor, int src = 0);
   /// Small serialised values (a path, a decision, an archive's bytes).
   std::string broadcast_bytes(const std::string& value, int src = 0);
-  at::Tensor all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::Mean);
+  at::Tensor all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kMean);
   /// Tensors of every rank stacked on a new dimension 0.
   at::Tensor all_gather(const at::Tensor& tensor);
   /// `all`: true when every rank decided true; otherwise true when any did.

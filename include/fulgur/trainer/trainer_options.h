@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "fulgur/accelerators/accelerator.h"
+#include "fulgur/core/choice.h"
 #include "fulgur/trainer/determinism.h"
 
 namespace fulgur {
@@ -55,7 +56,15 @@ class BatchLimit {
   std::optional<double> fraction_;
 };
 
-enum class GradientClipAlgorithm { Norm, Value };
+/// gradient_clip_algorithm: scale every gradient so that their total 2-norm
+/// is at most gradient_clip_val ("norm"), or clamp each element to
+/// +-gradient_clip_val ("value").
+enum class GradientClipAlgorithm { kNorm, kValue };
+template <>
+struct ChoiceNames<GradientClipAlgorithm> {
+  static constexpr std::pair<GradientClipAlgorithm, const char*> kNames[] = {
+      {GradientClipAlgorithm::kNorm, "norm"}, {GradientClipAlgorithm::kValue, "value"}};
+};
 
 /// The precision flag as written: "32-true", "64-true", "bf16-mixed",
 /// "16-mixed", "bf16-true", "16-true", or a legacy spelling that PyTorch
@@ -181,7 +190,7 @@ struct TrainerOptions {
   // ---- Optimization.
   int64_t accumulate_grad_batches = 1;
   std::optional<double> gradient_clip_val = std::nullopt;
-  GradientClipAlgorithm gradient_clip_algorithm = GradientClipAlgorithm::Norm;
+  Choice<GradientClipAlgorithm> gradient_clip_algorithm = GradientClipAlgorithm::kNorm;
 
   // ---- Reproducibility.
   /// Seeds every RNG the run uses (torch CPU and CUDA, the C library).
@@ -236,7 +245,5 @@ struct FitOptions {
   std::string ckpt_path = "";
 };
 
-std::optional<GradientClipAlgorithm> parse_gradient_clip_algorithm(const std::string& text);
-const char* to_string(GradientClipAlgorithm algorithm);
 
 }  // namespace fulgur

@@ -186,21 +186,21 @@ std::vector<std::string> own_command_line() {
 // again, with one line naming the cause and what the ranks resume from. On
 // several nodes the launchers also watch each other (node_watch.h): a lost
 // node fails every node's ranks, which restart together.
-void supervise(Plan& plan, const Supervision& supervision, const Recovery& recovery,
+void supervise(Plan& plan, const Supervision& supervision,
                const std::function<void(detail::Supervisor&, int)>& spawn_all) {
   std::unique_ptr<detail::NodeWatch> nodes;
-  if (plan.num_nodes > 1 && recovery.heartbeat_timeout.count() > 0) {
+  if (plan.num_nodes > 1 && supervision.heartbeat_timeout.count() > 0) {
     nodes = std::make_unique<detail::NodeWatch>(
         detail::NodeWatchOptions{.node_rank = plan.node_rank,
                                  .num_nodes = plan.num_nodes,
                                  .main_address = plan.main_address,
                                  .port = detail::launcher_store_port(plan.main_port),
-                                 .heartbeat_timeout = recovery.heartbeat_timeout,
+                                 .heartbeat_timeout = supervision.heartbeat_timeout,
                                  .rejoin_timeout = supervision.hang_timeout});
   }
   for (int attempt = 0;; ++attempt) {
     if (attempt > 0 && plan.port_chosen) plan.main_port = find_free_port(plan.main_address);
-    detail::Supervisor supervisor(supervision, recovery.heartbeat_timeout);
+    detail::Supervisor supervisor(supervision);
     if (nodes) {
       nodes->begin_attempt(attempt);
       supervisor.watch_nodes(nodes.get());
@@ -216,16 +216,16 @@ void supervise(Plan& plan, const Supervision& supervision, const Recovery& recov
       return;
     } catch (const detail::RankFailure& failure) {
       if (failure.final()) throw DistributedError(failure.what());
-      if (attempt >= recovery.max_restarts) {
-        if (recovery.max_restarts == 0) throw;
+      if (attempt >= supervision.max_restarts) {
+        if (supervision.max_restarts == 0) throw;
         throw DistributedError(str(failure.what(), "\nNo restart left: the ranks were started ",
-                                   attempt + 1, " times (max_restarts=", recovery.max_restarts,
+                                   attempt + 1, " times (max_restarts=", supervision.max_restarts,
                                    ")."));
       }
-      const std::string from = recovery.resume_point ? recovery.resume_point() : std::string();
+      const std::string from = supervision.resume_point ? supervision.resume_point() : std::string();
       std::cout.flush();
       detail::print_note(
-          str("restart ", attempt + 1, " of ", recovery.max_restarts, ": ", failure.cause(), "; ",
+          str("restart ", attempt + 1, " of ", supervision.max_restarts, ": ", failure.cause(), "; ",
               (from.empty() ? std::string("starting again from the beginning (no checkpoint "
                                           "that verifies yet)")
                             : "resuming from " + from),
@@ -238,7 +238,7 @@ void supervise(Plan& plan, const Supervision& supervision, const Recovery& recov
 
 SubprocessScriptLauncher::SubprocessScriptLauncher(std::function<RankLayout()> layout,
                                                    Supervision supervision)
-    : layout_(std::move(layout)), supervision_(supervision) {}
+    : Launcher(std::move(supervision)), layout_(std::move(layout)) {}
 
 std::optional<std::string> SubprocessScriptLauncher::launch(const std::function<std::string()>&) {
   Plan plan = plan_for(layout_());
@@ -252,7 +252,7 @@ std::optional<std::string> SubprocessScriptLauncher::launch(const std::function<
     unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     threads = std::to_string(std::max(1u, cores / static_cast<unsigned>(plan.local_world_size)));
   }
-  supervise(plan, supervision_, recovery_, [&](detail::Supervisor& supervisor, int attempt) {
+  supervise(plan, supervision_, [&](detail::Supervisor& supervisor, int attempt) {
     for (int local = 0; local < plan.local_world_size; ++local) {
       auto vars = rank_env(plan, local, attempt);
       if (!threads.empty()) vars.emplace_back("OMP_NUM_THREADS", threads);
@@ -273,12 +273,12 @@ std::optional<std::string> SubprocessScriptLauncher::launch(const std::function<
 }
 
 ForkLauncher::ForkLauncher(std::function<RankLayout()> layout, Supervision supervision)
-    : layout_(std::move(layout)), supervision_(supervision) {}
+    : Launcher(std::move(supervision)), layout_(std::move(layout)) {}
 
 std::optional<std::string> ForkLauncher::launch(const std::function<std::string()>& fn) {
   Plan plan = plan_for(layout_());
   ResultsFile results;
-  supervise(plan, supervision_, recovery_, [&](detail::Supervisor& supervisor, int attempt) {
+  supervise(plan, supervision_, [&](detail::Supervisor& supervisor, int attempt) {
     // The forks inherit it; the owner's layout reads it back (a later
     // launch() starts on the same port).
     main_port_ = plan.main_port;

@@ -35,9 +35,9 @@ extern "C" void on_stop_signal(int sig) { g_signal.store(sig); }
 
 }  // namespace
 
-Supervisor::Supervisor(const Supervision& supervision, std::chrono::milliseconds heartbeat_timeout)
+Supervisor::Supervisor(const Supervision& supervision)
     : supervision_(supervision),
-      heartbeat_timeout_(heartbeat_timeout),
+      heartbeat_timeout_(supervision.heartbeat_timeout),
       started_(Clock::now()),
       last_look_(started_) {
   // With SIGCHLD ignored (or SA_NOCLDWAIT) the kernel reaps the ranks

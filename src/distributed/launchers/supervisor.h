@@ -58,13 +58,9 @@ struct NodeLoss;
 
 class Supervisor {
  public:
-  /// `supervision`: the stop grace (SIGTERM to SIGKILL) and the hang timeout
-  /// (a rank behind the others, or still running after one finished, with
-  /// no progress for this long; 0: never). `heartbeat_timeout`: a rank that
-  /// sent pulses and then none for this long is frozen; one in the training
-  /// loop that made no progress and used no CPU outside any collective for
-  /// this long, while a peer waited in one, is hung (0: neither is checked).
-  Supervisor(const Supervision& supervision, std::chrono::milliseconds heartbeat_timeout);
+  /// `supervision`: the stop grace (SIGTERM to SIGKILL), the hang timeout
+  /// and the heartbeat timeout, as Supervision documents them.
+  explicit Supervisor(const Supervision& supervision);
   ~Supervisor();
   Supervisor(const Supervisor&) = delete;
   Supervisor& operator=(const Supervisor&) = delete;

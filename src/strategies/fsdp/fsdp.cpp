@@ -83,7 +83,7 @@ void FSDPStrategy::agree_on_backward(bool has_loss) {
   // loss cannot join its peers' backward. Every rank learns how many have
   // one, so a mixed step is the same error everywhere instead of a hang.
   at::Tensor count = torch::full({1}, has_loss ? 1 : 0, torch::kLong);
-  process_group().all_reduce_(count, ReduceOp::Sum);
+  process_group().all_reduce_(count, ReduceOp::kSum);
   const int64_t with_loss = count.item<int64_t>();
   if (with_loss == 0 || with_loss == world_size()) return;
   const bool units = !units_.empty();
@@ -156,7 +156,7 @@ void FSDPStrategy::clip_gradients_norm(const std::vector<at::Tensor>& parameters
     total += p.grad().detach().to(torch::kDouble).pow(2).sum();
   }
   total = total.cpu();
-  process_group().all_reduce_(total, ReduceOp::Sum);
+  process_group().all_reduce_(total, ReduceOp::kSum);
   const double norm = std::sqrt(total.item<double>());
   const double coef = max_norm / (norm + 1e-6);
   if (coef >= 1.0) return;

@@ -13,6 +13,8 @@
 #include <string>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/metrics/collection.h"
+#include "fulgur/metrics/metric.h"
 #include "fulgur/strategies/strategy.h"
 
 namespace fulgur {
@@ -32,7 +34,7 @@ double LogSink::read_tensor(const at::Tensor& tensor) {
 double LogSink::Value::read() const { return tensor.defined() ? read_tensor(tensor) : value; }
 
 LogSink::Entry& LogSink::entry(std::string_view name, const LogOptions& options, bool& on_step,
-                               bool& on_epoch) {
+                               bool& on_epoch, metrics::Metric* metric) {
   if (name.empty()) throw ConfigError("log(\"\", ...): a metric needs a non-empty name.");
   on_step = options.on_step.value_or(in_step_);
   on_epoch = options.on_epoch.value_or(!in_step_);
@@ -44,7 +46,15 @@ LogSink::Entry& LogSink::entry(std::string_view name, const LogOptions& options,
   auto it = entries_.find(name);
   if (it == entries_.end()) {
     it = entries_.emplace(std::string(name), Entry{}).first;
-  } else if (it->second.options.reduce != options.reduce) {
+  } else if (it->second.metric != metric &&
+             (it->second.epoch_has_value || it->second.step_fresh)) {
+    throw ConfigError(str("log(\"", name, "\"): this name was logged with ",
+                          it->second.metric != nullptr ? "a metric object" : "values",
+                          " earlier in the epoch, and now with ",
+                          metric != nullptr ? "a metric object" : "values",
+                          metric != nullptr && it->second.metric != nullptr ? " (another one)" : "",
+                          ". Log one metric object, or values, per name."));
+  } else if (metric == nullptr && it->second.options.reduce != options.reduce) {
     throw ConfigError(
         str("log(\"", name, "\", reduce=", to_string(options.reduce),
             "): this metric was logged with reduce=", to_string(it->second.options.reduce),
@@ -54,6 +64,7 @@ LogSink::Entry& LogSink::entry(std::string_view name, const LogOptions& options,
   e.options = options;
   e.on_step = on_step;
   e.on_epoch = on_epoch;
+  e.metric = metric;
   return e;
 }
 
@@ -74,15 +85,15 @@ void LogSink::log(std::string_view name, double value, const LogOptions& options
       return;
     }
     switch (options.reduce) {
-      case Reduce::Mean:
+      case ReduceOp::kMean:
         e.epoch_sum += value * weight;
         e.epoch_weight += weight;
         break;
-      case Reduce::Sum: e.epoch_sum += value; break;
-      case Reduce::Max:
+      case ReduceOp::kSum: e.epoch_sum += value; break;
+      case ReduceOp::kMax:
         e.epoch_sum = e.epoch_has_value ? std::max(e.epoch_sum, value) : value;
         break;
-      case Reduce::Min:
+      case ReduceOp::kMin:
         e.epoch_sum = e.epoch_has_value ? std::min(e.epoch_sum, value) : value;
         break;
     }
@@ -111,6 +122,34 @@ void LogSink::log(std::string_view name, const at::Tensor& value, const LogOptio
   }
 }
 
+void LogSink::log(std::string_view name, metrics::Metric& metric, const LogOptions& options) {
+  if (options.on_step.value_or(false)) {
+    throw ConfigError(str("log(\"", name, "\", ", metric.name(),
+                          ", on_step=true): a metric is logged once per epoch, from the states "
+                          "of every rank. Log a tensor for a step's value (e.g. the batch's "
+                          "loss), or drop on_step."));
+  }
+  if (!metric.is_scalar()) {
+    throw ConfigError(str("log(\"", name, "\", ", metric.name(),
+                          "): its value is not one number. compute() it at the epoch's end "
+                          "(compute(process_group().get()) under several ranks) and log what "
+                          "you need of it."));
+  }
+  LogOptions per_epoch = options;
+  per_epoch.on_step = false;
+  per_epoch.on_epoch = true;
+  bool on_step = false;
+  bool on_epoch = false;
+  Entry& e = entry(name, per_epoch, on_step, on_epoch, &metric);
+  e.epoch_has_value = true;
+}
+
+void LogSink::log_dict(metrics::MetricCollection& collection, const LogOptions& options) {
+  for (auto& [key, metric] : collection.metrics()) {
+    log(collection.prefix() + key, *metric, options);
+  }
+}
+
 void LogSink::accumulate(Entry& e, const at::Tensor& value, double weight) {
   // float64 on the value's device, one element (shape [1] broadcasts with
   // a 0-d or [1] value; anything else is flattened).
@@ -121,19 +160,19 @@ void LogSink::accumulate(Entry& e, const at::Tensor& value, double weight) {
     e.epoch_tensor = e.epoch_tensor.to(value.device());
   }
   switch (e.options.reduce) {
-    case Reduce::Mean:
+    case ReduceOp::kMean:
       e.epoch_tensor.add_(v, weight);
       e.epoch_weight += weight;
       break;
-    case Reduce::Sum: e.epoch_tensor.add_(v); break;
-    case Reduce::Max:
+    case ReduceOp::kSum: e.epoch_tensor.add_(v); break;
+    case ReduceOp::kMax:
       if (e.epoch_has_value) {
         at::maximum_out(e.epoch_tensor, e.epoch_tensor, v);
       } else {
         e.epoch_tensor.copy_(v);
       }
       break;
-    case Reduce::Min:
+    case ReduceOp::kMin:
       if (e.epoch_has_value) {
         at::minimum_out(e.epoch_tensor, e.epoch_tensor, v);
       } else {
@@ -204,7 +243,9 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
   if (strategy.world_size() > 1) {
     std::string synced;
     for (const auto& [name, e] : entries_) {
-      if (e.on_epoch && e.epoch_has_value && e.options.sync_dist) {
+      if (e.on_epoch && e.epoch_has_value && e.metric != nullptr) {
+        synced.append(name).append(" (").append(e.metric->name()).append("), ");
+      } else if (e.on_epoch && e.epoch_has_value && e.options.sync_dist) {
         synced.append(name).append(" (").append(to_string(e.options.reduce)).append("), ");
       }
     }
@@ -213,24 +254,30 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
   std::vector<Value> out;
   for (const auto& [name, e] : entries_) {
     if (!e.on_epoch || !e.epoch_has_value) continue;
+    if (e.metric != nullptr) {
+      // Every rank's states combined, the value computed once, read once.
+      const auto group = strategy.world_size() > 1 ? strategy.shared_process_group() : nullptr;
+      const at::Tensor v = e.metric->compute(group.get());
+      e.metric->reset();
+      out.push_back({name, read_tensor(v), at::Tensor(), e.options.logger, e.options.prog_bar});
+      continue;
+    }
     // Read once an epoch (logged tensors accumulated on their device).
     double value = e.epoch_tensor.defined() ? read_tensor(e.epoch_tensor) : e.epoch_sum;
     double weight = e.epoch_weight;
     if (e.options.sync_dist && strategy.world_size() > 1) {
       // Mean: reduce the weighted sum and the weight, so ranks with more
       // samples count more, exactly as on one process.
-      if (e.options.reduce == Reduce::Mean) {
-        auto t = strategy.all_reduce(torch::tensor({value, weight}, torch::kDouble), ReduceOp::Sum);
+      if (e.options.reduce == ReduceOp::kMean) {
+        auto t = strategy.all_reduce(torch::tensor({value, weight}, torch::kDouble), ReduceOp::kSum);
         value = t[0].item<double>();
         weight = t[1].item<double>();
       } else {
-        ReduceOp op = e.options.reduce == Reduce::Sum   ? ReduceOp::Sum
-                      : e.options.reduce == Reduce::Max ? ReduceOp::Max
-                                                        : ReduceOp::Min;
-        value = strategy.all_reduce(torch::tensor({value}, torch::kDouble), op).item<double>();
+        value = strategy.all_reduce(torch::tensor({value}, torch::kDouble), e.options.reduce)
+                    .item<double>();
       }
     }
-    if (e.options.reduce == Reduce::Mean) value = weight > 0 ? value / weight : std::nan("");
+    if (e.options.reduce == ReduceOp::kMean) value = weight > 0 ? value / weight : std::nan("");
     out.push_back({e.on_step ? name + "_epoch" : name, value, at::Tensor(), e.options.logger,
                    e.options.prog_bar});
   }

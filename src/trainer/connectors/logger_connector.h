@@ -45,6 +45,8 @@ class LogSink final : public ModuleLogSink {
     at::Tensor epoch_tensor;  // defined: epoch_sum lives here (float64, the values' device)
     double epoch_weight = 0.0;
     bool epoch_has_value = false;
+    /// Logged as a metric: its epoch value is computed from its states.
+    metrics::Metric* metric = nullptr;
   };
 
   /// Defaults for unset on_step/on_epoch: per step inside training_step,
@@ -56,6 +58,8 @@ class LogSink final : public ModuleLogSink {
   void log(std::string_view name, double value, const LogOptions& options) override;
   /// `value` has one element; it is not read here.
   void log(std::string_view name, const at::Tensor& value, const LogOptions& options) override;
+  void log(std::string_view name, metrics::Metric& metric, const LogOptions& options) override;
+  void log_dict(metrics::MetricCollection& collection, const LogOptions& options) override;
 
   /// A value ready to publish, under its published name.
   struct Value {
@@ -73,7 +77,9 @@ class LogSink final : public ModuleLogSink {
   const std::vector<Value>& collect_step();
   void clear_step_flags();
   /// Epoch aggregates: name, or name_epoch when also logged per step.
-  /// Reduces sync_dist metrics across ranks (a collective: every rank calls).
+  /// Reduces sync_dist values across ranks and computes the logged metrics
+  /// from every rank's states, then resets them (collectives: every rank
+  /// calls).
   std::vector<Value> collect_epoch(Strategy& strategy) const;
   void reset() { entries_.clear(); }
   bool empty() const { return entries_.empty(); }
@@ -85,7 +91,10 @@ class LogSink final : public ModuleLogSink {
   static double read_tensor(const at::Tensor& tensor);
 
  private:
-  Entry& entry(std::string_view name, const LogOptions& options, bool& on_step, bool& on_epoch);
+  /// The entry of `name` for values (`metric` null) or for `metric`;
+  /// ConfigError when the epoch logged the name the other way.
+  Entry& entry(std::string_view name, const LogOptions& options, bool& on_step, bool& on_epoch,
+               metrics::Metric* metric = nullptr);
   static void accumulate(Entry& e, const at::Tensor& value, double weight);
 
   std::map<std::string, Entry, std::less<>> entries_;
@@ -137,7 +146,7 @@ class LoggerConnector {
   /// Whether any logger reads the parameters in log_parameters.
   bool logs_parameters() const;
   /// Every logger's run status, then its finalize().
-  void finalize(RunStatus status = RunStatus::Success);
+  void finalize(RunStatus status = RunStatus::kSuccess);
   /// finalize() for a run that ends by an error or a signal: a logger's
   /// error goes to stderr, so that the run's own error stays the one raised.
   void finalize_quietly(RunStatus status) noexcept;

@@ -151,6 +151,19 @@ class RecordingSink final : public ModuleLogSink {
   void log(std::string_view name, const at::Tensor& value, const LogOptions& options) override {
     logged.push_back(Logged{std::string(name), value, options});
   }
+  void log(std::string_view name, metrics::Metric&, const LogOptions&) override {
+    refuse_metric(name);
+  }
+  void log_dict(metrics::MetricCollection&, const LogOptions&) override {
+    refuse_metric("of a MetricCollection");
+  }
+  [[noreturn]] static void refuse_metric(std::string_view name) {
+    throw ConfigError(str(
+        "cuda_graph=true: training_step logged the metric \"", name,
+        "\" while its step was being captured. Host code in training_step runs only then, so "
+        "its update() would count one batch. Update and log the metric from a hook that runs "
+        "every batch (on_train_batch_end), or in validation_step."));
+  }
   std::vector<Logged> logged;
 };
 

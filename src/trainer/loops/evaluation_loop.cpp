@@ -6,6 +6,7 @@
 
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/core/errors.h"
+#include "fulgur/metrics/metric.h"
 #include "trainer/loops/device_feed.h"
 #include "trainer/trainer_impl.h"
 
@@ -20,6 +21,16 @@ int64_t pass_length(const DataLoader& loader, std::optional<int64_t> limit) {
   if (n) return *n;
   return limit.value_or(-1);
 }
+
+// While a padded shard's last batch is evaluated: the metrics updated leave
+// its repeated rows out (fulgur/metrics/metric.h).
+class PaddedRows {
+ public:
+  explicit PaddedRows(int64_t rows) { metrics::Metric::set_padded_rows(rows); }
+  ~PaddedRows() { metrics::Metric::set_padded_rows(0); }
+  PaddedRows(const PaddedRows&) = delete;
+  PaddedRows& operator=(const PaddedRows&) = delete;
+};
 
 // Runs `fn(batch, batch on the device, index)` for the first `limit` batches
 // (all when unset) of one pass over `loader`; with prefetch, each batch is
@@ -50,7 +61,7 @@ void for_each_batch(Strategy& strategy, std::optional<bool> prefetch, DataLoader
 
 Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> limit) {
   Module& m = *trainer_.module;
-  const bool is_test = s == Stage::Test;
+  const bool is_test = s == Stage::kTest;
   num_batches_ = pass_length(loader, limit);
   torch::NoGradGuard no_grad;
   m.eval();
@@ -66,6 +77,7 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
                  [&](const Batch& batch, Batch& on_device, int64_t idx) {
                    trainer_.logging.eval_sink().set_context(/*training_step=*/false,
                                                             on_device.batch_size());
+                   const PaddedRows padded(loader.padded_rows(idx));
                    {
                      auto scope = trainer_.drive().step_scope();
                      if (is_test) {

@@ -46,7 +46,7 @@ bool FitLoop::stop_requested_by_limits(bool boundary) {
     // `stop` here, so every rank asks; it ends the process when so.
     int signal = trainer_.signals.received();
     if (trainer_.strategy->world_size() > 1) {
-      signal = trainer_.strategy->all_reduce(torch::tensor({signal}, torch::kInt), ReduceOp::Max)
+      signal = trainer_.strategy->all_reduce(torch::tensor({signal}, torch::kInt), ReduceOp::kMax)
                    .item<int>();
     }
     if (signal != 0) trainer_.end_by_preemption(signal);
@@ -221,7 +221,7 @@ void FitLoop::train_epoch() {
 
   SimpleProfiler::Scope epoch_end(profiler_.get(), SimpleProfiler::Phase::kEpochEnd);
   in_epoch_end_ = true;
-  if (m.automatic_optimization()) step_schedulers(Interval::Epoch);
+  if (m.automatic_optimization()) step_schedulers(Interval::kEpoch);
   trainer_.logging.train_sink().set_context(/*training_step=*/false, 1);
   Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
   m.on_train_epoch_end();
@@ -351,7 +351,7 @@ void FitLoop::finish_optimizer_steps(bool zero_grads) {
   }
   ++global_step_;
   ++batches_that_stepped_;
-  step_schedulers(Interval::Step);
+  step_schedulers(Interval::kStep);
 }
 
 void FitLoop::check_loss(const at::Tensor& loss) {
@@ -372,7 +372,7 @@ void FitLoop::clip_gradients(torch::optim::Optimizer& optimizer, bool on_device)
   if (!trainer_.options.gradient_clip_val || *trainer_.options.gradient_clip_val <= 0) return;
   auto params = optimizer_params(optimizer);
   const double max = *trainer_.options.gradient_clip_val;
-  if (trainer_.options.gradient_clip_algorithm == GradientClipAlgorithm::Value) {
+  if (trainer_.options.gradient_clip_algorithm == GradientClipAlgorithm::kValue) {
     torch::nn::utils::clip_grad_value_(params, max);
   } else if (on_device) {
     clip_grad_norm_on_device(params, max);
@@ -414,7 +414,7 @@ at::Tensor FitLoop::graph_training_batch(Batch& on_device, int64_t idx, bool is_
 }
 
 void FitLoop::step_schedulers(Interval interval) {
-  int64_t counter = interval == Interval::Step ? global_step_ : current_epoch_ + 1;
+  int64_t counter = interval == Interval::kStep ? global_step_ : current_epoch_ + 1;
   for (size_t i = 0; i < optimizers_.schedulers.size(); ++i) {
     auto& config = optimizers_.schedulers[i];
     if (config.interval != interval || counter % config.frequency != 0) continue;
@@ -440,8 +440,8 @@ void FitLoop::step_schedulers(Interval interval) {
       const std::string problem =
           str("scheduler ", i, " monitors \"", config.monitor, "\", which ",
               trainer_.strategy->world_size() > 1 ? "global rank 0 has" : "the module has",
-              " not logged by ", interval == Interval::Step ? "step " : "the end of epoch ",
-              interval == Interval::Step ? global_step_ : current_epoch_,
+              " not logged by ", interval == Interval::kStep ? "step " : "the end of epoch ",
+              interval == Interval::kStep ? global_step_ : current_epoch_,
               " (logged: ", names.empty() ? std::string("nothing") : join(names), ")");
       if (config.strict) {
         throw ConfigError(str(problem,
@@ -495,7 +495,7 @@ void FitLoop::run_validation(bool sanity) {
   bool was_training = m.is_training();
   sanity_checking_ = sanity;
   for (auto& cb : trainer_.callbacks) cb->on_validation_start(trainer_.self, m);
-  trainer_.evaluation_loop.run(*val_loader_, Stage::Validate, limit);
+  trainer_.evaluation_loop.run(*val_loader_, Stage::kValidate, limit);
   for (auto& cb : trainer_.callbacks) cb->on_validation_end(trainer_.self, m);
   sanity_checking_ = false;
   if (!sanity) validated_at_position_ = batch_position_;

@@ -103,6 +103,66 @@ TEST(Logging, ValidationMetricsDuringFitAreEpochMeans) {
   EXPECT_DOUBLE_EQ(result.metrics.at("val_idx"), 0.8);
 }
 
+// A fulgur::metrics object logged from the steps: its epoch value comes
+// from its states (every sample once), it is reset after each epoch, and
+// what cannot be logged that way is named.
+class MetricModel : public LinearRegression {
+ public:
+  fulgur::metrics::MeanMetric sample_index;  // the batch index of every sample
+  fulgur::metrics::MeanMetric epoch;         // the epoch of every training sample
+  fulgur::metrics::ConfusionMatrix matrix{{.task = "binary"}};
+};
+
+TEST(Logging, AMetricLogsItsEpochValueFromItsStates) {
+  TempDir dir;
+  MetricModel model;
+  model.val_hook = [&](LinearRegression&, fulgur::Batch& batch, int64_t batch_idx) {
+    model.sample_index.update(
+        torch::full({batch.batch_size()}, static_cast<double>(batch_idx), torch::kDouble));
+    model.log("val_idx", model.sample_index);
+  };
+  model.train_hook = [&](LinearRegression&, fulgur::Batch& batch, int64_t) {
+    model.epoch.update(torch::full({batch.batch_size()},
+                                   static_cast<double>(model.current_epoch()), torch::kDouble));
+    model.log("epoch_seen", model.epoch, {.prog_bar = true});
+  };
+  auto options = test_options(dir);
+  options.num_sanity_val_steps = 1;
+  options.max_epochs = 2;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(2), uneven_loader());
+  // Batches of 4, 4 and 2 samples: (0*4 + 1*4 + 2*2) / 10, the sanity
+  // check's batch not counted (the metric was reset after it).
+  EXPECT_DOUBLE_EQ(result.metrics.at("val_idx"), 0.8);
+  // Reset after each epoch: the second epoch's value is 1, not 0.5.
+  EXPECT_DOUBLE_EQ(result.metrics.at("epoch_seen"), 1.0);
+  EXPECT_EQ(trainer.progress_bar_metrics().count("epoch_seen"), 1u);
+  EXPECT_EQ(result.metrics.count("epoch_seen_step"), 0u) << "a metric is logged per epoch only";
+  EXPECT_EQ(model.sample_index.update_count(), 0);
+}
+
+TEST(Logging, WhatAMetricCannotBeLoggedAsIsNamed) {
+  TempDir dir;
+  for (int which = 0; which < 3; ++which) {
+    MetricModel model;
+    model.val_hook = [&](LinearRegression&, fulgur::Batch&, int64_t) {
+      if (which == 0) model.log("v", model.sample_index, {.on_step = true});
+      if (which == 1) model.log("cm", model.matrix);
+      if (which == 2) {
+        model.log("v", 1.0);
+        model.log("v", model.sample_index);
+      }
+    };
+    fulgur::Trainer trainer(test_options(dir));
+    const std::vector<std::vector<std::string>> expected = {
+        {"log(\"v\", MeanMetric, on_step=true)", "once per epoch"},
+        {"log(\"cm\", ConfusionMatrix)", "not one number", "compute()"},
+        {"log(\"v\")", "with values", "now with a metric object"}};
+    EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.validate(model, uneven_loader()),
+                       (expected[which]));
+  }
+}
+
 TEST(Logging, ExplicitBatchSizeOverridesTheWeight) {
   TempDir dir;
   LinearRegression model;
@@ -119,9 +179,9 @@ TEST(Logging, Reductions) {
   LinearRegression model;
   model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
     double v = static_cast<double>(batch_idx);
-    self.log("v_max", v, {.reduce = fulgur::Reduce::Max});
-    self.log("v_min", v + 5, {.reduce = fulgur::Reduce::Min});
-    self.log("v_sum", v, {.reduce = fulgur::Reduce::Sum});
+    self.log("v_max", v, {.reduce = fulgur::ReduceOp::kMax});
+    self.log("v_min", v + 5, {.reduce = fulgur::ReduceOp::kMin});
+    self.log("v_sum", v, {.reduce = fulgur::ReduceOp::kSum});
   };
   fulgur::Trainer trainer(test_options(dir));
   auto metrics = trainer.validate(model, uneven_loader());
@@ -272,7 +332,7 @@ TEST(Logging, LoggedTensorsAreReadOnlyAtLogIntervals) {
   model.train_hook = [&](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
     auto value = torch::full({}, 0.5 * static_cast<double>(batch_idx + 1));
     self.log("scaled", value, {.on_step = true, .on_epoch = true});
-    self.log("peak", value, {.on_epoch = true, .reduce = fulgur::Reduce::Max});
+    self.log("peak", value, {.on_epoch = true, .reduce = fulgur::ReduceOp::kMax});
     value.add_(100.0);  // changes nothing logged
     // A tensor on the meta device has no value: reading it throws. Logged
     // at every step but the last (whose value is read when fit returns its

@@ -75,7 +75,7 @@ class GraphNet : public fulgur::Module {
     auto schedule = std::make_shared<fulgur::LambdaLR>(
         *opt, [](int64_t step) { return std::pow(0.5, static_cast<double>(step / 3)); });
     return fulgur::OptimizerConfig(
-        {opt}, {fulgur::SchedulerConfig{.scheduler = schedule, .interval = fulgur::Interval::Step}});
+        {opt}, {fulgur::SchedulerConfig{.scheduler = schedule, .interval = fulgur::Interval::kStep}});
   }
 
   double lr() const { return optimizer->param_groups()[0].options().get_lr(); }

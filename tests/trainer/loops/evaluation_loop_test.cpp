@@ -124,7 +124,7 @@ TEST(Evaluation, StageIsReportedDuringEachRun) {
   fulgur::Trainer trainer(test_options(dir));
   trainer.validate(model, fulgur::test::regression_loader(1));
   trainer.test(model, fulgur::test::regression_loader(1));
-  EXPECT_THAT(stages, ElementsAre(fulgur::Stage::Validate, fulgur::Stage::Test));
+  EXPECT_THAT(stages, ElementsAre(fulgur::Stage::kValidate, fulgur::Stage::kTest));
 }
 
 TEST(Evaluation, NoDataIsAConfigError) {

@@ -593,7 +593,7 @@ TEST(FitLoop, StateDuringTheLoop) {
   fulgur::Trainer trainer(options);
   trainer.fit(model, regression_loader(3));
   EXPECT_THAT(batch_indices, ElementsAre(0, 1, 2, 0, 1, 2));
-  EXPECT_THAT(stages, ::testing::Each(fulgur::Stage::Fit));
+  EXPECT_THAT(stages, ::testing::Each(fulgur::Stage::kFit));
 }
 
 TEST(FitLoop, NoTrainingDataIsAConfigError) {

@@ -24,13 +24,12 @@ class ForkLauncher : public Launcher {
   /// Returns in the calling process once every rank exited 0, with what
   /// global rank 0's fn returned (through a temporary file without a name,
   /// so nothing is left in TMPDIR whatever ends the launcher); throws
-  /// DistributedError when one failed. With Recovery::max_restarts, forks
+  /// DistributedError when one failed. With Supervision::max_restarts, forks
   /// every rank again after one failed.
   std::optional<std::string> launch(const std::function<std::string()>& fn) override;
 
  private:
   std::function<RankLayout()> layout_;
-  Supervision supervision_;
 };
 
 }  // namespace fulgur

@@ -55,16 +55,27 @@ struct LaunchedRank {
   int restart_count = 0;
 };
 
-/// What a launcher does when a rank fails; the Trainer sets it before each
-/// launch() from TrainerOptions::max_restarts and heartbeat_timeout.
-struct Recovery {
+/// How a launcher watches its ranks, and what it does when one fails. The
+/// strategy that creates the launcher sets the stop grace and the hang
+/// timeout (its ParallelOptions); the Trainer sets the rest before each
+/// launch() (TrainerOptions::max_restarts, heartbeat_timeout).
+struct Supervision {
+  /// Between SIGTERM and SIGKILL when stopping ranks.
+  std::chrono::milliseconds stop_grace = std::chrono::seconds(5);
+  /// A rank behind the others (or still running after one finished) with no
+  /// progress for this long is hung (0: never).
+  std::chrono::milliseconds hang_timeout = std::chrono::minutes(30);
+  /// A rank that sent pulses and then none for this long is frozen; one in
+  /// the training loop that made no progress and used no CPU outside any
+  /// collective for this long, while a peer waited in one, is hung (0:
+  /// neither is checked). On several nodes, a node whose launcher is silent
+  /// this long is lost.
+  std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(10);
   /// Times the launcher starts every local rank again after one died, froze
   /// or hung (a new rendezvous, the same world size). The ranks see
   /// FULGUR_RESTART_COUNT and resume from the newest checkpoint that
   /// verifies.
   int max_restarts = 0;
-  /// A rank whose heartbeat thread falls silent this long is frozen (0: off).
-  std::chrono::milliseconds heartbeat_timeout = std::chrono::seconds(10);
   /// What a restart resumes from, for its message (a quoted checkpoint
   /// path); empty: the beginning.
   std::function<std::string()> resume_point;
@@ -72,6 +83,7 @@ struct Recovery {
 
 class Launcher {
  public:
+  explicit Launcher(Supervision supervision = {}) : supervision_(std::move(supervision)) {}
   virtual ~Launcher() = default;
   /// "subprocess_script", "fork".
   virtual std::string_view name() const = 0;
@@ -86,8 +98,8 @@ class Launcher {
   /// `fn` returned (nullopt on other nodes); see each launcher for the rest.
   virtual std::optional<std::string> launch(const std::function<std::string()>& fn) = 0;
 
-  void set_recovery(Recovery recovery) { recovery_ = std::move(recovery); }
-  const Recovery& recovery() const { return recovery_; }
+  Supervision& supervision() { return supervision_; }
+  const Supervision& supervision() const { return supervision_; }
 
   /// In a rank this launcher forked: which rank it is; null elsewhere (the
   /// launching process; a re-executed rank reads its environment).
@@ -97,7 +109,7 @@ class Launcher {
   std::optional<int> main_port() const { return main_port_; }
 
  protected:
-  Recovery recovery_;
+  Supervision supervision_;
   std::optional<LaunchedRank> launched_rank_;
   std::optional<int> main_port_;
 };

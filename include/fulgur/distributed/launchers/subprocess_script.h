@@ -19,14 +19,6 @@
 
 namespace fulgur {
 
-/// How a launcher watches its ranks.
-struct Supervision {
-  /// Between SIGTERM and SIGKILL when stopping ranks.
-  std::chrono::milliseconds stop_grace = std::chrono::seconds(5);
-  /// A rank behind the others with no progress for this long is hung.
-  std::chrono::milliseconds hang_timeout = std::chrono::minutes(30);
-};
-
 class SubprocessScriptLauncher : public Launcher {
  public:
   /// `layout` is asked at each launch().
@@ -41,7 +33,6 @@ class SubprocessScriptLauncher : public Launcher {
 
  private:
   std::function<RankLayout()> layout_;
-  Supervision supervision_;
 };
 
 }  // namespace fulgur

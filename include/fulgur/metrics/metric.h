@@ -1,0 +1,135 @@
+// File: fulgur/metrics/metric.h
+//
+// A Metric accumulates state over the batches of an epoch (counts, a
+// confusion matrix, every score seen) and computes its value from that state
+// once. Across ranks the states are combined before the value is computed,
+// each by its declared reduction (sum, concatenation, max, min), so the
+// value of a run of several ranks is exactly the one of a single process
+// over the same samples: an F1 score, a macro average or an AUROC is not a
+// mean of per-rank values.
+//
+//   fulgur::metrics::Accuracy acc({.num_classes = 10});
+//   acc.update(logits, labels);             // in each validation_step
+//   log("val_acc", acc);                    // the epoch's value, synchronised
+//
+// Logged with Module::log, a metric's value is computed once at the end of
+// the epoch from the states of every rank, and the metric is reset. Used
+// alone, compute() is this process's value and compute(group) every rank's
+// (a collective: every rank of `group` calls it).
+//
+// Samples are counted once. Evaluation gives each sample to one rank (no
+// padding) unless the strategy's forward is collective (fsdp FULL_SHARD):
+// then the ranks' last batches are padded with repeats of the first
+// samples, and the Trainer tells every metric updated during that batch
+// how many trailing rows are repeats, which update() leaves out.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace torch::serialize {
+class OutputArchive;
+class InputArchive;
+}  // namespace torch::serialize
+
+namespace fulgur {
+
+class ProcessGroup;
+
+namespace metrics {
+
+/// How a state combines across ranks.
+enum class Reduction {
+  kSum,  // elementwise sum (counts, sums)
+  kCat,  // concatenated along dimension 0, in rank order (every score seen)
+  kMax,  // elementwise maximum
+  kMin,  // elementwise minimum
+};
+
+class Metric {
+ public:
+  Metric();
+  virtual ~Metric();
+  Metric(const Metric&) = delete;
+  Metric& operator=(const Metric&) = delete;
+
+  /// "Accuracy", "F1Score", ...
+  virtual std::string name() const = 0;
+  /// Whether compute() gives one number (what log() takes).
+  virtual bool is_scalar() const { return true; }
+
+  /// The value over everything updated since the last reset(), in this
+  /// process.
+  at::Tensor compute() const;
+  /// The value over every rank's updates: each state is combined across
+  /// `group` (one or two collectives per state, in declaration order) and
+  /// the value computed from the result. Every rank of `group` calls it at
+  /// the same point, with the same metrics in the same order. A null group:
+  /// compute().
+  at::Tensor compute(ProcessGroup* group) const;
+  /// Back to the initial states.
+  void reset();
+  /// Updates since the last reset() (on this rank).
+  int64_t update_count() const { return updates_; }
+
+  /// Every state, as this rank holds it, into / out of a checkpoint (a
+  /// concatenated state as one tensor). load() checks the state names and
+  /// their shapes (CheckpointError-ready message in a c10::Error).
+  void save(torch::serialize::OutputArchive& archive) const;
+  void load(torch::serialize::InputArchive& archive);
+
+  /// Set by the Trainer around an evaluation batch whose last `rows` rows
+  /// repeat earlier samples (a padded shard; see above): updates during it
+  /// leave those rows out. 0: every row counts.
+  static void set_padded_rows(int64_t rows);
+  static int64_t padded_rows();
+
+ protected:
+  /// Declares a state. Its value after reset() is `initial`; a kCat state
+  /// starts empty, `initial` then giving the dtype and the trailing shape
+  /// of what append() adds (e.g. at::empty({0}, at::kFloat)).
+  void add_state(std::string name, at::Tensor initial, Reduction reduction);
+  /// A kSum/kMax/kMin state, to update in place.
+  at::Tensor& state(std::string_view name);
+  /// Moves the kSum/kMax/kMin states to `like`'s device when they are
+  /// elsewhere (an update() calls it first with its input).
+  void follow(const at::Tensor& like);
+  /// Adds rows to a kCat state (kept as parts; joined when computed).
+  void append(std::string_view name, const at::Tensor& rows);
+  /// The value from `states` (this rank's, or combined across ranks), in
+  /// declaration order; a kCat state is one tensor of every row.
+  virtual at::Tensor compute_from(const std::vector<at::Tensor>& states) const = 0;
+  /// A subclass's update() calls it once per update.
+  void count_update() { ++updates_; }
+  /// `rows` less the trailing padded rows of the current batch (see
+  /// set_padded_rows), for an update whose dimension 0 is the batch.
+  static at::Tensor without_padding(const at::Tensor& rows);
+
+ private:
+  struct State {
+    std::string name;
+    at::Tensor initial;
+    Reduction reduction;
+    at::Tensor value;               // kSum/kMax/kMin
+    std::vector<at::Tensor> parts;  // kCat
+  };
+  State& find(std::string_view name);
+  /// This rank's states in declaration order (kCat parts joined).
+  std::vector<at::Tensor> local_states() const;
+
+  std::vector<State> states_;
+  int64_t updates_ = 0;
+};
+
+/// A metric of predictions against targets (what MetricCollection holds).
+class PredictionMetric : public Metric {
+ public:
+  virtual void update(const at::Tensor& preds, const at::Tensor& target) = 0;
+};
+
+}  // namespace metrics
+}  // namespace fulgur

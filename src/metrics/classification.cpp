@@ -1,0 +1,272 @@
+// Classification metrics: a [C, C] count of (target, prediction) pairs for
+// precision, recall, F1 and the confusion matrix; per-class hits and support
+// for accuracy (top-k too); every score for AUROC.
+#include "fulgur/metrics/classification.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+#include "fulgur/core/errors.h"
+
+namespace fulgur::metrics {
+
+namespace {
+
+void check_options(const ClassificationOptions& o, const std::string& name) {
+  if (!o.task.is_valid()) {
+    throw ConfigError(str(name, ": task=\"", o.task.text(), "\" is not one of ",
+                          Choice<Task>::spellings(), "."));
+  }
+  if (!o.average.is_valid()) {
+    throw ConfigError(str(name, ": average=\"", o.average.text(), "\" is not one of ",
+                          Choice<Average>::spellings(), "."));
+  }
+  if (o.task == Task::kMulticlass && o.num_classes < 2) {
+    throw ConfigError(str(name, ": num_classes=", o.num_classes,
+                          " with task=\"multiclass\": pass the number of classes (>= 2), or "
+                          "task=\"binary\" for two."));
+  }
+  if (o.top_k < 1 || (o.task == Task::kMulticlass && o.top_k > o.num_classes)) {
+    throw ConfigError(str(name, ": top_k=", o.top_k, " must be between 1 and num_classes (",
+                          o.num_classes, ")."));
+  }
+  if (o.task == Task::kBinary && o.top_k != 1) {
+    throw ConfigError(str(name, ": top_k=", o.top_k,
+                          " with task=\"binary\": a binary prediction has one score. Drop "
+                          "top_k, or use task=\"multiclass\" with num_classes."));
+  }
+}
+
+std::string shape_of(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+// Checks the shapes of a multiclass or binary update (nothing is read from
+// the device) and returns preds as [N] or [N, C].
+at::Tensor checked_preds(const std::string& name, const ClassificationOptions& o,
+                         const at::Tensor& preds, const at::Tensor& target) {
+  if (!preds.defined() || !target.defined()) {
+    throw ConfigError(str(name, ".update(preds, target): both must be defined tensors."));
+  }
+  if (target.dim() != 1 || c10::isFloatingType(target.scalar_type())) {
+    throw ConfigError(str(name, ".update: target has shape ", shape_of(target), " and dtype ",
+                          c10::toString(target.scalar_type()),
+                          "; pass class indices [N] of an integer dtype."));
+  }
+  at::Tensor p = preds;
+  if (o.task == Task::kBinary && p.dim() == 2 && p.size(1) == 1) p = p.squeeze(1);
+  const bool scores = c10::isFloatingType(p.scalar_type());
+  const bool ok = p.size(0) == target.size(0) &&
+                  (p.dim() == 1 || (o.task == Task::kMulticlass && scores && p.dim() == 2 &&
+                                    p.size(1) == o.num_classes));
+  if (!ok) {
+    throw ConfigError(str(
+        name, ".update: preds has shape ", shape_of(preds), " and target ", shape_of(target), "; ",
+        o.task == Task::kBinary
+            ? "a binary task takes preds [N] (scores or 0/1 labels) and target [N]."
+            : str("a multiclass task of ", o.num_classes, " classes takes preds [N, ",
+                  o.num_classes, "] (scores) or [N] (class indices) and target [N].")));
+  }
+  return p;
+}
+
+// The per-class value tp / denominator with 0 where the denominator is 0.
+at::Tensor safe_ratio(const at::Tensor& num, const at::Tensor& den) {
+  return torch::where(den > 0, num / den.clamp_min(1), torch::zeros_like(num));
+}
+
+enum class Score { kPrecision, kRecall, kF1 };
+
+// Precision, recall or F1 from a [C, C] count matrix (rows: target).
+at::Tensor score_from(const at::Tensor& matrix, Score score, const ClassificationOptions& o) {
+  const at::Tensor m = matrix.to(at::kDouble);
+  const at::Tensor tp = m.diagonal();
+  const at::Tensor predicted = m.sum(0);  // tp + fp
+  const at::Tensor actual = m.sum(1);     // tp + fn
+  auto per_class = [&](const at::Tensor& t, const at::Tensor& p, const at::Tensor& a) {
+    switch (score) {
+      case Score::kPrecision: return safe_ratio(t, p);
+      case Score::kRecall: return safe_ratio(t, a);
+      case Score::kF1: return safe_ratio(2 * t, p + a);
+    }
+    return t;
+  };
+  if (o.task == Task::kBinary) return per_class(tp[1], predicted[1], actual[1]);
+  if (o.average == Average::kMicro) {
+    return per_class(tp.sum(), predicted.sum(), actual.sum());
+  }
+  const at::Tensor present = (predicted + actual) > 0;
+  const at::Tensor values = per_class(tp, predicted, actual);
+  const at::Tensor count = present.sum();
+  return torch::where(count > 0, (values * present).sum() / count.clamp_min(1),
+                      torch::full({}, std::nan(""), values.options()));
+}
+
+}  // namespace
+
+ConfusionCounts::ConfusionCounts(ClassificationOptions options, std::string name, bool pairs)
+    : options_(std::move(options)), name_(std::move(name)) {
+  check_options(options_, name_);
+  classes_ = options_.task == Task::kBinary ? 2 : options_.num_classes;
+  if (pairs) add_state("matrix", torch::zeros({classes_, classes_}, torch::kLong), Reduction::kSum);
+}
+
+std::pair<at::Tensor, at::Tensor> ConfusionCounts::labels(const at::Tensor& preds,
+                                                          const at::Tensor& target) const {
+  const at::Tensor p = checked_preds(name_, options_, preds, target);
+  at::Tensor predicted;
+  if (p.dim() == 2) {
+    predicted = p.argmax(1);
+  } else if (c10::isFloatingType(p.scalar_type())) {
+    predicted = (p >= options_.threshold).to(torch::kLong);
+  } else {
+    predicted = p.to(torch::kLong);
+  }
+  return {without_padding(predicted.to(torch::kLong)), without_padding(target.to(torch::kLong))};
+}
+
+void ConfusionCounts::update(const at::Tensor& preds, const at::Tensor& target) {
+  auto [predicted, actual] = labels(preds, target);
+  follow(actual);
+  at::Tensor& matrix = state("matrix");
+  const at::Tensor index = actual * classes_ + predicted;
+  try {
+    matrix.view({-1}).index_put_({index}, torch::ones_like(index), /*accumulate=*/true);
+  } catch (const c10::Error&) {
+    throw ConfigError(str(name_, ".update: a target or predicted class is outside [0, ",
+                          classes_, ")",
+                          options_.task == Task::kBinary ? " (a binary task takes 0 and 1)" : "",
+                          ". Check num_classes and the labels."));
+  }
+  count_update();
+}
+
+Accuracy::Accuracy(ClassificationOptions options)
+    : ConfusionCounts(std::move(options), "Accuracy", /*pairs=*/false) {
+  add_state("hits", torch::zeros({classes_}, torch::kLong), Reduction::kSum);
+  add_state("support", torch::zeros({classes_}, torch::kLong), Reduction::kSum);
+}
+
+void Accuracy::update(const at::Tensor& preds, const at::Tensor& target) {
+  at::Tensor hit;
+  at::Tensor actual;
+  const at::Tensor p = checked_preds(name_, options_, preds, target);
+  if (options_.top_k > 1 && p.dim() == 2) {
+    actual = without_padding(target.to(torch::kLong));
+    const at::Tensor top = without_padding(std::get<1>(p.topk(options_.top_k, 1)));
+    hit = (top == actual.unsqueeze(1)).any(1);
+  } else {
+    auto [predicted, t] = labels(preds, target);
+    actual = t;
+    hit = predicted == actual;
+  }
+  follow(actual);
+  try {
+    state("support").index_put_({actual}, torch::ones_like(actual), /*accumulate=*/true);
+    state("hits").index_put_({actual}, hit.to(torch::kLong), /*accumulate=*/true);
+  } catch (const c10::Error&) {
+    throw ConfigError(str(name_, ".update: a target class is outside [0, ", classes_,
+                          "). Check num_classes and the labels."));
+  }
+  count_update();
+}
+
+at::Tensor Accuracy::compute_from(const std::vector<at::Tensor>& states) const {
+  const at::Tensor hits = states[0].to(at::kDouble);
+  const at::Tensor support = states[1].to(at::kDouble);
+  if (options_.task == Task::kBinary || options_.average == Average::kMicro) {
+    const at::Tensor total = support.sum();
+    return torch::where(total > 0, hits.sum() / total.clamp_min(1),
+                        torch::full({}, std::nan(""), total.options()));
+  }
+  const at::Tensor present = support > 0;
+  const at::Tensor count = present.sum();
+  return torch::where(count > 0,
+                      (safe_ratio(hits, support) * present).sum() / count.clamp_min(1),
+                      torch::full({}, std::nan(""), hits.options()));
+}
+
+Precision::Precision(ClassificationOptions options)
+    : ConfusionCounts(std::move(options), "Precision") {}
+at::Tensor Precision::compute_from(const std::vector<at::Tensor>& states) const {
+  return score_from(states[0], Score::kPrecision, options_);
+}
+
+Recall::Recall(ClassificationOptions options) : ConfusionCounts(std::move(options), "Recall") {}
+at::Tensor Recall::compute_from(const std::vector<at::Tensor>& states) const {
+  return score_from(states[0], Score::kRecall, options_);
+}
+
+F1Score::F1Score(ClassificationOptions options) : ConfusionCounts(std::move(options), "F1Score") {}
+at::Tensor F1Score::compute_from(const std::vector<at::Tensor>& states) const {
+  return score_from(states[0], Score::kF1, options_);
+}
+
+ConfusionMatrix::ConfusionMatrix(ClassificationOptions options)
+    : ConfusionCounts(std::move(options), "ConfusionMatrix") {}
+at::Tensor ConfusionMatrix::compute_from(const std::vector<at::Tensor>& states) const {
+  return states[0].clone();
+}
+
+double binary_auroc(const at::Tensor& scores, const at::Tensor& positive) {
+  const at::Tensor s = scores.to(at::kCPU, at::kDouble).reshape({-1});
+  const at::Tensor pos = positive.to(at::kCPU, at::kDouble).reshape({-1});
+  const double n_pos = pos.sum().item<double>();
+  const double n_neg = static_cast<double>(s.size(0)) - n_pos;
+  if (n_pos == 0 || n_neg == 0) return std::nan("");
+  // Ranks 1..N of the sorted scores, tied scores sharing their mean rank.
+  const auto [sorted, order] = s.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const auto [values, group, counts] =
+      at::unique_consecutive(sorted, /*return_inverse=*/true, /*return_counts=*/true);
+  const at::Tensor ends = counts.cumsum(0).to(at::kDouble);
+  const at::Tensor mean_rank = ends - (counts.to(at::kDouble) - 1) / 2;
+  const double rank_sum = (mean_rank.index_select(0, group) * pos.index_select(0, order))
+                              .sum()
+                              .item<double>();
+  return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg);
+}
+
+AUROC::AUROC(ClassificationOptions options) : options_(std::move(options)) {
+  check_options(options_, "AUROC");
+  add_state("scores",
+            options_.task == Task::kBinary ? at::empty({0}, at::kDouble)
+                                           : at::empty({0, options_.num_classes}, at::kDouble),
+            Reduction::kCat);
+  add_state("target", at::empty({0}, at::kLong), Reduction::kCat);
+}
+
+void AUROC::update(const at::Tensor& preds, const at::Tensor& target) {
+  const at::Tensor p = checked_preds("AUROC", options_, preds, target);
+  if (!c10::isFloatingType(p.scalar_type()) || (options_.task == Task::kMulticlass && p.dim() != 2)) {
+    throw ConfigError(str("AUROC.update: preds has shape ", shape_of(preds), " and dtype ",
+                          c10::toString(preds.scalar_type()),
+                          "; the area needs scores (a floating dtype)",
+                          options_.task == Task::kMulticlass
+                              ? str(" of every class: [N, ", options_.num_classes, "]")
+                              : std::string(" [N]"),
+                          ", not labels."));
+  }
+  append("scores", without_padding(p));
+  append("target", without_padding(target.to(torch::kLong)));
+  count_update();
+}
+
+at::Tensor AUROC::compute_from(const std::vector<at::Tensor>& states) const {
+  const at::Tensor& scores = states[0];
+  const at::Tensor target = states[1].to(at::kCPU);
+  if (options_.task == Task::kBinary) {
+    return torch::tensor(binary_auroc(scores, target == 1), torch::kDouble);
+  }
+  double sum = 0;
+  int64_t classes = 0;
+  for (int64_t c = 0; c < options_.num_classes; ++c) {
+    const double area = binary_auroc(scores.select(1, c), target == c);
+    if (std::isnan(area)) continue;
+    sum += area;
+    ++classes;
+  }
+  return torch::tensor(classes > 0 ? sum / static_cast<double>(classes) : std::nan(""),
+                       torch::kDouble);
+}
+
+}  // namespace fulgur::metrics

@@ -1,0 +1,190 @@
+// The Metric base: declared states, their reductions across ranks (a
+// concatenated state of uneven length per rank gathered exactly), the
+// padded rows of an evaluation batch, and the states in checkpoints.
+#include "fulgur/metrics/metric.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/distributed/process_group.h"
+
+namespace fulgur::metrics {
+
+namespace {
+
+thread_local int64_t g_padded_rows = 0;
+
+// `local` (rows of equal trailing shape, a different count per rank) from
+// every rank of `group`, concatenated in rank order: the counts first, then
+// the rows padded to the longest (all_gather needs one shape).
+at::Tensor gather_rows(const at::Tensor& local, ProcessGroup& group) {
+  const at::Tensor count = torch::tensor({local.size(0)}, torch::kLong).to(local.device());
+  const at::Tensor counts = group.all_gather(count).reshape({-1}).to(at::kCPU);
+  const auto* n = counts.data_ptr<int64_t>();
+  const int64_t longest = *std::max_element(n, n + counts.size(0));
+  at::Tensor padded = local;
+  if (local.size(0) < longest) {
+    std::vector<int64_t> shape = local.sizes().vec();
+    shape[0] = longest - local.size(0);
+    padded = torch::cat({local, torch::zeros(shape, local.options())});
+  }
+  const at::Tensor all = group.all_gather(padded.contiguous());  // [world, longest, ...]
+  std::vector<at::Tensor> rows;
+  for (int64_t r = 0; r < counts.size(0); ++r) rows.push_back(all[r].narrow(0, 0, n[r]));
+  return torch::cat(rows);
+}
+
+}  // namespace
+
+Metric::Metric() = default;
+Metric::~Metric() = default;
+
+void Metric::set_padded_rows(int64_t rows) { g_padded_rows = std::max<int64_t>(rows, 0); }
+int64_t Metric::padded_rows() { return g_padded_rows; }
+
+at::Tensor Metric::without_padding(const at::Tensor& rows) {
+  if (g_padded_rows == 0 || rows.dim() == 0) return rows;
+  return rows.narrow(0, 0, std::max<int64_t>(rows.size(0) - g_padded_rows, 0));
+}
+
+void Metric::add_state(std::string name, at::Tensor initial, Reduction reduction) {
+  for (const auto& s : states_) {
+    if (s.name == name) {
+      throw ConfigError(str(this->name(), ": state \"", name, "\" is declared twice."));
+    }
+  }
+  if (reduction == Reduction::kCat && (initial.dim() == 0 || initial.size(0) != 0)) {
+    throw ConfigError(str(this->name(), ": concatenated state \"", name,
+                          "\" starts empty: pass an initial tensor of 0 rows (its dtype and "
+                          "trailing shape), e.g. at::empty({0}, at::kFloat)."));
+  }
+  State s{std::move(name), initial.detach().clone(), reduction, {}, {}};
+  if (reduction != Reduction::kCat) s.value = s.initial.clone();
+  states_.push_back(std::move(s));
+}
+
+Metric::State& Metric::find(std::string_view name) {
+  for (auto& s : states_) {
+    if (s.name == name) return s;
+  }
+  throw InternalError(str(this->name(), " has no state \"", name, "\""));
+}
+
+at::Tensor& Metric::state(std::string_view name) {
+  State& s = find(name);
+  FULGUR_ASSERT(s.reduction != Reduction::kCat, "state() of a concatenated state; use append()");
+  return s.value;
+}
+
+void Metric::follow(const at::Tensor& like) {
+  for (auto& s : states_) {
+    if (s.reduction != Reduction::kCat && s.value.device() != like.device()) {
+      s.value = s.value.to(like.device());
+    }
+  }
+}
+
+void Metric::append(std::string_view name, const at::Tensor& rows) {
+  State& s = find(name);
+  FULGUR_ASSERT(s.reduction == Reduction::kCat, "append() to a state that is not concatenated");
+  s.parts.push_back(rows.detach().to(s.initial.scalar_type()));
+}
+
+void Metric::reset() {
+  for (auto& s : states_) {
+    if (s.reduction == Reduction::kCat) {
+      s.parts.clear();
+    } else {
+      s.value = s.initial.to(s.value.device()).clone();
+    }
+  }
+  updates_ = 0;
+}
+
+std::vector<at::Tensor> Metric::local_states() const {
+  std::vector<at::Tensor> out;
+  out.reserve(states_.size());
+  for (const auto& s : states_) {
+    if (s.reduction != Reduction::kCat) {
+      out.push_back(s.value);
+    } else if (s.parts.empty()) {
+      out.push_back(s.initial);
+    } else {
+      std::vector<at::Tensor> parts;
+      for (const auto& p : s.parts) parts.push_back(p.to(s.parts.front().device()));
+      out.push_back(torch::cat(parts));
+    }
+  }
+  return out;
+}
+
+at::Tensor Metric::compute() const {
+  torch::NoGradGuard no_grad;
+  return compute_from(local_states());
+}
+
+at::Tensor Metric::compute(ProcessGroup* group) const {
+  if (group == nullptr) return compute();
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> states = local_states();
+  for (size_t i = 0; i < states.size(); ++i) {
+    switch (states_[i].reduction) {
+      case Reduction::kCat: states[i] = gather_rows(states[i], *group); break;
+      case Reduction::kSum:
+      case Reduction::kMax:
+      case Reduction::kMin: {
+        at::Tensor t = states[i].clone();
+        group->all_reduce_(t, states_[i].reduction == Reduction::kSum   ? ReduceOp::kSum
+                              : states_[i].reduction == Reduction::kMax ? ReduceOp::kMax
+                                                                        : ReduceOp::kMin);
+        states[i] = t;
+        break;
+      }
+    }
+  }
+  return compute_from(states);
+}
+
+void Metric::save(torch::serialize::OutputArchive& archive) const {
+  const std::vector<at::Tensor> states = local_states();
+  for (size_t i = 0; i < states.size(); ++i) archive.write(states_[i].name, states[i].cpu(), true);
+  archive.write("updates", torch::tensor({updates_}, torch::kLong), true);
+}
+
+void Metric::load(torch::serialize::InputArchive& archive) {
+  std::vector<at::Tensor> loaded(states_.size());
+  for (size_t i = 0; i < states_.size(); ++i) {
+    const State& s = states_[i];
+    if (!archive.try_read(s.name, loaded[i], true)) {
+      throw c10::Error({__func__, __FILE__, __LINE__},
+                       str(name(), ": state \"", s.name, "\" is missing from the checkpoint"));
+    }
+    const bool same_trailing =
+        loaded[i].dim() == s.initial.dim() &&
+        (s.reduction == Reduction::kCat
+             ? loaded[i].sizes().slice(1) == s.initial.sizes().slice(1)
+             : loaded[i].sizes() == s.initial.sizes());
+    if (!same_trailing) {
+      throw c10::Error({__func__, __FILE__, __LINE__},
+                       c10::str(name(), ": state \"", s.name, "\" has shape ", loaded[i].sizes(),
+                           " in the checkpoint, not the metric's ", s.initial.sizes(),
+                           " (another number of classes?)"));
+    }
+  }
+  at::Tensor updates;
+  const bool has_updates = archive.try_read("updates", updates, true);
+  for (size_t i = 0; i < states_.size(); ++i) {
+    State& s = states_[i];
+    if (s.reduction == Reduction::kCat) {
+      s.parts.clear();
+      if (loaded[i].size(0) > 0) s.parts.push_back(loaded[i].to(s.initial.scalar_type()));
+    } else {
+      s.value = loaded[i].to(s.value.device(), s.initial.scalar_type());
+    }
+  }
+  updates_ = has_updates ? updates.item<int64_t>() : 0;
+}
+
+}  // namespace fulgur::metrics

@@ -1,0 +1,156 @@
+// The Metric base: states combined across ranks (real Gloo groups of 2 and
+// 3 ranks, uneven shards, an empty one) give exactly the one-process value;
+// padded rows are left out; states in checkpoints.
+#include "fulgur/metrics/metric.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <utility>
+#include <vector>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+namespace M = fulgur::metrics;
+
+struct Data {
+  at::Tensor scores, target, values;
+};
+
+// 101 samples of 5 classes, scores correlated with the target.
+Data data() {
+  torch::manual_seed(7);
+  Data d;
+  d.target = torch::randint(0, 5, {101}, torch::kLong);
+  d.scores = (torch::randn({101, 5}) + 1.5 * torch::one_hot(d.target, 5)).softmax(1);
+  d.values = torch::randn({101});
+  return d;
+}
+
+// Every metric of one run, in a fixed order.
+struct All {
+  M::Accuracy acc{{.num_classes = 5, .average = "macro"}};
+  M::Accuracy top2{{.num_classes = 5, .top_k = 2}};
+  M::F1Score f1{{.num_classes = 5, .average = "macro"}};
+  M::Precision precision{{.num_classes = 5, .average = "macro"}};
+  M::Recall recall{{.num_classes = 5}};
+  M::ConfusionMatrix cm{{.num_classes = 5}};
+  M::AUROC auroc{{.num_classes = 5}};
+  M::MeanSquaredError mse;
+  M::MeanAbsoluteError mae;
+  M::MeanMetric mean;
+  M::SumMetric sum;
+
+  std::vector<M::PredictionMetric*> predictions() {
+    return {&acc, &top2, &f1, &precision, &recall, &cm, &auroc};
+  }
+  void update(const Data& d, int64_t begin, int64_t end) {
+    const auto s = d.scores.slice(0, begin, end), t = d.target.slice(0, begin, end);
+    for (auto* m : predictions()) m->update(s, t);
+    const auto v = d.values.slice(0, begin, end);
+    mse.update(v, v.sign());
+    mae.update(v, v.sign());
+    mean.update(v);
+    sum.update(v);
+  }
+  std::vector<at::Tensor> compute(fulgur::ProcessGroup* group) {
+    std::vector<at::Tensor> out;
+    for (auto* m : predictions()) out.push_back(m->compute(group));
+    for (M::Metric* m : std::initializer_list<M::Metric*>{&mse, &mae, &mean, &sum}) {
+      out.push_back(m->compute(group));
+    }
+    return out;
+  }
+};
+
+void expect_same(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    // Counts give the same doubles; float sums of another grouping may
+    // differ in the last bits, the areas not at all (ranks of the same scores).
+    if (a[i].scalar_type() == torch::kLong) {
+      EXPECT_TRUE(torch::equal(a[i], b[i])) << "metric " << i;
+    } else {
+      EXPECT_NEAR(a[i].item<double>(), b[i].item<double>(), 1e-12) << "metric " << i;
+    }
+  }
+}
+
+TEST(Metric, EveryRanksStatesGiveTheOneProcessValue) {
+  const Data d = data();
+  All one;
+  one.update(d, 0, 40);
+  one.update(d, 40, 101);
+  const std::vector<at::Tensor> expected = one.compute(nullptr);
+  // 2 ranks: 60 + 41 samples; 3 ranks: 50, none, 51 (a rank without a
+  // batch still takes part).
+  for (const std::vector<int64_t>& bounds :
+       {std::vector<int64_t>{0, 60, 101}, std::vector<int64_t>{0, 50, 50, 101}}) {
+    const int world = static_cast<int>(bounds.size()) - 1;
+    SCOPED_TRACE(std::to_string(world) + " ranks");
+    std::vector<std::vector<at::Tensor>> got(world);
+    fulgur::test::on_ranks(world, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+      All mine;
+      if (bounds[rank + 1] > bounds[rank]) mine.update(d, bounds[rank], bounds[rank + 1]);
+      got[rank] = mine.compute(group.get());
+    });
+    for (int r = 0; r < world; ++r) expect_same(got[r], expected);
+  }
+}
+
+TEST(Metric, PaddedRowsAreLeftOut) {
+  const Data d = data();
+  M::Accuracy padded({.num_classes = 5});
+  M::Accuracy plain({.num_classes = 5});
+  M::MeanMetric mean;
+  plain.update(d.scores.slice(0, 0, 10), d.target.slice(0, 0, 10));
+  padded.update(d.scores.slice(0, 0, 8), d.target.slice(0, 0, 8));
+  M::Metric::set_padded_rows(2);  // rows 8 and 9 below repeat rows 0 and 1
+  padded.update(torch::cat({d.scores.slice(0, 8, 10), d.scores.slice(0, 0, 2)}),
+                torch::cat({d.target.slice(0, 8, 10), d.target.slice(0, 0, 2)}));
+  mean.update(torch::tensor({1.0, 2.0, 9.0}));
+  M::Metric::set_padded_rows(0);
+  EXPECT_TRUE(torch::equal(padded.compute(), plain.compute()));
+  EXPECT_DOUBLE_EQ(mean.compute().item<double>(), 1.0);
+}
+
+TEST(Metric, StatesSurviveACheckpoint) {
+  const Data d = data();
+  M::AUROC auroc({.num_classes = 5});
+  M::F1Score f1({.num_classes = 5, .average = "macro"});
+  auroc.update(d.scores.slice(0, 0, 50), d.target.slice(0, 0, 50));
+  f1.update(d.scores.slice(0, 0, 50), d.target.slice(0, 0, 50));
+  fulgur::test::TempDir dir;
+  {
+    torch::serialize::OutputArchive a, b;
+    auroc.save(a);
+    f1.save(b);
+    a.save_to(dir.file("auroc.pt"));
+    b.save_to(dir.file("f1.pt"));
+  }
+  M::AUROC auroc2({.num_classes = 5});
+  M::F1Score f12({.num_classes = 5, .average = "macro"});
+  torch::serialize::InputArchive a, b;
+  a.load_from(dir.file("auroc.pt"));
+  b.load_from(dir.file("f1.pt"));
+  auroc2.load(a);
+  f12.load(b);
+  EXPECT_EQ(auroc2.update_count(), 1);
+  using Pair = std::pair<M::PredictionMetric*, M::PredictionMetric*>;
+  for (const Pair& pair : {Pair(&auroc, &auroc2), Pair(&f1, &f12)}) {
+    pair.first->update(d.scores.slice(0, 50), d.target.slice(0, 50));
+    pair.second->update(d.scores.slice(0, 50), d.target.slice(0, 50));
+    EXPECT_TRUE(torch::equal(pair.first->compute(), pair.second->compute()))
+        << pair.first->name();
+  }
+  // Another class count: named.
+  M::F1Score other({.num_classes = 4});
+  torch::serialize::InputArchive c;
+  c.load_from(dir.file("f1.pt"));
+  EXPECT_THROWS_WITH(c10::Error, other.load(c), {"matrix", "[5, 5]", "[4, 4]"});
+}
+
+}  // namespace
