@@ -127,18 +127,23 @@ std::pair<at::Tensor, at::Tensor> ConfusionCounts::labels(const at::Tensor& pred
 
 void ConfusionCounts::update(const at::Tensor& preds, const at::Tensor& target) {
   auto [predicted, actual] = labels(preds, target);
-  follow(actual);
-  at::Tensor& matrix = state("matrix");
-  const at::Tensor index = actual * classes_ + predicted;
-  try {
-    matrix.view({-1}).index_put_({index}, torch::ones_like(index), /*accumulate=*/true);
-  } catch (const c10::Error&) {
-    throw ConfigError(str(name_, ".update: a target or predicted class is outside [0, ",
-                          classes_, ")",
-                          options_.task == Task::kBinary ? " (a binary task takes 0 and 1)" : "",
-                          ". Check num_classes and the labels."));
-  }
+  check_classes(actual, "a target");
+  check_classes(predicted, "a predicted");
   count_update();
+  follow(actual);
+  const at::Tensor index = actual * classes_ + predicted;
+  state("matrix").view({-1}).index_put_({index}, torch::ones_like(index), /*accumulate=*/true);
+}
+
+void ConfusionCounts::check_classes(const at::Tensor& labels, const char* what) const {
+  // Read only where it costs no device synchronisation: on the CPU.
+  if (labels.is_cuda() || labels.numel() == 0) return;
+  const auto [low, high] = at::aminmax(labels);
+  if (low.item<int64_t>() >= 0 && high.item<int64_t>() < classes_) return;
+  throw ConfigError(str(name_, ".update: ", what, " class is outside [0, ", classes_, ") (",
+                        low.item<int64_t>() < 0 ? low.item<int64_t>() : high.item<int64_t>(),
+                        options_.task == Task::kBinary ? "; a binary task takes 0 and 1" : "",
+                        "). Check num_classes and the labels."));
 }
 
 Accuracy::Accuracy(ClassificationOptions options)
@@ -160,15 +165,11 @@ void Accuracy::update(const at::Tensor& preds, const at::Tensor& target) {
     actual = t;
     hit = predicted == actual;
   }
-  follow(actual);
-  try {
-    state("support").index_put_({actual}, torch::ones_like(actual), /*accumulate=*/true);
-    state("hits").index_put_({actual}, hit.to(torch::kLong), /*accumulate=*/true);
-  } catch (const c10::Error&) {
-    throw ConfigError(str(name_, ".update: a target class is outside [0, ", classes_,
-                          "). Check num_classes and the labels."));
-  }
+  check_classes(actual, "a target");
   count_update();
+  follow(actual);
+  state("support").index_put_({actual}, torch::ones_like(actual), /*accumulate=*/true);
+  state("hits").index_put_({actual}, hit.to(torch::kLong), /*accumulate=*/true);
 }
 
 at::Tensor Accuracy::compute_from(const std::vector<at::Tensor>& states) const {
@@ -246,9 +247,9 @@ void AUROC::update(const at::Tensor& preds, const at::Tensor& target) {
                               : std::string(" [N]"),
                           ", not labels."));
   }
+  count_update();
   append("scores", without_padding(p));
   append("target", without_padding(target.to(torch::kLong)));
-  count_update();
 }
 
 at::Tensor AUROC::compute_from(const std::vector<at::Tensor>& states) const {

@@ -15,6 +15,7 @@ namespace fulgur::metrics {
 namespace {
 
 thread_local int64_t g_padded_rows = 0;
+thread_local bool g_capturing = false;
 
 // `local` (rows of equal trailing shape, a different count per rank) from
 // every rank of `group`, concatenated in rank order: the counts first, then
@@ -43,6 +44,18 @@ Metric::~Metric() = default;
 
 void Metric::set_padded_rows(int64_t rows) { g_padded_rows = std::max<int64_t>(rows, 0); }
 int64_t Metric::padded_rows() { return g_padded_rows; }
+void Metric::set_capturing(bool capturing) { g_capturing = capturing; }
+
+void Metric::count_update() {
+  if (g_capturing) {
+    throw ConfigError(str(name(),
+                          ".update() in a training_step captured as a CUDA graph "
+                          "(cuda_graph=true): host code there runs once, at the capture, so the "
+                          "metric would count one batch. Update it in on_train_batch_end, or "
+                          "in validation_step."));
+  }
+  ++updates_;
+}
 
 at::Tensor Metric::without_padding(const at::Tensor& rows) {
   if (g_padded_rows == 0 || rows.dim() == 0) return rows;
@@ -97,7 +110,7 @@ void Metric::reset() {
     if (s.reduction == Reduction::kCat) {
       s.parts.clear();
     } else {
-      s.value = s.initial.to(s.value.device()).clone();
+      s.value.copy_(s.initial);  // in place: the same storage across epochs
     }
   }
   updates_ = 0;

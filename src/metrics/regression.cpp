@@ -37,10 +37,10 @@ MeanSquaredError::MeanSquaredError() {
 void MeanSquaredError::update(const at::Tensor& preds, const at::Tensor& target) {
   check_same_shape(name(), preds, target);
   const at::Tensor p = without_padding(preds);
+  count_update();
   follow(p);
   state("sum").add_((p.to(at::kDouble) - without_padding(target).to(at::kDouble)).square().sum());
   state("count").add_(p.numel());
-  count_update();
 }
 
 at::Tensor MeanSquaredError::compute_from(const std::vector<at::Tensor>& states) const {
@@ -55,10 +55,10 @@ MeanAbsoluteError::MeanAbsoluteError() {
 void MeanAbsoluteError::update(const at::Tensor& preds, const at::Tensor& target) {
   check_same_shape(name(), preds, target);
   const at::Tensor p = without_padding(preds);
+  count_update();
   follow(p);
   state("sum").add_((p.to(at::kDouble) - without_padding(target).to(at::kDouble)).abs().sum());
   state("count").add_(p.numel());
-  count_update();
 }
 
 at::Tensor MeanAbsoluteError::compute_from(const std::vector<at::Tensor>& states) const {
@@ -75,14 +75,20 @@ void MeanMetric::update(const at::Tensor& values, double weight) {
     throw ConfigError(str("MeanMetric.update: weight=", weight, " must be finite and >= 0."));
   }
   const at::Tensor v = values.dim() == 0 ? values : without_padding(values);
+  count_update();
   follow(v);
   state("sum").add_(v.to(at::kDouble).sum() * weight);
   state("weight").add_(static_cast<double>(v.numel()) * weight);
-  count_update();
 }
 
 void MeanMetric::update(double value, double weight) {
-  update(torch::tensor(value, torch::kDouble), weight);
+  if (!(weight >= 0) || !std::isfinite(weight)) {
+    throw ConfigError(str("MeanMetric.update: weight=", weight, " must be finite and >= 0."));
+  }
+  count_update();
+  // Scalars added where the states are (no copy to a GPU).
+  state("sum").add_(value * weight);
+  state("weight").add_(weight);
 }
 
 at::Tensor MeanMetric::compute_from(const std::vector<at::Tensor>& states) const {
@@ -94,12 +100,15 @@ SumMetric::SumMetric() { add_state("sum", torch::zeros({}, torch::kDouble), Redu
 
 void SumMetric::update(const at::Tensor& values) {
   const at::Tensor v = values.dim() == 0 ? values : without_padding(values);
+  count_update();
   follow(v);
   state("sum").add_(v.to(at::kDouble).sum());
-  count_update();
 }
 
-void SumMetric::update(double value) { update(torch::tensor(value, torch::kDouble)); }
+void SumMetric::update(double value) {
+  count_update();
+  state("sum").add_(value);
+}
 
 at::Tensor SumMetric::compute_from(const std::vector<at::Tensor>& states) const {
   return states[0].clone();

@@ -466,7 +466,12 @@ std::shared_ptr<DataLoader> Trainer::Impl::set_up_stage_data(Stage s, DataModule
     }
   }
   if (s == Stage::kFit) loader->set_default_seed(options.seed.value_or(0));
-  distribute(*loader, /*even=*/s == Stage::kFit,
+  // Training, and an evaluation whose forward is collective (fsdp's
+  // FULL_SHARD: every rank must run as many forwards), take shards of one
+  // length; metrics leave the repeats out (DataLoader::padded_rows).
+  const bool collective_evaluation =
+      (s == Stage::kValidate || s == Stage::kTest) && drive().forward_is_collective();
+  distribute(*loader, /*even=*/s == Stage::kFit || collective_evaluation,
              s == Stage::kFit        ? "training"
              : s == Stage::kValidate ? "validation"
              : s == Stage::kTest     ? "test"

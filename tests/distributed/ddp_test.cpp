@@ -337,6 +337,10 @@ TEST(DDP, MetricsAreExactOnOneTwoAndThreeRanksAndPaddingCountsOnce) {
                          "--test-samples", "1001", "--root", dir.path()});
     ASSERT_EQ(r.exit_code, 0) << run.strategy << " x" << run.devices << ":\n" << r.output;
     std::map<std::string, std::string> v;
+    // Every batch's rows, repeats included (a plain sum of the batch sizes):
+    // the padded runs did see 1002.
+    EXPECT_EQ(result_value(r.output, "test_count"), run.strategy == "fsdp" ? "1002" : "1001")
+        << r.output;
     for (const char* key : {"exact_test_macro_acc", "exact_test_macro_f1", "exact_test_auroc",
                             "exact_test_samples"}) {
       v[key] = result_value(r.output, key);

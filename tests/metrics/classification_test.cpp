@@ -189,6 +189,13 @@ TEST(Metrics, BadOptionsAndInputsAreNamed) {
   EXPECT_THROWS_WITH(fulgur::ConfigError,
                      cm.update(torch::tensor({0}, torch::kLong), torch::tensor({3}, torch::kLong)),
                      {"outside [0, 3)"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     cm.update(torch::tensor({3}, torch::kLong), torch::tensor({0}, torch::kLong)),
+                     {"a predicted class is outside [0, 3)"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     acc.update(torch::tensor({0}, torch::kLong), torch::tensor({-1}, torch::kLong)),
+                     {"a target class is outside [0, 3) (-1)"});
+  EXPECT_EQ(cm.update_count(), 0);
   M::AUROC auroc({.num_classes = 3});
   EXPECT_THROWS_WITH(fulgur::ConfigError, auroc.update(labels3(), target3()),
                      {"AUROC.update", "scores"});

@@ -117,6 +117,17 @@ TEST(Metric, PaddedRowsAreLeftOut) {
   EXPECT_DOUBLE_EQ(mean.compute().item<double>(), 1.0);
 }
 
+TEST(Metric, AnUpdateWhileACudaGraphCapturesIsRefused) {
+  M::MeanMetric mean;
+  M::Metric::set_capturing(true);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, mean.update(1.0), {"MeanMetric.update()", "CUDA graph",
+                                                            "on_train_batch_end"});
+  M::Metric::set_capturing(false);
+  mean.update(2.0, /*weight=*/3.0);
+  EXPECT_EQ(mean.update_count(), 1);
+  EXPECT_DOUBLE_EQ(mean.compute().item<double>(), 2.0);
+}
+
 TEST(Metric, StatesSurviveACheckpoint) {
   const Data d = data();
   M::AUROC auroc({.num_classes = 5});

@@ -124,8 +124,9 @@ class DatasetLoader : public DataLoader {
   std::optional<int64_t> num_batches() const override;
   bool set_shard(int64_t rank, int64_t world_size, bool even = false) override;
   /// The shard's last sample is a repeat when its place in the padded
-  /// epoch order is past the dataset's end (the default round-robin split;
-  /// a sampler that splits otherwise is not known here: 0).
+  /// epoch order is past the dataset's end. Assumes the sampler's epoch is
+  /// the dataset's indices split by Sampler::shard (every built-in
+  /// sampler); a loader whose sampler pads otherwise overrides this.
   int64_t padded_rows(int64_t batch_idx) const override;
   void set_default_seed(uint64_t seed) override;
   void set_default_pin_memory(bool pin) override { default_pin_memory_ = pin; }

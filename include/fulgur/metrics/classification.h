@@ -13,7 +13,8 @@
 // 0 for logits) or 0/1 labels of an integer dtype; `target` [N] is 0 or 1.
 // Multiclass: `preds` [N, C] are scores (the largest is the prediction) or
 // [N] class indices of an integer dtype; `target` [N] holds class indices
-// in [0, C). Nothing is read back to the host in update().
+// in [0, C). Nothing is read back to the host in update() on a GPU (labels
+// are range-checked on the CPU only).
 //
 // Averages, as scikit-learn's: "micro" counts every sample once (for
 // single-label multiclass data, precision, recall and F1 are then all the
@@ -83,6 +84,10 @@ class ConfusionCounts : public PredictionMetric {
  protected:
   /// The predicted class of each sample ([N], int64) and the checked target.
   std::pair<at::Tensor, at::Tensor> labels(const at::Tensor& preds, const at::Tensor& target) const;
+  /// ConfigError naming a label outside [0, classes()) (`what`: "a
+  /// target"); checked where it costs no synchronisation (CPU tensors). On
+  /// a GPU such a label trips LibTorch's device-side index check.
+  void check_classes(const at::Tensor& labels, const char* what) const;
 
   ClassificationOptions options_;
   std::string name_;

@@ -87,6 +87,10 @@ class Metric {
   /// leave those rows out. 0: every row counts.
   static void set_padded_rows(int64_t rows);
   static int64_t padded_rows();
+  /// Set by the Trainer while it captures a training step into a CUDA graph
+  /// (cuda_graph=true): an update() then is a ConfigError, since host code
+  /// in the captured step runs once, at the capture.
+  static void set_capturing(bool capturing);
 
  protected:
   /// Declares a state. Its value after reset() is `initial`; a kCat state
@@ -103,8 +107,9 @@ class Metric {
   /// The value from `states` (this rank's, or combined across ranks), in
   /// declaration order; a kCat state is one tensor of every row.
   virtual at::Tensor compute_from(const std::vector<at::Tensor>& states) const = 0;
-  /// A subclass's update() calls it once per update.
-  void count_update() { ++updates_; }
+  /// A subclass's update() calls it once per update, before it changes a
+  /// state (ConfigError while a CUDA graph captures; see set_capturing).
+  void count_update();
   /// `rows` less the trailing padded rows of the current batch (see
   /// set_padded_rows), for an update whose dimension 0 is the batch.
   static at::Tensor without_padding(const at::Tensor& rows);

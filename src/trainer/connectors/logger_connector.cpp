@@ -230,10 +230,12 @@ void check_same_synced_metrics(const std::string& synced, Strategy& strategy) {
                  " logged ", names.empty() ? "none" : names.substr(0, names.size() - 2));
   }
   throw ConfigError(
-      str("metrics logged with sync_dist=true differ across ranks this epoch: ", which,
+      str("metrics logged with sync_dist=true or as metric objects differ across ranks this "
+          "epoch: ", which,
           ". Their reductions pair up by name across ranks, so every rank "
-          "must log the same sync_dist metrics in an epoch (log them on every rank; "
-          "a rank with nothing to add can log a mean with .batch_size = 0), or log "
+          "must log the same ones in an epoch (log them on every rank; "
+          "a rank with nothing to add can log a mean with .batch_size = 0, and a metric object "
+          "from an epoch-end hook, which every rank runs even without a batch), or log "
           "rank-local values without sync_dist."));
 }
 

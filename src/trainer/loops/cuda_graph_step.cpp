@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/metrics/metric.h"
 #include "fulgur/optim/optimizers.h"
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/strategies/strategy.h"
@@ -177,16 +178,19 @@ std::string signature(const Batch& batch) {
   return text;
 }
 
-/// While a step is captured: the module logs into `recorder` and autocast
-/// keeps no weight cache (a cached cast would be made once, at capture).
+/// While a step is captured: the module logs into `recorder`, autocast
+/// keeps no weight cache (a cached cast would be made once, at capture),
+/// and a metric's update() is refused (it would count one batch).
 class CaptureScope {
  public:
   CaptureScope(Module& module, ModuleLogSink* recorder, ModuleLogSink* sink)
       : module_(module), sink_(sink), cache_was_(at::autocast::is_autocast_cache_enabled()) {
     at::autocast::set_autocast_cache_enabled(false);
     Trainer::Impl::set_log_sink(module_, recorder);
+    metrics::Metric::set_capturing(true);
   }
   ~CaptureScope() {
+    metrics::Metric::set_capturing(false);
     Trainer::Impl::set_log_sink(module_, sink_);
     at::autocast::set_autocast_cache_enabled(cache_was_);
   }
