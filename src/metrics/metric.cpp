@@ -6,6 +6,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <map>
+#include <string>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/distributed/process_group.h"
@@ -138,10 +140,9 @@ at::Tensor Metric::compute() const {
   return compute_from(local_states());
 }
 
-at::Tensor Metric::compute(ProcessGroup* group) const {
-  if (group == nullptr) return compute();
-  torch::NoGradGuard no_grad;
+std::vector<at::Tensor> Metric::combined_states(ProcessGroup* group) const {
   std::vector<at::Tensor> states = local_states();
+  if (group == nullptr) return states;
   for (size_t i = 0; i < states.size(); ++i) {
     switch (states_[i].reduction) {
       case Reduction::kCat: states[i] = gather_rows(states[i], *group); break;
@@ -157,23 +158,35 @@ at::Tensor Metric::compute(ProcessGroup* group) const {
       }
     }
   }
-  return compute_from(states);
+  return states;
 }
 
-void Metric::save(torch::serialize::OutputArchive& archive) const {
-  const std::vector<at::Tensor> states = local_states();
-  for (size_t i = 0; i < states.size(); ++i) archive.write(states_[i].name, states[i].cpu(), true);
-  archive.write("updates", torch::tensor({updates_}, torch::kLong), true);
+at::Tensor Metric::compute(ProcessGroup* group) const {
+  torch::NoGradGuard no_grad;
+  return compute_from(combined_states(group));
 }
 
-void Metric::load(torch::serialize::InputArchive& archive) {
+std::map<std::string, at::Tensor> Metric::state_dict(ProcessGroup* group) const {
+  torch::NoGradGuard no_grad;
+  const std::vector<at::Tensor> states = combined_states(group);
+  std::map<std::string, at::Tensor> out;
+  for (size_t i = 0; i < states.size(); ++i) out[states_[i].name] = states[i].cpu();
+  at::Tensor updates = torch::tensor({updates_}, torch::kLong);
+  if (group != nullptr) group->all_reduce_(updates, ReduceOp::kSum);
+  out["updates"] = updates;
+  return out;
+}
+
+std::vector<at::Tensor> Metric::checked(const std::map<std::string, at::Tensor>& saved) const {
   std::vector<at::Tensor> loaded(states_.size());
   for (size_t i = 0; i < states_.size(); ++i) {
     const State& s = states_[i];
-    if (!archive.try_read(s.name, loaded[i], true)) {
+    auto it = saved.find(s.name);
+    if (it == saved.end()) {
       throw c10::Error({__func__, __FILE__, __LINE__},
                        str(name(), ": state \"", s.name, "\" is missing from the checkpoint"));
     }
+    loaded[i] = it->second;
     const bool same_trailing =
         loaded[i].dim() == s.initial.dim() &&
         (s.reduction == Reduction::kCat
@@ -182,12 +195,22 @@ void Metric::load(torch::serialize::InputArchive& archive) {
     if (!same_trailing) {
       throw c10::Error({__func__, __FILE__, __LINE__},
                        c10::str(name(), ": state \"", s.name, "\" has shape ", loaded[i].sizes(),
-                           " in the checkpoint, not the metric's ", s.initial.sizes(),
-                           " (another number of classes?)"));
+                                " in the checkpoint, not the metric's ", s.initial.sizes(),
+                                " (another number of classes?)"));
     }
   }
-  at::Tensor updates;
-  const bool has_updates = archive.try_read("updates", updates, true);
+  return loaded;
+}
+
+namespace {
+int64_t saved_updates(const std::map<std::string, at::Tensor>& saved) {
+  auto it = saved.find("updates");
+  return it == saved.end() ? 0 : it->second.item<int64_t>();
+}
+}  // namespace
+
+void Metric::load_state_dict(const std::map<std::string, at::Tensor>& saved) {
+  const std::vector<at::Tensor> loaded = checked(saved);
   for (size_t i = 0; i < states_.size(); ++i) {
     State& s = states_[i];
     if (s.reduction == Reduction::kCat) {
@@ -197,7 +220,39 @@ void Metric::load(torch::serialize::InputArchive& archive) {
       s.value = loaded[i].to(s.value.device(), s.initial.scalar_type());
     }
   }
-  updates_ = has_updates ? updates.item<int64_t>() : 0;
+  updates_ = saved_updates(saved);
+}
+
+void Metric::merge_state_dict(const std::map<std::string, at::Tensor>& saved) {
+  const std::vector<at::Tensor> loaded = checked(saved);
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < states_.size(); ++i) {
+    State& s = states_[i];
+    const at::Tensor other = loaded[i].to(s.initial.scalar_type());
+    switch (s.reduction) {
+      case Reduction::kCat:
+        // The saved rows came first.
+        if (other.size(0) > 0) s.parts.insert(s.parts.begin(), other);
+        break;
+      case Reduction::kSum: s.value.add_(other.to(s.value.device())); break;
+      case Reduction::kMax: at::maximum_out(s.value, s.value, other.to(s.value.device())); break;
+      case Reduction::kMin: at::minimum_out(s.value, s.value, other.to(s.value.device())); break;
+    }
+  }
+  updates_ += saved_updates(saved);
+}
+
+void Metric::save(torch::serialize::OutputArchive& archive) const {
+  for (const auto& [key, tensor] : state_dict()) archive.write(key, tensor, true);
+}
+
+void Metric::load(torch::serialize::InputArchive& archive) {
+  std::map<std::string, at::Tensor> saved;
+  for (const auto& key : archive.keys()) {
+    at::Tensor t;
+    if (archive.try_read(key, t, true)) saved[key] = t;
+  }
+  load_state_dict(saved);
 }
 
 }  // namespace fulgur::metrics

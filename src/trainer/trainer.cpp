@@ -370,6 +370,7 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
       run();
     }
   } catch (const std::exception& e) {
+    handling_exception = true;
     for (auto& cb : callbacks) {
       try {
         cb->on_exception(self, m, e);
@@ -377,6 +378,7 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
         // The original error is the one the user needs to see.
       }
     }
+    handling_exception = false;
     detach(/*completed=*/false);
     throw;
   }

@@ -48,6 +48,9 @@ struct Trainer::Impl final : detail::TrainerLink {
   // The stage being run.
   Module* module = nullptr;
   Stage stage = Stage::kFit;
+  /// While the callbacks' on_exception run: a checkpoint saved then may be
+  /// one rank's alone, and runs no collective of the Trainer's own.
+  bool handling_exception = false;
 
   detail::LoggerConnector logging;
   detail::FitLoop fit_loop{*this};

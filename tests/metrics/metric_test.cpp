@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <map>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -99,6 +101,42 @@ TEST(Metric, EveryRanksStatesGiveTheOneProcessValue) {
     });
     for (int r = 0; r < world; ++r) expect_same(got[r], expected);
   }
+}
+
+// A resumed run's global rank 0 merges the states every rank had combined
+// at the checkpoint; the other ranks start empty: the epoch's value is the
+// uninterrupted one's, on another world size too.
+TEST(Metric, StatesCombinedAtACheckpointAndMergedAfterAResumeCountEveryBatch) {
+  const Data d = data();
+  All uninterrupted;
+  uninterrupted.update(d, 0, 101);
+  const std::vector<at::Tensor> expected = uninterrupted.compute(nullptr);
+  // Before the checkpoint: 2 ranks with 30 and 20 samples.
+  std::vector<std::map<std::string, at::Tensor>> saved[2];
+  fulgur::test::on_ranks(2, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+    All mine;
+    mine.update(d, rank == 0 ? 0 : 30, rank == 0 ? 30 : 50);
+    for (auto* m : mine.predictions()) saved[rank].push_back(m->state_dict(group.get()));
+    for (M::Metric* m : std::initializer_list<M::Metric*>{&mine.mse, &mine.mae, &mine.mean,
+                                                          &mine.sum}) {
+      saved[rank].push_back(m->state_dict(group.get()));
+    }
+  });
+  ASSERT_TRUE(torch::equal(saved[0][0].at("updates"), torch::tensor({2}, torch::kLong)));
+  // After it, on one process: the rest of the samples, then the merge.
+  All resumed;
+  resumed.update(d, 50, 101);
+  std::vector<M::Metric*> all;
+  for (auto* m : resumed.predictions()) all.push_back(m);
+  for (M::Metric* m : {static_cast<M::Metric*>(&resumed.mse), static_cast<M::Metric*>(&resumed.mae),
+                       static_cast<M::Metric*>(&resumed.mean),
+                       static_cast<M::Metric*>(&resumed.sum)}) {
+    all.push_back(m);
+  }
+  ASSERT_EQ(all.size(), saved[0].size());
+  for (size_t i = 0; i < all.size(); ++i) all[i]->merge_state_dict(saved[0][i]);
+  expect_same(resumed.compute(nullptr), expected);
+  EXPECT_EQ(resumed.acc.update_count(), 3);
 }
 
 TEST(Metric, PaddedRowsAreLeftOut) {

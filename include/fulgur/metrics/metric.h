@@ -27,6 +27,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -76,9 +77,18 @@ class Metric {
   /// Updates since the last reset() (on this rank).
   int64_t update_count() const { return updates_; }
 
-  /// Every state, as this rank holds it, into / out of a checkpoint (a
-  /// concatenated state as one tensor). load() checks the state names and
-  /// their shapes (CheckpointError-ready message in a c10::Error).
+  /// The states by name (a concatenated state as one tensor) and the
+  /// update count ("updates"), on the CPU: this rank's, or with `group`
+  /// every rank's combined as compute(group) combines them (a collective).
+  std::map<std::string, at::Tensor> state_dict(ProcessGroup* group = nullptr) const;
+  /// Replaces the states with saved ones. c10::Error naming a missing
+  /// state or one of another shape (another number of classes).
+  void load_state_dict(const std::map<std::string, at::Tensor>& saved);
+  /// Combines saved states with the current ones, as ranks' states are
+  /// combined (sums added, saved rows first): a resumed run's metric goes
+  /// on from where the checkpoint left it, whatever it counted since.
+  void merge_state_dict(const std::map<std::string, at::Tensor>& saved);
+  /// state_dict() / load_state_dict() through an archive.
   void save(torch::serialize::OutputArchive& archive) const;
   void load(torch::serialize::InputArchive& archive);
 
@@ -125,6 +135,10 @@ class Metric {
   State& find(std::string_view name);
   /// This rank's states in declaration order (kCat parts joined).
   std::vector<at::Tensor> local_states() const;
+  /// local_states(), combined across `group` when given.
+  std::vector<at::Tensor> combined_states(ProcessGroup* group) const;
+  /// `saved`'s states in declaration order, checked against the metric's.
+  std::vector<at::Tensor> checked(const std::map<std::string, at::Tensor>& saved) const;
 
   std::vector<State> states_;
   int64_t updates_ = 0;

@@ -127,7 +127,9 @@ class Trainer {
 
   // ---- Checkpoints.
   /// Writes the complete training state (for resume) to `path` through the
-  /// strategy. Call from callbacks or after fit.
+  /// strategy. Call from callbacks, on every rank at the same point (as the
+  /// Trainer's own saves are made): with several ranks, the states of the
+  /// metric objects logged in training_step are combined across them.
   void save_checkpoint(const std::string& path);
 
   /// Internal state, shared with the loops (src/trainer/trainer_impl.h).

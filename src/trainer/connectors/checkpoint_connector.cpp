@@ -136,6 +136,29 @@ void CheckpointConnector::dump(OutputArchive& archive) {
   }
   archive.write("loggers", loggers);
 
+  // The metric objects logged so far in this epoch, every rank's states
+  // combined (collectives: every rank saves at the same point; a save from
+  // on_exception may be one rank's alone and keeps none). A resumed run's
+  // global rank 0 merges them into its metrics, so the epoch's values count
+  // every batch. None at an epoch's end: the next epoch starts afresh.
+  OutputArchive metrics(cu);
+  int64_t metric_count = 0;
+  if (!trainer_.handling_exception && !progress.epoch_done) {
+    for (const auto& [name, states] :
+         trainer_.logging.train_sink().metric_states(*trainer_.strategy)) {
+      auto updates = states.find("updates");
+      if (updates == states.end() || updates->second.item<int64_t>() == 0) continue;
+      OutputArchive one(cu);
+      one.write("name", c10::IValue(name));
+      OutputArchive tensors(cu);
+      for (const auto& [key, tensor] : states) tensors.write(key, tensor, /*is_buffer=*/true);
+      one.write("states", tensors);
+      metrics.write(std::to_string(metric_count++), one);
+    }
+  }
+  metrics.write("count", c10::IValue(metric_count));
+  archive.write("train_metrics", metrics);
+
   OutputArchive rng(cu);
   save_rng_states(rng);
   archive.write("rng", rng);
@@ -333,6 +356,23 @@ void CheckpointConnector::restore(const std::string& path, bool full) {
   trainer_.fit_loop.restore(progress, has_loader_state ? &loader : nullptr);
 
   load_callback_states(archive);
+  InputArchive metrics;
+  detail::LogSink::MetricStates metric_states;
+  if (archive.try_read("train_metrics", metrics) && trainer_.strategy->is_global_zero()) {
+    const int64_t count = read_int(metrics, "count", path);
+    for (int64_t i = 0; i < count; ++i) {
+      InputArchive one = read_section(metrics, std::to_string(i).c_str(), path);
+      c10::IValue name;
+      one.read("name", name);
+      InputArchive tensors = read_section(one, "states", path);
+      auto& states = metric_states[name.toStringRef()];
+      for (const auto& key : tensors.keys()) {
+        at::Tensor t;
+        if (tensors.try_read(key, t, /*is_buffer=*/true)) states[key] = t;
+      }
+    }
+  }
+  trainer_.logging.train_sink().restore_metric_states(std::move(metric_states));
   InputArchive loggers;
   if (archive.try_read("loggers", loggers)) {
     for (auto& logger : trainer_.logging.loggers()) {

@@ -142,7 +142,20 @@ void LogSink::log(std::string_view name, metrics::Metric& metric, const LogOptio
   bool on_epoch = false;
   Entry& e = entry(name, per_epoch, on_step, on_epoch, &metric);
   e.epoch_has_value = true;
+  if (auto it = restored_.find(std::string(name)); it != restored_.end()) {
+    try {
+      metric.merge_state_dict(it->second);
+    } catch (const c10::Error& error) {
+      throw CheckpointError(str("log(\"", name, "\", ", metric.name(),
+                                "): the checkpoint resumed from holds this metric's states, "
+                                "which do not fit it: ",
+                                error.what_without_backtrace(),
+                                ". Resume with the metric built as it was (same options)."));
+    }
+    restored_.erase(it);
+  }
 }
+
 
 void LogSink::log_dict(metrics::MetricCollection& collection, const LogOptions& options) {
   for (auto& [key, metric] : collection.metrics()) {
@@ -240,6 +253,30 @@ void check_same_synced_metrics(const std::string& synced, Strategy& strategy) {
 }
 
 }  // namespace
+
+LogSink::MetricStates LogSink::metric_states(Strategy& strategy) const {
+  // No collective where no metric object was logged (every rank logs the
+  // same ones in training_step; a rank that differs is named below).
+  const bool any = std::any_of(entries_.begin(), entries_.end(), [](const auto& entry) {
+    return entry.second.metric != nullptr && entry.second.epoch_has_value;
+  });
+  if (!any) return {};
+  const auto group = strategy.world_size() > 1 ? strategy.shared_process_group() : nullptr;
+  if (group) {
+    std::string names;
+    for (const auto& [name, e] : entries_) {
+      if (e.metric != nullptr && e.epoch_has_value) {
+        names.append(name).append(" (").append(e.metric->name()).append("), ");
+      }
+    }
+    check_same_synced_metrics(names, strategy);
+  }
+  MetricStates out;
+  for (const auto& [name, e] : entries_) {
+    if (e.metric != nullptr && e.epoch_has_value) out[name] = e.metric->state_dict(group.get());
+  }
+  return out;
+}
 
 std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
   if (strategy.world_size() > 1) {

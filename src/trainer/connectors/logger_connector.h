@@ -82,6 +82,17 @@ class LogSink final : public ModuleLogSink {
   /// calls).
   std::vector<Value> collect_epoch(Strategy& strategy) const;
   void reset() { entries_.clear(); }
+
+  /// The states of the metric objects logged so far this epoch, by logged
+  /// name, combined across the ranks (collectives where any was logged:
+  /// every rank calls, at the same point), for a checkpoint.
+  using MetricStates = std::map<std::string, std::map<std::string, at::Tensor>>;
+  MetricStates metric_states(Strategy& strategy) const;
+  /// States a resumed run takes back: each merges into the metric object
+  /// first logged under its name (Metric::merge_state_dict), until
+  /// drop_restored_metrics() (the end of the resumed epoch).
+  void restore_metric_states(MetricStates states) { restored_ = std::move(states); }
+  void drop_restored_metrics() { restored_.clear(); }
   bool empty() const { return entries_.empty(); }
 
   /// How many logged tensors were read back to the host in this process
@@ -98,6 +109,7 @@ class LogSink final : public ModuleLogSink {
   static void accumulate(Entry& e, const at::Tensor& value, double weight);
 
   std::map<std::string, Entry, std::less<>> entries_;
+  MetricStates restored_;
   std::vector<Value> step_values_;
   bool in_step_ = true;
   int64_t batch_size_ = 1;

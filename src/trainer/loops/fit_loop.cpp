@@ -227,6 +227,8 @@ void FitLoop::train_epoch() {
   m.on_train_epoch_end();
   trainer_.logging.publish_epoch(trainer_.logging.train_sink(), *trainer_.strategy,
                                  sanity_checking_, current_epoch_, global_step_);
+  // States a resume brought for metrics this epoch never logged again.
+  trainer_.logging.train_sink().drop_restored_metrics();
   // Histograms read every parameter: a sharded strategy gathers them (on
   // every rank) around rank 0's logging.
   auto log_parameters = [&] {

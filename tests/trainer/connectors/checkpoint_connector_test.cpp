@@ -207,6 +207,12 @@ class DropoutNet : public fulgur::Module {
     ++training_steps;
     const auto& [x, y] = batch.pair();
     auto out = fc2(dropout(torch::relu(fc1(x))));
+    // Metrics over the epoch's batches: a resumed run's values count the
+    // batches before the checkpoint too.
+    train_mse.update(out.detach(), y);
+    log("train_mse", train_mse);
+    train_auroc.update(out.detach().reshape({-1}), (y.reshape({-1}) > y.mean()).to(torch::kLong));
+    log("train_auroc", train_auroc);
     return torch::nn::functional::mse_loss(out, y);
   }
   fulgur::OptimizerConfig configure_optimizers() override {
@@ -220,6 +226,8 @@ class DropoutNet : public fulgur::Module {
   torch::nn::Linear fc2{nullptr};
   std::shared_ptr<torch::optim::SGD> optimizer;
   int64_t training_steps = 0;
+  fulgur::metrics::MeanSquaredError train_mse;
+  fulgur::metrics::AUROC train_auroc{{.task = "binary"}};
 };
 
 /// Counts training batches; the count is callback state saved in checkpoints.
@@ -333,6 +341,14 @@ class MidEpochResume : public ::testing::Test {
     EXPECT_EQ(counter->batches, kEpochs * kBatchesPerEpoch) << "callback state restored";
     EXPECT_TRUE(parameters_equal(*uninterrupted_, resumed));
     EXPECT_TRUE(same_optimizer_state(*uninterrupted_, resumed));
+    // The last epoch's metric values, from every batch of it: the states
+    // before the checkpoint came back with it (a resume in the first epoch
+    // checks that they went with it).
+    if (!expected_steps || *expected_steps == 0) return;
+    for (const char* name : {"train_mse", "train_auroc"}) {
+      ASSERT_EQ(result.metrics.count(name), 1u) << name;
+      EXPECT_EQ(result.metrics.at(name), result_.metrics.at(name)) << name;
+    }
   }
 
   std::string checkpoint(const std::string& name) const {
