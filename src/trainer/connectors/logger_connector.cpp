@@ -252,6 +252,23 @@ void check_same_synced_metrics(const std::string& synced, Strategy& strategy) {
           "rank-local values without sync_dist."));
 }
 
+// What check_same_synced_metrics compares: each entry that reduces across
+// ranks this epoch (a metric object; with `values`, also a sync_dist value),
+// with how it reduces.
+std::string synced_names(const std::map<std::string, LogSink::Entry, std::less<>>& entries,
+                         bool values) {
+  std::string names;
+  for (const auto& [name, e] : entries) {
+    if (!e.on_epoch || !e.epoch_has_value) continue;
+    if (e.metric != nullptr) {
+      names.append(name).append(" (").append(e.metric->name()).append("), ");
+    } else if (values && e.options.sync_dist) {
+      names.append(name).append(" (").append(to_string(e.options.reduce)).append("), ");
+    }
+  }
+  return names;
+}
+
 }  // namespace
 
 LogSink::MetricStates LogSink::metric_states(Strategy& strategy) const {
@@ -262,15 +279,7 @@ LogSink::MetricStates LogSink::metric_states(Strategy& strategy) const {
   });
   if (!any) return {};
   const auto group = strategy.world_size() > 1 ? strategy.shared_process_group() : nullptr;
-  if (group) {
-    std::string names;
-    for (const auto& [name, e] : entries_) {
-      if (e.metric != nullptr && e.epoch_has_value) {
-        names.append(name).append(" (").append(e.metric->name()).append("), ");
-      }
-    }
-    check_same_synced_metrics(names, strategy);
-  }
+  if (group) check_same_synced_metrics(synced_names(entries_, /*values=*/false), strategy);
   MetricStates out;
   for (const auto& [name, e] : entries_) {
     if (e.metric != nullptr && e.epoch_has_value) out[name] = e.metric->state_dict(group.get());
@@ -279,23 +288,13 @@ LogSink::MetricStates LogSink::metric_states(Strategy& strategy) const {
 }
 
 std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
-  if (strategy.world_size() > 1) {
-    std::string synced;
-    for (const auto& [name, e] : entries_) {
-      if (e.on_epoch && e.epoch_has_value && e.metric != nullptr) {
-        synced.append(name).append(" (").append(e.metric->name()).append("), ");
-      } else if (e.on_epoch && e.epoch_has_value && e.options.sync_dist) {
-        synced.append(name).append(" (").append(to_string(e.options.reduce)).append("), ");
-      }
-    }
-    check_same_synced_metrics(synced, strategy);
-  }
+  const auto group = strategy.world_size() > 1 ? strategy.shared_process_group() : nullptr;
+  if (group) check_same_synced_metrics(synced_names(entries_, /*values=*/true), strategy);
   std::vector<Value> out;
   for (const auto& [name, e] : entries_) {
     if (!e.on_epoch || !e.epoch_has_value) continue;
     if (e.metric != nullptr) {
       // Every rank's states combined, the value computed once, read once.
-      const auto group = strategy.world_size() > 1 ? strategy.shared_process_group() : nullptr;
       const at::Tensor v = e.metric->compute(group.get());
       e.metric->reset();
       out.push_back({name, read_tensor(v), at::Tensor(), e.options.logger, e.options.prog_bar});
