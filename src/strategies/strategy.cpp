@@ -322,6 +322,9 @@ void load_strict(torch::nn::Module& module, torch::serialize::InputArchive& arch
   for (auto& p : module.named_parameters(/*recurse=*/false)) load(p.key(), p.value(), false);
   for (auto& b : module.named_buffers(/*recurse=*/false)) load(b.key(), b.value(), true);
   for (const auto& child : module.named_children()) {
+    // As nn::Module::save: a module that says it cannot be serialized (a
+    // torch::nn::Functional) has no entry.
+    if (!child.value()->is_serializable()) continue;
     expected.insert(child.key());
     torch::serialize::InputArchive nested;
     if (!archive.try_read(child.key(), nested)) {
