@@ -1,7 +1,8 @@
 // Checkpoint speed: a training state (parameters + SGD momentum, half each)
 // of --mb megabytes saved and loaded through fulgur's TorchCheckpointIO (the
-// archive the Trainer writes, written to a temporary file, fsync'ed, renamed
-// into place) against LibTorch alone doing the same: the same archive saved
+// state the Trainer hands it, written as a LibTorch archive to a temporary
+// file, fsync'ed, renamed into place) against LibTorch alone doing the
+// same: an archive of the same layout saved
 // with OutputArchive::save_to (as torch::save does), with and without an
 // fsync (the same durability as fulgur's), and loaded with
 // InputArchive::load_from into the same module and optimizer.
@@ -129,7 +130,14 @@ int main(int argc, char** argv) {
   const std::string a_path = base + ".async.ckpt";
   fulgur::AsyncCheckpointIO async_io;
   std::vector<double> sync_stall, async_stall;
-  // The Trainer's archive of the state, as every save here writes it.
+  // The state as the Trainer's checkpoint holds it (fulgur's saves), and as
+  // LibTorch's own archive of the same layout (LibTorch's saves).
+  auto state_dict = [&] {
+    fulgur::StateDict root;
+    root.set_section("state_dict", fulgur::module_state_dict(*state));
+    root.set_section("optimizer_states", fulgur::optimizer_state_dict(sgd));
+    return root;
+  };
   auto archive = [&] {
     torch::serialize::OutputArchive root, module, optimizer;
     state->save(module);
@@ -138,20 +146,36 @@ int main(int argc, char** argv) {
     root.write("optimizer_states", optimizer);
     return root;
   };
-  // Seconds `save` takes with that archive, from a clean page cache.
-  auto time_save = [&](const std::function<void(torch::serialize::OutputArchive&)>& save) {
+  // Seconds `save` takes with that state (or archive), from a clean page
+  // cache.
+  auto time_save = [&](const std::function<void(fulgur::StateDict&)>& save) {
+    ::sync();
+    auto t = Clock::now();
+    auto root = state_dict();
+    save(root);
+    return seconds_since(t);
+  };
+  auto time_torch_save = [&](const std::function<void(torch::serialize::OutputArchive&)>& save) {
     ::sync();
     auto t = Clock::now();
     auto root = archive();
     save(root);
     return seconds_since(t);
   };
-  // MB/s of `read` into the root, then the state restored from it.
-  auto time_load = [&](const std::function<void(torch::serialize::InputArchive&)>& read) {
+  // MB/s of a load, the state restored from it.
+  auto time_load = [&] {
+    ::sync();
+    auto t = Clock::now();
+    const fulgur::StateDict root = io.load_checkpoint(f_path);
+    fulgur::load_module_state_dict(*state, root.section_at("state_dict"));
+    fulgur::load_optimizer_state_dict(sgd, root.section_at("optimizer_states"));
+    return megabytes / seconds_since(t);
+  };
+  auto time_torch_load = [&] {
     ::sync();
     auto t = Clock::now();
     torch::serialize::InputArchive root, module, optimizer;
-    read(root);
+    root.load_from(r_path);
     root.read("state_dict", module);
     root.read("optimizer_states", optimizer);
     state->load(module);
@@ -160,17 +184,17 @@ int main(int argc, char** argv) {
   };
   {
     // The first save sizes the snapshot buffer; the timed ones reuse it.
-    auto root = archive();
+    auto root = state_dict();
     async_io.save_checkpoint(root, a_path);
     async_io.wait_until_durable();
   }
   // One load of each checkpoint, in an order alternating with `r`.
   auto load_pair = [&](int r, std::vector<double>& fulgur, std::vector<double>& libtorch) {
     auto fulgur_load = [&] {
-      fulgur.push_back(time_load([&](auto& root) { io.load_checkpoint(f_path, root); }));
+      fulgur.push_back(time_load());
     };
     auto libtorch_load = [&] {
-      libtorch.push_back(time_load([&](auto& root) { root.load_from(r_path); }));
+      libtorch.push_back(time_torch_load());
     };
     if (r % 2 == 0) {
       fulgur_load();
@@ -187,8 +211,8 @@ int main(int argc, char** argv) {
     sync_stall.push_back(sync_seconds);
     async_stall.push_back(time_save([&](auto& root) { async_io.save_checkpoint(root, a_path); }));
     async_io.wait_until_durable();
-    r_save.push_back(megabytes / time_save([&](auto& root) { root.save_to(r_path); }));
-    s_save.push_back(megabytes / time_save([&](auto& root) {
+    r_save.push_back(megabytes / time_torch_save([&](auto& root) { root.save_to(r_path); }));
+    s_save.push_back(megabytes / time_torch_save([&](auto& root) {
                        root.save_to(s_path);
                        fsync_file(s_path);
                      }));

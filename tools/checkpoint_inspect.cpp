@@ -18,7 +18,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using fulgur::str;
-using torch::serialize::InputArchive;
+using fulgur::StateDict;
 
 std::string bytes_text(uint64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -52,38 +52,37 @@ std::string value_text(const c10::IValue& v) {
   return v.tagKind();
 }
 
-// Every tensor under `archive` (sub-archives as dotted prefixes).
+// Every tensor under `state` (sections as dotted prefixes).
 struct TensorLine {
   std::string name, dtype, shape;
   uint64_t bytes = 0;
 };
 
-void collect_tensors(InputArchive& archive, const std::string& prefix,
+void collect_tensors(const StateDict& state, const std::string& prefix,
                      std::vector<TensorLine>& tensors, std::vector<std::string>& values) {
-  for (const auto& key : archive.keys()) {
-    c10::IValue v;
-    if (!archive.try_read(key, v)) continue;
+  for (const auto& key : state.keys()) {
+    if (const StateDict* sub = state.find_section(key)) {
+      collect_tensors(*sub, prefix + key + ".", tensors, values);
+      continue;
+    }
+    const c10::IValue& v = *state.find(key);
     if (v.isTensor()) {
       const at::Tensor t = v.toTensor();
       tensors.push_back({prefix + key, std::string(c10::toString(t.scalar_type())), shape_text(t),
                          static_cast<uint64_t>(t.numel() * t.element_size())});
-    } else if (v.isModule()) {
-      InputArchive sub;
-      archive.try_read(key, sub);
-      collect_tensors(sub, prefix + key + ".", tensors, values);
     } else {
       values.push_back(str(prefix, key, " = ", value_text(v)));
     }
   }
 }
 
-void print_section(InputArchive& archive, const std::string& key, const std::string& title,
+void print_section(const StateDict& state, const std::string& key, const std::string& title,
                    bool list_tensors, std::ostream& out) {
-  InputArchive section;
-  if (!archive.try_read(key, section)) return;
+  const StateDict* section = state.find_section(key);
+  if (section == nullptr) return;
   std::vector<TensorLine> tensors;
   std::vector<std::string> values;
-  collect_tensors(section, "", tensors, values);
+  collect_tensors(*section, "", tensors, values);
   uint64_t total = 0;
   for (const auto& t : tensors) total += t.bytes;
   out << title << ": ";
@@ -108,62 +107,54 @@ void print_section(InputArchive& archive, const std::string& key, const std::str
 // The contents of one verified (or unverifiable, older) checkpoint file.
 void print_contents(const std::string& file, std::ostream& out) {
   fulgur::TorchCheckpointIO io;
-  InputArchive archive;
-  io.load_checkpoint(file, archive);
-  c10::IValue version, written_by;
-  if (archive.try_read("fulgur_format_version", version) && version.isInt()) {
+  const StateDict checkpoint = io.load_checkpoint(file);
+  auto value = [](const StateDict* state, const std::string& key) {
+    const c10::IValue* v = state ? state->find(key) : nullptr;
+    return v ? *v : c10::IValue();
+  };
+  const c10::IValue version = value(&checkpoint, "fulgur_format_version");
+  if (version.isInt()) {
     out << "format: fulgur checkpoint version " << version.toInt();
-    if (archive.try_read("fulgur_version", written_by) && written_by.isString()) {
-      out << ", written by fulgur " << written_by.toStringRef();
-    }
+    const c10::IValue written_by = value(&checkpoint, "fulgur_version");
+    if (written_by.isString()) out << ", written by fulgur " << written_by.toStringRef();
     out << "\n";
   } else {
-    out << "format: not a fulgur Trainer checkpoint (keys: " << fulgur::join(archive.keys())
+    out << "format: not a fulgur Trainer checkpoint (keys: " << fulgur::join(checkpoint.keys())
         << ")\n";
   }
-  InputArchive loops;
-  if (archive.try_read("loops", loops)) {
-    c10::IValue epoch, step, position;
-    loops.try_read("epoch", epoch);
-    loops.try_read("global_step", step);
-    loops.try_read("batch_position", position);
-    out << "progress: epoch " << value_text(epoch) << ", global step " << value_text(step)
-        << ", batch position " << value_text(position) << "\n";
+  if (const StateDict* loops = checkpoint.find_section("loops")) {
+    out << "progress: epoch " << value_text(value(loops, "epoch")) << ", global step "
+        << value_text(value(loops, "global_step")) << ", batch position "
+        << value_text(value(loops, "batch_position")) << "\n";
   }
-  print_section(archive, "state_dict", "module state", /*list_tensors=*/true, out);
-  InputArchive optimizers;
-  if (archive.try_read("optimizer_states", optimizers)) {
-    c10::IValue count;
-    optimizers.try_read("count", count);
+  print_section(checkpoint, "state_dict", "module state", /*list_tensors=*/true, out);
+  if (const StateDict* optimizers = checkpoint.find_section("optimizer_states")) {
+    const c10::IValue count = value(optimizers, "count");
     out << "optimizers: " << value_text(count) << "\n";
     if (count.isInt()) {
       for (int64_t i = 0; i < count.toInt(); ++i) {
-        print_section(optimizers, std::to_string(i), str("  optimizer ", i), false, out);
+        print_section(*optimizers, std::to_string(i), str("  optimizer ", i), false, out);
       }
     }
-    InputArchive first;
-    c10::IValue record;
-    if (optimizers.try_read("0", first) &&
-        first.try_read(fulgur::FSDPStrategy::kShardRecordKey, record)) {
+    const StateDict* first = optimizers->find_section("0");
+    if (first != nullptr && first->contains(fulgur::FSDPStrategy::kShardRecordKey)) {
       out << "  (strategy fsdp, sharded: each rank's file holds its part of the optimizer "
              "state; `fulgur checkpoint consolidate DIR FILE` makes one file that loads on any "
              "world size)\n";
     }
   }
-  c10::IValue schedulers;
-  if (archive.try_read("lr_schedulers", schedulers)) {
-    out << "lr schedulers (step counts): " << value_text(schedulers) << "\n";
+  if (const c10::IValue* schedulers = checkpoint.find("lr_schedulers")) {
+    out << "lr schedulers (step counts): " << value_text(*schedulers) << "\n";
   }
-  print_section(archive, "precision", "precision", false, out);
-  print_section(archive, "train_loader", "training loader", false, out);
-  InputArchive callbacks;
-  if (archive.try_read("callbacks", callbacks)) {
-    const auto keys = callbacks.keys();
+  print_section(checkpoint, "precision", "precision", false, out);
+  print_section(checkpoint, "train_loader", "training loader", false, out);
+  if (const StateDict* callbacks = checkpoint.find_section("callbacks")) {
+    const auto keys = callbacks->keys();
     out << "callbacks: " << (keys.empty() ? std::string("none") : fulgur::join(keys)) << "\n";
   }
-  print_section(archive, "rng", "RNG states", false, out);
-  print_section(archive, "hparams", "hyper-parameters", false, out);
-  print_section(archive, "module", "the module's own (on_save_checkpoint)", false, out);
+  print_section(checkpoint, "rng", "RNG states", false, out);
+  print_section(checkpoint, "hparams", "hyper-parameters", false, out);
+  print_section(checkpoint, "module", "the module's own (on_save_checkpoint)", false, out);
 }
 
 // One file's size and checksum line; false when it does not verify.

@@ -120,17 +120,20 @@ void EarlyStopping::check(Trainer& trainer) {
   }
 }
 
-void EarlyStopping::save_state(torch::serialize::OutputArchive& archive) const {
-  archive.write("wait_count", c10::IValue(wait_count_));
-  archive.write("best_score", c10::IValue(best_score_));
-  archive.write("stopped_epoch", c10::IValue(stopped_epoch_));
+// wait_count (int), best_score (double, NaN before the first check),
+// stopped_epoch (int); each optional on load.
+StateDict EarlyStopping::state_dict() const {
+  StateDict state;
+  state.set("wait_count", wait_count_);
+  state.set("best_score", best_score_);
+  state.set("stopped_epoch", stopped_epoch_);
+  return state;
 }
 
-void EarlyStopping::load_state(torch::serialize::InputArchive& archive) {
-  c10::IValue v;
-  if (archive.try_read("wait_count", v)) wait_count_ = v.toInt();
-  if (archive.try_read("best_score", v)) best_score_ = v.toDouble();
-  if (archive.try_read("stopped_epoch", v)) stopped_epoch_ = v.toInt();
+void EarlyStopping::load_state_dict(const StateDict& state) {
+  if (state.contains("wait_count")) wait_count_ = state.integer("wait_count");
+  if (state.contains("best_score")) best_score_ = state.real("best_score");
+  if (state.contains("stopped_epoch")) stopped_epoch_ = state.integer("stopped_epoch");
 }
 
 }  // namespace fulgur

@@ -99,28 +99,33 @@ void EMA::on_train_end(Trainer&, Module& module) {
   for (size_t i = 0; i < parameters.size(); ++i) parameters[i].copy_(average_[i]);
 }
 
-void EMA::save_state(torch::serialize::OutputArchive& archive) const {
-  archive.write("count", c10::IValue(static_cast<int64_t>(average_.size())));
-  archive.write("last_update_step", c10::IValue(last_update_step_));
+// count (int), last_update_step (int), and the average as buffers
+// average_0 .. average_<count-1>, in the module's parameters() order. No
+// count (a checkpoint from before the average was kept): nothing is loaded.
+StateDict EMA::state_dict() const {
+  StateDict state;
+  state.set("count", static_cast<int64_t>(average_.size()));
+  state.set("last_update_step", last_update_step_);
   for (size_t i = 0; i < average_.size(); ++i) {
-    archive.write("average_" + std::to_string(i), average_[i], /*is_buffer=*/true);
+    state.set_buffer("average_" + std::to_string(i), average_[i]);
   }
+  return state;
 }
 
-void EMA::load_state(torch::serialize::InputArchive& archive) {
-  c10::IValue v;
-  if (!archive.try_read("count", v)) return;
-  const int64_t count = v.toInt();
-  if (archive.try_read("last_update_step", v)) last_update_step_ = v.toInt();
-  average_.clear();
+void EMA::load_state_dict(const StateDict& state) {
+  if (!state.contains("count")) return;
+  const int64_t count = state.integer("count");
+  if (state.contains("last_update_step")) last_update_step_ = state.integer("last_update_step");
+  std::vector<at::Tensor> average;
   for (int64_t i = 0; i < count; ++i) {
-    at::Tensor t;
-    if (!archive.try_read("average_" + std::to_string(i), t, /*is_buffer=*/true)) {
+    const c10::IValue* t = state.find("average_" + std::to_string(i));
+    if (t == nullptr || !t->isTensor()) {
       throw ConfigError(str("EMA: the checkpoint's average lacks tensor ", i, " of ", count,
                             ": the file is damaged or was written by another program."));
     }
-    average_.push_back(t);
+    average.push_back(t->toTensor());
   }
+  average_ = std::move(average);
 }
 
 }  // namespace fulgur

@@ -224,41 +224,58 @@ void ModelCheckpoint::on_train_epoch_end(Trainer& trainer, Module&) {
   }
 }
 
-void ModelCheckpoint::save_state(torch::serialize::OutputArchive& archive) const {
-  archive.write("best_model_path", c10::IValue(best_model_path_));
-  archive.write("best_model_score", c10::IValue(best_model_score_.value_or(std::nan(""))));
-  archive.write("latest_path", c10::IValue(latest_path_));
+// best_model_path, best_model_score (NaN: none), latest_path, dirpath,
+// last_model_path (strings; the score a double), and the kept checkpoints as
+// two parallel lists, top_k_scores (doubles) and top_k_paths (strings). Each
+// optional on load.
+StateDict ModelCheckpoint::state_dict() const {
+  StateDict state;
+  state.set("best_model_path", best_model_path_);
+  state.set("best_model_score", best_model_score_.value_or(std::nan("")));
+  state.set("latest_path", latest_path_);
   // Where it wrote: a resumed fit recomputes dirpath at on_fit_start; a
   // forking launcher's caller gets the rank's values with them.
-  archive.write("dirpath", c10::IValue(dirpath_));
-  archive.write("last_model_path", c10::IValue(last_model_path_));
+  state.set("dirpath", dirpath_);
+  state.set("last_model_path", last_model_path_);
   c10::List<double> scores;
   c10::List<std::string> paths;
   for (const auto& [s, p] : top_k_) {
     scores.push_back(s);
     paths.push_back(p);
   }
-  archive.write("top_k_scores", c10::IValue(scores));
-  archive.write("top_k_paths", c10::IValue(paths));
+  state.set("top_k_scores", scores);
+  state.set("top_k_paths", paths);
+  return state;
 }
 
-void ModelCheckpoint::load_state(torch::serialize::InputArchive& archive) {
-  c10::IValue v;
-  if (archive.try_read("best_model_path", v)) best_model_path_ = v.toStringRef();
-  if (archive.try_read("best_model_score", v) && !std::isnan(v.toDouble())) {
-    best_model_score_ = v.toDouble();
+void ModelCheckpoint::load_state_dict(const StateDict& state) {
+  if (state.contains("best_model_path")) best_model_path_ = state.string("best_model_path");
+  if (state.contains("best_model_score")) {
+    const double score = state.real("best_model_score");
+    if (!std::isnan(score)) best_model_score_ = score;
   }
-  if (archive.try_read("latest_path", v)) latest_path_ = v.toStringRef();
-  if (archive.try_read("dirpath", v)) dirpath_ = v.toStringRef();
-  if (archive.try_read("last_model_path", v)) last_model_path_ = v.toStringRef();
-  c10::IValue scores, paths;
-  if (archive.try_read("top_k_scores", scores) && archive.try_read("top_k_paths", paths)) {
-    top_k_.clear();
-    auto s = scores.toDoubleList();
-    auto p = paths.toList();
-    for (size_t i = 0; i < s.size() && i < p.size(); ++i) {
-      top_k_.emplace_back(s.get(i), p.get(i).toStringRef());
+  if (state.contains("latest_path")) latest_path_ = state.string("latest_path");
+  if (state.contains("dirpath")) dirpath_ = state.string("dirpath");
+  if (state.contains("last_model_path")) last_model_path_ = state.string("last_model_path");
+  if (state.contains("top_k_scores") && state.contains("top_k_paths")) {
+    const std::vector<double> scores = state.reals("top_k_scores");
+    const c10::IValue& paths = state.at("top_k_paths");
+    const bool strings =
+        paths.isList() && std::all_of(paths.toListRef().begin(), paths.toListRef().end(),
+                                      [](const c10::IValue& p) { return p.isString(); });
+    if (!strings) {
+      const std::string where = state.path().empty() ? "" : state.path() + "/";
+      throw CheckpointError(str("checkpoint entry \"", where, "top_k_paths\" is a ",
+                                paths.tagKind(), " and not a list of strings. It was saved by "
+                                "another version of this component or by a different one: "
+                                "resume with the components it was saved with."));
     }
+    const auto list = paths.toListRef();
+    std::vector<std::pair<double, std::string>> top_k;
+    for (size_t i = 0; i < scores.size() && i < list.size(); ++i) {
+      top_k.emplace_back(scores[i], list[i].toStringRef());
+    }
+    top_k_ = std::move(top_k);
   }
 }
 

@@ -66,14 +66,16 @@ void Timer::on_train_epoch_end(Trainer& trainer, Module&) {
   if (options_.interval == Interval::kEpoch) check(trainer);
 }
 
-void Timer::save_state(torch::serialize::OutputArchive& archive) const {
-  archive.write("elapsed_ms", c10::IValue(static_cast<int64_t>(time_elapsed().count())));
+// elapsed_ms (int): the training time so far, optional on load.
+StateDict Timer::state_dict() const {
+  StateDict state;
+  state.set("elapsed_ms", static_cast<int64_t>(time_elapsed().count()));
+  return state;
 }
 
-void Timer::load_state(torch::serialize::InputArchive& archive) {
-  c10::IValue v;
-  if (archive.try_read("elapsed_ms", v)) {
-    before_ = std::chrono::milliseconds(v.toInt());
+void Timer::load_state_dict(const StateDict& state) {
+  if (state.contains("elapsed_ms")) {
+    before_ = std::chrono::milliseconds(state.integer("elapsed_ms"));
     if (running_since_) running_since_ = Clock::now();
   }
 }

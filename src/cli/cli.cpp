@@ -4,7 +4,6 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <torch/serialize/archive.h>
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
@@ -86,8 +85,12 @@ class ConfigCallback : public Callback {
                             ". Make the directory writable (trainer.default_root_dir)."));
     }
   }
-  void save_state(torch::serialize::OutputArchive& archive) const override {
-    archive.write("yaml", c10::IValue(yaml_));
+  // yaml (string): the run's resolved config, which a resumed run's CLI reads
+  // back (checkpoint_config).
+  StateDict state_dict() const override {
+    StateDict state;
+    state.set("yaml", yaml_);
+    return state;
   }
 
  private:
@@ -101,14 +104,11 @@ std::string checkpoint_config(const std::string& path) {
   if (!fs::is_regular_file(path, ec)) return "";
   try {
     TorchCheckpointIO io;
-    torch::serialize::InputArchive archive;
-    io.load_checkpoint(path, archive);
-    torch::serialize::InputArchive callbacks, config;
-    c10::IValue yaml;
-    if (archive.try_read("callbacks", callbacks) && callbacks.try_read(kConfigStateKey, config) &&
-        config.try_read("yaml", yaml) && yaml.isString()) {
-      return yaml.toStringRef();
-    }
+    StateDict checkpoint = io.load_checkpoint(path);
+    const StateDict* callbacks = checkpoint.find_section("callbacks");
+    const StateDict* config = callbacks ? callbacks->find_section(kConfigStateKey) : nullptr;
+    const c10::IValue* yaml = config ? config->find("yaml") : nullptr;
+    if (yaml != nullptr && yaml->isString()) return yaml->toStringRef();
   } catch (const std::exception&) {
   }
   return "";

@@ -29,8 +29,8 @@ int64_t Sampler::shard_size(int64_t n) const {
   return shard_even_ ? (n + w - 1) / w : (n - shard_rank_ + w - 1) / w;
 }
 
-void Sampler::save_state(torch::serialize::OutputArchive&) const {}
-void Sampler::load_state(torch::serialize::InputArchive&) {}
+StateDict Sampler::state_dict() const { return {}; }
+void Sampler::load_state_dict(const StateDict&) {}
 
 at::Tensor Sampler::shard(const at::Tensor& indices) const {
   if (shard_world_size_ == 1) return indices;
@@ -98,19 +98,19 @@ void DataLoader::do_skip(int64_t n) {
   }
 }
 
-void DataLoader::save_state(torch::serialize::OutputArchive& archive) const {
-  archive.write("epoch", c10::IValue(epoch_));
-  archive.write("position", c10::IValue(position_));
-  do_save_state(archive);
+StateDict DataLoader::state_dict() const {
+  StateDict state;
+  state.set("epoch", epoch_);
+  state.set("position", position_);
+  do_state_dict(state);
+  return state;
 }
 
-void DataLoader::load_state(torch::serialize::InputArchive& archive,
-                            std::optional<int64_t> position) {
-  c10::IValue saved_epoch, saved_position;
-  archive.read("epoch", saved_epoch);
-  archive.read("position", saved_position);
-  do_load_state(archive);
-  seek(saved_epoch.toInt(), position.value_or(saved_position.toInt()));
+void DataLoader::load_state_dict(const StateDict& state, std::optional<int64_t> position) {
+  const int64_t saved_epoch = state.integer("epoch");
+  const int64_t saved_position = state.integer("position");
+  do_load_state_dict(state);
+  seek(saved_epoch, position.value_or(saved_position));
 }
 
 bool DataLoader::set_shard(int64_t, int64_t, bool) { return false; }
@@ -283,15 +283,12 @@ void DatasetLoader::do_skip(int64_t n) {
   workers_started_ = false;
 }
 
-void DatasetLoader::do_save_state(torch::serialize::OutputArchive& archive) const {
-  torch::serialize::OutputArchive sampler(archive.compilation_unit());
-  sampler_->save_state(sampler);
-  archive.write("sampler", sampler);
+void DatasetLoader::do_state_dict(StateDict& state) const {
+  state.set_section("sampler", sampler_->state_dict());
 }
 
-void DatasetLoader::do_load_state(torch::serialize::InputArchive& archive) {
-  torch::serialize::InputArchive sampler;
-  if (archive.try_read("sampler", sampler)) sampler_->load_state(sampler);
+void DatasetLoader::do_load_state_dict(const StateDict& state) {
+  if (const StateDict* sampler = state.find_section("sampler")) sampler_->load_state_dict(*sampler);
 }
 
 std::shared_ptr<DatasetLoader> make_data_loader(std::shared_ptr<Dataset> dataset,

@@ -55,17 +55,18 @@ at::Tensor TorchSamplerAdapter::epoch_indices(int64_t epoch, int64_t dataset_siz
   return shard(order_);
 }
 
-void TorchSamplerAdapter::save_state(torch::serialize::OutputArchive& archive) const {
-  archive.write("epoch", c10::IValue(epoch_));
-  if (order_.defined()) archive.write("order", order_, /*is_buffer=*/true);
+StateDict TorchSamplerAdapter::state_dict() const {
+  StateDict state;
+  state.set("epoch", epoch_);
+  if (order_.defined()) state.set_buffer("order", order_);
+  return state;
 }
 
-void TorchSamplerAdapter::load_state(torch::serialize::InputArchive& archive) {
-  c10::IValue epoch;
-  at::Tensor order;
-  if (archive.try_read("epoch", epoch) && archive.try_read("order", order, /*is_buffer=*/true)) {
-    epoch_ = epoch.toInt();
-    order_ = order;
+void TorchSamplerAdapter::load_state_dict(const StateDict& state) {
+  if (state.contains("epoch") && state.contains("order")) {
+    const int64_t epoch = state.integer("epoch");
+    order_ = state.tensor("order");
+    epoch_ = epoch;
     restored_ = true;
   }
 }

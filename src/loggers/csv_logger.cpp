@@ -1,7 +1,5 @@
 #include "fulgur/loggers/csv_logger.h"
 
-#include <torch/serialize/archive.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>

@@ -6,8 +6,6 @@
 #include <iostream>
 #include <system_error>
 
-#include <torch/serialize/archive.h>
-
 #include "fulgur/core/errors.h"
 #include "fulgur/loggers/logger.h"
 
@@ -103,17 +101,22 @@ std::string VersionedLogger::state_key() const {
   return str(kind_, "{", detail::versions_root(save_dir_, name_), "}");
 }
 
-void VersionedLogger::save_state(torch::serialize::OutputArchive& archive) const {
-  archive.write("log_dir", c10::IValue(log_dir()));
+// log_dir (string): the version directory it writes to. Optional on load
+// (none, or not a string: the logger picks a version of its own).
+StateDict VersionedLogger::state_dict() const {
+  StateDict state;
+  state.set("log_dir", log_dir());
+  return state;
 }
 
-void VersionedLogger::load_state(torch::serialize::InputArchive& archive, int64_t step) {
-  c10::IValue dir;
-  if (!archive.try_read("log_dir", dir) || !dir.isString()) return;
-  const auto version = explicit_version_
-                           ? explicit_version_
-                           : detail::resumed_version(
-                                 dir.toStringRef(), detail::versions_root(save_dir_, name_), kind_);
+void VersionedLogger::load_state_dict(const StateDict& state, int64_t step) {
+  const c10::IValue* dir = state.find("log_dir");
+  if (dir == nullptr || !dir->isString()) return;
+  const auto version =
+      explicit_version_
+          ? explicit_version_
+          : detail::resumed_version(dir->toStringRef(), detail::versions_root(save_dir_, name_),
+                                    kind_);
   if (!version) return;  // a version of its own (possibly chosen already)
   version_ = version;
   resume_step_ = step;

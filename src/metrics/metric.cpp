@@ -242,15 +242,15 @@ void Metric::merge_state_dict(const std::map<std::string, at::Tensor>& saved) {
   updates_ += saved_updates(saved);
 }
 
-void Metric::save(torch::serialize::OutputArchive& archive) const {
-  for (const auto& [key, tensor] : state_dict()) archive.write(key, tensor, true);
+void Metric::save(StateDict& state) const {
+  for (const auto& [key, tensor] : state_dict()) state.set_buffer(key, tensor);
 }
 
-void Metric::load(torch::serialize::InputArchive& archive) {
+void Metric::load(const StateDict& state) {
   std::map<std::string, at::Tensor> saved;
-  for (const auto& key : archive.keys()) {
-    at::Tensor t;
-    if (archive.try_read(key, t, true)) saved[key] = t;
+  for (const auto& key : state.keys()) {
+    const c10::IValue* value = state.find(key);
+    if (value != nullptr && value->isTensor()) saved[key] = value->toTensor();
   }
   load_state_dict(saved);
 }

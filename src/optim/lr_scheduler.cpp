@@ -1,8 +1,5 @@
 #include "fulgur/optim/lr_scheduler.h"
 
-#include <torch/serialize/input-archive.h>
-#include <torch/serialize/output-archive.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -101,24 +98,31 @@ std::vector<double> ReduceLROnPlateau::get_lrs() {
   return lrs;
 }
 
-void ReduceLROnPlateau::save_state(torch::serialize::OutputArchive& archive) const {
-  archive.write("best", c10::IValue(best_));
-  archive.write("num_bad_steps", c10::IValue(num_bad_steps_));
-  archive.write("cooldown_counter", c10::IValue(cooldown_counter_));
+StateDict ReduceLROnPlateau::state_dict() const {
+  StateDict state;
+  state.set("best", best_);
+  state.set("num_bad_steps", num_bad_steps_);
+  state.set("cooldown_counter", cooldown_counter_);
+  return state;
 }
 
-void ReduceLROnPlateau::load_state(torch::serialize::InputArchive& archive) {
-  c10::IValue best, bad, cooldown;
-  if (!archive.try_read("best", best) || !best.isDouble() ||
-      !archive.try_read("num_bad_steps", bad) || !bad.isInt() ||
-      !archive.try_read("cooldown_counter", cooldown) || !cooldown.isInt()) {
-    throw CheckpointError(
-        "ReduceLROnPlateau: the checkpoint's scheduler state lacks best, num_bad_steps or "
-        "cooldown_counter. Resume from a checkpoint written with this scheduler.");
+void ReduceLROnPlateau::load_state_dict(const StateDict& state) {
+  const c10::IValue* best = state.find("best");
+  const c10::IValue* bad = state.find("num_bad_steps");
+  const c10::IValue* cooldown = state.find("cooldown_counter");
+  if (best == nullptr || !best->isDouble() || bad == nullptr || !bad->isInt() ||
+      cooldown == nullptr || !cooldown->isInt()) {
+    throw CheckpointError(str(
+        "ReduceLROnPlateau: the checkpoint's scheduler state",
+        state.path().empty() ? "" : " (\"" + state.path() + "\")",
+        " lacks best (a number), num_bad_steps or cooldown_counter (integers); it holds ",
+        state.empty() ? std::string("nothing") : join(state.keys()),
+        ". Resume from a checkpoint written with this scheduler."));
   }
-  best_ = best.toDouble();
-  num_bad_steps_ = bad.toInt();
-  cooldown_counter_ = cooldown.toInt();
+  // Assigned together: a state that does not fit leaves the scheduler as it was.
+  best_ = best->toDouble();
+  num_bad_steps_ = bad->toInt();
+  cooldown_counter_ = cooldown->toInt();
 }
 
 }  // namespace fulgur

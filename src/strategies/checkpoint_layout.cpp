@@ -26,14 +26,13 @@ bool SingleFileCheckpoint::is_writer(const Strategy& strategy) const {
   return strategy.is_global_zero();
 }
 
-void SingleFileCheckpoint::save(Strategy& strategy, torch::serialize::OutputArchive& checkpoint,
+void SingleFileCheckpoint::save(Strategy& strategy, StateDict& checkpoint,
                                 const std::string& path) {
   if (is_writer(strategy)) strategy.checkpoint_io().save_checkpoint(checkpoint, path);
 }
 
-void SingleFileCheckpoint::load(Strategy& strategy, const std::string& path,
-                                torch::serialize::InputArchive& checkpoint) {
-  strategy.checkpoint_io().load_checkpoint(path, checkpoint);
+StateDict SingleFileCheckpoint::load(Strategy& strategy, const std::string& path) {
+  return strategy.checkpoint_io().load_checkpoint(path);
 }
 
 void SingleFileCheckpoint::remove(Strategy& strategy, const std::string& path) {
@@ -131,8 +130,7 @@ std::string ShardedCheckpoint::shard_path(const std::string& path, int rank, int
 
 bool ShardedCheckpoint::is_writer(const Strategy&) const { return true; }
 
-void ShardedCheckpoint::save(Strategy& strategy, torch::serialize::OutputArchive& checkpoint,
-                             const std::string& path) {
+void ShardedCheckpoint::save(Strategy& strategy, StateDict& checkpoint, const std::string& path) {
   const int rank = strategy.global_rank();
   const int world = strategy.world_size();
   // 1. Rank 0 clears what a save at this path left before (a single-file
@@ -183,8 +181,7 @@ void ShardedCheckpoint::save(Strategy& strategy, torch::serialize::OutputArchive
   strategy.barrier("sharded checkpoint save: manifest written");
 }
 
-void ShardedCheckpoint::load(Strategy& strategy, const std::string& path,
-                             torch::serialize::InputArchive& checkpoint) {
+StateDict ShardedCheckpoint::load(Strategy& strategy, const std::string& path) {
   std::error_code ec;
   if (!fs::exists(path, ec)) {
     throw CheckpointError(str("checkpoint \"", path, "\" does not exist."));
@@ -214,8 +211,8 @@ void ShardedCheckpoint::load(Strategy& strategy, const std::string& path,
   }
   if (auto missing = missing_shards(path, manifest); !missing.empty())
     throw CheckpointError(missing);
-  strategy.checkpoint_io().load_checkpoint(
-      shard_path(path, strategy.global_rank(), strategy.world_size()), checkpoint);
+  return strategy.checkpoint_io().load_checkpoint(
+      shard_path(path, strategy.global_rank(), strategy.world_size()));
 }
 
 void ShardedCheckpoint::remove(Strategy& strategy, const std::string& path) {

@@ -3,14 +3,15 @@
 #include <torch/torch.h>
 
 #include <iostream>
-#include <set>
 
 #include "fulgur/accelerators/accelerator.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
 #include "fulgur/distributed/launchers/launcher.h"
 #include "fulgur/distributed/process_group.h"
+#include "fulgur/nn/state_dict.h"
 #include "fulgur/optim/lr_scheduler.h"
+#include "fulgur/optim/state_dict.h"
 #include "fulgur/plugins/environments/lightning.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 #include "fulgur/plugins/precision/precision.h"
@@ -257,14 +258,12 @@ bool Strategy::checkpoint_is_collective() const {
   return world_size() > 1 && (traits_.save_gathers || checkpoint_layout_->name() == "sharded");
 }
 
-void Strategy::save_checkpoint(torch::serialize::OutputArchive& checkpoint,
-                               const std::string& path) {
+void Strategy::save_checkpoint(StateDict& checkpoint, const std::string& path) {
   checkpoint_layout_->save(*this, checkpoint, path);
 }
 
-void Strategy::load_checkpoint(const std::string& path,
-                               torch::serialize::InputArchive& checkpoint) {
-  checkpoint_layout_->load(*this, path, checkpoint);
+StateDict Strategy::load_checkpoint(const std::string& path) {
+  return checkpoint_layout_->load(*this, path);
 }
 
 void Strategy::remove_checkpoint(const std::string& path) {
@@ -287,107 +286,18 @@ void Strategy::remove_stale_checkpoint_files(const std::string& dir) {
   checkpoint_layout_->remove_stale_files(*this, dir);
 }
 
-void Strategy::save_module_state(Module& module, torch::serialize::OutputArchive& archive) {
-  module.save(archive);
+StateDict Strategy::module_state(Module& module) { return module_state_dict(module); }
+
+void Strategy::load_module_state(Module& module, const StateDict& state) {
+  load_module_state_dict(module, state);
 }
 
-namespace {
-
-// Loads what nn::Module::save wrote, strictly: every parameter and buffer of
-// the module must be in the archive with the same shape and dtype, and the
-// archive may hold nothing else. (nn::Module::load would silently replace a
-// parameter of another shape.) Values are copied in place, so optimizers
-// holding the parameters stay valid.
-void load_strict(torch::nn::Module& module, torch::serialize::InputArchive& archive,
-                 const std::string& prefix) {
-  std::set<std::string> expected = {"training"};  // the archive's own flag
-  auto load = [&](const std::string& name, at::Tensor& target, bool is_buffer) {
-    expected.insert(name);
-    at::Tensor saved;
-    if (!archive.try_read(name, saved, is_buffer)) {
-      throw c10::Error({__func__, __FILE__, __LINE__},
-                       ::fulgur::str(is_buffer ? "buffer \"" : "parameter \"", prefix, name,
-                                     "\" is missing from the checkpoint"));
-    }
-    if (saved.sizes() != target.sizes() || saved.scalar_type() != target.scalar_type()) {
-      throw c10::Error(
-          {__func__, __FILE__, __LINE__},
-          ::fulgur::str(is_buffer ? "buffer \"" : "parameter \"", prefix, name, "\" is ",
-                        c10::toString(target.scalar_type()), target.sizes(), " in the module but ",
-                        c10::toString(saved.scalar_type()), saved.sizes(), " in the checkpoint"));
-    }
-    torch::NoGradGuard no_grad;
-    target.copy_(saved);
-  };
-  for (auto& p : module.named_parameters(/*recurse=*/false)) load(p.key(), p.value(), false);
-  for (auto& b : module.named_buffers(/*recurse=*/false)) load(b.key(), b.value(), true);
-  for (const auto& child : module.named_children()) {
-    // As nn::Module::save: a module that says it cannot be serialized (a
-    // torch::nn::Functional) has no entry.
-    if (!child.value()->is_serializable()) continue;
-    expected.insert(child.key());
-    torch::serialize::InputArchive nested;
-    if (!archive.try_read(child.key(), nested)) {
-      throw c10::Error(
-          {__func__, __FILE__, __LINE__},
-          ::fulgur::str("submodule \"", prefix, child.key(), "\" is missing from the checkpoint"));
-    }
-    load_strict(*child.value(), nested, prefix + child.key() + ".");
-  }
-  for (const auto& key : archive.keys()) {
-    // The checkpoint IO's own marker, beside a module saved at the top.
-    if (prefix.empty() && key == TorchCheckpointIO::kIntegrityKey) continue;
-    if (expected.count(key) == 0) {
-      throw c10::Error(
-          {__func__, __FILE__, __LINE__},
-          ::fulgur::str("the checkpoint has \"", prefix, key, "\", which the module does not"));
-    }
-  }
+StateDict Strategy::optimizer_state(torch::optim::Optimizer& optimizer) {
+  return optimizer_state_dict(optimizer);
 }
 
-}  // namespace
-
-void Strategy::load_module_state(Module& module, torch::serialize::InputArchive& archive) {
-  load_strict(module, archive, "");
-}
-
-void Strategy::save_optimizer_state(torch::optim::Optimizer& optimizer,
-                                    torch::serialize::OutputArchive& archive) {
-  optimizer.save(archive);
-}
-
-namespace {
-
-void restore_group_options(torch::optim::Optimizer& optimizer,
-                           torch::serialize::InputArchive& archive) {
-  // LibTorch's Optimizer::load reads each parameter group's options and
-  // drops them (torch/optim/serialize.h): the optimizer would go on with
-  // the learning rate configure_optimizers set, not the one of the save
-  // point, and a resumed schedule (or a callback's change) would diverge.
-  // The archive of torch::optim's optimizers holds them under
-  // param_groups/param_groups/<i>/options; an optimizer of one's own that
-  // saves another layout restores its options in its own load().
-  torch::serialize::InputArchive groups;
-  if (!archive.try_read("param_groups", groups)) return;
-  auto& param_groups = optimizer.param_groups();
-  for (size_t i = 0; i < param_groups.size(); ++i) {
-    torch::serialize::InputArchive group;
-    torch::serialize::InputArchive options;
-    if (!groups.try_read(str("param_groups/", i), group) || !group.try_read("options", options)) {
-      throw c10::Error({__func__, __FILE__, __LINE__},
-                       str("it holds no options for parameter group ", i, " of ",
-                           param_groups.size(), " (the save had fewer groups)"));
-    }
-    param_groups[i].options().serialize(options);
-  }
-}
-
-}  // namespace
-
-void Strategy::load_optimizer_state(torch::optim::Optimizer& optimizer,
-                                    torch::serialize::InputArchive& archive) {
-  optimizer.load(archive);
-  restore_group_options(optimizer, archive);
+void Strategy::load_optimizer_state(torch::optim::Optimizer& optimizer, const StateDict& state) {
+  load_optimizer_state_dict(optimizer, state);
 }
 
 std::string Strategy::describe() const {

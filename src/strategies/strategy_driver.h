@@ -66,12 +66,10 @@ class StrategyDriver {
 
   // Checkpoints.
   bool is_checkpoint_writer() const { return s_.is_checkpoint_writer(); }
-  void save_checkpoint(torch::serialize::OutputArchive& checkpoint, const std::string& path) {
+  void save_checkpoint(StateDict& checkpoint, const std::string& path) {
     s_.save_checkpoint(checkpoint, path);
   }
-  void load_checkpoint(const std::string& path, torch::serialize::InputArchive& checkpoint) {
-    s_.load_checkpoint(path, checkpoint);
-  }
+  StateDict load_checkpoint(const std::string& path) { return s_.load_checkpoint(path); }
   void remove_checkpoint(const std::string& path) { s_.remove_checkpoint(path); }
   std::string verify_checkpoint(const std::string& path) { return s_.verify_checkpoint(path); }
   void remove_stale_checkpoint_files(const std::string& dir) {
@@ -79,19 +77,15 @@ class StrategyDriver {
   }
   void raise_checkpoint_errors() { s_.raise_checkpoint_errors(); }
   void wait_for_checkpoints() { s_.wait_for_checkpoints(); }
-  void save_module_state(Module& module, torch::serialize::OutputArchive& archive) {
-    s_.save_module_state(module, archive);
+  StateDict module_state(Module& module) { return s_.module_state(module); }
+  void load_module_state(Module& module, const StateDict& state) {
+    s_.load_module_state(module, state);
   }
-  void load_module_state(Module& module, torch::serialize::InputArchive& archive) {
-    s_.load_module_state(module, archive);
+  StateDict optimizer_state(torch::optim::Optimizer& optimizer) {
+    return s_.optimizer_state(optimizer);
   }
-  void save_optimizer_state(torch::optim::Optimizer& optimizer,
-                            torch::serialize::OutputArchive& archive) {
-    s_.save_optimizer_state(optimizer, archive);
-  }
-  void load_optimizer_state(torch::optim::Optimizer& optimizer,
-                            torch::serialize::InputArchive& archive) {
-    s_.load_optimizer_state(optimizer, archive);
+  void load_optimizer_state(torch::optim::Optimizer& optimizer, const StateDict& state) {
+    s_.load_optimizer_state(optimizer, state);
   }
 
  private:

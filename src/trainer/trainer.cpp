@@ -7,7 +7,6 @@
 #include <iostream>
 #include <map>
 #include <set>
-#include <sstream>
 
 #include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/callbacks/progress_bar.h"
@@ -266,40 +265,26 @@ void Trainer::Impl::distribute(DataLoader& loader, bool even, const char* which)
 namespace {
 
 // What rank 0 of a forked run sends back to the calling process.
-void write_metrics(torch::serialize::OutputArchive& archive, const std::string& key,
-                   const Metrics& metrics) {
+void write_metrics(StateDict& state, const std::string& key, const Metrics& metrics) {
   std::vector<std::string> names;
   std::vector<double> values;
   for (const auto& [name, value] : metrics) {
     names.push_back(name);
     values.push_back(value);
   }
-  archive.write(key + ".names", c10::IValue(c10::List<std::string>(names)));
-  archive.write(key + ".values", torch::tensor(values, torch::kDouble));
+  state.set(key + ".names", c10::List<std::string>(names));
+  state.set(key + ".values", torch::tensor(values, torch::kDouble));
 }
 
-Metrics read_metrics(torch::serialize::InputArchive& archive, const std::string& key) {
-  c10::IValue names;
-  at::Tensor values;
-  archive.read(key + ".names", names);
-  archive.read(key + ".values", values);
+Metrics read_metrics(const StateDict& state, const std::string& key) {
+  const c10::IValue& names = state.at(key + ".names");
+  const at::Tensor values = state.tensor(key + ".values");
   Metrics out;
   auto list = names.toList();
   for (size_t i = 0; i < list.size(); ++i) {
     out[list.get(i).toStringRef()] = values[static_cast<int64_t>(i)].item<double>();
   }
   return out;
-}
-
-std::string to_bytes(torch::serialize::OutputArchive& archive) {
-  std::ostringstream out;
-  archive.save_to(out);
-  return out.str();
-}
-
-void from_bytes(const std::string& bytes, torch::serialize::InputArchive& archive) {
-  std::istringstream in(bytes);
-  archive.load_from(in);
 }
 
 }  // namespace
@@ -387,43 +372,32 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
 
 Trainer::Impl::StageResults Trainer::Impl::fit_results(Module& m, FitResult& result) {
   return StageResults{[this, &m, &result] {
-                        torch::serialize::OutputArchive archive;
-                        write_metrics(archive, "metrics", result.metrics);
-                        write_metrics(archive, "callback_metrics", logging.callback_metrics());
-                        archive.write("global_step", c10::IValue(result.global_step));
-                        archive.write("epochs", c10::IValue(result.epochs));
-                        archive.write("stop_reason", c10::IValue(result.stop_reason));
-                        archive.write("best_model_path", c10::IValue(result.best_model_path));
-                        archive.write("last_model_path", c10::IValue(result.last_model_path));
-                        torch::serialize::OutputArchive module_state(archive.compilation_unit());
-                        drive().save_module_state(m, module_state);
-                        archive.write("module", module_state);
+                        StateDict state;
+                        write_metrics(state, "metrics", result.metrics);
+                        write_metrics(state, "callback_metrics", logging.callback_metrics());
+                        state.set("global_step", result.global_step);
+                        state.set("epochs", result.epochs);
+                        state.set("stop_reason", result.stop_reason);
+                        state.set("best_model_path", result.best_model_path);
+                        state.set("last_model_path", result.last_model_path);
+                        state.set_section("module", drive().module_state(m));
                         // The callbacks' state too (ModelCheckpoint's paths and scores), so
                         // the caller's callback objects reflect the run.
-                        checkpoints.save_callback_states(archive);
-                        return to_bytes(archive);
+                        checkpoints.save_callback_states(state);
+                        return to_bytes(state);
                       },
                       [this, &m, &result](const std::string& bytes) {
-                        torch::serialize::InputArchive archive;
-                        from_bytes(bytes, archive);
-                        result.metrics = read_metrics(archive, "metrics");
-                        logging.restore_callback_metrics(read_metrics(archive, "callback_metrics"));
-                        c10::IValue v;
-                        archive.read("global_step", v);
-                        result.global_step = v.toInt();
-                        archive.read("epochs", v);
-                        result.epochs = v.toInt();
+                        const StateDict state = from_bytes(bytes);
+                        result.metrics = read_metrics(state, "metrics");
+                        logging.restore_callback_metrics(read_metrics(state, "callback_metrics"));
+                        result.global_step = state.integer("global_step");
+                        result.epochs = state.integer("epochs");
                         fit_loop.set_result(result.epochs, result.global_step);
-                        archive.read("stop_reason", v);
-                        result.stop_reason = v.toStringRef();
-                        archive.read("best_model_path", v);
-                        result.best_model_path = v.toStringRef();
-                        archive.read("last_model_path", v);
-                        result.last_model_path = v.toStringRef();
-                        torch::serialize::InputArchive module_state;
-                        archive.read("module", module_state);
-                        drive().load_module_state(m, module_state);
-                        checkpoints.load_callback_states(archive);
+                        result.stop_reason = state.string("stop_reason");
+                        result.best_model_path = state.string("best_model_path");
+                        result.last_model_path = state.string("last_model_path");
+                        drive().load_module_state(m, state.section_at("module"));
+                        checkpoints.load_callback_states(state);
                       }};
 }
 
@@ -611,15 +585,11 @@ Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loa
         if (data) data->teardown(s);
       },
       StageResults{[&] {
-                     torch::serialize::OutputArchive archive;
-                     write_metrics(archive, "metrics", out);
-                     return to_bytes(archive);
+                     StateDict state;
+                     write_metrics(state, "metrics", out);
+                     return to_bytes(state);
                    },
-                   [&](const std::string& bytes) {
-                     torch::serialize::InputArchive archive;
-                     from_bytes(bytes, archive);
-                     out = read_metrics(archive, "metrics");
-                   }});
+                   [&](const std::string& bytes) { out = read_metrics(from_bytes(bytes), "metrics"); }});
   return out;
 }
 

@@ -41,31 +41,31 @@ void set_state(at::Generator& gen, const at::Tensor& state) {
 }
 }  // namespace
 
-void save_rng_states(torch::serialize::OutputArchive& archive) {
-  archive.write("cpu", get_state(at::detail::getDefaultCPUGenerator()), /*is_buffer=*/true);
+StateDict rng_state_dict() {
+  StateDict state;
+  state.set_buffer("cpu", get_state(at::detail::getDefaultCPUGenerator()));
   int64_t cuda_devices = cuda_usable() ? torch::cuda::device_count() : 0;
-  archive.write("cuda_count", c10::IValue(cuda_devices));
+  state.set("cuda_count", cuda_devices);
   for (int64_t i = 0; i < cuda_devices; ++i) {
     auto gen = at::globalContext().defaultGenerator(
         c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
-    archive.write("cuda" + std::to_string(i), get_state(gen), /*is_buffer=*/true);
+    state.set_buffer("cuda" + std::to_string(i), get_state(gen));
   }
+  return state;
 }
 
-void load_rng_states(torch::serialize::InputArchive& archive) {
-  at::Tensor cpu;
-  archive.read("cpu", cpu, /*is_buffer=*/true);
+void load_rng_state_dict(const StateDict& state) {
+  const at::Tensor cpu = state.tensor("cpu");
   at::Generator cpu_gen = at::detail::getDefaultCPUGenerator();
   set_state(cpu_gen, cpu);
-  c10::IValue count;
-  if (!archive.try_read("cuda_count", count)) return;
+  if (!state.contains("cuda_count")) return;
+  const int64_t count = state.integer("cuda_count");
   int64_t here = cuda_usable() ? torch::cuda::device_count() : 0;
-  for (int64_t i = 0; i < std::min(count.toInt(), here); ++i) {
-    at::Tensor state;
-    archive.read("cuda" + std::to_string(i), state, /*is_buffer=*/true);
+  for (int64_t i = 0; i < std::min(count, here); ++i) {
+    const at::Tensor saved = state.tensor("cuda" + std::to_string(i));
     auto gen = at::globalContext().defaultGenerator(
         c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
-    set_state(gen, state);
+    set_state(gen, saved);
   }
 }
 

@@ -189,38 +189,39 @@ TEST(DatasetLoader, SaveAndLoadStateResumeMidEpoch) {
   loader->start_epoch(2);
   loader->next();
   loader->next();
-  std::stringstream buffer;
-  {
-    torch::serialize::OutputArchive archive;
-    loader->save_state(archive);
-    archive.save_to(buffer);
-  }
+  const fulgur::StateDict state = loader->state_dict();
+  EXPECT_EQ(state.keys(), (std::vector<std::string>{"epoch", "position", "sampler"}));
+  EXPECT_EQ(state.integer("epoch"), 2);
+  EXPECT_EQ(state.integer("position"), 2);
+  const std::string bytes = fulgur::to_bytes(state);
   auto expected = read_rest(*loader);
 
-  auto resumed =
-      fulgur::make_data_loader(index_dataset(30), {.batch_size = 4, .shuffle = true, .seed = 11});
-  torch::serialize::InputArchive archive;
-  archive.load_from(buffer);
-  resumed->load_state(archive);
-  EXPECT_EQ(resumed->epoch(), 2);
-  EXPECT_EQ(resumed->position(), 2);
-  EXPECT_EQ(read_rest(*resumed), expected);
+  // From the state itself, and through the archive codec.
+  for (const fulgur::StateDict& saved : {state, fulgur::from_bytes(bytes)}) {
+    auto resumed = fulgur::make_data_loader(index_dataset(30),
+                                            {.batch_size = 4, .shuffle = true, .seed = 11});
+    resumed->load_state_dict(saved);
+    EXPECT_EQ(resumed->epoch(), 2);
+    EXPECT_EQ(resumed->position(), 2);
+    EXPECT_EQ(read_rest(*resumed), expected);
+  }
+}
+
+TEST(DatasetLoader, LoadStateNamesAMissingEntry) {
+  fulgur::StateDict state;
+  state.set("epoch", int64_t{1});
+  auto loader = fulgur::make_data_loader(index_dataset(12), {.batch_size = 2});
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, loader->load_state_dict(state),
+                     {"\"position\"", "missing", "epoch"});
 }
 
 TEST(DatasetLoader, LoadStateAtAnExplicitPosition) {
   auto loader = fulgur::make_data_loader(index_dataset(12), {.batch_size = 2});
   loader->start_epoch(1);
   loader->next();
-  std::stringstream buffer;
-  {
-    torch::serialize::OutputArchive archive;
-    loader->save_state(archive);
-    archive.save_to(buffer);
-  }
+  const fulgur::StateDict state = fulgur::from_bytes(fulgur::to_bytes(loader->state_dict()));
   auto resumed = fulgur::make_data_loader(index_dataset(12), {.batch_size = 2});
-  torch::serialize::InputArchive archive;
-  archive.load_from(buffer);
-  resumed->load_state(archive, /*position=*/4);
+  resumed->load_state_dict(state, /*position=*/4);
   EXPECT_EQ(resumed->epoch(), 1);
   EXPECT_EQ(resumed->position(), 4);
   EXPECT_THAT(read_rest(*resumed), ElementsAre(8, 9, 10, 11));

@@ -107,22 +107,31 @@ TEST(ReduceLROnPlateau, RefusesEveryBadOptionInOneError) {
   }
 }
 
-TEST(ReduceLROnPlateau, StateRoundTripsThroughAnArchive) {
+TEST(ReduceLROnPlateau, StateRoundTripsThroughAStateDictAndAnArchive) {
   auto sgd = two_group_sgd(1.0, 1.0);
   fulgur::ReduceLROnPlateau plateau(*sgd, {.patience = 3, .cooldown = 2});
   for (double v : {3.0, 2.0, 2.5, 2.5}) plateau.step(v);
-  torch::serialize::OutputArchive out;
-  plateau.save_state(out);
-  std::stringstream bytes;
-  out.save_to(bytes);
-  torch::serialize::InputArchive in;
-  in.load_from(bytes);
-  auto other_sgd = two_group_sgd(1.0, 1.0);
-  fulgur::ReduceLROnPlateau other(*other_sgd, {.patience = 3, .cooldown = 2});
-  other.load_state(in);
-  EXPECT_EQ(other.best(), 2.0);
-  EXPECT_EQ(other.num_bad_steps(), 2);
-  EXPECT_EQ(other.cooldown_counter(), 0);
+  const fulgur::StateDict state = plateau.state_dict();
+  EXPECT_EQ(state.keys(), (std::vector<std::string>{"best", "num_bad_steps", "cooldown_counter"}));
+  for (const fulgur::StateDict& loaded : {state, fulgur::from_bytes(fulgur::to_bytes(state))}) {
+    auto other_sgd = two_group_sgd(1.0, 1.0);
+    fulgur::ReduceLROnPlateau other(*other_sgd, {.patience = 3, .cooldown = 2});
+    other.load_state_dict(loaded);
+    EXPECT_EQ(other.best(), 2.0);
+    EXPECT_EQ(other.num_bad_steps(), 2);
+    EXPECT_EQ(other.cooldown_counter(), 0);
+  }
+}
+
+TEST(ReduceLROnPlateau, RefusesAStateWithoutItsCounters) {
+  auto sgd = two_group_sgd(1.0, 1.0);
+  fulgur::ReduceLROnPlateau plateau(*sgd, {.patience = 3});
+  fulgur::StateDict state;
+  state.set("best", 2.0);
+  state.set("num_bad_steps", int64_t{1});
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, plateau.load_state_dict(state),
+                     {"ReduceLROnPlateau", "cooldown_counter", "holds best, num_bad_steps"});
+  EXPECT_EQ(plateau.num_bad_steps(), 0);
 }
 
 // ---- Resuming under a schedule.

@@ -2,7 +2,7 @@
 // though training changes it right after; one save in flight, removals after
 // the saves before them; a failed write is raised (never lost) and stops the
 // removals queued behind it; fit waits for its last save; any IO can be
-// wrapped. The snapshot itself: archive_snapshot_test.cpp.
+// wrapped. The snapshot itself: state_snapshot_test.cpp.
 #include "fulgur/plugins/io/async_checkpoint_io.h"
 
 #include <gmock/gmock.h>
@@ -16,7 +16,6 @@
 #include <future>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -52,14 +51,37 @@ TEST(AsyncCheckpointIO, WritesTheStateAtTheSavePointWhileTrainingChangesIt) {
   EXPECT_EQ(io.snapshot_bytes(), size_t{4} << 20);
 }
 
+// The save takes the state (the caller's dict is left empty) and writes it
+// whole: its sections, its values, its tensors as they were at the save.
+TEST(AsyncCheckpointIO, TakesTheStateAndWritesEverySection) {
+  TempDir dir;
+  fulgur::AsyncCheckpointIO io;
+  at::Tensor weight = torch::arange(6, torch::kFloat);
+  fulgur::StateDict checkpoint;
+  checkpoint.set("epoch", int64_t{2});
+  checkpoint.section("state_dict").set("weight", weight);
+  checkpoint.section("optimizer_states").section("0").set("lr", 0.1);
+  io.save_checkpoint(checkpoint, dir.file("a.ckpt"));
+  EXPECT_TRUE(checkpoint.empty()) << "the state was not handed over";
+  weight.add_(1);  // the next step
+  // The load waits for the write.
+  const fulgur::StateDict loaded = io.load_checkpoint(dir.file("a.ckpt"));
+  EXPECT_EQ(loaded.keys(), (std::vector<std::string>{"epoch", "state_dict", "optimizer_states"}));
+  EXPECT_EQ(loaded.integer("epoch"), 2);
+  EXPECT_TRUE(torch::equal(loaded.section_at("state_dict").tensor("weight"),
+                           torch::arange(6, torch::kFloat)));
+  EXPECT_EQ(loaded.section_at("optimizer_states").section_at("0").real("lr"), 0.1);
+  EXPECT_FALSE(loaded.contains(fulgur::TorchCheckpointIO::kIntegrityKey));
+}
+
 // The torch IO, with each write held until the test lets it go, and every
 // save and removal recorded in order.
 class GatedIO : public fulgur::TorchCheckpointIO {
  public:
-  void save_checkpoint(torch::serialize::OutputArchive& archive, const std::string& path) override {
+  void save_checkpoint(fulgur::StateDict& checkpoint, const std::string& path) override {
     record("save start " + fs::path(path).filename().string());
     gate_.wait();
-    fulgur::TorchCheckpointIO::save_checkpoint(archive, path);
+    fulgur::TorchCheckpointIO::save_checkpoint(checkpoint, path);
     record("save end " + fs::path(path).filename().string());
   }
   void remove_checkpoint(const std::string& path) override {
@@ -141,16 +163,11 @@ TEST(AsyncCheckpointIO, WrapsAnyIO) {
   struct InMemory : fulgur::CheckpointIO {
     std::map<std::string, std::string> files;
     std::string_view name() const override { return "in_memory"; }
-    void save_checkpoint(torch::serialize::OutputArchive& archive,
-                         const std::string& path) override {
-      std::ostringstream out;
-      archive.save_to(out);
-      files[path] = out.str();
+    void save_checkpoint(fulgur::StateDict& checkpoint, const std::string& path) override {
+      files[path] = fulgur::to_bytes(checkpoint);
     }
-    void load_checkpoint(const std::string& path,
-                         torch::serialize::InputArchive& archive) override {
-      std::istringstream in(files.at(path));
-      archive.load_from(in);
+    fulgur::StateDict load_checkpoint(const std::string& path) override {
+      return fulgur::from_bytes(files.at(path));
     }
     void remove_checkpoint(const std::string& path) override { files.erase(path); }
   };
@@ -166,35 +183,27 @@ TEST(AsyncCheckpointIO, WrapsAnyIO) {
   EXPECT_EQ(memory->files.size(), 2u);
 }
 
-// Every tensor of `a` (nested archives included) equals the one of `b`
-// under the same key.
-void expect_same_tensors(torch::serialize::InputArchive& a, torch::serialize::InputArchive& b,
+// Every tensor of `a` (sections included) equals the one of `b` under the
+// same key.
+void expect_same_tensors(const fulgur::StateDict& a, const fulgur::StateDict& b,
                          const std::string& where) {
   EXPECT_EQ(a.keys(), b.keys()) << where;
   for (const auto& key : a.keys()) {
-    at::Tensor ta, tb;
-    torch::serialize::InputArchive na, nb;
-    if (a.try_read(key, ta)) {
-      ASSERT_TRUE(b.try_read(key, tb)) << where << "." << key;
-      EXPECT_TRUE(torch::equal(ta, tb)) << where << "." << key;
-    } else if (a.try_read(key, na)) {
-      ASSERT_TRUE(b.try_read(key, nb)) << where << "." << key;
-      expect_same_tensors(na, nb, where + "." + key);
+    if (const fulgur::StateDict* na = a.find_section(key)) {
+      const fulgur::StateDict* nb = b.find_section(key);
+      ASSERT_NE(nb, nullptr) << where << "." << key;
+      expect_same_tensors(*na, *nb, where + "." + key);
+    } else if (const c10::IValue* va = a.find(key); va != nullptr && va->isTensor()) {
+      const c10::IValue* vb = b.find(key);
+      ASSERT_TRUE(vb != nullptr && vb->isTensor()) << where << "." << key;
+      EXPECT_TRUE(torch::equal(va->toTensor(), vb->toTensor())) << where << "." << key;
     }
   }
 }
 
-// Every tensor under `archive`, sorted by size then sum.
-void collect_tensors(torch::serialize::InputArchive& archive, std::vector<at::Tensor>& out) {
-  for (const auto& key : archive.keys()) {
-    at::Tensor t;
-    torch::serialize::InputArchive nested;
-    if (archive.try_read(key, t)) {
-      out.push_back(t);
-    } else if (archive.try_read(key, nested)) {
-      collect_tensors(nested, out);
-    }
-  }
+// Every tensor under `state`, sorted by size then sum.
+void collect_tensors(const fulgur::StateDict& state, std::vector<at::Tensor>& out) {
+  state.for_each_tensor([&out](const at::Tensor& t) { out.push_back(t); });
   std::sort(out.begin(), out.end(), [](const at::Tensor& a, const at::Tensor& b) {
     if (a.numel() != b.numel()) return a.numel() < b.numel();
     return a.sum().item<double>() < b.sum().item<double>();
@@ -227,20 +236,15 @@ TEST(AsyncCheckpointIO, FitWritesWhatASynchronousFitWrites) {
   for (const auto& name : names) {
     const std::string a = sync_dir.file("ckpts/" + name), b = async_dir.file("ckpts/" + name);
     ASSERT_EQ(fulgur::TorchCheckpointIO().verify(b), "") << name;
-    torch::serialize::InputArchive ra, rb;
-    fulgur::TorchCheckpointIO().load_checkpoint(a, ra);
-    fulgur::TorchCheckpointIO().load_checkpoint(b, rb);
-    torch::serialize::InputArchive sa, sb, oa, ob;
-    ra.read("state_dict", sa);
-    rb.read("state_dict", sb);
-    expect_same_tensors(sa, sb, name + " state_dict");
+    const fulgur::StateDict ra = fulgur::TorchCheckpointIO().load_checkpoint(a);
+    const fulgur::StateDict rb = fulgur::TorchCheckpointIO().load_checkpoint(b);
+    expect_same_tensors(ra.section_at("state_dict"), rb.section_at("state_dict"),
+                        name + " state_dict");
     // The optimizer's state is keyed by parameter addresses, which differ
     // between runs: its tensors are compared as a sorted list.
-    ra.read("optimizer_states", oa);
-    rb.read("optimizer_states", ob);
     std::vector<at::Tensor> ta, tb;
-    collect_tensors(oa, ta);
-    collect_tensors(ob, tb);
+    collect_tensors(ra.section_at("optimizer_states"), ta);
+    collect_tensors(rb.section_at("optimizer_states"), tb);
     ASSERT_EQ(ta.size(), tb.size()) << name;
     ASSERT_FALSE(ta.empty()) << name << ": no momentum buffers";
     for (size_t i = 0; i < ta.size(); ++i) {
@@ -252,12 +256,12 @@ TEST(AsyncCheckpointIO, FitWritesWhatASynchronousFitWrites) {
 // The torch IO failing its second write.
 class FailingSecondWrite : public fulgur::TorchCheckpointIO {
  public:
-  void save_checkpoint(torch::serialize::OutputArchive& archive, const std::string& path) override {
+  void save_checkpoint(fulgur::StateDict& checkpoint, const std::string& path) override {
     if (++writes_ == 2) {
       throw fulgur::CheckpointError(
           fulgur::str("saving checkpoint \"", path, "\": cannot write: No space left on device."));
     }
-    fulgur::TorchCheckpointIO::save_checkpoint(archive, path);
+    fulgur::TorchCheckpointIO::save_checkpoint(checkpoint, path);
   }
 
  private:

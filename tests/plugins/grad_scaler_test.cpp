@@ -97,7 +97,7 @@ TEST(GradScaler, UnscalingTwiceInOneIterationIsAnError) {
   EXPECT_NO_THROW(scaler.unscale(f.sgd));
 }
 
-TEST(GradScaler, StateRoundTripsThroughAnArchive) {
+TEST(GradScaler, StateRoundTripsThroughAStateDictAndAnArchive) {
   fulgur::GradScaler scaler({.init_scale = 128.0, .growth_interval = 10});
   ScalerFixture f;
   for (int i = 0; i < 3; ++i) {
@@ -112,27 +112,33 @@ TEST(GradScaler, StateRoundTripsThroughAnArchive) {
   f.backward(scaler, 1.0f);
   scaler.step(f.sgd);
   scaler.update();
-  torch::serialize::OutputArchive out;
-  scaler.save(out);
-  std::ostringstream bytes;
-  out.save_to(bytes);
+  const fulgur::StateDict state = scaler.state_dict();
+  EXPECT_EQ(state.keys(), (std::vector<std::string>{"scale", "growth_tracker"}));
+  EXPECT_FALSE(state.is_buffer("scale"));
+  EXPECT_FALSE(state.is_buffer("growth_tracker"));
+  {
+    fulgur::GradScaler restored({.init_scale = 128.0, .growth_interval = 10});
+    restored.load_state_dict(state);
+    EXPECT_EQ(restored.get_scale(), 64.0);
+    EXPECT_EQ(restored.growth_tracker(), 1);
+  }
+  // Through the archive codec (the checkpoint's bytes).
   fulgur::GradScaler restored({.init_scale = 128.0, .growth_interval = 10});
-  torch::serialize::InputArchive in;
-  std::istringstream stream(bytes.str());
-  in.load_from(stream);
-  restored.load(in);
+  restored.load_state_dict(fulgur::from_bytes(fulgur::to_bytes(state)));
   EXPECT_EQ(restored.get_scale(), 64.0);
   EXPECT_EQ(restored.growth_tracker(), 1);
 
-  torch::serialize::OutputArchive empty_out;
-  empty_out.write("other", torch::zeros({1}));
-  std::ostringstream empty_bytes;
-  empty_out.save_to(empty_bytes);
-  torch::serialize::InputArchive empty;
-  std::istringstream empty_stream(empty_bytes.str());
-  empty.load_from(empty_stream);
-  EXPECT_THROWS_WITH(fulgur::CheckpointError, restored.load(empty),
+  fulgur::StateDict empty;
+  empty.set("other", torch::zeros({1}));
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     restored.load_state_dict(fulgur::from_bytes(fulgur::to_bytes(empty))),
                      {"no GradScaler state", "16-mixed"});
+  // Present but not a tensor: the entry is named.
+  fulgur::StateDict wrong;
+  wrong.set("scale", 64.0);
+  wrong.set("growth_tracker", torch::zeros({1}, torch::kInt32));
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, restored.load_state_dict(wrong),
+                     {"\"scale\"", "a tensor"});
 }
 
 TEST(GradScaler, RejectsInvalidOptionsAllAtOnce) {
@@ -157,16 +163,11 @@ TEST(MixedPrecision, HalfHasAScalerWhoseStateTravelsInCheckpoints) {
   EXPECT_TRUE(half.optimizer_step(f.sgd));
   EXPECT_TRUE(torch::allclose(f.w.detach(), torch::tensor({0.0f, 1.0f})));
   half.update();
-  torch::serialize::OutputArchive archive;
-  half.save_state(archive);
-  std::ostringstream bytes;
-  archive.save_to(bytes);
-  torch::serialize::InputArchive in;
-  std::istringstream stream(bytes.str());
-  in.load_from(stream);
+  const fulgur::StateDict state = fulgur::from_bytes(fulgur::to_bytes(half.state_dict()));
   fulgur::MixedPrecision other(at::kHalf);
-  EXPECT_NO_THROW(other.load_state(in));
+  EXPECT_NO_THROW(other.load_state_dict(state));
   EXPECT_EQ(other.scaler()->growth_tracker(), 1);
+  EXPECT_TRUE(bf16.state_dict().empty());
 }
 
 }  // namespace

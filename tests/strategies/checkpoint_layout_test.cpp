@@ -41,9 +41,8 @@ TEST(CheckpointLayout, TheDefaultIsOneFileWrittenByRankZero) {
       fulgur::test::message_contains(strategy.describe(), {"checkpoint_layout: single_file"}));
   Linear model;
   {
-    torch::serialize::OutputArchive archive;
-    fulgur::detail::drive(strategy).save_module_state(model, archive);
-    fulgur::detail::drive(strategy).save_checkpoint(archive, dir.file("one.ckpt"));
+    fulgur::StateDict state = fulgur::detail::drive(strategy).module_state(model);
+    fulgur::detail::drive(strategy).save_checkpoint(state, dir.file("one.ckpt"));
   }
   EXPECT_TRUE(fs::is_regular_file(dir.file("one.ckpt")));
   EXPECT_EQ(fulgur::detail::drive(strategy).verify_checkpoint(dir.file("one.ckpt")), "");
@@ -91,15 +90,14 @@ struct RecordingLayout : fulgur::SingleFileCheckpoint {
   std::vector<std::string> calls;
 
   std::string_view name() const override { return "recording"; }
-  void save(fulgur::Strategy& strategy, torch::serialize::OutputArchive& checkpoint,
+  void save(fulgur::Strategy& strategy, fulgur::StateDict& checkpoint,
             const std::string& path) override {
     calls.push_back("save " + fs::path(path).filename().string());
     SingleFileCheckpoint::save(strategy, checkpoint, path);
   }
-  void load(fulgur::Strategy& strategy, const std::string& path,
-            torch::serialize::InputArchive& checkpoint) override {
+  fulgur::StateDict load(fulgur::Strategy& strategy, const std::string& path) override {
     calls.push_back("load " + fs::path(path).filename().string());
-    SingleFileCheckpoint::load(strategy, path, checkpoint);
+    return SingleFileCheckpoint::load(strategy, path);
   }
   void remove(fulgur::Strategy& strategy, const std::string& path) override {
     calls.push_back("remove " + fs::path(path).filename().string());

@@ -186,13 +186,11 @@ TEST(SingleDeviceStrategy, SaveAndLoadModuleState) {
   ASSERT_FALSE(fulgur::test::parameters_equal(a, b));
   const auto* weight_impl = b.fc->weight.unsafeGetTensorImpl();
   {
-    torch::serialize::OutputArchive archive;
-    fulgur::detail::drive(strategy).save_module_state(a, archive);
-    fulgur::detail::drive(strategy).save_checkpoint(archive, dir.file("state.ckpt"));
+    fulgur::StateDict state = fulgur::detail::drive(strategy).module_state(a);
+    fulgur::detail::drive(strategy).save_checkpoint(state, dir.file("state.ckpt"));
   }
-  torch::serialize::InputArchive archive;
-  fulgur::detail::drive(strategy).load_checkpoint(dir.file("state.ckpt"), archive);
-  fulgur::detail::drive(strategy).load_module_state(b, archive);
+  const fulgur::StateDict state = fulgur::detail::drive(strategy).load_checkpoint(dir.file("state.ckpt"));
+  fulgur::detail::drive(strategy).load_module_state(b, state);
   EXPECT_TRUE(fulgur::test::parameters_equal(a, b));
   // Loaded into the same tensors: an optimizer holding b's parameters stays valid.
   EXPECT_EQ(b.fc->weight.unsafeGetTensorImpl(), weight_impl);

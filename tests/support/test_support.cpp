@@ -99,17 +99,13 @@ void write_text(const std::string& path, const std::string& text) {
 }
 
 void save_tensor(fulgur::CheckpointIO& io, const at::Tensor& value, const std::string& path) {
-  torch::serialize::OutputArchive archive;
-  archive.write("value", value);
-  io.save_checkpoint(archive, path);
+  fulgur::StateDict checkpoint;
+  checkpoint.set("value", value);
+  io.save_checkpoint(checkpoint, path);
 }
 
 at::Tensor load_tensor(fulgur::CheckpointIO& io, const std::string& path) {
-  torch::serialize::InputArchive archive;
-  io.load_checkpoint(path, archive);
-  at::Tensor value;
-  archive.read("value", value);
-  return value;
+  return io.load_checkpoint(path).tensor("value");
 }
 
 pid_t dead_pid() {
@@ -413,10 +409,10 @@ void LinearRegression::on_before_optimizer_step(torch::optim::Optimizer&) {
 void LinearRegression::on_before_zero_grad(torch::optim::Optimizer&) {
   events.emplace_back("on_before_zero_grad");
 }
-void LinearRegression::on_save_checkpoint(torch::serialize::OutputArchive&) {
+void LinearRegression::on_save_checkpoint(fulgur::StateDict&) {
   events.emplace_back("on_save_checkpoint");
 }
-void LinearRegression::on_load_checkpoint(torch::serialize::InputArchive&) {
+void LinearRegression::on_load_checkpoint(const fulgur::StateDict&) {
   events.emplace_back("on_load_checkpoint");
 }
 

@@ -255,8 +255,8 @@ class LinearRegression : public fulgur::Module {
   void on_after_backward() override;
   void on_before_optimizer_step(torch::optim::Optimizer& optimizer) override;
   void on_before_zero_grad(torch::optim::Optimizer& optimizer) override;
-  void on_save_checkpoint(torch::serialize::OutputArchive& checkpoint) override;
-  void on_load_checkpoint(torch::serialize::InputArchive& checkpoint) override;
+  void on_save_checkpoint(fulgur::StateDict& checkpoint) override;
+  void on_load_checkpoint(const fulgur::StateDict& checkpoint) override;
 
   /// How many times `event` was recorded.
   int64_t count(const std::string& event) const;

@@ -10,7 +10,9 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <sstream>
+#include <string>
+
+#include "fulgur/core/errors.h"
 
 namespace {
 
@@ -28,21 +30,31 @@ TEST(Seed, TheSameSeedDrawsTheSameNumbersFromTorchAndTheCLibrary) {
 TEST(Seed, RestoredStatesContinueTheSequence) {
   fulgur::seed_everything(5);
   (void)torch::rand({3});
-  std::stringstream bytes;
-  {
-    torch::serialize::OutputArchive archive;
-    fulgur::save_rng_states(archive);
-    archive.save_to(bytes);
-  }
+  const fulgur::StateDict state = fulgur::rng_state_dict();
+  EXPECT_TRUE(state.is_buffer("cpu"));
+  EXPECT_TRUE(state.contains("cuda_count"));
+  const std::string bytes = fulgur::to_bytes(state);
   const at::Tensor next = torch::rand({4});
   const at::Tensor next_normal = torch::randn({4});
-  fulgur::seed_everything(99);  // draw elsewhere in between
-  (void)torch::rand({100});
-  torch::serialize::InputArchive archive;
-  archive.load_from(bytes);
-  fulgur::load_rng_states(archive);
-  EXPECT_TRUE(torch::equal(torch::rand({4}), next));
-  EXPECT_TRUE(torch::equal(torch::randn({4}), next_normal));
+  // From the state itself, and through the archive codec.
+  for (const fulgur::StateDict& saved : {state, fulgur::from_bytes(bytes)}) {
+    fulgur::seed_everything(99);  // draw elsewhere in between
+    (void)torch::rand({100});
+    fulgur::load_rng_state_dict(saved);
+    EXPECT_TRUE(torch::equal(torch::rand({4}), next));
+    EXPECT_TRUE(torch::equal(torch::randn({4}), next_normal));
+  }
+}
+
+TEST(Seed, AStateWithoutTheCpuGeneratorIsRefusedByName) {
+  fulgur::StateDict state;
+  state.set("cuda_count", int64_t{0});
+  try {
+    fulgur::load_rng_state_dict(state);
+    FAIL() << "no error";
+  } catch (const fulgur::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("\"cpu\""), std::string::npos) << e.what();
+  }
 }
 
 // A rank forked by ddp_fork's launcher from a process that used CUDA cannot
@@ -62,13 +74,10 @@ TEST(Seed, AForkedChildOfAProcessThatUsedCudaSeedsSavesAndRestores) {
       if (fulgur::cuda_usable()) code = 2;
       fulgur::seed_everything(11);
       if (!torch::equal(torch::rand({4}), expected)) code = 3;
-      std::stringstream bytes;
-      torch::serialize::OutputArchive out;
-      fulgur::save_rng_states(out);
-      out.save_to(bytes);
-      torch::serialize::InputArchive in;
-      in.load_from(bytes);
-      fulgur::load_rng_states(in);
+      const fulgur::StateDict state =
+          fulgur::from_bytes(fulgur::to_bytes(fulgur::rng_state_dict()));
+      if (state.integer("cuda_count") != 0) code = 5;
+      fulgur::load_rng_state_dict(state);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "forked child: %s\n", e.what());
       code = 4;
@@ -79,7 +88,8 @@ TEST(Seed, AForkedChildOfAProcessThatUsedCudaSeedsSavesAndRestores) {
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   ASSERT_TRUE(WIFEXITED(status)) << "the child died by a signal";
   EXPECT_EQ(WEXITSTATUS(status), 0)
-      << "2: cuda_usable() in a forked child; 3: another draw; 4: an exception (above)";
+      << "2: cuda_usable() in a forked child; 3: another draw; 4: an exception (above); "
+         "5: CUDA generators saved";
 }
 
 }  // namespace

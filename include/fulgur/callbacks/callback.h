@@ -2,9 +2,9 @@
 //
 // A Callback observes and steers a run from outside the Module: checkpoints,
 // progress output, early stopping. Hooks are called after the Module's hook
-// of the same name. A callback with state (best score, ...) saves it through
-// save_state/load_state under its state_key(), so a resumed run continues
-// with it.
+// of the same name. A callback with state (best score, ...) returns it from
+// state_dict() and takes it back in load_state_dict(); the checkpoint holds
+// it under "callbacks/<state_key()>", so a resumed run continues with it.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,10 +12,8 @@
 #include <cstdint>
 #include <string>
 
-namespace torch::serialize {
-class OutputArchive;
-class InputArchive;
-}  // namespace torch::serialize
+#include "fulgur/core/state_dict.h"
+
 namespace torch::optim {
 class Optimizer;
 }
@@ -52,8 +50,13 @@ class Callback {
   virtual void on_before_optimizer_step(Trainer&, Module&, torch::optim::Optimizer&) {}
   virtual void on_exception(Trainer&, Module&, const std::exception&) {}
 
-  virtual void save_state(torch::serialize::OutputArchive&) const {}
-  virtual void load_state(torch::serialize::InputArchive&) {}
+  /// The state a checkpoint keeps under "callbacks/<state_key()>" (empty:
+  /// nothing to keep; an empty section is still written).
+  virtual StateDict state_dict() const { return {}; }
+  /// Restores what state_dict() returned, from a checkpoint being resumed.
+  /// Called before on_fit_start, only when the checkpoint holds a section
+  /// under this callback's state_key().
+  virtual void load_state_dict(const StateDict& /*state*/) {}
 };
 
 }  // namespace fulgur

@@ -55,8 +55,8 @@ class EarlyStopping : public Callback {
   std::string state_key() const override;
   void on_train_epoch_end(Trainer& trainer, Module& module) override;
   void on_validation_end(Trainer& trainer, Module& module) override;
-  void save_state(torch::serialize::OutputArchive& archive) const override;
-  void load_state(torch::serialize::InputArchive& archive) override;
+  StateDict state_dict() const override;
+  void load_state_dict(const StateDict& state) override;
 
   const EarlyStoppingOptions& options() const { return options_; }
   /// Checks in a row without improvement.

@@ -47,8 +47,8 @@ class EMA : public Callback {
   void on_validation_end(Trainer& trainer, Module& module) override;
   void on_train_end(Trainer& trainer, Module& module) override;
   void on_exception(Trainer& trainer, Module& module, const std::exception& error) override;
-  void save_state(torch::serialize::OutputArchive& archive) const override;
-  void load_state(torch::serialize::InputArchive& archive) override;
+  StateDict state_dict() const override;
+  void load_state_dict(const StateDict& state) override;
 
   /// The averaged parameters, in the module's parameters() order (empty
   /// before training starts).

@@ -62,8 +62,8 @@ class ModelCheckpoint : public Callback {
                           const Batch& batch, int64_t batch_idx) override;
   void on_train_epoch_end(Trainer& trainer, Module& module) override;
   void on_validation_end(Trainer& trainer, Module& module) override;
-  void save_state(torch::serialize::OutputArchive& archive) const override;
-  void load_state(torch::serialize::InputArchive& archive) override;
+  StateDict state_dict() const override;
+  void load_state_dict(const StateDict& state) override;
 
   const std::string& dirpath() const { return dirpath_; }
   const std::string& best_model_path() const { return best_model_path_; }

@@ -32,8 +32,8 @@ class Timer : public Callback {
   void on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor& loss,
                           const Batch& batch, int64_t batch_idx) override;
   void on_train_epoch_end(Trainer& trainer, Module& module) override;
-  void save_state(torch::serialize::OutputArchive& archive) const override;
-  void load_state(torch::serialize::InputArchive& archive) override;
+  StateDict state_dict() const override;
+  void load_state_dict(const StateDict& state) override;
 
   /// Training time so far (earlier runs of a resumed fit included).
   std::chrono::milliseconds time_elapsed() const;

@@ -32,6 +32,7 @@
 
 #include "fulgur/core/interval.h"
 #include "fulgur/core/reduce_op.h"
+#include "fulgur/core/state_dict.h"
 #include "fulgur/data/batch.h"
 
 namespace torch::optim {
@@ -157,9 +158,16 @@ class Module : public torch::nn::Module {
   virtual void on_after_backward() {}
   virtual void on_before_optimizer_step(torch::optim::Optimizer& /*optimizer*/) {}
   virtual void on_before_zero_grad(torch::optim::Optimizer& /*optimizer*/) {}
-  /// Adds user state to a checkpoint being written / reads it back.
-  virtual void on_save_checkpoint(torch::serialize::OutputArchive& /*checkpoint*/) {}
-  virtual void on_load_checkpoint(torch::serialize::InputArchive& /*checkpoint*/) {}
+  /// Adds user state to a checkpoint being written: `checkpoint` is the
+  /// checkpoint's "module" section, empty when handed over (parameters and
+  /// buffers are saved apart, under "state_dict").
+  ///   void on_save_checkpoint(fulgur::StateDict& checkpoint) override {
+  ///     checkpoint.set("vocabulary_size", vocabulary_size_);
+  ///   }
+  virtual void on_save_checkpoint(StateDict& /*checkpoint*/) {}
+  /// Reads back what on_save_checkpoint added, after the parameters were
+  /// loaded; called only when the checkpoint holds a "module" section.
+  virtual void on_load_checkpoint(const StateDict& /*checkpoint*/) {}
 
   // ---- Logging. Valid inside steps and hooks called by the Trainer.
   /// Logs a scalar. Throws ConfigError for a non-scalar tensor or when called

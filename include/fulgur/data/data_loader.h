@@ -46,12 +46,14 @@ class DataLoader {
   int64_t epoch() const { return epoch_; }
   int64_t position() const { return position_; }
 
-  /// Saves epoch, position and any sampler state.
-  void save_state(torch::serialize::OutputArchive& archive) const;
-  /// Restores what save_state wrote and positions the loader there, or at
-  /// `position` of the saved epoch when given.
-  void load_state(torch::serialize::InputArchive& archive,
-                  std::optional<int64_t> position = std::nullopt);
+  /// "epoch" and "position" (ints), then what do_state_dict adds (a
+  /// DatasetLoader: its sampler's state, under "sampler").
+  StateDict state_dict() const;
+  /// Restores what state_dict() returned and positions the loader there, or
+  /// at `position` of the saved epoch when given. CheckpointError when
+  /// epoch or position is missing.
+  void load_state_dict(const StateDict& state,
+                       std::optional<int64_t> position = std::nullopt);
 
   /// Restricts the loader to shard `rank` of `world_size` (`even`: padded
   /// so every rank gets as many batches; see Sampler::set_shard). Returns
@@ -73,8 +75,10 @@ class DataLoader {
   virtual std::optional<Batch> do_next() = 0;
   /// Skips `n` batches of the current epoch. Default: reads and drops them.
   virtual void do_skip(int64_t n);
-  virtual void do_save_state(torch::serialize::OutputArchive&) const {}
-  virtual void do_load_state(torch::serialize::InputArchive&) {}
+  /// Adds a subclass's entries to the state (beside epoch and position).
+  virtual void do_state_dict(StateDict& /*state*/) const {}
+  /// Restores them, before the loader seeks to the saved position.
+  virtual void do_load_state_dict(const StateDict& /*state*/) {}
 
  private:
   int64_t epoch_ = -1;
@@ -139,8 +143,10 @@ class DatasetLoader : public DataLoader {
   void do_start_epoch(int64_t epoch) override;
   std::optional<Batch> do_next() override;
   void do_skip(int64_t n) override;
-  void do_save_state(torch::serialize::OutputArchive& archive) const override;
-  void do_load_state(torch::serialize::InputArchive& archive) override;
+  /// The sampler's state_dict(), under "sampler" (a section, empty for
+  /// the built-in samplers; optional on load).
+  void do_state_dict(StateDict& state) const override;
+  void do_load_state_dict(const StateDict& state) override;
 
  private:
   int64_t samples_per_epoch() const;

@@ -4,7 +4,7 @@
 // indices in one epoch. fulgur's samplers are pure functions of (seed, epoch),
 // so an epoch's order can be recomputed on resume instead of being stored.
 // A sampler with hidden state (an adapted torch::data sampler) saves it
-// through save_state/load_state.
+// through state_dict/load_state_dict.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,10 +12,7 @@
 #include <cstdint>
 #include <memory>
 
-namespace torch::serialize {
-class OutputArchive;
-class InputArchive;
-}  // namespace torch::serialize
+#include "fulgur/core/state_dict.h"
 
 namespace fulgur {
 
@@ -31,9 +28,11 @@ class Sampler {
   /// same count (training: ranks must take the same number of steps);
   /// otherwise each sample is seen exactly once (exact evaluation).
   virtual void set_shard(int64_t rank, int64_t world_size, bool even = false);
-  /// Saves what is needed to recompute the current epoch's order.
-  virtual void save_state(torch::serialize::OutputArchive& archive) const;
-  virtual void load_state(torch::serialize::InputArchive& archive);
+  /// What is needed to recompute the current epoch's order (the loader's
+  /// checkpoint state keeps it under "sampler"). Default: nothing.
+  virtual StateDict state_dict() const;
+  /// Restores what state_dict() returned. Default: nothing.
+  virtual void load_state_dict(const StateDict& state);
 
   int64_t shard_rank() const { return shard_rank_; }
   int64_t shard_world_size() const { return shard_world_size_; }

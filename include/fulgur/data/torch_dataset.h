@@ -77,8 +77,10 @@ class TorchSamplerAdapter : public Sampler {
  public:
   explicit TorchSamplerAdapter(std::shared_ptr<torch::data::samplers::Sampler<>> sampler);
   at::Tensor epoch_indices(int64_t epoch, int64_t dataset_size) override;
-  void save_state(torch::serialize::OutputArchive& archive) const override;
-  void load_state(torch::serialize::InputArchive& archive) override;
+  /// "epoch" (int) and, once an epoch was drawn, "order" (the epoch's
+  /// unsharded order: an int64 buffer). Loaded only when both are there.
+  StateDict state_dict() const override;
+  void load_state_dict(const StateDict& state) override;
 
  private:
   std::shared_ptr<torch::data::samplers::Sampler<>> sampler_;

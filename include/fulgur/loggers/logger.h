@@ -13,11 +13,7 @@
 
 #include "fulgur/core/module.h"
 #include "fulgur/core/registry.h"
-
-namespace torch::serialize {
-class InputArchive;
-class OutputArchive;
-}  // namespace torch::serialize
+#include "fulgur/core/state_dict.h"
 
 namespace fulgur {
 
@@ -54,12 +50,14 @@ class Logger {
   /// Identifies this logger's state in a checkpoint; unique among the run's
   /// loggers.
   virtual std::string state_key() const { return name(); }
-  /// What a resumed run needs to continue this logger's logs.
-  virtual void save_state(torch::serialize::OutputArchive& /*archive*/) const {}
+  /// What a resumed run needs to continue this logger's logs; the
+  /// checkpoint holds it under "loggers/<state_key()>". Default: nothing.
+  virtual StateDict state_dict() const { return {}; }
   /// Fit resumes at optimizer step `step` from a checkpoint holding what
-  /// save_state() wrote; called before anything is logged. What the
+  /// state_dict() returned; called before anything is logged, only when the
+  /// checkpoint holds a section under this logger's state_key(). What the
   /// interrupted run logged after `step` is superseded.
-  virtual void load_state(torch::serialize::InputArchive& /*archive*/, int64_t /*step*/) {}
+  virtual void load_state_dict(const StateDict& /*state*/, int64_t /*step*/) {}
 };
 
 /// A Logger that writes into `<save_dir>/<name>/version_<N>`: N is the
@@ -73,8 +71,9 @@ class VersionedLogger : public Logger {
   std::string log_dir() const override;
   /// "<kind>{<save_dir>/<name>}"
   std::string state_key() const override;
-  void save_state(torch::serialize::OutputArchive& archive) const override;
-  void load_state(torch::serialize::InputArchive& archive, int64_t step) override;
+  /// "log_dir": the version directory (log_dir()).
+  StateDict state_dict() const override;
+  void load_state_dict(const StateDict& state, int64_t step) override;
 
  protected:
   /// `kind` names the logger in messages and its checkpoint state.

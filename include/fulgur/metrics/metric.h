@@ -32,10 +32,7 @@
 #include <string_view>
 #include <vector>
 
-namespace torch::serialize {
-class OutputArchive;
-class InputArchive;
-}  // namespace torch::serialize
+#include "fulgur/core/state_dict.h"
 
 namespace fulgur {
 
@@ -88,9 +85,13 @@ class Metric {
   /// combined (sums added, saved rows first): a resumed run's metric goes
   /// on from where the checkpoint left it, whatever it counted since.
   void merge_state_dict(const std::map<std::string, at::Tensor>& saved);
-  /// state_dict() / load_state_dict() through an archive.
-  void save(torch::serialize::OutputArchive& archive) const;
-  void load(torch::serialize::InputArchive& archive);
+  /// Writes this rank's state_dict() into `state`, each tensor as a buffer
+  /// under its state's name (and "updates"), e.g. into a section of a
+  /// checkpoint: metric.save(checkpoint.section("val_acc")).
+  void save(StateDict& state) const;
+  /// load_state_dict() from the tensors of `state` (what save() wrote;
+  /// entries that are not tensors are ignored). c10::Error as there.
+  void load(const StateDict& state);
 
   /// Set by the Trainer around an evaluation batch whose last `rows` rows
   /// repeat earlier samples (a padded shard; see above): updates during it

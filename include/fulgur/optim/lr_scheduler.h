@@ -26,25 +26,28 @@
 
 #include <torch/optim/optimizer.h>
 #include <torch/optim/schedulers/lr_scheduler.h>
-#include <torch/serialize/archive.h>
 
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "fulgur/core/state_dict.h"
+
 namespace fulgur {
 
 /// Implemented by a scheduler whose state is more than LibTorch's step
 /// count (which every checkpoint keeps): a checkpoint keeps what
-/// save_state writes, and a resume hands it back to load_state before
-/// training goes on. A checkpoint without it for such a scheduler is
-/// refused (the resume could not be exact).
+/// state_dict() returns (under "lr_scheduler_states/<index>"), and a resume
+/// hands it back to load_state_dict() before training goes on. A checkpoint
+/// without it for such a scheduler is refused (the resume could not be
+/// exact); load_state_dict throws CheckpointError when what it gets does not
+/// fit.
 class SchedulerState {
  public:
   virtual ~SchedulerState() = default;
-  virtual void save_state(torch::serialize::OutputArchive& archive) const = 0;
-  virtual void load_state(torch::serialize::InputArchive& archive) = 0;
+  virtual StateDict state_dict() const = 0;
+  virtual void load_state_dict(const StateDict& state) = 0;
 };
 
 /// Implemented by a scheduler that is stepped with the value of a metric
@@ -107,8 +110,10 @@ class ReduceLROnPlateau : public torch::optim::LRScheduler,
                              ReduceLROnPlateauOptions options = {});
 
   void step(double value) override;
-  void save_state(torch::serialize::OutputArchive& archive) const override;
-  void load_state(torch::serialize::InputArchive& archive) override;
+  /// "best" (double), "num_bad_steps" and "cooldown_counter" (ints).
+  StateDict state_dict() const override;
+  /// CheckpointError when one of them is missing or of another kind.
+  void load_state_dict(const StateDict& state) override;
 
   const ReduceLROnPlateauOptions& options() const { return options_; }
   double best() const { return best_; }

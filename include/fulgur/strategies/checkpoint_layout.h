@@ -19,10 +19,8 @@
 #include <string_view>
 #include <vector>
 
-namespace torch::serialize {
-class OutputArchive;
-class InputArchive;
-}  // namespace torch::serialize
+#include "fulgur/core/state_dict.h"
+
 
 namespace fulgur {
 
@@ -37,12 +35,10 @@ class CheckpointLayout {
   virtual bool is_writer(const Strategy& strategy) const = 0;
   /// Writes `checkpoint` (this rank's part) at `path` through the
   /// strategy's CheckpointIO.
-  virtual void save(Strategy& strategy, torch::serialize::OutputArchive& checkpoint,
-                    const std::string& path) = 0;
+  virtual void save(Strategy& strategy, StateDict& checkpoint, const std::string& path) = 0;
   /// Reads this rank's part of the checkpoint at `path`; CheckpointError
   /// naming what is wrong with it.
-  virtual void load(Strategy& strategy, const std::string& path,
-                    torch::serialize::InputArchive& checkpoint) = 0;
+  virtual StateDict load(Strategy& strategy, const std::string& path) = 0;
   virtual void remove(Strategy& strategy, const std::string& path) = 0;
   /// Empty when the checkpoint at `path` is complete and verifies;
   /// otherwise what is wrong with it. Reads only.
@@ -57,10 +53,8 @@ class SingleFileCheckpoint : public CheckpointLayout {
  public:
   std::string_view name() const override { return "single_file"; }
   bool is_writer(const Strategy& strategy) const override;
-  void save(Strategy& strategy, torch::serialize::OutputArchive& checkpoint,
-            const std::string& path) override;
-  void load(Strategy& strategy, const std::string& path,
-            torch::serialize::InputArchive& checkpoint) override;
+  void save(Strategy& strategy, StateDict& checkpoint, const std::string& path) override;
+  StateDict load(Strategy& strategy, const std::string& path) override;
   void remove(Strategy& strategy, const std::string& path) override;
   std::string verify(Strategy& strategy, const std::string& path) override;
   void remove_stale_files(Strategy& strategy, const std::string& dir) override;
@@ -75,13 +69,11 @@ class ShardedCheckpoint : public CheckpointLayout {
   std::string_view name() const override { return "sharded"; }
   /// Every rank.
   bool is_writer(const Strategy& strategy) const override;
-  void save(Strategy& strategy, torch::serialize::OutputArchive& checkpoint,
-            const std::string& path) override;
+  void save(Strategy& strategy, StateDict& checkpoint, const std::string& path) override;
   /// Throws CheckpointError naming the saved and current world sizes, or
   /// the missing shards, or an unfinished save (no manifest), or a one-file
   /// checkpoint.
-  void load(Strategy& strategy, const std::string& path,
-            torch::serialize::InputArchive& checkpoint) override;
+  StateDict load(Strategy& strategy, const std::string& path) override;
   void remove(Strategy& strategy, const std::string& path) override;
   /// The manifest and every shard it lists (any world size).
   std::string verify(Strategy& strategy, const std::string& path) override;

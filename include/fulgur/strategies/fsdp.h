@@ -157,7 +157,7 @@ class FSDPStrategy : public ParallelStrategy {
 
   static void register_strategies(StrategyRegistry& registry);
 
-  /// In a sharded save, each optimizer's archive also holds this: the
+  /// In a sharded save, each optimizer's state also holds this: the
   /// world size, the rank, and the whole shape of each position's
   /// parameter (`fulgur checkpoint consolidate` reads it).
   static constexpr const char* kShardRecordKey = "fulgur_fsdp_shards";
@@ -180,18 +180,16 @@ class FSDPStrategy : public ParallelStrategy {
   void clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm) override;
   /// The module's state, its units' parameters gathered (one unit at a
   /// time, copied).
-  void save_module_state(Module& module, torch::serialize::OutputArchive& archive) override;
+  StateDict module_state(Module& module) override;
   /// The module's state, then every shard taken from it again.
-  void load_module_state(Module& module, torch::serialize::InputArchive& archive) override;
+  void load_module_state(Module& module, const StateDict& state) override;
   /// state_dict_type "full": the state of every shard gathered into whole
   /// tensors of its parameter's shape (torch::optim's Adam, AdamW, SGD,
   /// RMSprop and Adagrad); "sharded": the shards' own.
-  void save_optimizer_state(torch::optim::Optimizer& optimizer,
-                            torch::serialize::OutputArchive& archive) override;
+  StateDict optimizer_state(torch::optim::Optimizer& optimizer) override;
   /// Takes this rank's shard of a whole state (a "full" checkpoint, or one
   /// written by single_device or ddp); a shard's state loads as it is.
-  void load_optimizer_state(torch::optim::Optimizer& optimizer,
-                            torch::serialize::InputArchive& archive) override;
+  void load_optimizer_state(torch::optim::Optimizer& optimizer, const StateDict& state) override;
   void with_full_parameters(Module& module, const std::function<void()>& body) override;
 
  private:
@@ -199,10 +197,9 @@ class FSDPStrategy : public ParallelStrategy {
   friend class Unit;
 
   ShardedParameters* sharded_for(const torch::optim::Optimizer& optimizer) const;
-  /// kShardRecordKey's record of `optimizer`'s shards, into its archive.
+  /// kShardRecordKey's record of `optimizer`'s shards, into its state.
   void write_shard_record(const torch::optim::Optimizer& optimizer,
-                          const ShardedParameters& sharded,
-                          torch::serialize::OutputArchive& archive) const;
+                          const ShardedParameters& sharded, StateDict& state) const;
   bool reduce_gradients(bool contributes = true);
   bool full_shard() const;
   /// Whether a backward runs collectives (FULL_SHARD's units,

@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "fulgur/core/registry.h"
+#include "fulgur/core/state_dict.h"
 #include "fulgur/data/batch.h"
 #include "fulgur/distributed/types.h"
 #include "fulgur/plugins/precision/precision.h"
@@ -48,10 +49,6 @@
 namespace torch::optim {
 class Optimizer;
 }
-namespace torch::serialize {
-class OutputArchive;
-class InputArchive;
-}  // namespace torch::serialize
 
 namespace fulgur {
 
@@ -283,8 +280,8 @@ class Strategy {
   bool is_checkpoint_writer() const;
   /// This rank's part of the checkpoint at `path` (a no-op on a rank that
   /// writes nothing).
-  void save_checkpoint(torch::serialize::OutputArchive& checkpoint, const std::string& path);
-  void load_checkpoint(const std::string& path, torch::serialize::InputArchive& checkpoint);
+  void save_checkpoint(StateDict& checkpoint, const std::string& path);
+  StateDict load_checkpoint(const std::string& path);
   void remove_checkpoint(const std::string& path);
   /// Empty when the checkpoint at `path`, as this strategy writes them (one
   /// file; a directory of shards under `manual`), is complete and verifies;
@@ -300,16 +297,16 @@ class Strategy {
   /// Returns once every checkpoint handed to the checkpoint IO is durable;
   /// throws the error of one that failed. Fit calls it before returning.
   void wait_for_checkpoints();
-  /// The module's parameters and buffers into / out of a checkpoint.
-  virtual void save_module_state(Module& module, torch::serialize::OutputArchive& archive);
-  virtual void load_module_state(Module& module, torch::serialize::InputArchive& archive);
-  /// An optimizer's state into / out of a checkpoint. Default: its own
-  /// save and load (fsdp with state_dict_type "full" gathers the shards'
-  /// state into whole tensors, and takes its shards of them back).
-  virtual void save_optimizer_state(torch::optim::Optimizer& optimizer,
-                                    torch::serialize::OutputArchive& archive);
-  virtual void load_optimizer_state(torch::optim::Optimizer& optimizer,
-                                    torch::serialize::InputArchive& archive);
+  /// The module's parameters and buffers for a checkpoint, and back.
+  /// Default: module_state_dict / load_module_state_dict (fulgur/nn/state_dict.h).
+  virtual StateDict module_state(Module& module);
+  virtual void load_module_state(Module& module, const StateDict& state);
+  /// An optimizer's state for a checkpoint, and back. Default:
+  /// optimizer_state_dict / load_optimizer_state_dict
+  /// (fulgur/optim/state_dict.h); fsdp with state_dict_type "full" gathers
+  /// the shards' state into whole tensors, and takes its shards back.
+  virtual StateDict optimizer_state(torch::optim::Optimizer& optimizer);
+  virtual void load_optimizer_state(torch::optim::Optimizer& optimizer, const StateDict& state);
 
  private:
   std::shared_ptr<Accelerator> accelerator_;

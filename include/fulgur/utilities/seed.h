@@ -3,10 +3,7 @@
 
 #include <cstdint>
 
-namespace torch::serialize {
-class OutputArchive;
-class InputArchive;
-}  // namespace torch::serialize
+#include "fulgur/core/state_dict.h"
 
 namespace fulgur {
 
@@ -26,9 +23,15 @@ namespace detail {
 void mark_forked_child();
 }  // namespace detail
 
-/// Saves / restores the state of every RNG seed_everything seeds, so a
-/// resumed run draws the same random numbers as an uninterrupted one.
-void save_rng_states(torch::serialize::OutputArchive& archive);
-void load_rng_states(torch::serialize::InputArchive& archive);
+/// The state of every RNG seed_everything seeds, so a resumed run draws the
+/// same random numbers as an uninterrupted one: "cpu" (the CPU generator's
+/// state, a uint8 buffer), "cuda_count" (an int: the CUDA generators saved,
+/// 0 where CUDA is not usable) and "cuda0" .. "cuda<count-1>" (buffers).
+StateDict rng_state_dict();
+/// Restores what rng_state_dict() returned: the CPU generator, and the CUDA
+/// generators of the devices both runs have (none when cuda_count is
+/// absent). CheckpointError when "cpu", or a CUDA state it counts, is
+/// missing.
+void load_rng_state_dict(const StateDict& state);
 
 }  // namespace fulgur

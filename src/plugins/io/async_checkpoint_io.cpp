@@ -10,11 +10,9 @@
 #include <thread>
 #include <utility>
 
-#include <torch/serialize/output-archive.h>
-
 #include "fulgur/core/errors.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
-#include "plugins/io/archive_snapshot.h"
+#include "plugins/io/state_snapshot.h"
 
 namespace fulgur {
 
@@ -88,7 +86,7 @@ struct AsyncCheckpointIO::Writer {
       if (!skip) {
         try {
           if (operation.save) {
-            io.save_checkpoint(*archive, operation.path);
+            io.save_checkpoint(*state, operation.path);
           } else {
             io.remove_checkpoint(operation.path);
           }
@@ -96,8 +94,8 @@ struct AsyncCheckpointIO::Writer {
           failure = std::current_exception();
         }
       }
-      // The archive's objects go on this thread; the buffers stay.
-      if (operation.save) archive.reset();
+      // The state's containers go on this thread; the buffers stay.
+      if (operation.save) state.reset();
       lock.lock();
       running = false;
       if (operation.save) buffer_busy = false;
@@ -115,8 +113,8 @@ struct AsyncCheckpointIO::Writer {
   bool running = false;      // the thread is carrying out an operation
   bool stopping = false;
   std::exception_ptr error;  // the first failure not raised yet
-  detail::ArchiveSnapshot snapshot;
-  std::unique_ptr<torch::serialize::OutputArchive> archive;  // the save in flight
+  detail::StateSnapshot snapshot;
+  std::unique_ptr<StateDict> state;  // the save in flight
   std::thread thread;
 };
 
@@ -160,29 +158,28 @@ AsyncCheckpointIO::Writer& AsyncCheckpointIO::writer() {
   return *writer_;
 }
 
-void AsyncCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpoint,
-                                        const std::string& path) {
+void AsyncCheckpointIO::save_checkpoint(StateDict& checkpoint, const std::string& path) {
   Writer& w = writer();
   {
     std::unique_lock<std::mutex> lock(w.mutex);
     w.changed.wait(lock, [&] { return !w.buffer_busy; });
     w.raise(lock);
   }
-  // The buffers are free: the snapshot, on this thread; then the archive,
-  // holding only copies, is the writer's.
+  // The buffers are free: the snapshot, on this thread; then the state,
+  // holding only copies, is the writer's (it becomes a file there).
   w.snapshot.take(checkpoint);
-  w.archive = std::make_unique<torch::serialize::OutputArchive>(std::move(checkpoint));
+  w.state = std::make_unique<StateDict>(std::move(checkpoint));
+  checkpoint = StateDict();
   w.push({/*save=*/true, path});
 }
 
-void AsyncCheckpointIO::load_checkpoint(const std::string& path,
-                                        torch::serialize::InputArchive& checkpoint) {
+StateDict AsyncCheckpointIO::load_checkpoint(const std::string& path) {
   {
     Writer& w = writer();
     std::unique_lock<std::mutex> lock(w.mutex);
     w.drain(lock);
   }
-  io_->load_checkpoint(path, checkpoint);
+  return io_->load_checkpoint(path);
 }
 
 void AsyncCheckpointIO::remove_checkpoint(const std::string& path) {

@@ -537,14 +537,13 @@ void flush_directory(const std::string& dir, const std::string& path) {
 
 }  // namespace
 
-void TorchCheckpointIO::save_checkpoint(torch::serialize::OutputArchive& checkpoint,
-                                        const std::string& path) {
-  mark_verified(checkpoint);
-  write_atomically(path, [&](const ByteSink& sink) { checkpoint.save_to(sink); });
-}
-
-void TorchCheckpointIO::mark_verified(torch::serialize::OutputArchive& checkpoint) {
-  checkpoint.write(kIntegrityKey, c10::IValue(std::string("crc32c footer v1")));
+void TorchCheckpointIO::save_checkpoint(StateDict& checkpoint, const std::string& path) {
+  torch::serialize::OutputArchive archive;
+  write_archive(checkpoint, archive);
+  // Marks the archive as written with a footer: one that lost its footer
+  // is then told apart from one written before checksums.
+  archive.write(kIntegrityKey, c10::IValue(std::string("crc32c footer v1")));
+  write_atomically(path, [&](const ByteSink& sink) { archive.save_to(sink); });
 }
 
 void TorchCheckpointIO::write_atomically(const std::string& path,
@@ -631,8 +630,14 @@ void TorchCheckpointIO::remove_stale_files(const std::string& dir) {
   }
 }
 
-void TorchCheckpointIO::load_checkpoint(const std::string& path,
-                                        torch::serialize::InputArchive& checkpoint) {
+StateDict TorchCheckpointIO::load_checkpoint(const std::string& path) {
+  torch::serialize::InputArchive checkpoint;
+  // The archive's state, less this IO's marker.
+  auto state_of = [&checkpoint] {
+    StateDict state = read_archive(checkpoint);
+    state.erase(kIntegrityKey);
+    return state;
+  };
   const CheckpointFile file(path);
   Verdict v = check_footer(file);
   if (v.has_footer && !v.problem.empty()) corrupt(path, explained(v, file));
@@ -670,7 +675,7 @@ void TorchCheckpointIO::load_checkpoint(const std::string& path,
                                   "checkpoint written by fulgur."));
       }
     }
-    return;
+    return state_of();
   }
   try {
     load_archive(file, file.size(), checkpoint);
@@ -691,6 +696,7 @@ void TorchCheckpointIO::load_checkpoint(const std::string& path,
   detail::print_note(str("checkpoint \"", path,
                          "\" has no checksum (written before fulgur 0.2); loaded without verifying "
                          "it. Save it again to add one."));
+  return state_of();
 }
 
 std::string TorchCheckpointIO::verify(const std::string& path) {
@@ -753,8 +759,7 @@ std::vector<std::string> checkpoints_newest_first(const std::string& dir) {
 
 std::string CheckpointIO::verify(const std::string& path) {
   try {
-    torch::serialize::InputArchive scratch;
-    load_checkpoint(path, scratch);
+    (void)load_checkpoint(path);
     return {};
   } catch (const std::exception& e) {
     return e.what();

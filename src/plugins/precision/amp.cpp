@@ -79,12 +79,12 @@ void MixedPrecision::update() {
   if (scaler_) scaler_->update();
 }
 
-void MixedPrecision::save_state(torch::serialize::OutputArchive& archive) const {
-  if (scaler_) scaler_->save(archive);
+StateDict MixedPrecision::state_dict() const {
+  return scaler_ ? scaler_->state_dict() : StateDict();
 }
 
-void MixedPrecision::load_state(torch::serialize::InputArchive& archive) {
-  if (scaler_) scaler_->load(archive);
+void MixedPrecision::load_state_dict(const StateDict& state) {
+  if (scaler_) scaler_->load_state_dict(state);
 }
 
 }  // namespace fulgur

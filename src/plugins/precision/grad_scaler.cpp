@@ -133,20 +133,23 @@ int64_t GradScaler::growth_tracker() const {
   return growth_tracker_.defined() ? growth_tracker_.item<int64_t>() : 0;
 }
 
-void GradScaler::save(torch::serialize::OutputArchive& archive) const {
-  archive.write("scale", scale_.defined() ? scale_.cpu() : torch::full({1}, options_.init_scale));
-  archive.write("growth_tracker", growth_tracker_.defined() ? growth_tracker_.cpu()
-                                                            : torch::zeros({1}, torch::kInt32));
+StateDict GradScaler::state_dict() const {
+  StateDict state;
+  state.set("scale", scale_.defined() ? scale_.cpu() : torch::full({1}, options_.init_scale));
+  state.set("growth_tracker", growth_tracker_.defined() ? growth_tracker_.cpu()
+                                                        : torch::zeros({1}, torch::kInt32));
+  return state;
 }
 
-void GradScaler::load(torch::serialize::InputArchive& archive) {
-  at::Tensor scale, tracker;
-  if (!archive.try_read("scale", scale) || !archive.try_read("growth_tracker", tracker)) {
+void GradScaler::load_state_dict(const StateDict& state) {
+  if (!state.contains("scale") || !state.contains("growth_tracker")) {
     throw CheckpointError(
         "the checkpoint has no GradScaler state (scale, growth_tracker): it was "
         "not written with precision=\"16-mixed\". Resume with the precision it "
         "was trained with.");
   }
+  const at::Tensor scale = state.tensor("scale");
+  const at::Tensor tracker = state.tensor("growth_tracker");
   const at::Device device = scale_.defined() ? scale_.device() : at::Device(at::kCPU);
   scale_ = scale.to(device, torch::kFloat32).reshape({1});
   growth_tracker_ = tracker.to(device, torch::kInt32).reshape({1});

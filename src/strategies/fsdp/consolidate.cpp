@@ -13,8 +13,6 @@
 
 #include <filesystem>
 #include <map>
-#include <optional>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -28,82 +26,39 @@ namespace fulgur {
 namespace {
 
 namespace fs = std::filesystem;
-using torch::serialize::InputArchive;
-using torch::serialize::OutputArchive;
 
-// Entry `key` of `from` (a value, a tensor or a sub-archive, copied
-// whole) into `to`.
-void copy_entry(InputArchive& from, const std::string& key, OutputArchive& to);
-
-// Every entry of `from` into `to`; `skip` names top-level keys left out.
-void copy_archive(InputArchive& from, OutputArchive& to, const std::set<std::string>& skip = {}) {
-  for (const auto& key : from.keys()) {
-    if (skip.count(key) == 0) copy_entry(from, key, to);
-  }
-}
-
-void copy_entry(InputArchive& from, const std::string& key, OutputArchive& to) {
-  c10::IValue value;
-  if (!from.try_read(key, value)) return;
-  if (value.isModule()) {
-    InputArchive sub;
-    from.try_read(key, sub);
-    OutputArchive copy(to.compilation_unit());
-    copy_archive(sub, copy);
-    to.write(key, copy);
-  } else if (value.isTensor()) {
-    to.write(key, value.toTensor());
-  } else {
-    to.write(key, value);
-  }
-}
-
-InputArchive section(InputArchive& archive, const std::string& key, const std::string& file) {
-  InputArchive sub;
-  if (!archive.try_read(key, sub)) {
-    throw CheckpointError(str("\"", file, "\" has no section \"", key,
-                              "\": it is not a checkpoint fulgur's Trainer wrote."));
-  }
-  return sub;
-}
-
-int64_t integer(InputArchive& archive, const std::string& key, const std::string& file) {
-  c10::IValue v;
-  if (archive.try_read(key, v) && v.isInt()) return v.toInt();
+int64_t count_of(const StateDict& state, const std::string& key) {
   // LibTorch's optimizers write their counts as one-element tensors.
-  if (v.isTensor() && v.toTensor().numel() == 1) return v.toTensor().item<int64_t>();
-  throw CheckpointError(
-      str("\"", file, "\" is incomplete: entry \"", key, "\" is missing or not an integer."));
+  const c10::IValue* v = state.find(key);
+  if (v != nullptr && v->isTensor() && v->toTensor().numel() == 1) {
+    return v->toTensor().item<int64_t>();
+  }
+  return state.integer(key);
 }
 
-// One rank's state of one optimizer: the state archive of each position
-// (over its parameter groups, in order), or none where it has no state.
+// One rank's state of one optimizer: the state of each position (over its
+// parameter groups, in order), or null where it has none.
 struct RankState {
   std::vector<std::string> keys;  // the optimizer's key of each position
-  std::vector<std::optional<InputArchive>> by_position;
+  std::vector<const StateDict*> by_position;
 };
 
-RankState rank_state(InputArchive& optimizer, const std::string& file) {
-  InputArchive groups = section(optimizer, "param_groups", file);
-  InputArchive state = section(optimizer, "state", file);
+RankState rank_state(const StateDict& optimizer, const std::string& file) {
+  const StateDict& groups = optimizer.section_at("param_groups");
+  const StateDict& state = optimizer.section_at("state");
   RankState out;
-  const int64_t group_count = integer(groups, "param_groups/size", file);
+  const int64_t group_count = count_of(groups, "param_groups/size");
   for (int64_t g = 0; g < group_count; ++g) {
-    InputArchive group = section(groups, str("param_groups/", g), file);
-    const int64_t size = integer(group, "params/size", file);
+    const StateDict& group = groups.section_at(str("param_groups/", g));
+    const int64_t size = count_of(group, "params/size");
     for (int64_t p = 0; p < size; ++p) {
-      c10::IValue key;
-      if (!group.try_read(str("params/", p), key) || !key.isString()) {
+      const c10::IValue* key = group.find(str("params/", p));
+      if (key == nullptr || !key->isString()) {
         throw CheckpointError(str("\"", file, "\" is incomplete: parameter ", p, " of group ", g,
                                   " of an optimizer has no key."));
       }
-      out.keys.push_back(key.toStringRef());
-      InputArchive one;
-      if (state.try_read(key.toStringRef(), one)) {
-        out.by_position.emplace_back(std::move(one));
-      } else {
-        out.by_position.emplace_back(std::nullopt);
-      }
+      out.keys.push_back(key->toStringRef());
+      out.by_position.push_back(state.find_section(key->toStringRef()));
     }
   }
   return out;
@@ -115,9 +70,9 @@ struct ShardRecord {
   std::map<int64_t, std::vector<int64_t>> whole_sizes;  // by position; sharded ones only
 };
 
-ShardRecord shard_record(InputArchive& optimizer, const std::string& file, int64_t index) {
-  InputArchive record;
-  if (!optimizer.try_read(FSDPStrategy::kShardRecordKey, record)) {
+ShardRecord shard_record(const StateDict& optimizer, const std::string& file, int64_t index) {
+  const StateDict* record = optimizer.find_section(FSDPStrategy::kShardRecordKey);
+  if (record == nullptr) {
     throw CheckpointError(
         str("\"", file, "\": optimizer ", index,
             " has no record of its shards, so this is not a sharded checkpoint of strategy "
@@ -126,14 +81,12 @@ ShardRecord shard_record(InputArchive& optimizer, const std::string& file, int64
             "consolidates."));
   }
   ShardRecord r;
-  r.world_size = integer(record, "world_size", file);
-  r.rank = integer(record, "rank", file);
-  r.positions = integer(record, "positions", file);
+  r.world_size = record->integer("world_size");
+  r.rank = record->integer("rank");
+  r.positions = record->integer("positions");
   for (int64_t p = 0; p < r.positions; ++p) {
-    c10::IValue sizes;
-    if (record.try_read(str("sizes/", p), sizes) && sizes.isIntList()) {
-      r.whole_sizes[p] = sizes.toIntVector();
-    }
+    const c10::IValue* sizes = record->find(str("sizes/", p));
+    if (sizes != nullptr && sizes->isIntList()) r.whole_sizes[p] = sizes->toIntVector();
   }
   return r;
 }
@@ -147,32 +100,33 @@ int64_t elements(const std::vector<int64_t>& sizes) {
 // The whole state of one optimizer position: rank 0's entries, each
 // per-element tensor (chunk elements) replaced by the ranks' chunks
 // concatenated, cut to the parameter's elements and shaped as it.
-void write_whole_state(const std::vector<InputArchive*>& ranks, const std::vector<int64_t>& sizes,
-                       int64_t world_size, OutputArchive& out, const std::string& what) {
+StateDict whole_state(const std::vector<const StateDict*>& ranks, const std::vector<int64_t>& sizes,
+                      int64_t world_size, const std::string& what) {
   const int64_t numel = elements(sizes);
   const int64_t chunk = (numel + world_size - 1) / world_size;
+  StateDict out = *ranks[0];
   for (const auto& key : ranks[0]->keys()) {
-    c10::IValue value;
-    ranks[0]->try_read(key, value);
+    const c10::IValue* value = ranks[0]->find(key);
     // The same rule as the strategy's own full save: a per-element state
     // tensor has exactly a shard's elements.
-    if (!value.isTensor() || !value.toTensor().defined() || value.toTensor().numel() != chunk) {
-      copy_entry(*ranks[0], key, out);
+    if (value == nullptr || !value->isTensor() || !value->toTensor().defined() ||
+        value->toTensor().numel() != chunk) {
       continue;
     }
     std::vector<at::Tensor> chunks;
     for (size_t r = 0; r < ranks.size(); ++r) {
-      c10::IValue part;
-      if (!ranks[r]->try_read(key, part) || !part.isTensor() || part.toTensor().numel() != chunk) {
+      const c10::IValue* part = ranks[r]->find(key);
+      if (part == nullptr || !part->isTensor() || part->toTensor().numel() != chunk) {
         throw CheckpointError(str("rank ", r, "'s shard of ", what, " has no \"", key, "\" of ",
                                   chunk,
                                   " elements (rank 0's has): the shards are "
                                   "not of one save."));
       }
-      chunks.push_back(part.toTensor().reshape({-1}));
+      chunks.push_back(part->toTensor().reshape({-1}));
     }
-    out.write(key, torch::cat(chunks).narrow(0, 0, numel).view(sizes).clone());
+    out.set(key, torch::cat(chunks).narrow(0, 0, numel).view(sizes).clone());
   }
+  return out;
 }
 
 }  // namespace
@@ -208,48 +162,49 @@ void consolidate_sharded_checkpoint(const std::string& dir, const std::string& o
   };
 
   // Rank 0's file gives everything but the optimizers' state; every rank's
-  // gives its chunks of that state. Each file is read (and verified) once,
-  // and only its optimizer sections are kept.
-  InputArchive rank0;
-  std::vector<std::vector<InputArchive>> optimizers(static_cast<size_t>(world));
+  // gives its chunks of that state. Each file is read (and verified) once.
+  std::vector<StateDict> files;
   std::vector<ShardRecord> records;  // rank 0's, one per optimizer
   int64_t count = 0;
   for (int64_t r = 0; r < world; ++r) {
     const std::string file = shard_file(r);
-    InputArchive archive;
-    io.load_checkpoint(file, archive);
-    InputArchive states = section(archive, "optimizer_states", file);
-    const int64_t n = integer(states, "count", file);
-    if (r == 0) count = n;
-    if (n != count) {
-      throw CheckpointError(str("\"", file, "\" holds ", n, " optimizers and rank 0's ", count,
-                                ": the shards are not of one save."));
-    }
-    for (int64_t o = 0; o < n; ++o) {
-      optimizers[r].push_back(section(states, std::to_string(o), file));
-      ShardRecord record = shard_record(optimizers[r].back(), file, o);
-      if (record.world_size != world || record.rank != r) {
-        throw CheckpointError(str("\"", file, "\" was written by rank ", record.rank, " of ",
-                                  record.world_size, ", but ", ShardedCheckpoint::kManifest,
-                                  " lists it as rank ", r, " of ", world,
-                                  ": the directory mixes saves. Use an earlier checkpoint."));
+    try {
+      files.push_back(io.load_checkpoint(file));
+      const StateDict& states = files.back().section_at("optimizer_states");
+      const int64_t n = states.integer("count");
+      if (r == 0) count = n;
+      if (n != count) {
+        throw CheckpointError(str("\"", file, "\" holds ", n, " optimizers and rank 0's ", count,
+                                  ": the shards are not of one save."));
       }
-      if (r == 0) records.push_back(std::move(record));
+      for (int64_t o = 0; o < n; ++o) {
+        ShardRecord record = shard_record(states.section_at(std::to_string(o)), file, o);
+        if (record.world_size != world || record.rank != r) {
+          throw CheckpointError(str("\"", file, "\" was written by rank ", record.rank, " of ",
+                                    record.world_size, ", but ", ShardedCheckpoint::kManifest,
+                                    " lists it as rank ", r, " of ", world,
+                                    ": the directory mixes saves. Use an earlier checkpoint."));
+        }
+        if (r == 0) records.push_back(std::move(record));
+      }
+    } catch (const CheckpointError& e) {
+      const std::string what = e.what();
+      if (what.find(file) != std::string::npos) throw;
+      throw CheckpointError(str("\"", file, "\": ", what,
+                                " It is not a checkpoint fulgur's Trainer wrote."));
     }
-    if (r == 0) rank0 = std::move(archive);
   }
 
-  auto cu = std::make_shared<torch::jit::CompilationUnit>();
-  OutputArchive whole(cu);
-  copy_archive(rank0, whole, {"optimizer_states", std::string(TorchCheckpointIO::kIntegrityKey)});
-  OutputArchive states(cu);
-  states.write("count", c10::IValue(count));
+  StateDict whole = files[0];
+  StateDict& states = whole.section("optimizer_states");
   for (int64_t o = 0; o < count; ++o) {
     const std::string file0 = shard_file(0);
     const ShardRecord& record = records[static_cast<size_t>(o)];
     std::vector<RankState> ranks;
     for (int64_t r = 0; r < world; ++r) {
-      ranks.push_back(rank_state(optimizers[r][o], shard_file(r)));
+      const StateDict& optimizer =
+          files[static_cast<size_t>(r)].section_at("optimizer_states").section_at(std::to_string(o));
+      ranks.push_back(rank_state(optimizer, shard_file(r)));
       if (ranks[r].keys.size() != ranks[0].keys.size()) {
         throw CheckpointError(str("\"", shard_file(r), "\": optimizer ", o, " steps ",
                                   ranks[r].keys.size(), " parameters and rank 0's ",
@@ -261,37 +216,32 @@ void consolidate_sharded_checkpoint(const std::string& dir, const std::string& o
                                 " parameters but its record of shards has ", record.positions,
                                 ". The file is corrupt; use an earlier checkpoint."));
     }
-    OutputArchive optimizer(cu);
-    copy_archive(optimizers[0][o], optimizer,
-                 {"state", std::string(FSDPStrategy::kShardRecordKey)});
+    StateDict& optimizer = states.section(std::to_string(o));
+    optimizer.erase(FSDPStrategy::kShardRecordKey);
     // Under rank 0's keys (its param_groups name them).
-    OutputArchive state(cu);
+    StateDict state;
     for (size_t p = 0; p < ranks[0].keys.size(); ++p) {
-      auto& mine = ranks[0].by_position[p];
-      if (!mine) continue;  // never stepped: no state
-      OutputArchive one(cu);
+      const StateDict* mine = ranks[0].by_position[p];
+      if (mine == nullptr) continue;  // never stepped: no state
       const auto sizes = record.whole_sizes.find(static_cast<int64_t>(p));
       if (sizes == record.whole_sizes.end()) {
-        copy_archive(*mine, one);  // not sharded (frozen): whole on every rank
-      } else {
-        std::vector<InputArchive*> parts;
-        for (int64_t r = 0; r < world; ++r) {
-          if (!ranks[r].by_position[p]) {
-            throw CheckpointError(str("\"", shard_file(r), "\" has no state for parameter ", p,
-                                      " of optimizer ", o,
-                                      " while rank 0's has: the shards are not of one save."));
-          }
-          parts.push_back(&*ranks[r].by_position[p]);
-        }
-        write_whole_state(parts, sizes->second, world, one,
-                          str("parameter ", p, " of optimizer ", o));
+        state.set_section(ranks[0].keys[p], *mine);  // not sharded (frozen): whole on every rank
+        continue;
       }
-      state.write(ranks[0].keys[p], one);
+      std::vector<const StateDict*> parts;
+      for (int64_t r = 0; r < world; ++r) {
+        if (ranks[r].by_position[p] == nullptr) {
+          throw CheckpointError(str("\"", shard_file(r), "\" has no state for parameter ", p,
+                                    " of optimizer ", o,
+                                    " while rank 0's has: the shards are not of one save."));
+        }
+        parts.push_back(ranks[r].by_position[p]);
+      }
+      state.set_section(ranks[0].keys[p], whole_state(parts, sizes->second, world,
+                                                      str("parameter ", p, " of optimizer ", o)));
     }
-    optimizer.write("state", state);
-    states.write(std::to_string(o), optimizer);
+    optimizer.set_section("state", std::move(state));
   }
-  whole.write("optimizer_states", states);
   io.save_checkpoint(whole, out);
 }
 

@@ -166,47 +166,9 @@ void FSDPStrategy::clip_gradients_norm(const std::vector<at::Tensor>& parameters
   }
 }
 
-namespace {
-
-// nn::Module::save's layout, with `copies` in place of the parameters they
-// name; a submodule without any goes through its own save().
-bool holds_any(const torch::nn::Module& module,
-               const std::map<const c10::TensorImpl*, at::Tensor>& copies) {
-  for (const auto& p : module.parameters()) {
-    if (copies.count(p.unsafeGetTensorImpl()) != 0) return true;
-  }
-  return false;
-}
-
-void save_with_copies(const torch::nn::Module& module, torch::serialize::OutputArchive& archive,
-                      const std::map<const c10::TensorImpl*, at::Tensor>& copies) {
-  if (!holds_any(module, copies)) {
-    module.save(archive);
-    return;
-  }
-  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
-    auto it = copies.find(p.value().unsafeGetTensorImpl());
-    archive.write(p.key(), it != copies.end() ? it->second : p.value());
-  }
-  for (const auto& b : module.named_buffers(/*recurse=*/false)) {
-    archive.write(b.key(), b.value(), /*is_buffer=*/true);
-  }
-  for (const auto& child : module.named_children()) {
-    if (!child.value()->is_serializable()) continue;
-    torch::serialize::OutputArchive nested(archive.compilation_unit());
-    save_with_copies(*child.value(), nested, copies);
-    archive.write(child.key(), nested);
-  }
-}
-
-}  // namespace
-
-void FSDPStrategy::save_module_state(Module& module, torch::serialize::OutputArchive& archive) {
-  if (units_.empty() || !full_shard()) {
-    ParallelStrategy::save_module_state(module, archive);
-    return;
-  }
-  // The archive keeps the tensors it is given until it is written, and a
+StateDict FSDPStrategy::module_state(Module& module) {
+  if (units_.empty() || !full_shard()) return ParallelStrategy::module_state(module);
+  // The state keeps the tensors it is given until it is written, and a
   // unit's parameters are freed again: it gets copies, one unit gathered
   // at a time.
   std::map<const c10::TensorImpl*, at::Tensor> copies;
@@ -221,15 +183,20 @@ void FSDPStrategy::save_module_state(Module& module, torch::serialize::OutputArc
     }
     unit->release();
   }
-  save_with_copies(module, archive, copies);
+  StateDict state = ParallelStrategy::module_state(module);
+  state.transform_tensors([&copies](const at::Tensor& t) {
+    auto it = copies.find(t.unsafeGetTensorImpl());
+    return it != copies.end() ? it->second : t;
+  });
+  return state;
 }
 
-void FSDPStrategy::load_module_state(Module& module, torch::serialize::InputArchive& archive) {
+void FSDPStrategy::load_module_state(Module& module, const StateDict& state) {
   // Every parameter whole to take the checkpoint's values; the shards are
   // then taken from them, and the units stay whole until their next
   // forward (resuming happens at fit start, where they are whole anyway).
   gather_units();
-  ParallelStrategy::load_module_state(module, archive);
+  ParallelStrategy::load_module_state(module, state);
   for (auto& entry : sharded_) entry.second->take_from_parameters();
 }
 

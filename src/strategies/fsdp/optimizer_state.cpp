@@ -52,42 +52,50 @@ std::vector<torch::optim::OptimizerParamState*> detail::shard_states(
   return states;
 }
 
+namespace {
+
+// The shards' own state tensors back in place of the whole ones.
+void put_back(const std::vector<torch::optim::OptimizerParamState*>& states,
+              std::vector<std::vector<at::Tensor>>& kept) {
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (states[i] == nullptr) continue;
+    size_t k = 0;
+    detail::change_state_tensors(*states[i], [&](const at::Tensor&) { return kept[i][k++]; });
+  }
+}
+
+}  // namespace
+
 void FSDPStrategy::write_shard_record(const torch::optim::Optimizer& optimizer,
-                                      const ShardedParameters& sharded,
-                                      torch::serialize::OutputArchive& archive) const {
+                                      const ShardedParameters& sharded, StateDict& state) const {
   std::map<const c10::TensorImpl*, size_t> index;
   for (size_t i = 0; i < sharded.shards().size(); ++i) {
     index[sharded.shards()[i].unsafeGetTensorImpl()] = i;
   }
-  torch::serialize::OutputArchive record(archive.compilation_unit());
-  record.write("world_size", c10::IValue(static_cast<int64_t>(world_size())));
-  record.write("rank", c10::IValue(static_cast<int64_t>(global_rank())));
+  StateDict& record = state.section(kShardRecordKey);
+  record.set("world_size", static_cast<int64_t>(world_size()));
+  record.set("rank", static_cast<int64_t>(global_rank()));
   int64_t position = 0;  // over the parameter groups, in order (the optimizer's own)
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
       if (auto it = index.find(p.unsafeGetTensorImpl()); it != index.end()) {
-        record.write(str("sizes/", position), c10::IValue(sharded.full_sizes(it->second)));
+        record.set(str("sizes/", position), sharded.full_sizes(it->second));
       }
       ++position;
     }
   }
-  record.write("positions", c10::IValue(position));
-  archive.write(kShardRecordKey, record);
+  record.set("positions", position);
 }
 
-void FSDPStrategy::save_optimizer_state(torch::optim::Optimizer& optimizer,
-                                        torch::serialize::OutputArchive& archive) {
+StateDict FSDPStrategy::optimizer_state(torch::optim::Optimizer& optimizer) {
   ShardedParameters* sharded = sharded_for(optimizer);
-  if (sharded == nullptr) {
-    ParallelStrategy::save_optimizer_state(optimizer, archive);
-    return;
-  }
+  if (sharded == nullptr) return ParallelStrategy::optimizer_state(optimizer);
   if (options_.state_dict_type.value() == StateDictType::kSharded) {
-    ParallelStrategy::save_optimizer_state(optimizer, archive);
-    write_shard_record(optimizer, *sharded, archive);
-    return;
+    StateDict state = ParallelStrategy::optimizer_state(optimizer);
+    write_shard_record(optimizer, *sharded, state);
+    return state;
   }
-  // Every shard's state whole for the save (the archive keeps the whole
+  // Every shard's state whole for the save (the state keeps the whole
   // tensors), then the shards' own again. Every rank gathers the same
   // tensors in the same order.
   auto states = detail::shard_states(optimizer, *sharded);
@@ -105,17 +113,20 @@ void FSDPStrategy::save_optimizer_state(torch::optim::Optimizer& optimizer,
               "SGD, RMSprop and Adagrad are); use state_dict_type=\"sharded\"."));
     }
   }
-  ParallelStrategy::save_optimizer_state(optimizer, archive);
-  for (size_t i = 0; i < states.size(); ++i) {
-    if (states[i] == nullptr) continue;
-    size_t k = 0;
-    detail::change_state_tensors(*states[i], [&](const at::Tensor&) { return kept[i][k++]; });
+  StateDict state;
+  try {
+    state = ParallelStrategy::optimizer_state(optimizer);
+  } catch (...) {
+    put_back(states, kept);
+    throw;
   }
+  put_back(states, kept);
+  return state;
 }
 
 void FSDPStrategy::load_optimizer_state(torch::optim::Optimizer& optimizer,
-                                        torch::serialize::InputArchive& archive) {
-  ParallelStrategy::load_optimizer_state(optimizer, archive);
+                                        const StateDict& state) {
+  ParallelStrategy::load_optimizer_state(optimizer, state);
   ShardedParameters* sharded = sharded_for(optimizer);
   if (sharded == nullptr) return;
   // A whole state (of the parameter's shape) becomes this rank's shard of

@@ -1,19 +1,20 @@
 // The training state as a checkpoint, and back. Layout (keys of the
-// LibTorch archive):
+// StateDict, as the torch checkpoint IO writes them into a LibTorch archive):
 //   fulgur_format_version  int      format of this layout (kFormatVersion)
 //   fulgur_version         str
-//   state_dict             archive  module parameters and buffers (strategy)
-//   optimizer_states       archive  "count", then "0", "1", ... per optimizer
+//   state_dict             section  module parameters and buffers (strategy)
+//   optimizer_states       section  "count", then "0", "1", ... per optimizer
 //   lr_schedulers          list     step count of each scheduler
-//   lr_scheduler_states    archive  "<i>": what scheduler i saves (SchedulerState)
-//   precision              archive  the precision plugin's state
-//   loops                  archive  epoch, global_step, batch_position, ...
-//   train_loader           archive  epoch, position, sampler state
-//   callbacks              archive  one archive per callback state_key()
-//   loggers                archive  one archive per logger state_key()
-//   rng                    archive  every RNG state
-//   hparams                archive  the module's hyper-parameters
-//   module                 archive  what Module::on_save_checkpoint adds
+//   lr_scheduler_states    section  "<i>": what scheduler i saves (SchedulerState)
+//   precision              section  the precision plugin's state
+//   loops                  section  epoch, global_step, batch_position, ...
+//   train_loader           section  epoch, position, sampler state
+//   callbacks              section  one section per callback state_key()
+//   loggers                section  one section per logger state_key()
+//   train_metrics          section  "count", then the metric states logged so far
+//   rng                    section  every RNG state
+//   hparams                section  the module's hyper-parameters
+//   module                 section  what Module::on_save_checkpoint adds
 #include "trainer/connectors/checkpoint_connector.h"
 
 #include <torch/torch.h>
@@ -46,150 +47,96 @@ struct SchedulerAccess : torch::optim::LRScheduler {
   }
 };
 
-using torch::serialize::InputArchive;
-using torch::serialize::OutputArchive;
-
-int64_t read_int(InputArchive& archive, const char* key, const std::string& path) {
-  c10::IValue v;
-  if (!archive.try_read(key, v) || !v.isInt()) {
-    throw CheckpointError(str("checkpoint \"", path, "\" is incomplete: entry \"", key,
-                              "\" is missing or not an integer. Use a checkpoint written by "
-                              "fulgur's Trainer."));
-  }
-  return v.toInt();
-}
-
-InputArchive read_section(InputArchive& archive, const char* key, const std::string& path) {
-  InputArchive section;
-  if (!archive.try_read(key, section)) {
-    throw CheckpointError(str("checkpoint \"", path, "\" is incomplete: section \"", key,
-                              "\" is missing. Use a checkpoint written by fulgur's Trainer."));
-  }
-  return section;
-}
-
 }  // namespace
 
-void CheckpointConnector::dump(OutputArchive& archive) {
+StateDict CheckpointConnector::dump() {
   FULGUR_ASSERT(trainer_.module != nullptr, "dump() without a module");
-  auto cu = archive.compilation_unit();
-  archive.write("fulgur_format_version", c10::IValue(kFormatVersion));
-  archive.write("fulgur_version", c10::IValue(std::string(kVersion)));
+  auto& optimizers = trainer_.fit_loop.optimizers();
+  StateDict checkpoint;
+  checkpoint.set("fulgur_format_version", kFormatVersion);
+  checkpoint.set("fulgur_version", std::string(kVersion));
 
-  OutputArchive state(cu);
-  trainer_.drive().save_module_state(*trainer_.module, state);
-  archive.write("state_dict", state);
+  checkpoint.set_section("state_dict", trainer_.drive().module_state(*trainer_.module));
 
-  OutputArchive optimizers(cu);
-  optimizers.write(
-      "count", c10::IValue(static_cast<int64_t>(trainer_.fit_loop.optimizers().optimizers.size())));
-  for (size_t i = 0; i < trainer_.fit_loop.optimizers().optimizers.size(); ++i) {
-    OutputArchive one(cu);
-    trainer_.drive().save_optimizer_state(*trainer_.fit_loop.optimizers().optimizers[i], one);
-    optimizers.write(std::to_string(i), one);
+  StateDict& optimizer_states = checkpoint.section("optimizer_states");
+  optimizer_states.set("count", static_cast<int64_t>(optimizers.optimizers.size()));
+  for (size_t i = 0; i < optimizers.optimizers.size(); ++i) {
+    optimizer_states.set_section(std::to_string(i),
+                                 trainer_.drive().optimizer_state(*optimizers.optimizers[i]));
   }
-  archive.write("optimizer_states", optimizers);
 
   c10::List<int64_t> steps;
-  for (auto& s : trainer_.fit_loop.optimizers().schedulers) {
-    steps.push_back(SchedulerAccess::step_count(*s.scheduler));
+  for (auto& s : optimizers.schedulers) steps.push_back(SchedulerAccess::step_count(*s.scheduler));
+  checkpoint.set("lr_schedulers", steps);
+  StateDict& scheduler_states = checkpoint.section("lr_scheduler_states");
+  for (size_t i = 0; i < optimizers.schedulers.size(); ++i) {
+    auto* stateful = dynamic_cast<SchedulerState*>(optimizers.schedulers[i].scheduler.get());
+    if (stateful != nullptr) scheduler_states.set_section(std::to_string(i), stateful->state_dict());
   }
-  archive.write("lr_schedulers", c10::IValue(steps));
-  OutputArchive scheduler_states(cu);
-  for (size_t i = 0; i < trainer_.fit_loop.optimizers().schedulers.size(); ++i) {
-    auto* stateful =
-        dynamic_cast<SchedulerState*>(trainer_.fit_loop.optimizers().schedulers[i].scheduler.get());
-    if (stateful == nullptr) continue;
-    OutputArchive one(cu);
-    stateful->save_state(one);
-    scheduler_states.write(std::to_string(i), one);
-  }
-  archive.write("lr_scheduler_states", scheduler_states);
 
-  OutputArchive precision(cu);
-  trainer_.strategy->precision().save_state(precision);
-  archive.write("precision", precision);
+  checkpoint.set_section("precision", trainer_.strategy->precision().state_dict());
 
   const FitProgress progress = trainer_.fit_loop.progress();
-  OutputArchive loops(cu);
-  loops.write("epoch", c10::IValue(progress.epoch));
-  loops.write("global_step", c10::IValue(progress.global_step));
-  loops.write("batch_position", c10::IValue(progress.batch_position));
-  loops.write("batches_that_stepped", c10::IValue(progress.batches_that_stepped));
-  loops.write("epoch_done", c10::IValue(progress.epoch_done));
-  loops.write("validated_at_position", c10::IValue(progress.validated_at_position));
-  archive.write("loops", loops);
+  StateDict& loops = checkpoint.section("loops");
+  loops.set("epoch", progress.epoch);
+  loops.set("global_step", progress.global_step);
+  loops.set("batch_position", progress.batch_position);
+  loops.set("batches_that_stepped", progress.batches_that_stepped);
+  loops.set("epoch_done", progress.epoch_done);
+  loops.set("validated_at_position", progress.validated_at_position);
 
   if (DataLoader* train_loader = trainer_.fit_loop.train_loader()) {
-    OutputArchive loader(cu);
-    train_loader->save_state(loader);
-    archive.write("train_loader", loader);
+    checkpoint.set_section("train_loader", train_loader->state_dict());
   }
 
-  save_callback_states(archive);
+  save_callback_states(checkpoint);
 
-  OutputArchive loggers(cu);
+  StateDict& loggers = checkpoint.section("loggers");
   for (const auto& logger : trainer_.logging.loggers()) {
-    OutputArchive one(cu);
-    logger->save_state(one);
-    loggers.write(logger->state_key(), one);
+    loggers.set_section(logger->state_key(), logger->state_dict());
   }
-  archive.write("loggers", loggers);
 
   // The metric objects logged so far in this epoch, every rank's states
   // combined (collectives: every rank saves at the same point; a save from
   // on_exception may be one rank's alone and keeps none). A resumed run's
   // global rank 0 merges them into its metrics, so the epoch's values count
   // every batch. None at an epoch's end: the next epoch starts afresh.
-  OutputArchive metrics(cu);
+  StateDict& metrics = checkpoint.section("train_metrics");
   int64_t metric_count = 0;
   if (!trainer_.handling_exception && !progress.epoch_done) {
     for (const auto& [name, states] :
          trainer_.logging.train_sink().metric_states(*trainer_.strategy)) {
       auto updates = states.find("updates");
       if (updates == states.end() || updates->second.item<int64_t>() == 0) continue;
-      OutputArchive one(cu);
-      one.write("name", c10::IValue(name));
-      OutputArchive tensors(cu);
-      for (const auto& [key, tensor] : states) tensors.write(key, tensor, /*is_buffer=*/true);
-      one.write("states", tensors);
-      metrics.write(std::to_string(metric_count++), one);
+      StateDict& one = metrics.section(std::to_string(metric_count++));
+      one.set("name", name);
+      StateDict& tensors = one.section("states");
+      for (const auto& [key, tensor] : states) tensors.set_buffer(key, tensor);
     }
   }
-  metrics.write("count", c10::IValue(metric_count));
-  archive.write("train_metrics", metrics);
+  metrics.set("count", metric_count);
 
-  OutputArchive rng(cu);
-  save_rng_states(rng);
-  archive.write("rng", rng);
+  checkpoint.set_section("rng", rng_state_dict());
 
-  OutputArchive hparams(cu);
+  StateDict& hparams = checkpoint.section("hparams");
   for (const auto& [key, value] : trainer_.module->hparams()) {
-    std::visit([&](const auto& v) { hparams.write(key, c10::IValue(v)); }, value);
+    std::visit([&](const auto& v) { hparams.set(key, c10::IValue(v)); }, value);
   }
-  archive.write("hparams", hparams);
 
-  OutputArchive extra(cu);
-  trainer_.module->on_save_checkpoint(extra);
-  archive.write("module", extra);
+  trainer_.module->on_save_checkpoint(checkpoint.section("module"));
+  return checkpoint;
 }
 
-void CheckpointConnector::save_callback_states(OutputArchive& archive) {
-  OutputArchive cbs(archive.compilation_unit());
-  for (auto& cb : trainer_.callbacks) {
-    OutputArchive one(archive.compilation_unit());
-    cb->save_state(one);
-    cbs.write(cb->state_key(), one);
-  }
-  archive.write("callbacks", cbs);
+void CheckpointConnector::save_callback_states(StateDict& state) {
+  StateDict& callbacks = state.section("callbacks");
+  for (auto& cb : trainer_.callbacks) callbacks.set_section(cb->state_key(), cb->state_dict());
 }
 
-void CheckpointConnector::load_callback_states(InputArchive& archive) {
-  InputArchive cbs;
-  if (!archive.try_read("callbacks", cbs)) return;
+void CheckpointConnector::load_callback_states(const StateDict& state) {
+  const StateDict* callbacks = state.find_section("callbacks");
+  if (callbacks == nullptr) return;
   for (auto& cb : trainer_.callbacks) {
-    InputArchive one;
-    if (cbs.try_read(cb->state_key(), one)) cb->load_state(one);
+    if (const StateDict* one = callbacks->find_section(cb->state_key())) cb->load_state_dict(*one);
   }
 }
 
@@ -208,9 +155,8 @@ void CheckpointConnector::save(const std::string& path) {
       detail::print_note(e.what());
     }
   }
-  OutputArchive archive;
-  dump(archive);
-  trainer_.drive().save_checkpoint(archive, path);
+  StateDict checkpoint = dump();
+  trainer_.drive().save_checkpoint(checkpoint, path);
 }
 
 std::string CheckpointConnector::checkpoint_dir() const {
@@ -251,11 +197,21 @@ std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) cons
 }
 
 void CheckpointConnector::restore(const std::string& path, bool full) {
-  InputArchive archive;
-  trainer_.drive().load_checkpoint(path, archive);
-  c10::IValue version;
-  if (!archive.try_read("fulgur_format_version", version) || !version.isInt()) {
-    auto keys = archive.keys();
+  const StateDict checkpoint = trainer_.drive().load_checkpoint(path);
+  try {
+    restore(checkpoint, path, full);
+  } catch (const CheckpointError& e) {
+    // A component's required entry: named with the file it is missing from.
+    const std::string what = e.what();
+    if (what.find(path) != std::string::npos) throw;
+    throw CheckpointError(str("checkpoint \"", path, "\": ", what));
+  }
+}
+
+void CheckpointConnector::restore(const StateDict& checkpoint, const std::string& path, bool full) {
+  const c10::IValue* version = checkpoint.find("fulgur_format_version");
+  if (version == nullptr || !version->isInt()) {
+    auto keys = checkpoint.keys();
     throw CheckpointError(str("\"", path,
                               "\" is not a fulgur checkpoint: it is a LibTorch archive "
                               "without a \"fulgur_format_version\" entry (it holds: ",
@@ -263,37 +219,52 @@ void CheckpointConnector::restore(const std::string& path, bool full) {
                               "). A file written by torch::save is loaded with torch::load; pass "
                               "a checkpoint written by fulgur's Trainer."));
   }
-  if (version.toInt() > kFormatVersion || version.toInt() < 1) {
-    throw CheckpointError(str("checkpoint \"", path, "\" has format version ", version.toInt(),
+  if (version->toInt() > kFormatVersion || version->toInt() < 1) {
+    throw CheckpointError(str("checkpoint \"", path, "\" has format version ", version->toInt(),
                               "; this fulgur (", kVersion, ") reads versions 1 to ", kFormatVersion,
                               ". Use a matching fulgur."));
   }
+  auto section = [&](const StateDict& in, const std::string& key) -> const StateDict& {
+    if (const StateDict* found = in.find_section(key)) return *found;
+    throw CheckpointError(str("checkpoint \"", path, "\" is incomplete: section \"",
+                              in.path().empty() ? key : in.path() + "/" + key,
+                              "\" is missing. Use a checkpoint written by fulgur's Trainer."));
+  };
 
-  auto state = read_section(archive, "state_dict", path);
   try {
-    trainer_.drive().load_module_state(*trainer_.module, state);
+    trainer_.drive().load_module_state(*trainer_.module, section(checkpoint, "state_dict"));
+  } catch (const CheckpointError& e) {
+    if (std::string(e.what()).find(path) != std::string::npos) throw;
+    throw CheckpointError(str("checkpoint \"", path, "\" does not fit module ",
+                              trainer_.module->name(), ": ", e.what(),
+                              ". Build the same model (same layers and sizes) before loading."));
   } catch (const c10::Error& e) {
     throw CheckpointError(str("checkpoint \"", path, "\" does not fit module ",
                               trainer_.module->name(), ": ", e.what_without_backtrace(),
                               ". Build the same model (same layers and sizes) before loading."));
   }
-  InputArchive extra;
-  if (archive.try_read("module", extra)) trainer_.module->on_load_checkpoint(extra);
+  if (const StateDict* extra = checkpoint.find_section("module")) {
+    trainer_.module->on_load_checkpoint(*extra);
+  }
   if (!full) return;
 
-  auto optimizers = read_section(archive, "optimizer_states", path);
-  int64_t count = read_int(optimizers, "count", path);
-  if (count != static_cast<int64_t>(trainer_.fit_loop.optimizers().optimizers.size())) {
+  auto& optimizers = trainer_.fit_loop.optimizers();
+  const StateDict& optimizer_states = section(checkpoint, "optimizer_states");
+  const int64_t count = optimizer_states.integer("count");
+  if (count != static_cast<int64_t>(optimizers.optimizers.size())) {
     throw CheckpointError(str("checkpoint \"", path, "\" holds ", count,
                               " optimizer state(s) but configure_optimizers returned ",
-                              trainer_.fit_loop.optimizers().optimizers.size(),
+                              optimizers.optimizers.size(),
                               ". Resume with the same optimizers it was trained with."));
   }
   for (int64_t i = 0; i < count; ++i) {
-    InputArchive one = read_section(optimizers, std::to_string(i).c_str(), path);
+    const StateDict& one = section(optimizer_states, std::to_string(i));
     try {
-      trainer_.drive().load_optimizer_state(
-          *trainer_.fit_loop.optimizers().optimizers[static_cast<size_t>(i)], one);
+      trainer_.drive().load_optimizer_state(*optimizers.optimizers[static_cast<size_t>(i)], one);
+    } catch (const CheckpointError& e) {
+      throw CheckpointError(str("checkpoint \"", path, "\": optimizer ", i,
+                                " state does not fit: ", e.what(),
+                                ". Resume with the same optimizer type and parameters."));
     } catch (const c10::Error& e) {
       throw CheckpointError(str("checkpoint \"", path, "\": optimizer ", i,
                                 " state does not fit: ", e.what_without_backtrace(),
@@ -301,88 +272,79 @@ void CheckpointConnector::restore(const std::string& path, bool full) {
     }
   }
 
-  c10::IValue steps;
-  if (archive.try_read("lr_schedulers", steps) && steps.isIntList()) {
-    auto list = steps.toIntList();
-    if (list.size() != trainer_.fit_loop.optimizers().schedulers.size()) {
+  if (const c10::IValue* steps = checkpoint.find("lr_schedulers"); steps && steps->isIntList()) {
+    auto list = steps->toIntList();
+    if (list.size() != optimizers.schedulers.size()) {
       throw CheckpointError(str("checkpoint \"", path, "\" holds ", list.size(),
                                 " scheduler state(s) but configure_optimizers returned ",
-                                trainer_.fit_loop.optimizers().schedulers.size(),
-                                ". Resume with the same schedulers."));
+                                optimizers.schedulers.size(), ". Resume with the same schedulers."));
     }
     for (size_t i = 0; i < list.size(); ++i) {
-      SchedulerAccess::step_count(*trainer_.fit_loop.optimizers().schedulers[i].scheduler) =
+      SchedulerAccess::step_count(*optimizers.schedulers[i].scheduler) =
           static_cast<unsigned>(list.get(i));
     }
   }
-  InputArchive scheduler_states;
-  const bool has_scheduler_states = archive.try_read("lr_scheduler_states", scheduler_states);
-  for (size_t i = 0; i < trainer_.fit_loop.optimizers().schedulers.size(); ++i) {
-    auto* stateful =
-        dynamic_cast<SchedulerState*>(trainer_.fit_loop.optimizers().schedulers[i].scheduler.get());
+  const StateDict* scheduler_states = checkpoint.find_section("lr_scheduler_states");
+  for (size_t i = 0; i < optimizers.schedulers.size(); ++i) {
+    auto* stateful = dynamic_cast<SchedulerState*>(optimizers.schedulers[i].scheduler.get());
     if (stateful == nullptr) continue;
-    InputArchive one;
-    if (!has_scheduler_states || !scheduler_states.try_read(std::to_string(i), one)) {
+    const StateDict* one =
+        scheduler_states ? scheduler_states->find_section(std::to_string(i)) : nullptr;
+    if (one == nullptr) {
       throw CheckpointError(str("checkpoint \"", path, "\" holds no state for scheduler ", i,
                                 ", which keeps one (a fulgur::SchedulerState): the schedule "
                                 "could not go on as it was. Resume with the schedulers it was "
                                 "saved with, or start this schedule from the beginning."));
     }
     try {
-      stateful->load_state(one);
-    } catch (const c10::Error& e) {
+      stateful->load_state_dict(*one);
+    } catch (const std::exception& e) {
       throw CheckpointError(str("checkpoint \"", path, "\": the state of scheduler ", i,
-                                " does not fit: ", e.what_without_backtrace(),
+                                " does not fit: ", e.what(),
                                 ". Resume with the schedulers it was saved with."));
     }
   }
 
-  InputArchive precision;
-  if (archive.try_read("precision", precision))
-    trainer_.strategy->precision().load_state(precision);
+  if (const StateDict* precision = checkpoint.find_section("precision")) {
+    trainer_.strategy->precision().load_state_dict(*precision);
+  }
 
-  auto loops = read_section(archive, "loops", path);
+  const StateDict& loops = section(checkpoint, "loops");
   FitProgress progress;
-  progress.epoch = read_int(loops, "epoch", path);
-  progress.global_step = read_int(loops, "global_step", path);
-  progress.batches_that_stepped = read_int(loops, "batches_that_stepped", path);
-  progress.batch_position = read_int(loops, "batch_position", path);
-  progress.validated_at_position = read_int(loops, "validated_at_position", path);
-  c10::IValue epoch_done;
-  loops.read("epoch_done", epoch_done);
-  progress.epoch_done = epoch_done.toBool();
-  InputArchive loader;
-  const bool has_loader_state = archive.try_read("train_loader", loader);
-  trainer_.fit_loop.restore(progress, has_loader_state ? &loader : nullptr);
+  progress.epoch = loops.integer("epoch");
+  progress.global_step = loops.integer("global_step");
+  progress.batches_that_stepped = loops.integer("batches_that_stepped");
+  progress.batch_position = loops.integer("batch_position");
+  progress.validated_at_position = loops.integer("validated_at_position");
+  progress.epoch_done = loops.boolean("epoch_done");
+  trainer_.fit_loop.restore(progress, checkpoint.find_section("train_loader"));
 
-  load_callback_states(archive);
-  InputArchive metrics;
+  load_callback_states(checkpoint);
   detail::LogSink::MetricStates metric_states;
-  if (archive.try_read("train_metrics", metrics) && trainer_.strategy->is_global_zero()) {
-    const int64_t count = read_int(metrics, "count", path);
-    for (int64_t i = 0; i < count; ++i) {
-      InputArchive one = read_section(metrics, std::to_string(i).c_str(), path);
-      c10::IValue name;
-      one.read("name", name);
-      InputArchive tensors = read_section(one, "states", path);
-      auto& states = metric_states[name.toStringRef()];
+  const StateDict* metrics = checkpoint.find_section("train_metrics");
+  if (metrics != nullptr && trainer_.strategy->is_global_zero()) {
+    const int64_t metric_count = metrics->integer("count");
+    for (int64_t i = 0; i < metric_count; ++i) {
+      const StateDict& one = section(*metrics, std::to_string(i));
+      const StateDict& tensors = section(one, "states");
+      auto& states = metric_states[one.string("name")];
       for (const auto& key : tensors.keys()) {
-        at::Tensor t;
-        if (tensors.try_read(key, t, /*is_buffer=*/true)) states[key] = t;
+        if (const c10::IValue* t = tensors.find(key); t != nullptr && t->isTensor()) {
+          states[key] = t->toTensor();
+        }
       }
     }
   }
   trainer_.logging.train_sink().restore_metric_states(std::move(metric_states));
-  InputArchive loggers;
-  if (archive.try_read("loggers", loggers)) {
+  if (const StateDict* loggers = checkpoint.find_section("loggers")) {
     for (auto& logger : trainer_.logging.loggers()) {
-      InputArchive one;
-      if (loggers.try_read(logger->state_key(), one)) logger->load_state(one, progress.global_step);
+      if (const StateDict* one = loggers->find_section(logger->state_key())) {
+        logger->load_state_dict(*one, progress.global_step);
+      }
     }
   }
   // Last: nothing above may draw random numbers after the RNGs are restored.
-  InputArchive rng;
-  if (archive.try_read("rng", rng)) load_rng_states(rng);
+  if (const StateDict* rng = checkpoint.find_section("rng")) load_rng_state_dict(*rng);
 }
 
 }  // namespace fulgur::detail

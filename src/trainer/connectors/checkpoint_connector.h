@@ -7,12 +7,9 @@
 
 #include <string>
 
+#include "fulgur/core/state_dict.h"
 #include "fulgur/trainer/trainer.h"
 
-namespace torch::serialize {
-class InputArchive;
-class OutputArchive;
-}  // namespace torch::serialize
 
 namespace fulgur::detail {
 
@@ -22,8 +19,8 @@ class CheckpointConnector {
   CheckpointConnector(const CheckpointConnector&) = delete;
   CheckpointConnector& operator=(const CheckpointConnector&) = delete;
 
-  /// The complete training state of the attached module into `archive`.
-  void dump(torch::serialize::OutputArchive& archive);
+  /// The complete training state of the attached module.
+  StateDict dump();
   /// dump() written to `path` through the strategy (its checkpoint IO).
   void save(const std::string& path);
   /// `ckpt_path` as a file ("" for none). "last": the newest checkpoint of
@@ -40,13 +37,14 @@ class CheckpointConnector {
   /// resumes from. CheckpointError names the file and what does not fit.
   void restore(const std::string& path, bool full);
 
-  /// Every callback's state under "callbacks", one archive per state_key()
+  /// Every callback's state under "callbacks", one section per state_key()
   /// (checkpoints, and a forked run's results); loading skips callbacks the
-  /// archive has no state for.
-  void save_callback_states(torch::serialize::OutputArchive& archive);
-  void load_callback_states(torch::serialize::InputArchive& archive);
+  /// state has none for.
+  void save_callback_states(StateDict& state);
+  void load_callback_states(const StateDict& state);
 
  private:
+  void restore(const StateDict& checkpoint, const std::string& path, bool full);
   Trainer::Impl& trainer_;
 };
 

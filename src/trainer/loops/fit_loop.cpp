@@ -602,7 +602,7 @@ FitProgress FitLoop::progress() const {
                      .validated_at_position = validated_at_position_};
 }
 
-void FitLoop::restore(const FitProgress& p, torch::serialize::InputArchive* loader_state) {
+void FitLoop::restore(const FitProgress& p, const StateDict* loader_state) {
   global_step_ = p.global_step;
   batches_that_stepped_ = p.batches_that_stepped;
   validated_at_position_ = p.validated_at_position;
@@ -615,7 +615,7 @@ void FitLoop::restore(const FitProgress& p, torch::serialize::InputArchive* load
   current_epoch_ = p.epoch;
   if (!train_loader_) return;
   if (loader_state != nullptr) {
-    train_loader_->load_state(*loader_state, p.batch_position);
+    train_loader_->load_state_dict(*loader_state, p.batch_position);
   } else {
     train_loader_->seek(p.epoch, p.batch_position);
   }

@@ -20,10 +20,6 @@
 #include "trainer/loops/device_feed.h"
 #include "trainer/profiler.h"
 
-namespace torch::serialize {
-class InputArchive;
-}
-
 namespace fulgur::detail {
 
 /// The loop flags as the Trainer resolved them (defaults chosen,
@@ -91,7 +87,7 @@ class FitLoop {
   FitProgress progress() const;
   /// Resumes at `p`: the training loader is positioned from `loader_state`
   /// (its saved state) or, when null, by seeking to the position.
-  void restore(const FitProgress& p, torch::serialize::InputArchive* loader_state);
+  void restore(const FitProgress& p, const StateDict* loader_state);
   /// What a forked run's rank 0 reached, for the calling process.
   void set_result(int64_t epochs, int64_t global_step);
 

@@ -152,15 +152,13 @@ TEST(Checkpoint, SaveCheckpointFromACallback) {
 TEST(Checkpoint, ModuleStateRoundTripsThroughItsHooks) {
   class Stateful : public LinearRegression {
    public:
-    void on_save_checkpoint(torch::serialize::OutputArchive& checkpoint) override {
+    void on_save_checkpoint(fulgur::StateDict& checkpoint) override {
       LinearRegression::on_save_checkpoint(checkpoint);
-      checkpoint.write("user_value", c10::IValue(value));
+      checkpoint.set("user_value", value);
     }
-    void on_load_checkpoint(torch::serialize::InputArchive& checkpoint) override {
+    void on_load_checkpoint(const fulgur::StateDict& checkpoint) override {
       LinearRegression::on_load_checkpoint(checkpoint);
-      c10::IValue v;
-      checkpoint.read("user_value", v);
-      value = v.toDouble();
+      value = checkpoint.real("user_value");
     }
     double value = 0.0;
   };
@@ -239,13 +237,13 @@ class BatchCounter : public fulgur::Callback {
                           const fulgur::Batch&, int64_t) override {
     ++batches;
   }
-  void save_state(torch::serialize::OutputArchive& archive) const override {
-    archive.write("batches", c10::IValue(batches));
+  fulgur::StateDict state_dict() const override {
+    fulgur::StateDict state;
+    state.set("batches", batches);
+    return state;
   }
-  void load_state(torch::serialize::InputArchive& archive) override {
-    c10::IValue v;
-    archive.read("batches", v);
-    batches = v.toInt();
+  void load_state_dict(const fulgur::StateDict& state) override {
+    batches = state.integer("batches");
   }
   int64_t batches = 0;
 };
@@ -649,8 +647,9 @@ TEST(CheckpointFormat, DISABLED_WriteFixture) {
    public:
     AtSave(FormatNet* model, FormatRun* run) : model_(model), run_(run) {}
     std::string state_key() const override { return "AtSave"; }
-    void save_state(torch::serialize::OutputArchive&) const override {
+    fulgur::StateDict state_dict() const override {
       state = reference_state(*model_, *run_);
+      return {};
     }
     mutable std::vector<at::Tensor> state;
 

@@ -45,12 +45,10 @@ class AsyncCheckpointIO : public CheckpointIO {
 
   std::string_view name() const override { return "async"; }
   /// Snapshots `checkpoint`'s tensors (waiting first for a save still in
-  /// flight), takes the archive and returns; the write goes on in the
+  /// flight), takes the state and returns; the write goes on in the
   /// background.
-  void save_checkpoint(torch::serialize::OutputArchive& checkpoint,
-                       const std::string& path) override;
-  void load_checkpoint(const std::string& path,
-                       torch::serialize::InputArchive& checkpoint) override;
+  void save_checkpoint(StateDict& checkpoint, const std::string& path) override;
+  StateDict load_checkpoint(const std::string& path) override;
   /// Queued behind the saves handed over before it.
   void remove_checkpoint(const std::string& path) override;
   std::string verify(const std::string& path) override;

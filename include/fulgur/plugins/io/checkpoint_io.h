@@ -9,11 +9,7 @@
 #include <vector>
 
 #include "fulgur/core/registry.h"
-
-namespace torch::serialize {
-class OutputArchive;
-class InputArchive;
-}  // namespace torch::serialize
+#include "fulgur/core/state_dict.h"
 
 namespace fulgur {
 
@@ -22,20 +18,19 @@ class CheckpointIO {
   virtual ~CheckpointIO() = default;
   virtual std::string_view name() const = 0;
   /// Writes `checkpoint` to `path` atomically: readers see the old file or the
-  /// complete new one, never a partial file. Creates parent directories. An
-  /// IO that writes in the background (AsyncCheckpointIO) takes the
-  /// archive's contents, leaving `checkpoint` empty.
-  virtual void save_checkpoint(torch::serialize::OutputArchive& checkpoint,
-                               const std::string& path) = 0;
-  /// Reads `path` into `checkpoint`. Throws CheckpointError naming the file
-  /// when it is missing or unreadable.
-  virtual void load_checkpoint(const std::string& path,
-                               torch::serialize::InputArchive& checkpoint) = 0;
+  /// complete new one, never a partial file. Creates parent directories. This
+  /// is where the state becomes a file (its format is the IO's). An IO that
+  /// writes in the background (AsyncCheckpointIO) takes the state's
+  /// contents, leaving `checkpoint` empty.
+  virtual void save_checkpoint(StateDict& checkpoint, const std::string& path) = 0;
+  /// The state `path` holds. Throws CheckpointError naming the file when it
+  /// is missing or unreadable.
+  virtual StateDict load_checkpoint(const std::string& path) = 0;
   /// Removes `path`; a missing file is not an error.
   virtual void remove_checkpoint(const std::string& path) = 0;
   /// Empty when `path` holds a complete, intact checkpoint; otherwise what
   /// is wrong with it, in one sentence. Changes nothing. Default: a load
-  /// into a scratch archive (an IO with a cheaper check overrides it).
+  /// whose state is dropped (an IO with a cheaper check overrides it).
   virtual std::string verify(const std::string& path);
   /// Removes what interrupted saves left in `dir` (a killed writer's
   /// temporary files), never a live writer's file or a checkpoint.

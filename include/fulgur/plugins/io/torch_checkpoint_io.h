@@ -27,16 +27,18 @@ namespace fulgur {
 /// stderr); one that had a footer and lost it is corrupt.
 class TorchCheckpointIO : public CheckpointIO {
  public:
-  /// A key this IO adds to every archive it saves (a reserved name: module
-  /// state loading ignores it): an archive that has it but no valid footer
+  /// A key this IO adds to every archive it saves (a reserved name; loads
+  /// leave it out of the state): an archive that has it but no valid footer
   /// lost its footer, rather than predating checksums.
   static constexpr const char* kIntegrityKey = "fulgur_integrity";
 
   std::string_view name() const override { return "torch"; }
-  void save_checkpoint(torch::serialize::OutputArchive& checkpoint,
-                       const std::string& path) override;
-  void load_checkpoint(const std::string& path,
-                       torch::serialize::InputArchive& checkpoint) override;
+  /// Writes the state as a LibTorch archive (write_archive), with the
+  /// footer.
+  void save_checkpoint(StateDict& checkpoint, const std::string& path) override;
+  /// The archive's state (read_archive), once its checksum matched; the
+  /// integrity marker is not part of it.
+  StateDict load_checkpoint(const std::string& path) override;
   void remove_checkpoint(const std::string& path) override;
   /// Checks the file against its checksum footer (reads it; parses
   /// nothing). A file without a footer verifies when it is one from before
@@ -61,9 +63,6 @@ class TorchCheckpointIO : public CheckpointIO {
 
  private:
   using ByteSink = std::function<size_t(const void*, size_t)>;
-  /// Marks an archive as written with a footer: one that lost its footer is
-  /// then told apart from one written before checksums.
-  static void mark_verified(torch::serialize::OutputArchive& checkpoint);
   /// `produce` writes the archive's bytes into the sink; they go to a
   /// temporary file with the footer, fsynced, renamed over `path`, and the
   /// directory fsynced. CheckpointError on any failure (the partial file

@@ -31,8 +31,9 @@ class MixedPrecision : public Precision {
   void unscale_gradients(torch::optim::Optimizer& optimizer) override;
   bool optimizer_step(torch::optim::Optimizer& optimizer) override;
   void update() override;
-  void save_state(torch::serialize::OutputArchive& archive) const override;
-  void load_state(torch::serialize::InputArchive& archive) override;
+  /// The GradScaler's state (16-mixed); nothing for bf16-mixed.
+  StateDict state_dict() const override;
+  void load_state_dict(const StateDict& state) override;
 
   c10::ScalarType dtype() const { return dtype_; }
   /// Null for bf16-mixed.

@@ -23,13 +23,11 @@
 #include <cstdint>
 #include <unordered_map>
 
+#include "fulgur/core/state_dict.h"
+
 namespace torch::optim {
 class Optimizer;
 }
-namespace torch::serialize {
-class OutputArchive;
-class InputArchive;
-}  // namespace torch::serialize
 
 namespace fulgur {
 
@@ -67,10 +65,13 @@ class GradScaler {
   bool last_step_skipped() const;
   const GradScalerOptions& options() const { return options_; }
 
-  /// The scale and growth tracker, as "scale" / "growth_tracker".
-  void save(torch::serialize::OutputArchive& archive) const;
-  /// Throws CheckpointError when the archive holds no scaler state.
-  void load(torch::serialize::InputArchive& archive);
+  /// The scale and growth tracker, as the CPU tensors "scale" (float32 [1])
+  /// and "growth_tracker" (int32 [1]); before the first scale(), the initial
+  /// ones.
+  StateDict state_dict() const;
+  /// Throws CheckpointError when `state` holds no scaler state, or holds
+  /// something other than tensors there.
+  void load_state_dict(const StateDict& state);
 
  private:
   void ensure_state(const at::Device& device);

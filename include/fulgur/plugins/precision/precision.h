@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "fulgur/core/registry.h"
+#include "fulgur/core/state_dict.h"
 
 namespace torch::nn {
 class Module;
@@ -21,10 +22,6 @@ class Module;
 namespace torch::optim {
 class Optimizer;
 }
-namespace torch::serialize {
-class OutputArchive;
-class InputArchive;
-}  // namespace torch::serialize
 
 namespace fulgur {
 
@@ -60,8 +57,12 @@ class Precision {
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer);
   /// Called once after all optimizers stepped in an iteration (scaler update).
   virtual void update() {}
-  virtual void save_state(torch::serialize::OutputArchive& /*archive*/) const {}
-  virtual void load_state(torch::serialize::InputArchive& /*archive*/) {}
+  /// Its state in a checkpoint, under "precision" (16-mixed: the loss
+  /// scaler's). Default: nothing.
+  virtual StateDict state_dict() const { return {}; }
+  /// Restores what state_dict() returned, when the checkpoint holds a
+  /// "precision" section.
+  virtual void load_state_dict(const StateDict& /*state*/) {}
 };
 
 using PrecisionRegistry = Registry<Precision>;

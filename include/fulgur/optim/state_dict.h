@@ -1,0 +1,39 @@
+// File: fulgur/optim/state_dict.h
+//
+// An optimizer's state as a StateDict, and back: the layout of LibTorch's
+// Optimizer::save (what checkpoints have held since format version 1):
+//
+//   pytorch_version  "1.5.0"
+//   state            one section per parameter with state, under the key
+//                    its parameter has in param_groups (Adam: step, exp_avg,
+//                    exp_avg_sq[, max_exp_avg_sq]; SGD: momentum_buffer; ...)
+//   param_groups     param_groups/size; param_groups/<i>: params/size,
+//                    params/<j> (the keys), options (lr, betas, ...)
+//
+// The state tensors of torch::optim's SGD, Adam, AdamW, RMSprop and Adagrad
+// (and fulgur::optim's, which share them) go into the dict as they are, not
+// copied; another optimizer (LBFGS, one of one's own) is saved and loaded
+// through its own save()/load(), by way of an archive in memory.
+//
+// A load restores each parameter group's options too (LibTorch's
+// Optimizer::load reads and drops them: a resumed schedule would go on from
+// configure_optimizers' learning rate), and matches states to parameters by
+// the keys inside the dict, so a state saved with LibTorch 1.13 (keys
+// "0x55d0...") loads into 2.x (keys "94371...") and back.
+#pragma once
+
+#include "fulgur/core/state_dict.h"
+
+namespace torch::optim {
+class Optimizer;
+}
+
+namespace fulgur {
+
+StateDict optimizer_state_dict(const torch::optim::Optimizer& optimizer);
+/// Throws CheckpointError when `state` does not fit `optimizer` (another
+/// number of parameter groups or of parameters in one, another optimizer's
+/// state), naming what differs.
+void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDict& state);
+
+}  // namespace fulgur

@@ -1,0 +1,395 @@
+#include "fulgur/core/state_dict.h"
+
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/List.h>
+
+#include <sstream>
+
+#include "fulgur/core/errors.h"
+
+namespace fulgur {
+
+struct StateDict::Entry {
+  Entry() = default;
+  Entry(const Entry& other)
+      : key(other.key),
+        value(other.value),
+        section(other.section ? std::make_unique<StateDict>(*other.section) : nullptr),
+        buffer(other.buffer) {}
+  Entry& operator=(const Entry& other) {
+    if (this != &other) *this = Entry(other);
+    return *this;
+  }
+  Entry(Entry&&) noexcept = default;
+  Entry& operator=(Entry&&) noexcept = default;
+
+  std::string key;
+  c10::IValue value;                  // when section is null
+  std::unique_ptr<StateDict> section;
+  bool buffer = false;
+};
+
+StateDict::StateDict() = default;
+StateDict::~StateDict() = default;
+StateDict::StateDict(const StateDict& other) = default;
+StateDict& StateDict::operator=(const StateDict& other) = default;
+StateDict::StateDict(StateDict&& other) noexcept = default;
+StateDict& StateDict::operator=(StateDict&& other) noexcept = default;
+
+namespace {
+
+// "training" is the flag every LibTorch archive carries itself.
+void check_key(const std::string& key, const std::string& where) {
+  if (key.empty() || key == "training") {
+    throw ConfigError(str("StateDict: the key \"", key, "\"", where.empty() ? "" : " in \"",
+                          where, where.empty() ? "" : "\"",
+                          key.empty() ? " is empty" : " is reserved by LibTorch's archives",
+                          ". Name the entry otherwise."));
+  }
+}
+
+std::string kind_of(const c10::IValue& value) {
+  if (value.isTensor()) {
+    const at::Tensor& t = value.toTensor();
+    if (!t.defined()) return "an undefined tensor";
+    return ::fulgur::str("a tensor (", c10::toString(t.scalar_type()), t.sizes(), ")");
+  }
+  if (value.isInt()) return str("an integer (", value.toInt(), ")");
+  if (value.isDouble()) return str("a number (", value.toDouble(), ")");
+  if (value.isBool()) return str("a bool (", value.toBool() ? "true" : "false", ")");
+  if (value.isString()) return str("a string (\"", value.toStringRef(), "\")");
+  if (value.isNone()) return "None";
+  return str("a ", value.tagKind());
+}
+
+// Whether `value` may be saved: anything made of tensors, numbers, strings
+// and containers; never an object (a module, a custom class).
+bool storable(const c10::IValue& value) {
+  if (value.isObject() || value.isModule() || value.isCapsule() || value.isFuture() ||
+      value.isPyObject() || value.isRRef() || value.isEnum()) {
+    return false;
+  }
+  if (value.isList()) {
+    for (const c10::IValue& element : value.toListRef()) {
+      if (!storable(element)) return false;
+    }
+  }
+  if (value.isTuple()) {
+    for (const c10::IValue& element : value.toTupleRef().elements()) {
+      if (!storable(element)) return false;
+    }
+  }
+  if (value.isGenericDict()) {
+    for (const auto& entry : value.toGenericDict()) {
+      if (!storable(entry.value())) return false;
+    }
+  }
+  return true;
+}
+
+// A copy of `value` in which every tensor is fn(tensor); containers are
+// rebuilt, never changed in place (a caller may still hold the list it set).
+c10::IValue with_tensors(const c10::IValue& value,
+                         const std::function<at::Tensor(const at::Tensor&)>& fn) {
+  if (value.isTensor()) return fn(value.toTensor());
+  if (value.isTensorList()) {
+    c10::List<at::Tensor> out;
+    for (at::Tensor t : value.toTensorList()) out.push_back(fn(t));  // by value: proxies
+    return out;
+  }
+  if (value.isList()) {
+    auto list = value.toList();
+    c10::impl::GenericList out(list.elementType());
+    out.reserve(list.size());
+    for (c10::IValue element : list) out.push_back(with_tensors(element, fn));
+    return out;
+  }
+  if (value.isTuple()) {
+    std::vector<c10::IValue> elements;
+    for (const c10::IValue& element : value.toTupleRef().elements()) {
+      elements.push_back(with_tensors(element, fn));
+    }
+    return c10::ivalue::Tuple::create(std::move(elements));
+  }
+  if (value.isGenericDict()) {
+    auto dict = value.toGenericDict();
+    c10::impl::GenericDict out(dict.keyType(), dict.valueType());
+    for (const auto& entry : dict) out.insert(entry.key(), with_tensors(entry.value(), fn));
+    return out;
+  }
+  return value;
+}
+
+void visit_tensors(const c10::IValue& value, const std::function<void(const at::Tensor&)>& fn) {
+  if (value.isTensor()) {
+    fn(value.toTensor());
+  } else if (value.isTensorList()) {
+    for (at::Tensor t : value.toTensorList()) fn(t);
+  } else if (value.isList()) {
+    for (const c10::IValue& element : value.toListRef()) visit_tensors(element, fn);
+  } else if (value.isTuple()) {
+    for (const c10::IValue& element : value.toTupleRef().elements()) visit_tensors(element, fn);
+  } else if (value.isGenericDict()) {
+    for (const auto& entry : value.toGenericDict()) visit_tensors(entry.value(), fn);
+  }
+}
+
+}  // namespace
+
+std::string StateDict::key_path(const std::string& key) const {
+  return path_.empty() ? key : path_ + "/" + key;
+}
+
+void StateDict::set_path(std::string path) {
+  path_ = std::move(path);
+  for (auto& e : entries_) {
+    if (e.section) e.section->set_path(key_path(e.key));
+  }
+}
+
+StateDict::Entry& StateDict::slot(const std::string& key) {
+  check_key(key, path_);
+  if (auto it = index_.find(key); it != index_.end()) return entries_[it->second];
+  index_.emplace(key, entries_.size());
+  entries_.emplace_back();
+  entries_.back().key = key;
+  return entries_.back();
+}
+
+void StateDict::set(const std::string& key, c10::IValue value) {
+  if (!storable(value)) {
+    throw ConfigError(str("StateDict: \"", key_path(key), "\" is ", kind_of(value),
+                          ", which a checkpoint cannot hold. Save tensors, numbers, bools, "
+                          "strings and lists of them; nest a StateDict with section()."));
+  }
+  Entry& e = slot(key);
+  e.value = std::move(value);
+  e.section.reset();
+  e.buffer = false;
+}
+
+void StateDict::set_buffer(const std::string& key, at::Tensor tensor) {
+  Entry& e = slot(key);
+  e.value = std::move(tensor);
+  e.section.reset();
+  e.buffer = true;
+}
+
+StateDict& StateDict::section(const std::string& key) {
+  Entry& e = slot(key);
+  if (!e.section) {
+    e.value = c10::IValue();
+    e.buffer = false;
+    e.section = std::make_unique<StateDict>();
+    e.section->set_path(key_path(key));
+  }
+  return *e.section;
+}
+
+void StateDict::set_section(const std::string& key, StateDict state) {
+  Entry& e = slot(key);
+  e.value = c10::IValue();
+  e.buffer = false;
+  e.section = std::make_unique<StateDict>(std::move(state));
+  e.section->set_path(key_path(key));
+}
+
+bool StateDict::erase(const std::string& key) {
+  auto it = index_.find(key);
+  if (it == index_.end()) return false;
+  entries_.erase(entries_.begin() + static_cast<std::ptrdiff_t>(it->second));
+  index_.clear();
+  for (size_t i = 0; i < entries_.size(); ++i) index_.emplace(entries_[i].key, i);
+  return true;
+}
+
+bool StateDict::contains(const std::string& key) const { return index_.count(key) != 0; }
+
+const c10::IValue* StateDict::find(const std::string& key) const {
+  auto it = index_.find(key);
+  if (it == index_.end() || entries_[it->second].section) return nullptr;
+  return &entries_[it->second].value;
+}
+
+const StateDict* StateDict::find_section(const std::string& key) const {
+  auto it = index_.find(key);
+  if (it == index_.end()) return nullptr;
+  return entries_[it->second].section.get();
+}
+
+StateDict* StateDict::find_section(const std::string& key) {
+  auto it = index_.find(key);
+  if (it == index_.end()) return nullptr;
+  return entries_[it->second].section.get();
+}
+
+void StateDict::wrong_kind(const std::string& key, const Entry* found, const char* kind) const {
+  if (found == nullptr) {
+    const auto present = keys();
+    throw CheckpointError(str("checkpoint entry \"", key_path(key), "\" (", kind,
+                              ") is missing; ", path_.empty() ? "the checkpoint" : "\"" + path_ + "\"",
+                              " holds ", present.empty() ? std::string("nothing") : join(present),
+                              ". It was saved by another version of this component or by a "
+                              "different one: resume with the components it was saved with."));
+  }
+  throw CheckpointError(str("checkpoint entry \"", key_path(key), "\" is ",
+                            found->section ? std::string("a section") : kind_of(found->value),
+                            " where ", kind,
+                            " was expected. It was saved by another version of this component "
+                            "or by a different one: resume with the components it was saved "
+                            "with."));
+}
+
+const StateDict::Entry& StateDict::required(const std::string& key, const char* kind) const {
+  auto it = index_.find(key);
+  if (it == index_.end()) wrong_kind(key, nullptr, kind);
+  return entries_[it->second];
+}
+
+const c10::IValue& StateDict::at(const std::string& key) const {
+  const Entry& e = required(key, "a value");
+  if (e.section) wrong_kind(key, &e, "a value");
+  return e.value;
+}
+
+at::Tensor StateDict::tensor(const std::string& key) const {
+  const Entry& e = required(key, "a tensor");
+  if (e.section || !e.value.isTensor()) wrong_kind(key, &e, "a tensor");
+  return e.value.toTensor();
+}
+
+int64_t StateDict::integer(const std::string& key) const {
+  const Entry& e = required(key, "an integer");
+  if (e.section || !e.value.isInt()) wrong_kind(key, &e, "an integer");
+  return e.value.toInt();
+}
+
+double StateDict::real(const std::string& key) const {
+  const Entry& e = required(key, "a number");
+  if (!e.section && e.value.isDouble()) return e.value.toDouble();
+  if (!e.section && e.value.isInt()) return static_cast<double>(e.value.toInt());
+  wrong_kind(key, &e, "a number");
+}
+
+bool StateDict::boolean(const std::string& key) const {
+  const Entry& e = required(key, "a bool");
+  if (e.section || !e.value.isBool()) wrong_kind(key, &e, "a bool");
+  return e.value.toBool();
+}
+
+std::string StateDict::string(const std::string& key) const {
+  const Entry& e = required(key, "a string");
+  if (e.section || !e.value.isString()) wrong_kind(key, &e, "a string");
+  return e.value.toStringRef();
+}
+
+std::vector<int64_t> StateDict::integers(const std::string& key) const {
+  const Entry& e = required(key, "a list of integers");
+  if (e.section || !e.value.isIntList()) wrong_kind(key, &e, "a list of integers");
+  return e.value.toIntVector();
+}
+
+std::vector<double> StateDict::reals(const std::string& key) const {
+  const Entry& e = required(key, "a list of numbers");
+  if (e.section || !e.value.isDoubleList()) wrong_kind(key, &e, "a list of numbers");
+  return e.value.toDoubleVector();
+}
+
+const StateDict& StateDict::section_at(const std::string& key) const {
+  const Entry& e = required(key, "a section");
+  if (!e.section) wrong_kind(key, &e, "a section");
+  return *e.section;
+}
+
+bool StateDict::is_buffer(const std::string& key) const {
+  auto it = index_.find(key);
+  return it != index_.end() && entries_[it->second].buffer;
+}
+
+size_t StateDict::size() const { return entries_.size(); }
+
+bool StateDict::empty() const { return entries_.empty(); }
+
+std::vector<std::string> StateDict::keys() const {
+  std::vector<std::string> out;
+  out.reserve(entries_.size());
+  for (const auto& e : entries_) out.push_back(e.key);
+  return out;
+}
+
+void StateDict::transform_tensors(const std::function<at::Tensor(const at::Tensor&)>& fn) {
+  for (auto& e : entries_) {
+    if (e.section) {
+      e.section->transform_tensors(fn);
+    } else {
+      e.value = with_tensors(e.value, fn);
+    }
+  }
+}
+
+void StateDict::for_each_tensor(const std::function<void(const at::Tensor&)>& fn) const {
+  for (const auto& e : entries_) {
+    if (e.section) {
+      e.section->for_each_tensor(fn);
+    } else {
+      visit_tensors(e.value, fn);
+    }
+  }
+}
+
+// ---- LibTorch archives.
+
+void write_archive(const StateDict& state, torch::serialize::OutputArchive& archive) {
+  for (const auto& key : state.keys()) {
+    if (const StateDict* section = state.find_section(key)) {
+      torch::serialize::OutputArchive nested(archive.compilation_unit());
+      write_archive(*section, nested);
+      archive.write(key, nested);
+      continue;
+    }
+    const c10::IValue& value = *state.find(key);
+    if (value.isTensor() && value.toTensor().defined()) {
+      archive.write(key, value.toTensor(), state.is_buffer(key));
+    } else {
+      archive.write(key, value);
+    }
+  }
+}
+
+StateDict read_archive(torch::serialize::InputArchive& archive, const std::string& path) {
+  StateDict state;
+  state.set_path(path);
+  for (const auto& key : archive.keys()) {
+    if (key == "training") continue;  // the archive's own flag
+    c10::IValue value;
+    if (!archive.try_read(key, value)) continue;
+    if (value.isObject() && value.toObject()->type()->is_module()) {
+      torch::serialize::InputArchive nested;
+      archive.try_read(key, nested);
+      state.set_section(key, read_archive(nested, path.empty() ? key : path + "/" + key));
+    } else {
+      state.set(key, std::move(value));
+    }
+  }
+  return state;
+}
+
+std::string to_bytes(const StateDict& state) {
+  torch::serialize::OutputArchive archive;
+  write_archive(state, archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
+StateDict from_bytes(const std::string& bytes) {
+  std::istringstream in(bytes);
+  torch::serialize::InputArchive archive;
+  archive.load_from(in);
+  return read_archive(archive);
+}
+
+}  // namespace fulgur

@@ -1,0 +1,250 @@
+// An optimizer's state as a StateDict (LibTorch's Optimizer::save layout):
+// the parameter groups through the optimizer's own save (small: numbers and
+// keys), the per-parameter states of torch::optim's optimizers by their
+// accessors, so the tensors go into the dict uncopied.
+#include "fulgur/optim/state_dict.h"
+
+#include <torch/optim.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <memory>
+#include <sstream>
+#include <utility>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/utilities/torch_compat.h"
+
+namespace fulgur {
+namespace {
+
+namespace optim = torch::optim;
+using ParamStates = std::decay_t<decltype(std::declval<optim::Optimizer&>().state())>;
+
+// The archive `save` writes, read back as a StateDict (through bytes: an
+// OutputArchive cannot be read).
+template <class Save>
+StateDict saved_through_archive(Save&& save) {
+  torch::serialize::OutputArchive archive;
+  save(archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  return from_bytes(out.str());
+}
+
+// An InputArchive holding `state` (through bytes, as above).
+void load_through_archive(const StateDict& state, torch::serialize::InputArchive& archive) {
+  std::istringstream in(to_bytes(state));
+  archive.load_from(in);
+}
+
+void set_tensor(StateDict& out, const char* key, const at::Tensor& t) {
+  if (t.defined()) out.set(key, t);  // as LibTorch: an undefined tensor is not written
+}
+
+at::Tensor optional_tensor(const StateDict& in, const char* key) {
+  const c10::IValue* v = in.find(key);
+  return v != nullptr && v->isTensor() ? v->toTensor() : at::Tensor();
+}
+
+// The entries LibTorch's ParamState::serialize writes, for the states fulgur
+// knows; false for another.
+bool write_param_state(const optim::OptimizerParamState& state, StateDict& out) {
+  auto moments = [&](const auto& s) {  // Adam's and AdamW's
+    out.set("step", s.step());
+    set_tensor(out, "exp_avg", s.exp_avg());
+    set_tensor(out, "exp_avg_sq", s.exp_avg_sq());
+    set_tensor(out, "max_exp_avg_sq", s.max_exp_avg_sq());
+  };
+  if (const auto* adam = dynamic_cast<const optim::AdamParamState*>(&state)) {
+    moments(*adam);
+  } else if (const auto* adamw = dynamic_cast<const optim::AdamWParamState*>(&state)) {
+    moments(*adamw);
+  } else if (const auto* sgd = dynamic_cast<const optim::SGDParamState*>(&state)) {
+    set_tensor(out, "momentum_buffer", sgd->momentum_buffer());
+  } else if (const auto* rms = dynamic_cast<const optim::RMSpropParamState*>(&state)) {
+    out.set("step", rms->step());
+    set_tensor(out, "square_avg", rms->square_avg());
+    set_tensor(out, "momentum_buffer", rms->momentum_buffer());
+    set_tensor(out, "grad_avg", rms->grad_avg());
+  } else if (const auto* ada = dynamic_cast<const optim::AdagradParamState*>(&state)) {
+    out.set("step", ada->step());
+    set_tensor(out, "sum", ada->sum());
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// A parameter's state for `optimizer` from its entries; null for an
+// optimizer whose state fulgur does not know.
+std::unique_ptr<optim::OptimizerParamState> read_param_state(const optim::Optimizer& optimizer,
+                                                             const StateDict& in) {
+  auto moments = [&](auto s) {
+    s->step(in.integer("step"));
+    s->exp_avg(optional_tensor(in, "exp_avg"));
+    s->exp_avg_sq(optional_tensor(in, "exp_avg_sq"));
+    s->max_exp_avg_sq(optional_tensor(in, "max_exp_avg_sq"));
+    return s;
+  };
+  if (dynamic_cast<const optim::Adam*>(&optimizer)) {
+    return moments(std::make_unique<optim::AdamParamState>());
+  }
+  if (dynamic_cast<const optim::AdamW*>(&optimizer)) {
+    return moments(std::make_unique<optim::AdamWParamState>());
+  }
+  if (dynamic_cast<const optim::SGD*>(&optimizer)) {
+    auto s = std::make_unique<optim::SGDParamState>();
+    s->momentum_buffer(optional_tensor(in, "momentum_buffer"));
+    return s;
+  }
+  if (dynamic_cast<const optim::RMSprop*>(&optimizer)) {
+    auto s = std::make_unique<optim::RMSpropParamState>();
+    s->step(in.integer("step"));
+    s->square_avg(optional_tensor(in, "square_avg"));
+    s->momentum_buffer(optional_tensor(in, "momentum_buffer"));
+    s->grad_avg(optional_tensor(in, "grad_avg"));
+    return s;
+  }
+  if (dynamic_cast<const optim::Adagrad*>(&optimizer)) {
+    auto s = std::make_unique<optim::AdagradParamState>();
+    s->step(in.integer("step"));
+    s->sum(optional_tensor(in, "sum"));
+    return s;
+  }
+  return nullptr;
+}
+
+bool knows_state_of(const optim::Optimizer& optimizer) {
+  return dynamic_cast<const optim::Adam*>(&optimizer) ||
+         dynamic_cast<const optim::AdamW*>(&optimizer) ||
+         dynamic_cast<const optim::SGD*>(&optimizer) ||
+         dynamic_cast<const optim::RMSprop*>(&optimizer) ||
+         dynamic_cast<const optim::Adagrad*>(&optimizer);
+}
+
+// The keys of the parameters in the dict's param_groups, group by group.
+std::vector<std::vector<std::string>> saved_keys(const StateDict& groups) {
+  std::vector<std::vector<std::string>> keys;
+  const int64_t count = groups.tensor("param_groups/size").item<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    const StateDict& group = groups.section_at(str("param_groups/", i));
+    const int64_t size = group.tensor("params/size").item<int64_t>();
+    auto& out = keys.emplace_back();
+    for (int64_t j = 0; j < size; ++j) out.push_back(group.string(str("params/", j)));
+  }
+  return keys;
+}
+
+// LibTorch's Optimizer::load reads each parameter group's options and drops
+// them (torch/optim/serialize.h); they are restored here from the same
+// archive, for the optimizers of torch::optim (one of one's own that saves
+// another layout restores its options in its own load()).
+void restore_group_options(optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
+  torch::serialize::InputArchive groups;
+  if (!archive.try_read("param_groups", groups)) return;
+  auto& param_groups = optimizer.param_groups();
+  for (size_t i = 0; i < param_groups.size(); ++i) {
+    torch::serialize::InputArchive group;
+    torch::serialize::InputArchive options;
+    if (!groups.try_read(str("param_groups/", i), group) || !group.try_read("options", options)) {
+      throw CheckpointError(str("the optimizer state holds no options for parameter group ", i,
+                                " of ", param_groups.size(), " (the save had fewer groups)"));
+    }
+    param_groups[i].options().serialize(options);
+  }
+}
+
+// The optimizer's own load, then its groups' options.
+void load_whole(optim::Optimizer& optimizer, const StateDict& state) {
+  torch::serialize::InputArchive archive;
+  load_through_archive(state, archive);
+  optimizer.load(archive);
+  restore_group_options(optimizer, archive);
+}
+
+}  // namespace
+
+StateDict optimizer_state_dict(const optim::Optimizer& optimizer) {
+  auto& self = const_cast<optim::Optimizer&>(optimizer);
+  bool known = true;
+  for (const auto& [key, state] : optimizer.state()) {
+    (void)key;
+    StateDict scratch;  // holds references only
+    if (!write_param_state(*state, scratch)) known = false;
+  }
+  if (!known) {
+    // An optimizer of its own kind: its own save, read back.
+    return saved_through_archive([&](auto& archive) { optimizer.save(archive); });
+  }
+  // The parameter groups through the optimizer's own save, with its states
+  // set aside (their tensors are not serialized), then the states.
+  ParamStates states = std::move(self.state());
+  self.state().clear();
+  StateDict out;
+  try {
+    out = saved_through_archive([&](auto& archive) { optimizer.save(archive); });
+  } catch (...) {
+    self.state() = std::move(states);
+    throw;
+  }
+  self.state() = std::move(states);
+  const auto* groups = out.find_section("param_groups");
+  auto* state_section = out.find_section("state");
+  if (groups == nullptr || state_section == nullptr || !state_section->empty()) {
+    // Not LibTorch's layout: the optimizer saves itself.
+    return saved_through_archive([&](auto& archive) { optimizer.save(archive); });
+  }
+  const auto keys = saved_keys(*groups);
+  const auto& param_groups = optimizer.param_groups();
+  for (size_t i = 0; i < keys.size() && i < param_groups.size(); ++i) {
+    const auto& params = param_groups[i].params();
+    for (size_t j = 0; j < keys[i].size() && j < params.size(); ++j) {
+      auto it = optimizer.state().find(compat::optimizer_state_key(params[j]));
+      if (it == optimizer.state().end() || state_section->contains(keys[i][j])) continue;
+      write_param_state(*it->second, state_section->section(keys[i][j]));
+    }
+  }
+  return out;
+}
+
+void load_optimizer_state_dict(optim::Optimizer& optimizer, const StateDict& state) {
+  const StateDict* saved_states = state.find_section("state");
+  const StateDict* groups = state.find_section("param_groups");
+  if (saved_states == nullptr || groups == nullptr || !knows_state_of(optimizer)) {
+    load_whole(optimizer, state);
+    return;
+  }
+  const auto keys = saved_keys(*groups);
+  auto& param_groups = optimizer.param_groups();
+  if (keys.size() != param_groups.size()) {
+    throw CheckpointError(str("the optimizer state has ", keys.size(),
+                              " parameter group(s); the optimizer has ", param_groups.size()));
+  }
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (keys[i].size() != param_groups[i].params().size()) {
+      throw CheckpointError(str("parameter group ", i, " has ", keys[i].size(),
+                                " parameter(s) in the optimizer state and ",
+                                param_groups[i].params().size(), " in the optimizer"));
+    }
+  }
+  // Every state read before any is set: a state that does not fit changes
+  // nothing.
+  std::vector<std::pair<compat::OptimizerStateKey, std::unique_ptr<optim::OptimizerParamState>>>
+      loaded;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    for (size_t j = 0; j < keys[i].size(); ++j) {
+      const StateDict* saved = saved_states->find_section(keys[i][j]);
+      if (saved == nullptr) continue;
+      loaded.emplace_back(compat::optimizer_state_key(param_groups[i].params()[j]),
+                          read_param_state(optimizer, *saved));
+    }
+  }
+  // The groups' options, through the optimizer's own load with no state.
+  StateDict without_states = state;
+  without_states.section("state") = StateDict();
+  load_whole(optimizer, without_states);
+  for (auto& [key, param_state] : loaded) optimizer.state()[key] = std::move(param_state);
+}
+
+}  // namespace fulgur
