@@ -465,12 +465,18 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
   // ---- The command line.
   size_t i = 0;
   subcommand_ = options_.default_subcommand;
+  lr_find_ = false;
   if (!args.empty()) {
     for (auto s : {Stage::kFit, Stage::kValidate, Stage::kTest, Stage::kPredict}) {
       if (args[0] == to_string(s)) {
         subcommand_ = s;
         i = 1;
       }
+    }
+    if (args[0] == "lr_find") {
+      subcommand_ = Stage::kFit;
+      lr_find_ = true;
+      i = 1;
     }
   }
   bool help_wanted = false, print_config = false;
@@ -486,7 +492,8 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       problems.push_back(str(in_quotes(arg),
                              ": expected a flag such as --devices 2 (--KEY VALUE or "
                              "--KEY=VALUE)",
-                             i == 0 ? ", or a subcommand: fit, validate, test, predict." : "."));
+                             i == 0 ? ", or a subcommand: fit, validate, test, predict, lr_find."
+                                    : "."));
       continue;
     }
     std::string name = arg.substr(2);
@@ -844,10 +851,13 @@ std::string CLI::config_yaml() const {
 std::string CLI::help() const {
   std::ostringstream out;
   out << "usage: " << options_.program
-      << " [fit|validate|test|predict] [--config FILE]... [--print_config] [--KEY VALUE]...\n";
+      << " [fit|validate|test|predict|lr_find] [--config FILE]... [--print_config] [--KEY "
+         "VALUE]...\n";
   if (!options_.description.empty()) out << "\n" << options_.description << "\n";
   out << "\nSubcommands: fit, validate, test, predict (default: "
-      << to_string(options_.default_subcommand) << ").\n"
+      << to_string(options_.default_subcommand)
+      << "); lr_find: the learning-rate finder on the fit's data (prints a suggested rate, draws "
+         "lr_find.png under default_root_dir).\n"
       << "Values come from, lowest first: the defaults below; the config saved in the checkpoint\n"
          "given as ckpt_path; each --config file in turn; the command line. A key is written\n"
          "--section.key (--trainer.max_epochs 5), or by its name alone where that is unique\n"
@@ -885,6 +895,26 @@ std::string CLI::help() const {
 
 CLI::Result CLI::run(Trainer& trainer, Module& model, DataModule& data) const {
   Result result;
+  if (lr_find_) {
+    Tuner tuner(trainer.options());
+    LRFinderOptions sweep;
+    sweep.plot_path = (fs::path(trainer.default_root_dir()) / "lr_find.png").string();
+    std::error_code ec;
+    fs::create_directories(trainer.default_root_dir(), ec);
+    result.lr_find = tuner.lr_find(model, data, sweep);
+    const LRFinderResult& found = *result.lr_find;
+    std::cout << options_.program << " lr_find: " << found.lrs.size() << " steps from "
+              << (found.lrs.empty() ? 0.0 : found.lrs.front()) << " to "
+              << (found.lrs.empty() ? 0.0 : found.lrs.back())
+              << (found.diverged ? " (stopped: the loss diverged)" : "") << "\n";
+    if (found.suggestion) {
+      std::cout << options_.program << " lr_find: suggested learning rate " << *found.suggestion
+                << "\n";
+    }
+    if (!found.note.empty()) std::cout << found.note << "\n";
+    if (fs::exists(sweep.plot_path, ec)) std::cout << "curve: " << sweep.plot_path << "\n";
+    return result;
+  }
   switch (subcommand_) {
     case Stage::kFit: result.fit = trainer.fit(model, data, {.ckpt_path = ckpt_path_}); break;
     case Stage::kValidate: result.metrics = trainer.validate(model, data, ckpt_path_); break;

@@ -18,7 +18,8 @@ struct StateDict::Entry {
       : key(other.key),
         value(other.value),
         section(other.section ? std::make_unique<StateDict>(*other.section) : nullptr),
-        buffer(other.buffer) {}
+        buffer(other.buffer),
+        plain(other.plain) {}
   Entry& operator=(const Entry& other) {
     if (this != &other) *this = Entry(other);
     return *this;
@@ -29,7 +30,8 @@ struct StateDict::Entry {
   std::string key;
   c10::IValue value;                  // when section is null
   std::unique_ptr<StateDict> section;
-  bool buffer = false;
+  bool buffer = false;  // a tensor archived as a module buffer
+  bool plain = false;   // a tensor archived as a plain value
 };
 
 StateDict::StateDict() = default;
@@ -169,6 +171,7 @@ void StateDict::set(const std::string& key, c10::IValue value) {
   e.value = std::move(value);
   e.section.reset();
   e.buffer = false;
+  e.plain = false;
 }
 
 void StateDict::set_buffer(const std::string& key, at::Tensor tensor) {
@@ -176,13 +179,22 @@ void StateDict::set_buffer(const std::string& key, at::Tensor tensor) {
   e.value = std::move(tensor);
   e.section.reset();
   e.buffer = true;
+  e.plain = false;
+}
+
+void StateDict::set_plain(const std::string& key, at::Tensor tensor) {
+  Entry& e = slot(key);
+  e.value = std::move(tensor);
+  e.section.reset();
+  e.buffer = false;
+  e.plain = true;
 }
 
 StateDict& StateDict::section(const std::string& key) {
   Entry& e = slot(key);
   if (!e.section) {
     e.value = c10::IValue();
-    e.buffer = false;
+    e.buffer = e.plain = false;
     e.section = std::make_unique<StateDict>();
     e.section->set_path(key_path(key));
   }
@@ -192,7 +204,7 @@ StateDict& StateDict::section(const std::string& key) {
 void StateDict::set_section(const std::string& key, StateDict state) {
   Entry& e = slot(key);
   e.value = c10::IValue();
-  e.buffer = false;
+  e.buffer = e.plain = false;
   e.section = std::make_unique<StateDict>(std::move(state));
   e.section->set_path(key_path(key));
 }
@@ -309,6 +321,11 @@ bool StateDict::is_buffer(const std::string& key) const {
   return it != index_.end() && entries_[it->second].buffer;
 }
 
+bool StateDict::is_plain(const std::string& key) const {
+  auto it = index_.find(key);
+  return it != index_.end() && entries_[it->second].plain;
+}
+
 size_t StateDict::size() const { return entries_.size(); }
 
 bool StateDict::empty() const { return entries_.empty(); }
@@ -351,7 +368,7 @@ void write_archive(const StateDict& state, torch::serialize::OutputArchive& arch
       continue;
     }
     const c10::IValue& value = *state.find(key);
-    if (value.isTensor() && value.toTensor().defined()) {
+    if (value.isTensor() && value.toTensor().defined() && !state.is_plain(key)) {
       archive.write(key, value.toTensor(), state.is_buffer(key));
     } else {
       archive.write(key, value);
@@ -371,7 +388,9 @@ StateDict read_archive(torch::serialize::InputArchive& archive, const std::strin
       archive.try_read(key, nested);
       state.set_section(key, read_archive(nested, path.empty() ? key : path + "/" + key));
     } else {
-      state.set(key, std::move(value));
+      // As it is: what a file holds is loaded, whatever set() would refuse
+      // to save (the component reading it names what it expected).
+      state.slot(key).value = std::move(value);
     }
   }
   return state;

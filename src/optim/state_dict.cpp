@@ -38,13 +38,16 @@ void load_through_archive(const StateDict& state, torch::serialize::InputArchive
   archive.load_from(in);
 }
 
+// As LibTorch writes them: a plain value, none for an undefined tensor.
 void set_tensor(StateDict& out, const char* key, const at::Tensor& t) {
-  if (t.defined()) out.set(key, t);  // as LibTorch: an undefined tensor is not written
+  if (t.defined()) out.set_plain(key, t);
 }
 
+// An undefined tensor when absent (as LibTorch reads it); CheckpointError
+// naming the entry when it is something else.
 at::Tensor optional_tensor(const StateDict& in, const char* key) {
-  const c10::IValue* v = in.find(key);
-  return v != nullptr && v->isTensor() ? v->toTensor() : at::Tensor();
+  if (!in.contains(key)) return at::Tensor();
+  return in.tensor(key);
 }
 
 // The entries LibTorch's ParamState::serialize writes, for the states fulgur
@@ -155,18 +158,79 @@ void restore_group_options(optim::Optimizer& optimizer, torch::serialize::InputA
   }
 }
 
+// `state` with every parameter's key replaced by its position ("1", "2",
+// ...), in param_groups and in the state alike: LibTorch 2.x's load parses
+// the keys as decimal addresses (a 1.13 key "0x55d0..." parses as 0, and
+// every state would land on one), 1.13's compares them as text; positions
+// read the same in both.
+StateDict with_position_keys(const StateDict& state) {
+  StateDict out = state;
+  StateDict* groups = out.find_section("param_groups");
+  StateDict* states = out.find_section("state");
+  if (groups == nullptr || states == nullptr) return out;
+  const StateDict original_states = *states;
+  StateDict renamed;
+  int64_t position = 0;
+  const int64_t count = groups->tensor("param_groups/size").item<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    StateDict& group = groups->section(str("param_groups/", i));
+    const int64_t size = group.tensor("params/size").item<int64_t>();
+    for (int64_t j = 0; j < size; ++j) {
+      const std::string key = group.string(str("params/", j));
+      const std::string by_position = std::to_string(++position);
+      group.set(str("params/", j), by_position);
+      if (const StateDict* one = original_states.find_section(key)) {
+        renamed.set_section(by_position, *one);
+      }
+    }
+  }
+  *states = std::move(renamed);
+  return out;
+}
+
 // The optimizer's own load, then its groups' options.
 void load_whole(optim::Optimizer& optimizer, const StateDict& state) {
   torch::serialize::InputArchive archive;
-  load_through_archive(state, archive);
+  load_through_archive(with_position_keys(state), archive);
   optimizer.load(archive);
   restore_group_options(optimizer, archive);
 }
 
+// The option names of the optimizer's groups, as its options serialize
+// them (lr, momentum, ... for SGD; lr, betas, ... for Adam).
+std::vector<std::string> option_names(optim::Optimizer& optimizer) {
+  if (optimizer.param_groups().empty()) return {};
+  return saved_through_archive([&](auto& archive) {
+           optimizer.param_groups()[0].options().serialize(archive);
+         }).keys();
+}
+
+// Refuses the options of another optimizer (LibTorch would fail an
+// internal assert on the first option missing).
+void check_group_options(optim::Optimizer& optimizer, const StateDict& groups) {
+  const auto expected = option_names(optimizer);
+  const int64_t count = groups.tensor("param_groups/size").item<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    const StateDict* options =
+        groups.section_at(str("param_groups/", i)).find_section("options");
+    if (options == nullptr) continue;  // restore_group_options names it
+    std::vector<std::string> missing;
+    for (const auto& name : expected) {
+      if (!options->contains(name)) missing.push_back(name);
+    }
+    if (!missing.empty()) {
+      throw CheckpointError(str("parameter group ", i, " of the optimizer state has the options ",
+                                join(options->keys()), ", without ", join(missing),
+                                ", which this optimizer has (", join(expected),
+                                "): it is the state of another kind of optimizer"));
+    }
+  }
+}
+
 }  // namespace
 
-StateDict optimizer_state_dict(const optim::Optimizer& optimizer) {
-  auto& self = const_cast<optim::Optimizer&>(optimizer);
+StateDict optimizer_state_dict(optim::Optimizer& optimizer) {
+  auto& self = optimizer;
   bool known = true;
   for (const auto& [key, state] : optimizer.state()) {
     (void)key;
@@ -217,6 +281,7 @@ void load_optimizer_state_dict(optim::Optimizer& optimizer, const StateDict& sta
   }
   const auto keys = saved_keys(*groups);
   auto& param_groups = optimizer.param_groups();
+  check_group_options(optimizer, *groups);
   if (keys.size() != param_groups.size()) {
     throw CheckpointError(str("the optimizer state has ", keys.size(),
                               " parameter group(s); the optimizer has ", param_groups.size()));

@@ -666,6 +666,8 @@ int64_t Trainer::current_epoch() const { return impl_->fit_loop.current_epoch();
 int64_t Trainer::global_step() const { return impl_->fit_loop.global_step(); }
 int64_t Trainer::batch_idx() const { return impl_->fit_loop.batch_idx(); }
 int64_t Trainer::num_training_batches() const { return impl_->fit_loop.num_training_batches(); }
+int64_t Trainer::max_epochs() const { return impl_->limits.max_epochs; }
+DataLoader* Trainer::train_dataloader() const { return impl_->fit_loop.train_loader(); }
 int64_t Trainer::num_evaluation_batches() const {
   return stage() == Stage::kPredict ? impl_->prediction_loop.num_batches()
                                    : impl_->evaluation_loop.num_batches();

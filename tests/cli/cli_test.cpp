@@ -128,6 +128,41 @@ TEST(CLI, NoSubcommandIsFitAndSubcommandsAreRead) {
   }
 }
 
+TEST(CLI, LrFindSweepsTheFitsDataPrintsASuggestionAndDrawsTheCurve) {
+  TempDir dir;
+  Program p;
+  ASSERT_TRUE(p.parse({"lr_find", "--default_root_dir", dir.path(), "--accelerator", "cpu",
+                       "--enable_progress_bar", "false", "--logger", "false"}));
+  EXPECT_TRUE(p.cli.is_lr_find());
+  EXPECT_EQ(p.cli.subcommand(), fulgur::Stage::kFit);  // the data of fit
+  fulgur::test::LinearRegression model;
+  const auto before = fulgur::test::clone_parameters(model);
+  fulgur::test::RecordingDataModule data(/*train_batches=*/16);
+  fulgur::Trainer trainer(p.cli.trainer_options());
+  testing::internal::CaptureStdout();
+  const auto result = p.cli.run(trainer, model, data);
+  const std::string printed = testing::internal::GetCapturedStdout();
+  ASSERT_TRUE(result.lr_find.has_value());
+  EXPECT_FALSE(result.fit.has_value());
+  EXPECT_GT(result.lr_find->lrs.size(), 10u);
+  EXPECT_TRUE(contains(printed, "prog lr_find: ")) << printed;
+  if (result.lr_find->suggestion) {
+    EXPECT_TRUE(contains(printed, "suggested learning rate")) << printed;
+  }
+  EXPECT_TRUE(fs::exists(dir.file("lr_find.png"))) << printed;
+  EXPECT_TRUE(contains(printed, dir.file("lr_find.png"))) << printed;
+  // The sweep left the module as it was; the checkpoints and logs of a fit
+  // were not written.
+  const auto after = fulgur::test::clone_parameters(model);
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i]));
+  EXPECT_FALSE(fs::exists(dir.file("checkpoints")));
+  EXPECT_FALSE(fs::exists(dir.file("fulgur_logs")));
+  // A program without it still takes fit as its first word.
+  Program fit;
+  ASSERT_TRUE(fit.parse({"fit"}));
+  EXPECT_FALSE(fit.cli.is_lr_find());
+}
+
 TEST(CLI, PrintConfigFedBackGivesTheSameConfig) {
   TempDir dir;
   Program first({.max_epochs = 3});

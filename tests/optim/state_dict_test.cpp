@@ -107,7 +107,7 @@ void expect_same_structure(const fulgur::StateDict& a, const fulgur::StateDict& 
 }
 
 // The options of the first parameter group, as the dict holds them.
-fulgur::StateDict options_of(const torch::optim::Optimizer& optimizer) {
+fulgur::StateDict options_of(torch::optim::Optimizer& optimizer) {
   return fulgur::optimizer_state_dict(optimizer)
       .section_at("param_groups")
       .section_at("param_groups/0")
@@ -361,17 +361,38 @@ TEST(OptimizerStateDict, ALoadThatDoesNotFitNamesTheDifferenceAndChangesNothing)
     EXPECT_TRUE(one_param.state().empty());
     EXPECT_EQ(one_param.param_groups()[0].options().get_lr(), 0.5);
   }
-  {  // Another optimizer's state: SGD's has no step count.
+  {  // Another optimizer's state: SGD's options and states into Adam.
     const TensorVector sgd_params = make_params(2);
     torch::optim::SGD sgd(sgd_params, torch::optim::SGDOptions(0.1).momentum(0.9));
     train(sgd, sgd_params, 2);
     const fulgur::StateDict sgd_state = through_bytes(fulgur::optimizer_state_dict(sgd));
     torch::optim::Adam other(fresh, torch::optim::AdamOptions(0.5));
-    EXPECT_THROWS_WITH(
-        fulgur::CheckpointError, fulgur::load_optimizer_state_dict(other, sgd_state),
-        {"checkpoint entry \"state/", "/step\" (an integer) is missing", "holds momentum_buffer"});
+    EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                       fulgur::load_optimizer_state_dict(other, sgd_state),
+                       {"parameter group 0 of the optimizer state has the options lr, momentum",
+                        "without betas, eps, amsgrad",
+                        "which this optimizer has (lr, betas, eps, weight_decay, amsgrad)",
+                        "another kind of optimizer"});
     EXPECT_TRUE(other.state().empty());
     EXPECT_EQ(other.param_groups()[0].options().get_lr(), 0.5);
+    // And Adam's into SGD (LibTorch's own load fails an internal assert).
+    torch::optim::SGD sgd_again(copies_of(sgd_params), torch::optim::SGDOptions(0.7));
+    EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                       fulgur::load_optimizer_state_dict(sgd_again, saved),
+                       {"without momentum, dampening, nesterov", "another kind of optimizer"});
+    EXPECT_TRUE(sgd_again.state().empty());
+    EXPECT_EQ(sgd_again.param_groups()[0].options().get_lr(), 0.7);
+  }
+  {  // A state entry of another kind than the optimizer's (a damaged file).
+    fulgur::StateDict damaged = saved;
+    fulgur::StateDict& states = damaged.section("state");
+    const std::string first = states.keys().front();
+    states.section(first).set("exp_avg", int64_t{3});
+    torch::optim::Adam other(fresh, torch::optim::AdamOptions(0.5));
+    EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                       fulgur::load_optimizer_state_dict(other, damaged),
+                       {"state/" + first + "/exp_avg\" is an integer (3) where a tensor"});
+    EXPECT_TRUE(other.state().empty());
   }
 }
 

@@ -1,7 +1,9 @@
 // File: fulgur/cli/cli.h
 //
 // The LightningCLI of C++: one object gives a program the subcommands fit,
-// validate, test and predict, every Trainer flag (from trainer_flags()), the
+// validate, test, predict and lr_find (the learning-rate finder on the fit's
+// data: the suggestion printed, the curve drawn into lr_find.png under
+// default_root_dir), every Trainer flag (from trainer_flags()), the
 // program's own options in a few lines, YAML config files and dotted
 // overrides.
 //
@@ -23,6 +25,7 @@
 //   train fit --config run.yaml                  #   exactly the same settings
 //   train fit --ckpt_path runs/.../last.ckpt     # the checkpoint's config, then overrides
 //   train --max_epochs 5                         # no subcommand: fit; flat names work
+//   train lr_find --config run.yaml              # a learning rate to start from
 //
 // A config file has the sections `trainer:`, `model:` and `data:`, and the
 // program's top-level keys (`ckpt_path:` and what program() adds):
@@ -64,6 +67,7 @@
 
 #include "fulgur/trainer/trainer.h"
 #include "fulgur/trainer/trainer_options.h"
+#include "fulgur/tuner/tuner.h"
 
 namespace fulgur {
 
@@ -141,7 +145,10 @@ class CLI {
   /// after --help or --print_config (`out` got the text).
   bool parse_arguments(const std::vector<std::string>& args, std::ostream& out);
 
+  /// The stage the subcommand runs (lr_find: kFit, whose data it sweeps).
   Stage subcommand() const { return subcommand_; }
+  /// The subcommand is lr_find.
+  bool is_lr_find() const { return lr_find_; }
   /// The checkpoint to start from ("" for none), as configured.
   const std::string& ckpt_path() const { return ckpt_path_; }
   /// trainer_defaults with the configured flags applied, plus a callback
@@ -156,11 +163,15 @@ class CLI {
   std::string value(const std::string& key) const;
 
   /// Runs the subcommand on `trainer` with ckpt_path: fit, validate, test or
-  /// predict. The result of the one that ran is set.
+  /// predict; lr_find runs the finder with the trainer's options (the
+  /// module's weights put back), prints the suggestion on stdout and draws
+  /// the curve into <default_root_dir>/lr_find.png. The result of the one
+  /// that ran is set.
   struct Result {
     std::optional<FitResult> fit;
     std::optional<Metrics> metrics;
     std::optional<std::vector<Batch>> predictions;
+    std::optional<LRFinderResult> lr_find;
   };
   Result run(Trainer& trainer, Module& model, DataModule& data) const;
 
@@ -194,6 +205,7 @@ class CLI {
   size_t problems_found_ = 0;
   OptionGroup model_, data_, program_;
   Stage subcommand_;
+  bool lr_find_ = false;
   std::string ckpt_path_;
   std::map<std::string, Setting> values_;
   TrainerOptions trainer_;

@@ -62,6 +62,10 @@ class StateDict {
   /// A tensor recorded as a module buffer, not a parameter (what
   /// nn::Module::save marks; the archive keeps the difference).
   void set_buffer(const std::string& key, at::Tensor tensor);
+  /// A tensor recorded as a plain value of the archive, neither parameter
+  /// nor buffer (as LibTorch's optimizers write their state tensors). A
+  /// tensor given to set() is archived as a module parameter.
+  void set_plain(const std::string& key, at::Tensor tensor);
   /// The nested dict under `key`, created empty when there is none (a value
   /// under `key` is replaced).
   StateDict& section(const std::string& key);
@@ -88,8 +92,10 @@ class StateDict {
   std::vector<int64_t> integers(const std::string& key) const;
   std::vector<double> reals(const std::string& key) const;
   const StateDict& section_at(const std::string& key) const;
-  /// Whether the tensor under `key` was set with set_buffer.
+  /// Whether the tensor under `key` was set with set_buffer / set_plain.
+  /// (A state read from an archive cannot tell: its tensors read as set().)
   bool is_buffer(const std::string& key) const;
+  bool is_plain(const std::string& key) const;
 
   /// The keys, in the order they were first set.
   std::vector<std::string> keys() const;
@@ -110,6 +116,7 @@ class StateDict {
 
  private:
   struct Entry;
+  friend StateDict read_archive(torch::serialize::InputArchive& archive, const std::string& path);
   Entry& slot(const std::string& key);
   const Entry& required(const std::string& key, const char* kind) const;
   [[noreturn]] void wrong_kind(const std::string& key, const Entry* found, const char* kind) const;

@@ -18,8 +18,9 @@
 // A load restores each parameter group's options too (LibTorch's
 // Optimizer::load reads and drops them: a resumed schedule would go on from
 // configure_optimizers' learning rate), and matches states to parameters by
-// the keys inside the dict, so a state saved with LibTorch 1.13 (keys
-// "0x55d0...") loads into 2.x (keys "94371...") and back.
+// their positions in the dict's param_groups, never by parsing its keys, so
+// a state saved with LibTorch 1.13 (keys "0x55d0...") loads into 2.x (keys
+// "94371...") and back, also for an optimizer loaded through its own load().
 #pragma once
 
 #include "fulgur/core/state_dict.h"
@@ -30,10 +31,17 @@ class Optimizer;
 
 namespace fulgur {
 
-StateDict optimizer_state_dict(const torch::optim::Optimizer& optimizer);
+/// Not const: while LibTorch serializes the parameter groups, the state map
+/// is set aside (and always put back); not to be called while another
+/// thread steps the optimizer.
+StateDict optimizer_state_dict(torch::optim::Optimizer& optimizer);
 /// Throws CheckpointError when `state` does not fit `optimizer` (another
 /// number of parameter groups or of parameters in one, another optimizer's
-/// state), naming what differs.
+/// state), naming what differs. The optimizer takes the dict's state
+/// tensors as they are (as PyTorch's load_state_dict does on the same
+/// device): a state loaded from a file is the optimizer's alone; to start
+/// from another live optimizer's state without sharing it, clone its
+/// tensors first (StateDict::transform_tensors).
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDict& state);
 
 }  // namespace fulgur

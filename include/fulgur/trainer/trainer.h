@@ -98,6 +98,13 @@ class Trainer {
   int64_t batch_idx() const;
   /// Training batches per epoch after limits; -1 when unknown.
   int64_t num_training_batches() const;
+  /// The epoch limit of fit as resolved (max_epochs, or its default); -1:
+  /// none (max_steps or max_time ends the fit).
+  int64_t max_epochs() const;
+  /// The loader fit trains on (sharded for this rank); null outside fit.
+  /// A callback that reads it (a pass over the data at the end of fit)
+  /// puts its position back (state_dict / load_state_dict).
+  DataLoader* train_dataloader() const;
   /// Batches of the validation, test or predict pass running (or last
   /// run), after limits; -1 when unknown.
   int64_t num_evaluation_batches() const;

@@ -162,7 +162,9 @@ void consolidate_sharded_checkpoint(const std::string& dir, const std::string& o
   };
 
   // Rank 0's file gives everything but the optimizers' state; every rank's
-  // gives its chunks of that state. Each file is read (and verified) once.
+  // gives its chunks of that state. Each file is read (and verified) once;
+  // of the other ranks' files only the optimizers' section is kept (each
+  // holds the whole module too).
   std::vector<StateDict> files;
   std::vector<ShardRecord> records;  // rank 0's, one per optimizer
   int64_t count = 0;
@@ -187,6 +189,11 @@ void consolidate_sharded_checkpoint(const std::string& dir, const std::string& o
         }
         if (r == 0) records.push_back(std::move(record));
       }
+      if (r > 0) {
+        StateDict optimizers_only;
+        optimizers_only.set_section("optimizer_states", states);
+        files.back() = std::move(optimizers_only);
+      }
     } catch (const CheckpointError& e) {
       const std::string what = e.what();
       if (what.find(file) != std::string::npos) throw;
@@ -204,7 +211,14 @@ void consolidate_sharded_checkpoint(const std::string& dir, const std::string& o
     for (int64_t r = 0; r < world; ++r) {
       const StateDict& optimizer =
           files[static_cast<size_t>(r)].section_at("optimizer_states").section_at(std::to_string(o));
-      ranks.push_back(rank_state(optimizer, shard_file(r)));
+      try {
+        ranks.push_back(rank_state(optimizer, shard_file(r)));
+      } catch (const CheckpointError& e) {
+        const std::string what = e.what();
+        if (what.find(shard_file(r)) != std::string::npos) throw;
+        throw CheckpointError(str("\"", shard_file(r), "\": ", what,
+                                  " It is not a checkpoint fulgur's Trainer wrote."));
+      }
       if (ranks[r].keys.size() != ranks[0].keys.size()) {
         throw CheckpointError(str("\"", shard_file(r), "\": optimizer ", o, " steps ",
                                   ranks[r].keys.size(), " parameters and rank 0's ",

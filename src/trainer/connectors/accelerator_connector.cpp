@@ -81,7 +81,7 @@ class ConnectorRun {
                std::vector<std::string> other_problems)
       : options_(options), context_(context), problems_(std::move(other_problems)) {}
 
-  Choices resolve() {
+  Connection resolve() {
     // ---- Phase 1: names, instances and values.
     read_accelerator_flag();
     read_precision_flag();
@@ -507,8 +507,8 @@ class ConnectorRun {
     }
   }
 
-  Choices finish() {
-    Choices c;
+  Connection finish() {
+    Connection c;
     c.strategy = std::move(strategy_);
     c.accelerator = std::move(accelerator_);
     c.devices = std::move(devices_);
@@ -519,12 +519,13 @@ class ConnectorRun {
     }
     c.checkpoint_io = std::move(io_);
     c.cluster_environment = std::move(environment_);
-    c.num_nodes = options_.num_nodes;
-    c.sync_batchnorm = options_.sync_batchnorm;
-    c.deterministic =
+    Resolution& r = c.resolution;
+    r.num_nodes = options_.num_nodes;
+    r.sync_batchnorm = options_.sync_batchnorm;
+    r.deterministic =
         options_.deterministic.is_valid() ? options_.deterministic.value() : Determinism::kOff;
-    c.benchmark = options_.benchmark;
-    c.notes = std::move(notes_);
+    r.benchmark = options_.benchmark;
+    r.notes = std::move(notes_);
     return c;
   }
 
@@ -559,39 +560,38 @@ class ConnectorRun {
 
 }  // namespace
 
-Choices resolve(const TrainerOptions& options, const ConnectorContext& context,
-                const std::vector<std::string>& other_problems) {
+Connection resolve(const TrainerOptions& options, const ConnectorContext& context,
+                   const std::vector<std::string>& other_problems) {
   return ConnectorRun(options, context, other_problems).resolve();
 }
 
-ConnectorResult build(Choices choices) {
-  auto& strategy = choices.strategy;
-  FULGUR_ASSERT(strategy && choices.cluster_environment && choices.accelerator,
+Connection build(Connection connection) {
+  auto& strategy = connection.strategy;
+  FULGUR_ASSERT(!connection.built, "build() of a connection it has already built");
+  FULGUR_ASSERT(strategy && connection.cluster_environment && connection.accelerator,
                 "build() needs the strategy, cluster environment and accelerator of resolve()");
-  auto& notes = choices.notes;
-  if (!strategy->has_accelerator()) strategy->set_accelerator(choices.accelerator);
-  if (!strategy->has_precision()) strategy->set_precision(choices.precision);
-  if (choices.checkpoint_io) strategy->set_checkpoint_io(choices.checkpoint_io);
+  Resolution& r = connection.resolution;
+  if (!strategy->has_accelerator()) strategy->set_accelerator(connection.accelerator);
+  if (!strategy->has_precision()) strategy->set_precision(connection.precision);
+  if (connection.checkpoint_io) strategy->set_checkpoint_io(connection.checkpoint_io);
   if (!strategy->has_cluster_environment()) {
-    strategy->set_cluster_environment(choices.cluster_environment);
+    strategy->set_cluster_environment(connection.cluster_environment);
   }
-  if (strategy->parallel_devices().empty()) strategy->set_parallel_devices(choices.devices);
+  if (strategy->parallel_devices().empty()) strategy->set_parallel_devices(connection.devices);
   detail::StrategyDriver driver(*strategy);
-  driver.set_num_nodes(choices.num_nodes);
-  strategy->set_sync_batchnorm(choices.sync_batchnorm);
+  driver.set_num_nodes(r.num_nodes);
+  strategy->set_sync_batchnorm(r.sync_batchnorm);
   reported_as("unavailable",
               [&] { strategy->precision().check_accelerator(strategy->accelerator()); });
   std::vector<std::string> strategy_notes;
   reported_as("invalid_flags", [&] { driver.configure(strategy_notes); });
   if (strategy->launcher() != nullptr) {
-    notes.push_back(str("launcher=", strategy->launcher()->name(),
-                        " because strategy=", strategy->name(), " under cluster environment \"",
-                        strategy->cluster_environment().name(), "\" starts its own processes"));
+    r.notes.push_back(str("launcher=", strategy->launcher()->name(),
+                          " because strategy=", strategy->name(), " under cluster environment \"",
+                          strategy->cluster_environment().name(), "\" starts its own processes"));
   }
-  notes.insert(notes.end(), strategy_notes.begin(), strategy_notes.end());
+  r.notes.insert(r.notes.end(), strategy_notes.begin(), strategy_notes.end());
 
-  ConnectorResult result;
-  Resolution& r = result.resolution;
   r.accelerator = std::string(strategy->accelerator().name());
   r.strategy = std::string(strategy->name());
   r.launcher = strategy->launcher() ? std::string(strategy->launcher()->name()) : std::string();
@@ -604,21 +604,17 @@ ConnectorResult build(Choices choices) {
   r.local_rank = strategy->local_rank();
   r.node_rank = strategy->node_rank();
   for (const auto& d : strategy->parallel_devices()) r.parallel_devices.push_back(d.str());
-  r.deterministic = choices.deterministic;
-  r.sync_batchnorm = choices.sync_batchnorm;
-  r.benchmark = choices.benchmark;
-  r.notes = std::move(notes);
-  result.strategy = std::move(strategy);
-  return result;
+  connection.built = true;
+  return connection;
 }
 
-ConnectorResult connect(const TrainerOptions& options, const ConnectorContext& context,
-                        const std::vector<std::string>& other_problems) {
+Connection connect(const TrainerOptions& options, const ConnectorContext& context,
+                   const std::vector<std::string>& other_problems) {
   return build(resolve(options, context, other_problems));
 }
 
-ConnectorResult connect(const TrainerOptions& options, const EnvView& env,
-                        const std::vector<std::string>& other_problems) {
+Connection connect(const TrainerOptions& options, const EnvView& env,
+                   const std::vector<std::string>& other_problems) {
   return connect(options, ConnectorContext(env), other_problems);
 }
 

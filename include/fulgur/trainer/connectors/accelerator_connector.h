@@ -1,7 +1,8 @@
 // File: fulgur/trainer/connectors/accelerator_connector.h
 //
-// Turns the Trainer's flags into one ready Strategy:
-//   resolve(options, context) -> Choices    (pure: reads only `context`)
+// Turns the Trainer's flags into one ready Strategy, as one Connection that
+// each phase completes:
+//   resolve(options, context) -> Connection  (pure: reads only `context`)
 //     1. check: every problem with the flags (unknown names with a
 //        suggestion, malformed devices, conflicting plugins and instances,
 //        flags a strategy cannot honour);
@@ -12,7 +13,7 @@
 //        recorded as a note. Checks of this phase whose inputs are valid run
 //        even when phase 1 found problems elsewhere, and ONE FlagError lists
 //        them all;
-//   build(choices) -> ConnectorResult
+//   build(connection) -> Connection
 //     3. construct the strategy and hand it its components; the components
 //        themselves reject what they cannot run (16-mixed on the CPU, the
 //        fork launcher on CUDA).
@@ -61,8 +62,12 @@ struct ConnectorContext {
   const ClusterEnvironmentRegistry* cluster_environments;
 };
 
-/// Phases 1 and 2's result: every component chosen, not yet assembled.
-struct Choices {
+/// What the connector makes of the flags. After resolve(): every component
+/// chosen, not yet assembled, and `resolution` holding the flags it keeps
+/// (num_nodes, sync_batchnorm, deterministic, benchmark) and the notes so
+/// far. After build(): `strategy` is the assembled, configured strategy
+/// and `resolution` says all it resolved to, and why.
+struct Connection {
   /// The strategy instance passed, or the one created from its name.
   std::shared_ptr<Strategy> strategy;
   std::shared_ptr<Accelerator> accelerator;
@@ -72,35 +77,27 @@ struct Choices {
   /// Null: the strategy's (its own, or the default).
   std::shared_ptr<CheckpointIO> checkpoint_io;
   std::shared_ptr<ClusterEnvironment> cluster_environment;
-  int num_nodes = 1;
-  bool sync_batchnorm = false;
-  Determinism deterministic = Determinism::kOff;
-  bool benchmark = false;
-  std::vector<std::string> notes;
-};
-
-/// The result of the connector: the strategy and what was chosen and why.
-struct ConnectorResult {
-  std::shared_ptr<Strategy> strategy;
   Resolution resolution;
+  /// Whether build() has assembled it.
+  bool built = false;
 };
 
 /// Phases 1 and 2. Throws FlagError listing every problem found;
 /// `other_problems` (the Trainer's loop flags, unparsable flags) come first
 /// in the same error.
-Choices resolve(const TrainerOptions& options, const ConnectorContext& context,
-                const std::vector<std::string>& other_problems = {});
+Connection resolve(const TrainerOptions& options, const ConnectorContext& context,
+                   const std::vector<std::string>& other_problems = {});
 
 /// Phase 3: assembles the strategy and lets its components check it.
 /// Throws FlagError ("unavailable", "invalid_flags") for what they reject.
-ConnectorResult build(Choices choices);
+Connection build(Connection connection);
 
 /// build(resolve(options, context, other_problems)).
-ConnectorResult connect(const TrainerOptions& options, const ConnectorContext& context,
-                        const std::vector<std::string>& other_problems = {});
+Connection connect(const TrainerOptions& options, const ConnectorContext& context,
+                   const std::vector<std::string>& other_problems = {});
 /// connect() against `env` and the global registries.
-ConnectorResult connect(const TrainerOptions& options, const EnvView& env = EnvView(),
-                        const std::vector<std::string>& other_problems = {});
+Connection connect(const TrainerOptions& options, const EnvView& env = EnvView(),
+                   const std::vector<std::string>& other_problems = {});
 
 /// Applies the process-wide LibTorch flags of a resolution: deterministic
 /// algorithms (and what `accelerator` needs for them, e.g. cuBLAS's

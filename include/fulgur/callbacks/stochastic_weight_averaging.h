@@ -1,0 +1,106 @@
+// File: fulgur/callbacks/stochastic_weight_averaging.h
+//
+// StochasticWeightAveraging (Izmailov et al. 2018; Lightning's callback of
+// the same name): from epoch `swa_epoch_start` on, every optimizer's rate
+// anneals to `swa_lr` over `annealing_epochs`, and the weights at the end of
+// each of those epochs are averaged with equal weight (as PyTorch's
+// swa_utils pattern: update_parameters after each epoch; taken when the
+// next epoch starts, and the last when training ends, so that a checkpoint
+// written at an epoch's end resumes to the same average whatever the order
+// of the callbacks). When fit ends the
+// module takes the average, and its BatchNorm layers' running statistics
+// are recomputed for it: one pass of predict_step over the training data in
+// training mode, gradients off, each layer's momentum set to a cumulative
+// average meanwhile.
+//
+//   trainer_options.callbacks.push_back(std::make_shared<fulgur::StochasticWeightAveraging>(
+//       fulgur::SWAOptions{.swa_lr = 0.01, .swa_epoch_start = 0.75}));
+//
+// The rate is set before every optimizer step of an averaging epoch,
+// overriding what the configured schedulers set (as Lightning replaces them
+// with SWALR): lr = swa_lr * a + lr0 * (1 - a), lr0 each parameter group's
+// rate when averaging began, a = f(min(1, (e - start + 1) / annealing_epochs))
+// in averaging epoch e (f(t) = (1 - cos(pi t)) / 2 for "cos", t for
+// "linear"; a = 1 with annealing_epochs = 0). The average, its count and the
+// lr0s are in checkpoints, so a resumed run ends bit-identical. Under ddp
+// every rank holds the same average (each rank's BatchNorm pass sees its
+// shard of the data; SyncBatchNorm layers combine them); fsdp is refused.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "fulgur/callbacks/callback.h"
+#include "fulgur/core/choice.h"
+
+namespace fulgur {
+
+enum class AnnealingStrategy { kCos, kLinear };
+template <>
+struct ChoiceNames<AnnealingStrategy> {
+  static constexpr std::pair<AnnealingStrategy, const char*> kNames[] = {
+      {AnnealingStrategy::kCos, "cos"}, {AnnealingStrategy::kLinear, "linear"}};
+};
+
+struct SWAOptions {
+  /// The rate every parameter group anneals to (> 0; required).
+  double swa_lr = 0.0;
+  /// The first averaged epoch: a fraction of max_epochs in (0, 1) (0.8: the
+  /// epoch at 80%, rounded down), or an epoch index (an integral value).
+  double swa_epoch_start = 0.8;
+  /// Epochs over which the rate goes from the groups' own to swa_lr (>= 0).
+  int64_t annealing_epochs = 10;
+  Choice<AnnealingStrategy> annealing_strategy = AnnealingStrategy::kCos;
+  /// Recompute the BatchNorm layers' running statistics for the averaged
+  /// weights at the end of fit (needs predict_step: the forward pass); false
+  /// leaves them as trained.
+  bool update_bn = true;
+};
+
+class StochasticWeightAveraging : public Callback {
+ public:
+  /// ConfigError naming every option that cannot work.
+  explicit StochasticWeightAveraging(SWAOptions options);
+  std::string state_key() const override { return "StochasticWeightAveraging"; }
+
+  void on_fit_start(Trainer& trainer, Module& module) override;
+  void on_before_optimizer_step(Trainer& trainer, Module& module,
+                                torch::optim::Optimizer& optimizer) override;
+  void on_train_epoch_start(Trainer& trainer, Module& module) override;
+  void on_train_epoch_end(Trainer& trainer, Module& module) override;
+  void on_train_end(Trainer& trainer, Module& module) override;
+  /// count, last_epoch, the average (average_<i>) and the rates the
+  /// annealing started from (lr0_<optimizer>).
+  StateDict state_dict() const override;
+  void load_state_dict(const StateDict& state) override;
+
+  /// The first averaged epoch, as resolved at fit start (-1 before).
+  int64_t start_epoch() const { return start_epoch_; }
+  /// Epochs averaged so far.
+  int64_t count() const { return count_; }
+  /// The average, in the module's parameters() order (empty before the
+  /// first averaged epoch ends).
+  const std::vector<at::Tensor>& average() const { return average_; }
+
+ private:
+  double annealed_lr(double lr0, int64_t epoch) const;
+  /// Adds the weights at the end of `epoch` to the average (once per epoch,
+  /// from the start epoch on).
+  void average_end_of(int64_t epoch, Module& module);
+  void update_batch_norm(Trainer& trainer, Module& module);
+
+  SWAOptions options_;
+  int64_t start_epoch_ = -1;
+  int64_t count_ = 0;
+  int64_t last_epoch_ = -1;   // the last epoch averaged
+  int64_t ended_epoch_ = -1;  // the last epoch whose end this fit reached
+  bool restored_ = false;     // load_state_dict ran since the last fit start
+  std::vector<at::Tensor> average_;
+  /// Each optimizer's group rates when annealing began, by the order in
+  /// which the optimizers step (configure_optimizers' order).
+  std::vector<std::vector<double>> lr0_;
+  std::vector<const torch::optim::Optimizer*> seen_;  // this fit's optimizers, in that order
+};
+
+}  // namespace fulgur

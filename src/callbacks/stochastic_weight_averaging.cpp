@@ -1,0 +1,271 @@
+#include "fulgur/callbacks/stochastic_weight_averaging.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <optional>
+
+#include "fulgur/core/errors.h"
+#include "fulgur/core/module.h"
+#include "fulgur/data/data_loader.h"
+#include "fulgur/nn/sync_batch_norm.h"
+#include "fulgur/strategies/strategy.h"
+#include "fulgur/trainer/trainer.h"
+
+namespace fulgur {
+
+namespace {
+
+// LibTorch 1.13's c10::optional, 2.x's std::optional.
+using Momentum = std::decay_t<decltype(std::declval<torch::nn::BatchNormOptions&>().momentum())>;
+
+// A BatchNorm layer's options (torch's 1d/2d/3d, fulgur's SyncBatchNorm);
+// null for any other module.
+torch::nn::BatchNormOptions* batch_norm_options(torch::nn::Module& m) {
+  if (auto* bn = dynamic_cast<torch::nn::BatchNorm1dImpl*>(&m)) return &bn->options;
+  if (auto* bn = dynamic_cast<torch::nn::BatchNorm2dImpl*>(&m)) return &bn->options;
+  if (auto* bn = dynamic_cast<torch::nn::BatchNorm3dImpl*>(&m)) return &bn->options;
+  if (auto* bn = dynamic_cast<nn::SyncBatchNormImpl*>(&m)) return &bn->options;
+  return nullptr;
+}
+
+}  // namespace
+
+StochasticWeightAveraging::StochasticWeightAveraging(SWAOptions options) : options_(options) {
+  std::vector<std::string> problems;
+  if (!(options_.swa_lr > 0.0 && std::isfinite(options_.swa_lr))) {
+    problems.push_back(str("swa_lr=", options_.swa_lr, ": must be a rate > 0, e.g. 0.01"));
+  }
+  const double start = options_.swa_epoch_start;
+  const bool fraction = start > 0.0 && start < 1.0;
+  const bool epoch = start >= 0.0 && std::floor(start) == start && std::isfinite(start);
+  if (!fraction && !epoch) {
+    problems.push_back(str("swa_epoch_start=", start,
+                           ": pass a fraction of max_epochs in (0, 1) (0.8) or an epoch index "
+                           "(an integral value >= 0)"));
+  }
+  if (options_.annealing_epochs < 0) {
+    problems.push_back(str("annealing_epochs=", options_.annealing_epochs, ": must be >= 0"));
+  }
+  if (!options_.annealing_strategy.is_valid()) {
+    problems.push_back(str("annealing_strategy=\"", options_.annealing_strategy.text(),
+                           "\": pass ", options_.annealing_strategy.spellings()));
+  }
+  if (!problems.empty()) {
+    throw ConfigError(str("StochasticWeightAveraging(", join(problems, "; "), ")."));
+  }
+}
+
+void StochasticWeightAveraging::on_fit_start(Trainer& trainer, Module&) {
+  const std::string_view strategy = trainer.strategy().name();
+  if (strategy.rfind("fsdp", 0) == 0) {
+    throw ConfigError(str("StochasticWeightAveraging under strategy=\"", strategy,
+                          "\": not supported yet (the optimizer steps each rank's shard of the "
+                          "parameters there). Use strategy=\"ddp\", or train without it."));
+  }
+  const int64_t max_epochs = trainer.max_epochs();
+  const double start = options_.swa_epoch_start;
+  if (start > 0.0 && start < 1.0) {
+    if (max_epochs < 0) {
+      throw ConfigError(str("StochasticWeightAveraging: swa_epoch_start=", start,
+                            " is a fraction of max_epochs, but this fit has no epoch limit "
+                            "(max_steps ends it). Pass max_epochs, or the first averaged epoch "
+                            "as an index (swa_epoch_start=10)."));
+    }
+    start_epoch_ = static_cast<int64_t>(std::floor(start * static_cast<double>(max_epochs)));
+  } else {
+    start_epoch_ = static_cast<int64_t>(start);
+  }
+  if (max_epochs >= 0 && start_epoch_ >= max_epochs) {
+    throw ConfigError(str("StochasticWeightAveraging: swa_epoch_start=", start,
+                          " is epoch ", start_epoch_, ", but the fit trains epochs 0 to ",
+                          max_epochs - 1, ": nothing would be averaged. Pass an earlier start "
+                          "or more epochs."));
+  }
+  seen_.clear();
+  ended_epoch_ = -1;
+  if (!restored_) {
+    // A fit of its own (not resumed): nothing of an earlier fit carries over.
+    count_ = 0;
+    last_epoch_ = -1;
+    average_.clear();
+    lr0_.clear();
+  }
+  restored_ = false;
+}
+
+double StochasticWeightAveraging::annealed_lr(double lr0, int64_t epoch) const {
+  double a = 1.0;
+  if (options_.annealing_epochs > 0) {
+    const double t = std::min(1.0, static_cast<double>(epoch - start_epoch_ + 1) /
+                                       static_cast<double>(options_.annealing_epochs));
+    a = options_.annealing_strategy.value() == AnnealingStrategy::kCos
+            ? (1.0 - std::cos(std::acos(-1.0) * t)) / 2.0
+            : t;
+  }
+  return options_.swa_lr * a + lr0 * (1.0 - a);
+}
+
+void StochasticWeightAveraging::on_before_optimizer_step(Trainer& trainer, Module&,
+                                                         torch::optim::Optimizer& optimizer) {
+  const int64_t epoch = trainer.current_epoch();
+  if (start_epoch_ < 0 || epoch < start_epoch_) return;
+  size_t index = 0;
+  while (index < seen_.size() && seen_[index] != &optimizer) ++index;
+  if (index == seen_.size()) seen_.push_back(&optimizer);
+  auto& groups = optimizer.param_groups();
+  if (index >= lr0_.size()) {
+    lr0_.resize(index + 1);
+    for (const auto& group : groups) lr0_[index].push_back(group.options().get_lr());
+  }
+  if (lr0_[index].size() != groups.size()) {
+    throw ConfigError(str("StochasticWeightAveraging: optimizer ", index, " has ", groups.size(),
+                          " parameter groups, but ", lr0_[index].size(),
+                          " when averaging began (from a checkpoint of another model?). "
+                          "Resume with the optimizers it was saved with."));
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    groups[g].options().set_lr(annealed_lr(lr0_[index][g], epoch));
+  }
+}
+
+void StochasticWeightAveraging::on_train_epoch_start(Trainer& trainer, Module& module) {
+  // The weights now are those at the end of the epoch before: a checkpoint
+  // written at that end, whatever the callbacks' order, resumes here too.
+  average_end_of(trainer.current_epoch() - 1, module);
+}
+
+void StochasticWeightAveraging::on_train_epoch_end(Trainer& trainer, Module&) {
+  ended_epoch_ = trainer.current_epoch();
+}
+
+void StochasticWeightAveraging::average_end_of(int64_t epoch, Module& module) {
+  if (start_epoch_ < 0 || epoch < start_epoch_ || epoch <= last_epoch_) return;
+  last_epoch_ = epoch;
+  torch::NoGradGuard no_grad;
+  const auto parameters = module.parameters();
+  if (average_.empty()) {
+    for (const auto& p : parameters) average_.push_back(p.detach().clone());
+  } else {
+    if (average_.size() != parameters.size()) {
+      throw ConfigError(str("StochasticWeightAveraging: the average holds ", average_.size(),
+                            " tensors and the module has ", parameters.size(),
+                            " parameters: the checkpoint it came from is another model's. "
+                            "Resume from a checkpoint of this model."));
+    }
+    const double weight = 1.0 / static_cast<double>(count_ + 1);
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      if (average_[i].device() != parameters[i].device()) {
+        average_[i] = average_[i].to(parameters[i].device());
+      }
+      average_[i].add_(parameters[i].detach() - average_[i], weight);
+    }
+  }
+  ++count_;
+}
+
+void StochasticWeightAveraging::on_train_end(Trainer& trainer, Module& module) {
+  average_end_of(ended_epoch_, module);  // the last epoch's weights
+  if (count_ == 0) {
+    detail::print_note(str("StochasticWeightAveraging: fit ended before epoch ", start_epoch_,
+                           ", the first to average; the module keeps the weights as trained."));
+    return;
+  }
+  {
+    torch::NoGradGuard no_grad;
+    const auto parameters = module.parameters();
+    for (size_t i = 0; i < parameters.size() && i < average_.size(); ++i) {
+      parameters[i].copy_(average_[i]);
+    }
+  }
+  if (options_.update_bn) update_batch_norm(trainer, module);
+}
+
+void StochasticWeightAveraging::update_batch_norm(Trainer& trainer, Module& module) {
+  // The layers, their statistics reset and their momentum a cumulative
+  // average (each batch of the pass weighs the same).
+  std::vector<std::pair<torch::nn::BatchNormOptions*, Momentum>> layers;
+  for (const auto& m : module.modules(/*include_self=*/false)) {
+    torch::nn::BatchNormOptions* options = batch_norm_options(*m);
+    if (options == nullptr || !options->track_running_stats()) continue;
+    layers.emplace_back(options, options->momentum());
+    torch::NoGradGuard no_grad;
+    for (auto& b : m->named_buffers(/*recurse=*/false)) {
+      if (b.key() == "running_mean" || b.key() == "num_batches_tracked") b.value().zero_();
+      if (b.key() == "running_var") b.value().fill_(1.0);
+    }
+    options->momentum(Momentum());
+  }
+  if (layers.empty()) return;
+  DataLoader* loader = trainer.train_dataloader();
+  if (loader == nullptr) return;
+  const StateDict position = loader->state_dict();  // put back after the pass
+  const bool was_training = module.is_training();
+  auto restore = [&] {
+    for (auto& [options, momentum] : layers) options->momentum(momentum);
+    module.train(was_training);
+    loader->load_state_dict(position);
+  };
+  try {
+    torch::NoGradGuard no_grad;
+    module.train(true);
+    loader->start_epoch(trainer.current_epoch());
+    const c10::Device device = trainer.strategy().root_device();
+    int64_t batch_idx = 0;
+    while (auto batch = loader->next()) {
+      Batch on_device = batch->to(device);
+      try {
+        module.predict_step(on_device, batch_idx++);
+      } catch (const ConfigError& e) {
+        throw ConfigError(str("StochasticWeightAveraging recomputes the BatchNorm statistics of "
+                              "the averaged weights with predict_step (the forward pass) over "
+                              "the training data: ",
+                              e.what(),
+                              " Or pass SWAOptions{.update_bn = false} to keep the statistics "
+                              "as trained."));
+      }
+    }
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+}
+
+StateDict StochasticWeightAveraging::state_dict() const {
+  StateDict state;
+  state.set("count", count_);
+  state.set("last_epoch", last_epoch_);
+  for (size_t i = 0; i < average_.size(); ++i) {
+    state.set_buffer("average_" + std::to_string(i), average_[i]);
+  }
+  state.set("optimizers", static_cast<int64_t>(lr0_.size()));
+  for (size_t i = 0; i < lr0_.size(); ++i) state.set("lr0_" + std::to_string(i), lr0_[i]);
+  return state;
+}
+
+void StochasticWeightAveraging::load_state_dict(const StateDict& state) {
+  const int64_t count = state.integer("count");
+  const int64_t last_epoch = state.integer("last_epoch");
+  std::vector<at::Tensor> average;
+  for (int64_t i = 0; count > 0; ++i) {
+    const c10::IValue* t = state.find("average_" + std::to_string(i));
+    if (t == nullptr) break;
+    average.push_back(state.tensor("average_" + std::to_string(i)));
+  }
+  if (count > 0 && average.empty()) {
+    throw CheckpointError(str("StochasticWeightAveraging: the checkpoint counts ", count,
+                              " averaged epochs but holds no average: the file is damaged or "
+                              "was written by another program."));
+  }
+  std::vector<std::vector<double>> lr0;
+  const int64_t optimizers = state.integer("optimizers");
+  for (int64_t i = 0; i < optimizers; ++i) lr0.push_back(state.reals("lr0_" + std::to_string(i)));
+  count_ = count;
+  last_epoch_ = last_epoch;
+  average_ = std::move(average);
+  lr0_ = std::move(lr0);
+  restored_ = true;
+}
+
+}  // namespace fulgur

@@ -1,0 +1,194 @@
+// The learning-rate finder: the rate each step takes (as the optimizer saw
+// it), the module and the random generators put back (a fit after the
+// sweep is bit-identical to one without it), the early stop on a diverging
+// loss, the steepest-descent rule on curves whose slopes are known, the
+// picture, and the errors of options that cannot work.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using fulgur::LRFinderOptions;
+using fulgur::test::LinearRegression;
+using fulgur::test::parameters_equal;
+using fulgur::test::regression_loader;
+using fulgur::test::TempDir;
+using fulgur::test::test_options;
+
+/// Records the rate of the first parameter group after every optimizer
+/// step (the module's hook runs after the step, before the next sets it).
+class RateRecorder : public LinearRegression {
+ public:
+  void on_train_batch_end(const at::Tensor& loss, const fulgur::Batch& batch,
+                          int64_t batch_idx) override {
+    LinearRegression::on_train_batch_end(loss, batch, batch_idx);
+    seen_lrs.push_back(optimizer->param_groups()[0].options().get_lr());
+  }
+  std::vector<double> seen_lrs;
+};
+
+TEST(LRFinder, EveryStepTakesTheSweepsRateAndItsLossIsRecorded) {
+  TempDir dir;
+  RateRecorder model;
+  fulgur::Tuner tuner(test_options(dir));
+  const LRFinderOptions options{
+      .min_lr = 1e-4, .max_lr = 1e-1, .num_training = 20, .early_stop_threshold = 0.0};
+  auto found = tuner.lr_find(model, regression_loader(4), options);
+  ASSERT_EQ(found.lrs.size(), 20u);
+  ASSERT_EQ(found.losses.size(), 20u);
+  EXPECT_FALSE(found.diverged);
+  for (size_t k = 0; k < 20; ++k) {
+    EXPECT_DOUBLE_EQ(found.lrs[k], 1e-4 * std::pow(1e3, static_cast<double>(k) / 19.0)) << k;
+    EXPECT_TRUE(std::isfinite(found.losses[k])) << k;
+  }
+  // The optimizer stepped with exactly those rates, one step per batch,
+  // over five epochs of four batches.
+  EXPECT_EQ(model.seen_lrs, found.lrs);
+  EXPECT_EQ(model.training_steps, 20);
+  // The first loss is the first batch's own (bias-corrected average of one).
+  EXPECT_GT(found.losses.front(), 0.0);
+
+  RateRecorder linear;
+  auto swept = tuner.lr_find(linear, regression_loader(4),
+                             {.min_lr = 0.01, .max_lr = 0.2, .num_training = 5,
+                              .mode = "linear", .early_stop_threshold = 0.0});
+  EXPECT_THAT(swept.lrs, ::testing::ElementsAre(::testing::DoubleEq(0.01), ::testing::DoubleEq(0.0575),
+                                                ::testing::DoubleEq(0.105), ::testing::DoubleEq(0.1525),
+                                                ::testing::DoubleEq(0.2)));
+}
+
+TEST(LRFinder, AFitAfterTheSweepIsBitIdenticalToOneWithoutIt) {
+  TempDir dir;
+  auto fit_options = test_options(dir);
+  fit_options.max_epochs = 2;
+  auto train_and_keep = [&](bool sweep_first) {
+    torch::manual_seed(21);
+    auto model = std::make_unique<LinearRegression>(
+        fulgur::test::LinearRegressionOptions{.momentum = 0.9});
+    const auto before = fulgur::test::clone_parameters(*model);
+    if (sweep_first) {
+      fulgur::Tuner tuner(fit_options);
+      auto found = tuner.lr_find(*model, regression_loader(4, 2, /*shuffle=*/true),
+                                 {.num_training = 12, .early_stop_threshold = 0.0});
+      EXPECT_EQ(found.lrs.size(), 12u);
+      // The weights are back where they were.
+      const auto after = fulgur::test::clone_parameters(*model);
+      for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i]));
+    }
+    // Shuffled without a Trainer seed: the order comes from the global
+    // generator, which the sweep used and put back.
+    fulgur::Trainer trainer(fit_options);
+    trainer.fit(*model, regression_loader(4, 2, /*shuffle=*/true));
+    return model;
+  };
+  auto with_sweep = train_and_keep(true);
+  auto without = train_and_keep(false);
+  EXPECT_TRUE(parameters_equal(*with_sweep, *without));
+}
+
+TEST(LRFinder, ADivergingLossStopsTheSweepAndTheWeightsAreStillPutBack) {
+  TempDir dir;
+  torch::manual_seed(3);
+  LinearRegression model;
+  const auto before = fulgur::test::clone_parameters(model);
+  fulgur::Tuner tuner(test_options(dir));
+  auto found = tuner.lr_find(model, regression_loader(4),
+                             {.min_lr = 1e-3, .max_lr = 1e4, .num_training = 60});
+  EXPECT_TRUE(found.diverged);
+  EXPECT_LT(found.lrs.size(), 60u);
+  EXPECT_GT(found.lrs.size(), 1u);
+  // The last loss is past the threshold (or not finite).
+  const double best = *std::min_element(found.losses.begin(), found.losses.end() - 1);
+  EXPECT_TRUE(!std::isfinite(found.losses.back()) || found.losses.back() > 4.0 * best);
+  const auto after = fulgur::test::clone_parameters(model);
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i]));
+}
+
+TEST(LRFinder, TheSuggestionIsWhereTheLossFallsFastest) {
+  // loss = 10 - lr^2 on uneven rates: the slope is -2 lr, exactly, at every
+  // inner point (second-order differences are exact on a parabola); the
+  // ends take one-sided slopes.
+  const std::vector<double> lrs{0.1, 0.3, 0.4, 0.9, 1.0};
+  std::vector<double> losses;
+  for (double x : lrs) losses.push_back(10.0 - x * x);
+  // Slopes: -0.4 (one-sided), -0.6, -0.8, -1.8 (exact), -1.9 (one-sided).
+  EXPECT_EQ(fulgur::steepest_descent(lrs, losses, 0, 0), 4);
+  // Without the last point, 0.9 is an end: (9.19 - 9.84) / 0.5 = -1.3, still
+  // the steepest.
+  EXPECT_EQ(fulgur::steepest_descent(lrs, losses, 0, 1), 3);
+  // Without the first three, two points remain: 0.9 and 1.0.
+  EXPECT_EQ(fulgur::steepest_descent(lrs, losses, 3, 0), 3);
+  // A loss that rises then falls steeply in the middle.
+  const std::vector<double> uniform{1, 2, 3, 4, 5, 6, 7};
+  const std::vector<double> curve{5.0, 5.1, 5.0, 3.0, 1.0, 0.9, 0.9};
+  // Central slopes: 0, -1.05, -2, -1.05, -0.05; one-sided ends 0.1 and 0.
+  EXPECT_EQ(fulgur::steepest_descent(uniform, curve, 0, 0), 3);
+  // Non-finite losses are left out (two points remain, one slope: the
+  // first wins); fewer than two points: none.
+  const std::vector<double> broken{5.0, NAN, INFINITY, 3.0, NAN, NAN, NAN};
+  EXPECT_EQ(fulgur::steepest_descent(uniform, broken, 0, 0), 0);
+  EXPECT_EQ(fulgur::steepest_descent(uniform, broken, 1, 0), -1);
+  EXPECT_EQ(fulgur::steepest_descent({}, {}, 0, 0), -1);
+}
+
+TEST(LRFinder, ASuggestionComesWithTheSweepAndItsPicture) {
+  TempDir dir;
+  LinearRegression model;
+  fulgur::Tuner tuner(test_options(dir));
+  const std::string png = dir.file("lr_find.png");
+  auto found = tuner.lr_find(model, regression_loader(8),
+                             {.min_lr = 1e-4, .max_lr = 0.5, .num_training = 30,
+                              .early_stop_threshold = 0.0, .plot_path = png});
+  ASSERT_TRUE(found.suggestion.has_value()) << found.note;
+  ASSERT_GE(found.suggestion_index, 10);
+  EXPECT_DOUBLE_EQ(*found.suggestion, found.lrs[static_cast<size_t>(found.suggestion_index)]);
+  EXPECT_EQ(found.suggestion_index,
+            fulgur::steepest_descent(found.lrs, found.losses, /*skip_begin=*/10, /*skip_end=*/1));
+  EXPECT_EQ(found.note, "");
+  ASSERT_TRUE(fs::exists(png));
+  EXPECT_GT(fs::file_size(png), 1000u);
+  // Too few steps for a suggestion: said, not thrown.
+  auto few = tuner.lr_find(model, regression_loader(8), {.num_training = 5});
+  EXPECT_FALSE(few.suggestion.has_value());
+  EXPECT_EQ(few.suggestion_index, -1);
+  EXPECT_THAT(few.note, ::testing::HasSubstr("Raise num_training"));
+}
+
+TEST(LRFinder, OptionsThatCannotWorkAreNamedTogether) {
+  TempDir dir;
+  LinearRegression model;
+  fulgur::Tuner tuner(test_options(dir));
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     tuner.lr_find(model, regression_loader(2),
+                                   {.min_lr = 0.0, .max_lr = -1.0, .num_training = 1,
+                                    .mode = "cubic", .smoothing = 1.0}),
+                     {"min_lr=0", "max_lr=-1", "num_training=1", "mode=\"cubic\"",
+                      "exponential", "linear", "smoothing=1"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, tuner.lr_find(model, nullptr),
+                     {"no training data"});
+  EXPECT_EQ(model.training_steps, 0);
+}
+
+TEST(LRFinder, AStrategyThatStartsProcessesIsRefusedWithWhatToDo) {
+  TempDir dir;
+  LinearRegression model;
+  const auto before = fulgur::test::clone_parameters(model);
+  auto options = test_options(dir);
+  options.accelerator = std::string("cpu");
+  options.strategy = std::string("ddp");
+  options.devices = 2;
+  fulgur::Tuner tuner(options);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, tuner.lr_find(model, regression_loader(4)),
+                     {"strategy \"ddp\"", "devices=1", "torchrun"});
+  EXPECT_EQ(model.training_steps, 0);
+}
+
+}  // namespace
