@@ -5,12 +5,14 @@
 #include <cmath>
 #include <optional>
 
+#include "fulgur/callbacks/ema.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
 #include "fulgur/data/data_loader.h"
 #include "fulgur/nn/sync_batch_norm.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
+#include "strategies/strategy_driver.h"
 
 namespace fulgur {
 
@@ -38,11 +40,11 @@ StochasticWeightAveraging::StochasticWeightAveraging(SWAOptions options) : optio
   }
   const double start = options_.swa_epoch_start;
   const bool fraction = start > 0.0 && start < 1.0;
-  const bool epoch = start >= 0.0 && std::floor(start) == start && std::isfinite(start);
+  const bool epoch = start >= 1.0 && std::floor(start) == start && std::isfinite(start);
   if (!fraction && !epoch) {
     problems.push_back(str("swa_epoch_start=", start,
-                           ": pass a fraction of max_epochs in (0, 1) (0.8) or an epoch index "
-                           "(an integral value >= 0)"));
+                           ": pass a fraction of max_epochs in (0, 1) (0.8) or an epoch number "
+                           "counted from 1 (an integral value >= 1)"));
   }
   if (options_.annealing_epochs < 0) {
     problems.push_back(str("annealing_epochs=", options_.annealing_epochs, ": must be >= 0"));
@@ -63,41 +65,59 @@ void StochasticWeightAveraging::on_fit_start(Trainer& trainer, Module&) {
                           "\": not supported yet (the optimizer steps each rank's shard of the "
                           "parameters there). Use strategy=\"ddp\", or train without it."));
   }
+  if (trainer.options().cuda_graph) {
+    throw ConfigError(
+        "StochasticWeightAveraging with cuda_graph=true: a captured step replays its rate, so "
+        "the annealing would stop at the first captured one. Train with cuda_graph=false.");
+  }
+  for (const auto& cb : trainer.callbacks()) {
+    const auto* ema = dynamic_cast<const EMA*>(cb.get());
+    if (ema != nullptr && ema->options().apply_at_end) {
+      throw ConfigError(
+          "StochasticWeightAveraging and an EMA with apply_at_end=true both give the module "
+          "their average at the end of fit, and the later one would silently win. Keep one, "
+          "or pass EMAOptions{.apply_at_end = false}.");
+    }
+  }
   const int64_t max_epochs = trainer.max_epochs();
   const double start = options_.swa_epoch_start;
+  // As Lightning: the epoch number counted from 1 (a fraction of max_epochs
+  // rounds down), so its 0-based index is one less.
+  int64_t number = static_cast<int64_t>(start);
   if (start > 0.0 && start < 1.0) {
     if (max_epochs < 0) {
       throw ConfigError(str("StochasticWeightAveraging: swa_epoch_start=", start,
                             " is a fraction of max_epochs, but this fit has no epoch limit "
                             "(max_steps ends it). Pass max_epochs, or the first averaged epoch "
-                            "as an index (swa_epoch_start=10)."));
+                            "as a number counted from 1 (swa_epoch_start=10)."));
     }
-    start_epoch_ = static_cast<int64_t>(std::floor(start * static_cast<double>(max_epochs)));
-  } else {
-    start_epoch_ = static_cast<int64_t>(start);
+    number = static_cast<int64_t>(std::floor(start * static_cast<double>(max_epochs)));
   }
+  start_epoch_ = std::max<int64_t>(number - 1, 0);
   if (max_epochs >= 0 && start_epoch_ >= max_epochs) {
-    throw ConfigError(str("StochasticWeightAveraging: swa_epoch_start=", start,
-                          " is epoch ", start_epoch_, ", but the fit trains epochs 0 to ",
-                          max_epochs - 1, ": nothing would be averaged. Pass an earlier start "
-                          "or more epochs."));
+    throw ConfigError(str("StochasticWeightAveraging: swa_epoch_start=", start, " is epoch ",
+                          start_epoch_ + 1, " (counted from 1), but the fit trains ",
+                          max_epochs, " epoch(s): nothing would be averaged. Pass an earlier "
+                          "start or more epochs."));
   }
   seen_.clear();
-  ended_epoch_ = -1;
-  if (!restored_) {
-    // A fit of its own (not resumed): nothing of an earlier fit carries over.
+  // After a resume, the epoch before the current one has ended (a run
+  // resumed from its last epoch's checkpoint averages that epoch at the end).
+  ended_epoch_ = trainer.current_epoch() - 1;
+  if (trainer.global_step() == 0 && trainer.current_epoch() == 0) {
+    // A fit from the start: nothing of an earlier fit carries over.
     count_ = 0;
     last_epoch_ = -1;
     average_.clear();
     lr0_.clear();
   }
-  restored_ = false;
 }
 
 double StochasticWeightAveraging::annealed_lr(double lr0, int64_t epoch) const {
   double a = 1.0;
   if (options_.annealing_epochs > 0) {
-    const double t = std::min(1.0, static_cast<double>(epoch - start_epoch_ + 1) /
+    // As torch's SWALR: the first averaged epoch at the optimizer's rate.
+    const double t = std::min(1.0, static_cast<double>(epoch - start_epoch_) /
                                        static_cast<double>(options_.annealing_epochs));
     a = options_.annealing_strategy.value() == AnnealingStrategy::kCos
             ? (1.0 - std::cos(std::acos(-1.0) * t)) / 2.0
@@ -182,40 +202,54 @@ void StochasticWeightAveraging::on_train_end(Trainer& trainer, Module& module) {
 }
 
 void StochasticWeightAveraging::update_batch_norm(Trainer& trainer, Module& module) {
-  // The layers, their statistics reset and their momentum a cumulative
-  // average (each batch of the pass weighs the same).
-  std::vector<std::pair<torch::nn::BatchNormOptions*, Momentum>> layers;
-  for (const auto& m : module.modules(/*include_self=*/false)) {
-    torch::nn::BatchNormOptions* options = batch_norm_options(*m);
-    if (options == nullptr || !options->track_running_stats()) continue;
-    layers.emplace_back(options, options->momentum());
-    torch::NoGradGuard no_grad;
-    for (auto& b : m->named_buffers(/*recurse=*/false)) {
-      if (b.key() == "running_mean" || b.key() == "num_batches_tracked") b.value().zero_();
-      if (b.key() == "running_var") b.value().fill_(1.0);
-    }
-    options->momentum(Momentum());
-  }
-  if (layers.empty()) return;
   DataLoader* loader = trainer.train_dataloader();
-  if (loader == nullptr) return;
-  const StateDict position = loader->state_dict();  // put back after the pass
+  std::vector<std::shared_ptr<torch::nn::Module>> layers;
+  for (const auto& m : module.modules(/*include_self=*/false)) {
+    const torch::nn::BatchNormOptions* options = batch_norm_options(*m);
+    if (options != nullptr && options->track_running_stats()) layers.push_back(m);
+  }
+  if (layers.empty() || loader == nullptr) return;
+  // What the pass changes, kept to put back if it fails: each layer's
+  // statistics and momentum, the module's mode, the loader's position.
+  struct Kept {
+    torch::nn::BatchNormOptions* options;
+    Momentum momentum;
+    std::vector<std::pair<at::Tensor, at::Tensor>> buffers;  // (buffer, its values)
+  };
+  std::vector<Kept> kept;
+  for (const auto& m : layers) {
+    Kept k{batch_norm_options(*m), batch_norm_options(*m)->momentum(), {}};
+    for (auto& b : m->named_buffers(/*recurse=*/false)) k.buffers.emplace_back(b.value(), b.value().clone());
+    kept.push_back(std::move(k));
+  }
+  const StateDict position = loader->state_dict();
   const bool was_training = module.is_training();
-  auto restore = [&] {
-    for (auto& [options, momentum] : layers) options->momentum(momentum);
+  auto put_back_mode = [&] {
+    for (auto& k : kept) k.options->momentum(k.momentum);
     module.train(was_training);
     loader->load_state_dict(position);
   };
   try {
     torch::NoGradGuard no_grad;
+    // Fresh statistics, averaged over the pass with equal weight per batch.
+    for (size_t i = 0; i < layers.size(); ++i) {
+      for (auto& b : layers[i]->named_buffers(/*recurse=*/false)) {
+        if (b.key() == "running_mean" || b.key() == "num_batches_tracked") b.value().zero_();
+        if (b.key() == "running_var") b.value().fill_(1.0);
+      }
+      kept[i].options->momentum(Momentum());
+    }
     module.train(true);
     loader->start_epoch(trainer.current_epoch());
-    const c10::Device device = trainer.strategy().root_device();
-    int64_t batch_idx = 0;
-    while (auto batch = loader->next()) {
-      Batch on_device = batch->to(device);
+    // The batches an epoch of this fit trains on (limit_train_batches).
+    const int64_t limit = trainer.num_training_batches();
+    detail::StrategyDriver driver(trainer.strategy());
+    for (int64_t batch_idx = 0; limit < 0 || batch_idx < limit; ++batch_idx) {
+      auto batch = loader->next();
+      if (!batch) break;
+      Batch on_device = driver.batch_to_device(*batch);
       try {
-        module.predict_step(on_device, batch_idx++);
+        module.predict_step(on_device, batch_idx);
       } catch (const ConfigError& e) {
         throw ConfigError(str("StochasticWeightAveraging recomputes the BatchNorm statistics of "
                               "the averaged weights with predict_step (the forward pass) over "
@@ -226,10 +260,15 @@ void StochasticWeightAveraging::update_batch_norm(Trainer& trainer, Module& modu
       }
     }
   } catch (...) {
-    restore();
+    // The statistics as trained, not half-recomputed.
+    torch::NoGradGuard no_grad;
+    for (auto& k : kept) {
+      for (auto& [buffer, values] : k.buffers) buffer.copy_(values);
+    }
+    put_back_mode();
     throw;
   }
-  restore();
+  put_back_mode();
 }
 
 StateDict StochasticWeightAveraging::state_dict() const {
@@ -265,7 +304,6 @@ void StochasticWeightAveraging::load_state_dict(const StateDict& state) {
   last_epoch_ = last_epoch;
   average_ = std::move(average);
   lr0_ = std::move(lr0);
-  restored_ = true;
 }
 
 }  // namespace fulgur

@@ -896,6 +896,12 @@ std::string CLI::help() const {
 CLI::Result CLI::run(Trainer& trainer, Module& model, DataModule& data) const {
   Result result;
   if (lr_find_) {
+    if (!ckpt_path_.empty()) {
+      throw ConfigError(str(options_.program, " lr_find: ckpt_path=\"", ckpt_path_,
+                            "\": the finder sweeps the module as the program builds it and puts "
+                            "it back; it does not resume a run. Drop ckpt_path, or load the "
+                            "weights in configure_model()."));
+    }
     Tuner tuner(trainer.options());
     LRFinderOptions sweep;
     sweep.plot_path = (fs::path(trainer.default_root_dir()) / "lr_find.png").string();

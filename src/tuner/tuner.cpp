@@ -15,7 +15,6 @@
 #include "fulgur/core/module.h"
 #include "fulgur/data/data_loader.h"
 #include "fulgur/data/data_module.h"
-#include "fulgur/nn/state_dict.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
 #include "fulgur/utilities/seed.h"
@@ -66,6 +65,15 @@ class LRFinderCallback : public Callback {
       : options_(options), result_(result) {}
   std::string state_key() const override { return "LRFinder"; }
 
+  // The training loader's position, put back when the trial ends (the fit
+  // that follows may take the same loader, and would start mid-epoch).
+  void on_train_start(Trainer& trainer, Module&) override {
+    loader_ = trainer.train_dataloader();
+    if (loader_ != nullptr) position_ = loader_->state_dict();
+  }
+  void on_train_end(Trainer&, Module&) override { put_loader_back(); }
+  void on_exception(Trainer&, Module&, const std::exception&) override { put_loader_back(); }
+
   void on_before_optimizer_step(Trainer& trainer, Module&,
                                 torch::optim::Optimizer& optimizer) override {
     const double lr = sweep_lr(options_, trainer.global_step());
@@ -78,14 +86,27 @@ class LRFinderCallback : public Callback {
     // Once per optimizer step (the last micro-batch of an accumulation).
     if (trainer.global_step() == recorded_steps_ || !step_lr_) return;
     recorded_steps_ = trainer.global_step();
-    const double value = loss.defined() ? loss.detach().item<double>() : std::nan("");
+    if (!loss.defined()) {
+      // No loss (a skipped batch, manual optimization): a gap in the curve,
+      // as Lightning records it; the average and the sweep go on.
+      result_.lrs.push_back(*step_lr_);
+      result_.losses.push_back(std::nan(""));
+      step_lr_.reset();
+      return;
+    }
+    // Every rank's loss (one all-reduce; none on one process), so that
+    // every rank under torchrun records the same curve and suggestion.
+    const double value =
+        trainer.strategy().all_reduce(loss.detach().to(torch::kDouble).reshape({1}))
+            .item<double>();
+    ++averaged_;
     average_ = options_.smoothing * average_ + (1.0 - options_.smoothing) * value;
     const double smoothed =
-        average_ / (1.0 - std::pow(options_.smoothing, static_cast<double>(result_.lrs.size() + 1)));
+        average_ / (1.0 - std::pow(options_.smoothing, static_cast<double>(averaged_)));
     result_.lrs.push_back(*step_lr_);
     result_.losses.push_back(smoothed);
     step_lr_.reset();
-    const bool exploded = options_.early_stop_threshold > 0.0 && result_.losses.size() > 1 &&
+    const bool exploded = options_.early_stop_threshold > 0.0 && averaged_ > 1 &&
                           smoothed > options_.early_stop_threshold * best_;
     if (!std::isfinite(smoothed) || exploded) {
       result_.diverged = true;
@@ -96,10 +117,18 @@ class LRFinderCallback : public Callback {
   }
 
  private:
+  void put_loader_back() {
+    if (loader_ != nullptr) loader_->load_state_dict(position_);
+    loader_ = nullptr;
+  }
+
   const LRFinderOptions& options_;
   LRFinderResult& result_;
+  DataLoader* loader_ = nullptr;
+  StateDict position_;
   std::optional<double> step_lr_;
   int64_t recorded_steps_ = 0;
+  int64_t averaged_ = 0;  // losses in the average
   double average_ = 0.0;
   double best_ = std::numeric_limits<double>::infinity();
 };
@@ -210,15 +239,20 @@ LRFinderResult Tuner::run_lr_find(Module& module, const std::function<void(Train
   trial.loggers = {};
   trial.profiler = "none";
   trial.every_n_train_steps = 0;
+  // A captured step would run the sweep's first rate for good.
+  trial.cuda_graph = false;
   trial.callbacks = {std::make_shared<LRFinderCallback>(options, result)};
 
-  // What the trial changes, to put back: the parameters and buffers (cloned:
-  // the trial writes into them), the random generators.
-  StateDict weights = module_state_dict(module);
-  weights.transform_tensors([](const at::Tensor& t) { return t.detach().clone(); });
+  // What the trial changes, to put back: the parameters and buffers (each
+  // tensor's data as it was, dtype and device included: a precision plugin
+  // or the strategy may convert and move them), the random generators.
+  std::vector<std::pair<at::Tensor, at::Tensor>> weights;
+  for (const auto& p : module.parameters()) weights.emplace_back(p, p.detach().clone());
+  for (const auto& b : module.buffers()) weights.emplace_back(b, b.detach().clone());
   const StateDict rng = rng_state_dict();
   auto restore = [&] {
-    load_module_state_dict(module, weights);
+    torch::NoGradGuard no_grad;
+    for (auto& [tensor, saved] : weights) tensor.set_data(saved);
     load_rng_state_dict(rng);
   };
   try {
@@ -234,7 +268,12 @@ LRFinderResult Tuner::run_lr_find(Module& module, const std::function<void(Train
     }
     fit(trainer);
   } catch (...) {
-    restore();
+    try {
+      restore();
+    } catch (const std::exception& e) {
+      detail::print_note(str("Tuner.lr_find: putting the module back after the failed trial "
+                             "failed too: ", e.what()));
+    }
     throw;
   }
   restore();

@@ -66,14 +66,14 @@ TEST(StochasticWeightAveraging, TheModuleEndsWithTheAverageOfTheAveragedEpochsEn
   auto recorder = std::make_shared<Recorder>();
   RecordedRegression model(recorder.get());
   auto swa = std::make_shared<StochasticWeightAveraging>(
-      SWAOptions{.swa_lr = 0.01, .swa_epoch_start = 0.4, .annealing_epochs = 2});
+      SWAOptions{.swa_lr = 0.01, .swa_epoch_start = 0.6, .annealing_epochs = 2});
   auto options = test_options(dir);
   options.max_epochs = 5;
   options.callbacks = {recorder, swa};
   fulgur::Trainer trainer(options);
   trainer.fit(model, regression_loader(4));
 
-  EXPECT_EQ(swa->start_epoch(), 2);  // 0.4 of 5 epochs
+  EXPECT_EQ(swa->start_epoch(), 2);  // 0.6 of 5 epochs: the 3rd, as Lightning counts
   EXPECT_EQ(swa->count(), 3);
   ASSERT_EQ(recorder->epochs.size(), 5u);
   // The running average of epochs 2, 3 and 4's ends, as the callback
@@ -112,19 +112,21 @@ TEST(StochasticWeightAveraging, EveryStepOfAnAveragedEpochTakesTheAnnealedRate) 
     options.max_epochs = 6;
     options.callbacks = {recorder, std::make_shared<StochasticWeightAveraging>(SWAOptions{
                                        .swa_lr = 0.001,
-                                       .swa_epoch_start = 2,
+                                       .swa_epoch_start = 3,  // index 2
                                        .annealing_epochs = 3,
                                        .annealing_strategy = strategy})};
     fulgur::Trainer trainer(options);
     trainer.fit(model, regression_loader(4));
     ASSERT_EQ(recorder->lrs.size(), 24u) << strategy;
     const double lr0 = 0.05 / 2;
+    // As torch's SWALR: the first averaged epoch at lr0, then a step of the
+    // annealing per epoch.
     auto anneal = [&](double t) {
       const double a = std::string(strategy) == "cos" ? (1 - std::cos(std::acos(-1.0) * t)) / 2 : t;
       return 0.001 * a + lr0 * (1 - a);
     };
     for (int epoch = 0; epoch < 6; ++epoch) {
-      const double expected = epoch < 2 ? 0.05 : anneal(std::min(1.0, (epoch - 1) / 3.0));
+      const double expected = epoch < 2 ? 0.05 : anneal(std::min(1.0, (epoch - 2) / 3.0));
       for (int b = 0; b < 4; ++b) {
         EXPECT_DOUBLE_EQ(recorder->lrs[static_cast<size_t>(epoch * 4 + b)], expected)
             << strategy << " epoch " << epoch << " batch " << b;
@@ -236,7 +238,7 @@ TEST(StochasticWeightAveraging, WithoutAForwardPassTheBatchNormUpdateSaysWhatToD
   EXPECT_EQ(plain.predict_steps, 0);
 }
 
-TEST(StochasticWeightAveraging, AResumedRunEndsBitIdenticalWhateverTheCallbacksOrder) {
+TEST(StochasticWeightAveraging, ARunResumedFromAnEpochsEndOrFromItsLastEndsBitIdentical) {
   TempDir dir;
   auto train = [&](const std::string& ckpt, int64_t max_epochs) {
     torch::manual_seed(8);
@@ -244,8 +246,8 @@ TEST(StochasticWeightAveraging, AResumedRunEndsBitIdenticalWhateverTheCallbacksO
         fulgur::test::LinearRegressionOptions{.momentum = 0.9});
     auto options = fulgur::test::checkpointed_options(
         dir, {.filename = "epoch={epoch}", .save_top_k = -1});
-    // After ModelCheckpoint: its epoch-end save comes before this epoch's
-    // averaging, which the next epoch's start then takes.
+    // ModelCheckpoint saves at an epoch's end, before that epoch is
+    // averaged (the next epoch's start, or the end of training, takes it).
     options.callbacks.push_back(std::make_shared<StochasticWeightAveraging>(
         SWAOptions{.swa_lr = 0.02, .swa_epoch_start = 1, .annealing_epochs = 2}));
     options.max_epochs = max_epochs;
@@ -258,6 +260,10 @@ TEST(StochasticWeightAveraging, AResumedRunEndsBitIdenticalWhateverTheCallbacksO
   ASSERT_THAT(files, ::testing::Contains("epoch=2.ckpt")) << ::testing::PrintToString(files);
   auto resumed = train(dir.file("checkpoints/epoch=2.ckpt"), 5);
   EXPECT_TRUE(fulgur::test::parameters_equal(*whole, *resumed));
+  // From the last epoch's checkpoint no epoch runs; its weights are still
+  // averaged in when training ends.
+  auto from_last = train(dir.file("checkpoints/epoch=4.ckpt"), 5);
+  EXPECT_TRUE(fulgur::test::parameters_equal(*whole, *from_last));
 }
 
 TEST(StochasticWeightAveraging, OptionsThatCannotWorkAreNamed) {
@@ -273,10 +279,16 @@ TEST(StochasticWeightAveraging, OptionsThatCannotWorkAreNamed) {
   auto options = test_options(dir);
   options.max_epochs = 3;
   options.callbacks = {std::make_shared<StochasticWeightAveraging>(
-      SWAOptions{.swa_lr = 0.01, .swa_epoch_start = 3})};
+      SWAOptions{.swa_lr = 0.01, .swa_epoch_start = 4})};
   fulgur::Trainer late(options);
   EXPECT_THROWS_WITH(fulgur::ConfigError, late.fit(model, regression_loader(2)),
-                     {"swa_epoch_start=3", "epochs 0 to 2", "nothing would be averaged"});
+                     {"swa_epoch_start=4 is epoch 4 (counted from 1)", "trains 3 epoch(s)",
+                      "nothing would be averaged"});
+  options.callbacks = {std::make_shared<fulgur::EMA>(),
+                       std::make_shared<StochasticWeightAveraging>(SWAOptions{.swa_lr = 0.01})};
+  fulgur::Trainer with_ema(options);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, with_ema.fit(model, regression_loader(2)),
+                     {"EMA with apply_at_end=true", "apply_at_end = false"});
   options.max_epochs = -1;
   options.max_steps = 6;
   options.callbacks = {std::make_shared<StochasticWeightAveraging>(SWAOptions{.swa_lr = 0.01})};

@@ -146,9 +146,8 @@ TEST(CLI, LrFindSweepsTheFitsDataPrintsASuggestionAndDrawsTheCurve) {
   EXPECT_FALSE(result.fit.has_value());
   EXPECT_GT(result.lr_find->lrs.size(), 10u);
   EXPECT_TRUE(contains(printed, "prog lr_find: ")) << printed;
-  if (result.lr_find->suggestion) {
-    EXPECT_TRUE(contains(printed, "suggested learning rate")) << printed;
-  }
+  ASSERT_TRUE(result.lr_find->suggestion.has_value()) << result.lr_find->note;
+  EXPECT_TRUE(contains(printed, "suggested learning rate")) << printed;
   EXPECT_TRUE(fs::exists(dir.file("lr_find.png"))) << printed;
   EXPECT_TRUE(contains(printed, dir.file("lr_find.png"))) << printed;
   // The sweep left the module as it was; the checkpoints and logs of a fit
@@ -157,6 +156,13 @@ TEST(CLI, LrFindSweepsTheFitsDataPrintsASuggestionAndDrawsTheCurve) {
   for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i]));
   EXPECT_FALSE(fs::exists(dir.file("checkpoints")));
   EXPECT_FALSE(fs::exists(dir.file("fulgur_logs")));
+  // It does not resume: a checkpoint is refused by name.
+  Program resuming;
+  ASSERT_TRUE(resuming.parse({"lr_find", "--default_root_dir", dir.path(), "--ckpt_path",
+                              "x.ckpt", "--enable_progress_bar", "false", "--logger", "false"}));
+  fulgur::Trainer trainer2(resuming.cli.trainer_options());
+  EXPECT_THROWS_WITH(fulgur::ConfigError, resuming.cli.run(trainer2, model, data),
+                     {"lr_find: ckpt_path=\"x.ckpt\"", "Drop ckpt_path"});
   // A program without it still takes fit as its first word.
   Program fit;
   ASSERT_TRUE(fit.parse({"fit"}));

@@ -69,29 +69,64 @@ TEST(LRFinder, AFitAfterTheSweepIsBitIdenticalToOneWithoutIt) {
   TempDir dir;
   auto fit_options = test_options(dir);
   fit_options.max_epochs = 2;
-  auto train_and_keep = [&](bool sweep_first) {
+  struct Run {
+    std::unique_ptr<LinearRegression> model;
+    at::Tensor next_random;   // the global generator's next draw after the sweep
+    int64_t fit_steps = 0;    // training_step calls of the fit
+    std::vector<int64_t> first_epoch_batches;
+    std::shared_ptr<int64_t> epoch = std::make_shared<int64_t>(-1);  // -1: the sweep
+  };
+  auto train = [&](bool sweep_first) {
+    Run run;
     torch::manual_seed(21);
-    auto model = std::make_unique<LinearRegression>(
+    run.model = std::make_unique<LinearRegression>(
         fulgur::test::LinearRegressionOptions{.momentum = 0.9});
-    const auto before = fulgur::test::clone_parameters(*model);
+    // Every step draws from the global generator, and records its batch.
+    auto* batches = &run.first_epoch_batches;
+    auto epoch = run.epoch;
+    run.model->train_hook = [batches, epoch](LinearRegression&, fulgur::Batch&, int64_t idx) {
+      (void)torch::rand({1});
+      if (*epoch == 0) batches->push_back(idx);
+    };
+    // One loader for the sweep and the fit, as a program would pass it.
+    auto loader = regression_loader(4, 2, /*shuffle=*/true);
+    const auto before = fulgur::test::clone_parameters(*run.model);
     if (sweep_first) {
       fulgur::Tuner tuner(fit_options);
-      auto found = tuner.lr_find(*model, regression_loader(4, 2, /*shuffle=*/true),
-                                 {.num_training = 12, .early_stop_threshold = 0.0});
-      EXPECT_EQ(found.lrs.size(), 12u);
+      auto found = tuner.lr_find(*run.model, loader, {.num_training = 6, .early_stop_threshold = 0.0});
+      EXPECT_EQ(found.lrs.size(), 6u);
       // The weights are back where they were.
-      const auto after = fulgur::test::clone_parameters(*model);
+      const auto after = fulgur::test::clone_parameters(*run.model);
       for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i]));
     }
-    // Shuffled without a Trainer seed: the order comes from the global
-    // generator, which the sweep used and put back.
-    fulgur::Trainer trainer(fit_options);
-    trainer.fit(*model, regression_loader(4, 2, /*shuffle=*/true));
-    return model;
+    run.next_random = torch::rand({4});
+    const int64_t steps_before = run.model->training_steps;
+    struct EpochOf : fulgur::Callback {
+      std::shared_ptr<int64_t> epoch;
+      std::string state_key() const override { return "EpochOf"; }
+      void on_train_epoch_start(fulgur::Trainer& t, fulgur::Module&) override {
+        *epoch = t.current_epoch();
+      }
+    };
+    auto epoch_of = std::make_shared<EpochOf>();
+    epoch_of->epoch = run.epoch;
+    auto options = fit_options;
+    options.callbacks = {epoch_of};
+    fulgur::Trainer trainer(options);
+    trainer.fit(*run.model, loader);
+    run.fit_steps = run.model->training_steps - steps_before;
+    return run;
   };
-  auto with_sweep = train_and_keep(true);
-  auto without = train_and_keep(false);
-  EXPECT_TRUE(parameters_equal(*with_sweep, *without));
+  Run with_sweep = train(true);
+  Run without = train(false);
+  // The generator is where it was (the sweep drew from it at every step).
+  EXPECT_TRUE(torch::equal(with_sweep.next_random, without.next_random));
+  // The loader starts the fit's first epoch at its first batch, though the
+  // sweep stopped in the middle of an epoch of it.
+  EXPECT_EQ(with_sweep.first_epoch_batches, (std::vector<int64_t>{0, 1, 2, 3}));
+  EXPECT_EQ(with_sweep.fit_steps, 8);
+  EXPECT_EQ(without.fit_steps, 8);
+  EXPECT_TRUE(parameters_equal(*with_sweep.model, *without.model));
 }
 
 TEST(LRFinder, ADivergingLossStopsTheSweepAndTheWeightsAreStillPutBack) {

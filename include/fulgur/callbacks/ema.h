@@ -50,6 +50,7 @@ class EMA : public Callback {
   StateDict state_dict() const override;
   void load_state_dict(const StateDict& state) override;
 
+  const EMAOptions& options() const { return options_; }
   /// The averaged parameters, in the module's parameters() order (empty
   /// before training starts).
   const std::vector<at::Tensor>& average() const { return average_; }

@@ -18,13 +18,18 @@
 //
 // The rate is set before every optimizer step of an averaging epoch,
 // overriding what the configured schedulers set (as Lightning replaces them
-// with SWALR): lr = swa_lr * a + lr0 * (1 - a), lr0 each parameter group's
-// rate when averaging began, a = f(min(1, (e - start + 1) / annealing_epochs))
-// in averaging epoch e (f(t) = (1 - cos(pi t)) / 2 for "cos", t for
-// "linear"; a = 1 with annealing_epochs = 0). The average, its count and the
-// lr0s are in checkpoints, so a resumed run ends bit-identical. Under ddp
-// every rank holds the same average (each rank's BatchNorm pass sees its
-// shard of the data; SyncBatchNorm layers combine them); fsdp is refused.
+// with torch's SWALR): lr = swa_lr * a + lr0 * (1 - a), lr0 each parameter
+// group's rate when averaging began, a = f(min(1, (e - start) /
+// annealing_epochs)) in averaging epoch e (f(t) = (1 - cos(pi t)) / 2 for
+// "cos", t for "linear"; a = 1 with annealing_epochs = 0). The average, its
+// count and the lr0s are in checkpoints, so a resumed run ends
+// bit-identical. The checkpoints written during fit are resume points
+// (training weights and the average so far); the averaged module is what
+// fit leaves: save it after fit (module_state_dict). The BatchNorm pass
+// moves batches as the strategy does and covers limit_train_batches. Under
+// ddp every rank holds the same average (each rank's BatchNorm pass sees
+// its shard of the data; SyncBatchNorm layers combine them); fsdp,
+// cuda_graph and an EMA with apply_at_end are refused.
 #pragma once
 
 #include <cstdint>
@@ -46,8 +51,9 @@ struct ChoiceNames<AnnealingStrategy> {
 struct SWAOptions {
   /// The rate every parameter group anneals to (> 0; required).
   double swa_lr = 0.0;
-  /// The first averaged epoch: a fraction of max_epochs in (0, 1) (0.8: the
-  /// epoch at 80%, rounded down), or an epoch index (an integral value).
+  /// The first averaged epoch, as Lightning counts it: a fraction of
+  /// max_epochs in (0, 1) (0.8 of 10 epochs: the 8th, index 7), or the
+  /// epoch's number counted from 1 (an integral value >= 1).
   double swa_epoch_start = 0.8;
   /// Epochs over which the rate goes from the groups' own to swa_lr (>= 0).
   int64_t annealing_epochs = 10;
@@ -95,7 +101,6 @@ class StochasticWeightAveraging : public Callback {
   int64_t count_ = 0;
   int64_t last_epoch_ = -1;   // the last epoch averaged
   int64_t ended_epoch_ = -1;  // the last epoch whose end this fit reached
-  bool restored_ = false;     // load_state_dict ran since the last fit start
   std::vector<at::Tensor> average_;
   /// Each optimizer's group rates when annealing began, by the order in
   /// which the optimizers step (configure_optimizers' order).
