@@ -34,6 +34,20 @@ struct StateDict::Entry {
   bool plain = false;   // a tensor archived as a plain value
 };
 
+namespace {
+
+// Makes entry `e` hold `value` (no section), archived as a module parameter,
+// a buffer or a plain value. (A template: the entry type is StateDict's own.)
+template <class Entry>
+void hold(Entry& e, c10::IValue value, bool buffer, bool plain) {
+  e.value = std::move(value);
+  e.section.reset();
+  e.buffer = buffer;
+  e.plain = plain;
+}
+
+}  // namespace
+
 StateDict::StateDict() = default;
 StateDict::~StateDict() = default;
 StateDict::StateDict(const StateDict& other) = default;
@@ -167,34 +181,21 @@ void StateDict::set(const std::string& key, c10::IValue value) {
                           ", which a checkpoint cannot hold. Save tensors, numbers, bools, "
                           "strings and lists of them; nest a StateDict with section()."));
   }
-  Entry& e = slot(key);
-  e.value = std::move(value);
-  e.section.reset();
-  e.buffer = false;
-  e.plain = false;
+  hold(slot(key), std::move(value), /*buffer=*/false, /*plain=*/false);
 }
 
 void StateDict::set_buffer(const std::string& key, at::Tensor tensor) {
-  Entry& e = slot(key);
-  e.value = std::move(tensor);
-  e.section.reset();
-  e.buffer = true;
-  e.plain = false;
+  hold(slot(key), std::move(tensor), /*buffer=*/true, /*plain=*/false);
 }
 
 void StateDict::set_plain(const std::string& key, at::Tensor tensor) {
-  Entry& e = slot(key);
-  e.value = std::move(tensor);
-  e.section.reset();
-  e.buffer = false;
-  e.plain = true;
+  hold(slot(key), std::move(tensor), /*buffer=*/false, /*plain=*/true);
 }
 
 StateDict& StateDict::section(const std::string& key) {
   Entry& e = slot(key);
   if (!e.section) {
-    e.value = c10::IValue();
-    e.buffer = e.plain = false;
+    hold(e, c10::IValue(), false, false);
     e.section = std::make_unique<StateDict>();
     e.section->set_path(key_path(key));
   }
@@ -203,8 +204,7 @@ StateDict& StateDict::section(const std::string& key) {
 
 void StateDict::set_section(const std::string& key, StateDict state) {
   Entry& e = slot(key);
-  e.value = c10::IValue();
-  e.buffer = e.plain = false;
+  hold(e, c10::IValue(), false, false);
   e.section = std::make_unique<StateDict>(std::move(state));
   e.section->set_path(key_path(key));
 }
