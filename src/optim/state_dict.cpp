@@ -230,7 +230,6 @@ void check_group_options(optim::Optimizer& optimizer, const StateDict& groups) {
 }  // namespace
 
 StateDict optimizer_state_dict(optim::Optimizer& optimizer) {
-  auto& self = optimizer;
   bool known = true;
   for (const auto& [key, state] : optimizer.state()) {
     (void)key;
@@ -243,16 +242,16 @@ StateDict optimizer_state_dict(optim::Optimizer& optimizer) {
   }
   // The parameter groups through the optimizer's own save, with its states
   // set aside (their tensors are not serialized), then the states.
-  ParamStates states = std::move(self.state());
-  self.state().clear();
+  ParamStates states = std::move(optimizer.state());
+  optimizer.state().clear();
   StateDict out;
   try {
     out = saved_through_archive([&](auto& archive) { optimizer.save(archive); });
   } catch (...) {
-    self.state() = std::move(states);
+    optimizer.state() = std::move(states);
     throw;
   }
-  self.state() = std::move(states);
+  optimizer.state() = std::move(states);
   const auto* groups = out.find_section("param_groups");
   auto* state_section = out.find_section("state");
   if (groups == nullptr || state_section == nullptr || !state_section->empty()) {
