@@ -69,6 +69,10 @@ class FashionMNISTDataModule : public fulgur::DataModule {
   std::shared_ptr<fulgur::DataLoader> val_dataloader() override;
   std::shared_ptr<fulgur::DataLoader> test_dataloader() override;
 
+  /// The training batch size, for the batch-size finder (scale_batch_size).
+  std::optional<int64_t> batch_size() const override { return options_.batch_size; }
+  void set_batch_size(int64_t batch_size) override { options_.batch_size = batch_size; }
+
   const FashionMNISTOptions& options() const { return options_; }
 
  private:

@@ -154,6 +154,7 @@ struct ProgramOptions {
   int threads = 0;
   double min_test_acc = 0.0;
   bool resolution_json = false;
+  int64_t host_memory_cap_mb = 0;
 };
 
 int run(fulgur::CLI& cli, const ModelOptions& mo, const fashion_mnist::FashionMNISTOptions& data_options,
@@ -292,8 +293,11 @@ int main(int argc, char** argv) {
       .add("min_test_acc", po.min_test_acc,
            "Exit with status 1 when the test accuracy is below this (0: off)")
       .add("resolution_json", po.resolution_json,
-           "Print the Trainer's resolution as JSON (fulgur resolve's) instead of the summary");
+           "Print the Trainer's resolution as JSON (fulgur resolve's) instead of the summary")
+      .add("host_memory_cap_mb", po.host_memory_cap_mb,
+           "scale_batch_size on the CPU: MiB a trial's tensors may take (0: no cap)");
   if (auto status = cli.parse(argc, argv)) return *status;
+  cli.batch_size_finder().host_memory_cap = po.host_memory_cap_mb * (int64_t{1} << 20);
 
   try {
     return run(cli, mo, data_options, po);

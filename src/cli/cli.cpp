@@ -466,6 +466,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
   size_t i = 0;
   subcommand_ = options_.default_subcommand;
   lr_find_ = false;
+  scale_batch_size_ = false;
   if (!args.empty()) {
     for (auto s : {Stage::kFit, Stage::kValidate, Stage::kTest, Stage::kPredict}) {
       if (args[0] == to_string(s)) {
@@ -473,9 +474,10 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
         i = 1;
       }
     }
-    if (args[0] == "lr_find") {
+    if (args[0] == "lr_find" || args[0] == "scale_batch_size") {
       subcommand_ = Stage::kFit;
-      lr_find_ = true;
+      lr_find_ = args[0] == "lr_find";
+      scale_batch_size_ = !lr_find_;
       i = 1;
     }
   }
@@ -492,7 +494,8 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       problems.push_back(str(in_quotes(arg),
                              ": expected a flag such as --devices 2 (--KEY VALUE or "
                              "--KEY=VALUE)",
-                             i == 0 ? ", or a subcommand: fit, validate, test, predict, lr_find."
+                             i == 0 ? ", or a subcommand: fit, validate, test, predict, lr_find, "
+                                      "scale_batch_size."
                                     : "."));
       continue;
     }
@@ -851,13 +854,14 @@ std::string CLI::config_yaml() const {
 std::string CLI::help() const {
   std::ostringstream out;
   out << "usage: " << options_.program
-      << " [fit|validate|test|predict|lr_find] [--config FILE]... [--print_config] [--KEY "
+      << " [fit|validate|test|predict|lr_find|scale_batch_size] [--config FILE]... [--print_config] [--KEY "
          "VALUE]...\n";
   if (!options_.description.empty()) out << "\n" << options_.description << "\n";
   out << "\nSubcommands: fit, validate, test, predict (default: "
       << to_string(options_.default_subcommand)
       << "); lr_find: the learning-rate finder on the fit's data (prints a suggested rate, draws "
-         "lr_find.png under default_root_dir).\n"
+         "lr_find.png under default_root_dir); scale_batch_size: the largest training batch "
+         "that fits in memory (prints each trial and the size found).\n"
       << "Values come from, lowest first: the defaults below; the config saved in the checkpoint\n"
          "given as ckpt_path; each --config file in turn; the command line. A key is written\n"
          "--section.key (--trainer.max_epochs 5), or by its name alone where that is unique\n"
@@ -919,6 +923,28 @@ CLI::Result CLI::run(Trainer& trainer, Module& model, DataModule& data) const {
     }
     if (!found.note.empty()) std::cout << found.note << "\n";
     if (fs::exists(sweep.plot_path, ec)) std::cout << "curve: " << sweep.plot_path << "\n";
+    return result;
+  }
+  if (scale_batch_size_) {
+    if (!ckpt_path_.empty()) {
+      throw ConfigError(str(options_.program, " scale_batch_size: ckpt_path=\"", ckpt_path_,
+                            "\": the finder tries the module as the program builds it and puts "
+                            "it back; it does not resume a run. Drop ckpt_path."));
+    }
+    Tuner tuner(trainer.options());
+    result.scale_batch_size = tuner.scale_batch_size(model, data, batch_size_finder_);
+    const BatchSizeFinderResult& found = *result.scale_batch_size;
+    for (const auto& t : found.trials) {
+      std::cout << options_.program << " scale_batch_size: batch_size=" << t.batch_size
+                << (t.fits ? " fits" : " ran out of memory");
+      if (t.peak_bytes >= 0) std::cout << " (peak " << t.peak_bytes << " bytes of tensors)";
+      std::cout << "\n";
+    }
+    if (found.batch_size > 0) {
+      std::cout << options_.program << " scale_batch_size: the largest batch size that fit: "
+                << found.batch_size << "\n";
+    }
+    if (!found.note.empty()) std::cout << found.note << "\n";
     return result;
   }
   switch (subcommand_) {

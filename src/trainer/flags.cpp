@@ -420,15 +420,23 @@ std::vector<TrainerFlag> make_flags() {
                  return o.logger.problem();
                }});
   f.push_back({"profiler", "outputs",
-               "simple: print where the fit loop's time went at the end of fit; none: off",
-               [](const O& o) { return o.profiler.empty() ? std::string("none") : o.profiler; },
+               "simple: print where the fit loop's time went at the end of fit; pytorch: LibTorch's "
+               "operator profiler over profiler_active batches after profiler_wait (a trace and a "
+               "table of operators per rank); none: off",
+               [](const O& o) { return o.profiler.text(); },
                [](O& o, const std::string& t) -> std::string {
-                 if (t != "none" && t != "simple" && !is_none(t)) {
-                   return "pass simple or none.";
-                 }
-                 o.profiler = is_none(t) ? "none" : t;
+                 const Choice<ProfilerKind> kind = is_none(t) ? Choice<ProfilerKind>("none") : t;
+                 if (!kind.is_valid()) return str("pass ", Choice<ProfilerKind>::spellings(), ".");
+                 o.profiler = kind;
                  return "";
                }});
+  f.push_back({"profiler_wait", "outputs",
+               "profiler=pytorch: training batches run before the recording starts",
+               [](const O& o) { return get_int(o, &O::profiler_wait); },
+               set_int(&O::profiler_wait, 0, "5")});
+  f.push_back({"profiler_active", "outputs", "profiler=pytorch: training batches recorded",
+               [](const O& o) { return get_int(o, &O::profiler_active); },
+               set_int(&O::profiler_active, 1, "5")});
   f.push_back({"log_every_n_steps", "outputs",
                "Logged metrics reach the loggers every N optimizer steps",
                [](const O& o) { return get_int(o, &O::log_every_n_steps); },

@@ -11,7 +11,7 @@ double to_seconds(std::chrono::steady_clock::duration d) {
 }
 }  // namespace
 
-const char* SimpleProfiler::name(Phase phase) {
+const char* LoopProfiler::name(Phase phase) {
   switch (phase) {
     case Phase::kFetch: return "fetch batch";
     case Phase::kTrainingStep: return "training_step";

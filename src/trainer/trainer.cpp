@@ -46,10 +46,15 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
         str("accumulate_grad_batches=", o.accumulate_grad_batches, ": must be >= 1."));
   check(o.log_every_n_steps >= 1, str("log_every_n_steps=", o.log_every_n_steps,
                                       ": must be >= 1. Pass logger=false to turn logging off."));
-  check(o.profiler.empty() || o.profiler == "none" || o.profiler == "simple",
-        str("profiler=\"", o.profiler, "\": pass \"simple\" (time per phase of the fit loop) "
-            "or \"none\"", o.profiler == "pytorch" ? " (LibTorch's operator profiler is not in yet)" : "",
-            "."));
+  check(o.profiler.is_valid(),
+        str("profiler=\"", o.profiler.text(), "\": pass \"simple\" (time per phase of the fit loop), "
+            "\"pytorch\" (LibTorch's operator profiler over a window of batches) or \"none\"."));
+  check(o.profiler_wait >= 0,
+        str("profiler_wait=", o.profiler_wait,
+            ": must be >= 0 (the training batches run before the pytorch profiler records)."));
+  check(o.profiler_active >= 1,
+        str("profiler_active=", o.profiler_active,
+            ": must be >= 1 (the training batches the pytorch profiler records)."));
   check(o.num_sanity_val_steps >= -1,
         str("num_sanity_val_steps=", o.num_sanity_val_steps, ": must be >= -1 (-1: all)."));
   check(o.gradient_clip_algorithm.is_valid(),

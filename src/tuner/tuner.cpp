@@ -1,15 +1,22 @@
 #include "fulgur/tuner/tuner.h"
 
+#include <c10/util/Exception.h>
 #include <torch/torch.h>
+
+#ifdef FULGUR_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <sstream>
+#include <string_view>
 #include <utility>
 
 #include "core/run_program.h"
+#include "tuner/host_memory_cap.h"
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
@@ -48,6 +55,45 @@ void check_lr_finder_options(const LRFinderOptions& o) {
   if (!problems.empty()) {
     throw ConfigError(str("Tuner.lr_find(", join(problems, "; "), ")."));
   }
+}
+
+void check_batch_size_finder_options(const BatchSizeFinderOptions& o) {
+  std::vector<std::string> problems;
+  if (!o.mode.is_valid()) {
+    problems.push_back(str("mode=\"", o.mode.text(), "\": pass ", o.mode.spellings()));
+  }
+  if (o.init_val < 1) problems.push_back(str("init_val=", o.init_val, ": must be >= 1, e.g. 2"));
+  if (o.max_trials < 1) {
+    problems.push_back(str("max_trials=", o.max_trials, ": must be >= 1, e.g. 25"));
+  }
+  if (o.steps_per_trial < 1) {
+    problems.push_back(str("steps_per_trial=", o.steps_per_trial, ": must be >= 1, e.g. 3"));
+  }
+  if (o.host_memory_cap < 0) {
+    problems.push_back(str("host_memory_cap=", o.host_memory_cap,
+                           ": must be >= 0 bytes (0: no cap), e.g. 2147483648 for 2 GiB"));
+  }
+  if (!problems.empty()) {
+    throw ConfigError(str("Tuner.scale_batch_size(", join(problems, "; "), ")."));
+  }
+}
+
+// Whether `e` says that memory ran out: a GPU's caching allocator's error,
+// or host_memory_cap's refusal (recognised by its text too, where LibTorch
+// passed it on as another error).
+bool is_out_of_memory(const std::exception& e) {
+  if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
+  if (detail::HostMemoryCap::is_refusal(e)) return true;
+  const std::string_view text = e.what();
+  return text.find("CUDA out of memory") != std::string_view::npos;
+}
+
+// The first line of an error's text (LibTorch appends a backtrace).
+std::string first_line(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  std::string text = error != nullptr ? error->msg() : e.what();
+  const size_t end = text.find('\n');
+  return end == std::string::npos ? text : text.substr(0, end);
 }
 
 // The rate of step `k` of the sweep.
@@ -131,6 +177,68 @@ class LRFinderCallback : public Callback {
   int64_t averaged_ = 0;  // losses in the average
   double average_ = 0.0;
   double best_ = std::numeric_limits<double>::infinity();
+};
+
+// The options of a trial: the fit's, without what would record a run that
+// is not one or change its length.
+TrainerOptions trial_options(const TrainerOptions& options, int64_t max_steps) {
+  TrainerOptions trial = options;
+  trial.max_steps = max_steps;
+  trial.max_epochs = -1;
+  trial.min_epochs = 0;
+  trial.min_steps = 0;
+  trial.max_time = std::nullopt;
+  trial.fast_dev_run = 0;
+  trial.limit_val_batches = 0;
+  trial.num_sanity_val_steps = 0;
+  trial.enable_checkpointing = false;
+  trial.enable_progress_bar = false;
+  trial.logger = false;
+  trial.loggers = {};
+  trial.profiler = ProfilerKind::kNone;
+  trial.every_n_train_steps = 0;
+  trial.callbacks = {};
+  return trial;
+}
+
+// What a trial changes, to put back: the parameters and buffers (each
+// tensor's data as it was, dtype and device included: a precision plugin
+// or the strategy may convert and move them), the gradients, the random
+// generators.
+class ModuleSnapshot {
+ public:
+  explicit ModuleSnapshot(Module& module) : rng_(rng_state_dict()) {
+    for (const auto& p : module.parameters()) {
+      weights_.emplace_back(p, p.detach().clone());
+      grads_.emplace_back(p, p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
+    }
+    for (const auto& b : module.buffers()) weights_.emplace_back(b, b.detach().clone());
+  }
+  void restore() {
+    torch::NoGradGuard no_grad;
+    // A copy each time: the tensor takes the data it is given, which the
+    // next trial's steps change in place.
+    for (auto& [tensor, saved] : weights_) tensor.set_data(saved.clone());
+    for (auto& [parameter, grad] : grads_) {
+      parameter.mutable_grad() = grad.defined() ? grad.clone() : at::Tensor();
+    }
+    load_rng_state_dict(rng_);
+  }
+  // After a failed trial: put back, saying (not throwing) when that fails
+  // too, so that the trial's own error is the one that reaches the caller.
+  void restore_after_failure(const char* what) noexcept {
+    try {
+      restore();
+    } catch (const std::exception& e) {
+      detail::print_note(str(what, ": putting the module back after the failed trial failed too: ",
+                             e.what()));
+    }
+  }
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> weights_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> grads_;
+  StateDict rng_;
 };
 
 std::string plot_lr_find(const LRFinderResult& r, const LRFinderOptions& o) {
@@ -224,37 +332,11 @@ LRFinderResult Tuner::run_lr_find(Module& module, const std::function<void(Train
                                   const LRFinderOptions& options) {
   check_lr_finder_options(options);
   LRFinderResult result;
-  TrainerOptions trial = options_;
-  trial.max_steps = options.num_training;
-  trial.max_epochs = -1;
-  trial.min_epochs = 0;
-  trial.min_steps = 0;
-  trial.max_time = std::nullopt;
-  trial.fast_dev_run = 0;
-  trial.limit_val_batches = 0;
-  trial.num_sanity_val_steps = 0;
-  trial.enable_checkpointing = false;
-  trial.enable_progress_bar = false;
-  trial.logger = false;
-  trial.loggers = {};
-  trial.profiler = "none";
-  trial.every_n_train_steps = 0;
+  TrainerOptions trial = trial_options(options_, options.num_training);
   // A captured step would run the sweep's first rate for good.
   trial.cuda_graph = false;
   trial.callbacks = {std::make_shared<LRFinderCallback>(options, result)};
-
-  // What the trial changes, to put back: the parameters and buffers (each
-  // tensor's data as it was, dtype and device included: a precision plugin
-  // or the strategy may convert and move them), the random generators.
-  std::vector<std::pair<at::Tensor, at::Tensor>> weights;
-  for (const auto& p : module.parameters()) weights.emplace_back(p, p.detach().clone());
-  for (const auto& b : module.buffers()) weights.emplace_back(b, b.detach().clone());
-  const StateDict rng = rng_state_dict();
-  auto restore = [&] {
-    torch::NoGradGuard no_grad;
-    for (auto& [tensor, saved] : weights) tensor.set_data(saved);
-    load_rng_state_dict(rng);
-  };
+  ModuleSnapshot snapshot(module);
   try {
     Trainer trainer(trial);
     if (!trainer.resolution().launcher.empty()) {
@@ -268,15 +350,10 @@ LRFinderResult Tuner::run_lr_find(Module& module, const std::function<void(Train
     }
     fit(trainer);
   } catch (...) {
-    try {
-      restore();
-    } catch (const std::exception& e) {
-      detail::print_note(str("Tuner.lr_find: putting the module back after the failed trial "
-                             "failed too: ", e.what()));
-    }
+    snapshot.restore_after_failure("Tuner.lr_find");
     throw;
   }
-  restore();
+  snapshot.restore();
 
   result.suggestion_index =
       steepest_descent(result.lrs, result.losses, options.skip_begin, options.skip_end);
@@ -293,6 +370,172 @@ LRFinderResult Tuner::run_lr_find(Module& module, const std::function<void(Train
     const std::string problem = plot_lr_find(result, options);
     if (!problem.empty()) result.note += (result.note.empty() ? "" : " ") + problem;
   }
+  return result;
+}
+
+BatchSizeFinderResult Tuner::scale_batch_size(
+    Module& module, const std::function<std::shared_ptr<DataLoader>(int64_t)>& make_loader,
+    BatchSizeFinderOptions options) {
+  check_batch_size_finder_options(options);
+  if (!make_loader) {
+    throw ConfigError(
+        "Tuner.scale_batch_size(module, make_loader): make_loader is empty. Pass a function "
+        "that returns the training loader for a batch size.");
+  }
+  const bool power = options.mode.value() == BatchSizeSearch::kPower;
+  BatchSizeFinderResult result;
+  ModuleSnapshot snapshot(module);
+  const TrainerOptions trial = trial_options(options_, options.steps_per_trial);
+
+  bool uncapped_cpu = false;
+  // One trial: whether `batch_size` fits; nullopt when the loader yields no
+  // batch at that size (drop_last past the training set's size).
+  auto run_trial = [&](int64_t batch_size, bool& whole_set) -> std::optional<BatchSizeTrial> {
+    BatchSizeTrial outcome;
+    outcome.batch_size = batch_size;
+    std::shared_ptr<DataLoader> loader = make_loader(batch_size);
+    if (!loader) {
+      throw ConfigError(str("Tuner.scale_batch_size: make_loader(", batch_size,
+                            ") returned no loader. Return the training loader for that batch "
+                            "size."));
+    }
+    const std::optional<int64_t> batches = loader->num_batches();
+    if (batches && *batches == 0) return std::nullopt;
+    whole_set = batches && *batches == 1;
+    Trainer trainer(trial);
+    if (!trainer.resolution().launcher.empty() || trainer.strategy().world_size() > 1) {
+      throw ConfigError(str(
+          "Tuner.scale_batch_size under strategy \"", trainer.resolution().strategy, "\" with ",
+          trainer.strategy().world_size(), " processes: a rank that ran out of memory alone "
+          "would leave its peers waiting in a collective. Find the batch size with devices=1 "
+          "(one process holds one rank's batch) and use it on every rank."));
+    }
+    const bool cuda = trainer.strategy().root_device().is_cuda();
+    uncapped_cpu = !cuda && options.host_memory_cap == 0;
+    std::optional<detail::HostMemoryCap> cap;
+    if (!cuda && options.host_memory_cap > 0) cap.emplace(options.host_memory_cap);
+    try {
+      trainer.fit(module, loader);
+      outcome.fits = true;
+    } catch (const std::exception& e) {
+      if (!is_out_of_memory(e)) throw;
+      outcome.failure = first_line(e);
+    }
+    if (cap) outcome.peak_bytes = cap->peak();
+#ifdef FULGUR_WITH_CUDA
+    // What the failed trial cached goes back to the device for the next.
+    if (cuda) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+    return outcome;
+  };
+
+  int64_t low = 0;   // the largest batch size that fit
+  int64_t high = 0;  // the smallest that did not (0: none yet)
+  int64_t size = options.init_val;
+  for (int64_t t = 0;; ++t) {
+    if (t == options.max_trials) {
+      result.note = str("scale_batch_size: stopped after max_trials=", options.max_trials,
+                        " trials; batch_size=", size, " was not tried. Raise max_trials to "
+                        "search further",
+                        uncapped_cpu ? " (on the CPU without host_memory_cap no trial runs out "
+                                       "of memory: set host_memory_cap to the bytes a batch's "
+                                       "tensors may take)"
+                                     : "",
+                        ".");
+      break;
+    }
+    bool whole_set = false;
+    std::optional<BatchSizeTrial> outcome;
+    try {
+      outcome = run_trial(size, whole_set);
+    } catch (...) {
+      snapshot.restore_after_failure("Tuner.scale_batch_size");
+      throw;
+    }
+    snapshot.restore();
+    if (!outcome) {
+      // Smaller than the training set, the batch yields one: look below.
+      high = size;
+      if (low > 0 || size == 1) {
+        result.note = str("scale_batch_size: the loader yields no batch of ", size,
+                          " samples (the training set is smaller, and the loader drops a last "
+                          "partial batch); the search ends there.");
+        break;
+      }
+      size = size / 2;
+      continue;
+    }
+    result.trials.push_back(*outcome);
+    int64_t next;
+    if (outcome->fits) {
+      low = size;
+      if (whole_set) {
+        result.note = str("scale_batch_size: batch_size=", size,
+                          " already holds the whole training set in one batch; a larger one "
+                          "would hold the same samples.");
+        break;
+      }
+      if (high == 0) {
+        if (size > std::numeric_limits<int64_t>::max() / 2) break;
+        next = size * 2;
+      } else if (power) {
+        break;  // twice this size failed
+      } else {
+        next = low + (high - low) / 2;
+      }
+    } else {
+      high = size;
+      if (low == 0) {
+        if (size == 1) break;
+        next = size / 2;
+      } else if (power) {
+        break;
+      } else {
+        next = low + (high - low) / 2;
+      }
+    }
+    if (next <= low || (high > 0 && next >= high)) break;  // nothing left between
+    size = next;
+  }
+  result.batch_size = low;
+  if (low == 0 && result.note.empty()) {
+    const std::string why = result.trials.empty() ? "" : result.trials.back().failure;
+    result.note = str("scale_batch_size: no batch size fit; batch_size=", high,
+                      " ran out of memory: ", why);
+  }
+  return result;
+}
+
+BatchSizeFinderResult Tuner::scale_batch_size(Module& module, DataModule& data,
+                                               BatchSizeFinderOptions options) {
+  const std::optional<int64_t> own = data.batch_size();
+  if (!own) {
+    throw ConfigError(
+        "Tuner.scale_batch_size(module, data): the DataModule has no batch size to scale. "
+        "Override its batch_size() (return the training loader's) and set_batch_size(n) (the "
+        "next train_dataloader() batches n samples), or pass a function that makes the loader "
+        "for a batch size.");
+  }
+  bool set_up = false;
+  auto make_loader = [&](int64_t batch_size) {
+    data.set_batch_size(batch_size);
+    if (!set_up) {
+      data.prepare_data();
+      data.setup(Stage::kFit);
+      set_up = true;
+    }
+    return data.train_dataloader();
+  };
+  BatchSizeFinderResult result;
+  try {
+    result = scale_batch_size(module, make_loader, options);
+  } catch (...) {
+    data.set_batch_size(*own);
+    if (set_up) data.teardown(Stage::kFit);
+    throw;
+  }
+  data.set_batch_size(result.batch_size > 0 ? result.batch_size : *own);
+  if (set_up) data.teardown(Stage::kFit);
   return result;
 }
 

@@ -128,6 +128,59 @@ TEST(CLI, NoSubcommandIsFitAndSubcommandsAreRead) {
   }
 }
 
+/// A DataModule whose training batch size the batch-size finder may set.
+class ScalableData : public fulgur::DataModule {
+ public:
+  explicit ScalableData(int64_t samples) : data_(fulgur::test::regression_dataset(samples)) {}
+  std::shared_ptr<fulgur::DataLoader> train_dataloader() override {
+    return fulgur::make_data_loader(data_, {.batch_size = batch_size_});
+  }
+  std::optional<int64_t> batch_size() const override { return batch_size_; }
+  void set_batch_size(int64_t batch_size) override { batch_size_ = batch_size; }
+
+ private:
+  std::shared_ptr<fulgur::TensorDataset> data_;
+  int64_t batch_size_ = 4;
+};
+
+TEST(CLI, ScaleBatchSizePrintsEveryTrialAndLeavesTheDataModuleHoldingTheSizeFound) {
+  TempDir dir;
+  Program p;
+  ASSERT_TRUE(p.parse({"scale_batch_size", "--default_root_dir", dir.path(), "--accelerator",
+                       "cpu", "--enable_progress_bar", "false", "--logger", "false"}));
+  EXPECT_TRUE(p.cli.is_scale_batch_size());
+  EXPECT_FALSE(p.cli.is_lr_find());
+  p.cli.batch_size_finder().steps_per_trial = 1;
+  fulgur::test::LinearRegression model;
+  ScalableData data(48);
+  fulgur::Trainer trainer(p.cli.trainer_options());
+  testing::internal::CaptureStdout();
+  const auto result = p.cli.run(trainer, model, data);
+  const std::string printed = testing::internal::GetCapturedStdout();
+  ASSERT_TRUE(result.scale_batch_size.has_value());
+  EXPECT_FALSE(result.fit.has_value());
+  // No cap on the CPU: doubling until one batch holds all 48 samples.
+  EXPECT_EQ(result.scale_batch_size->batch_size, 64);
+  for (const char* line : {"prog scale_batch_size: batch_size=2 fits\n",
+                           "prog scale_batch_size: batch_size=64 fits\n",
+                           "prog scale_batch_size: the largest batch size that fit: 64\n",
+                           "already holds the whole training set"}) {
+    EXPECT_TRUE(contains(printed, line)) << line << " in " << printed;
+  }
+  EXPECT_EQ(data.batch_size(), 64);
+  EXPECT_FALSE(fs::exists(dir.file("checkpoints")));
+
+  // A DataModule without a batch size, and a checkpoint, are refused by name.
+  fulgur::test::RecordingDataModule fixed(/*train_batches=*/4);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, p.cli.run(trainer, model, fixed),
+                     {"has no batch size to scale", "set_batch_size"});
+  Program resuming;
+  ASSERT_TRUE(resuming.parse({"scale_batch_size", "--ckpt_path", "x.ckpt", "--logger", "false"}));
+  fulgur::Trainer trainer2(resuming.cli.trainer_options());
+  EXPECT_THROWS_WITH(fulgur::ConfigError, resuming.cli.run(trainer2, model, data),
+                     {"scale_batch_size: ckpt_path=\"x.ckpt\"", "Drop ckpt_path"});
+}
+
 TEST(CLI, LrFindSweepsTheFitsDataPrintsASuggestionAndDrawsTheCurve) {
   TempDir dir;
   Program p;

@@ -1,3 +1,8 @@
+// The batch-size finder: the sizes tried in each search mode against a cap
+// on the trial's CPU tensors, the module and generators put back, where
+// the search ends without a cap, nothing fitting, another error rethrown,
+// and the errors of options that cannot work.
+//
 // The learning-rate finder: the rate each step takes (as the optimizer saw
 // it), the module and the random generators put back (a fit after the
 // sweep is bit-identical to one without it), the early stop on a diverging
@@ -224,6 +229,177 @@ TEST(LRFinder, AStrategyThatStartsProcessesIsRefusedWithWhatToDo) {
   EXPECT_THROWS_WITH(fulgur::ConfigError, tuner.lr_find(model, regression_loader(4)),
                      {"strategy \"ddp\"", "devices=1", "torchrun"});
   EXPECT_EQ(model.training_steps, 0);
+}
+
+// ---- scale_batch_size.
+
+/// y = fc2(relu(fc1(x))) with a wide hidden layer: a step's tensors grow
+/// with the batch (about 16 KiB a sample), so a cap on them bounds it.
+class WideRegression : public fulgur::Module {
+ public:
+  WideRegression()
+      : fc1(register_module("fc1", torch::nn::Linear(3, 1024))),
+        fc2(register_module("fc2", torch::nn::Linear(1024, 1))) {}
+  at::Tensor training_step(fulgur::Batch& batch, int64_t /*batch_idx*/) override {
+    ++steps;
+    if (fail_with) throw std::runtime_error(*fail_with);
+    const auto& [x, y] = batch.pair();
+    return torch::mse_loss(fc2(torch::relu(fc1(x))), y);
+  }
+  fulgur::OptimizerConfig configure_optimizers() override {
+    return fulgur::OptimizerConfig(
+        std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.01)));
+  }
+  torch::nn::Linear fc1, fc2;
+  int64_t steps = 0;
+  std::optional<std::string> fail_with;
+};
+
+std::function<std::shared_ptr<fulgur::DataLoader>(int64_t)> loaders_of(int64_t samples) {
+  auto data = fulgur::test::regression_dataset(samples);
+  return [data](int64_t batch_size) {
+    return fulgur::make_data_loader(data, {.batch_size = batch_size});
+  };
+}
+
+constexpr int64_t kCap = 1 << 20;  // 1 MiB of the trial's CPU tensors
+
+TEST(BatchSizeFinder, PowerDoublesUntilATrialRunsOutOfMemory) {
+  TempDir dir;
+  WideRegression model;
+  fulgur::Tuner tuner(test_options(dir));
+  const auto found = tuner.scale_batch_size(model, loaders_of(1024),
+                                            {.init_val = 2, .steps_per_trial = 2,
+                                             .host_memory_cap = kCap});
+  ASSERT_GE(found.trials.size(), 2u) << found.note;
+  // 2, 4, 8, ... until the first failure, which ends the search.
+  for (size_t i = 0; i < found.trials.size(); ++i) {
+    EXPECT_EQ(found.trials[i].batch_size, int64_t{2} << i) << i;
+    EXPECT_EQ(found.trials[i].fits, i + 1 < found.trials.size()) << i;
+  }
+  const auto& failed = found.trials.back();
+  EXPECT_THAT(failed.failure, testing::HasSubstr("host_memory_cap"));
+  EXPECT_THAT(failed.failure, testing::HasSubstr("over the cap of 1048576 bytes"));
+  EXPECT_EQ(found.batch_size, failed.batch_size / 2);
+  EXPECT_TRUE(found.note.empty()) << found.note;
+  // Each trial that fit stayed under the cap, and a larger batch took more.
+  for (size_t i = 0; i + 1 < found.trials.size(); ++i) {
+    EXPECT_GT(found.trials[i].peak_bytes, 0);
+    EXPECT_LE(found.trials[i].peak_bytes, kCap);
+    if (i > 0) {
+      EXPECT_GT(found.trials[i].peak_bytes, found.trials[i - 1].peak_bytes);
+    }
+  }
+}
+
+TEST(BatchSizeFinder, BinsearchEndsBetweenASizeThatFitsAndTheNextThatDoesNot) {
+  TempDir dir;
+  WideRegression model;
+  fulgur::Tuner tuner(test_options(dir));
+  const auto found = tuner.scale_batch_size(
+      model, loaders_of(1024),
+      {.mode = "binsearch", .init_val = 3, .steps_per_trial = 2, .host_memory_cap = kCap});
+  ASSERT_GT(found.batch_size, 3);
+  bool fit_at_answer = false;
+  bool failed_above = false;
+  for (const auto& t : found.trials) {
+    if (t.batch_size == found.batch_size) fit_at_answer = t.fits;
+    if (t.batch_size == found.batch_size + 1) failed_above = !t.fits;
+    // Nothing larger than the answer fit, nothing smaller failed.
+    if (t.batch_size > found.batch_size) {
+      EXPECT_FALSE(t.fits) << t.batch_size;
+    } else {
+      EXPECT_TRUE(t.fits) << t.batch_size;
+    }
+  }
+  EXPECT_TRUE(fit_at_answer);
+  EXPECT_TRUE(failed_above) << "the search narrowed the gap to one";
+}
+
+TEST(BatchSizeFinder, TheModuleAndTheGeneratorsArePutBackAfterEveryTrial) {
+  TempDir dir;
+  torch::manual_seed(7);
+  WideRegression model;
+  std::vector<at::Tensor> before;
+  for (const auto& p : model.parameters()) before.push_back(p.detach().clone());
+  const auto rng = fulgur::rng_state_dict();
+  const at::Tensor expected_draw = torch::rand({4});
+  fulgur::load_rng_state_dict(rng);
+
+  fulgur::Tuner tuner(test_options(dir));
+  const auto found = tuner.scale_batch_size(model, loaders_of(256),
+                                            {.steps_per_trial = 2, .host_memory_cap = kCap});
+  EXPECT_GT(model.steps, 0);
+  EXPECT_GT(found.batch_size, 0);
+  const auto after = model.parameters();
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < before.size(); ++i) {
+    EXPECT_TRUE(torch::equal(after[i], before[i])) << i;
+    EXPECT_FALSE(after[i].grad().defined()) << "no gradient before, none after";
+  }
+  EXPECT_TRUE(torch::equal(torch::rand({4}), expected_draw));
+}
+
+TEST(BatchSizeFinder, WithoutACapTheSearchEndsAtTheWholeTrainingSetOrMaxTrials) {
+  TempDir dir;
+  WideRegression model;
+  fulgur::Tuner tuner(test_options(dir));
+  const auto whole = tuner.scale_batch_size(model, loaders_of(40), {.steps_per_trial = 1});
+  // 2, 4, ..., 64: the first one batch holds all 40 samples.
+  EXPECT_EQ(whole.batch_size, 64);
+  EXPECT_EQ(whole.trials.size(), 6u);
+  EXPECT_THAT(whole.note, testing::HasSubstr("batch_size=64 already holds the whole training set"));
+
+  const auto capped = tuner.scale_batch_size(model, loaders_of(4096),
+                                             {.max_trials = 3, .steps_per_trial = 1});
+  EXPECT_EQ(capped.batch_size, 8);
+  EXPECT_THAT(capped.note, testing::HasSubstr("stopped after max_trials=3 trials; batch_size=16 "
+                                              "was not tried"));
+  EXPECT_THAT(capped.note, testing::HasSubstr("set host_memory_cap"));
+}
+
+TEST(BatchSizeFinder, NothingFitsSaysSoAndAnotherErrorIsRethrownWithTheModulePutBack) {
+  TempDir dir;
+  WideRegression model;
+  fulgur::Tuner tuner(test_options(dir));
+  const auto none = tuner.scale_batch_size(model, loaders_of(64),
+                                           {.init_val = 4, .host_memory_cap = 1024});
+  EXPECT_EQ(none.batch_size, 0);
+  ASSERT_EQ(none.trials.size(), 3u) << "4, 2, 1";
+  EXPECT_EQ(none.trials.back().batch_size, 1);
+  EXPECT_THAT(none.note, testing::HasSubstr("no batch size fit; batch_size=1 ran out of memory"));
+
+  const at::Tensor weight = model.fc1->weight.detach().clone();
+  model.fail_with = "a bug in training_step";
+  EXPECT_THROWS_WITH(std::runtime_error,
+                     tuner.scale_batch_size(model, loaders_of(64), {.host_memory_cap = kCap}),
+                     {"a bug in training_step"});
+  EXPECT_TRUE(torch::equal(model.fc1->weight, weight));
+}
+
+TEST(BatchSizeFinder, OptionsThatCannotWorkAreNamedTogether) {
+  TempDir dir;
+  WideRegression model;
+  fulgur::Tuner tuner(test_options(dir));
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      tuner.scale_batch_size(model, loaders_of(8),
+                             {.mode = "bisect", .init_val = 0, .max_trials = 0,
+                              .steps_per_trial = 0, .host_memory_cap = -1}),
+      {"Tuner.scale_batch_size(", "mode=\"bisect\"", "\"power\" or \"binsearch\"", "init_val=0",
+       "max_trials=0", "steps_per_trial=0", "host_memory_cap=-1"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, tuner.scale_batch_size(model, nullptr),
+                     {"make_loader is empty"});
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      tuner.scale_batch_size(model, [](int64_t) { return std::shared_ptr<fulgur::DataLoader>(); }),
+      {"make_loader(2) returned no loader"});
+  auto options = test_options(dir);
+  options.strategy = "ddp";
+  options.devices = 2;
+  fulgur::Tuner ddp(options);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, ddp.scale_batch_size(model, loaders_of(8)),
+                     {"strategy \"ddp\"", "devices=1"});
 }
 
 }  // namespace

@@ -1,9 +1,10 @@
 // File: fulgur/cli/cli.h
 //
 // The LightningCLI of C++: one object gives a program the subcommands fit,
-// validate, test, predict and lr_find (the learning-rate finder on the fit's
+// validate, test, predict, lr_find (the learning-rate finder on the fit's
 // data: the suggestion printed, the curve drawn into lr_find.png under
-// default_root_dir), every Trainer flag (from trainer_flags()), the
+// default_root_dir) and scale_batch_size (the largest training batch that
+// fits in memory, on the DataModule's batch_size()), every Trainer flag (from trainer_flags()), the
 // program's own options in a few lines, YAML config files and dotted
 // overrides.
 //
@@ -26,6 +27,7 @@
 //   train fit --ckpt_path runs/.../last.ckpt     # the checkpoint's config, then overrides
 //   train --max_epochs 5                         # no subcommand: fit; flat names work
 //   train lr_find --config run.yaml              # a learning rate to start from
+//   train scale_batch_size --config run.yaml     # the largest batch that fits
 //
 // A config file has the sections `trainer:`, `model:` and `data:`, and the
 // program's top-level keys (`ckpt_path:` and what program() adds):
@@ -149,6 +151,11 @@ class CLI {
   Stage subcommand() const { return subcommand_; }
   /// The subcommand is lr_find.
   bool is_lr_find() const { return lr_find_; }
+  /// The subcommand is scale_batch_size.
+  bool is_scale_batch_size() const { return scale_batch_size_; }
+  /// The options scale_batch_size runs with (the program may set them after
+  /// parse, e.g. host_memory_cap from an option of its own).
+  BatchSizeFinderOptions& batch_size_finder() { return batch_size_finder_; }
   /// The checkpoint to start from ("" for none), as configured.
   const std::string& ckpt_path() const { return ckpt_path_; }
   /// trainer_defaults with the configured flags applied, plus a callback
@@ -165,13 +172,16 @@ class CLI {
   /// Runs the subcommand on `trainer` with ckpt_path: fit, validate, test or
   /// predict; lr_find runs the finder with the trainer's options (the
   /// module's weights put back), prints the suggestion on stdout and draws
-  /// the curve into <default_root_dir>/lr_find.png. The result of the one
-  /// that ran is set.
+  /// the curve into <default_root_dir>/lr_find.png; scale_batch_size runs
+  /// the batch-size finder on the DataModule (its batch_size() and
+  /// set_batch_size()) and prints each trial and the size found. The
+  /// result of the one that ran is set.
   struct Result {
     std::optional<FitResult> fit;
     std::optional<Metrics> metrics;
     std::optional<std::vector<Batch>> predictions;
     std::optional<LRFinderResult> lr_find;
+    std::optional<BatchSizeFinderResult> scale_batch_size;
   };
   Result run(Trainer& trainer, Module& model, DataModule& data) const;
 
@@ -206,6 +216,8 @@ class CLI {
   OptionGroup model_, data_, program_;
   Stage subcommand_;
   bool lr_find_ = false;
+  bool scale_batch_size_ = false;
+  BatchSizeFinderOptions batch_size_finder_;
   std::string ckpt_path_;
   std::map<std::string, Setting> values_;
   TrainerOptions trainer_;

@@ -14,7 +14,9 @@
 //   };
 #pragma once
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace fulgur {
@@ -41,6 +43,14 @@ class DataModule {
   virtual std::shared_ptr<DataLoader> val_dataloader() { return nullptr; }
   virtual std::shared_ptr<DataLoader> test_dataloader();
   virtual std::shared_ptr<DataLoader> predict_dataloader();
+
+  /// The training loader's batch size, for Tuner::scale_batch_size (what
+  /// Lightning's finder reads and sets as datamodule.batch_size):
+  /// batch_size() returns it, set_batch_size(n) makes the next
+  /// train_dataloader() batch n samples. The default has none (nullopt),
+  /// and the finder refuses the module, saying to override both.
+  virtual std::optional<int64_t> batch_size() const { return std::nullopt; }
+  virtual void set_batch_size(int64_t /*batch_size*/) {}
 };
 
 }  // namespace fulgur

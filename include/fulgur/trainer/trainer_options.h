@@ -66,6 +66,17 @@ struct ChoiceNames<GradientClipAlgorithm> {
       {GradientClipAlgorithm::kNorm, "norm"}, {GradientClipAlgorithm::kValue, "value"}};
 };
 
+/// The Trainer's profiler: "none", "simple" (time per phase of the fit
+/// loop) or "pytorch" (LibTorch's operator profiler over a window of steps).
+enum class ProfilerKind { kNone, kSimple, kPyTorch };
+template <>
+struct ChoiceNames<ProfilerKind> {
+  static constexpr std::pair<ProfilerKind, const char*> kNames[] = {
+      {ProfilerKind::kNone, "none"},
+      {ProfilerKind::kSimple, "simple"},
+      {ProfilerKind::kPyTorch, "pytorch"}};
+};
+
 /// The precision flag as written: "32-true", "64-true", "bf16-mixed",
 /// "16-mixed", "bf16-true", "16-true", or a legacy spelling that PyTorch
 /// Lightning 2.x also accepts: 32, 64, 16, "bf16" (and "32", "64", "16").
@@ -211,8 +222,19 @@ struct TrainerOptions {
   /// "simple": at the end of fit, global rank 0 prints where the fit loop's
   /// time went (fetching batches, training_step, backward, optimizer steps,
   /// logging, batch-end hooks and checkpoints, validation, epoch ends; calls,
-  /// total, mean and max time). "none" (or ""): no profiling, no cost.
-  std::string profiler = "none";
+  /// total, mean and max time). "pytorch": LibTorch's operator profiler
+  /// records the training batches [profiler_wait, profiler_wait +
+  /// profiler_active) of the fit; each rank writes a Chrome/Perfetto trace
+  /// (fit-rank<R>.pt.trace.json; CUDA kernels too where LibTorch was built
+  /// with Kineto) and a table of the operators that took the most time
+  /// (fit-rank<R>.operators.txt) under <log_dir or default_root_dir>/profiler/,
+  /// and global rank 0 prints its table. "none": no profiling, no cost.
+  Choice<ProfilerKind> profiler = ProfilerKind::kNone;
+  /// profiler = "pytorch": training batches run before the recording starts
+  /// (the warm-up: first-step allocations, autotuning, graph capture).
+  int64_t profiler_wait = 5;
+  /// profiler = "pytorch": training batches recorded (>= 1).
+  int64_t profiler_active = 5;
   std::vector<std::shared_ptr<Callback>> callbacks = {};
 
   // ---- Recovery (README: "When things fail").

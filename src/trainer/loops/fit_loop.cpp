@@ -15,6 +15,7 @@
 #include "fulgur/core/errors.h"
 #include "fulgur/optim/lr_scheduler.h"
 #include "fulgur/plugins/precision/precision.h"
+#include "trainer/torch_profiler.h"
 #include "trainer/trainer_impl.h"
 
 namespace fulgur::detail {
@@ -129,10 +130,24 @@ void FitLoop::run() {
 
   training_ = true;
   profiler_.reset();
-  if (trainer_.options.profiler == "simple") {
+  if (trainer_.options.profiler == ProfilerKind::kSimple) {
     profiler_ = std::make_unique<SimpleProfiler>();
-    profiler_->start();
+  } else if (trainer_.options.profiler == ProfilerKind::kPyTorch) {
+    std::string dir = trainer_.self.log_dir();
+    if (dir.empty()) dir = trainer_.self.default_root_dir();
+    profiler_ = std::make_unique<TorchProfiler>(
+        trainer_.options.profiler_wait, trainer_.options.profiler_active, dir + "/profiler",
+        trainer_.strategy->global_rank(), trainer_.strategy->root_device().is_cuda());
   }
+  // A fit that fails lets go of a recording still running (LibTorch's
+  // profiler is one per thread).
+  struct LetGo {
+    LoopProfiler* profiler;
+    ~LetGo() {
+      if (profiler != nullptr) profiler->abandon();
+    }
+  } let_go{profiler_.get()};
+  if (profiler_) profiler_->start();
   m.train(true);
   trainer_.call_hooks([](Module& mod) { mod.on_train_start(); },
                       [&](Callback& cb) { cb.on_train_start(trainer_.self, m); });
@@ -145,9 +160,12 @@ void FitLoop::run() {
     train_epoch();
     ++current_epoch_;
   }
-  if (profiler_ && trainer_.strategy->is_global_zero()) {
-    std::fputs(profiler_->table().c_str(), stdout);
-    std::fflush(stdout);
+  if (profiler_) {
+    const std::string report = profiler_->finish();
+    if (!report.empty() && trainer_.strategy->is_global_zero()) {
+      std::fputs(report.c_str(), stdout);
+      std::fflush(stdout);
+    }
   }
   trainer_.call_hooks([](Module& mod) { mod.on_train_end(); },
                       [&](Callback& cb) { cb.on_train_end(trainer_.self, m); });
@@ -175,11 +193,12 @@ void FitLoop::train_epoch() {
   int64_t idx = start;
   std::optional<Batch> batch;
   {
-    SimpleProfiler::Scope fetch(profiler_.get(), SimpleProfiler::Phase::kFetch);
+    LoopProfiler::Scope fetch(profiler_.get(), LoopProfiler::Phase::kFetch);
     if (limit < 0 || idx < limit) batch = loader.next();
     if (batch) feed_.put(*batch);
   }
   while (batch) {
+    if (profiler_) profiler_->batch_begin(global_step_);
     std::optional<Batch> next_batch;
     bool last;
     bool looked_ahead = true;
@@ -187,8 +206,8 @@ void FitLoop::train_epoch() {
       // Timed only where it fetches: ahead of the step, or to learn
       // whether this batch is the last.
       const bool fetches = limit < 0 || (feed_.enabled() && idx + 1 < limit);
-      SimpleProfiler::Scope fetch(fetches ? profiler_.get() : nullptr,
-                                  SimpleProfiler::Phase::kFetch);
+      LoopProfiler::Scope fetch(fetches ? profiler_.get() : nullptr,
+                                  LoopProfiler::Phase::kFetch);
       if (limit >= 0) {
         last = idx + 1 >= limit;
         looked_ahead = feed_.enabled() && !last;
@@ -201,13 +220,14 @@ void FitLoop::train_epoch() {
     }
     batch_idx_ = idx;
     training_batch(*batch, idx, last);
+    if (profiler_) profiler_->batch_end();
     ++idx;
     // A validation (its metrics may decide a stop) makes a boundary.
     if (stop_requested_by_limits(/*boundary=*/validated_at_position_ == idx) || last) break;
     if (looked_ahead) {
       batch = std::move(next_batch);
     } else {
-      SimpleProfiler::Scope fetch(profiler_.get(), SimpleProfiler::Phase::kFetch);
+      LoopProfiler::Scope fetch(profiler_.get(), LoopProfiler::Phase::kFetch);
       batch = loader.next();
     }
   }
@@ -219,7 +239,7 @@ void FitLoop::train_epoch() {
     run_validation(false);
   }
 
-  SimpleProfiler::Scope epoch_end(profiler_.get(), SimpleProfiler::Phase::kEpochEnd);
+  LoopProfiler::Scope epoch_end(profiler_.get(), LoopProfiler::Phase::kEpochEnd);
   in_epoch_end_ = true;
   if (m.automatic_optimization()) step_schedulers(Interval::kEpoch);
   trainer_.logging.train_sink().set_context(/*training_step=*/false, 1);
@@ -260,14 +280,14 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   bool should_step = (idx + 1) % accumulate_ == 0 || is_last_batch;
   at::Tensor loss;
   if (cuda_graph_) {
-    SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kGraphStep);
+    LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kGraphStep);
     loss = graph_training_batch(on_device, idx, is_last_batch);
   } else if (m.automatic_optimization()) {
     // Micro-batches that do not step accumulate locally, without a
     // cross-rank gradient sync (nor, under DDP, a buffer broadcast).
     trainer_.drive().set_gradient_sync(should_step);
     {
-      SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kTrainingStep);
+      LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kTrainingStep);
       auto scope = trainer_.drive().step_scope();
       loss = trainer_.drive().training_step(m, on_device, idx);
     }
@@ -275,7 +295,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
       check_loss(loss);
       at::Tensor scaled = accumulate_ > 1 ? loss / accumulate_ : loss;
       {
-        SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kBackward);
+        LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kBackward);
         trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); },
                             [](Callback&) {});
         trainer_.drive().set_stop_vote(should_stop_);
@@ -296,14 +316,14 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   } else {
     trainer_.drive().set_gradient_sync(true);
     // Manual optimization: training_step holds its backward and steps.
-    SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kTrainingStep);
+    LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kTrainingStep);
     auto scope = trainer_.drive().step_scope();
     loss = trainer_.drive().training_step(m, on_device, idx);
     if (global_step_ > steps_before) ++batches_that_stepped_;
   }
   batch_position_ = idx + 1;
   {
-    SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kLogging);
+    LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kLogging);
     publish_step_metrics();
   }
   // The hooks get the loss without its graph. Backward is done, so the loss
@@ -318,7 +338,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
     }
   }
   {
-    SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kBatchEnd);
+    LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kBatchEnd);
     trainer_.call_hooks(
         [&](Module& mod) { mod.on_train_batch_end(detached, batch, idx); },
         [&](Callback& cb) { cb.on_train_batch_end(trainer_.self, m, detached, batch, idx); });
@@ -329,7 +349,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
 }
 
 void FitLoop::step_optimizers() {
-  SimpleProfiler::Scope timed(profiler_.get(), SimpleProfiler::Phase::kOptimizerStep);
+  LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kOptimizerStep);
   run_optimizer_steps(/*clip_on_device=*/false);
   finish_optimizer_steps(/*zero_grads=*/true);
 }
@@ -492,8 +512,8 @@ void FitLoop::run_validation(bool sanity) {
                   : trainer_.limits.num_sanity_val_steps;
   }
   if (limit && *limit == 0) return;
-  SimpleProfiler::Scope timed(sanity ? nullptr : profiler_.get(),
-                              SimpleProfiler::Phase::kValidation);
+  LoopProfiler::Scope timed(sanity ? nullptr : profiler_.get(),
+                              LoopProfiler::Phase::kValidation);
   bool was_training = m.is_training();
   sanity_checking_ = sanity;
   for (auto& cb : trainer_.callbacks) cb->on_validation_start(trainer_.self, m);

@@ -145,7 +145,7 @@ class FitLoop {
   DeviceFeed feed_;                     // the training batches, moved to the device ahead
   bool cuda_graph_ = false;             // this fit's steps go through graph_
   CudaGraphStep graph_;
-  std::unique_ptr<SimpleProfiler> profiler_;  // profiler = "simple"; else null
+  std::unique_ptr<LoopProfiler> profiler_;  // the Trainer option profiler; null when "none"
 };
 
 }  // namespace fulgur::detail

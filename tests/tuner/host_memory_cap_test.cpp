@@ -1,0 +1,67 @@
+// The cap on a trial's CPU tensors: what it counts (storage allocated while
+// it lives, until freed; raw allocations too), the refusal (c10::OutOfMemoryError naming the
+// sizes, recognised as the cap's), the peak, and LibTorch's own allocator
+// back once it is gone.
+#include <c10/core/CPUAllocator.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <stdexcept>
+
+#include "tuner/host_memory_cap.h"
+
+namespace {
+
+using fulgur::detail::HostMemoryCap;
+
+TEST(HostMemoryCap, CountsTensorsAllocatedUnderItAndRefusesOnePastTheCap) {
+  c10::Allocator* const before = c10::GetCPUAllocator();
+  const at::Tensor old = torch::zeros({1024});  // not counted: allocated before
+  EXPECT_EQ(old.numel(), 1024);
+  at::Tensor kept;
+  {
+    HostMemoryCap cap(64 * 1024);
+    EXPECT_NE(c10::GetCPUAllocator(), before);
+    EXPECT_EQ(cap.live(), 0);
+    {
+      const at::Tensor a = torch::zeros({4096});  // 16 KiB
+      EXPECT_EQ(cap.live(), 16384);
+      kept = torch::ones({2048});  // 8 KiB
+      EXPECT_EQ(cap.live(), 24576);
+    }
+    EXPECT_EQ(cap.live(), 8192) << "freed storage is given back";
+    EXPECT_EQ(cap.peak(), 24576);
+    try {
+      const at::Tensor too_big = torch::zeros({16384});  // 64 KiB more
+      FAIL() << "a tensor past the cap was allocated";
+    } catch (const c10::OutOfMemoryError& e) {
+      EXPECT_THAT(e.msg(), testing::HasSubstr("fulgur host_memory_cap: a tensor of 65536 bytes "
+                                              "would bring the trial's CPU tensors to 73728 "
+                                              "bytes, over the cap of 65536 bytes."));
+      EXPECT_TRUE(HostMemoryCap::is_refusal(e));
+    }
+    // oneDNN and others allocate raw pointers (the data its own context):
+    // counted alike, freed through the raw deleter.
+    c10::Allocator* capped = c10::GetCPUAllocator();
+    void* raw = capped->raw_allocate(4096);
+    ASSERT_NE(raw, nullptr);
+    EXPECT_EQ(cap.live(), 8192 + 4096);
+    capped->raw_deleter()(raw);
+    EXPECT_EQ(cap.live(), 8192);
+    EXPECT_EQ(cap.refused(), 1);
+    EXPECT_EQ(cap.live(), 8192) << "a refused allocation holds nothing";
+    EXPECT_FALSE(HostMemoryCap::is_refusal(std::runtime_error("out of memory")));
+    // Its text alone is enough: an error LibTorch rebuilt from it.
+    EXPECT_TRUE(HostMemoryCap::is_refusal(
+        std::runtime_error("worker: fulgur host_memory_cap: a tensor of 4 bytes ...")));
+  }
+  EXPECT_EQ(c10::GetCPUAllocator(), before) << "LibTorch's allocator is back";
+  // Storage allocated under the cap outlives it and is freed as usual.
+  EXPECT_EQ(kept.sum().item<float>(), 2048.0f);
+  kept = at::Tensor();
+  const at::Tensor after = torch::zeros({1 << 20});  // 4 MiB: no cap now
+  EXPECT_EQ(after.numel(), 1 << 20);
+}
+
+}  // namespace
