@@ -42,7 +42,7 @@ class LoopProfiler {
   virtual void end(Phase phase) = 0;
   /// A training batch begins (before the loader is asked for the next one)
   /// and ends (after its step, hooks and any validation it triggered).
-  virtual void batch_begin(int64_t /*global_step*/) {}
+  virtual void batch_begin() {}
   virtual void batch_end() {}
   /// The fit loop ended normally: what global rank 0 prints ("" for none).
   virtual std::string finish() = 0;

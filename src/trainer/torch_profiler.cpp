@@ -70,7 +70,10 @@ std::vector<OperatorRecord> records_of(const kineto::ProfilerResult& result) {
     r.name = e.name();
     r.thread = e.startThreadId();
     r.on_device = e.deviceType() != c10::DeviceType::CPU;
-    r.annotation = e.scope() == static_cast<uint8_t>(at::RecordScope::USER_SCOPE);
+    // Kineto repeats the user spans on the GPU's timeline (GPU user
+    // annotations): spans too, not kernels.
+    r.annotation = e.scope() == static_cast<uint8_t>(at::RecordScope::USER_SCOPE) ||
+                   r.name.rfind("ProfilerStep#", 0) == 0 || r.name.rfind("fulgur::", 0) == 0;
     r.start_us = start_us(e, 0);
     r.duration_us = duration_us(e, 0);
     records.push_back(std::move(r));
@@ -120,6 +123,7 @@ std::vector<OperatorRow> operator_rows(const std::vector<OperatorRecord>& record
   std::map<uint64_t, std::vector<const OperatorRecord*>> by_thread;
   for (const auto& r : records) {
     if (r.on_device) {
+      if (r.annotation) continue;
       OperatorRow& row = by_name[r.name];
       ++row.calls;
       row.device_us += r.duration_us;
@@ -270,12 +274,12 @@ void TorchProfiler::end(Phase phase) {
   spans_.pop_back();
 }
 
-void TorchProfiler::batch_begin(int64_t global_step) {
+void TorchProfiler::batch_begin() {
   if (!done_ && !recording_ && batches_ == wait_) start_recording();
-  ++batches_;
+  const int64_t batch = batches_++;
   if (!recording_) return;
   auto record = std::make_unique<at::RecordFunction>(at::RecordScope::USER_SCOPE);
-  if (record->isActive()) record->before(str("ProfilerStep#", global_step));
+  if (record->isActive()) record->before(str("ProfilerStep#", batch));
   spans_.push_back({Phase::kCount, std::move(record)});
 }
 
@@ -301,8 +305,8 @@ void TorchProfiler::start_recording() {
   std::string error = enable();
   if (!error.empty() && cuda_) {
     // A LibTorch that cannot trace CUDA activity still records the host.
-    print_note(str("profiler=pytorch: LibTorch could not record CUDA activity (", error,
-                   "); recording the host's operators only."));
+    print_note(str("profiler=pytorch: LibTorch's profiler did not start with CUDA activity (",
+                   error, "); trying the host's operators only."));
     activities.erase(impl::ActivityType::CUDA);
     error = enable();
   }
@@ -325,10 +329,30 @@ void TorchProfiler::close_spans() {
 
 std::string TorchProfiler::stop_recording() {
   close_spans();
+  std::unique_ptr<kineto::ProfilerResult> result;
+  try {
+    result = kineto::disableProfiler();
+  } catch (const std::exception& e) {
+    recording_ = false;
+    done_ = true;
+    failure_ = str("LibTorch's profiler failed to stop (", e.what(), ")");
+    print_note(str("profiler=pytorch: ", failure_, "; the fit goes on without a profile."));
+    return "";
+  }
   recording_ = false;
   done_ = true;
-  std::unique_ptr<kineto::ProfilerResult> result = kineto::disableProfiler();
-  const std::vector<OperatorRecord> records = records_of(*result);
+  // Whatever goes wrong from here costs the profile, never the fit.
+  try {
+    return write_profile(*result);
+  } catch (const std::exception& e) {
+    print_note(str("profiler=pytorch: writing the profile failed (", e.what(),
+                   "); the fit goes on without it."));
+    return "";
+  }
+}
+
+std::string TorchProfiler::write_profile(kineto::ProfilerResult& result) {
+  const std::vector<OperatorRecord> records = records_of(result);
   const std::vector<OperatorRow> rows = operator_rows(records);
   const std::string trace = str(dir_, "/fit-rank", rank_, ".pt.trace.json");
   const std::string table_path = str(dir_, "/fit-rank", rank_, ".operators.txt");
@@ -348,7 +372,7 @@ std::string TorchProfiler::stop_recording() {
     // Kineto, LibTorch refuses and the trace is written from the records.
     bool saved = false;
     try {
-      result->save(trace);
+      result.save(trace);
       saved = true;
     } catch (const c10::Error&) {
       saved = false;
@@ -379,10 +403,16 @@ std::string TorchProfiler::finish() {
 
 void TorchProfiler::abandon() {
   if (!recording_) return;
-  close_spans();
   recording_ = false;
   done_ = true;
-  kineto::disableProfiler();
+  // Called while an exception unwinds: nothing may escape.
+  try {
+    close_spans();
+    kineto::disableProfiler();
+  } catch (const std::exception& e) {
+    print_note(str("profiler=pytorch: stopping LibTorch's profiler after the failed fit failed "
+                   "too: ", e.what()));
+  }
 }
 
 }  // namespace fulgur::detail

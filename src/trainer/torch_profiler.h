@@ -2,9 +2,10 @@
 // (the Kineto collection of torch/csrc/autograd/profiler_kineto.h) records
 // the fit's training batches [wait, wait + active), counted from the fit's
 // first batch in this process (a resumed fit profiles its own first batches
-// after the wait). Each batch is a "ProfilerStep#<global_step>" span and the
-// fit loop's phases are "fulgur::<phase>" spans inside it, so the trace
-// shows which of the loop's phases an operator ran in.
+// after the wait). Each batch is a "ProfilerStep#<batch>" span (the batch's
+// number in that count, as torch.profiler numbers its steps) and the fit
+// loop's phases are "fulgur::<phase>" spans inside it, so the trace shows
+// which of the loop's phases an operator ran in.
 //
 // When the window closes (or the fit ends inside it) every rank writes
 //   <dir>/fit-rank<R>.pt.trace.json   a Chrome/Perfetto trace
@@ -25,7 +26,10 @@
 #include "trainer/profiler.h"
 
 namespace at {
-class RecordFunction;
+struct RecordFunction;
+}
+namespace torch::autograd::profiler {
+struct ProfilerResult;
 }
 
 namespace fulgur::detail {
@@ -75,7 +79,7 @@ class TorchProfiler final : public LoopProfiler {
 
   void begin(Phase phase) override;
   void end(Phase phase) override;
-  void batch_begin(int64_t global_step) override;
+  void batch_begin() override;
   void batch_end() override;
   std::string finish() override;
   /// Stops a recording still running and drops it (the fit failed).
@@ -85,6 +89,7 @@ class TorchProfiler final : public LoopProfiler {
   void start_recording();
   /// Stops the recording and writes the files; the table to print.
   std::string stop_recording();
+  std::string write_profile(torch::autograd::profiler::ProfilerResult& result);
   void close_spans();
 
   int64_t wait_;

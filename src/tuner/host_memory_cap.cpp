@@ -42,34 +42,49 @@ struct HostMemoryCap::Ledger {
 
 namespace {
 
-// A block allocated under the cap, by its data pointer: what to give back
-// to the ledger, and the inner allocator's deleter. LibTorch's own CPU
+// A block allocated under a cap, by its data pointer: what to give back to
+// the ledger, and the inner allocator's deleter. LibTorch's own CPU
 // allocator makes "simple" pointers (the data is the context, freed by its
 // raw_deleter), and oneDNN and others allocate through raw_allocate, which
-// requires them: so the capped pointers are simple too, and their blocks
-// are found by address.
+// requires them, and free through whichever CPU allocator is current then:
+// so the capped pointers are simple too, their blocks are found by address,
+// and a pointer that is not one of them goes to the inner allocator's
+// deleter.
 struct Block {
-  int64_t bytes;
+  int64_t bytes = 0;
   std::shared_ptr<HostMemoryCap::Ledger> ledger;
-  c10::DeleterFnPtr inner_deleter;
+  c10::DeleterFnPtr inner_deleter = nullptr;
 };
-std::mutex blocks_mutex;
-std::unordered_map<void*, Block>& blocks() {
-  static auto* map = new std::unordered_map<void*, Block>();  // outlives every tensor
-  return *map;
+
+struct Shared {
+  std::mutex mutex;
+  std::unordered_map<void*, Block> blocks;
+  std::shared_ptr<HostMemoryCap::Ledger> active;  // the cap in force; null: none
+  c10::Allocator* inner = nullptr;                // the allocator wrapped
+  c10::DeleterFnPtr inner_deleter = nullptr;      // its raw deleter
+};
+Shared& shared() {
+  static auto* state = new Shared();  // outlives every tensor
+  return *state;
 }
 
 void release_block(void* data) {
+  Shared& s = shared();
   Block block;
+  c10::DeleterFnPtr deleter = nullptr;
   {
-    std::lock_guard<std::mutex> lock(blocks_mutex);
-    auto it = blocks().find(data);
-    if (it == blocks().end()) return;  // not ours: cannot happen
-    block = std::move(it->second);
-    blocks().erase(it);
+    std::lock_guard<std::mutex> lock(s.mutex);
+    auto it = s.blocks.find(data);
+    if (it != s.blocks.end()) {
+      block = std::move(it->second);
+      s.blocks.erase(it);
+      deleter = block.inner_deleter;
+    } else {
+      deleter = s.inner_deleter;  // allocated outside any cap
+    }
   }
-  block.ledger->live.fetch_sub(block.bytes);
-  block.inner_deleter(data);
+  if (block.ledger) block.ledger->live.fetch_sub(block.bytes);
+  if (deleter != nullptr) deleter(data);
 }
 
 // A block of an inner allocator whose pointers are not simple: it travels
@@ -88,48 +103,58 @@ struct Held {
 
 class CappedAllocator final : public c10::Allocator {
  public:
-  CappedAllocator(c10::Allocator* inner, std::shared_ptr<HostMemoryCap::Ledger> ledger)
-      : inner_(inner), inner_deleter_(inner->raw_deleter()), ledger_(std::move(ledger)) {}
-
   c10::DataPtr allocate(size_t n) FULGUR_ALLOCATE_CONST override {
+    Shared& s = shared();
+    std::shared_ptr<HostMemoryCap::Ledger> ledger;
+    c10::Allocator* inner = nullptr;
+    c10::DeleterFnPtr inner_deleter = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      ledger = s.active;
+      inner = s.inner;
+      inner_deleter = s.inner_deleter;
+    }
+    if (!ledger) return inner->allocate(n);  // no cap now: LibTorch's own
     const auto bytes = static_cast<int64_t>(n);
-    const int64_t now = ledger_->live.fetch_add(bytes) + bytes;
-    if (now > ledger_->cap) {
-      ledger_->live.fetch_sub(bytes);
-      ledger_->refused.fetch_add(1);
+    const int64_t now = ledger->live.fetch_add(bytes) + bytes;
+    if (now > ledger->cap) {
+      ledger->live.fetch_sub(bytes);
+      ledger->refused.fetch_add(1);
       C10_THROW_ERROR(OutOfMemoryError,
                       str(kRefusal, "a tensor of ", bytes,
                           " bytes would bring the trial's CPU tensors to ", now,
-                          " bytes, over the cap of ", ledger_->cap, " bytes."));
+                          " bytes, over the cap of ", ledger->cap, " bytes."));
     }
-    int64_t peak = ledger_->peak.load();
-    while (now > peak && !ledger_->peak.compare_exchange_weak(peak, now)) {
+    int64_t peak = ledger->peak.load();
+    while (now > peak && !ledger->peak.compare_exchange_weak(peak, now)) {
     }
-    c10::DataPtr inner;
+    c10::DataPtr block;
     try {
-      inner = inner_->allocate(n);
+      block = inner->allocate(n);
     } catch (...) {
-      ledger_->live.fetch_sub(bytes);
+      ledger->live.fetch_sub(bytes);
       throw;
     }
-    void* data = inner.get();
-    const c10::Device device = inner.device();
+    void* data = block.get();
+    const c10::Device device = block.device();
     if (data == nullptr) {  // nothing to hold (a zero-byte tensor)
-      ledger_->live.fetch_sub(bytes);
-      return inner;
+      ledger->live.fetch_sub(bytes);
+      return block;
     }
-    if (inner_deleter_ != nullptr && inner.get_context() == data) {
-      inner.release_context();
-      std::lock_guard<std::mutex> lock(blocks_mutex);
-      blocks()[data] = Block{bytes, ledger_, inner_deleter_};
+    if (inner_deleter != nullptr && block.get_context() == data) {
+      block.release_context();
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.blocks[data] = Block{bytes, ledger, inner_deleter};
       return c10::DataPtr(data, data, &release_block, device);
     }
-    auto* held = new Held{std::move(inner), bytes, ledger_};
+    auto* held = new Held{std::move(block), bytes, ledger};
     return c10::DataPtr(data, held, &Held::release, device);
   }
 
   c10::DeleterFnPtr raw_deleter() const override {
-    return inner_deleter_ != nullptr ? &release_block : nullptr;
+    Shared& s = shared();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    return s.inner_deleter != nullptr ? &release_block : nullptr;
   }
 
 #if FULGUR_TORCH_AT_LEAST(2, 3)
@@ -137,30 +162,50 @@ class CappedAllocator final : public c10::Allocator {
     if (count > 0) std::memcpy(dest, src, count);
   }
 #endif
-
- private:
-  c10::Allocator* inner_;
-  c10::DeleterFnPtr inner_deleter_;
-  std::shared_ptr<HostMemoryCap::Ledger> ledger_;
 };
 
-// The allocator's priority: the highest, so that the swap always takes
-// (c10::SetCPUAllocator ignores a lower one than the current's).
-constexpr uint8_t kPriority = 255;
+CappedAllocator& capped_allocator() {
+  static auto* allocator = new CappedAllocator();  // a storage may ask it again, any time
+  return *allocator;
+}
 
 }  // namespace
 
-HostMemoryCap::HostMemoryCap(int64_t bytes)
-    : ledger_(std::make_shared<Ledger>()), previous_(c10::GetCPUAllocator()) {
+HostMemoryCap::HostMemoryCap(int64_t bytes) : ledger_(std::make_shared<Ledger>()) {
   ledger_->cap = bytes;
-  allocator_ = std::make_unique<CappedAllocator>(previous_, ledger_);
-  c10::SetCPUAllocator(allocator_.get(), kPriority);
+  CappedAllocator& capped = capped_allocator();
+  c10::Allocator* current = c10::GetCPUAllocator();
+  if (current == &capped) {
+    throw InternalError("HostMemoryCap: one is already in force (one at a time).");
+  }
+  Shared& s = shared();
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.inner = current;
+    s.inner_deleter = current->raw_deleter();
+    s.active = ledger_;
+  }
+  previous_ = current;
+  // Priority 0, LibTorch's own allocator's: a higher one would stay for good.
+  c10::SetCPUAllocator(&capped, 0);
+  if (c10::GetCPUAllocator() != &capped) {
+    {
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.active.reset();
+    }
+    throw ConfigError(
+        "host_memory_cap: LibTorch's CPU allocator was replaced by one set with a higher "
+        "priority (c10::SetCPUAllocator), which the cap cannot wrap. Find the batch size without "
+        "that allocator, or on a GPU.");
+  }
 }
 
 HostMemoryCap::~HostMemoryCap() {
-  c10::SetCPUAllocator(previous_, kPriority);
-  // Storage allocated under the cap still holds the ledger (and the inner
-  // allocator's own deleter); this allocator object is needed by none of it.
+  {
+    std::lock_guard<std::mutex> lock(shared().mutex);
+    shared().active.reset();
+  }
+  c10::SetCPUAllocator(previous_, 0);
 }
 
 int64_t HostMemoryCap::live() const { return ledger_->live.load(); }

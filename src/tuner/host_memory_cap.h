@@ -8,8 +8,11 @@
 // the cap is counted until it is freed, even after the cap is gone.
 //
 // One at a time, process-wide (LibTorch has one CPU allocator): create it
-// while no other thread allocates tensors (before the trial's Trainer and
-// loader exist) and destroy it after they are gone. Not installed.
+// while no other thread allocates tensors (before the trial's loader exists)
+// and destroy it after the loader and the Trainer are gone. The wrapping
+// allocator itself lives as long as the process: a storage allocated under
+// the cap keeps it as its allocator (a resize_ asks it again), and once the
+// cap is gone it passes every request to LibTorch's. Not installed.
 #pragma once
 
 #include <cstdint>
@@ -41,8 +44,7 @@ class HostMemoryCap {
 
  private:
   std::shared_ptr<Ledger> ledger_;
-  std::unique_ptr<c10::Allocator> allocator_;
-  c10::Allocator* previous_;
+  c10::Allocator* previous_ = nullptr;
 };
 
 }  // namespace fulgur::detail

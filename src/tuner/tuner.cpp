@@ -71,7 +71,7 @@ void check_batch_size_finder_options(const BatchSizeFinderOptions& o) {
   }
   if (o.host_memory_cap < 0) {
     problems.push_back(str("host_memory_cap=", o.host_memory_cap,
-                           ": must be >= 0 bytes (0: no cap), e.g. 2147483648 for 2 GiB"));
+                           ": must be >= 0 bytes, e.g. 2147483648 for 2 GiB"));
   }
   if (!problems.empty()) {
     throw ConfigError(str("Tuner.scale_batch_size(", join(problems, "; "), ")."));
@@ -83,9 +83,14 @@ void check_batch_size_finder_options(const BatchSizeFinderOptions& o) {
 // passed it on as another error).
 bool is_out_of_memory(const std::exception& e) {
   if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
+  if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) return true;
   if (detail::HostMemoryCap::is_refusal(e)) return true;
   const std::string_view text = e.what();
-  return text.find("CUDA out of memory") != std::string_view::npos;
+  for (const char* said : {"CUDA out of memory", "DefaultCPUAllocator: not enough memory",
+                           "DefaultCPUAllocator: can't allocate memory"}) {
+    if (text.find(said) != std::string_view::npos) return true;
+  }
+  return false;
 }
 
 // The first line of an error's text (LibTorch appends a backtrace).
@@ -204,24 +209,25 @@ TrainerOptions trial_options(const TrainerOptions& options, int64_t max_steps) {
 // What a trial changes, to put back: the parameters and buffers (each
 // tensor's data as it was, dtype and device included: a precision plugin
 // or the strategy may convert and move them), the gradients, the random
-// generators.
+// generators. The copies are kept in host memory: on a GPU, the trials
+// (scale_batch_size's especially) have the device as the fit will.
 class ModuleSnapshot {
  public:
   explicit ModuleSnapshot(Module& module) : rng_(rng_state_dict()) {
     for (const auto& p : module.parameters()) {
-      weights_.emplace_back(p, p.detach().clone());
-      grads_.emplace_back(p, p.grad().defined() ? p.grad().detach().clone() : at::Tensor());
+      weights_.push_back(copy_of(p));
+      grads_.push_back({p, p.grad().defined() ? copy_of(p.grad()).saved : at::Tensor(),
+                        p.grad().defined() ? p.grad().device() : p.device(),
+                        p.grad().defined() ? p.grad().scalar_type() : p.scalar_type()});
     }
-    for (const auto& b : module.buffers()) weights_.emplace_back(b, b.detach().clone());
+    for (const auto& b : module.buffers()) weights_.push_back(copy_of(b));
   }
   void restore() {
     torch::NoGradGuard no_grad;
-    // A copy each time: the tensor takes the data it is given, which the
-    // next trial's steps change in place.
-    for (auto& [tensor, saved] : weights_) tensor.set_data(saved.clone());
-    for (auto& [parameter, grad] : grads_) {
-      parameter.mutable_grad() = grad.defined() ? grad.clone() : at::Tensor();
-    }
+    // A new tensor each time: the one given to set_data is the module's
+    // from then on, and the next trial's steps change it in place.
+    for (auto& w : weights_) w.tensor.set_data(w.back());
+    for (auto& g : grads_) g.tensor.mutable_grad() = g.saved.defined() ? g.back() : at::Tensor();
     load_rng_state_dict(rng_);
   }
   // After a failed trial: put back, saying (not throwing) when that fails
@@ -236,8 +242,21 @@ class ModuleSnapshot {
   }
 
  private:
-  std::vector<std::pair<at::Tensor, at::Tensor>> weights_;
-  std::vector<std::pair<at::Tensor, at::Tensor>> grads_;
+  struct Saved {
+    at::Tensor tensor;  // the module's
+    at::Tensor saved;   // its copy in host memory
+    c10::Device device;
+    c10::ScalarType dtype;
+    at::Tensor back() const {
+      return saved.to(device, dtype, /*non_blocking=*/false, /*copy=*/true);
+    }
+  };
+  static Saved copy_of(const at::Tensor& t) {
+    return {t, t.detach().to(c10::kCPU, /*non_blocking=*/false, /*copy=*/true), t.device(),
+            t.scalar_type()};
+  }
+  std::vector<Saved> weights_;
+  std::vector<Saved> grads_;
   StateDict rng_;
 };
 
@@ -387,61 +406,73 @@ BatchSizeFinderResult Tuner::scale_batch_size(
   ModuleSnapshot snapshot(module);
   const TrainerOptions trial = trial_options(options_, options.steps_per_trial);
 
-  bool uncapped_cpu = false;
   // One trial: whether `batch_size` fits; nullopt when the loader yields no
   // batch at that size (drop_last past the training set's size).
+  bool on_cuda = false;
   auto run_trial = [&](int64_t batch_size, bool& whole_set) -> std::optional<BatchSizeTrial> {
     BatchSizeTrial outcome;
     outcome.batch_size = batch_size;
-    std::shared_ptr<DataLoader> loader = make_loader(batch_size);
-    if (!loader) {
-      throw ConfigError(str("Tuner.scale_batch_size: make_loader(", batch_size,
-                            ") returned no loader. Return the training loader for that batch "
-                            "size."));
-    }
-    const std::optional<int64_t> batches = loader->num_batches();
-    if (batches && *batches == 0) return std::nullopt;
-    whole_set = batches && *batches == 1;
-    Trainer trainer(trial);
-    if (!trainer.resolution().launcher.empty() || trainer.strategy().world_size() > 1) {
-      throw ConfigError(str(
-          "Tuner.scale_batch_size under strategy \"", trainer.resolution().strategy, "\" with ",
-          trainer.strategy().world_size(), " processes: a rank that ran out of memory alone "
-          "would leave its peers waiting in a collective. Find the batch size with devices=1 "
-          "(one process holds one rank's batch) and use it on every rank."));
-    }
-    const bool cuda = trainer.strategy().root_device().is_cuda();
-    uncapped_cpu = !cuda && options.host_memory_cap == 0;
+    // The cap outlives the loader and the Trainer (their threads and their
+    // teardown allocate under it).
     std::optional<detail::HostMemoryCap> cap;
-    if (!cuda && options.host_memory_cap > 0) cap.emplace(options.host_memory_cap);
-    try {
-      trainer.fit(module, loader);
-      outcome.fits = true;
-    } catch (const std::exception& e) {
-      if (!is_out_of_memory(e)) throw;
-      outcome.failure = first_line(e);
+    {
+      Trainer trainer(trial);
+      if (!trainer.resolution().launcher.empty() || trainer.strategy().world_size() > 1) {
+        throw ConfigError(str(
+            "Tuner.scale_batch_size under strategy \"", trainer.resolution().strategy,
+            "\" with ", trainer.strategy().world_size(),
+            " processes: a rank that ran out of memory alone would leave its peers waiting in a "
+            "collective. Find the batch size with devices=1 (one process holds one rank's "
+            "batch) and use it on every rank."));
+      }
+      on_cuda = trainer.strategy().root_device().is_cuda();
+      if (!on_cuda && options.host_memory_cap == 0) {
+        throw ConfigError(
+            "Tuner.scale_batch_size on the CPU with host_memory_cap=0: nothing would run out "
+            "of memory before the machine does. Pass host_memory_cap, the bytes a trial's "
+            "tensors may take (e.g. 4 << 30 for 4 GiB), or run it on a GPU.");
+      }
+      auto loader_of = [&](int64_t size) {
+        std::shared_ptr<DataLoader> loader = make_loader(size);
+        if (!loader) {
+          throw ConfigError(str("Tuner.scale_batch_size: make_loader(", size,
+                                ") returned no loader. Return the training loader for that "
+                                "batch size."));
+        }
+        return loader;
+      };
+      std::shared_ptr<DataLoader> loader = loader_of(batch_size);
+      const std::optional<int64_t> batches = loader->num_batches();
+      if (batches && *batches == 0) return std::nullopt;
+      // One batch that twice the size makes one of too: every sample is in
+      // it (a loader that drops a last partial batch makes none of twice).
+      if (batches && *batches == 1 && batch_size <= std::numeric_limits<int64_t>::max() / 2) {
+        const std::optional<int64_t> twice = loader_of(batch_size * 2)->num_batches();
+        whole_set = twice && *twice == 1;
+      }
+      // Made from here on, the trial's tensors count (the loader's workers
+      // start with the fit).
+      if (!on_cuda) cap.emplace(options.host_memory_cap);
+      try {
+        trainer.fit(module, loader);
+        outcome.fits = true;
+      } catch (const std::exception& e) {
+        if (!is_out_of_memory(e)) throw;
+        outcome.failure = first_line(e);
+      }
     }
     if (cap) outcome.peak_bytes = cap->peak();
-#ifdef FULGUR_WITH_CUDA
-    // What the failed trial cached goes back to the device for the next.
-    if (cuda) c10::cuda::CUDACachingAllocator::emptyCache();
-#endif
     return outcome;
   };
 
   int64_t low = 0;   // the largest batch size that fit
-  int64_t high = 0;  // the smallest that did not (0: none yet)
+  int64_t high = 0;  // the smallest that did not, or yields no batch (0: none yet)
   int64_t size = options.init_val;
-  for (int64_t t = 0;; ++t) {
-    if (t == options.max_trials) {
+  for (;;) {
+    if (static_cast<int64_t>(result.trials.size()) == options.max_trials) {
       result.note = str("scale_batch_size: stopped after max_trials=", options.max_trials,
                         " trials; batch_size=", size, " was not tried. Raise max_trials to "
-                        "search further",
-                        uncapped_cpu ? " (on the CPU without host_memory_cap no trial runs out "
-                                       "of memory: set host_memory_cap to the bytes a batch's "
-                                       "tensors may take)"
-                                     : "",
-                        ".");
+                        "search further.");
       break;
     }
     bool whole_set = false;
@@ -453,42 +484,38 @@ BatchSizeFinderResult Tuner::scale_batch_size(
       throw;
     }
     snapshot.restore();
-    if (!outcome) {
-      // Smaller than the training set, the batch yields one: look below.
-      high = size;
-      if (low > 0 || size == 1) {
-        result.note = str("scale_batch_size: the loader yields no batch of ", size,
-                          " samples (the training set is smaller, and the loader drops a last "
-                          "partial batch); the search ends there.");
-        break;
-      }
-      size = size / 2;
-      continue;
-    }
-    result.trials.push_back(*outcome);
+#ifdef FULGUR_WITH_CUDA
+    // What the trial cached (a failed one's especially) goes back to the
+    // device, now that its Trainer and tensors are gone.
+    if (on_cuda) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+    const bool fits = outcome && outcome->fits;
+    if (outcome) result.trials.push_back(*outcome);
     int64_t next;
-    if (outcome->fits) {
+    if (fits) {
       low = size;
       if (whole_set) {
         result.note = str("scale_batch_size: batch_size=", size,
-                          " already holds the whole training set in one batch; a larger one "
-                          "would hold the same samples.");
+                          " holds the whole training set in one batch; a larger one would hold "
+                          "the same samples.");
         break;
       }
       if (high == 0) {
         if (size > std::numeric_limits<int64_t>::max() / 2) break;
         next = size * 2;
       } else if (power) {
-        break;  // twice this size failed
+        break;  // twice this size did not fit
       } else {
         next = low + (high - low) / 2;
       }
     } else {
+      // Out of memory, or more samples than the loader makes a batch of
+      // (it drops a last partial batch): look below.
       high = size;
       if (low == 0) {
         if (size == 1) break;
         next = size / 2;
-      } else if (power) {
+      } else if (power && outcome) {
         break;
       } else {
         next = low + (high - low) / 2;
@@ -500,8 +527,16 @@ BatchSizeFinderResult Tuner::scale_batch_size(
   result.batch_size = low;
   if (low == 0 && result.note.empty()) {
     const std::string why = result.trials.empty() ? "" : result.trials.back().failure;
-    result.note = str("scale_batch_size: no batch size fit; batch_size=", high,
-                      " ran out of memory: ", why);
+    result.note = result.trials.empty()
+                      ? str("scale_batch_size: the loader yields no batch even of ", high,
+                            " sample(s): the training set is empty.")
+                      : str("scale_batch_size: no batch size fit; batch_size=", high,
+                            " ran out of memory: ", why);
+  } else if (low > 0 && result.note.empty() && high > 0 &&
+             (result.trials.empty() || result.trials.back().batch_size != high)) {
+    result.note = str("scale_batch_size: the loader yields no batch of ", high,
+                      " samples (the training set is smaller, and the loader drops a last "
+                      "partial batch).");
   }
   return result;
 }
@@ -516,14 +551,12 @@ BatchSizeFinderResult Tuner::scale_batch_size(Module& module, DataModule& data,
         "next train_dataloader() batches n samples), or pass a function that makes the loader "
         "for a batch size.");
   }
-  bool set_up = false;
+  // The data is loaded before the first trial, outside any cap: a trial
+  // counts what its steps allocate.
+  data.prepare_data();
+  data.setup(Stage::kFit);
   auto make_loader = [&](int64_t batch_size) {
     data.set_batch_size(batch_size);
-    if (!set_up) {
-      data.prepare_data();
-      data.setup(Stage::kFit);
-      set_up = true;
-    }
     return data.train_dataloader();
   };
   BatchSizeFinderResult result;
@@ -531,11 +564,11 @@ BatchSizeFinderResult Tuner::scale_batch_size(Module& module, DataModule& data,
     result = scale_batch_size(module, make_loader, options);
   } catch (...) {
     data.set_batch_size(*own);
-    if (set_up) data.teardown(Stage::kFit);
+    data.teardown(Stage::kFit);
     throw;
   }
   data.set_batch_size(result.batch_size > 0 ? result.batch_size : *own);
-  if (set_up) data.teardown(Stage::kFit);
+  data.teardown(Stage::kFit);
   return result;
 }
 

@@ -278,6 +278,46 @@ TEST(StateDict, TheArchiveRecordsBuffersAsModuleBuffers) {
   EXPECT_EQ(names(sub.named_buffers(/*recurse=*/false)), std::set<std::string>{"count"});
 }
 
+// A plain tensor (an optimizer's state) is an attribute of the archive,
+// neither parameter nor buffer; the mark travels with copies, and set() or
+// set_buffer() replace it.
+TEST(StateDict, APlainTensorIsArchivedAsAnAttributeAndItsMarkIsKeptByCopies) {
+  fulgur::StateDict state;
+  state.set("weight", torch::ones({2}));
+  state.set_plain("momentum_buffer", torch::full({2}, 3.0));
+  state.section("sub").set_plain("step", torch::full({1}, 7.0));
+  EXPECT_TRUE(state.is_plain("momentum_buffer"));
+  EXPECT_FALSE(state.is_buffer("momentum_buffer"));
+  EXPECT_FALSE(state.is_plain("weight"));
+  EXPECT_FALSE(state.is_plain("missing"));
+  EXPECT_FALSE(state.is_plain("sub"));
+  const fulgur::StateDict copy = state;
+  EXPECT_TRUE(copy.is_plain("momentum_buffer"));
+  EXPECT_TRUE(copy.section_at("sub").is_plain("step"));
+
+  std::istringstream bytes(fulgur::to_bytes(state));
+  torch::jit::Module archive = torch::jit::load(bytes);
+  std::set<std::string> parameters, buffers;
+  for (const auto& p : archive.named_parameters(/*recurse=*/false)) parameters.insert(p.name);
+  for (const auto& b : archive.named_buffers(/*recurse=*/false)) buffers.insert(b.name);
+  EXPECT_EQ(parameters, std::set<std::string>{"weight"});
+  EXPECT_TRUE(buffers.empty());
+  ASSERT_TRUE(archive.hasattr("momentum_buffer"));
+  EXPECT_TRUE(torch::equal(archive.attr("momentum_buffer").toTensor(), torch::full({2}, 3.0)));
+  const torch::jit::Module sub = archive.attr("sub").toModule();
+  EXPECT_TRUE(torch::equal(sub.attr("step").toTensor(), torch::full({1}, 7.0)));
+  // Read back, the values are the same (an archive cannot tell the kinds).
+  const fulgur::StateDict read = fulgur::from_bytes(fulgur::to_bytes(state));
+  EXPECT_TRUE(torch::equal(read.tensor("momentum_buffer"), torch::full({2}, 3.0)));
+
+  state.set("momentum_buffer", torch::zeros({2}));
+  EXPECT_FALSE(state.is_plain("momentum_buffer"));
+  state.set_plain("weight", torch::ones({2}));
+  state.set_buffer("weight", torch::ones({2}));
+  EXPECT_FALSE(state.is_plain("weight"));
+  EXPECT_TRUE(state.is_buffer("weight"));
+}
+
 TEST(StateDict, EraseRemovesAnEntryAndKeepsTheOthersInOrder) {
   fulgur::StateDict state;
   state.set("a", int64_t{1});

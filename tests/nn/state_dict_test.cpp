@@ -20,6 +20,7 @@
 
 namespace {
 
+using fulgur::test::archived;
 using Keys = std::vector<std::string>;
 
 // Parameters and buffers of its own, a Sequential with a Linear, a
@@ -74,19 +75,6 @@ at::Tensor tensor_at(const fulgur::StateDict& state, const std::string& dotted) 
   const auto dot = dotted.find('.');
   if (dot == std::string::npos) return state.tensor(dotted);
   return tensor_at(state.section_at(dotted.substr(0, dot)), dotted.substr(dot + 1));
-}
-
-// The state a LibTorch archive written by `write` holds.
-template <class Write>
-fulgur::StateDict archived(Write&& write) {
-  torch::serialize::OutputArchive archive;
-  write(archive);
-  std::ostringstream out;
-  archive.save_to(out);
-  std::istringstream in(out.str());
-  torch::serialize::InputArchive read;
-  read.load_from(in);
-  return fulgur::read_archive(read);
 }
 
 // The same keys in the same order, recursively, sections where sections

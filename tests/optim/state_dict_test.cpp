@@ -26,6 +26,7 @@
 
 namespace {
 
+using fulgur::test::archived;
 using TensorVector = std::vector<at::Tensor>;
 using torch::optim::OptimizerParamState;
 
@@ -52,19 +53,6 @@ void train(torch::optim::Optimizer& optimizer, const TensorVector& params, int s
     loss.backward();
     optimizer.step();
   }
-}
-
-// The state a LibTorch archive written by `write` holds.
-template <class Write>
-fulgur::StateDict archived(Write&& write) {
-  torch::serialize::OutputArchive archive;
-  write(archive);
-  std::ostringstream out;
-  archive.save_to(out);
-  std::istringstream in(out.str());
-  torch::serialize::InputArchive read;
-  read.load_from(in);
-  return fulgur::read_archive(read);
 }
 
 // A checkpoint's copy of `state`: written and read back.

@@ -211,6 +211,17 @@ std::vector<int64_t> to_vector(const at::Tensor& tensor) {
 
 // ---- Parameters.
 
+fulgur::StateDict archived(const std::function<void(torch::serialize::OutputArchive&)>& write) {
+  torch::serialize::OutputArchive archive;
+  write(archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  std::istringstream in(out.str());
+  torch::serialize::InputArchive read;
+  read.load_from(in);
+  return fulgur::read_archive(read);
+}
+
 namespace {
 // Matches parameters by name and shape, then applies `same`; `how` describes
 // the comparison in the failure message.

@@ -168,6 +168,11 @@ std::vector<int64_t> to_vector(const at::Tensor& tensor);
 
 // ---- Parameters.
 
+/// The state a LibTorch archive written by `write` holds (written, then
+/// read back as a checkpoint is): what nn::Module::save or Optimizer::save
+/// put in an archive, to compare with a StateDict.
+fulgur::StateDict archived(const std::function<void(torch::serialize::OutputArchive&)>& write);
+
 /// The tensors torch::save wrote to `path` as a vector (a worker's parameters).
 std::vector<at::Tensor> load_tensors(const std::string& path);
 /// How close two saved tensor lists must be: bit-identical (the same ranks

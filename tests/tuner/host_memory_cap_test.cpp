@@ -9,6 +9,7 @@
 
 #include <stdexcept>
 
+#include "fulgur/core/errors.h"
 #include "tuner/host_memory_cap.h"
 
 namespace {
@@ -57,11 +58,40 @@ TEST(HostMemoryCap, CountsTensorsAllocatedUnderItAndRefusesOnePastTheCap) {
         std::runtime_error("worker: fulgur host_memory_cap: a tensor of 4 bytes ...")));
   }
   EXPECT_EQ(c10::GetCPUAllocator(), before) << "LibTorch's allocator is back";
-  // Storage allocated under the cap outlives it and is freed as usual.
+  // Storage allocated under the cap outlives it: it still reads, grows
+  // (resize_ asks the allocator that made it, which now passes the request
+  // on) and is freed as usual.
   EXPECT_EQ(kept.sum().item<float>(), 2048.0f);
+  kept.resize_({1 << 16});
+  kept.fill_(1.0f);
+  EXPECT_EQ(kept.sum().item<float>(), 65536.0f);
   kept = at::Tensor();
   const at::Tensor after = torch::zeros({1 << 20});  // 4 MiB: no cap now
   EXPECT_EQ(after.numel(), 1 << 20);
+}
+
+TEST(HostMemoryCap, ARawBlockFreedAcrossTheCapsLifeGoesToTheAllocatorThatMadeIt) {
+  // oneDNN frees its raw blocks through the CPU allocator current at the
+  // time: one made before the cap and freed under it is LibTorch's to free,
+  // one made under the cap and freed after it gives its bytes back.
+  void* before_cap = c10::GetCPUAllocator()->raw_allocate(1024);
+  void* under_cap = nullptr;
+  {
+    HostMemoryCap cap(1 << 20);
+    c10::GetCPUAllocator()->raw_deallocate(before_cap);
+    EXPECT_EQ(cap.live(), 0) << "not the cap's";
+    under_cap = c10::GetCPUAllocator()->raw_allocate(2048);
+    EXPECT_EQ(cap.live(), 2048);
+    // A second cap while one is in force is a bug in the caller.
+    EXPECT_THROW(HostMemoryCap second(1), fulgur::InternalError);
+  }
+  // Freed after the cap by LibTorch's allocator (its own block inside).
+  c10::GetCPUAllocator()->raw_deallocate(under_cap);
+  // And a new cap starts from nothing.
+  HostMemoryCap again(1 << 20);
+  EXPECT_EQ(again.live(), 0);
+  const at::Tensor t = torch::zeros({256});
+  EXPECT_EQ(again.live(), 1024);
 }
 
 }  // namespace

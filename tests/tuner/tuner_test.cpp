@@ -340,22 +340,41 @@ TEST(BatchSizeFinder, TheModuleAndTheGeneratorsArePutBackAfterEveryTrial) {
   EXPECT_TRUE(torch::equal(torch::rand({4}), expected_draw));
 }
 
-TEST(BatchSizeFinder, WithoutACapTheSearchEndsAtTheWholeTrainingSetOrMaxTrials) {
+TEST(BatchSizeFinder, TheSearchEndsAtTheWholeTrainingSetOrMaxTrialsAndTheCPUNeedsACap) {
   TempDir dir;
   WideRegression model;
   fulgur::Tuner tuner(test_options(dir));
-  const auto whole = tuner.scale_batch_size(model, loaders_of(40), {.steps_per_trial = 1});
+  constexpr int64_t kRoomy = int64_t{1} << 30;
+  const auto whole = tuner.scale_batch_size(model, loaders_of(40),
+                                            {.steps_per_trial = 1, .host_memory_cap = kRoomy});
   // 2, 4, ..., 64: the first one batch holds all 40 samples.
   EXPECT_EQ(whole.batch_size, 64);
   EXPECT_EQ(whole.trials.size(), 6u);
-  EXPECT_THAT(whole.note, testing::HasSubstr("batch_size=64 already holds the whole training set"));
+  EXPECT_THAT(whole.note, testing::HasSubstr("batch_size=64 holds the whole training set"));
 
-  const auto capped = tuner.scale_batch_size(model, loaders_of(4096),
-                                             {.max_trials = 3, .steps_per_trial = 1});
+  const auto capped = tuner.scale_batch_size(
+      model, loaders_of(4096), {.max_trials = 3, .steps_per_trial = 1, .host_memory_cap = kRoomy});
   EXPECT_EQ(capped.batch_size, 8);
   EXPECT_THAT(capped.note, testing::HasSubstr("stopped after max_trials=3 trials; batch_size=16 "
                                               "was not tried"));
-  EXPECT_THAT(capped.note, testing::HasSubstr("set host_memory_cap"));
+
+  // With drop_last, a batch larger than the set yields none: the search
+  // looks below it, between the last size that fit and it.
+  auto data = fulgur::test::regression_dataset(40);
+  const auto dropping = tuner.scale_batch_size(
+      model,
+      [data](int64_t b) {
+        return fulgur::make_data_loader(data, {.batch_size = b, .drop_last = true});
+      },
+      {.mode = "binsearch", .steps_per_trial = 1, .host_memory_cap = kRoomy});
+  EXPECT_EQ(dropping.batch_size, 40);
+  EXPECT_THAT(dropping.note, testing::HasSubstr("the loader yields no batch of 41 samples"));
+  for (const auto& t : dropping.trials) EXPECT_TRUE(t.fits) << t.batch_size;
+
+  EXPECT_THROWS_WITH(fulgur::ConfigError, tuner.scale_batch_size(model, loaders_of(40)),
+                     {"on the CPU with host_memory_cap=0", "Pass host_memory_cap"});
+  EXPECT_EQ(model.steps, 6 + 3 + static_cast<int64_t>(dropping.trials.size()))
+      << "the refusal ran no step";
 }
 
 TEST(BatchSizeFinder, NothingFitsSaysSoAndAnotherErrorIsRethrownWithTheModulePutBack) {
@@ -392,13 +411,16 @@ TEST(BatchSizeFinder, OptionsThatCannotWorkAreNamedTogether) {
                      {"make_loader is empty"});
   EXPECT_THROWS_WITH(
       fulgur::ConfigError,
-      tuner.scale_batch_size(model, [](int64_t) { return std::shared_ptr<fulgur::DataLoader>(); }),
+      tuner.scale_batch_size(
+          model, [](int64_t) { return std::shared_ptr<fulgur::DataLoader>(); },
+          {.host_memory_cap = kCap}),
       {"make_loader(2) returned no loader"});
   auto options = test_options(dir);
   options.strategy = "ddp";
   options.devices = 2;
   fulgur::Tuner ddp(options);
-  EXPECT_THROWS_WITH(fulgur::ConfigError, ddp.scale_batch_size(model, loaders_of(8)),
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     ddp.scale_batch_size(model, loaders_of(8), {.host_memory_cap = kCap}),
                      {"strategy \"ddp\"", "devices=1"});
 }
 

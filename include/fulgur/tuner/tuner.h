@@ -117,13 +117,13 @@ struct BatchSizeFinderOptions {
   /// Optimizer steps of each trial (>= 1): the first steps allocate what
   /// the later ones reuse (gradients, the optimizer's state).
   int64_t steps_per_trial = 3;
-  /// On the CPU: the bytes of tensor storage a trial may hold at once,
-  /// beyond what exists when it starts (the model's parameters; data the
-  /// loader already holds). An allocation past it fails the trial as a
-  /// GPU's does when its memory runs out (c10::OutOfMemoryError). 0: no cap
-  /// (on the CPU the search then ends at max_trials, or at the batch that
-  /// holds the whole training set). On a GPU the device's memory is the cap
-  /// and this is not used.
+  /// On the CPU (required there): the bytes of tensor storage a trial may
+  /// hold at once, beyond what exists when it starts (the model's
+  /// parameters; data loaded before the search). An allocation past it fails
+  /// the trial as a GPU's does when its memory runs out
+  /// (c10::OutOfMemoryError). Without a cap nothing would run out before the
+  /// machine does. On a GPU the device's memory is the cap and this is not
+  /// used.
   int64_t host_memory_cap = 0;
 };
 
@@ -143,8 +143,8 @@ struct BatchSizeFinderResult {
   /// Every trial, in the order run.
   std::vector<BatchSizeTrial> trials;
   /// Why the search ended where it did when that is not a failed trial
-  /// (max_trials reached, the whole training set in one batch), or why
-  /// nothing fit.
+  /// (max_trials reached, the whole training set in one batch, a size the
+  /// loader makes no batch of), or why nothing fit.
   std::string note;
 };
 

@@ -198,7 +198,7 @@ void FitLoop::train_epoch() {
     if (batch) feed_.put(*batch);
   }
   while (batch) {
-    if (profiler_) profiler_->batch_begin(global_step_);
+    if (profiler_) profiler_->batch_begin();
     std::optional<Batch> next_batch;
     bool last;
     bool looked_ahead = true;
