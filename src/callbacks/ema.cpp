@@ -6,6 +6,7 @@
 #include "fulgur/core/module.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
+#include "callbacks/whole_parameters.h"
 
 namespace fulgur {
 
@@ -20,36 +21,32 @@ EMA::EMA(EMAOptions options) : options_(options) {
   if (!problems.empty()) throw ConfigError(str("EMA(", join(problems, "; "), ")."));
 }
 
-void EMA::on_fit_start(Trainer& trainer, Module&) {
-  const std::string_view strategy = trainer.strategy().name();
-  if (strategy.rfind("fsdp", 0) == 0) {
-    throw ConfigError(str("EMA under strategy=\"", strategy,
-                          "\": not supported yet (the optimizer steps each rank's shard of the "
-                          "parameters there). Use strategy=\"ddp\", or train without EMA."));
-  }
-}
+void EMA::on_fit_start(Trainer&, Module&) {}
 
-void EMA::on_train_start(Trainer&, Module& module) {
-  const auto parameters = module.parameters();
-  if (!average_.empty()) {
-    // From a checkpoint: it must be this module's.
-    bool fits = average_.size() == parameters.size();
-    for (size_t i = 0; fits && i < parameters.size(); ++i) {
-      fits = average_[i].sizes() == parameters[i].sizes();
+void EMA::on_train_start(Trainer& trainer, Module& module) {
+  // Under fsdp the parameters are gathered to be read (every rank, here).
+  detail::with_whole_parameters(trainer.strategy(), module, [&] {
+    const auto parameters = module.parameters();
+    if (!average_.empty()) {
+      // From a checkpoint: it must be this module's.
+      bool fits = average_.size() == parameters.size();
+      for (size_t i = 0; fits && i < parameters.size(); ++i) {
+        fits = average_[i].sizes() == parameters[i].sizes();
+      }
+      if (!fits) {
+        throw ConfigError(str("EMA: the checkpoint's average holds ", average_.size(),
+                              " tensors that do not fit the module's ", parameters.size(),
+                              " parameters: it was written for another model. Resume from a "
+                              "checkpoint of this model, or start without it."));
+      }
+      for (size_t i = 0; i < parameters.size(); ++i) {
+        average_[i] = average_[i].to(parameters[i].device(), parameters[i].scalar_type());
+      }
+      return;
     }
-    if (!fits) {
-      throw ConfigError(str("EMA: the checkpoint's average holds ", average_.size(),
-                            " tensors that do not fit the module's ", parameters.size(),
-                            " parameters: it was written for another model. Resume from a "
-                            "checkpoint of this model, or start without it."));
-    }
-    for (size_t i = 0; i < parameters.size(); ++i) {
-      average_[i] = average_[i].to(parameters[i].device(), parameters[i].scalar_type());
-    }
-    return;
-  }
-  torch::NoGradGuard no_grad;
-  for (const auto& p : parameters) average_.push_back(p.detach().clone());
+    torch::NoGradGuard no_grad;
+    for (const auto& p : parameters) average_.push_back(p.detach().clone());
+  });
 }
 
 void EMA::on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor&, const Batch&,
@@ -58,29 +55,30 @@ void EMA::on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor&
   // Once per optimizer step (not per micro-batch of gradient accumulation).
   if (step <= 0 || step == last_update_step_ || step % options_.every_n_steps != 0) return;
   last_update_step_ = step;
-  torch::NoGradGuard no_grad;
-  const auto parameters = module.parameters();
-  for (size_t i = 0; i < parameters.size() && i < average_.size(); ++i) {
-    average_[i].mul_(options_.decay).add_(parameters[i].detach(), 1.0 - options_.decay);
-  }
+  detail::with_whole_parameters(trainer.strategy(), module, [&] {
+    torch::NoGradGuard no_grad;
+    const auto parameters = module.parameters();
+    for (size_t i = 0; i < parameters.size() && i < average_.size(); ++i) {
+      average_[i].mul_(options_.decay).add_(parameters[i].detach(), 1.0 - options_.decay);
+    }
+  });
 }
 
 void EMA::swap_in(Module& module) {
   if (average_.empty() || !training_weights_.empty()) return;
-  torch::NoGradGuard no_grad;
-  const auto parameters = module.parameters();
-  for (size_t i = 0; i < parameters.size(); ++i) {
-    training_weights_.push_back(parameters[i].detach().clone());
-    parameters[i].copy_(average_[i]);
-  }
+  Strategy& strategy = module.trainer().strategy();
+  detail::with_whole_parameters(strategy, module, [&] {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : module.parameters()) training_weights_.push_back(p.detach().clone());
+  });
+  detail::assign_parameters(strategy, module, average_);
 }
 
 void EMA::swap_out(Module& module) {
   if (training_weights_.empty()) return;
-  torch::NoGradGuard no_grad;
-  const auto parameters = module.parameters();
-  for (size_t i = 0; i < parameters.size(); ++i) parameters[i].copy_(training_weights_[i]);
+  std::vector<at::Tensor> weights = std::move(training_weights_);
   training_weights_.clear();
+  detail::assign_parameters(module.trainer().strategy(), module, weights);
 }
 
 void EMA::on_validation_start(Trainer&, Module& module) {
@@ -89,14 +87,21 @@ void EMA::on_validation_start(Trainer&, Module& module) {
 
 void EMA::on_validation_end(Trainer&, Module& module) { swap_out(module); }
 
-void EMA::on_exception(Trainer&, Module& module, const std::exception&) { swap_out(module); }
+void EMA::on_exception(Trainer& trainer, Module& module, const std::exception&) {
+  // Under fsdp putting the weights back is a collective, which a rank that
+  // failed alone must not start (its peers would wait in it): the module
+  // keeps what it holds.
+  if (detail::shards_parameters(trainer.strategy())) {
+    training_weights_.clear();
+    return;
+  }
+  swap_out(module);
+}
 
-void EMA::on_train_end(Trainer&, Module& module) {
+void EMA::on_train_end(Trainer& trainer, Module& module) {
   swap_out(module);
   if (!options_.apply_at_end || average_.empty()) return;
-  torch::NoGradGuard no_grad;
-  const auto parameters = module.parameters();
-  for (size_t i = 0; i < parameters.size(); ++i) parameters[i].copy_(average_[i]);
+  detail::assign_parameters(trainer.strategy(), module, average_);
 }
 
 // count (int), last_update_step (int), and the average as buffers

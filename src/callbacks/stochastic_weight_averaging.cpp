@@ -12,6 +12,7 @@
 #include "fulgur/nn/sync_batch_norm.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
+#include "callbacks/whole_parameters.h"
 #include "strategies/strategy_driver.h"
 
 namespace fulgur {
@@ -29,6 +30,30 @@ torch::nn::BatchNormOptions* batch_norm_options(torch::nn::Module& m) {
   if (auto* bn = dynamic_cast<torch::nn::BatchNorm3dImpl*>(&m)) return &bn->options;
   if (auto* bn = dynamic_cast<nn::SyncBatchNormImpl*>(&m)) return &bn->options;
   return nullptr;
+}
+
+// Adds the module's parameters to the equal-weight average of `count`
+// epochs' ends (the first: a copy).
+void add_to_average(std::vector<at::Tensor>& average, int64_t count, Module& module) {
+  torch::NoGradGuard no_grad;
+  const auto parameters = module.parameters();
+  if (average.empty()) {
+    for (const auto& p : parameters) average.push_back(p.detach().clone());
+    return;
+  }
+  if (average.size() != parameters.size()) {
+    throw ConfigError(str("StochasticWeightAveraging: the average holds ", average.size(),
+                          " tensors and the module has ", parameters.size(),
+                          " parameters: the checkpoint it came from is another model's. "
+                          "Resume from a checkpoint of this model."));
+  }
+  const double weight = 1.0 / static_cast<double>(count + 1);
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    if (average[i].device() != parameters[i].device()) {
+      average[i] = average[i].to(parameters[i].device());
+    }
+    average[i].add_(parameters[i].detach() - average[i], weight);
+  }
 }
 
 }  // namespace
@@ -59,12 +84,6 @@ StochasticWeightAveraging::StochasticWeightAveraging(SWAOptions options) : optio
 }
 
 void StochasticWeightAveraging::on_fit_start(Trainer& trainer, Module&) {
-  const std::string_view strategy = trainer.strategy().name();
-  if (strategy.rfind("fsdp", 0) == 0) {
-    throw ConfigError(str("StochasticWeightAveraging under strategy=\"", strategy,
-                          "\": not supported yet (the optimizer steps each rank's shard of the "
-                          "parameters there). Use strategy=\"ddp\", or train without it."));
-  }
   if (trainer.options().cuda_graph) {
     throw ConfigError(
         "StochasticWeightAveraging with cuda_graph=true: a captured step replays its rate, so "
@@ -155,33 +174,17 @@ void StochasticWeightAveraging::on_train_epoch_start(Trainer& trainer, Module& m
   average_end_of(trainer.current_epoch() - 1, module);
 }
 
-void StochasticWeightAveraging::on_train_epoch_end(Trainer& trainer, Module&) {
-  ended_epoch_ = trainer.current_epoch();
-}
-
 void StochasticWeightAveraging::average_end_of(int64_t epoch, Module& module) {
   if (start_epoch_ < 0 || epoch < start_epoch_ || epoch <= last_epoch_) return;
+  // Under fsdp the parameters are gathered to be read (every rank, here).
+  detail::with_whole_parameters(module.trainer().strategy(), module,
+                                [&] { add_to_average(average_, count_, module); });
   last_epoch_ = epoch;
-  torch::NoGradGuard no_grad;
-  const auto parameters = module.parameters();
-  if (average_.empty()) {
-    for (const auto& p : parameters) average_.push_back(p.detach().clone());
-  } else {
-    if (average_.size() != parameters.size()) {
-      throw ConfigError(str("StochasticWeightAveraging: the average holds ", average_.size(),
-                            " tensors and the module has ", parameters.size(),
-                            " parameters: the checkpoint it came from is another model's. "
-                            "Resume from a checkpoint of this model."));
-    }
-    const double weight = 1.0 / static_cast<double>(count_ + 1);
-    for (size_t i = 0; i < parameters.size(); ++i) {
-      if (average_[i].device() != parameters[i].device()) {
-        average_[i] = average_[i].to(parameters[i].device());
-      }
-      average_[i].add_(parameters[i].detach() - average_[i], weight);
-    }
-  }
   ++count_;
+}
+
+void StochasticWeightAveraging::on_train_epoch_end(Trainer& trainer, Module&) {
+  ended_epoch_ = trainer.current_epoch();
 }
 
 void StochasticWeightAveraging::on_train_end(Trainer& trainer, Module& module) {
@@ -191,13 +194,7 @@ void StochasticWeightAveraging::on_train_end(Trainer& trainer, Module& module) {
                            ", the first to average; the module keeps the weights as trained."));
     return;
   }
-  {
-    torch::NoGradGuard no_grad;
-    const auto parameters = module.parameters();
-    for (size_t i = 0; i < parameters.size() && i < average_.size(); ++i) {
-      parameters[i].copy_(average_[i]);
-    }
-  }
+  detail::assign_parameters(trainer.strategy(), module, average_);
   if (options_.update_bn) update_batch_norm(trainer, module);
 }
 

@@ -48,6 +48,8 @@ struct Args {
   bool sequential = false;
   // fc1 and tanh run as one checkpointed block (fulgur::nn::checkpoint).
   bool checkpoint_activations = false;
+  double ema = 0;         // > 0: an EMA callback of this decay (validating with the average)
+  int64_t swa_start = 0;  // > 0: StochasticWeightAveraging from this epoch (counted from 1)
   int64_t auto_wrap = 0;
   bool histograms = false;
   bool skip_after_forward = false;
@@ -581,6 +583,8 @@ int main(int argc, char** argv) {
   app.add_option("--on-exception-checkpoint", a.on_exception_timeout);
   app.add_option("--slow-rank", a.slow_rank);
   app.add_flag("--checkpoint-activations", a.checkpoint_activations);
+  app.add_option("--ema", a.ema);
+  app.add_option("--swa-start", a.swa_start);
   app.add_option("--pause-step", a.pause_step);
   app.add_option("--pause-seconds", a.pause_seconds);
   app.add_option("--pause-file", a.pause_file);
@@ -668,6 +672,15 @@ int main(int argc, char** argv) {
     if (a.early_stop_rank >= 0) {
       options.callbacks.push_back(std::make_shared<fulgur::EarlyStopping>(
           fulgur::EarlyStoppingOptions{.monitor = "es_metric", .patience = 1}));
+    }
+    if (a.ema > 0) {
+      options.callbacks.push_back(std::make_shared<fulgur::EMA>(fulgur::EMAOptions{.decay = a.ema}));
+    }
+    if (a.swa_start > 0) {
+      options.callbacks.push_back(std::make_shared<fulgur::StochasticWeightAveraging>(
+          fulgur::SWAOptions{.swa_lr = 0.02,
+                             .swa_epoch_start = static_cast<double>(a.swa_start),
+                             .annealing_epochs = 1}));
     }
     options.every_n_train_steps = a.every_n_train_steps;
     options.max_restarts = a.max_restarts;

@@ -168,6 +168,46 @@ TEST(FSDP, EachStrategyOnThreeRanksWithUnevenShardsMatchesOneProcess) {
   EXPECT_TRUE(fulgur::test::same_params(single, grad_op));
 }
 
+// The weight averages under each sharding strategy, where the optimizer
+// steps shards and FULL_SHARD frees the units' parameters between their
+// uses: an EMA (updated every step from the gathered parameters, validated
+// with: its weights swapped in and out through the shards) and SWA (its
+// rate annealed on the shards' optimizer, the average of three epochs'
+// ends given to the module at the end) end with the parameters of one
+// process with the double batch and of DDP.
+TEST(FSDP, WeightAveragesEndAsOnOneProcessAndUnderDdpWithEachShardingStrategy) {
+  TempDir dir;
+  const std::string d = dir.path();
+  for (const std::vector<std::string>& averaging :
+       {std::vector<std::string>{"--ema", "0.8", "--val-every", "10"},
+        std::vector<std::string>{"--swa-start", "2"}}) {
+    const std::string kind = averaging[0].substr(2);
+    auto train = [&](const std::string& name, std::vector<std::string> args, bool average) {
+      if (average) args.insert(args.end(), averaging.begin(), averaging.end());
+      args.insert(args.end(), {"--steps", "60", "--samples", "320", "--root", d + "/" + kind + name,
+                               "--out", d + "/" + kind + name + ".pt"});
+      auto r = run_worker(args);
+      EXPECT_EQ(r.exit_code, 0) << kind << " " << name << ":\n" << r.output;
+      EXPECT_EQ(result_value(r.output, "global_step"), "60") << kind << " " << name << ":\n"
+                                                             << r.output;
+    };
+    train("single", {"--devices", "1", "--batch", "16"}, true);
+    train("ddp", {"--strategy", "ddp", "--devices", "2", "--batch", "8"}, true);
+    train("shard_grad_op", {"--strategy", kFsdp, "--devices", "2", "--batch", "8"}, true);
+    train("full_shard", {"--strategy", kFullShard, "--devices", "2", "--batch", "8", "--fsdp-units"},
+          true);
+    for (const char* other : {"ddp", "shard_grad_op", "full_shard"}) {
+      EXPECT_TRUE(fulgur::test::same_params(d + "/" + kind + "single.pt",
+                                            d + "/" + kind + other + ".pt"))
+          << kind << " under " << other;
+    }
+    // The average, not the last weights, is what the module ended with.
+    train("plain", {"--devices", "1", "--batch", "16"}, false);
+    EXPECT_FALSE(fulgur::test::same_params(d + "/" + kind + "single.pt", d + "/" + kind + "plain.pt"))
+        << kind;
+  }
+}
+
 // The example's kind of model: convolutions (one a unit under FULL_SHARD)
 // before the linear layers. Two ranks of each sharding strategy end with
 // the parameters of DDP and of one process with the double batch, under

@@ -8,8 +8,12 @@
 // weights are swapped back before a checkpoint is written: checkpoint
 // callbacks run last), and at the end of fit the module keeps them. The
 // average is in checkpoints: a resumed run goes on bit-identical. Under ddp
-// every rank holds the same average; fsdp is refused for now (the optimizer
-// steps shards there).
+// every rank holds the same average; under fsdp too: each update reads the
+// parameters whole (FULL_SHARD gathers its units for it), so every rank
+// keeps a whole copy of the weights, and swapping weights in and out goes
+// through the module's state, from which every rank takes its shards. A
+// rank that fails alone under fsdp keeps the weights it holds (putting
+// them back would be a collective its peers never join).
 //
 //   fulgur::Trainer trainer({.max_epochs = 10,
 //                            .callbacks = {std::make_shared<fulgur::EMA>(

@@ -28,8 +28,10 @@
 // fit leaves: save it after fit (module_state_dict). The BatchNorm pass
 // moves batches as the strategy does and covers limit_train_batches. Under
 // ddp every rank holds the same average (each rank's BatchNorm pass sees
-// its shard of the data; SyncBatchNorm layers combine them); fsdp,
-// cuda_graph and an EMA with apply_at_end are refused.
+// its shard of the data; SyncBatchNorm layers combine them), and under
+// fsdp (the epochs' ends read whole, a whole copy on every rank; the
+// average given to the module through its state, whose shards every rank
+// takes). cuda_graph and an EMA with apply_at_end are refused.
 #pragma once
 
 #include <cstdint>
