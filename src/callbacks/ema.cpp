@@ -2,11 +2,15 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
+#include <string>
+
+#include "callbacks/whole_parameters.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
+#include "fulgur/plugins/environments/cluster_environment.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
-#include "callbacks/whole_parameters.h"
 
 namespace fulgur {
 
@@ -88,11 +92,22 @@ void EMA::on_validation_start(Trainer&, Module& module) {
 void EMA::on_validation_end(Trainer&, Module& module) { swap_out(module); }
 
 void EMA::on_exception(Trainer& trainer, Module& module, const std::exception&) {
-  // Under fsdp putting the weights back is a collective, which a rank that
-  // failed alone must not start (its peers would wait in it): the module
-  // keeps what it holds.
-  if (detail::shards_parameters(trainer.strategy())) {
+  if (training_weights_.empty()) return;
+  // Under fsdp putting the training weights back is a collective, which a
+  // rank that failed alone must not start (its peers wait in another one):
+  // only when every rank failed here. Otherwise the module keeps the
+  // average, and OnExceptionCheckpoint (which waits for the same peers)
+  // does not save it.
+  Strategy& strategy = trainer.strategy();
+  const std::string here = str("ema_on_exception/", strategy.cluster_environment().restart_count(),
+                               "/", trainer.global_step());
+  if (detail::shards_parameters(strategy) &&
+      !detail::StrategyDriver(strategy).peers_arrive(here, std::chrono::seconds(10))) {
     training_weights_.clear();
+    detail::print_note(str("EMA: rank ", strategy.global_rank(),
+                           " keeps the averaged weights it was validating with: under strategy \"",
+                           strategy.name(), "\" putting the training weights back needs every "
+                           "rank, and not every rank failed here within 10 s."));
     return;
   }
   swap_out(module);

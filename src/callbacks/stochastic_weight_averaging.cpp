@@ -5,6 +5,7 @@
 #include <cmath>
 #include <optional>
 
+#include "callbacks/whole_parameters.h"
 #include "fulgur/callbacks/ema.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
@@ -12,7 +13,6 @@
 #include "fulgur/nn/sync_batch_norm.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
-#include "callbacks/whole_parameters.h"
 #include "strategies/strategy_driver.h"
 
 namespace fulgur {

@@ -6,7 +6,11 @@
 // state (load_module_state), from which every rank takes its shards again.
 // Elsewhere both are the parameters themselves. Under fsdp each call is a
 // collective: every rank makes it at the same point (the callbacks' hooks
-// run on every rank at the same step). Not installed.
+// run on every rank at the same step). The cost there, under FULL_SHARD:
+// reading gathers every unit at once; writing gathers them unit by unit for
+// the state, then all at once to load it (they stay whole until their next
+// forward), so the peak is the whole model on every rank, as when a
+// checkpoint is loaded. Not installed.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,15 +24,17 @@
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
 #include "fulgur/core/state_dict.h"
+#include "fulgur/strategies/fsdp.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
 #include "strategies/strategy_driver.h"
 
 namespace fulgur::detail {
 
-/// Whether the strategy shards the parameters (fsdp, fsdp_shard_grad_op).
+/// Whether the strategy shards the parameters (FSDPStrategy, under any
+/// name it was registered with).
 inline bool shards_parameters(const Strategy& strategy) {
-  return std::string_view(strategy.name()).rfind("fsdp", 0) == 0;
+  return dynamic_cast<const FSDPStrategy*>(&strategy) != nullptr;
 }
 
 /// Runs `body` with every parameter of `module` whole.
@@ -59,15 +65,13 @@ inline void assign_parameters(Strategy& strategy, Module& module,
     for (size_t dot = name.find('.'); dot != std::string_view::npos; dot = name.find('.')) {
       section = section->find_section(std::string(name.substr(0, dot)));
       if (section == nullptr) {
-        throw InternalError(str("assign_parameters: the module's state has no section for \"",
-                                item.key(), "\""));
+        throw InternalError(
+            str("assign_parameters: the module's state has no section for \"", item.key(), "\""));
       }
       name.remove_prefix(dot + 1);
     }
     const at::Tensor current = section->tensor(std::string(name));
-    section->set(std::string(name),
-                 values[i].to(current.device(), current.scalar_type()).requires_grad_(
-                     current.requires_grad()));
+    section->set(std::string(name), values[i].to(current.device(), current.scalar_type()));
     ++i;
   }
   driver.load_module_state(module, state);

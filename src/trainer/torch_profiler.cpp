@@ -209,9 +209,9 @@ std::string operator_table(const std::vector<OperatorRow>& rows, size_t limit,
                     r.total_us / 1e3, percent(r.self_us, self_sum), r.device_us / 1e3,
                     percent(r.device_us, device_sum));
     } else {
-      std::snprintf(line, sizeof line, "  %-44s %8lld %11.3f %11.3f %6.1f%% %11.1f\n",
-                    name.c_str(), static_cast<long long>(r.calls), r.self_us / 1e3,
-                    r.total_us / 1e3, percent(r.self_us, self_sum),
+      std::snprintf(line, sizeof line, "  %-44s %8lld %11.3f %11.3f %6.1f%% %11.1f\n", name.c_str(),
+                    static_cast<long long>(r.calls), r.self_us / 1e3, r.total_us / 1e3,
+                    percent(r.self_us, self_sum),
                     r.calls > 0 ? r.total_us / static_cast<double>(r.calls) : 0.0);
     }
     out += line;
@@ -356,10 +356,9 @@ std::string TorchProfiler::write_profile(kineto::ProfilerResult& result) {
   const std::vector<OperatorRow> rows = operator_rows(records);
   const std::string trace = str(dir_, "/fit-rank", rank_, ".pt.trace.json");
   const std::string table_path = str(dir_, "/fit-rank", rank_, ".operators.txt");
-  const std::string title =
-      str("profiler (pytorch): rank ", rank_, ", training batches ", wait_, "..",
-          wait_ + recorded_ - 1, " of the fit (", records.size(),
-          " events); the operators that took the most time");
+  const std::string title = str("profiler (pytorch): rank ", rank_, ", training batches ", wait_,
+                                "..", wait_ + recorded_ - 1, " of the fit (", records.size(),
+                                " events); the operators that took the most time");
   const std::string table = operator_table(rows, 25, title);
 
   std::string error;
@@ -410,8 +409,10 @@ void TorchProfiler::abandon() {
     close_spans();
     kineto::disableProfiler();
   } catch (const std::exception& e) {
-    print_note(str("profiler=pytorch: stopping LibTorch's profiler after the failed fit failed "
-                   "too: ", e.what()));
+    print_note(
+        str("profiler=pytorch: stopping LibTorch's profiler after the failed fit failed "
+            "too: ",
+            e.what()));
   }
 }
 

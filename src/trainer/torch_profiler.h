@@ -96,13 +96,13 @@ class TorchProfiler final : public LoopProfiler {
   int64_t active_;
   std::string dir_;
   bool cuda_;
-  int64_t batches_ = 0;    // training batches begun in this fit
-  int64_t recorded_ = 0;   // of them, recorded
+  int64_t batches_ = 0;   // training batches begun in this fit
+  int64_t recorded_ = 0;  // of them, recorded
   bool recording_ = false;
   bool done_ = false;
   int rank_;
-  std::string table_;      // once written
-  std::string failure_;    // why LibTorch's profiler did not start
+  std::string table_;    // once written
+  std::string failure_;  // why LibTorch's profiler did not start
   // The open spans, innermost last: the batch's (phase kCount), then its
   // phases'.
   struct Span {

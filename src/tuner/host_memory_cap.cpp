@@ -120,10 +120,9 @@ class CappedAllocator final : public c10::Allocator {
     if (now > ledger->cap) {
       ledger->live.fetch_sub(bytes);
       ledger->refused.fetch_add(1);
-      C10_THROW_ERROR(OutOfMemoryError,
-                      str(kRefusal, "a tensor of ", bytes,
-                          " bytes would bring the trial's CPU tensors to ", now,
-                          " bytes, over the cap of ", ledger->cap, " bytes."));
+      C10_THROW_ERROR(OutOfMemoryError, str(kRefusal, "a tensor of ", bytes,
+                                            " bytes would bring the trial's CPU tensors to ", now,
+                                            " bytes, over the cap of ", ledger->cap, " bytes."));
     }
     int64_t peak = ledger->peak.load();
     while (now > peak && !ledger->peak.compare_exchange_weak(peak, now)) {

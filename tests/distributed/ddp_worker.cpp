@@ -399,8 +399,13 @@ struct Classifier : fulgur::Module {
 
   void validation_step(fulgur::Batch& batch, int64_t) override {
     auto& [x, y] = batch.pair();
-    auto acc = (forward(x, false).argmax(1) == y).to(torch::kDouble).mean();
+    const auto out = forward(x, false);
+    auto acc = (out.argmax(1) == y).to(torch::kDouble).mean();
     log("val_acc", acc, {.sync_dist = args.sync_dist});
+    if (args.ema > 0) {
+      // The weights validated, finely: an EMA's average or not.
+      log("val_loss", torch::cross_entropy_loss(out, y), {.sync_dist = args.sync_dist});
+    }
   }
 
   void on_validation_epoch_end() override {
@@ -776,6 +781,10 @@ int main(int argc, char** argv) {
                   << "RESULT callback_dirpath=" << checkpoint->dirpath() << "\n";
       }
       for (const auto& [k, v] : test) std::cout << "RESULT " << k << "=" << v << "\n";
+      if (result.metrics.count("val_loss") > 0) {
+        std::cout << "RESULT val_loss=" << std::setprecision(17) << result.metrics["val_loss"]
+                  << std::setprecision(6) << "\n";
+      }
       // The metrics' values to the last bit (fulgur::metrics).
       for (const auto& [k, v] : test) {
         if (k == "test_macro_acc" || k == "test_macro_f1" || k == "test_auroc" ||

@@ -12,6 +12,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -172,9 +173,10 @@ TEST(FSDP, EachStrategyOnThreeRanksWithUnevenShardsMatchesOneProcess) {
 // steps shards and FULL_SHARD frees the units' parameters between their
 // uses: an EMA (updated every step from the gathered parameters, validated
 // with: its weights swapped in and out through the shards) and SWA (its
-// rate annealed on the shards' optimizer, the average of three epochs'
-// ends given to the module at the end) end with the parameters of one
-// process with the double batch and of DDP.
+// rate annealed on the shards' optimizer, the average of two epochs' ends
+// given to the module at the end) end with the parameters of one process
+// with the double batch and of DDP, and the EMA's last validation loss (of
+// the average, swapped in) is one process's.
 TEST(FSDP, WeightAveragesEndAsOnOneProcessAndUnderDdpWithEachShardingStrategy) {
   TempDir dir;
   const std::string d = dir.path();
@@ -182,6 +184,7 @@ TEST(FSDP, WeightAveragesEndAsOnOneProcessAndUnderDdpWithEachShardingStrategy) {
        {std::vector<std::string>{"--ema", "0.8", "--val-every", "10"},
         std::vector<std::string>{"--swa-start", "2"}}) {
     const std::string kind = averaging[0].substr(2);
+    std::map<std::string, double> val_loss;
     auto train = [&](const std::string& name, std::vector<std::string> args, bool average) {
       if (average) args.insert(args.end(), averaging.begin(), averaging.end());
       args.insert(args.end(), {"--steps", "60", "--samples", "320", "--root", d + "/" + kind + name,
@@ -190,6 +193,8 @@ TEST(FSDP, WeightAveragesEndAsOnOneProcessAndUnderDdpWithEachShardingStrategy) {
       EXPECT_EQ(r.exit_code, 0) << kind << " " << name << ":\n" << r.output;
       EXPECT_EQ(result_value(r.output, "global_step"), "60") << kind << " " << name << ":\n"
                                                              << r.output;
+      const std::string loss = result_value(r.output, "val_loss");
+      if (!loss.empty()) val_loss[name] = std::stod(loss);
     };
     train("single", {"--devices", "1", "--batch", "16"}, true);
     train("ddp", {"--strategy", "ddp", "--devices", "2", "--batch", "8"}, true);
@@ -200,6 +205,12 @@ TEST(FSDP, WeightAveragesEndAsOnOneProcessAndUnderDdpWithEachShardingStrategy) {
       EXPECT_TRUE(fulgur::test::same_params(d + "/" + kind + "single.pt",
                                             d + "/" + kind + other + ".pt"))
           << kind << " under " << other;
+    }
+    if (kind == "ema") {
+      ASSERT_EQ(val_loss.size(), 4u);
+      for (const char* other : {"ddp", "shard_grad_op", "full_shard"}) {
+        EXPECT_NEAR(val_loss[other], val_loss["single"], 1e-5 * val_loss["single"]) << other;
+      }
     }
     // The average, not the last weights, is what the module ended with.
     train("plain", {"--devices", "1", "--batch", "16"}, false);

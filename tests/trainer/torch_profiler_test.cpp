@@ -182,11 +182,10 @@ TEST(TorchProfiler, ADirectoryThatCannotBeWrittenCostsTheProfileNotTheFit) {
   trainer.fit(model, fulgur::make_data_loader(regression_dataset(16), {.batch_size = 4}));
   const std::string printed = testing::internal::GetCapturedStdout();
   const std::string noted = testing::internal::GetCapturedStderr();
-  EXPECT_THAT(noted, testing::HasSubstr("profiler=pytorch: could not create " + dir.path() +
-                                        "/profiler"));
+  EXPECT_THAT(noted,
+              testing::HasSubstr("profiler=pytorch: could not create " + dir.path() + "/profiler"));
   EXPECT_THAT(noted, testing::HasSubstr("the fit goes on"));
-  EXPECT_THAT(printed, testing::HasSubstr("training batches 0..1"))
-      << "the table is still printed";
+  EXPECT_THAT(printed, testing::HasSubstr("training batches 0..1")) << "the table is still printed";
   EXPECT_EQ(trainer.global_step(), 4) << "the fit ran to its end";
 }
 
@@ -262,7 +261,8 @@ TEST(TorchProfiler, TheTraceWrittenFromRecordsIsJsonWithEscapedNames) {
   EXPECT_EQ(events[0].dur, 2.5);
   EXPECT_EQ(events[0].tid, "3");
   EXPECT_THAT(read_file(path), testing::HasSubstr("\"fulgur rank 1\""));
-  EXPECT_FALSE(fulgur::detail::write_chrome_trace({}, 0, dir.path() + "/no/such/dir/t.json", error));
+  EXPECT_FALSE(
+      fulgur::detail::write_chrome_trace({}, 0, dir.path() + "/no/such/dir/t.json", error));
   EXPECT_THAT(error, testing::HasSubstr("could not write " + dir.path() + "/no/such/dir/t.json"));
 }
 
