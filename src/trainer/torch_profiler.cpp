@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "fulgur/core/errors.h"
+#include "utilities/json_text.h"
 
 namespace fulgur::detail {
 
@@ -79,28 +80,6 @@ std::vector<OperatorRecord> records_of(const kineto::ProfilerResult& result) {
     records.push_back(std::move(r));
   }
   return records;
-}
-
-void json_string(std::string& out, const std::string& text) {
-  out += '"';
-  for (const char c : text) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned>(c));
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  out += '"';
 }
 
 bool write_text(const std::string& path, const std::string& text, std::string& error) {
@@ -240,7 +219,7 @@ bool write_chrome_trace(const std::vector<OperatorRecord>& records, int rank,
     out += ",\n{\"ph\": \"X\", \"cat\": ";
     out += r.on_device ? "\"kernel\"" : r.annotation ? "\"user_annotation\"" : "\"cpu_op\"";
     out += ", \"name\": ";
-    json_string(out, r.name);
+    append_json_string(out, r.name);
     std::snprintf(number, sizeof number, "%.3f", r.start_us);
     out += str(", \"pid\": ", pid, ", \"tid\": ", r.thread, ", \"ts\": ", number);
     std::snprintf(number, sizeof number, "%.3f", r.duration_us);

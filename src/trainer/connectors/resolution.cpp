@@ -2,46 +2,25 @@
 // flat objects of strings, numbers, booleans and lists of strings.
 #include "fulgur/trainer/connectors/resolution.h"
 
-#include <cstdio>
-
 #include "fulgur/core/errors.h"
+#include "utilities/json_text.h"
 
 namespace fulgur {
 
 namespace {
 
-std::string quoted(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
+using detail::json_string;
 
 std::string list(const std::vector<std::string>& items) {
   if (items.empty()) return "[]";
   std::vector<std::string> quoted_items;
-  for (const auto& item : items) quoted_items.push_back("    " + quoted(item));
+  for (const auto& item : items) quoted_items.push_back("    " + json_string(item));
   return "[\n" + join(quoted_items, ",\n") + "\n  ]";
 }
 
 std::string object(const std::vector<std::pair<std::string, std::string>>& fields) {
   std::vector<std::string> lines;
-  for (const auto& [key, value] : fields) lines.push_back("  " + quoted(key) + ": " + value);
+  for (const auto& [key, value] : fields) lines.push_back("  " + json_string(key) + ": " + value);
   return "{\n" + join(lines, ",\n") + "\n}\n";
 }
 
@@ -49,12 +28,12 @@ std::string object(const std::vector<std::pair<std::string, std::string>>& field
 
 std::string Resolution::to_json() const {
   const std::string spelled = Choice<Determinism>::name_of(deterministic);
-  const std::string det = deterministic == Determinism::kWarn ? quoted(spelled) : spelled;
-  return object({{"accelerator", quoted(accelerator)},
-                 {"strategy", quoted(strategy)},
-                 {"launcher", launcher.empty() ? "null" : quoted(launcher)},
-                 {"precision", quoted(precision)},
-                 {"cluster_environment", quoted(cluster_environment)},
+  const std::string det = deterministic == Determinism::kWarn ? json_string(spelled) : spelled;
+  return object({{"accelerator", json_string(accelerator)},
+                 {"strategy", json_string(strategy)},
+                 {"launcher", launcher.empty() ? "null" : json_string(launcher)},
+                 {"precision", json_string(precision)},
+                 {"cluster_environment", json_string(cluster_environment)},
                  {"num_nodes", std::to_string(num_nodes)},
                  {"num_devices", std::to_string(num_devices)},
                  {"world_size", std::to_string(world_size)},
@@ -68,9 +47,9 @@ std::string Resolution::to_json() const {
 }
 
 std::string to_json(const FlagError& error) {
-  return object({{"error", quoted(error.kind())},
+  return object({{"error", json_string(error.kind())},
                  {"problems", list(error.problems())},
-                 {"message", quoted(error.what())}});
+                 {"message", json_string(error.what())}});
 }
 
 std::string Resolution::to_text() const {
