@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -29,7 +30,8 @@ std::string ProgramResult::how_it_ended() const {
 }
 
 ProgramResult run_program(const std::vector<std::string>& args, const std::string& input,
-                          std::chrono::milliseconds timeout) {
+                          std::chrono::milliseconds timeout,
+                          const std::vector<int>& blocked_signals) {
   ProgramResult result;
   int in[2], out[2];
   if (::pipe2(in, O_CLOEXEC) != 0) {
@@ -51,8 +53,18 @@ ProgramResult run_program(const std::vector<std::string>& args, const std::strin
   std::vector<char*> argv;
   for (auto& a : copies) argv.push_back(a.data());
   argv.push_back(nullptr);
+  posix_spawnattr_t attributes;
+  posix_spawnattr_init(&attributes);
+  if (!blocked_signals.empty()) {
+    sigset_t mask;
+    ::pthread_sigmask(SIG_SETMASK, nullptr, &mask);
+    for (int s : blocked_signals) ::sigaddset(&mask, s);
+    posix_spawnattr_setsigmask(&attributes, &mask);
+    posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETSIGMASK);
+  }
   pid_t pid = -1;
-  result.spawn_error = ::posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  result.spawn_error = ::posix_spawnp(&pid, argv[0], &actions, &attributes, argv.data(), environ);
+  posix_spawnattr_destroy(&attributes);
   posix_spawn_file_actions_destroy(&actions);
   ::close(in[0]);
   ::close(out[1]);

@@ -27,8 +27,10 @@ struct ProgramResult {
 /// Runs `argv` (argv[0] is looked up on PATH) with `input` on its stdin,
 /// its stdout and stderr collected; kills it after `timeout`. SIGPIPE is
 /// ignored while writing the input, so a program that exits early does not
-/// end the caller.
+/// end the caller. `blocked_signals` are blocked in the program (they stay
+/// pending, so a program that does not unblock them is not ended by them).
 ProgramResult run_program(const std::vector<std::string>& argv, const std::string& input,
-                          std::chrono::milliseconds timeout);
+                          std::chrono::milliseconds timeout,
+                          const std::vector<int>& blocked_signals = {});
 
 }  // namespace fulgur::detail

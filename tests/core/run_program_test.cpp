@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cerrno>
+#include <csignal>
 
 namespace {
 
@@ -36,6 +37,15 @@ TEST(RunProgram, AProgramPastItsTimeIsKilled) {
 TEST(RunProgram, AProgramKilledByASignalSaysWhich) {
   auto r = run_program({"sh", "-c", "kill -9 $$"}, "", 30s);
   EXPECT_EQ(r.how_it_ended(), "was killed by signal 9 (SIGKILL)");
+}
+
+TEST(RunProgram, ABlockedSignalWaitsUntilTheProgramHasExited) {
+  // As scontrol requeue gets the SIGTERM of the job step it cancels.
+  auto r = run_program({"sh", "-c", "kill -TERM $$; echo still running"}, "", 30s, {SIGTERM});
+  EXPECT_TRUE(r.succeeded()) << r.how_it_ended();
+  EXPECT_EQ(r.output, "still running");
+  auto unblocked = run_program({"sh", "-c", "kill -TERM $$; echo still running"}, "", 30s);
+  EXPECT_EQ(unblocked.how_it_ended(), "was killed by signal 15 (SIGTERM)");
 }
 
 }  // namespace

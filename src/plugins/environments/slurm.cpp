@@ -3,6 +3,7 @@
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 
 #include "core/run_program.h"
@@ -129,8 +130,11 @@ std::string SLURMEnvironment::requeue(int signal) {
   if (job_id_.empty()) return "not requeued: SLURM_JOB_ID is not set";
   const std::string command = str(options_.scontrol, " requeue ", job_id_);
   // Bounded: a controller that does not answer must not keep the job alive.
+  // The requeue makes SLURM cancel this step, whose SIGTERM reaches every
+  // process of it, scontrol too, maybe before scontrol has exited: blocked
+  // there, it cannot turn a requeue that happened into a failed command.
   const auto ran = detail::run_program({options_.scontrol, "requeue", job_id_}, "",
-                                       std::chrono::seconds(60));
+                                       std::chrono::seconds(60), {SIGTERM, signal});
   if (ran.spawn_error != 0) {
     return str("NOT requeued: cannot run `", command, "`: ", std::strerror(ran.spawn_error),
                " (is slurm-client installed and scontrol on PATH?). Resubmit the job: it "
