@@ -98,6 +98,7 @@ struct Args {
   // Appended to its error's text (e.g. words a collective's error uses).
   std::string fail_text;
   bool fail_all = false;             // every rank fails at --fault-step
+  std::string fail_in = "step";      // or "validation": at global step --fault-step
   double on_exception_timeout = -1;  // >= 0: an OnExceptionCheckpoint with this peer_timeout (s)
   // A rank that sleeps slow_seconds in on_train_batch_end of the batch
   // before fault_step (it falls behind without hanging).
@@ -323,7 +324,8 @@ struct Classifier : fulgur::Module {
                 << std::endl;
       ::kill(::getppid(), args.launcher_signal);
     }
-    if ((rank == args.fail_rank || args.fail_all) && batch_idx == args.fault_step) {
+    if ((rank == args.fail_rank || args.fail_all) && batch_idx == args.fault_step &&
+        args.fail_in == "step") {
       throw std::runtime_error("rank " + std::to_string(rank) + " fails on its own now" +
                                args.fail_text);
     }
@@ -402,6 +404,11 @@ struct Classifier : fulgur::Module {
     const auto out = forward(x, false);
     auto acc = (out.argmax(1) == y).to(torch::kDouble).mean();
     log("val_acc", acc, {.sync_dist = args.sync_dist});
+    const int rank = trainer().strategy().global_rank();
+    if ((rank == args.fail_rank || args.fail_all) && args.fail_in == "validation" &&
+        !trainer().sanity_checking() && trainer().global_step() == args.fault_step) {
+      throw std::runtime_error("rank " + std::to_string(rank) + " fails on its own in validation");
+    }
     if (args.ema > 0) {
       // The weights validated, finely: an EMA's average or not.
       log("val_loss", torch::cross_entropy_loss(out, y), {.sync_dist = args.sync_dist});
@@ -585,6 +592,7 @@ int main(int argc, char** argv) {
   app.add_option("--fail-rank", a.fail_rank);
   app.add_option("--fail-text", a.fail_text);
   app.add_flag("--fail-all", a.fail_all);
+  app.add_option("--fail-in", a.fail_in)->check(CLI::IsMember({"step", "validation"}));
   app.add_option("--on-exception-checkpoint", a.on_exception_timeout);
   app.add_option("--slow-rank", a.slow_rank);
   app.add_flag("--checkpoint-activations", a.checkpoint_activations);

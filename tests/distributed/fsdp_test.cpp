@@ -219,6 +219,34 @@ TEST(FSDP, WeightAveragesEndAsOnOneProcessAndUnderDdpWithEachShardingStrategy) {
   }
 }
 
+// Rank 0 fails alone while validating with the EMA's average swapped in:
+// putting the training weights back under fsdp is a collective its peer,
+// waiting in validation's next collective, never joins. Rank 0 waits 10 s
+// for it, keeps the average, says so, and the launcher names it as the
+// cause (no hang).
+TEST(FSDP, ARankFailingAloneWhileValidatingWithTheAverageKeepsItAndSaysWhy) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", kFsdp, "--devices", "2", "--batch", "8", "--steps", "60",
+                       "--samples", "320", "--ema", "0.8", "--val-every", "10", "--fail-rank", "0",
+                       "--fail-in", "validation", "--fault-step", "10", "--timeout", "60", "--root",
+                       dir.path()},
+                      {}, 120s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 0 fails on its own in validation"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(std::string("EMA: rank 0 keeps the averaged weights it was validating "
+                                      "with: under strategy \"") +
+                          kFsdp + "\" putting the training weights back needs every rank, and "
+                                  "not every rank failed here within 10 s."),
+            std::string::npos)
+      << r.output;
+  // Rank 1 waited in validation's next collective for rank 0, which waited
+  // for it: both give up, and rank 0 is the cause.
+  EXPECT_NE(r.output.find("launcher: rank 0 (pid"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("ERROR rank 0 fails on its own in validation"), std::string::npos)
+      << r.output;
+  EXPECT_LT(r.seconds, 60) << r.output;
+}
+
 // The example's kind of model: convolutions (one a unit under FULL_SHARD)
 // before the linear layers. Two ranks of each sharding strategy end with
 // the parameters of DDP and of one process with the double batch, under

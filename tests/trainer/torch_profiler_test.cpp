@@ -9,12 +9,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
 #include <yaml-cpp/yaml.h>
 
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -187,6 +189,37 @@ TEST(TorchProfiler, ADirectoryThatCannotBeWrittenCostsTheProfileNotTheFit) {
   EXPECT_THAT(noted, testing::HasSubstr("the fit goes on"));
   EXPECT_THAT(printed, testing::HasSubstr("training batches 0..1")) << "the table is still printed";
   EXPECT_EQ(trainer.global_step(), 4) << "the fit ran to its end";
+}
+
+TEST(TorchProfiler, AProfilerAlreadyRecordingTheThreadIsNotedAndTheFitGoesOn) {
+  // The program (or a library in it) records this thread already: LibTorch
+  // refuses a second profiler, which costs the profile, not the fit, and
+  // the program's own recording is left as it was.
+  namespace kineto = torch::autograd::profiler;
+  namespace impl = torch::profiler::impl;
+  const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
+  const std::set<impl::ActivityType> cpu{impl::ActivityType::CPU};
+  kineto::prepareProfiler(config, cpu);
+  kineto::enableProfiler(config, cpu);
+  TempDir dir;
+  LinearRegression model;
+  fulgur::Trainer trainer(pytorch_options(dir, 0, 2));
+  testing::internal::CaptureStderr();
+  testing::internal::CaptureStdout();
+  trainer.fit(model, fulgur::make_data_loader(regression_dataset(16), {.batch_size = 4}));
+  const std::string printed = testing::internal::GetCapturedStdout();
+  const std::string noted = testing::internal::GetCapturedStderr();
+  const bool still_ours = impl::profilerEnabled();
+  if (still_ours) kineto::disableProfiler();
+  EXPECT_THAT(noted, testing::HasSubstr("profiler=pytorch: LibTorch's profiler did not start ("));
+  EXPECT_THAT(noted, testing::HasSubstr("the fit goes on without a profile"));
+  EXPECT_THAT(printed, testing::HasSubstr(
+                           "profiler (pytorch): recorded nothing: LibTorch's profiler did not "
+                           "start ("));
+  EXPECT_THAT(printed, testing::Not(testing::HasSubstr("training batches")));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/profiler/fit-rank0.pt.trace.json"));
+  EXPECT_EQ(trainer.global_step(), 4) << "the fit ran to its end";
+  EXPECT_TRUE(still_ours) << "the fit stopped the program's own recording";
 }
 
 TEST(TorchProfiler, TheWindowIsCheckedAndReadFromFlags) {

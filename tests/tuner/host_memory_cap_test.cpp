@@ -7,9 +7,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
+#include <string>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/utilities/torch_compat.h"
 #include "tuner/host_memory_cap.h"
 
 namespace {
@@ -92,6 +96,52 @@ TEST(HostMemoryCap, ARawBlockFreedAcrossTheCapsLifeGoesToTheAllocatorThatMadeIt)
   EXPECT_EQ(again.live(), 0);
   const at::Tensor t = torch::zeros({256});
   EXPECT_EQ(again.live(), 1024);
+}
+
+// A program's own CPU allocator (a pool, a tracker), passing every request
+// to LibTorch's.
+class ProgramAllocator final : public c10::Allocator {
+ public:
+  explicit ProgramAllocator(c10::Allocator* inner) : inner_(inner) {}
+#if FULGUR_TORCH_AT_LEAST(2, 3)
+  c10::DataPtr allocate(size_t n) override { return inner_->allocate(n); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    if (count > 0) std::memcpy(dest, src, count);
+  }
+#else
+  c10::DataPtr allocate(size_t n) const override { return inner_->allocate(n); }
+#endif
+  c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
+
+ private:
+  c10::Allocator* inner_;
+};
+
+TEST(HostMemoryCap, AnAllocatorSetWithAHigherPriorityIsNamedNotSilentlyLeftUncapped) {
+  // In a child process (started afresh: LibTorch has threads): an allocator
+  // set above LibTorch's priority stays for the process's life.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        static ProgramAllocator program(c10::GetCPUAllocator());
+        c10::SetCPUAllocator(&program, 1);
+        int status = 1;  // no error
+        try {
+          HostMemoryCap cap(1 << 20);
+        } catch (const fulgur::ConfigError& e) {
+          const std::string text = e.what();
+          status = text.find("replaced by one set with a higher priority") != std::string::npos &&
+                           text.find("Find the batch size without that allocator") !=
+                               std::string::npos
+                       ? 2
+                       : 3;
+        }
+        // The program's allocator is still the one in force, and serves.
+        if (c10::GetCPUAllocator() != &program) status = 4;
+        if (torch::ones({64}).sum().item<float>() != 64.0f) status = 5;
+        std::exit(status);
+      },
+      testing::ExitedWithCode(2), "");
 }
 
 }  // namespace
