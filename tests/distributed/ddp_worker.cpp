@@ -415,6 +415,11 @@ struct Classifier : fulgur::Module {
     }
   }
 
+  // StochasticWeightAveraging's BatchNorm pass runs it in training mode.
+  fulgur::Batch predict_step(fulgur::Batch& batch, int64_t) override {
+    return forward(batch.pair().first, false);
+  }
+
   void on_validation_epoch_end() override {
     if (trainer().strategy().global_rank() == args.stop_rank && !trainer().sanity_checking() &&
         trainer().global_step() == args.fault_step && args.stop_in == "validation") {

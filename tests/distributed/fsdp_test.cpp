@@ -370,6 +370,18 @@ TEST(FSDP, SyncBatchNormMatchesOneProcessBatchNormUnderEachShardingStrategy) {
                  "turn sync_batchnorm off"}));
 }
 
+// StochasticWeightAveraging's last pass recomputes the BatchNorm statistics
+// of the averaged weights with forwards over the training data: under each
+// sharding strategy (FULL_SHARD's forwards gather their units) with
+// SyncBatchNorm, two ranks end with the parameters and the statistics of one
+// process with the double batch.
+TEST(FSDP, SwaRecomputesSyncBatchNormStatisticsAsOneProcessUnderEachShardingStrategy) {
+  const std::vector<std::string> swa = {"--steps",     "60",   "--samples",     "320",
+                                        "--batchnorm", "sync", "--swa-start", "2"};
+  expect_equivalent(swa, kFsdp, {"--sync-batchnorm"});
+  expect_equivalent(with_units(swa), kFullShard, {"--sync-batchnorm"});
+}
+
 // `fulgur checkpoint consolidate`: the sharded checkpoint of 3 ranks
 // (uneven shards, Adam, a frozen parameter in the optimizer) made one file
 // loads into one process exactly as the full checkpoint of the same step
