@@ -3,6 +3,7 @@
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
+#include <torch/csrc/profiler/orchestration/observer.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -269,6 +270,16 @@ void TorchProfiler::batch_end() {
 }
 
 void TorchProfiler::start_recording() {
+  if (impl::profilerEnabled()) {
+    // LibTorch 1.13 refuses a second profiler on a thread; 2.6 starts it
+    // over the first, whose recording ours would then end: never start.
+    failure_ =
+        "LibTorch's profiler did not start (another profiler already records this thread: the "
+        "program's own, or a library's; stop it before fit, or pass profiler=\"none\")";
+    print_note(str("profiler=pytorch: ", failure_, "; the fit goes on without a profile."));
+    done_ = true;
+    return;
+  }
   const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
   std::set<impl::ActivityType> activities{impl::ActivityType::CPU};
   if (cuda_) activities.insert(impl::ActivityType::CUDA);
