@@ -257,7 +257,6 @@ done
 if [ "$keep_build" = 1 ]; then
   work="$cache/work/$variant.kept"
   mkdir -p "$work/fulgur"
-  find "$work/fulgur" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
   rm -f "$work/log"
 else
   work="$cache/work/$variant.$$"
@@ -266,10 +265,38 @@ else
 fi
 trap 'exit 130' INT
 trap 'exit 143' TERM
-(cd "$here" && git ls-files -z --cached --others --exclude-standard |
-   xargs -0 -r sh -c 'for f; do [ -e "$f" ] && printf "%s\0" "$f"; done' sh |
-   tar --null -T - -cf -) | tar -xf - -C "$work/fulgur"
-say "copied $(cd "$work/fulgur" && find . -type f | wc -l) files of $here"
+checkout_archive() {
+  (cd "$here" && git ls-files -z --cached --others --exclude-standard |
+     xargs -0 -r sh -c 'for f; do [ -e "$f" ] && printf "%s\0" "$f"; done' sh |
+     tar --null -T - -cf -)
+}
+if [ "$keep_build" = 1 ]; then
+  # Into the kept tree: a file whose content is unchanged since the last run
+  # stays as it was, with its date; any other is dated now (tar -m). Ninja
+  # then rebuilds exactly what changed since that run, whatever the dates in
+  # this checkout (a file edited here before the kept build was made from
+  # another checkout would otherwise look older than its object file).
+  incoming="$work/incoming"
+  rm -rf "$incoming"
+  mkdir -p "$incoming"
+  checkout_archive | tar -xmf - -C "$incoming"
+  (cd "$work/fulgur" && find . -path ./build -prune -o ! -type d -print0) |
+    while IFS= read -r -d '' f; do
+      [ -e "$incoming/$f" ] || [ -L "$incoming/$f" ] || rm -f "$work/fulgur/$f"
+    done
+  (cd "$incoming" && find . ! -type d -print0) |
+    while IFS= read -r -d '' f; do
+      if [ -L "$incoming/$f" ] || ! cmp -s "$incoming/$f" "$work/fulgur/$f"; then
+        mkdir -p "$(dirname "$work/fulgur/$f")"
+        rm -rf "$work/fulgur/$f"
+        mv "$incoming/$f" "$work/fulgur/$f"
+      fi
+    done
+  rm -rf "$incoming"
+else
+  checkout_archive | tar -xf - -C "$work/fulgur"
+fi
+say "copied $(cd "$work/fulgur" && find . -path ./build -prune -o -type f -print | wc -l) files of $here"
 
 commands='bash scripts/run-tests.sh "$@"'
 if [ "$build_only" = 1 ]; then
