@@ -270,16 +270,6 @@ void TorchProfiler::batch_end() {
 }
 
 void TorchProfiler::start_recording() {
-  if (impl::profilerEnabled()) {
-    // LibTorch 1.13 refuses a second profiler on a thread; 2.6 starts it
-    // over the first, whose recording ours would then end: never start.
-    failure_ =
-        "LibTorch's profiler did not start (another profiler already records this thread: the "
-        "program's own, or a library's; stop it before fit, or pass profiler=\"none\")";
-    print_note(str("profiler=pytorch: ", failure_, "; the fit goes on without a profile."));
-    done_ = true;
-    return;
-  }
   const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
   std::set<impl::ActivityType> activities{impl::ActivityType::CPU};
   if (cuda_) activities.insert(impl::ActivityType::CUDA);
@@ -292,16 +282,25 @@ void TorchProfiler::start_recording() {
       return e.what_without_backtrace();
     }
   };
-  std::string error = enable();
-  if (!error.empty() && cuda_) {
-    // A LibTorch that cannot trace CUDA activity still records the host.
-    print_note(str("profiler=pytorch: LibTorch's profiler did not start with CUDA activity (",
-                   error, "); trying the host's operators only."));
-    activities.erase(impl::ActivityType::CUDA);
+  std::string error;
+  if (impl::profilerEnabled()) {
+    // LibTorch 1.13 refuses a second profiler on a thread; 2.6 starts it
+    // over the first, whose recording ours would then end: never start.
+    error =
+        "another profiler already records this thread: the program's own, or a library's; stop "
+        "it before fit, or pass profiler=\"none\"";
+  } else {
     error = enable();
+    if (!error.empty() && cuda_) {
+      // A LibTorch that cannot trace CUDA activity still records the host.
+      print_note(str("profiler=pytorch: LibTorch's profiler did not start with CUDA activity (",
+                     error, "); trying the host's operators only."));
+      activities.erase(impl::ActivityType::CUDA);
+      error = enable();
+    }
   }
   if (!error.empty()) {
-    // Another profiler already records this thread, say: the fit goes on.
+    // The fit goes on without a profile, and says so.
     failure_ = str("LibTorch's profiler did not start (", error, ")");
     print_note(str("profiler=pytorch: ", failure_, "; the fit goes on without a profile."));
     done_ = true;
