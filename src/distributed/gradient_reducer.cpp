@@ -1,5 +1,7 @@
 #include "fulgur/distributed/gradient_reducer.h"
 
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/torch.h>
@@ -8,9 +10,11 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <thread>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/distributed/process_group.h"
+#include "fulgur/utilities/torch_compat.h"
 
 namespace fulgur {
 
@@ -48,8 +52,16 @@ struct GradientReducer::State {
   bool require_sync = true;
   bool contributes = true;           // this step: see `tail`
   std::vector<double> extra_values;  // this rank's, for the next exchange: see `tail`
-  std::vector<double> extra_sums;    // summed over ranks in the last exchange
   int64_t exchanges = 0;
+  // The tail summed in the last exchange, on its way to the host: read only
+  // when asked (contributors(), extra_scalar_sum()), so that on a GPU
+  // finalize_backward never waits for the all-reduce to finish; the host
+  // waits when it asks, by then with the optimizer step queued behind it.
+  at::Tensor sums_on_host;                // double [tail_size]; page-locked for a GPU
+  std::optional<c10::Event> sums_copied;  // after the copy, on a GPU
+  bool sums_read = true;
+  int contributors = 0;               // ranks with a loss in the last exchange
+  std::vector<double> extra_sums;     // summed over ranks in the last exchange
 
   // After the first synchronised step each .grad is a view into its
   // bucket, so backward accumulates straight into the bucket and nothing is
@@ -65,7 +77,13 @@ struct GradientReducer::State {
   }
 
   void prepare(bool contributes);
-  int finalize(bool ran_backward);
+  /// Whether there was an exchange (sync on and parameters to average).
+  bool finalize(bool ran_backward);
+  /// Starts copying `sums` (the tail summed, as double) to the host.
+  void send_sums_to_host(const at::Tensor& sums);
+  /// The last exchange's sums into `contributors` and `extra_sums`, waiting
+  /// for their copy when it is still on its way.
+  void read_sums();
 
   void launch_ready_buckets() {
     while (next_to_launch < buckets.size() && buckets[next_to_launch].pending == 0) {
@@ -215,18 +233,60 @@ void GradientReducer::set_extra_scalar(size_t i, double value) {
 
 double GradientReducer::extra_scalar_sum(size_t i) const {
   check_extra_index("extra_scalar_sum", i, state_->extra_sums.size());
+  state_->read_sums();
   return state_->extra_sums[i];
+}
+int GradientReducer::contributors() const {
+  state_->read_sums();
+  return state_->contributors;
 }
 int64_t GradientReducer::exchanges() const { return state_->exchanges; }
 
 void GradientReducer::prepare_for_backward() { state_->prepare(/*contributes=*/true); }
 
-int GradientReducer::finalize_backward() { return state_->finalize(/*ran_backward=*/true); }
+void GradientReducer::finalize_backward() { state_->finalize(/*ran_backward=*/true); }
 
 int GradientReducer::join_without_backward(bool accumulated) {
   auto& s = *state_;
   s.prepare(/*contributes=*/accumulated);
-  return s.finalize(/*ran_backward=*/false);
+  if (!s.finalize(/*ran_backward=*/false)) return 0;
+  s.read_sums();  // whether anyone steps: needed now
+  return s.contributors;
+}
+
+void GradientReducer::State::send_sums_to_host(const at::Tensor& sums) {
+  sums_read = false;
+  if (sums.is_cpu()) {
+    sums_on_host = sums;
+    sums_copied.reset();
+    return;
+  }
+  if (!sums_on_host.defined() || !sums_on_host.is_pinned() ||
+      sums_on_host.numel() != sums.numel()) {
+    sums_on_host = at::empty({sums.numel()}, at::TensorOptions(at::kDouble).pinned_memory(true));
+  }
+  // Stream-ordered after the all-reduce; the host reads it after the event.
+  sums_on_host.copy_(sums, /*non_blocking=*/true);
+  const auto* impl = c10::impl::getDeviceGuardImpl(sums.device().type());
+  sums_copied.emplace(sums.device().type());
+  sums_copied->record(impl->getStream(sums.device()));
+}
+
+void GradientReducer::State::read_sums() {
+  if (sums_read) return;
+  if (sums_copied) {
+#if FULGUR_TORCH_AT_LEAST(2, 0)
+    sums_copied->synchronize();
+#else
+    while (!sums_copied->query()) std::this_thread::yield();  // 1.13's Event cannot wait
+#endif
+  }
+  // Exact for float32/64 at any world size (and for half/bf16 up to 2048
+  // and 256 ranks); rounded to be safe.
+  const double* values = sums_on_host.data_ptr<double>();
+  contributors = static_cast<int>(std::lround(values[0]));
+  for (size_t i = 0; i < extra_sums.size(); ++i) extra_sums[i] = values[i + 1];
+  sums_read = true;
 }
 
 void GradientReducer::State::prepare(bool contributes) {
@@ -243,10 +303,10 @@ void GradientReducer::State::prepare(bool contributes) {
   next_to_launch = 0;
 }
 
-int GradientReducer::State::finalize(bool ran_backward) {
+bool GradientReducer::State::finalize(bool ran_backward) {
   auto& s = *this;
   std::unique_lock<std::mutex> lock(s.mutex);
-  if (!s.armed) return 0;
+  if (!s.armed) return false;
   s.armed = false;
   std::vector<size_t> unused;
   for (size_t k = 0; k < s.params.size(); ++k) {
@@ -293,19 +353,21 @@ int GradientReducer::State::finalize(bool ran_backward) {
   lock.unlock();
   for (auto& b : s.buckets) b.work->wait();
   if (used_anywhere.defined()) s.group->all_reduce_(used_anywhere, ReduceOp::kSum);
-  // Exact for float32/64 at any world size (and for half/bf16 up to 2048
-  // and 256 ranks); rounded to be safe.
-  const at::Tensor counts = s.tail.to(at::kCPU, at::kDouble);
-  const int count = static_cast<int>(std::lround(counts.data_ptr<double>()[0]));
-  for (size_t i = 0; i < s.extra_sums.size(); ++i) {
-    s.extra_sums[i] = counts.data_ptr<double>()[i + 1];
-  }
+  // The sums stay where the all-reduce left them (a GPU): the mean divides
+  // by the count there, and the host reads the count and the extras only
+  // when asked. A copy, as the division below and the next backward write
+  // into the tail.
+  const at::Tensor sums = s.tail.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true);
   ++s.exchanges;
   // The mean over the ranks that had a loss. When none had one, nobody
   // steps (and no rank had a gradient to average).
-  const double divisor = count > 0 ? count : s.group->size();
+  const at::Tensor count = sums.select(0, 0);
+  const at::Tensor divisor = at::where(count.gt(0.5), count, at::Scalar(s.group->size()));
   torch::NoGradGuard no_grad;
-  for (auto& b : s.buckets) b.flat.div_(divisor);
+  for (auto& b : s.buckets) {
+    b.flat.div_(b.flat.device() == divisor.device() ? divisor : divisor.to(b.flat.device()));
+  }
+  s.send_sums_to_host(sums);
   for (size_t k = 0; k < s.params.size(); ++k) {
     auto& p = s.params[k];
     if (s.grad_in_bucket(k)) continue;  // already averaged in place
@@ -323,7 +385,7 @@ int GradientReducer::State::finalize(bool ran_backward) {
       p.mutable_grad() = alias;
     }
   }
-  return count;
+  return true;
 }
 
 std::vector<std::vector<std::string>> GradientReducer::bucket_layout() const {

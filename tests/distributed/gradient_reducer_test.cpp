@@ -35,7 +35,8 @@ TEST(GradientReducer, AveragesGradientsAndSumsTheExtraScalars) {
     reducer.set_extra_scalar(0, rank == 1 ? 1.0 : 0.0);
     reducer.prepare_for_backward();
     r.loss(rank).backward();
-    EXPECT_EQ(reducer.finalize_backward(), 2);
+    reducer.finalize_backward();
+    EXPECT_EQ(reducer.contributors(), 2);
     grads[rank] = r.w.grad().clone();
     votes[rank] = static_cast<int>(reducer.extra_scalar_sum(0));
     exchanges[rank] = reducer.exchanges();
@@ -61,7 +62,8 @@ TEST(GradientReducer, ARankThatJoinsWithoutABackwardVotesAndTakesItsPeersMean) {
       if (rank == 0) {
         reducer.prepare_for_backward();
         r.loss(rank).backward();
-        contributors[rank] = reducer.finalize_backward();
+        reducer.finalize_backward();
+        contributors[rank] = reducer.contributors();
       } else {
         contributors[rank] = reducer.join_without_backward();
       }
@@ -91,7 +93,8 @@ TEST(GradientReducer, WithoutSyncThereIsNoExchangeAndNoNewVote) {
     reducer.set_extra_scalar(0, 1.0);
     reducer.prepare_for_backward();
     r.loss(rank).backward();
-    EXPECT_EQ(reducer.finalize_backward(), 0);
+    reducer.finalize_backward();
+    EXPECT_EQ(reducer.contributors(), 0);
     EXPECT_EQ(reducer.extra_scalar_sum(0), 0.0);
     // An index beyond the extras asked for is an error naming their number.
     EXPECT_THROWS_WITH(fulgur::ConfigError, reducer.set_extra_scalar(1, 1.0),
@@ -103,6 +106,36 @@ TEST(GradientReducer, WithoutSyncThereIsNoExchangeAndNoNewVote) {
     EXPECT_EQ(exchanges[rank], 0);
     // Only accumulated locally: each rank keeps its own gradient.
     EXPECT_TRUE(torch::allclose(grads[rank], torch::full({3}, rank + 1.0f))) << grads[rank];
+  }
+}
+
+TEST(GradientReducer, TheMeanOverThreeRanksIsTheSumDividedOnTheHost) {
+  // The count divides the sums where they are (a tensor, on a GPU without
+  // reading it back); on the CPU that is bit for bit the division by the
+  // number: 1 + 2 + 3 = 6 over 3 ranks, and 1 + 4 + 9 = 14 (sums exact in
+  // any order, the quotient rounded).
+  at::Tensor grads[3];
+  int contributors[3] = {-1, -1, -1};
+  fulgur::test::on_ranks(3, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+    Replica r;
+    Replica squared;
+    auto named = r.named();
+    named.emplace_back("squared", squared.w);
+    fulgur::GradientReducer reducer(named, group, one_extra());
+    reducer.prepare_for_backward();
+    (r.loss(rank) + squared.loss(rank) * (rank + 1.0)).backward();
+    reducer.finalize_backward();
+    contributors[rank] = reducer.contributors();
+    grads[rank] = torch::cat({r.w.grad(), squared.w.grad()});
+  });
+  at::Tensor sum = torch::zeros({6});
+  for (int rank = 0; rank < 3; ++rank) {
+    sum += torch::cat({torch::full({3}, rank + 1.0f), torch::full({3}, (rank + 1.0f) * (rank + 1))});
+  }
+  const at::Tensor expected = sum.div_(3.0);
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_EQ(contributors[rank], 3) << "rank " << rank;
+    EXPECT_TRUE(torch::equal(grads[rank], expected)) << grads[rank] << expected;
   }
 }
 

@@ -10,6 +10,9 @@
 // writes the averages back into the parameters' .grad. A rank with no loss
 // in a step joins with join_without_backward(); the mean is then over the
 // ranks that had one (counted in the first bucket, at no extra collective).
+// On a GPU nothing of this waits on the host: the count divides the sums
+// where they are, and the host reads it (contributors(), the extra scalars)
+// only when asked.
 // The first bucket can also carry a few scalars of the caller's
 // (GradientReducerOptions::extra_scalars: set_extra_scalar() before, then
 // extra_scalar_sum()), summed across ranks with the gradients at no
@@ -61,11 +64,11 @@ class GradientReducer {
 
   /// Arms the hooks for the next backward (when sync is on).
   void prepare_for_backward();
-  /// Waits for every bucket and writes the averaged gradients. Returns how
-  /// many ranks contributed (the world size, unless some joined without a
-  /// backward). Throws DistributedError naming the parameters that got no
-  /// gradient (unless find_unused_parameters) and on a failed collective.
-  int finalize_backward();
+  /// Waits for every bucket (on a GPU: makes the current stream wait) and
+  /// writes the averaged gradients. Throws DistributedError naming the
+  /// parameters that got no gradient (unless find_unused_parameters) and on
+  /// a failed collective.
+  void finalize_backward();
   /// For a rank that has no loss this step while its peers run backward:
   /// joins their all-reduces, so the collectives stay paired, and takes the
   /// mean over the ranks that contributed. It contributes the gradients it
@@ -82,8 +85,12 @@ class GradientReducer {
   /// ConfigError when `i` is not below GradientReducerOptions::extra_scalars.
   void set_extra_scalar(size_t i, double value);
   /// Extra scalar `i` summed over the ranks in the last exchange (0 before
-  /// any).
+  /// any). On a GPU the host waits here for that exchange's all-reduce.
   double extra_scalar_sum(size_t i) const;
+  /// How many ranks contributed to the last exchange: the world size,
+  /// unless some joined without a backward (0 before any). On a GPU the
+  /// host waits here for that exchange's all-reduce.
+  int contributors() const;
   /// How many exchanges completed so far (a backward or join with sync on
   /// and parameters to average): tells whether extra_scalar_sum() is new.
   int64_t exchanges() const;
