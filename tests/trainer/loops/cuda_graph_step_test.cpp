@@ -341,6 +341,23 @@ TEST(CudaGraph, SteadyStateStepsNeverSynchronise_CUDA) {
     c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
   }
 }
+
+TEST(CudaGraph, SteadyStateDdpStepsOnOneNcclRankNeverSynchronise_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  // DDP's reducer on one NCCL rank: the buffers' broadcast, the gradient
+  // all-reduce, the mean over the ranks with a loss and the stop vote's
+  // copy to the host, all in batches 4 to 7 with synchronisation as an
+  // error (one rank agrees to stop without reading the vote).
+  EXPECT_NO_THROW(fit_on_gpu({.optimizer = "adamw", .lr = 1e-3}, false, 64, 8,
+                             [](fulgur::TrainerOptions& o) {
+                               o.strategy = "ddp";
+                               o.max_epochs = 1;
+                               o.log_every_n_steps = 100;
+                               o.deterministic = false;
+                               o.callbacks = {std::make_shared<NoSyncBetween>(4, 7)};
+                             }));
+  c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+}
 #endif
 
 }  // namespace cuda_graph_step_test
