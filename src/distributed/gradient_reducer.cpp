@@ -57,8 +57,8 @@ struct GradientReducer::State {
   // when asked (contributors(), extra_scalar_sum()), so that on a GPU
   // finalize_backward never waits for the all-reduce to finish; the host
   // waits when it asks, by then with the optimizer step queued behind it.
-  at::Tensor sums_on_host;                // double [tail_size]; page-locked for a GPU
-  std::optional<c10::Event> sums_copied;  // after the copy, on a GPU
+  at::Tensor sums_on_host;                // double [tail_size]; page-locked for CUDA
+  std::optional<c10::Event> sums_copied;  // after its copy from CUDA
   bool sums_read = true;
   int contributors = 0;               // ranks with a loss in the last exchange
   std::vector<double> extra_sums;     // summed over ranks in the last exchange
@@ -256,9 +256,9 @@ int GradientReducer::join_without_backward(bool accumulated) {
 
 void GradientReducer::State::send_sums_to_host(const at::Tensor& sums) {
   sums_read = false;
-  if (sums.is_cpu()) {
-    sums_on_host = sums;
-    sums_copied.reset();
+  sums_copied.reset();
+  if (!sums.is_cuda()) {
+    sums_on_host = sums;  // on another device, read_sums() copies it
     return;
   }
   if (!sums_on_host.defined() || !sums_on_host.is_pinned() ||
@@ -283,6 +283,7 @@ void GradientReducer::State::read_sums() {
   }
   // Exact for float32/64 at any world size (and for half/bf16 up to 2048
   // and 256 ranks); rounded to be safe.
+  if (!sums_on_host.is_cpu()) sums_on_host = sums_on_host.cpu();
   const double* values = sums_on_host.data_ptr<double>();
   contributors = static_cast<int>(std::lround(values[0]));
   for (size_t i = 0; i < extra_sums.size(); ++i) extra_sums[i] = values[i + 1];
