@@ -39,6 +39,15 @@ TEST(GradientReducer, AveragesGradientsAndSumsTheExtraScalars) {
     EXPECT_EQ(reducer.contributors(), 2);
     grads[rank] = r.w.grad().clone();
     votes[rank] = static_cast<int>(reducer.extra_scalar_sum(0));
+    // A backward without sync exchanges nothing: the last exchange's
+    // numbers stay.
+    reducer.set_require_sync(false);
+    reducer.set_extra_scalar(0, 0.0);
+    reducer.prepare_for_backward();
+    r.loss(rank).backward();
+    reducer.finalize_backward();
+    EXPECT_EQ(reducer.contributors(), 2);
+    EXPECT_EQ(reducer.extra_scalar_sum(0), 1.0);
     exchanges[rank] = reducer.exchanges();
   });
   for (int rank = 0; rank < 2; ++rank) {

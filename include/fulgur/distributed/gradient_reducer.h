@@ -10,9 +10,10 @@
 // writes the averages back into the parameters' .grad. A rank with no loss
 // in a step joins with join_without_backward(); the mean is then over the
 // ranks that had one (counted in the first bucket, at no extra collective).
-// On a GPU nothing of this waits on the host: the count divides the sums
-// where they are, and the host reads it (contributors(), the extra scalars)
-// only when asked.
+// On a GPU a backward's exchange does not wait on the host: the count
+// divides the sums where they are, and the host reads it (contributors(),
+// the extra scalars) only when asked; join_without_backward() reads it at
+// once (whether anyone steps).
 // The first bucket can also carry a few scalars of the caller's
 // (GradientReducerOptions::extra_scalars: set_extra_scalar() before, then
 // extra_scalar_sum()), summed across ranks with the gradients at no
