@@ -56,10 +56,11 @@ struct GradientReducer::State {
   // when asked (contributors(), extra_scalar_sum()), so that on a GPU
   // finalize_backward never waits for the all-reduce to finish; the host
   // waits when it asks, by then with the optimizer step queued behind it.
-  at::Tensor sums_on_host;                // double [tail_size]; page-locked for CUDA
-  bool sums_pinned = false;               // sums_on_host is the page-locked buffer
+  at::Tensor sums_on_host;  // double [tail_size]; page-locked for CUDA
+  // sums_on_host is the page-locked buffer, and the last exchange's sums
+  // come from CUDA: read after sums_copied.
+  bool sums_pinned = false;
   std::optional<c10::Event> sums_copied;  // recorded after each copy from CUDA
-  bool sums_in_flight = false;            // the last exchange's sums come from CUDA
   bool sums_read = true;
   int contributors = 0;               // ranks with a loss in the last exchange
   std::vector<double> extra_sums;     // summed over ranks in the last exchange
@@ -257,34 +258,28 @@ int GradientReducer::join_without_backward(bool accumulated) {
 
 void GradientReducer::State::send_sums_to_host(const at::Tensor& sums) {
   sums_read = false;
-  sums_in_flight = false;
   if (!sums.is_cuda()) {
     sums_on_host = sums;  // on another device, read_sums() copies it
     sums_pinned = false;
     return;
   }
-  if (!sums_on_host.defined() || !sums_on_host.is_cpu() || sums_on_host.numel() != sums.numel() ||
-      !sums_pinned) {
+  // The tail never changes device or size: one buffer and one event,
+  // recorded again for each exchange.
+  if (!sums_pinned) {
     sums_on_host = at::empty({sums.numel()}, at::TensorOptions(at::kDouble).pinned_memory(true));
     sums_pinned = true;
   }
-  // Stream-ordered after the all-reduce; the host reads it after the event
-  // (one event, recorded again for each exchange).
+  if (!sums_copied) sums_copied.emplace(sums.device().type());
+  // Stream-ordered after the all-reduce; the host reads it after the event.
   sums_on_host.copy_(sums, /*non_blocking=*/true);
-  const auto* impl = c10::impl::getDeviceGuardImpl(sums.device().type());
-  if (!sums_copied || sums_copied->device_type() != sums.device().type() ||
-      (sums_copied->device_index() >= 0 && sums_copied->device_index() != sums.device().index())) {
-    sums_copied.emplace(sums.device().type());
-  }
-  sums_copied->record(impl->getStream(sums.device()));
-  sums_in_flight = true;
+  sums_copied->record(c10::impl::getDeviceGuardImpl(sums.device().type())->getStream(sums.device()));
 }
 
 void GradientReducer::State::read_sums() {
   if (sums_read) return;
   // c10::Event has no wait of its own before LibTorch 2.4; polling works on
   // every version.
-  if (sums_in_flight) {
+  if (sums_pinned) {
     while (!sums_copied->query()) std::this_thread::yield();
   }
   // Exact for float32/64 at any world size (and for half/bf16 up to 2048
