@@ -15,6 +15,12 @@ struct Replica {
   at::Tensor w = torch::zeros({3}, torch::requires_grad());
   at::Tensor loss(int rank) { return (w * torch::full({3}, rank + 1.0)).sum(); }
   std::vector<std::pair<std::string, at::Tensor>> named() { return {{"w", w}}; }
+  // One backward through `reducer`: an exchange when sync is on.
+  void backward(fulgur::GradientReducer& reducer, int rank) {
+    reducer.prepare_for_backward();
+    loss(rank).backward();
+    reducer.finalize_backward();
+  }
 };
 
 // One extra scalar (as DDP's stop vote) rides in the first bucket.
@@ -33,9 +39,7 @@ TEST(GradientReducer, AveragesGradientsAndSumsTheExtraScalars) {
     fulgur::GradientReducer reducer(r.named(), group, one_extra());
     EXPECT_EQ(reducer.exchanges(), 0);
     reducer.set_extra_scalar(0, rank == 1 ? 1.0 : 0.0);
-    reducer.prepare_for_backward();
-    r.loss(rank).backward();
-    reducer.finalize_backward();
+    r.backward(reducer, rank);
     EXPECT_EQ(reducer.contributors(), 2);
     grads[rank] = r.w.grad().clone();
     votes[rank] = static_cast<int>(reducer.extra_scalar_sum(0));
@@ -43,9 +47,7 @@ TEST(GradientReducer, AveragesGradientsAndSumsTheExtraScalars) {
     // numbers stay.
     reducer.set_require_sync(false);
     reducer.set_extra_scalar(0, 0.0);
-    reducer.prepare_for_backward();
-    r.loss(rank).backward();
-    reducer.finalize_backward();
+    r.backward(reducer, rank);
     EXPECT_EQ(reducer.contributors(), 2);
     EXPECT_EQ(reducer.extra_scalar_sum(0), 1.0);
     exchanges[rank] = reducer.exchanges();
@@ -69,9 +71,7 @@ TEST(GradientReducer, ARankThatJoinsWithoutABackwardVotesAndTakesItsPeersMean) {
     for (int step = 0; step < 2; ++step) {
       reducer.set_extra_scalar(0, step == 1 ? 1.0 : 0.0);  // both ranks vote in the second
       if (rank == 0) {
-        reducer.prepare_for_backward();
-        r.loss(rank).backward();
-        reducer.finalize_backward();
+        r.backward(reducer, rank);
         contributors[rank] = reducer.contributors();
       } else {
         contributors[rank] = reducer.join_without_backward();
@@ -100,9 +100,7 @@ TEST(GradientReducer, WithoutSyncThereIsNoExchangeAndNoNewVote) {
     fulgur::GradientReducer reducer(r.named(), group, one_extra());
     reducer.set_require_sync(false);
     reducer.set_extra_scalar(0, 1.0);
-    reducer.prepare_for_backward();
-    r.loss(rank).backward();
-    reducer.finalize_backward();
+    r.backward(reducer, rank);
     EXPECT_EQ(reducer.contributors(), 0);
     EXPECT_EQ(reducer.extra_scalar_sum(0), 0.0);
     // An index beyond the extras asked for is an error naming their number.
