@@ -9,17 +9,21 @@
 //                    batches copied on a side stream one step ahead, log()
 //                    without read-back)
 //   fulgur, foreach  the same with fulgur::optim::SGD (multi-tensor steps)
-//   fulgur, graph    the same with cuda_graph=true (steps replayed)
-// All use SGD (momentum 0.9) and the model's precision (fp32 or bf16-mixed
-// through autocast); the data are CPU tensors (page-locked for fulgur's
+//   fulgur, graph    the same with cuda_graph=true (steps replayed; not
+//                    for 16-mixed, whose loss scaler a graph cannot hold)
+// All use SGD (momentum 0.9) and the model's precision (fp32, bf16-mixed
+// through autocast, or 16-mixed: float16 autocast and a dynamic loss
+// scaler, in the hand-written loop fulgur::GradScaler with torch::optim's
+// SGD, which reads the scaler's verdict each step as PyTorch's GradScaler
+// does; with fulgur::optim the kernel reads it); the data are CPU tensors (page-locked for fulgur's
 // loader, as its pin_memory default makes them; pageable for the copying
 // loop, as such a loop is usually written), the same for every variant.
 //
 //   fulgur_bench_gpu [--steps 200] [--warmup 20] [--reps 3]
-//                    [--models mlp,cnn,cnn_bf16,mlp4096_bf16,main_cnn]
+//                    [--models mlp,cnn,cnn_bf16,cnn_fp16,mlp4096_bf16,main_cnn]
 //                    [--markdown FILE] [--device cuda|cpu]
 // On a machine without a GPU, --device cpu runs every variant but the graph
-// one (a smoke run: the test suite's).
+// one, and no 16-mixed model (a smoke run: the test suite's).
 #include <CLI/CLI.hpp>
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
@@ -48,7 +52,7 @@ struct ModelSpec {
   std::string description;
   int64_t batch = 64;
   std::vector<int64_t> input;  // one sample's shape
-  bool bf16 = false;
+  std::string precision = "32-true";  // or "bf16-mixed", "16-mixed"
   std::function<torch::nn::Sequential()> make;
 };
 
@@ -83,14 +87,15 @@ torch::nn::Sequential main_cnn() {
 
 std::vector<ModelSpec> all_models() {
   return {
-      {"mlp", "MLP 784-256-10, batch 64, fp32", 64, {784}, false,
+      {"mlp", "MLP 784-256-10, batch 64, fp32", 64, {784}, "32-true",
        [] { return mlp({784, 256, 10}); }},
-      {"cnn", "CNN (2 conv + 2 fc), batch 64, fp32", 64, {1, 28, 28}, false, small_cnn},
-      {"cnn_bf16", "same CNN, bf16-mixed", 64, {1, 28, 28}, true, small_cnn},
-      {"mlp4096_bf16", "MLP 4x4096 (in 4096), batch 512, bf16-mixed", 512, {4096}, true,
+      {"cnn", "CNN (2 conv + 2 fc), batch 64, fp32", 64, {1, 28, 28}, "32-true", small_cnn},
+      {"cnn_bf16", "same CNN, bf16-mixed", 64, {1, 28, 28}, "bf16-mixed", small_cnn},
+      {"cnn_fp16", "same CNN, 16-mixed (loss scaler)", 64, {1, 28, 28}, "16-mixed", small_cnn},
+      {"mlp4096_bf16", "MLP 4x4096 (in 4096), batch 512, bf16-mixed", 512, {4096}, "bf16-mixed",
        [] { return mlp({4096, 4096, 4096, 4096, 4096, 10}); }},
-      {"main_cnn", "main job's CNN (BatchNorm, dropout), batch 64, fp32", 64, {1, 28, 28}, false,
-       main_cnn},
+      {"main_cnn", "main job's CNN (BatchNorm, dropout), batch 64, fp32", 64, {1, 28, 28},
+       "32-true", main_cnn},
   };
 }
 
@@ -132,8 +137,9 @@ void sync(c10::Device device) {
   if (device.is_cuda()) (void)torch::zeros({1}, device).cpu();
 }
 
-/// The hand-written loop: zero_grad, forward (autocast for bf16), loss,
-/// backward, step. µs per step over `steps` after `warmup`.
+/// The hand-written loop: zero_grad, forward (autocast for the mixed
+/// precisions), loss, backward (scaled for 16-mixed), step (through the
+/// loss scaler for 16-mixed). µs per step over `steps` after `warmup`.
 double hand_loop(const ModelSpec& spec, c10::Device device, bool resident, int64_t warmup,
                  int64_t steps) {
   torch::manual_seed(1);
@@ -141,6 +147,8 @@ double hand_loop(const ModelSpec& spec, c10::Device device, bool resident, int64
   net->to(device);
   net->train();
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+  fulgur::GradScaler scaler;
+  const bool scaled = spec.precision == "16-mixed";
   CycledData data(spec, kDistinctBatches, /*pinned=*/false);
   std::vector<fulgur::Batch> batches;
   for (int64_t b = 0; b < kDistinctBatches; ++b) {
@@ -160,8 +168,8 @@ double hand_loop(const ModelSpec& spec, c10::Device device, bool resident, int64
     }
     opt.zero_grad();
     at::Tensor loss;
-    if (spec.bf16) {
-      fulgur::compat::set_autocast_dtype(device.type(), at::kBFloat16);
+    if (spec.precision != "32-true") {
+      fulgur::compat::set_autocast_dtype(device.type(), scaled ? at::kHalf : at::kBFloat16);
       fulgur::compat::set_autocast_enabled(device.type(), true);
       loss = torch::cross_entropy_loss(net->forward(x), y);
       fulgur::compat::set_autocast_enabled(device.type(), false);
@@ -169,8 +177,14 @@ double hand_loop(const ModelSpec& spec, c10::Device device, bool resident, int64
     } else {
       loss = torch::cross_entropy_loss(net->forward(x), y);
     }
-    loss.backward();
-    opt.step();
+    if (scaled) {
+      scaler.scale(loss).backward();
+      scaler.step(opt);
+      scaler.update();
+    } else {
+      loss.backward();
+      opt.step();
+    }
   }
   sync(device);
   return seconds_since(start) * 1e6 / static_cast<double>(steps);
@@ -240,7 +254,7 @@ double fulgur_fit(const ModelSpec& spec, c10::Device device, bool foreach_optim,
                                  .enable_checkpointing = false,
                                  .enable_progress_bar = false,
                                  .logger = false};
-  options.precision = spec.bf16 ? "bf16-mixed" : "32-true";
+  options.precision = spec.precision;
   options.cuda_graph = graph;
   options.num_sanity_val_steps = 0;
   options.callbacks = {timer};
@@ -255,12 +269,13 @@ double fulgur_fit(const ModelSpec& spec, c10::Device device, bool foreach_optim,
 int main(int argc, char** argv) {
   CLI::App app{"fulgur's training step on a GPU against a hand-written LibTorch loop"};
   int64_t steps = 200, warmup = 20, reps = 3;
-  std::string models_arg = "mlp,cnn,cnn_bf16,mlp4096_bf16,main_cnn";
+  std::string models_arg = "mlp,cnn,cnn_bf16,cnn_fp16,mlp4096_bf16,main_cnn";
   std::string markdown, device_arg = "cuda";
   app.add_option("--steps", steps, "timed steps per run")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "steps before timing")->check(CLI::NonNegativeNumber);
   app.add_option("--reps", reps, "repetitions (medians)")->check(CLI::PositiveNumber);
-  app.add_option("--models", models_arg, "comma-separated: mlp,cnn,cnn_bf16,mlp4096_bf16,main_cnn");
+  app.add_option("--models", models_arg,
+                 "comma-separated: mlp,cnn,cnn_bf16,cnn_fp16,mlp4096_bf16,main_cnn");
   app.add_option("--markdown", markdown, "also write the table to this file");
   app.add_option("--device", device_arg, "cuda or cpu (a smoke run)")
       ->check(CLI::IsMember({"cuda", "cpu"}));
@@ -272,13 +287,17 @@ int main(int argc, char** argv) {
   }
   std::vector<ModelSpec> models;
   for (const auto& spec : all_models()) {
-    if (("," + models_arg + ",").find("," + spec.name + ",") != std::string::npos) {
-      models.push_back(spec);
+    if (("," + models_arg + ",").find("," + spec.name + ",") == std::string::npos) continue;
+    if (spec.precision == "16-mixed" && !device.is_cuda()) {
+      std::fprintf(stderr, "fulgur_bench_gpu: %s left out: 16-mixed runs on CUDA only\n",
+                   spec.name.c_str());
+      continue;
     }
+    models.push_back(spec);
   }
   if (models.empty()) {
     std::fprintf(stderr, "fulgur_bench_gpu: --models %s names none of mlp, cnn, cnn_bf16, "
-                 "mlp4096_bf16, main_cnn\n", models_arg.c_str());
+                 "cnn_fp16, mlp4096_bf16, main_cnn that runs here\n", models_arg.c_str());
     return 2;
   }
   const std::vector<std::string> variants = {"loop, resident", "loop, copied", "fulgur",
@@ -295,7 +314,7 @@ int main(int argc, char** argv) {
     for (const auto& spec : models) {
       for (size_t k = 0; k < variants.size(); ++k) {
         const auto& v = variants[(k + static_cast<size_t>(rep)) % variants.size()];
-        if (v == "fulgur, graph" && !device.is_cuda()) continue;
+        if (v == "fulgur, graph" && (!device.is_cuda() || spec.precision == "16-mixed")) continue;
         us[spec.name][v].push_back(run(spec, v));
         std::fprintf(stderr, "rep %lld  %-14s %-16s %9.1f us/step\n", static_cast<long long>(rep),
                      spec.name.c_str(), v.c_str(), us[spec.name][v].back());
@@ -311,13 +330,19 @@ int main(int argc, char** argv) {
       auto it = us[spec.name].find(v);
       return it == us[spec.name].end() ? 0.0 : median(it->second);
     };
-    char row[512];
+    // A variant not run (a graph for 16-mixed, or on the CPU): "-".
+    auto cell = [](double value, const char* format) {
+      if (value <= 0) return std::string("-");
+      char text[32];
+      std::snprintf(text, sizeof text, format, value);
+      return std::string(text);
+    };
     const double resident = med("loop, resident");
-    std::snprintf(row, sizeof row, "| %s | %.0f | %.0f | %.0f | %.0f | %.0f | %.2f | %.2f |\n",
-                  spec.description.c_str(), resident, med("loop, copied"), med("fulgur"),
-                  med("fulgur, foreach"), med("fulgur, graph"), med("fulgur") / resident,
-                  med("fulgur, graph") / resident);
-    table << row;
+    table << "| " << spec.description << " | " << cell(resident, "%.0f") << " | "
+          << cell(med("loop, copied"), "%.0f") << " | " << cell(med("fulgur"), "%.0f") << " | "
+          << cell(med("fulgur, foreach"), "%.0f") << " | " << cell(med("fulgur, graph"), "%.0f")
+          << " | " << cell(med("fulgur") / resident, "%.2f") << " | "
+          << cell(med("fulgur, graph") / resident, "%.2f") << " |\n";
     std::printf("{\"model\": \"%s\", \"loop_resident_us\": %.1f, \"loop_copied_us\": %.1f, "
                 "\"fulgur_us\": %.1f, \"fulgur_foreach_us\": %.1f, \"fulgur_graph_us\": %.1f}\n",
                 spec.name.c_str(), resident, med("loop, copied"), med("fulgur"),

@@ -40,11 +40,12 @@ def main_cnn():
 
 
 MODELS = {
-    "mlp": (64, (784,), False, lambda: mlp([784, 256, 10])),
-    "cnn": (64, (1, 28, 28), False, small_cnn),
-    "cnn_bf16": (64, (1, 28, 28), True, small_cnn),
-    "mlp4096_bf16": (512, (4096,), True, lambda: mlp([4096] * 5 + [10])),
-    "main_cnn": (64, (1, 28, 28), False, main_cnn),
+    "mlp": (64, (784,), "32-true", lambda: mlp([784, 256, 10])),
+    "cnn": (64, (1, 28, 28), "32-true", small_cnn),
+    "cnn_bf16": (64, (1, 28, 28), "bf16-mixed", small_cnn),
+    "cnn_fp16": (64, (1, 28, 28), "16-mixed", small_cnn),
+    "mlp4096_bf16": (512, (4096,), "bf16-mixed", lambda: mlp([4096] * 5 + [10])),
+    "main_cnn": (64, (1, 28, 28), "32-true", main_cnn),
 }
 
 
@@ -55,10 +56,13 @@ def batches(batch, shape):
 
 
 def plain_loop(spec, data, warmup, steps):
-    _, _, bf16, make = spec
+    _, _, precision, make = spec
     torch.manual_seed(1)
     net = make().cuda().train()
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    # 16-mixed: PyTorch's GradScaler, which reads its inf check each step.
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "16-mixed")
+    dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
     start = 0.0
     for i in range(warmup + steps):
         if i == warmup:
@@ -67,10 +71,11 @@ def plain_loop(spec, data, warmup, steps):
         x, y = data[i % DISTINCT]
         x, y = x.cuda(), y.cuda()
         opt.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast("cuda", dtype=dtype, enabled=precision != "32-true"):
             loss = nn.functional.cross_entropy(net(x), y)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e6 / steps
 
@@ -78,7 +83,7 @@ def plain_loop(spec, data, warmup, steps):
 def lightning_fit(spec, data, warmup, steps):
     import lightning.pytorch as pl  # noqa: deferred: optional
 
-    _, _, bf16, make = spec
+    _, _, precision, make = spec
 
     class Module(pl.LightningModule):
         def __init__(self):
@@ -123,7 +128,7 @@ def lightning_fit(spec, data, warmup, steps):
                                          pin_memory=True)
     timer = Timer()
     trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=warmup + steps,
-                         precision="bf16-mixed" if bf16 else "32-true", logger=False,
+                         precision=precision, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[timer], num_sanity_val_steps=0)
     trainer.fit(Module(), loader)

@@ -1,7 +1,5 @@
 #include "fulgur/distributed/gradient_reducer.h"
 
-#include <c10/core/Event.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/torch.h>
@@ -10,10 +8,10 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <thread>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/distributed/process_group.h"
+#include "utilities/host_copy.h"
 
 namespace fulgur {
 
@@ -56,14 +54,9 @@ struct GradientReducer::State {
   // when asked (contributors(), extra_scalar_sum()), so that on a GPU
   // finalize_backward never waits for the all-reduce to finish; the host
   // waits when it asks, by then with the optimizer step queued behind it.
-  at::Tensor sums_on_host;  // double [tail_size]; page-locked for CUDA
-  // sums_on_host is the page-locked buffer, and the last exchange's sums
-  // come from CUDA: read after sums_copied.
-  bool sums_pinned = false;
-  std::optional<c10::Event> sums_copied;  // recorded after each copy from CUDA
-  bool sums_read = true;
-  int contributors = 0;               // ranks with a loss in the last exchange
-  std::vector<double> extra_sums;     // summed over ranks in the last exchange
+  detail::AsyncHostCopy sums;      // double [tail_size]
+  int contributors = 0;            // ranks with a loss in the last exchange
+  std::vector<double> extra_sums;  // summed over ranks in the last exchange
 
   // After the first synchronised step each .grad is a view into its
   // bucket, so backward accumulates straight into the bucket and nothing is
@@ -81,8 +74,6 @@ struct GradientReducer::State {
   void prepare(bool contributes);
   /// Whether there was an exchange (sync on and parameters to average).
   bool finalize(bool ran_backward);
-  /// Starts copying `sums` (the tail summed, as double) to the host.
-  void send_sums_to_host(const at::Tensor& sums);
   /// The last exchange's sums into `contributors` and `extra_sums`, waiting
   /// for their copy when it is still on its way.
   void read_sums();
@@ -256,39 +247,13 @@ int GradientReducer::join_without_backward(bool accumulated) {
   return s.contributors;
 }
 
-void GradientReducer::State::send_sums_to_host(const at::Tensor& sums) {
-  sums_read = false;
-  if (!sums.is_cuda()) {
-    sums_on_host = sums;  // on another device, read_sums() copies it
-    sums_pinned = false;
-    return;
-  }
-  // The tail never changes device or size: one buffer and one event,
-  // recorded again for each exchange.
-  if (!sums_pinned) {
-    sums_on_host = at::empty({sums.numel()}, at::TensorOptions(at::kDouble).pinned_memory(true));
-    sums_pinned = true;
-  }
-  if (!sums_copied) sums_copied.emplace(sums.device().type());
-  // Stream-ordered after the all-reduce; the host reads it after the event.
-  sums_on_host.copy_(sums, /*non_blocking=*/true);
-  sums_copied->record(c10::impl::getDeviceGuardImpl(sums.device().type())->getStream(sums.device()));
-}
-
 void GradientReducer::State::read_sums() {
-  if (sums_read) return;
-  // c10::Event has no wait of its own before LibTorch 2.4; polling works on
-  // every version.
-  if (sums_pinned) {
-    while (!sums_copied->query()) std::this_thread::yield();
-  }
+  if (!sums.unread()) return;
   // Exact for float32/64 at any world size (and for half/bf16 up to 2048
   // and 256 ranks); rounded to be safe.
-  if (!sums_on_host.is_cpu()) sums_on_host = sums_on_host.cpu();
-  const double* values = sums_on_host.data_ptr<double>();
+  const double* values = sums.read().data_ptr<double>();
   contributors = static_cast<int>(std::lround(values[0]));
   for (size_t i = 0; i < extra_sums.size(); ++i) extra_sums[i] = values[i + 1];
-  sums_read = true;
 }
 
 void GradientReducer::State::prepare(bool contributes) {
@@ -369,7 +334,7 @@ bool GradientReducer::State::finalize(bool ran_backward) {
   for (auto& b : s.buckets) {
     b.flat.div_(b.flat.device() == divisor.device() ? divisor : divisor.to(b.flat.device()));
   }
-  s.send_sums_to_host(sums);
+  s.sums.start(sums);
   for (size_t k = 0; k < s.params.size(); ++k) {
     auto& p = s.params[k];
     if (s.grad_in_bucket(k)) continue;  // already averaged in place

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "fulgur/utilities/torch_compat.h"
+#include "utilities/host_copy.h"
 
 namespace fulgur::optim {
 namespace {
@@ -83,6 +85,70 @@ template <class ParamState, class StateMap>
 ParamState* find_state(StateMap& state, const at::Tensor& param) {
   auto it = state.find(compat::optimizer_state_key(param));
   return it == state.end() ? nullptr : static_cast<ParamState*>(it->second.get());
+}
+
+// ---- Device-skipped steps (DeviceSkippedSteps): the fused kernels.
+
+/// A parameter's state that the host changes when it learns a
+/// device-skipped step's verdict: its key, and the object it was then (a
+/// load may have replaced it since).
+struct StateRef {
+  compat::OptimizerStateKey key;
+  const void* state;
+};
+
+/// Whether a state tensor can go into a fused step beside its parameter.
+bool beside(const at::Tensor& t, const at::Tensor& param) {
+  return t.defined() && t.device() == param.device() && t.scalar_type() == param.scalar_type() &&
+         t.sizes() == param.sizes() && t.is_contiguous();
+}
+
+/// Whether the fused kernels can step these parameters, deciding on
+/// `found_inf` themselves (see DeviceSkippedSteps::step_unless).
+bool fusable(const std::vector<WithGrad>& groups, const at::Tensor& found_inf) {
+  if (!compat::has_fused_optimizer_steps()) return false;
+  const c10::Device device = found_inf.device();
+  if (!(device.is_cpu() || device.is_cuda()) || found_inf.scalar_type() != at::kFloat ||
+      found_inf.numel() != 1) {
+    return false;
+  }
+  for (const auto& group : groups) {
+    for (size_t i = 0; i < group.params.size(); ++i) {
+      const at::Tensor& p = group.params[i];
+      if (group.grads[i].is_sparse() || p.device() != device || !p.is_floating_point() ||
+          !p.is_contiguous() || !beside(group.grads[i], p)) {
+        return false;
+      }
+    }
+  }
+  return !any_group_lists_a_tensor_twice(groups);
+}
+
+/// The parameters as the kernels update them: through data(), as LibTorch's
+/// steps do, so that their version counters do not move.
+TensorVector data_of(const TensorVector& params) {
+  TensorVector data;
+  data.reserve(params.size());
+  for (const auto& p : params) data.push_back(p.data());
+  return data;
+}
+
+/// Where the fused kernels cannot take the step: the host reads the
+/// verdict, then steps as usual (see DeviceSkippedSteps::step_unless).
+bool read_then_step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf) {
+  if (found_inf.item<float>() != 0.0f) return false;
+  optimizer.step();
+  return true;
+}
+
+/// The states a skipped step made, removed (a step torch::optim skips
+/// makes none), unless a load replaced them since.
+template <class StateMap>
+void erase_states(StateMap& state, const std::vector<StateRef>& made) {
+  for (const auto& ref : made) {
+    auto it = state.find(ref.key);
+    if (it != state.end() && it->second.get() == ref.state) state.erase(it);
+  }
 }
 
 /// The tensors of the Adam parameters that share one step count.
@@ -303,6 +369,7 @@ at::Tensor adam_family_step(Parent& self, const char* name,
 }  // namespace
 
 at::Tensor SGD::step(LossClosure closure) {
+  settle();
   at::NoGradGuard no_grad;
   at::Tensor loss = run_closure(closure);
   auto groups = parameters_with_grad(param_groups_);
@@ -385,9 +452,10 @@ std::string adam_why_not_device_scalars(const Parent& self, const char* name) {
       if (it == self.state().end()) continue;
       const int64_t count = static_cast<const ParamState&>(*it->second).step();
       if (step && *step != count) {
-        return c10::str(name, ": parameter group ", g, " holds parameters with different step counts (",
-                      *step, " and ", count, "; some had no gradient on some steps), whose bias "
-                      "corrections differ: a captured step has one per group");
+        return c10::str(name, ": parameter group ", g,
+                        " holds parameters with different step counts (", *step, " and ", count,
+                        "; some had no gradient on some steps), whose bias "
+                        "corrections differ: a captured step has one per group");
       }
       step = count;
     }
@@ -462,10 +530,8 @@ std::vector<double> adam_baked_options(const Parent& self) {
   for (const auto& group : self.param_groups()) {
     const auto& options = static_cast<const Options&>(group.options());
     baked.insert(baked.end(), {std::get<0>(options.betas()), std::get<1>(options.betas()),
-                               options.eps(), options.weight_decay(),
-                               options.amsgrad() ? 1.0 : 0.0,
-                               static_cast<double>(group.params().size()),
-                               trainable_mask(group)});
+                               options.eps(), options.weight_decay(), options.amsgrad() ? 1.0 : 0.0,
+                               static_cast<double>(group.params().size()), trainable_mask(group)});
   }
   return baked;
 }
@@ -493,8 +559,8 @@ const std::vector<at::Tensor>& DeviceScalarSteps::write_scalars(const std::vecto
   // From page-locked memory where the device is a GPU: the copy is queued
   // on the current stream and the host never waits; the caching host
   // allocator keeps the buffer until the copy has run.
-  at::Tensor host = at::empty(
-      {n}, at::TensorOptions().dtype(at::kDouble).pinned_memory(device_->is_cuda()));
+  at::Tensor host =
+      at::empty({n}, at::TensorOptions().dtype(at::kDouble).pinned_memory(device_->is_cuda()));
   std::copy(values.begin(), values.end(), host.data_ptr<double>());
   scalars_.copy_(host, /*non_blocking=*/device_->is_cuda());
   return views_;
@@ -516,6 +582,7 @@ std::string SGD::why_not_device_scalars() const {
 }
 
 void SGD::prepare_step() {
+  settle();
   std::vector<double> values;
   for (const auto& group : param_groups_) values.push_back(-1 * group.options().get_lr());
   write_scalars(values);
@@ -527,17 +594,16 @@ std::vector<double> SGD::baked_options() const {
     const auto& options = static_cast<const torch::optim::SGDOptions&>(group.options());
     baked.insert(baked.end(), {options.momentum(), options.dampening(), options.weight_decay(),
                                options.nesterov() ? 1.0 : 0.0,
-                               static_cast<double>(group.params().size()),
-                               trainable_mask(group)});
+                               static_cast<double>(group.params().size()), trainable_mask(group)});
   }
   return baked;
 }
 
 at::Tensor Adam::step(LossClosure closure) {
+  settle();
   return adam_family_step<false, torch::optim::AdamOptions, torch::optim::AdamParamState,
-                          torch::optim::Adam>(*this, "Adam", closure,
-                                              device_scalars(3 * param_groups_.size()),
-                                              &device_stepped_);
+                          torch::optim::Adam>(
+      *this, "Adam", closure, device_scalars(3 * param_groups_.size()), &device_stepped_);
 }
 
 std::string Adam::why_not_device_scalars() const {
@@ -545,6 +611,7 @@ std::string Adam::why_not_device_scalars() const {
 }
 
 void Adam::prepare_step() {
+  settle();
   write_scalars(adam_step_scalars<torch::optim::AdamOptions, torch::optim::AdamParamState>(
       *this, device_stepped_));
 }
@@ -558,10 +625,10 @@ std::vector<double> Adam::baked_options() const {
 }
 
 at::Tensor AdamW::step(LossClosure closure) {
+  settle();
   return adam_family_step<true, torch::optim::AdamWOptions, torch::optim::AdamWParamState,
-                          torch::optim::AdamW>(*this, "AdamW", closure,
-                                               device_scalars(3 * param_groups_.size()),
-                                               &device_stepped_);
+                          torch::optim::AdamW>(
+      *this, "AdamW", closure, device_scalars(3 * param_groups_.size()), &device_stepped_);
 }
 
 std::string AdamW::why_not_device_scalars() const {
@@ -569,6 +636,7 @@ std::string AdamW::why_not_device_scalars() const {
 }
 
 void AdamW::prepare_step() {
+  settle();
   write_scalars(adam_step_scalars<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
       *this, device_stepped_));
 }
@@ -579,6 +647,238 @@ void AdamW::finish_step() {
 
 std::vector<double> AdamW::baked_options() const {
   return adam_baked_options<torch::optim::AdamWOptions>(*this);
+}
+
+}  // namespace fulgur::optim
+
+// ---- Device-skipped steps.
+
+namespace fulgur::detail {
+
+/// The last device-skipped step's found_inf on its way to the host, and
+/// what the host's state learns from it.
+struct SkipVerdict {
+  AsyncHostCopy found_inf;
+  std::function<void(bool skipped)> apply;  // empty: nothing pending
+};
+
+}  // namespace fulgur::detail
+
+namespace fulgur::optim {
+
+bool DeviceSkippedSteps::available() { return compat::has_fused_optimizer_steps(); }
+
+void DeviceSkippedSteps::settle() {
+  if (!verdict_ || !verdict_->apply) return;
+  auto apply = std::move(verdict_->apply);
+  verdict_->apply = nullptr;
+  // From the host's copy (no operator: nothing that could wait on a device).
+  apply(*verdict_->found_inf.read().data_ptr<float>() != 0.0f);
+}
+
+void DeviceSkippedSteps::expect_verdict(const at::Tensor& found_inf,
+                                        std::function<void(bool skipped)> apply) {
+  if (!verdict_) verdict_ = std::make_shared<detail::SkipVerdict>();
+  // Off CUDA the copy keeps the tensor itself: a copy of its own, which
+  // the caller may change.
+  verdict_->found_inf.start(found_inf.is_cuda() ? found_inf : found_inf.clone());
+  verdict_->apply = std::move(apply);
+}
+
+namespace {
+
+/// Adam's or AdamW's step as fused kernels deciding on `found_inf`; an
+/// empty function, having changed nothing, where they cannot take it. Else
+/// what the verdict changes: a skipped step's new states are removed, a
+/// step taken advances the step counts of the parameters it stepped.
+template <bool kDecoupled, class Options, class ParamState, class Parent>
+std::function<void(bool)> adam_fused_step(Parent& self, const at::Tensor& found_inf) {
+  auto groups = parameters_with_grad(self.param_groups());
+  if (!fusable(groups, found_inf)) return nullptr;
+  auto& state = self.state();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const bool amsgrad = static_cast<const Options&>(self.param_groups()[g].options()).amsgrad();
+    for (const auto& p : groups[g].params) {
+      const auto* s = find_state<ParamState>(state, p);
+      if (s != nullptr && (!beside(s->exp_avg(), p) || !beside(s->exp_avg_sq(), p) ||
+                           (amsgrad && !beside(s->max_exp_avg_sq(), p)))) {
+        return nullptr;  // step() refuses a missing max_exp_avg_sq by name
+      }
+    }
+  }
+  at::NoGradGuard no_grad;
+  std::vector<StateRef> made, stepped;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& options = static_cast<const Options&>(self.param_groups()[g].options());
+    const auto& [params, grads] = groups[g];
+    // One kernel per step count (their bias corrections differ).
+    std::map<int64_t, AdamBatch> batches;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto key = compat::optimizer_state_key(params[i]);
+      auto* s = find_state<ParamState>(state, params[i]);
+      if (s == nullptr) {
+        auto fresh = std::make_unique<ParamState>();
+        fresh->step(0);
+        fresh->exp_avg(torch::zeros_like(params[i], at::MemoryFormat::Contiguous));
+        fresh->exp_avg_sq(torch::zeros_like(params[i], at::MemoryFormat::Contiguous));
+        if (options.amsgrad()) {
+          fresh->max_exp_avg_sq(torch::zeros_like(params[i], at::MemoryFormat::Contiguous));
+        }
+        s = fresh.get();
+        made.push_back({key, s});
+        state[key] = std::move(fresh);
+      }
+      stepped.push_back({key, s});
+      AdamBatch& b = batches[s->step()];
+      b.params.push_back(params[i].data());
+      b.grads.push_back(grads[i]);
+      b.exp_avgs.push_back(s->exp_avg());
+      b.exp_avg_sqs.push_back(s->exp_avg_sq());
+      if (options.amsgrad()) b.max_exp_avg_sqs.push_back(s->max_exp_avg_sq());
+    }
+    for (auto& [count, b] : batches) {
+      // The kernels read the advanced count from a float32 tensor per
+      // parameter (a skipped step reads nothing).
+      const TensorVector steps =
+          at::full({static_cast<int64_t>(b.params.size())}, static_cast<double>(count + 1),
+                   at::TensorOptions(at::kFloat).device(found_inf.device()))
+              .unbind(0);
+      compat::fused_adam_(kDecoupled, b.params, b.grads, b.exp_avgs, b.exp_avg_sqs,
+                          b.max_exp_avg_sqs, steps, options.lr(), std::get<0>(options.betas()),
+                          std::get<1>(options.betas()), options.weight_decay(), options.eps(),
+                          options.amsgrad(), found_inf);
+    }
+  }
+  return [&state, made = std::move(made), stepped = std::move(stepped)](bool skipped) {
+    if (skipped) {
+      erase_states(state, made);
+      return;
+    }
+    for (const auto& ref : stepped) {
+      auto it = state.find(ref.key);
+      if (it == state.end() || it->second.get() != ref.state) continue;
+      auto& s = static_cast<ParamState&>(*it->second);
+      s.step(s.step() + 1);
+    }
+  };
+}
+
+}  // namespace
+
+bool SGD::step_unless(const at::Tensor& found_inf) {
+  settle();
+  auto groups = parameters_with_grad(param_groups_);
+  bool fused = !uses_device_scalars() && fusable(groups, found_inf);
+  for (size_t g = 0; fused && g < groups.size(); ++g) {
+    const auto& options = static_cast<const torch::optim::SGDOptions&>(param_groups_[g].options());
+    if (options.momentum() == 0) continue;
+    for (const auto& p : groups[g].params) {
+      const auto* s = find_state<torch::optim::SGDParamState>(state_, p);
+      if (s != nullptr && !beside(s->momentum_buffer(), p)) fused = false;
+    }
+  }
+  if (!fused) return read_then_step(*this, found_inf);
+  at::NoGradGuard no_grad;
+  std::vector<StateRef> made;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& [params, grads] = groups[g];
+    if (params.empty()) continue;
+    const auto& options = static_cast<const torch::optim::SGDOptions&>(param_groups_[g].options());
+    auto fused_sgd = [&](const TensorVector& ps, const TensorVector& gs, const TensorVector& bufs,
+                         bool first) {
+      compat::fused_sgd_(data_of(ps), gs, bufs, options.weight_decay(), options.momentum(),
+                         options.lr(), options.dampening(), options.nesterov(), first, found_inf);
+    };
+    if (options.momentum() == 0) {
+      fused_sgd(params, grads, {}, /*first=*/false);
+      continue;
+    }
+    // A parameter's first step makes its buffer the gradient (LibTorch:
+    // a clone of it): one kernel for those, one for the others.
+    WithGrad stepped_before, first_step;
+    TensorVector buffers_before, first_buffers;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (auto* s = find_state<torch::optim::SGDParamState>(state_, params[i])) {
+        stepped_before.params.push_back(params[i]);
+        stepped_before.grads.push_back(grads[i]);
+        buffers_before.push_back(s->momentum_buffer());
+        continue;
+      }
+      auto fresh = std::make_unique<torch::optim::SGDParamState>();
+      fresh->momentum_buffer(torch::zeros_like(params[i], at::MemoryFormat::Contiguous));
+      first_step.params.push_back(params[i]);
+      first_step.grads.push_back(grads[i]);
+      first_buffers.push_back(fresh->momentum_buffer());
+      const auto key = compat::optimizer_state_key(params[i]);
+      made.push_back({key, fresh.get()});
+      state_[key] = std::move(fresh);
+    }
+    if (!stepped_before.params.empty()) {
+      fused_sgd(stepped_before.params, stepped_before.grads, buffers_before, /*first=*/false);
+    }
+    if (!first_step.params.empty()) {
+      fused_sgd(first_step.params, first_step.grads, first_buffers, /*first=*/true);
+    }
+  }
+  expect_verdict(found_inf, [this, made = std::move(made)](bool skipped) {
+    if (skipped) erase_states(state_, made);
+  });
+  return true;
+}
+
+void SGD::save(torch::serialize::OutputArchive& archive) const {
+  // What the host has not learnt yet belongs in what this writes.
+  const_cast<SGD*>(this)->settle();
+  torch::optim::SGD::save(archive);
+}
+
+void SGD::load(torch::serialize::InputArchive& archive) {
+  settle();
+  torch::optim::SGD::load(archive);
+}
+
+bool Adam::step_unless(const at::Tensor& found_inf) {
+  settle();
+  auto apply =
+      uses_device_scalars()
+          ? nullptr
+          : adam_fused_step<false, torch::optim::AdamOptions, torch::optim::AdamParamState>(
+                *this, found_inf);
+  if (!apply) return read_then_step(*this, found_inf);
+  expect_verdict(found_inf, std::move(apply));
+  return true;
+}
+
+void Adam::save(torch::serialize::OutputArchive& archive) const {
+  const_cast<Adam*>(this)->settle();  // as SGD::save
+  torch::optim::Adam::save(archive);
+}
+
+void Adam::load(torch::serialize::InputArchive& archive) {
+  settle();
+  torch::optim::Adam::load(archive);
+}
+
+bool AdamW::step_unless(const at::Tensor& found_inf) {
+  settle();
+  auto apply =
+      uses_device_scalars()
+          ? nullptr
+          : adam_fused_step<true, torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
+                *this, found_inf);
+  if (!apply) return read_then_step(*this, found_inf);
+  expect_verdict(found_inf, std::move(apply));
+  return true;
+}
+
+void AdamW::save(torch::serialize::OutputArchive& archive) const {
+  const_cast<AdamW*>(this)->settle();  // as SGD::save
+  torch::optim::AdamW::save(archive);
+}
+
+void AdamW::load(torch::serialize::InputArchive& archive) {
+  settle();
+  torch::optim::AdamW::load(archive);
 }
 
 }  // namespace fulgur::optim

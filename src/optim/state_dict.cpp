@@ -13,13 +13,13 @@
 #include <utility>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/optim/optimizers.h"
 #include "fulgur/utilities/torch_compat.h"
 
 namespace fulgur {
 namespace {
 
-namespace optim = torch::optim;
-using ParamStates = std::decay_t<decltype(std::declval<optim::Optimizer&>().state())>;
+using ParamStates = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
 
 // The archive `save` writes, read back as a StateDict (through bytes: an
 // OutputArchive cannot be read).
@@ -52,25 +52,25 @@ at::Tensor optional_tensor(const StateDict& in, const char* key) {
 
 // The entries LibTorch's ParamState::serialize writes, for the states fulgur
 // knows; false for another.
-bool write_param_state(const optim::OptimizerParamState& state, StateDict& out) {
+bool write_param_state(const torch::optim::OptimizerParamState& state, StateDict& out) {
   auto moments = [&](const auto& s) {  // Adam's and AdamW's
     out.set("step", s.step());
     set_tensor(out, "exp_avg", s.exp_avg());
     set_tensor(out, "exp_avg_sq", s.exp_avg_sq());
     set_tensor(out, "max_exp_avg_sq", s.max_exp_avg_sq());
   };
-  if (const auto* adam = dynamic_cast<const optim::AdamParamState*>(&state)) {
+  if (const auto* adam = dynamic_cast<const torch::optim::AdamParamState*>(&state)) {
     moments(*adam);
-  } else if (const auto* adamw = dynamic_cast<const optim::AdamWParamState*>(&state)) {
+  } else if (const auto* adamw = dynamic_cast<const torch::optim::AdamWParamState*>(&state)) {
     moments(*adamw);
-  } else if (const auto* sgd = dynamic_cast<const optim::SGDParamState*>(&state)) {
+  } else if (const auto* sgd = dynamic_cast<const torch::optim::SGDParamState*>(&state)) {
     set_tensor(out, "momentum_buffer", sgd->momentum_buffer());
-  } else if (const auto* rms = dynamic_cast<const optim::RMSpropParamState*>(&state)) {
+  } else if (const auto* rms = dynamic_cast<const torch::optim::RMSpropParamState*>(&state)) {
     out.set("step", rms->step());
     set_tensor(out, "square_avg", rms->square_avg());
     set_tensor(out, "momentum_buffer", rms->momentum_buffer());
     set_tensor(out, "grad_avg", rms->grad_avg());
-  } else if (const auto* ada = dynamic_cast<const optim::AdagradParamState*>(&state)) {
+  } else if (const auto* ada = dynamic_cast<const torch::optim::AdagradParamState*>(&state)) {
     out.set("step", ada->step());
     set_tensor(out, "sum", ada->sum());
   } else {
@@ -81,8 +81,8 @@ bool write_param_state(const optim::OptimizerParamState& state, StateDict& out) 
 
 // A parameter's state for `optimizer` from its entries; null for an
 // optimizer whose state fulgur does not know.
-std::unique_ptr<optim::OptimizerParamState> read_param_state(const optim::Optimizer& optimizer,
-                                                             const StateDict& in) {
+std::unique_ptr<torch::optim::OptimizerParamState> read_param_state(
+    const torch::optim::Optimizer& optimizer, const StateDict& in) {
   auto moments = [&](auto s) {
     s->step(in.integer("step"));
     s->exp_avg(optional_tensor(in, "exp_avg"));
@@ -90,27 +90,27 @@ std::unique_ptr<optim::OptimizerParamState> read_param_state(const optim::Optimi
     s->max_exp_avg_sq(optional_tensor(in, "max_exp_avg_sq"));
     return s;
   };
-  if (dynamic_cast<const optim::Adam*>(&optimizer)) {
-    return moments(std::make_unique<optim::AdamParamState>());
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) {
+    return moments(std::make_unique<torch::optim::AdamParamState>());
   }
-  if (dynamic_cast<const optim::AdamW*>(&optimizer)) {
-    return moments(std::make_unique<optim::AdamWParamState>());
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) {
+    return moments(std::make_unique<torch::optim::AdamWParamState>());
   }
-  if (dynamic_cast<const optim::SGD*>(&optimizer)) {
-    auto s = std::make_unique<optim::SGDParamState>();
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
+    auto s = std::make_unique<torch::optim::SGDParamState>();
     s->momentum_buffer(optional_tensor(in, "momentum_buffer"));
     return s;
   }
-  if (dynamic_cast<const optim::RMSprop*>(&optimizer)) {
-    auto s = std::make_unique<optim::RMSpropParamState>();
+  if (dynamic_cast<const torch::optim::RMSprop*>(&optimizer)) {
+    auto s = std::make_unique<torch::optim::RMSpropParamState>();
     s->step(in.integer("step"));
     s->square_avg(optional_tensor(in, "square_avg"));
     s->momentum_buffer(optional_tensor(in, "momentum_buffer"));
     s->grad_avg(optional_tensor(in, "grad_avg"));
     return s;
   }
-  if (dynamic_cast<const optim::Adagrad*>(&optimizer)) {
-    auto s = std::make_unique<optim::AdagradParamState>();
+  if (dynamic_cast<const torch::optim::Adagrad*>(&optimizer)) {
+    auto s = std::make_unique<torch::optim::AdagradParamState>();
     s->step(in.integer("step"));
     s->sum(optional_tensor(in, "sum"));
     return s;
@@ -118,12 +118,12 @@ std::unique_ptr<optim::OptimizerParamState> read_param_state(const optim::Optimi
   return nullptr;
 }
 
-bool knows_state_of(const optim::Optimizer& optimizer) {
-  return dynamic_cast<const optim::Adam*>(&optimizer) ||
-         dynamic_cast<const optim::AdamW*>(&optimizer) ||
-         dynamic_cast<const optim::SGD*>(&optimizer) ||
-         dynamic_cast<const optim::RMSprop*>(&optimizer) ||
-         dynamic_cast<const optim::Adagrad*>(&optimizer);
+bool knows_state_of(const torch::optim::Optimizer& optimizer) {
+  return dynamic_cast<const torch::optim::Adam*>(&optimizer) ||
+         dynamic_cast<const torch::optim::AdamW*>(&optimizer) ||
+         dynamic_cast<const torch::optim::SGD*>(&optimizer) ||
+         dynamic_cast<const torch::optim::RMSprop*>(&optimizer) ||
+         dynamic_cast<const torch::optim::Adagrad*>(&optimizer);
 }
 
 // The keys of the parameters in the dict's param_groups, group by group.
@@ -143,7 +143,8 @@ std::vector<std::vector<std::string>> saved_keys(const StateDict& groups) {
 // them (torch/optim/serialize.h); they are restored here from the same
 // archive, for the optimizers of torch::optim (one of one's own that saves
 // another layout restores its options in its own load()).
-void restore_group_options(optim::Optimizer& optimizer, torch::serialize::InputArchive& archive) {
+void restore_group_options(torch::optim::Optimizer& optimizer,
+                           torch::serialize::InputArchive& archive) {
   torch::serialize::InputArchive groups;
   if (!archive.try_read("param_groups", groups)) return;
   auto& param_groups = optimizer.param_groups();
@@ -189,7 +190,7 @@ StateDict with_position_keys(const StateDict& state) {
 }
 
 // The optimizer's own load, then its groups' options.
-void load_whole(optim::Optimizer& optimizer, const StateDict& state) {
+void load_whole(torch::optim::Optimizer& optimizer, const StateDict& state) {
   torch::serialize::InputArchive archive;
   load_through_archive(with_position_keys(state), archive);
   optimizer.load(archive);
@@ -198,21 +199,20 @@ void load_whole(optim::Optimizer& optimizer, const StateDict& state) {
 
 // The option names of the optimizer's groups, as its options serialize
 // them (lr, momentum, ... for SGD; lr, betas, ... for Adam).
-std::vector<std::string> option_names(optim::Optimizer& optimizer) {
+std::vector<std::string> option_names(torch::optim::Optimizer& optimizer) {
   if (optimizer.param_groups().empty()) return {};
-  return saved_through_archive([&](auto& archive) {
-           optimizer.param_groups()[0].options().serialize(archive);
-         }).keys();
+  return saved_through_archive(
+             [&](auto& archive) { optimizer.param_groups()[0].options().serialize(archive); })
+      .keys();
 }
 
 // Refuses the options of another optimizer (LibTorch would fail an
 // internal assert on the first option missing).
-void check_group_options(optim::Optimizer& optimizer, const StateDict& groups) {
+void check_group_options(torch::optim::Optimizer& optimizer, const StateDict& groups) {
   const auto expected = option_names(optimizer);
   const int64_t count = groups.tensor("param_groups/size").item<int64_t>();
   for (int64_t i = 0; i < count; ++i) {
-    const StateDict* options =
-        groups.section_at(str("param_groups/", i)).find_section("options");
+    const StateDict* options = groups.section_at(str("param_groups/", i)).find_section("options");
     if (options == nullptr) continue;  // restore_group_options names it
     std::vector<std::string> missing;
     for (const auto& name : expected) {
@@ -229,7 +229,12 @@ void check_group_options(optim::Optimizer& optimizer, const StateDict& groups) {
 
 }  // namespace
 
-StateDict optimizer_state_dict(optim::Optimizer& optimizer) {
+StateDict optimizer_state_dict(torch::optim::Optimizer& optimizer) {
+  // A step the device may have skipped: its verdict first (the states below
+  // are read directly).
+  if (auto* skipping = dynamic_cast<fulgur::optim::DeviceSkippedSteps*>(&optimizer)) {
+    skipping->settle();
+  }
   bool known = true;
   for (const auto& [key, state] : optimizer.state()) {
     (void)key;
@@ -271,7 +276,7 @@ StateDict optimizer_state_dict(optim::Optimizer& optimizer) {
   return out;
 }
 
-void load_optimizer_state_dict(optim::Optimizer& optimizer, const StateDict& state) {
+void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDict& state) {
   const StateDict* saved_states = state.find_section("state");
   const StateDict* groups = state.find_section("param_groups");
   if (saved_states == nullptr || groups == nullptr || !knows_state_of(optimizer)) {
@@ -294,7 +299,8 @@ void load_optimizer_state_dict(optim::Optimizer& optimizer, const StateDict& sta
   }
   // Every state read before any is set: a state that does not fit changes
   // nothing.
-  std::vector<std::pair<compat::OptimizerStateKey, std::unique_ptr<optim::OptimizerParamState>>>
+  std::vector<
+      std::pair<compat::OptimizerStateKey, std::unique_ptr<torch::optim::OptimizerParamState>>>
       loaded;
   for (size_t i = 0; i < keys.size(); ++i) {
     for (size_t j = 0; j < keys[i].size(); ++j) {

@@ -2,6 +2,11 @@
 
 #include <ATen/autocast_mode.h>
 #include <c10/util/StringUtil.h>
+#if FULGUR_TORCH_AT_LEAST(2, 6)
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/_fused_sgd.h>
+#endif
 #if FULGUR_TORCH_AT_LEAST(2, 0)
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #else
@@ -18,6 +23,49 @@
 namespace fulgur::compat {
 
 std::string torch_version() { return TORCH_VERSION; }
+
+#if FULGUR_TORCH_AT_LEAST(2, 6)
+bool has_fused_optimizer_steps() { return true; }
+
+void fused_sgd_(c10::ArrayRef<at::Tensor> params, c10::ArrayRef<at::Tensor> grads,
+                c10::ArrayRef<at::Tensor> momentum_buffers, double weight_decay, double momentum,
+                double lr, double dampening, bool nesterov, bool is_first_step,
+                const at::Tensor& found_inf) {
+  at::_fused_sgd_(params, grads, momentum_buffers, weight_decay, momentum, lr, dampening, nesterov,
+                  /*maximize=*/false, is_first_step, /*grad_scale=*/std::nullopt, found_inf);
+}
+
+void fused_adam_(bool decoupled_weight_decay, c10::ArrayRef<at::Tensor> params,
+                 c10::ArrayRef<at::Tensor> grads, c10::ArrayRef<at::Tensor> exp_avgs,
+                 c10::ArrayRef<at::Tensor> exp_avg_sqs, c10::ArrayRef<at::Tensor> max_exp_avg_sqs,
+                 c10::ArrayRef<at::Tensor> state_steps, double lr, double beta1, double beta2,
+                 double weight_decay, double eps, bool amsgrad, const at::Tensor& found_inf) {
+  if (decoupled_weight_decay) {
+    at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, beta1,
+                      beta2, weight_decay, eps, amsgrad, /*maximize=*/false,
+                      /*grad_scale=*/std::nullopt, found_inf);
+  } else {
+    at::_fused_adam_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, beta1,
+                     beta2, weight_decay, eps, amsgrad, /*maximize=*/false,
+                     /*grad_scale=*/std::nullopt, found_inf);
+  }
+}
+#else
+bool has_fused_optimizer_steps() { return false; }
+
+void fused_sgd_(c10::ArrayRef<at::Tensor>, c10::ArrayRef<at::Tensor>, c10::ArrayRef<at::Tensor>,
+                double, double, double, double, bool, bool, const at::Tensor&) {
+  throw std::logic_error("fused_sgd_: LibTorch " TORCH_VERSION " has no fused SGD step in fulgur");
+}
+
+void fused_adam_(bool, c10::ArrayRef<at::Tensor>, c10::ArrayRef<at::Tensor>,
+                 c10::ArrayRef<at::Tensor>, c10::ArrayRef<at::Tensor>, c10::ArrayRef<at::Tensor>,
+                 c10::ArrayRef<at::Tensor>, double, double, double, double, double, bool,
+                 const at::Tensor&) {
+  throw std::logic_error("fused_adam_: LibTorch " TORCH_VERSION
+                         " has no fused Adam step in fulgur");
+}
+#endif
 
 #if FULGUR_TORCH_AT_LEAST(2, 4)
 bool autocast_enabled(c10::DeviceType t) { return at::autocast::is_autocast_enabled(t); }

@@ -12,6 +12,8 @@
 
 #include <atomic>
 #include <cstring>
+#include <limits>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -80,47 +82,57 @@ ParamState* state_of(torch::optim::Optimizer& optimizer, const at::Tensor& param
   return it == state.end() ? nullptr : static_cast<ParamState*>(it->second.get());
 }
 
-bool equal_if_defined(const at::Tensor& a, const at::Tensor& b) {
+/// Bit-identical where `tolerance` is 0; else within it, relative and
+/// absolute (the fused kernels' rounding).
+bool same_tensor(const at::Tensor& a, const at::Tensor& b, double tolerance) {
+  return tolerance == 0 ? torch::equal(a, b) : torch::allclose(a, b, tolerance, tolerance);
+}
+
+bool same_if_defined(const at::Tensor& a, const at::Tensor& b, double tolerance) {
   if (a.defined() != b.defined()) return false;
-  return !a.defined() || torch::equal(a, b);
+  return !a.defined() || same_tensor(a, b, tolerance);
 }
 
 ::testing::AssertionResult same_state(const torch::optim::SGDParamState& a,
-                                      const torch::optim::SGDParamState& b) {
-  if (!equal_if_defined(a.momentum_buffer(), b.momentum_buffer())) {
+                                      const torch::optim::SGDParamState& b, double tolerance) {
+  if (!same_if_defined(a.momentum_buffer(), b.momentum_buffer(), tolerance)) {
     return ::testing::AssertionFailure() << "momentum_buffer differs";
   }
   return ::testing::AssertionSuccess();
 }
 
 template <class AdamState>
-::testing::AssertionResult same_state(const AdamState& a, const AdamState& b) {
+::testing::AssertionResult same_state(const AdamState& a, const AdamState& b, double tolerance) {
   if (a.step() != b.step()) {
     return ::testing::AssertionFailure() << "step " << a.step() << " != " << b.step();
   }
-  if (!torch::equal(a.exp_avg(), b.exp_avg())) return ::testing::AssertionFailure() << "exp_avg";
-  if (!torch::equal(a.exp_avg_sq(), b.exp_avg_sq())) {
+  if (!same_tensor(a.exp_avg(), b.exp_avg(), tolerance)) {
+    return ::testing::AssertionFailure() << "exp_avg";
+  }
+  if (!same_tensor(a.exp_avg_sq(), b.exp_avg_sq(), tolerance)) {
     return ::testing::AssertionFailure() << "exp_avg_sq";
   }
-  if (!equal_if_defined(a.max_exp_avg_sq(), b.max_exp_avg_sq())) {
+  if (!same_if_defined(a.max_exp_avg_sq(), b.max_exp_avg_sq(), tolerance)) {
     return ::testing::AssertionFailure() << "max_exp_avg_sq";
   }
   return ::testing::AssertionSuccess();
 }
 
-/// Parameters bit-identical, pairwise, and so is every state entry (both
-/// optimizers have one for the same parameters).
+/// Parameters bit-identical (within `tolerance` where it is not 0),
+/// pairwise, and so is every state entry (both optimizers have one for the
+/// same parameters).
 template <class ParamState>
 ::testing::AssertionResult same_parameters_and_state(torch::optim::Optimizer& a,
                                                      const TensorVector& a_params,
                                                      torch::optim::Optimizer& b,
-                                                     const TensorVector& b_params) {
+                                                     const TensorVector& b_params,
+                                                     double tolerance = 0) {
   if (a.state().size() != b.state().size()) {
     return ::testing::AssertionFailure()
            << "state entries " << a.state().size() << " != " << b.state().size();
   }
   for (size_t i = 0; i < a_params.size(); ++i) {
-    if (!torch::equal(a_params[i], b_params[i])) {
+    if (!same_tensor(a_params[i], b_params[i], tolerance)) {
       return ::testing::AssertionFailure() << "parameter " << i << " differs: max |diff| "
                                            << (a_params[i] - b_params[i]).abs().max().item<float>();
     }
@@ -130,7 +142,7 @@ template <class ParamState>
       return ::testing::AssertionFailure() << "parameter " << i << ": state in one only";
     }
     if (sa != nullptr) {
-      auto same = same_state(*sa, *sb);
+      auto same = same_state(*sa, *sb, tolerance);
       if (!same) return same << " (parameter " << i << ")";
     }
   }
@@ -242,23 +254,25 @@ INSTANTIATE_TEST_SUITE_P(
 // ---- The step runs multi-tensor operators (and the parent's loop where it
 // must).
 
-/// Counts the ATen operators whose name starts with "aten::_foreach_" while
-/// alive (a RecordFunction callback on this process).
-class ForeachCounter {
+/// Counts the ATen operators whose name starts with `prefix` while alive (a
+/// RecordFunction callback on this process; one counter at a time).
+class OpCounter {
  public:
-  ForeachCounter() {
+  explicit OpCounter(const char* prefix) {
+    prefix_ = prefix;
     count_ = 0;
     handle_ = at::addGlobalCallback(
-        at::RecordFunctionCallback(&ForeachCounter::on_start).scopes({at::RecordScope::FUNCTION}));
+        at::RecordFunctionCallback(&OpCounter::on_start).scopes({at::RecordScope::FUNCTION}));
   }
-  ~ForeachCounter() { at::removeCallback(handle_); }
+  ~OpCounter() { at::removeCallback(handle_); }
   int64_t count() const { return count_.load(); }
 
  private:
   static std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-    if (std::strncmp(fn.name(), "aten::_foreach_", 15) == 0) ++count_;
+    if (std::strncmp(fn.name(), prefix_, std::strlen(prefix_)) == 0) ++count_;
     return nullptr;
   }
+  static inline const char* prefix_ = "";
   static inline std::atomic<int64_t> count_{0};
   at::CallbackHandle handle_;
 };
@@ -267,7 +281,7 @@ TEST(FulgurOptimizers, StepRunsForeachOperatorsNotOnePerParameter) {
   auto params = leaves(initial_parameters());
   fulgur::optim::Adam adam(params, torch::optim::AdamOptions(1e-2));
   set_gradients(params, 5);
-  ForeachCounter counter;
+  OpCounter counter("aten::_foreach_");
   adam.step();
   // mul_, add_, mul_, addcmul_, sqrt, div_, add_, addcdiv_: 8 for 4
   // parameters in one group with one step count.
@@ -339,7 +353,7 @@ TEST(FulgurOptimizers, SGDWithASparseGradientRunsTorchsStepAndMatchesIt) {
     ours(indices).pow(2).sum().backward();
     theirs(indices).pow(2).sum().backward();
     ASSERT_TRUE(ours->weight.grad().is_sparse());
-    ForeachCounter counter;
+    OpCounter counter("aten::_foreach_");
     fulgur_sgd.step();
     EXPECT_EQ(counter.count(), 0) << "a sparse gradient takes torch::optim::SGD's own step";
     torch_sgd.step();
@@ -555,8 +569,8 @@ TEST(FulgurOptimizers, TrainerFitWithFulgurAdamEqualsFitWithTorchAdam) {
 void set_all_gradients(const TensorVector& params, int step) {
   for (size_t i = 0; i < params.size(); ++i) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * step + i);
-    params[i].mutable_grad() = i + 1 == params.size() ? at::Tensor()
-                                                      : at::randn(params[i].sizes(), gen);
+    params[i].mutable_grad() =
+        i + 1 == params.size() ? at::Tensor() : at::randn(params[i].sizes(), gen);
   }
 }
 
@@ -662,6 +676,144 @@ TEST(FulgurOptimizers, BakedOptionsChangeWithTheConstantsNotWithTheRate) {
   EXPECT_EQ(adamw.baked_options(), before);
   static_cast<torch::optim::AdamWOptions&>(adamw.param_groups()[0].options()).weight_decay(0.5);
   EXPECT_NE(adamw.baked_options(), before);
+}
+
+// ---- Device-skipped steps: the loss scaler's verdict read by the kernels
+// (LibTorch 2.6+); elsewhere read by the host, then step().
+
+bool fused_kernels() { return fulgur::optim::DeviceSkippedSteps::available(); }
+
+/// found_inf as GradScaler::unscale makes it: float32 [1], 1 for inf/NaN.
+at::Tensor verdict(bool found_inf) { return torch::full({1}, found_inf ? 1.0f : 0.0f); }
+
+/// kSteps of step_unless() on fulgur's optimizer, whose gradients hold an
+/// inf on steps 0 (so a first step makes no state) and 4, against
+/// torch::optim's step() on the others; the state compared after settle().
+/// With the kernels, equal within float rounding; without them (the host
+/// reads, then steps) bit-identical.
+template <class Fulgur, class Torch, class ParamState, class Options>
+void expect_device_skipped_runs(const Options& options) {
+  auto initial = initial_parameters();
+  auto ours = leaves(initial);
+  auto theirs = leaves(initial);
+  Fulgur fulgur_optimizer(two_groups(ours, options), options);
+  Torch torch_optimizer(two_groups(theirs, options), options);
+  const double tolerance = fused_kernels() ? 1e-5 : 0;
+  for (int step = 0; step < kSteps; ++step) {
+    set_gradients(ours, step);
+    set_gradients(theirs, step);
+    const bool inf = step == 0 || step == 4;
+    if (inf) ours[2].mutable_grad()[0][0][1] = std::numeric_limits<float>::infinity();
+    // Queued for the device to decide, or skipped by the host that read.
+    EXPECT_EQ(fulgur_optimizer.step_unless(verdict(inf)), !inf || fused_kernels());
+    if (!inf) torch_optimizer.step();
+    fulgur_optimizer.settle();
+    ASSERT_TRUE(same_parameters_and_state<ParamState>(fulgur_optimizer, ours, torch_optimizer,
+                                                      theirs, tolerance))
+        << "after step " << step;
+  }
+  EXPECT_FALSE(torch::equal(ours[0], initial[0]));
+  EXPECT_TRUE(torch::equal(ours[4], initial[4]));
+}
+
+TEST(FulgurOptimizers, DeviceSkippedStepsMatchTorchOptimOnTheStepsTheVerdictLetsThrough) {
+  using torch::optim::AdamOptions;
+  using torch::optim::AdamWOptions;
+  using torch::optim::SGDOptions;
+  // Dampening: a first step after a skipped one still makes the buffer the
+  // gradient itself.
+  for (const auto& options :
+       {SGDOptions(0.1), SGDOptions(0.1).momentum(0.9).dampening(0.3).weight_decay(0.01),
+        SGDOptions(0.05).momentum(0.8).nesterov(true)}) {
+    SCOPED_TRACE("SGD momentum " + std::to_string(options.momentum()));
+    expect_device_skipped_runs<fulgur::optim::SGD, torch::optim::SGD, torch::optim::SGDParamState>(
+        options);
+  }
+  for (const auto& options :
+       {AdamOptions(1e-2), AdamOptions(1e-2).amsgrad(true).weight_decay(0.1)}) {
+    SCOPED_TRACE(std::string("Adam amsgrad ") + (options.amsgrad() ? "on" : "off"));
+    expect_device_skipped_runs<fulgur::optim::Adam, torch::optim::Adam,
+                               torch::optim::AdamParamState>(options);
+  }
+  expect_device_skipped_runs<fulgur::optim::AdamW, torch::optim::AdamW,
+                             torch::optim::AdamWParamState>(AdamWOptions(1e-2).weight_decay(0.1));
+}
+
+TEST(FulgurOptimizers, TheHostLearnsADeviceSkippedStepsVerdictAtTheNextStepOrWhenSaved) {
+  if (!fused_kernels()) {
+    GTEST_SKIP() << "LibTorch " << fulgur::compat::torch_version()
+                 << " has no fused kernels: step_unless reads the verdict at once";
+  }
+  auto params = leaves(initial_parameters());
+  fulgur::optim::Adam adam(params, torch::optim::AdamOptions(1e-2));
+  auto count = [&] { return state_of<torch::optim::AdamParamState>(adam, params[0])->step(); };
+  set_gradients(params, 5);
+  ASSERT_TRUE(adam.step_unless(verdict(false)));
+  EXPECT_EQ(count(), 0) << "the host does not wait for the verdict";
+  fulgur::optimizer_state_dict(adam);  // settles first
+  EXPECT_EQ(count(), 1);
+  ASSERT_TRUE(adam.step_unless(verdict(true)));
+  EXPECT_EQ(count(), 1);
+  ASSERT_TRUE(adam.step_unless(verdict(false)));  // learns the skip, then steps
+  EXPECT_EQ(count(), 1);
+  adam.settle();
+  EXPECT_EQ(count(), 2);
+
+  // A skipped first step: the buffers it made are gone once it is known.
+  fulgur::optim::SGD sgd(params, torch::optim::SGDOptions(0.1).momentum(0.9));
+  ASSERT_TRUE(sgd.step_unless(verdict(true)));
+  EXPECT_FALSE(sgd.state().empty()) << "made for the kernel, before the verdict";
+  sgd.settle();
+  EXPECT_TRUE(sgd.state().empty());
+  // The verdict of the last step before a save is in the save.
+  ASSERT_TRUE(sgd.step_unless(verdict(true)));
+  torch::serialize::OutputArchive archive;
+  sgd.save(archive);
+  EXPECT_TRUE(sgd.state().empty());
+}
+
+TEST(FulgurOptimizers, GradScalerStepsAFulgurOptimizerWithoutReadingItsVerdict) {
+  if (!fused_kernels()) {
+    GTEST_SKIP() << "LibTorch " << fulgur::compat::torch_version()
+                 << " has no fused kernels: GradScaler reads the verdict, then steps";
+  }
+  auto initial = initial_parameters();
+  auto ours = leaves(initial);
+  auto theirs = leaves(initial);
+  // SGD: the CPU's fused Adam reads its step counts with item() inside the
+  // kernel (the CUDA one reads them on the device), which would count.
+  const auto options = torch::optim::SGDOptions(1e-2).momentum(0.9).weight_decay(0.01);
+  fulgur::optim::SGD fulgur_sgd(ours, options);
+  torch::optim::SGD torch_sgd(theirs, options);
+  fulgur::GradScaler fulgur_scaler({.init_scale = 1024.0});
+  fulgur::GradScaler torch_scaler({.init_scale = 1024.0});
+  int64_t reads = 0;
+  for (int step = 0; step < kSteps; ++step) {
+    for (auto [params, scaler] :
+         {std::pair{&ours, &fulgur_scaler}, std::pair{&theirs, &torch_scaler}}) {
+      at::Tensor loss = torch::zeros({});
+      for (const auto& p : *params) loss = loss + (p * p).sum();
+      // Step 3's gradients overflow: the scaler skips it and backs off.
+      if (step == 3) loss = loss * std::numeric_limits<float>::infinity();
+      for (const auto& p : *params) p.mutable_grad() = at::Tensor();
+      scaler->scale(loss).backward();
+    }
+    {
+      OpCounter item("aten::_local_scalar_dense");  // what .item() runs
+      EXPECT_TRUE(fulgur_scaler.step(fulgur_sgd)) << "queued, not skipped by the host";
+      reads += item.count();
+    }
+    EXPECT_EQ(torch_scaler.step(torch_sgd), step != 3);
+    fulgur_scaler.update();
+    torch_scaler.update();
+    EXPECT_EQ(fulgur_scaler.last_step_skipped(), step == 3);
+  }
+  EXPECT_EQ(reads, 0) << "GradScaler::step read a tensor back with a fulgur::optim optimizer";
+  EXPECT_EQ(fulgur_scaler.get_scale(), torch_scaler.get_scale());
+  fulgur_sgd.settle();
+  EXPECT_TRUE(same_parameters_and_state<torch::optim::SGDParamState>(fulgur_sgd, ours, torch_sgd,
+                                                                     theirs, 1e-5));
+  EXPECT_FALSE(torch::equal(ours[0], initial[0]));
 }
 
 }  // namespace fulgur_optimizers_test

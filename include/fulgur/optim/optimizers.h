@@ -58,9 +58,15 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
+
+namespace fulgur::detail {
+struct SkipVerdict;
+}
 
 namespace fulgur::optim {
 
@@ -115,15 +121,67 @@ class DeviceScalarSteps {
   std::vector<at::Tensor> views_;
 };
 
+/// Steps that the device skips by itself when the loss scaler (16-mixed)
+/// found inf/NaN gradients, so that the host never waits to read the
+/// verdict: GradScaler::step hands its found_inf to step_unless(), and on
+/// LibTorch 2.6 and newer one fused ATen kernel per group (_fused_sgd_,
+/// _fused_adam_, _fused_adamw_; CPU and CUDA) steps every parameter, or
+/// nothing when found_inf holds 1. Numerics: torch::optim's arithmetic,
+/// fused per element, so equal within float rounding, not bitwise.
+///
+/// What the host keeps of a step (Adam's step counts, the state a first
+/// step makes) follows the verdict one step late: the next step, settle()
+/// and save() read it (by then long computed) and bring the state up to
+/// date; a skipped first step leaves no state, as torch::optim's. fulgur's
+/// optimizer_state_dict settles first; other code that reads state()
+/// between steps calls settle() first.
+class DeviceSkippedSteps {
+ public:
+  /// Whether this LibTorch has the fused kernels (2.6 and newer).
+  static bool available();
+
+  /// One step of every parameter with a gradient, unless `found_inf` (a
+  /// float32 tensor of one element on the parameters' device, 0 or 1) holds
+  /// 1. Returns false only when the host read found_inf and skipped. The
+  /// host reads it, and runs step() when it is 0, where the kernels cannot
+  /// take the step: on LibTorch before 2.6, in device-scalar mode, or when
+  /// a gradient is sparse, or a tensor (parameter, gradient, state) is not
+  /// contiguous or not on found_inf's device (CPU or CUDA) with its
+  /// parameter's dtype, or a group lists a tensor twice.
+  virtual bool step_unless(const at::Tensor& found_inf) = 0;
+
+  /// Brings the state up to date with the last step_unless(), waiting for
+  /// its verdict if it is still on its way. Nothing when none is pending.
+  void settle();
+
+ protected:
+  DeviceSkippedSteps() = default;
+  DeviceSkippedSteps(const DeviceSkippedSteps&) = default;
+  DeviceSkippedSteps& operator=(const DeviceSkippedSteps&) = default;
+  ~DeviceSkippedSteps() = default;
+
+  /// Starts bringing `found_inf` to the host; settle() calls
+  /// `apply(skipped)` with what it held.
+  void expect_verdict(const at::Tensor& found_inf, std::function<void(bool skipped)> apply);
+
+ private:
+  std::shared_ptr<detail::SkipVerdict> verdict_;
+};
+
 /// torch::optim::SGD (momentum, dampening, nesterov, weight_decay) stepped
 /// with multi-tensor operators; bit-identical to it on the CPU.
-class SGD : public torch::optim::SGD, public DeviceScalarSteps {
+class SGD : public torch::optim::SGD, public DeviceScalarSteps, public DeviceSkippedSteps {
  public:
   using torch::optim::SGD::SGD;
 
   /// One step of every parameter with a gradient; calls `closure` first
   /// (with gradients enabled) and returns its loss, as torch::optim does.
   at::Tensor step(LossClosure closure = nullptr) override;
+  bool step_unless(const at::Tensor& found_inf) override;
+  /// torch::optim's, after settle().
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// torch::optim's, after settle().
+  void load(torch::serialize::InputArchive& archive) override;
 
   std::string why_not_device_scalars() const override;
   void prepare_step() override;
@@ -134,13 +192,18 @@ class SGD : public torch::optim::SGD, public DeviceScalarSteps {
 /// multi-tensor operators; bit-identical to it on the CPU. Parameters whose
 /// step counts differ (one had no gradient on some steps) are stepped in one
 /// batch per step count. Throws c10::Error on a sparse gradient, as Adam does.
-class Adam : public torch::optim::Adam, public DeviceScalarSteps {
+class Adam : public torch::optim::Adam, public DeviceScalarSteps, public DeviceSkippedSteps {
  public:
   using torch::optim::Adam::Adam;
 
   /// One step of every parameter with a gradient; calls `closure` first
   /// (with gradients enabled) and returns its loss, as torch::optim does.
   at::Tensor step(LossClosure closure = nullptr) override;
+  bool step_unless(const at::Tensor& found_inf) override;
+  /// torch::optim's, after settle().
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// torch::optim's, after settle().
+  void load(torch::serialize::InputArchive& archive) override;
 
   std::string why_not_device_scalars() const override;
   void prepare_step() override;
@@ -151,13 +214,18 @@ class Adam : public torch::optim::Adam, public DeviceScalarSteps {
 /// torch::optim::AdamW (betas, eps, decoupled weight_decay, amsgrad) stepped
 /// with multi-tensor operators; bit-identical to it on the CPU. As Adam for
 /// step counts and sparse gradients.
-class AdamW : public torch::optim::AdamW, public DeviceScalarSteps {
+class AdamW : public torch::optim::AdamW, public DeviceScalarSteps, public DeviceSkippedSteps {
  public:
   using torch::optim::AdamW::AdamW;
 
   /// One step of every parameter with a gradient; calls `closure` first
   /// (with gradients enabled) and returns its loss, as torch::optim does.
   at::Tensor step(LossClosure closure = nullptr) override;
+  bool step_unless(const at::Tensor& found_inf) override;
+  /// torch::optim's, after settle().
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// torch::optim's, after settle().
+  void load(torch::serialize::InputArchive& archive) override;
 
   std::string why_not_device_scalars() const override;
   void prepare_step() override;

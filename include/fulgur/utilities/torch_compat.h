@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/version.h>
 
@@ -73,6 +74,30 @@ using OptimizerStateKey = void*;
 using OptimizerStateKey = std::string;
 #endif
 OptimizerStateKey optimizer_state_key(const at::Tensor& parameter);
+
+// ---- Fused optimizer steps: ATen's _fused_sgd_, _fused_adam_ and
+// _fused_adamw_, one kernel per step for CPU (from 2.4) and CUDA tensors,
+// which do nothing at all when `found_inf` (float32, one element, on the
+// parameters' device) holds 1: the loss scaler's verdict, read by the
+// kernel, not by the host. Used from LibTorch 2.6, the version fulgur tests
+// them on; never with `maximize` or a scale of their own (the gradients
+// arrive unscaled).
+bool has_fused_optimizer_steps();
+/// torch::optim::SGD's arithmetic; `is_first_step`: each momentum buffer
+/// becomes the (decayed) gradient. Throws std::logic_error where
+/// has_fused_optimizer_steps() is false.
+void fused_sgd_(c10::ArrayRef<at::Tensor> params, c10::ArrayRef<at::Tensor> grads,
+                c10::ArrayRef<at::Tensor> momentum_buffers, double weight_decay, double momentum,
+                double lr, double dampening, bool nesterov, bool is_first_step,
+                const at::Tensor& found_inf);
+/// torch::optim::Adam's (AdamW's when `decoupled_weight_decay`) arithmetic,
+/// with each step count (float32, one element) already advanced. Throws
+/// std::logic_error where has_fused_optimizer_steps() is false.
+void fused_adam_(bool decoupled_weight_decay, c10::ArrayRef<at::Tensor> params,
+                 c10::ArrayRef<at::Tensor> grads, c10::ArrayRef<at::Tensor> exp_avgs,
+                 c10::ArrayRef<at::Tensor> exp_avg_sqs, c10::ArrayRef<at::Tensor> max_exp_avg_sqs,
+                 c10::ArrayRef<at::Tensor> state_steps, double lr, double beta1, double beta2,
+                 double weight_decay, double eps, bool amsgrad, const at::Tensor& found_inf);
 
 // ---- c10d: the process-group backends whose options moved.
 /// ProcessGroupNCCL for `rank` of `world_size` over `store`, with every

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/optim/optimizers.h"
 
 namespace fulgur {
 
@@ -87,7 +88,12 @@ void GradScaler::unscale(torch::optim::Optimizer& optimizer) {
 
 bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   if (found_inf_.count(&optimizer) == 0) unscale(optimizer);
-  if (found_inf_.at(&optimizer).item<float>() != 0.0f) return false;
+  const at::Tensor& found_inf = found_inf_.at(&optimizer);
+  // fulgur::optim's optimizers take the verdict to the device: no read.
+  if (auto* skipping = dynamic_cast<optim::DeviceSkippedSteps*>(&optimizer)) {
+    return skipping->step_unless(found_inf);
+  }
+  if (found_inf.item<float>() != 0.0f) return false;
   optimizer.step();
   return true;
 }
@@ -136,8 +142,8 @@ int64_t GradScaler::growth_tracker() const {
 StateDict GradScaler::state_dict() const {
   StateDict state;
   state.set("scale", scale_.defined() ? scale_.cpu() : torch::full({1}, options_.init_scale));
-  state.set("growth_tracker", growth_tracker_.defined() ? growth_tracker_.cpu()
-                                                        : torch::zeros({1}, torch::kInt32));
+  state.set("growth_tracker",
+            growth_tracker_.defined() ? growth_tracker_.cpu() : torch::zeros({1}, torch::kInt32));
   return state;
 }
 

@@ -358,6 +358,27 @@ TEST(CudaGraph, SteadyStateDdpStepsOnOneNcclRankNeverSynchronise_CUDA) {
                              }));
   c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
 }
+
+TEST(CudaGraph, SteadyState16MixedStepsNeverSynchronise_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  if (!fulgur::optim::DeviceSkippedSteps::available()) {
+    GTEST_SKIP() << "LibTorch " << fulgur::compat::torch_version()
+                 << " has no fused optimizer kernels: the loss scaler reads its verdict";
+  }
+  // The loss scaler's unscale and inf check, its verdict handed to
+  // fulgur::optim::AdamW's fused kernel, the scale's update, and the last
+  // verdict's copy to the host, in batches 4 to 7 with synchronisation as
+  // an error.
+  EXPECT_NO_THROW(fit_on_gpu({.optimizer = "adamw", .lr = 1e-3}, false, 64, 8,
+                             [](fulgur::TrainerOptions& o) {
+                               o.precision = "16-mixed";
+                               o.max_epochs = 1;
+                               o.log_every_n_steps = 100;
+                               o.deterministic = false;
+                               o.callbacks = {std::make_shared<NoSyncBetween>(4, 7)};
+                             }));
+  c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+}
 #endif
 
 }  // namespace cuda_graph_step_test

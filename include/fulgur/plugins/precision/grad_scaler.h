@@ -15,7 +15,9 @@
 //
 // On CUDA it runs ATen's fused kernels (_amp_foreach_non_finite_check_and_
 // unscale_, _amp_update_scale_); on other devices the same arithmetic with
-// ordinary tensor ops, so its logic is testable on the CPU.
+// ordinary tensor ops, so its logic is testable on the CPU. With
+// fulgur::optim's optimizers (LibTorch 2.6+) a skipped step is skipped by
+// the device too, so that a step of 16-mixed never waits for the GPU.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -52,7 +54,12 @@ class GradScaler {
   /// a second call before update() throws ConfigError.
   void unscale(torch::optim::Optimizer& optimizer);
   /// Unscales if not done yet, then steps unless the gradients had inf/NaN.
-  /// Returns whether the optimizer stepped.
+  /// Returns false when the step was skipped. To decide, the host reads the
+  /// verdict from the device (a wait for the backward on a GPU), except with
+  /// fulgur::optim's SGD, Adam and AdamW on LibTorch 2.6 and newer, whose
+  /// fused kernels read it themselves (DeviceSkippedSteps::step_unless):
+  /// then it returns true, the step queued, and last_step_skipped() says
+  /// after update() whether the device skipped it.
   bool step(torch::optim::Optimizer& optimizer);
   /// Adjusts the scale from this iteration's steps and forgets them.
   void update();
