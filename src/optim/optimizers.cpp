@@ -97,10 +97,11 @@ struct StateRef {
   const void* state;
 };
 
-/// Whether a state tensor can go into a fused step beside its parameter.
+/// Whether a gradient or state tensor can go into a fused step beside its
+/// parameter: the kernels walk them in memory order together.
 bool beside(const at::Tensor& t, const at::Tensor& param) {
   return t.defined() && t.device() == param.device() && t.scalar_type() == param.scalar_type() &&
-         t.sizes() == param.sizes() && t.is_contiguous();
+         t.sizes() == param.sizes() && t.strides() == param.strides();
 }
 
 /// Whether the fused kernels can step these parameters, deciding on
@@ -112,31 +113,30 @@ bool fusable(const std::vector<WithGrad>& groups, const at::Tensor& found_inf) {
       found_inf.numel() != 1) {
     return false;
   }
+  std::vector<const void*> impls;
   for (const auto& group : groups) {
     for (size_t i = 0; i < group.params.size(); ++i) {
       const at::Tensor& p = group.params[i];
-      if (group.grads[i].is_sparse() || p.device() != device || !p.is_floating_point() ||
-          !p.is_contiguous() || !beside(group.grads[i], p)) {
+      // The CPU kernels read the tensors as flat arrays; the CUDA ones take
+      // any dense layout (channels_last) that the tensors share.
+      const bool layout = device.is_cpu() ? p.is_contiguous() : p.is_non_overlapping_and_dense();
+      if (group.grads[i].is_sparse() || p.device() != device || !p.is_floating_point() || !layout ||
+          !beside(group.grads[i], p)) {
         return false;
       }
+      impls.push_back(p.unsafeGetTensorImpl());
     }
   }
-  return !any_group_lists_a_tensor_twice(groups);
-}
-
-/// The parameters as the kernels update them: through data(), as LibTorch's
-/// steps do, so that their version counters do not move.
-TensorVector data_of(const TensorVector& params) {
-  TensorVector data;
-  data.reserve(params.size());
-  for (const auto& p : params) data.push_back(p.data());
-  return data;
+  // Listed twice, in one group or in two: torch::optim steps it twice, with
+  // the state of the first step in the second.
+  std::sort(impls.begin(), impls.end());
+  return std::adjacent_find(impls.begin(), impls.end()) == impls.end();
 }
 
 /// Where the fused kernels cannot take the step: the host reads the
 /// verdict, then steps as usual (see DeviceSkippedSteps::step_unless).
 bool read_then_step(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf) {
-  if (found_inf.item<float>() != 0.0f) return false;
+  if (found_inf.item<float>() == 1.0f) return false;  // as the kernels decide
   optimizer.step();
   return true;
 }
@@ -659,7 +659,8 @@ namespace fulgur::detail {
 /// what the host's state learns from it.
 struct SkipVerdict {
   AsyncHostCopy found_inf;
-  std::function<void(bool skipped)> apply;  // empty: nothing pending
+  // Empty: nothing pending.
+  std::function<void(optim::DeviceSkippedSteps::ParamStates&, bool skipped)> apply;
 };
 
 }  // namespace fulgur::detail
@@ -672,12 +673,13 @@ void DeviceSkippedSteps::settle() {
   if (!verdict_ || !verdict_->apply) return;
   auto apply = std::move(verdict_->apply);
   verdict_->apply = nullptr;
-  // From the host's copy (no operator: nothing that could wait on a device).
-  apply(*verdict_->found_inf.read().data_ptr<float>() != 0.0f);
+  // From the host's copy (no operator: nothing that could wait on a
+  // device); skipped as the kernels decide it.
+  apply(param_states(), *verdict_->found_inf.read().data_ptr<float>() == 1.0f);
 }
 
 void DeviceSkippedSteps::expect_verdict(const at::Tensor& found_inf,
-                                        std::function<void(bool skipped)> apply) {
+                                        std::function<void(ParamStates&, bool skipped)> apply) {
   if (!verdict_) verdict_ = std::make_shared<detail::SkipVerdict>();
   // Off CUDA the copy keeps the tensor itself: a copy of its own, which
   // the caller may change.
@@ -687,12 +689,20 @@ void DeviceSkippedSteps::expect_verdict(const at::Tensor& found_inf,
 
 namespace {
 
-/// Adam's or AdamW's step as fused kernels deciding on `found_inf`; an
-/// empty function, having changed nothing, where they cannot take it. Else
-/// what the verdict changes: a skipped step's new states are removed, a
-/// step taken advances the step counts of the parameters it stepped.
+using Verdict = std::function<void(DeviceSkippedSteps::ParamStates&, bool skipped)>;
+
+/// A fresh state tensor laid out as its parameter (the kernels need the
+/// same strides).
+at::Tensor zeros_beside(const at::Tensor& param) {
+  return torch::zeros_like(param, at::MemoryFormat::Preserve);
+}
+
+/// Adam's or AdamW's step as fused kernels deciding on `found_inf`; empty,
+/// having changed nothing, where they cannot take it. Else what the
+/// verdict changes: a skipped step's new states are removed, a step taken
+/// advances the step counts of the parameters it stepped.
 template <bool kDecoupled, class Options, class ParamState, class Parent>
-std::function<void(bool)> adam_fused_step(Parent& self, const at::Tensor& found_inf) {
+Verdict adam_fused_step(Parent& self, const at::Tensor& found_inf) {
   auto groups = parameters_with_grad(self.param_groups());
   if (!fusable(groups, found_inf)) return nullptr;
   auto& state = self.state();
@@ -711,45 +721,45 @@ std::function<void(bool)> adam_fused_step(Parent& self, const at::Tensor& found_
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& options = static_cast<const Options&>(self.param_groups()[g].options());
     const auto& [params, grads] = groups[g];
-    // One kernel per step count (their bias corrections differ).
-    std::map<int64_t, AdamBatch> batches;
+    // One kernel per dtype (a kernel takes one) and step count (their bias
+    // corrections differ).
+    std::map<std::pair<at::ScalarType, int64_t>, AdamBatch> batches;
     for (size_t i = 0; i < params.size(); ++i) {
       const auto key = compat::optimizer_state_key(params[i]);
       auto* s = find_state<ParamState>(state, params[i]);
       if (s == nullptr) {
         auto fresh = std::make_unique<ParamState>();
         fresh->step(0);
-        fresh->exp_avg(torch::zeros_like(params[i], at::MemoryFormat::Contiguous));
-        fresh->exp_avg_sq(torch::zeros_like(params[i], at::MemoryFormat::Contiguous));
-        if (options.amsgrad()) {
-          fresh->max_exp_avg_sq(torch::zeros_like(params[i], at::MemoryFormat::Contiguous));
-        }
+        fresh->exp_avg(zeros_beside(params[i]));
+        fresh->exp_avg_sq(zeros_beside(params[i]));
+        if (options.amsgrad()) fresh->max_exp_avg_sq(zeros_beside(params[i]));
         s = fresh.get();
         made.push_back({key, s});
         state[key] = std::move(fresh);
       }
       stepped.push_back({key, s});
-      AdamBatch& b = batches[s->step()];
+      AdamBatch& b = batches[{params[i].scalar_type(), s->step()}];
       b.params.push_back(params[i].data());
       b.grads.push_back(grads[i]);
       b.exp_avgs.push_back(s->exp_avg());
       b.exp_avg_sqs.push_back(s->exp_avg_sq());
       if (options.amsgrad()) b.max_exp_avg_sqs.push_back(s->max_exp_avg_sq());
     }
-    for (auto& [count, b] : batches) {
+    for (auto& [dtype_and_count, b] : batches) {
       // The kernels read the advanced count from a float32 tensor per
       // parameter (a skipped step reads nothing).
-      const TensorVector steps =
-          at::full({static_cast<int64_t>(b.params.size())}, static_cast<double>(count + 1),
-                   at::TensorOptions(at::kFloat).device(found_inf.device()))
-              .unbind(0);
+      const TensorVector steps = at::full({static_cast<int64_t>(b.params.size())},
+                                          static_cast<double>(dtype_and_count.second + 1),
+                                          at::TensorOptions(at::kFloat).device(found_inf.device()))
+                                     .unbind(0);
       compat::fused_adam_(kDecoupled, b.params, b.grads, b.exp_avgs, b.exp_avg_sqs,
                           b.max_exp_avg_sqs, steps, options.lr(), std::get<0>(options.betas()),
                           std::get<1>(options.betas()), options.weight_decay(), options.eps(),
                           options.amsgrad(), found_inf);
     }
   }
-  return [&state, made = std::move(made), stepped = std::move(stepped)](bool skipped) {
+  return [made = std::move(made), stepped = std::move(stepped)](
+             DeviceSkippedSteps::ParamStates& state, bool skipped) {
     if (skipped) {
       erase_states(state, made);
       return;
@@ -762,6 +772,12 @@ std::function<void(bool)> adam_fused_step(Parent& self, const at::Tensor& found_
     }
   };
 }
+
+/// The parameters of one SGD group that one kernel steps: one dtype, and
+/// either all with a momentum buffer or all on their first step.
+struct SgdBatch {
+  TensorVector params, grads, buffers;
+};
 
 }  // namespace
 
@@ -782,46 +798,36 @@ bool SGD::step_unless(const at::Tensor& found_inf) {
   std::vector<StateRef> made;
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& [params, grads] = groups[g];
-    if (params.empty()) continue;
     const auto& options = static_cast<const torch::optim::SGDOptions&>(param_groups_[g].options());
-    auto fused_sgd = [&](const TensorVector& ps, const TensorVector& gs, const TensorVector& bufs,
-                         bool first) {
-      compat::fused_sgd_(data_of(ps), gs, bufs, options.weight_decay(), options.momentum(),
-                         options.lr(), options.dampening(), options.nesterov(), first, found_inf);
-    };
-    if (options.momentum() == 0) {
-      fused_sgd(params, grads, {}, /*first=*/false);
-      continue;
-    }
-    // A parameter's first step makes its buffer the gradient (LibTorch:
-    // a clone of it): one kernel for those, one for the others.
-    WithGrad stepped_before, first_step;
-    TensorVector buffers_before, first_buffers;
+    const bool momentum = options.momentum() != 0;
+    // Per dtype, and whether it is the parameter's first step (which makes
+    // its buffer the gradient; LibTorch: a clone of it).
+    std::map<std::pair<at::ScalarType, bool>, SgdBatch> batches;
     for (size_t i = 0; i < params.size(); ++i) {
-      if (auto* s = find_state<torch::optim::SGDParamState>(state_, params[i])) {
-        stepped_before.params.push_back(params[i]);
-        stepped_before.grads.push_back(grads[i]);
-        buffers_before.push_back(s->momentum_buffer());
-        continue;
+      auto* s = momentum ? find_state<torch::optim::SGDParamState>(state_, params[i]) : nullptr;
+      const bool first = momentum && s == nullptr;
+      SgdBatch& b = batches[{params[i].scalar_type(), first}];
+      b.params.push_back(params[i].data());
+      b.grads.push_back(grads[i]);
+      if (!momentum) continue;
+      if (first) {
+        auto fresh = std::make_unique<torch::optim::SGDParamState>();
+        fresh->momentum_buffer(zeros_beside(params[i]));
+        s = fresh.get();
+        const auto key = compat::optimizer_state_key(params[i]);
+        made.push_back({key, s});
+        state_[key] = std::move(fresh);
       }
-      auto fresh = std::make_unique<torch::optim::SGDParamState>();
-      fresh->momentum_buffer(torch::zeros_like(params[i], at::MemoryFormat::Contiguous));
-      first_step.params.push_back(params[i]);
-      first_step.grads.push_back(grads[i]);
-      first_buffers.push_back(fresh->momentum_buffer());
-      const auto key = compat::optimizer_state_key(params[i]);
-      made.push_back({key, fresh.get()});
-      state_[key] = std::move(fresh);
+      b.buffers.push_back(s->momentum_buffer());
     }
-    if (!stepped_before.params.empty()) {
-      fused_sgd(stepped_before.params, stepped_before.grads, buffers_before, /*first=*/false);
-    }
-    if (!first_step.params.empty()) {
-      fused_sgd(first_step.params, first_step.grads, first_buffers, /*first=*/true);
+    for (auto& [dtype_and_first, b] : batches) {
+      compat::fused_sgd_(b.params, b.grads, b.buffers, options.weight_decay(), options.momentum(),
+                         options.lr(), options.dampening(), options.nesterov(),
+                         /*is_first_step=*/dtype_and_first.second, found_inf);
     }
   }
-  expect_verdict(found_inf, [this, made = std::move(made)](bool skipped) {
-    if (skipped) erase_states(state_, made);
+  expect_verdict(found_inf, [made = std::move(made)](ParamStates& state, bool skipped) {
+    if (skipped) erase_states(state, made);
   });
   return true;
 }

@@ -1,5 +1,6 @@
 #include "utilities/host_copy.h"
 
+#include <ATen/ops/empty.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <thread>

@@ -10,11 +10,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <limits>
-#include <utility>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "fulgur/fulgur.h"
@@ -687,56 +689,142 @@ bool fused_kernels() { return fulgur::optim::DeviceSkippedSteps::available(); }
 at::Tensor verdict(bool found_inf) { return torch::full({1}, found_inf ? 1.0f : 0.0f); }
 
 /// kSteps of step_unless() on fulgur's optimizer, whose gradients hold an
-/// inf on steps 0 (so a first step makes no state) and 4, against
-/// torch::optim's step() on the others; the state compared after settle().
-/// With the kernels, equal within float rounding; without them (the host
-/// reads, then steps) bit-identical.
+/// inf on `inf_steps`, against torch::optim's step() on the others, on
+/// `device`. Parameters are compared after every step; the state after
+/// settle() on odd steps (on even ones the next step_unless() learns the
+/// verdict itself, as in training) and at the end. With the kernels, equal
+/// within float rounding; without them (the host reads, then steps)
+/// bit-identical. inf_steps {0, 4}: a first step is skipped and must leave
+/// no state; {1, 4}: parameter 1's first step comes with others' later ones
+/// (one kernel each), and a skip erases only what it made.
 template <class Fulgur, class Torch, class ParamState, class Options>
-void expect_device_skipped_runs(const Options& options) {
-  auto initial = initial_parameters();
+void expect_device_skipped_runs(const Options& options, const std::vector<int>& inf_steps,
+                                c10::Device device = c10::kCPU) {
+  TensorVector initial;
+  for (const auto& p : initial_parameters()) initial.push_back(p.to(device));
   auto ours = leaves(initial);
   auto theirs = leaves(initial);
   Fulgur fulgur_optimizer(two_groups(ours, options), options);
   Torch torch_optimizer(two_groups(theirs, options), options);
-  const double tolerance = fused_kernels() ? 1e-5 : 0;
+  const double tolerance = fused_kernels() || device.is_cuda() ? 1e-5 : 0;
+  const auto at = [&](int step) { return "after step " + std::to_string(step); };
   for (int step = 0; step < kSteps; ++step) {
     set_gradients(ours, step);
     set_gradients(theirs, step);
-    const bool inf = step == 0 || step == 4;
+    const bool inf = std::find(inf_steps.begin(), inf_steps.end(), step) != inf_steps.end();
     if (inf) ours[2].mutable_grad()[0][0][1] = std::numeric_limits<float>::infinity();
     // Queued for the device to decide, or skipped by the host that read.
-    EXPECT_EQ(fulgur_optimizer.step_unless(verdict(inf)), !inf || fused_kernels());
+    EXPECT_EQ(fulgur_optimizer.step_unless(verdict(inf).to(device)), !inf || fused_kernels());
     if (!inf) torch_optimizer.step();
-    fulgur_optimizer.settle();
-    ASSERT_TRUE(same_parameters_and_state<ParamState>(fulgur_optimizer, ours, torch_optimizer,
-                                                      theirs, tolerance))
-        << "after step " << step;
+    for (size_t i = 0; i < ours.size(); ++i) {
+      ASSERT_TRUE(same_tensor(ours[i], theirs[i], tolerance))
+          << "parameter " << i << " " << at(step);
+    }
+    if (step % 2 == 1) {
+      fulgur_optimizer.settle();
+      ASSERT_TRUE(same_parameters_and_state<ParamState>(fulgur_optimizer, ours, torch_optimizer,
+                                                        theirs, tolerance))
+          << at(step);
+    }
   }
+  fulgur_optimizer.settle();
+  EXPECT_TRUE(same_parameters_and_state<ParamState>(fulgur_optimizer, ours, torch_optimizer, theirs,
+                                                    tolerance));
   EXPECT_FALSE(torch::equal(ours[0], initial[0]));
   EXPECT_TRUE(torch::equal(ours[4], initial[4]));
 }
 
-TEST(FulgurOptimizers, DeviceSkippedStepsMatchTorchOptimOnTheStepsTheVerdictLetsThrough) {
+/// Every optimizer and its main options through expect_device_skipped_runs.
+void expect_device_skipped_runs_of_each(c10::Device device) {
   using torch::optim::AdamOptions;
   using torch::optim::AdamWOptions;
   using torch::optim::SGDOptions;
-  // Dampening: a first step after a skipped one still makes the buffer the
-  // gradient itself.
-  for (const auto& options :
-       {SGDOptions(0.1), SGDOptions(0.1).momentum(0.9).dampening(0.3).weight_decay(0.01),
-        SGDOptions(0.05).momentum(0.8).nesterov(true)}) {
-    SCOPED_TRACE("SGD momentum " + std::to_string(options.momentum()));
-    expect_device_skipped_runs<fulgur::optim::SGD, torch::optim::SGD, torch::optim::SGDParamState>(
-        options);
+  for (const std::vector<int>& inf_steps : {std::vector<int>{0, 4}, std::vector<int>{1, 4}}) {
+    SCOPED_TRACE("inf at steps " + std::to_string(inf_steps[0]) + " and 4");
+    // Dampening: a first step after a skipped one still makes the buffer
+    // the gradient itself.
+    for (const auto& options :
+         {SGDOptions(0.1), SGDOptions(0.1).momentum(0.9).dampening(0.3).weight_decay(0.01),
+          SGDOptions(0.05).momentum(0.8).nesterov(true)}) {
+      SCOPED_TRACE("SGD momentum " + std::to_string(options.momentum()));
+      expect_device_skipped_runs<fulgur::optim::SGD, torch::optim::SGD,
+                                 torch::optim::SGDParamState>(options, inf_steps, device);
+    }
+    for (const auto& options :
+         {AdamOptions(1e-2), AdamOptions(1e-2).amsgrad(true).weight_decay(0.1)}) {
+      SCOPED_TRACE(std::string("Adam amsgrad ") + (options.amsgrad() ? "on" : "off"));
+      expect_device_skipped_runs<fulgur::optim::Adam, torch::optim::Adam,
+                                 torch::optim::AdamParamState>(options, inf_steps, device);
+    }
+    expect_device_skipped_runs<fulgur::optim::AdamW, torch::optim::AdamW,
+                               torch::optim::AdamWParamState>(AdamWOptions(1e-2).weight_decay(0.1),
+                                                              inf_steps, device);
   }
-  for (const auto& options :
-       {AdamOptions(1e-2), AdamOptions(1e-2).amsgrad(true).weight_decay(0.1)}) {
-    SCOPED_TRACE(std::string("Adam amsgrad ") + (options.amsgrad() ? "on" : "off"));
-    expect_device_skipped_runs<fulgur::optim::Adam, torch::optim::Adam,
-                               torch::optim::AdamParamState>(options);
-  }
-  expect_device_skipped_runs<fulgur::optim::AdamW, torch::optim::AdamW,
-                             torch::optim::AdamWParamState>(AdamWOptions(1e-2).weight_decay(0.1));
+}
+
+TEST(FulgurOptimizers, DeviceSkippedStepsMatchTorchOptimOnTheStepsTheVerdictLetsThrough) {
+  expect_device_skipped_runs_of_each(c10::kCPU);
+}
+
+TEST(FulgurOptimizers, DeviceSkippedStepsMatchTorchOptimWithinFloatRounding_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  expect_device_skipped_runs_of_each(c10::Device(c10::kCUDA, 0));
+}
+
+TEST(FulgurOptimizers, DeviceSkippedStepsOfMixedDtypesAndSharedTensorsMatchTorchOptim) {
+  // One group of float32 and float64 parameters (one kernel per dtype), and
+  // a tensor in two groups (stepped twice, the second step seeing the
+  // first: the host reads the verdict and steps as torch::optim does).
+  auto check = [](auto make_fulgur, auto make_torch, const std::string& what) {
+    SCOPED_TRACE(what);
+    std::vector<c10::Device> devices = {c10::kCPU};
+    if (torch::cuda::is_available()) devices.emplace_back(c10::kCUDA, 0);
+    for (const auto& device : devices) {
+      torch::manual_seed(3);
+      const TensorVector initial = {torch::randn({3, 2}).to(device),
+                                    torch::randn({4}, torch::kDouble).to(device)};
+      auto ours = leaves(initial);
+      auto theirs = leaves(initial);
+      auto fulgur_optimizer = make_fulgur(ours);
+      auto torch_optimizer = make_torch(theirs);
+      for (int step = 0; step < 4; ++step) {
+        for (size_t i = 0; i < ours.size(); ++i) {
+          // Of each parameter's dtype, as autograd makes them.
+          const auto grad = torch::randn_like(initial[i]);
+          ours[i].mutable_grad() = grad.clone();
+          theirs[i].mutable_grad() = grad.clone();
+        }
+        ASSERT_TRUE(fulgur_optimizer->step_unless(verdict(false).to(device)));
+        torch_optimizer->step();
+        fulgur_optimizer->settle();
+        for (size_t i = 0; i < ours.size(); ++i) {
+          ASSERT_TRUE(torch::allclose(ours[i], theirs[i], 1e-5, 1e-5))
+              << "parameter " << i << " after step " << step << " on " << device;
+        }
+      }
+      EXPECT_FALSE(torch::equal(ours[1], initial[1]));
+    }
+  };
+  const auto sgd = torch::optim::SGDOptions(0.1).momentum(0.9);
+  check([&](const TensorVector& p) { return std::make_unique<fulgur::optim::SGD>(p, sgd); },
+        [&](const TensorVector& p) { return std::make_unique<torch::optim::SGD>(p, sgd); },
+        "SGD, mixed dtypes");
+  const auto adam = torch::optim::AdamOptions(1e-2);
+  check([&](const TensorVector& p) { return std::make_unique<fulgur::optim::Adam>(p, adam); },
+        [&](const TensorVector& p) { return std::make_unique<torch::optim::Adam>(p, adam); },
+        "Adam, mixed dtypes");
+  auto shared = [&](auto tag) {
+    return [&, tag](const TensorVector& p) {
+      using Optimizer = typename decltype(tag)::type;
+      std::vector<OptimizerParamGroup> groups;
+      groups.emplace_back(TensorVector{p[0], p[1]},
+                          std::make_unique<torch::optim::AdamOptions>(adam));
+      groups.emplace_back(TensorVector{p[0]}, std::make_unique<torch::optim::AdamOptions>(adam));
+      return std::make_unique<Optimizer>(std::move(groups), adam);
+    };
+  };
+  check(shared(std::type_identity<fulgur::optim::Adam>{}),
+        shared(std::type_identity<torch::optim::Adam>{}), "Adam, a tensor in two groups");
 }
 
 TEST(FulgurOptimizers, TheHostLearnsADeviceSkippedStepsVerdictAtTheNextStepOrWhenSaved) {

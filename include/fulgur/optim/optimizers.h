@@ -8,8 +8,8 @@
 // same options (torch::optim::SGDOptions, AdamOptions, AdamWOptions), the
 // same parameter groups, the same per-parameter state (SGDParamState,
 // AdamParamState, AdamWParamState, keyed as torch::optim keys it), and
-// save/load inherited unchanged. A checkpoint written by one loads into the
-// other, LibTorch's LR schedulers and fulgur's work on them, and code that
+// torch::optim's save/load (after settle(): see DeviceSkippedSteps). A checkpoint written by one
+// loads into the other, LibTorch's LR schedulers and fulgur's work on them, and code that
 // dynamic_casts to torch::optim::Adam still finds one.
 //
 // Numerics: the same operations, in the same order, with the same scalars as
@@ -17,7 +17,9 @@
 // so on the CPU, where a multi-tensor operator runs the per-tensor kernel on
 // each tensor, every parameter and state tensor is bit-identical to
 // torch::optim's. On CUDA the multi-tensor kernels compute the same
-// expressions in registers (equal within float rounding).
+// expressions in registers (equal within float rounding). A 16-mixed step
+// through the fused kernels (DeviceSkippedSteps) is equal within float
+// rounding on both.
 //
 //   fulgur::OptimizerConfig configure_optimizers() override {
 //     return fulgur::OptimizerConfig(
@@ -62,6 +64,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace fulgur::detail {
@@ -122,32 +126,38 @@ class DeviceScalarSteps {
 };
 
 /// Steps that the device skips by itself when the loss scaler (16-mixed)
-/// found inf/NaN gradients, so that the host never waits to read the
-/// verdict: GradScaler::step hands its found_inf to step_unless(), and on
-/// LibTorch 2.6 and newer one fused ATen kernel per group (_fused_sgd_,
-/// _fused_adam_, _fused_adamw_; CPU and CUDA) steps every parameter, or
+/// found inf/NaN gradients, so that the host never waits for a step's own
+/// backward to read the verdict: GradScaler::step hands its found_inf to
+/// step_unless(), and on LibTorch 2.6 and newer fused ATen kernels
+/// (_fused_sgd_, _fused_adam_, _fused_adamw_; CPU and CUDA; one per group
+/// and dtype, and for Adam per step count) step every parameter, or
 /// nothing when found_inf holds 1. Numerics: torch::optim's arithmetic,
 /// fused per element, so equal within float rounding, not bitwise.
 ///
 /// What the host keeps of a step (Adam's step counts, the state a first
 /// step makes) follows the verdict one step late: the next step, settle()
-/// and save() read it (by then long computed) and bring the state up to
-/// date; a skipped first step leaves no state, as torch::optim's. fulgur's
-/// optimizer_state_dict settles first; other code that reads state()
-/// between steps calls settle() first.
+/// and save() read it and bring the state up to date; a skipped first step
+/// leaves no state, as torch::optim's. The host thus waits for the previous
+/// step's verdict (by then long computed), never for the current step's.
+/// fulgur's optimizer_state_dict settles first; other code that reads
+/// state() between steps calls settle() first.
 class DeviceSkippedSteps {
  public:
+  /// torch::optim's per-parameter state map.
+  using ParamStates = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
+
   /// Whether this LibTorch has the fused kernels (2.6 and newer).
   static bool available();
 
   /// One step of every parameter with a gradient, unless `found_inf` (a
   /// float32 tensor of one element on the parameters' device, 0 or 1) holds
   /// 1. Returns false only when the host read found_inf and skipped. The
-  /// host reads it, and runs step() when it is 0, where the kernels cannot
-  /// take the step: on LibTorch before 2.6, in device-scalar mode, or when
-  /// a gradient is sparse, or a tensor (parameter, gradient, state) is not
-  /// contiguous or not on found_inf's device (CPU or CUDA) with its
-  /// parameter's dtype, or a group lists a tensor twice.
+  /// host reads it, and runs step() unless it is 1, where the kernels
+  /// cannot take the step: on LibTorch before 2.6, in device-scalar mode, or
+  /// when a gradient is sparse, a tensor (parameter, gradient, state) is not
+  /// on found_inf's device (CPU or CUDA) with its parameter's dtype and
+  /// layout (contiguous on the CPU; dense on CUDA), or a tensor is listed
+  /// twice (in one group or in two).
   virtual bool step_unless(const at::Tensor& found_inf) = 0;
 
   /// Brings the state up to date with the last step_unless(), waiting for
@@ -160,16 +170,20 @@ class DeviceSkippedSteps {
   DeviceSkippedSteps& operator=(const DeviceSkippedSteps&) = default;
   ~DeviceSkippedSteps() = default;
 
+  /// The optimizer's per-parameter state map (torch::optim's state_).
+  virtual ParamStates& param_states() = 0;
   /// Starts bringing `found_inf` to the host; settle() calls
-  /// `apply(skipped)` with what it held.
-  void expect_verdict(const at::Tensor& found_inf, std::function<void(bool skipped)> apply);
+  /// `apply(param_states(), skipped)` with what it held (`apply` keeps no
+  /// pointer to the optimizer, which may have moved by then).
+  void expect_verdict(const at::Tensor& found_inf,
+                      std::function<void(ParamStates&, bool skipped)> apply);
 
  private:
   std::shared_ptr<detail::SkipVerdict> verdict_;
 };
 
 /// torch::optim::SGD (momentum, dampening, nesterov, weight_decay) stepped
-/// with multi-tensor operators; bit-identical to it on the CPU.
+/// with multi-tensor operators; step() is bit-identical to it on the CPU.
 class SGD : public torch::optim::SGD, public DeviceScalarSteps, public DeviceSkippedSteps {
  public:
   using torch::optim::SGD::SGD;
@@ -186,10 +200,14 @@ class SGD : public torch::optim::SGD, public DeviceScalarSteps, public DeviceSki
   std::string why_not_device_scalars() const override;
   void prepare_step() override;
   std::vector<double> baked_options() const override;
+
+ protected:
+  ParamStates& param_states() override { return state_; }
 };
 
 /// torch::optim::Adam (betas, eps, weight_decay as L2, amsgrad) stepped with
-/// multi-tensor operators; bit-identical to it on the CPU. Parameters whose
+/// multi-tensor operators; step() is bit-identical to it on the CPU.
+/// Parameters whose
 /// step counts differ (one had no gradient on some steps) are stepped in one
 /// batch per step count. Throws c10::Error on a sparse gradient, as Adam does.
 class Adam : public torch::optim::Adam, public DeviceScalarSteps, public DeviceSkippedSteps {
@@ -209,10 +227,14 @@ class Adam : public torch::optim::Adam, public DeviceScalarSteps, public DeviceS
   void prepare_step() override;
   void finish_step() override;
   std::vector<double> baked_options() const override;
+
+ protected:
+  ParamStates& param_states() override { return state_; }
 };
 
 /// torch::optim::AdamW (betas, eps, decoupled weight_decay, amsgrad) stepped
-/// with multi-tensor operators; bit-identical to it on the CPU. As Adam for
+/// with multi-tensor operators; step() is bit-identical to it on the CPU. As
+/// Adam for
 /// step counts and sparse gradients.
 class AdamW : public torch::optim::AdamW, public DeviceScalarSteps, public DeviceSkippedSteps {
  public:
@@ -231,6 +253,9 @@ class AdamW : public torch::optim::AdamW, public DeviceScalarSteps, public Devic
   void prepare_step() override;
   void finish_step() override;
   std::vector<double> baked_options() const override;
+
+ protected:
+  ParamStates& param_states() override { return state_; }
 };
 
 }  // namespace fulgur::optim

@@ -230,7 +230,8 @@ class Strategy {
   /// torch::nn::utils::clip_grad_norm_; a strategy whose ranks each hold a
   /// shard of the gradients takes the norm over all of them.
   virtual void clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm);
-  /// Steps the optimizer through the precision plugin; false if skipped.
+  /// Steps the optimizer through the precision plugin; false if the host
+  /// skipped it (Precision::optimizer_step).
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer, Module& module);
   /// Off for the backward passes of micro-batches that do not step the
   /// optimizer (gradient accumulation): a strategy that syncs gradients

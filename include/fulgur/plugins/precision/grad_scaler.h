@@ -16,8 +16,9 @@
 // On CUDA it runs ATen's fused kernels (_amp_foreach_non_finite_check_and_
 // unscale_, _amp_update_scale_); on other devices the same arithmetic with
 // ordinary tensor ops, so its logic is testable on the CPU. With
-// fulgur::optim's optimizers (LibTorch 2.6+) a skipped step is skipped by
-// the device too, so that a step of 16-mixed never waits for the GPU.
+// fulgur::optim's optimizers (LibTorch 2.6+) the device skips a step by
+// itself, so that the host never waits for the step's own backward: it
+// learns the verdict one step later (DeviceSkippedSteps).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -53,7 +53,8 @@ class Precision {
   virtual void backward(const at::Tensor& loss);
   /// Makes gradients true-scale before clipping (unscale, for 16-mixed).
   virtual void unscale_gradients(torch::optim::Optimizer& /*optimizer*/) {}
-  /// Steps `optimizer`; returns false if the step was skipped (inf/NaN).
+  /// Steps `optimizer`; returns false if the host skipped the step (inf/NaN;
+  /// a step the device may skip returns true: see GradScaler::step).
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer);
   /// Called once after all optimizers stepped in an iteration (scaler update).
   virtual void update() {}
