@@ -1,6 +1,7 @@
 #include "fulgur/utilities/host_allocator.h"
 
 #include <climits>
+#include <string>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -12,10 +13,35 @@ namespace fulgur {
 
 namespace {
 
-// The environment variables that set, at start-up, what this tuning changes
-// (mallopt(3); glibc's manual, "Memory Allocation Tunables").
+// The environment variables and GLIBC_TUNABLES names that set, at start-up,
+// what this tuning changes (mallopt(3); glibc's manual, "Memory Allocation
+// Tunables"). Other tunables (glibc.malloc.hugetlb, the thread caches, the
+// arenas) are independent of it and stay as the user set them.
 constexpr const char* kMallocVariables[] = {"MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_",
                                             "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"};
+constexpr const char* kMallocTunables[] = {"glibc.malloc.mmap_max", "glibc.malloc.mmap_threshold",
+                                           "glibc.malloc.trim_threshold",
+                                           "glibc.malloc.top_pad"};
+
+/// The first of kMallocTunables that `tunables` (GLIBC_TUNABLES's
+/// name=value:name=value list) sets; empty when none. An entry without "="
+/// sets nothing (glibc skips it).
+std::string conflicting_tunable(const std::string& tunables) {
+  size_t begin = 0;
+  while (begin <= tunables.size()) {
+    size_t end = tunables.find(':', begin);
+    if (end == std::string::npos) end = tunables.size();
+    const std::string item = tunables.substr(begin, end - begin);
+    if (const size_t equals = item.find('='); equals != std::string::npos) {
+      const std::string name = item.substr(0, equals);
+      for (const char* known : kMallocTunables) {
+        if (name == known) return name;
+      }
+    }
+    begin = end + 1;
+  }
+  return "";
+}
 
 }  // namespace
 
@@ -28,9 +54,10 @@ HostAllocatorTuning tune_host_allocator(const EnvView& env) {
                           "settings), or unset it."));
   }
   if (choice == "system") return {false, "FULGUR_HOST_ALLOCATOR=system"};
-  if (auto tunables = env.get("GLIBC_TUNABLES");
-      tunables && tunables->find("glibc.malloc.") != std::string::npos) {
-    return {false, "GLIBC_TUNABLES sets glibc.malloc.*"};
+  if (auto tunables = env.get("GLIBC_TUNABLES")) {
+    if (auto name = conflicting_tunable(*tunables); !name.empty()) {
+      return {false, str("GLIBC_TUNABLES sets ", name)};
+    }
   }
   for (const char* name : kMallocVariables) {
     if (env.has(name)) return {false, str(name, " is set")};

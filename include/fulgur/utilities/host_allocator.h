@@ -18,9 +18,12 @@
 //   FULGUR_HOST_ALLOCATOR=cached   the default: tune (above)
 //   FULGUR_HOST_ALLOCATOR=system   leave glibc's defaults
 //
-// Settings of the user's own win: when GLIBC_TUNABLES names a glibc.malloc
-// tunable, or MALLOC_MMAP_MAX_, MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or
-// MALLOC_TOP_PAD_ is set, nothing is changed. Without glibc it does nothing.
+// Settings of the user's own win: when GLIBC_TUNABLES sets
+// glibc.malloc.mmap_max, mmap_threshold, trim_threshold or top_pad, or
+// MALLOC_MMAP_MAX_, MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or
+// MALLOC_TOP_PAD_ is set, nothing is changed. Other malloc tunables (such as
+// glibc.malloc.hugetlb, huge pages for the heap) do not touch what this
+// changes, and the tuning applies with them. Without glibc it does nothing.
 #pragma once
 
 #include <string>
@@ -33,7 +36,8 @@ struct HostAllocatorTuning {
   /// Whether malloc's settings were changed by this call.
   bool applied = false;
   /// Why not, when not: "FULGUR_HOST_ALLOCATOR=system", "GLIBC_TUNABLES
-  /// sets glibc.malloc.*", "not glibc", ...
+  /// sets glibc.malloc.trim_threshold", "MALLOC_TOP_PAD_ is set", "not
+  /// glibc", ...
   std::string reason;
 };
 
