@@ -22,7 +22,7 @@ std::string bad_devices(const std::string& text) {
              "for all devices, or a list of indices (\"0,2\" or \"0,\").");
 }
 
-std::optional<int> parse_int(const std::string& text) {
+std::optional<int> parse_device_number(const std::string& text) {
   try {
     size_t used = 0;
     int v = std::stoi(text, &used);
@@ -43,7 +43,7 @@ DevicesSpec::DevicesSpec(const char* raw) {
     return;
   }
   if (text.find(',') == std::string::npos) {
-    count_ = parse_int(text);
+    count_ = parse_device_number(text);
     if (!count_) error_ = bad_devices(text);
     return;
   }
@@ -54,7 +54,7 @@ DevicesSpec::DevicesSpec(const char* raw) {
     std::string part =
         trim(text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
     if (!part.empty()) {
-      auto index = parse_int(part);
+      auto index = parse_device_number(part);
       if (!index) {
         error_ = bad_devices(text);
         return;

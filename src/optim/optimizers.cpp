@@ -678,18 +678,20 @@ void DeviceSkippedSteps::settle() {
   apply(param_states(), *verdict_->found_inf.read().data_ptr<float>() == 1.0f);
 }
 
-void DeviceSkippedSteps::expect_verdict(const at::Tensor& found_inf,
-                                        std::function<void(ParamStates&, bool skipped)> apply) {
+bool DeviceSkippedSteps::hand_on(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf,
+                                 Verdict apply) {
+  if (!apply) return read_then_step(optimizer, found_inf);
   if (!verdict_) verdict_ = std::make_shared<detail::SkipVerdict>();
   // Off CUDA the copy keeps the tensor itself: a copy of its own, which
   // the caller may change.
   verdict_->found_inf.start(found_inf.is_cuda() ? found_inf : found_inf.clone());
   verdict_->apply = std::move(apply);
+  return true;
 }
 
 namespace {
 
-using Verdict = std::function<void(DeviceSkippedSteps::ParamStates&, bool skipped)>;
+using Verdict = DeviceSkippedSteps::Verdict;
 
 /// A fresh state tensor laid out as its parameter (the kernels need the
 /// same strides).
@@ -793,7 +795,7 @@ bool SGD::step_unless(const at::Tensor& found_inf) {
       if (s != nullptr && !beside(s->momentum_buffer(), p)) fused = false;
     }
   }
-  if (!fused) return read_then_step(*this, found_inf);
+  if (!fused) return hand_on(*this, found_inf, nullptr);
   at::NoGradGuard no_grad;
   std::vector<StateRef> made;
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -826,10 +828,9 @@ bool SGD::step_unless(const at::Tensor& found_inf) {
                          /*is_first_step=*/dtype_and_first.second, found_inf);
     }
   }
-  expect_verdict(found_inf, [made = std::move(made)](ParamStates& state, bool skipped) {
+  return hand_on(*this, found_inf, [made = std::move(made)](ParamStates& state, bool skipped) {
     if (skipped) erase_states(state, made);
   });
-  return true;
 }
 
 void SGD::save(torch::serialize::OutputArchive& archive) const {
@@ -845,14 +846,12 @@ void SGD::load(torch::serialize::InputArchive& archive) {
 
 bool Adam::step_unless(const at::Tensor& found_inf) {
   settle();
-  auto apply =
+  return hand_on(
+      *this, found_inf,
       uses_device_scalars()
           ? nullptr
           : adam_fused_step<false, torch::optim::AdamOptions, torch::optim::AdamParamState>(
-                *this, found_inf);
-  if (!apply) return read_then_step(*this, found_inf);
-  expect_verdict(found_inf, std::move(apply));
-  return true;
+                *this, found_inf));
 }
 
 void Adam::save(torch::serialize::OutputArchive& archive) const {
@@ -867,14 +866,12 @@ void Adam::load(torch::serialize::InputArchive& archive) {
 
 bool AdamW::step_unless(const at::Tensor& found_inf) {
   settle();
-  auto apply =
+  return hand_on(
+      *this, found_inf,
       uses_device_scalars()
           ? nullptr
           : adam_fused_step<true, torch::optim::AdamWOptions, torch::optim::AdamWParamState>(
-                *this, found_inf);
-  if (!apply) return read_then_step(*this, found_inf);
-  expect_verdict(found_inf, std::move(apply));
-  return true;
+                *this, found_inf));
 }
 
 void AdamW::save(torch::serialize::OutputArchive& archive) const {

@@ -20,8 +20,7 @@ namespace {
 constexpr const char* kMallocVariables[] = {"MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_",
                                             "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"};
 constexpr const char* kMallocTunables[] = {"glibc.malloc.mmap_max", "glibc.malloc.mmap_threshold",
-                                           "glibc.malloc.trim_threshold",
-                                           "glibc.malloc.top_pad"};
+                                           "glibc.malloc.trim_threshold", "glibc.malloc.top_pad"};
 
 /// The first of kMallocTunables that `tunables` (GLIBC_TUNABLES's
 /// name=value:name=value list) sets; empty when none. An entry without "="

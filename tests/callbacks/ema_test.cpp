@@ -14,15 +14,16 @@
 
 namespace {
 
-using ::testing::HasSubstr;
 using fulgur::EMA;
 using fulgur::EMAOptions;
 using fulgur::test::clone_parameters;
+using fulgur::test::expect_tensors_equal;
 using fulgur::test::LinearRegression;
 using fulgur::test::parameters_equal;
 using fulgur::test::regression_loader;
 using fulgur::test::TempDir;
 using fulgur::test::test_options;
+using ::testing::HasSubstr;
 
 // Records the module's parameters after every optimizer step (it runs after
 // the EMA callback, which comes first in the list).
@@ -54,11 +55,6 @@ std::vector<at::Tensor> expected_average(const std::vector<std::vector<at::Tenso
   return average;
 }
 
-void expect_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
-}
-
 TEST(EMA, TheAverageIsTheFormulaOverTheWeightsAfterEachStep) {
   TempDir dir;
   LinearRegression model;
@@ -70,10 +66,10 @@ TEST(EMA, TheAverageIsTheFormulaOverTheWeightsAfterEachStep) {
   auto result = fulgur::Trainer(options).fit(model, regression_loader(4));
   ASSERT_EQ(result.global_step, 8);
   ASSERT_EQ(recorder->steps.size(), 9u);
-  expect_equal(ema->average(), expected_average(recorder->steps, 0.75, 1));
+  expect_tensors_equal(ema->average(), expected_average(recorder->steps, 0.75, 1));
   EXPECT_EQ(ema->last_update_step(), 8);
   // apply_at_end=false: the module keeps its last training weights.
-  expect_equal(clone_parameters(model), recorder->steps.back());
+  expect_tensors_equal(clone_parameters(model), recorder->steps.back());
 }
 
 TEST(EMA, EveryNthOptimizerStepNotEveryMicroBatch) {
@@ -87,10 +83,10 @@ TEST(EMA, EveryNthOptimizerStepNotEveryMicroBatch) {
   options.callbacks = {ema, recorder};
   auto result = fulgur::Trainer(options).fit(model, regression_loader(4));
   ASSERT_EQ(result.global_step, 6);
-  expect_equal(ema->average(), expected_average(recorder->steps, 0.5, 2));
+  expect_tensors_equal(ema->average(), expected_average(recorder->steps, 0.5, 2));
   EXPECT_EQ(ema->last_update_step(), 6);
   // apply_at_end (the default): the module ends with the average.
-  expect_equal(clone_parameters(model), ema->average());
+  expect_tensors_equal(clone_parameters(model), ema->average());
 }
 
 TEST(EMA, ValidationRunsWithTheAverageAndTrainingGoesOnWithItsOwnWeights) {
@@ -111,11 +107,11 @@ TEST(EMA, ValidationRunsWithTheAverageAndTrainingGoesOnWithItsOwnWeights) {
   // After epoch 1's 4 steps, validation saw the average of those.
   std::vector<std::vector<at::Tensor>> first_epoch(recorder->steps.begin(),
                                                    recorder->steps.begin() + 5);
-  expect_equal(seen_in_validation[0], expected_average(first_epoch, 0.9, 1));
+  expect_tensors_equal(seen_in_validation[0], expected_average(first_epoch, 0.9, 1));
   // ...and epoch 2 trained on from the weights of step 4, not the average:
   // the run ends as the formula over the recorded steps says.
-  expect_equal(ema->average(), expected_average(recorder->steps, 0.9, 1));
-  expect_equal(clone_parameters(model), recorder->steps.back());
+  expect_tensors_equal(ema->average(), expected_average(recorder->steps, 0.9, 1));
+  expect_tensors_equal(clone_parameters(model), recorder->steps.back());
   EXPECT_FALSE(torch::equal(seen_in_validation[0][0], recorder->steps[4][0]));
 }
 
@@ -140,7 +136,7 @@ TEST(EMA, AResumedRunEndsBitIdenticalToTheUninterruptedOne) {
   options.callbacks = {resumed_ema};
   fulgur::Trainer(options).fit(resumed, regression_loader(4), nullptr, {.ckpt_path = "last"});
   EXPECT_EQ(resumed_ema->last_update_step(), 12);
-  expect_equal(resumed_ema->average(), full_ema->average());
+  expect_tensors_equal(resumed_ema->average(), full_ema->average());
   EXPECT_TRUE(parameters_equal(uninterrupted, resumed));
 }
 

@@ -22,13 +22,14 @@ namespace fs = std::filesystem;
 using fulgur::StochasticWeightAveraging;
 using fulgur::SWAOptions;
 using fulgur::test::clone_parameters;
+using fulgur::test::expect_tensors_equal;
 using fulgur::test::LinearRegression;
 using fulgur::test::regression_loader;
 using fulgur::test::TempDir;
 using fulgur::test::test_options;
 
 // The weights at the end of every epoch, and the rate of every step.
-class Recorder : public fulgur::Callback {
+class SwaRecorder : public fulgur::Callback {
  public:
   std::string state_key() const override { return "Recorder"; }
   void on_train_epoch_end(fulgur::Trainer&, fulgur::Module& m) override {
@@ -45,7 +46,7 @@ class Recorder : public fulgur::Callback {
 
 class RecordedRegression : public LinearRegression {
  public:
-  explicit RecordedRegression(Recorder* recorder) : recorder_(recorder) {}
+  explicit RecordedRegression(SwaRecorder* recorder) : recorder_(recorder) {}
   fulgur::OptimizerConfig configure_optimizers() override {
     auto config = LinearRegression::configure_optimizers();
     recorder_->optimizer = config.optimizers.front().get();
@@ -53,17 +54,12 @@ class RecordedRegression : public LinearRegression {
   }
 
  private:
-  Recorder* recorder_;
+  SwaRecorder* recorder_;
 };
-
-void expect_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
-}
 
 TEST(StochasticWeightAveraging, TheModuleEndsWithTheAverageOfTheAveragedEpochsEnds) {
   TempDir dir;
-  auto recorder = std::make_shared<Recorder>();
+  auto recorder = std::make_shared<SwaRecorder>();
   RecordedRegression model(recorder.get());
   auto swa = std::make_shared<StochasticWeightAveraging>(
       SWAOptions{.swa_lr = 0.01, .swa_epoch_start = 0.6, .annealing_epochs = 2});
@@ -85,8 +81,8 @@ TEST(StochasticWeightAveraging, TheModuleEndsWithTheAverageOfTheAveragedEpochsEn
       expected[i].add_(recorder->epochs[e][i] - expected[i], 1.0 / static_cast<double>(e - 1));
     }
   }
-  expect_equal(swa->average(), expected);
-  expect_equal(clone_parameters(model), expected);
+  expect_tensors_equal(swa->average(), expected);
+  expect_tensors_equal(clone_parameters(model), expected);
   // And that is their mean, within rounding; not the last epoch's weights.
   for (size_t i = 0; i < expected.size(); ++i) {
     const auto mean =
@@ -99,7 +95,7 @@ TEST(StochasticWeightAveraging, TheModuleEndsWithTheAverageOfTheAveragedEpochsEn
 TEST(StochasticWeightAveraging, EveryStepOfAnAveragedEpochTakesTheAnnealedRate) {
   for (const char* strategy : {"cos", "linear"}) {
     TempDir dir;
-    auto recorder = std::make_shared<Recorder>();
+    auto recorder = std::make_shared<SwaRecorder>();
     RecordedRegression model(recorder.get());
     // A schedule that halves the rate after every epoch from the second on
     // (LibTorch's StepLR leaves its first step's rate as it is): averaging
@@ -110,11 +106,11 @@ TEST(StochasticWeightAveraging, EveryStepOfAnAveragedEpochTakesTheAnnealedRate) 
     };
     auto options = test_options(dir);
     options.max_epochs = 6;
-    options.callbacks = {recorder, std::make_shared<StochasticWeightAveraging>(SWAOptions{
-                                       .swa_lr = 0.001,
-                                       .swa_epoch_start = 3,  // index 2
-                                       .annealing_epochs = 3,
-                                       .annealing_strategy = strategy})};
+    options.callbacks = {recorder, std::make_shared<StochasticWeightAveraging>(
+                                       SWAOptions{.swa_lr = 0.001,
+                                                  .swa_epoch_start = 3,  // index 2
+                                                  .annealing_epochs = 3,
+                                                  .annealing_strategy = strategy})};
     fulgur::Trainer trainer(options);
     trainer.fit(model, regression_loader(4));
     ASSERT_EQ(recorder->lrs.size(), 24u) << strategy;
@@ -139,9 +135,9 @@ TEST(StochasticWeightAveraging, EveryStepOfAnAveragedEpochTakesTheAnnealedRate) 
 class BatchNormNet : public fulgur::Module {
  public:
   explicit BatchNormNet(bool with_predict = true) : with_predict_(with_predict) {
-    net = register_module("net", torch::nn::Sequential(torch::nn::Linear(3, 4),
-                                                       torch::nn::BatchNorm1d(4),
-                                                       torch::nn::Linear(4, 1)));
+    net = register_module("net",
+                          torch::nn::Sequential(torch::nn::Linear(3, 4), torch::nn::BatchNorm1d(4),
+                                                torch::nn::Linear(4, 1)));
   }
   at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
     const auto& [x, y] = batch.pair();
@@ -208,14 +204,14 @@ TEST(StochasticWeightAveraging, BatchNormStatisticsAreRecomputedForTheAveragedWe
     loader->start_epoch(0);
     while (auto batch = loader->next()) reference.net->forward(batch->pair().first);
   }
-  expect_equal(bn_stats(*updated), bn_stats(reference));
+  expect_tensors_equal(bn_stats(*updated), bn_stats(reference));
   EXPECT_EQ(bn_stats(*updated)[2].item<int64_t>(), 4);
   // The layer's own momentum is back; the statistics differ from the
   // trained ones, which update_bn=false keeps.
   EXPECT_EQ(updated->net[1]->as<torch::nn::BatchNorm1d>()->options.momentum(), 0.1);
   EXPECT_FALSE(torch::equal(bn_stats(*updated)[0], (*as_trained)[0]));
   auto kept = run(false);
-  expect_equal(bn_stats(*kept), *as_trained);
+  expect_tensors_equal(bn_stats(*kept), *as_trained);
 }
 
 TEST(StochasticWeightAveraging, WithoutAForwardPassTheBatchNormUpdateSaysWhatToDo) {
@@ -242,10 +238,10 @@ TEST(StochasticWeightAveraging, ARunResumedFromAnEpochsEndOrFromItsLastEndsBitId
   TempDir dir;
   auto train = [&](const std::string& ckpt, int64_t max_epochs) {
     torch::manual_seed(8);
-    auto model = std::make_unique<LinearRegression>(
-        fulgur::test::LinearRegressionOptions{.momentum = 0.9});
-    auto options = fulgur::test::checkpointed_options(
-        dir, {.filename = "epoch={epoch}", .save_top_k = -1});
+    auto model =
+        std::make_unique<LinearRegression>(fulgur::test::LinearRegressionOptions{.momentum = 0.9});
+    auto options =
+        fulgur::test::checkpointed_options(dir, {.filename = "epoch={epoch}", .save_top_k = -1});
     // ModelCheckpoint saves at an epoch's end, before that epoch is
     // averaged (the next epoch's start, or the end of training, takes it).
     options.callbacks.push_back(std::make_shared<StochasticWeightAveraging>(

@@ -17,7 +17,7 @@
 
 namespace {
 
-using Recorder = fulgur::test::UnitHooksRecorder;
+using fulgur::test::UnitHooksRecorder;
 
 struct PairImpl : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
@@ -56,8 +56,9 @@ TEST(FSDPUnit, HoldsTheModuleUnderTheSameNamesAndForward) {
   EXPECT_TRUE(linear->is_training());
   std::ostringstream printed;
   net.fc->pretty_print(printed);
-  EXPECT_EQ(printed.str(), "fulgur::nn::FSDPUnit(torch::nn::Linear(in_features=4, out_features=3, "
-                           "bias=true))");
+  EXPECT_EQ(printed.str(),
+            "fulgur::nn::FSDPUnit(torch::nn::Linear(in_features=4, out_features=3, "
+            "bias=true))");
 }
 
 TEST(FSDPUnit, NestedChildrenAndBuffersKeepTheirNames) {
@@ -65,14 +66,14 @@ TEST(FSDPUnit, NestedChildrenAndBuffersKeepTheirNames) {
   auto unit = fulgur::nn::FSDPUnit(block);
   std::vector<std::string> names;
   for (const auto& b : unit->named_buffers()) names.push_back(b.key());
-  EXPECT_EQ(names, (std::vector<std::string>{"1.running_mean", "1.running_var",
-                                             "1.num_batches_tracked"}));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"1.running_mean", "1.running_var", "1.num_batches_tracked"}));
   EXPECT_EQ(unit->parameters().size(), 4u);
   EXPECT_EQ(unit(torch::randn({3, 2})).sizes(), (std::vector<int64_t>{3, 2}));
 }
 
 TEST(FSDPUnit, AttachedHooksSeeEveryForwardAndItsTensors) {
-  auto recorder = std::make_shared<Recorder>();
+  auto recorder = std::make_shared<UnitHooksRecorder>();
   auto pair = fulgur::nn::FSDPUnit(Pair());
   auto many = fulgur::nn::FSDPUnit(Many());
   pair->set_unit_hooks(recorder);

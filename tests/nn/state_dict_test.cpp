@@ -18,6 +18,7 @@
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
 
+namespace fulgur_nn_state_dict_test {
 namespace {
 
 using fulgur::test::archived;
@@ -281,3 +282,4 @@ TEST(ModuleStateDict, LoadIsStrictAndChangesNothingWhenItFails) {
 }
 
 }  // namespace
+}  // namespace fulgur_nn_state_dict_test

@@ -17,6 +17,7 @@
 #include "fulgur/trainer/connectors/accelerator_connector.h"
 #include "support/test_support.h"
 
+namespace fulgur_plugins_cluster_environments_test {
 namespace {
 
 using fulgur::ConfigError;
@@ -589,3 +590,4 @@ TEST(ClusterEnvironmentRestarts, SlurmRequeueNamesWhatItCouldNotDo) {
 }
 
 }  // namespace
+}  // namespace fulgur_plugins_cluster_environments_test

@@ -283,6 +283,11 @@ std::vector<at::Tensor> load_tensors(const std::string& path) {
       a, b, [](const at::Tensor& x, const at::Tensor& y) { return torch::equal(x, y); }, "");
 }
 
+void expect_tensors_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
+}
+
 ::testing::AssertionResult parameters_close(const torch::nn::Module& a, const torch::nn::Module& b,
                                             double rtol, double atol) {
   return compare_parameters(

@@ -195,6 +195,9 @@ struct TensorMatch {
 void copy_parameters(const torch::nn::Module& from, torch::nn::Module& to);
 /// Detached copies of the parameters, in order.
 std::vector<at::Tensor> clone_parameters(const torch::nn::Module& module);
+/// As many tensors in `a` as in `b`, each bit-identical (torch::equal) to
+/// its pair; a failure names the index.
+void expect_tensors_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b);
 /// The lr of the first param group of an SGD optimizer.
 double sgd_lr(torch::optim::Optimizer& optimizer);
 

@@ -12,6 +12,7 @@
 #include "support/process.h"
 #include "support/test_support.h"
 
+namespace fulgur_tools_fulgur_resolve_test {
 namespace {
 
 using namespace std::chrono_literals;
@@ -237,3 +238,4 @@ TEST(FulgurCli, WithoutACommandPrintsUsageAndFails) {
 }
 
 }  // namespace
+}  // namespace fulgur_tools_fulgur_resolve_test

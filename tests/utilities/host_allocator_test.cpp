@@ -147,8 +147,9 @@ TEST(HostAllocator, TheUsersOwnMallocSettingsWin) {
   for (const char* name : {"mmap_max", "mmap_threshold", "trim_threshold", "top_pad"}) {
     const std::string tunable = std::string("glibc.malloc.") + name;
     // Found anywhere in the list.
-    const auto tuning = fulgur::tune_host_allocator(env_with(
-        {{"GLIBC_TUNABLES", "glibc.malloc.hugetlb=1:" + tunable + "=1048576:glibc.cpu.x86_ibt=on"}}));
+    const auto tuning = fulgur::tune_host_allocator(
+        env_with({{"GLIBC_TUNABLES",
+                   "glibc.malloc.hugetlb=1:" + tunable + "=1048576:glibc.cpu.x86_ibt=on"}}));
     EXPECT_FALSE(tuning.applied) << tunable;
     EXPECT_EQ(tuning.reason, "GLIBC_TUNABLES sets " + tunable);
   }

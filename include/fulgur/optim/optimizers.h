@@ -145,6 +145,8 @@ class DeviceSkippedSteps {
  public:
   /// torch::optim's per-parameter state map.
   using ParamStates = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
+  /// What a step's verdict changes in the host's state once it is known.
+  using Verdict = std::function<void(ParamStates&, bool skipped)>;
 
   /// Whether this LibTorch has the fused kernels (2.6 and newer).
   static bool available();
@@ -172,11 +174,13 @@ class DeviceSkippedSteps {
 
   /// The optimizer's per-parameter state map (torch::optim's state_).
   virtual ParamStates& param_states() = 0;
-  /// Starts bringing `found_inf` to the host; settle() calls
-  /// `apply(param_states(), skipped)` with what it held (`apply` keeps no
-  /// pointer to the optimizer, which may have moved by then).
-  void expect_verdict(const at::Tensor& found_inf,
-                      std::function<void(ParamStates&, bool skipped)> apply);
+  /// step_unless()'s end, once the kernels were queued (`apply` set) or
+  /// could not be (`apply` empty). Set: starts bringing `found_inf` to the
+  /// host, and settle() calls `apply(param_states(), skipped)` with what it
+  /// held (`apply` keeps no pointer to the optimizer, which may have moved
+  /// by then); returns true. Empty: reads found_inf and runs
+  /// `optimizer.step()` unless it holds 1; returns whether it stepped.
+  bool hand_on(torch::optim::Optimizer& optimizer, const at::Tensor& found_inf, Verdict apply);
 
  private:
   std::shared_ptr<detail::SkipVerdict> verdict_;

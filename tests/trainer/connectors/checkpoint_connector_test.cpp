@@ -248,7 +248,7 @@ class BatchCounter : public fulgur::Callback {
   int64_t batches = 0;
 };
 
-constexpr int64_t kEpochs = 2;
+constexpr int64_t kShuffledEpochs = 2;
 constexpr int64_t kBatchesPerEpoch = 10;
 
 std::shared_ptr<fulgur::DataLoader> shuffled_loader(int64_t num_workers = 0) {
@@ -259,7 +259,7 @@ std::shared_ptr<fulgur::DataLoader> shuffled_loader(int64_t num_workers = 0) {
 fulgur::TrainerOptions resume_options(const TempDir& root, const std::string& ckpt_dir,
                                       std::shared_ptr<BatchCounter> counter) {
   auto options = test_options(root);
-  options.max_epochs = kEpochs;
+  options.max_epochs = kShuffledEpochs;
   options.seed = 42;
   options.enable_checkpointing = true;
   // The counter comes first so that its state is current when the
@@ -313,8 +313,8 @@ class MidEpochResume : public ::testing::Test {
     ckpt_dir_ = root_.file("ckpts");
     fulgur::Trainer trainer(resume_options(root_, ckpt_dir_, counter_));
     result_ = trainer.fit(*uninterrupted_, shuffled_loader());
-    ASSERT_EQ(result_.global_step, kEpochs * kBatchesPerEpoch);
-    ASSERT_EQ(counter_->batches, kEpochs * kBatchesPerEpoch);
+    ASSERT_EQ(result_.global_step, kShuffledEpochs * kBatchesPerEpoch);
+    ASSERT_EQ(counter_->batches, kShuffledEpochs * kBatchesPerEpoch);
   }
 
   /// Run B: a fresh module (other initial weights) resumed from `ckpt_path`;
@@ -337,7 +337,7 @@ class MidEpochResume : public ::testing::Test {
     }
     EXPECT_EQ(result.global_step, result_.global_step);
     EXPECT_EQ(result.epochs, result_.epochs);
-    EXPECT_EQ(counter->batches, kEpochs * kBatchesPerEpoch) << "callback state restored";
+    EXPECT_EQ(counter->batches, kShuffledEpochs * kBatchesPerEpoch) << "callback state restored";
     EXPECT_TRUE(parameters_equal(*uninterrupted_, resumed));
     EXPECT_TRUE(same_optimizer_state(*uninterrupted_, resumed));
     // The last epoch's metric values, from every batch of it: the states
@@ -568,10 +568,9 @@ namespace {
 class FormatNet : public fulgur::Module {
  public:
   FormatNet() {
-    net = register_module("net", torch::nn::Sequential(torch::nn::Linear(3, 4),
-                                                       torch::nn::BatchNorm1d(4),
-                                                       torch::nn::Functional(torch::relu),
-                                                       torch::nn::Linear(4, 1)));
+    net = register_module(
+        "net", torch::nn::Sequential(torch::nn::Linear(3, 4), torch::nn::BatchNorm1d(4),
+                                     torch::nn::Functional(torch::relu), torch::nn::Linear(4, 1)));
     save_hyperparameters({{"width", int64_t{4}}, {"name", std::string("format_net")}});
   }
   at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
@@ -613,7 +612,9 @@ struct FormatRun {
   }
 };
 
-std::string fixture_dir() { return std::string(FULGUR_SOURCE_DIR) + "/tests/fixtures/checkpoint_v1"; }
+std::string fixture_dir() {
+  return std::string(FULGUR_SOURCE_DIR) + "/tests/fixtures/checkpoint_v1";
+}
 
 /// What the reference file holds, in this order.
 std::vector<at::Tensor> reference_state(FormatNet& model, const FormatRun& run) {
@@ -629,7 +630,8 @@ std::vector<at::Tensor> reference_state(FormatNet& model, const FormatRun& run) 
       out.push_back(torch::tensor(static_cast<int64_t>(state.step())));
     }
   }
-  out.push_back(torch::tensor(model.optimizer->param_groups()[0].options().get_lr(), torch::kDouble));
+  out.push_back(
+      torch::tensor(model.optimizer->param_groups()[0].options().get_lr(), torch::kDouble));
   for (const auto& a : run.ema->average()) out.push_back(a.clone());
   out.push_back(torch::tensor(run.early_stopping->best_score(), torch::kDouble));
   out.push_back(torch::tensor(run.early_stopping->wait_count()));
@@ -708,8 +710,8 @@ TEST(CheckpointFormat, AVersionOneCheckpointResumesWithEveryStateAsSaved) {
   auto options = run.options(dir, /*max_steps=*/9);
   options.callbacks.push_back(at_first_batch);
   fulgur::Trainer trainer(options);
-  auto result =
-      trainer.fit(model, regression_loader(4, 2, /*shuffle=*/true), nullptr, {.ckpt_path = dir.file("v1.ckpt")});
+  auto result = trainer.fit(model, regression_loader(4, 2, /*shuffle=*/true), nullptr,
+                            {.ckpt_path = dir.file("v1.ckpt")});
 
   EXPECT_EQ(at_first_batch->step, 6);
   EXPECT_EQ(at_first_batch->epoch, 1);

@@ -20,6 +20,7 @@
 #include "support/fake_machine.h"
 #include "support/test_support.h"
 
+namespace fulgur_trainer_connectors_resolution_table_test {
 namespace {
 
 using Vars = std::map<std::string, std::string>;
@@ -449,3 +450,4 @@ TEST(ResolutionOnAGpuMachine, ChoosesDevicesAndChecksWhatCudaCannotDo) {
 }
 
 }  // namespace
+}  // namespace fulgur_trainer_connectors_resolution_table_test
