@@ -5,11 +5,11 @@
 
 namespace fulgur {
 
-std::vector<std::string> split_list(std::string_view text) {
+std::vector<std::string> split_list(std::string_view text, char sep) {
   std::vector<std::string> out;
   size_t start = 0;
   while (true) {
-    const size_t comma = text.find(',', start);
+    const size_t comma = text.find(sep, start);
     std::string_view item =
         text.substr(start, comma == std::string_view::npos ? text.npos : comma - start);
     const size_t first = item.find_first_not_of(" \t");

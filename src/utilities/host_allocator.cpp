@@ -26,18 +26,13 @@ constexpr const char* kMallocTunables[] = {"glibc.malloc.mmap_max", "glibc.mallo
 /// name=value:name=value list) sets; empty when none. An entry without "="
 /// sets nothing (glibc skips it).
 std::string conflicting_tunable(const std::string& tunables) {
-  size_t begin = 0;
-  while (begin <= tunables.size()) {
-    size_t end = tunables.find(':', begin);
-    if (end == std::string::npos) end = tunables.size();
-    const std::string item = tunables.substr(begin, end - begin);
-    if (const size_t equals = item.find('='); equals != std::string::npos) {
-      const std::string name = item.substr(0, equals);
-      for (const char* known : kMallocTunables) {
-        if (name == known) return name;
-      }
+  for (const std::string& item : split_list(tunables, ':')) {
+    const size_t equals = item.find('=');
+    if (equals == std::string::npos) continue;
+    const std::string name = item.substr(0, equals);
+    for (const char* known : kMallocTunables) {
+      if (name == known) return name;
     }
-    begin = end + 1;
   }
   return "";
 }

@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <stdexcept>
+#include <string>
 #include <type_traits>
+#include <vector>
 
 #include "support/test_support.h"
 
@@ -24,6 +26,13 @@ TEST(Errors, JoinUsesTheSeparator) {
   EXPECT_EQ(fulgur::join({"a", "b"}, "|"), "a|b");
   EXPECT_EQ(fulgur::join({"only"}), "only");
   EXPECT_EQ(fulgur::join({}), "");
+}
+
+TEST(Errors, SplitListTrimsItemsAndKeepsEmptyOnes) {
+  using List = std::vector<std::string>;
+  EXPECT_EQ(fulgur::split_list("a, b,,\tc "), (List{"a", "b", "", "c"}));
+  EXPECT_EQ(fulgur::split_list(""), (List{""}));
+  EXPECT_EQ(fulgur::split_list("x=1:y:,z", ':'), (List{"x=1", "y", ",z"}));
 }
 
 TEST(Errors, ClosestMatchFindsAPlausibleTypo) {

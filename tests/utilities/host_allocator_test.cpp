@@ -153,10 +153,9 @@ TEST(HostAllocator, TheUsersOwnMallocSettingsWin) {
     EXPECT_FALSE(tuning.applied) << tunable;
     EXPECT_EQ(tuning.reason, "GLIBC_TUNABLES sets " + tunable);
   }
-  fulgur::HostAllocatorTuning tuning;
   for (const char* name : {"MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
                            "MALLOC_TOP_PAD_"}) {
-    tuning = fulgur::tune_host_allocator(env_with({{name, "0"}}));
+    const auto tuning = fulgur::tune_host_allocator(env_with({{name, "0"}}));
     EXPECT_FALSE(tuning.applied) << name;
     EXPECT_EQ(tuning.reason, std::string(name) + " is set");
   }

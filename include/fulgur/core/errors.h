@@ -85,8 +85,9 @@ void print_note(const std::string& text);
 std::string join(const std::vector<std::string>& items, std::string_view sep = ", ");
 
 /// "a, b,,c" → {"a", "b", "", "c"}: the comma-separated items of a flag's
-/// value, spaces and tabs around each trimmed, empty ones kept.
-std::vector<std::string> split_list(std::string_view text);
+/// value (or those separated by `sep`), spaces and tabs around each
+/// trimmed, empty ones kept.
+std::vector<std::string> split_list(std::string_view text, char sep = ',');
 
 /// `text` in ASCII lower case ("DDP" -> "ddp").
 std::string to_lower(std::string_view text);
