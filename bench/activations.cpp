@@ -7,7 +7,7 @@
 // is the peak RSS over those steps minus the RSS before them. The variants
 // alternate, `--reps` times; medians. One JSON object, then a Markdown table.
 //
-//   build/bench/fulgur_bench_activations --layers 16 --width 512 --batch 128 --steps 5 --reps 3
+//   build/bench/fulgur_bench activations --layers 16 --width 512 --batch 128 --steps 5 --reps 3
 #include <fcntl.h>
 #include <malloc.h>
 #include <sys/wait.h>
@@ -21,8 +21,11 @@
 #include <fstream>
 #include <string>
 
+#include "benchmarks.h"
 #include "fulgur/fulgur.h"
 #include "stats.h"
+
+namespace fulgur_bench::activations {
 
 namespace {
 
@@ -133,7 +136,7 @@ Measure in_child(const Args& a, bool checkpointed) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   Args a;
   CLI::App app{"fulgur bench: activation checkpointing, memory and step time"};
   app.add_option("--layers", a.layers)->check(CLI::PositiveNumber);
@@ -172,3 +175,5 @@ int main(int argc, char** argv) {
               ckpt_mb / plain_mb, ckpt_ms, ckpt_ms / plain_ms);
   return 0;
 }
+
+}  // namespace fulgur_bench::activations

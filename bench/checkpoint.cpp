@@ -31,8 +31,11 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks.h"
 #include "fulgur/fulgur.h"
 #include "stats.h"
+
+namespace fulgur_bench::checkpoint {
 
 namespace {
 
@@ -81,7 +84,7 @@ void fsync_file(const std::string& path) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   int64_t mb = 100;
   int reps = 5;
   int warmup = 2;
@@ -248,3 +251,5 @@ int main(int argc, char** argv) {
       static_cast<double>(async_io.snapshot_bytes()) / bytes);
   return 0;
 }
+
+}  // namespace fulgur_bench::checkpoint

@@ -17,8 +17,11 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks.h"
 #include "fulgur/fulgur.h"
 #include "stats.h"
+
+namespace fulgur_bench::data_workers {
 
 namespace {
 
@@ -131,7 +134,7 @@ double fit_ms_per_step(std::shared_ptr<fulgur::DataLoader> loader, int64_t steps
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   int64_t samples = 960, batch = 16, us = 200, reps = 5;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -181,3 +184,5 @@ int main(int argc, char** argv) {
       median(step[2]), median(free_step));
   return 0;
 }
+
+}  // namespace fulgur_bench::data_workers

@@ -8,7 +8,7 @@
 // steps (all ranks together).
 //
 //   torchrun --standalone --nproc_per_node 2 --no_python
-//       build/bench/fulgur_bench_ddp --impl fulgur --steps 200
+//       build/bench/fulgur_bench ddp --impl fulgur --steps 200
 #include <torch/torch.h>
 
 #include <chrono>
@@ -18,7 +18,10 @@
 #include <string>
 #include <variant>
 
+#include "benchmarks.h"
 #include "fulgur/fulgur.h"
+
+namespace fulgur_bench::ddp {
 
 namespace {
 
@@ -193,7 +196,7 @@ int run_naive(const Args& a) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--impl"))
@@ -225,3 +228,5 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+
+}  // namespace fulgur_bench::ddp

@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "ddp_links: needs root (network namespaces)" >&2; exit 2; }
-bin=build/bench/fulgur_bench_ddp
+bin=build/bench/fulgur_bench
 [ -x "$bin" ] || { echo "ddp_links: $bin is missing: run scripts/build.sh" >&2; exit 2; }
 py=/usr/bin/python3
 [ -x "$py" ] || py=python3
@@ -66,9 +66,9 @@ for rate in $rates; do
   runs=()
   for ((i = 0; i < reps; i++)); do
     for mb in 1 25 100; do
-      runs+=("$(run "fulgur_bucket_${mb}mb" --no_python "$bin" --impl fulgur --bucket-mb "$mb" "${common[@]}")")
+      runs+=("$(run "fulgur_bucket_${mb}mb" --no_python "$bin" ddp --impl fulgur --bucket-mb "$mb" "${common[@]}")")
     done
-    runs+=("$(run naive --no_python "$bin" --impl naive "${common[@]}")")
+    runs+=("$(run naive --no_python "$bin" ddp --impl naive "${common[@]}")")
     runs+=("$(run pytorch_ddp bench/ddp_peer.py "${common[@]}")")
   done
   rows+=("$("$py" - "$rate" "${runs[@]}" <<'EOF'

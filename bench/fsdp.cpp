@@ -9,7 +9,7 @@
 // the process's peak RSS. bench/fsdp.py runs the strategies interleaved
 // and compares with the ZeRO formula.
 //
-//   build/bench/fulgur_bench_fsdp --strategy fsdp --width 4096 --layers 3 --steps 6
+//   build/bench/fulgur_bench fsdp --strategy fsdp --width 4096 --layers 3 --steps 6
 #include <sys/resource.h>
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
@@ -18,7 +18,10 @@
 #include <cstdio>
 #include <string>
 
+#include "benchmarks.h"
 #include "fulgur/fulgur.h"
+
+namespace fulgur_bench::fsdp {
 
 namespace {
 
@@ -121,9 +124,9 @@ struct Probe : fulgur::Callback {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   Args a;
-  CLI::App app("fulgur_bench_fsdp: one strategy on 2 ranks; bench/fsdp.py compares them");
+  CLI::App app("fulgur_bench fsdp: one strategy on 2 ranks; bench/fsdp.py compares them");
   app.add_option("--strategy", a.strategy, "ddp, fsdp_shard_grad_op or fsdp");
   app.add_option("--width", a.width);
   app.add_option("--layers", a.layers);
@@ -167,3 +170,5 @@ int main(int argc, char** argv) {
     return 1;
   }
 }
+
+}  // namespace fulgur_bench::fsdp

@@ -35,7 +35,7 @@ STRATEGIES = ["ddp", "fsdp_shard_grad_op", "fsdp_shard_grad_op, prefetch", "fsdp
 
 
 def run(exe, label, a):
-    out = subprocess.run([exe] + strategy_args(label) + ["--width", str(a.width), "--layers",
+    out = subprocess.run(exe + strategy_args(label) + ["--width", str(a.width), "--layers",
                           str(a.layers), "--steps", str(a.steps), "--warmup", str(a.warmup),
                           "--batch", str(a.batch)],
                          check=True, capture_output=True, text=True, timeout=900)
@@ -56,7 +56,7 @@ def trains_under(exe, label, width, a, cap_bytes):
     def limit():
         resource.setrlimit(resource.RLIMIT_DATA, (cap_bytes, cap_bytes))
     try:
-        out = subprocess.run([exe] + strategy_args(label) + ["--width", str(width), "--layers",
+        out = subprocess.run(exe + strategy_args(label) + ["--width", str(width), "--layers",
                               str(a.layers), "--steps", "2", "--warmup", "0", "--batch",
                               str(a.batch)],
                              preexec_fn=limit, capture_output=True, text=True, timeout=600)
@@ -121,7 +121,7 @@ def main():
     ap.add_argument("--largest-under", type=int, default=0, metavar="MB")
     ap.add_argument("--max-width", type=int, default=16384)
     a = ap.parse_args()
-    exe = os.path.join(a.build, "bench", "fulgur_bench_fsdp")
+    exe = [os.path.join(a.build, "bench", "fulgur_bench"), "fsdp"]
     if a.largest_under:
         largest_under(exe, a)
         return

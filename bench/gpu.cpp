@@ -19,7 +19,7 @@
 // loader, as its pin_memory default makes them; pageable for the copying
 // loop, as such a loop is usually written), the same for every variant.
 //
-//   fulgur_bench_gpu [--steps 200] [--warmup 20] [--reps 3]
+//   fulgur_bench gpu [--steps 200] [--warmup 20] [--reps 3]
 //                    [--models mlp,cnn,cnn_bf16,cnn_fp16,mlp4096_bf16,main_cnn]
 //                    [--markdown FILE] [--device cuda|cpu]
 // On a machine without a GPU, --device cpu runs every variant but the graph
@@ -36,10 +36,13 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks.h"
 #include "fulgur/fulgur.h"
 #include "fulgur/optim/optimizers.h"
 #include "fulgur/utilities/torch_compat.h"
 #include "stats.h"
+
+namespace fulgur_bench::gpu {
 
 namespace {
 
@@ -266,7 +269,7 @@ double fulgur_fit(const ModelSpec& spec, c10::Device device, bool foreach_optim,
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   CLI::App app{"fulgur's training step on a GPU against a hand-written LibTorch loop"};
   int64_t steps = 200, warmup = 20, reps = 3;
   std::string models_arg = "mlp,cnn,cnn_bf16,cnn_fp16,mlp4096_bf16,main_cnn";
@@ -282,21 +285,21 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   const c10::Device device(device_arg == "cuda" ? c10::kCUDA : c10::kCPU, 0);
   if (device.is_cuda() && !torch::cuda::is_available()) {
-    std::fprintf(stderr, "fulgur_bench_gpu: no CUDA device here; pass --device cpu for a smoke run\n");
+    std::fprintf(stderr, "fulgur_bench gpu: no CUDA device here; pass --device cpu for a smoke run\n");
     return 2;
   }
   std::vector<ModelSpec> models;
   for (const auto& spec : all_models()) {
     if (("," + models_arg + ",").find("," + spec.name + ",") == std::string::npos) continue;
     if (spec.precision == "16-mixed" && !device.is_cuda()) {
-      std::fprintf(stderr, "fulgur_bench_gpu: %s left out: 16-mixed runs on CUDA only\n",
+      std::fprintf(stderr, "fulgur_bench gpu: %s left out: 16-mixed runs on CUDA only\n",
                    spec.name.c_str());
       continue;
     }
     models.push_back(spec);
   }
   if (models.empty()) {
-    std::fprintf(stderr, "fulgur_bench_gpu: --models %s names none of mlp, cnn, cnn_bf16, "
+    std::fprintf(stderr, "fulgur_bench gpu: --models %s names none of mlp, cnn, cnn_bf16, "
                  "cnn_fp16, mlp4096_bf16, main_cnn that runs here\n", models_arg.c_str());
     return 2;
   }
@@ -358,3 +361,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace fulgur_bench::gpu

@@ -21,8 +21,11 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks.h"
 #include "fulgur/fulgur.h"
 #include "stats.h"
+
+namespace fulgur_bench::optimizers {
 
 namespace {
 
@@ -135,7 +138,7 @@ void compare(const char* name, const Options& options, int tensors, int64_t widt
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   int tensors = 50;
   int64_t width = 64;
   int steps = 500;
@@ -174,3 +177,5 @@ int main(int argc, char** argv) {
                                                    width, steps, reps, device);
   return 0;
 }
+
+}  // namespace fulgur_bench::optimizers

@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks.h"
 #include "fulgur/fulgur.h"
 #include "stats.h"
 
@@ -60,6 +61,8 @@ void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+
+namespace fulgur_bench::overhead {
 
 namespace {
 
@@ -217,7 +220,7 @@ using fulgur_bench::median;
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -282,3 +285,5 @@ int main(int argc, char** argv) {
       f - h, ha, fa, fa - ha);
   return 0;
 }
+
+}  // namespace fulgur_bench::overhead

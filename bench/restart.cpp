@@ -22,7 +22,10 @@
 #include <sstream>
 #include <string>
 
+#include "benchmarks.h"
 #include "fulgur/fulgur.h"
+
+namespace fulgur_bench::restart {
 
 namespace {
 
@@ -101,7 +104,7 @@ struct Model : fulgur::Module {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   int64_t state_mb = 1, kill_step = 10;
   std::string root = "/tmp/fulgur_bench_restart";
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -135,3 +138,5 @@ int main(int argc, char** argv) {
   trainer.fit(model, data);
   return 0;
 }
+
+}  // namespace fulgur_bench::restart

@@ -19,7 +19,7 @@ import tempfile
 
 def run(exe, mb, root):
     shutil.rmtree(root, ignore_errors=True)
-    out = subprocess.run([exe, "--state-mb", str(mb), "--root", root], check=True,
+    out = subprocess.run([*exe, "--state-mb", str(mb), "--root", root], check=True,
                          capture_output=True, text=True, timeout=600)
     stamps = {}
     for line in out.stdout.splitlines():
@@ -44,7 +44,7 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--sizes", default="1,256")
     a = p.parse_args()
-    exe = os.path.join(a.build, "bench", "fulgur_bench_restart")
+    exe = [os.path.join(a.build, "bench", "fulgur_bench"), "restart"]
     root = tempfile.mkdtemp(prefix="fulgur_bench_restart_")
     sizes = [int(s) for s in a.sizes.split(",")]
     runs = {mb: [] for mb in sizes}

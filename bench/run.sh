@@ -17,18 +17,18 @@ cnn_steps=${CNN_STEPS:-200}
 # Debian's python3: the one python3-torch is installed for.
 py=/usr/bin/python3
 [ -x "$py" ] || py=python3
-bin=build/bench/fulgur_bench_overhead
+bin=build/bench/fulgur_bench
 results=()
-results+=("$($bin --model mlp --steps "$steps" --reps "$reps")")
-results+=("$($bin --model mlp --steps "$steps" --reps "$reps" --log-every-step)")
-results+=("$($bin --model mlp --steps "$steps" --reps "$reps" --progress-bar 2>/dev/null)")
-results+=("$($bin --model cnn --steps "$cnn_steps" --reps "$reps")")
+results+=("$($bin overhead --model mlp --steps "$steps" --reps "$reps")")
+results+=("$($bin overhead --model mlp --steps "$steps" --reps "$reps" --log-every-step)")
+results+=("$($bin overhead --model mlp --steps "$steps" --reps "$reps" --progress-bar 2>/dev/null)")
+results+=("$($bin overhead --model cnn --steps "$cnn_steps" --reps "$reps")")
 
 # The same tiny-MLP step in plain PyTorch (Python), alternating with fulgur's
 # C++ side, one repetition each at a time.
 peer_runs=()
 for ((i = 0; i < reps; i++)); do
-  peer_runs+=("$($bin --model mlp --steps "$steps" --reps 1)")
+  peer_runs+=("$($bin overhead --model mlp --steps "$steps" --reps 1)")
   peer_runs+=("$("$py" bench/overhead_peer.py --steps "$steps" --reps 1)")
 done
 python_row=$("$py" -c '
@@ -52,7 +52,7 @@ ckpt_reps=${CKPT_REPS:-20}
 ckpt_warmup=${CKPT_WARMUP:-2}
 ckpt_rows=()
 for mb in 100 1000; do
-  ckpt_rows+=("$(build/bench/fulgur_bench_checkpoint --mb "$mb" --reps "$ckpt_reps" \
+  ckpt_rows+=("$(build/bench/fulgur_bench checkpoint --mb "$mb" --reps "$ckpt_reps" \
     --warmup "$ckpt_warmup" --dir "${CKPT_DIR:-/tmp}")")
 done
 results+=("${ckpt_rows[@]}")
@@ -82,9 +82,9 @@ ddp_reps=${DDP_REPS:-5}
 torchrun_args=(--standalone --nproc_per_node 2 --redirects 1 --tee 1 --log_dir "$(mktemp -d)")
 ddp_runs=()
 for ((i = 0; i < ddp_reps; i++)); do
-  ddp_runs+=("$(torchrun "${torchrun_args[@]}" --no_python build/bench/fulgur_bench_ddp --impl fulgur --steps "$ddp_steps" 2>&1 | grep -o '{"benchmark.*')")
+  ddp_runs+=("$(torchrun "${torchrun_args[@]}" --no_python build/bench/fulgur_bench ddp --impl fulgur --steps "$ddp_steps" 2>&1 | grep -o '{"benchmark.*')")
   ddp_runs+=("$(torchrun "${torchrun_args[@]}" bench/ddp_peer.py --steps "$ddp_steps" 2>&1 | grep -o '{"benchmark.*')")
-  ddp_runs+=("$(torchrun "${torchrun_args[@]}" --no_python build/bench/fulgur_bench_ddp --impl naive --steps "$ddp_steps" 2>&1 | grep -o '{"benchmark.*')")
+  ddp_runs+=("$(torchrun "${torchrun_args[@]}" --no_python build/bench/fulgur_bench ddp --impl naive --steps "$ddp_steps" 2>&1 | grep -o '{"benchmark.*')")
 done
 ddp_summary=$("$py" -c '
 import json, statistics, sys
@@ -102,21 +102,21 @@ results+=("$ddp_summary")
 
 # Data loading with worker threads: a 200 µs-per-sample dataset.
 data_reps=${DATA_REPS:-5}
-data_row=$(build/bench/fulgur_bench_data_workers --samples 960 --batch 16 --sample-us 200 --reps "$data_reps")
+data_row=$(build/bench/fulgur_bench data_workers --samples 960 --batch 16 --sample-us 200 --reps "$data_reps")
 results+=("$data_row")
 
 # Multi-tensor optimizer steps: fulgur::optim's SGD (momentum) and Adam against
 # torch::optim's on a model of 50 parameter tensors.
 optim_steps=${OPTIM_STEPS:-500}
 optim_reps=${OPTIM_REPS:-7}
-mapfile -t optim_rows < <(build/bench/fulgur_bench_optimizers --tensors 50 --width 64 \
+mapfile -t optim_rows < <(build/bench/fulgur_bench optimizers --tensors 50 --width 64 \
   --steps "$optim_steps" --reps "$optim_reps")
 results+=("${optim_rows[@]}")
 
 # Activation checkpointing: memory and step time of a deep MLP, plain and with
 # each block a fulgur::nn::Checkpoint.
 activations_reps=${ACTIVATIONS_REPS:-5}
-activations_row=$(build/bench/fulgur_bench_activations --layers 16 --width 512 --batch 128 \
+activations_row=$(build/bench/fulgur_bench activations --layers 16 --width 512 --batch 128 \
   --steps 5 --reps "$activations_reps" | head -n 1)
 results+=("$activations_row")
 
@@ -131,7 +131,7 @@ print("An MLP of %d blocks (Linear(%d, %d), GELU, Linear(%d, %d), GELU), batch %
 print("plain, and with each block a `fulgur::nn::Checkpoint`. Each measurement runs in a process of its own;")
 print("activation memory is its peak RSS over 5 steps (reset with /proc/self/clear_refs after a warm-up step,")
 print("gradients allocated) minus its RSS before them; the variants alternate, medians of %s" % sys.argv[2])
-print("(`build/bench/fulgur_bench_activations --layers %d --width %d --batch %d --steps 5 --reps %s`)." % (r["layers"], r["width"], r["batch"], sys.argv[2]))
+print("(`build/bench/fulgur_bench activations --layers %d --width %d --batch %d --steps 5 --reps %s`)." % (r["layers"], r["width"], r["batch"], sys.argv[2]))
 print()
 print("| variant | activation MB | ms per step | same loss after the steps |")
 print("|---|---|---|---|")
@@ -157,7 +157,7 @@ print("One optimizer step of a model of %d parameter tensors (%d weights %s and 
 print("with fixed gradients: fulgur::optim (each parameter group stepped with `at::_foreach_*` operators)")
 print("against torch::optim (several operators per parameter), on the same parameters; %d repetitions of %d steps," % (r["reps"], r["steps"]))
 print("interleaved, the side going first alternating; medians")
-print("(`build/bench/fulgur_bench_optimizers --tensors %d --width 64 --steps %d --reps %d`)." % (r["tensors"], r["steps"], r["reps"]))
+print("(`build/bench/fulgur_bench optimizers --tensors %d --width 64 --steps %d --reps %d`)." % (r["tensors"], r["steps"], r["reps"]))
 print("ATen operators per step are counted with a RecordFunction callback: those the step calls")
 print("(top-level) and all of them (with the per-tensor operators that a multi-tensor operator runs")
 print("inside on the CPU).")
@@ -185,7 +185,7 @@ data_section() {
 import json, sys
 r = json.loads(sys.argv[1])
 print("A dataset whose every sample costs %d µs of CPU (a synthetic decode), batches of %d, %d samples;" % (r["sample_us"], r["batch"], r["samples"]))
-print("%d interleaved repetitions, medians (`build/bench/fulgur_bench_data_workers --samples %d --batch %d --sample-us %d --reps %d`)." % (r["reps"], r["samples"], r["batch"], r["sample_us"], r["reps"]))
+print("%d interleaved repetitions, medians (`build/bench/fulgur_bench data_workers --samples %d --batch %d --sample-us %d --reps %d`)." % (r["reps"], r["samples"], r["batch"], r["sample_us"], r["reps"]))
 print()
 print("| workers | fulgur DatasetLoader samples/s | torch::data::make_data_loader samples/s | fulgur ÷ torch | Trainer::fit ms/step (784-1024-1024-10 MLP) |")
 print("|---|---|---|---|---|")

@@ -12,7 +12,10 @@
 #include <ctime>
 #include <string>
 
+#include "benchmarks.h"
 #include "fulgur/fulgur.h"
+
+namespace fulgur_bench::startup {
 
 namespace {
 
@@ -55,7 +58,7 @@ struct ReportFirstStep : fulgur::Callback {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::string impl = "fulgur", devices = "1", root = "/tmp/fulgur_bench_startup";
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string flag = argv[i];
@@ -104,3 +107,5 @@ int main(int argc, char** argv) {
   trainer.fit(model, loader);
   return 0;
 }
+
+}  // namespace fulgur_bench::startup

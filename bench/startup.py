@@ -32,14 +32,14 @@ def main():
     p.add_argument("--build", default="build")
     p.add_argument("--reps", type=int, default=15)
     a = p.parse_args()
-    exe = os.path.join(a.build, "bench", "fulgur_bench_startup")
+    exe = [os.path.join(a.build, "bench", "fulgur_bench"), "startup"]
     fulgur = os.path.join(a.build, "tools", "fulgur")
     root = tempfile.mkdtemp(prefix="fulgur_bench_startup_")
     sides = {
-        "noop": [exe, "--impl", "noop"],
-        "hand": [exe, "--impl", "hand"],
-        "fulgur_1_process": [exe, "--impl", "fulgur", "--root", root],
-        "fulgur_2_processes": [exe, "--impl", "fulgur", "--devices", "2", "--root", root],
+        "noop": [*exe, "--impl", "noop"],
+        "hand": [*exe, "--impl", "hand"],
+        "fulgur_1_process": [*exe, "--impl", "fulgur", "--root", root],
+        "fulgur_2_processes": [*exe, "--impl", "fulgur", "--devices", "2", "--root", root],
         "fulgur_resolve": [fulgur, "resolve", "--devices", "2"],
     }
     times = {k: [] for k in sides}

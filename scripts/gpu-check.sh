@@ -146,8 +146,8 @@ if [ "$devices" = 1 ]; then
 fi
 if [ "$bench" = 1 ]; then
   echo "gpu-check: the GPU benchmark"
-  build-gpu/bench/fulgur_bench_gpu --markdown bench/gpu-results.md || fail $?
-  build-gpu/bench/fulgur_bench_optimizers --device cuda --steps 500 --reps 5 || fail $?
+  build-gpu/bench/fulgur_bench gpu --markdown bench/gpu-results.md || fail $?
+  build-gpu/bench/fulgur_bench optimizers --device cuda --steps 500 --reps 5 || fail $?
   if python3 -c 'import torch' 2>/dev/null; then
     python3 bench/gpu.py --markdown bench/gpu-results-python.md || fail $?
   fi
