@@ -39,8 +39,6 @@ namespace fulgur_bench::checkpoint {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 using fulgur_bench::median;
 using fulgur_bench::seconds_since;
 

@@ -25,8 +25,6 @@ namespace fulgur_bench::data_workers {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 using fulgur_bench::median;
 using fulgur_bench::seconds_since;
 

@@ -20,12 +20,11 @@
 
 #include "benchmarks.h"
 #include "fulgur/fulgur.h"
+#include "stats.h"
 
 namespace fulgur_bench::fsdp {
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 struct Args {
   std::string strategy = "fsdp";

@@ -135,11 +135,6 @@ class CycledData : public fulgur::Dataset {
   at::Tensor x_, y_;
 };
 
-/// Waits for the device's queued work (a read-back).
-void sync(c10::Device device) {
-  if (device.is_cuda()) (void)torch::zeros({1}, device).cpu();
-}
-
 /// The hand-written loop: zero_grad, forward (autocast for the mixed
 /// precisions), loss, backward (scaled for 16-mixed), step (through the
 /// loss scaler for 16-mixed). µs per step over `steps` after `warmup`.
@@ -160,7 +155,7 @@ double hand_loop(const ModelSpec& spec, c10::Device device, bool resident, int64
   Clock::time_point start;
   for (int64_t i = 0; i < warmup + steps; ++i) {
     if (i == warmup) {
-      sync(device);
+      sync_device(device);
       start = Clock::now();
     }
     const auto& batch = batches[static_cast<size_t>(i % kDistinctBatches)];
@@ -189,7 +184,7 @@ double hand_loop(const ModelSpec& spec, c10::Device device, bool resident, int64
       opt.step();
     }
   }
-  sync(device);
+  sync_device(device);
   return seconds_since(start) * 1e6 / static_cast<double>(steps);
 }
 
@@ -228,14 +223,14 @@ class StepTimer : public fulgur::Callback {
   void on_train_batch_start(fulgur::Trainer& trainer, fulgur::Module&, const fulgur::Batch&,
                             int64_t) override {
     if (trainer.global_step() == warmup_) {
-      sync(device_);
+      sync_device(device_);
       start_ = Clock::now();
     }
   }
   void on_train_batch_end(fulgur::Trainer& trainer, fulgur::Module&, const at::Tensor&,
                           const fulgur::Batch&, int64_t) override {
     if (trainer.global_step() == warmup_ + steps_) {
-      sync(device_);
+      sync_device(device_);
       us_per_step = seconds_since(start_) * 1e6 / static_cast<double>(steps_);
     }
   }

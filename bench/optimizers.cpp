@@ -79,16 +79,11 @@ struct Side {
   std::vector<double> us_per_step;
 };
 
-/// Waits for the device's queued work (a read-back; nothing on the CPU).
-void sync(c10::Device device) {
-  if (device.is_cuda()) (void)torch::zeros({1}, device).cpu();
-}
-
 double time_steps(torch::optim::Optimizer& optimizer, int steps, c10::Device device) {
-  sync(device);
+  sync_device(device);
   auto t0 = fulgur_bench::Clock::now();
   for (int s = 0; s < steps; ++s) optimizer.step();
-  sync(device);
+  sync_device(device);
   return fulgur_bench::seconds_since(t0) * 1e6 / steps;
 }
 

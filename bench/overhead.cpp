@@ -66,8 +66,6 @@ namespace fulgur_bench::overhead {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 // Time and allocations of the steady-state steps of one run.
 struct Measure {
   double us_per_step = 0;

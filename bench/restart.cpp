@@ -24,16 +24,11 @@
 
 #include "benchmarks.h"
 #include "fulgur/fulgur.h"
+#include "stats.h"
 
 namespace fulgur_bench::restart {
 
 namespace {
-
-long long now_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_REALTIME, &ts);
-  return static_cast<long long>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
-}
 
 // When this process started, in CLOCK_REALTIME nanoseconds.
 long long process_start_ns() {

@@ -14,16 +14,11 @@
 
 #include "benchmarks.h"
 #include "fulgur/fulgur.h"
+#include "stats.h"
 
 namespace fulgur_bench::startup {
 
 namespace {
-
-long long now_ns() {
-  timespec ts{};
-  clock_gettime(CLOCK_REALTIME, &ts);
-  return static_cast<long long>(ts.tv_sec) * 1000000000LL + ts.tv_nsec;
-}
 
 void report(const char* impl, int rank) {
   std::printf("{\"startup\": \"%s\", \"rank\": %d, \"first_step_ns\": %lld}\n", impl, rank,
