@@ -5,7 +5,7 @@
 #include <chrono>
 #include <string>
 
-#include "callbacks/whole_parameters.h"
+#include "callbacks/parameter_copy.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
@@ -14,7 +14,10 @@
 
 namespace fulgur {
 
-EMA::EMA(EMAOptions options) : options_(options) {
+EMA::EMA(EMAOptions options)
+    : options_(options),
+      average_(std::make_unique<detail::ParameterCopy>()),
+      training_weights_(std::make_unique<detail::ParameterCopy>()) {
   std::vector<std::string> problems;
   if (!(options_.decay >= 0.0 && options_.decay < 1.0)) {
     problems.push_back(str("decay=", options_.decay, ": must be in [0, 1), e.g. 0.999"));
@@ -25,32 +28,20 @@ EMA::EMA(EMAOptions options) : options_(options) {
   if (!problems.empty()) throw ConfigError(str("EMA(", join(problems, "; "), ")."));
 }
 
-void EMA::on_fit_start(Trainer&, Module&) {}
+EMA::~EMA() = default;
+
+const std::vector<at::Tensor>& EMA::average() const { return average_->values(); }
+
+void EMA::on_fit_start(Trainer&, Module&) { average_->begin_fit(); }
 
 void EMA::on_train_start(Trainer& trainer, Module& module) {
-  // Under fsdp the parameters are gathered to be read (every rank, here).
-  detail::with_whole_parameters(trainer.strategy(), module, [&] {
-    const auto parameters = module.parameters();
-    if (!average_.empty()) {
-      // From a checkpoint: it must be this module's.
-      bool fits = average_.size() == parameters.size();
-      for (size_t i = 0; fits && i < parameters.size(); ++i) {
-        fits = average_[i].sizes() == parameters[i].sizes();
-      }
-      if (!fits) {
-        throw ConfigError(str("EMA: the checkpoint's average holds ", average_.size(),
-                              " tensors that do not fit the module's ", parameters.size(),
-                              " parameters: it was written for another model. Resume from a "
-                              "checkpoint of this model, or start without it."));
-      }
-      for (size_t i = 0; i < parameters.size(); ++i) {
-        average_[i] = average_[i].to(parameters[i].device(), parameters[i].scalar_type());
-      }
-      return;
-    }
-    torch::NoGradGuard no_grad;
-    for (const auto& p : parameters) average_.push_back(p.detach().clone());
-  });
+  // This rank's parts of the parameters (under fsdp its shards): a
+  // checkpoint's average is taken apart, or the weights now are the first.
+  if (average_->empty()) {
+    average_->copy_parameters(trainer.strategy(), module);
+  } else {
+    average_->make_parts(trainer.strategy(), module, "EMA");
+  }
 }
 
 void EMA::on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor&, const Batch&,
@@ -59,30 +50,26 @@ void EMA::on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor&
   // Once per optimizer step (not per micro-batch of gradient accumulation).
   if (step <= 0 || step == last_update_step_ || step % options_.every_n_steps != 0) return;
   last_update_step_ = step;
-  detail::with_whole_parameters(trainer.strategy(), module, [&] {
-    torch::NoGradGuard no_grad;
-    const auto parameters = module.parameters();
-    for (size_t i = 0; i < parameters.size() && i < average_.size(); ++i) {
-      average_[i].mul_(options_.decay).add_(parameters[i].detach(), 1.0 - options_.decay);
-    }
+  average_->make_parts(trainer.strategy(), module, "EMA");
+  const double decay = options_.decay;
+  average_->update([decay](at::Tensor& average, const at::Tensor& weight) {
+    average.mul_(decay).add_(weight, 1.0 - decay);
   });
 }
 
 void EMA::swap_in(Module& module) {
-  if (average_.empty() || !training_weights_.empty()) return;
+  if (average_->empty() || !training_weights_->empty()) return;
   Strategy& strategy = module.trainer().strategy();
-  detail::with_whole_parameters(strategy, module, [&] {
-    torch::NoGradGuard no_grad;
-    for (const auto& p : module.parameters()) training_weights_.push_back(p.detach().clone());
-  });
-  detail::assign_parameters(strategy, module, average_);
+  training_weights_->copy_parameters(strategy, module);
+  average_->assign_to(strategy, module, "EMA");
 }
 
 void EMA::swap_out(Module& module) {
-  if (training_weights_.empty()) return;
-  std::vector<at::Tensor> weights = std::move(training_weights_);
-  training_weights_.clear();
-  detail::assign_parameters(module.trainer().strategy(), module, weights);
+  if (training_weights_->empty()) return;
+  // Cleared first: a failed assignment is not tried again.
+  detail::ParameterCopy weights = std::move(*training_weights_);
+  training_weights_->clear();
+  weights.assign_to(module.trainer().strategy(), module, "EMA");
 }
 
 void EMA::on_validation_start(Trainer&, Module& module) {
@@ -92,7 +79,7 @@ void EMA::on_validation_start(Trainer&, Module& module) {
 void EMA::on_validation_end(Trainer&, Module& module) { swap_out(module); }
 
 void EMA::on_exception(Trainer& trainer, Module& module, const std::exception&) {
-  if (training_weights_.empty()) return;
+  if (training_weights_->empty()) return;
   // Under fsdp putting the training weights back is a collective, which a
   // rank that failed alone must not start (its peers wait in another one):
   // only when every rank failed here. Otherwise the module keeps the
@@ -103,7 +90,7 @@ void EMA::on_exception(Trainer& trainer, Module& module, const std::exception&) 
                                "/", trainer.global_step());
   if (detail::shards_parameters(strategy) &&
       !detail::StrategyDriver(strategy).peers_arrive(here, std::chrono::seconds(10))) {
-    training_weights_.clear();
+    training_weights_->clear();
     detail::print_note(str("EMA: rank ", strategy.global_rank(),
                            " keeps the averaged weights it was validating with: under strategy \"",
                            strategy.name(), "\" putting the training weights back needs every "
@@ -115,19 +102,23 @@ void EMA::on_exception(Trainer& trainer, Module& module, const std::exception&) 
 
 void EMA::on_train_end(Trainer& trainer, Module& module) {
   swap_out(module);
-  if (!options_.apply_at_end || average_.empty()) return;
-  detail::assign_parameters(trainer.strategy(), module, average_);
+  if (average_->empty()) return;
+  if (options_.apply_at_end) average_->assign_to(trainer.strategy(), module, "EMA");
+  average_->make_whole();  // a collective under fsdp, as the assignment
 }
 
 // count (int), last_update_step (int), and the average as buffers
-// average_0 .. average_<count-1>, in the module's parameters() order. No
-// count (a checkpoint from before the average was kept): nothing is loaded.
+// average_0 .. average_<count-1>, in the module's parameters() order,
+// whole (under fsdp gathered from the ranks' shards: every rank saves at
+// the same point). No count (a checkpoint from before the average was
+// kept): nothing is loaded.
 StateDict EMA::state_dict() const {
   StateDict state;
-  state.set("count", static_cast<int64_t>(average_.size()));
+  const std::vector<at::Tensor> average = average_->whole();
+  state.set("count", static_cast<int64_t>(average.size()));
   state.set("last_update_step", last_update_step_);
-  for (size_t i = 0; i < average_.size(); ++i) {
-    state.set_buffer("average_" + std::to_string(i), average_[i]);
+  for (size_t i = 0; i < average.size(); ++i) {
+    state.set_buffer("average_" + std::to_string(i), average[i]);
   }
   return state;
 }
@@ -145,7 +136,7 @@ void EMA::load_state_dict(const StateDict& state) {
     }
     average.push_back(t->toTensor());
   }
-  average_ = std::move(average);
+  average_->set_whole(std::move(average));
 }
 
 }  // namespace fulgur

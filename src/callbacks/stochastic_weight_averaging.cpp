@@ -5,7 +5,7 @@
 #include <cmath>
 #include <optional>
 
-#include "callbacks/whole_parameters.h"
+#include "callbacks/parameter_copy.h"
 #include "fulgur/callbacks/ema.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
@@ -32,33 +32,10 @@ torch::nn::BatchNormOptions* batch_norm_options(torch::nn::Module& m) {
   return nullptr;
 }
 
-// Adds the module's parameters to the equal-weight average of `count`
-// epochs' ends (the first: a copy).
-void add_to_average(std::vector<at::Tensor>& average, int64_t count, Module& module) {
-  torch::NoGradGuard no_grad;
-  const auto parameters = module.parameters();
-  if (average.empty()) {
-    for (const auto& p : parameters) average.push_back(p.detach().clone());
-    return;
-  }
-  if (average.size() != parameters.size()) {
-    throw ConfigError(str("StochasticWeightAveraging: the average holds ", average.size(),
-                          " tensors and the module has ", parameters.size(),
-                          " parameters: the checkpoint it came from is another model's. "
-                          "Resume from a checkpoint of this model."));
-  }
-  const double weight = 1.0 / static_cast<double>(count + 1);
-  for (size_t i = 0; i < parameters.size(); ++i) {
-    if (average[i].device() != parameters[i].device()) {
-      average[i] = average[i].to(parameters[i].device());
-    }
-    average[i].add_(parameters[i].detach() - average[i], weight);
-  }
-}
-
 }  // namespace
 
-StochasticWeightAveraging::StochasticWeightAveraging(SWAOptions options) : options_(options) {
+StochasticWeightAveraging::StochasticWeightAveraging(SWAOptions options)
+    : options_(options), average_(std::make_unique<detail::ParameterCopy>()) {
   std::vector<std::string> problems;
   if (!(options_.swa_lr > 0.0 && std::isfinite(options_.swa_lr))) {
     problems.push_back(str("swa_lr=", options_.swa_lr, ": must be a rate > 0, e.g. 0.01"));
@@ -81,6 +58,12 @@ StochasticWeightAveraging::StochasticWeightAveraging(SWAOptions options) : optio
   if (!problems.empty()) {
     throw ConfigError(str("StochasticWeightAveraging(", join(problems, "; "), ")."));
   }
+}
+
+StochasticWeightAveraging::~StochasticWeightAveraging() = default;
+
+const std::vector<at::Tensor>& StochasticWeightAveraging::average() const {
+  return average_->values();
 }
 
 void StochasticWeightAveraging::on_fit_start(Trainer& trainer, Module&) {
@@ -127,9 +110,10 @@ void StochasticWeightAveraging::on_fit_start(Trainer& trainer, Module&) {
     // A fit from the start: nothing of an earlier fit carries over.
     count_ = 0;
     last_epoch_ = -1;
-    average_.clear();
+    average_->clear();
     lr0_.clear();
   }
+  average_->begin_fit();
 }
 
 double StochasticWeightAveraging::annealed_lr(double lr0, int64_t epoch) const {
@@ -176,9 +160,17 @@ void StochasticWeightAveraging::on_train_epoch_start(Trainer& trainer, Module& m
 
 void StochasticWeightAveraging::average_end_of(int64_t epoch, Module& module) {
   if (start_epoch_ < 0 || epoch < start_epoch_ || epoch <= last_epoch_) return;
-  // Under fsdp the parameters are gathered to be read (every rank, here).
-  detail::with_whole_parameters(module.trainer().strategy(), module,
-                                [&] { add_to_average(average_, count_, module); });
+  // Each rank averages its parts of the parameters (under fsdp its shards).
+  Strategy& strategy = module.trainer().strategy();
+  if (average_->empty()) {
+    average_->copy_parameters(strategy, module);  // the first epoch's end
+  } else {
+    average_->make_parts(strategy, module, "StochasticWeightAveraging");
+    const double weight = 1.0 / static_cast<double>(count_ + 1);
+    average_->update([weight](at::Tensor& average, const at::Tensor& weights) {
+      average.add_(weights - average, weight);
+    });
+  }
   last_epoch_ = epoch;
   ++count_;
 }
@@ -194,8 +186,9 @@ void StochasticWeightAveraging::on_train_end(Trainer& trainer, Module& module) {
                            ", the first to average; the module keeps the weights as trained."));
     return;
   }
-  detail::assign_parameters(trainer.strategy(), module, average_);
+  average_->assign_to(trainer.strategy(), module, "StochasticWeightAveraging");
   if (options_.update_bn) update_batch_norm(trainer, module);
+  average_->make_whole();  // a collective under fsdp, as the assignment
 }
 
 void StochasticWeightAveraging::update_batch_norm(Trainer& trainer, Module& module) {
@@ -272,8 +265,11 @@ StateDict StochasticWeightAveraging::state_dict() const {
   StateDict state;
   state.set("count", count_);
   state.set("last_epoch", last_epoch_);
-  for (size_t i = 0; i < average_.size(); ++i) {
-    state.set_buffer("average_" + std::to_string(i), average_[i]);
+  // Whole (under fsdp gathered from the ranks' shards: every rank saves at
+  // the same point).
+  const std::vector<at::Tensor> average = average_->whole();
+  for (size_t i = 0; i < average.size(); ++i) {
+    state.set_buffer("average_" + std::to_string(i), average[i]);
   }
   state.set("optimizers", static_cast<int64_t>(lr0_.size()));
   for (size_t i = 0; i < lr0_.size(); ++i) state.set("lr0_" + std::to_string(i), lr0_[i]);
@@ -299,7 +295,7 @@ void StochasticWeightAveraging::load_state_dict(const StateDict& state) {
   for (int64_t i = 0; i < optimizers; ++i) lr0.push_back(state.reals("lr0_" + std::to_string(i)));
   count_ = count;
   last_epoch_ = last_epoch;
-  average_ = std::move(average);
+  average_->set_whole(std::move(average));
   lr0_ = std::move(lr0);
 }
 

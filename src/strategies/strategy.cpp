@@ -300,6 +300,51 @@ void Strategy::load_optimizer_state(torch::optim::Optimizer& optimizer, const St
   load_optimizer_state_dict(optimizer, state);
 }
 
+std::vector<at::Tensor> Strategy::local_parameters(Module& module) { return module.parameters(); }
+
+void Strategy::check_parameter_values(
+    Module& module, const std::vector<at::Tensor>& values,
+    const std::function<std::vector<int64_t>(size_t)>& shape_of) {
+  const auto named = module.named_parameters(/*recurse=*/true);
+  if (values.size() != named.size()) {
+    throw ConfigError(str(values.size(), " values for the module's ", named.size(),
+                          " parameters: they are of another model"));
+  }
+  for (size_t i = 0; i < values.size(); ++i) {
+    const std::vector<int64_t> shape = shape_of(i);
+    if (!values[i].defined() || values[i].sizes() != c10::IntArrayRef(shape)) {
+      const std::string given =
+          values[i].defined() ? fulgur::str(values[i].sizes()) : std::string("(none)");
+      throw ConfigError(fulgur::str("parameter \"", named[i].key(), "\" is of shape ",
+                                    c10::IntArrayRef(shape), ", its value of shape ", given,
+                                    ": the values are of another model"));
+    }
+  }
+}
+
+void Strategy::assign_local_parameters(Module& module, const std::vector<at::Tensor>& values) {
+  const auto parameters = module.parameters();
+  check_parameter_values(module, values, [&](size_t i) { return parameters[i].sizes().vec(); });
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < parameters.size(); ++i) parameters[i].copy_(values[i]);
+}
+
+std::vector<at::Tensor> Strategy::whole_from_local(Module& /*module*/,
+                                                   const std::vector<at::Tensor>& local) {
+  return local;
+}
+
+std::vector<at::Tensor> Strategy::local_from_whole(Module& module,
+                                                   const std::vector<at::Tensor>& whole) {
+  const auto parameters = module.parameters();
+  check_parameter_values(module, whole, [&](size_t i) { return parameters[i].sizes().vec(); });
+  std::vector<at::Tensor> local;
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    local.push_back(whole[i].to(parameters[i].device(), parameters[i].scalar_type()));
+  }
+  return local;
+}
+
 std::string Strategy::describe() const {
   auto* self = const_cast<Strategy*>(this);
   std::vector<std::string> devices;

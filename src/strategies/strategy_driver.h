@@ -58,6 +58,23 @@ class StrategyDriver {
   }
   void heartbeat(const char* what) { s_.heartbeat(what); }
 
+  // A copy of the weights kept as the optimizers step them (weight averages).
+  std::vector<at::Tensor> local_parameters(Module& module) { return s_.local_parameters(module); }
+  void assign_local_parameters(Module& module, const std::vector<at::Tensor>& values) {
+    s_.assign_local_parameters(module, values);
+  }
+  std::vector<at::Tensor> whole_from_local(Module& module, const std::vector<at::Tensor>& local) {
+    return s_.whole_from_local(module, local);
+  }
+  std::vector<at::Tensor> local_from_whole(Module& module, const std::vector<at::Tensor>& whole) {
+    return s_.local_from_whole(module, whole);
+  }
+  static void check_parameter_values(
+      Module& module, const std::vector<at::Tensor>& values,
+      const std::function<std::vector<int64_t>(size_t)>& shape_of) {
+    Strategy::check_parameter_values(module, values, shape_of);
+  }
+
   // Stopping.
   bool agree_to_stop(bool requested, bool boundary) {
     return s_.agree_to_stop(requested, boundary);

@@ -513,6 +513,32 @@ struct Classifier : fulgur::Module {
   }
 };
 
+// The most elements of a weight average (EMA's, SWA's) this rank held
+// during training, printed at its end: under fsdp each rank averages its
+// shards.
+struct AverageSizeProbe : fulgur::Callback {
+  int64_t most = 0;
+  std::string state_key() const override { return "AverageSizeProbe"; }
+  void on_train_batch_end(fulgur::Trainer& trainer, fulgur::Module&, const at::Tensor&,
+                          const fulgur::Batch&, int64_t) override {
+    for (const auto& cb : trainer.callbacks()) {
+      const std::vector<at::Tensor>* average = nullptr;
+      if (const auto* ema = dynamic_cast<const fulgur::EMA*>(cb.get())) average = &ema->average();
+      if (const auto* swa = dynamic_cast<const fulgur::StochasticWeightAveraging*>(cb.get())) {
+        average = &swa->average();
+      }
+      if (average == nullptr) continue;
+      int64_t elements = 0;
+      for (const auto& t : *average) elements += t.numel();
+      most = std::max(most, elements);
+    }
+  }
+  void on_train_end(fulgur::Trainer& trainer, fulgur::Module&) override {
+    std::cout << "RESULT rank" << trainer.strategy().global_rank() << "_average_elements=" << most
+              << std::endl;
+  }
+};
+
 // Writes the training data to a file in prepare_data() (slowly: it is a
 // download), reads it back in setup(): every rank's setup() must come after
 // the node's prepare_data() has finished.
@@ -700,6 +726,9 @@ int main(int argc, char** argv) {
                              .swa_epoch_start = static_cast<double>(a.swa_start),
                              .annealing_epochs = 1}));
     }
+    if (a.ema > 0 || a.swa_start > 0) {
+      options.callbacks.push_back(std::make_shared<AverageSizeProbe>());
+    }
     options.every_n_train_steps = a.every_n_train_steps;
     options.max_restarts = a.max_restarts;
     if (a.deterministic) options.deterministic = true;
@@ -777,6 +806,9 @@ int main(int argc, char** argv) {
         }
         torch::save(params, a.out);
       }
+      int64_t parameter_elements = 0;
+      for (const auto& p : model.parameters()) parameter_elements += p.numel();
+      std::cout << "RESULT parameter_elements=" << parameter_elements << "\n";
       std::cout << "RESULT world_size=" << strategy.world_size() << "\n"
                 << "RESULT global_step=" << result.global_step << "\n"
                 << "RESULT train_loss=" << result.metrics["train_loss"] << "\n"

@@ -171,12 +171,14 @@ TEST(FSDP, EachStrategyOnThreeRanksWithUnevenShardsMatchesOneProcess) {
 
 // The weight averages under each sharding strategy, where the optimizer
 // steps shards and FULL_SHARD frees the units' parameters between their
-// uses: an EMA (updated every step from the gathered parameters, validated
-// with: its weights swapped in and out through the shards) and SWA (its
-// rate annealed on the shards' optimizer, the average of two epochs' ends
-// given to the module at the end) end with the parameters of one process
-// with the double batch and of DDP, and the EMA's last validation loss (of
-// the average, swapped in) is one process's.
+// uses: an EMA (updated every step, validated with: its weights swapped in
+// and out through the shards) and SWA (its rate annealed on the shards'
+// optimizer, the average of two epochs' ends given to the module at the
+// end) end with the parameters of one process with the double batch and of
+// DDP, and the EMA's last validation loss (of the average, swapped in) is
+// one process's. Each rank of ddp holds a whole average; each rank of fsdp
+// its shards of it, half the model on two ranks (every parameter's element
+// count is even).
 TEST(FSDP, WeightAveragesEndAsOnOneProcessAndUnderDdpWithEachShardingStrategy) {
   TempDir dir;
   const std::string d = dir.path();
@@ -185,6 +187,7 @@ TEST(FSDP, WeightAveragesEndAsOnOneProcessAndUnderDdpWithEachShardingStrategy) {
         std::vector<std::string>{"--swa-start", "2"}}) {
     const std::string kind = averaging[0].substr(2);
     std::map<std::string, double> val_loss;
+    std::map<std::string, std::string> output;
     auto train = [&](const std::string& name, std::vector<std::string> args, bool average) {
       if (average) args.insert(args.end(), averaging.begin(), averaging.end());
       args.insert(args.end(), {"--steps", "60", "--samples", "320", "--root", d + "/" + kind + name,
@@ -195,6 +198,7 @@ TEST(FSDP, WeightAveragesEndAsOnOneProcessAndUnderDdpWithEachShardingStrategy) {
                                                              << r.output;
       const std::string loss = result_value(r.output, "val_loss");
       if (!loss.empty()) val_loss[name] = std::stod(loss);
+      output[name] = r.output;
     };
     train("single", {"--devices", "1", "--batch", "16"}, true);
     train("ddp", {"--strategy", "ddp", "--devices", "2", "--batch", "8"}, true);
@@ -205,6 +209,16 @@ TEST(FSDP, WeightAveragesEndAsOnOneProcessAndUnderDdpWithEachShardingStrategy) {
       EXPECT_TRUE(fulgur::test::same_params(d + "/" + kind + "single.pt",
                                             d + "/" + kind + other + ".pt"))
           << kind << " under " << other;
+    }
+    const std::string whole = result_value(output["single"], "parameter_elements");
+    ASSERT_FALSE(whole.empty()) << output["single"];
+    EXPECT_EQ(result_value(output["single"], "rank0_average_elements"), whole) << kind;
+    for (const char* rank : {"rank0_average_elements", "rank1_average_elements"}) {
+      EXPECT_EQ(result_value(output["ddp"], rank), whole) << kind << " " << rank;
+      for (const char* sharded : {"shard_grad_op", "full_shard"}) {
+        EXPECT_EQ(result_value(output[sharded], rank), std::to_string(std::stoll(whole) / 2))
+            << kind << " under " << sharded << ", " << rank << ":\n" << output[sharded];
+      }
     }
     if (kind == "ema") {
       ASSERT_EQ(val_loss.size(), 4u);
@@ -217,6 +231,43 @@ TEST(FSDP, WeightAveragesEndAsOnOneProcessAndUnderDdpWithEachShardingStrategy) {
     EXPECT_FALSE(fulgur::test::same_params(d + "/" + kind + "single.pt", d + "/" + kind + "plain.pt"))
         << kind;
   }
+}
+
+// Under fsdp the EMA averages each rank's shards, and a checkpoint holds
+// the average whole: two ranks resume from it (full and sharded layouts)
+// and end bit-identical to the run never stopped, and one process that
+// loads the last checkpoint ends with exactly the average that run gave its
+// module.
+TEST(FSDP, AnEmaAveragedInShardsIsSavedWholeAndResumesBitIdentical) {
+  TempDir dir;
+  const std::string d = dir.path();
+  auto run = [&](const std::string& strategy, const std::string& devices, const std::string& batch,
+                 const std::string& steps, const std::string& layout, const std::string& root,
+                 std::vector<std::string> more) {
+    std::vector<std::string> args = {
+        "--strategy", strategy, "--devices", devices, "--batch", batch, "--steps", steps,
+        "--optimizer", "adam", "--fsdp-units", "--ema", "0.8", "--every-n-train-steps", "10",
+        "--state-dict-type", layout, "--samples", "960", "--root", d + "/" + root};
+    args.insert(args.end(), more.begin(), more.end());
+    auto r = run_worker(args);
+    EXPECT_EQ(r.exit_code, 0) << root << ":\n" << r.output;
+    return r;
+  };
+  run(kFullShard, "2", "8", "20", "full", "ref", {"--out", d + "/ref.pt"});
+  for (const char* layout : {"full", "sharded"}) {
+    SCOPED_TRACE(layout);
+    const std::string part = std::string("part-") + layout;
+    run(kFullShard, "2", "8", "10", layout, part, {});
+    run(kFullShard, "2", "8", "20", layout, part,
+        {"--ckpt-path", d + "/" + part + "/checkpoints/last.ckpt", "--out",
+         d + "/" + part + ".pt"});
+    EXPECT_TRUE(fulgur::test::same_params(d + "/ref.pt", d + "/" + part + ".pt", {.exact = true}));
+  }
+  // Nothing left to train: the loaded average goes to the module at the end.
+  auto single = run("auto", "1", "16", "20", "full", "single",
+                    {"--ckpt-path", d + "/ref/checkpoints/last.ckpt", "--out", d + "/single.pt"});
+  EXPECT_EQ(result_value(single.output, "global_step"), "20") << single.output;
+  EXPECT_TRUE(fulgur::test::same_params(d + "/ref.pt", d + "/single.pt", {.exact = true}));
 }
 
 // Rank 0 fails alone while validating with the EMA's average swapped in:

@@ -8,12 +8,14 @@
 // weights are swapped back before a checkpoint is written: checkpoint
 // callbacks run last), and at the end of fit the module keeps them. The
 // average is in checkpoints: a resumed run goes on bit-identical. Under ddp
-// every rank holds the same average; under fsdp too: each update reads the
-// parameters whole (FULL_SHARD gathers its units for it), so every rank
-// keeps a whole copy of the weights, and swapping weights in and out goes
-// through the module's state, from which every rank takes its shards. A
-// rank that fails alone under fsdp keeps the weights it holds (putting
-// them back would be a collective its peers never join).
+// every rank holds the same average. Under fsdp each rank averages its own
+// shard of each parameter (the one its optimizer steps): 1/N of the model
+// per rank, and an update gathers nothing; swapping the average in or out
+// writes the shards and gathers the parameters as an optimizer step does,
+// and a checkpoint holds the average whole (gathered as it is saved: it
+// loads into any strategy and world size). A rank that fails alone under
+// fsdp keeps the weights it holds (putting them back would be a collective
+// its peers never join).
 //
 //   fulgur::Trainer trainer({.max_epochs = 10,
 //                            .callbacks = {std::make_shared<fulgur::EMA>(
@@ -21,12 +23,17 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "fulgur/callbacks/callback.h"
 
 namespace fulgur {
+
+namespace detail {
+class ParameterCopy;
+}
 
 struct EMAOptions {
   /// Weight of the average so far, in [0, 1).
@@ -42,6 +49,7 @@ struct EMAOptions {
 class EMA : public Callback {
  public:
   explicit EMA(EMAOptions options = {});
+  ~EMA() override;
   std::string state_key() const override { return "EMA"; }
   void on_fit_start(Trainer& trainer, Module& module) override;
   void on_train_start(Trainer& trainer, Module& module) override;
@@ -56,8 +64,9 @@ class EMA : public Callback {
 
   const EMAOptions& options() const { return options_; }
   /// The averaged parameters, in the module's parameters() order (empty
-  /// before training starts).
-  const std::vector<at::Tensor>& average() const { return average_; }
+  /// before training starts): whole before and after fit; during a fit
+  /// under fsdp, this rank's 1-D shard of each parameter an optimizer steps.
+  const std::vector<at::Tensor>& average() const;
   /// The optimizer step of the last update (-1: none yet).
   int64_t last_update_step() const { return last_update_step_; }
 
@@ -65,8 +74,8 @@ class EMA : public Callback {
   void swap_in(Module& module);
   void swap_out(Module& module);
   EMAOptions options_;
-  std::vector<at::Tensor> average_;
-  std::vector<at::Tensor> training_weights_;  // while the average is swapped in
+  std::unique_ptr<detail::ParameterCopy> average_;
+  std::unique_ptr<detail::ParameterCopy> training_weights_;  // while the average is swapped in
   int64_t last_update_step_ = -1;
 };
 

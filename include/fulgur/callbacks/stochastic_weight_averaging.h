@@ -28,13 +28,17 @@
 // fit leaves: save it after fit (module_state_dict). The BatchNorm pass
 // moves batches as the strategy does and covers limit_train_batches. Under
 // ddp every rank holds the same average (each rank's BatchNorm pass sees
-// its shard of the data; SyncBatchNorm layers combine them), and under
-// fsdp (the epochs' ends read whole, a whole copy on every rank; the
-// average given to the module through its state, whose shards every rank
-// takes). cuda_graph and an EMA with apply_at_end are refused.
+// its shard of the data; SyncBatchNorm layers combine them). Under fsdp
+// each rank averages its own shard of each parameter (the one its
+// optimizer steps): 1/N of the model per rank, and nothing is gathered to
+// average; the average is given to the module through the shards, then
+// gathered as after an optimizer step, and checkpoints hold it whole
+// (gathered as they are saved). cuda_graph and an EMA with apply_at_end
+// are refused.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -42,6 +46,10 @@
 #include "fulgur/core/choice.h"
 
 namespace fulgur {
+
+namespace detail {
+class ParameterCopy;
+}
 
 enum class AnnealingStrategy { kCos, kLinear };
 template <>
@@ -70,6 +78,7 @@ class StochasticWeightAveraging : public Callback {
  public:
   /// ConfigError naming every option that cannot work.
   explicit StochasticWeightAveraging(SWAOptions options);
+  ~StochasticWeightAveraging() override;
   std::string state_key() const override { return "StochasticWeightAveraging"; }
 
   void on_fit_start(Trainer& trainer, Module& module) override;
@@ -88,8 +97,9 @@ class StochasticWeightAveraging : public Callback {
   /// Epochs averaged so far.
   int64_t count() const { return count_; }
   /// The average, in the module's parameters() order (empty before the
-  /// first averaged epoch ends).
-  const std::vector<at::Tensor>& average() const { return average_; }
+  /// first averaged epoch ends): whole before and after fit; during a fit
+  /// under fsdp, this rank's 1-D shard of each parameter an optimizer steps.
+  const std::vector<at::Tensor>& average() const;
 
  private:
   double annealed_lr(double lr0, int64_t epoch) const;
@@ -103,7 +113,7 @@ class StochasticWeightAveraging : public Callback {
   int64_t count_ = 0;
   int64_t last_epoch_ = -1;   // the last epoch averaged
   int64_t ended_epoch_ = -1;  // the last epoch whose end this fit reached
-  std::vector<at::Tensor> average_;
+  std::unique_ptr<detail::ParameterCopy> average_;
   /// Each optimizer's group rates when annealing began, by the order in
   /// which the optimizers step (configure_optimizers' order).
   std::vector<std::vector<double>> lr0_;

@@ -93,7 +93,8 @@ class ShardedParameters {
   /// gradient and into their storage (no packed copy); smaller ones are
   /// packed together, one exchange per dtype.
   static constexpr int64_t kDirectElements = 65536;
-  /// Parameter i's whole shape (a released parameter shows [0]).
+  /// Parameter i's whole shape (also while it is released and the
+  /// parameter itself shows [0]).
   const std::vector<int64_t>& full_sizes(size_t i) const { return sizes_[i]; }
   /// Shard `shard` (chunk(i) elements, this rank's) of a tensor of
   /// parameter i's shape, padded with zeros; and the whole tensor from

@@ -191,6 +191,15 @@ class FSDPStrategy : public ParallelStrategy {
   /// written by single_device or ddp); a shard's state loads as it is.
   void load_optimizer_state(torch::optim::Optimizer& optimizer, const StateDict& state) override;
   void with_full_parameters(Module& module, const std::function<void()>& body) override;
+  /// The shards of the parameters an optimizer steps (frozen ones whole).
+  std::vector<at::Tensor> local_parameters(Module& module) override;
+  /// Into the shards, then the parameters gathered again as after an
+  /// optimizer step (FULL_SHARD's units at their next forward).
+  void assign_local_parameters(Module& module, const std::vector<at::Tensor>& values) override;
+  std::vector<at::Tensor> whole_from_local(Module& module,
+                                           const std::vector<at::Tensor>& local) override;
+  std::vector<at::Tensor> local_from_whole(Module& module,
+                                           const std::vector<at::Tensor>& whole) override;
 
  private:
   class Unit;
@@ -218,6 +227,10 @@ class FSDPStrategy : public ParallelStrategy {
   void finish_reductions();
   /// Fills whole_ (after the units are attached).
   void index_whole_parameters();
+  /// For each parameter of `module` (parameters() order), the
+  /// ShardedParameters holding it and its index there; null for one no
+  /// optimizer steps (whole on every rank).
+  std::vector<std::pair<ShardedParameters*, size_t>> locate_parameters(Module& module) const;
 
   FSDPOptions options_;
   std::string name_;

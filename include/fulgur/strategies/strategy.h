@@ -308,6 +308,35 @@ class Strategy {
   /// the shards' state into whole tensors, and takes its shards back.
   virtual StateDict optimizer_state(torch::optim::Optimizer& optimizer);
   virtual void load_optimizer_state(torch::optim::Optimizer& optimizer, const StateDict& state);
+  /// This rank's part of each parameter of `module` (in parameters()
+  /// order), as its optimizers step it: a copy of the weights kept in this
+  /// form and updated element by element (EMA's and SWA's averages) costs
+  /// 1/N of the model per rank under a strategy that shards, and an update
+  /// reads no peer. Default: the parameters; fsdp: the 1-D shard of each
+  /// parameter an optimizer steps (the last ranks' padded with zeros), the
+  /// others (frozen) whole. The same tensor objects for the whole stage.
+  virtual std::vector<at::Tensor> local_parameters(Module& module);
+  /// Sets each of those parts to values[i] (of local_parameters' shapes)
+  /// and makes the module's parameters agree. Under fsdp a collective
+  /// (every rank calls it at the same point): the parameters are gathered
+  /// again as after an optimizer step.
+  virtual void assign_local_parameters(Module& module, const std::vector<at::Tensor>& values);
+  /// Whole values (of the parameters' shapes) from every rank's parts of
+  /// them. Default: the values themselves; fsdp: one all-gather per
+  /// sharded parameter, a collective.
+  virtual std::vector<at::Tensor> whole_from_local(Module& module,
+                                                   const std::vector<at::Tensor>& local);
+  /// This rank's parts of whole values, on each parameter's device and of
+  /// its dtype (no collective). ConfigError naming the parameter whose value
+  /// has another shape, or when the count differs from the parameters'.
+  virtual std::vector<at::Tensor> local_from_whole(Module& module,
+                                                   const std::vector<at::Tensor>& whole);
+  /// ConfigError unless `values` holds one tensor per parameter of
+  /// `module`, value i of shape `shape_of(i)` (the checks of
+  /// assign_local_parameters and local_from_whole).
+  static void check_parameter_values(
+      Module& module, const std::vector<at::Tensor>& values,
+      const std::function<std::vector<int64_t>(size_t)>& shape_of);
 
  private:
   std::shared_ptr<Accelerator> accelerator_;

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 
 #include "fulgur/core/errors.h"
@@ -134,6 +135,82 @@ bool FSDPStrategy::reduce_gradients(bool contributes) {
     any = entry.second->reduce_scatter_gradients(rest, contributes) || any;
   }
   return any;
+}
+
+std::vector<std::pair<ShardedParameters*, size_t>> FSDPStrategy::locate_parameters(
+    Module& module) const {
+  std::map<const c10::TensorImpl*, std::pair<ShardedParameters*, size_t>> where;
+  for (const auto& entry : sharded_) {
+    const auto& parameters = entry.second->parameters();
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      where[parameters[i].unsafeGetTensorImpl()] = {entry.second.get(), i};
+    }
+  }
+  std::vector<std::pair<ShardedParameters*, size_t>> located;
+  for (const auto& p : module.parameters()) {
+    auto it = where.find(p.unsafeGetTensorImpl());
+    located.push_back(it != where.end() ? it->second : std::pair<ShardedParameters*, size_t>());
+  }
+  return located;
+}
+
+std::vector<at::Tensor> FSDPStrategy::local_parameters(Module& module) {
+  const auto located = locate_parameters(module);
+  std::vector<at::Tensor> local = module.parameters();
+  for (size_t i = 0; i < local.size(); ++i) {
+    if (located[i].first != nullptr) local[i] = located[i].first->shards()[located[i].second];
+  }
+  return local;
+}
+
+void FSDPStrategy::assign_local_parameters(Module& module, const std::vector<at::Tensor>& values) {
+  const std::vector<at::Tensor> local = local_parameters(module);
+  check_parameter_values(module, values, [&](size_t i) { return local[i].sizes().vec(); });
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < local.size(); ++i) local[i].copy_(values[i]);
+  }
+  // As after an optimizer step: the units' parameters are taken from the
+  // shards at their next forward (one gathered now is stale: released), the
+  // others gathered now.
+  release_units();
+  for (const auto& entry : sharded_) {
+    entry.second->all_gather_parameters(whole_.at(entry.second.get()));
+  }
+  note_held_parameters();
+}
+
+std::vector<at::Tensor> FSDPStrategy::whole_from_local(Module& module,
+                                                       const std::vector<at::Tensor>& local) {
+  const auto located = locate_parameters(module);
+  check_parameter_values(module, local, [&](size_t i) {
+    const auto& [sharded, k] = located[i];
+    return sharded != nullptr ? std::vector<int64_t>{sharded->chunk(k)} : local[i].sizes().vec();
+  });
+  std::vector<at::Tensor> whole;
+  for (size_t i = 0; i < local.size(); ++i) {
+    const auto& [sharded, k] = located[i];
+    whole.push_back(sharded != nullptr ? sharded->gather_whole(k, local[i]) : local[i]);
+  }
+  return whole;
+}
+
+std::vector<at::Tensor> FSDPStrategy::local_from_whole(Module& module,
+                                                       const std::vector<at::Tensor>& whole) {
+  const auto located = locate_parameters(module);
+  const auto parameters = module.parameters();
+  check_parameter_values(module, whole, [&](size_t i) {
+    const auto& [sharded, k] = located[i];
+    return sharded != nullptr ? sharded->full_sizes(k) : parameters[i].sizes().vec();
+  });
+  std::vector<at::Tensor> local;
+  for (size_t i = 0; i < whole.size(); ++i) {
+    const auto& [sharded, k] = located[i];
+    const at::Tensor& like = sharded != nullptr ? sharded->shards()[k] : parameters[i];
+    const at::Tensor value = whole[i].to(like.device(), like.scalar_type());
+    local.push_back(sharded != nullptr ? sharded->shard_of(k, value) : value);
+  }
+  return local;
 }
 
 FSDPStrategy::Memory FSDPStrategy::memory() const {
