@@ -140,6 +140,33 @@ TEST(EMA, AResumedRunEndsBitIdenticalToTheUninterruptedOne) {
   EXPECT_TRUE(parameters_equal(uninterrupted, resumed));
 }
 
+// An average of another model (a checkpoint's, or a callback object used
+// again for another module) is refused when training starts, naming the
+// parameter, both shapes and what to do; the module is left as it was.
+TEST(EMA, AnAverageOfAnotherModelIsRefusedNamingTheParameter) {
+  TempDir dir;
+  LinearRegression model;  // fc: weight [1, 3], bias [1]
+  const std::vector<at::Tensor> before = clone_parameters(model);
+  auto ema = std::make_shared<EMA>();
+  fulgur::StateDict state;
+  state.set("count", int64_t{2});
+  state.set("last_update_step", int64_t{4});
+  state.set_buffer("average_0", torch::zeros({3, 3}));
+  state.set_buffer("average_1", torch::zeros({1}));
+  ema->load_state_dict(state);
+  auto options = test_options(dir);
+  options.callbacks = {ema};
+  try {
+    fulgur::Trainer(options).fit(model, regression_loader(4));
+    ADD_FAILURE() << "no error";
+  } catch (const fulgur::ConfigError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("EMA: the copy of the weights it holds"));
+    EXPECT_THAT(e.what(), HasSubstr("weight\" is of shape [1, 3], its value of shape [3, 3]"));
+    EXPECT_THAT(e.what(), HasSubstr("Resume from a checkpoint of this model"));
+  }
+  expect_tensors_equal(clone_parameters(model), before);
+}
+
 TEST(EMA, BadOptionsAreNamed) {
   try {
     EMA bad(EMAOptions{.decay = 1.0, .every_n_steps = 0});
