@@ -32,7 +32,14 @@ EMA::~EMA() = default;
 
 const std::vector<at::Tensor>& EMA::average() const { return average_->values(); }
 
-void EMA::on_fit_start(Trainer&, Module&) { average_->begin_fit(); }
+void EMA::on_fit_start(Trainer& trainer, Module&) {
+  if (trainer.global_step() == 0 && trainer.current_epoch() == 0) {
+    // A fit from the start: it averages afresh (a resumed one goes on).
+    average_->clear();
+    last_update_step_ = -1;
+  }
+  average_->begin_fit();
+}
 
 void EMA::on_train_start(Trainer& trainer, Module& module) {
   // This rank's parts of the parameters (under fsdp its shards): a
@@ -40,7 +47,7 @@ void EMA::on_train_start(Trainer& trainer, Module& module) {
   if (average_->empty()) {
     average_->copy_parameters(trainer.strategy(), module);
   } else {
-    average_->make_parts(trainer.strategy(), module, "EMA");
+    average_->make_parts_checked(trainer.strategy(), module, "EMA");
   }
 }
 

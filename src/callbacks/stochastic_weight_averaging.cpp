@@ -165,7 +165,7 @@ void StochasticWeightAveraging::average_end_of(int64_t epoch, Module& module) {
   if (average_->empty()) {
     average_->copy_parameters(strategy, module);  // the first epoch's end
   } else {
-    average_->make_parts(strategy, module, "StochasticWeightAveraging");
+    average_->make_parts_checked(strategy, module, "StochasticWeightAveraging");
     const double weight = 1.0 / static_cast<double>(count_ + 1);
     average_->update([weight](at::Tensor& average, const at::Tensor& weights) {
       average.add_(weights - average, weight);

@@ -7,7 +7,9 @@
 // training run's). Validation runs with the averaged weights (the training
 // weights are swapped back before a checkpoint is written: checkpoint
 // callbacks run last), and at the end of fit the module keeps them. The
-// average is in checkpoints: a resumed run goes on bit-identical. Under ddp
+// average is in checkpoints: a resumed run goes on bit-identical, and a fit
+// from the start begins a new average (as StochasticWeightAveraging's and
+// Lightning's weight averaging do). Under ddp
 // every rank holds the same average. Under fsdp each rank averages its own
 // shard of each parameter (the one its optimizer steps): 1/N of the model
 // per rank, and an update gathers nothing; swapping the average in or out
