@@ -16,6 +16,7 @@
 // failure, 2 bad command line or configuration (the message says which key).
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -25,10 +26,12 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "fashion_mnist_data.h"
@@ -298,6 +301,30 @@ int main(int argc, char** argv) {
            "scale_batch_size on the CPU: MiB a trial's tensors may take (0: no cap)");
   if (auto status = cli.parse(argc, argv)) return *status;
   cli.batch_size_finder().host_memory_cap = po.host_memory_cap_mb * (int64_t{1} << 20);
+  // The model's and program's own options, checked before anything runs (a
+  // step size past LibTorch's unsigned would wrap to 0 and divide by it
+  // when the scheduler first steps, after training).
+  std::vector<std::string> problems;
+  if (!(mo.lr > 0.0 && std::isfinite(mo.lr))) {
+    problems.push_back(fulgur::str("--lr ", mo.lr, ": a learning rate > 0, e.g. 1e-3"));
+  }
+  if (mo.lr_step_size < 0 || mo.lr_step_size > std::numeric_limits<unsigned>::max()) {
+    problems.push_back(fulgur::str("--lr_step_size ", mo.lr_step_size, ": epochs in 1..",
+                                   std::numeric_limits<unsigned>::max(),
+                                   ", or 0 for a constant rate"));
+  }
+  if (!(mo.lr_gamma > 0.0 && std::isfinite(mo.lr_gamma))) {
+    problems.push_back(fulgur::str("--lr_gamma ", mo.lr_gamma, ": a factor > 0, e.g. 0.1"));
+  }
+  const int most_threads = 4 * std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  if (po.threads < 0 || po.threads > most_threads) {
+    problems.push_back(fulgur::str("--threads ", po.threads, ": 0 (LibTorch's default) or 1..",
+                                   most_threads, " (4 per core of this machine)"));
+  }
+  if (!problems.empty()) {
+    std::cerr << "error: " << fulgur::join(problems, "; ") << "." << std::endl;
+    return 2;
+  }
 
   try {
     return run(cli, mo, data_options, po);

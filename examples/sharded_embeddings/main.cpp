@@ -33,6 +33,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <iostream>
 
@@ -204,6 +205,19 @@ int main(int argc, char** argv) {
       .add("min_improvement", a.min_improvement,
            "Exit 1 unless the last epoch's loss is this much below the first's");
   if (auto status = cli.parse(argc, argv)) return *status;
+  std::vector<std::string> problems;
+  if (a.rows < 1) problems.push_back(fulgur::str("--rows ", a.rows, ": must be >= 1"));
+  if (a.dim < 1) problems.push_back(fulgur::str("--dim ", a.dim, ": must be >= 1"));
+  if (!(a.lr > 0.0 && std::isfinite(a.lr))) {
+    problems.push_back(fulgur::str("--lr ", a.lr, ": a learning rate > 0, e.g. 0.5"));
+  }
+  if (a.active_ids < 1) {
+    problems.push_back(fulgur::str("--active_ids ", a.active_ids, ": must be >= 1"));
+  }
+  if (!problems.empty()) {
+    std::cerr << "error: " << fulgur::join(problems, "; ") << "." << std::endl;
+    return 2;
+  }
   try {
     const auto start = std::chrono::steady_clock::now();
     ShardedRecommender model(a);

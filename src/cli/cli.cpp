@@ -18,6 +18,7 @@
 #include <iostream>
 #include <limits>
 #include <sstream>
+#include <string_view>
 #include <unordered_map>
 #include <tuple>
 #include <unordered_set>
@@ -31,6 +32,7 @@
 #include "fulgur/trainer/flags.h"
 #include "trainer/loop_flags.h"
 #include "utilities/file_kind.h"
+#include "utilities/small_file.h"
 
 namespace fulgur {
 
@@ -159,81 +161,71 @@ std::string unknown_name(const std::string& what, const std::string& name,
   return unknown(what, name, candidates, prefix);
 }
 
-std::string size_text(uint64_t bytes) {
-  if (bytes < (uint64_t{1} << 20)) return str(bytes, " bytes");
-  std::ostringstream out;
-  out << std::fixed << std::setprecision(1) << static_cast<double>(bytes) / (1 << 20) << " MiB";
-  return out.str();
-}
-
-// The text of the --config file at `path`, through one checked open, as
-// TorchCheckpointIO opens checkpoints: the path's type first (a directory,
-// FIFO, device or socket is refused without being opened, so nothing can
-// block), then a non-blocking open, the type and size again on what was
-// opened (the path may have changed in between), and a read of at most
-// CLI::kMaxConfigFileBytes. "" with `text` set, or the problem: the path,
-// what is wrong and what to do.
+// The text of the --config file at `path`, through one checked open
+// (detail::read_small_file: nothing that could block is opened, at most
+// CLI::kMaxConfigFileBytes are read). "" with `text` set, or the problem:
+// the path, what is wrong and what to do.
 std::string read_config_file(const std::string& path, std::string& text) {
   constexpr uint64_t kMax = CLI::kMaxConfigFileBytes;
   const std::string what = str("--config ", path);
-  auto refused = [&](mode_t mode) {
-    return str(what, " is ", detail::file_kind(mode),
-               ", not a config file. Pass the path of a YAML file (--print_config writes one).");
+  using Problem = detail::SmallFileRead::Problem;
+  detail::SmallFileRead read = detail::read_small_file(path, kMax);
+  switch (read.problem) {
+    case Problem::kNone: text = std::move(read.text); return "";
+    case Problem::kMissing:
+      return str(what, ": cannot read it: ",
+                 read.error == ENOENT ? std::string("it does not exist. Check the path")
+                                      : std::string(std::strerror(read.error)),
+                 ". Pass the path of a YAML file.");
+    case Problem::kNotRegular:
+      return str(what, " is ", detail::file_kind(read.mode),
+                 ", not a config file. Pass the path of a YAML file (--print_config writes one).");
+    case Problem::kTooLarge:
+      return str(what, " is ", detail::size_text(read.size),
+                 "; a config file may be at most 1 MiB (", kMax,
+                 " bytes). Pass the YAML file of the run's settings (a few KiB), not data.");
+    case Problem::kCannotOpen:
+      return str(what, ": cannot open it for reading: ", std::strerror(read.error),
+                 read.error == EACCES ? ". Give this user read permission on it (and search "
+                                        "permission on its directories)."
+                                      : ".");
+    case Problem::kCannotRead:
+      return str(what, ": cannot read it: ", std::strerror(read.error), ".");
+  }
+  return str(what, ": cannot read it.");
+}
+
+// How many YAML documents with content `text` holds, from its document
+// markers ("---" and "..." at the start of a line; they end any scalar
+// there): YAML::Load reads the first and silently drops the rest. A linear
+// scan (yaml-cpp's LoadAll does not return on some broken inputs).
+int yaml_documents(const std::string& text) {
+  int documents = 0;
+  bool content = false;  // in the document being read
+  auto marker = [](std::string_view line, const char* mark) {
+    return line.substr(0, 3) == mark &&
+           (line.size() == 3 || line[3] == ' ' || line[3] == '\t' || line[3] == '\r');
   };
-  auto too_large = [&](uint64_t size) {
-    return str(what, " is ", size_text(size), "; a config file may be at most 1 MiB (", kMax,
-               " bytes). Pass the YAML file of the run's settings (a few KiB), not data.");
+  auto has_content = [](std::string_view rest) {
+    const size_t at = rest.find_first_not_of(" \t\r");
+    return at != std::string_view::npos && rest[at] != '#';
   };
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    const int err = errno;
-    return str(what, ": cannot read it: ",
-               err == ENOENT ? std::string("it does not exist. Check the path")
-                             : std::string(std::strerror(err)),
-               ". Pass the path of a YAML file.");
-  }
-  if (!S_ISREG(st.st_mode)) return refused(st.st_mode);
-  if (static_cast<uint64_t>(st.st_size) > kMax) return too_large(static_cast<uint64_t>(st.st_size));
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    const int err = errno;
-    return str(what, ": cannot open it for reading: ", std::strerror(err),
-               err == EACCES ? ". Give this user read permission on it (and search permission on "
-                               "its directories)."
-                             : ".");
-  }
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat opened {};
-  if (::fstat(fd, &opened) != 0) {
-    return str(what, ": cannot read it: ", std::strerror(errno), ".");
-  }
-  if (!S_ISREG(opened.st_mode)) return refused(opened.st_mode);
-  if (static_cast<uint64_t>(opened.st_size) > kMax) {
-    return too_large(static_cast<uint64_t>(opened.st_size));
-  }
-  // One byte past the cap tells a file that grew since.
-  text.assign(static_cast<size_t>(kMax) + 1, '\0');
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t got = ::read(fd, text.data() + done, text.size() - done);
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) {
-      const int err = errno;
-      text.clear();
-      return str(what, ": cannot read it: ", std::strerror(err), ".");
+  std::string_view all(text);
+  for (size_t begin = 0; begin < all.size();) {
+    size_t end = all.find('\n', begin);
+    if (end == std::string_view::npos) end = all.size();
+    const std::string_view line = all.substr(begin, end - begin);
+    begin = end + 1;
+    if (marker(line, "---") || marker(line, "...")) {
+      if (content) ++documents;
+      content = line[0] == '-' && has_content(line.substr(3));
+    } else if (!line.empty() && line[0] == '%') {
+      continue;  // a directive
+    } else if (has_content(line)) {
+      content = true;
     }
-    if (got == 0) break;
-    done += static_cast<size_t>(got);
   }
-  if (done > kMax) {
-    text.clear();
-    return too_large(done);
-  }
-  text.resize(done);
-  return "";
+  return documents + (content ? 1 : 0);
 }
 
 // "line 3", or "line 3 column 7" where `other` is on the same line (two
@@ -650,6 +642,13 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       continue;
     }
     try {
+      if (const int documents = yaml_documents(text); documents > 1) {
+        problems.push_back(str("--config ", file, " holds ", documents,
+                               " YAML documents (separated by \"---\"); a config file is one. "
+                               "Merge them into one, or pass each with its own --config (the "
+                               "later one wins)."));
+        continue;
+      }
       read_config(YAML::Load(text), file, false, from_files);
     } catch (const YAML::Exception& e) {
       problems.push_back(str("--config ", file, ": not valid YAML: ", e.what(), "."));

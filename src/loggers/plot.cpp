@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "core/run_program.h"
+#include "loggers/gnuplot_text.h"
 #include "fulgur/core/errors.h"
 
 namespace fulgur {
@@ -30,16 +31,6 @@ std::vector<std::string> split_csv_line(const std::string& line) {
   }
   cells.push_back(cell);
   return cells;
-}
-
-// A string for a gnuplot double-quoted literal.
-std::string gnuplot_quoted(const std::string& text) {
-  std::string out = "\"";
-  for (char c : text) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c;
-  }
-  return out + "\"";
 }
 
 // Underscores are subscripts in gnuplot's enhanced text: shown as written.
@@ -136,14 +127,14 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
   }
   s << "set terminal pngcairo size " << 560 * cols << "," << 380 * rows
     << " enhanced font \"DejaVu Sans,10\"\n"
-    << "set output " << gnuplot_quoted(png_path) << "\n"
+    << "set output " << detail::gnuplot_quoted(png_path) << "\n"
     << "set multiplot layout " << rows << "," << cols << " title "
-    << gnuplot_quoted(gnuplot_label(title)) << " font \",12\"\n"
+    << detail::gnuplot_quoted(gnuplot_label(title)) << " font \",12\"\n"
     << "set grid\nset bmargin 5\nset key outside bottom center horizontal\nset xlabel \"optimizer "
        "step\" offset 0,0.5\n";
   for (const auto& panel : panels) {
-    s << "set title " << gnuplot_quoted(gnuplot_label(panel)) << "\nset ylabel "
-      << gnuplot_quoted(gnuplot_label(panel)) << "\n";
+    s << "set title " << detail::gnuplot_quoted(gnuplot_label(panel)) << "\nset ylabel "
+      << detail::gnuplot_quoted(gnuplot_label(panel)) << "\n";
     s << "plot ";
     const auto& cols_of = members[panel];
     for (size_t i = 0; i < cols_of.size(); ++i) {
@@ -151,7 +142,7 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
       // Sparse series (once per epoch) get points to stay visible.
       const char* style = points[c].size() <= 50 ? "linespoints pt 7 ps 0.6" : "lines";
       s << (i ? ", " : "") << "$m" << c << " using 1:2 with " << style << " lw 1.5 title "
-        << gnuplot_quoted(gnuplot_label(header[c]));
+        << detail::gnuplot_quoted(gnuplot_label(header[c]));
     }
     s << "\n";
   }
@@ -208,6 +199,10 @@ std::string plot_metrics(const std::string& csv_path, const std::string& png_pat
   } catch (const std::exception& e) {
     return e.what();
   }
+  if (std::string problem = detail::unwritable(png_path); !problem.empty()) {
+    return str("plot: cannot write \"", png_path, "\": ", problem,
+               ". Pass an output path in a directory this user can write.");
+  }
   const auto ran = detail::run_program({"gnuplot"}, script, std::chrono::seconds(60));
   if (ran.spawn_error != 0) {
     return str("plot: gnuplot is not installed (", std::strerror(ran.spawn_error),
@@ -219,7 +214,7 @@ std::string plot_metrics(const std::string& csv_path, const std::string& png_pat
   if (ran.timed_out) return str("plot: gnuplot did not finish in 60 s drawing \"", png_path, "\".");
   if (!ran.succeeded() || !std::filesystem::exists(png_path)) {
     return str("plot: gnuplot failed drawing \"", png_path,
-               "\": ", ran.output.empty() ? ran.how_it_ended() : ran.output);
+               "\": ", ran.output.empty() ? ran.how_it_ended() : detail::gnuplot_said(ran.output));
   }
   return "";
 }

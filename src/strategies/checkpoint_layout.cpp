@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -10,9 +11,11 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/plugins/io/checkpoint_io.h"
+#include "fulgur/strategies/fsdp.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/utilities/checksum.h"
 #include "utilities/remove_tree.h"
+#include "utilities/small_file.h"
 
 namespace fulgur {
 
@@ -80,20 +83,34 @@ std::string ShardedCheckpoint::missing_shards(const std::string& path, const Man
 
 ShardedCheckpoint::Manifest ShardedCheckpoint::read_manifest(const std::string& path) {
   const fs::path file = fs::path(path) / ShardedCheckpoint::kManifest;
-  std::ifstream in(file);
-  if (!in) {
+  // A manifest lists one line per rank: 16 MiB is half a million ranks.
+  constexpr uint64_t kMaxManifestBytes = uint64_t{16} << 20;
+  const detail::SmallFileRead read = detail::read_small_file(file.string(), kMaxManifestBytes);
+  if (read.problem == detail::SmallFileRead::Problem::kMissing) {
     throw CheckpointError(str("checkpoint \"", path, "\" has no ", ShardedCheckpoint::kManifest,
                               ": its save did not complete (rank 0 writes it after every shard). "
                               "Resume from an earlier checkpoint."));
   }
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!read.ok()) {
+    throw CheckpointError(str("checkpoint \"", path, "\": its ", ShardedCheckpoint::kManifest, " ",
+                              read.describe(kMaxManifestBytes),
+                              ". Rank 0 writes it as the save's last step; resume from an "
+                              "earlier checkpoint, or restore the directory from a copy."));
+  }
+  const std::string& text = read.text;
   std::istringstream lines(text);
   Manifest m;
   std::string line;
   std::getline(lines, line);
   const bool v1 = line == kManifestHeaderV1;
   if (line != kManifestHeader && !v1) {
-    throw CheckpointError(str(file.string(), " is not a fulgur manifest (first line \"", line,
+    // What it starts with, printable and short (it may be any file).
+    std::string shown;
+    for (char c : line.substr(0, 60)) {
+      shown += std::isprint(static_cast<unsigned char>(c)) ? c : '?';
+    }
+    if (line.size() > 60) shown += "...";
+    throw CheckpointError(str(file.string(), " is not a fulgur manifest (first line \"", shown,
                               "\", expected \"", kManifestHeader, "\")."));
   }
   if (!v1) {
@@ -187,6 +204,11 @@ StateDict ShardedCheckpoint::load(Strategy& strategy, const std::string& path) {
     throw CheckpointError(str("checkpoint \"", path, "\" does not exist."));
   }
   if (!fs::is_directory(path, ec)) {
+    // One file of every rank's whole state ("full", consolidated, or
+    // single_device's and ddp's): fsdp takes each rank's shard from it.
+    if (dynamic_cast<const FSDPStrategy*>(&strategy) != nullptr) {
+      return strategy.checkpoint_io().load_checkpoint(path);
+    }
     throw CheckpointError(str("checkpoint \"", path,
                               "\" is one file, written by a strategy that "
                               "saves whole models; strategy \"",
@@ -226,8 +248,12 @@ void ShardedCheckpoint::remove(Strategy& strategy, const std::string& path) {
 std::string ShardedCheckpoint::verify(Strategy& strategy, const std::string& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) {
-    return fs::exists(path, ec) ? "it is one file, not a directory of per-rank shards"
-                                : "it does not exist";
+    if (!fs::exists(path, ec)) return "it does not exist";
+    // fsdp loads one file too (load).
+    if (dynamic_cast<const FSDPStrategy*>(&strategy) != nullptr) {
+      return strategy.checkpoint_io().verify(path);
+    }
+    return "it is one file, not a directory of per-rank shards";
   }
   try {
     const Manifest manifest = read_manifest(path);

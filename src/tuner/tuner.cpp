@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "core/run_program.h"
+#include "loggers/gnuplot_text.h"
 #include "tuner/host_memory_cap.h"
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/core/errors.h"
@@ -263,8 +264,12 @@ class ModuleSnapshot {
 std::string plot_lr_find(const LRFinderResult& r, const LRFinderOptions& o) {
   std::ostringstream script;
   script.precision(17);
+  if (std::string problem = detail::unwritable(o.plot_path); !problem.empty()) {
+    return str("lr_find: cannot write the plot \"", o.plot_path, "\": ", problem,
+               ". Pass a plot path in a directory this user can write.");
+  }
   script << "set terminal pngcairo size 800,500\n"
-         << "set output '" << o.plot_path << "'\n"
+         << "set output " << detail::gnuplot_quoted(o.plot_path) << "\n"
          << "set title 'learning-rate finder'\n"
          << "set xlabel 'learning rate'\nset ylabel 'loss (smoothed)'\nset grid\n"
          << "unset key\n";
@@ -289,8 +294,8 @@ std::string plot_lr_find(const LRFinderResult& r, const LRFinderOptions& o) {
   }
   if (ran.timed_out) return str("lr_find: gnuplot did not finish in 60 s drawing \"", o.plot_path, "\".");
   if (!ran.succeeded() || !std::filesystem::exists(o.plot_path)) {
-    return str("lr_find: gnuplot failed drawing \"", o.plot_path,
-               "\": ", ran.output.empty() ? ran.how_it_ended() : ran.output);
+    return str("lr_find: gnuplot failed drawing \"", o.plot_path, "\": ",
+               ran.output.empty() ? ran.how_it_ended() : detail::gnuplot_said(ran.output));
   }
   return "";
 }

@@ -304,6 +304,13 @@ TEST(CLI, AmbiguousFlatNamesAndBrokenYamlAreErrors) {
   problems = problems_of(p, {"--config", dir.file("list.yaml")});
   ASSERT_EQ(problems.size(), 1u);
   EXPECT_TRUE(contains(problems[0], "the top level is not a mapping")) << problems[0];
+  // Two documents: the second would be dropped without a word.
+  write_text(dir.file("two.yaml"), "trainer: {max_epochs: 1}\n---\ntrainer: {max_epochs: 2}\n");
+  problems = problems_of(p, {"--config", dir.file("two.yaml")});
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_TRUE(contains(problems[0], "holds 2 YAML documents (separated by \"---\")"))
+      << problems[0];
+  EXPECT_TRUE(contains(problems[0], "pass each with its own --config")) << problems[0];
 }
 
 TEST(CLI, HelpListsEveryTrainerFlagAndTheProgramsOptions) {

@@ -436,7 +436,8 @@ TEST(FSDP, SwaRecomputesSyncBatchNormStatisticsAsOneProcessUnderEachShardingStra
 // `fulgur checkpoint consolidate`: the sharded checkpoint of 3 ranks
 // (uneven shards, Adam, a frozen parameter in the optimizer) made one file
 // loads into one process exactly as the full checkpoint of the same step
-// does, and trains on from it identically. It never replaces a file, and
+// does, and trains on from it identically (and so does fsdp on 2 ranks with
+// its default sharded layout). It never replaces a file, and
 // says what to pass instead of a one-file checkpoint.
 TEST(FSDP, AShardedCheckpointConsolidatesIntoTheFullOne) {
   TempDir dir;
@@ -472,6 +473,20 @@ TEST(FSDP, AShardedCheckpointConsolidatesIntoTheFullOne) {
   EXPECT_TRUE(fulgur::test::same_params(d + "/full.pt", d + "/consolidated.pt", {.exact = true}));
   EXPECT_TRUE(fulgur::test::same_params(d + "/full-optimizer.pt", d + "/consolidated-optimizer.pt",
                                         {.exact = true}));
+  // fsdp with its sharded layout resumes from the one file too (it takes
+  // each rank's shards from it), on another world size, as from the full one.
+  for (const std::string source : {"full", "consolidated"}) {
+    const std::string ckpt =
+        source == "full" ? d + "/full/checkpoints/last.ckpt" : consolidated;
+    auto r = run_worker({"--strategy", kFullShard, "--devices", "2", "--batch", "12", "--steps",
+                         "20", "--optimizer", "adam", "--fsdp-units", "--frozen-bias",
+                         "--state-dict-type", "sharded", "--samples", "960", "--root",
+                         d + "/fsdp-" + source, "--ckpt-path",
+                         ckpt, "--out", d + "/fsdp-" + source + ".pt"});
+    ASSERT_EQ(r.exit_code, 0) << source << ":\n" << r.output;
+  }
+  EXPECT_TRUE(
+      fulgur::test::same_params(d + "/fsdp-full.pt", d + "/fsdp-consolidated.pt", {.exact = true}));
 
   auto again = fulgur::test::run_process(
       {FULGUR_CLI, "checkpoint", "consolidate", sharded, consolidated}, {}, 120s);

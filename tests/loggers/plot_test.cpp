@@ -74,6 +74,37 @@ TEST(Plot, GnuplotDrawsAPngOfTheExpectedSize) {
   EXPECT_GT(std::filesystem::file_size(png), 10000u);  // curves and text, not a blank image
 }
 
+// Paths and metric names are gnuplot text, never gnuplot code: a directory
+// and a metric named with a backquote (gnuplot runs `command` inside double
+// quotes) and a newline (which would start another command) draw where
+// they say, and nothing runs.
+TEST(Plot, PathsAndNamesNeverBecomeGnuplotCommands) {
+  TempDir dir;
+  const std::string marker = dir.file("ran");
+  const std::string odd =
+      dir.file("a`touch " + marker + "`\nsystem('touch " + marker + "')\nb \"q\" \\ 'c'");
+  std::filesystem::create_directories(odd);
+  write_text(odd + "/metrics.csv",
+             "step,epoch,val_`touch " + marker + "`\n1,0,0.5\n2,0,0.25\n");
+  const std::string png = odd + "/metrics.png";
+  ASSERT_EQ(fulgur::plot_metrics(odd + "/metrics.csv", png), "");
+  EXPECT_GT(std::filesystem::file_size(png), 1000u);
+  EXPECT_FALSE(std::filesystem::exists(marker));
+}
+
+// Where the picture cannot be written, the message says why before gnuplot
+// runs (gnuplot would write the PNG's bytes to its output instead).
+TEST(Plot, AnOutputThatCannotBeWrittenIsNamedWithoutThePicturesBytes) {
+  TempDir dir;
+  write_text(dir.file("metrics.csv"), kMetrics);
+  const std::string missing = fulgur::plot_metrics(dir.file("metrics.csv"), dir.file("no/m.png"));
+  EXPECT_THAT(missing, HasSubstr("cannot write \"" + dir.file("no/m.png") + "\": its directory"));
+  EXPECT_THAT(missing, HasSubstr("does not exist"));
+  const std::string directory = fulgur::plot_metrics(dir.file("metrics.csv"), dir.path());
+  EXPECT_THAT(directory, HasSubstr("it is a directory"));
+  EXPECT_LT(missing.size() + directory.size(), 600u);
+}
+
 TEST(Plot, WithoutGnuplotTheMessageSaysWhatToInstall) {
   TempDir dir, empty;
   write_text(dir.file("metrics.csv"), kMetrics);

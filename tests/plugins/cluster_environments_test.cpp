@@ -2,10 +2,12 @@
 // use of them. Every environment is a fixed EnvView map: the process
 // environment is never read.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <csignal>
 #include <fstream>
+#include <functional>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/plugins/environments/kubeflow.h"
@@ -157,6 +159,62 @@ TEST(LSFEnvironment, MainAddressFromTheRankFileWithoutMcpuHosts) {
   EXPECT_THROWS_WITH(
       ConfigError, fulgur::LSFEnvironment{EnvView(vars)},
       {"LSB_DJOB_RANKFILE=" + dir.file("missing") + " cannot be read", "Set MASTER_ADDR"});
+}
+
+// A rank file that is not a regular file is refused by its type without
+// being opened (a FIFO would block, /dev/zero would fill the memory).
+TEST(LSFEnvironment, ARankFileThatIsNotARegularFileIsRefusedUnopened) {
+  fulgur::test::TempDir dir;
+  const std::string fifo = dir.file("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const auto& [path, kind] : std::vector<std::pair<std::string, std::string>>{
+           {"/dev/zero", "a character device"}, {fifo, "a FIFO"}, {dir.path(), "a directory"}}) {
+    Vars vars = merged(kLsf, {{"LSB_DJOB_RANKFILE", path}});
+    EXPECT_THROWS_WITH(ConfigError, fulgur::LSFEnvironment{EnvView(vars)},
+                       {"LSB_DJOB_RANKFILE=" + path + " is " + kind, "one host name per line",
+                        "set MASTER_ADDR"});
+  }
+}
+
+// A count of processes or nodes below 1 is refused naming the variable (an
+// MPI world size of 0 divided by zero before), in every environment.
+TEST(ClusterEnvironments, ACountBelowOneIsRefusedNamingTheVariable) {
+  auto expect_refused = [](const std::function<void()>& make, const std::string& var,
+                           const std::string& value) {
+    SCOPED_TRACE(var);
+    EXPECT_THROWS_WITH(ConfigError, make(),
+                       {var + value, "counts processes or nodes, so it must be >= 1"});
+  };
+  for (const char* value : {"0", "-1"}) {
+    for (const char* var : {"OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"}) {
+      const Vars vars = merged(kMpirun, {{var, value}});
+      expect_refused([&] { fulgur::MPIEnvironment{EnvView(vars)}; }, var, std::string("=") + value);
+    }
+    const Vars pmi{{"PMI_SIZE", value}, {"PMI_RANK", "0"}};
+    expect_refused([&] { fulgur::MPIEnvironment{EnvView(pmi)}; }, "PMI_SIZE",
+                   std::string("=") + value);
+    for (const char* var : {"WORLD_SIZE", "LOCAL_WORLD_SIZE"}) {
+      const Vars vars = merged(kTorchrun, {{var, value}});
+      expect_refused([&] { fulgur::TorchElasticEnvironment{EnvView(vars)}; }, var,
+                     std::string("=") + value);
+    }
+    for (const char* var : {"SLURM_NTASKS", "SLURM_NNODES"}) {
+      const Vars vars = merged(kSrun, {{var, value}});
+      expect_refused([&] { fulgur::SLURMEnvironment{EnvView(vars)}; }, var,
+                     std::string("=") + value);
+    }
+    for (const char* var : {"JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_LOCAL_SIZE"}) {
+      const Vars vars = merged(kLsf, {{var, value}});
+      expect_refused([&] { fulgur::LSFEnvironment{EnvView(vars)}; }, var,
+                     std::string("=") + value);
+    }
+    const Vars kubeflow = merged(kKubeflow, {{"WORLD_SIZE", value}});
+    expect_refused([&] { fulgur::KubeflowEnvironment{EnvView(kubeflow)}; }, "WORLD_SIZE",
+                   std::string("=") + value);
+  }
+  const Vars zero_per_node = merged(kSrun, {{"SLURM_NTASKS_PER_NODE", "0"}});
+  EXPECT_THROWS_WITH(ConfigError, fulgur::SLURMEnvironment{EnvView(zero_per_node)},
+                     {"SLURM_NTASKS_PER_NODE=\"0\" is not a task count >= 1"});
 }
 
 // Lightning's node rank under LSF: this host's place among the distinct

@@ -116,6 +116,29 @@ struct RecordingLayout : fulgur::SingleFileCheckpoint {
   }
 };
 
+// A manifest that is not a regular file (a link to /dev/zero) is refused by
+// its type without being read, and one of binary bytes is shown short and
+// printable. A sharded checkpoint's directory given where one file is read
+// says what it is and what to do.
+TEST(CheckpointLayout, AManifestThatIsNoManifestIsRefusedUnreadAndADirectoryOfShardsIsNamed) {
+  TempDir dir;
+  const fs::path ckpt = fs::path(dir.path()) / "last.ckpt";
+  fs::create_directories(ckpt);
+  fs::create_symlink("/dev/zero", ckpt / "manifest.txt");
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     fulgur::ShardedCheckpoint::read_manifest(ckpt.string()),
+                     {"manifest.txt is a character device", "resume from an earlier checkpoint"});
+  fs::remove(ckpt / "manifest.txt");
+  fulgur::test::write_text((ckpt / "manifest.txt").string(), std::string(200, '\x01') + "\n");
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     fulgur::ShardedCheckpoint::read_manifest(ckpt.string()),
+                     {"is not a fulgur manifest (first line \"" + std::string(60, '?') + "...\""});
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     fulgur::TorchCheckpointIO().load_checkpoint(ckpt.string()),
+                     {ckpt.string() + "\" is a sharded checkpoint",
+                      "as many ranks as wrote it", "fulgur checkpoint consolidate"});
+}
+
 TEST(CheckpointLayout, AUsersLayoutGetsEveryCheckpointOperation) {
   TempDir dir;
   auto layout = std::make_shared<RecordingLayout>();

@@ -61,6 +61,30 @@ inline int require_int(const EnvView& env, const std::string& var, std::string_v
   return *v;
 }
 
+/// A count of processes or nodes (WORLD_SIZE, SLURM_NNODES, ...): as
+/// get_int, and ConfigError naming the variable when it is below 1 (a
+/// launch of no process is none fulgur can join; a count of 0 would also
+/// divide by zero where ranks are laid out on nodes).
+inline std::optional<int> get_count(const EnvView& env, const std::string& var,
+                                    std::string_view set_by) {
+  auto v = get_int(env, var);
+  if (v && *v < 1) {
+    throw ConfigError(str("environment variable ", var, "=", *v,
+                          " counts processes or nodes, so it must be >= 1. It is set by ", set_by,
+                          ": run under it as it sets it, or unset ", var, "."));
+  }
+  return v;
+}
+
+/// get_count of a variable the environment needs (ConfigError like
+/// require_int when unset).
+inline int require_count(const EnvView& env, const std::string& var, std::string_view environment,
+                         std::string_view set_by) {
+  auto v = get_count(env, var, set_by);
+  if (!v) missing(var, environment, set_by);
+  return *v;
+}
+
 /// A TCP port read from `var`; ConfigError when outside 1..65535.
 inline int checked_port(int64_t port, std::string_view var) {
   if (port < 1 || port > 65535) {

@@ -18,7 +18,7 @@ bool KubeflowEnvironment::detect(const EnvView& env) {
 
 KubeflowEnvironment::KubeflowEnvironment(const EnvView& env) {
   using namespace env_support;
-  world_size_ = require_int(env, "WORLD_SIZE", name(), kKubeflowSetBy);
+  world_size_ = require_count(env, "WORLD_SIZE", name(), kKubeflowSetBy);
   global_rank_ = require_int(env, "RANK", name(), kKubeflowSetBy);
   local_rank_ = 0;
   node_rank_ = global_rank_;

@@ -3,12 +3,11 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstring>
-#include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "env_support.h"
+#include "utilities/small_file.h"
 
 namespace fulgur {
 
@@ -36,23 +35,44 @@ std::string first_compute(const std::vector<std::string>& hosts) {
 }
 
 // LSB_DJOB_RANKFILE: one host name per line (one line per slot), the launch
-// host first.
-std::vector<std::string> rankfile_hosts(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) {
-    throw ConfigError(str("cluster environment \"lsf\": LSB_DJOB_RANKFILE=", path,
-                          " cannot be read (", std::strerror(errno),
-                          "), and LSB_MCPU_HOSTS is "
-                          "not set: one of them names the job's hosts. Set MASTER_ADDR to the "
-                          "first compute host instead."));
+// host first. nullopt when it does not exist or cannot be opened;
+// ConfigError when it is not a regular file (a FIFO would block) or larger
+// than a rank file of a million slots.
+constexpr uint64_t kMaxRankFileBytes = uint64_t{64} << 20;
+
+std::optional<std::vector<std::string>> read_rankfile(const std::string& path,
+                                                      std::string* unreadable = nullptr) {
+  using Problem = detail::SmallFileRead::Problem;
+  const detail::SmallFileRead read = detail::read_small_file(path, kMaxRankFileBytes);
+  if (read.problem == Problem::kMissing || read.problem == Problem::kCannotOpen) {
+    if (unreadable != nullptr) *unreadable = read.describe(kMaxRankFileBytes);
+    return std::nullopt;
+  }
+  if (!read.ok()) {
+    throw ConfigError(str("cluster environment \"lsf\": LSB_DJOB_RANKFILE=", path, " ",
+                          read.describe(kMaxRankFileBytes),
+                          ": it should be the job's rank file, one host name per line, which "
+                          "LSF writes. Run under jsrun inside the job, or unset it and set "
+                          "MASTER_ADDR to the first compute host."));
   }
   std::vector<std::string> hosts;
+  std::istringstream in(read.text);
   for (std::string line; std::getline(in, line);) {
     const auto begin = line.find_first_not_of(" \t\r");
     if (begin == std::string::npos) continue;
     hosts.push_back(line.substr(begin, line.find_last_not_of(" \t\r") - begin + 1));
   }
   return hosts;
+}
+
+// read_rankfile, where the file is the only list of the job's hosts left.
+std::vector<std::string> rankfile_hosts(const std::string& path) {
+  std::string unreadable;
+  if (auto hosts = read_rankfile(path, &unreadable)) return *hosts;
+  throw ConfigError(str("cluster environment \"lsf\": LSB_DJOB_RANKFILE=", path,
+                        " cannot be read (it ", unreadable, "), and LSB_MCPU_HOSTS is "
+                        "not set: one of them names the job's hosts. Set MASTER_ADDR to the "
+                        "first compute host instead."));
 }
 
 // The distinct compute hosts of a rank file's lines, in order of first
@@ -79,12 +99,12 @@ std::string LSFEnvironment::first_compute_host(const std::string& mcpu_hosts_tex
 
 LSFEnvironment::LSFEnvironment(const EnvView& env) {
   using namespace env_support;
-  world_size_ = require_int(env, "JSM_NAMESPACE_SIZE", name(), kLsfSetBy);
+  world_size_ = require_count(env, "JSM_NAMESPACE_SIZE", name(), kLsfSetBy);
   global_rank_ = require_int(env, "JSM_NAMESPACE_RANK", name(), kLsfSetBy);
   local_rank_ = require_int(env, "JSM_NAMESPACE_LOCAL_RANK", name(), kLsfSetBy);
   rank_sources_ = {"JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK", "JSM_NAMESPACE_LOCAL_RANK", ""};
   auto hosts_text = env.get("LSB_MCPU_HOSTS");
-  if (auto local_size = get_int(env, "JSM_NAMESPACE_LOCAL_SIZE"); local_size && *local_size > 0) {
+  if (auto local_size = get_count(env, "JSM_NAMESPACE_LOCAL_SIZE", kLsfSetBy)) {
     local_size_ = *local_size;
   } else if (hosts_text) {
     auto hosts = mcpu_hosts(*hosts_text);
@@ -94,17 +114,20 @@ LSFEnvironment::LSFEnvironment(const EnvView& env) {
     }
   }
   node_rank_ = local_size_ > 0 ? global_rank_ / local_size_ : 0;
-  if (auto rankfile = env.get("LSB_DJOB_RANKFILE"); rankfile && std::ifstream(*rankfile)) {
+  std::optional<std::vector<std::string>> rankfile_lines;
+  if (auto rankfile = env.get("LSB_DJOB_RANKFILE")) rankfile_lines = read_rankfile(*rankfile);
+  if (rankfile_lines) {
     // Which host this is, from the job's own list of hosts: right however
     // jsrun numbered the ranks across them.
-    const std::vector<std::string> lines = rankfile_hosts(*rankfile);
+    const std::string rankfile = *env.get("LSB_DJOB_RANKFILE");
+    const std::vector<std::string>& lines = *rankfile_lines;
     char name[256] = {};
     ::gethostname(name, sizeof name - 1);
     const int place = node_rank_among(lines, name);
     if (place < 0) {
       const std::vector<std::string> distinct = compute_hosts(lines);
       throw ConfigError(str("cluster environment \"lsf\": this host, \"", name,
-                            "\", is not among the compute hosts of LSB_DJOB_RANKFILE=", *rankfile,
+                            "\", is not among the compute hosts of LSB_DJOB_RANKFILE=", rankfile,
                             " (", distinct.empty() ? std::string("none") : join(distinct),
                             "), so its node rank is unknown. Run the ranks with jsrun inside "
                             "the job that wrote that file."));

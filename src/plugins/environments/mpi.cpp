@@ -21,22 +21,22 @@ MPIEnvironment::MPIEnvironment(const EnvView& env) {
   std::optional<int> local_rank, local_size;
   if (is_open_mpi(env) || !is_pmi(env)) {
     family_ = "Open MPI";
-    world_size_ = require_int(env, "OMPI_COMM_WORLD_SIZE", name(), set_by);
+    world_size_ = require_count(env, "OMPI_COMM_WORLD_SIZE", name(), set_by);
     global_rank_ = require_int(env, "OMPI_COMM_WORLD_RANK", name(), set_by);
     local_rank = get_int(env, "OMPI_COMM_WORLD_LOCAL_RANK");
-    local_size = get_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE");
+    local_size = get_count(env, "OMPI_COMM_WORLD_LOCAL_SIZE", set_by);
     rank_sources_ = {"OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
                      local_rank ? "OMPI_COMM_WORLD_LOCAL_RANK" : "", ""};
   } else {
     family_ = "PMI";
-    world_size_ = require_int(env, "PMI_SIZE", name(), set_by);
+    world_size_ = require_count(env, "PMI_SIZE", name(), set_by);
     global_rank_ = require_int(env, "PMI_RANK", name(), set_by);
     local_rank = get_int(env, "MPI_LOCALRANKID");
-    local_size = get_int(env, "MPI_LOCALNRANKS");
+    local_size = get_count(env, "MPI_LOCALNRANKS", set_by);
     rank_sources_ = {"PMI_SIZE", "PMI_RANK", local_rank ? "MPI_LOCALRANKID" : "", ""};
   }
   // Without the local variables, assume every rank is on this node.
-  local_size_ = local_size && *local_size > 0 ? *local_size : world_size_;
+  local_size_ = local_size ? *local_size : world_size_;
   local_rank_ = local_rank ? *local_rank : global_rank_ % local_size_;
   node_rank_ = global_rank_ / local_size_;
   if (auto addr = env.get("MASTER_ADDR")) {

@@ -21,10 +21,10 @@ std::optional<int> leading_count(const EnvView& env, const std::string& var) {
   if (!text) return std::nullopt;
   size_t n = 0;
   while (n < text->size() && std::isdigit(static_cast<unsigned char>((*text)[n]))) ++n;
-  if (n == 0 || n > 9) {
+  if (n == 0 || n > 9 || std::stoi(text->substr(0, n)) < 1) {
     throw ConfigError(str("environment variable ", var, "=\"", *text,
-                          "\" is not a task count (like \"2\" or \"2(x3)\"). Unset it or fix "
-                          "the srun / sbatch flags that set it."));
+                          "\" is not a task count >= 1 (like \"2\" or \"2(x3)\"). Unset it or "
+                          "fix the srun / sbatch flags that set it."));
   }
   return std::stoi(text->substr(0, n));
 }
@@ -85,7 +85,7 @@ SLURMEnvironment::SLURMEnvironment(const EnvView& env, SLURMOptions options)
                           "), the one given to sbatch --signal."));
   }
   job_id_ = env.get("SLURM_JOB_ID").value_or("");
-  world_size_ = require_int(env, "SLURM_NTASKS", name(), kSlurmSetBy);
+  world_size_ = require_count(env, "SLURM_NTASKS", name(), kSlurmSetBy);
   global_rank_ = require_int(env, "SLURM_PROCID", name(), kSlurmSetBy);
   local_rank_ = require_int(env, "SLURM_LOCALID", name(), kSlurmSetBy);
   node_rank_ = require_int(env, "SLURM_NODEID", name(), kSlurmSetBy);
@@ -112,9 +112,9 @@ SLURMEnvironment::SLURMEnvironment(const EnvView& env, SLURMOptions options)
   if ((ntasks_per_node_ = leading_count(env, "SLURM_NTASKS_PER_NODE"))) {
     ntasks_per_node_source_ = "SLURM_NTASKS_PER_NODE";
   }
-  if ((nnodes_ = get_int(env, "SLURM_NNODES"))) {
+  if ((nnodes_ = get_count(env, "SLURM_NNODES", kSlurmSetBy))) {
     nnodes_source_ = "SLURM_NNODES";
-  } else if ((nnodes_ = get_int(env, "SLURM_JOB_NUM_NODES"))) {
+  } else if ((nnodes_ = get_count(env, "SLURM_JOB_NUM_NODES", kSlurmSetBy))) {
     nnodes_source_ = "SLURM_JOB_NUM_NODES";
   }
 }

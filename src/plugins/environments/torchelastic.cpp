@@ -22,13 +22,13 @@ bool TorchElasticEnvironment::detect(const EnvView& env) {
 
 TorchElasticEnvironment::TorchElasticEnvironment(const EnvView& env) {
   using namespace env_support;
-  world_size_ = require_int(env, "WORLD_SIZE", name(), kTorchrunSetBy);
+  world_size_ = require_count(env, "WORLD_SIZE", name(), kTorchrunSetBy);
   global_rank_ = require_int(env, "RANK", name(), kTorchrunSetBy);
   local_rank_ = require_int(env, "LOCAL_RANK", name(), kTorchrunSetBy);
   node_rank_ = require_int(env, "GROUP_RANK", name(), kTorchrunSetBy);
   rank_sources_ = {"WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_RANK"};
   restart_count_ = env_support::restart_count(env, "TORCHELASTIC_RESTART_COUNT");
-  local_world_size_ = require_int(env, "LOCAL_WORLD_SIZE", name(), kTorchrunSetBy);
+  local_world_size_ = require_count(env, "LOCAL_WORLD_SIZE", name(), kTorchrunSetBy);
   main_port_ = checked_port(require_int(env, "MASTER_PORT", name(), kTorchrunSetBy), "MASTER_PORT");
   main_address_ = require_string(env, "MASTER_ADDR", name(), kTorchrunSetBy);
   if (auto agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE")) {

@@ -161,6 +161,16 @@ class CheckpointFile {
       throw CheckpointError(
           str("checkpoint \"", path, "\": cannot look it up: ", std::strerror(err), "."));
     }
+    if (S_ISDIR(st.st_mode) && ::access((path + "/manifest.txt").c_str(), F_OK) == 0) {
+      throw CheckpointError(str(
+          "checkpoint \"", path,
+          "\" is a sharded checkpoint: a directory of per-rank shards, written under strategy "
+          "\"fsdp\" (or \"manual\") with state_dict_type \"sharded\". Resume it with that "
+          "strategy and as many ranks as wrote it (its manifest.txt lists them; `fulgur "
+          "checkpoint inspect` shows them), or make it one file that loads anywhere with "
+          "`fulgur checkpoint consolidate ",
+          path, " FILE` (fsdp)."));
+    }
     if (!S_ISREG(st.st_mode)) {
       throw CheckpointError(str("checkpoint \"", path, "\" is ", detail::file_kind(st.st_mode),
                                 ", not a checkpoint file. Pass the path of a .ckpt file."));

@@ -1,0 +1,72 @@
+// Private: text put into a gnuplot program (file paths, titles, metric
+// names), and gnuplot's output put into an error message. Not installed.
+#pragma once
+
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+
+#include "fulgur/core/errors.h"
+
+namespace fulgur::detail {
+
+/// A gnuplot double-quoted string literal of `text`, byte for byte: `"` and
+/// `\` escaped, and every byte gnuplot would act on written as an octal
+/// escape: a backquote (gnuplot runs `command` even inside double quotes)
+/// and the control characters (a newline would end the command and start
+/// another). So a path or name can never become gnuplot code.
+inline std::string gnuplot_quoted(const std::string& text) {
+  std::string out = "\"";
+  for (char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (c == '`' || byte < 0x20 || byte == 0x7f) {
+      char octal[5];
+      std::snprintf(octal, sizeof octal, "\\%03o", byte);
+      out += octal;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+/// What gnuplot printed, for an error message: its printable text (a PNG
+/// it wrote to its output when it could not open the file is left out),
+/// at most 2000 characters.
+inline std::string gnuplot_said(const std::string& output) {
+  std::string out;
+  for (char c : output) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (c == '\n' || c == '\t' || (byte >= 0x20 && byte != 0x7f)) out += c;
+    if (out.size() >= 2000) return out + "...";
+  }
+  return out;
+}
+
+/// Why gnuplot could not write a picture at `path`, "" when it can: the
+/// path is a directory, or its directory is missing or not writable
+/// (checked first: gnuplot would write the PNG to its output instead).
+inline std::string unwritable(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return "it is a directory";
+  fs::path dir = fs::path(path).parent_path();
+  if (dir.empty()) dir = ".";
+  if (!fs::is_directory(dir, ec)) {
+    return str("its directory \"", dir.string(), "\" does not exist or is not a directory");
+  }
+  if (::access(dir.c_str(), W_OK) != 0) {
+    const int err = errno;
+    return str("its directory \"", dir.string(), "\" is not writable (", std::strerror(err), ")");
+  }
+  return "";
+}
+
+}  // namespace fulgur::detail
