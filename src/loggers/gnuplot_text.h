@@ -2,6 +2,7 @@
 // names), and gnuplot's output put into an error message. Not installed.
 #pragma once
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -37,12 +38,13 @@ inline std::string gnuplot_quoted(const std::string& text) {
   return out + "\"";
 }
 
-/// What gnuplot printed, for an error message: its printable text (a PNG
-/// it wrote to its output when it could not open the file is left out),
-/// at most 2000 characters.
+/// What gnuplot printed, for an error message: its text up to a PNG it
+/// wrote to its output (when it could not open the file), control bytes
+/// left out, at most 2000 characters.
 inline std::string gnuplot_said(const std::string& output) {
+  const std::string text = output.substr(0, output.find("\x89PNG"));
   std::string out;
-  for (char c : output) {
+  for (char c : text) {
     const auto byte = static_cast<unsigned char>(c);
     if (c == '\n' || c == '\t' || (byte >= 0x20 && byte != 0x7f)) out += c;
     if (out.size() >= 2000) return out + "...";
@@ -53,6 +55,7 @@ inline std::string gnuplot_said(const std::string& output) {
 /// Why gnuplot could not write a picture at `path`, "" when it can: the
 /// path is a directory, or its directory is missing or not writable
 /// (checked first: gnuplot would write the PNG to its output instead).
+/// Nothing is left behind by the check.
 inline std::string unwritable(const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -62,10 +65,16 @@ inline std::string unwritable(const std::string& path) {
   if (!fs::is_directory(dir, ec)) {
     return str("its directory \"", dir.string(), "\" does not exist or is not a directory");
   }
-  if (::access(dir.c_str(), W_OK) != 0) {
+  // Opened for writing as gnuplot will (created, then removed, when it is
+  // not there yet; never truncated; a FIFO without a reader fails at once).
+  const bool existed = fs::exists(path, ec);
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
+  if (fd < 0) {
     const int err = errno;
-    return str("its directory \"", dir.string(), "\" is not writable (", std::strerror(err), ")");
+    return str("it cannot be opened for writing (", std::strerror(err), ")");
   }
+  ::close(fd);
+  if (!existed) ::unlink(path.c_str());
   return "";
 }
 
