@@ -44,19 +44,23 @@ SmallFileRead read_small_file(const std::string& path, uint64_t max_bytes) {
     r.text.clear();
     return r;
   };
+  // The type and size, of the path and again of what was opened.
+  auto refused = [&r, max_bytes](const struct stat& st) {
+    if (!S_ISREG(st.st_mode)) {
+      r.mode = st.st_mode;
+      r.problem = SmallFileRead::Problem::kNotRegular;
+    } else if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+      r.size = static_cast<uint64_t>(st.st_size);
+      r.problem = SmallFileRead::Problem::kTooLarge;
+    }
+    return !r.ok();
+  };
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
     r.error = errno;
     return fail(SmallFileRead::Problem::kMissing);
   }
-  if (!S_ISREG(st.st_mode)) {
-    r.mode = st.st_mode;
-    return fail(SmallFileRead::Problem::kNotRegular);
-  }
-  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    r.size = static_cast<uint64_t>(st.st_size);
-    return fail(SmallFileRead::Problem::kTooLarge);
-  }
+  if (refused(st)) return r;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     r.error = errno;
@@ -71,14 +75,7 @@ SmallFileRead read_small_file(const std::string& path, uint64_t max_bytes) {
     r.error = errno;
     return fail(SmallFileRead::Problem::kCannotRead);
   }
-  if (!S_ISREG(opened.st_mode)) {
-    r.mode = opened.st_mode;
-    return fail(SmallFileRead::Problem::kNotRegular);
-  }
-  if (static_cast<uint64_t>(opened.st_size) > max_bytes) {
-    r.size = static_cast<uint64_t>(opened.st_size);
-    return fail(SmallFileRead::Problem::kTooLarge);
-  }
+  if (refused(opened)) return r;
   // One byte past the cap tells a file that grew since.
   r.text.assign(static_cast<size_t>(max_bytes) + 1, '\0');
   size_t done = 0;
