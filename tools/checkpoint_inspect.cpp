@@ -17,8 +17,8 @@ namespace fulgur_cli {
 namespace {
 
 namespace fs = std::filesystem;
-using fulgur::str;
 using fulgur::StateDict;
+using fulgur::str;
 
 std::string bytes_text(uint64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -191,8 +191,21 @@ int inspect_checkpoint(const std::string& path, std::ostream& out) {
     out << "per-rank checkpoint: " << manifest.world_size << " shard(s), "
         << fulgur::ShardedCheckpoint::kManifest << " verified\n";
     bool all = true;
-    for (const auto& shard : manifest.shards) {
-      all = print_file_check((fs::path(path) / shard).string(), str("shard ", shard), out) && all;
+    fulgur::TorchCheckpointIO io;
+    for (size_t i = 0; i < manifest.shards.size(); ++i) {
+      const std::string& shard = manifest.shards[i];
+      if (!print_file_check((fs::path(path) / shard).string(), str("shard ", shard), out)) {
+        all = false;
+      } else if (auto foreign = fulgur::ShardedCheckpoint::foreign_shard(io, path, manifest, i);
+                 !foreign.empty()) {
+        out << "shard " << shard << ": FROM ANOTHER SAVE: " << foreign << "\n";
+        all = false;
+      }
+    }
+    if (manifest.fingerprints.empty()) {
+      out << fulgur::ShardedCheckpoint::kManifest
+          << " records no fingerprints (an older fulgur wrote it): a shard of another save "
+             "cannot be told apart\n";
     }
     if (!all) return 1;
     out << "contents of shard " << manifest.shards.front() << ":\n";

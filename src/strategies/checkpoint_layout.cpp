@@ -4,12 +4,15 @@
 
 #include <cctype>
 #include <cstdio>
+#include <cstring>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <sstream>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/core/reduce_op.h"
 #include "fulgur/plugins/io/checkpoint_io.h"
 #include "fulgur/strategies/fsdp.h"
 #include "fulgur/strategies/strategy.h"
@@ -58,6 +61,8 @@ namespace {
 // v1 (fulgur 0.1) has none and is read unverified.
 constexpr const char* kManifestHeader = "fulgur sharded checkpoint v2";
 constexpr const char* kManifestHeaderV1 = "fulgur sharded checkpoint v1";
+// Lines a v2 manifest gained later (an older fulgur skips them).
+constexpr const char* kFingerprintKey = "fingerprint=";
 
 std::string hex32(uint32_t value) {
   char buf[9];
@@ -127,18 +132,56 @@ ShardedCheckpoint::Manifest ShardedCheckpoint::read_manifest(const std::string& 
               ". The file is corrupt; use an earlier checkpoint."));
     }
   }
+  std::vector<std::string> fingerprinted;  // the shards named by fingerprint lines
   while (std::getline(lines, line)) {
     if (line.rfind("world_size=", 0) == 0) {
       m.world_size = std::atoi(line.c_str() + 11);
     } else if (line.rfind("shard=", 0) == 0) {
       m.shards.push_back(line.substr(6));
+    } else if (line.rfind(kFingerprintKey, 0) == 0) {
+      // "fingerprint=<shard> <size> <crc32c in hex>"
+      std::istringstream fields(line.substr(std::strlen(kFingerprintKey)));
+      std::string name, crc;
+      FileFingerprint f;
+      if (!(fields >> name >> f.size >> crc) || crc.size() != 8 ||
+          crc.find_first_not_of("0123456789abcdef") != std::string::npos) {
+        throw CheckpointError(str(file.string(), " is damaged: its line \"", line, "\" is not \"",
+                                  kFingerprintKey, "<shard> <size> <crc32c>\"."));
+      }
+      f.crc32c = static_cast<uint32_t>(std::stoul(crc, nullptr, 16));
+      fingerprinted.push_back(name);
+      m.fingerprints.push_back(f);
     }
   }
   if (m.world_size < 1 || static_cast<int>(m.shards.size()) != m.world_size) {
     throw CheckpointError(str(file.string(), " is damaged: world_size=", m.world_size, " with ",
                               m.shards.size(), " shards listed."));
   }
+  if (!fingerprinted.empty() && fingerprinted != m.shards) {
+    throw CheckpointError(str(file.string(), " is damaged: it lists the shards ", join(m.shards),
+                              " and fingerprints of ", join(fingerprinted), "."));
+  }
   return m;
+}
+
+std::string ShardedCheckpoint::foreign_shard(CheckpointIO& io, const std::string& path,
+                                             const Manifest& manifest, size_t index) {
+  if (index >= manifest.fingerprints.size()) return {};  // an older manifest
+  const std::string& shard = manifest.shards.at(index);
+  const FileFingerprint& saved = manifest.fingerprints[index];
+  const std::string file = (fs::path(path) / shard).string();
+  const FileFingerprint found = io.fingerprint(file);
+  if (found == saved) return {};
+  // A damaged shard differs too: that is said as such.
+  if (std::string problem = io.verify(file); !problem.empty()) {
+    return str("checkpoint \"", path, "\" is corrupt: its shard ", shard, ": ", problem,
+               ". Use an earlier checkpoint.");
+  }
+  return str("checkpoint \"", path, "\" mixes saves: its shard ", shard, " (", found.size,
+             " bytes, CRC32C ", hex32(found.crc32c), ") is not the one its save wrote (",
+             saved.size, " bytes, CRC32C ", hex32(saved.crc32c), " in ", kManifest,
+             "); it was copied from another save or replaced since. Put back the shard this "
+             "save wrote, or resume from another checkpoint.");
 }
 
 std::string ShardedCheckpoint::shard_path(const std::string& path, int rank, int world_size) {
@@ -177,13 +220,25 @@ void ShardedCheckpoint::save(Strategy& strategy, StateDict& checkpoint, const st
   // The manifest may claim only shards that are durable (an asynchronous
   // checkpoint IO has handed its shard to a writer thread).
   strategy.checkpoint_io().wait_until_durable();
-  strategy.barrier("sharded checkpoint save: shards written");
+  // Each rank fingerprints its own shard; rank 0 gets them all with one
+  // all-gather, which is also the point where every shard is written.
+  const FileFingerprint own = strategy.checkpoint_io().fingerprint(shard_path(path, rank, world));
+  const at::Tensor fingerprints =
+      strategy
+          .all_gather(
+              torch::tensor({static_cast<int64_t>(own.size), int64_t{own.crc32c}}, torch::kLong))
+          .cpu();
   // 3. The manifest marks the checkpoint complete.
   if (rank == 0) {
     std::ostringstream text;
     text << kManifestHeader << "\nworld_size=" << world << "\n";
     for (int r = 0; r < world; ++r) {
       text << "shard=" << fs::path(shard_path(path, r, world)).filename().string() << "\n";
+    }
+    for (int r = 0; r < world; ++r) {
+      text << kFingerprintKey << fs::path(shard_path(path, r, world)).filename().string() << " "
+           << fingerprints[r][0].item<int64_t>() << " "
+           << hex32(static_cast<uint32_t>(fingerprints[r][1].item<int64_t>())) << "\n";
     }
     const std::string body = text.str();
     text << "crc32c=" << hex32(crc32c(body.data(), body.size())) << "\n";
@@ -233,8 +288,32 @@ StateDict ShardedCheckpoint::load(Strategy& strategy, const std::string& path) {
   }
   if (auto missing = missing_shards(path, manifest); !missing.empty())
     throw CheckpointError(missing);
-  return strategy.checkpoint_io().load_checkpoint(
-      shard_path(path, strategy.global_rank(), strategy.world_size()));
+  // Each rank reads its own shard. What one rank finds wrong stops them all
+  // (a rank failing alone would leave its peers waiting in the fit's first
+  // collective), each with that rank's reason.
+  const int rank = strategy.global_rank();
+  StateDict state;
+  std::exception_ptr error;
+  std::string reason;
+  try {
+    CheckpointIO& io = strategy.checkpoint_io();
+    const std::string foreign = foreign_shard(io, path, manifest, static_cast<size_t>(rank));
+    if (!foreign.empty()) throw CheckpointError(foreign);
+    state = io.load_checkpoint(shard_path(path, rank, strategy.world_size()));
+  } catch (const std::exception& e) {
+    error = std::current_exception();
+    reason = e.what();
+  }
+  at::Tensor failed = torch::zeros({strategy.world_size()}, torch::kInt);
+  failed[rank] = error ? 1 : 0;
+  failed = strategy.all_reduce(failed, ReduceOp::kSum).cpu();
+  const at::Tensor failing = failed.nonzero();
+  if (failing.numel() == 0) return state;
+  const int first = static_cast<int>(failing[0][0].item<int64_t>());
+  reason = strategy.broadcast_bytes(reason, first);
+  if (error) std::rethrow_exception(error);
+  throw CheckpointError(str("rank ", first, " of ", strategy.world_size(),
+                            " cannot load its shard, so no rank resumes: ", reason));
 }
 
 void ShardedCheckpoint::remove(Strategy& strategy, const std::string& path) {
@@ -258,10 +337,12 @@ std::string ShardedCheckpoint::verify(Strategy& strategy, const std::string& pat
   try {
     const Manifest manifest = read_manifest(path);
     if (auto missing = missing_shards(path, manifest); !missing.empty()) return missing;
-    for (const auto& shard : manifest.shards) {
-      const std::string problem =
-          strategy.checkpoint_io().verify((fs::path(path) / shard).string());
+    CheckpointIO& io = strategy.checkpoint_io();
+    for (size_t i = 0; i < manifest.shards.size(); ++i) {
+      const std::string& shard = manifest.shards[i];
+      const std::string problem = io.verify((fs::path(path) / shard).string());
       if (!problem.empty()) return str("its shard ", shard, ": ", problem);
+      if (auto foreign = foreign_shard(io, path, manifest, i); !foreign.empty()) return foreign;
     }
   } catch (const CheckpointError& e) {
     return e.what();

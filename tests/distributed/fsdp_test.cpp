@@ -514,6 +514,17 @@ TEST(FSDP, AShardedCheckpointConsolidatesIntoTheFullOne) {
   EXPECT_EQ(damaged.exit_code, 1) << damaged.output;
   EXPECT_TRUE(fulgur::test::message_contains(damaged.output, {"rank-1-of-3.ckpt", "corrupt"}));
   EXPECT_FALSE(std::filesystem::exists(d + "/from-broken.ckpt"));
+  // So is one that is another shard (of this save, here: rank 0's in rank 1's place).
+  const std::string swapped = d + "/swapped.ckpt";
+  std::filesystem::copy(sharded, swapped);
+  std::filesystem::copy_file(swapped + "/rank-0-of-3.ckpt", swapped + "/rank-1-of-3.ckpt",
+                             std::filesystem::copy_options::overwrite_existing);
+  auto foreign = fulgur::test::run_process(
+      {FULGUR_CLI, "checkpoint", "consolidate", swapped, d + "/from-swapped.ckpt"}, {}, 120s);
+  EXPECT_EQ(foreign.exit_code, 1) << foreign.output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      foreign.output, {"mixes saves: its shard rank-1-of-3.ckpt", "is not the one its save wrote"}));
+  EXPECT_FALSE(std::filesystem::exists(d + "/from-swapped.ckpt"));
   // So is a missing one, before any shard is read.
   std::filesystem::remove(broken + "/rank-2-of-3.ckpt");
   auto missing = fulgur::test::run_process(

@@ -103,4 +103,48 @@ TEST(ManualStrategy, ResumingOnAnotherWorldSizeOrWithoutAShardIsAClearError) {
                        "Resuming from"}));
 }
 
+// A shard copied in from another save (here: rank 1's of step 4 into the
+// save of step 8) verifies on its own; the manifest's fingerprints tell it
+// apart. Both ranks stop with the reason (neither waits for the other),
+// inspect names the shard, and a resume from "last" skips the checkpoint.
+TEST(ManualStrategy, AShardOfAnotherSaveIsRefusedOnEveryRank) {
+  TempDir dir;
+  const std::string root = dir.path() + "/run";
+  const fs::path last = fs::path(root) / "checkpoints" / "last.ckpt";
+  auto r1 = run_manual({"--devices", "2", "--steps", "4", "--ckpt-root", root});
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  const std::string older = dir.path() + "/rank-1-step-4.ckpt";
+  fs::copy_file(last / "rank-1-of-2.ckpt", older);
+  auto r2 = run_manual({"--devices", "2", "--steps", "8", "--ckpt-root", root, "--resume", "last"});
+  ASSERT_EQ(r2.exit_code, 0) << r2.output;
+  auto inspected =
+      fulgur::test::run_process({FULGUR_CLI, "checkpoint", "inspect", last.string()}, {}, 60s);
+  EXPECT_EQ(inspected.exit_code, 0) << inspected.output;
+  fs::copy_file(older, last / "rank-1-of-2.ckpt", fs::copy_options::overwrite_existing);
+
+  auto mixed = run_manual(
+      {"--devices", "2", "--steps", "12", "--ckpt-root", root, "--resume", last.string()});
+  EXPECT_NE(mixed.exit_code, 0);
+  EXPECT_TRUE(fulgur::test::message_contains(
+      mixed.output, {"mixes saves: its shard rank-1-of-2.ckpt", "is not the one its save wrote",
+                     "Put back the shard this save wrote"}));
+  // Rank 0's shard is its own, and it stops with rank 1's reason.
+  EXPECT_NE(mixed.output.find("rank 1 of 2 cannot load its shard, so no rank resumes"),
+            std::string::npos)
+      << mixed.output;
+  inspected =
+      fulgur::test::run_process({FULGUR_CLI, "checkpoint", "inspect", last.string()}, {}, 60s);
+  EXPECT_EQ(inspected.exit_code, 1) << inspected.output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      inspected.output,
+      {"shard rank-1-of-2.ckpt", "CRC32C verified", "shard rank-1-of-2.ckpt: FROM ANOTHER SAVE"}));
+  // ("last" resumes from an earlier checkpoint, and saves last.ckpt anew.)
+  auto skipped =
+      run_manual({"--devices", "2", "--steps", "12", "--ckpt-root", root, "--resume", "last"});
+  EXPECT_EQ(skipped.exit_code, 0) << skipped.output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      skipped.output,
+      {"ckpt_path=\"last\": skipped", last.string(), "mixes saves", "Resuming from"}));
+}
+
 }  // namespace

@@ -18,6 +18,7 @@
 #include <random>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/utilities/checksum.h"
 #include "support/test_support.h"
 
 namespace {
@@ -312,6 +313,37 @@ TEST(TorchCheckpointIOIntegrity, ACheckpointWithoutChecksumStillLoads) {
   fs::resize_file(dir.file("old.ckpt"), size / 2);
   EXPECT_TRUE(fulgur::test::message_contains(io.verify(dir.file("old.ckpt")),
                                              {"no checksum footer", "cannot read it"}));
+}
+
+// A file's fingerprint is its size and the CRC32C of all its bytes: the
+// footer gives it without reading the data, and it equals what the default
+// (reading the file whole) and an independent checksum of the bytes give.
+TEST(TorchCheckpointIOIntegrity, TheFingerprintIsTheFilesSizeAndChecksumFromItsFooter) {
+  struct ReadsWhole : fulgur::TorchCheckpointIO {
+    fulgur::FileFingerprint fingerprint(const std::string& path) override {
+      return CheckpointIO::fingerprint(path);  // NOLINT(bugprone-parent-virtual-call)
+    }
+  };
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  ReadsWhole whole;
+  const std::string path = dir.file("a.ckpt");
+  save_model_like(io, path);
+  const std::string bytes = fulgur::test::read_text(path);
+  const fulgur::FileFingerprint expected{bytes.size(), fulgur::crc32c(bytes.data(), bytes.size())};
+  EXPECT_EQ(io.fingerprint(path), expected);
+  EXPECT_EQ(whole.fingerprint(path), expected);
+  // Another save's differs.
+  save_tensor(io, torch::arange(5), path);
+  EXPECT_NE(io.fingerprint(path), expected);
+  // Without a footer (one from before checksums, or one that lost it), the
+  // file is read whole: still its bytes' size and checksum.
+  fs::resize_file(path, fs::file_size(path) - 32);
+  const std::string cut = fulgur::test::read_text(path);
+  EXPECT_EQ(io.fingerprint(path),
+            (fulgur::FileFingerprint{cut.size(), fulgur::crc32c(cut.data(), cut.size())}));
+  EXPECT_TRUE(fulgur::test::throws_with<fulgur::CheckpointError>(
+      [&] { (void)io.fingerprint(dir.file("missing.ckpt")); }, {"missing.ckpt", "does not exist"}));
 }
 
 // A checkpoint that had a footer and lost it (cut at its end, or its footer

@@ -117,10 +117,18 @@ TEST(ManualStrategy, CheckpointIsADirectoryOfShardsWithAManifest) {
   EXPECT_TRUE(fs::is_regular_file(last / "rank-0-of-1.ckpt"));
   std::ifstream manifest(last / "manifest.txt");
   std::string text((std::istreambuf_iterator<char>(manifest)), std::istreambuf_iterator<char>());
-  const std::string body = "fulgur sharded checkpoint v2\nworld_size=1\nshard=rank-0-of-1.ckpt\n";
-  char crc[9];
-  std::snprintf(crc, sizeof(crc), "%08x", fulgur::crc32c(body.data(), body.size()));
-  EXPECT_EQ(text, body + "crc32c=" + crc + "\n");
+  // The shard's size and CRC32C, of its bytes as they are on disk.
+  const std::string shard = fulgur::test::read_text((last / "rank-0-of-1.ckpt").string());
+  auto hex = [](uint32_t value) {
+    char out[9];
+    std::snprintf(out, sizeof(out), "%08x", value);
+    return std::string(out);
+  };
+  const std::string body =
+      "fulgur sharded checkpoint v2\nworld_size=1\nshard=rank-0-of-1.ckpt\n"
+      "fingerprint=rank-0-of-1.ckpt " +
+      std::to_string(shard.size()) + " " + hex(fulgur::crc32c(shard.data(), shard.size())) + "\n";
+  EXPECT_EQ(text, body + "crc32c=" + hex(fulgur::crc32c(body.data(), body.size())) + "\n");
 
   // Resuming restores the shard exactly.
   auto saved = fulgur::test::clone_parameters(model);
@@ -186,6 +194,56 @@ TEST_F(ManualCheckpointErrors, CorruptManifestOrShardIsNamed) {
   bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x10);
   fulgur::test::write_text(shard.string(), bytes);
   resume_expecting({shard.string(), "is corrupt", "use an earlier checkpoint"});
+}
+
+// The manifest records each shard's size and CRC32C: a shard of another
+// save, intact on its own, is refused, and a damaged one is called so.
+TEST_F(ManualCheckpointErrors, AShardOfAnotherSaveIsToldFromADamagedOne) {
+  const fs::path shard = fs::path(last_) / "rank-0-of-1.ckpt";
+  const std::string own = fulgur::test::read_text(shard.string());
+  TempDir other;
+  {
+    MoveRecorder model;  // other weights: the RNG moved on
+    auto options = manual_options(other);
+    options.enable_checkpointing = true;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, fulgur::test::regression_loader(4));
+  }
+  fs::copy_file(fs::path(other.path()) / "checkpoints" / "last.ckpt" / "rank-0-of-1.ckpt", shard,
+                fs::copy_options::overwrite_existing);
+  resume_expecting(
+      {"mixes saves: its shard rank-0-of-1.ckpt", "is not the one its save wrote", "manifest.txt"});
+  // Cut short, it has lost its footer: damaged, not foreign.
+  fulgur::test::write_text(shard.string(), own.substr(0, own.size() - 10));
+  resume_expecting({"is corrupt", "rank-0-of-1.ckpt"});
+  fulgur::test::write_text(shard.string(), own);
+
+  // A fingerprint line that says nothing usable, under a checksum that holds.
+  const fs::path manifest = fs::path(last_) / "manifest.txt";
+  const std::string text = fulgur::test::read_text(manifest.string());
+  auto write_manifest = [&](const std::string& body) {
+    char crc[9];
+    std::snprintf(crc, sizeof(crc), "%08x", fulgur::crc32c(body.data(), body.size()));
+    fulgur::test::write_text(manifest.string(), body + "crc32c=" + crc + "\n");
+  };
+  auto rewritten = [&](const std::string& from, const std::string& to) {
+    std::string body = text.substr(0, text.find("crc32c="));
+    body.replace(body.find(from), from.size(), to);
+    write_manifest(body);
+  };
+  rewritten("fingerprint=rank-0-of-1.ckpt ", "fingerprint=rank-0-of-1.ckpt x");
+  resume_expecting({"manifest.txt is damaged: its line", "fingerprint=rank-0-of-1.ckpt x"});
+  rewritten("fingerprint=rank-0-of-1.ckpt ", "fingerprint=rank-0-of-7.ckpt ");
+  resume_expecting(
+      {"is damaged: it lists the shards rank-0-of-1.ckpt and fingerprints of "
+       "rank-0-of-7.ckpt"});
+  // A manifest written before fingerprints (no such line) still resumes.
+  write_manifest(text.substr(0, text.find("fingerprint=")));
+  MoveRecorder model;
+  fulgur::Trainer trainer(manual_options(dir_));
+  trainer.fit(model, fulgur::test::regression_loader(4), nullptr,
+              fulgur::FitOptions{.ckpt_path = last_});
+  EXPECT_EQ(trainer.global_step(), 3);
 }
 
 TEST_F(ManualCheckpointErrors, MissingShardIsNamed) {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "fulgur/core/state_dict.h"
+#include "fulgur/plugins/io/checkpoint_io.h"
 
 
 namespace fulgur {
@@ -62,7 +63,10 @@ class SingleFileCheckpoint : public CheckpointLayout {
 
 /// Every rank writes its own shard; rank 0 writes `manifest.txt` (with its
 /// CRC32C) once every shard is durable, so a directory without a manifest
-/// is a save that did not complete. Several nodes need a filesystem every
+/// is a save that did not complete. The manifest records each shard's size
+/// and CRC32C (CheckpointIO::fingerprint), so a shard of another save (a
+/// copy, a restore from a backup of another step) is refused rather than
+/// resumed with its peers' state. Several nodes need a filesystem every
 /// rank shares for the path.
 class ShardedCheckpoint : public CheckpointLayout {
  public:
@@ -72,26 +76,37 @@ class ShardedCheckpoint : public CheckpointLayout {
   void save(Strategy& strategy, StateDict& checkpoint, const std::string& path) override;
   /// Throws CheckpointError naming the saved and current world sizes, or
   /// the missing shards, or an unfinished save (no manifest), or a one-file
-  /// checkpoint.
+  /// checkpoint, or a shard of another save. When one rank cannot read its
+  /// shard, every rank throws its error (one collective), so none goes on
+  /// into the fit alone.
   StateDict load(Strategy& strategy, const std::string& path) override;
   void remove(Strategy& strategy, const std::string& path) override;
-  /// The manifest and every shard it lists (any world size).
+  /// The manifest and every shard it lists, each against its fingerprint
+  /// (any world size).
   std::string verify(Strategy& strategy, const std::string& path) override;
   /// In each checkpoint directory under `dir`: the local rank 0 of every
   /// node removes its host's dead writers' temporary files.
   void remove_stale_files(Strategy& strategy, const std::string& dir) override;
 
-  /// What a checkpoint directory's manifest lists: its world size and the
-  /// shards' file names. CheckpointError when the manifest is missing,
-  /// damaged or fails its CRC32C.
+  /// What a checkpoint directory's manifest lists: its world size, the
+  /// shards' file names and what each held as it was saved. CheckpointError
+  /// when the manifest is missing, damaged or fails its CRC32C.
   struct Manifest {
     int world_size = 0;
     std::vector<std::string> shards;
+    /// In the order of `shards`; empty in a manifest from before fulgur
+    /// recorded them (such a checkpoint cannot tell a foreign shard).
+    std::vector<FileFingerprint> fingerprints;
   };
   static Manifest read_manifest(const std::string& path);
   /// Empty when every shard the manifest lists exists; otherwise the
   /// CheckpointError's message naming the missing ones.
   static std::string missing_shards(const std::string& path, const Manifest& manifest);
+  /// Empty when shard `index` of the manifest is the file its save wrote
+  /// (`io`'s fingerprint of it is the one recorded); otherwise the
+  /// CheckpointError's message: the directory mixes saves.
+  static std::string foreign_shard(CheckpointIO& io, const std::string& path,
+                                   const Manifest& manifest, size_t index);
   /// `<path>/rank-<k>-of-<n>.ckpt`.
   static std::string shard_path(const std::string& path, int rank, int world_size);
   static constexpr const char* kManifest = "manifest.txt";

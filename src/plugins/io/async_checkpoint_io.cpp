@@ -173,12 +173,14 @@ void AsyncCheckpointIO::save_checkpoint(StateDict& checkpoint, const std::string
   w.push({/*save=*/true, path});
 }
 
+void AsyncCheckpointIO::drain_writer() {
+  Writer& w = writer();
+  std::unique_lock<std::mutex> lock(w.mutex);
+  w.drain(lock);
+}
+
 StateDict AsyncCheckpointIO::load_checkpoint(const std::string& path) {
-  {
-    Writer& w = writer();
-    std::unique_lock<std::mutex> lock(w.mutex);
-    w.drain(lock);
-  }
+  drain_writer();
   return io_->load_checkpoint(path);
 }
 
@@ -187,12 +189,13 @@ void AsyncCheckpointIO::remove_checkpoint(const std::string& path) {
 }
 
 std::string AsyncCheckpointIO::verify(const std::string& path) {
-  {
-    Writer& w = writer();
-    std::unique_lock<std::mutex> lock(w.mutex);
-    w.drain(lock);
-  }
+  drain_writer();
   return io_->verify(path);
+}
+
+FileFingerprint AsyncCheckpointIO::fingerprint(const std::string& path) {
+  drain_writer();
+  return io_->fingerprint(path);
 }
 
 void AsyncCheckpointIO::remove_stale_files(const std::string& dir) {

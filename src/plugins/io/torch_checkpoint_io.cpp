@@ -734,6 +734,16 @@ std::string TorchCheckpointIO::verify(const std::string& path) {
   }
 }
 
+FileFingerprint TorchCheckpointIO::fingerprint(const std::string& path) {
+  const CheckpointFile file(path);
+  const Verdict v = check_footer(file);
+  if (!v.has_footer || !v.problem.empty()) return {file.size(), file.crc32c_of(0, file.size())};
+  // The data's CRC32C is in the footer; the file's joins the footer's bytes.
+  char footer[kFooterSize];
+  file.read_at(file.size() - kFooterSize, footer, kFooterSize);
+  return {file.size(), crc32c_combine(v.expected, crc32c(footer, kFooterSize), kFooterSize)};
+}
+
 bool TorchCheckpointIO::has_checksum(const std::string& path) {
   try {
     return check_footer(CheckpointFile(path)).has_footer;  // the footer alone
@@ -774,6 +784,11 @@ std::string CheckpointIO::verify(const std::string& path) {
   } catch (const std::exception& e) {
     return e.what();
   }
+}
+
+FileFingerprint CheckpointIO::fingerprint(const std::string& path) {
+  const CheckpointFile file(path);
+  return {file.size(), file.crc32c_of(0, file.size())};
 }
 
 CheckpointIORegistry& checkpoint_io_registry() {

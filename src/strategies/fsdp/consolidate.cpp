@@ -170,6 +170,9 @@ void consolidate_sharded_checkpoint(const std::string& dir, const std::string& o
   int64_t count = 0;
   for (int64_t r = 0; r < world; ++r) {
     const std::string file = shard_file(r);
+    const std::string foreign =
+        ShardedCheckpoint::foreign_shard(io, dir, manifest, static_cast<size_t>(r));
+    if (!foreign.empty()) throw CheckpointError(foreign);
     try {
       files.push_back(io.load_checkpoint(file));
       const StateDict& states = files.back().section_at("optimizer_states");
@@ -209,8 +212,9 @@ void consolidate_sharded_checkpoint(const std::string& dir, const std::string& o
     const ShardRecord& record = records[static_cast<size_t>(o)];
     std::vector<RankState> ranks;
     for (int64_t r = 0; r < world; ++r) {
-      const StateDict& optimizer =
-          files[static_cast<size_t>(r)].section_at("optimizer_states").section_at(std::to_string(o));
+      const StateDict& optimizer = files[static_cast<size_t>(r)]
+                                       .section_at("optimizer_states")
+                                       .section_at(std::to_string(o));
       try {
         ranks.push_back(rank_state(optimizer, shard_file(r)));
       } catch (const CheckpointError& e) {

@@ -52,6 +52,8 @@ class AsyncCheckpointIO : public CheckpointIO {
   /// Queued behind the saves handed over before it.
   void remove_checkpoint(const std::string& path) override;
   std::string verify(const std::string& path) override;
+  /// The wrapped IO's, once the saves handed over are written.
+  FileFingerprint fingerprint(const std::string& path) override;
   void remove_stale_files(const std::string& dir) override;
   void raise_pending_error() override;
   void wait_until_durable() override;
@@ -66,6 +68,9 @@ class AsyncCheckpointIO : public CheckpointIO {
   /// The writer of this process (a forked child starts its own: threads do
   /// not survive fork).
   Writer& writer();
+  /// Returns once the saves handed over are written (a read of a path
+  /// sees the file its last save wrote).
+  void drain_writer();
   std::shared_ptr<CheckpointIO> io_;
   std::unique_ptr<Writer> writer_;
 };

@@ -4,6 +4,7 @@
 // remove. It never decides which rank writes; the Strategy does.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -12,6 +13,15 @@
 #include "fulgur/core/state_dict.h"
 
 namespace fulgur {
+
+/// The size and CRC32C of a checkpoint file's bytes, all of them: what a
+/// sharded checkpoint's manifest records of each shard, so that a shard
+/// from another save is told apart from the one its save wrote.
+struct FileFingerprint {
+  uint64_t size = 0;
+  uint32_t crc32c = 0;
+  bool operator==(const FileFingerprint&) const = default;
+};
 
 class CheckpointIO {
  public:
@@ -32,6 +42,12 @@ class CheckpointIO {
   /// is wrong with it, in one sentence. Changes nothing. Default: a load
   /// whose state is dropped (an IO with a cheaper check overrides it).
   virtual std::string verify(const std::string& path);
+  /// The size and CRC32C of the file at `path` as it is on disk (intact or
+  /// not is verify's); CheckpointError naming the file when it cannot be
+  /// read. Default: reads the file whole. An IO whose files record their
+  /// own checksum computes the same value from it (TorchCheckpointIO: from
+  /// its footer, 32 bytes read).
+  virtual FileFingerprint fingerprint(const std::string& path);
   /// Removes what interrupted saves left in `dir` (a killed writer's
   /// temporary files), never a live writer's file or a checkpoint.
   /// ModelCheckpoint calls it at the start of fit. Default: nothing.

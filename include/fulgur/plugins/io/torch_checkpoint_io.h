@@ -45,6 +45,9 @@ class TorchCheckpointIO : public CheckpointIO {
   /// checksums that LibTorch reads (it loads, unverified: has_checksum()
   /// tells them apart).
   std::string verify(const std::string& path) override;
+  /// From the footer when it is intact (the data's CRC32C joined with the
+  /// footer's own bytes); a file without one is read whole.
+  FileFingerprint fingerprint(const std::string& path) override;
   /// Whether `path` ends with a checksum footer (intact or not is verify's).
   static bool has_checksum(const std::string& path);
 
