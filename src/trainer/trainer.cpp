@@ -488,7 +488,11 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         drive().setup(m);
         fit_loop.set_optimizers(drive().setup_optimizers(m));
         std::string ckpt = fit_start_checkpoint(fit.ckpt_path);
-        if (!ckpt.empty()) checkpoints.restore(ckpt, /*full=*/true);
+        if (ckpt.empty()) {
+          checkpoints.note_checkpoints_of_an_earlier_run();
+        } else {
+          checkpoints.restore(ckpt, /*full=*/true);
+        }
         if (strategy->is_global_zero()) logging.log_hyperparams(m.hparams());
 
         call_hooks([](Module& mod) { mod.on_fit_start(); },

@@ -196,6 +196,24 @@ std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) cons
                             "pass ckpt_path=\"\" to start fresh, or restore a copy."));
 }
 
+void CheckpointConnector::note_checkpoints_of_an_earlier_run() const {
+  const TrainerOptions& options = trainer_.options;
+  if (!options.enable_checkpointing || options.fast_dev_run != 0 ||
+      trainer_.checkpoint_callback == nullptr || !trainer_.strategy->is_global_zero()) {
+    return;
+  }
+  const std::string dir = checkpoint_dir();
+  const std::vector<std::string> found = checkpoints_newest_first(dir);
+  if (found.empty()) return;
+  detail::print_note(str(
+      "this fit starts from scratch, and its checkpoint directory \"", dir, "\" already holds ",
+      found.size(), " checkpoint(s) of an earlier run (the newest: \"",
+      std::filesystem::path(found.front()).filename().string(),
+      "\"); this run's saves replace those of the same names. Pass ckpt_path=\"last\" to "
+      "continue that run, or give this run another default_root_dir (or ModelCheckpoint "
+      "dirpath) to keep both."));
+}
+
 void CheckpointConnector::restore(const std::string& path, bool full) {
   const StateDict checkpoint = trainer_.drive().load_checkpoint(path);
   try {

@@ -33,6 +33,11 @@ class CheckpointConnector {
   /// Where this run's ModelCheckpoint writes (or will): its dirpath, else
   /// `<default_root_dir>/checkpoints`.
   std::string checkpoint_dir() const;
+  /// For a fit that starts from scratch (no checkpoint was loaded): a note
+  /// on rank 0 when its checkpoint directory already holds checkpoints of
+  /// an earlier run, whose files of the same names (last.ckpt) this run's
+  /// saves will replace; nothing when checkpointing is off.
+  void note_checkpoints_of_an_earlier_run() const;
   /// Loads `path` into the module, and with `full` everything else a fit
   /// resumes from. CheckpointError names the file and what does not fit.
   void restore(const std::string& path, bool full);

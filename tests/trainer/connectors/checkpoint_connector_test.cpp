@@ -535,6 +535,33 @@ TEST(CheckpointLast, AutoStartsFreshThenResumes) {
   EXPECT_EQ(second.training_steps, 4);
 }
 
+// A fit from scratch into a directory that holds another run's checkpoints
+// says so (its last.ckpt is about to be replaced); a first fit, a resumed
+// one and one that writes no checkpoints say nothing.
+TEST(CheckpointLast, AFreshFitOverAnEarlierRunsCheckpointsSaysSo) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_epochs = 1;
+  options.enable_checkpointing = true;
+  auto fit_output = [&](const fulgur::TrainerOptions& with, const std::string& ckpt_path) {
+    LinearRegression model;
+    ::testing::internal::CaptureStderr();
+    fulgur::Trainer(with).fit(model, regression_loader(4), nullptr, {.ckpt_path = ckpt_path});
+    return ::testing::internal::GetCapturedStderr();
+  };
+  const char* kNote = "this fit starts from scratch";
+  EXPECT_EQ(fit_output(options, "").find(kNote), std::string::npos);
+  EXPECT_TRUE(fulgur::test::message_contains(
+      fit_output(options, ""),
+      {kNote, dir.file("checkpoints"), "already holds 2 checkpoint(s) of an earlier run",
+       "(the newest: \"last.ckpt\")", "ckpt_path=\"last\" to continue that run",
+       "another default_root_dir"}));
+  options.max_epochs = 2;
+  EXPECT_EQ(fit_output(options, "last").find(kNote), std::string::npos);
+  options.enable_checkpointing = false;
+  EXPECT_EQ(fit_output(options, "").find(kNote), std::string::npos);
+}
+
 TEST(CheckpointErrors, TheTrainerIsUsableAfterAFailedResume) {
   TempDir dir;
   LinearRegression model;
