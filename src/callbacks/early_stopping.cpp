@@ -60,7 +60,9 @@ void EarlyStopping::on_train_epoch_end(Trainer& trainer, Module&) {
 }
 
 void EarlyStopping::on_validation_end(Trainer& trainer, Module&) {
-  if (!trainer.sanity_checking() && !checks_at_epoch_end(trainer)) check(trainer);
+  // A standalone Trainer::validate stops nothing and counts no patience.
+  if (trainer.stage() != Stage::kFit || trainer.sanity_checking()) return;
+  if (!checks_at_epoch_end(trainer)) check(trainer);
 }
 
 void EarlyStopping::check(Trainer& trainer) {

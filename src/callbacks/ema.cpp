@@ -79,8 +79,11 @@ void EMA::swap_out(Module& module) {
   weights.assign_to(module.trainer().strategy(), module, "EMA");
 }
 
-void EMA::on_validation_start(Trainer&, Module& module) {
-  if (options_.validate_with_average) swap_in(module);
+void EMA::on_validation_start(Trainer& trainer, Module& module) {
+  // Fit's validations only: a standalone Trainer::validate evaluates the
+  // module's weights (after fit, the average when apply_at_end; a
+  // checkpoint's when it was given one).
+  if (options_.validate_with_average && trainer.stage() == Stage::kFit) swap_in(module);
 }
 
 void EMA::on_validation_end(Trainer&, Module& module) { swap_out(module); }

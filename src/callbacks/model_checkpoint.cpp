@@ -196,8 +196,9 @@ void ModelCheckpoint::on_train_batch_end(Trainer& trainer, Module&, const at::Te
 void ModelCheckpoint::on_validation_end(Trainer& trainer, Module&) {
   // A monitored metric usually comes from validation: the epoch's checkpoint
   // is taken once the end-of-epoch validation has produced it. Mid-epoch
-  // validations are covered by every_n_train_steps.
-  if (trainer.sanity_checking()) return;
+  // validations are covered by every_n_train_steps. A standalone
+  // Trainer::validate saves nothing.
+  if (trainer.stage() != Stage::kFit || trainer.sanity_checking()) return;
   validation_ran_ = true;
   if (options_.monitor.empty()) return;
   int64_t n = options_.every_n_epochs.value_or(1);

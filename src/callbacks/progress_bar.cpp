@@ -126,6 +126,14 @@ void ProgressBar::on_validation_batch_end(Trainer& trainer, Module&, const Batch
 }
 
 void ProgressBar::on_validation_end(Trainer& trainer, Module&) {
+  if (trainer.stage() != Stage::kFit) {
+    // Trainer::validate: its bar stays, complete, as test's does.
+    if (tty_ && eval_.done > 0) {
+      draw(trainer, eval_, "Validation", trainer.num_evaluation_batches(), true);
+    }
+    eval_ = Bar{};
+    return;
+  }
   if (tty_) {
     // Back to the training line (it is redrawn at its next refresh).
     if (trainer.strategy().is_global_zero() && eval_.done > 0) {

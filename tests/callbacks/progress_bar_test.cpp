@@ -40,7 +40,7 @@ TEST(ProgressBar, OneLinePerEpochWhenNotATerminal) {
 }
 
 // What a ProgressBar draws on a pseudo-terminal during a fit with
-// validation and a test.
+// validation, a test and a standalone validate.
 std::string drawn_on_a_terminal(int64_t epochs) {
   int master = -1, slave = -1;
   EXPECT_EQ(::openpty(&master, &slave, nullptr, nullptr, nullptr), 0);
@@ -63,6 +63,7 @@ std::string drawn_on_a_terminal(int64_t epochs) {
     fulgur::Trainer trainer(options);
     trainer.fit(model, fulgur::test::regression_loader(4), fulgur::test::regression_loader(3));
     trainer.test(model, fulgur::test::regression_loader(2));
+    trainer.validate(model, fulgur::test::regression_loader(5));
   }
   std::fclose(out);
   reader.join();
@@ -78,6 +79,11 @@ TEST(ProgressBar, OnATerminalABarPerStageWithCountRateTimesAndMetrics) {
         "shown=0.25"}) {
     EXPECT_NE(text.find(part), std::string::npos) << "no \"" << part << "\" in:\n" << text;
   }
+  // A standalone validate's bar stays, complete, on its own line.
+  const std::string last = text.substr(text.rfind("\033[K") + 3);
+  EXPECT_EQ(last.rfind("Validation [", 0), 0u) << text;
+  EXPECT_NE(last.find("] 5/5 "), std::string::npos) << text;
+  EXPECT_NE(last.find('\n'), std::string::npos) << text;
   // A half-done bar shows its head.
   EXPECT_NE(text.find("] 2/4 "), std::string::npos) << text;
   EXPECT_NE(text.find(">"), std::string::npos) << text;

@@ -2,7 +2,10 @@
 //
 // A Callback observes and steers a run from outside the Module: checkpoints,
 // progress output, early stopping. Hooks are called after the Module's hook
-// of the same name. A callback with state (best score, ...) returns it from
+// of the same name. The validation hooks run in fit's validation (and its
+// sanity check) and in Trainer::validate; the test and predict hooks in
+// Trainer::test and Trainer::predict: trainer.stage() tells a fit's
+// validation (Stage::kFit) from a standalone one (Stage::kValidate). A callback with state (best score, ...) returns it from
 // state_dict() and takes it back in load_state_dict(); the checkpoint holds
 // it under "callbacks/<state_key()>", so a resumed run continues with it.
 #pragma once
@@ -40,12 +43,20 @@ class Callback {
   virtual void on_train_batch_start(Trainer&, Module&, const Batch&, int64_t /*batch_idx*/) {}
   virtual void on_train_batch_end(Trainer&, Module&, const at::Tensor& /*loss*/, const Batch&,
                                   int64_t /*batch_idx*/) {}
+  /// With the module in eval mode, before the epoch's first hook; the end
+  /// hooks after the epoch's metrics are published (callback_metrics()).
   virtual void on_validation_start(Trainer&, Module&) {}
   virtual void on_validation_end(Trainer&, Module&) {}
+  virtual void on_validation_epoch_start(Trainer&, Module&) {}
   virtual void on_validation_epoch_end(Trainer&, Module&) {}
   virtual void on_validation_batch_end(Trainer&, Module&, const Batch&, int64_t) {}
+  virtual void on_test_start(Trainer&, Module&) {}
+  virtual void on_test_end(Trainer&, Module&) {}
+  virtual void on_test_epoch_start(Trainer&, Module&) {}
   virtual void on_test_epoch_end(Trainer&, Module&) {}
   virtual void on_test_batch_end(Trainer&, Module&, const Batch&, int64_t) {}
+  virtual void on_predict_start(Trainer&, Module&) {}
+  virtual void on_predict_end(Trainer&, Module&) {}
   virtual void on_predict_batch_end(Trainer&, Module&, const Batch&, int64_t) {}
   virtual void on_before_optimizer_step(Trainer&, Module&, torch::optim::Optimizer&) {}
   virtual void on_exception(Trainer&, Module&, const std::exception&) {}

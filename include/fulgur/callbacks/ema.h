@@ -42,7 +42,9 @@ struct EMAOptions {
   double decay = 0.999;
   /// The average is updated after every n-th optimizer step (>= 1).
   int64_t every_n_steps = 1;
-  /// Validation runs with the averaged weights.
+  /// Fit's validations run with the averaged weights (a standalone
+  /// Trainer::validate evaluates the module's own: after fit with
+  /// apply_at_end, the average).
   bool validate_with_average = true;
   /// At the end of fit, the module keeps the averaged weights.
   bool apply_at_end = true;

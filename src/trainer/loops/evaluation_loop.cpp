@@ -68,10 +68,25 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   trainer_.logging.eval_sink().reset();
   Trainer::Impl::set_log_sink(m, &trainer_.logging.eval_sink());
   trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
+  Trainer& self = trainer_.self;
+  for (auto& cb : trainer_.callbacks) {
+    if (is_test) {
+      cb->on_test_start(self, m);
+    } else {
+      cb->on_validation_start(self, m);
+    }
+  }
   if (is_test) {
     m.on_test_epoch_start();
   } else {
     m.on_validation_epoch_start();
+  }
+  for (auto& cb : trainer_.callbacks) {
+    if (is_test) {
+      cb->on_test_epoch_start(self, m);
+    } else {
+      cb->on_validation_epoch_start(self, m);
+    }
   }
   for_each_batch(*trainer_.strategy, trainer_.options.prefetch_to_device, loader, limit,
                  [&](const Batch& batch, Batch& on_device, int64_t idx) {
@@ -106,12 +121,19 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
                                      fit.sanity_checking(), fit.current_epoch(), fit.global_step());
   for (auto& cb : trainer_.callbacks) {
     if (is_test) {
-      cb->on_test_epoch_end(trainer_.self, m);
+      cb->on_test_epoch_end(self, m);
     } else {
-      cb->on_validation_epoch_end(trainer_.self, m);
+      cb->on_validation_epoch_end(self, m);
     }
   }
   Trainer::Impl::set_log_sink(m, nullptr);
+  for (auto& cb : trainer_.callbacks) {
+    if (is_test) {
+      cb->on_test_end(self, m);
+    } else {
+      cb->on_validation_end(self, m);
+    }
+  }
   return out;
 }
 
@@ -119,6 +141,7 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
   Module& m = *trainer_.module;
   torch::NoGradGuard no_grad;
   m.eval();
+  for (auto& cb : trainer_.callbacks) cb->on_predict_start(trainer_.self, m);
   m.on_predict_epoch_start();
   num_batches_ = pass_length(loader, limit);
   std::vector<Batch> out;
@@ -134,6 +157,7 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
                      cb->on_predict_batch_end(trainer_.self, m, batch, idx);
                  });
   m.on_predict_epoch_end();
+  for (auto& cb : trainer_.callbacks) cb->on_predict_end(trainer_.self, m);
   return out;
 }
 

@@ -516,9 +516,7 @@ void FitLoop::run_validation(bool sanity) {
                               LoopProfiler::Phase::kValidation);
   bool was_training = m.is_training();
   sanity_checking_ = sanity;
-  for (auto& cb : trainer_.callbacks) cb->on_validation_start(trainer_.self, m);
   trainer_.evaluation_loop.run(*val_loader_, Stage::kValidate, limit);
-  for (auto& cb : trainer_.callbacks) cb->on_validation_end(trainer_.self, m);
   sanity_checking_ = false;
   if (!sanity) validated_at_position_ = batch_position_;
   m.train(was_training);

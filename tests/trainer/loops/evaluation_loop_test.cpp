@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
 
@@ -87,6 +89,99 @@ TEST(Evaluation, ValidateReturnsTheValidationMetrics) {
                    {"on_validation_epoch_start", "validation_step", "on_validation_epoch_end"}),
               ElementsAre("on_validation_epoch_start", "validation_step", "validation_step",
                           "validation_step", "on_validation_epoch_end"));
+}
+
+// Records every evaluation hook of a callback into the module's events,
+// with the mode the module is in at the start hooks.
+class EvaluationHooks : public fulgur::Callback {
+ public:
+  explicit EvaluationHooks(std::vector<std::string>* events) : events_(events) {}
+  std::string state_key() const override { return "EvaluationHooks"; }
+  void on_validation_start(fulgur::Trainer&, fulgur::Module& m) override { start("validation", m); }
+  void on_validation_end(fulgur::Trainer&, fulgur::Module&) override { add("validation_end"); }
+  void on_validation_epoch_start(fulgur::Trainer&, fulgur::Module&) override {
+    add("validation_epoch_start");
+  }
+  void on_validation_epoch_end(fulgur::Trainer&, fulgur::Module&) override {
+    add("validation_epoch_end");
+  }
+  void on_test_start(fulgur::Trainer&, fulgur::Module& m) override { start("test", m); }
+  void on_test_end(fulgur::Trainer&, fulgur::Module&) override { add("test_end"); }
+  void on_test_epoch_start(fulgur::Trainer&, fulgur::Module&) override { add("test_epoch_start"); }
+  void on_test_epoch_end(fulgur::Trainer&, fulgur::Module&) override { add("test_epoch_end"); }
+  void on_predict_start(fulgur::Trainer&, fulgur::Module& m) override { start("predict", m); }
+  void on_predict_end(fulgur::Trainer&, fulgur::Module&) override { add("predict_end"); }
+
+ private:
+  void start(const std::string& stage, fulgur::Module& m) {
+    add(stage + "_start" + (m.is_training() ? " (train mode)" : ""));
+  }
+  void add(const std::string& hook) { events_->push_back("cb:" + hook); }
+  std::vector<std::string>* events_;
+};
+
+// Trainer::validate, test and predict call their callbacks' start and end
+// hooks (and epoch hooks after the module's), as fit's validation does.
+TEST(Evaluation, EveryStageCallsItsCallbacksStartEpochAndEndHooks) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.callbacks = {std::make_shared<EvaluationHooks>(&model.events)};
+  fulgur::Trainer trainer(options);
+  auto hooks = [&] {
+    std::vector<std::string> seen;
+    for (const auto& e : model.events) {
+      if (e.rfind("cb:", 0) == 0 || e.find("epoch_start") != std::string::npos) seen.push_back(e);
+    }
+    model.events.clear();
+    return seen;
+  };
+  trainer.validate(model, uneven_loader());
+  EXPECT_THAT(hooks(),
+              ElementsAre("cb:validation_start", "on_validation_epoch_start",
+                          "cb:validation_epoch_start", "cb:validation_epoch_end",
+                          "cb:validation_end"));
+  trainer.test(model, uneven_loader());
+  EXPECT_THAT(hooks(), ElementsAre("cb:test_start", "on_test_epoch_start", "cb:test_epoch_start",
+                                   "cb:test_epoch_end", "cb:test_end"));
+  trainer.predict(model, uneven_loader());
+  EXPECT_THAT(hooks(),
+              ElementsAre("cb:predict_start", "on_predict_epoch_start", "cb:predict_end"));
+  // Fit's validation (sanity check, then the epoch's): the same hooks.
+  trainer.fit(model, uneven_loader(), uneven_loader());
+  const auto fit = hooks();
+  EXPECT_EQ(std::count(fit.begin(), fit.end(), "cb:validation_start"), 2);
+  EXPECT_EQ(std::count(fit.begin(), fit.end(), "cb:validation_epoch_start"), 2);
+  EXPECT_EQ(std::count(fit.begin(), fit.end(), "cb:validation_end"), 2);
+}
+
+// A standalone validate after fit is no part of the fit: ModelCheckpoint
+// saves nothing, EarlyStopping counts nothing, and EMA does not swap its
+// average in (the module's own weights are evaluated).
+TEST(Evaluation, AStandaloneValidateSavesStopsAndSwapsNothing) {
+  TempDir dir;
+  torch::manual_seed(1);
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.enable_checkpointing = true;
+  auto checkpoint = std::make_shared<fulgur::ModelCheckpoint>(
+      fulgur::ModelCheckpointOptions{.monitor = "val_loss", .save_top_k = -1});
+  // A min_delta no change meets: every check after the first counts.
+  auto stopping = std::make_shared<fulgur::EarlyStopping>(
+      fulgur::EarlyStoppingOptions{.monitor = "val_loss", .min_delta = 1e9, .patience = 100});
+  options.callbacks = {checkpoint, stopping,
+                       std::make_shared<fulgur::EMA>(
+                           fulgur::EMAOptions{.decay = 0.5, .apply_at_end = false})};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, uneven_loader(), uneven_loader());
+  const auto files = fulgur::test::list_files(dir.file("checkpoints"));
+  const int64_t waited = stopping->wait_count();
+  ASSERT_EQ(waited, 1);  // the fit's second check
+  auto metrics = trainer.validate(model, uneven_loader());
+  EXPECT_EQ(fulgur::test::list_files(dir.file("checkpoints")), files);
+  EXPECT_EQ(stopping->wait_count(), waited);
+  EXPECT_NEAR(metrics.at("val_loss"), full_mse(model), 1e-6);
 }
 
 TEST(Evaluation, LimitTestBatches) {
