@@ -212,7 +212,7 @@ int inspect_checkpoint(const std::string& path, std::ostream& out) {
     print_contents((fs::path(path) / manifest.shards.front()).string(), out);
     return 0;
   } catch (const std::exception& e) {
-    out << "CORRUPT or unreadable: " << e.what() << "\n";
+    out << "CORRUPT or unreadable: " << fulgur::error_message(e) << "\n";
     return 1;
   }
 }

@@ -172,7 +172,7 @@ int main(int argc, char** argv) {
     std::cerr << kUsage;
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "fulgur: " << e.what() << "\n";
+    std::cerr << "fulgur: " << fulgur::error_message(e) << "\n";
     return 1;
   }
 }

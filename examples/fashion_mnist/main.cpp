@@ -335,7 +335,7 @@ int main(int argc, char** argv) {
     std::cerr << "error: " << e.what() << std::endl;
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "error: " << e.what() << std::endl;
+    std::cerr << "error: " << fulgur::error_message(e) << std::endl;
     return 1;
   }
 }

@@ -258,7 +258,7 @@ int main(int argc, char** argv) {
     }
     return 0;
   } catch (const std::exception& e) {
-    std::cerr << "sharded_embeddings: " << e.what() << std::endl;
+    std::cerr << "sharded_embeddings: " << fulgur::error_message(e) << std::endl;
     return 1;
   }
 }

@@ -436,7 +436,7 @@ std::optional<int> CLI::parse(int argc, const char* const* argv) {
   } catch (const std::exception& e) {
     // ConfigError, and whatever else reading the configuration raised: a
     // message and status 2, never an abort.
-    std::cerr << options_.program << ": " << e.what() << std::endl;
+    std::cerr << options_.program << ": " << error_message(e) << std::endl;
     return 2;
   }
 }

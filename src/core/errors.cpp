@@ -1,6 +1,10 @@
 #include "fulgur/core/errors.h"
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <iostream>
 
 namespace fulgur {
@@ -82,6 +86,16 @@ std::string did_you_mean(std::string_view name, const std::vector<std::string>& 
                          std::string_view before, std::string_view after) {
   const std::string guess = closest_match(name, candidates);
   return guess.empty() ? std::string(". ") : str("; did you mean ", before, guess, after, "? ");
+}
+
+std::string error_message(const std::exception& error) {
+  if (const auto* torch_error = dynamic_cast<const c10::Error*>(&error)) {
+    const char* frames = std::getenv("TORCH_SHOW_CPP_STACKTRACES");
+    if (frames == nullptr || std::strcmp(frames, "1") != 0) {
+      return torch_error->what_without_backtrace();
+    }
+  }
+  return error.what();
 }
 
 namespace detail {

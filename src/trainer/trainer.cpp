@@ -325,7 +325,7 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
       } catch (const std::exception& e) {
         // A launched rank tells its launcher how it failed (unless a
         // collective already said that a peer was lost).
-        detail::report_failure(/*peer_lost=*/false, nullptr, e.what());
+        detail::report_failure(/*peer_lost=*/false, nullptr, error_message(e));
         throw;
       }
     };

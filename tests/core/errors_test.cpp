@@ -1,6 +1,9 @@
 #include "fulgur/core/errors.h"
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
 
 #include <stdexcept>
 #include <string>
@@ -51,6 +54,32 @@ TEST(Errors, DidYouMeanWordsTheSuggestionOrEndsTheSentence) {
   EXPECT_EQ(fulgur::did_you_mean("xyzzy", {"ddp", "manual"}), ". ");
   EXPECT_EQ(fulgur::did_you_mean("max_step", {"max_steps", "seed"}, "--", ""),
             "; did you mean --max_steps? ");
+}
+
+// LibTorch's errors are shown without the C++ stack frames LibTorch adds to
+// what() (unless TORCH_SHOW_CPP_STACKTRACES=1); the message stays whole.
+TEST(Errors, ErrorMessageLeavesOutLibTorchsStackFrames) {
+  try {
+    torch::optim::SGD sgd(std::vector<at::Tensor>{torch::zeros({1}, torch::requires_grad())},
+                          torch::optim::SGDOptions(-1.0));
+    FAIL() << "LibTorch took a negative learning rate";
+  } catch (const c10::Error& e) {
+    ASSERT_NE(std::string(e.what()).find("Exception raised from"), std::string::npos);
+    const std::string shown = fulgur::error_message(e);
+    EXPECT_NE(shown.find("Invalid learning rate: -1"), std::string::npos) << shown;
+    EXPECT_EQ(shown.find("Exception raised from"), std::string::npos) << shown;
+    const char* before = std::getenv("TORCH_SHOW_CPP_STACKTRACES");
+    const std::string saved = before ? before : "";
+    ::setenv("TORCH_SHOW_CPP_STACKTRACES", "1", 1);
+    EXPECT_EQ(fulgur::error_message(e), e.what());
+    if (before) {
+      ::setenv("TORCH_SHOW_CPP_STACKTRACES", saved.c_str(), 1);
+    } else {
+      ::unsetenv("TORCH_SHOW_CPP_STACKTRACES");
+    }
+  }
+  EXPECT_EQ(fulgur::error_message(std::runtime_error("as it is")), "as it is");
+  EXPECT_EQ(fulgur::error_message(fulgur::ConfigError("a config error")), "a config error");
 }
 
 TEST(Errors, AssertThrowsInternalErrorWithContext) {

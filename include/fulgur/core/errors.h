@@ -10,6 +10,7 @@
 //       "Pass -1 to train until max_steps, or a positive number of epochs."));
 #pragma once
 
+#include <exception>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -80,6 +81,13 @@ namespace detail {
 /// never lands inside it.
 void print_note(const std::string& text);
 }  // namespace detail
+
+/// What `error` says, for a person: a LibTorch error (c10::Error) without
+/// the C++ stack frames LibTorch appends to its what() (they stay when
+/// TORCH_SHOW_CPP_STACKTRACES=1), anything else its what(). fulgur prints
+/// errors with it (a rank's failure, the programs' last line); a program's
+/// own main can too.
+std::string error_message(const std::exception& error);
 
 /// Joins `items` with `sep` ("a, b, c").
 std::string join(const std::vector<std::string>& items, std::string_view sep = ", ");

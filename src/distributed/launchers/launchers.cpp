@@ -307,7 +307,7 @@ std::optional<std::string> ForkLauncher::launch(const std::function<std::string(
           std::string bytes = fn();
           if (global == 0) results.write(bytes);
         } catch (const std::exception& e) {
-          detail::print_note(str("rank ", global, " failed: ", e.what()));
+          detail::print_note(str("rank ", global, " failed: ", error_message(e)));
           code = 1;
         } catch (...) {
           detail::print_note(str("rank ", global, " failed with an unknown exception"));
