@@ -1,6 +1,8 @@
 #include "fulgur/accelerators/accelerator.h"
 
+#include <algorithm>
 #include <cctype>
+#include <cstddef>
 
 #include "fulgur/accelerators/cpu.h"
 #include "fulgur/accelerators/cuda.h"
@@ -16,7 +18,20 @@ std::string trim(std::string s) {
   return s.substr(i);
 }
 
-std::string bad_devices(const std::string& text) {
+// Whether `text` is a whole number, however large.
+bool is_integer(const std::string& text) {
+  const size_t digits = !text.empty() && (text[0] == '-' || text[0] == '+') ? 1 : 0;
+  return text.size() > digits &&
+         std::all_of(text.begin() + static_cast<std::ptrdiff_t>(digits), text.end(),
+                     [](unsigned char c) { return std::isdigit(c) != 0; });
+}
+
+std::string bad_devices(const std::string& text, const std::string& number = {}) {
+  if (!number.empty() && is_integer(number)) {
+    return str("devices=\"", text, "\": ", number,
+               " is too large a number for a device count or index. Pass \"auto\", the count "
+               "of devices to use (\"2\"), -1 for all devices, or their indices (\"0,2\").");
+  }
   return str("devices=\"", text,
              "\": not a device spec. Pass \"auto\", a count (\"2\"), -1 "
              "for all devices, or a list of indices (\"0,2\" or \"0,\").");
@@ -44,7 +59,7 @@ DevicesSpec::DevicesSpec(const char* raw) {
   }
   if (text.find(',') == std::string::npos) {
     count_ = parse_device_number(text);
-    if (!count_) error_ = bad_devices(text);
+    if (!count_) error_ = bad_devices(text, text);
     return;
   }
   index_list_ = true;
@@ -56,7 +71,7 @@ DevicesSpec::DevicesSpec(const char* raw) {
     if (!part.empty()) {
       auto index = parse_device_number(part);
       if (!index) {
-        error_ = bad_devices(text);
+        error_ = bad_devices(text, part);
         return;
       }
       indices_.push_back(*index);

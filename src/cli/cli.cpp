@@ -11,6 +11,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -196,6 +197,23 @@ std::string read_config_file(const std::string& path, std::string& text) {
 }
 
 // How many YAML documents with content `text` holds, from its document
+// Where `text` holds a byte YAML never allows (a control character other
+// than tab, newline and carriage return: a NUL, say, in a binary file or
+// one cut by a crash): "line N holds byte 0x00", or "" when there is none.
+std::string control_byte(const std::string& text) {
+  int line = 1;
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte == '\n') ++line;
+    if ((byte < 0x20 && byte != '\t' && byte != '\n' && byte != '\r') || byte == 0x7f) {
+      char hex[5];
+      std::snprintf(hex, sizeof(hex), "0x%02x", byte);
+      return str("line ", line, " holds byte ", hex, byte == 0 ? " (a NUL)" : "");
+    }
+  }
+  return {};
+}
+
 // markers ("---" and "..." at the start of a line; they end any scalar
 // there): YAML::Load reads the first and silently drops the rest. A linear
 // scan (yaml-cpp's LoadAll does not return on some broken inputs).
@@ -482,6 +500,13 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       help_wanted = true;
       continue;
     }
+    const bool subcommand = arg == "fit" || arg == "validate" || arg == "test" ||
+                            arg == "predict" || arg == "lr_find" || arg == "scale_batch_size";
+    if (i > 0 && subcommand) {
+      problems.push_back(str(in_quotes(arg), ": a subcommand comes first, before every flag (",
+                             options_.program, " ", arg, " --KEY VALUE ...), and only one."));
+      continue;
+    }
     if (arg.rfind("--", 0) != 0 || arg.size() == 2) {
       problems.push_back(str(in_quotes(arg),
                              ": expected a flag such as --devices 2 (--KEY VALUE or "
@@ -587,6 +612,18 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       if (!from_checkpoint) find_duplicate_keys(value, key, source, visited, problems);
       if (!once(key, key_node)) return;
       if (find_key(key) == nullptr) {
+        const bool merge_key =
+            key == "<<" || (key.size() > 3 && key.compare(key.size() - 3, 3, ".<<") == 0);
+        if (merge_key && !from_checkpoint) {
+          const std::string under = key.size() > 2 ? key.substr(0, key.size() - 3) : "";
+          problems.push_back(str(source, line_of(key_node),
+                                 ": a YAML merge key (<<", under.empty() ? "" : " under ",
+                                 shortened(under),
+                                 "): this reader does not merge mappings. Write the keys out ",
+                                 under.empty() ? "at the top level" : "under " + shortened(under),
+                                 ", or pass the shared ones in a --config of their own."));
+          return;
+        }
         if (from_checkpoint) {
           std::cerr << options_.program << ": note: " << source << " has \"" << shortened(key)
                     << "\", which this program does not know; it is left out." << std::endl;
@@ -639,6 +676,12 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
     std::string text;
     if (std::string problem = read_config_file(file, text); !problem.empty()) {
       problems.push_back(std::move(problem));
+      continue;
+    }
+    if (const std::string where = control_byte(text); !where.empty()) {
+      problems.push_back(str("--config ", file, ": ", where,
+                             ", which YAML text never holds: it is not a config file, or it "
+                             "was damaged. Pass the YAML file you meant."));
       continue;
     }
     try {

@@ -20,6 +20,16 @@ void collect_module_state(const torch::nn::Module& module, StateDict& out) {
   }
 }
 
+// The precision flag whose weights have `dtype`.
+std::string saved_by(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kDouble: return "precision \"64-true\" keeps Double weights";
+    case at::kHalf: return "precision \"16-true\" keeps Half weights";
+    case at::kBFloat16: return "precision \"bf16-true\" keeps BFloat16 weights";
+    default: return "the precisions other than 64-true, 16-true and bf16-true keep Float weights";
+  }
+}
+
 // Each target tensor with the saved tensor to copy into it, all checked
 // before the first copy.
 using Copies = std::vector<std::pair<at::Tensor, at::Tensor>>;
@@ -36,10 +46,17 @@ void match_module_state(torch::nn::Module& module, const StateDict& state,
     }
     const at::Tensor& value = saved->toTensor();
     if (value.sizes() != target.sizes() || value.scalar_type() != target.scalar_type()) {
-      throw CheckpointError(::fulgur::str(kind, prefix, name, "\" is ", c10::toString(target.scalar_type()),
-                                target.sizes(), " in the module but ",
-                                c10::toString(value.scalar_type()), value.sizes(),
-                                " in the checkpoint"));
+      // The same shape in another floating dtype: the precision changed.
+      const bool precision = value.sizes() == target.sizes() &&
+                             at::isFloatingType(value.scalar_type()) &&
+                             at::isFloatingType(target.scalar_type());
+      throw CheckpointError(::fulgur::str(
+          kind, prefix, name, "\" is ", c10::toString(target.scalar_type()), target.sizes(),
+          " in the module but ", c10::toString(value.scalar_type()), value.sizes(),
+          " in the checkpoint",
+          precision ? str(": the same shape in another dtype, so it was ", kPrecisionChanged,
+                          " (", saved_by(value.scalar_type()), ")")
+                    : std::string()));
     }
     copies.emplace_back(target, value);
   };

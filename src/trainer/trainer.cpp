@@ -97,6 +97,10 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
           str("min_epochs=", o.min_epochs, " > max_epochs=", *o.max_epochs,
               ": lower min_epochs or raise max_epochs."));
   }
+  check(o.max_steps < 0 || o.min_steps <= o.max_steps,
+        str("min_steps=", o.min_steps, " > max_steps=", o.max_steps,
+            ": training stops at max_steps, so min_steps could never be met. Lower min_steps "
+            "or raise max_steps."));
   if (o.max_time) {
     check(o.max_time->count() > 0,
           str("max_time=", o.max_time->count(), " ms: must be > 0, or unset for no limit."));

@@ -1,5 +1,6 @@
 #include "fulgur/trainer/trainer_options.h"
 
+#include <charconv>
 #include <cmath>
 #include <sstream>
 
@@ -9,9 +10,11 @@ namespace fulgur {
 
 std::string BatchLimit::text() const {
   if (!fraction_) return std::to_string(*count_);
-  std::ostringstream out;
-  out << *fraction_;
-  std::string s = out.str();
+  // The shortest text that reads back as the same double (1.0000001 is not
+  // shown as 1.0, the limit it was refused for exceeding).
+  char digits[32];
+  const auto written = std::to_chars(digits, digits + sizeof(digits), *fraction_);
+  std::string s(digits, written.ptr);
   if (s.find('.') == std::string::npos && s.find('e') == std::string::npos) s += ".0";
   return s;
 }

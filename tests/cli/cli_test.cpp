@@ -311,6 +311,38 @@ TEST(CLI, AmbiguousFlatNamesAndBrokenYamlAreErrors) {
   EXPECT_TRUE(contains(problems[0], "holds 2 YAML documents (separated by \"---\")"))
       << problems[0];
   EXPECT_TRUE(contains(problems[0], "pass each with its own --config")) << problems[0];
+  // A merge key is named as one (not a typo of a flag), under a section and
+  // at the top level.
+  write_text(dir.file("merge.yaml"),
+             "trainer:\n  <<: {max_epochs: 1}\n  seed: 3\n<<: {trainer: {seed: 4}}\n");
+  problems = problems_of(p, {"--config", dir.file("merge.yaml")});
+  const std::string merge = fulgur::join(problems, "\n");
+  EXPECT_EQ(problems.size(), 2u) << merge;
+  EXPECT_TRUE(contains(merge, "merge.yaml line 2: a YAML merge key (<< under trainer): this "
+                              "reader does not merge mappings. Write the keys out under trainer"))
+      << merge;
+  EXPECT_TRUE(contains(merge, "merge.yaml line 4: a YAML merge key (<<)")) << merge;
+  EXPECT_FALSE(contains(merge, "did you mean")) << merge;
+  // A byte YAML never holds is named with its line, before yaml-cpp reads it.
+  write_text(dir.file("nul.yaml"), std::string("trainer:\n  max_epochs: 1\0\n", 26));
+  EXPECT_EQ(problems_of(p, {"--config", dir.file("nul.yaml")}),
+            std::vector<std::string>{"--config " + dir.file("nul.yaml") +
+                                     ": line 2 holds byte 0x00 (a NUL), which YAML text never "
+                                     "holds: it is not a config file, or it was damaged. Pass "
+                                     "the YAML file you meant."});
+}
+
+// A subcommand after a flag is named as one.
+TEST(CLI, ASubcommandComesFirst) {
+  Program p;
+  auto problems = problems_of(p, {"--max_epochs", "1", "fit"});
+  ASSERT_EQ(problems.size(), 1u) << fulgur::join(problems, "\n");
+  EXPECT_TRUE(contains(problems[0], "\"fit\": a subcommand comes first, before every flag ("))
+      << problems[0];
+  EXPECT_TRUE(contains(problems[0], " fit --KEY VALUE ...), and only one.")) << problems[0];
+  problems = problems_of(p, {"test", "--max_epochs", "1", "validate"});
+  ASSERT_EQ(problems.size(), 1u) << fulgur::join(problems, "\n");
+  EXPECT_TRUE(contains(problems[0], "\"validate\": a subcommand comes first")) << problems[0];
 }
 
 TEST(CLI, HelpListsEveryTrainerFlagAndTheProgramsOptions) {

@@ -82,7 +82,17 @@ TEST(CheckpointInspect, AMissingPathAndAWrongCommandLine) {
   TempDir dir;
   auto missing = inspect(dir.file("nope.ckpt"));
   EXPECT_EQ(missing.exit_code, 1) << missing.output;
-  EXPECT_TRUE(fulgur::test::message_contains(missing.output, {"nope.ckpt", "does not exist"}));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      missing.output, {"not found: \"", "nope.ckpt", "does not exist", "sharded checkpoint's"}));
+  // Not found is not damage, and no ckpt_path is suggested to a program.
+  EXPECT_EQ(missing.output.find("CORRUPT"), std::string::npos) << missing.output;
+  EXPECT_EQ(missing.output.find("ckpt_path"), std::string::npos) << missing.output;
+  // consolidate names an empty output path before it reads anything.
+  auto nowhere =
+      fulgur::test::run_process({FULGUR_CLI, "checkpoint", "consolidate", dir.path(), ""}, {}, 60s);
+  EXPECT_EQ(nowhere.exit_code, 1) << nowhere.output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      nowhere.output, {"the output path \"\" names no file", "consolidated.ckpt"}));
   auto usage = fulgur::test::run_process({FULGUR_CLI, "checkpoint", "show"}, {}, 60s);
   EXPECT_EQ(usage.exit_code, 2) << usage.output;
   EXPECT_TRUE(fulgur::test::message_contains(

@@ -22,6 +22,8 @@ TEST(BatchLimit, CountsAndFractions) {
   EXPECT_TRUE(quarter.is_fraction());
   EXPECT_DOUBLE_EQ(quarter.fraction(), 0.25);
   EXPECT_EQ(quarter.text(), "0.25");
+  EXPECT_EQ(fulgur::BatchLimit(1.0).text(), "1.0");
+  EXPECT_EQ(fulgur::BatchLimit(1e-7).text(), "1e-07");
   EXPECT_FALSE(fulgur::BatchLimit(int64_t{3}).is_fraction());
   EXPECT_TRUE(fulgur::BatchLimit(1.0).is_fraction());
 }
@@ -135,6 +137,15 @@ const BadFlagCase kBadFlags[] = {
        o.min_epochs = 3;
      },
      {"min_epochs=3", "max_epochs=2"}},
+    {"min_steps_above_max",
+     [](auto& o) {
+       o.max_steps = 4;
+       o.min_steps = 5;
+     },
+     {"min_steps=5 > max_steps=4", "Lower min_steps or raise max_steps"}},
+    {"limit_fraction_just_above_one",
+     [](auto& o) { o.limit_train_batches = 1.0000001; },
+     {"limit_train_batches=1.0000001", "[0.0, 1.0]"}},
     {"null_callback", [](auto& o) { o.callbacks = {nullptr}; }, {"callbacks[0]", "null"}},
     {"num_nodes", [](auto& o) { o.num_nodes = 0; }, {"num_nodes=0"}},
     {"max_restarts", [](auto& o) { o.max_restarts = -1; }, {"max_restarts=-1", ">= 0"}},

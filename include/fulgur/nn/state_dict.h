@@ -25,7 +25,10 @@ StateDict module_state_dict(const torch::nn::Module& module);
 /// optimizers holding them stay valid), strictly: every parameter and
 /// buffer must be there with the same shape and dtype, and nothing else
 /// may. Throws CheckpointError naming the first difference, before any
-/// tensor is changed.
+/// tensor is changed. A tensor of the same shape in another floating
+/// dtype is said to be kPrecisionChanged, naming the precision that keeps
+/// the checkpoint's dtype.
 void load_module_state_dict(torch::nn::Module& module, const StateDict& state);
+inline constexpr const char* kPrecisionChanged = "saved under another precision";
 
 }  // namespace fulgur

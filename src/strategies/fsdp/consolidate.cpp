@@ -133,6 +133,11 @@ StateDict whole_state(const std::vector<const StateDict*>& ranks, const std::vec
 
 void consolidate_sharded_checkpoint(const std::string& dir, const std::string& out) {
   std::error_code ec;
+  if (out.empty() || fs::path(out).filename().empty()) {
+    throw CheckpointError(str("the output path \"", out,
+                              "\" names no file. Pass the path of the one-file checkpoint to "
+                              "write, e.g. consolidated.ckpt."));
+  }
   if (!fs::is_directory(dir, ec)) {
     throw CheckpointError(str("\"", dir, "\" is ",
                               fs::exists(dir, ec) ? "a file: a checkpoint in one file is whole "

@@ -26,6 +26,7 @@
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/core/errors.h"
+#include "fulgur/nn/state_dict.h"
 #include "fulgur/optim/lr_scheduler.h"
 #include "fulgur/plugins/io/checkpoint_io.h"
 #include "fulgur/plugins/precision/precision.h"
@@ -252,9 +253,16 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
   try {
     trainer_.drive().load_module_state(*trainer_.module, section(checkpoint, "state_dict"));
   } catch (const CheckpointError& e) {
-    if (std::string(e.what()).find(path) != std::string::npos) throw;
+    const std::string what = e.what();
+    if (what.find(path) != std::string::npos) throw;
+    if (what.find(kPrecisionChanged) != std::string::npos) {
+      throw CheckpointError(str("checkpoint \"", path, "\" does not fit module ",
+                                trainer_.module->name(), ": ", what,
+                                ". Resume with the precision it was trained with (this run's is \"",
+                                trainer_.strategy->precision().name(), "\")."));
+    }
     throw CheckpointError(str("checkpoint \"", path, "\" does not fit module ",
-                              trainer_.module->name(), ": ", e.what(),
+                              trainer_.module->name(), ": ", what,
                               ". Build the same model (same layers and sizes) before loading."));
   } catch (const c10::Error& e) {
     throw CheckpointError(str("checkpoint \"", path, "\" does not fit module ",

@@ -562,6 +562,29 @@ TEST(CheckpointLast, AFreshFitOverAnEarlierRunsCheckpointsSaysSo) {
   EXPECT_EQ(fit_output(options, "").find(kNote), std::string::npos);
 }
 
+// Weights of the same shapes in another dtype: the precision changed, and
+// the error says which precision keeps the checkpoint's dtype.
+TEST(CheckpointErrors, AnotherPrecisionIsNamedAsSuch) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_epochs = 1;
+  options.enable_checkpointing = true;
+  options.precision = "64-true";
+  LinearRegression trained;
+  const std::string last =
+      fulgur::Trainer(options).fit(trained, regression_loader(4)).last_model_path;
+  options.precision = "32-true";
+  options.max_epochs = 2;
+  LinearRegression model;
+  fulgur::Trainer trainer(options);
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     trainer.fit(model, regression_loader(4), nullptr, {.ckpt_path = last}),
+                     {last, "\" is Float[", "in the module but Double[",
+                      "saved under another precision",
+                      "precision \"64-true\" keeps Double weights",
+                      "Resume with the precision it was trained with (this run's is \"32-true\")"});
+}
+
 TEST(CheckpointErrors, TheTrainerIsUsableAfterAFailedResume) {
   TempDir dir;
   LinearRegression model;

@@ -249,6 +249,8 @@ std::vector<Case> cases() {
     {"devices_word", cpu({{"devices", "two"}}), kClean, "invalid_flags", {"devices=\"two\": not a device spec"}},
     {"devices_empty_entry", cpu({{"devices", "0,,2"}}), kClean, "invalid_flags", {"devices=\"0,,2\": not a device spec"}},
     {"devices_fraction", cpu({{"devices", "1.5"}}), kClean, "invalid_flags", {"devices=\"1.5\": not a device spec"}},
+    {"devices_too_large", cpu({{"devices", "99999999999"}}), kClean, "invalid_flags", {"devices=\"99999999999\": 99999999999 is too large a number"}},
+    {"devices_index_too_large", cpu({{"devices", "0,99999999999"}}), kClean, "invalid_flags", {"devices=\"0,99999999999\": 99999999999 is too large a number"}},
     {"devices_empty", cpu({{"devices", ""}}), kClean, "invalid_flags", {"devices=\"\": not a device spec"}},
     {"devices_negative_index", cpu({{"devices", "0,-1"}}), kClean, "invalid_flags", {"device index -1 is negative"}},
     {"cpu_device_indices", cpu({{"devices", "0,2"}}), kClean, "invalid_flags", {"the CPU takes a number of processes, not device indices. Pass devices=2"}},
