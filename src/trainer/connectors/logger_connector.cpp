@@ -324,6 +324,7 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
 
 void LoggerConnector::reset_metrics() {
   ended_ = false;
+  divergence_noted_ = false;
   callback_metrics_.clear();
   progress_bar_metrics_.clear();
   pending_callback_.clear();
@@ -392,7 +393,10 @@ void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const c
   if (!to_loggers || loggers_.empty() || !global_zero) return;
   Metrics row;
   for (const auto& v : values) {
-    if (v.logger) row[v.name] = v.read();
+    if (!v.logger) continue;
+    const double value = v.read();
+    row[v.name] = value;
+    note_divergence(v.name, value, epoch, step);
   }
   if (row.empty()) return;
   row["epoch"] = static_cast<double>(epoch);
@@ -410,11 +414,25 @@ Metrics LoggerConnector::publish_epoch(LogSink& sink, Strategy& strategy, bool s
                                        int64_t epoch, int64_t step) {
   auto values = sink.collect_epoch(strategy);
   Metrics out;
-  for (const auto& v : values) out[v.name] = v.value;
+  for (const auto& v : values) {
+    out[v.name] = v.value;
+    if (strategy.is_global_zero()) note_divergence(v.name, v.value, epoch, step);
+  }
   if (!sanity_checking) {
     publish(values, "_epoch", /*to_loggers=*/true, strategy.is_global_zero(), epoch, step);
   }
   return out;
+}
+
+void LoggerConnector::note_divergence(const std::string& name, double value, int64_t epoch,
+                                      int64_t step) {
+  if (divergence_noted_ || std::isfinite(value) || name.find("loss") == std::string::npos) return;
+  divergence_noted_ = true;
+  detail::print_note(str("\"", name, "\" is ", value, " at step ", step, " (epoch ", epoch,
+                         "): the training diverged, and the run goes on with it. Lower the "
+                         "learning rate, clip gradients (gradient_clip_val), or stop such a run "
+                         "early: EarlyStopping on a loss stops when it is not finite "
+                         "(check_finite)."));
 }
 
 void LoggerConnector::choose_versions() {

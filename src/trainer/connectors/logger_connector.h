@@ -172,8 +172,13 @@ class LoggerConnector {
   /// stripped for the base name, which follows the latest value too.
   void publish(const std::vector<LogSink::Value>& values, const char* suffix, bool to_loggers,
                bool global_zero, int64_t epoch, int64_t step);
+  /// On rank 0, once per fit: a note when a loss read for publishing (a
+  /// logger's row, an epoch's value) is not finite: the run diverged and
+  /// goes on with it. Reads nothing that was not read already.
+  void note_divergence(const std::string& name, double value, int64_t epoch, int64_t step);
 
   std::vector<std::shared_ptr<Logger>> loggers_;
+  bool divergence_noted_ = false;
   bool versions_chosen_ = false;
   bool ended_ = false;  // this fit's end is recorded (finalize)
   LogSink train_sink_;

@@ -307,6 +307,30 @@ TEST(Logging, LogEveryNStepsThinsStepMetrics) {
   EXPECT_EQ(rows_with_train_loss, 2);  // steps 5 and 10
 }
 
+// A loss that is no longer finite when it is read for a logger or an
+// epoch's value gets one note per fit (the run goes on); a finite run gets
+// none.
+TEST(Logging, ADivergedLossIsNotedOnceWhenItIsRead) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_epochs = 3;
+  options.logger = true;
+  options.loggers = {std::make_shared<MemoryLogger>()};
+  options.log_every_n_steps = 2;
+  auto stderr_of = [&](double lr) {
+    LinearRegression model(fulgur::test::LinearRegressionOptions{.lr = lr});
+    ::testing::internal::CaptureStderr();
+    fulgur::Trainer(options).fit(model, regression_loader(8), regression_loader(2));
+    return ::testing::internal::GetCapturedStderr();
+  };
+  const std::string diverged = stderr_of(1e30);
+  EXPECT_EQ(fulgur::test::count_occurrences(diverged, "the training diverged"), 1) << diverged;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      diverged, {"\"train_loss\" is ", " at step 2 (epoch 0)", "Lower the learning rate",
+                 "gradient_clip_val", "check_finite"}));
+  EXPECT_EQ(stderr_of(0.05).find("diverged"), std::string::npos);
+}
+
 /// LogSink::tensor_reads() at the start of training and after each batch.
 class TensorReadCounter : public fulgur::Callback {
  public:
