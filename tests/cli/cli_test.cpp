@@ -198,7 +198,13 @@ TEST(CLI, LrFindSweepsTheFitsDataPrintsASuggestionAndDrawsTheCurve) {
   const std::string printed = testing::internal::GetCapturedStdout();
   ASSERT_TRUE(result.lr_find.has_value());
   EXPECT_FALSE(result.fit.has_value());
-  EXPECT_GT(result.lr_find->lrs.size(), 10u);
+  std::ostringstream curve;
+  for (size_t i = 0; i < result.lr_find->lrs.size(); ++i) {
+    curve << " " << result.lr_find->lrs[i] << ":" << result.lr_find->losses[i];
+  }
+  EXPECT_GT(result.lr_find->lrs.size(), 10u)
+      << "diverged=" << result.lr_find->diverged << " curve:" << curve.str() << "\n"
+      << printed;
   EXPECT_TRUE(contains(printed, "prog lr_find: ")) << printed;
   ASSERT_TRUE(result.lr_find->suggestion.has_value()) << result.lr_find->note;
   EXPECT_TRUE(contains(printed, "suggested learning rate")) << printed;
