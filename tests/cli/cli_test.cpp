@@ -189,6 +189,11 @@ TEST(CLI, LrFindSweepsTheFitsDataPrintsASuggestionAndDrawsTheCurve) {
                        "--enable_progress_bar", "false", "--logger", "false"}));
   EXPECT_TRUE(p.cli.is_lr_find());
   EXPECT_EQ(p.cli.subcommand(), fulgur::Stage::kFit);  // the data of fit
+  // Seeded, so that the start does not depend on what the tests before it
+  // in this process drew (it varied under load): a start that fits the
+  // first batch much better than the second reads as a divergence at step 2
+  // (smoothed losses 0.086, then 0.36 > 4 x 0.086).
+  torch::manual_seed(0);
   fulgur::test::LinearRegression model;
   const auto before = fulgur::test::clone_parameters(model);
   fulgur::test::RecordingDataModule data(/*train_batches=*/16);
