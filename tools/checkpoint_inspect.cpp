@@ -181,7 +181,7 @@ int inspect_checkpoint(const std::string& path, std::ostream& out) {
   try {
     out << "checkpoint: " << path << "\n";
     std::error_code ec;
-    if (!fs::exists(path, ec) && !fs::is_symlink(path, ec)) {
+    if (!fs::exists(path, ec) && !ec && !fs::is_symlink(path, ec)) {
       out << "not found: \"" << path
           << "\" does not exist. Pass a checkpoint file, or a sharded checkpoint's directory (a "
              "run's are under <default_root_dir>/checkpoints).\n";

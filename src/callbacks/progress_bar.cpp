@@ -127,11 +127,7 @@ void ProgressBar::on_validation_batch_end(Trainer& trainer, Module&, const Batch
 
 void ProgressBar::on_validation_end(Trainer& trainer, Module&) {
   if (trainer.stage() != Stage::kFit) {
-    // Trainer::validate: its bar stays, complete, as test's does.
-    if (tty_ && eval_.done > 0) {
-      draw(trainer, eval_, "Validation", trainer.num_evaluation_batches(), true);
-    }
-    eval_ = Bar{};
+    end_evaluation(trainer, "Validation");  // Trainer::validate
     return;
   }
   if (tty_) {
@@ -155,10 +151,12 @@ void ProgressBar::on_test_batch_end(Trainer& trainer, Module&, const Batch&, int
   evaluation_batch(trainer, "Testing");
 }
 
-void ProgressBar::on_test_epoch_end(Trainer& trainer, Module&) {
-  if (tty_ && eval_.done > 0) draw(trainer, eval_, "Testing", trainer.num_evaluation_batches(), true);
+void ProgressBar::end_evaluation(Trainer& trainer, const char* label) {
+  if (tty_ && eval_.done > 0) draw(trainer, eval_, label, trainer.num_evaluation_batches(), true);
   eval_ = Bar{};
 }
+
+void ProgressBar::on_test_epoch_end(Trainer& trainer, Module&) { end_evaluation(trainer, "Testing"); }
 
 void ProgressBar::on_predict_batch_end(Trainer& trainer, Module&, const Batch&, int64_t) {
   evaluation_batch(trainer, "Predicting");

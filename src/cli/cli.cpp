@@ -196,7 +196,6 @@ std::string read_config_file(const std::string& path, std::string& text) {
   return str(what, ": cannot read it.");
 }
 
-// How many YAML documents with content `text` holds, from its document
 // Where `text` holds a byte YAML never allows (a control character other
 // than tab, newline and carriage return: a NUL, say, in a binary file or
 // one cut by a crash): "line N holds byte 0x00", or "" when there is none.
@@ -214,6 +213,7 @@ std::string control_byte(const std::string& text) {
   return {};
 }
 
+// How many YAML documents with content `text` holds, from its document
 // markers ("---" and "..." at the start of a line; they end any scalar
 // there): YAML::Load reads the first and silently drops the rest. A linear
 // scan (yaml-cpp's LoadAll does not return on some broken inputs).

@@ -190,14 +190,56 @@ std::string ShardedCheckpoint::shard_path(const std::string& path, int rank, int
 
 bool ShardedCheckpoint::is_writer(const Strategy&) const { return true; }
 
+namespace {
+
+// Runs `step` on this rank and agrees with every rank on how it went: one
+// all-reduce of which ranks failed, then the first failing rank's reason
+// broadcast. When any rank failed every rank throws (a failing rank its own
+// error, the others "rank <k> of <n> <what>: <its reason>"), so that no rank
+// goes on alone into a collective its peers never reach. The all-reduce is
+// also a barrier.
+template <class Step>
+void on_every_rank(Strategy& strategy, const char* what, Step step) {
+  std::exception_ptr error;
+  std::string reason;
+  try {
+    step();
+  } catch (const std::exception& e) {
+    error = std::current_exception();
+    reason = error_message(e);
+  } catch (...) {
+    error = std::current_exception();
+    reason = "an exception that is not a std::exception";
+  }
+  if (strategy.world_size() > 1) {
+    at::Tensor failed = torch::zeros({strategy.world_size()}, torch::kInt);
+    failed[strategy.global_rank()] = error ? 1 : 0;
+    const at::Tensor failing = strategy.all_reduce(failed, ReduceOp::kSum).cpu().nonzero();
+    if (failing.numel() > 0) {
+      const int first = static_cast<int>(failing[0][0].item<int64_t>());
+      reason = strategy.broadcast_bytes(reason, first);
+      if (!error) {
+        throw CheckpointError(str("rank ", first, " of ", strategy.world_size(), " ", what, ": ",
+                                  reason));
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+}  // namespace
+
 void ShardedCheckpoint::save(Strategy& strategy, StateDict& checkpoint, const std::string& path) {
   const int rank = strategy.global_rank();
   const int world = strategy.world_size();
+  // Every rank has come to the save (none still reads the checkpoint at
+  // this path) before rank 0 changes it.
+  strategy.barrier("sharded checkpoint save: start");
   // 1. Rank 0 clears what a save at this path left before (a single-file
   //    checkpoint, the manifest, shards of another world size), so a crash
   //    from here on leaves a directory without a manifest, never a mix.
-  strategy.barrier("sharded checkpoint save: start");
-  if (rank == 0) {
+  on_every_rank(strategy, "cannot prepare the checkpoint directory, so no rank saves", [&] {
+    if (rank != 0) return;
     std::error_code ec;
     if (fs::exists(path, ec) && !fs::is_directory(path, ec)) fs::remove(path, ec);
     fs::remove(fs::path(path) / kManifest, ec);
@@ -213,23 +255,24 @@ void ShardedCheckpoint::save(Strategy& strategy, StateDict& checkpoint, const st
         fs::remove(entry.path(), ec);
       }
     }
-  }
-  strategy.barrier("sharded checkpoint save: directory ready");
-  // 2. Every rank writes its shard.
-  strategy.checkpoint_io().save_checkpoint(checkpoint, shard_path(path, rank, world));
-  // The manifest may claim only shards that are durable (an asynchronous
-  // checkpoint IO has handed its shard to a writer thread).
-  strategy.checkpoint_io().wait_until_durable();
-  // Each rank fingerprints its own shard; rank 0 gets them all with one
-  // all-gather, which is also the point where every shard is written.
-  const FileFingerprint own = strategy.checkpoint_io().fingerprint(shard_path(path, rank, world));
+  });
+  // 2. Every rank writes its shard and fingerprints it. The manifest may
+  //    claim only shards that are durable (an asynchronous checkpoint IO
+  //    has handed its shard to a writer thread).
+  FileFingerprint own;
+  on_every_rank(strategy, "cannot write its shard, so the checkpoint is not complete", [&] {
+    strategy.checkpoint_io().save_checkpoint(checkpoint, shard_path(path, rank, world));
+    strategy.checkpoint_io().wait_until_durable();
+    own = strategy.checkpoint_io().fingerprint(shard_path(path, rank, world));
+  });
   const at::Tensor fingerprints =
       strategy
           .all_gather(
               torch::tensor({static_cast<int64_t>(own.size), int64_t{own.crc32c}}, torch::kLong))
           .cpu();
   // 3. The manifest marks the checkpoint complete.
-  if (rank == 0) {
+  on_every_rank(strategy, "cannot write the manifest, so the checkpoint is not complete", [&] {
+    if (rank != 0) return;
     std::ostringstream text;
     text << kManifestHeader << "\nworld_size=" << world << "\n";
     for (int r = 0; r < world; ++r) {
@@ -248,12 +291,19 @@ void ShardedCheckpoint::save(Strategy& strategy, StateDict& checkpoint, const st
       out << text.str();
       if (!out) throw CheckpointError(str("cannot write ", tmp.string(), "."));
     }
-    fs::rename(tmp, fs::path(path) / kManifest);
-  }
-  strategy.barrier("sharded checkpoint save: manifest written");
+    std::error_code ec;
+    fs::rename(tmp, fs::path(path) / kManifest, ec);
+    if (ec) {
+      throw CheckpointError(str("cannot rename ", tmp.string(), " to ", kManifest, ": ",
+                                ec.message(), "."));
+    }
+  });
 }
 
-StateDict ShardedCheckpoint::load(Strategy& strategy, const std::string& path) {
+namespace {
+
+// This rank's part of the sharded checkpoint at `path` (ShardedCheckpoint::load).
+StateDict load_own_part(Strategy& strategy, const std::string& path) {
   std::error_code ec;
   if (!fs::exists(path, ec)) {
     throw CheckpointError(str("checkpoint \"", path, "\" does not exist."));
@@ -272,7 +322,7 @@ StateDict ShardedCheckpoint::load(Strategy& strategy, const std::string& path) {
                               "per-rank shards written under it. Resume with the strategy that "
                               "wrote it, or load its weights in configure_model()."));
   }
-  const Manifest manifest = read_manifest(path);
+  const Manifest manifest = ShardedCheckpoint::read_manifest(path);
   if (manifest.world_size != strategy.world_size()) {
     throw CheckpointError(str("checkpoint \"", path, "\" was saved by ", manifest.world_size,
                               " ranks, and this run has ", strategy.world_size(),
@@ -286,34 +336,27 @@ StateDict ShardedCheckpoint::load(Strategy& strategy, const std::string& path) {
                                         path, " FILE`.")
                                   : std::string(".")));
   }
-  if (auto missing = missing_shards(path, manifest); !missing.empty())
+  if (auto missing = ShardedCheckpoint::missing_shards(path, manifest); !missing.empty()) {
     throw CheckpointError(missing);
-  // Each rank reads its own shard. What one rank finds wrong stops them all
-  // (a rank failing alone would leave its peers waiting in the fit's first
-  // collective), each with that rank's reason.
-  const int rank = strategy.global_rank();
-  StateDict state;
-  std::exception_ptr error;
-  std::string reason;
-  try {
-    CheckpointIO& io = strategy.checkpoint_io();
-    const std::string foreign = foreign_shard(io, path, manifest, static_cast<size_t>(rank));
-    if (!foreign.empty()) throw CheckpointError(foreign);
-    state = io.load_checkpoint(shard_path(path, rank, strategy.world_size()));
-  } catch (const std::exception& e) {
-    error = std::current_exception();
-    reason = e.what();
   }
-  at::Tensor failed = torch::zeros({strategy.world_size()}, torch::kInt);
-  failed[rank] = error ? 1 : 0;
-  failed = strategy.all_reduce(failed, ReduceOp::kSum).cpu();
-  const at::Tensor failing = failed.nonzero();
-  if (failing.numel() == 0) return state;
-  const int first = static_cast<int>(failing[0][0].item<int64_t>());
-  reason = strategy.broadcast_bytes(reason, first);
-  if (error) std::rethrow_exception(error);
-  throw CheckpointError(str("rank ", first, " of ", strategy.world_size(),
-                            " cannot load its shard, so no rank resumes: ", reason));
+  const int rank = strategy.global_rank();
+  CheckpointIO& io = strategy.checkpoint_io();
+  const std::string foreign =
+      ShardedCheckpoint::foreign_shard(io, path, manifest, static_cast<size_t>(rank));
+  if (!foreign.empty()) throw CheckpointError(foreign);
+  return io.load_checkpoint(ShardedCheckpoint::shard_path(path, rank, strategy.world_size()));
+}
+
+}  // namespace
+
+StateDict ShardedCheckpoint::load(Strategy& strategy, const std::string& path) {
+  // What one rank finds wrong stops them all (a rank failing alone would
+  // leave its peers waiting in the fit's first collective), each with that
+  // rank's reason.
+  StateDict state;
+  on_every_rank(strategy, "cannot load its shard, so no rank resumes",
+                [&] { state = load_own_part(strategy, path); });
+  return state;
 }
 
 void ShardedCheckpoint::remove(Strategy& strategy, const std::string& path) {

@@ -147,4 +147,21 @@ TEST(ManualStrategy, AShardOfAnotherSaveIsRefusedOnEveryRank) {
       {"ckpt_path=\"last\": skipped", last.string(), "mixes saves", "Resuming from"}));
 }
 
+// A shard that one rank cannot write (here a directory stands at its
+// path) stops the save on every rank with that rank's reason: rank 0 does
+// not wait for a fingerprint that never comes, and writes no manifest.
+TEST(ManualStrategy, AShardOneRankCannotWriteStopsTheSaveOnEveryRank) {
+  TempDir dir;
+  const std::string root = dir.path() + "/run";
+  const fs::path last = fs::path(root) / "checkpoints" / "last.ckpt";
+  fs::create_directories(last / "rank-1-of-2.ckpt" / "in-the-way");
+  auto r = run_manual({"--devices", "2", "--steps", "4", "--ckpt-root", root});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("rank 1 of 2 cannot write its shard, so the checkpoint is not complete"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("rank-1-of-2.ckpt"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(last / "manifest.txt"));
+}
+
 }  // namespace

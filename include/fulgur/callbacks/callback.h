@@ -4,7 +4,7 @@
 // progress output, early stopping. Hooks are called after the Module's hook
 // of the same name. The validation hooks run in fit's validation (and its
 // sanity check) and in Trainer::validate; the test and predict hooks in
-// Trainer::test and Trainer::predict: trainer.stage() tells a fit's
+// Trainer::test and Trainer::predict. trainer.stage() tells a fit's
 // validation (Stage::kFit) from a standalone one (Stage::kValidate). A callback with state (best score, ...) returns it from
 // state_dict() and takes it back in load_state_dict(); the checkpoint holds
 // it under "callbacks/<state_key()>", so a resumed run continues with it.
@@ -43,8 +43,9 @@ class Callback {
   virtual void on_train_batch_start(Trainer&, Module&, const Batch&, int64_t /*batch_idx*/) {}
   virtual void on_train_batch_end(Trainer&, Module&, const at::Tensor& /*loss*/, const Batch&,
                                   int64_t /*batch_idx*/) {}
-  /// With the module in eval mode, before the epoch's first hook; the end
-  /// hooks after the epoch's metrics are published (callback_metrics()).
+  /// The evaluation hooks run in eval mode without autograd (as the steps
+  /// do); the start hooks before the epoch's first hook, the end hooks after
+  /// the epoch's metrics are published (callback_metrics()).
   virtual void on_validation_start(Trainer&, Module&) {}
   virtual void on_validation_end(Trainer&, Module&) {}
   virtual void on_validation_epoch_start(Trainer&, Module&) {}

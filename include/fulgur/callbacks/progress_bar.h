@@ -58,6 +58,8 @@ class ProgressBar : public Callback {
   void draw_epoch(Trainer& trainer, bool final);
   // Counts a batch of an evaluation stage and draws at the refresh rate.
   void evaluation_batch(Trainer& trainer, const char* label);
+  /// A standalone evaluation's end: its bar stays, complete, on a terminal.
+  void end_evaluation(Trainer& trainer, const char* label);
 
   int refresh_ms_;
   std::FILE* out_;

@@ -76,9 +76,10 @@ class ShardedCheckpoint : public CheckpointLayout {
   void save(Strategy& strategy, StateDict& checkpoint, const std::string& path) override;
   /// Throws CheckpointError naming the saved and current world sizes, or
   /// the missing shards, or an unfinished save (no manifest), or a one-file
-  /// checkpoint, or a shard of another save. When one rank cannot read its
-  /// shard, every rank throws its error (one collective), so none goes on
-  /// into the fit alone.
+  /// checkpoint, or a shard of another save. Whatever one rank finds wrong,
+  /// every rank throws (one all-reduce, and the failing rank's reason
+  /// broadcast), so none goes on into the fit alone; save agrees the same
+  /// way after each of its steps.
   StateDict load(Strategy& strategy, const std::string& path) override;
   void remove(Strategy& strategy, const std::string& path) override;
   /// The manifest and every shard it lists, each against its fingerprint

@@ -782,7 +782,7 @@ std::string CheckpointIO::verify(const std::string& path) {
     (void)load_checkpoint(path);
     return {};
   } catch (const std::exception& e) {
-    return e.what();
+    return error_message(e);
   }
 }
 

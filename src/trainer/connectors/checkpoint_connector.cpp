@@ -28,6 +28,7 @@
 #include "fulgur/core/errors.h"
 #include "fulgur/nn/state_dict.h"
 #include "fulgur/optim/lr_scheduler.h"
+#include "fulgur/plugins/environments/cluster_environment.h"
 #include "fulgur/plugins/io/checkpoint_io.h"
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/utilities/seed.h"
@@ -199,8 +200,10 @@ std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) cons
 
 void CheckpointConnector::note_checkpoints_of_an_earlier_run() const {
   const TrainerOptions& options = trainer_.options;
+  // A restart that found none of its own to resume from is not a new run.
   if (!options.enable_checkpointing || options.fast_dev_run != 0 ||
-      trainer_.checkpoint_callback == nullptr || !trainer_.strategy->is_global_zero()) {
+      trainer_.checkpoint_callback == nullptr || !trainer_.strategy->is_global_zero() ||
+      trainer_.strategy->cluster_environment().restart_count() > 0) {
     return;
   }
   const std::string dir = checkpoint_dir();
@@ -258,8 +261,8 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
     if (what.find(kPrecisionChanged) != std::string::npos) {
       throw CheckpointError(str("checkpoint \"", path, "\" does not fit module ",
                                 trainer_.module->name(), ": ", what,
-                                ". Resume with the precision it was trained with (this run's is \"",
-                                trainer_.strategy->precision().name(), "\")."));
+                                ". Load it under the precision it was trained with (this run's is "
+                                "\"", trainer_.strategy->precision().name(), "\")."));
     }
     throw CheckpointError(str("checkpoint \"", path, "\" does not fit module ",
                               trainer_.module->name(), ": ", what,

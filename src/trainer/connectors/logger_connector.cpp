@@ -353,7 +353,8 @@ const Metrics& LoggerConnector::progress_bar_metrics() const {
 }
 
 void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const char* suffix,
-                              bool to_loggers, bool global_zero, int64_t epoch, int64_t step) {
+                              bool to_loggers, bool global_zero, int64_t epoch, int64_t step,
+                              bool in_fit) {
   const std::string_view sfx(suffix);
   // Updates in place: a key published before allocates nothing.
   // (Metrics has no heterogeneous lookup: the key goes through one reused string.)
@@ -396,7 +397,7 @@ void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const c
     if (!v.logger) continue;
     const double value = v.read();
     row[v.name] = value;
-    note_divergence(v.name, value, epoch, step);
+    if (in_fit) note_divergence(v.name, value, epoch, step);
   }
   if (row.empty()) return;
   row["epoch"] = static_cast<double>(epoch);
@@ -406,20 +407,23 @@ void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const c
 
 void LoggerConnector::publish_step(const Strategy& strategy, bool to_loggers, int64_t epoch,
                                    int64_t step) {
-  publish(train_sink_.collect_step(), "_step", to_loggers, strategy.is_global_zero(), epoch, step);
+  publish(train_sink_.collect_step(), "_step", to_loggers, strategy.is_global_zero(), epoch, step,
+          /*in_fit=*/true);
   train_sink_.clear_step_flags();
 }
 
 Metrics LoggerConnector::publish_epoch(LogSink& sink, Strategy& strategy, bool sanity_checking,
-                                       int64_t epoch, int64_t step) {
+                                       int64_t epoch, int64_t step, bool in_fit) {
   auto values = sink.collect_epoch(strategy);
   Metrics out;
   for (const auto& v : values) {
     out[v.name] = v.value;
-    if (strategy.is_global_zero()) note_divergence(v.name, v.value, epoch, step);
+    if (in_fit && !sanity_checking && strategy.is_global_zero()) {
+      note_divergence(v.name, v.value, epoch, step);
+    }
   }
   if (!sanity_checking) {
-    publish(values, "_epoch", /*to_loggers=*/true, strategy.is_global_zero(), epoch, step);
+    publish(values, "_epoch", /*to_loggers=*/true, strategy.is_global_zero(), epoch, step, in_fit);
   }
   return out;
 }

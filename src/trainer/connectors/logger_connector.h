@@ -146,9 +146,11 @@ class LoggerConnector {
   void publish_step(const Strategy& strategy, bool to_loggers, int64_t epoch, int64_t step);
   /// The epoch aggregates of `sink`, reduced across ranks for sync_dist
   /// metrics (a collective: every rank calls), published unless
-  /// `sanity_checking`, and returned.
+  /// `sanity_checking`, and returned. `in_fit`: the epoch is a fit's (its
+  /// training, or a validation within it), whose losses are watched for a
+  /// divergence.
   Metrics publish_epoch(LogSink& sink, Strategy& strategy, bool sanity_checking, int64_t epoch,
-                        int64_t step);
+                        int64_t step, bool in_fit);
 
   /// Every logger's version directory is chosen before any of them writes,
   /// so that loggers of the same save_dir and name share one.
@@ -170,11 +172,13 @@ class LoggerConnector {
  private:
   /// Sets callback/progress-bar metrics; `suffix` ("_step", "_epoch") is
   /// stripped for the base name, which follows the latest value too.
+  /// `in_fit`: the values are a fit's (note_divergence watches them).
   void publish(const std::vector<LogSink::Value>& values, const char* suffix, bool to_loggers,
-               bool global_zero, int64_t epoch, int64_t step);
-  /// On rank 0, once per fit: a note when a loss read for publishing (a
-  /// logger's row, an epoch's value) is not finite: the run diverged and
-  /// goes on with it. Reads nothing that was not read already.
+               bool global_zero, int64_t epoch, int64_t step, bool in_fit);
+  /// On rank 0, once per fit: a note when a loss of the fit read for
+  /// publishing (a logger's row, an epoch's value; not the sanity check's)
+  /// is not finite: the run diverged and goes on with it. Reads nothing that
+  /// was not read already.
   void note_divergence(const std::string& name, double value, int64_t epoch, int64_t step);
 
   std::vector<std::shared_ptr<Logger>> loggers_;

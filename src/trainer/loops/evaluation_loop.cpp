@@ -68,26 +68,18 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   trainer_.logging.eval_sink().reset();
   Trainer::Impl::set_log_sink(m, &trainer_.logging.eval_sink());
   trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
-  Trainer& self = trainer_.self;
-  for (auto& cb : trainer_.callbacks) {
-    if (is_test) {
-      cb->on_test_start(self, m);
-    } else {
-      cb->on_validation_start(self, m);
-    }
-  }
+  // Every callback's test hook in a test, its validation hook otherwise.
+  using Hook = void (Callback::*)(Trainer&, Module&);
+  auto callbacks = [&](Hook test, Hook validation) {
+    for (auto& cb : trainer_.callbacks) ((*cb).*(is_test ? test : validation))(trainer_.self, m);
+  };
+  callbacks(&Callback::on_test_start, &Callback::on_validation_start);
   if (is_test) {
     m.on_test_epoch_start();
   } else {
     m.on_validation_epoch_start();
   }
-  for (auto& cb : trainer_.callbacks) {
-    if (is_test) {
-      cb->on_test_epoch_start(self, m);
-    } else {
-      cb->on_validation_epoch_start(self, m);
-    }
-  }
+  callbacks(&Callback::on_test_epoch_start, &Callback::on_validation_epoch_start);
   for_each_batch(*trainer_.strategy, trainer_.options.prefetch_to_device, loader, limit,
                  [&](const Batch& batch, Batch& on_device, int64_t idx) {
                    trainer_.logging.eval_sink().set_context(/*training_step=*/false,
@@ -118,22 +110,11 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   const auto& fit = trainer_.fit_loop;
   Metrics out =
       trainer_.logging.publish_epoch(trainer_.logging.eval_sink(), *trainer_.strategy,
-                                     fit.sanity_checking(), fit.current_epoch(), fit.global_step());
-  for (auto& cb : trainer_.callbacks) {
-    if (is_test) {
-      cb->on_test_epoch_end(self, m);
-    } else {
-      cb->on_validation_epoch_end(self, m);
-    }
-  }
+                                     fit.sanity_checking(), fit.current_epoch(), fit.global_step(),
+                                     /*in_fit=*/trainer_.stage == Stage::kFit);
+  callbacks(&Callback::on_test_epoch_end, &Callback::on_validation_epoch_end);
   Trainer::Impl::set_log_sink(m, nullptr);
-  for (auto& cb : trainer_.callbacks) {
-    if (is_test) {
-      cb->on_test_end(self, m);
-    } else {
-      cb->on_validation_end(self, m);
-    }
-  }
+  callbacks(&Callback::on_test_end, &Callback::on_validation_end);
   return out;
 }
 
@@ -141,9 +122,9 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
   Module& m = *trainer_.module;
   torch::NoGradGuard no_grad;
   m.eval();
+  num_batches_ = pass_length(loader, limit);
   for (auto& cb : trainer_.callbacks) cb->on_predict_start(trainer_.self, m);
   m.on_predict_epoch_start();
-  num_batches_ = pass_length(loader, limit);
   std::vector<Batch> out;
   if (auto n = loader.num_batches())
     out.reserve(static_cast<size_t>(limit ? std::min(*n, *limit) : *n));

@@ -246,7 +246,7 @@ void FitLoop::train_epoch() {
   Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
   m.on_train_epoch_end();
   trainer_.logging.publish_epoch(trainer_.logging.train_sink(), *trainer_.strategy,
-                                 sanity_checking_, current_epoch_, global_step_);
+                                 sanity_checking_, current_epoch_, global_step_, /*in_fit=*/true);
   // States a resume brought for metrics this epoch never logged again.
   trainer_.logging.train_sink().drop_restored_metrics();
   // Histograms read every parameter: a sharded strategy gathers them (on

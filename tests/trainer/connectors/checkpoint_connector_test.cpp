@@ -582,7 +582,7 @@ TEST(CheckpointErrors, AnotherPrecisionIsNamedAsSuch) {
                      {last, "\" is Float[", "in the module but Double[",
                       "saved under another precision",
                       "precision \"64-true\" keeps Double weights",
-                      "Resume with the precision it was trained with (this run's is \"32-true\")"});
+                      "Load it under the precision it was trained with (this run's is \"32-true\")"});
 }
 
 TEST(CheckpointErrors, TheTrainerIsUsableAfterAFailedResume) {

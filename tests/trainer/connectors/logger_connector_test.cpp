@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
+
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
 #include "trainer/connectors/logger_connector.h"
@@ -329,6 +331,20 @@ TEST(Logging, ADivergedLossIsNotedOnceWhenItIsRead) {
       diverged, {"\"train_loss\" is ", " at step 2 (epoch 0)", "Lower the learning rate",
                  "gradient_clip_val", "check_finite"}));
   EXPECT_EQ(stderr_of(0.05).find("diverged"), std::string::npos);
+  // Evaluating a diverged module outside a fit notes nothing: no training
+  // diverged there.
+  LinearRegression broken(fulgur::test::LinearRegressionOptions{.lr = 1e30});
+  fulgur::Trainer trainer(options);
+  ::testing::internal::CaptureStderr();
+  trainer.fit(broken, regression_loader(8));
+  ASSERT_NE(::testing::internal::GetCapturedStderr().find("diverged"), std::string::npos);
+  ::testing::internal::CaptureStderr();
+  const auto validated = trainer.validate(broken, regression_loader(2));
+  const auto tested = trainer.test(broken, regression_loader(2));
+  const std::string evaluated = ::testing::internal::GetCapturedStderr();
+  ASSERT_FALSE(std::isfinite(validated.at("val_loss")));
+  ASSERT_FALSE(std::isfinite(tested.at("test_loss")));
+  EXPECT_EQ(evaluated.find("diverged"), std::string::npos) << evaluated;
 }
 
 /// LogSink::tensor_reads() at the start of training and after each batch.
