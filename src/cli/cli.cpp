@@ -477,17 +477,20 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
   subcommand_ = options_.default_subcommand;
   lr_find_ = false;
   scale_batch_size_ = false;
-  if (!args.empty()) {
+  // The stage a subcommand runs: the stages by name, and the two tuners
+  // (on fit's data); nothing for a word that is none.
+  auto stage_of = [](const std::string& word) -> std::optional<Stage> {
     for (auto s : {Stage::kFit, Stage::kValidate, Stage::kTest, Stage::kPredict}) {
-      if (args[0] == to_string(s)) {
-        subcommand_ = s;
-        i = 1;
-      }
+      if (word == to_string(s)) return s;
     }
-    if (args[0] == "lr_find" || args[0] == "scale_batch_size") {
-      subcommand_ = Stage::kFit;
+    if (word == "lr_find" || word == "scale_batch_size") return Stage::kFit;
+    return std::nullopt;
+  };
+  if (!args.empty()) {
+    if (const auto stage = stage_of(args[0])) {
+      subcommand_ = *stage;
       lr_find_ = args[0] == "lr_find";
-      scale_batch_size_ = !lr_find_;
+      scale_batch_size_ = args[0] == "scale_batch_size";
       i = 1;
     }
   }
@@ -500,9 +503,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       help_wanted = true;
       continue;
     }
-    const bool subcommand = arg == "fit" || arg == "validate" || arg == "test" ||
-                            arg == "predict" || arg == "lr_find" || arg == "scale_batch_size";
-    if (i > 0 && subcommand) {
+    if (i > 0 && stage_of(arg)) {
       problems.push_back(str(in_quotes(arg), ": a subcommand comes first, before every flag (",
                              options_.program, " ", arg, " --KEY VALUE ...), and only one."));
       continue;
