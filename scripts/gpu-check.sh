@@ -126,7 +126,7 @@ fail() { [ "$status" != 0 ] || status=$1; }
 ctest --test-dir build-gpu --output-on-failure --timeout 600 -R '_CUDA' || fail $?
 if [ "$quick" = 0 ]; then
   ctest --test-dir build-gpu --output-on-failure --timeout 600 \
-    -R 'ProcessGroup|Precision|DDP|LaunchPaths|Accelerator|SyncBatchNorm|DataLoaderWorkers|ArchiveSnapshot|AsyncCheckpointIO' || fail $?
+    -R 'ProcessGroup|Precision|DDP|LaunchPaths|Accelerator|SyncBatchNorm|DataLoaderWorkers|StateSnapshot|AsyncCheckpointIO|GradScaler|GradientReducer|AsyncHostCopy' || fail $?
 fi
 
 devices=$(( gpus >= 2 ? 2 : 1 ))

@@ -104,8 +104,9 @@ at::Tensor SyncBatchNormImpl::synchronized_forward(const at::Tensor& input, doub
   if (options.affine()) y = y * weight.view(shape) + bias.view(shape);
   if (options.track_running_stats()) {
     torch::NoGradGuard no_grad;
-    const double n = count.item<double>();
-    at::Tensor unbiased = var.detach() * (n / std::max(n - 1.0, 1.0));
+    // n / (n - 1) on the device: reading the count back would make every
+    // step wait for the GPU.
+    at::Tensor unbiased = var.detach() * (count / (count - 1.0).clamp_min(1.0));
     running_mean.mul_(1.0 - momentum).add_(mean.detach().to(running_mean.scalar_type()), momentum);
     running_var.mul_(1.0 - momentum).add_(unbiased.to(running_var.scalar_type()), momentum);
   }

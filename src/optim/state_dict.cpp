@@ -50,6 +50,12 @@ at::Tensor optional_tensor(const StateDict& in, const char* key) {
   return in.tensor(key);
 }
 
+// The same, on `device` (a no-op where it already is).
+at::Tensor optional_tensor(const StateDict& in, const char* key, const c10::Device& device) {
+  at::Tensor t = optional_tensor(in, key);
+  return t.defined() ? t.to(device) : t;
+}
+
 // The entries LibTorch's ParamState::serialize writes, for the states fulgur
 // knows; false for another.
 bool write_param_state(const torch::optim::OptimizerParamState& state, StateDict& out) {
@@ -79,15 +85,18 @@ bool write_param_state(const torch::optim::OptimizerParamState& state, StateDict
   return true;
 }
 
-// A parameter's state for `optimizer` from its entries; null for an
+// A parameter's state for `optimizer` from its entries, its tensors on the
+// parameter's `device` (a checkpoint's tensors come back on the device that
+// saved them: rank 0's GPU for every rank of a DDP run); null for an
 // optimizer whose state fulgur does not know.
 std::unique_ptr<torch::optim::OptimizerParamState> read_param_state(
-    const torch::optim::Optimizer& optimizer, const StateDict& in) {
+    const torch::optim::Optimizer& optimizer, const StateDict& in, const c10::Device& device) {
+  auto state_tensor = [&](const char* key) { return optional_tensor(in, key, device); };
   auto moments = [&](auto s) {
     s->step(in.integer("step"));
-    s->exp_avg(optional_tensor(in, "exp_avg"));
-    s->exp_avg_sq(optional_tensor(in, "exp_avg_sq"));
-    s->max_exp_avg_sq(optional_tensor(in, "max_exp_avg_sq"));
+    s->exp_avg(state_tensor("exp_avg"));
+    s->exp_avg_sq(state_tensor("exp_avg_sq"));
+    s->max_exp_avg_sq(state_tensor("max_exp_avg_sq"));
     return s;
   };
   if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) {
@@ -98,21 +107,21 @@ std::unique_ptr<torch::optim::OptimizerParamState> read_param_state(
   }
   if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) {
     auto s = std::make_unique<torch::optim::SGDParamState>();
-    s->momentum_buffer(optional_tensor(in, "momentum_buffer"));
+    s->momentum_buffer(state_tensor("momentum_buffer"));
     return s;
   }
   if (dynamic_cast<const torch::optim::RMSprop*>(&optimizer)) {
     auto s = std::make_unique<torch::optim::RMSpropParamState>();
     s->step(in.integer("step"));
-    s->square_avg(optional_tensor(in, "square_avg"));
-    s->momentum_buffer(optional_tensor(in, "momentum_buffer"));
-    s->grad_avg(optional_tensor(in, "grad_avg"));
+    s->square_avg(state_tensor("square_avg"));
+    s->momentum_buffer(state_tensor("momentum_buffer"));
+    s->grad_avg(state_tensor("grad_avg"));
     return s;
   }
   if (dynamic_cast<const torch::optim::Adagrad*>(&optimizer)) {
     auto s = std::make_unique<torch::optim::AdagradParamState>();
     s->step(in.integer("step"));
-    s->sum(optional_tensor(in, "sum"));
+    s->sum(state_tensor("sum"));
     return s;
   }
   return nullptr;
@@ -306,8 +315,9 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDi
     for (size_t j = 0; j < keys[i].size(); ++j) {
       const StateDict* saved = saved_states->find_section(keys[i][j]);
       if (saved == nullptr) continue;
-      loaded.emplace_back(compat::optimizer_state_key(param_groups[i].params()[j]),
-                          read_param_state(optimizer, *saved));
+      const at::Tensor& param = param_groups[i].params()[j];
+      loaded.emplace_back(compat::optimizer_state_key(param),
+                          read_param_state(optimizer, *saved, param.device()));
     }
   }
   // The groups' options, through the optimizer's own load with no state.

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/profiler/orchestration/observer.h>
+#include <torch/cuda.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -320,6 +321,9 @@ std::string TorchProfiler::stop_recording() {
   close_spans();
   std::unique_ptr<kineto::ProfilerResult> result;
   try {
+    // The recorded batches' kernels run after the host has queued them: the
+    // GPU finishes them before the profiler stops, or they are missing.
+    if (cuda_) torch::cuda::synchronize();
     result = kineto::disableProfiler();
   } catch (const std::exception& e) {
     recording_ = false;
@@ -396,6 +400,7 @@ void TorchProfiler::abandon() {
   // Called while an exception unwinds: nothing may escape.
   try {
     close_spans();
+    if (cuda_) torch::cuda::synchronize();
     kineto::disableProfiler();
   } catch (const std::exception& e) {
     print_note(

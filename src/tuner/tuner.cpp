@@ -80,15 +80,19 @@ void check_batch_size_finder_options(const BatchSizeFinderOptions& o) {
 }
 
 // Whether `e` says that memory ran out: a GPU's caching allocator's error,
-// or host_memory_cap's refusal (recognised by its text too, where LibTorch
-// passed it on as another error).
+// cuDNN's and cuBLAS's failures to allocate their workspace (cuDNN says "not
+// supported" when a batch is too large for it, which Lightning's finder
+// reads as out of memory too), or host_memory_cap's refusal (recognised by
+// its text too, where LibTorch passed it on as another error).
 bool is_out_of_memory(const std::exception& e) {
   if (dynamic_cast<const c10::OutOfMemoryError*>(&e) != nullptr) return true;
   if (dynamic_cast<const std::bad_alloc*>(&e) != nullptr) return true;
   if (detail::HostMemoryCap::is_refusal(e)) return true;
   const std::string_view text = e.what();
-  for (const char* said : {"CUDA out of memory", "DefaultCPUAllocator: not enough memory",
-                           "DefaultCPUAllocator: can't allocate memory"}) {
+  for (const char* said :
+       {"CUDA out of memory", "DefaultCPUAllocator: not enough memory",
+        "DefaultCPUAllocator: can't allocate memory", "CUDNN_STATUS_NOT_SUPPORTED",
+        "CUDNN_STATUS_ALLOC_FAILED", "CUBLAS_STATUS_ALLOC_FAILED"}) {
     if (text.find(said) != std::string_view::npos) return true;
   }
   return false;

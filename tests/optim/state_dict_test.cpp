@@ -321,6 +321,39 @@ TEST(OptimizerStateDict, HoldsTheOptimizersOwnStateTensors) {
   EXPECT_EQ(adam.state().size(), 2u);
 }
 
+// A checkpoint's tensors come back on the device that saved them (rank 0's
+// GPU, for every rank of a DDP run); the state loads onto each parameter's
+// device. On the CPU, parameters on the "meta" device show it.
+void expect_state_follows_the_parameters(const c10::Device& to) {
+  const TensorVector params = make_params(1);
+  torch::optim::Adam saved_from(params, torch::optim::AdamOptions(0.05).amsgrad(true));
+  train(saved_from, params, 2);
+  const fulgur::StateDict saved = through_bytes(fulgur::optimizer_state_dict(saved_from));
+  TensorVector elsewhere;
+  for (const auto& p : params) elsewhere.push_back(p.detach().to(to).requires_grad_());
+  torch::optim::Adam loaded(elsewhere, torch::optim::AdamOptions(0.05).amsgrad(true));
+  fulgur::load_optimizer_state_dict(loaded, saved);
+  for (size_t j = 0; j < elsewhere.size(); ++j) {
+    const auto* state =
+        dynamic_cast<const torch::optim::AdamParamState*>(state_of(loaded, elsewhere[j]));
+    ASSERT_NE(state, nullptr) << "parameter " << j;
+    EXPECT_EQ(state->exp_avg().device(), to) << "parameter " << j;
+    EXPECT_EQ(state->exp_avg_sq().device(), to) << "parameter " << j;
+    EXPECT_EQ(state->max_exp_avg_sq().device(), to) << "parameter " << j;
+  }
+}
+
+TEST(OptimizerStateDict, TheStateLoadsOntoEachParametersDevice) {
+  expect_state_follows_the_parameters(c10::Device(c10::kMeta));
+}
+
+TEST(OptimizerStateDict, TheStateLoadsOntoEachParametersDevice_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  const c10::Device last(c10::kCUDA,
+                         static_cast<c10::DeviceIndex>(torch::cuda::device_count() - 1));
+  expect_state_follows_the_parameters(last);
+}
+
 // A state that does not fit the optimizer: a CheckpointError naming what
 // differs, and the optimizer as it was (no state, its own options).
 TEST(OptimizerStateDict, ALoadThatDoesNotFitNamesTheDifferenceAndChangesNothing) {
@@ -355,8 +388,7 @@ TEST(OptimizerStateDict, ALoadThatDoesNotFitNamesTheDifferenceAndChangesNothing)
     train(sgd, sgd_params, 2);
     const fulgur::StateDict sgd_state = through_bytes(fulgur::optimizer_state_dict(sgd));
     torch::optim::Adam other(fresh, torch::optim::AdamOptions(0.5));
-    EXPECT_THROWS_WITH(fulgur::CheckpointError,
-                       fulgur::load_optimizer_state_dict(other, sgd_state),
+    EXPECT_THROWS_WITH(fulgur::CheckpointError, fulgur::load_optimizer_state_dict(other, sgd_state),
                        {"parameter group 0 of the optimizer state has the options lr, momentum",
                         "without betas, eps, amsgrad",
                         "which this optimizer has (lr, betas, eps, weight_decay, amsgrad)",
@@ -365,8 +397,7 @@ TEST(OptimizerStateDict, ALoadThatDoesNotFitNamesTheDifferenceAndChangesNothing)
     EXPECT_EQ(other.param_groups()[0].options().get_lr(), 0.5);
     // And Adam's into SGD (LibTorch's own load fails an internal assert).
     torch::optim::SGD sgd_again(copies_of(sgd_params), torch::optim::SGDOptions(0.7));
-    EXPECT_THROWS_WITH(fulgur::CheckpointError,
-                       fulgur::load_optimizer_state_dict(sgd_again, saved),
+    EXPECT_THROWS_WITH(fulgur::CheckpointError, fulgur::load_optimizer_state_dict(sgd_again, saved),
                        {"without momentum, dampening, nesterov", "another kind of optimizer"});
     EXPECT_TRUE(sgd_again.state().empty());
     EXPECT_EQ(sgd_again.param_groups()[0].options().get_lr(), 0.7);
@@ -377,8 +408,7 @@ TEST(OptimizerStateDict, ALoadThatDoesNotFitNamesTheDifferenceAndChangesNothing)
     const std::string first = states.keys().front();
     states.section(first).set("exp_avg", int64_t{3});
     torch::optim::Adam other(fresh, torch::optim::AdamOptions(0.5));
-    EXPECT_THROWS_WITH(fulgur::CheckpointError,
-                       fulgur::load_optimizer_state_dict(other, damaged),
+    EXPECT_THROWS_WITH(fulgur::CheckpointError, fulgur::load_optimizer_state_dict(other, damaged),
                        {"state/" + first + "/exp_avg\" is an integer (3) where a tensor"});
     EXPECT_TRUE(other.state().empty());
   }
