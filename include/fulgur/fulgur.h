@@ -15,6 +15,7 @@
 #include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/callbacks/model_summary.h"
 #include "fulgur/callbacks/on_exception_checkpoint.h"
+#include "fulgur/callbacks/prediction_writer.h"
 #include "fulgur/callbacks/progress_bar.h"
 #include "fulgur/callbacks/stochastic_weight_averaging.h"
 #include "fulgur/callbacks/throughput_monitor.h"

@@ -158,7 +158,8 @@ void ProgressBar::end_evaluation(Trainer& trainer, const char* label) {
 
 void ProgressBar::on_test_epoch_end(Trainer& trainer, Module&) { end_evaluation(trainer, "Testing"); }
 
-void ProgressBar::on_predict_batch_end(Trainer& trainer, Module&, const Batch&, int64_t) {
+void ProgressBar::on_predict_batch_end(Trainer& trainer, Module&, const Batch&, const Batch&,
+                                       int64_t) {
   evaluation_batch(trainer, "Predicting");
   if (tty_ && trainer.num_evaluation_batches() > 0 && eval_.done == trainer.num_evaluation_batches()) {
     draw(trainer, eval_, "Predicting", trainer.num_evaluation_batches(), true);

@@ -159,6 +159,32 @@ std::optional<int64_t> DatasetLoader::num_batches() const {
 
 bool DatasetLoader::set_shard(int64_t rank, int64_t world_size, bool even) {
   sampler_->set_shard(rank, world_size, even);
+  if (in_order_) in_order_->set_shard(rank, world_size, even);
+  return true;
+}
+
+std::optional<at::Tensor> DatasetLoader::sample_indices(int64_t batch_idx) const {
+  const int64_t b = options_.batch_size;
+  const int64_t n = order_.defined() ? order_.size(0) : 0;
+  const int64_t batches = options_.drop_last ? n / b : (n + b - 1) / b;
+  if (batch_idx < 0 || batch_idx >= batches) {
+    throw ConfigError(str("DatasetLoader::sample_indices(", batch_idx, "): the current epoch (",
+                          epoch(), ") has ", batches, " batch(es); pass an index in [0, ", batches,
+                          ")."));
+  }
+  return order_.slice(0, batch_idx * b, std::min(n, (batch_idx + 1) * b)).clone();
+}
+
+bool DatasetLoader::set_in_order(bool in_order) {
+  if (!in_order || dynamic_cast<const RandomSampler*>(sampler_.get()) == nullptr) {
+    in_order_.reset();
+    return false;
+  }
+  in_order_ = std::make_shared<SequentialSampler>();
+  if (sampler_->shard_world_size() > 1) {
+    in_order_->set_shard(sampler_->shard_rank(), sampler_->shard_world_size(),
+                         sampler_->shard_even());
+  }
   return true;
 }
 
@@ -251,7 +277,7 @@ void DatasetLoader::start_workers(int64_t first) {
 }
 
 void DatasetLoader::do_start_epoch(int64_t epoch) {
-  order_ = sampler_->epoch_indices(epoch, dataset_->size());
+  order_ = (in_order_ ? *in_order_ : *sampler_).epoch_indices(epoch, dataset_->size());
   cursor_ = 0;
   // The workers start at the first next(), from where a seek left the
   // cursor (a previous epoch's loads still in flight end first).

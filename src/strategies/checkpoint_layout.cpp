@@ -17,6 +17,7 @@
 #include "fulgur/strategies/fsdp.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/utilities/checksum.h"
+#include "strategies/every_rank.h"
 #include "utilities/remove_tree.h"
 #include "utilities/small_file.h"
 
@@ -190,44 +191,7 @@ std::string ShardedCheckpoint::shard_path(const std::string& path, int rank, int
 
 bool ShardedCheckpoint::is_writer(const Strategy&) const { return true; }
 
-namespace {
-
-// Runs `step` on this rank and agrees with every rank on how it went: one
-// all-reduce of which ranks failed, then the first failing rank's reason
-// broadcast. When any rank failed every rank throws (a failing rank its own
-// error, the others "rank <k> of <n> <what>: <its reason>"), so that no rank
-// goes on alone into a collective its peers never reach. The all-reduce is
-// also a barrier.
-template <class Step>
-void on_every_rank(Strategy& strategy, const char* what, Step step) {
-  std::exception_ptr error;
-  std::string reason;
-  try {
-    step();
-  } catch (const std::exception& e) {
-    error = std::current_exception();
-    reason = error_message(e);
-  } catch (...) {
-    error = std::current_exception();
-    reason = "an exception that is not a std::exception";
-  }
-  if (strategy.world_size() > 1) {
-    at::Tensor failed = torch::zeros({strategy.world_size()}, torch::kInt);
-    failed[strategy.global_rank()] = error ? 1 : 0;
-    const at::Tensor failing = strategy.all_reduce(failed, ReduceOp::kSum).cpu().nonzero();
-    if (failing.numel() > 0) {
-      const int first = static_cast<int>(failing[0][0].item<int64_t>());
-      reason = strategy.broadcast_bytes(reason, first);
-      if (!error) {
-        throw CheckpointError(str("rank ", first, " of ", strategy.world_size(), " ", what, ": ",
-                                  reason));
-      }
-    }
-  }
-  if (error) std::rethrow_exception(error);
-}
-
-}  // namespace
+using detail::on_every_rank;
 
 void ShardedCheckpoint::save(Strategy& strategy, StateDict& checkpoint, const std::string& path) {
   const int rank = strategy.global_rank();

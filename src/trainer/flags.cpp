@@ -341,6 +341,16 @@ std::vector<TrainerFlag> make_flags() {
   f.push_back({"limit_predict_batches", "run length", "Prediction batches: a count or a fraction",
                [](const O& o) { return o.limit_predict_batches.text(); },
                set_batch_limit(&O::limit_predict_batches)});
+  f.push_back({"overfit_batches", "run length",
+               "Train and validate on the same first batches every epoch: a count or a "
+               "fraction (0: off)",
+               [](const O& o) { return o.overfit_batches.text(); },
+               set_batch_limit(&O::overfit_batches)});
+  f.push_back({"detect_anomaly", "debugging",
+               "Autograd anomaly detection: a backward that returns NaN stops the fit, naming "
+               "the operation (slow)",
+               [](const O& o) { return std::string(o.detect_anomaly ? "true" : "false"); },
+               set_bool(&O::detect_anomaly)});
   // ---- Validation.
   f.push_back({"val_check_interval", "validation",
                "Validate every N training batches (integer) or fraction of an epoch",

@@ -1,5 +1,6 @@
 #include "fulgur/trainer/trainer.h"
 
+#include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/torch.h>
 
 #include <cstdlib>
@@ -83,6 +84,27 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
   check_limit(o.limit_val_batches, "limit_val_batches");
   check_limit(o.limit_test_batches, "limit_test_batches");
   check_limit(o.limit_predict_batches, "limit_predict_batches");
+  check_limit(o.overfit_batches, "overfit_batches");
+  if (!o.overfit_batches.is_zero()) {
+    // overfit_batches sets both limits: a second value for either is a
+    // conflict, not something to pick a winner for.
+    auto alone = [&](const BatchLimit& l, const char* name) {
+      check(l.is_fraction() && l.fraction() == 1.0,
+            str("overfit_batches=", o.overfit_batches.text(), " sets ", name,
+                ", which is given too (", name, "=", l.text(),
+                "): pass one of them (overfit_batches trains and validates on the same first "
+                "batches every epoch)."));
+    };
+    alone(o.limit_train_batches, "limit_train_batches");
+    alone(o.limit_val_batches, "limit_val_batches");
+    check(o.fast_dev_run == 0,
+          str("overfit_batches=", o.overfit_batches.text(), " and fast_dev_run=", o.fast_dev_run,
+              " both set how many batches run: pass one of them."));
+  }
+  check(!(o.detect_anomaly && o.cuda_graph),
+        "detect_anomaly=true with cuda_graph=true: anomaly detection reads every backward "
+        "operation's output back to the host, which a CUDA graph cannot capture. Find the "
+        "anomaly without cuda_graph, then capture.");
   if (o.val_check_interval.is_fraction()) {
     check(o.val_check_interval.fraction() > 0.0 && o.val_check_interval.fraction() <= 1.0,
           str("val_check_interval=", o.val_check_interval.text(),
@@ -196,6 +218,23 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
             " batch(es) per loop, 1 epoch, no sanity check, no checkpoints, no "
             "loggers"));
   }
+  if (!options.overfit_batches.is_zero()) {
+    limits.train = limits.val = options.overfit_batches;
+    limits.train_flag = limits.val_flag = "overfit_batches";
+    const std::string n = options.overfit_batches.text();
+    const std::string what =
+        options.overfit_batches.is_fraction() ? "fraction " + n : n + " batch(es)";
+    resolution.notes.push_back(str("overfit_batches=", n, ": every epoch trains on the same first ",
+                                   what,
+                                   " of the training loader (in order) and validates on the "
+                                   "first ",
+                                   what, " of the validation loader"));
+  }
+  if (options.detect_anomaly) {
+    resolution.notes.push_back(
+        "detect_anomaly=true: during fit every backward operation's outputs are checked for NaN "
+        "(slow; for debugging)");
+  }
 
   for (const auto& cb : options.callbacks) {
     callbacks.push_back(cb);
@@ -272,6 +311,28 @@ void Trainer::Impl::distribute(DataLoader& loader, bool even, const char* which)
 }
 
 namespace {
+
+// detect_anomaly: LibTorch's anomaly mode for a fit (global to the process,
+// as LibTorch's own guard is), set back as it was afterwards. Set directly
+// rather than through DetectAnomalyGuard, whose warning on every fit would
+// repeat the Trainer's note.
+class AnomalyDetection {
+ public:
+  explicit AnomalyDetection(bool on)
+      : on_(on),
+        was_enabled_(torch::autograd::AnomalyMode::is_enabled()),
+        checked_nan_(torch::autograd::AnomalyMode::should_check_nan()) {
+    if (on_) torch::autograd::AnomalyMode::set_enabled(true, /*check_nan=*/true);
+  }
+  ~AnomalyDetection() {
+    if (on_) torch::autograd::AnomalyMode::set_enabled(was_enabled_, checked_nan_);
+  }
+  AnomalyDetection(const AnomalyDetection&) = delete;
+  AnomalyDetection& operator=(const AnomalyDetection&) = delete;
+
+ private:
+  bool on_, was_enabled_, checked_nan_;
+};
 
 // What rank 0 of a forked run sends back to the calling process.
 void write_metrics(StateDict& state, const std::string& key, const Metrics& metrics) {
@@ -450,7 +511,16 @@ std::shared_ptr<DataLoader> Trainer::Impl::set_up_stage_data(Stage s, DataModule
             "predict_dataloader() returns one.");
     }
   }
-  if (s == Stage::kFit) loader->set_default_seed(options.seed.value_or(0));
+  if (s == Stage::kFit) {
+    loader->set_default_seed(options.seed.value_or(0));
+    // Set for every fit, so that a loader overfit once shuffles again in
+    // the next fit without overfit_batches.
+    if (loader->set_in_order(!options.overfit_batches.is_zero()) && strategy->is_global_zero()) {
+      detail::print_note(str("overfit_batches=", options.overfit_batches.text(),
+                             ": the training loader shuffles; in this fit it visits its samples "
+                             "in order, so that every epoch trains on the same batches"));
+    }
+  }
   // Training, and an evaluation whose forward is collective (fsdp's
   // FULL_SHARD: every rank must run as many forwards), take shards of one
   // length; metrics leave the repeats out (DataLoader::padded_rows).
@@ -501,8 +571,11 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
 
         call_hooks([](Module& mod) { mod.on_fit_start(); },
                    [&](Callback& cb) { cb.on_fit_start(self, m); });
-        fit_loop.run_sanity_check();
-        fit_loop.run();
+        {
+          const AnomalyDetection anomalies(options.detect_anomaly);
+          fit_loop.run_sanity_check();
+          fit_loop.run();
+        }
         call_hooks([](Module& mod) { mod.on_fit_end(); },
                    [&](Callback& cb) { cb.on_fit_end(self, m); });
         // Fit returns only once its checkpoints are durable.
@@ -593,7 +666,7 @@ Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loa
         set_up_module_and_load_weights(m, ckpt_path);
         auto limit = (s == Stage::kTest ? limits.test : limits.val)
                          .apply(loader->num_batches(),
-                                s == Stage::kTest ? "limit_test_batches" : "limit_val_batches");
+                                s == Stage::kTest ? "limit_test_batches" : limits.val_flag);
         out = evaluation_loop.run(*loader, s, limit);
         if (data) data->teardown(s);
       },
@@ -613,9 +686,9 @@ std::vector<Batch> Trainer::Impl::run_predict(Module& m, std::shared_ptr<DataLoa
     throw ConfigError(str("Trainer.predict under strategy \"", strategy->name(), "\" (launcher ",
                           launcher->name(),
                           "): the predictions would stay in the ranks that "
-                          "made them and never come back to this process. Write them from "
-                          "predict_step (e.g. to a file per rank), or run predict with "
-                          "strategy=\"ddp\" or on one device."));
+                          "made them and never come back to this process. Run predict with "
+                          "strategy=\"ddp\" and a PredictionFileWriter (every rank writes its "
+                          "part; PredictionFileWriter::read joins them), or on one device."));
   }
   std::vector<Batch> out;
   run_stage(m, Stage::kPredict, [&] {
@@ -681,6 +754,7 @@ int64_t Trainer::batch_idx() const { return impl_->fit_loop.batch_idx(); }
 int64_t Trainer::num_training_batches() const { return impl_->fit_loop.num_training_batches(); }
 int64_t Trainer::max_epochs() const { return impl_->limits.max_epochs; }
 DataLoader* Trainer::train_dataloader() const { return impl_->fit_loop.train_loader(); }
+DataLoader* Trainer::predict_dataloader() const { return impl_->prediction_loop.loader(); }
 int64_t Trainer::num_evaluation_batches() const {
   return stage() == Stage::kPredict ? impl_->prediction_loop.num_batches()
                                    : impl_->evaluation_loop.num_batches();

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "fulgur/callbacks/prediction_writer.h"
 #include "fulgur/distributed/process_group.h"
 #include "distributed/worker.h"
 #include "support/process.h"
@@ -36,6 +37,27 @@ TEST(DDP, TwoRanksMatchOneProcessWithTheDoubleBatch) {
 
 TEST(DDP, TwoRanksMatchOneProcessWithShuffleAndAdam) {
   expect_equivalent({"--steps", "20", "--shuffle", "--optimizer", "adam"}, "ddp");
+}
+
+// Under ddp every rank predicts its own part of the data (37 samples: 19 and
+// 18) and a PredictionFileWriter writes it; read back, the parts are one
+// process's predictions, in the dataset's order.
+TEST(DDP, EveryRanksPredictionsReadBackInTheDatasetsOrder) {
+  TempDir dir;
+  auto one = run_worker(
+      {"--skip-fit", "--devices", "1", "--predict-dir", dir.file("one"), "--root", dir.path()});
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_EQ(result_value(one.output, "predicted_rank0"), "37") << one.output;
+  auto two = run_worker({"--skip-fit", "--strategy", "ddp", "--devices", "2", "--predict-dir",
+                         dir.file("two"), "--root", dir.path()});
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_EQ(result_value(two.output, "predicted_rank0"), "19") << two.output;
+  EXPECT_EQ(result_value(two.output, "predicted_rank1"), "18") << two.output;
+  const at::Tensor single = fulgur::PredictionFileWriter::read(dir.file("one")).tensor();
+  const at::Tensor merged = fulgur::PredictionFileWriter::read(dir.file("two")).tensor();
+  ASSERT_EQ(merged.sizes(), single.sizes());
+  EXPECT_EQ(merged.size(0), 37);
+  EXPECT_TRUE(torch::allclose(merged, single, /*rtol=*/1e-5, /*atol=*/1e-6));
 }
 
 TEST(DDP, CheckpointedActivationsTrainLikeOneProcess) {

@@ -36,6 +36,9 @@ struct Args {
   int64_t steps = 20;
   int64_t samples = 320;
   int64_t test_samples = 0;
+  // Non-empty: after fit, predict 37 samples (batches of 5) with a
+  // PredictionFileWriter writing here.
+  std::string predict_dir;
   int64_t accumulate = 1;
   bool shuffle = false;
   bool skip_fit = false;
@@ -579,6 +582,7 @@ int main(int argc, char** argv) {
   app.add_option("--steps", a.steps);
   app.add_option("--samples", a.samples);
   app.add_option("--test-samples", a.test_samples);
+  app.add_option("--predict-dir", a.predict_dir);
   app.add_option("--accumulate", a.accumulate);
   app.add_flag("--shuffle", a.shuffle);
   app.add_flag("--skip-fit", a.skip_fit);
@@ -729,6 +733,9 @@ int main(int argc, char** argv) {
     if (a.ema > 0 || a.swa_start > 0) {
       options.callbacks.push_back(std::make_shared<AverageSizeProbe>());
     }
+    if (!a.predict_dir.empty()) {
+      options.callbacks.push_back(std::make_shared<fulgur::PredictionFileWriter>(a.predict_dir));
+    }
     options.every_n_train_steps = a.every_n_train_steps;
     options.max_restarts = a.max_restarts;
     if (a.deterministic) options.deterministic = true;
@@ -786,6 +793,16 @@ int main(int argc, char** argv) {
       test = trainer.test(model,
                           fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(tx, ty),
                                                    {.batch_size = 64}));
+    }
+    if (!a.predict_dir.empty()) {
+      auto [px, py] = make_data(37, 200000);
+      const auto mine = trainer.predict(
+          model, fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(px, py),
+                                          {.batch_size = 5}));
+      int64_t rows = 0;
+      for (const auto& p : mine) rows += p.batch_size();
+      std::cout << "RESULT predicted_rank" << trainer.strategy().global_rank() << "=" << rows
+                << std::endl;
     }
     auto& strategy = trainer.strategy();
     if (model.body) {

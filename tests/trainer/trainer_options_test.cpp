@@ -169,6 +169,35 @@ const BadFlagCase kBadFlags[] = {
      },
      {"every_n_train_steps=5", "callbacks[0] is a ModelCheckpoint of your own",
       "ModelCheckpointOptions::every_n_train_steps"}},
+    {"overfit_batches_negative", [](auto& o) { o.overfit_batches = -1; }, {"overfit_batches=-1"}},
+    {"overfit_batches_fraction",
+     [](auto& o) { o.overfit_batches = 1.5; },
+     {"overfit_batches=1.5", "[0.0, 1.0]"}},
+    {"overfit_batches_with_limit_train_batches",
+     [](auto& o) {
+       o.overfit_batches = 4;
+       o.limit_train_batches = 10;
+     },
+     {"overfit_batches=4 sets limit_train_batches", "(limit_train_batches=10)",
+      "pass one of them"}},
+    {"overfit_batches_with_limit_val_batches",
+     [](auto& o) {
+       o.overfit_batches = 0.1;
+       o.limit_val_batches = 0.5;
+     },
+     {"overfit_batches=0.1 sets limit_val_batches", "(limit_val_batches=0.5)"}},
+    {"overfit_batches_with_fast_dev_run",
+     [](auto& o) {
+       o.overfit_batches = 2;
+       o.fast_dev_run = 1;
+     },
+     {"overfit_batches=2 and fast_dev_run=1", "pass one of them"}},
+    {"detect_anomaly_with_cuda_graph",
+     [](auto& o) {
+       o.detect_anomaly = true;
+       o.cuda_graph = true;
+     },
+     {"detect_anomaly=true with cuda_graph=true", "without cuda_graph"}},
 };
 
 INSTANTIATE_TEST_SUITE_P(BadFlags, TrainerFlagsTest, ::testing::ValuesIn(kBadFlags),

@@ -58,7 +58,9 @@ class Callback {
   virtual void on_test_batch_end(Trainer&, Module&, const Batch&, int64_t) {}
   virtual void on_predict_start(Trainer&, Module&) {}
   virtual void on_predict_end(Trainer&, Module&) {}
-  virtual void on_predict_batch_end(Trainer&, Module&, const Batch&, int64_t) {}
+  /// `prediction`: what predict_step returned for `batch` (the loader's).
+  virtual void on_predict_batch_end(Trainer&, Module&, const Batch& /*prediction*/,
+                                    const Batch& /*batch*/, int64_t /*batch_idx*/) {}
   virtual void on_before_optimizer_step(Trainer&, Module&, torch::optim::Optimizer&) {}
   virtual void on_exception(Trainer&, Module&, const std::exception&) {}
 

@@ -39,8 +39,8 @@ class ProgressBar : public Callback {
   void on_test_batch_end(Trainer& trainer, Module& module, const Batch& batch,
                          int64_t batch_idx) override;
   void on_test_epoch_end(Trainer& trainer, Module& module) override;
-  void on_predict_batch_end(Trainer& trainer, Module& module, const Batch& batch,
-                            int64_t batch_idx) override;
+  void on_predict_batch_end(Trainer& trainer, Module& module, const Batch& prediction,
+                            const Batch& batch, int64_t batch_idx) override;
 
  private:
   using Clock = std::chrono::steady_clock;

@@ -64,6 +64,19 @@ class DataLoader {
   /// length; see Sampler::set_shard): an evaluation's metrics leave them
   /// out. 0 unless sharded with `even`.
   virtual int64_t padded_rows(int64_t /*batch_idx*/) const { return 0; }
+  /// Visit the samples in the dataset's order, past a shuffling sampler
+  /// (`in_order`, the Trainer's overfit_batches), or in the sampler's order
+  /// (false, as built). Returns true when `in_order` changes the order: the
+  /// loader shuffles. Default: false (a loader that cannot keeps its order).
+  virtual bool set_in_order(bool /*in_order*/) { return false; }
+  /// The dataset indices (an int64 CPU tensor) of the samples in batch
+  /// `batch_idx` of the current epoch, where the loader knows them (a
+  /// DatasetLoader: from its sampler's order); nullopt otherwise. A
+  /// PredictionWriter records them, so that the predictions of every rank
+  /// can be put back in the dataset's order.
+  virtual std::optional<at::Tensor> sample_indices(int64_t /*batch_idx*/) const {
+    return std::nullopt;
+  }
   /// The Trainer's seed, for loaders whose own seed is unset.
   virtual void set_default_seed(uint64_t /*seed*/) {}
   /// Whether the Trainer's device wants page-locked batches (a GPU), for
@@ -132,6 +145,12 @@ class DatasetLoader : public DataLoader {
   /// the dataset's indices split by Sampler::shard (every built-in
   /// sampler); a loader whose sampler pads otherwise overrides this.
   int64_t padded_rows(int64_t batch_idx) const override;
+  /// In order past a RandomSampler (a sampler of another kind keeps its own
+  /// order: false).
+  bool set_in_order(bool in_order) override;
+  /// The samples of the batch in the epoch's order (a padded shard's
+  /// repeats included). Throws ConfigError when the epoch has no such batch.
+  std::optional<at::Tensor> sample_indices(int64_t batch_idx) const override;
   void set_default_seed(uint64_t seed) override;
   void set_default_pin_memory(bool pin) override { default_pin_memory_ = pin; }
 
@@ -163,6 +182,9 @@ class DatasetLoader : public DataLoader {
   DataLoaderOptions options_;
   std::shared_ptr<Sampler> sampler_;
   bool owns_random_sampler_ = false;
+  // Set while set_in_order(true) bypasses a RandomSampler: the dataset's
+  // order, sharded as sampler_ is.
+  std::shared_ptr<SequentialSampler> in_order_;
   at::Tensor order_;
   int64_t cursor_ = 0;
 };

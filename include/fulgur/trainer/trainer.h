@@ -105,6 +105,9 @@ class Trainer {
   /// A callback that reads it (a pass over the data at the end of fit)
   /// puts its position back (state_dict / load_state_dict).
   DataLoader* train_dataloader() const;
+  /// The loader of the predict pass running (its sample_indices() name the
+  /// samples of each batch); nullptr outside Trainer::predict.
+  DataLoader* predict_dataloader() const;
   /// Batches of the validation, test or predict pass running (or last
   /// run), after limits; -1 when unknown.
   int64_t num_evaluation_batches() const;

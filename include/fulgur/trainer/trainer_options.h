@@ -44,6 +44,8 @@ class BatchLimit {
   bool is_fraction() const { return fraction_.has_value(); }
   int64_t count() const { return count_.value_or(0); }
   double fraction() const { return fraction_.value_or(0.0); }
+  /// No batches: the count 0 or the fraction 0.0.
+  bool is_zero() const { return is_fraction() ? fraction() == 0.0 : count() == 0; }
   /// "10" or "0.25", for messages.
   std::string text() const;
   /// The number of batches out of `available` (nullopt: unknown length).
@@ -188,6 +190,19 @@ struct TrainerOptions {
   BatchLimit limit_val_batches = 1.0;
   BatchLimit limit_test_batches = 1.0;
   BatchLimit limit_predict_batches = 1.0;
+  /// Train and validate on the same batches every epoch, to see that the
+  /// model can fit them (one that cannot has a bug): the first N (int) or
+  /// the fraction (double) of the training loader and of the validation
+  /// loader. 0: off. The training loader visits its samples in order for
+  /// the fit (a RandomSampler's shuffle is bypassed, with a note). It sets
+  /// limit_train_batches and limit_val_batches, so it is refused beside
+  /// them and beside fast_dev_run.
+  BatchLimit overfit_batches = 0.0;
+  /// LibTorch's autograd anomaly detection during fit (slow: for
+  /// debugging): a backward operation that returns NaN stops the fit,
+  /// naming the operation ("Function 'MulBackward1' returned nan values in
+  /// its 0th output"). Not with cuda_graph (each check reads the GPU back).
+  bool detect_anomaly = false;
 
   // ---- Validation schedule.
   /// Validate every N training batches (int) or fraction of an epoch.

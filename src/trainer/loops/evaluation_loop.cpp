@@ -123,6 +123,11 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
   torch::NoGradGuard no_grad;
   m.eval();
   num_batches_ = pass_length(loader, limit);
+  loader_ = &loader;
+  struct Forget {
+    DataLoader*& loader;
+    ~Forget() { loader = nullptr; }
+  } forget{loader_};
   for (auto& cb : trainer_.callbacks) cb->on_predict_start(trainer_.self, m);
   m.on_predict_epoch_start();
   std::vector<Batch> out;
@@ -135,7 +140,7 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
                      out.push_back(m.predict_step(on_device, idx));
                    }
                    for (auto& cb : trainer_.callbacks)
-                     cb->on_predict_batch_end(trainer_.self, m, batch, idx);
+                     cb->on_predict_batch_end(trainer_.self, m, out.back(), batch, idx);
                  });
   m.on_predict_epoch_end();
   for (auto& cb : trainer_.callbacks) cb->on_predict_end(trainer_.self, m);

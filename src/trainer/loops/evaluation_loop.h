@@ -39,10 +39,13 @@ class PredictionLoop {
   std::vector<Batch> run(DataLoader& loader, std::optional<int64_t> limit);
   /// Batches of the pass running (or last run); -1 when unknown.
   int64_t num_batches() const { return num_batches_; }
+  /// The loader of the pass running; nullptr outside run().
+  DataLoader* loader() const { return loader_; }
 
  private:
   Trainer::Impl& trainer_;
   int64_t num_batches_ = -1;
+  DataLoader* loader_ = nullptr;
 };
 
 }  // namespace fulgur::detail

@@ -104,7 +104,8 @@ void FitLoop::run() {
     }
   }
   num_training_batches_ =
-      trainer_.limits.train.apply(train_loader_->num_batches(), "limit_train_batches").value_or(-1);
+      trainer_.limits.train.apply(train_loader_->num_batches(), trainer_.limits.train_flag)
+          .value_or(-1);
   if (trainer_.options.val_check_interval.is_fraction() &&
       trainer_.options.val_check_interval.fraction() < 1.0 && num_training_batches_ < 0) {
     throw ConfigError(str("val_check_interval=", trainer_.options.val_check_interval.text(),
@@ -484,8 +485,7 @@ void FitLoop::step_schedulers(Interval interval) {
 
 bool FitLoop::should_validate_now(int64_t position, bool is_last_batch) const {
   if (!val_loader_ || sanity_checking_) return false;
-  if (!trainer_.limits.val.is_fraction() && trainer_.limits.val.count() == 0) return false;
-  if (trainer_.limits.val.is_fraction() && trainer_.limits.val.fraction() == 0.0) return false;
+  if (trainer_.limits.val.is_zero()) return false;
   const auto& interval = trainer_.options.val_check_interval;
   if (trainer_.options.check_val_every_n_epoch &&
       (current_epoch_ + 1) % *trainer_.options.check_val_every_n_epoch != 0) {
@@ -506,7 +506,7 @@ bool FitLoop::should_validate_now(int64_t position, bool is_last_batch) const {
 
 void FitLoop::run_validation(bool sanity) {
   Module& m = *trainer_.module;
-  auto limit = trainer_.limits.val.apply(val_loader_->num_batches(), "limit_val_batches");
+  auto limit = trainer_.limits.val.apply(val_loader_->num_batches(), trainer_.limits.val_flag);
   if (sanity && trainer_.limits.num_sanity_val_steps >= 0) {
     limit = limit ? std::min(*limit, trainer_.limits.num_sanity_val_steps)
                   : trainer_.limits.num_sanity_val_steps;

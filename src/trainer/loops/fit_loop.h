@@ -28,6 +28,9 @@ struct LoopLimits {
   int64_t max_epochs = 1000;  // -1: unlimited
   int64_t max_steps = -1;
   BatchLimit train = 1.0, val = 1.0, test = 1.0, predict = 1.0;
+  /// The flags `train` and `val` came from, for messages.
+  const char* train_flag = "limit_train_batches";
+  const char* val_flag = "limit_val_batches";
   int64_t num_sanity_val_steps = 2;
 };
 

@@ -449,6 +449,133 @@ TEST(FitLoop, FastDevRunSilencesAnExplicitModelCheckpoint) {
   EXPECT_THAT(list_files(dir.path()), IsEmpty());
 }
 
+// ---- Debugging flags.
+
+// The x of each batch a step saw, per epoch.
+using SeenBatches = std::vector<std::vector<at::Tensor>>;
+
+// The first `n` batches of `loader` in the dataset's order.
+std::vector<at::Tensor> first_batches_in_order(int64_t n, int64_t batch_size, int64_t samples) {
+  auto in_order = fulgur::make_data_loader(fulgur::test::regression_dataset(samples),
+                                           {.batch_size = batch_size});
+  in_order->start_epoch(0);
+  std::vector<at::Tensor> out;
+  for (int64_t i = 0; i < n; ++i) out.push_back(in_order->next()->pair().first);
+  return out;
+}
+
+TEST(FitLoop, OverfitBatchesTrainsAndValidatesOnTheSameFirstBatchesInOrder) {
+  TempDir dir;
+  LinearRegression model;
+  SeenBatches trained(3), validated(3);
+  model.train_hook = [&](LinearRegression& self, fulgur::Batch& batch, int64_t) {
+    trained[self.trainer().current_epoch()].push_back(batch.pair().first.clone());
+  };
+  model.val_hook = [&](LinearRegression& self, fulgur::Batch& batch, int64_t) {
+    if (!self.trainer().sanity_checking()) {
+      validated[self.trainer().current_epoch()].push_back(batch.pair().first.clone());
+    }
+  };
+  auto options = test_options(dir);
+  options.max_epochs = 3;
+  options.seed = 7;
+  options.overfit_batches = 2;
+  fulgur::Trainer trainer(options);
+  EXPECT_TRUE(fulgur::test::message_contains(
+      trainer.describe(), {"overfit_batches=2", "same first 2 batch(es)", "(in order)"}));
+  // A shuffling training loader: the fit says it visits its samples in order.
+  auto train = regression_loader(6, /*batch_size=*/2, /*shuffle=*/true);
+  testing::internal::CaptureStderr();
+  auto result = trainer.fit(model, train, regression_loader(5, /*batch_size=*/3));
+  const std::string notes = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(fulgur::test::count_occurrences(notes, "the training loader shuffles"), 1) << notes;
+  EXPECT_EQ(result.global_step, 6);
+  EXPECT_EQ(trainer.num_training_batches(), 2);
+  const auto train_expected = first_batches_in_order(2, 2, 12);
+  const auto val_expected = first_batches_in_order(2, 3, 15);
+  for (int epoch = 0; epoch < 3; ++epoch) {
+    SCOPED_TRACE(epoch);
+    fulgur::test::expect_tensors_equal(trained[epoch], train_expected);
+    fulgur::test::expect_tensors_equal(validated[epoch], val_expected);
+  }
+
+  // The next fit without overfit_batches shuffles the same loader again.
+  LinearRegression next;
+  std::vector<at::Tensor> seen;
+  next.train_hook = [&](LinearRegression&, fulgur::Batch& batch, int64_t) {
+    seen.push_back(batch.pair().first.clone());
+  };
+  options.overfit_batches = 0;
+  options.max_epochs = 1;
+  fulgur::Trainer plain(options);
+  plain.fit(next, train);
+  const auto in_order = first_batches_in_order(6, 2, 12);
+  ASSERT_EQ(seen.size(), 6u);
+  bool same_order = true;
+  for (size_t i = 0; i < seen.size(); ++i) same_order &= torch::equal(seen[i], in_order[i]);
+  EXPECT_FALSE(same_order);
+}
+
+TEST(FitLoop, OverfitBatchesAsAFractionNamesItselfWhereTheLoaderHasNoLength) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.overfit_batches = 0.5;
+  fulgur::Trainer trainer(options);
+  EXPECT_TRUE(fulgur::test::message_contains(trainer.describe(), {"same first fraction 0.5"}));
+  auto train = regression_loader(4);
+  train->start_epoch(0);
+  std::vector<fulgur::Batch> batches;
+  while (auto b = train->next()) batches.push_back(*b);
+  auto endless = fulgur::make_iterable_loader([batches](int64_t) {
+    return fulgur::BatchGenerator(
+        [batches, i = size_t{0}]() mutable -> std::optional<fulgur::Batch> {
+          if (i == batches.size()) return std::nullopt;
+          return batches[i++];
+        });
+  });
+  EXPECT_TRUE(fulgur::test::throws_with<fulgur::ConfigError>([&] { trainer.fit(model, endless); },
+                                                             {"overfit_batches=0.5"}));
+}
+
+// y = 0 * w under a square root: its backward divides by sqrt(0), and
+// the product's backward turns that infinity into NaN.
+class NaNInBackward : public fulgur::Module {
+ public:
+  NaNInBackward() : fulgur::Module("NaNInBackward") {
+    w = register_parameter("w", torch::ones({1}));
+  }
+  at::Tensor training_step(fulgur::Batch&, int64_t) override { return torch::sqrt(w * 0.0).sum(); }
+  fulgur::OptimizerConfig configure_optimizers() override {
+    return fulgur::OptimizerConfig(
+        std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.1)));
+  }
+  at::Tensor w;
+};
+
+TEST(FitLoop, DetectAnomalyStopsTheFitAtTheBackwardThatReturnsNaN) {
+  TempDir dir;
+  auto options = test_options(dir);
+  {
+    // Without it the fit goes on, and the parameter is NaN.
+    NaNInBackward model;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(2));
+    EXPECT_TRUE(torch::isnan(model.w).all().item<bool>());
+  }
+  NaNInBackward model;
+  options.detect_anomaly = true;
+  fulgur::Trainer trainer(options);
+  EXPECT_TRUE(fulgur::test::message_contains(trainer.describe(), {"detect_anomaly=true"}));
+  // LibTorch 1.13 throws a std::runtime_error, 2.x a c10::Error.
+  EXPECT_TRUE(
+      fulgur::test::throws_with<std::exception>([&] { trainer.fit(model, regression_loader(2)); },
+                                                {"Function 'MulBackward", "returned nan values"}));
+  EXPECT_TRUE(torch::equal(model.w, torch::ones({1})));  // no step was taken
+  // The process's anomaly mode is set back after the fit.
+  EXPECT_FALSE(torch::autograd::AnomalyMode::is_enabled());
+}
+
 // ---- Gradient accumulation.
 
 TEST(FitLoop, AccumulationStepsOncePerGroupAndAtTheEpochEnd) {
