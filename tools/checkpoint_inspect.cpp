@@ -104,6 +104,50 @@ void print_section(const StateDict& state, const std::string& key, const std::st
   for (const auto& v : values) out << "  " << v << "\n";
 }
 
+// One optimizer's state as LibTorch's optimizers write it: each parameter
+// group's parameter count and options, then the per-parameter state tensors.
+// (The groups name their parameters by keys LibTorch makes from addresses,
+// which mean nothing in a file.) Another layout (an optimizer that saves
+// itself, e.g. LBFGS) is listed entry by entry.
+void print_optimizer(const StateDict& optimizers, const std::string& key, std::ostream& out) {
+  const StateDict* optimizer = optimizers.find_section(key);
+  const StateDict* groups = optimizer ? optimizer->find_section("param_groups") : nullptr;
+  const c10::IValue* size = groups ? groups->find("param_groups/size") : nullptr;
+  if (size == nullptr || !size->isTensor()) {
+    print_section(optimizers, key, str("  optimizer ", key), false, out);
+    return;
+  }
+  std::vector<TensorLine> tensors;
+  std::vector<std::string> values;
+  if (const StateDict* state = optimizer->find_section("state")) {
+    collect_tensors(*state, "", tensors, values);
+  }
+  uint64_t total = 0;
+  for (const auto& t : tensors) total += t.bytes;
+  const int64_t count = size->toTensor().item<int64_t>();
+  out << "  optimizer " << key << ": " << count << " parameter group(s); state " << tensors.size()
+      << " tensor(s), " << bytes_text(total) << "\n";
+  for (int64_t i = 0; i < count; ++i) {
+    const StateDict* group = groups->find_section(str("param_groups/", i));
+    if (group == nullptr) continue;
+    int64_t params = 0;
+    std::vector<std::string> options;
+    for (const auto& entry : group->keys()) {
+      // "params/0", "params/1", ... (and "params/size", their count).
+      if (entry.rfind("params/", 0) == 0 && entry != "params/size") ++params;
+    }
+    if (const StateDict* opts = group->find_section("options")) {
+      for (const auto& name : opts->keys()) {
+        if (const c10::IValue* v = opts->find(name); v != nullptr && !v->isTensor()) {
+          options.push_back(str(name, " = ", value_text(*v)));
+        }
+      }
+    }
+    out << "    group " << i << ": " << params << " parameter(s)" << (options.empty() ? "" : "; ")
+        << fulgur::join(options, ", ") << "\n";
+  }
+}
+
 // The contents of one verified (or unverifiable, older) checkpoint file.
 void print_contents(const std::string& file, std::ostream& out) {
   fulgur::TorchCheckpointIO io;
@@ -132,9 +176,8 @@ void print_contents(const std::string& file, std::ostream& out) {
     const c10::IValue count = value(optimizers, "count");
     out << "optimizers: " << value_text(count) << "\n";
     if (count.isInt()) {
-      for (int64_t i = 0; i < count.toInt(); ++i) {
-        print_section(*optimizers, std::to_string(i), str("  optimizer ", i), false, out);
-      }
+      for (int64_t i = 0; i < count.toInt(); ++i)
+        print_optimizer(*optimizers, std::to_string(i), out);
     }
     const StateDict* first = optimizers->find_section("0");
     if (first != nullptr && first->contains(fulgur::FSDPStrategy::kShardRecordKey)) {
