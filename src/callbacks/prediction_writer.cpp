@@ -149,24 +149,40 @@ void PredictionFileWriter::write_on_epoch_end(Trainer& trainer, Module&,
                                 " for batch 0. Return the same kind of Batch for every batch."));
         }
         const auto tensors = tensors_of(p);
+        if (tensors.empty()) {
+          throw ConfigError(str("PredictionFileWriter: batch ", b,
+                                "'s prediction holds no tensor. Return the batch's predictions "
+                                "from predict_step."));
+        }
+        const at::Tensor& idx = sample_indices.at(b);
+        const int64_t rows = idx.defined() ? idx.size(0) : -1;
         for (size_t i = 0; i < tensors.size(); ++i) {
+          if (!tensors[i].defined()) {
+            throw ConfigError(str("PredictionFileWriter: tensor ", i, " of batch ", b,
+                                  "'s prediction is undefined (an empty at::Tensor). Return the "
+                                  "batch's predictions from predict_step."));
+          }
           if (tensors[i].dim() == 0) {
             throw ConfigError(str("PredictionFileWriter: tensor ", i, " of batch ", b,
                                   "'s prediction has no dimensions, so the batches cannot be "
                                   "joined. Return tensors whose dimension 0 is the batch's "
                                   "samples."));
           }
+          // One row per sample in every tensor: the rows are put back in
+          // the dataset's order together.
+          const int64_t expected = rows >= 0 ? rows : tensors.front().size(0);
+          if (tensors[i].size(0) != expected) {
+            throw ConfigError(str("PredictionFileWriter: tensor ", i, " of batch ", b,
+                                  "'s prediction has ", tensors[i].size(0),
+                                  " row(s), but the "
+                                  "batch has ",
+                                  expected, rows >= 0 ? " sample(s)" : " in its tensor 0",
+                                  ". Return one row per sample in every tensor, so that each "
+                                  "row can be put back in the dataset's order."));
+          }
           columns[i].push_back(tensors[i].to(torch::kCPU));
         }
-        const at::Tensor& idx = sample_indices.at(b);
         indexed = indexed && idx.defined();
-        if (idx.defined() && idx.size(0) != tensors.front().size(0)) {
-          throw ConfigError(str("PredictionFileWriter: batch ", b, " has ", idx.size(0),
-                                " sample(s) but its prediction's dimension 0 is ",
-                                tensors.front().size(0),
-                                ". Return one row per sample, so that each row can be put back "
-                                "in the dataset's order."));
-        }
       }
       state.set("kind", std::string(first.kind()));
       state.set("keys", c10::List<std::string>(keys));
@@ -263,9 +279,18 @@ Batch PredictionFileWriter::read(const std::string& dirpath) {
     }
   }
   if (indexed) {
-    // The dataset's order (each sample is predicted on one rank only).
-    const at::Tensor order = torch::argsort(torch::cat(indices), /*dim=*/int64_t{0});
-    for (auto& t : merged) t = t.index_select(0, order);
+    // The dataset's order, each sample once: a sample predicted on several
+    // ranks (a shard padded to the others' length, or every rank predicting
+    // everything with use_distributed_sampler=false) is kept once.
+    const at::Tensor all = torch::cat(indices);
+    const at::Tensor order = torch::argsort(all, /*dim=*/int64_t{0});
+    const at::Tensor sorted = all.index_select(0, order);
+    at::Tensor first = torch::ones({sorted.size(0)}, torch::kBool);
+    if (sorted.size(0) > 1) {
+      first.slice(0, 1).copy_(sorted.slice(0, 1).ne(sorted.slice(0, 0, sorted.size(0) - 1)));
+    }
+    const at::Tensor keep = order.masked_select(first);
+    for (auto& t : merged) t = t.index_select(0, keep);
   }
   return batch_of(kind, keys, std::move(merged));
 }

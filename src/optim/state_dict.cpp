@@ -50,10 +50,12 @@ at::Tensor optional_tensor(const StateDict& in, const char* key) {
   return in.tensor(key);
 }
 
-// The same, on `device` (a no-op where it already is).
-at::Tensor optional_tensor(const StateDict& in, const char* key, const c10::Device& device) {
+// The same, on `param`'s device, floating-point state in its dtype (as
+// PyTorch's Optimizer.load_state_dict casts it); a no-op where it already is.
+at::Tensor optional_tensor(const StateDict& in, const char* key, const at::Tensor& param) {
   at::Tensor t = optional_tensor(in, key);
-  return t.defined() ? t.to(device) : t;
+  if (!t.defined()) return t;
+  return t.to(param.device(), t.is_floating_point() ? param.scalar_type() : t.scalar_type());
 }
 
 // The entries LibTorch's ParamState::serialize writes, for the states fulgur
@@ -86,12 +88,12 @@ bool write_param_state(const torch::optim::OptimizerParamState& state, StateDict
 }
 
 // A parameter's state for `optimizer` from its entries, its tensors on the
-// parameter's `device` (a checkpoint's tensors come back on the device that
+// device of `param` (a checkpoint's tensors come back on the device that
 // saved them: rank 0's GPU for every rank of a DDP run); null for an
 // optimizer whose state fulgur does not know.
 std::unique_ptr<torch::optim::OptimizerParamState> read_param_state(
-    const torch::optim::Optimizer& optimizer, const StateDict& in, const c10::Device& device) {
-  auto state_tensor = [&](const char* key) { return optional_tensor(in, key, device); };
+    const torch::optim::Optimizer& optimizer, const StateDict& in, const at::Tensor& param) {
+  auto state_tensor = [&](const char* key) { return optional_tensor(in, key, param); };
   auto moments = [&](auto s) {
     s->step(in.integer("step"));
     s->exp_avg(state_tensor("exp_avg"));
@@ -317,7 +319,7 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDi
       if (saved == nullptr) continue;
       const at::Tensor& param = param_groups[i].params()[j];
       loaded.emplace_back(compat::optimizer_state_key(param),
-                          read_param_state(optimizer, *saved, param.device()));
+                          read_param_state(optimizer, *saved, param));
     }
   }
   // The groups' options, through the optimizer's own load with no state.

@@ -317,13 +317,25 @@ void TorchProfiler::close_spans() {
   }
 }
 
+void TorchProfiler::finish_gpu_work() const {
+  if (!cuda_) return;
+  try {
+    torch::cuda::synchronize();
+  } catch (const std::exception& e) {
+    // A GPU in error (an illegal address, a device assert) fails every
+    // call; the profiler still stops, without the last kernels.
+    print_note(str("profiler=pytorch: waiting for the GPU failed (", error_message(e),
+                   "); the trace may lack the last recorded batch's kernels."));
+  }
+}
+
 std::string TorchProfiler::stop_recording() {
   close_spans();
+  // The recorded batches' kernels run after the host has queued them: the
+  // GPU finishes them before the profiler stops, or they are missing.
+  finish_gpu_work();
   std::unique_ptr<kineto::ProfilerResult> result;
   try {
-    // The recorded batches' kernels run after the host has queued them: the
-    // GPU finishes them before the profiler stops, or they are missing.
-    if (cuda_) torch::cuda::synchronize();
     result = kineto::disableProfiler();
   } catch (const std::exception& e) {
     recording_ = false;
@@ -400,7 +412,7 @@ void TorchProfiler::abandon() {
   // Called while an exception unwinds: nothing may escape.
   try {
     close_spans();
-    if (cuda_) torch::cuda::synchronize();
+    finish_gpu_work();
     kineto::disableProfiler();
   } catch (const std::exception& e) {
     print_note(

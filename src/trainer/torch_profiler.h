@@ -91,6 +91,8 @@ class TorchProfiler final : public LoopProfiler {
   std::string stop_recording();
   std::string write_profile(torch::autograd::profiler::ProfilerResult& result);
   void close_spans();
+  /// Waits for the GPU's queued work (cuda_), noting a failure.
+  void finish_gpu_work() const;
 
   int64_t wait_;
   int64_t active_;

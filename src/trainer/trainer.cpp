@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <mutex>
 #include <set>
 
 #include "fulgur/callbacks/model_checkpoint.h"
@@ -312,26 +313,47 @@ void Trainer::Impl::distribute(DataLoader& loader, bool even, const char* which)
 
 namespace {
 
-// detect_anomaly: LibTorch's anomaly mode for a fit (global to the process,
-// as LibTorch's own guard is), set back as it was afterwards. Set directly
-// rather than through DetectAnomalyGuard, whose warning on every fit would
-// repeat the Trainer's note.
+// detect_anomaly: LibTorch's anomaly mode (one for the whole process) while
+// a fit runs. The fits that asked for it are counted: the first turns it on,
+// the last sets it back as it was before the first, so that fits in several
+// threads never turn it off under each other. (LibTorch's
+// DetectAnomalyGuard turns it off when it ends, whatever it was before.)
 class AnomalyDetection {
  public:
-  explicit AnomalyDetection(bool on)
-      : on_(on),
-        was_enabled_(torch::autograd::AnomalyMode::is_enabled()),
-        checked_nan_(torch::autograd::AnomalyMode::should_check_nan()) {
-    if (on_) torch::autograd::AnomalyMode::set_enabled(true, /*check_nan=*/true);
+  explicit AnomalyDetection(bool on) : on_(on) {
+    if (!on_) return;
+    std::lock_guard<std::mutex> lock(mutex());
+    State& s = state();
+    if (s.fits++ == 0) {
+      s.was_enabled = torch::autograd::AnomalyMode::is_enabled();
+      s.checked_nan = torch::autograd::AnomalyMode::should_check_nan();
+      torch::autograd::AnomalyMode::set_enabled(true, /*check_nan=*/true);
+    }
   }
   ~AnomalyDetection() {
-    if (on_) torch::autograd::AnomalyMode::set_enabled(was_enabled_, checked_nan_);
+    if (!on_) return;
+    std::lock_guard<std::mutex> lock(mutex());
+    State& s = state();
+    if (--s.fits == 0) torch::autograd::AnomalyMode::set_enabled(s.was_enabled, s.checked_nan);
   }
   AnomalyDetection(const AnomalyDetection&) = delete;
   AnomalyDetection& operator=(const AnomalyDetection&) = delete;
 
  private:
-  bool on_, was_enabled_, checked_nan_;
+  struct State {
+    int fits = 0;
+    bool was_enabled = false;
+    bool checked_nan = true;
+  };
+  static std::mutex& mutex() {
+    static std::mutex m;
+    return m;
+  }
+  static State& state() {
+    static State s;
+    return s;
+  }
+  bool on_;
 };
 
 // What rank 0 of a forked run sends back to the calling process.
@@ -515,10 +537,21 @@ std::shared_ptr<DataLoader> Trainer::Impl::set_up_stage_data(Stage s, DataModule
     loader->set_default_seed(options.seed.value_or(0));
     // Set for every fit, so that a loader overfit once shuffles again in
     // the next fit without overfit_batches.
-    if (loader->set_in_order(!options.overfit_batches.is_zero()) && strategy->is_global_zero()) {
-      detail::print_note(str("overfit_batches=", options.overfit_batches.text(),
-                             ": the training loader shuffles; in this fit it visits its samples "
-                             "in order, so that every epoch trains on the same batches"));
+    const bool overfit = !options.overfit_batches.is_zero();
+    const bool reordered = loader->set_in_order(overfit);
+    if (overfit && strategy->is_global_zero()) {
+      auto* in_dataset = dynamic_cast<DatasetLoader*>(loader.get());
+      if (reordered) {
+        detail::print_note(str("overfit_batches=", options.overfit_batches.text(),
+                               ": the training loader shuffles; in this fit it visits its samples "
+                               "in order, so that every epoch trains on the same batches"));
+      } else if (in_dataset == nullptr ||
+                 dynamic_cast<const SequentialSampler*>(&in_dataset->sampler()) == nullptr) {
+        detail::print_note(str("overfit_batches=", options.overfit_batches.text(),
+                               ": the training loader's order is its own (a sampler or loader "
+                               "fulgur cannot put in order); if it shuffles, each epoch trains "
+                               "on other batches"));
+      }
     }
   }
   // Training, and an evaluation whose forward is collective (fsdp's

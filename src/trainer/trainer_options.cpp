@@ -32,10 +32,12 @@ std::optional<int64_t> BatchLimit::apply(std::optional<int64_t> available, const
   }
   auto n = static_cast<int64_t>(std::floor(static_cast<double>(*available) * *fraction_));
   if (n == 0 && *fraction_ > 0.0) {
+    // 0 skips the loop for limit_*_batches; for overfit_batches it is off.
+    const bool zero_skips = std::string_view(flag).rfind("limit_", 0) == 0;
     throw ConfigError(str(flag, "=", text(), " of ", *available,
-                          " batches rounds down to 0 "
-                          "batches. Pass a larger fraction, an int number of batches, or 0 to "
-                          "skip this loop."));
+                          " batches rounds down to 0 batches. Pass a larger fraction or an int "
+                          "number of batches",
+                          zero_skips ? ", or 0 to skip this loop." : "."));
   }
   return n;
 }

@@ -199,6 +199,12 @@ TrainerOptions trial_options(const TrainerOptions& options, int64_t max_steps) {
   trial.min_steps = 0;
   trial.max_time = std::nullopt;
   trial.fast_dev_run = 0;
+  if (!trial.overfit_batches.is_zero()) {
+    // The fit's training batches, without its validation (overfit_batches
+    // would set that too).
+    trial.limit_train_batches = trial.overfit_batches;
+    trial.overfit_batches = 0;
+  }
   trial.limit_val_batches = 0;
   trial.num_sanity_val_steps = 0;
   trial.enable_checkpointing = false;

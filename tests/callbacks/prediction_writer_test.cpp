@@ -207,6 +207,34 @@ TEST(PredictionFileWriter, MissingDamagedAndStaleFilesAreNamed) {
   EXPECT_THROW(fulgur::PredictionFileWriter::read(dir.path()), fulgur::CheckpointError);
 }
 
+// A sampler that visits samples 2, 0, 1, 0, 1 of five: the repeats are
+// predicted twice (as a padded shard's are) and read back once.
+class Repeating : public fulgur::Sampler {
+ public:
+  at::Tensor epoch_indices(int64_t, int64_t) override {
+    return torch::tensor({2, 0, 1, 0, 1}, torch::kLong);
+  }
+};
+
+TEST(PredictionFileWriter, ASamplePredictedTwiceIsReadOnce) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.callbacks = {std::make_shared<fulgur::PredictionFileWriter>(dir.path())};
+  fulgur::Trainer trainer(options);
+  auto data = fulgur::test::regression_dataset(5);
+  const auto returned = trainer.predict(
+      model, fulgur::make_data_loader(data, {.batch_size = 2}, std::make_shared<Repeating>()));
+  int64_t rows = 0;
+  for (const auto& p : returned) rows += p.batch_size();
+  EXPECT_EQ(rows, 5);
+  const at::Tensor read = fulgur::PredictionFileWriter::read(dir.path()).tensor();
+  torch::NoGradGuard no_grad;
+  const at::Tensor in_order = model.forward(data->tensors()[0].slice(0, 0, 3));
+  ASSERT_EQ(read.sizes(), in_order.sizes());
+  EXPECT_TRUE(torch::allclose(read, in_order, /*rtol=*/1e-6, /*atol=*/1e-7));
+}
+
 TEST(PredictionFileWriter, APredictionWithoutABatchDimensionIsRefused) {
   TempDir dir;
   struct Scalar : LinearRegression {
@@ -220,6 +248,30 @@ TEST(PredictionFileWriter, APredictionWithoutABatchDimensionIsRefused) {
   EXPECT_THROWS_WITH(fulgur::ConfigError,
                      trainer.predict(model, fulgur::test::regression_loader(2)),
                      {"tensor 0 of batch 0's prediction has no dimensions"});
+}
+
+TEST(PredictionFileWriter, AnEmptyPredictionAndRowsThatDoNotMatchTheSamplesAreRefused) {
+  TempDir dir;
+  struct Empty : LinearRegression {
+    fulgur::Batch predict_step(fulgur::Batch&, int64_t) override { return fulgur::Batch(); }
+  } empty;
+  auto options = test_options(dir);
+  options.callbacks = {std::make_shared<fulgur::PredictionFileWriter>(dir.path())};
+  fulgur::Trainer trainer(options);
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     trainer.predict(empty, fulgur::test::regression_loader(2)),
+                     {"batch 0's prediction", "Return the batch's predictions"});
+  // A pair whose second tensor has one row for the whole batch.
+  struct Summed : LinearRegression {
+    fulgur::Batch predict_step(fulgur::Batch& batch, int64_t) override {
+      const at::Tensor y = forward(batch.pair().first);
+      return fulgur::Batch(y, y.sum(0, /*keepdim=*/true));
+    }
+  } summed;
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     trainer.predict(summed, fulgur::test::regression_loader(2)),
+                     {"tensor 1 of batch 0's prediction has 1 row(s), but the batch has 2 "
+                      "sample(s)"});
 }
 
 }  // namespace

@@ -95,6 +95,20 @@ TEST(DatasetLoader, DropLastDropsTheShortBatch) {
   EXPECT_THAT(batches[2], ElementsAre(6, 7, 8));
 }
 
+TEST(DatasetLoader, SampleIndicesNameEachBatchsSamples) {
+  auto loader = fulgur::make_data_loader(
+      index_dataset(10), {.batch_size = 3, .shuffle = true, .drop_last = true, .seed = 5});
+  loader->start_epoch(1);
+  for (int64_t b = 0; b < 3; ++b) {
+    auto batch = loader->next();
+    ASSERT_TRUE(batch.has_value());
+    // index_dataset's samples are their own indices.
+    EXPECT_EQ(to_vector(*loader->sample_indices(b)), to_vector(batch->tensor())) << b;
+  }
+  EXPECT_THROWS_WITH(fulgur::ConfigError, loader->sample_indices(3),
+                     {"sample_indices(3)", "has 3 batch(es)"});
+}
+
 TEST(DatasetLoader, PositionCountsBatchesHandedOut) {
   auto loader = fulgur::make_data_loader(index_dataset(10), {.batch_size = 4});
   loader->start_epoch(2);

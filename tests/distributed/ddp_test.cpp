@@ -58,6 +58,14 @@ TEST(DDP, EveryRanksPredictionsReadBackInTheDatasetsOrder) {
   ASSERT_EQ(merged.sizes(), single.sizes());
   EXPECT_EQ(merged.size(0), 37);
   EXPECT_TRUE(torch::allclose(merged, single, /*rtol=*/1e-5, /*atol=*/1e-6));
+  // One sample: rank 1 predicts nothing, and its file says so.
+  auto lone = run_worker({"--skip-fit", "--strategy", "ddp", "--devices", "2", "--predict-dir",
+                          dir.file("lone"), "--predict-samples", "1", "--root", dir.path()});
+  ASSERT_EQ(lone.exit_code, 0) << lone.output;
+  EXPECT_EQ(result_value(lone.output, "predicted_rank1"), "0") << lone.output;
+  const at::Tensor one_row = fulgur::PredictionFileWriter::read(dir.file("lone")).tensor();
+  EXPECT_EQ(one_row.size(0), 1);
+  EXPECT_TRUE(torch::allclose(one_row, single.slice(0, 0, 1), /*rtol=*/1e-5, /*atol=*/1e-6));
 }
 
 TEST(DDP, CheckpointedActivationsTrainLikeOneProcess) {

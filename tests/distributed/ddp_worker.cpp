@@ -36,9 +36,10 @@ struct Args {
   int64_t steps = 20;
   int64_t samples = 320;
   int64_t test_samples = 0;
-  // Non-empty: after fit, predict 37 samples (batches of 5) with a
-  // PredictionFileWriter writing here.
+  // Non-empty: after fit, predict --predict-samples samples (batches of 5)
+  // with a PredictionFileWriter writing here.
   std::string predict_dir;
+  int64_t predict_samples = 37;
   int64_t accumulate = 1;
   bool shuffle = false;
   bool skip_fit = false;
@@ -583,6 +584,7 @@ int main(int argc, char** argv) {
   app.add_option("--samples", a.samples);
   app.add_option("--test-samples", a.test_samples);
   app.add_option("--predict-dir", a.predict_dir);
+  app.add_option("--predict-samples", a.predict_samples);
   app.add_option("--accumulate", a.accumulate);
   app.add_flag("--shuffle", a.shuffle);
   app.add_flag("--skip-fit", a.skip_fit);
@@ -795,7 +797,7 @@ int main(int argc, char** argv) {
                                                    {.batch_size = 64}));
     }
     if (!a.predict_dir.empty()) {
-      auto [px, py] = make_data(37, 200000);
+      auto [px, py] = make_data(a.predict_samples, 200000);
       const auto mine = trainer.predict(
           model, fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(px, py),
                                           {.batch_size = 5}));

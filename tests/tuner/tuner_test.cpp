@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <set>
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
@@ -68,6 +69,26 @@ TEST(LRFinder, EveryStepTakesTheSweepsRateAndItsLossIsRecorded) {
   EXPECT_THAT(swept.lrs, ::testing::ElementsAre(::testing::DoubleEq(0.01), ::testing::DoubleEq(0.0575),
                                                 ::testing::DoubleEq(0.105), ::testing::DoubleEq(0.1525),
                                                 ::testing::DoubleEq(0.2)));
+}
+
+// With overfit_batches the sweep steps through the fit's own first batches
+// (its trials validate nothing: the flag's validation limit is not theirs).
+TEST(LRFinder, OverfitBatchesSweepsTheFitsFirstBatches) {
+  TempDir dir;
+  RateRecorder model;
+  std::set<int64_t> batches_seen;
+  model.train_hook = [&](LinearRegression&, fulgur::Batch&, int64_t batch_idx) {
+    batches_seen.insert(batch_idx);
+  };
+  auto options = test_options(dir);
+  options.overfit_batches = 2;
+  fulgur::Tuner tuner(options);
+  auto found =
+      tuner.lr_find(model, regression_loader(6), {.num_training = 6, .early_stop_threshold = 0.0});
+  EXPECT_EQ(found.lrs.size(), 6u);
+  EXPECT_EQ(model.training_steps, 6);
+  EXPECT_EQ(batches_seen, (std::set<int64_t>{0, 1}));
+  EXPECT_EQ(model.validation_steps, 0);
 }
 
 TEST(LRFinder, AFitAfterTheSweepIsBitIdenticalToOneWithoutIt) {

@@ -86,10 +86,11 @@ class PredictionFileWriter : public PredictionWriter {
   static std::string file_of_rank(const std::string& dirpath, int rank);
   /// Every rank's predictions of the newest run written under `dirpath`,
   /// as one Batch of the kind predict_step returned, each tensor in the
-  /// dataset's order (sorted by sample index; where the loader gave no
-  /// indices, in rank order). Throws CheckpointError naming the file when a
-  /// rank's file is missing, does not verify, or is from another run, and
-  /// when the ranks' predictions differ in kind or shape.
+  /// dataset's order (sorted by sample index, each sample once: a padded
+  /// shard's repeats and the copies of use_distributed_sampler=false are
+  /// dropped; where the loader gave no indices, in rank order). Throws CheckpointError naming the
+  /// file when a rank's file is missing, does not verify, or is from another run, and when the
+  /// ranks' predictions differ in kind or shape.
   static Batch read(const std::string& dirpath);
 
  private:

@@ -125,7 +125,7 @@ void FitLoop::run() {
   window_has_gradient_ = false;
   accumulate_ = trainer_.options.accumulate_grad_batches;
   if (num_training_batches_ == 0) {
-    stop_reason_ = "limit_train_batches=0";
+    stop_reason_ = str(trainer_.limits.train_flag, "=0");
     return;
   }
 
