@@ -554,11 +554,12 @@ std::shared_ptr<DataLoader> Trainer::Impl::set_up_stage_data(Stage s, DataModule
       }
     }
   }
-  // Training, and an evaluation whose forward is collective (fsdp's
-  // FULL_SHARD: every rank must run as many forwards), take shards of one
-  // length; metrics leave the repeats out (DataLoader::padded_rows).
-  const bool collective_evaluation =
-      (s == Stage::kValidate || s == Stage::kTest) && drive().forward_is_collective();
+  // Training, and an evaluation or prediction whose forward is collective
+  // (fsdp's FULL_SHARD: every rank must run as many forwards, or the ones
+  // with more batches wait in a gather forever), take shards of one length;
+  // metrics leave the repeats out (DataLoader::padded_rows), and
+  // PredictionFileWriter::read keeps each sample once.
+  const bool collective_evaluation = s != Stage::kFit && drive().forward_is_collective();
   distribute(*loader, /*even=*/s == Stage::kFit || collective_evaluation,
              s == Stage::kFit        ? "training"
              : s == Stage::kValidate ? "validation"

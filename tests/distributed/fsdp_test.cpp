@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "distributed/worker.h"
+#include "fulgur/callbacks/prediction_writer.h"
 #include "support/test_support.h"
 
 namespace {
@@ -40,6 +41,28 @@ std::vector<std::string> with_units(std::vector<std::string> args) {
 
 TEST(FSDP, ShardGradOpOnTwoRanksMatchesOneProcessWithTheDoubleBatch) {
   expect_equivalent({"--steps", "20"}, kFsdp);
+}
+
+// FULL_SHARD's forward gathers on every rank, so every rank predicts as
+// many batches (21 samples in batches of 5: 11 each, one repeated); before,
+// rank 0's third batch waited in a gather that rank 1, done after two, never
+// joined.
+TEST(FSDP, FullShardPredictsOnEveryRankAndReadsBackEachSampleOnce) {
+  TempDir dir;
+  auto one = run_worker({"--skip-fit", "--devices", "1", "--predict-dir", dir.file("one"),
+                         "--predict-samples", "21", "--root", dir.path(), "--fsdp-units"});
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto two =
+      run_worker({"--skip-fit", "--strategy", kFullShard, "--devices", "2", "--predict-dir",
+                  dir.file("two"), "--predict-samples", "21", "--root", dir.path(), "--fsdp-units"},
+                 {}, std::chrono::seconds(60));
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_EQ(result_value(two.output, "predicted_rank0"), "11") << two.output;
+  EXPECT_EQ(result_value(two.output, "predicted_rank1"), "11") << two.output;
+  const at::Tensor single = fulgur::PredictionFileWriter::read(dir.file("one")).tensor();
+  const at::Tensor merged = fulgur::PredictionFileWriter::read(dir.file("two")).tensor();
+  ASSERT_EQ(merged.sizes(), single.sizes());
+  EXPECT_TRUE(torch::allclose(merged, single, /*rtol=*/1e-5, /*atol=*/1e-6));
 }
 
 TEST(FSDP, ShardGradOpWithShuffleAndAdamMatches) {
