@@ -76,6 +76,12 @@ void collect_tensors(const StateDict& state, const std::string& prefix,
   }
 }
 
+uint64_t total_bytes(const std::vector<TensorLine>& tensors) {
+  uint64_t total = 0;
+  for (const auto& t : tensors) total += t.bytes;
+  return total;
+}
+
 void print_section(const StateDict& state, const std::string& key, const std::string& title,
                    bool list_tensors, std::ostream& out) {
   const StateDict* section = state.find_section(key);
@@ -83,8 +89,7 @@ void print_section(const StateDict& state, const std::string& key, const std::st
   std::vector<TensorLine> tensors;
   std::vector<std::string> values;
   collect_tensors(*section, "", tensors, values);
-  uint64_t total = 0;
-  for (const auto& t : tensors) total += t.bytes;
+  const uint64_t total = total_bytes(tensors);
   out << title << ": ";
   if (tensors.empty() && values.empty()) {
     out << "empty\n";
@@ -122,8 +127,7 @@ void print_optimizer(const StateDict& optimizers, const std::string& key, std::o
   if (const StateDict* state = optimizer->find_section("state")) {
     collect_tensors(*state, "", tensors, values);
   }
-  uint64_t total = 0;
-  for (const auto& t : tensors) total += t.bytes;
+  const uint64_t total = total_bytes(tensors);
   const int64_t count = size->toTensor().item<int64_t>();
   out << "  optimizer " << key << ": " << count << " parameter group(s); state " << tensors.size()
       << " tensor(s), " << bytes_text(total) << "\n";
@@ -176,8 +180,9 @@ void print_contents(const std::string& file, std::ostream& out) {
     const c10::IValue count = value(optimizers, "count");
     out << "optimizers: " << value_text(count) << "\n";
     if (count.isInt()) {
-      for (int64_t i = 0; i < count.toInt(); ++i)
+      for (int64_t i = 0; i < count.toInt(); ++i) {
         print_optimizer(*optimizers, std::to_string(i), out);
+      }
     }
     const StateDict* first = optimizers->find_section("0");
     if (first != nullptr && first->contains(fulgur::FSDPStrategy::kShardRecordKey)) {

@@ -67,7 +67,7 @@ void PredictionWriter::on_predict_end(Trainer& trainer, Module& module) {
 
 namespace {
 
-// The tensors of a Batch in a fixed order, and their names for messages.
+// The tensors of a Batch, in the order Batch::for_each visits them.
 std::vector<at::Tensor> tensors_of(const Batch& b) {
   std::vector<at::Tensor> out;
   b.for_each([&](const at::Tensor& t) { out.push_back(t); });
@@ -174,9 +174,8 @@ void PredictionFileWriter::write_on_epoch_end(Trainer& trainer, Module&,
           if (tensors[i].size(0) != expected) {
             throw ConfigError(str("PredictionFileWriter: tensor ", i, " of batch ", b,
                                   "'s prediction has ", tensors[i].size(0),
-                                  " row(s), but the "
-                                  "batch has ",
-                                  expected, rows >= 0 ? " sample(s)" : " in its tensor 0",
+                                  " row(s), but the batch has ", expected,
+                                  rows >= 0 ? " sample(s)" : " in its tensor 0",
                                   ". Return one row per sample in every tensor, so that each "
                                   "row can be put back in the dataset's order."));
           }

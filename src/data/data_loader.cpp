@@ -151,10 +151,16 @@ DatasetLoader::DatasetLoader(std::shared_ptr<Dataset> dataset, DataLoaderOptions
 
 int64_t DatasetLoader::samples_per_epoch() const { return sampler_->shard_size(dataset_->size()); }
 
+namespace {
+// The batches `samples` make: the last one short, or dropped.
+int64_t batches_of(int64_t samples, const DataLoaderOptions& options) {
+  const int64_t b = options.batch_size;
+  return options.drop_last ? samples / b : (samples + b - 1) / b;
+}
+}  // namespace
+
 std::optional<int64_t> DatasetLoader::num_batches() const {
-  int64_t n = samples_per_epoch();
-  int64_t b = options_.batch_size;
-  return options_.drop_last ? n / b : (n + b - 1) / b;
+  return batches_of(samples_per_epoch(), options_);
 }
 
 bool DatasetLoader::set_shard(int64_t rank, int64_t world_size, bool even) {
@@ -166,7 +172,7 @@ bool DatasetLoader::set_shard(int64_t rank, int64_t world_size, bool even) {
 std::optional<at::Tensor> DatasetLoader::sample_indices(int64_t batch_idx) const {
   const int64_t b = options_.batch_size;
   const int64_t n = order_.defined() ? order_.size(0) : 0;
-  const int64_t batches = options_.drop_last ? n / b : (n + b - 1) / b;
+  const int64_t batches = batches_of(n, options_);
   if (batch_idx < 0 || batch_idx >= batches) {
     throw ConfigError(str("DatasetLoader::sample_indices(", batch_idx, "): the current epoch (",
                           epoch(), ") has ", batches, " batch(es); pass an index in [0, ", batches,

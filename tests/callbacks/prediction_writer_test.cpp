@@ -26,6 +26,13 @@ std::shared_ptr<fulgur::DatasetLoader> shuffled(std::shared_ptr<fulgur::TensorDa
                                   {.batch_size = batch_size, .shuffle = true, .seed = 3});
 }
 
+// A Trainer of test_options with `callback` as its one callback.
+fulgur::Trainer trainer_with(const TempDir& dir, std::shared_ptr<fulgur::Callback> callback) {
+  auto options = test_options(dir);
+  options.callbacks = {std::move(callback)};
+  return fulgur::Trainer(options);
+}
+
 class Recorder : public fulgur::PredictionWriter {
  public:
   using PredictionWriter::PredictionWriter;
@@ -55,9 +62,7 @@ TEST(PredictionWriter, GetsEachPredictionWithItsSamplesIndicesAndAllOfThemAtTheE
   TempDir dir;
   LinearRegression model;
   auto recorder = std::make_shared<Recorder>(fulgur::WriteInterval::kBatchAndEpoch);
-  auto options = test_options(dir);
-  options.callbacks = {recorder};
-  fulgur::Trainer trainer(options);
+  fulgur::Trainer trainer = trainer_with(dir, recorder);
   auto data = fulgur::test::regression_dataset(10);
   const auto returned = trainer.predict(model, shuffled(data, 4));
   EXPECT_EQ(trainer.predict_dataloader(), nullptr);  // only while predict runs
@@ -90,9 +95,7 @@ TEST(PredictionWriter, WritesOnlyAtTheIntervalItWasGiven) {
   for (auto interval : {fulgur::WriteInterval::kBatch, fulgur::WriteInterval::kEpoch}) {
     LinearRegression model;
     auto recorder = std::make_shared<Recorder>(interval);
-    auto options = test_options(dir);
-    options.callbacks = {recorder};
-    fulgur::Trainer trainer(options);
+    fulgur::Trainer trainer = trainer_with(dir, recorder);
     trainer.predict(model, fulgur::test::regression_loader(3));
     const bool batches = interval == fulgur::WriteInterval::kBatch;
     EXPECT_EQ(recorder->batch_ids.size(), batches ? 3u : 0u);
@@ -104,20 +107,12 @@ TEST(PredictionWriter, AnIterableLoaderGivesNoIndices) {
   TempDir dir;
   LinearRegression model;
   auto recorder = std::make_shared<Recorder>(fulgur::WriteInterval::kBatch);
-  auto options = test_options(dir);
-  options.callbacks = {recorder};
-  fulgur::Trainer trainer(options);
+  fulgur::Trainer trainer = trainer_with(dir, recorder);
   auto batches = std::make_shared<std::vector<fulgur::Batch>>();
   auto source = fulgur::test::regression_loader(2);
   source->start_epoch(0);
   while (auto b = source->next()) batches->push_back(*b);
-  trainer.predict(model, fulgur::make_iterable_loader([batches](int64_t) {
-                    return fulgur::BatchGenerator(
-                        [batches, i = size_t{0}]() mutable -> std::optional<fulgur::Batch> {
-                          if (i == batches->size()) return std::nullopt;
-                          return (*batches)[i++];
-                        });
-                  }));
+  trainer.predict(model, fulgur::make_iterable_loader(batches));
   ASSERT_EQ(recorder->batch_indices.size(), 2u);
   EXPECT_FALSE(recorder->batch_indices[0].defined());
 }
@@ -125,9 +120,8 @@ TEST(PredictionWriter, AnIterableLoaderGivesNoIndices) {
 TEST(PredictionFileWriter, ReadsOneRanksFileBackInTheDatasetsOrder) {
   TempDir dir;
   LinearRegression model;
-  auto options = test_options(dir);
-  options.callbacks = {std::make_shared<fulgur::PredictionFileWriter>(dir.file("preds"))};
-  fulgur::Trainer trainer(options);
+  fulgur::Trainer trainer =
+      trainer_with(dir, std::make_shared<fulgur::PredictionFileWriter>(dir.file("preds")));
   auto data = fulgur::test::regression_dataset(11);
   trainer.predict(model, shuffled(data, 4));
   EXPECT_TRUE(
@@ -152,9 +146,8 @@ class TwoOutputs : public LinearRegression {
 TEST(PredictionFileWriter, KeepsAMapsKeys) {
   TempDir dir;
   TwoOutputs model;
-  auto options = test_options(dir);
-  options.callbacks = {std::make_shared<fulgur::PredictionFileWriter>(dir.path())};
-  fulgur::Trainer trainer(options);
+  fulgur::Trainer trainer =
+      trainer_with(dir, std::make_shared<fulgur::PredictionFileWriter>(dir.path()));
   trainer.predict(model, shuffled(fulgur::test::regression_dataset(6), 4));
   const fulgur::Batch read = fulgur::PredictionFileWriter::read(dir.path());
   ASSERT_TRUE(read.is_map());
@@ -168,9 +161,8 @@ TEST(PredictionFileWriter, MissingDamagedAndStaleFilesAreNamed) {
   EXPECT_THROWS_WITH(fulgur::CheckpointError, fulgur::PredictionFileWriter::read(dir.path()),
                      {"predictions-rank0.pt is missing", "has returned on every rank"});
   LinearRegression model;
-  auto options = test_options(dir);
-  options.callbacks = {std::make_shared<fulgur::PredictionFileWriter>(dir.path())};
-  fulgur::Trainer trainer(options);
+  fulgur::Trainer trainer =
+      trainer_with(dir, std::make_shared<fulgur::PredictionFileWriter>(dir.path()));
   trainer.predict(model, fulgur::test::regression_loader(2));
   const std::string rank0 = fulgur::PredictionFileWriter::file_of_rank(dir.path(), 0);
   // A rank 1 file left by an earlier run is not read: this run had one rank.
@@ -219,9 +211,8 @@ class Repeating : public fulgur::Sampler {
 TEST(PredictionFileWriter, ASamplePredictedTwiceIsReadOnce) {
   TempDir dir;
   LinearRegression model;
-  auto options = test_options(dir);
-  options.callbacks = {std::make_shared<fulgur::PredictionFileWriter>(dir.path())};
-  fulgur::Trainer trainer(options);
+  fulgur::Trainer trainer =
+      trainer_with(dir, std::make_shared<fulgur::PredictionFileWriter>(dir.path()));
   auto data = fulgur::test::regression_dataset(5);
   const auto returned = trainer.predict(
       model, fulgur::make_data_loader(data, {.batch_size = 2}, std::make_shared<Repeating>()));
@@ -242,9 +233,8 @@ TEST(PredictionFileWriter, APredictionWithoutABatchDimensionIsRefused) {
       return fulgur::Batch(forward(batch.pair().first).sum());
     }
   } model;
-  auto options = test_options(dir);
-  options.callbacks = {std::make_shared<fulgur::PredictionFileWriter>(dir.path())};
-  fulgur::Trainer trainer(options);
+  fulgur::Trainer trainer =
+      trainer_with(dir, std::make_shared<fulgur::PredictionFileWriter>(dir.path()));
   EXPECT_THROWS_WITH(fulgur::ConfigError,
                      trainer.predict(model, fulgur::test::regression_loader(2)),
                      {"tensor 0 of batch 0's prediction has no dimensions"});
@@ -255,9 +245,8 @@ TEST(PredictionFileWriter, AnEmptyPredictionAndRowsThatDoNotMatchTheSamplesAreRe
   struct Empty : LinearRegression {
     fulgur::Batch predict_step(fulgur::Batch&, int64_t) override { return fulgur::Batch(); }
   } empty;
-  auto options = test_options(dir);
-  options.callbacks = {std::make_shared<fulgur::PredictionFileWriter>(dir.path())};
-  fulgur::Trainer trainer(options);
+  fulgur::Trainer trainer =
+      trainer_with(dir, std::make_shared<fulgur::PredictionFileWriter>(dir.path()));
   EXPECT_THROWS_WITH(fulgur::ConfigError,
                      trainer.predict(empty, fulgur::test::regression_loader(2)),
                      {"batch 0's prediction", "Return the batch's predictions"});

@@ -14,7 +14,6 @@
 #include <string>
 #include <vector>
 
-#include "fulgur/callbacks/prediction_writer.h"
 #include "fulgur/distributed/process_group.h"
 #include "distributed/worker.h"
 #include "support/process.h"
@@ -29,6 +28,7 @@ using fulgur::test::run_process;
 using fulgur::test::run_worker;
 using fulgur::test::same_params;
 using fulgur::test::TempDir;
+using fulgur::test::worker_predictions;
 using namespace std::chrono_literals;
 
 TEST(DDP, TwoRanksMatchOneProcessWithTheDoubleBatch) {
@@ -44,26 +44,20 @@ TEST(DDP, TwoRanksMatchOneProcessWithShuffleAndAdam) {
 // process's predictions, in the dataset's order.
 TEST(DDP, EveryRanksPredictionsReadBackInTheDatasetsOrder) {
   TempDir dir;
-  auto one = run_worker(
-      {"--skip-fit", "--devices", "1", "--predict-dir", dir.file("one"), "--root", dir.path()});
-  ASSERT_EQ(one.exit_code, 0) << one.output;
+  fulgur::test::ProcessResult one, two, lone;
+  const at::Tensor single = worker_predictions(dir, "one", "auto", 1, 37, {}, &one);
   EXPECT_EQ(result_value(one.output, "predicted_rank0"), "37") << one.output;
-  auto two = run_worker({"--skip-fit", "--strategy", "ddp", "--devices", "2", "--predict-dir",
-                         dir.file("two"), "--root", dir.path()});
-  ASSERT_EQ(two.exit_code, 0) << two.output;
+  const at::Tensor merged = worker_predictions(dir, "two", "ddp", 2, 37, {}, &two);
+  ASSERT_TRUE(single.defined() && merged.defined());
   EXPECT_EQ(result_value(two.output, "predicted_rank0"), "19") << two.output;
   EXPECT_EQ(result_value(two.output, "predicted_rank1"), "18") << two.output;
-  const at::Tensor single = fulgur::PredictionFileWriter::read(dir.file("one")).tensor();
-  const at::Tensor merged = fulgur::PredictionFileWriter::read(dir.file("two")).tensor();
   ASSERT_EQ(merged.sizes(), single.sizes());
   EXPECT_EQ(merged.size(0), 37);
   EXPECT_TRUE(torch::allclose(merged, single, /*rtol=*/1e-5, /*atol=*/1e-6));
   // One sample: rank 1 predicts nothing, and its file says so.
-  auto lone = run_worker({"--skip-fit", "--strategy", "ddp", "--devices", "2", "--predict-dir",
-                          dir.file("lone"), "--predict-samples", "1", "--root", dir.path()});
-  ASSERT_EQ(lone.exit_code, 0) << lone.output;
+  const at::Tensor one_row = worker_predictions(dir, "lone", "ddp", 2, 1, {}, &lone);
+  ASSERT_TRUE(one_row.defined());
   EXPECT_EQ(result_value(lone.output, "predicted_rank1"), "0") << lone.output;
-  const at::Tensor one_row = fulgur::PredictionFileWriter::read(dir.file("lone")).tensor();
   EXPECT_EQ(one_row.size(0), 1);
   EXPECT_TRUE(torch::allclose(one_row, single.slice(0, 0, 1), /*rtol=*/1e-5, /*atol=*/1e-6));
 }

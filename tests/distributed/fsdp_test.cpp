@@ -18,7 +18,6 @@
 #include <vector>
 
 #include "distributed/worker.h"
-#include "fulgur/callbacks/prediction_writer.h"
 #include "support/test_support.h"
 
 namespace {
@@ -29,6 +28,7 @@ using fulgur::test::recovery_training;
 using fulgur::test::result_value;
 using fulgur::test::run_worker;
 using fulgur::test::TempDir;
+using fulgur::test::worker_predictions;
 using namespace std::chrono_literals;
 
 constexpr const char* kFsdp = "fsdp_shard_grad_op";
@@ -49,18 +49,13 @@ TEST(FSDP, ShardGradOpOnTwoRanksMatchesOneProcessWithTheDoubleBatch) {
 // joined.
 TEST(FSDP, FullShardPredictsOnEveryRankAndReadsBackEachSampleOnce) {
   TempDir dir;
-  auto one = run_worker({"--skip-fit", "--devices", "1", "--predict-dir", dir.file("one"),
-                         "--predict-samples", "21", "--root", dir.path(), "--fsdp-units"});
-  ASSERT_EQ(one.exit_code, 0) << one.output;
-  auto two =
-      run_worker({"--skip-fit", "--strategy", kFullShard, "--devices", "2", "--predict-dir",
-                  dir.file("two"), "--predict-samples", "21", "--root", dir.path(), "--fsdp-units"},
-                 {}, std::chrono::seconds(60));
-  ASSERT_EQ(two.exit_code, 0) << two.output;
+  fulgur::test::ProcessResult one, two;
+  const at::Tensor single = worker_predictions(dir, "one", "auto", 1, 21, {"--fsdp-units"}, &one);
+  const at::Tensor merged =
+      worker_predictions(dir, "two", kFullShard, 2, 21, {"--fsdp-units"}, &two);
+  ASSERT_TRUE(single.defined() && merged.defined());
   EXPECT_EQ(result_value(two.output, "predicted_rank0"), "11") << two.output;
   EXPECT_EQ(result_value(two.output, "predicted_rank1"), "11") << two.output;
-  const at::Tensor single = fulgur::PredictionFileWriter::read(dir.file("one")).tensor();
-  const at::Tensor merged = fulgur::PredictionFileWriter::read(dir.file("two")).tensor();
   ASSERT_EQ(merged.sizes(), single.sizes());
   EXPECT_TRUE(torch::allclose(merged, single, /*rtol=*/1e-5, /*atol=*/1e-6));
 }

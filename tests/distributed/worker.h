@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "fulgur/callbacks/prediction_writer.h"
 #include "support/process.h"
 #include "support/test_support.h"
 
@@ -118,6 +119,31 @@ inline void expect_identical_runs(const std::string& dir, const std::string& ref
   EXPECT_TRUE(same_params(dir + "/" + reference + "-optimizer.pt",
                           dir + "/" + name + "-optimizer.pt", {.exact = true}))
       << name;
+}
+
+// The worker's predictions without training (--skip-fit) of `samples`
+// samples on `devices` ranks of `strategy` (with `extra`), each rank writing
+// with a PredictionFileWriter into dir/`name`, read back; undefined when
+// the run failed (the failure is reported). `run`: the worker's result.
+inline at::Tensor worker_predictions(const TempDir& dir, const std::string& name,
+                                     const std::string& strategy, int devices, int64_t samples,
+                                     const std::vector<std::string>& extra, ProcessResult* run) {
+  std::vector<std::string> args = {"--skip-fit",
+                                   "--strategy",
+                                   strategy,
+                                   "--devices",
+                                   std::to_string(devices),
+                                   "--predict-dir",
+                                   dir.file(name),
+                                   "--predict-samples",
+                                   std::to_string(samples),
+                                   "--root",
+                                   dir.path()};
+  args.insert(args.end(), extra.begin(), extra.end());
+  *run = run_worker(args, {}, std::chrono::seconds(60));
+  EXPECT_EQ(run->exit_code, 0) << run->output;
+  if (run->exit_code != 0) return at::Tensor();
+  return fulgur::PredictionFileWriter::read(dir.file(name)).tensor();
 }
 
 }  // namespace fulgur::test

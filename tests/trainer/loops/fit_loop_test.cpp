@@ -516,28 +516,6 @@ TEST(FitLoop, OverfitBatchesTrainsAndValidatesOnTheSameFirstBatchesInOrder) {
   EXPECT_FALSE(same_order);
 }
 
-TEST(FitLoop, OverfitBatchesAsAFractionNamesItselfWhereTheLoaderHasNoLength) {
-  TempDir dir;
-  LinearRegression model;
-  auto options = test_options(dir);
-  options.overfit_batches = 0.5;
-  fulgur::Trainer trainer(options);
-  EXPECT_TRUE(fulgur::test::message_contains(trainer.describe(), {"same first fraction 0.5"}));
-  auto train = regression_loader(4);
-  train->start_epoch(0);
-  std::vector<fulgur::Batch> batches;
-  while (auto b = train->next()) batches.push_back(*b);
-  auto endless = fulgur::make_iterable_loader([batches](int64_t) {
-    return fulgur::BatchGenerator(
-        [batches, i = size_t{0}]() mutable -> std::optional<fulgur::Batch> {
-          if (i == batches.size()) return std::nullopt;
-          return batches[i++];
-        });
-  });
-  EXPECT_TRUE(fulgur::test::throws_with<fulgur::ConfigError>([&] { trainer.fit(model, endless); },
-                                                             {"overfit_batches=0.5"}));
-}
-
 // y = 0 * w under a square root: its backward divides by sqrt(0), and
 // the product's backward turns that infinity into NaN.
 class NaNInBackward : public fulgur::Module {
@@ -767,6 +745,17 @@ std::shared_ptr<fulgur::IterableLoader> generator_loader(int64_t num_batches) {
       return fulgur::Batch(x.slice(0, 2 * k, 2 * k + 2), y.slice(0, 2 * k, 2 * k + 2));
     };
   });
+}
+
+TEST(FitLoop, OverfitBatchesAsAFractionNamesItselfWhereTheLoaderHasNoLength) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.overfit_batches = 0.5;
+  fulgur::Trainer trainer(options);
+  EXPECT_TRUE(fulgur::test::message_contains(trainer.describe(), {"same first fraction 0.5"}));
+  EXPECT_TRUE(fulgur::test::throws_with<fulgur::ConfigError>(
+      [&] { trainer.fit(model, generator_loader(4)); }, {"overfit_batches=0.5"}));
 }
 
 TEST(FitLoop, UnknownLengthLoaderTrainsUntilItEnds) {
