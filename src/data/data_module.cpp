@@ -34,3 +34,9 @@ std::shared_ptr<DataLoader> DataModule::predict_dataloader() {
 }
 
 }  // namespace fulgur
+
+namespace fulgur::detail {
+
+void set_loader_epoch(DataModule& data, int64_t epoch) { data.current_epoch_ = epoch; }
+
+}  // namespace fulgur::detail

@@ -282,6 +282,10 @@ std::vector<TrainerFlag> make_flags() {
                "Split each epoch's samples across ranks (a DistributedSampler)",
                [](const O& o) { return std::string(o.use_distributed_sampler ? "true" : "false"); },
                set_bool(&O::use_distributed_sampler)});
+  f.push_back({"reload_dataloaders_every_n_epochs", "hardware",
+               "Make the DataModule's loaders again every N epochs (0: once per fit)",
+               [](const O& o) { return get_int(o, &O::reload_dataloaders_every_n_epochs); },
+               set_int(&O::reload_dataloaders_every_n_epochs, 0, "2")});
   // ---- Run length.
   f.push_back({"max_epochs", "run length",
                "Epochs to train; none: 1000, or unlimited when max_steps is set",

@@ -102,6 +102,9 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
           str("overfit_batches=", o.overfit_batches.text(), " and fast_dev_run=", o.fast_dev_run,
               " both set how many batches run: pass one of them."));
   }
+  check(o.reload_dataloaders_every_n_epochs >= 0,
+        str("reload_dataloaders_every_n_epochs=", o.reload_dataloaders_every_n_epochs,
+            ": must be >= 0 (0: the loaders are made once per fit)."));
   check(!(o.detect_anomaly && o.cuda_graph),
         "detect_anomaly=true with cuda_graph=true: anomaly detection reads every backward "
         "operation's output back to the host, which a CUDA graph cannot capture. Find the "
@@ -506,6 +509,7 @@ std::shared_ptr<DataLoader> Trainer::Impl::set_up_stage_data(Stage s, DataModule
   if (options.seed) seed_everything(*options.seed);
   if (data) {
     prepare_and_set_up(*data, s);
+    detail::set_loader_epoch(*data, 0);
     switch (s) {
       case Stage::kFit: loader = data->train_dataloader(); break;
       case Stage::kValidate: loader = data->val_dataloader(); break;
@@ -534,38 +538,62 @@ std::shared_ptr<DataLoader> Trainer::Impl::set_up_stage_data(Stage s, DataModule
     }
   }
   if (s == Stage::kFit) {
-    loader->set_default_seed(options.seed.value_or(0));
-    // Set for every fit, so that a loader overfit once shuffles again in
-    // the next fit without overfit_batches.
-    const bool overfit = !options.overfit_batches.is_zero();
-    const bool reordered = loader->set_in_order(overfit);
-    if (overfit && strategy->is_global_zero()) {
-      auto* in_dataset = dynamic_cast<DatasetLoader*>(loader.get());
-      if (reordered) {
-        detail::print_note(str("overfit_batches=", options.overfit_batches.text(),
-                               ": the training loader shuffles; in this fit it visits its samples "
-                               "in order, so that every epoch trains on the same batches"));
-      } else if (in_dataset == nullptr ||
-                 dynamic_cast<const SequentialSampler*>(&in_dataset->sampler()) == nullptr) {
-        detail::print_note(str("overfit_batches=", options.overfit_batches.text(),
-                               ": the training loader's order is its own (a sampler or loader "
-                               "fulgur cannot put in order); if it shuffles, each epoch trains "
-                               "on other batches"));
-      }
+    ready_train_loader(*loader, /*notes=*/true);
+    return loader;
+  }
+  // An evaluation or prediction whose forward is collective (fsdp's
+  // FULL_SHARD: every rank must run as many forwards, or the ones with more
+  // batches wait in a gather forever) takes shards of one length; metrics
+  // leave the repeats out (DataLoader::padded_rows), and
+  // PredictionFileWriter::read keeps each sample once.
+  distribute(*loader, /*even=*/drive().forward_is_collective(),
+             s == Stage::kValidate ? "validation"
+             : s == Stage::kTest   ? "test"
+                                   : "predict");
+  return loader;
+}
+
+void Trainer::Impl::ready_train_loader(DataLoader& loader, bool notes) {
+  loader.set_default_seed(options.seed.value_or(0));
+  // Set for every fit, so that a loader overfit once shuffles again in
+  // the next fit without overfit_batches.
+  const bool overfit = !options.overfit_batches.is_zero();
+  const bool reordered = loader.set_in_order(overfit);
+  if (overfit && notes && strategy->is_global_zero()) {
+    auto* in_dataset = dynamic_cast<DatasetLoader*>(&loader);
+    if (reordered) {
+      detail::print_note(str("overfit_batches=", options.overfit_batches.text(),
+                             ": the training loader shuffles; in this fit it visits its samples "
+                             "in order, so that every epoch trains on the same batches"));
+    } else if (in_dataset == nullptr ||
+               dynamic_cast<const SequentialSampler*>(&in_dataset->sampler()) == nullptr) {
+      detail::print_note(str("overfit_batches=", options.overfit_batches.text(),
+                             ": the training loader's order is its own (a sampler or loader "
+                             "fulgur cannot put in order); if it shuffles, each epoch trains "
+                             "on other batches"));
     }
   }
-  // Training, and an evaluation or prediction whose forward is collective
-  // (fsdp's FULL_SHARD: every rank must run as many forwards, or the ones
-  // with more batches wait in a gather forever), take shards of one length;
-  // metrics leave the repeats out (DataLoader::padded_rows), and
-  // PredictionFileWriter::read keeps each sample once.
-  const bool collective_evaluation = s != Stage::kFit && drive().forward_is_collective();
-  distribute(*loader, /*even=*/s == Stage::kFit || collective_evaluation,
-             s == Stage::kFit        ? "training"
-             : s == Stage::kValidate ? "validation"
-             : s == Stage::kTest     ? "test"
-                                    : "predict");
-  return loader;
+  // Training takes shards of one length (every rank steps as often).
+  distribute(loader, /*even=*/true, "training");
+}
+
+void Trainer::Impl::ready_val_loader(DataLoader& loader) {
+  loader.set_default_seed(options.seed.value_or(0));
+  distribute(loader, /*even=*/drive().forward_is_collective(), "validation");
+}
+
+Trainer::Impl::FitLoaders Trainer::Impl::make_fit_loaders(DataModule& data, int64_t epoch) {
+  detail::set_loader_epoch(data, epoch);
+  FitLoaders loaders{data.train_dataloader(), data.val_dataloader()};
+  if (!loaders.train) {
+    throw ConfigError(
+        str("reload_dataloaders_every_n_epochs=", options.reload_dataloaders_every_n_epochs,
+            ": the DataModule's train_dataloader() returned no loader for epoch ", epoch,
+            " (DataModule::current_epoch()). Return one for every epoch."));
+  }
+  ready_train_loader(*loaders.train, /*notes=*/false);
+  if (loaders.val) ready_val_loader(*loaders.val);
+  return loaders;
 }
 
 void Trainer::Impl::set_up_module_and_load_weights(Module& m, const std::string& ckpt_path) {
@@ -577,17 +605,22 @@ void Trainer::Impl::set_up_module_and_load_weights(Module& m, const std::string&
 FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
                                  std::shared_ptr<DataLoader> val, DataModule* data,
                                  const FitOptions& fit) {
+  if (options.reload_dataloaders_every_n_epochs > 0 && data == nullptr) {
+    throw ConfigError(
+        str("reload_dataloaders_every_n_epochs=", options.reload_dataloaders_every_n_epochs,
+            ": fit was given its loaders, which fulgur cannot make again. Pass a "
+            "DataModule whose train_dataloader() and val_dataloader() make them "
+            "(they can read DataModule::current_epoch()), or "
+            "reload_dataloaders_every_n_epochs=0."));
+  }
   FitResult result;
   run_stage(
       m, Stage::kFit,
       [&] {
         train = set_up_stage_data(Stage::kFit, data, std::move(train));
         if (data) val = data->val_dataloader();
-        if (val) {
-          val->set_default_seed(options.seed.value_or(0));
-          distribute(*val, /*even=*/drive().forward_is_collective(), "validation");
-        }
-        fit_loop.start(train, val);
+        if (val) ready_val_loader(*val);
+        fit_loop.start(train, val, data);
         logging.reset_metrics();
 
         // SLURM's requeue signal and SIGTERM: a checkpoint, then the end.

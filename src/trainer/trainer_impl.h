@@ -104,6 +104,17 @@ struct Trainer::Impl final : detail::TrainerLink {
   /// signal.
   [[noreturn]] void end_by_preemption(int signal);
 
+  /// The fit's loaders made again for `epoch` (reload_dataloaders_every_n_
+  /// epochs): the DataModule's train_dataloader() and val_dataloader() with
+  /// DataModule::current_epoch() at `epoch`, made ready as at the fit's
+  /// start (seeded, split across ranks). ConfigError when there is no
+  /// training loader; the validation loader may be null (none this epoch).
+  struct FitLoaders {
+    std::shared_ptr<DataLoader> train;
+    std::shared_ptr<DataLoader> val;
+  };
+  FitLoaders make_fit_loaders(DataModule& data, int64_t epoch);
+
  private:
   /// What every stage does first, in this order: seed, the DataModule's
   /// prepare_data/setup and its loader for `s` (or `loader`), the split
@@ -142,6 +153,11 @@ struct Trainer::Impl final : detail::TrainerLink {
   /// Splits `loader` across the ranks (train: `even`, padded; evaluation:
   /// exact) unless use_distributed_sampler is off or there is one rank.
   void distribute(DataLoader& loader, bool even, const char* which);
+  /// A fit's training loader made ready: its default seed, its order under
+  /// overfit_batches (with a note when `notes`), the split across ranks.
+  void ready_train_loader(DataLoader& loader, bool notes);
+  /// A fit's validation loader made ready: its default seed, the split.
+  void ready_val_loader(DataLoader& loader);
   /// DataModule::prepare_data() on each node's local rank 0, a barrier, then
   /// setup(s) on every rank.
   void prepare_and_set_up(DataModule& data, Stage s);

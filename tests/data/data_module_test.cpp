@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
@@ -13,6 +14,7 @@ namespace {
 using fulgur::test::LinearRegression;
 using fulgur::test::only;
 using fulgur::test::RecordingDataModule;
+using fulgur::test::regression_loader;
 using fulgur::test::TempDir;
 using fulgur::test::test_options;
 using fulgur::test::with_prefix;
@@ -113,6 +115,120 @@ TEST(DataModule, ValidateWithoutValidationLoaderIsAConfigError) {
   fulgur::Trainer trainer(test_options(dir));
   EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.validate(model, data),
                      {"validate", "val_dataloader"});
+}
+
+// ---- reload_dataloaders_every_n_epochs.
+
+/// Loaders that grow with the epoch they are made for: 2 + e shuffled
+/// training batches and 1 + e validation batches at DataModule::
+/// current_epoch() e. Records the epoch of every loader it makes.
+struct GrowingData : fulgur::DataModule {
+  std::shared_ptr<fulgur::DataLoader> train_dataloader() override {
+    train_epochs.push_back(current_epoch());
+    return regression_loader(2 + current_epoch(), /*batch_size=*/2, /*shuffle=*/true);
+  }
+  std::shared_ptr<fulgur::DataLoader> val_dataloader() override {
+    val_epochs.push_back(current_epoch());
+    return regression_loader(1 + current_epoch());
+  }
+  std::vector<int64_t> train_epochs, val_epochs;
+};
+
+TEST(DataModule, ReloadsItsLoadersEveryNEpochsForTheEpochTheyAreMadeFor) {
+  TempDir dir;
+  LinearRegression model;
+  std::map<int64_t, int64_t> batches;
+  model.train_hook = [&](LinearRegression& m, fulgur::Batch&, int64_t) {
+    ++batches[m.current_epoch()];
+  };
+  GrowingData data;
+  auto options = test_options(dir);
+  options.max_epochs = 5;
+  options.seed = 3;
+  options.reload_dataloaders_every_n_epochs = 2;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, data);
+  EXPECT_THAT(data.train_epochs, ElementsAre(0, 2, 4));
+  EXPECT_THAT(data.val_epochs, ElementsAre(0, 2, 4));
+  EXPECT_THAT(batches, ElementsAre(std::pair<const int64_t, int64_t>{0, 2}, std::pair{1, 2},
+                                   std::pair{2, 4}, std::pair{3, 4}, std::pair{4, 6}));
+  EXPECT_EQ(result.global_step, 18);
+  // Each epoch validated on the loader made for it (a sanity batch first).
+  EXPECT_EQ(model.sanity_steps, 1);
+  EXPECT_EQ(model.validation_steps, 1 + 1 + 3 + 3 + 5);
+  // Another stage makes its loaders for epoch 0 again.
+  trainer.validate(model, data);
+  EXPECT_EQ(data.val_epochs.back(), 0);
+
+  // Off (0): made once per fit.
+  GrowingData once;
+  options.reload_dataloaders_every_n_epochs = 0;
+  LinearRegression plain;
+  fulgur::Trainer(options).fit(plain, once);
+  EXPECT_THAT(once.train_epochs, ElementsAre(0));
+  EXPECT_EQ(plain.training_steps, 5 * 2);
+}
+
+TEST(DataModule, AResumedFitTrainsOnTheLoadersItsEpochHadInTheUninterruptedRun) {
+  // Epochs of 2, 2, 4 and 4 batches (reloaded at epochs 0 and 2); a
+  // checkpoint every 5 steps: step 5 is in epoch 2, step 10 in epoch 3,
+  // whose loaders were made at epoch 2.
+  // And one at each epoch's end: epoch=1-step=4 resumes into epoch 2.
+  auto options_in = [](const TempDir& root) {
+    auto options = test_options(root);
+    options.max_epochs = 4;
+    options.seed = 11;
+    options.reload_dataloaders_every_n_epochs = 2;
+    options.enable_checkpointing = true;
+    options.callbacks = {
+        std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+            .dirpath = root.file("steps"), .save_top_k = -1, .every_n_train_steps = 5}),
+        std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+            .dirpath = root.file("epochs"), .save_top_k = -1, .every_n_epochs = 1})};
+    return options;
+  };
+  TempDir whole;
+  LinearRegression uninterrupted({.momentum = 0.9});
+  GrowingData data;
+  auto full = fulgur::Trainer(options_in(whole)).fit(uninterrupted, data);
+  ASSERT_EQ(full.global_step, 12);
+  for (const char* name :
+       {"steps/epoch=2-step=5.ckpt", "steps/epoch=3-step=10.ckpt", "epochs/epoch=1-step=4.ckpt"}) {
+    SCOPED_TRACE(name);
+    TempDir other;
+    LinearRegression resumed({.momentum = 0.9});
+    GrowingData again;
+    auto result =
+        fulgur::Trainer(options_in(other)).fit(resumed, again, {.ckpt_path = whole.file(name)});
+    EXPECT_EQ(result.global_step, 12);
+    // Made for epoch 0 when the fit starts, then for epoch 2 when the
+    // checkpoint says where the run is.
+    EXPECT_THAT(again.train_epochs, ElementsAre(0, 2));
+    EXPECT_TRUE(fulgur::test::parameters_equal(uninterrupted, resumed));
+  }
+}
+
+TEST(DataModule, ReloadingNeedsADataModuleAndATrainingLoaderForEveryEpoch) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.reload_dataloaders_every_n_epochs = 1;
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError, fulgur::Trainer(options).fit(model, regression_loader(2)),
+      {"reload_dataloaders_every_n_epochs=1", "fit was given its loaders", "Pass a DataModule"});
+  struct ShortLived : fulgur::DataModule {
+    std::shared_ptr<fulgur::DataLoader> train_dataloader() override {
+      return current_epoch() < 2 ? regression_loader(2) : nullptr;
+    }
+  };
+  ShortLived data;
+  options.max_epochs = 3;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer(options).fit(model, data),
+                     {"train_dataloader() returned no loader for epoch 2"});
+  EXPECT_EQ(model.training_steps, 4);
+  options.reload_dataloaders_every_n_epochs = -1;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer{options},
+                     {"reload_dataloaders_every_n_epochs=-1", "must be >= 0"});
 }
 
 }  // namespace

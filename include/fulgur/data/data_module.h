@@ -22,6 +22,12 @@
 namespace fulgur {
 
 class DataLoader;
+class DataModule;
+
+namespace detail {
+/// Private: the Trainer's way to set DataModule::current_epoch().
+void set_loader_epoch(DataModule& data, int64_t epoch);
+}  // namespace detail
 
 /// What the Trainer is running.
 enum class Stage { kFit, kValidate, kTest, kPredict };
@@ -51,6 +57,18 @@ class DataModule {
   /// and the finder refuses the module, saying to override both.
   virtual std::optional<int64_t> batch_size() const { return std::nullopt; }
   virtual void set_batch_size(int64_t /*batch_size*/) {}
+
+  /// The training epoch the loaders are being made for, to read in the
+  /// loader functions: 0 when a stage starts; with the Trainer's
+  /// reload_dataloaders_every_n_epochs=N, the epoch of each reload (0, N,
+  /// 2N, ...). A fit resumed in epoch E makes them for E rounded down to a
+  /// multiple of N, the epoch at which the uninterrupted run made them, so
+  /// it trains on the same data.
+  int64_t current_epoch() const { return current_epoch_; }
+
+ private:
+  friend void detail::set_loader_epoch(DataModule& data, int64_t epoch);
+  int64_t current_epoch_ = 0;
 };
 
 }  // namespace fulgur

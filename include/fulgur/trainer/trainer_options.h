@@ -172,6 +172,14 @@ struct TrainerOptions {
   /// to equal lengths, evaluation exact). Off: each rank's loaders are used
   /// as they are (the user splits the data).
   bool use_distributed_sampler = true;
+  /// Make the fit's loaders again every N epochs (0: once per fit): the
+  /// DataModule's train_dataloader() and val_dataloader() are called at
+  /// the start of epochs 0, N, 2N, ... with DataModule::current_epoch()
+  /// saying which, so that its data can change as training goes on (a
+  /// curriculum, a growing dataset). A resumed fit makes them for the epoch
+  /// the uninterrupted run made them at. Needs a DataModule: loaders passed
+  /// to fit cannot be made again.
+  int64_t reload_dataloaders_every_n_epochs = 0;
 
   // ---- Run length.
   /// Epochs to train; unset: 1000, or unlimited when max_steps is set.

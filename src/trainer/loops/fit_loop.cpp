@@ -86,23 +86,7 @@ void FitLoop::set_accumulate_grad_batches(int64_t n) {
   accumulate_ = n;
 }
 
-void FitLoop::run() {
-  Module& m = *trainer_.module;
-  if (!m.automatic_optimization()) {
-    if (trainer_.options.accumulate_grad_batches != 1) {
-      throw ConfigError(
-          str("Trainer(accumulate_grad_batches=", trainer_.options.accumulate_grad_batches,
-              ") with manual optimization: accumulation is the Module's job when "
-              "it steps itself. Pass accumulate_grad_batches=1 and step every N "
-              "batches in training_step."));
-    }
-    if (trainer_.options.gradient_clip_val && *trainer_.options.gradient_clip_val > 0) {
-      throw ConfigError(str("Trainer(gradient_clip_val=", *trainer_.options.gradient_clip_val,
-                            ") with manual optimization: clip in training_step before "
-                            "optimizer_step (torch::nn::utils::clip_grad_norm_), and leave "
-                            "gradient_clip_val unset."));
-    }
-  }
+void FitLoop::count_training_batches() {
   num_training_batches_ =
       trainer_.limits.train.apply(train_loader_->num_batches(), trainer_.limits.train_flag)
           .value_or(-1);
@@ -121,6 +105,38 @@ void FitLoop::run() {
                           ", or check_val_every_n_epoch=std::nullopt to count batches across "
                           "epochs."));
   }
+}
+
+void FitLoop::load_loaders_for(int64_t epoch) {
+  const int64_t every = trainer_.options.reload_dataloaders_every_n_epochs;
+  if (every <= 0 || data_ == nullptr) return;
+  const int64_t made_at = epoch / every * every;
+  if (made_at == loaders_epoch_) return;
+  Trainer::Impl::FitLoaders loaders = trainer_.make_fit_loaders(*data_, made_at);
+  train_loader_ = std::move(loaders.train);
+  val_loader_ = std::move(loaders.val);
+  loaders_epoch_ = made_at;
+  count_training_batches();
+}
+
+void FitLoop::run() {
+  Module& m = *trainer_.module;
+  if (!m.automatic_optimization()) {
+    if (trainer_.options.accumulate_grad_batches != 1) {
+      throw ConfigError(
+          str("Trainer(accumulate_grad_batches=", trainer_.options.accumulate_grad_batches,
+              ") with manual optimization: accumulation is the Module's job when "
+              "it steps itself. Pass accumulate_grad_batches=1 and step every N "
+              "batches in training_step."));
+    }
+    if (trainer_.options.gradient_clip_val && *trainer_.options.gradient_clip_val > 0) {
+      throw ConfigError(str("Trainer(gradient_clip_val=", *trainer_.options.gradient_clip_val,
+                            ") with manual optimization: clip in training_step before "
+                            "optimizer_step (torch::nn::utils::clip_grad_norm_), and leave "
+                            "gradient_clip_val unset."));
+    }
+  }
+  count_training_batches();
   for (auto& opt : optimizers_.optimizers) opt->zero_grad();
   window_has_gradient_ = false;
   accumulate_ = trainer_.options.accumulate_grad_batches;
@@ -175,6 +191,7 @@ void FitLoop::run() {
 
 void FitLoop::train_epoch() {
   Module& m = *trainer_.module;
+  load_loaders_for(current_epoch_);
   DataLoader& loader = *train_loader_;
   // A resumed run arrives with the loader already positioned in this epoch.
   if (loader.epoch() != current_epoch_) loader.start_epoch(current_epoch_);
@@ -557,9 +574,12 @@ void FitLoop::publish_step_metrics() {
   trainer_.logging.publish_step(*trainer_.strategy, to_loggers, current_epoch_, global_step_);
 }
 
-void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoader> val) {
+void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoader> val,
+                    DataModule* data) {
   train_loader_ = std::move(train);
   val_loader_ = std::move(val);
+  data_ = data;
+  loaders_epoch_ = 0;
   optimizers_ = OptimizerConfig();
   current_epoch_ = 0;
   global_step_ = 0;
@@ -595,9 +615,11 @@ void FitLoop::run_sanity_check() {
 void FitLoop::finish() {
   train_loader_.reset();
   val_loader_.reset();
+  data_ = nullptr;
 }
 
 void FitLoop::detach() {
+  data_ = nullptr;
   training_ = false;
   sanity_checking_ = false;
   if (cuda_graph_ && trainer_.strategy && trainer_.strategy->is_global_zero() &&
@@ -628,9 +650,13 @@ void FitLoop::restore(const FitProgress& p, const StateDict* loader_state) {
     // Written during on_train_epoch_end: that epoch is complete.
     current_epoch_ = p.epoch + 1;
     validated_at_position_ = -1;
+    load_loaders_for(current_epoch_);
     return;
   }
   current_epoch_ = p.epoch;
+  // The loaders the uninterrupted run had in this epoch, before the
+  // training loader is positioned in it.
+  load_loaders_for(current_epoch_);
   if (!train_loader_) return;
   if (loader_state != nullptr) {
     train_loader_->load_state_dict(*loader_state, p.batch_position);

@@ -55,7 +55,9 @@ class FitLoop {
 
   /// A new fit over these loaders (already split across ranks): progress
   /// back to zero, no stop requested.
-  void start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoader> val);
+  /// `data`: the DataModule that made them (null: loaders given to fit),
+  /// which makes them again under reload_dataloaders_every_n_epochs.
+  void start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoader> val, DataModule* data);
   /// What configure_optimizers returned, set up by the strategy; under
   /// cuda_graph, refuses (ConfigError) what a captured step cannot do.
   void set_optimizers(OptimizerConfig optimizers);
@@ -100,6 +102,13 @@ class FitLoop {
 
  private:
   void train_epoch();
+  /// Under reload_dataloaders_every_n_epochs=N: the DataModule's loaders
+  /// for `epoch` (made at `epoch` rounded down to a multiple of N) unless
+  /// those are the ones in use; then the batch count again.
+  void load_loaders_for(int64_t epoch);
+  /// num_training_batches_ from the training loader and the limits, and
+  /// the checks of val_check_interval against it.
+  void count_training_batches();
   void training_batch(Batch& batch, int64_t batch_idx, bool is_last_batch);
   void step_optimizers();
   /// Every optimizer's unscale, hooks, clipping and step, then the
@@ -128,6 +137,8 @@ class FitLoop {
   OptimizerConfig optimizers_;
   std::shared_ptr<DataLoader> train_loader_;
   std::shared_ptr<DataLoader> val_loader_;
+  DataModule* data_ = nullptr;
+  int64_t loaders_epoch_ = 0;  // the epoch the loaders in use were made for
 
   bool training_ = false;
   bool sanity_checking_ = false;
