@@ -237,7 +237,9 @@ void StochasticWeightAveraging::update_batch_norm(Trainer& trainer, Module& modu
     for (int64_t batch_idx = 0; limit < 0 || batch_idx < limit; ++batch_idx) {
       auto batch = loader->next();
       if (!batch) break;
-      Batch on_device = driver.batch_to_device(*batch);
+      // As the training step gets it (the Module's batch transfer hooks).
+      Batch on_device = module.on_after_batch_transfer(
+          driver.batch_to_device(module.on_before_batch_transfer(*batch)));
       try {
         module.predict_step(on_device, batch_idx);
       } catch (const ConfigError& e) {

@@ -3,12 +3,15 @@
 #include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <functional>
 #include <filesystem>
 #include <iostream>
 #include <map>
 #include <mutex>
 #include <set>
+#include <typeindex>
 
 #include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/callbacks/progress_bar.h"
@@ -390,19 +393,26 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
   module = &m;
   stage = s;
   attach(m, this);
+  // The Module's own callbacks join the Trainer's for this stage only.
+  const std::vector<std::shared_ptr<Callback>> trainer_callbacks = callbacks;
+  ModelCheckpoint* const trainer_checkpoint = checkpoint_callback;
   auto detach = [&](bool completed) {
     signals.disarm();
     attach(m, nullptr);
     fit_loop.detach();
     drive().teardown(completed);
+    callbacks = trainer_callbacks;
+    checkpoint_callback = trainer_checkpoint;
   };
   try {
     // Before any rank starts: a forked rank inherits it, a launched one
     // comes here itself.
     tune_host_allocator();
+    add_module_callbacks(m);
     auto run = [&] {
       try {
         drive().setup_environment();
+        stage_set_up = false;
         try {
           body();
         } catch (...) {
@@ -410,8 +420,10 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
           if (s == Stage::kFit && strategy->is_global_zero()) {
             logging.finalize_quietly(RunStatus::kFailed);
           }
+          tear_down_stage(s, /*failed=*/true);
           throw;
         }
+        tear_down_stage(s, /*failed=*/false);
       } catch (const std::exception& e) {
         // A launched rank tells its launcher how it failed (unless a
         // collective already said that a peer was lost).
@@ -465,6 +477,78 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
   detach(/*completed=*/true);
 }
 
+void Trainer::Impl::add_module_callbacks(Module& m) {
+  std::vector<std::shared_ptr<Callback>> brought = m.configure_callbacks();
+  if (brought.empty()) return;
+  std::set<std::type_index> types;
+  for (size_t i = 0; i < brought.size(); ++i) {
+    if (brought[i] == nullptr) {
+      throw ConfigError(str("Module::configure_callbacks() returned a null callback at [", i,
+                            "]: return instances."));
+    }
+    types.insert(typeid(*brought[i]));
+  }
+  // A callback of a type the Module brings is replaced by the Module's.
+  std::vector<std::string> replaced;
+  std::erase_if(callbacks, [&](const std::shared_ptr<Callback>& cb) {
+    if (types.count(typeid(*cb)) == 0) return false;
+    replaced.push_back(c10::demangle(typeid(*cb).name()));
+    return true;
+  });
+  callbacks.insert(callbacks.end(), brought.begin(), brought.end());
+  std::stable_partition(callbacks.begin(), callbacks.end(), [](const auto& cb) {
+    return dynamic_cast<ModelCheckpoint*>(cb.get()) == nullptr;
+  });
+  if (types.count(typeid(ModelCheckpoint)) != 0 ||
+      std::any_of(brought.begin(), brought.end(),
+                  [](const auto& cb) { return dynamic_cast<ModelCheckpoint*>(cb.get()); })) {
+    checkpoint_callback = nullptr;
+    for (const auto& cb : callbacks) {
+      if ((checkpoint_callback = dynamic_cast<ModelCheckpoint*>(cb.get()))) break;
+    }
+  }
+  // Each callback's state has its own place in a checkpoint.
+  std::map<std::string, std::string> keys;
+  for (const auto& cb : callbacks) {
+    const std::string name = c10::demangle(typeid(*cb).name());
+    auto [it, fresh] = keys.emplace(cb->state_key(), name);
+    if (!fresh) {
+      throw ConfigError(str("Module::configure_callbacks(): a ", name, " and a ", it->second,
+                            " have the same state_key() \"", it->first,
+                            "\", so a checkpoint could not tell their states apart. Give one "
+                            "of them another key (or options that make it differ)."));
+    }
+  }
+  if (!replaced.empty() && strategy->is_global_zero()) {
+    detail::print_note(str("Module::configure_callbacks() replaces the Trainer's ", join(replaced),
+                           " for this ", to_string(stage), "."));
+  }
+}
+
+void Trainer::Impl::tear_down_stage(Stage s, bool failed) {
+  if (!stage_set_up) return;
+  stage_set_up = false;
+  if (!failed) {
+    call_hooks([s](Module& mod) { mod.teardown(s); },
+               [&](Callback& cb) { cb.teardown(self, *module, s); });
+    return;
+  }
+  // After a failure every hook still runs; the first error is the one the
+  // user sees, so theirs are only noted.
+  auto quietly = [&](const char* who, const std::function<void()>& hook) {
+    try {
+      hook();
+    } catch (const std::exception& e) {
+      detail::print_note(
+          str(who, " teardown(", to_string(s), ") failed after the stage failed: ", e.what()));
+    }
+  };
+  quietly("the Module's", [&] { module->teardown(s); });
+  for (auto& cb : callbacks) {
+    quietly("a callback's", [&] { cb->teardown(self, *module, s); });
+  }
+}
+
 Trainer::Impl::StageResults Trainer::Impl::fit_results(Module& m, FitResult& result) {
   return StageResults{[this, &m, &result] {
                         StateDict state;
@@ -507,8 +591,11 @@ void Trainer::Impl::prepare_and_set_up(DataModule& data, Stage s) {
 std::shared_ptr<DataLoader> Trainer::Impl::set_up_stage_data(Stage s, DataModule* data,
                                                              std::shared_ptr<DataLoader> loader) {
   if (options.seed) seed_everything(*options.seed);
+  if (data) prepare_and_set_up(*data, s);
+  // The stage's setup hooks (teardown: run_stage, whatever way it ends).
+  stage_set_up = true;
+  call_hooks([s](Module& mod) { mod.setup(s); }, [&](Callback& cb) { cb.setup(self, *module, s); });
   if (data) {
-    prepare_and_set_up(*data, s);
     detail::set_loader_epoch(*data, 0);
     switch (s) {
       case Stage::kFit: loader = data->train_dataloader(); break;

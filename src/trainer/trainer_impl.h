@@ -51,6 +51,9 @@ struct Trainer::Impl final : detail::TrainerLink {
   /// While the callbacks' on_exception run: a checkpoint saved then may be
   /// one rank's alone, and runs no collective of the Trainer's own.
   bool handling_exception = false;
+  /// The stage's setup hooks ran (set_up_stage_data): its teardown hooks
+  /// are due.
+  bool stage_set_up = false;
 
   detail::LoggerConnector logging;
   detail::FitLoop fit_loop{*this};
@@ -161,6 +164,13 @@ struct Trainer::Impl final : detail::TrainerLink {
   /// DataModule::prepare_data() on each node's local rank 0, a barrier, then
   /// setup(s) on every rank.
   void prepare_and_set_up(DataModule& data, Stage s);
+  /// Module::configure_callbacks() joined to `callbacks` for the stage: one
+  /// of a type already there replaces it (with a note), checkpoint
+  /// callbacks last; ConfigError for a null one or a repeated state_key().
+  void add_module_callbacks(Module& m);
+  /// The Module's and the callbacks' teardown(s) when their setup(s) ran;
+  /// after a failure (`failed`) their errors are notes, not thrown.
+  void tear_down_stage(Stage s, bool failed);
 };
 
 }  // namespace fulgur

@@ -26,6 +26,7 @@ namespace fulgur {
 class Batch;
 class Module;
 class Trainer;
+enum class Stage;  // fulgur/data/data_module.h
 
 class Callback {
  public:
@@ -34,6 +35,10 @@ class Callback {
   /// Identifies this callback's state in a checkpoint; unique per run.
   virtual std::string state_key() const = 0;
 
+  /// Every stage starts with setup(stage) on every rank, after the Module's
+  /// setup, and ends with teardown(stage), also when it failed.
+  virtual void setup(Trainer&, Module&, Stage) {}
+  virtual void teardown(Trainer&, Module&, Stage) {}
   virtual void on_fit_start(Trainer&, Module&) {}
   virtual void on_fit_end(Trainer&, Module&) {}
   virtual void on_train_start(Trainer&, Module&) {}
@@ -43,6 +48,16 @@ class Callback {
   virtual void on_train_batch_start(Trainer&, Module&, const Batch&, int64_t /*batch_idx*/) {}
   virtual void on_train_batch_end(Trainer&, Module&, const at::Tensor& /*loss*/, const Batch&,
                                   int64_t /*batch_idx*/) {}
+  /// Automatic optimization's step hooks (called once, at the capture,
+  /// under cuda_graph): `loss` as backward gets it, before accumulation's
+  /// scaling.
+  virtual void on_before_backward(Trainer&, Module&, const at::Tensor& /*loss*/) {}
+  virtual void on_after_backward(Trainer&, Module&) {}
+  virtual void on_before_zero_grad(Trainer&, Module&, torch::optim::Optimizer&) {}
+  /// Around fit's sanity check (num_sanity_val_steps validation batches
+  /// before training), which runs the validation hooks too.
+  virtual void on_sanity_check_start(Trainer&, Module&) {}
+  virtual void on_sanity_check_end(Trainer&, Module&) {}
   /// The evaluation hooks run in eval mode without autograd (as the steps
   /// do); the start hooks before the epoch's first hook, the end hooks after
   /// the epoch's metrics are published (callback_metrics()).
@@ -50,14 +65,19 @@ class Callback {
   virtual void on_validation_end(Trainer&, Module&) {}
   virtual void on_validation_epoch_start(Trainer&, Module&) {}
   virtual void on_validation_epoch_end(Trainer&, Module&) {}
+  virtual void on_validation_batch_start(Trainer&, Module&, const Batch&, int64_t) {}
   virtual void on_validation_batch_end(Trainer&, Module&, const Batch&, int64_t) {}
   virtual void on_test_start(Trainer&, Module&) {}
   virtual void on_test_end(Trainer&, Module&) {}
   virtual void on_test_epoch_start(Trainer&, Module&) {}
   virtual void on_test_epoch_end(Trainer&, Module&) {}
+  virtual void on_test_batch_start(Trainer&, Module&, const Batch&, int64_t) {}
   virtual void on_test_batch_end(Trainer&, Module&, const Batch&, int64_t) {}
   virtual void on_predict_start(Trainer&, Module&) {}
   virtual void on_predict_end(Trainer&, Module&) {}
+  virtual void on_predict_epoch_start(Trainer&, Module&) {}
+  virtual void on_predict_epoch_end(Trainer&, Module&) {}
+  virtual void on_predict_batch_start(Trainer&, Module&, const Batch&, int64_t) {}
   /// `prediction`: what predict_step returned for `batch` (the loader's).
   virtual void on_predict_batch_end(Trainer&, Module&, const Batch& /*prediction*/,
                                     const Batch& /*batch*/, int64_t /*batch_idx*/) {}

@@ -44,6 +44,8 @@ namespace fulgur {
 
 class ProcessGroup;
 class Trainer;
+class Callback;
+enum class Stage;  // fulgur/data/data_module.h
 namespace metrics {
 class Metric;
 class MetricCollection;
@@ -52,7 +54,6 @@ namespace detail {
 class ModuleLogSink;
 class TrainerLink;
 }  // namespace detail
-
 
 /// Options of Module::log. Unset on_step/on_epoch take the default of the
 /// hook they are logged from: training steps log per step, evaluation steps
@@ -135,6 +136,26 @@ class Module : public torch::nn::Module {
   virtual OptimizerConfig configure_optimizers();
 
   // ---- Hooks, in the order the Trainer calls them.
+  /// Every stage (fit, validate, test, predict) starts with setup(stage) on
+  /// every rank, after the DataModule's setup and before configure_model(),
+  /// and ends with teardown(stage), also when it failed (Lightning's
+  /// setup/teardown hooks): build what the stage needs, let go of it.
+  virtual void setup(Stage /*stage*/) {}
+  virtual void teardown(Stage /*stage*/) {}
+  /// Callbacks the Module brings to every stage it runs in, after the
+  /// Trainer's: one of the same type as a Trainer's callback replaces it
+  /// (with a note), so a Module can bring its own ModelCheckpoint or
+  /// EarlyStopping. The Trainer's list is back as it was after the stage.
+  virtual std::vector<std::shared_ptr<Callback>> configure_callbacks() { return {}; }
+  /// Each batch on its way to its step: on_before_batch_transfer gets the
+  /// loader's batch (on the host) and returns what is moved to the device,
+  /// and on_after_batch_transfer gets that on the device, on the step's
+  /// stream (e.g. augmentation on the GPU), and returns what the step gets.
+  /// The batch hooks keep getting the loader's batch. With
+  /// prefetch_to_device the first runs one batch ahead, when the batch is
+  /// put on its way; the second when its step takes it.
+  virtual Batch on_before_batch_transfer(Batch batch) { return batch; }
+  virtual Batch on_after_batch_transfer(Batch batch) { return batch; }
   /// Builds parts of the model that need the device or process group.
   virtual void configure_model() {}
   virtual void on_fit_start() {}
@@ -148,12 +169,28 @@ class Module : public torch::nn::Module {
   /// (in place: the tensor training_step returned is detached too).
   virtual void on_train_batch_end(const at::Tensor& /*loss*/, const Batch& /*batch*/,
                                   int64_t /*batch_idx*/) {}
+  /// The evaluation hooks; `batch` is the loader's batch, as in the train
+  /// batch hooks, and the batch end hooks run after the step.
+  virtual void on_validation_start() {}
+  virtual void on_validation_end() {}
   virtual void on_validation_epoch_start() {}
   virtual void on_validation_epoch_end() {}
+  virtual void on_validation_batch_start(const Batch& /*batch*/, int64_t /*batch_idx*/) {}
+  virtual void on_validation_batch_end(const Batch& /*batch*/, int64_t /*batch_idx*/) {}
+  virtual void on_test_start() {}
+  virtual void on_test_end() {}
   virtual void on_test_epoch_start() {}
   virtual void on_test_epoch_end() {}
+  virtual void on_test_batch_start(const Batch& /*batch*/, int64_t /*batch_idx*/) {}
+  virtual void on_test_batch_end(const Batch& /*batch*/, int64_t /*batch_idx*/) {}
+  virtual void on_predict_start() {}
+  virtual void on_predict_end() {}
   virtual void on_predict_epoch_start() {}
   virtual void on_predict_epoch_end() {}
+  virtual void on_predict_batch_start(const Batch& /*batch*/, int64_t /*batch_idx*/) {}
+  /// `prediction`: what predict_step returned for `batch`.
+  virtual void on_predict_batch_end(const Batch& /*prediction*/, const Batch& /*batch*/,
+                                    int64_t /*batch_idx*/) {}
   virtual void on_before_backward(const at::Tensor& /*loss*/) {}
   virtual void on_after_backward() {}
   virtual void on_before_optimizer_step(torch::optim::Optimizer& /*optimizer*/) {}

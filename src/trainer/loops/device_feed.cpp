@@ -5,6 +5,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/core/module.h"
 #include "fulgur/strategies/strategy.h"
 #include "strategies/strategy_driver.h"
 
@@ -20,9 +21,10 @@ std::vector<const c10::TensorImpl*> identity(const Batch& batch) {
 }
 }  // namespace
 
-void DeviceFeed::reset(Strategy& strategy, std::optional<bool> prefetch_to_device) {
+void DeviceFeed::reset(Strategy& strategy, std::optional<bool> prefetch_to_device, Module& module) {
   in_flight_.clear();
   strategy_ = &strategy;
+  module_ = &module;
   const c10::Device device = strategy.root_device();
   enabled_ = prefetch_to_device.value_or(device.is_cuda());
   if (device != device_) side_.reset();
@@ -37,16 +39,18 @@ void DeviceFeed::put(const Batch& host) {
   FULGUR_ASSERT(strategy_ != nullptr, "DeviceFeed::put before reset");
   InFlight entry{.host = host, .device = Batch(), .ready = std::nullopt};
   if (!streams_) {
-    entry.device = drive(*strategy_).batch_to_device(host);
+    entry.device = move(host);
     in_flight_.push_back(std::move(entry));
     return;
   }
   const auto* impl = c10::impl::getDeviceGuardImpl(device_.type());
   if (!side_) side_ = impl->getStreamFromGlobalPool(device_, /*isHighPriority=*/false);
+  // What is moved: the hook runs on the host, before the copy is queued.
+  const Batch moved = module_->on_before_batch_transfer(host);
   // A tensor already on the device may still be written by work queued on
   // the current stream: the side stream reads it only after that work.
   bool reads_device_memory = false;
-  host.for_each([&](const at::Tensor& t) { reads_device_memory |= t.device() == device_; });
+  moved.for_each([&](const at::Tensor& t) { reads_device_memory |= t.device() == device_; });
   if (reads_device_memory) {
     c10::Event queued(device_.type());
     queued.record(impl->getStream(device_));
@@ -54,7 +58,7 @@ void DeviceFeed::put(const Batch& host) {
   }
   {
     c10::StreamGuard on_side(*side_);
-    entry.device = drive(*strategy_).batch_to_device(host);
+    entry.device = drive(*strategy_).batch_to_device(moved);
   }
   entry.ready.emplace(device_.type());
   entry.ready->record(*side_);
@@ -63,7 +67,7 @@ void DeviceFeed::put(const Batch& host) {
 
 Batch DeviceFeed::take(const Batch& host) {
   FULGUR_ASSERT(strategy_ != nullptr, "DeviceFeed::take before reset");
-  if (in_flight_.empty()) return drive(*strategy_).batch_to_device(host);
+  if (in_flight_.empty()) return module_->on_after_batch_transfer(move(host));
   InFlight entry = std::move(in_flight_.front());
   in_flight_.pop_front();
   FULGUR_ASSERT(identity(entry.host) == identity(host),
@@ -80,7 +84,11 @@ Batch DeviceFeed::take(const Batch& host) {
       }
     });
   }
-  return std::move(entry.device);
+  return module_->on_after_batch_transfer(std::move(entry.device));
+}
+
+Batch DeviceFeed::move(const Batch& host) const {
+  return drive(*strategy_).batch_to_device(module_->on_before_batch_transfer(host));
 }
 
 }  // namespace fulgur::detail

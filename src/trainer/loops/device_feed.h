@@ -27,6 +27,7 @@
 #include "fulgur/data/batch.h"
 
 namespace fulgur {
+class Module;
 class Strategy;
 }  // namespace fulgur
 
@@ -36,8 +37,11 @@ class DeviceFeed {
  public:
   /// A feed for `strategy`'s root device, prefetching as the Trainer option
   /// prefetch_to_device says (unset: only where the device has streams to
-  /// overlap the copy with, i.e. CUDA). Drops the batches put and not taken.
-  void reset(Strategy& strategy, std::optional<bool> prefetch_to_device);
+  /// overlap the copy with, i.e. CUDA), through `module`'s batch transfer
+  /// hooks (Module::on_before_batch_transfer before the move,
+  /// on_after_batch_transfer when the batch is taken). Drops the batches put
+  /// and not taken.
+  void reset(Strategy& strategy, std::optional<bool> prefetch_to_device, Module& module);
   bool enabled() const { return enabled_; }
 
   /// Starts moving `host`, the batch after those already put, to the device.
@@ -55,7 +59,11 @@ class DeviceFeed {
     std::optional<c10::Event> ready;  // recorded on the side stream after the copy
   };
 
+  /// `host` through the module's on_before_batch_transfer, moved.
+  Batch move(const Batch& host) const;
+
   Strategy* strategy_ = nullptr;
+  Module* module_ = nullptr;
   bool enabled_ = false;
   bool streams_ = false;  // the device orders work by streams (CUDA)
   c10::Device device_ = c10::Device(c10::kCPU);

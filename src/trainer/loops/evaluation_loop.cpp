@@ -36,10 +36,10 @@ class PaddedRows {
 // (all when unset) of one pass over `loader`; with prefetch, each batch is
 // put on the device while the step before it runs.
 template <class Fn>
-void for_each_batch(Strategy& strategy, std::optional<bool> prefetch, DataLoader& loader,
-                    std::optional<int64_t> limit, Fn fn) {
+void for_each_batch(Strategy& strategy, std::optional<bool> prefetch, Module& module,
+                    DataLoader& loader, std::optional<int64_t> limit, Fn fn) {
   DeviceFeed feed;
-  feed.reset(strategy, prefetch);
+  feed.reset(strategy, prefetch, module);
   loader.start_epoch(0);
   std::optional<Batch> batch;
   if (!limit || *limit > 0) batch = loader.next();
@@ -73,6 +73,11 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   auto callbacks = [&](Hook test, Hook validation) {
     for (auto& cb : trainer_.callbacks) ((*cb).*(is_test ? test : validation))(trainer_.self, m);
   };
+  if (is_test) {
+    m.on_test_start();
+  } else {
+    m.on_validation_start();
+  }
   callbacks(&Callback::on_test_start, &Callback::on_validation_start);
   if (is_test) {
     m.on_test_epoch_start();
@@ -80,28 +85,39 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
     m.on_validation_epoch_start();
   }
   callbacks(&Callback::on_test_epoch_start, &Callback::on_validation_epoch_start);
-  for_each_batch(*trainer_.strategy, trainer_.options.prefetch_to_device, loader, limit,
-                 [&](const Batch& batch, Batch& on_device, int64_t idx) {
-                   trainer_.logging.eval_sink().set_context(/*training_step=*/false,
-                                                            on_device.batch_size());
-                   const PaddedRows padded(loader.padded_rows(idx));
-                   {
-                     auto scope = trainer_.drive().step_scope();
-                     if (is_test) {
-                       m.test_step(on_device, idx);
-                     } else {
-                       m.validation_step(on_device, idx);
-                     }
-                   }
-                   trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
-                   for (auto& cb : trainer_.callbacks) {
-                     if (is_test) {
-                       cb->on_test_batch_end(trainer_.self, m, batch, idx);
-                     } else {
-                       cb->on_validation_batch_end(trainer_.self, m, batch, idx);
-                     }
-                   }
-                 });
+  for_each_batch(
+      *trainer_.strategy, trainer_.options.prefetch_to_device, m, loader, limit,
+      [&](const Batch& batch, Batch& on_device, int64_t idx) {
+        if (is_test) {
+          trainer_.call_hooks(
+              [&](Module& mod) { mod.on_test_batch_start(batch, idx); },
+              [&](Callback& cb) { cb.on_test_batch_start(trainer_.self, m, batch, idx); });
+        } else {
+          trainer_.call_hooks(
+              [&](Module& mod) { mod.on_validation_batch_start(batch, idx); },
+              [&](Callback& cb) { cb.on_validation_batch_start(trainer_.self, m, batch, idx); });
+        }
+        trainer_.logging.eval_sink().set_context(/*training_step=*/false, on_device.batch_size());
+        const PaddedRows padded(loader.padded_rows(idx));
+        {
+          auto scope = trainer_.drive().step_scope();
+          if (is_test) {
+            m.test_step(on_device, idx);
+          } else {
+            m.validation_step(on_device, idx);
+          }
+        }
+        trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
+        if (is_test) {
+          trainer_.call_hooks(
+              [&](Module& mod) { mod.on_test_batch_end(batch, idx); },
+              [&](Callback& cb) { cb.on_test_batch_end(trainer_.self, m, batch, idx); });
+        } else {
+          trainer_.call_hooks(
+              [&](Module& mod) { mod.on_validation_batch_end(batch, idx); },
+              [&](Callback& cb) { cb.on_validation_batch_end(trainer_.self, m, batch, idx); });
+        }
+      });
   if (is_test) {
     m.on_test_epoch_end();
   } else {
@@ -114,6 +130,11 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
                                      /*in_fit=*/trainer_.stage == Stage::kFit);
   callbacks(&Callback::on_test_epoch_end, &Callback::on_validation_epoch_end);
   Trainer::Impl::set_log_sink(m, nullptr);
+  if (is_test) {
+    m.on_test_end();
+  } else {
+    m.on_validation_end();
+  }
   callbacks(&Callback::on_test_end, &Callback::on_validation_end);
   return out;
 }
@@ -128,22 +149,32 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
     DataLoader*& loader;
     ~Forget() { loader = nullptr; }
   } forget{loader_};
-  for (auto& cb : trainer_.callbacks) cb->on_predict_start(trainer_.self, m);
-  m.on_predict_epoch_start();
+  trainer_.call_hooks([](Module& mod) { mod.on_predict_start(); },
+                      [&](Callback& cb) { cb.on_predict_start(trainer_.self, m); });
+  trainer_.call_hooks([](Module& mod) { mod.on_predict_epoch_start(); },
+                      [&](Callback& cb) { cb.on_predict_epoch_start(trainer_.self, m); });
   std::vector<Batch> out;
   if (auto n = loader.num_batches())
     out.reserve(static_cast<size_t>(limit ? std::min(*n, *limit) : *n));
-  for_each_batch(*trainer_.strategy, trainer_.options.prefetch_to_device, loader, limit,
-                 [&](const Batch& batch, Batch& on_device, int64_t idx) {
-                   {
-                     auto scope = trainer_.drive().step_scope();
-                     out.push_back(m.predict_step(on_device, idx));
-                   }
-                   for (auto& cb : trainer_.callbacks)
-                     cb->on_predict_batch_end(trainer_.self, m, out.back(), batch, idx);
-                 });
-  m.on_predict_epoch_end();
-  for (auto& cb : trainer_.callbacks) cb->on_predict_end(trainer_.self, m);
+  for_each_batch(
+      *trainer_.strategy, trainer_.options.prefetch_to_device, m, loader, limit,
+      [&](const Batch& batch, Batch& on_device, int64_t idx) {
+        trainer_.call_hooks(
+            [&](Module& mod) { mod.on_predict_batch_start(batch, idx); },
+            [&](Callback& cb) { cb.on_predict_batch_start(trainer_.self, m, batch, idx); });
+        {
+          auto scope = trainer_.drive().step_scope();
+          out.push_back(m.predict_step(on_device, idx));
+        }
+        trainer_.call_hooks([&](Module& mod) { mod.on_predict_batch_end(out.back(), batch, idx); },
+                            [&](Callback& cb) {
+                              cb.on_predict_batch_end(trainer_.self, m, out.back(), batch, idx);
+                            });
+      });
+  trainer_.call_hooks([](Module& mod) { mod.on_predict_epoch_end(); },
+                      [&](Callback& cb) { cb.on_predict_epoch_end(trainer_.self, m); });
+  trainer_.call_hooks([](Module& mod) { mod.on_predict_end(); },
+                      [&](Callback& cb) { cb.on_predict_end(trainer_.self, m); });
   return out;
 }
 

@@ -207,7 +207,7 @@ void FitLoop::train_epoch() {
   // it, one batch ahead of the step that takes it. The loader is then one
   // batch ahead of the loop, as it is without a known length (the look-ahead
   // for the last batch); a checkpoint records the loop's position.
-  feed_.reset(*trainer_.strategy, trainer_.options.prefetch_to_device);
+  feed_.reset(*trainer_.strategy, trainer_.options.prefetch_to_device, m);
   int64_t idx = start;
   std::optional<Batch> batch;
   {
@@ -314,11 +314,14 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
       at::Tensor scaled = accumulate_ > 1 ? loss / accumulate_ : loss;
       {
         LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kBackward);
-        trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); },
-                            [](Callback&) {});
+        trainer_.call_hooks(
+            [&](Module& mod) { mod.on_before_backward(loss); },
+            [&](Callback& cb) { cb.on_before_backward(trainer_.self, *trainer_.module, loss); });
         trainer_.drive().set_stop_vote(should_stop_);
         trainer_.drive().backward(scaled, m);
-        trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
+        trainer_.call_hooks(
+            [](Module& mod) { mod.on_after_backward(); },
+            [&](Callback& cb) { cb.on_after_backward(trainer_.self, *trainer_.module); });
       }
       window_has_gradient_ = !should_step;
       if (should_step) step_optimizers();
@@ -386,7 +389,9 @@ void FitLoop::run_optimizer_steps(bool clip_on_device) {
 
 void FitLoop::finish_optimizer_steps(bool zero_grads) {
   for (auto& opt : optimizers_.optimizers) {
-    trainer_.call_hooks([&](Module& mod) { mod.on_before_zero_grad(*opt); }, [](Callback&) {});
+    trainer_.call_hooks(
+        [&](Module& mod) { mod.on_before_zero_grad(*opt); },
+        [&](Callback& cb) { cb.on_before_zero_grad(trainer_.self, *trainer_.module, *opt); });
     if (zero_grads) opt->zero_grad();
   }
   ++global_step_;
@@ -432,9 +437,12 @@ at::Tensor FitLoop::step_body(Batch& on_device, int64_t idx) {
                           "pass cuda_graph=false to skip batches."));
   }
   check_loss(loss);
-  trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
+  trainer_.call_hooks(
+      [&](Module& mod) { mod.on_before_backward(loss); },
+      [&](Callback& cb) { cb.on_before_backward(trainer_.self, *trainer_.module, loss); });
   trainer_.drive().backward(loss, m);
-  trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
+  trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); },
+                      [&](Callback& cb) { cb.on_after_backward(trainer_.self, *trainer_.module); });
   run_optimizer_steps(/*clip_on_device=*/true);
   return loss;
 }
@@ -546,10 +554,13 @@ void FitLoop::manual_backward(Module& m, const at::Tensor& loss) {
         "manual_backward(loss): called outside training_step. Call it from "
         "training_step while fitting.");
   }
-  trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); }, [](Callback&) {});
+  trainer_.call_hooks(
+      [&](Module& mod) { mod.on_before_backward(loss); },
+      [&](Callback& cb) { cb.on_before_backward(trainer_.self, *trainer_.module, loss); });
   trainer_.drive().set_stop_vote(should_stop_);
   trainer_.drive().backward(loss, m);
-  trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); }, [](Callback&) {});
+  trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); },
+                      [&](Callback& cb) { cb.on_after_backward(trainer_.self, *trainer_.module); });
 }
 
 void FitLoop::manual_optimizer_step(Module& m, torch::optim::Optimizer& optimizer) {
@@ -609,7 +620,17 @@ void FitLoop::set_optimizers(OptimizerConfig optimizers) {
 }
 
 void FitLoop::run_sanity_check() {
-  if (val_loader_ && trainer_.limits.num_sanity_val_steps != 0) run_validation(/*sanity=*/true);
+  if (!val_loader_ || trainer_.limits.num_sanity_val_steps == 0 || trainer_.limits.val.is_zero()) {
+    return;
+  }
+  Module& m = *trainer_.module;
+  // The sanity hooks see trainer.sanity_checking() true, as Lightning's do.
+  sanity_checking_ = true;
+  for (auto& cb : trainer_.callbacks) cb->on_sanity_check_start(trainer_.self, m);
+  run_validation(/*sanity=*/true);
+  sanity_checking_ = true;
+  for (auto& cb : trainer_.callbacks) cb->on_sanity_check_end(trainer_.self, m);
+  sanity_checking_ = false;
 }
 
 void FitLoop::finish() {

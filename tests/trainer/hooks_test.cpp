@@ -1,0 +1,399 @@
+// Lightning's hooks beyond the training loop's: each stage's setup and
+// teardown, the evaluation and predict batch hooks, the callbacks' backward,
+// zero_grad and sanity-check hooks, the batch transfer hooks, and the
+// callbacks a Module brings (configure_callbacks).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "fulgur/fulgur.h"
+#include "support/test_support.h"
+
+namespace {
+
+using fulgur::test::LinearRegression;
+using fulgur::test::only;
+using fulgur::test::RecordingDataModule;
+using fulgur::test::regression_loader;
+using fulgur::test::TempDir;
+using fulgur::test::test_options;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+/// LinearRegression recording the hooks it does not record itself.
+class HookedRegression : public LinearRegression {
+ public:
+  void setup(fulgur::Stage stage) override { add("setup:", stage); }
+  void teardown(fulgur::Stage stage) override { add("teardown:", stage); }
+  void on_validation_start() override { events.emplace_back("on_validation_start"); }
+  void on_validation_end() override { events.emplace_back("on_validation_end"); }
+  void on_validation_batch_start(const fulgur::Batch&, int64_t idx) override {
+    events.push_back("on_validation_batch_start " + std::to_string(idx));
+  }
+  void on_validation_batch_end(const fulgur::Batch&, int64_t idx) override {
+    events.push_back("on_validation_batch_end " + std::to_string(idx));
+  }
+  void on_test_start() override { events.emplace_back("on_test_start"); }
+  void on_test_end() override { events.emplace_back("on_test_end"); }
+  void on_test_batch_start(const fulgur::Batch&, int64_t idx) override {
+    events.push_back("on_test_batch_start " + std::to_string(idx));
+  }
+  void on_test_batch_end(const fulgur::Batch&, int64_t idx) override {
+    events.push_back("on_test_batch_end " + std::to_string(idx));
+  }
+  void on_predict_start() override { events.emplace_back("on_predict_start"); }
+  void on_predict_end() override { events.emplace_back("on_predict_end"); }
+  void on_predict_batch_start(const fulgur::Batch&, int64_t idx) override {
+    events.push_back("on_predict_batch_start " + std::to_string(idx));
+  }
+  void on_predict_batch_end(const fulgur::Batch& prediction, const fulgur::Batch& batch,
+                            int64_t idx) override {
+    events.push_back("on_predict_batch_end " + std::to_string(idx));
+    predictions_seen.push_back(prediction.tensor());
+    EXPECT_TRUE(batch.is_pair());
+  }
+  std::vector<std::shared_ptr<fulgur::Callback>> configure_callbacks() override { return brings; }
+
+  std::vector<std::shared_ptr<fulgur::Callback>> brings;
+  std::vector<at::Tensor> predictions_seen;
+
+ private:
+  void add(const char* what, fulgur::Stage stage) {
+    events.push_back(std::string(what) + fulgur::to_string(stage));
+  }
+};
+
+/// Records the callback hooks this file is about into `events`, as "cb:...".
+class HookRecorder : public fulgur::Callback {
+ public:
+  explicit HookRecorder(std::vector<std::string>* events, std::string key = "HookRecorder")
+      : events_(events), key_(std::move(key)) {}
+  std::string state_key() const override { return key_; }
+  void setup(fulgur::Trainer&, fulgur::Module&, fulgur::Stage s) override {
+    add(std::string("setup:") + fulgur::to_string(s));
+  }
+  void teardown(fulgur::Trainer&, fulgur::Module&, fulgur::Stage s) override {
+    add(std::string("teardown:") + fulgur::to_string(s));
+  }
+  void on_sanity_check_start(fulgur::Trainer& trainer, fulgur::Module&) override {
+    EXPECT_TRUE(trainer.sanity_checking());
+    add("on_sanity_check_start");
+  }
+  void on_sanity_check_end(fulgur::Trainer&, fulgur::Module&) override {
+    add("on_sanity_check_end");
+  }
+  void on_before_backward(fulgur::Trainer&, fulgur::Module&, const at::Tensor& loss) override {
+    EXPECT_TRUE(loss.requires_grad());
+    losses.push_back(loss.detach().clone());
+    add("on_before_backward");
+  }
+  void on_after_backward(fulgur::Trainer&, fulgur::Module& m) override {
+    // The gradients are there, not yet stepped or zeroed.
+    bool has_gradient = false;
+    for (const auto& p : m.parameters()) has_gradient |= p.grad().defined();
+    EXPECT_TRUE(has_gradient);
+    add("on_after_backward");
+  }
+  void on_before_zero_grad(fulgur::Trainer&, fulgur::Module&, torch::optim::Optimizer&) override {
+    add("on_before_zero_grad");
+  }
+  void on_validation_batch_start(fulgur::Trainer&, fulgur::Module&, const fulgur::Batch&,
+                                 int64_t idx) override {
+    add("on_validation_batch_start " + std::to_string(idx));
+  }
+  void on_validation_batch_end(fulgur::Trainer&, fulgur::Module&, const fulgur::Batch&,
+                               int64_t idx) override {
+    add("on_validation_batch_end " + std::to_string(idx));
+  }
+  void on_test_batch_start(fulgur::Trainer&, fulgur::Module&, const fulgur::Batch&,
+                           int64_t idx) override {
+    add("on_test_batch_start " + std::to_string(idx));
+  }
+  void on_test_batch_end(fulgur::Trainer&, fulgur::Module&, const fulgur::Batch&,
+                         int64_t idx) override {
+    add("on_test_batch_end " + std::to_string(idx));
+  }
+  void on_predict_epoch_start(fulgur::Trainer&, fulgur::Module&) override {
+    add("on_predict_epoch_start");
+  }
+  void on_predict_epoch_end(fulgur::Trainer&, fulgur::Module&) override {
+    add("on_predict_epoch_end");
+  }
+  void on_predict_batch_start(fulgur::Trainer&, fulgur::Module&, const fulgur::Batch&,
+                              int64_t idx) override {
+    add("on_predict_batch_start " + std::to_string(idx));
+  }
+  void on_predict_batch_end(fulgur::Trainer&, fulgur::Module&, const fulgur::Batch&,
+                            const fulgur::Batch&, int64_t idx) override {
+    add("on_predict_batch_end " + std::to_string(idx));
+  }
+
+  std::vector<at::Tensor> losses;
+
+ private:
+  void add(const std::string& hook) { events_->push_back("cb:" + hook); }
+  std::vector<std::string>* events_;
+  std::string key_;
+};
+
+/// The events with these prefixes, in order.
+std::vector<std::string> starting_with(const std::vector<std::string>& events,
+                                       std::initializer_list<const char*> prefixes) {
+  std::vector<std::string> out;
+  for (const auto& e : events) {
+    for (const char* p : prefixes) {
+      if (e.rfind(p, 0) == 0) {
+        out.push_back(e);
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+TEST(Hooks, EveryStageSetsUpAndTearsDownTheModuleThenItsCallbacks) {
+  TempDir dir;
+  HookedRegression model;
+  RecordingDataModule data(/*train_batches=*/2, /*val_batches=*/1);
+  auto options = test_options(dir);
+  options.callbacks = {std::make_shared<HookRecorder>(&model.events)};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, data);
+  // The DataModule's setup first, the stage's hooks before configure_model
+  // and after everything else.
+  auto order = starting_with(model.events, {"setup:", "cb:setup:", "configure_model", "on_fit_end",
+                                            "teardown:", "cb:teardown:"});
+  EXPECT_THAT(order, ElementsAre("setup:fit", "cb:setup:fit", "configure_model", "on_fit_end",
+                                 "teardown:fit", "cb:teardown:fit"));
+  EXPECT_EQ(data.events.front(), "prepare_data");
+  for (auto [run, stage] : std::vector<std::pair<std::function<void()>, const char*>>{
+           {[&] { trainer.validate(model, data); }, "validate"},
+           {[&] { trainer.test(model, data); }, "test"},
+           {[&] { trainer.predict(model, data); }, "predict"}}) {
+    model.events.clear();
+    run();
+    EXPECT_THAT(starting_with(model.events, {"setup:", "cb:setup:", "teardown:", "cb:teardown:"}),
+                ElementsAre(std::string("setup:") + stage, std::string("cb:setup:") + stage,
+                            std::string("teardown:") + stage, std::string("cb:teardown:") + stage));
+  }
+}
+
+TEST(Hooks, AFailedStageStillTearsDownAndItsErrorIsTheOneThrown) {
+  TempDir dir;
+  HookedRegression model;
+  model.train_hook = [](LinearRegression&, fulgur::Batch&, int64_t) {
+    throw std::runtime_error("the step failed");
+  };
+  struct FailingTeardown : HookRecorder {
+    using HookRecorder::HookRecorder;
+    void teardown(fulgur::Trainer& t, fulgur::Module& m, fulgur::Stage s) override {
+      HookRecorder::teardown(t, m, s);
+      throw std::runtime_error("teardown failed too");
+    }
+  };
+  auto options = test_options(dir);
+  options.callbacks = {std::make_shared<FailingTeardown>(&model.events, "a"),
+                       std::make_shared<HookRecorder>(&model.events, "b")};
+  fulgur::Trainer trainer(options);
+  ::testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStdout();
+  EXPECT_THROWS_WITH(std::runtime_error, trainer.fit(model, regression_loader(2)),
+                     {"the step failed"});
+  const std::string out =
+      ::testing::internal::GetCapturedStdout() + ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(out, HasSubstr("teardown failed too"));
+  EXPECT_THAT(starting_with(model.events, {"teardown:", "cb:teardown:"}),
+              ElementsAre("teardown:fit", "cb:teardown:fit", "cb:teardown:fit"));
+}
+
+TEST(Hooks, EvaluationAndPredictBatchHooksSurroundEachStep) {
+  TempDir dir;
+  HookedRegression model;
+  auto options = test_options(dir);
+  options.callbacks = {std::make_shared<HookRecorder>(&model.events)};
+  fulgur::Trainer trainer(options);
+  trainer.validate(model, regression_loader(2));
+  EXPECT_THAT(only(model.events, {"on_validation_start", "on_validation_batch_start 0",
+                                  "cb:on_validation_batch_start 0", "validation_step",
+                                  "on_validation_batch_end 0", "cb:on_validation_batch_end 0",
+                                  "on_validation_batch_start 1", "on_validation_end"}),
+              ElementsAre("on_validation_start", "on_validation_batch_start 0",
+                          "cb:on_validation_batch_start 0", "validation_step",
+                          "on_validation_batch_end 0", "cb:on_validation_batch_end 0",
+                          "on_validation_batch_start 1", "validation_step", "on_validation_end"));
+  model.events.clear();
+  trainer.test(model, regression_loader(1));
+  EXPECT_THAT(
+      only(model.events,
+           {"on_test_start", "on_test_batch_start 0", "cb:on_test_batch_start 0", "test_step",
+            "on_test_batch_end 0", "cb:on_test_batch_end 0", "on_test_end"}),
+      ElementsAre("on_test_start", "on_test_batch_start 0", "cb:on_test_batch_start 0", "test_step",
+                  "on_test_batch_end 0", "cb:on_test_batch_end 0", "on_test_end"));
+  model.events.clear();
+  auto predictions = trainer.predict(model, regression_loader(2));
+  EXPECT_THAT(
+      only(model.events, {"on_predict_start", "on_predict_epoch_start", "cb:on_predict_epoch_start",
+                          "on_predict_batch_start 1", "cb:on_predict_batch_start 1", "predict_step",
+                          "on_predict_batch_end 1", "cb:on_predict_batch_end 1",
+                          "on_predict_epoch_end", "cb:on_predict_epoch_end", "on_predict_end"}),
+      ElementsAre("on_predict_start", "on_predict_epoch_start", "cb:on_predict_epoch_start",
+                  "predict_step", "on_predict_batch_start 1", "cb:on_predict_batch_start 1",
+                  "predict_step", "on_predict_batch_end 1", "cb:on_predict_batch_end 1",
+                  "on_predict_epoch_end", "cb:on_predict_epoch_end", "on_predict_end"));
+  // The Module's batch end hook gets each prediction.
+  ASSERT_EQ(model.predictions_seen.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_TRUE(model.predictions_seen[i].equal(predictions[i].tensor()));
+  }
+}
+
+TEST(Hooks, CallbacksSeeTheSanityCheckBackwardAndZeroGrad) {
+  TempDir dir;
+  HookedRegression model;
+  auto recorder = std::make_shared<HookRecorder>(&model.events);
+  auto options = test_options(dir);
+  options.num_sanity_val_steps = 1;
+  options.accumulate_grad_batches = 2;
+  options.callbacks = {recorder};
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(1));
+  EXPECT_THAT(
+      only(model.events,
+           {"cb:on_sanity_check_start", "validation_step", "cb:on_sanity_check_end",
+            "training_step", "on_before_backward", "cb:on_before_backward", "on_after_backward",
+            "cb:on_after_backward", "on_before_zero_grad", "cb:on_before_zero_grad"}),
+      ElementsAre("cb:on_sanity_check_start", "validation_step", "cb:on_sanity_check_end",
+                  // batch 0 accumulates, batch 1 steps
+                  "training_step", "on_before_backward", "cb:on_before_backward",
+                  "on_after_backward", "cb:on_after_backward", "training_step",
+                  "on_before_backward", "cb:on_before_backward", "on_after_backward",
+                  "cb:on_after_backward", "on_before_zero_grad", "cb:on_before_zero_grad",
+                  // the epoch's validation
+                  "validation_step"));
+  // The loss as training_step returned it (not divided for accumulation).
+  ASSERT_EQ(recorder->losses.size(), 2u);
+  EXPECT_GT(recorder->losses[0].item<double>(), 0.0);
+
+  // No sanity check, no sanity hooks.
+  model.events.clear();
+  options.num_sanity_val_steps = 0;
+  fulgur::Trainer(options).fit(model, regression_loader(1), regression_loader(1));
+  EXPECT_THAT(starting_with(model.events, {"cb:on_sanity_check"}), ::testing::IsEmpty());
+
+  // Manual optimization's manual_backward calls the backward hooks too.
+  struct Manual : LinearRegression {
+    Manual() { set_automatic_optimization(false); }
+    at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
+      const auto& [x, y] = batch.pair();
+      auto loss = torch::nn::functional::mse_loss(forward(x), y);
+      manual_backward(loss);
+      optimizer_step(*optimizer);
+      return loss;
+    }
+  } manual;
+  options.accumulate_grad_batches = 1;
+  options.callbacks = {std::make_shared<HookRecorder>(&manual.events)};
+  fulgur::Trainer(options).fit(manual, regression_loader(1));
+  EXPECT_THAT(starting_with(manual.events, {"cb:on_before_backward", "cb:on_after_backward"}),
+              ElementsAre("cb:on_before_backward", "cb:on_after_backward"));
+}
+
+/// Doubles the inputs on the host and adds 1 on the device; records the
+/// devices the hooks saw.
+class TransferHooks : public LinearRegression {
+ public:
+  fulgur::Batch on_before_batch_transfer(fulgur::Batch batch) override {
+    ++before;
+    auto& [x, y] = batch.pair();
+    return fulgur::Batch(x * 2, y);
+  }
+  fulgur::Batch on_after_batch_transfer(fulgur::Batch batch) override {
+    ++after;
+    auto& [x, y] = batch.pair();
+    return fulgur::Batch(x + 1, y);
+  }
+  int before = 0, after = 0;
+};
+
+TEST(Hooks, BatchTransferHooksShapeWhatEveryStepGets) {
+  for (bool prefetch : {false, true}) {
+    SCOPED_TRACE(prefetch ? "prefetch_to_device" : "moved at the step");
+    TempDir dir;
+    TransferHooks model;
+    const auto loader = regression_loader(3);
+    loader->start_epoch(0);
+    std::vector<at::Tensor> loaded;
+    while (auto batch = loader->next()) loaded.push_back(batch->pair().first.clone());
+    std::vector<at::Tensor> stepped;
+    model.train_hook = [&](LinearRegression&, fulgur::Batch& batch, int64_t) {
+      stepped.push_back(batch.pair().first.clone());
+    };
+    model.val_hook = model.train_hook;
+    auto options = test_options(dir);
+    options.prefetch_to_device = prefetch;
+    options.num_sanity_val_steps = 0;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(3), regression_loader(3));
+    ASSERT_EQ(stepped.size(), 6u);  // 3 training steps, then 3 validation steps
+    for (size_t i = 0; i < stepped.size(); ++i) {
+      EXPECT_TRUE(stepped[i].equal(loaded[i % 3] * 2 + 1)) << i;
+    }
+    EXPECT_EQ(model.before, 6);
+    EXPECT_EQ(model.after, 6);
+    auto predictions = trainer.predict(model, regression_loader(1));
+    EXPECT_EQ(model.after, 7);
+    EXPECT_TRUE(predictions[0].tensor().equal(model.forward(loaded[0] * 2 + 1)));
+  }
+}
+
+TEST(Hooks, AModulesCallbacksReplaceTheTrainersOfTheirTypeForTheStage) {
+  TempDir dir;
+  HookedRegression model;
+  auto own_checkpoint = std::make_shared<fulgur::ModelCheckpoint>(
+      fulgur::ModelCheckpointOptions{.dirpath = dir.file("module_checkpoints")});
+  auto recorder = std::make_shared<HookRecorder>(&model.events);
+  model.brings = {own_checkpoint, recorder};
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;  // the Trainer adds a ModelCheckpoint
+  options.callbacks = {std::make_shared<HookRecorder>(&model.events, "trainer's")};
+  fulgur::Trainer trainer(options);
+  const auto before = trainer.callbacks();
+  std::vector<std::shared_ptr<fulgur::Callback>> during;
+  model.train_hook = [&](LinearRegression& m, fulgur::Batch&, int64_t) {
+    during = m.trainer().callbacks();
+  };
+  ::testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStdout();
+  auto result = trainer.fit(model, regression_loader(2));
+  const std::string out =
+      ::testing::internal::GetCapturedStdout() + ::testing::internal::GetCapturedStderr();
+  // The Trainer's HookRecorder and ModelCheckpoint made way for the
+  // Module's, the checkpoint callback last; the fit's checkpoints are its.
+  EXPECT_THAT(out, HasSubstr("replaces the Trainer's"));
+  ASSERT_FALSE(during.empty());
+  EXPECT_EQ(during.back(), own_checkpoint);
+  EXPECT_EQ(std::count(during.begin(), during.end(), recorder), 1);
+  for (const auto& cb : before) EXPECT_EQ(std::count(during.begin(), during.end(), cb), 0);
+  EXPECT_THAT(result.last_model_path, HasSubstr("module_checkpoints"));
+  EXPECT_EQ(starting_with(model.events, {"cb:setup"}).size(), 1u);
+  // After the stage the Trainer has its own again.
+  EXPECT_EQ(trainer.callbacks(), before);
+
+  // A null callback, and two whose states would share a checkpoint section.
+  model.brings = {nullptr};
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(model, regression_loader(1)),
+                     {"configure_callbacks() returned a null callback at [0]"});
+  model.brings = {std::make_shared<HookRecorder>(&model.events, "same"),
+                  std::make_shared<HookRecorder>(&model.events, "same")};
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.validate(model, regression_loader(1)),
+                     {"same state_key() \"same\""});
+  EXPECT_EQ(trainer.callbacks(), before);
+}
+
+}  // namespace
