@@ -26,6 +26,7 @@
 #include "distributed/launchers/heartbeat.h"
 #include "trainer/loop_flags.h"
 #include "trainer/trainer_impl.h"
+#include "trainer/tuner_trial.h"
 
 namespace fulgur {
 
@@ -108,6 +109,13 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
   check(o.reload_dataloaders_every_n_epochs >= 0,
         str("reload_dataloaders_every_n_epochs=", o.reload_dataloaders_every_n_epochs,
             ": must be >= 0 (0: the loaders are made once per fit)."));
+  check(o.reload_dataloaders_every_n_epochs == 0 || o.check_val_every_n_epoch ||
+            o.val_check_interval.is_fraction(),
+        str("reload_dataloaders_every_n_epochs=", o.reload_dataloaders_every_n_epochs,
+            " with check_val_every_n_epoch unset: validation every ", o.val_check_interval.text(),
+            " batches counted across epochs needs every epoch's length, and reloaded loaders "
+            "may change it. Set check_val_every_n_epoch (count within each epoch), or "
+            "reload_dataloaders_every_n_epochs=0."));
   check(!(o.detect_anomaly && o.cuda_graph),
         "detect_anomaly=true with cuda_graph=true: anomaly detection reads every backward "
         "operation's output back to the host, which a CUDA graph cannot capture. Find the "
@@ -396,13 +404,14 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
   // The Module's own callbacks join the Trainer's for this stage only.
   const std::vector<std::shared_ptr<Callback>> trainer_callbacks = callbacks;
   ModelCheckpoint* const trainer_checkpoint = checkpoint_callback;
+  stage_set_up = false;
   auto detach = [&](bool completed) {
+    callbacks = trainer_callbacks;
+    checkpoint_callback = trainer_checkpoint;
     signals.disarm();
     attach(m, nullptr);
     fit_loop.detach();
     drive().teardown(completed);
-    callbacks = trainer_callbacks;
-    checkpoint_callback = trainer_checkpoint;
   };
   try {
     // Before any rank starts: a forked rank inherits it, a launched one
@@ -420,7 +429,6 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
           if (s == Stage::kFit && strategy->is_global_zero()) {
             logging.finalize_quietly(RunStatus::kFailed);
           }
-          tear_down_stage(s, /*failed=*/true);
           throw;
         }
         tear_down_stage(s, /*failed=*/false);
@@ -449,6 +457,8 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
           } catch (const std::exception& e) {
             detail::print_note(e.what());
           }
+          // Its setup hooks ran here; on_exception runs in the caller.
+          tear_down_stage(s, /*failed=*/true);
           throw;
         }
         // The strategy lets go of the module first (fsdp gathers its sharded
@@ -471,13 +481,26 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
       }
     }
     handling_exception = false;
+    // After on_exception (as Lightning): a checkpoint saved there sees the
+    // module before its teardown.
+    tear_down_stage(s, /*failed=*/true);
     detach(/*completed=*/false);
     throw;
   }
   detach(/*completed=*/true);
 }
 
+namespace detail {
+namespace {
+thread_local int tuner_trials = 0;
+}  // namespace
+TunerTrial::TunerTrial() { ++tuner_trials; }
+TunerTrial::~TunerTrial() { --tuner_trials; }
+bool TunerTrial::active() { return tuner_trials > 0; }
+}  // namespace detail
+
 void Trainer::Impl::add_module_callbacks(Module& m) {
+  if (detail::TunerTrial::active()) return;
   std::vector<std::shared_ptr<Callback>> brought = m.configure_callbacks();
   if (brought.empty()) return;
   std::set<std::type_index> types;
@@ -535,17 +558,22 @@ void Trainer::Impl::tear_down_stage(Stage s, bool failed) {
   }
   // After a failure every hook still runs; the first error is the one the
   // user sees, so theirs are only noted.
-  auto quietly = [&](const char* who, const std::function<void()>& hook) {
+  auto quietly = [&](const std::string& who, const std::function<void()>& hook) {
     try {
       hook();
     } catch (const std::exception& e) {
       detail::print_note(
           str(who, " teardown(", to_string(s), ") failed after the stage failed: ", e.what()));
+    } catch (...) {
+      detail::print_note(str(who, " teardown(", to_string(s),
+                             ") failed after the stage failed, by an exception that is not a "
+                             "std::exception"));
     }
   };
   quietly("the Module's", [&] { module->teardown(s); });
   for (auto& cb : callbacks) {
-    quietly("a callback's", [&] { cb->teardown(self, *module, s); });
+    quietly(str("the ", c10::demangle(typeid(*cb).name()), "'s"),
+            [&] { cb->teardown(self, *module, s); });
   }
 }
 
@@ -735,7 +763,10 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         // Fit returns only once its checkpoints are durable.
         drive().wait_for_checkpoints();
         if (strategy->is_global_zero()) logging.finalize();
-        if (data) data->teardown(Stage::kFit);
+        if (data) {
+          detail::set_loader_epoch(*data, 0);
+          data->teardown(Stage::kFit);
+        }
 
         result.metrics = logging.callback_metrics();
         result.global_step = fit_loop.global_step();

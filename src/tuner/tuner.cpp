@@ -17,6 +17,7 @@
 
 #include "core/run_program.h"
 #include "loggers/gnuplot_text.h"
+#include "trainer/tuner_trial.h"
 #include "tuner/host_memory_cap.h"
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/core/errors.h"
@@ -213,6 +214,9 @@ TrainerOptions trial_options(const TrainerOptions& options, int64_t max_steps) {
   trial.loggers = {};
   trial.profiler = ProfilerKind::kNone;
   trial.every_n_train_steps = 0;
+  // A trial's loaders are given to fit (or made once by the DataModule):
+  // its steps run on one set of them.
+  trial.reload_dataloaders_every_n_epochs = 0;
   trial.callbacks = {};
   return trial;
 }
@@ -371,6 +375,7 @@ LRFinderResult Tuner::run_lr_find(Module& module, const std::function<void(Train
   trial.cuda_graph = false;
   trial.callbacks = {std::make_shared<LRFinderCallback>(options, result)};
   ModuleSnapshot snapshot(module);
+  const detail::TunerTrial trial_scope;
   try {
     Trainer trainer(trial);
     if (!trainer.resolution().launcher.empty()) {
@@ -431,6 +436,7 @@ BatchSizeFinderResult Tuner::scale_batch_size(
     // teardown allocate under it).
     std::optional<detail::HostMemoryCap> cap;
     {
+      const detail::TunerTrial trial_scope;
       Trainer trainer(trial);
       if (!trainer.resolution().launcher.empty() || trainer.strategy().world_size() > 1) {
         throw ConfigError(str(

@@ -226,9 +226,20 @@ TEST(DataModule, ReloadingNeedsADataModuleAndATrainingLoaderForEveryEpoch) {
   EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer(options).fit(model, data),
                      {"train_dataloader() returned no loader for epoch 2"});
   EXPECT_EQ(model.training_steps, 4);
-  options.reload_dataloaders_every_n_epochs = -1;
-  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer{options},
-                     {"reload_dataloaders_every_n_epochs=-1", "must be >= 0"});
+
+  // A reloaded loader that breaks a check made against the first one's
+  // length: the error says which loaders.
+  struct Shrinking : fulgur::DataModule {
+    std::shared_ptr<fulgur::DataLoader> train_dataloader() override {
+      return regression_loader(current_epoch() == 0 ? 4 : 2);
+    }
+    std::shared_ptr<fulgur::DataLoader> val_dataloader() override { return regression_loader(1); }
+  };
+  Shrinking shrinking;
+  options.val_check_interval = 3;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer(options).fit(model, shrinking),
+                     {"reload_dataloaders_every_n_epochs=1, the loaders made for epoch 1",
+                      "val_check_interval=3 is larger than the 2 training batches"});
 }
 
 }  // namespace

@@ -196,6 +196,9 @@ TEST(Hooks, AFailedStageStillTearsDownAndItsErrorIsTheOneThrown) {
       HookRecorder::teardown(t, m, s);
       throw std::runtime_error("teardown failed too");
     }
+    void on_exception(fulgur::Trainer&, fulgur::Module& m, const std::exception&) override {
+      dynamic_cast<LinearRegression&>(m).events.emplace_back("cb:on_exception");
+    }
   };
   auto options = test_options(dir);
   options.callbacks = {std::make_shared<FailingTeardown>(&model.events, "a"),
@@ -207,9 +210,12 @@ TEST(Hooks, AFailedStageStillTearsDownAndItsErrorIsTheOneThrown) {
                      {"the step failed"});
   const std::string out =
       ::testing::internal::GetCapturedStdout() + ::testing::internal::GetCapturedStderr();
-  EXPECT_THAT(out, HasSubstr("teardown failed too"));
-  EXPECT_THAT(starting_with(model.events, {"teardown:", "cb:teardown:"}),
-              ElementsAre("teardown:fit", "cb:teardown:fit", "cb:teardown:fit"));
+  EXPECT_THAT(out, HasSubstr("FailingTeardown's teardown(fit) failed after the stage failed: "
+                             "teardown failed too"));
+  // on_exception first (a checkpoint saved there sees the module before its
+  // teardown), then every teardown.
+  EXPECT_THAT(starting_with(model.events, {"teardown:", "cb:teardown:", "cb:on_exception"}),
+              ElementsAre("cb:on_exception", "teardown:fit", "cb:teardown:fit", "cb:teardown:fit"));
 }
 
 TEST(Hooks, EvaluationAndPredictBatchHooksSurroundEachStep) {

@@ -91,6 +91,39 @@ TEST(LRFinder, OverfitBatchesSweepsTheFitsFirstBatches) {
   EXPECT_EQ(model.validation_steps, 0);
 }
 
+TEST(LRFinder, TheSweepRunsWithoutTheModulesCallbacksOrReloadedLoaders) {
+  // Counts the training batches it sees.
+  struct Counter : fulgur::Callback {
+    std::string state_key() const override { return "Counter"; }
+    void on_train_batch_start(fulgur::Trainer&, fulgur::Module&, const fulgur::Batch&,
+                              int64_t) override {
+      ++batches;
+    }
+    int64_t batches = 0;
+  };
+  struct WithCallbacks : RateRecorder {
+    std::vector<std::shared_ptr<fulgur::Callback>> configure_callbacks() override {
+      return {counter};
+    }
+    std::shared_ptr<Counter> counter = std::make_shared<Counter>();
+  };
+  TempDir dir;
+  WithCallbacks model;
+  auto options = test_options(dir);
+  options.reload_dataloaders_every_n_epochs = 1;
+  fulgur::Tuner tuner(options);
+  // The sweep's 6 steps span two epochs of its loader.
+  auto found =
+      tuner.lr_find(model, regression_loader(4), {.num_training = 6, .early_stop_threshold = 0.0});
+  EXPECT_EQ(found.lrs.size(), 6u);
+  EXPECT_EQ(model.training_steps, 6);
+  EXPECT_EQ(model.counter->batches, 0);
+  // A fit has them.
+  fulgur::test::RecordingDataModule data(/*train_batches=*/2, /*val_batches=*/1);
+  fulgur::Trainer(options).fit(model, data);
+  EXPECT_EQ(model.counter->batches, 2);
+}
+
 TEST(LRFinder, AFitAfterTheSweepIsBitIdenticalToOneWithoutIt) {
   TempDir dir;
   auto fit_options = test_options(dir);

@@ -48,9 +48,11 @@ class Callback {
   virtual void on_train_batch_start(Trainer&, Module&, const Batch&, int64_t /*batch_idx*/) {}
   virtual void on_train_batch_end(Trainer&, Module&, const at::Tensor& /*loss*/, const Batch&,
                                   int64_t /*batch_idx*/) {}
-  /// Automatic optimization's step hooks (called once, at the capture,
-  /// under cuda_graph): `loss` as backward gets it, before accumulation's
-  /// scaling.
+  /// The step hooks, after the Module's (manual_backward calls the backward
+  /// ones too): `loss` as training_step returned it, before accumulation's
+  /// scaling. Under cuda_graph the backward hooks run in the eager steps
+  /// (warm-up, batches of other shapes) and for the capture, never in a
+  /// replay; on_before_zero_grad runs every step.
   virtual void on_before_backward(Trainer&, Module&, const at::Tensor& /*loss*/) {}
   virtual void on_after_backward(Trainer&, Module&) {}
   virtual void on_before_zero_grad(Trainer&, Module&, torch::optim::Optimizer&) {}

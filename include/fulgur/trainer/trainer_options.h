@@ -177,8 +177,10 @@ struct TrainerOptions {
   /// the start of epochs 0, N, 2N, ... with DataModule::current_epoch()
   /// saying which, so that its data can change as training goes on (a
   /// curriculum, a growing dataset). A resumed fit makes them for the epoch
-  /// the uninterrupted run made them at. Needs a DataModule: loaders passed
-  /// to fit cannot be made again.
+  /// the uninterrupted run made them at. Needs a DataModule (loaders passed
+  /// to fit cannot be made again) and check_val_every_n_epoch (a batch
+  /// count across epochs needs every epoch's length). Under ddp every rank
+  /// makes its own: they must be the same on every rank.
   int64_t reload_dataloaders_every_n_epochs = 0;
 
   // ---- Run length.

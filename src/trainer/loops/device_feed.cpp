@@ -39,7 +39,7 @@ void DeviceFeed::put(const Batch& host) {
   FULGUR_ASSERT(strategy_ != nullptr, "DeviceFeed::put before reset");
   InFlight entry{.host = host, .device = Batch(), .ready = std::nullopt};
   if (!streams_) {
-    entry.device = move(host);
+    entry.device = to_device(host);
     in_flight_.push_back(std::move(entry));
     return;
   }
@@ -67,7 +67,7 @@ void DeviceFeed::put(const Batch& host) {
 
 Batch DeviceFeed::take(const Batch& host) {
   FULGUR_ASSERT(strategy_ != nullptr, "DeviceFeed::take before reset");
-  if (in_flight_.empty()) return module_->on_after_batch_transfer(move(host));
+  if (in_flight_.empty()) return module_->on_after_batch_transfer(to_device(host));
   InFlight entry = std::move(in_flight_.front());
   in_flight_.pop_front();
   FULGUR_ASSERT(identity(entry.host) == identity(host),
@@ -87,7 +87,7 @@ Batch DeviceFeed::take(const Batch& host) {
   return module_->on_after_batch_transfer(std::move(entry.device));
 }
 
-Batch DeviceFeed::move(const Batch& host) const {
+Batch DeviceFeed::to_device(const Batch& host) const {
   return drive(*strategy_).batch_to_device(module_->on_before_batch_transfer(host));
 }
 

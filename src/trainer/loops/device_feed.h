@@ -60,7 +60,7 @@ class DeviceFeed {
   };
 
   /// `host` through the module's on_before_batch_transfer, moved.
-  Batch move(const Batch& host) const;
+  Batch to_device(const Batch& host) const;
 
   Strategy* strategy_ = nullptr;
   Module* module_ = nullptr;

@@ -116,7 +116,12 @@ void FitLoop::load_loaders_for(int64_t epoch) {
   train_loader_ = std::move(loaders.train);
   val_loader_ = std::move(loaders.val);
   loaders_epoch_ = made_at;
-  count_training_batches();
+  try {
+    count_training_batches();
+  } catch (const ConfigError& e) {
+    throw ConfigError(str("reload_dataloaders_every_n_epochs=", every,
+                          ", the loaders made for epoch ", made_at, ": ", e.what()));
+  }
 }
 
 void FitLoop::run() {
