@@ -39,6 +39,14 @@ TEST(DDP, TwoRanksMatchOneProcessWithShuffleAndAdam) {
   expect_equivalent({"--steps", "20", "--shuffle", "--optimizer", "adam"}, "ddp");
 }
 
+// Loaders made again every epoch, each larger (64, 96, 128 samples: 4, 6
+// and 8 batches of 8 per rank): every reloaded loader is split across the
+// ranks as the first one was, so two ranks still train as one process.
+TEST(DDP, ReloadedLoadersAreSplitAcrossTheRanksAsTheFirstWas) {
+  expect_equivalent({"--steps", "15", "--samples", "64", "--shuffle", "--reload-every", "1"},
+                    "ddp");
+}
+
 // Under ddp every rank predicts its own part of the data (37 samples: 19 and
 // 18) and a PredictionFileWriter writes it; read back, the parts are one
 // process's predictions, in the dataset's order.

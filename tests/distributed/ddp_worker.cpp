@@ -113,6 +113,9 @@ struct Args {
   // > 0: the data comes from a DataModule whose prepare_data() takes this
   // long to write the file every rank's setup() reads.
   double prepare_seconds = 0;
+  // > 0: the training data comes from a DataModule whose loaders grow by 32
+  // samples at every reload (reload_dataloaders_every_n_epochs).
+  int64_t reload_every = 0;
   // Runs a multi-threaded matrix product before fit, so the intra-op
   // thread pool is up when a forking launcher forks.
   bool warm_parent = false;
@@ -571,6 +574,19 @@ struct SlowlyPreparedData : fulgur::DataModule {
   }
 };
 
+// Made again every reload_every epochs (reload_dataloaders_every_n_epochs):
+// 32 more samples, from further along the data, for each epoch it is made
+// for. Every rank makes the same loaders; the Trainer splits them.
+struct GrowingData : fulgur::DataModule {
+  const Args& args;
+  explicit GrowingData(const Args& a) : args(a) {}
+  std::shared_ptr<fulgur::DataLoader> train_dataloader() override {
+    auto [x, y] = make_data(args.samples + 32 * current_epoch(), 1000 * current_epoch());
+    return fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(x, y),
+                                    {.batch_size = args.batch, .shuffle = args.shuffle});
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -641,6 +657,7 @@ int main(int argc, char** argv) {
   app.add_option("--slow-seconds", a.slow_seconds);
   app.add_option("--hang-at-exit-rank", a.hang_at_exit_rank);
   app.add_option("--prepare-seconds", a.prepare_seconds);
+  app.add_option("--reload-every", a.reload_every);
   app.add_flag("--warm-parent", a.warm_parent);
   app.add_option("--distributed-sampler", a.distributed_sampler);
   app.add_option("--ignore-sigterm-rank", a.ignore_sigterm_rank);
@@ -705,6 +722,7 @@ int main(int argc, char** argv) {
     options.use_distributed_sampler = a.distributed_sampler;
     if (!a.plugins.empty()) options.plugins = {a.plugins};
     options.max_steps = a.steps;
+    options.reload_dataloaders_every_n_epochs = a.reload_every;
     if (!a.precision.empty()) options.precision = a.precision;
     options.accumulate_grad_batches = a.accumulate;
     if (a.gradient_clip_val > 0) options.gradient_clip_val = a.gradient_clip_val;
@@ -779,6 +797,9 @@ int main(int argc, char** argv) {
     if (!a.skip_fit) {
       if (a.prepare_seconds > 0) {
         result = trainer.fit(model, prepared);
+      } else if (a.reload_every > 0) {
+        GrowingData growing(a);
+        result = trainer.fit(model, growing);
       } else if (a.val_every > 0) {
         auto [vx, vy] = make_data(64, 50000);
         result =
