@@ -310,38 +310,48 @@ TEST(Hooks, CallbacksSeeTheSanityCheckBackwardAndZeroGrad) {
               ElementsAre("cb:on_before_backward", "cb:on_after_backward"));
 }
 
-/// Doubles the inputs on the host and adds 1 on the device; records the
-/// devices the hooks saw.
+/// Doubles the inputs on the host and adds 1 on the device; checks where
+/// each hook gets its batch.
 class TransferHooks : public LinearRegression {
  public:
+  explicit TransferHooks(c10::Device device) : device_(device) {}
   fulgur::Batch on_before_batch_transfer(fulgur::Batch batch) override {
     ++before;
     auto& [x, y] = batch.pair();
+    EXPECT_TRUE(x.device().is_cpu());
     return fulgur::Batch(x * 2, y);
   }
   fulgur::Batch on_after_batch_transfer(fulgur::Batch batch) override {
     ++after;
     auto& [x, y] = batch.pair();
+    EXPECT_EQ(x.device(), device_);
     return fulgur::Batch(x + 1, y);
   }
   int before = 0, after = 0;
+
+ private:
+  c10::Device device_;
 };
 
-TEST(Hooks, BatchTransferHooksShapeWhatEveryStepGets) {
+// Training, validation and predict steps get the batch as the two hooks
+// made it, with the batches moved at the step or prefetched.
+void expect_transfer_hooks_shape_every_step(const std::string& accelerator) {
+  const c10::Device device = accelerator == "cuda" ? c10::Device("cuda:0") : c10::Device("cpu");
   for (bool prefetch : {false, true}) {
     SCOPED_TRACE(prefetch ? "prefetch_to_device" : "moved at the step");
     TempDir dir;
-    TransferHooks model;
+    TransferHooks model(device);
     const auto loader = regression_loader(3);
     loader->start_epoch(0);
     std::vector<at::Tensor> loaded;
     while (auto batch = loader->next()) loaded.push_back(batch->pair().first.clone());
     std::vector<at::Tensor> stepped;
     model.train_hook = [&](LinearRegression&, fulgur::Batch& batch, int64_t) {
-      stepped.push_back(batch.pair().first.clone());
+      stepped.push_back(batch.pair().first.cpu());
     };
     model.val_hook = model.train_hook;
     auto options = test_options(dir);
+    options.accelerator = accelerator;
     options.prefetch_to_device = prefetch;
     options.num_sanity_val_steps = 0;
     fulgur::Trainer trainer(options);
@@ -354,8 +364,21 @@ TEST(Hooks, BatchTransferHooksShapeWhatEveryStepGets) {
     EXPECT_EQ(model.after, 6);
     auto predictions = trainer.predict(model, regression_loader(1));
     EXPECT_EQ(model.after, 7);
-    EXPECT_TRUE(predictions[0].tensor().equal(model.forward(loaded[0] * 2 + 1)));
+    const at::Tensor expected =
+        model.forward((loaded[0] * 2 + 1).to(model.parameters()[0].device())).cpu();
+    EXPECT_TRUE(torch::allclose(predictions[0].tensor().cpu(), expected, 1e-6, 1e-6));
   }
+}
+
+TEST(Hooks, BatchTransferHooksShapeWhatEveryStepGets) {
+  expect_transfer_hooks_shape_every_step("cpu");
+}
+
+// On a GPU the second hook runs on the step's stream after the prefetch
+// copy's event: it reads the copied batch, never one still in flight.
+TEST(Hooks, BatchTransferHooksShapeWhatEveryStepGets_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  expect_transfer_hooks_shape_every_step("cuda");
 }
 
 TEST(Hooks, AModulesCallbacksReplaceTheTrainersOfTheirTypeForTheStage) {
