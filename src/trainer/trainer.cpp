@@ -197,6 +197,18 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
 
 }  // namespace detail
 
+namespace {
+
+// Checkpoint callbacks run last, so that every other callback's state in a
+// checkpoint is already updated for the step being saved (as Lightning does).
+void checkpoints_last(std::vector<std::shared_ptr<Callback>>& callbacks) {
+  std::stable_partition(callbacks.begin(), callbacks.end(), [](const auto& cb) {
+    return dynamic_cast<ModelCheckpoint*>(cb.get()) == nullptr;
+  });
+}
+
+}  // namespace
+
 Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(std::move(opts)) {
   auto connected = connect(options, EnvView(), detail::check_loop_flags(options));
   strategy = std::move(connected.strategy);
@@ -289,11 +301,7 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
     }
   }
   if (options.enable_progress_bar) callbacks.push_back(std::make_shared<ProgressBar>());
-  // Checkpoint callbacks run last, so that every other callback's state in a
-  // checkpoint is already updated for the step being saved (as Lightning does).
-  std::stable_partition(callbacks.begin(), callbacks.end(), [](const auto& cb) {
-    return dynamic_cast<ModelCheckpoint*>(cb.get()) == nullptr;
-  });
+  checkpoints_last(callbacks);
   if (options.logger && !fast) {
     if (options.loggers.empty()) {
       std::vector<std::shared_ptr<Logger>> loggers;
@@ -519,11 +527,9 @@ void Trainer::Impl::add_module_callbacks(Module& m) {
     return true;
   });
   callbacks.insert(callbacks.end(), brought.begin(), brought.end());
-  std::stable_partition(callbacks.begin(), callbacks.end(), [](const auto& cb) {
-    return dynamic_cast<ModelCheckpoint*>(cb.get()) == nullptr;
-  });
-  if (types.count(typeid(ModelCheckpoint)) != 0 ||
-      std::any_of(brought.begin(), brought.end(),
+  checkpoints_last(callbacks);
+  // A ModelCheckpoint the Module brings is the stage's checkpoint callback.
+  if (std::any_of(brought.begin(), brought.end(),
                   [](const auto& cb) { return dynamic_cast<ModelCheckpoint*>(cb.get()); })) {
     checkpoint_callback = nullptr;
     for (const auto& cb : callbacks) {

@@ -328,9 +328,19 @@ std::vector<std::string> only(const std::vector<std::string>& events,
 
 std::vector<std::string> with_prefix(const std::vector<std::string>& events,
                                      std::string_view prefix) {
+  return with_prefix(events, {prefix});
+}
+
+std::vector<std::string> with_prefix(const std::vector<std::string>& events,
+                                     std::initializer_list<std::string_view> prefixes) {
   std::vector<std::string> out;
   for (const auto& e : events) {
-    if (std::string_view(e).substr(0, prefix.size()) == prefix) out.push_back(e);
+    for (std::string_view prefix : prefixes) {
+      if (std::string_view(e).substr(0, prefix.size()) == prefix) {
+        out.push_back(e);
+        break;
+      }
+    }
   }
   return out;
 }

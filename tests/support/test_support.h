@@ -217,6 +217,9 @@ std::vector<std::string> only(const std::vector<std::string>& events,
 /// Keeps the events starting with `prefix`, in order.
 std::vector<std::string> with_prefix(const std::vector<std::string>& events,
                                      std::string_view prefix);
+/// Keeps the events starting with any of `prefixes`, in order.
+std::vector<std::string> with_prefix(const std::vector<std::string>& events,
+                                     std::initializer_list<std::string_view> prefixes);
 
 struct LinearRegressionOptions {
   int64_t in_features = 3;

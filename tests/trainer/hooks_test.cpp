@@ -23,6 +23,7 @@ using fulgur::test::RecordingDataModule;
 using fulgur::test::regression_loader;
 using fulgur::test::TempDir;
 using fulgur::test::test_options;
+using fulgur::test::with_prefix;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
@@ -142,21 +143,6 @@ class HookRecorder : public fulgur::Callback {
   std::string key_;
 };
 
-/// The events with these prefixes, in order.
-std::vector<std::string> starting_with(const std::vector<std::string>& events,
-                                       std::initializer_list<const char*> prefixes) {
-  std::vector<std::string> out;
-  for (const auto& e : events) {
-    for (const char* p : prefixes) {
-      if (e.rfind(p, 0) == 0) {
-        out.push_back(e);
-        break;
-      }
-    }
-  }
-  return out;
-}
-
 TEST(Hooks, EveryStageSetsUpAndTearsDownTheModuleThenItsCallbacks) {
   TempDir dir;
   HookedRegression model;
@@ -167,8 +153,8 @@ TEST(Hooks, EveryStageSetsUpAndTearsDownTheModuleThenItsCallbacks) {
   trainer.fit(model, data);
   // The DataModule's setup first, the stage's hooks before configure_model
   // and after everything else.
-  auto order = starting_with(model.events, {"setup:", "cb:setup:", "configure_model", "on_fit_end",
-                                            "teardown:", "cb:teardown:"});
+  auto order = with_prefix(model.events, {"setup:", "cb:setup:", "configure_model", "on_fit_end",
+                                          "teardown:", "cb:teardown:"});
   EXPECT_THAT(order, ElementsAre("setup:fit", "cb:setup:fit", "configure_model", "on_fit_end",
                                  "teardown:fit", "cb:teardown:fit"));
   EXPECT_EQ(data.events.front(), "prepare_data");
@@ -178,7 +164,7 @@ TEST(Hooks, EveryStageSetsUpAndTearsDownTheModuleThenItsCallbacks) {
            {[&] { trainer.predict(model, data); }, "predict"}}) {
     model.events.clear();
     run();
-    EXPECT_THAT(starting_with(model.events, {"setup:", "cb:setup:", "teardown:", "cb:teardown:"}),
+    EXPECT_THAT(with_prefix(model.events, {"setup:", "cb:setup:", "teardown:", "cb:teardown:"}),
                 ElementsAre(std::string("setup:") + stage, std::string("cb:setup:") + stage,
                             std::string("teardown:") + stage, std::string("cb:teardown:") + stage));
   }
@@ -214,7 +200,7 @@ TEST(Hooks, AFailedStageStillTearsDownAndItsErrorIsTheOneThrown) {
                              "teardown failed too"));
   // on_exception first (a checkpoint saved there sees the module before its
   // teardown), then every teardown.
-  EXPECT_THAT(starting_with(model.events, {"teardown:", "cb:teardown:", "cb:on_exception"}),
+  EXPECT_THAT(with_prefix(model.events, {"teardown:", "cb:teardown:", "cb:on_exception"}),
               ElementsAre("cb:on_exception", "teardown:fit", "cb:teardown:fit", "cb:teardown:fit"));
 }
 
@@ -290,7 +276,7 @@ TEST(Hooks, CallbacksSeeTheSanityCheckBackwardAndZeroGrad) {
   model.events.clear();
   options.num_sanity_val_steps = 0;
   fulgur::Trainer(options).fit(model, regression_loader(1), regression_loader(1));
-  EXPECT_THAT(starting_with(model.events, {"cb:on_sanity_check"}), ::testing::IsEmpty());
+  EXPECT_THAT(with_prefix(model.events, {"cb:on_sanity_check"}), ::testing::IsEmpty());
 
   // Manual optimization's manual_backward calls the backward hooks too.
   struct Manual : LinearRegression {
@@ -306,7 +292,7 @@ TEST(Hooks, CallbacksSeeTheSanityCheckBackwardAndZeroGrad) {
   options.accumulate_grad_batches = 1;
   options.callbacks = {std::make_shared<HookRecorder>(&manual.events)};
   fulgur::Trainer(options).fit(manual, regression_loader(1));
-  EXPECT_THAT(starting_with(manual.events, {"cb:on_before_backward", "cb:on_after_backward"}),
+  EXPECT_THAT(with_prefix(manual.events, {"cb:on_before_backward", "cb:on_after_backward"}),
               ElementsAre("cb:on_before_backward", "cb:on_after_backward"));
 }
 
@@ -410,7 +396,7 @@ TEST(Hooks, AModulesCallbacksReplaceTheTrainersOfTheirTypeForTheStage) {
   EXPECT_EQ(std::count(during.begin(), during.end(), recorder), 1);
   for (const auto& cb : before) EXPECT_EQ(std::count(during.begin(), during.end(), cb), 0);
   EXPECT_THAT(result.last_model_path, HasSubstr("module_checkpoints"));
-  EXPECT_EQ(starting_with(model.events, {"cb:setup"}).size(), 1u);
+  EXPECT_EQ(with_prefix(model.events, {"cb:setup"}).size(), 1u);
   // After the stage the Trainer has its own again.
   EXPECT_EQ(trainer.callbacks(), before);
 

@@ -68,35 +68,35 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   trainer_.logging.eval_sink().reset();
   Trainer::Impl::set_log_sink(m, &trainer_.logging.eval_sink());
   trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
-  // Every callback's test hook in a test, its validation hook otherwise.
+  // The test hooks in a test, the validation hooks otherwise: the Module's,
+  // every callback's.
+  using ModuleHook = void (Module::*)();
   using Hook = void (Callback::*)(Trainer&, Module&);
+  auto module_hook = [&](ModuleHook test, ModuleHook validation) {
+    (m.*(is_test ? test : validation))();
+  };
   auto callbacks = [&](Hook test, Hook validation) {
     for (auto& cb : trainer_.callbacks) ((*cb).*(is_test ? test : validation))(trainer_.self, m);
   };
-  if (is_test) {
-    m.on_test_start();
-  } else {
-    m.on_validation_start();
-  }
+  using ModuleBatchHook = void (Module::*)(const Batch&, int64_t);
+  using BatchHook = void (Callback::*)(Trainer&, Module&, const Batch&, int64_t);
+  auto batch_hooks = [&](ModuleBatchHook test, ModuleBatchHook validation, BatchHook cb_test,
+                         BatchHook cb_validation, const Batch& batch, int64_t idx) {
+    (m.*(is_test ? test : validation))(batch, idx);
+    for (auto& cb : trainer_.callbacks) {
+      ((*cb).*(is_test ? cb_test : cb_validation))(trainer_.self, m, batch, idx);
+    }
+  };
+  module_hook(&Module::on_test_start, &Module::on_validation_start);
   callbacks(&Callback::on_test_start, &Callback::on_validation_start);
-  if (is_test) {
-    m.on_test_epoch_start();
-  } else {
-    m.on_validation_epoch_start();
-  }
+  module_hook(&Module::on_test_epoch_start, &Module::on_validation_epoch_start);
   callbacks(&Callback::on_test_epoch_start, &Callback::on_validation_epoch_start);
   for_each_batch(
       *trainer_.strategy, trainer_.options.prefetch_to_device, m, loader, limit,
       [&](const Batch& batch, Batch& on_device, int64_t idx) {
-        if (is_test) {
-          trainer_.call_hooks(
-              [&](Module& mod) { mod.on_test_batch_start(batch, idx); },
-              [&](Callback& cb) { cb.on_test_batch_start(trainer_.self, m, batch, idx); });
-        } else {
-          trainer_.call_hooks(
-              [&](Module& mod) { mod.on_validation_batch_start(batch, idx); },
-              [&](Callback& cb) { cb.on_validation_batch_start(trainer_.self, m, batch, idx); });
-        }
+        batch_hooks(&Module::on_test_batch_start, &Module::on_validation_batch_start,
+                    &Callback::on_test_batch_start, &Callback::on_validation_batch_start, batch,
+                    idx);
         trainer_.logging.eval_sink().set_context(/*training_step=*/false, on_device.batch_size());
         const PaddedRows padded(loader.padded_rows(idx));
         {
@@ -108,21 +108,10 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
           }
         }
         trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
-        if (is_test) {
-          trainer_.call_hooks(
-              [&](Module& mod) { mod.on_test_batch_end(batch, idx); },
-              [&](Callback& cb) { cb.on_test_batch_end(trainer_.self, m, batch, idx); });
-        } else {
-          trainer_.call_hooks(
-              [&](Module& mod) { mod.on_validation_batch_end(batch, idx); },
-              [&](Callback& cb) { cb.on_validation_batch_end(trainer_.self, m, batch, idx); });
-        }
+        batch_hooks(&Module::on_test_batch_end, &Module::on_validation_batch_end,
+                    &Callback::on_test_batch_end, &Callback::on_validation_batch_end, batch, idx);
       });
-  if (is_test) {
-    m.on_test_epoch_end();
-  } else {
-    m.on_validation_epoch_end();
-  }
+  module_hook(&Module::on_test_epoch_end, &Module::on_validation_epoch_end);
   const auto& fit = trainer_.fit_loop;
   Metrics out =
       trainer_.logging.publish_epoch(trainer_.logging.eval_sink(), *trainer_.strategy,
@@ -130,11 +119,7 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
                                      /*in_fit=*/trainer_.stage == Stage::kFit);
   callbacks(&Callback::on_test_epoch_end, &Callback::on_validation_epoch_end);
   Trainer::Impl::set_log_sink(m, nullptr);
-  if (is_test) {
-    m.on_test_end();
-  } else {
-    m.on_validation_end();
-  }
+  module_hook(&Module::on_test_end, &Module::on_validation_end);
   callbacks(&Callback::on_test_end, &Callback::on_validation_end);
   return out;
 }

@@ -319,14 +319,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
       at::Tensor scaled = accumulate_ > 1 ? loss / accumulate_ : loss;
       {
         LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kBackward);
-        trainer_.call_hooks(
-            [&](Module& mod) { mod.on_before_backward(loss); },
-            [&](Callback& cb) { cb.on_before_backward(trainer_.self, *trainer_.module, loss); });
-        trainer_.drive().set_stop_vote(should_stop_);
-        trainer_.drive().backward(scaled, m);
-        trainer_.call_hooks(
-            [](Module& mod) { mod.on_after_backward(); },
-            [&](Callback& cb) { cb.on_after_backward(trainer_.self, *trainer_.module); });
+        backward_with_hooks(m, loss, scaled, /*vote=*/true);
       }
       window_has_gradient_ = !should_step;
       if (should_step) step_optimizers();
@@ -393,10 +386,10 @@ void FitLoop::run_optimizer_steps(bool clip_on_device) {
 }
 
 void FitLoop::finish_optimizer_steps(bool zero_grads) {
+  Module& m = *trainer_.module;
   for (auto& opt : optimizers_.optimizers) {
-    trainer_.call_hooks(
-        [&](Module& mod) { mod.on_before_zero_grad(*opt); },
-        [&](Callback& cb) { cb.on_before_zero_grad(trainer_.self, *trainer_.module, *opt); });
+    trainer_.call_hooks([&](Module& mod) { mod.on_before_zero_grad(*opt); },
+                        [&](Callback& cb) { cb.on_before_zero_grad(trainer_.self, m, *opt); });
     if (zero_grads) opt->zero_grad();
   }
   ++global_step_;
@@ -442,12 +435,7 @@ at::Tensor FitLoop::step_body(Batch& on_device, int64_t idx) {
                           "pass cuda_graph=false to skip batches."));
   }
   check_loss(loss);
-  trainer_.call_hooks(
-      [&](Module& mod) { mod.on_before_backward(loss); },
-      [&](Callback& cb) { cb.on_before_backward(trainer_.self, *trainer_.module, loss); });
-  trainer_.drive().backward(loss, m);
-  trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); },
-                      [&](Callback& cb) { cb.on_after_backward(trainer_.self, *trainer_.module); });
+  backward_with_hooks(m, loss, loss, /*vote=*/false);
   run_optimizer_steps(/*clip_on_device=*/true);
   return loss;
 }
@@ -559,13 +547,18 @@ void FitLoop::manual_backward(Module& m, const at::Tensor& loss) {
         "manual_backward(loss): called outside training_step. Call it from "
         "training_step while fitting.");
   }
-  trainer_.call_hooks(
-      [&](Module& mod) { mod.on_before_backward(loss); },
-      [&](Callback& cb) { cb.on_before_backward(trainer_.self, *trainer_.module, loss); });
-  trainer_.drive().set_stop_vote(should_stop_);
-  trainer_.drive().backward(loss, m);
+  backward_with_hooks(m, loss, loss, /*vote=*/true);
+}
+
+void FitLoop::backward_with_hooks(Module& m, const at::Tensor& loss, const at::Tensor& scaled,
+                                  bool vote) {
+  trainer_.call_hooks([&](Module& mod) { mod.on_before_backward(loss); },
+                      [&](Callback& cb) { cb.on_before_backward(trainer_.self, m, loss); });
+  // After on_before_backward: a stop it requests is in this backward's vote.
+  if (vote) trainer_.drive().set_stop_vote(should_stop_);
+  trainer_.drive().backward(scaled, m);
   trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); },
-                      [&](Callback& cb) { cb.on_after_backward(trainer_.self, *trainer_.module); });
+                      [&](Callback& cb) { cb.on_after_backward(trainer_.self, m); });
 }
 
 void FitLoop::manual_optimizer_step(Module& m, torch::optim::Optimizer& optimizer) {

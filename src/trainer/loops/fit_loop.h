@@ -124,6 +124,11 @@ class FitLoop {
   /// clipping and the optimizer steps (gradients are not zeroed: the next
   /// step's backward writes them afresh).
   at::Tensor step_body(Batch& on_device, int64_t batch_idx);
+  /// on_before_backward (the Module's, then the callbacks') with `loss`,
+  /// the strategy's backward of `scaled` (`vote`: carrying the stop vote),
+  /// on_after_backward: automatic optimization, a captured step and
+  /// manual_backward alike.
+  void backward_with_hooks(Module& m, const at::Tensor& loss, const at::Tensor& scaled, bool vote);
   /// The checks on what training_step returned (automatic optimization).
   static void check_loss(const at::Tensor& loss);
   void clip_gradients(torch::optim::Optimizer& optimizer, bool on_device);
