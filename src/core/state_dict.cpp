@@ -310,6 +310,18 @@ std::vector<double> StateDict::reals(const std::string& key) const {
   return e.value.toDoubleVector();
 }
 
+std::vector<std::string> StateDict::strings(const std::string& key) const {
+  const Entry& e = required(key, "a list of strings");
+  bool ok = !e.section && e.value.isList();
+  if (ok) {
+    for (const auto& v : e.value.toListRef()) ok = ok && v.isString();
+  }
+  if (!ok) wrong_kind(key, &e, "a list of strings");
+  std::vector<std::string> out;
+  for (const auto& v : e.value.toListRef()) out.push_back(v.toStringRef());
+  return out;
+}
+
 const StateDict& StateDict::section_at(const std::string& key) const {
   const Entry& e = required(key, "a section");
   if (!e.section) wrong_kind(key, &e, "a section");

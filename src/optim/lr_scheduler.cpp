@@ -23,8 +23,10 @@ LambdaLR::LambdaLR(torch::optim::Optimizer& optimizer, std::function<double(int6
 std::vector<double> LambdaLR::get_lrs() {
   // Called by step() before it counts the step: this is step step_count_ + 1.
   const double f = factor_(static_cast<int64_t>(step_count_) + 1);
-  std::vector<double> lrs(base_lrs_.size());
-  for (size_t i = 0; i < lrs.size(); ++i) lrs[i] = base_lrs_[i] * f;
+  // A group added after construction (BaseFinetuning's) keeps the rate
+  // it has, as PyTorch's LambdaLR leaves it.
+  std::vector<double> lrs = get_current_lrs();
+  for (size_t i = 0; i < lrs.size() && i < base_lrs_.size(); ++i) lrs[i] = base_lrs_[i] * f;
   return lrs;
 }
 

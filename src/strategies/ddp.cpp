@@ -17,7 +17,7 @@ DDPStrategy::DDPStrategy(DDPOptions options, std::string name)
     : ParallelStrategy(options.parallel, "DDPStrategy", options.start_method),
       options_(std::move(options)),
       name_(std::move(name)) {
-  set_traits({.sync_batchnorm_unsupported_reason = {}});
+  set_traits({.sync_batchnorm_unsupported_reason = {}, .trainable_change_unsupported_reason = {}});
   if (!(options_.bucket_cap_mb > 0)) {
     throw ConfigError(
         str("DDPStrategy: bucket_cap_mb=", options_.bucket_cap_mb, " must be > 0 (default 25)."));
@@ -56,18 +56,69 @@ void DDPStrategy::do_setup(Module& module) {
   // Every rank starts from rank 0's parameters and buffers.
   broadcast_parameters_from_rank_zero(module);
   broadcast_buffers();
-  std::vector<std::pair<std::string, at::Tensor>> named;
-  for (auto& item : module.named_parameters()) named.emplace_back(item.key(), item.value());
+  parameters_.clear();
+  for (auto& item : module.named_parameters()) parameters_.emplace_back(item.key(), item.value());
+  build_reducer();
+  stop_agreed_ = false;
+  set_stop_vote(false);
+}
+
+void DDPStrategy::build_reducer() {
+  reducer_.reset();  // its hooks off the parameters first
+  trainable_.clear();
+  for (const auto& item : parameters_) trainable_.push_back(item.second.requires_grad() ? 1 : 0);
   GradientReducerOptions reducer_options;
   reducer_options.bucket_cap_mb = options_.bucket_cap_mb;
   reducer_options.find_unused_parameters = options_.find_unused_parameters;
   reducer_options.extra_scalars = 1;  // kStopVote
   reducer_ =
-      std::make_unique<GradientReducer>(std::move(named), shared_process_group(), reducer_options);
+      std::make_unique<GradientReducer>(parameters_, shared_process_group(), reducer_options);
   reducer_->set_require_sync(gradient_sync());
-  exchanges_seen_ = 0;
-  stop_agreed_ = false;
-  set_stop_vote(false);
+  exchanges_seen_ = 0;  // the new reducer counts its exchanges from 0
+}
+
+void DDPStrategy::follow_trainable_parameters() {
+  size_t k = 0;
+  while (k < parameters_.size() &&
+         (parameters_[k].second.requires_grad() ? 1 : 0) == trainable_[k]) {
+    ++k;
+  }
+  if (k == parameters_.size()) return;
+  // Which parameters are trainable now, as a count and a fingerprint of
+  // their positions: every rank must have changed alike, or their buckets
+  // would differ and the next all-reduce would pair unlike gradients.
+  int64_t before = 0;
+  int64_t now = 0;
+  int64_t fingerprint = 0;
+  for (size_t i = 0; i < parameters_.size(); ++i) {
+    before += trainable_[i];
+    if (!parameters_[i].second.requires_grad()) continue;
+    ++now;
+    fingerprint = (fingerprint * 1000003 + static_cast<int64_t>(i) + 1) % 2147483647;
+  }
+  if (world_size() > 1) {
+    const at::Tensor mine = torch::tensor({now, fingerprint}, torch::kLong);
+    const at::Tensor all = all_gather(mine).cpu();
+    std::vector<std::string> differ;
+    for (int64_t r = 0; r < all.size(0); ++r) {
+      if (all[r].equal(mine)) continue;
+      differ.push_back(str("rank ", r, " has ", all[r][0].item<int64_t>(), " trainable"));
+    }
+    if (!differ.empty()) {
+      throw DistributedError(
+          str(name(), ": which parameters are trainable changed on rank ", global_rank(), " (",
+              before, " before, ", now, " now, first \"", parameters_[k].first,
+              "\") but differently on its peers: ", join(differ, ", "),
+              ". Freeze and unfreeze the same parameters on every rank at the same step (a "
+              "callback does so in the same hook on every rank)."));
+    }
+  }
+  if (is_global_zero()) {
+    detail::print_note(str(name(), ": the trainable parameters changed (", before, " before, ", now,
+                           " now; first \"", parameters_[k].first,
+                           "\"): their gradients are reduced from this step on."));
+  }
+  build_reducer();
 }
 
 void DDPStrategy::broadcast_buffers() {
@@ -97,10 +148,16 @@ at::Tensor DDPStrategy::training_step(Module& module, Batch& batch, int64_t batc
 void DDPStrategy::do_teardown() {
   buffer_groups_.clear();
   reducer_.reset();
+  parameters_.clear();
+  trainable_.clear();
   ParallelStrategy::do_teardown();
 }
 
 void DDPStrategy::backward(const at::Tensor& loss, Module& module) {
+  // At a step whose gradients sync: there every rank calls this or
+  // steps_without_loss (a no_sync micro-batch's gradients accumulate in the
+  // parameters, which the rebuilt reducer takes at the next sync).
+  if (reducer_ && gradient_sync()) follow_trainable_parameters();
   if (reducer_) reducer_->set_require_sync(gradient_sync());
   bool sync = reducer_ && gradient_sync();
   if (sync) {
@@ -123,6 +180,7 @@ bool DDPStrategy::steps_without_loss(Module& module, bool accumulated) {
                           "on every rank (e.g. loss * 0 to make a batch count for nothing), or "
                           "turn sync_batchnorm off."));
   }
+  follow_trainable_parameters();
   reducer_->set_require_sync(true);  // the micro-batches before may have run without it
   reducer_->set_extra_scalar(kStopVote, stop_vote() ? 1.0 : 0.0);
   return reducer_->join_without_backward(accumulated) > 0;

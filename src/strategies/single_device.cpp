@@ -5,7 +5,9 @@
 namespace fulgur {
 
 SingleDeviceStrategy::SingleDeviceStrategy(std::optional<c10::Device> device) : device_(device) {
-  set_traits({.max_processes = 1, .sync_batchnorm_unsupported_reason = "one process has no peers"});
+  set_traits({.max_processes = 1,
+              .sync_batchnorm_unsupported_reason = "one process has no peers",
+              .trainable_change_unsupported_reason = {}});
 }
 
 c10::Device SingleDeviceStrategy::root_device() const {

@@ -96,6 +96,7 @@ fulgur::StateDict every_kind() {
   outer.set("b", true);
   outer.set("il", std::vector<int64_t>{1, 2});
   outer.set("dl", std::vector<double>{0.5, 1.5});
+  outer.set("sl", c10::IValue(c10::List<std::string>({"a", "b.c"})));
   outer.section("sub").set("v", int64_t{1});
   return state;
 }
@@ -112,6 +113,7 @@ TEST(StateDict, EachTypedReadNamesThePathAndWhatItFound) {
   EXPECT_TRUE(o.boolean("b"));
   EXPECT_EQ(o.integers("il"), (std::vector<int64_t>{1, 2}));
   EXPECT_EQ(o.reals("dl"), (std::vector<double>{0.5, 1.5}));
+  EXPECT_EQ(o.strings("sl"), (std::vector<std::string>{"a", "b.c"}));
   EXPECT_EQ(o.at("n").toInt(), 5);
   EXPECT_EQ(o.section_at("sub").integer("v"), 1);
   // Another kind: the path, what is there, what was expected.
@@ -133,6 +135,11 @@ TEST(StateDict, EachTypedReadNamesThePathAndWhatItFound) {
                      {"\"outer/n\"", "is an integer (5)", "where a list of integers was expected"});
   EXPECT_THROWS_WITH(fulgur::CheckpointError, o.reals("il"),
                      {"\"outer/il\"", "where a list of numbers was expected"});
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, o.strings("il"),
+                     {"\"outer/il\"", "where a list of strings was expected"});
+  EXPECT_THROWS_WITH(
+      fulgur::CheckpointError, o.strings("s"),
+      {"\"outer/s\"", "is a string (\"x\")", "where a list of strings was expected"});
   EXPECT_THROWS_WITH(fulgur::CheckpointError, o.section_at("n"),
                      {"\"outer/n\"", "is an integer (5)", "where a section was expected"});
   EXPECT_THROWS_WITH(fulgur::CheckpointError, o.tensor("sub"),
@@ -142,7 +149,7 @@ TEST(StateDict, EachTypedReadNamesThePathAndWhatItFound) {
   EXPECT_THROWS_WITH(fulgur::CheckpointError, o.real("sub"),
                      {"\"outer/sub\"", "is a section", "where a number was expected"});
   // Missing: the path, the kind wanted, and every key the dict holds.
-  const std::string holds = "\"outer\" holds n, t, s, d, b, il, dl, sub";
+  const std::string holds = "\"outer\" holds n, t, s, d, b, il, dl, sl, sub";
   EXPECT_THROWS_WITH(fulgur::CheckpointError, o.tensor("weight"),
                      {"\"outer/weight\"", "(a tensor) is missing", holds});
   EXPECT_THROWS_WITH(fulgur::CheckpointError, o.integer("step"),
@@ -157,6 +164,8 @@ TEST(StateDict, EachTypedReadNamesThePathAndWhatItFound) {
                      {"\"outer/sizes\"", "(a list of integers) is missing", holds});
   EXPECT_THROWS_WITH(fulgur::CheckpointError, o.reals("betas"),
                      {"\"outer/betas\"", "(a list of numbers) is missing", holds});
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, o.strings("paths"),
+                     {"\"outer/paths\"", "(a list of strings) is missing", holds});
   EXPECT_THROWS_WITH(fulgur::CheckpointError, o.section_at("state"),
                      {"\"outer/state\"", "(a section) is missing", holds});
   EXPECT_THROWS_WITH(fulgur::CheckpointError, o.at("value"),
@@ -516,6 +525,7 @@ TEST(StateDict, TheArchiveRoundTripKeepsEverything) {
   EXPECT_EQ(loaded.string("name"), "fulgur \xce\xbb");
   EXPECT_EQ(loaded.integers("ints"), (std::vector<int64_t>{1, -2, int64_t{1} << 50}));
   EXPECT_EQ(loaded.reals("reals"), (std::vector<double>{0.1, -2.5, 1e-300}));
+  EXPECT_EQ(loaded.strings("names"), (std::vector<std::string>{"a", "", "b c"}));
   EXPECT_EQ(loaded.section_at("optimizer").real("lr"), 0.01);
   EXPECT_EQ(loaded.section_at("optimizer").section_at("state").section_at("0").integer("step"), 2);
   EXPECT_TRUE(loaded.section_at("empty").empty());
@@ -524,6 +534,19 @@ TEST(StateDict, TheArchiveRoundTripKeepsEverything) {
   EXPECT_EQ(loaded.section_at("optimizer").section_at("state").path(), "optimizer/state");
   // And again: the bytes of a loaded state load the same.
   expect_same_state(state, fulgur::from_bytes(fulgur::to_bytes(loaded)), "(twice)");
+}
+
+// An empty list of strings (or numbers) reads back as an empty list of
+// that kind.
+TEST(StateDict, EmptyListsRoundTripThroughTheArchive) {
+  fulgur::StateDict state;
+  state.set("names", c10::IValue(c10::List<std::string>()));
+  state.set("ints", c10::IValue(c10::List<int64_t>()));
+  state.set("reals", c10::IValue(c10::List<double>()));
+  const fulgur::StateDict loaded = fulgur::from_bytes(fulgur::to_bytes(state));
+  EXPECT_TRUE(loaded.strings("names").empty());
+  EXPECT_TRUE(loaded.integers("ints").empty());
+  EXPECT_TRUE(loaded.reals("reals").empty());
 }
 
 // A checkpoint written with LibTorch's own archive API (as fulgur 0.1 and

@@ -47,6 +47,27 @@ TEST(DDP, ReloadedLoadersAreSplitAcrossTheRanksAsTheFirstWas) {
                     "ddp");
 }
 
+// BackboneFinetuning: fc1 frozen for epoch 0 (4 steps), then trained in a
+// parameter group of its own at rising rates. The ranks rebuild their
+// gradient buckets when it becomes trainable, so two ranks still train as
+// one process.
+TEST(DDP, AFinetunedBackboneIsAveragedOnceItTrains) {
+  expect_equivalent({"--steps", "16", "--samples", "64", "--finetune-at", "1"}, "ddp");
+}
+
+// Ranks that make different parameters trainable at one step: each names
+// the difference instead of pairing unlike gradient buckets.
+TEST(DDP, RanksThatUnfreezeDifferentParametersAreNamed) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "8", "--samples", "64",
+                       "--unfreeze-mismatch-step", "2", "--root", dir.path()});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::HasSubstr("which parameters are trainable changed on rank"));
+  EXPECT_THAT(r.output, ::testing::HasSubstr("differently on its peers: rank "));
+  EXPECT_THAT(r.output,
+              ::testing::HasSubstr("Freeze and unfreeze the same parameters on every rank"));
+}
+
 // Under ddp every rank predicts its own part of the data (37 samples: 19 and
 // 18) and a PredictionFileWriter writes it; read back, the parts are one
 // process's predictions, in the dataset's order.

@@ -165,6 +165,12 @@ struct Args {
   // EarlyStopping (patience 1) on "es_metric", logged without sync_dist at
   // each epoch's end: worse every epoch on this rank, better on the others.
   int early_stop_rank = -1;
+  // >= 0: a BackboneFinetuning freezes fc1 at the start and trains it from
+  // this epoch on; the optimizer gets the trainable parameters only.
+  int64_t finetune_at = -1;
+  // >= 0: fc1 starts frozen, and before this global step rank 0 unfreezes
+  // its weight and every other rank its bias (ranks that disagree).
+  int64_t unfreeze_mismatch_step = -1;
   // Where global rank 0 writes the optimizer's state at the end of fit.
   std::string out_optimizer;
   // A learning-rate schedule: "epoch" (StepLR: halved every epoch),
@@ -239,6 +245,11 @@ struct Classifier : fulgur::Module {
     if (a.count_buffer) seen = register_buffer("seen", torch::zeros({}, torch::kLong));
     // --frozen-bias: fc1's bias never trains (whole on every rank, in no shard).
     if (a.frozen_bias) named_parameters()["fc1.bias"].requires_grad_(false);
+    if (a.unfreeze_mismatch_step >= 0) {
+      for (auto& p : named_parameters()) {
+        if (p.key().rfind("fc1.", 0) == 0) p.value().requires_grad_(false);
+      }
+    }
   }
 
   at::Tensor seen;
@@ -289,6 +300,9 @@ struct Classifier : fulgur::Module {
     }
     if (args.step_sleep_ms > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(args.step_sleep_ms));
+    }
+    if (args.unfreeze_mismatch_step == trainer().global_step()) {
+      named_parameters()[rank == 0 ? "fc1.weight" : "fc1.bias"].requires_grad_(true);
     }
     for (const auto& spec : args.raises) {
       int r = -1, sig = 0;
@@ -492,11 +506,15 @@ struct Classifier : fulgur::Module {
 
   fulgur::OptimizerConfig configure_optimizers() override {
     std::shared_ptr<torch::optim::Optimizer> optimizer;
+    std::vector<at::Tensor> params;
+    for (auto& p : parameters()) {
+      if (args.finetune_at < 0 || p.requires_grad()) params.push_back(p);
+    }
     if (args.optimizer == "adam") {
-      optimizer = std::make_shared<torch::optim::Adam>(parameters(), 0.01);
+      optimizer = std::make_shared<torch::optim::Adam>(params, 0.01);
     } else {
-      optimizer = std::make_shared<torch::optim::SGD>(parameters(),
-                                                      torch::optim::SGDOptions(0.1).momentum(0.9));
+      optimizer =
+          std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));
     }
     if (args.schedule == "epoch") {
       return {{optimizer},
@@ -658,6 +676,8 @@ int main(int argc, char** argv) {
   app.add_option("--hang-at-exit-rank", a.hang_at_exit_rank);
   app.add_option("--prepare-seconds", a.prepare_seconds);
   app.add_option("--reload-every", a.reload_every);
+  app.add_option("--finetune-at", a.finetune_at);
+  app.add_option("--unfreeze-mismatch-step", a.unfreeze_mismatch_step);
   app.add_flag("--warm-parent", a.warm_parent);
   app.add_option("--distributed-sampler", a.distributed_sampler);
   app.add_option("--ignore-sigterm-rank", a.ignore_sigterm_rank);
@@ -755,6 +775,11 @@ int main(int argc, char** argv) {
     }
     if (!a.predict_dir.empty()) {
       options.callbacks.push_back(std::make_shared<fulgur::PredictionFileWriter>(a.predict_dir));
+    }
+    if (a.finetune_at >= 0) {
+      options.callbacks.push_back(
+          std::make_shared<fulgur::BackboneFinetuning>(fulgur::BackboneFinetuningOptions{
+              .unfreeze_backbone_at_epoch = a.finetune_at, .backbone = "fc1"}));
     }
     options.every_n_train_steps = a.every_n_train_steps;
     options.max_restarts = a.max_restarts;

@@ -52,6 +52,22 @@ TEST(LambdaLR, AppliesFactorZeroAtOnceAndFactorNAfterNSteps) {
   EXPECT_THAT(schedule.base_lrs(), ::testing::ElementsAre(0.5, 2.0));
 }
 
+// A group added after the scheduler was made (BaseFinetuning's) keeps the
+// rate it is given, as under PyTorch's LambdaLR; the first ones follow the
+// schedule.
+TEST(LambdaLR, AGroupAddedLaterKeepsItsOwnRate) {
+  auto sgd = two_group_sgd(0.5, 2.0);
+  fulgur::LambdaLR schedule(*sgd, [](int64_t step) { return 1.0 / (step + 1.0); });
+  sgd->add_param_group(torch::optim::OptimizerParamGroup(
+      std::vector<at::Tensor>{torch::zeros({4}, torch::requires_grad())},
+      std::make_unique<torch::optim::SGDOptions>(0.125)));
+  schedule.step();
+  EXPECT_THAT(lrs(*sgd), ::testing::ElementsAre(0.25, 1.0, 0.125));
+  sgd->param_groups()[2].options().set_lr(0.0625);
+  schedule.step();
+  EXPECT_THAT(lrs(*sgd), ::testing::ElementsAre(0.5 / 3.0, 2.0 / 3.0, 0.0625));
+}
+
 TEST(LambdaLR, RefusesAnEmptyFunction) {
   auto sgd = two_group_sgd(0.5, 2.0);
   EXPECT_THROW(fulgur::LambdaLR(*sgd, nullptr), fulgur::ConfigError);

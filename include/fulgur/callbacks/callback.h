@@ -91,8 +91,18 @@ class Callback {
   virtual StateDict state_dict() const { return {}; }
   /// Restores what state_dict() returned, from a checkpoint being resumed.
   /// Called before on_fit_start, only when the checkpoint holds a section
-  /// under this callback's state_key().
+  /// under this callback's state_key(): after the module's weights load and
+  /// before the optimizers' states do.
   virtual void load_state_dict(const StateDict& /*state*/) {}
+  /// A resumed fit only, on every rank: after every callback's
+  /// load_state_dict, before the optimizers' states load from the
+  /// checkpoint (module.optimizers() are configure_optimizers' fresh ones).
+  /// A callback that changed the optimizers in the run that saved the
+  /// checkpoint (BaseFinetuning adds parameter groups) makes them so again
+  /// here, so that the saved states fit. Lightning restores the optimizers
+  /// after on_fit_start, where its callbacks do this; fulgur restores the
+  /// whole run (loops, schedulers, RNGs) before on_fit_start.
+  virtual void on_restore_optimizers(Trainer&, Module&) {}
 };
 
 }  // namespace fulgur

@@ -91,6 +91,8 @@ class StateDict {
   std::string string(const std::string& key) const;
   std::vector<int64_t> integers(const std::string& key) const;
   std::vector<double> reals(const std::string& key) const;
+  /// Set as a c10::List<std::string>.
+  std::vector<std::string> strings(const std::string& key) const;
   const StateDict& section_at(const std::string& key) const;
   /// Whether the tensor under `key` was set with set_buffer / set_plain.
   /// (A state read from an archive cannot tell: its tensors read as set().)

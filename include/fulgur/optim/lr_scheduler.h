@@ -65,7 +65,8 @@ class MonitoredScheduler {
 /// LambdaLR: factor(0) applies from construction, factor(n) after n
 /// scheduler steps. The initial learning rates are the optimizer's when
 /// the scheduler is built (in configure_optimizers), so a resumed run
-/// computes the same values.
+/// computes the same values. A group added later (BaseFinetuning's) keeps
+/// the rate it is given, as in PyTorch.
 class LambdaLR : public torch::optim::LRScheduler {
  public:
   LambdaLR(torch::optim::Optimizer& optimizer, std::function<double(int64_t)> factor);

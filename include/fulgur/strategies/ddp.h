@@ -23,6 +23,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -131,7 +132,19 @@ class DDPStrategy : public ParallelStrategy {
   /// device), at setup and (broadcast_buffers) before each synced step.
   void broadcast_buffers();
 
+  /// The reducer for the parameters trainable now (requires_grad), with
+  /// the stop-vote scalar.
+  void build_reducer();
+  /// Before each backward (or join without one): when which parameters are
+  /// trainable changed (a callback unfroze a backbone), every rank checks
+  /// that its peers changed alike and rebuilds its reducer.
+  void follow_trainable_parameters();
+
   std::unique_ptr<GradientReducer> reducer_;
+  /// The module's parameters, and which were trainable when the reducer
+  /// was built.
+  std::vector<std::pair<std::string, at::Tensor>> parameters_;
+  std::vector<char> trainable_;
   /// The reducer's exchange count at the last agree_to_stop, and whether
   /// the ranks have agreed to stop (it stays agreed).
   int64_t exchanges_seen_ = 0;

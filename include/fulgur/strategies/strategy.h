@@ -86,6 +86,11 @@ struct StrategyTraits {
   /// Whether every save gathers what it writes on several ranks (fsdp):
   /// every rank must then save at the same point.
   bool save_gathers = false;
+  /// Empty when it follows a change of which parameters are trainable
+  /// during a fit (BaseFinetuning makes a frozen backbone trainable
+  /// mid-fit); otherwise why not, for the refusal of such a callback.
+  std::string trainable_change_unsupported_reason =
+      "it does not declare that it can (StrategyTraits::trainable_change_unsupported_reason)";
 };
 
 namespace detail {

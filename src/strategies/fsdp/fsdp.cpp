@@ -49,7 +49,11 @@ FSDPStrategy::FSDPStrategy(FSDPOptions options, std::string name)
   // (the units' parameters, a full state's optimizer state).
   set_traits({.sync_batchnorm_unsupported_reason = {},
               .forward_is_collective = full_shard(),
-              .save_gathers = true});
+              .save_gathers = true,
+              .trainable_change_unsupported_reason =
+                  "it shards the parameters that are trainable when the fit starts and steps "
+                  "only those shards; a parameter made trainable later would be stepped whole "
+                  "on every rank without its gradient reduced"});
 }
 
 FSDPStrategy::~FSDPStrategy() = default;

@@ -277,6 +277,11 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
   }
   if (!full) return;
 
+  // The callbacks first: one may rebuild the optimizers' parameter groups
+  // (on_restore_optimizers) so that their saved states fit.
+  load_callback_states(checkpoint);
+  for (auto& cb : trainer_.callbacks) cb->on_restore_optimizers(trainer_.self, *trainer_.module);
+
   auto& optimizers = trainer_.fit_loop.optimizers();
   const StateDict& optimizer_states = section(checkpoint, "optimizer_states");
   const int64_t count = optimizer_states.integer("count");
@@ -348,7 +353,6 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
   progress.epoch_done = loops.boolean("epoch_done");
   trainer_.fit_loop.restore(progress, checkpoint.find_section("train_loader"));
 
-  load_callback_states(checkpoint);
   detail::LogSink::MetricStates metric_states;
   const StateDict* metrics = checkpoint.find_section("train_metrics");
   if (metrics != nullptr && trainer_.strategy->is_global_zero()) {
