@@ -74,10 +74,22 @@ std::unordered_map<const torch::nn::Module*, std::string> module_names(torch::nn
   return names;
 }
 
-c10::List<std::string> string_list(const std::vector<std::string>& items) {
-  c10::List<std::string> list;
-  for (const auto& item : items) list.push_back(item);
-  return list;
+// The parameters `optimizer` holds, by their tensors.
+std::set<const c10::TensorImpl*> held_by(const torch::optim::Optimizer& optimizer) {
+  std::set<const c10::TensorImpl*> held;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) held.insert(p.unsafeGetTensorImpl());
+  }
+  return held;
+}
+
+// Every parameter of `module` by its tensor, with its name.
+std::unordered_map<const c10::TensorImpl*, std::string> parameter_names(Module& module) {
+  std::unordered_map<const c10::TensorImpl*, std::string> names;
+  for (const auto& item : module.named_parameters()) {
+    names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  }
+  return names;
 }
 
 bool global_zero(Module& module) { return module.trainer().strategy().is_global_zero(); }
@@ -160,10 +172,24 @@ size_t BaseFinetuning::unfreeze_and_add_param_group(torch::nn::Module& modules,
                                                     std::optional<double> lr,
                                                     double initial_denom_lr, bool train_bn) {
   Module& root = fit_module("unfreeze_and_add_param_group");
-  std::set<const c10::TensorImpl*> held;
-  for (const auto& group : optimizer.param_groups()) {
-    for (const auto& p : group.params()) held.insert(p.unsafeGetTensorImpl());
+  // The rate first: a bad one changes nothing.
+  double group_lr = 0.0;
+  if (lr) {
+    group_lr = *lr;
+  } else {
+    if (optimizer.param_groups().empty()) {
+      throw ConfigError(str(state_key(),
+                            ": unfreeze_and_add_param_group without lr takes group 0's "
+                            "learning rate, and the optimizer has no group. Pass lr."));
+    }
+    group_lr = optimizer.param_groups().front().options().get_lr() / initial_denom_lr;
   }
+  if (!(std::isfinite(group_lr) && group_lr >= 0.0)) {
+    throw ConfigError(str(state_key(), ": the new parameter group's learning rate is ", group_lr,
+                          " (lr=", lr ? str(*lr) : std::string("none"), ", initial_denom_lr=",
+                          initial_denom_lr, "). Pass a finite lr >= 0, or initial_denom_lr > 0."));
+  }
+  const std::set<const c10::TensorImpl*> held = held_by(optimizer);
   std::vector<at::Tensor> params;
   std::set<const c10::TensorImpl*> seen;
   size_t skipped = 0;
@@ -192,22 +218,6 @@ size_t BaseFinetuning::unfreeze_and_add_param_group(torch::nn::Module& modules,
             "configure_optimizers (those with requires_grad())."));
   }
   if (params.empty()) return 0;
-  double group_lr = 0.0;
-  if (lr) {
-    group_lr = *lr;
-  } else {
-    if (optimizer.param_groups().empty()) {
-      throw ConfigError(str(state_key(),
-                            ": unfreeze_and_add_param_group without lr takes group 0's "
-                            "learning rate, and the optimizer has no group. Pass lr."));
-    }
-    group_lr = optimizer.param_groups().front().options().get_lr() / initial_denom_lr;
-  }
-  if (!(std::isfinite(group_lr) && group_lr >= 0.0)) {
-    throw ConfigError(str(state_key(), ": the new parameter group's learning rate is ", group_lr,
-                          " (lr=", lr ? str(*lr) : std::string("none"), ", initial_denom_lr=",
-                          initial_denom_lr, "). Pass a finite lr >= 0, or initial_denom_lr > 0."));
-  }
   const size_t count = params.size();
   // Without options the group takes the optimizer's defaults (as
   // PyTorch's add_param_group), then its own rate.
@@ -261,17 +271,13 @@ void BaseFinetuning::on_train_epoch_start(Trainer& trainer, Module& module) {
   if (epoch <= finetuned_epoch_) return;
   const auto& optimizers = module.optimizers();
   if (added_groups_.size() < optimizers.size()) added_groups_.resize(optimizers.size());
-  std::unordered_map<const c10::TensorImpl*, std::string> names;
+  std::unordered_map<const c10::TensorImpl*, std::string> names;  // made when needed
   for (size_t i = 0; i < optimizers.size(); ++i) {
     torch::optim::Optimizer& optimizer = *optimizers[i];
     const size_t before = optimizer.param_groups().size();
     finetune_function(module, epoch, optimizer);
     for (size_t g = before; g < optimizer.param_groups().size(); ++g) {
-      if (names.empty()) {
-        for (const auto& item : module.named_parameters()) {
-          names.emplace(item.value().unsafeGetTensorImpl(), item.key());
-        }
-      }
+      if (names.empty()) names = parameter_names(module);
       auto& group = added_groups_[i].emplace_back();
       for (const auto& p : optimizer.param_groups()[g].params()) {
         auto it = names.find(p.unsafeGetTensorImpl());
@@ -293,7 +299,7 @@ void BaseFinetuning::on_train_epoch_start(Trainer& trainer, Module& module) {
 StateDict BaseFinetuning::state_dict() const {
   StateDict state;
   state.set("finetuned_epoch", finetuned_epoch_);
-  state.set("trainable", string_list(trainable_names()));
+  state.set("trainable", c10::List<std::string>(trainable_names()));
   // Lists side by side (a module's name has dots, which no key may hold).
   std::vector<std::string> names;
   c10::List<double> momenta;
@@ -306,7 +312,7 @@ StateDict BaseFinetuning::state_dict() const {
     batches.push_back(norm.batches_tracked);
   }
   StateDict& norms = state.section("frozen_norms");
-  norms.set("names", string_list(names));
+  norms.set("names", c10::List<std::string>(names));
   norms.set("momentum", momenta);
   norms.set("cumulative", cumulative);
   norms.set("batches_tracked", batches);
@@ -316,7 +322,7 @@ StateDict BaseFinetuning::state_dict() const {
     StateDict& one = groups.section(std::to_string(i));
     one.set("count", static_cast<int64_t>(added_groups_[i].size()));
     for (size_t g = 0; g < added_groups_[i].size(); ++g) {
-      one.set(std::to_string(g), string_list(added_groups_[i][g]));
+      one.set(std::to_string(g), c10::List<std::string>(added_groups_[i][g]));
     }
   }
   state.set_section("extra", extra_state());
@@ -355,6 +361,13 @@ void BaseFinetuning::load_state_dict(const StateDict& state) {
   }
   if (const StateDict* extra = state.find_section("extra")) load_extra_state(*extra);
   finetuned_epoch_ = epoch;
+  if (module_ == nullptr) {
+    // Outside a fit (the state a forked launcher's rank 0 sends back to
+    // the caller's callback): what the run ended with, for state_dict().
+    trainable_at_end_ = std::move(saved->trainable);
+    added_groups_ = std::move(saved->added_groups);
+    return;
+  }
   saved_ = std::move(saved);
 }
 
@@ -417,10 +430,7 @@ void BaseFinetuning::on_restore_optimizers(Trainer&, Module& module) {
   added_groups_.assign(optimizers.size(), {});
   for (size_t i = 0; i < optimizers.size() && i < saved->added_groups.size(); ++i) {
     torch::optim::Optimizer& optimizer = *optimizers[i];
-    std::set<const c10::TensorImpl*> held;
-    for (const auto& group : optimizer.param_groups()) {
-      for (const auto& p : group.params()) held.insert(p.unsafeGetTensorImpl());
-    }
+    std::set<const c10::TensorImpl*> held = held_by(optimizer);
     for (const auto& names : saved->added_groups[i]) {
       std::vector<at::Tensor> params;
       for (const auto& name : names) {
@@ -501,6 +511,19 @@ void BackboneFinetuning::on_fit_start(Trainer&, Module& module) {
                           "step it). Return one optimizer, or write a BaseFinetuning that "
                           "picks one in finetune_function."));
   }
+  // Found now rather than at the unfreezing epoch, hours in.
+  const std::set<const c10::TensorImpl*> held = held_by(*module.optimizers().front());
+  size_t frozen_held = 0;
+  for (const auto& p : backbone_of(module).parameters()) {
+    if (!p.requires_grad() && held.count(p.unsafeGetTensorImpl()) != 0) ++frozen_held;
+  }
+  if (frozen_held > 0) {
+    throw ConfigError(str("BackboneFinetuning: the optimizer holds ", frozen_held,
+                          " of the frozen backbone's parameters (configure_optimizers gave it "
+                          "every parameter), so the backbone could not train at a rate of its "
+                          "own. Give the optimizer the parameters with requires_grad() only: "
+                          "the backbone is frozen before configure_optimizers runs."));
+  }
 }
 
 void BackboneFinetuning::finetune_function(Module& module, int64_t epoch,
@@ -526,10 +549,20 @@ void BackboneFinetuning::finetune_function(Module& module, int64_t epoch,
     backbone_lr_ = lr;
   } else {
     if (backbone_group_ >= groups.size()) {
-      throw ConfigError(str("BackboneFinetuning: the backbone's parameter group ", backbone_group_,
-                            " is gone (the optimizer has ", groups.size(), ")."));
+      throw ConfigError(str("BackboneFinetuning: epoch ", epoch,
+                            ": the backbone's parameter group ", backbone_group_,
+                            " is gone (the optimizer has ", groups.size(),
+                            "). Leave the groups it adds in place (another callback or "
+                            "finetune_function removed it)."));
     }
-    double next = options_.lambda_func(epoch + 1) * *backbone_lr_;
+    const double factor = options_.lambda_func(epoch + 1);
+    if (!(std::isfinite(factor) && factor >= 0.0)) {
+      throw ConfigError(str("BackboneFinetuning: lambda_func(", epoch + 1, ") returned ", factor,
+                            ", which would make the backbone's learning rate ",
+                            factor * *backbone_lr_,
+                            ". Return a finite factor >= 0 for every epoch."));
+    }
+    double next = factor * *backbone_lr_;
     if (options_.should_align && next > head_lr) next = head_lr;
     groups[backbone_group_].options().set_lr(next);
     backbone_lr_ = next;

@@ -141,11 +141,15 @@ void StochasticWeightAveraging::on_before_optimizer_step(Trainer& trainer, Modul
     lr0_.resize(index + 1);
     for (const auto& group : groups) lr0_[index].push_back(group.options().get_lr());
   }
-  if (lr0_[index].size() != groups.size()) {
+  if (lr0_[index].size() > groups.size()) {
     throw ConfigError(str("StochasticWeightAveraging: optimizer ", index, " has ", groups.size(),
                           " parameter groups, but ", lr0_[index].size(),
                           " when averaging began (from a checkpoint of another model?). "
                           "Resume with the optimizers it was saved with."));
+  }
+  // A group added since (BaseFinetuning's) anneals from the rate it has now.
+  for (size_t g = lr0_[index].size(); g < groups.size(); ++g) {
+    lr0_[index].push_back(groups[g].options().get_lr());
   }
   for (size_t g = 0; g < groups.size(); ++g) {
     groups[g].options().set_lr(annealed_lr(lr0_[index][g], epoch));

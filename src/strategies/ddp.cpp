@@ -58,6 +58,7 @@ void DDPStrategy::do_setup(Module& module) {
   broadcast_buffers();
   parameters_.clear();
   for (auto& item : module.named_parameters()) parameters_.emplace_back(item.key(), item.value());
+  compared_epoch_ = -1;
   build_reducer();
   stop_agreed_ = false;
   set_stop_vote(false);
@@ -77,42 +78,53 @@ void DDPStrategy::build_reducer() {
   exchanges_seen_ = 0;  // the new reducer counts its exchanges from 0
 }
 
-void DDPStrategy::follow_trainable_parameters() {
+void DDPStrategy::follow_trainable_parameters(Module& module) {
   size_t k = 0;
   while (k < parameters_.size() &&
          (parameters_[k].second.requires_grad() ? 1 : 0) == trainable_[k]) {
     ++k;
   }
-  if (k == parameters_.size()) return;
-  // Which parameters are trainable now, as a count and a fingerprint of
-  // their positions: every rank must have changed alike, or their buckets
-  // would differ and the next all-reduce would pair unlike gradients.
+  const bool changed = k < parameters_.size();
+  // Every rank reaches the first synchronised step of each epoch (the ranks
+  // step alike), and compares there which parameters train: a change made
+  // on some ranks only (a callback's on_train_epoch_start deciding from a
+  // value of its own rank) is named instead of pairing unlike gradient
+  // buckets. A change within an epoch is compared at the step it is seen
+  // (every rank must make it at the same step).
+  const int64_t epoch = module.current_epoch();
+  if (!changed && epoch == compared_epoch_) return;
+  compared_epoch_ = epoch;
   int64_t before = 0;
   int64_t now = 0;
-  int64_t fingerprint = 0;
   for (size_t i = 0; i < parameters_.size(); ++i) {
     before += trainable_[i];
-    if (!parameters_[i].second.requires_grad()) continue;
-    ++now;
-    fingerprint = (fingerprint * 1000003 + static_cast<int64_t>(i) + 1) % 2147483647;
+    now += parameters_[i].second.requires_grad() ? 1 : 0;
   }
   if (world_size() > 1) {
-    const at::Tensor mine = torch::tensor({now, fingerprint}, torch::kLong);
+    std::vector<uint8_t> flags;
+    for (const auto& item : parameters_) flags.push_back(item.second.requires_grad() ? 1 : 0);
+    const at::Tensor mine =
+        torch::from_blob(flags.data(), {static_cast<int64_t>(flags.size())}, torch::kByte).clone();
     const at::Tensor all = all_gather(mine).cpu();
     std::vector<std::string> differ;
     for (int64_t r = 0; r < all.size(0); ++r) {
-      if (all[r].equal(mine)) continue;
-      differ.push_back(str("rank ", r, " has ", all[r][0].item<int64_t>(), " trainable"));
+      const at::Tensor theirs = all[r];
+      if (theirs.equal(mine)) continue;
+      const int64_t j = (theirs != mine).nonzero()[0][0].item<int64_t>();
+      differ.push_back(str("rank ", r, " trains ", theirs.sum().item<int64_t>(), ", ",
+                           theirs[j].item<int>() != 0 ? "with" : "without", " \"",
+                           parameters_[static_cast<size_t>(j)].first, "\""));
     }
     if (!differ.empty()) {
       throw DistributedError(
-          str(name(), ": which parameters are trainable changed on rank ", global_rank(), " (",
-              before, " before, ", now, " now, first \"", parameters_[k].first,
-              "\") but differently on its peers: ", join(differ, ", "),
+          str(name(), ": rank ", global_rank(), " trains ", now, " parameters (", before,
+              " at the last comparison) and its peers others: ", join(differ),
               ". Freeze and unfreeze the same parameters on every rank at the same step (a "
-              "callback does so in the same hook on every rank)."));
+              "callback's on_train_epoch_start runs on every rank: decide there from values every "
+              "rank has, such as metrics logged with sync_dist=true)."));
     }
   }
+  if (!changed) return;
   if (is_global_zero()) {
     detail::print_note(str(name(), ": the trainable parameters changed (", before, " before, ", now,
                            " now; first \"", parameters_[k].first,
@@ -157,7 +169,7 @@ void DDPStrategy::backward(const at::Tensor& loss, Module& module) {
   // At a step whose gradients sync: there every rank calls this or
   // steps_without_loss (a no_sync micro-batch's gradients accumulate in the
   // parameters, which the rebuilt reducer takes at the next sync).
-  if (reducer_ && gradient_sync()) follow_trainable_parameters();
+  if (reducer_ && gradient_sync()) follow_trainable_parameters(module);
   if (reducer_) reducer_->set_require_sync(gradient_sync());
   bool sync = reducer_ && gradient_sync();
   if (sync) {
@@ -180,7 +192,7 @@ bool DDPStrategy::steps_without_loss(Module& module, bool accumulated) {
                           "on every rank (e.g. loss * 0 to make a batch count for nothing), or "
                           "turn sync_batchnorm off."));
   }
-  follow_trainable_parameters();
+  follow_trainable_parameters(module);
   reducer_->set_require_sync(true);  // the micro-batches before may have run without it
   reducer_->set_extra_scalar(kStopVote, stop_vote() ? 1.0 : 0.0);
   return reducer_->join_without_backward(accumulated) > 0;

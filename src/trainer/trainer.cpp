@@ -391,12 +391,11 @@ void write_metrics(StateDict& state, const std::string& key, const Metrics& metr
 }
 
 Metrics read_metrics(const StateDict& state, const std::string& key) {
-  const c10::IValue& names = state.at(key + ".names");
+  const std::vector<std::string> names = state.strings(key + ".names");
   const at::Tensor values = state.tensor(key + ".values");
   Metrics out;
-  auto list = names.toList();
-  for (size_t i = 0; i < list.size(); ++i) {
-    out[list.get(i).toStringRef()] = values[static_cast<int64_t>(i)].item<double>();
+  for (size_t i = 0; i < names.size(); ++i) {
+    out[names[i]] = values[static_cast<int64_t>(i)].item<double>();
   }
   return out;
 }

@@ -167,6 +167,34 @@ TEST(BackboneFinetuning, AFrozenBatchNormKeepsItsStatisticsAndGetsItsMomentumBac
   EXPECT_EQ(model.norm().num_batches_tracked.item<int64_t>(), 0);
 }
 
+// Averaging begins at epoch 1 and the backbone's group joins at epoch 2:
+// StochasticWeightAveraging anneals it to swa_lr from the rate it joined
+// with, as it anneals the head's from its own.
+TEST(BackboneFinetuning, WeightAveragingAnnealsTheAddedGroupFromItsOwnRate) {
+  TempDir dir;
+  Finetuned model;
+  auto recorder = std::make_shared<EpochRecorder>();
+  auto options = test_options(dir);
+  options.max_epochs = 4;
+  options.callbacks = {std::make_shared<BackboneFinetuning>(
+                           BackboneFinetuningOptions{.unfreeze_backbone_at_epoch = 2}),
+                       std::make_shared<fulgur::StochasticWeightAveraging>(
+                           fulgur::SWAOptions{.swa_lr = 0.001,
+                                              .swa_epoch_start = 2,  // index 1
+                                              .annealing_epochs = 2,
+                                              .annealing_strategy = "linear",
+                                              .update_bn = false}),
+                       recorder};
+  fulgur::Trainer(options).fit(model, regression_loader(4));
+  ASSERT_EQ(recorder->lrs.size(), 4u);
+  using ::testing::DoubleEq;
+  EXPECT_THAT(recorder->lrs[1], ElementsAre(DoubleEq(0.05)));
+  // Halfway: each group between its own first rate and swa_lr.
+  EXPECT_THAT(recorder->lrs[2], ElementsAre(DoubleEq(0.001 * 0.5 + 0.05 * 0.5),
+                                            DoubleEq(0.001 * 0.5 + 0.05 * 0.1 * 0.5)));
+  EXPECT_THAT(recorder->lrs[3], ElementsAre(DoubleEq(0.001), DoubleEq(0.001)));
+}
+
 // Freezes the whole backbone, BatchNorm included, and unfreezes it at epoch
 // 1 without a learning rate: group 0's / initial_denom_lr.
 class WholeBackbone : public fulgur::BaseFinetuning {
@@ -265,20 +293,45 @@ TEST(BackboneFinetuning, NamesWhatItCannotWorkWith) {
                        fulgur::Trainer(options).fit(model, regression_loader(2)),
                        {"no submodule \"encoder\"", "its children: backbone, head"});
   }
-  // The optimizer holds the frozen backbone already.
+  // The optimizer holds the frozen backbone already: named when the fit
+  // starts.
   {
     Finetuned model(/*only_trainable=*/false);
     auto options = test_options(dir);
     options.callbacks = {std::make_shared<BackboneFinetuning>(
         BackboneFinetuningOptions{.unfreeze_backbone_at_epoch = 1})};
     options.max_epochs = 2;
+    EXPECT_THROWS_WITH(
+        fulgur::ConfigError, fulgur::Trainer(options).fit(model, regression_loader(2)),
+        {"the optimizer holds 2 of the frozen backbone's parameters", "requires_grad() only"});
+    EXPECT_EQ(model.optimizer->param_groups().size(), 1u);
+  }
+  // A BaseFinetuning of one's own that unfreezes what the optimizer holds:
+  // noted, and nothing is added.
+  {
+    Finetuned model(/*only_trainable=*/false);
+    auto finetuning = std::make_shared<WholeBackbone>();
+    auto options = test_options(dir);
+    options.callbacks = {finetuning};
+    options.max_epochs = 2;
     ::testing::internal::CaptureStderr();
+    fulgur::Trainer(options).fit(model, regression_loader(2));
+    EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+                HasSubstr("WholeBackbone: 4 of the frozen parameters it unfreezes are "
+                          "already in the optimizer's parameter groups"));
+    EXPECT_EQ(finetuning->added, 0u);
+    EXPECT_EQ(model.optimizer->param_groups().size(), 1u);
+  }
+  // A schedule that returns no usable factor.
+  {
+    Finetuned model;
+    auto options = test_options(dir);
+    options.callbacks = {std::make_shared<BackboneFinetuning>(BackboneFinetuningOptions{
+        .unfreeze_backbone_at_epoch = 0, .lambda_func = [](int64_t) { return -1.0; }})};
+    options.max_epochs = 2;
     EXPECT_THROWS_WITH(fulgur::ConfigError,
                        fulgur::Trainer(options).fit(model, regression_loader(2)),
-                       {"epoch 1", "no parameter to add", "requires_grad() only"});
-    EXPECT_THAT(::testing::internal::GetCapturedStderr(),
-                HasSubstr("BackboneFinetuning: 2 of the frozen parameters it unfreezes are "
-                          "already in the optimizer's parameter groups"));
+                       {"lambda_func(2) returned -1", "Return a finite factor >= 0"});
   }
   // Two optimizers.
   {

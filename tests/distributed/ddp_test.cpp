@@ -55,17 +55,27 @@ TEST(DDP, AFinetunedBackboneIsAveragedOnceItTrains) {
   expect_equivalent({"--steps", "16", "--samples", "64", "--finetune-at", "1"}, "ddp");
 }
 
-// Ranks that make different parameters trainable at one step: each names
-// the difference instead of pairing unlike gradient buckets.
+// Ranks that make different parameters trainable, at one step or on one
+// rank only: they name the difference instead of pairing unlike gradient
+// buckets.
 TEST(DDP, RanksThatUnfreezeDifferentParametersAreNamed) {
   TempDir dir;
   auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "8", "--samples", "64",
                        "--unfreeze-mismatch-step", "2", "--root", dir.path()});
   EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_THAT(r.output, ::testing::HasSubstr("which parameters are trainable changed on rank"));
-  EXPECT_THAT(r.output, ::testing::HasSubstr("differently on its peers: rank "));
+  // Rank 0 trains fc1.weight (and fc2's two), rank 1 fc1.bias instead.
+  EXPECT_THAT(r.output, ::testing::HasSubstr("ddp: rank 0 trains 3 parameters (2 at the last "
+                                             "comparison) and its peers others: rank 1 trains "
+                                             "3, without \"fc1.weight\""));
   EXPECT_THAT(r.output,
               ::testing::HasSubstr("Freeze and unfreeze the same parameters on every rank"));
+  // One rank alone unfreezing at an epoch's start is named at the epoch's
+  // first step, where its peers compare too.
+  auto alone =
+      run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "12", "--samples", "64",
+                  "--unfreeze-mismatch-step", "4", "--unfreeze-rank", "1", "--root", dir.path()});
+  EXPECT_NE(alone.exit_code, 0) << alone.output;
+  EXPECT_THAT(alone.output, ::testing::HasSubstr("rank 1 trains 3, with \"fc1.bias\""));
 }
 
 // Under ddp every rank predicts its own part of the data (37 samples: 19 and

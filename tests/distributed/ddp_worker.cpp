@@ -169,8 +169,11 @@ struct Args {
   // this epoch on; the optimizer gets the trainable parameters only.
   int64_t finetune_at = -1;
   // >= 0: fc1 starts frozen, and before this global step rank 0 unfreezes
-  // its weight and every other rank its bias (ranks that disagree).
+  // its weight and every other rank its bias (ranks that disagree); with
+  // unfreeze_rank >= 0, that rank alone unfreezes the bias, at the start
+  // of the epoch that begins with this step.
   int64_t unfreeze_mismatch_step = -1;
+  int unfreeze_rank = -1;
   // Where global rank 0 writes the optimizer's state at the end of fit.
   std::string out_optimizer;
   // A learning-rate schedule: "epoch" (StepLR: halved every epoch),
@@ -284,6 +287,13 @@ struct Classifier : fulgur::Module {
 
   int attempt() { return trainer().strategy().cluster_environment().restart_count(); }
 
+  void on_train_epoch_start() override {
+    if (args.unfreeze_rank >= 0 && args.unfreeze_rank == trainer().strategy().global_rank() &&
+        args.unfreeze_mismatch_step == trainer().global_step()) {
+      named_parameters()["fc1.bias"].requires_grad_(true);
+    }
+  }
+
   at::Tensor training_step(fulgur::Batch& batch, int64_t batch_idx) override {
     const int rank = trainer().strategy().global_rank();
     for (const auto& kill : args.kills) {
@@ -301,7 +311,7 @@ struct Classifier : fulgur::Module {
     if (args.step_sleep_ms > 0) {
       std::this_thread::sleep_for(std::chrono::milliseconds(args.step_sleep_ms));
     }
-    if (args.unfreeze_mismatch_step == trainer().global_step()) {
+    if (args.unfreeze_mismatch_step == trainer().global_step() && args.unfreeze_rank < 0) {
       named_parameters()[rank == 0 ? "fc1.weight" : "fc1.bias"].requires_grad_(true);
     }
     for (const auto& spec : args.raises) {
@@ -678,6 +688,7 @@ int main(int argc, char** argv) {
   app.add_option("--reload-every", a.reload_every);
   app.add_option("--finetune-at", a.finetune_at);
   app.add_option("--unfreeze-mismatch-step", a.unfreeze_mismatch_step);
+  app.add_option("--unfreeze-rank", a.unfreeze_rank);
   app.add_flag("--warm-parent", a.warm_parent);
   app.add_option("--distributed-sampler", a.distributed_sampler);
   app.add_option("--ignore-sigterm-rank", a.ignore_sigterm_rank);

@@ -40,10 +40,14 @@
 // makes the BatchNorm layers' parameters require gradients without adding
 // them to the optimizer, fulgur's leaves those layers frozen.
 //
-// Strategies: single_device, and ddp (which rebuilds its gradient buckets
-// when the trainable parameters change, checking that every rank changed
-// alike). Those whose StrategyTraits::trainable_change_unsupported_reason
-// says why not (fsdp, manual) are refused at setup.
+// Strategies: single_device, and ddp (its ranks compare which parameters
+// train at each epoch's first step and at every change, and rebuild their
+// gradient buckets after a change). Those whose
+// StrategyTraits::trainable_change_unsupported_reason says why not (fsdp,
+// manual) are refused at setup. Under cuda_graph a change re-captures the
+// step after a warm-up. After a fit under a forking launcher (ddp_fork,
+// ddp_spawn) the caller's callback holds rank 0's state, but the caller's
+// module keeps its own requires_grad flags (the ranks froze theirs).
 #pragma once
 
 #include <cstdint>

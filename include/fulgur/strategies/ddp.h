@@ -135,16 +135,20 @@ class DDPStrategy : public ParallelStrategy {
   /// The reducer for the parameters trainable now (requires_grad), with
   /// the stop-vote scalar.
   void build_reducer();
-  /// Before each backward (or join without one): when which parameters are
-  /// trainable changed (a callback unfroze a backbone), every rank checks
-  /// that its peers changed alike and rebuilds its reducer.
-  void follow_trainable_parameters();
+  /// Before each backward whose gradients sync (or a join without one):
+  /// at an epoch's first such step, and when which parameters are
+  /// trainable changed (a callback unfroze a backbone), the ranks compare
+  /// which parameters train (DistributedError naming the difference); a
+  /// change rebuilds the reducer.
+  void follow_trainable_parameters(Module& module);
 
   std::unique_ptr<GradientReducer> reducer_;
   /// The module's parameters, and which were trainable when the reducer
   /// was built.
   std::vector<std::pair<std::string, at::Tensor>> parameters_;
   std::vector<char> trainable_;
+  /// The epoch whose trainable parameters the ranks last compared.
+  int64_t compared_epoch_ = -1;
   /// The reducer's exchange count at the last agree_to_stop, and whether
   /// the ranks have agreed to stop (it stays agreed).
   int64_t exchanges_seen_ = 0;

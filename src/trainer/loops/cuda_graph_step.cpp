@@ -291,6 +291,25 @@ at::Tensor CudaGraphStep::run(Batch& batch, bool last_batch, const Body& body, M
     done.block(current);
   };
 
+  // A change of an option a graph holds as a constant: warm up and capture
+  // again (parameters made trainable, BaseFinetuning's, get their
+  // optimizer state in an eager step, which a capture cannot allocate).
+  if (s.graph) {
+    for (size_t i = 0; i < steps.size(); ++i) {
+      if (i < s.baked.size() && steps[i]->baked_options() == s.baked[i]) continue;
+      if (global_zero) {
+        print_note(str("cuda_graph: optimizer ", i,
+                       "'s constant options (momentum, betas, eps, weight decay, its parameter "
+                       "groups or which parameters are trainable) changed; warming up and "
+                       "capturing the step again."));
+      }
+      current.synchronize();
+      s.graph.reset();
+      s.warmed_up = 0;
+      break;
+    }
+  }
+
   // 1. Warm-up: eager steps on the side stream. An epoch's last batch is
   // not captured (it may be a partial one, whose shapes the graph would
   // then keep): it warms up once more.
@@ -310,20 +329,6 @@ at::Tensor CudaGraphStep::run(Batch& batch, bool last_batch, const Body& body, M
       }
     });
     return loss;
-  }
-
-  // A change of an option a graph holds as a constant: capture again.
-  if (s.graph) {
-    for (size_t i = 0; i < steps.size(); ++i) {
-      if (i < s.baked.size() && steps[i]->baked_options() == s.baked[i]) continue;
-      if (global_zero) {
-        print_note(str("cuda_graph: optimizer ", i, "'s constant options (momentum, betas, eps, "
-                       "weight decay or its parameters) changed; capturing the step again."));
-      }
-      current.synchronize();
-      s.graph.reset();
-      break;
-    }
   }
 
   const std::string sig = graph_step::signature(batch);

@@ -43,6 +43,7 @@ class GraphNet : public fulgur::Module {
     bool step_schedule = false;  // StepLR: halve the rate every 3 steps
     bool log_number = false;     // log a double in training_step
     bool manual = false;
+    bool trainable_only = false;  // the optimizer gets what requires_grad
   };
 
   explicit GraphNet(Config config) : fulgur::Module("GraphNet"), config(std::move(config)) {
@@ -61,15 +62,19 @@ class GraphNet : public fulgur::Module {
 
   fulgur::OptimizerConfig configure_optimizers() override {
     auto& opt = optimizer;
+    std::vector<at::Tensor> params;
+    for (auto& p : parameters()) {
+      if (p.requires_grad() || !config.trainable_only) params.push_back(p);
+    }
     if (config.optimizer == "sgd") {
       opt = std::make_shared<fulgur::optim::SGD>(
-          parameters(),
+          params,
           torch::optim::SGDOptions(config.lr).momentum(0.9).nesterov(true).weight_decay(1e-3));
     } else if (config.optimizer == "adamw") {
       opt = std::make_shared<fulgur::optim::AdamW>(
-          parameters(), torch::optim::AdamWOptions(config.lr).weight_decay(0.01));
+          params, torch::optim::AdamWOptions(config.lr).weight_decay(0.01));
     } else {
-      opt = std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(config.lr));
+      opt = std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(config.lr));
     }
     if (!config.step_schedule) return fulgur::OptimizerConfig(opt);
     auto schedule = std::make_shared<fulgur::LambdaLR>(
@@ -247,6 +252,25 @@ TEST(CudaGraph, ReplayedStepsEqualEagerStepsWithAScheduledRate_CUDA) {
   // take effect under replay.
   const FitResult constant = fit_on_gpu({.optimizer = "sgd", .lr = 0.05}, true, 64, 8);
   EXPECT_FALSE(torch::allclose(constant.params[0], graph.params[0], 1e-4, 1e-5));
+}
+
+// BackboneFinetuning makes fc1 trainable at epoch 1, in a group of its own:
+// the captured step's constants change, so it warms up again (fc1's Adam
+// state is made in an eager step) and is captured again, and the run equals
+// the eager one.
+TEST(CudaGraph, AFinetunedBackboneIsCapturedAgainAfterAWarmUp_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  const GraphNet::Config config{.optimizer = "adamw", .lr = 0.01, .trainable_only = true};
+  auto finetuning = [](fulgur::TrainerOptions& options) {
+    options.callbacks = {std::make_shared<fulgur::BackboneFinetuning>(
+        fulgur::BackboneFinetuningOptions{.unfreeze_backbone_at_epoch = 1, .backbone = "fc1"})};
+  };
+  const FitResult eager = fit_on_gpu(config, false, 64, 8, finetuning);
+  const FitResult graph = fit_on_gpu(config, true, 64, 8, finetuning);
+  expect_close(eager, graph, 1e-4, 1e-5);
+  EXPECT_THAT(graph.notes, testing::HasSubstr("warming up and capturing the step again"));
+  // Epoch 0: 3 warm-up steps, 5 replayed; epoch 1: 3 again, 5 replayed.
+  EXPECT_THAT(graph.notes, testing::HasSubstr("10 steps replayed from 2 captures, 6 eager"));
 }
 
 TEST(CudaGraph, AdamWWithBf16MixedAndNormClippingEqualsEager_CUDA) {
