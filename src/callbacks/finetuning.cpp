@@ -300,7 +300,7 @@ StateDict BaseFinetuning::state_dict() const {
   StateDict state;
   state.set("finetuned_epoch", finetuned_epoch_);
   state.set("trainable", c10::List<std::string>(trainable_names()));
-  // Lists side by side (a module's name has dots, which no key may hold).
+  // Lists side by side, one entry per frozen layer.
   std::vector<std::string> names;
   c10::List<double> momenta;
   c10::List<int64_t> cumulative;
