@@ -55,6 +55,50 @@ TEST(DDP, AFinetunedBackboneIsAveragedOnceItTrains) {
   expect_equivalent({"--steps", "16", "--samples", "64", "--finetune-at", "1"}, "ddp");
 }
 
+// Two ranks fine-tuning fc1 from epoch 2 (4 steps an epoch), resumed from a
+// checkpoint before the unfreezing (step 5) and after it (step 10, mid-epoch
+// 2): parameters and optimizer state end bit-identical to the uninterrupted
+// run's (the added group is rebuilt on every rank before its state loads).
+TEST(DDP, AFinetunedRunResumedBeforeOrAfterTheUnfreezingEndsBitIdentical) {
+  TempDir dir;
+  const std::string d = dir.path();
+  auto run = [&](const std::string& steps, const std::string& name, std::vector<std::string> more) {
+    std::vector<std::string> args = {"--strategy",
+                                     "ddp",
+                                     "--devices",
+                                     "2",
+                                     "--batch",
+                                     "8",
+                                     "--steps",
+                                     steps,
+                                     "--samples",
+                                     "64",
+                                     "--finetune-at",
+                                     "2",
+                                     "--deterministic",
+                                     "--every-n-train-steps",
+                                     "5",
+                                     "--root",
+                                     d + "/" + name};
+    args.insert(args.end(), more.begin(), more.end());
+    auto r = run_worker(args);
+    EXPECT_EQ(r.exit_code, 0) << name << ":\n" << r.output;
+  };
+  auto outputs = [&](const std::string& name) {
+    return std::vector<std::string>{"--out", d + "/" + name + ".pt", "--out-optimizer",
+                                    d + "/" + name + "-optimizer.pt"};
+  };
+  run("20", "ref", outputs("ref"));
+  for (const char* steps : {"5", "10"}) {
+    const std::string part = std::string("part-") + steps;
+    run(steps, part, {});
+    auto more = outputs(part);
+    more.insert(more.end(), {"--ckpt-path", d + "/" + part + "/checkpoints/last.ckpt"});
+    run("20", part, more);
+    fulgur::test::expect_identical_runs(d, "ref", part);
+  }
+}
+
 // Ranks that make different parameters trainable, at one step or on one
 // rank only: they name the difference instead of pairing unlike gradient
 // buckets.
