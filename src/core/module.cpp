@@ -2,7 +2,10 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
+
 #include "fulgur/core/errors.h"
+#include "fulgur/core/monitored_scheduler.h"
 #include "core/module_log_sink.h"
 #include "core/trainer_link.h"
 
@@ -140,6 +143,43 @@ void Module::manual_backward(const at::Tensor& loss) { link().manual_backward(*t
 
 void Module::optimizer_step(torch::optim::Optimizer& optimizer) {
   link().manual_optimizer_step(*this, optimizer);
+}
+
+void Module::clip_gradients(torch::optim::Optimizer& optimizer, double gradient_clip_val,
+                            GradientClipAlgorithm gradient_clip_algorithm) {
+  if (!(std::isfinite(gradient_clip_val) && gradient_clip_val > 0.0)) {
+    throw ConfigError(str("clip_gradients(gradient_clip_val=", gradient_clip_val,
+                          "): pass a finite value > 0 (the largest norm, or element, allowed)."));
+  }
+  link().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm);
+}
+
+void Module::configure_gradient_clipping(torch::optim::Optimizer& optimizer,
+                                         std::optional<double> gradient_clip_val,
+                                         GradientClipAlgorithm gradient_clip_algorithm) {
+  if (gradient_clip_val && *gradient_clip_val > 0.0) {
+    clip_gradients(optimizer, *gradient_clip_val, gradient_clip_algorithm);
+  }
+}
+
+void Module::lr_scheduler_step(torch::optim::LRScheduler& scheduler, std::optional<double> metric) {
+  if (!metric) {
+    scheduler.step();
+    return;
+  }
+  auto* monitored = dynamic_cast<MonitoredScheduler*>(&scheduler);
+  if (monitored == nullptr) {
+    throw ConfigError(str(name(), ".lr_scheduler_step: a metric (", *metric,
+                          ") for a scheduler that steps without one (not a "
+                          "fulgur::MonitoredScheduler). Step it with step(), or give its "
+                          "SchedulerConfig no monitor."));
+  }
+  monitored->step(*metric);
+}
+
+void Module::optimizer_zero_grad(int64_t /*epoch*/, int64_t /*batch_idx*/,
+                                 torch::optim::Optimizer& optimizer) {
+  optimizer.zero_grad();
 }
 
 void Module::optimizer_step(size_t optimizer_index) {

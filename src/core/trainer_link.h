@@ -33,6 +33,10 @@ class TrainerLink {
   virtual void manual_backward(Module& module, const at::Tensor& loss) = 0;
   /// Steps `optimizer` through the strategy and counts a global step.
   virtual void manual_optimizer_step(Module& module, torch::optim::Optimizer& optimizer) = 0;
+  /// Unscales (once per step) and clips `optimizer`'s gradients through
+  /// the strategy.
+  virtual void clip_gradients(torch::optim::Optimizer& optimizer, double value,
+                              GradientClipAlgorithm algorithm) = 0;
   /// The strategy's group of the ranks (Strategy::shared_process_group()):
   /// null when it runs one process without one.
   virtual std::shared_ptr<ProcessGroup> process_group() const = 0;

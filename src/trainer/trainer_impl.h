@@ -86,6 +86,10 @@ struct Trainer::Impl final : detail::TrainerLink {
   void manual_optimizer_step(Module& m, torch::optim::Optimizer& optimizer) override {
     fit_loop.manual_optimizer_step(m, optimizer);
   }
+  void clip_gradients(torch::optim::Optimizer& optimizer, double value,
+                      GradientClipAlgorithm algorithm) override {
+    fit_loop.clip_gradients(optimizer, value, algorithm);
+  }
 
   /// Where the loops point the Module's log() (null: nowhere; a sink of
   /// its own while a CUDA graph captures the step).

@@ -412,3 +412,146 @@ TEST(Hooks, AModulesCallbacksReplaceTheTrainersOfTheirTypeForTheStage) {
 }
 
 }  // namespace
+
+// ---- The steps a Module may take its own way (Lightning's
+// configure_gradient_clipping, lr_scheduler_step, optimizer_zero_grad).
+
+// Clips by value, tighter than the Trainer's norm, through clip_gradients;
+// records what the Trainer passed and the largest gradient left.
+class ClippingRegression : public LinearRegression {
+ public:
+  void configure_gradient_clipping(torch::optim::Optimizer& optimizer, std::optional<double> value,
+                                   fulgur::GradientClipAlgorithm algorithm) override {
+    received.emplace_back(value, algorithm);
+    clip_gradients(optimizer, 1e-3, fulgur::GradientClipAlgorithm::kValue);
+    for (const auto& p : parameters()) {
+      largest = std::max(largest, p.grad().abs().max().item<double>());
+    }
+  }
+  std::vector<std::pair<std::optional<double>, fulgur::GradientClipAlgorithm>> received;
+  double largest = 0;
+};
+
+TEST(Hooks, AModuleClipsItsGradientsItsOwnWay) {
+  TempDir dir;
+  ClippingRegression model;
+  const auto before = fulgur::test::clone_parameters(model);
+  auto options = test_options(dir);
+  options.gradient_clip_val = 0.5;
+  fulgur::Trainer(options).fit(model, regression_loader(4));
+  ASSERT_EQ(model.received.size(), 4u);
+  EXPECT_EQ(model.received[0].first, 0.5);
+  EXPECT_EQ(model.received[0].second, fulgur::GradientClipAlgorithm::kNorm);
+  EXPECT_GT(model.largest, 0.0);
+  EXPECT_LE(model.largest, static_cast<double>(1e-3f));  // the float bound
+  // Four SGD steps at lr 0.05 of gradients within 1e-3: no weight moved
+  // further than 4 x 0.05 x 1e-3, give or take float rounding (unclipped,
+  // they move by about 0.01).
+  const auto after = fulgur::test::clone_parameters(model);
+  for (size_t i = 0; i < after.size(); ++i) {
+    EXPECT_LE((after[i] - before[i]).abs().max().item<double>(), 4 * 0.05 * 1e-3 * 1.001);
+  }
+  EXPECT_THROWS_WITH(fulgur::ConfigError, model.clip_gradients(*model.optimizer, 0.0),
+                     {"clip_gradients(gradient_clip_val=0)", "a finite value > 0"});
+}
+
+// Under manual optimization clip_gradients clips before optimizer_step.
+TEST(Hooks, ManualOptimizationClipsThroughClipGradients) {
+  struct Manual : LinearRegression {
+    Manual() { set_automatic_optimization(false); }
+    at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
+      const auto& [x, y] = batch.pair();
+      auto loss = torch::nn::functional::mse_loss(forward(x), y);
+      manual_backward(loss);
+      clip_gradients(*optimizers()[0], 1e-3, fulgur::GradientClipAlgorithm::kValue);
+      for (const auto& p : parameters()) {
+        largest = std::max(largest, p.grad().abs().max().item<double>());
+      }
+      optimizer_step(0);
+      optimizers()[0]->zero_grad();
+      return loss.detach();
+    }
+    double largest = 0;
+  } model;
+  TempDir dir;
+  fulgur::Trainer(test_options(dir)).fit(model, regression_loader(4));
+  EXPECT_GT(model.largest, 0.0);
+  EXPECT_LE(model.largest, static_cast<double>(1e-3f));  // the float bound
+  // The Trainer's own clipping is refused there, naming the way to clip.
+  auto options = test_options(dir);
+  options.gradient_clip_val = 0.5;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer(options).fit(model, regression_loader(2)),
+                     {"gradient_clip_val=0.5", "clip_gradients(optimizer, value)"});
+}
+
+// lr_scheduler_step steps every configured scheduler when its interval
+// comes, with the monitored value for a monitored one; the default steps
+// them as the Trainer did before.
+TEST(Hooks, AModuleStepsItsSchedulersThroughLrSchedulerStep) {
+  struct Scheduling : LinearRegression {
+    void lr_scheduler_step(torch::optim::LRScheduler& scheduler,
+                           std::optional<double> metric) override {
+      metrics.push_back(metric);
+      LinearRegression::lr_scheduler_step(scheduler, metric);
+    }
+    std::vector<std::optional<double>> metrics;
+  };
+  auto schedules = [](torch::optim::Optimizer& optimizer) {
+    return std::vector<fulgur::SchedulerConfig>{
+        {.scheduler = std::make_shared<torch::optim::StepLR>(optimizer, 1, 0.5),
+         .interval = fulgur::Interval::kStep},
+        {.scheduler = std::make_shared<fulgur::ReduceLROnPlateau>(
+             optimizer, fulgur::ReduceLROnPlateauOptions{.patience = 0}),
+         .monitor = "val_loss"}};
+  };
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  Scheduling model;
+  model.make_schedulers = schedules;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(4), regression_loader(2));
+  // Per epoch: four step-interval steps without a metric, then the
+  // epoch's plateau step with val_loss.
+  ASSERT_EQ(model.metrics.size(), 10u);
+  EXPECT_FALSE(model.metrics[0].has_value());
+  ASSERT_TRUE(model.metrics[4].has_value());
+  ASSERT_TRUE(model.metrics[9].has_value());
+  EXPECT_DOUBLE_EQ(*model.metrics[9], trainer.callback_metrics().at("val_loss"));
+  // The default is what the Trainer did: the same rates and weights as a
+  // module that does not override it.
+  LinearRegression plain;
+  Scheduling again;
+  fulgur::test::copy_parameters(plain, again);
+  plain.make_schedulers = schedules;
+  again.make_schedulers = schedules;
+  fulgur::Trainer(options).fit(plain, regression_loader(4), regression_loader(2));
+  fulgur::Trainer(options).fit(again, regression_loader(4), regression_loader(2));
+  EXPECT_TRUE(fulgur::test::parameters_equal(plain, again));
+  EXPECT_EQ(plain.optimizer->param_groups()[0].options().get_lr(),
+            again.optimizer->param_groups()[0].options().get_lr());
+  // A metric for a scheduler that takes none is named.
+  torch::optim::StepLR step_lr(*plain.optimizer, 1, 0.5);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, plain.lr_scheduler_step(step_lr, 1.0),
+                     {"lr_scheduler_step: a metric (1)", "not a fulgur::MonitoredScheduler"});
+}
+
+// optimizer_zero_grad after every optimizer step (every second batch under
+// accumulate_grad_batches=2), with its epoch and batch.
+TEST(Hooks, AModuleZeroesItsGradientsThroughOptimizerZeroGrad) {
+  struct Zeroing : LinearRegression {
+    void optimizer_zero_grad(int64_t epoch, int64_t batch_idx,
+                             torch::optim::Optimizer& optimizer) override {
+      zeroed.emplace_back(epoch, batch_idx);
+      LinearRegression::optimizer_zero_grad(epoch, batch_idx, optimizer);
+    }
+    std::vector<std::pair<int64_t, int64_t>> zeroed;
+  } model;
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.accumulate_grad_batches = 2;
+  fulgur::Trainer(options).fit(model, regression_loader(4));
+  using Call = std::pair<int64_t, int64_t>;
+  EXPECT_THAT(model.zeroed, ElementsAre(Call{0, 1}, Call{0, 3}, Call{1, 1}, Call{1, 3}));
+}

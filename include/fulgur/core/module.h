@@ -30,6 +30,7 @@
 #include <variant>
 #include <vector>
 
+#include "fulgur/core/gradient_clipping.h"
 #include "fulgur/core/interval.h"
 #include "fulgur/core/reduce_op.h"
 #include "fulgur/core/state_dict.h"
@@ -195,6 +196,29 @@ class Module : public torch::nn::Module {
   virtual void on_after_backward() {}
   virtual void on_before_optimizer_step(torch::optim::Optimizer& /*optimizer*/) {}
   virtual void on_before_zero_grad(torch::optim::Optimizer& /*optimizer*/) {}
+
+  // ---- Steps the Trainer takes, which a Module may take its own way
+  // (Lightning's). Under cuda_graph the first two run for the capture and
+  // their GPU work replays; the zero_grad hook does not run there (the
+  // captured backward writes the gradients afresh).
+  /// Before each optimizer step (after on_before_optimizer_step), with the
+  /// Trainer's gradient_clip_val and gradient_clip_algorithm; the default
+  /// clips with them (clip_gradients), and nothing when the value is unset.
+  /// Override to clip otherwise: another value per optimizer, a part of the
+  /// model, a schedule.
+  virtual void configure_gradient_clipping(torch::optim::Optimizer& optimizer,
+                                           std::optional<double> gradient_clip_val,
+                                           GradientClipAlgorithm gradient_clip_algorithm);
+  /// Steps a configured scheduler when its interval comes: `metric` is the
+  /// monitored value of a MonitoredScheduler (SchedulerConfig::monitor),
+  /// none otherwise. The default calls its step() (step(metric)).
+  virtual void lr_scheduler_step(torch::optim::LRScheduler& scheduler,
+                                 std::optional<double> metric);
+  /// After each optimizer step (after on_before_zero_grad): the default
+  /// calls optimizer.zero_grad(). `batch_idx`: the epoch's batch that
+  /// stepped.
+  virtual void optimizer_zero_grad(int64_t epoch, int64_t batch_idx,
+                                   torch::optim::Optimizer& optimizer);
   /// Adds user state to a checkpoint being written: `checkpoint` is the
   /// checkpoint's "module" section, empty when handed over (parameters and
   /// buffers are saved apart, under "state_dict").
@@ -241,6 +265,14 @@ class Module : public torch::nn::Module {
   const std::vector<SchedulerConfig>& lr_schedulers() const;
   /// Backward through the strategy (precision, gradient sync).
   void manual_backward(const at::Tensor& loss);
+  /// Clips the gradients of `optimizer`'s parameters through the strategy
+  /// (under fsdp the norm is the whole model's, over every rank's shards;
+  /// under 16-mixed the gradients are unscaled first, once per step), by
+  /// total norm or by value. In configure_gradient_clipping, or in a
+  /// training_step under manual optimization before optimizer_step.
+  /// ConfigError for a value that is not finite and > 0.
+  void clip_gradients(torch::optim::Optimizer& optimizer, double gradient_clip_val,
+                      GradientClipAlgorithm gradient_clip_algorithm = GradientClipAlgorithm::kNorm);
   /// Steps `optimizer` through the strategy and counts a global step.
   void optimizer_step(torch::optim::Optimizer& optimizer);
   void optimizer_step(size_t optimizer_index = 0);

@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "fulgur/core/monitored_scheduler.h"
 #include "fulgur/core/state_dict.h"
 
 namespace fulgur {
@@ -48,17 +49,6 @@ class SchedulerState {
   virtual ~SchedulerState() = default;
   virtual StateDict state_dict() const = 0;
   virtual void load_state_dict(const StateDict& state) = 0;
-};
-
-/// Implemented by a scheduler that is stepped with the value of a metric
-/// (ReduceLROnPlateau): SchedulerConfig::monitor names the metric, and the
-/// Trainer calls step(value) instead of step(). Under several ranks the
-/// value is global rank 0's (log it with sync_dist=true for the mean over
-/// ranks), so that every rank takes the same decision.
-class MonitoredScheduler {
- public:
-  virtual ~MonitoredScheduler() = default;
-  virtual void step(double value) = 0;
 };
 
 /// lr = initial lr x factor(step) for each parameter group, as PyTorch's

@@ -21,6 +21,7 @@
 
 #include "fulgur/accelerators/accelerator.h"
 #include "fulgur/core/choice.h"
+#include "fulgur/core/gradient_clipping.h"
 #include "fulgur/trainer/determinism.h"
 
 namespace fulgur {
@@ -56,16 +57,6 @@ class BatchLimit {
  private:
   std::optional<int64_t> count_;
   std::optional<double> fraction_;
-};
-
-/// gradient_clip_algorithm: scale every gradient so that their total 2-norm
-/// is at most gradient_clip_val ("norm"), or clamp each element to
-/// +-gradient_clip_val ("value").
-enum class GradientClipAlgorithm { kNorm, kValue };
-template <>
-struct ChoiceNames<GradientClipAlgorithm> {
-  static constexpr std::pair<GradientClipAlgorithm, const char*> kNames[] = {
-      {GradientClipAlgorithm::kNorm, "norm"}, {GradientClipAlgorithm::kValue, "value"}};
 };
 
 /// The Trainer's profiler: "none", "simple" (time per phase of the fit

@@ -66,7 +66,7 @@ void MixedPrecision::backward(const at::Tensor& loss) {
 }
 
 void MixedPrecision::unscale_gradients(torch::optim::Optimizer& optimizer) {
-  if (scaler_) scaler_->unscale(optimizer);
+  if (scaler_ && !scaler_->unscaled(optimizer)) scaler_->unscale(optimizer);
 }
 
 bool MixedPrecision::optimizer_step(torch::optim::Optimizer& optimizer) {

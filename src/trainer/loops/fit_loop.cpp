@@ -2,8 +2,9 @@
 // optimization, gradient accumulation and clipping, schedulers, and when to
 // validate. Order of hooks per batch (automatic optimization):
 //   on_train_batch_start → training_step → on_before_backward → backward →
-//   on_after_backward → [stepping batch: on_before_optimizer_step → clip →
-//   optimizer.step → on_before_zero_grad → zero_grad → step schedulers] →
+//   on_after_backward → [stepping batch: on_before_optimizer_step →
+//   configure_gradient_clipping → optimizer.step → on_before_zero_grad →
+//   optimizer_zero_grad → lr_scheduler_step for the step's schedulers] →
 //   on_train_batch_end → validation when due.
 #include "trainer/loops/fit_loop.h"
 
@@ -137,8 +138,9 @@ void FitLoop::run() {
     if (trainer_.options.gradient_clip_val && *trainer_.options.gradient_clip_val > 0) {
       throw ConfigError(str("Trainer(gradient_clip_val=", *trainer_.options.gradient_clip_val,
                             ") with manual optimization: clip in training_step before "
-                            "optimizer_step (torch::nn::utils::clip_grad_norm_), and leave "
-                            "gradient_clip_val unset."));
+                            "optimizer_step (clip_gradients(optimizer, value): through the "
+                            "strategy, unscaled under 16-mixed), and leave gradient_clip_val "
+                            "unset."));
     }
   }
   count_training_batches();
@@ -375,13 +377,16 @@ void FitLoop::step_optimizers() {
 
 void FitLoop::run_optimizer_steps(bool clip_on_device) {
   Module& m = *trainer_.module;
+  clip_on_device_ = clip_on_device;
   for (auto& opt : optimizers_.optimizers) {
     trainer_.drive().unscale_gradients(*opt);
     trainer_.call_hooks([&](Module& mod) { mod.on_before_optimizer_step(*opt); },
                         [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, *opt); });
-    clip_gradients(*opt, clip_on_device);
+    m.configure_gradient_clipping(*opt, trainer_.options.gradient_clip_val,
+                                  trainer_.options.gradient_clip_algorithm.value());
     trainer_.drive().optimizer_step(*opt, m);
   }
+  clip_on_device_ = false;
   trainer_.strategy->precision().update();
 }
 
@@ -390,7 +395,7 @@ void FitLoop::finish_optimizer_steps(bool zero_grads) {
   for (auto& opt : optimizers_.optimizers) {
     trainer_.call_hooks([&](Module& mod) { mod.on_before_zero_grad(*opt); },
                         [&](Callback& cb) { cb.on_before_zero_grad(trainer_.self, m, *opt); });
-    if (zero_grads) opt->zero_grad();
+    if (zero_grads) m.optimizer_zero_grad(current_epoch_, batch_idx_, *opt);
   }
   ++global_step_;
   ++batches_that_stepped_;
@@ -411,16 +416,21 @@ void FitLoop::check_loss(const at::Tensor& loss) {
   }
 }
 
-void FitLoop::clip_gradients(torch::optim::Optimizer& optimizer, bool on_device) {
-  if (!trainer_.options.gradient_clip_val || *trainer_.options.gradient_clip_val <= 0) return;
+void FitLoop::clip_gradients(torch::optim::Optimizer& optimizer, double value,
+                             GradientClipAlgorithm algorithm) {
+  if (!training_) {
+    throw ConfigError(
+        "clip_gradients(optimizer, value): called outside training. Call it from "
+        "configure_gradient_clipping, or from training_step under manual optimization.");
+  }
+  trainer_.drive().unscale_gradients(optimizer);  // once per step
   auto params = optimizer_params(optimizer);
-  const double max = *trainer_.options.gradient_clip_val;
-  if (trainer_.options.gradient_clip_algorithm == GradientClipAlgorithm::kValue) {
-    torch::nn::utils::clip_grad_value_(params, max);
-  } else if (on_device) {
-    clip_grad_norm_on_device(params, max);
+  if (algorithm == GradientClipAlgorithm::kValue) {
+    torch::nn::utils::clip_grad_value_(params, value);
+  } else if (clip_on_device_) {
+    clip_grad_norm_on_device(params, value);
   } else {
-    trainer_.drive().clip_gradients_norm(params, max);
+    trainer_.drive().clip_gradients_norm(params, value);
   }
 }
 
@@ -460,7 +470,7 @@ void FitLoop::step_schedulers(Interval interval) {
     auto& config = optimizers_.schedulers[i];
     if (config.interval != interval || counter % config.frequency != 0) continue;
     if (config.monitor.empty()) {
-      config.scheduler->step();
+      trainer_.module->lr_scheduler_step(*config.scheduler, std::nullopt);
       continue;
     }
     // Rank 0's value (or its absence) decides on every rank: the ranks'
@@ -497,7 +507,7 @@ void FitLoop::step_schedulers(Interval interval) {
       }
       continue;
     }
-    dynamic_cast<MonitoredScheduler&>(*config.scheduler).step(found[1]);
+    trainer_.module->lr_scheduler_step(*config.scheduler, found[1]);
   }
 }
 

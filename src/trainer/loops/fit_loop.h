@@ -99,6 +99,10 @@ class FitLoop {
   // ---- Manual optimization (the Module, through TrainerLink).
   void manual_backward(Module& module, const at::Tensor& loss);
   void manual_optimizer_step(Module& module, torch::optim::Optimizer& optimizer);
+  /// Module::clip_gradients: unscales (once per step) and clips through
+  /// the strategy (on the device without a read-back in a captured step).
+  void clip_gradients(torch::optim::Optimizer& optimizer, double value,
+                      GradientClipAlgorithm algorithm);
 
  private:
   void train_epoch();
@@ -131,7 +135,6 @@ class FitLoop {
   void backward_with_hooks(Module& m, const at::Tensor& loss, const at::Tensor& scaled, bool vote);
   /// The checks on what training_step returned (automatic optimization).
   static void check_loss(const at::Tensor& loss);
-  void clip_gradients(torch::optim::Optimizer& optimizer, bool on_device);
   void step_schedulers(Interval interval);
   bool should_validate_now(int64_t position, bool is_last_batch) const;
   void run_validation(bool sanity);
@@ -146,6 +149,9 @@ class FitLoop {
   int64_t loaders_epoch_ = 0;  // the epoch the loaders in use were made for
 
   bool training_ = false;
+  /// Inside a captured step's optimizer steps: clipping by norm stays on
+  /// the device.
+  bool clip_on_device_ = false;
   bool sanity_checking_ = false;
   int64_t current_epoch_ = 0;
   int64_t global_step_ = 0;

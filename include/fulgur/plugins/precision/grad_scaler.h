@@ -54,6 +54,10 @@ class GradScaler {
   /// records whether any is inf/NaN. Once per optimizer per iteration;
   /// a second call before update() throws ConfigError.
   void unscale(torch::optim::Optimizer& optimizer);
+  /// Whether `optimizer`'s gradients were unscaled since the last update().
+  bool unscaled(const torch::optim::Optimizer& optimizer) const {
+    return found_inf_.count(&optimizer) != 0;
+  }
   /// Unscales if not done yet, then steps unless the gradients had inf/NaN.
   /// Returns false when the step was skipped. To decide, the host reads the
   /// verdict from the device (a wait for the backward on a GPU), except with

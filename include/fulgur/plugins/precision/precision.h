@@ -51,7 +51,8 @@ class Precision {
   }
   /// Runs backward on `loss` (scaled, for 16-mixed).
   virtual void backward(const at::Tensor& loss);
-  /// Makes gradients true-scale before clipping (unscale, for 16-mixed).
+  /// Makes gradients true-scale before clipping (unscale, for 16-mixed);
+  /// once per optimizer step, however often it is called.
   virtual void unscale_gradients(torch::optim::Optimizer& /*optimizer*/) {}
   /// Steps `optimizer`; returns false if the host skipped the step (inf/NaN;
   /// a step the device may skip returns true: see GradScaler::step).
