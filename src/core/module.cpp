@@ -163,11 +163,18 @@ void Module::configure_gradient_clipping(torch::optim::Optimizer& optimizer,
 }
 
 void Module::lr_scheduler_step(torch::optim::LRScheduler& scheduler, std::optional<double> metric) {
+  auto* monitored = dynamic_cast<MonitoredScheduler*>(&scheduler);
   if (!metric) {
+    if (monitored != nullptr) {
+      throw ConfigError(str(name(),
+                            ".lr_scheduler_step: no metric for a scheduler stepped with "
+                            "one (a fulgur::MonitoredScheduler, such as "
+                            "ReduceLROnPlateau). Pass its metric's value (its "
+                            "SchedulerConfig names it in monitor)."));
+    }
     scheduler.step();
     return;
   }
-  auto* monitored = dynamic_cast<MonitoredScheduler*>(&scheduler);
   if (monitored == nullptr) {
     throw ConfigError(str(name(), ".lr_scheduler_step: a metric (", *metric,
                           ") for a scheduler that steps without one (not a "

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <filesystem>
@@ -67,8 +68,9 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
         str("gradient_clip_algorithm=\"", o.gradient_clip_algorithm.text(), "\": pass ",
             Choice<GradientClipAlgorithm>::spellings(), "."));
   if (o.gradient_clip_val) {
-    check(*o.gradient_clip_val >= 0.0, str("gradient_clip_val=", *o.gradient_clip_val,
-                                           ": must be >= 0 (0 or unset turns clipping off)."));
+    check(std::isfinite(*o.gradient_clip_val) && *o.gradient_clip_val >= 0.0,
+          str("gradient_clip_val=", *o.gradient_clip_val,
+              ": must be finite and >= 0 (0 or unset turns clipping off)."));
   }
   if (o.check_val_every_n_epoch) {
     check(*o.check_val_every_n_epoch >= 1,

@@ -411,8 +411,6 @@ TEST(Hooks, AModulesCallbacksReplaceTheTrainersOfTheirTypeForTheStage) {
   EXPECT_EQ(trainer.callbacks(), before);
 }
 
-}  // namespace
-
 // ---- The steps a Module may take its own way (Lightning's
 // configure_gradient_clipping, lr_scheduler_step, optimizer_zero_grad).
 
@@ -555,3 +553,65 @@ TEST(Hooks, AModuleZeroesItsGradientsThroughOptimizerZeroGrad) {
   using Call = std::pair<int64_t, int64_t>;
   EXPECT_THAT(model.zeroed, ElementsAre(Call{0, 1}, Call{0, 3}, Call{1, 1}, Call{1, 3}));
 }
+
+// A loss scaler on the CPU (bf16 autocast with GradScaler, as 16-mixed
+// scales on a GPU): clip_gradients unscales once per step, a backward after
+// an unscale is refused, and so is a manual step that would make the scaler
+// forget another optimizer's unscaled gradients.
+class ScaledOnCpu : public fulgur::MixedPrecision {
+ public:
+  ScaledOnCpu() : MixedPrecision(at::kBFloat16, std::make_shared<fulgur::GradScaler>()) {}
+};
+
+TEST(Hooks, UnderALossScalerGradientsAreUnscaledOnceAndClippedTrueScale) {
+  TempDir dir;
+  ClippingRegression model;
+  auto options = test_options(dir);
+  options.plugins = {std::make_shared<ScaledOnCpu>()};
+  fulgur::Trainer(options).fit(model, regression_loader(4));
+  // Scaled by 65536, the gradients would have been clipped to 1e-3 and
+  // stepped as 1e-3 / 65536 at most; true-scale, the bound is reached.
+  EXPECT_GT(model.largest, 1e-4);
+  EXPECT_LE(model.largest, static_cast<double>(1e-3f));
+
+  // Clipping a micro-batch's gradients before the window's last backward.
+  struct EarlyClip : LinearRegression {
+    void on_after_backward() override { clip_gradients(*optimizer, 1.0); }
+  } early;
+  options.accumulate_grad_batches = 2;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer(options).fit(early, regression_loader(4)),
+                     {"a backward after gradients were unscaled",
+                      "Clip after the step's last "
+                      "backward"});
+}
+
+TEST(Hooks, AManualStepThatWouldUnscaleAnotherOptimizersGradientsTwiceIsRefused) {
+  struct TwoOptimizers : LinearRegression {
+    TwoOptimizers() { set_automatic_optimization(false); }
+    fulgur::OptimizerConfig configure_optimizers() override {
+      auto weight = std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{fc->weight},
+                                                        torch::optim::SGDOptions(0.05));
+      auto bias = std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{fc->bias},
+                                                      torch::optim::SGDOptions(0.05));
+      return fulgur::OptimizerConfig({weight, bias}, {});
+    }
+    at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
+      const auto& [x, y] = batch.pair();
+      auto loss = torch::nn::functional::mse_loss(forward(x), y);
+      manual_backward(loss);
+      clip_gradients(*optimizers()[0], 1.0);
+      clip_gradients(*optimizers()[1], 1.0);
+      optimizer_step(0);
+      optimizer_step(1);
+      return loss.detach();
+    }
+  } model;
+  TempDir dir;
+  auto options = test_options(dir);
+  options.plugins = {std::make_shared<ScaledOnCpu>()};
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer(options).fit(model, regression_loader(2)),
+                     {"optimizer_step(optimizer 0)", "optimizer 1's gradients were unscaled",
+                      "right before its own optimizer_step"});
+}
+
+}  // namespace

@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
 
@@ -118,6 +120,9 @@ const BadFlagCase kBadFlags[] = {
      [](auto& o) { o.num_sanity_val_steps = -2; },
      {"num_sanity_val_steps=-2"}},
     {"gradient_clip_val", [](auto& o) { o.gradient_clip_val = -1.0; }, {"gradient_clip_val=-1"}},
+    {"gradient_clip_val_inf",
+     [](auto& o) { o.gradient_clip_val = std::numeric_limits<double>::infinity(); },
+     {"gradient_clip_val=inf", "must be finite"}},
     {"check_val_every_n_epoch",
      [](auto& o) { o.check_val_every_n_epoch = 0; },
      {"check_val_every_n_epoch=0"}},

@@ -198,9 +198,12 @@ class Module : public torch::nn::Module {
   virtual void on_before_zero_grad(torch::optim::Optimizer& /*optimizer*/) {}
 
   // ---- Steps the Trainer takes, which a Module may take its own way
-  // (Lightning's). Under cuda_graph the first two run for the capture and
-  // their GPU work replays; the zero_grad hook does not run there (the
-  // captured backward writes the gradients afresh).
+  // (Lightning's). Under cuda_graph configure_gradient_clipping runs for
+  // the capture only and its GPU work replays (a value it computes on the
+  // host stays the captured one; it may not read a tensor back);
+  // lr_scheduler_step runs on the host after every step; optimizer_zero_grad
+  // does not run in captured steps (their backward writes the gradients
+  // afresh).
   /// Before each optimizer step (after on_before_optimizer_step), with the
   /// Trainer's gradient_clip_val and gradient_clip_algorithm; the default
   /// clips with them (clip_gradients), and nothing when the value is unset.
@@ -265,12 +268,14 @@ class Module : public torch::nn::Module {
   const std::vector<SchedulerConfig>& lr_schedulers() const;
   /// Backward through the strategy (precision, gradient sync).
   void manual_backward(const at::Tensor& loss);
-  /// Clips the gradients of `optimizer`'s parameters through the strategy
-  /// (under fsdp the norm is the whole model's, over every rank's shards;
-  /// under 16-mixed the gradients are unscaled first, once per step), by
-  /// total norm or by value. In configure_gradient_clipping, or in a
-  /// training_step under manual optimization before optimizer_step.
-  /// ConfigError for a value that is not finite and > 0.
+  /// Clips the gradients of `optimizer`'s parameters through the strategy,
+  /// by their total norm or by value: under fsdp the norm is over every
+  /// rank's shards of them, a collective (every rank clips the same
+  /// optimizers by norm, in the same order); under 16-mixed the gradients
+  /// are unscaled first, once per step. In configure_gradient_clipping, or
+  /// in a training_step under manual optimization after the step's last
+  /// backward, before optimizer_step. ConfigError for a value that is not
+  /// finite and > 0.
   void clip_gradients(torch::optim::Optimizer& optimizer, double gradient_clip_val,
                       GradientClipAlgorithm gradient_clip_algorithm = GradientClipAlgorithm::kNorm);
   /// Steps `optimizer` through the strategy and counts a global step.

@@ -58,6 +58,16 @@ std::unique_ptr<PrecisionScope> MixedPrecision::forward_scope(c10::DeviceType de
 }
 
 void MixedPrecision::backward(const at::Tensor& loss) {
+  if (scaler_ && scaler_->any_unscaled()) {
+    // The step's gradients are true-scale already: scaled ones added now
+    // would be stepped as they are (the unscale is once per step).
+    throw ConfigError(
+        "precision=\"16-mixed\": a backward after gradients were unscaled for their optimizer "
+        "step (clip_gradients, or GradScaler::unscale) and before it: the new gradients would "
+        "be stepped still scaled. Clip after the step's last backward (in "
+        "configure_gradient_clipping, or under manual optimization right before "
+        "optimizer_step).");
+  }
   if (scaler_) {
     scaler_->scale(loss).backward();
   } else {
@@ -67,6 +77,14 @@ void MixedPrecision::backward(const at::Tensor& loss) {
 
 void MixedPrecision::unscale_gradients(torch::optim::Optimizer& optimizer) {
   if (scaler_ && !scaler_->unscaled(optimizer)) scaler_->unscale(optimizer);
+}
+
+bool MixedPrecision::gradients_unscaled(const torch::optim::Optimizer& optimizer) const {
+  return scaler_ && scaler_->unscaled(optimizer);
+}
+
+void MixedPrecision::forget_unscaled() {
+  if (scaler_) scaler_->forget_unscaled();
 }
 
 bool MixedPrecision::optimizer_step(torch::optim::Optimizer& optimizer) {

@@ -403,14 +403,15 @@ at::Tensor CudaGraphStep::run(Batch& batch, bool last_batch, const Body& body, M
             std::string_view(e.what()).find("captur") == std::string_view::npos) {
           throw;
         }
-        throw ConfigError(str(
-            "cuda_graph=true: the training step could not be captured into a CUDA graph: ",
-            e.what(),
-            "\nA captured step must not wait for the GPU or read a value back (.item(), "
-            ".cpu(), printing a tensor, a shape that depends on the data, torch::nonzero), "
-            "nor allocate page-locked memory. Move such code out of training_step and the "
-            "step hooks (on_before_backward, on_after_backward, on_before_optimizer_step), "
-            "or pass cuda_graph=false."));
+        throw ConfigError(
+            str("cuda_graph=true: the training step could not be captured into a CUDA graph: ",
+                e.what(),
+                "\nA captured step must not wait for the GPU or read a value back (.item(), "
+                ".cpu(), printing a tensor, a shape that depends on the data, torch::nonzero), "
+                "nor allocate page-locked memory. Move such code out of training_step and the "
+                "step hooks (on_before_backward, on_after_backward, on_before_optimizer_step, "
+                "configure_gradient_clipping), "
+                "or pass cuda_graph=false."));
       }
     });
     s.loss = loss.detach();
@@ -428,7 +429,8 @@ at::Tensor CudaGraphStep::run(Batch& batch, bool last_batch, const Body& body, M
     if (global_zero && captures_ == 1) {
       print_note(str("cuda_graph: the training step is captured after ", kWarmupSteps,
                      " warm-up steps and replayed from now on. Host code in training_step, "
-                     "on_before_backward, on_after_backward and on_before_optimizer_step ran "
+                     "on_before_backward, on_after_backward, on_before_optimizer_step and "
+                     "configure_gradient_clipping ran "
                      "for the capture and does not run again; their GPU work replays."));
     }
   } else {

@@ -144,6 +144,9 @@ void FitLoop::run() {
     }
   }
   count_training_batches();
+  // A fit that failed within a step may have left gradients unscaled.
+  trainer_.strategy->precision().forget_unscaled();
+  clip_on_device_ = false;
   for (auto& opt : optimizers_.optimizers) opt->zero_grad();
   window_has_gradient_ = false;
   accumulate_ = trainer_.options.accumulate_grad_batches;
@@ -581,8 +584,24 @@ void FitLoop::manual_optimizer_step(Module& m, torch::optim::Optimizer& optimize
   trainer_.call_hooks(
       [&](Module& mod) { mod.on_before_optimizer_step(optimizer); },
       [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, optimizer); });
+  // Each manual step ends the loss scaler's iteration (update()), which
+  // forgets what it unscaled: another optimizer's gradients unscaled
+  // already would be unscaled again at their step.
+  Precision& precision = trainer_.strategy->precision();
+  const auto& all = optimizers_.optimizers;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (all[i].get() == &optimizer || !precision.gradients_unscaled(*all[i])) continue;
+    size_t stepping = 0;
+    while (stepping < all.size() && all[stepping].get() != &optimizer) ++stepping;
+    throw ConfigError(str("optimizer_step(optimizer ", stepping, ") under precision=\"",
+                          precision.name(), "\": optimizer ", i,
+                          "'s gradients were unscaled (clip_gradients) and it has not stepped; "
+                          "this step ends the loss scaler's iteration, after which they would "
+                          "be unscaled again. Clip each optimizer's gradients right before its "
+                          "own optimizer_step."));
+  }
   trainer_.drive().optimizer_step(optimizer, m);
-  trainer_.strategy->precision().update();
+  precision.update();
   ++global_step_;
 }
 

@@ -29,6 +29,8 @@ class MixedPrecision : public Precision {
   std::unique_ptr<PrecisionScope> forward_scope(c10::DeviceType device_type) const override;
   void backward(const at::Tensor& loss) override;
   void unscale_gradients(torch::optim::Optimizer& optimizer) override;
+  bool gradients_unscaled(const torch::optim::Optimizer& optimizer) const override;
+  void forget_unscaled() override;
   bool optimizer_step(torch::optim::Optimizer& optimizer) override;
   void update() override;
   /// The GradScaler's state (16-mixed); nothing for bf16-mixed.

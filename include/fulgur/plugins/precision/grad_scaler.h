@@ -54,10 +54,15 @@ class GradScaler {
   /// records whether any is inf/NaN. Once per optimizer per iteration;
   /// a second call before update() throws ConfigError.
   void unscale(torch::optim::Optimizer& optimizer);
-  /// Whether `optimizer`'s gradients were unscaled since the last update().
+  /// Whether `optimizer`'s gradients (any optimizer's) were unscaled since
+  /// the last update().
   bool unscaled(const torch::optim::Optimizer& optimizer) const {
     return found_inf_.count(&optimizer) != 0;
   }
+  bool any_unscaled() const { return !found_inf_.empty(); }
+  /// Forgets the unscaled gradients of a step that never finished (a failed
+  /// fit), without judging them: the next fit unscales afresh.
+  void forget_unscaled() { found_inf_.clear(); }
   /// Unscales if not done yet, then steps unless the gradients had inf/NaN.
   /// Returns false when the step was skipped. To decide, the host reads the
   /// verdict from the device (a wait for the backward on a GPU), except with

@@ -54,6 +54,13 @@ class Precision {
   /// Makes gradients true-scale before clipping (unscale, for 16-mixed);
   /// once per optimizer step, however often it is called.
   virtual void unscale_gradients(torch::optim::Optimizer& /*optimizer*/) {}
+  /// Whether unscale_gradients made `optimizer`'s gradients true-scale in
+  /// the step under way (until update()).
+  virtual bool gradients_unscaled(const torch::optim::Optimizer& /*optimizer*/) const {
+    return false;
+  }
+  /// Forgets what a step that never finished unscaled (a fit starting).
+  virtual void forget_unscaled() {}
   /// Steps `optimizer`; returns false if the host skipped the step (inf/NaN;
   /// a step the device may skip returns true: see GradScaler::step).
   virtual bool optimizer_step(torch::optim::Optimizer& optimizer);
