@@ -151,14 +151,12 @@ void BaseFinetuning::freeze_norms(torch::nn::Module& modules, bool freeze) {
 void BaseFinetuning::freeze(torch::nn::Module& modules, bool train_bn) {
   fit_module("freeze");
   for (auto* m : modules_in(modules)) {
-    const bool norm = batch_norm(*m).has_value();
-    if (norm && train_bn) {
-      make_trainable(*m);
-      continue;
-    }
-    for (auto& p : m->parameters(/*recurse=*/false)) p.requires_grad_(false);
-    if (norm) freeze_norms(*m, /*freeze=*/true);
+    const bool trains = train_bn && batch_norm(*m).has_value();
+    for (auto& p : m->parameters(/*recurse=*/false)) p.requires_grad_(trains);
   }
+  // Every BatchNorm layer in one pass: frozen with its statistics, or
+  // (train_bn) updating them again.
+  freeze_norms(modules, /*freeze=*/!train_bn);
 }
 
 void BaseFinetuning::make_trainable(torch::nn::Module& modules) {
@@ -207,8 +205,8 @@ size_t BaseFinetuning::unfreeze_and_add_param_group(torch::nn::Module& modules,
       }
       params.push_back(p);
     }
-    if (batch_norm(*m)) freeze_norms(*m, /*freeze=*/false);
   }
+  if (train_bn) freeze_norms(modules, /*freeze=*/false);
   if (skipped > 0 && global_zero(root)) {
     detail::print_note(
         str(state_key(), ": ", skipped,

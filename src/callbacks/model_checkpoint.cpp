@@ -260,21 +260,10 @@ void ModelCheckpoint::load_state_dict(const StateDict& state) {
   if (state.contains("last_model_path")) last_model_path_ = state.string("last_model_path");
   if (state.contains("top_k_scores") && state.contains("top_k_paths")) {
     const std::vector<double> scores = state.reals("top_k_scores");
-    const c10::IValue& paths = state.at("top_k_paths");
-    const bool strings =
-        paths.isList() && std::all_of(paths.toListRef().begin(), paths.toListRef().end(),
-                                      [](const c10::IValue& p) { return p.isString(); });
-    if (!strings) {
-      const std::string where = state.path().empty() ? "" : state.path() + "/";
-      throw CheckpointError(str("checkpoint entry \"", where, "top_k_paths\" is a ",
-                                paths.tagKind(), " and not a list of strings. It was saved by "
-                                "another version of this component or by a different one: "
-                                "resume with the components it was saved with."));
-    }
-    const auto list = paths.toListRef();
+    const std::vector<std::string> paths = state.strings("top_k_paths");
     std::vector<std::pair<double, std::string>> top_k;
-    for (size_t i = 0; i < scores.size() && i < list.size(); ++i) {
-      top_k.emplace_back(scores[i], list[i].toStringRef());
+    for (size_t i = 0; i < scores.size() && i < paths.size(); ++i) {
+      top_k.emplace_back(scores[i], paths[i]);
     }
     top_k_ = std::move(top_k);
   }

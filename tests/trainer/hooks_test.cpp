@@ -414,6 +414,15 @@ TEST(Hooks, AModulesCallbacksReplaceTheTrainersOfTheirTypeForTheStage) {
 // ---- The steps a Module may take its own way (Lightning's
 // configure_gradient_clipping, lr_scheduler_step, optimizer_zero_grad).
 
+// The largest element of any parameter's gradient.
+double largest_gradient(const torch::nn::Module& module) {
+  double largest = 0;
+  for (const auto& p : module.parameters()) {
+    largest = std::max(largest, p.grad().abs().max().item<double>());
+  }
+  return largest;
+}
+
 // Clips by value, tighter than the Trainer's norm, through clip_gradients;
 // records what the Trainer passed and the largest gradient left.
 class ClippingRegression : public LinearRegression {
@@ -422,9 +431,7 @@ class ClippingRegression : public LinearRegression {
                                    fulgur::GradientClipAlgorithm algorithm) override {
     received.emplace_back(value, algorithm);
     clip_gradients(optimizer, 1e-3, fulgur::GradientClipAlgorithm::kValue);
-    for (const auto& p : parameters()) {
-      largest = std::max(largest, p.grad().abs().max().item<double>());
-    }
+    largest = std::max(largest, largest_gradient(*this));
   }
   std::vector<std::pair<std::optional<double>, fulgur::GradientClipAlgorithm>> received;
   double largest = 0;
@@ -462,9 +469,7 @@ TEST(Hooks, ManualOptimizationClipsThroughClipGradients) {
       auto loss = torch::nn::functional::mse_loss(forward(x), y);
       manual_backward(loss);
       clip_gradients(*optimizers()[0], 1e-3, fulgur::GradientClipAlgorithm::kValue);
-      for (const auto& p : parameters()) {
-        largest = std::max(largest, p.grad().abs().max().item<double>());
-      }
+      largest = std::max(largest, largest_gradient(*this));
       optimizer_step(0);
       optimizers()[0]->zero_grad();
       return loss.detach();
