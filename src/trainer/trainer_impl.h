@@ -122,6 +122,14 @@ struct Trainer::Impl final : detail::TrainerLink {
   };
   FitLoaders make_fit_loaders(DataModule& data, int64_t epoch);
 
+  /// Under several ranks, where every rank must run as many batches (a
+  /// fit's training; an evaluation whose forward is collective): the
+  /// `batches` of this pass (-1: unknown) compared across the ranks, one
+  /// all-gather. Ranks that differ would wait in a collective until the
+  /// process-group timeout; this names every rank's count instead
+  /// (ConfigError on every rank, with `limit_flag`'s cap as one fix).
+  void require_equal_pass_lengths(int64_t batches, const char* which, const char* limit_flag);
+
  private:
   /// What every stage does first, in this order: seed, the DataModule's
   /// prepare_data/setup and its loader for `s` (or `loader`), the split

@@ -122,6 +122,41 @@ TEST(DDP, RanksThatUnfreezeDifferentParametersAreNamed) {
   EXPECT_THAT(alone.output, ::testing::HasSubstr("rank 1 trains 3, with \"fc1.bias\""));
 }
 
+// use_distributed_sampler=false with a dataset that depends on the rank:
+// rank 1's training loader has 6 batches where rank 0's has 4, from the
+// fit's start or only in the loaders made again for epoch 1. Every rank
+// says so, naming each rank's count, before a step could wait for a peer
+// until the process-group timeout (60 s here).
+TEST(DDP, RanksWithTrainingLoadersOfDifferentLengthsAreNamedBeforeAnyStep) {
+  TempDir dir;
+  const std::vector<std::string> common = {
+      "--strategy", "ddp", "--devices", "2", "--steps", "12", "--batch", "16",
+      "--samples", "64", "--distributed-sampler", "false", "--uneven-rank", "1",
+      "--timeout", "60", "--root", dir.path()};
+  auto at_start = run_worker(common, {}, 90s);
+  EXPECT_NE(at_start.exit_code, 0) << at_start.output;
+  EXPECT_FALSE(at_start.timed_out) << at_start.output;
+  EXPECT_THAT(at_start.output,
+              ::testing::HasSubstr("the training loader has a different number of batches on "
+                                   "different ranks (rank 0: 4 batches; rank 1: 6 batches)"));
+  EXPECT_THAT(at_start.output, ::testing::HasSubstr("with use_distributed_sampler=false, give "
+                                                    "every rank as many samples, or cap the pass "
+                                                    "with limit_train_batches=4."));
+  EXPECT_EQ(at_start.output.find("rank 1: in "), std::string::npos) << at_start.output;
+  EXPECT_LT(at_start.seconds, 45) << at_start.output;
+
+  std::vector<std::string> later = common;
+  later.insert(later.end(), {"--reload-every", "1", "--uneven-from", "1"});
+  auto at_reload = run_worker(later, {}, 90s);
+  EXPECT_NE(at_reload.exit_code, 0) << at_reload.output;
+  EXPECT_THAT(at_reload.output,
+              ::testing::HasSubstr("reload_dataloaders_every_n_epochs=1, the loaders made for "
+                                   "epoch 1: the training loader has a different number of "
+                                   "batches on different ranks (rank 0: 4 batches; rank 1: 6 "
+                                   "batches)"));
+  EXPECT_LT(at_reload.seconds, 45) << at_reload.output;
+}
+
 // Under ddp every rank predicts its own part of the data (37 samples: 19 and
 // 18) and a PredictionFileWriter writes it; read back, the parts are one
 // process's predictions, in the dataset's order.

@@ -116,6 +116,12 @@ struct Args {
   // > 0: the training data comes from a DataModule whose loaders grow by 32
   // samples at every reload (reload_dataloaders_every_n_epochs).
   int64_t reload_every = 0;
+  // >= 0: the data comes from a DataModule (UnevenData) under which this
+  // rank's training loader, or with --uneven-val its validation loader, has
+  // 32 more samples than its peers' from the epoch --uneven-from on.
+  int uneven_rank = -1;
+  int64_t uneven_from = 0;
+  bool uneven_val = false;
   // Runs a multi-threaded matrix product before fit, so the intra-op
   // thread pool is up when a forking launcher forks.
   bool warm_parent = false;
@@ -615,6 +621,32 @@ struct GrowingData : fulgur::DataModule {
   }
 };
 
+// Every rank makes loaders of --samples samples (validation: 64), but
+// --uneven-rank's training loader (with --uneven-val, its validation loader)
+// has 32 more from the epoch --uneven-from on: what a rank-dependent dataset
+// under use_distributed_sampler=false gives.
+struct UnevenData : fulgur::DataModule {
+  const Args& args;
+  fulgur::Trainer& trainer;
+  UnevenData(const Args& a, fulgur::Trainer& t) : args(a), trainer(t) {}
+  int64_t extra() const {
+    return trainer.strategy().global_rank() == args.uneven_rank &&
+                   current_epoch() >= args.uneven_from
+               ? 32
+               : 0;
+  }
+  std::shared_ptr<fulgur::DataLoader> train_dataloader() override {
+    auto [x, y] = make_data(args.samples + (args.uneven_val ? 0 : extra()), 0);
+    return fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(x, y),
+                                    {.batch_size = args.batch});
+  }
+  std::shared_ptr<fulgur::DataLoader> val_dataloader() override {
+    auto [x, y] = make_data(64 + (args.uneven_val ? extra() : 0), 50000);
+    return fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(x, y),
+                                    {.batch_size = 16});
+  }
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -686,6 +718,9 @@ int main(int argc, char** argv) {
   app.add_option("--hang-at-exit-rank", a.hang_at_exit_rank);
   app.add_option("--prepare-seconds", a.prepare_seconds);
   app.add_option("--reload-every", a.reload_every);
+  app.add_option("--uneven-rank", a.uneven_rank);
+  app.add_option("--uneven-from", a.uneven_from);
+  app.add_flag("--uneven-val", a.uneven_val);
   app.add_option("--finetune-at", a.finetune_at);
   app.add_option("--unfreeze-mismatch-step", a.unfreeze_mismatch_step);
   app.add_option("--unfreeze-rank", a.unfreeze_rank);
@@ -833,6 +868,9 @@ int main(int argc, char** argv) {
     if (!a.skip_fit) {
       if (a.prepare_seconds > 0) {
         result = trainer.fit(model, prepared);
+      } else if (a.uneven_rank >= 0) {
+        UnevenData uneven(a, trainer);
+        result = trainer.fit(model, uneven);
       } else if (a.reload_every > 0) {
         GrowingData growing(a);
         result = trainer.fit(model, growing);

@@ -60,6 +60,31 @@ TEST(FSDP, FullShardPredictsOnEveryRankAndReadsBackEachSampleOnce) {
   EXPECT_TRUE(torch::allclose(merged, single, /*rtol=*/1e-5, /*atol=*/1e-6));
 }
 
+// FULL_SHARD's forward gathers on every rank: validation loaders of other
+// lengths (use_distributed_sampler=false, rank 1's 6 batches to rank 0's 4)
+// are named at the first validation after the sanity check's 2 batches,
+// before a gather could wait until the process-group timeout (60 s here).
+// Under ddp, whose forward is each rank's own, the same loaders validate.
+TEST(FSDP, FullShardNamesValidationLoadersOfDifferentLengthsWhereDdpRunsThem) {
+  TempDir dir;
+  auto args = [&](const std::string& strategy) {
+    return std::vector<std::string>{
+        "--strategy", strategy, "--devices", "2", "--steps", "8", "--batch", "16", "--samples",
+        "64", "--fsdp-units", "--distributed-sampler", "false", "--uneven-rank", "1",
+        "--uneven-val", "--timeout", "60", "--root", dir.path() + "/" + strategy};
+  };
+  auto sharded = run_worker(args(kFullShard), {}, 90s);
+  EXPECT_NE(sharded.exit_code, 0) << sharded.output;
+  EXPECT_THAT(sharded.output,
+              ::testing::HasSubstr("the validation loader has a different number of batches on "
+                                   "different ranks (rank 0: 4 batches; rank 1: 6 batches). "
+                                   "Under fsdp every rank must evaluate as many batches"));
+  EXPECT_THAT(sharded.output, ::testing::HasSubstr("or cap the pass with limit_val_batches=4."));
+  EXPECT_LT(sharded.seconds, 45) << sharded.output;
+  auto ddp = run_worker(args("ddp"), {}, 90s);
+  EXPECT_EQ(ddp.exit_code, 0) << ddp.output;
+}
+
 TEST(FSDP, ShardGradOpWithShuffleAndAdamMatches) {
   expect_equivalent({"--steps", "20", "--shuffle", "--optimizer", "adam"}, kFsdp);
 }

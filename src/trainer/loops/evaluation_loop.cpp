@@ -63,6 +63,13 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   Module& m = *trainer_.module;
   const bool is_test = s == Stage::kTest;
   num_batches_ = pass_length(loader, limit);
+  if (trainer_.drive().forward_is_collective()) {
+    trainer_.require_equal_pass_lengths(num_batches_, is_test ? "test" : "validation",
+                                        is_test ? "limit_test_batches"
+                                        : trainer_.fit_loop.sanity_checking()
+                                            ? "num_sanity_val_steps"
+                                            : trainer_.limits.val_flag);
+  }
   torch::NoGradGuard no_grad;
   m.eval();
   trainer_.logging.eval_sink().reset();
@@ -129,6 +136,9 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
   torch::NoGradGuard no_grad;
   m.eval();
   num_batches_ = pass_length(loader, limit);
+  if (trainer_.drive().forward_is_collective()) {
+    trainer_.require_equal_pass_lengths(num_batches_, "predict", "limit_predict_batches");
+  }
   loader_ = &loader;
   struct Forget {
     DataLoader*& loader;

@@ -91,6 +91,7 @@ void FitLoop::count_training_batches() {
   num_training_batches_ =
       trainer_.limits.train.apply(train_loader_->num_batches(), trainer_.limits.train_flag)
           .value_or(-1);
+  trainer_.require_equal_pass_lengths(num_training_batches_, "training", "limit_train_batches");
   if (trainer_.options.val_check_interval.is_fraction() &&
       trainer_.options.val_check_interval.fraction() < 1.0 && num_training_batches_ < 0) {
     throw ConfigError(str("val_check_interval=", trainer_.options.val_check_interval.text(),
