@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <utility>
+#include <vector>
 
 namespace fulgur {
 
@@ -30,6 +32,22 @@ std::string join(const std::vector<std::string>& items, std::string_view sep) {
   for (size_t i = 0; i < items.size(); ++i) {
     if (i > 0) out += sep;
     out += items[i];
+  }
+  return out;
+}
+
+std::string by_rank(const std::vector<std::string>& value_of_rank, std::string_view between) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> ranks_of;  // in first-seen order
+  for (size_t r = 0; r < value_of_rank.size(); ++r) {
+    auto it = std::find_if(ranks_of.begin(), ranks_of.end(),
+                           [&](const auto& entry) { return entry.first == value_of_rank[r]; });
+    if (it == ranks_of.end()) it = ranks_of.insert(ranks_of.end(), {value_of_rank[r], {}});
+    it->second.push_back(std::to_string(r));
+  }
+  std::string out;
+  for (const auto& [value, ranks] : ranks_of) {
+    out += str(out.empty() ? "" : "; ", ranks.size() == 1 ? "rank " : "ranks ", join(ranks),
+               between, value);
   }
   return out;
 }

@@ -338,42 +338,34 @@ void Trainer::Impl::distribute(DataLoader& loader, bool even, const char* which)
 void Trainer::Impl::require_equal_pass_lengths(int64_t batches, const char* which,
                                                const char* limit_flag) {
   if (strategy->world_size() <= 1) return;
-  const at::Tensor all = strategy->all_gather(torch::tensor({batches}, torch::kLong)).cpu();
-  const at::Tensor counts = all.reshape({-1});
+  const at::Tensor counts =
+      strategy->all_gather(torch::tensor({batches}, torch::kLong)).cpu().reshape({-1});
   if ((counts == batches).all().item<bool>()) return;
-  // Each count with its ranks, in rank order of first appearance.
-  std::vector<std::pair<int64_t, std::vector<std::string>>> ranks_of;
+  std::vector<std::string> count_of_rank;
   int64_t fewest = -1;
   for (int64_t r = 0; r < counts.size(0); ++r) {
     const int64_t n = counts[r].item<int64_t>();
     if (n >= 0 && (fewest < 0 || n < fewest)) fewest = n;
-    auto it = std::find_if(ranks_of.begin(), ranks_of.end(),
-                           [&](const auto& entry) { return entry.first == n; });
-    if (it == ranks_of.end()) it = ranks_of.insert(ranks_of.end(), {n, {}});
-    it->second.push_back(std::to_string(r));
+    count_of_rank.push_back(n < 0 ? std::string("unknown (a loader without a length)")
+                                  : str(n, n == 1 ? " batch" : " batches"));
   }
-  std::string which_ranks;
-  for (const auto& [n, ranks] : ranks_of) {
-    which_ranks += str(which_ranks.empty() ? "" : "; ", ranks.size() == 1 ? "rank " : "ranks ",
-                       join(ranks), ": ",
-                       n < 0 ? std::string("unknown (a loader without a length)")
-                             : str(n, n == 1 ? " batch" : " batches"));
-  }
-  const bool training = std::string_view(which) == "training";
-  throw ConfigError(str(
-      "the ", which, " loader has a different number of batches on different ranks (", which_ranks,
-      "). ",
-      training ? "Every rank must run as many training batches (each step averages the ranks' "
-                 "gradients)"
-               : str("Under ", strategy->name(),
-                     " every rank must evaluate as many batches (each forward gathers "
-                     "parameters from every rank)"),
-      ", or the ranks with more wait in a collective until the process-group timeout. "
-      "With use_distributed_sampler=true (the default) the Trainer splits one dataset into "
-      "shards of one length; with use_distributed_sampler=",
-      options.use_distributed_sampler ? "true, make the loader the same on every rank"
-                                      : "false, give every rank as many samples",
-      fewest > 0 ? str(", or cap the pass with ", limit_flag, "=", fewest) : std::string(), "."));
+  // fast_dev_run=N caps every loop, over the limit_*_batches flags.
+  const std::string cap = options.fast_dev_run > 0 ? "fast_dev_run" : limit_flag;
+  throw ConfigError(
+      str("the ", which, " loader has a different number of batches on different ranks (",
+          by_rank(count_of_rank, ": "), "). ",
+          std::string_view(which) == "training"
+              ? "Every rank must run as many training batches (each ends in a collective every "
+                "rank joins: the gradients' average, the stop vote)"
+              : str("Under ", strategy->name(),
+                    " every rank must evaluate as many batches (each forward gathers "
+                    "parameters from every rank)"),
+          ", or the ranks with more wait in a collective until the process-group timeout. "
+          "With use_distributed_sampler=true (the default) the Trainer splits one dataset into "
+          "shards of one length; with use_distributed_sampler=",
+          options.use_distributed_sampler ? "true, make the loader the same on every rank"
+                                          : "false, give every rank as many samples",
+          fewest > 0 ? str(", or cap the pass with ", cap, "=", fewest) : std::string(), "."));
 }
 
 namespace {

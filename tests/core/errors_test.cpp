@@ -38,6 +38,15 @@ TEST(Errors, SplitListTrimsItemsAndKeepsEmptyOnes) {
   EXPECT_EQ(fulgur::split_list("x=1:y:,z", ':'), (List{"x=1", "y", ",z"}));
 }
 
+TEST(Errors, ByRankGroupsTheRanksOfEachValueInTheOrderValuesFirstAppear) {
+  EXPECT_EQ(fulgur::by_rank({"6 batches", "4 batches", "6 batches", "5 batches"}, ": "),
+            "ranks 0, 2: 6 batches; rank 1: 4 batches; rank 3: 5 batches");
+  EXPECT_EQ(fulgur::by_rank({"a, b", "none"}, " logged "),
+            "rank 0 logged a, b; rank 1 logged none");
+  EXPECT_EQ(fulgur::by_rank({"x", "x"}, ": "), "ranks 0, 1: x");
+  EXPECT_EQ(fulgur::by_rank({}, ": "), "");
+}
+
 TEST(Errors, ClosestMatchFindsAPlausibleTypo) {
   EXPECT_EQ(fulgur::closest_match("dpp", {"ddp", "ddp_spawn", "single_device"}), "ddp");
   EXPECT_EQ(fulgur::closest_match("singel_device", {"ddp", "single_device"}), "single_device");

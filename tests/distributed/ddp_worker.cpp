@@ -118,8 +118,10 @@ struct Args {
   int64_t reload_every = 0;
   // >= 0: the data comes from a DataModule (UnevenData) under which this
   // rank's training loader, or with --uneven-val its validation loader, has
-  // 32 more samples than its peers' from the epoch --uneven-from on.
+  // --uneven-samples more samples (fewer when negative) than its peers' from
+  // the epoch --uneven-from on.
   int uneven_rank = -1;
+  int64_t uneven_samples = 32;
   int64_t uneven_from = 0;
   bool uneven_val = false;
   // Runs a multi-threaded matrix product before fit, so the intra-op
@@ -623,8 +625,8 @@ struct GrowingData : fulgur::DataModule {
 
 // Every rank makes loaders of --samples samples (validation: 64), but
 // --uneven-rank's training loader (with --uneven-val, its validation loader)
-// has 32 more from the epoch --uneven-from on: what a rank-dependent dataset
-// under use_distributed_sampler=false gives.
+// has --uneven-samples more from the epoch --uneven-from on: what a
+// rank-dependent dataset under use_distributed_sampler=false gives.
 struct UnevenData : fulgur::DataModule {
   const Args& args;
   fulgur::Trainer& trainer;
@@ -632,7 +634,7 @@ struct UnevenData : fulgur::DataModule {
   int64_t extra() const {
     return trainer.strategy().global_rank() == args.uneven_rank &&
                    current_epoch() >= args.uneven_from
-               ? 32
+               ? args.uneven_samples
                : 0;
   }
   std::shared_ptr<fulgur::DataLoader> train_dataloader() override {
@@ -719,6 +721,7 @@ int main(int argc, char** argv) {
   app.add_option("--prepare-seconds", a.prepare_seconds);
   app.add_option("--reload-every", a.reload_every);
   app.add_option("--uneven-rank", a.uneven_rank);
+  app.add_option("--uneven-samples", a.uneven_samples);
   app.add_option("--uneven-from", a.uneven_from);
   app.add_flag("--uneven-val", a.uneven_val);
   app.add_option("--finetune-at", a.finetune_at);

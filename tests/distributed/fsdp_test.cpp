@@ -64,7 +64,9 @@ TEST(FSDP, FullShardPredictsOnEveryRankAndReadsBackEachSampleOnce) {
 // lengths (use_distributed_sampler=false, rank 1's 6 batches to rank 0's 4)
 // are named at the first validation after the sanity check's 2 batches,
 // before a gather could wait until the process-group timeout (60 s here).
-// Under ddp, whose forward is each rank's own, the same loaders validate.
+// A rank with no validation batch at all (it skips the pass) is named too,
+// at the sanity check. Under ddp, whose forward is each rank's own, the
+// loaders of other lengths validate.
 TEST(FSDP, FullShardNamesValidationLoadersOfDifferentLengthsWhereDdpRunsThem) {
   TempDir dir;
   auto args = [&](const std::string& strategy) {
@@ -81,6 +83,14 @@ TEST(FSDP, FullShardNamesValidationLoadersOfDifferentLengthsWhereDdpRunsThem) {
                                    "Under fsdp every rank must evaluate as many batches"));
   EXPECT_THAT(sharded.output, ::testing::HasSubstr("or cap the pass with limit_val_batches=4."));
   EXPECT_LT(sharded.seconds, 45) << sharded.output;
+  std::vector<std::string> none = args(kFullShard);
+  none.insert(none.end(), {"--uneven-samples", "-64"});
+  auto empty = run_worker(none, {}, 90s);
+  EXPECT_NE(empty.exit_code, 0) << empty.output;
+  EXPECT_THAT(empty.output,
+              ::testing::HasSubstr("the validation loader has a different number of batches on "
+                                   "different ranks (rank 0: 2 batches; rank 1: 0 batches)"));
+  EXPECT_LT(empty.seconds, 45) << empty.output;
   auto ddp = run_worker(args("ddp"), {}, 90s);
   EXPECT_EQ(ddp.exit_code, 0) << ddp.output;
 }

@@ -91,6 +91,10 @@ std::string error_message(const std::exception& error);
 
 /// Joins `items` with `sep` ("a, b, c").
 std::string join(const std::vector<std::string>& items, std::string_view sep = ", ");
+/// Ranks grouped by what each has, in the order each value first appears:
+/// by_rank({"4 batches", "6 batches", "4 batches"}, ": ") is
+/// "ranks 0, 2: 4 batches; rank 1: 6 batches" (value_of_rank[r] is rank r's).
+std::string by_rank(const std::vector<std::string>& value_of_rank, std::string_view between);
 
 /// "a, b,,c" → {"a", "b", "", "c"}: the comma-separated items of a flag's
 /// value (or those separated by `sep`), spaces and tabs around each

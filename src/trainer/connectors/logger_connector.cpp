@@ -229,19 +229,12 @@ void check_same_synced_metrics(const std::string& synced, Strategy& strategy) {
   at::Tensor all = strategy.all_gather(torch::tensor({hash}, torch::kLong));
   if ((all == hash).all().item<bool>()) return;
   // Only on this error path: every rank's list, to name who differs.
-  std::vector<std::pair<std::string, std::vector<std::string>>> ranks_of;  // in rank order
+  std::vector<std::string> logged;
   for (int r = 0; r < strategy.world_size(); ++r) {
-    std::string names = strategy.broadcast_bytes(synced, r);
-    auto it = std::find_if(ranks_of.begin(), ranks_of.end(),
-                           [&](const auto& entry) { return entry.first == names; });
-    if (it == ranks_of.end()) it = ranks_of.insert(ranks_of.end(), {std::move(names), {}});
-    it->second.push_back(std::to_string(r));
+    const std::string names = strategy.broadcast_bytes(synced, r);
+    logged.push_back(names.empty() ? "none" : names.substr(0, names.size() - 2));
   }
-  std::string which;
-  for (const auto& [names, ranks] : ranks_of) {
-    which += str(which.empty() ? "" : "; ", ranks.size() == 1 ? "rank " : "ranks ", join(ranks),
-                 " logged ", names.empty() ? "none" : names.substr(0, names.size() - 2));
-  }
+  const std::string which = by_rank(logged, " logged ");
   throw ConfigError(
       str("metrics logged with sync_dist=true or as metric objects differ across ranks this "
           "epoch: ", which,

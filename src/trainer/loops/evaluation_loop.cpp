@@ -64,11 +64,10 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   const bool is_test = s == Stage::kTest;
   num_batches_ = pass_length(loader, limit);
   if (trainer_.drive().forward_is_collective()) {
+    // (The sanity check's 2 batches differ only where a rank has fewer:
+    // limit_val_batches caps both passes.)
     trainer_.require_equal_pass_lengths(num_batches_, is_test ? "test" : "validation",
-                                        is_test ? "limit_test_batches"
-                                        : trainer_.fit_loop.sanity_checking()
-                                            ? "num_sanity_val_steps"
-                                            : trainer_.limits.val_flag);
+                                        is_test ? "limit_test_batches" : trainer_.limits.val_flag);
   }
   torch::NoGradGuard no_grad;
   m.eval();

@@ -91,7 +91,8 @@ void FitLoop::count_training_batches() {
   num_training_batches_ =
       trainer_.limits.train.apply(train_loader_->num_batches(), trainer_.limits.train_flag)
           .value_or(-1);
-  trainer_.require_equal_pass_lengths(num_training_batches_, "training", "limit_train_batches");
+  trainer_.require_equal_pass_lengths(num_training_batches_, "training",
+                                      trainer_.limits.train_flag);
   if (trainer_.options.val_check_interval.is_fraction() &&
       trainer_.options.val_check_interval.fraction() < 1.0 && num_training_batches_ < 0) {
     throw ConfigError(str("val_check_interval=", trainer_.options.val_check_interval.text(),
@@ -543,7 +544,14 @@ void FitLoop::run_validation(bool sanity) {
     limit = limit ? std::min(*limit, trainer_.limits.num_sanity_val_steps)
                   : trainer_.limits.num_sanity_val_steps;
   }
-  if (limit && *limit == 0) return;
+  if (limit && *limit == 0) {
+    // A rank with no batches here still meets its peers' comparison of
+    // their lengths (EvaluationLoop::run) when the forward is collective.
+    if (trainer_.drive().forward_is_collective()) {
+      trainer_.require_equal_pass_lengths(0, "validation", trainer_.limits.val_flag);
+    }
+    return;
+  }
   LoopProfiler::Scope timed(sanity ? nullptr : profiler_.get(),
                               LoopProfiler::Phase::kValidation);
   bool was_training = m.is_training();
