@@ -238,8 +238,14 @@ void StochasticWeightAveraging::update_batch_norm(Trainer& trainer, Module& modu
     // The batches an epoch of this fit trains on (limit_train_batches).
     const int64_t limit = trainer.num_training_batches();
     detail::StrategyDriver driver(trainer.strategy());
+    // The forward may be collective (fsdp's FULL_SHARD, SyncBatchNorm): on
+    // several ranks, the pass ends for all where the shortest rank's loader
+    // ends (one of unknown length may end sooner on one rank), as the
+    // training epoch does.
+    const bool agree_on_end = trainer.strategy().world_size() > 1;
     for (int64_t batch_idx = 0; limit < 0 || batch_idx < limit; ++batch_idx) {
       auto batch = loader->next();
+      if (agree_on_end && trainer.strategy().reduce_boolean_decision(!batch, /*all=*/false)) break;
       if (!batch) break;
       // As the training step gets it (the Module's batch transfer hooks).
       Batch on_device = module.on_after_batch_transfer(

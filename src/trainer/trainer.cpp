@@ -335,12 +335,16 @@ void Trainer::Impl::distribute(DataLoader& loader, bool even, const char* which)
   }
 }
 
-void Trainer::Impl::require_equal_pass_lengths(int64_t batches, const char* which,
-                                               const char* limit_flag) {
-  if (strategy->world_size() <= 1) return;
-  const at::Tensor counts =
-      strategy->all_gather(torch::tensor({batches}, torch::kLong)).cpu().reshape({-1});
-  if ((counts == batches).all().item<bool>()) return;
+bool Trainer::Impl::require_equal_pass_lengths(int64_t batches, bool unknown_length,
+                                               const char* which, const char* limit_flag) {
+  if (strategy->world_size() <= 1) return false;
+  const at::Tensor all =
+      strategy
+          ->all_gather(torch::tensor({batches, static_cast<int64_t>(unknown_length)}, torch::kLong))
+          .cpu()
+          .reshape({-1, 2});
+  const at::Tensor counts = all.select(1, 0);
+  if ((counts == batches).all().item<bool>()) return all.select(1, 1).any().item<bool>();
   std::vector<std::string> count_of_rank;
   int64_t fewest = -1;
   for (int64_t r = 0; r < counts.size(0); ++r) {

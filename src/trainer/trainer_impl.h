@@ -128,7 +128,11 @@ struct Trainer::Impl final : detail::TrainerLink {
   /// all-gather. Ranks that differ would wait in a collective until the
   /// process-group timeout; this names every rank's count instead
   /// (ConfigError on every rank, with `limit_flag`'s cap as one fix).
-  void require_equal_pass_lengths(int64_t batches, const char* which, const char* limit_flag);
+  /// Returns whether some rank's loader has an `unknown_length` (the pass
+  /// may then end sooner on one rank than its count says): every rank then
+  /// agrees on each batch's look-ahead. False on one rank.
+  bool require_equal_pass_lengths(int64_t batches, bool unknown_length, const char* which,
+                                  const char* limit_flag);
 
  private:
   /// What every stage does first, in this order: seed, the DataModule's

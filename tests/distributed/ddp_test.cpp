@@ -28,6 +28,7 @@ using fulgur::test::run_process;
 using fulgur::test::run_worker;
 using fulgur::test::same_params;
 using fulgur::test::TempDir;
+using fulgur::test::uneven_ranks;
 using fulgur::test::worker_predictions;
 using namespace std::chrono_literals;
 
@@ -129,11 +130,7 @@ TEST(DDP, RanksThatUnfreezeDifferentParametersAreNamed) {
 // would wait for a peer until the process-group timeout (60 s here).
 TEST(DDP, TrainingLoadersOfDifferentLengthsAreNamedAtTheFitsStartAndAtAReload) {
   TempDir dir;
-  const std::vector<std::string> common = {
-      "--strategy", "ddp", "--devices", "2", "--steps", "12", "--batch", "16",
-      "--samples", "64", "--distributed-sampler", "false", "--uneven-rank", "1",
-      "--timeout", "60", "--root", dir.path()};
-  auto at_start = run_worker(common, {}, 90s);
+  auto at_start = run_worker(uneven_ranks("ddp", dir.path(), "start", {"--steps", "12"}), {}, 90s);
   EXPECT_NE(at_start.exit_code, 0) << at_start.output;
   EXPECT_THAT(at_start.output,
               ::testing::HasSubstr("the training loader has a different number of batches on "
@@ -144,9 +141,10 @@ TEST(DDP, TrainingLoadersOfDifferentLengthsAreNamedAtTheFitsStartAndAtAReload) {
   EXPECT_EQ(at_start.output.find("rank 1: in "), std::string::npos) << at_start.output;
   EXPECT_LT(at_start.seconds, 45) << at_start.output;
 
-  std::vector<std::string> later = common;
-  later.insert(later.end(), {"--reload-every", "1", "--uneven-from", "1"});
-  auto at_reload = run_worker(later, {}, 90s);
+  auto at_reload =
+      run_worker(uneven_ranks("ddp", dir.path(), "reload",
+                              {"--steps", "12", "--reload-every", "1", "--uneven-from", "1"}),
+                 {}, 90s);
   EXPECT_NE(at_reload.exit_code, 0) << at_reload.output;
   EXPECT_THAT(at_reload.output,
               ::testing::HasSubstr("reload_dataloaders_every_n_epochs=1, the loaders made for "
@@ -154,6 +152,45 @@ TEST(DDP, TrainingLoadersOfDifferentLengthsAreNamedAtTheFitsStartAndAtAReload) {
                                    "batches on different ranks (rank 0: 4 batches; rank 1: 6 "
                                    "batches)"));
   EXPECT_LT(at_reload.seconds, 45) << at_reload.output;
+}
+
+// Loaders of unknown length (iterables, each rank reading its own part):
+// rank 1's has 6 batches an epoch, rank 0's 4. The ranks agree on each
+// batch's look-ahead, so every epoch ends for both after 4 batches, rank 1
+// saying once that its further batches are left out, and the run ends
+// bit-identical to one where rank 1 has 4 batches too (before, rank 1's
+// fifth step waited for rank 0 until the process-group timeout). A rank
+// whose loader has a length joins the votes of a peer whose loader has none.
+TEST(DDP, LoadersOfUnknownLengthEndEveryRanksEpochAtTheShortestRanksEnd) {
+  TempDir dir;
+  const std::string d = dir.path();
+  auto run = [&](const std::string& name, std::vector<std::string> more) {
+    more.insert(more.end(), {"--steps", "12", "--iterable"});
+    return run_worker(uneven_ranks("ddp", d, name, more), {}, 90s);
+  };
+  auto uneven = run("uneven", {});
+  ASSERT_EQ(uneven.exit_code, 0) << uneven.output;
+  EXPECT_EQ(result_value(uneven.output, "global_step"), "12") << uneven.output;
+  EXPECT_EQ(fulgur::test::count_occurrences(uneven.output,
+                                            "rank 1: the training loader (of unknown length) "
+                                            "ended sooner on another rank"),
+            1)
+      << uneven.output;
+  EXPECT_LT(uneven.seconds, 45) << uneven.output;
+  auto even = run("even", {"--uneven-samples", "0"});
+  ASSERT_EQ(even.exit_code, 0) << even.output;
+  EXPECT_EQ(even.output.find("ended sooner on another rank"), std::string::npos) << even.output;
+  EXPECT_TRUE(fulgur::test::same_params(d + "/even.pt", d + "/uneven.pt", {.exact = true}));
+  // Rank 0's loader has a length (4) and rank 1's not, both capped at 3 by
+  // limit_train_batches: their counts agree (3), and rank 0 joins the
+  // look-ahead votes rank 1's loader needs, as an even run does.
+  auto mixed = run("mixed", {"--known-length-rank", "0", "--limit-train-batches", "3"});
+  ASSERT_EQ(mixed.exit_code, 0) << mixed.output;
+  EXPECT_EQ(result_value(mixed.output, "global_step"), "12") << mixed.output;
+  EXPECT_LT(mixed.seconds, 45) << mixed.output;
+  auto capped = run("capped", {"--uneven-samples", "0", "--limit-train-batches", "3"});
+  ASSERT_EQ(capped.exit_code, 0) << capped.output;
+  EXPECT_TRUE(fulgur::test::same_params(d + "/capped.pt", d + "/mixed.pt", {.exact = true}));
 }
 
 // Under ddp every rank predicts its own part of the data (37 samples: 19 and

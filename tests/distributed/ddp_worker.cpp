@@ -124,6 +124,12 @@ struct Args {
   int64_t uneven_samples = 32;
   int64_t uneven_from = 0;
   bool uneven_val = false;
+  // With --uneven-rank: UnevenData's loaders are iterables of unknown length
+  // (each rank reads its own part), in order; but --known-length-rank's.
+  bool iterable = false;
+  int known_length_rank = -1;
+  // > 0: limit_train_batches.
+  int64_t limit_train_batches = 0;
   // Runs a multi-threaded matrix product before fit, so the intra-op
   // thread pool is up when a forking launcher forks.
   bool warm_parent = false;
@@ -638,14 +644,26 @@ struct UnevenData : fulgur::DataModule {
                : 0;
   }
   std::shared_ptr<fulgur::DataLoader> train_dataloader() override {
-    auto [x, y] = make_data(args.samples + (args.uneven_val ? 0 : extra()), 0);
-    return fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(x, y),
-                                    {.batch_size = args.batch});
+    return loader(args.samples + (args.uneven_val ? 0 : extra()), 0, args.batch);
   }
   std::shared_ptr<fulgur::DataLoader> val_dataloader() override {
-    auto [x, y] = make_data(64 + (args.uneven_val ? extra() : 0), 50000);
-    return fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(x, y),
-                                    {.batch_size = 16});
+    return loader(64 + (args.uneven_val ? extra() : 0), 50000, 16);
+  }
+  std::shared_ptr<fulgur::DataLoader> loader(int64_t samples, int64_t offset, int64_t batch) const {
+    auto [x, y] = make_data(samples, offset);
+    if (!args.iterable || trainer.strategy().global_rank() == args.known_length_rank) {
+      return fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(x, y),
+                                      {.batch_size = batch});
+    }
+    return fulgur::make_iterable_loader([x, y, batch](int64_t) -> fulgur::BatchGenerator {
+      return [x, y, batch, at = int64_t{0}]() mutable -> std::optional<fulgur::Batch> {
+        if (at >= x.size(0)) return std::nullopt;
+        const int64_t end = std::min(at + batch, x.size(0));
+        fulgur::Batch b(x.slice(0, at, end), y.slice(0, at, end));
+        at = end;
+        return b;
+      };
+    });
   }
 };
 
@@ -724,6 +742,9 @@ int main(int argc, char** argv) {
   app.add_option("--uneven-samples", a.uneven_samples);
   app.add_option("--uneven-from", a.uneven_from);
   app.add_flag("--uneven-val", a.uneven_val);
+  app.add_flag("--iterable", a.iterable);
+  app.add_option("--known-length-rank", a.known_length_rank);
+  app.add_option("--limit-train-batches", a.limit_train_batches);
   app.add_option("--finetune-at", a.finetune_at);
   app.add_option("--unfreeze-mismatch-step", a.unfreeze_mismatch_step);
   app.add_option("--unfreeze-rank", a.unfreeze_rank);
@@ -792,6 +813,10 @@ int main(int argc, char** argv) {
     if (!a.plugins.empty()) options.plugins = {a.plugins};
     options.max_steps = a.steps;
     options.reload_dataloaders_every_n_epochs = a.reload_every;
+    if (a.limit_train_batches > 0) {
+      options.limit_train_batches =
+          fulgur::BatchLimit(static_cast<long long>(a.limit_train_batches));
+    }
     if (!a.precision.empty()) options.precision = a.precision;
     options.accumulate_grad_batches = a.accumulate;
     if (a.gradient_clip_val > 0) options.gradient_clip_val = a.gradient_clip_val;
@@ -929,6 +954,9 @@ int main(int argc, char** argv) {
       std::cout << "RESULT world_size=" << strategy.world_size() << "\n"
                 << "RESULT global_step=" << result.global_step << "\n"
                 << "RESULT train_loss=" << result.metrics["train_loss"] << "\n"
+                << (result.metrics.count("val_acc") != 0
+                        ? "RESULT val_acc=" + std::to_string(result.metrics.at("val_acc")) + "\n"
+                        : std::string())
                 << "RESULT cluster_environment=" << strategy.cluster_environment().name() << "\n"
                 << "RESULT sigpipe="
                 << (std::signal(SIGPIPE, SIG_IGN) == SIG_IGN ? "ignored" : "default") << "\n";

@@ -28,6 +28,7 @@ using fulgur::test::recovery_training;
 using fulgur::test::result_value;
 using fulgur::test::run_worker;
 using fulgur::test::TempDir;
+using fulgur::test::uneven_ranks;
 using fulgur::test::worker_predictions;
 using namespace std::chrono_literals;
 
@@ -69,13 +70,13 @@ TEST(FSDP, FullShardPredictsOnEveryRankAndReadsBackEachSampleOnce) {
 // loaders of other lengths validate.
 TEST(FSDP, FullShardNamesValidationLoadersOfDifferentLengthsWhereDdpRunsThem) {
   TempDir dir;
-  auto args = [&](const std::string& strategy) {
-    return std::vector<std::string>{
-        "--strategy", strategy, "--devices", "2", "--steps", "8", "--batch", "16", "--samples",
-        "64", "--fsdp-units", "--distributed-sampler", "false", "--uneven-rank", "1",
-        "--uneven-val", "--timeout", "60", "--root", dir.path() + "/" + strategy};
+  auto run = [&](const std::string& strategy, const std::string& name, const std::string& extra) {
+    return run_worker(
+        uneven_ranks(strategy, dir.path(), name,
+                     {"--steps", "8", "--fsdp-units", "--uneven-val", "--uneven-samples", extra}),
+        {}, 90s);
   };
-  auto sharded = run_worker(args(kFullShard), {}, 90s);
+  auto sharded = run(kFullShard, "sharded", "32");
   EXPECT_NE(sharded.exit_code, 0) << sharded.output;
   EXPECT_THAT(sharded.output,
               ::testing::HasSubstr("the validation loader has a different number of batches on "
@@ -83,16 +84,53 @@ TEST(FSDP, FullShardNamesValidationLoadersOfDifferentLengthsWhereDdpRunsThem) {
                                    "Under fsdp every rank must evaluate as many batches"));
   EXPECT_THAT(sharded.output, ::testing::HasSubstr("or cap the pass with limit_val_batches=4."));
   EXPECT_LT(sharded.seconds, 45) << sharded.output;
-  std::vector<std::string> none = args(kFullShard);
-  none.insert(none.end(), {"--uneven-samples", "-64"});
-  auto empty = run_worker(none, {}, 90s);
+  auto empty = run(kFullShard, "empty", "-64");
   EXPECT_NE(empty.exit_code, 0) << empty.output;
   EXPECT_THAT(empty.output,
               ::testing::HasSubstr("the validation loader has a different number of batches on "
                                    "different ranks (rank 0: 2 batches; rank 1: 0 batches)"));
   EXPECT_LT(empty.seconds, 45) << empty.output;
-  auto ddp = run_worker(args("ddp"), {}, 90s);
+  auto ddp = run("ddp", "ddp", "32");
   EXPECT_EQ(ddp.exit_code, 0) << ddp.output;
+}
+
+// FULL_SHARD over validation loaders of unknown length (iterables: rank 1's
+// has 6 batches, rank 0's 4): the ranks agree on each batch's look-ahead and
+// both validate 4, so the averaged val_acc is the one of a run where rank 1
+// has 4 batches too (before, rank 1's fifth forward waited in a gather);
+// so do the training epochs and SWA's BatchNorm pass over the training data.
+TEST(FSDP, FullShardValidatesLoadersOfUnknownLengthUpToTheShortestRanksEnd) {
+  TempDir dir;
+  auto run = [&](const std::string& name, std::vector<std::string> more) {
+    more.insert(more.end(), {"--fsdp-units", "--iterable"});
+    return run_worker(uneven_ranks(kFullShard, dir.path(), name, more), {}, 90s);
+  };
+  auto val = [&](const std::string& name, const std::string& extra) {
+    return run(name,
+               {"--steps", "8", "--uneven-val", "--uneven-samples", extra, "--sync-dist", "true"});
+  };
+  auto uneven = val("uneven", "32");
+  ASSERT_EQ(uneven.exit_code, 0) << uneven.output;
+  EXPECT_LT(uneven.seconds, 45) << uneven.output;
+  auto even = val("even", "0");
+  ASSERT_EQ(even.exit_code, 0) << even.output;
+  EXPECT_FALSE(result_value(even.output, "val_acc").empty()) << even.output;
+  EXPECT_EQ(result_value(uneven.output, "val_acc"), result_value(even.output, "val_acc"));
+  // Training loaders of unknown length (6 batches and 4), and
+  // StochasticWeightAveraging's last pass recomputing SyncBatchNorm's
+  // statistics with FULL_SHARD's gathering forwards over them: it too ends
+  // at the shortest rank's end, and the run ends as an even one does.
+  auto swa = [&](const std::string& name, const std::string& extra) {
+    return run(name, {"--steps", "12", "--uneven-samples", extra, "--batchnorm", "sync",
+                      "--sync-batchnorm", "--swa-start", "1"});
+  };
+  auto swa_uneven = swa("swa_uneven", "32");
+  ASSERT_EQ(swa_uneven.exit_code, 0) << swa_uneven.output;
+  EXPECT_LT(swa_uneven.seconds, 45) << swa_uneven.output;
+  auto swa_even = swa("swa_even", "0");
+  ASSERT_EQ(swa_even.exit_code, 0) << swa_even.output;
+  EXPECT_TRUE(fulgur::test::same_params(dir.path() + "/swa_even.pt", dir.path() + "/swa_uneven.pt",
+                                        {.exact = true}));
 }
 
 TEST(FSDP, ShardGradOpWithShuffleAndAdamMatches) {

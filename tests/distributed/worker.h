@@ -111,6 +111,37 @@ inline std::vector<std::string> recovery_training(const std::string& strategy, i
           dir + "/" + name + "-optimizer.pt"};
 }
 
+// Two ranks reading their own parts of the data (use_distributed_sampler
+// false, the worker's UnevenData): rank 1's loaders are given
+// --uneven-samples more samples (`more` says which loader, how many and how
+// read), batches of 16 of 64 samples, 60 s for a collective. Writes its
+// parameters to <dir>/<name>.pt and its files under <dir>/<name>.
+inline std::vector<std::string> uneven_ranks(const std::string& strategy, const std::string& dir,
+                                             const std::string& name,
+                                             const std::vector<std::string>& more) {
+  std::vector<std::string> args = {"--strategy",
+                                   strategy,
+                                   "--devices",
+                                   "2",
+                                   "--batch",
+                                   "16",
+                                   "--samples",
+                                   "64",
+                                   "--distributed-sampler",
+                                   "false",
+                                   "--uneven-rank",
+                                   "1",
+                                   "--timeout",
+                                   "60",
+                                   "--deterministic",
+                                   "--root",
+                                   dir + "/" + name,
+                                   "--out",
+                                   dir + "/" + name + ".pt"};
+  args.insert(args.end(), more.begin(), more.end());
+  return args;
+}
+
 // Parameters and optimizer state bit-identical to the run named `reference`.
 inline void expect_identical_runs(const std::string& dir, const std::string& reference,
                                   const std::string& name) {

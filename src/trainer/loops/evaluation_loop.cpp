@@ -34,41 +34,64 @@ class PaddedRows {
 
 // Runs `fn(batch, batch on the device, index)` for the first `limit` batches
 // (all when unset) of one pass over `loader`; with prefetch, each batch is
-// put on the device while the step before it runs.
+// put on the device while the step before it runs. With `agree_on_end`
+// (every rank must run as many batches, and the loader's length is
+// unknown on some rank) the ranks agree on each batch's look-ahead, one
+// small all-reduce a batch, and the pass ends for all at the shortest rank's
+// end, the longer ranks' further batches left out with a note (the `what`
+// loader's, once while `noted` is false).
 template <class Fn>
 void for_each_batch(Strategy& strategy, std::optional<bool> prefetch, Module& module,
-                    DataLoader& loader, std::optional<int64_t> limit, Fn fn) {
+                    DataLoader& loader, std::optional<int64_t> limit, bool agree_on_end,
+                    const char* what, bool& noted, Fn fn) {
   DeviceFeed feed;
   feed.reset(strategy, prefetch, module);
   loader.start_epoch(0);
+  auto fetch = [&] {
+    std::optional<Batch> b = loader.next();
+    if (agree_on_end && strategy.reduce_boolean_decision(!b, /*all=*/false) && b) {
+      if (!noted) {
+        noted = true;
+        detail::print_note(str("rank ", strategy.global_rank(), ": the ", what,
+                               " loader (of unknown length) ended sooner on another rank; this "
+                               "rank's pass ends there too, and its further batches are left "
+                               "out (noted once)"));
+      }
+      b.reset();
+    }
+    return b;
+  };
   std::optional<Batch> batch;
-  if (!limit || *limit > 0) batch = loader.next();
+  if (!limit || *limit > 0) batch = fetch();
   if (batch) feed.put(*batch);
+  const bool ahead = feed.enabled() || agree_on_end;
   for (int64_t idx = 0; batch; ++idx) {
     const bool more = !limit || idx + 1 < *limit;
     std::optional<Batch> next;
-    if (feed.enabled() && more) {
-      next = loader.next();
+    if (ahead && more) {
+      next = fetch();
       if (next) feed.put(*next);
     }
     Batch on_device = feed.take(*batch);
     fn(*batch, on_device, idx);
     if (!more) break;
-    batch = feed.enabled() ? std::move(next) : loader.next();
+    batch = ahead ? std::move(next) : loader.next();
   }
 }
+
 }  // namespace
 
 Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> limit) {
   Module& m = *trainer_.module;
   const bool is_test = s == Stage::kTest;
   num_batches_ = pass_length(loader, limit);
-  if (trainer_.drive().forward_is_collective()) {
-    // (The sanity check's 2 batches differ only where a rank has fewer:
-    // limit_val_batches caps both passes.)
-    trainer_.require_equal_pass_lengths(num_batches_, is_test ? "test" : "validation",
-                                        is_test ? "limit_test_batches" : trainer_.limits.val_flag);
-  }
+  const char* const what = is_test ? "test" : "validation";
+  // (The sanity check's 2 batches differ only where a rank has fewer:
+  // limit_val_batches caps both passes.)
+  const bool agree_on_end = trainer_.drive().forward_is_collective() &&
+                            trainer_.require_equal_pass_lengths(
+                                num_batches_, !loader.num_batches(), what,
+                                is_test ? "limit_test_batches" : trainer_.limits.val_flag);
   torch::NoGradGuard no_grad;
   m.eval();
   trainer_.logging.eval_sink().reset();
@@ -98,8 +121,8 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   module_hook(&Module::on_test_epoch_start, &Module::on_validation_epoch_start);
   callbacks(&Callback::on_test_epoch_start, &Callback::on_validation_epoch_start);
   for_each_batch(
-      *trainer_.strategy, trainer_.options.prefetch_to_device, m, loader, limit,
-      [&](const Batch& batch, Batch& on_device, int64_t idx) {
+      *trainer_.strategy, trainer_.options.prefetch_to_device, m, loader, limit, agree_on_end, what,
+      noted_shorter_peer_, [&](const Batch& batch, Batch& on_device, int64_t idx) {
         batch_hooks(&Module::on_test_batch_start, &Module::on_validation_batch_start,
                     &Callback::on_test_batch_start, &Callback::on_validation_batch_start, batch,
                     idx);
@@ -135,9 +158,9 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
   torch::NoGradGuard no_grad;
   m.eval();
   num_batches_ = pass_length(loader, limit);
-  if (trainer_.drive().forward_is_collective()) {
-    trainer_.require_equal_pass_lengths(num_batches_, "predict", "limit_predict_batches");
-  }
+  const bool agree_on_end = trainer_.drive().forward_is_collective() &&
+                            trainer_.require_equal_pass_lengths(num_batches_, !loader.num_batches(),
+                                                                "predict", "limit_predict_batches");
   loader_ = &loader;
   struct Forget {
     DataLoader*& loader;
@@ -151,8 +174,8 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
   if (auto n = loader.num_batches())
     out.reserve(static_cast<size_t>(limit ? std::min(*n, *limit) : *n));
   for_each_batch(
-      *trainer_.strategy, trainer_.options.prefetch_to_device, m, loader, limit,
-      [&](const Batch& batch, Batch& on_device, int64_t idx) {
+      *trainer_.strategy, trainer_.options.prefetch_to_device, m, loader, limit, agree_on_end,
+      "predict", noted_shorter_peer_, [&](const Batch& batch, Batch& on_device, int64_t idx) {
         trainer_.call_hooks(
             [&](Module& mod) { mod.on_predict_batch_start(batch, idx); },
             [&](Callback& cb) { cb.on_predict_batch_start(trainer_.self, m, batch, idx); });

@@ -27,6 +27,8 @@ class EvaluationLoop {
  private:
   Trainer::Impl& trainer_;
   int64_t num_batches_ = -1;
+  // A note said that another rank's loader of unknown length ended sooner.
+  bool noted_shorter_peer_ = false;
 };
 
 class PredictionLoop {
@@ -46,6 +48,7 @@ class PredictionLoop {
   Trainer::Impl& trainer_;
   int64_t num_batches_ = -1;
   DataLoader* loader_ = nullptr;
+  bool noted_shorter_peer_ = false;  // as EvaluationLoop's
 };
 
 }  // namespace fulgur::detail

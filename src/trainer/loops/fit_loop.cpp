@@ -91,8 +91,8 @@ void FitLoop::count_training_batches() {
   num_training_batches_ =
       trainer_.limits.train.apply(train_loader_->num_batches(), trainer_.limits.train_flag)
           .value_or(-1);
-  trainer_.require_equal_pass_lengths(num_training_batches_, "training",
-                                      trainer_.limits.train_flag);
+  agree_on_end_ = trainer_.require_equal_pass_lengths(
+      num_training_batches_, !train_loader_->num_batches(), "training", trainer_.limits.train_flag);
   if (trainer_.options.val_check_interval.is_fraction() &&
       trainer_.options.val_check_interval.fraction() < 1.0 && num_training_batches_ < 0) {
     throw ConfigError(str("val_check_interval=", trainer_.options.val_check_interval.text(),
@@ -220,11 +220,33 @@ void FitLoop::train_epoch() {
   // batch ahead of the loop, as it is without a known length (the look-ahead
   // for the last batch); a checkpoint records the loop's position.
   feed_.reset(*trainer_.strategy, trainer_.options.prefetch_to_device, m);
+  // A loader of unknown length on some rank (each rank reads its own part:
+  // use_distributed_sampler=false) can end sooner there than on its peers.
+  // The ranks (all of them, as count_training_batches decided) agree on
+  // each batch's look-ahead, so the epoch ends for all at the shortest
+  // rank's end (the longer ranks' other batches are left out, as a
+  // sampler's drop_last leaves a tail out) instead of a rank waiting alone
+  // in a collective. It costs one small all-reduce per batch.
+  const bool agree_on_end = agree_on_end_;
+  auto ends_on_some_rank = [&](const std::optional<Batch>& ahead) {
+    const bool ends = trainer_.strategy->reduce_boolean_decision(!ahead, /*all=*/false);
+    if (ends && ahead && !noted_shorter_peer_) {
+      noted_shorter_peer_ = true;
+      detail::print_note(str("rank ", trainer_.strategy->global_rank(),
+                             ": the training loader (of unknown length) ended sooner on another "
+                             "rank; this rank's epoch ends there too, and its further batches "
+                             "are left out (noted once)"));
+    }
+    return ends;
+  };
   int64_t idx = start;
   std::optional<Batch> batch;
   {
     LoopProfiler::Scope fetch(profiler_.get(), LoopProfiler::Phase::kFetch);
-    if (limit < 0 || idx < limit) batch = loader.next();
+    if (limit < 0 || idx < limit) {
+      batch = loader.next();
+      if (agree_on_end && ends_on_some_rank(batch)) batch.reset();
+    }
     if (batch) feed_.put(*batch);
   }
   while (batch) {
@@ -235,15 +257,19 @@ void FitLoop::train_epoch() {
     {
       // Timed only where it fetches: ahead of the step, or to learn
       // whether this batch is the last.
-      const bool fetches = limit < 0 || (feed_.enabled() && idx + 1 < limit);
+      const bool fetches = limit < 0 || agree_on_end || (feed_.enabled() && idx + 1 < limit);
       LoopProfiler::Scope fetch(fetches ? profiler_.get() : nullptr,
                                   LoopProfiler::Phase::kFetch);
-      if (limit >= 0) {
+      if (limit >= 0 && !agree_on_end) {
         last = idx + 1 >= limit;
         looked_ahead = feed_.enabled() && !last;
         if (looked_ahead) next_batch = loader.next();
       } else {
-        next_batch = loader.next();  // look ahead: is this the last batch?
+        // Look ahead: is this the last batch? At the cap every rank knows.
+        if (limit < 0 || idx + 1 < limit) {
+          next_batch = loader.next();
+          if (agree_on_end && ends_on_some_rank(next_batch)) next_batch.reset();
+        }
         last = !next_batch.has_value();
       }
       if (next_batch) feed_.put(*next_batch);
@@ -548,7 +574,8 @@ void FitLoop::run_validation(bool sanity) {
     // A rank with no batches here still meets its peers' comparison of
     // their lengths (EvaluationLoop::run) when the forward is collective.
     if (trainer_.drive().forward_is_collective()) {
-      trainer_.require_equal_pass_lengths(0, "validation", trainer_.limits.val_flag);
+      trainer_.require_equal_pass_lengths(0, !val_loader_->num_batches(), "validation",
+                                          trainer_.limits.val_flag);
     }
     return;
   }
@@ -635,6 +662,8 @@ void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoade
   batches_that_stepped_ = 0;
   window_has_gradient_ = false;
   num_training_batches_ = -1;
+  noted_shorter_peer_ = false;
+  agree_on_end_ = false;
   should_stop_ = false;
   stop_reason_.clear();
   in_epoch_end_ = false;

@@ -167,6 +167,11 @@ class FitLoop {
   std::set<size_t> missing_monitor_noted_;  // schedulers whose missing metric was noted
   bool in_epoch_end_ = false;           // checkpoints taken now resume at the next epoch
   int64_t validated_at_position_ = -1;  // batch position of the last in-epoch validation
+  // The ranks agree on each training batch's look-ahead (a loader of
+  // unknown length on some rank: count_training_batches), and a note said
+  // that another rank's loader ended sooner.
+  bool agree_on_end_ = false;
+  bool noted_shorter_peer_ = false;
   DeviceFeed feed_;                     // the training batches, moved to the device ahead
   bool cuda_graph_ = false;             // this fit's steps go through graph_
   CudaGraphStep graph_;
