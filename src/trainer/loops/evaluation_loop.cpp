@@ -78,7 +78,6 @@ void for_each_batch(Strategy& strategy, std::optional<bool> prefetch, Module& mo
     batch = ahead ? std::move(next) : loader.next();
   }
 }
-
 }  // namespace
 
 Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> limit) {
