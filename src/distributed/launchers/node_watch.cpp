@@ -230,14 +230,21 @@ void NodeWatch::judge(Clock::time_point now) {
       return;
     }
   }
+  // On a node other than 0 every heartbeat comes through node 0's store:
+  // while the store is silent, so are the peers, whatever they do. Their
+  // silence counts up to the store's last answer, and the store's own check
+  // above names a store that stopped answering. (Counted up to now, a peer
+  // whose last beat came a round before the store's last answer was named
+  // instead, depending on the beats' phase.)
+  const auto heard_until = me != 0 && !peers_[0].done ? std::min(now, store_answered_) : now;
   for (int node = 0; node < options_.num_nodes; ++node) {
     if (node == me) continue;
     const Peer& p = peers_[static_cast<size_t>(node)];
     if (p.done) continue;
-    if (p.seen_this_attempt && now - p.seen > options_.heartbeat_timeout) {
+    if (p.seen_this_attempt && heard_until - p.seen > options_.heartbeat_timeout) {
       NodeLoss l;
       l.cause = str("node ", node, " is lost: no heartbeat from its launcher for ",
-                    seconds_text(now - p.seen), " s (", limit, ")");
+                    seconds_text(heard_until - p.seen), " s (", limit, ")");
       l.report = str(l.cause, ". Its machine is down, its processes were killed or stopped, or "
                      "the link between node ", node, " and node ", me, " is down.",
                      what_the_node_did(node));

@@ -12,6 +12,7 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/distributed/process_group.h"
+#include "distributed/tcp_store.h"
 
 namespace fulgur::detail {
 namespace {
@@ -79,6 +80,28 @@ TEST(NodeWatch, NodeZeroGoneIsNamedByItsStoreAndANodeThatFinishedIsNotLost) {
   ASSERT_TRUE(loss.has_value());
   EXPECT_NE(loss->cause.find("node 0 is lost: the launchers' store it keeps at 127.0.0.1:" +
                              std::to_string(port2) + " has not answered for"),
+            std::string::npos)
+      << loss->cause;
+}
+
+// Node 0's beats stop while its store still answers (600 ms), then the
+// store goes too: node 1 names the store, whose silence hides the beats,
+// not node 0's missing beats, which only the store's 600 ms of answers
+// showed missing (less than the 1 s timeout). Counted up to the time of
+// judging, node 0's silence passed the timeout first.
+TEST(NodeWatch, APeersSilenceCountsOnlyWhileTheStoreAnswers) {
+  const int port = find_free_port("127.0.0.1");
+  auto store = std::make_unique<TcpStore>("127.0.0.1", port, /*server=*/true, 5s);
+  const std::string beat = "1 0 rank 0 last reported \"train batch\"";
+  store->set("fulgur/launcher/node/0", std::vector<uint8_t>(beat.begin(), beat.end()));
+  NodeWatch one(node(1, port));
+  std::this_thread::sleep_for(600ms);
+  EXPECT_FALSE(one.lost().has_value()) << one.lost()->report;
+  store.reset();  // node 0's store is gone too
+  auto loss = one.wait_for_loss(5s);
+  ASSERT_TRUE(loss.has_value());
+  EXPECT_NE(loss->cause.find("node 0 is lost: the launchers' store it keeps at 127.0.0.1:" +
+                             std::to_string(port) + " has not answered for"),
             std::string::npos)
       << loss->cause;
 }
