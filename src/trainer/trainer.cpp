@@ -372,6 +372,19 @@ bool Trainer::Impl::require_equal_pass_lengths(int64_t batches, bool unknown_len
           fewest > 0 ? str(", or cap the pass with ", cap, "=", fewest) : std::string(), "."));
 }
 
+void Trainer::Impl::end_at_the_shortest_rank(std::optional<Batch>& ahead, const char* which,
+                                             bool& noted) {
+  if (!strategy->reduce_boolean_decision(!ahead, /*all=*/false) || !ahead) return;
+  if (!noted) {
+    noted = true;
+    detail::print_note(str("rank ", strategy->global_rank(), ": the ", which,
+                           " loader (of unknown length) ended sooner on another rank; this rank's "
+                           "pass over it ends there too, and its further batches are left out "
+                           "(noted once)"));
+  }
+  ahead.reset();
+}
+
 namespace {
 
 // detect_anomaly: LibTorch's anomaly mode (one for the whole process) while

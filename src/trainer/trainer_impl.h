@@ -133,6 +133,12 @@ struct Trainer::Impl final : detail::TrainerLink {
   /// agrees on each batch's look-ahead. False on one rank.
   bool require_equal_pass_lengths(int64_t batches, bool unknown_length, const char* which,
                                   const char* limit_flag);
+  /// Where require_equal_pass_lengths said so: every rank's `ahead` (the
+  /// `which` loader's next batch, or none at its end) agreed with one
+  /// all-reduce, and reset on every rank when some rank's loader ended, so
+  /// that the pass ends for all at the shortest rank's end; a rank that
+  /// drops a batch so says it once while `noted` is false.
+  void end_at_the_shortest_rank(std::optional<Batch>& ahead, const char* which, bool& noted);
 
  private:
   /// What every stage does first, in this order: seed, the DataModule's

@@ -4,6 +4,9 @@
 
 #include <torch/torch.h>
 
+#include <functional>
+#include <optional>
+
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/metrics/metric.h"
@@ -34,37 +37,26 @@ class PaddedRows {
 
 // Runs `fn(batch, batch on the device, index)` for the first `limit` batches
 // (all when unset) of one pass over `loader`; with prefetch, each batch is
-// put on the device while the step before it runs. With `agree_on_end`
-// (every rank must run as many batches, and the loader's length is
-// unknown on some rank) the ranks agree on each batch's look-ahead, one
-// small all-reduce a batch, and the pass ends for all at the shortest rank's
-// end, the longer ranks' further batches left out with a note (the `what`
-// loader's, once while `noted` is false).
+// put on the device while the step before it runs. With `agree` (every rank
+// must run as many batches, and the loader's length is unknown on some
+// rank), each batch's look-ahead goes through it
+// (Trainer::Impl::end_at_the_shortest_rank).
 template <class Fn>
 void for_each_batch(Strategy& strategy, std::optional<bool> prefetch, Module& module,
-                    DataLoader& loader, std::optional<int64_t> limit, bool agree_on_end,
-                    const char* what, bool& noted, Fn fn) {
+                    DataLoader& loader, std::optional<int64_t> limit,
+                    const std::function<void(std::optional<Batch>&)>& agree, Fn fn) {
   DeviceFeed feed;
   feed.reset(strategy, prefetch, module);
   loader.start_epoch(0);
   auto fetch = [&] {
     std::optional<Batch> b = loader.next();
-    if (agree_on_end && strategy.reduce_boolean_decision(!b, /*all=*/false) && b) {
-      if (!noted) {
-        noted = true;
-        detail::print_note(str("rank ", strategy.global_rank(), ": the ", what,
-                               " loader (of unknown length) ended sooner on another rank; this "
-                               "rank's pass ends there too, and its further batches are left "
-                               "out (noted once)"));
-      }
-      b.reset();
-    }
+    if (agree) agree(b);
     return b;
   };
   std::optional<Batch> batch;
   if (!limit || *limit > 0) batch = fetch();
   if (batch) feed.put(*batch);
-  const bool ahead = feed.enabled() || agree_on_end;
+  const bool ahead = feed.enabled() || agree;
   for (int64_t idx = 0; batch; ++idx) {
     const bool more = !limit || idx + 1 < *limit;
     std::optional<Batch> next;
@@ -78,6 +70,22 @@ void for_each_batch(Strategy& strategy, std::optional<bool> prefetch, Module& mo
     batch = ahead ? std::move(next) : loader.next();
   }
 }
+
+// When every rank must run as many batches (a collective forward): the
+// lengths compared, and where some rank's is unknown, the look-ahead
+// agreement for_each_batch applies; empty otherwise.
+std::function<void(std::optional<Batch>&)> agreement(Trainer::Impl& trainer,
+                                                     const DataLoader& loader, int64_t batches,
+                                                     const char* which, const char* limit_flag,
+                                                     bool& noted) {
+  if (!trainer.drive().forward_is_collective() ||
+      !trainer.require_equal_pass_lengths(batches, !loader.num_batches(), which, limit_flag)) {
+    return {};
+  }
+  return [&trainer, which, &noted](std::optional<Batch>& ahead) {
+    trainer.end_at_the_shortest_rank(ahead, which, noted);
+  };
+}
 }  // namespace
 
 Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> limit) {
@@ -87,10 +95,9 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   const char* const what = is_test ? "test" : "validation";
   // (The sanity check's 2 batches differ only where a rank has fewer:
   // limit_val_batches caps both passes.)
-  const bool agree_on_end = trainer_.drive().forward_is_collective() &&
-                            trainer_.require_equal_pass_lengths(
-                                num_batches_, !loader.num_batches(), what,
-                                is_test ? "limit_test_batches" : trainer_.limits.val_flag);
+  const auto agree =
+      agreement(trainer_, loader, num_batches_, what,
+                is_test ? "limit_test_batches" : trainer_.limits.val_flag, noted_shorter_peer_);
   torch::NoGradGuard no_grad;
   m.eval();
   trainer_.logging.eval_sink().reset();
@@ -120,8 +127,8 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   module_hook(&Module::on_test_epoch_start, &Module::on_validation_epoch_start);
   callbacks(&Callback::on_test_epoch_start, &Callback::on_validation_epoch_start);
   for_each_batch(
-      *trainer_.strategy, trainer_.options.prefetch_to_device, m, loader, limit, agree_on_end, what,
-      noted_shorter_peer_, [&](const Batch& batch, Batch& on_device, int64_t idx) {
+      *trainer_.strategy, trainer_.options.prefetch_to_device, m, loader, limit, agree,
+      [&](const Batch& batch, Batch& on_device, int64_t idx) {
         batch_hooks(&Module::on_test_batch_start, &Module::on_validation_batch_start,
                     &Callback::on_test_batch_start, &Callback::on_validation_batch_start, batch,
                     idx);
@@ -157,9 +164,8 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
   torch::NoGradGuard no_grad;
   m.eval();
   num_batches_ = pass_length(loader, limit);
-  const bool agree_on_end = trainer_.drive().forward_is_collective() &&
-                            trainer_.require_equal_pass_lengths(num_batches_, !loader.num_batches(),
-                                                                "predict", "limit_predict_batches");
+  const auto agree = agreement(trainer_, loader, num_batches_, "predict", "limit_predict_batches",
+                               noted_shorter_peer_);
   loader_ = &loader;
   struct Forget {
     DataLoader*& loader;
@@ -173,8 +179,8 @@ std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t
   if (auto n = loader.num_batches())
     out.reserve(static_cast<size_t>(limit ? std::min(*n, *limit) : *n));
   for_each_batch(
-      *trainer_.strategy, trainer_.options.prefetch_to_device, m, loader, limit, agree_on_end,
-      "predict", noted_shorter_peer_, [&](const Batch& batch, Batch& on_device, int64_t idx) {
+      *trainer_.strategy, trainer_.options.prefetch_to_device, m, loader, limit, agree,
+      [&](const Batch& batch, Batch& on_device, int64_t idx) {
         trainer_.call_hooks(
             [&](Module& mod) { mod.on_predict_batch_start(batch, idx); },
             [&](Callback& cb) { cb.on_predict_batch_start(trainer_.self, m, batch, idx); });

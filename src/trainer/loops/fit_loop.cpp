@@ -227,17 +227,8 @@ void FitLoop::train_epoch() {
   // rank's end (the longer ranks' other batches are left out, as a
   // sampler's drop_last leaves a tail out) instead of a rank waiting alone
   // in a collective. It costs one small all-reduce per batch.
-  const bool agree_on_end = agree_on_end_;
-  auto ends_on_some_rank = [&](const std::optional<Batch>& ahead) {
-    const bool ends = trainer_.strategy->reduce_boolean_decision(!ahead, /*all=*/false);
-    if (ends && ahead && !noted_shorter_peer_) {
-      noted_shorter_peer_ = true;
-      detail::print_note(str("rank ", trainer_.strategy->global_rank(),
-                             ": the training loader (of unknown length) ended sooner on another "
-                             "rank; this rank's epoch ends there too, and its further batches "
-                             "are left out (noted once)"));
-    }
-    return ends;
+  auto agree = [&](std::optional<Batch>& ahead) {
+    if (agree_on_end_) trainer_.end_at_the_shortest_rank(ahead, "training", noted_shorter_peer_);
   };
   int64_t idx = start;
   std::optional<Batch> batch;
@@ -245,7 +236,7 @@ void FitLoop::train_epoch() {
     LoopProfiler::Scope fetch(profiler_.get(), LoopProfiler::Phase::kFetch);
     if (limit < 0 || idx < limit) {
       batch = loader.next();
-      if (agree_on_end && ends_on_some_rank(batch)) batch.reset();
+      agree(batch);
     }
     if (batch) feed_.put(*batch);
   }
@@ -257,10 +248,10 @@ void FitLoop::train_epoch() {
     {
       // Timed only where it fetches: ahead of the step, or to learn
       // whether this batch is the last.
-      const bool fetches = limit < 0 || agree_on_end || (feed_.enabled() && idx + 1 < limit);
+      const bool fetches = limit < 0 || agree_on_end_ || (feed_.enabled() && idx + 1 < limit);
       LoopProfiler::Scope fetch(fetches ? profiler_.get() : nullptr,
                                   LoopProfiler::Phase::kFetch);
-      if (limit >= 0 && !agree_on_end) {
+      if (limit >= 0 && !agree_on_end_) {
         last = idx + 1 >= limit;
         looked_ahead = feed_.enabled() && !last;
         if (looked_ahead) next_batch = loader.next();
@@ -268,7 +259,7 @@ void FitLoop::train_epoch() {
         // Look ahead: is this the last batch? At the cap every rank knows.
         if (limit < 0 || idx + 1 < limit) {
           next_batch = loader.next();
-          if (agree_on_end && ends_on_some_rank(next_batch)) next_batch.reset();
+          agree(next_batch);
         }
         last = !next_batch.has_value();
       }
