@@ -22,6 +22,7 @@
 
 #include "fulgur/core/errors.h"
 #include "distributed/launchers/heartbeat.h"
+#include "distributed/peer_watch.h"
 #include "distributed/tcp_store.h"
 
 namespace fulgur {
@@ -88,6 +89,8 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<C10dGroup> group;
+  // Its own connection to the store: the watch's requests are bounded.
+  std::shared_ptr<detail::PeerWatch> watch;
 };
 
 const std::vector<std::string>& known_process_group_backends() {
@@ -148,11 +151,63 @@ c10::intrusive_ptr<C10dGroup> make_gloo(const ProcessGroupOptions& o, const Reso
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, o.rank, o.world_size, options);
 }
 
+// The watch of ranks no launcher of fulgur's supervises (peer_watch.h),
+// over a connection of its own whose requests end within seconds: the
+// group's has the group's timeout. Null where that connection fails (the
+// collectives work without it).
+std::shared_ptr<detail::PeerWatch> watch_peers(const ProcessGroupOptions& o) {
+  constexpr std::chrono::milliseconds kStoreTimeout = std::chrono::seconds(3);
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    if (o.hosted_store_prefix.empty()) {
+      store = c10::make_intrusive<detail::TcpStore>(o.main_address, o.main_port,
+                                                    /*server=*/false, kStoreTimeout);
+    } else {
+      store = c10::make_intrusive<c10d::PrefixStore>(
+          o.hosted_store_prefix,
+          compat::connect_tcp_store(o.main_address, o.main_port, kStoreTimeout));
+    }
+  } catch (const std::exception& e) {
+    detail::print_note(
+        str("rank ", o.rank, " of ", o.world_size,
+            ": the ranks will not watch each other (a peer's failure or a desync is "
+            "then named only by the process group's timeout): a second connection to the "
+            "store at ",
+            o.main_address, ":", o.main_port, " failed: ", e.what()));
+    return nullptr;
+  }
+  detail::PeerWatchOptions watch;
+  watch.rank = o.rank;
+  watch.world = o.world_size;
+  watch.stop_grace = o.stop_grace;
+  watch.desync_after = std::min<std::chrono::milliseconds>(o.timeout / 2, std::chrono::minutes(1));
+  return std::make_shared<detail::PeerWatch>(std::move(store), watch);
+}
+
+// The error of a collective that failed because a peer left or stopped
+// answering.
+std::string peer_lost_message(const std::string& message, const detail::CollectiveCall& call,
+                              detail::PeerWatch* watch) {
+  // The launcher learns from the record that this rank is a victim; so do
+  // the peers, where they watch each other.
+  detail::report_failure(/*peer_lost=*/true, &call, message);
+  if (watch == nullptr) return str(message, "\n", detail::kPeerFailedHint);
+  watch->publish_failure(/*peer_lost=*/true, &call, message);
+  const std::string cause = watch->known_failure();
+  return str(message, "\n", cause.empty() ? detail::kUnsupervisedPeerFailedHint : cause + ".");
+}
+
 }  // namespace
 
 PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what,
-                                     const char* kind, int64_t seq, int64_t bytes)
-    : work_(std::move(work)), what_(std::move(what)), kind_(kind), seq_(seq), bytes_(bytes) {}
+                                     const char* kind, int64_t seq, int64_t bytes,
+                                     std::shared_ptr<detail::PeerWatch> watch)
+    : work_(std::move(work)),
+      what_(std::move(what)),
+      kind_(kind),
+      seq_(seq),
+      bytes_(bytes),
+      watch_(std::move(watch)) {}
 PendingCollective::~PendingCollective() = default;
 PendingCollective::PendingCollective(PendingCollective&&) noexcept = default;
 PendingCollective& PendingCollective::operator=(PendingCollective&&) noexcept = default;
@@ -163,16 +218,17 @@ void PendingCollective::wait() {
   // Reaching a collective is progress: a rank that never gets here while
   // its peers wait falls behind, and the launcher can name it.
   detail::send_heartbeat("collective");
-  detail::InCollective waiting({kind_, seq_, bytes_});
+  const detail::CollectiveCall call{kind_, seq_, bytes_};
+  detail::InCollective waiting(call);
+  if (watch_) watch_->enter(call);
   try {
     work->wait();
   } catch (const std::exception& e) {
-    std::string message = str(what_, " failed: ", e.what());
-    // The launcher learns from the record that this rank is a victim.
-    const detail::CollectiveCall call{kind_, seq_, bytes_};
-    detail::report_failure(/*peer_lost=*/true, &call, message);
-    throw DistributedError(str(message, "\n", detail::kPeerFailedHint));
+    if (watch_) watch_->leave();
+    throw DistributedError(
+        peer_lost_message(str(what_, " failed: ", e.what()), call, watch_.get()));
   }
+  if (watch_) watch_->leave();
 }
 
 ProcessGroup::ProcessGroup(ProcessGroupOptions options, std::unique_ptr<Impl> impl)
@@ -261,6 +317,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
                                " process group through ", o.main_address, ":", o.main_port,
                                " failed: ", e.what()));
   }
+  if (o.watch_peers && o.world_size > 1 && !detail::has_supervisor()) {
+    impl->watch = watch_peers(o);
+  }
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(o, std::move(impl)));
 }
 
@@ -282,8 +341,12 @@ void ProcessGroup::run(const char* what, int64_t bytes,
         str(what, " on rank ", rank(), " of ", size(), " failed to start: ", e.what()));
   }
   PendingCollective(std::move(work), str(what, " #", seq, " on rank ", rank(), " of ", size()),
-                    what, seq, bytes)
+                    what, seq, bytes, impl_->watch)
       .wait();
+}
+
+void ProcessGroup::announce_failure(const std::string& what) {
+  if (impl_->watch) impl_->watch->publish_failure(/*peer_lost=*/false, nullptr, what);
 }
 
 void ProcessGroup::barrier() {
@@ -339,7 +402,7 @@ PendingCollective ProcessGroup::all_reduce_sum_async_(at::Tensor& tensor) {
                          "-element gradient bucket on rank ", rank(), " of ", size());
   try {
     return PendingCollective(impl_->group->allreduce(tensors), std::move(what), "all_reduce", seq,
-                             static_cast<int64_t>(tensor.nbytes()));
+                             static_cast<int64_t>(tensor.nbytes()), impl_->watch);
   } catch (const std::exception& e) {
     throw DistributedError(str(what, " failed to start: ", e.what()));
   }
@@ -484,8 +547,7 @@ void ProcessGroup::post_ring_step(PendingExchange::State& ring) {
                               ", sending to rank ", next, " and receiving from rank ", previous,
                               ", failed to start: ", e.what());
     const detail::CollectiveCall call{ring.what, ring.seq, ring.bytes};
-    detail::report_failure(/*peer_lost=*/true, &call, message);
-    throw DistributedError(str(message, "\n", detail::kPeerFailedHint));
+    throw DistributedError(peer_lost_message(message, call, impl_->watch.get()));
   }
   ++ring.next_step;
 }
@@ -498,10 +560,10 @@ void ProcessGroup::finish_ring(PendingExchange::State& ring) {
                                  size() - 1, ") on rank ", rank(), " of ", size());
     PendingCollective(std::move(ring.in_work),
                       name + ", receiving from rank " + std::to_string(previous), ring.what,
-                      ring.seq, ring.bytes)
+                      ring.seq, ring.bytes, impl_->watch)
         .wait();
     PendingCollective(std::move(ring.out_work), name + ", sending to rank " + std::to_string(next),
-                      ring.what, ring.seq, ring.bytes)
+                      ring.what, ring.seq, ring.bytes, impl_->watch)
         .wait();
     if (ring.received) ring.received(k);
     if (ring.next_step + 1 >= size()) return;

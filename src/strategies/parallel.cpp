@@ -122,6 +122,10 @@ void ParallelStrategy::do_setup_environment() {
   options.timeout = parallel_.process_group_timeout;
   options.backend = process_group_backend();
   options.device = root_device();
+  // Ranks no launcher of fulgur's supervises watch each other (a no-op
+  // under one).
+  options.watch_peers = true;
+  options.stop_grace = parallel_.stop_grace;
   if (options.main_port == 0 && options.backend != "mpi") {  // MPI connects without a store
     if (options.world_size > 1) {
       throw DistributedError(str("strategy \"", name(), "\": rank ", options.rank, " of ",

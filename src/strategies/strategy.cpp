@@ -17,6 +17,7 @@
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/strategies/checkpoint_layout.h"
 #include "distributed/launchers/heartbeat.h"
+#include "strategies/strategy_driver.h"
 
 namespace fulgur {
 
@@ -360,5 +361,13 @@ std::string Strategy::describe() const {
              "world_size: ", world_size(), "\n", "global_rank: ", global_rank(), "\n",
              "root_device: ", root_device().str(), "\n");
 }
+
+namespace detail {
+
+void StrategyDriver::announce_failure(const std::string& what) {
+  if (s_.has_group()) s_.process_group().announce_failure(what);
+}
+
+}  // namespace detail
 
 }  // namespace fulgur

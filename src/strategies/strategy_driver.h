@@ -57,6 +57,8 @@ class StrategyDriver {
     s_.with_full_parameters(module, body);
   }
   void heartbeat(const char* what) { s_.heartbeat(what); }
+  /// ProcessGroup::announce_failure, where the group exists.
+  void announce_failure(const std::string& what);
 
   // A copy of the weights kept as the optimizers step them (weight averages).
   std::vector<at::Tensor> local_parameters(Module& module) { return s_.local_parameters(module); }

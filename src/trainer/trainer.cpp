@@ -495,6 +495,8 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
         // A launched rank tells its launcher how it failed (unless a
         // collective already said that a peer was lost).
         detail::report_failure(/*peer_lost=*/false, nullptr, error_message(e));
+        // ...and its peers, where no launcher of fulgur's does.
+        drive().announce_failure(error_message(e));
         throw;
       }
     };

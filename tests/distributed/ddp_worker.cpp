@@ -104,6 +104,11 @@ struct Args {
   bool fail_all = false;             // every rank fails at --fault-step
   std::string fail_in = "step";      // or "validation": at global step --fault-step
   double on_exception_timeout = -1;  // >= 0: an OnExceptionCheckpoint with this peer_timeout (s)
+  // A failed rank's on_exception takes this long (its connections open).
+  double linger_after_failure = 0;
+  double stop_grace_s = -1;  // < 0: the strategy's default
+  // A rank that calls a barrier its peers do not, at batch fault_step.
+  int extra_barrier_rank = -1;
   // A rank that sleeps slow_seconds in on_train_batch_end of the batch
   // before fault_step (it falls behind without hanging).
   int slow_rank = -1;
@@ -369,6 +374,10 @@ struct Classifier : fulgur::Module {
                 << std::endl;
       ::kill(::getppid(), args.launcher_signal);
     }
+    if (rank == args.extra_barrier_rank && batch_idx == args.fault_step) {
+      std::cout << "rank " << rank << " calls a barrier its peers do not" << std::endl;
+      trainer().strategy().barrier("extra");
+    }
     if ((rank == args.fail_rank || args.fail_all) && batch_idx == args.fault_step &&
         args.fail_in == "step") {
       throw std::runtime_error("rank " + std::to_string(rank) + " fails on its own now" +
@@ -562,6 +571,17 @@ struct Classifier : fulgur::Module {
   }
 };
 
+// --linger-after-failure: a failed rank whose failure path takes this long
+// (its process group, and so its connections, still open).
+struct LingerOnException : fulgur::Callback {
+  explicit LingerOnException(double seconds) : seconds(seconds) {}
+  double seconds;
+  std::string state_key() const override { return "LingerOnException"; }
+  void on_exception(fulgur::Trainer&, fulgur::Module&, const std::exception&) override {
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  }
+};
+
 // The most elements of a weight average (EMA's, SWA's) this rank held
 // during training, printed at its end: under fsdp each rank averages its
 // shards.
@@ -727,6 +747,9 @@ int main(int argc, char** argv) {
   app.add_flag("--fail-all", a.fail_all);
   app.add_option("--fail-in", a.fail_in)->check(CLI::IsMember({"step", "validation"}));
   app.add_option("--on-exception-checkpoint", a.on_exception_timeout);
+  app.add_option("--linger-after-failure", a.linger_after_failure);
+  app.add_option("--stop-grace", a.stop_grace_s);
+  app.add_option("--extra-barrier-rank", a.extra_barrier_rank);
   app.add_option("--slow-rank", a.slow_rank);
   app.add_flag("--checkpoint-activations", a.checkpoint_activations);
   app.add_option("--ema", a.ema);
@@ -786,6 +809,10 @@ int main(int argc, char** argv) {
       fulgur::DDPOptions ddp_options = ddp->options();
       ddp_options.parallel.process_group_timeout =
           std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+      if (a.stop_grace_s >= 0) {
+        ddp_options.parallel.stop_grace =
+            std::chrono::milliseconds(static_cast<int64_t>(a.stop_grace_s * 1000));
+      }
       ddp_options.bucket_cap_mb = a.bucket_mb;
       ddp_options.broadcast_buffers = a.broadcast_buffers;
       if (!a.process_group_backend.empty()) {
@@ -830,6 +857,9 @@ int main(int argc, char** argv) {
           std::make_shared<fulgur::OnExceptionCheckpoint>(fulgur::OnExceptionCheckpointOptions{
               .peer_timeout =
                   std::chrono::milliseconds(static_cast<int64_t>(a.on_exception_timeout * 1000))}));
+    }
+    if (a.linger_after_failure > 0) {
+      options.callbacks.push_back(std::make_shared<LingerOnException>(a.linger_after_failure));
     }
     if (a.early_stop_rank >= 0) {
       options.callbacks.push_back(std::make_shared<fulgur::EarlyStopping>(

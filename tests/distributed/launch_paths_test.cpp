@@ -220,10 +220,10 @@ TEST_F(LaunchPaths, MpirunWithTheMpiBackendMatchesGloo) {
   expect_same_weights(out);
 }
 
-// srun starts one process per task with these variables; we start them the
-// same way.
-TEST_F(LaunchPaths, SlurmEnvironmentAsSrunSetsIt) {
-  std::string out = dir.path() + "/slurm.pt";
+// Two ranks started as srun starts its tasks (one process each, with these
+// variables, no launcher of fulgur's), rank r with its own extra arguments.
+std::vector<ProcessResult> as_srun_tasks(const std::vector<std::vector<std::string>>& args,
+                                         const std::string& out, const std::string& root) {
   const std::string port = std::to_string(fulgur::find_free_port());
   std::vector<std::future<ProcessResult>> ranks;
   for (int rank = 0; rank < 2; ++rank) {
@@ -237,18 +237,80 @@ TEST_F(LaunchPaths, SlurmEnvironmentAsSrunSetsIt) {
                                               {"SLURM_NTASKS_PER_NODE", "2"},
                                               {"MASTER_PORT", port},
                                               {"OMP_NUM_THREADS", "1"}};
-    ranks.push_back(std::async(std::launch::async, [&, env] {
-      return run_process(
-          worker({"--strategy", "ddp", "--devices", "2", "--batch", "8"}, out, dir.path()), env,
-          120s);
+    std::vector<std::string> extra = {"--strategy", "ddp", "--devices", "2", "--batch", "8"};
+    extra.insert(extra.end(), args[static_cast<size_t>(rank)].begin(),
+                 args[static_cast<size_t>(rank)].end());
+    ranks.push_back(std::async(std::launch::async, [&, env, extra] {
+      return run_process(worker(extra, out, root), env, 120s);
     }));
   }
-  auto r0 = ranks[0].get();
-  auto r1 = ranks[1].get();
-  expect_clean(r0);
-  expect_clean(r1);
-  EXPECT_EQ(result_value(r0.output, "cluster_environment"), "slurm") << r0.output;
+  std::vector<ProcessResult> results;
+  for (auto& r : ranks) results.push_back(r.get());
+  return results;
+}
+
+TEST_F(LaunchPaths, SlurmEnvironmentAsSrunSetsIt) {
+  std::string out = dir.path() + "/slurm.pt";
+  auto r = as_srun_tasks({{}, {}}, out, dir.path());
+  expect_clean(r[0]);
+  expect_clean(r[1]);
+  EXPECT_EQ(result_value(r[0].output, "cluster_environment"), "slurm") << r[0].output;
   expect_same_weights(out);
+}
+
+// Without a launcher of fulgur's the ranks watch each other through the
+// store (peer_watch.h): what its supervisor names is named by the ranks.
+TEST_F(LaunchPaths, UnsupervisedRanksNameAPeersFailureWhereverTheyWaitForIt) {
+  const std::string out = dir.path() + "/unsupervised.pt";
+  const std::vector<std::string> fails = {"--fail-rank", "1",         "--fault-step",
+                                          "2",           "--timeout", "60"};
+  // Rank 1 fails and exits: rank 0's collective loses it and names its error.
+  {
+    auto r = as_srun_tasks({fails, fails}, out, dir.path());
+    EXPECT_EQ(r[1].exit_code, 1) << r[1].output;
+    EXPECT_EQ(r[0].exit_code, 1) << r[0].output;
+    EXPECT_NE(r[0].output.find("rank 1 failed first: rank 1 fails on its own now"),
+              std::string::npos)
+        << r[0].output;
+  }
+  // Rank 1 fails and stays 8 s (its connections open, as a rank whose
+  // failure path hangs): rank 0, waiting for it in the gradients'
+  // all-reduce, ends after the stop grace (1 s) naming it, where it waited
+  // until rank 1 left.
+  {
+    std::vector<std::string> lingers = fails;
+    lingers.insert(lingers.end(), {"--linger-after-failure", "8"});
+    std::vector<std::string> waits = fails;
+    waits.insert(waits.end(), {"--stop-grace", "1"});
+    auto r = as_srun_tasks({waits, lingers}, out, dir.path());
+    EXPECT_EQ(r[1].exit_code, 1) << r[1].output;
+    EXPECT_EQ(r[0].exit_code, 1) << r[0].output;
+    EXPECT_FALSE(r[0].timed_out) << r[0].output;
+    EXPECT_NE(r[0].output.find("fulgur: rank 0 of 2 ends: rank 1 failed (rank 1 fails on its "
+                               "own now), and this rank has waited for it in all_reduce #"),
+              std::string::npos)
+        << r[0].output;
+    EXPECT_EQ(r[0].output.find("Connection closed"), std::string::npos) << r[0].output;
+  }
+}
+
+TEST_F(LaunchPaths, UnsupervisedRanksInDifferentCollectivesEndNamingTheDesync) {
+  // Rank 1 calls a barrier rank 0 does not: each waits in another
+  // collective. With a 20 s timeout both end after 10 s, naming both.
+  const std::vector<std::string> args = {
+      "--extra-barrier-rank", "1", "--fault-step", "2", "--timeout", "20"};
+  auto r = as_srun_tasks({args, args}, dir.path() + "/desync.pt", dir.path());
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto& output = r[static_cast<size_t>(rank)].output;
+    EXPECT_EQ(r[static_cast<size_t>(rank)].exit_code, 1) << output;
+    EXPECT_NE(
+        output.find(fulgur::str("fulgur: rank ", rank, " of 2 ends: the ranks have waited 10")),
+        std::string::npos)
+        << output;
+    EXPECT_NE(output.find("rank 1: in barrier #"), std::string::npos) << output;
+    EXPECT_NE(output.find("a desync"), std::string::npos) << output;
+    EXPECT_EQ(output.find("Timed out"), std::string::npos) << output;
+  }
 }
 
 TEST_F(LaunchPaths, TwoNodesOnOneMachine) {

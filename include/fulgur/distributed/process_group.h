@@ -38,6 +38,10 @@ class Work;
 
 namespace fulgur {
 
+namespace detail {
+class PeerWatch;
+}  // namespace detail
+
 /// The c10d object the collectives run on (see compat::C10dGroup).
 using C10dGroup = compat::C10dGroup;
 
@@ -61,6 +65,17 @@ struct ProcessGroupOptions {
   /// This rank's device. nccl needs a CUDA device: CPU tensors passed to a
   /// collective (a decision, a path's bytes) go through it and back.
   c10::Device device = c10::Device(c10::kCPU);
+  /// Where no launcher of fulgur's supervises the ranks (srun, mpirun over
+  /// Gloo, torchrun, a program started on each machine), they watch each
+  /// other through the store (parallel strategies turn it on): a rank that
+  /// fails says so there, a peer whose collective lost it names it, a peer
+  /// left waiting for it in a collective ends after `stop_grace` naming it,
+  /// and ranks that wait in different collectives (a desync) all end after
+  /// half the timeout (at most a minute), naming where each waits. Nothing
+  /// reaches the store while no collective waits a second. Off for ranks
+  /// in one process (threads) and without a store (mpi).
+  bool watch_peers = false;
+  std::chrono::milliseconds stop_grace = std::chrono::seconds(5);
 };
 
 /// Every backend name fulgur knows: "gloo", "nccl", "mpi".
@@ -81,8 +96,11 @@ class PendingCollective {
   /// `what` names it in errors; `kind` ("all_reduce"), `seq` (the group's
   /// call number) and `bytes` are what a supervising launcher is told this
   /// rank waits in while wait() blocks.
+  /// `watch`: the group's watch over its peers (ProcessGroupOptions::
+  /// watch_peers), told of the wait and of its failure.
   PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what,
-                    const char* kind = "collective", int64_t seq = 0, int64_t bytes = 0);
+                    const char* kind = "collective", int64_t seq = 0, int64_t bytes = 0,
+                    std::shared_ptr<detail::PeerWatch> watch = nullptr);
   ~PendingCollective();
   PendingCollective(PendingCollective&&) noexcept;
   PendingCollective& operator=(PendingCollective&&) noexcept;
@@ -95,6 +113,7 @@ class PendingCollective {
   const char* kind_;
   int64_t seq_;
   int64_t bytes_;
+  std::shared_ptr<detail::PeerWatch> watch_;
 };
 
 class ProcessGroup;
@@ -175,6 +194,12 @@ class ProcessGroup {
   /// collective elsewhere only makes it false, never blocks it). False
   /// without a store (mpi). Each key is used once per group.
   bool ranks_arrive(const std::string& key, std::chrono::milliseconds timeout);
+
+  /// Tells the peers that this rank failed (`what`: its error), where they
+  /// watch each other (ProcessGroupOptions::watch_peers); a no-op otherwise,
+  /// and after this rank's first failure. The Trainer calls it for an error
+  /// that ends a stage.
+  void announce_failure(const std::string& what);
 
   /// The underlying c10d group (include the c10d headers to use it).
   const c10::intrusive_ptr<C10dGroup>& c10d_group() const;

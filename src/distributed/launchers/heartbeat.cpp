@@ -130,6 +130,8 @@ char proc_stat_state(const char* stat_path) {
   return close != nullptr && close[1] == ' ' && close[2] != '\0' ? close[2] : '?';
 }
 
+bool has_supervisor() { return heartbeat_fd() >= 0; }
+
 void send_heartbeat(const char* what) {
   int fd = heartbeat_fd();
   if (fd < 0) return;

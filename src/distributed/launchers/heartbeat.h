@@ -33,6 +33,9 @@ void write_all(int fd, const char* data, size_t n);
 /// 'D' uninterruptible I/O, 'T' stopped, ...); '?' when unreadable.
 char proc_stat_state(const char* stat_path);
 
+/// Whether one of fulgur's launchers started this process (and watches it).
+bool has_supervisor();
+
 /// A progress line ("train batch", "collective"). Cheap: one write.
 void send_heartbeat(const char* what);
 
@@ -72,6 +75,18 @@ std::string seconds_text(std::chrono::steady_clock::duration d);
 inline constexpr const char* kPeerFailedHint =
     "A peer rank probably died or stopped responding (see the launcher's message about it), or "
     "the process_group_timeout passed.";
+
+/// Ends the message of a collective that failed because a peer left, where
+/// no launcher of fulgur's supervises the ranks (srun, mpirun, by hand).
+inline constexpr const char* kUnsupervisedPeerFailedHint =
+    "A peer rank probably died (a signal, the OOM killer: no rank said in the store that it "
+    "failed) or stopped responding, or the process_group_timeout passed.";
+
+/// What a desync (ranks waiting in different collectives) means, for the
+/// messages that name one.
+inline constexpr const char* kDesyncHint =
+    "The program calls collectives in a different order or number on different ranks (a metric "
+    "logged with sync_dist on some ranks only, a branch on the rank around a collective?).";
 
 /// How a rank failed, as it tells its supervisor (a third kind of line,
 /// "failure ...", sent once, when the failure is seen): the supervisor names

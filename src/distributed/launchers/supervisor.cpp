@@ -453,10 +453,7 @@ std::string Supervisor::ranks_state() const {
       if (a->pulse.seq != b->pulse.seq || a->pulse.kind != b->pulse.kind) {
         return out + str("\nThe ranks wait in different collectives (rank ", a->global_rank, " in ",
                          a->pulse.kind, " #", a->pulse.seq, ", rank ", b->global_rank, " in ",
-                         b->pulse.kind, " #", b->pulse.seq,
-                         "): a desync. The program calls collectives in a different order or "
-                         "number on different ranks (a metric logged with sync_dist on some "
-                         "ranks only, a branch on the rank around a collective?).");
+                         b->pulse.kind, " #", b->pulse.seq, "): a desync. ", kDesyncHint);
       }
     }
   }
