@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -156,24 +157,25 @@ c10::intrusive_ptr<C10dGroup> make_gloo(const ProcessGroupOptions& o, const Reso
 // group's has the group's timeout. Null where that connection fails (the
 // collectives work without it).
 std::shared_ptr<detail::PeerWatch> watch_peers(const ProcessGroupOptions& o) {
-  constexpr std::chrono::milliseconds kStoreTimeout = std::chrono::seconds(3);
+  detail::PeerWatch::Connect connect = [o]() -> c10::intrusive_ptr<c10d::Store> {
+    constexpr std::chrono::milliseconds kStoreTimeout = std::chrono::seconds(3);
+    if (o.hosted_store_prefix.empty()) {
+      return c10::make_intrusive<detail::TcpStore>(o.main_address, o.main_port,
+                                                   /*server=*/false, kStoreTimeout);
+    }
+    return c10::make_intrusive<c10d::PrefixStore>(
+        o.hosted_store_prefix,
+        compat::connect_tcp_store(o.main_address, o.main_port, kStoreTimeout));
+  };
   c10::intrusive_ptr<c10d::Store> store;
   try {
-    if (o.hosted_store_prefix.empty()) {
-      store = c10::make_intrusive<detail::TcpStore>(o.main_address, o.main_port,
-                                                    /*server=*/false, kStoreTimeout);
-    } else {
-      store = c10::make_intrusive<c10d::PrefixStore>(
-          o.hosted_store_prefix,
-          compat::connect_tcp_store(o.main_address, o.main_port, kStoreTimeout));
-    }
+    store = connect();
   } catch (const std::exception& e) {
-    detail::print_note(
-        str("rank ", o.rank, " of ", o.world_size,
-            ": the ranks will not watch each other (a peer's failure or a desync is "
-            "then named only by the process group's timeout): a second connection to the "
-            "store at ",
-            o.main_address, ":", o.main_port, " failed: ", e.what()));
+    detail::print_note(str("rank ", o.rank, " of ", o.world_size,
+                           ": the ranks will not watch each other (a peer's failure or a desync "
+                           "is then named only by the process group's timeout): a second "
+                           "connection to the store at ",
+                           o.main_address, ":", o.main_port, " failed: ", e.what()));
     return nullptr;
   }
   detail::PeerWatchOptions watch;
@@ -181,7 +183,11 @@ std::shared_ptr<detail::PeerWatch> watch_peers(const ProcessGroupOptions& o) {
   watch.world = o.world_size;
   watch.stop_grace = o.stop_grace;
   watch.desync_after = std::min<std::chrono::milliseconds>(o.timeout / 2, std::chrono::minutes(1));
-  return std::make_shared<detail::PeerWatch>(std::move(store), watch);
+  watch.store_holder = o.hosted_store_prefix.empty() ? "rank 0" : "torchrun's agent";
+  watch.holds_store = o.rank == 0 && o.hosted_store_prefix.empty();
+  static std::atomic<int64_t> groups{0};
+  watch.group = groups.fetch_add(1);
+  return std::make_shared<detail::PeerWatch>(std::move(store), std::move(connect), watch);
 }
 
 // The error of a collective that failed because a peer left or stopped
@@ -347,6 +353,10 @@ void ProcessGroup::run(const char* what, int64_t bytes,
 
 void ProcessGroup::announce_failure(const std::string& what) {
   if (impl_->watch) impl_->watch->publish_failure(/*peer_lost=*/false, nullptr, what);
+}
+
+void ProcessGroup::begin_stage() {
+  if (impl_->watch) impl_->watch->new_stage();
 }
 
 void ProcessGroup::barrier() {

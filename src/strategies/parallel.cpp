@@ -112,7 +112,11 @@ void ParallelStrategy::do_setup_environment() {
   detail::start_pulse();
   // One group for the life of the process: fit, then test, reuse it (a
   // second rendezvous on the same port could meet the first one's keys).
-  if (has_group()) return;
+  if (has_group()) {
+    // Whatever failure this rank told its peers of is behind it.
+    process_group().begin_stage();
+    return;
+  }
   ProcessGroupOptions options;
   options.main_address = cluster_environment().main_address();
   options.main_port = main_port();

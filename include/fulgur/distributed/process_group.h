@@ -72,8 +72,9 @@ struct ProcessGroupOptions {
   /// left waiting for it in a collective ends after `stop_grace` naming it,
   /// and ranks that wait in different collectives (a desync) all end after
   /// half the timeout (at most a minute), naming where each waits. Nothing
-  /// reaches the store while no collective waits a second. Off for ranks
-  /// in one process (threads) and without a store (mpi).
+  /// reaches the store while no collective waits a second. A wait is seen
+  /// where the host blocks in a collective (Gloo; NCCL's calls return at
+  /// once). Off for ranks in one process (threads) and without a store (mpi).
   bool watch_peers = false;
   std::chrono::milliseconds stop_grace = std::chrono::seconds(5);
 };
@@ -200,6 +201,10 @@ class ProcessGroup {
   /// and after this rank's first failure. The Trainer calls it for an error
   /// that ends a stage.
   void announce_failure(const std::string& what);
+  /// Another stage (fit, validate, test, predict) starts on this rank, which
+  /// has recovered from any failure it announced: its peers stop counting
+  /// it. Parallel strategies call it for each stage after the first.
+  void begin_stage();
 
   /// The underlying c10d group (include the c10d headers to use it).
   const c10::intrusive_ptr<C10dGroup>& c10d_group() const;
