@@ -219,7 +219,8 @@ class Module : public torch::nn::Module {
                                  std::optional<double> metric);
   /// After each optimizer step (after on_before_zero_grad): the default
   /// calls optimizer.zero_grad(). `batch_idx`: the epoch's batch that
-  /// stepped.
+  /// stepped. (A fit's start clears what gradients a module had before it
+  /// with zero_grad() itself: no step is behind that, so not this hook.)
   virtual void optimizer_zero_grad(int64_t epoch, int64_t batch_idx,
                                    torch::optim::Optimizer& optimizer);
   /// Adds user state to a checkpoint being written: `checkpoint` is the
