@@ -15,8 +15,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <random>
 #include <mutex>
 #include <thread>
 #include <tuple>
@@ -152,6 +155,53 @@ c10::intrusive_ptr<C10dGroup> make_gloo(const ProcessGroupOptions& o, const Reso
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, o.rank, o.world_size, options);
 }
 
+// Says now and then that the rendezvous still waits (after
+// rendezvous_note_after, then twice as long each time), so that a rank that
+// never comes (one that failed before it joined, one not started) does not
+// leave the others silent for the whole timeout. Where no launcher of
+// fulgur's supervises the ranks: a launcher names a rank that ended.
+class RendezvousNote {
+ public:
+  explicit RendezvousNote(const ProcessGroupOptions& o) {
+    if (o.world_size < 2 || o.rendezvous_note_after.count() <= 0 || detail::has_supervisor()) {
+      return;
+    }
+    thread_ = std::thread([this, o] { run(o); });
+  }
+  ~RendezvousNote() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    done_changed_.notify_all();
+    thread_.join();
+  }
+  RendezvousNote(const RendezvousNote&) = delete;
+  RendezvousNote& operator=(const RendezvousNote&) = delete;
+
+ private:
+  void run(const ProcessGroupOptions& o) {
+    const auto start = std::chrono::steady_clock::now();
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (auto after = o.rendezvous_note_after; after < o.timeout; after *= 2) {
+      if (done_changed_.wait_until(lock, start + after, [&] { return done_; })) return;
+      detail::print_note(str(
+          "rank ", o.rank, " of ", o.world_size, ": the rendezvous at ", o.main_address, ":",
+          o.main_port, " has waited ", detail::seconds_text(after),
+          " s for the other ranks (it gives up after ", detail::seconds_text(o.timeout),
+          " s: process_group_timeout). A rank that failed before it joined, or one not started, "
+          "keeps every other rank here until then: check each rank's output, and that every "
+          "rank has the same MASTER_ADDR and MASTER_PORT."));
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable done_changed_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
 // The watch of ranks no launcher of fulgur's supervises (peer_watch.h),
 // over a connection of its own whose requests end within seconds: the
 // group's has the group's timeout. Null where that connection fails (the
@@ -284,6 +334,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
   }
 #endif
   Resolved main = resolve(o.main_address, o.main_port, o);
+  const RendezvousNote note(o);
 
   if (!o.hosted_store_prefix.empty()) {
     // torchrun's agent hosts a c10d TCPStore there: join it as a client.
@@ -667,10 +718,48 @@ bool ProcessGroup::ranks_arrive(const std::string& key, std::chrono::millisecond
   return false;
 }
 
+namespace {
+
+// The ports the kernel gives outgoing connections and binds to port 0
+// (net.ipv4.ip_local_port_range); Linux's default when unreadable.
+std::pair<int, int> ephemeral_ports() {
+  std::ifstream in("/proc/sys/net/ipv4/ip_local_port_range");
+  int first = 0, last = 0;
+  if (in >> first >> last && first > 0 && first <= last && last <= 65535) return {first, last};
+  return {32768, 60999};
+}
+
+bool can_bind(const Resolved& r) {
+  Fd sock(::socket(r.family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  return sock.fd >= 0 && ::bind(sock.fd, reinterpret_cast<const sockaddr*>(&r.addr), r.len) == 0;
+}
+
+}  // namespace
+
 int find_free_port(const std::string& address) {
   ProcessGroupOptions o;
   o.main_address = address;
   Resolved r = resolve(address, 0, o);
+  // Outside the ephemeral range: a port bound to 0 comes from there, and
+  // every connection any process opens meanwhile may take it before the
+  // caller binds it (two tests' stores met so).
+  const auto [first, last] = ephemeral_ports();
+  int low = 10000, high = first - 1;
+  if (high - low < 1000) std::tie(low, high) = std::pair{last + 1, 65535};
+  if (high - low >= 1000) {
+    std::mt19937 pick(std::random_device{}());
+    std::uniform_int_distribution<int> port(low, high);
+    for (int attempt = 0; attempt < 200; ++attempt) {
+      const int p = port(pick);
+      Resolved candidate = r;
+      if (candidate.family == AF_INET) {
+        reinterpret_cast<sockaddr_in&>(candidate.addr).sin_port = htons(static_cast<uint16_t>(p));
+      } else {
+        reinterpret_cast<sockaddr_in6&>(candidate.addr).sin6_port = htons(static_cast<uint16_t>(p));
+      }
+      if (can_bind(candidate)) return p;
+    }
+  }
   Fd sock(::socket(r.family, SOCK_STREAM, 0));
   if (sock.fd < 0 || ::bind(sock.fd, reinterpret_cast<const sockaddr*>(&r.addr), r.len) != 0) {
     throw DistributedError(str("cannot find a free TCP port on ", address, ": ",

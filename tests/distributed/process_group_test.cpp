@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <fstream>
+#include <thread>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/distributed/process_group.h"
@@ -30,6 +32,63 @@ fulgur::ProcessGroupOptions one_rank(const std::string& backend) {
   o.timeout = std::chrono::seconds(20);
   o.backend = backend;
   return o;
+}
+
+// A rank that never comes (it failed before it joined): the rendezvous
+// says now and then that it still waits, and gives up at the timeout.
+TEST(ProcessGroup, ARendezvousWaitingForARankThatNeverComesSaysSoUntilItGivesUp) {
+  fulgur::ProcessGroupOptions o = one_rank("gloo");
+  o.world_size = 2;
+  o.timeout = std::chrono::milliseconds(2500);
+  o.rendezvous_note_after = std::chrono::milliseconds(500);
+  testing::internal::CaptureStderr();
+  EXPECT_THROW(fulgur::ProcessGroup::connect(o), fulgur::DistributedError);
+  const std::string notes = testing::internal::GetCapturedStderr();
+  for (const char* after : {"0.5", "1.0", "2.0"}) {
+    EXPECT_NE(notes.find(fulgur::str(
+                  "fulgur: rank 0 of 2: the rendezvous at 127.0.0.1:", o.main_port, " has waited ",
+                  after, " s for the other ranks (it gives up after 2.5 s")),
+              std::string::npos)
+        << notes;
+  }
+  EXPECT_NE(notes.find("A rank that failed before it joined"), std::string::npos) << notes;
+  // None once every rank has come: two ranks that meet at once, and wait
+  // past the note's time in the group.
+  o.main_port = fulgur::find_free_port();
+  o.timeout = std::chrono::seconds(20);
+  testing::internal::CaptureStderr();
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back([o, rank] {
+      fulgur::ProcessGroupOptions mine = o;
+      mine.rank = rank;
+      auto group = fulgur::ProcessGroup::connect(mine);
+      std::this_thread::sleep_for(std::chrono::milliseconds(800));
+      group->barrier();
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+}
+
+// Outside the ports outgoing connections take: none of the connections
+// other tests open can take it before its store binds it.
+TEST(ProcessGroup, AFreePortIsOutsideTheRangeOutgoingConnectionsTake) {
+  int first = 32768, last = 60999;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> first >> last;
+  if (first < 11000) GTEST_SKIP() << "this machine's ip_local_port_range leaves no room below it";
+  for (int i = 0; i < 20; ++i) {
+    const int port = fulgur::find_free_port();
+    EXPECT_GE(port, 10000);
+    EXPECT_LT(port, first) << "in the ephemeral range " << first << "-" << last;
+    int sock = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(::bind(sock, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0) << port;
+    ::close(sock);
+  }
 }
 
 TEST(ProcessGroup, GlooIsAlwaysThereAndTheDefaultOnCpu) {

@@ -77,6 +77,11 @@ struct ProcessGroupOptions {
   /// once). Off for ranks in one process (threads) and without a store (mpi).
   bool watch_peers = false;
   std::chrono::milliseconds stop_grace = std::chrono::seconds(5);
+  /// While the rendezvous waits for the other ranks, a note after this long
+  /// and again after twice as long each time (where no launcher of fulgur's
+  /// supervises the ranks; zero: none): a rank that never comes keeps the
+  /// others there until the timeout.
+  std::chrono::milliseconds rendezvous_note_after = std::chrono::seconds(30);
 };
 
 /// Every backend name fulgur knows: "gloo", "nccl", "mpi".
@@ -240,7 +245,10 @@ class ProcessGroup {
   int64_t calls_ = 0;
 };
 
-/// A TCP port that was free on `address` a moment ago (bind to port 0).
+/// A TCP port that was free on `address` a moment ago, outside the range
+/// the kernel gives outgoing connections (net.ipv4.ip_local_port_range), so
+/// that no connection opened meanwhile takes it (bind to port 0 where that
+/// range leaves no room).
 int find_free_port(const std::string& address = "127.0.0.1");
 
 }  // namespace fulgur
