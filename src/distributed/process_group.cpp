@@ -19,8 +19,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <random>
 #include <mutex>
+#include <random>
 #include <thread>
 #include <tuple>
 
