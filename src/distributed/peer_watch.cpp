@@ -281,13 +281,7 @@ void PeerWatch::publish_failure(bool peer_lost, const CollectiveCall* call,
     failed_here_ = true;
     stage = stage_;
   }
-  FailureRecord record;
-  record.peer_lost = peer_lost;
-  if (call != nullptr) record.collective = describe(*call);
-  record.at_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                     std::chrono::system_clock::now().time_since_epoch())
-                     .count();
-  record.what = what.substr(0, std::min<size_t>(what.find('\n'), 1000));
+  const FailureRecord record = failure_record(peer_lost, call, what);
   {
     std::lock_guard<std::mutex> lock(store_mutex_);
     if (ended_ || !usable_store(Clock::now())) return;

@@ -202,21 +202,24 @@ std::optional<FailureRecord> decode_failure(const std::string& line) {
   return record;
 }
 
-void report_failure(bool peer_lost, const CollectiveCall* call, const std::string& what) {
-  static pid_t reported_in = -1;
-  const int fd = heartbeat_fd();
-  const pid_t pid = ::getpid();
-  if (fd < 0 || reported_in == pid) return;
-  reported_in = pid;
+FailureRecord failure_record(bool peer_lost, const CollectiveCall* call, const std::string& what) {
   FailureRecord record;
   record.peer_lost = peer_lost;
   if (call != nullptr) record.collective = describe(*call);
   record.at_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                      std::chrono::system_clock::now().time_since_epoch())
                      .count();
-  // Its first line, at most 1000 bytes: the pipe takes it in one write.
   record.what = what.substr(0, std::min<size_t>(what.find('\n'), 1000));
-  const std::string line = encode(record) + "\n";
+  return record;
+}
+
+void report_failure(bool peer_lost, const CollectiveCall* call, const std::string& what) {
+  static pid_t reported_in = -1;
+  const int fd = heartbeat_fd();
+  const pid_t pid = ::getpid();
+  if (fd < 0 || reported_in == pid) return;
+  reported_in = pid;
+  const std::string line = encode(failure_record(peer_lost, call, what)) + "\n";
   write_all(fd, line.data(), line.size());
 }
 

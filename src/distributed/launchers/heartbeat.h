@@ -105,6 +105,10 @@ struct FailureRecord {
   std::string what;
 };
 
+/// The record of a failure seen now: `call` (may be null) described, the
+/// error's first line, at most 1000 bytes (a pipe takes it in one write).
+FailureRecord failure_record(bool peer_lost, const CollectiveCall* call, const std::string& what);
+
 /// The record as one line (no newline at the end), and back; nullopt for a
 /// line that is not one.
 std::string encode(const FailureRecord& record);
