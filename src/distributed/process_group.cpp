@@ -334,6 +334,17 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
   }
 #endif
   Resolved main = resolve(o.main_address, o.main_port, o);
+  if (o.world_size > 1) {
+    // Gloo connects to every peer; the store's server in rank 0 holds two
+    // connections per rank (the group's and the watch's). Linux's usual
+    // limit of 1024 open files would end a few hundred ranks.
+    const bool hosts_store = o.rank == 0 && o.hosted_store_prefix.empty();
+    const int64_t needed =
+        detail::open_files_in_use() + 256 + int64_t{o.world_size} * (hosts_store ? 3 : 1);
+    if (auto problem = detail::raise_open_file_limit(needed); !problem.empty()) {
+      detail::print_note(str("rank ", o.rank, " of ", o.world_size, ": ", problem));
+    }
+  }
   const RendezvousNote note(o);
 
   if (!o.hosted_store_prefix.empty()) {
@@ -372,7 +383,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
   } catch (const std::exception& e) {
     throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": building the ", o.backend,
                                " process group through ", o.main_address, ":", o.main_port,
-                               " failed: ", e.what()));
+                               " failed: ", e.what(), detail::open_files_hint(e.what())));
   }
   if (o.watch_peers && o.world_size > 1 && !detail::has_supervisor()) {
     impl->watch = watch_peers(o);

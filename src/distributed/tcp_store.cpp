@@ -1,11 +1,13 @@
 #include "distributed/tcp_store.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -87,6 +89,53 @@ SocketAddress resolve_address(const std::string& host, int port) {
   return a;
 }
 
+int64_t open_files_in_use() {
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return 0;
+  int64_t n = 0;
+  while (const dirent* entry = ::readdir(dir)) {
+    if (entry->d_name[0] != '.') ++n;
+  }
+  ::closedir(dir);
+  return n - 1;  // the directory's own descriptor
+}
+
+namespace {
+
+constexpr const char* kRaiseOpenFileLimit =
+    "Raise the limit where the ranks start: `ulimit -n` (the hard limit, `ulimit -Hn`, as root "
+    "or in /etc/security/limits.conf), LimitNOFILE= of a systemd unit, or under SLURM the "
+    "nodes' limit (slurmd's LimitNOFILE) that PropagateResourceLimits passes on.";
+
+std::string limit_text(rlim_t limit) {
+  return limit == RLIM_INFINITY ? std::string("unlimited") : std::to_string(limit);
+}
+
+}  // namespace
+
+std::string raise_open_file_limit(int64_t needed) {
+  rlimit limit{};
+  if (needed <= 0 || ::getrlimit(RLIMIT_NOFILE, &limit) != 0) return "";
+  const auto want = static_cast<rlim_t>(needed);
+  if (limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= want) return "";
+  const rlim_t hard = limit.rlim_max;
+  const bool enough = hard == RLIM_INFINITY || hard >= want;
+  limit.rlim_cur = enough ? want : hard;
+  if (::setrlimit(RLIMIT_NOFILE, &limit) == 0 && enough) return "";
+  ::getrlimit(RLIMIT_NOFILE, &limit);
+  return str("this process may need about ", needed, " open files, but its limit is ",
+             limit_text(limit.rlim_cur), " (hard limit ", limit_text(hard),
+             "): past it a connection fails with \"Too many open files\". ", kRaiseOpenFileLimit);
+}
+
+std::string open_files_hint(const std::string& error) {
+  if (error.find(std::strerror(EMFILE)) == std::string::npos) return "";  // ENFILE's starts so too
+  rlimit limit{};
+  ::getrlimit(RLIMIT_NOFILE, &limit);
+  return str(" This process (limit ", limit_text(limit.rlim_cur),
+             " open files) or the machine has run out of open files. ", kRaiseOpenFileLimit);
+}
+
 namespace {
 
 // A connected socket to `a`, or -1 with `error` set. Bounded by `deadline`:
@@ -128,7 +177,7 @@ int connect_before(const SocketAddress& a, Clock::time_point deadline, int& erro
 // ---- Server: one thread, poll over the listening socket and the clients.
 class StoreServer {
  public:
-  StoreServer(const std::string& host, int port) {
+  StoreServer(const std::string& host, int port) : where_(str(host, ":", port)) {
     SocketAddress a = resolve_address(host, port);
     listen_fd_ = ::socket(a.family, SOCK_STREAM | SOCK_CLOEXEC, 0);
     int one = 1;
@@ -152,7 +201,9 @@ class StoreServer {
       throw DistributedError(
           str("rank 0: cannot listen on ", host, ":", port, ": ", std::strerror(err), "."));
     }
-    if (::listen(listen_fd_, 128) != 0) {
+    // Every rank connects at once: a full queue drops connections, which
+    // then wait out the kernel's SYN retries.
+    if (::listen(listen_fd_, SOMAXCONN) != 0) {
       int err = errno;
       ::close(listen_fd_);
       throw DistributedError(
@@ -162,6 +213,7 @@ class StoreServer {
       ::close(listen_fd_);
       throw DistributedError("rank 0: cannot create the store's wake-up pipe.");
     }
+    spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     thread_ = std::thread([this] { loop(); });
   }
 
@@ -174,6 +226,7 @@ class StoreServer {
     ::close(listen_fd_);
     ::close(wake_[0]);
     ::close(wake_[1]);
+    if (spare_fd_ >= 0) ::close(spare_fd_);
   }
 
  private:
@@ -188,14 +241,7 @@ class StoreServer {
       std::vector<pollfd> fds = {{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}};
       for (const auto& [fd, _] : conns_) fds.push_back({fd, POLLIN, 0});
       if (::poll(fds.data(), fds.size(), -1) < 0) continue;
-      if (fds[1].revents & POLLIN) {
-        int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-        if (fd >= 0) {
-          int one = 1;
-          ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-          conns_[fd];
-        }
-      }
+      if (fds[1].revents & POLLIN) accept_one();
       for (size_t i = 2; i < fds.size(); ++i) {
         if (fds[i].revents == 0) continue;
         int fd = fds[i].fd;
@@ -217,6 +263,46 @@ class StoreServer {
         }
       }
     }
+  }
+
+  void accept_one() {
+    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd >= 0) {
+      int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      conns_[fd];
+      if (spare_fd_ < 0) spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+      return;
+    }
+    const int error = errno;
+    if (error == EMFILE || error == ENFILE) {
+      refuse(error);
+    } else if (error == ENOBUFS || error == ENOMEM) {
+      // The connection stays queued; poll() would return at once.
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+  // No descriptor is left for a waiting connection. Left queued, it would
+  // wake poll() at once, forever, and its rank would wait out its timeout:
+  // the spare descriptor makes room to accept and close it, so that rank
+  // fails at once, and rank 0 says why.
+  void refuse(int error) {
+    if (!said_out_of_files_) {
+      said_out_of_files_ = true;
+      print_note(str("rank 0: the store at ", where_,
+                     " cannot take another rank's connection: ", std::strerror(error), " (",
+                     conns_.size(), " connections open). That rank fails.",
+                     open_files_hint(std::strerror(error))));
+    }
+    if (spare_fd_ >= 0) {
+      ::close(spare_fd_);
+      spare_fd_ = -1;
+      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) ::close(fd);
+      spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    }
+    if (spare_fd_ < 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
 
   void drop(int fd) {
@@ -323,8 +409,12 @@ class StoreServer {
     return true;
   }
 
+  std::string where_;
   int listen_fd_ = -1;
   int wake_[2] = {-1, -1};
+  // Held for refuse(); reopened once a descriptor is free again.
+  int spare_fd_ = -1;
+  bool said_out_of_files_ = false;
   std::atomic<bool> stop_{false};
   std::thread thread_;
   std::map<int, std::string> conns_;
@@ -349,6 +439,11 @@ TcpStore::TcpStore(const std::string& host, int port, bool server,
   for (;;) {
     fd_ = connect_before(a, deadline, last_error);
     if (fd_ >= 0) break;
+    if (last_error == EMFILE || last_error == ENFILE) {
+      throw DistributedError(str("cannot open a connection to the store at ", where(), ": ",
+                                 std::strerror(last_error), ".",
+                                 open_files_hint(std::strerror(last_error))));
+    }
     if (Clock::now() >= deadline) {
       throw DistributedError(str("cannot reach the main process's store at ", where(), " within ",
                                  timeout.count() / 1000.0, " s: ", std::strerror(last_error),
@@ -384,7 +479,10 @@ std::string TcpStore::request(const std::string& message, std::chrono::milliseco
   for (;;) {
     size_t pos = 0;
     std::string payload;
-    if (take_string(in, pos, payload)) return payload;
+    if (take_string(in, pos, payload)) {
+      answered_ = true;
+      return payload;
+    }
     int wait_ms = -1;
     if (deadline != Clock::time_point::max()) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
@@ -402,7 +500,12 @@ std::string TcpStore::request(const std::string& message, std::chrono::milliseco
     char buf[65536];
     ssize_t n = ::recv(fd_, buf, sizeof buf, 0);
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) fail("the main process (rank 0) closed the connection: it probably ended");
+    if (n <= 0) {
+      fail(answered_ ? "the main process (rank 0) closed the connection: it probably ended"
+                     : "the main process (rank 0) closed this new connection without an answer: it "
+                       "ended, or it had no open file left for the connection (rank 0's output "
+                       "says which)");
+    }
     in.append(buf, static_cast<size_t>(n));
   }
 }

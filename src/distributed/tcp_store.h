@@ -30,6 +30,17 @@ struct SocketAddress {
 /// when it does not resolve.
 SocketAddress resolve_address(const std::string& host, int port);
 
+/// The files (descriptors) this process has open now.
+int64_t open_files_in_use();
+/// Raises this process's soft limit of open files to `needed` where its
+/// hard limit allows. Returns "" when the limit is (now) at least
+/// `needed`; otherwise the soft limit is raised to the hard one and the
+/// result says how far below `needed` that is and how to raise it.
+std::string raise_open_file_limit(int64_t needed);
+/// " This process has reached ..." naming the limit and how to raise it,
+/// where `error` is an error of running out of open files; "" otherwise.
+std::string open_files_hint(const std::string& error);
+
 class StoreServer;
 
 class TcpStore : public c10d::Store {
@@ -64,6 +75,9 @@ class TcpStore : public c10d::Store {
   int port_;
   std::unique_ptr<StoreServer> server_;
   int fd_ = -1;
+  // Whether the server has answered on this connection: one closed before
+  // any answer was refused (rank 0 out of open files) or found rank 0 ending.
+  bool answered_ = false;
   std::mutex mutex_;
 };
 

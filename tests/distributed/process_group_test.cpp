@@ -6,13 +6,17 @@
 #include <torch/torch.h>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
+#include <iostream>
 #include <thread>
 
 #include "fulgur/core/errors.h"
@@ -69,6 +73,75 @@ TEST(ProcessGroup, ARendezvousWaitingForARankThatNeverComesSaysSoUntilItGivesUp)
   }
   for (auto& t : ranks) t.join();
   EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+}
+
+// Checks in a death test's child, which reports by its exit status: each
+// failed one is written to stderr and counted.
+struct ChildChecks {
+  int failed = 0;
+  void operator()(bool ok, const std::string& what) {
+    if (ok) return;
+    std::cerr << "check failed: " << what << "\n";
+    ++failed;
+  }
+};
+
+void set_open_file_limit(rlim_t soft, rlim_t hard) {
+  const rlimit limit{soft, hard};
+  if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) std::exit(100);
+}
+
+rlim_t soft_open_file_limit() {
+  rlimit limit{};
+  ::getrlimit(RLIMIT_NOFILE, &limit);
+  return limit.rlim_cur;
+}
+
+// Hundreds of ranks need more open files than Linux's usual soft limit of
+// 1024 (rank 0's store alone holds two connections per rank): the group
+// raises the soft limit as far as the hard one allows, and says when that
+// is not enough. (In children: a lowered hard limit cannot be raised again.)
+TEST(ProcessGroup, RaisesTheOpenFileLimitItsRanksNeedAndSaysWhenTheHardLimitIsBelow) {
+  rlimit limit{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &limit), 0);
+  if (limit.rlim_max != RLIM_INFINITY && limit.rlim_max < 2000) {
+    GTEST_SKIP() << "this machine's hard limit of open files is " << limit.rlim_max;
+  }
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        ChildChecks check;
+        // The group: two ranks (threads) raise it to what 2 ranks need (256
+        // and a few more than now), from a limit just above now.
+        set_open_file_limit(fulgur::detail::open_files_in_use() + 40, limit.rlim_max);
+        fulgur::ProcessGroupOptions o = one_rank("gloo");
+        o.world_size = 2;
+        std::vector<std::thread> ranks;
+        for (int rank = 0; rank < 2; ++rank) {
+          ranks.emplace_back([o, rank] {
+            fulgur::ProcessGroupOptions mine = o;
+            mine.rank = rank;
+            fulgur::ProcessGroup::connect(mine)->barrier();
+          });
+        }
+        for (auto& t : ranks) t.join();
+        check(soft_open_file_limit() >=
+                  static_cast<rlim_t>(fulgur::detail::open_files_in_use()) + 256,
+              "connect raised the soft limit to " + std::to_string(soft_open_file_limit()));
+        set_open_file_limit(256, limit.rlim_max);
+        check(fulgur::detail::raise_open_file_limit(1500).empty(), "1500 is within the hard limit");
+        check(soft_open_file_limit() == 1500, "the soft limit is raised to 1500");
+        check(fulgur::detail::raise_open_file_limit(700).empty(), "700 is within it");
+        check(soft_open_file_limit() == 1500, "a lower need leaves the limit");
+        set_open_file_limit(300, 300);
+        const std::string note = fulgur::detail::raise_open_file_limit(1500);
+        check(fulgur::test::message_contains(
+                  note, {"about 1500 open files", "its limit is 300", "hard limit 300",
+                         "Too many open files", "ulimit -Hn", "LimitNOFILE"}),
+              "the note: " + note);
+        std::exit(check.failed);
+      },
+      testing::ExitedWithCode(0), "");
 }
 
 // Outside the ports outgoing connections take: none of the connections
@@ -344,6 +417,73 @@ TEST(TcpStore, GivesUpAtItsTimeoutWhenTheServerDoesNotAnswer) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
   ::close(queued);
   ::close(listener);
+}
+
+// Out of open files: rank 0's store refuses a rank's connection at once and
+// says why (the connection left queued would spin the store's thread and
+// keep that rank waiting out its timeout), and goes on serving the others;
+// a rank out of them itself fails at once naming the limit.
+TEST(TcpStore, OutOfOpenFilesAConnectionFailsAtOnceNamingTheLimit) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        ChildChecks check;
+        const int port = fulgur::find_free_port();
+        using fulgur::detail::TcpStore;
+        auto server = c10::make_intrusive<TcpStore>("127.0.0.1", port, /*server=*/true,
+                                                    std::chrono::seconds(20));
+        // Both of the server's connections so far accepted (its own client's
+        // and the first rank's), then every descriptor left taken but one:
+        // room for the next client's own end, none for the server's.
+        auto first = c10::make_intrusive<TcpStore>("127.0.0.1", port, /*server=*/false,
+                                                   std::chrono::seconds(20));
+        first->set("first", std::vector<uint8_t>{1});
+        check(server->get("first") == std::vector<uint8_t>{1}, "the store serves");
+        rlimit limit{};
+        ::getrlimit(RLIMIT_NOFILE, &limit);
+        set_open_file_limit(fulgur::detail::open_files_in_use() + 16, limit.rlim_max);
+        std::vector<int> filler;
+        for (int fd; (fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) filler.push_back(fd);
+        ::close(filler.back());
+        filler.pop_back();
+        // Refused, not left to wait out its 20 s timeout ("no answer within").
+        std::string refused;
+        try {
+          TcpStore second("127.0.0.1", port, /*server=*/false, std::chrono::seconds(20));
+          second.set("second", std::vector<uint8_t>{2});
+        } catch (const fulgur::DistributedError& e) {
+          refused = e.what();
+        }
+        check(
+            fulgur::test::message_contains(refused, {"closed this new connection without an answer",
+                                                     "no open file left for the connection"}),
+            "the refused rank's error: " + refused);
+        check(server->get("first") == std::vector<uint8_t>{1}, "the store still serves");
+        // A rank with no descriptor left for its own end (the second's is
+        // free again).
+        const int last = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+        check(last >= 0, "the last descriptor opens");
+        std::string own;
+        try {
+          TcpStore third("127.0.0.1", port, /*server=*/false, std::chrono::seconds(20));
+          third.set("third", std::vector<uint8_t>{3});
+        } catch (const fulgur::DistributedError& e) {
+          own = e.what();
+        }
+        check(fulgur::test::message_contains(own, {"cannot open a connection to the store",
+                                                   "Too many open files", "ulimit -n"}),
+              "the rank out of open files: " + own);
+        // Once a connection ends, a new one is served.
+        ::close(last);
+        for (int fd : filler) ::close(fd);
+        first.reset();
+        TcpStore fourth("127.0.0.1", port, /*server=*/false, std::chrono::seconds(20));
+        check(fourth.get("first") == std::vector<uint8_t>{1}, "a later rank is served");
+        std::exit(check.failed);
+      },
+      testing::ExitedWithCode(0),
+      "rank 0: the store at 127.0.0.1:[0-9]+ cannot take another rank's connection: Too many open "
+      "files");
 }
 
 TEST(TcpStore, AMalformedRequestDropsThatConnectionOnly) {
