@@ -31,6 +31,7 @@
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/connectors/accelerator_connector.h"
 #include "fulgur/trainer/flags.h"
+#include "strategies/early_failure.h"
 #include "trainer/loop_flags.h"
 #include "utilities/file_kind.h"
 #include "utilities/small_file.h"
@@ -439,6 +440,7 @@ std::vector<CLI::Key> CLI::keys() const {
 
 std::optional<int> CLI::parse(int argc, const char* const* argv) {
   std::vector<std::string> args(argv + std::min(argc, 1), argv + argc);
+  std::string failure;  // its first line tells the other ranks
   try {
     return parse_arguments(args, std::cout) ? std::nullopt : std::optional<int>(0);
   } catch (const FlagError& e) {
@@ -450,13 +452,19 @@ std::optional<int> CLI::parse(int argc, const char* const* argv) {
                                    join(problems, "\n  - ")))
               << "\n"
               << options_.program << " --help lists every option." << std::endl;
-    return 2;
+    failure = count == 1 ? problems.front()
+                         : str(problems.front(), " (and ", count - 1, " more problems)");
   } catch (const std::exception& e) {
     // ConfigError, and whatever else reading the configuration raised: a
     // message and status 2, never an abort.
-    std::cerr << options_.program << ": " << error_message(e) << std::endl;
-    return 2;
+    failure = error_message(e);
+    std::cerr << options_.program << ": " << failure << std::endl;
   }
+  // Where this is one rank of several that srun (or the like) started and
+  // the configuration fails on this one only (a file missing on its
+  // machine), the others would wait for it at the rendezvous.
+  detail::announce_failure_before_joining(str(options_.program, ": ", failure));
+  return 2;
 }
 
 bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& out) {
@@ -790,6 +798,8 @@ std::vector<std::string> CLI::trainer_problems(std::string& kind) const {
       std::holds_alternative<std::string>(trainer_.accelerator) &&
       std::all_of(trainer_.plugins.begin(), trainer_.plugins.end(),
                   [](const Plugin& p) { return std::holds_alternative<std::string>(p); });
+  // parse() reports (and tells the other ranks of) what the probe finds.
+  const detail::NoFailureAnnouncement quiet;
   try {
     if (all_named) {
       Trainer probe(trainer_);

@@ -21,6 +21,7 @@
 #include <fstream>
 #include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 #include <tuple>
 
@@ -155,50 +156,165 @@ c10::intrusive_ptr<C10dGroup> make_gloo(const ProcessGroupOptions& o, const Reso
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, o.rank, o.world_size, options);
 }
 
-// Says now and then that the rendezvous still waits (after
-// rendezvous_note_after, then twice as long each time), so that a rank that
-// never comes (one that failed before it joined, one not started) does not
-// leave the others silent for the whole timeout. Where no launcher of
-// fulgur's supervises the ranks: a launcher names a rank that ended.
-class RendezvousNote {
+// How a rank that fails before it joins the rendezvous tells the others,
+// where no launcher of fulgur's supervises the ranks: the first such
+// failure, "<rank>\n<its error's first line>", then a count of the ranks
+// that have told or read it (rank 0 holds its store until all have).
+constexpr const char* kFailedBeforeJoiningKey = "fulgur/rendezvous/failed";
+constexpr const char* kToldKey = "fulgur/rendezvous/told";
+constexpr auto kTellBound = std::chrono::seconds(5);
+
+// The rendezvous this process has begun ("host:port#rank"): a failure of
+// that rank after that is not one before it joined (a peer's failure it
+// read there, a timeout that its peers saw too).
+std::mutex rendezvous_begun_mutex;
+std::set<std::string> rendezvous_begun;
+
+std::string rendezvous_key(const ProcessGroupOptions& o) {
+  return str(o.main_address, ":", o.main_port, "#", o.rank);
+}
+
+std::vector<uint8_t> as_bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+// Watches a rendezvous where no launcher of fulgur's supervises the ranks
+// (a launcher names a rank that ended):
+//  - says now and then that it still waits (after rendezvous_note_after,
+//    then twice as long each time), so that a rank that never comes (one
+//    not started, one that crashed) does not leave the others silent until
+//    the timeout;
+//  - on its own connection to fulgur's store (not torchrun's: its agent
+//    stops the ranks itself), reads whether a rank failed before it joined
+//    (ProcessGroup::announce_failure_before_joining). Then it interrupts
+//    the store the rendezvous waits on, which fails it at once, and
+//    failure() says why.
+// Nothing reaches the store until the rendezvous has waited a second.
+class RendezvousWatch {
  public:
-  explicit RendezvousNote(const ProcessGroupOptions& o) {
-    if (o.world_size < 2 || o.rendezvous_note_after.count() <= 0 || detail::has_supervisor()) {
-      return;
-    }
-    thread_ = std::thread([this, o] { run(o); });
+  explicit RendezvousWatch(const ProcessGroupOptions& o) : o_(o) {
+    if (o.world_size < 2 || detail::has_supervisor()) return;
+    reads_store_ = o.hosted_store_prefix.empty();
+    if (!reads_store_ && o.rendezvous_note_after.count() <= 0) return;
+    thread_ = std::thread([this] { run(); });
   }
-  ~RendezvousNote() {
+  ~RendezvousWatch() {
     if (!thread_.joinable()) return;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       done_ = true;
     }
-    done_changed_.notify_all();
+    changed_.notify_all();
     thread_.join();
   }
-  RendezvousNote(const RendezvousNote&) = delete;
-  RendezvousNote& operator=(const RendezvousNote&) = delete;
+  RendezvousWatch(const RendezvousWatch&) = delete;
+  RendezvousWatch& operator=(const RendezvousWatch&) = delete;
 
- private:
-  void run(const ProcessGroupOptions& o) {
-    const auto start = std::chrono::steady_clock::now();
-    std::unique_lock<std::mutex> lock(mutex_);
-    for (auto after = o.rendezvous_note_after; after < o.timeout; after *= 2) {
-      if (done_changed_.wait_until(lock, start + after, [&] { return done_; })) return;
-      detail::print_note(str(
-          "rank ", o.rank, " of ", o.world_size, ": the rendezvous at ", o.main_address, ":",
-          o.main_port, " has waited ", detail::seconds_text(after),
-          " s for the other ranks (it gives up after ", detail::seconds_text(o.timeout),
-          " s: process_group_timeout). A rank that failed before it joined, or one not started, "
-          "keeps every other rank here until then: check each rank's output, and that every "
-          "rank has the same MASTER_ADDR and MASTER_PORT."));
+  // The store the rendezvous waits on: interrupted once a failure is read
+  // (at once, where one was read already).
+  void attach(const c10::intrusive_ptr<detail::TcpStore>& store) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    store_ = store;
+    if (!failure_.empty()) store_->interrupt(failure_);
+  }
+
+  // "rank 1 failed before it joined the rendezvous at ...", or "".
+  std::string failure() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return failure_;
+  }
+
+  // On rank 0 (which holds the store), after failure(): until every rank
+  // has told or read the failure (bounded), so that none of them finds the
+  // store gone instead.
+  void let_the_others_read() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    changed_.notify_all();
+    if (thread_.joinable()) thread_.join();
+    if (!own_) return;
+    const auto deadline = std::chrono::steady_clock::now() + kTellBound;
+    try {
+      while (own_->add(kToldKey, 0) < o_.world_size &&
+             std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    } catch (const std::exception&) {
     }
   }
 
+ private:
+  void run() {
+    using Clock = std::chrono::steady_clock;
+    constexpr auto kPeriod = std::chrono::seconds(1);
+    const auto start = Clock::now();
+    auto note_after = o_.rendezvous_note_after;
+    auto next_note = note_after.count() > 0 && note_after < o_.timeout ? start + note_after
+                                                                       : Clock::time_point::max();
+    auto next_read = reads_store_ ? start + kPeriod : Clock::time_point::max();
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      if (changed_.wait_until(lock, std::min(next_note, next_read), [&] { return done_; })) return;
+      const auto now = Clock::now();
+      if (now >= next_note) {
+        detail::print_note(str(
+            "rank ", o_.rank, " of ", o_.world_size, ": the rendezvous at ", o_.main_address, ":",
+            o_.main_port, " has waited ", detail::seconds_text(note_after),
+            " s for the other ranks (it gives up after ", detail::seconds_text(o_.timeout),
+            " s: process_group_timeout). A rank that failed before it joined, or one not "
+            "started, keeps every other rank here until then: check each rank's output, and that "
+            "every rank has the same MASTER_ADDR and MASTER_PORT."));
+        note_after *= 2;
+        next_note = note_after < o_.timeout ? start + note_after : Clock::time_point::max();
+      }
+      if (now >= next_read) {
+        lock.unlock();
+        std::string failure = read_failure();
+        lock.lock();
+        next_read = Clock::now() + kPeriod;
+        if (!failure.empty()) {
+          failure_ = std::move(failure);
+          if (store_) store_->interrupt(failure_);
+          return;
+        }
+      }
+    }
+  }
+
+  // The failure a rank told of, as this rank's error says it; "" while
+  // none has (or the store cannot be reached yet).
+  std::string read_failure() {
+    // Short requests: the main thread waits for this one at the end of a
+    // rendezvous.
+    constexpr auto kRequest = std::chrono::milliseconds(300);
+    try {
+      if (!own_) {
+        own_ = std::make_unique<detail::TcpStore>(o_.main_address, o_.main_port,
+                                                  /*server=*/false, kRequest);
+      }
+      if (!own_->check({kFailedBeforeJoiningKey})) return "";
+      const auto value = own_->get(kFailedBeforeJoiningKey);
+      own_->add(kToldKey, 1);
+      const std::string text(value.begin(), value.end());
+      const auto newline = text.find('\n');
+      return str("rank ", text.substr(0, newline), " failed before it joined the rendezvous at ",
+                 o_.main_address, ":", o_.main_port, ": ",
+                 newline == std::string::npos ? std::string() : text.substr(newline + 1),
+                 " The rendezvous cannot complete without it: this rank stops waiting.");
+    } catch (const std::exception&) {
+      own_.reset();  // rank 0's store is not up yet, or went away: again later
+      return "";
+    }
+  }
+
+  const ProcessGroupOptions o_;
+  bool reads_store_ = false;
+  std::unique_ptr<detail::TcpStore> own_;  // the thread's, then (joined) the caller's
   std::mutex mutex_;
-  std::condition_variable done_changed_;
+  std::condition_variable changed_;
   bool done_ = false;
+  std::string failure_;
+  c10::intrusive_ptr<detail::TcpStore> store_;
   std::thread thread_;
 };
 
@@ -345,7 +461,11 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
       detail::print_note(str("rank ", o.rank, " of ", o.world_size, ": ", problem));
     }
   }
-  const RendezvousNote note(o);
+  {
+    std::lock_guard<std::mutex> lock(rendezvous_begun_mutex);
+    rendezvous_begun.insert(rendezvous_key(o));
+  }
+  RendezvousWatch watch(o);
 
   if (!o.hosted_store_prefix.empty()) {
     // torchrun's agent hosts a c10d TCPStore there: join it as a client.
@@ -368,8 +488,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
       // Rank 0 listens on the main address only (LibTorch 1.13's TCPStore
       // would listen on every interface); it says at once when the address
       // is not its own or the port is taken.
-      impl->store = c10::make_intrusive<detail::TcpStore>(o.main_address, o.main_port, o.rank == 0,
-                                                          o.timeout);
+      auto store = c10::make_intrusive<detail::TcpStore>(o.main_address, o.main_port, o.rank == 0,
+                                                         o.timeout);
+      watch.attach(store);
+      impl->store = std::move(store);
     } catch (const DistributedError& e) {
       throw DistributedError(
           str("rank ", o.rank, " of ", o.world_size, ": rendezvous failed: ", e.what()));
@@ -381,6 +503,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
     }
     if (o.backend == "gloo") impl->group = make_gloo(o, main, impl->store);
   } catch (const std::exception& e) {
+    if (std::string failure = watch.failure(); !failure.empty()) {
+      if (o.rank == 0) watch.let_the_others_read();
+      throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": ", failure));
+    }
     throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": building the ", o.backend,
                                " process group through ", o.main_address, ":", o.main_port,
                                " failed: ", e.what(), detail::open_files_hint(e.what())));
@@ -415,6 +541,36 @@ void ProcessGroup::run(const char* what, int64_t bytes,
 
 void ProcessGroup::announce_failure(const std::string& what) {
   if (impl_->watch) impl_->watch->publish_failure(/*peer_lost=*/false, nullptr, what);
+}
+
+void ProcessGroup::announce_failure_before_joining(const ProcessGroupOptions& o,
+                                                   const std::string& what) {
+  if (o.world_size < 2 || o.rank < 0 || o.rank >= o.world_size || o.main_port < 1 ||
+      o.main_port > 65535 || !o.hosted_store_prefix.empty() || o.backend == "mpi" ||
+      detail::has_supervisor()) {
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(rendezvous_begun_mutex);
+    if (rendezvous_begun.count(rendezvous_key(o)) > 0) return;
+  }
+  std::string first_line = what.substr(0, what.find('\n'));
+  if (first_line.size() > 500) first_line = first_line.substr(0, 497) + "...";
+  try {
+    // Rank 0 hosts the store the others wait for; another rank waits a
+    // little for rank 0's (it may start later).
+    detail::TcpStore store(o.main_address, o.main_port, /*server=*/o.rank == 0, kTellBound);
+    store.compareSet(kFailedBeforeJoiningKey, {}, as_bytes(str(o.rank, "\n", first_line)));
+    store.add(kToldKey, 1);
+    const auto deadline = std::chrono::steady_clock::now() + kTellBound;
+    while (o.rank == 0 && store.add(kToldKey, 0) < o.world_size &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  } catch (const std::exception&) {
+    // No store to tell (rank 0 not up, its port taken): the others' notes
+    // say that the rendezvous waits.
+  }
 }
 
 void ProcessGroup::begin_stage() {

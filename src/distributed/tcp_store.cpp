@@ -460,18 +460,33 @@ TcpStore::~TcpStore() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+void TcpStore::interrupt(const std::string& why) {
+  std::lock_guard<std::mutex> lock(fd_mutex_);
+  interrupted_ = why;
+  if (fd_ >= 0) ::shutdown(fd_, SHUT_RDWR);
+}
+
 std::string TcpStore::where() const { return str(host_, ":", port_, " (MASTER_ADDR:MASTER_PORT)"); }
 
 std::string TcpStore::request(const std::string& message, std::chrono::milliseconds timeout,
                               const char* what) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (fd_ < 0) {
-    throw DistributedError(str("the store at ", where(), " is unusable after an earlier failure."));
+    std::lock_guard<std::mutex> fd_lock(fd_mutex_);
+    throw DistributedError(interrupted_.empty() ? str("the store at ", where(),
+                                                      " is unusable after an earlier failure.")
+                                                : interrupted_);
   }
   auto fail = [&](const std::string& why) {
-    ::close(fd_);
-    fd_ = -1;
-    throw DistributedError(str("store ", what, " at ", where(), " failed: ", why));
+    std::string interrupted;
+    {
+      std::lock_guard<std::mutex> fd_lock(fd_mutex_);
+      ::close(fd_);
+      fd_ = -1;
+      interrupted = interrupted_;
+    }
+    throw DistributedError(
+        str("store ", what, " at ", where(), " failed: ", interrupted.empty() ? why : interrupted));
   };
   if (!send_all(fd_, message)) fail(std::strerror(errno));
   std::string in;

@@ -65,6 +65,10 @@ class TcpStore : public c10d::Store {
   /// 2.8's Store declares it (NCCL's watchdog uses a copy); before, it is
   /// fulgur's own.
   c10::intrusive_ptr<c10d::Store> clone() FULGUR_STORE_CLONE_OVERRIDE;
+  /// From another thread: the request this client's connection waits in,
+  /// and every later one, fails at once with `why` (the server, where
+  /// this is rank 0, stays up).
+  void interrupt(const std::string& why);
 
  private:
   std::string request(const std::string& message, std::chrono::milliseconds timeout,
@@ -78,7 +82,11 @@ class TcpStore : public c10d::Store {
   // Whether the server has answered on this connection: one closed before
   // any answer was refused (rank 0 out of open files) or found rank 0 ending.
   bool answered_ = false;
-  std::mutex mutex_;
+  std::mutex mutex_;  // one request at a time
+  // Guards fd_'s closing against interrupt() from another thread (which
+  // must not shut down a descriptor number already reused elsewhere).
+  std::mutex fd_mutex_;
+  std::string interrupted_;  // under fd_mutex_
 };
 
 }  // namespace fulgur::detail

@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <csignal>
 
 #include "fulgur/core/errors.h"
@@ -12,6 +13,7 @@
 #include "fulgur/nn/sync_batch_norm.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
 #include "distributed/launchers/heartbeat.h"
+#include "strategies/early_failure.h"
 
 namespace fulgur {
 
@@ -253,5 +255,46 @@ void ParallelStrategy::connect_sync_batchnorm(Module& module) {
                           "checkpoint names), or drop sync_batchnorm."));
   }
 }
+
+namespace detail {
+
+namespace {
+thread_local int quiet = 0;
+}  // namespace
+
+NoFailureAnnouncement::NoFailureAnnouncement() { ++quiet; }
+NoFailureAnnouncement::~NoFailureAnnouncement() { --quiet; }
+
+void announce_failure_before_joining(const ClusterEnvironment& env, const std::string& what) {
+  static std::atomic<bool> told{false};
+  try {
+    if (quiet > 0 || !env.creates_processes_externally() || env.world_size() < 2 ||
+        told.exchange(true)) {
+      return;
+    }
+    ProcessGroupOptions o;
+    o.main_address = env.main_address();
+    o.main_port = env.main_port();
+    o.hosted_store_prefix = env.hosted_store_prefix();
+    o.world_size = env.world_size();
+    o.rank = env.global_rank();
+    ProcessGroup::announce_failure_before_joining(o, what);
+  } catch (const std::exception&) {
+    // An environment that cannot say where the others wait: nobody to tell.
+  }
+}
+
+void announce_failure_before_joining(const std::string& what) {
+  if (quiet > 0) return;
+  try {
+    if (auto env = detect_cluster_environment(EnvView(), nullptr)) {
+      announce_failure_before_joining(*env, what);
+    }
+  } catch (const std::exception&) {
+    // Variables that name no environment (this failure may be about them).
+  }
+}
+
+}  // namespace detail
 
 }  // namespace fulgur

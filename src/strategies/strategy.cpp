@@ -17,6 +17,7 @@
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/strategies/checkpoint_layout.h"
 #include "distributed/launchers/heartbeat.h"
+#include "strategies/early_failure.h"
 #include "strategies/strategy_driver.h"
 
 namespace fulgur {
@@ -365,7 +366,11 @@ std::string Strategy::describe() const {
 namespace detail {
 
 void StrategyDriver::announce_failure(const std::string& what) {
-  if (s_.has_group()) s_.process_group().announce_failure(what);
+  if (s_.has_group()) {
+    s_.process_group().announce_failure(what);
+  } else if (s_.world_size() > 1 && s_.has_cluster_environment()) {
+    announce_failure_before_joining(s_.cluster_environment(), what);
+  }
 }
 
 }  // namespace detail

@@ -57,7 +57,8 @@ class StrategyDriver {
     s_.with_full_parameters(module, body);
   }
   void heartbeat(const char* what) { s_.heartbeat(what); }
-  /// ProcessGroup::announce_failure, where the group exists.
+  /// ProcessGroup::announce_failure, where the group exists; before it
+  /// does, announce_failure_before_joining (early_failure.h).
   void announce_failure(const std::string& what);
 
   // A copy of the weights kept as the optimizers step them (weight averages).

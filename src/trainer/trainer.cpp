@@ -25,6 +25,7 @@
 #include "fulgur/utilities/host_allocator.h"
 #include "fulgur/utilities/seed.h"
 #include "distributed/launchers/heartbeat.h"
+#include "strategies/early_failure.h"
 #include "trainer/loop_flags.h"
 #include "trainer/trainer_impl.h"
 #include "trainer/tuner_trial.h"
@@ -947,8 +948,14 @@ std::vector<Batch> Trainer::Impl::run_predict(Module& m, std::shared_ptr<DataLoa
 
 // ---- Trainer: thin forwarding to Impl.
 
-Trainer::Trainer(TrainerOptions options)
-    : impl_(std::make_unique<Impl>(*this, std::move(options))) {}
+Trainer::Trainer(TrainerOptions options) try
+    : impl_(std::make_unique<Impl>(*this, std::move(options))) {
+} catch (const std::exception& e) {
+  // One rank of several whose options fail on its machine only (a device
+  // count, a variable): the others would wait for it at the rendezvous.
+  // (Rethrown.)
+  detail::announce_failure_before_joining(error_message(e));
+}
 Trainer::~Trainer() = default;
 
 FitResult Trainer::fit(Module& module, DataModule& data, FitOptions options) {

@@ -319,6 +319,24 @@ TEST_F(LaunchPaths, UnsupervisedRanksInDifferentCollectivesEndNamingTheDesync) {
   }
 }
 
+// Rank 1's Trainer fails before it joins (a flag wrong on its machine
+// only): rank 0, waiting for it at the rendezvous, fails at once naming
+// it, not after the 60 s timeout.
+TEST_F(LaunchPaths, UnsupervisedRanksWaitingForARankThatFailedBeforeJoiningNameIt) {
+  const std::vector<std::string> args = {"--timeout", "60"};
+  std::vector<std::string> bad = args;
+  bad.insert(bad.end(), {"--precision", "17-true"});
+  auto r = as_srun_tasks({args, bad}, dir.path() + "/early.pt", dir.path());
+  EXPECT_EQ(r[1].exit_code, 1) << r[1].output;
+  EXPECT_NE(r[1].output.find("17-true"), std::string::npos) << r[1].output;
+  EXPECT_EQ(r[0].exit_code, 1) << r[0].output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      r[0].output, {"rank 0 of 2: rank 1 failed before it joined the rendezvous at ", "17-true",
+                    "this rank stops waiting"}))
+      << r[0].output;
+  EXPECT_EQ(r[0].output.find("Timed out"), std::string::npos) << r[0].output;
+}
+
 // A MASTER_PORT whose next port (the launchers' store's) was free too: the
 // kernel hands the ports after a free one to other tests' connections.
 int free_port_and_the_next() {

@@ -97,6 +97,96 @@ rlim_t soft_open_file_limit() {
   return limit.rlim_cur;
 }
 
+// Ranks (threads here) whose rendezvous waits for one that failed before it
+// joined: it tells them through the store, and their rendezvous fails at
+// once naming it, not at the timeout ("Timed out", "no answer within").
+std::vector<std::string> rendezvous_errors(const fulgur::ProcessGroupOptions& o, int failed,
+                                           const std::string& what) {
+  std::vector<std::string> errors(static_cast<size_t>(o.world_size));
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < o.world_size; ++rank) {
+    ranks.emplace_back([&, rank] {
+      fulgur::ProcessGroupOptions mine = o;
+      mine.rank = rank;
+      if (rank == failed) {
+        // It starts late, as a rank that failed after its peers' start.
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        fulgur::ProcessGroup::announce_failure_before_joining(mine, what);
+        return;
+      }
+      try {
+        fulgur::ProcessGroup::connect(mine);
+      } catch (const fulgur::DistributedError& e) {
+        errors[static_cast<size_t>(rank)] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  return errors;
+}
+
+TEST(ProcessGroup, ARankThatFailsBeforeItJoinsIsNamedByTheRanksWaitingForIt) {
+  fulgur::ProcessGroupOptions o = one_rank("gloo");
+  o.world_size = 3;
+  auto errors = rendezvous_errors(
+      o, 1, "rank 1: devices=4, but this machine has 2 CUDA devices.\nmore of its error");
+  for (int rank : {0, 2}) {
+    const std::string& error = errors[static_cast<size_t>(rank)];
+    EXPECT_TRUE(fulgur::test::message_contains(
+        error, {fulgur::str("rank ", rank,
+                            " of 3: rank 1 failed before it joined the rendezvous "
+                            "at 127.0.0.1:",
+                            o.main_port,
+                            ": rank 1: devices=4, but this machine has 2 CUDA devices. The "
+                            "rendezvous cannot complete without it")}))
+        << error;
+    EXPECT_EQ(error.find("more of its error"), std::string::npos) << error;
+  }
+  // Rank 0 itself, whose store the others wait to reach: it holds one
+  // until they have read why.
+  o.main_port = fulgur::find_free_port();
+  o.world_size = 2;
+  errors = rendezvous_errors(o, 0, "train.yaml: no such file");
+  EXPECT_TRUE(fulgur::test::message_contains(
+      errors[1],
+      {"rank 1 of 2: rank 0 failed before it joined the rendezvous", ": train.yaml: no such file"}))
+      << errors[1];
+}
+
+// Every rank fails alike (a flag wrong everywhere): each tells and ends; a
+// rank that has begun the rendezvous tells nothing (the rendezvous itself
+// failed on every rank, or it learned of another's failure there).
+TEST(ProcessGroup, RanksThatAllFailBeforeJoiningEachEndAndARankInTheRendezvousTellsNothing) {
+  fulgur::ProcessGroupOptions o = one_rank("gloo");
+  o.world_size = 2;
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back([o, rank] {
+      fulgur::ProcessGroupOptions mine = o;
+      mine.rank = rank;
+      fulgur::ProcessGroup::announce_failure_before_joining(mine, "max_epochs=-1 is negative");
+    });
+  }
+  for (auto& t : ranks) t.join();
+
+  o.main_port = fulgur::find_free_port();
+  o.timeout = std::chrono::milliseconds(1500);
+  fulgur::ProcessGroupOptions second = o;
+  second.rank = 1;
+  EXPECT_THROW(fulgur::ProcessGroup::connect(second), fulgur::DistributedError);
+  // Rank 1 timed out in the rendezvous: that is no failure before joining,
+  // so rank 0, arriving now, meets no announcement and times out too.
+  fulgur::ProcessGroup::announce_failure_before_joining(second, "its timeout");
+  std::string error;
+  try {
+    fulgur::ProcessGroup::connect(o);
+  } catch (const fulgur::DistributedError& e) {
+    error = e.what();
+  }
+  EXPECT_EQ(error.find("failed before it joined"), std::string::npos) << error;
+  EXPECT_FALSE(error.empty());
+}
+
 // Hundreds of ranks need more open files than Linux's usual soft limit of
 // 1024 (rank 0's store alone holds two connections per rank): the group
 // raises the soft limit as far as the hard one allows, and says when that

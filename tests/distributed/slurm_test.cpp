@@ -151,6 +151,28 @@ TEST_F(Slurm, SrunRunsTheExampleAsTwoRanks) {
 }
 #endif
 
+#ifdef FULGUR_FASHION_EXAMPLE
+// The example's configuration fails on task 1 only (its file is missing
+// there, as on a machine without the shared directory): task 0, waiting for
+// it at the rendezvous, fails at once naming it, not after the 30-minute
+// timeout.
+TEST_F(Slurm, ATaskWhoseConfigurationFailsIsNamedByTheTaskWaitingForIt) {
+  const std::string run = fulgur::str(
+      FULGUR_FASHION_EXAMPLE, " --strategy ddp --devices 2 --max_steps 5 --limit_val_batches 0 ",
+      "--enable_progress_bar false --default_root_dir ", dir_.path(), "/early");
+  const std::string missing = dir_.path() + "/missing.yaml";
+  auto r = slurm({"srun", "-N1", "-n2", "--overcommit", "-J", "early", "bash", "-c",
+                  fulgur::str("if [ \"$SLURM_PROCID\" = 1 ]; then exec ", run, " --config ",
+                              missing, "; else exec ", run, "; fi")},
+                 120s);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      r.output, {"rank 0 of 2: rank 1 failed before it joined the rendezvous at ", missing,
+                 "this rank stops waiting"}))
+      << r.output;
+}
+#endif
+
 TEST_F(Slurm, TwoNodesFourRanks) {
   auto r = slurm(with_srun({"srun", "-N2", "-n4", "--overcommit", "-J", "train"},
                            worker("nodes", {"--num-nodes", "2"}, 0)));

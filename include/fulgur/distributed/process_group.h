@@ -206,6 +206,19 @@ class ProcessGroup {
   /// and after this rank's first failure. The Trainer calls it for an error
   /// that ends a stage.
   void announce_failure(const std::string& what);
+  /// Where this rank fails before it has joined the rendezvous `o` describes
+  /// (a flag, a file or a device wrong on its machine only) and no launcher
+  /// of fulgur's supervises the ranks: tells the others through fulgur's
+  /// store at o.main_address:o.main_port (rank 0 hosts it for the
+  /// purpose), so that their rendezvous fails at once naming this rank and
+  /// `what` instead of waiting out the timeout. Takes at most a few
+  /// seconds: rank 0 until every rank has heard, another rank while rank
+  /// 0's store is not up. A no-op for one rank, torchrun's store (its
+  /// agent stops the ranks), mpi, and a rank that has begun this
+  /// rendezvous in connect() (it has joined, or it failed there, as the
+  /// others did). The Trainer and fulgur::CLI call it for their errors.
+  static void announce_failure_before_joining(const ProcessGroupOptions& o,
+                                              const std::string& what);
   /// Another stage (fit, validate, test, predict) starts on this rank, which
   /// has recovered from any failure it announced: its peers stop counting
   /// it. Parallel strategies call it for each stage after the first.
