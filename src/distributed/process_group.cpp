@@ -162,6 +162,9 @@ c10::intrusive_ptr<C10dGroup> make_gloo(const ProcessGroupOptions& o, const Reso
 // that have told or read it (rank 0 holds its store until all have).
 constexpr const char* kFailedBeforeJoiningKey = "fulgur/rendezvous/failed";
 constexpr const char* kToldKey = "fulgur/rendezvous/told";
+// Every rank counts itself in, the last one sets the second key.
+constexpr const char* kArrivedKey = "fulgur/rendezvous/arrived";
+constexpr const char* kAllArrivedKey = "fulgur/rendezvous/all_arrived";
 constexpr auto kTellBound = std::chrono::seconds(5);
 
 // The rendezvous this process has begun ("host:port#rank"): a failure of
@@ -196,15 +199,7 @@ class RendezvousWatch {
     if (!reads_store_ && o.rendezvous_note_after.count() <= 0) return;
     thread_ = std::thread([this] { run(); });
   }
-  ~RendezvousWatch() {
-    if (!thread_.joinable()) return;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      done_ = true;
-    }
-    changed_.notify_all();
-    thread_.join();
-  }
+  ~RendezvousWatch() { stop(); }
   RendezvousWatch(const RendezvousWatch&) = delete;
   RendezvousWatch& operator=(const RendezvousWatch&) = delete;
 
@@ -214,6 +209,19 @@ class RendezvousWatch {
     std::lock_guard<std::mutex> lock(mutex_);
     store_ = store;
     if (!failure_.empty()) store_->interrupt(failure_);
+  }
+
+  // Whether it reads fulgur's store (then the ranks arrive there before
+  // the backend connects them: see connect()).
+  bool reads_store() const { return thread_.joinable() && reads_store_; }
+
+  // The rendezvous is over: no more reading, no interrupt of the group's
+  // store, and the watch's connection closed (rank 0's store would hold
+  // three per rank while the peers' watch opens its own).
+  void finish() {
+    stop();
+    own_.reset();
+    store_.reset();
   }
 
   // "rank 1 failed before it joined the rendezvous at ...", or "".
@@ -226,12 +234,7 @@ class RendezvousWatch {
   // has told or read the failure (bounded), so that none of them finds the
   // store gone instead.
   void let_the_others_read() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      done_ = true;
-    }
-    changed_.notify_all();
-    if (thread_.joinable()) thread_.join();
+    stop();
     if (!own_) return;
     const auto deadline = std::chrono::steady_clock::now() + kTellBound;
     try {
@@ -244,6 +247,16 @@ class RendezvousWatch {
   }
 
  private:
+  void stop() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_ = true;
+    }
+    changed_.notify_all();
+    thread_.join();
+  }
+
   void run() {
     using Clock = std::chrono::steady_clock;
     constexpr auto kPeriod = std::chrono::seconds(1);
@@ -275,6 +288,14 @@ class RendezvousWatch {
         if (!failure.empty()) {
           failure_ = std::move(failure);
           if (store_) store_->interrupt(failure_);
+          lock.unlock();
+          // Counted as told only now: rank 0 may close its store once
+          // every rank is, and this rank's rendezvous must fail naming the
+          // cause, not the closed store.
+          try {
+            own_->add(kToldKey, 1);
+          } catch (const std::exception&) {
+          }
           return;
         }
       }
@@ -294,7 +315,6 @@ class RendezvousWatch {
       }
       if (!own_->check({kFailedBeforeJoiningKey})) return "";
       const auto value = own_->get(kFailedBeforeJoiningKey);
-      own_->add(kToldKey, 1);
       const std::string text(value.begin(), value.end());
       const auto newline = text.find('\n');
       return str("rank ", text.substr(0, newline), " failed before it joined the rendezvous at ",
@@ -452,7 +472,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
   Resolved main = resolve(o.main_address, o.main_port, o);
   if (o.world_size > 1) {
     // Gloo connects to every peer; the store's server in rank 0 holds two
-    // connections per rank (the group's and the watch's). Linux's usual
+    // connections per rank (the group's and the peers' watch's; the
+    // rendezvous's watch's closes before that one opens). Linux's usual
     // limit of 1024 open files would end a few hundred ranks.
     const bool hosts_store = o.rank == 0 && o.hosted_store_prefix.empty();
     const int64_t needed =
@@ -497,20 +518,43 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
           str("rank ", o.rank, " of ", o.world_size, ": rendezvous failed: ", e.what()));
     }
   }
+  // A rank that failed before it joined, read by the watch, is the cause
+  // of whatever failed here.
+  auto failed_for_a_peer = [&] {
+    std::string failure = watch.failure();
+    if (failure.empty()) return;
+    if (o.rank == 0) watch.let_the_others_read();
+    throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": ", failure));
+  };
+  if (watch.reads_store()) {
+    // Every rank arrives in the store before the backend connects them, so
+    // that a rank waiting for one that never comes waits where the watch
+    // can interrupt it: not in Gloo's connections to its peers (a rank
+    // whose peer is held up by the missing rank waits there), nor in
+    // NCCL's (made at its first collective).
+    try {
+      if (impl->store->add(kArrivedKey, 1) == o.world_size) {
+        impl->store->set(kAllArrivedKey, as_bytes("1"));
+      }
+      impl->store->wait({kAllArrivedKey});
+    } catch (const std::exception& e) {
+      failed_for_a_peer();
+      throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": the rendezvous at ",
+                                 o.main_address, ":", o.main_port, " failed: ", e.what()));
+    }
+  }
   try {
     if (o.backend == "nccl") {
       impl->group = compat::make_nccl_group(impl->store, o.rank, o.world_size, o.timeout);
     }
     if (o.backend == "gloo") impl->group = make_gloo(o, main, impl->store);
   } catch (const std::exception& e) {
-    if (std::string failure = watch.failure(); !failure.empty()) {
-      if (o.rank == 0) watch.let_the_others_read();
-      throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": ", failure));
-    }
+    failed_for_a_peer();
     throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": building the ", o.backend,
                                " process group through ", o.main_address, ":", o.main_port,
                                " failed: ", e.what(), detail::open_files_hint(e.what())));
   }
+  watch.finish();
   if (o.watch_peers && o.world_size > 1 && !detail::has_supervisor()) {
     impl->watch = watch_peers(o);
   }
@@ -543,33 +587,46 @@ void ProcessGroup::announce_failure(const std::string& what) {
   if (impl_->watch) impl_->watch->publish_failure(/*peer_lost=*/false, nullptr, what);
 }
 
-void ProcessGroup::announce_failure_before_joining(const ProcessGroupOptions& o,
+bool ProcessGroup::announce_failure_before_joining(const ProcessGroupOptions& o,
                                                    const std::string& what) {
   if (o.world_size < 2 || o.rank < 0 || o.rank >= o.world_size || o.main_port < 1 ||
       o.main_port > 65535 || !o.hosted_store_prefix.empty() || o.backend == "mpi" ||
       detail::has_supervisor()) {
-    return;
+    return false;
   }
   {
     std::lock_guard<std::mutex> lock(rendezvous_begun_mutex);
-    if (rendezvous_begun.count(rendezvous_key(o)) > 0) return;
+    if (rendezvous_begun.count(rendezvous_key(o)) > 0) return false;
   }
   std::string first_line = what.substr(0, what.find('\n'));
   if (first_line.size() > 500) first_line = first_line.substr(0, 497) + "...";
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + kTellBound;
   try {
     // Rank 0 hosts the store the others wait for; another rank waits a
     // little for rank 0's (it may start later).
     detail::TcpStore store(o.main_address, o.main_port, /*server=*/o.rank == 0, kTellBound);
+    store.setTimeout(std::chrono::seconds(1));  // a live store answers at once
     store.compareSet(kFailedBeforeJoiningKey, {}, as_bytes(str(o.rank, "\n", first_line)));
     store.add(kToldKey, 1);
-    const auto deadline = std::chrono::steady_clock::now() + kTellBound;
-    while (o.rank == 0 && store.add(kToldKey, 0) < o.world_size &&
-           std::chrono::steady_clock::now() < deadline) {
+    if (o.rank != 0) return true;
+    bool noted = false;
+    for (;;) {
+      if (store.add(kToldKey, 0) >= o.world_size) return true;
+      if (Clock::now() >= deadline) return false;
+      if (!noted && Clock::now() >= deadline - kTellBound + std::chrono::milliseconds(500)) {
+        noted = true;
+        detail::print_note(str("rank 0 of ", o.world_size, " keeps the rendezvous's store at ",
+                               o.main_address, ":", o.main_port, " up for up to ",
+                               detail::seconds_text(kTellBound),
+                               " s, so that the other ranks learn of its failure."));
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   } catch (const std::exception&) {
     // No store to tell (rank 0 not up, its port taken): the others' notes
     // say that the rendezvous waits.
+    return false;
   }
 }
 

@@ -307,6 +307,8 @@ class StoreServer {
 
   void drop(int fd) {
     ::close(fd);
+    // Where refuse() lost the spare to another thread's open.
+    if (spare_fd_ < 0) spare_fd_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
     conns_.erase(fd);
     std::erase_if(waiters_, [fd](const Waiter& w) { return w.fd == fd; });
   }

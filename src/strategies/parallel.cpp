@@ -268,8 +268,9 @@ NoFailureAnnouncement::~NoFailureAnnouncement() { --quiet; }
 void announce_failure_before_joining(const ClusterEnvironment& env, const std::string& what) {
   static std::atomic<bool> told{false};
   try {
+    // mpirun stops every rank when one fails.
     if (quiet > 0 || !env.creates_processes_externally() || env.world_size() < 2 ||
-        told.exchange(true)) {
+        env.name() == "mpi") {
       return;
     }
     ProcessGroupOptions o;
@@ -278,6 +279,7 @@ void announce_failure_before_joining(const ClusterEnvironment& env, const std::s
     o.hosted_store_prefix = env.hosted_store_prefix();
     o.world_size = env.world_size();
     o.rank = env.global_rank();
+    if (told.exchange(true)) return;
     ProcessGroup::announce_failure_before_joining(o, what);
   } catch (const std::exception&) {
     // An environment that cannot say where the others wait: nobody to tell.

@@ -99,42 +99,59 @@ rlim_t soft_open_file_limit() {
 
 // Ranks (threads here) whose rendezvous waits for one that failed before it
 // joined: it tells them through the store, and their rendezvous fails at
-// once naming it, not at the timeout ("Timed out", "no answer within").
-std::vector<std::string> rendezvous_errors(const fulgur::ProcessGroupOptions& o, int failed,
+// once naming it, not at the 60 s timeout.
+struct EarlyFailure {
+  std::vector<std::string> errors;                // each waiting rank's
+  bool told = false;                              // what the failed rank's announcement returned
+  std::chrono::steady_clock::duration longest{};  // the longest rank's time in connect()
+};
+
+EarlyFailure rendezvous_with_a_failed_rank(fulgur::ProcessGroupOptions o, int failed,
                                            const std::string& what) {
-  std::vector<std::string> errors(static_cast<size_t>(o.world_size));
+  o.timeout = std::chrono::seconds(60);
+  EarlyFailure out;
+  out.errors.resize(static_cast<size_t>(o.world_size));
+  std::mutex mutex;
   std::vector<std::thread> ranks;
   for (int rank = 0; rank < o.world_size; ++rank) {
     ranks.emplace_back([&, rank] {
       fulgur::ProcessGroupOptions mine = o;
       mine.rank = rank;
       if (rank == failed) {
-        // It starts late, as a rank that failed after its peers' start.
+        // It fails after its peers started waiting.
         std::this_thread::sleep_for(std::chrono::milliseconds(300));
-        fulgur::ProcessGroup::announce_failure_before_joining(mine, what);
+        out.told = fulgur::ProcessGroup::announce_failure_before_joining(mine, what);
         return;
       }
+      const auto start = std::chrono::steady_clock::now();
+      std::string error;
       try {
         fulgur::ProcessGroup::connect(mine);
       } catch (const fulgur::DistributedError& e) {
-        errors[static_cast<size_t>(rank)] = e.what();
+        error = e.what();
       }
+      std::lock_guard<std::mutex> lock(mutex);
+      out.errors[static_cast<size_t>(rank)] = error;
+      out.longest = std::max(out.longest, std::chrono::steady_clock::now() - start);
     });
   }
   for (auto& t : ranks) t.join();
-  return errors;
+  return out;
 }
 
 TEST(ProcessGroup, ARankThatFailsBeforeItJoinsIsNamedByTheRanksWaitingForIt) {
+  // Four ranks: those whose Gloo connection to a peer waits on a rank held
+  // up by the failed one fail too (they wait in the store first).
   fulgur::ProcessGroupOptions o = one_rank("gloo");
-  o.world_size = 3;
-  auto errors = rendezvous_errors(
+  o.world_size = 4;
+  auto r = rendezvous_with_a_failed_rank(
       o, 1, "rank 1: devices=4, but this machine has 2 CUDA devices.\nmore of its error");
-  for (int rank : {0, 2}) {
-    const std::string& error = errors[static_cast<size_t>(rank)];
+  EXPECT_TRUE(r.told);
+  for (int rank : {0, 2, 3}) {
+    const std::string& error = r.errors[static_cast<size_t>(rank)];
     EXPECT_TRUE(fulgur::test::message_contains(
         error, {fulgur::str("rank ", rank,
-                            " of 3: rank 1 failed before it joined the rendezvous "
+                            " of 4: rank 1 failed before it joined the rendezvous "
                             "at 127.0.0.1:",
                             o.main_port,
                             ": rank 1: devices=4, but this machine has 2 CUDA devices. The "
@@ -142,49 +159,67 @@ TEST(ProcessGroup, ARankThatFailsBeforeItJoinsIsNamedByTheRanksWaitingForIt) {
         << error;
     EXPECT_EQ(error.find("more of its error"), std::string::npos) << error;
   }
-  // Rank 0 itself, whose store the others wait to reach: it holds one
+  // Not at the timeout (60 s): within seconds, even on a loaded machine.
+  EXPECT_LT(r.longest, std::chrono::seconds(30));
+  // Rank 0 itself, whose store the others wait to reach: it hosts one
   // until they have read why.
   o.main_port = fulgur::find_free_port();
-  o.world_size = 2;
-  errors = rendezvous_errors(o, 0, "train.yaml: no such file");
-  EXPECT_TRUE(fulgur::test::message_contains(
-      errors[1],
-      {"rank 1 of 2: rank 0 failed before it joined the rendezvous", ": train.yaml: no such file"}))
-      << errors[1];
+  o.world_size = 3;
+  r = rendezvous_with_a_failed_rank(o, 0, "train.yaml: no such file");
+  EXPECT_TRUE(r.told) << "rank 0 ended before every rank had read its failure";
+  for (int rank : {1, 2}) {
+    EXPECT_TRUE(fulgur::test::message_contains(
+        r.errors[static_cast<size_t>(rank)],
+        {fulgur::str("rank ", rank, " of 3: rank 0 failed before it joined the rendezvous"),
+         ": train.yaml: no such file"}))
+        << r.errors[static_cast<size_t>(rank)];
+  }
+  EXPECT_LT(r.longest, std::chrono::seconds(30));
 }
 
-// Every rank fails alike (a flag wrong everywhere): each tells and ends; a
-// rank that has begun the rendezvous tells nothing (the rendezvous itself
-// failed on every rank, or it learned of another's failure there).
-TEST(ProcessGroup, RanksThatAllFailBeforeJoiningEachEndAndARankInTheRendezvousTellsNothing) {
+// Every rank fails alike (a flag wrong everywhere): each tells, and rank 0
+// ends once every rank has, not after its bound. A rank that has begun the
+// rendezvous tells nothing: its failure there (a timeout, here) is no
+// failure before it joined.
+TEST(ProcessGroup, RanksThatAllFailBeforeJoiningEndTogetherAndARankInTheRendezvousTellsNothing) {
   fulgur::ProcessGroupOptions o = one_rank("gloo");
   o.world_size = 2;
+  bool told[2] = {false, false};
   std::vector<std::thread> ranks;
   for (int rank = 0; rank < 2; ++rank) {
-    ranks.emplace_back([o, rank] {
+    ranks.emplace_back([&told, o, rank] {
       fulgur::ProcessGroupOptions mine = o;
       mine.rank = rank;
-      fulgur::ProcessGroup::announce_failure_before_joining(mine, "max_epochs=-1 is negative");
+      told[rank] =
+          fulgur::ProcessGroup::announce_failure_before_joining(mine, "max_epochs=-1 is negative");
     });
   }
   for (auto& t : ranks) t.join();
+  EXPECT_TRUE(told[0]) << "rank 0 gave up before rank 1 had told";
+  EXPECT_TRUE(told[1]);
 
+  // Three ranks, one never comes: rank 1 times out in the rendezvous (2 s)
+  // while rank 0 still waits there (8 s).
   o.main_port = fulgur::find_free_port();
-  o.timeout = std::chrono::milliseconds(1500);
+  o.world_size = 3;
+  std::string error;
+  std::thread waiting([&] {
+    fulgur::ProcessGroupOptions first = o;
+    first.timeout = std::chrono::seconds(8);
+    try {
+      fulgur::ProcessGroup::connect(first);
+    } catch (const fulgur::DistributedError& e) {
+      error = e.what();
+    }
+  });
   fulgur::ProcessGroupOptions second = o;
   second.rank = 1;
+  second.timeout = std::chrono::seconds(2);
   EXPECT_THROW(fulgur::ProcessGroup::connect(second), fulgur::DistributedError);
-  // Rank 1 timed out in the rendezvous: that is no failure before joining,
-  // so rank 0, arriving now, meets no announcement and times out too.
-  fulgur::ProcessGroup::announce_failure_before_joining(second, "its timeout");
-  std::string error;
-  try {
-    fulgur::ProcessGroup::connect(o);
-  } catch (const fulgur::DistributedError& e) {
-    error = e.what();
-  }
+  EXPECT_FALSE(fulgur::ProcessGroup::announce_failure_before_joining(second, "its timeout"));
+  waiting.join();
   EXPECT_EQ(error.find("failed before it joined"), std::string::npos) << error;
-  EXPECT_FALSE(error.empty());
+  EXPECT_NE(error.find("no answer within 8 s"), std::string::npos) << error;
 }
 
 // Hundreds of ranks need more open files than Linux's usual soft limit of

@@ -217,7 +217,9 @@ class ProcessGroup {
   /// agent stops the ranks), mpi, and a rank that has begun this
   /// rendezvous in connect() (it has joined, or it failed there, as the
   /// others did). The Trainer and fulgur::CLI call it for their errors.
-  static void announce_failure_before_joining(const ProcessGroupOptions& o,
+  /// True when it told: rank 0 once every other rank has heard, another
+  /// rank once rank 0's store has it.
+  static bool announce_failure_before_joining(const ProcessGroupOptions& o,
                                               const std::string& what);
   /// Another stage (fit, validate, test, predict) starts on this rank, which
   /// has recovered from any failure it announced: its peers stop counting
