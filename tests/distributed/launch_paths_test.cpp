@@ -159,7 +159,12 @@ TEST_F(LaunchPaths, TorchrunRestartedWorkersResumeAndEndBitIdentical) {
     return worker(flags, dir.path() + "/" + name + ".pt", dir.path() + "/" + name);
   };
   expect_clean(run_process(run("uninterrupted", {}), {}, 120s));
-  auto args = torchrun({"--standalone", "--max_restarts", "1", "--monitor_interval", "1"},
+  // The c10d rendezvous --standalone makes, on a free port: Debian's
+  // torchrun puts --standalone's on 29400, where another test's torchrun
+  // (LaunchPaths.Torchrun, running beside this one) would take it over.
+  const std::string endpoint = "127.0.0.1:" + std::to_string(fulgur::find_free_port());
+  auto args = torchrun({"--nnodes", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint,
+                        "--rdzv_id", "restarted", "--max_restarts", "1", "--monitor_interval", "1"},
                        dir.path() + "/restarted-logs");
   auto w = run("restarted", {"--kill", "1:7"});
   args.insert(args.end(), w.begin(), w.end());
