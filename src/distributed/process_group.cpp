@@ -235,14 +235,14 @@ class RendezvousWatch {
   // store gone instead.
   void let_the_others_read() {
     stop();
-    if (!own_) return;
     const auto deadline = std::chrono::steady_clock::now() + kTellBound;
-    try {
-      while (own_->add(kToldKey, 0) < o_.world_size &&
-             std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    while (std::chrono::steady_clock::now() < deadline) {
+      try {
+        if (own_told()->add(kToldKey, 0) >= o_.world_size) return;
+      } catch (const std::exception&) {
+        own_.reset();  // a slow answer: a new connection
       }
-    } catch (const std::exception&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
   }
 
@@ -292,14 +292,31 @@ class RendezvousWatch {
           // Counted as told only now: rank 0 may close its store once
           // every rank is, and this rank's rendezvous must fail naming the
           // cause, not the closed store.
-          try {
-            own_->add(kToldKey, 1);
-          } catch (const std::exception&) {
+          const auto deadline = Clock::now() + kTellBound;
+          while (Clock::now() < deadline) {
+            try {
+              own_told()->add(kToldKey, 1);
+              return;
+            } catch (const std::exception&) {
+              own_.reset();  // a slow answer (a loaded rank 0): again
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
           }
           return;
         }
       }
     }
+  }
+
+  // The watch's connection, for counting who has heard of a failure: with
+  // requests of a second (reading polls with shorter ones).
+  detail::TcpStore* own_told() {
+    if (!own_) {
+      own_ = std::make_unique<detail::TcpStore>(o_.main_address, o_.main_port, /*server=*/false,
+                                                std::chrono::seconds(1));
+    }
+    own_->setTimeout(std::chrono::seconds(1));
+    return own_.get();
   }
 
   // The failure a rank told of, as this rank's error says it; "" while
@@ -539,8 +556,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
       impl->store->wait({kAllArrivedKey});
     } catch (const std::exception& e) {
       failed_for_a_peer();
-      throw DistributedError(str("rank ", o.rank, " of ", o.world_size, ": the rendezvous at ",
-                                 o.main_address, ":", o.main_port, " failed: ", e.what()));
+      throw DistributedError(
+          str("rank ", o.rank, " of ", o.world_size, ": rendezvous failed: ", e.what()));
     }
   }
   try {
