@@ -8,13 +8,11 @@
 #include <sstream>
 
 #include "fulgur/core/errors.h"
+#include "distributed/tcp_store.h"
 
 namespace fulgur::detail {
 
 namespace {
-
-std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
-std::string text_of(const std::vector<uint8_t>& v) { return {v.begin(), v.end()}; }
 
 // Only a write: stdio's locks may be held by a thread that blocks on a full
 // pipe, and the process ends here.
@@ -166,12 +164,12 @@ void PeerWatch::look(const Waiting& waiting, Clock::time_point now,
     const std::string mine_key = key(str("wait/", options_.rank));
     if (!long_wait) {
       // Left its wait: rank 0 must not count it as still there.
-      store_->set(mine_key, bytes_of(encode(WaitReport{++beat_, "", 0, 0})));
+      store_->set(mine_key, string_to_bytes(encode(WaitReport{++beat_, "", 0, 0})));
       reported_waiting_ = false;
       return;
     }
     const WaitReport mine{++beat_, waiting.call.kind, waiting.call.seq, waiting.call.bytes};
-    store_->set(mine_key, bytes_of(encode(mine)));
+    store_->set(mine_key, string_to_bytes(encode(mine)));
     reported_waiting_ = true;
 
     read_failures();
@@ -195,12 +193,12 @@ void PeerWatch::look(const Waiting& waiting, Clock::time_point now,
       for (int r = 1; r < options_.world; ++r) {
         const std::string theirs = key(str("wait/", r));
         std::optional<WaitReport> report;
-        if (store_->check({theirs})) report = decode_wait(text_of(store_->get(theirs)));
+        if (store_->check({theirs})) report = decode_wait(bytes_to_string(store_->get(theirs)));
         judge_.observe(r, report, now);
       }
       const auto verdict = judge_.verdict(now);
       if (!verdict || !still_waiting(waiting)) return;
-      store_->set(desync_key, bytes_of(*verdict));
+      store_->set(desync_key, string_to_bytes(*verdict));
       // The others read it from this rank's store: it stays up until each
       // has, or a few periods have passed (the store answers meanwhile).
       for (int i = 0; i < 5 && store_ && store_->add(read_key, 0) < options_.world - 1; ++i) {
@@ -210,7 +208,7 @@ void PeerWatch::look(const Waiting& waiting, Clock::time_point now,
       }
       finish(str("rank 0 of ", options_.world, " ends: ", *verdict));
     } else if (store_->check({desync_key})) {
-      const std::string verdict = text_of(store_->get(desync_key));
+      const std::string verdict = bytes_to_string(store_->get(desync_key));
       if (!still_waiting(waiting)) return;
       store_->add(read_key, 1);
       finish(str("rank ", options_.rank, " of ", options_.world, " ends: ", verdict));
@@ -234,12 +232,13 @@ void PeerWatch::read_failures() {
     if (!store_->check({k})) continue;
     // "<stage> <record>": a rank that has started a later stage since has
     // recovered from it.
-    const std::string text = text_of(store_->get(k));
+    const std::string text = bytes_to_string(store_->get(k));
     const auto space = text.find(' ');
     if (space == std::string::npos) continue;
     const int64_t stage = std::atoll(text.substr(0, space).c_str());
     const std::string stage_key = key(str("stage/", r));
-    if (store_->check({stage_key}) && std::atoll(text_of(store_->get(stage_key)).c_str()) > stage) {
+    if (store_->check({stage_key}) &&
+        std::atoll(bytes_to_string(store_->get(stage_key)).c_str()) > stage) {
       continue;
     }
     if (auto record = decode_failure(text.substr(space + 1))) failures.push_back({r, *record});
@@ -286,7 +285,8 @@ void PeerWatch::publish_failure(bool peer_lost, const CollectiveCall* call,
     std::lock_guard<std::mutex> lock(store_mutex_);
     if (ended_ || !usable_store(Clock::now())) return;
     try {
-      store_->set(key(str("failure/", options_.rank)), bytes_of(str(stage, " ", encode(record))));
+      store_->set(key(str("failure/", options_.rank)),
+                  string_to_bytes(str(stage, " ", encode(record))));
       store_->add(key("changes"), 1);
     } catch (const std::exception&) {
       lost_store();
@@ -332,7 +332,7 @@ void PeerWatch::new_stage() {
   judge_.forget();
   if (ended_ || !usable_store(Clock::now())) return;
   try {
-    store_->set(key(str("stage/", options_.rank)), bytes_of(std::to_string(stage)));
+    store_->set(key(str("stage/", options_.rank)), string_to_bytes(std::to_string(stage)));
     store_->add(key("changes"), 1);
   } catch (const std::exception&) {
     lost_store();

@@ -177,8 +177,6 @@ std::string rendezvous_key(const ProcessGroupOptions& o) {
   return str(o.main_address, ":", o.main_port, "#", o.rank);
 }
 
-std::vector<uint8_t> as_bytes(const std::string& s) { return {s.begin(), s.end()}; }
-
 // Watches a rendezvous where no launcher of fulgur's supervises the ranks
 // (a launcher names a rank that ended):
 //  - says now and then that it still waits (after rendezvous_note_after,
@@ -213,7 +211,7 @@ class RendezvousWatch {
 
   // Whether it reads fulgur's store (then the ranks arrive there before
   // the backend connects them: see connect()).
-  bool reads_store() const { return thread_.joinable() && reads_store_; }
+  bool reads_store() const { return reads_store_; }
 
   // The rendezvous is over: no more reading, no interrupt of the group's
   // store, and the watch's connection closed (rank 0's store would hold
@@ -331,8 +329,7 @@ class RendezvousWatch {
                                                   /*server=*/false, kRequest);
       }
       if (!own_->check({kFailedBeforeJoiningKey})) return "";
-      const auto value = own_->get(kFailedBeforeJoiningKey);
-      const std::string text(value.begin(), value.end());
+      const std::string text = detail::bytes_to_string(own_->get(kFailedBeforeJoiningKey));
       const auto newline = text.find('\n');
       return str("rank ", text.substr(0, newline), " failed before it joined the rendezvous at ",
                  o_.main_address, ":", o_.main_port, ": ",
@@ -551,7 +548,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
     // NCCL's (made at its first collective).
     try {
       if (impl->store->add(kArrivedKey, 1) == o.world_size) {
-        impl->store->set(kAllArrivedKey, as_bytes("1"));
+        impl->store->set(kAllArrivedKey, detail::string_to_bytes("1"));
       }
       impl->store->wait({kAllArrivedKey});
     } catch (const std::exception& e) {
@@ -624,7 +621,8 @@ bool ProcessGroup::announce_failure_before_joining(const ProcessGroupOptions& o,
     // little for rank 0's (it may start later).
     detail::TcpStore store(o.main_address, o.main_port, /*server=*/o.rank == 0, kTellBound);
     store.setTimeout(std::chrono::seconds(1));  // a live store answers at once
-    store.compareSet(kFailedBeforeJoiningKey, {}, as_bytes(str(o.rank, "\n", first_line)));
+    store.compareSet(kFailedBeforeJoiningKey, {},
+                     detail::string_to_bytes(str(o.rank, "\n", first_line)));
     store.add(kToldKey, 1);
     if (o.rank != 0) return true;
     bool noted = false;

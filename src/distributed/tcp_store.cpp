@@ -39,13 +39,6 @@ void put_string(std::string& out, const std::string& s) {
   out += s;
 }
 
-std::string bytes_to_string(const std::vector<uint8_t>& v) {
-  return std::string(v.begin(), v.end());
-}
-std::vector<uint8_t> string_to_bytes(const std::string& s) {
-  return std::vector<uint8_t>(s.begin(), s.end());
-}
-
 // Reads length-prefixed strings from `in` starting at `pos`.
 bool take_string(const std::string& in, size_t& pos, std::string& out) {
   if (in.size() < pos + 4) return false;
@@ -87,6 +80,13 @@ SocketAddress resolve_address(const std::string& host, int port) {
   a.family = found->ai_family;
   ::freeaddrinfo(found);
   return a;
+}
+
+std::string bytes_to_string(const std::vector<uint8_t>& v) {
+  return std::string(v.begin(), v.end());
+}
+std::vector<uint8_t> string_to_bytes(const std::string& s) {
+  return std::vector<uint8_t>(s.begin(), s.end());
 }
 
 int64_t open_files_in_use() {

@@ -30,6 +30,10 @@ struct SocketAddress {
 /// when it does not resolve.
 SocketAddress resolve_address(const std::string& host, int port);
 
+/// A store value as text, and text as a store value.
+std::string bytes_to_string(const std::vector<uint8_t>& v);
+std::vector<uint8_t> string_to_bytes(const std::string& s);
+
 /// The files (descriptors) this process has open now.
 int64_t open_files_in_use();
 /// Raises this process's soft limit of open files to `needed` where its

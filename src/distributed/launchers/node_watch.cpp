@@ -15,8 +15,6 @@ using Clock = std::chrono::steady_clock;
 
 std::string key_of(int node) { return "fulgur/launcher/node/" + std::to_string(node); }
 
-std::vector<uint8_t> to_bytes(const std::string& s) { return {s.begin(), s.end()}; }
-
 }  // namespace
 
 int launcher_store_port(int main_port) {
@@ -142,11 +140,11 @@ void NodeWatch::beat_once() {
       client_ = std::make_unique<TcpStore>(options_.main_address, options_.port, /*server=*/false,
                                            interval());
     }
-    client_->set(key_of(options_.node_rank), to_bytes(value));
+    client_->set(key_of(options_.node_rank), string_to_bytes(value));
     for (int node = 0; node < options_.num_nodes; ++node) {
       if (node == options_.node_rank || !client_->check({key_of(node)})) continue;
       const auto bytes = client_->get(key_of(node));
-      beats[static_cast<size_t>(node)] = std::string(bytes.begin(), bytes.end());
+      beats[static_cast<size_t>(node)] = bytes_to_string(bytes);
     }
   } catch (const std::exception& e) {
     client_.reset();
