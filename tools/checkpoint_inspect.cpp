@@ -1,8 +1,13 @@
 #include "checkpoint_inspect.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -205,8 +210,40 @@ void print_contents(const std::string& file, std::ostream& out) {
   print_section(checkpoint, "module", "the module's own (on_save_checkpoint)", false, out);
 }
 
+// Why `file` cannot be checked at all (it is not there, not a file, or
+// not readable: none of which is corruption), "" when it can.
+std::string unreadable_label(const std::string& file) {
+  struct stat st {};
+  if (::stat(file.c_str(), &st) != 0) {
+    const int err = errno;
+    return err == ENOENT
+               ? str("MISSING: \"", file, "\" does not exist")
+               : str("UNREADABLE: \"", file, "\" cannot be looked up: ", std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    return str("NOT A FILE: \"", file, "\" is ",
+               S_ISDIR(st.st_mode)    ? "a directory"
+               : S_ISFIFO(st.st_mode) ? "a FIFO (named pipe)"
+               : S_ISCHR(st.st_mode)  ? "a character device"
+               : S_ISSOCK(st.st_mode) ? "a socket"
+                                      : "not a regular file",
+               ", not a checkpoint file");
+  }
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    const int err = errno;
+    return str("UNREADABLE: \"", file, "\" cannot be opened for reading: ", std::strerror(err));
+  }
+  ::close(fd);
+  return "";
+}
+
 // One file's size and checksum line; false when it does not verify.
 bool print_file_check(const std::string& file, const std::string& label, std::ostream& out) {
+  if (const std::string problem = unreadable_label(file); !problem.empty()) {
+    out << label << ": " << problem << "\n";
+    return false;
+  }
   fulgur::TorchCheckpointIO io;
   std::error_code ec;
   const auto size = fs::file_size(file, ec);

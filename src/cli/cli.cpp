@@ -118,40 +118,56 @@ std::string checkpoint_config(const std::string& path) {
   return "";
 }
 
+using Form = detail::ConfigValueForm;
+
 // A value from a file, the checkpoint or the command line.
 struct Item {
   std::string key;  // dotted
   std::string text;
   std::string source;
+  Form form = Form::kScalar;
+};
+
+struct NodeText {
+  std::string text;
+  Form form = Form::kScalar;
 };
 
 // The text of a YAML value: a scalar as written, a list joined by commas,
 // null as "none".
-std::optional<std::string> node_text(const YAML::Node& node) {
-  if (node.IsNull()) return std::string("none");
-  if (node.IsScalar()) return node.Scalar();
+std::optional<NodeText> node_text(const YAML::Node& node) {
+  if (node.IsNull()) return NodeText{"none", Form::kNull};
+  if (node.IsScalar()) return NodeText{node.Scalar(), Form::kScalar};
   if (node.IsSequence()) {
     std::vector<std::string> parts;
     for (const auto& item : node) {
       if (!item.IsScalar()) return std::nullopt;
       parts.push_back(item.Scalar());
     }
-    return join(parts, ",");
+    return NodeText{join(parts, ","), Form::kList};
   }
   return std::nullopt;
+}
+
+// "" or why a config's null or list cannot be the value of a key that
+// takes free text (a path, a name).
+std::string text_form_problem(Form form) {
+  switch (form) {
+    case Form::kNull:
+      return "a null (~, null, or nothing after the colon), and this key takes text (a path or "
+             "a name), which null would make the word \"none\". Write the value (\"\" for an "
+             "empty one), or leave the key out for its default.";
+    case Form::kList:
+      return "a list, and this key takes one value. Write it without brackets (in quotes if "
+             "it holds a comma).";
+    case Form::kScalar: break;
+  }
+  return "";
 }
 
 std::string line_of(const YAML::Node& node) {
   const YAML::Mark mark = node.Mark();
   return mark.line >= 0 ? str(" line ", mark.line + 1) : std::string();
-}
-
-// `text` for a message: whole when short, else its start and its length (a
-// key or value from a file may be as long as the file).
-std::string shortened(const std::string& text) {
-  constexpr size_t kMax = 80;
-  if (text.size() <= kMax) return text;
-  return str(text.substr(0, kMax), "... (", text.size(), " bytes)");
 }
 
 // The "did you mean" of unknown(), skipped for a name far longer than any
@@ -413,7 +429,8 @@ OptionGroup& OptionGroup::add(const std::string& name, std::string& value, std::
                      [&value](const std::string& t) -> std::string {
                        value = t;
                        return "";
-                     }});
+                     },
+                     /*is_text=*/true});
 }
 
 // ---- CLI.
@@ -652,7 +669,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
                                "values)."));
         return;
       }
-      items.push_back({key, *text, source + line_of(key_node)});
+      items.push_back({key, text->text, source + line_of(key_node), text->form});
     };
     for (const auto& entry : root) {
       const auto section = name_of(entry.first);
@@ -748,7 +765,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
     values["ckpt_path"] = {"", kDefault};
   }
   for (const auto* items : {&from_checkpoint, &from_files, &command_line}) {
-    for (const auto& item : *items) values[item.key] = {item.text, item.source};
+    for (const auto& item : *items) values[item.key] = {item.text, item.source, item.form};
   }
   apply(values, problems);
   // The Trainer's own checks of these values (ranges, conflicts, names the
@@ -826,7 +843,9 @@ void CLI::apply(std::map<std::string, Setting>& values, std::vector<std::string>
   for (const auto& f : trainer_flags()) {
     const Setting& s = values.at("trainer." + f.name);
     if (s.source == kDefault) continue;
-    if (std::string problem = f.set(trainer, s.text); !problem.empty()) {
+    if (const std::string problem = f.is_text ? text_form_problem(s.form) : ""; !problem.empty()) {
+      report("trainer." + f.name, s, problem);
+    } else if (std::string problem = f.set(trainer, s.text); !problem.empty()) {
       report("trainer." + f.name, s, problem);
     }
   }
@@ -840,8 +859,12 @@ void CLI::apply(std::map<std::string, Setting>& values, std::vector<std::string>
     for (const auto& o : group.options()) {
       const Setting& s = values.at(prefix + o.name);
       if (s.source == kDefault) continue;
-      if (std::string problem = o.set(s.text); !problem.empty())
+      if (const std::string problem = o.is_text ? text_form_problem(s.form) : "";
+          !problem.empty()) {
         report(prefix + o.name, s, problem);
+      } else if (std::string problem = o.set(s.text); !problem.empty()) {
+        report(prefix + o.name, s, problem);
+      }
     }
   };
   apply_group(model_, "model.");

@@ -36,6 +36,17 @@ std::string join(const std::vector<std::string>& items, std::string_view sep) {
   return out;
 }
 
+std::string join_some(const std::vector<std::string>& items, size_t at_most) {
+  if (items.size() <= at_most) return join(items);
+  return str(join(std::vector<std::string>(items.begin(), items.begin() + at_most)), ", ... (",
+             items.size(), " in all)");
+}
+
+std::string shortened(std::string_view text, size_t max) {
+  if (text.size() <= max) return std::string(text);
+  return str(text.substr(0, max), "... (", text.size(), " bytes)");
+}
+
 std::string by_rank(const std::vector<std::string>& value_of_rank, std::string_view between) {
   std::vector<std::pair<std::string, std::vector<std::string>>> ranks_of;  // in first-seen order
   for (size_t r = 0; r < value_of_rank.size(); ++r) {

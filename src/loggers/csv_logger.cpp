@@ -12,6 +12,7 @@
 #include "fulgur/core/errors.h"
 #include "fulgur/loggers/plot.h"
 #include "loggers/log_dir.h"
+#include "utilities/durable_file.h"
 
 namespace fulgur {
 
@@ -40,8 +41,7 @@ void make_directory(const std::string& dir) { detail::make_log_directory(dir, "C
 
 void CSVLogger::log_hyperparams(const HParams& params) {
   make_directory(log_dir());
-  errno = 0;
-  std::ofstream out(fs::path(log_dir()) / "hparams.yaml");
+  std::ostringstream out;
   if (params.empty()) out << "{}\n";
   for (const auto& [key, value] : params) {
     if (std::holds_alternative<std::string>(value)) {
@@ -56,10 +56,11 @@ void CSVLogger::log_hyperparams(const HParams& params) {
       out << key << ": " << to_string(value) << "\n";
     }
   }
-  out.flush();
-  if (!out) {
-    throw ConfigError(str("CSVLogger: cannot write \"", log_dir(), "/hparams.yaml\": ", os_reason(),
-                          ". Check that save_dir is writable and has space."));
+  // Whole or not at all: a full disk keeps the previous file.
+  const std::string path = (fs::path(log_dir()) / "hparams.yaml").string();
+  if (std::string problem = detail::write_file_atomically(path, out.str()); !problem.empty()) {
+    throw ConfigError(
+        str("CSVLogger: ", problem, ". Check that save_dir is writable and has space."));
   }
 }
 
@@ -141,16 +142,16 @@ void CSVLogger::save() {
   auto path = metrics_file();
   errno = 0;
   if (header_changed_ || !header_written_) {
-    // A new column: rewrite the whole file with the wider header.
-    std::ofstream out(path, std::ios::trunc);
+    // A new column: the whole file anew with the wider header, replacing
+    // the old one whole (a full disk keeps it as it was).
+    std::ostringstream out;
     out << "step";
     for (const auto& c : columns_) out << ',' << c;
     out << '\n';
     for (const auto& [step, row] : written_) write_row(out, columns_, step, row);
     for (const auto& [step, row] : pending_) write_row(out, columns_, step, row);
-    out.flush();
-    if (!out) {
-      throw ConfigError(str("CSVLogger: cannot write \"", path, "\": ", os_reason(),
+    if (std::string problem = detail::write_file_atomically(path, out.str()); !problem.empty()) {
+      throw ConfigError(str("CSVLogger: ", problem,
                             ". Check that save_dir is writable and has space; the rows stay "
                             "pending and are written by the next save."));
     }
@@ -161,6 +162,8 @@ void CSVLogger::save() {
     for (const auto& [step, row] : pending_) write_row(out, columns_, step, row);
     out.flush();
     if (!out) {
+      // Part of a row may have gone in: the next save writes the file anew.
+      header_changed_ = true;
       throw ConfigError(str("CSVLogger: cannot append to \"", path, "\": ", os_reason(),
                             ". Check that save_dir is writable and has space; the rows stay "
                             "pending and are written by the next save."));

@@ -78,4 +78,18 @@ inline std::string unwritable(const std::string& path) {
   return "";
 }
 
+/// Runs gnuplot on `script`, whose `set output` is `tmp`
+/// (temporary_path_for(png_path)), and puts the picture at `png_path` only
+/// once gnuplot ended well and the PNG is whole (its IEND chunk last): a
+/// failure, a timeout or a full disk keeps the picture that was there, and
+/// removes `tmp`. Each message starts with `who` ("plot", "lr_find");
+/// `not_installed` is the one for a machine without gnuplot. "" when drawn.
+std::string run_gnuplot_to(const std::string& script, const std::string& tmp,
+                           const std::string& png_path, const std::string& who,
+                           const std::string& not_installed);
+
+/// Why the file at `path` is no whole PNG ("is 4096 bytes and ends before
+/// its last chunk"), "" when it is one.
+std::string png_problem(const std::string& path);
+
 }  // namespace fulgur::detail

@@ -1,5 +1,7 @@
 #include "fulgur/loggers/plot.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
@@ -12,6 +14,8 @@
 
 #include "core/run_program.h"
 #include "loggers/gnuplot_text.h"
+#include "utilities/durable_file.h"
+#include "utilities/file_kind.h"
 #include "fulgur/core/errors.h"
 
 namespace fulgur {
@@ -155,7 +159,15 @@ std::string find_metrics_csv(const std::string& path) {
   std::error_code ec;
   if (fs::is_regular_file(path, ec)) return path;
   if (!fs::is_directory(path, ec)) {
-    throw ConfigError(str("plot: \"", path, "\" is neither a metrics.csv nor a directory."));
+    struct stat st {};
+    const bool there = ::stat(path.c_str(), &st) == 0;
+    const int err = errno;
+    throw ConfigError(str(
+        "plot: \"", path, "\" ",
+        there ? str("is ", detail::file_kind(st.st_mode), ", neither a metrics.csv nor a directory")
+        : err == ENOENT ? std::string("does not exist")
+                        : str("cannot be looked up: ", std::strerror(err)),
+        ". Pass a CSVLogger's metrics.csv, its version directory, or the run's default_root_dir."));
   }
   if (fs::is_regular_file(fs::path(path) / "metrics.csv", ec)) {
     return (fs::path(path) / "metrics.csv").string();
@@ -189,10 +201,12 @@ std::string find_metrics_csv(const std::string& path) {
 }
 
 std::string plot_metrics(const std::string& csv_path, const std::string& png_path) {
+  // Drawn beside png_path first, and put there once whole.
+  const std::string tmp = detail::temporary_path_for(png_path);
   std::string script;
   try {
     const auto dir = std::filesystem::path(csv_path).parent_path();
-    script = gnuplot_script(csv_path, png_path,
+    script = gnuplot_script(csv_path, tmp,
                             dir.filename().string().empty()
                                 ? csv_path
                                 : (dir.parent_path().filename() / dir.filename()).string());
@@ -203,20 +217,67 @@ std::string plot_metrics(const std::string& csv_path, const std::string& png_pat
     return str("plot: cannot write \"", png_path, "\": ", problem,
                ". Pass an output path in a directory this user can write.");
   }
-  const auto ran = detail::run_program({"gnuplot"}, script, std::chrono::seconds(60));
-  if (ran.spawn_error != 0) {
-    return str("plot: gnuplot is not installed (", std::strerror(ran.spawn_error),
-               "), so there is no picture of \"", csv_path,
-               "\": apt install gnuplot-nox (scripts/install-deps.sh installs it), then run "
-               "`fulgur plot ",
-               std::filesystem::path(csv_path).parent_path().string(), "`.");
+  return detail::run_gnuplot_to(
+      script, tmp, png_path, "plot",
+      str("plot: gnuplot is not installed, so there is no picture of \"", csv_path,
+          "\": apt install gnuplot-nox (scripts/install-deps.sh installs it), then run `fulgur "
+          "plot ",
+          std::filesystem::path(csv_path).parent_path().string(), "`."));
+}
+
+namespace detail {
+
+std::string png_problem(const std::string& path) {
+  static constexpr unsigned char kSignature[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+  // An IEND chunk: no data, its type, its CRC.
+  static constexpr unsigned char kEnd[12] = {0,   0,   0,    0,    'I',  'E',
+                                             'N', 'D', 0xae, 0x42, 0x60, 0x82};
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) return "cannot be read";
+  const auto size = static_cast<int64_t>(in.tellg());
+  unsigned char head[8] = {}, tail[12] = {};
+  if (size >= 8) {
+    in.seekg(0);
+    in.read(reinterpret_cast<char*>(head), 8);
   }
-  if (ran.timed_out) return str("plot: gnuplot did not finish in 60 s drawing \"", png_path, "\".");
-  if (!ran.succeeded() || !std::filesystem::exists(png_path)) {
-    return str("plot: gnuplot failed drawing \"", png_path,
-               "\": ", ran.output.empty() ? ran.how_it_ended() : detail::gnuplot_said(ran.output));
+  if (size < 20 || !in || std::memcmp(head, kSignature, 8) != 0) {
+    return str("is ", size, " bytes and no PNG");
+  }
+  in.seekg(size - 12);
+  in.read(reinterpret_cast<char*>(tail), 12);
+  if (!in || std::memcmp(tail, kEnd, 12) != 0) {
+    return str("is ", size, " bytes and ends before its last chunk");
   }
   return "";
 }
 
+std::string run_gnuplot_to(const std::string& script, const std::string& tmp,
+                           const std::string& png_path, const std::string& who,
+                           const std::string& not_installed) {
+  const auto ran = run_program({"gnuplot"}, script, std::chrono::seconds(60));
+  const auto failed = [&](std::string problem) {
+    ::unlink(tmp.c_str());
+    return problem;
+  };
+  if (ran.spawn_error != 0) return failed(not_installed);
+  if (ran.timed_out) {
+    return failed(str(who, ": gnuplot did not finish in 60 s drawing \"", png_path, "\"."));
+  }
+  std::error_code ec;
+  if (!ran.succeeded() || !std::filesystem::exists(tmp, ec)) {
+    return failed(str(who, ": gnuplot failed drawing \"", png_path,
+                      "\": ", ran.output.empty() ? ran.how_it_ended() : gnuplot_said(ran.output)));
+  }
+  if (const std::string problem = png_problem(tmp); !problem.empty()) {
+    return failed(str(who, ": the picture gnuplot drew of \"", png_path, "\" ", problem,
+                      ": its disk is full, or gnuplot could not finish writing it. Free space "
+                      "and draw it again; a picture that was there is kept."));
+  }
+  if (std::string problem = rename_into_place(tmp, png_path); !problem.empty()) {
+    return failed(str(who, ": ", problem, "."));
+  }
+  return "";
+}
+
+}  // namespace detail
 }  // namespace fulgur

@@ -1,8 +1,10 @@
 #include "fulgur/strategies/checkpoint_layout.h"
 
+#include <sys/stat.h>
 #include <torch/torch.h>
 
 #include <cctype>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -18,6 +20,7 @@
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/utilities/checksum.h"
 #include "strategies/every_rank.h"
+#include "utilities/durable_file.h"
 #include "utilities/remove_tree.h"
 #include "utilities/small_file.h"
 
@@ -73,18 +76,54 @@ std::string hex32(uint32_t value) {
 
 using Manifest = ShardedCheckpoint::Manifest;
 
+// What a CheckpointIO said of a shard it could not write, without what it
+// says of every file it saves (its path, the partial file removed and the
+// previous one untouched: the save's own message says what is kept).
+std::string shard_failure(std::string message, const std::string& shard) {
+  const std::string prefix = str("saving checkpoint \"", shard, "\": ");
+  if (message.rfind(prefix, 0) == 0) message.erase(0, prefix.size());
+  const std::string kept =
+      " The partial file was removed; the previous checkpoint at this path (if any) is untouched.";
+  if (const auto at = message.find(kept); at != std::string::npos) message.erase(at, kept.size());
+  return message;
+}
+
+// For a checkpoint that is not at `path`: where a save's replacement of it
+// stopped between two renames (detail::replace_path), the one before it.
+std::string set_aside_hint(const std::string& path) {
+  const std::string previous = detail::previous_path(path);
+  std::error_code ec;
+  if (!fs::exists(previous, ec)) return {};
+  return str(
+      " A save at this path stopped as it replaced the checkpoint there (this file system "
+      "cannot exchange two names at once, so the old one was set aside first), and left "
+      "that checkpoint whole at \"",
+      previous, "\": rename it to \"", path,
+      "\" (the next save at this path does), or resume from it.");
+}
+
 }  // namespace
 
 std::string ShardedCheckpoint::missing_shards(const std::string& path, const Manifest& manifest) {
-  std::vector<std::string> missing;
-  std::error_code ec;
+  std::vector<std::string> missing, unreadable;
   for (const auto& shard : manifest.shards) {
-    if (!fs::exists(fs::path(path) / shard, ec)) missing.push_back(shard);
+    struct stat st {};
+    if (::stat((fs::path(path) / shard).c_str(), &st) == 0) continue;
+    if (errno == ENOENT || errno == ENOTDIR) {
+      missing.push_back(shard);
+    } else {  // a link loop, no permission on the directory, an I/O error
+      unreadable.push_back(str(shard, " (", std::strerror(errno), ")"));
+    }
   }
-  if (missing.empty()) return {};
-  return str("checkpoint \"", path, "\" is missing shard(s) ", join(missing), " of the ",
-             manifest.world_size, " listed in ", ShardedCheckpoint::kManifest,
-             ". Restore them, or resume from another checkpoint.");
+  if (missing.empty() && unreadable.empty()) return {};
+  std::string what;
+  if (!missing.empty()) what = str(" is missing shard(s) ", join(missing));
+  if (!unreadable.empty()) {
+    what += str(missing.empty() ? " has" : ", and has",
+                " shard(s) that cannot be looked up: ", join(unreadable));
+  }
+  return str("checkpoint \"", path, "\"", what, " of the ", manifest.world_size, " listed in ",
+             ShardedCheckpoint::kManifest, ". Restore them, or resume from another checkpoint.");
 }
 
 ShardedCheckpoint::Manifest ShardedCheckpoint::read_manifest(const std::string& path) {
@@ -196,72 +235,86 @@ using detail::on_every_rank;
 void ShardedCheckpoint::save(Strategy& strategy, StateDict& checkpoint, const std::string& path) {
   const int rank = strategy.global_rank();
   const int world = strategy.world_size();
-  // Every rank has come to the save (none still reads the checkpoint at
-  // this path) before rank 0 changes it.
-  strategy.barrier("sharded checkpoint save: start");
-  // 1. Rank 0 clears what a save at this path left before (a single-file
-  //    checkpoint, the manifest, shards of another world size), so a crash
-  //    from here on leaves a directory without a manifest, never a mix.
-  on_every_rank(strategy, "cannot prepare the checkpoint directory, so no rank saves", [&] {
+  // The save is made whole beside `path`, in rank 0's temporary directory
+  // "<path>.tmp.<pid>.<host>", and only then put at `path` in one step: the
+  // checkpoint there stays whole and loads until the new one replaces it,
+  // whatever fails (a full disk, a rank lost mid-save). Every rank has come
+  // to the save (none still reads the checkpoint at this path) first.
+  std::string staging = rank == 0 ? detail::temporary_path_for(path) : std::string();
+  if (world > 1) {
+    staging = strategy.broadcast_bytes(staging, 0);
+  }
+  const auto discard = [&] {
     if (rank != 0) return;
     std::error_code ec;
-    if (fs::exists(path, ec) && !fs::is_directory(path, ec)) fs::remove(path, ec);
-    fs::remove(fs::path(path) / kManifest, ec);
-    fs::create_directories(path, ec);
-    if (ec) {
-      throw CheckpointError(
-          str("cannot create the checkpoint directory \"", path, "\": ", ec.message(), "."));
-    }
-    for (const auto& entry : fs::directory_iterator(path, ec)) {
-      const auto name = entry.path().filename().string();
-      if (name.rfind("rank-", 0) == 0 &&
-          name.find(str("-of-", world, ".ckpt")) == std::string::npos) {
-        fs::remove(entry.path(), ec);
+    detail::remove_tree(staging, ec);
+  };
+  try {
+    // 1. Rank 0 makes the empty directory (after putting back a checkpoint
+    //    that an interrupted replacement left aside, detail::replace_path).
+    on_every_rank(strategy, "cannot prepare the checkpoint's directory, so no rank saves", [&] {
+      if (rank != 0) return;
+      detail::restore_previous(path);
+      std::error_code ec;
+      detail::remove_tree(staging, ec);
+      if (std::string problem = detail::create_directories_durably(staging); !problem.empty()) {
+        throw CheckpointError(str("saving checkpoint \"", path, "\": ", problem,
+                                  ". The checkpoint at this path (if any) is as it was."));
       }
-    }
-  });
-  // 2. Every rank writes its shard and fingerprints it. The manifest may
-  //    claim only shards that are durable (an asynchronous checkpoint IO
-  //    has handed its shard to a writer thread).
-  FileFingerprint own;
-  on_every_rank(strategy, "cannot write its shard, so the checkpoint is not complete", [&] {
-    strategy.checkpoint_io().save_checkpoint(checkpoint, shard_path(path, rank, world));
-    strategy.checkpoint_io().wait_until_durable();
-    own = strategy.checkpoint_io().fingerprint(shard_path(path, rank, world));
-  });
-  const at::Tensor fingerprints =
-      strategy
-          .all_gather(
-              torch::tensor({static_cast<int64_t>(own.size), int64_t{own.crc32c}}, torch::kLong))
-          .cpu();
-  // 3. The manifest marks the checkpoint complete.
-  on_every_rank(strategy, "cannot write the manifest, so the checkpoint is not complete", [&] {
-    if (rank != 0) return;
-    std::ostringstream text;
-    text << kManifestHeader << "\nworld_size=" << world << "\n";
-    for (int r = 0; r < world; ++r) {
-      text << "shard=" << fs::path(shard_path(path, r, world)).filename().string() << "\n";
-    }
-    for (int r = 0; r < world; ++r) {
-      text << kFingerprintKey << fs::path(shard_path(path, r, world)).filename().string() << " "
-           << fingerprints[r][0].item<int64_t>() << " "
-           << hex32(static_cast<uint32_t>(fingerprints[r][1].item<int64_t>())) << "\n";
-    }
-    const std::string body = text.str();
-    text << "crc32c=" << hex32(crc32c(body.data(), body.size())) << "\n";
-    const fs::path tmp = fs::path(path) / (std::string(kManifest) + ".tmp");
-    {
-      std::ofstream out(tmp, std::ios::trunc);
-      out << text.str();
-      if (!out) throw CheckpointError(str("cannot write ", tmp.string(), "."));
-    }
-    std::error_code ec;
-    fs::rename(tmp, fs::path(path) / kManifest, ec);
-    if (ec) {
-      throw CheckpointError(str("cannot rename ", tmp.string(), " to ", kManifest, ": ",
-                                ec.message(), "."));
-    }
-  });
+    });
+    // 2. Every rank writes its shard and fingerprints it. The manifest may
+    //    claim only shards that are durable (an asynchronous checkpoint IO
+    //    has handed its shard to a writer thread).
+    FileFingerprint own;
+    on_every_rank(strategy, "cannot write its shard, so the new checkpoint is not complete", [&] {
+      const std::string shard = shard_path(staging, rank, world);
+      try {
+        strategy.checkpoint_io().save_checkpoint(checkpoint, shard);
+        strategy.checkpoint_io().wait_until_durable();
+      } catch (const CheckpointError& e) {
+        throw CheckpointError(str("saving sharded checkpoint \"", path, "\": rank ", rank,
+                                  "'s shard: ", shard_failure(e.what(), shard),
+                                  " The new checkpoint is not kept; the one at \"", path,
+                                  "\" (if any) is as it was."));
+      }
+      own = strategy.checkpoint_io().fingerprint(shard);
+    });
+    const at::Tensor fingerprints =
+        strategy
+            .all_gather(
+                torch::tensor({static_cast<int64_t>(own.size), int64_t{own.crc32c}}, torch::kLong))
+            .cpu();
+    // 3. The manifest marks the checkpoint complete, and rank 0 puts it at
+    //    `path`.
+    on_every_rank(strategy, "cannot complete the new checkpoint", [&] {
+      if (rank != 0) return;
+      std::ostringstream text;
+      text << kManifestHeader << "\nworld_size=" << world << "\n";
+      for (int r = 0; r < world; ++r) {
+        text << "shard=" << fs::path(shard_path(path, r, world)).filename().string() << "\n";
+      }
+      for (int r = 0; r < world; ++r) {
+        text << kFingerprintKey << fs::path(shard_path(path, r, world)).filename().string() << " "
+             << fingerprints[r][0].item<int64_t>() << " "
+             << hex32(static_cast<uint32_t>(fingerprints[r][1].item<int64_t>())) << "\n";
+      }
+      const std::string body = text.str();
+      text << "crc32c=" << hex32(crc32c(body.data(), body.size())) << "\n";
+      const std::string manifest = (fs::path(staging) / kManifest).string();
+      if (std::string problem = detail::write_file_atomically(manifest, text.str());
+          !problem.empty()) {
+        throw CheckpointError(str("saving checkpoint \"", path, "\": its ", kManifest, ": ",
+                                  problem, ". The checkpoint at this path (if any) is as it was."));
+      }
+      if (std::string problem = detail::replace_path(staging, path); !problem.empty()) {
+        throw CheckpointError(str("saving checkpoint \"", path, "\": ", problem,
+                                  ". The checkpoint at this path (if any) is as it was."));
+      }
+    });
+  } catch (...) {
+    discard();
+    throw;
+  }
 }
 
 namespace {
@@ -270,7 +323,7 @@ namespace {
 StateDict load_own_part(Strategy& strategy, const std::string& path) {
   std::error_code ec;
   if (!fs::exists(path, ec)) {
-    throw CheckpointError(str("checkpoint \"", path, "\" does not exist."));
+    throw CheckpointError(str("checkpoint \"", path, "\" does not exist.", set_aside_hint(path)));
   }
   if (!fs::is_directory(path, ec)) {
     // One file of every rank's whole state ("full", consolidated, or
@@ -334,7 +387,7 @@ void ShardedCheckpoint::remove(Strategy& strategy, const std::string& path) {
 std::string ShardedCheckpoint::verify(Strategy& strategy, const std::string& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) {
-    if (!fs::exists(path, ec)) return "it does not exist";
+    if (!fs::exists(path, ec)) return str("it does not exist.", set_aside_hint(path));
     // fsdp loads one file too (load).
     if (dynamic_cast<const FSDPStrategy*>(&strategy) != nullptr) {
       return strategy.checkpoint_io().verify(path);
@@ -362,7 +415,14 @@ void ShardedCheckpoint::remove_stale_files(Strategy& strategy, const std::string
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     std::error_code type_ec;
-    if (it->is_directory(type_ec)) strategy.checkpoint_io().remove_stale_files(it->path().string());
+    if (!it->is_directory(type_ec)) continue;
+    if (detail::is_dead_writers_temporary(it->path().filename().string())) {
+      // A save's directory that its rank 0 did not put in place.
+      std::error_code remove_ec;
+      detail::remove_tree(it->path().string(), remove_ec);
+    } else {
+      strategy.checkpoint_io().remove_stale_files(it->path().string());
+    }
   }
 }
 

@@ -420,6 +420,7 @@ std::vector<TrainerFlag> make_flags() {
   f.push_back({"default_root_dir", "outputs", "Root of logs and checkpoints (\"\": the working directory)",
                [](const O& o) { return o.default_root_dir; },
                [](O& o, const std::string& t) { o.default_root_dir = t; return std::string(); }});
+  f.back().is_text = true;
   f.push_back({"enable_checkpointing", "outputs", "Save checkpoints (last.ckpt and the best)",
                [](const O& o) { return std::string(o.enable_checkpointing ? "true" : "false"); },
                set_bool(&O::enable_checkpointing)});

@@ -175,16 +175,22 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
                 "every_n_train_steps on it instead."));
     }
   }
+  // (The list may be as long as a config file: each problem is said once,
+  // with the list shortened.)
+  const std::string logger_text = shortened(o.logger.text());
   if (!o.logger.problem().empty()) {
-    check(false, str("logger=\"", o.logger.text(), "\": ", o.logger.problem()));
+    check(false, str("logger=\"", logger_text, "\": ", o.logger.problem()));
   }
-  std::set<std::string> logger_names;
+  std::set<std::string> logger_names, logger_problems;
   for (const auto& name : o.logger.names()) {
-    check(logger_registry().contains(name),
-          str("logger=\"", o.logger.text(), "\": ", logger_registry().unknown_name_message(name)));
-    check(logger_names.insert(name).second,
-          str("logger=\"", o.logger.text(), "\": \"", name,
-              "\" is given twice; its files would mix. Name each logger once."));
+    if (!logger_registry().contains(name) && logger_problems.insert(name).second) {
+      check(false,
+            str("logger=\"", logger_text, "\": ", logger_registry().unknown_name_message(name)));
+    }
+    if (!logger_names.insert(name).second && logger_problems.insert(name).second) {
+      check(false, str("logger=\"", logger_text, "\": \"", shortened(name),
+                       "\" is given twice; its files would mix. Name each logger once."));
+    }
   }
   std::map<std::string, size_t> logger_keys;
   for (size_t i = 0; i < o.loggers.size(); ++i) {
@@ -913,6 +919,9 @@ Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loa
                          .apply(loader->num_batches(),
                                 s == Stage::kTest ? "limit_test_batches" : limits.val_flag);
         out = evaluation_loop.run(*loader, s, limit);
+        // Its logged values are on disk before it returns (a full disk
+        // fails the stage, as at fit's end, instead of a note at exit).
+        if (strategy->is_global_zero()) logging.save();
         if (data) data->teardown(s);
       },
       StageResults{[&] {

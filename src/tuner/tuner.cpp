@@ -17,6 +17,7 @@
 
 #include "core/run_program.h"
 #include "loggers/gnuplot_text.h"
+#include "utilities/durable_file.h"
 #include "trainer/tuner_trial.h"
 #include "tuner/host_memory_cap.h"
 #include "fulgur/callbacks/callback.h"
@@ -282,8 +283,10 @@ std::string plot_lr_find(const LRFinderResult& r, const LRFinderOptions& o) {
     return str("lr_find: cannot write the plot \"", o.plot_path, "\": ", problem,
                ". Pass a plot path in a directory this user can write.");
   }
+  // Drawn beside plot_path first, and put there once whole.
+  const std::string tmp = detail::temporary_path_for(o.plot_path);
   script << "set terminal pngcairo size 800,500\n"
-         << "set output " << detail::gnuplot_quoted(o.plot_path) << "\n"
+         << "set output " << detail::gnuplot_quoted(tmp) << "\n"
          << "set title 'learning-rate finder'\n"
          << "set xlabel 'learning rate'\nset ylabel 'loss (smoothed)'\nset grid\n"
          << "unset key\n";
@@ -301,17 +304,10 @@ std::string plot_lr_find(const LRFinderResult& r, const LRFinderOptions& o) {
   } else {
     script << "plot $curve using 1:2 with lines lw 2\n";
   }
-  const auto ran = detail::run_program({"gnuplot"}, script.str(), std::chrono::seconds(60));
-  if (ran.spawn_error != 0) {
-    return str("lr_find: gnuplot is not installed, so \"", o.plot_path,
-               "\" was not drawn: apt install gnuplot-nox (scripts/install-deps.sh installs it).");
-  }
-  if (ran.timed_out) return str("lr_find: gnuplot did not finish in 60 s drawing \"", o.plot_path, "\".");
-  if (!ran.succeeded() || !std::filesystem::exists(o.plot_path)) {
-    return str("lr_find: gnuplot failed drawing \"", o.plot_path, "\": ",
-               ran.output.empty() ? ran.how_it_ended() : detail::gnuplot_said(ran.output));
-  }
-  return "";
+  return detail::run_gnuplot_to(
+      script.str(), tmp, o.plot_path, "lr_find",
+      str("lr_find: gnuplot is not installed, so \"", o.plot_path,
+          "\" was not drawn: apt install gnuplot-nox (scripts/install-deps.sh installs it)."));
 }
 
 }  // namespace

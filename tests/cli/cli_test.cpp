@@ -496,6 +496,32 @@ TEST(CLI, ALoggerNamedTwiceIsRefused) {
                      {"unknown logger \"tensorbord\"", "did you mean \"tensorboard\""});
 }
 
+// A logger list as long as a config file can hold: each problem said once,
+// the list shortened in each (every name was once checked against the
+// whole list and the list quoted whole in each problem: minutes for a
+// 1 MiB file).
+TEST(CLI, ALongLoggerListNamesEachProblemOnceWithTheListShortened) {
+  TempDir dir;
+  auto options = fulgur::test::test_options(dir);
+  options.logger = fulgur::join(std::vector<std::string>(20000, "csv")) + ",nope,nope";
+  try {
+    fulgur::Trainer trainer(options);
+    ADD_FAILURE() << "no error";
+  } catch (const fulgur::ConfigError& e) {
+    const std::string message = e.what();
+    EXPECT_TRUE(fulgur::test::message_contains(
+        message, {"\"csv\" is given twice", "unknown logger \"nope\"", "... (", " bytes)"}))
+        << message.substr(0, 2000);
+    EXPECT_LT(message.size(), 2000u);
+    size_t twice = 0;
+    for (auto at = message.find("given twice"); at != std::string::npos;
+         at = message.find("given twice", at + 1)) {
+      ++twice;
+    }
+    EXPECT_EQ(twice, 1u) << "each name's problem once";
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -777,6 +803,34 @@ TEST(CLIConfigFile, TheTrainersChecksNameTheFileAndLineOfTheValue) {
 }
 
 // The odd files the issue found handled sensibly stay so.
+// A config's null or list for a key that takes text (a path, a name) is
+// refused with its file and line, where it became the word "none" (a
+// directory named none) or "a,b"; keys whose values may be none or lists
+// still take them, and "" is an empty text.
+TEST(CLIConfigFile, ANullOrAListForAKeyThatTakesTextIsRefused) {
+  TempDir dir;
+  write_text(dir.file("c.yaml"),
+             "trainer:\n  default_root_dir: ~\n  max_time: null\n  logger: [csv]\n"
+             "data:\n  data_dir: [/x, /y]\n");
+  Program p;
+  const auto problems = problems_of(p, {"--config", dir.file("c.yaml")});
+  ASSERT_EQ(problems.size(), 2u) << fulgur::join(problems, "\n");
+  EXPECT_TRUE(fulgur::test::message_contains(
+      problems[0],
+      {"trainer.default_root_dir", "c.yaml line 2", "a null", "\"none\"", "leave the key out"}))
+      << problems[0];
+  EXPECT_TRUE(fulgur::test::message_contains(
+      problems[1], {"data.data_dir", "c.yaml line 6", "a list", "takes one value"}))
+      << problems[1];
+  write_text(dir.file("ok.yaml"),
+             "trainer:\n  default_root_dir: \"\"\n  max_time: null\n  logger: [csv]\n"
+             "data:\n  data_dir: \"/x,/y\"\n");
+  Program q;
+  ASSERT_TRUE(q.parse({"--config", dir.file("ok.yaml")}));
+  EXPECT_EQ(q.cli.trainer_options().default_root_dir, "");
+  EXPECT_EQ(q.data_dir, "/x,/y");
+}
+
 TEST(CLIConfigFile, EmptyCommentOnlyBomCrlfAndTaggedFilesAreRead) {
   TempDir dir;
   for (const auto& [name, yaml, epochs] : std::vector<std::tuple<std::string, std::string, int>>{

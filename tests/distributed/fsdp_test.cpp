@@ -588,6 +588,14 @@ TEST(FSDP, AShardedCheckpointConsolidatesIntoTheFullOne) {
   EXPECT_EQ(file.exit_code, 1) << file.output;
   EXPECT_TRUE(fulgur::test::message_contains(file.output, {"is a file", "whole already"}));
   EXPECT_FALSE(std::filesystem::exists(d + "/twice.ckpt"));
+  // Not into the checkpoint it is made from.
+  auto inside = fulgur::test::run_process(
+      {FULGUR_CLI, "checkpoint", "consolidate", sharded, sharded + "/whole.ckpt"}, {}, 120s);
+  EXPECT_EQ(inside.exit_code, 1) << inside.output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      inside.output, {"is inside the sharded checkpoint", "Write it beside the checkpoint"}))
+      << inside.output;
+  EXPECT_FALSE(std::filesystem::exists(sharded + "/whole.ckpt"));
 
   // A damaged shard is named, and nothing is written.
   const std::string broken = d + "/broken.ckpt";

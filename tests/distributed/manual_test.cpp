@@ -147,21 +147,35 @@ TEST(ManualStrategy, AShardOfAnotherSaveIsRefusedOnEveryRank) {
       {"ckpt_path=\"last\": skipped", last.string(), "mixes saves", "Resuming from"}));
 }
 
-// A shard that one rank cannot write (here a directory stands at its
-// path) stops the save on every rank with that rank's reason: rank 0 does
-// not wait for a fingerprint that never comes, and writes no manifest.
-TEST(ManualStrategy, AShardOneRankCannotWriteStopsTheSaveOnEveryRank) {
+// A shard that one rank cannot write (a file size limit on rank 1) stops
+// the save on every rank, each naming rank 1's reason; the new save was
+// being made beside the checkpoint, so the one before it is as it was,
+// nothing is left beside it, and a resume from it continues.
+TEST(ManualStrategy, AShardOneRankCannotWriteStopsTheSaveOnEveryRankAndKeepsTheOneBefore) {
   TempDir dir;
   const std::string root = dir.path() + "/run";
   const fs::path last = fs::path(root) / "checkpoints" / "last.ckpt";
-  fs::create_directories(last / "rank-1-of-2.ckpt" / "in-the-way");
-  auto r = run_manual({"--devices", "2", "--steps", "4", "--ckpt-root", root});
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("rank 1 of 2 cannot write its shard, so the checkpoint is not complete"),
-            std::string::npos)
-      << r.output;
-  EXPECT_NE(r.output.find("rank-1-of-2.ckpt"), std::string::npos) << r.output;
-  EXPECT_FALSE(fs::exists(last / "manifest.txt"));
+  auto first = run_manual({"--devices", "2", "--steps", "4", "--ckpt-root", root});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string manifest = fulgur::test::read_text((last / "manifest.txt").string());
+  // Rank 1 resumes, trains on and cannot write its shard (a file size limit).
+  auto failed = run_manual({"--devices", "2", "--steps", "8", "--ckpt-root", root, "--resume",
+                            "last", "--file-size-limit", "1:256"});
+  EXPECT_NE(failed.exit_code, 0) << failed.output;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      failed.output, {"rank 1 of 2 cannot write its shard, so the new checkpoint is not complete",
+                      "rank-1-of-2.ckpt", "File too large", "is as it was"}))
+      << failed.output;
+  // The checkpoint of step 4 is as it was, and nothing is left beside it.
+  EXPECT_EQ(fulgur::test::read_text((last / "manifest.txt").string()), manifest);
+  for (const auto& entry : fs::directory_iterator(last.parent_path())) {
+    EXPECT_EQ(entry.path().filename().string().find(".tmp."), std::string::npos) << entry.path();
+  }
+  auto resumed = run_manual(
+      {"--devices", "2", "--steps", "8", "--ckpt-root", root, "--resume", last.string()});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("RESULT rank1_global_step=8"), std::string::npos) << resumed.output;
+  EXPECT_NE(fulgur::test::read_text((last / "manifest.txt").string()), manifest);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 //
 //   fulgur_manual_worker --devices 2 --steps 6 --out dir [--ckpt-root dir] [--resume last]
 #include <CLI/CLI.hpp>
+#include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <csignal>
@@ -28,11 +29,15 @@ struct Args {
   // "R:S:SIG": rank R raises signal SIG before global step S of the first
   // attempt (a scheduler's preemption signal, delivered to one rank).
   std::string raise_at;
+  // "R:BYTES": rank R may write no file larger than BYTES (RLIMIT_FSIZE, set
+  // once its group exists): its checkpoint shard fails with "File too large".
+  std::string file_size_limit;
 };
 
 struct ShardedModel : fulgur::Module {
   int64_t rows_per_rank;
   std::string raise_at;
+  std::string file_size_limit;
   torch::nn::Linear fc{nullptr};
   at::Tensor table;  // this rank's rows, created in configure_model()
   int to_calls = 0;
@@ -66,6 +71,13 @@ struct ShardedModel : fulgur::Module {
     auto ranks = strategy.all_reduce(torch::ones({1}), fulgur::ReduceOp::kSum);
     std::cout << "RESULT rank" << rank << "_configure_model_world=" << ranks.item<float>()
               << std::endl;
+    int limited = -1;
+    long long bytes = 0;
+    if (std::sscanf(file_size_limit.c_str(), "%d:%lld", &limited, &bytes) == 2 && limited == rank) {
+      std::signal(SIGXFSZ, SIG_IGN);  // the write fails with EFBIG instead
+      const rlimit limit{static_cast<rlim_t>(bytes), static_cast<rlim_t>(bytes)};
+      if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) std::perror("setrlimit");
+    }
   }
 
   at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
@@ -115,11 +127,13 @@ int main(int argc, char** argv) {
   app.add_option("--resume", a.resume);
   app.add_option("--timeout", a.timeout_s);
   app.add_option("--raise", a.raise_at);
+  app.add_option("--file-size-limit", a.file_size_limit);
   CLI11_PARSE(app, argc, argv);
   try {
     torch::manual_seed(3);
     ShardedModel model(a.rows_per_rank);
     model.raise_at = a.raise_at;
+    model.file_size_limit = a.file_size_limit;
     // 64 samples whose values depend only on their index.
     auto idx = torch::arange(64, torch::kFloat).unsqueeze(1);
     auto x = torch::sin(idx * torch::arange(1, 5, torch::kFloat) * 0.3);

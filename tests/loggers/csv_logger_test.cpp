@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "fulgur/fulgur.h"
+#include "support/run_in_child.h"
 #include "support/test_support.h"
 
 namespace {
@@ -86,6 +88,47 @@ TEST(CSVLogger, NewColumnAfterAFlushRewritesTheHeader) {
   EXPECT_EQ(rows[1][2], "");
   EXPECT_EQ(rows[2][1], "");
   EXPECT_DOUBLE_EQ(std::stod(rows[2][2]), 0.25);
+}
+
+// A disk that fills up (a tmpfs): a rewrite of metrics.csv (a new column)
+// that does not fit fails naming the reason and keeps the file as it was,
+// rows and all; once there is room again the next save writes every row.
+TEST(CSVLogger, ARewriteThatDoesNotFitKeepsTheFileAsItWas) {
+  TempDir dir;
+  const auto r = fulgur::test::run_on_tmpfs(dir.path(), "64k", [&] {
+    fulgur::CSVLogger logger({.save_dir = dir.path(), .flush_every = 1000});
+    for (int step = 0; step < 1000; ++step) logger.log_metrics({{"loss", 0.5}}, step);
+    logger.save();
+    const std::string before = read_text(logger.metrics_file());
+    if (before.size() < 4000) return 10;
+    // The rest of the disk filled by another file.
+    const std::string filler = dir.file("filler");
+    {
+      std::ofstream out(filler);
+      out << std::string(64 * 1024, 'x');
+    }
+    logger.log_metrics({{"acc", 0.25}}, 1000);
+    try {
+      logger.save();
+      return 11;
+    } catch (const fulgur::ConfigError& e) {
+      if (!fulgur::test::message_contains(
+              e.what(), {"metrics.csv", "No space left on device", "rows stay pending"})) {
+        return 12;
+      }
+    }
+    if (read_text(logger.metrics_file()) != before) return 13;
+    fs::remove(filler);
+    logger.save();
+    const auto rows = read_csv(logger.metrics_file());
+    if (rows.size() != 1002 || rows[0] != std::vector<std::string>{"step", "loss", "acc"})
+      return 14;
+    return 0;
+  });
+  if (r.exit_code == fulgur::test::kCannotMountTmpfs) GTEST_SKIP() << "cannot mount a tmpfs here";
+  EXPECT_EQ(r.exit_code, 0) << r.describe()
+                            << " (10: too small a file, 11: saved anyway, 12: wrong message, 13: "
+                               "the file changed, 14: the rows are not all there after)";
 }
 
 TEST(CSVLogger, WritesHyperparametersAsYaml) {

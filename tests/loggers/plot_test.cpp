@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "fulgur/fulgur.h"
+#include "support/run_in_child.h"
 #include "support/test_support.h"
 
 namespace {
@@ -103,6 +104,40 @@ TEST(Plot, AnOutputThatCannotBeWrittenIsNamedWithoutThePicturesBytes) {
   const std::string directory = fulgur::plot_metrics(dir.file("metrics.csv"), dir.path());
   EXPECT_THAT(directory, HasSubstr("it is a directory"));
   EXPECT_LT(missing.size() + directory.size(), 600u);
+}
+
+// The picture is drawn beside its path and put there once whole: on a disk
+// that is full (a tmpfs), the PNG gnuplot cut short (and exited 0 for) is
+// refused naming the cause, the picture that was there stays byte for byte,
+// and nothing is left beside it.
+TEST(Plot, AFullDiskKeepsThePictureThatWasThere) {
+  TempDir dir;
+  const auto r = fulgur::test::run_on_tmpfs(dir.path(), "128k", [&] {
+    write_text(dir.file("metrics.csv"), kMetrics);
+    const std::string png = dir.file("metrics.png");
+    if (!fulgur::plot_metrics(dir.file("metrics.csv"), png).empty()) return 10;
+    const std::string before = fulgur::test::read_text(png);
+    {
+      std::ofstream filler(dir.file("filler"));
+      filler << std::string(128 * 1024, 'x');  // fails part way: the disk is full
+    }
+    const std::string problem = fulgur::plot_metrics(dir.file("metrics.csv"), png);
+    if (problem.find(png) == std::string::npos ||
+        (problem.find("ends before its last chunk") == std::string::npos &&
+         problem.find("no PNG") == std::string::npos &&
+         problem.find("gnuplot failed") == std::string::npos)) {
+      return 11;
+    }
+    if (fulgur::test::read_text(png) != before) return 12;
+    for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+      if (entry.path().filename().string().find(".tmp.") != std::string::npos) return 13;
+    }
+    return 0;
+  });
+  if (r.exit_code == fulgur::test::kCannotMountTmpfs) GTEST_SKIP() << "cannot mount a tmpfs here";
+  EXPECT_EQ(r.exit_code, 0) << r.describe()
+                            << " (10: the first picture failed, 11: no or another problem, 12: "
+                               "the picture changed, 13: a file left behind)";
 }
 
 TEST(Plot, WithoutGnuplotTheMessageSaysWhatToInstall) {

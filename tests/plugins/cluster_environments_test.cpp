@@ -161,6 +161,32 @@ TEST(LSFEnvironment, MainAddressFromTheRankFileWithoutMcpuHosts) {
       {"LSB_DJOB_RANKFILE=" + dir.file("missing") + " cannot be read", "Set MASTER_ADDR"});
 }
 
+// A rank file of a hundred thousand hosts that do not include this one:
+// the error lists the first ten and counts the rest (each line was once
+// compared with every host before it, minutes for a million, and the
+// message listed them all).
+TEST(LSFEnvironment, ARankFileOfManyHostsWithoutThisOneIsNamedShort) {
+  fulgur::test::TempDir dir;
+  const std::string rankfile = dir.file("rankfile");
+  {
+    std::ofstream out(rankfile);
+    out << "launch\n";
+    for (int i = 0; i < 100000; ++i) out << "compute-" << i << "\ncompute-" << i << "\n";
+  }
+  Vars vars = merged(kLsf, {{"LSB_DJOB_RANKFILE", rankfile}});
+  try {
+    fulgur::LSFEnvironment env{EnvView(vars)};
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    const std::string message = e.what();
+    EXPECT_TRUE(fulgur::test::message_contains(
+        message, {"is not among the compute hosts", "compute-0, compute-1", "compute-9, ...",
+                  "(100000 in all)"}))
+        << message.substr(0, 1000);
+    EXPECT_LT(message.size(), 1000u);
+  }
+}
+
 // A rank file that is not a regular file is refused by its type without
 // being opened (a FIFO would block, /dev/zero would fill the memory).
 TEST(LSFEnvironment, ARankFileThatIsNotARegularFileIsRefusedUnopened) {

@@ -8,11 +8,17 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <filesystem>
 
 #include "fulgur/fulgur.h"
+#include "support/run_in_child.h"
 #include "support/test_support.h"
 #include "strategies/strategy_driver.h"
+#include "utilities/durable_file.h"
 
 namespace {
 
@@ -137,6 +143,146 @@ TEST(CheckpointLayout, AManifestThatIsNoManifestIsRefusedUnreadAndADirectoryOfSh
                      fulgur::TorchCheckpointIO().load_checkpoint(ckpt.string()),
                      {ckpt.string() + "\" is a sharded checkpoint",
                       "as many ranks as wrote it", "fulgur checkpoint consolidate"});
+}
+
+// A checkpoint IO whose saves fail while `fail` is set (a disk that stops
+// taking writes mid-run).
+struct FailingIO : fulgur::TorchCheckpointIO {
+  bool fail = false;
+  void save_checkpoint(fulgur::StateDict& checkpoint, const std::string& path) override {
+    if (fail)
+      throw fulgur::CheckpointError("saving checkpoint \"" + path + "\": the disk is gone.");
+    TorchCheckpointIO::save_checkpoint(checkpoint, path);
+  }
+};
+
+// One rank's strategy with the sharded layout, saving {"w": value} at `path`.
+struct ShardedSaves {
+  std::shared_ptr<FailingIO> io = std::make_shared<FailingIO>();
+  fulgur::SingleDeviceStrategy strategy;
+  ShardedSaves() {
+    strategy.set_accelerator(std::make_unique<fulgur::CPUAccelerator>());
+    strategy.set_checkpoint_layout(std::make_shared<fulgur::ShardedCheckpoint>());
+    strategy.set_checkpoint_io(io);
+  }
+  void save(const std::string& path, double value) {
+    fulgur::StateDict state;
+    state.set("w", torch::full({64}, value));
+    fulgur::detail::drive(strategy).save_checkpoint(state, path);
+  }
+  double loaded(const std::string& path) {
+    return fulgur::detail::drive(strategy).load_checkpoint(path).tensor("w")[0].item<double>();
+  }
+  std::string verify(const std::string& path) {
+    return fulgur::detail::drive(strategy).verify_checkpoint(path);
+  }
+};
+
+std::vector<std::string> names_in(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// A sharded save is made whole beside its path and put there in one step: a
+// save whose shard cannot be written keeps the checkpoint before it whole and
+// loading, says so, and leaves nothing beside it; a save that completes
+// replaces the checkpoint, a one-file one too.
+TEST(CheckpointLayout, AFailedShardedSaveKeepsTheCheckpointBeforeItAndLeavesNothing) {
+  TempDir dir;
+  ShardedSaves saves;
+  const std::string path = dir.file("last.ckpt");
+  saves.save(path, 1);
+  saves.io->fail = true;
+  EXPECT_THROWS_WITH(
+      fulgur::CheckpointError, saves.save(path, 2),
+      {"saving sharded checkpoint \"" + path + "\"", "the disk is gone", "is as it was"});
+  EXPECT_EQ(saves.verify(path), "");
+  EXPECT_EQ(saves.loaded(path), 1);
+  EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"last.ckpt"});
+  EXPECT_EQ(names_in(path), (std::vector<std::string>{"manifest.txt", "rank-0-of-1.ckpt"}));
+
+  saves.io->fail = false;
+  saves.save(path, 3);
+  EXPECT_EQ(saves.loaded(path), 3);
+  EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"last.ckpt"});
+  // Over a checkpoint in one file (the strategy changed between runs).
+  const std::string single = dir.file("single.ckpt");
+  fulgur::TorchCheckpointIO plain;
+  fulgur::StateDict state;
+  state.set("w", torch::full({64}, 4.0));
+  plain.save_checkpoint(state, single);
+  saves.save(single, 5);
+  EXPECT_EQ(saves.loaded(single), 5);
+  EXPECT_EQ(names_in(dir.path()), (std::vector<std::string>{"last.ckpt", "single.ckpt"}));
+}
+
+// A disk that fills up during a sharded save (a tmpfs): the error names the
+// reason, and the checkpoint before it still verifies and loads.
+TEST(CheckpointLayout, AFullDiskDuringAShardedSaveKeepsTheCheckpointBeforeIt) {
+  TempDir dir;
+  const auto r = fulgur::test::run_on_tmpfs(dir.path(), "512k", [&] {
+    at::set_num_threads(1);  // the parent's thread pool did not survive fork
+    ShardedSaves saves;
+    const std::string path = dir.file("last.ckpt");
+    saves.save(path, 1);
+    try {
+      fulgur::StateDict big;
+      big.set("w", torch::ones({200000}));  // 800 KB: does not fit
+      fulgur::detail::drive(saves.strategy).save_checkpoint(big, path);
+      return 10;
+    } catch (const fulgur::CheckpointError& e) {
+      if (!fulgur::test::message_contains(e.what(),
+                                          {path, "No space left on device", "is as it was"})) {
+        return 11;
+      }
+    }
+    if (!saves.verify(path).empty() || saves.loaded(path) != 1) return 12;
+    if (names_in(dir.path()) != std::vector<std::string>{"last.ckpt"}) return 13;
+    return 0;
+  });
+  if (r.exit_code == fulgur::test::kCannotMountTmpfs) GTEST_SKIP() << "cannot mount a tmpfs here";
+  EXPECT_EQ(r.exit_code, 0) << r.describe()
+                            << " (10: saved anyway, 11: wrong message, 12: the previous "
+                               "checkpoint is lost, 13: something left beside it)";
+}
+
+// Where the file system cannot exchange two names, a replacement sets the
+// old checkpoint aside first; one interrupted between its renames left it at
+// "<path>.previous": loading the path names it, and the next save puts it
+// back before replacing it. A save's directory that a dead process left is
+// removed with the stale files; a live process's stays.
+TEST(CheckpointLayout, ACheckpointSetAsideByAnInterruptedReplacementIsNamedAndPutBack) {
+  TempDir dir;
+  ShardedSaves saves;
+  const std::string path = dir.file("last.ckpt");
+  saves.save(path, 1);
+  fs::rename(path, fulgur::detail::previous_path(path));
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, saves.loaded(path),
+                     {"does not exist", "left that checkpoint whole at \"" + path + ".previous\"",
+                      "rename it to"});
+  EXPECT_TRUE(fulgur::test::message_contains(saves.verify(path), {path + ".previous"}));
+  saves.io->fail = true;
+  EXPECT_THROW(saves.save(path, 2), fulgur::CheckpointError);
+  EXPECT_EQ(saves.loaded(path), 1);  // put back even though the save failed
+  EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"last.ckpt"});
+
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) ::_exit(0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const std::string dead = fulgur::str(path, ".tmp.", pid, ".", fulgur::detail::this_host());
+  const std::string live = fulgur::detail::temporary_path_for(dir.file("epoch=1.ckpt"));
+  fs::create_directories(dead);
+  fulgur::test::write_text(dead + "/rank-0-of-1.ckpt", "half a save");
+  fs::create_directories(live);
+  fulgur::detail::drive(saves.strategy).remove_stale_checkpoint_files(dir.path());
+  EXPECT_FALSE(fs::exists(dead));
+  EXPECT_TRUE(fs::exists(live));
 }
 
 TEST(CheckpointLayout, AUsersLayoutGetsEveryCheckpointOperation) {

@@ -193,7 +193,8 @@ TEST_F(ManualCheckpointErrors, CorruptManifestOrShardIsNamed) {
   std::string bytes = fulgur::test::read_text(shard.string());
   bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x10);
   fulgur::test::write_text(shard.string(), bytes);
-  resume_expecting({shard.string(), "is corrupt", "use an earlier checkpoint"});
+  resume_expecting({shard.string(), "is corrupt", "use an earlier checkpoint",
+                    "a shard of the sharded checkpoint \"" + last_ + "\""});
 }
 
 // The manifest records each shard's size and CRC32C: a shard of another

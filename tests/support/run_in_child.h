@@ -13,7 +13,9 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -77,6 +79,28 @@ inline ChildResult run_in_child(const std::function<int()>& body,
   if (WIFEXITED(status)) result.exit_code = WEXITSTATUS(status);
   if (WIFSIGNALED(status)) result.signal = WTERMSIG(status);
   return result;
+}
+
+/// The exit status of a run_on_tmpfs child that could not mount its tmpfs
+/// (not root, or no mount namespace): the caller skips.
+constexpr int kCannotMountTmpfs = 77;
+
+/// run_in_child, with a tmpfs of `size` ("256k") mounted over the
+/// directory `dir` in the child's own mount namespace (gone with the
+/// child): a file system that fills up, without touching the machine's.
+inline ChildResult run_on_tmpfs(const std::string& dir, const std::string& size,
+                                const std::function<int()>& body,
+                                std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+  return run_in_child(
+      [&] {
+        if (::geteuid() != 0 || ::unshare(CLONE_NEWNS) != 0 ||
+            ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0 ||
+            ::mount("tmpfs", dir.c_str(), "tmpfs", 0, ("size=" + size).c_str()) != 0) {
+          return kCannotMountTmpfs;
+        }
+        return body();
+      },
+      timeout);
 }
 
 }  // namespace fulgur::test

@@ -4,6 +4,7 @@
 // as such (1); a wrong command line is a usage error (2). Truncated and
 // mutated checkpoints end in 0 or 1, never in a signal or a hang.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <torch/torch.h>
 
 #include <filesystem>
@@ -79,6 +80,20 @@ TEST(CheckpointInspect, APerRankCheckpointVerifiesEveryShard) {
   auto bad = inspect(last);
   EXPECT_EQ(bad.exit_code, 1) << bad.output;
   EXPECT_TRUE(fulgur::test::message_contains(bad.output, {"shard rank-0-of-1.ckpt", "CORRUPT"}));
+  // A shard that is not there, or no file, is said as such: not damage.
+  const std::string shard = (fs::path(last) / "rank-0-of-1.ckpt").string();
+  fs::remove(shard);
+  auto gone = inspect(last);
+  EXPECT_EQ(gone.exit_code, 1) << gone.output;
+  EXPECT_TRUE(
+      fulgur::test::message_contains(gone.output, {"MISSING: \"" + shard + "\" does not exist"}))
+      << gone.output;
+  ASSERT_EQ(::mkfifo(shard.c_str(), 0600), 0);
+  auto fifo = inspect(last);
+  EXPECT_EQ(fifo.exit_code, 1) << fifo.output;
+  EXPECT_TRUE(fulgur::test::message_contains(fifo.output, {"NOT A FILE", "a FIFO (named pipe)"}))
+      << fifo.output;
+  EXPECT_EQ(fifo.output.find("CORRUPT"), std::string::npos) << fifo.output;
 }
 
 TEST(CheckpointInspect, AMissingPathAndAWrongCommandLine) {

@@ -1,6 +1,7 @@
 // `fulgur plot`, run as a child process: a run directory in, its curves
 // out as a PNG next to the metrics; errors name what was passed.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <filesystem>
 
@@ -32,8 +33,14 @@ TEST(FulgurPlot, WhatCannotBeDrawnIsNamed) {
   TempDir dir;
   auto missing = run_process({FULGUR_CLI, "plot", dir.file("nowhere")}, {}, 60s);
   EXPECT_EQ(missing.exit_code, 1);
-  EXPECT_NE(missing.output.find("is neither a metrics.csv nor a directory"), std::string::npos)
+  EXPECT_NE(missing.output.find(dir.file("nowhere") + "\" does not exist"), std::string::npos)
       << missing.output;
+  ASSERT_EQ(::mkfifo(dir.file("fifo").c_str(), 0600), 0);
+  auto fifo = run_process({FULGUR_CLI, "plot", dir.file("fifo")}, {}, 60s);
+  EXPECT_EQ(fifo.exit_code, 1);
+  EXPECT_NE(fifo.output.find("is a FIFO (named pipe), neither a metrics.csv nor a directory"),
+            std::string::npos)
+      << fifo.output;
   auto empty = run_process({FULGUR_CLI, "plot", dir.path()}, {}, 60s);
   EXPECT_EQ(empty.exit_code, 1);
   EXPECT_NE(empty.output.find("no metrics.csv in"), std::string::npos) << empty.output;

@@ -73,6 +73,12 @@
 
 namespace fulgur {
 
+namespace detail {
+/// What a config file wrote for a key: a scalar, a null (~, null, nothing
+/// after the colon: the text "none") or a list (its items joined by commas).
+enum class ConfigValueForm { kScalar, kNull, kList };
+}  // namespace detail
+
 /// A section of a program's own options: `model:`, `data:`, or the top level.
 /// Each add() binds a variable; its value when added is the default, and
 /// CLI::parse() writes the configured value into it.
@@ -91,6 +97,9 @@ class OptionGroup {
     std::function<std::string()> get;
     /// "" or what is wrong with the text.
     std::function<std::string(const std::string&)> set;
+    /// Takes free text (a path, a name: a std::string option): a config's
+    /// null or list for it is refused, not read as "none" or "a,b".
+    bool is_text = false;
   };
   const std::vector<Option>& options() const { return options_; }
 
@@ -199,6 +208,7 @@ class CLI {
   struct Setting {
     std::string text;
     std::string source;  // "default", "a.yaml line 3", "the command line", ...
+    detail::ConfigValueForm form = detail::ConfigValueForm::kScalar;
   };
 
   std::vector<Key> keys() const;

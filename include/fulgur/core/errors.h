@@ -91,6 +91,13 @@ std::string error_message(const std::exception& error);
 
 /// Joins `items` with `sep` ("a, b, c").
 std::string join(const std::vector<std::string>& items, std::string_view sep = ", ");
+/// As join, for a list a message names that may be as long as its input
+/// (the hosts of a rank file): the first `at_most`, then "... (N in all)".
+std::string join_some(const std::vector<std::string>& items, size_t at_most = 10);
+/// `text` for a message: whole when at most `max` bytes, else its start and
+/// its length ("abc... (5000 bytes)"): a key or value from a file may be as
+/// long as the file.
+std::string shortened(std::string_view text, size_t max = 80);
 /// Ranks grouped by what each has, in the order each value first appears:
 /// by_rank({"4 batches", "6 batches", "4 batches"}, ": ") is
 /// "ranks 0, 2: 4 batches; rank 1: 6 batches" (value_of_rank[r] is rank r's).

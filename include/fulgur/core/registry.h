@@ -103,7 +103,7 @@ class Registry {
   /// "unknown strategy "dpp"; did you mean "ddp"? Registered: ddp, ...".
   std::string unknown_name_message(const std::string& name) const {
     auto known = names();
-    return str("unknown ", kind_, " \"", name, "\"", did_you_mean(name, known),
+    return str("unknown ", kind_, " \"", shortened(name), "\"", did_you_mean(name, known),
                "Registered: ", join(known), ".");
   }
 

@@ -51,6 +51,9 @@ struct TrainerFlag {
   /// connector judges (devices, precision, ...) are stored as written and
   /// judged there, with every other problem of the configuration.
   std::function<std::string(TrainerOptions&, const std::string&)> set;
+  /// Takes free text (default_root_dir): a config file's null or list for
+  /// it is refused, not read as "none" or "a,b".
+  bool is_text = false;
 };
 
 /// Every flag, in TrainerOptions' declaration order.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <optional>
 #include <sstream>
+#include <unordered_set>
 
 #include "env_support.h"
 #include "utilities/small_file.h"
@@ -79,8 +80,9 @@ std::vector<std::string> rankfile_hosts(const std::string& path) {
 // appearance: the launch host (first line) is left out when there are others.
 std::vector<std::string> compute_hosts(const std::vector<std::string>& lines) {
   std::vector<std::string> hosts;
+  std::unordered_set<std::string> seen;  // a rank file may list a million hosts
   for (size_t i = lines.size() > 1 ? 1 : 0; i < lines.size(); ++i) {
-    if (std::find(hosts.begin(), hosts.end(), lines[i]) == hosts.end()) hosts.push_back(lines[i]);
+    if (seen.insert(lines[i]).second) hosts.push_back(lines[i]);
   }
   return hosts;
 }
@@ -126,11 +128,12 @@ LSFEnvironment::LSFEnvironment(const EnvView& env) {
     const int place = node_rank_among(lines, name);
     if (place < 0) {
       const std::vector<std::string> distinct = compute_hosts(lines);
-      throw ConfigError(str("cluster environment \"lsf\": this host, \"", name,
-                            "\", is not among the compute hosts of LSB_DJOB_RANKFILE=", rankfile,
-                            " (", distinct.empty() ? std::string("none") : join(distinct),
-                            "), so its node rank is unknown. Run the ranks with jsrun inside "
-                            "the job that wrote that file."));
+      throw ConfigError(
+          str("cluster environment \"lsf\": this host, \"", name,
+              "\", is not among the compute hosts of LSB_DJOB_RANKFILE=", rankfile, " (",
+              distinct.empty() ? std::string("none") : shortened(join_some(distinct), 400),
+              "), so its node rank is unknown. Run the ranks with jsrun inside "
+              "the job that wrote that file."));
     }
     node_rank_ = place;
     rank_sources_.node_rank = "LSB_DJOB_RANKFILE";

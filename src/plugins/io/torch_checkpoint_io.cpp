@@ -28,6 +28,7 @@
 #include "fulgur/plugins/io/async_checkpoint_io.h"
 #include "fulgur/utilities/checksum.h"
 #include "utilities/file_kind.h"
+#include "utilities/durable_file.h"
 #include "utilities/helper_thread.h"
 
 namespace fulgur {
@@ -405,6 +406,18 @@ std::string newest_valid_sibling(const std::string& path) {
 }
 
 [[noreturn]] void corrupt(const std::string& path, const std::string& what) {
+  // A shard of a sharded checkpoint (a directory with ShardedCheckpoint's
+  // manifest.txt): the files beside it are the same checkpoint's shards,
+  // never an earlier checkpoint.
+  const fs::path dir = fs::path(path).has_parent_path() ? fs::path(path).parent_path() : ".";
+  std::error_code ec;
+  if (fs::path(path).filename().string().rfind("rank-", 0) == 0 &&
+      fs::exists(dir / "manifest.txt", ec)) {
+    throw CheckpointError(str("checkpoint \"", path, "\" is corrupt: ", what,
+                              ". The file is corrupt; use an earlier checkpoint (this one is "
+                              "a shard of the sharded checkpoint \"",
+                              dir.string(), "\", which cannot load without it)."));
+  }
   const std::string alternative = newest_valid_sibling(path);
   throw CheckpointError(str("checkpoint \"", path, "\" is corrupt: ", what,
                             ". The file is corrupt; use an earlier "
@@ -492,13 +505,6 @@ class ChecksummingWriter {
   HelperThread helper_;
 };
 
-// This machine's name, as temporary files record their writer's.
-std::string this_host() {
-  char name[256] = {};
-  if (::gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "localhost";
-  return name;
-}
-
 std::string advice_for(int err) {
   switch (err) {
     case ENOSPC:
@@ -534,12 +540,7 @@ void release_cached_pages(const std::string& path) {
 // renamed or created in it is durable once this returns. A file system
 // that cannot flush directories (EINVAL) is taken as it is.
 void flush_directory(const std::string& dir, const std::string& path) {
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return;
-  const int rc = ::fsync(dfd);
-  const int err = errno;
-  ::close(dfd);
-  if (rc != 0 && err != EINVAL) {
+  if (const int err = detail::flush_directory(dir); err != 0) {
     throw CheckpointError(str("saving checkpoint \"", path, "\": cannot flush its directory \"",
                               dir, "\" (fsync): ", std::strerror(err), "."));
   }
@@ -561,24 +562,16 @@ void TorchCheckpointIO::write_atomically(const std::string& path,
   const fs::path target(path);
   std::error_code ec;
   if (target.has_parent_path()) {
-    // The directories this save creates: each is durable only once its
-    // parent is flushed too.
-    std::vector<fs::path> created;
-    for (fs::path d = target.parent_path(); !d.empty() && !fs::exists(d, ec); d = d.parent_path()) {
-      created.push_back(d);
-      if (d == d.parent_path()) break;
-    }
-    fs::create_directories(target.parent_path(), ec);
-    if (ec) {
-      throw CheckpointError(str("saving checkpoint \"", path, "\": cannot create directory \"",
-                                target.parent_path().string(), "\": ", ec.message(), ".",
-                                advice_for(ec.value())));
-    }
-    for (const auto& d : created) {
-      flush_directory(d.has_parent_path() ? d.parent_path().string() : ".", path);
+    // The directories this save creates are durable too.
+    int err = 0;
+    if (std::string problem =
+            detail::create_directories_durably(target.parent_path().string(), &err);
+        !problem.empty()) {
+      throw CheckpointError(
+          str("saving checkpoint \"", path, "\": ", problem, ".", advice_for(err)));
     }
   }
-  const std::string tmp = str(path, ".tmp.", ::getpid(), ".", this_host());
+  const std::string tmp = detail::temporary_path_for(path);
   auto fail = [&](const char* operation, int err, const std::string& file) {
     fs::remove(tmp, ec);
     throw CheckpointError(str("saving checkpoint \"", path, "\": cannot ", operation, " \"", file,
@@ -613,28 +606,13 @@ void TorchCheckpointIO::write_atomically(const std::string& path,
 }
 
 void TorchCheckpointIO::remove_stale_files(const std::string& dir) {
-  const std::string host = this_host();
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    // "<name>.tmp.<pid>.<host>" (fulgur 0.1: "<name>.tmp.<pid>").
-    const std::string name = it->path().filename().string();
-    const auto at = name.rfind(".tmp.");
-    if (at == std::string::npos) continue;
-    const std::string rest = name.substr(at + 5);
-    const auto dot = rest.find('.');
-    const std::string pid_text = rest.substr(0, dot);
-    const std::string writer_host = dot == std::string::npos ? host : rest.substr(dot + 1);
-    if (pid_text.empty() || pid_text.size() > 9 ||
-        !std::all_of(pid_text.begin(), pid_text.end(),
-                     [](char c) { return c >= '0' && c <= '9'; })) {
-      continue;
-    }
-    // Another machine's writer (a shared file system) cannot be checked
-    // from here: its file stays. So does a live writer's (or one this
-    // process may not signal); only a dead local writer's leftover goes.
-    if (writer_host != host) continue;
-    const pid_t pid = static_cast<pid_t>(std::stol(pid_text));
-    if (pid <= 0 || ::kill(pid, 0) == 0 || errno != ESRCH) continue;
+    // "<name>.tmp.<pid>.<host>" of a dead writer of this machine (a live
+    // writer's file stays, and another machine's, which cannot be checked).
+    std::error_code type_ec;
+    if (it->is_directory(type_ec)) continue;
+    if (!detail::is_dead_writers_temporary(it->path().filename().string())) continue;
     std::error_code remove_ec;
     fs::remove(it->path(), remove_ec);
   }

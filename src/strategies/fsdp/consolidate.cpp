@@ -11,6 +11,7 @@
 // taking that shape gives the state one process would hold.
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <string>
@@ -152,6 +153,21 @@ void consolidate_sharded_checkpoint(const std::string& dir, const std::string& o
                               "replaces one. Remove it or choose another path."));
   }
   fs::path parent = fs::path(out).parent_path();
+  // Inside the sharded checkpoint, OUT would become a stray file of it (and
+  // go with it when a save replaces the directory).
+  {
+    const fs::path within = fs::weakly_canonical(fs::absolute(out, ec), ec);
+    const fs::path checkpoint = fs::weakly_canonical(fs::absolute(dir, ec), ec);
+    const auto mismatch =
+        std::mismatch(checkpoint.begin(), checkpoint.end(), within.begin(), within.end());
+    if (!checkpoint.empty() && mismatch.first == checkpoint.end()) {
+      throw CheckpointError(str("\"", out, "\" is inside the sharded checkpoint \"", dir,
+                                "\" it would be made from. Write it beside the checkpoint "
+                                "instead (e.g. ",
+                                (fs::path(dir).parent_path() / "consolidated.ckpt").string(),
+                                ")."));
+    }
+  }
   if (!parent.empty() && !fs::is_directory(parent, ec)) {
     throw CheckpointError(str("cannot write \"", out, "\": its directory \"", parent.string(),
                               "\" does not exist. Create it first."));

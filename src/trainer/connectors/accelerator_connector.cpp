@@ -449,12 +449,18 @@ class ConnectorRun {
          environment_->rank_problems(static_cast<int>(devices_.size()), options_.num_nodes)) {
       problems_.add(std::move(problem), "invalid_environment");
     }
-    if (options_.num_nodes > 1 && context_.env.has("MASTER_ADDR") &&
-        environment_->main_address().empty()) {
-      problems_.add(str("MASTER_ADDR is set but empty, with num_nodes=", options_.num_nodes,
-                        ": every node reaches node 0 at this address. Set it to node 0's host "
-                        "name or IP address."),
-                    "invalid_environment");
+    const int64_t world = std::max<int64_t>(
+        static_cast<int64_t>(devices_.size()) * options_.num_nodes, environment_->world_size());
+    if (world > 1 && context_.env.has("MASTER_ADDR") && environment_->main_address().empty()) {
+      problems_.add(
+          options_.num_nodes > 1
+              ? str("MASTER_ADDR is set but empty, with num_nodes=", options_.num_nodes,
+                    ": every node reaches node 0 at this address. Set it to node 0's host "
+                    "name or IP address.")
+              : str("MASTER_ADDR is set but empty, with ", world,
+                    " ranks: every rank reaches rank 0's store at this address. Set it to "
+                    "rank 0's host name or IP address (127.0.0.1 on one machine), or unset it."),
+          "invalid_environment");
     }
   }
 

@@ -455,6 +455,10 @@ bool LoggerConnector::logs_parameters() const {
   return false;
 }
 
+void LoggerConnector::save() {
+  for (auto& logger : loggers_) logger->save();
+}
+
 void LoggerConnector::finalize(RunStatus status) {
   ended_ = true;
   for (auto& logger : loggers_) {

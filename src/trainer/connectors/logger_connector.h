@@ -159,6 +159,9 @@ class LoggerConnector {
   void log_parameters(const Module& module, int64_t step);
   /// Whether any logger reads the parameters in log_parameters.
   bool logs_parameters() const;
+  /// Every logger's save(): what a stage logged is on disk when it returns
+  /// (a logger that cannot write fails the stage, as at fit's end).
+  void save();
   /// Every logger's run status, then its finalize().
   void finalize(RunStatus status = RunStatus::kSuccess);
   /// finalize() for a run that ends by an error or a signal: a logger's

@@ -294,12 +294,32 @@ TEST(AcceleratorConnector, TorchrunWithoutMasterAddrNamesTheMissingVariable) {
       {"\"torchelastic\" needs the environment variable MASTER_ADDR, which is not set"});
 }
 
-TEST(AcceleratorConnector, AnEmptyMasterAddrWithSeveralNodesIsNamed) {
+TEST(AcceleratorConnector, AnEmptyMasterAddrWithSeveralRanksIsNamed) {
   EXPECT_THROWS_WITH(
       ConfigError,
       fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = 1, .num_nodes = 2},
                       env_of({{"MASTER_ADDR", ""}, {"MASTER_PORT", "29500"}, {"NODE_RANK", "1"}})),
       {"MASTER_ADDR is set but empty, with num_nodes=2"});
+  // On one machine too: under torchrun, and for the ranks fulgur starts.
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = "ddp", .devices = 2},
+                      env_of({{"RANK", "1"},
+                              {"GROUP_RANK", "0"},
+                              {"LOCAL_RANK", "1"},
+                              {"LOCAL_WORLD_SIZE", "2"},
+                              {"WORLD_SIZE", "2"},
+                              {"MASTER_ADDR", ""},
+                              {"MASTER_PORT", "29500"}})),
+      {"MASTER_ADDR is set but empty, with 2 ranks", "127.0.0.1"});
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = "ddp", .devices = 2},
+                      env_of({{"MASTER_ADDR", ""}})),
+      {"MASTER_ADDR is set but empty, with 2 ranks"});
+  // One rank reaches no one: no problem.
+  EXPECT_NO_THROW(fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = 1},
+                                  env_of({{"MASTER_ADDR", ""}})));
 }
 
 TEST(AcceleratorConnector, AWorldSizeTheLauncherDidNotSetIsNotGivenAValue) {

@@ -261,10 +261,16 @@ class MemoryLogger : public fulgur::Logger {
   void log_metrics(const std::map<std::string, double>& metrics, int64_t step) override {
     rows.emplace_back(step, metrics);
   }
+  void save() override {
+    ++saved;
+    if (disk_full) throw fulgur::ConfigError("memory: cannot write: No space left on device.");
+  }
   void finalize() override { ++finalized; }
   fulgur::HParams hparams;
   std::vector<std::pair<int64_t, std::map<std::string, double>>> rows;
   int finalized = 0;
+  int saved = 0;
+  bool disk_full = false;
 };
 
 TEST(Logging, LoggersReceiveHyperparametersMetricsAndFinalize) {
@@ -290,6 +296,27 @@ TEST(Logging, LoggersReceiveHyperparametersMetricsAndFinalize) {
   }
   EXPECT_TRUE(saw_train_loss);
   EXPECT_TRUE(saw_val_loss);
+}
+
+// What validate() and test() logged is saved before they return, so that a
+// logger that cannot write (a full disk) fails the stage with its reason, as
+// at fit's end, instead of a note as the program exits with the values lost.
+TEST(Logging, ValidateAndTestSaveTheirLoggersAndAFailedSaveFailsTheStage) {
+  TempDir dir;
+  LinearRegression model;
+  auto memory = std::make_shared<MemoryLogger>();
+  auto options = test_options(dir);
+  options.logger = true;
+  options.loggers = {memory};
+  fulgur::Trainer trainer(options);
+  trainer.test(model, regression_loader(2));
+  EXPECT_EQ(memory->saved, 1);
+  EXPECT_FALSE(memory->rows.empty());
+  trainer.validate(model, regression_loader(2));
+  EXPECT_EQ(memory->saved, 2);
+  memory->disk_full = true;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.test(model, regression_loader(2)),
+                     {"No space left on device"});
 }
 
 TEST(Logging, LogEveryNStepsThinsStepMetrics) {
