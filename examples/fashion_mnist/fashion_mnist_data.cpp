@@ -208,6 +208,15 @@ void FashionMNISTDataModule::setup(fulgur::Stage stage) {
                             "--val-size (0 turns validation off)."));
     }
     const int64_t n_train = total - options_.val_size;
+    if (options_.batch_size > n_train) {
+      // One batch of the whole set: its activations alone take gigabytes
+      // (the kernel killed such a run for its memory).
+      throw ConfigError(str("FashionMNISTDataModule(batch_size=", options_.batch_size,
+                            "): more than the ", n_train,
+                            " training images, so one batch would be the whole set. Pass a "
+                            "--batch_size of at most ",
+                            n_train, " (e.g. 64)."));
+    }
     // A deterministic split: the first n_train images train, the rest validate.
     train_ = std::make_shared<fulgur::TensorDataset>(split.images.narrow(0, 0, n_train),
                                                      split.labels.narrow(0, 0, n_train));

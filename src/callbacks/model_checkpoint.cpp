@@ -117,7 +117,7 @@ bool in_directory(const std::string& path, const std::string& dirpath) {
 
 }  // namespace
 
-void ModelCheckpoint::save(Trainer& trainer, bool end_of_epoch) {
+void ModelCheckpoint::save(Trainer& trainer) {
   if (!enabled(trainer)) return;
   if (last_saved_step_ == trainer.global_step()) return;  // already saved at this step
   last_saved_step_ = trainer.global_step();
@@ -136,11 +136,22 @@ void ModelCheckpoint::save(Trainer& trainer, bool end_of_epoch) {
     } else {
       auto it = trainer.callback_metrics().find(options_.monitor);
       if (it == trainer.callback_metrics().end() &&
-          (trainer.should_stop() || (!end_of_epoch && !validation_ran_))) {
-        // A step's save before the first validation (every N steps from the
-        // start of a run), or a run that stops (request_stop, a Timer)
-        // before the validation that logs the metric: nothing to rank, but
-        // last.ckpt keeps the state.
+          (trainer.should_stop() || (!validation_ran_ && trainer.fit_validates()))) {
+        // A save before the fit's first validation (every N steps from the
+        // start of a run; an epoch or a run that ends first: max_steps
+        // within a val_check_interval), or a run that stops (request_stop, a
+        // Timer) before the validation that logs the metric: nothing to
+        // rank, but last.ckpt keeps the state, said once. (A fit without
+        // validation, whose metric is missing, is told so below.)
+        if (!validation_ran_ && !noted_no_validation_ && strategy.is_global_zero()) {
+          noted_no_validation_ = true;
+          detail::print_note(str("ModelCheckpoint(monitor=\"", options_.monitor,
+                                 "\"): saving at step ", trainer.global_step(),
+                                 " before any validation of this fit has run, so there is no \"",
+                                 options_.monitor, "\" to rank by; ",
+                                 options_.save_last ? "last.ckpt keeps the state."
+                                                    : "nothing is saved (save_last is off)."));
+        }
         if (options_.save_last) save_last(trainer);
         return;
       }
@@ -190,7 +201,7 @@ void ModelCheckpoint::save_last(Trainer& trainer) {
 void ModelCheckpoint::on_train_batch_end(Trainer& trainer, Module&, const at::Tensor&, const Batch&,
                                          int64_t) {
   int64_t n = options_.every_n_train_steps;
-  if (n > 0 && trainer.global_step() > 0 && trainer.global_step() % n == 0) save(trainer, false);
+  if (n > 0 && trainer.global_step() > 0 && trainer.global_step() % n == 0) save(trainer);
 }
 
 void ModelCheckpoint::on_validation_end(Trainer& trainer, Module&) {
@@ -206,7 +217,7 @@ void ModelCheckpoint::on_validation_end(Trainer& trainer, Module&) {
   bool at_epoch_end = trainer.num_training_batches() < 0 ||
                       trainer.batch_idx() + 1 >= trainer.num_training_batches();
   if (epoch_due && at_epoch_end) {
-    save(trainer, true);
+    save(trainer);
     validated_this_epoch_ = true;
   }
 }
@@ -218,7 +229,7 @@ void ModelCheckpoint::on_train_epoch_end(Trainer& trainer, Module&) {
   validated_this_epoch_ = false;
   if (!due) return;
   if (!saved_by_validation) {
-    save(trainer, true);
+    save(trainer);
   } else if (options_.save_last) {
     // Rewrite last.ckpt now, so that it records the completed epoch.
     save_last(trainer);

@@ -1023,6 +1023,14 @@ CLI::Result CLI::run(Trainer& trainer, Module& model, DataModule& data) const {
     if (!found.note.empty()) std::cout << found.note << "\n";
     return result;
   }
+  if (subcommand_ != Stage::kFit && ckpt_path_.empty() && trainer.strategy().is_global_zero()) {
+    // What Lightning's CLI does too, said: the weights are the model's own.
+    detail::print_note(
+        str(options_.program, " ", to_string(subcommand_),
+            ": no ckpt_path, so the model runs with the weights it was built "
+            "with (untrained, unless the program loads some). Pass --ckpt_path "
+            "last (the newest checkpoint of this run's directory) or a checkpoint file."));
+  }
   switch (subcommand_) {
     case Stage::kFit: result.fit = trainer.fit(model, data, {.ckpt_path = ckpt_path_}); break;
     case Stage::kValidate: result.metrics = trainer.validate(model, data, ckpt_path_); break;

@@ -1027,6 +1027,7 @@ void Trainer::set_accumulate_grad_batches(int64_t n) {
   impl_->fit_loop.set_accumulate_grad_batches(n);
 }
 bool Trainer::should_stop() const { return impl_->fit_loop.should_stop(); }
+bool Trainer::fit_validates() const { return impl_->fit_loop.validates(); }
 const Metrics& Trainer::callback_metrics() const { return impl_->logging.callback_metrics(); }
 const Metrics& Trainer::progress_bar_metrics() const {
   return impl_->logging.progress_bar_metrics();

@@ -140,6 +140,31 @@ TEST(ModelCheckpointErrors, AMonitorThatWasNeverLoggedListsTheLoggedMetrics) {
                      {"monitor=\"val_accuracy\"", "no metric of that name", "train_loss"});
 }
 
+// A save before the fit's first validation (here the epoch's end, with
+// validation every second epoch; or max_steps within a val_check_interval)
+// has nothing to rank: last.ckpt keeps the state and a note says so once,
+// where it failed the fit before. Without validation, a monitor nothing
+// logs stays an error (above).
+TEST(ModelCheckpointErrors, ASaveBeforeTheFitsFirstValidationKeepsLastAndSaysSo) {
+  TempDir dir;
+  std::shared_ptr<fulgur::ModelCheckpoint> callback;
+  auto options = fulgur::test::checkpointed_options(dir, {.monitor = "val_loss"}, &callback);
+  options.max_epochs = 1;
+  options.check_val_every_n_epoch = 2;
+  LinearRegression model;
+  fulgur::Trainer trainer(std::move(options));
+  testing::internal::CaptureStderr();
+  trainer.fit(model, fulgur::test::regression_loader(2), fulgur::test::regression_loader(1));
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(fulgur::test::message_contains(
+      err, {"ModelCheckpoint(monitor=\"val_loss\"): saving at step",
+            "before any validation of this fit has run", "last.ckpt keeps the state"}))
+      << err;
+  EXPECT_EQ(fulgur::test::count_occurrences(err, "before any validation"), 1) << err;
+  EXPECT_FALSE(callback->last_model_path().empty());
+  EXPECT_TRUE(std::filesystem::exists(callback->last_model_path()));
+}
+
 TEST(LogErrors, ANonScalarNamesItsShape) {
   TempDir dir;
   LinearRegression model;

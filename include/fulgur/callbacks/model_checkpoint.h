@@ -72,7 +72,7 @@ class ModelCheckpoint : public Callback {
   const ModelCheckpointOptions& options() const { return options_; }
 
  private:
-  void save(Trainer& trainer, bool end_of_epoch);
+  void save(Trainer& trainer);
   void save_last(Trainer& trainer);
   bool enabled(Trainer& trainer) const;
   std::string format_name(Trainer& trainer) const;
@@ -90,6 +90,8 @@ class ModelCheckpoint : public Callback {
   // A validation (not the sanity check) has run in this fit: from then on a
   // monitored metric that is missing is an error.
   bool validation_ran_ = false;
+  // The note that nothing could be ranked before any validation ran: once.
+  bool noted_no_validation_ = false;
 };
 
 }  // namespace fulgur

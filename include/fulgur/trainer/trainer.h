@@ -123,6 +123,9 @@ class Trainer {
   /// window, or with manual optimization.
   void set_accumulate_grad_batches(int64_t n);
   bool should_stop() const;
+  /// The fit running has validation to run (a validation loader, and
+  /// limit_val_batches not 0), whether or not it has run yet.
+  bool fit_validates() const;
   /// Latest value of every logged metric.
   const Metrics& callback_metrics() const;
   /// Metrics logged with prog_bar.

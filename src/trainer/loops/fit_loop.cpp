@@ -31,6 +31,8 @@ std::vector<at::Tensor> optimizer_params(torch::optim::Optimizer& optimizer) {
 }
 }  // namespace
 
+bool FitLoop::validates() const { return val_loader_ && !trainer_.limits.val.is_zero(); }
+
 bool FitLoop::stop_requested_by_limits(bool boundary) {
   // A stop requested on one rank (request_stop() from its step, a hook or a
   // callback) is agreed by every rank here, after each batch and before each

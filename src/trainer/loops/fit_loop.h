@@ -85,6 +85,8 @@ class FitLoop {
   /// window, or with manual optimization.
   void set_accumulate_grad_batches(int64_t n);
   bool should_stop() const { return should_stop_; }
+  /// This fit has validation to run (a loader, and limit_val_batches not 0).
+  bool validates() const;
   const std::string& stop_reason() const { return stop_reason_; }
   const OptimizerConfig& optimizers() const { return optimizers_; }
   DataLoader* train_loader() const { return train_loader_.get(); }
