@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -178,15 +177,6 @@ struct ShardedSaves {
   }
 };
 
-std::vector<std::string> names_in(const std::string& dir) {
-  std::vector<std::string> names;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    names.push_back(entry.path().filename().string());
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
 // A sharded save is made whole beside its path and put there in one step: a
 // save whose shard cannot be written keeps the checkpoint before it whole and
 // loading, says so, and leaves nothing beside it; a save that completes
@@ -202,13 +192,14 @@ TEST(CheckpointLayout, AFailedShardedSaveKeepsTheCheckpointBeforeItAndLeavesNoth
       {"saving sharded checkpoint \"" + path + "\"", "the disk is gone", "is as it was"});
   EXPECT_EQ(saves.verify(path), "");
   EXPECT_EQ(saves.loaded(path), 1);
-  EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"last.ckpt"});
-  EXPECT_EQ(names_in(path), (std::vector<std::string>{"manifest.txt", "rank-0-of-1.ckpt"}));
+  EXPECT_EQ(fulgur::test::entries_of(dir.path()), std::vector<std::string>{"last.ckpt"});
+  EXPECT_EQ(fulgur::test::entries_of(path),
+            (std::vector<std::string>{"manifest.txt", "rank-0-of-1.ckpt"}));
 
   saves.io->fail = false;
   saves.save(path, 3);
   EXPECT_EQ(saves.loaded(path), 3);
-  EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"last.ckpt"});
+  EXPECT_EQ(fulgur::test::entries_of(dir.path()), std::vector<std::string>{"last.ckpt"});
   // Over a checkpoint in one file (the strategy changed between runs).
   const std::string single = dir.file("single.ckpt");
   fulgur::TorchCheckpointIO plain;
@@ -217,7 +208,8 @@ TEST(CheckpointLayout, AFailedShardedSaveKeepsTheCheckpointBeforeItAndLeavesNoth
   plain.save_checkpoint(state, single);
   saves.save(single, 5);
   EXPECT_EQ(saves.loaded(single), 5);
-  EXPECT_EQ(names_in(dir.path()), (std::vector<std::string>{"last.ckpt", "single.ckpt"}));
+  EXPECT_EQ(fulgur::test::entries_of(dir.path()),
+            (std::vector<std::string>{"last.ckpt", "single.ckpt"}));
 }
 
 // A disk that fills up during a sharded save (a tmpfs): the error names the
@@ -241,7 +233,7 @@ TEST(CheckpointLayout, AFullDiskDuringAShardedSaveKeepsTheCheckpointBeforeIt) {
       }
     }
     if (!saves.verify(path).empty() || saves.loaded(path) != 1) return 12;
-    if (names_in(dir.path()) != std::vector<std::string>{"last.ckpt"}) return 13;
+    if (fulgur::test::entries_of(dir.path()) != std::vector<std::string>{"last.ckpt"}) return 13;
     return 0;
   });
   if (r.exit_code == fulgur::test::kCannotMountTmpfs) GTEST_SKIP() << "cannot mount a tmpfs here";
@@ -268,13 +260,9 @@ TEST(CheckpointLayout, ACheckpointSetAsideByAnInterruptedReplacementIsNamedAndPu
   saves.io->fail = true;
   EXPECT_THROW(saves.save(path, 2), fulgur::CheckpointError);
   EXPECT_EQ(saves.loaded(path), 1);  // put back even though the save failed
-  EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"last.ckpt"});
+  EXPECT_EQ(fulgur::test::entries_of(dir.path()), std::vector<std::string>{"last.ckpt"});
 
-  const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) ::_exit(0);
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const pid_t pid = fulgur::test::dead_pid();
   const std::string dead = fulgur::str(path, ".tmp.", pid, ".", fulgur::detail::this_host());
   const std::string live = fulgur::detail::temporary_path_for(dir.file("epoch=1.ckpt"));
   fs::create_directories(dead);

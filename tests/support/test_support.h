@@ -119,6 +119,9 @@ class TempDir {
 /// Regular files below `dir`, as sorted paths relative to `dir`; empty when
 /// `dir` does not exist.
 std::vector<std::string> list_files(const std::string& dir);
+/// The names of what is in `dir` (files and directories, not below them),
+/// sorted.
+std::vector<std::string> entries_of(const std::string& dir);
 std::string read_text(const std::string& path);
 std::vector<std::string> read_lines(const std::string& path);
 void write_text(const std::string& path, const std::string& text);

@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <filesystem>
 #include <string>
@@ -22,29 +21,21 @@ namespace {
 namespace fs = std::filesystem;
 using fulgur::test::TempDir;
 
-std::vector<std::string> names_in(const std::string& dir) {
-  std::vector<std::string> names;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    names.push_back(entry.path().filename().string());
-  }
-  std::sort(names.begin(), names.end());
-  return names;
-}
-
 TEST(DurableFile, AFileIsReplacedWholeAndAFailureLeavesTheOldOneAndNoTemporary) {
   TempDir dir;
   const std::string path = dir.file("metrics.csv");
   ASSERT_EQ(fulgur::detail::write_file_atomically(path, "step,a\n"), "");
   ASSERT_EQ(fulgur::detail::write_file_atomically(path, "step,a,b\n1,2,3\n"), "");
   EXPECT_EQ(fulgur::test::read_text(path), "step,a,b\n1,2,3\n");
-  EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"metrics.csv"});
+  EXPECT_EQ(fulgur::test::entries_of(dir.path()), std::vector<std::string>{"metrics.csv"});
 
   // A directory in the way: the rename fails, nothing is left.
   fs::create_directories(dir.file("taken"));
   const std::string problem = fulgur::detail::write_file_atomically(dir.file("taken"), "x");
   EXPECT_TRUE(fulgur::test::message_contains(problem, {"cannot rename", "taken", "Is a directory"}))
       << problem;
-  EXPECT_EQ(names_in(dir.path()), (std::vector<std::string>{"metrics.csv", "taken"}));
+  EXPECT_EQ(fulgur::test::entries_of(dir.path()),
+            (std::vector<std::string>{"metrics.csv", "taken"}));
   // A directory that does not exist: named, nothing made.
   EXPECT_TRUE(fulgur::test::message_contains(
       fulgur::detail::write_file_atomically(dir.file("none/metrics.csv"), "x"),
@@ -65,7 +56,7 @@ TEST(DurableFile, AFullDiskKeepsTheOldFile) {
       return 11;
     }
     if (fulgur::test::read_text(path) != old) return 12;
-    if (names_in(dir.path()) != std::vector<std::string>{"metrics.csv"}) return 13;
+    if (fulgur::test::entries_of(dir.path()) != std::vector<std::string>{"metrics.csv"}) return 13;
     return 0;
   });
   if (r.exit_code == fulgur::test::kCannotMountTmpfs) GTEST_SKIP() << "cannot mount a tmpfs here";
@@ -93,13 +84,13 @@ TEST(DurableFile, ADirectoryReplacesWhatIsAtItsPathWithOrWithoutAnExchange) {
     EXPECT_EQ(fulgur::test::read_text(path + "/manifest.txt"), "one");
     ASSERT_EQ(fulgur::detail::replace_path(staged("two"), path, exchange), "");
     EXPECT_EQ(fulgur::test::read_text(path + "/manifest.txt"), "two");
-    EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"last.ckpt"});
+    EXPECT_EQ(fulgur::test::entries_of(dir.path()), std::vector<std::string>{"last.ckpt"});
 
     fs::remove_all(path);
     fulgur::test::write_text(path, "a single-file checkpoint");
     ASSERT_EQ(fulgur::detail::replace_path(staged("three"), path, exchange), "");
     EXPECT_EQ(fulgur::test::read_text(path + "/manifest.txt"), "three");
-    EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"last.ckpt"});
+    EXPECT_EQ(fulgur::test::entries_of(dir.path()), std::vector<std::string>{"last.ckpt"});
   }
 
   TempDir dir;
@@ -108,7 +99,7 @@ TEST(DurableFile, ADirectoryReplacesWhatIsAtItsPathWithOrWithoutAnExchange) {
   fulgur::test::write_text(fulgur::detail::previous_path(path) + "/manifest.txt", "kept");
   EXPECT_TRUE(fulgur::detail::restore_previous(path));
   EXPECT_EQ(fulgur::test::read_text(path + "/manifest.txt"), "kept");
-  EXPECT_EQ(names_in(dir.path()), std::vector<std::string>{"last.ckpt"});
+  EXPECT_EQ(fulgur::test::entries_of(dir.path()), std::vector<std::string>{"last.ckpt"});
   EXPECT_FALSE(fulgur::detail::restore_previous(path));  // nothing set aside
   // Where both are there, the replacement completed: nothing is put back.
   fs::create_directories(fulgur::detail::previous_path(path));
@@ -123,11 +114,7 @@ TEST(DurableFile, ADeadWritersTemporaryIsToldFromALiveOnesAndAnotherMachines) {
   EXPECT_EQ(own, fulgur::str("last.ckpt.tmp.", ::getpid(), ".", host));
   EXPECT_FALSE(fulgur::detail::is_dead_writers_temporary(own));  // this process runs
   // A child that has ended (and been reaped): its pid runs no process.
-  const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) ::_exit(0);
-  int status = 0;
-  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  const pid_t pid = fulgur::test::dead_pid();
   const std::string dead = fulgur::str("last.ckpt.tmp.", pid, ".", host);
   EXPECT_TRUE(fulgur::detail::is_dead_writers_temporary(dead));
   EXPECT_TRUE(fulgur::detail::is_dead_writers_temporary(fulgur::str("last.ckpt.tmp.", pid)));
