@@ -16,9 +16,11 @@
 #include <filesystem>
 #include <functional>
 #include <random>
+#include <sstream>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/utilities/checksum.h"
+#include "support/run_in_child.h"
 #include "support/test_support.h"
 
 namespace {
@@ -266,6 +268,47 @@ TEST(TorchCheckpointIOIntegrity, DamagedStructureIsRefusedWhileParsedBeside) {
     const std::string error = load_error(io, path);
     ASSERT_TRUE(fulgur::test::message_contains(error, {path, "is corrupt"}))
         << "byte " << pos << " of " << good.size() << ": " << error;
+  }
+}
+
+// Runs of bytes overwritten anywhere in a checkpoint's data, most of them
+// in what LibTorch's reader parses (its directory of records, the pickled
+// description, the TorchScript code records at the archive's end), with its
+// footer intact: every load ends in the corrupt-file error, never a crash
+// (LibTorch's reader and unpickler trust the archive; each load runs in a
+// child). The same damage to a checkpoint without a footer (written by
+// LibTorch alone) is refused or loads. Seeded.
+TEST(TorchCheckpointIOIntegrity, OverwrittenRunsOfBytesAreRefusedNeverACrash) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  const std::string path = dir.file("a.ckpt");
+  save_model_like(io, path);
+  const std::string with_footer = fulgur::test::read_text(path);
+  torch::serialize::OutputArchive plain;
+  plain.write("weight", torch::arange(64, torch::kFloat));
+  plain.write("step", c10::IValue(int64_t{7}));
+  std::ostringstream plain_bytes;
+  plain.save_to(plain_bytes);
+  std::mt19937 rng(11);
+  auto pick = [&](size_t n) { return std::uniform_int_distribution<size_t>(0, n - 1)(rng); };
+  for (int i = 0; i < 240; ++i) {
+    const bool footer = i % 2 == 0;
+    std::string bad = footer ? with_footer : plain_bytes.str();
+    const size_t data = footer ? bad.size() - 32 : bad.size();
+    // Three cases in four within the archive's last 3 KiB.
+    size_t at = i % 4 == 3 ? pick(data) : data - 1 - pick(std::min<size_t>(data, 3072));
+    for (size_t n = 1 + pick(i % 3 == 0 ? 256 : 8); n > 0 && at < data; --n, ++at) {
+      bad[at] = static_cast<char>(bad[at] ^ (1 + pick(255)));
+    }
+    fulgur::test::write_text(path, bad);
+    const auto r = fulgur::test::run_in_child([&] {
+      const std::string error = load_error(io, path);
+      if (fulgur::test::message_contains(error, {path, "is corrupt"})) return 1;
+      return error == "loaded" ? 0 : 2;
+    });
+    EXPECT_TRUE(footer ? r.exit_code == 1 : r.exit_code == 0 || r.exit_code == 1)
+        << "case " << i << (footer ? " (with its footer)" : " (without a footer)") << ": "
+        << r.describe();
   }
 }
 

@@ -30,6 +30,9 @@
 
 namespace fulgur::test {
 
+/// The exit status of a run_in_child child whose body threw.
+constexpr int kChildThrew = 125;
+
 struct ChildResult {
   int exit_code = -1;  // -1 when it ended by a signal or was killed
   int signal = 0;
@@ -37,6 +40,7 @@ struct ChildResult {
   std::string describe() const {
     if (timed_out) return "still running at the timeout (killed)";
     if (signal != 0) return "killed by signal " + std::to_string(signal);
+    if (exit_code == kChildThrew) return "exit status 125 (an exception left the child's body)";
     return "exit status " + std::to_string(exit_code);
   }
 };
@@ -54,7 +58,13 @@ inline ChildResult run_in_child(const std::function<int()>& body,
       ::dup2(null, STDOUT_FILENO);
       ::dup2(null, STDERR_FILENO);
     }
-    const int code = body();
+    // An exception must not leave the body: it would unwind into the
+    // parent's test, run on in the child and remove the parent's files.
+    int code = kChildThrew;
+    try {
+      code = body();
+    } catch (...) {
+    }
     std::cout.flush();
     std::cerr.flush();
     ::_exit(code);

@@ -8,6 +8,7 @@
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 
 #include <fcntl.h>
+#include <isa-l/igzip_lib.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -21,6 +22,7 @@
 #include <exception>
 #include <functional>
 #include <iostream>
+#include <new>
 #include <utility>
 #include <vector>
 
@@ -68,82 +70,6 @@ struct Verdict {
   uint32_t expected = 0, actual = 0;
 };
 
-// ---- Which record of the archive (a zip) is damaged: each record's stored
-// CRC-32 against its bytes. LibTorch stores records uncompressed.
-std::string describe_record(const std::string& name) {
-  const auto slash = name.find('/');
-  const std::string record = slash == std::string::npos ? name : name.substr(slash + 1);
-  if (record == "data.pkl") {
-    return "the archive's structure (record data.pkl: which tensors and values it holds)";
-  }
-  if (record.rfind("data/", 0) == 0) return str("the bytes of a tensor (record ", record, ")");
-  return str("record ", record);
-}
-
-std::string damaged_part(const char* data, uint64_t size) {
-  const char* const end = data + size;
-  auto u16 = [](const char* p) { return get_le(p, 2); };
-  auto u32 = [](const char* p) { return get_le(p, 4); };
-  // The end-of-central-directory record, searched back from the end.
-  const char* eocd = nullptr;
-  for (const char* p = end - 22; p >= data && p >= end - 22 - 65535; --p) {
-    if (u32(p) == 0x06054b50) {
-      eocd = p;
-      break;
-    }
-  }
-  if (eocd == nullptr) return "the archive's end (its directory of records is unreadable)";
-  uint64_t count = u16(eocd + 10);
-  uint64_t cd_offset = u32(eocd + 16);
-  if ((count == 0xFFFF || cd_offset == 0xFFFFFFFF) && eocd - 20 >= data &&
-      u32(eocd - 20) == 0x07064b50) {
-    const uint64_t z64 = get_le(eocd - 20 + 8, 8);
-    if (z64 + 56 <= size && u32(data + z64) == 0x06064b50) {
-      count = get_le(data + z64 + 32, 8);
-      cd_offset = get_le(data + z64 + 48, 8);
-    }
-  }
-  const char* p = data + std::min<uint64_t>(cd_offset, size);
-  for (uint64_t i = 0; i < count; ++i) {
-    if (p + 46 > end || u32(p) != 0x02014b50) {
-      return "the archive's directory of records";
-    }
-    const uint32_t stored_crc = static_cast<uint32_t>(u32(p + 16));
-    uint64_t compressed = u32(p + 20);
-    uint64_t uncompressed = u32(p + 24);
-    const uint64_t name_len = u16(p + 28), extra_len = u16(p + 30), comment_len = u16(p + 32);
-    uint64_t local = u32(p + 42);
-    if (p + 46 + name_len + extra_len > end) return "the archive's directory of records";
-    const std::string name(p + 46, name_len);
-    // Zip64: the 32-bit fields that overflowed, in order, in extra block 1.
-    for (const char* e = p + 46 + name_len; e + 4 <= p + 46 + name_len + extra_len;) {
-      const uint64_t id = u16(e), len = u16(e + 2);
-      const char* block_end = e + 4 + len;
-      if (block_end > p + 46 + name_len + extra_len) return "the archive's directory of records";
-      if (id == 0x0001) {
-        const char* v = e + 4;
-        for (uint64_t* field : {&uncompressed, &compressed, &local}) {
-          if (*field != 0xFFFFFFFF) continue;
-          if (v + 8 > block_end) return "the archive's directory of records";
-          *field = get_le(v, 8);
-          v += 8;
-        }
-      }
-      e = block_end;
-    }
-    p += 46 + name_len + extra_len + comment_len;
-    if (size < 30 || local > size - 30 || u32(data + local) != 0x04034b50) {
-      return str("the header of ", describe_record(name));
-    }
-    const uint64_t start = local + 30 + u16(data + local + 26) + u16(data + local + 28);
-    if (start > size || compressed > size - start) {
-      return str("the header of ", describe_record(name));
-    }
-    if (crc32_ieee(data + start, compressed) != stored_crc) return describe_record(name);
-  }
-  return "the archive's headers or padding (every record's bytes are intact)";
-}
-
 // ---- Files.
 // A checkpoint file opened for reading, read with pread (no copy of the
 // whole file in memory). CheckpointError naming it, the operation and the
@@ -163,14 +89,14 @@ class CheckpointFile {
           str("checkpoint \"", path, "\": cannot look it up: ", std::strerror(err), "."));
     }
     if (S_ISDIR(st.st_mode) && ::access((path + "/manifest.txt").c_str(), F_OK) == 0) {
-      throw CheckpointError(str(
-          "checkpoint \"", path,
-          "\" is a sharded checkpoint: a directory of per-rank shards, written under strategy "
-          "\"fsdp\" (or \"manual\") with state_dict_type \"sharded\". Resume it with that "
-          "strategy and as many ranks as wrote it (its manifest.txt lists them; `fulgur "
-          "checkpoint inspect` shows them), or make it one file that loads anywhere with "
-          "`fulgur checkpoint consolidate ",
-          path, " FILE` (fsdp)."));
+      throw CheckpointError(
+          str("checkpoint \"", path,
+              "\" is a sharded checkpoint: a directory of per-rank shards, written under strategy "
+              "\"fsdp\" (or \"manual\") with state_dict_type \"sharded\". Resume it with that "
+              "strategy and as many ranks as wrote it (its manifest.txt lists them; `fulgur "
+              "checkpoint inspect` shows them), or make it one file that loads anywhere with "
+              "`fulgur checkpoint consolidate ",
+              path, " FILE` (fsdp)."));
     }
     if (!S_ISREG(st.st_mode)) {
       throw CheckpointError(str("checkpoint \"", path, "\" is ", detail::file_kind(st.st_mode),
@@ -214,27 +140,233 @@ class CheckpointFile {
   /// CRC32C of the `n` bytes at `pos`, continuing `crc`, read in pieces
   /// through one small buffer.
   uint32_t crc32c_of(uint64_t pos, uint64_t n, uint32_t crc = 0) const {
+    return checksum_of(pos, n, crc, crc32c);
+  }
+  /// The zip format's CRC-32 of the `n` bytes at `pos`.
+  uint32_t crc32_ieee_of(uint64_t pos, uint64_t n) const {
+    return checksum_of(pos, n, 0, crc32_ieee);
+  }
+
+ private:
+  uint32_t checksum_of(uint64_t pos, uint64_t n, uint32_t crc,
+                       uint32_t (*checksum)(const void*, size_t, uint32_t)) const {
     std::vector<char> buf(std::min<uint64_t>(n, uint64_t{4} << 20));
     for (const uint64_t end = pos + n; pos < end;) {
       const size_t chunk = static_cast<size_t>(std::min<uint64_t>(buf.size(), end - pos));
       read_at(pos, buf.data(), chunk);
-      crc = crc32c(buf.data(), chunk, crc);
+      crc = checksum(buf.data(), chunk, crc);
       pos += chunk;
     }
     return crc;
   }
-  /// The whole file (for explaining a failure, or a file without a footer).
-  std::string read_all() const {
-    std::string bytes(static_cast<size_t>(size_), '\0');
-    read_at(0, bytes.data(), bytes.size());
-    return bytes;
-  }
 
- private:
   std::string path_;
   int fd_ = -1;
   uint64_t size_ = 0;
 };
+
+// ---- The archive (a zip: LibTorch stores its records, or deflates its
+// TorchScript code, each with its CRC-32), read from its directory of records before LibTorch's
+// reader is given it: that reader trusts the archive (a damaged directory,
+// pickled description or TorchScript code record can crash it instead of
+// failing), so what it parses is checked first.
+struct ZipRecord {
+  std::string name;
+  uint32_t crc = 0;         // of its content, as the directory states it
+  bool deflated = false;    // method 8; else stored (method 0)
+  uint64_t header = 0;      // its local header's offset
+  uint64_t compressed = 0;  // its bytes' length in the archive
+  uint64_t size = 0;        // its content's length
+};
+
+// The records that the first `size` bytes of `file` list in their
+// directory, each within those bytes; or, in `problem`, the part of the
+// archive found damaged.
+struct ZipDirectory {
+  std::vector<ZipRecord> records;
+  std::string problem;
+};
+
+// A record holding a tensor's bytes (LibTorch's reader copies them and
+// parses nothing in them).
+bool holds_tensor_bytes(const std::string& name) {
+  const auto slash = name.find('/');
+  return name.compare(slash == std::string::npos ? 0 : slash + 1, 5, "data/") == 0;
+}
+
+std::string describe_record(const std::string& name) {
+  const auto slash = name.find('/');
+  const std::string record = slash == std::string::npos ? name : name.substr(slash + 1);
+  if (record == "data.pkl") {
+    return "the archive's structure (record data.pkl: which tensors and values it holds)";
+  }
+  if (holds_tensor_bytes(name)) return str("the bytes of a tensor (record ", record, ")");
+  return str("record ", record);
+}
+
+ZipDirectory read_directory(const CheckpointFile& file, uint64_t size) {
+  ZipDirectory dir;
+  auto u16 = [](const char* p) { return get_le(p, 2); };
+  auto u32 = [](const char* p) { return get_le(p, 4); };
+  // The end-of-central-directory record, searched back from the end over
+  // the longest comment it can have, and the Zip64 locator before it.
+  const uint64_t tail_size = std::min<uint64_t>(size, 22 + 65535 + 20);
+  std::string tail(static_cast<size_t>(tail_size), '\0');
+  file.read_at(size - tail_size, tail.data(), tail.size());
+  const char* const tail_end = tail.data() + tail.size();
+  const char* eocd = nullptr;
+  for (const char* p = tail_end - 22; p >= tail.data(); --p) {
+    if (u32(p) == 0x06054b50) {
+      eocd = p;
+      break;
+    }
+  }
+  if (eocd == nullptr) {
+    dir.problem = "the archive's end (its directory of records is not there)";
+    return dir;
+  }
+  const std::string directory_damaged = "the archive's directory of records";
+  uint64_t end_of_directory = size - static_cast<uint64_t>(tail_end - eocd);
+  uint64_t count = u16(eocd + 10);
+  uint64_t cd_size = u32(eocd + 12);
+  uint64_t cd_offset = u32(eocd + 16);
+  if (eocd - 20 >= tail.data() && u32(eocd - 20) == 0x07064b50) {
+    const uint64_t z64 = get_le(eocd - 20 + 8, 8);
+    char record[56];
+    if (z64 > end_of_directory || end_of_directory - z64 < 56) {
+      dir.problem = directory_damaged;
+      return dir;
+    }
+    file.read_at(z64, record, sizeof(record));
+    if (u32(record) != 0x06064b50) {
+      dir.problem = directory_damaged;
+      return dir;
+    }
+    count = get_le(record + 32, 8);
+    cd_size = get_le(record + 40, 8);
+    cd_offset = get_le(record + 48, 8);
+    end_of_directory = z64;
+  }
+  // Each entry takes 46 bytes at least.
+  if (cd_offset > end_of_directory || cd_size > end_of_directory - cd_offset ||
+      count > cd_size / 46) {
+    dir.problem = directory_damaged;
+    return dir;
+  }
+  std::string cd(static_cast<size_t>(cd_size), '\0');
+  file.read_at(cd_offset, cd.data(), cd.size());
+  const char* p = cd.data();
+  const char* const end = cd.data() + cd.size();
+  for (uint64_t i = 0; i < count; ++i) {
+    // Stored (method 0) or deflated (8), as LibTorch writes records.
+    if (end - p < 46 || u32(p) != 0x02014b50 || (u16(p + 10) != 0 && u16(p + 10) != 8)) {
+      dir.problem = directory_damaged;
+      return dir;
+    }
+    ZipRecord r;
+    r.crc = static_cast<uint32_t>(u32(p + 16));
+    r.deflated = u16(p + 10) == 8;
+    r.compressed = u32(p + 20);
+    r.size = u32(p + 24);
+    r.header = u32(p + 42);
+    const uint64_t name_len = u16(p + 28), extra_len = u16(p + 30), comment_len = u16(p + 32);
+    if (static_cast<uint64_t>(end - p) < 46 + name_len + extra_len + comment_len) {
+      dir.problem = directory_damaged;
+      return dir;
+    }
+    r.name.assign(p + 46, name_len);
+    // Zip64: the 32-bit fields that overflowed, in order, in extra block 1.
+    const char* const extra_end = p + 46 + name_len + extra_len;
+    for (const char* e = p + 46 + name_len; extra_end - e >= 4;) {
+      const uint64_t id = u16(e), len = u16(e + 2);
+      if (static_cast<uint64_t>(extra_end - e - 4) < len) {
+        dir.problem = directory_damaged;
+        return dir;
+      }
+      if (id == 0x0001) {
+        const char* v = e + 4;
+        for (uint64_t* field : {&r.size, &r.compressed, &r.header}) {
+          if (*field != 0xFFFFFFFF) continue;
+          if (static_cast<uint64_t>(e + 4 + len - v) < 8) {
+            dir.problem = directory_damaged;
+            return dir;
+          }
+          *field = get_le(v, 8);
+          v += 8;
+        }
+      }
+      e += 4 + len;
+    }
+    p = extra_end + comment_len;
+    // Deflate expands at most 1032:1 (and ISA-L inflates less than 4 GiB).
+    const bool sizes_agree =
+        r.deflated ? r.size / 1032 <= r.compressed && r.size <= UINT32_MAX : r.size == r.compressed;
+    if (!sizes_agree || r.header > cd_offset || cd_offset - r.header < 30 + r.compressed) {
+      dir.problem = directory_damaged;
+      return dir;
+    }
+    dir.records.push_back(std::move(r));
+  }
+  return dir;
+}
+
+// Where `record`'s bytes start, from its local header (which must name it
+// and leave its bytes before the directory); or, in `problem`, that the
+// header is damaged.
+uint64_t record_start(const CheckpointFile& file, const ZipRecord& record, uint64_t end,
+                      std::string& problem) {
+  char header[30];
+  file.read_at(record.header, header, sizeof(header));
+  const uint64_t name_len = get_le(header + 26, 2), extra_len = get_le(header + 28, 2);
+  const uint64_t start = record.header + 30 + name_len + extra_len;
+  std::string name(static_cast<size_t>(name_len), '\0');
+  if (get_le(header, 4) != 0x04034b50 || start > end || end - start < record.compressed ||
+      (file.read_at(record.header + 30, name.data(), name.size()), name != record.name)) {
+    problem = str("the header of ", describe_record(record.name));
+  }
+  return start;
+}
+
+// Whether `record`'s content (its bytes from `start`, inflated to its
+// length where they are deflated) has its stated CRC-32 (without
+// `has_crc`: whether it inflates).
+bool content_intact(const CheckpointFile& file, const ZipRecord& record, uint64_t start,
+                    bool has_crc) {
+  if (!record.deflated) return !has_crc || file.crc32_ieee_of(start, record.size) == record.crc;
+  std::string in(static_cast<size_t>(record.compressed), '\0');
+  file.read_at(start, in.data(), in.size());
+  std::string out(static_cast<size_t>(record.size), '\0');
+  inflate_state state;
+  isal_inflate_init(&state);
+  state.next_in = reinterpret_cast<uint8_t*>(in.data());
+  state.avail_in = static_cast<uint32_t>(in.size());
+  state.next_out = reinterpret_cast<uint8_t*>(out.data());
+  state.avail_out = static_cast<uint32_t>(out.size());
+  state.crc_flag = ISAL_GZIP_NO_HDR;  // the gzip CRC is zip's CRC-32
+  const int status = isal_inflate_stateless(&state);
+  return (status == ISAL_DECOMP_OK || status == ISAL_END_INPUT) && state.total_out == record.size &&
+         (!has_crc || state.crc == record.crc);
+}
+
+// The first damaged part of the archive in the first `size` bytes of
+// `file`: its directory of records, a record's header, or a record's bytes
+// against their CRC-32, for the records LibTorch's reader parses (all but
+// tensors' bytes) or, with `tensors`, for every record. Empty when none is.
+// (A writer that computed no CRC-32 stores 0 for every record.)
+std::string damaged_record(const CheckpointFile& file, uint64_t size, bool tensors) {
+  const ZipDirectory dir = read_directory(file, size);
+  if (!dir.problem.empty()) return dir.problem;
+  const bool has_crcs = std::any_of(dir.records.begin(), dir.records.end(),
+                                    [](const ZipRecord& r) { return r.crc != 0; });
+  for (const ZipRecord& r : dir.records) {
+    if (!tensors && holds_tensor_bytes(r.name)) continue;
+    std::string problem;
+    const uint64_t start = record_start(file, r, size, problem);
+    if (!problem.empty()) return problem;
+    if (!content_intact(file, r, start, has_crcs)) return describe_record(r.name);
+  }
+  return {};
+}
 
 // What the end of a file says about its data, from its footer alone (the
 // data's checksum is judge_data's).
@@ -281,8 +413,10 @@ Verdict check(const CheckpointFile& file) {
 // damaged part (the file is read whole for that).
 std::string explained(const Verdict& v, const CheckpointFile& file) {
   if (v.actual == v.expected) return v.problem;
-  const std::string bytes = file.read_all();
-  return str(v.problem, "; the damage is in ", damaged_part(bytes.data(), v.data_size));
+  const std::string part = damaged_record(file, v.data_size, true);
+  return str(
+      v.problem, "; the damage is in ",
+      part.empty() ? "the archive's headers or padding (every record's bytes are intact)" : part);
 }
 
 // The reads of a verified load: the bytes LibTorch reads are checksummed
@@ -379,10 +513,44 @@ void load_archive(const CheckpointFile& file, uint64_t size,
           return take;
         },
         [size]() -> size_t { return static_cast<size_t>(size); });
-  } catch (const c10::Error&) {
+  } catch (const std::exception&) {
     if (read_error) std::rethrow_exception(read_error);
     throw;
   }
+}
+
+// Whether `error`, thrown by a load, is LibTorch's reader refusing what it
+// was given (c10::Error, or the TorchScript compiler's error report for a
+// code record), rather than fulgur's own (a read that failed) or the
+// machine's (out of memory).
+bool is_readers_refusal(const std::exception& error) {
+  return dynamic_cast<const CheckpointError*>(&error) == nullptr &&
+         dynamic_cast<const std::bad_alloc*>(&error) == nullptr;
+}
+
+// A file without a checksum footer: one written before checksums (fulgur
+// 0.1) loads into `archive`, unverified, when every record matches its
+// CRC-32, LibTorch reads it and it lacks the marker of a footer written.
+// What is wrong with it otherwise.
+std::string load_unverified(const CheckpointFile& file, torch::serialize::InputArchive& archive) {
+  if (const std::string part = damaged_record(file, file.size(), true); !part.empty()) {
+    return str("it has no checksum footer and fulgur cannot read it: the damage is in ", part,
+               " (it is truncated, damaged, or not a checkpoint; ", file.size(), " bytes)");
+  }
+  try {
+    load_archive(file, file.size(), archive);
+  } catch (const std::exception& e) {
+    if (!is_readers_refusal(e)) throw;
+    return str("it has no checksum footer and LibTorch cannot read it (", error_message(e),
+               "): it is truncated, damaged at its end, or not a checkpoint (", file.size(),
+               " bytes)");
+  }
+  c10::IValue marker;
+  if (archive.try_read(kIntegrityKey, marker)) {
+    return "its checksum footer is missing or damaged (the file was cut short or overwritten at "
+           "its end)";
+  }
+  return {};
 }
 
 // The newest other *.ckpt of `path`'s directory whose checksum verifies;
@@ -629,61 +797,58 @@ StateDict TorchCheckpointIO::load_checkpoint(const std::string& path) {
   const CheckpointFile file(path);
   Verdict v = check_footer(file);
   if (v.has_footer && !v.problem.empty()) corrupt(path, explained(v, file));
-  if (v.has_footer) {
-    // The data is checksummed as LibTorch reads it (VerifyingReader): a
-    // load takes about the parse's time. Nothing parsed is handed back
-    // before the checksum matches, so the module is never touched by
-    // unverified data.
-    std::exception_ptr parse_error;
-    VerifyingReader reader(file, v.data_size);
-    try {
-      load_archive(file, v.data_size, checkpoint, &reader);
-    } catch (...) {
-      parse_error = std::current_exception();
+  if (!v.has_footer) {
+    if (const std::string problem = load_unverified(file, checkpoint); !problem.empty()) {
+      corrupt(path, problem);
     }
-    try {
-      judge_data(reader.crc32c_of_data(), v);
-    } catch (...) {
-      checkpoint = torch::serialize::InputArchive();
-      throw;
-    }
-    if (!v.problem.empty()) {
-      checkpoint = torch::serialize::InputArchive();
-      corrupt(path, explained(v, file));
-    }
-    if (parse_error) {
-      try {
-        std::rethrow_exception(parse_error);
-      } catch (const c10::Error& e) {
-        throw CheckpointError(str("checkpoint \"", path,
-                                  "\" verifies against its checksum but "
-                                  "LibTorch cannot read it (",
-                                  e.what_without_backtrace(),
-                                  "): it was not written by fulgur's checkpoint IO. Pass a "
-                                  "checkpoint written by fulgur."));
-      }
-    }
+    detail::print_note(str("checkpoint \"", path,
+                           "\" has no checksum (written before fulgur 0.2); loaded without "
+                           "verifying it. Save it again to add one."));
     return state_of();
   }
+  // What LibTorch's reader parses (the directory of records, the pickled
+  // description, code) is checked against the archive's own CRC-32s first:
+  // damage there could crash the reader. Where it is damaged, the file's
+  // checksum says whether the file is (a writer whose archive fulgur does
+  // not know is trusted once its checksum holds).
+  if (const std::string part = damaged_record(file, v.data_size, false); !part.empty()) {
+    judge_data(file.crc32c_of(0, v.data_size), v);
+    if (!v.problem.empty()) corrupt(path, str(v.problem, "; the damage is in ", part));
+  }
+  // The rest (the tensors' bytes) is checksummed as LibTorch reads it
+  // (VerifyingReader): a load takes about the parse's time. Nothing parsed
+  // is handed back before the checksum matches, so the module is never
+  // touched by unverified data.
+  std::exception_ptr parse_error;
+  VerifyingReader reader(file, v.data_size);
   try {
-    load_archive(file, file.size(), checkpoint);
-  } catch (const c10::Error& e) {
-    corrupt(path, str("it has no checksum footer and LibTorch cannot read it (",
-                      e.what_without_backtrace(),
-                      "): it is truncated, damaged at its end, or "
-                      "not a checkpoint (",
-                      file.size(), " bytes)"));
+    load_archive(file, v.data_size, checkpoint, &reader);
+  } catch (...) {
+    parse_error = std::current_exception();
   }
-  c10::IValue marker;
-  if (checkpoint.try_read(kIntegrityKey, marker)) {
-    corrupt(path,
-            "its checksum footer is missing or damaged (the file was cut short or "
-            "overwritten at its end)");
+  try {
+    judge_data(reader.crc32c_of_data(), v);
+  } catch (...) {
+    checkpoint = torch::serialize::InputArchive();
+    throw;
   }
-  // Written before checkpoints had checksums (fulgur 0.1): loads, unverified.
-  detail::print_note(str("checkpoint \"", path,
-                         "\" has no checksum (written before fulgur 0.2); loaded without verifying "
-                         "it. Save it again to add one."));
+  if (!v.problem.empty()) {
+    checkpoint = torch::serialize::InputArchive();
+    corrupt(path, explained(v, file));
+  }
+  if (parse_error) {
+    try {
+      std::rethrow_exception(parse_error);
+    } catch (const std::exception& e) {
+      if (!is_readers_refusal(e)) throw;
+      throw CheckpointError(str("checkpoint \"", path,
+                                "\" verifies against its checksum but "
+                                "LibTorch cannot read it (",
+                                error_message(e),
+                                "): it was not written by fulgur's checkpoint IO. Pass a "
+                                "checkpoint written by fulgur."));
+    }
+  }
   return state_of();
 }
 
@@ -692,21 +857,8 @@ std::string TorchCheckpointIO::verify(const std::string& path) {
     const CheckpointFile file(path);
     const Verdict v = check(file);
     if (v.has_footer) return v.problem.empty() ? std::string() : explained(v, file);
-    // No footer: a file from before checksums (fulgur 0.1) loads, unverified,
-    // when LibTorch reads it and it lacks the marker of a footer written.
     torch::serialize::InputArchive archive;
-    try {
-      load_archive(file, file.size(), archive);
-    } catch (const c10::Error&) {
-      return "it has no checksum footer and LibTorch cannot read it (truncated, damaged at its "
-             "end, or not a checkpoint)";
-    }
-    c10::IValue marker;
-    if (archive.try_read(kIntegrityKey, marker)) {
-      return "its checksum footer is missing or damaged (the file was cut short or overwritten "
-             "at its end)";
-    }
-    return {};
+    return load_unverified(file, archive);
   } catch (const CheckpointError& e) {
     return e.what();
   }
