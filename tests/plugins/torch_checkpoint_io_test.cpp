@@ -271,13 +271,14 @@ TEST(TorchCheckpointIOIntegrity, DamagedStructureIsRefusedWhileParsedBeside) {
   }
 }
 
-// Runs of bytes overwritten anywhere in a checkpoint's data, most of them
-// in what LibTorch's reader parses (its directory of records, the pickled
-// description, the TorchScript code records at the archive's end), with its
-// footer intact: every load ends in the corrupt-file error, never a crash
-// (LibTorch's reader and unpickler trust the archive; each load runs in a
-// child). The same damage to a checkpoint without a footer (written by
-// LibTorch alone) is refused or loads. Seeded.
+// Runs of bytes overwritten (changed, or zeroed) anywhere in a checkpoint's
+// data, most of them in what LibTorch's reader parses (its directory of
+// records, the pickled description, the TorchScript code records at the
+// archive's end), with its footer intact: every load of a changed file ends
+// in the corrupt-file error, never a crash (LibTorch's reader and unpickler
+// trust the archive; each load runs in a child, which reads every tensor it
+// gets). The same damage to a checkpoint without a footer (written by
+// LibTorch alone) is refused or loads intact tensors. Seeded.
 TEST(TorchCheckpointIOIntegrity, OverwrittenRunsOfBytesAreRefusedNeverACrash) {
   TempDir dir;
   fulgur::TorchCheckpointIO io;
@@ -285,30 +286,56 @@ TEST(TorchCheckpointIOIntegrity, OverwrittenRunsOfBytesAreRefusedNeverACrash) {
   save_model_like(io, path);
   const std::string with_footer = fulgur::test::read_text(path);
   torch::serialize::OutputArchive plain;
-  plain.write("weight", torch::arange(64, torch::kFloat));
+  plain.write("weight", torch::arange(4096, torch::kFloat));
+  plain.write("bias", torch::ones({64}));
   plain.write("step", c10::IValue(int64_t{7}));
   std::ostringstream plain_bytes;
   plain.save_to(plain_bytes);
+  // 0: loaded, with the tensors saved; 1: refused as corrupt; 2: another
+  // error; 3: loaded, with other tensors.
+  auto load = [&io, &path] {
+    try {
+      const fulgur::StateDict state = io.load_checkpoint(path);
+      const bool same = torch::equal(state.tensor("weight"), torch::arange(4096, torch::kFloat)) &&
+                        torch::equal(state.tensor("bias"), torch::ones({64}));
+      return same ? 0 : 3;
+    } catch (const fulgur::CheckpointError& e) {
+      return fulgur::test::message_contains(e.what(), {path, "is corrupt"}) ? 1 : 2;
+    }
+  };
+  // A tensor record's stated CRC and sizes zeroed in the directory: its
+  // data descriptor still says what they were.
+  {
+    std::string bad = plain_bytes.str();
+    const size_t name = bad.rfind("/data/0");
+    ASSERT_NE(name, std::string::npos);
+    const size_t entry = bad.rfind("PK\x01\x02", name);
+    ASSERT_NE(entry, std::string::npos);
+    std::fill(bad.begin() + static_cast<std::ptrdiff_t>(entry + 16),
+              bad.begin() + static_cast<std::ptrdiff_t>(entry + 28), '\0');
+    fulgur::test::write_text(path, bad);
+    const auto r = fulgur::test::run_in_child(load);
+    EXPECT_EQ(r.exit_code, 1) << r.describe();
+  }
   std::mt19937 rng(11);
   auto pick = [&](size_t n) { return std::uniform_int_distribution<size_t>(0, n - 1)(rng); };
   for (int i = 0; i < 240; ++i) {
     const bool footer = i % 2 == 0;
-    std::string bad = footer ? with_footer : plain_bytes.str();
+    const std::string& good = footer ? with_footer : plain_bytes.str();
+    std::string bad = good;
     const size_t data = footer ? bad.size() - 32 : bad.size();
     // Three cases in four within the archive's last 3 KiB.
     size_t at = i % 4 == 3 ? pick(data) : data - 1 - pick(std::min<size_t>(data, 3072));
+    const bool zeroed = i % 5 == 1;
     for (size_t n = 1 + pick(i % 3 == 0 ? 256 : 8); n > 0 && at < data; --n, ++at) {
-      bad[at] = static_cast<char>(bad[at] ^ (1 + pick(255)));
+      bad[at] = zeroed ? '\0' : static_cast<char>(bad[at] ^ (1 + pick(255)));
     }
     fulgur::test::write_text(path, bad);
-    const auto r = fulgur::test::run_in_child([&] {
-      const std::string error = load_error(io, path);
-      if (fulgur::test::message_contains(error, {path, "is corrupt"})) return 1;
-      return error == "loaded" ? 0 : 2;
-    });
-    EXPECT_TRUE(footer ? r.exit_code == 1 : r.exit_code == 0 || r.exit_code == 1)
-        << "case " << i << (footer ? " (with its footer)" : " (without a footer)") << ": "
-        << r.describe();
+    const auto r = fulgur::test::run_in_child(load);
+    const bool changed = bad != good;
+    EXPECT_TRUE(footer ? r.exit_code == (changed ? 1 : 0) : r.exit_code == 0 || r.exit_code == 1)
+        << "case " << i << (footer ? " (with its footer)" : " (without a footer)")
+        << (zeroed ? ", zeroed" : "") << ": " << r.describe();
   }
 }
 

@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <torch/csrc/jit/frontend/error_report.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -22,7 +23,7 @@
 #include <exception>
 #include <functional>
 #include <iostream>
-#include <new>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -165,23 +166,26 @@ class CheckpointFile {
   uint64_t size_ = 0;
 };
 
-// ---- The archive (a zip: LibTorch stores its records, or deflates its
-// TorchScript code, each with its CRC-32), read from its directory of records before LibTorch's
-// reader is given it: that reader trusts the archive (a damaged directory,
-// pickled description or TorchScript code record can crash it instead of
-// failing), so what it parses is checked first.
+// ---- The archive (a zip: LibTorch stores its records, deflates its
+// TorchScript code, and follows each record's bytes with a data descriptor
+// repeating its CRC-32 and sizes), read from its directory of records before
+// LibTorch's reader is given it. That reader trusts the archive: a damaged
+// directory, pickled description or code record can crash it, and a tensor
+// record's size it never compares with the tensor's. So the directory, every
+// record's header and descriptor, and the content of what it parses are
+// checked first.
 struct ZipRecord {
   std::string name;
   uint32_t crc = 0;         // of its content, as the directory states it
   bool deflated = false;    // method 8; else stored (method 0)
+  bool descriptor = false;  // a data descriptor follows its bytes (flag bit 3)
   uint64_t header = 0;      // its local header's offset
   uint64_t compressed = 0;  // its bytes' length in the archive
   uint64_t size = 0;        // its content's length
 };
 
 // The records that the first `size` bytes of `file` list in their
-// directory, each within those bytes; or, in `problem`, the part of the
-// archive found damaged.
+// directory; or, in `problem`, the part of the archive found damaged.
 struct ZipDirectory {
   std::vector<ZipRecord> records;
   std::string problem;
@@ -204,166 +208,196 @@ std::string describe_record(const std::string& name) {
   return str("record ", record);
 }
 
+constexpr const char* kNoArchive =
+    "no zip archive (it neither starts nor ends as one; LibTorch writes zip archives)";
+
 ZipDirectory read_directory(const CheckpointFile& file, uint64_t size) {
   ZipDirectory dir;
   auto u16 = [](const char* p) { return get_le(p, 2); };
   auto u32 = [](const char* p) { return get_le(p, 4); };
-  // The end-of-central-directory record, searched back from the end over
-  // the longest comment it can have, and the Zip64 locator before it.
+  auto damaged = [&dir](std::string part) {
+    dir.problem = std::move(part);
+    return dir;
+  };
+  const std::string directory = "the archive's directory of records";
+  // The end-of-central-directory record (22 bytes), searched back from the
+  // end over the longest comment it can have.
   const uint64_t tail_size = std::min<uint64_t>(size, 22 + 65535 + 20);
   std::string tail(static_cast<size_t>(tail_size), '\0');
   file.read_at(size - tail_size, tail.data(), tail.size());
-  const char* const tail_end = tail.data() + tail.size();
-  const char* eocd = nullptr;
-  for (const char* p = tail_end - 22; p >= tail.data(); --p) {
-    if (u32(p) == 0x06054b50) {
-      eocd = p;
-      break;
-    }
+  size_t at = tail.size() < 22 ? 0 : tail.size() - 22 + 1;
+  while (at > 0 && u32(tail.data() + at - 1) != 0x06054b50) --at;
+  if (at == 0) {
+    char head[4] = {};
+    if (size >= 4) file.read_at(0, head, 4);
+    return damaged(size >= 4 && u32(head) == 0x04034b50
+                       ? "the archive's end (its directory of records is not there)"
+                       : kNoArchive);
   }
-  if (eocd == nullptr) {
-    dir.problem = "the archive's end (its directory of records is not there)";
-    return dir;
-  }
-  const std::string directory_damaged = "the archive's directory of records";
-  uint64_t end_of_directory = size - static_cast<uint64_t>(tail_end - eocd);
+  const char* const eocd = tail.data() + at - 1;
+  uint64_t end_of_directory = size - tail_size + (at - 1);
   uint64_t count = u16(eocd + 10);
   uint64_t cd_size = u32(eocd + 12);
   uint64_t cd_offset = u32(eocd + 16);
-  if (eocd - 20 >= tail.data() && u32(eocd - 20) == 0x07064b50) {
+  // The Zip64 locator (20 bytes) before it, where miniz looks for one: a
+  // Zip64 end record (56 bytes) fits before that.
+  if (end_of_directory >= 20 + 56 && at - 1 >= 20 && u32(eocd - 20) == 0x07064b50) {
     const uint64_t z64 = get_le(eocd - 20 + 8, 8);
     char record[56];
-    if (z64 > end_of_directory || end_of_directory - z64 < 56) {
-      dir.problem = directory_damaged;
-      return dir;
-    }
+    if (z64 > end_of_directory - 20 - 56) return damaged(directory);
     file.read_at(z64, record, sizeof(record));
-    if (u32(record) != 0x06064b50) {
-      dir.problem = directory_damaged;
-      return dir;
-    }
+    if (u32(record) != 0x06064b50) return damaged(directory);
     count = get_le(record + 32, 8);
     cd_size = get_le(record + 40, 8);
     cd_offset = get_le(record + 48, 8);
     end_of_directory = z64;
   }
-  // Each entry takes 46 bytes at least.
-  if (cd_offset > end_of_directory || cd_size > end_of_directory - cd_offset ||
+  // LibTorch writes the directory right before its end record, with at
+  // least one record, each entry 46 bytes or more.
+  if (count == 0 || cd_offset > end_of_directory || cd_size != end_of_directory - cd_offset ||
       count > cd_size / 46) {
-    dir.problem = directory_damaged;
-    return dir;
+    return damaged(directory);
   }
   std::string cd(static_cast<size_t>(cd_size), '\0');
   file.read_at(cd_offset, cd.data(), cd.size());
-  const char* p = cd.data();
-  const char* const end = cd.data() + cd.size();
+  size_t p = 0;  // into cd
   for (uint64_t i = 0; i < count; ++i) {
-    // Stored (method 0) or deflated (8), as LibTorch writes records.
-    if (end - p < 46 || u32(p) != 0x02014b50 || (u16(p + 10) != 0 && u16(p + 10) != 8)) {
-      dir.problem = directory_damaged;
-      return dir;
+    const char* const entry = cd.data() + p;
+    const uint64_t method = cd.size() - p >= 46 ? u16(entry + 10) : 1;
+    if (cd.size() - p < 46 || u32(entry) != 0x02014b50 || (method != 0 && method != 8)) {
+      return damaged(directory);
     }
     ZipRecord r;
-    r.crc = static_cast<uint32_t>(u32(p + 16));
-    r.deflated = u16(p + 10) == 8;
-    r.compressed = u32(p + 20);
-    r.size = u32(p + 24);
-    r.header = u32(p + 42);
-    const uint64_t name_len = u16(p + 28), extra_len = u16(p + 30), comment_len = u16(p + 32);
-    if (static_cast<uint64_t>(end - p) < 46 + name_len + extra_len + comment_len) {
-      dir.problem = directory_damaged;
-      return dir;
-    }
-    r.name.assign(p + 46, name_len);
-    // Zip64: the 32-bit fields that overflowed, in order, in extra block 1.
-    const char* const extra_end = p + 46 + name_len + extra_len;
-    for (const char* e = p + 46 + name_len; extra_end - e >= 4;) {
-      const uint64_t id = u16(e), len = u16(e + 2);
-      if (static_cast<uint64_t>(extra_end - e - 4) < len) {
-        dir.problem = directory_damaged;
-        return dir;
-      }
+    r.deflated = method == 8;
+    r.descriptor = (u16(entry + 8) & 0x8) != 0;
+    r.crc = static_cast<uint32_t>(u32(entry + 16));
+    r.compressed = u32(entry + 20);
+    r.size = u32(entry + 24);
+    r.header = u32(entry + 42);
+    const uint64_t name_len = u16(entry + 28), extra_len = u16(entry + 30);
+    const uint64_t entry_len = 46 + name_len + extra_len + u16(entry + 32);
+    if (cd.size() - p < entry_len) return damaged(directory);
+    r.name.assign(entry + 46, name_len);
+    // Zip64: the 32-bit fields that overflowed, in order, in the first
+    // extra block 1 (as miniz reads them).
+    for (uint64_t e = 46 + name_len; e + 4 <= 46 + name_len + extra_len;) {
+      const uint64_t id = u16(entry + e), len = u16(entry + e + 2);
+      if (46 + name_len + extra_len - (e + 4) < len) return damaged(directory);
       if (id == 0x0001) {
-        const char* v = e + 4;
+        uint64_t v = e + 4;
         for (uint64_t* field : {&r.size, &r.compressed, &r.header}) {
           if (*field != 0xFFFFFFFF) continue;
-          if (static_cast<uint64_t>(e + 4 + len - v) < 8) {
-            dir.problem = directory_damaged;
-            return dir;
-          }
-          *field = get_le(v, 8);
+          if (e + 4 + len - v < 8) return damaged(directory);
+          *field = get_le(entry + v, 8);
           v += 8;
         }
+        break;
       }
       e += 4 + len;
     }
-    p = extra_end + comment_len;
-    // Deflate expands at most 1032:1 (and ISA-L inflates less than 4 GiB).
-    const bool sizes_agree =
-        r.deflated ? r.size / 1032 <= r.compressed && r.size <= UINT32_MAX : r.size == r.compressed;
-    if (!sizes_agree || r.header > cd_offset || cd_offset - r.header < 30 + r.compressed) {
-      dir.problem = directory_damaged;
-      return dir;
+    p += static_cast<size_t>(entry_len);
+    // Stored bytes are the content; deflate expands at most 1032:1, and
+    // LibTorch never deflates a tensor's bytes (nor does ISA-L inflate past
+    // 4 GiB here).
+    const bool sizes_agree = r.deflated ? !holds_tensor_bytes(r.name) &&
+                                              r.size / 1032 <= r.compressed && r.size <= UINT32_MAX
+                                        : r.size == r.compressed;
+    // Its header (30 bytes and more) and bytes lie before the directory.
+    if (!sizes_agree || r.header > cd_offset || cd_offset - r.header < 30 ||
+        cd_offset - r.header - 30 < r.compressed) {
+      return damaged(directory);
     }
     dir.records.push_back(std::move(r));
   }
+  if (p != cd.size()) return damaged(directory);
   return dir;
 }
 
-// Where `record`'s bytes start, from its local header (which must name it
-// and leave its bytes before the directory); or, in `problem`, that the
-// header is damaged.
+// Where `record`'s bytes start, from its local header, which must name it,
+// leave its bytes before `end` and, with a data descriptor after them,
+// repeat its CRC-32 and sizes there (a directory entry whose sizes or CRC
+// were damaged disagrees with it); or, in `problem`, that they do not.
 uint64_t record_start(const CheckpointFile& file, const ZipRecord& record, uint64_t end,
                       std::string& problem) {
   char header[30];
   file.read_at(record.header, header, sizeof(header));
   const uint64_t name_len = get_le(header + 26, 2), extra_len = get_le(header + 28, 2);
   const uint64_t start = record.header + 30 + name_len + extra_len;
-  std::string name(static_cast<size_t>(name_len), '\0');
-  if (get_le(header, 4) != 0x04034b50 || start > end || end - start < record.compressed ||
-      (file.read_at(record.header + 30, name.data(), name.size()), name != record.name)) {
+  const auto damaged = [&] {
     problem = str("the header of ", describe_record(record.name));
+    return start;
+  };
+  if (get_le(header, 4) != 0x04034b50 || start > end || end - start < record.compressed) {
+    return damaged();
   }
-  return start;
+  std::string name(static_cast<size_t>(name_len), '\0');
+  file.read_at(record.header + 30, name.data(), name.size());
+  if (name != record.name) return damaged();
+  if (!record.descriptor) return start;
+  // An optional signature, the CRC-32, then both sizes in 4 bytes each (8
+  // in a Zip64 archive).
+  const uint64_t at = start + record.compressed;
+  char d[28] = {};
+  file.read_at(at, d, static_cast<size_t>(std::min<uint64_t>(sizeof(d), end - at)));
+  const char* v = get_le(d, 4) == 0x08074b50 ? d + 4 : d;
+  const bool repeats =
+      get_le(v, 4) == record.crc &&
+      ((get_le(v + 4, 4) == record.compressed && get_le(v + 8, 4) == record.size) ||
+       (get_le(v + 4, 8) == record.compressed && get_le(v + 12, 8) == record.size));
+  return repeats ? start : damaged();
 }
 
-// Whether `record`'s content (its bytes from `start`, inflated to its
-// length where they are deflated) has its stated CRC-32 (without
-// `has_crc`: whether it inflates).
-bool content_intact(const CheckpointFile& file, const ZipRecord& record, uint64_t start,
-                    bool has_crc) {
-  if (!record.deflated) return !has_crc || file.crc32_ieee_of(start, record.size) == record.crc;
-  std::string in(static_cast<size_t>(record.compressed), '\0');
-  file.read_at(start, in.data(), in.size());
-  std::string out(static_cast<size_t>(record.size), '\0');
-  inflate_state state;
-  isal_inflate_init(&state);
-  state.next_in = reinterpret_cast<uint8_t*>(in.data());
-  state.avail_in = static_cast<uint32_t>(in.size());
-  state.next_out = reinterpret_cast<uint8_t*>(out.data());
-  state.avail_out = static_cast<uint32_t>(out.size());
-  state.crc_flag = ISAL_GZIP_NO_HDR;  // the gzip CRC is zip's CRC-32
-  const int status = isal_inflate_stateless(&state);
-  return (status == ISAL_DECOMP_OK || status == ISAL_END_INPUT) && state.total_out == record.size &&
-         (!has_crc || state.crc == record.crc);
+// Whether the deflated content of `record` (its bytes from `start`)
+// inflates to its length, with its stated CRC-32 (without `has_crc`: only
+// that it inflates). Read and inflated in pieces.
+bool inflates_intact(const CheckpointFile& file, const ZipRecord& record, uint64_t start,
+                     bool has_crc) {
+  auto state = std::make_unique<inflate_state>();  // 85 KiB
+  isal_inflate_init(state.get());
+  state->crc_flag = ISAL_GZIP_NO_HDR;  // the gzip CRC is zip's CRC-32
+  std::vector<uint8_t> in(static_cast<size_t>(std::min<uint64_t>(record.compressed, 1 << 20)));
+  std::vector<uint8_t> out(64 << 10);
+  uint64_t read = 0, inflated = 0;
+  while (state->block_state != ISAL_BLOCK_FINISH) {
+    if (state->avail_in == 0 && read < record.compressed) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(in.size(), record.compressed - read));
+      file.read_at(start + read, in.data(), n);
+      read += n;
+      state->next_in = in.data();
+      state->avail_in = static_cast<uint32_t>(n);
+    }
+    state->next_out = out.data();
+    state->avail_out = static_cast<uint32_t>(out.size());
+    if (isal_inflate(state.get()) != ISAL_DECOMP_OK) return false;
+    inflated += out.size() - state->avail_out;
+    if (inflated > record.size) return false;
+    // The bytes ran out before the stream's end.
+    const bool stuck = state->avail_in == 0 && read == record.compressed && state->avail_out > 0;
+    if (stuck && state->block_state != ISAL_BLOCK_FINISH) return false;
+  }
+  return inflated == record.size && (!has_crc || state->crc == record.crc);
 }
 
 // The first damaged part of the archive in the first `size` bytes of
-// `file`: its directory of records, a record's header, or a record's bytes
-// against their CRC-32, for the records LibTorch's reader parses (all but
-// tensors' bytes) or, with `tensors`, for every record. Empty when none is.
-// (A writer that computed no CRC-32 stores 0 for every record.)
+// `file`: its directory of records, a record's header or descriptor, or
+// the content of a record LibTorch's reader parses (all but tensors' bytes)
+// against its CRC-32 or, with `tensors`, of every record. Empty when none
+// is. (A writer that computed no CRC-32 stores 0 for every record: then
+// only the structure is checked, and a stored record's content is not.)
 std::string damaged_record(const CheckpointFile& file, uint64_t size, bool tensors) {
   const ZipDirectory dir = read_directory(file, size);
   if (!dir.problem.empty()) return dir.problem;
   const bool has_crcs = std::any_of(dir.records.begin(), dir.records.end(),
                                     [](const ZipRecord& r) { return r.crc != 0; });
   for (const ZipRecord& r : dir.records) {
-    if (!tensors && holds_tensor_bytes(r.name)) continue;
     std::string problem;
     const uint64_t start = record_start(file, r, size, problem);
     if (!problem.empty()) return problem;
-    if (!content_intact(file, r, start, has_crcs)) return describe_record(r.name);
+    if (!tensors && holds_tensor_bytes(r.name)) continue;
+    const bool intact = r.deflated ? inflates_intact(file, r, start, has_crcs)
+                                   : !has_crcs || file.crc32_ieee_of(start, r.size) == r.crc;
+    if (!intact)
+      return str(describe_record(r.name), ", which does not match the CRC-32 stored with it");
   }
   return {};
 }
@@ -494,7 +528,7 @@ class VerifyingReader {
 // cross its C code).
 void load_archive(const CheckpointFile& file, uint64_t size,
                   torch::serialize::InputArchive& archive, VerifyingReader* verifier = nullptr) {
-  std::exception_ptr read_error;  // a CheckpointError, or out of memory
+  std::exception_ptr read_error;  // a CheckpointError, out of memory, no thread
   try {
     archive.load_from(
         [&](uint64_t pos, void* buf, size_t n) -> size_t {
@@ -522,10 +556,10 @@ void load_archive(const CheckpointFile& file, uint64_t size,
 // Whether `error`, thrown by a load, is LibTorch's reader refusing what it
 // was given (c10::Error, or the TorchScript compiler's error report for a
 // code record), rather than fulgur's own (a read that failed) or the
-// machine's (out of memory).
+// machine's (out of memory, no thread).
 bool is_readers_refusal(const std::exception& error) {
-  return dynamic_cast<const CheckpointError*>(&error) == nullptr &&
-         dynamic_cast<const std::bad_alloc*>(&error) == nullptr;
+  return dynamic_cast<const c10::Error*>(&error) != nullptr ||
+         dynamic_cast<const torch::jit::ErrorReport*>(&error) != nullptr;
 }
 
 // A file without a checksum footer: one written before checksums (fulgur
@@ -533,7 +567,10 @@ bool is_readers_refusal(const std::exception& error) {
 // CRC-32, LibTorch reads it and it lacks the marker of a footer written.
 // What is wrong with it otherwise.
 std::string load_unverified(const CheckpointFile& file, torch::serialize::InputArchive& archive) {
-  if (const std::string part = damaged_record(file, file.size(), true); !part.empty()) {
+  if (const std::string part = damaged_record(file, file.size(), true); part == kNoArchive) {
+    return str("it has no checksum footer and fulgur cannot read it: it is ", part,
+               ", so it is not a checkpoint, or was truncated (", file.size(), " bytes)");
+  } else if (!part.empty()) {
     return str("it has no checksum footer and fulgur cannot read it: the damage is in ", part,
                " (it is truncated, damaged, or not a checkpoint; ", file.size(), " bytes)");
   }
