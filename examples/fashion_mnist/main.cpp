@@ -300,7 +300,6 @@ int main(int argc, char** argv) {
       .add("host_memory_cap_mb", po.host_memory_cap_mb,
            "scale_batch_size on the CPU: MiB a trial's tensors may take (0: no cap)");
   if (auto status = cli.parse(argc, argv)) return *status;
-  cli.batch_size_finder().host_memory_cap = po.host_memory_cap_mb * (int64_t{1} << 20);
   // The model's and program's own options, checked before anything runs (a
   // step size past LibTorch's unsigned would wrap to 0 and divide by it
   // when the scheduler first steps, after training).
@@ -321,10 +320,17 @@ int main(int argc, char** argv) {
     problems.push_back(fulgur::str("--threads ", po.threads, ": 0 (LibTorch's default) or 1..",
                                    most_threads, " (4 per core of this machine)"));
   }
+  // In bytes, a 64-bit count.
+  constexpr int64_t kMostCapMb = (int64_t{1} << 43) - 1;
+  if (po.host_memory_cap_mb < 0 || po.host_memory_cap_mb > kMostCapMb) {
+    problems.push_back(fulgur::str("--host_memory_cap_mb ", po.host_memory_cap_mb,
+                                   ": MiB in 1..", kMostCapMb, ", or 0 for no cap"));
+  }
   if (!problems.empty()) {
     std::cerr << "error: " << fulgur::join(problems, "; ") << "." << std::endl;
     return 2;
   }
+  cli.batch_size_finder().host_memory_cap = po.host_memory_cap_mb * (int64_t{1} << 20);
 
   try {
     return run(cli, mo, data_options, po);

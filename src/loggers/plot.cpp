@@ -227,8 +227,11 @@ std::string plot_metrics(const std::string& csv_path, const std::string& png_pat
 
 namespace detail {
 
+namespace {
+constexpr unsigned char kPngSignature[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+}  // namespace
+
 std::string png_problem(const std::string& path) {
-  static constexpr unsigned char kSignature[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
   // An IEND chunk: no data, its type, its CRC.
   static constexpr unsigned char kEnd[12] = {0,   0,   0,    0,    'I',  'E',
                                              'N', 'D', 0xae, 0x42, 0x60, 0x82};
@@ -240,7 +243,7 @@ std::string png_problem(const std::string& path) {
     in.seekg(0);
     in.read(reinterpret_cast<char*>(head), 8);
   }
-  if (size < 20 || !in || std::memcmp(head, kSignature, 8) != 0) {
+  if (size < 20 || !in || std::memcmp(head, kPngSignature, 8) != 0) {
     return str("is ", size, " bytes and no PNG");
   }
   in.seekg(size - 12);
@@ -251,9 +254,31 @@ std::string png_problem(const std::string& path) {
   return "";
 }
 
+// Why what is at `png_path` must not be replaced by a picture: a directory,
+// a device, a FIFO or a socket, or a file that is not a PNG (a run's
+// metrics.csv passed as the output, say). "" when nothing is there, or a
+// PNG (whole or not) or an empty file is.
+std::string not_a_picture_to_replace(const std::string& png_path) {
+  struct stat st {};
+  if (::stat(png_path.c_str(), &st) != 0) return "";
+  if (!S_ISREG(st.st_mode)) return str("is ", file_kind(st.st_mode));
+  if (st.st_size == 0) return "";
+  char head[8] = {};
+  std::ifstream in(png_path, std::ios::binary);
+  if (in.read(head, sizeof(head)) && std::memcmp(head, kPngSignature, sizeof(head)) == 0) {
+    return "";
+  }
+  return str("holds ", st.st_size, " bytes that are no PNG picture");
+}
+
 std::string run_gnuplot_to(const std::string& script, const std::string& tmp,
                            const std::string& png_path, const std::string& who,
                            const std::string& not_installed) {
+  if (const std::string problem = not_a_picture_to_replace(png_path); !problem.empty()) {
+    return str(who, ": \"", png_path, "\" ", problem,
+               ", and is left as it is. Pass the path of a .png file (one that is not there "
+               "yet, or a picture to replace).");
+  }
   const auto ran = run_program({"gnuplot"}, script, std::chrono::seconds(60));
   const auto failed = [&](std::string problem) {
     ::unlink(tmp.c_str());

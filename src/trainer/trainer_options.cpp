@@ -62,6 +62,7 @@ LoggerFlag::LoggerFlag(const char* raw) {
     if (name.empty()) {
       problem_ = "a logger name is empty. Pass names separated by commas (csv,tensorboard), "
                  "true or false.";
+      text_with_problem_ = text;
     } else {
       names_.push_back(std::move(name));
     }
@@ -75,6 +76,7 @@ LoggerFlag::LoggerFlag(std::vector<std::string> names) : names_(std::move(names)
 }
 
 std::string LoggerFlag::text() const {
+  if (!text_with_problem_.empty()) return text_with_problem_;
   if (names_.empty()) return "false";
   std::string out;
   for (const auto& n : names_) out += (out.empty() ? "" : ",") + n;

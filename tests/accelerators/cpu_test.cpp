@@ -32,6 +32,10 @@ TEST(CPUAccelerator, RejectsIndicesAndNonPositiveCounts) {
                      {"accelerator=\"cpu\"", "0,1", "devices=2"});
   EXPECT_THROWS_WITH(fulgur::ConfigError, cpu.parse_devices(fulgur::DevicesSpec(0)),
                      {"devices=0", "selects no device"});
+  // One process per device on this machine: no more than its kernel runs
+  // (refused before a list of two billion devices is made).
+  EXPECT_THROWS_WITH(fulgur::ConfigError, cpu.parse_devices(fulgur::DevicesSpec(2147483647)),
+                     {"devices=2147483647", "runs at most", "kernel.pid_max", "num_nodes"});
 }
 
 }  // namespace

@@ -118,9 +118,9 @@ TEST(CLI, NoSubcommandIsFitAndSubcommandsAreRead) {
   Program fit;
   ASSERT_TRUE(fit.parse({"--max_epochs", "1"}));
   EXPECT_EQ(fit.cli.subcommand(), fulgur::Stage::kFit);
-  for (auto [name, s] : {std::pair{"validate", fulgur::Stage::kValidate},
-                         std::pair{"test", fulgur::Stage::kTest},
-                         std::pair{"predict", fulgur::Stage::kPredict}}) {
+  for (auto [name, s] :
+       {std::pair{"validate", fulgur::Stage::kValidate}, std::pair{"test", fulgur::Stage::kTest},
+        std::pair{"predict", fulgur::Stage::kPredict}}) {
     Program p;
     ASSERT_TRUE(p.parse({name, "--ckpt_path", "x.ckpt"}));
     EXPECT_EQ(p.cli.subcommand(), s);
@@ -146,8 +146,8 @@ class ScalableData : public fulgur::DataModule {
 TEST(CLI, ScaleBatchSizePrintsEveryTrialAndLeavesTheDataModuleHoldingTheSizeFound) {
   TempDir dir;
   Program p;
-  ASSERT_TRUE(p.parse({"scale_batch_size", "--default_root_dir", dir.path(), "--accelerator",
-                       "cpu", "--enable_progress_bar", "false", "--logger", "false"}));
+  ASSERT_TRUE(p.parse({"scale_batch_size", "--default_root_dir", dir.path(), "--accelerator", "cpu",
+                       "--enable_progress_bar", "false", "--logger", "false"}));
   EXPECT_TRUE(p.cli.is_scale_batch_size());
   EXPECT_FALSE(p.cli.is_lr_find());
   p.cli.batch_size_finder().steps_per_trial = 1;
@@ -223,8 +223,8 @@ TEST(CLI, LrFindSweepsTheFitsDataPrintsASuggestionAndDrawsTheCurve) {
   EXPECT_FALSE(fs::exists(dir.file("fulgur_logs")));
   // It does not resume: a checkpoint is refused by name.
   Program resuming;
-  ASSERT_TRUE(resuming.parse({"lr_find", "--default_root_dir", dir.path(), "--ckpt_path",
-                              "x.ckpt", "--enable_progress_bar", "false", "--logger", "false"}));
+  ASSERT_TRUE(resuming.parse({"lr_find", "--default_root_dir", dir.path(), "--ckpt_path", "x.ckpt",
+                              "--enable_progress_bar", "false", "--logger", "false"}));
   fulgur::Trainer trainer2(resuming.cli.trainer_options());
   EXPECT_THROWS_WITH(fulgur::ConfigError, resuming.cli.run(trainer2, model, data),
                      {"lr_find: ckpt_path=\"x.ckpt\"", "Drop ckpt_path"});
@@ -329,8 +329,9 @@ TEST(CLI, AmbiguousFlatNamesAndBrokenYamlAreErrors) {
   problems = problems_of(p, {"--config", dir.file("merge.yaml")});
   const std::string merge = fulgur::join(problems, "\n");
   EXPECT_EQ(problems.size(), 2u) << merge;
-  EXPECT_TRUE(contains(merge, "merge.yaml line 2: a YAML merge key (<< under trainer): this "
-                              "reader does not merge mappings. Write the keys out under trainer"))
+  EXPECT_TRUE(contains(merge,
+                       "merge.yaml line 2: a YAML merge key (<< under trainer): this "
+                       "reader does not merge mappings. Write the keys out under trainer"))
       << merge;
   EXPECT_TRUE(contains(merge, "merge.yaml line 4: a YAML merge key (<<)")) << merge;
   EXPECT_FALSE(contains(merge, "did you mean")) << merge;
@@ -494,6 +495,17 @@ TEST(CLI, ALoggerNamedTwiceIsRefused) {
   options.logger = "csv,tensorbord";
   EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer trainer(options),
                      {"unknown logger \"tensorbord\"", "did you mean \"tensorboard\""});
+  // An empty name is said with the list as given (it was said of the list
+  // without it, "csv", which has none).
+  options.logger = "csv,";
+  try {
+    fulgur::Trainer trainer(options);
+    ADD_FAILURE() << "an empty logger name was accepted";
+  } catch (const fulgur::ConfigError& e) {
+    const std::string what = e.what();
+    EXPECT_TRUE(fulgur::test::message_contains(what, {"logger=\"csv,\": a logger name is empty"}));
+    EXPECT_EQ(what.find("logger=\"csv\""), std::string::npos) << what;
+  }
 }
 
 // A logger list as long as a config file can hold: each problem said once,

@@ -2,6 +2,7 @@
 // out as a PNG next to the metrics; errors name what was passed.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 
 #include <filesystem>
 
@@ -47,6 +48,54 @@ TEST(FulgurPlot, WhatCannotBeDrawnIsNamed) {
   auto usage = run_process({FULGUR_CLI, "plot"}, {}, 60s);
   EXPECT_EQ(usage.exit_code, 2);
   EXPECT_NE(usage.output.find("which run?"), std::string::npos) << usage.output;
+}
+
+// --out names where the picture goes: what is there is replaced only when it
+// is a picture (or an empty file). The run's own metrics.csv, another file,
+// a FIFO or a directory is left as it is, with exit status 1.
+TEST(FulgurPlot, AnOutputPathHoldingSomethingElseIsLeftAsItIs) {
+  TempDir dir;
+  const std::string csv = dir.file("metrics.csv");
+  const std::string metrics = "step,train_loss\n1,2.0\n2,1.5\n";
+  write_text(csv, metrics);
+  auto over_input = run_process({FULGUR_CLI, "plot", csv, "--out", csv}, {}, 60s);
+  EXPECT_EQ(over_input.exit_code, 1) << over_input.output;
+  EXPECT_NE(over_input.output.find("\"" + csv + "\" holds " + std::to_string(metrics.size()) +
+                                   " bytes that are no PNG picture, and is left as it is"),
+            std::string::npos)
+      << over_input.output;
+  EXPECT_EQ(fulgur::test::read_text(csv), metrics);
+  ASSERT_EQ(::mkfifo(dir.file("fifo").c_str(), 0600), 0);
+  auto fifo = run_process({FULGUR_CLI, "plot", csv, "--out", dir.file("fifo")}, {}, 60s);
+  EXPECT_EQ(fifo.exit_code, 1) << fifo.output;
+  EXPECT_NE(fifo.output.find("cannot write \"" + dir.file("fifo") + "\""), std::string::npos)
+      << fifo.output;
+  EXPECT_TRUE(std::filesystem::is_fifo(dir.file("fifo")));
+  std::filesystem::create_directories(dir.file("a_directory"));
+  auto directory =
+      run_process({FULGUR_CLI, "plot", csv, "--out", dir.file("a_directory")}, {}, 60s);
+  EXPECT_EQ(directory.exit_code, 1) << directory.output;
+  EXPECT_NE(directory.output.find("it is a directory"), std::string::npos) << directory.output;
+  EXPECT_TRUE(std::filesystem::is_directory(dir.file("a_directory")));
+  // A device node (one like /dev/null, made here: root only) was replaced
+  // by the picture.
+  if (::mknod(dir.file("null").c_str(), S_IFCHR | 0666, ::makedev(1, 3)) == 0) {
+    auto device = run_process({FULGUR_CLI, "plot", csv, "--out", dir.file("null")}, {}, 60s);
+    EXPECT_EQ(device.exit_code, 1) << device.output;
+    EXPECT_NE(device.output.find("is a character device, and is left as it is"), std::string::npos)
+        << device.output;
+    EXPECT_TRUE(std::filesystem::is_character_file(dir.file("null")));
+  }
+  // A picture, and an empty file, are replaced.
+  const std::string png = dir.file("curves.png");
+  ASSERT_EQ(run_process({FULGUR_CLI, "plot", csv, "--out", png}, {}, 60s).exit_code, 0);
+  write_text(csv, metrics + "3,1.0\n");
+  auto again = run_process({FULGUR_CLI, "plot", csv, "--out", png}, {}, 60s);
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  write_text(dir.file("empty.png"), "");
+  auto empty = run_process({FULGUR_CLI, "plot", csv, "--out", dir.file("empty.png")}, {}, 60s);
+  EXPECT_EQ(empty.exit_code, 0) << empty.output;
+  EXPECT_GT(std::filesystem::file_size(dir.file("empty.png")), 0u);
 }
 
 }  // namespace

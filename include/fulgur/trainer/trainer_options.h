@@ -104,7 +104,8 @@ class LoggerFlag {
   LoggerFlag(std::vector<std::string> names);           // NOLINT
   explicit operator bool() const { return !names_.empty(); }
   const std::vector<std::string>& names() const { return names_; }
-  /// "false", or the names joined by commas.
+  /// "false", or the names joined by commas; the text as given where it has
+  /// a problem (an empty name).
   std::string text() const;
   /// What is wrong with the text (an empty name); "" when nothing is.
   /// Unknown names are the Trainer's to report, with the registry's list.
@@ -113,6 +114,7 @@ class LoggerFlag {
  private:
   std::vector<std::string> names_;
   std::string problem_;
+  std::string text_with_problem_;
 };
 
 using Plugin = std::variant<std::string, std::shared_ptr<Precision>, std::shared_ptr<CheckpointIO>,

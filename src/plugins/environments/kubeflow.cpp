@@ -33,7 +33,7 @@ int KubeflowEnvironment::main_port() const { return main_port_; }
 void KubeflowEnvironment::validate_settings(int num_devices, int num_nodes) const {
   if (num_devices == 1 && num_nodes == world_size_) return;
   throw ConfigError(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
-                        num_devices * num_nodes,
+                        int64_t{num_devices} * num_nodes,
                         " processes, but Kubeflow runs one process per "
                         "pod and its WORLD_SIZE=",
                         world_size_,

@@ -49,13 +49,14 @@ bool LightningEnvironment::creates_processes_externally() const {
 
 void LightningEnvironment::validate_settings(int num_devices, int num_nodes) const {
   std::vector<std::string> problems;
-  if (num_devices * num_nodes != world_size_) {
-    problems.push_back(
-        str("devices=", num_devices, " x num_nodes=", num_nodes, " = ", num_devices * num_nodes,
-            " processes, but the launcher that started "
-            "this one ",
-            rank_sources_.world_size.empty() ? std::string("did not set WORLD_SIZE (one process)")
-                                             : str("set WORLD_SIZE=", world_size_)));
+  if (int64_t{num_devices} * num_nodes != world_size_) {
+    problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
+                           int64_t{num_devices} * num_nodes,
+                           " processes, but the launcher that started "
+                           "this one ",
+                           rank_sources_.world_size.empty()
+                               ? std::string("did not set WORLD_SIZE (one process)")
+                               : str("set WORLD_SIZE=", world_size_)));
   }
   if (local_world_size_ > 0 && num_devices != local_world_size_) {
     problems.push_back(

@@ -71,7 +71,8 @@ std::vector<std::string> rankfile_hosts(const std::string& path) {
   std::string unreadable;
   if (auto hosts = read_rankfile(path, &unreadable)) return *hosts;
   throw ConfigError(str("cluster environment \"lsf\": LSB_DJOB_RANKFILE=", path,
-                        " cannot be read (it ", unreadable, "), and LSB_MCPU_HOSTS is "
+                        " cannot be read (it ", unreadable,
+                        "), and LSB_MCPU_HOSTS is "
                         "not set: one of them names the job's hosts. Set MASTER_ADDR to the "
                         "first compute host instead."));
 }
@@ -175,9 +176,9 @@ int LSFEnvironment::main_port() const { return main_port_; }
 
 void LSFEnvironment::validate_settings(int num_devices, int num_nodes) const {
   std::vector<std::string> problems;
-  if (num_devices * num_nodes != world_size_) {
+  if (int64_t{num_devices} * num_nodes != world_size_) {
     problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
-                           num_devices * num_nodes, " processes, but jsrun started ",
+                           int64_t{num_devices} * num_nodes, " processes, but jsrun started ",
                            "JSM_NAMESPACE_SIZE=", world_size_, " ranks"));
   }
   if (local_size_ > 0 && num_devices != local_size_) {
@@ -188,7 +189,7 @@ void LSFEnvironment::validate_settings(int num_devices, int num_nodes) const {
   throw ConfigError(str(join(problems, "; and "),
                         ". Pass devices=<ranks per node> and num_nodes=<nodes>, or run jsrun "
                         "with --nrs ",
-                        num_devices * num_nodes, " and ", num_devices,
+                        int64_t{num_devices} * num_nodes, " and ", num_devices,
                         " resource sets per host (--rs_per_host ", num_devices, ")."));
 }
 

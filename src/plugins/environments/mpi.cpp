@@ -50,7 +50,7 @@ MPIEnvironment::MPIEnvironment(const EnvView& env) {
 std::string MPIEnvironment::main_address() const {
   if (main_address_) return *main_address_;
   throw ConfigError(str("cluster environment \"mpi\": ", world_size_, " ranks on ",
-                        (world_size_ + local_size_ - 1) / local_size_,
+                        (int64_t{world_size_} + local_size_ - 1) / local_size_,
                         " nodes and MASTER_ADDR is not set, so the ranks cannot find rank 0. "
                         "Export it to all ranks: mpirun -x MASTER_ADDR=<host of rank 0> "
                         "-x MASTER_PORT=<port> (MPICH / Intel MPI: -genv MASTER_ADDR <host>)."));
@@ -62,10 +62,10 @@ void MPIEnvironment::validate_settings(int num_devices, int num_nodes) const {
   std::vector<std::string> problems;
   const std::string size_var = family_ == "PMI" ? "PMI_SIZE" : "OMPI_COMM_WORLD_SIZE";
   const std::string local_var = family_ == "PMI" ? "MPI_LOCALNRANKS" : "OMPI_COMM_WORLD_LOCAL_SIZE";
-  if (num_devices * num_nodes != world_size_) {
+  if (int64_t{num_devices} * num_nodes != world_size_) {
     problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
-                           num_devices * num_nodes, " processes, but mpirun started ", size_var,
-                           "=", world_size_, " ranks"));
+                           int64_t{num_devices} * num_nodes, " processes, but mpirun started ",
+                           size_var, "=", world_size_, " ranks"));
   }
   if (num_devices != local_size_) {
     problems.push_back(str("devices=", num_devices, " per node, but mpirun started ", local_var,
@@ -73,9 +73,9 @@ void MPIEnvironment::validate_settings(int num_devices, int num_nodes) const {
   }
   if (!problems.empty()) {
     throw ConfigError(str(join(problems, "; and "), ". Pass devices=", local_size_,
-                          " and num_nodes=", (world_size_ + local_size_ - 1) / local_size_,
-                          ", or run mpirun -np ", num_devices * num_nodes, " with ", num_devices,
-                          " ranks per node (--npernode ", num_devices, ")."));
+                          " and num_nodes=", (int64_t{world_size_} + local_size_ - 1) / local_size_,
+                          ", or run mpirun -np ", int64_t{num_devices} * num_nodes, " with ",
+                          num_devices, " ranks per node (--npernode ", num_devices, ")."));
   }
   if (!main_address_) (void)main_address();  // throws: how to export MASTER_ADDR
 }

@@ -169,10 +169,10 @@ void SLURMEnvironment::validate_settings(int num_devices, int num_nodes) const {
   }
   // Per node and nodes may agree while the total does not (SLURM_NNODES
   // unset, or fewer tasks on the last node): the total decides the world.
-  if (problems.empty() && num_devices * num_nodes != world_size_) {
+  if (problems.empty() && int64_t{num_devices} * num_nodes != world_size_) {
     problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
-                           num_devices * num_nodes, " processes, but SLURM started ", world_size_,
-                           " tasks (SLURM_NTASKS=", world_size_,
+                           int64_t{num_devices} * num_nodes, " processes, but SLURM started ",
+                           world_size_, " tasks (SLURM_NTASKS=", world_size_,
                            "): run srun --ntasks-per-node=", num_devices, " --nodes=", num_nodes,
                            ", or pass matching devices and num_nodes"));
   }

@@ -50,10 +50,11 @@ int TorchElasticEnvironment::main_port() const { return main_port_; }
 
 void TorchElasticEnvironment::validate_settings(int num_devices, int num_nodes) const {
   std::vector<std::string> problems;
-  if (num_devices * num_nodes != world_size_) {
-    problems.push_back(
-        str("devices=", num_devices, " x num_nodes=", num_nodes, " = ", num_devices * num_nodes,
-            " processes, but torchrun's WORLD_SIZE=", world_size_, " processes were started"));
+  if (int64_t{num_devices} * num_nodes != world_size_) {
+    problems.push_back(str("devices=", num_devices, " x num_nodes=", num_nodes, " = ",
+                           int64_t{num_devices} * num_nodes,
+                           " processes, but torchrun's WORLD_SIZE=", world_size_,
+                           " processes were started"));
   }
   if (num_devices != local_world_size_) {
     problems.push_back(str("devices=", num_devices, " per node, but torchrun's LOCAL_WORLD_SIZE=",

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/distributed/launchers/launcher.h"
@@ -396,6 +397,16 @@ class ConnectorRun {
       problems_.add(str("devices=", options_.devices.text(), " selects no ", accelerator_->name(),
                         " device. Pass accelerator=\"cpu\" or a device that exists."),
                     "unavailable");
+      return;
+    }
+    // Ranks are 32-bit numbers (c10d's, the environments' variables).
+    const int64_t processes =
+        static_cast<int64_t>(devices_.size()) * std::max(options_.num_nodes, 1);
+    if (processes > std::numeric_limits<int>::max()) {
+      problems_.add(str("devices=", options_.devices.text(), " x num_nodes=", options_.num_nodes,
+                        " = ", processes,
+                        " processes: ranks are 32-bit numbers, so at most 2147483647 processes "
+                        "take part. Pass fewer devices or num_nodes."));
       return;
     }
     devices_known_ = true;

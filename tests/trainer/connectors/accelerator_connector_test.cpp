@@ -157,11 +157,10 @@ TEST(AcceleratorConnector, FsdpIsFullShardAndTakesSyncBatchnorm) {
         TrainerOptions{.accelerator = "cpu", .strategy = name, .devices = 2}, empty_env());
     EXPECT_EQ(result.resolution.strategy, name);
     EXPECT_EQ(result.resolution.world_size, 2);
-    EXPECT_NO_THROW(fulgur::connect(TrainerOptions{.accelerator = "cpu",
-                                                   .strategy = name,
-                                                   .devices = 2,
-                                                   .sync_batchnorm = true},
-                                    empty_env()))
+    EXPECT_NO_THROW(fulgur::connect(
+        TrainerOptions{
+            .accelerator = "cpu", .strategy = name, .devices = 2, .sync_batchnorm = true},
+        empty_env()))
         << name;
   }
 }
@@ -277,6 +276,26 @@ TEST(AcceleratorConnector, RanksOutOfRangeNameTheVariableTheyCameFrom) {
                                                    {"SLURM_NODELIST", "node1"},
                                                    {"SLURM_JOB_NAME", "train"}})),
                      {"SLURM_PROCID=5", "SLURM_NTASKS=2"});
+}
+
+// Ranks are 32-bit numbers: devices x num_nodes past 2^31 - 1 is named (it
+// wrapped to a world of 0, or a negative one), and the environments' counts
+// and advice are computed without wrapping.
+TEST(AcceleratorConnector, MoreProcessesThanRanksCanNumberAreNamed) {
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = 4, .num_nodes = 1073741824},
+                      env_of({{"MASTER_ADDR", "a"}, {"MASTER_PORT", "1"}, {"NODE_RANK", "0"}})),
+      {"devices=4 x num_nodes=1073741824 = 4294967296 processes", "at most 2147483647"});
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = 1},
+                                     env_of({{"OMPI_COMM_WORLD_SIZE", "2147483647"},
+                                             {"OMPI_COMM_WORLD_RANK", "0"},
+                                             {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                                             {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+                                             {"MASTER_ADDR", "127.0.0.1"},
+                                             {"MASTER_PORT", "29500"}})),
+                     {"Pass devices=2 and num_nodes=1073741824"});
 }
 
 TEST(AcceleratorConnector, TorchrunWithoutMasterAddrNamesTheMissingVariable) {
