@@ -48,7 +48,8 @@ constexpr const char* kUsage =
 int resolve(int argc, char** argv) {
   // The same command line and config files as a program on fulgur::CLI.
   fulgur::CLI cli({.program = "fulgur resolve",
-                   .description = "How fulgur::Trainer would resolve these flags here, as JSON."});
+                   .description = "How fulgur::Trainer would resolve these flags here, as JSON.",
+                   .trainer_flags_only = true});
   const std::vector<std::string> args(argv + 2, argv + argc);
   if (std::find(args.begin(), args.end(), "-h") != args.end() ||
       std::find(args.begin(), args.end(), "--help") != args.end()) {

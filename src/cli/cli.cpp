@@ -605,6 +605,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
   }
 
   // ---- Config files.
+  std::vector<std::string> programs_keys;  // left out under trainer_flags_only
   auto read_config = [&](const YAML::Node& root, const std::string& source, bool from_checkpoint,
                          std::vector<Item>& items) {
     if (!root || root.IsNull()) return;
@@ -650,7 +651,9 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
                                  ", or pass the shared ones in a --config of their own."));
           return;
         }
-        if (from_checkpoint) {
+        if (options_.trainer_flags_only && !from_checkpoint && key.rfind("trainer.", 0) != 0) {
+          programs_keys.push_back(shortened(key));
+        } else if (from_checkpoint) {
           std::cerr << options_.program << ": note: " << source << " has \"" << shortened(key)
                     << "\", which this program does not know; it is left out." << std::endl;
         } else if (problems.size() < CLI::kMaxProblemsListed) {
@@ -722,6 +725,18 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
     } catch (const YAML::Exception& e) {
       problems.push_back(str("--config ", file, ": not valid YAML: ", e.what(), "."));
     }
+  }
+
+  if (!programs_keys.empty()) {
+    const size_t shown = std::min<size_t>(programs_keys.size(), 5);
+    std::cerr << options_.program << ": note: the config sets keys of a program ("
+              << join(std::vector<std::string>(programs_keys.begin(),
+                                               programs_keys.begin() + static_cast<long>(shown)),
+                      ", ")
+              << (programs_keys.size() > shown ? str(" and ", programs_keys.size() - shown, " more")
+                                               : std::string())
+              << "), which " << options_.program
+              << " does not read: they are left out. Its trainer: keys are read." << std::endl;
   }
 
   // ---- The checkpoint's config: under the files and the command line.

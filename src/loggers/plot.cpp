@@ -93,7 +93,7 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
     const auto cells = split_csv_line(line);
     char* end = nullptr;
     const double step = std::strtod(cells[0].c_str(), &end);
-    if (cells[0].empty() || *end != '\0') {
+    if (cells[0].empty() || *end != '\0' || !std::isfinite(step)) {
       throw ConfigError(str("plot: \"", csv_path, "\" line ", row, ": the step \"", cells[0],
                             "\" is not a number."));
     }
@@ -119,7 +119,17 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
   if (panels.empty()) {
     throw ConfigError(str("plot: \"", csv_path, "\" holds no metric value to draw."));
   }
-  const size_t cols = std::min<size_t>(panels.size(), 2);
+  // A picture is at most 32767 pixels high (Cairo's limit): 86 rows of
+  // panels, in 2 columns, or 4 where there are more; the first 344 are
+  // drawn and the title says how many were left out.
+  constexpr size_t kMostRows = 86, kMostCols = 4;
+  std::string left_out;
+  if (panels.size() > kMostRows * kMostCols) {
+    left_out = str(" (the first ", kMostRows * kMostCols, " of ", panels.size(), " panels)");
+    panels.resize(kMostRows * kMostCols);
+  }
+  const size_t cols = std::min<size_t>(
+      panels.size(), std::max<size_t>(2, (panels.size() + kMostRows - 1) / kMostRows));
   const size_t rows = (panels.size() + cols - 1) / cols;
   std::ostringstream s;
   s.precision(10);
@@ -133,7 +143,7 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
     << " enhanced font \"DejaVu Sans,10\"\n"
     << "set output " << detail::gnuplot_quoted(png_path) << "\n"
     << "set multiplot layout " << rows << "," << cols << " title "
-    << detail::gnuplot_quoted(gnuplot_label(title)) << " font \",12\"\n"
+    << detail::gnuplot_quoted(gnuplot_label(title + left_out)) << " font \",12\"\n"
     << "set grid\nset bmargin 5\nset key outside bottom center horizontal\nset xlabel \"optimizer "
        "step\" offset 0,0.5\n";
   for (const auto& panel : panels) {

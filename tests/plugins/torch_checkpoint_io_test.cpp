@@ -112,7 +112,16 @@ TEST(TorchCheckpointIO, TextFileNamesThePath) {
   fulgur::TorchCheckpointIO io;
   auto path = dir.file("notes.txt");
   fulgur::test::write_text(path, "this is not a checkpoint\n");
-  EXPECT_THROWS_WITH(fulgur::CheckpointError, load_tensor(io, path), {path});
+  // Not damage: no earlier checkpoint is offered in its place.
+  save_tensor(io, torch::arange(3), dir.file("last.ckpt"));
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, load_tensor(io, path),
+                     {"\"" + path + "\" is not a checkpoint", "no zip archive",
+                      "Pass a checkpoint file written by fulgur"});
+  try {
+    load_tensor(io, path);
+  } catch (const fulgur::CheckpointError& e) {
+    EXPECT_EQ(std::string(e.what()).find("earlier"), std::string::npos) << e.what();
+  }
 }
 
 TEST(TorchCheckpointIO, UnwritableLocationIsACheckpointError) {

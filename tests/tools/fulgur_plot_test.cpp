@@ -45,9 +45,31 @@ TEST(FulgurPlot, WhatCannotBeDrawnIsNamed) {
   auto empty = run_process({FULGUR_CLI, "plot", dir.path()}, {}, 60s);
   EXPECT_EQ(empty.exit_code, 1);
   EXPECT_NE(empty.output.find("no metrics.csv in"), std::string::npos) << empty.output;
+  write_text(dir.file("nan_step.csv"), "step,train_loss\n1,2.0\nnan,1.5\n");
+  auto nan_step = run_process({FULGUR_CLI, "plot", dir.file("nan_step.csv")}, {}, 60s);
+  EXPECT_EQ(nan_step.exit_code, 1) << nan_step.output;
+  EXPECT_NE(nan_step.output.find("line 3: the step \"nan\" is not a number"), std::string::npos)
+      << nan_step.output;
   auto usage = run_process({FULGUR_CLI, "plot"}, {}, 60s);
   EXPECT_EQ(usage.exit_code, 2);
   EXPECT_NE(usage.output.find("which run?"), std::string::npos) << usage.output;
+}
+
+// A run that logs a metric per layer: 400 panels are more than one picture
+// holds (Cairo's 32767 pixels: gnuplot failed from 173 on); the first 344
+// are drawn, in 4 columns.
+TEST(FulgurPlot, ARunWithHundredsOfMetricsIsDrawn) {
+  TempDir dir;
+  std::string csv = "step";
+  for (int m = 0; m < 400; ++m) csv += ",layer" + std::to_string(m) + "_grad_norm";
+  for (int step = 1; step <= 3; ++step) {
+    csv += "\n" + std::to_string(step);
+    for (int m = 0; m < 400; ++m) csv += "," + std::to_string(step * 0.5 + m);
+  }
+  write_text(dir.file("metrics.csv"), csv + "\n");
+  auto r = run_process({FULGUR_CLI, "plot", dir.file("metrics.csv")}, {}, 120s);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(dir.file("metrics.png"))) << r.output;
 }
 
 // --out names where the picture goes: what is there is replaced only when it

@@ -215,6 +215,29 @@ TEST(FulgurResolve, CommandLineMistakesAreFlagErrorsToo) {
   EXPECT_TRUE(fulgur::test::message_contains(unknown_flag.output, {"--gpus: unknown flag"}));
 }
 
+// A program's config file (its model:, data: and own keys beside trainer:)
+// resolves from its trainer: section, the others left out with one note; a
+// mistake under trainer: is still named.
+TEST(FulgurResolve, AProgramsConfigResolvesFromItsTrainerSection) {
+  fulgur::test::TempDir dir;
+  fulgur::test::write_text(dir.file("program.yaml"),
+                           "trainer:\n  accelerator: cpu\n  devices: 2\nmodel:\n  lr: 0.001\n"
+                           "data:\n  batch_size: 128\nthreads: 2\n");
+  auto r = resolve({"--config", dir.file("program.yaml")});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(
+      fulgur::test::message_contains(r.output, {"\"num_devices\": 2",
+                                                "the config sets keys of a program (model.lr, "
+                                                "data.batch_size, threads)",
+                                                "they are left out"}));
+  fulgur::test::write_text(dir.file("typo.yaml"),
+                           "trainer:\n  accelerator: cpu\n  max_epoch: 2\nmodel:\n  lr: 0.001\n");
+  auto typo = resolve({"--config", dir.file("typo.yaml")});
+  EXPECT_EQ(typo.exit_code, 2) << typo.output;
+  EXPECT_TRUE(fulgur::test::message_contains(typo.output, {"unknown key trainer.max_epoch"}))
+      << typo.output;
+}
+
 TEST(FulgurResolve, EnvironmentMismatchIsReportedWithItsKind) {
   auto r = resolve({"--accelerator", "cpu"}, kTorchrun);
   EXPECT_EQ(r.exit_code, 2) << r.output;

@@ -121,6 +121,11 @@ struct CLIOptions {
   TrainerOptions trainer_defaults = {};
   /// The subcommand when none is given.
   Stage default_subcommand = Stage::kFit;
+  /// Config files are a program's, read for the Trainer's flags alone (fulgur
+  /// resolve): the keys this CLI does not know outside trainer: (model:, data:,
+  /// the program's own) are left out with one note; an unknown key under
+  /// trainer: is still an error.
+  bool trainer_flags_only = false;
 };
 
 class CLI {

@@ -565,11 +565,17 @@ bool is_readers_refusal(const std::exception& error) {
 // A file without a checksum footer: one written before checksums (fulgur
 // 0.1) loads into `archive`, unverified, when every record matches its
 // CRC-32, LibTorch reads it and it lacks the marker of a footer written.
-// What is wrong with it otherwise.
+// What is wrong with it otherwise; CheckpointError for a file that is no
+// archive at all.
 std::string load_unverified(const CheckpointFile& file, torch::serialize::InputArchive& archive) {
   if (const std::string part = damaged_record(file, file.size(), true); part == kNoArchive) {
-    return str("it has no checksum footer and fulgur cannot read it: it is ", part,
-               ", so it is not a checkpoint, or was truncated (", file.size(), " bytes)");
+    // Not damage: no checkpoint at all (a config file, a log); no earlier
+    // checkpoint is offered in its place.
+    throw CheckpointError(str("\"", file.path(),
+                              "\" is not a checkpoint: it has no checksum footer and is ", part,
+                              " (", file.size(),
+                              " bytes). Pass a checkpoint file written by fulgur (a .ckpt under "
+                              "<default_root_dir>/checkpoints)."));
   } else if (!part.empty()) {
     return str("it has no checksum footer and fulgur cannot read it: the damage is in ", part,
                " (it is truncated, damaged, or not a checkpoint; ", file.size(), " bytes)");
