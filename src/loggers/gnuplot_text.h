@@ -52,6 +52,12 @@ inline std::string gnuplot_said(const std::string& output) {
   return out;
 }
 
+/// Why what is at `png_path` must not be replaced by a picture, in a message
+/// starting with `who`: a directory, a device, a FIFO or a socket, or a file
+/// that is not a PNG (a run's metrics.csv passed as the output, say). ""
+/// when nothing is there, or a PNG (whole or not) or an empty file is.
+std::string not_a_picture_to_replace(const std::string& png_path, const std::string& who);
+
 /// Why gnuplot could not write a picture at `path`, "" when it can: the
 /// path is a directory, or its directory is missing or not writable
 /// (checked first: gnuplot would write the PNG to its output instead).

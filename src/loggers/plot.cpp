@@ -223,6 +223,9 @@ std::string plot_metrics(const std::string& csv_path, const std::string& png_pat
   } catch (const std::exception& e) {
     return e.what();
   }
+  if (std::string problem = detail::not_a_picture_to_replace(png_path, "plot"); !problem.empty()) {
+    return problem;
+  }
   if (std::string problem = detail::unwritable(png_path); !problem.empty()) {
     return str("plot: cannot write \"", png_path, "\": ", problem,
                ". Pass an output path in a directory this user can write.");
@@ -264,31 +267,27 @@ std::string png_problem(const std::string& path) {
   return "";
 }
 
-// Why what is at `png_path` must not be replaced by a picture: a directory,
-// a device, a FIFO or a socket, or a file that is not a PNG (a run's
-// metrics.csv passed as the output, say). "" when nothing is there, or a
-// PNG (whole or not) or an empty file is.
-std::string not_a_picture_to_replace(const std::string& png_path) {
+std::string not_a_picture_to_replace(const std::string& png_path, const std::string& who) {
   struct stat st {};
   if (::stat(png_path.c_str(), &st) != 0) return "";
-  if (!S_ISREG(st.st_mode)) return str("is ", file_kind(st.st_mode));
+  const auto refused = [&](const std::string& what) {
+    return str(who, ": \"", png_path, "\" ", what,
+               ", and is left as it is. Pass the path of a .png file (one that is not there yet, "
+               "or a picture to replace).");
+  };
+  if (!S_ISREG(st.st_mode)) return refused(str("is ", file_kind(st.st_mode)));
   if (st.st_size == 0) return "";
   char head[8] = {};
   std::ifstream in(png_path, std::ios::binary);
   if (in.read(head, sizeof(head)) && std::memcmp(head, kPngSignature, sizeof(head)) == 0) {
     return "";
   }
-  return str("holds ", st.st_size, " bytes that are no PNG picture");
+  return refused(str("holds ", st.st_size, " bytes that are no PNG picture"));
 }
 
 std::string run_gnuplot_to(const std::string& script, const std::string& tmp,
                            const std::string& png_path, const std::string& who,
                            const std::string& not_installed) {
-  if (const std::string problem = not_a_picture_to_replace(png_path); !problem.empty()) {
-    return str(who, ": \"", png_path, "\" ", problem,
-               ", and is left as it is. Pass the path of a .png file (one that is not there "
-               "yet, or a picture to replace).");
-  }
   const auto ran = run_program({"gnuplot"}, script, std::chrono::seconds(60));
   const auto failed = [&](std::string problem) {
     ::unlink(tmp.c_str());

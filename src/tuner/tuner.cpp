@@ -279,6 +279,10 @@ class ModuleSnapshot {
 std::string plot_lr_find(const LRFinderResult& r, const LRFinderOptions& o) {
   std::ostringstream script;
   script.precision(17);
+  if (std::string problem = detail::not_a_picture_to_replace(o.plot_path, "lr_find");
+      !problem.empty()) {
+    return problem;
+  }
   if (std::string problem = detail::unwritable(o.plot_path); !problem.empty()) {
     return str("lr_find: cannot write the plot \"", o.plot_path, "\": ", problem,
                ". Pass a plot path in a directory this user can write.");
