@@ -133,11 +133,13 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
   const size_t rows = (panels.size() + cols - 1) / cols;
   std::ostringstream s;
   s.precision(10);
-  for (size_t c = 1; c < header.size(); ++c) {
-    if (points[c].empty()) continue;
-    s << "$m" << c << " << EOD\n";
-    for (const auto& [x, y] : points[c]) s << x << ' ' << y << '\n';
-    s << "EOD\n";
+  // The data of the panels drawn only.
+  for (const auto& panel : panels) {
+    for (const size_t c : members[panel]) {
+      s << "$m" << c << " << EOD\n";
+      for (const auto& [x, y] : points[c]) s << x << ' ' << y << '\n';
+      s << "EOD\n";
+    }
   }
   s << "set terminal pngcairo size " << 560 * cols << "," << 380 * rows
     << " enhanced font \"DejaVu Sans,10\"\n"

@@ -24,6 +24,7 @@
 #include <functional>
 #include <iostream>
 #include <memory>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -191,16 +192,18 @@ struct ZipDirectory {
   std::string problem;
 };
 
-// A record holding a tensor's bytes (LibTorch's reader copies them and
-// parses nothing in them).
-bool holds_tensor_bytes(const std::string& name) {
+// A record's name inside the archive's folder ("data/3" of "archive/data/3").
+std::string_view in_folder(const std::string& name) {
   const auto slash = name.find('/');
-  return name.compare(slash == std::string::npos ? 0 : slash + 1, 5, "data/") == 0;
+  return std::string_view(name).substr(slash == std::string::npos ? 0 : slash + 1);
 }
 
+// A record holding a tensor's bytes (LibTorch's reader copies them and
+// parses nothing in them).
+bool holds_tensor_bytes(const std::string& name) { return in_folder(name).rfind("data/", 0) == 0; }
+
 std::string describe_record(const std::string& name) {
-  const auto slash = name.find('/');
-  const std::string record = slash == std::string::npos ? name : name.substr(slash + 1);
+  const std::string_view record = in_folder(name);
   if (record == "data.pkl") {
     return "the archive's structure (record data.pkl: which tensors and values it holds)";
   }
