@@ -1,5 +1,7 @@
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
 
+#include <caffe2/serialize/inline_container.h>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -14,6 +16,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
 #include <sstream>
@@ -392,6 +395,75 @@ TEST(TorchCheckpointIOIntegrity, ACheckpointWithoutChecksumStillLoads) {
   fs::resize_file(dir.file("old.ckpt"), size / 2);
   EXPECT_TRUE(fulgur::test::message_contains(io.verify(dir.file("old.ckpt")),
                                              {"no checksum footer", "cannot read it"}));
+}
+
+// An archive written as one saved on `device` writes it: the archive
+// `write` makes, its tensors' location rewritten from "cpu" (the records
+// copied through LibTorch's own reader and writer, which give each its
+// CRC-32).
+std::string as_saved_on(const std::string& device,
+                        const std::function<void(torch::serialize::OutputArchive&)>& write) {
+  torch::serialize::OutputArchive archive;
+  write(archive);
+  std::ostringstream saved;
+  archive.save_to(saved);
+  std::istringstream in(saved.str());
+  caffe2::serialize::PyTorchStreamReader reader(&in);
+  std::string out;
+  caffe2::serialize::PyTorchStreamWriter writer([&out](const void* data, size_t n) {
+    out.append(static_cast<const char*>(data), n);
+    return n;
+  });
+  writer.setMinVersion(reader.version());
+  // The pickled location: BINUNICODE, its length, its text.
+  const auto location = [](const std::string& name) {
+    const char length[4] = {static_cast<char>(name.size()), 0, 0, 0};
+    return "X" + std::string(length, 4) + name;
+  };
+  int relocated = 0;
+  for (const std::string& name : reader.getAllRecords()) {
+    // The writer adds its own.
+    if (name == "version" || name == ".data/version" || name == ".data/serialization_id") continue;
+    auto [data, size] = reader.getRecord(name);
+    std::string bytes(static_cast<const char*>(data.get()), size);
+    if (name == "data.pkl") {
+      for (size_t at = bytes.find(location("cpu")); at != std::string::npos;
+           at = bytes.find(location("cpu"), at + 1), ++relocated) {
+        bytes.replace(at, location("cpu").size(), location(device));
+      }
+    }
+    writer.writeRecord(name, bytes.data(), bytes.size());
+  }
+  writer.writeEndOfFile();
+  EXPECT_GT(relocated, 0) << "no tensor location in data.pkl";
+  return out;
+}
+
+// A checkpoint written on a GPU loads where there is none (its tensors into
+// host memory; what restores them copies each to its own device), here
+// from a device this build cannot use: LibTorch's reader alone moves each
+// tensor to the device it was saved on, and refused the file.
+TEST(TorchCheckpointIO, TensorsSavedOnAnotherDeviceLoadIntoHostMemory) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  const at::Tensor weight = torch::arange(12, torch::kFloat).reshape({3, 4});
+  for (const std::string device : {"cuda", "xpu"}) {
+    SCOPED_TRACE(device);
+    {
+      std::ofstream(dir.file("gpu.ckpt"), std::ios::binary)
+          << as_saved_on(device, [&](torch::serialize::OutputArchive& archive) {
+               archive.write("weight", weight);
+               archive.write("bias", torch::ones({4}));
+               archive.write("step", c10::IValue(int64_t{7}));
+             });
+    }
+    EXPECT_EQ(io.verify(dir.file("gpu.ckpt")), "");
+    const fulgur::StateDict loaded = io.load_checkpoint(dir.file("gpu.ckpt"));
+    EXPECT_TRUE(loaded.tensor("weight").device().is_cpu());
+    EXPECT_TRUE(torch::equal(loaded.tensor("weight"), weight));
+    EXPECT_TRUE(torch::equal(loaded.tensor("bias"), torch::ones({4})));
+    EXPECT_EQ(loaded.integer("step"), 7);
+  }
 }
 
 // A file's fingerprint is its size and the CRC32C of all its bytes: the

@@ -528,7 +528,12 @@ class VerifyingReader {
 // `archive` loaded from the first `size` bytes of `file`, read as LibTorch
 // asks for them (through `verifier` when there is one). A failed read is
 // rethrown after LibTorch's reader has given up (an exception must not
-// cross its C code).
+// cross its C code). Every tensor is loaded into host memory, whatever
+// device it was saved from: a checkpoint written on a GPU loads where no
+// GPU is (`fulgur checkpoint inspect` on a laptop, a resume on the CPU), and
+// nothing reaches a device before the file's checksum is known; what loads
+// it copies each tensor to the device of what it restores (parameters,
+// optimizer state, averages, metric states, the loss scale).
 void load_archive(const CheckpointFile& file, uint64_t size,
                   torch::serialize::InputArchive& archive, VerifyingReader* verifier = nullptr) {
   std::exception_ptr read_error;  // a CheckpointError, out of memory, no thread
@@ -549,7 +554,7 @@ void load_archive(const CheckpointFile& file, uint64_t size,
           }
           return take;
         },
-        [size]() -> size_t { return static_cast<size_t>(size); });
+        [size]() -> size_t { return static_cast<size_t>(size); }, torch::Device(torch::kCPU));
   } catch (const std::exception&) {
     if (read_error) std::rethrow_exception(read_error);
     throw;
