@@ -76,6 +76,17 @@ std::string hex32(uint32_t value) {
 
 using Manifest = ShardedCheckpoint::Manifest;
 
+// `text` as printed in an error: unprintable bytes as '?', at most `limit`
+// of them ("..." after).
+std::string printable(const std::string& text, size_t limit) {
+  std::string shown;
+  for (char c : text.substr(0, limit)) {
+    shown += std::isprint(static_cast<unsigned char>(c)) ? c : '?';
+  }
+  if (text.size() > limit) shown += "...";
+  return shown;
+}
+
 // What a CheckpointIO said of a shard it could not write, without what it
 // says of every file it saves (its path, the partial file removed and the
 // previous one untouched: the save's own message says what is kept).
@@ -150,12 +161,8 @@ ShardedCheckpoint::Manifest ShardedCheckpoint::read_manifest(const std::string& 
   const bool v1 = line == kManifestHeaderV1;
   if (line != kManifestHeader && !v1) {
     // What it starts with, printable and short (it may be any file).
-    std::string shown;
-    for (char c : line.substr(0, 60)) {
-      shown += std::isprint(static_cast<unsigned char>(c)) ? c : '?';
-    }
-    if (line.size() > 60) shown += "...";
-    throw CheckpointError(str(file.string(), " is not a fulgur manifest (first line \"", shown,
+    throw CheckpointError(str(file.string(), " is not a fulgur manifest (first line \"",
+                              printable(line, 60),
                               "\", expected \"", kManifestHeader, "\")."));
   }
   if (!v1) {
@@ -196,6 +203,20 @@ ShardedCheckpoint::Manifest ShardedCheckpoint::read_manifest(const std::string& 
   if (m.world_size < 1 || static_cast<int>(m.shards.size()) != m.world_size) {
     throw CheckpointError(str(file.string(), " is damaged: world_size=", m.world_size, " with ",
                               m.shards.size(), " shards listed."));
+  }
+  // Each shard is the file its rank's save names in this directory (every
+  // manifest fulgur wrote lists those): a name leading elsewhere ("../x", an
+  // absolute path), even under a checksum that holds, is not followed.
+  for (size_t k = 0; k < m.shards.size(); ++k) {
+    const std::string expected =
+        fs::path(shard_path("", static_cast<int>(k), m.world_size)).filename().string();
+    if (m.shards[k] != expected) {
+      throw CheckpointError(str(file.string(), " is damaged: it lists shard ", k, " as \"",
+                                printable(m.shards[k], 80), "\", not ", expected,
+                                " (the shards of a checkpoint are its own directory's "
+                                "rank-<k>-of-<n>.ckpt). Resume from an earlier checkpoint, or "
+                                "restore the directory from a copy."));
+    }
   }
   if (!fingerprinted.empty() && fingerprinted != m.shards) {
     throw CheckpointError(str(file.string(), " is damaged: it lists the shards ", join(m.shards),

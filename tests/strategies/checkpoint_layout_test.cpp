@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 
 #include "fulgur/fulgur.h"
@@ -142,6 +144,27 @@ TEST(CheckpointLayout, AManifestThatIsNoManifestIsRefusedUnreadAndADirectoryOfSh
                      fulgur::TorchCheckpointIO().load_checkpoint(ckpt.string()),
                      {ckpt.string() + "\" is a sharded checkpoint",
                       "as many ranks as wrote it", "fulgur checkpoint consolidate"});
+}
+
+// consolidate names what it was given when it is no sharded checkpoint's
+// directory: a path not there, a loop of symbolic links (the OS's reason,
+// not "not there"), a file.
+TEST(CheckpointLayout, ConsolidateNamesAPathThatIsNoDirectoryByWhatItIs) {
+  TempDir dir;
+  const fs::path loop = fs::path(dir.path()) / "loop";
+  fs::create_symlink(loop, loop);
+  const std::string out = dir.file("whole.ckpt");
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, fulgur::consolidate_sharded_checkpoint(loop, out),
+                     {"\"" + loop.string() + "\" is not to be looked up (",
+                      std::strerror(ELOOP), "Pass the directory of a sharded fsdp checkpoint"});
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     fulgur::consolidate_sharded_checkpoint(dir.file("absent"), out),
+                     {"absent\" is not there."});
+  fulgur::test::write_text(dir.file("one.ckpt"), "x");
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     fulgur::consolidate_sharded_checkpoint(dir.file("one.ckpt"), out),
+                     {"one.ckpt\" is a file: a checkpoint in one file is whole already"});
+  EXPECT_FALSE(fs::exists(out));
 }
 
 // A checkpoint IO whose saves fail while `fail` is set (a disk that stops

@@ -238,6 +238,19 @@ TEST_F(ManualCheckpointErrors, AShardOfAnotherSaveIsToldFromADamagedOne) {
   resume_expecting(
       {"is damaged: it lists the shards rank-0-of-1.ckpt and fingerprints of "
        "rank-0-of-7.ckpt"});
+  // A shard named outside the checkpoint's directory, its fingerprint line
+  // and checksum agreeing, is not followed.
+  for (const std::string name : {"../rank-0-of-1.ckpt", "/etc/passwd", "rank-1-of-1.ckpt"}) {
+    const std::string own_name = "rank-0-of-1.ckpt";
+    std::string body = text.substr(0, text.find("crc32c="));
+    for (auto at = body.find(own_name); at != std::string::npos;
+         at = body.find(own_name, at + name.size())) {
+      body.replace(at, own_name.size(), name);
+    }
+    write_manifest(body);
+    resume_expecting({"manifest.txt is damaged: it lists shard 0 as \"" + name +
+                      "\", not rank-0-of-1.ckpt"});
+  }
   // A manifest written before fingerprints (no such line) still resumes.
   write_manifest(text.substr(0, text.find("fingerprint=")));
   MoveRecorder model;

@@ -139,11 +139,18 @@ void consolidate_sharded_checkpoint(const std::string& dir, const std::string& o
                               "\" names no file. Pass the path of the one-file checkpoint to "
                               "write, e.g. consolidated.ckpt."));
   }
-  if (!fs::is_directory(dir, ec)) {
-    throw CheckpointError(str("\"", dir, "\" is ",
-                              fs::exists(dir, ec) ? "a file: a checkpoint in one file is whole "
-                                                    "already (it loads on any world size)"
-                                                  : "not there",
+  if (const fs::file_status status = fs::status(dir, ec); !fs::is_directory(status)) {
+    // Not there, or not to be looked up (a loop of symbolic links, a
+    // directory on the way this user may not search): the OS's reason.
+    const std::string what =
+        fs::exists(status) ? std::string(fs::is_regular_file(status)
+                                             ? "a file: a checkpoint in one file is whole "
+                                               "already (it loads on any world size)"
+                                             : "not a directory")
+        : ec && ec != std::errc::no_such_file_or_directory
+            ? str("not to be looked up (", ec.message(), ")")
+            : std::string("not there");
+    throw CheckpointError(str("\"", dir, "\" is ", what,
                               ". Pass the directory of a sharded fsdp checkpoint (it holds ",
                               ShardedCheckpoint::kManifest, " and rank-<k>-of-<n>.ckpt)."));
   }
