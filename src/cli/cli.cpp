@@ -418,7 +418,7 @@ OptionGroup& OptionGroup::add(const std::string& name, double& value, std::strin
                      [&value] { return number_text(value); },
                      [&value](const std::string& t) -> std::string {
                        const auto v = parse_double(t);
-                       if (!v) return "not a number.";
+                       if (!v) return not_a_double(t) + ".";
                        value = *v;
                        return "";
                      }});

@@ -81,6 +81,20 @@ std::optional<double> parse_double(const std::string& text) {
   return value;
 }
 
+std::string not_a_double(const std::string& text) {
+  if (!text.empty() && !std::isspace(static_cast<unsigned char>(text[0]))) {
+    char* end = nullptr;
+    errno = 0;
+    const double value = std::strtod(text.c_str(), &end);
+    if (end == text.c_str() + text.size() && errno == ERANGE) {
+      return std::fabs(value) > 1 ? "a number too large for a double (at most about 1.8e308)"
+                                  : "a number too close to 0 for a double (from about 2.2e-308, "
+                                    "or 0)";
+    }
+  }
+  return "not a number";
+}
+
 std::string number_text(double value) {
   // The shortest text that reads back to the same double.
   for (int digits = 1; digits < 17; ++digits) {
@@ -164,7 +178,9 @@ Set set_batch_limit(BatchLimit TrainerOptions::*field) {
   return [field](TrainerOptions& o, const std::string& text) -> std::string {
     if (text.find_first_of(".eE") != std::string::npos) {
       const auto value = parse_double(text);
-      if (!value) return "not a number. Pass a count of batches (10) or a fraction (0.25).";
+      if (!value) {
+        return str(not_a_double(text), ". Pass a count of batches (10) or a fraction (0.25).");
+      }
       o.*field = BatchLimit(*value);
       return "";
     }
@@ -180,7 +196,8 @@ Set set_batch_limit(BatchLimit TrainerOptions::*field) {
 Set set_seconds(std::chrono::milliseconds TrainerOptions::*field) {
   return [field](TrainerOptions& o, const std::string& text) -> std::string {
     const auto value = parse_double(text);
-    if (!value || *value < 0 || *value > 1e12) return "not a number of seconds >= 0.";
+    if (!value) return str(not_a_double(text), ". Pass a number of seconds >= 0.");
+    if (*value < 0 || *value > 1e12) return "not a number of seconds from 0 to 1e12.";
     o.*field = std::chrono::milliseconds(std::llround(*value * 1000));
     return "";
   };
@@ -309,8 +326,12 @@ std::vector<TrainerFlag> make_flags() {
                    return "";
                  }
                  const auto value = parse_double(t);
-                 if (!value || *value <= 0 || *value > 1e12) {
-                   return "not a number of seconds > 0. Pass e.g. 3600, or none.";
+                 if (!value) {
+                   return str(not_a_double(t), ". Pass a number of seconds > 0 (e.g. 3600), "
+                                               "or none.");
+                 }
+                 if (*value <= 0 || *value > 1e12) {
+                   return "not a number of seconds > 0 and at most 1e12. Pass e.g. 3600, or none.";
                  }
                  o.max_time = std::chrono::milliseconds(std::llround(*value * 1000));
                  return "";
@@ -387,7 +408,8 @@ std::vector<TrainerFlag> make_flags() {
                    return "";
                  }
                  const auto value = parse_double(t);
-                 if (!value || *value < 0) return "not a number >= 0. Pass e.g. 1.0, or none.";
+                 if (!value) return str(not_a_double(t), ". Pass a number >= 0 (e.g. 1.0), or none.");
+                 if (*value < 0) return "not a number >= 0. Pass e.g. 1.0, or none.";
                  o.gradient_clip_val = *value;
                  return "";
                }});

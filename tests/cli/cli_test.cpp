@@ -289,6 +289,15 @@ TEST(CLI, EveryProblemIsListedWithWhereItCameFrom) {
   EXPECT_EQ(problems.size(), 10u) << all;
 }
 
+// A program's real-valued option beyond a double's range says so.
+TEST(CLI, ANumberBeyondADoublesRangeIsNamedAsSuch) {
+  Program p;
+  const std::string all = fulgur::join(problems_of(p, {"--lr", "1e999"}), "\n");
+  EXPECT_TRUE(contains(all, "model.lr: \"1e999\" (from the command line): a number too large for "
+                            "a double (at most about 1.8e308)"))
+      << all;
+}
+
 TEST(CLI, AmbiguousFlatNamesAndBrokenYamlAreErrors) {
   fulgur::CLI cli({.program = "prog"});
   int64_t a = 1, b = 2;

@@ -38,6 +38,37 @@ TEST(ParseInt, AcceptsIntegersInRangeOnly) {
   EXPECT_TRUE(ok("0", 0, 10));
 }
 
+// A number beyond a double's range is named as such, not as "not a
+// number", in every flag that takes a real number.
+TEST(ParseDouble, ANumberBeyondADoublesRangeIsNamedAsSuch) {
+  EXPECT_EQ(fulgur::parse_double("2.5e-3"), 2.5e-3);
+  for (const char* text : {"1e999", "-1e999", "1e-400"}) {
+    EXPECT_FALSE(fulgur::parse_double(text)) << text;
+  }
+  EXPECT_EQ(fulgur::not_a_double("1e999"),
+            "a number too large for a double (at most about 1.8e308)");
+  EXPECT_EQ(fulgur::not_a_double("-1e999"),
+            "a number too large for a double (at most about 1.8e308)");
+  EXPECT_TRUE(fulgur::test::message_contains(fulgur::not_a_double("1e-400"),
+                                             {"a number too close to 0 for a double"}));
+  for (const char* junk : {"", "x", "1e", "nan", " 1", "1.5.2"}) {
+    EXPECT_EQ(fulgur::not_a_double(junk), "not a number") << "\"" << junk << "\"";
+  }
+  auto parsed = fulgur::parse_flags({{"max_time", "1e999"},
+                                     {"gradient_clip_val", "1e-400"},
+                                     {"limit_val_batches", "2e400"}});
+  ASSERT_EQ(parsed.problems.size(), 3u) << fulgur::join(parsed.problems, "\n");
+  EXPECT_TRUE(fulgur::test::message_contains(
+      parsed.problems[0], {"--max_time 1e999: a number too large for a double", "or none"}));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      parsed.problems[1], {"--gradient_clip_val 1e-400: a number too close to 0 for a double"}));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      parsed.problems[2], {"--limit_val_batches 2e400: a number too large for a double"}));
+  parsed = fulgur::parse_flags({{"max_time", "1e13"}});
+  ASSERT_EQ(parsed.problems.size(), 1u);
+  EXPECT_TRUE(fulgur::test::message_contains(parsed.problems[0], {"--max_time 1e13", "at most 1e12"}));
+}
+
 TEST(ParseFlags, ListsEveryProblemAndKeepsDefaultsForThem) {
   auto parsed = fulgur::parse_flags({{"--devices", "2"},
                                      {"num-nodes", "99999999999999999999"},

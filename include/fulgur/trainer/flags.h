@@ -32,6 +32,9 @@ struct ParsedFlags {
 std::optional<bool> parse_bool(const std::string& text);
 /// A finite or infinite number written in full (no trailing text, no NaN).
 std::optional<double> parse_double(const std::string& text);
+/// Why parse_double() refused `text`, as a clause: "not a number", or that
+/// the number is beyond a double's range ("1e999", "1e-400").
+std::string not_a_double(const std::string& text);
 /// The shortest text that parse_double() reads back to `value`.
 std::string number_text(double value);
 /// A flag's name as the table spells it: leading dashes dropped, '-' → '_'
