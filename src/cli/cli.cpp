@@ -47,7 +47,8 @@ constexpr const char* kDefault = "default";
 constexpr const char* kCommandLine = "the command line";
 constexpr const char* kCkptPathHelp =
     "Checkpoint to start from: a file, \"last\" (the newest of this run that verifies), "
-    "\"auto\" (the same, or a fresh start when there is none)";
+    "\"auto\" (the same, or a fresh start when there is none), \"best\" (the best by "
+    "ModelCheckpoint's monitor)";
 
 // "--name: unknown option; did you mean --x?" or "--name: unknown option."
 std::string unknown(const std::string& what, const std::string& name,
@@ -751,8 +752,9 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
   };
   std::string ckpt = configured("ckpt_path", "");
   std::vector<Item> from_checkpoint;
-  if (ckpt == "last" || ckpt == "auto") {
-    // The run's own last.ckpt, under the default_root_dir configured so far.
+  if (ckpt == "last" || ckpt == "auto" || ckpt == "best") {
+    // The run's own last.ckpt, under the default_root_dir configured so far
+    // (the best is a checkpoint of the same run).
     const std::string root =
         configured("trainer.default_root_dir", options_.trainer_defaults.default_root_dir);
     ckpt = (fs::path(root.empty() ? "." : root) / "checkpoints" / "last.ckpt").string();

@@ -182,6 +182,56 @@ TEST(ModelCheckpoint, MonitorMinKeepsTheKBest) {
   EXPECT_EQ(result.best_model_path, callback->best_model_path());
 }
 
+// ckpt_path="best" (Lightning's keyword) loads the best checkpoint by the
+// monitor: after a fit, this Trainer's ModelCheckpoint's; in a new Trainer
+// (a new process), the one the run's newest checkpoint recorded, with a note.
+// A best that no longer verifies, or no ModelCheckpoint, is an error saying
+// what to pass instead.
+TEST(ModelCheckpoint, BestLoadsTheBestCheckpointByTheMonitorInThisProcessAndTheNext) {
+  TempDir dir;
+  LinearRegression model;
+  log_scores(model);
+  std::shared_ptr<fulgur::ModelCheckpoint> callback;
+  auto options =
+      with_checkpoint(dir, {.monitor = "score", .mode = "min", .save_top_k = 2}, &callback);
+  options.max_epochs = 3;
+  options.num_sanity_val_steps = 0;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(1));
+  const std::string best = dir.file("ckpts/epoch=1-step=4.ckpt");
+  ASSERT_TRUE(fs::equivalent(callback->best_model_path(), best));
+  // The weights a test() from `ckpt_path` runs with.
+  auto weights = [](fulgur::Trainer& t, const std::string& ckpt_path) {
+    LinearRegression fresh;
+    t.test(fresh, regression_loader(1), ckpt_path);
+    return fresh;
+  };
+  const LinearRegression from_best = weights(trainer, best);
+  EXPECT_TRUE(fulgur::test::parameters_equal(weights(trainer, "best"), from_best));
+  EXPECT_FALSE(fulgur::test::parameters_equal(weights(trainer, dir.file("ckpts/last.ckpt")),
+                                              from_best));
+
+  fulgur::Trainer next(with_checkpoint(dir, {.monitor = "score", .mode = "min", .save_top_k = 2}));
+  ::testing::internal::CaptureStderr();
+  const LinearRegression next_best = weights(next, "best");
+  const std::string note = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(fulgur::test::parameters_equal(next_best, from_best));
+  EXPECT_TRUE(fulgur::test::message_contains(
+      note, {"ckpt_path=\"best\": \"" + callback->best_model_path() + "\", as the ModelCheckpoint "
+             "state of \"" + dir.file("ckpts/last.ckpt") + "\" names it."}))
+      << note;
+
+  fs::remove(best);
+  fulgur::Trainer after(with_checkpoint(dir, {.monitor = "score", .mode = "min", .save_top_k = 2}));
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, weights(after, "best"),
+                     {"ckpt_path=\"best\": the best checkpoint the ModelCheckpoint state of",
+                      callback->best_model_path(), "cannot be loaded",
+                      "Pass ckpt_path=\"last\" or another checkpoint's path."});
+  fulgur::Trainer without(test_options(dir));
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, weights(without, "best"),
+                     {"ckpt_path=\"best\": this Trainer has no ModelCheckpoint"});
+}
+
 TEST(ModelCheckpoint, MonitorMaxKeepsTheBest) {
   TempDir dir;
   LinearRegression model;

@@ -281,7 +281,10 @@ struct FitOptions {
   /// Resume from this checkpoint: a path; "last", the newest checkpoint in
   /// the ModelCheckpoint's directory that verifies (last.ckpt first; a
   /// corrupt newer one is skipped with a note; an error when there is none);
-  /// or "auto", the same but a fresh start when the directory holds none.
+  /// "auto", the same but a fresh start when the directory holds none; or
+  /// "best", the best checkpoint by the ModelCheckpoint's monitor (the one
+  /// the newest checkpoint records, in a new process; validate(), test()
+  /// and predict() take the same words).
   std::string ckpt_path = "";
 };
 

@@ -49,6 +49,27 @@ struct SchedulerAccess : torch::optim::LRScheduler {
   }
 };
 
+// Why `dir` cannot hold checkpoints: a file (or other non-directory) on its
+// way, or a part of it that cannot be looked up; "" when it is a directory
+// or is not there yet.
+std::string unusable_directory(const std::string& dir) {
+  namespace fs = std::filesystem;
+  for (fs::path at = dir; !at.empty(); at = at.parent_path()) {
+    std::error_code ec;
+    const fs::file_status status = fs::status(at, ec);
+    if (fs::is_directory(status)) return "";
+    if (fs::exists(status)) {
+      return str("\"", at.string(), "\" is ",
+                 fs::is_regular_file(status) ? "a file" : "not a directory");
+    }
+    if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
+      return str("\"", at.string(), "\" cannot be looked up (", ec.message(), ")");
+    }
+    if (at == at.parent_path()) break;
+  }
+  return "";
+}
+
 }  // namespace
 
 StateDict CheckpointConnector::dump() {
@@ -169,10 +190,18 @@ std::string CheckpointConnector::checkpoint_dir() const {
 }
 
 std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) const {
+  if (ckpt_path == "best") return best_path();
   if (ckpt_path != "last" && ckpt_path != "auto") return ckpt_path;
   const std::string dir = checkpoint_dir();
   const std::vector<std::string> found = checkpoints_newest_first(dir);
   if (found.empty()) {
+    if (const std::string why = unusable_directory(dir); !why.empty()) {
+      // Not an empty directory: none can be there, for a first run either.
+      throw CheckpointError(str("ckpt_path=\"", ckpt_path, "\": the checkpoint directory \"", dir,
+                                "\" cannot be one: ", why,
+                                ". Pass a default_root_dir (or ModelCheckpoint dirpath) that is "
+                                "a directory, or a directory to be made."));
+    }
     if (ckpt_path == "auto") return {};
     throw CheckpointError(str("ckpt_path=\"last\": there is no checkpoint in \"", dir,
                               "\". Train once with checkpointing enabled (ModelCheckpoint) in "
@@ -196,6 +225,46 @@ std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) cons
                             " checkpoint(s) in \"", dir, "\" verifies: ", join(skipped, "; "),
                             ". Nothing was loaded or changed. Move the damaged files away and "
                             "pass ckpt_path=\"\" to start fresh, or restore a copy."));
+}
+
+std::string CheckpointConnector::best_path() const {
+  const ModelCheckpoint* callback = trainer_.checkpoint_callback;
+  if (callback == nullptr) {
+    throw CheckpointError(
+        "ckpt_path=\"best\": this Trainer has no ModelCheckpoint (enable_checkpointing=false), "
+        "so no checkpoint is known as the best. Pass ckpt_path=\"last\" or a checkpoint's path.");
+  }
+  std::string best = callback->best_model_path();
+  std::string recorded_by;  // the checkpoint that said which is the best
+  if (best.empty()) {
+    // A new process: the best the run's newest checkpoint recorded (its
+    // ModelCheckpoint's state).
+    recorded_by = resolve_path("last");
+    const StateDict state = trainer_.drive().load_checkpoint(recorded_by);
+    const StateDict* callbacks = state.find_section("callbacks");
+    const StateDict* own = callbacks ? callbacks->find_section(callback->state_key()) : nullptr;
+    if (own != nullptr && own->contains("best_model_path")) best = own->string("best_model_path");
+    if (best.empty()) {
+      throw CheckpointError(str("ckpt_path=\"best\": \"", recorded_by,
+                                "\", the newest checkpoint, records no best checkpoint (it holds "
+                                "no state of a ModelCheckpoint like this Trainer's, \"",
+                                callback->state_key(),
+                                "\"). Pass ckpt_path=\"last\" or a checkpoint's path."));
+    }
+  }
+  const std::string source =
+      recorded_by.empty() ? std::string("this Trainer's ModelCheckpoint")
+                          : str("the ModelCheckpoint state of \"", recorded_by, "\"");
+  const std::string problem = trainer_.drive().verify_checkpoint(best);
+  if (!problem.empty()) {
+    throw CheckpointError(str("ckpt_path=\"best\": the best checkpoint ", source, " names, \"",
+                              best, "\", cannot be loaded: ", problem,
+                              ". Pass ckpt_path=\"last\" or another checkpoint's path."));
+  }
+  if (trainer_.strategy->is_global_zero() && !recorded_by.empty()) {
+    detail::print_note(str("ckpt_path=\"best\": \"", best, "\", as ", source, " names it."));
+  }
+  return best;
 }
 
 void CheckpointConnector::note_checkpoints_of_an_earlier_run() const {

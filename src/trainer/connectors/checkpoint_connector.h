@@ -27,9 +27,15 @@ class CheckpointConnector {
   /// this run's checkpoint directory that verifies (last.ckpt first among
   /// equals), with a note on rank 0 naming any newer one it skipped;
   /// CheckpointError when there is none. "auto": the same, but "" (start
-  /// fresh) when the directory holds no checkpoint. Anything else is
-  /// returned as given.
+  /// fresh) when the directory holds no checkpoint. "best": best_path().
+  /// Anything else is returned as given.
   std::string resolve_path(const std::string& ckpt_path) const;
+  /// The best checkpoint ModelCheckpoint knows (its best_model_path: the
+  /// best by its monitor, else the latest it saved): this Trainer's after a
+  /// fit in this process, else the one the run's newest checkpoint
+  /// recorded ("last"). CheckpointError when there is none or it does not
+  /// verify.
+  std::string best_path() const;
   /// Where this run's ModelCheckpoint writes (or will): its dirpath, else
   /// `<default_root_dir>/checkpoints`.
   std::string checkpoint_dir() const;
