@@ -473,6 +473,20 @@ class ConnectorRun {
                     "rank 0's host name or IP address (127.0.0.1 on one machine), or unset it."),
           "invalid_environment");
     }
+    // Ranks another program started by hand (LOCAL_RANK set, no launcher's
+    // variables): only MASTER_PORT tells them where rank 0's store listens
+    // (the other environments require it or derive one; fulgur's launcher
+    // sets it).
+    if (world > 1 && environment_->name() == "lightning" &&
+        environment_->creates_processes_externally() && environment_->main_port() == 0) {
+      problems_.add(str("LOCAL_RANK=", environment_->local_rank(), " says another program started "
+                        "this process, one of ", world,
+                        " ranks, but MASTER_PORT is not set: the ranks meet at rank 0's store "
+                        "on MASTER_ADDR:MASTER_PORT. Set MASTER_PORT (one free port, the same "
+                        "on every rank), or unset LOCAL_RANK and let fulgur's launcher start "
+                        "the ranks."),
+                    "invalid_environment");
+    }
   }
 
   // fulgur's own launcher starts one node's ranks; the nodes find each other

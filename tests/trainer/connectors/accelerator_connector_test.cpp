@@ -341,6 +341,28 @@ TEST(AcceleratorConnector, AnEmptyMasterAddrWithSeveralRanksIsNamed) {
                                   env_of({{"MASTER_ADDR", ""}})));
 }
 
+// Ranks started by hand (LOCAL_RANK, RANK, WORLD_SIZE) without MASTER_PORT
+// cannot meet: the connector says so (as `fulgur resolve` shows), where only
+// fit's process group named it.
+TEST(AcceleratorConnector, RanksStartedByHandWithoutMasterPortAreNamed) {
+  const auto ranks = [](std::map<std::string, std::string> vars) {
+    vars.insert({{"LOCAL_RANK", "0"}, {"RANK", "0"}, {"WORLD_SIZE", "2"}});
+    return vars;
+  };
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = "ddp", .devices = 2},
+                      env_of(ranks({}))),
+      {"LOCAL_RANK=0 says another program started this process, one of 2 ranks, but MASTER_PORT "
+       "is not set", "Set MASTER_PORT (one free port, the same on every rank)"});
+  EXPECT_NO_THROW(
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = "ddp", .devices = 2},
+                      env_of(ranks({{"MASTER_PORT", "29500"}}))));
+  // One rank needs no store.
+  EXPECT_NO_THROW(fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = 1},
+                                  env_of({{"LOCAL_RANK", "0"}, {"RANK", "0"}, {"WORLD_SIZE", "1"}})));
+}
+
 TEST(AcceleratorConnector, AWorldSizeTheLauncherDidNotSetIsNotGivenAValue) {
   // LOCAL_RANK alone: a launcher started this process but said nothing of
   // the world size.
