@@ -41,7 +41,8 @@ const char* const kClusterVariables[] = {"MASTER_ADDR",
                                          "PMI_SIZE",
                                          "PMI_RANK",
                                          "LSB_JOBID",
-                                         "FULGUR_HEARTBEAT_FD"};
+                                         "FULGUR_HEARTBEAT_FD",
+                                         "FULGUR_HEARTBEAT_PID"};
 }  // namespace
 
 ProcessResult run_process(const std::vector<std::string>& argv,

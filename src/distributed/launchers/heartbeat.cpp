@@ -19,16 +19,23 @@ namespace fulgur::detail {
 namespace {
 
 // The heartbeat pipe of this process, read again after a fork (a forked
-// rank has its own pipe; its parent had none).
+// rank has its own pipe; its parent had none). Only the process the
+// supervisor made it for uses it (FULGUR_HEARTBEAT_PID, its pid, which
+// exec keeps): a program that process starts, or a loader worker it forks,
+// inherits the variables but is no rank, and writes nothing to the pipe.
 int heartbeat_fd() {
   static pid_t cached_pid = -1;
   static int fd = -1;
   const pid_t pid = ::getpid();
   if (pid != cached_pid) {
     cached_pid = pid;
+    fd = -1;
     const char* v = std::getenv("FULGUR_HEARTBEAT_FD");
-    fd = v == nullptr ? -1 : std::atoi(v);
-    if (fd >= 0 && ::fcntl(fd, F_GETFD) == -1) fd = -1;
+    const char* owner = std::getenv("FULGUR_HEARTBEAT_PID");
+    if (v != nullptr && owner != nullptr && std::atoll(owner) == static_cast<long long>(pid)) {
+      fd = std::atoi(v);
+      if (fd >= 0 && ::fcntl(fd, F_GETFD) == -1) fd = -1;
+    }
   }
   return fd;
 }

@@ -1,6 +1,7 @@
 // The rank's side of supervision: what a process started by one of
 // fulgur's launchers tells its supervisor (supervisor.h) through the pipe
-// named by FULGUR_HEARTBEAT_FD. Two kinds of lines:
+// named by FULGUR_HEARTBEAT_FD (in the process named by FULGUR_HEARTBEAT_PID
+// only). Two kinds of lines:
 //
 //  - progress: "<what>" from the training loop and every collective; a rank
 //    that stops sending them while its peers go on has fallen behind.

@@ -94,6 +94,9 @@ void Supervisor::spawn(int local_rank, int global_rank, const std::function<void
     char value[16];
     std::snprintf(value, sizeof value, "%d", beat_fd);
     ::setenv("FULGUR_HEARTBEAT_FD", value, 1);
+    // For this process only (heartbeat.cpp): not for what it starts.
+    std::snprintf(value, sizeof value, "%lld", static_cast<long long>(::getpid()));
+    ::setenv("FULGUR_HEARTBEAT_PID", value, 1);
     // Pulses a few times per timeout (once a second without one).
     const auto interval = heartbeat_timeout_.count() > 0
                               ? std::clamp<int64_t>(heartbeat_timeout_.count() / 5, 50, 1000)

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <functional>
 #include <string>
 
 namespace fulgur::detail {
@@ -56,6 +57,7 @@ TEST(FailureRecord, AProcessReportsOnceOnItsSupervisorsPipeAndNothingWithoutOne)
   if (pid == 0) {
     ::close(fds[0]);
     ::setenv("FULGUR_HEARTBEAT_FD", std::to_string(fds[1]).c_str(), 1);
+    ::setenv("FULGUR_HEARTBEAT_PID", std::to_string(::getpid()).c_str(), 1);
     const CollectiveCall call{"broadcast", 4, 2048};
     report_failure(true, &call, "broadcast #4 failed: timeout\nmore");
     // The first record wins: the error this raises later is not a cause.
@@ -76,6 +78,57 @@ TEST(FailureRecord, AProcessReportsOnceOnItsSupervisorsPipeAndNothingWithoutOne)
   EXPECT_EQ(record->collective, "broadcast #4 (2.0 KiB)");
   EXPECT_EQ(record->what, "broadcast #4 failed: timeout");
   EXPECT_GT(record->at_ms, 0);
+}
+
+// The variables reach what a rank starts (a program it runs, a loader
+// worker it forks): those are no ranks, and write nothing to the pipe;
+// neither does a process given the pipe's variable without the pid.
+TEST(FailureRecord, AProcessTheVariablesWereNotMadeForWritesNothing) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  // Runs `body` in a child (a process of its own: the pipe is looked up
+  // anew) with the pipe's variable set, and waits for it.
+  const auto in_child = [&](const std::function<void()>& body) {
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      ::close(fds[0]);
+      ::setenv("FULGUR_HEARTBEAT_FD", std::to_string(fds[1]).c_str(), 1);
+      body();
+      ::_exit(0);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  };
+  const auto report = [] {
+    send_heartbeat("train batch");
+    report_failure(false, nullptr, "not a rank");
+  };
+  in_child([&] {
+    ::unsetenv("FULGUR_HEARTBEAT_PID");
+    report();
+  });
+  in_child([&] {
+    ::setenv("FULGUR_HEARTBEAT_PID", std::to_string(::getppid()).c_str(), 1);  // another's
+    report();
+  });
+  in_child([&] {
+    // A rank's own variables; what it forks is no rank.
+    ::setenv("FULGUR_HEARTBEAT_PID", std::to_string(::getpid()).c_str(), 1);
+    const pid_t worker = ::fork();
+    if (worker == 0) {
+      report();
+      ::_exit(0);
+    }
+    ::waitpid(worker, nullptr, 0);
+  });
+  ::close(fds[1]);
+  std::string out;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  EXPECT_EQ(out, "");
 }
 
 }  // namespace
