@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <yaml-cpp/depthguard.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -723,6 +724,12 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
         continue;
       }
       read_config(YAML::Load(text), file, false, from_files);
+    } catch (const YAML::DeepRecursion& e) {
+      // yaml-cpp's own message for this is "bad file".
+      problems.push_back(str("--config ", file, ": nested too deeply for the YAML parser (it gave "
+                             "up at line ", e.mark.line + 1,
+                             ", hundreds of levels in); a config nests a few levels "
+                             "(trainer: then max_epochs: 3). Pass the YAML file you meant."));
     } catch (const YAML::Exception& e) {
       problems.push_back(str("--config ", file, ": not valid YAML: ", e.what(), "."));
     }

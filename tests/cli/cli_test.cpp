@@ -696,6 +696,28 @@ TEST(CLIConfigFile, AFileOverTheSizeCapIsRefusedAndAHugeScalarUnderItParses) {
 }
 
 // Issue 35, row 4: YAML forbids a key twice in a mapping; yaml-cpp keeps both.
+// YAML nested past what the parser takes (yaml-cpp stops at a depth of
+// recursion, and calls it "bad file") is named as nesting, with its line.
+TEST(CLIConfigFile, NestingPastTheParsersDepthIsNamedAsSuch) {
+  TempDir dir;
+  write_text(dir.file("flow.yaml"),
+             "trainer:\n  max_epochs: " + std::string(3000, '[') + std::string(3000, ']') + "\n");
+  std::string block = "a:\n";
+  for (int i = 1; i <= 700; ++i) block += std::string(2 * i, ' ') + "b:\n";  // 490 KiB
+  write_text(dir.file("block.yaml"), block);
+  Program p;
+  for (const auto& [name, line] : {std::pair{"flow.yaml", 2}, std::pair{"block.yaml", 0}}) {
+    const auto problems = problems_of(p, {"--config", dir.file(name)});
+    ASSERT_EQ(problems.size(), 1u) << name;
+    EXPECT_TRUE(contains(problems[0], "--config " + dir.file(name) +
+                                          ": nested too deeply for the YAML parser (it gave up "
+                                          "at line " +
+                                          (line > 0 ? std::to_string(line) : std::string())))
+        << problems[0];
+    EXPECT_FALSE(contains(problems[0], "bad file")) << problems[0];
+  }
+}
+
 TEST(CLIConfigFile, DuplicateKeysAreErrorsNamingTheKeyAndBothLines) {
   TempDir dir;
   const std::string tail =
