@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -86,6 +87,12 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
   }
   // Each metric's (step, value) points, in file order.
   std::vector<std::vector<std::pair<double, double>>> points(header.size());
+  // Per column, the values gnuplot cannot draw: nan, infinities, and
+  // magnitudes past DBL_MAX/2, which gnuplot takes as undefined (a panel of
+  // only those made it fail). Left out, and counted in the series' key: a
+  // run that diverged shows it did.
+  constexpr double kLargestDrawn = std::numeric_limits<double>::max() / 2;
+  std::vector<int64_t> undrawn(header.size(), 0);
   int64_t row = 1;
   while (std::getline(in, line)) {
     ++row;
@@ -100,15 +107,25 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
     for (size_t c = 1; c < cells.size() && c < header.size(); ++c) {
       if (cells[c].empty()) continue;
       const double v = std::strtod(cells[c].c_str(), &end);
-      if (*end == '\0' && std::isfinite(v)) points[c].emplace_back(step, v);
+      if (*end != '\0') continue;
+      if (std::isfinite(v) && std::fabs(v) <= kLargestDrawn) {
+        points[c].emplace_back(step, v);
+      } else {
+        ++undrawn[c];
+      }
     }
   }
   // Panels in the order their first metric appears; "epoch" is the x axis's
   // companion, not a curve.
   std::vector<std::string> panels;
   std::map<std::string, std::vector<size_t>> members;
+  std::vector<std::string> none_drawn;  // metrics of undrawable values only
   for (size_t c = 1; c < header.size(); ++c) {
-    if (header[c] == "epoch" || points[c].empty()) continue;
+    if (header[c] == "epoch") continue;
+    if (points[c].empty()) {
+      if (undrawn[c] > 0) none_drawn.push_back(header[c]);
+      continue;
+    }
     const std::string panel = metric_panel(header[c]);
     if (!members.count(panel)) panels.push_back(panel);
     members[panel].push_back(c);
@@ -117,7 +134,12 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
   std::stable_partition(panels.begin(), panels.end(),
                         [](const std::string& p) { return p.find("loss") != std::string::npos; });
   if (panels.empty()) {
-    throw ConfigError(str("plot: \"", csv_path, "\" holds no metric value to draw."));
+    throw ConfigError(str("plot: \"", csv_path, "\" holds no metric value to draw",
+                          none_drawn.empty()
+                              ? std::string()
+                              : str(" (", join(none_drawn), none_drawn.size() == 1 ? " holds" : " hold",
+                                    " only nan, infinities or values past +-9e307)"),
+                          "."));
   }
   // A picture is at most 32767 pixels high (Cairo's limit): 86 rows of
   // panels, in 2 columns, or 4 where there are more; the first 344 are
@@ -127,6 +149,15 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
   if (panels.size() > kMostRows * kMostCols) {
     left_out = str(" (the first ", kMostRows * kMostCols, " of ", panels.size(), " panels)");
     panels.resize(kMostRows * kMostCols);
+  }
+  if (!none_drawn.empty()) {
+    // A few names; a title is one line.
+    std::vector<std::string> named(none_drawn.begin(),
+                                   none_drawn.begin() + std::min<long>(3, std::ssize(none_drawn)));
+    if (none_drawn.size() > named.size()) {
+      named.push_back(str(none_drawn.size() - named.size(), " more"));
+    }
+    left_out += str(" (no value to draw: ", join(named), ")");
   }
   const size_t cols = std::min<size_t>(
       panels.size(), std::max<size_t>(2, (panels.size() + kMostRows - 1) / kMostRows));
@@ -157,8 +188,11 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
       const size_t c = cols_of[i];
       // Sparse series (once per epoch) get points to stay visible.
       const char* style = points[c].size() <= 50 ? "linespoints pt 7 ps 0.6" : "lines";
+      const std::string key =
+          undrawn[c] == 0 ? header[c]
+                          : str(header[c], " (", undrawn[c], " not drawn: nan, inf or past +-9e307)");
       s << (i ? ", " : "") << "$m" << c << " using 1:2 with " << style << " lw 1.5 title "
-        << detail::gnuplot_quoted(gnuplot_label(header[c]));
+        << detail::gnuplot_quoted(gnuplot_label(key));
     }
     s << "\n";
   }
