@@ -726,8 +726,9 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       read_config(YAML::Load(text), file, false, from_files);
     } catch (const YAML::DeepRecursion& e) {
       // yaml-cpp's own message for this is "bad file".
-      problems.push_back(str("--config ", file, ": nested too deeply for the YAML parser (it gave "
-                             "up at line ", e.mark.line + 1,
+      problems.push_back(str("--config ", file,
+                             ": nested too deeply for the YAML parser (it gave up at line ",
+                             e.mark.line + 1,
                              ", hundreds of levels in); a config nests a few levels "
                              "(trainer: then max_epochs: 3). Pass the YAML file you meant."));
     } catch (const YAML::Exception& e) {

@@ -135,10 +135,10 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
                         [](const std::string& p) { return p.find("loss") != std::string::npos; });
   if (panels.empty()) {
     throw ConfigError(str("plot: \"", csv_path, "\" holds no metric value to draw",
-                          none_drawn.empty()
-                              ? std::string()
-                              : str(" (", join(none_drawn), none_drawn.size() == 1 ? " holds" : " hold",
-                                    " only nan, infinities or values past +-9e307)"),
+                          none_drawn.empty() ? std::string()
+                                             : str(" (", join(none_drawn),
+                                                   none_drawn.size() == 1 ? " holds" : " hold",
+                                                   " only nan, infinities or values past +-9e307)"),
                           "."));
   }
   // A picture is at most 32767 pixels high (Cairo's limit): 86 rows of
@@ -188,9 +188,9 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
       const size_t c = cols_of[i];
       // Sparse series (once per epoch) get points to stay visible.
       const char* style = points[c].size() <= 50 ? "linespoints pt 7 ps 0.6" : "lines";
-      const std::string key =
-          undrawn[c] == 0 ? header[c]
-                          : str(header[c], " (", undrawn[c], " not drawn: nan, inf or past +-9e307)");
+      const std::string key = undrawn[c] == 0 ? header[c]
+                                              : str(header[c], " (", undrawn[c],
+                                                    " not drawn: nan, inf or past +-9e307)");
       s << (i ? ", " : "") << "$m" << c << " using 1:2 with " << style << " lw 1.5 title "
         << detail::gnuplot_quoted(gnuplot_label(key));
     }

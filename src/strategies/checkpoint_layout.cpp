@@ -162,8 +162,7 @@ ShardedCheckpoint::Manifest ShardedCheckpoint::read_manifest(const std::string& 
   if (line != kManifestHeader && !v1) {
     // What it starts with, printable and short (it may be any file).
     throw CheckpointError(str(file.string(), " is not a fulgur manifest (first line \"",
-                              printable(line, 60),
-                              "\", expected \"", kManifestHeader, "\")."));
+                              printable(line, 60), "\", expected \"", kManifestHeader, "\")."));
   }
   if (!v1) {
     const auto at = text.rfind("crc32c=");

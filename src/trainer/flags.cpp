@@ -327,8 +327,8 @@ std::vector<TrainerFlag> make_flags() {
                  }
                  const auto value = parse_double(t);
                  if (!value) {
-                   return str(not_a_double(t), ". Pass a number of seconds > 0 (e.g. 3600), "
-                                               "or none.");
+                   return str(not_a_double(t),
+                              ". Pass a number of seconds > 0 (e.g. 3600), or none.");
                  }
                  if (*value <= 0 || *value > 1e12) {
                    return "not a number of seconds > 0 and at most 1e12. Pass e.g. 3600, or none.";
@@ -408,7 +408,8 @@ std::vector<TrainerFlag> make_flags() {
                    return "";
                  }
                  const auto value = parse_double(t);
-                 if (!value) return str(not_a_double(t), ". Pass a number >= 0 (e.g. 1.0), or none.");
+                 if (!value)
+                   return str(not_a_double(t), ". Pass a number >= 0 (e.g. 1.0), or none.");
                  if (*value < 0) return "not a number >= 0. Pass e.g. 1.0, or none.";
                  o.gradient_clip_val = *value;
                  return "";

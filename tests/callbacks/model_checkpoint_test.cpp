@@ -208,17 +208,19 @@ TEST(ModelCheckpoint, BestLoadsTheBestCheckpointByTheMonitorInThisProcessAndTheN
   };
   const LinearRegression from_best = weights(trainer, best);
   EXPECT_TRUE(fulgur::test::parameters_equal(weights(trainer, "best"), from_best));
-  EXPECT_FALSE(fulgur::test::parameters_equal(weights(trainer, dir.file("ckpts/last.ckpt")),
-                                              from_best));
+  EXPECT_FALSE(
+      fulgur::test::parameters_equal(weights(trainer, dir.file("ckpts/last.ckpt")), from_best));
 
   fulgur::Trainer next(with_checkpoint(dir, {.monitor = "score", .mode = "min", .save_top_k = 2}));
   ::testing::internal::CaptureStderr();
   const LinearRegression next_best = weights(next, "best");
   const std::string note = ::testing::internal::GetCapturedStderr();
   EXPECT_TRUE(fulgur::test::parameters_equal(next_best, from_best));
-  EXPECT_TRUE(fulgur::test::message_contains(
-      note, {"ckpt_path=\"best\": \"" + callback->best_model_path() + "\", as the ModelCheckpoint "
-             "state of \"" + dir.file("ckpts/last.ckpt") + "\" names it."}))
+  EXPECT_TRUE(
+      fulgur::test::message_contains(note, {"ckpt_path=\"best\": \"" + callback->best_model_path() +
+                                            "\", as the ModelCheckpoint "
+                                            "state of \"" +
+                                            dir.file("ckpts/last.ckpt") + "\" names it."}))
       << note;
 
   fs::remove(best);

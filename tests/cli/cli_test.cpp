@@ -293,8 +293,9 @@ TEST(CLI, EveryProblemIsListedWithWhereItCameFrom) {
 TEST(CLI, ANumberBeyondADoublesRangeIsNamedAsSuch) {
   Program p;
   const std::string all = fulgur::join(problems_of(p, {"--lr", "1e999"}), "\n");
-  EXPECT_TRUE(contains(all, "model.lr: \"1e999\" (from the command line): a number too large for "
-                            "a double (at most about 1.8e308)"))
+  EXPECT_TRUE(contains(all,
+                       "model.lr: \"1e999\" (from the command line): a number too large for "
+                       "a double (at most about 1.8e308)"))
       << all;
 }
 

@@ -155,8 +155,8 @@ TEST(CheckpointLayout, ConsolidateNamesAPathThatIsNoDirectoryByWhatItIs) {
   fs::create_symlink(loop, loop);
   const std::string out = dir.file("whole.ckpt");
   EXPECT_THROWS_WITH(fulgur::CheckpointError, fulgur::consolidate_sharded_checkpoint(loop, out),
-                     {"\"" + loop.string() + "\" is not to be looked up (",
-                      std::strerror(ELOOP), "Pass the directory of a sharded fsdp checkpoint"});
+                     {"\"" + loop.string() + "\" is not to be looked up (", std::strerror(ELOOP),
+                      "Pass the directory of a sharded fsdp checkpoint"});
   EXPECT_THROWS_WITH(fulgur::CheckpointError,
                      fulgur::consolidate_sharded_checkpoint(dir.file("absent"), out),
                      {"absent\" is not there."});

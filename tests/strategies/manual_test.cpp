@@ -248,8 +248,8 @@ TEST_F(ManualCheckpointErrors, AShardOfAnotherSaveIsToldFromADamagedOne) {
       body.replace(at, own_name.size(), name);
     }
     write_manifest(body);
-    resume_expecting({"manifest.txt is damaged: it lists shard 0 as \"" + name +
-                      "\", not rank-0-of-1.ckpt"});
+    resume_expecting(
+        {"manifest.txt is damaged: it lists shard 0 as \"" + name + "\", not rank-0-of-1.ckpt"});
   }
   // A manifest written before fingerprints (no such line) still resumes.
   write_manifest(text.substr(0, text.find("fingerprint=")));

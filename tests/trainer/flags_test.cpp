@@ -54,9 +54,8 @@ TEST(ParseDouble, ANumberBeyondADoublesRangeIsNamedAsSuch) {
   for (const char* junk : {"", "x", "1e", "nan", " 1", "1.5.2"}) {
     EXPECT_EQ(fulgur::not_a_double(junk), "not a number") << "\"" << junk << "\"";
   }
-  auto parsed = fulgur::parse_flags({{"max_time", "1e999"},
-                                     {"gradient_clip_val", "1e-400"},
-                                     {"limit_val_batches", "2e400"}});
+  auto parsed = fulgur::parse_flags(
+      {{"max_time", "1e999"}, {"gradient_clip_val", "1e-400"}, {"limit_val_batches", "2e400"}});
   ASSERT_EQ(parsed.problems.size(), 3u) << fulgur::join(parsed.problems, "\n");
   EXPECT_TRUE(fulgur::test::message_contains(
       parsed.problems[0], {"--max_time 1e999: a number too large for a double", "or none"}));
@@ -66,7 +65,8 @@ TEST(ParseDouble, ANumberBeyondADoublesRangeIsNamedAsSuch) {
       parsed.problems[2], {"--limit_val_batches 2e400: a number too large for a double"}));
   parsed = fulgur::parse_flags({{"max_time", "1e13"}});
   ASSERT_EQ(parsed.problems.size(), 1u);
-  EXPECT_TRUE(fulgur::test::message_contains(parsed.problems[0], {"--max_time 1e13", "at most 1e12"}));
+  EXPECT_TRUE(
+      fulgur::test::message_contains(parsed.problems[0], {"--max_time 1e13", "at most 1e12"}));
 }
 
 TEST(ParseFlags, ListsEveryProblemAndKeepsDefaultsForThem) {

@@ -143,10 +143,10 @@ void consolidate_sharded_checkpoint(const std::string& dir, const std::string& o
     // Not there, or not to be looked up (a loop of symbolic links, a
     // directory on the way this user may not search): the OS's reason.
     const std::string what =
-        fs::exists(status) ? std::string(fs::is_regular_file(status)
-                                             ? "a file: a checkpoint in one file is whole "
-                                               "already (it loads on any world size)"
-                                             : "not a directory")
+        fs::exists(status)
+            ? std::string(fs::is_regular_file(status) ? "a file: a checkpoint in one file is whole "
+                                                        "already (it loads on any world size)"
+                                                      : "not a directory")
         : ec && ec != std::errc::no_such_file_or_directory
             ? str("not to be looked up (", ec.message(), ")")
             : std::string("not there");

@@ -479,8 +479,8 @@ class ConnectorRun {
     // sets it).
     if (world > 1 && environment_->name() == "lightning" &&
         environment_->creates_processes_externally() && environment_->main_port() == 0) {
-      problems_.add(str("LOCAL_RANK=", environment_->local_rank(), " says another program started "
-                        "this process, one of ", world,
+      problems_.add(str("LOCAL_RANK=", environment_->local_rank(),
+                        " says another program started this process, one of ", world,
                         " ranks, but MASTER_PORT is not set: the ranks meet at rank 0's store "
                         "on MASTER_ADDR:MASTER_PORT. Set MASTER_PORT (one free port, the same "
                         "on every rank), or unset LOCAL_RANK and let fulgur's launcher start "

@@ -252,9 +252,9 @@ std::string CheckpointConnector::best_path() const {
                                 "\"). Pass ckpt_path=\"last\" or a checkpoint's path."));
     }
   }
-  const std::string source =
-      recorded_by.empty() ? std::string("this Trainer's ModelCheckpoint")
-                          : str("the ModelCheckpoint state of \"", recorded_by, "\"");
+  const std::string source = recorded_by.empty()
+                                 ? std::string("this Trainer's ModelCheckpoint")
+                                 : str("the ModelCheckpoint state of \"", recorded_by, "\"");
   const std::string problem = trainer_.drive().verify_checkpoint(best);
   if (!problem.empty()) {
     throw CheckpointError(str("ckpt_path=\"best\": the best checkpoint ", source, " names, \"",

@@ -126,7 +126,8 @@ TEST(FailureRecord, AProcessTheVariablesWereNotMadeForWritesNothing) {
   ::close(fds[1]);
   std::string out;
   char buf[512];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;)
+    out.append(buf, static_cast<size_t>(n));
   ::close(fds[0]);
   EXPECT_EQ(out, "");
 }

@@ -354,13 +354,15 @@ TEST(AcceleratorConnector, RanksStartedByHandWithoutMasterPortAreNamed) {
       fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = "ddp", .devices = 2},
                       env_of(ranks({}))),
       {"LOCAL_RANK=0 says another program started this process, one of 2 ranks, but MASTER_PORT "
-       "is not set", "Set MASTER_PORT (one free port, the same on every rank)"});
+       "is not set",
+       "Set MASTER_PORT (one free port, the same on every rank)"});
   EXPECT_NO_THROW(
       fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = "ddp", .devices = 2},
                       env_of(ranks({{"MASTER_PORT", "29500"}}))));
   // One rank needs no store.
-  EXPECT_NO_THROW(fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = 1},
-                                  env_of({{"LOCAL_RANK", "0"}, {"RANK", "0"}, {"WORLD_SIZE", "1"}})));
+  EXPECT_NO_THROW(
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = 1},
+                      env_of({{"LOCAL_RANK", "0"}, {"RANK", "0"}, {"WORLD_SIZE", "1"}})));
 }
 
 TEST(AcceleratorConnector, AWorldSizeTheLauncherDidNotSetIsNotGivenAValue) {
