@@ -38,6 +38,28 @@ void load_through_archive(const StateDict& state, torch::serialize::InputArchive
   archive.load_from(in);
 }
 
+// Each parameter's state put on that parameter's device, through the
+// state's own serialization (which every optimizer state has): LibTorch's
+// load keeps a state's tensors where the archive had them, a checkpoint's
+// in host memory, and an optimizer such as LBFGS would step a GPU's
+// gradients with them.
+void move_states_to_their_parameters(torch::optim::Optimizer& optimizer) {
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      auto it = optimizer.state().find(compat::optimizer_state_key(p));
+      if (it == optimizer.state().end() || !it->second || p.device().is_cpu()) continue;
+      torch::serialize::OutputArchive out;
+      it->second->serialize(out);
+      std::ostringstream bytes;
+      out.save_to(bytes);
+      std::istringstream in(bytes.str());
+      torch::serialize::InputArchive moved;
+      moved.load_from(in, p.device());
+      it->second->serialize(moved);
+    }
+  }
+}
+
 // As LibTorch writes them: a plain value, none for an undefined tensor.
 void set_tensor(StateDict& out, const char* key, const at::Tensor& t) {
   if (t.defined()) out.set_plain(key, t);
@@ -88,9 +110,8 @@ bool write_param_state(const torch::optim::OptimizerParamState& state, StateDict
 }
 
 // A parameter's state for `optimizer` from its entries, its tensors on the
-// device of `param` (a checkpoint's tensors come back on the device that
-// saved them: rank 0's GPU for every rank of a DDP run); null for an
-// optimizer whose state fulgur does not know.
+// device of `param` (a checkpoint's tensors are loaded into host memory);
+// null for an optimizer whose state fulgur does not know.
 std::unique_ptr<torch::optim::OptimizerParamState> read_param_state(
     const torch::optim::Optimizer& optimizer, const StateDict& in, const at::Tensor& param) {
   auto state_tensor = [&](const char* key) { return optional_tensor(in, key, param); };
@@ -200,11 +221,13 @@ StateDict with_position_keys(const StateDict& state) {
   return out;
 }
 
-// The optimizer's own load, then its groups' options.
+// The optimizer's own load (its states then put on their parameters'
+// devices), then its groups' options.
 void load_whole(torch::optim::Optimizer& optimizer, const StateDict& state) {
   torch::serialize::InputArchive archive;
   load_through_archive(with_position_keys(state), archive);
   optimizer.load(archive);
+  move_states_to_their_parameters(optimizer);
   restore_group_options(optimizer, archive);
 }
 

@@ -513,4 +513,33 @@ TEST(OptimizerStateDict, AnOptimizerOfOnesOwnRoundTripsThroughItsOwnSave) {
   }
 }
 
+// Its state lands on its parameters' device (a checkpoint's tensors are
+// read into host memory; its own load keeps them where the archive has
+// them, and its step would mix a GPU's gradients with host tensors). The
+// meta device stands in for a GPU here; the _CUDA case runs on one.
+void expect_own_state_follows_the_parameters(const c10::Device& to) {
+  const TensorVector params = make_params(1);
+  CountingSGD original(params, 0.05);
+  train(original, params, 2);
+  const fulgur::StateDict state = through_bytes(fulgur::optimizer_state_dict(original));
+  TensorVector elsewhere;
+  for (const auto& p : params) elsewhere.push_back(p.detach().to(to).requires_grad_());
+  CountingSGD loaded(elsewhere, 0.5);
+  fulgur::load_optimizer_state_dict(loaded, state);
+  for (size_t j = 0; j < elsewhere.size(); ++j) {
+    const auto* s = dynamic_cast<const CountingState*>(state_of(loaded, elsewhere[j]));
+    ASSERT_NE(s, nullptr) << "parameter " << j;
+    EXPECT_EQ(s->total.device(), to) << "parameter " << j;
+  }
+}
+
+TEST(OptimizerStateDict, AnOptimizerOfOnesOwnLoadsItsStateOntoItsParametersDevice) {
+  expect_own_state_follows_the_parameters(c10::Device(c10::kMeta));
+}
+
+TEST(OptimizerStateDict, AnOptimizerOfOnesOwnLoadsItsStateOntoItsParametersDevice_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  expect_own_state_follows_the_parameters(c10::Device(c10::kCUDA, 0));
+}
+
 }  // namespace

@@ -89,7 +89,8 @@ class Callback {
   /// The state a checkpoint keeps under "callbacks/<state_key()>" (empty:
   /// nothing to keep; an empty section is still written).
   virtual StateDict state_dict() const { return {}; }
-  /// Restores what state_dict() returned, from a checkpoint being resumed.
+  /// Restores what state_dict() returned, from a checkpoint being resumed
+  /// (its tensors in host memory, whatever device saved them).
   /// Called before on_fit_start, only when the checkpoint holds a section
   /// under this callback's state_key(): after the module's weights load and
   /// before the optimizers' states do.

@@ -231,7 +231,9 @@ class Module : public torch::nn::Module {
   ///   }
   virtual void on_save_checkpoint(StateDict& /*checkpoint*/) {}
   /// Reads back what on_save_checkpoint added, after the parameters were
-  /// loaded; called only when the checkpoint holds a "module" section.
+  /// loaded; called only when the checkpoint holds a "module" section. Its
+  /// tensors are in host memory, whatever device saved them: move those
+  /// the module keeps on a device.
   virtual void on_load_checkpoint(const StateDict& /*checkpoint*/) {}
 
   // ---- Logging. Valid inside steps and hooks called by the Trainer.
