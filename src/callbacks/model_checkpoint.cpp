@@ -126,13 +126,23 @@ void ModelCheckpoint::save(Trainer& trainer) {
   if (options_.save_top_k != 0) {
     std::string path = format_name(trainer);
     if (options_.monitor.empty()) {
-      trainer.save_checkpoint(path);
-      if (options_.save_top_k == 1 && !latest_path_.empty() && latest_path_ != path &&
-          in_directory(latest_path_, dirpath_)) {
-        detail::drive(strategy).remove_checkpoint(latest_path_);
-      }
+      // The checkpoint records itself as the latest and the best (what
+      // ckpt_path="best" reads from it in a new process); as before if its
+      // save fails.
+      const std::string previous = latest_path_, previous_best = best_model_path_;
       latest_path_ = path;
       best_model_path_ = path;
+      try {
+        trainer.save_checkpoint(path);
+      } catch (...) {
+        latest_path_ = previous;
+        best_model_path_ = previous_best;
+        throw;
+      }
+      if (options_.save_top_k == 1 && !previous.empty() && previous != path &&
+          in_directory(previous, dirpath_)) {
+        detail::drive(strategy).remove_checkpoint(previous);
+      }
     } else {
       auto it = trainer.callback_metrics().find(options_.monitor);
       if (it == trainer.callback_metrics().end() &&
@@ -169,23 +179,39 @@ void ModelCheckpoint::save(Trainer& trainer) {
                   static_cast<int64_t>(top_k_.size()) < options_.save_top_k ||
                   better(score, top_k_.back().first);
       if (keep) {
-        trainer.save_checkpoint(path);
+        // The list and the best as they are with this checkpoint, which
+        // records them (ckpt_path="best" in a new process reads them from
+        // the newest checkpoint); as before if its save fails. The files
+        // that leave the list go once it is saved.
+        const auto previous_top_k = top_k_;
+        const std::string previous_best = best_model_path_;
+        const std::optional<double> previous_score = best_model_score_;
         top_k_.erase(std::remove_if(top_k_.begin(), top_k_.end(),
                                     [&](const auto& e) { return e.second == path; }),
                      top_k_.end());
         top_k_.emplace_back(score, path);
         std::stable_sort(top_k_.begin(), top_k_.end(),
                          [&](const auto& a, const auto& b) { return better(a.first, b.first); });
+        std::vector<std::string> evicted;
         while (options_.save_top_k > 0 &&
                static_cast<int64_t>(top_k_.size()) > options_.save_top_k) {
-          // Another run's file leaves the list but stays on disk.
-          if (in_directory(top_k_.back().second, dirpath_)) {
-            detail::drive(strategy).remove_checkpoint(top_k_.back().second);
-          }
+          evicted.push_back(top_k_.back().second);
           top_k_.pop_back();
         }
         best_model_path_ = top_k_.front().second;
         best_model_score_ = top_k_.front().first;
+        try {
+          trainer.save_checkpoint(path);
+        } catch (...) {
+          top_k_ = previous_top_k;
+          best_model_path_ = previous_best;
+          best_model_score_ = previous_score;
+          throw;
+        }
+        for (const std::string& file : evicted) {
+          // Another run's file leaves the list but stays on disk.
+          if (in_directory(file, dirpath_)) detail::drive(strategy).remove_checkpoint(file);
+        }
       }
     }
   }

@@ -234,6 +234,41 @@ TEST(ModelCheckpoint, BestLoadsTheBestCheckpointByTheMonitorInThisProcessAndTheN
                      {"ckpt_path=\"best\": this Trainer has no ModelCheckpoint"});
 }
 
+// Each checkpoint records the best as it is with itself in the list: a
+// run without last.ckpt whose newest save is a new best gives that one as
+// "best" in a new process (it recorded the best before it). A checkpoint
+// directory moved since is read where it is now.
+TEST(ModelCheckpoint, BestInANewProcessIsTheNewestSaveWhenItIsTheBestAndFollowsAMovedDirectory) {
+  TempDir dir, moved;
+  LinearRegression model;
+  model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t) {
+    const double scores[] = {3.0, 2.0, 1.0};
+    self.log("score", scores[self.current_epoch()], {.on_step = false, .on_epoch = true});
+  };
+  const fulgur::ModelCheckpointOptions keep_two{
+      .monitor = "score", .mode = "min", .save_top_k = 2, .save_last = false};
+  std::shared_ptr<fulgur::ModelCheckpoint> callback;
+  auto options = with_checkpoint(dir, keep_two, &callback);
+  options.max_epochs = 3;
+  options.num_sanity_val_steps = 0;
+  fulgur::Trainer(options).fit(model, regression_loader(2), regression_loader(1));
+  EXPECT_THAT(list_files(dir.file("ckpts")),
+              ElementsAre("epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt"));
+  fs::rename(dir.file("ckpts"), moved.file("ckpts"));
+  auto moved_options = keep_two;
+  moved_options.dirpath = moved.file("ckpts");
+  fulgur::Trainer next(with_checkpoint(moved, moved_options));
+  LinearRegression fresh, expected;
+  ::testing::internal::CaptureStderr();
+  next.test(fresh, regression_loader(1), "best");
+  const std::string note = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(fulgur::test::message_contains(
+      note, {"ckpt_path=\"best\": \"" + moved.file("ckpts/epoch=2-step=6.ckpt") + "\""}))
+      << note;
+  next.test(expected, regression_loader(1), moved.file("ckpts/epoch=2-step=6.ckpt"));
+  EXPECT_TRUE(fulgur::test::parameters_equal(fresh, expected));
+}
+
 TEST(ModelCheckpoint, MonitorMaxKeepsTheBest) {
   TempDir dir;
   LinearRegression model;

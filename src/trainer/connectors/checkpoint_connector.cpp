@@ -192,42 +192,52 @@ std::string CheckpointConnector::checkpoint_dir() const {
 std::string CheckpointConnector::resolve_path(const std::string& ckpt_path) const {
   if (ckpt_path == "best") return best_path();
   if (ckpt_path != "last" && ckpt_path != "auto") return ckpt_path;
+  return newest_checkpoint(ckpt_path);
+}
+
+std::string CheckpointConnector::newest_checkpoint(const std::string& keyword) const {
   const std::string dir = checkpoint_dir();
   const std::vector<std::string> found = checkpoints_newest_first(dir);
   if (found.empty()) {
+    // (A fresh start's first save names a directory that cannot be one.)
+    if (keyword == "auto") return {};
     if (const std::string why = unusable_directory(dir); !why.empty()) {
-      // Not an empty directory: none can be there, for a first run either.
-      throw CheckpointError(str("ckpt_path=\"", ckpt_path, "\": the checkpoint directory \"", dir,
+      throw CheckpointError(str("ckpt_path=\"", keyword, "\": the checkpoint directory \"", dir,
                                 "\" cannot be one: ", why,
                                 ". Pass a default_root_dir (or ModelCheckpoint dirpath) that is "
                                 "a directory, or a directory to be made."));
     }
-    if (ckpt_path == "auto") return {};
-    throw CheckpointError(str("ckpt_path=\"last\": there is no checkpoint in \"", dir,
+    throw CheckpointError(str("ckpt_path=\"", keyword, "\": there is no checkpoint in \"", dir,
                               "\". Train once with checkpointing enabled (ModelCheckpoint) in "
-                              "this default_root_dir, pass ckpt_path=\"auto\" to start fresh "
-                              "when there is none, or pass a checkpoint path."));
+                              "this default_root_dir, ",
+                              keyword == "last" ? "pass ckpt_path=\"auto\" to start fresh when "
+                                                  "there is none, "
+                                                : "",
+                              "or pass a checkpoint path."));
   }
   std::vector<std::string> skipped;
   for (const auto& candidate : found) {
     const std::string problem = trainer_.drive().verify_checkpoint(candidate);
     if (problem.empty()) {
       if (!skipped.empty() && trainer_.strategy->is_global_zero()) {
-        detail::print_note(str("ckpt_path=\"", ckpt_path, "\": skipped ", join(skipped, "; "),
-                               ". Resuming from \"", candidate,
+        detail::print_note(str("ckpt_path=\"", keyword, "\": skipped ", join(skipped, "; "),
+                               keyword == "best" ? ". Reading the best from \""
+                                                 : ". Resuming from \"",
+                               candidate,
                                "\", the newest checkpoint of its directory that verifies."));
       }
       return candidate;
     }
     skipped.push_back(str("\"", candidate, "\", which is corrupt or incomplete (", problem, ")"));
   }
-  throw CheckpointError(str("ckpt_path=\"", ckpt_path, "\": none of the ", found.size(),
+  throw CheckpointError(str("ckpt_path=\"", keyword, "\": none of the ", found.size(),
                             " checkpoint(s) in \"", dir, "\" verifies: ", join(skipped, "; "),
                             ". Nothing was loaded or changed. Move the damaged files away and "
                             "pass ckpt_path=\"\" to start fresh, or restore a copy."));
 }
 
 std::string CheckpointConnector::best_path() const {
+  namespace fs = std::filesystem;
   const ModelCheckpoint* callback = trainer_.checkpoint_callback;
   if (callback == nullptr) {
     throw CheckpointError(
@@ -238,19 +248,26 @@ std::string CheckpointConnector::best_path() const {
   std::string recorded_by;  // the checkpoint that said which is the best
   if (best.empty()) {
     // A new process: the best the run's newest checkpoint recorded (its
-    // ModelCheckpoint's state).
-    recorded_by = resolve_path("last");
+    // ModelCheckpoint's state; each checkpoint records the list it joined).
+    recorded_by = newest_checkpoint("best");
     const StateDict state = trainer_.drive().load_checkpoint(recorded_by);
     const StateDict* callbacks = state.find_section("callbacks");
     const StateDict* own = callbacks ? callbacks->find_section(callback->state_key()) : nullptr;
     if (own != nullptr && own->contains("best_model_path")) best = own->string("best_model_path");
     if (best.empty()) {
-      throw CheckpointError(str("ckpt_path=\"best\": \"", recorded_by,
-                                "\", the newest checkpoint, records no best checkpoint (it holds "
-                                "no state of a ModelCheckpoint like this Trainer's, \"",
-                                callback->state_key(),
-                                "\"). Pass ckpt_path=\"last\" or a checkpoint's path."));
+      throw CheckpointError(str(
+          "ckpt_path=\"best\": \"", recorded_by, "\", the newest checkpoint, records no best one (",
+          own == nullptr ? str("it holds no state of a ModelCheckpoint like this Trainer's, \"",
+                               callback->state_key(), "\"")
+                         : std::string("its ModelCheckpoint had ranked none when it was saved: "
+                                       "save_top_k=0, or a save before the first ranking"),
+          "). Pass ckpt_path=\"last\" or a checkpoint's path."));
     }
+    // The best is a file of the same directory: one the run wrote under a
+    // relative path, or a directory since moved, is found there.
+    std::error_code ec;
+    const fs::path beside = fs::path(recorded_by).parent_path() / fs::path(best).filename();
+    if (!fs::exists(best, ec) && fs::exists(beside, ec)) best = beside.string();
   }
   const std::string source = recorded_by.empty()
                                  ? std::string("this Trainer's ModelCheckpoint")

@@ -36,6 +36,10 @@ class CheckpointConnector {
   /// recorded ("last"). CheckpointError when there is none or it does not
   /// verify.
   std::string best_path() const;
+  /// The newest checkpoint of this run's checkpoint directory that
+  /// verifies, for ckpt_path=`keyword` ("last", "auto", "best"): "" for
+  /// "auto" when there is none; CheckpointError naming `keyword` otherwise.
+  std::string newest_checkpoint(const std::string& keyword) const;
   /// Where this run's ModelCheckpoint writes (or will): its dirpath, else
   /// `<default_root_dir>/checkpoints`.
   std::string checkpoint_dir() const;
