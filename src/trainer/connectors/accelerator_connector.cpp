@@ -13,6 +13,7 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/distributed/launchers/launcher.h"
+#include "fulgur/strategies/parallel.h"
 #include "strategies/strategy_driver.h"
 
 namespace fulgur {
@@ -104,6 +105,7 @@ class ConnectorRun {
     check_ranks_in_range();
     check_nodes_can_find_each_other();
     choose_strategy();
+    check_ranks_started_by_hand_have_a_port();
     problems_.raise_if_any();
     return finish();
   }
@@ -473,20 +475,6 @@ class ConnectorRun {
                     "rank 0's host name or IP address (127.0.0.1 on one machine), or unset it."),
           "invalid_environment");
     }
-    // Ranks another program started by hand (LOCAL_RANK set, no launcher's
-    // variables): only MASTER_PORT tells them where rank 0's store listens
-    // (the other environments require it or derive one; fulgur's launcher
-    // sets it).
-    if (world > 1 && environment_->name() == "lightning" &&
-        environment_->creates_processes_externally() && environment_->main_port() == 0) {
-      problems_.add(str("LOCAL_RANK=", environment_->local_rank(),
-                        " says another program started this process, one of ", world,
-                        " ranks, but MASTER_PORT is not set: the ranks meet at rank 0's store "
-                        "on MASTER_ADDR:MASTER_PORT. Set MASTER_PORT (one free port, the same "
-                        "on every rank), or unset LOCAL_RANK and let fulgur's launcher start "
-                        "the ranks."),
-                    "invalid_environment");
-    }
   }
 
   // fulgur's own launcher starts one node's ranks; the nodes find each other
@@ -510,6 +498,30 @@ class ConnectorRun {
             options_.num_nodes - 1, ") set; missing: ", join(missing),
             ". Or run under torchrun, srun or mpirun, which set them."),
         "invalid_environment");
+  }
+
+  // Ranks another program started by hand (LOCAL_RANK set, no launcher's
+  // variables): only MASTER_PORT tells them where rank 0's store listens
+  // (the other environments require it or derive one; fulgur's launcher
+  // sets it). The MPI backend connects without a store.
+  void check_ranks_started_by_hand_have_a_port() {
+    if (!environment_ || !devices_known_ || !nodes_valid() || counts_mismatch_) return;
+    if (environment_->name() != "lightning" || !environment_->creates_processes_externally() ||
+        environment_->main_port() != 0) {
+      return;
+    }
+    const auto* parallel = dynamic_cast<const ParallelStrategy*>(strategy_.get());
+    if (parallel != nullptr && parallel->parallel_options().process_group_backend == "mpi") return;
+    const int64_t world = std::max<int64_t>(
+        static_cast<int64_t>(devices_.size()) * options_.num_nodes, environment_->world_size());
+    if (world <= 1) return;
+    problems_.add(str("LOCAL_RANK=", environment_->local_rank(),
+                      " says another program started this process, one of ", world,
+                      " ranks, but MASTER_PORT is not set: the ranks meet at rank 0's store "
+                      "on MASTER_ADDR:MASTER_PORT. Set MASTER_PORT (one free port, the same "
+                      "on every rank), or unset LOCAL_RANK and let fulgur's launcher start "
+                      "the ranks."),
+                  "invalid_environment");
   }
 
   void choose_strategy() {

@@ -359,6 +359,18 @@ TEST(AcceleratorConnector, RanksStartedByHandWithoutMasterPortAreNamed) {
   EXPECT_NO_THROW(
       fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = "ddp", .devices = 2},
                       env_of(ranks({{"MASTER_PORT", "29500"}}))));
+  // The MPI backend meets without a store (where the build lacks it, that
+  // is the only problem named).
+  fulgur::DDPOptions mpi;
+  mpi.parallel.process_group_backend = "mpi";
+  try {
+    fulgur::connect(TrainerOptions{.accelerator = "cpu",
+                                   .strategy = std::make_shared<fulgur::DDPStrategy>(mpi),
+                                   .devices = 2},
+                    env_of(ranks({})));
+  } catch (const std::exception& e) {
+    EXPECT_EQ(std::string(e.what()).find("MASTER_PORT"), std::string::npos) << e.what();
+  }
   // One rank needs no store.
   EXPECT_NO_THROW(
       fulgur::connect(TrainerOptions{.accelerator = "cpu", .devices = 1},
