@@ -88,10 +88,11 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
   // Each metric's (step, value) points, in file order.
   std::vector<std::vector<std::pair<double, double>>> points(header.size());
   // Per column, the values gnuplot cannot draw: nan, infinities, and
-  // magnitudes past DBL_MAX/2, which gnuplot takes as undefined (a panel of
-  // only those made it fail). Left out, and counted in the series' key: a
-  // run that diverged shows it did.
-  constexpr double kLargestDrawn = std::numeric_limits<double>::max() / 2;
+  // magnitudes past DBL_MAX/4 (gnuplot takes those past DBL_MAX/2 as
+  // undefined, and a panel from -DBL_MAX/2 to DBL_MAX/2 overflows its
+  // range; a panel of only those made it fail). Left out, and counted in
+  // the series' key: a run that diverged shows it did.
+  constexpr double kLargestDrawn = std::numeric_limits<double>::max() / 4;
   std::vector<int64_t> undrawn(header.size(), 0);
   int64_t row = 1;
   while (std::getline(in, line)) {
@@ -138,7 +139,7 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
                           none_drawn.empty() ? std::string()
                                              : str(" (", join(none_drawn),
                                                    none_drawn.size() == 1 ? " holds" : " hold",
-                                                   " only nan, infinities or values past +-9e307)"),
+                                                   " only nan, infinities or values past +-4.4e307)"),
                           "."));
   }
   // A picture is at most 32767 pixels high (Cairo's limit): 86 rows of
@@ -190,7 +191,7 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
       const char* style = points[c].size() <= 50 ? "linespoints pt 7 ps 0.6" : "lines";
       const std::string key = undrawn[c] == 0 ? header[c]
                                               : str(header[c], " (", undrawn[c],
-                                                    " not drawn: nan, inf or past +-9e307)");
+                                                    " not drawn: nan, inf or past +-4.4e307)");
       s << (i ? ", " : "") << "$m" << c << " using 1:2 with " << style << " lw 1.5 title "
         << detail::gnuplot_quoted(gnuplot_label(key));
     }

@@ -66,19 +66,21 @@ TEST(Plot, TheScriptHasOnePanelPerMetricWithLabelledAxes) {
   EXPECT_THAT(script, ::testing::Not(HasSubstr("title \"epoch\"")));
 }
 
-// Values gnuplot cannot draw (nan, infinities, magnitudes past DBL_MAX/2,
-// which it takes as undefined) are left out and counted in their series'
+// Values gnuplot cannot draw (nan, infinities, magnitudes past DBL_MAX/4:
+// it takes those past DBL_MAX/2 as undefined, and a range from -DBL_MAX/2
+// to DBL_MAX/2 overflows) are left out and counted in their series'
 // key; a metric of only those is named in the title; a file of only those
 // says so. A panel of values near 1e308 made gnuplot fail.
 TEST(Plot, ValuesGnuplotCannotDrawAreLeftOutAndCounted) {
   TempDir dir;
   write_text(dir.file("metrics.csv"),
              "step,epoch,train_loss,grad_norm,val_acc\n"
-             "1,0,2.5,1e308,0.5\n2,0,1e308,-1.7e308,0.6\n3,0,inf,nan,0.7\n4,0,8e307,,\n");
+             "1,0,2.5,1e308,0.5\n2,0,1e308,-1.7e308,0.6\n3,0,inf,nan,0.7\n4,0,4e307,-5e307,\n"
+             "5,0,-4e307,,\n");
   const std::string script = fulgur::gnuplot_script(dir.file("metrics.csv"), "out.png", "run");
-  EXPECT_THAT(script, HasSubstr("$m2 << EOD\n1 2.5\n4 8e+307\nEOD"));
+  EXPECT_THAT(script, HasSubstr("$m2 << EOD\n1 2.5\n4 4e+307\n5 -4e+307\nEOD"));
   EXPECT_THAT(script,
-              HasSubstr("title \"train\\\\_loss (2 not drawn: nan, inf or past +-9e307)\""));
+              HasSubstr("title \"train\\\\_loss (2 not drawn: nan, inf or past +-4.4e307)\""));
   EXPECT_THAT(script, HasSubstr("title \"val\\\\_acc\""));
   EXPECT_THAT(script, HasSubstr("(no value to draw: grad\\\\_norm)"));
   EXPECT_THAT(script, ::testing::Not(HasSubstr("$m3 << EOD")));
@@ -90,7 +92,7 @@ TEST(Plot, ValuesGnuplotCannotDrawAreLeftOutAndCounted) {
   EXPECT_THROWS_WITH(fulgur::ConfigError,
                      fulgur::gnuplot_script(dir.file("huge.csv"), "out.png", "run"),
                      {"holds no metric value to draw (loss holds only nan, infinities or values "
-                      "past +-9e307)."});
+                      "past +-4.4e307)."});
 }
 
 TEST(Plot, GnuplotDrawsAPngOfTheExpectedSize) {
