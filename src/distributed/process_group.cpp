@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -459,6 +460,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::connect(const ProcessGroupOptions& o
   if (o.timeout.count() <= 0) {
     throw DistributedError(str("ProcessGroup: timeout ", o.timeout.count(), " ms must be > 0."));
   }
+  // A write to a peer that died must be an error this rank reports (EPIPE,
+  // a failed collective), not a SIGPIPE that kills it first and gets it
+  // named as the cause of the failure: gloo writes to its peers without
+  // MSG_NOSIGNAL. Python ignores SIGPIPE at start-up, which is why PyTorch's
+  // ranks never die of it; a C++ program does not. (Here, not only in the
+  // strategies: a program that connects a group itself gets it too.)
+  if (o.world_size > 1) std::signal(SIGPIPE, SIG_IGN);
   auto impl = std::make_unique<Impl>();
 #ifdef USE_C10D_MPI
   if (o.backend == "mpi") {

@@ -3,7 +3,6 @@
 #include <torch/torch.h>
 
 #include <atomic>
-#include <csignal>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
@@ -104,11 +103,6 @@ void ParallelStrategy::do_setup_environment() {
     env.set_world_size(launched->world_size);
     env.set_restart_count(launched->restart_count);
   }
-  // A write to a peer that died must be an error this rank reports (EPIPE,
-  // a failed collective), not a SIGPIPE that kills it first and gets it
-  // named as the cause of the failure. Python ignores SIGPIPE at start-up,
-  // which is why PyTorch's ranks never die of it; a C++ program does not.
-  if (world_size() > 1) std::signal(SIGPIPE, SIG_IGN);
   // Under one of fulgur's launchers: heartbeats from a thread of their own,
   // so a frozen rank is named in seconds (a no-op otherwise).
   detail::start_pulse();
