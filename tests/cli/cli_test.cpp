@@ -696,7 +696,6 @@ TEST(CLIConfigFile, AFileOverTheSizeCapIsRefusedAndAHugeScalarUnderItParses) {
       dir.file("key.yaml") + " line 1: unknown key " + std::string(80, 'k') + "... (1000 bytes).");
 }
 
-// Issue 35, row 4: YAML forbids a key twice in a mapping; yaml-cpp keeps both.
 // YAML nested past what the parser takes (yaml-cpp stops at a depth of
 // recursion, and calls it "bad file") is named as nesting, with its line.
 TEST(CLIConfigFile, NestingPastTheParsersDepthIsNamedAsSuch) {
@@ -719,6 +718,7 @@ TEST(CLIConfigFile, NestingPastTheParsersDepthIsNamedAsSuch) {
   }
 }
 
+// Issue 35, row 4: YAML forbids a key twice in a mapping; yaml-cpp keeps both.
 TEST(CLIConfigFile, DuplicateKeysAreErrorsNamingTheKeyAndBothLines) {
   TempDir dir;
   const std::string tail =
