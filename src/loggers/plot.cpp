@@ -135,12 +135,13 @@ std::string gnuplot_script(const std::string& csv_path, const std::string& png_p
   std::stable_partition(panels.begin(), panels.end(),
                         [](const std::string& p) { return p.find("loss") != std::string::npos; });
   if (panels.empty()) {
-    throw ConfigError(str("plot: \"", csv_path, "\" holds no metric value to draw",
-                          none_drawn.empty() ? std::string()
-                                             : str(" (", join(none_drawn),
-                                                   none_drawn.size() == 1 ? " holds" : " hold",
-                                                   " only nan, infinities or values past +-4.4e307)"),
-                          "."));
+    throw ConfigError(
+        str("plot: \"", csv_path, "\" holds no metric value to draw",
+            none_drawn.empty()
+                ? std::string()
+                : str(" (", join(none_drawn), none_drawn.size() == 1 ? " holds" : " hold",
+                      " only nan, infinities or values past +-4.4e307)"),
+            "."));
   }
   // A picture is at most 32767 pixels high (Cairo's limit): 86 rows of
   // panels, in 2 columns, or 4 where there are more; the first 344 are

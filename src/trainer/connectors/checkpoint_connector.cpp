@@ -220,11 +220,10 @@ std::string CheckpointConnector::newest_checkpoint(const std::string& keyword) c
     const std::string problem = trainer_.drive().verify_checkpoint(candidate);
     if (problem.empty()) {
       if (!skipped.empty() && trainer_.strategy->is_global_zero()) {
-        detail::print_note(str("ckpt_path=\"", keyword, "\": skipped ", join(skipped, "; "),
-                               keyword == "best" ? ". Reading the best from \""
-                                                 : ". Resuming from \"",
-                               candidate,
-                               "\", the newest checkpoint of its directory that verifies."));
+        detail::print_note(
+            str("ckpt_path=\"", keyword, "\": skipped ", join(skipped, "; "),
+                keyword == "best" ? ". Reading the best from \"" : ". Resuming from \"", candidate,
+                "\", the newest checkpoint of its directory that verifies."));
       }
       return candidate;
     }

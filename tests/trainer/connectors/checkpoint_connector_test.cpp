@@ -482,13 +482,12 @@ TEST(CheckpointErrors, LastUnderADefaultRootDirThatIsAFileNamesTheFile) {
   options.enable_checkpointing = true;
   LinearRegression model;
   fulgur::Trainer trainer(options);
-  EXPECT_THROWS_WITH(
-      fulgur::CheckpointError,
-      trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = "last"}),
-      {fulgur::str("ckpt_path=\"last\": the checkpoint directory \"",
-                   dir.file("notes.txt/checkpoints"), "\" cannot be one: \"", dir.file("notes.txt"),
-                   "\" is a file."),
-       "Pass a default_root_dir (or ModelCheckpoint dirpath) that is a directory"});
+  EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                     trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = "last"}),
+                     {fulgur::str("ckpt_path=\"last\": the checkpoint directory \"",
+                                  dir.file("notes.txt/checkpoints"), "\" cannot be one: \"",
+                                  dir.file("notes.txt"), "\" is a file."),
+                      "Pass a default_root_dir (or ModelCheckpoint dirpath) that is a directory"});
   EXPECT_EQ(model.training_steps, 0);
 }
 
