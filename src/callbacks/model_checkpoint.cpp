@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <sstream>
+#include <tuple>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/strategies/strategy.h"
@@ -125,20 +126,23 @@ void ModelCheckpoint::save(Trainer& trainer) {
 
   if (options_.save_top_k != 0) {
     std::string path = format_name(trainer);
-    if (options_.monitor.empty()) {
-      // The checkpoint records itself as the latest and the best (what
-      // ckpt_path="best" reads from it in a new process); as before if its
-      // save fails.
-      const std::string previous = latest_path_, previous_best = best_model_path_;
-      latest_path_ = path;
-      best_model_path_ = path;
+    // A checkpoint records the ranking as it is with itself in it (what
+    // ckpt_path="best" reads from the newest in a new process): the ranking
+    // is updated first, and put back as it was if the save fails.
+    const auto before = std::make_tuple(top_k_, latest_path_, best_model_path_, best_model_score_);
+    const auto save_ranked = [&] {
       try {
         trainer.save_checkpoint(path);
       } catch (...) {
-        latest_path_ = previous;
-        best_model_path_ = previous_best;
+        std::tie(top_k_, latest_path_, best_model_path_, best_model_score_) = before;
         throw;
       }
+    };
+    if (options_.monitor.empty()) {
+      const std::string previous = latest_path_;
+      latest_path_ = path;
+      best_model_path_ = path;
+      save_ranked();
       if (options_.save_top_k == 1 && !previous.empty() && previous != path &&
           in_directory(previous, dirpath_)) {
         detail::drive(strategy).remove_checkpoint(previous);
@@ -179,13 +183,7 @@ void ModelCheckpoint::save(Trainer& trainer) {
                   static_cast<int64_t>(top_k_.size()) < options_.save_top_k ||
                   better(score, top_k_.back().first);
       if (keep) {
-        // The list and the best as they are with this checkpoint, which
-        // records them (ckpt_path="best" in a new process reads them from
-        // the newest checkpoint); as before if its save fails. The files
-        // that leave the list go once it is saved.
-        const auto previous_top_k = top_k_;
-        const std::string previous_best = best_model_path_;
-        const std::optional<double> previous_score = best_model_score_;
+        // The files that leave the list go once the checkpoint is saved.
         top_k_.erase(std::remove_if(top_k_.begin(), top_k_.end(),
                                     [&](const auto& e) { return e.second == path; }),
                      top_k_.end());
@@ -200,14 +198,7 @@ void ModelCheckpoint::save(Trainer& trainer) {
         }
         best_model_path_ = top_k_.front().second;
         best_model_score_ = top_k_.front().first;
-        try {
-          trainer.save_checkpoint(path);
-        } catch (...) {
-          top_k_ = previous_top_k;
-          best_model_path_ = previous_best;
-          best_model_score_ = previous_score;
-          throw;
-        }
+        save_ranked();
         for (const std::string& file : evicted) {
           // Another run's file leaves the list but stays on disk.
           if (in_directory(file, dirpath_)) detail::drive(strategy).remove_checkpoint(file);

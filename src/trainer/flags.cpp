@@ -70,29 +70,36 @@ std::optional<bool> parse_bool(const std::string& text) {
   return std::nullopt;
 }
 
-std::optional<double> parse_double(const std::string& text) {
-  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0]))) return std::nullopt;
+namespace {
+
+// `text` read as a number written in full (no leading space, no trailing
+// text): kRead with `value`, or why not (a number past a double's range:
+// `value` is what strtod made of it, HUGE_VAL or a tiny one).
+enum class DoubleRead { kRead, kNotANumber, kOutOfRange };
+DoubleRead read_double(const std::string& text, double& value) {
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text[0]))) {
+    return DoubleRead::kNotANumber;
+  }
   char* end = nullptr;
   errno = 0;
-  const double value = std::strtod(text.c_str(), &end);
-  if (end != text.c_str() + text.size() || errno == ERANGE || std::isnan(value)) {
-    return std::nullopt;
-  }
+  value = std::strtod(text.c_str(), &end);
+  if (end != text.c_str() + text.size() || std::isnan(value)) return DoubleRead::kNotANumber;
+  return errno == ERANGE ? DoubleRead::kOutOfRange : DoubleRead::kRead;
+}
+
+}  // namespace
+
+std::optional<double> parse_double(const std::string& text) {
+  double value = 0;
+  if (read_double(text, value) != DoubleRead::kRead) return std::nullopt;
   return value;
 }
 
 std::string not_a_double(const std::string& text) {
-  if (!text.empty() && !std::isspace(static_cast<unsigned char>(text[0]))) {
-    char* end = nullptr;
-    errno = 0;
-    const double value = std::strtod(text.c_str(), &end);
-    if (end == text.c_str() + text.size() && errno == ERANGE) {
-      return std::fabs(value) > 1 ? "a number too large for a double (at most about 1.8e308)"
-                                  : "a number too close to 0 for a double (from about 2.2e-308, "
-                                    "or 0)";
-    }
-  }
-  return "not a number";
+  double value = 0;
+  if (read_double(text, value) != DoubleRead::kOutOfRange) return "not a number";
+  return std::fabs(value) > 1 ? "a number too large for a double (at most about 1.8e308)"
+                              : "a number too close to 0 for a double (from about 2.2e-308, or 0)";
 }
 
 std::string number_text(double value) {

@@ -47,6 +47,17 @@ fulgur::TrainerOptions with_checkpoint(const TempDir& dir, fulgur::ModelCheckpoi
   return fulgur::test::checkpointed_options(dir, std::move(o), out);
 }
 
+/// with_checkpoint for `epochs` epochs, each validated and no sanity check
+/// first: one logged score an epoch (log_scores) to rank by.
+fulgur::TrainerOptions scored_epochs(const TempDir& dir, fulgur::ModelCheckpointOptions o,
+                                     int64_t epochs,
+                                     std::shared_ptr<fulgur::ModelCheckpoint>* out = nullptr) {
+  auto options = with_checkpoint(dir, std::move(o), out);
+  options.max_epochs = epochs;
+  options.num_sanity_val_steps = 0;
+  return options;
+}
+
 TEST(ModelCheckpoint, RejectsInvalidOptions) {
   EXPECT_THROWS_WITH(fulgur::ConfigError,
                      fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.mode = "avg"}},
@@ -169,9 +180,7 @@ TEST(ModelCheckpoint, MonitorMinKeepsTheKBest) {
   log_scores(model);
   std::shared_ptr<fulgur::ModelCheckpoint> callback;
   auto options =
-      with_checkpoint(dir, {.monitor = "score", .mode = "min", .save_top_k = 2}, &callback);
-  options.max_epochs = 3;
-  options.num_sanity_val_steps = 0;
+      scored_epochs(dir, {.monitor = "score", .mode = "min", .save_top_k = 2}, 3, &callback);
   fulgur::Trainer trainer(options);
   auto result = trainer.fit(model, regression_loader(2), regression_loader(1));
   EXPECT_THAT(list_files(dir.file("ckpts")),
@@ -193,9 +202,7 @@ TEST(ModelCheckpoint, BestLoadsTheBestCheckpointByTheMonitorInThisProcessAndTheN
   log_scores(model);
   std::shared_ptr<fulgur::ModelCheckpoint> callback;
   auto options =
-      with_checkpoint(dir, {.monitor = "score", .mode = "min", .save_top_k = 2}, &callback);
-  options.max_epochs = 3;
-  options.num_sanity_val_steps = 0;
+      scored_epochs(dir, {.monitor = "score", .mode = "min", .save_top_k = 2}, 3, &callback);
   fulgur::Trainer trainer(options);
   trainer.fit(model, regression_loader(2), regression_loader(1));
   const std::string best = dir.file("ckpts/epoch=1-step=4.ckpt");
@@ -248,9 +255,7 @@ TEST(ModelCheckpoint, BestInANewProcessIsTheNewestSaveWhenItIsTheBestAndFollowsA
   const fulgur::ModelCheckpointOptions keep_two{
       .monitor = "score", .mode = "min", .save_top_k = 2, .save_last = false};
   std::shared_ptr<fulgur::ModelCheckpoint> callback;
-  auto options = with_checkpoint(dir, keep_two, &callback);
-  options.max_epochs = 3;
-  options.num_sanity_val_steps = 0;
+  auto options = scored_epochs(dir, keep_two, 3, &callback);
   fulgur::Trainer(options).fit(model, regression_loader(2), regression_loader(1));
   EXPECT_THAT(list_files(dir.file("ckpts")),
               ElementsAre("epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt"));
@@ -275,9 +280,7 @@ TEST(ModelCheckpoint, MonitorMaxKeepsTheBest) {
   log_scores(model);
   std::shared_ptr<fulgur::ModelCheckpoint> callback;
   auto options =
-      with_checkpoint(dir, {.monitor = "score", .mode = "max", .save_top_k = 1}, &callback);
-  options.max_epochs = 3;
-  options.num_sanity_val_steps = 0;
+      scored_epochs(dir, {.monitor = "score", .mode = "max", .save_top_k = 1}, 3, &callback);
   fulgur::Trainer trainer(options);
   trainer.fit(model, regression_loader(2), regression_loader(1));
   EXPECT_THAT(list_files(dir.file("ckpts")), ElementsAre("epoch=0-step=2.ckpt", "last.ckpt"));
@@ -292,9 +295,7 @@ TEST(ModelCheckpoint, ResumingACopiedCheckpointElsewhereNeverDeletesTheOriginalR
   TempDir a, b, copies;
   LinearRegression model_a;
   log_scores(model_a);
-  auto options_a = with_checkpoint(a, {.monitor = "score", .mode = "min", .save_top_k = 1});
-  options_a.max_epochs = 1;
-  options_a.num_sanity_val_steps = 0;
+  auto options_a = scored_epochs(a, {.monitor = "score", .mode = "min", .save_top_k = 1}, 1);
   fulgur::Trainer(options_a).fit(model_a, regression_loader(2), regression_loader(1));
   ASSERT_THAT(list_files(a.file("ckpts")), ElementsAre("epoch=0-step=2.ckpt", "last.ckpt"));
   const std::string copy = copies.file("copy.ckpt");
@@ -305,9 +306,7 @@ TEST(ModelCheckpoint, ResumingACopiedCheckpointElsewhereNeverDeletesTheOriginalR
   log_scores(model_b);
   std::shared_ptr<fulgur::ModelCheckpoint> callback;
   auto options_b =
-      with_checkpoint(b, {.monitor = "score", .mode = "min", .save_top_k = 1}, &callback);
-  options_b.max_epochs = 2;
-  options_b.num_sanity_val_steps = 0;
+      scored_epochs(b, {.monitor = "score", .mode = "min", .save_top_k = 1}, 2, &callback);
   fulgur::Trainer(options_b).fit(model_b, regression_loader(2), regression_loader(1),
                                  {.ckpt_path = copy});
   EXPECT_THAT(list_files(a.file("ckpts")), ElementsAre("epoch=0-step=2.ckpt", "last.ckpt"));

@@ -436,6 +436,14 @@ class ConnectorRun {
 
   bool nodes_valid() const { return options_.num_nodes >= 1; }
 
+  // The ranks of the run: devices x num_nodes, or the cluster's count where
+  // it says more (the mismatch is its own problem). Once the environment and
+  // the devices are known.
+  int64_t world_size() const {
+    return std::max<int64_t>(static_cast<int64_t>(devices_.size()) * options_.num_nodes,
+                             environment_->world_size());
+  }
+
   // Processes someone else started must match devices x num_nodes; where
   // fulgur launches them, it starts exactly that many.
   void check_processes_started_elsewhere_match() {
@@ -462,8 +470,7 @@ class ConnectorRun {
          environment_->rank_problems(static_cast<int>(devices_.size()), options_.num_nodes)) {
       problems_.add(std::move(problem), "invalid_environment");
     }
-    const int64_t world = std::max<int64_t>(
-        static_cast<int64_t>(devices_.size()) * options_.num_nodes, environment_->world_size());
+    const int64_t world = world_size();
     if (world > 1 && context_.env.has("MASTER_ADDR") && environment_->main_address().empty()) {
       problems_.add(
           options_.num_nodes > 1
@@ -512,8 +519,7 @@ class ConnectorRun {
     }
     const auto* parallel = dynamic_cast<const ParallelStrategy*>(strategy_.get());
     if (parallel != nullptr && parallel->parallel_options().process_group_backend == "mpi") return;
-    const int64_t world = std::max<int64_t>(
-        static_cast<int64_t>(devices_.size()) * options_.num_nodes, environment_->world_size());
+    const int64_t world = world_size();
     if (world <= 1) return;
     problems_.add(str("LOCAL_RANK=", environment_->local_rank(),
                       " says another program started this process, one of ", world,

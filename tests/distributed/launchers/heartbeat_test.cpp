@@ -14,6 +14,16 @@
 namespace fulgur::detail {
 namespace {
 
+// Everything written to the pipe `fd` reads from, until every writer
+// closed it; closes `fd`.
+std::string read_until_closed(int fd) {
+  std::string out;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fd, buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  ::close(fd);
+  return out;
+}
+
 TEST(FailureRecord, EncodesToOneLineAndDecodesBack) {
   FailureRecord record{.peer_lost = true,
                        .collective = "all_reduce #57 (4.0 KiB)",
@@ -65,10 +75,7 @@ TEST(FailureRecord, AProcessReportsOnceOnItsSupervisorsPipeAndNothingWithoutOne)
     ::_exit(0);
   }
   ::close(fds[1]);
-  std::string out;
-  char buf[512];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
-  ::close(fds[0]);
+  const std::string out = read_until_closed(fds[0]);
   int status = 0;
   ASSERT_EQ(::waitpid(pid, &status, 0), pid);
   ASSERT_EQ(out.find('\n'), out.size() - 1) << "one line: " << out;
@@ -124,12 +131,7 @@ TEST(FailureRecord, AProcessTheVariablesWereNotMadeForWritesNothing) {
     ::waitpid(worker, nullptr, 0);
   });
   ::close(fds[1]);
-  std::string out;
-  char buf[512];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;)
-    out.append(buf, static_cast<size_t>(n));
-  ::close(fds[0]);
-  EXPECT_EQ(out, "");
+  EXPECT_EQ(read_until_closed(fds[0]), "");
 }
 
 }  // namespace
