@@ -91,6 +91,18 @@ struct NoAutocastCache {
   NoAutocastCache& operator=(const NoAutocastCache&) = delete;
 };
 
+thread_local CheckpointRun current_run = CheckpointRun::kNone;
+
+// The run a block's function is in, for its duration (backward runs the
+// second on the thread executing the checkpoint's node).
+struct RunScope {
+  CheckpointRun was = current_run;
+  explicit RunScope(CheckpointRun run) { current_run = run; }
+  ~RunScope() { current_run = was; }
+  RunScope(const RunScope&) = delete;
+  RunScope& operator=(const RunScope&) = delete;
+};
+
 // Carries the function and what its second run needs to backward
 // (saved_data holds only IValues).
 struct CheckpointHolder : torch::CustomClassHolder {
@@ -115,6 +127,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     // Autograd is off here: nothing of the block is kept.
     std::vector<at::Tensor> outputs;
     {
+      const RunScope first(CheckpointRun::kFirst);
       NoAutocastCache no_cache;
       outputs = holder->fn(own);
     }
@@ -162,6 +175,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       holder->autocast.apply();
       NoAutocastCache no_cache;
       torch::AutoGradMode enable_grad(true);
+      const RunScope second(CheckpointRun::kSecond);
       outputs = holder->fn(inputs);
     }
     // Differentiate the second run: the gradients of the inputs and
@@ -224,6 +238,8 @@ std::vector<at::Tensor> run_checkpointed(
 }
 
 }  // namespace
+
+CheckpointRun current_checkpoint_run() { return current_run; }
 
 std::vector<at::Tensor> checkpoint(CheckpointedFunction fn, const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& parameters,

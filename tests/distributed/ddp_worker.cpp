@@ -52,6 +52,9 @@ struct Args {
   bool sequential = false;
   // fc1 and tanh run as one checkpointed block (fulgur::nn::checkpoint).
   bool checkpoint_activations = false;
+  // With --fsdp-units: fc1 is a unit around a fulgur::nn::Checkpoint of the
+  // Linear (its parameters "fc1.module.weight", ...).
+  bool unit_around_checkpoint = false;
   double ema = 0;         // > 0: an EMA callback of this decay (validating with the average)
   int64_t swa_start = 0;  // > 0: StochasticWeightAveraging from this epoch (counted from 1)
   int64_t auto_wrap = 0;
@@ -221,6 +224,7 @@ struct Classifier : fulgur::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, extra{nullptr};
   // --fsdp-units: the same layers (and names), each a unit of sharding.
   fulgur::nn::FSDPUnit<torch::nn::Linear> unit1{nullptr}, unit2{nullptr}, unit_extra{nullptr};
+  fulgur::nn::FSDPUnit<fulgur::nn::Checkpoint> checkpointed_unit1{nullptr};
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   fulgur::nn::FSDPUnit<torch::nn::Conv2d> conv2_unit{nullptr};
   torch::nn::Sequential body{nullptr};
@@ -248,6 +252,10 @@ struct Classifier : fulgur::Module {
           "body", torch::nn::Sequential(torch::nn::Linear(features, 32), torch::nn::Tanh(),
                                         torch::nn::Linear(32, 4)));
       body_first = body->ptr(0);
+    } else if (a.fsdp_units && a.unit_around_checkpoint) {
+      checkpointed_unit1 = register_module(
+          "fc1", fulgur::nn::FSDPUnit(fulgur::nn::Checkpoint(torch::nn::Linear(features, 32))));
+      unit2 = register_module("fc2", fulgur::nn::FSDPUnit(torch::nn::Linear(32, 4)));
     } else if (a.fsdp_units) {
       unit1 = register_module("fc1", fulgur::nn::FSDPUnit(torch::nn::Linear(features, 32)));
       unit2 = register_module("fc2", fulgur::nn::FSDPUnit(torch::nn::Linear(32, 4)));
@@ -292,11 +300,13 @@ struct Classifier : fulgur::Module {
     at::Tensor h;
     if (args.checkpoint_activations) {
       h = fulgur::nn::checkpoint(
-          [this](const std::vector<at::Tensor>& v) { return std::vector{torch::tanh(fc1(v[0]))}; },
-          {in}, fc1->parameters())[0];
-      return fc2(h);
+          [this](const std::vector<at::Tensor>& v) {
+            return std::vector{torch::tanh(unit1 ? unit1(v[0]) : fc1(v[0]))};
+          },
+          {in}, unit1 ? unit1->parameters() : fc1->parameters())[0];
+      return unit2 ? unit2(h) : fc2(h);
     }
-    h = unit1 ? unit1(in) : fc1(in);
+    h = checkpointed_unit1 ? checkpointed_unit1(in) : unit1 ? unit1(in) : fc1(in);
     if (plain_bn) h = plain_bn(h);
     if (sync_bn) h = sync_bn(h);
     h = torch::tanh(h);
@@ -508,6 +518,7 @@ struct Classifier : fulgur::Module {
     std::cout << "RESULT rank" << rank << "_held_parameter_bytes=" << memory.parameters << "\n"
               << "RESULT rank" << rank << "_peak_parameter_bytes=" << fsdp->peak_parameter_bytes()
               << "\n"
+              << "RESULT rank" << rank << "_unit_gathers=" << fsdp->unit_gathers() << "\n"
               << "RESULT rank" << rank << "_shard_bytes=" << memory.shards << std::endl;
   }
 
@@ -752,6 +763,7 @@ int main(int argc, char** argv) {
   app.add_option("--extra-barrier-rank", a.extra_barrier_rank);
   app.add_option("--slow-rank", a.slow_rank);
   app.add_flag("--checkpoint-activations", a.checkpoint_activations);
+  app.add_flag("--unit-around-checkpoint", a.unit_around_checkpoint);
   app.add_option("--ema", a.ema);
   app.add_option("--swa-start", a.swa_start);
   app.add_option("--pause-step", a.pause_step);

@@ -730,10 +730,76 @@ TEST(FSDP, FullShardHoldsOneUnitsParametersAtATimeOrTwoWithPrefetch) {
       EXPECT_EQ(result_value(r.output, std::string(rank) + "_shard_bytes"),
                 std::to_string((fc1 + fc2) / 2))
           << r.output;
+      // Each unit twice a step, before its forward and before its backward,
+      // but the first forward (the module comes whole); a prefetch is the
+      // gather it replaces.
+      EXPECT_EQ(result_value(r.output, std::string(rank) + "_unit_gathers"),
+                std::to_string(2 * 2 * 6 - 2))
+          << r.output;
     }
   }
   EXPECT_TRUE(fulgur::test::same_params(dir.path() + "/with.pt", dir.path() + "/without.pt",
                                         {.exact = true}));
+}
+
+// A unit inside a checkpointed block (fulgur::nn::checkpoint around fc1's
+// unit and tanh): the block's second run, in backward, gathers fc1 for the
+// backward that follows too, so each unit is gathered twice a step as
+// without the block (before, the second run released fc1 and its backward
+// gathered it again: 3 a step; 4 with prefetch, which did not know the
+// block's unit in the forward order). One unit is held at a time (two with
+// prefetch), and two ranks train as one process.
+TEST(FSDP, FullShardAUnitInACheckpointedBlockIsGatheredOnceForItsSecondRunAndBackward) {
+  TempDir dir;
+  const int64_t fc1 = (16 * 32 + 32) * 4, fc2 = (32 * 4 + 4) * 4;
+  const int steps = 6;
+  for (const bool prefetch : {false, true}) {
+    SCOPED_TRACE(prefetch ? "prefetch" : "no prefetch");
+    std::vector<std::string> args = {"--strategy",
+                                     kFullShard,
+                                     "--devices",
+                                     "2",
+                                     "--batch",
+                                     "8",
+                                     "--steps",
+                                     std::to_string(steps),
+                                     "--root",
+                                     dir.path(),
+                                     "--checkpoint-activations"};
+    if (prefetch) args.emplace_back("--prefetch");
+    auto r = run_worker(with_units(args));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    for (const char* rank : {"rank0", "rank1"}) {
+      EXPECT_EQ(result_value(r.output, std::string(rank) + "_unit_gathers"),
+                std::to_string(2 * 2 * steps - 2))
+          << r.output;
+      EXPECT_EQ(result_value(r.output, std::string(rank) + "_peak_parameter_bytes"),
+                std::to_string(prefetch ? fc1 + fc2 : fc1))
+          << r.output;
+    }
+  }
+  const auto training =
+      with_units({"--steps", "20", "--shuffle", "--optimizer", "adam", "--checkpoint-activations"});
+  expect_equivalent(training, kFullShard);
+  expect_equivalent(training, kFullShard, {"--prefetch"});
+}
+
+// The other way round, a unit around a fulgur::nn::Checkpoint of fc1: the
+// unit gathers around the block as around any layer (its backward's gather
+// comes before the block's second run), twice a step, and two ranks train
+// as one process.
+TEST(FSDP, FullShardAUnitAroundACheckpointedBlockIsGatheredTwiceAStepAndMatches) {
+  TempDir dir;
+  const int steps = 6;
+  auto r = run_worker(
+      with_units({"--strategy", kFullShard, "--devices", "2", "--batch", "8", "--steps",
+                  std::to_string(steps), "--root", dir.path(), "--unit-around-checkpoint"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(result_value(r.output, "rank0_unit_gathers"), std::to_string(2 * 2 * steps - 2))
+      << r.output;
+  expect_equivalent(
+      with_units({"--steps", "20", "--shuffle", "--optimizer", "adam", "--unit-around-checkpoint"}),
+      kFullShard);
 }
 
 // FSDPOptions::auto_wrap_min_params: the model's layers held in a

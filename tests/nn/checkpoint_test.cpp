@@ -177,6 +177,50 @@ TEST(ActivationCheckpointing, WithoutGradientsTheBlockRunsOnceAndKeepsNothing) {
   EXPECT_FALSE(y.requires_grad());
 }
 
+// What a module inside the block sees (an fsdp unit keeps its parameters
+// gathered from the second run to its backward): the first run, the second
+// in backward, neither outside the block or without gradients; a block
+// inside another's second run has its own two.
+TEST(ActivationCheckpointing, TheBlockKnowsWhichRunItIsIn) {
+  using fulgur::nn::CheckpointRun;
+  auto net = block();
+  std::vector<CheckpointRun> seen;
+  auto body = [&](const std::vector<at::Tensor>& in) {
+    seen.push_back(fulgur::nn::current_checkpoint_run());
+    return std::vector{net->forward(in[0])};
+  };
+  auto x = torch::randn({2, 16}, torch::requires_grad());
+  EXPECT_EQ(fulgur::nn::current_checkpoint_run(), CheckpointRun::kNone);
+  auto y = fulgur::nn::checkpoint(body, {x}, net->parameters())[0];
+  EXPECT_EQ(seen, std::vector<CheckpointRun>{CheckpointRun::kFirst});
+  EXPECT_EQ(fulgur::nn::current_checkpoint_run(), CheckpointRun::kNone);
+  y.sum().backward();
+  EXPECT_EQ(seen, (std::vector<CheckpointRun>{CheckpointRun::kFirst, CheckpointRun::kSecond}));
+  EXPECT_EQ(fulgur::nn::current_checkpoint_run(), CheckpointRun::kNone);
+
+  seen.clear();
+  std::vector<CheckpointRun> outer_seen;
+  auto outer = [&](const std::vector<at::Tensor>& in) {
+    outer_seen.push_back(fulgur::nn::current_checkpoint_run());
+    auto h = fulgur::nn::checkpoint(body, {in[0]}, net->parameters())[0];
+    outer_seen.push_back(fulgur::nn::current_checkpoint_run());
+    return std::vector{h};
+  };
+  fulgur::nn::checkpoint(outer, {x}, net->parameters())[0].sum().backward();
+  EXPECT_EQ(outer_seen,
+            (std::vector<CheckpointRun>{CheckpointRun::kFirst, CheckpointRun::kFirst,
+                                        CheckpointRun::kSecond, CheckpointRun::kSecond}));
+  // The inner block: run once in the outer's first run (no gradients
+  // there), then first and second in the outer's second run.
+  EXPECT_EQ(seen, (std::vector<CheckpointRun>{CheckpointRun::kFirst, CheckpointRun::kFirst,
+                                              CheckpointRun::kSecond}));
+
+  seen.clear();
+  torch::NoGradGuard no_grad;
+  fulgur::nn::checkpoint(body, {x}, net->parameters());
+  EXPECT_EQ(seen, std::vector<CheckpointRun>{CheckpointRun::kNone});
+}
+
 TEST(ActivationCheckpointing, ParametersGetGradientsWhenTheInputNeedsNone) {
   torch::manual_seed(6);
   auto plain = block();

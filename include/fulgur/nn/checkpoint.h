@@ -42,6 +42,14 @@ struct CheckpointOptions {
   bool preserve_rng_state = true;
 };
 
+/// Which run of a checkpointed block this thread is in: the first (autograd
+/// off, nothing kept), the second (in backward, run again for the
+/// gradients), or neither. For modules that act around their forward: a
+/// fulgur::nn::FSDPUnit inside a block keeps its parameters gathered from
+/// the second run to its gradients, instead of gathering them twice.
+enum class CheckpointRun { kNone, kFirst, kSecond };
+CheckpointRun current_checkpoint_run();
+
 /// A function of tensors to checkpoint: its outputs must be floating-point
 /// tensors (the ones gradients flow back through).
 using CheckpointedFunction =

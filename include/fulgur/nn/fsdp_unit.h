@@ -23,6 +23,12 @@
 // units and one without. Outside "fsdp" (one process, ddp, evaluation
 // after fit) a unit is the module it holds, at no cost.
 //
+// With activation checkpointing (fulgur/nn/checkpoint.h), either way round:
+// a unit around a Checkpoint gathers around the block as around any layer;
+// units inside a checkpointed block are gathered once for the block's second
+// run and their backward, and stay whole until their gradients are reduced
+// (so one unit per block holds one unit's parameters at a time).
+//
 // The unit's forward may return a tensor, a vector or a tuple of tensors:
 // their backward is where the parameters are gathered again. For any other
 // result, the parameters stay gathered from the forward to the backward.

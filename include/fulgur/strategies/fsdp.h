@@ -154,6 +154,12 @@ class FSDPStrategy : public ParallelStrategy {
   /// since setup (the module comes whole; each unit is released after its
   /// first forward).
   int64_t peak_parameter_bytes() const { return peak_parameter_bytes_; }
+  /// How many times a unit's full parameters were gathered since setup
+  /// (FULL_SHARD): in each step, once before each unit's forward and once
+  /// before its backward (also inside a fulgur::nn::Checkpoint, whose second
+  /// run and backward share one gather); a prefetch counts as one, and
+  /// saves, evaluation and the end of fit add theirs.
+  int64_t unit_gathers() const { return unit_gathers_; }
 
   static void register_strategies(StrategyRegistry& registry);
 
@@ -248,6 +254,7 @@ class FSDPStrategy : public ParallelStrategy {
   // between steps, all-gathered after each.
   std::map<const ShardedParameters*, std::vector<size_t>> whole_;
   int64_t peak_parameter_bytes_ = 0;
+  int64_t unit_gathers_ = 0;
 };
 
 /// `fulgur checkpoint consolidate DIR OUT`: the sharded checkpoint `dir`

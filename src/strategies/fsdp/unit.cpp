@@ -112,6 +112,7 @@ void FSDPStrategy::attach_units(Module& module) {
   // releasing them now would save nothing, and hooks such as the model
   // summary at fit start see every parameter).
   peak_parameter_bytes_ = 0;
+  unit_gathers_ = 0;
 }
 
 void FSDPStrategy::detach_units() {

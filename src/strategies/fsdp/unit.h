@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "fulgur/distributed/sharded_parameters.h"
+#include "fulgur/nn/checkpoint.h"
 #include "fulgur/nn/fsdp_unit.h"
 #include "fulgur/strategies/fsdp.h"
 
@@ -54,6 +55,7 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
     for (auto& [sharded, indices] : members) {
       gathering_.push_back(sharded->start_all_gather_parameters(indices));
     }
+    ++strategy_.unit_gathers_;
     strategy_.note_held_parameters();
   }
   void gather() {
@@ -80,10 +82,21 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
   void before_forward() override {
     if (!shards_) return;
     gather();
-    if (at::GradMode::is_enabled()) strategy_.unit_forward_started(this);
+    const nn::CheckpointRun run = nn::current_checkpoint_run();
+    if (run == nn::CheckpointRun::kSecond) {
+      // Inside a checkpointed block, run again in backward: this unit's
+      // backward follows at once.
+      strategy_.unit_backward_started(this);
+    } else if (at::GradMode::is_enabled() || run == nn::CheckpointRun::kFirst) {
+      strategy_.unit_forward_started(this);
+    }
   }
   void after_forward(const std::vector<at::Tensor>& outputs) override {
     if (!shards_) return;
+    // The second run's backward needs the parameters it just used: they
+    // stay gathered until their gradients are reduced (gradient_ready), or
+    // the backward ends.
+    if (nn::current_checkpoint_run() == nn::CheckpointRun::kSecond) return;
     if (!at::GradMode::is_enabled()) {
       release();
       return;
