@@ -8,6 +8,7 @@
 #include "fulgur/accelerators/cuda.h"
 #include "fulgur/accelerators/mps.h"
 #include "fulgur/callbacks/callback.h"
+#include "fulgur/callbacks/device_stats_monitor.h"
 #include "fulgur/callbacks/early_stopping.h"
 #include "fulgur/callbacks/ema.h"
 #include "fulgur/callbacks/finetuning.h"

@@ -7,6 +7,12 @@
 
 #include <set>
 
+#ifdef FULGUR_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#endif
+
 #include "fulgur/core/errors.h"
 
 namespace fulgur {
@@ -69,7 +75,38 @@ void CUDAAccelerator::setup_device(c10::Device device) {
   if (device.has_index()) c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(device);
 }
 
-std::map<std::string, double> CUDAAccelerator::device_stats(c10::Device) const { return {}; }
+std::map<std::string, double> CUDAAccelerator::device_stats(c10::Device device) const {
+  std::map<std::string, double> stats;
+#ifdef FULGUR_WITH_CUDA
+  if (!device.is_cuda() || !torch::cuda::is_available()) return stats;
+  const c10::DeviceIndex index = device.has_index() ? device.index() : 0;
+  // The caching allocator's counters, under torch.cuda.memory_stats()'s
+  // names; [0] is every pool together (StatType::AGGREGATE in each version).
+  const auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+  auto add = [&](const char* name, const auto& array) {
+    stats[std::string(name) + ".all.current"] = static_cast<double>(array[0].current);
+    stats[std::string(name) + ".all.peak"] = static_cast<double>(array[0].peak);
+  };
+  add("allocated_bytes", s.allocated_bytes);
+  add("reserved_bytes", s.reserved_bytes);
+  add("active_bytes", s.active_bytes);
+  add("allocation", s.allocation);
+  stats["num_alloc_retries"] = static_cast<double>(s.num_alloc_retries);
+  stats["num_ooms"] = static_cast<double>(s.num_ooms);
+  // The whole device's, other processes' memory included (no stream waits).
+  const c10::cuda::CUDAGuard guard(index);
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) == cudaSuccess) {
+    stats["device_free_bytes"] = static_cast<double>(free);
+    stats["device_total_bytes"] = static_cast<double>(total);
+  } else {
+    (void)cudaGetLastError();  // not left for the next kernel launch to report
+  }
+#else
+  (void)device;
+#endif
+  return stats;
+}
 
 void CUDAAccelerator::prepare_determinism() {
   ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);

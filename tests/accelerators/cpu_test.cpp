@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <thread>
+#include <ctime>
+#include <vector>
 
 #include "fulgur/core/errors.h"
 #include "support/test_support.h"
@@ -36,6 +38,41 @@ TEST(CPUAccelerator, RejectsIndicesAndNonPositiveCounts) {
   // (refused before a list of two billion devices is made).
   EXPECT_THROWS_WITH(fulgur::ConfigError, cpu.parse_devices(fulgur::DevicesSpec(2147483647)),
                      {"devices=2147483647", "runs at most", "kernel.pid_max", "num_nodes"});
+}
+
+// The host's statistics: the process's resident memory grows with memory it
+// touches, the machine's memory and swap in use are percentages, and from
+// the second reading on the CPU time since the one before is there (this
+// process burned some).
+TEST(CPUAccelerator, DeviceStatsAreTheProcessAndMachinesMemoryAndCpuUse) {
+  fulgur::CPUAccelerator cpu;
+  auto first = cpu.device_stats(c10::Device(c10::kCPU));
+  for (const char* key :
+       {"cpu_rss_bytes", "cpu_rss_peak_bytes", "cpu_vm_percent", "cpu_swap_percent"}) {
+    ASSERT_EQ(first.count(key), 1u) << key;
+  }
+  EXPECT_EQ(first.count("cpu_percent"), 0u);
+  EXPECT_EQ(first.count("cpu_process_percent"), 0u);
+  EXPECT_GT(first["cpu_rss_bytes"], 0);
+  EXPECT_GE(first["cpu_rss_peak_bytes"], first["cpu_rss_bytes"]);
+  EXPECT_GT(first["cpu_vm_percent"], 0);
+  EXPECT_LE(first["cpu_vm_percent"], 100);
+  EXPECT_GE(first["cpu_swap_percent"], 0);
+  EXPECT_LE(first["cpu_swap_percent"], 100);
+
+  // 64 MiB written, and 50 ms of this process's CPU time.
+  std::vector<char> touched(64u << 20, 1);
+  const std::clock_t begin = std::clock();
+  volatile uint64_t sum = 0;
+  while (std::clock() - begin < CLOCKS_PER_SEC / 20) sum = sum + touched[sum % touched.size()];
+  auto second = cpu.device_stats(c10::Device(c10::kCPU));
+  EXPECT_GE(second["cpu_rss_bytes"], first["cpu_rss_bytes"] + (48 << 20));
+  EXPECT_GE(second["cpu_rss_peak_bytes"], second["cpu_rss_bytes"]);
+  ASSERT_EQ(second.count("cpu_percent"), 1u);
+  EXPECT_GT(second["cpu_percent"], 0);
+  EXPECT_LE(second["cpu_percent"], 100);
+  ASSERT_EQ(second.count("cpu_process_percent"), 1u);
+  EXPECT_GT(second["cpu_process_percent"], 0);
 }
 
 }  // namespace

@@ -69,7 +69,9 @@ class Accelerator {
   /// Prepares `device` in this process (set the current CUDA device, ...).
   virtual void setup_device(c10::Device /*device*/) {}
   virtual void teardown() {}
-  /// Device statistics for logging (memory, ...).
+  /// Statistics of `device` for logging (DeviceStatsMonitor): its memory in
+  /// use, ..., by name (the CPU: HostStats; CUDA: the caching allocator's
+  /// counters and the device's free memory). None by default.
   virtual std::map<std::string, double> device_stats(c10::Device /*device*/) const { return {}; }
 
   // ---- Capabilities: what the connector and the precision plugins ask,

@@ -15,6 +15,11 @@ class CUDAAccelerator : public Accelerator {
   int auto_device_count() const override;
   std::vector<c10::Device> parse_devices(const DevicesSpec& spec) const override;
   void setup_device(c10::Device device) override;
+  /// The caching allocator's counters under torch.cuda.memory_stats()'s
+  /// names (allocated_bytes.all.current/.peak, reserved_bytes.…,
+  /// active_bytes.…, allocation.…, num_alloc_retries, num_ooms) and the
+  /// device's free and total memory (device_free_bytes, device_total_bytes).
+  /// Nothing waits for the device.
   std::map<std::string, double> device_stats(c10::Device device) const override;
   bool has_cudnn_autotuner() const override { return true; }
   /// Sets CUBLAS_WORKSPACE_CONFIG=:4096:8 unless the user set it: cuBLAS is
