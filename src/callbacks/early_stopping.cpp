@@ -22,9 +22,9 @@ EarlyStopping::EarlyStopping(EarlyStoppingOptions options)
     problems.push_back(
         str("mode=\"", options_.mode.text(), "\": pass ", options_.mode.spellings()));
   }
-  if (!(options_.min_delta >= 0.0)) {
-    problems.push_back(
-        str("min_delta=", options_.min_delta, ": must be >= 0 (an improvement must exceed it)"));
+  if (!(options_.min_delta >= 0.0) || std::isinf(options_.min_delta)) {
+    problems.push_back(str("min_delta=", options_.min_delta,
+                           ": must be a finite number >= 0 (an improvement must exceed it)"));
   }
   if (options_.patience < 1) {
     problems.push_back(str("patience=", options_.patience, ": must be >= 1"));

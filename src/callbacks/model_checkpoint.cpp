@@ -3,7 +3,9 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <sstream>
 #include <tuple>
@@ -12,10 +14,79 @@
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
 #include "strategies/strategy_driver.h"
+#include "utilities/file_kind.h"
 
 namespace fulgur {
 
 namespace fs = std::filesystem;
+
+namespace {
+
+// A format of the template's fields, as Python's (Lightning's templates use
+// them): [0][width][.precision] and f, e, g or d.
+struct FormatSpec {
+  bool zero = false;
+  int width = 0;
+  int precision = -1;
+  char type = 'f';
+};
+
+std::optional<FormatSpec> parse_spec(const std::string& spec) {
+  FormatSpec f;
+  size_t i = 0;
+  auto digits = [&](int& n, int most) {
+    const size_t from = i;
+    for (; i < spec.size() && std::isdigit(static_cast<unsigned char>(spec[i])) != 0; ++i) {
+      n = n * 10 + (spec[i] - '0');
+      if (n > most) return false;
+    }
+    return i > from;
+  };
+  if (i < spec.size() && spec[i] == '0') {
+    f.zero = true;
+    ++i;
+  }
+  if (i < spec.size() && spec[i] != '.' && std::isdigit(static_cast<unsigned char>(spec[i])) != 0 &&
+      !digits(f.width, 64)) {
+    return std::nullopt;
+  }
+  if (i < spec.size() && spec[i] == '.') {
+    ++i;
+    f.precision = 0;
+    if (!digits(f.precision, 30)) return std::nullopt;
+  }
+  if (i + 1 != spec.size() || std::string("fegd").find(spec[i]) == std::string::npos) {
+    return std::nullopt;
+  }
+  f.type = spec[i];
+  if (f.type == 'd' && f.precision >= 0) return std::nullopt;
+  return f;
+}
+
+bool format_spec_ok(const std::string& spec) { return parse_spec(spec).has_value(); }
+
+std::string format_number(const std::string& spec, double value) {
+  const FormatSpec f = *parse_spec(spec);  // checked when the template was given
+  char out[512];                           // a double's 309 digits and 30 decimals fit
+  const int p = f.precision < 0 ? 6 : f.precision;
+  switch (f.type) {
+    case 'd':
+      if (!std::isfinite(value)) return std::isnan(value) ? "nan" : value > 0 ? "inf" : "-inf";
+      std::snprintf(out, sizeof(out), f.zero ? "%0*lld" : "%*lld", f.width,
+                    static_cast<long long>(std::llround(value)));
+      break;
+    case 'e':
+      std::snprintf(out, sizeof(out), f.zero ? "%0*.*e" : "%*.*e", f.width, p, value);
+      break;
+    case 'g':
+      std::snprintf(out, sizeof(out), f.zero ? "%0*.*g" : "%*.*g", f.width, p, value);
+      break;
+    default: std::snprintf(out, sizeof(out), f.zero ? "%0*.*f" : "%*.*f", f.width, p, value); break;
+  }
+  return out;
+}
+
+}  // namespace
 
 ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std::move(options)) {
   std::vector<std::string> problems;
@@ -34,6 +105,24 @@ ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std:
     problems.push_back(str("every_n_epochs=", *options_.every_n_epochs, ": must be >= 0"));
   }
   if (options_.filename.empty()) problems.push_back("filename=\"\": pass a file name template");
+  if (options_.filename.find('/') != std::string::npos) {
+    problems.push_back(str("filename=\"", options_.filename,
+                           "\": a file name, not a path (a checkpoint written outside dirpath is "
+                           "never removed by save_top_k). Put the directory in dirpath"));
+  }
+  for (size_t open = options_.filename.find('{'); open != std::string::npos;
+       open = options_.filename.find('{', open + 1)) {
+    const size_t close = options_.filename.find('}', open);
+    if (close == std::string::npos) break;
+    const std::string field = options_.filename.substr(open + 1, close - open - 1);
+    if (const size_t colon = field.find(':');
+        colon != std::string::npos && !format_spec_ok(field.substr(colon + 1))) {
+      problems.push_back(str("filename=\"", options_.filename, "\": the format \"",
+                             field.substr(colon + 1), "\" of {", field,
+                             "} is not one of [0][width][.precision] followed by f, e, g or d "
+                             "(e.g. {val_loss:.2f}, {epoch:03d})"));
+    }
+  }
   if (!problems.empty()) {
     throw ConfigError(str("ModelCheckpoint(", join(problems, "; "), ")."));
   }
@@ -51,6 +140,14 @@ void ModelCheckpoint::on_fit_start(Trainer& trainer, Module&) {
                  ? (fs::path(trainer.default_root_dir()) / "checkpoints").string()
                  : options_.dirpath;
   validation_ran_ = false;
+  if (enabled(trainer)) {
+    if (const std::string why = detail::unusable_directory(dirpath_); !why.empty()) {
+      throw ConfigError(str("ModelCheckpoint: dirpath \"", dirpath_,
+                            "\" cannot hold checkpoints: ", why,
+                            ". Pass a dirpath (or default_root_dir) that is a directory or "
+                            "can be made one."));
+    }
+  }
   // What saves killed mid-write left (a later save would remove it too,
   // but a run may end before its first save).
   std::error_code ec;
@@ -59,28 +156,35 @@ void ModelCheckpoint::on_fit_start(Trainer& trainer, Module&) {
   }
 }
 
-std::string ModelCheckpoint::format_name(Trainer& trainer) const {
-  // Replaces {epoch}, {step} and {<metric>} in the template.
+std::string ModelCheckpoint::format_name(Trainer& trainer) {
+  // Replaces {epoch}, {step} and {<metric>} (each with an optional format,
+  // {val_loss:.2f}) in the template.
   std::string out;
+  std::vector<std::string> missing;
   const std::string& t = options_.filename;
   for (size_t i = 0; i < t.size();) {
     if (t[i] == '{') {
       size_t close = t.find('}', i);
       if (close != std::string::npos) {
-        std::string key = t.substr(i + 1, close - i - 1);
-        if (key == "epoch") {
-          out += std::to_string(trainer.current_epoch());
-        } else if (key == "step") {
-          out += std::to_string(trainer.global_step());
+        const std::string field = t.substr(i + 1, close - i - 1);
+        const size_t colon = field.find(':');
+        const std::string key = field.substr(0, colon);
+        const std::string spec = colon == std::string::npos ? "" : field.substr(colon + 1);
+        if (key == "epoch" || key == "step") {
+          const int64_t n = key == "epoch" ? trainer.current_epoch() : trainer.global_step();
+          out += spec.empty() ? std::to_string(n) : format_number(spec, n);
         } else {
           auto it = trainer.callback_metrics().find(key);
           if (it == trainer.callback_metrics().end()) {
+            missing.push_back(key);
             out += "nan";
-          } else {
+          } else if (spec.empty()) {
             std::ostringstream v;
             v.precision(4);
             v << std::fixed << it->second;
             out += v.str();
+          } else {
+            out += format_number(spec, it->second);
           }
         }
         i = close + 1;
@@ -89,7 +193,37 @@ std::string ModelCheckpoint::format_name(Trainer& trainer) const {
     }
     out += t[i++];
   }
+  // A metric not logged (yet, or ever: a misspelt name) reads "nan", said
+  // once per name.
+  for (const std::string& key : missing) {
+    if (!noted_missing_.insert(key).second || !trainer.strategy().is_global_zero()) continue;
+    std::vector<std::string> names;
+    for (const auto& [k, _] : trainer.callback_metrics()) names.push_back(k);
+    detail::print_note(str(
+        "ModelCheckpoint(filename=\"", t, "\"): {", key, "} is not a logged metric at step ",
+        trainer.global_step(), ", so the name reads \"nan\" there. Logged metrics: ",
+        names.empty() ? std::string("none") : join(names), ". Log it, or use one of these names."));
+  }
   return (fs::path(dirpath_) / (out + ".ckpt")).string();
+}
+
+std::string ModelCheckpoint::unclaimed(const std::string& path) const {
+  // A checkpoint this callback keeps under that name, saved at another step
+  // (a template without {epoch} or {step}, or whose metric repeats), is not
+  // written over: "-v1", "-v2", ... before ".ckpt", as Lightning names them.
+  auto kept = [&](const std::string& p) {
+    if (!options_.monitor.empty()) {
+      return std::any_of(top_k_.begin(), top_k_.end(),
+                         [&](const auto& e) { return e.second == p; });
+    }
+    return p == latest_path_ || written_.count(p) > 0;
+  };
+  if (!kept(path)) return path;
+  const std::string stem = path.substr(0, path.size() - std::string(".ckpt").size());
+  for (int64_t v = 1;; ++v) {
+    std::string candidate = str(stem, "-v", v, ".ckpt");
+    if (!kept(candidate)) return candidate;
+  }
 }
 
 bool ModelCheckpoint::enabled(Trainer& trainer) const {
@@ -125,7 +259,7 @@ void ModelCheckpoint::save(Trainer& trainer) {
   Strategy& strategy = trainer.strategy();
 
   if (options_.save_top_k != 0) {
-    std::string path = format_name(trainer);
+    const std::string path = unclaimed(format_name(trainer));
     // A checkpoint records the ranking as it is with itself in it (what
     // ckpt_path="best" reads from the newest in a new process): the ranking
     // is updated first, and put back as it was if the save fails.
@@ -143,6 +277,8 @@ void ModelCheckpoint::save(Trainer& trainer) {
       latest_path_ = path;
       best_model_path_ = path;
       save_ranked();
+      // Keeping every save: each name stays taken.
+      if (options_.save_top_k != 1) written_.insert(path);
       if (options_.save_top_k == 1 && !previous.empty() && previous != path &&
           in_directory(previous, dirpath_)) {
         detail::drive(strategy).remove_checkpoint(previous);

@@ -42,11 +42,12 @@ StochasticWeightAveraging::StochasticWeightAveraging(SWAOptions options)
   }
   const double start = options_.swa_epoch_start;
   const bool fraction = start > 0.0 && start < 1.0;
-  const bool epoch = start >= 1.0 && std::floor(start) == start && std::isfinite(start);
+  // An epoch number an int64_t holds (2^62: converting more is undefined).
+  const bool epoch = start >= 1.0 && std::floor(start) == start && start <= 0x1p62;
   if (!fraction && !epoch) {
     problems.push_back(str("swa_epoch_start=", start,
                            ": pass a fraction of max_epochs in (0, 1) (0.8) or an epoch number "
-                           "counted from 1 (an integral value >= 1)"));
+                           "counted from 1 (an integral value from 1 to 2^62)"));
   }
   if (options_.annealing_epochs < 0) {
     problems.push_back(str("annealing_epochs=", options_.annealing_epochs, ": must be >= 0"));

@@ -83,6 +83,11 @@ void Module::log(std::string_view name, const at::Tensor& value, LogOptions opti
                           "): only scalars can be logged. Reduce it first, e.g. "
                           "value.mean()."));
   }
+  if (value.is_complex()) {
+    throw ConfigError(str("log(\"", name, "\", tensor of dtype ",
+                          c10::toString(value.scalar_type()),
+                          "): only real numbers can be logged. Log value.abs() or value.real()."));
+  }
   // Kept on its device, read back only when a logger, the progress bar or
   // a callback needs the number.
   attached_sink(log_sink_, name).log(name, value, options);

@@ -154,8 +154,9 @@ int64_t DatasetLoader::samples_per_epoch() const { return sampler_->shard_size(d
 namespace {
 // The batches `samples` make: the last one short, or dropped.
 int64_t batches_of(int64_t samples, const DataLoaderOptions& options) {
+  // No samples + b - 1: it overflows for a batch size near INT64_MAX.
   const int64_t b = options.batch_size;
-  return options.drop_last ? samples / b : (samples + b - 1) / b;
+  return samples / b + (!options.drop_last && samples % b != 0 ? 1 : 0);
 }
 }  // namespace
 
@@ -178,7 +179,8 @@ std::optional<at::Tensor> DatasetLoader::sample_indices(int64_t batch_idx) const
                           epoch(), ") has ", batches, " batch(es); pass an index in [0, ", batches,
                           ")."));
   }
-  return order_.slice(0, batch_idx * b, std::min(n, (batch_idx + 1) * b)).clone();
+  const int64_t begin = batch_idx * b;  // < n: batch_idx is a batch of the epoch
+  return order_.slice(0, begin, begin + std::min(b, n - begin)).clone();
 }
 
 bool DatasetLoader::set_in_order(bool in_order) {
@@ -203,7 +205,7 @@ int64_t DatasetLoader::padded_rows(int64_t batch_idx) const {
   if ((m - 1) * w + s.shard_rank() < n) return 0;
   const int64_t b = options_.batch_size;
   if (options_.drop_last && m % b != 0) return 0;  // the sample is in the dropped remainder
-  return batch_idx == (m + b - 1) / b - 1 ? 1 : 0;
+  return batch_idx == m / b + (m % b != 0 ? 1 : 0) - 1 ? 1 : 0;
 }
 
 DatasetLoader::~DatasetLoader() {
@@ -241,7 +243,7 @@ std::string samples_text(const at::Tensor& indices) {
 Batch DatasetLoader::load_batch(const at::Tensor& order, uint64_t seed, int64_t epoch,
                                 int64_t index) const {
   const int64_t begin = index * options_.batch_size;
-  const int64_t end = std::min(begin + options_.batch_size, order.size(0));
+  const int64_t end = begin + std::min(options_.batch_size, order.size(0) - begin);
   const at::Tensor indices = order.slice(0, begin, end).contiguous();
   detail::SampleScope scope(seed, epoch);
   Batch batch;

@@ -366,9 +366,25 @@ LRFinderResult Tuner::lr_find(Module& module, DataModule& data, LRFinderOptions 
   return run_lr_find(module, [&](Trainer& trainer) { trainer.fit(module, data); }, options);
 }
 
+namespace {
+
+// A trial that can run no training step finds nothing (and would count as
+// a fit).
+void check_trials_train(const TrainerOptions& options, const char* what) {
+  if (options.limit_train_batches.is_zero() && options.overfit_batches.is_zero()) {
+    throw ConfigError(str("Tuner.", what,
+                          " with limit_train_batches=", options.limit_train_batches.text(),
+                          ": its trials would run no training step. Pass a positive "
+                          "limit_train_batches (or leave it at 1.0)."));
+  }
+}
+
+}  // namespace
+
 LRFinderResult Tuner::run_lr_find(Module& module, const std::function<void(Trainer&)>& fit,
                                   const LRFinderOptions& options) {
   check_lr_finder_options(options);
+  check_trials_train(options_, "lr_find");
   LRFinderResult result;
   TrainerOptions trial = trial_options(options_, options.num_training);
   // A captured step would run the sweep's first rate for good.
@@ -416,6 +432,7 @@ BatchSizeFinderResult Tuner::scale_batch_size(
     Module& module, const std::function<std::shared_ptr<DataLoader>(int64_t)>& make_loader,
     BatchSizeFinderOptions options) {
   check_batch_size_finder_options(options);
+  check_trials_train(options_, "scale_batch_size");
   if (!make_loader) {
     throw ConfigError(
         "Tuner.scale_batch_size(module, make_loader): make_loader is empty. Pass a function "
@@ -459,6 +476,15 @@ BatchSizeFinderResult Tuner::scale_batch_size(
           throw ConfigError(str("Tuner.scale_batch_size: make_loader(", size,
                                 ") returned no loader. Return the training loader for that "
                                 "batch size."));
+        }
+        // A loader of another batch size would make every trial the same.
+        if (const auto* dataset = dynamic_cast<const DatasetLoader*>(loader.get());
+            dataset != nullptr && dataset->options().batch_size != size) {
+          throw ConfigError(str("Tuner.scale_batch_size: make_loader(", size,
+                                ") returned a loader of batch_size=", dataset->options().batch_size,
+                                ". Return a loader of the batch size asked for (with a "
+                                "DataModule: set_batch_size(n) makes its next "
+                                "train_dataloader() batch n samples)."));
         }
         return loader;
       };

@@ -5,6 +5,12 @@
 
 #include <sys/stat.h>
 
+#include <filesystem>
+#include <string>
+#include <system_error>
+
+#include "fulgur/core/errors.h"
+
 namespace fulgur::detail {
 
 /// "a directory", "a FIFO (named pipe)", ... for a stat() mode.
@@ -15,6 +21,27 @@ inline const char* file_kind(mode_t mode) {
   if (S_ISBLK(mode)) return "a block device";
   if (S_ISSOCK(mode)) return "a socket";
   return "not a regular file";
+}
+
+/// Why `dir` cannot be a directory to write in: a file (or other
+/// non-directory) on its way ("\"/a/b\" is a file"), or a part of it that
+/// cannot be looked up; "" when it is a directory or is not there yet.
+inline std::string unusable_directory(const std::string& dir) {
+  namespace fs = std::filesystem;
+  for (fs::path at = dir; !at.empty(); at = at.parent_path()) {
+    std::error_code ec;
+    const fs::file_status status = fs::status(at, ec);
+    if (fs::is_directory(status)) return "";
+    if (fs::exists(status)) {
+      return str("\"", at.string(), "\" is ",
+                 fs::is_regular_file(status) ? "a file" : "not a directory");
+    }
+    if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
+      return str("\"", at.string(), "\" cannot be looked up (", ec.message(), ")");
+    }
+    if (at == at.parent_path()) break;
+  }
+  return "";
 }
 
 }  // namespace fulgur::detail

@@ -40,7 +40,7 @@ TEST(CPUAccelerator, RejectsIndicesAndNonPositiveCounts) {
                      {"devices=2147483647", "runs at most", "kernel.pid_max", "num_nodes"});
 }
 
-// The host's statistics: the process's resident memory grows with memory it
+// The host's statistics: the process's resident memory holds memory it
 // touches, the machine's memory and swap in use are percentages, and from
 // the second reading on the CPU time since the one before is there (this
 // process burned some).
@@ -66,7 +66,9 @@ TEST(CPUAccelerator, DeviceStatsAreTheProcessAndMachinesMemoryAndCpuUse) {
   volatile uint64_t sum = 0;
   while (std::clock() - begin < CLOCKS_PER_SEC / 20) sum = sum + touched[sum % touched.size()];
   auto second = cpu.device_stats(c10::Device(c10::kCPU));
-  EXPECT_GE(second["cpu_rss_bytes"], first["cpu_rss_bytes"] + (48 << 20));
+  // At least the memory just written is resident (the rest of the process
+  // may have given some back meanwhile: no growth is asserted).
+  EXPECT_GE(second["cpu_rss_bytes"], 64 << 20);
   EXPECT_GE(second["cpu_rss_peak_bytes"], second["cpu_rss_bytes"]);
   ASSERT_EQ(second.count("cpu_percent"), 1u);
   EXPECT_GT(second["cpu_percent"], 0);

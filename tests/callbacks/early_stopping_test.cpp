@@ -128,6 +128,12 @@ TEST(EarlyStopping, BadOptionsAreNamedTogether) {
     EXPECT_THAT(e.what(), HasSubstr("patience=0"));
     EXPECT_THAT(e.what(), HasSubstr("mode=\"up\""));
   }
+  // No improvement exceeds an infinite min_delta: the fit would stop after
+  // patience checks whatever the metric did.
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      EarlyStopping({.monitor = "val_loss", .min_delta = std::numeric_limits<double>::infinity()}),
+      {"min_delta=inf", "finite"});
 }
 
 // Its wait count and best score are in the checkpoint: a run stopped by

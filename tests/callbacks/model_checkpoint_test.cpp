@@ -72,6 +72,32 @@ TEST(ModelCheckpoint, RejectsInvalidOptions) {
   EXPECT_THROWS_WITH(fulgur::ConfigError,
                      fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.every_n_epochs = -1}},
                      {"every_n_epochs=-1"});
+  // A path in the template would write outside dirpath, where save_top_k
+  // never removes a file.
+  for (const char* name : {"sub/{epoch}", "../escape-{epoch}", "/tmp/abs-{epoch}"}) {
+    EXPECT_THROWS_WITH(fulgur::ConfigError,
+                       fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.filename = name}},
+                       {name, "a file name, not a path", "dirpath"});
+  }
+  for (const char* name : {"{epoch}-{val_loss:.2}", "{val_loss:x}", "{epoch:.2d}", "{a:999f}"}) {
+    EXPECT_THROWS_WITH(fulgur::ConfigError,
+                       fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.filename = name}},
+                       {name, "is not one of [0][width][.precision]"});
+  }
+}
+
+// A dirpath that cannot be a directory is named when the fit starts, not
+// after its first epoch trained.
+TEST(ModelCheckpoint, ADirpathUnderAFileIsNamedWhenTheFitStarts) {
+  TempDir dir;
+  fulgur::test::write_text(dir.file("afile"), "x");
+  LinearRegression model;
+  fulgur::Trainer trainer(with_checkpoint(dir, {.dirpath = dir.file("afile/ckpts")}));
+  int batches = 0;
+  model.train_hook = [&](LinearRegression&, fulgur::Batch&, int64_t) { ++batches; };
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(model, regression_loader(2)),
+                     {"afile/ckpts", "cannot hold checkpoints", "afile\" is a file"});
+  EXPECT_EQ(batches, 0);
 }
 
 TEST(ModelCheckpoint, DefaultDirectoryIsUnderDefaultRootDir) {
@@ -163,6 +189,76 @@ TEST(ModelCheckpoint, FilenameTemplate) {
   fulgur::Trainer trainer(options);
   trainer.fit(model, regression_loader(2));
   EXPECT_THAT(list_files(dir.file("ckpts")), ElementsAre("last.ckpt", "model_e0_s2.ckpt"));
+}
+
+// Python's formats, as Lightning's templates use them.
+TEST(ModelCheckpoint, FilenameTemplateFormatsItsFields) {
+  TempDir dir;
+  LinearRegression model;
+  model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t) {
+    self.log("score", 0.123456, {.on_step = false, .on_epoch = true});
+  };
+  auto options = scored_epochs(
+      dir, {.filename = "e{epoch:03d}-s{step:2d}-{score:.2f}-{score:08.3f}-{score:.1e}"}, 1);
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(1));
+  EXPECT_THAT(list_files(dir.file("ckpts")),
+              ElementsAre("e000-s 2-0.12-0000.123-1.2e-01.ckpt", "last.ckpt"));
+}
+
+// A name the template gives twice (no {epoch} or {step} in it, or a metric
+// that repeats) never writes over a checkpoint that is kept: the next gets
+// "-v1", "-v2", ... (before, the best was written over by a worse one, and
+// "keep all" kept one). A metric not logged reads "nan", with a note.
+TEST(ModelCheckpoint, ANameTheTemplateGivesTwiceIsVersionedNotWrittenOver) {
+  {
+    SCOPED_TRACE("the 2 best by a monitor");
+    TempDir dir;
+    LinearRegression model;
+    model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t) {
+      const double scores[] = {0.5, 0.3, 0.4};
+      self.log("score", scores[self.current_epoch()], {.on_step = false, .on_epoch = true});
+    };
+    std::shared_ptr<fulgur::ModelCheckpoint> callback;
+    auto options = scored_epochs(
+        dir, {.filename = "model", .monitor = "score", .mode = "max", .save_top_k = 2}, 3,
+        &callback);
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(2), regression_loader(1));
+    // 0.5 as model, 0.3 as model-v1, then 0.4 as model-v2 (both taken),
+    // which evicts model-v1.
+    EXPECT_THAT(list_files(dir.file("ckpts")),
+                ElementsAre("last.ckpt", "model-v2.ckpt", "model.ckpt"));
+    EXPECT_EQ(fs::path(callback->best_model_path()).filename().string(), "model.ckpt");
+    EXPECT_DOUBLE_EQ(*callback->best_model_score(), 0.5);
+  }
+  {
+    SCOPED_TRACE("keep all, no monitor");
+    TempDir dir;
+    LinearRegression model;
+    auto options = with_checkpoint(dir, {.filename = "model", .save_top_k = -1});
+    options.max_epochs = 3;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(2));
+    EXPECT_THAT(list_files(dir.file("ckpts")),
+                ElementsAre("last.ckpt", "model-v1.ckpt", "model-v2.ckpt", "model.ckpt"));
+  }
+  {
+    SCOPED_TRACE("a misspelt metric");
+    TempDir dir;
+    LinearRegression model;
+    auto options = with_checkpoint(dir, {.filename = "{epoch}-{vall_loss}", .save_top_k = -1});
+    options.max_epochs = 2;
+    fulgur::Trainer trainer(options);
+    testing::internal::CaptureStderr();
+    trainer.fit(model, regression_loader(2));
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_THAT(list_files(dir.file("ckpts")),
+                ElementsAre("0-nan.ckpt", "1-nan.ckpt", "last.ckpt"));
+    EXPECT_TRUE(fulgur::test::message_contains(
+        err, {"{vall_loss} is not a logged metric", "\"nan\"", "Logged metrics: train_loss"}))
+        << err;
+  }
 }
 
 /// Logs "score" in validation: 3, 1, 2 in epochs 0, 1, 2.

@@ -270,6 +270,12 @@ TEST(StochasticWeightAveraging, OptionsThatCannotWorkAreNamed) {
                                                           .annealing_strategy = "step"}),
                      {"swa_lr=0", "swa_epoch_start=1.5", "annealing_epochs=-1",
                       "annealing_strategy=\"step\"", "cos", "linear"});
+  // An epoch past what an int64_t holds (it was converted regardless, and
+  // named as epoch -9223372036854775808).
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      StochasticWeightAveraging(SWAOptions{.swa_lr = 0.01, .swa_epoch_start = 1e300}),
+      {"swa_epoch_start=1e+300", "from 1 to 2^62"});
   TempDir dir;
   LinearRegression model;
   auto options = test_options(dir);

@@ -2,6 +2,8 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <limits>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -76,6 +78,21 @@ TEST(DatasetLoader, NumBatchesRoundsUpUnlessDropLast) {
   EXPECT_EQ(drop->num_batches(), std::optional<int64_t>(3));
   auto exact = fulgur::make_data_loader(index_dataset(9), {.batch_size = 3, .drop_last = true});
   EXPECT_EQ(exact->num_batches(), std::optional<int64_t>(3));
+}
+
+// A batch size near INT64_MAX is one batch of every sample (it overflowed
+// into none: validation and test were skipped without a word).
+TEST(DatasetLoader, ABatchSizeNearInt64MaxIsOneBatchOfEverySample) {
+  const int64_t huge = std::numeric_limits<int64_t>::max() - 5;
+  auto loader = fulgur::make_data_loader(index_dataset(10), {.batch_size = huge});
+  EXPECT_EQ(loader->num_batches(), std::optional<int64_t>(1));
+  auto batches = read_epoch(*loader, 0);
+  ASSERT_EQ(batches.size(), 1u);
+  EXPECT_EQ(batches[0].size(), 10u);
+  EXPECT_EQ(loader->sample_indices(0)->numel(), 10);
+  auto dropped =
+      fulgur::make_data_loader(index_dataset(10), {.batch_size = huge, .drop_last = true});
+  EXPECT_EQ(dropped->num_batches(), std::optional<int64_t>(0));
 }
 
 TEST(DatasetLoader, SequentialBatchesInOrder) {

@@ -268,6 +268,12 @@ TEST(LRFinder, OptionsThatCannotWorkAreNamedTogether) {
                       "exponential", "linear", "smoothing=1"});
   EXPECT_THROWS_WITH(fulgur::ConfigError, tuner.lr_find(model, nullptr),
                      {"no training data"});
+  // No trial step would run (it printed "0 steps from 0 to 0").
+  auto no_batches = test_options(dir);
+  no_batches.limit_train_batches = 0;
+  fulgur::Tuner none(no_batches);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, none.lr_find(model, regression_loader(2)),
+                     {"Tuner.lr_find with limit_train_batches=0", "positive limit_train_batches"});
   EXPECT_EQ(model.training_steps, 0);
 }
 
@@ -469,6 +475,22 @@ TEST(BatchSizeFinder, OptionsThatCannotWorkAreNamedTogether) {
           model, [](int64_t) { return std::shared_ptr<fulgur::DataLoader>(); },
           {.host_memory_cap = kCap}),
       {"make_loader(2) returned no loader"});
+  // A loader of another size than asked for made every trial the same
+  // (batch_size=4096 "fit", batches of 8 ran); no step ran every trial
+  // "fit" too.
+  auto data = fulgur::test::regression_dataset(64);
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      tuner.scale_batch_size(
+          model, [&](int64_t) { return fulgur::make_data_loader(data, {.batch_size = 8}); },
+          {.host_memory_cap = kCap}),
+      {"make_loader(2) returned a loader of batch_size=8", "the batch size asked for"});
+  auto no_batches = test_options(dir);
+  no_batches.limit_train_batches = 0;
+  fulgur::Tuner none(no_batches);
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     none.scale_batch_size(model, loaders_of(8), {.host_memory_cap = kCap}),
+                     {"Tuner.scale_batch_size with limit_train_batches=0", "no training step"});
   auto options = test_options(dir);
   options.strategy = "ddp";
   options.devices = 2;

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -33,7 +34,12 @@ struct ChoiceNames<CheckpointMode> {
 struct ModelCheckpointOptions {
   /// Directory for checkpoints; default `<default_root_dir>/checkpoints`.
   std::string dirpath = "";
-  /// File name template; `{epoch}`, `{step}` and `{<metric>}` are filled in.
+  /// File name template; `{epoch}`, `{step}` and `{<metric>}` are filled in,
+  /// each with an optional format ([0][width][.precision] and f, e, g or d:
+  /// `{val_loss:.2f}`, `{epoch:03d}`; a metric without one has 4 decimals).
+  /// A name of no metric logged reads "nan" (with a note). A name a kept
+  /// checkpoint of another step has gets "-v1", "-v2", ... No '/': the
+  /// directory is dirpath.
   std::string filename = "epoch={epoch}-step={step}";
   /// Metric to rank checkpoints by; empty keeps the latest only.
   std::string monitor = "";
@@ -75,7 +81,9 @@ class ModelCheckpoint : public Callback {
   void save(Trainer& trainer);
   void save_last(Trainer& trainer);
   bool enabled(Trainer& trainer) const;
-  std::string format_name(Trainer& trainer) const;
+  std::string format_name(Trainer& trainer);
+  /// `path`, or "<stem>-v<N>.ckpt" when a kept checkpoint has that name.
+  std::string unclaimed(const std::string& path) const;
   bool better(double candidate, double reference) const;
 
   ModelCheckpointOptions options_;
@@ -85,6 +93,8 @@ class ModelCheckpoint : public Callback {
   std::string last_model_path_;
   std::vector<std::pair<double, std::string>> top_k_;  // score, path
   std::string latest_path_;                            // when no monitor
+  std::set<std::string> written_;        // no monitor, more than the latest kept: every save
+  std::set<std::string> noted_missing_;  // template metrics said to be missing
   int64_t last_saved_step_ = -1;
   bool validated_this_epoch_ = false;
   // A validation (not the sanity check) has run in this fit: from then on a

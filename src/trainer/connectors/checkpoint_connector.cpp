@@ -15,6 +15,7 @@
 //   rng                    section  every RNG state
 //   hparams                section  the module's hyper-parameters
 //   module                 section  what Module::on_save_checkpoint adds
+#include "utilities/file_kind.h"
 #include "trainer/connectors/checkpoint_connector.h"
 
 #include <torch/torch.h>
@@ -48,27 +49,6 @@ struct SchedulerAccess : torch::optim::LRScheduler {
     return s.*(&SchedulerAccess::step_count_);
   }
 };
-
-// Why `dir` cannot hold checkpoints: a file (or other non-directory) on its
-// way, or a part of it that cannot be looked up; "" when it is a directory
-// or is not there yet.
-std::string unusable_directory(const std::string& dir) {
-  namespace fs = std::filesystem;
-  for (fs::path at = dir; !at.empty(); at = at.parent_path()) {
-    std::error_code ec;
-    const fs::file_status status = fs::status(at, ec);
-    if (fs::is_directory(status)) return "";
-    if (fs::exists(status)) {
-      return str("\"", at.string(), "\" is ",
-                 fs::is_regular_file(status) ? "a file" : "not a directory");
-    }
-    if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
-      return str("\"", at.string(), "\" cannot be looked up (", ec.message(), ")");
-    }
-    if (at == at.parent_path()) break;
-  }
-  return "";
-}
 
 }  // namespace
 
@@ -201,7 +181,7 @@ std::string CheckpointConnector::newest_checkpoint(const std::string& keyword) c
   if (found.empty()) {
     // (A fresh start's first save names a directory that cannot be one.)
     if (keyword == "auto") return {};
-    if (const std::string why = unusable_directory(dir); !why.empty()) {
+    if (const std::string why = detail::unusable_directory(dir); !why.empty()) {
       throw CheckpointError(str("ckpt_path=\"", keyword, "\": the checkpoint directory \"", dir,
                                 "\" cannot be one: ", why,
                                 ". Pass a default_root_dir (or ModelCheckpoint dirpath) that is "

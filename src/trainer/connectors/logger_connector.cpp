@@ -36,6 +36,22 @@ double LogSink::Value::read() const { return tensor.defined() ? read_tensor(tens
 LogSink::Entry& LogSink::entry(std::string_view name, const LogOptions& options, bool& on_step,
                                bool& on_epoch, metrics::Metric* metric) {
   if (name.empty()) throw ConfigError("log(\"\", ...): a metric needs a non-empty name.");
+  if (const size_t bad = name.find_first_of(",\"\n\r"); bad != std::string_view::npos) {
+    const char c = name[bad];
+    throw ConfigError(
+        str("log(\"", name, "\"): a metric name cannot hold ",
+            c == '\n'   ? "a line break"
+            : c == '\r' ? "a carriage return"
+            : c == ','  ? "a comma"
+                        : "a double quote",
+            " (metrics.csv separates its columns with commas and its rows with line "
+            "breaks, and reads no quoting). Use another character, e.g. '_' or '/'."));
+  }
+  if (options.batch_size && *options.batch_size < 0) {
+    throw ConfigError(str("log(\"", name, "\", batch_size=", *options.batch_size,
+                          "): the batch size weighs the value in the epoch's mean and must be "
+                          ">= 0. Pass the number of samples the value was computed over."));
+  }
   on_step = options.on_step.value_or(in_step_);
   on_epoch = options.on_epoch.value_or(!in_step_);
   if (!on_step && !on_epoch) {
@@ -43,11 +59,48 @@ LogSink::Entry& LogSink::entry(std::string_view name, const LogOptions& options,
                           "\", on_step=false, on_epoch=false): the value would "
                           "go nowhere. Set on_step or on_epoch."));
   }
+  // Logged per step and per epoch, a metric is published as <name>_step
+  // and <name>_epoch: no other metric may have those names.
+  auto pending = [](const Entry& e) { return e.epoch_has_value || e.step_fresh; };
+  for (const char* suffix : {"_step", "_epoch"}) {
+    const std::string_view s(suffix);
+    if (on_step && on_epoch) {
+      auto other = entries_.find(str(name, s));
+      if (other != entries_.end() && pending(other->second)) {
+        throw ConfigError(str("log(\"", name,
+                              "\", on_step=true, on_epoch=true): it is published "
+                              "as \"",
+                              name, "_step\" and \"", name, "_epoch\", and \"", name, s,
+                              "\" is logged as a metric of its own this epoch. Rename one of "
+                              "them."));
+      }
+    }
+    if (name.size() > s.size() && name.substr(name.size() - s.size()) == s) {
+      auto base = entries_.find(name.substr(0, name.size() - s.size()));
+      if (base != entries_.end() && pending(base->second) && base->second.on_step &&
+          base->second.on_epoch) {
+        throw ConfigError(str("log(\"", name, "\"): \"", base->first,
+                              "\" is logged per step and per epoch this epoch, and published as "
+                              "\"",
+                              base->first, "_step\" and \"", base->first,
+                              "_epoch\". Rename one of them."));
+      }
+    }
+  }
   auto it = entries_.find(name);
   if (it == entries_.end()) {
     it = entries_.emplace(std::string(name), Entry{}).first;
-  } else if (it->second.metric != metric &&
-             (it->second.epoch_has_value || it->second.step_fresh)) {
+  } else if (pending(it->second) && metric == nullptr && it->second.metric == nullptr &&
+             (it->second.on_step != on_step || it->second.on_epoch != on_epoch)) {
+    throw ConfigError(
+        str("log(\"", name, "\", on_step=", on_step ? "true" : "false",
+            ", on_epoch=", on_epoch ? "true" : "false",
+            "): this metric was logged with on_step=", it->second.on_step ? "true" : "false",
+            ", on_epoch=", it->second.on_epoch ? "true" : "false",
+            " earlier in the epoch (its step and epoch values would land under "
+            "different names). Log each name with the same on_step and on_epoch, "
+            "or use two names."));
+  } else if (it->second.metric != metric && (it->second.epoch_has_value || it->second.step_fresh)) {
     throw ConfigError(str("log(\"", name, "\"): this name was logged with ",
                           it->second.metric != nullptr ? "a metric object" : "values",
                           " earlier in the epoch, and now with ",

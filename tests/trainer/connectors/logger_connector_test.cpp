@@ -5,6 +5,9 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
@@ -242,6 +245,58 @@ TEST(Logging, NonScalarInAStepIsAConfigError) {
   fulgur::Trainer trainer(test_options(dir));
   EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(model, regression_loader(2)),
                      {"\"batch\"", "only scalars"});
+}
+
+// What would corrupt metrics.csv, weigh an epoch's mean wrongly, or lose
+// values under another metric's name is refused, naming the metric: a name
+// with a comma, quote or line break; a negative batch_size; a complex
+// value; on_step/on_epoch changed within an epoch (its values went under
+// two names and the epoch mean was lost); a name that another metric logged
+// per step and per epoch is published as (<name>_step, <name>_epoch).
+TEST(Logging, ValuesThatWouldLandWrongAreRefusedWithTheirName) {
+  struct Case {
+    const char* what;
+    std::function<void(LinearRegression&, int64_t)> log;
+    std::vector<std::string> message;
+  };
+  const std::vector<Case> cases = {
+      {"comma", [](LinearRegression& m, int64_t) { m.log("a,b", 1.0); }, {"\"a,b\"", "a comma"}},
+      {"line break", [](LinearRegression& m, int64_t) { m.log("a\nb", 1.0); }, {"a line break"}},
+      {"quote", [](LinearRegression& m, int64_t) { m.log("q\"", 1.0); }, {"a double quote"}},
+      {"negative batch_size",
+       [](LinearRegression& m, int64_t) { m.log("w", 1.0, {.on_epoch = true, .batch_size = -1}); },
+       {"\"w\", batch_size=-1", ">= 0"}},
+      {"complex",
+       [](LinearRegression& m, int64_t) {
+         m.log("c", torch::complex(torch::ones({}), torch::ones({})));
+       },
+       {"\"c\", tensor of dtype ComplexFloat", "value.abs()"}},
+      {"on_epoch changed",
+       [](LinearRegression& m, int64_t i) {
+         m.log("chg", 1.0, {.on_step = true, .on_epoch = i % 2 == 0});
+       },
+       {"\"chg\", on_step=true, on_epoch=false", "logged with on_step=true, on_epoch=true"}},
+      {"a derived name",
+       [](LinearRegression& m, int64_t) {
+         m.log("loss2", 1.0, {.on_step = true, .on_epoch = true});
+         m.log("loss2_step", 2.0);
+       },
+       {"log(\"loss2_step\")", "\"loss2\" is logged per step and per epoch", "Rename one"}},
+      {"a derived name, the other way round",
+       [](LinearRegression& m, int64_t) {
+         m.log("loss3_epoch", 2.0, {.on_epoch = true});
+         m.log("loss3", 1.0, {.on_step = true, .on_epoch = true});
+       },
+       {"\"loss3\", on_step=true, on_epoch=true", "\"loss3_epoch\" is logged"}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    TempDir dir;
+    LinearRegression model;
+    model.train_hook = [&](LinearRegression& self, fulgur::Batch&, int64_t i) { c.log(self, i); };
+    fulgur::Trainer trainer(test_options(dir));
+    EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(model, regression_loader(3)), (c.message));
+  }
 }
 
 TEST(Logging, LogAfterTheRunIsAConfigError) {
