@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <optional>
 #include <random>
 
 #include "fulgur/core/errors.h"
@@ -204,9 +205,32 @@ void PredictionFileWriter::write_on_epoch_end(Trainer& trainer, Module&,
 
 Batch PredictionFileWriter::read(const std::string& dirpath) {
   TorchCheckpointIO io;
+  const std::string where = str("PredictionFileWriter::read(\"", dirpath, "\"): ");
+  if (std::error_code ec; fs::exists(fs::status(dirpath, ec)) && !fs::is_directory(dirpath, ec)) {
+    throw CheckpointError(str(where, "it is ",
+                              fs::is_regular_file(dirpath, ec) ? "a file" : "not a directory",
+                              ", not the directory a PredictionFileWriter wrote to. Pass that "
+                              "directory."));
+  }
+  // A file that is not what PredictionFileWriter writes (damaged, another
+  // program's, a training checkpoint): said as such, not as a checkpoint
+  // to resume from.
+  auto damaged = [&](const std::string& path, const std::string& why) {
+    return CheckpointError(str(where, file_name(path),
+                               " is not a predictions file of a PredictionFileWriter, or is "
+                               "damaged (",
+                               why, "). Predict again into this directory to write it anew."));
+  };
   auto load = [&](int rank) {
     const std::string path = file_of_rank(dirpath, rank);
     std::error_code ec;
+    if (const fs::file_status st = fs::status(path, ec);
+        fs::exists(st) && !fs::is_regular_file(st)) {
+      throw CheckpointError(str(where, file_name(path), " is ",
+                                fs::is_directory(st) ? "a directory" : "not a regular file",
+                                ", not a predictions file. Predict again into an empty "
+                                "directory."));
+    }
     if (!fs::is_regular_file(path, ec)) {
       throw CheckpointError(
           str("PredictionFileWriter::read(\"", dirpath, "\"): ", file_name(path), " is missing",
@@ -216,7 +240,15 @@ Batch PredictionFileWriter::read(const std::string& dirpath) {
               ". Read once Trainer::predict with a PredictionFileWriter writing to this "
               "directory has returned on every rank."));
     }
-    return io.load_checkpoint(path);
+    try {
+      StateDict state = io.load_checkpoint(path);
+      (void)state.string("run");
+      (void)state.integer("world_size");
+      (void)state.integer("batches");
+      return state;
+    } catch (const std::exception& e) {
+      throw damaged(path, e.what());
+    }
   };
   const StateDict first = load(0);
   const std::string run = first.string("run");
@@ -237,27 +269,36 @@ Batch PredictionFileWriter::read(const std::string& dirpath) {
                                 "empty directory."));
     }
     if (state.integer("batches") == 0) continue;
-    const std::string its_kind = state.string("kind");
+    std::string its_kind;
     std::vector<std::string> its_keys;
-    const c10::List<c10::IValue> listed = state.at("keys").toList();
-    for (size_t k = 0; k < listed.size(); ++k) its_keys.push_back(listed.get(k).toStringRef());
-    const StateDict& tensors = state.section_at("tensors");
+    std::vector<at::Tensor> its_tensors;
+    std::optional<at::Tensor> its_indices;
+    try {
+      its_kind = state.string("kind");
+      const c10::List<c10::IValue> listed = state.at("keys").toList();
+      for (size_t k = 0; k < listed.size(); ++k) its_keys.push_back(listed.get(k).toStringRef());
+      const StateDict& tensors = state.section_at("tensors");
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        its_tensors.push_back(tensors.tensor(std::to_string(i)));
+      }
+      if (const c10::IValue* idx = state.find("sample_indices")) its_indices = idx->toTensor();
+    } catch (const std::exception& e) {
+      throw damaged(file_of_rank(dirpath, static_cast<int>(r)), e.what());
+    }
     if (kind.empty()) {
       kind = its_kind;
       keys = its_keys;
-      columns.resize(tensors.size());
-    } else if (its_kind != kind || its_keys != keys || tensors.size() != columns.size()) {
+      columns.resize(its_tensors.size());
+    } else if (its_kind != kind || its_keys != keys || its_tensors.size() != columns.size()) {
       throw CheckpointError(str("PredictionFileWriter::read(\"", dirpath, "\"): ", name,
-                                " holds a ", its_kind, " of ", tensors.size(),
+                                " holds a ", its_kind, " of ", its_tensors.size(),
                                 " tensor(s), the ranks before it a ", kind, " of ", columns.size(),
                                 ": the ranks' predict_step returned different "
                                 "kinds of Batch."));
     }
-    for (size_t i = 0; i < columns.size(); ++i) {
-      columns[i].push_back(tensors.tensor(std::to_string(i)));
-    }
-    if (const c10::IValue* idx = state.find("sample_indices")) {
-      indices.push_back(idx->toTensor());
+    for (size_t i = 0; i < columns.size(); ++i) columns[i].push_back(its_tensors[i]);
+    if (its_indices) {
+      indices.push_back(*its_indices);
     } else {
       indexed = false;
     }

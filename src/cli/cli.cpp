@@ -1022,8 +1022,10 @@ CLI::Result CLI::run(Trainer& trainer, Module& model, DataModule& data) const {
       std::cout << options_.program << " lr_find: suggested learning rate " << *found.suggestion
                 << "\n";
     }
-    if (!found.note.empty()) std::cout << found.note << "\n";
     if (fs::exists(sweep.plot_path, ec)) std::cout << "curve: " << sweep.plot_path << "\n";
+    // Found nothing: an error, so that a script sees it in the exit status.
+    if (!found.suggestion) throw ConfigError(str(options_.program, " ", found.note));
+    if (!found.note.empty()) std::cout << found.note << "\n";
     return result;
   }
   if (scale_batch_size_) {
@@ -1041,10 +1043,9 @@ CLI::Result CLI::run(Trainer& trainer, Module& model, DataModule& data) const {
       if (t.peak_bytes >= 0) std::cout << " (peak " << t.peak_bytes << " bytes of tensors)";
       std::cout << "\n";
     }
-    if (found.batch_size > 0) {
-      std::cout << options_.program << " scale_batch_size: the largest batch size that fit: "
-                << found.batch_size << "\n";
-    }
+    if (found.batch_size == 0) throw ConfigError(str(options_.program, " ", found.note));
+    std::cout << options_.program
+              << " scale_batch_size: the largest batch size that fit: " << found.batch_size << "\n";
     if (!found.note.empty()) std::cout << found.note << "\n";
     return result;
   }

@@ -95,14 +95,25 @@ void write_row(std::ostream& out, const std::vector<std::string>& columns, int64
 void CSVLogger::read_previous_rows() {
   std::ifstream in(metrics_file());
   std::string line;
-  if (!in || !std::getline(in, line)) return;
+  if (!in) return;
+  if (!std::getline(in, line)) {
+    detail::print_note(str("CSVLogger: \"", metrics_file(),
+                           "\" is empty: the rows of the run resumed from are not there; this "
+                           "run's are written from here on."));
+    return;
+  }
   std::vector<std::string> header;
   {
     std::stringstream cells(line);
     std::string cell;
     while (std::getline(cells, cell, ',')) header.push_back(cell);
   }
-  if (header.empty() || header.front() != "step") return;  // not ours: rewritten below
+  if (header.empty() || header.front() != "step") {
+    detail::print_note(str("CSVLogger: \"", metrics_file(),
+                           "\" is not a metrics file this logger wrote (its first line does not "
+                           "start with \"step\"); it is written anew with this run's rows."));
+    return;
+  }
   std::vector<std::string> columns(header.begin() + 1, header.end());
   for (const auto& c : columns_) {
     if (std::find(columns.begin(), columns.end(), c) == columns.end()) columns.push_back(c);
@@ -140,6 +151,16 @@ void CSVLogger::save() {
     header_changed_ = true;  // rewrite: the file holds only the kept rows
   }
   auto path = metrics_file();
+  if (!header_written_ && !resume_step()) {
+    // A version given explicitly may hold another run's rows.
+    std::error_code ec;
+    if (fs::is_regular_file(path, ec) && fs::file_size(path, ec) > 0 && !ec) {
+      detail::print_note(str("CSVLogger: \"", path,
+                             "\" holds the rows of an earlier run of this version; they are "
+                             "replaced by this run's. Pass another version (or none: the next "
+                             "free one) to keep them."));
+    }
+  }
   errno = 0;
   if (header_changed_ || !header_written_) {
     // A new column: the whole file anew with the wider header, replacing

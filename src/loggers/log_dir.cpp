@@ -8,6 +8,7 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/loggers/logger.h"
+#include "utilities/file_kind.h"
 
 namespace fulgur::detail {
 
@@ -50,9 +51,14 @@ void make_log_directory(const std::string& dir, const std::string& logger) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) {
-    throw ConfigError(str(logger, ": cannot create the log directory \"", dir, "\": ", ec.message(),
-                          ". Make its parent writable by this user, or log elsewhere (the "
-                          "logger's save_dir, or the Trainer's default_root_dir)."));
+    // A file on the way is named: "Not a directory" alone does not say which.
+    const std::string in_the_way = detail::unusable_directory(dir);
+    throw ConfigError(
+        str(logger, ": cannot create the log directory \"", dir,
+            "\": ", in_the_way.empty() ? ec.message() : in_the_way,
+            in_the_way.empty() ? ". Make its parent writable by this user" : ". Move it away",
+            ", or log elsewhere (the logger's save_dir, or the Trainer's "
+            "default_root_dir)."));
   }
 }
 

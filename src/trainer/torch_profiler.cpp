@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "fulgur/core/errors.h"
+#include "utilities/file_kind.h"
 #include "utilities/json_text.h"
 
 namespace fulgur::detail {
@@ -370,7 +371,9 @@ std::string TorchProfiler::write_profile(kineto::ProfilerResult& result) {
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   if (ec) {
-    error = str("could not create ", dir_, " (", ec.message(), ")");
+    const std::string in_the_way = detail::unusable_directory(dir_);
+    error =
+        str("could not create ", dir_, " (", in_the_way.empty() ? ec.message() : in_the_way, ")");
   } else {
     // Kineto writes its own trace (with the device's kernels); without
     // Kineto, LibTorch refuses and the trace is written from the records.
@@ -387,8 +390,8 @@ std::string TorchProfiler::write_profile(kineto::ProfilerResult& result) {
   }
   if (!error.empty()) {
     print_note(str("profiler=pytorch: ", error,
-                   "; the fit goes on without it. Pass default_root_dir= a directory with room "
-                   "for the trace."));
+                   "; the fit goes on without it. Pass default_root_dir= a directory where it "
+                   "can be written, with room for the trace."));
     return table;
   }
   return str(table, "  trace: ", trace, "\n  table: ", table_path, "\n");

@@ -196,7 +196,28 @@ TEST(PredictionFileWriter, MissingDamagedAndStaleFilesAreNamed) {
     f.seekp(200);
     f.put('\x7f');
   }
-  EXPECT_THROW(fulgur::PredictionFileWriter::read(dir.path()), fulgur::CheckpointError);
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, fulgur::PredictionFileWriter::read(dir.path()),
+                     {"predictions-rank0.pt is not a predictions file of a PredictionFileWriter, "
+                      "or is damaged (",
+                      "Predict again into this directory"});
+  // Another file in its place (a training checkpoint's state): the same,
+  // not advice about resuming.
+  {
+    fulgur::StateDict other;
+    other.set("epoch", int64_t{3});
+    fulgur::TorchCheckpointIO io;
+    io.save_checkpoint(other, rank0);
+  }
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, fulgur::PredictionFileWriter::read(dir.path()),
+                     {"predictions-rank0.pt is not a predictions file", "\"run\""});
+  // The wrong kind of path: a file for the directory, a directory for a
+  // rank's file.
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, fulgur::PredictionFileWriter::read(rank0),
+                     {"it is a file, not the directory a PredictionFileWriter wrote to"});
+  const std::string holes = dir.file("holes");
+  std::filesystem::create_directories(fulgur::PredictionFileWriter::file_of_rank(holes, 0));
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, fulgur::PredictionFileWriter::read(holes),
+                     {"predictions-rank0.pt is a directory, not a predictions file"});
 }
 
 // A sampler that visits samples 2, 0, 1, 0, 1 of five: the repeats are

@@ -171,6 +171,19 @@ TEST(CLI, ScaleBatchSizePrintsEveryTrialAndLeavesTheDataModuleHoldingTheSizeFoun
   EXPECT_EQ(data.batch_size(), 64);
   EXPECT_FALSE(fs::exists(dir.file("checkpoints")));
 
+  // Nothing fitting is an error (the exit status says it), after the trials.
+  Program tight;
+  ASSERT_TRUE(tight.parse({"scale_batch_size", "--default_root_dir", dir.path(), "--accelerator",
+                           "cpu", "--enable_progress_bar", "false", "--logger", "false"}));
+  tight.cli.batch_size_finder().steps_per_trial = 1;
+  tight.cli.batch_size_finder().host_memory_cap = 1;
+  fulgur::Trainer tight_trainer(tight.cli.trainer_options());
+  testing::internal::CaptureStdout();
+  EXPECT_THROWS_WITH(fulgur::ConfigError, tight.cli.run(tight_trainer, model, data),
+                     {"prog scale_batch_size: no batch size fit; batch_size=1 ran out of memory"});
+  EXPECT_TRUE(contains(testing::internal::GetCapturedStdout(),
+                       "prog scale_batch_size: batch_size=1 ran out of memory"));
+
   // A DataModule without a batch size, and a checkpoint, are refused by name.
   fulgur::test::RecordingDataModule fixed(/*train_batches=*/4);
   EXPECT_THROWS_WITH(fulgur::ConfigError, p.cli.run(trainer, model, fixed),

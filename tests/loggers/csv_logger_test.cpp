@@ -197,7 +197,7 @@ TEST(CSVLogger, NoLoggerMeansNoLogDir) {
 }
 
 // A log directory that cannot be created (a file stands where a parent
-// should be): a ConfigError naming it and the OS reason, and the rows stay
+// should be): a ConfigError naming it and the file in the way, and the rows stay
 // pending for a later save.
 TEST(CSVLogger, AnUncreatableLogDirectoryIsAClearError) {
   TempDir dir;
@@ -206,9 +206,9 @@ TEST(CSVLogger, AnUncreatableLogDirectoryIsAClearError) {
   logger.log_metrics({{"loss", 1.0}}, 0);
   EXPECT_THROWS_WITH(fulgur::ConfigError, logger.save(),
                      {"cannot create the log directory", dir.file("taken/run/version_0"),
-                      "Not a directory", "save_dir"});
+                      "\"" + dir.file("taken") + "\" is a file", "Move it away", "save_dir"});
   EXPECT_THROWS_WITH(fulgur::ConfigError, logger.log_hyperparams({{"lr", 0.1}}),
-                     {"cannot create the log directory", "Not a directory"});
+                     {"cannot create the log directory", "is a file"});
   // Once the way is clear, the pending row is written.
   fs::remove(dir.file("taken"));
   logger.save();

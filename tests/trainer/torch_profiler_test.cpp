@@ -200,6 +200,7 @@ TEST(TorchProfiler, ADirectoryThatCannotBeWrittenCostsTheProfileNotTheFit) {
   const CapturedFit fit = fit_capturing_output(dir, 0, 2);
   EXPECT_THAT(fit.noted,
               testing::HasSubstr("profiler=pytorch: could not create " + dir.path() + "/profiler"));
+  EXPECT_THAT(fit.noted, testing::HasSubstr("(\"" + dir.path() + "/profiler\" is a file)"));
   EXPECT_THAT(fit.noted, testing::HasSubstr("the fit goes on"));
   EXPECT_THAT(fit.printed, testing::HasSubstr("training batches 0..1"))
       << "the table is still printed";
