@@ -82,6 +82,8 @@ std::map<std::string, double> CUDAAccelerator::device_stats(c10::Device device) 
   const c10::DeviceIndex index = device.has_index() ? device.index() : 0;
   // The caching allocator's counters, under torch.cuda.memory_stats()'s
   // names; [0] is every pool together (StatType::AGGREGATE in each version).
+  // Before CUDA's lazy initialisation it has none (and would throw).
+  if (!c10::cuda::CUDACachingAllocator::get()->initialized()) return stats;
   const auto s = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
   auto add = [&](const char* name, const auto& array) {
     stats[std::string(name) + ".all.current"] = static_cast<double>(array[0].current);

@@ -105,7 +105,15 @@ ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std:
     problems.push_back(str("every_n_epochs=", *options_.every_n_epochs, ": must be >= 0"));
   }
   if (options_.filename.empty()) problems.push_back("filename=\"\": pass a file name template");
-  if (options_.filename.find('/') != std::string::npos) {
+  // A '/' outside the {fields} (a metric's name may hold one).
+  bool slash = false;
+  for (size_t i = 0, depth = 0; i < options_.filename.size(); ++i) {
+    const char c = options_.filename[i];
+    if (c == '{') ++depth;
+    if (c == '}' && depth > 0) --depth;
+    if (c == '/' && depth == 0) slash = true;
+  }
+  if (slash) {
     problems.push_back(str("filename=\"", options_.filename,
                            "\": a file name, not a path (a checkpoint written outside dirpath is "
                            "never removed by save_top_k). Put the directory in dirpath"));
@@ -207,22 +215,24 @@ std::string ModelCheckpoint::format_name(Trainer& trainer) {
   return (fs::path(dirpath_) / (out + ".ckpt")).string();
 }
 
-std::string ModelCheckpoint::unclaimed(const std::string& path) const {
-  // A checkpoint this callback keeps under that name, saved at another step
-  // (a template without {epoch} or {step}, or whose metric repeats), is not
+std::string ModelCheckpoint::unclaimed(const std::string& path, int64_t step,
+                                       const std::string& replaced) const {
+  // A checkpoint this callback keeps under that name from another step (a
+  // template without {epoch} or {step}, or whose metric repeats) is not
   // written over: "-v1", "-v2", ... before ".ckpt", as Lightning names them.
-  auto kept = [&](const std::string& p) {
-    if (!options_.monitor.empty()) {
-      return std::any_of(top_k_.begin(), top_k_.end(),
-                         [&](const auto& e) { return e.second == p; });
-    }
-    return p == latest_path_ || written_.count(p) > 0;
+  // The same step's is (a run resumed from before that step's save makes
+  // it again, as the run never stopped made it), and so is the one this
+  // save replaces (save_top_k=1), in place as before.
+  auto taken = [&](const std::string& p) {
+    if (p == replaced) return false;
+    auto it = saved_at_.find(p);
+    return it != saved_at_.end() && it->second != step;
   };
-  if (!kept(path)) return path;
+  if (!taken(path)) return path;
   const std::string stem = path.substr(0, path.size() - std::string(".ckpt").size());
   for (int64_t v = 1;; ++v) {
     std::string candidate = str(stem, "-v", v, ".ckpt");
-    if (!kept(candidate)) return candidate;
+    if (!taken(candidate)) return candidate;
   }
 }
 
@@ -259,28 +269,31 @@ void ModelCheckpoint::save(Trainer& trainer) {
   Strategy& strategy = trainer.strategy();
 
   if (options_.save_top_k != 0) {
-    const std::string path = unclaimed(format_name(trainer));
+    const int64_t step = trainer.global_step();
+    std::string path;
     // A checkpoint records the ranking as it is with itself in it (what
     // ckpt_path="best" reads from the newest in a new process): the ranking
     // is updated first, and put back as it was if the save fails.
-    const auto before = std::make_tuple(top_k_, latest_path_, best_model_path_, best_model_score_);
+    const auto before =
+        std::make_tuple(top_k_, latest_path_, best_model_path_, best_model_score_, saved_at_);
     const auto save_ranked = [&] {
       try {
         trainer.save_checkpoint(path);
       } catch (...) {
-        std::tie(top_k_, latest_path_, best_model_path_, best_model_score_) = before;
+        std::tie(top_k_, latest_path_, best_model_path_, best_model_score_, saved_at_) = before;
         throw;
       }
     };
     if (options_.monitor.empty()) {
       const std::string previous = latest_path_;
+      const bool replaces = options_.save_top_k == 1 && !previous.empty();
+      path = unclaimed(format_name(trainer), step, replaces ? previous : std::string());
+      if (replaces && previous != path) saved_at_.erase(previous);
+      saved_at_[path] = step;
       latest_path_ = path;
       best_model_path_ = path;
       save_ranked();
-      // Keeping every save: each name stays taken.
-      if (options_.save_top_k != 1) written_.insert(path);
-      if (options_.save_top_k == 1 && !previous.empty() && previous != path &&
-          in_directory(previous, dirpath_)) {
+      if (replaces && previous != path && in_directory(previous, dirpath_)) {
         detail::drive(strategy).remove_checkpoint(previous);
       }
     } else {
@@ -319,6 +332,11 @@ void ModelCheckpoint::save(Trainer& trainer) {
                   static_cast<int64_t>(top_k_.size()) < options_.save_top_k ||
                   better(score, top_k_.back().first);
       if (keep) {
+        // A full list drops its worst for this one, whose name it may take.
+        const bool full =
+            options_.save_top_k > 0 && static_cast<int64_t>(top_k_.size()) >= options_.save_top_k;
+        path = unclaimed(format_name(trainer), step, full ? top_k_.back().second : std::string());
+        saved_at_[path] = step;
         // The files that leave the list go once the checkpoint is saved.
         top_k_.erase(std::remove_if(top_k_.begin(), top_k_.end(),
                                     [&](const auto& e) { return e.second == path; }),
@@ -330,6 +348,7 @@ void ModelCheckpoint::save(Trainer& trainer) {
         while (options_.save_top_k > 0 &&
                static_cast<int64_t>(top_k_.size()) > options_.save_top_k) {
           evicted.push_back(top_k_.back().second);
+          if (top_k_.back().second != path) saved_at_.erase(top_k_.back().second);
           top_k_.pop_back();
         }
         best_model_path_ = top_k_.front().second;
@@ -337,7 +356,9 @@ void ModelCheckpoint::save(Trainer& trainer) {
         save_ranked();
         for (const std::string& file : evicted) {
           // Another run's file leaves the list but stays on disk.
-          if (in_directory(file, dirpath_)) detail::drive(strategy).remove_checkpoint(file);
+          if (file != path && in_directory(file, dirpath_)) {
+            detail::drive(strategy).remove_checkpoint(file);
+          }
         }
       }
     }
@@ -410,6 +431,18 @@ StateDict ModelCheckpoint::state_dict() const {
   }
   state.set("top_k_scores", scores);
   state.set("top_k_paths", paths);
+  // The step it saved at (this one, in its own checkpoints): a run resumed
+  // from it does not save that step again (say after the validation of the
+  // same step), as the run never stopped did not.
+  state.set("last_saved_step", last_saved_step_);
+  c10::List<std::string> saved_paths;
+  c10::List<int64_t> saved_steps;
+  for (const auto& [p, s] : saved_at_) {
+    saved_paths.push_back(p);
+    saved_steps.push_back(s);
+  }
+  state.set("saved_paths", saved_paths);
+  state.set("saved_steps", saved_steps);
   return state;
 }
 
@@ -422,6 +455,7 @@ void ModelCheckpoint::load_state_dict(const StateDict& state) {
   if (state.contains("latest_path")) latest_path_ = state.string("latest_path");
   if (state.contains("dirpath")) dirpath_ = state.string("dirpath");
   if (state.contains("last_model_path")) last_model_path_ = state.string("last_model_path");
+  if (state.contains("last_saved_step")) last_saved_step_ = state.integer("last_saved_step");
   if (state.contains("top_k_scores") && state.contains("top_k_paths")) {
     const std::vector<double> scores = state.reals("top_k_scores");
     const std::vector<std::string> paths = state.strings("top_k_paths");
@@ -430,6 +464,18 @@ void ModelCheckpoint::load_state_dict(const StateDict& state) {
       top_k.emplace_back(scores[i], paths[i]);
     }
     top_k_ = std::move(top_k);
+  }
+  // The names kept and the steps they were saved at. A checkpoint written
+  // before they were recorded: its kept names, from unknown steps (never
+  // written over).
+  saved_at_.clear();
+  if (state.contains("saved_paths") && state.contains("saved_steps")) {
+    const std::vector<std::string> paths = state.strings("saved_paths");
+    const std::vector<int64_t> steps = state.integers("saved_steps");
+    for (size_t i = 0; i < paths.size() && i < steps.size(); ++i) saved_at_[paths[i]] = steps[i];
+  } else {
+    for (const auto& [score, p] : top_k_) saved_at_.emplace(p, -1);
+    if (!latest_path_.empty()) saved_at_.emplace(latest_path_, -1);
   }
 }
 

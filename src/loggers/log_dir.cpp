@@ -56,7 +56,9 @@ void make_log_directory(const std::string& dir, const std::string& logger) {
     throw ConfigError(
         str(logger, ": cannot create the log directory \"", dir,
             "\": ", in_the_way.empty() ? ec.message() : in_the_way,
-            in_the_way.empty() ? ". Make its parent writable by this user" : ". Move it away",
+            in_the_way.empty() || in_the_way.find("cannot be looked up") != std::string::npos
+                ? ". Make its parent writable by this user"
+                : ". Move it away",
             ", or log elsewhere (the logger's save_dir, or the Trainer's "
             "default_root_dir)."));
   }

@@ -53,6 +53,9 @@ TEST(CUDAAccelerator, DeviceStatsCountTheMemoryATensorHolds_CUDA) {
   FULGUR_SKIP_UNLESS_CUDA(1);
   fulgur::CUDAAccelerator cuda;
   const c10::Device device(c10::kCUDA, 0);
+  // Before CUDA is initialised there is nothing to count (no error).
+  (void)cuda.device_stats(device);
+  auto first = torch::zeros({1}, torch::TensorOptions().device(device));
   const auto before = cuda.device_stats(device);
   ASSERT_EQ(before.count("allocated_bytes.all.current"), 1u);
   auto held = torch::ones({16, 1024, 1024}, torch::TensorOptions().device(device));  // 64 MiB

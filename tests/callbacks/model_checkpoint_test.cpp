@@ -79,6 +79,9 @@ TEST(ModelCheckpoint, RejectsInvalidOptions) {
                        fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.filename = name}},
                        {name, "a file name, not a path", "dirpath"});
   }
+  // A metric's name may hold one.
+  EXPECT_NO_THROW(fulgur::ModelCheckpoint{
+      fulgur::ModelCheckpointOptions{.filename = "{epoch}-{val/loss:.2f}"}});
   for (const char* name : {"{epoch}-{val_loss:.2}", "{val_loss:x}", "{epoch:.2d}", "{a:999f}"}) {
     EXPECT_THROWS_WITH(fulgur::ConfigError,
                        fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.filename = name}},
@@ -225,10 +228,17 @@ TEST(ModelCheckpoint, ANameTheTemplateGivesTwiceIsVersionedNotWrittenOver) {
         &callback);
     fulgur::Trainer trainer(options);
     trainer.fit(model, regression_loader(2), regression_loader(1));
-    // 0.5 as model, 0.3 as model-v1, then 0.4 as model-v2 (both taken),
-    // which evicts model-v1.
+    // 0.5 as model, 0.3 as model-v1, then 0.4, which replaces 0.3: in its
+    // place, model-v1 (model is taken).
     EXPECT_THAT(list_files(dir.file("ckpts")),
-                ElementsAre("last.ckpt", "model-v2.ckpt", "model.ckpt"));
+                ElementsAre("last.ckpt", "model-v1.ckpt", "model.ckpt"));
+    EXPECT_DOUBLE_EQ(fulgur::TorchCheckpointIO()
+                         .load_checkpoint(dir.file("ckpts/model-v1.ckpt"))
+                         .section_at("callbacks")
+                         .section_at(callback->state_key())
+                         .reals("top_k_scores")
+                         .back(),
+                     0.4);
     EXPECT_EQ(fs::path(callback->best_model_path()).filename().string(), "model.ckpt");
     EXPECT_DOUBLE_EQ(*callback->best_model_score(), 0.5);
   }
@@ -242,6 +252,43 @@ TEST(ModelCheckpoint, ANameTheTemplateGivesTwiceIsVersionedNotWrittenOver) {
     trainer.fit(model, regression_loader(2));
     EXPECT_THAT(list_files(dir.file("ckpts")),
                 ElementsAre("last.ckpt", "model-v1.ckpt", "model-v2.ckpt", "model.ckpt"));
+  }
+  {
+    SCOPED_TRACE("save_top_k=1: the one it replaces, in place");
+    TempDir dir;
+    LinearRegression model;
+    std::shared_ptr<fulgur::ModelCheckpoint> callback;
+    auto options = with_checkpoint(dir, {.filename = "best"}, &callback);
+    options.max_epochs = 3;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(2));
+    EXPECT_THAT(list_files(dir.file("ckpts")), ElementsAre("best.ckpt", "last.ckpt"));
+    EXPECT_EQ(fs::path(callback->best_model_path()).filename().string(), "best.ckpt");
+  }
+  {
+    SCOPED_TRACE("keep all, resumed: the names kept before go on being kept");
+    TempDir dir;
+    {
+      LinearRegression model;
+      auto options = with_checkpoint(dir, {.filename = "model", .save_top_k = -1});
+      options.max_epochs = 2;
+      fulgur::Trainer trainer(options);
+      trainer.fit(model, regression_loader(2));
+    }
+    const auto before = snapshot(dir.file("ckpts"));
+    LinearRegression model;
+    auto options = with_checkpoint(dir, {.filename = "model", .save_top_k = -1});
+    options.max_epochs = 4;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = "last"});
+    EXPECT_THAT(
+        list_files(dir.file("ckpts")),
+        ElementsAre("last.ckpt", "model-v1.ckpt", "model-v2.ckpt", "model-v3.ckpt", "model.ckpt"));
+    const auto after = snapshot(dir.file("ckpts"));
+    for (const char* kept : {"model.ckpt", "model-v1.ckpt"}) {
+      const std::string path = dir.file(std::string("ckpts/") + kept);
+      EXPECT_EQ(after.at(path), before.at(path)) << kept << " was written over";
+    }
   }
   {
     SCOPED_TRACE("a misspelt metric");

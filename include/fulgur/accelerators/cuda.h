@@ -19,7 +19,8 @@ class CUDAAccelerator : public Accelerator {
   /// names (allocated_bytes.all.current/.peak, reserved_bytes.…,
   /// active_bytes.…, allocation.…, num_alloc_retries, num_ooms) and the
   /// device's free and total memory (device_free_bytes, device_total_bytes).
-  /// Nothing waits for the device.
+  /// Nothing waits for the device. Before CUDA's lazy initialisation (no
+  /// tensor on a GPU yet), none of the allocator's.
   std::map<std::string, double> device_stats(c10::Device device) const override;
   bool has_cudnn_autotuner() const override { return true; }
   /// Sets CUBLAS_WORKSPACE_CONFIG=:4096:8 unless the user set it: cuBLAS is

@@ -12,6 +12,7 @@
 //                                      .save_top_k = 3}));
 #pragma once
 
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -82,8 +83,9 @@ class ModelCheckpoint : public Callback {
   void save_last(Trainer& trainer);
   bool enabled(Trainer& trainer) const;
   std::string format_name(Trainer& trainer);
-  /// `path`, or "<stem>-v<N>.ckpt" when a kept checkpoint has that name.
-  std::string unclaimed(const std::string& path) const;
+  /// `path`, or "<stem>-v<N>.ckpt" when a checkpoint kept under it is from
+  /// another step (and is not `replaced`, the one this save replaces).
+  std::string unclaimed(const std::string& path, int64_t step, const std::string& replaced) const;
   bool better(double candidate, double reference) const;
 
   ModelCheckpointOptions options_;
@@ -93,7 +95,9 @@ class ModelCheckpoint : public Callback {
   std::string last_model_path_;
   std::vector<std::pair<double, std::string>> top_k_;  // score, path
   std::string latest_path_;                            // when no monitor
-  std::set<std::string> written_;        // no monitor, more than the latest kept: every save
+  // The checkpoints it keeps (top-k, the latest, every one with
+  // save_top_k=-1): path -> the step it was saved at (-1: not known).
+  std::map<std::string, int64_t> saved_at_;
   std::set<std::string> noted_missing_;  // template metrics said to be missing
   int64_t last_saved_step_ = -1;
   bool validated_this_epoch_ = false;

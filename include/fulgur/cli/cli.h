@@ -189,7 +189,9 @@ class CLI {
   /// the curve into <default_root_dir>/lr_find.png; scale_batch_size runs
   /// the batch-size finder on the DataModule (its batch_size() and
   /// set_batch_size()) and prints each trial and the size found. The
-  /// result of the one that ran is set.
+  /// result of the one that ran is set. A finder that finds nothing (no
+  /// suggested rate, no batch size that fit) throws ConfigError with its
+  /// note after printing what it tried, so a program's exit status says so.
   struct Result {
     std::optional<FitResult> fit;
     std::optional<Metrics> metrics;

@@ -65,7 +65,8 @@ LogSink::Entry& LogSink::entry(std::string_view name, const LogOptions& options,
   for (const char* suffix : {"_step", "_epoch"}) {
     const std::string_view s(suffix);
     if (on_step && on_epoch) {
-      auto other = entries_.find(str(name, s));
+      scratch_.assign(name).append(s);  // no allocation in the steady state
+      auto other = entries_.find(scratch_);
       if (other != entries_.end() && pending(other->second)) {
         throw ConfigError(str("log(\"", name,
                               "\", on_step=true, on_epoch=true): it is published "

@@ -109,6 +109,7 @@ class LogSink final : public ModuleLogSink {
   static void accumulate(Entry& e, const at::Tensor& value, double weight);
 
   std::map<std::string, Entry, std::less<>> entries_;
+  std::string scratch_;  // entry()'s name lookups
   MetricStates restored_;
   std::vector<Value> step_values_;
   bool in_step_ = true;

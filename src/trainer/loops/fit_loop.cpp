@@ -213,6 +213,10 @@ void FitLoop::train_epoch() {
   batch_position_ = start;
   trainer_.logging.train_sink().reset();
   m.train(true);
+  // What the epoch's start logs is per epoch by default (as Lightning's),
+  // in every epoch alike.
+  trainer_.logging.train_sink().set_context(/*training_step=*/false, 1);
+  Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
   trainer_.call_hooks([](Module& mod) { mod.on_train_epoch_start(); },
                       [&](Callback& cb) { cb.on_train_epoch_start(trainer_.self, m); });
 
@@ -319,6 +323,10 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   // A preemption signal is a stop request, voted with this batch.
   if (trainer_.signals.received() != 0) should_stop_ = true;
   trainer_.drive().raise_checkpoint_errors();
+  // What a batch's start logs is per step by default (as Lightning's), in
+  // every epoch alike (the context was the last epoch end's).
+  trainer_.logging.train_sink().set_context(/*training_step=*/true, batch.batch_size());
+  Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
   trainer_.call_hooks([&](Module& mod) { mod.on_train_batch_start(batch, idx); },
                       [&](Callback& cb) { cb.on_train_batch_start(trainer_.self, m, batch, idx); });
   Batch on_device = feed_.take(batch);

@@ -299,6 +299,31 @@ TEST(Logging, ValuesThatWouldLandWrongAreRefusedWithTheirName) {
   }
 }
 
+// The start of an epoch logs per epoch and the start of a batch per step
+// by default (Lightning's), in every epoch alike: before, a batch's start
+// took the last epoch end's context from the second epoch on, mixing the
+// two within an epoch.
+TEST(Logging, EpochAndBatchStartsLogByTheirDefaultsInEveryEpoch) {
+  struct Starts : LinearRegression {
+    void on_train_epoch_start() override { log("at_epoch_start", 1.0); }
+    void on_train_batch_start(const fulgur::Batch&, int64_t batch_idx) override {
+      log("at_batch_start", static_cast<double>(batch_idx));
+    }
+  };
+  TempDir dir;
+  auto logger = std::make_shared<fulgur::test::RecordingLogger>();
+  auto options = test_options(dir);
+  options.max_epochs = 3;
+  options.logger = true;
+  options.loggers = {logger};
+  options.log_every_n_steps = 1;
+  Starts model;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2));
+  EXPECT_EQ(logger->series("at_batch_start").size(), 6u);
+  EXPECT_EQ(logger->series("at_epoch_start").size(), 3u);
+}
+
 TEST(Logging, LogAfterTheRunIsAConfigError) {
   TempDir dir;
   LinearRegression model;
