@@ -105,28 +105,19 @@ ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std:
     problems.push_back(str("every_n_epochs=", *options_.every_n_epochs, ": must be >= 0"));
   }
   if (options_.filename.empty()) problems.push_back("filename=\"\": pass a file name template");
-  // A '/' outside the {fields} (a metric's name may hold one).
-  bool slash = false;
-  for (size_t i = 0, depth = 0; i < options_.filename.size(); ++i) {
-    const char c = options_.filename[i];
-    if (c == '{') ++depth;
-    if (c == '}' && depth > 0) --depth;
-    if (c == '/' && depth == 0) slash = true;
-  }
-  if (slash) {
+  name_parts_ = parse_name(options_.filename);
+  // A '/' in the text (a metric's name in a {field} may hold one).
+  if (std::any_of(name_parts_.begin(), name_parts_.end(), [](const NamePart& part) {
+        return !part.field && part.text.find('/') != std::string::npos;
+      })) {
     problems.push_back(str("filename=\"", options_.filename,
                            "\": a file name, not a path (a checkpoint written outside dirpath is "
                            "never removed by save_top_k). Put the directory in dirpath"));
   }
-  for (size_t open = options_.filename.find('{'); open != std::string::npos;
-       open = options_.filename.find('{', open + 1)) {
-    const size_t close = options_.filename.find('}', open);
-    if (close == std::string::npos) break;
-    const std::string field = options_.filename.substr(open + 1, close - open - 1);
-    if (const size_t colon = field.find(':');
-        colon != std::string::npos && !format_spec_ok(field.substr(colon + 1))) {
-      problems.push_back(str("filename=\"", options_.filename, "\": the format \"",
-                             field.substr(colon + 1), "\" of {", field,
+  for (const NamePart& part : name_parts_) {
+    if (part.field && !part.spec.empty() && !format_spec_ok(part.spec)) {
+      problems.push_back(str("filename=\"", options_.filename, "\": the format \"", part.spec,
+                             "\" of {", part.text, ":", part.spec,
                              "} is not one of [0][width][.precision] followed by f, e, g or d "
                              "(e.g. {val_loss:.2f}, {epoch:03d})"));
     }
@@ -149,7 +140,7 @@ void ModelCheckpoint::on_fit_start(Trainer& trainer, Module&) {
                  : options_.dirpath;
   validation_ran_ = false;
   if (enabled(trainer)) {
-    if (const std::string why = detail::unusable_directory(dirpath_); !why.empty()) {
+    if (const std::string why = detail::unusable_directory(dirpath_).why; !why.empty()) {
       throw ConfigError(str("ModelCheckpoint: dirpath \"", dirpath_,
                             "\" cannot hold checkpoints: ", why,
                             ". Pass a dirpath (or default_root_dir) that is a directory or "
@@ -164,42 +155,51 @@ void ModelCheckpoint::on_fit_start(Trainer& trainer, Module&) {
   }
 }
 
-std::string ModelCheckpoint::format_name(Trainer& trainer) {
-  // Replaces {epoch}, {step} and {<metric>} (each with an optional format,
-  // {val_loss:.2f}) in the template.
-  std::string out;
-  std::vector<std::string> missing;
-  const std::string& t = options_.filename;
+std::vector<ModelCheckpoint::NamePart> ModelCheckpoint::parse_name(
+    const std::string& name_template) {
+  const std::string& t = name_template;
+  std::vector<NamePart> parts;
   for (size_t i = 0; i < t.size();) {
     if (t[i] == '{') {
-      size_t close = t.find('}', i);
-      if (close != std::string::npos) {
+      if (const size_t close = t.find('}', i); close != std::string::npos) {
         const std::string field = t.substr(i + 1, close - i - 1);
         const size_t colon = field.find(':');
-        const std::string key = field.substr(0, colon);
-        const std::string spec = colon == std::string::npos ? "" : field.substr(colon + 1);
-        if (key == "epoch" || key == "step") {
-          const int64_t n = key == "epoch" ? trainer.current_epoch() : trainer.global_step();
-          out += spec.empty() ? std::to_string(n) : format_number(spec, n);
-        } else {
-          auto it = trainer.callback_metrics().find(key);
-          if (it == trainer.callback_metrics().end()) {
-            missing.push_back(key);
-            out += "nan";
-          } else if (spec.empty()) {
-            std::ostringstream v;
-            v.precision(4);
-            v << std::fixed << it->second;
-            out += v.str();
-          } else {
-            out += format_number(spec, it->second);
-          }
-        }
+        parts.push_back({field.substr(0, colon),
+                         colon == std::string::npos ? "" : field.substr(colon + 1), true});
         i = close + 1;
         continue;
       }
     }
-    out += t[i++];
+    if (parts.empty() || parts.back().field) parts.emplace_back();
+    parts.back().text += t[i++];
+  }
+  return parts;
+}
+
+std::string ModelCheckpoint::format_name(Trainer& trainer) {
+  // Fills in {epoch}, {step} and {<metric>} (each with an optional format,
+  // {val_loss:.2f}).
+  std::string out;
+  std::vector<std::string> missing;
+  for (const NamePart& part : name_parts_) {
+    const std::string& key = part.text;
+    if (!part.field) {
+      out += part.text;
+    } else if (key == "epoch" || key == "step") {
+      const int64_t n = key == "epoch" ? trainer.current_epoch() : trainer.global_step();
+      out += part.spec.empty() ? std::to_string(n) : format_number(part.spec, n);
+    } else if (auto it = trainer.callback_metrics().find(key);
+               it == trainer.callback_metrics().end()) {
+      missing.push_back(key);
+      out += "nan";
+    } else if (part.spec.empty()) {
+      std::ostringstream v;
+      v.precision(4);
+      v << std::fixed << it->second;
+      out += v.str();
+    } else {
+      out += format_number(part.spec, it->second);
+    }
   }
   // A metric not logged (yet, or ever: a misspelt name) reads "nan", said
   // once per name.
@@ -207,10 +207,11 @@ std::string ModelCheckpoint::format_name(Trainer& trainer) {
     if (!noted_missing_.insert(key).second || !trainer.strategy().is_global_zero()) continue;
     std::vector<std::string> names;
     for (const auto& [k, _] : trainer.callback_metrics()) names.push_back(k);
-    detail::print_note(str(
-        "ModelCheckpoint(filename=\"", t, "\"): {", key, "} is not a logged metric at step ",
-        trainer.global_step(), ", so the name reads \"nan\" there. Logged metrics: ",
-        names.empty() ? std::string("none") : join(names), ". Log it, or use one of these names."));
+    detail::print_note(str("ModelCheckpoint(filename=\"", options_.filename, "\"): {", key,
+                           "} is not a logged metric at step ", trainer.global_step(),
+                           ", so the name reads \"nan\" there. Logged metrics: ",
+                           names.empty() ? std::string("none") : join(names),
+                           ". Log it, or use one of these names."));
   }
   return (fs::path(dirpath_) / (out + ".ckpt")).string();
 }

@@ -206,9 +206,10 @@ void PredictionFileWriter::write_on_epoch_end(Trainer& trainer, Module&,
 Batch PredictionFileWriter::read(const std::string& dirpath) {
   TorchCheckpointIO io;
   const std::string where = str("PredictionFileWriter::read(\"", dirpath, "\"): ");
-  if (std::error_code ec; fs::exists(fs::status(dirpath, ec)) && !fs::is_directory(dirpath, ec)) {
+  std::error_code ec;
+  if (const fs::file_status st = fs::status(dirpath, ec); fs::exists(st) && !fs::is_directory(st)) {
     throw CheckpointError(str(where, "it is ",
-                              fs::is_regular_file(dirpath, ec) ? "a file" : "not a directory",
+                              fs::is_regular_file(st) ? "a file" : "not a directory",
                               ", not the directory a PredictionFileWriter wrote to. Pass that "
                               "directory."));
   }
@@ -224,16 +225,16 @@ Batch PredictionFileWriter::read(const std::string& dirpath) {
   auto load = [&](int rank) {
     const std::string path = file_of_rank(dirpath, rank);
     std::error_code ec;
-    if (const fs::file_status st = fs::status(path, ec);
-        fs::exists(st) && !fs::is_regular_file(st)) {
+    const fs::file_status st = fs::status(path, ec);
+    if (fs::exists(st) && !fs::is_regular_file(st)) {
       throw CheckpointError(str(where, file_name(path), " is ",
                                 fs::is_directory(st) ? "a directory" : "not a regular file",
                                 ", not a predictions file. Predict again into an empty "
                                 "directory."));
     }
-    if (!fs::is_regular_file(path, ec)) {
+    if (!fs::is_regular_file(st)) {
       throw CheckpointError(
-          str("PredictionFileWriter::read(\"", dirpath, "\"): ", file_name(path), " is missing",
+          str(where, file_name(path), " is missing",
               rank == 0
                   ? ""
                   : str(" (", file_name(file_of_rank(dirpath, 0)), " is from a run of more ranks)"),
@@ -262,8 +263,7 @@ Batch PredictionFileWriter::read(const std::string& dirpath) {
     const StateDict state = r == 0 ? first : load(static_cast<int>(r));
     const std::string name = file_name(file_of_rank(dirpath, static_cast<int>(r)));
     if (state.string("run") != run || state.integer("world_size") != world) {
-      throw CheckpointError(str("PredictionFileWriter::read(\"", dirpath, "\"): ", name,
-                                " is from another predict run than ",
+      throw CheckpointError(str(where, name, " is from another predict run than ",
                                 file_name(file_of_rank(dirpath, 0)),
                                 " (an earlier run's file, left behind). Predict again into an "
                                 "empty directory."));
@@ -290,8 +290,7 @@ Batch PredictionFileWriter::read(const std::string& dirpath) {
       keys = its_keys;
       columns.resize(its_tensors.size());
     } else if (its_kind != kind || its_keys != keys || its_tensors.size() != columns.size()) {
-      throw CheckpointError(str("PredictionFileWriter::read(\"", dirpath, "\"): ", name,
-                                " holds a ", its_kind, " of ", its_tensors.size(),
+      throw CheckpointError(str(where, name, " holds a ", its_kind, " of ", its_tensors.size(),
                                 " tensor(s), the ranks before it a ", kind, " of ", columns.size(),
                                 ": the ranks' predict_step returned different "
                                 "kinds of Batch."));
@@ -304,16 +303,15 @@ Batch PredictionFileWriter::read(const std::string& dirpath) {
     }
   }
   if (kind.empty()) {
-    throw CheckpointError(
-        str("PredictionFileWriter::read(\"", dirpath, "\"): no rank predicted any batch."));
+    throw CheckpointError(str(where, "no rank predicted any batch."));
   }
   std::vector<at::Tensor> merged;
   for (auto& column : columns) {
     try {
       merged.push_back(torch::cat(column));
     } catch (const c10::Error& e) {
-      throw CheckpointError(str("PredictionFileWriter::read(\"", dirpath,
-                                "\"): the ranks' predictions differ in shape beyond dimension 0, "
+      throw CheckpointError(str(where,
+                                "the ranks' predictions differ in shape beyond dimension 0, "
                                 "so they cannot be joined: ",
                                 error_message(e)));
     }

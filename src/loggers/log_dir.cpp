@@ -52,13 +52,11 @@ void make_log_directory(const std::string& dir, const std::string& logger) {
   fs::create_directories(dir, ec);
   if (ec) {
     // A file on the way is named: "Not a directory" alone does not say which.
-    const std::string in_the_way = detail::unusable_directory(dir);
+    const UnusableDirectory unusable = unusable_directory(dir);
     throw ConfigError(
         str(logger, ": cannot create the log directory \"", dir,
-            "\": ", in_the_way.empty() ? ec.message() : in_the_way,
-            in_the_way.empty() || in_the_way.find("cannot be looked up") != std::string::npos
-                ? ". Make its parent writable by this user"
-                : ". Move it away",
+            "\": ", unusable.why.empty() ? ec.message() : unusable.why,
+            unusable.in_the_way ? ". Move it away" : ". Make its parent writable by this user",
             ", or log elsewhere (the logger's save_dir, or the Trainer's "
             "default_root_dir)."));
   }

@@ -371,9 +371,8 @@ std::string TorchProfiler::write_profile(kineto::ProfilerResult& result) {
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   if (ec) {
-    const std::string in_the_way = detail::unusable_directory(dir_);
-    error =
-        str("could not create ", dir_, " (", in_the_way.empty() ? ec.message() : in_the_way, ")");
+    const std::string why = detail::unusable_directory(dir_).why;
+    error = str("could not create ", dir_, " (", why.empty() ? ec.message() : why, ")");
   } else {
     // Kineto writes its own trace (with the device's kernels); without
     // Kineto, LibTorch refuses and the trace is written from the records.

@@ -23,25 +23,32 @@ inline const char* file_kind(mode_t mode) {
   return "not a regular file";
 }
 
-/// Why `dir` cannot be a directory to write in: a file (or other
-/// non-directory) on its way ("\"/a/b\" is a file"), or a part of it that
-/// cannot be looked up; "" when it is a directory or is not there yet.
-inline std::string unusable_directory(const std::string& dir) {
+/// Why a path cannot be a directory to write in: `why` says it ("\"/a/b\"
+/// is a file"), empty when it is a directory or is not there yet;
+/// `in_the_way` when the cause is something there that is not a directory
+/// (to be moved away), not a part that cannot be looked up.
+struct UnusableDirectory {
+  std::string why;
+  bool in_the_way = false;
+};
+
+inline UnusableDirectory unusable_directory(const std::string& dir) {
   namespace fs = std::filesystem;
   for (fs::path at = dir; !at.empty(); at = at.parent_path()) {
     std::error_code ec;
     const fs::file_status status = fs::status(at, ec);
-    if (fs::is_directory(status)) return "";
+    if (fs::is_directory(status)) return {};
     if (fs::exists(status)) {
-      return str("\"", at.string(), "\" is ",
-                 fs::is_regular_file(status) ? "a file" : "not a directory");
+      return {str("\"", at.string(), "\" is ",
+                  fs::is_regular_file(status) ? "a file" : "not a directory"),
+              true};
     }
     if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
-      return str("\"", at.string(), "\" cannot be looked up (", ec.message(), ")");
+      return {str("\"", at.string(), "\" cannot be looked up (", ec.message(), ")"), false};
     }
     if (at == at.parent_path()) break;
   }
-  return "";
+  return {};
 }
 
 }  // namespace fulgur::detail

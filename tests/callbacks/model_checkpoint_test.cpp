@@ -74,7 +74,8 @@ TEST(ModelCheckpoint, RejectsInvalidOptions) {
                      {"every_n_epochs=-1"});
   // A path in the template would write outside dirpath, where save_top_k
   // never removes a file.
-  for (const char* name : {"sub/{epoch}", "../escape-{epoch}", "/tmp/abs-{epoch}"}) {
+  for (const char* name : {"sub/{epoch}", "../escape-{epoch}", "/tmp/abs-{epoch}",
+                           "{epoch/x"}) {  // a '{' without its '}' is text
     EXPECT_THROWS_WITH(fulgur::ConfigError,
                        fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.filename = name}},
                        {name, "a file name, not a path", "dirpath"});
@@ -194,6 +195,18 @@ TEST(ModelCheckpoint, FilenameTemplate) {
   EXPECT_THAT(list_files(dir.file("ckpts")), ElementsAre("last.ckpt", "model_e0_s2.ckpt"));
 }
 
+/// A fit of `epochs` epochs of 2 batches with one ModelCheckpoint of `o`
+/// (writing to <dir>/ckpts), resumed from `ckpt_path` when one is given.
+void fit_epochs(const TempDir& dir, fulgur::ModelCheckpointOptions o, int64_t epochs,
+                std::shared_ptr<fulgur::ModelCheckpoint>* out = nullptr,
+                const std::string& ckpt_path = "") {
+  LinearRegression model;
+  auto options = with_checkpoint(dir, std::move(o), out);
+  options.max_epochs = epochs;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = ckpt_path});
+}
+
 // Python's formats, as Lightning's templates use them.
 TEST(ModelCheckpoint, FilenameTemplateFormatsItsFields) {
   TempDir dir;
@@ -245,42 +258,24 @@ TEST(ModelCheckpoint, ANameTheTemplateGivesTwiceIsVersionedNotWrittenOver) {
   {
     SCOPED_TRACE("keep all, no monitor");
     TempDir dir;
-    LinearRegression model;
-    auto options = with_checkpoint(dir, {.filename = "model", .save_top_k = -1});
-    options.max_epochs = 3;
-    fulgur::Trainer trainer(options);
-    trainer.fit(model, regression_loader(2));
+    fit_epochs(dir, {.filename = "model", .save_top_k = -1}, 3);
     EXPECT_THAT(list_files(dir.file("ckpts")),
                 ElementsAre("last.ckpt", "model-v1.ckpt", "model-v2.ckpt", "model.ckpt"));
   }
   {
     SCOPED_TRACE("save_top_k=1: the one it replaces, in place");
     TempDir dir;
-    LinearRegression model;
     std::shared_ptr<fulgur::ModelCheckpoint> callback;
-    auto options = with_checkpoint(dir, {.filename = "best"}, &callback);
-    options.max_epochs = 3;
-    fulgur::Trainer trainer(options);
-    trainer.fit(model, regression_loader(2));
+    fit_epochs(dir, {.filename = "best"}, 3, &callback);
     EXPECT_THAT(list_files(dir.file("ckpts")), ElementsAre("best.ckpt", "last.ckpt"));
     EXPECT_EQ(fs::path(callback->best_model_path()).filename().string(), "best.ckpt");
   }
   {
     SCOPED_TRACE("keep all, resumed: the names kept before go on being kept");
     TempDir dir;
-    {
-      LinearRegression model;
-      auto options = with_checkpoint(dir, {.filename = "model", .save_top_k = -1});
-      options.max_epochs = 2;
-      fulgur::Trainer trainer(options);
-      trainer.fit(model, regression_loader(2));
-    }
+    fit_epochs(dir, {.filename = "model", .save_top_k = -1}, 2);
     const auto before = snapshot(dir.file("ckpts"));
-    LinearRegression model;
-    auto options = with_checkpoint(dir, {.filename = "model", .save_top_k = -1});
-    options.max_epochs = 4;
-    fulgur::Trainer trainer(options);
-    trainer.fit(model, regression_loader(2), nullptr, {.ckpt_path = "last"});
+    fit_epochs(dir, {.filename = "model", .save_top_k = -1}, 4, nullptr, "last");
     EXPECT_THAT(
         list_files(dir.file("ckpts")),
         ElementsAre("last.ckpt", "model-v1.ckpt", "model-v2.ckpt", "model-v3.ckpt", "model.ckpt"));
@@ -293,12 +288,8 @@ TEST(ModelCheckpoint, ANameTheTemplateGivesTwiceIsVersionedNotWrittenOver) {
   {
     SCOPED_TRACE("a misspelt metric");
     TempDir dir;
-    LinearRegression model;
-    auto options = with_checkpoint(dir, {.filename = "{epoch}-{vall_loss}", .save_top_k = -1});
-    options.max_epochs = 2;
-    fulgur::Trainer trainer(options);
     testing::internal::CaptureStderr();
-    trainer.fit(model, regression_loader(2));
+    fit_epochs(dir, {.filename = "{epoch}-{vall_loss}", .save_top_k = -1}, 2);
     const std::string err = testing::internal::GetCapturedStderr();
     EXPECT_THAT(list_files(dir.file("ckpts")),
                 ElementsAre("0-nan.ckpt", "1-nan.ckpt", "last.ckpt"));

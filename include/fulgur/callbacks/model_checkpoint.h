@@ -82,6 +82,14 @@ class ModelCheckpoint : public Callback {
   void save(Trainer& trainer);
   void save_last(Trainer& trainer);
   bool enabled(Trainer& trainer) const;
+  /// The filename template, parsed once: literal text, or a {key:spec}
+  /// field (a '{' without its '}' is text).
+  struct NamePart {
+    std::string text;  // the text, or the field's key
+    std::string spec;  // the field's format, "" for none
+    bool field = false;
+  };
+  static std::vector<NamePart> parse_name(const std::string& name_template);
   std::string format_name(Trainer& trainer);
   /// `path`, or "<stem>-v<N>.ckpt" when a checkpoint kept under it is from
   /// another step (and is not `replaced`, the one this save replaces).
@@ -98,6 +106,7 @@ class ModelCheckpoint : public Callback {
   // The checkpoints it keeps (top-k, the latest, every one with
   // save_top_k=-1): path -> the step it was saved at (-1: not known).
   std::map<std::string, int64_t> saved_at_;
+  std::vector<NamePart> name_parts_;     // options_.filename's
   std::set<std::string> noted_missing_;  // template metrics said to be missing
   int64_t last_saved_step_ = -1;
   bool validated_this_epoch_ = false;

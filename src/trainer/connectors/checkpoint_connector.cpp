@@ -181,7 +181,7 @@ std::string CheckpointConnector::newest_checkpoint(const std::string& keyword) c
   if (found.empty()) {
     // (A fresh start's first save names a directory that cannot be one.)
     if (keyword == "auto") return {};
-    if (const std::string why = detail::unusable_directory(dir); !why.empty()) {
+    if (const std::string why = detail::unusable_directory(dir).why; !why.empty()) {
       throw CheckpointError(str("ckpt_path=\"", keyword, "\": the checkpoint directory \"", dir,
                                 "\" cannot be one: ", why,
                                 ". Pass a default_root_dir (or ModelCheckpoint dirpath) that is "

@@ -215,8 +215,7 @@ void FitLoop::train_epoch() {
   m.train(true);
   // What the epoch's start logs is per epoch by default (as Lightning's),
   // in every epoch alike.
-  trainer_.logging.train_sink().set_context(/*training_step=*/false, 1);
-  Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
+  log_to_train_sink(m, /*training_step=*/false, 1);
   trainer_.call_hooks([](Module& mod) { mod.on_train_epoch_start(); },
                       [&](Callback& cb) { cb.on_train_epoch_start(trainer_.self, m); });
 
@@ -295,8 +294,7 @@ void FitLoop::train_epoch() {
   LoopProfiler::Scope epoch_end(profiler_.get(), LoopProfiler::Phase::kEpochEnd);
   in_epoch_end_ = true;
   if (m.automatic_optimization()) step_schedulers(Interval::kEpoch);
-  trainer_.logging.train_sink().set_context(/*training_step=*/false, 1);
-  Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
+  log_to_train_sink(m, /*training_step=*/false, 1);
   m.on_train_epoch_end();
   trainer_.logging.publish_epoch(trainer_.logging.train_sink(), *trainer_.strategy,
                                  sanity_checking_, current_epoch_, global_step_, /*in_fit=*/true);
@@ -317,6 +315,11 @@ void FitLoop::train_epoch() {
   validated_at_position_ = -1;
 }
 
+void FitLoop::log_to_train_sink(Module& m, bool training_step, int64_t batch_size) {
+  trainer_.logging.train_sink().set_context(training_step, batch_size);
+  Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
+}
+
 void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   Module& m = *trainer_.module;
   trainer_.drive().heartbeat("train batch");
@@ -325,13 +328,11 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   trainer_.drive().raise_checkpoint_errors();
   // What a batch's start logs is per step by default (as Lightning's), in
   // every epoch alike (the context was the last epoch end's).
-  trainer_.logging.train_sink().set_context(/*training_step=*/true, batch.batch_size());
-  Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
+  log_to_train_sink(m, /*training_step=*/true, batch.batch_size());
   trainer_.call_hooks([&](Module& mod) { mod.on_train_batch_start(batch, idx); },
                       [&](Callback& cb) { cb.on_train_batch_start(trainer_.self, m, batch, idx); });
   Batch on_device = feed_.take(batch);
-  trainer_.logging.train_sink().set_context(/*training_step=*/true, on_device.batch_size());
-  Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
+  log_to_train_sink(m, /*training_step=*/true, on_device.batch_size());
 
   const int64_t steps_before = global_step_;
   bool should_step = (idx + 1) % accumulate_ == 0 || is_last_batch;

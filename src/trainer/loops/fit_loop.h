@@ -116,6 +116,10 @@ class FitLoop {
   /// the checks of val_check_interval against it.
   void count_training_batches();
   void training_batch(Batch& batch, int64_t batch_idx, bool is_last_batch);
+  /// What the Module logs next goes to the training sink, per step
+  /// (`training_step`: inside a batch, weighted by `batch_size`) or per
+  /// epoch by default.
+  void log_to_train_sink(Module& module, bool training_step, int64_t batch_size);
   void step_optimizers();
   /// Every optimizer's unscale, hooks, clipping and step, then the
   /// precision's update (the device work of step_optimizers).
