@@ -20,6 +20,11 @@ void DeviceStatsMonitor::setup(Trainer& trainer, Module&, Stage) {
   }
 }
 
+void DeviceStatsMonitor::on_train_start(Trainer&, Module&) {
+  logged_start_ = -1;
+  logged_end_ = -1;
+}
+
 void DeviceStatsMonitor::log(Trainer& trainer, const char* hook) {
   Strategy& strategy = trainer.strategy();
   if (!strategy.is_global_zero() || trainer.loggers().empty()) return;
@@ -36,23 +41,14 @@ void DeviceStatsMonitor::log(Trainer& trainer, const char* hook) {
 }
 
 void DeviceStatsMonitor::on_train_batch_start(Trainer& trainer, Module&, const Batch&, int64_t) {
-  // As the loggers' cadence: the batch that starts every
-  // log_every_n_steps-th optimizer step (its first micro-batch)...
-  const int64_t step = trainer.global_step();
-  if (step == logged_start_step_ || (step + 1) % trainer.options().log_every_n_steps != 0) return;
-  logged_start_step_ = step;
-  log(trainer, "on_train_batch_start");
+  if (detail::due_at_train_batch_start(trainer, logged_start_)) {
+    log(trainer, "on_train_batch_start");
+  }
 }
 
 void DeviceStatsMonitor::on_train_batch_end(Trainer& trainer, Module&, const at::Tensor&,
                                             const Batch&, int64_t) {
-  // ... and the batch that took it.
-  const int64_t step = trainer.global_step();
-  if (step == 0 || step == logged_end_step_ || step % trainer.options().log_every_n_steps != 0) {
-    return;
-  }
-  logged_end_step_ = step;
-  log(trainer, "on_train_batch_end");
+  if (detail::due_at_train_batch_end(trainer, logged_end_)) log(trainer, "on_train_batch_end");
 }
 
 void DeviceStatsMonitor::log_evaluation_batch(Trainer& trainer, int64_t batch_idx,

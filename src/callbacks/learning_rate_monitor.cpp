@@ -70,17 +70,16 @@ void LearningRateMonitor::log(Trainer& trainer, Module& module) {
   detail::log_to_loggers(trainer, metrics);
 }
 
+void LearningRateMonitor::on_train_start(Trainer&, Module&) { logged_ = -1; }
+
 void LearningRateMonitor::on_train_batch_start(Trainer& trainer, Module& module, const Batch&,
                                                int64_t) {
   // The rate the coming optimizer step uses, logged at that step's index
-  // when it is the log_every_n_steps-th (as PyTorch Lightning does).
-  const int64_t step = trainer.global_step();
-  if (options_.logging_interval != Interval::kStep || step == logged_step_ ||
-      (step + 1) % trainer.options().log_every_n_steps != 0) {
-    return;
+  // at the loggers' cadence (as PyTorch Lightning does).
+  if (options_.logging_interval == Interval::kStep &&
+      detail::due_at_train_batch_start(trainer, logged_)) {
+    log(trainer, module);
   }
-  logged_step_ = step;
-  log(trainer, module);
 }
 
 void LearningRateMonitor::on_train_epoch_end(Trainer& trainer, Module& module) {

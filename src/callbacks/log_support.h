@@ -16,4 +16,27 @@ inline void log_to_loggers(Trainer& trainer, const std::map<std::string, double>
   for (const auto& logger : trainer.loggers()) logger->log_metrics(metrics, trainer.global_step());
 }
 
+/// The loggers' cadence, for what a callback logs at a training batch's
+/// start: true for the batch that may make the next stepping batch the
+/// log_every_n_steps-th (Trainer::batches_that_stepped), once for it (the
+/// first micro-batch of an accumulation window). `last` keeps the count
+/// already logged at; start it at -1.
+inline bool due_at_train_batch_start(const Trainer& trainer, int64_t& last) {
+  const int64_t stepped = trainer.batches_that_stepped();
+  if (stepped == last || (stepped + 1) % trainer.options().log_every_n_steps != 0) return false;
+  last = stepped;
+  return true;
+}
+
+/// The same at a training batch's end: the batch whose step was the
+/// log_every_n_steps-th, once.
+inline bool due_at_train_batch_end(const Trainer& trainer, int64_t& last) {
+  const int64_t stepped = trainer.batches_that_stepped();
+  if (stepped == 0 || stepped == last || stepped % trainer.options().log_every_n_steps != 0) {
+    return false;
+  }
+  last = stepped;
+  return true;
+}
+
 }  // namespace fulgur::detail

@@ -11,26 +11,14 @@
 
 namespace fulgur {
 
-namespace {
-
-// Every log_every_n_steps optimizer steps, once per step.
-bool step_due(Trainer& trainer, int64_t& logged_step) {
-  const int64_t step = trainer.global_step();
-  if (step == 0 || step == logged_step || step % trainer.options().log_every_n_steps != 0) {
-    return false;
-  }
-  logged_step = step;
-  return true;
-}
-
-}  // namespace
-
 ThroughputMonitor::ThroughputMonitor(ThroughputMonitorOptions options) : options_(options) {
   if (options_.window < 2) {
     throw ConfigError(str("ThroughputMonitor(window=", options_.window,
                           "): must be >= 2 (a rate needs two batch ends)."));
   }
 }
+
+void ThroughputMonitor::on_train_start(Trainer&, Module&) { logged_ = -1; }
 
 void ThroughputMonitor::on_train_epoch_start(Trainer&, Module&) {
   // The time between epochs (validation, checkpoints) is not training.
@@ -52,7 +40,7 @@ void ThroughputMonitor::on_train_batch_end(Trainer& trainer, Module&, const at::
       samples_per_sec_ = static_cast<double>(samples) * trainer.strategy().world_size() / seconds;
     }
   }
-  if (batches_per_sec_ > 0 && step_due(trainer, logged_step_)) {
+  if (batches_per_sec_ > 0 && detail::due_at_train_batch_end(trainer, logged_)) {
     detail::log_to_loggers(trainer, {{"throughput/batches_per_sec", batches_per_sec_},
                                      {"throughput/samples_per_sec", samples_per_sec_}});
   }

@@ -1010,6 +1010,7 @@ Stage Trainer::stage() const { return impl_->stage; }
 bool Trainer::sanity_checking() const { return impl_->fit_loop.sanity_checking(); }
 int64_t Trainer::current_epoch() const { return impl_->fit_loop.current_epoch(); }
 int64_t Trainer::global_step() const { return impl_->fit_loop.global_step(); }
+int64_t Trainer::batches_that_stepped() const { return impl_->fit_loop.batches_that_stepped(); }
 int64_t Trainer::batch_idx() const { return impl_->fit_loop.batch_idx(); }
 int64_t Trainer::num_training_batches() const { return impl_->fit_loop.num_training_batches(); }
 int64_t Trainer::max_epochs() const { return impl_->limits.max_epochs; }

@@ -70,6 +70,56 @@ TEST(DeviceStatsMonitor, LogsTheCpusStatisticsAtTheLoggersCadence) {
   }
 }
 
+// Under manual optimization with two optimizers global_step counts two a
+// batch; the loggers write every log_every_n_steps-th batch that stepped,
+// and the monitoring callbacks log with them (they counted optimizer steps,
+// which logged at every batch here). A second fit with the same callbacks
+// logs at the same batches again.
+TEST(MonitoringCallbacks, KeepTheLoggersCadenceUnderManualOptimizationAndInASecondFit) {
+  struct TwoOptimizers : LinearRegression {
+    fulgur::OptimizerConfig configure_optimizers() override {
+      return fulgur::OptimizerConfig(std::vector<std::shared_ptr<torch::optim::Optimizer>>{
+          std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{fc->weight},
+                                              torch::optim::SGDOptions(0.05)),
+          std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{fc->bias},
+                                              torch::optim::SGDOptions(0.05))});
+    }
+    at::Tensor training_step(fulgur::Batch& batch, int64_t idx) override {
+      auto loss = LinearRegression::training_step(batch, idx);
+      manual_backward(loss);
+      for (auto& o : optimizers()) optimizer_step(*o);
+      return loss;
+    }
+  };
+  TempDir dir;
+  auto stats = std::make_shared<fulgur::DeviceStatsMonitor>();
+  auto rates = std::make_shared<fulgur::LearningRateMonitor>();
+  auto throughput = std::make_shared<fulgur::ThroughputMonitor>();
+  for (int fit = 0; fit < 2; ++fit) {
+    SCOPED_TRACE(fit);
+    auto logger = std::make_shared<RecordingLogger>();
+    auto options = logged_options(dir, logger, stats);
+    options.callbacks.insert(options.callbacks.end(), {rates, throughput});
+    options.log_every_n_steps = 2;
+    TwoOptimizers model;
+    model.set_automatic_optimization(false);
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(6));
+    ASSERT_EQ(trainer.global_step(), 12);
+    ASSERT_EQ(trainer.batches_that_stepped(), 6);
+    // The loggers' rows: the ends of the 2nd, 4th and 6th batches.
+    const std::vector<int64_t> ends = {4, 8, 12};
+    EXPECT_EQ(steps_of(*logger, "train_loss"), ends);
+    EXPECT_EQ(steps_of(*logger, "DeviceStatsMonitor.on_train_batch_end/cpu_rss_bytes"), ends);
+    EXPECT_EQ(steps_of(*logger, "throughput/batches_per_sec"), ends);
+    // The starts of the same batches.
+    const std::vector<int64_t> starts = {2, 6, 10};
+    EXPECT_EQ(steps_of(*logger, "DeviceStatsMonitor.on_train_batch_start/cpu_rss_bytes"), starts);
+    EXPECT_EQ(steps_of(*logger, "lr-SGD"), starts);
+    EXPECT_EQ(steps_of(*logger, "lr-SGD-1"), starts);
+  }
+}
+
 TEST(DeviceStatsMonitor, CpuStatsFalseOnTheCpuLogsNothing) {
   TempDir dir;
   auto logger = std::make_shared<RecordingLogger>();

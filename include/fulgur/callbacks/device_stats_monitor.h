@@ -8,7 +8,8 @@
 // and CPU use (fulgur::HostStats). Each value is logged as
 // "DeviceStatsMonitor.<hook>/<name>", e.g.
 // "DeviceStatsMonitor.on_train_batch_end/allocated_bytes.all.peak", at the
-// start and end of a training batch every log_every_n_steps optimizer steps,
+// start and end of the training batches whose values go to the loggers
+// (every log_every_n_steps-th batch that steps: Trainer::batches_that_stepped),
 // and of every log_every_n_steps-th validation and test batch; global rank
 // 0 logs its own device's. Reading the statistics waits for no kernel.
 #pragma once
@@ -37,6 +38,7 @@ class DeviceStatsMonitor : public Callback {
   /// ConfigError when the Trainer has no logger (logger=false) outside
   /// fast_dev_run: there is nowhere to log.
   void setup(Trainer& trainer, Module& module, Stage stage) override;
+  void on_train_start(Trainer& trainer, Module& module) override;
   void on_train_batch_start(Trainer& trainer, Module& module, const Batch& batch,
                             int64_t batch_idx) override;
   void on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor& loss,
@@ -58,8 +60,9 @@ class DeviceStatsMonitor : public Callback {
   DeviceStatsMonitorOptions options_;
   HostStats host_;  // beside a GPU's (cpu_stats = true)
   std::map<std::string, double> last_;
-  int64_t logged_start_step_ = -1;
-  int64_t logged_end_step_ = -1;
+  // Trainer::batches_that_stepped() at the last training log, per hook.
+  int64_t logged_start_ = -1;
+  int64_t logged_end_ = -1;
 };
 
 }  // namespace fulgur

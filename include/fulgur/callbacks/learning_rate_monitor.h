@@ -3,8 +3,9 @@
 // Logs every optimizer's learning rate (and momentum, on request) to the
 // loggers, as "lr-SGD", "lr-Adam", "lr-Adam/pg2" for a second parameter
 // group, "lr-SGD-1" for a second SGD: the rate each optimizer step is about
-// to use, at that step's index, every log_every_n_steps steps (or at each
-// epoch's end), on global rank 0.
+// to use, at that step's index, at the start of the batches whose values
+// go to the loggers (every log_every_n_steps-th batch that steps;
+// Trainer::batches_that_stepped), or at each epoch's end, on global rank 0.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +18,7 @@
 namespace fulgur {
 
 struct LearningRateMonitorOptions {
-  /// "step" (every log_every_n_steps optimizer steps) or "epoch".
+  /// "step" (at the loggers' cadence) or "epoch".
   Choice<Interval> logging_interval = Interval::kStep;
   /// Also "momentum-<name>": SGD's momentum, Adam's and AdamW's beta1,
   /// RMSprop's momentum.
@@ -28,6 +29,7 @@ class LearningRateMonitor : public Callback {
  public:
   explicit LearningRateMonitor(LearningRateMonitorOptions options = {});
   std::string state_key() const override { return "LearningRateMonitor"; }
+  void on_train_start(Trainer& trainer, Module& module) override;
   void on_train_batch_start(Trainer& trainer, Module& module, const Batch& batch,
                             int64_t batch_idx) override;
   void on_train_epoch_end(Trainer& trainer, Module& module) override;
@@ -38,7 +40,7 @@ class LearningRateMonitor : public Callback {
   void log(Trainer& trainer, Module& module);
   LearningRateMonitorOptions options_;
   std::map<std::string, double> last_;
-  int64_t logged_step_ = -1;
+  int64_t logged_ = -1;  // Trainer::batches_that_stepped() at the last log
 };
 
 }  // namespace fulgur

@@ -2,7 +2,8 @@
 //
 // Logs training throughput over a window of recent batches to the loggers:
 // "throughput/batches_per_sec" and "throughput/samples_per_sec" (every
-// rank's samples), every log_every_n_steps steps, on global rank 0.
+// rank's samples), at the end of the batches whose values go to the loggers
+// (every log_every_n_steps-th batch that steps), on global rank 0.
 #pragma once
 
 #include <chrono>
@@ -24,6 +25,7 @@ class ThroughputMonitor : public Callback {
  public:
   explicit ThroughputMonitor(ThroughputMonitorOptions options = {});
   std::string state_key() const override { return "ThroughputMonitor"; }
+  void on_train_start(Trainer& trainer, Module& module) override;
   void on_train_epoch_start(Trainer& trainer, Module& module) override;
   void on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor& loss,
                           const Batch& batch, int64_t batch_idx) override;
@@ -37,7 +39,7 @@ class ThroughputMonitor : public Callback {
   std::deque<std::pair<std::chrono::steady_clock::time_point, int64_t>> window_;
   double batches_per_sec_ = 0;
   double samples_per_sec_ = 0;
-  int64_t logged_step_ = -1;
+  int64_t logged_ = -1;  // Trainer::batches_that_stepped() at the last log
 };
 
 }  // namespace fulgur

@@ -94,6 +94,12 @@ class Trainer {
   int64_t current_epoch() const;
   /// Optimizer steps taken.
   int64_t global_step() const;
+  /// Training batches after which the optimizers stepped (Lightning's
+  /// _batches_that_stepped): global_step under automatic optimization, one
+  /// per batch that stepped any optimizer under manual optimization. The
+  /// loggers get a batch's values when it ends with this a multiple of
+  /// log_every_n_steps; the monitoring callbacks keep the same cadence.
+  int64_t batches_that_stepped() const;
   /// Batch index within the current training epoch.
   int64_t batch_idx() const;
   /// Training batches per epoch after limits; -1 when unknown.

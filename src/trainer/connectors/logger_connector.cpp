@@ -362,9 +362,10 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
                     .item<double>();
       }
     }
-    if (e.options.reduce == ReduceOp::kMean) value = weight > 0 ? value / weight : std::nan("");
+    const bool weightless = e.options.reduce == ReduceOp::kMean && !(weight > 0);
+    if (e.options.reduce == ReduceOp::kMean) value = weightless ? std::nan("") : value / weight;
     out.push_back({e.on_step ? name + "_epoch" : name, value, at::Tensor(), e.options.logger,
-                   e.options.prog_bar});
+                   e.options.prog_bar, weightless});
   }
   return out;
 }
@@ -372,6 +373,7 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
 void LoggerConnector::reset_metrics() {
   ended_ = false;
   divergence_noted_ = false;
+  weightless_noted_.clear();
   callback_metrics_.clear();
   progress_bar_metrics_.clear();
   pending_callback_.clear();
@@ -444,7 +446,7 @@ void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const c
     if (!v.logger) continue;
     const double value = v.read();
     row[v.name] = value;
-    if (in_fit) note_divergence(v.name, value, epoch, step);
+    if (in_fit && !v.weightless) note_divergence(v.name, value, epoch, step);
   }
   if (row.empty()) return;
   row["epoch"] = static_cast<double>(epoch);
@@ -465,7 +467,10 @@ Metrics LoggerConnector::publish_epoch(LogSink& sink, Strategy& strategy, bool s
   Metrics out;
   for (const auto& v : values) {
     out[v.name] = v.value;
-    if (in_fit && !sanity_checking && strategy.is_global_zero()) {
+    if (sanity_checking || !strategy.is_global_zero()) continue;
+    if (v.weightless) {
+      note_weightless(v.name, epoch);
+    } else if (in_fit) {
       note_divergence(v.name, v.value, epoch, step);
     }
   }
@@ -484,6 +489,18 @@ void LoggerConnector::note_divergence(const std::string& name, double value, int
                          "learning rate, clip gradients (gradient_clip_val), or stop such a run "
                          "early: EarlyStopping on a loss stops when it is not finite "
                          "(check_finite)."));
+}
+
+void LoggerConnector::note_weightless(const std::string& name, int64_t epoch) {
+  if (weightless_noted_.count(name) != 0) return;
+  weightless_noted_.insert(name);
+  detail::print_note(
+      str("\"", name, "\" is nan for epoch ", epoch,
+          ": it is logged as a mean weighed by batch "
+          "size, and its batch sizes this epoch add up to 0 (batch_size=0 on every call, "
+          "on every rank it is synced over, or batches without samples). Pass the number of "
+          "samples each value covers as "
+          "batch_size, or log it with reduce=sum, max or min."));
 }
 
 void LoggerConnector::choose_versions() {

@@ -8,6 +8,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -68,6 +69,8 @@ class LogSink final : public ModuleLogSink {
     at::Tensor tensor;  // defined: the value is this tensor's, not yet read
     bool logger;
     bool prog_bar;
+    /// An epoch mean whose batch sizes added up to 0 (on every rank): nan.
+    bool weightless = false;
     double read() const;
   };
   /// Values logged with on_step since clear_step_flags(): name, or
@@ -184,9 +187,13 @@ class LoggerConnector {
   /// is not finite: the run diverged and goes on with it. Reads nothing that
   /// was not read already.
   void note_divergence(const std::string& name, double value, int64_t epoch, int64_t step);
+  /// On rank 0, once per metric and stage: a note that an epoch mean is nan
+  /// because its batch sizes added up to 0.
+  void note_weightless(const std::string& name, int64_t epoch);
 
   std::vector<std::shared_ptr<Logger>> loggers_;
   bool divergence_noted_ = false;
+  std::set<std::string, std::less<>> weightless_noted_;
   bool versions_chosen_ = false;
   bool ended_ = false;  // this fit's end is recorded (finalize)
   LogSink train_sink_;

@@ -74,6 +74,7 @@ class FitLoop {
   // ---- Progress, for the Trainer's accessors and the checkpoint connector.
   int64_t current_epoch() const { return current_epoch_; }
   int64_t global_step() const { return global_step_; }
+  int64_t batches_that_stepped() const { return batches_that_stepped_; }
   int64_t batch_idx() const { return batch_idx_; }
   int64_t num_training_batches() const { return num_training_batches_; }
   bool sanity_checking() const { return sanity_checking_; }

@@ -454,6 +454,32 @@ TEST(Logging, ADivergedLossIsNotedOnceWhenItIsRead) {
   EXPECT_EQ(evaluated.find("diverged"), std::string::npos) << evaluated;
 }
 
+// An epoch mean whose batch sizes add up to 0 is nan, with one note per
+// metric that says why (not "the training diverged", whose name has "loss");
+// a metric with one non-zero batch size in the epoch is its mean.
+TEST(Logging, AnEpochMeanOfBatchSizesAddingUpToZeroIsNotedOnce) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.logger = true;
+  options.loggers = {std::make_shared<MemoryLogger>()};
+  LinearRegression model;
+  model.train_hook = [](LinearRegression& m, fulgur::Batch&, int64_t idx) {
+    m.log("empty_loss", 1.0, {.on_epoch = true, .batch_size = 0});
+    m.log("one_weighed", static_cast<double>(idx),
+          {.on_epoch = true, .batch_size = idx == 2 ? 1 : 0});
+  };
+  ::testing::internal::CaptureStderr();
+  const auto result = fulgur::Trainer(options).fit(model, regression_loader(4));
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(std::isnan(result.metrics.at("empty_loss_epoch")));
+  EXPECT_DOUBLE_EQ(result.metrics.at("one_weighed_epoch"), 2.0);
+  EXPECT_EQ(fulgur::test::count_occurrences(err, "batch sizes this epoch add up to 0"), 1) << err;
+  EXPECT_TRUE(fulgur::test::message_contains(
+      err, {"\"empty_loss_epoch\" is nan for epoch 0", "batch_size", "reduce=sum"}));
+  EXPECT_EQ(err.find("diverged"), std::string::npos) << err;
+}
+
 /// LogSink::tensor_reads() at the start of training and after each batch.
 class TensorReadCounter : public fulgur::Callback {
  public:
