@@ -92,13 +92,21 @@ struct NoAutocastCache {
 };
 
 thread_local CheckpointRun current_run = CheckpointRun::kNone;
+thread_local int second_runs_under_way = 0;
 
 // The run a block's function is in, for its duration (backward runs the
 // second on the thread executing the checkpoint's node).
 struct RunScope {
   CheckpointRun was = current_run;
-  explicit RunScope(CheckpointRun run) { current_run = run; }
-  ~RunScope() { current_run = was; }
+  bool second;
+  explicit RunScope(CheckpointRun run) : second(run == CheckpointRun::kSecond) {
+    current_run = run;
+    if (second) ++second_runs_under_way;
+  }
+  ~RunScope() {
+    current_run = was;
+    if (second) --second_runs_under_way;
+  }
   RunScope(const RunScope&) = delete;
   RunScope& operator=(const RunScope&) = delete;
 };
@@ -240,6 +248,8 @@ std::vector<at::Tensor> run_checkpointed(
 }  // namespace
 
 CheckpointRun current_checkpoint_run() { return current_run; }
+
+bool in_checkpoint_recomputation() { return second_runs_under_way > 0; }
 
 std::vector<at::Tensor> checkpoint(CheckpointedFunction fn, const std::vector<at::Tensor>& inputs,
                                    const std::vector<at::Tensor>& parameters,

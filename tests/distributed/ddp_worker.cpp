@@ -55,6 +55,8 @@ struct Args {
   // With --fsdp-units: fc1 is a unit around a fulgur::nn::Checkpoint of the
   // Linear (its parameters "fc1.module.weight", ...).
   bool unit_around_checkpoint = false;
+  // With --checkpoint-activations: that block inside another one.
+  bool nested_checkpoint = false;
   double ema = 0;         // > 0: an EMA callback of this decay (validating with the average)
   int64_t swa_start = 0;  // > 0: StochasticWeightAveraging from this epoch (counted from 1)
   int64_t auto_wrap = 0;
@@ -299,11 +301,21 @@ struct Classifier : fulgur::Module {
     if (body) return body->forward(in);
     at::Tensor h;
     if (args.checkpoint_activations) {
-      h = fulgur::nn::checkpoint(
-          [this](const std::vector<at::Tensor>& v) {
-            return std::vector{torch::tanh(unit1 ? unit1(v[0]) : fc1(v[0]))};
-          },
-          {in}, unit1 ? unit1->parameters() : fc1->parameters())[0];
+      const auto params = unit1 ? unit1->parameters() : fc1->parameters();
+      auto block = [this](const std::vector<at::Tensor>& v) {
+        return std::vector{torch::tanh(unit1 ? unit1(v[0]) : fc1(v[0]))};
+      };
+      if (args.nested_checkpoint) {
+        // The same block inside another one around it.
+        h = fulgur::nn::checkpoint(
+            [block, params](const std::vector<at::Tensor>& v) {
+              // By value: the second run comes in backward.
+              return fulgur::nn::checkpoint(block, {v[0]}, params);
+            },
+            {in}, params)[0];
+        return unit2 ? unit2(h) : fc2(h);
+      }
+      h = fulgur::nn::checkpoint(block, {in}, params)[0];
       return unit2 ? unit2(h) : fc2(h);
     }
     h = checkpointed_unit1 ? checkpointed_unit1(in) : unit1 ? unit1(in) : fc1(in);
@@ -764,6 +776,7 @@ int main(int argc, char** argv) {
   app.add_option("--slow-rank", a.slow_rank);
   app.add_flag("--checkpoint-activations", a.checkpoint_activations);
   app.add_flag("--unit-around-checkpoint", a.unit_around_checkpoint);
+  app.add_flag("--nested-checkpoint", a.nested_checkpoint);
   app.add_option("--ema", a.ema);
   app.add_option("--swa-start", a.swa_start);
   app.add_option("--pause-step", a.pause_step);

@@ -748,40 +748,49 @@ TEST(FSDP, FullShardHoldsOneUnitsParametersAtATimeOrTwoWithPrefetch) {
 // without the block (before, the second run released fc1 and its backward
 // gathered it again: 3 a step; 4 with prefetch, which did not know the
 // block's unit in the forward order). One unit is held at a time (two with
-// prefetch), and two ranks train as one process.
+// prefetch), and two ranks train as one process. The same with that block
+// inside another checkpointed block (--nested-checkpoint): the inner
+// block's first run, inside the outer's second, keeps fc1 for the inner's
+// second run and backward (before: 28 and 33 gathers here).
 TEST(FSDP, FullShardAUnitInACheckpointedBlockIsGatheredOnceForItsSecondRunAndBackward) {
   TempDir dir;
   const int64_t fc1 = (16 * 32 + 32) * 4, fc2 = (32 * 4 + 4) * 4;
   const int steps = 6;
   for (const bool prefetch : {false, true}) {
-    SCOPED_TRACE(prefetch ? "prefetch" : "no prefetch");
-    std::vector<std::string> args = {"--strategy",
-                                     kFullShard,
-                                     "--devices",
-                                     "2",
-                                     "--batch",
-                                     "8",
-                                     "--steps",
-                                     std::to_string(steps),
-                                     "--root",
-                                     dir.path(),
-                                     "--checkpoint-activations"};
-    if (prefetch) args.emplace_back("--prefetch");
-    auto r = run_worker(with_units(args));
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    for (const char* rank : {"rank0", "rank1"}) {
-      EXPECT_EQ(result_value(r.output, std::string(rank) + "_unit_gathers"),
-                std::to_string(2 * 2 * steps - 2))
-          << r.output;
-      EXPECT_EQ(result_value(r.output, std::string(rank) + "_peak_parameter_bytes"),
-                std::to_string(prefetch ? fc1 + fc2 : fc1))
-          << r.output;
+    for (const bool nested : {false, true}) {
+      SCOPED_TRACE(std::string(prefetch ? "prefetch" : "no prefetch") + (nested ? ", nested" : ""));
+      std::vector<std::string> args = {"--strategy",
+                                       kFullShard,
+                                       "--devices",
+                                       "2",
+                                       "--batch",
+                                       "8",
+                                       "--steps",
+                                       std::to_string(steps),
+                                       "--root",
+                                       dir.path(),
+                                       "--checkpoint-activations"};
+      if (prefetch) args.emplace_back("--prefetch");
+      if (nested) args.emplace_back("--nested-checkpoint");
+      auto r = run_worker(with_units(args));
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      for (const char* rank : {"rank0", "rank1"}) {
+        EXPECT_EQ(result_value(r.output, std::string(rank) + "_unit_gathers"),
+                  std::to_string(2 * 2 * steps - 2))
+            << r.output;
+        EXPECT_EQ(result_value(r.output, std::string(rank) + "_peak_parameter_bytes"),
+                  std::to_string(prefetch ? fc1 + fc2 : fc1))
+            << r.output;
+      }
     }
   }
   const auto training =
       with_units({"--steps", "20", "--shuffle", "--optimizer", "adam", "--checkpoint-activations"});
   expect_equivalent(training, kFullShard);
   expect_equivalent(training, kFullShard, {"--prefetch"});
+  auto nested = training;
+  nested.emplace_back("--nested-checkpoint");
+  expect_equivalent(nested, kFullShard, {"--prefetch"});
 }
 
 // The other way round, a unit around a fulgur::nn::Checkpoint of fc1: the

@@ -185,8 +185,10 @@ TEST(ActivationCheckpointing, TheBlockKnowsWhichRunItIsIn) {
   using fulgur::nn::CheckpointRun;
   auto net = block();
   std::vector<CheckpointRun> seen;
+  std::vector<bool> recomputing;  // in_checkpoint_recomputation() at each run
   auto body = [&](const std::vector<at::Tensor>& in) {
     seen.push_back(fulgur::nn::current_checkpoint_run());
+    recomputing.push_back(fulgur::nn::in_checkpoint_recomputation());
     return std::vector{net->forward(in[0])};
   };
   auto x = torch::randn({2, 16}, torch::requires_grad());
@@ -196,9 +198,12 @@ TEST(ActivationCheckpointing, TheBlockKnowsWhichRunItIsIn) {
   EXPECT_EQ(fulgur::nn::current_checkpoint_run(), CheckpointRun::kNone);
   y.sum().backward();
   EXPECT_EQ(seen, (std::vector<CheckpointRun>{CheckpointRun::kFirst, CheckpointRun::kSecond}));
+  EXPECT_EQ(recomputing, (std::vector<bool>{false, true}));
   EXPECT_EQ(fulgur::nn::current_checkpoint_run(), CheckpointRun::kNone);
+  EXPECT_FALSE(fulgur::nn::in_checkpoint_recomputation());
 
   seen.clear();
+  recomputing.clear();
   std::vector<CheckpointRun> outer_seen;
   auto outer = [&](const std::vector<at::Tensor>& in) {
     outer_seen.push_back(fulgur::nn::current_checkpoint_run());
@@ -214,6 +219,9 @@ TEST(ActivationCheckpointing, TheBlockKnowsWhichRunItIsIn) {
   // there), then first and second in the outer's second run.
   EXPECT_EQ(seen, (std::vector<CheckpointRun>{CheckpointRun::kFirst, CheckpointRun::kFirst,
                                               CheckpointRun::kSecond}));
+  // Its first run inside the outer's second is part of the recomputation.
+  EXPECT_EQ(recomputing, (std::vector<bool>{false, true, true}));
+  EXPECT_FALSE(fulgur::nn::in_checkpoint_recomputation());
 
   seen.clear();
   torch::NoGradGuard no_grad;

@@ -49,6 +49,10 @@ struct CheckpointOptions {
 /// the second run to its gradients, instead of gathering them twice.
 enum class CheckpointRun { kNone, kFirst, kSecond };
 CheckpointRun current_checkpoint_run();
+/// Whether a block's second run is under way on this thread, at any depth:
+/// in it, and in the first run of a block nested in it. What runs then has
+/// its backward later in the same backward pass.
+bool in_checkpoint_recomputation();
 
 /// A function of tensors to checkpoint: its outputs must be floating-point
 /// tensors (the ones gradients flow back through).

@@ -82,12 +82,12 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
   void before_forward() override {
     if (!shards_) return;
     gather();
-    const nn::CheckpointRun run = nn::current_checkpoint_run();
-    if (run == nn::CheckpointRun::kSecond) {
-      // Inside a checkpointed block, run again in backward: this unit's
-      // backward follows at once.
+    if (nn::in_checkpoint_recomputation()) {
+      // Inside a checkpointed block run again in backward (or a block
+      // nested in it): this unit's backward follows in this backward.
       strategy_.unit_backward_started(this);
-    } else if (at::GradMode::is_enabled() || run == nn::CheckpointRun::kFirst) {
+    } else if (at::GradMode::is_enabled() ||
+               nn::current_checkpoint_run() == nn::CheckpointRun::kFirst) {
       strategy_.unit_forward_started(this);
     }
   }
@@ -95,8 +95,9 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
     if (!shards_) return;
     // The second run's backward needs the parameters it just used: they
     // stay gathered until their gradients are reduced (gradient_ready), or
-    // the backward ends.
-    if (nn::current_checkpoint_run() == nn::CheckpointRun::kSecond) return;
+    // the backward ends. So does a nested block's first run inside it,
+    // whose own second run and backward come later in this backward.
+    if (nn::in_checkpoint_recomputation()) return;
     if (!at::GradMode::is_enabled()) {
       release();
       return;
