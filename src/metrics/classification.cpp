@@ -32,6 +32,11 @@ void check_options(const ClassificationOptions& o, const std::string& name) {
     throw ConfigError(str(name, ": top_k=", o.top_k, " must be between 1 and num_classes (",
                           o.num_classes, ")."));
   }
+  if (!std::isfinite(o.threshold)) {
+    throw ConfigError(str(name, ": threshold=", o.threshold,
+                          " is not a number a score can reach: pass the score from which a "
+                          "sample is positive (0.5 for probabilities, 0 for logits)."));
+  }
   if (o.task == Task::kBinary && o.top_k != 1) {
     throw ConfigError(str(name, ": top_k=", o.top_k,
                           " with task=\"binary\": a binary prediction has one score. Drop "
@@ -40,6 +45,19 @@ void check_options(const ClassificationOptions& o, const std::string& name) {
 }
 
 std::string shape_of(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+// ConfigError naming a label outside [0, classes); read only where it costs
+// no device synchronisation: on the CPU.
+void check_label_range(const std::string& name, const ClassificationOptions& o, int64_t classes,
+                       const at::Tensor& labels, const char* what) {
+  if (labels.is_cuda() || labels.numel() == 0) return;
+  const auto [low, high] = at::aminmax(labels);
+  if (low.item<int64_t>() >= 0 && high.item<int64_t>() < classes) return;
+  throw ConfigError(str(name, ".update: ", what, " class is outside [0, ", classes, ") (",
+                        low.item<int64_t>() < 0 ? low.item<int64_t>() : high.item<int64_t>(),
+                        o.task == Task::kBinary ? "; a binary task takes 0 and 1" : "",
+                        "). Check num_classes and the labels."));
+}
 
 // Checks the shapes of a multiclass or binary update (nothing is read from
 // the device) and returns preds as [N] or [N, C].
@@ -56,7 +74,16 @@ at::Tensor checked_preds(const std::string& name, const ClassificationOptions& o
   at::Tensor p = preds;
   if (o.task == Task::kBinary && p.dim() == 2 && p.size(1) == 1) p = p.squeeze(1);
   const bool scores = c10::isFloatingType(p.scalar_type());
-  const bool ok = p.size(0) == target.size(0) &&
+  if (o.task == Task::kMulticlass && scores && p.dim() == 1) {
+    throw ConfigError(str(name, ".update: preds has shape ", shape_of(preds), " and dtype ",
+                          c10::toString(p.scalar_type()), " with ", o.num_classes,
+                          " classes: one score a sample picks no class. Pass the scores of every "
+                          "class [N, ",
+                          o.num_classes,
+                          "], or class indices [N] of an integer dtype (e.g. "
+                          "preds.to(torch::kLong))."));
+  }
+  const bool ok = p.dim() >= 1 && p.size(0) == target.size(0) &&
                   (p.dim() == 1 || (o.task == Task::kMulticlass && scores && p.dim() == 2 &&
                                     p.size(1) == o.num_classes));
   if (!ok) {
@@ -125,10 +152,22 @@ std::pair<at::Tensor, at::Tensor> ConfusionCounts::labels(const at::Tensor& pred
   return {without_padding(predicted.to(torch::kLong)), without_padding(target.to(torch::kLong))};
 }
 
+std::pair<at::Tensor, at::Tensor> ConfusionCounts::checked_labels(const at::Tensor& preds,
+                                                                  const at::Tensor& target) const {
+  auto both = labels(preds, target);
+  check_classes(both.second, "a target");
+  check_classes(both.first, "a predicted");
+  return both;
+}
+
+void ConfusionCounts::check(const at::Tensor& preds, const at::Tensor& target) const {
+  torch::NoGradGuard no_grad;
+  (void)checked_labels(preds, target);
+}
+
 void ConfusionCounts::update(const at::Tensor& preds, const at::Tensor& target) {
-  auto [predicted, actual] = labels(preds, target);
-  check_classes(actual, "a target");
-  check_classes(predicted, "a predicted");
+  torch::NoGradGuard no_grad;
+  auto [predicted, actual] = checked_labels(preds, target);
   count_update();
   follow(actual);
   const at::Tensor index = actual * classes_ + predicted;
@@ -136,14 +175,7 @@ void ConfusionCounts::update(const at::Tensor& preds, const at::Tensor& target) 
 }
 
 void ConfusionCounts::check_classes(const at::Tensor& labels, const char* what) const {
-  // Read only where it costs no device synchronisation: on the CPU.
-  if (labels.is_cuda() || labels.numel() == 0) return;
-  const auto [low, high] = at::aminmax(labels);
-  if (low.item<int64_t>() >= 0 && high.item<int64_t>() < classes_) return;
-  throw ConfigError(str(name_, ".update: ", what, " class is outside [0, ", classes_, ") (",
-                        low.item<int64_t>() < 0 ? low.item<int64_t>() : high.item<int64_t>(),
-                        options_.task == Task::kBinary ? "; a binary task takes 0 and 1" : "",
-                        "). Check num_classes and the labels."));
+  check_label_range(name_, options_, classes_, labels, what);
 }
 
 Accuracy::Accuracy(ClassificationOptions options)
@@ -152,20 +184,35 @@ Accuracy::Accuracy(ClassificationOptions options)
   add_state("support", torch::zeros({classes_}, torch::kLong), Reduction::kSum);
 }
 
-void Accuracy::update(const at::Tensor& preds, const at::Tensor& target) {
-  at::Tensor hit;
-  at::Tensor actual;
+std::pair<at::Tensor, at::Tensor> Accuracy::hits(const at::Tensor& preds,
+                                                 const at::Tensor& target) const {
   const at::Tensor p = checked_preds(name_, options_, preds, target);
-  if (options_.top_k > 1 && p.dim() == 2) {
-    actual = without_padding(target.to(torch::kLong));
+  if (options_.top_k > 1) {
+    if (p.dim() != 2) {
+      throw ConfigError(str(name_, ".update: top_k=", options_.top_k,
+                            " needs the scores of every "
+                            "class [N, ",
+                            options_.num_classes, "]; preds has shape ", shape_of(preds),
+                            " (class indices, which have no second best). "
+                            "Pass the scores, or top_k=1."));
+    }
+    const at::Tensor actual = without_padding(target.to(torch::kLong));
+    check_classes(actual, "a target");
     const at::Tensor top = without_padding(std::get<1>(p.topk(options_.top_k, 1)));
-    hit = (top == actual.unsqueeze(1)).any(1);
-  } else {
-    auto [predicted, t] = labels(preds, target);
-    actual = t;
-    hit = predicted == actual;
+    return {(top == actual.unsqueeze(1)).any(1), actual};
   }
-  check_classes(actual, "a target");
+  auto [predicted, actual] = checked_labels(preds, target);
+  return {predicted == actual, actual};
+}
+
+void Accuracy::check(const at::Tensor& preds, const at::Tensor& target) const {
+  torch::NoGradGuard no_grad;
+  (void)hits(preds, target);
+}
+
+void Accuracy::update(const at::Tensor& preds, const at::Tensor& target) {
+  torch::NoGradGuard no_grad;
+  const auto [hit, actual] = hits(preds, target);
   count_update();
   follow(actual);
   state("support").index_put_({actual}, torch::ones_like(actual), /*accumulate=*/true);
@@ -236,7 +283,8 @@ AUROC::AUROC(ClassificationOptions options) : options_(std::move(options)) {
   add_state("target", at::empty({0}, at::kLong), Reduction::kCat);
 }
 
-void AUROC::update(const at::Tensor& preds, const at::Tensor& target) {
+std::pair<at::Tensor, at::Tensor> AUROC::checked_scores(const at::Tensor& preds,
+                                                        const at::Tensor& target) const {
   const at::Tensor p = checked_preds("AUROC", options_, preds, target);
   if (!c10::isFloatingType(p.scalar_type()) || (options_.task == Task::kMulticlass && p.dim() != 2)) {
     throw ConfigError(str("AUROC.update: preds has shape ", shape_of(preds), " and dtype ",
@@ -247,9 +295,23 @@ void AUROC::update(const at::Tensor& preds, const at::Tensor& target) {
                               : std::string(" [N]"),
                           ", not labels."));
   }
+  const at::Tensor t = without_padding(target.to(torch::kLong));
+  check_label_range("AUROC", options_, options_.task == Task::kBinary ? 2 : options_.num_classes, t,
+                    "a target");
+  return {without_padding(p), t};
+}
+
+void AUROC::check(const at::Tensor& preds, const at::Tensor& target) const {
+  torch::NoGradGuard no_grad;
+  (void)checked_scores(preds, target);
+}
+
+void AUROC::update(const at::Tensor& preds, const at::Tensor& target) {
+  torch::NoGradGuard no_grad;
+  const auto [scores, t] = checked_scores(preds, target);
   count_update();
-  append("scores", without_padding(p));
-  append("target", without_padding(target.to(torch::kLong)));
+  append("scores", scores);
+  append("target", t);
 }
 
 at::Tensor AUROC::compute_from(const std::vector<at::Tensor>& states) const {

@@ -108,11 +108,15 @@ void Metric::append(std::string_view name, const at::Tensor& rows) {
 }
 
 void Metric::reset() {
+  torch::NoGradGuard no_grad;
   for (auto& s : states_) {
     if (s.reduction == Reduction::kCat) {
       s.parts.clear();
     } else {
-      s.value.copy_(s.initial);  // in place: the same storage across epochs
+      // In place: the same storage across epochs; without any history a
+      // state was given (e.g. loaded from a tensor that needs gradients).
+      s.value = s.value.detach();
+      s.value.copy_(s.initial);
     }
   }
   updates_ = 0;

@@ -22,6 +22,14 @@ void check_same_shape(const std::string& name, const at::Tensor& preds, const at
   }
 }
 
+void check_defined(const std::string& name, const at::Tensor& values) {
+  if (!values.defined()) {
+    throw ConfigError(str(name,
+                          ".update(values): values is an undefined tensor; pass the values "
+                          "to add (a loss, a per-sample tensor) or a number."));
+  }
+}
+
 at::Tensor mean_of(const at::Tensor& sum, const at::Tensor& count) {
   return torch::where(count > 0, sum / count.clamp_min(1).to(at::kDouble),
                       torch::full({}, std::nan(""), sum.options()));
@@ -35,12 +43,17 @@ MeanSquaredError::MeanSquaredError() {
 }
 
 void MeanSquaredError::update(const at::Tensor& preds, const at::Tensor& target) {
+  torch::NoGradGuard no_grad;  // no history: a loss may need gradients
   check_same_shape(name(), preds, target);
   const at::Tensor p = without_padding(preds);
   count_update();
   follow(p);
   state("sum").add_((p.to(at::kDouble) - without_padding(target).to(at::kDouble)).square().sum());
   state("count").add_(p.numel());
+}
+
+void MeanSquaredError::check(const at::Tensor& preds, const at::Tensor& target) const {
+  check_same_shape(name(), preds, target);
 }
 
 at::Tensor MeanSquaredError::compute_from(const std::vector<at::Tensor>& states) const {
@@ -53,12 +66,17 @@ MeanAbsoluteError::MeanAbsoluteError() {
 }
 
 void MeanAbsoluteError::update(const at::Tensor& preds, const at::Tensor& target) {
+  torch::NoGradGuard no_grad;  // no history: a loss may need gradients
   check_same_shape(name(), preds, target);
   const at::Tensor p = without_padding(preds);
   count_update();
   follow(p);
   state("sum").add_((p.to(at::kDouble) - without_padding(target).to(at::kDouble)).abs().sum());
   state("count").add_(p.numel());
+}
+
+void MeanAbsoluteError::check(const at::Tensor& preds, const at::Tensor& target) const {
+  check_same_shape(name(), preds, target);
 }
 
 at::Tensor MeanAbsoluteError::compute_from(const std::vector<at::Tensor>& states) const {
@@ -74,6 +92,8 @@ void MeanMetric::update(const at::Tensor& values, double weight) {
   if (!(weight >= 0) || !std::isfinite(weight)) {
     throw ConfigError(str("MeanMetric.update: weight=", weight, " must be finite and >= 0."));
   }
+  torch::NoGradGuard no_grad;  // no history: a loss may need gradients
+  check_defined(name(), values);
   const at::Tensor v = values.dim() == 0 ? values : without_padding(values);
   count_update();
   follow(v);
@@ -99,6 +119,8 @@ at::Tensor MeanMetric::compute_from(const std::vector<at::Tensor>& states) const
 SumMetric::SumMetric() { add_state("sum", torch::zeros({}, torch::kDouble), Reduction::kSum); }
 
 void SumMetric::update(const at::Tensor& values) {
+  torch::NoGradGuard no_grad;  // no history: a loss may need gradients
+  check_defined(name(), values);
   const at::Tensor v = values.dim() == 0 ? values : without_padding(values);
   count_update();
   follow(v);

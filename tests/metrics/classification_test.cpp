@@ -201,4 +201,42 @@ TEST(Metrics, BadOptionsAndInputsAreNamed) {
                      {"AUROC.update", "scores"});
 }
 
+// Inputs that were taken and gave a wrong value (a probe's findings): each
+// refused naming it, and nothing counted.
+TEST(Metrics, InputsThatWouldGiveAWrongValueAreRefused) {
+  // A threshold no score reaches (every sample was negative).
+  for (const double t : {std::nan(""), HUGE_VAL, -HUGE_VAL}) {
+    EXPECT_THROWS_WITH(fulgur::ConfigError, M::Recall({.task = "binary", .threshold = t}),
+                       {"Recall: threshold=", "0.5 for probabilities"});
+  }
+  // Float [N] preds of a multiclass task were thresholded at 0.5 as if
+  // binary (class 2 counted as 1).
+  M::Accuracy acc({.num_classes = 3});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, acc.update(labels3().to(torch::kFloat), target3()),
+                     {"Accuracy.update", "[8]", "Float", "[N, 3]", "integer dtype"});
+  // top_k of class indices was top-1.
+  M::Accuracy top2({.num_classes = 3, .top_k = 2});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, top2.update(labels3(), target3()),
+                     {"top_k=2", "[N, 3]", "[8]"});
+  top2.update(scores3(), target3());  // scores: fine
+  // AUROC's targets were not checked: a 2 counted as a negative of a binary
+  // task, -1 and 5 as nothing of three classes.
+  M::AUROC binary({.task = "binary"});
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      binary.update(torch::tensor({0.1, 0.9, 0.8, 0.2}), torch::tensor({0, 2, 1, 0}, torch::kLong)),
+      {"AUROC.update", "a target class is outside [0, 2) (2;", "0 and 1"});
+  M::AUROC auroc({.num_classes = 3});
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     auroc.update(torch::rand({4, 3}), torch::tensor({0, 1, 5, -1}, torch::kLong)),
+                     {"AUROC.update", "outside [0, 3) (-1)"});
+  // A 0-d prediction: named, not LibTorch's index error.
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     acc.update(torch::tensor(1, torch::kLong), torch::tensor({1}, torch::kLong)),
+                     {"Accuracy.update", "preds has shape []"});
+  EXPECT_EQ(acc.update_count(), 0);
+  EXPECT_EQ(binary.update_count(), 0);
+  EXPECT_EQ(auroc.update_count(), 0);
+}
+
 }  // namespace

@@ -27,6 +27,26 @@ TEST(MetricCollection, UpdatesEveryMetricAndNamesThemWithThePrefix) {
   EXPECT_EQ(acc->update_count(), 0);
   EXPECT_THROWS_WITH(fulgur::ConfigError, val.add("acc", acc), {"\"acc\"", "taken"});
   EXPECT_THROWS_WITH(fulgur::ConfigError, val.add("", acc), {"non-empty key"});
+  // The same object under a second key counted every sample twice.
+  EXPECT_THROWS_WITH(fulgur::ConfigError, val.add("acc2", acc),
+                     {"\"acc2\"", "Accuracy is in the collection already, as \"acc\""});
+}
+
+// A batch that one metric refuses is counted by none (the first metrics
+// had counted it before the error).
+TEST(MetricCollection, ABatchOneMetricRefusesIsCountedByNone) {
+  M::MetricCollection val("val_");
+  auto acc = std::make_shared<M::Accuracy>(M::ClassificationOptions{.num_classes = 3});
+  auto f1 = std::make_shared<M::F1Score>(M::ClassificationOptions{.num_classes = 4});
+  auto mse = std::make_shared<M::MeanSquaredError>();
+  val.add("acc", acc).add("f1", f1).add("mse", mse);
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError, val.update(torch::eye(3), torch::tensor({0, 1, 2}, torch::kLong)),
+      {"MetricCollection(\"val_\").update: \"f1\" refuses this batch", "F1Score.update", "[N, 4]"});
+  EXPECT_EQ(acc->update_count(), 0);
+  EXPECT_EQ(f1->update_count(), 0);
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     val.update(torch::eye(3), torch::tensor({0, 1, 2}, torch::kLong)), {"\"f1\""});
 }
 
 }  // namespace

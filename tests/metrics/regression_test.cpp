@@ -41,4 +41,27 @@ TEST(Metrics, MeanMetricWeighsAndSumMetricAdds) {
   EXPECT_DOUBLE_EQ(sum.compute().item<double>(), 8.0);
 }
 
+// An update keeps none of its input's autograd history: a loss that needs
+// gradients, passed as it is, let every batch's graph (and the tensors it
+// saved) live on in the metric's sums, across reset().
+TEST(Metrics, AnUpdateKeepsNoAutogradHistory) {
+  const auto w = torch::ones({1}, torch::requires_grad());
+  M::MeanMetric mean;
+  M::SumMetric sum;
+  M::MeanSquaredError mse;
+  const at::Tensor saved = torch::rand({64});
+  {
+    const at::Tensor loss = (saved * w).exp();  // mul saves `saved`
+    mean.update(loss.mean());
+    sum.update(loss);
+    mse.update(loss, torch::zeros({64}));
+  }
+  EXPECT_EQ(saved.use_count(), 1);  // no graph holds it
+  EXPECT_FALSE(mean.compute().requires_grad());
+  mean.reset();
+  EXPECT_EQ(mean.update_count(), 0);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, mean.update(at::Tensor()),
+                     {"MeanMetric.update(values)", "undefined"});
+}
+
 }  // namespace

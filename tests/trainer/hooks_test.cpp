@@ -338,6 +338,7 @@ void expect_transfer_hooks_shape_every_step(const std::string& accelerator) {
     model.val_hook = model.train_hook;
     auto options = test_options(dir);
     options.accelerator = accelerator;
+    options.devices = 1;  // one device, also on a machine with several GPUs
     options.prefetch_to_device = prefetch;
     options.num_sanity_val_steps = 0;
     fulgur::Trainer trainer(options);

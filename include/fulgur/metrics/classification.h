@@ -12,9 +12,11 @@
 // (probabilities: a sample is positive from `threshold` on; pass threshold
 // 0 for logits) or 0/1 labels of an integer dtype; `target` [N] is 0 or 1.
 // Multiclass: `preds` [N, C] are scores (the largest is the prediction) or
-// [N] class indices of an integer dtype; `target` [N] holds class indices
-// in [0, C). Nothing is read back to the host in update() on a GPU (labels
-// are range-checked on the CPU only).
+// [N] class indices of an integer dtype (float [N] preds are refused: they
+// are neither); `target` [N] holds class indices in [0, C). Nothing is read
+// back to the host in update() on a GPU (labels are range-checked on the
+// CPU only). Updates record no autograd history: a loss that needs
+// gradients can be passed as it is.
 //
 // Averages, as scikit-learn's: "micro" counts every sample once (for
 // single-label multiclass data, precision, recall and F1 are then all the
@@ -58,13 +60,14 @@ struct ClassificationOptions {
   Choice<Task> task = Task::kMulticlass;
   /// Multiclass: the number of classes C (>= 2).
   int64_t num_classes = 0;
-  /// Binary: a score from this value on predicts the positive class.
+  /// Binary: a score from this value on predicts the positive class
+  /// (finite).
   double threshold = 0.5;
   /// Multiclass: "micro" or "macro" (see above). AUROC always averages the
   /// classes' one-vs-rest values as "macro" does.
   Choice<Average> average = Average::kMicro;
   /// Accuracy of multiclass scores: a sample is right when its target is
-  /// among its top_k scores.
+  /// among its top_k scores (preds [N, C]; class indices are refused).
   int64_t top_k = 1;
 };
 
@@ -76,6 +79,7 @@ class ConfusionCounts : public PredictionMetric {
   /// or top_k. `pairs`: declares the [C, C] count state ("matrix").
   ConfusionCounts(ClassificationOptions options, std::string name, bool pairs = true);
   void update(const at::Tensor& preds, const at::Tensor& target) override;
+  void check(const at::Tensor& preds, const at::Tensor& target) const override;
   std::string name() const override { return name_; }
   const ClassificationOptions& options() const { return options_; }
   /// 2 for a binary task.
@@ -88,6 +92,9 @@ class ConfusionCounts : public PredictionMetric {
   /// target"); checked where it costs no synchronisation (CPU tensors). On
   /// a GPU such a label trips LibTorch's device-side index check.
   void check_classes(const at::Tensor& labels, const char* what) const;
+  /// labels(), both checked by check_classes.
+  std::pair<at::Tensor, at::Tensor> checked_labels(const at::Tensor& preds,
+                                                   const at::Tensor& target) const;
 
   ClassificationOptions options_;
   std::string name_;
@@ -100,9 +107,14 @@ class Accuracy : public ConfusionCounts {
  public:
   explicit Accuracy(ClassificationOptions options = {});
   void update(const at::Tensor& preds, const at::Tensor& target) override;
+  void check(const at::Tensor& preds, const at::Tensor& target) const override;
 
  protected:
   at::Tensor compute_from(const std::vector<at::Tensor>& states) const override;
+
+ private:
+  /// Whether each sample is right, and its checked target.
+  std::pair<at::Tensor, at::Tensor> hits(const at::Tensor& preds, const at::Tensor& target) const;
 };
 
 /// tp / (tp + fp): of the class 1 (binary), or averaged.
@@ -154,12 +166,16 @@ class AUROC : public PredictionMetric {
  public:
   explicit AUROC(ClassificationOptions options = {});
   void update(const at::Tensor& preds, const at::Tensor& target) override;
+  void check(const at::Tensor& preds, const at::Tensor& target) const override;
   std::string name() const override { return "AUROC"; }
 
  protected:
   at::Tensor compute_from(const std::vector<at::Tensor>& states) const override;
 
  private:
+  /// The scores ([N] or [N, C]) and the target, checked.
+  std::pair<at::Tensor, at::Tensor> checked_scores(const at::Tensor& preds,
+                                                   const at::Tensor& target) const;
   ClassificationOptions options_;
 };
 

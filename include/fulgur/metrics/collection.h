@@ -25,9 +25,11 @@ class MetricCollection {
   explicit MetricCollection(std::string prefix = "") : prefix_(std::move(prefix)) {}
 
   /// Adds `metric` under `key` (logged as prefix + key). ConfigError for an
-  /// empty or repeated key, or a null metric.
+  /// empty or repeated key, a null metric, or one already in the collection.
   MetricCollection& add(const std::string& key, std::shared_ptr<PredictionMetric> metric);
-  /// Every metric's update.
+  /// Every metric's update, or none: a batch that one metric refuses
+  /// (PredictionMetric::check, ConfigError naming its key) is counted by
+  /// none of them.
   void update(const at::Tensor& preds, const at::Tensor& target);
   /// prefix + key -> value, each as Metric::compute(group) (every rank
   /// calls it with the same collection).

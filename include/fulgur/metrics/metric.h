@@ -149,6 +149,9 @@ class Metric {
 class PredictionMetric : public Metric {
  public:
   virtual void update(const at::Tensor& preds, const at::Tensor& target) = 0;
+  /// ConfigError for the inputs update() would refuse, changing nothing: a
+  /// MetricCollection checks each of its metrics before it updates any.
+  virtual void check(const at::Tensor& /*preds*/, const at::Tensor& /*target*/) const {}
 };
 
 }  // namespace metrics

@@ -22,6 +22,7 @@ class MeanSquaredError : public PredictionMetric {
  public:
   MeanSquaredError();
   void update(const at::Tensor& preds, const at::Tensor& target) override;
+  void check(const at::Tensor& preds, const at::Tensor& target) const override;
   std::string name() const override { return "MeanSquaredError"; }
 
  protected:
@@ -33,6 +34,7 @@ class MeanAbsoluteError : public PredictionMetric {
  public:
   MeanAbsoluteError();
   void update(const at::Tensor& preds, const at::Tensor& target) override;
+  void check(const at::Tensor& preds, const at::Tensor& target) const override;
   std::string name() const override { return "MeanAbsoluteError"; }
 
  protected:
