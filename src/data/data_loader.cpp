@@ -109,6 +109,7 @@ StateDict DataLoader::state_dict() const {
 void DataLoader::load_state_dict(const StateDict& state, std::optional<int64_t> position) {
   const int64_t saved_epoch = state.integer("epoch");
   const int64_t saved_position = state.integer("position");
+  if (position.value_or(saved_position) > 0) check_resume(state, position.value_or(saved_position));
   do_load_state_dict(state);
   seek(saved_epoch, position.value_or(saved_position));
 }
@@ -130,6 +131,20 @@ DatasetLoader::DatasetLoader(std::shared_ptr<Dataset> dataset, DataLoaderOptions
                           ", .prefetch_factor = ", options_.prefetch_factor,
                           "}: num_workers must be >= 0 (0: load on the training thread) and "
                           "prefetch_factor >= 1."));
+  }
+  if (int64_t in_flight = 0;
+      __builtin_mul_overflow(options_.num_workers, options_.prefetch_factor, &in_flight)) {
+    throw ConfigError(str("DataLoaderOptions{.num_workers = ", options_.num_workers,
+                          ", .prefetch_factor = ", options_.prefetch_factor,
+                          "}: num_workers x prefetch_factor batches loaded ahead is more than "
+                          "an int64 holds. prefetch_factor is the batches each worker loads "
+                          "ahead (2 by default): pass a few."));
+  }
+  if (options_.shuffle && sampler_) {
+    throw ConfigError(
+        str("DataLoaderOptions{.shuffle = true} with a sampler: the sampler "
+            "chooses the order, and shuffle would be ignored. Leave shuffle false "
+            "with a sampler (a RandomSampler shuffles), or pass no sampler."));
   }
   if (options_.num_workers == 0 && (options_.persistent_workers || options_.prefetch_factor != 2)) {
     throw ConfigError(str("DataLoaderOptions{.num_workers = 0, .prefetch_factor = ",
@@ -247,19 +262,29 @@ Batch DatasetLoader::load_batch(const at::Tensor& order, uint64_t seed, int64_t 
   const at::Tensor indices = order.slice(0, begin, end).contiguous();
   detail::SampleScope scope(seed, epoch);
   Batch batch;
+  // What the dataset threw, without LibTorch's stack frames.
+  auto what_of = [](std::exception_ptr thrown) -> std::string {
+    try {
+      std::rethrow_exception(std::move(thrown));
+    } catch (const std::exception& e) {
+      return error_message(e);
+    } catch (...) {
+      return "it threw something that is not a std::exception";
+    }
+  };
   try {
     batch = dataset_->get_batch(indices);
-  } catch (const std::exception& e) {
+  } catch (...) {
     // Which sample: each alone, until one fails the same way.
     std::string culprit = samples_text(indices);
-    std::string what = e.what();
+    std::string what = what_of(std::current_exception());
     if (indices.numel() > 1) {
       for (int64_t i = 0; i < indices.numel(); ++i) {
         try {
           (void)dataset_->get_batch(indices.slice(0, i, i + 1));
-        } catch (const std::exception& single) {
+        } catch (...) {
           culprit = samples_text(indices.slice(0, i, i + 1));
-          what = single.what();
+          what = what_of(std::current_exception());
           break;
         }
       }
@@ -285,7 +310,40 @@ void DatasetLoader::start_workers(int64_t first) {
 }
 
 void DatasetLoader::do_start_epoch(int64_t epoch) {
-  order_ = (in_order_ ? *in_order_ : *sampler_).epoch_indices(epoch, dataset_->size());
+  const int64_t size = dataset_->size();
+  if (size < 0) {
+    throw ConfigError(str("DataLoader: the dataset's size() is ", size,
+                          "; return the number of samples (>= 0)."));
+  }
+  Sampler& sampler = in_order_ ? *in_order_ : *sampler_;
+  at::Tensor order = sampler.epoch_indices(epoch, size);
+  // The batches are cut from these, and counted from shard_size(): a
+  // sampler that disagrees would give empty or missing batches.
+  const int64_t expected = sampler.shard_size(size);
+  if (!order.defined() || order.dim() != 1 || !c10::isIntegralType(order.scalar_type(), false) ||
+      order.size(0) != expected) {
+    throw ConfigError(
+        str("DataLoader: the sampler's epoch_indices(", epoch, ", ", size, ") returned ",
+            !order.defined() ? std::string("an undefined tensor")
+                             : str("a ", c10::toString(order.scalar_type()), " tensor of shape ",
+                                   c10::str(order.sizes())),
+            "; the loader needs [", expected,
+            "] sample indices of an integer dtype (its shard_size(", size,
+            ")). A sampler restored "
+            "from a checkpoint of another dataset size gives this too: resume with the same "
+            "dataset."));
+  }
+  order = order.to(torch::kLong).contiguous();
+  if (order.numel() > 0) {
+    const auto [low, high] = at::aminmax(order);
+    if (low.item<int64_t>() < 0 || high.item<int64_t>() >= size) {
+      throw ConfigError(str("DataLoader: the sampler's epoch_indices(", epoch, ", ", size,
+                            ") returned sample index ",
+                            low.item<int64_t>() < 0 ? low.item<int64_t>() : high.item<int64_t>(),
+                            ", outside the dataset's [0, ", size, ")."));
+    }
+  }
+  order_ = order;
   cursor_ = 0;
   // The workers start at the first next(), from where a seek left the
   // cursor (a previous epoch's loads still in flight end first).
@@ -319,6 +377,37 @@ void DatasetLoader::do_skip(int64_t n) {
 
 void DatasetLoader::do_state_dict(StateDict& state) const {
   state.set_section("sampler", sampler_->state_dict());
+  // What the position means: check_resume compares them.
+  state.set("batch_size", options_.batch_size);
+  state.set("dataset_size", dataset_->size());
+  if (const auto* random = dynamic_cast<const RandomSampler*>(sampler_.get())) {
+    state.set("shuffle_seed", static_cast<int64_t>(random->seed()));
+  }
+}
+
+void DatasetLoader::check_resume(const StateDict& state, int64_t position) const {
+  // States written before these were saved have none of them.
+  std::vector<std::string> differ;
+  auto compare = [&](const char* key, int64_t here) {
+    if (!state.contains(key)) return;
+    const int64_t saved = state.integer(key);
+    if (saved != here) differ.push_back(str(key, " ", saved, " there, ", here, " here"));
+  };
+  compare("batch_size", options_.batch_size);
+  compare("dataset_size", dataset_->size());
+  if (const auto* random = dynamic_cast<const RandomSampler*>(sampler_.get())) {
+    compare("shuffle_seed", static_cast<int64_t>(random->seed()));
+  } else if (state.contains("shuffle_seed")) {
+    differ.emplace_back("shuffled there, not here");
+  }
+  if (differ.empty()) return;
+  std::string list;
+  for (const auto& d : differ) list += (list.empty() ? "" : "; ") + d;
+  throw CheckpointError(
+      str("DataLoader: the state to resume was saved at batch ", position, " of epoch ",
+          state.integer("epoch"), " by a loader whose batches differ from this one's (", list,
+          "): resuming there would repeat or skip samples. Resume with the loader as it was "
+          "(batch_size, dataset, seed), or from a checkpoint written at an epoch's end."));
 }
 
 void DatasetLoader::do_load_state_dict(const StateDict& state) {
@@ -337,6 +426,10 @@ IterableLoader::IterableLoader(std::function<BatchGenerator(int64_t)> factory,
                                std::optional<int64_t> num_batches)
     : factory_(std::move(factory)), num_batches_(num_batches) {
   if (!factory_) throw ConfigError("IterableLoader(factory=empty): pass a generator factory.");
+  if (num_batches_ && *num_batches_ < 0) {
+    throw ConfigError(str("IterableLoader(num_batches=", *num_batches_,
+                          "): pass the batches an epoch yields (>= 0), or nullopt when unknown."));
+  }
 }
 
 void IterableLoader::do_start_epoch(int64_t epoch) { current_ = factory_(epoch); }

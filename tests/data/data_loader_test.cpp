@@ -221,7 +221,8 @@ TEST(DatasetLoader, SaveAndLoadStateResumeMidEpoch) {
   loader->next();
   loader->next();
   const fulgur::StateDict state = loader->state_dict();
-  EXPECT_EQ(state.keys(), (std::vector<std::string>{"epoch", "position", "sampler"}));
+  EXPECT_EQ(state.keys(), (std::vector<std::string>{"epoch", "position", "sampler", "batch_size",
+                                                    "dataset_size", "shuffle_seed"}));
   EXPECT_EQ(state.integer("epoch"), 2);
   EXPECT_EQ(state.integer("position"), 2);
   const std::string bytes = fulgur::to_bytes(state);
@@ -235,6 +236,132 @@ TEST(DatasetLoader, SaveAndLoadStateResumeMidEpoch) {
     EXPECT_EQ(resumed->epoch(), 2);
     EXPECT_EQ(resumed->position(), 2);
     EXPECT_EQ(read_rest(*resumed), expected);
+  }
+}
+
+// A state saved in the middle of an epoch names a batch of that loader's:
+// another batch size, dataset size or shuffling seed would resume at other
+// samples (repeated or skipped). Refused, naming what differs; at an
+// epoch's start any loader takes it; a state without these entries (written
+// before them) onto fewer batches still says the data changed.
+TEST(DatasetLoader, AMidEpochStateOfALoaderWithOtherBatchesIsRefused) {
+  auto saving =
+      fulgur::make_data_loader(index_dataset(100), {.batch_size = 10, .shuffle = true, .seed = 1});
+  saving->start_epoch(0);
+  for (int i = 0; i < 3; ++i) saving->next();
+  const fulgur::StateDict state = saving->state_dict();
+  struct Case {
+    int64_t size, batch;
+    uint64_t seed;
+    std::string differs;
+  };
+  for (const Case& c : {Case{100, 5, 1, "batch_size 10 there, 5 here"},
+                        Case{1000, 10, 1, "dataset_size 100 there, 1000 here"},
+                        Case{100, 10, 2, "shuffle_seed 1 there, 2 here"}}) {
+    SCOPED_TRACE(c.differs);
+    auto loader = fulgur::make_data_loader(
+        index_dataset(c.size), {.batch_size = c.batch, .shuffle = true, .seed = c.seed});
+    EXPECT_THROWS_WITH(
+        fulgur::CheckpointError, loader->load_state_dict(state),
+        {"saved at batch 3 of epoch 0", c.differs, "repeat or skip samples", "epoch's end"});
+    EXPECT_NO_THROW(loader->load_state_dict(state, /*position=*/0));
+  }
+  auto in_order = fulgur::make_data_loader(index_dataset(100), {.batch_size = 10});
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, in_order->load_state_dict(state),
+                     {"shuffled there, not here"});
+  fulgur::StateDict old;
+  old.set("epoch", int64_t{0});
+  old.set("position", int64_t{3});
+  auto fewer = fulgur::make_data_loader(index_dataset(20), {.batch_size = 10});
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, fewer->load_state_dict(old),
+                     {"batch 3", "only 2 batches", "data changed"});
+}
+
+// Samplers and datasets that would give empty, missing or unreadable
+// batches, options that overflowed into a loader waiting forever, and a
+// shuffle a sampler would ignore: each named.
+TEST(DatasetLoader, BadSamplersDatasetsAndOptionsAreNamed) {
+  struct Returns : fulgur::Sampler {
+    std::function<at::Tensor(int64_t)> order;
+    at::Tensor epoch_indices(int64_t, int64_t n) override { return shard(order(n)); }
+  };
+  auto sampler = [](std::function<at::Tensor(int64_t)> order) {
+    auto s = std::make_shared<Returns>();
+    s->order = std::move(order);
+    return s;
+  };
+  // int32 indices are taken (they were read as int64 in an error's text).
+  auto int32 = fulgur::make_data_loader(index_dataset(5), {.batch_size = 2}, sampler([](int64_t n) {
+                                          return torch::arange(n, torch::kInt).flip(0);
+                                        }));
+  int32->start_epoch(0);
+  EXPECT_EQ(read_rest(*int32), (std::vector<int64_t>{4, 3, 2, 1, 0}));
+  auto shorter = fulgur::make_data_loader(
+      index_dataset(10), {.batch_size = 2, .num_workers = 2},
+      sampler([](int64_t n) { return torch::arange(n / 2, torch::kLong); }));
+  EXPECT_THROWS_WITH(fulgur::ConfigError, shorter->start_epoch(0),
+                     {"epoch_indices(0, 10) returned", "Long tensor of shape [5]", "[10]"});
+  auto outside = fulgur::make_data_loader(
+      index_dataset(4), {.batch_size = 2},
+      sampler([](int64_t n) { return torch::arange(n, torch::kLong) + 1; }));
+  EXPECT_THROWS_WITH(fulgur::ConfigError, outside->start_epoch(0),
+                     {"sample index 4", "outside the dataset's [0, 4)"});
+  auto floats =
+      fulgur::make_data_loader(index_dataset(4), {.batch_size = 2},
+                               sampler([](int64_t n) { return torch::arange(n, torch::kFloat); }));
+  EXPECT_THROWS_WITH(fulgur::ConfigError, floats->start_epoch(0), {"Float tensor", "integer"});
+  struct Negative : fulgur::Dataset {
+    int64_t size() const override { return -1; }
+    fulgur::Batch get_batch(const at::Tensor& i) const override { return fulgur::Batch(i); }
+  };
+  auto negative = fulgur::make_data_loader(std::make_shared<Negative>(), {.batch_size = 2});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, negative->start_epoch(0), {"size() is -1", ">= 0"});
+
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      fulgur::make_data_loader(index_dataset(4),
+                               {.batch_size = 2, .num_workers = 2, .prefetch_factor = 1LL << 62}),
+      {".prefetch_factor = 4611686018427387904", "more than an int64 holds"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::make_data_loader(index_dataset(4), {.batch_size = 2, .shuffle = true},
+                                              std::make_shared<fulgur::SequentialSampler>()),
+                     {".shuffle = true} with a sampler", "a RandomSampler shuffles"});
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      fulgur::make_iterable_loader([](int64_t) { return fulgur::BatchGenerator(); }, -5),
+      {"num_batches=-5", ">= 0"});
+}
+
+// A dataset's LibTorch error reaches the loader's error without LibTorch's
+// stack frames (they hid the collation's message under a page of frames).
+TEST(DatasetLoader, ADatasetsLibTorchErrorKeepsItsMessageWithoutFrames) {
+  struct Ragged : fulgur::Dataset {
+    int64_t size() const override { return 4; }
+    fulgur::Batch get_batch(const at::Tensor& indices) const override {
+      std::vector<at::Tensor> rows;
+      for (int64_t i = 0; i < indices.numel(); ++i) {
+        rows.push_back(torch::zeros({3 + indices[i].item<int64_t>() % 2}));
+      }
+      return fulgur::Batch(torch::stack(rows));
+    }
+  };
+  for (int64_t workers : {0, 2}) {
+    SCOPED_TRACE(workers);
+    auto loader = fulgur::make_data_loader(std::make_shared<Ragged>(),
+                                           {.batch_size = 2, .num_workers = workers});
+    loader->start_epoch(0);
+    try {
+      loader->next();
+      ADD_FAILURE() << "no error";
+    } catch (const fulgur::DataLoaderError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("loading samples 0, 1 (2) (batch 0 of epoch 0) failed: stack expects "
+                          "each tensor to be equal size"),
+                std::string::npos)
+          << what;
+      EXPECT_EQ(what.find("frame #"), std::string::npos) << what;
+      EXPECT_EQ(what.find("Exception raised from"), std::string::npos) << what;
+    }
   }
 }
 

@@ -51,7 +51,9 @@ class DataLoader {
   StateDict state_dict() const;
   /// Restores what state_dict() returned and positions the loader there, or
   /// at `position` of the saved epoch when given. CheckpointError when
-  /// epoch or position is missing.
+  /// epoch or position is missing, or (a DatasetLoader) when the state was
+  /// saved in the middle of an epoch by a loader of another batch size,
+  /// dataset size or shuffling seed.
   void load_state_dict(const StateDict& state,
                        std::optional<int64_t> position = std::nullopt);
 
@@ -92,6 +94,10 @@ class DataLoader {
   virtual void do_state_dict(StateDict& /*state*/) const {}
   /// Restores them, before the loader seeks to the saved position.
   virtual void do_load_state_dict(const StateDict& /*state*/) {}
+  /// Before a resume in the middle of an epoch (`position` > 0): an error
+  /// when `state` was saved by a loader whose batches differ from this
+  /// one's (position would name other samples). Default: nothing.
+  virtual void check_resume(const StateDict& /*state*/, int64_t /*position*/) const {}
 
  private:
   int64_t epoch_ = -1;
@@ -166,6 +172,7 @@ class DatasetLoader : public DataLoader {
   /// the built-in samplers; optional on load).
   void do_state_dict(StateDict& state) const override;
   void do_load_state_dict(const StateDict& state) override;
+  void check_resume(const StateDict& state, int64_t position) const override;
 
  private:
   int64_t samples_per_epoch() const;
