@@ -118,9 +118,14 @@ at::Tensor score_from(const at::Tensor& matrix, Score score, const Classificatio
     }
     return t;
   };
-  if (o.task == Task::kBinary) return per_class(tp[1], predicted[1], actual[1]);
+  // No sample at all: NaN, as Accuracy (not 0: a class without predicted
+  // samples has precision 0, but here there is nothing to score).
+  const at::Tensor none = torch::full({}, std::nan(""), m.options());
+  if (o.task == Task::kBinary) {
+    return torch::where(m.sum() > 0, per_class(tp[1], predicted[1], actual[1]), none);
+  }
   if (o.average == Average::kMicro) {
-    return per_class(tp.sum(), predicted.sum(), actual.sum());
+    return torch::where(m.sum() > 0, per_class(tp.sum(), predicted.sum(), actual.sum()), none);
   }
   const at::Tensor present = (predicted + actual) > 0;
   const at::Tensor values = per_class(tp, predicted, actual);
@@ -158,6 +163,11 @@ std::pair<at::Tensor, at::Tensor> ConfusionCounts::checked_labels(const at::Tens
   check_classes(both.second, "a target");
   check_classes(both.first, "a predicted");
   return both;
+}
+
+std::string ConfusionCounts::options_text() const {
+  if (options_.task == Task::kBinary) return str("task=binary threshold=", options_.threshold);
+  return "task=multiclass";
 }
 
 void ConfusionCounts::check(const at::Tensor& preds, const at::Tensor& target) const {
@@ -203,6 +213,11 @@ std::pair<at::Tensor, at::Tensor> Accuracy::hits(const at::Tensor& preds,
   }
   auto [predicted, actual] = checked_labels(preds, target);
   return {predicted == actual, actual};
+}
+
+std::string Accuracy::options_text() const {
+  return options_.task == Task::kBinary ? ConfusionCounts::options_text()
+                                        : str("task=multiclass top_k=", options_.top_k);
 }
 
 void Accuracy::check(const at::Tensor& preds, const at::Tensor& target) const {

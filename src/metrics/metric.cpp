@@ -178,10 +178,34 @@ std::map<std::string, at::Tensor> Metric::state_dict(ProcessGroup* group) const 
   at::Tensor updates = torch::tensor({updates_}, torch::kLong);
   if (group != nullptr) group->all_reduce_(updates, ReduceOp::kSum);
   out["updates"] = updates;
+  const std::string options = options_text();
+  if (!options.empty()) {
+    out["options"] =
+        torch::tensor(std::vector<uint8_t>(options.begin(), options.end()), torch::kUInt8);
+  }
   return out;
 }
 
 std::vector<at::Tensor> Metric::checked(const std::map<std::string, at::Tensor>& saved) const {
+  if (auto it = saved.find("updates");
+      it != saved.end() && (it->second.numel() != 1 || it->second.is_floating_point())) {
+    throw c10::Error({__func__, __FILE__, __LINE__},
+                     c10::str(name(), ": \"updates\" in the checkpoint has shape ",
+                              it->second.sizes(), " and dtype ", it->second.scalar_type(),
+                              ", not one integer: not a metric's state"));
+  }
+  if (auto it = saved.find("options"); it != saved.end()) {
+    const at::Tensor bytes = it->second.to(at::kCPU, at::kByte).contiguous().reshape({-1});
+    const std::string theirs(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()),
+                             static_cast<size_t>(bytes.numel()));
+    if (theirs != options_text()) {
+      throw c10::Error({__func__, __FILE__, __LINE__},
+                       str(name(), ": the checkpoint's states were counted with ", theirs,
+                           ", this metric counts with ",
+                           options_text().empty() ? std::string("no options") : options_text(),
+                           " (its counts would mean something else; build it as it was)"));
+    }
+  }
   std::vector<at::Tensor> loaded(states_.size());
   for (size_t i = 0; i < states_.size(); ++i) {
     const State& s = states_[i];

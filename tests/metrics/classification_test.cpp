@@ -117,6 +117,22 @@ TEST(Metrics, TopKAccuracy) {
 TEST(Metrics, NoSampleIsNaNAndResetStartsOver) {
   M::Accuracy acc({.num_classes = 3});
   EXPECT_TRUE(std::isnan(value(acc)));
+  // Every average of the scores too (micro and binary read 0 before: an
+  // empty validation epoch logged val_f1=0).
+  for (const M::ClassificationOptions& o :
+       {M::ClassificationOptions{.num_classes = 3},
+        M::ClassificationOptions{.num_classes = 3, .average = "macro"},
+        M::ClassificationOptions{.task = "binary"}}) {
+    EXPECT_TRUE(std::isnan(value(M::Precision(o))));
+    EXPECT_TRUE(std::isnan(value(M::Recall(o))));
+    EXPECT_TRUE(std::isnan(value(M::F1Score(o))));
+    EXPECT_TRUE(std::isnan(value(M::AUROC(o))));
+  }
+  // A binary task whose samples all are negative and predicted negative
+  // scores 0 (scikit-learn's zero_division), not NaN.
+  M::Precision negatives({.task = "binary"});
+  negatives.update(torch::tensor({0.1, 0.2}), torch::tensor({0, 0}, torch::kLong));
+  EXPECT_EQ(value(negatives), 0.0);
   acc.update(scores3(), target3());
   acc.reset();
   EXPECT_EQ(acc.update_count(), 0);

@@ -199,6 +199,26 @@ TEST(Metric, StatesSurviveACheckpoint) {
   M::F1Score other({.num_classes = 4});
   EXPECT_THROWS_WITH(c10::Error, other.load(fulgur::from_bytes(b)),
                      {"matrix", "[5, 5]", "[4, 4]"});
+  // The options the counts depend on travel with them: another average
+  // reads the same counts; another top_k or threshold counted other hits.
+  M::F1Score micro({.num_classes = 5});
+  EXPECT_NO_THROW(micro.load(fulgur::from_bytes(b)));
+  M::Accuracy top2({.num_classes = 5, .top_k = 2});
+  top2.update(d.scores, d.target);
+  M::Accuracy top1({.num_classes = 5});
+  EXPECT_THROWS_WITH(
+      c10::Error, top1.load_state_dict(top2.state_dict()),
+      {"Accuracy", "counted with task=multiclass top_k=2", "counts with task=multiclass top_k=1"});
+  EXPECT_THROWS_WITH(c10::Error, top1.merge_state_dict(top2.state_dict()), {"top_k=2"});
+  EXPECT_EQ(top1.update_count(), 0);
+  M::Recall half({.task = "binary"});
+  M::Recall third({.task = "binary", .threshold = 0.3});
+  EXPECT_THROWS_WITH(c10::Error, third.load_state_dict(half.state_dict()),
+                     {"threshold=0.5", "threshold=0.3"});
+  // Not a metric's state.
+  auto bad = top2.state_dict();
+  bad["updates"] = torch::tensor({1, 2});
+  EXPECT_THROWS_WITH(c10::Error, top2.load_state_dict(bad), {"\"updates\"", "[2]"});
 }
 
 }  // namespace

@@ -24,6 +24,7 @@
 // classes that occur in the targets or the predictions (a class with no
 // predicted sample has precision 0). Accuracy's macro average is the mean
 // per-class recall over the classes in the targets (balanced accuracy).
+// With no sample at all every metric's value is NaN.
 #pragma once
 
 #include <cstdint>
@@ -81,6 +82,8 @@ class ConfusionCounts : public PredictionMetric {
   void update(const at::Tensor& preds, const at::Tensor& target) override;
   void check(const at::Tensor& preds, const at::Tensor& target) const override;
   std::string name() const override { return name_; }
+  /// The task, and the threshold of a binary task (top_k too: Accuracy).
+  std::string options_text() const override;
   const ClassificationOptions& options() const { return options_; }
   /// 2 for a binary task.
   int64_t classes() const { return classes_; }
@@ -108,6 +111,7 @@ class Accuracy : public ConfusionCounts {
   explicit Accuracy(ClassificationOptions options = {});
   void update(const at::Tensor& preds, const at::Tensor& target) override;
   void check(const at::Tensor& preds, const at::Tensor& target) const override;
+  std::string options_text() const override;
 
  protected:
   at::Tensor compute_from(const std::vector<at::Tensor>& states) const override;

@@ -59,6 +59,11 @@ class Metric {
   virtual std::string name() const = 0;
   /// Whether compute() gives one number (what log() takes).
   virtual bool is_scalar() const { return true; }
+  /// The options its states depend on, as text ("" for none), e.g.
+  /// "task=binary threshold=0.5": state_dict() keeps it under "options",
+  /// and a state saved with other options is refused on load (its counts
+  /// would mean something else).
+  virtual std::string options_text() const { return ""; }
 
   /// The value over everything updated since the last reset(), in this
   /// process.
@@ -74,12 +79,14 @@ class Metric {
   /// Updates since the last reset() (on this rank).
   int64_t update_count() const { return updates_; }
 
-  /// The states by name (a concatenated state as one tensor) and the
-  /// update count ("updates"), on the CPU: this rank's, or with `group`
+  /// The states by name (a concatenated state as one tensor), the update
+  /// count ("updates") and options_text() ("options", its bytes; when not
+  /// empty), on the CPU: this rank's, or with `group`
   /// every rank's combined as compute(group) combines them (a collective).
   std::map<std::string, at::Tensor> state_dict(ProcessGroup* group = nullptr) const;
   /// Replaces the states with saved ones. c10::Error naming a missing
-  /// state or one of another shape (another number of classes).
+  /// state, one of another shape (another number of classes), or states
+  /// saved with other options.
   void load_state_dict(const std::map<std::string, at::Tensor>& saved);
   /// Combines saved states with the current ones, as ranks' states are
   /// combined (sums added, saved rows first): a resumed run's metric goes
