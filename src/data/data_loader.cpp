@@ -23,7 +23,8 @@ void Sampler::set_shard(int64_t rank, int64_t world_size, bool even) {
   shard_even_ = even;
 }
 
-int64_t Sampler::shard_size(int64_t n) const {
+int64_t Sampler::shard_size(int64_t dataset_size) const {
+  const int64_t n = epoch_size(dataset_size);
   const int64_t w = shard_world_size_;
   if (w == 1) return n;
   return shard_even_ ? (n + w - 1) / w : (n - shard_rank_ + w - 1) / w;
@@ -213,7 +214,7 @@ bool DatasetLoader::set_in_order(bool in_order) {
 
 int64_t DatasetLoader::padded_rows(int64_t batch_idx) const {
   const Sampler& s = *sampler_;
-  const int64_t n = dataset_->size();
+  const int64_t n = s.epoch_size(dataset_->size());
   const int64_t w = s.shard_world_size();
   if (!s.shard_even() || w <= 1 || n == 0) return 0;
   const int64_t m = s.shard_size(n);  // ceil(n / w): the last is position (m-1)*w + rank
@@ -322,16 +323,16 @@ void DatasetLoader::do_start_epoch(int64_t epoch) {
   const int64_t expected = sampler.shard_size(size);
   if (!order.defined() || order.dim() != 1 || !c10::isIntegralType(order.scalar_type(), false) ||
       order.size(0) != expected) {
-    throw ConfigError(
-        str("DataLoader: the sampler's epoch_indices(", epoch, ", ", size, ") returned ",
-            !order.defined() ? std::string("an undefined tensor")
-                             : str("a ", c10::toString(order.scalar_type()), " tensor of shape ",
-                                   c10::str(order.sizes())),
-            "; the loader needs [", expected,
-            "] sample indices of an integer dtype (its shard_size(", size,
-            ")). A sampler restored "
-            "from a checkpoint of another dataset size gives this too: resume with the same "
-            "dataset."));
+    throw ConfigError(str(
+        "DataLoader: the sampler's epoch_indices(", epoch, ", ", size, ") returned ",
+        !order.defined() ? std::string("an undefined tensor")
+                         : str("a ", c10::toString(order.scalar_type()), " tensor of shape ",
+                               c10::str(order.sizes())),
+        "; the loader needs [", expected, "] sample indices of an integer dtype (its shard_size(",
+        size, "), from epoch_size(", size, ") = ", sampler.epoch_size(size),
+        "). A sampler that visits another number of samples than the dataset has says how "
+        "many in epoch_size(); one restored from a checkpoint of another dataset size gives "
+        "this too (resume with the same dataset)."));
   }
   order = order.to(torch::kLong).contiguous();
   if (order.numel() > 0) {
@@ -379,6 +380,7 @@ void DatasetLoader::do_state_dict(StateDict& state) const {
   state.set_section("sampler", sampler_->state_dict());
   // What the position means: check_resume compares them.
   state.set("batch_size", options_.batch_size);
+  state.set("shards", sampler_->shard_world_size());
   state.set("dataset_size", dataset_->size());
   if (const auto* random = dynamic_cast<const RandomSampler*>(sampler_.get())) {
     state.set("shuffle_seed", static_cast<int64_t>(random->seed()));
@@ -386,28 +388,38 @@ void DatasetLoader::do_state_dict(StateDict& state) const {
 }
 
 void DatasetLoader::check_resume(const StateDict& state, int64_t position) const {
-  // States written before these were saved have none of them.
+  if (!state.contains("batch_size")) return;  // written before these entries
   std::vector<std::string> differ;
-  auto compare = [&](const char* key, int64_t here) {
-    if (!state.contains(key)) return;
-    const int64_t saved = state.integer(key);
-    if (saved != here) differ.push_back(str(key, " ", saved, " there, ", here, " here"));
-  };
-  compare("batch_size", options_.batch_size);
-  compare("dataset_size", dataset_->size());
-  if (const auto* random = dynamic_cast<const RandomSampler*>(sampler_.get())) {
-    compare("shuffle_seed", static_cast<int64_t>(random->seed()));
-  } else if (state.contains("shuffle_seed")) {
-    differ.emplace_back("shuffled there, not here");
+  // A position names the same samples when as many are taken per step over
+  // every shard (one rank's batch of 16 is two ranks' of 8), in the same
+  // order of the same dataset.
+  const int64_t saved_batch = state.integer("batch_size");
+  const int64_t saved_shards = state.contains("shards") ? state.integer("shards") : 1;
+  const int64_t shards = sampler_->shard_world_size();
+  if (saved_batch * saved_shards != options_.batch_size * shards) {
+    differ.push_back(str("batches of ", saved_batch, " on each of ", saved_shards,
+                         " rank(s) there, of ", options_.batch_size, " on each of ", shards,
+                         " here"));
+  }
+  if (const int64_t saved = state.integer("dataset_size"); saved != dataset_->size()) {
+    differ.push_back(str("a dataset of ", saved, " samples there, of ", dataset_->size(), " here"));
+  }
+  const auto* random = dynamic_cast<const RandomSampler*>(sampler_.get());
+  if (state.contains("shuffle_seed") != (random != nullptr)) {
+    differ.emplace_back(random ? "in order there, shuffled here" : "shuffled there, in order here");
+  } else if (random && state.integer("shuffle_seed") != static_cast<int64_t>(random->seed())) {
+    differ.push_back(str("shuffled with seed ", state.integer("shuffle_seed"), " there, ",
+                         random->seed(), " here"));
   }
   if (differ.empty()) return;
   std::string list;
   for (const auto& d : differ) list += (list.empty() ? "" : "; ") + d;
-  throw CheckpointError(
-      str("DataLoader: the state to resume was saved at batch ", position, " of epoch ",
-          state.integer("epoch"), " by a loader whose batches differ from this one's (", list,
-          "): resuming there would repeat or skip samples. Resume with the loader as it was "
-          "(batch_size, dataset, seed), or from a checkpoint written at an epoch's end."));
+  detail::print_note(
+      str("DataLoader: resuming at batch ", position, " of epoch ", state.integer("epoch"),
+          ", saved by a loader whose batches differ from this one's (", list,
+          "): the rest of this epoch is not what the interrupted run would have read (some samples "
+          "repeat, some are skipped); the run goes on. For an exact resume, resume with the loader "
+          "as it was, or from a checkpoint written at an epoch's end."));
 }
 
 void DatasetLoader::do_load_state_dict(const StateDict& state) {

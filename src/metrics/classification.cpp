@@ -171,8 +171,14 @@ std::string ConfusionCounts::options_text() const {
 }
 
 void ConfusionCounts::check(const at::Tensor& preds, const at::Tensor& target) const {
+  // What checked_labels() refuses, without its labels: a class taken from
+  // scores (argmax, threshold) is always in range.
   torch::NoGradGuard no_grad;
-  (void)checked_labels(preds, target);
+  const at::Tensor p = checked_preds(name_, options_, preds, target);
+  check_classes(without_padding(target.to(torch::kLong)), "a target");
+  if (!c10::isFloatingType(p.scalar_type())) {
+    check_classes(without_padding(p.to(torch::kLong)), "a predicted");
+  }
 }
 
 void ConfusionCounts::update(const at::Tensor& preds, const at::Tensor& target) {
@@ -198,14 +204,7 @@ std::pair<at::Tensor, at::Tensor> Accuracy::hits(const at::Tensor& preds,
                                                  const at::Tensor& target) const {
   const at::Tensor p = checked_preds(name_, options_, preds, target);
   if (options_.top_k > 1) {
-    if (p.dim() != 2) {
-      throw ConfigError(str(name_, ".update: top_k=", options_.top_k,
-                            " needs the scores of every "
-                            "class [N, ",
-                            options_.num_classes, "]; preds has shape ", shape_of(preds),
-                            " (class indices, which have no second best). "
-                            "Pass the scores, or top_k=1."));
-    }
+    check_top_k(p, preds);
     const at::Tensor actual = without_padding(target.to(torch::kLong));
     check_classes(actual, "a target");
     const at::Tensor top = without_padding(std::get<1>(p.topk(options_.top_k, 1)));
@@ -220,9 +219,19 @@ std::string Accuracy::options_text() const {
                                         : str("task=multiclass top_k=", options_.top_k);
 }
 
+void Accuracy::check_top_k(const at::Tensor& p, const at::Tensor& preds) const {
+  if (options_.top_k > 1 && p.dim() != 2) {
+    throw ConfigError(str(name_, ".update: top_k=", options_.top_k,
+                          " needs the scores of every class [N, ", options_.num_classes,
+                          "]; preds has shape ", shape_of(preds),
+                          " (class indices, which have no second best). Pass the scores, or "
+                          "top_k=1."));
+  }
+}
+
 void Accuracy::check(const at::Tensor& preds, const at::Tensor& target) const {
-  torch::NoGradGuard no_grad;
-  (void)hits(preds, target);
+  ConfusionCounts::check(preds, target);
+  check_top_k(checked_preds(name_, options_, preds, target), preds);
 }
 
 void Accuracy::update(const at::Tensor& preds, const at::Tensor& target) {

@@ -65,6 +65,11 @@ at::Tensor Metric::without_padding(const at::Tensor& rows) {
 }
 
 void Metric::add_state(std::string name, at::Tensor initial, Reduction reduction) {
+  if (name == "updates" || name == "options") {
+    throw ConfigError(str(this->name(), ": a state cannot be named \"", name,
+                          "\": state_dict() keeps the metric's ", name,
+                          " under that name. Name it otherwise."));
+  }
   for (const auto& s : states_) {
     if (s.name == name) {
       throw ConfigError(str(this->name(), ": state \"", name, "\" is declared twice."));

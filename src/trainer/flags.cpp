@@ -483,7 +483,8 @@ std::vector<TrainerFlag> make_flags() {
                [](const O& o) { return get_int(o, &O::profiler_active); },
                set_int(&O::profiler_active, 1, "5")});
   f.push_back({"log_every_n_steps", "outputs",
-               "Logged metrics reach the loggers every N optimizer steps",
+               "Logged metrics reach the loggers every N optimizer steps (manual optimization: "
+               "every N-th batch that steps)",
                [](const O& o) { return get_int(o, &O::log_every_n_steps); },
                set_int(&O::log_every_n_steps, 1, "50")});
   // ---- Recovery.

@@ -166,6 +166,24 @@ TEST(Metric, AnUpdateWhileACudaGraphCapturesIsRefused) {
   EXPECT_DOUBLE_EQ(mean.compute().item<double>(), 2.0);
 }
 
+// state_dict() keeps the update count and the options under "updates" and
+// "options": a state of either name would be read as them.
+TEST(Metric, AStateNamedAsStateDictsOwnEntriesIsRefused) {
+  struct Named : M::Metric {
+    explicit Named(const std::string& state) {
+      add_state(state, torch::zeros({}), M::Reduction::kSum);
+    }
+    std::string name() const override { return "Named"; }
+
+   protected:
+    at::Tensor compute_from(const std::vector<at::Tensor>& s) const override { return s[0]; }
+  };
+  EXPECT_THROWS_WITH(fulgur::ConfigError, Named("options"),
+                     {"Named: a state cannot be named \"options\"", "Name it otherwise"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, Named("updates"), {"\"updates\""});
+  EXPECT_NO_THROW(Named("sum"));
+}
+
 TEST(Metric, StatesSurviveACheckpoint) {
   const Data d = data();
   M::AUROC auroc({.num_classes = 5});

@@ -51,9 +51,10 @@ class DataLoader {
   StateDict state_dict() const;
   /// Restores what state_dict() returned and positions the loader there, or
   /// at `position` of the saved epoch when given. CheckpointError when
-  /// epoch or position is missing, or (a DatasetLoader) when the state was
-  /// saved in the middle of an epoch by a loader of another batch size,
-  /// dataset size or shuffling seed.
+  /// epoch or position is missing. A DatasetLoader notes a state saved in
+  /// the middle of an epoch by a loader whose batches differ (another
+  /// global batch size, dataset size or shuffling seed): the rest of the
+  /// epoch then is not what the interrupted run would have read.
   void load_state_dict(const StateDict& state,
                        std::optional<int64_t> position = std::nullopt);
 
@@ -94,9 +95,9 @@ class DataLoader {
   virtual void do_state_dict(StateDict& /*state*/) const {}
   /// Restores them, before the loader seeks to the saved position.
   virtual void do_load_state_dict(const StateDict& /*state*/) {}
-  /// Before a resume in the middle of an epoch (`position` > 0): an error
-  /// when `state` was saved by a loader whose batches differ from this
-  /// one's (position would name other samples). Default: nothing.
+  /// Before a resume in the middle of an epoch (`position` > 0), e.g. a
+  /// note when `state` was saved by a loader whose batches differ from
+  /// this one's (position names other samples). Default: nothing.
   virtual void check_resume(const StateDict& /*state*/, int64_t /*position*/) const {}
 
  private:

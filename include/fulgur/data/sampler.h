@@ -37,7 +37,14 @@ class Sampler {
   int64_t shard_rank() const { return shard_rank_; }
   int64_t shard_world_size() const { return shard_world_size_; }
   bool shard_even() const { return shard_even_; }
-  /// How many of `dataset_size` samples this shard visits per epoch.
+  /// How many indices epoch_indices() gives for a dataset of
+  /// `dataset_size` samples, before sharding: all of them by default. A
+  /// sampler that visits a subset (or draws a count of its own) overrides
+  /// it: the loader counts its batches from it, and checks each epoch's
+  /// order against it.
+  virtual int64_t epoch_size(int64_t dataset_size) const { return dataset_size; }
+  /// How many of the epoch's epoch_size(dataset_size) indices this shard
+  /// visits.
   int64_t shard_size(int64_t dataset_size) const;
 
  protected:

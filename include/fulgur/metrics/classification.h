@@ -117,6 +117,8 @@ class Accuracy : public ConfusionCounts {
   at::Tensor compute_from(const std::vector<at::Tensor>& states) const override;
 
  private:
+  /// ConfigError for top_k > 1 without scores (`p`: checked_preds).
+  void check_top_k(const at::Tensor& p, const at::Tensor& preds) const;
   /// Whether each sample is right, and its checked target.
   std::pair<at::Tensor, at::Tensor> hits(const at::Tensor& preds, const at::Tensor& target) const;
 };

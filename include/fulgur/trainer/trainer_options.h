@@ -235,7 +235,8 @@ struct TrainerOptions {
   /// CSVLogger), names ("csv,tensorboard"), or false (no logging).
   LoggerFlag logger = true;
   std::vector<std::shared_ptr<Logger>> loggers = {};
-  /// Logged metrics reach the loggers every N optimizer steps.
+  /// Logged metrics reach the loggers every N optimizer steps (under manual
+  /// optimization, every N-th batch that steps: Trainer::batches_that_stepped).
   int64_t log_every_n_steps = 50;
   /// "simple": at the end of fit, global rank 0 prints where the fit loop's
   /// time went (fetching batches, training_step, backward, optimizer steps,

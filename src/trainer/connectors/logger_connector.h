@@ -146,7 +146,7 @@ class LoggerConnector {
   }
 
   /// Publishes the training step's fresh values, to the loggers too when
-  /// `to_loggers` (every log_every_n_steps optimizer steps).
+  /// `to_loggers` (every log_every_n_steps-th batch that stepped).
   void publish_step(const Strategy& strategy, bool to_loggers, int64_t epoch, int64_t step);
   /// The epoch aggregates of `sink`, reduced across ranks for sync_dist
   /// metrics (a collective: every rank calls), published unless

@@ -746,7 +746,14 @@ void FitLoop::restore(const FitProgress& p, const StateDict* loader_state) {
   // training loader is positioned in it.
   load_loaders_for(current_epoch_);
   if (!train_loader_) return;
-  if (loader_state != nullptr) {
+  // The checkpoint holds global rank 0's loader state. A rank's loader
+  // that the Trainer did not shard (use_distributed_sampler=false) is its
+  // own, not that one: it is positioned without it.
+  const Strategy& strategy = *trainer_.strategy;
+  const bool state_is_this_ranks = strategy.world_size() <= 1 ||
+                                   trainer_.options.use_distributed_sampler ||
+                                   strategy.global_rank() == 0;
+  if (loader_state != nullptr && state_is_this_ranks) {
     train_loader_->load_state_dict(*loader_state, p.batch_position);
   } else {
     train_loader_->seek(p.epoch, p.batch_position);
