@@ -90,27 +90,29 @@ void Batch::for_each(const std::function<void(const at::Tensor&)>& fn) const {
 int64_t Batch::batch_size() const {
   int64_t size = -1;
   for_each([&](const at::Tensor& t) {
-    if (size < 0) size = t.dim() > 0 ? t.size(0) : 1;
+    if (size < 0 && t.defined()) size = t.dim() > 0 ? t.size(0) : 1;
   });
   return size < 0 ? 0 : size;
 }
 
 Batch Batch::map_tensors(const std::function<at::Tensor(const at::Tensor&)>& fn) const {
+  // An undefined member (a batch without targets) stays undefined.
+  auto apply = [&fn](const at::Tensor& t) { return t.defined() ? fn(t) : t; };
   return std::visit(
       [&](const auto& v) -> Batch {
         using T = std::decay_t<decltype(v)>;
         if constexpr (std::is_same_v<T, at::Tensor>) {
-          return v.defined() ? Batch(fn(v)) : Batch(v);
+          return Batch(apply(v));
         } else if constexpr (std::is_same_v<T, Pair>) {
-          return Batch(Pair(fn(v.first), fn(v.second)));
+          return Batch(Pair(apply(v.first), apply(v.second)));
         } else if constexpr (std::is_same_v<T, List>) {
           List out;
           out.reserve(v.size());
-          for (const auto& t : v) out.push_back(fn(t));
+          for (const auto& t : v) out.push_back(apply(t));
           return Batch(std::move(out));
         } else {
           Map out;
-          for (const auto& [k, t] : v) out.emplace(k, fn(t));
+          for (const auto& [k, t] : v) out.emplace(k, apply(t));
           return Batch(std::move(out));
         }
       },

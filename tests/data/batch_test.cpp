@@ -112,6 +112,30 @@ TEST(Batch, MapTensorsKeepsTheShape) {
   EXPECT_TRUE(torch::equal(mapped["a"], torch::full({1}, 2.0)));
 }
 
+// A member left undefined (a batch without targets) stays undefined when
+// the batch is moved or mapped, as a lone undefined tensor did (moving such
+// a pair threw LibTorch's "tensor does not have a device"), and its size
+// comes from the defined one.
+TEST(Batch, AnUndefinedMemberStaysUndefined) {
+  for (const fulgur::Batch& batch :
+       {fulgur::Batch(torch::ones({3, 2}), at::Tensor()),
+        fulgur::Batch(fulgur::Batch::List{at::Tensor(), torch::ones({3, 2})}),
+        fulgur::Batch(fulgur::Batch::Map{{"x", torch::ones({3, 2})}, {"y", at::Tensor()}})}) {
+    const fulgur::Batch moved = batch.to(c10::Device(c10::kCPU));
+    int defined = 0;
+    int all = 0;
+    moved.for_each([&](const at::Tensor& t) {
+      defined += t.defined() ? 1 : 0;
+      ++all;
+    });
+    EXPECT_EQ(defined, 1);
+    EXPECT_EQ(all, 2);  // for_each visits the undefined one too
+    EXPECT_EQ(moved.batch_size(), 3);
+    const fulgur::Batch doubled = batch.map_tensors([](const at::Tensor& t) { return t * 2; });
+    EXPECT_EQ(doubled.batch_size(), 3);
+  }
+}
+
 TEST(Batch, ToSameDeviceDoesNotCopy) {
   auto x = torch::ones({2, 2});
   fulgur::Batch batch(x, torch::zeros({2}));

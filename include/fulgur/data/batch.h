@@ -66,7 +66,9 @@ class Batch {
 
   /// Calls `fn` on every tensor, in order.
   void for_each(const std::function<void(const at::Tensor&)>& fn) const;
-  /// A batch of the same shape with every tensor replaced by `fn(tensor)`.
+  /// A batch of the same shape with every defined tensor replaced by
+  /// `fn(tensor)` (an undefined member, e.g. a batch without targets, stays
+  /// undefined: for_each still visits it).
   Batch map_tensors(const std::function<at::Tensor(const at::Tensor&)>& fn) const;
   /// Every tensor moved to `device` (a no-op for tensors already there).
   Batch to(c10::Device device, bool non_blocking = false) const;

@@ -50,7 +50,8 @@ void DeviceFeed::put(const Batch& host) {
   // A tensor already on the device may still be written by work queued on
   // the current stream: the side stream reads it only after that work.
   bool reads_device_memory = false;
-  moved.for_each([&](const at::Tensor& t) { reads_device_memory |= t.device() == device_; });
+  moved.for_each(
+      [&](const at::Tensor& t) { reads_device_memory |= t.defined() && t.device() == device_; });
   if (reads_device_memory) {
     c10::Event queued(device_.type());
     queued.record(impl->getStream(device_));
@@ -79,7 +80,7 @@ Batch DeviceFeed::take(const Batch& host) {
     const c10::Stream current = impl->getStream(device_);
     entry.ready->block(current);
     entry.device.for_each([&](const at::Tensor& t) {
-      if (t.device() == device_ && t.has_storage()) {
+      if (t.defined() && t.device() == device_ && t.has_storage()) {
         impl->recordDataPtrOnStream(t.storage().data_ptr(), current);
       }
     });
