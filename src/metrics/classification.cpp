@@ -341,6 +341,11 @@ void AUROC::update(const at::Tensor& preds, const at::Tensor& target) {
 at::Tensor AUROC::compute_from(const std::vector<at::Tensor>& states) const {
   const at::Tensor& scores = states[0];
   const at::Tensor target = states[1].to(at::kCPU);
+  // A NaN score (a diverged model) has no rank: the area is NaN, not the
+  // value of NaNs sorted as the largest scores.
+  if (scores.numel() > 0 && scores.isnan().any().item<bool>()) {
+    return torch::tensor(std::nan(""), torch::kDouble);
+  }
   if (options_.task == Task::kBinary) {
     return torch::tensor(binary_auroc(scores, target == 1), torch::kDouble);
   }

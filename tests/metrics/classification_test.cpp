@@ -128,6 +128,12 @@ TEST(Metrics, NoSampleIsNaNAndResetStartsOver) {
     EXPECT_TRUE(std::isnan(value(M::F1Score(o))));
     EXPECT_TRUE(std::isnan(value(M::AUROC(o))));
   }
+  // A NaN score (a diverged model) makes the area NaN (sorted as the
+  // largest score, it read 0.5 or more).
+  M::AUROC with_nan({.task = "binary"});
+  with_nan.update(torch::tensor({0.1, std::nan(""), 0.8, 0.2}),
+                  torch::tensor({0, 1, 1, 0}, torch::kLong));
+  EXPECT_TRUE(std::isnan(value(with_nan)));
   // A binary task whose samples all are negative and predicted negative
   // scores 0 (scikit-learn's zero_division), not NaN.
   M::Precision negatives({.task = "binary"});

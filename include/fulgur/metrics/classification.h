@@ -166,7 +166,8 @@ class ConfusionMatrix : public ConfusionCounts {
 /// The area under the ROC curve, exact from every score (ties count half,
 /// as the Mann-Whitney statistic does). Binary: of the positive class's
 /// scores; multiclass: the mean of the one-vs-rest areas over the classes
-/// that have both positive and negative samples. NaN where there are none.
+/// that have both positive and negative samples. NaN where there are none,
+/// and when a score is NaN.
 /// Keeps every score of the epoch (8 bytes per score, per class).
 class AUROC : public PredictionMetric {
  public:
