@@ -140,7 +140,19 @@ ConfusionCounts::ConfusionCounts(ClassificationOptions options, std::string name
     : options_(std::move(options)), name_(std::move(name)) {
   check_options(options_, name_);
   classes_ = options_.task == Task::kBinary ? 2 : options_.num_classes;
-  if (pairs) add_state("matrix", torch::zeros({classes_, classes_}, torch::kLong), Reduction::kSum);
+  if (!pairs) return;
+  try {
+    add_state("matrix", torch::zeros({classes_, classes_}, torch::kLong), Reduction::kSum);
+  } catch (const std::exception& e) {  // c10::Error or std::bad_alloc
+    int64_t cells = 0;
+    const bool overflows = __builtin_mul_overflow(classes_, classes_, &cells) ||
+                           __builtin_mul_overflow(cells, int64_t{8}, &cells);
+    throw ConfigError(
+        str(name_, ": num_classes=", classes_, " needs a [", classes_, ", ", classes_,
+            "] matrix of int64 counts (",
+            overflows ? std::string("more bytes than an int64 holds") : str(cells, " bytes"),
+            "), which could not be made: ", error_message(e), ". Check num_classes."));
+  }
 }
 
 std::pair<at::Tensor, at::Tensor> ConfusionCounts::labels(const at::Tensor& preds,

@@ -225,6 +225,13 @@ std::vector<at::Tensor> Metric::checked(const std::map<std::string, at::Tensor>&
         (s.reduction == Reduction::kCat
              ? loaded[i].sizes().slice(1) == s.initial.sizes().slice(1)
              : loaded[i].sizes() == s.initial.sizes());
+    if (loaded[i].defined() && c10::isFloatingType(loaded[i].scalar_type()) &&
+        !c10::isFloatingType(s.initial.scalar_type())) {
+      throw c10::Error({__func__, __FILE__, __LINE__},
+                       c10::str(name(), ": state \"", s.name, "\" is ", loaded[i].scalar_type(),
+                                " in the checkpoint; the metric counts in ",
+                                s.initial.scalar_type(), " (not a state it wrote)"));
+    }
     if (!same_trailing) {
       throw c10::Error({__func__, __FILE__, __LINE__},
                        c10::str(name(), ": state \"", s.name, "\" has shape ", loaded[i].sizes(),

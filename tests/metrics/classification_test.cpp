@@ -259,6 +259,12 @@ TEST(Metrics, InputsThatWouldGiveAWrongValueAreRefused) {
   EXPECT_EQ(acc.update_count(), 0);
   EXPECT_EQ(binary.update_count(), 0);
   EXPECT_EQ(auroc.update_count(), 0);
+  // A class count whose matrix of counts cannot be made: named.
+  EXPECT_THROWS_WITH(fulgur::ConfigError, M::F1Score({.num_classes = int64_t{1} << 40}),
+                     {"F1Score: num_classes=1099511627776", "more bytes than an int64 holds",
+                      "Check num_classes"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, M::ConfusionMatrix({.num_classes = int64_t{1} << 28}),
+                     {"num_classes=268435456", "576460752303423488 bytes"});
 }
 
 }  // namespace

@@ -237,6 +237,10 @@ TEST(Metric, StatesSurviveACheckpoint) {
   auto bad = top2.state_dict();
   bad["updates"] = torch::tensor({1, 2});
   EXPECT_THROWS_WITH(c10::Error, top2.load_state_dict(bad), {"\"updates\"", "[2]"});
+  auto fractions = top2.state_dict();
+  fractions["hits"] = fractions["hits"].to(torch::kFloat) * 0.7;  // was truncated to integers
+  EXPECT_THROWS_WITH(c10::Error, top2.load_state_dict(fractions),
+                     {"state \"hits\" is Float in the checkpoint", "counts in Long"});
 }
 
 }  // namespace
