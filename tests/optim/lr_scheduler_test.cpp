@@ -412,6 +412,52 @@ TEST(SchedulerConfig, NotStrictSkipsTheStepsWithoutTheMetric) {
   EXPECT_DOUBLE_EQ(lrs(*model.optimizer)[0], 0.1);
 }
 
+// A ReduceLROnPlateau on the step interval reads the value training_step
+// logged in the same step (it stepped before the step's values were
+// published: "not logged by step 1", or the previous step's value with
+// strict=false). Every value after the first is no improvement here, so
+// with patience 0 the rate halves at each of the 3 later steps.
+TEST(SchedulerConfig, APlateauSchedulerOnTheStepIntervalReadsThatStepsValue) {
+  for (const bool strict : {true, false}) {
+    SCOPED_TRACE(strict);
+    TempDir root;
+    ConfiguredNet model;
+    model.config = {
+        .scheduler = std::make_shared<fulgur::ReduceLROnPlateau>(
+            *model.optimizer, fulgur::ReduceLROnPlateauOptions{.mode = "max",
+                                                               .factor = 0.5,
+                                                               .patience = 0,
+                                                               .threshold = 1e9,
+                                                               .threshold_mode = "abs"}),
+        .interval = fulgur::Interval::kStep,
+        .monitor = "train_loss",
+        .strict = strict};
+    EXPECT_EQ(fit_error(model, root), "");
+    EXPECT_DOUBLE_EQ(lrs(*model.optimizer)[0], 0.1 * 0.5 * 0.5 * 0.5);
+  }
+}
+
+// A scheduler that leaves a rate that is not finite or is negative (a NaN
+// factor made every parameter NaN; a negative one climbed the loss) is
+// named at the step it did so.
+TEST(SchedulerConfig, ASchedulerThatLeavesANaNOrNegativeRateIsNamed) {
+  for (const double factor : {std::nan(""), -1.0}) {
+    SCOPED_TRACE(factor);
+    TempDir root;
+    ConfiguredNet model;
+    model.config = {
+        .scheduler = std::make_shared<fulgur::LambdaLR>(
+            *model.optimizer, [factor](int64_t step) { return step >= 2 ? factor : 1.0; }),
+        .interval = fulgur::Interval::kStep};
+    const std::string error = fit_error(model, root);
+    EXPECT_TRUE(fulgur::test::message_contains(
+        error, {"scheduler 0 (interval step) set the learning rate of parameter group 0 of "
+                "optimizer 0 to ",
+                "at step 2", std::isnan(factor) ? "NaN" : "climb the loss", "gamma"}))
+        << error;
+  }
+}
+
 TEST(SchedulerConfig, ACheckpointWithoutAStatefulSchedulersStateIsRefused) {
   TempDir root;
   std::string last;

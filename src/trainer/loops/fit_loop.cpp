@@ -10,6 +10,7 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdio>
 
 #include "fulgur/callbacks/callback.h"
@@ -293,7 +294,10 @@ void FitLoop::train_epoch() {
 
   LoopProfiler::Scope epoch_end(profiler_.get(), LoopProfiler::Phase::kEpochEnd);
   in_epoch_end_ = true;
-  if (m.automatic_optimization()) step_schedulers(Interval::kEpoch);
+  if (m.automatic_optimization()) {
+    step_schedulers(Interval::kEpoch, /*monitored=*/false);
+    step_schedulers(Interval::kEpoch, /*monitored=*/true);
+  }
   log_to_train_sink(m, /*training_step=*/false, 1);
   m.on_train_epoch_end();
   trainer_.logging.publish_epoch(trainer_.logging.train_sink(), *trainer_.strategy,
@@ -380,6 +384,10 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
     LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kLogging);
     publish_step_metrics();
   }
+  if (monitored_step_due_) {
+    monitored_step_due_ = false;
+    step_schedulers(Interval::kStep, /*monitored=*/true);
+  }
   // The hooks get the loss without its graph. Backward is done, so the loss
   // itself is detached in place (no allocation); a view, or a leaf (which
   // could be a parameter), is copied instead.
@@ -432,7 +440,8 @@ void FitLoop::finish_optimizer_steps(bool zero_grads) {
   }
   ++global_step_;
   ++batches_that_stepped_;
-  step_schedulers(Interval::kStep);
+  step_schedulers(Interval::kStep, /*monitored=*/false);
+  monitored_step_due_ = true;  // after the step's values are published
 }
 
 void FitLoop::check_loss(const at::Tensor& loss) {
@@ -497,13 +506,36 @@ at::Tensor FitLoop::graph_training_batch(Batch& on_device, int64_t idx, bool is_
   return loss;
 }
 
-void FitLoop::step_schedulers(Interval interval) {
+void FitLoop::check_learning_rates(size_t index) const {
+  const auto& config = optimizers_.schedulers[index];
+  for (size_t o = 0; o < optimizers_.optimizers.size(); ++o) {
+    const auto& groups = optimizers_.optimizers[o]->param_groups();
+    for (size_t g = 0; g < groups.size(); ++g) {
+      const double lr = groups[g].options().get_lr();
+      if (std::isfinite(lr) && lr >= 0) continue;
+      throw ConfigError(str(
+          "scheduler ", index, " (interval ", config.interval == Interval::kStep ? "step" : "epoch",
+          ") set the learning rate of parameter group ", g, " of optimizer ", o, " to ", lr, " at ",
+          config.interval == Interval::kStep ? "step " : "the end of epoch ",
+          config.interval == Interval::kStep ? global_step_ : current_epoch_,
+          ": the next step would ",
+          std::isfinite(lr) ? "climb the loss (a negative rate)"
+                            : "make every parameter it steps NaN",
+          ". Check the scheduler's factors (gamma, a lambda's value) for NaN, "
+          "infinity and negative numbers."));
+    }
+  }
+}
+
+void FitLoop::step_schedulers(Interval interval, bool monitored) {
   int64_t counter = interval == Interval::kStep ? global_step_ : current_epoch_ + 1;
   for (size_t i = 0; i < optimizers_.schedulers.size(); ++i) {
     auto& config = optimizers_.schedulers[i];
     if (config.interval != interval || counter % config.frequency != 0) continue;
+    if (config.monitor.empty() == monitored) continue;
     if (config.monitor.empty()) {
       trainer_.module->lr_scheduler_step(*config.scheduler, std::nullopt);
+      check_learning_rates(i);
       continue;
     }
     // Rank 0's value (or its absence) decides on every rank: the ranks'
@@ -541,6 +573,7 @@ void FitLoop::step_schedulers(Interval interval) {
       continue;
     }
     trainer_.module->lr_scheduler_step(*config.scheduler, found[1]);
+    check_learning_rates(i);
   }
 }
 
@@ -662,6 +695,7 @@ void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoade
   batch_idx_ = 0;
   batch_position_ = 0;
   batches_that_stepped_ = 0;
+  monitored_step_due_ = false;
   window_has_gradient_ = false;
   num_training_batches_ = -1;
   noted_shorter_peer_ = false;

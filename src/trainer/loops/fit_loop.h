@@ -142,7 +142,14 @@ class FitLoop {
   void backward_with_hooks(Module& m, const at::Tensor& loss, const at::Tensor& scaled, bool vote);
   /// The checks on what training_step returned (automatic optimization).
   static void check_loss(const at::Tensor& loss);
-  void step_schedulers(Interval interval);
+  /// The schedulers of `interval` due now; `monitored`: those that read a
+  /// logged metric (ReduceLROnPlateau), or the others. A step's monitored
+  /// ones run after the step's values are published (monitored_step_due_),
+  /// so they read this step's metrics, as Lightning's do.
+  void step_schedulers(Interval interval, bool monitored);
+  /// ConfigError when scheduler `index` left a learning rate that is not
+  /// finite or is negative (a NaN gamma, a lambda's NaN, a negative factor).
+  void check_learning_rates(size_t index) const;
   bool should_validate_now(int64_t position, bool is_last_batch) const;
   void run_validation(bool sanity);
   bool stop_requested_by_limits(bool boundary);
@@ -165,6 +172,7 @@ class FitLoop {
   int64_t batch_idx_ = 0;
   int64_t batch_position_ = 0;  // training batches done in the current epoch
   int64_t batches_that_stepped_ = 0;
+  bool monitored_step_due_ = false;  // see step_schedulers
   // An earlier micro-batch of the current accumulation window ran backward.
   bool window_has_gradient_ = false;
   int64_t accumulate_ = 1;
