@@ -68,6 +68,21 @@ bool any_sparse_grad(const std::vector<WithGrad>& groups) {
   return false;
 }
 
+/// "" when every gradient has its parameter's dtype; else which does not
+/// (Adam's kernels fail an internal assert on it, torch::optim's too).
+std::string gradient_dtype_mismatch(const std::vector<WithGrad>& groups) {
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t i = 0; i < groups[g].params.size(); ++i) {
+      const at::Tensor& p = groups[g].params[i];
+      const at::Tensor& grad = groups[g].grads[i];
+      if (grad.scalar_type() == p.scalar_type()) continue;
+      return c10::str("a parameter of shape ", p.sizes(), " and dtype ", p.scalar_type(),
+                      " (group ", g, ") has a gradient of dtype ", grad.scalar_type());
+    }
+  }
+  return "";
+}
+
 /// Whether one tensor appears twice among a group's parameters (torch::optim
 /// steps it twice, one update after the other; see the header).
 bool any_group_lists_a_tensor_twice(const std::vector<WithGrad>& groups) {
@@ -343,6 +358,11 @@ at::Tensor adam_family_step(Parent& self, const char* name,
   auto groups = parameters_with_grad(self.param_groups());
   TORCH_CHECK(!any_sparse_grad(groups), "fulgur::optim::", name,
               " does not support sparse gradients (nor does torch::optim::", name, ")");
+  if (const std::string mismatch = gradient_dtype_mismatch(groups); !mismatch.empty()) {
+    TORCH_CHECK(false, "fulgur::optim::", name, ": ", mismatch,
+                ". Give each gradient its parameter's dtype (a gradient set by hand: "
+                "grad.to(param.scalar_type())).");
+  }
   if (slots != nullptr) {
     TORCH_CHECK(!any_group_lists_a_tensor_twice(groups), "fulgur::optim::", name,
                 ": a parameter group lists a tensor twice, which a device-scalar step (a "

@@ -381,6 +381,23 @@ TEST(FulgurOptimizers, AdamAndAdamWRefuseASparseGradientBeforeChangingAnything) 
   EXPECT_TRUE(adamw.state().empty());
 }
 
+// A gradient of another dtype than its parameter's (set by hand): named,
+// nothing stepped (Adam's kernel failed an internal assert on it, as
+// torch::optim's does).
+TEST(FulgurOptimizers, AdamAndAdamWNameAGradientOfAnotherDtype) {
+  auto p = torch::zeros({2, 3}, torch::requires_grad());
+  p.mutable_grad() = torch::ones({2, 3}, torch::kDouble);
+  fulgur::optim::Adam adam(std::vector<at::Tensor>{p}, torch::optim::AdamOptions(0.1));
+  EXPECT_THROWS_WITH(c10::Error, adam.step(),
+                     {"fulgur::optim::Adam: a parameter of shape [2, 3] and dtype Float (group 0) "
+                      "has a gradient of dtype Double",
+                      "grad.to(param.scalar_type())"});
+  fulgur::optim::AdamW adamw(std::vector<at::Tensor>{p}, torch::optim::AdamWOptions(0.1));
+  EXPECT_THROWS_WITH(c10::Error, adamw.step(), {"fulgur::optim::AdamW", "Double"});
+  EXPECT_TRUE(torch::equal(p, torch::zeros({2, 3})));
+  EXPECT_TRUE(adam.state().empty());
+}
+
 // ---- A parameter listed twice in one group.
 
 TEST(FulgurOptimizers, AParameterListedTwiceIsSteppedTwiceAsTorchDoes) {
