@@ -74,19 +74,9 @@ at::Tensor optional_tensor(const StateDict& in, const char* key) {
 
 // The same, on `param`'s device, floating-point state in its dtype (as
 // PyTorch's Optimizer.load_state_dict casts it); a no-op where it already is.
-// Each of these states has one value per element of its parameter: one of
-// another shape is another parameter's (the step would fail on it later,
-// naming neither).
 at::Tensor optional_tensor(const StateDict& in, const char* key, const at::Tensor& param) {
   at::Tensor t = optional_tensor(in, key);
   if (!t.defined()) return t;
-  if (t.sizes() != param.sizes()) {
-    throw CheckpointError(str("its \"", key, "\" has shape ", c10::str(t.sizes()),
-                              " where the parameter has ", c10::str(param.sizes()),
-                              ": the state is another parameter's (the model's parameters in "
-                              "another order, or another model). Resume with the model and "
-                              "configure_optimizers as they were"));
-  }
   return t.to(param.device(), t.is_floating_point() ? param.scalar_type() : t.scalar_type());
 }
 
@@ -351,13 +341,8 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDi
       const StateDict* saved = saved_states->find_section(keys[i][j]);
       if (saved == nullptr) continue;
       const at::Tensor& param = param_groups[i].params()[j];
-      try {
-        loaded.emplace_back(compat::optimizer_state_key(param),
-                            read_param_state(optimizer, *saved, param));
-      } catch (const CheckpointError& e) {
-        throw CheckpointError(
-            str("the optimizer state of parameter ", j, " of parameter group ", i, ": ", e.what()));
-      }
+      loaded.emplace_back(compat::optimizer_state_key(param),
+                          read_param_state(optimizer, *saved, param));
     }
   }
   // The groups' options, through the optimizer's own load with no state.
