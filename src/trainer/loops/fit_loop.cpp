@@ -506,23 +506,43 @@ at::Tensor FitLoop::graph_training_batch(Batch& on_device, int64_t idx, bool is_
   return loss;
 }
 
-void FitLoop::check_learning_rates(size_t index) const {
+std::vector<double> FitLoop::learning_rates() const {
+  std::vector<double> rates;
+  for (const auto& opt : optimizers_.optimizers) {
+    for (const auto& group : opt->param_groups()) rates.push_back(group.options().get_lr());
+  }
+  return rates;
+}
+
+void FitLoop::check_learning_rates(size_t index, const std::vector<double>& before) {
   const auto& config = optimizers_.schedulers[index];
+  size_t k = 0;
   for (size_t o = 0; o < optimizers_.optimizers.size(); ++o) {
     const auto& groups = optimizers_.optimizers[o]->param_groups();
-    for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t g = 0; g < groups.size(); ++g, ++k) {
       const double lr = groups[g].options().get_lr();
-      if (std::isfinite(lr) && lr >= 0) continue;
-      throw ConfigError(str(
+      // Only the rates this step changed are the scheduler's doing.
+      if (k < before.size() && (lr == before[k] || (std::isnan(lr) && std::isnan(before[k])))) {
+        continue;
+      }
+      if (std::isfinite(lr) && (lr >= 0 || negative_rate_noted_)) continue;
+      const std::string what = str(
           "scheduler ", index, " (interval ", config.interval == Interval::kStep ? "step" : "epoch",
           ") set the learning rate of parameter group ", g, " of optimizer ", o, " to ", lr, " at ",
           config.interval == Interval::kStep ? "step " : "the end of epoch ",
-          config.interval == Interval::kStep ? global_step_ : current_epoch_,
-          ": the next step would ",
-          std::isfinite(lr) ? "climb the loss (a negative rate)"
-                            : "make every parameter it steps NaN",
-          ". Check the scheduler's factors (gamma, a lambda's value) for NaN, "
-          "infinity and negative numbers."));
+          config.interval == Interval::kStep ? global_step_ : current_epoch_);
+      if (!std::isfinite(lr)) {
+        throw ConfigError(str(what,
+                              ": the next step would make every parameter it steps NaN. Check "
+                              "the scheduler's factors (gamma, a lambda's value) for NaN and "
+                              "infinity."));
+      }
+      negative_rate_noted_ = true;
+      if (trainer_.strategy->is_global_zero()) {
+        detail::print_note(str(what,
+                               ": a negative rate climbs the loss. If that is not meant, "
+                               "check the scheduler's factors (gamma, a lambda's value)."));
+      }
     }
   }
 }
@@ -533,9 +553,10 @@ void FitLoop::step_schedulers(Interval interval, bool monitored) {
     auto& config = optimizers_.schedulers[i];
     if (config.interval != interval || counter % config.frequency != 0) continue;
     if (config.monitor.empty() == monitored) continue;
+    const std::vector<double> before = learning_rates();
     if (config.monitor.empty()) {
       trainer_.module->lr_scheduler_step(*config.scheduler, std::nullopt);
-      check_learning_rates(i);
+      check_learning_rates(i, before);
       continue;
     }
     // Rank 0's value (or its absence) decides on every rank: the ranks'
@@ -573,7 +594,7 @@ void FitLoop::step_schedulers(Interval interval, bool monitored) {
       continue;
     }
     trainer_.module->lr_scheduler_step(*config.scheduler, found[1]);
-    check_learning_rates(i);
+    check_learning_rates(i, before);
   }
 }
 
@@ -696,6 +717,7 @@ void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoade
   batch_position_ = 0;
   batches_that_stepped_ = 0;
   monitored_step_due_ = false;
+  negative_rate_noted_ = false;
   window_has_gradient_ = false;
   num_training_batches_ = -1;
   noted_shorter_peer_ = false;

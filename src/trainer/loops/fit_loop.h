@@ -145,11 +145,14 @@ class FitLoop {
   /// The schedulers of `interval` due now; `monitored`: those that read a
   /// logged metric (ReduceLROnPlateau), or the others. A step's monitored
   /// ones run after the step's values are published (monitored_step_due_),
-  /// so they read this step's metrics, as Lightning's do.
+  /// so they read this step's metrics (before a validation inside the batch).
   void step_schedulers(Interval interval, bool monitored);
-  /// ConfigError when scheduler `index` left a learning rate that is not
-  /// finite or is negative (a NaN gamma, a lambda's NaN, a negative factor).
-  void check_learning_rates(size_t index) const;
+  /// Every parameter group's learning rate, optimizer by optimizer.
+  std::vector<double> learning_rates() const;
+  /// After scheduler `index` stepped (`before`: learning_rates() before):
+  /// ConfigError for a rate it made NaN or infinite (a NaN gamma, a
+  /// lambda's NaN), a note for one it made negative.
+  void check_learning_rates(size_t index, const std::vector<double>& before);
   bool should_validate_now(int64_t position, bool is_last_batch) const;
   void run_validation(bool sanity);
   bool stop_requested_by_limits(bool boundary);
@@ -173,6 +176,7 @@ class FitLoop {
   int64_t batch_position_ = 0;  // training batches done in the current epoch
   int64_t batches_that_stepped_ = 0;
   bool monitored_step_due_ = false;  // see step_schedulers
+  bool negative_rate_noted_ = false;
   // An earlier micro-batch of the current accumulation window ran backward.
   bool window_has_gradient_ = false;
   int64_t accumulate_ = 1;
