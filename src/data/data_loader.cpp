@@ -336,11 +336,12 @@ void DatasetLoader::do_start_epoch(int64_t epoch) {
   }
   order = order.to(torch::kLong).contiguous();
   if (order.numel() > 0) {
-    const auto [low, high] = at::aminmax(order);
-    if (low.item<int64_t>() < 0 || high.item<int64_t>() >= size) {
+    const auto [low_t, high_t] = at::aminmax(order);
+    const int64_t low = low_t.item<int64_t>();
+    const int64_t high = high_t.item<int64_t>();
+    if (low < 0 || high >= size) {
       throw ConfigError(str("DataLoader: the sampler's epoch_indices(", epoch, ", ", size,
-                            ") returned sample index ",
-                            low.item<int64_t>() < 0 ? low.item<int64_t>() : high.item<int64_t>(),
+                            ") returned sample index ", low < 0 ? low : high,
                             ", outside the dataset's [0, ", size, ")."));
     }
   }
@@ -412,11 +413,9 @@ void DatasetLoader::check_resume(const StateDict& state, int64_t position) const
                          random->seed(), " here"));
   }
   if (differ.empty()) return;
-  std::string list;
-  for (const auto& d : differ) list += (list.empty() ? "" : "; ") + d;
   detail::print_note(
       str("DataLoader: resuming at batch ", position, " of epoch ", state.integer("epoch"),
-          ", saved by a loader whose batches differ from this one's (", list,
+          ", saved by a loader whose batches differ from this one's (", join(differ, "; "),
           "): the rest of this epoch is not what the interrupted run would have read (some samples "
           "repeat, some are skipped); the run goes on. For an exact resume, resume with the loader "
           "as it was, or from a checkpoint written at an epoch's end."));

@@ -51,10 +51,12 @@ std::string shape_of(const at::Tensor& t) { return c10::str(t.sizes()); }
 void check_label_range(const std::string& name, const ClassificationOptions& o, int64_t classes,
                        const at::Tensor& labels, const char* what) {
   if (labels.is_cuda() || labels.numel() == 0) return;
-  const auto [low, high] = at::aminmax(labels);
-  if (low.item<int64_t>() >= 0 && high.item<int64_t>() < classes) return;
+  const auto [low_t, high_t] = at::aminmax(labels);
+  const int64_t low = low_t.item<int64_t>();
+  const int64_t high = high_t.item<int64_t>();
+  if (low >= 0 && high < classes) return;
   throw ConfigError(str(name, ".update: ", what, " class is outside [0, ", classes, ") (",
-                        low.item<int64_t>() < 0 ? low.item<int64_t>() : high.item<int64_t>(),
+                        low < 0 ? low : high,
                         o.task == Task::kBinary ? "; a binary task takes 0 and 1" : "",
                         "). Check num_classes and the labels."));
 }

@@ -506,12 +506,11 @@ at::Tensor FitLoop::graph_training_batch(Batch& on_device, int64_t idx, bool is_
   return loss;
 }
 
-std::vector<double> FitLoop::learning_rates() const {
-  std::vector<double> rates;
+void FitLoop::read_learning_rates(std::vector<double>& out) const {
+  out.clear();
   for (const auto& opt : optimizers_.optimizers) {
-    for (const auto& group : opt->param_groups()) rates.push_back(group.options().get_lr());
+    for (const auto& group : opt->param_groups()) out.push_back(group.options().get_lr());
   }
-  return rates;
 }
 
 void FitLoop::check_learning_rates(size_t index, const std::vector<double>& before) {
@@ -553,10 +552,10 @@ void FitLoop::step_schedulers(Interval interval, bool monitored) {
     auto& config = optimizers_.schedulers[i];
     if (config.interval != interval || counter % config.frequency != 0) continue;
     if (config.monitor.empty() == monitored) continue;
-    const std::vector<double> before = learning_rates();
+    read_learning_rates(rates_before_);
     if (config.monitor.empty()) {
       trainer_.module->lr_scheduler_step(*config.scheduler, std::nullopt);
-      check_learning_rates(i, before);
+      check_learning_rates(i, rates_before_);
       continue;
     }
     // Rank 0's value (or its absence) decides on every rank: the ranks'
@@ -594,7 +593,7 @@ void FitLoop::step_schedulers(Interval interval, bool monitored) {
       continue;
     }
     trainer_.module->lr_scheduler_step(*config.scheduler, found[1]);
-    check_learning_rates(i, before);
+    check_learning_rates(i, rates_before_);
   }
 }
 

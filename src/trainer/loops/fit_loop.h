@@ -147,9 +147,10 @@ class FitLoop {
   /// ones run after the step's values are published (monitored_step_due_),
   /// so they read this step's metrics (before a validation inside the batch).
   void step_schedulers(Interval interval, bool monitored);
-  /// Every parameter group's learning rate, optimizer by optimizer.
-  std::vector<double> learning_rates() const;
-  /// After scheduler `index` stepped (`before`: learning_rates() before):
+  /// Every parameter group's learning rate, optimizer by optimizer, into
+  /// `out` (its capacity reused: no allocation per step).
+  void read_learning_rates(std::vector<double>& out) const;
+  /// After scheduler `index` stepped (`before`: read_learning_rates before):
   /// ConfigError for a rate it made NaN or infinite (a NaN gamma, a
   /// lambda's NaN), a note for one it made negative.
   void check_learning_rates(size_t index, const std::vector<double>& before);
@@ -177,6 +178,7 @@ class FitLoop {
   int64_t batches_that_stepped_ = 0;
   bool monitored_step_due_ = false;  // see step_schedulers
   bool negative_rate_noted_ = false;
+  std::vector<double> rates_before_;  // step_schedulers' read_learning_rates
   // An earlier micro-batch of the current accumulation window ran backward.
   bool window_has_gradient_ = false;
   int64_t accumulate_ = 1;
