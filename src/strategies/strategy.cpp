@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <iostream>
 
 #include "fulgur/accelerators/accelerator.h"
@@ -144,6 +145,30 @@ OptimizerConfig Strategy::setup_optimizers(Module& module) {
                             "\", but it is not stepped with a metric (it is not a "
                             "fulgur::MonitoredScheduler such as fulgur::ReduceLROnPlateau). "
                             "Drop the monitor, or use a scheduler that reads it."));
+    }
+    if (const auto* ours = dynamic_cast<const Scheduler*>(s.scheduler.get())) {
+      const bool returned =
+          std::any_of(config.optimizers.begin(), config.optimizers.end(),
+                      [&](const auto& optimizer) { return optimizer.get() == &ours->optimizer(); });
+      if (!returned) {
+        throw ConfigError(str(module.name(), ".configure_optimizers(): scheduler ", i,
+                              " schedules an optimizer that configure_optimizers did not return "
+                              "(its rates would change, and nothing would train with them). "
+                              "Build it on one of the ",
+                              config.optimizers.size(), " optimizer(s) returned."));
+      }
+    }
+    if (SequentialLR::in_sequence(*s.scheduler)) {
+      throw ConfigError(str(module.name(), ".configure_optimizers(): scheduler ", i,
+                            " is one of a SequentialLR's, which steps it; listed too, it would "
+                            "be stepped twice a step. List only the SequentialLR."));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (config.schedulers[j].scheduler == s.scheduler) {
+        throw ConfigError(str(module.name(), ".configure_optimizers(): schedulers ", j, " and ", i,
+                              " are the same object; it would be stepped twice a step. List "
+                              "it once."));
+      }
     }
   }
   return config;

@@ -1,9 +1,10 @@
-// Learning-rate schedules: LambdaLR and ReduceLROnPlateau against values
-// worked out by hand; a run resumed from any checkpoint (mid-epoch, the last
-// batch of an epoch before its scheduler step, after an epoch boundary) ends
-// bit-identical to the uninterrupted one under a per-epoch, a per-step, a
-// metric-driven and a callback-driven schedule; and the errors of a
-// SchedulerConfig that cannot work.
+// Learning-rate schedules: LambdaLR, ReduceLROnPlateau and PyTorch's
+// closed-form schedules against values worked out by hand; a run resumed
+// from any checkpoint (mid-epoch, the last batch of an epoch before its
+// scheduler step, after an epoch boundary) ends bit-identical to the
+// uninterrupted one under a per-epoch, a per-step, a metric-driven, a
+// callback-driven, a one-cycle (momentum too) and a sequential schedule; and
+// the errors of a SchedulerConfig that cannot work.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -71,6 +72,181 @@ TEST(LambdaLR, AGroupAddedLaterKeepsItsOwnRate) {
 TEST(LambdaLR, RefusesAnEmptyFunction) {
   auto sgd = two_group_sgd(0.5, 2.0);
   EXPECT_THROW(fulgur::LambdaLR(*sgd, nullptr), fulgur::ConfigError);
+}
+
+/// The rates of group 0 after 0, 1, ... `count` - 1 steps of `schedule`.
+std::vector<double> rates_over(torch::optim::LRScheduler& schedule,
+                               const torch::optim::Optimizer& optimizer, int count) {
+  std::vector<double> out;
+  for (int i = 0; i < count; ++i) {
+    if (i > 0) schedule.step();
+    out.push_back(lrs(optimizer)[0]);
+  }
+  return out;
+}
+
+#define EXPECT_RATES(actual, ...)                                        \
+  EXPECT_THAT(actual, ::testing::Pointwise(::testing::DoubleNear(1e-12), \
+                                           std::vector<double>(__VA_ARGS__)))
+
+// PyTorch's StepLR decays after step_size steps (LibTorch's a step later).
+TEST(ClosedFormLR, StepMultiStepAndExponentialDecayAsPyTorchs) {
+  auto sgd = two_group_sgd(1.0, 2.0);
+  fulgur::StepLR step(*sgd, 2, 0.1);
+  EXPECT_RATES(rates_over(step, *sgd, 6), {1, 1, 0.1, 0.1, 0.01, 0.01});
+  EXPECT_NEAR(lrs(*sgd)[1], 0.02, 1e-12);
+  EXPECT_EQ(step.steps(), 5);
+
+  auto sgd2 = two_group_sgd(1.0, 2.0);
+  fulgur::MultiStepLR multi(*sgd2, {2, 5}, 0.5);
+  EXPECT_RATES(rates_over(multi, *sgd2, 7), {1, 1, 0.5, 0.5, 0.5, 0.25, 0.25});
+
+  auto sgd3 = two_group_sgd(1.0, 2.0);
+  fulgur::ExponentialLR exponential(*sgd3, 0.5);
+  EXPECT_RATES(rates_over(exponential, *sgd3, 4), {1, 0.5, 0.25, 0.125});
+  EXPECT_NEAR(lrs(*sgd3)[1], 0.25, 1e-12);
+}
+
+TEST(ClosedFormLR, CosineLinearConstantAndPolynomialShapes) {
+  auto sgd = two_group_sgd(1.0, 2.0);
+  // Down to eta_min at t_max, and up again after it, as PyTorch's.
+  fulgur::CosineAnnealingLR cosine(*sgd, 4, 0.1);
+  EXPECT_RATES(rates_over(cosine, *sgd, 9), {1, 0.1 + 0.9 * (1 + std::cos(M_PI / 4)) / 2, 0.55,
+                                             0.1 + 0.9 * (1 + std::cos(3 * M_PI / 4)) / 2, 0.1,
+                                             0.1 + 0.9 * (1 + std::cos(3 * M_PI / 4)) / 2, 0.55,
+                                             0.1 + 0.9 * (1 + std::cos(M_PI / 4)) / 2, 1});
+
+  // Periods of 2, 4, 8 steps, each restarting at the initial rate.
+  auto sgd2 = two_group_sgd(1.0, 2.0);
+  fulgur::CosineAnnealingWarmRestarts restarts(*sgd2, 2, 2);
+  EXPECT_RATES(rates_over(restarts, *sgd2, 8),
+               {1, 0.5, 1, 0.5 + std::cos(M_PI / 4) / 2, 0.5, 0.5 + std::cos(3 * M_PI / 4) / 2, 1,
+                0.5 + std::cos(M_PI / 8) / 2});
+  auto sgd3 = two_group_sgd(1.0, 2.0);
+  fulgur::CosineAnnealingWarmRestarts every_two(*sgd3, 2);
+  EXPECT_RATES(rates_over(every_two, *sgd3, 5), {1, 0.5, 1, 0.5, 1});
+
+  auto sgd4 = two_group_sgd(1.0, 2.0);
+  fulgur::LinearLR linear(*sgd4, 0.25, 1.0, 4);
+  EXPECT_RATES(rates_over(linear, *sgd4, 6), {0.25, 0.4375, 0.625, 0.8125, 1, 1});
+  EXPECT_NEAR(lrs(*sgd4)[1], 2.0, 1e-12);
+
+  auto sgd5 = two_group_sgd(1.0, 2.0);
+  fulgur::ConstantLR constant(*sgd5, 0.5, 2);
+  EXPECT_RATES(rates_over(constant, *sgd5, 4), {0.5, 0.5, 1, 1});
+
+  auto sgd6 = two_group_sgd(1.0, 2.0);
+  fulgur::PolynomialLR polynomial(*sgd6, 4, 2.0);
+  EXPECT_RATES(rates_over(polynomial, *sgd6, 6), {1, 0.5625, 0.25, 0.0625, 0, 0});
+}
+
+// max_lr 1, div_factor 10 (start at 0.1), final_div_factor 100 (end at
+// 0.001); the rise ends at step 0.3 x 10 - 1 = 2 and the fall at step 9.
+TEST(OneCycleLR, RisesToMaxLrThenAnnealsAndMovesTheMomentumTheOtherWay) {
+  auto sgd = two_group_sgd(7.0, 7.0);
+  fulgur::OneCycleLR cycle(
+      *sgd,
+      {.max_lr = {1.0, 2.0}, .total_steps = 10, .div_factor = 10.0, .final_div_factor = 100.0});
+  auto momentum = [&] {
+    return static_cast<torch::optim::SGDOptions&>(sgd->param_groups()[0].options()).momentum();
+  };
+  EXPECT_NEAR(lrs(*sgd)[0], 0.1, 1e-12);  // the optimizer's 7 is not used
+  EXPECT_NEAR(lrs(*sgd)[1], 0.2, 1e-12);
+  EXPECT_NEAR(momentum(), 0.95, 1e-12);
+  cycle.step();
+  EXPECT_NEAR(lrs(*sgd)[0], 0.55, 1e-12);
+  EXPECT_NEAR(momentum(), 0.9, 1e-12);
+  cycle.step();
+  EXPECT_NEAR(lrs(*sgd)[0], 1.0, 1e-12);
+  EXPECT_NEAR(lrs(*sgd)[1], 2.0, 1e-12);
+  EXPECT_NEAR(momentum(), 0.85, 1e-12);
+  for (int i = 0; i < 7; ++i) cycle.step();  // step 9: the end of the fall
+  EXPECT_NEAR(lrs(*sgd)[0], 0.001, 1e-12);
+  EXPECT_NEAR(momentum(), 0.95, 1e-12);
+  cycle.step();  // step 10 = total_steps: allowed, as PyTorch's
+  const auto before = lrs(*sgd);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, cycle.step(),
+                     {"scheduler step 11 is beyond total_steps=10", "estimated_stepping_batches"});
+  EXPECT_EQ(lrs(*sgd), before);  // a refused step changes nothing
+  EXPECT_EQ(cycle.steps(), 10);
+
+  // Adam's first beta moves; the second stays.
+  auto adam = std::make_shared<torch::optim::Adam>(
+      std::vector<at::Tensor>{torch::zeros({2}, torch::requires_grad())},
+      torch::optim::AdamOptions(1.0).betas({0.5, 0.99}));
+  fulgur::OneCycleLR adam_cycle(
+      *adam,
+      {.max_lr = {1.0}, .total_steps = 10, .anneal_strategy = "linear", .three_phase = true});
+  adam_cycle.step();
+  const auto betas =
+      static_cast<torch::optim::AdamOptions&>(adam->param_groups()[0].options()).betas();
+  EXPECT_NEAR(std::get<0>(betas), 0.9, 1e-12);
+  EXPECT_EQ(std::get<1>(betas), 0.99);
+  EXPECT_NEAR(lrs(*adam)[0], (1.0 - 0.04) * 0.5 + 0.04, 1e-12);
+}
+
+// A warm-up then a cosine, each from its own step 0 and on the first's
+// initial rates (the cosine was built after the warm-up lowered the rate).
+TEST(SequentialLR, RunsItsSchedulersInTurnOnTheFirstsInitialRates) {
+  auto sgd = two_group_sgd(1.0, 2.0);
+  auto warmup = std::make_shared<fulgur::LinearLR>(*sgd, 0.5, 1.0, 2);
+  auto cosine = std::make_shared<fulgur::CosineAnnealingLR>(*sgd, 4);
+  fulgur::SequentialLR sequence(*sgd, {warmup, cosine}, {2});
+  EXPECT_RATES(rates_over(sequence, *sgd, 7), {0.5, 0.75, 1, 0.5 + std::cos(M_PI / 4) / 2, 0.5,
+                                               0.5 + std::cos(3 * M_PI / 4) / 2, 0});
+  EXPECT_TRUE(fulgur::SequentialLR::in_sequence(*warmup));
+  EXPECT_FALSE(fulgur::SequentialLR::in_sequence(sequence));
+}
+
+TEST(ClosedFormLR, EveryBadOptionIsNamed) {
+  auto sgd = two_group_sgd(1.0, 2.0);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::StepLR(*sgd, 0), {"StepLR: step_size=0"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::StepLR(*sgd, 3, std::nan("")),
+                     {"StepLR: gamma=nan"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::MultiStepLR(*sgd, {5, 5}),
+                     {"MultiStepLR: milestones={5, 5}", "each after the one before"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::MultiStepLR(*sgd, {}), {"no milestones"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::ExponentialLR(*sgd, -0.5),
+                     {"ExponentialLR: gamma=-0.5"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::CosineAnnealingLR(*sgd, 0, -1.0),
+                     {"t_max=0", "eta_min=-1"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::CosineAnnealingWarmRestarts(*sgd, 0, 0),
+                     {"t_0=0", "t_mult=0"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::LinearLR(*sgd, 0.0, 1.5, 0),
+                     {"start_factor=0", "end_factor=1.5", "total_iters=0"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::ConstantLR(*sgd, 2.0, -1),
+                     {"ConstantLR: factor=2", "total_iters=-1"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::PolynomialLR(*sgd, 0, -1.0),
+                     {"total_iters=0", "power=-1"});
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      fulgur::OneCycleLR(*sgd, {.max_lr = {1.0, 2.0, 3.0},
+                                .pct_start = 1.5,
+                                .anneal_strategy = "cosine",
+                                .div_factor = 0.0,
+                                .base_momentum = 0.99}),
+      {"max_lr has 3 value(s) for 2 parameter group(s)", "total_steps=0", "pct_start=1.5",
+       "anneal_strategy=\"cosine\"", "div_factor=0", "base_momentum=0.99"});
+  auto adagrad = std::make_shared<torch::optim::Adagrad>(
+      std::vector<at::Tensor>{torch::zeros({2}, torch::requires_grad())});
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::OneCycleLR(*adagrad, {.max_lr = {1.0}, .total_steps = 5}),
+                     {"has no momentum or first beta", "cycle_momentum=false"});
+  EXPECT_NO_THROW(
+      fulgur::OneCycleLR(*adagrad, {.max_lr = {1.0}, .total_steps = 5, .cycle_momentum = false}));
+  // Refused before anything is changed: the rates are the optimizer's.
+  EXPECT_EQ(lrs(*sgd), std::vector<double>({1.0, 2.0}));
+
+  auto warmup = std::make_shared<fulgur::LinearLR>(*sgd);
+  auto other = two_group_sgd(1.0, 2.0);
+  auto foreign = std::make_shared<fulgur::StepLR>(*other, 2);
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError, fulgur::SequentialLR(*sgd, {warmup, foreign, nullptr}, {3, 2}),
+      {"scheduler 1 schedules another optimizer", "scheduler 2 is null", "milestones={3, 2}"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::SequentialLR(*sgd, {warmup, warmup}, {3}),
+                     {"schedulers 0 and 1 are the same object"});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::SequentialLR(*sgd, {warmup}, {3}),
+                     {"1 milestone(s) for 1 schedulers"});
 }
 
 TEST(ReduceLROnPlateau, ReducesAfterPatienceBadStepsThenRestsForTheCooldown) {
@@ -152,7 +328,7 @@ TEST(ReduceLROnPlateau, RefusesAStateWithoutItsCounters) {
 
 // ---- Resuming under a schedule.
 
-enum class Schedule { PerEpoch, PerStep, Plateau, Callback };
+enum class Schedule { PerEpoch, PerStep, Plateau, Callback, OneCycle, Sequential };
 
 std::string to_string(Schedule s) {
   switch (s) {
@@ -160,6 +336,8 @@ std::string to_string(Schedule s) {
     case Schedule::PerStep: return "PerStep";
     case Schedule::Plateau: return "Plateau";
     case Schedule::Callback: return "Callback";
+    case Schedule::OneCycle: return "OneCycle";
+    case Schedule::Sequential: return "Sequential";
   }
   return "?";
 }
@@ -213,6 +391,24 @@ class ScheduledNet : public fulgur::Module {
         schedulers.push_back({.scheduler = plateau, .monitor = "val_loss"});
         break;
       case Schedule::Callback: break;
+      case Schedule::OneCycle:
+        // Over the 40 steps of the run; the momentum moves too.
+        schedulers.push_back(
+            {.scheduler = std::make_shared<fulgur::OneCycleLR>(
+                 *optimizer, fulgur::OneCycleLROptions{.max_lr = {0.1}, .total_steps = 40}),
+             .interval = fulgur::Interval::kStep});
+        break;
+      case Schedule::Sequential: {
+        // A warm-up over 6 steps, then a cosine with restarts every 8.
+        auto warmup = std::make_shared<fulgur::LinearLR>(*optimizer, 0.1, 1.0, 6);
+        auto restarts = std::make_shared<fulgur::CosineAnnealingWarmRestarts>(*optimizer, 8);
+        schedulers.push_back(
+            {.scheduler = std::make_shared<fulgur::SequentialLR>(
+                 *optimizer, std::vector<std::shared_ptr<fulgur::ClosedFormLR>>{warmup, restarts},
+                 std::vector<int64_t>{6}),
+             .interval = fulgur::Interval::kStep});
+        break;
+      }
     }
     return {{optimizer}, std::move(schedulers)};
   }
@@ -268,6 +464,17 @@ std::shared_ptr<fulgur::DataLoader> val_loader() {
 
 ::testing::AssertionResult same_training_state(const ScheduledNet& a, const ScheduledNet& b) {
   if (auto params = parameters_equal(a, b); !params) return params;
+  for (size_t i = 0; i < a.optimizer->param_groups().size(); ++i) {
+    const auto momentum = [i](const torch::optim::SGD& sgd) {
+      return static_cast<const torch::optim::SGDOptions&>(sgd.param_groups()[i].options())
+          .momentum();
+    };
+    if (momentum(*a.optimizer) != momentum(*b.optimizer)) {
+      return ::testing::AssertionFailure()
+             << "the momentum of group " << i << " differs: " << momentum(*a.optimizer) << " vs "
+             << momentum(*b.optimizer);
+    }
+  }
   if (lrs(*a.optimizer) != lrs(*b.optimizer)) {
     return ::testing::AssertionFailure()
            << "learning rates differ: " << ::testing::PrintToString(lrs(*a.optimizer)) << " vs "
@@ -339,7 +546,8 @@ TEST_P(ResumeUnderASchedule, FromEveryKindOfCheckpointEndsBitIdentical) {
 
 INSTANTIATE_TEST_SUITE_P(Schedules, ResumeUnderASchedule,
                          ::testing::Values(Schedule::PerEpoch, Schedule::PerStep, Schedule::Plateau,
-                                           Schedule::Callback),
+                                           Schedule::Callback, Schedule::OneCycle,
+                                           Schedule::Sequential),
                          [](const auto& info) { return to_string(info.param); });
 
 // ---- SchedulerConfigs that cannot work.
@@ -357,10 +565,15 @@ class ConfiguredNet : public fulgur::Module {
     log("train_loss", loss);
     return loss;
   }
-  fulgur::OptimizerConfig configure_optimizers() override { return {{optimizer}, {config}}; }
+  fulgur::OptimizerConfig configure_optimizers() override {
+    std::vector<fulgur::SchedulerConfig> all{config};
+    all.insert(all.end(), more.begin(), more.end());
+    return {{optimizer}, std::move(all)};
+  }
   torch::nn::Linear fc{nullptr};
   std::shared_ptr<torch::optim::SGD> optimizer;
   fulgur::SchedulerConfig config;
+  std::vector<fulgur::SchedulerConfig> more;
 };
 
 std::string fit_error(ConfiguredNet& model, const TempDir& root) {
@@ -465,6 +678,54 @@ TEST(SchedulerConfig, ASchedulerThatMakesARateNaNIsNamedAndANegativeOneNoted) {
   EXPECT_TRUE(fulgur::test::message_contains(err, {"to -0.1 at step 2"})) << err;
   EXPECT_EQ(fit_with(0.0, err), "");
   EXPECT_EQ(err.find("climbs"), std::string::npos) << err;
+}
+
+// A schedule of an optimizer configure_optimizers did not return, one of a
+// SequentialLR's listed beside it, and one listed twice would move rates
+// nothing trains with, or step twice a step.
+TEST(SchedulerConfig, ASchedulerOfAnotherOptimizerOrSteppedTwiceIsRefused) {
+  TempDir root;
+  {
+    ConfiguredNet model;
+    auto other = std::make_shared<torch::optim::SGD>(model.parameters(), 0.1);
+    model.config = {.scheduler = std::make_shared<fulgur::StepLR>(*other, 1)};
+    EXPECT_THAT(fit_error(model, root),
+                ::testing::HasSubstr("scheduler 0 schedules an optimizer that "
+                                     "configure_optimizers did not return"));
+  }
+  {
+    ConfiguredNet model;
+    auto warmup = std::make_shared<fulgur::LinearLR>(*model.optimizer);
+    auto decay = std::make_shared<fulgur::ExponentialLR>(*model.optimizer, 0.9);
+    model.config = {.scheduler = std::make_shared<fulgur::SequentialLR>(
+                        *model.optimizer,
+                        std::vector<std::shared_ptr<fulgur::ClosedFormLR>>{warmup, decay},
+                        std::vector<int64_t>{5})};
+    model.more = {{.scheduler = decay}};
+    EXPECT_THAT(fit_error(model, root),
+                ::testing::HasSubstr("scheduler 1 is one of a SequentialLR's"));
+  }
+  {
+    ConfiguredNet model;
+    model.config = {.scheduler = std::make_shared<fulgur::StepLR>(*model.optimizer, 1)};
+    model.more = {model.config};
+    EXPECT_THAT(fit_error(model, root),
+                ::testing::HasSubstr("schedulers 0 and 1 are the same object"));
+  }
+}
+
+// A OneCycleLR shorter than the run stops it at the first step past its
+// cycle, naming total_steps (PyTorch's ValueError), instead of climbing the
+// cosine back up.
+TEST(SchedulerConfig, AOneCycleShorterThanTheRunNamesItsTotalSteps) {
+  TempDir root;
+  ConfiguredNet model;
+  model.config = {
+      .scheduler = std::make_shared<fulgur::OneCycleLR>(
+          *model.optimizer, fulgur::OneCycleLROptions{.max_lr = {0.1}, .total_steps = 2}),
+      .interval = fulgur::Interval::kStep};
+  EXPECT_THAT(fit_error(model, root),
+              ::testing::HasSubstr("OneCycleLR: scheduler step 3 is beyond total_steps=2"));
 }
 
 TEST(SchedulerConfig, ACheckpointWithoutAStatefulSchedulersStateIsRefused) {

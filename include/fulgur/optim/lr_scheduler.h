@@ -29,7 +29,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fulgur/core/monitored_scheduler.h"
@@ -51,23 +54,262 @@ class SchedulerState {
   virtual void load_state_dict(const StateDict& state) = 0;
 };
 
-/// lr = initial lr x factor(step) for each parameter group, as PyTorch's
-/// LambdaLR: factor(0) applies from construction, factor(n) after n
-/// scheduler steps. The initial learning rates are the optimizer's when
-/// the scheduler is built (in configure_optimizers), so a resumed run
-/// computes the same values. A group added later (BaseFinetuning's) keeps
-/// the rate it is given, as in PyTorch.
-class LambdaLR : public torch::optim::LRScheduler {
+/// What fulgur's schedulers share: they keep the optimizer they schedule,
+/// so that the Trainer can check that configure_optimizers returned it (a
+/// schedule of another optimizer would move rates nothing trains with).
+class Scheduler : public torch::optim::LRScheduler {
  public:
-  LambdaLR(torch::optim::Optimizer& optimizer, std::function<double(int64_t)> factor);
-  const std::vector<double>& base_lrs() const { return base_lrs_; }
+  const torch::optim::Optimizer& optimizer() const { return optimizer_; }
 
  protected:
+  explicit Scheduler(torch::optim::Optimizer& optimizer);
+  torch::optim::Optimizer& scheduled_optimizer() { return optimizer_; }
+
+ private:
+  torch::optim::Optimizer& optimizer_;
+};
+
+/// A schedule whose rates after n steps are a function of n and of each
+/// group's initial rate alone (PyTorch's closed forms): a resumed run
+/// computes them again from the step count a checkpoint keeps. The
+/// initial rates are the optimizer's when the schedule is built (in
+/// configure_optimizers), and the rates of step 0 apply from then on. A
+/// group added later (BaseFinetuning's) keeps the rate it is given, as in
+/// PyTorch.
+///
+/// Numerics: the closed forms, computed in double; PyTorch's step() uses
+/// chained forms for several schedules (each rate from the previous one),
+/// which can differ from them in the last bits.
+class ClosedFormLR : public Scheduler {
+ public:
+  /// The rate of group `group`, whose initial rate is `base_lr`, after
+  /// `step` scheduler steps.
+  virtual double lr_at(size_t group, double base_lr, int64_t step) const = 0;
+  /// What else the schedule sets after `step` steps (OneCycleLR's
+  /// momentum); nothing by default.
+  virtual void set_other_options(int64_t step);
+
+  const std::vector<double>& base_lrs() const { return base_lrs_; }
+  /// Scheduler steps taken (restored from a checkpoint on resume).
+  int64_t steps() const { return static_cast<int64_t>(step_count_); }
+
+ protected:
+  /// Keeps the optimizer's rates as the initial ones (`base_lrs`: one per
+  /// group, instead of the optimizer's; OneCycleLR's).
+  explicit ClosedFormLR(torch::optim::Optimizer& optimizer,
+                        std::optional<std::vector<double>> base_lrs = std::nullopt);
+  /// Applies step 0's rates and options. A derived class calls it at the
+  /// end of its constructor (lr_at is not virtual yet in this one's).
+  void start();
   std::vector<double> get_lrs() override;
 
  private:
-  std::function<double(int64_t)> factor_;
+  friend class SequentialLR;
   std::vector<double> base_lrs_;
+  const ClosedFormLR* sequence_ = nullptr;  // the SequentialLR that steps this one
+};
+
+/// lr = initial lr x factor(step) for each parameter group, as PyTorch's
+/// LambdaLR: factor(0) applies from construction, factor(n) after n
+/// scheduler steps.
+class LambdaLR : public ClosedFormLR {
+ public:
+  LambdaLR(torch::optim::Optimizer& optimizer, std::function<double(int64_t)> factor);
+  double lr_at(size_t group, double base_lr, int64_t step) const override;
+
+ private:
+  std::function<double(int64_t)> factor_;
+};
+
+/// lr = initial lr x gamma^(step / step_size) (integer division): PyTorch's
+/// StepLR, decayed after step_size steps (LibTorch's torch::optim::StepLR
+/// decays one step later and does not check step_size).
+class StepLR : public ClosedFormLR {
+ public:
+  StepLR(torch::optim::Optimizer& optimizer, int64_t step_size, double gamma = 0.1);
+  double lr_at(size_t group, double base_lr, int64_t step) const override;
+
+ private:
+  int64_t step_size_;
+  double gamma_;
+};
+
+/// lr = initial lr x gamma^(milestones reached): PyTorch's MultiStepLR.
+/// `milestones` rise strictly (a repeated one would decay twice, silently,
+/// in PyTorch).
+class MultiStepLR : public ClosedFormLR {
+ public:
+  MultiStepLR(torch::optim::Optimizer& optimizer, std::vector<int64_t> milestones,
+              double gamma = 0.1);
+  double lr_at(size_t group, double base_lr, int64_t step) const override;
+
+ private:
+  std::vector<int64_t> milestones_;
+  double gamma_;
+};
+
+/// lr = initial lr x gamma^step: PyTorch's ExponentialLR.
+class ExponentialLR : public ClosedFormLR {
+ public:
+  ExponentialLR(torch::optim::Optimizer& optimizer, double gamma);
+  double lr_at(size_t group, double base_lr, int64_t step) const override;
+
+ private:
+  double gamma_;
+};
+
+/// lr = eta_min + (initial lr - eta_min) x (1 + cos(pi x step / t_max)) / 2:
+/// PyTorch's CosineAnnealingLR (closed form). After t_max steps the rate
+/// rises again along the cosine, as PyTorch's does; give t_max the number of
+/// steps (or epochs) the schedule covers.
+class CosineAnnealingLR : public ClosedFormLR {
+ public:
+  CosineAnnealingLR(torch::optim::Optimizer& optimizer, int64_t t_max, double eta_min = 0.0);
+  double lr_at(size_t group, double base_lr, int64_t step) const override;
+
+ private:
+  int64_t t_max_;
+  double eta_min_;
+};
+
+/// The cosine of CosineAnnealingLR over t_0 steps, restarted at the initial
+/// rate, each period t_mult times the one before: PyTorch's
+/// CosineAnnealingWarmRestarts stepped once per step (or epoch).
+class CosineAnnealingWarmRestarts : public ClosedFormLR {
+ public:
+  CosineAnnealingWarmRestarts(torch::optim::Optimizer& optimizer, int64_t t_0, int64_t t_mult = 1,
+                              double eta_min = 0.0);
+  double lr_at(size_t group, double base_lr, int64_t step) const override;
+
+ private:
+  int64_t t_0_;
+  int64_t t_mult_;
+  double eta_min_;
+};
+
+/// lr = initial lr x a factor going linearly from start_factor to
+/// end_factor over total_iters steps, then end_factor: PyTorch's LinearLR
+/// (a warm-up with the defaults).
+class LinearLR : public ClosedFormLR {
+ public:
+  LinearLR(torch::optim::Optimizer& optimizer, double start_factor = 1.0 / 3,
+           double end_factor = 1.0, int64_t total_iters = 5);
+  double lr_at(size_t group, double base_lr, int64_t step) const override;
+
+ private:
+  double start_factor_;
+  double end_factor_;
+  int64_t total_iters_;
+};
+
+/// lr = initial lr x factor for the first total_iters steps, then the
+/// initial lr: PyTorch's ConstantLR.
+class ConstantLR : public ClosedFormLR {
+ public:
+  ConstantLR(torch::optim::Optimizer& optimizer, double factor = 1.0 / 3, int64_t total_iters = 5);
+  double lr_at(size_t group, double base_lr, int64_t step) const override;
+
+ private:
+  double factor_;
+  int64_t total_iters_;
+};
+
+/// lr = initial lr x (1 - min(step, total_iters) / total_iters)^power:
+/// PyTorch's PolynomialLR (0 from total_iters on).
+class PolynomialLR : public ClosedFormLR {
+ public:
+  PolynomialLR(torch::optim::Optimizer& optimizer, int64_t total_iters = 5, double power = 1.0);
+  double lr_at(size_t group, double base_lr, int64_t step) const override;
+
+ private:
+  int64_t total_iters_;
+  double power_;
+};
+
+struct OneCycleLROptions {
+  /// The peak rate of every group (one value), or of each group (one per
+  /// group). Required: the optimizer's own rates are not used.
+  std::vector<double> max_lr;
+  /// Steps of the whole cycle: give it the number of optimizer steps the
+  /// run takes (a scheduler step after each, Interval::kStep). Required.
+  int64_t total_steps = 0;
+  /// The share of the cycle spent rising to max_lr, in [0, 1].
+  double pct_start = 0.3;
+  /// "cos" or "linear".
+  std::string anneal_strategy = "cos";
+  /// The rate starts at max_lr / div_factor ...
+  double div_factor = 25.0;
+  /// ... and ends at max_lr / div_factor / final_div_factor.
+  double final_div_factor = 1e4;
+  /// Rise, fall back to the start, then fall to the end (fast.ai's
+  /// schedule) instead of rise then fall.
+  bool three_phase = false;
+  /// Move the momentum (SGD's and RMSprop's momentum, Adam's and AdamW's
+  /// first beta) opposite to the rate, between base_momentum and
+  /// max_momentum.
+  bool cycle_momentum = true;
+  double base_momentum = 0.85;
+  double max_momentum = 0.95;
+};
+
+/// PyTorch's OneCycleLR (Smith's 1cycle policy): the rate rises from
+/// max_lr / div_factor to max_lr over pct_start of total_steps, then
+/// anneals to its minimum, and the momentum moves the other way. A
+/// scheduler step beyond total_steps is a ConfigError naming both (PyTorch's
+/// ValueError). A checkpoint keeps the momentum with the other options of
+/// each group, so a resume is exact.
+class OneCycleLR : public ClosedFormLR {
+ public:
+  OneCycleLR(torch::optim::Optimizer& optimizer, OneCycleLROptions options);
+  double lr_at(size_t group, double base_lr, int64_t step) const override;
+  void set_other_options(int64_t step) override;
+  const OneCycleLROptions& options() const { return options_; }
+
+ private:
+  enum class Level { kInitial, kMax, kMin };
+  struct Phase {
+    double end_step;
+    Level start_lr;
+    Level end_lr;
+    double start_momentum;
+    double end_momentum;
+  };
+  double level(size_t group, Level which) const;
+  double anneal(double start, double end, double pct) const;
+  /// The phase `step` is in, and how far along it (0 to 1; 1 in a phase of
+  /// no length).
+  std::pair<const Phase*, double> locate(int64_t step) const;
+
+  OneCycleLROptions options_;
+  std::vector<double> max_lrs_;
+  std::vector<Phase> phases_;
+};
+
+/// Runs `schedulers` one after the other: the first until milestones[0]
+/// steps, the second (from its own step 0) until milestones[1], and so on,
+/// each on the initial rates of the first (PyTorch's SequentialLR; a
+/// warm-up then a decay:
+///   SequentialLR(adam, {make_shared<LinearLR>(adam, 0.01, 1.0, 100),
+///                       make_shared<CosineAnnealingLR>(adam, 900)}, {100})).
+/// Build the schedulers on the optimizer, the first one first, and give
+/// configure_optimizers only the SequentialLR: it steps them (one listed
+/// there too would be stepped twice, and is refused).
+class SequentialLR : public ClosedFormLR {
+ public:
+  SequentialLR(torch::optim::Optimizer& optimizer,
+               std::vector<std::shared_ptr<ClosedFormLR>> schedulers,
+               std::vector<int64_t> milestones);
+  double lr_at(size_t group, double base_lr, int64_t step) const override;
+  void set_other_options(int64_t step) override;
+  /// Whether `scheduler` is stepped by a SequentialLR.
+  static bool in_sequence(const torch::optim::LRScheduler& scheduler);
+
+ private:
+  /// The scheduler in charge at `step`, and the step in its own count.
+  std::pair<ClosedFormLR*, int64_t> locate(int64_t step) const;
+
+  std::vector<std::shared_ptr<ClosedFormLR>> schedulers_;
+  std::vector<int64_t> milestones_;
 };
 
 struct ReduceLROnPlateauOptions {
@@ -93,9 +335,7 @@ struct ReduceLROnPlateauOptions {
 /// monitored metric has not improved for `patience` steps (PyTorch's
 /// ReduceLROnPlateau). Give it a SchedulerConfig with `monitor`. Its
 /// best value and counters are in checkpoints.
-class ReduceLROnPlateau : public torch::optim::LRScheduler,
-                          public SchedulerState,
-                          public MonitoredScheduler {
+class ReduceLROnPlateau : public Scheduler, public SchedulerState, public MonitoredScheduler {
  public:
   explicit ReduceLROnPlateau(torch::optim::Optimizer& optimizer,
                              ReduceLROnPlateauOptions options = {});
