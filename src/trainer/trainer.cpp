@@ -112,13 +112,6 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
   check(o.reload_dataloaders_every_n_epochs >= 0,
         str("reload_dataloaders_every_n_epochs=", o.reload_dataloaders_every_n_epochs,
             ": must be >= 0 (0: the loaders are made once per fit)."));
-  check(o.reload_dataloaders_every_n_epochs == 0 || o.check_val_every_n_epoch ||
-            o.val_check_interval.is_fraction(),
-        str("reload_dataloaders_every_n_epochs=", o.reload_dataloaders_every_n_epochs,
-            " with check_val_every_n_epoch unset: validation every ", o.val_check_interval.text(),
-            " batches counted across epochs needs every epoch's length, and reloaded loaders "
-            "may change it. Set check_val_every_n_epoch (count within each epoch), or "
-            "reload_dataloaders_every_n_epochs=0."));
   check(!(o.detect_anomaly && o.cuda_graph),
         "detect_anomaly=true with cuda_graph=true: anomaly detection reads every backward "
         "operation's output back to the host, which a CUDA graph cannot capture. Find the "
@@ -128,6 +121,13 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
           str("val_check_interval=", o.val_check_interval.text(),
               ": a fraction of the epoch must be in (0.0, 1.0]; pass an int to validate every "
               "N batches."));
+    // Lightning refuses it too: unset counts batches across epochs.
+    check(o.check_val_every_n_epoch || o.val_check_interval.fraction() >= 1.0,
+          str("val_check_interval=", o.val_check_interval.text(),
+              " with check_val_every_n_epoch unset: a fraction is of each epoch, and unset "
+              "counts batches across epochs. Pass an int val_check_interval (validate every N "
+              "batches since the start), or set check_val_every_n_epoch (1: a fraction of "
+              "every epoch)."));
   } else {
     check(o.val_check_interval.count() >= 1,
           str("val_check_interval=", o.val_check_interval.text(), ": a batch count must be >= 1."));

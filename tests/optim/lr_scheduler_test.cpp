@@ -680,6 +680,66 @@ TEST(SchedulerConfig, ASchedulerThatMakesARateNaNIsNamedAndANegativeOneNoted) {
   EXPECT_EQ(err.find("climbs"), std::string::npos) << err;
 }
 
+/// Records the values it is stepped with.
+class RecordingPlateau : public fulgur::ReduceLROnPlateau {
+ public:
+  using ReduceLROnPlateau::ReduceLROnPlateau;
+  void step(double value) override {
+    values.push_back(value);
+    ReduceLROnPlateau::step(value);
+  }
+  std::vector<double> values;
+};
+
+/// Logs a value per batch and per epoch, one per epoch only, and one in
+/// on_train_epoch_end; a plateau scheduler on the epoch interval monitors
+/// each.
+class EpochLoggingNet : public fulgur::Module {
+ public:
+  EpochLoggingNet() : fulgur::Module("EpochLoggingNet") {
+    fc = register_module("fc", torch::nn::Linear(3, 1));
+  }
+  at::Tensor training_step(fulgur::Batch& batch, int64_t batch_idx) override {
+    const auto& [x, y] = batch.pair();
+    const auto b = static_cast<double>(batch_idx);
+    log("per_batch", b, {.on_step = true, .on_epoch = true});
+    log("epoch_only", 2 * b, {.on_step = false, .on_epoch = true});
+    return torch::nn::functional::mse_loss(fc(x), y);
+  }
+  void on_train_epoch_end() override {
+    log("at_epoch_end", 10.0 + static_cast<double>(current_epoch()));
+  }
+  fulgur::OptimizerConfig configure_optimizers() override {
+    auto optimizer = std::make_shared<torch::optim::SGD>(parameters(), 0.1);
+    std::vector<fulgur::SchedulerConfig> schedulers;
+    for (const char* name : {"per_batch", "epoch_only", "at_epoch_end"}) {
+      plateaus.push_back(std::make_shared<RecordingPlateau>(*optimizer));
+      schedulers.push_back({.scheduler = plateaus.back(), .monitor = name});
+    }
+    return {{optimizer}, std::move(schedulers)};
+  }
+  torch::nn::Linear fc{nullptr};
+  std::vector<std::shared_ptr<RecordingPlateau>> plateaus;
+};
+
+// An epoch-interval monitored scheduler reads the epoch's values: the mean
+// of a value logged per step and per epoch (it read the last step's), one
+// logged per epoch only, and one logged in on_train_epoch_end (both were
+// "not logged"), as Lightning's scheduler, stepped after that hook and the
+// epoch's values.
+TEST(SchedulerConfig, AnEpochSchedulerReadsTheEpochsValues) {
+  TempDir root;
+  EpochLoggingNet model;
+  auto options = test_options(root);
+  options.max_epochs = 2;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, fulgur::test::regression_loader(4));
+  ASSERT_EQ(model.plateaus.size(), 3U);
+  EXPECT_THAT(model.plateaus[0]->values, ::testing::ElementsAre(1.5, 1.5));
+  EXPECT_THAT(model.plateaus[1]->values, ::testing::ElementsAre(3.0, 3.0));
+  EXPECT_THAT(model.plateaus[2]->values, ::testing::ElementsAre(10.0, 11.0));
+}
+
 // A schedule of an optimizer configure_optimizers did not return, one of a
 // SequentialLR's listed beside it, and one listed twice would move rates
 // nothing trains with, or step twice a step.

@@ -206,14 +206,12 @@ const BadFlagCase kBadFlags[] = {
     {"reload_dataloaders_negative",
      [](auto& o) { o.reload_dataloaders_every_n_epochs = -2; },
      {"reload_dataloaders_every_n_epochs=-2", "must be >= 0"}},
-    {"reload_dataloaders_counting_validation_across_epochs",
+    {"fraction_counted_across_epochs",
      [](auto& o) {
-       o.reload_dataloaders_every_n_epochs = 2;
        o.check_val_every_n_epoch = std::nullopt;
-       o.val_check_interval = 5;
+       o.val_check_interval = 0.5;
      },
-     {"reload_dataloaders_every_n_epochs=2 with check_val_every_n_epoch unset",
-      "validation every 5 batches counted across epochs", "Set check_val_every_n_epoch"}},
+     {"val_check_interval=0.5 with check_val_every_n_epoch unset", "Pass an int"}},
 };
 
 INSTANTIATE_TEST_SUITE_P(BadFlags, TrainerFlagsTest, ::testing::ValuesIn(kBadFlags),

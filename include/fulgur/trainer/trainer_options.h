@@ -171,9 +171,8 @@ struct TrainerOptions {
   /// saying which, so that its data can change as training goes on (a
   /// curriculum, a growing dataset). A resumed fit makes them for the epoch
   /// the uninterrupted run made them at. Needs a DataModule (loaders passed
-  /// to fit cannot be made again) and check_val_every_n_epoch (a batch
-  /// count across epochs needs every epoch's length). Under ddp every rank
-  /// makes its own: they must be the same on every rank.
+  /// to fit cannot be made again). Under ddp every rank makes its own: they
+  /// must be the same on every rank.
   int64_t reload_dataloaders_every_n_epochs = 0;
 
   // ---- Run length.
@@ -208,10 +207,13 @@ struct TrainerOptions {
   bool detect_anomaly = false;
 
   // ---- Validation schedule.
-  /// Validate every N training batches (int) or fraction of an epoch.
+  /// Validate every N training batches (int) or fraction of an epoch; and
+  /// where a requested stop (request_stop(), max_time, EarlyStopping on a
+  /// training metric) ends the fit, as Lightning does.
   BatchLimit val_check_interval = 1.0;
   /// Validate at the end of every N-th epoch; unset with an int
-  /// val_check_interval: validate by batch count across epochs.
+  /// val_check_interval: validate every N training batches since the start
+  /// of fit, counted over epochs of any length (a fraction is refused).
   std::optional<int64_t> check_val_every_n_epoch = 1;
   /// Validation batches run before training to catch bugs early; -1: all.
   int64_t num_sanity_val_steps = 2;

@@ -85,6 +85,7 @@ StateDict CheckpointConnector::dump() {
   loops.set("global_step", progress.global_step);
   loops.set("batch_position", progress.batch_position);
   loops.set("batches_that_stepped", progress.batches_that_stepped);
+  loops.set("batches_before_epoch", progress.batches_before_epoch);
   loops.set("epoch_done", progress.epoch_done);
   loops.set("validated_at_position", progress.validated_at_position);
 
@@ -414,6 +415,11 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
   progress.global_step = loops.integer("global_step");
   progress.batches_that_stepped = loops.integer("batches_that_stepped");
   progress.batch_position = loops.integer("batch_position");
+  // Written since val_check_interval counts the batches of every epoch.
+  if (const c10::IValue* before = loops.find("batches_before_epoch");
+      before != nullptr && before->isInt()) {
+    progress.batches_before_epoch = before->toInt();
+  }
   progress.validated_at_position = loops.integer("validated_at_position");
   progress.epoch_done = loops.boolean("epoch_done");
   trainer_.fit_loop.restore(progress, checkpoint.find_section("train_loader"));

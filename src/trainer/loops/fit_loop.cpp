@@ -190,7 +190,11 @@ void FitLoop::run() {
     }
     if (stop_requested_by_limits(/*boundary=*/true)) break;
     train_epoch();
+    if (batches_before_epoch_ >= 0) batches_before_epoch_ += batch_position_;
     ++current_epoch_;
+    // A stop decided within the epoch keeps its reason (max_epochs reached
+    // as well would otherwise name that).
+    if (!stop_reason_.empty()) break;
   }
   if (profiler_) {
     const std::string report = profiler_->finish();
@@ -276,7 +280,15 @@ void FitLoop::train_epoch() {
     if (profiler_) profiler_->batch_end();
     ++idx;
     // A validation (its metrics may decide a stop) makes a boundary.
-    if (stop_requested_by_limits(/*boundary=*/validated_at_position_ == idx) || last) break;
+    const bool stop = stop_requested_by_limits(/*boundary=*/validated_at_position_ == idx);
+    if (stop && stop_reason_ == "should_stop" && validated_at_position_ != idx &&
+        validates_this_epoch()) {
+      // A requested stop (request_stop(), max_time, a callback) validates
+      // where it stops, as Lightning's does: the run's last weights are
+      // measured, and a checkpoint monitoring a validation metric sees them.
+      run_validation(false);
+    }
+    if (stop || last) break;
     if (looked_ahead) {
       batch = std::move(next_batch);
     } else {
@@ -294,16 +306,20 @@ void FitLoop::train_epoch() {
 
   LoopProfiler::Scope epoch_end(profiler_.get(), LoopProfiler::Phase::kEpochEnd);
   in_epoch_end_ = true;
-  if (m.automatic_optimization()) {
-    step_schedulers(Interval::kEpoch, /*monitored=*/false);
-    step_schedulers(Interval::kEpoch, /*monitored=*/true);
-  }
   log_to_train_sink(m, /*training_step=*/false, 1);
   m.on_train_epoch_end();
   trainer_.logging.publish_epoch(trainer_.logging.train_sink(), *trainer_.strategy,
                                  sanity_checking_, current_epoch_, global_step_, /*in_fit=*/true);
   // States a resume brought for metrics this epoch never logged again.
   trainer_.logging.train_sink().drop_restored_metrics();
+  // After the module's on_train_epoch_end and the epoch's values (a
+  // monitored scheduler reads the epoch's mean, or what that hook logged),
+  // as Lightning's; before the callbacks' hooks, so that a checkpoint
+  // written there has the epoch's scheduler step.
+  if (m.automatic_optimization()) {
+    step_schedulers(Interval::kEpoch, /*monitored=*/false);
+    step_schedulers(Interval::kEpoch, /*monitored=*/true);
+  }
   // Histograms read every parameter: a sharded strategy gathers them (on
   // every rank) around rank 0's logging.
   auto log_parameters = [&] {
@@ -597,14 +613,16 @@ void FitLoop::step_schedulers(Interval interval, bool monitored) {
   }
 }
 
-bool FitLoop::should_validate_now(int64_t position, bool is_last_batch) const {
+bool FitLoop::validates_this_epoch() const {
   if (!val_loader_ || sanity_checking_) return false;
   if (trainer_.limits.val.is_zero()) return false;
+  return !trainer_.options.check_val_every_n_epoch ||
+         (current_epoch_ + 1) % *trainer_.options.check_val_every_n_epoch == 0;
+}
+
+bool FitLoop::should_validate_now(int64_t position, bool is_last_batch) const {
+  if (!validates_this_epoch()) return false;
   const auto& interval = trainer_.options.val_check_interval;
-  if (trainer_.options.check_val_every_n_epoch &&
-      (current_epoch_ + 1) % *trainer_.options.check_val_every_n_epoch != 0) {
-    return false;
-  }
   if (interval.is_fraction()) {
     if (num_training_batches_ < 0) return is_last_batch;
     int64_t every = std::max<int64_t>(
@@ -612,10 +630,15 @@ bool FitLoop::should_validate_now(int64_t position, bool is_last_batch) const {
     return position % every == 0 || (is_last_batch && interval.fraction() >= 1.0);
   }
   if (trainer_.options.check_val_every_n_epoch) return position % interval.count() == 0;
-  // Counted across epochs: every N training batches since the start of fit.
-  int64_t seen =
-      (num_training_batches_ >= 0 ? current_epoch_ * num_training_batches_ : 0) + position;
-  return seen % interval.count() == 0;
+  // Counted across epochs: every N training batches since the start of fit
+  // (epochs of other lengths, or of no known length, counted as they ran).
+  // A checkpoint without the count (from before it was kept) assumes
+  // epochs of this one's length.
+  const int64_t before =
+      batches_before_epoch_ >= 0
+          ? batches_before_epoch_
+          : (num_training_batches_ >= 0 ? current_epoch_ * num_training_batches_ : 0);
+  return (before + position) % interval.count() == 0;
 }
 
 void FitLoop::run_validation(bool sanity) {
@@ -715,6 +738,7 @@ void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoade
   batch_idx_ = 0;
   batch_position_ = 0;
   batches_that_stepped_ = 0;
+  batches_before_epoch_ = 0;
   monitored_step_due_ = false;
   negative_rate_noted_ = false;
   window_has_gradient_ = false;
@@ -781,6 +805,7 @@ FitProgress FitLoop::progress() const {
                      .global_step = global_step_,
                      .batch_position = batch_position_,
                      .batches_that_stepped = batches_that_stepped_,
+                     .batches_before_epoch = batches_before_epoch_,
                      .epoch_done = in_epoch_end_,
                      .validated_at_position = validated_at_position_};
 }
@@ -789,9 +814,11 @@ void FitLoop::restore(const FitProgress& p, const StateDict* loader_state) {
   global_step_ = p.global_step;
   batches_that_stepped_ = p.batches_that_stepped;
   validated_at_position_ = p.validated_at_position;
+  batches_before_epoch_ = p.batches_before_epoch;
   if (p.epoch_done) {
     // Written during on_train_epoch_end: that epoch is complete.
     current_epoch_ = p.epoch + 1;
+    if (batches_before_epoch_ >= 0) batches_before_epoch_ += p.batch_position;
     validated_at_position_ = -1;
     load_loaders_for(current_epoch_);
     return;

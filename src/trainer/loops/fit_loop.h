@@ -41,6 +41,9 @@ struct FitProgress {
   /// Training batches done in the current epoch.
   int64_t batch_position = 0;
   int64_t batches_that_stepped = 0;
+  /// Training batches of the epochs before this one (val_check_interval
+  /// counted across epochs); -1: not known (a checkpoint without it).
+  int64_t batches_before_epoch = -1;
   /// Taken during on_train_epoch_end: the epoch is complete.
   bool epoch_done = false;
   /// Batch position of the last in-epoch validation; -1 for none.
@@ -154,6 +157,9 @@ class FitLoop {
   /// ConfigError for a rate it made NaN or infinite (a NaN gamma, a
   /// lambda's NaN), a note for one it made negative.
   void check_learning_rates(size_t index, const std::vector<double>& before);
+  /// Whether this epoch validates at all (a loader, limit_val_batches,
+  /// check_val_every_n_epoch).
+  bool validates_this_epoch() const;
   bool should_validate_now(int64_t position, bool is_last_batch) const;
   void run_validation(bool sanity);
   bool stop_requested_by_limits(bool boundary);
@@ -176,6 +182,7 @@ class FitLoop {
   int64_t batch_idx_ = 0;
   int64_t batch_position_ = 0;  // training batches done in the current epoch
   int64_t batches_that_stepped_ = 0;
+  int64_t batches_before_epoch_ = 0;  // -1: not known (resumed from a checkpoint without it)
   bool monitored_step_due_ = false;  // see step_schedulers
   bool negative_rate_noted_ = false;
   std::vector<double> rates_before_;  // step_schedulers' read_learning_rates

@@ -828,4 +828,95 @@ TEST(FitLoop, VectorOfBatchesTrains) {
   EXPECT_EQ(result.global_step, 6);
 }
 
+// Validation every N batches counted across epochs counts the batches each
+// epoch had, also where the loader does not say its length (the count
+// restarted every epoch: 3, 7, 11), and a run resumed mid-epoch or from an
+// epoch's end keeps the count.
+TEST(FitLoop, IntegerValCheckIntervalAcrossEpochsOfUnknownLength) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_epochs = 3;
+  options.val_check_interval = 3;
+  options.check_val_every_n_epoch = std::nullopt;
+  options.num_sanity_val_steps = 0;
+  options.enable_checkpointing = true;
+  auto recorder = std::make_shared<ValidationRecorder>();
+  options.callbacks = {
+      recorder,
+      std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+          .dirpath = dir.file("steps"), .save_top_k = -1, .every_n_train_steps = 5}),
+      std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+          .dirpath = dir.file("epochs"), .save_top_k = -1, .save_last = false})};
+  {
+    LinearRegression model;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, generator_loader(4), regression_loader(1));
+    EXPECT_THAT(recorder->steps_at_validation, ElementsAre(3, 6, 9, 12));
+  }
+  for (const std::string name : {"steps/epoch=1-step=5.ckpt", "epochs/epoch=0-step=4.ckpt"}) {
+    SCOPED_TRACE(name);
+    TempDir dir_b;
+    auto resumed_options = test_options(dir_b);
+    resumed_options.max_epochs = 3;
+    resumed_options.val_check_interval = 3;
+    resumed_options.check_val_every_n_epoch = std::nullopt;
+    resumed_options.num_sanity_val_steps = 0;
+    auto resumed_recorder = std::make_shared<ValidationRecorder>();
+    resumed_options.callbacks = {resumed_recorder};
+    LinearRegression model;
+    fulgur::Trainer trainer(resumed_options);
+    trainer.fit(model, generator_loader(4), regression_loader(1), {.ckpt_path = dir.file(name)});
+    EXPECT_THAT(resumed_recorder->steps_at_validation, ElementsAre(6, 9, 12));
+  }
+}
+
+// A stop requested mid-epoch validates where it stops (Lightning's
+// "allow validation if requesting to stop early"), once, and keeps its
+// reason in the last epoch too (it read "max_epochs"); an epoch that does
+// not validate (check_val_every_n_epoch) does not for it either.
+TEST(FitLoop, ARequestedStopValidatesWhereItStops) {
+  struct Case {
+    int64_t every, stop_epoch, steps;
+    std::vector<int64_t> validations;
+  };
+  for (const Case& c : {Case{1, 1, 6, {4, 6}}, Case{2, 1, 6, {6}}, Case{2, 0, 2, {}}}) {
+    SCOPED_TRACE(::testing::Message() << "every " << c.every << ", stop in epoch " << c.stop_epoch);
+    TempDir dir;
+    LinearRegression model;
+    model.train_hook = [&c](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+      if (self.current_epoch() == c.stop_epoch && batch_idx == 1) self.trainer().request_stop();
+    };
+    auto recorder = std::make_shared<ValidationRecorder>();
+    auto options = test_options(dir);
+    options.max_epochs = 2;
+    options.check_val_every_n_epoch = c.every;
+    options.num_sanity_val_steps = 0;
+    options.callbacks = {recorder};
+    fulgur::Trainer trainer(options);
+    auto result = trainer.fit(model, regression_loader(4), regression_loader(1));
+    EXPECT_EQ(result.global_step, c.steps);
+    EXPECT_EQ(result.stop_reason, "should_stop");
+    EXPECT_EQ(recorder->steps_at_validation, c.validations);
+  }
+}
+
+// A stop decided by a validation (EarlyStopping's) does not validate again.
+TEST(FitLoop, AStopDecidedByAValidationDoesNotValidateAgain) {
+  TempDir dir;
+  LinearRegression model;
+  model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t) {
+    self.trainer().request_stop();
+  };
+  auto recorder = std::make_shared<ValidationRecorder>();
+  auto options = test_options(dir);
+  options.max_epochs = 3;
+  options.val_check_interval = 0.5;
+  options.num_sanity_val_steps = 0;
+  options.callbacks = {recorder};
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(4), regression_loader(1));
+  EXPECT_EQ(result.global_step, 2);
+  EXPECT_THAT(recorder->steps_at_validation, ElementsAre(2));
+}
+
 }  // namespace
