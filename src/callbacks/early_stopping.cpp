@@ -51,8 +51,15 @@ bool EarlyStopping::better(double a, double b, double delta) const {
 
 bool EarlyStopping::checks_at_epoch_end(const Trainer& trainer) const {
   if (options_.check_on_train_epoch_end) return *options_.check_on_train_epoch_end;
+  // After each validation unless there is one at every epoch's end (then
+  // the epoch's end comes right after it) or none at all (a training
+  // metric). Checking at every epoch's end when validation runs every
+  // N-th epoch found no value, or counted the last one again.
+  if (!trainer.fit_validates()) return true;
   const BatchLimit& interval = trainer.options().val_check_interval;
-  return interval.is_fraction() && interval.fraction() >= 1.0;
+  const auto& every_n_epochs = trainer.options().check_val_every_n_epoch;
+  return interval.is_fraction() && interval.fraction() >= 1.0 && every_n_epochs &&
+         *every_n_epochs == 1;
 }
 
 void EarlyStopping::on_train_epoch_end(Trainer& trainer, Module&) {
@@ -94,7 +101,7 @@ void EarlyStopping::check(Trainer& trainer) {
   } else if (options_.stopping_threshold && better(current, *options_.stopping_threshold, 0.0)) {
     reason = str(options_.monitor, " = ", current,
                  " reached stopping_threshold=", *options_.stopping_threshold);
-  } else if (options_.divergence_threshold &&
+  } else if (options_.divergence_threshold && !std::isnan(current) &&
              !better(current, *options_.divergence_threshold, 0.0) &&
              current != *options_.divergence_threshold) {
     reason = str(options_.monitor, " = ", current,

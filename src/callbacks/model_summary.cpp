@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
+#include <set>
 #include <vector>
 
 #include <torch/torch.h>
@@ -59,7 +60,11 @@ std::string ModelSummary::summarize(const torch::nn::Module& module, int max_dep
     int64_t params = 0, trainable = 0, bytes = 0;
   };
   auto count = [](const torch::nn::Module& m, Row& row) {
+    // A parameter shared by two submodules (tied weights) counts once, as
+    // Lightning's.
+    std::set<const void*> seen;
     for (const auto& p : m.parameters(/*recurse=*/true)) {
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
       row.params += p.numel();
       if (p.requires_grad()) row.trainable += p.numel();
       row.bytes += p.numel() * static_cast<int64_t>(p.element_size());

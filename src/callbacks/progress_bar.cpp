@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "fulgur/core/errors.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
 
@@ -25,8 +26,21 @@ void clock_text(char* out, size_t size, double seconds) {
 
 }  // namespace
 
+namespace {
+
+std::FILE* checked_stream(std::FILE* out) {
+  if (out == nullptr) {
+    throw ConfigError(
+        "ProgressBar: the output stream is null. Pass stderr (the default), stdout "
+        "or an open FILE*.");
+  }
+  return out;
+}
+
+}  // namespace
+
 ProgressBar::ProgressBar(int refresh_ms, std::FILE* out)
-    : refresh_ms_(refresh_ms), out_(out), tty_(::isatty(::fileno(out)) != 0) {}
+    : refresh_ms_(refresh_ms), out_(checked_stream(out)), tty_(::isatty(::fileno(out_)) != 0) {}
 
 void ProgressBar::on_train_epoch_start(Trainer&, Module&) {
   train_ = Bar{0, Clock::now(), {}};

@@ -38,6 +38,16 @@ std::chrono::milliseconds Timer::time_elapsed() const {
   return total;
 }
 
+void Timer::on_fit_start(Trainer&, Module&) {
+  // A fit's checkpoint is loaded before on_fit_start: its time counts on;
+  // a fit from the start has the whole duration (an earlier fit's time and
+  // stop no longer count).
+  if (!restored_) before_ = std::chrono::milliseconds(0);
+  restored_ = false;
+  stopped_ = false;
+  running_since_.reset();
+}
+
 void Timer::on_train_start(Trainer&, Module&) { running_since_ = Clock::now(); }
 
 void Timer::on_train_end(Trainer&, Module&) {
@@ -76,6 +86,7 @@ StateDict Timer::state_dict() const {
 void Timer::load_state_dict(const StateDict& state) {
   if (state.contains("elapsed_ms")) {
     before_ = std::chrono::milliseconds(state.integer("elapsed_ms"));
+    restored_ = true;
     if (running_since_) running_since_ = Clock::now();
   }
 }

@@ -340,6 +340,11 @@ std::vector<TrainerFlag> make_flags() {
                  if (*value <= 0 || *value > 1e12) {
                    return "not a number of seconds > 0 and at most 1e12. Pass e.g. 3600, or none.";
                  }
+                 if (*value < 0.001) {
+                   // It would round to 0 ms, which the Trainer refuses as "0".
+                   return "under a millisecond (0.001), the finest max_time counts. Pass e.g. "
+                          "3600, or none.";
+                 }
                  o.max_time = std::chrono::milliseconds(std::llround(*value * 1000));
                  return "";
                }});

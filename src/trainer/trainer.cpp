@@ -15,6 +15,7 @@
 #include <typeindex>
 
 #include "fulgur/callbacks/model_checkpoint.h"
+#include "fulgur/callbacks/on_exception_checkpoint.h"
 #include "fulgur/callbacks/progress_bar.h"
 #include "fulgur/callbacks/timer.h"
 #include "fulgur/core/errors.h"
@@ -209,11 +210,36 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
 namespace {
 
 // Checkpoint callbacks run last, so that every other callback's state in a
-// checkpoint is already updated for the step being saved (as Lightning does).
+// checkpoint is already updated for the step being saved, and an exception's
+// checkpoint is written once the others put back what they changed (EMA's
+// weights), as Lightning does.
 void checkpoints_last(std::vector<std::shared_ptr<Callback>>& callbacks) {
   std::stable_partition(callbacks.begin(), callbacks.end(), [](const auto& cb) {
-    return dynamic_cast<ModelCheckpoint*>(cb.get()) == nullptr;
+    return dynamic_cast<ModelCheckpoint*>(cb.get()) == nullptr &&
+           dynamic_cast<OnExceptionCheckpoint*>(cb.get()) == nullptr;
   });
+}
+
+template <class T>
+bool has_callback(const std::vector<std::shared_ptr<Callback>>& callbacks) {
+  return std::any_of(callbacks.begin(), callbacks.end(),
+                     [](const auto& cb) { return dynamic_cast<T*>(cb.get()) != nullptr; });
+}
+
+// Each callback's state has its own place in a checkpoint.
+void check_unique_state_keys(const std::vector<std::shared_ptr<Callback>>& callbacks,
+                             const char* where) {
+  std::map<std::string, std::string> keys;
+  for (const auto& cb : callbacks) {
+    const std::string name = c10::demangle(typeid(*cb).name());
+    auto [it, fresh] = keys.emplace(cb->state_key(), name);
+    if (!fresh) {
+      throw ConfigError(str(where, ": a ", name, " and a ", it->second,
+                            " have the same state_key() \"", it->first,
+                            "\", so a checkpoint could not tell their states apart. Give one "
+                            "of them another key (or options that make it differ)."));
+    }
+  }
 }
 
 }  // namespace
@@ -276,6 +302,7 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
     callbacks.push_back(cb);
     if (!checkpoint_callback) checkpoint_callback = dynamic_cast<ModelCheckpoint*>(cb.get());
   }
+
   if (options.enable_checkpointing && !checkpoint_callback && !fast) {
     auto cb = std::make_shared<ModelCheckpoint>(
         ModelCheckpointOptions{.every_n_train_steps = options.every_n_train_steps});
@@ -309,8 +336,12 @@ Trainer::Impl::Impl(Trainer& owner, TrainerOptions opts) : self(owner), options(
                                      "so a restart trains again from the beginning"));
     }
   }
-  if (options.enable_progress_bar) callbacks.push_back(std::make_shared<ProgressBar>());
+  // A ProgressBar given is the one shown.
+  if (options.enable_progress_bar && !has_callback<ProgressBar>(options.callbacks)) {
+    callbacks.push_back(std::make_shared<ProgressBar>());
+  }
   checkpoints_last(callbacks);
+  check_unique_state_keys(callbacks, "TrainerOptions::callbacks");
   if (options.logger && !fast) {
     if (options.loggers.empty()) {
       std::vector<std::shared_ptr<Logger>> loggers;
@@ -596,18 +627,7 @@ void Trainer::Impl::add_module_callbacks(Module& m) {
       if ((checkpoint_callback = dynamic_cast<ModelCheckpoint*>(cb.get()))) break;
     }
   }
-  // Each callback's state has its own place in a checkpoint.
-  std::map<std::string, std::string> keys;
-  for (const auto& cb : callbacks) {
-    const std::string name = c10::demangle(typeid(*cb).name());
-    auto [it, fresh] = keys.emplace(cb->state_key(), name);
-    if (!fresh) {
-      throw ConfigError(str("Module::configure_callbacks(): a ", name, " and a ", it->second,
-                            " have the same state_key() \"", it->first,
-                            "\", so a checkpoint could not tell their states apart. Give one "
-                            "of them another key (or options that make it differ)."));
-    }
-  }
+  check_unique_state_keys(callbacks, "Module::configure_callbacks()");
   if (!replaced.empty() && strategy->is_global_zero()) {
     detail::print_note(str("Module::configure_callbacks() replaces the Trainer's ", join(replaced),
                            " for this ", to_string(stage), "."));

@@ -100,6 +100,35 @@ TEST(EarlyStopping, ANonFiniteMetricStopsUnlessCheckFiniteIsOff) {
   auto result = script.run(dir, unchecked, 5);
   EXPECT_EQ(unchecked->stopped_epoch(), -1);
   EXPECT_EQ(result.epochs, 5);
+  // NaN is not worse than a divergence threshold either (Lightning's NaN >
+  // threshold is false): check_finite alone decides on it.
+  auto diverging = stopper({.patience = 100, .check_finite = false, .divergence_threshold = 10.0});
+  result = script.run(dir, diverging, 5);
+  EXPECT_EQ(diverging->stopped_epoch(), -1) << diverging->stop_reason();
+  EXPECT_EQ(result.epochs, 5);
+}
+
+// Validation every other epoch: the check follows each validation (at
+// every epoch's end it found no val_loss in epoch 0, or counted the last
+// validation's value again and stopped two epochs early).
+TEST(EarlyStopping, ChecksAfterEachValidationWhenValidationRunsEveryNthEpoch) {
+  TempDir dir;
+  LinearRegression model;
+  model.val_hook = [](LinearRegression& m, fulgur::Batch&, int64_t) {
+    if (!m.trainer().sanity_checking()) m.log("score", 1.0);
+  };
+  auto es =
+      std::make_shared<EarlyStopping>(EarlyStoppingOptions{.monitor = "score", .patience = 2});
+  auto options = test_options(dir);
+  options.max_epochs = 10;
+  options.check_val_every_n_epoch = 2;
+  options.callbacks = {es};
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(2), regression_loader(1));
+  // Validations after epochs 1, 3 and 5: the first sets the best, the next
+  // two do not beat it.
+  EXPECT_EQ(es->stopped_epoch(), 5);
+  EXPECT_EQ(result.epochs, 6);
 }
 
 TEST(EarlyStopping, AMissingMetricIsAnErrorNamingTheLoggedOnesUnlessNotStrict) {

@@ -203,6 +203,30 @@ TEST(EMA, ACheckpointWhoseAverageDoesNotFitTheModuleIsRefusedNamingTheParameter)
   }
 }
 
+// An error in a validation, while the module holds the average: the
+// exception's checkpoint has the training weights whatever the callbacks'
+// order (OnExceptionCheckpoint runs after EMA put them back, as Lightning's
+// checkpoint callbacks run last), so a resume trains on from them.
+TEST(EMA, AnExceptionsCheckpointHoldsTheTrainingWeights) {
+  TempDir dir;
+  LinearRegression model;
+  int validations = 0;
+  model.val_hook = [&](LinearRegression&, fulgur::Batch&, int64_t) {
+    if (++validations == 2) throw std::runtime_error("a bug in the second validation");
+  };
+  auto options = test_options(dir);
+  options.max_epochs = 3;
+  options.num_sanity_val_steps = 0;
+  options.callbacks = {std::make_shared<fulgur::OnExceptionCheckpoint>(),
+                       std::make_shared<EMA>(EMAOptions{.decay = 0.5})};
+  fulgur::Trainer trainer(options);
+  EXPECT_THROW(trainer.fit(model, regression_loader(2), regression_loader(1)), std::runtime_error);
+  LinearRegression saved;
+  fulgur::Trainer reader(test_options(dir));
+  reader.validate(saved, regression_loader(1), dir.file("checkpoints/on_exception.ckpt"));
+  EXPECT_TRUE(parameters_equal(saved, model));
+}
+
 TEST(EMA, BadOptionsAreNamed) {
   try {
     EMA bad(EMAOptions{.decay = 1.0, .every_n_steps = 0});

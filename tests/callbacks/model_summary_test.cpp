@@ -40,6 +40,22 @@ TEST(ModelSummary, ListsLayersParametersAndFrozenOnes) {
   EXPECT_THAT(fulgur::ModelSummary::summarize(net, 0), ::testing::Not(HasSubstr("encoder")));
 }
 
+// A layer registered twice (tied weights) is listed twice but its
+// parameters count once in the totals, as Lightning's.
+TEST(ModelSummary, ASharedLayerCountsOnceInTheTotals) {
+  struct Net : torch::nn::Module {
+    torch::nn::Linear shared{nullptr};
+    Net() {
+      shared = torch::nn::Linear(100, 100);
+      register_module("a", shared);
+      register_module("b", shared);
+    }
+  } net;
+  const std::string table = fulgur::ModelSummary::summarize(net);
+  EXPECT_THAT(table, HasSubstr("10.1 K trainable params, 0 frozen params, 10.1 K total params"));
+  EXPECT_THAT(table, HasSubstr("0.040"));  // MB: 10100 floats
+}
+
 TEST(ModelSummary, PrintsAtFitStart) {
   TempDir dir;
   LinearRegression model;

@@ -94,4 +94,25 @@ TEST(ProgressBar, StateKey) {
   EXPECT_EQ(bar.state_key(), "ProgressBar");
 }
 
+// A null stream is named (it ended the process in fileno).
+TEST(ProgressBar, ANullStreamIsRefused) {
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::ProgressBar(100, nullptr),
+                     {"the output stream is null"});
+}
+
+// A ProgressBar given is the one shown: enable_progress_bar adds none
+// beside it (two would share a checkpoint section).
+TEST(ProgressBar, OneGivenIsTheOnlyOne) {
+  fulgur::test::TempDir dir;
+  auto options = fulgur::test::test_options(dir);
+  options.enable_progress_bar = true;
+  auto mine = std::make_shared<fulgur::ProgressBar>();
+  options.callbacks = {mine};
+  fulgur::Trainer trainer(options);
+  int bars = 0;
+  for (const auto& cb : trainer.callbacks())
+    bars += dynamic_cast<fulgur::ProgressBar*>(cb.get()) != nullptr;
+  EXPECT_EQ(bars, 1);
+}
+
 }  // namespace

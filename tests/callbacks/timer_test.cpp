@@ -55,10 +55,10 @@ TEST(Timer, MaxTimeStopsFitWithACheckpoint) {
   EXPECT_TRUE(std::filesystem::exists(dir.file("checkpoints/last.ckpt")));
 }
 
-// A stop in the middle of an epoch comes before the validation that logs
-// the monitored metric: the ModelCheckpoint keeps last.ckpt and ranks
-// nothing, instead of failing the run for a missing val_loss.
-TEST(Timer, AStopBeforeTheValidationKeepsLastCkptWithAMonitoredCheckpoint) {
+// A stop in the middle of an epoch validates where it stops (as
+// Lightning's): the monitored ModelCheckpoint ranks the weights the run
+// stopped with (before, it kept last.ckpt and ranked nothing), once.
+TEST(Timer, AStopMidEpochValidatesAndTheMonitoredCheckpointRanksIt) {
   TempDir dir;
   SlowModel model;
   auto options = fulgur::test::checkpointed_options(dir, {.monitor = "val_loss"});
@@ -67,8 +67,12 @@ TEST(Timer, AStopBeforeTheValidationKeepsLastCkptWithAMonitoredCheckpoint) {
   fulgur::Trainer trainer(options);
   auto result = trainer.fit(model, regression_loader(100), regression_loader(2));
   EXPECT_LT(result.global_step, 100);
+  EXPECT_EQ(model.count("on_validation_epoch_start"), 1);
   EXPECT_TRUE(std::filesystem::exists(dir.file("checkpoints/last.ckpt")));
-  EXPECT_EQ(trainer.checkpoint_callback()->best_model_path(), "");
+  EXPECT_EQ(trainer.checkpoint_callback()->best_model_path(),
+            dir.file("checkpoints/epoch=0-step=" + std::to_string(result.global_step) + ".ckpt"));
+  EXPECT_EQ(trainer.checkpoint_callback()->best_model_score(),
+            trainer.callback_metrics().at("val_loss"));
 }
 
 // The time trained is in the checkpoint: a resumed run counts on from it.
@@ -90,6 +94,25 @@ TEST(Timer, AResumedRunCountsOnFromTheCheckpoint) {
   fulgur::Trainer trainer(options);
   trainer.fit(model, regression_loader(3), nullptr, {.ckpt_path = "last"});
   EXPECT_GE(timer_of(trainer)->time_elapsed(), 90ms);
+}
+
+// A fit from the start has the whole duration again: the Trainer's Timer
+// of a second fit had stopped once and latched, and the second fit ran all
+// its epochs.
+TEST(Timer, ASecondFitHasTheWholeDurationAgain) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_time = 50ms;
+  options.max_epochs = 100;
+  fulgur::Trainer trainer(options);
+  for (int fit = 0; fit < 2; ++fit) {
+    SCOPED_TRACE(fit);
+    SlowModel model;
+    auto result = trainer.fit(model, regression_loader(1));
+    EXPECT_EQ(result.stop_reason, "should_stop");
+    EXPECT_LT(result.epochs, 100);
+    EXPECT_TRUE(timer_of(trainer)->stopped());
+  }
 }
 
 TEST(Timer, BadDurationsAreErrors) {

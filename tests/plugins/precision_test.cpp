@@ -225,11 +225,29 @@ TEST_F(DeterministicFlag, WarnOnlyWarns) {
   EXPECT_NO_THROW(at::globalContext().alertNotDeterministic("an op"));
 }
 
-TEST_F(DeterministicFlag, FalseTurnsItOffAgain) {
+// false turns LibTorch's flag off; unset leaves it as it is (Lightning's
+// None: a Trainer made only to validate turned a program's own setting off).
+TEST_F(DeterministicFlag, FalseTurnsItOffAndUnsetLeavesTheProgramsOwnSetting) {
   TempDir dir;
-  at::globalContext().setDeterministicAlgorithms(true, false);
-  fulgur::Trainer trainer(fulgur::test::test_options(dir));
-  EXPECT_FALSE(at::globalContext().deterministicAlgorithms());
+  auto& context = at::globalContext();
+  auto unset = fulgur::test::test_options(dir);
+  unset.deterministic = {};
+  ASSERT_FALSE(unset.deterministic.given());
+  context.setDeterministicAlgorithms(true, false);
+  { fulgur::Trainer trainer(unset); }
+  EXPECT_TRUE(context.deterministicAlgorithms());
+
+  auto off = fulgur::test::test_options(dir);
+  off.deterministic = false;
+  { fulgur::Trainer trainer(off); }
+  EXPECT_FALSE(context.deterministicAlgorithms());
+
+  auto on = fulgur::test::test_options(dir);
+  on.deterministic = true;
+  { fulgur::Trainer trainer(on); }
+  EXPECT_TRUE(context.deterministicAlgorithms());
+  { fulgur::Trainer trainer(unset); }
+  EXPECT_TRUE(context.deterministicAlgorithms());
 }
 
 // One seeded, deterministic fit on `accelerator`; its trained parameters.

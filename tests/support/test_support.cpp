@@ -162,7 +162,10 @@ std::vector<std::string> split(const std::string& text, char sep) {
 // ---- Trainer options.
 
 fulgur::TrainerOptions test_options(const TempDir& dir) {
+  // deterministic=false: every test's Trainer turns off what an earlier
+  // test of the same process turned on (unset would leave it).
   return fulgur::TrainerOptions{.accelerator = "cpu",
+                                .deterministic = false,
                                 .max_epochs = 1,
                                 .default_root_dir = dir.path(),
                                 .enable_checkpointing = false,

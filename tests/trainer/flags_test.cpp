@@ -67,6 +67,15 @@ TEST(ParseDouble, ANumberBeyondADoublesRangeIsNamedAsSuch) {
   ASSERT_EQ(parsed.problems.size(), 1u);
   EXPECT_TRUE(
       fulgur::test::message_contains(parsed.problems[0], {"--max_time 1e13", "at most 1e12"}));
+  // Under a millisecond rounded to 0 ms, which the Trainer then refused as
+  // "max_time=0 ms" though the value passed was above 0.
+  parsed = fulgur::parse_flags({{"max_time", "1e-4"}});
+  ASSERT_EQ(parsed.problems.size(), 1u);
+  EXPECT_TRUE(fulgur::test::message_contains(parsed.problems[0],
+                                             {"--max_time 1e-4", "under a millisecond"}));
+  parsed = fulgur::parse_flags({{"max_time", "0.001"}});
+  EXPECT_TRUE(parsed.problems.empty()) << fulgur::join(parsed.problems, "\n");
+  EXPECT_EQ(parsed.options.max_time, std::chrono::milliseconds(1));
 }
 
 TEST(ParseFlags, ListsEveryProblemAndKeepsDefaultsForThem) {

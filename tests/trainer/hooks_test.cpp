@@ -412,6 +412,21 @@ TEST(Hooks, AModulesCallbacksReplaceTheTrainersOfTheirTypeForTheStage) {
   EXPECT_EQ(trainer.callbacks(), before);
 }
 
+// The Trainer's own callbacks are checked the same way, when it is made
+// (two EMAs restored each other's average from one "EMA" section).
+TEST(Hooks, TheTrainersCallbacksWithOneStateKeyOrNullAreRefused) {
+  TempDir dir;
+  std::vector<std::string> events;
+  auto options = test_options(dir);
+  options.callbacks = {std::make_shared<fulgur::EMA>(fulgur::EMAOptions{.decay = 0.5}),
+                       std::make_shared<fulgur::EMA>(fulgur::EMAOptions{.decay = 0.9})};
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer{options},
+                     {"TrainerOptions::callbacks: a fulgur::EMA and a fulgur::EMA have the same "
+                      "state_key() \"EMA\""});
+  options.callbacks = {std::make_shared<HookRecorder>(&events, "one"), nullptr};
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer{options}, {"callbacks[1] is null"});
+}
+
 // ---- The steps a Module may take its own way (Lightning's
 // configure_gradient_clipping, lr_scheduler_step, optimizer_zero_grad).
 

@@ -2,14 +2,14 @@
 //
 // Stops fit when a monitored metric stops improving: after `patience`
 // checks without an improvement larger than `min_delta`, at once when it
-// reaches `stopping_threshold` (good enough) or `divergence_threshold` (hopeless), or
-// when it is not finite (`check_finite`). Checked at the end of every
-// training epoch (after its validation), or at the end of every validation
-// when validation runs several times per epoch. With several ranks the
-// ranks agree: one rank's decision stops them all after the same batch (a
-// metric logged without sync_dist may differ by rank). Its wait count and
-// best score are saved in checkpoints, so a resumed run stops where the
-// uninterrupted one would.
+// reaches `stopping_threshold` (good enough) or `divergence_threshold`
+// (hopeless), or when it is not finite (`check_finite`). Checked at the end
+// of every training epoch (after its validation), or at the end of every
+// validation when validation runs several times per epoch or every N-th
+// epoch. With several ranks the ranks agree: one rank's decision stops them
+// all after the same batch (a metric logged without sync_dist may differ by
+// rank). Its wait count and best score are saved in checkpoints, so a
+// resumed run stops where the uninterrupted one would.
 //
 //   trainer_options.callbacks.push_back(std::make_shared<fulgur::EarlyStopping>(
 //       fulgur::EarlyStoppingOptions{.monitor = "val_loss", .patience = 3}));
@@ -40,11 +40,13 @@ struct EarlyStoppingOptions {
   bool check_finite = true;
   /// Stop once the metric is better than this (good enough).
   std::optional<double> stopping_threshold = std::nullopt;
-  /// Stop once the metric is worse than this (hopeless).
+  /// Stop once the metric is worse than this (hopeless); NaN is not
+  /// (check_finite stops on it).
   std::optional<double> divergence_threshold = std::nullopt;
   /// Check at the end of each training epoch (true) or of each validation
-  /// (false). Unset: at the epoch's end when validation runs at most once
-  /// per epoch (val_check_interval 1.0), else after each validation.
+  /// (false). Unset: at the epoch's end when validation runs at every
+  /// epoch's end only (val_check_interval 1.0, check_val_every_n_epoch 1)
+  /// or never (a training metric), else after each validation.
   std::optional<bool> check_on_train_epoch_end = std::nullopt;
 };
 

@@ -4,7 +4,8 @@
 // Trainer's max_time adds one). The request is agreed by every rank like
 // request_stop(); the end of fit then runs as usual (the ModelCheckpoint's
 // epoch-end save included). The time already trained is saved in
-// checkpoints, so a resumed run counts on from it.
+// checkpoints, so a resumed run counts on from it; a fit from the start (a
+// second fit with the same Timer or Trainer) has the whole duration again.
 #pragma once
 
 #include <chrono>
@@ -27,6 +28,7 @@ class Timer : public Callback {
  public:
   explicit Timer(TimerOptions options);
   std::string state_key() const override { return "Timer"; }
+  void on_fit_start(Trainer& trainer, Module& module) override;
   void on_train_start(Trainer& trainer, Module& module) override;
   void on_train_end(Trainer& trainer, Module& module) override;
   void on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor& loss,
@@ -35,7 +37,8 @@ class Timer : public Callback {
   StateDict state_dict() const override;
   void load_state_dict(const StateDict& state) override;
 
-  /// Training time so far (earlier runs of a resumed fit included).
+  /// Training time of this fit so far (earlier runs of a resumed fit
+  /// included), or of the last fit once it ended.
   std::chrono::milliseconds time_elapsed() const;
   /// Whether it stopped the run.
   bool stopped() const { return stopped_; }
@@ -46,6 +49,7 @@ class Timer : public Callback {
   std::chrono::milliseconds before_{0};  // from a checkpoint, or ended runs
   std::optional<std::chrono::steady_clock::time_point> running_since_;
   bool stopped_ = false;
+  bool restored_ = false;  // before_ came from the checkpoint of this fit
 };
 
 }  // namespace fulgur

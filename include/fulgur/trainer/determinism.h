@@ -24,7 +24,10 @@ struct ChoiceNames<Determinism> {
 /// Determinism; anything else is kept for the connector to name.
 class DeterministicFlag : public Choice<Determinism> {
  public:
-  DeterministicFlag(bool on = false)  // NOLINT
+  /// Unset: LibTorch's flag is left as it is (Lightning's
+  /// deterministic=None).
+  DeterministicFlag() : Choice(Determinism::kOff), given_(false) {}
+  DeterministicFlag(bool on)  // NOLINT
       : Choice(on ? Determinism::kOn : Determinism::kOff) {}
   DeterministicFlag(Determinism value) : Choice(value) {}           // NOLINT
   DeterministicFlag(const char* text) : Choice(text) {}             // NOLINT
@@ -32,6 +35,11 @@ class DeterministicFlag : public Choice<Determinism> {
   /// Deterministic algorithms on (true or "warn").
   bool enabled() const { return *this == Determinism::kOn || *this == Determinism::kWarn; }
   bool warn_only() const { return *this == Determinism::kWarn; }
+  /// Whether a value was given (false: the default).
+  bool given() const { return given_; }
+
+ private:
+  bool given_ = true;
 };
 
 }  // namespace fulgur

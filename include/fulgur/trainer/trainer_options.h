@@ -137,8 +137,10 @@ struct TrainerOptions {
   /// layers; DDP only).
   bool sync_batchnorm = false;
   /// true: deterministic algorithms only (a nondeterministic op throws);
-  /// "warn": warn on one instead; false: LibTorch's default.
-  DeterministicFlag deterministic = false;
+  /// "warn": warn on one instead; false: off. Unset: LibTorch's flag as it
+  /// is (off, unless the program or an earlier Trainer turned it on), as
+  /// Lightning's None.
+  DeterministicFlag deterministic = {};
   /// cuDNN autotuning for fixed input shapes (CUDA only).
   bool benchmark = false;
   /// Move each batch to the device while the step before it runs. On a GPU

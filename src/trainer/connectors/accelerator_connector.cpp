@@ -573,6 +573,7 @@ class ConnectorRun {
     r.sync_batchnorm = options_.sync_batchnorm;
     r.deterministic =
         options_.deterministic.is_valid() ? options_.deterministic.value() : Determinism::kOff;
+    r.deterministic_given = options_.deterministic.given();
     r.benchmark = options_.benchmark;
     r.notes = std::move(notes_);
     return c;
@@ -676,10 +677,15 @@ void apply_torch_flags(const Resolution& resolution, Accelerator& accelerator) {
     context.setDeterministicAlgorithms(true, warn_only);
     context.setDeterministicCuDNN(true);
     context.setBenchmarkCuDNN(false);
-  } else {
-    context.setDeterministicAlgorithms(false, false);
-    context.setBenchmarkCuDNN(resolution.benchmark);
+    return;
   }
+  // Unset leaves LibTorch's flag as it is (Lightning's None): a Trainer
+  // made only to validate no longer turns off a program's own setting.
+  if (resolution.deterministic_given) {
+    context.setDeterministicAlgorithms(false, false);
+    context.setDeterministicCuDNN(false);
+  }
+  context.setBenchmarkCuDNN(resolution.benchmark);
 }
 
 }  // namespace fulgur

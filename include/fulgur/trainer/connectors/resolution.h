@@ -32,6 +32,9 @@ struct Resolution {
   std::vector<std::string> parallel_devices;
   /// JSON true, false or "warn".
   Determinism deterministic = Determinism::kOff;
+  /// Whether `deterministic` was given (unset leaves the program's own
+  /// setting).
+  bool deterministic_given = false;
   bool sync_batchnorm = false;
   bool benchmark = false;
   std::vector<std::string> notes;
