@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <iostream>
+#include <set>
 
 #include "fulgur/accelerators/accelerator.h"
 #include "fulgur/core/errors.h"
@@ -116,10 +117,41 @@ OptimizerConfig Strategy::setup_optimizers(Module& module) {
                           "at least one, or call set_automatic_optimization(false) to step "
                           "yourself."));
   }
+  // An optimizer of no parameters steps nothing (PyTorch refuses one), and
+  // a tensor that is not one of the module's parameters trains, but no
+  // checkpoint saves it (a resume starts it over) and no rank averages its
+  // gradient with the others'.
+  std::set<const c10::TensorImpl*> own;
+  for (const auto& p : module.parameters()) own.insert(p.unsafeGetTensorImpl());
   for (size_t i = 0; i < config.optimizers.size(); ++i) {
     if (!config.optimizers[i]) {
       throw ConfigError(str(module.name(), ".configure_optimizers(): optimizer ", i,
                             " is null. Return std::make_shared<torch::optim::...>(...)."));
+    }
+    size_t count = 0;
+    std::vector<std::string> foreign;
+    for (const auto& group : config.optimizers[i]->param_groups()) {
+      for (const auto& p : group.params()) {
+        ++count;
+        if (own.count(p.unsafeGetTensorImpl()) == 0) foreign.push_back(fulgur::str(p.sizes()));
+      }
+    }
+    if (count == 0) {
+      throw ConfigError(str(module.name(), ".configure_optimizers(): optimizer ", i,
+                            " has no parameters, so it would step nothing. Build it on "
+                            "parameters() (or on the parameters it should train)."));
+    }
+    if (!foreign.empty() && is_global_zero()) {
+      const size_t n = foreign.size();
+      if (n > 4) {
+        foreign.resize(4);
+        foreign.emplace_back("...");
+      }
+      detail::print_note(
+          str(module.name(), ".configure_optimizers(): optimizer ", i, " steps ", n,
+              " tensor(s) that are not parameters of the module (shapes ", join(foreign),
+              "): no checkpoint saves them (a resume starts them over) and ranks do not "
+              "average their gradients. Register them with register_parameter()."));
     }
   }
   for (size_t i = 0; i < config.schedulers.size(); ++i) {

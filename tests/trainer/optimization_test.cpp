@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <functional>
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
@@ -20,6 +21,62 @@ using fulgur::test::regression_loader;
 using fulgur::test::sgd_lr;
 using fulgur::test::TempDir;
 using fulgur::test::test_options;
+
+// ---- What configure_optimizers returns.
+
+/// fc scaled by a tensor that is not a registered parameter; its optimizer
+/// steps what `pick` makes of the module.
+class ChoosyNet : public fulgur::Module {
+ public:
+  explicit ChoosyNet(std::function<std::vector<at::Tensor>(ChoosyNet&)> pick)
+      : fulgur::Module("ChoosyNet"), pick_(std::move(pick)) {
+    fc = register_module("fc", torch::nn::Linear(3, 1));
+  }
+  at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
+    const auto& [x, y] = batch.pair();
+    return torch::nn::functional::mse_loss(fc(x) * scale, y);
+  }
+  fulgur::OptimizerConfig configure_optimizers() override {
+    std::shared_ptr<torch::optim::Optimizer> sgd =
+        std::make_shared<torch::optim::SGD>(pick_(*this), 0.1);
+    return sgd;
+  }
+  torch::nn::Linear fc{nullptr};
+  at::Tensor scale = torch::ones({1}, torch::requires_grad());
+
+ private:
+  std::function<std::vector<at::Tensor>(ChoosyNet&)> pick_;
+};
+
+// An optimizer of no parameters would step nothing (PyTorch refuses one);
+// a tensor that is not the module's parameter trains, with a note that no
+// checkpoint keeps it and no rank averages its gradient.
+TEST(ConfigureOptimizers, NoParametersIsRefusedAndATensorNotTheModulesIsNoted) {
+  TempDir dir;
+  fulgur::Trainer trainer(test_options(dir));
+  ChoosyNet empty([](ChoosyNet&) { return std::vector<at::Tensor>{}; });
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(empty, regression_loader(2)),
+                     {"ChoosyNet.configure_optimizers(): optimizer 0 has no parameters"});
+
+  ChoosyNet with_scale([](ChoosyNet& net) {
+    auto params = net.parameters();
+    params.push_back(net.scale);
+    return params;
+  });
+  ::testing::internal::CaptureStderr();
+  trainer.fit(with_scale, regression_loader(2));
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(fulgur::test::message_contains(
+      err, {"optimizer 0 steps 1 tensor(s) that are not parameters of the module (shapes [1])",
+            "register_parameter()"}))
+      << err;
+  EXPECT_NE(with_scale.scale.item<double>(), 1.0);  // it trains all the same
+
+  ChoosyNet own([](ChoosyNet& net) { return net.parameters(); });
+  ::testing::internal::CaptureStderr();
+  trainer.fit(own, regression_loader(2));
+  EXPECT_EQ(::testing::internal::GetCapturedStderr().find("not parameters"), std::string::npos);
+}
 
 // ---- Gradient accumulation.
 
