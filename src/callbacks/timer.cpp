@@ -5,6 +5,7 @@
 #include <iostream>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/data/data_module.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
 
@@ -38,12 +39,12 @@ std::chrono::milliseconds Timer::time_elapsed() const {
   return total;
 }
 
-void Timer::on_fit_start(Trainer&, Module&) {
-  // A fit's checkpoint is loaded before on_fit_start: its time counts on;
-  // a fit from the start has the whole duration (an earlier fit's time and
-  // stop no longer count).
-  if (!restored_) before_ = std::chrono::milliseconds(0);
-  restored_ = false;
+void Timer::setup(Trainer&, Module&, Stage stage) {
+  // Before a resumed fit loads its checkpoint's time (which then counts
+  // on): a fit from the start has the whole duration, whatever an earlier
+  // fit of this Timer used or stopped.
+  if (stage != Stage::kFit) return;
+  before_ = std::chrono::milliseconds(0);
   stopped_ = false;
   running_since_.reset();
 }
@@ -86,7 +87,6 @@ StateDict Timer::state_dict() const {
 void Timer::load_state_dict(const StateDict& state) {
   if (state.contains("elapsed_ms")) {
     before_ = std::chrono::milliseconds(state.integer("elapsed_ms"));
-    restored_ = true;
     if (running_since_) running_since_ = Clock::now();
   }
 }

@@ -32,6 +32,8 @@ ClosedFormLR::ClosedFormLR(torch::optim::Optimizer& optimizer,
 
 void ClosedFormLR::set_other_options(int64_t /*step*/) {}
 
+ClosedFormLR::Chaining ClosedFormLR::chaining_at(int64_t /*step*/) const { return {}; }
+
 void ClosedFormLR::start() {
   set_other_options(0);
   auto& groups = scheduled_optimizer().param_groups();
@@ -43,10 +45,25 @@ void ClosedFormLR::start() {
 std::vector<double> ClosedFormLR::get_lrs() {
   // Called by step() before it counts the step: this is step step_count_ + 1.
   const auto step = static_cast<int64_t>(step_count_) + 1;
-  std::vector<double> lrs = get_current_lrs();
-  std::vector<double> next = lrs;
-  for (size_t i = 0; i < lrs.size() && i < base_lrs_.size(); ++i) {
-    next[i] = lr_at(i, base_lrs_[i], step);
+  std::vector<double> next = get_current_lrs();
+  const Chaining chaining = chaining_at(step);
+  for (size_t i = 0; i < next.size(); ++i) {
+    if (i < base_lrs_.size()) {
+      const double to = lr_at(i, base_lrs_[i], step);
+      if (!chaining.chained) {
+        next[i] = to;
+        continue;
+      }
+      // The rate it has, scaled by the schedule's change above the floor;
+      // from the floor (a decay that reached 0, a cosine's trough) there
+      // is no change to scale by, and the closed form applies.
+      const double from = lr_at(i, base_lrs_[i], step - 1);
+      const double floor = chaining.floor;
+      next[i] = from != floor ? floor + (next[i] - floor) * ((to - floor) / (from - floor)) : to;
+    } else if (chaining.chained && chaining.added_groups) {
+      const double from = lr_at(i, 1.0, step - 1);
+      if (from != 0.0) next[i] *= lr_at(i, 1.0, step) / from;
+    }
   }
   // After every rate is computed: a step refused (OneCycleLR's beyond its
   // total) changes nothing.
@@ -83,6 +100,10 @@ double StepLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const {
   return base_lr * std::pow(gamma_, static_cast<double>(step / step_size_));
 }
 
+ClosedFormLR::Chaining StepLR::chaining_at(int64_t /*step*/) const {
+  return {.chained = true, .added_groups = true};
+}
+
 MultiStepLR::MultiStepLR(torch::optim::Optimizer& optimizer, std::vector<int64_t> milestones,
                          double gamma)
     : ClosedFormLR(optimizer), milestones_(std::move(milestones)), gamma_(gamma) {
@@ -112,6 +133,10 @@ double MultiStepLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const 
   return base_lr * std::pow(gamma_, static_cast<double>(reached));
 }
 
+ClosedFormLR::Chaining MultiStepLR::chaining_at(int64_t /*step*/) const {
+  return {.chained = true, .added_groups = true};
+}
+
 ExponentialLR::ExponentialLR(torch::optim::Optimizer& optimizer, double gamma)
     : ClosedFormLR(optimizer), gamma_(gamma) {
   if (!finite_at_least(gamma_, 0.0)) {
@@ -122,6 +147,10 @@ ExponentialLR::ExponentialLR(torch::optim::Optimizer& optimizer, double gamma)
 
 double ExponentialLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const {
   return base_lr * std::pow(gamma_, static_cast<double>(step));
+}
+
+ClosedFormLR::Chaining ExponentialLR::chaining_at(int64_t /*step*/) const {
+  return {.chained = true, .added_groups = true};
 }
 
 namespace {
@@ -148,6 +177,10 @@ CosineAnnealingLR::CosineAnnealingLR(torch::optim::Optimizer& optimizer, int64_t
 
 double CosineAnnealingLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const {
   return cosine_between(base_lr, eta_min_, static_cast<double>(step) / static_cast<double>(t_max_));
+}
+
+ClosedFormLR::Chaining CosineAnnealingLR::chaining_at(int64_t /*step*/) const {
+  return {.chained = true, .floor = eta_min_};
 }
 
 CosineAnnealingWarmRestarts::CosineAnnealingWarmRestarts(torch::optim::Optimizer& optimizer,
@@ -214,6 +247,10 @@ double LinearLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const {
   return base_lr * (start_factor_ + (end_factor_ - start_factor_) * pct);
 }
 
+ClosedFormLR::Chaining LinearLR::chaining_at(int64_t /*step*/) const {
+  return {.chained = true, .added_groups = true};
+}
+
 ConstantLR::ConstantLR(torch::optim::Optimizer& optimizer, double factor, int64_t total_iters)
     : ClosedFormLR(optimizer), factor_(factor), total_iters_(total_iters) {
   std::vector<std::string> problems;
@@ -230,6 +267,10 @@ ConstantLR::ConstantLR(torch::optim::Optimizer& optimizer, double factor, int64_
 
 double ConstantLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const {
   return step < total_iters_ ? base_lr * factor_ : base_lr;
+}
+
+ClosedFormLR::Chaining ConstantLR::chaining_at(int64_t /*step*/) const {
+  return {.chained = true, .added_groups = true};
 }
 
 PolynomialLR::PolynomialLR(torch::optim::Optimizer& optimizer, int64_t total_iters, double power)
@@ -250,6 +291,10 @@ double PolynomialLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const
   const double left =
       1.0 - static_cast<double>(std::min(step, total_iters_)) / static_cast<double>(total_iters_);
   return base_lr * std::pow(left, power_);
+}
+
+ClosedFormLR::Chaining PolynomialLR::chaining_at(int64_t /*step*/) const {
+  return {.chained = true, .added_groups = true};
 }
 
 namespace {
@@ -452,6 +497,19 @@ SequentialLR::SequentialLR(torch::optim::Optimizer& optimizer,
   refuse_if("SequentialLR", problems);
   for (auto& scheduler : schedulers_) scheduler->sequence_ = this;
   start();
+}
+
+SequentialLR::~SequentialLR() {
+  for (auto& scheduler : schedulers_) {
+    if (scheduler && scheduler->sequence_ == this) scheduler->sequence_ = nullptr;
+  }
+}
+
+ClosedFormLR::Chaining SequentialLR::chaining_at(int64_t step) const {
+  // Each scheduler starts from its own step 0 at its milestone, set
+  // outright on the first one's initial rates (PyTorch's step(0)).
+  const auto [scheduler, local] = locate(step);
+  return local == 0 ? Chaining{} : scheduler->chaining_at(local);
 }
 
 bool SequentialLR::in_sequence(const torch::optim::LRScheduler& scheduler) {

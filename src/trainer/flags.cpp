@@ -273,9 +273,18 @@ std::vector<TrainerFlag> make_flags() {
   f.push_back({"sync_batchnorm", "hardware", "Synchronise BatchNorm statistics across ranks (ddp)",
                [](const O& o) { return std::string(o.sync_batchnorm ? "true" : "false"); },
                set_bool(&O::sync_batchnorm)});
-  f.push_back({"deterministic", "hardware", "true, false or warn",
-               [](const O& o) { return o.deterministic.text(); },
-               [](O& o, const std::string& t) { o.deterministic = t; return std::string(); }});
+  f.push_back({"deterministic", "hardware", "true, false or warn; null: LibTorch's flag as it is",
+               [](const O& o) {
+                 return o.deterministic.given() ? o.deterministic.text() : std::string("null");
+               },
+               [](O& o, const std::string& t) {
+                 if (is_none(t)) {
+                   o.deterministic = {};
+                 } else {
+                   o.deterministic = t;
+                 }
+                 return std::string();
+               }});
   f.push_back({"benchmark", "hardware", "cuDNN autotuning (CUDA only)",
                [](const O& o) { return std::string(o.benchmark ? "true" : "false"); },
                set_bool(&O::benchmark)});

@@ -53,7 +53,6 @@ TEST(ModelSummary, ASharedLayerCountsOnceInTheTotals) {
   } net;
   const std::string table = fulgur::ModelSummary::summarize(net);
   EXPECT_THAT(table, HasSubstr("10.1 K trainable params, 0 frozen params, 10.1 K total params"));
-  EXPECT_THAT(table, HasSubstr("0.040"));  // MB: 10100 floats
 }
 
 TEST(ModelSummary, PrintsAtFitStart) {

@@ -185,6 +185,44 @@ TEST(OneCycleLR, RisesToMaxLrThenAnnealsAndMovesTheMomentumTheOtherWay) {
   EXPECT_NEAR(lrs(*adam)[0], (1.0 - 0.04) * 0.5 + 0.04, 1e-12);
 }
 
+// Chained as PyTorch's step(): two schedules on one optimizer multiply, a
+// cut ReduceLROnPlateau made stays through a finished warm-up, and a
+// multiplicative schedule scales a group added later (a cosine does not).
+TEST(ClosedFormLR, ChainedSchedulesMultiplyAndKeepOtherChanges) {
+  auto sgd = two_group_sgd(1.0, 2.0);
+  fulgur::LinearLR warmup(*sgd, 0.5, 1.0, 2);
+  fulgur::ExponentialLR decay(*sgd, 0.5);
+  std::vector<double> seen = {lrs(*sgd)[0]};
+  for (int i = 0; i < 3; ++i) {
+    warmup.step();
+    decay.step();
+    seen.push_back(lrs(*sgd)[0]);
+  }
+  EXPECT_RATES(seen, {0.5, 0.75 * 0.5, 0.25, 0.125});
+  EXPECT_NEAR(lrs(*sgd)[1], 0.25, 1e-12);
+
+  auto sgd2 = two_group_sgd(1.0, 2.0);
+  fulgur::LinearLR warmup2(*sgd2, 0.5, 1.0, 1);
+  fulgur::ReduceLROnPlateau plateau(*sgd2, {.factor = 0.1, .patience = 0});
+  warmup2.step();  // 1.0: warmed up
+  plateau.step(1.0);
+  plateau.step(2.0);  // worse: cut to 0.1
+  warmup2.step();     // factor 1 -> 1: the cut stays
+  EXPECT_NEAR(lrs(*sgd2)[0], 0.1, 1e-12);
+
+  auto sgd3 = two_group_sgd(1.0, 2.0);
+  fulgur::StepLR halving(*sgd3, 1, 0.5);
+  fulgur::CosineAnnealingLR cosine(*sgd3, 4);
+  sgd3->add_param_group(torch::optim::OptimizerParamGroup(
+      std::vector<at::Tensor>{torch::zeros({4}, torch::requires_grad())},
+      std::make_unique<torch::optim::SGDOptions>(0.125)));
+  halving.step();
+  EXPECT_NEAR(lrs(*sgd3)[2], 0.0625, 1e-15);
+  cosine.step();
+  EXPECT_NEAR(lrs(*sgd3)[2], 0.0625, 1e-15);
+  EXPECT_NEAR(lrs(*sgd3)[0], 0.5 * (0.5 + std::cos(M_PI / 4) / 2), 1e-12);
+}
+
 // A warm-up then a cosine, each from its own step 0 and on the first's
 // initial rates (the cosine was built after the warm-up lowered the rate).
 TEST(SequentialLR, RunsItsSchedulersInTurnOnTheFirstsInitialRates) {
@@ -196,6 +234,16 @@ TEST(SequentialLR, RunsItsSchedulersInTurnOnTheFirstsInitialRates) {
                                                0.5 + std::cos(3 * M_PI / 4) / 2, 0});
   EXPECT_TRUE(fulgur::SequentialLR::in_sequence(*warmup));
   EXPECT_FALSE(fulgur::SequentialLR::in_sequence(sequence));
+}
+
+// A SequentialLR that is gone lets its schedulers go.
+TEST(SequentialLR, ItsSchedulersAreFreeOnceItIsGone) {
+  auto sgd = two_group_sgd(1.0, 2.0);
+  auto warmup = std::make_shared<fulgur::LinearLR>(*sgd, 0.5, 1.0, 2);
+  auto cosine = std::make_shared<fulgur::CosineAnnealingLR>(*sgd, 4);
+  { fulgur::SequentialLR first(*sgd, {warmup, cosine}, {2}); }
+  EXPECT_FALSE(fulgur::SequentialLR::in_sequence(*warmup));
+  EXPECT_NO_THROW(fulgur::SequentialLR(*sgd, {warmup, cosine}, {3}));
 }
 
 TEST(ClosedFormLR, EveryBadOptionIsNamed) {

@@ -73,6 +73,13 @@ TEST(ParseDouble, ANumberBeyondADoublesRangeIsNamedAsSuch) {
   ASSERT_EQ(parsed.problems.size(), 1u);
   EXPECT_TRUE(fulgur::test::message_contains(parsed.problems[0],
                                              {"--max_time 1e-4", "under a millisecond"}));
+  // deterministic: null is unset (LibTorch's flag as it is), false is off.
+  parsed = fulgur::parse_flags({{"deterministic", "null"}});
+  EXPECT_TRUE(parsed.problems.empty()) << fulgur::join(parsed.problems, "\n");
+  EXPECT_FALSE(parsed.options.deterministic.given());
+  parsed = fulgur::parse_flags({{"deterministic", "false"}});
+  EXPECT_TRUE(parsed.options.deterministic.given());
+  EXPECT_FALSE(fulgur::TrainerOptions{}.deterministic.given());
   parsed = fulgur::parse_flags({{"max_time", "0.001"}});
   EXPECT_TRUE(parsed.problems.empty()) << fulgur::join(parsed.problems, "\n");
   EXPECT_EQ(parsed.options.max_time, std::chrono::milliseconds(1));

@@ -28,7 +28,7 @@ class Timer : public Callback {
  public:
   explicit Timer(TimerOptions options);
   std::string state_key() const override { return "Timer"; }
-  void on_fit_start(Trainer& trainer, Module& module) override;
+  void setup(Trainer& trainer, Module& module, Stage stage) override;
   void on_train_start(Trainer& trainer, Module& module) override;
   void on_train_end(Trainer& trainer, Module& module) override;
   void on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor& loss,
@@ -49,7 +49,6 @@ class Timer : public Callback {
   std::chrono::milliseconds before_{0};  // from a checkpoint, or ended runs
   std::optional<std::chrono::steady_clock::time_point> running_since_;
   bool stopped_ = false;
-  bool restored_ = false;  // before_ came from the checkpoint of this fit
 };
 
 }  // namespace fulgur

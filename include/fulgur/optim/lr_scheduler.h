@@ -69,17 +69,22 @@ class Scheduler : public torch::optim::LRScheduler {
   torch::optim::Optimizer& optimizer_;
 };
 
-/// A schedule whose rates after n steps are a function of n and of each
-/// group's initial rate alone (PyTorch's closed forms): a resumed run
-/// computes them again from the step count a checkpoint keeps. The
-/// initial rates are the optimizer's when the schedule is built (in
-/// configure_optimizers), and the rates of step 0 apply from then on. A
-/// group added later (BaseFinetuning's) keeps the rate it is given, as in
-/// PyTorch.
+/// A schedule defined by its rate after n steps as a function of n and of
+/// each group's initial rate (PyTorch's closed forms). The initial rates are
+/// the optimizer's when the schedule is built (in configure_optimizers), and
+/// the rates of step 0 apply from then on.
 ///
-/// Numerics: the closed forms, computed in double; PyTorch's step() uses
-/// chained forms for several schedules (each rate from the previous one),
-/// which can differ from them in the last bits.
+/// A step applies it as PyTorch's step() does: StepLR, MultiStepLR,
+/// ExponentialLR, LinearLR, ConstantLR, PolynomialLR and CosineAnnealingLR
+/// scale the rate each group has by the schedule's change (PyTorch's
+/// chained forms: schedules on one optimizer multiply, a rate that
+/// ReduceLROnPlateau or a callback changed is scaled, not replaced, and the
+/// multiplicative ones scale a group added later, BaseFinetuning's, too);
+/// LambdaLR, OneCycleLR and CosineAnnealingWarmRestarts set the rate
+/// outright (a group added later keeps its own). Either way a step reads
+/// only the step count and the rates a checkpoint keeps, so a resumed run
+/// goes on exactly. Alone on an optimizer, a chained schedule follows the
+/// closed form up to rounding in the last bits, as PyTorch's does.
 class ClosedFormLR : public Scheduler {
  public:
   /// The rate of group `group`, whose initial rate is `base_lr`, after
@@ -88,6 +93,17 @@ class ClosedFormLR : public Scheduler {
   /// What else the schedule sets after `step` steps (OneCycleLR's
   /// momentum); nothing by default.
   virtual void set_other_options(int64_t step);
+
+  /// How step `step` (1 or more) applies lr_at: set outright (the
+  /// default), or chained.
+  struct Chaining {
+    bool chained = false;
+    /// The rate a chained step scales toward (CosineAnnealingLR's eta_min).
+    double floor = 0.0;
+    /// A chained step scales a group added after construction too.
+    bool added_groups = false;
+  };
+  virtual Chaining chaining_at(int64_t step) const;
 
   const std::vector<double>& base_lrs() const { return base_lrs_; }
   /// Scheduler steps taken (restored from a checkpoint on resume).
@@ -128,6 +144,7 @@ class StepLR : public ClosedFormLR {
  public:
   StepLR(torch::optim::Optimizer& optimizer, int64_t step_size, double gamma = 0.1);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
+  Chaining chaining_at(int64_t step) const override;
 
  private:
   int64_t step_size_;
@@ -142,6 +159,7 @@ class MultiStepLR : public ClosedFormLR {
   MultiStepLR(torch::optim::Optimizer& optimizer, std::vector<int64_t> milestones,
               double gamma = 0.1);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
+  Chaining chaining_at(int64_t step) const override;
 
  private:
   std::vector<int64_t> milestones_;
@@ -153,6 +171,7 @@ class ExponentialLR : public ClosedFormLR {
  public:
   ExponentialLR(torch::optim::Optimizer& optimizer, double gamma);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
+  Chaining chaining_at(int64_t step) const override;
 
  private:
   double gamma_;
@@ -166,6 +185,7 @@ class CosineAnnealingLR : public ClosedFormLR {
  public:
   CosineAnnealingLR(torch::optim::Optimizer& optimizer, int64_t t_max, double eta_min = 0.0);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
+  Chaining chaining_at(int64_t step) const override;
 
  private:
   int64_t t_max_;
@@ -195,6 +215,7 @@ class LinearLR : public ClosedFormLR {
   LinearLR(torch::optim::Optimizer& optimizer, double start_factor = 1.0 / 3,
            double end_factor = 1.0, int64_t total_iters = 5);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
+  Chaining chaining_at(int64_t step) const override;
 
  private:
   double start_factor_;
@@ -208,6 +229,7 @@ class ConstantLR : public ClosedFormLR {
  public:
   ConstantLR(torch::optim::Optimizer& optimizer, double factor = 1.0 / 3, int64_t total_iters = 5);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
+  Chaining chaining_at(int64_t step) const override;
 
  private:
   double factor_;
@@ -220,6 +242,7 @@ class PolynomialLR : public ClosedFormLR {
  public:
   PolynomialLR(torch::optim::Optimizer& optimizer, int64_t total_iters = 5, double power = 1.0);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
+  Chaining chaining_at(int64_t step) const override;
 
  private:
   int64_t total_iters_;
@@ -299,8 +322,11 @@ class SequentialLR : public ClosedFormLR {
   SequentialLR(torch::optim::Optimizer& optimizer,
                std::vector<std::shared_ptr<ClosedFormLR>> schedulers,
                std::vector<int64_t> milestones);
+  ~SequentialLR() override;
   double lr_at(size_t group, double base_lr, int64_t step) const override;
   void set_other_options(int64_t step) override;
+  /// The chaining of the scheduler in charge (none at its own step 0).
+  Chaining chaining_at(int64_t step) const override;
   /// Whether `scheduler` is stepped by a SequentialLR.
   static bool in_sequence(const torch::optim::LRScheduler& scheduler);
 

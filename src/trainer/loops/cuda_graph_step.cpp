@@ -12,6 +12,7 @@
 
 #include "fulgur/core/errors.h"
 #include "fulgur/metrics/metric.h"
+#include "fulgur/optim/lr_scheduler.h"
 #include "fulgur/optim/optimizers.h"
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/strategies/strategy.h"
@@ -98,6 +99,16 @@ void CudaGraphStep::check(Strategy& strategy,
           "numbers, which a captured step would keep at their first values. Use "
           "fulgur::optim::SGD, Adam or AdamW (the same options and state; "
           "fulgur/optim/optimizers.h), which take them from device tensors."));
+    }
+  }
+  for (size_t i = 0; i < optimizers.schedulers.size(); ++i) {
+    const auto* cycle = dynamic_cast<const OneCycleLR*>(optimizers.schedulers[i].scheduler.get());
+    if (cycle != nullptr && cycle->options().cycle_momentum) {
+      throw ConfigError(str("cuda_graph=true: scheduler ", i,
+                            " is a OneCycleLR with cycle_momentum=true, which changes the "
+                            "momentum every step; a captured step keeps it as a constant, so "
+                            "every step would be captured again. Pass cycle_momentum=false "
+                            "(the rate still cycles), or cuda_graph=false."));
     }
   }
   if (!supported()) {

@@ -305,7 +305,6 @@ void FitLoop::train_epoch() {
   }
 
   LoopProfiler::Scope epoch_end(profiler_.get(), LoopProfiler::Phase::kEpochEnd);
-  in_epoch_end_ = true;
   log_to_train_sink(m, /*training_step=*/false, 1);
   m.on_train_epoch_end();
   trainer_.logging.publish_epoch(trainer_.logging.train_sink(), *trainer_.strategy,
@@ -320,6 +319,10 @@ void FitLoop::train_epoch() {
     step_schedulers(Interval::kEpoch, /*monitored=*/false);
     step_schedulers(Interval::kEpoch, /*monitored=*/true);
   }
+  // From here a checkpoint resumes at the next epoch (one the module's
+  // on_train_epoch_end wrote resumes this epoch's end, which it ran
+  // before the epoch's scheduler step).
+  in_epoch_end_ = true;
   // Histograms read every parameter: a sharded strategy gathers them (on
   // every rank) around rank 0's logging.
   auto log_parameters = [&] {

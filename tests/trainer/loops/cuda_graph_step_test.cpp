@@ -17,6 +17,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,7 @@ class GraphNet : public fulgur::Module {
     bool log_number = false;     // log a double in training_step
     bool manual = false;
     bool trainable_only = false;  // the optimizer gets what requires_grad
+    std::optional<bool> one_cycle = std::nullopt;  // a OneCycleLR, cycling the momentum or not
   };
 
   explicit GraphNet(Config config) : fulgur::Module("GraphNet"), config(std::move(config)) {
@@ -76,6 +78,15 @@ class GraphNet : public fulgur::Module {
           params, torch::optim::AdamWOptions(config.lr).weight_decay(0.01));
     } else {
       opt = std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(config.lr));
+    }
+    if (config.one_cycle) {
+      auto cycle = std::make_shared<fulgur::OneCycleLR>(
+          *opt,
+          fulgur::OneCycleLROptions{
+              .max_lr = {config.lr}, .total_steps = 100, .cycle_momentum = *config.one_cycle});
+      return fulgur::OptimizerConfig(
+          {opt},
+          {fulgur::SchedulerConfig{.scheduler = cycle, .interval = fulgur::Interval::kStep}});
     }
     if (!config.step_schedule) return fulgur::OptimizerConfig(opt);
     auto schedule = std::make_shared<fulgur::LambdaLR>(
@@ -146,6 +157,23 @@ TEST(CudaGraph, TorchOptimOptimizersAreRefusedByTypeName) {
   fulgur::Trainer trainer(graph_options(dir, true));
   EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(net, loader(32, 8)),
                            {"optimizer 0 is a torch::optim::SGD", "fulgur::optim::SGD"});
+}
+
+// OneCycleLR's momentum changes every step; a captured step keeps it as a
+// constant, so every step would have been captured again.
+TEST(CudaGraph, AOneCycleThatMovesTheMomentumIsRefused) {
+  TempDir dir;
+  GraphNet cycling({.one_cycle = true});
+  fulgur::Trainer trainer(graph_options(dir, true));
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError, trainer.fit(cycling, loader(32, 8)),
+      {"scheduler 0 is a OneCycleLR with cycle_momentum=true", "cycle_momentum=false"});
+  GraphNet steady({.one_cycle = false});
+  try {
+    trainer.fit(steady, loader(32, 8));  // on a GPU it trains; here the CPU is refused
+  } catch (const fulgur::ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()).find("OneCycleLR"), std::string::npos) << e.what();
+  }
 }
 
 TEST(CudaGraph, TheCpuIsRefused) {
