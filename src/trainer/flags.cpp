@@ -273,9 +273,9 @@ std::vector<TrainerFlag> make_flags() {
   f.push_back({"sync_batchnorm", "hardware", "Synchronise BatchNorm statistics across ranks (ddp)",
                [](const O& o) { return std::string(o.sync_batchnorm ? "true" : "false"); },
                set_bool(&O::sync_batchnorm)});
-  f.push_back({"deterministic", "hardware", "true, false or warn; null: LibTorch's flag as it is",
+  f.push_back({"deterministic", "hardware", "true, false or warn; none: LibTorch's flag as it is",
                [](const O& o) {
-                 return o.deterministic.given() ? o.deterministic.text() : std::string("null");
+                 return o.deterministic.given() ? o.deterministic.text() : std::string("none");
                },
                [](O& o, const std::string& t) {
                  if (is_none(t)) {

@@ -137,9 +137,9 @@ struct TrainerOptions {
   /// layers; DDP only).
   bool sync_batchnorm = false;
   /// true: deterministic algorithms only (a nondeterministic op throws);
-  /// "warn": warn on one instead; false: off. Unset: LibTorch's flag as it
-  /// is (off, unless the program or an earlier Trainer turned it on), as
-  /// Lightning's None.
+  /// "warn": warn on one instead; false: off. Unset (none, null on command
+  /// lines and in YAML): LibTorch's flag as it is (off, unless the program
+  /// or an earlier Trainer turned it on), as Lightning's None.
   DeterministicFlag deterministic = {};
   /// cuDNN autotuning for fixed input shapes (CUDA only).
   bool benchmark = false;
