@@ -6,6 +6,7 @@
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 
@@ -28,7 +29,10 @@ Scheduler::Scheduler(torch::optim::Optimizer& optimizer)
 
 ClosedFormLR::ClosedFormLR(torch::optim::Optimizer& optimizer,
                            std::optional<std::vector<double>> base_lrs)
-    : Scheduler(optimizer), base_lrs_(base_lrs ? std::move(*base_lrs) : get_current_lrs()) {}
+    : Scheduler(optimizer), base_lrs_(base_lrs ? std::move(*base_lrs) : get_current_lrs()) {
+  static std::atomic<uint64_t> built{0};
+  built_ = ++built;
+}
 
 void ClosedFormLR::set_other_options(int64_t /*step*/) {}
 
@@ -455,9 +459,7 @@ void OneCycleLR::set_other_options(int64_t step) {
 SequentialLR::SequentialLR(torch::optim::Optimizer& optimizer,
                            std::vector<std::shared_ptr<ClosedFormLR>> schedulers,
                            std::vector<int64_t> milestones)
-    : ClosedFormLR(optimizer, !schedulers.empty() && schedulers[0]
-                                  ? std::optional(schedulers[0]->base_lrs())
-                                  : std::nullopt),
+    : ClosedFormLR(optimizer, initial_rates(schedulers)),
       schedulers_(std::move(schedulers)),
       milestones_(std::move(milestones)) {
   std::vector<std::string> problems;
@@ -510,6 +512,18 @@ ClosedFormLR::Chaining SequentialLR::chaining_at(int64_t step) const {
   // outright on the first one's initial rates (PyTorch's step(0)).
   const auto [scheduler, local] = locate(step);
   return local == 0 ? Chaining{} : scheduler->chaining_at(local);
+}
+
+std::optional<std::vector<double>> SequentialLR::initial_rates(
+    const std::vector<std::shared_ptr<ClosedFormLR>>& schedulers) {
+  const ClosedFormLR* first = nullptr;
+  for (const auto& scheduler : schedulers) {
+    if (scheduler && (first == nullptr || scheduler->built_ < first->built_)) {
+      first = scheduler.get();
+    }
+  }
+  if (first == nullptr) return std::nullopt;
+  return first->base_lrs();
 }
 
 bool SequentialLR::in_sequence(const torch::optim::LRScheduler& scheduler) {

@@ -236,6 +236,20 @@ TEST(SequentialLR, RunsItsSchedulersInTurnOnTheFirstsInitialRates) {
   EXPECT_FALSE(fulgur::SequentialLR::in_sequence(sequence));
 }
 
+// The initial rates are the optimizer's from before the first of its
+// schedulers was built, whatever their order in the list (PyTorch's
+// initial_lr): a cosine built after a warm-up lowered the rate, and run
+// first, starts from 1, not 0.5.
+TEST(SequentialLR, TheInitialRatesDoNotDependOnTheOrderOfBuilding) {
+  auto sgd = two_group_sgd(1.0, 2.0);
+  auto warmup = std::make_shared<fulgur::LinearLR>(*sgd, 0.5, 1.0, 2);
+  auto cosine = std::make_shared<fulgur::CosineAnnealingLR>(*sgd, 4);
+  fulgur::SequentialLR sequence(*sgd, {cosine, warmup}, {4});
+  EXPECT_RATES(rates_over(sequence, *sgd, 7), {1, 0.5 + std::cos(M_PI / 4) / 2, 0.5,
+                                               0.5 + std::cos(3 * M_PI / 4) / 2, 0.5, 0.75, 1});
+  EXPECT_NEAR(lrs(*sgd)[1], 2.0, 1e-12);
+}
+
 // A SequentialLR that is gone lets its schedulers go.
 TEST(SequentialLR, ItsSchedulersAreFreeOnceItIsGone) {
   auto sgd = two_group_sgd(1.0, 2.0);

@@ -123,6 +123,7 @@ class ClosedFormLR : public Scheduler {
   friend class SequentialLR;
   std::vector<double> base_lrs_;
   const ClosedFormLR* sequence_ = nullptr;  // the SequentialLR that steps this one
+  uint64_t built_;                          // the order in which schedules were built
 };
 
 /// lr = initial lr x factor(step) for each parameter group, as PyTorch's
@@ -310,13 +311,12 @@ class OneCycleLR : public ClosedFormLR {
 
 /// Runs `schedulers` one after the other: the first until milestones[0]
 /// steps, the second (from its own step 0) until milestones[1], and so on,
-/// each on the initial rates of the first (PyTorch's SequentialLR; a
-/// warm-up then a decay:
+/// each on the optimizer's rates from before the first of them was built
+/// (in any order: PyTorch's initial_lr; a warm-up then a decay:
 ///   SequentialLR(adam, {make_shared<LinearLR>(adam, 0.01, 1.0, 100),
 ///                       make_shared<CosineAnnealingLR>(adam, 900)}, {100})).
-/// Build the schedulers on the optimizer, the first one first, and give
-/// configure_optimizers only the SequentialLR: it steps them (one listed
-/// there too would be stepped twice, and is refused).
+/// Give configure_optimizers only the SequentialLR: it steps them (one
+/// listed there too would be stepped twice, and is refused).
 class SequentialLR : public ClosedFormLR {
  public:
   SequentialLR(torch::optim::Optimizer& optimizer,
@@ -333,6 +333,10 @@ class SequentialLR : public ClosedFormLR {
  private:
   /// The scheduler in charge at `step`, and the step in its own count.
   std::pair<ClosedFormLR*, int64_t> locate(int64_t step) const;
+  /// The initial rates of the one of `schedulers` built first (the others
+  /// were built on the rates it set).
+  static std::optional<std::vector<double>> initial_rates(
+      const std::vector<std::shared_ptr<ClosedFormLR>>& schedulers);
 
   std::vector<std::shared_ptr<ClosedFormLR>> schedulers_;
   std::vector<int64_t> milestones_;
