@@ -22,21 +22,38 @@ void refuse_if(const char* scheduler, const std::vector<std::string>& problems) 
   if (!problems.empty()) throw ConfigError(str(scheduler, ": ", join(problems, "; ")));
 }
 
+// PyTorch's multiplicative schedules, chained: they scale every group's
+// rate, one added after construction too.
+constexpr ClosedFormLR::Chaining kScalesEveryGroup{.chained = true, .added_groups = true};
+
+// Milestones must be steps of 1 or more, each after the one before.
+void check_milestones(const std::vector<int64_t>& milestones, std::vector<std::string>& problems) {
+  for (size_t i = 0; i < milestones.size(); ++i) {
+    if (milestones[i] < 1 || (i > 0 && milestones[i] <= milestones[i - 1])) {
+      std::vector<std::string> all;
+      for (int64_t m : milestones) all.push_back(std::to_string(m));
+      problems.push_back(str("milestones={", join(all, ", "),
+                             "}: pass steps of 1 or more, each after the one before"));
+      return;
+    }
+  }
+}
+
 }  // namespace
 
 Scheduler::Scheduler(torch::optim::Optimizer& optimizer)
     : LRScheduler(optimizer), optimizer_(optimizer) {}
 
-ClosedFormLR::ClosedFormLR(torch::optim::Optimizer& optimizer,
+ClosedFormLR::ClosedFormLR(torch::optim::Optimizer& optimizer, Chaining chaining,
                            std::optional<std::vector<double>> base_lrs)
-    : Scheduler(optimizer), base_lrs_(base_lrs ? std::move(*base_lrs) : get_current_lrs()) {
+    : Scheduler(optimizer),
+      base_lrs_(base_lrs ? std::move(*base_lrs) : get_current_lrs()),
+      chaining_(chaining) {
   static std::atomic<uint64_t> built{0};
   built_ = ++built;
 }
 
 void ClosedFormLR::set_other_options(int64_t /*step*/) {}
-
-ClosedFormLR::Chaining ClosedFormLR::chaining_at(int64_t /*step*/) const { return {}; }
 
 void ClosedFormLR::start() {
   set_other_options(0);
@@ -88,7 +105,7 @@ double LambdaLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const {
 }
 
 StepLR::StepLR(torch::optim::Optimizer& optimizer, int64_t step_size, double gamma)
-    : ClosedFormLR(optimizer), step_size_(step_size), gamma_(gamma) {
+    : ClosedFormLR(optimizer, kScalesEveryGroup), step_size_(step_size), gamma_(gamma) {
   std::vector<std::string> problems;
   if (step_size_ < 1) {
     problems.push_back(str("step_size=", step_size_, ": pass the steps between decays, 1 or more"));
@@ -104,26 +121,16 @@ double StepLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const {
   return base_lr * std::pow(gamma_, static_cast<double>(step / step_size_));
 }
 
-ClosedFormLR::Chaining StepLR::chaining_at(int64_t /*step*/) const {
-  return {.chained = true, .added_groups = true};
-}
-
 MultiStepLR::MultiStepLR(torch::optim::Optimizer& optimizer, std::vector<int64_t> milestones,
                          double gamma)
-    : ClosedFormLR(optimizer), milestones_(std::move(milestones)), gamma_(gamma) {
+    : ClosedFormLR(optimizer, kScalesEveryGroup),
+      milestones_(std::move(milestones)),
+      gamma_(gamma) {
   std::vector<std::string> problems;
   if (milestones_.empty()) {
     problems.push_back("no milestones: pass the steps at which the rate decays");
   }
-  for (size_t i = 0; i < milestones_.size(); ++i) {
-    if (milestones_[i] < 1 || (i > 0 && milestones_[i] <= milestones_[i - 1])) {
-      std::vector<std::string> all;
-      for (int64_t m : milestones_) all.push_back(std::to_string(m));
-      problems.push_back(str("milestones={", join(all, ", "),
-                             "}: pass steps of 1 or more, each after the one before"));
-      break;
-    }
-  }
+  check_milestones(milestones_, problems);
   if (!finite_at_least(gamma_, 0.0)) {
     problems.push_back(str("gamma=", gamma_, ": pass a finite factor, 0 or more"));
   }
@@ -137,12 +144,8 @@ double MultiStepLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const 
   return base_lr * std::pow(gamma_, static_cast<double>(reached));
 }
 
-ClosedFormLR::Chaining MultiStepLR::chaining_at(int64_t /*step*/) const {
-  return {.chained = true, .added_groups = true};
-}
-
 ExponentialLR::ExponentialLR(torch::optim::Optimizer& optimizer, double gamma)
-    : ClosedFormLR(optimizer), gamma_(gamma) {
+    : ClosedFormLR(optimizer, kScalesEveryGroup), gamma_(gamma) {
   if (!finite_at_least(gamma_, 0.0)) {
     refuse_if("ExponentialLR", {str("gamma=", gamma_, ": pass a finite factor, 0 or more")});
   }
@@ -151,10 +154,6 @@ ExponentialLR::ExponentialLR(torch::optim::Optimizer& optimizer, double gamma)
 
 double ExponentialLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const {
   return base_lr * std::pow(gamma_, static_cast<double>(step));
-}
-
-ClosedFormLR::Chaining ExponentialLR::chaining_at(int64_t /*step*/) const {
-  return {.chained = true, .added_groups = true};
 }
 
 namespace {
@@ -167,7 +166,9 @@ double cosine_between(double base_lr, double eta_min, double pct) {
 
 CosineAnnealingLR::CosineAnnealingLR(torch::optim::Optimizer& optimizer, int64_t t_max,
                                      double eta_min)
-    : ClosedFormLR(optimizer), t_max_(t_max), eta_min_(eta_min) {
+    : ClosedFormLR(optimizer, {.chained = true, .floor = eta_min}),
+      t_max_(t_max),
+      eta_min_(eta_min) {
   std::vector<std::string> problems;
   if (t_max_ < 1) {
     problems.push_back(str("t_max=", t_max_, ": pass the steps of the decay, 1 or more"));
@@ -181,10 +182,6 @@ CosineAnnealingLR::CosineAnnealingLR(torch::optim::Optimizer& optimizer, int64_t
 
 double CosineAnnealingLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const {
   return cosine_between(base_lr, eta_min_, static_cast<double>(step) / static_cast<double>(t_max_));
-}
-
-ClosedFormLR::Chaining CosineAnnealingLR::chaining_at(int64_t /*step*/) const {
-  return {.chained = true, .floor = eta_min_};
 }
 
 CosineAnnealingWarmRestarts::CosineAnnealingWarmRestarts(torch::optim::Optimizer& optimizer,
@@ -225,7 +222,7 @@ double CosineAnnealingWarmRestarts::lr_at(size_t /*group*/, double base_lr, int6
 
 LinearLR::LinearLR(torch::optim::Optimizer& optimizer, double start_factor, double end_factor,
                    int64_t total_iters)
-    : ClosedFormLR(optimizer),
+    : ClosedFormLR(optimizer, kScalesEveryGroup),
       start_factor_(start_factor),
       end_factor_(end_factor),
       total_iters_(total_iters) {
@@ -251,12 +248,8 @@ double LinearLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const {
   return base_lr * (start_factor_ + (end_factor_ - start_factor_) * pct);
 }
 
-ClosedFormLR::Chaining LinearLR::chaining_at(int64_t /*step*/) const {
-  return {.chained = true, .added_groups = true};
-}
-
 ConstantLR::ConstantLR(torch::optim::Optimizer& optimizer, double factor, int64_t total_iters)
-    : ClosedFormLR(optimizer), factor_(factor), total_iters_(total_iters) {
+    : ClosedFormLR(optimizer, kScalesEveryGroup), factor_(factor), total_iters_(total_iters) {
   std::vector<std::string> problems;
   if (!(factor_ >= 0.0 && factor_ <= 1.0)) {
     problems.push_back(str("factor=", factor_, ": pass a value in [0, 1]"));
@@ -273,12 +266,8 @@ double ConstantLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const {
   return step < total_iters_ ? base_lr * factor_ : base_lr;
 }
 
-ClosedFormLR::Chaining ConstantLR::chaining_at(int64_t /*step*/) const {
-  return {.chained = true, .added_groups = true};
-}
-
 PolynomialLR::PolynomialLR(torch::optim::Optimizer& optimizer, int64_t total_iters, double power)
-    : ClosedFormLR(optimizer), total_iters_(total_iters), power_(power) {
+    : ClosedFormLR(optimizer, kScalesEveryGroup), total_iters_(total_iters), power_(power) {
   std::vector<std::string> problems;
   if (total_iters_ < 1) {
     problems.push_back(
@@ -295,10 +284,6 @@ double PolynomialLR::lr_at(size_t /*group*/, double base_lr, int64_t step) const
   const double left =
       1.0 - static_cast<double>(std::min(step, total_iters_)) / static_cast<double>(total_iters_);
   return base_lr * std::pow(left, power_);
-}
-
-ClosedFormLR::Chaining PolynomialLR::chaining_at(int64_t /*step*/) const {
-  return {.chained = true, .added_groups = true};
 }
 
 namespace {
@@ -321,7 +306,7 @@ std::vector<double> one_cycle_initial_lrs(const torch::optim::Optimizer& optimiz
 }  // namespace
 
 OneCycleLR::OneCycleLR(torch::optim::Optimizer& optimizer, OneCycleLROptions options)
-    : ClosedFormLR(optimizer, one_cycle_initial_lrs(optimizer, options)),
+    : ClosedFormLR(optimizer, {}, one_cycle_initial_lrs(optimizer, options)),
       options_(std::move(options)) {
   const size_t groups = optimizer.param_groups().size();
   std::vector<std::string> problems;
@@ -459,7 +444,7 @@ void OneCycleLR::set_other_options(int64_t step) {
 SequentialLR::SequentialLR(torch::optim::Optimizer& optimizer,
                            std::vector<std::shared_ptr<ClosedFormLR>> schedulers,
                            std::vector<int64_t> milestones)
-    : ClosedFormLR(optimizer, initial_rates(schedulers)),
+    : ClosedFormLR(optimizer, {}, initial_rates(schedulers)),
       schedulers_(std::move(schedulers)),
       milestones_(std::move(milestones)) {
   std::vector<std::string> problems;
@@ -487,15 +472,7 @@ SequentialLR::SequentialLR(torch::optim::Optimizer& optimizer,
                            " schedulers: pass one fewer milestone than schedulers (the step "
                            "each one after the first takes over)"));
   }
-  for (size_t i = 0; i < milestones_.size(); ++i) {
-    if (milestones_[i] < 1 || (i > 0 && milestones_[i] <= milestones_[i - 1])) {
-      std::vector<std::string> all;
-      for (int64_t m : milestones_) all.push_back(std::to_string(m));
-      problems.push_back(str("milestones={", join(all, ", "),
-                             "}: pass steps of 1 or more, each after the one before"));
-      break;
-    }
-  }
+  check_milestones(milestones_, problems);
   refuse_if("SequentialLR", problems);
   for (auto& scheduler : schedulers_) scheduler->sequence_ = this;
   start();

@@ -69,6 +69,16 @@ class Scheduler : public torch::optim::LRScheduler {
   torch::optim::Optimizer& optimizer_;
 };
 
+/// How a ClosedFormLR's step (1 or more) applies its rates: set outright
+/// (the default), or chained (see ClosedFormLR).
+struct ScheduleChaining {
+  bool chained = false;
+  /// The rate a chained step scales toward (CosineAnnealingLR's eta_min).
+  double floor = 0.0;
+  /// A chained step scales a group added after construction too.
+  bool added_groups = false;
+};
+
 /// A schedule defined by its rate after n steps as a function of n and of
 /// each group's initial rate (PyTorch's closed forms). The initial rates are
 /// the optimizer's when the schedule is built (in configure_optimizers), and
@@ -94,16 +104,10 @@ class ClosedFormLR : public Scheduler {
   /// momentum); nothing by default.
   virtual void set_other_options(int64_t step);
 
-  /// How step `step` (1 or more) applies lr_at: set outright (the
-  /// default), or chained.
-  struct Chaining {
-    bool chained = false;
-    /// The rate a chained step scales toward (CosineAnnealingLR's eta_min).
-    double floor = 0.0;
-    /// A chained step scales a group added after construction too.
-    bool added_groups = false;
-  };
-  virtual Chaining chaining_at(int64_t step) const;
+  /// How a step applies lr_at: set outright (the default), or chained.
+  using Chaining = ScheduleChaining;
+  /// The chaining given to the constructor, at every step.
+  virtual Chaining chaining_at(int64_t /*step*/) const { return chaining_; }
 
   const std::vector<double>& base_lrs() const { return base_lrs_; }
   /// Scheduler steps taken (restored from a checkpoint on resume).
@@ -111,8 +115,9 @@ class ClosedFormLR : public Scheduler {
 
  protected:
   /// Keeps the optimizer's rates as the initial ones (`base_lrs`: one per
-  /// group, instead of the optimizer's; OneCycleLR's).
-  explicit ClosedFormLR(torch::optim::Optimizer& optimizer,
+  /// group, instead of the optimizer's; OneCycleLR's). Its steps are
+  /// applied as `chaining` says.
+  explicit ClosedFormLR(torch::optim::Optimizer& optimizer, Chaining chaining = {},
                         std::optional<std::vector<double>> base_lrs = std::nullopt);
   /// Applies step 0's rates and options. A derived class calls it at the
   /// end of its constructor (lr_at is not virtual yet in this one's).
@@ -122,6 +127,7 @@ class ClosedFormLR : public Scheduler {
  private:
   friend class SequentialLR;
   std::vector<double> base_lrs_;
+  Chaining chaining_;
   const ClosedFormLR* sequence_ = nullptr;  // the SequentialLR that steps this one
   uint64_t built_;                          // the order in which schedules were built
 };
@@ -145,7 +151,6 @@ class StepLR : public ClosedFormLR {
  public:
   StepLR(torch::optim::Optimizer& optimizer, int64_t step_size, double gamma = 0.1);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
-  Chaining chaining_at(int64_t step) const override;
 
  private:
   int64_t step_size_;
@@ -160,7 +165,6 @@ class MultiStepLR : public ClosedFormLR {
   MultiStepLR(torch::optim::Optimizer& optimizer, std::vector<int64_t> milestones,
               double gamma = 0.1);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
-  Chaining chaining_at(int64_t step) const override;
 
  private:
   std::vector<int64_t> milestones_;
@@ -172,7 +176,6 @@ class ExponentialLR : public ClosedFormLR {
  public:
   ExponentialLR(torch::optim::Optimizer& optimizer, double gamma);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
-  Chaining chaining_at(int64_t step) const override;
 
  private:
   double gamma_;
@@ -186,7 +189,6 @@ class CosineAnnealingLR : public ClosedFormLR {
  public:
   CosineAnnealingLR(torch::optim::Optimizer& optimizer, int64_t t_max, double eta_min = 0.0);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
-  Chaining chaining_at(int64_t step) const override;
 
  private:
   int64_t t_max_;
@@ -216,7 +218,6 @@ class LinearLR : public ClosedFormLR {
   LinearLR(torch::optim::Optimizer& optimizer, double start_factor = 1.0 / 3,
            double end_factor = 1.0, int64_t total_iters = 5);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
-  Chaining chaining_at(int64_t step) const override;
 
  private:
   double start_factor_;
@@ -230,7 +231,6 @@ class ConstantLR : public ClosedFormLR {
  public:
   ConstantLR(torch::optim::Optimizer& optimizer, double factor = 1.0 / 3, int64_t total_iters = 5);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
-  Chaining chaining_at(int64_t step) const override;
 
  private:
   double factor_;
@@ -243,7 +243,6 @@ class PolynomialLR : public ClosedFormLR {
  public:
   PolynomialLR(torch::optim::Optimizer& optimizer, int64_t total_iters = 5, double power = 1.0);
   double lr_at(size_t group, double base_lr, int64_t step) const override;
-  Chaining chaining_at(int64_t step) const override;
 
  private:
   int64_t total_iters_;

@@ -833,20 +833,26 @@ TEST(FitLoop, VectorOfBatchesTrains) {
 // restarted every epoch: 3, 7, 11), and a run resumed mid-epoch or from an
 // epoch's end keeps the count.
 TEST(FitLoop, IntegerValCheckIntervalAcrossEpochsOfUnknownLength) {
+  auto counted_across_epochs = [](const TempDir& dir,
+                                  std::shared_ptr<ValidationRecorder> recorder) {
+    auto options = test_options(dir);
+    options.max_epochs = 3;
+    options.val_check_interval = 3;
+    options.check_val_every_n_epoch = std::nullopt;
+    options.num_sanity_val_steps = 0;
+    options.callbacks = {std::move(recorder)};
+    return options;
+  };
   TempDir dir;
-  auto options = test_options(dir);
-  options.max_epochs = 3;
-  options.val_check_interval = 3;
-  options.check_val_every_n_epoch = std::nullopt;
-  options.num_sanity_val_steps = 0;
-  options.enable_checkpointing = true;
   auto recorder = std::make_shared<ValidationRecorder>();
-  options.callbacks = {
-      recorder,
+  auto options = counted_across_epochs(dir, recorder);
+  options.enable_checkpointing = true;
+  options.callbacks.push_back(
       std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
-          .dirpath = dir.file("steps"), .save_top_k = -1, .every_n_train_steps = 5}),
+          .dirpath = dir.file("steps"), .save_top_k = -1, .every_n_train_steps = 5}));
+  options.callbacks.push_back(
       std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
-          .dirpath = dir.file("epochs"), .save_top_k = -1, .save_last = false})};
+          .dirpath = dir.file("epochs"), .save_top_k = -1, .save_last = false}));
   {
     LinearRegression model;
     fulgur::Trainer trainer(options);
@@ -856,15 +862,9 @@ TEST(FitLoop, IntegerValCheckIntervalAcrossEpochsOfUnknownLength) {
   for (const std::string name : {"steps/epoch=1-step=5.ckpt", "epochs/epoch=0-step=4.ckpt"}) {
     SCOPED_TRACE(name);
     TempDir dir_b;
-    auto resumed_options = test_options(dir_b);
-    resumed_options.max_epochs = 3;
-    resumed_options.val_check_interval = 3;
-    resumed_options.check_val_every_n_epoch = std::nullopt;
-    resumed_options.num_sanity_val_steps = 0;
     auto resumed_recorder = std::make_shared<ValidationRecorder>();
-    resumed_options.callbacks = {resumed_recorder};
     LinearRegression model;
-    fulgur::Trainer trainer(resumed_options);
+    fulgur::Trainer trainer(counted_across_epochs(dir_b, resumed_recorder));
     trainer.fit(model, generator_loader(4), regression_loader(1), {.ckpt_path = dir.file(name)});
     EXPECT_THAT(resumed_recorder->steps_at_validation, ElementsAre(6, 9, 12));
   }
