@@ -8,6 +8,7 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <functional>
 #include <memory>
 #include <sstream>
 #include <utility>
@@ -18,6 +19,10 @@
 
 namespace fulgur {
 namespace {
+
+// The entry naming the optimizer a state is of (not one LibTorch writes:
+// its load ignores it).
+constexpr const char* kOptimizerKindKey = "optimizer";
 
 using ParamStates = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>;
 
@@ -150,12 +155,36 @@ std::unique_ptr<torch::optim::OptimizerParamState> read_param_state(
   return nullptr;
 }
 
+// The torch::optim optimizer `optimizer` is (fulgur's multi-tensor ones are
+// theirs: same options, same state), or null for one fulgur does not know.
+const char* kind_of(const torch::optim::Optimizer& optimizer) {
+  namespace o = torch::optim;
+  if (dynamic_cast<const o::Adam*>(&optimizer)) return "Adam";
+  if (dynamic_cast<const o::AdamW*>(&optimizer)) return "AdamW";
+  if (dynamic_cast<const o::SGD*>(&optimizer)) return "SGD";
+  if (dynamic_cast<const o::RMSprop*>(&optimizer)) return "RMSprop";
+  if (dynamic_cast<const o::Adagrad*>(&optimizer)) return "Adagrad";
+  return nullptr;
+}
+
 bool knows_state_of(const torch::optim::Optimizer& optimizer) {
-  return dynamic_cast<const torch::optim::Adam*>(&optimizer) ||
-         dynamic_cast<const torch::optim::AdamW*>(&optimizer) ||
-         dynamic_cast<const torch::optim::SGD*>(&optimizer) ||
-         dynamic_cast<const torch::optim::RMSprop*>(&optimizer) ||
-         dynamic_cast<const torch::optim::Adagrad*>(&optimizer);
+  return kind_of(optimizer) != nullptr;
+}
+
+// Adam's and AdamW's states and options have the same names: the kind a
+// save wrote tells them apart (a state saved before fulgur wrote it has
+// none, and is taken as it is).
+void check_kind(const torch::optim::Optimizer& optimizer, const StateDict& state) {
+  const c10::IValue* saved = state.find(kOptimizerKindKey);
+  const char* kind = kind_of(optimizer);
+  if (saved == nullptr || kind == nullptr) return;
+  const std::string saved_kind = state.string(kOptimizerKindKey);
+  if (saved_kind != kind) {
+    throw CheckpointError(str("the optimizer state is ", saved_kind, "'s and the optimizer is ",
+                              kind,
+                              ": it is the state of another kind of optimizer (with the "
+                              "same entries, stepped another way)"));
+  }
 }
 
 // The keys of the parameters in the dict's param_groups, group by group.
@@ -297,6 +326,7 @@ StateDict optimizer_state_dict(torch::optim::Optimizer& optimizer) {
     // Not LibTorch's layout: the optimizer saves itself.
     return saved_through_archive([&](auto& archive) { optimizer.save(archive); });
   }
+  if (const char* kind = kind_of(optimizer)) out.set(kOptimizerKindKey, std::string(kind));
   const auto keys = saved_keys(*groups);
   const auto& param_groups = optimizer.param_groups();
   for (size_t i = 0; i < keys.size() && i < param_groups.size(); ++i) {
@@ -320,6 +350,7 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDi
   const auto keys = saved_keys(*groups);
   auto& param_groups = optimizer.param_groups();
   check_group_options(optimizer, *groups);
+  check_kind(optimizer, state);
   if (keys.size() != param_groups.size()) {
     throw CheckpointError(str("the optimizer state has ", keys.size(),
                               " parameter group(s); the optimizer has ", param_groups.size()));
@@ -350,6 +381,32 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDi
   without_states.section("state") = StateDict();
   load_whole(optimizer, without_states);
   for (auto& [key, param_state] : loaded) optimizer.state()[key] = std::move(param_state);
+}
+
+void check_optimizer_state_shapes(const torch::optim::Optimizer& optimizer,
+                                  const std::function<std::string(const at::Tensor&)>& name_of) {
+  const auto& param_groups = optimizer.param_groups();
+  for (size_t i = 0; i < param_groups.size(); ++i) {
+    const auto& params = param_groups[i].params();
+    for (size_t j = 0; j < params.size(); ++j) {
+      auto it = optimizer.state().find(compat::optimizer_state_key(params[j]));
+      if (it == optimizer.state().end() || !it->second) continue;
+      StateDict entries;  // references to the state's tensors
+      if (!write_param_state(*it->second, entries)) continue;
+      for (const auto& key : entries.keys()) {
+        const c10::IValue& entry = entries.at(key);
+        if (!entry.isTensor() || entry.toTensor().sizes() == params[j].sizes()) continue;
+        const std::string name = name_of ? name_of(params[j]) : std::string();
+        throw CheckpointError(str(
+            "the state of parameter ", j, name.empty() ? "" : str(" (", name, ")"),
+            " of parameter group ", i, " has \"", key, "\" of shape ",
+            c10::str(entry.toTensor().sizes()), " where the parameter has ",
+            c10::str(params[j].sizes()),
+            ": it is another parameter's (configure_optimizers listing the parameters in another "
+            "order, or another model)"));
+      }
+    }
+  }
 }
 
 }  // namespace fulgur

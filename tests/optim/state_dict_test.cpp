@@ -256,10 +256,15 @@ TEST_P(OptimizerStateDictOf, IsWhatOptimizerSaveWrites) {
   const TensorVector params = make_params(1);
   auto optimizer = c.make(params, 0.05);
   train(*optimizer, params, 2);
-  const fulgur::StateDict ours = fulgur::optimizer_state_dict(*optimizer);
+  const fulgur::StateDict with_kind = fulgur::optimizer_state_dict(*optimizer);
+  // The optimizer it is of (Adam and AdamW have the same entries), then
+  // what Optimizer::save writes.
+  const std::string kind = c.name == std::string("FulgurAdam") ? "Adam" : c.name;
+  EXPECT_EQ(with_kind.string("optimizer"), kind);
+  fulgur::StateDict ours = with_kind;
+  ours.erase("optimizer");
   const fulgur::StateDict theirs = archived([&](auto& archive) { optimizer->save(archive); });
   expect_same_structure(ours, theirs, "");
-  // What the dict writes is what Optimizer::save wrote.
   expect_same_structure(through_bytes(ours), theirs, "(through bytes)");
   // A state per parameter, under the key param_groups give it.
   const fulgur::StateDict& group = ours.section_at("param_groups").section_at("param_groups/0");
@@ -401,6 +406,26 @@ TEST(OptimizerStateDict, ALoadThatDoesNotFitNamesTheDifferenceAndChangesNothing)
                        {"without momentum, dampening, nesterov", "another kind of optimizer"});
     EXPECT_TRUE(sgd_again.state().empty());
     EXPECT_EQ(sgd_again.param_groups()[0].options().get_lr(), 0.7);
+  }
+  {  // Adam's state into AdamW (same options, same state entries) and back.
+    torch::optim::AdamW adamw(fresh, torch::optim::AdamWOptions(0.5));
+    EXPECT_THROWS_WITH(fulgur::CheckpointError, fulgur::load_optimizer_state_dict(adamw, saved),
+                       {"the optimizer state is Adam's and the optimizer is AdamW"});
+    EXPECT_TRUE(adamw.state().empty());
+    EXPECT_EQ(adamw.param_groups()[0].options().get_lr(), 0.5);
+    train(adamw, fresh, 1);
+    const fulgur::StateDict adamw_state = through_bytes(fulgur::optimizer_state_dict(adamw));
+    torch::optim::Adam adam_again(copies_of(params), torch::optim::AdamOptions(0.5));
+    EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                       fulgur::load_optimizer_state_dict(adam_again, adamw_state),
+                       {"is AdamW's and the optimizer is Adam"});
+    EXPECT_TRUE(adam_again.state().empty());
+    // A state saved before fulgur named its optimizer loads as it is.
+    fulgur::StateDict unnamed = saved;
+    unnamed.erase("optimizer");
+    torch::optim::Adam adam(copies_of(params), torch::optim::AdamOptions(0.5));
+    fulgur::load_optimizer_state_dict(adam, unnamed);
+    EXPECT_EQ(adam.state().size(), 2u);
   }
   {  // A state entry of another kind than the optimizer's (a damaged file).
     fulgur::StateDict damaged = saved;

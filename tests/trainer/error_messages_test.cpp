@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <sstream>
 
@@ -114,6 +115,37 @@ TEST(CheckpointErrors, AnotherNumberOfOptimizersIsNamed) {
       CheckpointError,
       trainer.fit(model, fulgur::test::regression_loader(2), nullptr, {.ckpt_path = path}),
       {path, "holds 1 optimizer state(s)", "returned 2"});
+}
+
+// The same parameters, listed in reverse: the momentum of the weight would
+// land on the bias (the step failed on the sizes, naming neither).
+struct ReversedParameters : LinearRegression {
+  using LinearRegression::LinearRegression;
+  fulgur::OptimizerConfig configure_optimizers() override {
+    auto params = parameters();
+    std::reverse(params.begin(), params.end());
+    return fulgur::OptimizerConfig(
+        std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9)));
+  }
+};
+
+TEST(CheckpointErrors, AnOptimizerStateOfParametersInAnotherOrderIsNamed) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  LinearRegression model({.momentum = 0.9});
+  const auto path = fulgur::Trainer(std::move(options))
+                        .fit(model, fulgur::test::regression_loader(4))
+                        .last_model_path;
+  ReversedParameters reversed({.momentum = 0.9});
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(
+      CheckpointError,
+      trainer.fit(reversed, fulgur::test::regression_loader(4), nullptr, {.ckpt_path = path}),
+      {path, "optimizer 0 state does not fit",
+       "the state of parameter 0 (fc.bias) of parameter group 0 has \"momentum_buffer\" of shape "
+       "[1, 3] where the parameter has [1]",
+       "in another order", "same optimizer type and parameters"});
 }
 
 TEST(CheckpointErrors, AnotherNumberOfSchedulersIsNamed) {

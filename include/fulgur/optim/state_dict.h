@@ -9,6 +9,9 @@
 //                    exp_avg_sq[, max_exp_avg_sq]; SGD: momentum_buffer; ...)
 //   param_groups     param_groups/size; param_groups/<i>: params/size,
 //                    params/<j> (the keys), options (lr, betas, ...)
+//   optimizer        "Adam", "AdamW", "SGD", "RMSprop" or "Adagrad" (fulgur's
+//                    entry: Adam's and AdamW's entries are alike; a load
+//                    into the other kind is refused, one without it is not)
 //
 // The state tensors of torch::optim's SGD, Adam, AdamW, RMSprop and Adagrad
 // (and fulgur::optim's, which share them) go into the dict as they are, not
@@ -22,6 +25,9 @@
 // a state saved with LibTorch 1.13 (keys "0x55d0...") loads into 2.x (keys
 // "94371...") and back, also for an optimizer loaded through its own load().
 #pragma once
+
+#include <functional>
+#include <string>
 
 #include "fulgur/core/state_dict.h"
 
@@ -43,5 +49,16 @@ StateDict optimizer_state_dict(torch::optim::Optimizer& optimizer);
 /// from another live optimizer's state without sharing it, clone its
 /// tensors first (StateDict::transform_tensors).
 void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDict& state);
+/// Throws CheckpointError when a parameter's state holds a per-element
+/// tensor (Adam's moments, SGD's momentum, ...) of another shape than the
+/// parameter's: the state of another parameter (configure_optimizers
+/// listing them in another order, or another model), which the next step
+/// would fail on naming neither. The message names the group, the
+/// parameter (and `name_of` it, when that gives a name), the entry and both
+/// shapes. For a state a strategy has finished loading: fsdp cuts a whole
+/// state to its shards after load_optimizer_state_dict.
+void check_optimizer_state_shapes(
+    const torch::optim::Optimizer& optimizer,
+    const std::function<std::string(const at::Tensor&)>& name_of = {});
 
 }  // namespace fulgur

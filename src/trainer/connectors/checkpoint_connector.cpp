@@ -29,6 +29,7 @@
 #include "fulgur/core/errors.h"
 #include "fulgur/nn/state_dict.h"
 #include "fulgur/optim/lr_scheduler.h"
+#include "fulgur/optim/state_dict.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
 #include "fulgur/plugins/io/checkpoint_io.h"
 #include "fulgur/plugins/precision/precision.h"
@@ -360,7 +361,14 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
   for (int64_t i = 0; i < count; ++i) {
     const StateDict& one = section(optimizer_states, std::to_string(i));
     try {
-      trainer_.drive().load_optimizer_state(*optimizers.optimizers[static_cast<size_t>(i)], one);
+      auto& optimizer = *optimizers.optimizers[static_cast<size_t>(i)];
+      trainer_.drive().load_optimizer_state(optimizer, one);
+      check_optimizer_state_shapes(optimizer, [&](const at::Tensor& param) {
+        for (const auto& item : trainer_.module->named_parameters(/*recurse=*/true)) {
+          if (item.value().is_same(param)) return item.key();
+        }
+        return std::string();
+      });
     } catch (const CheckpointError& e) {
       throw CheckpointError(str("checkpoint \"", path, "\": optimizer ", i,
                                 " state does not fit: ", e.what(),
