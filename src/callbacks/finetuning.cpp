@@ -515,6 +515,25 @@ void BackboneFinetuning::on_fit_start(Trainer&, Module& module) {
   for (const auto& p : backbone_of(module).parameters()) {
     if (!p.requires_grad() && held.count(p.unsafeGetTensorImpl()) != 0) ++frozen_held;
   }
+  // The parameters the unfreezing epoch will add: frozen and not held. None
+  // (a backbone of no parameters, or of BatchNorm layers alone, which
+  // train_bn keeps training) would fail there.
+  size_t to_add = 0, in_all = 0;
+  for (const auto& p : backbone_of(module).parameters()) {
+    ++in_all;
+    if (!p.requires_grad() && held.count(p.unsafeGetTensorImpl()) == 0) ++to_add;
+  }
+  if (!backbone_lr_ && to_add == 0 && frozen_held == 0) {
+    throw ConfigError(str(
+        "BackboneFinetuning: the backbone \"", options_.backbone, "\" has ",
+        in_all == 0
+            ? std::string("no parameters")
+            : str(in_all, " parameter(s), none of them frozen (train_bn=",
+                  options_.train_bn ? "true keeps its BatchNorm layers training" : "false", ")"),
+        ", so unfreeze_backbone_at_epoch=", options_.unfreeze_backbone_at_epoch,
+        " would have nothing to add to the optimizer. Name a backbone with weights to fine-tune, "
+        "or train without this callback."));
+  }
   if (frozen_held > 0) {
     throw ConfigError(str("BackboneFinetuning: the optimizer holds ", frozen_held,
                           " of the frozen backbone's parameters (configure_optimizers gave it "

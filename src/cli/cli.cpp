@@ -27,8 +27,10 @@
 #include <variant>
 
 #include "fulgur/callbacks/callback.h"
+#include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/plugins/io/torch_checkpoint_io.h"
+#include "fulgur/strategies/checkpoint_layout.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/connectors/accelerator_connector.h"
 #include "fulgur/trainer/flags.h"
@@ -103,14 +105,43 @@ class ConfigCallback : public Callback {
   std::string yaml_;
 };
 
+// The file of checkpoint `path` that holds its run's config: the path, or
+// rank 0's shard of a directory of per-rank shards; "" when there is none.
+std::string config_file_of(const std::string& path) {
+  std::error_code ec;
+  if (fs::is_regular_file(path, ec)) return path;
+  if (!fs::is_directory(path, ec)) return "";
+  try {
+    const auto manifest = ShardedCheckpoint::read_manifest(path);
+    if (manifest.shards.empty()) return "";
+    return (fs::path(path) / manifest.shards.front()).string();
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
+// The checkpoint a Trainer given ckpt_path "last", "auto" or "best" starts
+// from, as CheckpointConnector::newest_checkpoint picks it: the newest of
+// `dir` that verifies (a damaged last.ckpt is passed over for the one
+// before it); "" when none does. "best" is a checkpoint of the same run,
+// whose config the newest one holds.
+std::string newest_verified_checkpoint(const std::string& dir) {
+  TorchCheckpointIO io;
+  for (const auto& candidate : checkpoints_newest_first(dir)) {
+    const std::string file = config_file_of(candidate);
+    if (!file.empty() && io.verify(file).empty()) return candidate;
+  }
+  return "";
+}
+
 // The config a checkpoint holds ("" when none, or when it cannot be read:
 // the Trainer reports an unreadable checkpoint when it loads it).
 std::string checkpoint_config(const std::string& path) {
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec)) return "";
+  const std::string file = config_file_of(path);
+  if (file.empty()) return "";
   try {
     TorchCheckpointIO io;
-    StateDict checkpoint = io.load_checkpoint(path);
+    StateDict checkpoint = io.load_checkpoint(file);
     const StateDict* callbacks = checkpoint.find_section("callbacks");
     const StateDict* config = callbacks ? callbacks->find_section(kConfigStateKey) : nullptr;
     const c10::IValue* yaml = config ? config->find("yaml") : nullptr;
@@ -379,6 +410,20 @@ OptionGroup& OptionGroup::add_option(Option option) {
     throw ConfigError(str("CLI: option name \"", option.name,
                           "\" is empty or holds '.', ' ' or '='. Use a snake_case name."));
   }
+  // The CLI's own flags, and beside them the sections: an option of such a
+  // name could not be set (--config reads a file) or would make the flag
+  // ambiguous (--ckpt_path).
+  for (const char* reserved :
+       {"config", "print_config", "help", "ckpt_path", "trainer", "model", "data"}) {
+    const bool section = std::string_view(reserved) == "trainer" ||
+                         std::string_view(reserved) == "model" ||
+                         std::string_view(reserved) == "data";
+    if (option.name == reserved && (top_level_ || !section)) {
+      throw ConfigError(str("CLI: option name \"", option.name, "\" is the CLI's own (",
+                            section ? "a section of the config" : str("--", option.name),
+                            "). Give the option another name."));
+    }
+  }
   options_.push_back(std::move(option));
   return *this;
 }
@@ -551,8 +596,16 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       name = name.substr(0, eq);
     }
     name = flag_key(name);
-    if (name == "print_config") {
-      print_config = true;
+    if (name == "print_config" || name == "help") {
+      // --print_config[=true|false]; --help takes none.
+      const std::optional<bool> on = value ? parse_bool(*value) : std::optional<bool>(true);
+      if (!on || (name == "help" && value)) {
+        problems.push_back(str("--", name, "=", shortened(*value), ": ",
+                               name == "help" ? "--help takes no value. Pass --help alone."
+                                              : "pass --print_config alone (or =true, =false)."));
+      } else {
+        (name == "help" ? help_wanted : print_config) = *on;
+      }
       continue;
     }
     // Which key a name means: dotted, or a flat name that is unique.
@@ -561,7 +614,8 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       key = "config";
     } else if (name.find('.') != std::string::npos) {
       if (find_key(name) == nullptr) {
-        problems.push_back(unknown(str("--", name, ": unknown flag"), name, dotted, "--"));
+        problems.push_back(
+            unknown_name(str("--", shortened(name), ": unknown flag"), name, dotted, "--"));
       } else {
         key = name;
       }
@@ -576,8 +630,9 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
       } else if (matches.empty()) {
         std::vector<std::string> flat;
         for (const auto& k : all) flat.push_back(k.name);
-        problems.push_back(unknown(str("--", name, ": unknown flag"), name,
-                                   closest_match(name, flat).empty() ? dotted : flat, "--"));
+        problems.push_back(unknown_name(
+            str("--", shortened(name), ": unknown flag"), name,
+            name.size() > 200 || closest_match(name, flat).empty() ? dotted : flat, "--"));
       } else {
         key = matches[0];
       }
@@ -761,11 +816,22 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
   std::string ckpt = configured("ckpt_path", "");
   std::vector<Item> from_checkpoint;
   if (ckpt == "last" || ckpt == "auto" || ckpt == "best") {
-    // The run's own last.ckpt, under the default_root_dir configured so far
-    // (the best is a checkpoint of the same run).
-    const std::string root =
-        configured("trainer.default_root_dir", options_.trainer_defaults.default_root_dir);
-    ckpt = (fs::path(root.empty() ? "." : root) / "checkpoints" / "last.ckpt").string();
+    // The checkpoint the Trainer will start from, in the directory its
+    // ModelCheckpoint writes to: the program's own one's dirpath, else
+    // <default_root_dir>/checkpoints under the root configured so far.
+    std::string dir;
+    for (const auto& cb : options_.trainer_defaults.callbacks) {
+      if (const auto* checkpoint = dynamic_cast<const ModelCheckpoint*>(cb.get())) {
+        dir = checkpoint->options().dirpath;
+        break;
+      }
+    }
+    if (dir.empty()) {
+      const std::string root =
+          configured("trainer.default_root_dir", options_.trainer_defaults.default_root_dir);
+      dir = (fs::path(root.empty() ? "." : root) / "checkpoints").string();
+    }
+    ckpt = newest_verified_checkpoint(dir);
   }
   if (!ckpt.empty()) {
     if (const std::string yaml = checkpoint_config(ckpt); !yaml.empty()) {
@@ -790,7 +856,18 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
     values["ckpt_path"] = {"", kDefault};
   }
   for (const auto* items : {&from_checkpoint, &from_files, &command_line}) {
-    for (const auto& item : *items) values[item.key] = {item.text, item.source, item.form};
+    for (const auto& item : *items) {
+      // A checkpoint's or a file's value that reads as the program's default
+      // is that default: the program's own objects (a strategy, loggers)
+      // print as their names, which would replace them (a config the CLI
+      // wrote, fed back or resumed from, names them all).
+      auto at = values.find(item.key);
+      if (items != &command_line && at != values.end() && at->second.source == kDefault &&
+          at->second.text == item.text) {
+        continue;
+      }
+      values[item.key] = {item.text, item.source, item.form};
+    }
   }
   apply(values, problems);
   // The Trainer's own checks of these values (ranges, conflicts, names the

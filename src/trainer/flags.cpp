@@ -205,6 +205,11 @@ Set set_seconds(std::chrono::milliseconds TrainerOptions::*field) {
     const auto value = parse_double(text);
     if (!value) return str(not_a_double(text), ". Pass a number of seconds >= 0.");
     if (*value < 0 || *value > 1e12) return "not a number of seconds from 0 to 1e12.";
+    if (*value > 0 && *value < 0.001) {
+      // It would round to 0 ms, which turns the watch off.
+      return "under a millisecond (0.001), the finest it counts; 0 turns it off. Pass e.g. 60, "
+             "or 0.";
+    }
     o.*field = std::chrono::milliseconds(std::llround(*value * 1000));
     return "";
   };
@@ -280,6 +285,8 @@ std::vector<TrainerFlag> make_flags() {
                [](O& o, const std::string& t) {
                  if (is_none(t)) {
                    o.deterministic = {};
+                 } else if (const auto on = parse_bool(t)) {
+                   o.deterministic = *on;  // True, 1, ... as every other switch
                  } else {
                    o.deterministic = t;
                  }
@@ -456,7 +463,11 @@ std::vector<TrainerFlag> make_flags() {
                    return "";
                  }
                  const ParsedInt n = parse_int(t, 0, std::numeric_limits<int64_t>::max());
-                 if (!n.ok || n.out_of_range) return "not an integer >= 0. Pass e.g. 42, or none.";
+                 if (!n.ok) return "not an integer >= 0. Pass e.g. 42, or none.";
+                 if (n.out_of_range) {
+                   return str("out of range: a seed is from 0 to ",
+                              std::numeric_limits<int64_t>::max(), ". Pass e.g. 42, or none.");
+                 }
                  o.seed = static_cast<uint64_t>(n.value);
                  return "";
                }});
@@ -475,8 +486,12 @@ std::vector<TrainerFlag> make_flags() {
                "Loggers by name, comma-separated: csv, tensorboard (true: csv; false: none)",
                [](const O& o) { return o.logger.text(); },
                [](O& o, const std::string& t) -> std::string {
-                 o.logger = LoggerFlag(t);
-                 return o.logger.problem();
+                 // A list with a problem is reported here, and not set (the
+                 // Trainer's own check would report it again).
+                 LoggerFlag flag(t);
+                 if (!flag.problem().empty()) return flag.problem();
+                 o.logger = std::move(flag);
+                 return std::string();
                }});
   f.push_back({"profiler", "outputs",
                "simple: print where the fit loop's time went at the end of fit; pytorch: LibTorch's "

@@ -76,7 +76,7 @@ LoggerFlag::LoggerFlag(std::vector<std::string> names) : names_(std::move(names)
 }
 
 std::string LoggerFlag::text() const {
-  if (!text_with_problem_.empty()) return text_with_problem_;
+  if (text_with_problem_) return *text_with_problem_;
   if (names_.empty()) return "false";
   std::string out;
   for (const auto& n : names_) out += (out.empty() ? "" : ",") + n;

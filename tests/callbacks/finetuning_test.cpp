@@ -322,6 +322,42 @@ TEST(BackboneFinetuning, NamesWhatItCannotWorkWith) {
     EXPECT_EQ(finetuning->added, 0u);
     EXPECT_EQ(model.optimizer->param_groups().size(), 1u);
   }
+  // A backbone with nothing to unfreeze (no parameters; BatchNorm alone,
+  // which train_bn keeps training): named when the fit starts, not at the
+  // unfreezing epoch (where it blamed configure_optimizers).
+  for (const bool with_norm : {false, true}) {
+    struct NothingToUnfreeze : fulgur::Module {
+      explicit NothingToUnfreeze(bool with_norm) : Module("NothingToUnfreeze") {
+        backbone = register_module("backbone", torch::nn::Sequential());
+        if (with_norm) backbone->push_back(torch::nn::BatchNorm1d(3));
+        backbone->push_back(torch::nn::Functional(torch::tanh));
+        head = register_module("head", torch::nn::Linear(3, 1));
+      }
+      at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
+        const auto& [x, y] = batch.pair();
+        return torch::nn::functional::mse_loss(head(backbone->forward(x)), y);
+      }
+      fulgur::OptimizerConfig configure_optimizers() override {
+        std::vector<at::Tensor> params;
+        for (auto& p : parameters()) {
+          if (p.requires_grad()) params.push_back(p);
+        }
+        return fulgur::OptimizerConfig(std::make_shared<torch::optim::SGD>(params, 0.1));
+      }
+      torch::nn::Sequential backbone{nullptr};
+      torch::nn::Linear head{nullptr};
+    } model(with_norm);
+    auto options = test_options(dir);
+    options.callbacks = {std::make_shared<BackboneFinetuning>(
+        BackboneFinetuningOptions{.unfreeze_backbone_at_epoch = 3})};
+    options.max_epochs = 4;
+    EXPECT_THROWS_WITH(
+        fulgur::ConfigError, fulgur::Trainer(options).fit(model, regression_loader(2)),
+        {"the backbone \"backbone\" has",
+         with_norm ? "2 parameter(s), none of them frozen (train_bn=true keeps its BatchNorm"
+                   : "no parameters",
+         "unfreeze_backbone_at_epoch=3 would have nothing to add"});
+  }
   // A schedule that returns no usable factor.
   {
     Finetuned model;

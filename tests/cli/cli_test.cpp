@@ -58,6 +58,8 @@ std::vector<std::string> problems_of(Program& p, const std::vector<std::string>&
   return {};
 }
 
+std::string str_of(const char* name) { return std::string("\"") + name + "\""; }
+
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
@@ -506,6 +508,159 @@ TEST(CLI, LastAndAutoReadTheConfigOfTheRunsLastCheckpoint) {
     ASSERT_TRUE(resumed.parse({"--default_root_dir", root, "--ckpt_path", which}));
     EXPECT_EQ(resumed.lr, 0.0625) << which;
     EXPECT_EQ(resumed.cli.ckpt_path(), which);
+  }
+}
+
+// The config of the checkpoint the Trainer will start from: a damaged
+// last.ckpt is passed over for the newest one that verifies, and a
+// ModelCheckpoint's own dirpath (without last.ckpt) is where they are (the
+// CLI read <root>/checkpoints/last.ckpt only, and without its config ran
+// the resumed run with other settings, saying nothing).
+TEST(CLI, LastReadsTheConfigOfTheCheckpointTheTrainerStartsFrom) {
+  TempDir dir;
+  const std::string root = dir.file("run");
+  auto fit = [&](fulgur::TrainerOptions defaults, double lr) {
+    Program p(std::move(defaults));
+    ASSERT_TRUE(p.parse({"--default_root_dir", root, "--lr", std::to_string(lr), "--max_epochs",
+                         "2", "--enable_checkpointing", "true"}));
+    fulgur::Trainer trainer(p.cli.trainer_options());
+    fulgur::test::LinearRegression model;
+    trainer.fit(model, fulgur::test::regression_loader(2));
+  };
+  {  // last.ckpt cut short: the epoch checkpoint before it.
+    fit(fulgur::test::checkpointed_options(dir, {.save_top_k = -1, .save_last = true}), 0.0625);
+    const std::string last = root + "/checkpoints/last.ckpt";
+    ASSERT_TRUE(fs::exists(last));
+    fs::resize_file(last, 100);
+    Program resumed;
+    ASSERT_TRUE(resumed.parse({"--default_root_dir", root, "--ckpt_path", "last"}));
+    EXPECT_EQ(resumed.lr, 0.0625);
+  }
+  {  // The program's ModelCheckpoint writes elsewhere, with no last.ckpt.
+    const std::string elsewhere = dir.file("elsewhere");
+    auto defaults = fulgur::test::checkpointed_options(
+        dir, {.dirpath = elsewhere, .save_top_k = -1, .save_last = false});
+    fit(defaults, 0.25);
+    ASSERT_FALSE(fs::exists(elsewhere + "/last.ckpt"));
+    Program resumed(defaults);
+    ASSERT_TRUE(resumed.parse({"--default_root_dir", root, "--ckpt_path", "auto"}));
+    EXPECT_EQ(resumed.lr, 0.25);
+  }
+}
+
+// A resume (and a config the CLI printed, fed back) keeps the objects the
+// program passes: its strategy and its loggers print as their names, which
+// replaced the strategy by the registered one of that name (or failed on a
+// name nobody registered) and refused the loggers ("passes its own
+// loggers") for a key the user never wrote.
+TEST(CLI, AResumeOrAPrintedConfigKeepsTheProgramsOwnObjects) {
+  TempDir dir;
+  const std::string root = dir.file("run");
+  auto defaults = fulgur::test::test_options(dir);
+  auto strategy = std::make_shared<fulgur::DDPStrategy>(fulgur::DDPOptions{}, "my_ddp");
+  defaults.strategy = strategy;
+  defaults.loggers = {
+      std::make_shared<fulgur::CSVLogger>(fulgur::CSVLoggerOptions{.save_dir = dir.file("logs")})};
+  auto keeps_the_objects = [&](const Program& p, const std::string& how) {
+    const auto o = p.cli.trainer_options();
+    ASSERT_TRUE(std::holds_alternative<std::shared_ptr<fulgur::Strategy>>(o.strategy)) << how;
+    EXPECT_EQ(std::get<std::shared_ptr<fulgur::Strategy>>(o.strategy), strategy) << how;
+    EXPECT_EQ(o.loggers, defaults.loggers) << how;
+    EXPECT_EQ(p.lr, 0.0625) << how;
+  };
+  std::string printed;
+  {
+    Program p(defaults);
+    ASSERT_TRUE(
+        p.parse({"--default_root_dir", root, "--lr", "0.0625", "--enable_checkpointing", "true"}));
+    auto options = p.cli.trainer_options();
+    options.strategy = "auto";  // one process here; the config names "my_ddp"
+    fulgur::Trainer trainer(std::move(options));
+    fulgur::test::LinearRegression model;
+    trainer.fit(model, fulgur::test::regression_loader(2));
+    EXPECT_FALSE(
+        p.parse({"--default_root_dir", root, "--lr", "0.0625", "--print_config"}, &printed));
+  }
+  {
+    Program resumed(defaults);
+    ASSERT_TRUE(resumed.parse({"--default_root_dir", root, "--ckpt_path", "last"}));
+    keeps_the_objects(resumed, "resumed");
+  }
+  {
+    ASSERT_TRUE(contains(printed, "my_ddp")) << printed;
+    write_text(dir.file("printed.yaml"), printed);
+    Program again(defaults);
+    ASSERT_TRUE(again.parse({"--config", dir.file("printed.yaml")}));
+    keeps_the_objects(again, "printed config");
+  }
+}
+
+// Found by a probe of the command line: each problem said once, of the
+// value given; switches spelled as every other; the CLI's own names kept.
+TEST(CLI, CommandLineCornersAreNamedOnce) {
+  {  // An empty logger list: once, as given (it also read logger="false").
+    Program p;
+    const auto problems = problems_of(p, {"--logger", ""});
+    ASSERT_EQ(problems.size(), 1u) << fulgur::join(problems, "\n");
+    EXPECT_TRUE(contains(problems[0], "trainer.logger: \"\"")) << problems[0];
+    EXPECT_TRUE(contains(problems[0], "a logger name is empty")) << problems[0];
+  }
+  {  // Under a millisecond would be 0, which turns the watch off.
+    Program p;
+    const auto problems = problems_of(p, {"--heartbeat_timeout", "0.0004"});
+    ASSERT_EQ(problems.size(), 1u);
+    EXPECT_TRUE(contains(problems[0], "under a millisecond")) << problems[0];
+    Program off;
+    ASSERT_TRUE(off.parse({"--heartbeat_timeout", "0"}));
+  }
+  {  // --print_config=false does not print; --help takes no value.
+    Program p;
+    std::string out;
+    EXPECT_TRUE(p.parse({"--print_config=false", "--max_epochs", "3"}, &out));
+    EXPECT_TRUE(out.empty()) << out;
+    Program printed;
+    EXPECT_FALSE(printed.parse({"--print_config=true"}, &out));
+    EXPECT_TRUE(contains(out, "max_epochs")) << out;
+    Program q;
+    const auto problems = problems_of(q, {"--help=0"});
+    ASSERT_EQ(problems.size(), 1u);
+    EXPECT_TRUE(contains(problems[0], "--help takes no value")) << problems[0];
+    Program r;
+    EXPECT_TRUE(contains(problems_of(r, {"--print_config=maybe"}).at(0),
+                         "--print_config=maybe: pass --print_config alone"));
+  }
+  {  // deterministic takes the spellings of every other switch.
+    Program p;
+    ASSERT_TRUE(p.parse({"--deterministic", "True"}));
+    EXPECT_TRUE(p.cli.trainer_options().deterministic.enabled());
+  }
+  {  // A seed past int64's range says so (it said "not an integer >= 0").
+    Program p;
+    const auto problems = problems_of(p, {"--seed", "18446744073709551615"});
+    ASSERT_EQ(problems.size(), 1u);
+    EXPECT_TRUE(contains(problems[0], "out of range: a seed is from 0 to 9223372036854775807"))
+        << problems[0];
+  }
+  {  // An unknown flag as long as a file: named shortened.
+    Program p;
+    const auto problems = problems_of(p, {"--" + std::string(100000, 'x'), "1"});
+    ASSERT_EQ(problems.size(), 1u);
+    EXPECT_TRUE(contains(problems[0], "unknown flag")) << problems[0].substr(0, 300);
+    EXPECT_LT(problems[0].size(), 1000u);
+  }
+  // An option of the CLI's own name could not be set: refused when added.
+  for (const char* name : {"config", "print_config", "help", "ckpt_path"}) {
+    fulgur::CLI cli({.program = "prog"});
+    double value = 0;
+    EXPECT_THROWS_WITH(fulgur::ConfigError, cli.model().add(name, value, "x"),
+                       {str_of(name), "is the CLI's own"});
+  }
+  for (const char* name : {"trainer", "model", "data"}) {
+    fulgur::CLI cli({.program = "prog"});
+    double value = 0;
+    EXPECT_THROWS_WITH(fulgur::ConfigError, cli.program().add(name, value, "x"),
+                       {"a section of the config"});
+    cli.model().add(name, value, "x");  // --model.data is no section
   }
 }
 

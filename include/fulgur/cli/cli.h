@@ -84,6 +84,9 @@ enum class ConfigValueForm { kScalar, kNull, kList };
 /// CLI::parse() writes the configured value into it.
 class OptionGroup {
  public:
+  /// `top_level`: the program's own options (`CLI::program()`), whose keys
+  /// stand beside trainer:, model:, data: and ckpt_path.
+  explicit OptionGroup(bool top_level = false) : top_level_(top_level) {}
   OptionGroup& add(const std::string& name, bool& value, std::string help);
   OptionGroup& add(const std::string& name, int& value, std::string help);
   OptionGroup& add(const std::string& name, int64_t& value, std::string help);
@@ -108,6 +111,7 @@ class OptionGroup {
   template <class Int>
   OptionGroup& add_integer(const std::string& name, Int& value, std::string help);
   std::vector<Option> options_;
+  bool top_level_ = false;
 };
 
 struct CLIOptions {
@@ -230,7 +234,7 @@ class CLI {
   /// How many problems the last parse_arguments() found (its error lists
   /// at most kMaxProblemsListed of them).
   size_t problems_found_ = 0;
-  OptionGroup model_, data_, program_;
+  OptionGroup model_, data_, program_{/*top_level=*/true};
   Stage subcommand_;
   bool lr_find_ = false;
   bool scale_batch_size_ = false;

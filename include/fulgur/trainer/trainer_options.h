@@ -114,7 +114,7 @@ class LoggerFlag {
  private:
   std::vector<std::string> names_;
   std::string problem_;
-  std::string text_with_problem_;
+  std::optional<std::string> text_with_problem_;  // as given ("" too)
 };
 
 using Plugin = std::variant<std::string, std::shared_ptr<Precision>, std::shared_ptr<CheckpointIO>,
