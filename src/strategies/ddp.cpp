@@ -18,9 +18,11 @@ DDPStrategy::DDPStrategy(DDPOptions options, std::string name)
       options_(std::move(options)),
       name_(std::move(name)) {
   set_traits({.sync_batchnorm_unsupported_reason = {}, .trainable_change_unsupported_reason = {}});
-  if (!(options_.bucket_cap_mb > 0)) {
-    throw ConfigError(
-        str("DDPStrategy: bucket_cap_mb=", options_.bucket_cap_mb, " must be > 0 (default 25)."));
+  // At most 1 TiB: a bucket's byte count is an int64 (beyond ~8.8e12 MiB
+  // it overflowed, and every parameter got a bucket of its own).
+  if (!(options_.bucket_cap_mb > 0) || !(options_.bucket_cap_mb <= 1024.0 * 1024.0)) {
+    throw ConfigError(str("DDPStrategy: bucket_cap_mb=", options_.bucket_cap_mb,
+                          " must be > 0 and at most 1048576 (1 TiB; default 25)."));
   }
 }
 

@@ -3,6 +3,9 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <functional>
+#include <map>
+#include <sstream>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/core/module.h"
@@ -29,6 +32,17 @@ ParallelStrategy::ParallelStrategy(ParallelOptions options, std::string_view own
     throw ConfigError(str(owner, ": start_method=\"", start_method.text(),
                           "\" is not one of \"popen\" (re-execute the program per rank) or "
                           "\"fork\" (fork the ranks at fit())."));
+  }
+  if (parallel_.process_group_timeout.count() <= 0) {
+    throw ConfigError(str(owner,
+                          ": process_group_timeout=", parallel_.process_group_timeout.count(),
+                          "ms: a collective must be given time, > 0 (default 30 min). Pass e.g. "
+                          "std::chrono::minutes(10)."));
+  }
+  if (parallel_.stop_grace.count() < 0) {
+    throw ConfigError(str(owner, ": stop_grace=", parallel_.stop_grace.count(),
+                          "ms: the ranks' grace between SIGTERM and SIGKILL is >= 0 (default "
+                          "5 s). Pass e.g. std::chrono::seconds(5)."));
   }
   start_method_ = start_method.value();
 }
@@ -174,7 +188,95 @@ void ParallelStrategy::configure(std::vector<std::string>& notes) {
 
 void ParallelStrategy::do_teardown() {}
 
+namespace {
+
+// One line per parameter and buffer: "parameter fc.weight\t[1, 4] Float".
+std::string module_structure(Module& module) {
+  std::string text;
+  auto add = [&](const char* kind, const std::string& name, const at::Tensor& t) {
+    text.append(kind).append(" ").append(name).append("\t");
+    text.append(t.defined() ? fulgur::str(t.sizes(), " ", t.scalar_type())
+                            : std::string("undefined"));
+    text.append("\n");
+  };
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    add("parameter", item.key(), item.value());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    add("buffer", item.key(), item.value());
+  }
+  return text;
+}
+
+// "kind name" -> "shape dtype", from module_structure's text.
+std::map<std::string, std::string> structure_entries(const std::string& text) {
+  std::map<std::string, std::string> out;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t tab = line.find('\t');
+    if (tab != std::string::npos) out[line.substr(0, tab)] = line.substr(tab + 1);
+  }
+  return out;
+}
+
+// What rank `r`'s structure has that rank 0's has not, or otherwise: at
+// most `limit` differences.
+std::vector<std::string> structure_differences(const std::string& zero, const std::string& mine,
+                                               int rank, size_t limit) {
+  const auto theirs = structure_entries(zero);
+  const auto ours = structure_entries(mine);
+  std::vector<std::string> out;
+  for (const auto& [key, what] : ours) {
+    auto it = theirs.find(key);
+    if (it == theirs.end()) {
+      out.push_back(str("rank ", rank, " has ", key, " (", what, "), which rank 0 has not"));
+    } else if (it->second != what) {
+      out.push_back(
+          str("rank ", rank, "'s ", key, " is ", what, " where rank 0's is ", it->second));
+    }
+  }
+  for (const auto& [key, what] : theirs) {
+    if (ours.count(key) == 0) {
+      out.push_back(str("rank ", rank, " has no ", key, " (rank 0's is ", what, ")"));
+    }
+  }
+  if (out.size() > limit) {
+    const size_t more = out.size() - limit;
+    out.resize(limit);
+    out.push_back(str("and ", more, " more on rank ", rank));
+  }
+  return out;
+}
+
+}  // namespace
+
+void ParallelStrategy::check_same_module_on_every_rank(Module& module) {
+  if (world_size() <= 1) return;
+  const std::string mine = module_structure(module);
+  const auto hash = static_cast<int64_t>(std::hash<std::string>{}(mine));
+  const at::Tensor all = all_gather(torch::tensor({hash}, torch::kLong)).cpu();
+  if ((all == hash).all().item<bool>()) return;
+  // Only on this path: every rank's structure, to name what differs (every
+  // rank takes it, and every rank throws the same error).
+  std::vector<std::string> differences;
+  const std::string zero = broadcast_bytes(mine, 0);
+  for (int r = 1; r < world_size(); ++r) {
+    const std::string theirs = broadcast_bytes(mine, r);
+    if (theirs == zero) continue;
+    if (differences.size() < 12) {
+      for (auto& d : structure_differences(zero, theirs, r, 3)) differences.push_back(std::move(d));
+    }
+  }
+  throw ConfigError(str(
+      "strategy \"", name(), "\": the module ", module.name(),
+      " differs across ranks: ", join(differences, "; "),
+      ". Every rank must build the same module (the same layers, sizes and dtypes, also in "
+      "configure_model): its ranks start from rank 0's parameters and buffers and average "
+      "their gradients pairwise, which unlike tensors cannot do. Build nothing from the rank."));
+}
+
 void ParallelStrategy::broadcast_parameters_from_rank_zero(Module& module) {
+  check_same_module_on_every_rank(module);
   torch::NoGradGuard no_grad;
   auto& group = process_group();
   for (auto& p : module.parameters()) {

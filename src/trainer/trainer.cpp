@@ -689,7 +689,19 @@ Trainer::Impl::StageResults Trainer::Impl::fit_results(Module& m, FitResult& res
                         result.stop_reason = state.string("stop_reason");
                         result.best_model_path = state.string("best_model_path");
                         result.last_model_path = state.string("last_model_path");
-                        drive().load_module_state(m, state.section_at("module"));
+                        const StateDict& weights = state.section_at("module");
+                        // The ranks built parts in configure_model(), which this
+                        // process has not run: it runs here too, so that the ranks'
+                        // weights have their layers to go into.
+                        std::set<std::string> own;
+                        for (const auto& item : m.named_parameters()) own.insert(item.key());
+                        for (const auto& item : m.named_buffers()) own.insert(item.key());
+                        const auto keys = weights.keys();
+                        if (std::any_of(keys.begin(), keys.end(),
+                                        [&](const std::string& k) { return own.count(k) == 0; })) {
+                          m.configure_model();
+                        }
+                        drive().load_module_state(m, weights);
                         checkpoints.load_callback_states(state);
                       }};
 }

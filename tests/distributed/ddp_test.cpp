@@ -395,6 +395,30 @@ TEST(DDP, ForkLauncherReturnsTrainedWeightsToTheCaller) {
   expect_equivalent({"--steps", "20", "--shuffle"}, "ddp_fork");
 }
 
+// A layer built in configure_model(), which the ranks run and the calling
+// process did not: the trained weights came back to a module without it
+// (a CheckpointError after the whole fit, its result lost).
+TEST(DDP, ForkLauncherReturnsTheWeightsOfLayersBuiltInConfigureModel) {
+  expect_equivalent({"--steps", "12", "--head-in-configure-model"}, "ddp_fork");
+}
+
+// Ranks whose modules differ (here a buffer one rank's configure_model adds)
+// are named before any broadcast: unlike tensors were copied in part, or
+// aborted the process in gloo, or waited for a peer forever.
+TEST(DDP, RanksWithDifferentModulesAreNamedBeforeAnyBroadcast) {
+  for (const char* strategy : {"ddp", "ddp_fork", "fsdp"}) {
+    auto r = run_worker({"--strategy", strategy, "--devices", "2", "--steps", "4",
+                         "--extra-buffer-rank", "1", "--timeout", "30"});
+    EXPECT_NE(r.exit_code, 0) << strategy << "\n" << r.output;
+    EXPECT_NE(r.output.find("differs across ranks: rank 1 has buffer extra_state ([3] Float), "
+                            "which rank 0 has not"),
+              std::string::npos)
+        << strategy << "\n"
+        << r.output;
+    EXPECT_EQ(r.output.find("SIGABRT"), std::string::npos) << strategy << "\n" << r.output;
+  }
+}
+
 TEST(DDP, ForkLauncherUpdatesTheCallersModelCheckpoint) {
   TempDir dir;
   auto r = run_worker({"--strategy", "ddp_fork", "--devices", "2", "--steps", "6", "--checkpoint",

@@ -94,6 +94,11 @@ struct Args {
   bool broadcast_buffers = true;
   // A rank that logs one more sync_dist metric than the others.
   int extra_metric_rank = -1;
+  // fc2 built in configure_model() (as the README recommends for parts
+  // that need the device), not in the constructor.
+  bool head_in_configure_model = false;
+  // This rank's configure_model() adds a buffer the others lack.
+  int extra_buffer_rank = -1;
   // A rank that calls trainer().request_stop() at batch fault_step: in
   // training_step ("step"), on_train_batch_end ("batch-end"), or in the
   // validation that follows the step numbered fault_step ("validation").
@@ -263,7 +268,7 @@ struct Classifier : fulgur::Module {
       unit2 = register_module("fc2", fulgur::nn::FSDPUnit(torch::nn::Linear(32, 4)));
     } else {
       fc1 = register_module("fc1", torch::nn::Linear(features, 32));
-      fc2 = register_module("fc2", torch::nn::Linear(32, 4));
+      if (!a.head_in_configure_model) fc2 = register_module("fc2", torch::nn::Linear(32, 4));
     }
     // Used only on even steps, and never by the test: exercises
     // find_unused_parameters.
@@ -327,6 +332,15 @@ struct Classifier : fulgur::Module {
   }
 
   int attempt() { return trainer().strategy().cluster_environment().restart_count(); }
+
+  void configure_model() override {
+    if (args.head_in_configure_model && !fc2) {
+      fc2 = register_module("fc2", torch::nn::Linear(32, 4));
+    }
+    if (args.extra_buffer_rank == trainer().strategy().global_rank()) {
+      register_buffer("extra_state", torch::zeros({3}));
+    }
+  }
 
   void on_train_epoch_start() override {
     if (args.unfreeze_rank >= 0 && args.unfreeze_rank == trainer().strategy().global_rank() &&
@@ -762,6 +776,8 @@ int main(int argc, char** argv) {
   app.add_flag("--count-buffer", a.count_buffer);
   app.add_option("--broadcast-buffers", a.broadcast_buffers);
   app.add_option("--extra-metric-rank", a.extra_metric_rank);
+  app.add_flag("--head-in-configure-model", a.head_in_configure_model);
+  app.add_option("--extra-buffer-rank", a.extra_buffer_rank);
   app.add_option("--stop-rank", a.stop_rank);
   app.add_option("--stop-in", a.stop_in)->check(CLI::IsMember({"step", "batch-end", "validation"}));
   app.add_option("--val-every", a.val_every);

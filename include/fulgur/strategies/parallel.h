@@ -91,8 +91,14 @@ class ParallelStrategy : public Strategy {
   void configure(std::vector<std::string>& notes) override;
   void do_setup_environment() override;
   void do_teardown() override;
-  /// Every rank takes rank 0's parameters (one broadcast each).
+  /// Every rank takes rank 0's parameters (one broadcast each), after
+  /// check_same_module_on_every_rank.
   void broadcast_parameters_from_rank_zero(Module& module);
+  /// ConfigError on every rank naming what differs when the ranks' modules
+  /// have other parameters or buffers (names, shapes, dtypes): a broadcast
+  /// or gradient exchange of unlike tensors would copy part of one, abort
+  /// in the backend or wait for a peer forever. One all-gather of a hash.
+  void check_same_module_on_every_rank(Module& module);
   /// sync_batchnorm: every fulgur::nn::SyncBatchNorm of `module` reduces
   /// its statistics over the process group. ConfigError naming LibTorch's
   /// own BatchNorm layers, which cannot be swapped for synchronised ones

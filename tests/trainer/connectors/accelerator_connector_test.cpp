@@ -539,3 +539,37 @@ TEST(StrategyRegistry, UserStrategyIsSelectedByNameThroughItsRegistry) {
 }
 
 }  // namespace
+
+namespace {
+
+// The options of a strategy object are checked when it is made, naming
+// the option (a timeout of 0 failed inside every launched rank at fit(),
+// naming no option; a bucket beyond int64's bytes gave one per parameter).
+TEST(StrategyOptions, AreCheckedWhenTheStrategyIsMade) {
+  using namespace std::chrono_literals;
+  fulgur::DDPOptions ddp;
+  ddp.parallel.process_group_timeout = 0ms;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::DDPStrategy{ddp},
+                     {"DDPStrategy", "process_group_timeout=0ms", "> 0"});
+  ddp = {};
+  ddp.parallel.stop_grace = -1000ms;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::DDPStrategy{ddp}, {"stop_grace=-1000ms", ">= 0"});
+  fulgur::FSDPOptions fsdp;
+  fsdp.parallel.process_group_timeout = -5ms;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::FSDPStrategy{fsdp},
+                     {"process_group_timeout=-5ms"});
+  for (double cap : {0.0, 1e13, std::numeric_limits<double>::infinity(),
+                     std::numeric_limits<double>::quiet_NaN()}) {
+    ddp = {};
+    ddp.bucket_cap_mb = cap;
+    EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::DDPStrategy{ddp},
+                       {"bucket_cap_mb=", "at most 1048576"});
+  }
+  ddp = {};
+  ddp.bucket_cap_mb = 1024.0 * 1024.0;
+  ddp.parallel.process_group_timeout = 1ms;
+  ddp.parallel.stop_grace = 0ms;
+  EXPECT_NO_THROW(fulgur::DDPStrategy{ddp});
+}
+
+}  // namespace
