@@ -409,6 +409,27 @@ TEST(ClusterEnvironmentRegistry, DetectsAUserEnvironmentByItsPriority) {
   EXPECT_FALSE(fulgur::cluster_environment_registry().contains("my_scheduler"));
 }
 
+// A detected environment missing a variable says why it was chosen (it
+// said to drop a plugin nobody passed); a passed one still says to drop it.
+TEST(ClusterEnvironmentRegistry, ADetectedEnvironmentMissingAVariableSaysWhyItWasChosen) {
+  try {
+    fulgur::cluster_environment_registry().detect(EnvView(without(kTorchrun, "WORLD_SIZE")),
+                                                  nullptr);
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    EXPECT_TRUE(fulgur::test::message_contains(
+        what, {"needs the environment variable WORLD_SIZE", "fulgur chose \"torchelastic\" because",
+               "unset those variables"}))
+        << what;
+    EXPECT_EQ(what.find("drop the"), std::string::npos) << what;
+  }
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::cluster_environment_registry().create(
+                         "torchelastic", EnvView(without(kTorchrun, "WORLD_SIZE"))),
+                     {"drop the \"torchelastic\" plugin"});
+}
+
 TEST(ClusterEnvironmentRegistry, DetectorsNeedARegisteredNameAndTheirOwnPriority) {
   fulgur::ClusterEnvironmentRegistry registry = fulgur::cluster_environment_registry();
   auto never = [](const EnvView&) { return fulgur::ClusterEnvironmentRegistry::Detection::no(); };

@@ -16,6 +16,8 @@ class SingleDeviceStrategy : public Strategy {
 
   std::string_view name() const override { return "single_device"; }
   c10::Device root_device() const override;
+  /// The device given to the constructor, if any.
+  const std::optional<c10::Device>& device() const { return device_; }
 
   /// Registers "single_device".
   static void register_strategies(StrategyRegistry& registry);

@@ -81,7 +81,22 @@ std::unique_ptr<ClusterEnvironment> ClusterEnvironmentRegistry::detect(
     Detection verdict = d.detect(env);
     if (verdict.matched) {
       if (notes) notes->push_back(str("cluster_environment=", d.name, " because ", verdict.reason));
-      return create(d.name, env);
+      try {
+        return create(d.name, env);
+      } catch (const ConfigError& e) {
+        // No plugin was passed: the message says why this one was chosen,
+        // not to drop it.
+        std::string what = e.what();
+        const std::string plugin_hint =
+            str(", or drop the \"", d.name, "\" plugin to let fulgur detect the environment.");
+        if (const size_t at = what.find(plugin_hint); at != std::string::npos) {
+          what.replace(at, plugin_hint.size(),
+                       str(". fulgur chose \"", d.name, "\" because ", verdict.reason,
+                           ": unset those variables to let fulgur start the processes itself, "
+                           "or pass the cluster environment plugin of your launcher."));
+        }
+        throw ConfigError(what);
+      }
     }
     if (!verdict.reason.empty()) declined.push_back(std::move(verdict.reason));
   }

@@ -58,6 +58,14 @@ void LightningEnvironment::validate_settings(int num_devices, int num_nodes) con
                                ? std::string("did not set WORLD_SIZE (one process)")
                                : str("set WORLD_SIZE=", world_size_)));
   }
+  if (world_size_ > 1 && rank_sources_.global_rank.empty()) {
+    problems.push_back(str("LOCAL_RANK=", local_rank_, " and WORLD_SIZE=", world_size_,
+                           " are set, RANK is not: this process's rank among all is unknown "
+                           "(it would be taken as 0). Set RANK too (torchrun sets all three)"));
+  } else if (num_nodes == 1 && !rank_sources_.global_rank.empty() && global_rank_ != local_rank_) {
+    problems.push_back(str("RANK=", global_rank_, " and LOCAL_RANK=", local_rank_,
+                           " on one node (num_nodes=1), where they are the same"));
+  }
   if (local_world_size_ > 0 && num_devices != local_world_size_) {
     problems.push_back(
         str("devices=", num_devices, " per node, but LOCAL_WORLD_SIZE=", local_world_size_));

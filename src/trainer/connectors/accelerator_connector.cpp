@@ -14,6 +14,7 @@
 #include "fulgur/core/errors.h"
 #include "fulgur/distributed/launchers/launcher.h"
 #include "fulgur/strategies/parallel.h"
+#include "fulgur/strategies/single_device.h"
 #include "strategies/strategy_driver.h"
 
 namespace fulgur {
@@ -100,6 +101,7 @@ class ConnectorRun {
     // ---- Phase 2: choose; each step runs when its inputs are valid.
     choose_accelerator();
     choose_devices();
+    check_the_strategy_instances_devices();
     choose_cluster_environment();
     check_processes_started_elsewhere_match();
     check_ranks_in_range();
@@ -308,6 +310,34 @@ class ConnectorRun {
     }
   }
 
+  // Devices a strategy instance carries (set_parallel_devices, or the
+  // device of a SingleDeviceStrategy) against the ones resolved here: they
+  // silently won over the devices flag (3 ranks for devices=2, or a GPU
+  // device on a CPU-only run that failed inside LibTorch).
+  void check_the_strategy_instances_devices() {
+    if (!strategy_is_instance_ || !strategy_ || !devices_known_) return;
+    const std::string carried = str("the strategy instance (", strategy_->name(), ") carries ");
+    const auto& preset = strategy_->parallel_devices();
+    if (!preset.empty() && !options_.devices.is_auto() && preset != devices_) {
+      std::vector<std::string> names;
+      for (const auto& d : preset) names.push_back(d.str());
+      problems_.add(str("devices=", options_.devices.text(), " but ", carried, "parallel_devices [",
+                        join(names),
+                        "]: set them in one place (an "
+                        "instance given to an earlier Trainer keeps the devices that Trainer "
+                        "gave it: make one instance per Trainer)."));
+    }
+    const auto* single = dynamic_cast<const SingleDeviceStrategy*>(strategy_.get());
+    if (single != nullptr && single->device() &&
+        single->device()->type() != devices_.front().type()) {
+      problems_.add(str(carried, "device ", single->device()->str(), ", but accelerator=\"",
+                        accelerator_flag_, "\" runs on ", devices_.front().str(),
+                        ": set the device in one place (the accelerator flag that runs it, or a "
+                        "SingleDeviceStrategy of this device)."),
+                    "unavailable");
+    }
+  }
+
   void check_deterministic_and_benchmark() {
     if (!options_.deterministic.is_valid()) {
       problems_.add(str("deterministic=\"", options_.deterministic.text(),
@@ -444,11 +474,47 @@ class ConnectorRun {
                              environment_->world_size());
   }
 
+  // Where fulgur starts the processes itself, it gives this one local rank 0
+  // of its node: a WORLD_SIZE or RANK in the environment that says
+  // otherwise (ranks started by hand without LOCAL_RANK) would have two
+  // processes both be rank 0, one waiting for peers that never come.
+  void check_rank_variables_of_processes_started_here() {
+    const int64_t devices = static_cast<int64_t>(devices_.size());
+    const int64_t processes = devices * options_.num_nodes;
+    const std::string& world_var = environment_->world_size_variable();
+    const std::string& rank_var = environment_->global_rank_variable();
+    const char* started_here =
+        "fulgur starts the processes itself here (LOCAL_RANK is not set, so no launcher started "
+        "this one)";
+    if (!world_var.empty() && environment_->world_size() != processes) {
+      problems_.add(
+          str(world_var, "=", environment_->world_size(), " is set, but devices=", devices,
+              " x num_nodes=", options_.num_nodes, " = ", processes, " process(es), and ",
+              started_here, ". Pass the devices and num_nodes that make it, or unset ", world_var,
+              "; a launcher that starts every rank (torchrun) sets LOCAL_RANK too."),
+          "environment_mismatch");
+      counts_mismatch_ = true;
+    }
+    const int64_t here = int64_t{environment_->node_rank()} * devices;
+    if (!rank_var.empty() && environment_->global_rank() != here) {
+      problems_.add(
+          str(rank_var, "=", environment_->global_rank(), " is set, but ", started_here,
+              " and this one is rank node_rank x devices = ", here,
+              ". Set LOCAL_RANK too where a launcher started each rank (torchrun "
+              "sets both), or unset ",
+              rank_var, " and place each machine's processes with NODE_RANK and num_nodes."),
+          "environment_mismatch");
+    }
+  }
+
   // Processes someone else started must match devices x num_nodes; where
   // fulgur launches them, it starts exactly that many.
   void check_processes_started_elsewhere_match() {
     if (!environment_ || !devices_known_ || !nodes_valid()) return;
-    if (!environment_->creates_processes_externally()) return;
+    if (!environment_->creates_processes_externally()) {
+      check_rank_variables_of_processes_started_here();
+      return;
+    }
     try {
       environment_->validate_settings(static_cast<int>(devices_.size()), options_.num_nodes);
     } catch (const ConfigError& e) {

@@ -377,6 +377,93 @@ TEST(AcceleratorConnector, RanksStartedByHandWithoutMasterPortAreNamed) {
                       env_of({{"LOCAL_RANK", "0"}, {"RANK", "0"}, {"WORLD_SIZE", "1"}})));
 }
 
+// Ranks started by hand with RANK and WORLD_SIZE but no LOCAL_RANK: fulgur
+// starts the processes itself there, and each took rank 0 (one waited 30
+// minutes for peers, the other was told its port was in use); LOCAL_RANK
+// without RANK was taken as rank 0 too.
+TEST(AcceleratorConnector, RankVariablesThatDisagreeWithTheLaunchAreNamed) {
+  const TrainerOptions ddp1{.accelerator = "cpu", .strategy = "ddp", .devices = 1};
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(ddp1, env_of({{"WORLD_SIZE", "2"}, {"RANK", "1"}, {"MASTER_PORT", "29500"}})),
+      {"WORLD_SIZE=2 is set, but devices=1 x num_nodes=1 = 1 process(es)",
+       "fulgur starts the processes itself here (LOCAL_RANK is not set", "RANK=1 is set, but",
+       "this one is rank node_rank x devices = 0", "Set LOCAL_RANK too"});
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::connect(ddp1, env_of({{"WORLD_SIZE", "2"}, {"RANK", "0"}})),
+                     {"WORLD_SIZE=2 is set"});
+  const TrainerOptions ddp2{.accelerator = "cpu", .strategy = "ddp", .devices = 2};
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(ddp2,
+                      env_of({{"LOCAL_RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}})),
+      {"LOCAL_RANK=1 and WORLD_SIZE=2 are set, RANK is not", "Set RANK too"});
+  EXPECT_THROWS_WITH(ConfigError,
+                     fulgur::connect(ddp2, env_of({{"LOCAL_RANK", "1"},
+                                                   {"RANK", "0"},
+                                                   {"WORLD_SIZE", "2"},
+                                                   {"MASTER_PORT", "29500"}})),
+                     {"RANK=0 and LOCAL_RANK=1 on one node (num_nodes=1)"});
+  // What agrees: a node's processes placed by NODE_RANK, with or without
+  // a RANK that says the same; a torchrun-style rank.
+  const TrainerOptions two_nodes{
+      .accelerator = "cpu", .strategy = "ddp", .devices = 2, .num_nodes = 2};
+  for (const char* rank : {"", "2"}) {
+    std::map<std::string, std::string> vars = {{"NODE_RANK", "1"},
+                                               {"WORLD_SIZE", "4"},
+                                               {"MASTER_ADDR", "127.0.0.1"},
+                                               {"MASTER_PORT", "29500"}};
+    if (*rank != '\0') vars["RANK"] = rank;
+    EXPECT_NO_THROW(fulgur::connect(two_nodes, env_of(vars))) << rank;
+  }
+  EXPECT_NO_THROW(fulgur::connect(
+      ddp2,
+      env_of({{"LOCAL_RANK", "1"}, {"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29500"}})));
+}
+
+// The devices a strategy instance carries are checked against the flag
+// (they won silently: 3 ranks for devices=2; a reused instance trained on
+// the devices its first Trainer gave it), and a SingleDeviceStrategy's
+// device against the accelerator (a CUDA device on a CPU run failed inside
+// LibTorch's dispatcher).
+TEST(AcceleratorConnector, TheDevicesAStrategyInstanceCarriesAreChecked) {
+  const c10::Device cpu(c10::kCPU);
+  auto three = std::make_shared<fulgur::DDPStrategy>();
+  three->set_parallel_devices({cpu, cpu, cpu});
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = three, .devices = 2},
+                      empty_env()),
+      {"devices=2 but the strategy instance (ddp) carries parallel_devices [cpu, cpu, cpu]",
+       "one instance per Trainer"});
+  // With devices=auto the instance's are the only ones given.
+  auto auto_three = std::make_shared<fulgur::DDPStrategy>();
+  auto_three->set_parallel_devices({cpu, cpu, cpu});
+  EXPECT_EQ(
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = auto_three}, empty_env())
+          .resolution.num_devices,
+      3);
+  // One instance given to a second Trainer with other devices.
+  auto reused = std::make_shared<fulgur::DDPStrategy>();
+  fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = reused, .devices = 2},
+                  empty_env());
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = reused, .devices = 1},
+                      empty_env()),
+      {"carries parallel_devices [cpu, cpu]", "an earlier Trainer"});
+  // A SingleDeviceStrategy of a CUDA device on the CPU accelerator.
+  auto on_gpu = std::make_shared<fulgur::SingleDeviceStrategy>(c10::Device(c10::kCUDA, 0));
+  EXPECT_THROWS_WITH(
+      ConfigError,
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = on_gpu}, empty_env()),
+      {"the strategy instance (single_device) carries device cuda:0, but "
+       "accelerator=\"cpu\" runs on cpu"});
+  auto on_cpu = std::make_shared<fulgur::SingleDeviceStrategy>(cpu);
+  EXPECT_NO_THROW(
+      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = on_cpu}, empty_env()));
+}
+
 TEST(AcceleratorConnector, AWorldSizeTheLauncherDidNotSetIsNotGivenAValue) {
   // LOCAL_RANK alone: a launcher started this process but said nothing of
   // the world size.

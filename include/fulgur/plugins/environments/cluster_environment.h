@@ -77,6 +77,10 @@ class ClusterEnvironment {
   /// them for processes created externally (a rank out of range would
   /// otherwise surface as a process group that never forms).
   std::vector<std::string> rank_problems(int num_devices, int num_nodes) const;
+  /// The variable the world size and the global rank were read from (""
+  /// when none was: a default, or a value derived from others).
+  const std::string& world_size_variable() const { return rank_sources_.world_size; }
+  const std::string& global_rank_variable() const { return rank_sources_.global_rank; }
 
  protected:
   // Filled by each environment's constructor from its variables.
