@@ -329,6 +329,32 @@ TEST(DDP, SyncDistMetricsThatDifferAcrossRanksAreAnErrorNotAMixUp) {
       << r.output;
 }
 
+// A step value logged with sync_dist is reduced across ranks at each step
+// (it was each rank's own: rank 0 read 0 and rank 1 read 10 where both
+// should read their mean, 5).
+TEST(DDP, SyncDistStepValuesAreReducedAtEveryStep) {
+  auto r = run_worker(
+      {"--strategy", "ddp", "--devices", "2", "--steps", "6", "--rank-step-metric", "0"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* rank : {"0", "1"}) {
+    EXPECT_EQ(result_value(r.output, std::string("rank_step_rank") + rank), "5") << r.output;
+    EXPECT_EQ(result_value(r.output, std::string("rank_max_rank") + rank), "1") << r.output;
+  }
+  EXPECT_EQ(r.output.find("its step values are this rank's"), std::string::npos) << r.output;
+  // First logged after the epoch's first step, where the ranks agree whether
+  // they reduce step values, and that step logged none (train_loss without
+  // sync_dist): each rank's own, with a note (not a hang).
+  auto late = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "6",
+                          "--rank-step-metric", "1", "--sync-dist", "false"});
+  ASSERT_EQ(late.exit_code, 0) << late.output;
+  EXPECT_EQ(result_value(late.output, "rank_step_rank1"), "10") << late.output;
+  EXPECT_EQ(fulgur::test::count_occurrences(late.output,
+                                            "log(\"rank_step\", sync_dist=true): "
+                                            "its step values are this rank's"),
+            1)
+      << late.output;
+}
+
 // EarlyStopping decides on rank 1 only (its metric, logged without
 // sync_dist, gets worse; rank 0's gets better): every rank stops at the
 // end of the same epoch.

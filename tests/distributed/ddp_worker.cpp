@@ -99,6 +99,9 @@ struct Args {
   bool head_in_configure_model = false;
   // This rank's configure_model() adds a buffer the others lack.
   int extra_buffer_rank = -1;
+  // Logs a step value per rank with sync_dist (a tensor, mean; a number,
+  // max) from this batch of each epoch on (-1: never).
+  int rank_step_metric = -1;
   // A rank that calls trainer().request_stop() at batch fault_step: in
   // training_step ("step"), on_train_batch_end ("batch-end"), or in the
   // validation that follows the step numbered fault_step ("validation").
@@ -425,6 +428,10 @@ struct Classifier : fulgur::Module {
     }
     if (rank == args.extra_metric_rank)
       log("only_here", 1.0, {.on_epoch = true, .sync_dist = true});
+    if (args.rank_step_metric >= 0 && batch_idx >= args.rank_step_metric) {
+      log("rank_step", torch::tensor(10.0 * rank), {.sync_dist = true});
+      log("rank_max", 1.0 * rank, {.sync_dist = true, .reduce = fulgur::ReduceOp::kMax});
+    }
     auto [x, y] = batch.pair();
     if (std::count(args.skip_at.begin(), args.skip_at.end(), batch_idx) > 0) {
       const int world = trainer().strategy().world_size();
@@ -778,6 +785,7 @@ int main(int argc, char** argv) {
   app.add_option("--extra-metric-rank", a.extra_metric_rank);
   app.add_flag("--head-in-configure-model", a.head_in_configure_model);
   app.add_option("--extra-buffer-rank", a.extra_buffer_rank);
+  app.add_option("--rank-step-metric", a.rank_step_metric);
   app.add_option("--stop-rank", a.stop_rank);
   app.add_option("--stop-in", a.stop_in)->check(CLI::IsMember({"step", "batch-end", "validation"}));
   app.add_option("--val-every", a.val_every);
@@ -1005,6 +1013,12 @@ int main(int argc, char** argv) {
       // After fit the Sequential runs its own entries again.
       std::cout << "RESULT body_entries_restored="
                 << (model.body->ptr(0).get() == model.body_first.get()) << std::endl;
+    }
+    if (a.rank_step_metric >= 0) {
+      for (const char* name : {"rank_step", "rank_max"}) {
+        std::cout << "RESULT " << name << "_rank" << strategy.global_rank() << "="
+                  << trainer.callback_metrics().at(name) << std::endl;
+      }
     }
     if (model.seen.defined()) {
       std::cout << "RESULT seen_rank" << strategy.global_rank() << "=" << model.seen.item<int64_t>()

@@ -66,7 +66,9 @@ struct LogOptions {
   bool prog_bar = false;
   /// Send to the loggers (CSV, ...).
   bool logger = true;
-  /// Reduce across ranks before logging (no-op on one process).
+  /// Reduce across ranks before logging (no-op on one process): a training
+  /// step's value at the step's end (a collective each step: every rank
+  /// logs the same names), the epoch's value at the epoch's end.
   bool sync_dist = false;
   /// How the value is reduced over an epoch (and, with sync_dist, across ranks).
   ReduceOp reduce = ReduceOp::kMean;

@@ -278,7 +278,8 @@ namespace {
 // metrics in the same order, or each would silently take another metric's
 // values (or wait for a collective that never comes). One all-gather of a
 // hash of the names per epoch makes a difference an error naming them.
-void check_same_synced_metrics(const std::string& synced, Strategy& strategy) {
+void check_same_synced_metrics(const std::string& synced, Strategy& strategy,
+                               const char* when = "this epoch") {
   const auto hash = static_cast<int64_t>(std::hash<std::string>{}(synced));
   at::Tensor all = strategy.all_gather(torch::tensor({hash}, torch::kLong));
   if ((all == hash).all().item<bool>()) return;
@@ -290,8 +291,8 @@ void check_same_synced_metrics(const std::string& synced, Strategy& strategy) {
   }
   const std::string which = by_rank(logged, " logged ");
   throw ConfigError(
-      str("metrics logged with sync_dist=true or as metric objects differ across ranks this "
-          "epoch: ", which,
+      str("metrics logged with sync_dist=true or as metric objects differ across ranks ", when,
+          ": ", which,
           ". Their reductions pair up by name across ranks, so every rank "
           "must log the same ones in an epoch (log them on every rank; "
           "a rank with nothing to add can log a mean with .batch_size = 0, and a metric object "
@@ -317,6 +318,62 @@ std::string synced_names(const std::map<std::string, LogSink::Entry, std::less<>
 }
 
 }  // namespace
+
+void LogSink::sync_step_values(Strategy& strategy) {
+  if (strategy.world_size() <= 1) return;
+  std::string names;  // this step's, as check_same_synced_metrics compares them
+  std::vector<Entry*> synced;
+  for (auto& [name, e] : entries_) {
+    if (!e.step_fresh || !e.options.sync_dist || e.metric != nullptr) continue;
+    names.append(name).append(" (").append(to_string(e.options.reduce)).append("), ");
+    synced.push_back(&e);
+  }
+  if (step_sync_ == StepSync::kUndecided) {
+    step_sync_ = strategy.reduce_boolean_decision(!synced.empty(), /*all=*/false) ? StepSync::kOn
+                                                                                  : StepSync::kOff;
+  }
+  if (step_sync_ == StepSync::kOff) {
+    for (const auto& [name, e] : entries_) {
+      if (!e.step_fresh || !e.options.sync_dist || e.metric != nullptr) continue;
+      if (unsynced_noted_.insert(name).second && strategy.is_global_zero()) {
+        print_note(str("log(\"", name,
+                       "\", sync_dist=true): its step values are this rank's "
+                       "until the next epoch: the ranks agree at each epoch's first step whether "
+                       "they reduce step values, and that step logged none (its epoch value is "
+                       "reduced). Log it from the epoch's first step on."));
+      }
+    }
+    return;
+  }
+  check_same_synced_metrics(names, strategy, "at this step");
+  // One all_reduce per reduction, of the values in name order (the same
+  // on every rank), on the device of the first logged tensor.
+  c10::Device device(c10::kCPU);
+  for (const Entry* e : synced) {
+    if (e->step_tensor.defined()) {
+      device = e->step_tensor.device();
+      break;
+    }
+  }
+  for (const ReduceOp op : {ReduceOp::kMean, ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin}) {
+    std::vector<Entry*> group;
+    std::vector<at::Tensor> values;
+    for (Entry* e : synced) {
+      if (e->options.reduce != op) continue;
+      group.push_back(e);
+      values.push_back(e->step_tensor.defined()
+                           ? e->step_tensor.reshape({1}).to(device, at::kDouble)
+                           : at::full({1}, e->step_value,
+                                      at::TensorOptions().dtype(at::kDouble).device(device)));
+    }
+    if (group.empty()) continue;
+    // Stays on its device, unread (a GPU's step is not synchronised here).
+    const at::Tensor reduced = strategy.all_reduce(at::cat(values), op);
+    for (size_t i = 0; i < group.size(); ++i) {
+      group[i]->step_tensor = reduced.narrow(0, static_cast<int64_t>(i), 1);
+    }
+  }
+}
 
 LogSink::MetricStates LogSink::metric_states(Strategy& strategy) const {
   // No collective where no metric object was logged (every rank logs the
@@ -454,8 +511,9 @@ void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const c
   for (auto& logger : loggers_) logger->log_metrics(row, step);
 }
 
-void LoggerConnector::publish_step(const Strategy& strategy, bool to_loggers, int64_t epoch,
+void LoggerConnector::publish_step(Strategy& strategy, bool to_loggers, int64_t epoch,
                                    int64_t step) {
+  train_sink_.sync_step_values(strategy);
   publish(train_sink_.collect_step(), "_step", to_loggers, strategy.is_global_zero(), epoch, step,
           /*in_fit=*/true);
   train_sink_.clear_step_flags();

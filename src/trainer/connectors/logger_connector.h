@@ -78,13 +78,26 @@ class LogSink final : public ModuleLogSink {
   /// The vector is the sink's own, reused from step to step (no allocation
   /// in steady state); valid until the next call.
   const std::vector<Value>& collect_step();
+  /// Reduces this step's sync_dist step values across ranks, as Lightning
+  /// does (collectives: every rank calls, at each training step's end).
+  /// Whether any rank logs such values is agreed at the epoch's first step
+  /// (one all-reduce); in an epoch that does, every step compares the
+  /// ranks' names (one all-gather, read back: a difference is a ConfigError
+  /// on every rank naming them, not a mix-up or a hang), then reduces the
+  /// values on their device, one all_reduce per reduction. In an epoch whose
+  /// first step logged none, a later one keeps its rank's step value (a
+  /// note says so; its epoch value is reduced).
+  void sync_step_values(Strategy& strategy);
   void clear_step_flags();
   /// Epoch aggregates: name, or name_epoch when also logged per step.
   /// Reduces sync_dist values across ranks and computes the logged metrics
   /// from every rank's states, then resets them (collectives: every rank
   /// calls).
   std::vector<Value> collect_epoch(Strategy& strategy) const;
-  void reset() { entries_.clear(); }
+  void reset() {
+    entries_.clear();
+    step_sync_ = StepSync::kUndecided;
+  }
 
   /// The states of the metric objects logged so far this epoch, by logged
   /// name, combined across the ranks (collectives where any was logged:
@@ -115,6 +128,9 @@ class LogSink final : public ModuleLogSink {
   std::string scratch_;  // entry()'s name lookups
   MetricStates restored_;
   std::vector<Value> step_values_;
+  enum class StepSync { kUndecided, kOn, kOff };
+  StepSync step_sync_ = StepSync::kUndecided;  // this epoch's, across ranks
+  std::set<std::string> unsynced_noted_;
   bool in_step_ = true;
   int64_t batch_size_ = 1;
 };
@@ -147,7 +163,7 @@ class LoggerConnector {
 
   /// Publishes the training step's fresh values, to the loggers too when
   /// `to_loggers` (every log_every_n_steps-th batch that stepped).
-  void publish_step(const Strategy& strategy, bool to_loggers, int64_t epoch, int64_t step);
+  void publish_step(Strategy& strategy, bool to_loggers, int64_t epoch, int64_t step);
   /// The epoch aggregates of `sink`, reduced across ranks for sync_dist
   /// metrics (a collective: every rank calls), published unless
   /// `sanity_checking`, and returned. `in_fit`: the epoch is a fit's (its
