@@ -413,12 +413,12 @@ OptionGroup& OptionGroup::add_option(Option option) {
   // The CLI's own flags, and beside them the sections: an option of such a
   // name could not be set (--config reads a file) or would make the flag
   // ambiguous (--ckpt_path).
+  // (In model: and data: only ckpt_path: --model.config is that option.)
   for (const char* reserved :
-       {"config", "print_config", "help", "ckpt_path", "trainer", "model", "data"}) {
-    const bool section = std::string_view(reserved) == "trainer" ||
-                         std::string_view(reserved) == "model" ||
-                         std::string_view(reserved) == "data";
-    if (option.name == reserved && (top_level_ || !section)) {
+       {"ckpt_path", "config", "print_config", "help", "trainer", "model", "data"}) {
+    const std::string_view name(reserved);
+    const bool section = name == "trainer" || name == "model" || name == "data";
+    if (option.name == reserved && (top_level_ || name == "ckpt_path")) {
       throw ConfigError(str("CLI: option name \"", option.name, "\" is the CLI's own (",
                             section ? "a section of the config" : str("--", option.name),
                             "). Give the option another name."));

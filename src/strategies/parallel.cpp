@@ -267,6 +267,11 @@ void ParallelStrategy::check_same_module_on_every_rank(Module& module) {
       for (auto& d : structure_differences(zero, theirs, r, 3)) differences.push_back(std::move(d));
     }
   }
+  if (differences.empty()) {
+    differences.push_back(
+        "the same parameters and buffers, registered in another order on some "
+        "rank (they pair up by position)");
+  }
   throw ConfigError(str(
       "strategy \"", name(), "\": the module ", module.name(),
       " differs across ranks: ", join(differences, "; "),

@@ -19,6 +19,7 @@
 #include "fulgur/callbacks/progress_bar.h"
 #include "fulgur/callbacks/timer.h"
 #include "fulgur/core/errors.h"
+#include "fulgur/nn/state_dict.h"
 #include "fulgur/distributed/launchers/launcher.h"
 #include "fulgur/loggers/logger.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
@@ -32,6 +33,24 @@
 #include "trainer/tuner_trial.h"
 
 namespace fulgur {
+
+namespace {
+
+// Whether `saved` holds an entry (at any depth of its sections) that `own`
+// does not: the weights of layers this module has not built.
+bool has_entries_beyond(const StateDict& saved, const StateDict& own) {
+  for (const auto& key : saved.keys()) {
+    if (const StateDict* section = saved.find_section(key)) {
+      const StateDict* mine = own.find_section(key);
+      if (mine == nullptr || has_entries_beyond(*section, *mine)) return true;
+    } else if (!own.contains(key)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
 
 namespace detail {
 
@@ -693,12 +712,7 @@ Trainer::Impl::StageResults Trainer::Impl::fit_results(Module& m, FitResult& res
                         // The ranks built parts in configure_model(), which this
                         // process has not run: it runs here too, so that the ranks'
                         // weights have their layers to go into.
-                        std::set<std::string> own;
-                        for (const auto& item : m.named_parameters()) own.insert(item.key());
-                        for (const auto& item : m.named_buffers()) own.insert(item.key());
-                        const auto keys = weights.keys();
-                        if (std::any_of(keys.begin(), keys.end(),
-                                        [&](const std::string& k) { return own.count(k) == 0; })) {
+                        if (has_entries_beyond(weights, module_state_dict(m))) {
                           m.configure_model();
                         }
                         drive().load_module_state(m, weights);

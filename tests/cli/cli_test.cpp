@@ -648,12 +648,28 @@ TEST(CLI, CommandLineCornersAreNamedOnce) {
     EXPECT_TRUE(contains(problems[0], "unknown flag")) << problems[0].substr(0, 300);
     EXPECT_LT(problems[0].size(), 1000u);
   }
-  // An option of the CLI's own name could not be set: refused when added.
+  // A program option of the CLI's own name could not be set (--config reads
+  // a file): refused when added; ckpt_path in any section (a flat
+  // --ckpt_path would be ambiguous).
   for (const char* name : {"config", "print_config", "help", "ckpt_path"}) {
     fulgur::CLI cli({.program = "prog"});
     double value = 0;
-    EXPECT_THROWS_WITH(fulgur::ConfigError, cli.model().add(name, value, "x"),
+    EXPECT_THROWS_WITH(fulgur::ConfigError, cli.program().add(name, value, "x"),
                        {str_of(name), "is the CLI's own"});
+  }
+  {
+    fulgur::CLI cli({.program = "prog"});
+    double value = 0;
+    EXPECT_THROWS_WITH(fulgur::ConfigError, cli.model().add("ckpt_path", value, "x"),
+                       {"is the CLI's own"});
+  }
+  {  // --model.config is the model's option.
+    fulgur::CLI cli({.program = "prog"});
+    double value = 0;
+    cli.model().add("config", value, "x");
+    std::ostringstream out;
+    ASSERT_TRUE(cli.parse_arguments({"--model.config", "2.5"}, out));
+    EXPECT_EQ(value, 2.5);
   }
   for (const char* name : {"trainer", "model", "data"}) {
     fulgur::CLI cli({.program = "prog"});

@@ -341,6 +341,15 @@ TEST(DDP, SyncDistStepValuesAreReducedAtEveryStep) {
     EXPECT_EQ(result_value(r.output, std::string("rank_max_rank") + rank), "1") << r.output;
   }
   EXPECT_EQ(r.output.find("its step values are this rank's"), std::string::npos) << r.output;
+  // A rank that logs none at a step (one without a loss there, say): the
+  // others reduce without it (a mean over the ranks that logged), and it
+  // keeps its last value; no error.
+  auto skipped = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "6",
+                             "--rank-step-metric", "0", "--rank-step-skip-at", "5"});
+  ASSERT_EQ(skipped.exit_code, 0) << skipped.output;
+  EXPECT_EQ(result_value(skipped.output, "rank_step_rank0"), "0") << skipped.output;
+  EXPECT_EQ(result_value(skipped.output, "rank_max_rank0"), "0") << skipped.output;
+  EXPECT_EQ(result_value(skipped.output, "rank_step_rank1"), "5") << skipped.output;
   // First logged after the epoch's first step, where the ranks agree whether
   // they reduce step values, and that step logged none (train_loss without
   // sync_dist): each rank's own, with a note (not a hang).
@@ -426,6 +435,15 @@ TEST(DDP, ForkLauncherReturnsTrainedWeightsToTheCaller) {
 // (a CheckpointError after the whole fit, its result lost).
 TEST(DDP, ForkLauncherReturnsTheWeightsOfLayersBuiltInConfigureModel) {
   expect_equivalent({"--steps", "12", "--head-in-configure-model"}, "ddp_fork");
+  // The calling process runs configure_model() only for layers it lacks
+  // (its process group, its device are the ranks').
+  for (const bool head_later : {true, false}) {
+    std::vector<std::string> args = {"--strategy", "ddp_fork", "--devices", "2", "--steps", "4"};
+    if (head_later) args.push_back("--head-in-configure-model");
+    auto r = run_worker(args);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(result_value(r.output, "configure_model_calls"), head_later ? "1" : "0") << r.output;
+  }
 }
 
 // Ranks whose modules differ (here a buffer one rank's configure_model adds)

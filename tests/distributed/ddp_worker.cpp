@@ -102,6 +102,8 @@ struct Args {
   // Logs a step value per rank with sync_dist (a tensor, mean; a number,
   // max) from this batch of each epoch on (-1: never).
   int rank_step_metric = -1;
+  // At this global step rank 1 logs none of them.
+  int64_t rank_step_skip_at = -1;
   // A rank that calls trainer().request_stop() at batch fault_step: in
   // training_step ("step"), on_train_batch_end ("batch-end"), or in the
   // validation that follows the step numbered fault_step ("validation").
@@ -336,7 +338,9 @@ struct Classifier : fulgur::Module {
 
   int attempt() { return trainer().strategy().cluster_environment().restart_count(); }
 
+  int configure_model_calls = 0;  // in this process
   void configure_model() override {
+    ++configure_model_calls;
     if (args.head_in_configure_model && !fc2) {
       fc2 = register_module("fc2", torch::nn::Linear(32, 4));
     }
@@ -428,7 +432,8 @@ struct Classifier : fulgur::Module {
     }
     if (rank == args.extra_metric_rank)
       log("only_here", 1.0, {.on_epoch = true, .sync_dist = true});
-    if (args.rank_step_metric >= 0 && batch_idx >= args.rank_step_metric) {
+    if (args.rank_step_metric >= 0 && batch_idx >= args.rank_step_metric &&
+        !(rank == 1 && trainer().global_step() == args.rank_step_skip_at)) {
       log("rank_step", torch::tensor(10.0 * rank), {.sync_dist = true});
       log("rank_max", 1.0 * rank, {.sync_dist = true, .reduce = fulgur::ReduceOp::kMax});
     }
@@ -786,6 +791,7 @@ int main(int argc, char** argv) {
   app.add_flag("--head-in-configure-model", a.head_in_configure_model);
   app.add_option("--extra-buffer-rank", a.extra_buffer_rank);
   app.add_option("--rank-step-metric", a.rank_step_metric);
+  app.add_option("--rank-step-skip-at", a.rank_step_skip_at);
   app.add_option("--stop-rank", a.stop_rank);
   app.add_option("--stop-in", a.stop_in)->check(CLI::IsMember({"step", "batch-end", "validation"}));
   app.add_option("--val-every", a.val_every);
@@ -1033,6 +1039,7 @@ int main(int argc, char** argv) {
         }
         torch::save(params, a.out);
       }
+      std::cout << "RESULT configure_model_calls=" << model.configure_model_calls << "\n";
       int64_t parameter_elements = 0;
       for (const auto& p : model.parameters()) parameter_elements += p.numel();
       std::cout << "RESULT parameter_elements=" << parameter_elements << "\n";

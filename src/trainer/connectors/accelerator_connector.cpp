@@ -475,9 +475,9 @@ class ConnectorRun {
   }
 
   // Where fulgur starts the processes itself, it gives this one local rank 0
-  // of its node: a WORLD_SIZE or RANK in the environment that says
-  // otherwise (ranks started by hand without LOCAL_RANK) would have two
-  // processes both be rank 0, one waiting for peers that never come.
+  // of its node: a WORLD_SIZE above what it starts, or on one machine a
+  // RANK other than 0 (ranks started by hand without LOCAL_RANK), would have
+  // two processes both be rank 0, one waiting for peers that never come.
   void check_rank_variables_of_processes_started_here() {
     const int64_t devices = static_cast<int64_t>(devices_.size());
     const int64_t processes = devices * options_.num_nodes;
@@ -486,7 +486,9 @@ class ConnectorRun {
     const char* started_here =
         "fulgur starts the processes itself here (LOCAL_RANK is not set, so no launcher started "
         "this one)";
-    if (!world_var.empty() && environment_->world_size() != processes) {
+    // More than it starts waits forever; fewer (Lightning's older cluster
+    // recipe sets WORLD_SIZE to the node count) is left as it was.
+    if (!world_var.empty() && environment_->world_size() > processes) {
       problems_.add(
           str(world_var, "=", environment_->world_size(), " is set, but devices=", devices,
               " x num_nodes=", options_.num_nodes, " = ", processes, " process(es), and ",
@@ -495,8 +497,9 @@ class ConnectorRun {
           "environment_mismatch");
       counts_mismatch_ = true;
     }
+    // On one machine (a RANK on several may count nodes, as NODE_RANK does).
     const int64_t here = int64_t{environment_->node_rank()} * devices;
-    if (!rank_var.empty() && environment_->global_rank() != here) {
+    if (options_.num_nodes == 1 && !rank_var.empty() && environment_->global_rank() != here) {
       problems_.add(
           str(rank_var, "=", environment_->global_rank(), " is set, but ", started_here,
               " and this one is rank node_rank x devices = ", here,

@@ -10,6 +10,9 @@
 #include <cmath>
 #include <functional>
 #include <iostream>
+#include <sstream>
+#include <map>
+#include <limits>
 #include <string>
 
 #include "fulgur/core/errors.h"
@@ -345,9 +348,48 @@ void LogSink::sync_step_values(Strategy& strategy) {
     }
     return;
   }
-  check_same_synced_metrics(names, strategy, "at this step");
-  // One all_reduce per reduction, of the values in name order (the same
-  // on every rank), on the device of the first logged tensor.
+  // Every rank's names this step: its own where all agree (one all-gather
+  // of a hash), else the union of every rank's (one broadcast per rank; a
+  // rank may leave out a step: one that returned no loss, say).
+  std::vector<std::pair<std::string, ReduceOp>> all;
+  for (const auto& [name, e] : entries_) {
+    if (e.step_fresh && e.options.sync_dist && e.metric == nullptr) {
+      all.emplace_back(name, e.options.reduce);
+    }
+  }
+  const auto hash = static_cast<int64_t>(std::hash<std::string>{}(names));
+  const at::Tensor hashes = strategy.all_gather(torch::tensor({hash}, torch::kLong));
+  if (!(hashes == hash).all().item<bool>()) {
+    std::map<std::string, ReduceOp> merged;
+    std::vector<std::string> conflicts;
+    std::string lines;
+    for (const auto& [name, op] : all)
+      lines.append(name).append("\t").append(to_string(op)) += '\n';
+    for (int r = 0; r < strategy.world_size(); ++r) {
+      std::istringstream theirs(strategy.broadcast_bytes(lines, r));
+      for (std::string line; std::getline(theirs, line);) {
+        const size_t tab = line.find('\t');
+        if (tab == std::string::npos) continue;
+        const std::string name = line.substr(0, tab);
+        ReduceOp op = ReduceOp::kMean;
+        for (const ReduceOp o : {ReduceOp::kMean, ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin}) {
+          if (line.substr(tab + 1) == to_string(o)) op = o;
+        }
+        auto [it, added] = merged.emplace(name, op);
+        if (!added && it->second != op) conflicts.push_back(name);
+      }
+    }
+    if (!conflicts.empty()) {
+      throw ConfigError(str("log(\"", conflicts.front(), "\", sync_dist=true) is reduced with ",
+                            "another reduce on another rank at this step: the ranks reduce a "
+                            "name one way. Log it with one reduce on every rank."));
+    }
+    all.assign(merged.begin(), merged.end());
+  }
+  // One all_reduce per reduction, of the values in name order (the same on
+  // every rank), on the device of the first logged tensor. A rank without a
+  // value adds nothing: 0 (a mean counts the ranks that have one), or the
+  // extreme that loses.
   c10::Device device(c10::kCPU);
   for (const Entry* e : synced) {
     if (e->step_tensor.defined()) {
@@ -355,22 +397,42 @@ void LogSink::sync_step_values(Strategy& strategy) {
       break;
     }
   }
+  const auto on_device = at::TensorOptions().dtype(at::kDouble).device(device);
   for (const ReduceOp op : {ReduceOp::kMean, ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin}) {
-    std::vector<Entry*> group;
-    std::vector<at::Tensor> values;
-    for (Entry* e : synced) {
-      if (e->options.reduce != op) continue;
+    std::vector<Entry*> group;  // null: a name another rank logged
+    std::vector<at::Tensor> values, present;
+    for (const auto& [name, reduce] : all) {
+      if (reduce != op) continue;
+      auto it = entries_.find(name);
+      Entry* e = it != entries_.end() && it->second.step_fresh && it->second.options.sync_dist &&
+                         it->second.metric == nullptr
+                     ? &it->second
+                     : nullptr;
       group.push_back(e);
-      values.push_back(e->step_tensor.defined()
+      const double none = op == ReduceOp::kMax   ? -std::numeric_limits<double>::infinity()
+                          : op == ReduceOp::kMin ? std::numeric_limits<double>::infinity()
+                                                 : 0.0;
+      values.push_back(e == nullptr ? at::full({1}, none, on_device)
+                       : e->step_tensor.defined()
                            ? e->step_tensor.reshape({1}).to(device, at::kDouble)
-                           : at::full({1}, e->step_value,
-                                      at::TensorOptions().dtype(at::kDouble).device(device)));
+                           : at::full({1}, e->step_value, on_device));
+      present.push_back(at::full({1}, e == nullptr ? 0.0 : 1.0, on_device));
     }
     if (group.empty()) continue;
-    // Stays on its device, unread (a GPU's step is not synchronised here).
-    const at::Tensor reduced = strategy.all_reduce(at::cat(values), op);
-    for (size_t i = 0; i < group.size(); ++i) {
-      group[i]->step_tensor = reduced.narrow(0, static_cast<int64_t>(i), 1);
+    const auto n = static_cast<int64_t>(group.size());
+    at::Tensor reduced;
+    if (op == ReduceOp::kMean) {
+      // Stays on its device, unread (a GPU's step is not synchronised here).
+      const at::Tensor sums =
+          strategy.all_reduce(at::cat({at::cat(values), at::cat(present)}), ReduceOp::kSum);
+      reduced = sums.narrow(0, 0, n) / sums.narrow(0, n, n);
+    } else {
+      reduced = strategy.all_reduce(at::cat(values), op);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      if (group[static_cast<size_t>(i)] != nullptr) {
+        group[static_cast<size_t>(i)]->step_tensor = reduced.narrow(0, i, 1);
+      }
     }
   }
 }

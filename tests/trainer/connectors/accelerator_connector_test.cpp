@@ -392,6 +392,8 @@ TEST(AcceleratorConnector, RankVariablesThatDisagreeWithTheLaunchAreNamed) {
   EXPECT_THROWS_WITH(ConfigError,
                      fulgur::connect(ddp1, env_of({{"WORLD_SIZE", "2"}, {"RANK", "0"}})),
                      {"WORLD_SIZE=2 is set"});
+  EXPECT_THROWS_WITH(ConfigError, fulgur::connect(ddp1, env_of({{"RANK", "1"}})),
+                     {"RANK=1 is set, but"});
   const TrainerOptions ddp2{.accelerator = "cpu", .strategy = "ddp", .devices = 2};
   EXPECT_THROWS_WITH(
       ConfigError,
@@ -408,9 +410,12 @@ TEST(AcceleratorConnector, RankVariablesThatDisagreeWithTheLaunchAreNamed) {
   // a RANK that says the same; a torchrun-style rank.
   const TrainerOptions two_nodes{
       .accelerator = "cpu", .strategy = "ddp", .devices = 2, .num_nodes = 2};
-  for (const char* rank : {"", "2"}) {
+  // (A WORLD_SIZE below the processes, as Lightning's older cluster recipe
+  // sets it to the node count, and a RANK on several nodes, as that recipe's
+  // node index, are left as they were.)
+  for (const char* rank : {"", "2", "1"}) {
     std::map<std::string, std::string> vars = {{"NODE_RANK", "1"},
-                                               {"WORLD_SIZE", "4"},
+                                               {"WORLD_SIZE", *rank == '1' ? "2" : "4"},
                                                {"MASTER_ADDR", "127.0.0.1"},
                                                {"MASTER_PORT", "29500"}};
     if (*rank != '\0') vars["RANK"] = rank;
