@@ -718,6 +718,26 @@ TEST(DDPFaults, ARankThatFailsOnItsOwnIsNamedNotAPeerBehindIt) {
   EXPECT_EQ(r.output.find("hung"), std::string::npos) << r.output;
 }
 
+// A rank that leaves the fit with status 0 (an exit() on one rank): it is
+// named as the cause, not the peer that waited for it (which exited with 1
+// and was named alone).
+TEST(DDPFaults, ARankThatExitsWithStatusZeroMidFitIsNamed) {
+  for (const char* strategy : {"ddp", "ddp_fork"}) {
+    TempDir dir;
+    auto r =
+        run_worker({"--strategy", strategy, "--devices", "2", "--steps", "100", "--exit-zero-rank",
+                    "1", "--fault-step", "3", "--timeout", "30", "--root", dir.path()},
+                   {}, 90s);
+    EXPECT_NE(r.exit_code, 0) << strategy << "\n" << r.output;
+    EXPECT_NE(r.output.find("rank 1 (pid"), std::string::npos) << strategy << "\n" << r.output;
+    EXPECT_NE(r.output.find("left the fit early: it exited with status 0 while rank 0 still "
+                            "waited for it"),
+              std::string::npos)
+        << strategy << "\n"
+        << r.output;
+  }
+}
+
 TEST(DDPFaults, TheCauseComesFromFailureRecordsNotFromWhatARankPrinted) {
   // Rank 1 fails on its own with an error whose text reads like a lost
   // peer's; rank 0 sleeps, behind it. The launcher knows from rank 1's

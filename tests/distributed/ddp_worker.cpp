@@ -99,6 +99,8 @@ struct Args {
   bool head_in_configure_model = false;
   // This rank's configure_model() adds a buffer the others lack.
   int extra_buffer_rank = -1;
+  // This rank exits with status 0 at fault_step.
+  int exit_zero_rank = -1;
   // Logs a step value per rank with sync_dist (a tensor, mean; a number,
   // max) from this batch of each epoch on (-1: never).
   int rank_step_metric = -1;
@@ -391,6 +393,10 @@ struct Classifier : fulgur::Module {
     if (rank == args.sigstop_rank && batch_idx == args.fault_step && attempt() == 0) {
       std::cout << "rank " << rank << " stops itself now" << std::endl;
       std::raise(SIGSTOP);
+    }
+    if (rank == args.exit_zero_rank && batch_idx == args.fault_step) {
+      std::cout << "rank " << rank << " leaves with status 0 now" << std::endl;
+      std::exit(0);
     }
     if (rank == args.desync_rank && batch_idx == args.fault_step) {
       std::cout << "rank " << rank << " calls a barrier its peers do not" << std::endl;
@@ -790,6 +796,7 @@ int main(int argc, char** argv) {
   app.add_option("--extra-metric-rank", a.extra_metric_rank);
   app.add_flag("--head-in-configure-model", a.head_in_configure_model);
   app.add_option("--extra-buffer-rank", a.extra_buffer_rank);
+  app.add_option("--exit-zero-rank", a.exit_zero_rank);
   app.add_option("--rank-step-metric", a.rank_step_metric);
   app.add_option("--rank-step-skip-at", a.rank_step_skip_at);
   app.add_option("--stop-rank", a.stop_rank);

@@ -521,6 +521,7 @@ void Supervisor::wait_all() {
   if (w.node_loss) fail_for(*w.node_loss);
   if (w.failed == nullptr) return;
   if (w.report.empty()) w.failed = settle_on_cause(w.failed);
+  if (w.report.empty()) w.report = blame_early_exit(w.failed);
   if (w.report.empty()) w.report = blame_lagging(w.failed);
   if (nodes_ != nullptr && w.report.empty() && w.failed->victim()) {
     // It lost a peer and nothing on this node caused it: the cause may be
@@ -653,6 +654,28 @@ std::string Supervisor::blame_lagging(const Child*& failed) {
           "). Rank ", lagging->global_rank, "'s last lines:\n", tail_text(*lagging), "\nRank ",
           failed->global_rank, "'s last lines:\n", tail_text(*failed));
   failed = lagging;
+  return report;
+}
+
+std::string Supervisor::blame_early_exit(const Child*& failed) {
+  if (WIFSIGNALED(failed->status) || !failed->victim()) return "";
+  const Child* left = nullptr;
+  for (const auto& c : children_) {
+    if (!c.running && WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0) {
+      left = &c;
+      break;
+    }
+  }
+  if (left == nullptr) return "";
+  std::string report =
+      str("rank ", left->global_rank, " (pid ", left->pid,
+          ") left the fit early: it exited with status 0 while rank ", failed->global_rank,
+          " still waited for it in a collective (", describe_death(*failed),
+          "). A return or exit() in the program on one rank only? Every rank must run the whole "
+          "fit. Rank ",
+          left->global_rank, "'s last lines:\n", tail_text(*left), "\nRank ", failed->global_rank,
+          "'s last lines:\n", tail_text(*failed));
+  failed = left;
   return report;
 }
 

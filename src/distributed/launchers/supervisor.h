@@ -161,6 +161,10 @@ class Supervisor {
   /// A victim's failure whose cause is a running rank behind it: that rank's
   /// hang report (and `failed` set to it), or "".
   std::string blame_lagging(const Child*& failed);
+  /// A victim's failure whose cause is a rank that already exited with
+  /// status 0 (it left the fit while its peers waited for it): that rank's
+  /// report (and `failed` set to it), or "".
+  std::string blame_early_exit(const Child*& failed);
   /// Stops the rest and throws the RankFailure.
   [[noreturn]] void fail(const Child* failed, std::string report);
   /// Stops every rank of this node and throws the node's loss.
