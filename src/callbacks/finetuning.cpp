@@ -511,17 +511,15 @@ void BackboneFinetuning::on_fit_start(Trainer&, Module& module) {
   }
   // Found now rather than at the unfreezing epoch, hours in.
   const std::set<const c10::TensorImpl*> held = held_by(*module.optimizers().front());
-  size_t frozen_held = 0;
-  for (const auto& p : backbone_of(module).parameters()) {
-    if (!p.requires_grad() && held.count(p.unsafeGetTensorImpl()) != 0) ++frozen_held;
-  }
-  // The parameters the unfreezing epoch will add: frozen and not held. None
-  // (a backbone of no parameters, or of BatchNorm layers alone, which
-  // train_bn keeps training) would fail there.
-  size_t to_add = 0, in_all = 0;
+  // The frozen parameters the optimizer holds, and those the unfreezing
+  // epoch will add (frozen, not held): none of either (a backbone of no
+  // parameters, or of BatchNorm layers alone, which train_bn keeps
+  // training) would fail there.
+  size_t frozen_held = 0, to_add = 0, in_all = 0;
   for (const auto& p : backbone_of(module).parameters()) {
     ++in_all;
-    if (!p.requires_grad() && held.count(p.unsafeGetTensorImpl()) == 0) ++to_add;
+    if (p.requires_grad()) continue;
+    ++(held.count(p.unsafeGetTensorImpl()) != 0 ? frozen_held : to_add);
   }
   if (!backbone_lr_ && to_add == 0 && frozen_held == 0) {
     throw ConfigError(str(

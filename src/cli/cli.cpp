@@ -120,35 +120,22 @@ std::string config_file_of(const std::string& path) {
   }
 }
 
-// The checkpoint a Trainer given ckpt_path "last", "auto" or "best" starts
-// from, as CheckpointConnector::newest_checkpoint picks it: the newest of
-// `dir` that verifies (a damaged last.ckpt is passed over for the one
-// before it); "" when none does. "best" is a checkpoint of the same run,
-// whose config the newest one holds.
-std::string newest_verified_checkpoint(const std::string& dir) {
-  TorchCheckpointIO io;
-  for (const auto& candidate : checkpoints_newest_first(dir)) {
-    const std::string file = config_file_of(candidate);
-    if (!file.empty() && io.verify(file).empty()) return candidate;
-  }
-  return "";
-}
-
-// The config a checkpoint holds ("" when none, or when it cannot be read:
-// the Trainer reports an unreadable checkpoint when it loads it).
-std::string checkpoint_config(const std::string& path) {
+// The config checkpoint `path` holds ("" when none), or nullopt when it
+// cannot be loaded (the Trainer then reports it, or passes it over for an
+// older one).
+std::optional<std::string> checkpoint_config(const std::string& path) {
   const std::string file = config_file_of(path);
-  if (file.empty()) return "";
+  if (file.empty()) return std::nullopt;
   try {
     TorchCheckpointIO io;
     StateDict checkpoint = io.load_checkpoint(file);
     const StateDict* callbacks = checkpoint.find_section("callbacks");
     const StateDict* config = callbacks ? callbacks->find_section(kConfigStateKey) : nullptr;
     const c10::IValue* yaml = config ? config->find("yaml") : nullptr;
-    if (yaml != nullptr && yaml->isString()) return yaml->toStringRef();
+    return yaml != nullptr && yaml->isString() ? yaml->toStringRef() : std::string();
   } catch (const std::exception&) {
+    return std::nullopt;
   }
-  return "";
 }
 
 using Form = detail::ConfigValueForm;
@@ -410,19 +397,17 @@ OptionGroup& OptionGroup::add_option(Option option) {
     throw ConfigError(str("CLI: option name \"", option.name,
                           "\" is empty or holds '.', ' ' or '='. Use a snake_case name."));
   }
-  // The CLI's own flags, and beside them the sections: an option of such a
-  // name could not be set (--config reads a file) or would make the flag
-  // ambiguous (--ckpt_path).
-  // (In model: and data: only ckpt_path: --model.config is that option.)
-  for (const char* reserved :
-       {"ckpt_path", "config", "print_config", "help", "trainer", "model", "data"}) {
-    const std::string_view name(reserved);
-    const bool section = name == "trainer" || name == "model" || name == "data";
-    if (option.name == reserved && (top_level_ || name == "ckpt_path")) {
-      throw ConfigError(str("CLI: option name \"", option.name, "\" is the CLI's own (",
-                            section ? "a section of the config" : str("--", option.name),
-                            "). Give the option another name."));
-    }
+  // The CLI's own flags and, beside the program's own options, the
+  // sections: an option of such a name could not be set (--config reads a
+  // file) or would make the flag ambiguous (--ckpt_path, in any section;
+  // --model.config is the model's option).
+  const std::string& n = option.name;
+  const bool section = n == "trainer" || n == "model" || n == "data";
+  const bool flag = n == "config" || n == "print_config" || n == "help";
+  if (n == "ckpt_path" || (top_level_ && (section || flag))) {
+    throw ConfigError(str("CLI: option name \"", n, "\" is the CLI's own (",
+                          section ? "a section of the config" : str("--", n),
+                          "). Give the option another name."));
   }
   options_.push_back(std::move(option));
   return *this;
@@ -814,6 +799,7 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
     return fallback;
   };
   std::string ckpt = configured("ckpt_path", "");
+  std::string ckpt_yaml;  // the config it holds
   std::vector<Item> from_checkpoint;
   if (ckpt == "last" || ckpt == "auto" || ckpt == "best") {
     // The checkpoint the Trainer will start from, in the directory its
@@ -831,17 +817,27 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
           configured("trainer.default_root_dir", options_.trainer_defaults.default_root_dir);
       dir = (fs::path(root.empty() ? "." : root) / "checkpoints").string();
     }
-    ckpt = newest_verified_checkpoint(dir);
-  }
-  if (!ckpt.empty()) {
-    if (const std::string yaml = checkpoint_config(ckpt); !yaml.empty()) {
-      try {
-        read_config(YAML::Load(yaml), str("the config in checkpoint \"", ckpt, "\""), true,
-                    from_checkpoint);
-      } catch (const YAML::Exception& e) {
-        std::cerr << options_.program << ": note: the config in checkpoint \"" << ckpt
-                  << "\" is not valid YAML (" << e.what() << "); it is left out." << std::endl;
+    // The newest that loads, as CheckpointConnector::newest_checkpoint picks
+    // the newest that verifies (a damaged last.ckpt is passed over); "best"
+    // is a checkpoint of the same run, whose config the newest one holds.
+    ckpt.clear();
+    for (const auto& candidate : checkpoints_newest_first(dir)) {
+      if (auto yaml = checkpoint_config(candidate)) {
+        ckpt = candidate;
+        ckpt_yaml = std::move(*yaml);
+        break;
       }
+    }
+  } else if (!ckpt.empty()) {
+    ckpt_yaml = checkpoint_config(ckpt).value_or("");
+  }
+  if (!ckpt_yaml.empty()) {
+    try {
+      read_config(YAML::Load(ckpt_yaml), str("the config in checkpoint \"", ckpt, "\""), true,
+                  from_checkpoint);
+    } catch (const YAML::Exception& e) {
+      std::cerr << options_.program << ": note: the config in checkpoint \"" << ckpt
+                << "\" is not valid YAML (" << e.what() << "); it is left out." << std::endl;
     }
   }
 

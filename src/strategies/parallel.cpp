@@ -3,7 +3,6 @@
 #include <torch/torch.h>
 
 #include <atomic>
-#include <functional>
 #include <map>
 #include <sstream>
 
@@ -252,19 +251,14 @@ std::vector<std::string> structure_differences(const std::string& zero, const st
 
 void ParallelStrategy::check_same_module_on_every_rank(Module& module) {
   if (world_size() <= 1) return;
-  const std::string mine = module_structure(module);
-  const auto hash = static_cast<int64_t>(std::hash<std::string>{}(mine));
-  const at::Tensor all = all_gather(torch::tensor({hash}, torch::kLong)).cpu();
-  if ((all == hash).all().item<bool>()) return;
-  // Only on this path: every rank's structure, to name what differs (every
-  // rank takes it, and every rank throws the same error).
+  const std::vector<std::string> every = values_where_they_differ(module_structure(module));
+  if (every.empty()) return;
+  // Every rank has every rank's structure: every rank throws the same error.
   std::vector<std::string> differences;
-  const std::string zero = broadcast_bytes(mine, 0);
-  for (int r = 1; r < world_size(); ++r) {
-    const std::string theirs = broadcast_bytes(mine, r);
-    if (theirs == zero) continue;
-    if (differences.size() < 12) {
-      for (auto& d : structure_differences(zero, theirs, r, 3)) differences.push_back(std::move(d));
+  for (int r = 1; r < world_size() && differences.size() < 12; ++r) {
+    if (every[static_cast<size_t>(r)] == every[0]) continue;
+    for (auto& d : structure_differences(every[0], every[static_cast<size_t>(r)], r, 3)) {
+      differences.push_back(std::move(d));
     }
   }
   if (differences.empty()) {

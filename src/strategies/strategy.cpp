@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <functional>
+
 #include <algorithm>
 #include <iostream>
 #include <set>
@@ -287,6 +289,16 @@ at::Tensor Strategy::broadcast(const at::Tensor& tensor, int src) {
 
 std::string Strategy::broadcast_bytes(const std::string& value, int src) {
   return runs_alone() ? value : process_group().broadcast_bytes(value, src);
+}
+
+std::vector<std::string> Strategy::values_where_they_differ(const std::string& value) {
+  if (runs_alone()) return {};
+  const auto hash = static_cast<int64_t>(std::hash<std::string>{}(value));
+  const at::Tensor all = all_gather(torch::tensor({hash}, torch::kLong));
+  if ((all == hash).all().item<bool>()) return {};
+  std::vector<std::string> values;
+  for (int r = 0; r < world_size(); ++r) values.push_back(broadcast_bytes(value, r));
+  return values;
 }
 
 at::Tensor Strategy::all_reduce(const at::Tensor& tensor, ReduceOp op) {

@@ -30,11 +30,14 @@ using ::testing::HasSubstr;
 class Finetuned : public fulgur::Module {
  public:
   explicit Finetuned(bool only_trainable = true)
+      : Finetuned(torch::nn::Sequential(torch::nn::Linear(3, 4), torch::nn::BatchNorm1d(4),
+                                        torch::nn::Functional(torch::tanh)),
+                  4, only_trainable) {}
+  // Another backbone, of `features` outputs.
+  Finetuned(torch::nn::Sequential backbone_, int64_t features, bool only_trainable = true)
       : Module("Finetuned"), only_trainable_(only_trainable) {
-    backbone = register_module(
-        "backbone", torch::nn::Sequential(torch::nn::Linear(3, 4), torch::nn::BatchNorm1d(4),
-                                          torch::nn::Functional(torch::tanh)));
-    head = register_module("head", torch::nn::Linear(4, 1));
+    backbone = register_module("backbone", std::move(backbone_));
+    head = register_module("head", torch::nn::Linear(features, 1));
   }
   at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
     const auto& [x, y] = batch.pair();
@@ -326,27 +329,10 @@ TEST(BackboneFinetuning, NamesWhatItCannotWorkWith) {
   // which train_bn keeps training): named when the fit starts, not at the
   // unfreezing epoch (where it blamed configure_optimizers).
   for (const bool with_norm : {false, true}) {
-    struct NothingToUnfreeze : fulgur::Module {
-      explicit NothingToUnfreeze(bool with_norm) : Module("NothingToUnfreeze") {
-        backbone = register_module("backbone", torch::nn::Sequential());
-        if (with_norm) backbone->push_back(torch::nn::BatchNorm1d(3));
-        backbone->push_back(torch::nn::Functional(torch::tanh));
-        head = register_module("head", torch::nn::Linear(3, 1));
-      }
-      at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
-        const auto& [x, y] = batch.pair();
-        return torch::nn::functional::mse_loss(head(backbone->forward(x)), y);
-      }
-      fulgur::OptimizerConfig configure_optimizers() override {
-        std::vector<at::Tensor> params;
-        for (auto& p : parameters()) {
-          if (p.requires_grad()) params.push_back(p);
-        }
-        return fulgur::OptimizerConfig(std::make_shared<torch::optim::SGD>(params, 0.1));
-      }
-      torch::nn::Sequential backbone{nullptr};
-      torch::nn::Linear head{nullptr};
-    } model(with_norm);
+    torch::nn::Sequential backbone;
+    if (with_norm) backbone->push_back(torch::nn::BatchNorm1d(3));
+    backbone->push_back(torch::nn::Functional(torch::tanh));
+    Finetuned model(backbone, 3);
     auto options = test_options(dir);
     options.callbacks = {std::make_shared<BackboneFinetuning>(
         BackboneFinetuningOptions{.unfreeze_backbone_at_epoch = 3})};

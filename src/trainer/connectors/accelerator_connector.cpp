@@ -249,10 +249,14 @@ class ConnectorRun {
     }
   }
 
+  std::string carried_by_the_instance() const {
+    return str("the strategy instance (", strategy_->name(), ") carries ");
+  }
+
   // What the instance carries beats flags; naming something else is an error.
   void check_what_the_strategy_instance_carries() {
     if (!strategy_is_instance_ || !strategy_) return;
-    const std::string carried = str("the strategy instance (", strategy_->name(), ") carries ");
+    const std::string carried = carried_by_the_instance();
     if (strategy_->has_accelerator() && accelerator_name_ != "auto" &&
         (accelerator_instance_ ? accelerator_instance_.get() != &strategy_->accelerator()
                                : to_lower(strategy_->accelerator().name()) != accelerator_name_)) {
@@ -316,7 +320,7 @@ class ConnectorRun {
   // device on a CPU-only run that failed inside LibTorch).
   void check_the_strategy_instances_devices() {
     if (!strategy_is_instance_ || !strategy_ || !devices_known_) return;
-    const std::string carried = str("the strategy instance (", strategy_->name(), ") carries ");
+    const std::string carried = carried_by_the_instance();
     const auto& preset = strategy_->parallel_devices();
     if (!preset.empty() && !options_.devices.is_auto() && preset != devices_) {
       std::vector<std::string> names;

@@ -281,21 +281,15 @@ namespace {
 // metrics in the same order, or each would silently take another metric's
 // values (or wait for a collective that never comes). One all-gather of a
 // hash of the names per epoch makes a difference an error naming them.
-void check_same_synced_metrics(const std::string& synced, Strategy& strategy,
-                               const char* when = "this epoch") {
-  const auto hash = static_cast<int64_t>(std::hash<std::string>{}(synced));
-  at::Tensor all = strategy.all_gather(torch::tensor({hash}, torch::kLong));
-  if ((all == hash).all().item<bool>()) return;
-  // Only on this error path: every rank's list, to name who differs.
-  std::vector<std::string> logged;
-  for (int r = 0; r < strategy.world_size(); ++r) {
-    const std::string names = strategy.broadcast_bytes(synced, r);
-    logged.push_back(names.empty() ? "none" : names.substr(0, names.size() - 2));
-  }
+void check_same_synced_metrics(const std::string& synced, Strategy& strategy) {
+  std::vector<std::string> logged = strategy.values_where_they_differ(synced);
+  if (logged.empty()) return;
+  for (auto& names : logged) names = names.empty() ? "none" : names.substr(0, names.size() - 2);
   const std::string which = by_rank(logged, " logged ");
   throw ConfigError(
-      str("metrics logged with sync_dist=true or as metric objects differ across ranks ", when,
-          ": ", which,
+      str("metrics logged with sync_dist=true or as metric objects differ across ranks this "
+          "epoch: ",
+          which,
           ". Their reductions pair up by name across ranks, so every rank "
           "must log the same ones in an epoch (log them on every rank; "
           "a rank with nothing to add can log a mean with .batch_size = 0, and a metric object "
@@ -324,20 +318,17 @@ std::string synced_names(const std::map<std::string, LogSink::Entry, std::less<>
 
 void LogSink::sync_step_values(Strategy& strategy) {
   if (strategy.world_size() <= 1) return;
-  std::string names;  // this step's, as check_same_synced_metrics compares them
-  std::vector<Entry*> synced;
+  // This step's values to reduce, by name (every rank's map has one order).
+  std::map<std::string, Entry*> synced;
   for (auto& [name, e] : entries_) {
-    if (!e.step_fresh || !e.options.sync_dist || e.metric != nullptr) continue;
-    names.append(name).append(" (").append(to_string(e.options.reduce)).append("), ");
-    synced.push_back(&e);
+    if (e.step_fresh && e.options.sync_dist && e.metric == nullptr) synced.emplace(name, &e);
   }
   if (step_sync_ == StepSync::kUndecided) {
     step_sync_ = strategy.reduce_boolean_decision(!synced.empty(), /*all=*/false) ? StepSync::kOn
                                                                                   : StepSync::kOff;
   }
   if (step_sync_ == StepSync::kOff) {
-    for (const auto& [name, e] : entries_) {
-      if (!e.step_fresh || !e.options.sync_dist || e.metric != nullptr) continue;
+    for (const auto& [name, e] : synced) {
       if (unsynced_noted_.insert(name).second && strategy.is_global_zero()) {
         print_note(str("log(\"", name,
                        "\", sync_dist=true): its step values are this rank's "
@@ -348,50 +339,38 @@ void LogSink::sync_step_values(Strategy& strategy) {
     }
     return;
   }
-  // Every rank's names this step: its own where all agree (one all-gather
-  // of a hash), else the union of every rank's (one broadcast per rank; a
-  // rank may leave out a step: one that returned no loss, say).
-  std::vector<std::pair<std::string, ReduceOp>> all;
-  for (const auto& [name, e] : entries_) {
-    if (e.step_fresh && e.options.sync_dist && e.metric == nullptr) {
-      all.emplace_back(name, e.options.reduce);
-    }
+  // Every rank's names this step with their reductions: its own where all
+  // agree, else the union of every rank's (a rank may leave out a step: one
+  // that returned no loss, say).
+  std::map<std::string, ReduceOp> names;
+  std::string lines;
+  for (const auto& [name, e] : synced) {
+    names.emplace(name, e->options.reduce);
+    lines.append(name).append("\t").append(to_string(e->options.reduce)) += '\n';
   }
-  const auto hash = static_cast<int64_t>(std::hash<std::string>{}(names));
-  const at::Tensor hashes = strategy.all_gather(torch::tensor({hash}, torch::kLong));
-  if (!(hashes == hash).all().item<bool>()) {
-    std::map<std::string, ReduceOp> merged;
-    std::vector<std::string> conflicts;
-    std::string lines;
-    for (const auto& [name, op] : all)
-      lines.append(name).append("\t").append(to_string(op)) += '\n';
-    for (int r = 0; r < strategy.world_size(); ++r) {
-      std::istringstream theirs(strategy.broadcast_bytes(lines, r));
-      for (std::string line; std::getline(theirs, line);) {
-        const size_t tab = line.find('\t');
-        if (tab == std::string::npos) continue;
-        const std::string name = line.substr(0, tab);
-        ReduceOp op = ReduceOp::kMean;
-        for (const ReduceOp o : {ReduceOp::kMean, ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin}) {
-          if (line.substr(tab + 1) == to_string(o)) op = o;
-        }
-        auto [it, added] = merged.emplace(name, op);
-        if (!added && it->second != op) conflicts.push_back(name);
+  for (const auto& theirs : strategy.values_where_they_differ(lines)) {
+    std::istringstream in(theirs);
+    for (std::string line; std::getline(in, line);) {
+      const size_t tab = line.find('\t');
+      if (tab == std::string::npos) continue;
+      ReduceOp op = ReduceOp::kMean;
+      for (const ReduceOp o : {ReduceOp::kMean, ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin}) {
+        if (line.compare(tab + 1, std::string::npos, to_string(o)) == 0) op = o;
+      }
+      const auto [it, added] = names.emplace(line.substr(0, tab), op);
+      if (!added && it->second != op) {
+        throw ConfigError(str("log(\"", it->first, "\", sync_dist=true) is reduced with ",
+                              "another reduce on another rank at this step: the ranks reduce a "
+                              "name one way. Log it with one reduce on every rank."));
       }
     }
-    if (!conflicts.empty()) {
-      throw ConfigError(str("log(\"", conflicts.front(), "\", sync_dist=true) is reduced with ",
-                            "another reduce on another rank at this step: the ranks reduce a "
-                            "name one way. Log it with one reduce on every rank."));
-    }
-    all.assign(merged.begin(), merged.end());
   }
   // One all_reduce per reduction, of the values in name order (the same on
   // every rank), on the device of the first logged tensor. A rank without a
   // value adds nothing: 0 (a mean counts the ranks that have one), or the
   // extreme that loses.
   c10::Device device(c10::kCPU);
-  for (const Entry* e : synced) {
+  for (const auto& [name, e] : synced) {
     if (e->step_tensor.defined()) {
       device = e->step_tensor.device();
       break;
@@ -401,13 +380,10 @@ void LogSink::sync_step_values(Strategy& strategy) {
   for (const ReduceOp op : {ReduceOp::kMean, ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin}) {
     std::vector<Entry*> group;  // null: a name another rank logged
     std::vector<at::Tensor> values, present;
-    for (const auto& [name, reduce] : all) {
+    for (const auto& [name, reduce] : names) {
       if (reduce != op) continue;
-      auto it = entries_.find(name);
-      Entry* e = it != entries_.end() && it->second.step_fresh && it->second.options.sync_dist &&
-                         it->second.metric == nullptr
-                     ? &it->second
-                     : nullptr;
+      auto it = synced.find(name);
+      Entry* e = it != synced.end() ? it->second : nullptr;
       group.push_back(e);
       const double none = op == ReduceOp::kMax   ? -std::numeric_limits<double>::infinity()
                           : op == ReduceOp::kMin ? std::numeric_limits<double>::infinity()
@@ -430,9 +406,7 @@ void LogSink::sync_step_values(Strategy& strategy) {
       reduced = strategy.all_reduce(at::cat(values), op);
     }
     for (int64_t i = 0; i < n; ++i) {
-      if (group[static_cast<size_t>(i)] != nullptr) {
-        group[static_cast<size_t>(i)]->step_tensor = reduced.narrow(0, i, 1);
-      }
+      if (Entry* e = group[static_cast<size_t>(i)]) e->step_tensor = reduced.narrow(0, i, 1);
     }
   }
 }
