@@ -390,13 +390,14 @@ TEST(ReduceLROnPlateau, RefusesAStateWithoutItsCounters) {
 
 // ---- Resuming under a schedule.
 
-enum class Schedule { PerEpoch, PerStep, Plateau, Callback, OneCycle, Sequential };
+enum class Schedule { PerEpoch, PerStep, Plateau, PlateauPerStep, Callback, OneCycle, Sequential };
 
 std::string to_string(Schedule s) {
   switch (s) {
     case Schedule::PerEpoch: return "PerEpoch";
     case Schedule::PerStep: return "PerStep";
     case Schedule::Plateau: return "Plateau";
+    case Schedule::PlateauPerStep: return "PlateauPerStep";
     case Schedule::Callback: return "Callback";
     case Schedule::OneCycle: return "OneCycle";
     case Schedule::Sequential: return "Sequential";
@@ -451,6 +452,17 @@ class ScheduledNet : public fulgur::Module {
             *optimizer,
             fulgur::ReduceLROnPlateauOptions{.mode = "max", .factor = 0.5, .patience = 1});
         schedulers.push_back({.scheduler = plateau, .monitor = "val_loss"});
+        break;
+      case Schedule::PlateauPerStep:
+        // The same on the step interval, after each validation
+        // (val_check_interval = 5): the rate halves every other one.
+        plateau = std::make_shared<fulgur::ReduceLROnPlateau>(
+            *optimizer,
+            fulgur::ReduceLROnPlateauOptions{.mode = "max", .factor = 0.5, .patience = 1});
+        schedulers.push_back({.scheduler = plateau,
+                              .interval = fulgur::Interval::kStep,
+                              .frequency = 5,
+                              .monitor = "val_loss"});
         break;
       case Schedule::Callback: break;
       case Schedule::OneCycle:
@@ -513,6 +525,7 @@ fulgur::TrainerOptions options_for(const TempDir& root, const std::string& ckpt_
       std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
           .dirpath = ckpt_dir + "/epochs", .save_top_k = -1, .save_last = false})};
   if (s == Schedule::Callback) options.callbacks.push_back(std::make_shared<DecayingCallback>());
+  if (s == Schedule::PlateauPerStep) options.val_check_interval = 5;
   return options;
 }
 
@@ -588,10 +601,13 @@ TEST_P(ResumeUnderASchedule, FromEveryKindOfCheckpointEndsBitIdentical) {
   // after the second (a plateau with one bad epoch counted). Step 30: the
   // last batch of the third epoch, written before that epoch's scheduler
   // step and validation. Then the checkpoints of two epochs' ends.
-  for (const char* name :
-       {"steps/epoch=0-step=9.ckpt", "steps/epoch=1-step=12.ckpt", "steps/epoch=2-step=21.ckpt",
-        "steps/epoch=2-step=30.ckpt", "epochs/epoch=0-step=10.ckpt",
-        "epochs/epoch=2-step=30.ckpt"}) {
+  // Under PlateauPerStep, step 15 too: written mid-epoch before the
+  // validation that follows it (and the scheduler step that reads it).
+  std::vector<std::string> names = {"steps/epoch=0-step=9.ckpt",   "steps/epoch=1-step=12.ckpt",
+                                    "steps/epoch=2-step=21.ckpt",  "steps/epoch=2-step=30.ckpt",
+                                    "epochs/epoch=0-step=10.ckpt", "epochs/epoch=2-step=30.ckpt"};
+  if (schedule == Schedule::PlateauPerStep) names.push_back("steps/epoch=1-step=15.ckpt");
+  for (const std::string& name : names) {
     SCOPED_TRACE(name);
     const std::string path = (fs::path(ckpt_dir) / name).string();
     ASSERT_TRUE(fs::exists(path)) << ::testing::PrintToString(list_files(ckpt_dir + "/steps"))
@@ -608,8 +624,8 @@ TEST_P(ResumeUnderASchedule, FromEveryKindOfCheckpointEndsBitIdentical) {
 
 INSTANTIATE_TEST_SUITE_P(Schedules, ResumeUnderASchedule,
                          ::testing::Values(Schedule::PerEpoch, Schedule::PerStep, Schedule::Plateau,
-                                           Schedule::Callback, Schedule::OneCycle,
-                                           Schedule::Sequential),
+                                           Schedule::PlateauPerStep, Schedule::Callback,
+                                           Schedule::OneCycle, Schedule::Sequential),
                          [](const auto& info) { return to_string(info.param); });
 
 // ---- SchedulerConfigs that cannot work.
@@ -712,6 +728,91 @@ TEST(SchedulerConfig, APlateauSchedulerOnTheStepIntervalReadsThatStepsValue) {
   }
 }
 
+/// Records the values it is stepped with.
+class RecordingPlateau : public fulgur::ReduceLROnPlateau {
+ public:
+  using ReduceLROnPlateau::ReduceLROnPlateau;
+  void step(double value) override {
+    values.push_back(value);
+    ReduceLROnPlateau::step(value);
+  }
+  std::vector<double> values;
+};
+
+/// Logs val_loss = 100 + k in its k-th validation of the fit.
+class ValidatedNet : public ConfiguredNet {
+ public:
+  void on_validation_epoch_start() override { ++validations; }
+  void validation_step(fulgur::Batch&, int64_t) override { log("val_loss", 100.0 + validations); }
+  int validations = 0;
+};
+
+// A ReduceLROnPlateau on the step interval whose step a validation follows
+// (val_check_interval) reads that validation's value, as Lightning's plateau
+// schedulers step after it: it stepped before it, so at its first due step
+// val_loss was "not logged" (the recipe frequency = val_check_interval
+// failed), and with strict=false it read each value one validation late.
+TEST(SchedulerConfig, APlateauSchedulerOnTheStepIntervalReadsTheValidationAfterItsStep) {
+  for (const bool strict : {true, false}) {
+    SCOPED_TRACE(strict);
+    TempDir root;
+    ValidatedNet model;
+    auto plateau = std::make_shared<RecordingPlateau>(*model.optimizer);
+    model.config = {.scheduler = plateau,
+                    .interval = fulgur::Interval::kStep,
+                    .frequency = 2,
+                    .monitor = "val_loss",
+                    .strict = strict};
+    auto options = test_options(root);
+    options.val_check_interval = 2;
+    options.num_sanity_val_steps = 0;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, fulgur::test::regression_loader(6), fulgur::test::regression_loader(2));
+    EXPECT_EQ(model.validations, 3);
+    EXPECT_THAT(plateau->values, ::testing::ElementsAre(101.0, 102.0, 103.0));
+  }
+}
+
+// A resumed run runs each validation that the uninterrupted run ran after
+// its checkpoint, once: from one written after a step and before the
+// validation that follows it (on_train_batch_end) it runs that validation
+// first (mid-epoch it was skipped), and from one written by the epoch's
+// last validation (ModelCheckpoint's on_validation_end) it does not run it
+// again (it ran twice).
+TEST(SchedulerConfig, AResumeRunsEachValidationAfterItsCheckpointOnce) {
+  TempDir root;
+  auto fit = [&](const std::string& dir, const std::string& ckpt_path) {
+    auto options = test_options(root);
+    options.val_check_interval = 2;  // after steps 2, 4 and 6
+    options.num_sanity_val_steps = 0;
+    options.enable_checkpointing = true;
+    options.callbacks = {
+        std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+            .dirpath = root.file(dir + "/steps"), .save_top_k = -1, .every_n_train_steps = 1}),
+        std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+            .dirpath = root.file(dir + "/validated"), .monitor = "val_loss", .save_top_k = -1})};
+    ValidatedNet model;
+    model.config = {.scheduler = std::make_shared<torch::optim::StepLR>(*model.optimizer, 1)};
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, fulgur::test::regression_loader(6), fulgur::test::regression_loader(2),
+                {.ckpt_path = ckpt_path});
+    return model.validations;
+  };
+  ASSERT_EQ(fit("first", ""), 3);
+  // The validations after step s: 3 - s / 2; one more where a step's own
+  // validation came after its checkpoint.
+  for (int64_t step = 1; step <= 6; ++step) {
+    SCOPED_TRACE(step);
+    const std::string name = "epoch=0-step=" + std::to_string(step) + ".ckpt";
+    EXPECT_EQ(fit("again", root.file("first/steps/" + name)),
+              3 - step / 2 + (step % 2 == 0 ? 1 : 0));
+  }
+  const std::string validated = root.file("first/validated/epoch=0-step=6.ckpt");
+  ASSERT_TRUE(fs::exists(validated))
+      << ::testing::PrintToString(list_files(root.file("first/validated")));
+  EXPECT_EQ(fit("again", validated), 0);
+}
+
 // A scheduler that makes a rate NaN (a NaN factor made every parameter NaN,
 // silently) is named at the step it did so; one that makes it negative (the
 // loss climbs) gets one note, and one that makes it 0 nothing.
@@ -741,17 +842,6 @@ TEST(SchedulerConfig, ASchedulerThatMakesARateNaNIsNamedAndANegativeOneNoted) {
   EXPECT_EQ(fit_with(0.0, err), "");
   EXPECT_EQ(err.find("climbs"), std::string::npos) << err;
 }
-
-/// Records the values it is stepped with.
-class RecordingPlateau : public fulgur::ReduceLROnPlateau {
- public:
-  using ReduceLROnPlateau::ReduceLROnPlateau;
-  void step(double value) override {
-    values.push_back(value);
-    ReduceLROnPlateau::step(value);
-  }
-  std::vector<double> values;
-};
 
 /// Logs a value per batch and per epoch, one per epoch only, and one in
 /// on_train_epoch_end; a plateau scheduler on the epoch interval monitors

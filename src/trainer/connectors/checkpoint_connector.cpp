@@ -89,6 +89,7 @@ StateDict CheckpointConnector::dump() {
   loops.set("batches_before_epoch", progress.batches_before_epoch);
   loops.set("epoch_done", progress.epoch_done);
   loops.set("validated_at_position", progress.validated_at_position);
+  loops.set("monitored_step_due", progress.monitored_step_due);
 
   if (DataLoader* train_loader = trainer_.fit_loop.train_loader()) {
     checkpoint.set_section("train_loader", train_loader->state_dict());
@@ -429,6 +430,11 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
     progress.batches_before_epoch = before->toInt();
   }
   progress.validated_at_position = loops.integer("validated_at_position");
+  // Written since monitored step-interval schedulers step after the
+  // validation that follows their step.
+  if (const c10::IValue* due = loops.find("monitored_step_due"); due != nullptr && due->isBool()) {
+    progress.monitored_step_due = due->toBool();
+  }
   progress.epoch_done = loops.boolean("epoch_done");
   trainer_.fit_loop.restore(progress, checkpoint.find_section("train_loader"));
 

@@ -152,6 +152,11 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
       trainer_.logging.publish_epoch(trainer_.logging.eval_sink(), *trainer_.strategy,
                                      fit.sanity_checking(), fit.current_epoch(), fit.global_step(),
                                      /*in_fit=*/trainer_.stage == Stage::kFit);
+  // A fit's monitored step-interval schedulers read these values (as
+  // Lightning's plateau schedulers, after the validation).
+  if (!is_test && trainer_.stage == Stage::kFit && !fit.sanity_checking()) {
+    trainer_.fit_loop.step_monitored_schedulers();
+  }
   callbacks(&Callback::on_test_epoch_end, &Callback::on_validation_epoch_end);
   Trainer::Impl::set_log_sink(m, nullptr);
   module_hook(&Module::on_test_end, &Module::on_validation_end);

@@ -225,6 +225,18 @@ void FitLoop::train_epoch() {
                       [&](Callback& cb) { cb.on_train_epoch_start(trainer_.self, m); });
 
   const int64_t limit = num_training_batches_;  // -1: until the loader ends
+  // Resumed from a checkpoint written after a batch's step but before the
+  // validation that followed it (on_train_batch_end): run that validation,
+  // the monitored schedulers that read it and the stop it may decide, as
+  // the uninterrupted run did. (The last batch of a loader of unknown
+  // length is known to be the last only below.)
+  bool stopped = false;
+  if (start > 0 && validated_at_position_ != start &&
+      should_validate_now(start, /*is_last_batch=*/limit >= 0 && start >= limit)) {
+    run_validation(false);
+    step_monitored_schedulers();
+    stopped = stop_requested_by_limits(/*boundary=*/true);
+  }
   // With prefetch, each batch goes to the device as soon as the loader gives
   // it, one batch ahead of the step that takes it. The loader is then one
   // batch ahead of the loop, as it is without a known length (the look-ahead
@@ -244,7 +256,7 @@ void FitLoop::train_epoch() {
   std::optional<Batch> batch;
   {
     LoopProfiler::Scope fetch(profiler_.get(), LoopProfiler::Phase::kFetch);
-    if (limit < 0 || idx < limit) {
+    if (!stopped && (limit < 0 || idx < limit)) {
       batch = loader.next();
       agree(batch);
     }
@@ -299,9 +311,11 @@ void FitLoop::train_epoch() {
   feed_.clear();
   if (idx == start && start > 0 && validated_at_position_ != start &&
       should_validate_now(start, /*is_last_batch=*/true)) {
-    // Resumed from a checkpoint written after the epoch's last batch but
-    // before its validation: run what the uninterrupted run ran next.
+    // Resumed from a checkpoint written after the epoch's last batch (of a
+    // loader of unknown length) but before its validation: run what the
+    // uninterrupted run ran next.
     run_validation(false);
+    step_monitored_schedulers();
   }
 
   LoopProfiler::Scope epoch_end(profiler_.get(), LoopProfiler::Phase::kEpochEnd);
@@ -403,10 +417,11 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
     LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kLogging);
     publish_step_metrics();
   }
-  if (monitored_step_due_) {
-    monitored_step_due_ = false;
-    step_schedulers(Interval::kStep, /*monitored=*/true);
-  }
+  const bool ends_epoch = is_last_batch || (trainer_.limits.max_steps >= 0 &&
+                                            global_step_ >= trainer_.limits.max_steps);
+  const bool validates = should_validate_now(idx + 1, ends_epoch);
+  // Where a validation follows, the monitored schedulers read its values.
+  if (!validates) step_monitored_schedulers();
   // The hooks get the loss without its graph. Backward is done, so the loss
   // itself is detached in place (no allocation); a view, or a leaf (which
   // could be a parameter), is copied instead.
@@ -424,9 +439,16 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
         [&](Module& mod) { mod.on_train_batch_end(detached, batch, idx); },
         [&](Callback& cb) { cb.on_train_batch_end(trainer_.self, m, detached, batch, idx); });
   }
-  bool ends_epoch = is_last_batch ||
-                    (trainer_.limits.max_steps >= 0 && global_step_ >= trainer_.limits.max_steps);
-  if (should_validate_now(idx + 1, ends_epoch)) run_validation(false);
+  if (validates) {
+    run_validation(false);
+    step_monitored_schedulers();  // when the validation ran no batch
+  }
+}
+
+void FitLoop::step_monitored_schedulers() {
+  if (!monitored_step_due_) return;
+  monitored_step_due_ = false;
+  step_schedulers(Interval::kStep, /*monitored=*/true);
 }
 
 void FitLoop::step_optimizers() {
@@ -460,7 +482,7 @@ void FitLoop::finish_optimizer_steps(bool zero_grads) {
   ++global_step_;
   ++batches_that_stepped_;
   step_schedulers(Interval::kStep, /*monitored=*/false);
-  monitored_step_due_ = true;  // after the step's values are published
+  monitored_step_due_ = true;  // after the step's values (and its validation's)
 }
 
 void FitLoop::check_loss(const at::Tensor& loss) {
@@ -664,9 +686,11 @@ void FitLoop::run_validation(bool sanity) {
                               LoopProfiler::Phase::kValidation);
   bool was_training = m.is_training();
   sanity_checking_ = sanity;
+  // Before it runs: a checkpoint its callbacks write (on_validation_end)
+  // resumes after it.
+  if (!sanity) validated_at_position_ = batch_position_;
   trainer_.evaluation_loop.run(*val_loader_, Stage::kValidate, limit);
   sanity_checking_ = false;
-  if (!sanity) validated_at_position_ = batch_position_;
   m.train(was_training);
   Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
 }
@@ -810,13 +834,15 @@ FitProgress FitLoop::progress() const {
                      .batches_that_stepped = batches_that_stepped_,
                      .batches_before_epoch = batches_before_epoch_,
                      .epoch_done = in_epoch_end_,
-                     .validated_at_position = validated_at_position_};
+                     .validated_at_position = validated_at_position_,
+                     .monitored_step_due = monitored_step_due_};
 }
 
 void FitLoop::restore(const FitProgress& p, const StateDict* loader_state) {
   global_step_ = p.global_step;
   batches_that_stepped_ = p.batches_that_stepped;
   validated_at_position_ = p.validated_at_position;
+  monitored_step_due_ = p.monitored_step_due && !p.epoch_done;
   batches_before_epoch_ = p.batches_before_epoch;
   if (p.epoch_done) {
     // Written during on_train_epoch_end: that epoch is complete.

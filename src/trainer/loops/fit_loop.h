@@ -48,6 +48,9 @@ struct FitProgress {
   bool epoch_done = false;
   /// Batch position of the last in-epoch validation; -1 for none.
   int64_t validated_at_position = -1;
+  /// The step's monitored step-interval schedulers have not stepped yet:
+  /// they step after the validation that follows the step.
+  bool monitored_step_due = false;
 };
 
 class FitLoop {
@@ -102,6 +105,12 @@ class FitLoop {
   /// What a forked run's rank 0 reached, for the calling process.
   void set_result(int64_t epochs, int64_t global_step);
 
+  /// The last step's monitored step-interval schedulers, when still due:
+  /// the fit's validation calls it once its values are published (before
+  /// the callbacks' epoch-end hooks, so that a checkpoint they write has
+  /// the step).
+  void step_monitored_schedulers();
+
   // ---- Manual optimization (the Module, through TrainerLink).
   void manual_backward(Module& module, const at::Tensor& loss);
   void manual_optimizer_step(Module& module, torch::optim::Optimizer& optimizer);
@@ -148,8 +157,11 @@ class FitLoop {
   /// The schedulers of `interval` due now; `monitored`: those that read a
   /// logged metric (ReduceLROnPlateau), or the others. A step's monitored
   /// ones run after the step's values are published (monitored_step_due_),
-  /// so they read this step's metrics (before a validation inside the batch).
+  /// so they read this step's metrics, and where a validation follows the
+  /// step, after that validation's values (as Lightning's plateau
+  /// schedulers): step_monitored_schedulers.
   void step_schedulers(Interval interval, bool monitored);
+
   /// Every parameter group's learning rate, optimizer by optimizer, into
   /// `out` (its capacity reused: no allocation per step).
   void read_learning_rates(std::vector<double>& out) const;
