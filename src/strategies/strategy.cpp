@@ -31,6 +31,7 @@ Strategy::~Strategy() = default;
 
 void Strategy::set_accelerator(std::shared_ptr<Accelerator> accelerator) {
   accelerator_ = std::move(accelerator);
+  filled_.accelerator = false;
 }
 
 Accelerator& Strategy::accelerator() const {
@@ -44,15 +45,20 @@ Accelerator& Strategy::accelerator() const {
 
 void Strategy::set_precision(std::shared_ptr<Precision> precision) {
   precision_ = std::move(precision);
+  filled_.precision = false;
 }
 
 Precision& Strategy::precision() {
-  if (!precision_) precision_ = std::make_shared<Precision>();
+  if (!precision_) {
+    precision_ = std::make_shared<Precision>();
+    filled_.precision = true;
+  }
   return *precision_;
 }
 
 void Strategy::set_checkpoint_io(std::shared_ptr<CheckpointIO> io) {
   checkpoint_io_ = std::move(io);
+  filled_.checkpoint_io = false;
 }
 
 void Strategy::set_checkpoint_layout(std::shared_ptr<CheckpointLayout> layout) {
@@ -65,16 +71,23 @@ void Strategy::set_checkpoint_layout(std::shared_ptr<CheckpointLayout> layout) {
 }
 
 CheckpointIO& Strategy::checkpoint_io() {
-  if (!checkpoint_io_) checkpoint_io_ = std::make_shared<TorchCheckpointIO>();
+  if (!checkpoint_io_) {
+    checkpoint_io_ = std::make_shared<TorchCheckpointIO>();
+    filled_.checkpoint_io = true;
+  }
   return *checkpoint_io_;
 }
 
 void Strategy::set_cluster_environment(std::shared_ptr<ClusterEnvironment> env) {
   cluster_environment_ = std::move(env);
+  filled_.cluster_environment = false;
 }
 
 ClusterEnvironment& Strategy::cluster_environment() {
-  if (!cluster_environment_) cluster_environment_ = std::make_shared<LightningEnvironment>();
+  if (!cluster_environment_) {
+    cluster_environment_ = std::make_shared<LightningEnvironment>();
+    filled_.cluster_environment = true;
+  }
   return *cluster_environment_;
 }
 
@@ -84,6 +97,44 @@ const ClusterEnvironment& Strategy::cluster_environment() const {
 
 void Strategy::set_parallel_devices(std::vector<c10::Device> devices) {
   parallel_devices_ = std::move(devices);
+  filled_.parallel_devices = false;
+}
+
+void Strategy::fill_from_trainer(std::shared_ptr<Accelerator> accelerator,
+                                 std::shared_ptr<Precision> precision,
+                                 std::shared_ptr<CheckpointIO> checkpoint_io,
+                                 std::shared_ptr<ClusterEnvironment> environment,
+                                 std::vector<c10::Device> devices) {
+  if (!accelerator_) {
+    accelerator_ = std::move(accelerator);
+    filled_.accelerator = true;
+  }
+  if (!precision_) {
+    precision_ = std::move(precision);
+    filled_.precision = true;
+  }
+  // A plugin's (the connector names one beside the instance's own).
+  if (checkpoint_io) {
+    checkpoint_io_ = std::move(checkpoint_io);
+    filled_.checkpoint_io = true;
+  }
+  if (!cluster_environment_) {
+    cluster_environment_ = std::move(environment);
+    filled_.cluster_environment = true;
+  }
+  if (parallel_devices_.empty()) {
+    parallel_devices_ = std::move(devices);
+    filled_.parallel_devices = true;
+  }
+}
+
+void Strategy::forget_what_a_trainer_filled() {
+  if (filled_.accelerator) accelerator_.reset();
+  if (filled_.precision) precision_.reset();
+  if (filled_.checkpoint_io) checkpoint_io_.reset();
+  if (filled_.cluster_environment) cluster_environment_.reset();
+  if (filled_.parallel_devices) parallel_devices_.clear();
+  filled_ = Filled{};
 }
 
 void Strategy::set_launcher(std::unique_ptr<Launcher> launcher) { launcher_ = std::move(launcher); }

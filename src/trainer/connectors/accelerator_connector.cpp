@@ -246,6 +246,10 @@ class ConnectorRun {
     if (!strategy_) {
       strategy_valid_ = false;
       problems_.add("strategy is a null Strategy instance: pass an instance or a name.");
+    } else {
+      // An instance given to an earlier Trainer carries what that Trainer
+      // filled in (its precision, devices, ...): this one's flags decide.
+      detail::StrategyDriver(*strategy_).forget_what_a_trainer_filled();
     }
   }
 
@@ -327,9 +331,8 @@ class ConnectorRun {
       for (const auto& d : preset) names.push_back(d.str());
       problems_.add(str("devices=", options_.devices.text(), " but ", carried, "parallel_devices [",
                         join(names),
-                        "]: set them in one place (an "
-                        "instance given to an earlier Trainer keeps the devices that Trainer "
-                        "gave it: make one instance per Trainer)."));
+                        "]: set them in one place (drop the devices flag, or call "
+                        "set_parallel_devices with the ones you mean)."));
     }
     const auto* single = dynamic_cast<const SingleDeviceStrategy*>(strategy_.get());
     if (single != nullptr && single->device() &&
@@ -694,14 +697,9 @@ Connection build(Connection connection) {
   FULGUR_ASSERT(strategy && connection.cluster_environment && connection.accelerator,
                 "build() needs the strategy, cluster environment and accelerator of resolve()");
   Resolution& r = connection.resolution;
-  if (!strategy->has_accelerator()) strategy->set_accelerator(connection.accelerator);
-  if (!strategy->has_precision()) strategy->set_precision(connection.precision);
-  if (connection.checkpoint_io) strategy->set_checkpoint_io(connection.checkpoint_io);
-  if (!strategy->has_cluster_environment()) {
-    strategy->set_cluster_environment(connection.cluster_environment);
-  }
-  if (strategy->parallel_devices().empty()) strategy->set_parallel_devices(connection.devices);
   detail::StrategyDriver driver(*strategy);
+  driver.fill_from_trainer(connection.accelerator, connection.precision, connection.checkpoint_io,
+                           connection.cluster_environment, connection.devices);
   driver.set_num_nodes(r.num_nodes);
   strategy->set_sync_batchnorm(r.sync_batchnorm);
   reported_as("unavailable",

@@ -440,7 +440,7 @@ TEST(AcceleratorConnector, TheDevicesAStrategyInstanceCarriesAreChecked) {
       fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = three, .devices = 2},
                       empty_env()),
       {"devices=2 but the strategy instance (ddp) carries parallel_devices [cpu, cpu, cpu]",
-       "one instance per Trainer"});
+       "set_parallel_devices"});
   // With devices=auto the instance's are the only ones given.
   auto auto_three = std::make_shared<fulgur::DDPStrategy>();
   auto_three->set_parallel_devices({cpu, cpu, cpu});
@@ -448,15 +448,47 @@ TEST(AcceleratorConnector, TheDevicesAStrategyInstanceCarriesAreChecked) {
       fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = auto_three}, empty_env())
           .resolution.num_devices,
       3);
-  // One instance given to a second Trainer with other devices.
+  // One instance given to a second Trainer: what the first Trainer filled
+  // in (its devices, precision, checkpoint IO) is the second one's to
+  // decide, where it carried over as the instance's own (the devices were
+  // named as a conflict, the precision kept silently).
   auto reused = std::make_shared<fulgur::DDPStrategy>();
+  auto io = std::make_shared<fulgur::TorchCheckpointIO>();
+  auto first = fulgur::connect(TrainerOptions{.accelerator = "cpu",
+                                              .strategy = reused,
+                                              .devices = 2,
+                                              .precision = "bf16-mixed",
+                                              .plugins = {io}},
+                               empty_env());
+  EXPECT_EQ(first.resolution.precision, "bf16-mixed");
+  auto second = fulgur::connect(
+      TrainerOptions{.accelerator = "cpu", .strategy = reused, .devices = 1}, empty_env());
+  EXPECT_EQ(second.resolution.num_devices, 1);
+  EXPECT_EQ(second.resolution.precision, "32-true");
+  EXPECT_NE(&reused->checkpoint_io(), io.get());
+  EXPECT_EQ(
+      fulgur::connect(
+          TrainerOptions{
+              .accelerator = "cpu", .strategy = reused, .devices = 2, .precision = "bf16-mixed"},
+          empty_env())
+          .resolution.precision,
+      "bf16-mixed");
+  // What the instance was given itself stays, and a flag against it is named.
+  reused->set_precision(std::make_shared<fulgur::MixedPrecision>(at::kBFloat16));
   fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = reused, .devices = 2},
                   empty_env());
+  EXPECT_EQ(fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = reused, .devices = 2},
+                            empty_env())
+                .resolution.precision,
+            "bf16-mixed");
   EXPECT_THROWS_WITH(
       ConfigError,
-      fulgur::connect(TrainerOptions{.accelerator = "cpu", .strategy = reused, .devices = 1},
-                      empty_env()),
-      {"carries parallel_devices [cpu, cpu]", "an earlier Trainer"});
+      fulgur::connect(
+          TrainerOptions{
+              .accelerator = "cpu", .strategy = reused, .devices = 2, .precision = "bf16-true"},
+          empty_env()),
+      {"precision=\"bf16-true\" but the strategy instance (ddp) carries precision "
+       "\"bf16-mixed\""});
   // A SingleDeviceStrategy of a CUDA device on the CPU accelerator.
   auto on_gpu = std::make_shared<fulgur::SingleDeviceStrategy>(c10::Device(c10::kCUDA, 0));
   EXPECT_THROWS_WITH(
