@@ -333,8 +333,8 @@ TEST(DDP, SyncDistMetricsThatDifferAcrossRanksAreAnErrorNotAMixUp) {
 // (it was each rank's own: rank 0 read 0 and rank 1 read 10 where both
 // should read their mean, 5).
 TEST(DDP, SyncDistStepValuesAreReducedAtEveryStep) {
-  auto r = run_worker(
-      {"--strategy", "ddp", "--devices", "2", "--steps", "6", "--rank-step-metric", "0"});
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "6", "--rank-step-metric",
+                       "0", "--count-collectives"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* rank : {"0", "1"}) {
     EXPECT_EQ(result_value(r.output, std::string("rank_step_rank") + rank), "5") << r.output;
@@ -353,8 +353,9 @@ TEST(DDP, SyncDistStepValuesAreReducedAtEveryStep) {
   // First logged after the epoch's first step, where the ranks agree whether
   // they reduce step values, and that step logged none (train_loss without
   // sync_dist): each rank's own, with a note (not a hang).
-  auto late = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "6",
-                          "--rank-step-metric", "1", "--sync-dist", "false"});
+  auto late =
+      run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "6", "--rank-step-metric", "1",
+                  "--sync-dist", "false", "--count-collectives"});
   ASSERT_EQ(late.exit_code, 0) << late.output;
   EXPECT_EQ(result_value(late.output, "rank_step_rank1"), "10") << late.output;
   EXPECT_EQ(fulgur::test::count_occurrences(late.output,
@@ -362,6 +363,29 @@ TEST(DDP, SyncDistStepValuesAreReducedAtEveryStep) {
                                             "its step values are this rank's"),
             1)
       << late.output;
+  // A steady-state step reduces its values (one all-reduce per reduction:
+  // the means, rank_max) and starts nothing else for them: the ranks'
+  // names are agreed at the epoch's first step, not compared at every step
+  // (an all-gather read back: a host sync per step on a GPU).
+  for (const char* rank : {"0", "1"}) {
+    const std::string name = std::string("collectives_per_step_rank") + rank;
+    EXPECT_EQ(std::stoi(result_value(r.output, name)),
+              std::stoi(result_value(late.output, name)) + 2)
+        << r.output << late.output;
+  }
+  // First logged after the epoch's first step, which reduced others: that
+  // step's value is the rank's own, the count of such ranks rides in its
+  // reduction, and the ranks agree on the new names at the next step, from
+  // which they are reduced; no note.
+  auto added = run_worker(
+      {"--strategy", "ddp", "--devices", "2", "--steps", "6", "--rank-step-metric", "1"});
+  ASSERT_EQ(added.exit_code, 0) << added.output;
+  for (const char* rank : {"0", "1"}) {
+    EXPECT_EQ(result_value(added.output, std::string("rank_step_rank") + rank), "5")
+        << added.output;
+  }
+  EXPECT_EQ(added.output.find("its step values are this rank's"), std::string::npos)
+      << added.output;
 }
 
 // EarlyStopping decides on rank 1 only (its metric, logged without

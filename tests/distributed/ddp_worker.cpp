@@ -106,6 +106,9 @@ struct Args {
   int rank_step_metric = -1;
   // At this global step rank 1 logs none of them.
   int64_t rank_step_skip_at = -1;
+  // Prints the collectives each rank starts per step, from its training
+  // steps 2 to 4 (RESULT collectives_per_step_rank<r>).
+  bool count_collectives = false;
   // A rank that calls trainer().request_stop() at batch fault_step: in
   // training_step ("step"), on_train_batch_end ("batch-end"), or in the
   // validation that follows the step numbered fault_step ("validation").
@@ -297,6 +300,7 @@ struct Classifier : fulgur::Module {
   }
 
   at::Tensor seen;
+  int64_t collectives_at_2 = 0;  // --count-collectives
   // Test metrics from every rank's states (exact on any world size).
   fulgur::metrics::Accuracy test_macro_acc{{.num_classes = 4, .average = "macro"}};
   fulgur::metrics::F1Score test_macro_f1{{.num_classes = 4, .average = "macro"}};
@@ -422,6 +426,15 @@ struct Classifier : fulgur::Module {
       std::cout << "rank " << rank << " sends signal " << args.launcher_signal << " to its launcher"
                 << std::endl;
       ::kill(::getppid(), args.launcher_signal);
+    }
+    if (args.count_collectives && (batch_idx == 2 || batch_idx == 4)) {
+      const int64_t now = trainer().strategy().process_group().collectives_started();
+      if (batch_idx == 2) {
+        collectives_at_2 = now;
+      } else {
+        std::cout << "RESULT collectives_per_step_rank" << rank << "="
+                  << (now - collectives_at_2) / 2 << std::endl;
+      }
     }
     if (rank == args.extra_barrier_rank && batch_idx == args.fault_step) {
       std::cout << "rank " << rank << " calls a barrier its peers do not" << std::endl;
@@ -799,6 +812,7 @@ int main(int argc, char** argv) {
   app.add_option("--exit-zero-rank", a.exit_zero_rank);
   app.add_option("--rank-step-metric", a.rank_step_metric);
   app.add_option("--rank-step-skip-at", a.rank_step_skip_at);
+  app.add_flag("--count-collectives", a.count_collectives);
   app.add_option("--stop-rank", a.stop_rank);
   app.add_option("--stop-in", a.stop_in)->check(CLI::IsMember({"step", "batch-end", "validation"}));
   app.add_option("--val-every", a.val_every);

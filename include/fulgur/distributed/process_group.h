@@ -159,6 +159,9 @@ class ProcessGroup {
   int rank() const { return options_.rank; }
   int size() const { return options_.world_size; }
   const ProcessGroupOptions& options() const { return options_; }
+  /// The collectives started on this group so far (each one's sequence
+  /// number is the count after it): what a step costs, counted.
+  int64_t collectives_started() const { return calls_; }
 
   void barrier();
   /// `tensor` takes rank `src`'s values (in place).

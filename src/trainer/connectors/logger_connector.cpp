@@ -316,6 +316,41 @@ std::string synced_names(const std::map<std::string, LogSink::Entry, std::less<>
 
 }  // namespace
 
+void LogSink::agree_step_names(const std::map<std::string, Entry*>& synced, Strategy& strategy) {
+  // The union of every rank's names with their reductions: the names agreed
+  // before, those this rank logged since outside them, and this step's.
+  for (const auto& [name, e] : synced) step_names_.emplace(name, e->options.reduce);
+  step_names_.insert(unagreed_names_.begin(), unagreed_names_.end());
+  unagreed_names_.clear();
+  std::string lines;
+  for (const auto& [name, op] : step_names_) {
+    lines.append(name).append("\t").append(to_string(op)) += '\n';
+  }
+  for (const auto& theirs : strategy.values_where_they_differ(lines)) {
+    std::istringstream in(theirs);
+    for (std::string line; std::getline(in, line);) {
+      const size_t tab = line.find('\t');
+      if (tab == std::string::npos) continue;
+      ReduceOp op = ReduceOp::kMean;
+      for (const ReduceOp o : {ReduceOp::kMean, ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin}) {
+        if (line.compare(tab + 1, std::string::npos, to_string(o)) == 0) op = o;
+      }
+      const auto [it, added] = step_names_.emplace(line.substr(0, tab), op);
+      if (!added && it->second != op) {
+        throw ConfigError(str("log(\"", it->first, "\", sync_dist=true) is reduced with ",
+                              "another reduce on another rank: the ranks reduce a "
+                              "name one way. Log it with one reduce on every rank."));
+      }
+    }
+  }
+}
+
+void LogSink::forget_step_names() {
+  step_names_.clear();
+  unagreed_names_.clear();
+  if (unagreed_count_.unread()) unagreed_count_.read();
+}
+
 void LogSink::sync_step_values(Strategy& strategy) {
   if (strategy.world_size() <= 1) return;
   // This step's values to reduce, by name (every rank's map has one order).
@@ -323,9 +358,13 @@ void LogSink::sync_step_values(Strategy& strategy) {
   for (auto& [name, e] : entries_) {
     if (e.step_fresh && e.options.sync_dist && e.metric == nullptr) synced.emplace(name, &e);
   }
+  bool agree = false;
   if (step_sync_ == StepSync::kUndecided) {
-    step_sync_ = strategy.reduce_boolean_decision(!synced.empty(), /*all=*/false) ? StepSync::kOn
-                                                                                  : StepSync::kOff;
+    // step_names_ is the same on every rank (agreed), so is its emptiness.
+    const bool any = !synced.empty() || !unagreed_names_.empty() || !step_names_.empty();
+    step_sync_ =
+        strategy.reduce_boolean_decision(any, /*all=*/false) ? StepSync::kOn : StepSync::kOff;
+    agree = step_sync_ == StepSync::kOn;
   }
   if (step_sync_ == StepSync::kOff) {
     for (const auto& [name, e] : synced) {
@@ -339,32 +378,24 @@ void LogSink::sync_step_values(Strategy& strategy) {
     }
     return;
   }
-  // Every rank's names this step with their reductions: its own where all
-  // agree, else the union of every rank's (a rank may leave out a step: one
-  // that returned no loss, say).
-  std::map<std::string, ReduceOp> names;
-  std::string lines;
-  for (const auto& [name, e] : synced) {
-    names.emplace(name, e->options.reduce);
-    lines.append(name).append("\t").append(to_string(e->options.reduce)) += '\n';
-  }
-  for (const auto& theirs : strategy.values_where_they_differ(lines)) {
-    std::istringstream in(theirs);
-    for (std::string line; std::getline(in, line);) {
-      const size_t tab = line.find('\t');
-      if (tab == std::string::npos) continue;
-      ReduceOp op = ReduceOp::kMean;
-      for (const ReduceOp o : {ReduceOp::kMean, ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin}) {
-        if (line.compare(tab + 1, std::string::npos, to_string(o)) == 0) op = o;
-      }
-      const auto [it, added] = names.emplace(line.substr(0, tab), op);
-      if (!added && it->second != op) {
-        throw ConfigError(str("log(\"", it->first, "\", sync_dist=true) is reduced with ",
-                              "another reduce on another rank at this step: the ranks reduce a "
-                              "name one way. Log it with one reduce on every rank."));
-      }
+  // Some rank logged a name the ranks had not agreed on at the last step
+  // (the count rode in that step's reduction, read now: the host waits for
+  // the last step's all-reduce, not this one's): agree again, once.
+  if (unagreed_count_.unread() && unagreed_count_.read().item<double>() > 0.5) agree = true;
+  if (agree) agree_step_names(synced, strategy);
+  // A name not agreed on yet keeps this rank's value at this step; the ranks
+  // add it at the next one.
+  double unagreed = 0.0;
+  for (auto it = synced.begin(); it != synced.end();) {
+    if (step_names_.count(it->first) == 0) {
+      unagreed = 1.0;
+      unagreed_names_.emplace(it->first, it->second->options.reduce);
+      it = synced.erase(it);
+    } else {
+      ++it;
     }
   }
+  const std::map<std::string, ReduceOp>& names = step_names_;
   // One all_reduce per reduction, of the values in name order (the same on
   // every rank), on the device of the first logged tensor. A rank without a
   // value adds nothing: 0 (a mean counts the ranks that have one), or the
@@ -380,6 +411,8 @@ void LogSink::sync_step_values(Strategy& strategy) {
   for (const ReduceOp op : {ReduceOp::kMean, ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin}) {
     std::vector<Entry*> group;  // null: a name another rank logged
     std::vector<at::Tensor> values, present;
+    // The sums carry how many ranks logged a name not agreed on.
+    if (op == ReduceOp::kMean) present.push_back(at::full({1}, unagreed, on_device));
     for (const auto& [name, reduce] : names) {
       if (reduce != op) continue;
       auto it = synced.find(name);
@@ -394,14 +427,17 @@ void LogSink::sync_step_values(Strategy& strategy) {
                            : at::full({1}, e->step_value, on_device));
       present.push_back(at::full({1}, e == nullptr ? 0.0 : 1.0, on_device));
     }
-    if (group.empty()) continue;
+    if (group.empty() && op != ReduceOp::kMean) continue;
     const auto n = static_cast<int64_t>(group.size());
     at::Tensor reduced;
     if (op == ReduceOp::kMean) {
-      // Stays on its device, unread (a GPU's step is not synchronised here).
-      const at::Tensor sums =
-          strategy.all_reduce(at::cat({at::cat(values), at::cat(present)}), ReduceOp::kSum);
-      reduced = sums.narrow(0, 0, n) / sums.narrow(0, n, n);
+      // Stays on its device, unread (a GPU's step is not synchronised here);
+      // the count of ranks with names not agreed on goes to the host behind
+      // it, read at the next step.
+      values.insert(values.end(), present.begin(), present.end());
+      const at::Tensor sums = strategy.all_reduce(at::cat(values), ReduceOp::kSum);
+      unagreed_count_.start(sums.narrow(0, n, 1));
+      reduced = sums.narrow(0, 0, n) / sums.narrow(0, n + 1, n);
     } else {
       reduced = strategy.all_reduce(at::cat(values), op);
     }
@@ -464,6 +500,7 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
 }
 
 void LoggerConnector::reset_metrics() {
+  train_sink_.forget_step_names();
   ended_ = false;
   divergence_noted_ = false;
   weightless_noted_.clear();

@@ -17,6 +17,7 @@
 #include "fulgur/loggers/logger.h"
 #include "fulgur/trainer/trainer.h"
 #include "core/module_log_sink.h"
+#include "utilities/host_copy.h"
 
 namespace fulgur {
 
@@ -80,14 +81,19 @@ class LogSink final : public ModuleLogSink {
   const std::vector<Value>& collect_step();
   /// Reduces this step's sync_dist step values across ranks, as Lightning
   /// does (collectives: every rank calls, at each training step's end).
-  /// Whether any rank logs such values is agreed at the epoch's first step
-  /// (one all-reduce); in an epoch that does, every step compares the
-  /// ranks' names (one all-gather, read back: a difference is a ConfigError
-  /// on every rank naming them, not a mix-up or a hang), then reduces the
-  /// values on their device, one all_reduce per reduction. In an epoch whose
-  /// first step logged none, a later one keeps its rank's step value (a
-  /// note says so; its epoch value is reduced).
+  /// At the epoch's first step the ranks agree whether any of them reduces
+  /// such values (one all-reduce) and, if so, on the union of the names
+  /// (agree_step_names); every step then reduces the agreed names' values
+  /// on their device, one all_reduce per reduction, nothing read back (a
+  /// rank without a value at a step adds nothing). A name not agreed on
+  /// keeps its rank's value at that step, and the count of ranks with such
+  /// names rides in the step's reduction: read at the next step, it makes
+  /// the ranks agree again, so the name is reduced from then on. In an
+  /// epoch whose first step had none to reduce, a later one keeps its
+  /// rank's step values (a note says so; its epoch value is reduced).
   void sync_step_values(Strategy& strategy);
+  /// At a stage's start: no names agreed on.
+  void forget_step_names();
   void clear_step_flags();
   /// Epoch aggregates: name, or name_epoch when also logged per step.
   /// Reduces sync_dist values across ranks and computes the logged metrics
@@ -123,6 +129,11 @@ class LogSink final : public ModuleLogSink {
   Entry& entry(std::string_view name, const LogOptions& options, bool& on_step, bool& on_epoch,
                metrics::Metric* metric = nullptr);
   static void accumulate(Entry& e, const at::Tensor& value, double weight);
+  /// step_names_ from every rank's step_names_, unagreed_names_ and
+  /// `synced` (one all-gather of a hash, read back, and every rank's names
+  /// only where they differ); a name reduced one way on one rank and
+  /// another way on another is a ConfigError.
+  void agree_step_names(const std::map<std::string, Entry*>& synced, Strategy& strategy);
 
   std::map<std::string, Entry, std::less<>> entries_;
   std::string scratch_;  // entry()'s name lookups
@@ -130,6 +141,12 @@ class LogSink final : public ModuleLogSink {
   std::vector<Value> step_values_;
   enum class StepSync { kUndecided, kOn, kOff };
   StepSync step_sync_ = StepSync::kUndecided;  // this epoch's, across ranks
+  // The step values the ranks reduce (the same on every rank), those this
+  // rank logged since outside them, and the count of ranks with such
+  // names at the last step, on its way to the host.
+  std::map<std::string, ReduceOp> step_names_;
+  std::map<std::string, ReduceOp> unagreed_names_;
+  detail::AsyncHostCopy unagreed_count_;
   std::set<std::string> unsynced_noted_;
   bool in_step_ = true;
   int64_t batch_size_ = 1;
