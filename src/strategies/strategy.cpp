@@ -162,6 +162,46 @@ bool Strategy::agree_to_stop(bool requested, bool /*boundary*/) {
   return world_size() > 1 ? reduce_boolean_decision(requested, /*all=*/false) : requested;
 }
 
+namespace {
+
+// A note for each schedule that sets its optimizer's rates outright
+// (LambdaLR, OneCycleLR, ...) beside another schedule of the same
+// optimizer, whose changes it undoes at its next step.
+void note_schedules_set_outright(const Module& module, const OptimizerConfig& config) {
+  // Which optimizer a schedule moves: fulgur's say; LibTorch's own do not,
+  // but with one optimizer it is that one.
+  const auto optimizer_of = [&](const torch::optim::LRScheduler& s) -> const void* {
+    if (const auto* ours = dynamic_cast<const Scheduler*>(&s)) return &ours->optimizer();
+    return config.optimizers.size() == 1 ? config.optimizers.front().get() : nullptr;
+  };
+  const auto& all = config.schedulers;
+  for (size_t i = 0; i < all.size(); ++i) {
+    const auto* outright = dynamic_cast<const ClosedFormLR*>(all[i].scheduler.get());
+    if (outright == nullptr || outright->chaining_at(outright->steps() + 1).chained) continue;
+    for (size_t j = 0; j < all.size(); ++j) {
+      if (j == i || optimizer_of(*all[j].scheduler) == nullptr ||
+          optimizer_of(*all[j].scheduler) != optimizer_of(*all[i].scheduler)) {
+        continue;
+      }
+      const torch::optim::LRScheduler& other = *all[j].scheduler;
+      detail::print_note(str(
+          module.name(), ".configure_optimizers(): scheduler ", i, " (",
+          c10::demangle(typeid(*outright).name()),
+          ") sets its optimizer's learning rates outright at each step (from the initial rates), "
+          "so what scheduler ",
+          j, " (", c10::demangle(typeid(other).name()),
+          ") does to the same optimizer lasts only until ", i,
+          "'s next step, as in PyTorch. Chain them instead (a chained schedule scales the rate it "
+          "finds: StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, LinearLR, ConstantLR, "
+          "PolynomialLR, ReduceLROnPlateau), run them in turn with SequentialLR, or give each "
+          "optimizer one schedule."));
+      break;
+    }
+  }
+}
+
+}  // namespace
+
 OptimizerConfig Strategy::setup_optimizers(Module& module) {
   OptimizerConfig config = module.configure_optimizers();
   if (config.optimizers.empty() && module.automatic_optimization()) {
@@ -256,6 +296,7 @@ OptimizerConfig Strategy::setup_optimizers(Module& module) {
       }
     }
   }
+  if (is_global_zero()) note_schedules_set_outright(module, config);
   return config;
 }
 

@@ -813,6 +813,49 @@ TEST(SchedulerConfig, AResumeRunsEachValidationAfterItsCheckpointOnce) {
   EXPECT_EQ(fit("again", validated), 0);
 }
 
+// A schedule that sets its optimizer's rates outright at each step
+// (LambdaLR) beside another of the same optimizer (a warm-up beside a
+// plateau cut, say) undoes the other's changes at its next step, as in
+// PyTorch: a note names both and the ways to combine them; chained
+// schedules, or one schedule per optimizer, get none.
+TEST(SchedulerConfig, AScheduleThatSetsRatesOutrightBesideAnotherIsNoted) {
+  auto notes = [](auto configure) {
+    TempDir root;
+    ConfiguredNet model;
+    configure(model);
+    ::testing::internal::CaptureStderr();
+    const std::string error = fit_error(model, root);
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(error, "");
+    return err;
+  };
+  const std::string outright = notes([](ConfiguredNet& model) {
+    model.config = {.scheduler = std::make_shared<fulgur::StepLR>(*model.optimizer, 1, 0.5)};
+    model.more = {{.scheduler = std::make_shared<fulgur::LambdaLR>(
+                       *model.optimizer, [](int64_t step) { return 1.0 / (1 + step); }),
+                   .interval = fulgur::Interval::kStep}};
+  });
+  EXPECT_TRUE(fulgur::test::message_contains(
+      outright,
+      {"scheduler 1 (fulgur::LambdaLR) sets its optimizer's learning rates outright",
+       "what scheduler 0 (fulgur::StepLR) does to the same optimizer lasts only until 1's "
+       "next step",
+       "SequentialLR"}))
+      << outright;
+  const std::string chained = notes([](ConfiguredNet& model) {
+    model.config = {.scheduler = std::make_shared<fulgur::StepLR>(*model.optimizer, 1, 0.5)};
+    model.more = {{.scheduler = std::make_shared<fulgur::ExponentialLR>(*model.optimizer, 0.9),
+                   .interval = fulgur::Interval::kStep}};
+  });
+  EXPECT_EQ(chained.find("outright"), std::string::npos) << chained;
+  const std::string alone = notes([](ConfiguredNet& model) {
+    model.config = {.scheduler = std::make_shared<fulgur::LambdaLR>(
+                        *model.optimizer, [](int64_t step) { return 1.0 / (1 + step); }),
+                    .interval = fulgur::Interval::kStep};
+  });
+  EXPECT_EQ(alone.find("outright"), std::string::npos) << alone;
+}
+
 // A scheduler that makes a rate NaN (a NaN factor made every parameter NaN,
 // silently) is named at the step it did so; one that makes it negative (the
 // loss climbs) gets one note, and one that makes it 0 nothing.
