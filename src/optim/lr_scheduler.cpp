@@ -484,6 +484,11 @@ SequentialLR::~SequentialLR() {
   }
 }
 
+bool SequentialLR::sets_rates_outright() const {
+  return std::any_of(schedulers_.begin(), schedulers_.end(),
+                     [](const auto& scheduler) { return scheduler->sets_rates_outright(); });
+}
+
 ClosedFormLR::Chaining SequentialLR::chaining_at(int64_t step) const {
   // Each scheduler starts from its own step 0 at its milestone, set
   // outright on the first one's initial rates (PyTorch's step(0)).

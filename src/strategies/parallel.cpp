@@ -122,6 +122,17 @@ void ParallelStrategy::do_setup_environment() {
   // One group for the life of the process: fit, then test, reuse it (a
   // second rendezvous on the same port could meet the first one's keys).
   if (has_group()) {
+    const ProcessGroup& group = process_group();
+    if (group.size() != world_size() || group.rank() != global_rank()) {
+      // An instance given to an earlier Trainer of other devices or nodes.
+      throw ConfigError(str("strategy \"", name(), "\" keeps the process group it made for an ",
+                            "earlier Trainer (rank ", group.rank(), " of ", group.size(),
+                            "), but this Trainer's world is rank ", global_rank(), " of ",
+                            world_size(),
+                            ": a process keeps one group for its life (a second rendezvous could "
+                            "meet the first one's). Give this Trainer the earlier one's devices "
+                            "and num_nodes, or a strategy instance of its own in a new process."));
+    }
     // Whatever failure this rank told its peers of is behind it.
     process_group().begin_stage();
     return;
@@ -301,6 +312,7 @@ void ParallelStrategy::set_process_group(std::shared_ptr<ProcessGroup> group) {
 
 void ParallelStrategy::configure_launcher() {
   const StartMethod start_method = start_method_;
+  set_launcher(nullptr);  // an earlier Trainer's (a reused instance)
   if (cluster_environment().creates_processes_externally()) return;  // torchrun, srun, ...
   const int local_world = static_cast<int>(std::max<size_t>(parallel_devices().size(), 1));
   cluster_environment().set_global_rank(node_rank() * local_world + local_rank());

@@ -177,7 +177,7 @@ void note_schedules_set_outright(const Module& module, const OptimizerConfig& co
   const auto& all = config.schedulers;
   for (size_t i = 0; i < all.size(); ++i) {
     const auto* outright = dynamic_cast<const ClosedFormLR*>(all[i].scheduler.get());
-    if (outright == nullptr || outright->chaining_at(outright->steps() + 1).chained) continue;
+    if (outright == nullptr || !outright->sets_rates_outright()) continue;
     for (size_t j = 0; j < all.size(); ++j) {
       if (j == i || optimizer_of(*all[j].scheduler) == nullptr ||
           optimizer_of(*all[j].scheduler) != optimizer_of(*all[i].scheduler)) {
@@ -187,7 +187,7 @@ void note_schedules_set_outright(const Module& module, const OptimizerConfig& co
       detail::print_note(str(
           module.name(), ".configure_optimizers(): scheduler ", i, " (",
           c10::demangle(typeid(*outright).name()),
-          ") sets its optimizer's learning rates outright at each step (from the initial rates), "
+          ") sets its optimizer's learning rates outright at its steps (from the initial rates), "
           "so what scheduler ",
           j, " (", c10::demangle(typeid(other).name()),
           ") does to the same optimizer lasts only until ", i,

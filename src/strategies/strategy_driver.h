@@ -31,6 +31,18 @@ class StrategyDriver {
                          std::move(environment), std::move(devices));
   }
   void forget_what_a_trainer_filled() { s_.forget_what_a_trainer_filled(); }
+  /// The components the strategy carries of its own (given to it, not
+  /// filled in by an earlier Trainer's connector).
+  bool carries_accelerator() const { return s_.has_accelerator() && !s_.filled_.accelerator; }
+  bool carries_precision() const { return s_.has_precision() && !s_.filled_.precision; }
+  bool carries_checkpoint_io() const { return s_.has_checkpoint_io() && !s_.filled_.checkpoint_io; }
+  bool carries_cluster_environment() const {
+    return s_.has_cluster_environment() && !s_.filled_.cluster_environment;
+  }
+  const std::vector<c10::Device>& carried_devices() const {
+    static const std::vector<c10::Device> none;
+    return s_.filled_.parallel_devices ? none : s_.parallel_devices();
+  }
   void configure(std::vector<std::string>& notes) { s_.configure(notes); }
 
   // A stage's lifecycle.

@@ -108,6 +108,11 @@ class ClosedFormLR : public Scheduler {
   using Chaining = ScheduleChaining;
   /// The chaining given to the constructor, at every step.
   virtual Chaining chaining_at(int64_t /*step*/) const { return chaining_; }
+  /// Whether its steps set the rates outright (from the initial rates)
+  /// rather than scale the rates they find: undoing, at its next step, what
+  /// another schedule of the same optimizer did. A SequentialLR: whether
+  /// one of its schedulers does.
+  virtual bool sets_rates_outright() const { return !chaining_.chained; }
 
   const std::vector<double>& base_lrs() const { return base_lrs_; }
   /// Scheduler steps taken (restored from a checkpoint on resume).
@@ -326,6 +331,7 @@ class SequentialLR : public ClosedFormLR {
   void set_other_options(int64_t step) override;
   /// The chaining of the scheduler in charge (none at its own step 0).
   Chaining chaining_at(int64_t step) const override;
+  bool sets_rates_outright() const override;
   /// Whether `scheduler` is stepped by a SequentialLR.
   static bool in_sequence(const torch::optim::LRScheduler& scheduler);
 

@@ -246,12 +246,13 @@ class ConnectorRun {
     if (!strategy_) {
       strategy_valid_ = false;
       problems_.add("strategy is a null Strategy instance: pass an instance or a name.");
-    } else {
-      // An instance given to an earlier Trainer carries what that Trainer
-      // filled in (its precision, devices, ...): this one's flags decide.
-      detail::StrategyDriver(*strategy_).forget_what_a_trainer_filled();
     }
   }
+
+  // What the instance carries of its own: an instance given to an earlier
+  // Trainer also holds what that Trainer filled in (its precision,
+  // devices, ...), which this one's flags decide anew (build() replaces it).
+  detail::StrategyDriver instance() const { return detail::StrategyDriver(*strategy_); }
 
   std::string carried_by_the_instance() const {
     return str("the strategy instance (", strategy_->name(), ") carries ");
@@ -261,7 +262,7 @@ class ConnectorRun {
   void check_what_the_strategy_instance_carries() {
     if (!strategy_is_instance_ || !strategy_) return;
     const std::string carried = carried_by_the_instance();
-    if (strategy_->has_accelerator() && accelerator_name_ != "auto" &&
+    if (instance().carries_accelerator() && accelerator_name_ != "auto" &&
         (accelerator_instance_ ? accelerator_instance_.get() != &strategy_->accelerator()
                                : to_lower(strategy_->accelerator().name()) != accelerator_name_)) {
       problems_.add(str("accelerator=\"", accelerator_flag_, "\" but ", carried, "accelerator \"",
@@ -269,7 +270,7 @@ class ConnectorRun {
                         "\": set it in one place. Drop the "
                         "accelerator flag or the strategy's accelerator."));
     }
-    if (strategy_->has_precision()) {
+    if (instance().carries_precision()) {
       if (precision_) {
         problems_.add(str("plugins has a precision plugin (", precision_->name(), ") but ", carried,
                           "precision \"", strategy_->precision().name(),
@@ -281,12 +282,12 @@ class ConnectorRun {
                           "place. Drop the precision flag or the strategy's precision."));
       }
     }
-    if (strategy_->has_cluster_environment() && environment_) {
+    if (instance().carries_cluster_environment() && environment_) {
       problems_.add(str("plugins has a cluster environment (", environment_->name(), ") but ",
                         carried, "cluster environment \"", strategy_->cluster_environment().name(),
                         "\": set it in one place. Drop the plugin."));
     }
-    if (strategy_->has_checkpoint_io() && io_) {
+    if (instance().carries_checkpoint_io() && io_) {
       problems_.add(str("plugins has a checkpoint IO (", io_->name(), ") but ", carried,
                         "checkpoint IO \"", strategy_->checkpoint_io().name(),
                         "\": set it in one "
@@ -325,7 +326,7 @@ class ConnectorRun {
   void check_the_strategy_instances_devices() {
     if (!strategy_is_instance_ || !strategy_ || !devices_known_) return;
     const std::string carried = carried_by_the_instance();
-    const auto& preset = strategy_->parallel_devices();
+    const auto& preset = instance().carried_devices();
     if (!preset.empty() && !options_.devices.is_auto() && preset != devices_) {
       std::vector<std::string> names;
       for (const auto& d : preset) names.push_back(d.str());
@@ -368,7 +369,7 @@ class ConnectorRun {
   // An explicit, available accelerator parses devices now, so that its
   // complaint (device indices for the CPU) joins the others.
   void parse_devices_of_an_explicit_accelerator() {
-    if (strategy_is_instance_ && strategy_ && strategy_->has_accelerator()) {
+    if (strategy_is_instance_ && strategy_ && instance().carries_accelerator()) {
       accelerator_ = std::shared_ptr<Accelerator>(strategy_, &strategy_->accelerator());
     } else if (accelerator_instance_) {
       accelerator_ = accelerator_instance_;
@@ -458,7 +459,7 @@ class ConnectorRun {
   void choose_cluster_environment() {
     if (environment_plugin_failed_) return;
     if (!environment_ && strategy_is_instance_ && strategy_ &&
-        strategy_->has_cluster_environment()) {
+        instance().carries_cluster_environment()) {
       environment_ =
           std::shared_ptr<ClusterEnvironment>(strategy_, &strategy_->cluster_environment());
     }
@@ -637,7 +638,7 @@ class ConnectorRun {
     c.strategy = std::move(strategy_);
     c.accelerator = std::move(accelerator_);
     c.devices = std::move(devices_);
-    if (!c.strategy->has_precision()) {
+    if (!detail::StrategyDriver(*c.strategy).carries_precision()) {
       c.precision = precision_
                         ? std::move(precision_)
                         : std::shared_ptr<Precision>(context_.precisions->create(precision_name_));
@@ -698,6 +699,8 @@ Connection build(Connection connection) {
                 "build() needs the strategy, cluster environment and accelerator of resolve()");
   Resolution& r = connection.resolution;
   detail::StrategyDriver driver(*strategy);
+  // An earlier Trainer's components (a reused instance) give way to this one's.
+  driver.forget_what_a_trainer_filled();
   driver.fill_from_trainer(connection.accelerator, connection.precision, connection.checkpoint_io,
                            connection.cluster_environment, connection.devices);
   driver.set_num_nodes(r.num_nodes);

@@ -316,6 +316,7 @@ void FitLoop::train_epoch() {
     // uninterrupted run ran next.
     run_validation(false);
     step_monitored_schedulers();
+    stop_requested_by_limits(/*boundary=*/true);  // as after the uninterrupted run's
   }
 
   LoopProfiler::Scope epoch_end(profiler_.get(), LoopProfiler::Phase::kEpochEnd);
@@ -686,11 +687,11 @@ void FitLoop::run_validation(bool sanity) {
                               LoopProfiler::Phase::kValidation);
   bool was_training = m.is_training();
   sanity_checking_ = sanity;
-  // Before it runs: a checkpoint its callbacks write (on_validation_end)
-  // resumes after it.
-  if (!sanity) validated_at_position_ = batch_position_;
   trainer_.evaluation_loop.run(*val_loader_, Stage::kValidate, limit);
   sanity_checking_ = false;
+  // After it: a checkpoint written during it (by its callbacks, or when it
+  // failed) resumes with it run again, whose metrics the epoch's end reads.
+  if (!sanity) validated_at_position_ = batch_position_;
   m.train(was_training);
   Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
 }

@@ -464,6 +464,8 @@ TEST(AcceleratorConnector, TheDevicesAStrategyInstanceCarriesAreChecked) {
   auto second = fulgur::connect(
       TrainerOptions{.accelerator = "cpu", .strategy = reused, .devices = 1}, empty_env());
   EXPECT_EQ(second.resolution.num_devices, 1);
+  EXPECT_NE(first.resolution.launcher, "");
+  EXPECT_EQ(second.resolution.launcher, "");  // one process: nothing to launch
   EXPECT_EQ(second.resolution.precision, "32-true");
   EXPECT_NE(&reused->checkpoint_io(), io.get());
   EXPECT_EQ(
