@@ -2,9 +2,8 @@
 
 #include <torch/torch.h>
 
-#include <functional>
-
 #include <algorithm>
+#include <functional>
 #include <iostream>
 #include <set>
 
@@ -100,11 +99,17 @@ void Strategy::set_parallel_devices(std::vector<c10::Device> devices) {
   filled_.parallel_devices = false;
 }
 
-void Strategy::fill_from_trainer(std::shared_ptr<Accelerator> accelerator,
-                                 std::shared_ptr<Precision> precision,
-                                 std::shared_ptr<CheckpointIO> checkpoint_io,
-                                 std::shared_ptr<ClusterEnvironment> environment,
-                                 std::vector<c10::Device> devices) {
+void Strategy::take_trainers_components(std::shared_ptr<Accelerator> accelerator,
+                                        std::shared_ptr<Precision> precision,
+                                        std::shared_ptr<CheckpointIO> checkpoint_io,
+                                        std::shared_ptr<ClusterEnvironment> environment,
+                                        std::vector<c10::Device> devices) {
+  if (filled_.accelerator) accelerator_.reset();
+  if (filled_.precision) precision_.reset();
+  if (filled_.checkpoint_io) checkpoint_io_.reset();
+  if (filled_.cluster_environment) cluster_environment_.reset();
+  if (filled_.parallel_devices) parallel_devices_.clear();
+  filled_ = Filled{};
   if (!accelerator_) {
     accelerator_ = std::move(accelerator);
     filled_.accelerator = true;
@@ -126,15 +131,6 @@ void Strategy::fill_from_trainer(std::shared_ptr<Accelerator> accelerator,
     parallel_devices_ = std::move(devices);
     filled_.parallel_devices = true;
   }
-}
-
-void Strategy::forget_what_a_trainer_filled() {
-  if (filled_.accelerator) accelerator_.reset();
-  if (filled_.precision) precision_.reset();
-  if (filled_.checkpoint_io) checkpoint_io_.reset();
-  if (filled_.cluster_environment) cluster_environment_.reset();
-  if (filled_.parallel_devices) parallel_devices_.clear();
-  filled_ = Filled{};
 }
 
 void Strategy::set_launcher(std::unique_ptr<Launcher> launcher) { launcher_ = std::move(launcher); }
@@ -178,11 +174,9 @@ void note_schedules_set_outright(const Module& module, const OptimizerConfig& co
   for (size_t i = 0; i < all.size(); ++i) {
     const auto* outright = dynamic_cast<const ClosedFormLR*>(all[i].scheduler.get());
     if (outright == nullptr || !outright->sets_rates_outright()) continue;
+    const void* optimizer = optimizer_of(*outright);
     for (size_t j = 0; j < all.size(); ++j) {
-      if (j == i || optimizer_of(*all[j].scheduler) == nullptr ||
-          optimizer_of(*all[j].scheduler) != optimizer_of(*all[i].scheduler)) {
-        continue;
-      }
+      if (j == i || optimizer_of(*all[j].scheduler) != optimizer) continue;
       const torch::optim::LRScheduler& other = *all[j].scheduler;
       detail::print_note(str(
           module.name(), ".configure_optimizers(): scheduler ", i, " (",

@@ -22,15 +22,15 @@ class StrategyDriver {
 
   // The connector.
   void set_num_nodes(int num_nodes) { s_.set_num_nodes(num_nodes); }
-  void fill_from_trainer(std::shared_ptr<Accelerator> accelerator,
-                         std::shared_ptr<Precision> precision,
-                         std::shared_ptr<CheckpointIO> checkpoint_io,
-                         std::shared_ptr<ClusterEnvironment> environment,
-                         std::vector<c10::Device> devices) {
-    s_.fill_from_trainer(std::move(accelerator), std::move(precision), std::move(checkpoint_io),
-                         std::move(environment), std::move(devices));
+  void take_trainers_components(std::shared_ptr<Accelerator> accelerator,
+                                std::shared_ptr<Precision> precision,
+                                std::shared_ptr<CheckpointIO> checkpoint_io,
+                                std::shared_ptr<ClusterEnvironment> environment,
+                                std::vector<c10::Device> devices) {
+    s_.take_trainers_components(std::move(accelerator), std::move(precision),
+                                std::move(checkpoint_io), std::move(environment),
+                                std::move(devices));
   }
-  void forget_what_a_trainer_filled() { s_.forget_what_a_trainer_filled(); }
   /// The components the strategy carries of its own (given to it, not
   /// filled in by an earlier Trainer's connector).
   bool carries_accelerator() const { return s_.has_accelerator() && !s_.filled_.accelerator; }

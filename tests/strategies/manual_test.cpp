@@ -12,6 +12,7 @@
 
 #include "fulgur/fulgur.h"
 #include "fulgur/utilities/checksum.h"
+#include "strategies/strategy_driver.h"
 #include "utilities/remove_tree.h"
 #include "support/test_support.h"
 
@@ -302,6 +303,12 @@ TEST(ManualStrategy, BringsItsOwnProcessGroupOnlyIfItFits) {
   strategy.set_parallel_devices({c10::Device(c10::kCPU)});
   EXPECT_NO_THROW(strategy.set_process_group(group));
   EXPECT_EQ(strategy.shared_process_group(), group);
+  // Given later to a Trainer of another world (a reused instance): the
+  // group it keeps is named, not used for collectives over other ranks.
+  strategy.set_parallel_devices({c10::Device(c10::kCPU), c10::Device(c10::kCPU)});
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::detail::drive(strategy).setup_environment(),
+                     {"keeps the process group it made for an earlier Trainer (rank 0 of 1), but "
+                      "this Trainer's world is rank 0 of 2"});
 }
 
 }  // namespace

@@ -367,21 +367,21 @@ class Strategy {
   bool stop_vote_ = false;
   // The components a Trainer filled in (the instance's slot was empty, or
   // a getter made its default): the next Trainer given this instance fills
-  // them from its own flags (forget_what_a_trainer_filled), where they
-  // carried over as the instance's own.
+  // them from its own flags (take_trainers_components), where they carried
+  // over as the instance's own.
   struct Filled {
     bool accelerator = false, precision = false, checkpoint_io = false, cluster_environment = false,
          parallel_devices = false;
   } filled_;
 
-  /// The connector's (through StrategyDriver): the empty slots filled with
-  /// a Trainer's components, remembered as such; and forgotten.
-  void fill_from_trainer(std::shared_ptr<Accelerator> accelerator,
-                         std::shared_ptr<Precision> precision,
-                         std::shared_ptr<CheckpointIO> checkpoint_io,
-                         std::shared_ptr<ClusterEnvironment> environment,
-                         std::vector<c10::Device> devices);
-  void forget_what_a_trainer_filled();
+  /// The connector's (through StrategyDriver): what an earlier Trainer
+  /// filled in gives way, and the empty slots take this Trainer's
+  /// components, remembered as filled in.
+  void take_trainers_components(std::shared_ptr<Accelerator> accelerator,
+                                std::shared_ptr<Precision> precision,
+                                std::shared_ptr<CheckpointIO> checkpoint_io,
+                                std::shared_ptr<ClusterEnvironment> environment,
+                                std::vector<c10::Device> devices);
 
   /// A strategy of one process without a group: collectives return their input.
   bool runs_alone() const { return group_ == nullptr && traits_.max_processes == 1; }

@@ -700,9 +700,9 @@ Connection build(Connection connection) {
   Resolution& r = connection.resolution;
   detail::StrategyDriver driver(*strategy);
   // An earlier Trainer's components (a reused instance) give way to this one's.
-  driver.forget_what_a_trainer_filled();
-  driver.fill_from_trainer(connection.accelerator, connection.precision, connection.checkpoint_io,
-                           connection.cluster_environment, connection.devices);
+  driver.take_trainers_components(connection.accelerator, connection.precision,
+                                  connection.checkpoint_io, connection.cluster_environment,
+                                  connection.devices);
   driver.set_num_nodes(r.num_nodes);
   strategy->set_sync_batchnorm(r.sync_batchnorm);
   reported_as("unavailable",

@@ -234,7 +234,6 @@ void FitLoop::train_epoch() {
   if (start > 0 && validated_at_position_ != start &&
       should_validate_now(start, /*is_last_batch=*/limit >= 0 && start >= limit)) {
     run_validation(false);
-    step_monitored_schedulers();
     stopped = stop_requested_by_limits(/*boundary=*/true);
   }
   // With prefetch, each batch goes to the device as soon as the loader gives
@@ -315,7 +314,6 @@ void FitLoop::train_epoch() {
     // loader of unknown length) but before its validation: run what the
     // uninterrupted run ran next.
     run_validation(false);
-    step_monitored_schedulers();
     stop_requested_by_limits(/*boundary=*/true);  // as after the uninterrupted run's
   }
 
@@ -440,10 +438,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
         [&](Module& mod) { mod.on_train_batch_end(detached, batch, idx); },
         [&](Callback& cb) { cb.on_train_batch_end(trainer_.self, m, detached, batch, idx); });
   }
-  if (validates) {
-    run_validation(false);
-    step_monitored_schedulers();  // when the validation ran no batch
-  }
+  if (validates) run_validation(false);
 }
 
 void FitLoop::step_monitored_schedulers() {
@@ -681,6 +676,8 @@ void FitLoop::run_validation(bool sanity) {
       trainer_.require_equal_pass_lengths(0, !val_loader_->num_batches(), "validation",
                                           trainer_.limits.val_flag);
     }
+    // What the validation's values would have been read by.
+    if (!sanity) step_monitored_schedulers();
     return;
   }
   LoopProfiler::Scope timed(sanity ? nullptr : profiler_.get(),

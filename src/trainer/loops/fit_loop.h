@@ -108,7 +108,7 @@ class FitLoop {
   /// The last step's monitored step-interval schedulers, when still due:
   /// the fit's validation calls it once its values are published (before
   /// the callbacks' epoch-end hooks, so that a checkpoint they write has
-  /// the step).
+  /// the step), or instead of running no batch.
   void step_monitored_schedulers();
 
   // ---- Manual optimization (the Module, through TrainerLink).
@@ -161,7 +161,6 @@ class FitLoop {
   /// step, after that validation's values (as Lightning's plateau
   /// schedulers): step_monitored_schedulers.
   void step_schedulers(Interval interval, bool monitored);
-
   /// Every parameter group's learning rate, optimizer by optimizer, into
   /// `out` (its capacity reused: no allocation per step).
   void read_learning_rates(std::vector<double>& out) const;
