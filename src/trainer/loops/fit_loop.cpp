@@ -188,7 +188,10 @@ void FitLoop::run() {
       stop_reason_ = "max_epochs";
       break;
     }
-    if (stop_requested_by_limits(/*boundary=*/true)) break;
+    // A resumed epoch goes on from its last batch's stop check (in
+    // train_epoch), which may still have its validation and end to run:
+    // a checkpoint at max_steps comes before both.
+    if (!resumes_within_epoch_ && stop_requested_by_limits(/*boundary=*/true)) break;
     train_epoch();
     if (batches_before_epoch_ >= 0) batches_before_epoch_ += batch_position_;
     ++current_epoch_;
@@ -225,16 +228,21 @@ void FitLoop::train_epoch() {
                       [&](Callback& cb) { cb.on_train_epoch_start(trainer_.self, m); });
 
   const int64_t limit = num_training_batches_;  // -1: until the loader ends
-  // Resumed from a checkpoint written after a batch's step but before the
-  // validation that followed it (on_train_batch_end): run that validation,
-  // the monitored schedulers that read it and the stop it may decide, as
-  // the uninterrupted run did. (The last batch of a loader of unknown
-  // length is known to be the last only below.)
+  // Resumed from a checkpoint written after one of this epoch's batches
+  // (on_train_batch_end, or its validation's callbacks): run what the
+  // uninterrupted run ran after it. That is the validation that followed
+  // the batch, when the checkpoint came before its end (the monitored
+  // schedulers read it), then the stop check (max_steps reached at that
+  // batch ends the epoch here). The last batch of a loader of unknown
+  // length is known to be the last only below.
   bool stopped = false;
-  if (start > 0 && validated_at_position_ != start &&
-      should_validate_now(start, /*is_last_batch=*/limit >= 0 && start >= limit)) {
-    run_validation(false);
-    stopped = stop_requested_by_limits(/*boundary=*/true);
+  if (resumes_within_epoch_) {
+    resumes_within_epoch_ = false;
+    if (validated_at_position_ != start &&
+        should_validate_now(start, /*is_last_batch=*/limit >= 0 && start >= limit)) {
+      run_validation(false);
+    }
+    stopped = stop_after_batch(start);
   }
   // With prefetch, each batch goes to the device as soon as the loader gives
   // it, one batch ahead of the step that takes it. The loader is then one
@@ -290,15 +298,7 @@ void FitLoop::train_epoch() {
     training_batch(*batch, idx, last);
     if (profiler_) profiler_->batch_end();
     ++idx;
-    // A validation (its metrics may decide a stop) makes a boundary.
-    const bool stop = stop_requested_by_limits(/*boundary=*/validated_at_position_ == idx);
-    if (stop && stop_reason_ == "should_stop" && validated_at_position_ != idx &&
-        validates_this_epoch()) {
-      // A requested stop (request_stop(), max_time, a callback) validates
-      // where it stops, as Lightning's does: the run's last weights are
-      // measured, and a checkpoint monitoring a validation metric sees them.
-      run_validation(false);
-    }
+    const bool stop = stop_after_batch(idx);
     if (stop || last) break;
     if (looked_ahead) {
       batch = std::move(next_batch);
@@ -349,6 +349,19 @@ void FitLoop::train_epoch() {
   for (auto& cb : trainer_.callbacks) cb->on_train_epoch_end(trainer_.self, m);
   in_epoch_end_ = false;
   validated_at_position_ = -1;
+}
+
+bool FitLoop::stop_after_batch(int64_t position) {
+  // A validation (its metrics may decide a stop) makes a boundary.
+  const bool stop = stop_requested_by_limits(/*boundary=*/validated_at_position_ == position);
+  if (stop && stop_reason_ == "should_stop" && validated_at_position_ != position &&
+      validates_this_epoch()) {
+    // A requested stop (request_stop(), max_time, a callback) validates
+    // where it stops, as Lightning's does: the run's last weights are
+    // measured, and a checkpoint monitoring a validation metric sees them.
+    run_validation(false);
+  }
+  return stop;
 }
 
 void FitLoop::log_to_train_sink(Module& m, bool training_step, int64_t batch_size) {
@@ -774,6 +787,7 @@ void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoade
   stop_reason_.clear();
   in_epoch_end_ = false;
   validated_at_position_ = -1;
+  resumes_within_epoch_ = false;
   missing_monitor_noted_.clear();
 }
 
@@ -841,6 +855,7 @@ void FitLoop::restore(const FitProgress& p, const StateDict* loader_state) {
   batches_that_stepped_ = p.batches_that_stepped;
   validated_at_position_ = p.validated_at_position;
   monitored_step_due_ = p.monitored_step_due && !p.epoch_done;
+  resumes_within_epoch_ = !p.epoch_done && p.batch_position > 0;
   batches_before_epoch_ = p.batches_before_epoch;
   if (p.epoch_done) {
     // Written during on_train_epoch_end: that epoch is complete.

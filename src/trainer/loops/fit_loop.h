@@ -121,6 +121,10 @@ class FitLoop {
 
  private:
   void train_epoch();
+  /// The stop check after the batch before `position` (or the checkpoint
+  /// written after it): a requested stop validates there when the batch's
+  /// own validation did not run, as Lightning's does.
+  bool stop_after_batch(int64_t position);
   /// Under reload_dataloaders_every_n_epochs=N: the DataModule's loaders
   /// for `epoch` (made at `epoch` rounded down to a multiple of N) unless
   /// those are the ones in use; then the batch count again.
@@ -206,6 +210,9 @@ class FitLoop {
   std::set<size_t> missing_monitor_noted_;  // schedulers whose missing metric was noted
   bool in_epoch_end_ = false;           // checkpoints taken now resume at the next epoch
   int64_t validated_at_position_ = -1;  // batch position of the last in-epoch validation
+  // Restored within an epoch (after one of its batches): the epoch goes
+  // on from the check that followed that batch, whatever limit it reached.
+  bool resumes_within_epoch_ = false;
   // The ranks agree on each training batch's look-ahead (a loader of
   // unknown length on some rank: count_training_batches), and a note said
   // that another rank's loader ended sooner.

@@ -404,6 +404,52 @@ TEST_F(MidEpochResume, FromLast) {
   ExpectResumeMatches("last", std::nullopt, ckpt_dir_);
 }
 
+// A run that reaches max_steps mid-epoch validates and ends the epoch
+// there. Resumed from a checkpoint written at the end of any of its batches
+// (the last one included, before that validation), the run does what the
+// uninterrupted run did after it: the last resumed without the validation,
+// the epoch's end or the checkpoint the validation's ModelCheckpoint wrote.
+TEST(Checkpoint, AResumeAtMaxStepsRunsTheValidationAndEpochEndAfterItsCheckpoint) {
+  TempDir root;
+  constexpr int64_t kMaxSteps = 4;
+  auto fit = [&](const std::string& dir, const std::string& ckpt_path, LinearRegression& model) {
+    auto options = test_options(root);
+    options.max_steps = kMaxSteps;
+    options.max_epochs = 3;
+    options.num_sanity_val_steps = 0;
+    options.enable_checkpointing = true;
+    options.callbacks = {
+        std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+            .dirpath = root.file(dir + "/steps"), .save_top_k = -1, .every_n_train_steps = 1}),
+        std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+            .dirpath = root.file(dir + "/validated"), .monitor = "val_loss"})};
+    fulgur::Trainer trainer(options);
+    return trainer.fit(model, regression_loader(6), regression_loader(2), {.ckpt_path = ckpt_path});
+  };
+  LinearRegression uninterrupted;
+  const fulgur::FitResult first = fit("first", "", uninterrupted);
+  ASSERT_EQ(first.global_step, kMaxSteps);
+  ASSERT_EQ(uninterrupted.count("on_validation_epoch_start"), 1);
+  ASSERT_EQ(uninterrupted.count("on_train_epoch_end"), 1);
+  for (int64_t step = 1; step <= kMaxSteps; ++step) {
+    SCOPED_TRACE(step);
+    LinearRegression resumed;
+    const fulgur::FitResult result =
+        fit("again" + std::to_string(step),
+            root.file("first/steps/epoch=0-step=" + std::to_string(step) + ".ckpt"), resumed);
+    EXPECT_EQ(result.global_step, kMaxSteps);
+    EXPECT_EQ(result.stop_reason, first.stop_reason);
+    EXPECT_EQ(result.epochs, first.epochs);
+    EXPECT_EQ(resumed.training_steps, kMaxSteps - step);
+    EXPECT_EQ(resumed.count("on_validation_epoch_start"), 1);
+    EXPECT_EQ(resumed.count("on_train_epoch_end"), 1);
+    EXPECT_EQ(resumed.count("on_train_end"), 1);
+    EXPECT_TRUE(parameters_equal(uninterrupted, resumed));
+    EXPECT_THAT(list_files(root.file("again" + std::to_string(step) + "/validated")),
+                ::testing::Contains("epoch=0-step=4.ckpt"));
+  }
+}
+
 // ---- Unusable checkpoints.
 
 TEST(CheckpointErrors, MissingFile) {
