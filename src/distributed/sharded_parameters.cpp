@@ -206,32 +206,46 @@ bool ShardedParameters::reduce_scatter_gradients(const std::vector<size_t>& indi
   return exchange.any_gradient();
 }
 
+std::vector<int> ShardedParameters::local_gradients(const std::vector<size_t>& indices) const {
+  std::vector<int> flags(indices.size(), 0);
+  for (size_t j = 0; j < indices.size(); ++j) {
+    if (parameters_[indices[j]].grad().defined()) flags[j] = 1;
+  }
+  return flags;
+}
+
 ShardedExchange ShardedParameters::start_reduce_scatter_gradients(
     const std::vector<size_t>& indices, bool contributes) {
-  ShardedExchange exchange;
-  if (indices.empty()) return exchange;
-  bool any = false;
-  torch::NoGradGuard no_grad;
+  if (indices.empty()) return {};
   // Which parameters have a gradient on some rank (DDP's rule: the others
   // keep none, and the optimizer skips them), and how many ranks
   // contribute (the mean is over them, as DDP's join takes it).
+  std::vector<int> flags = local_gradients(indices);
+  flags.push_back(contributes ? 1 : 0);
+  at::Tensor summed = torch::tensor(flags, torch::kInt);
+  group_->all_reduce_(summed, ReduceOp::kSum);
+  const auto n = static_cast<int64_t>(indices.size());
+  GradientAgreement agreed;
+  const int* sums = summed.data_ptr<int>();
+  agreed.anywhere.assign(sums, sums + n);
+  agreed.contributors = sums[n];
+  return start_reduce_scatter_gradients(indices, agreed);
+}
+
+ShardedExchange ShardedParameters::start_reduce_scatter_gradients(
+    const std::vector<size_t>& indices, const GradientAgreement& agreed) {
+  ShardedExchange exchange;
+  if (indices.empty()) return exchange;
+  FULGUR_ASSERT(agreed.anywhere.size() == indices.size(),
+                "a gradient agreement of another exchange's parameters");
+  torch::NoGradGuard no_grad;
   std::vector<char> anywhere(parameters_.size(), 0);
-  int64_t contributors = 0;
-  {
-    const auto n = static_cast<int64_t>(indices.size());
-    at::Tensor has = torch::zeros({n + 1}, torch::kInt);
-    auto flags = has.accessor<int, 1>();
-    for (size_t j = 0; j < indices.size(); ++j) {
-      if (parameters_[indices[j]].grad().defined()) flags[static_cast<int64_t>(j)] = 1;
-    }
-    flags[n] = contributes ? 1 : 0;
-    group_->all_reduce_(has, ReduceOp::kSum);
-    for (size_t j = 0; j < indices.size(); ++j) {
-      anywhere[indices[j]] = static_cast<char>(flags[static_cast<int64_t>(j)] != 0);
-      any = any || anywhere[indices[j]] != 0;
-    }
-    contributors = flags[n];
+  bool any = false;
+  for (size_t j = 0; j < indices.size(); ++j) {
+    anywhere[indices[j]] = static_cast<char>(agreed.anywhere[j] != 0);
+    any = any || agreed.anywhere[j] != 0;
   }
+  const int64_t contributors = agreed.contributors;
   const int64_t world = group_->size();
   const double mean_over = static_cast<double>(std::max<int64_t>(contributors, 1));
   for (const auto& group : by_dtype_and_device(parameters_, indices)) {

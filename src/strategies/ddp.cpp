@@ -62,7 +62,6 @@ void DDPStrategy::do_setup(Module& module) {
   for (auto& item : module.named_parameters()) parameters_.emplace_back(item.key(), item.value());
   compared_epoch_ = -1;
   build_reducer();
-  stop_agreed_ = false;
   set_stop_vote(false);
 }
 
@@ -77,7 +76,7 @@ void DDPStrategy::build_reducer() {
   reducer_ =
       std::make_unique<GradientReducer>(parameters_, shared_process_group(), reducer_options);
   reducer_->set_require_sync(gradient_sync());
-  exchanges_seen_ = 0;  // the new reducer counts its exchanges from 0
+  restart_stop_votes(0);  // the new reducer counts its exchanges from 0
 }
 
 void DDPStrategy::follow_trainable_parameters(Module& module) {
@@ -201,21 +200,10 @@ bool DDPStrategy::steps_without_loss(Module& module, bool accumulated) {
 }
 
 bool DDPStrategy::agree_to_stop(bool requested, bool boundary) {
-  if (world_size() <= 1) return requested;
-  if (!stop_agreed_ && !boundary && reducer_) {
-    if (reducer_->exchanges() != exchanges_seen_) {
-      // Every rank voted in this batch's gradient exchange (each rank runs
-      // one exactly when its peers do); a request made after it is in the
-      // next one's votes.
-      exchanges_seen_ = reducer_->exchanges();
-      stop_agreed_ = reducer_->extra_scalar_sum(kStopVote) > 0.5;
-      return stop_agreed_;
-    }
-    if (!gradient_sync()) return false;  // a no_sync micro-batch: the step's exchange votes
-  }
-  if (reducer_) exchanges_seen_ = reducer_->exchanges();
-  if (!stop_agreed_) stop_agreed_ = reduce_boolean_decision(requested, /*all=*/false);
-  return stop_agreed_;
+  // Every rank votes in each gradient exchange (each rank runs one exactly
+  // when its peers do).
+  return agree_to_stop_from_votes(requested, boundary, reducer_ ? reducer_->exchanges() : 0,
+                                  [this] { return reducer_->extra_scalar_sum(kStopVote) > 0.5; });
 }
 
 std::string DDPStrategy::describe_options(const DDPOptions& o) {

@@ -338,6 +338,29 @@ void ParallelStrategy::configure_launcher() {
   }
 }
 
+bool ParallelStrategy::agree_to_stop_from_votes(bool requested, bool boundary, int64_t exchanges,
+                                                const std::function<bool()>& votes_say_stop) {
+  if (world_size() <= 1) return requested;
+  if (!stop_agreed_ && !boundary) {
+    if (exchanges != vote_exchanges_seen_) {
+      // Every rank voted in this batch's collectives; a request made after
+      // them is in the next batch's votes.
+      vote_exchanges_seen_ = exchanges;
+      stop_agreed_ = votes_say_stop();
+      return stop_agreed_;
+    }
+    if (!gradient_sync()) return false;  // a no_sync micro-batch: the step's collectives vote
+  }
+  vote_exchanges_seen_ = exchanges;
+  if (!stop_agreed_) stop_agreed_ = reduce_boolean_decision(requested, /*all=*/false);
+  return stop_agreed_;
+}
+
+void ParallelStrategy::restart_stop_votes(int64_t exchanges) {
+  vote_exchanges_seen_ = exchanges;
+  stop_agreed_ = false;
+}
+
 void ParallelStrategy::connect_sync_batchnorm(Module& module) {
   ProcessGroup& group = process_group();
   std::vector<std::string> plain;

@@ -217,6 +217,68 @@ TEST(FSDP, WithPrefetchEachStrategyMatchesWhenTheForwardOrderChanges) {
                  "turn prefetch off"}));
 }
 
+// Rank 1 requests a stop (where `where` says); every rank ends after
+// `steps` optimizer steps, having run `batches` training steps (its
+// buffer, not broadcast under FSDP, counts rank + 1 a batch), together
+// instead of rank 0 waiting alone in its next collective.
+void expect_everyone_stops(const std::vector<std::string>& strategy,
+                           const std::vector<std::string>& where, int steps, int batches) {
+  std::vector<std::string> args = strategy;
+  for (const char* arg : {"--devices", "2", "--steps", "20", "--stop-rank", "1", "--timeout", "60",
+                          "--count-buffer"}) {
+    args.emplace_back(arg);
+  }
+  args.insert(args.end(), where.begin(), where.end());
+  auto r = run_worker(args, {}, 50s);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(result_value(r.output, "global_step"), std::to_string(steps)) << r.output;
+  EXPECT_EQ(result_value(r.output, "seen_rank0"), std::to_string(batches)) << r.output;
+  EXPECT_EQ(result_value(r.output, "seen_rank1"), std::to_string(2 * batches)) << r.output;
+}
+
+// The stop votes ride in each step's agreement before its reduce-scatter
+// (which parameters have gradients; under FULL_SHARD the ranks' losses
+// before the backward), as DDP's ride in its gradient all-reduce: a
+// request made in training_step of batch 5 stops every rank after it, one
+// made after its backward (on_train_batch_end) after batch 6, one in a
+// micro-batch that only accumulates at the step, and one from a
+// validation at once.
+TEST(FSDP, AStopRequestedOnOneRankIsAgreedInTheStepsAgreement) {
+  for (const auto& strategy :
+       {std::vector<std::string>{"--strategy", kFsdp}, with_units({"--strategy", kFullShard})}) {
+    SCOPED_TRACE(strategy[1]);
+    expect_everyone_stops(strategy, {"--fault-step", "5"}, 6, 6);
+    expect_everyone_stops(strategy, {"--stop-in", "batch-end", "--fault-step", "5"}, 7, 7);
+    expect_everyone_stops(strategy, {"--accumulate", "2", "--fault-step", "4"}, 3, 6);
+    expect_everyone_stops(
+        strategy, {"--val-every", "4", "--stop-in", "validation", "--fault-step", "4"}, 4, 4);
+  }
+}
+
+// A steady-state step's collectives (its logged values not reduced):
+// under SHARD_GRAD_OP one all-reduce agreeing which parameters have
+// gradients (the stop votes in it), the reduce-scatter and the all-gather
+// of the packed parameters (4 before: a stop vote of its own); under
+// FULL_SHARD with two units, the agreement on the ranks' losses (the votes
+// in it), each unit's all-gather before its forward and its backward, and
+// its reduce-scatter (10 before: an agreement per unit, read back inside
+// the backward, and a stop vote of its own).
+TEST(FSDP, AStepStartsOneAgreementBesideItsGathersAndReduceScatters) {
+  auto per_step = [](std::vector<std::string> args) {
+    for (const char* arg :
+         {"--devices", "2", "--steps", "6", "--count-collectives", "--sync-dist", "false"}) {
+      args.emplace_back(arg);
+    }
+    auto r = run_worker(args);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    const std::string rank0 = result_value(r.output, "collectives_per_step_rank0");
+    EXPECT_EQ(rank0, result_value(r.output, "collectives_per_step_rank1")) << r.output;
+    return rank0;
+  };
+  EXPECT_EQ(per_step({"--strategy", kFsdp}), "3");
+  EXPECT_EQ(per_step(with_units({"--strategy", kFullShard})), "7");
+}
+
 TEST(FSDP, FullShardClippingByNormMatches) {
   expect_equivalent(with_units({"--steps", "20", "--gradient-clip-val", "0.05"}), kFullShard);
 }

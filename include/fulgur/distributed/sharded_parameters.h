@@ -140,6 +140,26 @@ class ShardedParameters {
   ShardedExchange start_reduce_scatter_gradients(const std::vector<size_t>& indices,
                                                  bool contributes = true);
   ShardedExchange start_all_gather_parameters(const std::vector<size_t>& indices);
+
+  /// What a reduce-scatter's flags all-reduce agrees on, when the caller
+  /// has agreed it already: in one all-reduce for several exchanges (with
+  /// votes of its own beside the flags), or without one where it is known
+  /// (in a backward every rank runs, a parameter whose gradient arrived
+  /// here has one on every rank, and every rank contributes).
+  struct GradientAgreement {
+    /// Per entry of the exchange's `indices`: whether that parameter has a
+    /// gradient on some rank (the sum over the ranks of local_gradients).
+    std::vector<int> anywhere;
+    /// Ranks that contribute (see `contributes` above); at least 1 counts.
+    int64_t contributors = 0;
+  };
+  /// This rank's flags for `indices`, for a GradientAgreement: 1 where the
+  /// parameter has a gradient here.
+  std::vector<int> local_gradients(const std::vector<size_t>& indices) const;
+  /// start_reduce_scatter_gradients with the agreement made: no collective
+  /// before the reduce-scatters. Every rank passes the same agreement.
+  ShardedExchange start_reduce_scatter_gradients(const std::vector<size_t>& indices,
+                                                 const GradientAgreement& agreed);
   /// Frees the memory of these parameters' full values; their shards stay.
   /// A released parameter shows shape [0] (an op on it is a shape error,
   /// never a read of freed memory) until all_gather_parameters brings its

@@ -149,10 +149,6 @@ class DDPStrategy : public ParallelStrategy {
   std::vector<char> trainable_;
   /// The epoch whose trainable parameters the ranks last compared.
   int64_t compared_epoch_ = -1;
-  /// The reducer's exchange count at the last agree_to_stop, and whether
-  /// the ranks have agreed to stop (it stays agreed).
-  int64_t exchanges_seen_ = 0;
-  bool stop_agreed_ = false;
   /// The reducer's extra scalar that carries the stop votes.
   static constexpr size_t kStopVote = 0;
   struct BufferGroup {

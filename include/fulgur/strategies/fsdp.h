@@ -182,6 +182,11 @@ class FSDPStrategy : public ParallelStrategy {
   bool steps_without_loss(Module& module, bool accumulated) override;
   /// The step on the shards, then the all-gather of the parameters.
   bool optimizer_step(torch::optim::Optimizer& optimizer, Module& module) override;
+  /// After a batch: from the stop votes that rode in its agreements (the
+  /// ranks' losses before a collective backward, which parameters have
+  /// gradients before the reduce-scatters), as DDP's ride in its gradient
+  /// all-reduce; no collective of its own.
+  bool agree_to_stop(bool requested, bool boundary) override;
   /// The norm over the shards of every rank (one all-reduce).
   void clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm) override;
   /// The module's state, its units' parameters gathered (one unit at a
@@ -215,7 +220,13 @@ class FSDPStrategy : public ParallelStrategy {
   /// kShardRecordKey's record of `optimizer`'s shards, into its state.
   void write_shard_record(const torch::optim::Optimizer& optimizer,
                           const ShardedParameters& sharded, StateDict& state) const;
+  /// The reduce-scatter of what the units did not reduce in backward:
+  /// one all-reduce agrees for every optimizer's shards which parameters
+  /// have a gradient on some rank, how many ranks contribute, and the stop
+  /// votes; then the reduce-scatters.
   bool reduce_gradients(bool contributes = true);
+  /// The ranks' stop votes rode in a collective: `sum` of them.
+  void votes_exchanged(int64_t sum);
   bool full_shard() const;
   /// Whether a backward runs collectives (FULL_SHARD's units,
   /// SyncBatchNorm): then every rank runs it, or none.
@@ -255,6 +266,10 @@ class FSDPStrategy : public ParallelStrategy {
   std::map<const ShardedParameters*, std::vector<size_t>> whole_;
   int64_t peak_parameter_bytes_ = 0;
   int64_t unit_gathers_ = 0;
+  // The collectives that carried the stop votes since setup, and whether
+  // the last one's said stop.
+  int64_t vote_exchanges_ = 0;
+  bool votes_say_stop_ = false;
 };
 
 /// `fulgur checkpoint consolidate DIR OUT`: the sharded checkpoint `dir`

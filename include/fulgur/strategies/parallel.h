@@ -9,6 +9,8 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -105,6 +107,21 @@ class ParallelStrategy : public Strategy {
   /// from outside the module.
   void connect_sync_batchnorm(Module& module);
 
+  /// agree_to_stop for a strategy whose step collectives carry each rank's
+  /// stop_vote() (DDP's gradient all-reduce, FSDP's agreements before the
+  /// reduce-scatters): after a plain batch whose collectives carried votes
+  /// (`exchanges`, their count so far, moved since the last call), the
+  /// answer is `votes_say_stop()` (any rank voted to stop, read only then);
+  /// after a micro-batch without a gradient sync, no (its step's
+  /// collectives vote); otherwise, and at a boundary, one
+  /// reduce_boolean_decision. Once agreed, it stays agreed.
+  bool agree_to_stop_from_votes(bool requested, bool boundary, int64_t exchanges,
+                                const std::function<bool()>& votes_say_stop);
+  /// The vote-carrying collectives count from `exchanges` again, and no
+  /// stop is agreed: at setup (a stop agreed later in the fit is every
+  /// rank's vote from then on, so a restart then changes no answer).
+  void restart_stop_votes(int64_t exchanges);
+
  private:
   /// What the launcher says of this process when it forked it; null
   /// otherwise (the ranks then come from the cluster environment).
@@ -116,6 +133,10 @@ class ParallelStrategy : public Strategy {
 
   ParallelOptions parallel_;
   StartMethod start_method_;
+  // agree_to_stop_from_votes: the vote-carrying collectives counted at its
+  // last call, and whether the ranks agreed to stop.
+  int64_t vote_exchanges_seen_ = 0;
+  bool stop_agreed_ = false;
 };
 
 }  // namespace fulgur

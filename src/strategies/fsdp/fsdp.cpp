@@ -67,6 +67,20 @@ void FSDPStrategy::do_setup(Module& module) {
   for (auto& b : module.buffers()) {
     if (b.defined() && b.numel() > 0) process_group().broadcast_(b, 0);
   }
+  vote_exchanges_ = 0;
+  votes_say_stop_ = false;
+  restart_stop_votes(0);
+  set_stop_vote(false);
+}
+
+void FSDPStrategy::votes_exchanged(int64_t sum) {
+  ++vote_exchanges_;
+  votes_say_stop_ = sum > 0;
+}
+
+bool FSDPStrategy::agree_to_stop(bool requested, bool boundary) {
+  return agree_to_stop_from_votes(requested, boundary, vote_exchanges_,
+                                  [this] { return votes_say_stop_; });
 }
 
 void FSDPStrategy::do_teardown() {
@@ -86,9 +100,11 @@ void FSDPStrategy::agree_on_backward(bool has_loss) {
   // gather and reduce-scatter), as SyncBatchNorm's does: a rank without a
   // loss cannot join its peers' backward. Every rank learns how many have
   // one, so a mixed step is the same error everywhere instead of a hang.
-  at::Tensor count = torch::full({1}, has_loss ? 1 : 0, torch::kLong);
+  // The stop votes ride along.
+  at::Tensor count = torch::tensor({has_loss ? int64_t{1} : 0, stop_vote() ? int64_t{1} : 0});
   process_group().all_reduce_(count, ReduceOp::kSum);
-  const int64_t with_loss = count.item<int64_t>();
+  const int64_t with_loss = count[0].item<int64_t>();
+  votes_exchanged(count[1].item<int64_t>());
   if (with_loss == 0 || with_loss == world_size()) return;
   const bool units = !units_.empty();
   const char* why = !units ? "SyncBatchNorm reduces across ranks in backward"

@@ -116,24 +116,48 @@ ShardedParameters* FSDPStrategy::sharded_for(const torch::optim::Optimizer& opti
 }
 
 bool FSDPStrategy::reduce_gradients(bool contributes) {
-  bool any = false;
   // What the units did not reduce in backward: the parameters outside every
   // unit, and units with a parameter that got no gradient.
-  for (auto& entry : sharded_) {
-    std::vector<char> reduced(entry.second->parameters().size(), 0);
+  std::vector<std::vector<size_t>> rest(sharded_.size());
+  std::vector<int> flags;
+  for (size_t k = 0; k < sharded_.size(); ++k) {
+    const ShardedParameters& sharded = *sharded_[k].second;
+    std::vector<char> reduced(sharded.parameters().size(), 0);
     for (const auto& unit : units_) {
       if (!unit->reduced()) continue;
       for (const auto& [s, indices] : unit->members) {
-        if (s != entry.second.get()) continue;
+        if (s != &sharded) continue;
         for (size_t i : indices) reduced[i] = 1;
       }
     }
-    std::vector<size_t> rest;
     for (size_t i = 0; i < reduced.size(); ++i) {
-      if (reduced[i] == 0) rest.push_back(i);
+      if (reduced[i] == 0) rest[k].push_back(i);
     }
-    any = entry.second->reduce_scatter_gradients(rest, contributes) || any;
+    const std::vector<int> local = sharded.local_gradients(rest[k]);
+    flags.insert(flags.end(), local.begin(), local.end());
   }
+  if (flags.empty()) return false;  // every parameter is a unit's, reduced in backward
+  // One all-reduce for every optimizer's parameters (which have a gradient
+  // on some rank), the ranks that contribute and the stop votes.
+  const auto n = static_cast<int64_t>(flags.size());
+  flags.push_back(contributes ? 1 : 0);
+  flags.push_back(stop_vote() ? 1 : 0);
+  at::Tensor summed = torch::tensor(flags, torch::kInt);
+  process_group().all_reduce_(summed, ReduceOp::kSum);
+  const int* sums = summed.data_ptr<int>();
+  votes_exchanged(sums[n + 1]);
+  bool any = false;
+  std::vector<ShardedExchange> exchanges;
+  const int* next = sums;
+  for (size_t k = 0; k < sharded_.size(); ++k) {
+    ShardedParameters::GradientAgreement agreed;
+    agreed.anywhere.assign(next, next + rest[k].size());
+    agreed.contributors = sums[n];
+    next += rest[k].size();
+    exchanges.push_back(sharded_[k].second->start_reduce_scatter_gradients(rest[k], agreed));
+    any = any || exchanges.back().any_gradient();
+  }
+  for (auto& exchange : exchanges) exchange.wait();
   return any;
 }
 

@@ -124,7 +124,13 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
       // does (one unit's under way at a time); without, now.
       if (strategy_.options_.prefetch) strategy_.finish_reductions();
       for (auto& [sharded, indices] : members) {
-        ShardedExchange exchange = sharded->start_reduce_scatter_gradients(indices);
+        // Every rank runs this backward (agree_on_backward), so every rank
+        // has these gradients and contributes: nothing to agree on before
+        // the reduce-scatter (no all-reduce read back within backward).
+        ShardedParameters::GradientAgreement agreed;
+        agreed.anywhere.assign(indices.size(), 1);
+        agreed.contributors = strategy_.world_size();
+        ShardedExchange exchange = sharded->start_reduce_scatter_gradients(indices, agreed);
         if (strategy_.options_.prefetch) {
           strategy_.reducing_.push_back(std::move(exchange));
         } else {
