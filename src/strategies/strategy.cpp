@@ -20,6 +20,7 @@
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/strategies/checkpoint_layout.h"
 #include "distributed/launchers/heartbeat.h"
+#include "strategies/clip_grad.h"
 #include "strategies/early_failure.h"
 #include "strategies/strategy_driver.h"
 
@@ -331,8 +332,23 @@ std::unique_ptr<PrecisionScope> Strategy::step_scope() {
 
 void Strategy::backward(const at::Tensor& loss, Module&) { precision().backward(loss); }
 
+void detail::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm) {
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (const auto& p : parameters) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  if (grads.empty()) return;
+  std::vector<at::Tensor> norms;
+  norms.reserve(grads.size());
+  for (const auto& g : grads) norms.push_back(g.norm(2));
+  const at::Tensor total = norms.size() == 1 ? norms[0] : at::stack(norms).norm(2);
+  const at::Tensor factor = (max_norm / (total + 1e-6)).clamp_max(1.0);
+  for (auto& g : grads) g.mul_(factor);
+}
+
 void Strategy::clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm) {
-  torch::nn::utils::clip_grad_norm_(parameters, max_norm);
+  detail::clip_grad_norm(parameters, max_norm);
 }
 
 void Strategy::unscale_gradients(torch::optim::Optimizer& optimizer) {

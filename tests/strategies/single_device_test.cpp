@@ -163,6 +163,38 @@ TEST(SingleDeviceStrategy, BackwardAndOptimizerStepGoThroughThePrecision) {
   fulgur::detail::drive(strategy).teardown();
 }
 
+// gradient_clip_val with the norm algorithm: the gradients LibTorch's
+// clip_grad_norm_ leaves, bit for bit (clipped, left as they are, one
+// parameter or several, one without a gradient), without its read-back of
+// the norm (a host synchronisation per step on a GPU: the CUDA test
+// CudaGraph.SteadyStateStepsNeverSynchronise_CUDA clips in its steps).
+TEST(SingleDeviceStrategy, ClippingByNormGivesLibTorchsGradients) {
+  fulgur::SingleDeviceStrategy strategy;
+  for (const double max_norm : {0.5, 1e3}) {
+    for (const size_t count : {1, 3}) {
+      SCOPED_TRACE(testing::Message() << "max_norm " << max_norm << ", " << count << " tensors");
+      torch::manual_seed(1);
+      std::vector<at::Tensor> ours, theirs;
+      for (size_t i = 0; i < count; ++i) {
+        auto p = torch::randn({4, static_cast<int64_t>(5 + i)}, torch::requires_grad());
+        if (i != 1) p.mutable_grad() = torch::randn_like(p) * 3;
+        auto q = p.detach().clone().requires_grad_(true);
+        if (p.grad().defined()) q.mutable_grad() = p.grad().clone();
+        ours.push_back(p);
+        theirs.push_back(q);
+      }
+      fulgur::detail::drive(strategy).clip_gradients_norm(ours, max_norm);
+      torch::nn::utils::clip_grad_norm_(theirs, max_norm);
+      for (size_t i = 0; i < count; ++i) {
+        ASSERT_EQ(ours[i].grad().defined(), theirs[i].grad().defined()) << i;
+        if (ours[i].grad().defined()) {
+          EXPECT_TRUE(torch::equal(ours[i].grad(), theirs[i].grad())) << i;
+        }
+      }
+    }
+  }
+}
+
 TEST(SingleDeviceStrategy, SchedulerWithBadFrequencyIsAConfigError) {
   fulgur::SingleDeviceStrategy strategy;
   LinearRegression model;

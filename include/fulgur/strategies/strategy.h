@@ -237,8 +237,10 @@ class Strategy {
   void unscale_gradients(torch::optim::Optimizer& optimizer);
   /// Scales the gradients of `parameters` so that their 2-norm is at most
   /// `max_norm` (gradient_clip_val with the norm algorithm). Default:
-  /// torch::nn::utils::clip_grad_norm_; a strategy whose ranks each hold a
-  /// shard of the gradients takes the norm over all of them.
+  /// torch::nn::utils::clip_grad_norm_'s arithmetic on the gradients'
+  /// device, without its read-back of the norm (no host synchronisation);
+  /// a strategy whose ranks each hold a shard of the gradients takes the
+  /// norm over all of them.
   virtual void clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm);
   /// Steps the optimizer through the precision plugin; false if the host
   /// skipped it (Precision::optimizer_step).

@@ -167,22 +167,23 @@ bool FSDPStrategy::optimizer_step(torch::optim::Optimizer& optimizer, Module& mo
 
 void FSDPStrategy::clip_gradients_norm(const std::vector<at::Tensor>& parameters, double max_norm) {
   // The 2-norm over every rank's shards: the sum of squares, all-reduced
-  // (padding holds zeros). As torch::nn::utils::clip_grad_norm_ then does.
-  // Summed on the gradients' device, read once (not once per parameter).
-  at::Tensor total = torch::zeros({1}, torch::kDouble);
+  // (padding holds zeros), then the factor torch::nn::utils::clip_grad_norm_
+  // applies. Summed, reduced and applied on the gradients' device under
+  // NCCL: nothing is read back (Gloo reduces host memory).
+  torch::NoGradGuard no_grad;
+  at::Tensor total;
   for (const auto& p : parameters) {
     if (!p.grad().defined()) continue;
-    if (total.device() != p.grad().device()) total = total.to(p.grad().device());
-    total += p.grad().detach().to(torch::kDouble).pow(2).sum();
+    const at::Tensor squares = p.grad().detach().to(torch::kDouble).pow(2).sum();
+    total = total.defined() ? total.add_(squares.to(total.device())) : squares;
   }
-  total = total.cpu();
+  // Every rank joins the all-reduce, with or without gradients of its own.
+  if (!total.defined()) total = torch::zeros({}, torch::kDouble);
+  if (process_group_backend() != "nccl") total = total.cpu();
   process_group().all_reduce_(total, ReduceOp::kSum);
-  const double norm = std::sqrt(total.item<double>());
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef >= 1.0) return;
-  torch::NoGradGuard no_grad;
+  const at::Tensor factor = (max_norm / (total.sqrt() + 1e-6)).clamp_max(1.0);
   for (const auto& p : parameters) {
-    if (p.grad().defined()) p.grad().mul_(coef);
+    if (p.grad().defined()) p.grad().mul_(factor.to(p.grad().device()));
   }
 }
 

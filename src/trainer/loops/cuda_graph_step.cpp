@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <c10/util/StringUtil.h>
-#include <torch/nn/utils/clip_grad.h>
 
 #include <algorithm>
 #include <optional>
@@ -29,21 +28,6 @@
 #endif
 
 namespace fulgur::detail {
-
-void clip_grad_norm_on_device(const std::vector<at::Tensor>& parameters, double max_norm) {
-  at::NoGradGuard no_grad;
-  std::vector<at::Tensor> grads;
-  for (const auto& p : parameters) {
-    if (p.grad().defined()) grads.push_back(p.grad());
-  }
-  if (grads.empty()) return;
-  std::vector<at::Tensor> norms;
-  norms.reserve(grads.size());
-  for (const auto& g : grads) norms.push_back(g.norm(2));
-  const at::Tensor total = at::stack(norms).norm(2);
-  const at::Tensor factor = (max_norm / (total + 1e-6)).clamp_max(1.0);
-  for (auto& g : grads) g.mul_(factor);
-}
 
 namespace graph_step {
 

@@ -92,10 +92,4 @@ class CudaGraphStep {
   int64_t captures_ = 0;
 };
 
-/// Gradient clipping by total norm without reading the norm back: the
-/// factor min(1, max_norm / (norm + 1e-6)) is computed and applied on the
-/// gradients' device (LibTorch 2.x's arithmetic; its clip_grad_norm_
-/// returns the norm as a double, a host synchronisation per step).
-void clip_grad_norm_on_device(const std::vector<at::Tensor>& parameters, double max_norm);
-
 }  // namespace fulgur::detail

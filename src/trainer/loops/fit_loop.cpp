@@ -151,7 +151,6 @@ void FitLoop::run() {
   count_training_batches();
   // A fit that failed within a step may have left gradients unscaled.
   trainer_.strategy->precision().forget_unscaled();
-  clip_on_device_ = false;
   for (auto& opt : optimizers_.optimizers) opt->zero_grad();
   window_has_gradient_ = false;
   accumulate_ = trainer_.options.accumulate_grad_batches;
@@ -462,13 +461,12 @@ void FitLoop::step_monitored_schedulers() {
 
 void FitLoop::step_optimizers() {
   LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kOptimizerStep);
-  run_optimizer_steps(/*clip_on_device=*/false);
+  run_optimizer_steps();
   finish_optimizer_steps(/*zero_grads=*/true);
 }
 
-void FitLoop::run_optimizer_steps(bool clip_on_device) {
+void FitLoop::run_optimizer_steps() {
   Module& m = *trainer_.module;
-  clip_on_device_ = clip_on_device;
   for (auto& opt : optimizers_.optimizers) {
     trainer_.drive().unscale_gradients(*opt);
     trainer_.call_hooks([&](Module& mod) { mod.on_before_optimizer_step(*opt); },
@@ -477,7 +475,6 @@ void FitLoop::run_optimizer_steps(bool clip_on_device) {
                                   trainer_.options.gradient_clip_algorithm.value());
     trainer_.drive().optimizer_step(*opt, m);
   }
-  clip_on_device_ = false;
   trainer_.strategy->precision().update();
 }
 
@@ -519,9 +516,9 @@ void FitLoop::clip_gradients(torch::optim::Optimizer& optimizer, double value,
   auto params = optimizer_params(optimizer);
   if (algorithm == GradientClipAlgorithm::kValue) {
     torch::nn::utils::clip_grad_value_(params, value);
-  } else if (clip_on_device_) {
-    clip_grad_norm_on_device(params, value);
   } else {
+    // On the device, without reading the norm back (also in a captured
+    // step, where only single_device runs).
     trainer_.drive().clip_gradients_norm(params, value);
   }
 }
@@ -538,7 +535,7 @@ at::Tensor FitLoop::step_body(Batch& on_device, int64_t idx) {
   }
   check_loss(loss);
   backward_with_hooks(m, loss, loss, /*vote=*/false);
-  run_optimizer_steps(/*clip_on_device=*/true);
+  run_optimizer_steps();
   return loss;
 }
 

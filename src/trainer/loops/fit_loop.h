@@ -115,7 +115,7 @@ class FitLoop {
   void manual_backward(Module& module, const at::Tensor& loss);
   void manual_optimizer_step(Module& module, torch::optim::Optimizer& optimizer);
   /// Module::clip_gradients: unscales (once per step) and clips through
-  /// the strategy (on the device without a read-back in a captured step).
+  /// the strategy (by norm on the device, the norm not read back).
   void clip_gradients(torch::optim::Optimizer& optimizer, double value,
                       GradientClipAlgorithm algorithm);
 
@@ -140,7 +140,7 @@ class FitLoop {
   void step_optimizers();
   /// Every optimizer's unscale, hooks, clipping and step, then the
   /// precision's update (the device work of step_optimizers).
-  void run_optimizer_steps(bool clip_on_device);
+  void run_optimizer_steps();
   /// The host's part after the steps: on_before_zero_grad (and zero_grad
   /// when `zero_grads`), the step counters, step-interval schedulers.
   void finish_optimizer_steps(bool zero_grads);
@@ -188,9 +188,6 @@ class FitLoop {
   int64_t loaders_epoch_ = 0;  // the epoch the loaders in use were made for
 
   bool training_ = false;
-  /// Inside a captured step's optimizer steps: clipping by norm stays on
-  /// the device.
-  bool clip_on_device_ = false;
   bool sanity_checking_ = false;
   int64_t current_epoch_ = 0;
   int64_t global_step_ = 0;
