@@ -782,15 +782,8 @@ TEST(SchedulerConfig, APlateauSchedulerOnTheStepIntervalReadsTheValidationAfterI
 TEST(SchedulerConfig, AResumeRunsEachValidationAfterItsCheckpointOnce) {
   TempDir root;
   auto fit = [&](const std::string& dir, const std::string& ckpt_path) {
-    auto options = test_options(root);
+    auto options = fulgur::test::checkpoint_every_step_options(root, dir);
     options.val_check_interval = 2;  // after steps 2, 4 and 6
-    options.num_sanity_val_steps = 0;
-    options.enable_checkpointing = true;
-    options.callbacks = {
-        std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
-            .dirpath = root.file(dir + "/steps"), .save_top_k = -1, .every_n_train_steps = 1}),
-        std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
-            .dirpath = root.file(dir + "/validated"), .monitor = "val_loss", .save_top_k = -1})};
     ValidatedNet model;
     model.config = {.scheduler = std::make_shared<torch::optim::StepLR>(*model.optimizer, 1)};
     fulgur::Trainer trainer(options);

@@ -184,6 +184,18 @@ fulgur::TrainerOptions checkpointed_options(const TempDir& dir,
   return options;
 }
 
+fulgur::TrainerOptions checkpoint_every_step_options(const TempDir& root, const std::string& dir) {
+  auto options = test_options(root);
+  options.num_sanity_val_steps = 0;
+  options.enable_checkpointing = true;
+  options.callbacks = {
+      std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+          .dirpath = root.file(dir + "/steps"), .save_top_k = -1, .every_n_train_steps = 1}),
+      std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+          .dirpath = root.file(dir + "/validated"), .monitor = "val_loss", .save_top_k = -1})};
+  return options;
+}
+
 int count_occurrences(const std::string& text, const std::string& what) {
   int n = 0;
   for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;

@@ -144,6 +144,11 @@ std::vector<std::string> split(const std::string& text, char sep);
 /// CPU, max_epochs = 1, outputs under `dir`, no progress bar, no logger, no
 /// checkpointing. Tests change what they exercise.
 fulgur::TrainerOptions test_options(const TempDir& dir);
+/// test_options for resuming from every point of a run: no sanity check,
+/// checkpointing on, and two ModelCheckpoints keeping every file they
+/// write: one after each training step in `root/<dir>/steps`, and one
+/// after each validation (monitoring val_loss) in `root/<dir>/validated`.
+fulgur::TrainerOptions checkpoint_every_step_options(const TempDir& root, const std::string& dir);
 /// How many times `what` occurs in `text` (overlapping occurrences too).
 int count_occurrences(const std::string& text, const std::string& what);
 /// test_options with checkpointing on and one ModelCheckpoint of `checkpoint`'s

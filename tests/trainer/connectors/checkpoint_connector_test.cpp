@@ -413,16 +413,9 @@ TEST(Checkpoint, AResumeAtMaxStepsRunsTheValidationAndEpochEndAfterItsCheckpoint
   TempDir root;
   constexpr int64_t kMaxSteps = 4;
   auto fit = [&](const std::string& dir, const std::string& ckpt_path, LinearRegression& model) {
-    auto options = test_options(root);
+    auto options = fulgur::test::checkpoint_every_step_options(root, dir);
     options.max_steps = kMaxSteps;
     options.max_epochs = 3;
-    options.num_sanity_val_steps = 0;
-    options.enable_checkpointing = true;
-    options.callbacks = {
-        std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
-            .dirpath = root.file(dir + "/steps"), .save_top_k = -1, .every_n_train_steps = 1}),
-        std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
-            .dirpath = root.file(dir + "/validated"), .monitor = "val_loss"})};
     fulgur::Trainer trainer(options);
     return trainer.fit(model, regression_loader(6), regression_loader(2), {.ckpt_path = ckpt_path});
   };
