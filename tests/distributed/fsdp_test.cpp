@@ -239,17 +239,18 @@ void expect_everyone_stops(const std::vector<std::string>& strategy,
 // The stop votes ride in each step's agreement (under SHARD_GRAD_OP the
 // one before its reduce-scatter, on which parameters have gradients; under
 // FULL_SHARD the ranks' losses before the backward), as DDP's ride in its
-// gradient all-reduce: a request made in training_step of batch 5 stops
-// every rank after it; one made after its backward (on_train_batch_end)
-// after batch 6 (agreed at once, as before, it stopped them after batch
-// 5), and one in a micro-batch that only accumulates at the step.
+// gradient all-reduce: a request made after batch 5's backward
+// (on_train_batch_end) stops every rank after batch 6, and one made in a
+// micro-batch that only accumulates (batch 4) at the step after it. Agreed
+// after each batch on its own, as before, they stopped the ranks after
+// batches 5 and 4.
 TEST(FSDP, AStopRequestedOnOneRankIsAgreedInTheStepsAgreement) {
-  const std::vector<std::string> shard_grad_op = {"--strategy", kFsdp};
-  expect_everyone_stops(shard_grad_op, {"--stop-in", "batch-end", "--fault-step", "5"}, 7, 7);
-  expect_everyone_stops(shard_grad_op, {"--accumulate", "2", "--fault-step", "4"}, 3, 6);
-  const std::vector<std::string> full_shard = with_units({"--strategy", kFullShard});
-  expect_everyone_stops(full_shard, {"--fault-step", "5"}, 6, 6);
-  expect_everyone_stops(full_shard, {"--stop-in", "batch-end", "--fault-step", "5"}, 7, 7);
+  for (const auto& strategy :
+       {std::vector<std::string>{"--strategy", kFsdp}, with_units({"--strategy", kFullShard})}) {
+    SCOPED_TRACE(strategy[1]);
+    expect_everyone_stops(strategy, {"--stop-in", "batch-end", "--fault-step", "5"}, 7, 7);
+    expect_everyone_stops(strategy, {"--accumulate", "2", "--fault-step", "4"}, 3, 6);
+  }
 }
 
 // A steady-state step's collectives (its logged values not reduced):

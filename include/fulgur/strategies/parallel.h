@@ -118,8 +118,9 @@ class ParallelStrategy : public Strategy {
   bool agree_to_stop_from_votes(bool requested, bool boundary, int64_t exchanges,
                                 const std::function<bool()>& votes_say_stop);
   /// The vote-carrying collectives count from `exchanges` again, and no
-  /// stop is agreed: at setup (a stop agreed later in the fit is every
-  /// rank's vote from then on, so a restart then changes no answer).
+  /// stop is agreed: at setup, and when DDP rebuilds its reducer mid-fit
+  /// (a stop agreed by then is every rank's vote from then on, so the
+  /// restart changes no answer).
   void restart_stop_votes(int64_t exchanges);
 
  private:

@@ -147,17 +147,18 @@ bool FSDPStrategy::reduce_gradients(bool contributes) {
   const int* sums = summed.data_ptr<int>();
   votes_exchanged(sums[n + 1]);
   bool any = false;
-  std::vector<ShardedExchange> exchanges;
   const int* next = sums;
   for (size_t k = 0; k < sharded_.size(); ++k) {
     ShardedParameters::GradientAgreement agreed;
     agreed.anywhere.assign(next, next + rest[k].size());
     agreed.contributors = sums[n];
     next += rest[k].size();
-    exchanges.push_back(sharded_[k].second->start_reduce_scatter_gradients(rest[k], agreed));
-    any = any || exchanges.back().any_gradient();
+    // One optimizer's exchange at a time: its packed scratch is freed
+    // before the next one's is made.
+    ShardedExchange exchange = sharded_[k].second->start_reduce_scatter_gradients(rest[k], agreed);
+    any = any || exchange.any_gradient();
+    exchange.wait();
   }
-  for (auto& exchange : exchanges) exchange.wait();
   return any;
 }
 

@@ -119,6 +119,15 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
   }
   void gradient_ready() {
     if (++ready_ < static_cast<int>(accumulators_.size())) return;
+    // Autograd calls the hook also for a gradient that arrived undefined
+    // (a custom function's, say): such a unit is reduced with the rest
+    // after the backward, whose agreement leaves that parameter without
+    // one (as on every rank: their graphs are the same).
+    for (auto& [sharded, indices] : members) {
+      for (const int has : sharded->local_gradients(indices)) {
+        if (has == 0) return;
+      }
+    }
     if (strategy_.gradient_sync()) {
       // With prefetch, the reduce-scatter runs while the rest of backward
       // does (one unit's under way at a time); without, now.

@@ -237,8 +237,12 @@ void FitLoop::train_epoch() {
   bool stopped = false;
   if (resumes_within_epoch_) {
     resumes_within_epoch_ = false;
-    if (validated_at_position_ != start &&
-        should_validate_now(start, /*is_last_batch=*/limit >= 0 && start >= limit)) {
+    // The epoch's last batch as training_batch counts it: max_steps ends
+    // the epoch too.
+    const bool ended_epoch =
+        (limit >= 0 && start >= limit) ||
+        (trainer_.limits.max_steps >= 0 && global_step_ >= trainer_.limits.max_steps);
+    if (validated_at_position_ != start && should_validate_now(start, ended_epoch)) {
       run_validation(false);
     }
     stopped = stop_after_batch(start);
@@ -517,8 +521,9 @@ void FitLoop::clip_gradients(torch::optim::Optimizer& optimizer, double value,
   if (algorithm == GradientClipAlgorithm::kValue) {
     torch::nn::utils::clip_grad_value_(params, value);
   } else {
-    // On the device, without reading the norm back (also in a captured
-    // step, where only single_device runs).
+    // On the device, without reading the norm back. A captured step runs
+    // it too (single_device or a subclass: an override that reads the norm
+    // back cannot be captured).
     trainer_.drive().clip_gradients_norm(params, value);
   }
 }
