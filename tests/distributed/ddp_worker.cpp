@@ -613,6 +613,15 @@ struct Classifier : fulgur::Module {
     }
     if (args.optimizer == "adam") {
       optimizer = std::make_shared<torch::optim::Adam>(params, 0.01);
+    } else if (args.optimizer == "split-sgd") {
+      // Two optimizers, each stepping half of the parameters, as one SGD
+      // over all of them would.
+      const auto half = static_cast<std::ptrdiff_t>(params.size() / 2);
+      const auto options = torch::optim::SGDOptions(0.1).momentum(0.9);
+      return {{std::make_shared<torch::optim::SGD>(
+                   std::vector<at::Tensor>(params.begin(), params.begin() + half), options),
+               std::make_shared<torch::optim::SGD>(
+                   std::vector<at::Tensor>(params.begin() + half, params.end()), options)}};
     } else {
       optimizer =
           std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9));

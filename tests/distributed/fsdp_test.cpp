@@ -141,6 +141,12 @@ TEST(FSDP, GradientAccumulationReducesOncePerStepAndMatches) {
   expect_equivalent({"--steps", "10", "--accumulate", "2"}, kFsdp);
 }
 
+// Two optimizers, each stepping its half of the parameters (sharded each
+// on its own), train as one SGD over all of them on one process.
+TEST(FSDP, TwoOptimizersMatch) {
+  expect_equivalent({"--steps", "10", "--optimizer", "split-sgd"}, kFsdp);
+}
+
 TEST(FSDP, ManualOptimizationMatches) {
   expect_equivalent({"--steps", "20", "--manual-optimization"}, kFsdp);
 }
@@ -274,6 +280,9 @@ TEST(FSDP, AStepStartsOneAgreementBesideItsGathersAndReduceScatters) {
     return rank0;
   };
   EXPECT_EQ(per_step({"--strategy", kFsdp}), "3");
+  // Two optimizers: one agreement for both, then each one's reduce-scatter
+  // and all-gather (6 with an agreement per optimizer).
+  EXPECT_EQ(per_step({"--strategy", kFsdp, "--optimizer", "split-sgd"}), "5");
   EXPECT_EQ(per_step(with_units({"--strategy", kFullShard})), "7");
 }
 
