@@ -222,6 +222,19 @@ std::shared_ptr<fulgur::DatasetLoader> uneven_loader() {
   return fulgur::make_data_loader(regression_dataset(10), {.batch_size = 4});
 }
 
+std::shared_ptr<fulgur::IterableLoader> generator_loader(int64_t num_batches) {
+  auto data = regression_dataset(num_batches * 2);
+  at::Tensor x = data->tensors()[0];
+  at::Tensor y = data->tensors()[1];
+  return fulgur::make_iterable_loader([x, y, num_batches](int64_t) -> fulgur::BatchGenerator {
+    return [x, y, num_batches, i = int64_t{0}]() mutable -> std::optional<fulgur::Batch> {
+      if (i >= num_batches) return std::nullopt;
+      int64_t k = i++;
+      return fulgur::Batch(x.slice(0, 2 * k, 2 * k + 2), y.slice(0, 2 * k, 2 * k + 2));
+    };
+  });
+}
+
 std::shared_ptr<fulgur::TensorDataset> index_dataset(int64_t n) {
   return std::make_shared<fulgur::TensorDataset>(
       std::vector<at::Tensor>{torch::arange(n, torch::kLong)});

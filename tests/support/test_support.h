@@ -169,6 +169,9 @@ std::shared_ptr<fulgur::DatasetLoader> regression_loader(int64_t num_batches,
                                                          bool shuffle = false);
 /// 10 regression samples in batches of 4, 4 and 2 (an uneven last batch).
 std::shared_ptr<fulgur::DatasetLoader> uneven_loader();
+/// regression_loader(num_batches)'s batches from a generator that does not
+/// say its length (a loader of unknown length).
+std::shared_ptr<fulgur::IterableLoader> generator_loader(int64_t num_batches);
 /// A dataset of one int64 tensor 0..n-1 (tensor batches): shows the order.
 std::shared_ptr<fulgur::TensorDataset> index_dataset(int64_t n);
 /// The values of a 1-d int64 tensor.

@@ -404,12 +404,8 @@ TEST_F(MidEpochResume, FromLast) {
   ExpectResumeMatches("last", std::nullopt, ckpt_dir_);
 }
 
-// A run that reaches max_steps mid-epoch validates and ends the epoch
-// there. Resumed from a checkpoint written at the end of any of its batches
-// (the last one included, before that validation), the run does what the
-// uninterrupted run did after it: the last resumed without the validation,
-// the epoch's end or the checkpoint the validation's ModelCheckpoint wrote.
-TEST(Checkpoint, AResumeAtMaxStepsRunsTheValidationAndEpochEndAfterItsCheckpoint) {
+/// The test below, with a training loader of known length or not.
+void expect_max_steps_resumes(bool known_length) {
   TempDir root;
   constexpr int64_t kMaxSteps = 4;
   auto fit = [&](const std::string& dir, const std::string& ckpt_path, LinearRegression& model) {
@@ -417,7 +413,10 @@ TEST(Checkpoint, AResumeAtMaxStepsRunsTheValidationAndEpochEndAfterItsCheckpoint
     options.max_steps = kMaxSteps;
     options.max_epochs = 3;
     fulgur::Trainer trainer(options);
-    return trainer.fit(model, regression_loader(6), regression_loader(2), {.ckpt_path = ckpt_path});
+    std::shared_ptr<fulgur::DataLoader> train =
+        known_length ? std::shared_ptr<fulgur::DataLoader>(regression_loader(6))
+                     : fulgur::test::generator_loader(6);
+    return trainer.fit(model, train, regression_loader(2), {.ckpt_path = ckpt_path});
   };
   LinearRegression uninterrupted;
   const fulgur::FitResult first = fit("first", "", uninterrupted);
@@ -440,6 +439,19 @@ TEST(Checkpoint, AResumeAtMaxStepsRunsTheValidationAndEpochEndAfterItsCheckpoint
     EXPECT_TRUE(parameters_equal(uninterrupted, resumed));
     EXPECT_THAT(list_files(root.file("again" + std::to_string(step) + "/validated")),
                 ::testing::Contains("epoch=0-step=4.ckpt"));
+  }
+}
+
+// A run that reaches max_steps mid-epoch validates and ends the epoch
+// there. Resumed from a checkpoint written at the end of any of its batches
+// (the last one included, before that validation), the run does what the
+// uninterrupted run did after it: the last resumed without the validation,
+// the epoch's end or the checkpoint the validation's ModelCheckpoint wrote.
+// With a training loader of known length and one of unknown length.
+TEST(Checkpoint, AResumeAtMaxStepsRunsTheValidationAndEpochEndAfterItsCheckpoint) {
+  for (const bool known_length : {true, false}) {
+    SCOPED_TRACE(known_length ? "a loader of known length" : "a loader of unknown length");
+    expect_max_steps_resumes(known_length);
   }
 }
 

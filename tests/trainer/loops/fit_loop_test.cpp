@@ -733,19 +733,7 @@ TEST(FitLoop, FitTwiceWithOneTrainerStartsOver) {
 
 // ---- Loaders of unknown length.
 
-/// A generator of `num_batches` (x, y) batches that does not say its length.
-std::shared_ptr<fulgur::IterableLoader> generator_loader(int64_t num_batches) {
-  auto data = fulgur::test::regression_dataset(num_batches * 2);
-  at::Tensor x = data->tensors()[0];
-  at::Tensor y = data->tensors()[1];
-  return fulgur::make_iterable_loader([x, y, num_batches](int64_t) -> fulgur::BatchGenerator {
-    return [x, y, num_batches, i = int64_t{0}]() mutable -> std::optional<fulgur::Batch> {
-      if (i >= num_batches) return std::nullopt;
-      int64_t k = i++;
-      return fulgur::Batch(x.slice(0, 2 * k, 2 * k + 2), y.slice(0, 2 * k, 2 * k + 2));
-    };
-  });
-}
+using fulgur::test::generator_loader;
 
 TEST(FitLoop, OverfitBatchesAsAFractionNamesItselfWhereTheLoaderHasNoLength) {
   TempDir dir;
