@@ -124,8 +124,8 @@ class FSDPStrategy::Unit : public nn::UnitHooks, public std::enable_shared_from_
     // after the backward, whose agreement leaves that parameter without
     // one (as on every rank: their graphs are the same).
     for (auto& [sharded, indices] : members) {
-      for (const int has : sharded->local_gradients(indices)) {
-        if (has == 0) return;
+      for (size_t i : indices) {
+        if (!sharded->parameters()[i].grad().defined()) return;
       }
     }
     if (strategy_.gradient_sync()) {

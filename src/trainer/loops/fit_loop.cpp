@@ -34,6 +34,10 @@ std::vector<at::Tensor> optimizer_params(torch::optim::Optimizer& optimizer) {
 
 bool FitLoop::validates() const { return val_loader_ && !trainer_.limits.val.is_zero(); }
 
+bool FitLoop::max_steps_reached() const {
+  return trainer_.limits.max_steps >= 0 && global_step_ >= trainer_.limits.max_steps;
+}
+
 bool FitLoop::stop_requested_by_limits(bool boundary) {
   // A stop requested on one rank (request_stop() from its step, a hook or a
   // callback) is agreed by every rank here, after each batch and before each
@@ -56,7 +60,7 @@ bool FitLoop::stop_requested_by_limits(bool boundary) {
     }
     if (signal != 0) trainer_.end_by_preemption(signal);
   }
-  if (trainer_.limits.max_steps >= 0 && global_step_ >= trainer_.limits.max_steps) {
+  if (max_steps_reached()) {
     stop_reason_ = "max_steps";
     return true;
   }
@@ -239,9 +243,7 @@ void FitLoop::train_epoch() {
     resumes_within_epoch_ = false;
     // The epoch's last batch as training_batch counts it: max_steps ends
     // the epoch too.
-    const bool ended_epoch =
-        (limit >= 0 && start >= limit) ||
-        (trainer_.limits.max_steps >= 0 && global_step_ >= trainer_.limits.max_steps);
+    const bool ended_epoch = (limit >= 0 && start >= limit) || max_steps_reached();
     if (validated_at_position_ != start && should_validate_now(start, ended_epoch)) {
       run_validation(false);
     }
@@ -432,8 +434,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
     LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kLogging);
     publish_step_metrics();
   }
-  const bool ends_epoch = is_last_batch || (trainer_.limits.max_steps >= 0 &&
-                                            global_step_ >= trainer_.limits.max_steps);
+  const bool ends_epoch = is_last_batch || max_steps_reached();
   const bool validates = should_validate_now(idx + 1, ends_epoch);
   // Where a validation follows, the monitored schedulers read its values.
   if (!validates) step_monitored_schedulers();

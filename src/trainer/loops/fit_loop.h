@@ -125,6 +125,9 @@ class FitLoop {
   /// written after it): a requested stop validates there when the batch's
   /// own validation did not run, as Lightning's does.
   bool stop_after_batch(int64_t position);
+  /// Whether global_step has reached max_steps (when set): the fit ends
+  /// there, and the epoch with it.
+  bool max_steps_reached() const;
   /// Under reload_dataloaders_every_n_epochs=N: the DataModule's loaders
   /// for `epoch` (made at `epoch` rounded down to a multiple of N) unless
   /// those are the ones in use; then the batch count again.
