@@ -487,28 +487,6 @@ class AnomalyDetection {
   bool on_;
 };
 
-// What rank 0 of a forked run sends back to the calling process.
-void write_metrics(StateDict& state, const std::string& key, const Metrics& metrics) {
-  std::vector<std::string> names;
-  std::vector<double> values;
-  for (const auto& [name, value] : metrics) {
-    names.push_back(name);
-    values.push_back(value);
-  }
-  state.set(key + ".names", c10::List<std::string>(names));
-  state.set(key + ".values", torch::tensor(values, torch::kDouble));
-}
-
-Metrics read_metrics(const StateDict& state, const std::string& key) {
-  const std::vector<std::string> names = state.strings(key + ".names");
-  const at::Tensor values = state.tensor(key + ".values");
-  Metrics out;
-  for (size_t i = 0; i < names.size(); ++i) {
-    out[names[i]] = values[static_cast<int64_t>(i)].item<double>();
-  }
-  return out;
-}
-
 }  // namespace
 
 void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& body,
@@ -685,8 +663,9 @@ void Trainer::Impl::tear_down_stage(Stage s, bool failed) {
 Trainer::Impl::StageResults Trainer::Impl::fit_results(Module& m, FitResult& result) {
   return StageResults{[this, &m, &result] {
                         StateDict state;
-                        write_metrics(state, "metrics", result.metrics);
-                        write_metrics(state, "callback_metrics", logging.callback_metrics());
+                        detail::write_metrics(state, "metrics", result.metrics);
+                        detail::write_metrics(state, "callback_metrics",
+                                              logging.callback_metrics());
                         state.set("global_step", result.global_step);
                         state.set("epochs", result.epochs);
                         state.set("stop_reason", result.stop_reason);
@@ -700,8 +679,9 @@ Trainer::Impl::StageResults Trainer::Impl::fit_results(Module& m, FitResult& res
                       },
                       [this, &m, &result](const std::string& bytes) {
                         const StateDict state = from_bytes(bytes);
-                        result.metrics = read_metrics(state, "metrics");
-                        logging.restore_callback_metrics(read_metrics(state, "callback_metrics"));
+                        result.metrics = detail::read_metrics(state, "metrics");
+                        logging.restore_callback_metrics(
+                            detail::read_metrics(state, "callback_metrics"));
                         result.global_step = state.integer("global_step");
                         result.epochs = state.integer("epochs");
                         fit_loop.set_result(result.epochs, result.global_step);
@@ -972,10 +952,12 @@ Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loa
       },
       StageResults{[&] {
                      StateDict state;
-                     write_metrics(state, "metrics", out);
+                     detail::write_metrics(state, "metrics", out);
                      return to_bytes(state);
                    },
-                   [&](const std::string& bytes) { out = read_metrics(from_bytes(bytes), "metrics"); }});
+                   [&](const std::string& bytes) {
+                     out = detail::read_metrics(from_bytes(bytes), "metrics");
+                   }});
   return out;
 }
 

@@ -90,6 +90,17 @@ StateDict CheckpointConnector::dump() {
   loops.set("epoch_done", progress.epoch_done);
   loops.set("validated_at_position", progress.validated_at_position);
   loops.set("monitored_step_due", progress.monitored_step_due);
+  // Within the end of a validation or an epoch: the resume finishes it (a
+  // save on an exception runs it again, as the whole validation).
+  if (!progress.hook.empty() && !trainer_.handling_exception) {
+    loops.set("hook", progress.hook);
+    loops.set("hook_started", c10::List<std::string>(progress.hook_started));
+    loops.set("hook_should_stop", progress.should_stop);
+  }
+  // What the callbacks read, as they read it now: a resume reads what the
+  // validations before it published (the uninterrupted run's values) until
+  // the next one, instead of nothing.
+  write_metrics(loops, "callback_metrics", trainer_.logging.callback_metrics());
 
   if (DataLoader* train_loader = trainer_.fit_loop.train_loader()) {
     checkpoint.set_section("train_loader", train_loader->state_dict());
@@ -436,7 +447,29 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
     progress.monitored_step_due = due->toBool();
   }
   progress.epoch_done = loops.boolean("epoch_done");
+  // Written since a resume finishes the hook it was written in.
+  if (const c10::IValue* hook = loops.find("hook"); hook != nullptr && hook->isString()) {
+    progress.hook = hook->toStringRef();
+    if (progress.hook != kValidationEnd && progress.hook != kTrainEpochEnd) {
+      throw CheckpointError(str("checkpoint \"", path, "\" was written in the hook \"",
+                                progress.hook, "\", which this fulgur does not resume within (",
+                                kValidationEnd, ", ", kTrainEpochEnd,
+                                "). Resume it with the fulgur that wrote it."));
+    }
+    progress.hook_started = loops.strings("hook_started");
+    progress.should_stop = loops.boolean("hook_should_stop");
+  }
   trainer_.fit_loop.restore(progress, checkpoint.find_section("train_loader"));
+  if (progress.should_stop && trainer_.strategy->is_global_zero()) {
+    print_note(str("\"", path, "\" was written in ", progress.hook, " of epoch ", progress.epoch,
+                   " (step ", progress.global_step,
+                   ") after a stop was requested (EarlyStopping, request_stop()): the fit stops "
+                   "there, as the run that wrote it did. To train on from it, load its weights "
+                   "in a new fit instead of resuming."));
+  }
+  if (loops.find("callback_metrics.names") != nullptr) {
+    trainer_.logging.restore_callback_metrics(read_metrics(loops, "callback_metrics"));
+  }
 
   detail::LogSink::MetricStates metric_states;
   const StateDict* metrics = checkpoint.find_section("train_metrics");

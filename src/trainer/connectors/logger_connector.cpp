@@ -23,6 +23,30 @@
 namespace fulgur {
 namespace detail {
 
+void write_metrics(StateDict& state, const std::string& key, const Metrics& metrics) {
+  std::vector<std::string> names;
+  std::vector<double> values;
+  for (const auto& [name, value] : metrics) {
+    names.push_back(name);
+    values.push_back(value);
+  }
+  state.set(key + ".names", c10::List<std::string>(names));
+  state.set(key + ".values", torch::tensor(values, torch::kDouble));
+}
+
+Metrics read_metrics(const StateDict& state, const std::string& key) {
+  const std::vector<std::string> names = state.strings(key + ".names");
+  const at::Tensor values = state.tensor(key + ".values").to(torch::kDouble).contiguous();
+  if (values.dim() != 1 || values.numel() != static_cast<int64_t>(names.size())) {
+    throw CheckpointError(str("\"", key, ".values\" holds ", values.numel(), " values for ",
+                              names.size(), " names in \"", key, ".names\""));
+  }
+  Metrics out;
+  const double* data = values.data_ptr<double>();
+  for (size_t i = 0; i < names.size(); ++i) out[names[i]] = data[i];
+  return out;
+}
+
 namespace {
 std::atomic<int64_t> g_tensor_reads{0};
 }  // namespace

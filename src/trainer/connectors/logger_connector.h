@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "fulgur/core/module.h"
+#include "fulgur/core/state_dict.h"
 #include "fulgur/loggers/logger.h"
 #include "fulgur/trainer/trainer.h"
 #include "core/module_log_sink.h"
@@ -24,6 +25,14 @@ namespace fulgur {
 class Strategy;
 
 namespace detail {
+
+/// `metrics` in `state` under `key` (key.names, key.values): what rank 0 of
+/// a forked run sends back, and the callback metrics in a checkpoint.
+void write_metrics(StateDict& state, const std::string& key, const Metrics& metrics);
+/// What write_metrics wrote: CheckpointError where the names and values
+/// differ in number (StateDict's own errors name a missing or mistyped
+/// entry).
+Metrics read_metrics(const StateDict& state, const std::string& key);
 
 /// Collects what a Module logs during one loop (training or evaluation):
 /// step values, and epoch aggregates weighted by batch size.

@@ -159,8 +159,13 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   }
   callbacks(&Callback::on_test_epoch_end, &Callback::on_validation_epoch_end);
   Trainer::Impl::set_log_sink(m, nullptr);
-  module_hook(&Module::on_test_end, &Module::on_validation_end);
-  callbacks(&Callback::on_test_end, &Callback::on_validation_end);
+  if (!is_test && trainer_.stage == Stage::kFit && !fit.sanity_checking()) {
+    // A checkpoint written here resumes after this validation.
+    trainer_.fit_loop.validation_end(m);
+  } else {
+    module_hook(&Module::on_test_end, &Module::on_validation_end);
+    callbacks(&Callback::on_test_end, &Callback::on_validation_end);
+  }
   return out;
 }
 

@@ -186,6 +186,7 @@ void FitLoop::run() {
   m.train(true);
   trainer_.call_hooks([](Module& mod) { mod.on_train_start(); },
                       [&](Callback& cb) { cb.on_train_start(trainer_.self, m); });
+  if (resumed_hook_ == kTrainEpochEnd) finish_resumed_epoch_end();
   while (true) {
     if (trainer_.limits.max_epochs >= 0 && current_epoch_ >= trainer_.limits.max_epochs) {
       stop_reason_ = "max_epochs";
@@ -244,7 +245,9 @@ void FitLoop::train_epoch() {
     // The epoch's last batch as training_batch counts it: max_steps ends
     // the epoch too.
     const bool ended_epoch = (limit >= 0 && start >= limit) || max_steps_reached();
-    if (validated_at_position_ != start && should_validate_now(start, ended_epoch)) {
+    if (resumed_hook_ == kValidationEnd) {
+      finish_resumed_validation_end();
+    } else if (validated_at_position_ != start && should_validate_now(start, ended_epoch)) {
       run_validation(false);
     }
     stopped = stop_after_batch(start);
@@ -351,7 +354,7 @@ void FitLoop::train_epoch() {
   } else {
     log_parameters();
   }
-  for (auto& cb : trainer_.callbacks) cb->on_train_epoch_end(trainer_.self, m);
+  run_resumable_hook(kTrainEpochEnd, nullptr, &Callback::on_train_epoch_end, {});
   in_epoch_end_ = false;
   validated_at_position_ = -1;
 }
@@ -709,6 +712,64 @@ void FitLoop::run_validation(bool sanity) {
   Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
 }
 
+void FitLoop::validation_end(Module& m) {
+  run_resumable_hook(kValidationEnd, [&] { m.on_validation_end(); }, &Callback::on_validation_end,
+                     {});
+}
+
+void FitLoop::run_resumable_hook(const char* hook, const std::function<void()>& module_part,
+                                 CallbackHook fn, const std::vector<std::string>& started) {
+  struct Done {
+    FitLoop& loop;
+    ~Done() {
+      loop.hook_.clear();
+      loop.hook_started_.clear();
+    }
+  } done{*this};
+  hook_ = hook;
+  hook_started_ = started;
+  if (module_part) module_part();
+  for (auto& cb : trainer_.callbacks) {
+    std::string key = cb->state_key();
+    if (std::find(started.begin(), started.end(), key) != started.end()) continue;
+    hook_started_.push_back(std::move(key));
+    ((*cb).*fn)(trainer_.self, *trainer_.module);
+  }
+}
+
+void FitLoop::finish_resumed_validation_end() {
+  // As the validation left things when its hook ran: the module in
+  // evaluation mode, no gradients, nothing to log to.
+  Module& m = *trainer_.module;
+  const std::vector<std::string> started = std::move(resumed_started_);
+  resumed_hook_.clear();
+  {
+    torch::NoGradGuard no_grad;
+    m.eval();
+    Trainer::Impl::set_log_sink(m, nullptr);
+    run_resumable_hook(kValidationEnd, nullptr, &Callback::on_validation_end, started);
+  }
+  m.train(true);
+  Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
+}
+
+void FitLoop::finish_resumed_epoch_end() {
+  // restore() moved to the next epoch: the hook sees the one that ended.
+  const std::vector<std::string> started = std::move(resumed_started_);
+  resumed_hook_.clear();
+  const int64_t next_epoch = current_epoch_;
+  const int64_t before_next = batches_before_epoch_;
+  --current_epoch_;
+  if (batches_before_epoch_ >= 0) batches_before_epoch_ -= resumed_epoch_length_;
+  batch_position_ = resumed_epoch_length_;
+  in_epoch_end_ = true;
+  run_resumable_hook(kTrainEpochEnd, nullptr, &Callback::on_train_epoch_end, started);
+  in_epoch_end_ = false;
+  current_epoch_ = next_epoch;
+  batches_before_epoch_ = before_next;
+  batch_position_ = 0;
+}
+
 void FitLoop::manual_backward(Module& m, const at::Tensor& loss) {
   if (!training_) {
     throw ConfigError(
@@ -791,6 +852,10 @@ void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoade
   in_epoch_end_ = false;
   validated_at_position_ = -1;
   resumes_within_epoch_ = false;
+  hook_.clear();
+  hook_started_.clear();
+  resumed_hook_.clear();
+  resumed_started_.clear();
   missing_monitor_noted_.clear();
 }
 
@@ -850,7 +915,10 @@ FitProgress FitLoop::progress() const {
                      .batches_before_epoch = batches_before_epoch_,
                      .epoch_done = in_epoch_end_,
                      .validated_at_position = validated_at_position_,
-                     .monitored_step_due = monitored_step_due_};
+                     .monitored_step_due = monitored_step_due_,
+                     .hook = hook_,
+                     .hook_started = hook_started_,
+                     .should_stop = should_stop_};
 }
 
 void FitLoop::restore(const FitProgress& p, const StateDict* loader_state) {
@@ -860,6 +928,17 @@ void FitLoop::restore(const FitProgress& p, const StateDict* loader_state) {
   monitored_step_due_ = p.monitored_step_due && !p.epoch_done;
   resumes_within_epoch_ = !p.epoch_done && p.batch_position > 0;
   batches_before_epoch_ = p.batches_before_epoch;
+  // Written within a hook that the resume finishes (the validation it
+  // ends ran at this position).
+  resumed_hook_ = p.hook;
+  resumed_started_ = p.hook_started;
+  resumed_epoch_length_ = p.batch_position;
+  if (p.hook == kValidationEnd) validated_at_position_ = p.batch_position;
+  // A stop requested before it (only there: a preemption's request, or an
+  // ended run resumed for more epochs, trains on).
+  if (!p.hook.empty() && p.should_stop) should_stop_ = true;
+  // The last batch done, as the hooks after it saw it.
+  batch_idx_ = std::max<int64_t>(p.batch_position - 1, 0);
   if (p.epoch_done) {
     // Written during on_train_epoch_end: that epoch is complete.
     current_epoch_ = p.epoch + 1;

@@ -9,8 +9,10 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <functional>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "fulgur/core/module.h"
 #include "fulgur/data/data_loader.h"
@@ -51,7 +53,22 @@ struct FitProgress {
   /// The step's monitored step-interval schedulers have not stepped yet:
   /// they step after the validation that follows the step.
   bool monitored_step_due = false;
+  /// Taken during a hook that a resume finishes instead of running again
+  /// (kValidationEnd: the Module's or the callbacks' on_validation_end of a
+  /// fit's validation, which is not run again; kTrainEpochEnd: the callbacks'
+  /// on_train_epoch_end); empty for none.
+  std::string hook;
+  /// The state keys of the callbacks that had started `hook` (the one that
+  /// wrote the checkpoint among them): a resume runs it for the others.
+  std::vector<std::string> hook_started;
+  /// With `hook`: a stop was requested (EarlyStopping's check in that hook,
+  /// request_stop()); the resumed fit stops where the run that wrote it did.
+  bool should_stop = false;
 };
+
+/// FitProgress::hook's values (as checkpoints hold them).
+inline constexpr const char* kValidationEnd = "on_validation_end";
+inline constexpr const char* kTrainEpochEnd = "on_train_epoch_end";
 
 class FitLoop {
  public:
@@ -104,6 +121,11 @@ class FitLoop {
   void restore(const FitProgress& p, const StateDict* loader_state);
   /// What a forked run's rank 0 reached, for the calling process.
   void set_result(int64_t epochs, int64_t global_step);
+
+  /// The end of a fit's validation: the Module's on_validation_end, then
+  /// the callbacks', a checkpoint written meanwhile resuming after it
+  /// (FitProgress::hook).
+  void validation_end(Module& module);
 
   /// The last step's monitored step-interval schedulers, when still due:
   /// the fit's validation calls it once its values are published (before
@@ -180,6 +202,19 @@ class FitLoop {
   bool validates_this_epoch() const;
   bool should_validate_now(int64_t position, bool is_last_batch) const;
   void run_validation(bool sanity);
+  using CallbackHook = void (Callback::*)(Trainer&, Module&);
+  /// `hook`: `module_part` (may be empty), then every callback's `fn` in
+  /// order but those whose state keys `started` lists, each recorded as it
+  /// starts for a checkpoint written meanwhile (FitProgress::hook).
+  void run_resumable_hook(const char* hook, const std::function<void()>& module_part,
+                          CallbackHook fn, const std::vector<std::string>& started);
+  /// Resumed from a checkpoint written within the end of a fit's
+  /// validation: the callbacks that had not started it run it, as they
+  /// did then (the validation's values are the checkpoint's).
+  void finish_resumed_validation_end();
+  /// Resumed from a checkpoint written within the callbacks'
+  /// on_train_epoch_end: the others run it, at the epoch that ended.
+  void finish_resumed_epoch_end();
   bool stop_requested_by_limits(bool boundary);
   void publish_step_metrics();
 
@@ -213,6 +248,14 @@ class FitLoop {
   // Restored within an epoch (after one of its batches): the epoch goes
   // on from the check that followed that batch, whatever limit it reached.
   bool resumes_within_epoch_ = false;
+  // The hook running now that a checkpoint resumes within, and the
+  // callbacks that have started it (FitProgress::hook).
+  std::string hook_;
+  std::vector<std::string> hook_started_;
+  // Restored within such a hook: the resume finishes it.
+  std::string resumed_hook_;
+  std::vector<std::string> resumed_started_;
+  int64_t resumed_epoch_length_ = 0;  // kTrainEpochEnd: the ended epoch's batches
   // The ranks agree on each training batch's look-ahead (a loader of
   // unknown length on some rank: count_training_batches), and a note said
   // that another rank's loader ended sooner.

@@ -455,6 +455,139 @@ TEST(Checkpoint, AResumeAtMaxStepsRunsTheValidationAndEpochEndAfterItsCheckpoint
   }
 }
 
+/// Saves `<dir>/step=<global step>.ckpt` at the end of each validation of
+/// a fit, as a user's callback may (ModelCheckpoint saves there only at an
+/// epoch's end). Its state key is `name`'s, the same in every run.
+class SaveAtValidationEnd : public fulgur::Callback {
+ public:
+  SaveAtValidationEnd(std::string name, std::string dir)
+      : name_(std::move(name)), dir_(std::move(dir)) {}
+  std::string state_key() const override { return "SaveAtValidationEnd{" + name_ + "}"; }
+  void on_validation_end(fulgur::Trainer& trainer, fulgur::Module&) override {
+    if (trainer.sanity_checking()) return;
+    trainer.save_checkpoint(dir_ + "/step=" + std::to_string(trainer.global_step()) + ".ckpt");
+  }
+
+ private:
+  std::string name_;
+  std::string dir_;
+};
+
+struct ValidationEndRun {
+  fulgur::FitResult result;
+  std::shared_ptr<fulgur::EarlyStopping> stopping;
+};
+
+/// Validations every 2 batches of 6 (3 an epoch), each checked by an
+/// EarlyStopping that sees no improvement (patience 3: the fit stops at the
+/// 4th, step 8), and each ending with two callbacks that save a checkpoint,
+/// into `<dir>/a` then `<dir>/b`.
+ValidationEndRun fit_saving_at_validation_ends(const TempDir& root, const std::string& dir,
+                                               const std::string& ckpt_path,
+                                               LinearRegression& model) {
+  auto options = test_options(root);
+  options.num_sanity_val_steps = 0;
+  options.max_epochs = 4;
+  options.val_check_interval = 2;
+  ValidationEndRun run;
+  run.stopping = std::make_shared<fulgur::EarlyStopping>(
+      fulgur::EarlyStoppingOptions{.monitor = "val_loss", .min_delta = 1e9, .patience = 3});
+  options.callbacks = {run.stopping,
+                       std::make_shared<SaveAtValidationEnd>("a", root.file(dir + "/a")),
+                       std::make_shared<SaveAtValidationEnd>("b", root.file(dir + "/b"))};
+  fulgur::Trainer trainer(options);
+  run.result =
+      trainer.fit(model, regression_loader(6), regression_loader(2), {.ckpt_path = ckpt_path});
+  return run;
+}
+
+// A checkpoint written at the end of a validation (by a callback's
+// on_validation_end) resumes after that validation: it is not run again
+// (EarlyStopping, whose check ran before the save, counted it twice, and the
+// fit stopped sooner), the callbacks that had not run their
+// on_validation_end run it (the second saver writes its file; the first,
+// which wrote the checkpoint, does not write it again), and the values the
+// validation published are the checkpoint's. The resumed fit stops where the
+// uninterrupted one did, with the same weights, EarlyStopping state and
+// metrics.
+TEST(Checkpoint, AResumeFromAValidationsEndFinishesItInsteadOfValidatingAgain) {
+  TempDir root;
+  LinearRegression uninterrupted;
+  const ValidationEndRun first = fit_saving_at_validation_ends(root, "first", "", uninterrupted);
+  ASSERT_EQ(first.result.global_step, 8);
+  ASSERT_EQ(first.result.stop_reason, "should_stop");
+  ASSERT_EQ(uninterrupted.count("on_validation_epoch_start"), 4);
+  ASSERT_THAT(list_files(root.file("first/b")),
+              ::testing::ElementsAre("step=2.ckpt", "step=4.ckpt", "step=6.ckpt", "step=8.ckpt"));
+  // Step 8's: written after EarlyStopping asked to stop, which the resumed
+  // fit does at once.
+  const std::vector<std::pair<std::string, int64_t>> checkpoints = {
+      {"a", 2}, {"a", 4}, {"a", 6}, {"b", 4}, {"a", 8}};
+  for (const auto& [writer, step] : checkpoints) {
+    const std::string name = "step=" + std::to_string(step) + ".ckpt";
+    SCOPED_TRACE(writer + "/" + name);
+    const std::string dir = "again_" + writer + std::to_string(step);
+    LinearRegression resumed;
+    const ValidationEndRun again = fit_saving_at_validation_ends(
+        root, dir, root.file("first/" + writer + "/" + name), resumed);
+    EXPECT_EQ(again.result.global_step, 8);
+    EXPECT_EQ(again.result.stop_reason, "should_stop");
+    EXPECT_EQ(resumed.count("on_validation_epoch_start"), 4 - step / 2);
+    EXPECT_EQ(resumed.training_steps, 8 - step);
+    EXPECT_EQ(again.stopping->wait_count(), first.stopping->wait_count());
+    EXPECT_EQ(again.stopping->best_score(), first.stopping->best_score());
+    EXPECT_EQ(again.result.metrics, first.result.metrics);
+    EXPECT_TRUE(parameters_equal(uninterrupted, resumed));
+    // b ran its hook after a: resumed from a's file, b writes its own.
+    const auto written_by_b = list_files(root.file(dir + "/b"));
+    if (writer == "a") {
+      EXPECT_THAT(written_by_b, ::testing::Contains(name));
+    } else {
+      EXPECT_THAT(written_by_b, ::testing::Not(::testing::Contains(name)));
+    }
+    EXPECT_THAT(list_files(root.file(dir + "/a")), ::testing::Not(::testing::Contains(name)));
+  }
+}
+
+// The same at an epoch's end: two ModelCheckpoints save there (no
+// validation); resumed from the first one's file, the second one writes
+// that epoch's file, as in the uninterrupted run; resumed from the
+// second's, neither writes it again.
+TEST(Checkpoint, AResumeFromAnEpochsEndRunsItForTheCallbacksThatHadNotRunIt) {
+  TempDir root;
+  auto fit = [&](const std::string& dir, const std::string& ckpt_path, LinearRegression& model) {
+    auto options = test_options(root);
+    options.max_epochs = 3;
+    options.enable_checkpointing = true;
+    // (Another mode, which nothing monitored reads: another state key.)
+    for (const std::string mode : {"min", "max"}) {
+      options.callbacks.push_back(std::make_shared<fulgur::ModelCheckpoint>(
+          fulgur::ModelCheckpointOptions{.dirpath = root.file(dir + (mode == "min" ? "/a" : "/b")),
+                                         .mode = mode,
+                                         .save_top_k = -1,
+                                         .save_last = false}));
+    }
+    fulgur::Trainer trainer(options);
+    return trainer.fit(model, regression_loader(4), nullptr, {.ckpt_path = ckpt_path});
+  };
+  LinearRegression uninterrupted;
+  ASSERT_EQ(fit("first", "", uninterrupted).global_step, 12);
+  const std::vector<std::string> all = {"epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt",
+                                        "epoch=2-step=12.ckpt"};
+  ASSERT_EQ(list_files(root.file("first/b")), all);
+  for (const char* writer : {"a", "b"}) {
+    SCOPED_TRACE(writer);
+    LinearRegression resumed;
+    const std::string dir = std::string("again_") + writer;
+    fit(dir, root.file(std::string("first/") + writer + "/epoch=0-step=4.ckpt"), resumed);
+    EXPECT_TRUE(parameters_equal(uninterrupted, resumed));
+    EXPECT_EQ(resumed.count("on_train_epoch_end"), 2);
+    const std::vector<std::string> later(all.begin() + 1, all.end());
+    EXPECT_EQ(list_files(root.file(dir + "/a")), later);
+    EXPECT_EQ(list_files(root.file(dir + "/b")), std::string(writer) == "a" ? all : later);
+  }
+}
+
 // ---- Unusable checkpoints.
 
 TEST(CheckpointErrors, MissingFile) {
