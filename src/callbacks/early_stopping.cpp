@@ -95,32 +95,21 @@ void EarlyStopping::check(Trainer& trainer) {
     return;
   }
   const double current = it->second;
-  std::string reason;
-  if (options_.check_finite && !std::isfinite(current)) {
-    reason = str(options_.monitor, " = ", current, " is not finite; the best was ", best_score_);
-  } else if (options_.stopping_threshold && better(current, *options_.stopping_threshold, 0.0)) {
-    reason = str(options_.monitor, " = ", current,
-                 " reached stopping_threshold=", *options_.stopping_threshold);
-  } else if (options_.divergence_threshold && !std::isnan(current) &&
-             !better(current, *options_.divergence_threshold, 0.0) &&
-             current != *options_.divergence_threshold) {
-    reason = str(options_.monitor, " = ", current,
-                 " is worse than divergence_threshold=", *options_.divergence_threshold);
-  } else if (better(current, best_score_, options_.min_delta)) {
-    best_score_ = current;
-    wait_count_ = 0;
-  } else if (++wait_count_ >= options_.patience) {
-    reason =
-        str(options_.monitor, " did not improve by more than min_delta=", options_.min_delta,
-            " in ", wait_count_, " checks in a row (best ", best_score_, ", now ", current, ")");
+  std::string reason = threshold_reason(current);
+  if (reason.empty()) {
+    if (better(current, best_score_, options_.min_delta)) {
+      best_score_ = current;
+      wait_count_ = 0;
+    } else if (++wait_count_ >= options_.patience) {
+      reason =
+          str(options_.monitor, " did not improve by more than min_delta=", options_.min_delta,
+              " in ", wait_count_, " checks in a row (best ", best_score_, ", now ", current, ")");
+    }
   }
-  bool stop = !reason.empty();
-  // One rank's decision stops every rank (a metric without sync_dist may
-  // differ by rank).
-  if (strategy.world_size() > 1) stop = strategy.reduce_boolean_decision(stop, /*all=*/false);
-  if (!stop) return;
+  if (!agreed(trainer, !reason.empty())) return;
   if (reason.empty()) reason = "another rank's EarlyStopping decided to stop";
   stopped_epoch_ = trainer.current_epoch();
+  stopped_step_ = trainer.global_step();
   stop_reason_ = reason;
   trainer.request_stop();
   if (strategy.is_global_zero()) {
@@ -129,13 +118,62 @@ void EarlyStopping::check(Trainer& trainer) {
   }
 }
 
+std::string EarlyStopping::threshold_reason(double current) const {
+  if (options_.check_finite && !std::isfinite(current)) {
+    return str(options_.monitor, " = ", current, " is not finite; the best was ", best_score_);
+  }
+  if (options_.stopping_threshold && better(current, *options_.stopping_threshold, 0.0)) {
+    return str(options_.monitor, " = ", current,
+               " reached stopping_threshold=", *options_.stopping_threshold);
+  }
+  if (options_.divergence_threshold && !std::isnan(current) &&
+      !better(current, *options_.divergence_threshold, 0.0) &&
+      current != *options_.divergence_threshold) {
+    return str(options_.monitor, " = ", current,
+               " is worse than divergence_threshold=", *options_.divergence_threshold);
+  }
+  return {};
+}
+
+bool EarlyStopping::agreed(Trainer& trainer, bool stop) {
+  // One rank's decision stops every rank (a metric without sync_dist may
+  // differ by rank).
+  Strategy& strategy = trainer.strategy();
+  if (strategy.world_size() > 1) stop = strategy.reduce_boolean_decision(stop, /*all=*/false);
+  return stop;
+}
+
+void EarlyStopping::on_train_start(Trainer& trainer, Module&) {
+  // Every rank holds the same state (decisions are agreed), so every rank
+  // takes this branch or none.
+  if (stopped_step_ < 0 || stopped_step_ != trainer.global_step() ||
+      trainer.options().fast_dev_run > 0) {
+    return;
+  }
+  const auto& metrics = trainer.callback_metrics();
+  const auto it = metrics.find(options_.monitor);
+  const bool stop = it != metrics.end() &&
+                    (!threshold_reason(it->second).empty() || wait_count_ >= options_.patience);
+  if (!agreed(trainer, stop)) return;
+  trainer.request_stop();
+  if (trainer.strategy().is_global_zero()) {
+    detail::print_note(str("EarlyStopping: resumed at step ", trainer.global_step(),
+                           ", where it had stopped the fit (",
+                           stop_reason_.empty() ? std::string("its check then") : stop_reason_,
+                           "); stopping again. A larger patience trains on."));
+  }
+}
+
 // wait_count (int), best_score (double, NaN before the first check),
-// stopped_epoch (int); each optional on load.
+// stopped_epoch and stopped_step (int, -1: none), stop_reason (string);
+// each optional on load.
 StateDict EarlyStopping::state_dict() const {
   StateDict state;
   state.set("wait_count", wait_count_);
   state.set("best_score", best_score_);
   state.set("stopped_epoch", stopped_epoch_);
+  state.set("stopped_step", stopped_step_);
+  state.set("stop_reason", stop_reason_);
   return state;
 }
 
@@ -143,6 +181,8 @@ void EarlyStopping::load_state_dict(const StateDict& state) {
   if (state.contains("wait_count")) wait_count_ = state.integer("wait_count");
   if (state.contains("best_score")) best_score_ = state.real("best_score");
   if (state.contains("stopped_epoch")) stopped_epoch_ = state.integer("stopped_epoch");
+  if (state.contains("stopped_step")) stopped_step_ = state.integer("stopped_step");
+  if (state.contains("stop_reason")) stop_reason_ = state.string("stop_reason");
 }
 
 }  // namespace fulgur

@@ -392,8 +392,10 @@ void ModelCheckpoint::on_validation_end(Trainer& trainer, Module&) {
   bool at_epoch_end = trainer.num_training_batches() < 0 ||
                       trainer.batch_idx() + 1 >= trainer.num_training_batches();
   if (epoch_due && at_epoch_end) {
-    save(trainer);
+    // Before the save, which holds it: a resume from it (which goes on
+    // after this hook) rewrites last.ckpt at the epoch's end, as below.
     validated_this_epoch_ = true;
+    save(trainer);
   }
 }
 
@@ -411,6 +413,7 @@ void ModelCheckpoint::on_train_epoch_end(Trainer& trainer, Module&) {
   }
 }
 
+// validated_this_epoch (bool: the epoch's last validation offered its save),
 // best_model_path, best_model_score (NaN: none), latest_path, dirpath,
 // last_model_path (strings; the score a double), and the kept checkpoints as
 // two parallel lists, top_k_scores (doubles) and top_k_paths (strings). Each
@@ -444,6 +447,7 @@ StateDict ModelCheckpoint::state_dict() const {
   }
   state.set("saved_paths", saved_paths);
   state.set("saved_steps", saved_steps);
+  state.set("validated_this_epoch", validated_this_epoch_);
   return state;
 }
 
@@ -457,6 +461,9 @@ void ModelCheckpoint::load_state_dict(const StateDict& state) {
   if (state.contains("dirpath")) dirpath_ = state.string("dirpath");
   if (state.contains("last_model_path")) last_model_path_ = state.string("last_model_path");
   if (state.contains("last_saved_step")) last_saved_step_ = state.integer("last_saved_step");
+  if (state.contains("validated_this_epoch")) {
+    validated_this_epoch_ = state.boolean("validated_this_epoch");
+  }
   if (state.contains("top_k_scores") && state.contains("top_k_paths")) {
     const std::vector<double> scores = state.reals("top_k_scores");
     const std::vector<std::string> paths = state.strings("top_k_paths");

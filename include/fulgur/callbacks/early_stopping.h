@@ -55,6 +55,11 @@ class EarlyStopping : public Callback {
   /// ConfigError naming each invalid option.
   explicit EarlyStopping(EarlyStoppingOptions options);
   std::string state_key() const override;
+  /// Resumed from a checkpoint written at the step where it decided to stop
+  /// (in the hook that checked, before the fit ended): it decides again,
+  /// from its restored count and the values the checkpoint kept, under its
+  /// options now (a larger patience trains on).
+  void on_train_start(Trainer& trainer, Module& module) override;
   void on_train_epoch_end(Trainer& trainer, Module& module) override;
   void on_validation_end(Trainer& trainer, Module& module) override;
   StateDict state_dict() const override;
@@ -73,6 +78,12 @@ class EarlyStopping : public Callback {
  private:
   bool checks_at_epoch_end(const Trainer& trainer) const;
   void check(Trainer& trainer);
+  /// Why `current` stops the fit whatever the patience count (not finite,
+  /// a threshold reached), or "".
+  std::string threshold_reason(double current) const;
+  /// Every rank agrees: one rank's decision stops all (a collective where
+  /// several ranks run).
+  static bool agreed(Trainer& trainer, bool stop);
   /// Whether `a` is better than `b` by more than `delta`.
   bool better(double a, double b, double delta) const;
 
@@ -80,6 +91,7 @@ class EarlyStopping : public Callback {
   int64_t wait_count_ = 0;
   double best_score_;
   int64_t stopped_epoch_ = -1;
+  int64_t stopped_step_ = -1;  // the global step of that decision
   std::string stop_reason_;
   bool warned_missing_ = false;
 };

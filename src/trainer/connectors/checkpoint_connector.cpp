@@ -95,7 +95,6 @@ StateDict CheckpointConnector::dump() {
   if (!progress.hook.empty() && !trainer_.handling_exception) {
     loops.set("hook", progress.hook);
     loops.set("hook_started", c10::List<std::string>(progress.hook_started));
-    loops.set("hook_should_stop", progress.should_stop);
   }
   // What the callbacks read, as they read it now: a resume reads what the
   // validations before it published (the uninterrupted run's values) until
@@ -457,16 +456,8 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
                                 "). Resume it with the fulgur that wrote it."));
     }
     progress.hook_started = loops.strings("hook_started");
-    progress.should_stop = loops.boolean("hook_should_stop");
   }
   trainer_.fit_loop.restore(progress, checkpoint.find_section("train_loader"));
-  if (progress.should_stop && trainer_.strategy->is_global_zero()) {
-    print_note(str("\"", path, "\" was written in ", progress.hook, " of epoch ", progress.epoch,
-                   " (step ", progress.global_step,
-                   ") after a stop was requested (EarlyStopping, request_stop()): the fit stops "
-                   "there, as the run that wrote it did. To train on from it, load its weights "
-                   "in a new fit instead of resuming."));
-  }
   if (loops.find("callback_metrics.names") != nullptr) {
     trainer_.logging.restore_callback_metrics(read_metrics(loops, "callback_metrics"));
   }

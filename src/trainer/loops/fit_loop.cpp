@@ -917,8 +917,7 @@ FitProgress FitLoop::progress() const {
                      .validated_at_position = validated_at_position_,
                      .monitored_step_due = monitored_step_due_,
                      .hook = hook_,
-                     .hook_started = hook_started_,
-                     .should_stop = should_stop_};
+                     .hook_started = hook_started_};
 }
 
 void FitLoop::restore(const FitProgress& p, const StateDict* loader_state) {
@@ -934,9 +933,6 @@ void FitLoop::restore(const FitProgress& p, const StateDict* loader_state) {
   resumed_started_ = p.hook_started;
   resumed_epoch_length_ = p.batch_position;
   if (p.hook == kValidationEnd) validated_at_position_ = p.batch_position;
-  // A stop requested before it (only there: a preemption's request, or an
-  // ended run resumed for more epochs, trains on).
-  if (!p.hook.empty() && p.should_stop) should_stop_ = true;
   // The last batch done, as the hooks after it saw it.
   batch_idx_ = std::max<int64_t>(p.batch_position - 1, 0);
   if (p.epoch_done) {

@@ -61,9 +61,6 @@ struct FitProgress {
   /// The state keys of the callbacks that had started `hook` (the one that
   /// wrote the checkpoint among them): a resume runs it for the others.
   std::vector<std::string> hook_started;
-  /// With `hook`: a stop was requested (EarlyStopping's check in that hook,
-  /// request_stop()); the resumed fit stops where the run that wrote it did.
-  bool should_stop = false;
 };
 
 /// FitProgress::hook's values (as checkpoints hold them).

@@ -484,14 +484,14 @@ struct ValidationEndRun {
 /// into `<dir>/a` then `<dir>/b`.
 ValidationEndRun fit_saving_at_validation_ends(const TempDir& root, const std::string& dir,
                                                const std::string& ckpt_path,
-                                               LinearRegression& model) {
+                                               LinearRegression& model, int64_t patience = 3) {
   auto options = test_options(root);
   options.num_sanity_val_steps = 0;
   options.max_epochs = 4;
   options.val_check_interval = 2;
   ValidationEndRun run;
   run.stopping = std::make_shared<fulgur::EarlyStopping>(
-      fulgur::EarlyStoppingOptions{.monitor = "val_loss", .min_delta = 1e9, .patience = 3});
+      fulgur::EarlyStoppingOptions{.monitor = "val_loss", .min_delta = 1e9, .patience = patience});
   options.callbacks = {run.stopping,
                        std::make_shared<SaveAtValidationEnd>("a", root.file(dir + "/a")),
                        std::make_shared<SaveAtValidationEnd>("b", root.file(dir + "/b"))};
@@ -519,8 +519,8 @@ TEST(Checkpoint, AResumeFromAValidationsEndFinishesItInsteadOfValidatingAgain) {
   ASSERT_EQ(uninterrupted.count("on_validation_epoch_start"), 4);
   ASSERT_THAT(list_files(root.file("first/b")),
               ::testing::ElementsAre("step=2.ckpt", "step=4.ckpt", "step=6.ckpt", "step=8.ckpt"));
-  // Step 8's: written after EarlyStopping asked to stop, which the resumed
-  // fit does at once.
+  // Step 8's: written after EarlyStopping asked to stop; resumed, it
+  // decides so again (from its count), and the fit stops at once.
   const std::vector<std::pair<std::string, int64_t>> checkpoints = {
       {"a", 2}, {"a", 4}, {"a", 6}, {"b", 4}, {"a", 8}};
   for (const auto& [writer, step] : checkpoints) {
@@ -547,6 +547,36 @@ TEST(Checkpoint, AResumeFromAValidationsEndFinishesItInsteadOfValidatingAgain) {
     }
     EXPECT_THAT(list_files(root.file(dir + "/a")), ::testing::Not(::testing::Contains(name)));
   }
+  // With a larger patience, the same checkpoint trains on to the next check.
+  LinearRegression patient;
+  const ValidationEndRun longer = fit_saving_at_validation_ends(
+      root, "patient", root.file("first/a/step=8.ckpt"), patient, /*patience=*/4);
+  EXPECT_EQ(longer.result.global_step, 10);
+  EXPECT_EQ(longer.stopping->wait_count(), 4);
+}
+
+// ModelCheckpoint saves at the end of an epoch's last validation, and
+// writes last.ckpt again at the epoch's end (recording the completed
+// epoch). Resumed from the first save, the fit writes that last.ckpt too.
+TEST(Checkpoint, AResumeFromAValidationsSaveWritesLastAtTheEpochsEnd) {
+  TempDir root;
+  auto fit = [&](const std::string& dir, const std::string& ckpt_path) {
+    auto options = test_options(root);
+    options.num_sanity_val_steps = 0;
+    options.max_epochs = 1;
+    options.enable_checkpointing = true;
+    options.callbacks = {std::make_shared<fulgur::ModelCheckpoint>(
+        fulgur::ModelCheckpointOptions{.dirpath = root.file(dir), .monitor = "val_loss"})};
+    LinearRegression model;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(4), regression_loader(2), {.ckpt_path = ckpt_path});
+    return model.training_steps;
+  };
+  ASSERT_EQ(fit("first", ""), 4);
+  ASSERT_THAT(list_files(root.file("first")),
+              ::testing::ElementsAre("epoch=0-step=4.ckpt", "last.ckpt"));
+  EXPECT_EQ(fit("again", root.file("first/epoch=0-step=4.ckpt")), 0);
+  EXPECT_THAT(list_files(root.file("again")), ::testing::ElementsAre("last.ckpt"));
 }
 
 // The same at an epoch's end: two ModelCheckpoints save there (no
