@@ -55,6 +55,32 @@ TEST(Timer, MaxTimeStopsFitWithACheckpoint) {
   EXPECT_TRUE(std::filesystem::exists(dir.file("checkpoints/last.ckpt")));
 }
 
+// The checkpoint written at the end of the epoch that max_time cut short
+// (in the callbacks' on_train_epoch_end, after the Timer's stop) resumes
+// into that epoch's end; with more time the fit trains on: the stop was the
+// Timer's, decided again from its elapsed time, not kept by the loop.
+TEST(Timer, AStoppedRunResumedWithMoreTimeTrainsOn) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_time = 50ms;
+  options.max_epochs = 2;
+  options.enable_checkpointing = true;
+  int64_t stopped_at = 0;
+  {
+    SlowModel model;
+    fulgur::Trainer trainer(options);
+    stopped_at = trainer.fit(model, regression_loader(100)).global_step;
+  }
+  ASSERT_LT(stopped_at, 100);
+  options.max_time = 1h;
+  LinearRegression model;
+  fulgur::Trainer trainer(options);
+  auto result = trainer.fit(model, regression_loader(100), nullptr, {.ckpt_path = "last"});
+  EXPECT_EQ(model.training_steps, 100);
+  EXPECT_EQ(result.global_step, stopped_at + 100);
+  EXPECT_EQ(result.stop_reason, "max_epochs");
+}
+
 // A stop in the middle of an epoch validates where it stops (as
 // Lightning's): the monitored ModelCheckpoint ranks the weights the run
 // stopped with (before, it kept last.ckpt and ranked nothing), once.
