@@ -145,11 +145,8 @@ bool EarlyStopping::agreed(Trainer& trainer, bool stop) {
 
 void EarlyStopping::on_train_start(Trainer& trainer, Module&) {
   // Every rank holds the same state (decisions are agreed), so every rank
-  // takes this branch or none.
-  if (stopped_step_ < 0 || stopped_step_ != trainer.global_step() ||
-      trainer.options().fast_dev_run > 0) {
-    return;
-  }
+  // takes this branch or none (-1, no decision, is no step).
+  if (stopped_step_ != trainer.global_step() || trainer.options().fast_dev_run > 0) return;
   const auto& metrics = trainer.callback_metrics();
   const auto it = metrics.find(options_.monitor);
   const bool stop = it != metrics.end() &&

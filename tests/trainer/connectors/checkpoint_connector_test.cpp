@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include "fulgur/fulgur.h"
 #include "fulgur/utilities/torch_compat.h"
@@ -619,6 +620,44 @@ TEST(Checkpoint, AResumeFromAnEpochsEndRunsItForTheCallbacksThatHadNotRunIt) {
 }
 
 // ---- Unusable checkpoints.
+
+// What a resume reads of the loop's hook and the callback metrics, when a
+// checkpoint holds something this fulgur cannot use, is named with the file.
+TEST(CheckpointErrors, AHookOrCallbackMetricsItCannotResumeAreNamed) {
+  TempDir dir;
+  LinearRegression trained;
+  const std::string last = train_and_checkpoint(dir, trained);
+  fulgur::TorchCheckpointIO io;
+  auto edited = [&](const std::string& name, const std::function<void(fulgur::StateDict&)>& edit) {
+    fulgur::StateDict checkpoint = io.load_checkpoint(last);
+    edit(checkpoint.section("loops"));
+    const std::string path = dir.file(name);
+    io.save_checkpoint(checkpoint, path);
+    return path;
+  };
+  const std::string batch_end = edited("batch_end.ckpt", [](fulgur::StateDict& loops) {
+    loops.set("hook", std::string("on_train_batch_end"));
+    loops.set("hook_started", c10::List<std::string>());
+  });
+  const std::string short_values = edited("short_values.ckpt", [](fulgur::StateDict& loops) {
+    loops.set("callback_metrics.values", torch::zeros({0}, torch::kDouble));
+  });
+  auto refused = [&](const std::string& path, const std::vector<std::string>& expected) {
+    SCOPED_TRACE(path);
+    LinearRegression model;
+    TempDir other;
+    fulgur::Trainer trainer(test_options(other));
+    EXPECT_THROWS_WITH(fulgur::CheckpointError,
+                       trainer.fit(model, regression_loader(4), nullptr, {.ckpt_path = path}),
+                       (expected));
+    EXPECT_EQ(model.training_steps, 0);
+  };
+  refused(batch_end, {batch_end, "written in the hook \"on_train_batch_end\"",
+                      "does not resume within (on_validation_end, on_train_epoch_end)",
+                      "Resume it with the fulgur that wrote it."});
+  refused(short_values, {short_values, "\"callback_metrics.values\" holds 0 values for ",
+                         " names in \"callback_metrics.names\""});
+}
 
 TEST(CheckpointErrors, MissingFile) {
   TempDir dir;
