@@ -455,6 +455,19 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
                                 kValidationEnd, ", ", kTrainEpochEnd,
                                 "). Resume it with the fulgur that wrote it."));
     }
+    // A validation's end comes after a batch of an epoch; the callbacks'
+    // epoch end, at a completed epoch.
+    const bool fits = progress.hook == kTrainEpochEnd
+                          ? progress.epoch_done
+                          : !progress.epoch_done && progress.batch_position > 0;
+    if (!fits) {
+      throw CheckpointError(
+          str("checkpoint \"", path, "\" was written in ", progress.hook, " at ",
+              progress.epoch_done ? std::string("a completed epoch")
+                                  : str("batch position ", progress.batch_position),
+              ", where that hook does not run: its loop state (section \"loops\") is inconsistent. "
+              "Resume from another checkpoint."));
+    }
     progress.hook_started = loops.strings("hook_started");
   }
   trainer_.fit_loop.restore(progress, checkpoint.find_section("train_loader"));

@@ -639,6 +639,11 @@ TEST(CheckpointErrors, AHookOrCallbackMetricsItCannotResumeAreNamed) {
     loops.set("hook", std::string("on_train_batch_end"));
     loops.set("hook_started", c10::List<std::string>());
   });
+  // last.ckpt is written at an epoch's end, where no validation ends.
+  const std::string misplaced = edited("misplaced.ckpt", [](fulgur::StateDict& loops) {
+    loops.set("hook", std::string("on_validation_end"));
+    loops.set("hook_started", c10::List<std::string>());
+  });
   const std::string short_values = edited("short_values.ckpt", [](fulgur::StateDict& loops) {
     loops.set("callback_metrics.values", torch::zeros({0}, torch::kDouble));
   });
@@ -655,6 +660,9 @@ TEST(CheckpointErrors, AHookOrCallbackMetricsItCannotResumeAreNamed) {
   refused(batch_end, {batch_end, "written in the hook \"on_train_batch_end\"",
                       "does not resume within (on_validation_end, on_train_epoch_end)",
                       "Resume it with the fulgur that wrote it."});
+  refused(misplaced, {misplaced, "was written in on_validation_end at a completed epoch",
+                      "its loop state (section \"loops\") is inconsistent",
+                      "Resume from another checkpoint."});
   refused(short_values, {short_values, "\"callback_metrics.values\" holds 0 values for ",
                          " names in \"callback_metrics.names\""});
 }
