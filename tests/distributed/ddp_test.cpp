@@ -100,6 +100,43 @@ TEST(DDP, AFinetunedRunResumedBeforeOrAfterTheUnfreezingEndsBitIdentical) {
   }
 }
 
+// A value logged without sync_dist is each rank's own (here 10 * rank +
+// the global step). A checkpoint of one file keeps every rank's where they
+// differ, so each rank resumes reading its own, as the uninterrupted run
+// did (it read global rank 0's on every rank). Resumed on another number of
+// ranks: global rank 0's on each, with a note.
+TEST(DDP, AResumeGivesEachRankTheCallbackMetricsItHad) {
+  TempDir dir;
+  const std::string d = dir.path();
+  auto run = [&](const std::string& devices, const std::string& steps,
+                 std::vector<std::string> more) {
+    std::vector<std::string> args = {"--strategy", "ddp",          "--devices",
+                                     devices,      "--steps",      steps,
+                                     "--samples",  "64",           "--batch",
+                                     "8",          "--own-metric", "--every-n-train-steps",
+                                     "3",          "--root",       d};
+    args.insert(args.end(), more.begin(), more.end());
+    return run_worker(args);
+  };
+  auto first = run("2", "3", {});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_EQ(result_value(first.output, "start_own_rank1"), "-1") << first.output;
+  const std::string last = d + "/checkpoints/last.ckpt";
+  auto resumed = run("2", "4", {"--ckpt-path", last});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  // Logged last at global step 2, the third batch's.
+  EXPECT_EQ(result_value(resumed.output, "start_own_rank0"), "2") << resumed.output;
+  EXPECT_EQ(result_value(resumed.output, "start_own_rank1"), "12") << resumed.output;
+  EXPECT_EQ(resumed.output.find("callback metrics of"), std::string::npos) << resumed.output;
+  auto alone = run("1", "4", {"--ckpt-path", last});
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  EXPECT_EQ(result_value(alone.output, "start_own_rank0"), "2") << alone.output;
+  EXPECT_THAT(alone.output,
+              ::testing::HasSubstr("holds the callback metrics of 2 ranks, which differ (values "
+                                   "logged without sync_dist); this run has 1: every rank starts "
+                                   "from global rank 0's"));
+}
+
 // Ranks that make different parameters trainable, at one step or on one
 // rank only: they name the difference instead of pairing unlike gradient
 // buckets.

@@ -106,6 +106,10 @@ struct Args {
   int rank_step_metric = -1;
   // At this global step rank 1 logs none of them.
   int64_t rank_step_skip_at = -1;
+  // Logs "own" = 10 * rank + global step without sync_dist (each rank's
+  // own value) at every step, and prints each rank's callback metric "own"
+  // at on_train_start (RESULT start_own_rank<r>; -1 where there is none).
+  bool own_metric = false;
   // Prints the collectives each rank starts per step, from its training
   // steps 2 to 4 (RESULT collectives_per_step_rank<r>).
   bool count_collectives = false;
@@ -449,6 +453,9 @@ struct Classifier : fulgur::Module {
     if (rank == args.stop_rank && batch_idx == args.fault_step && args.stop_in == "step") {
       trainer().request_stop();
     }
+    if (args.own_metric) {
+      log("own", 10.0 * rank + static_cast<double>(trainer().global_step()));
+    }
     if (rank == args.extra_metric_rank)
       log("only_here", 1.0, {.on_epoch = true, .sync_dist = true});
     if (args.rank_step_metric >= 0 && batch_idx >= args.rank_step_metric &&
@@ -662,6 +669,16 @@ struct LingerOnException : fulgur::Callback {
 // The most elements of a weight average (EMA's, SWA's) this rank held
 // during training, printed at its end: under fsdp each rank averages its
 // shards.
+struct StartMetricsProbe : fulgur::Callback {
+  std::string state_key() const override { return "StartMetricsProbe"; }
+  void on_train_start(fulgur::Trainer& trainer, fulgur::Module&) override {
+    const auto& metrics = trainer.callback_metrics();
+    const auto own = metrics.find("own");
+    std::cout << "RESULT start_own_rank" << trainer.strategy().global_rank() << "="
+              << (own != metrics.end() ? own->second : -1.0) << std::endl;
+  }
+};
+
 struct AverageSizeProbe : fulgur::Callback {
   int64_t most = 0;
   std::string state_key() const override { return "AverageSizeProbe"; }
@@ -821,6 +838,7 @@ int main(int argc, char** argv) {
   app.add_option("--exit-zero-rank", a.exit_zero_rank);
   app.add_option("--rank-step-metric", a.rank_step_metric);
   app.add_option("--rank-step-skip-at", a.rank_step_skip_at);
+  app.add_flag("--own-metric", a.own_metric);
   app.add_flag("--count-collectives", a.count_collectives);
   app.add_option("--stop-rank", a.stop_rank);
   app.add_option("--stop-in", a.stop_in)->check(CLI::IsMember({"step", "batch-end", "validation"}));
@@ -959,6 +977,7 @@ int main(int argc, char** argv) {
                              .swa_epoch_start = static_cast<double>(a.swa_start),
                              .annealing_epochs = 1}));
     }
+    if (a.own_metric) options.callbacks.push_back(std::make_shared<StartMetricsProbe>());
     if (a.ema > 0 || a.swa_start > 0) {
       options.callbacks.push_back(std::make_shared<AverageSizeProbe>());
     }

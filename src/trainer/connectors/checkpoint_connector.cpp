@@ -7,7 +7,9 @@
 //   lr_schedulers          list     step count of each scheduler
 //   lr_scheduler_states    section  "<i>": what scheduler i saves (SchedulerState)
 //   precision              section  the precision plugin's state
-//   loops                  section  epoch, global_step, batch_position, ...
+//   loops                  section  epoch, global_step, batch_position, ...,
+//                                   callback_metrics (global rank 0's) and,
+//                                   where the ranks' differ, each rank's
 //   train_loader           section  epoch, position, sampler state
 //   callbacks              section  one section per callback state_key()
 //   loggers                section  one section per logger state_key()
@@ -99,7 +101,23 @@ StateDict CheckpointConnector::dump() {
   // What the callbacks read, as they read it now: a resume reads what the
   // validations before it published (the uninterrupted run's values) until
   // the next one, instead of nothing.
-  write_metrics(loops, "callback_metrics", trainer_.logging.callback_metrics());
+  const Metrics& published = trainer_.logging.callback_metrics();
+  write_metrics(loops, "callback_metrics", published);
+  // A value logged without sync_dist is each rank's own: where the ranks'
+  // differ, every rank's, so that each resumes with what it read (one
+  // all-gather of a hash where they agree; every rank saves at the same
+  // point, except from on_exception, which may be one rank's alone).
+  if (trainer_.strategy->world_size() > 1 && !trainer_.handling_exception) {
+    const std::vector<std::string> by_rank =
+        trainer_.strategy->values_where_they_differ(metrics_bytes(published));
+    if (!by_rank.empty()) {
+      StateDict& ranks = loops.section("callback_metrics_by_rank");
+      ranks.set("count", static_cast<int64_t>(by_rank.size()));
+      for (size_t r = 0; r < by_rank.size(); ++r) {
+        write_metrics(ranks, std::to_string(r), metrics_from_bytes(by_rank[r]));
+      }
+    }
+  }
 
   if (DataLoader* train_loader = trainer_.fit_loop.train_loader()) {
     checkpoint.set_section("train_loader", train_loader->state_dict());
@@ -472,7 +490,22 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
   }
   trainer_.fit_loop.restore(progress, checkpoint.find_section("train_loader"));
   if (loops.find("callback_metrics.names") != nullptr) {
-    trainer_.logging.restore_callback_metrics(read_metrics(loops, "callback_metrics"));
+    Metrics metrics = read_metrics(loops, "callback_metrics");
+    if (const StateDict* by_rank = loops.find_section("callback_metrics_by_rank")) {
+      const Strategy& strategy = *trainer_.strategy;
+      const int64_t count = by_rank->integer("count");
+      if (count == strategy.world_size()) {
+        metrics = read_metrics(*by_rank, std::to_string(strategy.global_rank()));
+      } else if (strategy.is_global_zero()) {
+        detail::print_note(str("checkpoint \"", path, "\" holds the callback metrics of ", count,
+                               " ranks, which differ (values logged without sync_dist); this run "
+                               "has ",
+                               strategy.world_size(),
+                               ": every rank starts from global rank 0's until they are logged "
+                               "again."));
+      }
+    }
+    trainer_.logging.restore_callback_metrics(std::move(metrics));
   }
 
   detail::LogSink::MetricStates metric_states;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <iostream>
 #include <sstream>
@@ -44,6 +45,38 @@ Metrics read_metrics(const StateDict& state, const std::string& key) {
   Metrics out;
   const double* data = values.data_ptr<double>();
   for (size_t i = 0; i < names.size(); ++i) out[names[i]] = data[i];
+  return out;
+}
+
+std::string metrics_bytes(const Metrics& metrics) {
+  std::string out;
+  for (const auto& [name, value] : metrics) {
+    const uint64_t size = name.size();
+    out.append(reinterpret_cast<const char*>(&size), sizeof size);
+    out += name;
+    out.append(reinterpret_cast<const char*>(&value), sizeof value);
+  }
+  return out;
+}
+
+Metrics metrics_from_bytes(const std::string& bytes) {
+  Metrics out;
+  size_t at = 0;
+  auto take = [&](void* to, size_t n) {
+    FULGUR_ASSERT(at + n <= bytes.size(), "metrics_from_bytes: truncated bytes");
+    std::memcpy(to, bytes.data() + at, n);
+    at += n;
+  };
+  while (at < bytes.size()) {
+    uint64_t size = 0;
+    take(&size, sizeof size);
+    FULGUR_ASSERT(size <= bytes.size() - at, "metrics_from_bytes: truncated name");
+    std::string name = bytes.substr(at, size);
+    at += size;
+    double value = 0;
+    take(&value, sizeof value);
+    out[std::move(name)] = value;
+  }
   return out;
 }
 

@@ -33,6 +33,10 @@ void write_metrics(StateDict& state, const std::string& key, const Metrics& metr
 /// differ in number (StateDict's own errors name a missing or mistyped
 /// entry).
 Metrics read_metrics(const StateDict& state, const std::string& key);
+/// `metrics` as bytes for a collective (Strategy::values_where_they_differ),
+/// and back: the names and every value's bits.
+std::string metrics_bytes(const Metrics& metrics);
+Metrics metrics_from_bytes(const std::string& bytes);
 
 /// Collects what a Module logs during one loop (training or evaluation):
 /// step values, and epoch aggregates weighted by batch size.
