@@ -119,8 +119,13 @@ void CSVLogger::read_previous_rows() {
     if (std::find(columns.begin(), columns.end(), c) == columns.end()) columns.push_back(c);
   }
   std::vector<std::pair<int64_t, std::map<std::string, double>>> rows;
+  int64_t later = 0;  // rows the run resumed from logged after the checkpoint
+  int64_t cut = 0;    // rows cut short by its interruption
   while (std::getline(in, line)) {
-    if (in.eof()) break;  // no newline: a row cut by the interruption
+    if (in.eof()) {  // no newline: a row cut by the interruption
+      ++cut;
+      break;
+    }
     std::stringstream cells(line);
     std::string cell;
     std::map<std::string, double> row;
@@ -134,7 +139,28 @@ void CSVLogger::read_previous_rows() {
     } catch (const std::exception&) {
       ok = false;  // a row cut by the interruption
     }
-    if (ok && step <= *resume_step()) rows.emplace_back(step, std::move(row));
+    if (!ok) {
+      ++cut;
+    } else if (step <= *resume_step()) {
+      rows.emplace_back(step, std::move(row));
+    } else {
+      ++later;
+    }
+  }
+  if (later > 0 || cut > 0) {
+    std::string what;
+    if (later > 0) {
+      what = str(later, later == 1 ? " row" : " rows",
+                 " after that step (logged by the run "
+                 "resumed from after its checkpoint) ",
+                 later == 1 ? "is" : "are", " replaced by this run's");
+    }
+    if (cut > 0) {
+      what += str(what.empty() ? "" : "; ", cut, cut == 1 ? " row" : " rows",
+                  " cut short by its interruption ", cut == 1 ? "is" : "are", " dropped");
+    }
+    detail::print_note(str("CSVLogger: resumed at step ", *resume_step(), ": in \"", metrics_file(),
+                           "\", ", what, "."));
   }
   columns_ = std::move(columns);
   rows.insert(rows.end(), std::make_move_iterator(written_.begin()),
