@@ -208,6 +208,51 @@ TEST(DataModule, AResumedFitTrainsOnTheLoadersItsEpochHadInTheUninterruptedRun) 
   }
 }
 
+/// A ModelCheckpoint that records the training batches of each epoch at
+/// its end.
+struct EpochEndBatches : fulgur::ModelCheckpoint {
+  using fulgur::ModelCheckpoint::ModelCheckpoint;
+  void on_train_epoch_end(fulgur::Trainer& trainer, fulgur::Module& module) override {
+    seen[trainer.current_epoch()] = trainer.num_training_batches();
+    fulgur::ModelCheckpoint::on_train_epoch_end(trainer, module);
+  }
+  std::map<int64_t, int64_t> seen;
+};
+
+// Resumed from a checkpoint of an epoch's end that a second ModelCheckpoint
+// had not reached, the resume runs that one's epoch end with the loaders
+// of the epoch that ended, as the uninterrupted run did (it ran with the
+// next epoch's, made before).
+TEST(DataModule, AResumedEpochsEndSeesTheLoadersOfTheEpochThatEnded) {
+  auto fit = [](const TempDir& root, const std::string& ckpt_path, LinearRegression& model,
+                GrowingData& data) {
+    auto options = test_options(root);
+    options.max_epochs = 3;
+    options.seed = 5;
+    options.reload_dataloaders_every_n_epochs = 1;
+    options.enable_checkpointing = true;
+    auto recorder = std::make_shared<EpochEndBatches>(fulgur::ModelCheckpointOptions{
+        .dirpath = root.file("b"), .mode = "max", .save_top_k = -1, .save_last = false});
+    options.callbacks = {std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+                             .dirpath = root.file("a"), .save_top_k = -1, .save_last = false}),
+                         recorder};
+    fulgur::Trainer(options).fit(model, data, {.ckpt_path = ckpt_path});
+    return recorder->seen;
+  };
+  TempDir whole;
+  LinearRegression uninterrupted;
+  GrowingData data;
+  // Epochs of 2, 3 and 4 batches.
+  const std::map<int64_t, int64_t> expected = {{0, 2}, {1, 3}, {2, 4}};
+  ASSERT_EQ(fit(whole, "", uninterrupted, data), expected);
+  TempDir other;
+  LinearRegression resumed;
+  GrowingData again;
+  EXPECT_EQ(fit(other, whole.file("a/epoch=0-step=2.ckpt"), resumed, again), expected);
+  EXPECT_THAT(again.train_epochs, ElementsAre(0, 1, 2));
+  EXPECT_TRUE(fulgur::test::parameters_equal(uninterrupted, resumed));
+}
+
 TEST(DataModule, ReloadingNeedsADataModuleAndATrainingLoaderForEveryEpoch) {
   TempDir dir;
   LinearRegression model;

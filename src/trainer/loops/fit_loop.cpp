@@ -940,7 +940,9 @@ void FitLoop::restore(const FitProgress& p, const StateDict* loader_state) {
     current_epoch_ = p.epoch + 1;
     if (batches_before_epoch_ >= 0) batches_before_epoch_ += p.batch_position;
     validated_at_position_ = -1;
-    load_loaders_for(current_epoch_);
+    // An epoch's end that the resume finishes runs with the loaders of the
+    // epoch that ended (the next epoch's are made at its start).
+    load_loaders_for(p.hook == kTrainEpochEnd ? p.epoch : current_epoch_);
     return;
   }
   current_epoch_ = p.epoch;
