@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <sstream>
 #include <tuple>
@@ -176,7 +177,67 @@ std::vector<ModelCheckpoint::NamePart> ModelCheckpoint::parse_name(
   return parts;
 }
 
-std::string ModelCheckpoint::format_name(Trainer& trainer) {
+std::map<std::string, double> ModelCheckpoint::ranked_metrics(Trainer& trainer) {
+  std::vector<std::string> keys;
+  if (!options_.monitor.empty()) keys.push_back(options_.monitor);
+  for (const NamePart& part : name_parts_) {
+    if (part.field && part.text != "epoch" && part.text != "step" &&
+        std::find(keys.begin(), keys.end(), part.text) == keys.end()) {
+      keys.push_back(part.text);
+    }
+  }
+  const Metrics& local = trainer.callback_metrics();
+  std::map<std::string, double> out;
+  Strategy& strategy = trainer.strategy();
+  if (strategy.world_size() <= 1 || keys.empty()) {
+    for (const std::string& key : keys) {
+      if (auto it = local.find(key); it != local.end()) out.emplace(key, it->second);
+    }
+    return out;
+  }
+  // Whether each is there, and its value.
+  at::Tensor mine = torch::zeros({static_cast<int64_t>(2 * keys.size())}, torch::kDouble);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (auto it = local.find(keys[i]); it != local.end()) {
+      mine[static_cast<int64_t>(2 * i)] = 1.0;
+      mine[static_cast<int64_t>(2 * i + 1)] = it->second;
+    }
+  }
+  const at::Tensor every = strategy.all_gather(mine).cpu().contiguous();
+  const double* rows = every.data_ptr<double>();
+  const int world = strategy.world_size();
+  const size_t width = 2 * keys.size();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (rows[2 * i] != 0.0) out.emplace(keys[i], rows[2 * i + 1]);
+  }
+  if (noted_rank_values_) return out;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    std::vector<std::string> values;
+    bool differ = false;
+    for (int r = 0; r < world; ++r) {
+      const double* row = rows + static_cast<size_t>(r) * width;
+      values.push_back(row[2 * i] != 0.0 ? str(row[2 * i + 1]) : std::string("none"));
+      differ = differ || std::memcmp(row + 2 * i, rows + 2 * i, 2 * sizeof(double)) != 0;
+    }
+    if (!differ) continue;
+    noted_rank_values_ = true;
+    if (strategy.is_global_zero()) {
+      detail::print_note(str(
+          "ModelCheckpoint(", keys[i] == options_.monitor ? "monitor" : "filename", "=\"",
+          keys[i] == options_.monitor ? options_.monitor : options_.filename,
+          "\"): the ranks' values of \"", keys[i], "\" differ at step ", trainer.global_step(),
+          " (", by_rank(values, ": "),
+          "): logged without sync_dist, each rank has its own. Checkpoints are ranked and named "
+          "by global rank 0's, which writes them. Log it with sync_dist=true to rank by the "
+          "value over every rank."));
+    }
+    break;
+  }
+  return out;
+}
+
+std::string ModelCheckpoint::format_name(Trainer& trainer,
+                                         const std::map<std::string, double>& metrics) {
   // Fills in {epoch}, {step} and {<metric>} (each with an optional format,
   // {val_loss:.2f}).
   std::string out;
@@ -188,8 +249,7 @@ std::string ModelCheckpoint::format_name(Trainer& trainer) {
     } else if (key == "epoch" || key == "step") {
       const int64_t n = key == "epoch" ? trainer.current_epoch() : trainer.global_step();
       out += part.spec.empty() ? std::to_string(n) : format_number(part.spec, n);
-    } else if (auto it = trainer.callback_metrics().find(key);
-               it == trainer.callback_metrics().end()) {
+    } else if (auto it = metrics.find(key); it == metrics.end()) {
       missing.push_back(key);
       out += "nan";
     } else if (part.spec.empty()) {
@@ -277,6 +337,7 @@ void ModelCheckpoint::save(Trainer& trainer) {
     // is updated first, and put back as it was if the save fails.
     const auto before =
         std::make_tuple(top_k_, latest_path_, best_model_path_, best_model_score_, saved_at_);
+    const std::map<std::string, double> metrics = ranked_metrics(trainer);
     const auto save_ranked = [&] {
       try {
         trainer.save_checkpoint(path);
@@ -288,7 +349,7 @@ void ModelCheckpoint::save(Trainer& trainer) {
     if (options_.monitor.empty()) {
       const std::string previous = latest_path_;
       const bool replaces = options_.save_top_k == 1 && !previous.empty();
-      path = unclaimed(format_name(trainer), step, replaces ? previous : std::string());
+      path = unclaimed(format_name(trainer, metrics), step, replaces ? previous : std::string());
       if (replaces && previous != path) saved_at_.erase(previous);
       saved_at_[path] = step;
       latest_path_ = path;
@@ -298,8 +359,8 @@ void ModelCheckpoint::save(Trainer& trainer) {
         detail::drive(strategy).remove_checkpoint(previous);
       }
     } else {
-      auto it = trainer.callback_metrics().find(options_.monitor);
-      if (it == trainer.callback_metrics().end() &&
+      auto it = metrics.find(options_.monitor);
+      if (it == metrics.end() &&
           (trainer.should_stop() || (!validation_ran_ && trainer.fit_validates()))) {
         // A save before the fit's first validation (every N steps from the
         // start of a run; an epoch or a run that ends first: max_steps
@@ -319,7 +380,7 @@ void ModelCheckpoint::save(Trainer& trainer) {
         if (options_.save_last) save_last(trainer);
         return;
       }
-      if (it == trainer.callback_metrics().end()) {
+      if (it == metrics.end()) {
         std::vector<std::string> names;
         for (const auto& [k, _] : trainer.callback_metrics()) names.push_back(k);
         throw ConfigError(str("ModelCheckpoint(monitor=\"", options_.monitor,
@@ -336,7 +397,8 @@ void ModelCheckpoint::save(Trainer& trainer) {
         // A full list drops its worst for this one, whose name it may take.
         const bool full =
             options_.save_top_k > 0 && static_cast<int64_t>(top_k_.size()) >= options_.save_top_k;
-        path = unclaimed(format_name(trainer), step, full ? top_k_.back().second : std::string());
+        path = unclaimed(format_name(trainer, metrics), step,
+                         full ? top_k_.back().second : std::string());
         saved_at_[path] = step;
         // The files that leave the list go once the checkpoint is saved.
         top_k_.erase(std::remove_if(top_k_.begin(), top_k_.end(),

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <iostream>
 #include <set>
@@ -396,10 +397,28 @@ std::string Strategy::broadcast_bytes(const std::string& value, int src) {
 std::vector<std::string> Strategy::values_where_they_differ(const std::string& value) {
   if (runs_alone()) return {};
   const auto hash = static_cast<int64_t>(std::hash<std::string>{}(value));
-  const at::Tensor all = all_gather(torch::tensor({hash}, torch::kLong));
-  if ((all == hash).all().item<bool>()) return {};
+  const at::Tensor all =
+      all_gather(torch::tensor({hash, static_cast<int64_t>(value.size())}, torch::kLong))
+          .cpu()
+          .contiguous();
+  const int64_t* rows = all.data_ptr<int64_t>();
+  const int world = world_size();
+  bool same = true;
+  int64_t longest = 0;
+  for (int r = 0; r < world; ++r) {
+    same = same && rows[2 * r] == hash;
+    longest = std::max(longest, rows[2 * r + 1]);
+  }
+  if (same) return {};
+  // Every rank's bytes in one all-gather, each padded to the longest.
+  at::Tensor mine = torch::zeros({std::max<int64_t>(longest, 1)}, torch::kUInt8);
+  if (!value.empty()) std::memcpy(mine.data_ptr(), value.data(), value.size());
+  const at::Tensor bytes = all_gather(mine).cpu().contiguous();
   std::vector<std::string> values;
-  for (int r = 0; r < world_size(); ++r) values.push_back(broadcast_bytes(value, r));
+  for (int r = 0; r < world; ++r) {
+    const auto* row = static_cast<const char*>(bytes[r].data_ptr());
+    values.emplace_back(row, static_cast<size_t>(rows[2 * r + 1]));
+  }
   return values;
 }
 

@@ -137,6 +137,32 @@ TEST(DDP, AResumeGivesEachRankTheCallbackMetricsItHad) {
                                    "from global rank 0's"));
 }
 
+// A ModelCheckpoint ranking by a value logged without sync_dist: each
+// rank has its own ("skew": the step on rank 0, 100 minus it on rank 1).
+// Every rank ranks and names the checkpoints by global rank 0's values,
+// which it writes, so the ranks make the same saves (each save is a
+// collective: rank 1's would have saved at step 3, where rank 0 did not)
+// and keep the same best path; said once.
+TEST(DDP, ACheckpointRankedByEachRanksOwnValueFollowsRankZero) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "6", "--samples", "64",
+                       "--batch", "8", "--monitor-skew", "--timeout", "30", "--root", dir.path()});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Logged at global steps 0 and 1, saved after steps 1 and 2.
+  EXPECT_THAT(fulgur::test::list_files(dir.file("skew")),
+              ::testing::ElementsAre("step=1-skew=0.ckpt", "step=2-skew=1.ckpt"));
+  const std::string best = dir.file("skew/step=1-skew=0.ckpt");
+  EXPECT_EQ(result_value(r.output, "skew_best_rank0"), best) << r.output;
+  EXPECT_EQ(result_value(r.output, "skew_best_rank1"), best) << r.output;
+  EXPECT_EQ(fulgur::test::count_occurrences(
+                r.output,
+                "ModelCheckpoint(monitor=\"skew\"): the ranks' values of \"skew\" differ at step "
+                "1 (rank 0: 0; rank 1: 100): logged without sync_dist, each rank has its own. "
+                "Checkpoints are ranked and named by global rank 0's"),
+            1)
+      << r.output;
+}
+
 // Ranks that make different parameters trainable, at one step or on one
 // rank only: they name the difference instead of pairing unlike gradient
 // buckets.

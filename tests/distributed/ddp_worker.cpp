@@ -110,6 +110,11 @@ struct Args {
   // own value) at every step, and prints each rank's callback metric "own"
   // at on_train_start (RESULT start_own_rank<r>; -1 where there is none).
   bool own_metric = false;
+  // Logs "skew" without sync_dist: the global step on rank 0, 100 minus it
+  // on the others; a ModelCheckpoint(monitor="skew", mode min, top 2,
+  // every step) in <root>/skew ranks by it, and each rank prints its best
+  // path (RESULT skew_best_rank<r>).
+  bool monitor_skew = false;
   // Prints the collectives each rank starts per step, from its training
   // steps 2 to 4 (RESULT collectives_per_step_rank<r>).
   bool count_collectives = false;
@@ -452,6 +457,10 @@ struct Classifier : fulgur::Module {
     if (seen.defined()) seen.add_(rank + 1);
     if (rank == args.stop_rank && batch_idx == args.fault_step && args.stop_in == "step") {
       trainer().request_stop();
+    }
+    if (args.monitor_skew) {
+      const auto step = static_cast<double>(trainer().global_step());
+      log("skew", rank == 0 ? step : 100.0 - step);
     }
     if (args.own_metric) {
       log("own", 10.0 * rank + static_cast<double>(trainer().global_step()));
@@ -839,6 +848,7 @@ int main(int argc, char** argv) {
   app.add_option("--rank-step-metric", a.rank_step_metric);
   app.add_option("--rank-step-skip-at", a.rank_step_skip_at);
   app.add_flag("--own-metric", a.own_metric);
+  app.add_flag("--monitor-skew", a.monitor_skew);
   app.add_flag("--count-collectives", a.count_collectives);
   app.add_option("--stop-rank", a.stop_rank);
   app.add_option("--stop-in", a.stop_in)->check(CLI::IsMember({"step", "batch-end", "validation"}));
@@ -978,6 +988,17 @@ int main(int argc, char** argv) {
                              .annealing_epochs = 1}));
     }
     if (a.own_metric) options.callbacks.push_back(std::make_shared<StartMetricsProbe>());
+    auto skew = std::make_shared<fulgur::ModelCheckpoint>(
+        fulgur::ModelCheckpointOptions{.dirpath = a.root + "/skew",
+                                       .filename = "step={step}-skew={skew:.0f}",
+                                       .monitor = "skew",
+                                       .save_top_k = 2,
+                                       .save_last = false,
+                                       .every_n_train_steps = 1});
+    if (a.monitor_skew) {
+      options.enable_checkpointing = true;
+      options.callbacks.push_back(skew);
+    }
     if (a.ema > 0 || a.swa_start > 0) {
       options.callbacks.push_back(std::make_shared<AverageSizeProbe>());
     }
@@ -1068,6 +1089,10 @@ int main(int argc, char** argv) {
       // After fit the Sequential runs its own entries again.
       std::cout << "RESULT body_entries_restored="
                 << (model.body->ptr(0).get() == model.body_first.get()) << std::endl;
+    }
+    if (a.monitor_skew) {
+      std::cout << "RESULT skew_best_rank" << strategy.global_rank() << "="
+                << skew->best_model_path() << std::endl;
     }
     if (a.rank_step_metric >= 0) {
       for (const char* name : {"rank_step", "rank_max"}) {

@@ -90,7 +90,14 @@ class ModelCheckpoint : public Callback {
     bool field = false;
   };
   static std::vector<NamePart> parse_name(const std::string& name_template);
-  std::string format_name(Trainer& trainer);
+  /// `metrics`: what ranked_metrics() returned.
+  std::string format_name(Trainer& trainer, const std::map<std::string, double>& metrics);
+  /// The metrics a save ranks and names checkpoints by (the monitor, the
+  /// filename's fields), as global rank 0 has them: with several ranks,
+  /// one all-gather, so that every rank keeps the same list and paths as
+  /// the rank that writes the files (values logged without sync_dist are
+  /// each rank's own; said once where they differ).
+  std::map<std::string, double> ranked_metrics(Trainer& trainer);
   /// `path`, or "<stem>-v<N>.ckpt" when a checkpoint kept under it is from
   /// another step (and is not `replaced`, the one this save replaces).
   std::string unclaimed(const std::string& path, int64_t step, const std::string& replaced) const;
@@ -115,6 +122,8 @@ class ModelCheckpoint : public Callback {
   bool validation_ran_ = false;
   // The note that nothing could be ranked before any validation ran: once.
   bool noted_no_validation_ = false;
+  // The note that the ranks' values differ: once.
+  bool noted_rank_values_ = false;
 };
 
 }  // namespace fulgur

@@ -162,9 +162,9 @@ class Strategy {
   /// Small serialised values (a path, a decision, an archive's bytes).
   std::string broadcast_bytes(const std::string& value, int src = 0);
   /// Every rank's `value`, by rank, when they are not all the same; empty
-  /// when they are. One all-gather of a hash, read back, then (only where
-  /// they differ) one broadcast per rank: every rank calls, and every rank
-  /// gets the same answer.
+  /// when they are. One all-gather of a hash and a length, read back, then
+  /// (only where they differ) one all-gather of the bytes: every rank
+  /// calls, and every rank gets the same answer.
   std::vector<std::string> values_where_they_differ(const std::string& value);
   at::Tensor all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kMean);
   /// Tensors of every rank stacked on a new dimension 0.

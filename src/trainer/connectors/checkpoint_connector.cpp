@@ -105,16 +105,17 @@ StateDict CheckpointConnector::dump() {
   write_metrics(loops, "callback_metrics", published);
   // A value logged without sync_dist is each rank's own: where the ranks'
   // differ, every rank's, so that each resumes with what it read (one
-  // all-gather of a hash where they agree; every rank saves at the same
-  // point, except from on_exception, which may be one rank's alone).
+  // all-gather of a hash where they agree). Every rank saves at the same
+  // point (Trainer::save_checkpoint's rule; ModelCheckpoint decides on
+  // global rank 0's values), except from on_exception, which may be one
+  // rank's alone: that file keeps its writer's only.
   if (trainer_.strategy->world_size() > 1 && !trainer_.handling_exception) {
     const std::vector<std::string> by_rank =
         trainer_.strategy->values_where_they_differ(metrics_bytes(published));
     if (!by_rank.empty()) {
-      StateDict& ranks = loops.section("callback_metrics_by_rank");
-      ranks.set("count", static_cast<int64_t>(by_rank.size()));
+      loops.set("callback_metrics.ranks", static_cast<int64_t>(by_rank.size()));
       for (size_t r = 0; r < by_rank.size(); ++r) {
-        write_metrics(ranks, std::to_string(r), metrics_from_bytes(by_rank[r]));
+        write_metrics(loops, str("callback_metrics.rank", r), metrics_from_bytes(by_rank[r]));
       }
     }
   }
@@ -491,11 +492,11 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
   trainer_.fit_loop.restore(progress, checkpoint.find_section("train_loader"));
   if (loops.find("callback_metrics.names") != nullptr) {
     Metrics metrics = read_metrics(loops, "callback_metrics");
-    if (const StateDict* by_rank = loops.find_section("callback_metrics_by_rank")) {
+    if (loops.find("callback_metrics.ranks") != nullptr) {
       const Strategy& strategy = *trainer_.strategy;
-      const int64_t count = by_rank->integer("count");
+      const int64_t count = loops.integer("callback_metrics.ranks");
       if (count == strategy.world_size()) {
-        metrics = read_metrics(*by_rank, std::to_string(strategy.global_rank()));
+        metrics = read_metrics(loops, str("callback_metrics.rank", strategy.global_rank()));
       } else if (strategy.is_global_zero()) {
         detail::print_note(str("checkpoint \"", path, "\" holds the callback metrics of ", count,
                                " ranks, which differ (values logged without sync_dist); this run "
