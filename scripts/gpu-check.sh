@@ -123,6 +123,9 @@ fi
 
 status=0
 fail() { [ "$status" != 0 ] || status=$1; }
+# A LibTorch error (a synchronising call under the sync-debug mode, say)
+# names where it was raised: one run on a lent GPU has to be enough.
+export TORCH_SHOW_CPP_STACKTRACES=1
 ctest --test-dir build-gpu --output-on-failure --timeout 600 -R '_CUDA' || fail $?
 if [ "$quick" = 0 ]; then
   ctest --test-dir build-gpu --output-on-failure --timeout 600 \

@@ -153,7 +153,7 @@ void CSVLogger::read_previous_rows() {
       what = str(later, later == 1 ? " row" : " rows",
                  " after that step (logged by the run "
                  "resumed from after its checkpoint) ",
-                 later == 1 ? "is" : "are", " replaced by this run's");
+                 later == 1 ? "is" : "are", " dropped: this run logs those steps again");
     }
     if (cut > 0) {
       what += str(what.empty() ? "" : "; ", cut, cut == 1 ? " row" : " rows",

@@ -173,6 +173,45 @@ TEST(CSVLogger, TrainerWritesMetricsAndHyperparameters) {
   EXPECT_TRUE(fulgur::test::message_contains(read_text(yaml), {"lr", "hidden: 4"}));
 }
 
+// A resumed run drops the rows of metrics.csv that the run it resumes
+// logged after its checkpoint (it logs those steps again) and a row cut
+// short by that run's end, and says so.
+TEST(CSVLogger, AResumeSaysWhichRowsItDrops) {
+  TempDir dir;
+  fulgur::StateDict state;
+  std::string file;
+  {
+    fulgur::CSVLogger first({.save_dir = dir.path()});
+    for (int64_t step = 1; step <= 6; ++step) first.log_metrics({{"loss", 1.0 / step}}, step);
+    first.save();
+    state = first.state_dict();
+    file = first.metrics_file();
+  }
+  std::ofstream(file, std::ios::app) << "7,0.";  // as a crash leaves it
+  fulgur::CSVLogger resumed({.save_dir = dir.path()});
+  resumed.load_state_dict(state, 4);
+  resumed.log_metrics({{"loss", 0.5}}, 5);
+  testing::internal::CaptureStderr();
+  resumed.save();
+  EXPECT_THAT(testing::internal::GetCapturedStderr(),
+              ::testing::HasSubstr(fulgur::str(
+                  "CSVLogger: resumed at step 4: in \"", file,
+                  "\", 2 rows after that step (logged by the run resumed from after its "
+                  "checkpoint) are dropped: this run logs those steps again; 1 row cut short by "
+                  "its interruption is dropped.")));
+  const auto rows = read_csv(file);
+  ASSERT_EQ(rows.size(), 6u);  // the header, steps 1 to 4, the resumed run's 5
+  EXPECT_EQ(rows[4][0], "4");
+  EXPECT_THAT(rows[5], ElementsAre("5", "0.5"));
+  // A resume with nothing to drop says nothing.
+  fulgur::CSVLogger again({.save_dir = dir.path()});
+  again.load_state_dict(resumed.state_dict(), 5);
+  again.log_metrics({{"loss", 0.25}}, 6);
+  testing::internal::CaptureStderr();
+  again.save();
+  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+}
+
 TEST(CSVLogger, ExplicitLoggersReplaceTheDefault) {
   TempDir dir;
   auto mine = std::make_shared<fulgur::CSVLogger>(

@@ -317,12 +317,16 @@ at::Tensor CudaGraphStep::run(Batch& batch, bool last_batch, const Body& body, M
       graph_step::clear_grads(optimizers);
       loss = body(batch);
     });
-    // The batch's memory was read on the side stream.
+    // The batch's memory was read on the side stream; the loss, made
+    // there, is read on this one (the hooks after the step).
     batch.for_each([&](const at::Tensor& t) {
       if (t.is_cuda() && t.has_storage()) {
         c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *s.side);
       }
     });
+    if (loss.defined() && loss.is_cuda() && loss.has_storage()) {
+      c10::cuda::CUDACachingAllocator::recordStream(loss.storage().data_ptr(), current);
+    }
     return loss;
   }
 
