@@ -4,9 +4,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <sstream>
 #include <tuple>
@@ -177,7 +177,16 @@ std::vector<ModelCheckpoint::NamePart> ModelCheckpoint::parse_name(
   return parts;
 }
 
-std::map<std::string, double> ModelCheckpoint::ranked_metrics(Trainer& trainer) {
+namespace {
+// The shortest text that reads back to `value` ("100", "0.1", "1e-07").
+std::string shortest_text(double value) {
+  char text[64];
+  const auto end = std::to_chars(text, text + sizeof text, value).ptr;
+  return std::string(text, end);
+}
+}  // namespace
+
+std::map<std::string, double> ModelCheckpoint::ranked_metrics(Trainer& trainer, bool& stopping) {
   std::vector<std::string> keys;
   if (!options_.monitor.empty()) keys.push_back(options_.monitor);
   for (const NamePart& part : name_parts_) {
@@ -189,35 +198,44 @@ std::map<std::string, double> ModelCheckpoint::ranked_metrics(Trainer& trainer) 
   const Metrics& local = trainer.callback_metrics();
   std::map<std::string, double> out;
   Strategy& strategy = trainer.strategy();
+  stopping = trainer.should_stop();
   if (strategy.world_size() <= 1 || keys.empty()) {
     for (const std::string& key : keys) {
       if (auto it = local.find(key); it != local.end()) out.emplace(key, it->second);
     }
     return out;
   }
-  // Whether each is there, and its value.
-  at::Tensor mine = torch::zeros({static_cast<int64_t>(2 * keys.size())}, torch::kDouble);
+  // Whether each is there, and its value; then whether the rank has
+  // asked to stop (agreed only after this batch: any rank's request stops).
+  const size_t width = 2 * keys.size() + 1;
+  at::Tensor mine = torch::zeros({static_cast<int64_t>(width)}, torch::kDouble);
   for (size_t i = 0; i < keys.size(); ++i) {
     if (auto it = local.find(keys[i]); it != local.end()) {
       mine[static_cast<int64_t>(2 * i)] = 1.0;
       mine[static_cast<int64_t>(2 * i + 1)] = it->second;
     }
   }
+  mine[static_cast<int64_t>(width - 1)] = stopping ? 1.0 : 0.0;
   const at::Tensor every = strategy.all_gather(mine).cpu().contiguous();
   const double* rows = every.data_ptr<double>();
   const int world = strategy.world_size();
-  const size_t width = 2 * keys.size();
   for (size_t i = 0; i < keys.size(); ++i) {
     if (rows[2 * i] != 0.0) out.emplace(keys[i], rows[2 * i + 1]);
+  }
+  for (int r = 0; r < world; ++r) {
+    stopping = stopping || rows[static_cast<size_t>(r) * width + width - 1] != 0.0;
   }
   if (noted_rank_values_) return out;
   for (size_t i = 0; i < keys.size(); ++i) {
     std::vector<std::string> values;
     bool differ = false;
+    const double* first = rows + 2 * i;
     for (int r = 0; r < world; ++r) {
-      const double* row = rows + static_cast<size_t>(r) * width;
-      values.push_back(row[2 * i] != 0.0 ? str(row[2 * i + 1]) : std::string("none"));
-      differ = differ || std::memcmp(row + 2 * i, rows + 2 * i, 2 * sizeof(double)) != 0;
+      const double* row = rows + static_cast<size_t>(r) * width + 2 * i;
+      values.push_back(row[0] != 0.0 ? shortest_text(row[1]) : std::string("none"));
+      const bool same = row[0] == first[0] && (row[0] == 0.0 || row[1] == first[1] ||
+                                               (std::isnan(row[1]) && std::isnan(first[1])));
+      differ = differ || !same;
     }
     if (!differ) continue;
     noted_rank_values_ = true;
@@ -337,7 +355,8 @@ void ModelCheckpoint::save(Trainer& trainer) {
     // is updated first, and put back as it was if the save fails.
     const auto before =
         std::make_tuple(top_k_, latest_path_, best_model_path_, best_model_score_, saved_at_);
-    const std::map<std::string, double> metrics = ranked_metrics(trainer);
+    bool stopping = false;
+    const std::map<std::string, double> metrics = ranked_metrics(trainer, stopping);
     const auto save_ranked = [&] {
       try {
         trainer.save_checkpoint(path);
@@ -360,8 +379,7 @@ void ModelCheckpoint::save(Trainer& trainer) {
       }
     } else {
       auto it = metrics.find(options_.monitor);
-      if (it == metrics.end() &&
-          (trainer.should_stop() || (!validation_ran_ && trainer.fit_validates()))) {
+      if (it == metrics.end() && (stopping || (!validation_ran_ && trainer.fit_validates()))) {
         // A save before the fit's first validation (every N steps from the
         // start of a run; an epoch or a run that ends first: max_steps
         // within a val_check_interval), or a run that stops (request_stop, a
@@ -383,11 +401,16 @@ void ModelCheckpoint::save(Trainer& trainer) {
       if (it == metrics.end()) {
         std::vector<std::string> names;
         for (const auto& [k, _] : trainer.callback_metrics()) names.push_back(k);
-        throw ConfigError(str("ModelCheckpoint(monitor=\"", options_.monitor,
-                              "\"): no metric of that name was logged. Logged metrics: ",
-                              names.empty() ? std::string("none") : join(names),
-                              ". Log it with log(\"", options_.monitor,
-                              "\", ...) or change monitor."));
+        throw ConfigError(str(
+            "ModelCheckpoint(monitor=\"", options_.monitor,
+            "\"): no metric of that name was logged",
+            strategy.world_size() > 1 ? " on global rank 0, whose values "
+                                        "rank the checkpoints"
+                                      : "",
+            ". Logged metrics",
+            strategy.world_size() > 1 ? str(" on rank ", strategy.global_rank()) : std::string(),
+            ": ", names.empty() ? std::string("none") : join(names), ". Log it with log(\"",
+            options_.monitor, "\", ...) or change monitor."));
       }
       double score = it->second;
       bool keep = options_.save_top_k == -1 ||

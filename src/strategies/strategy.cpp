@@ -406,7 +406,7 @@ std::vector<std::string> Strategy::values_where_they_differ(const std::string& v
   bool same = true;
   int64_t longest = 0;
   for (int r = 0; r < world; ++r) {
-    same = same && rows[2 * r] == hash;
+    same = same && rows[2 * r] == hash && rows[2 * r + 1] == static_cast<int64_t>(value.size());
     longest = std::max(longest, rows[2 * r + 1]);
   }
   if (same) return {};

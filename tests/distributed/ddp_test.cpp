@@ -161,6 +161,38 @@ TEST(DDP, ACheckpointRankedByEachRanksOwnValueFollowsRankZero) {
                 "Checkpoints are ranked and named by global rank 0's"),
             1)
       << r.output;
+  // A monitor none logged, at a save where one rank has asked to stop (in
+  // its first training step): every rank treats it as the run's last save
+  // (nothing to rank, a note), as the stop agreed after it makes it; none
+  // refuses the missing metric while its peer saves.
+  TempDir stopping;
+  auto stop = run_worker({"--strategy",
+                          "ddp",
+                          "--devices",
+                          "2",
+                          "--steps",
+                          "6",
+                          "--samples",
+                          "64",
+                          "--batch",
+                          "8",
+                          "--monitor-skew",
+                          "--skew-monitor",
+                          "absent",
+                          "--stop-rank",
+                          "1",
+                          "--fault-step",
+                          "0",
+                          "--stop-in",
+                          "step",
+                          "--timeout",
+                          "30",
+                          "--root",
+                          stopping.path()});
+  ASSERT_EQ(stop.exit_code, 0) << stop.output;
+  EXPECT_EQ(result_value(stop.output, "global_step"), "1") << stop.output;
+  EXPECT_THAT(stop.output, ::testing::HasSubstr("ModelCheckpoint(monitor=\"absent\"): saving at "
+                                                "step 1 before any validation of this fit"));
 }
 
 // Ranks that make different parameters trainable, at one step or on one

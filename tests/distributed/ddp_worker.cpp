@@ -115,6 +115,8 @@ struct Args {
   // every step) in <root>/skew ranks by it, and each rank prints its best
   // path (RESULT skew_best_rank<r>).
   bool monitor_skew = false;
+  // What that ModelCheckpoint monitors instead ("skew": what it logs).
+  std::string skew_monitor = "skew";
   // Prints the collectives each rank starts per step, from its training
   // steps 2 to 4 (RESULT collectives_per_step_rank<r>).
   bool count_collectives = false;
@@ -849,6 +851,7 @@ int main(int argc, char** argv) {
   app.add_option("--rank-step-skip-at", a.rank_step_skip_at);
   app.add_flag("--own-metric", a.own_metric);
   app.add_flag("--monitor-skew", a.monitor_skew);
+  app.add_option("--skew-monitor", a.skew_monitor);
   app.add_flag("--count-collectives", a.count_collectives);
   app.add_option("--stop-rank", a.stop_rank);
   app.add_option("--stop-in", a.stop_in)->check(CLI::IsMember({"step", "batch-end", "validation"}));
@@ -991,7 +994,7 @@ int main(int argc, char** argv) {
     auto skew = std::make_shared<fulgur::ModelCheckpoint>(
         fulgur::ModelCheckpointOptions{.dirpath = a.root + "/skew",
                                        .filename = "step={step}-skew={skew:.0f}",
-                                       .monitor = "skew",
+                                       .monitor = a.skew_monitor,
                                        .save_top_k = 2,
                                        .save_last = false,
                                        .every_n_train_steps = 1});

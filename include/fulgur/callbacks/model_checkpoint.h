@@ -96,8 +96,9 @@ class ModelCheckpoint : public Callback {
   /// filename's fields), as global rank 0 has them: with several ranks,
   /// one all-gather, so that every rank keeps the same list and paths as
   /// the rank that writes the files (values logged without sync_dist are
-  /// each rank's own; said once where they differ).
-  std::map<std::string, double> ranked_metrics(Trainer& trainer);
+  /// each rank's own; said once where they differ). `stopping`: whether
+  /// any rank has asked to stop.
+  std::map<std::string, double> ranked_metrics(Trainer& trainer, bool& stopping);
   /// `path`, or "<stem>-v<N>.ckpt" when a checkpoint kept under it is from
   /// another step (and is not `replaced`, the one this save replaces).
   std::string unclaimed(const std::string& path, int64_t step, const std::string& replaced) const;
