@@ -246,8 +246,8 @@ std::map<std::string, double> ModelCheckpoint::ranked_metrics(Trainer& trainer, 
           "\"): the ranks' values of \"", keys[i], "\" differ at step ", trainer.global_step(),
           " (", by_rank(values, ": "),
           "): logged without sync_dist, each rank has its own. Checkpoints are ranked and named "
-          "by global rank 0's, which writes them. Log it with sync_dist=true to rank by the "
-          "value over every rank."));
+          "by global rank 0's on every rank, so that all keep the same ones. Log it with "
+          "sync_dist=true to rank by the value over every rank."));
     }
     break;
   }
