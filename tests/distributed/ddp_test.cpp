@@ -193,6 +193,17 @@ TEST(DDP, ACheckpointRankedByEachRanksOwnValueFollowsRankZero) {
   EXPECT_EQ(result_value(stop.output, "global_step"), "1") << stop.output;
   EXPECT_THAT(stop.output, ::testing::HasSubstr("ModelCheckpoint(monitor=\"absent\"): saving at "
                                                 "step 1 before any validation of this fit"));
+  // Without the stop, every rank refuses the missing monitor, saying that
+  // rank 0's values decide and whose names it lists.
+  TempDir missing;
+  auto refused = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "6", "--samples",
+                             "64", "--batch", "8", "--monitor-skew", "--skew-monitor", "absent",
+                             "--timeout", "30", "--root", missing.path()});
+  EXPECT_NE(refused.exit_code, 0) << refused.output;
+  EXPECT_THAT(refused.output,
+              ::testing::HasSubstr("ModelCheckpoint(monitor=\"absent\"): no metric of that name "
+                                   "was logged on global rank 0, whose values rank the "
+                                   "checkpoints. Logged metrics on rank 0: skew, train_loss"));
 }
 
 // Ranks that make different parameters trainable, at one step or on one
