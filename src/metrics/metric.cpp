@@ -27,6 +27,9 @@ at::Tensor gather_rows(const at::Tensor& local, ProcessGroup& group) {
   const at::Tensor counts = group.all_gather(count).reshape({-1}).to(at::kCPU);
   const auto* n = counts.data_ptr<int64_t>();
   const int64_t longest = *std::max_element(n, n + counts.size(0));
+  // No rank has a row (an all_gather of empty tensors divides by zero in
+  // Gloo): every rank's rows are this rank's none.
+  if (longest == 0) return local;
   at::Tensor padded = local;
   if (local.size(0) < longest) {
     std::vector<int64_t> shape = local.sizes().vec();
@@ -179,7 +182,10 @@ std::map<std::string, at::Tensor> Metric::state_dict(ProcessGroup* group) const 
   torch::NoGradGuard no_grad;
   const std::vector<at::Tensor> states = combined_states(group);
   std::map<std::string, at::Tensor> out;
-  for (size_t i = 0; i < states.size(); ++i) out[states_[i].name] = states[i].cpu();
+  // Copies: the caller's map stays as it was while the metric goes on.
+  for (size_t i = 0; i < states.size(); ++i) {
+    out[states_[i].name] = states[i].to(states[i].options().device(at::kCPU), false, true);
+  }
   at::Tensor updates = torch::tensor({updates_}, torch::kLong);
   if (group != nullptr) group->all_reduce_(updates, ReduceOp::kSum);
   out["updates"] = updates;
@@ -255,9 +261,13 @@ void Metric::load_state_dict(const std::map<std::string, at::Tensor>& saved) {
     State& s = states_[i];
     if (s.reduction == Reduction::kCat) {
       s.parts.clear();
-      if (loaded[i].size(0) > 0) s.parts.push_back(loaded[i].to(s.initial.scalar_type()));
+      if (loaded[i].size(0) > 0) {
+        s.parts.push_back(
+            loaded[i].to(loaded[i].options().dtype(s.initial.scalar_type()), false, true));
+      }
     } else {
-      s.value = loaded[i].to(s.value.device(), s.initial.scalar_type());
+      // A copy: the metric's updates change it in place, never the caller's.
+      s.value = loaded[i].to(s.value.options().dtype(s.initial.scalar_type()), false, true);
     }
   }
   updates_ = saved_updates(saved);
@@ -271,8 +281,8 @@ void Metric::merge_state_dict(const std::map<std::string, at::Tensor>& saved) {
     const at::Tensor other = loaded[i].to(s.initial.scalar_type());
     switch (s.reduction) {
       case Reduction::kCat:
-        // The saved rows came first.
-        if (other.size(0) > 0) s.parts.insert(s.parts.begin(), other);
+        // The saved rows came first (a copy, not the caller's tensor).
+        if (other.size(0) > 0) s.parts.insert(s.parts.begin(), other.clone());
         break;
       case Reduction::kSum: s.value.add_(other.to(s.value.device())); break;
       case Reduction::kMax: at::maximum_out(s.value, s.value, other.to(s.value.device())); break;
@@ -280,6 +290,11 @@ void Metric::merge_state_dict(const std::map<std::string, at::Tensor>& saved) {
     }
   }
   updates_ += saved_updates(saved);
+}
+
+at::Tensor Metric::value_of(const std::map<std::string, at::Tensor>& saved) const {
+  torch::NoGradGuard no_grad;
+  return compute_from(checked(saved));
 }
 
 void Metric::save(StateDict& state) const {

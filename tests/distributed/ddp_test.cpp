@@ -435,6 +435,27 @@ TEST(DDP, SyncDistMetricsThatDifferAcrossRanksAreAnErrorNotAMixUp) {
       << r.output;
 }
 
+// A metric object logged on one rank only, at a checkpoint in the middle
+// of the epoch: every rank compares the names before the states'
+// collectives (the rank that logged none too), so the save is the same
+// error on every rank, not collectives that pair up wrongly (rank 1's
+// callback-metrics exchange met rank 0's names: an InternalError, a name
+// of garbage bytes).
+TEST(DDP, AMetricObjectLoggedOnOneRankIsNamedAtACheckpoint) {
+  TempDir dir;
+  auto r =
+      run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "6", "--metric-object-rank",
+                  "0", "--every-n-train-steps", "2", "--timeout", "30", "--root", dir.path()});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  // Rank 1's line is prefixed (and quoted again by the launcher), rank 0's not.
+  const std::string error =
+      "ERROR metrics logged with sync_dist=true or as metric objects differ across ranks this "
+      "epoch: rank 0 logged rank_metric (MeanMetric); rank 1 logged none.";
+  EXPECT_THAT(r.output, ::testing::HasSubstr("[rank 1] " + error));
+  EXPECT_GE(fulgur::test::count_occurrences(r.output, error), 2) << r.output;
+  EXPECT_EQ(r.output.find("bug in fulgur"), std::string::npos) << r.output;
+}
+
 // A step value logged with sync_dist is reduced across ranks at each step
 // (it was each rank's own: rank 0 read 0 and rank 1 read 10 where both
 // should read their mean, 5).

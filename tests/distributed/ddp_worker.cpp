@@ -110,6 +110,7 @@ struct Args {
   // own value) at every step, and prints each rank's callback metric "own"
   // at on_train_start (RESULT start_own_rank<r>; -1 where there is none).
   bool own_metric = false;
+  int metric_object_rank = -1;  // this rank alone logs a metric object in training_step
   // Logs "skew" without sync_dist: the global step on rank 0, 100 minus it
   // on the others; a ModelCheckpoint(monitor="skew", mode min, top 2,
   // every step) in <root>/skew ranks by it, and each rank prints its best
@@ -317,6 +318,7 @@ struct Classifier : fulgur::Module {
   fulgur::metrics::F1Score test_macro_f1{{.num_classes = 4, .average = "macro"}};
   fulgur::metrics::AUROC test_auroc{{.num_classes = 4}};
   fulgur::metrics::SumMetric test_samples;
+  fulgur::metrics::MeanMetric rank_metric;
 
   at::Tensor forward(const at::Tensor& x, bool use_extra) {
     at::Tensor in = x;
@@ -466,6 +468,10 @@ struct Classifier : fulgur::Module {
     }
     if (args.own_metric) {
       log("own", 10.0 * rank + static_cast<double>(trainer().global_step()));
+    }
+    if (rank == args.metric_object_rank) {
+      rank_metric.update(torch::tensor({1.0 * batch_idx}));
+      log("rank_metric", rank_metric);
     }
     if (rank == args.extra_metric_rank)
       log("only_here", 1.0, {.on_epoch = true, .sync_dist = true});
@@ -850,6 +856,7 @@ int main(int argc, char** argv) {
   app.add_option("--rank-step-metric", a.rank_step_metric);
   app.add_option("--rank-step-skip-at", a.rank_step_skip_at);
   app.add_flag("--own-metric", a.own_metric);
+  app.add_option("--metric-object-rank", a.metric_object_rank);
   app.add_flag("--monitor-skew", a.monitor_skew);
   app.add_option("--skew-monitor", a.skew_monitor);
   app.add_flag("--count-collectives", a.count_collectives);

@@ -103,6 +103,61 @@ TEST(Metric, EveryRanksStatesGiveTheOneProcessValue) {
   }
 }
 
+// No rank with a sample (a metric logged but updated on no rank this
+// epoch): every rank's value is the one process's (nan), and the states
+// combine (concatenated states of no rows on any rank: no all_gather of
+// empty tensors, which Gloo cannot do).
+TEST(Metric, NoRankWithASampleGivesTheOneProcessValue) {
+  All none;
+  const std::vector<at::Tensor> expected = none.compute(nullptr);
+  std::vector<std::vector<at::Tensor>> got(2);
+  std::vector<int64_t> rows(2, -1);
+  fulgur::test::on_ranks(2, [&](int rank, std::shared_ptr<fulgur::ProcessGroup> group) {
+    All mine;
+    got[rank] = mine.compute(group.get());
+    rows[rank] = mine.auroc.state_dict(group.get()).at("scores").size(0);
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(got[r].size(), expected.size());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(got[r][i].to(torch::kDouble), expected[i].to(torch::kDouble), 0.0,
+                                  0.0, /*equal_nan=*/true))
+          << "rank " << r << ", metric " << i << ": " << got[r][i] << " vs " << expected[i];
+    }
+    EXPECT_EQ(rows[r], 0);
+  }
+}
+
+// A state_dict() is a copy: the metric going on (an update, a reset)
+// leaves it as it was, and a loaded one stays the caller's. value_of()
+// gives the value of saved states without loading them.
+TEST(Metric, AStateDictIsTheCallersOwn) {
+  const Data d = data();
+  M::F1Score f1({.num_classes = 5, .average = "macro"});
+  M::AUROC auroc({.num_classes = 5});
+  f1.update(d.scores.slice(0, 0, 50), d.target.slice(0, 0, 50));
+  auroc.update(d.scores.slice(0, 0, 50), d.target.slice(0, 0, 50));
+  const at::Tensor value = f1.compute();
+  std::map<std::string, at::Tensor> saved = f1.state_dict();
+  std::map<std::string, at::Tensor> saved_rows = auroc.state_dict();
+  std::map<std::string, at::Tensor> before;
+  for (const auto& [k, t] : saved) before[k] = t.clone();
+  f1.update(d.scores.slice(0, 50), d.target.slice(0, 50));
+  f1.reset();
+  for (const auto& [k, t] : saved) EXPECT_TRUE(torch::equal(t, before.at(k))) << k;
+  EXPECT_TRUE(torch::equal(f1.value_of(saved), value));
+  EXPECT_TRUE(torch::equal(auroc.value_of(saved_rows), auroc.compute()));
+  // Loaded, then changed by the metric: the caller's map is unchanged.
+  f1.load_state_dict(saved);
+  f1.update(d.scores.slice(0, 50), d.target.slice(0, 50));
+  f1.reset();
+  for (const auto& [k, t] : saved) EXPECT_TRUE(torch::equal(t, before.at(k))) << k;
+  // Merged likewise.
+  f1.merge_state_dict(saved);
+  f1.update(d.scores.slice(0, 50), d.target.slice(0, 50));
+  for (const auto& [k, t] : saved) EXPECT_TRUE(torch::equal(t, before.at(k))) << k;
+}
+
 // A resumed run's global rank 0 merges the states every rank had combined
 // at the checkpoint; the other ranks start empty: the epoch's value is the
 // uninterrupted one's, on another world size too.

@@ -81,7 +81,7 @@ class Metric {
 
   /// The states by name (a concatenated state as one tensor), the update
   /// count ("updates") and options_text() ("options", its bytes; when not
-  /// empty), on the CPU: this rank's, or with `group`
+  /// empty), copies on the CPU: this rank's, or with `group`
   /// every rank's combined as compute(group) combines them (a collective).
   std::map<std::string, at::Tensor> state_dict(ProcessGroup* group = nullptr) const;
   /// Replaces the states with saved ones. c10::Error naming a missing
@@ -92,6 +92,10 @@ class Metric {
   /// combined (sums added, saved rows first): a resumed run's metric goes
   /// on from where the checkpoint left it, whatever it counted since.
   void merge_state_dict(const std::map<std::string, at::Tensor>& saved);
+  /// The value of saved states (what state_dict() returned, e.g. every
+  /// rank's combined) without loading them: no collective, the metric's own
+  /// states unchanged. c10::Error as load_state_dict().
+  at::Tensor value_of(const std::map<std::string, at::Tensor>& saved) const;
   /// Writes this rank's state_dict() into `state`, each tensor as a buffer
   /// under its state's name (and "updates"), e.g. into a section of a
   /// checkpoint: metric.save(checkpoint.section("val_acc")).

@@ -147,8 +147,10 @@ class Trainer {
   // ---- Checkpoints.
   /// Writes the complete training state (for resume) to `path` through the
   /// strategy. Call from callbacks, on every rank at the same point (as the
-  /// Trainer's own saves are made): with several ranks, the states of the
-  /// metric objects logged in training_step are combined across them.
+  /// Trainer's own saves are made): with several ranks a save is collective
+  /// (the ranks' callback metrics are compared and the states of the metric
+  /// objects logged in training_step combined), so a save on some ranks only
+  /// waits for the others and is named as a desync.
   void save_checkpoint(const std::string& path);
 
   /// Internal state, shared with the loops (src/trainer/trainer_impl.h).

@@ -87,7 +87,8 @@ inline constexpr const char* kUnsupervisedPeerFailedHint =
 /// messages that name one.
 inline constexpr const char* kDesyncHint =
     "The program calls collectives in a different order or number on different ranks (a metric "
-    "logged with sync_dist on some ranks only, a branch on the rank around a collective?).";
+    "logged with sync_dist on some ranks only, a save_checkpoint called on some ranks only "
+    "(every rank must call it), a branch on the rank around a collective?).";
 
 /// How a rank failed, as it tells its supervisor (a third kind of line,
 /// "failure ...", sent once, when the failure is seen): the supervisor names

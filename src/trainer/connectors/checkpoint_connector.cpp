@@ -139,14 +139,19 @@ StateDict CheckpointConnector::dump() {
   StateDict& metrics = checkpoint.section("train_metrics");
   int64_t metric_count = 0;
   if (!trainer_.handling_exception && !progress.epoch_done) {
-    for (const auto& [name, states] :
+    for (const auto& [name, saved] :
          trainer_.logging.train_sink().metric_states(*trainer_.strategy)) {
-      auto updates = states.find("updates");
-      if (updates == states.end() || updates->second.item<int64_t>() == 0) continue;
+      auto updates = saved.states.find("updates");
+      if (updates == saved.states.end() || updates->second.item<int64_t>() == 0) continue;
       StateDict& one = metrics.section(std::to_string(metric_count++));
       one.set("name", name);
       StateDict& tensors = one.section("states");
-      for (const auto& [key, tensor] : states) tensors.set_buffer(key, tensor);
+      for (const auto& [key, tensor] : saved.states) tensors.set_buffer(key, tensor);
+      // What the epoch publishes if it is not logged again (a save after
+      // the epoch's last batch), and how.
+      if (saved.value) one.set("value", *saved.value);
+      one.set("logger", saved.logger);
+      one.set("prog_bar", saved.prog_bar);
     }
   }
   metrics.set("count", metric_count);
@@ -509,17 +514,23 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
     trainer_.logging.restore_callback_metrics(std::move(metrics));
   }
 
+  // The states (combined across the ranks that saved them) go to global
+  // rank 0 alone, so they count once; the value, to every rank.
   detail::LogSink::MetricStates metric_states;
   const StateDict* metrics = checkpoint.find_section("train_metrics");
-  if (metrics != nullptr && trainer_.strategy->is_global_zero()) {
+  if (metrics != nullptr) {
     const int64_t metric_count = metrics->integer("count");
     for (int64_t i = 0; i < metric_count; ++i) {
       const StateDict& one = section(*metrics, std::to_string(i));
+      detail::LogSink::SavedMetric& saved = metric_states[one.string("name")];
+      if (one.contains("value")) saved.value = one.real("value");
+      if (one.contains("logger")) saved.logger = one.boolean("logger");
+      if (one.contains("prog_bar")) saved.prog_bar = one.boolean("prog_bar");
+      if (!trainer_.strategy->is_global_zero()) continue;
       const StateDict& tensors = section(one, "states");
-      auto& states = metric_states[one.string("name")];
       for (const auto& key : tensors.keys()) {
         if (const c10::IValue* t = tensors.find(key); t != nullptr && t->isTensor()) {
-          states[key] = t->toTensor();
+          saved.states[key] = t->toTensor();
         }
       }
     }

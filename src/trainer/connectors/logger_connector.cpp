@@ -258,7 +258,7 @@ void LogSink::log(std::string_view name, metrics::Metric& metric, const LogOptio
   e.epoch_has_value = true;
   if (auto it = restored_.find(std::string(name)); it != restored_.end()) {
     try {
-      metric.merge_state_dict(it->second);
+      if (!it->second.states.empty()) metric.merge_state_dict(it->second.states);
     } catch (const c10::Error& error) {
       throw CheckpointError(str("log(\"", name, "\", ", metric.name(),
                                 "): the checkpoint resumed from holds this metric's states, "
@@ -505,17 +505,21 @@ void LogSink::sync_step_values(Strategy& strategy) {
 }
 
 LogSink::MetricStates LogSink::metric_states(Strategy& strategy) const {
-  // No collective where no metric object was logged (every rank logs the
-  // same ones in training_step; a rank that differs is named below).
-  const bool any = std::any_of(entries_.begin(), entries_.end(), [](const auto& entry) {
-    return entry.second.metric != nullptr && entry.second.epoch_has_value;
-  });
-  if (!any) return {};
+  // Every rank compares the names first (one all-gather of a hash), also
+  // a rank that logged none: the states' collectives below pair up only
+  // where the ranks logged the same metric objects.
   const auto group = strategy.world_size() > 1 ? strategy.shared_process_group() : nullptr;
   if (group) check_same_synced_metrics(synced_names(entries_, /*values=*/false), strategy);
   MetricStates out;
   for (const auto& [name, e] : entries_) {
-    if (e.metric != nullptr && e.epoch_has_value) out[name] = e.metric->state_dict(group.get());
+    if (e.metric == nullptr || !e.epoch_has_value) continue;
+    SavedMetric& saved = out[name];
+    saved.states = e.metric->state_dict(group.get());
+    if (saved.states.at("updates").item<int64_t>() > 0) {
+      saved.value = e.metric->value_of(saved.states).to(at::kDouble).item<double>();
+    }
+    saved.logger = e.options.logger;
+    saved.prog_bar = e.options.prog_bar;
   }
   return out;
 }
@@ -552,6 +556,24 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
     if (e.options.reduce == ReduceOp::kMean) value = weightless ? std::nan("") : value / weight;
     out.push_back({e.on_step ? name + "_epoch" : name, value, at::Tensor(), e.options.logger,
                    e.options.prog_bar, weightless});
+  }
+  // A metric object a resume brought back that this epoch did not log
+  // again (its checkpoint was written after the epoch's last batch, e.g. at
+  // the end-of-epoch validation): the value of its saved states, which
+  // the uninterrupted run published here. Every rank has it.
+  for (const auto& [name, saved] : restored_) {
+    if (!saved.value) continue;
+    if (auto it = entries_.find(name); it != entries_.end() && it->second.epoch_has_value) {
+      continue;
+    }
+    if (stepped_since_restore_ && strategy.is_global_zero()) {
+      print_note(str("log(\"", name,
+                     "\", <metric>): the checkpoint resumed from held this metric's states, "
+                     "but training_step did not log it again after the resume, so its epoch "
+                     "value counts the batches up to the checkpoint only. Log it at every "
+                     "training step (or from on_train_epoch_end) to count the whole epoch."));
+    }
+    out.push_back({name, *saved.value, at::Tensor(), saved.logger, saved.prog_bar});
   }
   return out;
 }

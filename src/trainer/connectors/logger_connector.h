@@ -8,6 +8,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -69,6 +70,7 @@ class LogSink final : public ModuleLogSink {
   void set_context(bool training_step, int64_t batch_size) {
     in_step_ = training_step;
     batch_size_ = batch_size;
+    if (training_step) stepped_since_restore_ = true;
   }
   void log(std::string_view name, double value, const LogOptions& options) override;
   /// `value` has one element; it is not read here.
@@ -118,15 +120,32 @@ class LogSink final : public ModuleLogSink {
     step_sync_ = StepSync::kUndecided;
   }
 
-  /// The states of the metric objects logged so far this epoch, by logged
-  /// name, combined across the ranks (collectives where any was logged:
-  /// every rank calls, at the same point), for a checkpoint.
-  using MetricStates = std::map<std::string, std::map<std::string, at::Tensor>>;
+  /// A metric object logged this epoch, as a checkpoint keeps it.
+  struct SavedMetric {
+    /// Its states, every rank's combined (Metric::state_dict(group)); a
+    /// resume gives them to global rank 0 only, which merges them.
+    std::map<std::string, at::Tensor> states;
+    /// The value they give (what the epoch would publish were it to end
+    /// there), and how it was logged; absent from older checkpoints.
+    std::optional<double> value;
+    bool logger = true;
+    bool prog_bar = false;
+  };
+  using MetricStates = std::map<std::string, SavedMetric>;
+  /// The metric objects logged so far this epoch, by logged name
+  /// (collectives under several ranks: every rank calls, at the same
+  /// point), for a checkpoint. A ConfigError where the ranks logged
+  /// different ones.
   MetricStates metric_states(Strategy& strategy) const;
-  /// States a resumed run takes back: each merges into the metric object
-  /// first logged under its name (Metric::merge_state_dict), until
+  /// What a resumed run takes back: each saved state merges into the
+  /// metric object first logged under its name (Metric::merge_state_dict).
+  /// A metric not logged again before the resumed epoch ends (a checkpoint
+  /// written after the epoch's last batch) publishes its saved value. Until
   /// drop_restored_metrics() (the end of the resumed epoch).
-  void restore_metric_states(MetricStates states) { restored_ = std::move(states); }
+  void restore_metric_states(MetricStates states) {
+    restored_ = std::move(states);
+    stepped_since_restore_ = false;
+  }
   void drop_restored_metrics() { restored_.clear(); }
   bool empty() const { return entries_.empty(); }
 
@@ -151,6 +170,7 @@ class LogSink final : public ModuleLogSink {
   std::map<std::string, Entry, std::less<>> entries_;
   std::string scratch_;  // entry()'s name lookups
   MetricStates restored_;
+  bool stepped_since_restore_ = false;  // a training step ran since restore_metric_states
   std::vector<Value> step_values_;
   enum class StepSync { kUndecided, kOn, kOff };
   StepSync step_sync_ = StepSync::kUndecided;  // this epoch's, across ranks

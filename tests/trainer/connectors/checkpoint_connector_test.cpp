@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 
 #include "fulgur/fulgur.h"
 #include "fulgur/utilities/torch_compat.h"
@@ -203,16 +204,18 @@ class DropoutNet : public fulgur::Module {
     dropout = register_module("dropout", torch::nn::Dropout(0.5));
     fc2 = register_module("fc2", torch::nn::Linear(16, 1));
   }
-  at::Tensor training_step(fulgur::Batch& batch, int64_t) override {
+  at::Tensor training_step(fulgur::Batch& batch, int64_t batch_idx) override {
     ++training_steps;
     const auto& [x, y] = batch.pair();
     auto out = fc2(dropout(torch::relu(fc1(x))));
     // Metrics over the epoch's batches: a resumed run's values count the
     // batches before the checkpoint too.
-    train_mse.update(out.detach(), y);
-    log("train_mse", train_mse);
-    train_auroc.update(out.detach().reshape({-1}), (y.reshape({-1}) > y.mean()).to(torch::kLong));
-    log("train_auroc", train_auroc);
+    if (batch_idx < log_metrics_below) {
+      train_mse.update(out.detach(), y);
+      log("train_mse", train_mse);
+      train_auroc.update(out.detach().reshape({-1}), (y.reshape({-1}) > y.mean()).to(torch::kLong));
+      log("train_auroc", train_auroc);
+    }
     return torch::nn::functional::mse_loss(out, y);
   }
   fulgur::OptimizerConfig configure_optimizers() override {
@@ -226,6 +229,7 @@ class DropoutNet : public fulgur::Module {
   torch::nn::Linear fc2{nullptr};
   std::shared_ptr<torch::optim::SGD> optimizer;
   int64_t training_steps = 0;
+  int64_t log_metrics_below = std::numeric_limits<int64_t>::max();  // batch_idx
   fulgur::metrics::MeanSquaredError train_mse;
   fulgur::metrics::AUROC train_auroc{{.task = "binary"}};
 };
@@ -403,6 +407,57 @@ TEST_F(MidEpochResume, FromLast) {
   // "last" resolves to last.ckpt of the Trainer's ModelCheckpoint: give run B
   // the directory run A wrote.
   ExpectResumeMatches("last", std::nullopt, ckpt_dir_);
+}
+
+// A checkpoint written after an epoch's last batch (here by
+// every_n_train_steps; the end-of-epoch validation's ModelCheckpoint writes
+// one there too) resumes at that epoch's end: no batch logs the metric
+// objects again, and the epoch publishes the value of the states the
+// checkpoint held, as the uninterrupted run did. A metric that the batches
+// after the resume do not log again publishes it too, with a note that it
+// counts the batches up to the checkpoint.
+TEST(Checkpoint, AResumeAfterAnEpochsLastBatchPublishesItsMetricObjectsValues) {
+  TempDir root;
+  auto fit = [&](DropoutNet& model, const std::string& dir, const std::string& ckpt_path) {
+    auto options = test_options(root);
+    options.max_epochs = 1;
+    options.seed = 42;
+    options.enable_checkpointing = true;
+    options.callbacks = {std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+        .dirpath = root.file(dir), .save_top_k = -1, .every_n_train_steps = 5})};
+    fulgur::Trainer trainer(options);
+    return trainer.fit(model, shuffled_loader(), nullptr, {.ckpt_path = ckpt_path});
+  };
+  for (const int64_t below : {kBatchesPerEpoch, int64_t{5}}) {
+    SCOPED_TRACE("metrics logged below batch " + std::to_string(below));
+    const std::string dir = "a" + std::to_string(below);
+    torch::manual_seed(1);
+    DropoutNet uninterrupted;
+    uninterrupted.log_metrics_below = below;
+    const fulgur::FitResult first = fit(uninterrupted, dir, "");
+    for (const int64_t step : {int64_t{5}, kBatchesPerEpoch}) {
+      SCOPED_TRACE("resumed from step " + std::to_string(step));
+      torch::manual_seed(2);
+      DropoutNet resumed;
+      resumed.log_metrics_below = below;
+      ::testing::internal::CaptureStderr();
+      const fulgur::FitResult result =
+          fit(resumed, dir + "-" + std::to_string(step),
+              root.file(dir + "/epoch=0-step=" + std::to_string(step) + ".ckpt"));
+      const std::string err = ::testing::internal::GetCapturedStderr();
+      EXPECT_EQ(resumed.training_steps, kBatchesPerEpoch - step);
+      EXPECT_TRUE(parameters_equal(uninterrupted, resumed));
+      for (const char* name : {"train_mse", "train_auroc"}) {
+        ASSERT_EQ(result.metrics.count(name), 1u) << name;
+        EXPECT_EQ(result.metrics.at(name), first.metrics.at(name)) << name;
+      }
+      const bool noted = below == 5 && step == 5;
+      EXPECT_EQ(
+          err.find("training_step did not log it again after the resume") != std::string::npos,
+          noted)
+          << err;
+    }
+  }
 }
 
 /// The test below, with a training loader of known length or not.
