@@ -588,11 +588,19 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
 
 namespace detail {
 namespace {
-thread_local int tuner_trials = 0;
+thread_local TunerTrial* innermost_trial = nullptr;
 }  // namespace
-TunerTrial::TunerTrial() { ++tuner_trials; }
-TunerTrial::~TunerTrial() { --tuner_trials; }
-bool TunerTrial::active() { return tuner_trials > 0; }
+TunerTrial::TunerTrial(std::function<void(Module&)> configured)
+    : configured_(std::move(configured)), outer_(innermost_trial) {
+  innermost_trial = this;
+}
+TunerTrial::~TunerTrial() { innermost_trial = outer_; }
+bool TunerTrial::active() { return innermost_trial != nullptr; }
+void TunerTrial::module_configured(Module& module) {
+  if (innermost_trial != nullptr && innermost_trial->configured_) {
+    innermost_trial->configured_(module);
+  }
+}
 }  // namespace detail
 
 void Trainer::Impl::add_module_callbacks(Module& m) {
@@ -833,6 +841,7 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         // SLURM's requeue signal and SIGTERM: a checkpoint, then the end.
         signals.arm(strategy->cluster_environment().preemption_signals());
         m.configure_model();
+        detail::TunerTrial::module_configured(m);
         drive().setup(m);
         fit_loop.set_optimizers(drive().setup_optimizers(m));
         std::string ckpt = fit_start_checkpoint(fit.ckpt_path);
@@ -913,7 +922,9 @@ Trainer::Impl::RestartPoint Trainer::Impl::restart_checkpoint(const std::string&
 
 std::string Trainer::Impl::fit_start_checkpoint(const std::string& requested) {
   const int restarts = strategy->cluster_environment().restart_count();
-  if (restarts == 0) return checkpoints.resolve_path(requested);
+  // A Tuner's trial is not the job's fit: a restarted job's newest
+  // checkpoint is the fit's to resume (the trial would start at its step).
+  if (restarts == 0 || detail::TunerTrial::active()) return checkpoints.resolve_path(requested);
   RestartPoint point = restart_checkpoint(requested);
   // fulgur's own launcher has said what the ranks resume from; after a
   // restart by torchrun or SLURM, rank 0 says it.

@@ -10,9 +10,11 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <sstream>
 #include <string_view>
+#include <unordered_set>
 #include <utility>
 
 #include "core/run_program.h"
@@ -229,14 +231,26 @@ TrainerOptions trial_options(const TrainerOptions& options, int64_t max_steps) {
 // (scale_batch_size's especially) have the device as the fit will.
 class ModuleSnapshot {
  public:
-  explicit ModuleSnapshot(Module& module) : rng_(rng_state_dict()) {
+  explicit ModuleSnapshot(Module& module) : rng_(rng_state_dict()) { keep_new(module); }
+  // The parameters and buffers not kept yet: at the start, the module's;
+  // right after a trial's configure_model(), what that built (layers made
+  // there, as the README recommends, have no state before the trial; the
+  // fit after it finds them built and trains them from these values).
+  void keep_new(Module& module) {
     for (const auto& p : module.parameters()) {
+      if (!kept_.insert(p.unsafeGetTensorImpl()).second) continue;
       weights_.push_back(copy_of(p));
       grads_.push_back({p, p.grad().defined() ? copy_of(p.grad()).saved : at::Tensor(),
                         p.grad().defined() ? p.grad().device() : p.device(),
                         p.grad().defined() ? p.grad().scalar_type() : p.scalar_type()});
     }
-    for (const auto& b : module.buffers()) weights_.push_back(copy_of(b));
+    for (const auto& b : module.buffers()) {
+      if (kept_.insert(b.unsafeGetTensorImpl()).second) weights_.push_back(copy_of(b));
+    }
+  }
+  // For a trial's TunerTrial.
+  std::function<void(Module&)> keeper() {
+    return [this](Module& module) { keep_new(module); };
   }
   void restore() {
     torch::NoGradGuard no_grad;
@@ -273,6 +287,7 @@ class ModuleSnapshot {
   }
   std::vector<Saved> weights_;
   std::vector<Saved> grads_;
+  std::unordered_set<const c10::TensorImpl*> kept_;
   StateDict rng_;
 };
 
@@ -391,7 +406,7 @@ LRFinderResult Tuner::run_lr_find(Module& module, const std::function<void(Train
   trial.cuda_graph = false;
   trial.callbacks = {std::make_shared<LRFinderCallback>(options, result)};
   ModuleSnapshot snapshot(module);
-  const detail::TunerTrial trial_scope;
+  const detail::TunerTrial trial_scope(snapshot.keeper());
   try {
     Trainer trainer(trial);
     if (!trainer.resolution().launcher.empty()) {
@@ -453,7 +468,7 @@ BatchSizeFinderResult Tuner::scale_batch_size(
     // teardown allocate under it).
     std::optional<detail::HostMemoryCap> cap;
     {
-      const detail::TunerTrial trial_scope;
+      const detail::TunerTrial trial_scope(snapshot.keeper());
       Trainer trainer(trial);
       if (!trainer.resolution().launcher.empty() || trainer.strategy().world_size() > 1) {
         throw ConfigError(str(

@@ -400,6 +400,92 @@ TEST(BatchSizeFinder, TheModuleAndTheGeneratorsArePutBackAfterEveryTrial) {
   EXPECT_TRUE(torch::equal(torch::rand({4}), expected_draw));
 }
 
+/// A layer built in configure_model(), once (as the README recommends):
+/// a trial's fit builds it, and the fit after the tuner finds it built.
+class LateLayer : public fulgur::Module {
+ public:
+  void configure_model() override {
+    if (fc) return;
+    fc = register_module("fc", torch::nn::Linear(3, 1));
+  }
+  at::Tensor training_step(fulgur::Batch& batch, int64_t /*batch_idx*/) override {
+    const auto& [x, y] = batch.pair();
+    return torch::mse_loss(fc(x), y);
+  }
+  fulgur::OptimizerConfig configure_optimizers() override {
+    return fulgur::OptimizerConfig(
+        std::make_shared<torch::optim::SGD>(parameters(), torch::optim::SGDOptions(0.05)));
+  }
+  torch::nn::Linear fc{nullptr};
+};
+
+// The layers a trial's configure_model() built are put back as that built
+// them (they had trained with the sweep's rates up to 10, or with every
+// trial's batches): a fit after either finder is bit-identical to one
+// without it.
+TEST(Tuner, LayersBuiltInConfigureModelArePutBackAsTheyWereBuilt) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  auto fit = [&](LateLayer& model) {
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(4));
+  };
+  torch::manual_seed(3);
+  LateLayer plain;
+  fit(plain);
+  for (const char* finder : {"lr_find", "scale_batch_size"}) {
+    SCOPED_TRACE(finder);
+    torch::manual_seed(3);
+    LateLayer tuned;
+    fulgur::Tuner tuner(options);
+    if (std::string(finder) == "lr_find") {
+      const auto found =
+          tuner.lr_find(tuned, regression_loader(4),
+                        {.max_lr = 10.0, .num_training = 8, .early_stop_threshold = 0.0});
+      EXPECT_EQ(found.lrs.size(), 8u);
+    } else {
+      const auto found = tuner.scale_batch_size(
+          tuned, loaders_of(64),
+          {.max_trials = 3, .steps_per_trial = 3, .host_memory_cap = int64_t{1} << 30});
+      EXPECT_EQ(found.trials.size(), 3u);
+    }
+    ASSERT_TRUE(tuned.fc);
+    fit(tuned);
+    EXPECT_TRUE(parameters_equal(plain, tuned));
+  }
+}
+
+// A restarted job (restart_count() > 0: torchrun, a requeued SLURM job,
+// fulgur's launcher) resumes its fit from the newest checkpoint; a trial is
+// not that fit and starts from the module as it is (it had resumed at that
+// checkpoint's step, past its own max_steps, and recorded nothing).
+TEST(Tuner, ATrialOfARestartedJobDoesNotResumeTheJobsCheckpoint) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  options.max_epochs = 3;
+  {
+    LinearRegression model;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(4));
+  }
+  ASSERT_TRUE(fs::exists(dir.file("checkpoints/last.ckpt")));
+  ::setenv("FULGUR_RESTART_COUNT", "1", 1);
+  LinearRegression model;
+  fulgur::Tuner tuner(options);
+  const auto swept =
+      tuner.lr_find(model, regression_loader(4), {.num_training = 6, .early_stop_threshold = 0.0});
+  const int64_t steps_in_sweep = model.training_steps;
+  const auto sized = tuner.scale_batch_size(
+      model, loaders_of(64), {.max_trials = 2, .steps_per_trial = 2, .host_memory_cap = kCap});
+  ::unsetenv("FULGUR_RESTART_COUNT");
+  EXPECT_EQ(swept.lrs.size(), 6u);
+  EXPECT_EQ(steps_in_sweep, 6);
+  ASSERT_EQ(sized.trials.size(), 2u);
+  EXPECT_EQ(model.training_steps, 6 + 2 * 2);
+}
+
 TEST(BatchSizeFinder, TheSearchEndsAtTheWholeTrainingSetOrMaxTrialsAndTheCPUNeedsACap) {
   TempDir dir;
   WideRegression model;
