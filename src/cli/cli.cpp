@@ -1087,6 +1087,17 @@ CLI::Result CLI::run(Trainer& trainer, Module& model, DataModule& data) const {
     fs::create_directories(trainer.default_root_dir(), ec);
     result.lr_find = tuner.lr_find(model, data, sweep);
     const LRFinderResult& found = *result.lr_find;
+    // Every rank that swept in step (under torchrun) has the same result:
+    // global rank 0 says it.
+    const bool says = trainer.strategy().is_global_zero();
+    if (found.skipped) {
+      if (says) std::cout << found.note << "\n";
+      return result;
+    }
+    if (!says) {
+      if (!found.suggestion) throw ConfigError(str(options_.program, " ", found.note));
+      return result;
+    }
     std::cout << options_.program << " lr_find: " << found.lrs.size() << " steps from "
               << (found.lrs.empty() ? 0.0 : found.lrs.front()) << " to "
               << (found.lrs.empty() ? 0.0 : found.lrs.back())
@@ -1110,6 +1121,10 @@ CLI::Result CLI::run(Trainer& trainer, Module& model, DataModule& data) const {
     Tuner tuner(trainer.options());
     result.scale_batch_size = tuner.scale_batch_size(model, data, batch_size_finder_);
     const BatchSizeFinderResult& found = *result.scale_batch_size;
+    if (found.skipped) {
+      std::cout << found.note << "\n";
+      return result;
+    }
     for (const auto& t : found.trials) {
       std::cout << options_.program << " scale_batch_size: batch_size=" << t.batch_size
                 << (t.fits ? " fits" : " ran out of memory");

@@ -128,4 +128,11 @@ void VersionedLogger::load_state_dict(const StateDict& state, int64_t step) {
   resume_step_ = step;
 }
 
+void VersionedLogger::follow_log_dir(const std::string& dir) {
+  if (explicit_version_) return;
+  if (auto version = detail::version_number(fs::path(dir).filename().string())) {
+    version_ = version;
+  }
+}
+
 }  // namespace fulgur

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <mutex>
 #include <map>
 #include <sstream>
 
@@ -17,6 +18,37 @@
 #include "strategies/early_failure.h"
 
 namespace fulgur {
+
+namespace {
+
+// The process group a strategy made in a process that a launcher outside
+// fulgur started (torchrun, SLURM, mpirun; not fulgur's own launchers,
+// whose ranks run one stage): kept for the life of the process, as
+// torch.distributed keeps its default group, and taken by any later
+// Trainer of the same rendezvous (the Tuner's trials, then the fit; a fit,
+// then a Trainer to test). A second rendezvous on the same port would race
+// the first one's store: a rank done early joined it as its holder closed
+// it, and the holder found its port taken while an earlier Trainer lived.
+struct KeptGroup {
+  std::string rendezvous;  // "address:port/prefix"
+  std::shared_ptr<ProcessGroup> group;
+};
+
+std::mutex kept_mutex;
+
+// Made once a group is kept, after that group's making (which may bring
+// statics of LibTorch to life, destroyed after this one): the group ends
+// at the process's normal exit, before them.
+KeptGroup& kept_group() {
+  static KeptGroup kept;
+  return kept;
+}
+
+std::string rendezvous_of(const ProcessGroupOptions& o) {
+  return str(o.main_address, ":", o.main_port, "/", o.hosted_store_prefix);
+}
+
+}  // namespace
 
 ParallelStrategy::ParallelStrategy(ParallelOptions options, std::string_view owner,
                                    const Choice<StartMethod>& start_method)
@@ -119,24 +151,6 @@ void ParallelStrategy::do_setup_environment() {
   // Under one of fulgur's launchers: heartbeats from a thread of their own,
   // so a frozen rank is named in seconds (a no-op otherwise).
   detail::start_pulse();
-  // One group for the life of the process: fit, then test, reuse it (a
-  // second rendezvous on the same port could meet the first one's keys).
-  if (has_group()) {
-    const ProcessGroup& group = process_group();
-    if (group.size() != world_size() || group.rank() != global_rank()) {
-      // An instance given to an earlier Trainer of other devices or nodes.
-      throw ConfigError(str("strategy \"", name(), "\" keeps the process group it made for an ",
-                            "earlier Trainer (rank ", group.rank(), " of ", group.size(),
-                            "), but this Trainer's world is rank ", global_rank(), " of ",
-                            world_size(),
-                            ": a process keeps one group for its life (a second rendezvous could "
-                            "meet the first one's). Give this Trainer the earlier one's devices "
-                            "and num_nodes, or a strategy instance of its own in a new process."));
-    }
-    // Whatever failure this rank told its peers of is behind it.
-    process_group().begin_stage();
-    return;
-  }
   ProcessGroupOptions options;
   options.main_address = cluster_environment().main_address();
   options.main_port = main_port();
@@ -150,6 +164,50 @@ void ParallelStrategy::do_setup_environment() {
   // under one).
   options.watch_peers = true;
   options.stop_grace = parallel_.stop_grace;
+  // Ranks that a launcher outside fulgur started keep their group for the
+  // process's life (see KeptGroup).
+  const bool keeps = options.main_port != 0 && launcher() == nullptr &&
+                     launched_rank() == nullptr &&
+                     cluster_environment().creates_processes_externally() &&
+                     !cluster_environment().started_by_fulgur_launcher();
+  bool kept_by_the_process = false;
+  if (!has_group() && keeps) {
+    std::lock_guard<std::mutex> lock(kept_mutex);
+    KeptGroup& kept = kept_group();
+    if (kept.group && kept.rendezvous == rendezvous_of(options)) {
+      set_group(kept.group);
+      kept_by_the_process = true;
+    }
+  }
+  // One group for the life of the process: fit, then test, reuse it (a
+  // second rendezvous on the same port could meet the first one's keys).
+  if (has_group()) {
+    const ProcessGroup& group = process_group();
+    const std::string& backend = group.options().backend;
+    if (group.size() != world_size() || group.rank() != global_rank() ||
+        (kept_by_the_process && backend != options.backend)) {
+      // An instance given to an earlier Trainer of other devices or nodes,
+      // or the group an earlier Trainer of this process made.
+      throw ConfigError(
+          str("strategy \"", name(), "\": this process keeps the process group an earlier Trainer ",
+              "made (rank ", group.rank(), " of ", group.size(), ", backend ", backend,
+              "), but this Trainer's is rank ", global_rank(), " of ", world_size(), ", backend ",
+              options.backend,
+              ": a process keeps one group for its life (a second rendezvous could meet the first "
+              "one's). Give this Trainer the earlier one's devices, num_nodes and "
+              "process_group_backend, or run it in a new process."));
+    }
+    if (kept_by_the_process && group.options().timeout != options.timeout && is_global_zero()) {
+      detail::print_note(str("strategy \"", name(),
+                             "\": process_group_timeout=", options.timeout.count() / 1000.0,
+                             " s, but this process keeps the group an earlier Trainer made, whose "
+                             "collectives time out after ",
+                             group.options().timeout.count() / 1000.0, " s."));
+    }
+    // Whatever failure this rank told its peers of is behind it.
+    process_group().begin_stage();
+    return;
+  }
   if (options.main_port == 0 && options.backend != "mpi") {  // MPI connects without a store
     if (options.world_size > 1) {
       throw DistributedError(str("strategy \"", name(), "\": rank ", options.rank, " of ",
@@ -160,6 +218,11 @@ void ParallelStrategy::do_setup_environment() {
     options.main_port = find_free_port(options.main_address);
   }
   set_group(ProcessGroup::connect(options));
+  if (keeps) {
+    std::lock_guard<std::mutex> lock(kept_mutex);
+    // An earlier kept group of another rendezvous goes once no Trainer holds it.
+    kept_group() = KeptGroup{rendezvous_of(options), shared_process_group()};
+  }
 }
 
 namespace {

@@ -360,8 +360,18 @@ std::string TorchProfiler::stop_recording() {
 std::string TorchProfiler::write_profile(kineto::ProfilerResult& result) {
   const std::vector<OperatorRecord> records = records_of(result);
   const std::vector<OperatorRow> rows = operator_rows(records);
-  const std::string trace = str(dir_, "/fit-rank", rank_, ".pt.trace.json");
-  const std::string table_path = str(dir_, "/fit-rank", rank_, ".operators.txt");
+  // A later fit writing here (a second fit of the Trainer; runs without a
+  // logger share default_root_dir/profiler) takes the next free name:
+  // fit-rank0, fit2-rank0, ...
+  std::string trace, table_path;
+  for (int64_t n = 1;; ++n) {
+    const std::string stem =
+        str(dir_, "/fit", n == 1 ? std::string() : std::to_string(n), "-rank", rank_);
+    trace = stem + ".pt.trace.json";
+    table_path = stem + ".operators.txt";
+    std::error_code ec;
+    if (!std::filesystem::exists(trace, ec) && !std::filesystem::exists(table_path, ec)) break;
+  }
   const std::string title = str("profiler (pytorch): rank ", rank_, ", training batches ", wait_,
                                 "..", wait_ + recorded_ - 1, " of the fit (", records.size(),
                                 " events); the operators that took the most time");

@@ -515,6 +515,8 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
     auto run = [&] {
       try {
         drive().setup_environment();
+        // Every rank's loggers write (and name) global rank 0's directory.
+        logging.agree_log_dirs(*strategy);
         stage_set_up = false;
         try {
           body();

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <sstream>
 #include <string_view>
 #include <unordered_set>
@@ -401,14 +402,23 @@ LRFinderResult Tuner::run_lr_find(Module& module, const std::function<void(Train
   check_lr_finder_options(options);
   check_trials_train(options_, "lr_find");
   LRFinderResult result;
+  if (options_.fast_dev_run > 0) {
+    result.skipped = true;
+    result.note = str("lr_find: skipped: fast_dev_run=", options_.fast_dev_run,
+                      " checks that the program runs, and a sweep of that few steps finds no "
+                      "rate. Drop fast_dev_run to sweep.");
+    return result;
+  }
   TrainerOptions trial = trial_options(options_, options.num_training);
   // A captured step would run the sweep's first rate for good.
   trial.cuda_graph = false;
   trial.callbacks = {std::make_shared<LRFinderCallback>(options, result)};
   ModuleSnapshot snapshot(module);
   const detail::TunerTrial trial_scope(snapshot.keeper());
+  bool global_zero = true;  // of the ranks that sweep in step (under torchrun)
   try {
     Trainer trainer(trial);
+    global_zero = trainer.strategy().is_global_zero();
     if (!trainer.resolution().launcher.empty()) {
       throw ConfigError(str(
           "Tuner.lr_find under strategy \"", trainer.resolution().strategy, "\" with ",
@@ -436,7 +446,8 @@ LRFinderResult Tuner::run_lr_find(Module& module, const std::function<void(Train
                       ". Raise num_training, give the loader more batches, or lower max_lr if the "
                       "loss diverged early.");
   }
-  if (!options.plot_path.empty() && !result.lrs.empty()) {
+  // Every rank has the same curve: global rank 0 draws it.
+  if (!options.plot_path.empty() && !result.lrs.empty() && global_zero) {
     const std::string problem = plot_lr_find(result, options);
     if (!problem.empty()) result.note += (result.note.empty() ? "" : " ") + problem;
   }
@@ -455,8 +466,18 @@ BatchSizeFinderResult Tuner::scale_batch_size(
   }
   const bool power = options.mode.value() == BatchSizeSearch::kPower;
   BatchSizeFinderResult result;
+  if (options_.fast_dev_run > 0) {
+    result.skipped = true;
+    result.note = str("scale_batch_size: skipped: fast_dev_run=", options_.fast_dev_run,
+                      " checks that the program runs, not how much memory a batch takes. Drop "
+                      "fast_dev_run to search.");
+    return result;
+  }
   ModuleSnapshot snapshot(module);
   const TrainerOptions trial = trial_options(options_, options.steps_per_trial);
+  // Sizes not tried because the fit's fraction of its batches rounds down
+  // to none of them there, and why.
+  std::map<int64_t, std::string> limited;
 
   // One trial: whether `batch_size` fits; nullopt when the loader yields no
   // batch at that size (drop_last past the training set's size).
@@ -506,6 +527,16 @@ BatchSizeFinderResult Tuner::scale_batch_size(
       std::shared_ptr<DataLoader> loader = loader_of(batch_size);
       const std::optional<int64_t> batches = loader->num_batches();
       if (batches && *batches == 0) return std::nullopt;
+      // A fraction of the fit's batches that rounds down to none at this
+      // size: no batch to try (the trial's fit would refuse the fraction).
+      if (const BatchLimit& limit = trial.limit_train_batches;
+          batches && limit.is_fraction() && limit.fraction() > 0.0 && limit.fraction() < 1.0 &&
+          std::floor(static_cast<double>(*batches) * limit.fraction()) == 0.0) {
+        limited[batch_size] =
+            str(options_.overfit_batches.is_zero() ? "limit_train_batches=" : "overfit_batches=",
+                limit.text(), " of its ", *batches, " batches rounds down to none");
+        return std::nullopt;
+      }
       // One batch that twice the size makes one of too: every sample is in
       // it (a loader that drops a last partial batch makes none of twice).
       if (batches && *batches == 1 && batch_size <= std::numeric_limits<int64_t>::max() / 2) {
@@ -587,7 +618,10 @@ BatchSizeFinderResult Tuner::scale_batch_size(
     size = next;
   }
   result.batch_size = low;
-  if (low == 0 && result.note.empty()) {
+  if (auto it = limited.find(high); high > 0 && it != limited.end() && result.note.empty()) {
+    result.note = str("scale_batch_size: batch_size=", high, " was not tried: ", it->second,
+                      ". Pass a larger fraction, or a number of batches (an int), to try it.");
+  } else if (low == 0 && result.note.empty()) {
     const std::string why = result.trials.empty() ? "" : result.trials.back().failure;
     result.note = result.trials.empty()
                       ? str("scale_batch_size: the loader yields no batch even of ", high,

@@ -435,6 +435,30 @@ TEST(DDP, SyncDistMetricsThatDifferAcrossRanksAreAnErrorNotAMixUp) {
       << r.output;
 }
 
+// Every rank's loggers take global rank 0's directory at each stage's
+// start (each rank picked the next free version of its own, whenever it
+// first asked): the ranks' log_dir() agree, and the PyTorch profiler's
+// traces of both ranks land in the run's one version directory (rank 1's
+// went to a version_1 of its own, taken from the next run).
+TEST(DDP, EveryRankLogsToGlobalRankZerosDirectory) {
+  TempDir dir;
+  // An earlier run's version: the next is version_1, on every rank.
+  std::filesystem::create_directories(dir.file("fulgur_logs/version_0"));
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "4", "--csv-and-profiler",
+                       "--timeout", "60", "--root", dir.path()});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string version = dir.file("fulgur_logs/version_1");
+  EXPECT_EQ(result_value(r.output, "log_dir_rank0"), version) << r.output;
+  EXPECT_EQ(result_value(r.output, "log_dir_rank1"), version) << r.output;
+  EXPECT_THAT(fulgur::test::list_files(version + "/profiler"),
+              ::testing::IsSupersetOf({"fit-rank0.pt.trace.json", "fit-rank1.pt.trace.json"}));
+  std::vector<std::string> versions;
+  for (const auto& e : std::filesystem::directory_iterator(dir.file("fulgur_logs"))) {
+    versions.push_back(e.path().filename().string());
+  }
+  EXPECT_THAT(versions, ::testing::UnorderedElementsAre("version_0", "version_1"));
+}
+
 // A metric object logged on one rank only, at a checkpoint in the middle
 // of the epoch: every rank compares the names before the states'
 // collectives (the rank that logged none too), so the save is the same

@@ -141,6 +141,14 @@ struct Args {
   double stop_grace_s = -1;  // < 0: the strategy's default
   // A rank that calls a barrier its peers do not, at batch fault_step.
   int extra_barrier_rank = -1;
+  // > 0: Tuner::lr_find of this many steps on every rank before the fit
+  // (whose Trainer then takes the trial's process group).
+  int64_t lr_find_first = 0;
+  // The test stage by a second Trainer, made while the fit's still lives.
+  bool test_by_another_trainer = false;
+  // A CSVLogger and the PyTorch profiler (batches 1 and 2); every rank
+  // prints its log_dir() (RESULT log_dir_rank<r>).
+  bool csv_and_profiler = false;
   // A rank that sleeps slow_seconds in on_train_batch_end of the batch
   // before fault_step (it falls behind without hanging).
   int slow_rank = -1;
@@ -871,6 +879,9 @@ int main(int argc, char** argv) {
   app.add_option("--linger-after-failure", a.linger_after_failure);
   app.add_option("--stop-grace", a.stop_grace_s);
   app.add_option("--extra-barrier-rank", a.extra_barrier_rank);
+  app.add_option("--lr-find-first", a.lr_find_first);
+  app.add_flag("--test-by-another-trainer", a.test_by_another_trainer);
+  app.add_flag("--csv-and-profiler", a.csv_and_profiler);
   app.add_option("--slow-rank", a.slow_rank);
   app.add_flag("--checkpoint-activations", a.checkpoint_activations);
   app.add_flag("--unit-around-checkpoint", a.unit_around_checkpoint);
@@ -1028,6 +1039,12 @@ int main(int argc, char** argv) {
           std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout_s * 1000));
     }
     options.logger = a.histograms;
+    if (a.csv_and_profiler) {
+      options.logger = "csv";
+      options.profiler = fulgur::ProfilerKind::kPyTorch;
+      options.profiler_wait = 1;
+      options.profiler_active = 2;
+    }
     if (a.histograms) {
       // Every rank has it (a sharded strategy gathers for it on each);
       // rank 0 writes.
@@ -1057,6 +1074,23 @@ int main(int argc, char** argv) {
         }
       }).detach();
     }
+    // The options with a strategy instance of their own, as a program that
+    // names its strategy for each Trainer has (an instance given to two
+    // Trainers keeps its group anyway).
+    auto with_own_strategy = [&](fulgur::TrainerOptions o) {
+      if (auto* s = std::get_if<std::shared_ptr<fulgur::Strategy>>(&o.strategy)) {
+        if (auto* ddp = dynamic_cast<fulgur::DDPStrategy*>(s->get())) {
+          o.strategy = std::make_shared<fulgur::DDPStrategy>(ddp->options(), a.strategy);
+        }
+      }
+      return o;
+    };
+    if (a.lr_find_first > 0) {
+      fulgur::Tuner tuner(with_own_strategy(options));
+      const fulgur::LRFinderResult found = tuner.lr_find(
+          model, train, {.num_training = a.lr_find_first, .early_stop_threshold = 0.0});
+      std::cout << "RESULT lr_find_steps=" << found.lrs.size() << std::endl;
+    }
     SlowlyPreparedData prepared(a);
     if (!a.skip_fit) {
       if (a.prepare_seconds > 0) {
@@ -1080,9 +1114,14 @@ int main(int argc, char** argv) {
     fulgur::Metrics test;
     if (a.test_samples > 0) {
       auto [tx, ty] = make_data(a.test_samples, 100000);
-      test = trainer.test(model,
-                          fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(tx, ty),
-                                                   {.batch_size = 64}));
+      auto test_loader = fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(tx, ty),
+                                                  {.batch_size = 64});
+      if (a.test_by_another_trainer) {
+        fulgur::Trainer tester(with_own_strategy(options));
+        test = tester.test(model, test_loader);
+      } else {
+        test = trainer.test(model, test_loader);
+      }
     }
     if (!a.predict_dir.empty()) {
       auto [px, py] = make_data(a.predict_samples, 200000);
@@ -1109,6 +1148,10 @@ int main(int argc, char** argv) {
         std::cout << "RESULT " << name << "_rank" << strategy.global_rank() << "="
                   << trainer.callback_metrics().at(name) << std::endl;
       }
+    }
+    if (a.csv_and_profiler) {
+      std::cout << "RESULT log_dir_rank" << strategy.global_rank() << "=" << trainer.log_dir()
+                << std::endl;
     }
     if (model.seen.defined()) {
       std::cout << "RESULT seen_rank" << strategy.global_rank() << "=" << model.seen.item<int64_t>()

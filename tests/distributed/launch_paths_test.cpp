@@ -268,6 +268,28 @@ TEST_F(LaunchPaths, SlurmEnvironmentAsSrunSetsIt) {
   expect_same_weights(out);
 }
 
+// Ranks that a launcher outside fulgur started keep one process group for
+// the life of the process, as torch.distributed does: a later Trainer takes
+// the group an earlier one made instead of a second rendezvous on the same
+// port. Here the Tuner's sweep (a Trainer of its own) before the fit, whose
+// weights are those of the fit without the sweep, and a second Trainer for
+// the test made while the fit's lives (rank 0's second rendezvous found the
+// port taken by its own first store; a rank done early could join the
+// sweep's store as rank 0 closed it).
+TEST_F(LaunchPaths, ALaterTrainerOfTheRanksTakesTheFirstOnesProcessGroup) {
+  std::string out = dir.path() + "/swept.pt";
+  const std::vector<std::string> args = {
+      "--lr-find-first", "5", "--test-samples", "64", "--test-by-another-trainer",
+      "--timeout",       "60"};
+  auto r = as_srun_tasks({args, args}, out, dir.path());
+  for (const auto& rank : r) {
+    expect_clean(rank);
+    EXPECT_EQ(result_value(rank.output, "lr_find_steps"), "5") << rank.output;
+  }
+  EXPECT_FALSE(result_value(r[0].output, "test_acc").empty()) << r[0].output;
+  EXPECT_TRUE(same_params(own_launcher(), out, {.exact = true}));
+}
+
 // Without a launcher of fulgur's the ranks watch each other through the
 // store (peer_watch.h): what its supervisor names is named by the ranks.
 TEST_F(LaunchPaths, UnsupervisedRanksNameAPeersFailureWhereverTheyWaitForIt) {

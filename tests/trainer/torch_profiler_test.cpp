@@ -133,6 +133,30 @@ TEST(TorchProfiler, RecordsTheWindowOfBatchesAndWritesATraceAndATable) {
   }
 }
 
+// A later fit writing to the same directory (a second fit of the Trainer;
+// runs without a logger share default_root_dir/profiler) takes the next
+// free name instead of replacing the first profile.
+TEST(TorchProfiler, ALaterFitKeepsTheEarlierProfile) {
+  TempDir dir;
+  const std::string first = dir.path() + "/profiler/fit-rank0.pt.trace.json";
+  for (int run = 0; run < 2; ++run) {
+    LinearRegression model;
+    fulgur::Trainer trainer(pytorch_options(dir, 1, 1));
+    testing::internal::CaptureStdout();
+    trainer.fit(model, fulgur::make_data_loader(regression_dataset(16), {.batch_size = 4}));
+    const std::string printed = testing::internal::GetCapturedStdout();
+    if (run == 0) {
+      ASSERT_TRUE(std::filesystem::exists(first)) << printed;
+      std::ofstream(first, std::ios::app) << "\n";  // marked: it must stay as it is
+    } else {
+      EXPECT_THAT(printed, testing::HasSubstr("trace: " + dir.path() +
+                                              "/profiler/fit2-rank0.pt.trace.json"));
+    }
+  }
+  EXPECT_EQ(read_file(first).back(), '\n');
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/profiler/fit2-rank0.operators.txt"));
+}
+
 TEST(TorchProfiler, AFitShorterThanTheWaitRecordsNothingAndSaysSo) {
   TempDir dir;
   LinearRegression model;

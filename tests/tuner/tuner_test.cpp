@@ -486,6 +486,83 @@ TEST(Tuner, ATrialOfARestartedJobDoesNotResumeTheJobsCheckpoint) {
   EXPECT_EQ(model.training_steps, 6 + 2 * 2);
 }
 
+// An iterable loader's factory is asked only for the epochs the fits run:
+// the sweep's loader put back where it was (never started) starts no
+// epoch -1 (a factory indexing shards by epoch would read shard -1).
+TEST(LRFinder, TheLoaderPutBackAsItWasStartsNoEpochOfItsOwn) {
+  TempDir dir;
+  auto epochs = std::make_shared<std::vector<int64_t>>();
+  auto data = fulgur::test::regression_dataset(8);
+  const at::Tensor x = data->tensors()[0];
+  const at::Tensor y = data->tensors()[1];
+  auto loader = fulgur::make_iterable_loader(
+      [x, y, epochs](int64_t epoch) -> fulgur::BatchGenerator {
+        epochs->push_back(epoch);
+        return [x, y, i = int64_t{0}]() mutable -> std::optional<fulgur::Batch> {
+          if (i >= 4) return std::nullopt;
+          const int64_t k = i++;
+          return fulgur::Batch(x.slice(0, 2 * k, 2 * k + 2), y.slice(0, 2 * k, 2 * k + 2));
+        };
+      },
+      4);
+  LinearRegression model;
+  fulgur::Tuner tuner(test_options(dir));
+  const auto found = tuner.lr_find(model, loader, {.num_training = 6, .early_stop_threshold = 0.0});
+  EXPECT_EQ(found.lrs.size(), 6u);
+  EXPECT_EQ(*epochs, (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(loader->epoch(), -1);
+  auto options = test_options(dir);
+  options.max_epochs = 1;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, loader);
+  EXPECT_EQ(*epochs, (std::vector<int64_t>{0, 1, 0}));
+}
+
+// Under fast_dev_run (a check that the program runs), the finders skip, as
+// Lightning's do, and say so; the module is not touched.
+TEST(Tuner, FastDevRunSkipsTheFinders) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.fast_dev_run = 1;
+  LinearRegression model;
+  fulgur::Tuner tuner(options);
+  const auto swept = tuner.lr_find(model, regression_loader(4));
+  EXPECT_TRUE(swept.skipped);
+  EXPECT_TRUE(swept.lrs.empty());
+  EXPECT_THAT(swept.note, ::testing::HasSubstr("lr_find: skipped: fast_dev_run=1"));
+  const auto sized = tuner.scale_batch_size(model, loaders_of(64), {.host_memory_cap = kCap});
+  EXPECT_TRUE(sized.skipped);
+  EXPECT_EQ(sized.batch_size, 0);
+  EXPECT_TRUE(sized.trials.empty());
+  EXPECT_THAT(sized.note, ::testing::HasSubstr("scale_batch_size: skipped: fast_dev_run=1"));
+  EXPECT_EQ(model.training_steps, 0);
+}
+
+// A fraction of the training batches that rounds down to none at a size
+// (its trial's fit would refuse the fraction): that size is not tried, as
+// one the loader makes no batch of, and the note says why. It used to end
+// the search with the fit's error, losing what it had found.
+TEST(BatchSizeFinder, ASizeWhoseFractionOfBatchesRoundsDownToNoneIsNotTried) {
+  TempDir dir;
+  auto options = test_options(dir);
+  // Of 64 samples: one batch of 16 (4 batches of it), none of 32 (2).
+  options.limit_train_batches = 0.25;
+  WideRegression model;
+  fulgur::Tuner tuner(options);
+  const auto found = tuner.scale_batch_size(
+      model, loaders_of(64),
+      {.init_val = 16, .steps_per_trial = 1, .host_memory_cap = int64_t{1} << 30});
+  // 16 fits, 32 and then 24 are not tried, 20 fits (the power search ends
+  // at the first size that fits below one it could not try).
+  EXPECT_EQ(found.batch_size, 20);
+  ASSERT_FALSE(found.trials.empty());
+  EXPECT_EQ(found.trials.front().batch_size, 16);
+  for (const auto& t : found.trials) EXPECT_TRUE(t.fits) << t.batch_size;
+  EXPECT_THAT(found.note, ::testing::HasSubstr("scale_batch_size: batch_size=24 was not tried: "
+                                               "limit_train_batches=0.25 of its 3 batches rounds "
+                                               "down to none. Pass a larger fraction"));
+}
+
 TEST(BatchSizeFinder, TheSearchEndsAtTheWholeTrainingSetOrMaxTrialsAndTheCPUNeedsACap) {
   TempDir dir;
   WideRegression model;

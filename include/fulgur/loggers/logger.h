@@ -58,6 +58,12 @@ class Logger {
   /// checkpoint holds a section under this logger's state_key(). What the
   /// interrupted run logged after `step` is superseded.
   virtual void load_state_dict(const StateDict& /*state*/, int64_t /*step*/) {}
+  /// Under several ranks, at each stage's start, on every rank but global
+  /// rank 0 (which writes the logs): global rank 0's log_dir(), to take as
+  /// this rank's, so that what every rank writes beside the logs (the
+  /// PyTorch profiler's traces, a program's own files under log_dir()) lands
+  /// in the one directory. Default: nothing.
+  virtual void follow_log_dir(const std::string& /*dir*/) {}
 };
 
 /// A Logger that writes into `<save_dir>/<name>/version_<N>`: N is the
@@ -74,6 +80,8 @@ class VersionedLogger : public Logger {
   /// "log_dir": the version directory (log_dir()).
   StateDict state_dict() const override;
   void load_state_dict(const StateDict& state, int64_t step) override;
+  /// The version of global rank 0's directory, unless one was given.
+  void follow_log_dir(const std::string& dir) override;
 
  protected:
   /// `kind` names the logger in messages and its checkpoint state.

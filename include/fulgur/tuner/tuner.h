@@ -86,6 +86,9 @@ struct LRFinderResult {
   int64_t suggestion_index = -1;
   /// Stopped early: the loss diverged (or became NaN) at the last step.
   bool diverged = false;
+  /// Not run: the options ask for fast_dev_run (as Lightning's finder, it
+  /// skips; `note` says so).
+  bool skipped = false;
   /// Why there is no suggestion, or why no picture was drawn; empty when
   /// there is nothing to say.
   std::string note;
@@ -142,6 +145,9 @@ struct BatchSizeFinderResult {
   int64_t batch_size = 0;
   /// Every trial, in the order run.
   std::vector<BatchSizeTrial> trials;
+  /// Not run: the options ask for fast_dev_run (as Lightning's finder, it
+  /// skips; batch_size 0, `note` says so).
+  bool skipped = false;
   /// Why the search ended where it did when that is not a failed trial
   /// (max_trials reached, the whole training set in one batch, a size the
   /// loader makes no batch of), or why nothing fit.

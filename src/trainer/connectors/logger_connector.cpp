@@ -719,6 +719,26 @@ void LoggerConnector::choose_versions() {
   versions_chosen_ = true;
 }
 
+void LoggerConnector::agree_log_dirs(Strategy& strategy) {
+  // Also where this rank has no logger: the ranks' lists may differ.
+  if (strategy.world_size() <= 1) return;
+  std::string dirs;
+  if (strategy.is_global_zero()) {
+    choose_versions();
+    for (const auto& logger : loggers_) dirs.append(logger->log_dir()).push_back('\0');
+  }
+  dirs = strategy.broadcast_bytes(dirs);
+  if (strategy.is_global_zero()) return;
+  size_t begin = 0;
+  for (auto& logger : loggers_) {
+    const size_t end = dirs.find('\0', begin);
+    if (end == std::string::npos) break;  // rank 0 has fewer loggers
+    logger->follow_log_dir(dirs.substr(begin, end - begin));
+    begin = end + 1;
+  }
+  versions_chosen_ = true;
+}
+
 void LoggerConnector::log_hyperparams(const HParams& hparams) {
   choose_versions();
   for (auto& logger : loggers_) logger->log_hyperparams(hparams);

@@ -241,6 +241,10 @@ class LoggerConnector {
   /// before any logger writes, and before a launcher forks the ranks, so
   /// that every stage of the run logs to the same directory.
   void choose_versions();
+  /// Under several ranks, at each stage's start (a collective: every rank
+  /// calls): every rank's loggers take global rank 0's directories (one
+  /// broadcast), each rank having picked its own version otherwise.
+  void agree_log_dirs(Strategy& strategy);
 
  private:
   /// Sets callback/progress-bar metrics; `suffix` ("_step", "_epoch") is
