@@ -130,13 +130,23 @@ double StochasticWeightAveraging::annealed_lr(double lr0, int64_t epoch) const {
   return options_.swa_lr * a + lr0 * (1.0 - a);
 }
 
-void StochasticWeightAveraging::on_before_optimizer_step(Trainer& trainer, Module&,
+void StochasticWeightAveraging::on_before_optimizer_step(Trainer& trainer, Module& module,
                                                          torch::optim::Optimizer& optimizer) {
   const int64_t epoch = trainer.current_epoch();
   if (start_epoch_ < 0 || epoch < start_epoch_) return;
+  // The optimizer's place in configure_optimizers()'s list (a resumed run
+  // may step them first in another order: a discriminator stepping every
+  // other batch); one it did not return comes after those, in the order
+  // they first step.
+  const auto& listed = module.optimizers();
   size_t index = 0;
-  while (index < seen_.size() && seen_[index] != &optimizer) ++index;
-  if (index == seen_.size()) seen_.push_back(&optimizer);
+  while (index < listed.size() && listed[index].get() != &optimizer) ++index;
+  if (index == listed.size()) {
+    size_t other = 0;
+    while (other < seen_.size() && seen_[other] != &optimizer) ++other;
+    if (other == seen_.size()) seen_.push_back(&optimizer);
+    index += other;
+  }
   auto& groups = optimizer.param_groups();
   if (index >= lr0_.size()) {
     lr0_.resize(index + 1);

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <tuple>
 
 #include "fulgur/fulgur.h"
 #include "support/test_support.h"
@@ -260,6 +261,80 @@ TEST(StochasticWeightAveraging, ARunResumedFromAnEpochsEndOrFromItsLastEndsBitId
   // averaged in when training ends.
   auto from_last = train(dir.file("checkpoints/epoch=4.ckpt"), 5);
   EXPECT_TRUE(fulgur::test::parameters_equal(*whole, *from_last));
+}
+
+// Two optimizers under manual optimization, the first stepping at even
+// batches only. Each anneals from its own starting rate; a run resumed
+// at an odd batch, where the second steps first, too (the rates were
+// matched to the optimizers in the order they first stepped in the fit,
+// so there the second annealed from the first's rate).
+class TwoOptimizers : public fulgur::Module {
+ public:
+  TwoOptimizers() {
+    set_automatic_optimization(false);
+    a = register_module("a", torch::nn::Linear(3, 1));
+    b = register_module("b", torch::nn::Linear(3, 1));
+  }
+  at::Tensor training_step(fulgur::Batch& batch, int64_t batch_idx) override {
+    const auto& [x, y] = batch.pair();
+    auto loss = torch::mse_loss(a(x) + b(x), y);
+    for (auto& o : optimizers()) o->zero_grad();
+    manual_backward(loss);
+    if (batch_idx % 2 == 0) optimizer_step(0);
+    optimizer_step(1);
+    rates.push_back({current_epoch(), batch_idx,
+                     optimizers()[0]->param_groups()[0].options().get_lr(),
+                     optimizers()[1]->param_groups()[0].options().get_lr()});
+    return loss.detach();
+  }
+  fulgur::OptimizerConfig configure_optimizers() override {
+    return fulgur::OptimizerConfig(
+        {std::make_shared<torch::optim::SGD>(a->parameters(), torch::optim::SGDOptions(0.05)),
+         std::make_shared<torch::optim::SGD>(b->parameters(), torch::optim::SGDOptions(0.2))});
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  std::vector<std::tuple<int64_t, int64_t, double, double>> rates;
+};
+
+TEST(StochasticWeightAveraging, EachOptimizerAnnealsFromItsOwnRateAlsoAfterAResume) {
+  TempDir dir;
+  const std::string saved = dir.file("epoch2-batch0.ckpt");
+  struct SaveAt : fulgur::Callback {
+    std::string path;
+    std::string state_key() const override { return "SaveAt"; }
+    void on_train_batch_end(fulgur::Trainer& t, fulgur::Module&, const at::Tensor&,
+                            const fulgur::Batch&, int64_t batch_idx) override {
+      if (t.current_epoch() == 2 && batch_idx == 0) t.save_checkpoint(path);
+    }
+  };
+  auto train = [&](const std::string& ckpt) {
+    torch::manual_seed(5);
+    auto model = std::make_unique<TwoOptimizers>();
+    auto options = test_options(dir);
+    options.max_epochs = 4;
+    auto save = std::make_shared<SaveAt>();
+    save->path = saved;
+    options.callbacks = {std::make_shared<StochasticWeightAveraging>(SWAOptions{
+                             .swa_lr = 0.001, .swa_epoch_start = 2, .annealing_epochs = 2}),
+                         save};
+    fulgur::Trainer trainer(options);
+    trainer.fit(*model, regression_loader(4), nullptr, {.ckpt_path = ckpt});
+    return model;
+  };
+  auto whole = train("");
+  ASSERT_EQ(whole->rates.size(), 16u);
+  // Epoch 2 (index), halfway through the annealing: each optimizer's own.
+  const auto& [epoch, batch, lr_a, lr_b] = whole->rates[9];
+  ASSERT_EQ(epoch, 2);
+  ASSERT_EQ(batch, 1);
+  EXPECT_DOUBLE_EQ(lr_a, 0.001 * 0.5 + 0.05 * 0.5);
+  EXPECT_DOUBLE_EQ(lr_b, 0.001 * 0.5 + 0.2 * 0.5);
+  auto resumed = train(saved);
+  ASSERT_EQ(resumed->rates.size(), 7u);
+  for (size_t i = 0; i < resumed->rates.size(); ++i) {
+    EXPECT_EQ(resumed->rates[i], whole->rates[9 + i]) << i;
+  }
+  EXPECT_TRUE(fulgur::test::parameters_equal(*whole, *resumed));
 }
 
 TEST(StochasticWeightAveraging, OptionsThatCannotWorkAreNamed) {

@@ -117,7 +117,9 @@ class StochasticWeightAveraging : public Callback {
   /// Each optimizer's group rates when annealing began, by the order in
   /// which the optimizers step (configure_optimizers' order).
   std::vector<std::vector<double>> lr0_;
-  std::vector<const torch::optim::Optimizer*> seen_;  // this fit's optimizers, in that order
+  // This fit's optimizers that configure_optimizers() did not return, in
+  // the order they first stepped (lr0_ follows the returned ones).
+  std::vector<const torch::optim::Optimizer*> seen_;
 };
 
 }  // namespace fulgur
