@@ -35,13 +35,17 @@ struct KeptGroup {
 };
 
 std::mutex kept_mutex;
+// The kept group, once there is one (a plain pointer: looking it up makes
+// no static).
+KeptGroup* kept_group = nullptr;
 
-// Made once a group is kept, after that group's making (which may bring
-// statics of LibTorch to life, destroyed after this one): the group ends
-// at the process's normal exit, before them.
-KeptGroup& kept_group() {
+// The first time, after that group's making (which may bring statics of
+// LibTorch to life): this one is destroyed before them, so the group ends
+// at the process's normal exit while what it uses is still there.
+void keep_group(KeptGroup group) {
   static KeptGroup kept;
-  return kept;
+  kept = std::move(group);
+  kept_group = &kept;
 }
 
 std::string rendezvous_of(const ProcessGroupOptions& o) {
@@ -173,29 +177,32 @@ void ParallelStrategy::do_setup_environment() {
   bool kept_by_the_process = false;
   if (!has_group() && keeps) {
     std::lock_guard<std::mutex> lock(kept_mutex);
-    KeptGroup& kept = kept_group();
-    if (kept.group && kept.rendezvous == rendezvous_of(options)) {
-      set_group(kept.group);
-      kept_by_the_process = true;
+    if (kept_group != nullptr && kept_group->group) {
+      const ProcessGroup& kept = *kept_group->group;
+      if (kept_group->rendezvous == rendezvous_of(options) && kept.size() == world_size() &&
+          kept.rank() == global_rank() && kept.options().backend == options.backend) {
+        set_group(kept_group->group);
+        kept_by_the_process = true;
+      } else {
+        // Another group (another backend): a rendezvous of its own, which
+        // finds the port free once no Trainer holds the kept group.
+        kept_group->group.reset();
+      }
     }
   }
   // One group for the life of the process: fit, then test, reuse it (a
   // second rendezvous on the same port could meet the first one's keys).
   if (has_group()) {
     const ProcessGroup& group = process_group();
-    const std::string& backend = group.options().backend;
-    if (group.size() != world_size() || group.rank() != global_rank() ||
-        (kept_by_the_process && backend != options.backend)) {
-      // An instance given to an earlier Trainer of other devices or nodes,
-      // or the group an earlier Trainer of this process made.
-      throw ConfigError(
-          str("strategy \"", name(), "\": this process keeps the process group an earlier Trainer ",
-              "made (rank ", group.rank(), " of ", group.size(), ", backend ", backend,
-              "), but this Trainer's is rank ", global_rank(), " of ", world_size(), ", backend ",
-              options.backend,
-              ": a process keeps one group for its life (a second rendezvous could meet the first "
-              "one's). Give this Trainer the earlier one's devices, num_nodes and "
-              "process_group_backend, or run it in a new process."));
+    if (group.size() != world_size() || group.rank() != global_rank()) {
+      // An instance given to an earlier Trainer of other devices or nodes.
+      throw ConfigError(str("strategy \"", name(), "\" keeps the process group it made for an ",
+                            "earlier Trainer (rank ", group.rank(), " of ", group.size(),
+                            "), but this Trainer's world is rank ", global_rank(), " of ",
+                            world_size(),
+                            ": a process keeps one group for its life (a second rendezvous could "
+                            "meet the first one's). Give this Trainer the earlier one's devices "
+                            "and num_nodes, or a strategy instance of its own in a new process."));
     }
     if (kept_by_the_process && group.options().timeout != options.timeout && is_global_zero()) {
       detail::print_note(str("strategy \"", name(),
@@ -221,7 +228,7 @@ void ParallelStrategy::do_setup_environment() {
   if (keeps) {
     std::lock_guard<std::mutex> lock(kept_mutex);
     // An earlier kept group of another rendezvous goes once no Trainer holds it.
-    kept_group() = KeptGroup{rendezvous_of(options), shared_process_group()};
+    keep_group(KeptGroup{rendezvous_of(options), shared_process_group()});
   }
 }
 
@@ -259,7 +266,16 @@ void ParallelStrategy::configure(std::vector<std::string>& notes) {
   }
 }
 
-void ParallelStrategy::do_teardown() {}
+void ParallelStrategy::do_teardown() {
+  if (stage_completed() || !has_group()) return;
+  // A failed stage may leave the group's collectives unpaired (an
+  // abandoned exchange, call counts that differ): a later Trainer makes a
+  // group of its own instead of taking this one.
+  std::lock_guard<std::mutex> lock(kept_mutex);
+  if (kept_group != nullptr && kept_group->group == shared_process_group()) {
+    kept_group->group.reset();
+  }
+}
 
 namespace {
 

@@ -232,12 +232,26 @@ TrainerOptions trial_options(const TrainerOptions& options, int64_t max_steps) {
 // (scale_batch_size's especially) have the device as the fit will.
 class ModuleSnapshot {
  public:
-  explicit ModuleSnapshot(Module& module) : rng_(rng_state_dict()) { keep_new(module); }
-  // The parameters and buffers not kept yet: at the start, the module's;
-  // right after a trial's configure_model(), what that built (layers made
+  // `seeded`: the trials (and the fit) seed the generators at their start.
+  ModuleSnapshot(Module& module, bool seeded) : rng_(rng_state_dict()), seeded_(seeded) {
+    keep_tensors(module);
+  }
+  // Right after a trial's configure_model(): what that built (layers made
   // there, as the README recommends, have no state before the trial; the
   // fit after it finds them built and trains them from these values).
   void keep_new(Module& module) {
+    const size_t kept = kept_.size();
+    keep_tensors(module);
+    // What that build drew from the generators is behind them after the
+    // tuner too (the fit finds the layers built, and draws nothing for
+    // them): unless the fit seeds them at its start, its random numbers
+    // are then those of a fit without the tuner.
+    if (built_ || kept_.size() == kept) return;
+    built_ = true;
+    if (!seeded_) rng_ = rng_state_dict();
+  }
+  // The parameters and buffers not kept yet.
+  void keep_tensors(Module& module) {
     for (const auto& p : module.parameters()) {
       if (!kept_.insert(p.unsafeGetTensorImpl()).second) continue;
       weights_.push_back(copy_of(p));
@@ -290,6 +304,8 @@ class ModuleSnapshot {
   std::vector<Saved> grads_;
   std::unordered_set<const c10::TensorImpl*> kept_;
   StateDict rng_;
+  bool seeded_ = false;
+  bool built_ = false;  // a trial's configure_model() built something
 };
 
 std::string plot_lr_find(const LRFinderResult& r, const LRFinderOptions& o) {
@@ -413,7 +429,7 @@ LRFinderResult Tuner::run_lr_find(Module& module, const std::function<void(Train
   // A captured step would run the sweep's first rate for good.
   trial.cuda_graph = false;
   trial.callbacks = {std::make_shared<LRFinderCallback>(options, result)};
-  ModuleSnapshot snapshot(module);
+  ModuleSnapshot snapshot(module, options_.seed.has_value());
   const detail::TunerTrial trial_scope(snapshot.keeper());
   bool global_zero = true;  // of the ranks that sweep in step (under torchrun)
   try {
@@ -473,7 +489,7 @@ BatchSizeFinderResult Tuner::scale_batch_size(
                       "fast_dev_run to search.");
     return result;
   }
-  ModuleSnapshot snapshot(module);
+  ModuleSnapshot snapshot(module, options_.seed.has_value());
   const TrainerOptions trial = trial_options(options_, options.steps_per_trial);
   // Sizes not tried because the fit's fraction of its batches rounds down
   // to none of them there, and why.

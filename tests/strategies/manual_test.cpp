@@ -307,8 +307,8 @@ TEST(ManualStrategy, BringsItsOwnProcessGroupOnlyIfItFits) {
   // group it keeps is named, not used for collectives over other ranks.
   strategy.set_parallel_devices({c10::Device(c10::kCPU), c10::Device(c10::kCPU)});
   EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::detail::drive(strategy).setup_environment(),
-                     {"this process keeps the process group an earlier Trainer made (rank 0 of 1",
-                      "but this Trainer's is rank 0 of 2"});
+                     {"keeps the process group it made for an earlier Trainer (rank 0 of 1), but "
+                      "this Trainer's world is rank 0 of 2"});
 }
 
 }  // namespace

@@ -410,7 +410,8 @@ class LateLayer : public fulgur::Module {
   }
   at::Tensor training_step(fulgur::Batch& batch, int64_t /*batch_idx*/) override {
     const auto& [x, y] = batch.pair();
-    return torch::mse_loss(fc(x), y);
+    // Random numbers in every step: the fit after the tuner draws the same.
+    return torch::mse_loss(fc(torch::dropout(x, 0.5, /*train=*/true)), y);
   }
   fulgur::OptimizerConfig configure_optimizers() override {
     return fulgur::OptimizerConfig(
@@ -421,8 +422,9 @@ class LateLayer : public fulgur::Module {
 
 // The layers a trial's configure_model() built are put back as that built
 // them (they had trained with the sweep's rates up to 10, or with every
-// trial's batches): a fit after either finder is bit-identical to one
-// without it.
+// trial's batches), and the generators as they were after it (the fit
+// finds the layers built and draws nothing there): a fit after either
+// finder is bit-identical to one without it, its dropout masks included.
 TEST(Tuner, LayersBuiltInConfigureModelArePutBackAsTheyWereBuilt) {
   TempDir dir;
   auto options = test_options(dir);
@@ -471,15 +473,23 @@ TEST(Tuner, ATrialOfARestartedJobDoesNotResumeTheJobsCheckpoint) {
     trainer.fit(model, regression_loader(4));
   }
   ASSERT_TRUE(fs::exists(dir.file("checkpoints/last.ckpt")));
-  ::setenv("FULGUR_RESTART_COUNT", "1", 1);
+  struct RestartedJob {
+    RestartedJob() { ::setenv("FULGUR_RESTART_COUNT", "1", 1); }
+    ~RestartedJob() { ::unsetenv("FULGUR_RESTART_COUNT"); }
+  };
   LinearRegression model;
-  fulgur::Tuner tuner(options);
-  const auto swept =
-      tuner.lr_find(model, regression_loader(4), {.num_training = 6, .early_stop_threshold = 0.0});
-  const int64_t steps_in_sweep = model.training_steps;
-  const auto sized = tuner.scale_batch_size(
-      model, loaders_of(64), {.max_trials = 2, .steps_per_trial = 2, .host_memory_cap = kCap});
-  ::unsetenv("FULGUR_RESTART_COUNT");
+  fulgur::LRFinderResult swept;
+  fulgur::BatchSizeFinderResult sized;
+  int64_t steps_in_sweep = 0;
+  {
+    const RestartedJob restarted;
+    fulgur::Tuner tuner(options);
+    swept = tuner.lr_find(model, regression_loader(4),
+                          {.num_training = 6, .early_stop_threshold = 0.0});
+    steps_in_sweep = model.training_steps;
+    sized = tuner.scale_batch_size(
+        model, loaders_of(64), {.max_trials = 2, .steps_per_trial = 2, .host_memory_cap = kCap});
+  }
   EXPECT_EQ(swept.lrs.size(), 6u);
   EXPECT_EQ(steps_in_sweep, 6);
   ASSERT_EQ(sized.trials.size(), 2u);

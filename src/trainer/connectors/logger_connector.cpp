@@ -521,6 +521,9 @@ LogSink::MetricStates LogSink::metric_states(Strategy& strategy) const {
     saved.logger = e.options.logger;
     saved.prog_bar = e.options.prog_bar;
   }
+  // What a resume brought back that this epoch has not logged again goes
+  // on to the next checkpoint as it came (its states on global rank 0).
+  for (const auto& [name, saved] : restored_) out.emplace(name, saved);
   return out;
 }
 
@@ -580,6 +583,9 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
 
 void LoggerConnector::reset_metrics() {
   train_sink_.forget_step_names();
+  // A resume's states that an earlier fit (one that failed before its
+  // resumed epoch ended) did not take.
+  train_sink_.drop_restored_metrics();
   ended_ = false;
   divergence_noted_ = false;
   weightless_noted_.clear();
