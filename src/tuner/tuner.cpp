@@ -400,6 +400,18 @@ LRFinderResult Tuner::lr_find(Module& module, DataModule& data, LRFinderOptions 
 
 namespace {
 
+// Under fast_dev_run (a check that the program runs) a finder skips, as
+// Lightning's do; `result` says so.
+template <typename Result>
+bool skips_under_fast_dev_run(const TrainerOptions& options, const char* finder, const char* why,
+                              Result& result) {
+  if (options.fast_dev_run <= 0) return false;
+  result.skipped = true;
+  result.note = str(finder, ": skipped: fast_dev_run=", options.fast_dev_run,
+                    " checks that the program runs, ", why, ". Drop fast_dev_run to run it.");
+  return true;
+}
+
 // A trial that can run no training step finds nothing (and would count as
 // a fit).
 void check_trials_train(const TrainerOptions& options, const char* what) {
@@ -418,11 +430,8 @@ LRFinderResult Tuner::run_lr_find(Module& module, const std::function<void(Train
   check_lr_finder_options(options);
   check_trials_train(options_, "lr_find");
   LRFinderResult result;
-  if (options_.fast_dev_run > 0) {
-    result.skipped = true;
-    result.note = str("lr_find: skipped: fast_dev_run=", options_.fast_dev_run,
-                      " checks that the program runs, and a sweep of that few steps finds no "
-                      "rate. Drop fast_dev_run to sweep.");
+  if (skips_under_fast_dev_run(options_, "lr_find", "and a sweep of that few steps finds no rate",
+                               result)) {
     return result;
   }
   TrainerOptions trial = trial_options(options_, options.num_training);
@@ -482,11 +491,8 @@ BatchSizeFinderResult Tuner::scale_batch_size(
   }
   const bool power = options.mode.value() == BatchSizeSearch::kPower;
   BatchSizeFinderResult result;
-  if (options_.fast_dev_run > 0) {
-    result.skipped = true;
-    result.note = str("scale_batch_size: skipped: fast_dev_run=", options_.fast_dev_run,
-                      " checks that the program runs, not how much memory a batch takes. Drop "
-                      "fast_dev_run to search.");
+  if (skips_under_fast_dev_run(options_, "scale_batch_size", "not how much memory a batch takes",
+                               result)) {
     return result;
   }
   ModuleSnapshot snapshot(module, options_.seed.has_value());
