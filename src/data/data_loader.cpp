@@ -110,18 +110,19 @@ StateDict DataLoader::state_dict() const {
 void DataLoader::load_state_dict(const StateDict& state, std::optional<int64_t> position) {
   const int64_t saved_epoch = state.integer("epoch");
   const int64_t saved_position = state.integer("position");
-  if (saved_epoch < 0) {
-    // Saved before its first epoch: back to that (next() starts epoch 0),
-    // without starting an epoch -1 (an iterable loader's factory would be
-    // asked for it).
-    do_load_state_dict(state);
-    epoch_ = -1;
-    position_ = 0;
+  if (saved_epoch >= 0 && position.value_or(saved_position) > 0) {
+    check_resume(state, position.value_or(saved_position));
+  }
+  do_load_state_dict(state);
+  if (saved_epoch >= 0) {
+    seek(saved_epoch, position.value_or(saved_position));
     return;
   }
-  if (position.value_or(saved_position) > 0) check_resume(state, position.value_or(saved_position));
-  do_load_state_dict(state);
-  seek(saved_epoch, position.value_or(saved_position));
+  // Saved before its first epoch: back to that (next() starts epoch 0),
+  // without starting an epoch -1 (an iterable loader's factory would be
+  // asked for it).
+  epoch_ = -1;
+  position_ = 0;
 }
 
 bool DataLoader::set_shard(int64_t, int64_t, bool) { return false; }
