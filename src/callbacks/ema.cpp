@@ -38,10 +38,24 @@ void EMA::on_fit_start(Trainer& trainer, Module&) {
     average_->clear();
     last_update_step_ = -1;
   }
+  loaded_training_weights_.clear();  // what a failed restore left
   average_->begin_fit();
 }
 
+void EMA::on_restore_optimizers(Trainer& trainer, Module& module) {
+  if (loaded_training_weights_.empty()) return;
+  // The module was loaded with the checkpoint's average: it is the average
+  // again, and the training weights go back into the module (every rank
+  // restores at the same point: under fsdp a collective).
+  detail::ParameterCopy weights;
+  weights.set_whole(std::move(loaded_training_weights_));
+  loaded_training_weights_.clear();
+  average_->copy_parameters(trainer.strategy(), module);
+  weights.assign_to(trainer.strategy(), module, "EMA");
+}
+
 void EMA::on_train_start(Trainer& trainer, Module& module) {
+  training_ = true;
   // This rank's parts of the parameters (under fsdp its shards): a
   // checkpoint's average is taken apart, or the weights now are the first.
   if (average_->empty()) {
@@ -62,6 +76,28 @@ void EMA::on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor&
   average_->update([decay](at::Tensor& average, const at::Tensor& weight) {
     average.mul_(decay).add_(weight, 1.0 - decay);
   });
+}
+
+void EMA::begin_checkpoint(Module& module) {
+  // During training only (a save at the end of fit or after it holds what
+  // the module holds then), and not while a validation has swapped it in.
+  if (!training_ || !options_.validate_with_average || average_->empty() ||
+      !training_weights_->empty()) {
+    return;
+  }
+  swap_in(module);
+  swapped_for_save_ = true;
+}
+
+void EMA::end_checkpoint(Module& module, bool failed) {
+  if (!swapped_for_save_) return;
+  swapped_for_save_ = false;
+  // A save that failed under fsdp may have failed on one rank only (global
+  // rank 0 writes one file): putting the training weights back is a
+  // collective its peers, training on, would pair with another of theirs.
+  // on_exception puts them back after waiting for the peers.
+  if (failed && detail::shards_parameters(module.trainer().strategy())) return;
+  swap_out(module);
 }
 
 void EMA::swap_in(Module& module) {
@@ -89,6 +125,8 @@ void EMA::on_validation_start(Trainer& trainer, Module& module) {
 void EMA::on_validation_end(Trainer&, Module& module) { swap_out(module); }
 
 void EMA::on_exception(Trainer& trainer, Module& module, const std::exception&) {
+  training_ = false;
+  swapped_for_save_ = false;
   if (training_weights_->empty()) return;
   // Under fsdp putting the training weights back is a collective, which a
   // rank that failed alone must not start (its peers wait in another one):
@@ -111,25 +149,32 @@ void EMA::on_exception(Trainer& trainer, Module& module, const std::exception&) 
 }
 
 void EMA::on_train_end(Trainer& trainer, Module& module) {
+  training_ = false;
   swap_out(module);
   if (average_->empty()) return;
   if (options_.apply_at_end) average_->assign_to(trainer.strategy(), module, "EMA");
   average_->make_whole();  // a collective under fsdp, as the assignment
 }
 
-// count (int), last_update_step (int), and the average as buffers
-// average_0 .. average_<count-1>, in the module's parameters() order,
-// whole (under fsdp gathered from the ranks' shards: every rank saves at
-// the same point). No count (a checkpoint from before the average was
-// kept): nothing is loaded.
+// count (int), last_update_step (int), module_holds_average (bool), and
+// count buffers in the module's parameters() order, whole (under fsdp
+// gathered from the ranks' shards: every rank saves at the same point):
+// where the module holds the average (a save of a fit that validates with
+// it, or one within such a validation), the training weights training_0 ..
+// training_<count-1>; otherwise the average, average_0 ... (A checkpoint
+// without module_holds_average, from before it was written, is of the
+// second kind. No count: from before the average was kept; nothing is
+// loaded.)
 StateDict EMA::state_dict() const {
   StateDict state;
-  const std::vector<at::Tensor> average = average_->whole();
-  state.set("count", static_cast<int64_t>(average.size()));
+  const bool module_holds_average = !training_weights_->empty();
+  const std::vector<at::Tensor> kept =
+      module_holds_average ? training_weights_->whole() : average_->whole();
+  state.set("count", static_cast<int64_t>(kept.size()));
   state.set("last_update_step", last_update_step_);
-  for (size_t i = 0; i < average.size(); ++i) {
-    state.set_buffer("average_" + std::to_string(i), average[i]);
-  }
+  state.set("module_holds_average", module_holds_average);
+  const std::string prefix = module_holds_average ? "training_" : "average_";
+  for (size_t i = 0; i < kept.size(); ++i) state.set_buffer(prefix + std::to_string(i), kept[i]);
   return state;
 }
 
@@ -137,16 +182,29 @@ void EMA::load_state_dict(const StateDict& state) {
   if (!state.contains("count")) return;
   const int64_t count = state.integer("count");
   if (state.contains("last_update_step")) last_update_step_ = state.integer("last_update_step");
-  std::vector<at::Tensor> average;
+  const bool module_holds_average =
+      state.contains("module_holds_average") && state.boolean("module_holds_average");
+  const std::string prefix = module_holds_average ? "training_" : "average_";
+  std::vector<at::Tensor> kept;
   for (int64_t i = 0; i < count; ++i) {
-    const c10::IValue* t = state.find("average_" + std::to_string(i));
+    const c10::IValue* t = state.find(prefix + std::to_string(i));
     if (t == nullptr || !t->isTensor()) {
-      throw ConfigError(str("EMA: the checkpoint's average lacks tensor ", i, " of ", count,
+      throw ConfigError(str("EMA: the checkpoint's ",
+                            module_holds_average ? "training weights lack" : "average lacks",
+                            " tensor ", i, " of ", count,
                             ": the file is damaged or was written by another program."));
     }
-    average.push_back(t->toTensor());
+    kept.push_back(t->toTensor());
   }
-  average_->set_whole(std::move(average));
+  if (module_holds_average) {
+    // The average is the module's weights, loaded before; the training
+    // weights go back into the module at on_restore_optimizers.
+    average_->clear();
+    loaded_training_weights_ = std::move(kept);
+  } else {
+    loaded_training_weights_.clear();
+    average_->set_whole(std::move(kept));
+  }
 }
 
 }  // namespace fulgur

@@ -167,39 +167,43 @@ TEST(EMA, AResumedRunEndsBitIdenticalToTheUninterruptedOne) {
   EXPECT_TRUE(parameters_equal(uninterrupted, resumed));
 }
 
-// A checkpoint whose average does not fit the module (edited, or written by
-// another program) is refused when training resumes, naming the parameter,
-// both shapes and what to do.
-TEST(EMA, ACheckpointWhoseAverageDoesNotFitTheModuleIsRefusedNamingTheParameter) {
-  TempDir dir;
-  LinearRegression model;  // fc: weight [1, 3], bias [1]
-  auto options = test_options(dir);
-  options.enable_checkpointing = true;
-  options.callbacks = {std::make_shared<EMA>()};
-  fulgur::Trainer(options).fit(model, regression_loader(4));
-  std::string last;
-  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir.path())) {
-    if (entry.path().filename() == "last.ckpt") last = entry.path().string();
-  }
-  ASSERT_FALSE(last.empty());
-  fulgur::TorchCheckpointIO io;
-  fulgur::StateDict checkpoint = io.load_checkpoint(last);
-  fulgur::StateDict* ema_state = checkpoint.section("callbacks").find_section("EMA");
-  ASSERT_NE(ema_state, nullptr);
-  ema_state->set_buffer("average_0", torch::zeros({3, 3}));
-  io.save_checkpoint(checkpoint, dir.file("edited.ckpt"));
+// A checkpoint whose weights in EMA's state do not fit the module (edited,
+// or written by another program) is refused when training resumes, naming
+// the parameter, both shapes and what to do: the training weights where
+// the module's are the average (validate_with_average), the average where
+// they are the training weights.
+TEST(EMA, ACheckpointWhoseWeightsDoNotFitTheModuleAreRefusedNamingTheParameter) {
+  for (const bool validate_with_average : {true, false}) {
+    SCOPED_TRACE(validate_with_average);
+    TempDir dir;
+    LinearRegression model;  // fc: weight [1, 3], bias [1]
+    const EMAOptions ema_options{.validate_with_average = validate_with_average};
+    auto options = test_options(dir);
+    options.enable_checkpointing = true;
+    options.callbacks = {std::make_shared<EMA>(ema_options)};
+    fulgur::Trainer(options).fit(model, regression_loader(4));
+    fulgur::TorchCheckpointIO io;
+    fulgur::StateDict checkpoint = io.load_checkpoint(dir.file("checkpoints/last.ckpt"));
+    fulgur::StateDict* ema_state = checkpoint.section("callbacks").find_section("EMA");
+    ASSERT_NE(ema_state, nullptr);
+    const std::string key = validate_with_average ? "training_0" : "average_0";
+    ASSERT_TRUE(ema_state->contains(key));
+    EXPECT_EQ(ema_state->boolean("module_holds_average"), validate_with_average);
+    ema_state->set_buffer(key, torch::zeros({3, 3}));
+    io.save_checkpoint(checkpoint, dir.file("edited.ckpt"));
 
-  LinearRegression resumed;
-  options.max_epochs = 2;
-  options.callbacks = {std::make_shared<EMA>()};
-  try {
-    fulgur::Trainer(options).fit(resumed, regression_loader(4), nullptr,
-                                 {.ckpt_path = dir.file("edited.ckpt")});
-    ADD_FAILURE() << "no error";
-  } catch (const fulgur::ConfigError& e) {
-    EXPECT_THAT(e.what(), HasSubstr("EMA: the copy of the weights it holds"));
-    EXPECT_THAT(e.what(), HasSubstr("weight\" is of shape [1, 3], its value of shape [3, 3]"));
-    EXPECT_THAT(e.what(), HasSubstr("Resume from a checkpoint of this model"));
+    LinearRegression resumed;
+    options.max_epochs = 2;
+    options.callbacks = {std::make_shared<EMA>(ema_options)};
+    try {
+      fulgur::Trainer(options).fit(resumed, regression_loader(4), nullptr,
+                                   {.ckpt_path = dir.file("edited.ckpt")});
+      ADD_FAILURE() << "no error";
+    } catch (const fulgur::ConfigError& e) {
+      EXPECT_THAT(e.what(), HasSubstr("EMA: the copy of the weights it holds"));
+      EXPECT_THAT(e.what(), HasSubstr("weight\" is of shape [1, 3], its value of shape [3, 3]"));
+      EXPECT_THAT(e.what(), HasSubstr("Resume from a checkpoint of this model"));
+    }
   }
 }
 
@@ -225,6 +229,77 @@ TEST(EMA, AnExceptionsCheckpointHoldsTheTrainingWeights) {
   fulgur::Trainer reader(test_options(dir));
   reader.validate(saved, regression_loader(1), dir.file("checkpoints/on_exception.ckpt"));
   EXPECT_TRUE(parameters_equal(saved, model));
+}
+
+// A checkpoint's module weights are the weights its validation measured, as
+// Lightning's weight averaging writes them: with validate_with_average the
+// average (so the best checkpoint, evaluated again, gives exactly the score
+// ModelCheckpoint ranked it by; it used to hold the training weights),
+// without it the training weights. Training went on from the training
+// weights either way (the last step's weights are not the average).
+TEST(EMA, ACheckpointsModuleWeightsAreTheOnesItsValidationMeasured) {
+  for (const bool validate_with_average : {true, false}) {
+    SCOPED_TRACE(validate_with_average);
+    TempDir dir;
+    LinearRegression model;
+    auto ema = std::make_shared<EMA>(EMAOptions{
+        .decay = 0.7, .validate_with_average = validate_with_average, .apply_at_end = false});
+    auto recorder = std::make_shared<StepRecorder>();
+    auto checkpoint = std::make_shared<fulgur::ModelCheckpoint>(
+        fulgur::ModelCheckpointOptions{.monitor = "val_loss", .save_last = false});
+    auto options = test_options(dir);
+    options.max_epochs = 3;
+    options.num_sanity_val_steps = 0;
+    options.enable_checkpointing = true;
+    options.callbacks = {ema, recorder, checkpoint};
+    auto result = fulgur::Trainer(options).fit(model, regression_loader(4), regression_loader(2));
+    ASSERT_FALSE(result.best_model_path.empty());
+    expect_tensors_equal(clone_parameters(model), recorder->steps.back());
+
+    LinearRegression loaded;
+    fulgur::Trainer reader(test_options(dir));
+    const auto metrics = reader.validate(loaded, regression_loader(2), result.best_model_path);
+    ASSERT_TRUE(checkpoint->best_model_score().has_value());
+    EXPECT_DOUBLE_EQ(metrics.at("val_loss"), *checkpoint->best_model_score());
+    // The best checkpoint is one of the epochs' ends: its module weights are
+    // that step's average or its training weights.
+    const int64_t step = fulgur::TorchCheckpointIO()
+                             .load_checkpoint(result.best_model_path)
+                             .section_at("loops")
+                             .integer("global_step");
+    ASSERT_TRUE(step % 4 == 0 && step > 0) << step;
+    const std::vector<std::vector<at::Tensor>> until(recorder->steps.begin(),
+                                                     recorder->steps.begin() + step + 1);
+    expect_tensors_equal(clone_parameters(loaded), validate_with_average
+                                                       ? expected_average(until, 0.7, 1)
+                                                       : recorder->steps[step]);
+  }
+}
+
+// A checkpoint whose module weights are an EMA's average, resumed by a fit
+// without an EMA: its training weights are in the EMA's state, which nothing
+// loads, so training goes on from the average. A note says so, and names
+// what to pass.
+TEST(EMA, AResumeWithoutTheEmaSaysTrainingGoesOnFromTheAverage) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.enable_checkpointing = true;
+  options.callbacks = {std::make_shared<EMA>(EMAOptions{.decay = 0.5})};
+  fulgur::Trainer(options).fit(model, regression_loader(4));
+
+  LinearRegression resumed;
+  options.max_epochs = 2;
+  options.callbacks = {};
+  ::testing::internal::CaptureStderr();
+  fulgur::Trainer(options).fit(resumed, regression_loader(4), nullptr,
+                               {.ckpt_path = dir.file("checkpoints/last.ckpt")});
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_THAT(err, HasSubstr("holds the state of callback(s) \"EMA\", which this fit has none "
+                             "of (no callback of that state_key()): not loaded. Its module "
+                             "weights are an EMA's average"));
+  EXPECT_THAT(err, HasSubstr("training goes on from the average. Pass the callbacks the run "
+                             "that wrote it had"));
 }
 
 TEST(EMA, BadOptionsAreNamed) {

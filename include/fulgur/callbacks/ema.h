@@ -4,18 +4,22 @@
 // weights themselves: after every `every_n_steps`-th optimizer step,
 //   average = decay * average + (1 - decay) * weight
 // for every parameter (buffers, e.g. BatchNorm's running statistics, stay the
-// training run's). Validation runs with the averaged weights (the training
-// weights are swapped back before a checkpoint is written: checkpoint
-// callbacks run last), and at the end of fit the module keeps them. The
-// average is in checkpoints: a resumed run goes on bit-identical, and a fit
-// from the start begins a new average (as StochasticWeightAveraging's and
-// Lightning's weight averaging do). Under ddp
+// training run's). Validation runs with the averaged weights, and at the end
+// of fit the module keeps them. A checkpoint's module weights are the ones
+// its validation measured, as Lightning's WeightAveraging writes them: with
+// validate_with_average, the average (so ModelCheckpoint's "best" is
+// evaluated, tested or deployed with the weights it was ranked by), and the
+// training weights are EMA's state; without it, the training weights, and
+// the average is EMA's state. Either way a resumed run goes on
+// bit-identical (the training weights go back into the module as the
+// checkpoint is loaded), and a fit from the start begins a new average (as
+// StochasticWeightAveraging's and Lightning's weight averaging do). Under ddp
 // every rank holds the same average. Under fsdp each rank averages its own
 // shard of each parameter (the one its optimizer steps): 1/N of the model
 // per rank, and an update gathers nothing; swapping the average in or out
 // writes the shards and gathers the parameters as an optimizer step does,
-// and a checkpoint holds the average whole (gathered as it is saved: it
-// loads into any strategy and world size). A rank that fails alone under
+// and a checkpoint holds both whole (gathered as it is saved: it loads into
+// any strategy and world size). A rank that fails alone under
 // fsdp keeps the weights it holds (putting them back would be a collective
 // its peers never join).
 //
@@ -35,6 +39,7 @@ namespace fulgur {
 
 namespace detail {
 class ParameterCopy;
+class CheckpointConnector;
 }
 
 struct EMAOptions {
@@ -44,7 +49,8 @@ struct EMAOptions {
   int64_t every_n_steps = 1;
   /// Fit's validations run with the averaged weights (a standalone
   /// Trainer::validate evaluates the module's own: after fit with
-  /// apply_at_end, the average).
+  /// apply_at_end, the average), and the fit's checkpoints hold the average
+  /// as the module's weights (the training weights as EMA's state).
   bool validate_with_average = true;
   /// At the end of fit, the module keeps the averaged weights.
   bool apply_at_end = true;
@@ -65,6 +71,9 @@ class EMA : public Callback {
   void on_exception(Trainer& trainer, Module& module, const std::exception& error) override;
   StateDict state_dict() const override;
   void load_state_dict(const StateDict& state) override;
+  /// A checkpoint whose module weights are the average: the training
+  /// weights from EMA's state go back into the module.
+  void on_restore_optimizers(Trainer& trainer, Module& module) override;
 
   const EMAOptions& options() const { return options_; }
   /// The averaged parameters, in the module's parameters() order (empty
@@ -75,11 +84,21 @@ class EMA : public Callback {
   int64_t last_update_step() const { return last_update_step_; }
 
  private:
+  friend class detail::CheckpointConnector;
+  /// Around each save of a fit (CheckpointConnector::save, on every rank at
+  /// the same point): the average into the module before the checkpoint is
+  /// taken, the training weights back after the checkpoint IO took it.
+  void begin_checkpoint(Module& module);
+  void end_checkpoint(Module& module, bool failed);
   void swap_in(Module& module);
   void swap_out(Module& module);
   EMAOptions options_;
   std::unique_ptr<detail::ParameterCopy> average_;
   std::unique_ptr<detail::ParameterCopy> training_weights_;  // while the average is swapped in
+  // A checkpoint's training weights (whole), until on_restore_optimizers.
+  std::vector<at::Tensor> loaded_training_weights_;
+  bool training_ = false;          // between on_train_start and on_train_end
+  bool swapped_for_save_ = false;  // begin_checkpoint swapped the average in
   int64_t last_update_step_ = -1;
 };
 

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "fulgur/callbacks/callback.h"
+#include "fulgur/callbacks/ema.h"
 #include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/nn/state_dict.h"
@@ -180,6 +181,33 @@ void CheckpointConnector::load_callback_states(const StateDict& state) {
   }
 }
 
+void CheckpointConnector::note_callback_states_left(const StateDict& checkpoint,
+                                                    const std::string& path) const {
+  const StateDict* saved = checkpoint.find_section("callbacks");
+  if (saved == nullptr || !trainer_.strategy->is_global_zero()) return;
+  std::vector<std::string> left;
+  bool average_as_module = false;
+  for (const std::string& key : saved->keys()) {
+    const StateDict* one = saved->find_section(key);
+    if (one == nullptr || one->empty()) continue;
+    bool loaded = false;
+    for (const auto& cb : trainer_.callbacks) loaded = loaded || cb->state_key() == key;
+    if (loaded) continue;
+    left.push_back(str("\"", key, "\""));
+    average_as_module = average_as_module || (one->contains("module_holds_average") &&
+                                              one->boolean("module_holds_average"));
+  }
+  if (left.empty()) return;
+  detail::print_note(
+      str("checkpoint \"", path, "\" holds the state of callback(s) ", join(left),
+          ", which this fit has none of (no callback of that state_key()): not loaded.",
+          average_as_module ? " Its module weights are an EMA's average (the training weights are "
+                              "in that EMA's state), so training goes on from the average."
+                            : "",
+          " Pass the callbacks the run that wrote it had, with the same options, to go on with "
+          "them."));
+}
+
 void CheckpointConnector::save(const std::string& path) {
   if (trainer_.module == nullptr) {
     throw ConfigError(str("Trainer.save_checkpoint(\"", path,
@@ -195,8 +223,37 @@ void CheckpointConnector::save(const std::string& path) {
       detail::print_note(e.what());
     }
   }
-  StateDict checkpoint = dump();
-  trainer_.drive().save_checkpoint(checkpoint, path);
+  // An EMA that validates with its average makes it the checkpoint's module
+  // weights (what ModelCheckpoint ranked), the training weights its state;
+  // the training weights are back once the checkpoint IO has taken the
+  // state (the async one copies it before returning). Not in a save from
+  // on_exception: that may be one rank's alone, and EMA has put the
+  // training weights back by then.
+  std::vector<EMA*> averages;
+  if (!trainer_.handling_exception) {
+    for (auto& cb : trainer_.callbacks) {
+      if (auto* ema = dynamic_cast<EMA*>(cb.get())) averages.push_back(ema);
+    }
+  }
+  size_t begun = 0;
+  try {
+    for (; begun < averages.size(); ++begun) averages[begun]->begin_checkpoint(*trainer_.module);
+    StateDict checkpoint = dump();
+    trainer_.drive().save_checkpoint(checkpoint, path);
+  } catch (...) {
+    for (size_t i = 0; i < begun; ++i) {
+      try {
+        averages[i]->end_checkpoint(*trainer_.module, /*failed=*/true);
+      } catch (const std::exception& e) {
+        detail::print_note(
+            str("EMA: putting the training weights back after a failed save "
+                "failed too: ",
+                e.what()));
+      }
+    }
+    throw;
+  }
+  for (EMA* ema : averages) ema->end_checkpoint(*trainer_.module, /*failed=*/false);
 }
 
 std::string CheckpointConnector::checkpoint_dir() const {
@@ -382,6 +439,7 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
   // The callbacks first: one may rebuild the optimizers' parameter groups
   // (on_restore_optimizers) so that their saved states fit.
   load_callback_states(checkpoint);
+  note_callback_states_left(checkpoint, path);
   for (auto& cb : trainer_.callbacks) cb->on_restore_optimizers(trainer_.self, *trainer_.module);
 
   auto& optimizers = trainer_.fit_loop.optimizers();

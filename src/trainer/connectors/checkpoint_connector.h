@@ -59,6 +59,9 @@ class CheckpointConnector {
   void load_callback_states(const StateDict& state);
 
  private:
+  /// A note (global rank 0) naming the callback states a resume leaves
+  /// unread: the fit has no callback of their state_key().
+  void note_callback_states_left(const StateDict& checkpoint, const std::string& path) const;
   void restore(const StateDict& checkpoint, const std::string& path, bool full);
   Trainer::Impl& trainer_;
 };

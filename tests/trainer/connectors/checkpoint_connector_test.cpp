@@ -1029,16 +1029,19 @@ std::vector<at::Tensor> reference_state(FormatNet& model, const FormatRun& run) 
 
 TEST(CheckpointFormat, DISABLED_WriteFixture) {
   // The state as the checkpoint of step 6 is written (the end of fit, after
-  // it, runs the epoch's end: EarlyStopping and the plateau count).
+  // it, runs the epoch's end: EarlyStopping and the plateau count): at the
+  // step's end, before ModelCheckpoint's (checkpoint callbacks run last)
+  // saves it. (Not from state_dict(), during the save: the module holds
+  // EMA's average then, and the training weights are EMA's state.)
   class AtSave : public fulgur::Callback {
    public:
     AtSave(FormatNet* model, FormatRun* run) : model_(model), run_(run) {}
     std::string state_key() const override { return "AtSave"; }
-    fulgur::StateDict state_dict() const override {
-      state = reference_state(*model_, *run_);
-      return {};
+    void on_train_batch_end(fulgur::Trainer& trainer, fulgur::Module&, const at::Tensor&,
+                            const fulgur::Batch&, int64_t) override {
+      if (trainer.global_step() == 6) state = reference_state(*model_, *run_);
     }
-    mutable std::vector<at::Tensor> state;
+    std::vector<at::Tensor> state;
 
    private:
     FormatNet* model_;
