@@ -146,6 +146,7 @@ struct Args {
   int64_t lr_find_first = 0;
   // The test stage by a second Trainer, made while the fit's still lives.
   bool test_by_another_trainer = false;
+  double tester_timeout_s = 0;  // > 0: the test's Trainer asks for this timeout
   // A CSVLogger and the PyTorch profiler (batches 1 and 2); every rank
   // prints its log_dir() (RESULT log_dir_rank<r>).
   bool csv_and_profiler = false;
@@ -881,6 +882,7 @@ int main(int argc, char** argv) {
   app.add_option("--extra-barrier-rank", a.extra_barrier_rank);
   app.add_option("--lr-find-first", a.lr_find_first);
   app.add_flag("--test-by-another-trainer", a.test_by_another_trainer);
+  app.add_option("--tester-timeout", a.tester_timeout_s);
   app.add_flag("--csv-and-profiler", a.csv_and_profiler);
   app.add_option("--slow-rank", a.slow_rank);
   app.add_flag("--checkpoint-activations", a.checkpoint_activations);
@@ -1117,7 +1119,15 @@ int main(int argc, char** argv) {
       auto test_loader = fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(tx, ty),
                                                   {.batch_size = 64});
       if (a.test_by_another_trainer) {
-        fulgur::Trainer tester(with_own_strategy(options));
+        fulgur::TrainerOptions tester_options = with_own_strategy(options);
+        if (a.tester_timeout_s > 0) {
+          auto& s = std::get<std::shared_ptr<fulgur::Strategy>>(tester_options.strategy);
+          fulgur::DDPOptions ddp = dynamic_cast<fulgur::DDPStrategy&>(*s).options();
+          ddp.parallel.process_group_timeout =
+              std::chrono::milliseconds(static_cast<int64_t>(a.tester_timeout_s * 1000));
+          tester_options.strategy = std::make_shared<fulgur::DDPStrategy>(ddp, a.strategy);
+        }
+        fulgur::Trainer tester(tester_options);
         test = tester.test(model, test_loader);
       } else {
         test = trainer.test(model, test_loader);

@@ -275,12 +275,13 @@ TEST_F(LaunchPaths, SlurmEnvironmentAsSrunSetsIt) {
 // weights are those of the fit without the sweep, and a second Trainer for
 // the test made while the fit's lives (rank 0's second rendezvous found the
 // port taken by its own first store; a rank done early could join the
-// sweep's store as rank 0 closed it).
+// sweep's store as rank 0 closed it). The test's Trainer asks for another
+// timeout, and global rank 0 notes the one the kept group has.
 TEST_F(LaunchPaths, ALaterTrainerOfTheRanksTakesTheFirstOnesProcessGroup) {
   std::string out = dir.path() + "/swept.pt";
   const std::vector<std::string> args = {
-      "--lr-find-first", "5", "--test-samples", "64", "--test-by-another-trainer",
-      "--timeout",       "60"};
+      "--lr-find-first", "5",  "--test-samples",   "64", "--test-by-another-trainer",
+      "--timeout",       "60", "--tester-timeout", "45"};
   auto r = as_srun_tasks({args, args}, out, dir.path());
   for (const auto& rank : r) {
     expect_clean(rank);
@@ -288,6 +289,13 @@ TEST_F(LaunchPaths, ALaterTrainerOfTheRanksTakesTheFirstOnesProcessGroup) {
   }
   EXPECT_FALSE(result_value(r[0].output, "test_acc").empty()) << r[0].output;
   EXPECT_TRUE(same_params(own_launcher(), out, {.exact = true}));
+  // The test's Trainer asked for another timeout than the kept group's:
+  // global rank 0 says which one its collectives have.
+  EXPECT_NE(r[0].output.find("process_group_timeout=45 s, but this process keeps the group an "
+                             "earlier Trainer made, whose collectives time out after 60 s."),
+            std::string::npos)
+      << r[0].output;
+  EXPECT_EQ(r[1].output.find("process_group_timeout=45 s"), std::string::npos) << r[1].output;
 }
 
 // Without a launcher of fulgur's the ranks watch each other through the
