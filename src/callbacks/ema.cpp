@@ -85,18 +85,26 @@ void EMA::begin_checkpoint(Module& module) {
       !training_weights_->empty()) {
     return;
   }
+  swapped_for_save_ = true;  // before: a swap that fails halfway is undone too
   swap_in(module);
-  swapped_for_save_ = true;
 }
 
 void EMA::end_checkpoint(Module& module, bool failed) {
   if (!swapped_for_save_) return;
-  swapped_for_save_ = false;
+  Strategy& strategy = module.trainer().strategy();
   // A save that failed under fsdp may have failed on one rank only (global
   // rank 0 writes one file): putting the training weights back is a
   // collective its peers, training on, would pair with another of theirs.
-  // on_exception puts them back after waiting for the peers.
-  if (failed && detail::shards_parameters(module.trainer().strategy())) return;
+  // Only when every rank failed here (a sharded checkpoint's ranks agree on
+  // a failure); otherwise on_exception puts them back, or says why not.
+  if (failed && detail::shards_parameters(strategy) &&
+      !detail::StrategyDriver(strategy).peers_arrive(
+          str("ema_failed_save/", strategy.cluster_environment().restart_count(), "/",
+              ++failed_saves_),
+          std::chrono::seconds(10))) {
+    return;
+  }
+  swapped_for_save_ = false;
   swap_out(module);
 }
 
@@ -126,6 +134,7 @@ void EMA::on_validation_end(Trainer&, Module& module) { swap_out(module); }
 
 void EMA::on_exception(Trainer& trainer, Module& module, const std::exception&) {
   training_ = false;
+  const bool saving = swapped_for_save_;
   swapped_for_save_ = false;
   if (training_weights_->empty()) return;
   // Under fsdp putting the training weights back is a collective, which a
@@ -139,10 +148,12 @@ void EMA::on_exception(Trainer& trainer, Module& module, const std::exception&) 
   if (detail::shards_parameters(strategy) &&
       !detail::StrategyDriver(strategy).peers_arrive(here, std::chrono::seconds(10))) {
     training_weights_->clear();
-    detail::print_note(str("EMA: rank ", strategy.global_rank(),
-                           " keeps the averaged weights it was validating with: under strategy \"",
-                           strategy.name(), "\" putting the training weights back needs every "
-                           "rank, and not every rank failed here within 10 s."));
+    detail::print_note(
+        str("EMA: rank ", strategy.global_rank(), " keeps the averaged weights ",
+            saving ? "it swapped in for a checkpoint whose save failed" : "it was validating with",
+            ": under strategy \"", strategy.name(),
+            "\" putting the training weights back needs every "
+            "rank, and not every rank failed here within 10 s."));
     return;
   }
   swap_out(module);

@@ -241,7 +241,8 @@ TEST(EMA, ACheckpointsModuleWeightsAreTheOnesItsValidationMeasured) {
   for (const bool validate_with_average : {true, false}) {
     SCOPED_TRACE(validate_with_average);
     TempDir dir;
-    LinearRegression model;
+    LinearRegression model, plain;
+    fulgur::test::copy_parameters(model, plain);
     auto ema = std::make_shared<EMA>(EMAOptions{
         .decay = 0.7, .validate_with_average = validate_with_average, .apply_at_end = false});
     auto recorder = std::make_shared<StepRecorder>();
@@ -255,6 +256,14 @@ TEST(EMA, ACheckpointsModuleWeightsAreTheOnesItsValidationMeasured) {
     auto result = fulgur::Trainer(options).fit(model, regression_loader(4), regression_loader(2));
     ASSERT_FALSE(result.best_model_path.empty());
     expect_tensors_equal(clone_parameters(model), recorder->steps.back());
+    // The saves gave the training weights back exactly: the run trained as
+    // one without EMA or checkpoints.
+    auto plain_options = test_options(dir);
+    plain_options.max_epochs = 3;
+    plain_options.num_sanity_val_steps = 0;
+    plain_options.default_root_dir = dir.file("plain");
+    fulgur::Trainer(plain_options).fit(plain, regression_loader(4), regression_loader(2));
+    EXPECT_TRUE(parameters_equal(plain, model));
 
     LinearRegression loaded;
     fulgur::Trainer reader(test_options(dir));
@@ -290,7 +299,8 @@ TEST(EMA, AResumeWithoutTheEmaSaysTrainingGoesOnFromTheAverage) {
 
   LinearRegression resumed;
   options.max_epochs = 2;
-  options.callbacks = {};
+  auto recorder = std::make_shared<StepRecorder>();
+  options.callbacks = {recorder};
   ::testing::internal::CaptureStderr();
   fulgur::Trainer(options).fit(resumed, regression_loader(4), nullptr,
                                {.ckpt_path = dir.file("checkpoints/last.ckpt")});
@@ -298,8 +308,90 @@ TEST(EMA, AResumeWithoutTheEmaSaysTrainingGoesOnFromTheAverage) {
   EXPECT_THAT(err, HasSubstr("holds the state of callback(s) \"EMA\", which this fit has none "
                              "of (no callback of that state_key()): not loaded. Its module "
                              "weights are an EMA's average"));
-  EXPECT_THAT(err, HasSubstr("training goes on from the average. Pass the callbacks the run "
-                             "that wrote it had"));
+  EXPECT_THAT(err, HasSubstr("training goes on from the average. To go on with them, pass the "
+                             "callbacks the run that wrote it had"));
+  // The checkpoint was the epoch's end, after its last update: the first
+  // run's average (which apply_at_end gave its module).
+  ASSERT_FALSE(recorder->steps.empty());
+  expect_tensors_equal(recorder->steps[0], clone_parameters(model));
+}
+
+// Saves from a callback's hooks: from within a step (on_before_backward,
+// autograd holding the parameters) the module's weights are left as they
+// are (a swap used to make backward fail: "modified by an inplace
+// operation"), so the file holds the training weights as the module's and
+// the average as EMA's state; from within a validation, where the average
+// is swapped in, the average as the module's and the training weights as
+// EMA's state. Either way the run trains as without the saves.
+TEST(EMA, SavesFromWithinAStepAndFromWithinAValidationHoldBothWeights) {
+  class Saver : public fulgur::Callback {
+   public:
+    explicit Saver(const TempDir& dir) : dir_(dir) {}
+    std::string state_key() const override { return "Saver"; }
+    void on_before_backward(fulgur::Trainer& t, fulgur::Module& m, const at::Tensor&) override {
+      if (t.global_step() != 2 || !in_step.empty()) return;
+      in_step = clone_parameters(m);
+      t.save_checkpoint(dir_.file("in_step.ckpt"));
+    }
+    void on_validation_epoch_end(fulgur::Trainer& t, fulgur::Module& m) override {
+      if (!in_validation.empty()) return;
+      in_validation = clone_parameters(m);
+      t.save_checkpoint(dir_.file("in_validation.ckpt"));
+    }
+    std::vector<at::Tensor> in_step, in_validation;
+
+   private:
+    const TempDir& dir_;
+  };
+  TempDir dir;
+  LinearRegression model, plain;
+  fulgur::test::copy_parameters(model, plain);
+  auto ema = std::make_shared<EMA>(EMAOptions{.decay = 0.6, .apply_at_end = false});
+  auto recorder = std::make_shared<StepRecorder>();
+  auto saver = std::make_shared<Saver>(dir);
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  options.num_sanity_val_steps = 0;
+  options.callbacks = {ema, recorder, saver};
+  fulgur::Trainer(options).fit(model, regression_loader(4), regression_loader(2));
+  ASSERT_FALSE(saver->in_step.empty());
+  ASSERT_FALSE(saver->in_validation.empty());
+
+  auto read = [&](const std::string& name, bool module_holds_average) {
+    fulgur::TorchCheckpointIO io;
+    const fulgur::StateDict checkpoint = io.load_checkpoint(dir.file(name));
+    const fulgur::StateDict& state = checkpoint.section_at("callbacks").section_at("EMA");
+    EXPECT_EQ(state.boolean("module_holds_average"), module_holds_average) << name;
+    std::vector<at::Tensor> kept;
+    for (int64_t i = 0; i < state.integer("count"); ++i) {
+      kept.push_back(
+          state.tensor((module_holds_average ? "training_" : "average_") + std::to_string(i)));
+    }
+    LinearRegression loaded;
+    fulgur::Trainer(test_options(dir)).validate(loaded, regression_loader(2), dir.file(name));
+    return std::make_pair(clone_parameters(loaded), kept);
+  };
+  // Step 2's backward: the weights after step 2, the average of steps 0-2.
+  const std::vector<std::vector<at::Tensor>> two(recorder->steps.begin(),
+                                                 recorder->steps.begin() + 3);
+  const auto [step_module, step_kept] = read("in_step.ckpt", false);
+  expect_tensors_equal(step_module, recorder->steps[2]);
+  expect_tensors_equal(saver->in_step, recorder->steps[2]);
+  expect_tensors_equal(step_kept, expected_average(two, 0.6, 1));
+  // The first validation, after step 4: the module held the average.
+  const std::vector<std::vector<at::Tensor>> four(recorder->steps.begin(),
+                                                  recorder->steps.begin() + 5);
+  const auto [validation_module, validation_kept] = read("in_validation.ckpt", true);
+  expect_tensors_equal(saver->in_validation, expected_average(four, 0.6, 1));
+  expect_tensors_equal(validation_module, saver->in_validation);
+  expect_tensors_equal(validation_kept, recorder->steps[4]);
+
+  auto plain_options = test_options(dir);
+  plain_options.max_epochs = 2;
+  plain_options.num_sanity_val_steps = 0;
+  plain_options.default_root_dir = dir.file("plain");
+  fulgur::Trainer(plain_options).fit(plain, regression_loader(4), regression_loader(2));
+  EXPECT_TRUE(parameters_equal(plain, model));
 }
 
 TEST(EMA, BadOptionsAreNamed) {

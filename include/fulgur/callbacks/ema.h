@@ -6,13 +6,19 @@
 // for every parameter (buffers, e.g. BatchNorm's running statistics, stay the
 // training run's). Validation runs with the averaged weights, and at the end
 // of fit the module keeps them. A checkpoint's module weights are the ones
-// its validation measured, as Lightning's WeightAveraging writes them: with
-// validate_with_average, the average (so ModelCheckpoint's "best" is
-// evaluated, tested or deployed with the weights it was ranked by), and the
-// training weights are EMA's state; without it, the training weights, and
-// the average is EMA's state. Either way a resumed run goes on
-// bit-identical (the training weights go back into the module as the
-// checkpoint is loaded), and a fit from the start begins a new average (as
+// the fit's validations measure, as Lightning's WeightAveraging writes
+// them: with validate_with_average, the average at the save's step (so
+// ModelCheckpoint's "best" is evaluated, tested or deployed with the
+// weights it was ranked by), and the training weights are EMA's state;
+// without it, the training weights, and the average is EMA's state. (A
+// save from within a training step, e.g. from on_before_backward, holds the
+// training weights as the module's: autograd may hold them.) While a save
+// holds the average in the module, what Module::on_save_checkpoint and the
+// callbacks' state_dict() read of the module is the average; as a
+// checkpoint is loaded, Module::on_load_checkpoint reads the checkpoint's
+// module weights, and the training weights go back into the module after
+// the callbacks' states are loaded. Either way a resumed run goes on
+// bit-identical, and a fit from the start begins a new average (as
 // StochasticWeightAveraging's and Lightning's weight averaging do). Under ddp
 // every rank holds the same average. Under fsdp each rank averages its own
 // shard of each parameter (the one its optimizer steps): 1/N of the model
@@ -99,6 +105,7 @@ class EMA : public Callback {
   std::vector<at::Tensor> loaded_training_weights_;
   bool training_ = false;          // between on_train_start and on_train_end
   bool swapped_for_save_ = false;  // begin_checkpoint swapped the average in
+  int64_t failed_saves_ = 0;       // names each failed save's meeting of the ranks
   int64_t last_update_step_ = -1;
 };
 

@@ -194,8 +194,9 @@ void CheckpointConnector::note_callback_states_left(const StateDict& checkpoint,
     for (const auto& cb : trainer_.callbacks) loaded = loaded || cb->state_key() == key;
     if (loaded) continue;
     left.push_back(str("\"", key, "\""));
-    average_as_module = average_as_module || (one->contains("module_holds_average") &&
-                                              one->boolean("module_holds_average"));
+    const c10::IValue* holds = one->find("module_holds_average");
+    average_as_module =
+        average_as_module || (holds != nullptr && holds->isBool() && holds->toBool());
   }
   if (left.empty()) return;
   detail::print_note(
@@ -204,8 +205,10 @@ void CheckpointConnector::note_callback_states_left(const StateDict& checkpoint,
           average_as_module ? " Its module weights are an EMA's average (the training weights are "
                               "in that EMA's state), so training goes on from the average."
                             : "",
-          " Pass the callbacks the run that wrote it had, with the same options, to go on with "
-          "them."));
+          " To go on with them, pass the callbacks the run that wrote it had, with the same "
+          "options (and the Trainer options that add callbacks: max_time adds a Timer, "
+          "enable_checkpointing and every_n_train_steps a ModelCheckpoint); otherwise nothing is "
+          "needed."));
 }
 
 void CheckpointConnector::save(const std::string& path) {
@@ -227,10 +230,12 @@ void CheckpointConnector::save(const std::string& path) {
   // weights (what ModelCheckpoint ranked), the training weights its state;
   // the training weights are back once the checkpoint IO has taken the
   // state (the async one copies it before returning). Not in a save from
-  // on_exception: that may be one rank's alone, and EMA has put the
-  // training weights back by then.
+  // on_exception (it may be one rank's alone, and EMA has put the training
+  // weights back by then), nor from within a step (autograd may hold the
+  // parameters, which a swap would write: the checkpoint holds the
+  // training weights as the module's then).
   std::vector<EMA*> averages;
-  if (!trainer_.handling_exception) {
+  if (!trainer_.handling_exception && !trainer_.fit_loop.within_step()) {
     for (auto& cb : trainer_.callbacks) {
       if (auto* ema = dynamic_cast<EMA*>(cb.get())) averages.push_back(ema);
     }
@@ -241,7 +246,8 @@ void CheckpointConnector::save(const std::string& path) {
     StateDict checkpoint = dump();
     trainer_.drive().save_checkpoint(checkpoint, path);
   } catch (...) {
-    for (size_t i = 0; i < begun; ++i) {
+    // Also the one whose begin_checkpoint failed (part of its swap done).
+    for (size_t i = 0; i <= begun && i < averages.size(); ++i) {
       try {
         averages[i]->end_checkpoint(*trainer_.module, /*failed=*/true);
       } catch (const std::exception& e) {

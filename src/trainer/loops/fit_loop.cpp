@@ -394,6 +394,16 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   const int64_t steps_before = global_step_;
   bool should_step = (idx + 1) % accumulate_ == 0 || is_last_batch;
   at::Tensor loss;
+  // A checkpoint saved from within the step (its hooks, training_step)
+  // keeps the module's weights as they are (CheckpointConnector::save).
+  struct WithinStep {
+    bool& flag;
+    explicit WithinStep(bool& f) : flag(f) { flag = true; }
+    ~WithinStep() { flag = false; }
+    WithinStep(const WithinStep&) = delete;
+    WithinStep& operator=(const WithinStep&) = delete;
+  };
+  std::optional<WithinStep> within_step(std::in_place, within_step_);
   if (cuda_graph_) {
     LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kGraphStep);
     loss = graph_training_batch(on_device, idx, is_last_batch);
@@ -432,6 +442,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
     loss = trainer_.drive().training_step(m, on_device, idx);
     if (global_step_ > steps_before) ++batches_that_stepped_;
   }
+  within_step.reset();
   batch_position_ = idx + 1;
   {
     LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kLogging);

@@ -98,6 +98,9 @@ class FitLoop {
   int64_t batch_idx() const { return batch_idx_; }
   int64_t num_training_batches() const { return num_training_batches_; }
   bool sanity_checking() const { return sanity_checking_; }
+  /// Within a training batch's step: from its training_step to its
+  /// optimizer step (autograd may hold the parameters).
+  bool within_step() const { return within_step_; }
   void request_stop() { should_stop_ = true; }
   /// Batches per optimizer step now (accumulate_grad_batches, or what a
   /// GradientAccumulationScheduler set for this epoch).
@@ -223,6 +226,7 @@ class FitLoop {
   int64_t loaders_epoch_ = 0;  // the epoch the loaders in use were made for
 
   bool training_ = false;
+  bool within_step_ = false;
   bool sanity_checking_ = false;
   int64_t current_epoch_ = 0;
   int64_t global_step_ = 0;
