@@ -11,13 +11,8 @@ namespace fulgur {
 
 DeviceStatsMonitor::DeviceStatsMonitor(DeviceStatsMonitorOptions options) : options_(options) {}
 
-void DeviceStatsMonitor::setup(Trainer& trainer, Module&, Stage) {
-  if (trainer.loggers().empty() && trainer.options().fast_dev_run == 0) {
-    throw ConfigError(
-        "DeviceStatsMonitor: the Trainer has no logger (logger=false), so the device "
-        "statistics would go nowhere. Keep a logger (logger=true, \"csv\" or "
-        "\"tensorboard\", or your own in loggers), or leave DeviceStatsMonitor out.");
-  }
+void DeviceStatsMonitor::setup(Trainer& trainer, Module&, Stage stage) {
+  detail::require_logger_to_fit(trainer, stage, "DeviceStatsMonitor", "the device statistics");
 }
 
 void DeviceStatsMonitor::on_train_start(Trainer&, Module&) {

@@ -25,6 +25,19 @@ int64_t GradientAccumulationScheduler::factor(int64_t epoch) const {
   return it == scheduling_.begin() ? 1 : std::prev(it)->second;
 }
 
+void GradientAccumulationScheduler::setup(Trainer& trainer, Module&, Stage stage) {
+  // Before anything trains (not at the epoch the factor first grows), and
+  // before the graph's own checks of the fit.
+  if (stage != Stage::kFit || !trainer.options().cuda_graph) return;
+  for (const auto& [epoch, factor] : scheduling_) {
+    if (factor == 1) continue;
+    throw ConfigError(str("GradientAccumulationScheduler with cuda_graph=true: factor ", factor,
+                          " from epoch ", epoch,
+                          " accumulates, and a captured step steps the optimizers every "
+                          "batch. Keep every factor at 1, or pass cuda_graph=false."));
+  }
+}
+
 void GradientAccumulationScheduler::on_fit_start(Trainer& trainer, Module& module) {
   if (trainer.options().accumulate_grad_batches != 1) {
     throw ConfigError(str("GradientAccumulationScheduler with Trainer(accumulate_grad_batches=",

@@ -70,6 +70,10 @@ void LearningRateMonitor::log(Trainer& trainer, Module& module) {
   detail::log_to_loggers(trainer, metrics);
 }
 
+void LearningRateMonitor::setup(Trainer& trainer, Module&, Stage stage) {
+  detail::require_logger_to_fit(trainer, stage, "LearningRateMonitor", "the learning rates");
+}
+
 void LearningRateMonitor::on_train_start(Trainer&, Module&) { logged_ = -1; }
 
 void LearningRateMonitor::on_train_batch_start(Trainer& trainer, Module& module, const Batch&,
@@ -82,7 +86,9 @@ void LearningRateMonitor::on_train_batch_start(Trainer& trainer, Module& module,
   }
 }
 
-void LearningRateMonitor::on_train_epoch_end(Trainer& trainer, Module& module) {
+void LearningRateMonitor::on_train_epoch_start(Trainer& trainer, Module& module) {
+  // The rate the epoch's steps use (an epoch-interval scheduler stepped
+  // after the last epoch's end), at its first step's index.
   if (options_.logging_interval == Interval::kEpoch) log(trainer, module);
 }
 

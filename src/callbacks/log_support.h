@@ -4,6 +4,7 @@
 #include <map>
 #include <string>
 
+#include "fulgur/core/errors.h"
 #include "fulgur/loggers/logger.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
@@ -14,6 +15,21 @@ namespace fulgur::detail {
 inline void log_to_loggers(Trainer& trainer, const std::map<std::string, double>& metrics) {
   if (!trainer.strategy().is_global_zero() || metrics.empty()) return;
   for (const auto& logger : trainer.loggers()) logger->log_metrics(metrics, trainer.global_step());
+}
+
+/// A fit of a Trainer without a logger (logger=false) is refused for a
+/// monitoring callback `who`, whose `what` would go nowhere (as Lightning's
+/// monitors refuse it); under fast_dev_run, which turns the loggers off,
+/// and in the other stages, it logs nothing.
+inline void require_logger_to_fit(const Trainer& trainer, Stage stage, const std::string& who,
+                                  const std::string& what) {
+  if (stage != Stage::kFit || !trainer.loggers().empty() || trainer.options().fast_dev_run != 0) {
+    return;
+  }
+  throw ConfigError(str(who, ": the Trainer has no logger (logger=false), so ", what,
+                        " would go nowhere. Keep a logger (logger=true, \"csv\" or "
+                        "\"tensorboard\", or your own in loggers), or leave ",
+                        who, " out."));
 }
 
 /// The loggers' cadence, for what a callback logs at a training batch's

@@ -87,31 +87,33 @@ std::string ModelSummary::summarize(const torch::nn::Module& module, int max_dep
     type_w = std::max(type_w, r.type.size());
   }
   std::string out;
-  char line[512];
+  // Appends a formatted line to `out`, whatever its length (long names of
+  // nested submodules).
+  auto add = [&out](const char* format, auto... args) {
+    const int n = std::snprintf(nullptr, 0, format, args...);
+    if (n <= 0) return;
+    const size_t at = out.size();
+    out.resize(at + static_cast<size_t>(n) + 1);
+    std::snprintf(out.data() + at, static_cast<size_t>(n) + 1, format, args...);
+    out.resize(at + static_cast<size_t>(n));
+  };
   if (!rows.empty()) {
-    std::snprintf(line, sizeof line, "   | %-*s | %-*s | %9s | %-9s | %9s\n",
-                  static_cast<int>(name_w), "Name", static_cast<int>(type_w), "Type", "Params",
-                  "Mode", "Size (MB)");
-    out += line;
+    add("   | %-*s | %-*s | %9s | %-9s | %9s\n", static_cast<int>(name_w), "Name",
+        static_cast<int>(type_w), "Type", "Params", "Mode", "Size (MB)");
     for (size_t i = 0; i < rows.size(); ++i) {
       const auto& r = rows[i];
       const char* mode = r.params == 0             ? "-"
                          : r.trainable == r.params ? "trainable"
                          : r.trainable == 0        ? "frozen"
                                                    : "partly";
-      std::snprintf(line, sizeof line, "%2zu | %-*s | %-*s | %9s | %-9s | %9.3f\n", i,
-                    static_cast<int>(name_w), r.name.c_str(), static_cast<int>(type_w),
-                    r.type.c_str(), human_count(r.params).c_str(), mode,
-                    static_cast<double>(r.bytes) / 1e6);
-      out += line;
+      add("%2zu | %-*s | %-*s | %9s | %-9s | %9.3f\n", i, static_cast<int>(name_w), r.name.c_str(),
+          static_cast<int>(type_w), r.type.c_str(), human_count(r.params).c_str(), mode,
+          static_cast<double>(r.bytes) / 1e6);
     }
   }
-  std::snprintf(line, sizeof line,
-                "%s trainable params, %s frozen params, %s total params, %.3f MB of parameters\n",
-                human_count(total.trainable).c_str(),
-                human_count(total.params - total.trainable).c_str(),
-                human_count(total.params).c_str(), static_cast<double>(total.bytes) / 1e6);
-  out += line;
+  add("%s trainable params, %s frozen params, %s total params, %.3f MB of parameters\n",
+      human_count(total.trainable).c_str(), human_count(total.params - total.trainable).c_str(),
+      human_count(total.params).c_str(), static_cast<double>(total.bytes) / 1e6);
   return out;
 }
 

@@ -109,8 +109,11 @@ void ProgressBar::draw(Trainer& trainer, Bar& bar, const char* label, int64_t to
 }
 
 void ProgressBar::on_train_batch_end(Trainer& trainer, Module&, const at::Tensor&, const Batch&,
-                                     int64_t) {
-  ++train_.done;
+                                     int64_t batch_idx) {
+  // The batch's place in the epoch: an epoch resumed mid-way counts on from
+  // where it was, and the rate counts the batches this bar saw.
+  if (train_.done == 0) train_.done_at_start = batch_idx;
+  train_.done = batch_idx + 1;
   if (!tty_ || Clock::now() - train_.last_draw < std::chrono::milliseconds(refresh_ms_)) return;
   draw_epoch(trainer, false);
 }
@@ -124,6 +127,11 @@ void ProgressBar::draw_epoch(Trainer& trainer, bool final) {
 void ProgressBar::on_train_epoch_end(Trainer& trainer, Module&) { draw_epoch(trainer, true); }
 
 void ProgressBar::on_validation_start(Trainer&, Module&) { eval_ = Bar{0, Clock::now(), {}}; }
+
+// Each stage's bar starts at 0 (one of an earlier stage may not have ended:
+// a predict of unknown length).
+void ProgressBar::on_test_start(Trainer&, Module&) { eval_ = Bar{}; }
+void ProgressBar::on_predict_start(Trainer&, Module&) { eval_ = Bar{}; }
 
 void ProgressBar::evaluation_batch(Trainer& trainer, const char* label) {
   ++eval_.done;
@@ -175,10 +183,11 @@ void ProgressBar::on_test_epoch_end(Trainer& trainer, Module&) { end_evaluation(
 void ProgressBar::on_predict_batch_end(Trainer& trainer, Module&, const Batch&, const Batch&,
                                        int64_t) {
   evaluation_batch(trainer, "Predicting");
-  if (tty_ && trainer.num_evaluation_batches() > 0 && eval_.done == trainer.num_evaluation_batches()) {
-    draw(trainer, eval_, "Predicting", trainer.num_evaluation_batches(), true);
-    eval_ = Bar{};
-  }
+}
+
+// The bar ends on its own line, complete (also where the length was unknown).
+void ProgressBar::on_predict_end(Trainer& trainer, Module&) {
+  end_evaluation(trainer, "Predicting");
 }
 
 }  // namespace fulgur

@@ -18,16 +18,33 @@ ThroughputMonitor::ThroughputMonitor(ThroughputMonitorOptions options) : options
   }
 }
 
-void ThroughputMonitor::on_train_start(Trainer&, Module&) { logged_ = -1; }
-
-void ThroughputMonitor::on_train_epoch_start(Trainer&, Module&) {
-  // The time between epochs (validation, checkpoints) is not training.
+void ThroughputMonitor::on_train_start(Trainer&, Module&) {
+  logged_ = -1;
   window_.clear();
+  batches_per_sec_ = 0;
+  samples_per_sec_ = 0;
+  excluded_ = Clock::duration{};
+  paused_ = 0;
 }
+
+void ThroughputMonitor::pause() {
+  if (paused_++ == 0) paused_since_ = Clock::now();
+}
+
+void ThroughputMonitor::resume() {
+  if (paused_ > 0 && --paused_ == 0) excluded_ += Clock::now() - paused_since_;
+}
+
+// The time between epochs (the epoch's end, its validation and checkpoints)
+// and a validation's are not training.
+void ThroughputMonitor::on_train_epoch_end(Trainer&, Module&) { pause(); }
+void ThroughputMonitor::on_train_epoch_start(Trainer&, Module&) { resume(); }
+void ThroughputMonitor::on_validation_start(Trainer&, Module&) { pause(); }
+void ThroughputMonitor::on_validation_end(Trainer&, Module&) { resume(); }
 
 void ThroughputMonitor::on_train_batch_end(Trainer& trainer, Module&, const at::Tensor&,
                                            const Batch& batch, int64_t) {
-  window_.emplace_back(std::chrono::steady_clock::now(), batch.batch_size());
+  window_.emplace_back(training_now(), batch.batch_size());
   if (static_cast<int64_t>(window_.size()) > options_.window) window_.pop_front();
   if (window_.size() >= 2) {
     const double seconds =

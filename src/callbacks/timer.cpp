@@ -49,6 +49,12 @@ void Timer::setup(Trainer&, Module&, Stage stage) {
   running_since_.reset();
 }
 
+void Timer::on_fit_start(Trainer& trainer, Module&) {
+  // After a resume has loaded the time trained (whatever the interval): a
+  // checkpoint of a run this Timer stopped trains no further.
+  check(trainer);
+}
+
 void Timer::on_train_start(Trainer&, Module&) { running_since_ = Clock::now(); }
 
 void Timer::on_train_end(Trainer&, Module&) {

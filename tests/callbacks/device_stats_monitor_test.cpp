@@ -145,6 +145,10 @@ TEST(DeviceStatsMonitor, WithoutALoggerSaysWhatToDoExceptUnderFastDevRun) {
     fulgur::Trainer trainer(options);
     EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(model, regression_loader(2)),
                        {"DeviceStatsMonitor", "no logger (logger=false)", "logger=true"});
+    // The other stages log nothing without a logger, as Lightning's.
+    EXPECT_NO_THROW(trainer.validate(model, regression_loader(2)));
+    EXPECT_NO_THROW(trainer.test(model, regression_loader(2)));
+    EXPECT_NO_THROW(trainer.predict(model, regression_loader(2)));
   }
   options.fast_dev_run = 1;
   LinearRegression model;

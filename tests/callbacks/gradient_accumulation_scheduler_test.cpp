@@ -101,4 +101,23 @@ TEST(GradientAccumulationScheduler, ConflictsAndBadSchedulesAreErrors) {
   }
 }
 
+// With cuda_graph a schedule that ever accumulates is refused as the fit
+// starts, naming the factor (it failed at the epoch the factor first grew,
+// after the epochs before it had trained). It comes at the callbacks'
+// setup, before the graph's own checks, so a CPU build shows it too.
+TEST(GradientAccumulationScheduler, ACudaGraphFitRefusesAScheduleThatAccumulatesBeforeTraining) {
+  TempDir dir;
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.cuda_graph = true;
+  options.max_epochs = 6;
+  options.callbacks = {
+      std::make_shared<GradientAccumulationScheduler>(std::map<int64_t, int64_t>{{0, 1}, {4, 2}})};
+  fulgur::Trainer trainer(options);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(model, regression_loader(4)),
+                     {"GradientAccumulationScheduler with cuda_graph=true: factor 2 from epoch 4",
+                      "Keep every factor at 1, or pass cuda_graph=false"});
+  EXPECT_EQ(model.training_steps, 0);
+}
+
 }  // namespace

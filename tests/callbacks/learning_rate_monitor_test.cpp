@@ -75,7 +75,55 @@ TEST(LearningRateMonitor, NamesParamGroupsAndRepeatedOptimizersApart) {
   EXPECT_DOUBLE_EQ(last.at("lr-Adam/pg1"), 0.1);
   EXPECT_DOUBLE_EQ(last.at("lr-Adam/pg2"), 0.5);
   EXPECT_DOUBLE_EQ(last.at("lr-Adam-1"), 0.2);
-  EXPECT_EQ(logger->series("lr-Adam-1").size(), 1u);  // once, at the epoch's end
+  EXPECT_EQ(logger->series("lr-Adam-1").size(), 1u);  // once, at the epoch's start
+}
+
+// logging_interval="epoch" logs the rate each epoch's steps use, at the
+// epoch's first step: an epoch scheduler steps after an epoch's end, so the
+// epoch's start sees the new rate (at the epoch's end the monitor logged
+// the next epoch's rate, and never the first one).
+TEST(LearningRateMonitor, AnEpochIntervalLogsTheRateEachEpochUses) {
+  TempDir dir;
+  auto logger = std::make_shared<RecordingLogger>();
+  auto monitor = std::make_shared<fulgur::LearningRateMonitor>(
+      fulgur::LearningRateMonitorOptions{.logging_interval = "epoch"});
+  LinearRegression model({.lr = 1.0});
+  model.make_schedulers = [](torch::optim::Optimizer& o) {
+    return std::vector<fulgur::SchedulerConfig>{
+        {std::make_shared<fulgur::ExponentialLR>(o, 0.5), fulgur::Interval::kEpoch}};
+  };
+  auto options = logged_options(dir, logger, monitor);
+  options.max_epochs = 3;
+  fulgur::Trainer(options).fit(model, regression_loader(2));
+  const auto lr = logger->series("lr-SGD");
+  ASSERT_EQ(lr.size(), 3u);
+  const std::vector<std::pair<int64_t, double>> expected = {{0, 1.0}, {2, 0.5}, {4, 0.25}};
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(lr[i].first, expected[i].first) << i;
+    EXPECT_DOUBLE_EQ(lr[i].second, expected[i].second) << i;
+  }
+}
+
+// A fit whose Trainer has no logger is refused, naming what to do (the rates
+// would go nowhere), as Lightning's; fast_dev_run, which turns the loggers
+// off, and the other stages are not.
+TEST(LearningRateMonitor, WithoutALoggerAFitIsRefused) {
+  TempDir dir;
+  auto options = test_options(dir);  // logger=false
+  options.callbacks = {std::make_shared<fulgur::LearningRateMonitor>()};
+  {
+    LinearRegression model;
+    fulgur::Trainer trainer(options);
+    EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(model, regression_loader(2)),
+                       {"LearningRateMonitor: the Trainer has no logger (logger=false), so the "
+                        "learning rates would go nowhere",
+                        "logger=true"});
+    EXPECT_NO_THROW(trainer.validate(model, regression_loader(2)));
+  }
+  options.fast_dev_run = 1;
+  LinearRegression model;
+  fulgur::Trainer trainer(options);
+  EXPECT_NO_THROW(trainer.fit(model, regression_loader(2)));
 }
 
 }  // namespace

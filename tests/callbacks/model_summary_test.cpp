@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,31 @@ TEST(ModelSummary, ASharedLayerCountsOnceInTheTotals) {
   } net;
   const std::string table = fulgur::ModelSummary::summarize(net);
   EXPECT_THAT(table, HasSubstr("10.1 K trainable params, 0 frozen params, 10.1 K total params"));
+}
+
+// Rows of long names (nested submodules of long names) are written whole,
+// each on its line (a row past 512 characters lost its line break, and the
+// table ran into one line).
+TEST(ModelSummary, LongNamesKeepEveryRowOnItsLine) {
+  const std::string long_name(120, 'n');
+  struct Nested : torch::nn::Module {
+    Nested(const std::string& name, int depth) {
+      if (depth > 0) {
+        register_module(name, std::make_shared<Nested>(name, depth - 1));
+      } else {
+        register_module(name, torch::nn::Linear(2, 2));
+      }
+    }
+  } net(long_name, 4);
+  const std::string table = fulgur::ModelSummary::summarize(net, 6);
+  std::vector<std::string> lines;
+  std::stringstream in(table);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  // The header, five rows and the totals.
+  ASSERT_EQ(lines.size(), 7u) << table;
+  const std::string deepest = fulgur::join(std::vector<std::string>(5, long_name), ".");
+  EXPECT_THAT(lines[5], HasSubstr(deepest + " | Linear"));
+  EXPECT_THAT(lines[6], HasSubstr("6 trainable params, 0 frozen params, 6 total params"));
 }
 
 TEST(ModelSummary, PrintsAtFitStart) {

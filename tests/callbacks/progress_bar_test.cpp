@@ -89,6 +89,71 @@ TEST(ProgressBar, OnATerminalABarPerStageWithCountRateTimesAndMetrics) {
   EXPECT_NE(text.find(">"), std::string::npos) << text;
 }
 
+// An epoch resumed mid-way counts on from the batch it resumed at: its line
+// ends at the epoch's length (it read 2/4: the bar counted from 0).
+TEST(ProgressBar, AnEpochResumedMidWayCountsFromItsBatch) {
+  TempDir dir;
+  auto options = fulgur::test::test_options(dir);
+  options.enable_checkpointing = true;
+  options.every_n_train_steps = 2;
+  options.max_steps = 2;
+  {
+    LinearRegression model;
+    fulgur::Trainer(options).fit(model, fulgur::test::regression_loader(4));
+  }
+  const std::string path = dir.file("progress.txt");
+  std::FILE* out = std::fopen(path.c_str(), "w");
+  ASSERT_NE(out, nullptr);
+  {
+    options.max_steps = -1;
+    options.callbacks = {std::make_shared<fulgur::ProgressBar>(100, out)};
+    LinearRegression model;
+    fulgur::Trainer(options).fit(model, fulgur::test::regression_loader(4), nullptr,
+                                 {.ckpt_path = "last"});
+    EXPECT_EQ(model.training_steps, 2);
+  }
+  std::fclose(out);
+  const std::string text = fulgur::test::read_text(path);
+  EXPECT_NE(text.find("Epoch 0 4/4 "), std::string::npos) << text;
+  EXPECT_EQ(text.find("Epoch 0 2/4 "), std::string::npos) << text;
+}
+
+// Each stage's bar starts at 0 and ends on its line: a predict of unknown
+// length (its bar never reached a total) then a test of 2 batches (it drew
+// 4/2, 5/2 on the predict's count).
+TEST(ProgressBar, EachStagesBarStartsAfreshAfterAPredictOfUnknownLength) {
+  int master = -1, slave = -1;
+  ASSERT_EQ(::openpty(&master, &slave, nullptr, nullptr, nullptr), 0);
+  std::FILE* out = ::fdopen(slave, "w");
+  std::string text;
+  std::thread reader([&] {
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::read(master, buf, sizeof buf)) > 0) text.append(buf, static_cast<size_t>(n));
+  });
+  {
+    TempDir dir;
+    LinearRegression model;
+    auto options = fulgur::test::test_options(dir);
+    options.callbacks = {std::make_shared<fulgur::ProgressBar>(0, out)};
+    fulgur::Trainer trainer(options);
+    trainer.predict(model, fulgur::test::generator_loader(3));
+    trainer.test(model, fulgur::test::regression_loader(2));
+  }
+  std::fclose(out);
+  reader.join();
+  ::close(master);
+  EXPECT_NE(text.find("Testing [====="), std::string::npos) << text;
+  EXPECT_NE(text.find("] 2/2 "), std::string::npos) << text;
+  EXPECT_EQ(text.find("4/2"), std::string::npos) << text;
+  // The predict's line ends (complete) before the test's starts.
+  const size_t predict_end = text.rfind("Predicting 3 ");
+  ASSERT_NE(predict_end, std::string::npos) << text;
+  const size_t newline = text.find('\n', predict_end);
+  ASSERT_NE(newline, std::string::npos) << text;
+  EXPECT_LT(newline, text.find("Testing")) << text;
+}
+
 TEST(ProgressBar, StateKey) {
   fulgur::ProgressBar bar;
   EXPECT_EQ(bar.state_key(), "ProgressBar");

@@ -81,6 +81,38 @@ TEST(Timer, AStoppedRunResumedWithMoreTimeTrainsOn) {
   EXPECT_EQ(result.stop_reason, "max_epochs");
 }
 
+// A run resumed from a checkpoint of a run its Timer stopped, with the same
+// duration, trains no further (the time is checked as the fit starts, after
+// the checkpoint's time is loaded, as Lightning's): under the step interval
+// it trained one more step, under the epoch interval a whole epoch.
+TEST(Timer, AResumeOfARunWhoseTimeIsSpentTrainsNoFurther) {
+  for (const char* interval : {"step", "epoch"}) {
+    SCOPED_TRACE(interval);
+    TempDir dir;
+    auto options = test_options(dir);
+    options.max_epochs = 4;
+    options.enable_checkpointing = true;
+    options.callbacks = {std::make_shared<fulgur::Timer>(
+        fulgur::TimerOptions{.duration = 50ms, .interval = interval})};
+    int64_t stopped_at = 0;
+    {
+      SlowModel model;
+      fulgur::Trainer trainer(options);
+      stopped_at = trainer.fit(model, regression_loader(5)).global_step;
+    }
+    ASSERT_LT(stopped_at, 20);
+    LinearRegression model;
+    ::testing::internal::CaptureStderr();
+    fulgur::Trainer trainer(options);
+    auto result = trainer.fit(model, regression_loader(5), nullptr, {.ckpt_path = "last"});
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(model.training_steps, 0);
+    EXPECT_EQ(result.global_step, stopped_at);
+    EXPECT_EQ(result.stop_reason, "should_stop");
+    EXPECT_THAT(err, HasSubstr("of training reached max_time=0.05 s")) << err;
+  }
+}
+
 // A stop in the middle of an epoch validates where it stops (as
 // Lightning's): the monitored ModelCheckpoint ranks the weights the run
 // stopped with (before, it kept last.ckpt and ranked nothing), once.

@@ -35,8 +35,9 @@ class DeviceStatsMonitor : public Callback {
  public:
   explicit DeviceStatsMonitor(DeviceStatsMonitorOptions options = {});
   std::string state_key() const override { return "DeviceStatsMonitor"; }
-  /// ConfigError when the Trainer has no logger (logger=false) outside
-  /// fast_dev_run: there is nowhere to log.
+  /// ConfigError when a fit's Trainer has no logger (logger=false) outside
+  /// fast_dev_run: there is nowhere to log (validate, test and predict
+  /// log nothing then, as Lightning's).
   void setup(Trainer& trainer, Module& module, Stage stage) override;
   void on_train_start(Trainer& trainer, Module& module) override;
   void on_train_batch_start(Trainer& trainer, Module& module, const Batch& batch,

@@ -21,6 +21,8 @@ class GradientAccumulationScheduler : public Callback {
   /// a negative epoch or a factor < 1.
   explicit GradientAccumulationScheduler(std::map<int64_t, int64_t> scheduling);
   std::string state_key() const override { return "GradientAccumulationScheduler"; }
+  /// A fit with cuda_graph and a factor above 1 is refused.
+  void setup(Trainer& trainer, Module& module, Stage stage) override;
   void on_fit_start(Trainer& trainer, Module& module) override;
   void on_train_epoch_start(Trainer& trainer, Module& module) override;
   /// The factor for `epoch`.

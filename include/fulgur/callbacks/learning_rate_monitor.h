@@ -5,7 +5,9 @@
 // group, "lr-SGD-1" for a second SGD: the rate each optimizer step is about
 // to use, at that step's index, at the start of the batches whose values
 // go to the loggers (every log_every_n_steps-th batch that steps;
-// Trainer::batches_that_stepped), or at each epoch's end, on global rank 0.
+// Trainer::batches_that_stepped), or at each epoch's start (the rate the
+// epoch's steps use, at its first step's index), on global rank 0. A fit
+// without a logger is refused (the rates would go nowhere).
 #pragma once
 
 #include <cstdint>
@@ -29,10 +31,11 @@ class LearningRateMonitor : public Callback {
  public:
   explicit LearningRateMonitor(LearningRateMonitorOptions options = {});
   std::string state_key() const override { return "LearningRateMonitor"; }
+  void setup(Trainer& trainer, Module& module, Stage stage) override;
   void on_train_start(Trainer& trainer, Module& module) override;
   void on_train_batch_start(Trainer& trainer, Module& module, const Batch& batch,
                             int64_t batch_idx) override;
-  void on_train_epoch_end(Trainer& trainer, Module& module) override;
+  void on_train_epoch_start(Trainer& trainer, Module& module) override;
   /// What it logged last (name → value), for programs and tests.
   const std::map<std::string, double>& last_logged() const { return last_; }
 

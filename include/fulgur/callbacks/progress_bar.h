@@ -36,11 +36,14 @@ class ProgressBar : public Callback {
   void on_validation_batch_end(Trainer& trainer, Module& module, const Batch& batch,
                                int64_t batch_idx) override;
   void on_validation_end(Trainer& trainer, Module& module) override;
+  void on_test_start(Trainer& trainer, Module& module) override;
   void on_test_batch_end(Trainer& trainer, Module& module, const Batch& batch,
                          int64_t batch_idx) override;
   void on_test_epoch_end(Trainer& trainer, Module& module) override;
+  void on_predict_start(Trainer& trainer, Module& module) override;
   void on_predict_batch_end(Trainer& trainer, Module& module, const Batch& prediction,
                             const Batch& batch, int64_t batch_idx) override;
+  void on_predict_end(Trainer& trainer, Module& module) override;
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -49,7 +52,9 @@ class ProgressBar : public Callback {
     Clock::time_point start{};
     Clock::time_point last_draw{};
     // Batches done at `start`: 1 when the bar started at its first batch's
-    // end (no hook marks the start of a test or predict pass).
+    // end (the start of a test or predict pass is not timed: the loader's
+    // first batch comes after it), the batches before it for an epoch
+    // resumed mid-way.
     int64_t done_at_start = 0;
   };
   // Draws `bar` for `label` (redrawn on a terminal; `final` ends the line).

@@ -4,8 +4,10 @@
 // Trainer's max_time adds one). The request is agreed by every rank like
 // request_stop(); the end of fit then runs as usual (the ModelCheckpoint's
 // epoch-end save included). The time already trained is saved in
-// checkpoints, so a resumed run counts on from it; a fit from the start (a
-// second fit with the same Timer or Trainer) has the whole duration again.
+// checkpoints, so a resumed run counts on from it (one resumed with its time
+// already spent stops before training, as Lightning's, where min_epochs
+// and min_steps allow); a fit from the start (a second fit with the same
+// Timer or Trainer) has the whole duration again.
 #pragma once
 
 #include <chrono>
@@ -29,6 +31,7 @@ class Timer : public Callback {
   explicit Timer(TimerOptions options);
   std::string state_key() const override { return "Timer"; }
   void setup(Trainer& trainer, Module& module, Stage stage) override;
+  void on_fit_start(Trainer& trainer, Module& module) override;
   void on_train_start(Trainer& trainer, Module& module) override;
   void on_train_end(Trainer& trainer, Module& module) override;
   void on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor& loss,
