@@ -39,6 +39,7 @@ void EMA::on_fit_start(Trainer& trainer, Module&) {
     last_update_step_ = -1;
   }
   loaded_training_weights_.clear();  // what a failed restore left
+  failed_saves_ = 0;
   average_->begin_fit();
 }
 
@@ -100,7 +101,7 @@ void EMA::end_checkpoint(Module& module, bool failed) {
   if (failed && detail::shards_parameters(strategy) &&
       !detail::StrategyDriver(strategy).peers_arrive(
           str("ema_failed_save/", strategy.cluster_environment().restart_count(), "/",
-              ++failed_saves_),
+              module.trainer().global_step(), "/", ++failed_saves_),
           std::chrono::seconds(10))) {
     return;
   }

@@ -30,7 +30,8 @@ void GradientAccumulationScheduler::setup(Trainer& trainer, Module&, Stage stage
   // before the graph's own checks of the fit.
   if (stage != Stage::kFit || !trainer.options().cuda_graph) return;
   for (const auto& [epoch, factor] : scheduling_) {
-    if (factor == 1) continue;
+    // (From an epoch the fit reaches.)
+    if (factor == 1 || (trainer.max_epochs() >= 0 && epoch >= trainer.max_epochs())) continue;
     throw ConfigError(str("GradientAccumulationScheduler with cuda_graph=true: factor ", factor,
                           " from epoch ", epoch,
                           " accumulates, and a captured step steps the optimizers every "

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/data/data_loader.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
 
@@ -42,8 +43,13 @@ std::FILE* checked_stream(std::FILE* out) {
 ProgressBar::ProgressBar(int refresh_ms, std::FILE* out)
     : refresh_ms_(refresh_ms), out_(checked_stream(out)), tty_(::isatty(::fileno(out_)) != 0) {}
 
-void ProgressBar::on_train_epoch_start(Trainer&, Module&) {
-  train_ = Bar{0, Clock::now(), {}};
+void ProgressBar::on_train_epoch_start(Trainer& trainer, Module&) {
+  // An epoch resumed mid-way counts on from where its loader is (also where
+  // no batch of it is left), and the rate counts the batches this bar sees.
+  const DataLoader* loader = trainer.train_dataloader();
+  const int64_t done =
+      loader != nullptr && loader->epoch() == trainer.current_epoch() ? loader->position() : 0;
+  train_ = Bar{done, Clock::now(), {}, done};
   if (tty_) {
     winsize size{};
     if (::ioctl(::fileno(out_), TIOCGWINSZ, &size) == 0 && size.ws_col >= 40) width_ = size.ws_col;
@@ -110,10 +116,7 @@ void ProgressBar::draw(Trainer& trainer, Bar& bar, const char* label, int64_t to
 
 void ProgressBar::on_train_batch_end(Trainer& trainer, Module&, const at::Tensor&, const Batch&,
                                      int64_t batch_idx) {
-  // The batch's place in the epoch: an epoch resumed mid-way counts on from
-  // where it was, and the rate counts the batches this bar saw.
-  if (train_.done == 0) train_.done_at_start = batch_idx;
-  train_.done = batch_idx + 1;
+  train_.done = batch_idx + 1;  // the batch's place in the epoch
   if (!tty_ || Clock::now() - train_.last_draw < std::chrono::milliseconds(refresh_ms_)) return;
   draw_epoch(trainer, false);
 }

@@ -5,6 +5,7 @@
 #include <iostream>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/data/data_loader.h"
 #include "fulgur/data/data_module.h"
 #include "fulgur/strategies/strategy.h"
 #include "fulgur/trainer/trainer.h"
@@ -50,8 +51,18 @@ void Timer::setup(Trainer&, Module&, Stage stage) {
 }
 
 void Timer::on_fit_start(Trainer& trainer, Module&) {
-  // After a resume has loaded the time trained (whatever the interval): a
-  // checkpoint of a run this Timer stopped trains no further.
+  // After a resume has loaded the time trained: a checkpoint of a run this
+  // Timer stopped trains no further. Under the epoch interval not within an
+  // epoch (a checkpoint of a batch's end): the uninterrupted run went on to
+  // the epoch's end, which checks.
+  if (options_.interval == Interval::kEpoch) {
+    const DataLoader* loader = trainer.train_dataloader();
+    const int64_t total = trainer.num_training_batches();
+    if (loader != nullptr && loader->epoch() == trainer.current_epoch() && loader->position() > 0 &&
+        (total < 0 || loader->position() < total)) {
+      return;
+    }
+  }
   check(trainer);
 }
 

@@ -118,6 +118,17 @@ TEST(GradientAccumulationScheduler, ACudaGraphFitRefusesAScheduleThatAccumulates
                      {"GradientAccumulationScheduler with cuda_graph=true: factor 2 from epoch 4",
                       "Keep every factor at 1, or pass cuda_graph=false"});
   EXPECT_EQ(model.training_steps, 0);
+  // A factor from an epoch the fit never reaches is not refused (the
+  // graph's own checks come next: a CPU build has no CUDA graphs).
+  options.max_epochs = 4;
+  fulgur::Trainer short_fit(options);
+  EXPECT_THROWS_WITH(fulgur::ConfigError, short_fit.fit(model, regression_loader(4)),
+                     {"cuda_graph=true"});
+  try {
+    short_fit.fit(model, regression_loader(4));
+  } catch (const fulgur::ConfigError& e) {
+    EXPECT_THAT(e.what(), ::testing::Not(HasSubstr("GradientAccumulationScheduler")));
+  }
 }
 
 }  // namespace

@@ -90,32 +90,37 @@ TEST(ProgressBar, OnATerminalABarPerStageWithCountRateTimesAndMetrics) {
 }
 
 // An epoch resumed mid-way counts on from the batch it resumed at: its line
-// ends at the epoch's length (it read 2/4: the bar counted from 0).
+// ends at the epoch's length (it read 2/4: the bar counted from 0), also
+// where the checkpoint was the epoch's last batch and no batch is left.
 TEST(ProgressBar, AnEpochResumedMidWayCountsFromItsBatch) {
-  TempDir dir;
-  auto options = fulgur::test::test_options(dir);
-  options.enable_checkpointing = true;
-  options.every_n_train_steps = 2;
-  options.max_steps = 2;
-  {
-    LinearRegression model;
-    fulgur::Trainer(options).fit(model, fulgur::test::regression_loader(4));
+  for (const int64_t stop : {2, 4}) {
+    SCOPED_TRACE(stop);
+    TempDir dir;
+    auto options = fulgur::test::test_options(dir);
+    options.enable_checkpointing = true;
+    options.every_n_train_steps = 2;
+    options.max_steps = stop;
+    {
+      LinearRegression model;
+      fulgur::Trainer(options).fit(model, fulgur::test::regression_loader(4));
+    }
+    const std::string path = dir.file("progress.txt");
+    std::FILE* out = std::fopen(path.c_str(), "w");
+    ASSERT_NE(out, nullptr);
+    {
+      options.max_steps = -1;
+      options.callbacks = {std::make_shared<fulgur::ProgressBar>(100, out)};
+      LinearRegression model;
+      fulgur::Trainer(options).fit(model, fulgur::test::regression_loader(4), nullptr,
+                                   {.ckpt_path = "last"});
+      EXPECT_EQ(model.training_steps, 4 - stop);
+    }
+    std::fclose(out);
+    const std::string text = fulgur::test::read_text(path);
+    EXPECT_NE(text.find("Epoch 0 4/4 "), std::string::npos) << text;
+    EXPECT_EQ(text.find("Epoch 0 2/4 "), std::string::npos) << text;
+    EXPECT_EQ(text.find("Epoch 0 0/4 "), std::string::npos) << text;
   }
-  const std::string path = dir.file("progress.txt");
-  std::FILE* out = std::fopen(path.c_str(), "w");
-  ASSERT_NE(out, nullptr);
-  {
-    options.max_steps = -1;
-    options.callbacks = {std::make_shared<fulgur::ProgressBar>(100, out)};
-    LinearRegression model;
-    fulgur::Trainer(options).fit(model, fulgur::test::regression_loader(4), nullptr,
-                                 {.ckpt_path = "last"});
-    EXPECT_EQ(model.training_steps, 2);
-  }
-  std::fclose(out);
-  const std::string text = fulgur::test::read_text(path);
-  EXPECT_NE(text.find("Epoch 0 4/4 "), std::string::npos) << text;
-  EXPECT_EQ(text.find("Epoch 0 2/4 "), std::string::npos) << text;
 }
 
 // Each stage's bar starts at 0 and ends on its line: a predict of unknown

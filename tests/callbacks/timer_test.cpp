@@ -113,6 +113,35 @@ TEST(Timer, AResumeOfARunWhoseTimeIsSpentTrainsNoFurther) {
   }
 }
 
+// Under the epoch interval a run resumed from within an epoch whose time was
+// already spent trains to the epoch's end, where the uninterrupted run
+// checked and stopped (not at the resume: the time is checked at fit start
+// only at an epoch's boundary).
+TEST(Timer, UnderTheEpochIntervalAResumeWithinAnEpochStopsAtItsEnd) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_epochs = 4;
+  options.enable_checkpointing = true;
+  auto timer_options = fulgur::TimerOptions{.duration = 50ms, .interval = "epoch"};
+  auto every_second_step = [&] {
+    return std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+        .dirpath = dir.file("steps"), .save_top_k = -1, .every_n_train_steps = 2});
+  };
+  options.callbacks = {std::make_shared<fulgur::Timer>(timer_options), every_second_step()};
+  {
+    SlowModel model;  // 4 steps of at least 20 ms: the time is spent at step 4
+    auto result = fulgur::Trainer(options).fit(model, regression_loader(5));
+    ASSERT_EQ(result.global_step, 5);  // stopped at the epoch's end
+  }
+  options.callbacks = {std::make_shared<fulgur::Timer>(timer_options), every_second_step()};
+  LinearRegression model;
+  auto result = fulgur::Trainer(options).fit(model, regression_loader(5), nullptr,
+                                             {.ckpt_path = dir.file("steps/epoch=0-step=4.ckpt")});
+  EXPECT_EQ(model.training_steps, 1);
+  EXPECT_EQ(result.global_step, 5);
+  EXPECT_EQ(result.stop_reason, "should_stop");
+}
+
 // A stop in the middle of an epoch validates where it stops (as
 // Lightning's): the monitored ModelCheckpoint ranks the weights the run
 // stopped with (before, it kept last.ckpt and ranked nothing), once.
