@@ -1,6 +1,8 @@
 #include "fulgur/loggers/csv_logger.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -84,7 +86,16 @@ void write_row(std::ostream& out, const std::vector<std::string>& columns, int64
     out << ',';
     auto it = row.find(c);
     if (it != row.end()) {
-      std::snprintf(buf, sizeof buf, "%.9g", it->second);
+      // A value a float holds (most logged values: float tensors') in 9
+      // digits, which read back as that float; any other double (a byte
+      // count, a large counter) with the digits it needs to read back.
+      const double v = it->second;
+      if (!std::isfinite(v) || static_cast<double>(static_cast<float>(v)) == v) {
+        std::snprintf(buf, sizeof buf, "%.9g", v);
+      } else {
+        std::snprintf(buf, sizeof buf, "%.15g", v);
+        if (std::strtod(buf, nullptr) != v) std::snprintf(buf, sizeof buf, "%.17g", v);
+      }
       out << buf;
     }
   }

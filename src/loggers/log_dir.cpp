@@ -107,11 +107,16 @@ std::string VersionedLogger::state_key() const {
   return str(kind_, "{", detail::versions_root(save_dir_, name_), "}");
 }
 
-// log_dir (string): the version directory it writes to. Optional on load
-// (none, or not a string: the logger picks a version of its own).
+// log_dir (string): the version directory it writes to, absolute (a
+// relative one would name another run's directory when resumed from
+// elsewhere). Optional on load (none, or not a string: the logger picks a
+// version of its own).
 StateDict VersionedLogger::state_dict() const {
   StateDict state;
-  state.set("log_dir", log_dir());
+  std::error_code ec;
+  fs::path dir = fs::absolute(log_dir(), ec);
+  if (!ec) dir = fs::weakly_canonical(dir, ec);
+  state.set("log_dir", ec ? log_dir() : dir.string());
   return state;
 }
 

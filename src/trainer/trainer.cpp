@@ -521,9 +521,14 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
         try {
           body();
         } catch (...) {
-          // What fit logged so far reaches the files, marked as failed.
-          if (s == Stage::kFit && strategy->is_global_zero()) {
-            logging.finalize_quietly(RunStatus::kFailed);
+          // What the stage logged so far reaches the files (fit's marked
+          // as failed).
+          if (strategy->is_global_zero()) {
+            if (s == Stage::kFit) {
+              logging.finalize_quietly(RunStatus::kFailed);
+            } else {
+              logging.save_quietly();
+            }
           }
           throw;
         }

@@ -212,6 +212,109 @@ TEST(CSVLogger, AResumeSaysWhichRowsItDrops) {
   EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
 }
 
+// A checkpoint records its logger's directory whole: resumed from another
+// working directory, a relative save_dir names another run's directory,
+// whose rows the resume dropped and replaced (its own "version_0"). Now the
+// resume logs to a new version there, and that run's file is left as it was.
+TEST(CSVLogger, AResumeFromAnotherWorkingDirectoryLeavesThatDirectorysRunAlone) {
+  TempDir first, second;
+  const fs::path was = fs::current_path();
+  struct BackTo {
+    fs::path dir;
+    ~BackTo() { fs::current_path(dir); }
+  } back{was};
+  fulgur::StateDict state;
+  fs::current_path(first.path());
+  {
+    fulgur::CSVLogger a({.save_dir = "runs"});
+    for (int64_t step = 1; step <= 6; ++step) a.log_metrics({{"loss", 1.0 / step}}, step);
+    a.save();
+    state = a.state_dict();
+  }
+  fs::current_path(second.path());
+  std::string others;
+  {
+    fulgur::CSVLogger b({.save_dir = "runs"});
+    for (int64_t step = 1; step <= 6; ++step) b.log_metrics({{"loss", 2.0 / step}}, step);
+    b.save();
+    others = read_text(b.metrics_file());
+  }
+  fulgur::CSVLogger resumed({.save_dir = "runs"});
+  testing::internal::CaptureStderr();
+  resumed.load_state_dict(state, 3);
+  resumed.log_metrics({{"loss", 0.5}}, 4);
+  resumed.save();
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_THAT(err, ::testing::HasSubstr("which is not a version directory under"));
+  EXPECT_EQ(fs::path(resumed.log_dir()).filename(), "version_1");
+  EXPECT_EQ(read_text(second.file("runs/fulgur_logs/version_0/metrics.csv")), others);
+}
+
+// Under gradient accumulation the step values go to the loggers every
+// log_every_n_steps optimizer steps, once: the micro-batches after a
+// stepping batch (the same count of batches that stepped) logged it again,
+// one row each.
+TEST(CSVLogger, UnderAccumulationEachLoggedStepIsOneRow) {
+  TempDir dir;
+  fulgur::test::LinearRegression model;
+  auto options = fulgur::test::test_options(dir);
+  options.logger = true;
+  options.accumulate_grad_batches = 4;
+  options.log_every_n_steps = 2;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, fulgur::test::regression_loader(16));
+  auto* csv = dynamic_cast<fulgur::CSVLogger*>(trainer.loggers().at(0).get());
+  ASSERT_NE(csv, nullptr);
+  std::vector<std::string> steps;
+  const auto rows = read_csv(csv->metrics_file());
+  const auto column = std::find(rows.at(0).begin(), rows.at(0).end(), "train_loss");
+  ASSERT_NE(column, rows[0].end());
+  for (size_t i = 1; i < rows.size(); ++i) {
+    if (!rows[i][static_cast<size_t>(column - rows[0].begin())].empty())
+      steps.push_back(rows[i][0]);
+  }
+  EXPECT_THAT(steps, ElementsAre("2", "4"));
+}
+
+// A test stage that fails after its values were published (here in
+// on_test_end) still writes them: they reached no file.
+TEST(CSVLogger, AFailedTestStageWritesWhatItPublished) {
+  TempDir dir;
+  struct FailsAtTheEnd : fulgur::Callback {
+    std::string state_key() const override { return "FailsAtTheEnd"; }
+    void on_test_end(fulgur::Trainer&, fulgur::Module&) override {
+      throw std::runtime_error("a bug at the test's end");
+    }
+  };
+  auto options = fulgur::test::test_options(dir);
+  options.logger = true;
+  options.callbacks = {std::make_shared<FailsAtTheEnd>()};
+  fulgur::Trainer trainer(options);
+  fulgur::test::LinearRegression model;
+  EXPECT_THROW(trainer.test(model, fulgur::test::regression_loader(2)), std::runtime_error);
+  auto* csv = dynamic_cast<fulgur::CSVLogger*>(trainer.loggers().at(0).get());
+  ASSERT_NE(csv, nullptr);
+  ASSERT_TRUE(fs::exists(csv->metrics_file()));
+  EXPECT_THAT(read_text(csv->metrics_file()), ::testing::HasSubstr("test_loss"));
+}
+
+// A value that a float holds is written with 9 digits (they read back as
+// that float); any other double (a byte count, a large counter) with the
+// digits it needs to read back (it had 9: 1.23456789e+10).
+TEST(CSVLogger, ValuesReadBackAsLogged) {
+  TempDir dir;
+  fulgur::CSVLogger logger({.save_dir = dir.path()});
+  logger.log_metrics(
+      {{"bytes", 12345678901.0}, {"loss", static_cast<double>(0.1f)}, {"third", 1.0 / 3.0}}, 1);
+  logger.save();
+  const auto rows = read_csv(logger.metrics_file());
+  ASSERT_EQ(rows.size(), 2u);
+  EXPECT_THAT(rows[0], ElementsAre("step", "bytes", "loss", "third"));
+  EXPECT_EQ(rows[1][1], "12345678901");
+  EXPECT_EQ(rows[1][2], "0.100000001");
+  EXPECT_EQ(std::strtod(rows[1][3].c_str(), nullptr), 1.0 / 3.0);
+}
+
 TEST(CSVLogger, ExplicitLoggersReplaceTheDefault) {
   TempDir dir;
   auto mine = std::make_shared<fulgur::CSVLogger>(

@@ -766,6 +766,16 @@ void LoggerConnector::save() {
   for (auto& logger : loggers_) logger->save();
 }
 
+void LoggerConnector::save_quietly() noexcept {
+  for (auto& logger : loggers_) {
+    try {
+      logger->save();
+    } catch (const std::exception& e) {
+      detail::print_note(e.what());
+    }
+  }
+}
+
 void LoggerConnector::finalize(RunStatus status) {
   ended_ = true;
   for (auto& logger : loggers_) {

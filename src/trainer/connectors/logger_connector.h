@@ -237,6 +237,9 @@ class LoggerConnector {
   /// finalize() for a run that ends by an error or a signal: a logger's
   /// error goes to stderr, so that the run's own error stays the one raised.
   void finalize_quietly(RunStatus status) noexcept;
+  /// save() for a stage other than fit that ends by an error: what it
+  /// published so far reaches the files; a logger's error goes to stderr.
+  void save_quietly() noexcept;
   /// Every logger's version directory, chosen once (no file is written):
   /// before any logger writes, and before a launcher forks the ranks, so
   /// that every stage of the run logs to the same directory.

@@ -835,7 +835,8 @@ void FitLoop::manual_optimizer_step(Module& m, torch::optim::Optimizer& optimize
 void FitLoop::publish_step_metrics() {
   const bool to_loggers = batches_that_stepped_ > 0 &&
                           batches_that_stepped_ % trainer_.options.log_every_n_steps == 0 &&
-                          !sanity_checking_;
+                          batches_that_stepped_ != published_at_stepped_ && !sanity_checking_;
+  if (to_loggers) published_at_stepped_ = batches_that_stepped_;
   trainer_.logging.publish_step(*trainer_.strategy, to_loggers, current_epoch_, global_step_);
 }
 
@@ -851,6 +852,7 @@ void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoade
   batch_idx_ = 0;
   batch_position_ = 0;
   batches_that_stepped_ = 0;
+  published_at_stepped_ = -1;
   batches_before_epoch_ = 0;
   monitored_step_due_ = false;
   negative_rate_noted_ = false;
@@ -934,6 +936,8 @@ FitProgress FitLoop::progress() const {
 void FitLoop::restore(const FitProgress& p, const StateDict* loader_state) {
   global_step_ = p.global_step;
   batches_that_stepped_ = p.batches_that_stepped;
+  // The checkpoint's batch published its count (before its save).
+  published_at_stepped_ = p.batches_that_stepped;
   validated_at_position_ = p.validated_at_position;
   monitored_step_due_ = p.monitored_step_due && !p.epoch_done;
   resumes_within_epoch_ = !p.epoch_done && p.batch_position > 0;

@@ -233,6 +233,9 @@ class FitLoop {
   int64_t batch_idx_ = 0;
   int64_t batch_position_ = 0;  // training batches done in the current epoch
   int64_t batches_that_stepped_ = 0;
+  // batches_that_stepped_ when the step values last went to the loggers:
+  // once per count (the micro-batches that do not step after it keep it).
+  int64_t published_at_stepped_ = -1;
   int64_t batches_before_epoch_ = 0;  // -1: not known (resumed from a checkpoint without it)
   bool monitored_step_due_ = false;  // see step_schedulers
   bool negative_rate_noted_ = false;
