@@ -10,9 +10,13 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <type_traits>
+
+#include <yaml-cpp/yaml.h>
 
 #include "fulgur/core/errors.h"
 #include "fulgur/loggers/plot.h"
+#include "fulgur/trainer/flags.h"
 #include "loggers/log_dir.h"
 #include "utilities/durable_file.h"
 
@@ -41,26 +45,51 @@ void make_directory(const std::string& dir) { detail::make_log_directory(dir, "C
 
 }  // namespace
 
+namespace {
+// A double as YAML reads it back exactly, and as a float (not an int or a
+// string): the shortest digits that give it back, with a '.' in the
+// mantissa (PyYAML reads "1e-05" as a string), and YAML's .inf and .nan.
+std::string yaml_double(double v) {
+  if (std::isnan(v)) return ".nan";
+  if (std::isinf(v)) return v > 0 ? ".inf" : "-.inf";
+  std::string text = number_text(v);
+  const size_t e = text.find_first_of("eE");
+  if (text.find('.') == std::string::npos)
+    text.insert(e == std::string::npos ? text.size() : e, ".0");
+  return text;
+}
+}  // namespace
+
 void CSVLogger::log_hyperparams(const HParams& params) {
   make_directory(log_dir());
-  std::ostringstream out;
-  if (params.empty()) out << "{}\n";
+  // yaml-cpp quotes and escapes what needs it (a key with ": " or " #",
+  // newlines and control characters in a value).
+  YAML::Emitter out;
+  out << YAML::BeginMap;
   for (const auto& [key, value] : params) {
-    if (std::holds_alternative<std::string>(value)) {
-      // Quote strings so YAML never reads them as numbers or booleans.
-      std::string escaped;
-      for (char c : std::get<std::string>(value)) {
-        if (c == '"' || c == '\\') escaped += '\\';
-        escaped += c;
-      }
-      out << key << ": \"" << escaped << "\"\n";
-    } else {
-      out << key << ": " << to_string(value) << "\n";
-    }
+    out << YAML::Key << key << YAML::Value;
+    std::visit(
+        [&out](const auto& v) {
+          using T = std::decay_t<decltype(v)>;
+          if constexpr (std::is_same_v<T, std::string>) {
+            out << YAML::DoubleQuoted << v;  // never read as a number or a boolean
+          } else if constexpr (std::is_same_v<T, double>) {
+            out << yaml_double(v);
+          } else {
+            out << v;
+          }
+        },
+        value);
+  }
+  out << YAML::EndMap;
+  if (!out.good()) {
+    throw ConfigError(str(
+        "CSVLogger: the hyper-parameters cannot be written as YAML: ", out.GetLastError(), "."));
   }
   // Whole or not at all: a full disk keeps the previous file.
   const std::string path = (fs::path(log_dir()) / "hparams.yaml").string();
-  if (std::string problem = detail::write_file_atomically(path, out.str()); !problem.empty()) {
+  if (std::string problem = detail::write_file_atomically(path, std::string(out.c_str()) + "\n");
+      !problem.empty()) {
     throw ConfigError(
         str("CSVLogger: ", problem, ". Check that save_dir is writable and has space."));
   }

@@ -5,6 +5,9 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
+
+#include <yaml-cpp/yaml.h>
 
 #include "fulgur/fulgur.h"
 #include "support/run_in_child.h"
@@ -140,6 +143,50 @@ TEST(CSVLogger, WritesHyperparametersAsYaml) {
   ASSERT_TRUE(fs::exists(path));
   auto text = read_text(path);
   EXPECT_TRUE(fulgur::test::message_contains(text, {"lr: 0.5", "layers: 3", "optimizer:", "sgd"}));
+}
+
+// hparams.yaml reads back as logged: doubles exactly and as floats (6
+// digits were written: 0.00012345678 read 0.000123457, 0.9999999 read the
+// int 1, 1e-05 a string to PyYAML), infinities and NaN as YAML's, keys and
+// strings that YAML would misread (a ": " or " #" in a key, a newline, a
+// control character) quoted and escaped.
+TEST(CSVLogger, HyperparametersReadBackAsLogged) {
+  TempDir dir;
+  fulgur::CSVLogger logger({.save_dir = dir.path()});
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  logger.log_hyperparams({{"lr", 0.00012345678},
+                          {"almost_one", 0.9999999},
+                          {"one", 1.0},
+                          {"eps", 1e-05},
+                          {"big", 12345678.9},
+                          {"inf", inf},
+                          {"nan", nan},
+                          {"steps", int64_t{12345678901}},
+                          {"flag", true},
+                          {"key: colon", std::string("v")},
+                          {"# hash", std::string("w")},
+                          {"number_like", std::string("1e-05")},
+                          {"lines", std::string("a\nb\x01c \"quoted\"")}});
+  const std::string text = read_text((fs::path(logger.log_dir()) / "hparams.yaml").string());
+  EXPECT_THAT(text, ::testing::HasSubstr("eps: 1.0e-05\n")) << text;
+  EXPECT_THAT(text, ::testing::HasSubstr("one: 1.0\n")) << text;
+  const YAML::Node yaml = YAML::Load(text);
+  ASSERT_TRUE(yaml.IsMap()) << text;
+  EXPECT_EQ(yaml["lr"].as<double>(), 0.00012345678);
+  EXPECT_EQ(yaml["almost_one"].as<double>(), 0.9999999);
+  EXPECT_EQ(yaml["almost_one"].Scalar(), "0.9999999");
+  EXPECT_EQ(yaml["eps"].as<double>(), 1e-05);
+  EXPECT_EQ(yaml["big"].as<double>(), 12345678.9);
+  EXPECT_EQ(yaml["inf"].Scalar(), ".inf");
+  EXPECT_EQ(yaml["nan"].Scalar(), ".nan");
+  EXPECT_EQ(yaml["steps"].as<int64_t>(), 12345678901);
+  EXPECT_EQ(yaml["flag"].as<bool>(), true);
+  EXPECT_EQ(yaml["key: colon"].as<std::string>(), "v");
+  EXPECT_EQ(yaml["# hash"].as<std::string>(), "w");
+  EXPECT_EQ(yaml["number_like"].Tag(), "!");  // quoted: a string, not a number
+  EXPECT_EQ(yaml["number_like"].as<std::string>(), "1e-05");
+  EXPECT_EQ(yaml["lines"].as<std::string>(), "a\nb\x01c \"quoted\"");
 }
 
 TEST(CSVLogger, TrainerWritesMetricsAndHyperparameters) {
