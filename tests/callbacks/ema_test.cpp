@@ -58,6 +58,19 @@ std::vector<at::Tensor> expected_average(const std::vector<std::vector<at::Tenso
   return average;
 }
 
+// `plain` (the trained model's initial weights), fitted for `epochs` of 4
+// batches with a validation of 2 and no callbacks, ends with `trained`'s
+// weights.
+void expect_trained_as_without_callbacks(const TempDir& dir, int64_t epochs,
+                                         LinearRegression& plain, LinearRegression& trained) {
+  auto options = test_options(dir);
+  options.max_epochs = epochs;
+  options.num_sanity_val_steps = 0;
+  options.default_root_dir = dir.file("plain");
+  fulgur::Trainer(options).fit(plain, regression_loader(4), regression_loader(2));
+  EXPECT_TRUE(parameters_equal(plain, trained));
+}
+
 TEST(EMA, TheAverageIsTheFormulaOverTheWeightsAfterEachStep) {
   TempDir dir;
   LinearRegression model;
@@ -258,12 +271,7 @@ TEST(EMA, ACheckpointsModuleWeightsAreTheOnesItsValidationMeasured) {
     expect_tensors_equal(clone_parameters(model), recorder->steps.back());
     // The saves gave the training weights back exactly: the run trained as
     // one without EMA or checkpoints.
-    auto plain_options = test_options(dir);
-    plain_options.max_epochs = 3;
-    plain_options.num_sanity_val_steps = 0;
-    plain_options.default_root_dir = dir.file("plain");
-    fulgur::Trainer(plain_options).fit(plain, regression_loader(4), regression_loader(2));
-    EXPECT_TRUE(parameters_equal(plain, model));
+    expect_trained_as_without_callbacks(dir, 3, plain, model);
 
     LinearRegression loaded;
     fulgur::Trainer reader(test_options(dir));
@@ -386,12 +394,7 @@ TEST(EMA, SavesFromWithinAStepAndFromWithinAValidationHoldBothWeights) {
   expect_tensors_equal(validation_module, saver->in_validation);
   expect_tensors_equal(validation_kept, recorder->steps[4]);
 
-  auto plain_options = test_options(dir);
-  plain_options.max_epochs = 2;
-  plain_options.num_sanity_val_steps = 0;
-  plain_options.default_root_dir = dir.file("plain");
-  fulgur::Trainer(plain_options).fit(plain, regression_loader(4), regression_loader(2));
-  EXPECT_TRUE(parameters_equal(plain, model));
+  expect_trained_as_without_callbacks(dir, 2, plain, model);
 }
 
 TEST(EMA, BadOptionsAreNamed) {

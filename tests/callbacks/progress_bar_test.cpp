@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <functional>
 #include <thread>
 
 #include "fulgur/fulgur.h"
@@ -39,9 +40,9 @@ TEST(ProgressBar, OneLinePerEpochWhenNotATerminal) {
   EXPECT_EQ(fulgur::test::read_text(path).find('\r'), std::string::npos);
 }
 
-// What a ProgressBar draws on a pseudo-terminal during a fit with
-// validation, a test and a standalone validate.
-std::string drawn_on_a_terminal(int64_t epochs) {
+// What a ProgressBar drawing on a pseudo-terminal shows while `run` uses
+// it (it is given the bar's stream).
+std::string on_a_terminal(const std::function<void(std::FILE*)>& run) {
   int master = -1, slave = -1;
   EXPECT_EQ(::openpty(&master, &slave, nullptr, nullptr, nullptr), 0);
   std::FILE* out = ::fdopen(slave, "w");
@@ -51,7 +52,17 @@ std::string drawn_on_a_terminal(int64_t epochs) {
     ssize_t n;
     while ((n = ::read(master, buf, sizeof buf)) > 0) text.append(buf, static_cast<size_t>(n));
   });
-  {
+  run(out);
+  std::fclose(out);
+  reader.join();
+  ::close(master);
+  return text;
+}
+
+// What a ProgressBar draws on a pseudo-terminal during a fit with
+// validation, a test and a standalone validate.
+std::string drawn_on_a_terminal(int64_t epochs) {
+  return on_a_terminal([epochs](std::FILE* out) {
     TempDir dir;
     LinearRegression model;
     model.train_hook = [](LinearRegression& m, fulgur::Batch&, int64_t) {
@@ -64,11 +75,7 @@ std::string drawn_on_a_terminal(int64_t epochs) {
     trainer.fit(model, fulgur::test::regression_loader(4), fulgur::test::regression_loader(3));
     trainer.test(model, fulgur::test::regression_loader(2));
     trainer.validate(model, fulgur::test::regression_loader(5));
-  }
-  std::fclose(out);
-  reader.join();
-  ::close(master);
-  return text;
+  });
 }
 
 TEST(ProgressBar, OnATerminalABarPerStageWithCountRateTimesAndMetrics) {
@@ -127,16 +134,7 @@ TEST(ProgressBar, AnEpochResumedMidWayCountsFromItsBatch) {
 // length (its bar never reached a total) then a test of 2 batches (it drew
 // 4/2, 5/2 on the predict's count).
 TEST(ProgressBar, EachStagesBarStartsAfreshAfterAPredictOfUnknownLength) {
-  int master = -1, slave = -1;
-  ASSERT_EQ(::openpty(&master, &slave, nullptr, nullptr, nullptr), 0);
-  std::FILE* out = ::fdopen(slave, "w");
-  std::string text;
-  std::thread reader([&] {
-    char buf[4096];
-    ssize_t n;
-    while ((n = ::read(master, buf, sizeof buf)) > 0) text.append(buf, static_cast<size_t>(n));
-  });
-  {
+  const std::string text = on_a_terminal([](std::FILE* out) {
     TempDir dir;
     LinearRegression model;
     auto options = fulgur::test::test_options(dir);
@@ -144,10 +142,7 @@ TEST(ProgressBar, EachStagesBarStartsAfreshAfterAPredictOfUnknownLength) {
     fulgur::Trainer trainer(options);
     trainer.predict(model, fulgur::test::generator_loader(3));
     trainer.test(model, fulgur::test::regression_loader(2));
-  }
-  std::fclose(out);
-  reader.join();
-  ::close(master);
+  });
   EXPECT_NE(text.find("Testing [====="), std::string::npos) << text;
   EXPECT_NE(text.find("] 2/2 "), std::string::npos) << text;
   EXPECT_EQ(text.find("4/2"), std::string::npos) << text;
