@@ -328,7 +328,7 @@ TEST(CudaGraph, AnAccumulationSchedulerIsRefused_CUDA) {
                        o.callbacks = {std::make_shared<fulgur::GradientAccumulationScheduler>(
                            std::map<int64_t, int64_t>{{0, 1}, {1, 2}})};
                      })),
-                     {"accumulate_grad_batches=2 with cuda_graph=true"});
+                     {"GradientAccumulationScheduler with cuda_graph=true: factor 2 from epoch 1"});
 }
 
 #ifdef FULGUR_WITH_CUDA
