@@ -323,6 +323,30 @@ TEST(CSVLogger, UnderAccumulationEachLoggedStepIsOneRow) {
   EXPECT_THAT(steps, ElementsAre("2", "4"));
 }
 
+// A value the module logs as "epoch" is the row's epoch (as Lightning's): it
+// was replaced by the loop's epoch.
+TEST(CSVLogger, AnEpochTheModuleLogsIsKept) {
+  TempDir dir;
+  fulgur::test::LinearRegression model;
+  model.train_hook = [](fulgur::test::LinearRegression& m, fulgur::Batch&, int64_t) {
+    m.log("epoch", 7.0, {.on_step = true, .on_epoch = false});
+  };
+  auto options = fulgur::test::test_options(dir);
+  options.logger = true;
+  options.log_every_n_steps = 1;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, fulgur::test::regression_loader(2));
+  auto* csv = dynamic_cast<fulgur::CSVLogger*>(trainer.loggers().at(0).get());
+  ASSERT_NE(csv, nullptr);
+  const auto rows = read_csv(csv->metrics_file());
+  const auto column = std::find(rows.at(0).begin(), rows.at(0).end(), "epoch");
+  ASSERT_NE(column, rows[0].end());
+  ASSERT_EQ(rows.size(), 3u);  // the header and steps 1, 2
+  for (size_t i = 1; i < rows.size(); ++i) {
+    EXPECT_EQ(rows[i][static_cast<size_t>(column - rows[0].begin())], "7") << i;
+  }
+}
+
 // A test stage that fails after its values were published (here in
 // on_test_end) still writes them: they reached no file.
 TEST(CSVLogger, AFailedTestStageWritesWhatItPublished) {

@@ -664,7 +664,9 @@ void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const c
     if (in_fit && !v.weightless) note_divergence(v.name, value, epoch, step);
   }
   if (row.empty()) return;
-  row["epoch"] = static_cast<double>(epoch);
+  // The epoch, unless the module logged an "epoch" of its own (Lightning's
+  // setdefault: the logged value is kept).
+  row.emplace("epoch", static_cast<double>(epoch));
   choose_versions();
   for (auto& logger : loggers_) logger->log_metrics(row, step);
 }
