@@ -99,11 +99,39 @@ void CSVLogger::log_metrics(const std::map<std::string, double>& metrics, int64_
   for (const auto& [name, _] : metrics) {
     if (std::find(columns_.begin(), columns_.end(), name) == columns_.end()) {
       columns_.push_back(name);
-      header_changed_ = true;
     }
   }
   pending_.emplace_back(step, metrics);
   if (static_cast<int64_t>(pending_.size()) >= options_.flush_every) save();
+}
+
+// An earlier fit of this logger (the same Trainer fitting again) has
+// written its rows first: a resume reads them back from the file.
+void CSVLogger::load_state_dict(const StateDict& state, int64_t step) {
+  save();
+  const std::string before = file_columns_ ? log_dir() : "";
+  VersionedLogger::load_state_dict(state, step);
+  follow_version(before);
+}
+
+void CSVLogger::resume_without_state(int64_t step) {
+  save();
+  const std::string before = file_columns_ ? log_dir() : "";
+  VersionedLogger::resume_without_state(step);
+  follow_version(before);
+}
+
+void CSVLogger::follow_version(const std::string& dir_before) {
+  if (!dir_before.empty() && log_dir() != dir_before) {
+    // Another version: a file of its own.
+    columns_.clear();
+    file_columns_.reset();
+    file_bytes_ = 0;
+    file_rows_ = 0;
+    rewrite_ = false;
+  }
+  // Continuing a run's file: the next save keeps its rows up to the step.
+  reconcile_ = resume_step().has_value();
 }
 
 namespace {
@@ -130,59 +158,67 @@ void write_row(std::ostream& out, const std::vector<std::string>& columns, int64
   }
   out << '\n';
 }
+
+// The cells of a line of metrics.csv.
+std::vector<std::string> cells_of(const std::string& line) {
+  std::vector<std::string> cells;
+  std::stringstream in(line);
+  std::string cell;
+  while (std::getline(in, cell, ',')) cells.push_back(cell);
+  if (!line.empty() && line.back() == ',') cells.emplace_back();
+  return cells;
+}
+
+// Whether `cells` is a row under a header of `width` cells: a step, then
+// numbers or empty cells.
+bool is_row(const std::vector<std::string>& cells, size_t width, int64_t& step) {
+  if (cells.empty() || cells.size() > width) return false;
+  try {
+    size_t used = 0;
+    step = std::stoll(cells[0], &used);
+    if (used != cells[0].size()) return false;
+    for (size_t i = 1; i < cells.size(); ++i) {
+      if (cells[i].empty()) continue;
+      (void)std::stod(cells[i], &used);
+      if (used != cells[i].size()) return false;
+    }
+  } catch (const std::exception&) {
+    return false;
+  }
+  return true;
+}
 }  // namespace
 
-void CSVLogger::read_previous_rows() {
+CSVLogger::FileRows CSVLogger::read_previous_rows() {
+  FileRows kept;
+  int64_t later = 0;  // rows logged after the checkpoint by the run resumed from
+  int64_t cut = 0;    // rows cut short by its interruption
   std::ifstream in(metrics_file());
+  if (!in) return kept;
   std::string line;
-  if (!in) return;
   if (!std::getline(in, line)) {
     detail::print_note(str("CSVLogger: \"", metrics_file(),
                            "\" is empty: the rows of the run resumed from are not there; this "
                            "run's are written from here on."));
-    return;
+    return kept;
   }
-  std::vector<std::string> header;
-  {
-    std::stringstream cells(line);
-    std::string cell;
-    while (std::getline(cells, cell, ',')) header.push_back(cell);
-  }
+  const std::vector<std::string> header = cells_of(line);
   if (header.empty() || header.front() != "step") {
     detail::print_note(str("CSVLogger: \"", metrics_file(),
                            "\" is not a metrics file this logger wrote (its first line does not "
                            "start with \"step\"); it is written anew with this run's rows."));
-    return;
+    return kept;
   }
-  std::vector<std::string> columns(header.begin() + 1, header.end());
-  for (const auto& c : columns_) {
-    if (std::find(columns.begin(), columns.end(), c) == columns.end()) columns.push_back(c);
-  }
-  std::vector<std::pair<int64_t, std::map<std::string, double>>> rows;
-  int64_t later = 0;  // rows the run resumed from logged after the checkpoint
-  int64_t cut = 0;    // rows cut short by its interruption
+  kept.columns.assign(header.begin() + 1, header.end());
   while (std::getline(in, line)) {
-    if (in.eof()) {  // no newline: a row cut by the interruption
-      ++cut;
-      break;
-    }
-    std::stringstream cells(line);
-    std::string cell;
-    std::map<std::string, double> row;
     int64_t step = 0;
-    bool ok = static_cast<bool>(std::getline(cells, cell, ','));
-    try {
-      if (ok) step = std::stoll(cell);
-      for (size_t i = 1; ok && i < header.size() && std::getline(cells, cell, ','); ++i) {
-        if (!cell.empty()) row[header[i]] = std::stod(cell);
-      }
-    } catch (const std::exception&) {
-      ok = false;  // a row cut by the interruption
-    }
-    if (!ok) {
-      ++cut;
+    if (in.eof() || !is_row(cells_of(line), header.size(), step)) {
+      ++cut;  // no newline, or not whole: a row cut by the interruption
+      if (in.eof()) break;
     } else if (step <= *resume_step()) {
-      rows.emplace_back(step, std::move(row));
+      // As written (the digits stay as they were), as wide as the header.
+      const size_t cells = cells_of(line).size();
+      kept.lines.push_back(line + std::string(header.size() - cells, ','));
     } else {
       ++later;
     }
@@ -202,67 +238,106 @@ void CSVLogger::read_previous_rows() {
     detail::print_note(str("CSVLogger: resumed at step ", *resume_step(), ": in \"", metrics_file(),
                            "\", ", what, "."));
   }
-  columns_ = std::move(columns);
-  rows.insert(rows.end(), std::make_move_iterator(written_.begin()),
-              std::make_move_iterator(written_.end()));
-  written_ = std::move(rows);
+  return kept;
+}
+
+CSVLogger::FileRows CSVLogger::read_written_rows() const {
+  // The file as this logger last completed it: what a failed append left
+  // after that is not read.
+  FileRows kept;
+  kept.columns.assign(columns_.begin(),
+                      columns_.begin() + static_cast<std::ptrdiff_t>(*file_columns_));
+  std::ifstream in(metrics_file(), std::ios::binary);
+  std::string text(static_cast<size_t>(file_bytes_), '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  if (static_cast<uintmax_t>(in.gcount()) < file_bytes_) {
+    detail::print_note(str("CSVLogger: \"", metrics_file(),
+                           "\" is shorter than this logger wrote it (removed or cut by another "
+                           "program?): it is written anew with the rows still there."));
+    text.resize(static_cast<size_t>(in.gcount()));
+    text.resize(text.rfind('\n') == std::string::npos ? 0 : text.rfind('\n') + 1);
+  }
+  size_t at = text.find('\n');  // after the header
+  while (at != std::string::npos && at + 1 < text.size()) {
+    const size_t end = text.find('\n', at + 1);
+    kept.lines.push_back(text.substr(at + 1, end - at - 1));
+    at = end;
+  }
+  return kept;
 }
 
 void CSVLogger::save() {
-  if (pending_.empty() && !header_changed_) return;
+  const bool wider = file_columns_ && *file_columns_ != columns_.size();
+  if (pending_.empty() && !wider && !rewrite_ && !reconcile_) return;
   make_directory(log_dir());
-  if (resume_step() && !previous_rows_read_) {
-    read_previous_rows();
-    previous_rows_read_ = true;
-    header_changed_ = true;  // rewrite: the file holds only the kept rows
-  }
-  auto path = metrics_file();
-  if (!header_written_ && !resume_step()) {
-    // A version given explicitly may hold another run's rows.
-    std::error_code ec;
-    if (fs::is_regular_file(path, ec) && fs::file_size(path, ec) > 0 && !ec) {
-      detail::print_note(str("CSVLogger: \"", path,
-                             "\" holds the rows of an earlier run of this version; they are "
-                             "replaced by this run's. Pass another version (or none: the next "
-                             "free one) to keep them."));
-    }
-  }
+  const auto path = metrics_file();
   errno = 0;
-  if (header_changed_ || !header_written_) {
-    // A new column: the whole file anew with the wider header, replacing
-    // the old one whole (a full disk keeps it as it was).
+  if (!file_columns_ || wider || rewrite_ || reconcile_) {
+    // The whole file anew (a first save, a wider header, a resume, or after
+    // a failed append), replacing the old one whole: a full disk keeps it
+    // as it was. The rows kept from it are its lines as they were, widened
+    // with empty cells for the new columns (new columns come last).
+    FileRows kept;
+    if (reconcile_) {
+      kept = read_previous_rows();
+    } else if (file_columns_) {
+      kept = read_written_rows();
+    } else {
+      // A version given explicitly may hold another run's rows.
+      std::error_code ec;
+      if (fs::is_regular_file(path, ec) && fs::file_size(path, ec) > 0 && !ec) {
+        detail::print_note(str("CSVLogger: \"", path,
+                               "\" holds the rows of an earlier run of this version; they are "
+                               "replaced by this run's. Pass another version (or none: the next "
+                               "free one) to keep them."));
+      }
+    }
+    std::vector<std::string> columns = kept.columns;
+    for (const auto& c : columns_) {
+      if (std::find(columns.begin(), columns.end(), c) == columns.end()) columns.push_back(c);
+    }
+    const std::string widen(columns.size() - kept.columns.size(), ',');
     std::ostringstream out;
     out << "step";
-    for (const auto& c : columns_) out << ',' << c;
+    for (const auto& c : columns) out << ',' << c;
     out << '\n';
-    for (const auto& [step, row] : written_) write_row(out, columns_, step, row);
-    for (const auto& [step, row] : pending_) write_row(out, columns_, step, row);
-    if (std::string problem = detail::write_file_atomically(path, out.str()); !problem.empty()) {
+    for (const auto& line : kept.lines) out << line << widen << '\n';
+    for (const auto& [step, row] : pending_) write_row(out, columns, step, row);
+    const std::string text = out.str();
+    if (std::string problem = detail::write_file_atomically(path, text); !problem.empty()) {
       throw ConfigError(str("CSVLogger: ", problem,
                             ". Check that save_dir is writable and has space; the rows stay "
                             "pending and are written by the next save."));
     }
-    header_written_ = true;
-    header_changed_ = false;
+    columns_ = std::move(columns);
+    file_columns_ = columns_.size();
+    file_bytes_ = text.size();
+    file_rows_ = static_cast<int64_t>(kept.lines.size());
+    rewrite_ = reconcile_ = false;
   } else {
-    std::ofstream out(path, std::ios::app);
-    for (const auto& [step, row] : pending_) write_row(out, columns_, step, row);
+    std::ostringstream rows;
+    for (const auto& [step, row] : pending_) write_row(rows, columns_, step, row);
+    const std::string text = rows.str();
+    std::ofstream out(path, std::ios::app | std::ios::binary);
+    out << text;
     out.flush();
     if (!out) {
-      // Part of a row may have gone in: the next save writes the file anew.
-      header_changed_ = true;
+      // Part of a row may have gone in: the next save writes the file anew
+      // from what was there before this append.
+      rewrite_ = true;
       throw ConfigError(str("CSVLogger: cannot append to \"", path, "\": ", os_reason(),
                             ". Check that save_dir is writable and has space; the rows stay "
                             "pending and are written by the next save."));
     }
+    file_bytes_ += text.size();
   }
-  for (auto& r : pending_) written_.push_back(std::move(r));
+  file_rows_ += static_cast<int64_t>(pending_.size());
   pending_.clear();
 }
 
 void CSVLogger::finalize() {
   save();
-  if (!options_.plot || written_.empty()) return;
+  if (!options_.plot || file_rows_ == 0) return;
   const std::string png = (std::filesystem::path(log_dir()) / "metrics.png").string();
   if (const std::string problem = plot_metrics(metrics_file(), png); !problem.empty()) {
     detail::print_note(str("CSVLogger: ", problem));

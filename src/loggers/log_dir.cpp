@@ -121,6 +121,7 @@ StateDict VersionedLogger::state_dict() const {
 }
 
 void VersionedLogger::load_state_dict(const StateDict& state, int64_t step) {
+  resume_step_.reset();  // an earlier fit's resume of this logger is not this one's
   const c10::IValue* dir = state.find("log_dir");
   if (dir == nullptr || !dir->isString()) return;
   const auto version =
@@ -128,9 +129,27 @@ void VersionedLogger::load_state_dict(const StateDict& state, int64_t step) {
           ? explicit_version_
           : detail::resumed_version(dir->toStringRef(), detail::versions_root(save_dir_, name_),
                                     kind_);
-  if (!version) return;  // a version of its own (possibly chosen already)
+  if (!version) {
+    // A version of its own: a new one when an earlier fit of this logger
+    // wrote into the one it chose.
+    choose_version_again();
+    return;
+  }
   version_ = version;
   resume_step_ = step;
+}
+
+void VersionedLogger::resume_without_state(int64_t /*step*/) {
+  resume_step_.reset();
+  choose_version_again();
+}
+
+void VersionedLogger::choose_version_again() {
+  if (explicit_version_ || !version_) return;
+  // Chosen now, before any logger of the run creates its directory: the
+  // run's loggers under the same root choose the same one.
+  version_.reset();
+  (void)log_dir();
 }
 
 void VersionedLogger::follow_log_dir(const std::string& dir) {

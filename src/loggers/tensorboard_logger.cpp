@@ -191,15 +191,42 @@ void TensorBoardLogger::open_file() {
   Message version = event_at(0);
   version.bytes(kEventFileVersion, "brain.Event:2");
   append_record(pending_, version.data());
-  if (resume_step() && files_opened_ == 0) {
-    // Resumed at step s: TensorBoard drops the interrupted run's events
-    // after s (those at s were logged before the checkpoint was taken, or
-    // are logged again identically).
-    Message log;
-    log.varint(1, kSessionLogStart);
-    append_record(pending_, event_at(*resume_step() + 1).message(kEventSessionLog, log).data());
-  }
+  if (start_pending_) append_start();
   ++files_opened_;
+}
+
+void TensorBoardLogger::append_start() {
+  // Resumed at step s: TensorBoard drops the interrupted run's events after
+  // s, in this file and the earlier ones (those at s were logged before the
+  // checkpoint was taken, or are logged again identically).
+  Message log;
+  log.varint(1, kSessionLogStart);
+  append_record(pending_, event_at(*resume_step() + 1).message(kEventSessionLog, log).data());
+  ++pending_events_;
+  start_pending_ = false;
+}
+
+void TensorBoardLogger::load_state_dict(const StateDict& state, int64_t step) {
+  const std::string dir = fd_ >= 0 ? log_dir() : "";
+  VersionedLogger::load_state_dict(state, step);
+  continue_in(dir);
+}
+
+void TensorBoardLogger::resume_without_state(int64_t step) {
+  const std::string dir = fd_ >= 0 ? log_dir() : "";
+  VersionedLogger::resume_without_state(step);
+  continue_in(dir);
+}
+
+void TensorBoardLogger::continue_in(const std::string& dir_before) {
+  if (fd_ >= 0 && log_dir() != dir_before) {
+    // An earlier fit's file, in a directory this run does not continue.
+    save();
+    ::close(fd_);
+    fd_ = -1;
+  }
+  start_pending_ = resume_step().has_value();
+  if (start_pending_ && fd_ >= 0) append_start();
 }
 
 void TensorBoardLogger::add_event(const std::string& event) {

@@ -856,6 +856,9 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
           checkpoints.note_checkpoints_of_an_earlier_run();
         } else {
           checkpoints.restore(ckpt, /*full=*/true);
+          // The loggers continue the checkpoint's run (or another version):
+          // the other ranks take rank 0's directories again.
+          logging.agree_log_dirs(*strategy);
         }
         if (strategy->is_global_zero()) logging.log_hyperparams(m.hparams());
 

@@ -459,6 +459,46 @@ TEST(DDP, EveryRankLogsToGlobalRankZerosDirectory) {
   EXPECT_THAT(versions, ::testing::UnorderedElementsAre("version_0", "version_1"));
 }
 
+// A fit resumed from a checkpoint of a run that logged under another root
+// logs to a new version there; every rank takes it again after the
+// checkpoint is read (each rank chose a version of its own there, after
+// rank 0 may have made its directory).
+TEST(DDP, AResumeOfAnotherRootsRunLogsToOneVersionOnEveryRank) {
+  TempDir dir;
+  const std::string d = dir.path();
+  auto run = [&](const std::string& root, const std::string& steps, std::vector<std::string> more) {
+    std::vector<std::string> args = {"--strategy",
+                                     "ddp",
+                                     "--devices",
+                                     "2",
+                                     "--steps",
+                                     steps,
+                                     "--every-n-train-steps",
+                                     "2",
+                                     "--root",
+                                     d + "/" + root,
+                                     "--csv-and-profiler",
+                                     "--timeout",
+                                     "60"};
+    args.insert(args.end(), more.begin(), more.end());
+    return run_worker(args);
+  };
+  auto first = run("a", "2", {});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  std::filesystem::create_directories(d + "/b/fulgur_logs/version_0");
+  auto r = run("b", "4", {"--ckpt-path", d + "/a/checkpoints/last.ckpt"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string version = d + "/b/fulgur_logs/version_1";
+  EXPECT_EQ(result_value(r.output, "log_dir_rank0"), version) << r.output;
+  EXPECT_EQ(result_value(r.output, "log_dir_rank1"), version) << r.output;
+  std::vector<std::string> versions;
+  for (const auto& e : std::filesystem::directory_iterator(d + "/b/fulgur_logs")) {
+    versions.push_back(e.path().filename().string());
+  }
+  EXPECT_THAT(versions, ::testing::UnorderedElementsAre("version_0", "version_1"));
+  EXPECT_TRUE(std::filesystem::exists(version + "/metrics.csv"));
+}
+
 // A metric object logged on one rank only, at a checkpoint in the middle
 // of the epoch: every rank compares the names before the states'
 // collectives (the rank that logged none too), so the save is the same

@@ -134,6 +134,51 @@ TEST(CSVLogger, ARewriteThatDoesNotFitKeepsTheFileAsItWas) {
                                "the file changed, 14: the rows are not all there after)";
 }
 
+// An append that fills the disk part-way through its rows: the next save,
+// with room again, writes the file anew from what it held before that
+// append (the rows are read back from it, not kept in memory), each row
+// once.
+TEST(CSVLogger, AnAppendCutByAFullDiskIsWrittenWholeByTheNextSave) {
+  TempDir dir;
+  const auto r = fulgur::test::run_on_tmpfs(dir.path(), "64k", [&] {
+    fulgur::CSVLogger logger({.save_dir = dir.path(), .flush_every = 100000});
+    for (int step = 0; step < 1000; ++step) logger.log_metrics({{"loss", 0.5}}, step);
+    logger.save();
+    const auto saved = fs::file_size(logger.metrics_file());
+    // Another file takes the rest of the disk but a page.
+    const std::string filler = dir.file("filler");
+    {
+      std::ofstream out(filler);
+      out << std::string(64 * 1024, 'x');
+    }
+    fs::resize_file(filler, fs::file_size(filler) - 4096);
+    for (int step = 1000; step < 3000; ++step) logger.log_metrics({{"loss", 0.25}}, step);
+    try {
+      logger.save();
+      return 11;
+    } catch (const fulgur::ConfigError& e) {
+      if (!fulgur::test::message_contains(e.what(), {"cannot append", "rows stay pending"})) {
+        return 12;
+      }
+    }
+    if (fs::file_size(logger.metrics_file()) <= saved) return 13;  // part went in
+    fs::remove(filler);
+    logger.save();
+    const auto rows = read_csv(logger.metrics_file());
+    if (rows.size() != 3001) return 14;
+    for (int step = 0; step < 3000; ++step) {
+      if (rows[static_cast<size_t>(step) + 1] !=
+          std::vector<std::string>{std::to_string(step), step < 1000 ? "0.5" : "0.25"})
+        return 15;
+    }
+    return 0;
+  });
+  if (r.exit_code == fulgur::test::kCannotMountTmpfs) GTEST_SKIP() << "cannot mount a tmpfs here";
+  EXPECT_EQ(r.exit_code, 0) << r.describe()
+                            << " (11: saved anyway, 12: wrong message, 13: nothing of the append "
+                               "went in, 14: not a row per step, 15: a row not as logged)";
+}
+
 TEST(CSVLogger, WritesHyperparametersAsYaml) {
   TempDir dir;
   fulgur::CSVLogger logger({.save_dir = dir.path()});

@@ -1,5 +1,6 @@
 #include "fulgur/loggers/tensorboard_logger.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 namespace {
 
 namespace fs = std::filesystem;
+using fulgur::test::read_text;
 using fulgur::test::TempDir;
 using fulgur::test::tb::at;
 using fulgur::test::tb::count;
@@ -60,19 +62,20 @@ struct Scalar {
 std::ostream& operator<<(std::ostream& os, const Scalar& s) {
   return os << "(" << s.step << ", " << s.tag << ", " << s.value << ")";
 }
-std::vector<Scalar> scalars(const Events& events) {
-  std::vector<Scalar> out;
-  for (const auto& e : events.events) {
-    if (!has(*e, "summary")) continue;
-    const auto& summary = sub(*e, "summary");
-    for (int i = 0; i < count(summary, "value"); ++i) {
-      const auto& v = at(summary, "value", i);
-      if (has(v, "simple_value")) {
-        out.push_back({static_cast<int64_t>(number(*e, "step")), text(v, "tag"),
-                       static_cast<float>(number(v, "simple_value"))});
-      }
+void add_scalars(const tb::Message& event, std::vector<Scalar>& out) {
+  if (!has(event, "summary")) return;
+  const auto& summary = sub(event, "summary");
+  for (int i = 0; i < count(summary, "value"); ++i) {
+    const auto& v = at(summary, "value", i);
+    if (has(v, "simple_value")) {
+      out.push_back({static_cast<int64_t>(number(event, "step")), text(v, "tag"),
+                     static_cast<float>(number(v, "simple_value"))});
     }
   }
+}
+std::vector<Scalar> scalars(const Events& events) {
+  std::vector<Scalar> out;
+  for (const auto& e : events.events) add_scalars(*e, out);
   return out;
 }
 
@@ -337,6 +340,60 @@ TEST(TensorBoardLogger, ResumedRunAppendsToItsVersionAndSupersedesLaterSteps) {
   EXPECT_NE(std::find(steps.begin(), steps.end(), 4), steps.end());
 }
 
+/// The scalars TensorBoard shows: a SessionLog START at step s drops what
+/// came before it at steps >= s (its orphaned-data purge).
+std::vector<Scalar> shown_scalars(const Events& events) {
+  std::vector<Scalar> out;
+  for (const auto& e : events.events) {
+    if (has(*e, "session_log") && number(sub(*e, "session_log"), "status") == 1) {
+      const auto from = static_cast<int64_t>(number(*e, "step"));
+      out.erase(std::remove_if(out.begin(), out.end(),
+                               [from](const Scalar& s) { return s.step >= from; }),
+                out.end());
+    }
+    add_scalars(*e, out);
+  }
+  return out;
+}
+
+// The same Trainer and loggers fitting again from a checkpoint of the first
+// fit: its rows after the checkpoint's step are superseded as a new
+// Trainer's resume does (the first fit's rows were put back, and TensorBoard
+// had no SessionLog START: steps 5 and 6 twice).
+TEST(TensorBoardLogger, ASecondFitResumingTheFirstsCheckpointLogsEachStepOnce) {
+  if (!tb::available()) GTEST_SKIP() << tb::why_not();
+  TempDir dir;
+  const std::string ckpt = dir.file("step4.ckpt");
+  auto tb = std::make_shared<fulgur::TensorBoardLogger>(
+      fulgur::TensorBoardLoggerOptions{.save_dir = dir.path()});
+  auto csv = std::make_shared<fulgur::CSVLogger>(fulgur::CSVLoggerOptions{.save_dir = dir.path()});
+  auto options = logged(dir, {csv, tb});
+  options.callbacks = {std::make_shared<SaveAt>(4, ckpt)};
+  fulgur::Trainer trainer(options);
+  fulgur::test::LinearRegression model;
+  trainer.fit(model, fulgur::test::regression_loader(3));  // 6 steps over 2 epochs
+  testing::internal::CaptureStderr();
+  trainer.fit(model, fulgur::test::regression_loader(3), nullptr, {.ckpt_path = ckpt});
+  EXPECT_THAT(testing::internal::GetCapturedStderr(),
+              ::testing::HasSubstr("CSVLogger: resumed at step 4"));
+  EXPECT_EQ(tb->log_dir(), csv->log_dir());
+
+  std::vector<std::string> steps;
+  for (const auto& line : fulgur::test::read_lines(csv->metrics_file())) {
+    if (!line.empty() && line.rfind("step", 0) != 0)
+      steps.push_back(line.substr(0, line.find(',')));
+  }
+  EXPECT_THAT(steps, ::testing::ElementsAre("1", "2", "3", "4", "5", "6"));
+
+  Decoder decoder;
+  std::map<std::pair<int64_t, std::string>, int> seen;
+  for (const auto& s : shown_scalars(read_events(decoder, tb->log_dir()))) ++seen[{s.step, s.tag}];
+  ASSERT_TRUE(seen.count({6, "train_loss"}));
+  for (const auto& [key, n] : seen) {
+    EXPECT_EQ(n, 1) << key.second << " at step " << key.first;
+  }
+}
+
 TEST(TensorBoardLogger, CheckpointFromAnotherPlaceLogsToANewVersion) {
   TempDir first_dir, second_dir;
   const std::string ckpt = first_dir.file("step2.ckpt");
@@ -358,6 +415,38 @@ TEST(TensorBoardLogger, CheckpointFromAnotherPlaceLogsToANewVersion) {
   trainer.fit(model, fulgur::test::regression_loader(3), nullptr, {.ckpt_path = ckpt});
   EXPECT_EQ(tb->log_dir(), second_dir.file("fulgur_logs/version_0"));
   EXPECT_EQ(fulgur::test::list_files(first_dir.path()), before);
+}
+
+// A second fit of the same Trainer from a checkpoint of a run that logged
+// elsewhere logs to a new version, as a new Trainer's fit does: it
+// appended that run's steps to the first fit's file.
+TEST(TensorBoardLogger, ASecondFitFromAnotherPlacesCheckpointLogsToANewVersion) {
+  TempDir other, dir;
+  const std::string ckpt = other.file("step2.ckpt");
+  {
+    auto options = logged(
+        other,
+        {std::make_shared<fulgur::CSVLogger>(fulgur::CSVLoggerOptions{.save_dir = other.path()})});
+    options.max_epochs = 1;
+    options.callbacks = {std::make_shared<SaveAt>(2, ckpt)};
+    fulgur::Trainer trainer(options);
+    fulgur::test::LinearRegression model;
+    trainer.fit(model, fulgur::test::regression_loader(3));
+  }
+  auto csv = std::make_shared<fulgur::CSVLogger>(fulgur::CSVLoggerOptions{.save_dir = dir.path()});
+  auto tb = std::make_shared<fulgur::TensorBoardLogger>(
+      fulgur::TensorBoardLoggerOptions{.save_dir = dir.path()});
+  fulgur::Trainer trainer(logged(dir, {csv, tb}));
+  fulgur::test::LinearRegression model;
+  trainer.fit(model, fulgur::test::regression_loader(3));
+  const std::string first = read_text(csv->metrics_file());
+  const auto first_files = fulgur::test::list_files(tb->log_dir());
+  trainer.fit(model, fulgur::test::regression_loader(3), nullptr, {.ckpt_path = ckpt});
+  EXPECT_EQ(csv->log_dir(), dir.file("fulgur_logs/version_1"));
+  EXPECT_EQ(tb->log_dir(), dir.file("fulgur_logs/version_1"));
+  EXPECT_EQ(read_text(dir.file("fulgur_logs/version_0/metrics.csv")), first);
+  EXPECT_EQ(fulgur::test::list_files(dir.file("fulgur_logs/version_0")), first_files);
+  EXPECT_TRUE(fs::exists(dir.file("fulgur_logs/version_1/metrics.csv")));
 }
 
 TEST(TensorBoardLogger, TwoLoggersWritingTheSameFilesAreRefused) {

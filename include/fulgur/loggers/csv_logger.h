@@ -25,7 +25,9 @@ struct CSVLoggerOptions {
 /// Writes `<save_dir>/<name>/version_<N>/metrics.csv` (one row per step, one
 /// column per metric, empty cells where a metric was not logged) and
 /// `hparams.yaml` next to it. New columns rewrite the file with the wider
-/// header, so the CSV is always rectangular. At the end of fit, metrics.png:
+/// header, so the CSV is always rectangular; the rows are in memory only
+/// until they are written (every `flush_every` rows and before every
+/// checkpoint). At the end of fit, metrics.png:
 /// the curves (fulgur/loggers/plot.h). A run resumed from a checkpoint
 /// continues the same version: the rows the interrupted run wrote after the
 /// resumed step are dropped, the others kept.
@@ -35,22 +37,40 @@ class CSVLogger : public VersionedLogger {
   void log_hyperparams(const HParams& params) override;
   void log_metrics(const std::map<std::string, double>& metrics, int64_t step) override;
   void save() override;
+  /// Continues the run's file (see above).
+  void load_state_dict(const StateDict& state, int64_t step) override;
+  void resume_without_state(int64_t step) override;
   /// save(), then metrics.png when `plot` is on.
   void finalize() override;
   /// Path of metrics.csv.
   std::string metrics_file() const;
 
  private:
-  // A resumed run: the rows of metrics.csv up to `resume_step_`.
-  void read_previous_rows();
+  // Rows of metrics.csv to write again: as they are in the file, under its
+  // `columns`.
+  struct FileRows {
+    std::vector<std::string> columns;
+    std::vector<std::string> lines;
+  };
+  // A resumed run: the file's rows up to resume_step(), and a note on those
+  // dropped.
+  FileRows read_previous_rows();
+  // The rows this logger wrote (to widen the header).
+  FileRows read_written_rows() const;
+  // After a resume: a file of its own when the version changed.
+  void follow_version(const std::string& dir_before);
 
   CSVLoggerOptions options_;
-  std::vector<std::string> columns_;  // "step" first, then metric names in order seen
+  std::vector<std::string> columns_;  // metric names, in the file's order, then new ones
+  // Rows not written yet: all of them are in memory only until then.
   std::vector<std::pair<int64_t, std::map<std::string, double>>> pending_;
-  std::vector<std::pair<int64_t, std::map<std::string, double>>> written_;
-  bool header_written_ = false;
-  bool header_changed_ = false;
-  bool previous_rows_read_ = false;
+  // The file as this logger last wrote it: the metric columns of its
+  // header (none before its first save), its size and its rows.
+  std::optional<size_t> file_columns_;
+  uintmax_t file_bytes_ = 0;
+  int64_t file_rows_ = 0;
+  bool rewrite_ = false;    // an append failed: the next save writes the file anew
+  bool reconcile_ = false;  // resumed: the next save keeps the file's rows up to the step
 };
 
 }  // namespace fulgur

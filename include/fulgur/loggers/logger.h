@@ -58,6 +58,12 @@ class Logger {
   /// checkpoint holds a section under this logger's state_key(). What the
   /// interrupted run logged after `step` is superseded.
   virtual void load_state_dict(const StateDict& /*state*/, int64_t /*step*/) {}
+  /// Fit resumes at optimizer step `step` from a checkpoint without a
+  /// section for this logger (its run logged elsewhere, or without this
+  /// logger): what this logger wrote before (an earlier fit of the same
+  /// Trainer) is not that run's. Called before anything is logged.
+  /// Default: nothing.
+  virtual void resume_without_state(int64_t /*step*/) {}
   /// Under several ranks, at each stage's start, on every rank but global
   /// rank 0 (which writes the logs): global rank 0's log_dir(), to take as
   /// this rank's, so that what every rank writes beside the logs (the
@@ -80,6 +86,9 @@ class VersionedLogger : public Logger {
   /// "log_dir": the version directory (log_dir()).
   StateDict state_dict() const override;
   void load_state_dict(const StateDict& state, int64_t step) override;
+  /// A new version, unless one was given: the one chosen before holds
+  /// another run's logs.
+  void resume_without_state(int64_t step) override;
   /// The version of global rank 0's directory, unless one was given.
   void follow_log_dir(const std::string& dir) override;
 
@@ -92,6 +101,10 @@ class VersionedLogger : public Logger {
   const std::string& kind() const { return kind_; }
 
  private:
+  // After a resume of another run: the next free version, unless one was
+  // given or none was chosen yet.
+  void choose_version_again();
+
   std::string kind_, save_dir_, name_;
   std::optional<int64_t> explicit_version_;
   mutable std::optional<int64_t> version_;

@@ -39,9 +39,10 @@ struct TensorBoardLoggerOptions {
 /// Writes `<save_dir>/<name>/version_<N>/events.out.tfevents.<time>.<host>.
 /// <pid>.<seq, 6 digits>`: TFRecord framing (length, masked CRC32C of the length, the
 /// Event, masked CRC32C of the Event) of tensorflow.Event messages. A run
-/// resumed from a checkpoint appends to the same directory: its first event
-/// file starts with a SessionLog START just after the resumed step, which
-/// tells TensorBoard to drop what the interrupted run logged after it.
+/// resumed from a checkpoint appends to the same directory: its next event
+/// (in a new file, or the same logger's open one when the same Trainer fits
+/// again) is a SessionLog START just after the resumed step, which tells
+/// TensorBoard to drop what the interrupted run logged after it.
 class TensorBoardLogger : public VersionedLogger {
  public:
   explicit TensorBoardLogger(TensorBoardLoggerOptions options = {});
@@ -64,6 +65,9 @@ class TensorBoardLogger : public VersionedLogger {
   /// interrupted run is resumed later).
   void log_run_status(RunStatus status) override;
   void finalize() override;
+  /// Continues the run's directory (see above).
+  void load_state_dict(const StateDict& state, int64_t step) override;
+  void resume_without_state(int64_t step) override;
 
   /// The event file being written ("" before the first event).
   const std::string& event_file() const { return file_; }
@@ -71,12 +75,17 @@ class TensorBoardLogger : public VersionedLogger {
  private:
   void add_event(const std::string& event);
   void open_file();
+  void append_start();
+  // After a resume: closes an earlier fit's file in a directory other than
+  // log_dir(), and starts the resumed run's events.
+  void continue_in(const std::string& dir_before);
 
   TensorBoardLoggerOptions options_;
   std::string file_;
   int fd_ = -1;
   int64_t file_bytes_ = 0;
   int files_opened_ = 0;
+  bool start_pending_ = false;  // resumed: a SessionLog START goes before the next event
   int64_t pending_events_ = 0;
   std::string pending_;  // framed records not yet written
 };

@@ -600,11 +600,13 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
     }
   }
   trainer_.logging.train_sink().restore_metric_states(std::move(metric_states));
-  if (const StateDict* loggers = checkpoint.find_section("loggers")) {
-    for (auto& logger : trainer_.logging.loggers()) {
-      if (const StateDict* one = loggers->find_section(logger->state_key())) {
-        logger->load_state_dict(*one, progress.global_step);
-      }
+  const StateDict* loggers = checkpoint.find_section("loggers");
+  for (auto& logger : trainer_.logging.loggers()) {
+    if (const StateDict* one =
+            loggers != nullptr ? loggers->find_section(logger->state_key()) : nullptr) {
+      logger->load_state_dict(*one, progress.global_step);
+    } else {
+      logger->resume_without_state(progress.global_step);
     }
   }
   // Last: nothing above may draw random numbers after the RNGs are restored.
