@@ -111,27 +111,27 @@ void CSVLogger::load_state_dict(const StateDict& state, int64_t step) {
   save();
   const std::string before = file_columns_ ? log_dir() : "";
   VersionedLogger::load_state_dict(state, step);
-  follow_version(before);
+  if (!before.empty() && log_dir() != before) start_anew();  // another version
+  // Continuing a run's file: the next save keeps its rows up to the step.
+  reconcile_ = resume_step().has_value();
 }
 
 void CSVLogger::resume_without_state(int64_t step) {
   save();
-  const std::string before = file_columns_ ? log_dir() : "";
   VersionedLogger::resume_without_state(step);
-  follow_version(before);
+  // Another run: its first save writes the file anew, as a new logger's
+  // does (with an explicit version, the same file, noting that it replaces
+  // the rows there).
+  start_anew();
+  reconcile_ = false;
 }
 
-void CSVLogger::follow_version(const std::string& dir_before) {
-  if (!dir_before.empty() && log_dir() != dir_before) {
-    // Another version: a file of its own.
-    columns_.clear();
-    file_columns_.reset();
-    file_bytes_ = 0;
-    file_rows_ = 0;
-    rewrite_ = false;
-  }
-  // Continuing a run's file: the next save keeps its rows up to the step.
-  reconcile_ = resume_step().has_value();
+void CSVLogger::start_anew() {
+  columns_.clear();
+  file_columns_.reset();
+  file_bytes_ = 0;
+  file_rows_ = 0;
+  rewrite_ = false;
 }
 
 namespace {

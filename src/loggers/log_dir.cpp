@@ -107,6 +107,14 @@ std::string VersionedLogger::state_key() const {
   return str(kind_, "{", detail::versions_root(save_dir_, name_), "}");
 }
 
+std::string VersionedLogger::files_key() const {
+  const std::string root = detail::versions_root(save_dir_, name_);
+  std::error_code ec;
+  fs::path path = fs::absolute(root, ec);
+  if (!ec) path = fs::weakly_canonical(path, ec);
+  return str(kind_, "{", ec ? root : path.string(), "}");
+}
+
 // log_dir (string): the version directory it writes to, absolute (a
 // relative one would name another run's directory when resumed from
 // elsewhere). Optional on load (none, or not a string: the logger picks a

@@ -353,6 +353,7 @@ void TensorBoardLogger::log_run_status(RunStatus status) {
 }
 
 void TensorBoardLogger::finalize() {
+  start_pending_ = false;  // a resumed fit that logged nothing: the next fit's is not
   save();
   if (fd_ >= 0) {
     ::close(fd_);

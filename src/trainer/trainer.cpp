@@ -212,14 +212,16 @@ std::vector<std::string> check_loop_flags(const TrainerOptions& o) {
                        "\" is given twice; its files would mix. Name each logger once."));
     }
   }
-  std::map<std::string, size_t> logger_keys;
+  std::map<std::string, size_t> logger_keys, logger_files;
   for (size_t i = 0; i < o.loggers.size(); ++i) {
     check(o.loggers[i] != nullptr, str("loggers[", i, "] is null: pass an instance."));
     if (o.loggers[i] == nullptr) continue;
     const auto [it, fresh] = logger_keys.emplace(o.loggers[i]->state_key(), i);
-    check(fresh, str("loggers[", it->second, "] and loggers[", i, "] both write to ",
-                     o.loggers[i]->state_key(),
-                     ": their files would mix. Give one of them another save_dir or name."));
+    const auto [same, fresh_files] = logger_files.emplace(o.loggers[i]->files_key(), i);
+    check(fresh && fresh_files,
+          str("loggers[", fresh ? same->second : it->second, "] and loggers[", i,
+              "] both write to ", fresh ? o.loggers[i]->files_key() : o.loggers[i]->state_key(),
+              ": their files would mix. Give one of them another save_dir or name."));
   }
   return problems;
 }

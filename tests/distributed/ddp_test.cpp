@@ -462,7 +462,10 @@ TEST(DDP, EveryRankLogsToGlobalRankZerosDirectory) {
 // A fit resumed from a checkpoint of a run that logged under another root
 // logs to a new version there; every rank takes it again after the
 // checkpoint is read (each rank chose a version of its own there, after
-// rank 0 may have made its directory).
+// rank 0 may have made its directory). A fit resumed from its own run's
+// checkpoint continues its metrics.csv, a row per step: rank 1's loggers
+// also wrote it at each checkpoint (the resumed step's rows only, over
+// rank 0's).
 TEST(DDP, AResumeOfAnotherRootsRunLogsToOneVersionOnEveryRank) {
   TempDir dir;
   const std::string d = dir.path();
@@ -497,6 +500,25 @@ TEST(DDP, AResumeOfAnotherRootsRunLogsToOneVersionOnEveryRank) {
   }
   EXPECT_THAT(versions, ::testing::UnorderedElementsAre("version_0", "version_1"));
   EXPECT_TRUE(std::filesystem::exists(version + "/metrics.csv"));
+
+  auto again = run("a", "8", {"--ckpt-path", d + "/a/checkpoints/last.ckpt"});
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_EQ(result_value(again.output, "log_dir_rank1"), d + "/a/fulgur_logs/version_0");
+  // The steps of the rows of train_loss_step (the epoch's rows are others).
+  const auto lines = fulgur::test::read_lines(d + "/a/fulgur_logs/version_0/metrics.csv");
+  ASSERT_FALSE(lines.empty());
+  const auto header = fulgur::test::split(lines[0], ',');
+  const auto column = std::find(header.begin(), header.end(), "train_loss_step") - header.begin();
+  std::vector<std::string> steps;
+  for (size_t i = 1; i < lines.size(); ++i) {
+    const auto cells = fulgur::test::split(lines[i], ',');
+    if (column < static_cast<std::ptrdiff_t>(cells.size()) &&
+        !cells[static_cast<size_t>(column)].empty()) {
+      steps.push_back(cells[0]);
+    }
+  }
+  EXPECT_THAT(steps, ::testing::ElementsAre("1", "2", "3", "4", "5", "6", "7", "8"))
+      << fulgur::test::read_text(d + "/a/fulgur_logs/version_0/metrics.csv");
 }
 
 // A metric object logged on one rank only, at a checkpoint in the middle

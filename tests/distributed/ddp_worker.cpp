@@ -147,8 +147,8 @@ struct Args {
   // The test stage by a second Trainer, made while the fit's still lives.
   bool test_by_another_trainer = false;
   double tester_timeout_s = 0;  // > 0: the test's Trainer asks for this timeout
-  // A CSVLogger and the PyTorch profiler (batches 1 and 2); every rank
-  // prints its log_dir() (RESULT log_dir_rank<r>).
+  // A CSVLogger (a row each step) and the PyTorch profiler (batches 1 and
+  // 2); every rank prints its log_dir() (RESULT log_dir_rank<r>).
   bool csv_and_profiler = false;
   // A rank that sleeps slow_seconds in on_train_batch_end of the batch
   // before fault_step (it falls behind without hanging).
@@ -1043,6 +1043,7 @@ int main(int argc, char** argv) {
     options.logger = a.histograms;
     if (a.csv_and_profiler) {
       options.logger = "csv";
+      options.log_every_n_steps = 1;
       options.profiler = fulgur::ProfilerKind::kPyTorch;
       options.profiler_wait = 1;
       options.profiler_active = 2;

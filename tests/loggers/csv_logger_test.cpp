@@ -304,6 +304,24 @@ TEST(CSVLogger, AResumeSaysWhichRowsItDrops) {
   EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
 }
 
+// A resume of another run (a checkpoint without this logger's state) by
+// the same logger, with an explicit version: that run's steps replace the
+// file's rows, as a new logger's would, with the note (they were appended
+// after an earlier fit's, steps 1-6 then 4).
+TEST(CSVLogger, AResumeOfAnotherRunInAnExplicitVersionStartsTheFileAnew) {
+  TempDir dir;
+  fulgur::CSVLogger logger({.save_dir = dir.path(), .version = 0});
+  for (int64_t step = 1; step <= 6; ++step) logger.log_metrics({{"loss", 1.0 / step}}, step);
+  logger.finalize();
+  logger.resume_without_state(3);
+  logger.log_metrics({{"acc", 0.5}}, 4);
+  testing::internal::CaptureStderr();
+  logger.save();
+  EXPECT_THAT(testing::internal::GetCapturedStderr(),
+              ::testing::HasSubstr("holds the rows of an earlier run of this version"));
+  EXPECT_THAT(read_lines(logger.metrics_file()), ElementsAre("step,acc", "4,0.5"));
+}
+
 // A checkpoint records its logger's directory whole: resumed from another
 // working directory, a relative save_dir names another run's directory,
 // whose rows the resume dropped and replaced (its own "version_0"). Now the

@@ -449,13 +449,26 @@ TEST(TensorBoardLogger, ASecondFitFromAnotherPlacesCheckpointLogsToANewVersion) 
   EXPECT_TRUE(fs::exists(dir.file("fulgur_logs/version_1/metrics.csv")));
 }
 
+// Also under two spellings of one directory (they passed: the check
+// compared the state_key() strings).
 TEST(TensorBoardLogger, TwoLoggersWritingTheSameFilesAreRefused) {
   TempDir dir;
-  auto options = logged(dir, {std::make_shared<fulgur::TensorBoardLogger>(
-                                  fulgur::TensorBoardLoggerOptions{.save_dir = dir.path()}),
-                              std::make_shared<fulgur::TensorBoardLogger>(
-                                  fulgur::TensorBoardLoggerOptions{.save_dir = dir.path()})});
-  EXPECT_THROW(fulgur::Trainer trainer(options), fulgur::ConfigError);
+  fs::create_directory_symlink(dir.path(), dir.file("link"));
+  for (const std::string& other : {dir.path(), dir.path() + "/.", dir.file("link")}) {
+    auto options = logged(dir, {std::make_shared<fulgur::TensorBoardLogger>(
+                                    fulgur::TensorBoardLoggerOptions{.save_dir = dir.path()}),
+                                std::make_shared<fulgur::TensorBoardLogger>(
+                                    fulgur::TensorBoardLoggerOptions{.save_dir = other})});
+    EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer trainer(options),
+                       {"loggers[0] and loggers[1] both write to TensorBoardLogger{",
+                        "their files would mix. Give one of them another save_dir or name."})
+        << other;
+  }
+  // A CSVLogger beside it writes other files of the same directory.
+  fulgur::Trainer both(logged(dir, {std::make_shared<fulgur::TensorBoardLogger>(
+                                        fulgur::TensorBoardLoggerOptions{.save_dir = dir.path()}),
+                                    std::make_shared<fulgur::CSVLogger>(
+                                        fulgur::CSVLoggerOptions{.save_dir = dir.file("link")})}));
 }
 
 // A checkpoint is written after the loggers flushed: a run killed right

@@ -57,8 +57,8 @@ class CSVLogger : public VersionedLogger {
   FileRows read_previous_rows();
   // The rows this logger wrote (to widen the header).
   FileRows read_written_rows() const;
-  // After a resume: a file of its own when the version changed.
-  void follow_version(const std::string& dir_before);
+  // Forgets the file written so far: the next save writes one anew.
+  void start_anew();
 
   CSVLoggerOptions options_;
   std::vector<std::string> columns_;  // metric names, in the file's order, then new ones

@@ -50,6 +50,10 @@ class Logger {
   /// Identifies this logger's state in a checkpoint; unique among the run's
   /// loggers.
   virtual std::string state_key() const { return name(); }
+  /// Identifies the files this logger writes: the Trainer refuses two
+  /// loggers with the same one (or the same state_key()). Default:
+  /// state_key().
+  virtual std::string files_key() const { return state_key(); }
   /// What a resumed run needs to continue this logger's logs; the
   /// checkpoint holds it under "loggers/<state_key()>". Default: nothing.
   virtual StateDict state_dict() const { return {}; }
@@ -83,6 +87,9 @@ class VersionedLogger : public Logger {
   std::string log_dir() const override;
   /// "<kind>{<save_dir>/<name>}"
   std::string state_key() const override;
+  /// state_key() with the root as an absolute path, its links resolved:
+  /// "runs" and "./runs" are one.
+  std::string files_key() const override;
   /// "log_dir": the version directory (log_dir()).
   StateDict state_dict() const override;
   void load_state_dict(const StateDict& state, int64_t step) override;

@@ -219,13 +219,9 @@ void CheckpointConnector::save(const std::string& path) {
   }
   // What the loggers hold reaches their files first: a run resumed from
   // this checkpoint keeps the logs up to its step and does not log them again.
-  for (const auto& logger : trainer_.logging.loggers()) {
-    try {
-      logger->save();
-    } catch (const std::exception& e) {
-      detail::print_note(e.what());
-    }
-  }
+  // Global rank 0's: the others' loggers write nothing (a save of theirs
+  // after a resume would write the file anew with the resumed step's rows).
+  if (trainer_.strategy->is_global_zero()) trainer_.logging.save_quietly();
   // An EMA that validates with its average makes it the checkpoint's module
   // weights (what ModelCheckpoint ranked), the training weights its state;
   // the training weights are back once the checkpoint IO has taken the
@@ -600,13 +596,17 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
     }
   }
   trainer_.logging.train_sink().restore_metric_states(std::move(metric_states));
+  // Global rank 0's loggers (the others write nothing: they take its
+  // directories after this).
   const StateDict* loggers = checkpoint.find_section("loggers");
-  for (auto& logger : trainer_.logging.loggers()) {
-    if (const StateDict* one =
-            loggers != nullptr ? loggers->find_section(logger->state_key()) : nullptr) {
-      logger->load_state_dict(*one, progress.global_step);
-    } else {
-      logger->resume_without_state(progress.global_step);
+  if (trainer_.strategy->is_global_zero()) {
+    for (auto& logger : trainer_.logging.loggers()) {
+      if (const StateDict* one =
+              loggers != nullptr ? loggers->find_section(logger->state_key()) : nullptr) {
+        logger->load_state_dict(*one, progress.global_step);
+      } else {
+        logger->resume_without_state(progress.global_step);
+      }
     }
   }
   // Last: nothing above may draw random numbers after the RNGs are restored.
