@@ -79,7 +79,7 @@ void EMA::on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor&
   });
 }
 
-void EMA::begin_checkpoint(Module& module) {
+void EMA::on_before_checkpoint_save(Trainer&, Module& module) {
   // During training only (a save at the end of fit or after it holds what
   // the module holds then), and not while a validation has swapped it in.
   if (!training_ || !options_.validate_with_average || average_->empty() ||
@@ -90,7 +90,7 @@ void EMA::begin_checkpoint(Module& module) {
   swap_in(module);
 }
 
-void EMA::end_checkpoint(Module& module, bool failed) {
+void EMA::on_after_checkpoint_save(Trainer&, Module& module, bool failed) {
   if (!swapped_for_save_) return;
   Strategy& strategy = module.trainer().strategy();
   // A save that failed under fsdp may have failed on one rank only (global

@@ -453,6 +453,71 @@ class ClippingRegression : public LinearRegression {
   double largest = 0;
 };
 
+// A callback's hooks around each save: what it puts into the module for
+// the save is the checkpoint's module weights (as EMA saves its average),
+// and what it puts back after is what trains on. A failed save ends the
+// hooks with failed=true; a save from within a step runs neither.
+TEST(Hooks, ACallbackSavesOtherWeightsAsTheModulesAroundEachCheckpoint) {
+  TempDir dir;
+  struct Saver : fulgur::Callback {
+    std::string state_key() const override { return "Saver"; }
+    void on_before_backward(fulgur::Trainer& trainer, fulgur::Module&, const at::Tensor&) override {
+      if (trainer.global_step() == 2) trainer.save_checkpoint(path + "/within.ckpt");
+    }
+    void on_train_batch_end(fulgur::Trainer& trainer, fulgur::Module&, const at::Tensor&,
+                            const fulgur::Batch&, int64_t) override {
+      if (trainer.global_step() == 1) trainer.save_checkpoint(path + "/one.ckpt");
+      if (trainer.global_step() == 2) {
+        try {
+          trainer.save_checkpoint(path + "/one.ckpt/not-a-directory/two.ckpt");
+        } catch (const std::exception&) {
+          events.emplace_back("the save threw");
+        }
+      }
+    }
+    void on_before_checkpoint_save(fulgur::Trainer& trainer, fulgur::Module& module) override {
+      events.push_back("before " + std::to_string(trainer.global_step()));
+      kept = fulgur::test::clone_parameters(module);
+      torch::NoGradGuard no_grad;
+      for (auto& p : module.parameters()) p.fill_(42);
+    }
+    void on_after_checkpoint_save(fulgur::Trainer& trainer, fulgur::Module& module,
+                                  bool failed) override {
+      events.push_back("after " + std::to_string(trainer.global_step()) +
+                       (failed ? " failed" : ""));
+      torch::NoGradGuard no_grad;
+      auto params = module.parameters();
+      for (size_t i = 0; i < params.size(); ++i) params[i].copy_(kept[i]);
+    }
+    std::string path;
+    std::vector<std::string> events;
+    std::vector<at::Tensor> kept;
+  };
+  auto saver = std::make_shared<Saver>();
+  saver->path = dir.path();
+  LinearRegression model, plain;
+  fulgur::test::copy_parameters(model, plain);
+  auto options = test_options(dir);
+  options.max_epochs = 1;
+  options.callbacks = {saver};
+  fulgur::Trainer(options).fit(model, regression_loader(3));
+  EXPECT_THAT(saver->events,
+              ElementsAre("before 1", "after 1", "before 2", "after 2 failed", "the save threw"));
+  // The module trained as without the callback.
+  options.callbacks = {};
+  fulgur::Trainer(options).fit(plain, regression_loader(3));
+  fulgur::test::expect_tensors_equal(fulgur::test::clone_parameters(model),
+                                     fulgur::test::clone_parameters(plain));
+  // The checkpoint holds what the hook put in; the one from within a step
+  // the training weights.
+  LinearRegression loaded;
+  fulgur::Trainer reader(test_options(dir));
+  reader.validate(loaded, regression_loader(2), dir.file("one.ckpt"));
+  for (const auto& p : loaded.parameters()) EXPECT_TRUE(p.eq(42).all().item<bool>());
+  reader.validate(loaded, regression_loader(2), dir.file("within.ckpt"));
+  for (const auto& p : loaded.parameters()) EXPECT_FALSE(p.eq(42).any().item<bool>());
+}
+
 TEST(Hooks, AModuleClipsItsGradientsItsOwnWay) {
   TempDir dir;
   ClippingRegression model;

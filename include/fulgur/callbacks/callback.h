@@ -85,6 +85,17 @@ class Callback {
                                     const Batch& /*batch*/, int64_t /*batch_idx*/) {}
   virtual void on_before_optimizer_step(Trainer&, Module&, torch::optim::Optimizer&) {}
   virtual void on_exception(Trainer&, Module&, const std::exception&) {}
+  /// Around each checkpoint a fit saves (Trainer::save_checkpoint,
+  /// ModelCheckpoint), on every rank at the same point, after the loggers
+  /// flushed: before the checkpoint's state is taken (to save other weights
+  /// as the module's, as EMA's average), and once the checkpoint IO has it
+  /// (the async one copied it). `failed`: the save threw; put back what
+  /// on_before_checkpoint_save changed (a callback whose
+  /// on_before_checkpoint_save threw is ended too). Not around a save from
+  /// within a training step (autograd may hold the parameters) nor from
+  /// on_exception.
+  virtual void on_before_checkpoint_save(Trainer&, Module&) {}
+  virtual void on_after_checkpoint_save(Trainer&, Module&, bool /*failed*/) {}
 
   /// The state a checkpoint keeps under "callbacks/<state_key()>" (empty:
   /// nothing to keep; an empty section is still written).

@@ -45,7 +45,6 @@ namespace fulgur {
 
 namespace detail {
 class ParameterCopy;
-class CheckpointConnector;
 }
 
 struct EMAOptions {
@@ -80,6 +79,11 @@ class EMA : public Callback {
   /// A checkpoint whose module weights are the average: the training
   /// weights from EMA's state go back into the module.
   void on_restore_optimizers(Trainer& trainer, Module& module) override;
+  /// With validate_with_average, during training: the average into the
+  /// module for the save (what ModelCheckpoint ranked), the training
+  /// weights into EMA's state; back after it.
+  void on_before_checkpoint_save(Trainer& trainer, Module& module) override;
+  void on_after_checkpoint_save(Trainer& trainer, Module& module, bool failed) override;
 
   const EMAOptions& options() const { return options_; }
   /// The averaged parameters, in the module's parameters() order (empty
@@ -90,12 +94,6 @@ class EMA : public Callback {
   int64_t last_update_step() const { return last_update_step_; }
 
  private:
-  friend class detail::CheckpointConnector;
-  /// Around each save of a fit (CheckpointConnector::save, on every rank at
-  /// the same point): the average into the module before the checkpoint is
-  /// taken, the training weights back after the checkpoint IO took it.
-  void begin_checkpoint(Module& module);
-  void end_checkpoint(Module& module, bool failed);
   void swap_in(Module& module);
   void swap_out(Module& module);
   EMAOptions options_;
@@ -104,7 +102,7 @@ class EMA : public Callback {
   // A checkpoint's training weights (whole), until on_restore_optimizers.
   std::vector<at::Tensor> loaded_training_weights_;
   bool training_ = false;          // between on_train_start and on_train_end
-  bool swapped_for_save_ = false;  // begin_checkpoint swapped the average in
+  bool swapped_for_save_ = false;  // on_before_checkpoint_save swapped the average in
   int64_t failed_saves_ = 0;       // names each failed save's meeting of the ranks
   int64_t last_update_step_ = -1;
 };

@@ -27,7 +27,6 @@
 #include <vector>
 
 #include "fulgur/callbacks/callback.h"
-#include "fulgur/callbacks/ema.h"
 #include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/nn/state_dict.h"
@@ -222,40 +221,39 @@ void CheckpointConnector::save(const std::string& path) {
   // Global rank 0's: the others' loggers write nothing (a save of theirs
   // after a resume would write the file anew with the resumed step's rows).
   if (trainer_.strategy->is_global_zero()) trainer_.logging.save_quietly();
-  // An EMA that validates with its average makes it the checkpoint's module
-  // weights (what ModelCheckpoint ranked), the training weights its state;
-  // the training weights are back once the checkpoint IO has taken the
-  // state (the async one copies it before returning). Not in a save from
-  // on_exception (it may be one rank's alone, and EMA has put the training
-  // weights back by then), nor from within a step (autograd may hold the
-  // parameters, which a swap would write: the checkpoint holds the
-  // training weights as the module's then).
-  std::vector<EMA*> averages;
-  if (!trainer_.handling_exception && !trainer_.fit_loop.within_step()) {
-    for (auto& cb : trainer_.callbacks) {
-      if (auto* ema = dynamic_cast<EMA*>(cb.get())) averages.push_back(ema);
-    }
-  }
+  // The callbacks' hooks around the save (EMA's average saved as the
+  // module's weights). Not in a save from on_exception (it may be one
+  // rank's alone, and EMA has put the training weights back by then), nor
+  // from within a step (autograd may hold the parameters, which a swap
+  // would write).
+  const bool hooks = !trainer_.handling_exception && !trainer_.fit_loop.within_step();
+  const auto& callbacks = trainer_.callbacks;
+  Trainer& trainer = trainer_.self;
+  Module& module = *trainer_.module;
   size_t begun = 0;
   try {
-    for (; begun < averages.size(); ++begun) averages[begun]->begin_checkpoint(*trainer_.module);
+    for (; hooks && begun < callbacks.size(); ++begun) {
+      callbacks[begun]->on_before_checkpoint_save(trainer, module);
+    }
     StateDict checkpoint = dump();
     trainer_.drive().save_checkpoint(checkpoint, path);
   } catch (...) {
-    // Also the one whose begin_checkpoint failed (part of its swap done).
-    for (size_t i = 0; i <= begun && i < averages.size(); ++i) {
+    // Also the one whose on_before_checkpoint_save failed (part of its
+    // change done).
+    for (size_t i = 0; hooks && i <= begun && i < callbacks.size(); ++i) {
       try {
-        averages[i]->end_checkpoint(*trainer_.module, /*failed=*/true);
+        callbacks[i]->on_after_checkpoint_save(trainer, module, /*failed=*/true);
       } catch (const std::exception& e) {
         detail::print_note(
-            str("EMA: putting the training weights back after a failed save "
-                "failed too: ",
-                e.what()));
+            str("callback \"", callbacks[i]->state_key(),
+                "\": on_after_checkpoint_save after a failed save failed too: ", e.what()));
       }
     }
     throw;
   }
-  for (EMA* ema : averages) ema->end_checkpoint(*trainer_.module, /*failed=*/false);
+  for (size_t i = 0; hooks && i < callbacks.size(); ++i) {
+    callbacks[i]->on_after_checkpoint_save(trainer, module, /*failed=*/false);
+  }
 }
 
 std::string CheckpointConnector::checkpoint_dir() const {
