@@ -107,29 +107,13 @@ void CSVLogger::log_metrics(const std::map<std::string, double>& metrics, int64_
 
 // An earlier fit of this logger (the same Trainer fitting again) has
 // written its rows first: a resume reads them back from the file.
-// log_dir (VersionedLogger's), rows (int): the rows logged before the
-// checkpoint, written (the Trainer saves its loggers before each
-// checkpoint). Optional on load: without it, a resume keeps the rows up to
-// its step, also those a validation logged at that step after the
-// checkpoint (which the resumed run logs again).
-StateDict CSVLogger::state_dict() const {
-  StateDict state = VersionedLogger::state_dict();
-  state.set("rows", file_rows_ + static_cast<int64_t>(pending_.size()));
-  return state;
-}
-
 void CSVLogger::load_state_dict(const StateDict& state, int64_t step) {
   save();
   const std::string before = file_columns_ ? log_dir() : "";
   VersionedLogger::load_state_dict(state, step);
   if (!before.empty() && log_dir() != before) start_anew();  // another version
-  // Continuing a run's file: the next save keeps its rows up to the step
-  // (those logged before the checkpoint).
+  // Continuing a run's file: the next save keeps its rows up to the step.
   reconcile_ = resume_step().has_value();
-  resume_rows_.reset();
-  if (const c10::IValue* rows = state.find("rows"); rows != nullptr && rows->isInt()) {
-    resume_rows_ = rows->toInt();
-  }
 }
 
 void CSVLogger::resume_without_state(int64_t step) {
@@ -231,8 +215,7 @@ CSVLogger::FileRows CSVLogger::read_previous_rows() {
     if (in.eof() || !is_row(cells_of(line), header.size(), step)) {
       ++cut;  // no newline, or not whole: a row cut by the interruption
       if (in.eof()) break;
-    } else if (step <= *resume_step() &&
-               (!resume_rows_ || static_cast<int64_t>(kept.lines.size()) < *resume_rows_)) {
+    } else if (step <= *resume_step()) {
       // As written (the digits stay as they were), as wide as the header.
       const size_t cells = cells_of(line).size();
       kept.lines.push_back(line + std::string(header.size() - cells, ','));
@@ -244,8 +227,9 @@ CSVLogger::FileRows CSVLogger::read_previous_rows() {
     std::string what;
     if (later > 0) {
       what = str(later, later == 1 ? " row" : " rows",
-                 " logged after its checkpoint by the run resumed from ", later == 1 ? "is" : "are",
-                 " dropped: this run logs those steps again");
+                 " after that step (logged by the run "
+                 "resumed from after its checkpoint) ",
+                 later == 1 ? "is" : "are", " dropped: this run logs those steps again");
     }
     if (cut > 0) {
       what += str(what.empty() ? "" : "; ", cut, cut == 1 ? " row" : " rows",

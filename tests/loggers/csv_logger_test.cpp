@@ -288,9 +288,9 @@ TEST(CSVLogger, AResumeSaysWhichRowsItDrops) {
   EXPECT_THAT(testing::internal::GetCapturedStderr(),
               ::testing::HasSubstr(fulgur::str(
                   "CSVLogger: resumed at step 4: in \"", file,
-                  "\", 2 rows logged after its checkpoint by the run resumed from are dropped: "
-                  "this run logs those steps again; 1 row cut short by its interruption is "
-                  "dropped.")));
+                  "\", 2 rows after that step (logged by the run resumed from after its "
+                  "checkpoint) are dropped: this run logs those steps again; 1 row cut short by "
+                  "its interruption is dropped.")));
   const auto rows = read_csv(file);
   ASSERT_EQ(rows.size(), 6u);  // the header, steps 1 to 4, the resumed run's 5
   EXPECT_EQ(rows[4][0], "4");

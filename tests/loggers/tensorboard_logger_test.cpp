@@ -340,50 +340,6 @@ TEST(TensorBoardLogger, ResumedRunAppendsToItsVersionAndSupersedesLaterSteps) {
   EXPECT_NE(std::find(steps.begin(), steps.end(), 4), steps.end());
 }
 
-// A checkpoint at an epoch's last batch, before that epoch's validation: the
-// resumed run validates again at that step. metrics.csv kept the
-// interrupted run's validation row at the step too (two val_loss rows at
-// step 3); it keeps the rows logged before the checkpoint.
-TEST(CSVLogger, AResumeBeforeAValidationAtItsStepLogsThatValidationOnce) {
-  TempDir dir;
-  const std::string ckpt = dir.file("step3.ckpt");
-  auto val_steps = [](const std::string& file) {
-    const auto lines = fulgur::test::read_lines(file);
-    const auto header = fulgur::test::split(lines.at(0), ',');
-    const auto column =
-        static_cast<size_t>(std::find(header.begin(), header.end(), "val_loss") - header.begin());
-    std::vector<std::string> steps;
-    for (size_t i = 1; i < lines.size(); ++i) {
-      const auto cells = fulgur::test::split(lines[i], ',');
-      if (column < cells.size() && !cells[column].empty()) steps.push_back(cells[0]);
-    }
-    return steps;
-  };
-  std::string file;
-  {
-    auto csv =
-        std::make_shared<fulgur::CSVLogger>(fulgur::CSVLoggerOptions{.save_dir = dir.path()});
-    auto options = logged(dir, {csv});
-    options.callbacks = {std::make_shared<SaveAt>(3, ckpt)};
-    fulgur::Trainer trainer(options);
-    fulgur::test::LinearRegression model;
-    trainer.fit(model, fulgur::test::regression_loader(3), fulgur::test::regression_loader(2));
-    file = csv->metrics_file();
-  }
-  ASSERT_THAT(val_steps(file), ::testing::ElementsAre("3", "6"));
-  auto csv = std::make_shared<fulgur::CSVLogger>(fulgur::CSVLoggerOptions{.save_dir = dir.path()});
-  fulgur::Trainer trainer(logged(dir, {csv}));
-  fulgur::test::LinearRegression model;
-  testing::internal::CaptureStderr();
-  trainer.fit(model, fulgur::test::regression_loader(3), fulgur::test::regression_loader(2),
-              {.ckpt_path = ckpt});
-  EXPECT_THAT(testing::internal::GetCapturedStderr(),
-              ::testing::HasSubstr("rows logged after its checkpoint by the run resumed from are "
-                                   "dropped"));
-  EXPECT_EQ(csv->metrics_file(), file);
-  EXPECT_THAT(val_steps(file), ::testing::ElementsAre("3", "6"));
-}
-
 /// The scalars TensorBoard shows: a SessionLog START at step s drops what
 /// came before it at steps >= s (its orphaned-data purge).
 std::vector<Scalar> shown_scalars(const Events& events) {

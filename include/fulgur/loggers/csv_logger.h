@@ -37,11 +37,7 @@ class CSVLogger : public VersionedLogger {
   void log_hyperparams(const HParams& params) override;
   void log_metrics(const std::map<std::string, double>& metrics, int64_t step) override;
   void save() override;
-  /// VersionedLogger's, and the number of rows logged (written: the
-  /// Trainer saves its loggers before each checkpoint).
-  StateDict state_dict() const override;
-  /// Continues the run's file (see above): the rows logged before the
-  /// checkpoint are kept, also a validation's at its step logged after it.
+  /// Continues the run's file (see above).
   void load_state_dict(const StateDict& state, int64_t step) override;
   void resume_without_state(int64_t step) override;
   /// save(), then metrics.png when `plot` is on.
@@ -75,7 +71,6 @@ class CSVLogger : public VersionedLogger {
   int64_t file_rows_ = 0;
   bool rewrite_ = false;    // an append failed: the next save writes the file anew
   bool reconcile_ = false;  // resumed: the next save keeps the file's rows up to the step
-  std::optional<int64_t> resume_rows_;  // resumed: the rows logged before the checkpoint
 };
 
 }  // namespace fulgur
