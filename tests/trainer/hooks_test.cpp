@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -516,6 +517,68 @@ TEST(Hooks, ACallbackSavesOtherWeightsAsTheModulesAroundEachCheckpoint) {
   for (const auto& p : loaded.parameters()) EXPECT_TRUE(p.eq(42).all().item<bool>());
   reader.validate(loaded, regression_loader(2), dir.file("within.ckpt"));
   for (const auto& p : loaded.parameters()) EXPECT_FALSE(p.eq(42).any().item<bool>());
+}
+
+// A callback whose on_after_checkpoint_save throws: the later callbacks'
+// hooks still run (one that swapped weights in puts them back), then its
+// error is the save's. A save from within a hook runs no hooks (it ran
+// them again, without end).
+TEST(Hooks, EveryAfterSaveHookRunsAndASaveFromAHookRunsNone) {
+  TempDir dir;
+  struct Throws : fulgur::Callback {
+    std::string state_key() const override { return "Throws"; }
+    void on_before_checkpoint_save(fulgur::Trainer& trainer, fulgur::Module&) override {
+      events->push_back("throws: before");
+      trainer.save_checkpoint(path);  // from a hook: no hooks
+    }
+    void on_after_checkpoint_save(fulgur::Trainer&, fulgur::Module&, bool) override {
+      events->push_back("throws: after");
+      throw std::runtime_error("after-save hook failed");
+    }
+    std::shared_ptr<std::vector<std::string>> events;
+    std::string path;
+  };
+  struct Records : fulgur::Callback {
+    std::string state_key() const override { return "Records"; }
+    void on_before_checkpoint_save(fulgur::Trainer&, fulgur::Module&) override {
+      events->push_back("records: before");
+    }
+    void on_after_checkpoint_save(fulgur::Trainer&, fulgur::Module&, bool failed) override {
+      events->push_back(failed ? "records: after failed" : "records: after");
+    }
+    std::shared_ptr<std::vector<std::string>> events;
+  };
+  auto events = std::make_shared<std::vector<std::string>>();
+  auto throws = std::make_shared<Throws>();
+  throws->events = events;
+  throws->path = dir.file("nested.ckpt");
+  auto records = std::make_shared<Records>();
+  records->events = events;
+  struct SaveOnce : fulgur::Callback {
+    std::string state_key() const override { return "SaveOnce"; }
+    void on_train_batch_end(fulgur::Trainer& trainer, fulgur::Module&, const at::Tensor&,
+                            const fulgur::Batch&, int64_t) override {
+      if (trainer.global_step() != 1) return;
+      try {
+        trainer.save_checkpoint(path);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
+    std::string path, error;
+  };
+  auto save = std::make_shared<SaveOnce>();
+  save->path = dir.file("one.ckpt");
+  auto options = test_options(dir);
+  options.max_epochs = 1;
+  options.callbacks = {throws, records, save};
+  LinearRegression model;
+  fulgur::Trainer(options).fit(model, regression_loader(2));
+  EXPECT_THAT(*events,
+              ElementsAre("throws: before", "records: before", "throws: after", "records: after"));
+  EXPECT_EQ(save->error, "after-save hook failed");
+  EXPECT_TRUE(std::filesystem::exists(dir.file("nested.ckpt")));
+  EXPECT_TRUE(std::filesystem::exists(dir.file("one.ckpt")));
 }
 
 TEST(Hooks, AModuleClipsItsGradientsItsOwnWay) {

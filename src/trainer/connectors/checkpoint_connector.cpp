@@ -22,6 +22,7 @@
 
 #include <torch/torch.h>
 
+#include <exception>
 #include <filesystem>
 #include <iostream>
 #include <vector>
@@ -36,6 +37,7 @@
 #include "fulgur/plugins/io/checkpoint_io.h"
 #include "fulgur/plugins/precision/precision.h"
 #include "fulgur/utilities/seed.h"
+#include "strategies/every_rank.h"
 #include "trainer/trainer_impl.h"
 
 namespace fulgur::detail {
@@ -225,11 +227,19 @@ void CheckpointConnector::save(const std::string& path) {
   // module's weights). Not in a save from on_exception (it may be one
   // rank's alone, and EMA has put the training weights back by then), nor
   // from within a step (autograd may hold the parameters, which a swap
-  // would write).
-  const bool hooks = !trainer_.handling_exception && !trainer_.fit_loop.within_step();
+  // would write), nor in a save from one of these hooks (it would run
+  // them again, without end).
+  const bool hooks =
+      !trainer_.handling_exception && !trainer_.fit_loop.within_step() && !in_save_hooks_;
   const auto& callbacks = trainer_.callbacks;
   Trainer& trainer = trainer_.self;
   Module& module = *trainer_.module;
+  struct InHooks {
+    bool& flag;
+    bool was;
+    ~InHooks() { flag = was; }
+  } in_hooks{in_save_hooks_, in_save_hooks_};
+  in_save_hooks_ = in_save_hooks_ || hooks;
   size_t begun = 0;
   try {
     for (; hooks && begun < callbacks.size(); ++begun) {
@@ -251,9 +261,17 @@ void CheckpointConnector::save(const std::string& path) {
     }
     throw;
   }
+  // Every callback's, also after one that threw (an EMA later in the list
+  // puts its training weights back); then the first error.
+  std::exception_ptr first;
   for (size_t i = 0; hooks && i < callbacks.size(); ++i) {
-    callbacks[i]->on_after_checkpoint_save(trainer, module, /*failed=*/false);
+    try {
+      callbacks[i]->on_after_checkpoint_save(trainer, module, /*failed=*/false);
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
   }
+  if (first) std::rethrow_exception(first);
 }
 
 std::string CheckpointConnector::checkpoint_dir() const {

@@ -64,6 +64,7 @@ class CheckpointConnector {
   void note_callback_states_left(const StateDict& checkpoint, const std::string& path) const;
   void restore(const StateDict& checkpoint, const std::string& path, bool full);
   Trainer::Impl& trainer_;
+  bool in_save_hooks_ = false;  // a save from a callback's checkpoint-save hook runs none
 };
 
 }  // namespace fulgur::detail
