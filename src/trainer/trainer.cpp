@@ -28,6 +28,7 @@
 #include "fulgur/utilities/seed.h"
 #include "distributed/launchers/heartbeat.h"
 #include "strategies/early_failure.h"
+#include "strategies/every_rank.h"
 #include "trainer/loop_flags.h"
 #include "trainer/trainer_impl.h"
 #include "trainer/tuner_trial.h"
@@ -822,8 +823,34 @@ Trainer::Impl::FitLoaders Trainer::Impl::make_fit_loaders(DataModule& data, int6
 
 void Trainer::Impl::set_up_module_and_load_weights(Module& m, const std::string& ckpt_path) {
   drive().setup(m);
-  std::string ckpt = checkpoints.resolve_path(ckpt_path);
+  std::string ckpt =
+      agreed_checkpoint(ckpt_path, [&] { return checkpoints.resolve_path(ckpt_path); });
   if (!ckpt.empty()) checkpoints.restore(ckpt, /*full=*/false);
+}
+
+std::string Trainer::Impl::agreed_checkpoint(const std::string& requested,
+                                             const std::function<std::string()>& resolve) {
+  // Each rank finds it in its own view of the files ("last", "best" and
+  // "auto" read the checkpoint directory): a rank that fails stops them
+  // all, and ranks that found different ones (node-local disks) are an
+  // error on every rank, not a resume of different states.
+  std::string path;
+  detail::on_every_rank(*strategy, "cannot find the checkpoint to load, so no rank loads one",
+                        [&] { path = resolve(); });
+  if (strategy->world_size() <= 1) return path;
+  const std::string zero = strategy->broadcast_bytes(path, 0);
+  detail::on_every_rank(*strategy, "finds another checkpoint than global rank 0", [&] {
+    if (path == zero) return;
+    auto named = [](const std::string& p) {
+      return p.empty() ? std::string("none (a fresh start)") : str("\"", p, "\"");
+    };
+    throw CheckpointError(
+        str("ckpt_path=\"", requested, "\": rank ", strategy->global_rank(), " of ",
+            strategy->world_size(), " finds ", named(path), ", global rank 0 ", named(zero),
+            ". Every rank reads the checkpoint itself: give every node the same files at the "
+            "same path (a filesystem they share, or a copy on each) and the same ckpt_path."));
+  });
+  return path;
 }
 
 FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
@@ -853,7 +880,8 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         detail::TunerTrial::module_configured(m);
         drive().setup(m);
         fit_loop.set_optimizers(drive().setup_optimizers(m));
-        std::string ckpt = fit_start_checkpoint(fit.ckpt_path);
+        std::string ckpt =
+            agreed_checkpoint(fit.ckpt_path, [&] { return fit_start_checkpoint(fit.ckpt_path); });
         if (ckpt.empty()) {
           checkpoints.note_checkpoints_of_an_earlier_run();
         } else {

@@ -166,6 +166,10 @@ struct Trainer::Impl final : detail::TrainerLink {
   /// (the cluster environment's restart_count() > 0) the newest checkpoint
   /// that verifies, falling back to `requested` while there is none.
   std::string fit_start_checkpoint(const std::string& requested);
+  // `resolve` (a checkpoint path for ckpt_path=`requested`, or "" for none)
+  // run on every rank; the ranks agree on how it went and on its path.
+  std::string agreed_checkpoint(const std::string& requested,
+                                const std::function<std::string()>& resolve);
   /// What a restarted fit resumes from: the newest checkpoint of the run's
   /// directory that verifies (`newest`), else `requested` resolved.
   struct RestartPoint {

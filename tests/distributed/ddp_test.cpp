@@ -521,6 +521,46 @@ TEST(DDP, AResumeOfAnotherRootsRunLogsToOneVersionOnEveryRank) {
       << fulgur::test::read_text(d + "/a/fulgur_logs/version_0/metrics.csv");
 }
 
+// Ranks that see other files (node-local disks: here rank 1's IO fails, or
+// it gets another ckpt_path): a rank that cannot read the checkpoint
+// stopped alone, its peer resumed and went into the fit's collectives
+// (under torchrun or SLURM, to wait there until the timeout); ranks that
+// find different checkpoints resumed different states. Now both are an
+// error on every rank, naming what each found.
+TEST(DDP, RanksThatFindOtherCheckpointsAreRefusedOnEveryRank) {
+  TempDir dir;
+  const std::string d = dir.path();
+  auto run = [&](std::vector<std::string> more) {
+    std::vector<std::string> args = {
+        "--strategy", "ddp",    "--devices", "2",         "--steps", "4", "--every-n-train-steps",
+        "2",          "--root", d,           "--timeout", "120"};
+    args.insert(args.end(), more.begin(), more.end());
+    return run_worker(args);
+  };
+  auto first = run({});
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string last = d + "/checkpoints/last.ckpt";
+  ASSERT_TRUE(std::filesystem::exists(last));
+
+  auto unread = run({"--ckpt-path", last, "--rank1-cannot-read"});
+  EXPECT_NE(unread.exit_code, 0);
+  EXPECT_THAT(unread.output,
+              ::testing::HasSubstr(fulgur::str("rank 1 of 2 cannot read the checkpoint, so no rank "
+                                               "resumes: cannot read \"",
+                                               last, "\": Input/output error")))
+      << unread.output;
+
+  auto other = run({"--ckpt-path", last, "--ckpt-path-rank1", ""});
+  EXPECT_NE(other.exit_code, 0);
+  EXPECT_THAT(other.output,
+              ::testing::HasSubstr(fulgur::str("rank 1 of 2 finds none (a fresh start), global "
+                                               "rank 0 \"",
+                                               last,
+                                               "\". Every rank reads the "
+                                               "checkpoint itself")))
+      << other.output;
+}
+
 // A metric object logged on one rank only, at a checkpoint in the middle
 // of the epoch: every rank compares the names before the states'
 // collectives (the rank that logged none too), so the save is the same

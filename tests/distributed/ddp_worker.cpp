@@ -196,6 +196,10 @@ struct Args {
   double heartbeat_timeout_s = -1;  // < 0: the Trainer's default
   int64_t every_n_train_steps = 0;
   std::string ckpt_path;
+  // Rank 1's ckpt_path instead (a node that sees other files).
+  std::optional<std::string> ckpt_path_rank1;
+  // Rank 1's checkpoint IO cannot read (a node whose disk fails).
+  bool rank1_cannot_read = false;
   // "R:S" or "R:S:A": rank R is SIGKILLed before global step S in attempt A
   // (default 0).
   std::vector<std::string> kills;
@@ -918,6 +922,8 @@ int main(int argc, char** argv) {
   app.add_option("--heartbeat-timeout", a.heartbeat_timeout_s);
   app.add_option("--every-n-train-steps", a.every_n_train_steps);
   app.add_option("--ckpt-path", a.ckpt_path);
+  app.add_option("--ckpt-path-rank1", a.ckpt_path_rank1);
+  app.add_flag("--rank1-cannot-read", a.rank1_cannot_read);
   app.add_option("--kill", a.kills);
   app.add_option("--sigstop-rank", a.sigstop_rank);
   app.add_option("--deadlock-rank", a.deadlock_rank);
@@ -974,6 +980,19 @@ int main(int argc, char** argv) {
     options.sync_batchnorm = a.sync_batchnorm;
     options.use_distributed_sampler = a.distributed_sampler;
     if (!a.plugins.empty()) options.plugins = {a.plugins};
+    if (a.rank1_cannot_read) {
+      // RANK: what the launcher sets in the ranks it starts.
+      struct Rank1CannotRead : fulgur::TorchCheckpointIO {
+        fulgur::StateDict load_checkpoint(const std::string& path) override {
+          const char* rank = std::getenv("RANK");
+          if (rank != nullptr && std::string(rank) == "1") {
+            throw fulgur::CheckpointError("cannot read \"" + path + "\": Input/output error");
+          }
+          return TorchCheckpointIO::load_checkpoint(path);
+        }
+      };
+      options.plugins.push_back(std::make_shared<Rank1CannotRead>());
+    }
     options.max_steps = a.steps;
     options.reload_dataloaders_every_n_epochs = a.reload_every;
     if (a.limit_train_batches > 0) {
@@ -1111,7 +1130,12 @@ int main(int argc, char** argv) {
                         fulgur::make_data_loader(std::make_shared<fulgur::TensorDataset>(vx, vy),
                                                  {.batch_size = 16}));
       } else {
-        result = trainer.fit(model, train, nullptr, {.ckpt_path = a.ckpt_path});
+        // RANK: what the launcher sets in the ranks it starts.
+        const char* rank = std::getenv("RANK");
+        const bool rank1 = rank != nullptr && std::string(rank) == "1";
+        result = trainer.fit(
+            model, train, nullptr,
+            {.ckpt_path = rank1 && a.ckpt_path_rank1 ? *a.ckpt_path_rank1 : a.ckpt_path});
       }
     }
     fulgur::Metrics test;

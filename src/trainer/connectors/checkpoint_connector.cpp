@@ -396,7 +396,12 @@ void CheckpointConnector::note_checkpoints_of_an_earlier_run() const {
 }
 
 void CheckpointConnector::restore(const std::string& path, bool full) {
-  const StateDict checkpoint = trainer_.drive().load_checkpoint(path);
+  // Every rank reads it (a sharded checkpoint's ranks their own shards): a
+  // rank that cannot (a node whose disk lacks the file) stops them all,
+  // instead of its peers waiting in the stage's first collective.
+  StateDict checkpoint;
+  detail::on_every_rank(*trainer_.strategy, "cannot read the checkpoint, so no rank resumes",
+                        [&] { checkpoint = trainer_.drive().load_checkpoint(path); });
   try {
     restore(checkpoint, path, full);
   } catch (const CheckpointError& e) {
