@@ -96,6 +96,19 @@ void CSVLogger::log_hyperparams(const HParams& params) {
 }
 
 void CSVLogger::log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
+  // Names the file cannot hold (it reads no quoting), before anything is kept.
+  for (const auto& [name, _] : metrics) {
+    if (name.empty() || name == "step" || name.find_first_of(",\"\n\r") != std::string::npos) {
+      throw ConfigError(str("CSVLogger.log_metrics: a metric named \"", name,
+                            "\" cannot be a column of metrics.csv (",
+                            name.empty() ? "a column needs a name"
+                            : name == "step"
+                                ? "\"step\" is its first column, each row's step"
+                                : "its columns are separated by commas and its rows by line "
+                                  "breaks, and it reads no quoting",
+                            "). Name it otherwise, e.g. with '_' or '/'."));
+    }
+  }
   for (const auto& [name, _] : metrics) {
     if (std::find(columns_.begin(), columns_.end(), name) == columns_.end()) {
       columns_.push_back(name);

@@ -179,6 +179,22 @@ TEST(CSVLogger, AnAppendCutByAFullDiskIsWrittenWholeByTheNextSave) {
                                "went in, 14: not a row per step, 15: a row not as logged)";
 }
 
+// Names that would break the file (it reads no quoting) are refused, naming
+// the metric, and nothing of the call is kept.
+TEST(CSVLogger, NamesTheFileCannotHoldAreRefused) {
+  TempDir dir;
+  fulgur::CSVLogger logger({.save_dir = dir.path()});
+  for (const std::string name : {"a,b", "q\"", "line\nbreak", "step", ""}) {
+    SCOPED_TRACE(name);
+    EXPECT_THROWS_WITH(fulgur::ConfigError, logger.log_metrics({{"ok", 1.0}, {name, 2.0}}, 1),
+                       {fulgur::str("a metric named \"", name, "\" cannot be a column")});
+  }
+  logger.log_metrics({{"ok", 1.0}}, 2);
+  logger.save();
+  EXPECT_THAT(read_csv(logger.metrics_file()),
+              ElementsAre(ElementsAre("step", "ok"), ElementsAre("2", "1")));
+}
+
 TEST(CSVLogger, WritesHyperparametersAsYaml) {
   TempDir dir;
   fulgur::CSVLogger logger({.save_dir = dir.path()});

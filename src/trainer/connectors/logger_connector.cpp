@@ -107,6 +107,12 @@ LogSink::Entry& LogSink::entry(std::string_view name, const LogOptions& options,
             " (metrics.csv separates its columns with commas and its rows with line "
             "breaks, and reads no quoting). Use another character, e.g. '_' or '/'."));
   }
+  if (name == "step") {
+    throw ConfigError(
+        "log(\"step\"): \"step\" is each row's optimizer step in the loggers (metrics.csv's "
+        "first column, TensorBoard's x-axis), which the Trainer sets. Log the value under "
+        "another name, e.g. \"my_step\".");
+  }
   if (options.batch_size && *options.batch_size < 0) {
     throw ConfigError(str("log(\"", name, "\", batch_size=", *options.batch_size,
                           "): the batch size weighs the value in the epoch's mean and must be "
