@@ -550,6 +550,29 @@ TEST(DDP, RanksThatFindOtherCheckpointsAreRefusedOnEveryRank) {
                                                last, "\": Input/output error")))
       << unread.output;
 
+  // "best" in a new process reads the checkpoint that records it; under a
+  // sharded layout that read was the layout's collective load, made by
+  // the ranks resolving "best" only (here rank 0), paired with rank 1's
+  // agreement. Sharded checkpoints of fsdp: "best" resumes on both ranks,
+  // and "best" on rank 0 against a fresh start on rank 1 is the error
+  // below.
+  auto sharded = [&](std::vector<std::string> more) {
+    std::vector<std::string> args = {
+        "--strategy", "fsdp",   "--devices", "2",         "--checkpoint", "--state-dict-type",
+        "sharded",    "--root", d + "/fsdp", "--timeout", "120"};
+    args.insert(args.end(), more.begin(), more.end());
+    return run_worker(args);
+  };
+  auto trained = sharded({"--steps", "4"});
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  auto best = sharded({"--steps", "6", "--ckpt-path", "best"});
+  EXPECT_EQ(best.exit_code, 0) << best.output;
+  auto mixed = sharded({"--steps", "8", "--ckpt-path", "best", "--ckpt-path-rank1", ""});
+  EXPECT_NE(mixed.exit_code, 0);
+  EXPECT_THAT(mixed.output,
+              ::testing::HasSubstr("rank 1 of 2 finds none (a fresh start), global rank 0 \""))
+      << mixed.output;
+
   auto other = run({"--ckpt-path", last, "--ckpt-path-rank1", ""});
   EXPECT_NE(other.exit_code, 0);
   EXPECT_THAT(other.output,

@@ -29,6 +29,7 @@
 
 #include "fulgur/callbacks/callback.h"
 #include "fulgur/callbacks/model_checkpoint.h"
+#include "fulgur/strategies/checkpoint_layout.h"
 #include "fulgur/core/errors.h"
 #include "fulgur/nn/state_dict.h"
 #include "fulgur/optim/lr_scheduler.h"
@@ -54,6 +55,20 @@ struct SchedulerAccess : torch::optim::LRScheduler {
     return s.*(&SchedulerAccess::step_count_);
   }
 };
+
+// The checkpoint at `path` as this rank reads it alone, with no collective
+// (the ranks may not agree on the path yet): its file, or this rank's
+// shard of a directory (global rank 0's when the directory's world size is
+// another).
+StateDict read_alone(Strategy& strategy, const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path, ec))
+    return strategy.checkpoint_io().load_checkpoint(path);
+  const ShardedCheckpoint::Manifest manifest = ShardedCheckpoint::read_manifest(path);
+  const int rank = strategy.global_rank() < manifest.world_size ? strategy.global_rank() : 0;
+  return strategy.checkpoint_io().load_checkpoint(
+      ShardedCheckpoint::shard_path(path, rank, manifest.world_size));
+}
 
 }  // namespace
 
@@ -341,7 +356,9 @@ std::string CheckpointConnector::best_path() const {
     // A new process: the best the run's newest checkpoint recorded (its
     // ModelCheckpoint's state; each checkpoint records the list it joined).
     recorded_by = newest_checkpoint("best");
-    const StateDict state = trainer_.drive().load_checkpoint(recorded_by);
+    // Read by each rank alone: resolving the path is no collective (the
+    // ranks agree on its outcome after it, Trainer::Impl::agreed_checkpoint).
+    const StateDict state = read_alone(*trainer_.strategy, recorded_by);
     const StateDict* callbacks = state.find_section("callbacks");
     const StateDict* own = callbacks ? callbacks->find_section(callback->state_key()) : nullptr;
     if (own != nullptr && own->contains("best_model_path")) best = own->string("best_model_path");
