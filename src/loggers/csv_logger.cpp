@@ -225,13 +225,13 @@ CSVLogger::FileRows CSVLogger::read_previous_rows() {
   kept.columns.assign(header.begin() + 1, header.end());
   while (std::getline(in, line)) {
     int64_t step = 0;
-    if (in.eof() || !is_row(cells_of(line), header.size(), step)) {
+    const std::vector<std::string> cells = cells_of(line);
+    if (in.eof() || !is_row(cells, header.size(), step)) {
       ++cut;  // no newline, or not whole: a row cut by the interruption
       if (in.eof()) break;
     } else if (step <= *resume_step()) {
       // As written (the digits stay as they were), as wide as the header.
-      const size_t cells = cells_of(line).size();
-      kept.lines.push_back(line + std::string(header.size() - cells, ','));
+      kept.lines.push_back(line + std::string(header.size() - cells.size(), ','));
     } else {
       ++later;
     }

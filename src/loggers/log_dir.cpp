@@ -107,12 +107,18 @@ std::string VersionedLogger::state_key() const {
   return str(kind_, "{", detail::versions_root(save_dir_, name_), "}");
 }
 
-std::string VersionedLogger::files_key() const {
-  const std::string root = detail::versions_root(save_dir_, name_);
+namespace {
+// `path` absolute, its links resolved; as given when that fails.
+std::string canonical_text(const std::string& path) {
   std::error_code ec;
-  fs::path path = fs::absolute(root, ec);
-  if (!ec) path = fs::weakly_canonical(path, ec);
-  return str(kind_, "{", ec ? root : path.string(), "}");
+  fs::path whole = fs::absolute(path, ec);
+  if (!ec) whole = fs::weakly_canonical(whole, ec);
+  return ec ? path : whole.string();
+}
+}  // namespace
+
+std::string VersionedLogger::files_key() const {
+  return str(kind_, "{", canonical_text(detail::versions_root(save_dir_, name_)), "}");
 }
 
 // log_dir (string): the version directory it writes to, absolute (a
@@ -121,10 +127,7 @@ std::string VersionedLogger::files_key() const {
 // version of its own).
 StateDict VersionedLogger::state_dict() const {
   StateDict state;
-  std::error_code ec;
-  fs::path dir = fs::absolute(log_dir(), ec);
-  if (!ec) dir = fs::weakly_canonical(dir, ec);
-  state.set("log_dir", ec ? log_dir() : dir.string());
+  state.set("log_dir", canonical_text(log_dir()));
   return state;
 }
 
