@@ -95,17 +95,27 @@ void CSVLogger::log_hyperparams(const HParams& params) {
   }
 }
 
+std::string CSVLogger::why_not_a_column(std::string_view name) {
+  if (name.empty()) return "a column needs a name";
+  if (name == "step") return "\"step\" is its first column, each row's step";
+  const size_t bad = name.find_first_of(",\"\n\r");
+  if (bad == std::string_view::npos) return "";
+  const char c = name[bad];
+  return str("it holds ",
+             c == '\n'   ? "a line break"
+             : c == '\r' ? "a carriage return"
+             : c == ','  ? "a comma"
+                         : "a double quote",
+             ", and metrics.csv separates its columns with commas and its rows with line "
+             "breaks, and reads no quoting");
+}
+
 void CSVLogger::log_metrics(const std::map<std::string, double>& metrics, int64_t step) {
-  // Names the file cannot hold (it reads no quoting), before anything is kept.
+  // Names the file cannot hold, before anything is kept.
   for (const auto& [name, _] : metrics) {
-    if (name.empty() || name == "step" || name.find_first_of(",\"\n\r") != std::string::npos) {
+    if (const std::string why = why_not_a_column(name); !why.empty()) {
       throw ConfigError(str("CSVLogger.log_metrics: a metric named \"", name,
-                            "\" cannot be a column of metrics.csv (",
-                            name.empty() ? "a column needs a name"
-                            : name == "step"
-                                ? "\"step\" is its first column, each row's step"
-                                : "its columns are separated by commas and its rows by line "
-                                  "breaks, and it reads no quoting",
+                            "\" cannot be a column of metrics.csv (", why,
                             "). Name it otherwise, e.g. with '_' or '/'."));
     }
   }

@@ -30,6 +30,10 @@ namespace fs = std::filesystem;
 
 CheckpointLayout::~CheckpointLayout() = default;
 
+FileFingerprint CheckpointLayout::fingerprint(Strategy& strategy, const std::string& path) {
+  return strategy.checkpoint_io().fingerprint(path);
+}
+
 // ---- One file, written by global rank 0.
 
 bool SingleFileCheckpoint::is_writer(const Strategy& strategy) const {
@@ -137,11 +141,15 @@ std::string ShardedCheckpoint::missing_shards(const std::string& path, const Man
              ShardedCheckpoint::kManifest, ". Restore them, or resume from another checkpoint.");
 }
 
-ShardedCheckpoint::Manifest ShardedCheckpoint::read_manifest(const std::string& path) {
+namespace {
+
+// The bytes of the manifest of the checkpoint directory `path`, as they are
+// (checked by read_manifest).
+std::string read_manifest_text(const std::string& path) {
   const fs::path file = fs::path(path) / ShardedCheckpoint::kManifest;
   // A manifest lists one line per rank: 16 MiB is half a million ranks.
   constexpr uint64_t kMaxManifestBytes = uint64_t{16} << 20;
-  const detail::SmallFileRead read = detail::read_small_file(file.string(), kMaxManifestBytes);
+  detail::SmallFileRead read = detail::read_small_file(file.string(), kMaxManifestBytes);
   if (read.problem == detail::SmallFileRead::Problem::kMissing) {
     throw CheckpointError(str("checkpoint \"", path, "\" has no ", ShardedCheckpoint::kManifest,
                               ": its save did not complete (rank 0 writes it after every shard). "
@@ -153,7 +161,21 @@ ShardedCheckpoint::Manifest ShardedCheckpoint::read_manifest(const std::string& 
                               ". Rank 0 writes it as the save's last step; resume from an "
                               "earlier checkpoint, or restore the directory from a copy."));
   }
-  const std::string& text = read.text;
+  return std::move(read.text);
+}
+
+}  // namespace
+
+FileFingerprint ShardedCheckpoint::fingerprint(Strategy& strategy, const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return CheckpointLayout::fingerprint(strategy, path);
+  const std::string text = read_manifest_text(path);
+  return {text.size(), crc32c(text.data(), text.size())};
+}
+
+ShardedCheckpoint::Manifest ShardedCheckpoint::read_manifest(const std::string& path) {
+  const fs::path file = fs::path(path) / ShardedCheckpoint::kManifest;
+  const std::string text = read_manifest_text(path);
   std::istringstream lines(text);
   Manifest m;
   std::string line;

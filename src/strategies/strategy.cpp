@@ -474,6 +474,10 @@ std::string Strategy::verify_checkpoint(const std::string& path) {
   return checkpoint_layout_->verify(*this, path);
 }
 
+FileFingerprint Strategy::checkpoint_fingerprint(const std::string& path) {
+  return checkpoint_layout_->fingerprint(*this, path);
+}
+
 void Strategy::remove_stale_checkpoint_files(const std::string& dir) {
   checkpoint_layout_->remove_stale_files(*this, dir);
 }

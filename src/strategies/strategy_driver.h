@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fulgur/core/module.h"
+#include "fulgur/plugins/io/checkpoint_io.h"
 #include "fulgur/strategies/strategy.h"
 
 namespace fulgur::detail {
@@ -113,6 +114,9 @@ class StrategyDriver {
   StateDict load_checkpoint(const std::string& path) { return s_.load_checkpoint(path); }
   void remove_checkpoint(const std::string& path) { s_.remove_checkpoint(path); }
   std::string verify_checkpoint(const std::string& path) { return s_.verify_checkpoint(path); }
+  FileFingerprint checkpoint_fingerprint(const std::string& path) {
+    return s_.checkpoint_fingerprint(path);
+  }
   void remove_stale_checkpoint_files(const std::string& dir) {
     s_.remove_stale_checkpoint_files(dir);
   }

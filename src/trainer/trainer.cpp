@@ -8,10 +8,13 @@
 #include <cstdlib>
 #include <functional>
 #include <filesystem>
+#include <iomanip>
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <sstream>
 #include <typeindex>
 
 #include "fulgur/callbacks/model_checkpoint.h"
@@ -838,15 +841,47 @@ std::string Trainer::Impl::agreed_checkpoint(const std::string& requested,
   detail::on_every_rank(*strategy, "cannot find the checkpoint to load, so no rank loads one",
                         [&] { path = resolve(); });
   if (strategy->world_size() <= 1) return path;
-  const std::string zero = strategy->broadcast_bytes(path, 0);
+  // What each found is told by its fingerprint (size and CRC32C; the
+  // built-in IOs read them from a footer or manifest, not the whole file):
+  // one save under two names (mounts of one share, a copy on each node) is
+  // one checkpoint, and one name of different files (node-local copies of
+  // different saves) is not. A rank that cannot read it compares names:
+  // the read that follows says why.
+  std::optional<FileFingerprint> found;
+  if (!path.empty()) {
+    try {
+      found = drive().checkpoint_fingerprint(path);
+    } catch (const std::exception&) {
+    }
+  }
+  auto as_text = [](const std::optional<FileFingerprint>& f) {
+    if (!f) return std::string();
+    std::ostringstream crc;
+    crc << std::hex << std::setw(8) << std::setfill('0') << f->crc32c;
+    return str(f->size, " bytes, CRC32C ", crc.str());
+  };
+  // Rank 0's fingerprint (no line break), a line break, its path.
+  const std::string zero = strategy->broadcast_bytes(str(as_text(found), "\n", path), 0);
+  const size_t split = zero.find('\n');
+  const std::string zero_found = zero.substr(0, split);
+  const std::string zero_path = zero.substr(split + 1);
   detail::on_every_rank(*strategy, "finds another checkpoint than global rank 0", [&] {
-    if (path == zero) return;
-    auto named = [](const std::string& p) {
-      return p.empty() ? std::string("none (a fresh start)") : str("\"", p, "\"");
+    if (path.empty() && zero_path.empty()) return;
+    const bool compared = found && !zero_found.empty();
+    if (!path.empty() && !zero_path.empty() &&
+        (compared ? as_text(found) == zero_found : path == zero_path)) {
+      return;
+    }
+    // Fingerprints, where both were read.
+    auto named = [compared](const std::string& p, const std::string& fingerprint) {
+      if (p.empty()) return std::string("none (a fresh start)");
+      return compared ? str("\"", p, "\" (", fingerprint, ")") : str("\"", p, "\"");
     };
     throw CheckpointError(
         str("ckpt_path=\"", requested, "\": rank ", strategy->global_rank(), " of ",
-            strategy->world_size(), " finds ", named(path), ", global rank 0 ", named(zero),
+            strategy->world_size(), " finds ", named(path, as_text(found)), ", global rank 0 ",
+            path == zero_path ? str("another file at that path (", zero_found, ")")
+                              : named(zero_path, zero_found),
             ". Every rank reads the checkpoint itself: give every node the same files at the "
             "same path (a filesystem they share, or a copy on each) and the same ckpt_path."));
   });

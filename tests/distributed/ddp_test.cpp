@@ -530,9 +530,9 @@ TEST(DDP, AResumeOfAnotherRootsRunLogsToOneVersionOnEveryRank) {
 TEST(DDP, RanksThatFindOtherCheckpointsAreRefusedOnEveryRank) {
   TempDir dir;
   const std::string d = dir.path();
-  auto run = [&](std::vector<std::string> more) {
+  auto run = [&](std::vector<std::string> more, const std::string& steps = "4") {
     std::vector<std::string> args = {
-        "--strategy", "ddp",    "--devices", "2",         "--steps", "4", "--every-n-train-steps",
+        "--strategy", "ddp",    "--devices", "2",         "--steps", steps, "--every-n-train-steps",
         "2",          "--root", d,           "--timeout", "120"};
     args.insert(args.end(), more.begin(), more.end());
     return run_worker(args);
@@ -582,6 +582,30 @@ TEST(DDP, RanksThatFindOtherCheckpointsAreRefusedOnEveryRank) {
                                                "\". Every rank reads the "
                                                "checkpoint itself")))
       << other.output;
+
+  // One save under another name on rank 1 (a node's own copy, another
+  // mount) is the same checkpoint: both resume (and save step 6 as last).
+  const std::string copy = d + "/copy.ckpt";
+  std::filesystem::copy_file(last, copy);
+  std::filesystem::copy_file(last, last + ".rank1");
+  auto renamed = run({"--ckpt-path", last, "--ckpt-path-rank1", copy}, "6");
+  EXPECT_EQ(renamed.exit_code, 0) << renamed.output;
+  // Another save under the same name on rank 1's disk (a node-local copy
+  // of step 4's last.ckpt, where rank 0's is step 6's): refused, naming
+  // both files.
+  const std::string step4 = last + ".rank1";
+  auto stale = run({"--ckpt-path", last, "--rank1-disk-suffix", ".rank1"}, "8");
+  EXPECT_NE(stale.exit_code, 0);
+  const auto size_of = [](const std::string& p) {
+    return std::to_string(std::filesystem::file_size(p));
+  };
+  EXPECT_THAT(stale.output, ::testing::HasSubstr(fulgur::str("rank 1 of 2 finds \"", last, "\" (",
+                                                             size_of(step4), " bytes, CRC32C ")))
+      << stale.output;
+  EXPECT_THAT(stale.output, ::testing::HasSubstr(fulgur::str("global rank 0 another file at that "
+                                                             "path (",
+                                                             size_of(last), " bytes, CRC32C ")))
+      << stale.output;
 }
 
 // A metric object logged on one rank only, at a checkpoint in the middle

@@ -200,6 +200,9 @@ struct Args {
   std::optional<std::string> ckpt_path_rank1;
   // Rank 1's checkpoint IO cannot read (a node whose disk fails).
   bool rank1_cannot_read = false;
+  // Rank 1's checkpoint IO reads "<path><suffix>" for a path (a node whose
+  // disk holds another file under the same name).
+  std::string rank1_disk_suffix;
   // "R:S" or "R:S:A": rank R is SIGKILLed before global step S in attempt A
   // (default 0).
   std::vector<std::string> kills;
@@ -924,6 +927,7 @@ int main(int argc, char** argv) {
   app.add_option("--ckpt-path", a.ckpt_path);
   app.add_option("--ckpt-path-rank1", a.ckpt_path_rank1);
   app.add_flag("--rank1-cannot-read", a.rank1_cannot_read);
+  app.add_option("--rank1-disk-suffix", a.rank1_disk_suffix);
   app.add_option("--kill", a.kills);
   app.add_option("--sigstop-rank", a.sigstop_rank);
   app.add_option("--deadlock-rank", a.deadlock_rank);
@@ -980,18 +984,30 @@ int main(int argc, char** argv) {
     options.sync_batchnorm = a.sync_batchnorm;
     options.use_distributed_sampler = a.distributed_sampler;
     if (!a.plugins.empty()) options.plugins = {a.plugins};
-    if (a.rank1_cannot_read) {
-      // RANK: what the launcher sets in the ranks it starts.
-      struct Rank1CannotRead : fulgur::TorchCheckpointIO {
-        fulgur::StateDict load_checkpoint(const std::string& path) override {
+    if (a.rank1_cannot_read || !a.rank1_disk_suffix.empty()) {
+      // Rank 1's disk. RANK: what the launcher sets in the ranks it starts.
+      struct Rank1Disk : fulgur::TorchCheckpointIO {
+        bool cannot_read = false;
+        std::string suffix;
+        static bool rank1() {
           const char* rank = std::getenv("RANK");
-          if (rank != nullptr && std::string(rank) == "1") {
+          return rank != nullptr && std::string(rank) == "1";
+        }
+        fulgur::StateDict load_checkpoint(const std::string& path) override {
+          if (!rank1()) return TorchCheckpointIO::load_checkpoint(path);
+          if (cannot_read) {
             throw fulgur::CheckpointError("cannot read \"" + path + "\": Input/output error");
           }
-          return TorchCheckpointIO::load_checkpoint(path);
+          return TorchCheckpointIO::load_checkpoint(path + suffix);
+        }
+        fulgur::FileFingerprint fingerprint(const std::string& path) override {
+          return TorchCheckpointIO::fingerprint(rank1() ? path + suffix : path);
         }
       };
-      options.plugins.push_back(std::make_shared<Rank1CannotRead>());
+      auto disk = std::make_shared<Rank1Disk>();
+      disk->cannot_read = a.rank1_cannot_read;
+      disk->suffix = a.rank1_disk_suffix;
+      options.plugins.push_back(disk);
     }
     options.max_steps = a.steps;
     options.reload_dataloaders_every_n_epochs = a.reload_every;

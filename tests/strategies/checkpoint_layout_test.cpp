@@ -14,8 +14,11 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "fulgur/fulgur.h"
+#include "fulgur/utilities/checksum.h"
 #include "support/run_in_child.h"
 #include "support/test_support.h"
 #include "strategies/strategy_driver.h"
@@ -79,6 +82,20 @@ TEST(CheckpointLayout, ShardedOnOneDeviceWritesOneShardAndTheManifest) {
   EXPECT_EQ(manifest.world_size, 1);
   EXPECT_EQ(manifest.shards, std::vector<std::string>{"rank-0-of-1.ckpt"});
   EXPECT_EQ(fulgur::detail::drive(trainer.strategy()).verify_checkpoint(last.string()), "");
+  // What tells it from another save: its manifest's size and CRC32C (which
+  // records its shards'), the same under another name.
+  auto drive = fulgur::detail::drive(trainer.strategy());
+  std::ifstream in(last / fulgur::ShardedCheckpoint::kManifest, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const fulgur::FileFingerprint own = drive.checkpoint_fingerprint(last.string());
+  EXPECT_EQ(own.size, text.size());
+  EXPECT_EQ(own.crc32c, fulgur::crc32c(text.data(), text.size()));
+  const fs::path copy = fs::path(dir.path()) / "copy.ckpt";
+  fs::copy(last, copy);
+  EXPECT_EQ(drive.checkpoint_fingerprint(copy.string()), own);
+  fs::remove(copy / fulgur::ShardedCheckpoint::kManifest);
+  EXPECT_THROWS_WITH(fulgur::CheckpointError, drive.checkpoint_fingerprint(copy.string()),
+                     {copy.string(), "has no manifest.txt"});
 
   // A single-file strategy is told what it was given.
   Linear other;

@@ -3,6 +3,7 @@
 
 #include <optional>
 #include <set>
+#include <string_view>
 #include <vector>
 
 #include "fulgur/loggers/logger.h"
@@ -44,6 +45,11 @@ class CSVLogger : public VersionedLogger {
   void finalize() override;
   /// Path of metrics.csv.
   std::string metrics_file() const;
+  /// Why a metric of this name cannot be a column of metrics.csv (empty,
+  /// "step", or holding a comma, a double quote or a line break: the file
+  /// reads no quoting), as a clause ("it holds a comma, ..."); empty when it
+  /// can. Module::log refuses the same names.
+  static std::string why_not_a_column(std::string_view name);
 
  private:
   // Rows of metrics.csv to write again: as they are in the file, under its

@@ -44,6 +44,12 @@ class CheckpointLayout {
   /// Empty when the checkpoint at `path` is complete and verifies;
   /// otherwise what is wrong with it. Reads only.
   virtual std::string verify(Strategy& strategy, const std::string& path) = 0;
+  /// What tells the checkpoint at `path` from another save's, read on this
+  /// rank alone: ranks that found checkpoints under different names (mounts
+  /// of one share, copies on each node) compare it before they resume.
+  /// Default: the CheckpointIO's fingerprint of the file; CheckpointError
+  /// when it cannot be read.
+  virtual FileFingerprint fingerprint(Strategy& strategy, const std::string& path);
   /// Removes what interrupted saves left in the checkpoint directory `dir`
   /// (never a live writer's file).
   virtual void remove_stale_files(Strategy& strategy, const std::string& dir) = 0;
@@ -85,6 +91,9 @@ class ShardedCheckpoint : public CheckpointLayout {
   /// The manifest and every shard it lists, each against its fingerprint
   /// (any world size).
   std::string verify(Strategy& strategy, const std::string& path) override;
+  /// A directory's: the size and CRC32C of its manifest, which records
+  /// every shard's (a one-file checkpoint, fsdp's: the default).
+  FileFingerprint fingerprint(Strategy& strategy, const std::string& path) override;
   /// In each checkpoint directory under `dir`: the local rank 0 of every
   /// node removes its host's dead writers' temporary files.
   void remove_stale_files(Strategy& strategy, const std::string& dir) override;

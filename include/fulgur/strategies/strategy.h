@@ -55,6 +55,7 @@ namespace fulgur {
 class Accelerator;
 class CheckpointIO;
 class CheckpointLayout;
+struct FileFingerprint;
 class ClusterEnvironment;
 class Launcher;
 class Module;
@@ -300,6 +301,9 @@ class Strategy {
   /// file; a directory of shards under `manual`), is complete and verifies;
   /// otherwise what is wrong with it. Reads only.
   std::string verify_checkpoint(const std::string& path);
+  /// The layout's fingerprint of the checkpoint at `path` (what tells it
+  /// from another save's); CheckpointError when it cannot be read. Reads only.
+  FileFingerprint checkpoint_fingerprint(const std::string& path);
   /// Removes what interrupted saves left in the checkpoint directory `dir`
   /// (never a live writer's file); on the ranks that write checkpoints.
   void remove_stale_checkpoint_files(const std::string& dir);

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/loggers/csv_logger.h"
 #include "fulgur/metrics/collection.h"
 #include "fulgur/metrics/metric.h"
 #include "fulgur/strategies/strategy.h"
@@ -96,22 +97,16 @@ double LogSink::Value::read() const { return tensor.defined() ? read_tensor(tens
 LogSink::Entry& LogSink::entry(std::string_view name, const LogOptions& options, bool& on_step,
                                bool& on_epoch, metrics::Metric* metric) {
   if (name.empty()) throw ConfigError("log(\"\", ...): a metric needs a non-empty name.");
-  if (const size_t bad = name.find_first_of(",\"\n\r"); bad != std::string_view::npos) {
-    const char c = name[bad];
-    throw ConfigError(
-        str("log(\"", name, "\"): a metric name cannot hold ",
-            c == '\n'   ? "a line break"
-            : c == '\r' ? "a carriage return"
-            : c == ','  ? "a comma"
-                        : "a double quote",
-            " (metrics.csv separates its columns with commas and its rows with line "
-            "breaks, and reads no quoting). Use another character, e.g. '_' or '/'."));
-  }
   if (name == "step") {
     throw ConfigError(
         "log(\"step\"): \"step\" is each row's optimizer step in the loggers (metrics.csv's "
         "first column, TensorBoard's x-axis), which the Trainer sets. Log the value under "
         "another name, e.g. \"my_step\".");
+  }
+  if (const std::string why = CSVLogger::why_not_a_column(name); !why.empty()) {
+    throw ConfigError(str("log(\"", name,
+                          "\"): a metric name must fit a column of metrics.csv, and ", why,
+                          ". Use another character, e.g. '_' or '/'."));
   }
   if (options.batch_size && *options.batch_size < 0) {
     throw ConfigError(str("log(\"", name, "\", batch_size=", *options.batch_size,
