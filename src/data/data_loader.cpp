@@ -227,7 +227,8 @@ int64_t DatasetLoader::padded_rows(int64_t batch_idx) const {
   const int64_t n = s.epoch_size(dataset_->size());
   const int64_t w = s.shard_world_size();
   if (!s.shard_even() || w <= 1 || n == 0) return 0;
-  const int64_t m = s.shard_size(n);  // ceil(n / w): the last is position (m-1)*w + rank
+  // ceil(n / w) (shard_size takes the dataset's size): the last is position (m-1)*w + rank.
+  const int64_t m = s.shard_size(dataset_->size());
   if ((m - 1) * w + s.shard_rank() < n) return 0;
   const int64_t b = options_.batch_size;
   if (options_.drop_last && m % b != 0) return 0;  // the sample is in the dropped remainder
@@ -304,7 +305,9 @@ Batch DatasetLoader::load_batch(const at::Tensor& order, uint64_t seed, int64_t 
                               epoch, ") failed: ", what));
   }
   if (options_.pin_memory.value_or(default_pin_memory_) && cuda_usable()) {
-    batch = batch.map_tensors([](const at::Tensor& t) { return t.is_pinned() ? t : t.pin_memory(); });
+    // Host tensors only: a dataset's tensors on the GPU stay there.
+    batch = batch.map_tensors(
+        [](const at::Tensor& t) { return !t.is_cpu() || t.is_pinned() ? t : t.pin_memory(); });
   }
   return batch;
 }

@@ -39,9 +39,20 @@ class Prefetcher {
   /// threads (started again by the next start()).
   void stop();
 
+  // fork() (the ddp_fork launcher, a user's): a child has none of the
+  // parent's worker threads. Every live prefetcher's lock is held across
+  // the fork, so its state is whole in the child, where the loads not yet
+  // handed out are made again by new threads (next()).
+  static void before_fork();
+  static void after_fork_in_parent();
+  static void after_fork_in_child();
+
  private:
   void work();
   void halt_loads(std::unique_lock<std::mutex>& lock);
+  void start_threads();
+  // In a forked child, under mutex_: forgets the parent's threads and loads.
+  void forget_parents_threads();
 
   const int64_t workers_;
   const int64_t depth_;

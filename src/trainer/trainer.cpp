@@ -805,6 +805,26 @@ void Trainer::Impl::ready_train_loader(DataLoader& loader, bool notes) {
   distribute(loader, /*even=*/true, "training");
 }
 
+void Trainer::Impl::refuse_one_loader_for_both(const DataLoader* train, const DataLoader* val,
+                                               bool from_data_module) {
+  if (train == nullptr || train != val) return;
+  // One position in one epoch: each validation would restart it and read it
+  // to its end, and training go on from there (batches skipped, epochs cut
+  // short), and its shard would be the validation's.
+  throw ConfigError(
+      str("Trainer.fit: ",
+          from_data_module
+              ? "the DataModule's val_dataloader() returned the loader its train_dataloader() "
+                "returned (one DataLoader object)"
+              : "the validation loader is the training loader (one DataLoader object)",
+          ": a loader keeps one position in its epoch, so each validation would move training's "
+          "(training batches skipped, epochs cut short). ",
+          from_data_module ? "Return a loader of its own from val_dataloader()"
+                           : "Pass a second loader for validation",
+          ", over the same dataset if that is the intent (make_data_loader(dataset, options) "
+          "again), or no validation loader."));
+}
+
 void Trainer::Impl::ready_val_loader(DataLoader& loader) {
   loader.set_default_seed(options.seed.value_or(0));
   distribute(loader, /*even=*/drive().forward_is_collective(), "validation");
@@ -819,6 +839,7 @@ Trainer::Impl::FitLoaders Trainer::Impl::make_fit_loaders(DataModule& data, int6
             ": the DataModule's train_dataloader() returned no loader for epoch ", epoch,
             " (DataModule::current_epoch()). Return one for every epoch."));
   }
+  refuse_one_loader_for_both(loaders.train.get(), loaders.val.get(), /*from_data_module=*/true);
   ready_train_loader(*loaders.train, /*notes=*/false);
   if (loaders.val) ready_val_loader(*loaders.val);
   return loaders;
@@ -905,6 +926,7 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
       [&] {
         train = set_up_stage_data(Stage::kFit, data, std::move(train));
         if (data) val = data->val_dataloader();
+        refuse_one_loader_for_both(train.get(), val.get(), data != nullptr);
         if (val) ready_val_loader(*val);
         fit_loop.start(train, val, data);
         logging.reset_metrics();

@@ -187,6 +187,9 @@ struct Trainer::Impl final : detail::TrainerLink {
   void ready_train_loader(DataLoader& loader, bool notes);
   /// A fit's validation loader made ready: its default seed, the split.
   void ready_val_loader(DataLoader& loader);
+  // ConfigError when fit's validation loader is its training loader.
+  void refuse_one_loader_for_both(const DataLoader* train, const DataLoader* val,
+                                  bool from_data_module);
   /// DataModule::prepare_data() on each node's local rank 0, a barrier, then
   /// setup(s) on every rank.
   void prepare_and_set_up(DataModule& data, Stage s);

@@ -7,9 +7,13 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
+#include <numeric>
 #include <sstream>
+#include <thread>
 
 #include "fulgur/core/errors.h"
+#include "support/run_in_child.h"
 #include "support/test_support.h"
 
 namespace {
@@ -334,6 +338,14 @@ TEST(DatasetLoader, BadSamplersDatasetsAndOptionsAreNamed) {
   EXPECT_EQ(half->num_batches().value(), 3);
   half->start_epoch(0);
   EXPECT_EQ(read_rest(*half), (std::vector<int64_t>{0, 1, 2, 3, 4}));
+  // Its shards padded to one length: rank 1 of 4 reads samples 1 and 5 of
+  // the 5, the second a repeat (of sample 0), which an evaluation leaves out.
+  ASSERT_TRUE(half->set_shard(1, 4, /*even=*/true));
+  half->start_epoch(0);
+  EXPECT_EQ(read_rest(*half), (std::vector<int64_t>{1, 0}));
+  EXPECT_EQ(half->padded_rows(0), 1);
+  ASSERT_TRUE(half->set_shard(0, 4, /*even=*/true));
+  EXPECT_EQ(half->padded_rows(0), 0);
   auto outside = fulgur::make_data_loader(
       index_dataset(4), {.batch_size = 2},
       sampler([](int64_t n) { return torch::arange(n, torch::kLong) + 1; }));
@@ -668,4 +680,51 @@ TEST(DataLoaderWorkers, PinMemoryPinsTheBatchesWhereCudaIsAvailable) {
     GTEST_SKIP() << "no CUDA here: pin_memory applies only where CUDA is available";
   }
   EXPECT_TRUE(batch->tensor().is_pinned());
+}
+
+// A fork (the ddp_fork launcher's, a user's) of a process whose loader has
+// started its worker threads, loads in flight: the child has none of those
+// threads, and its loader waited forever for their batches. It goes on
+// with threads of its own, from the batch it had reached, and so does the
+// parent.
+TEST(DataLoaderWorkers, AForkedChildReadsOnWithThreadsOfItsOwn) {
+  struct Slow : fulgur::Dataset {
+    int64_t size() const override { return 20; }
+    fulgur::Batch get_batch(const at::Tensor& indices) const override {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      return fulgur::Batch(indices.clone());
+    }
+  };
+  auto loader = fulgur::make_data_loader(std::make_shared<Slow>(),
+                                         {.batch_size = 2, .num_workers = 2, .prefetch_factor = 2});
+  loader->start_epoch(0);
+  ASSERT_TRUE(loader->next().has_value());
+  std::vector<int64_t> rest(18), all(20);
+  std::iota(rest.begin(), rest.end(), 2);
+  std::iota(all.begin(), all.end(), 0);
+  const auto child = fulgur::test::run_in_child(
+      [&] {
+        if (read_rest(*loader) != rest) return 1;
+        loader->start_epoch(1);
+        return read_rest(*loader) == all ? 0 : 2;
+      },
+      std::chrono::seconds(30));
+  EXPECT_EQ(child.exit_code, 0) << child.describe();
+  EXPECT_EQ(read_rest(*loader), rest);
+}
+
+// A dataset whose tensors live on the GPU: pin_memory leaves its batches
+// there (it pinned them, a copy to the host and a c10::Error or a copy back).
+TEST(DataLoaderWorkers, ABatchOnTheGpuIsNotPinned_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(1);
+  for (const int64_t workers : {0, 2}) {
+    auto loader = fulgur::make_data_loader(
+        std::make_shared<fulgur::TensorDataset>(
+            std::vector<at::Tensor>{torch::arange(8, torch::kLong).cuda()}),
+        {.batch_size = 4, .num_workers = workers, .pin_memory = true});
+    loader->start_epoch(0);
+    auto batch = loader->next();
+    ASSERT_TRUE(batch.has_value());
+    EXPECT_TRUE(batch->tensor().is_cuda()) << workers << " workers";
+  }
 }

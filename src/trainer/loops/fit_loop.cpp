@@ -220,7 +220,8 @@ void FitLoop::train_epoch() {
   load_loaders_for(current_epoch_);
   DataLoader& loader = *train_loader_;
   // A resumed run arrives with the loader already positioned in this epoch.
-  if (loader.epoch() != current_epoch_) loader.start_epoch(current_epoch_);
+  if (!loader_positioned_ || loader.epoch() != current_epoch_) loader.start_epoch(current_epoch_);
+  loader_positioned_ = false;
   const int64_t start = loader.position();
   batch_position_ = start;
   trainer_.logging.train_sink().reset();
@@ -865,6 +866,7 @@ void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoade
   in_epoch_end_ = false;
   validated_at_position_ = -1;
   resumes_within_epoch_ = false;
+  loader_positioned_ = false;
   hook_.clear();
   hook_started_.clear();
   resumed_hook_.clear();
@@ -977,6 +979,7 @@ void FitLoop::restore(const FitProgress& p, const StateDict* loader_state) {
   } else {
     train_loader_->seek(p.epoch, p.batch_position);
   }
+  loader_positioned_ = true;
 }
 
 void FitLoop::set_result(int64_t epochs, int64_t global_step) {

@@ -252,6 +252,10 @@ class FitLoop {
   // Restored within an epoch (after one of its batches): the epoch goes
   // on from the check that followed that batch, whatever limit it reached.
   bool resumes_within_epoch_ = false;
+  // The training loader was positioned in this epoch by restore(): the
+  // epoch goes on from there. Any other loader starts the epoch anew (one
+  // read before, by an earlier fit or stage, is wherever it was left).
+  bool loader_positioned_ = false;
   // The hook running now that a checkpoint resumes within, and the
   // callbacks that have started it (FitProgress::hook).
   std::string hook_;

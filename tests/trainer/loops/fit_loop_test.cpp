@@ -49,6 +49,62 @@ TEST(FitLoop, MaxEpochsRunsEveryBatchOfEveryEpoch) {
   EXPECT_EQ(trainer.num_training_batches(), 5);
 }
 
+// A loader read before (a fit stopped mid-epoch, a validate that read it to
+// its end) starts each epoch of the next fit at its first batch: only a
+// checkpoint's resume leaves it where it was.
+TEST(FitLoop, ALoaderReadBeforeStartsTheNextFitsEpochAtItsFirstBatch) {
+  TempDir dir;
+  auto loader = regression_loader(5);
+  {
+    LinearRegression model;
+    auto options = test_options(dir);
+    options.max_epochs = std::nullopt;
+    options.max_steps = 3;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, loader);
+    EXPECT_EQ(model.training_steps, 3);
+  }
+  LinearRegression model;
+  auto options = test_options(dir);
+  options.max_epochs = 1;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, loader);
+  EXPECT_EQ(model.training_steps, 5);
+  trainer.validate(model, loader);
+  LinearRegression again;
+  fulgur::Trainer another(options);
+  another.fit(again, loader);
+  EXPECT_EQ(again.training_steps, 5);
+}
+
+// One loader object for training and validation would share one position:
+// each validation restarted it and read it to its end, and training went on
+// from there (6 of 8 batches after the sanity check; 4 of 16 steps in two
+// epochs validating every 2 batches). Refused, with what to pass instead.
+TEST(FitLoop, TheTrainingLoaderAsTheValidationLoaderIsRefused) {
+  TempDir dir;
+  auto loader = regression_loader(8);
+  LinearRegression model;
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(model, loader, loader),
+                     {"the validation loader is the training loader (one DataLoader object)",
+                      "Pass a second loader for validation"});
+  EXPECT_EQ(model.training_steps, 0);
+  struct OneLoader : fulgur::DataModule {
+    std::shared_ptr<fulgur::DataLoader> loader = regression_loader(8);
+    std::shared_ptr<fulgur::DataLoader> train_dataloader() override { return loader; }
+    std::shared_ptr<fulgur::DataLoader> val_dataloader() override { return loader; }
+  } data;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, trainer.fit(model, data),
+                     {"the DataModule's val_dataloader() returned the loader its "
+                      "train_dataloader() returned",
+                      "Return a loader of its own from val_dataloader()"});
+  // Two loaders over one dataset train every batch.
+  fulgur::Trainer two(test_options(dir));
+  two.fit(model, regression_loader(8), regression_loader(8));
+  EXPECT_EQ(model.training_steps, 8);
+}
+
 TEST(FitLoop, MaxStepsStopsMidEpoch) {
   TempDir dir;
   LinearRegression model;
