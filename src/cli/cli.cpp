@@ -902,25 +902,10 @@ bool CLI::parse_arguments(const std::vector<std::string>& args, std::ostream& ou
 }
 
 std::vector<std::string> CLI::trainer_problems(std::string& kind) const {
-  // A Trainer made and dropped runs every check a program's Trainer runs on
-  // these options; it opens no file and starts nothing before fit(). When
-  // the program passes components as instances (a strategy, an accelerator,
-  // a plugin), they are not handed to it (building wires them together and
-  // sets ranks on them): then the connector's checks and the Trainer's
-  // checks of its loop flags run, without building.
-  const bool all_named =
-      std::holds_alternative<std::string>(trainer_.strategy) &&
-      std::holds_alternative<std::string>(trainer_.accelerator) &&
-      std::all_of(trainer_.plugins.begin(), trainer_.plugins.end(),
-                  [](const Plugin& p) { return std::holds_alternative<std::string>(p); });
-  // parse() reports (and tells the other ranks of) what the probe finds.
+  // parse() reports (and tells the other ranks of) what the checks find.
   const detail::NoFailureAnnouncement quiet;
   try {
-    if (all_named) {
-      Trainer probe(trainer_);
-    } else {
-      resolve(trainer_, ConnectorContext(), detail::check_loop_flags(trainer_));
-    }
+    detail::check_trainer_options(trainer_);
   } catch (const FlagError& e) {
     kind = e.kind();
     return e.problems();

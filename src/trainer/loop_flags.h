@@ -14,4 +14,9 @@ namespace fulgur::detail {
 /// Every problem with the loop flags of `options`; empty when none.
 std::vector<std::string> check_loop_flags(const TrainerOptions& options);
 
+/// Every check a Trainer of `options` runs when it is made, reported as it
+/// reports them (FlagError, ConfigError), starting nothing: fulgur::CLI's
+/// parse and the Tuner check options before anything runs.
+void check_trainer_options(const TrainerOptions& options);
+
 }  // namespace fulgur::detail

@@ -16,6 +16,7 @@
 #include <set>
 #include <sstream>
 #include <typeindex>
+#include <variant>
 
 #include "fulgur/callbacks/model_checkpoint.h"
 #include "fulgur/callbacks/on_exception_checkpoint.h"
@@ -991,6 +992,24 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
 }
 
 void Trainer::Impl::end_by_preemption(int signal) {
+  if (detail::TunerTrial::active()) {
+    // A tuner's trial is not the run: a last.ckpt of the sweep's weights,
+    // rates and steps would be what the requeued job's fit resumes. Nothing
+    // is saved; the requeued job tunes again.
+    if (strategy->is_global_zero()) {
+      const std::string requeued = strategy->cluster_environment().requeue(signal);
+      detail::print_note(str(detail::signal_name(signal), " (cluster environment \"",
+                             strategy->cluster_environment().name(),
+                             "\") during a tuner trial (lr_find, scale_batch_size) at its step ",
+                             fit_loop.global_step(),
+                             ": no checkpoint is saved, the trial is not "
+                             "the run",
+                             (requeued.empty() ? std::string() : "; " + requeued),
+                             ". A run of this job tunes again. Ending by the signal (status ",
+                             128 + signal, ")."));
+    }
+    detail::end_by_signal(signal);
+  }
   const std::string path =
       (std::filesystem::path(checkpoints.checkpoint_dir()) / "last.ckpt").string();
   checkpoints.save(path);
@@ -1092,6 +1111,29 @@ std::vector<Batch> Trainer::Impl::run_predict(Module& m, std::shared_ptr<DataLoa
 }
 
 // ---- Trainer: thin forwarding to Impl.
+
+namespace detail {
+
+void check_trainer_options(const TrainerOptions& options) {
+  // A Trainer made and dropped runs every check a program's Trainer runs on
+  // these options; it opens no file and starts nothing before fit(). When
+  // the program passes components as instances (a strategy, an accelerator,
+  // a plugin), they are not handed to it (building wires them together and
+  // sets ranks on them): then the connector's checks and the Trainer's
+  // checks of its loop flags run, without building.
+  const bool all_named =
+      std::holds_alternative<std::string>(options.strategy) &&
+      std::holds_alternative<std::string>(options.accelerator) &&
+      std::all_of(options.plugins.begin(), options.plugins.end(),
+                  [](const Plugin& p) { return std::holds_alternative<std::string>(p); });
+  if (all_named) {
+    Trainer probe(options);
+  } else {
+    resolve(options, ConnectorContext(), check_loop_flags(options));
+  }
+}
+
+}  // namespace detail
 
 Trainer::Trainer(TrainerOptions options) try
     : impl_(std::make_unique<Impl>(*this, std::move(options))) {

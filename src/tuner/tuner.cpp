@@ -21,6 +21,7 @@
 #include "core/run_program.h"
 #include "loggers/gnuplot_text.h"
 #include "utilities/durable_file.h"
+#include "trainer/loop_flags.h"
 #include "trainer/tuner_trial.h"
 #include "tuner/host_memory_cap.h"
 #include "fulgur/callbacks/callback.h"
@@ -147,19 +148,25 @@ class LRFinderCallback : public Callback {
     // Once per optimizer step (the last micro-batch of an accumulation).
     if (trainer.global_step() == recorded_steps_ || !step_lr_) return;
     recorded_steps_ = trainer.global_step();
-    if (!loss.defined()) {
-      // No loss (a skipped batch, manual optimization): a gap in the curve,
-      // as Lightning records it; the average and the sweep go on.
+    // The mean of the ranks' losses (one all-reduce of the sum and of how
+    // many have one; none on one process), so that every rank under
+    // torchrun records the same curve and suggestion. A rank without a
+    // loss (a skipped batch) takes part too: its peers wait for it.
+    const at::Tensor own = loss.defined()
+                               ? torch::stack({loss.detach().to(torch::kDouble).reshape({}).cpu(),
+                                               torch::ones({}, torch::kDouble)})
+                               : torch::zeros({2}, torch::kDouble);
+    const at::Tensor sums = trainer.strategy().all_reduce(own, ReduceOp::kSum);
+    const double count = sums[1].item<double>();
+    if (count == 0.0) {
+      // No loss on any rank (a skipped batch, manual optimization): a gap
+      // in the curve, as Lightning records it; the average and the sweep go on.
       result_.lrs.push_back(*step_lr_);
       result_.losses.push_back(std::nan(""));
       step_lr_.reset();
       return;
     }
-    // Every rank's loss (one all-reduce; none on one process), so that
-    // every rank under torchrun records the same curve and suggestion.
-    const double value =
-        trainer.strategy().all_reduce(loss.detach().to(torch::kDouble).reshape({1}))
-            .item<double>();
+    const double value = sums[0].item<double>() / count;
     ++averaged_;
     average_ = options_.smoothing * average_ + (1.0 - options_.smoothing) * value;
     const double smoothed =
@@ -167,8 +174,10 @@ class LRFinderCallback : public Callback {
     result_.lrs.push_back(*step_lr_);
     result_.losses.push_back(smoothed);
     step_lr_.reset();
-    const bool exploded = options_.early_stop_threshold > 0.0 && averaged_ > 1 &&
-                          smoothed > options_.early_stop_threshold * best_;
+    // Lightning's smoothed > threshold * best, for a loss of any sign.
+    const bool exploded =
+        options_.early_stop_threshold > 0.0 && averaged_ > 1 &&
+        smoothed - best_ > (options_.early_stop_threshold - 1.0) * std::abs(best_);
     if (!std::isfinite(smoothed) || exploded) {
       result_.diverged = true;
       trainer.request_stop();
@@ -383,7 +392,10 @@ int64_t steepest_descent(const std::vector<double>& lrs, const std::vector<doubl
   return best;
 }
 
-Tuner::Tuner(TrainerOptions options) : options_(std::move(options)) {}
+Tuner::Tuner(TrainerOptions options) : options_(std::move(options)) {
+  // Before a sweep, not after it (a trial overrides the loop flags).
+  detail::check_trainer_options(options_);
+}
 
 LRFinderResult Tuner::lr_find(Module& module, std::shared_ptr<DataLoader> train,
                               LRFinderOptions options) {

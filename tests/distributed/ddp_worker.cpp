@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <sstream>
 #include <cmath>
 #include <condition_variable>
 #include <csignal>
@@ -1128,6 +1129,9 @@ int main(int argc, char** argv) {
       const fulgur::LRFinderResult found = tuner.lr_find(
           model, train, {.num_training = a.lr_find_first, .early_stop_threshold = 0.0});
       std::cout << "RESULT lr_find_steps=" << found.lrs.size() << std::endl;
+      std::ostringstream losses;
+      for (const double loss : found.losses) losses << (losses.tellp() > 0 ? ";" : "") << loss;
+      std::cout << "RESULT lr_find_losses=" << losses.str() << std::endl;
     }
     SlowlyPreparedData prepared(a);
     if (!a.skip_fit) {

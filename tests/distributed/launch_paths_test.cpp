@@ -13,6 +13,7 @@
 #include <fstream>
 #include <future>
 #include <regex>
+#include <algorithm>
 #include <sstream>
 
 #include "distributed/worker.h"
@@ -277,6 +278,24 @@ TEST_F(LaunchPaths, SlurmEnvironmentAsSrunSetsIt) {
 // port taken by its own first store; a rank done early could join the
 // sweep's store as rank 0 closed it). The test's Trainer asks for another
 // timeout, and global rank 0 notes the one the kept group has.
+// A rank whose training_step returns no loss at a step of the sweep: every
+// rank records the mean of the losses there are (the rank without one took
+// part in none of the reduction, and its peers waited for it).
+TEST_F(LaunchPaths, TheLrSweepGoesOnWhenARankHasNoLossAtAStep) {
+  std::string out = dir.path() + "/skipped.pt";
+  const std::vector<std::string> args = {"--lr-find-first", "5", "--skip-ranks", "1",
+                                         "--skip-at",       "2", "--timeout",    "60"};
+  auto r = as_srun_tasks({args, args}, out, dir.path());
+  for (const auto& rank : r) {
+    expect_clean(rank);
+    EXPECT_EQ(result_value(rank.output, "lr_find_steps"), "5") << rank.output;
+  }
+  const std::string losses = result_value(r[0].output, "lr_find_losses");
+  EXPECT_EQ(std::count(losses.begin(), losses.end(), ';'), 4) << losses;
+  EXPECT_EQ(losses.find("nan"), std::string::npos) << losses;
+  EXPECT_EQ(result_value(r[1].output, "lr_find_losses"), losses);
+}
+
 TEST_F(LaunchPaths, ALaterTrainerOfTheRanksTakesTheFirstOnesProcessGroup) {
   std::string out = dir.path() + "/swept.pt";
   const std::vector<std::string> args = {

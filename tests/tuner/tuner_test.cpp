@@ -12,11 +12,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <csignal>
 #include <cmath>
 #include <filesystem>
 #include <set>
 
 #include "fulgur/fulgur.h"
+#include "support/run_in_child.h"
 #include "support/test_support.h"
 
 namespace {
@@ -206,6 +208,34 @@ TEST(LRFinder, ADivergingLossStopsTheSweepAndTheWeightsAreStillPutBack) {
   for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i]));
 }
 
+// A loss that is negative (a log-likelihood, an ELBO): Lightning's
+// smoothed > 4 * best read every loss above 4x a negative best as diverged
+// and stopped the sweep at its second step, without a suggestion.
+TEST(LRFinder, ANegativeLossSweepsOnAndDivergesByTheSameDistance) {
+  TempDir dir;
+  struct Shifted : LinearRegression {
+    at::Tensor training_step(fulgur::Batch& batch, int64_t batch_idx) override {
+      return LinearRegression::training_step(batch, batch_idx) - 100.0;
+    }
+  };
+  Shifted model;
+  fulgur::Tuner tuner(test_options(dir));
+  auto found = tuner.lr_find(model, regression_loader(4),
+                             {.min_lr = 1e-4, .max_lr = 1e-2, .num_training = 30});
+  EXPECT_FALSE(found.diverged);
+  EXPECT_EQ(found.lrs.size(), 30u);
+  EXPECT_TRUE(found.suggestion.has_value());
+  // Diverging: it stops once the loss is 3 |best| above the best.
+  Shifted wild;
+  auto diverged = tuner.lr_find(wild, regression_loader(4),
+                                {.min_lr = 1e-3, .max_lr = 1e4, .num_training = 60});
+  EXPECT_TRUE(diverged.diverged);
+  EXPECT_GT(diverged.lrs.size(), 2u);
+  const double best = *std::min_element(diverged.losses.begin(), diverged.losses.end() - 1);
+  EXPECT_TRUE(!std::isfinite(diverged.losses.back()) ||
+              diverged.losses.back() > best + 3.0 * std::abs(best));
+}
+
 TEST(LRFinder, TheSuggestionIsWhereTheLossFallsFastest) {
   // loss = 10 - lr^2 on uneven rates: the slope is -2 lr, exactly, at every
   // inner point (second-order differences are exact on a parabola); the
@@ -275,6 +305,16 @@ TEST(LRFinder, OptionsThatCannotWorkAreNamedTogether) {
   EXPECT_THROWS_WITH(fulgur::ConfigError, none.lr_find(model, regression_loader(2)),
                      {"Tuner.lr_find with limit_train_batches=0", "positive limit_train_batches"});
   EXPECT_EQ(model.training_steps, 0);
+  // The fit's options are checked as its Trainer checks them, before a
+  // sweep (a trial overrides min_epochs: the Trainer after a whole sweep
+  // was the first to say so).
+  auto bad = test_options(dir);
+  bad.min_epochs = -3;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Tuner{bad}, {"min_epochs=-3", ">= 0"});
+  bad.min_epochs = 0;
+  bad.strategy = std::make_shared<fulgur::SingleDeviceStrategy>();
+  bad.max_epochs = -5;
+  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Tuner{bad}, {"max_epochs=-5"});
 }
 
 TEST(LRFinder, AStrategyThatStartsProcessesIsRefusedWithWhatToDo) {
@@ -494,6 +534,37 @@ TEST(Tuner, ATrialOfARestartedJobDoesNotResumeTheJobsCheckpoint) {
   EXPECT_EQ(steps_in_sweep, 6);
   ASSERT_EQ(sized.trials.size(), 2u);
   EXPECT_EQ(model.training_steps, 6 + 2 * 2);
+}
+
+// A preemption signal during a trial (a job's scheduler asks it to stop,
+// then requeues it) ends the process as in a fit, but saves nothing: the
+// trial's last.ckpt (the sweep's weights, rates and steps) was what the
+// requeued job's fit resumed from.
+TEST(Tuner, APreemptionDuringATrialSavesNoCheckpoint) {
+  TempDir dir;
+  struct Preempted : fulgur::LightningEnvironment {
+    std::vector<int> preemption_signals() const override { return {SIGUSR1}; }
+  };
+  auto options = test_options(dir);
+  options.plugins = {std::make_shared<Preempted>()};
+  for (const bool lr_find : {true, false}) {
+    const auto child = fulgur::test::run_in_child([&] {
+      LinearRegression model;
+      model.train_hook = [](LinearRegression& m, fulgur::Batch&, int64_t) {
+        if (m.training_steps == 2) ::raise(SIGUSR1);
+      };
+      fulgur::Tuner tuner(options);
+      if (lr_find) {
+        tuner.lr_find(model, regression_loader(4), {.num_training = 6});
+      } else {
+        tuner.scale_batch_size(model, loaders_of(64),
+                               {.max_trials = 2, .steps_per_trial = 4, .host_memory_cap = kCap});
+      }
+      return 0;
+    });
+    EXPECT_EQ(child.signal, SIGUSR1) << child.describe() << (lr_find ? " lr_find" : "");
+    EXPECT_FALSE(fs::exists(dir.file("checkpoints"))) << (lr_find ? "lr_find" : "batch size");
+  }
 }
 
 // An iterable loader's factory is asked only for the epochs the fits run:

@@ -59,7 +59,10 @@ struct LRFinderOptions {
   /// ("exponential") or a constant amount ("linear").
   Choice<LRSweep> mode = LRSweep::kExponential;
   /// The sweep stops once the smoothed loss exceeds this times the lowest
-  /// one seen (it diverged); <= 0: it never stops early.
+  /// one seen (it diverged): Lightning's rule, for a lowest loss > 0. A loss
+  /// that can be negative (a log-likelihood, an ELBO) stops once it rises
+  /// above the lowest by (this - 1) times the lowest's magnitude, the same
+  /// distance; <= 0: it never stops early.
   double early_stop_threshold = 4.0;
   /// Weight of the past in the loss's exponential moving average, in [0, 1)
   /// (bias-corrected, as Lightning's).
