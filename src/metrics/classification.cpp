@@ -68,6 +68,7 @@ at::Tensor checked_preds(const std::string& name, const ClassificationOptions& o
   if (!preds.defined() || !target.defined()) {
     throw ConfigError(str(name, ".update(preds, target): both must be defined tensors."));
   }
+  Metric::check_same_device(name, preds, target);
   if (target.dim() != 1 || c10::isFloatingType(target.scalar_type())) {
     throw ConfigError(str(name, ".update: target has shape ", shape_of(target), " and dtype ",
                           c10::toString(target.scalar_type()),
@@ -346,7 +347,13 @@ void AUROC::check(const at::Tensor& preds, const at::Tensor& target) const {
 
 void AUROC::update(const at::Tensor& preds, const at::Tensor& target) {
   torch::NoGradGuard no_grad;
-  const auto [scores, t] = checked_scores(preds, target);
+  auto [scores, t] = checked_scores(preds, target);
+  if (options_.task == Task::kMulticlass && scores.numel() > 0) {
+    // Logits (a score outside [0, 1]) become probabilities, decided on the
+    // device (no read-back).
+    const at::Tensor logits = ((scores < 0) | (scores > 1)).any();
+    scores = torch::where(logits, scores.softmax(1), scores);
+  }
   count_update();
   append("scores", scores);
   append("target", t);

@@ -109,6 +109,14 @@ void Metric::follow(const at::Tensor& like) {
   }
 }
 
+void Metric::check_same_device(const std::string& name, const at::Tensor& preds,
+                               const at::Tensor& target) {
+  if (preds.device() == target.device()) return;
+  throw ConfigError(str(name, ".update: preds is on ", preds.device().str(), " and target on ",
+                        target.device().str(),
+                        "; pass both on one device (e.g. target.to(preds.device()))."));
+}
+
 void Metric::append(std::string_view name, const at::Tensor& rows) {
   State& s = find(name);
   FULGUR_ASSERT(s.reduction == Reduction::kCat, "append() to a state that is not concatenated");
@@ -266,8 +274,10 @@ void Metric::load_state_dict(const std::map<std::string, at::Tensor>& saved) {
             loaded[i].to(loaded[i].options().dtype(s.initial.scalar_type()), false, true));
       }
     } else {
-      // A copy: the metric's updates change it in place, never the caller's.
-      s.value = loaded[i].to(s.value.options().dtype(s.initial.scalar_type()), false, true);
+      // A copy, contiguous (updates view it flat): the metric's updates
+      // change it in place, never the caller's.
+      s.value =
+          loaded[i].to(s.value.options().dtype(s.initial.scalar_type()), false, true).contiguous();
     }
   }
   updates_ = saved_updates(saved);

@@ -20,6 +20,7 @@ void check_same_shape(const std::string& name, const at::Tensor& preds, const at
                           target.defined() ? c10::str(target.sizes()) : std::string("undefined"),
                           "; pass two tensors of one shape."));
   }
+  Metric::check_same_device(name, preds, target);
 }
 
 void check_defined(const std::string& name, const at::Tensor& values) {

@@ -156,6 +156,17 @@ TEST(Metric, AStateDictIsTheCallersOwn) {
   f1.merge_state_dict(saved);
   f1.update(d.scores.slice(0, 50), d.target.slice(0, 50));
   for (const auto& [k, t] : saved) EXPECT_TRUE(torch::equal(t, before.at(k))) << k;
+  // A saved state of the right shape in another layout (a transpose's
+  // strides): loaded as values, updated as the metric's own (a flat view
+  // of it was LibTorch's "view size is not compatible").
+  std::map<std::string, at::Tensor> strided = saved;
+  strided["matrix"] = saved.at("matrix").t().contiguous().t();
+  ASSERT_FALSE(strided["matrix"].is_contiguous());
+  f1.load_state_dict(strided);
+  f1.update(d.scores.slice(0, 50), d.target.slice(0, 50));
+  f1.load_state_dict(saved);
+  f1.update(d.scores.slice(0, 50), d.target.slice(0, 50));
+  EXPECT_TRUE(torch::equal(f1.state_dict().at("matrix"), f1.state_dict().at("matrix")));
 }
 
 // A resumed run's global rank 0 merges the states every rank had combined

@@ -167,7 +167,10 @@ class ConfusionMatrix : public ConfusionCounts {
 /// as the Mann-Whitney statistic does). Binary: of the positive class's
 /// scores; multiclass: the mean of the one-vs-rest areas over the classes
 /// that have both positive and negative samples. NaN where there are none,
-/// and when a score is NaN.
+/// and when a score is NaN. Multiclass scores of a batch that are not all
+/// in [0, 1] (logits) are taken through a softmax over the classes first,
+/// as torchmetrics does: the one-vs-rest areas rank probabilities (a
+/// softmax does not keep a class's order across samples).
 /// Keeps every score of the epoch (8 bytes per score, per class).
 class AUROC : public PredictionMetric {
  public:

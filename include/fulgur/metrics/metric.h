@@ -113,6 +113,10 @@ class Metric {
   /// (cuda_graph=true): an update() then is a ConfigError, since host code
   /// in the captured step runs once, at the capture.
   static void set_capturing(bool capturing);
+  /// ConfigError naming `name`'s update when preds and target are on two
+  /// devices (an update's check; LibTorch's error came from inside it).
+  static void check_same_device(const std::string& name, const at::Tensor& preds,
+                                const at::Tensor& target);
 
  protected:
   /// Declares a state. Its value after reset() is `initial`; a kCat state

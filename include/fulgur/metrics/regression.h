@@ -44,7 +44,9 @@ class MeanAbsoluteError : public PredictionMetric {
 /// The weighted mean of every value updated: update(values) weighs each
 /// element 1; update(value, weight) weighs every element of `value` by
 /// `weight` (a batch's mean loss with the batch's size). NaN before any
-/// weight.
+/// weight. Padded repeats (see metric.h) are left out of per-sample values
+/// only: a batch's mean (a 0-dim value or a number) already holds them,
+/// so under fsdp FULL_SHARD evaluation update with per-sample values.
 class MeanMetric : public Metric {
  public:
   MeanMetric();
