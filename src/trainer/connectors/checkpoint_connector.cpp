@@ -633,7 +633,8 @@ void CheckpointConnector::restore(const StateDict& checkpoint, const std::string
       }
     }
   }
-  trainer_.logging.train_sink().restore_metric_states(std::move(metric_states));
+  trainer_.logging.train_sink().restore_metric_states(
+      std::move(metric_states), !progress.epoch_done && progress.batch_position > 0);
   // Global rank 0's loggers (the others write nothing: they take its
   // directories after this).
   const StateDict* loggers = checkpoint.find_section("loggers");

@@ -256,7 +256,12 @@ void LogSink::log(std::string_view name, metrics::Metric& metric, const LogOptio
   bool on_step = false;
   bool on_epoch = false;
   Entry& e = entry(name, per_epoch, on_step, on_epoch, &metric);
+  const bool first = !e.epoch_has_value;
   e.epoch_has_value = true;
+  if (first && resumed_within_epoch_ && metric.update_count() > 0 &&
+      restored_.count(std::string(name)) == 0) {
+    unsaved_at_resume_.insert(std::string(name));
+  }
   if (auto it = restored_.find(std::string(name)); it != restored_.end()) {
     try {
       if (!it->second.states.empty()) metric.merge_state_dict(it->second.states);
@@ -578,6 +583,18 @@ std::vector<LogSink::Value> LogSink::collect_epoch(Strategy& strategy) const {
                      "training step (or from on_train_epoch_end) to count the whole epoch."));
     }
     out.push_back({name, *saved.value, at::Tensor(), saved.logger, saved.prog_bar});
+  }
+  for (const std::string& name : unsaved_at_resume_) {
+    if (!strategy.is_global_zero()) break;
+    print_note(str("log(\"", name,
+                   "\", <metric>): this epoch was resumed from a checkpoint written within it, "
+                   "before this metric was first logged: a checkpoint keeps a metric's states "
+                   "from its first log() in the epoch on, so its epoch value counts the batches "
+                   "after the checkpoint only (the updates before it were not saved). Log it "
+                   "where it is updated (log(\"",
+                   name,
+                   "\", metric) in training_step: its value is still the epoch's, computed once "
+                   "at its end) so that every checkpoint keeps it."));
   }
   return out;
 }

@@ -142,11 +142,21 @@ class LogSink final : public ModuleLogSink {
   /// A metric not logged again before the resumed epoch ends (a checkpoint
   /// written after the epoch's last batch) publishes its saved value. Until
   /// drop_restored_metrics() (the end of the resumed epoch).
-  void restore_metric_states(MetricStates states) {
+  /// `within_epoch`: the checkpoint was written after a batch of the epoch
+  /// it resumes, so a metric object first logged after the resume without a
+  /// saved state counted batches before it that no checkpoint kept (it was
+  /// not logged before the save): the epoch's end says so.
+  void restore_metric_states(MetricStates states, bool within_epoch) {
     restored_ = std::move(states);
     stepped_since_restore_ = false;
+    resumed_within_epoch_ = within_epoch;
+    unsaved_at_resume_.clear();
   }
-  void drop_restored_metrics() { restored_.clear(); }
+  void drop_restored_metrics() {
+    restored_.clear();
+    resumed_within_epoch_ = false;
+    unsaved_at_resume_.clear();
+  }
   bool empty() const { return entries_.empty(); }
 
   /// How many logged tensors were read back to the host in this process
@@ -171,6 +181,10 @@ class LogSink final : public ModuleLogSink {
   std::string scratch_;  // entry()'s name lookups
   MetricStates restored_;
   bool stepped_since_restore_ = false;  // a training step ran since restore_metric_states
+  bool resumed_within_epoch_ = false;
+  // Metric objects first logged in the resumed epoch, by name, whose states
+  // before the checkpoint it did not hold (see restore_metric_states).
+  std::set<std::string> unsaved_at_resume_;
   std::vector<Value> step_values_;
   enum class StepSync { kUndecided, kOn, kOff };
   StepSync step_sync_ = StepSync::kUndecided;  // this epoch's, across ranks

@@ -212,11 +212,14 @@ class DropoutNet : public fulgur::Module {
     // batches before the checkpoint too.
     if (batch_idx < log_metrics_below) {
       train_mse.update(out.detach(), y);
-      log("train_mse", train_mse);
+      if (!log_at_epoch_end) log("train_mse", train_mse);
       train_auroc.update(out.detach().reshape({-1}), (y.reshape({-1}) > y.mean()).to(torch::kLong));
       log("train_auroc", train_auroc);
     }
     return torch::nn::functional::mse_loss(out, y);
+  }
+  void on_train_epoch_end() override {
+    if (log_at_epoch_end) log("train_mse", train_mse);
   }
   fulgur::OptimizerConfig configure_optimizers() override {
     optimizer = std::make_shared<torch::optim::SGD>(parameters(),
@@ -230,6 +233,7 @@ class DropoutNet : public fulgur::Module {
   std::shared_ptr<torch::optim::SGD> optimizer;
   int64_t training_steps = 0;
   int64_t log_metrics_below = std::numeric_limits<int64_t>::max();  // batch_idx
+  bool log_at_epoch_end = false;  // train_mse updated in each step, logged at the epoch's end
   fulgur::metrics::MeanSquaredError train_mse;
   fulgur::metrics::AUROC train_auroc{{.task = "binary"}};
 };
@@ -458,6 +462,49 @@ TEST(Checkpoint, AResumeAfterAnEpochsLastBatchPublishesItsMetricObjectsValues) {
           << err;
     }
   }
+}
+
+// A metric updated in each step but first logged at the epoch's end has no
+// name at a checkpoint within the epoch: its states are not kept, and the
+// resumed epoch's value counts the batches after the checkpoint only. Not
+// silently: the resumed epoch's end names it and says where to log it.
+TEST(Checkpoint, AMetricFirstLoggedAtTheEpochsEndIsNamedByAResumeWithinIt) {
+  TempDir root;
+  auto fit = [&](DropoutNet& model, const std::string& dir, const std::string& ckpt_path) {
+    auto options = test_options(root);
+    options.max_epochs = 1;
+    options.seed = 42;
+    options.enable_checkpointing = true;
+    options.callbacks = {std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+        .dirpath = root.file(dir), .save_top_k = -1, .every_n_train_steps = 5})};
+    fulgur::Trainer trainer(options);
+    return trainer.fit(model, shuffled_loader(), nullptr, {.ckpt_path = ckpt_path});
+  };
+  torch::manual_seed(1);
+  DropoutNet uninterrupted;
+  uninterrupted.log_at_epoch_end = true;
+  ::testing::internal::CaptureStderr();
+  const fulgur::FitResult first = fit(uninterrupted, "a", "");
+  EXPECT_EQ(::testing::internal::GetCapturedStderr().find("log(\"train_mse\""), std::string::npos);
+  torch::manual_seed(2);
+  DropoutNet resumed;
+  resumed.log_at_epoch_end = true;
+  ::testing::internal::CaptureStderr();
+  const fulgur::FitResult result = fit(resumed, "b", root.file("a/epoch=0-step=5.ckpt"));
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(parameters_equal(uninterrupted, resumed));
+  EXPECT_NE(result.metrics.at("train_mse"), first.metrics.at("train_mse"));
+  EXPECT_THAT(err, ::testing::HasSubstr("log(\"train_mse\", <metric>): this epoch was resumed "
+                                        "from a checkpoint written within it, before this "
+                                        "metric was first logged"));
+  EXPECT_THAT(err, ::testing::HasSubstr("log(\"train_mse\", metric) in training_step"));
+  // Resumed at the epoch's end (after its last batch): nothing to say.
+  DropoutNet at_end;
+  at_end.log_at_epoch_end = true;
+  ::testing::internal::CaptureStderr();
+  fit(at_end, "c", root.file(fulgur::str("a/epoch=0-step=", kBatchesPerEpoch, ".ckpt")));
+  EXPECT_EQ(::testing::internal::GetCapturedStderr().find("this epoch was resumed"),
+            std::string::npos);
 }
 
 /// The test below, with a training loader of known length or not.
