@@ -144,6 +144,18 @@ bool EarlyStopping::agreed(Trainer& trainer, bool stop) {
 }
 
 void EarlyStopping::on_train_start(Trainer& trainer, Module&) {
+  if (trainer.global_step() == 0 && trainer.current_epoch() == 0) {
+    // A fit from the start (a second fit of the same Trainer too): it
+    // counts afresh, as a new EarlyStopping would (a resumed fit has taken
+    // the checkpoint's count and best).
+    wait_count_ = 0;
+    best_score_ = std::numeric_limits<double>::quiet_NaN();
+    stopped_epoch_ = -1;
+    stopped_step_ = -1;
+    stop_reason_.clear();
+    warned_missing_ = false;
+    return;
+  }
   // Every rank holds the same state (decisions are agreed), so every rank
   // takes this branch or none (-1, no decision, is no step).
   if (stopped_step_ != trainer.global_step() || trainer.options().fast_dev_run > 0) return;

@@ -136,6 +136,23 @@ std::string ModelCheckpoint::state_key() const {
 }
 
 void ModelCheckpoint::on_fit_start(Trainer& trainer, Module&) {
+  if (trainer.global_step() == 0 && trainer.current_epoch() == 0) {
+    // A fit from the start (a second fit of the same Trainer too): nothing
+    // of an earlier fit is ranked, replaced or said to be saved at a step
+    // (its saves were skipped as "already saved" and its scores competed);
+    // a resumed fit has taken the checkpoint's ranking.
+    best_model_path_.clear();
+    best_model_score_.reset();
+    last_model_path_.clear();
+    top_k_.clear();
+    latest_path_.clear();
+    saved_at_.clear();
+    noted_missing_.clear();
+    last_saved_step_ = -1;
+    validated_this_epoch_ = false;
+    noted_no_validation_ = false;
+    noted_rank_values_ = false;
+  }
   dirpath_ = options_.dirpath.empty()
                  ? (fs::path(trainer.default_root_dir()) / "checkpoints").string()
                  : options_.dirpath;

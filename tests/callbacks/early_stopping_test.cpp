@@ -64,6 +64,21 @@ TEST(EarlyStopping, StopsAfterPatienceChecksWithoutImprovement) {
   EXPECT_THAT(es->stop_reason(), HasSubstr("score did not improve by more than min_delta=0 in 2"));
 }
 
+// The same EarlyStopping in a second fit from the start counts afresh (it
+// stopped the second fit at its first check, from the first fit's count
+// and best).
+TEST(EarlyStopping, ASecondFitFromTheStartCountsAfresh) {
+  TempDir dir;
+  ScriptedRun script{{5, 4, 4.5, 4.2, 4.1, 3}};
+  auto es = stopper({.patience = 2});
+  script.run(dir, es);
+  ASSERT_EQ(es->stopped_epoch(), 3);
+  auto again = script.run(dir, es);
+  EXPECT_EQ(es->stopped_epoch(), 3);
+  EXPECT_EQ(again.epochs, 4);
+  EXPECT_EQ(es->best_score(), 4);
+}
+
 TEST(EarlyStopping, MinDeltaInModeMax) {
   TempDir dir;
   ScriptedRun script{{1, 1.4, 1.8, 2.6, 2.7, 2.8, 9}};

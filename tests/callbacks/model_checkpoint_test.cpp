@@ -308,6 +308,32 @@ void log_scores(LinearRegression& model) {
   };
 }
 
+// A second fit of the same Trainer from the start saves its own weights:
+// its steps were skipped as "already saved" by the first fit's (last.ckpt
+// kept the first fit's weights), and its scores competed with the first's.
+TEST(ModelCheckpoint, ASecondFitFromTheStartSavesAndRanksItsOwn) {
+  TempDir dir;
+  std::shared_ptr<fulgur::ModelCheckpoint> callback;
+  auto options =
+      scored_epochs(dir, {.monitor = "score", .mode = "min", .save_top_k = 1}, 1, &callback);
+  fulgur::Trainer trainer(options);
+  auto weights_in = [&](const std::string& file) {
+    LinearRegression fresh;
+    trainer.test(fresh, regression_loader(1), dir.file("ckpts/" + file));
+    return fresh;
+  };
+  LinearRegression first;
+  log_scores(first);
+  trainer.fit(first, regression_loader(3), regression_loader(1));
+  LinearRegression second(fulgur::test::LinearRegressionOptions{.lr = 0.1});
+  log_scores(second);
+  trainer.fit(second, regression_loader(3), regression_loader(1));
+  EXPECT_FALSE(fulgur::test::parameters_equal(first, second));
+  EXPECT_TRUE(fulgur::test::parameters_equal(weights_in("last.ckpt"), second));
+  EXPECT_TRUE(fulgur::test::parameters_equal(weights_in("epoch=0-step=3.ckpt"), second));
+  EXPECT_EQ(fs::path(callback->best_model_path()).filename().string(), "epoch=0-step=3.ckpt");
+}
+
 TEST(ModelCheckpoint, MonitorMinKeepsTheKBest) {
   TempDir dir;
   LinearRegression model;

@@ -9,7 +9,8 @@
 // epoch. With several ranks the ranks agree: one rank's decision stops them
 // all after the same batch (a metric logged without sync_dist may differ by
 // rank). Its wait count and best score are saved in checkpoints, so a
-// resumed run stops where the uninterrupted one would.
+// resumed run stops where the uninterrupted one would; a fit from the start
+// (a second fit of the same Trainer too) counts afresh.
 //
 //   trainer_options.callbacks.push_back(std::make_shared<fulgur::EarlyStopping>(
 //       fulgur::EarlyStoppingOptions{.monitor = "val_loss", .patience = 3}));

@@ -5,7 +5,9 @@
 // `last.ckpt` for `fit(..., {.ckpt_path = "last"})`. Files go to
 // `<default_root_dir>/checkpoints/` unless `dirpath` is set. At the start of
 // fit it removes what saves killed mid-write left there (temporary files of
-// writers no longer alive). It deletes only files of its own directory.
+// writers no longer alive). It deletes only files of its own directory. A
+// fit from the start (a second fit of the same Trainer too) ranks and saves
+// afresh; a resumed one goes on with the checkpoint's ranking.
 //
 //   trainer_options.callbacks.push_back(std::make_shared<fulgur::ModelCheckpoint>(
 //       fulgur::ModelCheckpointOptions{.monitor = "val_acc", .mode = "max",
