@@ -481,11 +481,22 @@ void ModelCheckpoint::on_train_batch_end(Trainer& trainer, Module&, const at::Te
   if (n > 0 && trainer.global_step() > 0 && trainer.global_step() % n == 0) save(trainer);
 }
 
+bool ModelCheckpoint::ranks_at_each_validation(const Trainer& trainer) const {
+  if (options_.monitor.empty() || !trainer.fit_validates()) return false;
+  const TrainerOptions& o = trainer.options();
+  const BatchLimit& interval = o.val_check_interval;
+  const bool once_at_epoch_end =
+      o.check_val_every_n_epoch == 1 &&
+      ((interval.is_fraction() && interval.fraction() >= 1.0) ||
+       (!interval.is_fraction() && interval.count() == trainer.num_training_batches()));
+  return !once_at_epoch_end;
+}
+
 void ModelCheckpoint::on_validation_end(Trainer& trainer, Module&) {
   // A monitored metric usually comes from validation: the epoch's checkpoint
-  // is taken once the end-of-epoch validation has produced it. Mid-epoch
-  // validations are covered by every_n_train_steps. A standalone
-  // Trainer::validate saves nothing.
+  // is taken once the end-of-epoch validation has produced it, or each
+  // validation's where they run within epochs or every N-th epoch (see
+  // ranks_at_each_validation). A standalone Trainer::validate saves nothing.
   if (trainer.stage() != Stage::kFit || trainer.sanity_checking()) return;
   validation_ran_ = true;
   if (options_.monitor.empty()) return;
@@ -493,7 +504,7 @@ void ModelCheckpoint::on_validation_end(Trainer& trainer, Module&) {
   bool epoch_due = n > 0 && (trainer.current_epoch() + 1) % n == 0;
   bool at_epoch_end = trainer.num_training_batches() < 0 ||
                       trainer.batch_idx() + 1 >= trainer.num_training_batches();
-  if (epoch_due && at_epoch_end) {
+  if (epoch_due && (at_epoch_end || ranks_at_each_validation(trainer))) {
     // Before the save, which holds it: a resume from it (which goes on
     // after this hook) rewrites last.ckpt at the epoch's end, as below.
     validated_this_epoch_ = true;
@@ -507,7 +518,10 @@ void ModelCheckpoint::on_train_epoch_end(Trainer& trainer, Module&) {
   bool saved_by_validation = validated_this_epoch_;
   validated_this_epoch_ = false;
   if (!due) return;
-  if (!saved_by_validation) {
+  if (ranks_at_each_validation(trainer)) {
+    // Nothing to rank: last.ckpt records the completed epoch.
+    if (options_.save_last) save_last(trainer);
+  } else if (!saved_by_validation) {
     save(trainer);
   } else if (options_.save_last) {
     // Rewrite last.ckpt now, so that it records the completed epoch.

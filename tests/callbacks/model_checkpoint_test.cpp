@@ -334,6 +334,41 @@ TEST(ModelCheckpoint, ASecondFitFromTheStartSavesAndRanksItsOwn) {
   EXPECT_EQ(fs::path(callback->best_model_path()).filename().string(), "epoch=0-step=3.ckpt");
 }
 
+// Validation within epochs (val_check_interval) or every N-th epoch: each
+// validation's end ranks the weights it scored, as Lightning's. Only the
+// epoch's end was ranked: the weights validated within an epoch were never
+// kept, and an epoch no validation ran was kept under the score of an
+// earlier one (evicting a validated epoch).
+TEST(ModelCheckpoint, EachValidationWithinOrEveryNthEpochRanksTheWeightsItScored) {
+  TempDir dir;
+  {
+    LinearRegression model;
+    model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t) {
+      self.log("score", 10.0 - static_cast<double>(self.trainer().global_step()),
+               {.on_step = false, .on_epoch = true});
+    };
+    auto options = scored_epochs(
+        dir, {.dirpath = dir.file("within"), .monitor = "score", .save_top_k = -1}, 2);
+    options.val_check_interval = fulgur::BatchLimit(static_cast<long long>(2));
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(4), regression_loader(1));
+    EXPECT_THAT(list_files(dir.file("within")),
+                ElementsAre("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt",
+                            "epoch=1-step=8.ckpt", "last.ckpt"));
+  }
+  LinearRegression model;
+  model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t) {
+    self.log("score", self.current_epoch() == 1 ? 5.0 : 6.0, {.on_step = false, .on_epoch = true});
+  };
+  auto options = scored_epochs(
+      dir, {.dirpath = dir.file("every_other"), .monitor = "score", .save_top_k = 2}, 4);
+  options.check_val_every_n_epoch = 2;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(1));
+  EXPECT_THAT(list_files(dir.file("every_other")),
+              ElementsAre("epoch=1-step=4.ckpt", "epoch=3-step=8.ckpt", "last.ckpt"));
+}
+
 TEST(ModelCheckpoint, MonitorMinKeepsTheKBest) {
   TempDir dir;
   LinearRegression model;

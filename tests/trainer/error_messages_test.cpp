@@ -172,17 +172,32 @@ TEST(ModelCheckpointErrors, AMonitorThatWasNeverLoggedListsTheLoggedMetrics) {
                      {"monitor=\"val_accuracy\"", "no metric of that name", "train_loss"});
 }
 
-// A save before the fit's first validation (here the epoch's end, with
-// validation every second epoch; or max_steps within a val_check_interval)
-// has nothing to rank: last.ckpt keeps the state and a note says so once,
-// where it failed the fit before. Without validation, a monitor nothing
-// logs stays an error (above).
+// A save before the fit's first validation (here every training step, the
+// validation at the epoch's end) has nothing to rank: last.ckpt keeps the
+// state and a note says so once, where it failed the fit before. Without
+// validation, a monitor nothing logs stays an error (above). With
+// validation every second epoch the first epoch's end ranks nothing (no
+// validation scored its weights) and keeps last.ckpt, without a note.
 TEST(ModelCheckpointErrors, ASaveBeforeTheFitsFirstValidationKeepsLastAndSaysSo) {
   TempDir dir;
+  {
+    std::shared_ptr<fulgur::ModelCheckpoint> every_other;
+    auto options = fulgur::test::checkpointed_options(dir, {.monitor = "val_loss"}, &every_other);
+    options.max_epochs = 1;
+    options.check_val_every_n_epoch = 2;
+    LinearRegression model;
+    fulgur::Trainer trainer(std::move(options));
+    testing::internal::CaptureStderr();
+    trainer.fit(model, fulgur::test::regression_loader(2), fulgur::test::regression_loader(1));
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(err.find("before any validation"), std::string::npos) << err;
+    EXPECT_TRUE(std::filesystem::exists(every_other->last_model_path()));
+    EXPECT_TRUE(every_other->best_model_path().empty());
+  }
   std::shared_ptr<fulgur::ModelCheckpoint> callback;
-  auto options = fulgur::test::checkpointed_options(dir, {.monitor = "val_loss"}, &callback);
+  auto options = fulgur::test::checkpointed_options(
+      dir, {.monitor = "val_loss", .every_n_train_steps = 1}, &callback);
   options.max_epochs = 1;
-  options.check_val_every_n_epoch = 2;
   LinearRegression model;
   fulgur::Trainer trainer(std::move(options));
   testing::internal::CaptureStderr();

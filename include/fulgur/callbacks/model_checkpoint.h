@@ -55,7 +55,10 @@ struct ModelCheckpointOptions {
   /// Save every N optimizer steps (0: off).
   int64_t every_n_train_steps = 0;
   /// Save at the end of every N-th epoch (0: off). Default: every epoch
-  /// unless every_n_train_steps is set.
+  /// unless every_n_train_steps is set. With a monitor and validation
+  /// within epochs or every N-th epoch (check_val_every_n_epoch), at the end
+  /// of every validation of those epochs instead (an epoch's end rewrites
+  /// last.ckpt only: no validation scored its weights).
   std::optional<int64_t> every_n_epochs = std::nullopt;
 };
 
@@ -84,6 +87,11 @@ class ModelCheckpoint : public Callback {
   void save(Trainer& trainer);
   void save_last(Trainer& trainer);
   bool enabled(Trainer& trainer) const;
+  /// With a monitor, where the fit validates other than once at each
+  /// epoch's end (within epochs, or every N-th epoch): the checkpoints are
+  /// ranked at every validation's end, and none at an epoch's end (whose
+  /// weights no validation scored), as Lightning's.
+  bool ranks_at_each_validation(const Trainer& trainer) const;
   /// The filename template, parsed once: literal text, or a {key:spec}
   /// field (a '{' without its '}' is text).
   struct NamePart {
