@@ -380,6 +380,10 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDi
   StateDict without_states = state;
   without_states.section("state") = StateDict();
   load_whole(optimizer, without_states);
+  // The saved states replace the optimizer's, as PyTorch's load_state_dict
+  // does: a parameter without one in `state` has none after (it kept its
+  // momentum of an earlier step).
+  optimizer.state().clear();
   for (auto& [key, param_state] : loaded) optimizer.state()[key] = std::move(param_state);
 }
 

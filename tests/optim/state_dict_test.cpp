@@ -326,6 +326,25 @@ TEST(OptimizerStateDict, HoldsTheOptimizersOwnStateTensors) {
   EXPECT_EQ(adam.state().size(), 2u);
 }
 
+// A load replaces the optimizer's states, as PyTorch's load_state_dict
+// does: a parameter the saved state holds nothing for had kept the momentum
+// of the optimizer's own earlier steps.
+TEST(OptimizerStateDict, ALoadReplacesEveryStateOfTheOptimizer) {
+  const TensorVector params = make_params(1);
+  torch::optim::Adam one(params, torch::optim::AdamOptions(0.05));
+  params[0].mutable_grad() = torch::ones_like(params[0]);
+  one.step();  // params[1] has no gradient: no state
+  ASSERT_EQ(one.state().size(), 1u);
+  const fulgur::StateDict saved = through_bytes(fulgur::optimizer_state_dict(one));
+  torch::optim::Adam both(params, torch::optim::AdamOptions(0.05));
+  train(both, params, 2);
+  ASSERT_EQ(both.state().size(), 2u);
+  fulgur::load_optimizer_state_dict(both, saved);
+  EXPECT_EQ(both.state().size(), 1u);
+  EXPECT_EQ(state_of(both, params[1]), nullptr);
+  EXPECT_NE(state_of(both, params[0]), nullptr);
+}
+
 // A checkpoint's tensors come back on the device that saved them (rank 0's
 // GPU, for every rank of a DDP run); the state loads onto each parameter's
 // device. On the CPU, parameters on the "meta" device show it.
