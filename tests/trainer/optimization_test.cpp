@@ -5,10 +5,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <csignal>
 #include <cmath>
 #include <functional>
 
 #include "fulgur/fulgur.h"
+#include "support/run_in_child.h"
 #include "support/test_support.h"
 
 namespace {
@@ -105,6 +107,50 @@ TEST(GradientAccumulation, FourMicroBatchesEqualOneBatchOfFourTimesTheSize) {
   EXPECT_TRUE(parameters_close(accumulated, whole, /*rtol=*/1e-5, /*atol=*/1e-6));
   // And the step did move the parameters.
   EXPECT_FALSE(torch::allclose(whole.fc->weight, initial[0]));
+}
+
+// A preemption signal within an accumulation window: the checkpoint waits
+// for the window's step. It was saved after the window's first micro-batch,
+// whose gradient no checkpoint holds: the resumed run stepped with the
+// window's second micro-batch alone, and ended elsewhere.
+TEST(GradientAccumulation, APreemptionWithinAWindowSavesAfterItsStepAndResumesBitIdentical) {
+  struct Preempted : fulgur::LightningEnvironment {
+    std::vector<int> preemption_signals() const override { return {SIGUSR1}; }
+  };
+  auto data = regression_dataset(64);
+  auto fit = [&](TempDir& dir, LinearRegression& model, const std::string& ckpt_path) {
+    auto options = test_options(dir);
+    options.accumulate_grad_batches = 2;
+    options.max_epochs = 2;
+    options.plugins = {std::make_shared<Preempted>()};
+    fulgur::Trainer trainer(options);
+    return trainer.fit(model, fulgur::make_data_loader(data, {.batch_size = 8}), nullptr,
+                       {.ckpt_path = ckpt_path});
+  };
+  torch::manual_seed(3);
+  LinearRegression uninterrupted({.lr = 0.1, .momentum = 0.9});
+  LinearRegression start({.lr = 0.1, .momentum = 0.9});
+  fulgur::test::copy_parameters(uninterrupted, start);
+  TempDir whole;
+  fit(whole, uninterrupted, "");
+  TempDir dir;
+  const auto child = fulgur::test::run_in_child([&] {
+    LinearRegression model({.lr = 0.1, .momentum = 0.9});
+    fulgur::test::copy_parameters(start, model);
+    model.train_hook = [](LinearRegression& m, fulgur::Batch&, int64_t batch_idx) {
+      // Seen at the next batch's start, the second window's first: the
+      // stop came after it.
+      if (m.current_epoch() == 0 && batch_idx == 1) ::raise(SIGUSR1);
+    };
+    fit(dir, model, "");
+    return 0;
+  });
+  ASSERT_EQ(child.signal, SIGUSR1) << child.describe();
+  LinearRegression resumed({.lr = 0.1, .momentum = 0.9});
+  const auto result = fit(dir, resumed, dir.file("checkpoints/last.ckpt"));
+  EXPECT_EQ(resumed.training_steps, 16 - 4);  // saved after the window's step (batches 2, 3)
+  EXPECT_EQ(result.global_step, 8);
+  EXPECT_TRUE(parameters_equal(uninterrupted, resumed));
 }
 
 // ---- Gradient clipping.

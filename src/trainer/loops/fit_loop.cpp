@@ -53,12 +53,28 @@ bool FitLoop::stop_requested_by_limits(bool boundary) {
   if (stop && trainer_.signals.armed()) {
     // Is the job ending (a preemption signal on some rank)? Every rank saw
     // `stop` here, so every rank asks; it ends the process when so.
+    // Gradients accumulated in a window that has not stepped yet are in no
+    // checkpoint (a resume would step with the window's later micro-batches
+    // alone): the save waits for the window's step, a few batches.
     int signal = trainer_.signals.received();
+    int window_open = window_has_gradient_ ? 1 : 0;
     if (trainer_.strategy->world_size() > 1) {
-      signal = trainer_.strategy->all_reduce(torch::tensor({signal}, torch::kInt), ReduceOp::kMax)
-                   .item<int>();
+      const at::Tensor agreed = trainer_.strategy->all_reduce(
+          torch::tensor({signal, window_open}, torch::kInt), ReduceOp::kMax);
+      signal = agreed[0].item<int>();
+      window_open = agreed[1].item<int>();
     }
-    if (signal != 0) trainer_.end_by_preemption(signal);
+    if (signal != 0 && window_open == 0) trainer_.end_by_preemption(signal);
+    if (signal != 0) {
+      if (!preemption_deferred_noted_ && trainer_.strategy->is_global_zero()) {
+        preemption_deferred_noted_ = true;
+        detail::print_note(str(detail::signal_name(signal), " within an accumulation window (",
+                               "accumulate_grad_batches=", accumulate_,
+                               "): the checkpoint follows the window's optimizer step, so that "
+                               "it holds the window's gradients' effect."));
+      }
+      return false;
+    }
   }
   if (max_steps_reached()) {
     stop_reason_ = "max_steps";

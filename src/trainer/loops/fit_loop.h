@@ -242,6 +242,7 @@ class FitLoop {
   std::vector<double> rates_before_;  // step_schedulers' read_learning_rates
   // An earlier micro-batch of the current accumulation window ran backward.
   bool window_has_gradient_ = false;
+  bool preemption_deferred_noted_ = false;
   int64_t accumulate_ = 1;
   int64_t num_training_batches_ = -1;
   bool should_stop_ = false;
