@@ -370,6 +370,59 @@ class ManualRegression : public LinearRegression {
   }
 };
 
+// Two optimizers fed by one backward under a loss scaler: each is unscaled
+// with the scale that backward ran with. The scaler's update() came after
+// each optimizer_step, so the scale grew (growth_interval=1) before the
+// second optimizer's gradients were unscaled: b stepped by half its
+// gradient. A second backward in the same training_step (an optimizer
+// stepped twice) runs with the scale the first step's verdict set.
+TEST(ManualOptimization, EveryOptimizerAScaledBackwardFedIsUnscaledByItsScale) {
+  struct TwoParameters : fulgur::Module {
+    at::Tensor a, b;
+    bool twice = false;
+    TwoParameters() : fulgur::Module("TwoParameters") {
+      a = register_parameter("a", torch::zeros({1}));
+      b = register_parameter("b", torch::zeros({1}));
+      set_automatic_optimization(false);
+    }
+    at::Tensor training_step(fulgur::Batch&, int64_t) override {
+      const at::Tensor loss = (a * 3 + b * 3).sum();
+      manual_backward(loss);
+      optimizer_step(0);
+      optimizer_step(1);
+      if (twice) {
+        optimizers()[0]->zero_grad();
+        manual_backward((a * 3).sum());
+        optimizer_step(0);
+      }
+      for (auto& o : optimizers()) o->zero_grad();
+      return loss;
+    }
+    fulgur::OptimizerConfig configure_optimizers() override {
+      fulgur::OptimizerConfig config(
+          std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{a}, 1.0));
+      config.optimizers.push_back(
+          std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{b}, 1.0));
+      return config;
+    }
+  };
+  for (const bool twice : {false, true}) {
+    TempDir dir;
+    auto options = test_options(dir);
+    options.max_epochs = 1;
+    options.plugins = {std::make_shared<fulgur::MixedPrecision>(
+        at::kBFloat16,
+        std::make_shared<fulgur::GradScaler>(fulgur::GradScalerOptions{.growth_interval = 1}))};
+    TwoParameters model;
+    model.twice = twice;
+    fulgur::Trainer trainer(options);
+    trainer.fit(model, regression_loader(2));
+    // Two batches, each stepping a and b by their gradient, 3 (a twice).
+    EXPECT_EQ(model.a.item<float>(), twice ? -12.0f : -6.0f) << twice;
+    EXPECT_EQ(model.b.item<float>(), -6.0f) << twice;
+  }
+}
+
 TEST(ManualOptimization, GlobalStepCountsOptimizerSteps) {
   TempDir dir;
   ManualRegression model;

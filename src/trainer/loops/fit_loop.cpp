@@ -171,6 +171,7 @@ void FitLoop::run() {
   count_training_batches();
   // A fit that failed within a step may have left gradients unscaled.
   trainer_.strategy->precision().forget_unscaled();
+  stepped_since_update_.clear();
   for (auto& opt : optimizers_.optimizers) opt->zero_grad();
   window_has_gradient_ = false;
   accumulate_ = trainer_.options.accumulate_grad_batches;
@@ -458,6 +459,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
     auto scope = trainer_.drive().step_scope();
     loss = trainer_.drive().training_step(m, on_device, idx);
     if (global_step_ > steps_before) ++batches_that_stepped_;
+    end_scaler_iteration();
   }
   within_step.reset();
   batch_position_ = idx + 1;
@@ -804,7 +806,33 @@ void FitLoop::manual_backward(Module& m, const at::Tensor& loss) {
         "manual_backward(loss): called outside training_step. Call it from "
         "training_step while fitting.");
   }
+  // A backward after optimizer steps starts the loss scaler's next
+  // iteration: those steps' verdicts set the scale it runs with.
+  end_scaler_iteration();
   backward_with_hooks(m, loss, loss, /*vote=*/true);
+}
+
+void FitLoop::end_scaler_iteration() {
+  if (stepped_since_update_.empty()) return;
+  // update() forgets what was unscaled: gradients unscaled (clip_gradients)
+  // but not stepped would be unscaled again at their step.
+  Precision& precision = trainer_.strategy->precision();
+  const auto& all = optimizers_.optimizers;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (stepped_since_update_.count(all[i].get()) != 0 || !precision.gradients_unscaled(*all[i])) {
+      continue;
+    }
+    stepped_since_update_.clear();
+    precision.forget_unscaled();
+    throw ConfigError(str("manual optimization under precision=\"", precision.name(),
+                          "\": optimizer ", i,
+                          "'s gradients were unscaled (clip_gradients) and it has not stepped "
+                          "before the next backward or the end of training_step, where the loss "
+                          "scaler's iteration ends; they would be unscaled again. Clip each "
+                          "optimizer's gradients right before its own optimizer_step."));
+  }
+  stepped_since_update_.clear();
+  precision.update();
 }
 
 void FitLoop::backward_with_hooks(Module& m, const at::Tensor& loss, const at::Tensor& scaled,
@@ -828,24 +856,13 @@ void FitLoop::manual_optimizer_step(Module& m, torch::optim::Optimizer& optimize
   trainer_.call_hooks(
       [&](Module& mod) { mod.on_before_optimizer_step(optimizer); },
       [&](Callback& cb) { cb.on_before_optimizer_step(trainer_.self, m, optimizer); });
-  // Each manual step ends the loss scaler's iteration (update()), which
-  // forgets what it unscaled: another optimizer's gradients unscaled
-  // already would be unscaled again at their step.
-  Precision& precision = trainer_.strategy->precision();
-  const auto& all = optimizers_.optimizers;
-  for (size_t i = 0; i < all.size(); ++i) {
-    if (all[i].get() == &optimizer || !precision.gradients_unscaled(*all[i])) continue;
-    size_t stepping = 0;
-    while (stepping < all.size() && all[stepping].get() != &optimizer) ++stepping;
-    throw ConfigError(str("optimizer_step(optimizer ", stepping, ") under precision=\"",
-                          precision.name(), "\": optimizer ", i,
-                          "'s gradients were unscaled (clip_gradients) and it has not stepped; "
-                          "this step ends the loss scaler's iteration, after which they would "
-                          "be unscaled again. Clip each optimizer's gradients right before its "
-                          "own optimizer_step."));
-  }
+  // The loss scaler's iteration ends at the next backward or at the end of
+  // training_step (end_scaler_iteration), not here: every optimizer the
+  // backward fed is unscaled with the scale that backward ran with (an
+  // update() here grew or backed off the scale before the next optimizer's
+  // gradients were unscaled: they stepped at half or twice their size).
   trainer_.drive().optimizer_step(optimizer, m);
-  precision.update();
+  stepped_since_update_.insert(&optimizer);
   ++global_step_;
 }
 

@@ -136,6 +136,9 @@ class FitLoop {
   // ---- Manual optimization (the Module, through TrainerLink).
   void manual_backward(Module& module, const at::Tensor& loss);
   void manual_optimizer_step(Module& module, torch::optim::Optimizer& optimizer);
+  // Manual optimization: the loss scaler's update() for the steps since the
+  // last one (at a backward after them, and after training_step).
+  void end_scaler_iteration();
   /// Module::clip_gradients: unscales (once per step) and clips through
   /// the strategy (by norm on the device, the norm not read back).
   void clip_gradients(torch::optim::Optimizer& optimizer, double value,
@@ -243,6 +246,9 @@ class FitLoop {
   // An earlier micro-batch of the current accumulation window ran backward.
   bool window_has_gradient_ = false;
   bool preemption_deferred_noted_ = false;
+  // Manual optimization: the optimizers stepped since the loss scaler's
+  // last update().
+  std::set<const torch::optim::Optimizer*> stepped_since_update_;
   int64_t accumulate_ = 1;
   int64_t num_training_batches_ = -1;
   bool should_stop_ = false;
