@@ -41,6 +41,45 @@ TEST(GradScaler, ScalesTheLossAndUnscalesTheGradients) {
   EXPECT_EQ(scaler.growth_tracker(), 1);
 }
 
+// A sparse gradient (an Embedding's, sparse=true): its values are unscaled,
+// as PyTorch's scaler does (the unscale ran LibTorch's dense kernels on it:
+// "Could not run 'aten::ne.Scalar' ... 'SparseCPU' backend").
+TEST(GradScaler, UnscalesASparseGradientsValues) {
+  torch::nn::Embedding table(torch::nn::EmbeddingOptions(4, 2).sparse(true));
+  const at::Tensor before = table->weight.detach().clone();
+  fulgur::optim::SGD sgd(table->parameters(), torch::optim::SGDOptions(1.0));
+  fulgur::GradScaler scaler({.init_scale = 8.0});
+  scaler.scale(table(torch::tensor({1, 1}, torch::kLong)).sum()).backward();
+  ASSERT_TRUE(table->weight.grad().is_sparse());
+  EXPECT_TRUE(scaler.step(sgd));
+  scaler.update();
+  EXPECT_FALSE(scaler.last_step_skipped());
+  at::Tensor expected = before.clone();
+  expected[1] -= 2.0;  // looked up twice, gradient 1 each time
+  EXPECT_TRUE(torch::allclose(table->weight.detach(), expected)) << table->weight;
+  // An inf among the values is found.
+  sgd.zero_grad();
+  scaler.scale(table(torch::tensor({2}, torch::kLong)).sum() * INFINITY).backward();
+  EXPECT_FALSE(scaler.step(sgd));
+  scaler.update();
+  EXPECT_TRUE(scaler.last_step_skipped());
+}
+
+// Gradients on two GPUs (a module placed across them under `manual`): each
+// device's are unscaled by its own kernel call, their verdicts joined.
+TEST(GradScaler, UnscalesGradientsOnSeveralDevices_CUDA) {
+  FULGUR_SKIP_UNLESS_CUDA(2);
+  at::Tensor a = torch::ones({2}, torch::device(torch::Device(torch::kCUDA, 0))).requires_grad_();
+  at::Tensor b = torch::ones({2}, torch::device(torch::Device(torch::kCUDA, 1))).requires_grad_();
+  torch::optim::SGD sgd({a, b}, torch::optim::SGDOptions(1.0));
+  fulgur::GradScaler scaler({.init_scale = 4.0});
+  (scaler.scale(a.sum() * 3) + scaler.scale(b.sum() * 3).to(a.device())).backward();
+  EXPECT_TRUE(scaler.step(sgd));
+  scaler.update();
+  EXPECT_TRUE(torch::allclose(a.detach().cpu(), torch::full({2}, -2.0f)));
+  EXPECT_TRUE(torch::allclose(b.detach().cpu(), torch::full({2}, -2.0f)));
+}
+
 TEST(GradScaler, SkipsTheStepOnInfOrNanAndBacksOff) {
   for (float bad : {std::numeric_limits<float>::infinity(), std::nanf("")}) {
     fulgur::GradScaler scaler({.init_scale = 1024.0, .backoff_factor = 0.25});

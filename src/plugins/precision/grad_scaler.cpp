@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -12,14 +13,40 @@ namespace fulgur {
 
 namespace {
 
+// What the scaler unscales of each gradient: the gradient, or a sparse
+// one's values (a float16 one coalesced first, as PyTorch's scaler does:
+// values of one index summed later could overflow).
 std::vector<at::Tensor> gradients(torch::optim::Optimizer& optimizer) {
   std::vector<at::Tensor> grads;
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) {
-      if (p.grad().defined()) grads.push_back(p.grad());
+      if (!p.grad().defined()) continue;
+      if (!p.grad().is_sparse()) {
+        grads.push_back(p.grad());
+        continue;
+      }
+      if (p.grad().scalar_type() == at::kHalf) p.mutable_grad() = p.grad().coalesce();
+      grads.push_back(p.grad()._values());
     }
   }
   return grads;
+}
+
+// `grads` grouped by device and dtype (ATen's unscale kernel takes one of each).
+std::vector<std::vector<at::Tensor>> by_device_and_dtype(const std::vector<at::Tensor>& grads) {
+  std::vector<std::vector<at::Tensor>> groups;
+  for (const auto& g : grads) {
+    auto same = [&](const std::vector<at::Tensor>& group) {
+      return group.front().device() == g.device() && group.front().scalar_type() == g.scalar_type();
+    };
+    auto it = std::find_if(groups.begin(), groups.end(), same);
+    if (it == groups.end()) {
+      groups.push_back({g});
+    } else {
+      it->push_back(g);
+    }
+  }
+  return groups;
 }
 
 }  // namespace
@@ -72,17 +99,25 @@ void GradScaler::unscale(torch::optim::Optimizer& optimizer) {
   ensure_state(device);
   at::Tensor found_inf = torch::zeros({1}, torch::dtype(torch::kFloat32).device(device));
   // The reciprocal in double, then float32, as PyTorch's scaler computes it.
-  at::Tensor inv_scale = scale_.to(torch::kFloat64).reciprocal().to(torch::kFloat32);
+  const at::Tensor inv_scale = scale_.to(torch::kFloat64).reciprocal().to(torch::kFloat32);
   torch::NoGradGuard no_grad;
-  if (device.is_cuda()) {
-    at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
-  } else {
-    for (auto& g : grads) {
-      found_inf.add_(g.isfinite().logical_not().any().to(torch::kFloat32));
-      g.mul_(inv_scale.to(g.scalar_type()));
+  // Per device (a module placed on several GPUs) and dtype, each group's
+  // verdict joined on the scale's device.
+  for (auto& group : by_device_and_dtype(grads)) {
+    const at::Device where = group.front().device();
+    at::Tensor group_found = torch::zeros({1}, torch::dtype(torch::kFloat32).device(where));
+    const at::Tensor group_inv = inv_scale.to(where);
+    if (where.is_cuda()) {
+      at::_amp_foreach_non_finite_check_and_unscale_(group, group_found, group_inv);
+    } else {
+      for (auto& g : group) {
+        group_found.add_(g.isfinite().logical_not().any().to(torch::kFloat32));
+        g.mul_(group_inv.to(g.scalar_type()));
+      }
     }
-    found_inf.clamp_max_(1.0);
+    found_inf.add_(group_found.to(device));
   }
+  found_inf.clamp_max_(1.0);
   found_inf_.emplace(&optimizer, found_inf);
 }
 
