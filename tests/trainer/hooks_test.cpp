@@ -734,8 +734,14 @@ TEST(Hooks, UnderALossScalerGradientsAreUnscaledOnceAndClippedTrueScale) {
                       "backward"});
 }
 
+// Manual optimization: each optimizer's gradients clipped (unscaled) before
+// the steps, as PyTorch's unscale_, unscale_, step, step, update. The
+// scaler's iteration ends after training_step (it ended at each step, and
+// the second optimizer's clipped gradients would have been unscaled again:
+// refused then). Gradients clipped but not stepped by then are refused.
 TEST(Hooks, AManualStepThatWouldUnscaleAnotherOptimizersGradientsTwiceIsRefused) {
   struct TwoOptimizers : LinearRegression {
+    bool step_second = true;
     TwoOptimizers() { set_automatic_optimization(false); }
     fulgur::OptimizerConfig configure_optimizers() override {
       auto weight = std::make_shared<torch::optim::SGD>(std::vector<at::Tensor>{fc->weight},
@@ -751,15 +757,28 @@ TEST(Hooks, AManualStepThatWouldUnscaleAnotherOptimizersGradientsTwiceIsRefused)
       clip_gradients(*optimizers()[0], 1.0);
       clip_gradients(*optimizers()[1], 1.0);
       optimizer_step(0);
-      optimizer_step(1);
+      if (step_second) optimizer_step(1);
+      for (auto& o : optimizers()) o->zero_grad();
       return loss.detach();
     }
   } model;
   TempDir dir;
   auto options = test_options(dir);
   options.plugins = {std::make_shared<ScaledOnCpu>()};
-  EXPECT_THROWS_WITH(fulgur::ConfigError, fulgur::Trainer(options).fit(model, regression_loader(2)),
-                     {"optimizer_step(optimizer 0)", "optimizer 1's gradients were unscaled",
+  const auto before = fulgur::test::clone_parameters(model);
+  fulgur::Trainer(options).fit(model, regression_loader(2));
+  const auto after = fulgur::test::clone_parameters(model);
+  for (size_t i = 0; i < before.size(); ++i) {
+    // Clipped at true scale: each step moves a parameter by 0.05 x at most 1 per element.
+    EXPECT_FALSE(torch::equal(before[i], after[i])) << i;
+    EXPECT_LE((before[i] - after[i]).abs().max().item<double>(), 2 * 0.05 + 1e-6) << i;
+  }
+  TwoOptimizers unstepped;
+  unstepped.step_second = false;
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     fulgur::Trainer(options).fit(unstepped, regression_loader(2)),
+                     {"optimizer 1's gradients were unscaled (clip_gradients) and it has not "
+                      "stepped before the next backward or the end of training_step",
                       "right before its own optimizer_step"});
 }
 
