@@ -77,16 +77,28 @@ void EarlyStopping::check(Trainer& trainer) {
   Strategy& strategy = trainer.strategy();
   const auto& metrics = trainer.callback_metrics();
   auto it = metrics.find(options_.monitor);
-  // Every rank reaches this point equally often, so the agreement below is
-  // one collective on every rank; a missing metric is missing everywhere.
-  if (it == metrics.end()) {
+  // Every rank reaches this point equally often, so the agreements below
+  // are collectives on every rank. Whether any rank lacks the metric is
+  // agreed first (one logged on some ranks only): every rank then stops or
+  // skips alike, none waits alone in the decision's collective.
+  const bool missing = it == metrics.end();
+  const bool any_missing =
+      strategy.world_size() > 1 ? strategy.reduce_boolean_decision(missing, /*all=*/false) : missing;
+  if (any_missing) {
     std::vector<std::string> names;
     for (const auto& [k, _] : metrics) names.push_back(k);
     const std::string what =
-        str("EarlyStopping(monitor=\"", options_.monitor,
-            "\"): no metric of that name was logged. Logged metrics: ",
-            names.empty() ? std::string("none") : join(names), ". Log it with log(\"",
-            options_.monitor, "\", ...) or change monitor");
+        missing ? str("EarlyStopping(monitor=\"", options_.monitor,
+                      "\"): no metric of that name was logged",
+                      strategy.world_size() > 1 ? str(" on rank ", strategy.global_rank())
+                                                : std::string(),
+                      ". Logged metrics: ", names.empty() ? std::string("none") : join(names),
+                      ". Log it with log(\"", options_.monitor, "\", ...) or change monitor")
+                : str("EarlyStopping(monitor=\"", options_.monitor,
+                      "\"): another rank logged no metric of that name (this rank ",
+                      strategy.global_rank(),
+                      " did). Log it on every rank (with sync_dist=true for one value across "
+                      "them) or change monitor");
     if (options_.strict) throw ConfigError(what + ".");
     if (!warned_missing_ && strategy.is_global_zero()) {
       detail::print_note(str(what, "; not checking (strict=false)."));

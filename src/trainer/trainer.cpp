@@ -263,7 +263,9 @@ void check_unique_state_keys(const std::vector<std::shared_ptr<Callback>>& callb
       throw ConfigError(str(where, ": a ", name, " and a ", it->second,
                             " have the same state_key() \"", it->first,
                             "\", so a checkpoint could not tell their states apart. Give one "
-                            "of them another key (or options that make it differ)."));
+                            "of them other values of the options the key shows (other options, "
+                            "such as a dirpath or a patience, are not in it), or another "
+                            "state_key() (a subclass that overrides it)."));
     }
   }
 }

@@ -705,6 +705,23 @@ TEST(DDP, EarlyStoppingOnOneRankStopsEveryRankAtTheSameStep) {
       << r.output;
 }
 
+// The monitored metric logged on rank 1 only: every rank names it at the
+// first check (rank 0 threw alone, and rank 1 waited in the decision's
+// collective for it).
+TEST(DDP, EarlyStoppingOnAMetricOneRankLacksIsAnErrorOnEveryRank) {
+  TempDir dir;
+  auto r = run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "1000", "--samples", "320",
+                       "--early-stop-rank", "1", "--early-stop-metric-on-that-rank-only",
+                       "--timeout", "60", "--root", dir.path()});
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_THAT(r.output, ::testing::HasSubstr("EarlyStopping(monitor=\"es_metric\"): no metric of "
+                                             "that name was logged on rank 0"))
+      << r.output;
+  EXPECT_THAT(r.output, ::testing::HasSubstr("another rank logged no metric of that name (this "
+                                             "rank 1 did)"))
+      << r.output;
+}
+
 // Rank 1 requests a stop (where `where` says); every rank must end after
 // `steps` optimizer steps having run `batches` training steps. Each step
 // adds rank + 1 to a buffer that rank 0 broadcasts before the next one, so

@@ -233,6 +233,8 @@ struct Args {
   // EarlyStopping (patience 1) on "es_metric", logged without sync_dist at
   // each epoch's end: worse every epoch on this rank, better on the others.
   int early_stop_rank = -1;
+  // With early_stop_rank: es_metric is logged on that rank only.
+  bool early_stop_metric_on_that_rank_only = false;
   // >= 0: a BackboneFinetuning freezes fc1 at the start and trains it from
   // this epoch on; the optimizer gets the trainable parameters only.
   int64_t finetune_at = -1;
@@ -558,7 +560,9 @@ struct Classifier : fulgur::Module {
   void on_train_epoch_end() override {
     if (args.early_stop_rank < 0) return;
     const double epoch = static_cast<double>(trainer().current_epoch());
-    log("es_metric", trainer().strategy().global_rank() == args.early_stop_rank ? epoch : -epoch);
+    const bool that_rank = trainer().strategy().global_rank() == args.early_stop_rank;
+    if (args.early_stop_metric_on_that_rank_only && !that_rank) return;
+    log("es_metric", that_rank ? epoch : -epoch);
   }
 
   void validation_step(fulgur::Batch& batch, int64_t) override {
@@ -939,6 +943,7 @@ int main(int argc, char** argv) {
   app.add_option("--raise", a.raises);
   app.add_option("--step-sleep-ms", a.step_sleep_ms);
   app.add_option("--early-stop-rank", a.early_stop_rank);
+  app.add_flag("--early-stop-metric-on-that-rank-only", a.early_stop_metric_on_that_rank_only);
   app.add_option("--schedule", a.schedule);
   CLI11_PARSE(app, argc, argv);
 
