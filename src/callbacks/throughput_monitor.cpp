@@ -25,6 +25,7 @@ void ThroughputMonitor::on_train_start(Trainer&, Module&) {
   samples_per_sec_ = 0;
   excluded_ = Clock::duration{};
   paused_ = 0;
+  validation_ended_ = false;
 }
 
 void ThroughputMonitor::pause() {
@@ -39,8 +40,18 @@ void ThroughputMonitor::resume() {
 // and a validation's are not training.
 void ThroughputMonitor::on_train_epoch_end(Trainer&, Module&) { pause(); }
 void ThroughputMonitor::on_train_epoch_start(Trainer&, Module&) { resume(); }
-void ThroughputMonitor::on_validation_start(Trainer&, Module&) { pause(); }
-void ThroughputMonitor::on_validation_end(Trainer&, Module&) { resume(); }
+void ThroughputMonitor::on_validation_start(Trainer&, Module&) {
+  if (validation_ended_) return;  // validations back to back: still paused
+  pause();
+}
+// The callbacks after this one in the hook (a ModelCheckpoint's save) are
+// not training either: the pause ends when training goes on.
+void ThroughputMonitor::on_validation_end(Trainer&, Module&) { validation_ended_ = true; }
+void ThroughputMonitor::on_train_batch_start(Trainer&, Module&, const Batch&, int64_t) {
+  if (!validation_ended_) return;
+  validation_ended_ = false;
+  resume();
+}
 
 void ThroughputMonitor::on_train_batch_end(Trainer& trainer, Module&, const at::Tensor&,
                                            const Batch& batch, int64_t) {

@@ -102,4 +102,30 @@ TEST(ThroughputMonitor, AValidationsTimeIsNotTraining) {
   EXPECT_GT(rates.back().second, 6.0);
 }
 
+// What the callbacks after it do at a validation's end (a ModelCheckpoint's
+// save, here a callback that takes 500 ms) is not training either: it was
+// counted, the monitor's clock resumed first in that hook.
+TEST(ThroughputMonitor, TheSaveAfterAValidationIsNotTraining) {
+  TempDir dir;
+  auto logger = std::make_shared<RecordingLogger>();
+  auto monitor =
+      std::make_shared<fulgur::ThroughputMonitor>(fulgur::ThroughputMonitorOptions{.window = 4});
+  struct SlowSave : fulgur::Callback {
+    std::string state_key() const override { return "SlowSave"; }
+    void on_validation_end(fulgur::Trainer&, fulgur::Module&) override {
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+  };
+  LinearRegression model;
+  auto options = logged_options(dir, logger, monitor);
+  options.callbacks.push_back(std::make_shared<SlowSave>());
+  options.num_sanity_val_steps = 0;
+  options.val_check_interval = int64_t{2};
+  options.max_epochs = 1;
+  fulgur::Trainer(options).fit(model, regression_loader(6), regression_loader(1));
+  const auto rates = logger->series("throughput/batches_per_sec");
+  ASSERT_EQ(rates.size(), 5u);
+  EXPECT_GT(rates.back().second, 6.0);
+}
+
 }  // namespace

@@ -6,7 +6,9 @@
 // (every log_every_n_steps-th batch that steps), on global rank 0. The
 // window runs on across epochs, and the time of validations and between
 // epochs (from an epoch's end to the next one's start: its validation and
-// checkpoints) is not counted, as Lightning's leaves out validation.
+// checkpoints) is not counted, as Lightning's leaves out validation; nor is
+// what follows a validation until the next training batch starts (the
+// checkpoint a ModelCheckpoint writes at its end).
 #pragma once
 
 #include <chrono>
@@ -33,6 +35,8 @@ class ThroughputMonitor : public Callback {
   void on_train_epoch_end(Trainer& trainer, Module& module) override;
   void on_validation_start(Trainer& trainer, Module& module) override;
   void on_validation_end(Trainer& trainer, Module& module) override;
+  void on_train_batch_start(Trainer& trainer, Module& module, const Batch& batch,
+                            int64_t batch_idx) override;
   void on_train_batch_end(Trainer& trainer, Module& module, const at::Tensor& loss,
                           const Batch& batch, int64_t batch_idx) override;
   /// The latest rates (0 before this fit's window has two batches).
@@ -50,6 +54,7 @@ class ThroughputMonitor : public Callback {
   std::deque<std::pair<Clock::time_point, int64_t>> window_;
   Clock::duration excluded_{};  // time not training, since the fit's start
   int paused_ = 0;              // nested pauses (a validation within an epoch's end)
+  bool validation_ended_ = false;  // its pause ends at the next training batch's start
   Clock::time_point paused_since_{};
   double batches_per_sec_ = 0;
   double samples_per_sec_ = 0;
