@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "fulgur/core/errors.h"
+#include "utilities/durable_file.h"
 #include "utilities/file_kind.h"
 #include "utilities/json_text.h"
 
@@ -233,7 +234,26 @@ bool write_chrome_trace(const std::vector<OperatorRecord>& records, int rank,
 }
 
 TorchProfiler::TorchProfiler(int64_t wait, int64_t active, std::string dir, int rank, bool cuda)
-    : wait_(wait), active_(active), dir_(std::move(dir)), cuda_(cuda), rank_(rank) {}
+    : wait_(wait), active_(active), dir_(std::move(dir)), cuda_(cuda), rank_(rank) {
+  // A later fit writing here (a second fit of the Trainer; runs without a
+  // logger share default_root_dir/profiler) takes the next name no rank's
+  // file has (fit-rank<k>, fit2-rank<k>, ...), chosen as the fit starts,
+  // before any rank of it writes: every rank of one fit takes the same.
+  std::set<std::string> taken;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir_, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    const auto dash = name.find("-rank");
+    if (name.rfind("fit", 0) == 0 && dash != std::string::npos) taken.insert(name.substr(0, dash));
+  }
+  for (int64_t n = 1;; ++n) {
+    const std::string fit = str("fit", n == 1 ? std::string() : std::to_string(n));
+    if (taken.count(fit) == 0) {
+      stem_ = str(dir_, "/", fit, "-rank", rank_);
+      break;
+    }
+  }
+}
 
 TorchProfiler::~TorchProfiler() {
   try {
@@ -360,18 +380,8 @@ std::string TorchProfiler::stop_recording() {
 std::string TorchProfiler::write_profile(kineto::ProfilerResult& result) {
   const std::vector<OperatorRecord> records = records_of(result);
   const std::vector<OperatorRow> rows = operator_rows(records);
-  // A later fit writing here (a second fit of the Trainer; runs without a
-  // logger share default_root_dir/profiler) takes the next free name:
-  // fit-rank0, fit2-rank0, ...
-  std::string trace, table_path;
-  for (int64_t n = 1;; ++n) {
-    const std::string stem =
-        str(dir_, "/fit", n == 1 ? std::string() : std::to_string(n), "-rank", rank_);
-    trace = stem + ".pt.trace.json";
-    table_path = stem + ".operators.txt";
-    std::error_code ec;
-    if (!std::filesystem::exists(trace, ec) && !std::filesystem::exists(table_path, ec)) break;
-  }
+  const std::string trace = stem_ + ".pt.trace.json";
+  const std::string table_path = stem_ + ".operators.txt";
   const std::string title = str("profiler (pytorch): rank ", rank_, ", training batches ", wait_,
                                 "..", wait_ + recorded_ - 1, " of the fit (", records.size(),
                                 " events); the operators that took the most time");
@@ -386,15 +396,25 @@ std::string TorchProfiler::write_profile(kineto::ProfilerResult& result) {
   } else {
     // Kineto writes its own trace (with the device's kernels); without
     // Kineto, LibTorch refuses and the trace is written from the records.
+    // Written beside its name and renamed, as the table: a fit killed or a
+    // disk filled as they are written leaves no cut file under the name.
+    const std::string partial = trace + ".partial";
     bool saved = false;
     try {
-      result.save(trace);
+      result.save(partial);
       saved = true;
     } catch (const c10::Error&) {
       saved = false;
     }
-    if ((saved || write_chrome_trace(records, rank_, trace, error)) && error.empty()) {
-      write_text(table_path, table, error);
+    if ((saved || write_chrome_trace(records, rank_, partial, error)) && error.empty()) {
+      std::filesystem::rename(partial, trace, ec);
+      if (ec) error = str("could not write ", trace, " (", ec.message(), ")");
+    }
+    if (!error.empty()) {
+      std::filesystem::remove(partial, ec);
+    } else if (std::string problem = detail::write_file_atomically(table_path, table);
+               !problem.empty()) {
+      error = problem;
     }
   }
   if (!error.empty()) {

@@ -97,6 +97,7 @@ class TorchProfiler final : public LoopProfiler {
   int64_t wait_;
   int64_t active_;
   std::string dir_;
+  std::string stem_;  // "<dir>/fit<N>-rank<k>", chosen at construction
   bool cuda_;
   int64_t batches_ = 0;   // training batches begun in this fit
   int64_t recorded_ = 0;  // of them, recorded

@@ -148,13 +148,18 @@ TEST(TorchProfiler, ALaterFitKeepsTheEarlierProfile) {
     if (run == 0) {
       ASSERT_TRUE(std::filesystem::exists(first)) << printed;
       std::ofstream(first, std::ios::app) << "\n";  // marked: it must stay as it is
+      // Another rank's file of a second fit (a run of two ranks): a name
+      // any rank's file has is taken, so that every rank of a fit takes
+      // one name (rank 1 wrote fit-rank1 where rank 0 wrote fit2-rank0).
+      std::ofstream(dir.path() + "/profiler/fit2-rank1.operators.txt") << "rank 1\n";
     } else {
       EXPECT_THAT(printed, testing::HasSubstr("trace: " + dir.path() +
-                                              "/profiler/fit2-rank0.pt.trace.json"));
+                                              "/profiler/fit3-rank0.pt.trace.json"));
     }
   }
   EXPECT_EQ(read_file(first).back(), '\n');
-  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/profiler/fit2-rank0.operators.txt"));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/profiler/fit3-rank0.operators.txt"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/profiler/fit3-rank0.pt.trace.json.partial"));
 }
 
 TEST(TorchProfiler, AFitShorterThanTheWaitRecordsNothingAndSaysSo) {
