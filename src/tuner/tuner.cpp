@@ -682,9 +682,15 @@ BatchSizeFinderResult Tuner::scale_batch_size(Module& module, DataModule& data,
         "for a batch size.");
   }
   // The data is loaded before the first trial, outside any cap: a trial
-  // counts what its steps allocate.
+  // counts what its steps allocate. As the fit sets it up: seeded first
+  // when the fit seeds (a random split is the fit's), and what it draws is
+  // put back after (the generators are as before the tuner, as the trials
+  // leave them).
+  const StateDict generators = rng_state_dict();
+  if (options_.seed) seed_everything(*options_.seed);
   data.prepare_data();
   data.setup(Stage::kFit);
+  load_rng_state_dict(generators);
   auto make_loader = [&](int64_t batch_size) {
     data.set_batch_size(batch_size);
     return data.train_dataloader();

@@ -700,6 +700,46 @@ TEST(BatchSizeFinder, NothingFitsSaysSoAndAnotherErrorIsRethrownWithTheModulePut
   EXPECT_TRUE(torch::equal(model.fc1->weight, weight));
 }
 
+// A DataModule whose setup() draws (a random split): set up for the trials
+// as the fit sets it up. Unseeded, the generators after the tuner are as
+// before it (its setup's draws were behind them: the fit's split and
+// weights were not those of a fit without the tuner); seeded, the trials
+// ran on the fit's split (their setup was not seeded).
+TEST(BatchSizeFinder, ADataModuleIsSetUpAsTheFitSetsItUp) {
+  struct SplitData : fulgur::DataModule {
+    std::vector<double> drawn;  // each setup()'s draw
+    int64_t batch = 2;
+    void setup(fulgur::Stage) override { drawn.push_back(torch::rand({1}).item<double>()); }
+    std::shared_ptr<fulgur::DataLoader> train_dataloader() override {
+      return fulgur::make_data_loader(fulgur::test::regression_dataset(64), {.batch_size = batch});
+    }
+    std::optional<int64_t> batch_size() const override { return batch; }
+    void set_batch_size(int64_t n) override { batch = n; }
+  };
+  const fulgur::BatchSizeFinderOptions search{
+      .max_trials = 2, .steps_per_trial = 1, .host_memory_cap = kCap};
+  {
+    TempDir dir;
+    LinearRegression model;
+    SplitData data;
+    torch::manual_seed(5);
+    fulgur::Tuner(test_options(dir)).scale_batch_size(model, data, search);
+    const double after = torch::rand({1}).item<double>();
+    torch::manual_seed(5);
+    EXPECT_EQ(after, torch::rand({1}).item<double>());
+  }
+  TempDir dir;
+  auto options = test_options(dir);
+  options.seed = 7;
+  LinearRegression model;
+  SplitData data;
+  fulgur::Tuner(options).scale_batch_size(model, data, search);
+  ASSERT_EQ(data.drawn.size(), 1u);
+  fulgur::Trainer(options).fit(model, data);
+  ASSERT_EQ(data.drawn.size(), 2u);
+  EXPECT_EQ(data.drawn[0], data.drawn[1]);
+}
+
 TEST(BatchSizeFinder, OptionsThatCannotWorkAreNamedTogether) {
   TempDir dir;
   WideRegression model;
