@@ -176,7 +176,18 @@ void FitLoop::run() {
   window_has_gradient_ = false;
   accumulate_ = trainer_.options.accumulate_grad_batches;
   if (num_training_batches_ == 0) {
-    stop_reason_ = str(trainer_.limits.train_flag, "=0");
+    if (train_loader_->num_batches() == std::optional<int64_t>(0)) {
+      // Not a limit: the loader has nothing to give. Said, not silent.
+      stop_reason_ = "no training batches";
+      if (trainer_.strategy->is_global_zero()) {
+        detail::print_note(
+            "Trainer.fit: the training loader gives no batch in an epoch (an empty dataset, "
+            "drop_last with fewer samples than batch_size, or a shard of none on this rank): "
+            "nothing was trained. Check the dataset and the loader's options.");
+      }
+    } else {
+      stop_reason_ = str(trainer_.limits.train_flag, "=0");
+    }
     return;
   }
 

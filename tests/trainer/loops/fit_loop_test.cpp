@@ -105,6 +105,23 @@ TEST(FitLoop, TheTrainingLoaderAsTheValidationLoaderIsRefused) {
   EXPECT_EQ(model.training_steps, 8);
 }
 
+// A training loader that gives no batch (an empty dataset): said, not a
+// silent fit of no steps (its stop reason read "limit_train_batches=0").
+TEST(FitLoop, ALoaderOfNoBatchesTrainsNothingAndSaysSo) {
+  TempDir dir;
+  LinearRegression model;
+  fulgur::Trainer trainer(test_options(dir));
+  auto empty = fulgur::make_data_loader(
+      std::make_shared<fulgur::TensorDataset>(torch::zeros({0, 3}), torch::zeros({0, 1})),
+      {.batch_size = 4});
+  ::testing::internal::CaptureStderr();
+  const auto result = trainer.fit(model, empty);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(model.training_steps, 0);
+  EXPECT_EQ(result.stop_reason, "no training batches");
+  EXPECT_NE(err.find("the training loader gives no batch in an epoch"), std::string::npos) << err;
+}
+
 TEST(FitLoop, MaxStepsStopsMidEpoch) {
   TempDir dir;
   LinearRegression model;
