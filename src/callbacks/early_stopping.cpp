@@ -82,8 +82,9 @@ void EarlyStopping::check(Trainer& trainer) {
   // agreed first (one logged on some ranks only): every rank then stops or
   // skips alike, none waits alone in the decision's collective.
   const bool missing = it == metrics.end();
-  const bool any_missing =
-      strategy.world_size() > 1 ? strategy.reduce_boolean_decision(missing, /*all=*/false) : missing;
+  const bool any_missing = strategy.world_size() > 1
+                               ? strategy.reduce_boolean_decision(missing, /*all=*/false)
+                               : missing;
   if (any_missing) {
     std::vector<std::string> names;
     for (const auto& [k, _] : metrics) names.push_back(k);
