@@ -82,21 +82,29 @@ TEST(ThroughputMonitor, TheWindowRunsAcrossEpochsAndEachFitStartsAfresh) {
 // batches. (Not a speed check: counting the 0.5 s validation would hold
 // the rate under 3 batches / 0.5 s = 6 per second whatever the machine;
 // the training batches alone take well under a millisecond each.)
-TEST(ThroughputMonitor, AValidationsTimeIsNotTraining) {
+// The batch rates a window of 4 logs over one epoch of 6 batches that
+// validates after batches 2 and 4, with `more` callbacks after the monitor.
+std::vector<std::pair<int64_t, double>> rates_validating_every_2_batches(
+    LinearRegression& model, std::vector<std::shared_ptr<fulgur::Callback>> more = {}) {
   TempDir dir;
   auto logger = std::make_shared<RecordingLogger>();
   auto monitor =
       std::make_shared<fulgur::ThroughputMonitor>(fulgur::ThroughputMonitorOptions{.window = 4});
-  LinearRegression model;
-  model.val_hook = [](LinearRegression&, fulgur::Batch&, int64_t) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  };
   auto options = logged_options(dir, logger, monitor);
+  options.callbacks.insert(options.callbacks.end(), more.begin(), more.end());
   options.num_sanity_val_steps = 0;
   options.val_check_interval = int64_t{2};
   options.max_epochs = 1;
   fulgur::Trainer(options).fit(model, regression_loader(6), regression_loader(1));
-  const auto rates = logger->series("throughput/batches_per_sec");
+  return logger->series("throughput/batches_per_sec");
+}
+
+TEST(ThroughputMonitor, AValidationsTimeIsNotTraining) {
+  LinearRegression model;
+  model.val_hook = [](LinearRegression&, fulgur::Batch&, int64_t) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  };
+  const auto rates = rates_validating_every_2_batches(model);
   ASSERT_EQ(rates.size(), 5u);
   // The last window (batches 3 to 6) spans the validations after batches 2 and 4.
   EXPECT_GT(rates.back().second, 6.0);
@@ -106,10 +114,6 @@ TEST(ThroughputMonitor, AValidationsTimeIsNotTraining) {
 // save, here a callback that takes 500 ms) is not training either: it was
 // counted, the monitor's clock resumed first in that hook.
 TEST(ThroughputMonitor, TheSaveAfterAValidationIsNotTraining) {
-  TempDir dir;
-  auto logger = std::make_shared<RecordingLogger>();
-  auto monitor =
-      std::make_shared<fulgur::ThroughputMonitor>(fulgur::ThroughputMonitorOptions{.window = 4});
   struct SlowSave : fulgur::Callback {
     std::string state_key() const override { return "SlowSave"; }
     void on_validation_end(fulgur::Trainer&, fulgur::Module&) override {
@@ -117,13 +121,7 @@ TEST(ThroughputMonitor, TheSaveAfterAValidationIsNotTraining) {
     }
   };
   LinearRegression model;
-  auto options = logged_options(dir, logger, monitor);
-  options.callbacks.push_back(std::make_shared<SlowSave>());
-  options.num_sanity_val_steps = 0;
-  options.val_check_interval = int64_t{2};
-  options.max_epochs = 1;
-  fulgur::Trainer(options).fit(model, regression_loader(6), regression_loader(1));
-  const auto rates = logger->series("throughput/batches_per_sec");
+  const auto rates = rates_validating_every_2_batches(model, {std::make_shared<SlowSave>()});
   ASSERT_EQ(rates.size(), 5u);
   EXPECT_GT(rates.back().second, 6.0);
 }

@@ -413,6 +413,21 @@ TEST_F(MidEpochResume, FromLast) {
   ExpectResumeMatches("last", std::nullopt, ckpt_dir_);
 }
 
+// One seeded epoch of shuffled_loader() saving every 5 steps into
+// root/dir (every checkpoint kept), from `ckpt_path` ("" for none).
+fulgur::FitResult fit_one_epoch_saving_every_5_steps(const TempDir& root, DropoutNet& model,
+                                                     const std::string& dir,
+                                                     const std::string& ckpt_path) {
+  auto options = test_options(root);
+  options.max_epochs = 1;
+  options.seed = 42;
+  options.enable_checkpointing = true;
+  options.callbacks = {std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
+      .dirpath = root.file(dir), .save_top_k = -1, .every_n_train_steps = 5})};
+  fulgur::Trainer trainer(options);
+  return trainer.fit(model, shuffled_loader(), nullptr, {.ckpt_path = ckpt_path});
+}
+
 // A checkpoint written after an epoch's last batch (here by
 // every_n_train_steps; the end-of-epoch validation's ModelCheckpoint writes
 // one there too) resumes at that epoch's end: no batch logs the metric
@@ -423,14 +438,7 @@ TEST_F(MidEpochResume, FromLast) {
 TEST(Checkpoint, AResumeAfterAnEpochsLastBatchPublishesItsMetricObjectsValues) {
   TempDir root;
   auto fit = [&](DropoutNet& model, const std::string& dir, const std::string& ckpt_path) {
-    auto options = test_options(root);
-    options.max_epochs = 1;
-    options.seed = 42;
-    options.enable_checkpointing = true;
-    options.callbacks = {std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
-        .dirpath = root.file(dir), .save_top_k = -1, .every_n_train_steps = 5})};
-    fulgur::Trainer trainer(options);
-    return trainer.fit(model, shuffled_loader(), nullptr, {.ckpt_path = ckpt_path});
+    return fit_one_epoch_saving_every_5_steps(root, model, dir, ckpt_path);
   };
   for (const int64_t below : {kBatchesPerEpoch, int64_t{5}}) {
     SCOPED_TRACE("metrics logged below batch " + std::to_string(below));
@@ -471,14 +479,7 @@ TEST(Checkpoint, AResumeAfterAnEpochsLastBatchPublishesItsMetricObjectsValues) {
 TEST(Checkpoint, AMetricFirstLoggedAtTheEpochsEndIsNamedByAResumeWithinIt) {
   TempDir root;
   auto fit = [&](DropoutNet& model, const std::string& dir, const std::string& ckpt_path) {
-    auto options = test_options(root);
-    options.max_epochs = 1;
-    options.seed = 42;
-    options.enable_checkpointing = true;
-    options.callbacks = {std::make_shared<fulgur::ModelCheckpoint>(fulgur::ModelCheckpointOptions{
-        .dirpath = root.file(dir), .save_top_k = -1, .every_n_train_steps = 5})};
-    fulgur::Trainer trainer(options);
-    return trainer.fit(model, shuffled_loader(), nullptr, {.ckpt_path = ckpt_path});
+    return fit_one_epoch_saving_every_5_steps(root, model, dir, ckpt_path);
   };
   torch::manual_seed(1);
   DropoutNet uninterrupted;
