@@ -939,6 +939,8 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
         m.configure_model();
         detail::TunerTrial::module_configured(m);
         drive().setup(m);
+        // Before configure_optimizers: estimated_stepping_batches() counts them.
+        fit_loop.count_training_batches();
         fit_loop.set_optimizers(drive().setup_optimizers(m));
         std::string ckpt =
             agreed_checkpoint(fit.ckpt_path, [&] { return fit_start_checkpoint(fit.ckpt_path); });

@@ -17,6 +17,7 @@
 #include "fulgur/core/errors.h"
 #include "fulgur/optim/lr_scheduler.h"
 #include "fulgur/plugins/precision/precision.h"
+#include "fulgur/utilities/seed.h"
 #include "trainer/torch_profiler.h"
 #include "trainer/trainer_impl.h"
 
@@ -936,6 +937,10 @@ void FitLoop::run_sanity_check() {
     return;
   }
   Module& m = *trainer_.module;
+  // What it draws from the generators is put back after it, as Lightning's
+  // isolate_rng: training (and a resumed run, whose generators the
+  // checkpoint set) draws as without it.
+  const StateDict generators = rng_state_dict();
   // The sanity hooks see trainer.sanity_checking() true, as Lightning's do.
   sanity_checking_ = true;
   for (auto& cb : trainer_.callbacks) cb->on_sanity_check_start(trainer_.self, m);
@@ -943,6 +948,7 @@ void FitLoop::run_sanity_check() {
   sanity_checking_ = true;
   for (auto& cb : trainer_.callbacks) cb->on_sanity_check_end(trainer_.self, m);
   sanity_checking_ = false;
+  load_rng_state_dict(generators);
 }
 
 void FitLoop::finish() {

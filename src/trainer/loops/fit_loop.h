@@ -144,6 +144,12 @@ class FitLoop {
   void clip_gradients(torch::optim::Optimizer& optimizer, double value,
                       GradientClipAlgorithm algorithm);
 
+  /// The training batches per epoch (num_training_batches()) from the
+  /// loader and the limits: at the fit's start, before
+  /// configure_optimizers (estimated_stepping_batches() sizes a
+  /// OneCycleLR there), and at each reload of the loaders.
+  void count_training_batches();
+
  private:
   void train_epoch();
   /// The stop check after the batch before `position` (or the checkpoint
@@ -159,7 +165,6 @@ class FitLoop {
   void load_loaders_for(int64_t epoch);
   /// num_training_batches_ from the training loader and the limits, and
   /// the checks of val_check_interval against it.
-  void count_training_batches();
   void training_batch(Batch& batch, int64_t batch_idx, bool is_last_batch);
   /// What the Module logs next goes to the training sink, per step
   /// (`training_step`: inside a batch, weighted by `batch_size`) or per

@@ -122,6 +122,49 @@ TEST(FitLoop, ALoaderOfNoBatchesTrainsNothingAndSaysSo) {
   EXPECT_NE(err.find("the training loader gives no batch in an epoch"), std::string::npos) << err;
 }
 
+// configure_optimizers sizes a schedule with estimated_stepping_batches()
+// (a OneCycleLR's total_steps): the batches are counted before it (it read
+// -1, max_steps unset, where the fit ran 8).
+TEST(FitLoop, EstimatedSteppingBatchesIsKnownInConfigureOptimizers) {
+  struct Sizing : LinearRegression {
+    int64_t seen = 0;
+    fulgur::OptimizerConfig configure_optimizers() override {
+      seen = trainer().estimated_stepping_batches();
+      return LinearRegression::configure_optimizers();
+    }
+  };
+  TempDir dir;
+  auto options = test_options(dir);
+  options.max_epochs = 2;
+  Sizing model;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(4));
+  EXPECT_EQ(model.seen, 8);
+  EXPECT_EQ(trainer.estimated_stepping_batches(), 8);
+}
+
+// The sanity check's draws from the generators are put back (Lightning's
+// isolate_rng): training draws as without it, so a resumed run (whose
+// generators the checkpoint set before its sanity check) draws as the
+// uninterrupted one.
+TEST(FitLoop, TheSanityCheckLeavesTheGeneratorsAsItFoundThem) {
+  auto first_draw = [](int64_t sanity_steps) {
+    TempDir dir;
+    auto options = test_options(dir);
+    options.seed = 123;
+    options.num_sanity_val_steps = sanity_steps;
+    LinearRegression model;
+    model.val_hook = [](LinearRegression&, fulgur::Batch&, int64_t) { (void)torch::rand({4}); };
+    double drawn = 0;
+    model.train_hook = [&drawn](LinearRegression&, fulgur::Batch&, int64_t batch_idx) {
+      if (batch_idx == 0) drawn = torch::rand({1}).item<double>();
+    };
+    fulgur::Trainer(options).fit(model, regression_loader(2), regression_loader(2));
+    return drawn;
+  };
+  EXPECT_EQ(first_draw(2), first_draw(0));
+}
+
 TEST(FitLoop, MaxStepsStopsMidEpoch) {
   TempDir dir;
   LinearRegression model;
