@@ -6,7 +6,10 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/List.h>
 
+#include <algorithm>
+#include <set>
 #include <sstream>
+#include <string_view>
 
 #include "fulgur/core/errors.h"
 
@@ -371,19 +374,86 @@ void StateDict::for_each_tensor(const std::function<void(const at::Tensor&)>& fn
 
 // ---- LibTorch archives.
 
+namespace {
+
+// An archive names each entry as an attribute in the TorchScript code it
+// writes, which a keyword ("class", "in"), a name of its own ("__buffers__")
+// or a quote, backslash or line break breaks: the file saved and verified,
+// and never loaded. Such a key is written as kEscaped + the hex of its bytes
+// (a name the reader turns back); so is a key that starts with kEscaped.
+constexpr std::string_view kEscaped = "fulgur_k_";
+
+bool archive_safe(const std::string& key) {
+  static const std::set<std::string, std::less<>> keywords = {
+      "False", "None",     "True",  "and",    "as",   "assert", "async",  "await",    "break",
+      "class", "continue", "def",   "del",    "elif", "else",   "except", "finally",  "for",
+      "from",  "global",   "if",    "import", "in",   "is",     "lambda", "nonlocal", "not",
+      "or",    "pass",     "raise", "return", "try",  "while",  "with",   "yield"};
+  if (keywords.count(key) != 0 || key.rfind("__", 0) == 0 || key.rfind(kEscaped, 0) == 0) {
+    return false;
+  }
+  return std::none_of(key.begin(), key.end(), [](char c) {
+    const auto u = static_cast<unsigned char>(c);
+    return c == '"' || c == '\\' || c == '\'' || u < 0x20 || u == 0x7f;
+  });
+}
+
+std::string archive_key(const std::string& key) {
+  if (archive_safe(key)) return key;
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out(kEscaped);
+  for (const char c : key) {
+    const auto u = static_cast<unsigned char>(c);
+    out += kHex[u >> 4];
+    out += kHex[u & 15];
+  }
+  return out;
+}
+
+// The key archive_key() wrote `name` for (as it is when it is none of those).
+std::string key_of(const std::string& name) {
+  if (name.rfind(kEscaped, 0) != 0) return name;
+  const std::string_view hex = std::string_view(name).substr(kEscaped.size());
+  auto digit = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  std::string key;
+  for (size_t i = 0; i + 1 < hex.size(); i += 2) {
+    const int high = digit(hex[i]);
+    const int low = digit(hex[i + 1]);
+    if (high < 0 || low < 0) return name;
+    key += static_cast<char>(high * 16 + low);
+  }
+  return hex.size() % 2 == 0 ? key : name;
+}
+
+}  // namespace
+
 void write_archive(const StateDict& state, torch::serialize::OutputArchive& archive) {
   for (const auto& key : state.keys()) {
+    const std::string name = archive_key(key);
     if (const StateDict* section = state.find_section(key)) {
       torch::serialize::OutputArchive nested(archive.compilation_unit());
       write_archive(*section, nested);
-      archive.write(key, nested);
+      archive.write(name, nested);
       continue;
     }
     const c10::IValue& value = *state.find(key);
-    if (value.isTensor() && value.toTensor().defined() && !state.is_plain(key)) {
-      archive.write(key, value.toTensor(), state.is_buffer(key));
+    if (value.isTensor() && !value.toTensor().defined()) {
+      // LibTorch's archive fails on one, unnamed ("strides() called on an
+      // undefined Tensor"), at every save.
+      throw ConfigError(str("StateDict: entry \"",
+                            state.path().empty() ? key : state.path() + "/" + key,
+                            "\" is an undefined tensor, which a checkpoint cannot hold. Set a "
+                            "defined one (e.g. torch::empty({0}) for none yet), or leave the entry "
+                            "out until it has a value."));
+    }
+    if (value.isTensor() && !state.is_plain(key)) {
+      archive.write(name, value.toTensor(), state.is_buffer(key));
     } else {
-      archive.write(key, value);
+      archive.write(name, value);
     }
   }
 }
@@ -395,14 +465,15 @@ StateDict read_archive(torch::serialize::InputArchive& archive, const std::strin
     if (key == "training") continue;  // the archive's own flag
     c10::IValue value;
     if (!archive.try_read(key, value)) continue;
+    const std::string own = key_of(key);
     if (value.isObject() && value.toObject()->type()->is_module()) {
       torch::serialize::InputArchive nested;
       archive.try_read(key, nested);
-      state.set_section(key, read_archive(nested, path.empty() ? key : path + "/" + key));
+      state.set_section(own, read_archive(nested, path.empty() ? own : path + "/" + own));
     } else {
       // As it is: what a file holds is loaded, whatever set() would refuse
       // to save (the component reading it names what it expected).
-      state.slot(key).value = std::move(value);
+      state.slot(own).value = std::move(value);
     }
   }
   return state;

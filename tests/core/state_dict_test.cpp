@@ -536,6 +536,56 @@ TEST(StateDict, TheArchiveRoundTripKeepsEverything) {
   expect_same_state(state, fulgur::from_bytes(fulgur::to_bytes(loaded)), "(twice)");
 }
 
+// Keys an archive cannot name an attribute by (a Python keyword, a name
+// of its own, a quote, a backslash or a line break): the file saved and
+// verified, and its load threw LibTorch's "expected ident but found
+// 'class'". Written under another name and read back as they were, in
+// sections too (an hparam "class", a callback's JSON-like state_key()).
+TEST(StateDict, KeysAnArchiveCannotNameRoundTripThroughIt) {
+  const std::vector<std::string> keys = {"class",
+                                         "in",
+                                         "None",
+                                         "__parameters__",
+                                         "__annotations__",
+                                         "Cb{\"monitor\": \"x\"}",
+                                         "back\\slash",
+                                         "line\nbreak",
+                                         "fulgur_k_00",
+                                         "plain",
+                                         "with.dot/and space"};
+  fulgur::StateDict state;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    state.set(keys[i], static_cast<int64_t>(i));
+    state.section("hparams").set(keys[i], keys[i]);
+  }
+  state.section("def").set_buffer("in", torch::arange(3));
+  const fulgur::StateDict loaded = fulgur::from_bytes(fulgur::to_bytes(state));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    EXPECT_EQ(loaded.integer(keys[i]), static_cast<int64_t>(i)) << keys[i];
+    EXPECT_EQ(loaded.section_at("hparams").string(keys[i]), keys[i]);
+  }
+  EXPECT_TRUE(torch::equal(loaded.section_at("def").tensor("in"), torch::arange(3)));
+  EXPECT_EQ(loaded.section_at("def").path(), "def");
+  // Through a checkpoint file too: verified, loaded.
+  fulgur::test::TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  fulgur::StateDict copy = state;
+  io.save_checkpoint(copy, dir.file("keys.ckpt"));
+  EXPECT_EQ(io.verify(dir.file("keys.ckpt")), "");
+  EXPECT_EQ(io.load_checkpoint(dir.file("keys.ckpt")).section_at("hparams").string("class"),
+            "class");
+}
+
+// An undefined tensor (a callback's history before its first update): named
+// with its path at the save, not LibTorch's unnamed error at every save.
+TEST(StateDict, AnUndefinedTensorIsNamedAtTheSave) {
+  fulgur::StateDict state;
+  state.section("callbacks").section("Recorder").set("history", at::Tensor());
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError, fulgur::to_bytes(state),
+      {"entry \"callbacks/Recorder/history\" is an undefined tensor", "torch::empty({0})"});
+}
+
 // An empty list of strings (or numbers) reads back as an empty list of
 // that kind.
 TEST(StateDict, EmptyListsRoundTripThroughTheArchive) {
