@@ -511,6 +511,27 @@ TEST(TorchCheckpointIOIntegrity, ALostFooterIsCorruption) {
       fulgur::test::message_contains(io.verify(path), {"checksum footer is missing or damaged"}));
 }
 
+// A footer of a version this fulgur does not know (its own checksum
+// holding): a newer fulgur's file, said as such, not "corrupt".
+TEST(TorchCheckpointIOIntegrity, ANewerFootersFileIsNotCalledCorrupt) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  const std::string path = dir.file("a.ckpt");
+  save_model_like(io, path);
+  std::string bytes = fulgur::test::read_text(path);
+  char* footer = bytes.data() + bytes.size() - 32;
+  footer[8] = 2;  // version 2 (little-endian)
+  const uint32_t crc = fulgur::crc32c(footer, 28);
+  for (int i = 0; i < 4; ++i) footer[28 + i] = static_cast<char>((crc >> (8 * i)) & 0xff);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  const std::string error = load_error(io, path);
+  EXPECT_TRUE(
+      fulgur::test::message_contains(error, {path, "cannot be read by this fulgur", "version 2",
+                                             "a newer fulgur wrote it", "not known to be damaged"}))
+      << error;
+  EXPECT_EQ(error.find("corrupt"), std::string::npos) << error;
+}
+
 TEST(TorchCheckpointIOIntegrity, AFifoIsRefusedWithoutOpeningIt) {
   TempDir dir;
   fulgur::TorchCheckpointIO io;

@@ -70,6 +70,7 @@ struct Verdict {
   uint64_t data_size = 0;   // with a footer: the archive's bytes
   std::string problem;      // with a footer: empty when the data verifies
   uint32_t expected = 0, actual = 0;
+  bool newer = false;  // a footer this fulgur does not know: a newer one wrote it
 };
 
 // ---- Files.
@@ -420,6 +421,7 @@ Verdict check_footer(const CheckpointFile& file) {
   v.data_size = get_le(f + 16, 8);
   v.expected = static_cast<uint32_t>(get_le(f + 24, 4));
   if (version != kFooterVersion || algorithm != kAlgorithmCrc32c) {
+    v.newer = true;
     v.problem = str("its checksum footer has version ", version, " and algorithm ", algorithm,
                     ", which this fulgur does not know (a newer fulgur wrote it)");
   } else if (v.data_size != file.size() - kFooterSize) {
@@ -847,6 +849,13 @@ StateDict TorchCheckpointIO::load_checkpoint(const std::string& path) {
   };
   const CheckpointFile file(path);
   Verdict v = check_footer(file);
+  if (v.has_footer && v.newer) {
+    // Not damage: a format this fulgur cannot read.
+    throw CheckpointError(str("checkpoint \"", path, "\" cannot be read by this fulgur (",
+                              FULGUR_VERSION, "): ", v.problem,
+                              ". Load it with the fulgur that wrote it, or a newer one; the file "
+                              "itself is not known to be damaged."));
+  }
   if (v.has_footer && !v.problem.empty()) corrupt(path, explained(v, file));
   if (!v.has_footer) {
     if (const std::string problem = load_unverified(file, checkpoint); !problem.empty()) {
