@@ -11,6 +11,7 @@
 #include "fulgur/core/errors.h"
 #include "fulgur/metrics/metric.h"
 #include "trainer/loops/device_feed.h"
+#include "trainer/loops/module_modes.h"
 #include "trainer/trainer_impl.h"
 
 namespace fulgur::detail {
@@ -99,6 +100,10 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
       agreement(trainer_, loader, num_batches_, what,
                 is_test ? "limit_test_batches" : trainer_.limits.val_flag, noted_shorter_peer_);
   torch::NoGradGuard no_grad;
+  // Each submodule's mode comes back as it was, as Lightning's (a
+  // submodule kept in eval mode within training stays so; a standalone
+  // validate leaves the module as it found it).
+  const ModuleModes modes(m);
   m.eval();
   trainer_.logging.eval_sink().reset();
   Trainer::Impl::set_log_sink(m, &trainer_.logging.eval_sink());
@@ -172,6 +177,7 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
 std::vector<Batch> PredictionLoop::run(DataLoader& loader, std::optional<int64_t> limit) {
   Module& m = *trainer_.module;
   torch::NoGradGuard no_grad;
+  const ModuleModes modes(m);
   m.eval();
   num_batches_ = pass_length(loader, limit);
   const auto agree = agreement(trainer_, loader, num_batches_, "predict", "limit_predict_batches",

@@ -741,16 +741,14 @@ void FitLoop::run_validation(bool sanity) {
     if (!sanity) step_monitored_schedulers();
     return;
   }
-  LoopProfiler::Scope timed(sanity ? nullptr : profiler_.get(),
-                              LoopProfiler::Phase::kValidation);
-  bool was_training = m.is_training();
+  LoopProfiler::Scope timed(sanity ? nullptr : profiler_.get(), LoopProfiler::Phase::kValidation);
   sanity_checking_ = sanity;
+  // (It puts back each submodule's mode.)
   trainer_.evaluation_loop.run(*val_loader_, Stage::kValidate, limit);
   sanity_checking_ = false;
   // After it: a checkpoint written during it (by its callbacks, or when it
   // failed) resumes with it run again, whose metrics the epoch's end reads.
   if (!sanity) validated_at_position_ = batch_position_;
-  m.train(was_training);
   Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
 }
 

@@ -184,6 +184,43 @@ TEST(Evaluation, AStandaloneValidateSavesStopsAndSwapsNothing) {
   EXPECT_NEAR(metrics.at("val_loss"), full_mse(model), 1e-6);
 }
 
+// Each submodule's mode comes back as it was after an evaluation, as
+// Lightning's: a submodule kept in eval mode (a frozen BatchNorm) stayed in
+// train mode after a validation within the epoch (train(true) of the
+// whole module), and a standalone validate, test or predict left the
+// module in eval mode.
+TEST(Evaluation, EachSubmodulesModeComesBackAfterAnEvaluation) {
+  TempDir dir;
+  struct FrozenLayer : LinearRegression {
+    void on_train_epoch_start() override {
+      LinearRegression::on_train_epoch_start();
+      fc->eval();
+    }
+  } model;
+  std::vector<bool> fc_training;
+  model.train_hook = [&fc_training](LinearRegression& m, fulgur::Batch&, int64_t) {
+    fc_training.push_back(m.fc->is_training());
+  };
+  auto options = test_options(dir);
+  options.val_check_interval = 0.5;
+  options.num_sanity_val_steps = 0;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, fulgur::test::regression_loader(4), fulgur::test::regression_loader(1));
+  EXPECT_EQ(fc_training, std::vector<bool>(4, false));
+  EXPECT_TRUE(model.is_training());
+
+  model.train();
+  trainer.validate(model, fulgur::test::regression_loader(1));
+  EXPECT_TRUE(model.is_training());
+  EXPECT_TRUE(model.fc->is_training());
+  trainer.test(model, fulgur::test::regression_loader(1));
+  trainer.predict(model, fulgur::test::regression_loader(1));
+  EXPECT_TRUE(model.fc->is_training());
+  model.eval();
+  trainer.test(model, fulgur::test::regression_loader(1));
+  EXPECT_FALSE(model.is_training());
+}
+
 TEST(Evaluation, LimitTestBatches) {
   TempDir dir;
   LinearRegression model;
