@@ -1070,6 +1070,9 @@ Metrics Trainer::Impl::run_evaluation(Module& m, std::shared_ptr<DataLoader> loa
   run_stage(
       m, s,
       [&] {
+        // A stage's callback and progress-bar metrics are its own, as
+        // Lightning's (an earlier fit's train_loss is not this test's).
+        logging.reset_metrics();
         loader = set_up_stage_data(s, data, std::move(loader));
         set_up_module_and_load_weights(m, ckpt_path);
         auto limit = (s == Stage::kTest ? limits.test : limits.val)
@@ -1105,6 +1108,7 @@ std::vector<Batch> Trainer::Impl::run_predict(Module& m, std::shared_ptr<DataLoa
   }
   std::vector<Batch> out;
   run_stage(m, Stage::kPredict, [&] {
+    logging.reset_metrics();
     loader = set_up_stage_data(Stage::kPredict, data, std::move(loader));
     set_up_module_and_load_weights(m, ckpt_path);
     out = prediction_loop.run(*loader,

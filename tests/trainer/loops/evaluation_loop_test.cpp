@@ -221,6 +221,21 @@ TEST(Evaluation, EachSubmodulesModeComesBackAfterAnEvaluation) {
   EXPECT_FALSE(model.is_training());
 }
 
+// A stage's callback metrics are its own: after fit then test, the fit's
+// train_loss was still in callback_metrics() (what callbacks and the
+// progress bar read during the test).
+TEST(Evaluation, EachStageStartsWithCallbackMetricsOfItsOwn) {
+  TempDir dir;
+  LinearRegression model;
+  fulgur::Trainer trainer(test_options(dir));
+  trainer.fit(model, fulgur::test::regression_loader(2), fulgur::test::regression_loader(1));
+  ASSERT_EQ(trainer.callback_metrics().count("train_loss"), 1u);
+  trainer.test(model, fulgur::test::regression_loader(1));
+  EXPECT_EQ(trainer.callback_metrics().count("train_loss"), 0u);
+  EXPECT_EQ(trainer.callback_metrics().count("val_loss"), 0u);
+  EXPECT_EQ(trainer.callback_metrics().count("test_loss"), 1u);
+}
+
 TEST(Evaluation, LimitTestBatches) {
   TempDir dir;
   LinearRegression model;
