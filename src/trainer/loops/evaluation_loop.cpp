@@ -134,10 +134,12 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
   for_each_batch(
       *trainer_.strategy, trainer_.options.prefetch_to_device, m, loader, limit, agree,
       [&](const Batch& batch, Batch& on_device, int64_t idx) {
+        // The batch's hooks log with its size too (as the training batch's
+        // and Lightning's do; they weighed 1 in the epoch's mean).
+        trainer_.logging.eval_sink().set_context(/*training_step=*/false, on_device.batch_size());
         batch_hooks(&Module::on_test_batch_start, &Module::on_validation_batch_start,
                     &Callback::on_test_batch_start, &Callback::on_validation_batch_start, batch,
                     idx);
-        trainer_.logging.eval_sink().set_context(/*training_step=*/false, on_device.batch_size());
         const PaddedRows padded(loader.padded_rows(idx));
         {
           auto scope = trainer_.drive().step_scope();
@@ -147,9 +149,9 @@ Metrics EvaluationLoop::run(DataLoader& loader, Stage s, std::optional<int64_t> 
             m.validation_step(on_device, idx);
           }
         }
-        trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
         batch_hooks(&Module::on_test_batch_end, &Module::on_validation_batch_end,
                     &Callback::on_test_batch_end, &Callback::on_validation_batch_end, batch, idx);
+        trainer_.logging.eval_sink().set_context(/*training_step=*/false, 1);
       });
   module_hook(&Module::on_test_epoch_end, &Module::on_validation_epoch_end);
   const auto& fit = trainer_.fit_loop;

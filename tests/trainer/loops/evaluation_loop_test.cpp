@@ -236,6 +236,24 @@ TEST(Evaluation, EachStageStartsWithCallbackMetricsOfItsOwn) {
   EXPECT_EQ(trainer.callback_metrics().count("test_loss"), 1u);
 }
 
+// A value logged in an evaluation batch's hooks weighs its batch's size in
+// the epoch's mean, as in the step (batches of 4, 4 and 2, 1.0 logged at the
+// last: 0.2, where it weighed 1 per batch: 0.333).
+TEST(Evaluation, TheBatchHooksLogWithTheBatchsSize) {
+  struct LogsAtBatchEnd : LinearRegression {
+    int64_t batches = 0;
+    void on_validation_batch_end(const fulgur::Batch&, int64_t) override {
+      log("at_end", ++batches == 3 ? 1.0 : 0.0);
+    }
+  } model;
+  TempDir dir;
+  fulgur::Trainer trainer(test_options(dir));
+  const auto data = regression_dataset(10);
+  const fulgur::Metrics metrics =
+      trainer.validate(model, fulgur::make_data_loader(data, {.batch_size = 4}));
+  EXPECT_DOUBLE_EQ(metrics.at("at_end"), 0.2);
+}
+
 TEST(Evaluation, LimitTestBatches) {
   TempDir dir;
   LinearRegression model;
