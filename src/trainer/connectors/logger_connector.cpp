@@ -120,6 +120,12 @@ LogSink::Entry& LogSink::entry(std::string_view name, const LogOptions& options,
                           "\", on_step=false, on_epoch=false): the value would "
                           "go nowhere. Set on_step or on_epoch."));
   }
+  if (on_step && !on_epoch && !publishes_steps_) {
+    throw ConfigError(str("log(\"", name,
+                          "\", on_step=true, on_epoch=false) in an evaluation: its values are "
+                          "published per epoch (the mean over its batches), so the value would go "
+                          "nowhere. Drop on_step (or set on_epoch=true)."));
+  }
   // Logged per step and per epoch, a metric is published as <name>_step
   // and <name>_epoch: no other metric may have those names.
   auto pending = [](const Entry& e) { return e.epoch_has_value || e.step_fresh; };

@@ -65,6 +65,10 @@ class LogSink final : public ModuleLogSink {
     metrics::Metric* metric = nullptr;
   };
 
+  /// An evaluation's sink: its values are published per epoch only, so a
+  /// value logged per step only is refused (it went nowhere).
+  explicit LogSink(bool publishes_steps = true) : publishes_steps_(publishes_steps) {}
+
   /// Defaults for unset on_step/on_epoch: per step inside training_step,
   /// per epoch everywhere else (evaluation steps, epoch hooks).
   void set_context(bool training_step, int64_t batch_size) {
@@ -180,6 +184,7 @@ class LogSink final : public ModuleLogSink {
   std::map<std::string, Entry, std::less<>> entries_;
   std::string scratch_;  // entry()'s name lookups
   MetricStates restored_;
+  bool publishes_steps_ = true;
   bool stepped_since_restore_ = false;  // a training step ran since restore_metric_states
   bool resumed_within_epoch_ = false;
   // Metric objects first logged in the resumed epoch, by name, whose states
@@ -284,7 +289,7 @@ class LoggerConnector {
   bool versions_chosen_ = false;
   bool ended_ = false;  // this fit's end is recorded (finalize)
   LogSink train_sink_;
-  LogSink eval_sink_;
+  LogSink eval_sink_{/*publishes_steps=*/false};
   // Published values are doubles, or tensors read on first access (the
   // pending maps; a tensor there is the sink's step buffer, so it holds the
   // latest value logged).

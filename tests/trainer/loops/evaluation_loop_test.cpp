@@ -254,6 +254,26 @@ TEST(Evaluation, TheBatchHooksLogWithTheBatchsSize) {
   EXPECT_DOUBLE_EQ(metrics.at("at_end"), 0.2);
 }
 
+// A value logged per step only in an evaluation went nowhere (not in the
+// results, callback metrics or loggers): refused, naming it.
+TEST(Evaluation, AValueLoggedPerStepOnlyIsRefused) {
+  TempDir dir;
+  LinearRegression model;
+  model.val_hook = [](LinearRegression& m, fulgur::Batch&, int64_t) {
+    m.log("per_step", 1.0, {.on_step = true, .on_epoch = false});
+  };
+  fulgur::Trainer trainer(test_options(dir));
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError, trainer.validate(model, fulgur::test::regression_loader(1)),
+      {"log(\"per_step\", on_step=true, on_epoch=false) in an evaluation", "Drop on_step"});
+  // Both: its epoch value, as before.
+  LinearRegression both;
+  both.val_hook = [](LinearRegression& m, fulgur::Batch&, int64_t) {
+    m.log("both", 1.0, {.on_step = true, .on_epoch = true});
+  };
+  EXPECT_EQ(trainer.validate(both, fulgur::test::regression_loader(1)).count("both_epoch"), 1u);
+}
+
 TEST(Evaluation, LimitTestBatches) {
   TempDir dir;
   LinearRegression model;
