@@ -122,7 +122,11 @@ class LogSink final : public ModuleLogSink {
   void reset() {
     entries_.clear();
     step_sync_ = StepSync::kUndecided;
+    published_ = false;
   }
+  /// The epoch's values are published (LoggerConnector::publish_epoch): a
+  /// value logged after it, until reset(), would go nowhere and is refused.
+  void mark_published() { published_ = true; }
 
   /// A metric object logged this epoch, as a checkpoint keeps it.
   struct SavedMetric {
@@ -185,6 +189,7 @@ class LogSink final : public ModuleLogSink {
   std::string scratch_;  // entry()'s name lookups
   MetricStates restored_;
   bool publishes_steps_ = true;
+  bool published_ = false;
   bool stepped_since_restore_ = false;  // a training step ran since restore_metric_states
   bool resumed_within_epoch_ = false;
   // Metric objects first logged in the resumed epoch, by name, whose states

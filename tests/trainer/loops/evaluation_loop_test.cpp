@@ -274,6 +274,27 @@ TEST(Evaluation, AValueLoggedPerStepOnlyIsRefused) {
   EXPECT_EQ(trainer.validate(both, fulgur::test::regression_loader(1)).count("both_epoch"), 1u);
 }
 
+// A callback's on_validation_epoch_end runs after the Module's and after
+// the epoch's values are published: what it logged went nowhere. Refused,
+// naming where to log instead.
+TEST(Evaluation, ALogAfterTheEpochsValuesArePublishedIsRefused) {
+  struct LateLogger : fulgur::Callback {
+    std::string state_key() const override { return "LateLogger"; }
+    void on_validation_epoch_end(fulgur::Trainer&, fulgur::Module& module) override {
+      module.log("cb_metric", 1.0);
+    }
+  };
+  TempDir dir;
+  auto options = test_options(dir);
+  options.callbacks = {std::make_shared<LateLogger>()};
+  LinearRegression model;
+  fulgur::Trainer trainer(options);
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     trainer.validate(model, fulgur::test::regression_loader(1)),
+                     {"log(\"cb_metric\"): this epoch's values are already published",
+                      "Log it from the Module's epoch-end hook"});
+}
+
 TEST(Evaluation, LimitTestBatches) {
   TempDir dir;
   LinearRegression model;
