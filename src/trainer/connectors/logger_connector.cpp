@@ -97,14 +97,7 @@ double LogSink::Value::read() const { return tensor.defined() ? read_tensor(tens
 LogSink::Entry& LogSink::entry(std::string_view name, const LogOptions& options, bool& on_step,
                                bool& on_epoch, metrics::Metric* metric) {
   if (name.empty()) throw ConfigError("log(\"\", ...): a metric needs a non-empty name.");
-  if (published_) {
-    throw ConfigError(str(
-        "log(\"", name,
-        "\"): this epoch's values are already published (a callback's on_train_epoch_end or "
-        "on_validation_epoch_end runs after the Module's and the publish, as do on_train_end and "
-        "on_fit_end), so the value would go nowhere. Log it from the Module's epoch-end hook, or "
-        "from a batch hook (its epoch value is then the mean over the batches)."));
-  }
+  if (!closed_because_.empty()) throw ConfigError(str("log(\"", name, "\"): ", closed_because_));
   if (name == "step") {
     throw ConfigError(
         "log(\"step\"): \"step\" is each row's optimizer step in the loggers (metrics.csv's "
@@ -714,7 +707,11 @@ void LoggerConnector::publish_step(Strategy& strategy, bool to_loggers, int64_t 
 Metrics LoggerConnector::publish_epoch(LogSink& sink, Strategy& strategy, bool sanity_checking,
                                        int64_t epoch, int64_t step, bool in_fit) {
   auto values = sink.collect_epoch(strategy);
-  sink.mark_published();
+  sink.close(
+      "this epoch's values are already published (a callback's on_train_epoch_end or "
+      "on_validation_epoch_end runs after the Module's and the publish, as do on_train_end and "
+      "on_fit_end), so the value would go nowhere. Log it from the Module's epoch-end hook, or "
+      "from a batch hook (its epoch value is then the mean over the batches).");
   Metrics out;
   for (const auto& v : values) {
     out[v.name] = v.value;

@@ -122,11 +122,13 @@ class LogSink final : public ModuleLogSink {
   void reset() {
     entries_.clear();
     step_sync_ = StepSync::kUndecided;
-    published_ = false;
+    closed_because_.clear();
   }
-  /// The epoch's values are published (LoggerConnector::publish_epoch): a
-  /// value logged after it, until reset(), would go nowhere and is refused.
-  void mark_published() { published_ = true; }
+  /// Until reset(), a value logged would go nowhere: log() is refused, the
+  /// ConfigError saying `because` (after "log(\"<name>\"): ") and where to
+  /// log instead. publish_epoch closes the sink so; the fit before its first
+  /// epoch (on_train_start).
+  void close(std::string because) { closed_because_ = std::move(because); }
 
   /// A metric object logged this epoch, as a checkpoint keeps it.
   struct SavedMetric {
@@ -189,7 +191,7 @@ class LogSink final : public ModuleLogSink {
   std::string scratch_;  // entry()'s name lookups
   MetricStates restored_;
   bool publishes_steps_ = true;
-  bool published_ = false;
+  std::string closed_because_;
   bool stepped_since_restore_ = false;  // a training step ran since restore_metric_states
   bool resumed_within_epoch_ = false;
   // Metric objects first logged in the resumed epoch, by name, whose states

@@ -165,6 +165,29 @@ TEST(FitLoop, TheSanityCheckLeavesTheGeneratorsAsItFoundThem) {
   EXPECT_EQ(first_draw(2), first_draw(0));
 }
 
+// A value logged in on_train_start was dropped at the first epoch's start
+// (with a sanity check), or log() said it was called outside a Trainer run
+// (without one): refused, saying where to log it.
+TEST(FitLoop, ALogInOnTrainStartIsRefusedWithWhereToLogIt) {
+  struct LogsAtStart : LinearRegression {
+    void on_train_start() override {
+      LinearRegression::on_train_start();
+      log("start_metric", 1.0);
+    }
+  };
+  for (const int64_t sanity : {0, 2}) {
+    TempDir dir;
+    auto options = test_options(dir);
+    options.num_sanity_val_steps = sanity;
+    LogsAtStart model;
+    fulgur::Trainer trainer(options);
+    EXPECT_THROWS_WITH(fulgur::ConfigError,
+                       trainer.fit(model, regression_loader(2), regression_loader(1)),
+                       {"log(\"start_metric\"): on_train_start runs before the first epoch",
+                        "on_train_epoch_start"});
+  }
+}
+
 TEST(FitLoop, MaxStepsStopsMidEpoch) {
   TempDir dir;
   LinearRegression model;
