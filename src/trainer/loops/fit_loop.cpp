@@ -115,6 +115,10 @@ void FitLoop::count_training_batches() {
   num_training_batches_ =
       trainer_.limits.train.apply(train_loader_->num_batches(), trainer_.limits.train_flag)
           .value_or(-1);
+  // The validation limit too, before any training (a fraction of it that
+  // rounds to no batch failed only at the first validation, an epoch in).
+  if (val_loader_)
+    (void)trainer_.limits.val.apply(val_loader_->num_batches(), trainer_.limits.val_flag);
   agree_on_end_ = trainer_.require_equal_pass_lengths(
       num_training_batches_, !train_loader_->num_batches(), "training", trainer_.limits.train_flag);
   if (trainer_.options.val_check_interval.is_fraction() &&

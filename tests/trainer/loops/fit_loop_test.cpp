@@ -188,6 +188,21 @@ TEST(FitLoop, ALogInOnTrainStartIsRefusedWithWhereToLogIt) {
   }
 }
 
+// A validation limit that cannot work is named at the fit's start, not at
+// the first validation after a training epoch (without a sanity check).
+TEST(FitLoop, AValidationLimitThatRoundsToNoBatchIsNamedBeforeTraining) {
+  TempDir dir;
+  auto options = test_options(dir);
+  options.num_sanity_val_steps = 0;
+  options.limit_val_batches = 0.1;
+  LinearRegression model;
+  fulgur::Trainer trainer(options);
+  EXPECT_THROWS_WITH(fulgur::ConfigError,
+                     trainer.fit(model, regression_loader(3), regression_loader(2)),
+                     {"limit_val_batches=0.1 of 2 batches rounds down to 0 batches"});
+  EXPECT_EQ(model.training_steps, 0);
+}
+
 TEST(FitLoop, MaxStepsStopsMidEpoch) {
   TempDir dir;
   LinearRegression model;
