@@ -173,7 +173,8 @@ void FitLoop::run() {
                             "unset."));
     }
   }
-  count_training_batches();
+  // The training batches were counted at the fit's start (before
+  // configure_optimizers), and again where a resume reloaded the loaders.
   // A fit that failed within a step may have left gradients unscaled.
   trainer_.strategy->precision().forget_unscaled();
   stepped_since_update_.clear();
