@@ -610,12 +610,11 @@ TEST(CheckpointCrash, AWriterKilledAtAnyPointOfASaveLosesNothing) {
     points.push_back({save, SaveStep::kRenamed, 0, "renamed, directory not flushed"});
     points.push_back({save, SaveStep::kDirectoryFlushed, 0, "durable"});
   }
-  const std::string self = fs::read_symlink("/proc/self/exe").string();
   for (const Point& point : points) {
     SCOPED_TRACE(fulgur::str("killed in save ", point.save, " at ", point.name));
     TempDir dir;
-    const auto writer = fulgur::test::run_process(
-        {self, "--gtest_filter=CheckpointCrash.WriterChild"},
+    const auto writer = fulgur::test::run_test_alone(
+        "CheckpointCrash.WriterChild",
         {{"FULGUR_TEST_CRASH_DIR", dir.path()},
          {"FULGUR_TEST_CRASH_AT",
           fulgur::str(point.save, ":", static_cast<int>(point.step), ":", point.chunk)}},

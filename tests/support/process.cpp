@@ -119,6 +119,15 @@ ProcessResult run_process(const std::vector<std::string>& argv,
   return result;
 }
 
+ProcessResult run_test_alone(const std::string& test, const std::map<std::string, std::string>& env,
+                             std::chrono::seconds timeout) {
+  char self[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n <= 0) throw std::runtime_error("run_test_alone: cannot read /proc/self/exe");
+  self[n] = '\0';
+  return run_process({self, "--gtest_filter=" + test}, env, timeout);
+}
+
 std::string result_value(const std::string& output, const std::string& key) {
   std::istringstream in(output);
   std::string line;

@@ -33,6 +33,14 @@ ProcessResult run_process(const std::vector<std::string>& argv,
                           const std::map<std::string, std::string>& env,
                           std::chrono::seconds timeout, const std::vector<std::string>& unset = {});
 
+/// Runs one test of this test program (`test`: "Suite.Name") in a process of
+/// its own, with `env` added: for a child that trains after this process
+/// has (LibTorch 2.x refuses autograd in a child forked from a process that
+/// has used it: run_in_child cannot). The child test reads its orders from
+/// `env` and skips without them.
+ProcessResult run_test_alone(const std::string& test, const std::map<std::string, std::string>& env,
+                             std::chrono::seconds timeout);
+
 /// The value of the last "RESULT key=value" in `output` (anywhere in a
 /// line), or "" when absent.
 std::string result_value(const std::string& output, const std::string& key);

@@ -37,10 +37,14 @@ struct ChildResult {
   int exit_code = -1;  // -1 when it ended by a signal or was killed
   int signal = 0;
   bool timed_out = false;
+  std::string exception;  // what() of the exception that left the body, if one did
   std::string describe() const {
     if (timed_out) return "still running at the timeout (killed)";
     if (signal != 0) return "killed by signal " + std::to_string(signal);
-    if (exit_code == kChildThrew) return "exit status 125 (an exception left the child's body)";
+    if (exit_code == kChildThrew) {
+      return "exit status 125 (an exception left the child's body" +
+             (exception.empty() ? std::string() : ": " + exception) + ")";
+    }
     return "exit status " + std::to_string(exit_code);
   }
 };
@@ -50,9 +54,20 @@ inline ChildResult run_in_child(const std::function<int()>& body,
   std::cout.flush();
   std::cerr.flush();
   std::fflush(nullptr);
+  // The child writes an escaping exception's message here (its stderr is
+  // /dev/null): describe() names it. Non-blocking: a process the child
+  // forked may hold the write end on after the child is gone.
+  int said[2];
+  if (::pipe2(said, O_CLOEXEC | O_NONBLOCK) != 0)
+    throw std::runtime_error("run_in_child: pipe failed");
   const pid_t pid = ::fork();
-  if (pid < 0) throw std::runtime_error("run_in_child: fork failed");
+  if (pid < 0) {
+    ::close(said[0]);
+    ::close(said[1]);
+    throw std::runtime_error("run_in_child: fork failed");
+  }
   if (pid == 0) {
+    ::close(said[0]);
     const int null = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
     if (null >= 0) {
       ::dup2(null, STDOUT_FILENO);
@@ -63,12 +78,16 @@ inline ChildResult run_in_child(const std::function<int()>& body,
     int code = kChildThrew;
     try {
       code = body();
+    } catch (const std::exception& e) {
+      const std::string what = std::string(e.what()).substr(0, 4000);
+      if (::write(said[1], what.data(), what.size()) < 0) code = kChildThrew;
     } catch (...) {
     }
     std::cout.flush();
     std::cerr.flush();
     ::_exit(code);
   }
+  ::close(said[1]);
   ChildResult result;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::microseconds(50);
@@ -81,6 +100,7 @@ inline ChildResult run_in_child(const std::function<int()>& body,
       result.timed_out = true;
       ::kill(pid, SIGKILL);
       ::waitpid(pid, &status, 0);
+      ::close(said[0]);
       return result;
     }
     std::this_thread::sleep_for(pause);
@@ -88,6 +108,11 @@ inline ChildResult run_in_child(const std::function<int()>& body,
   }
   if (WIFEXITED(status)) result.exit_code = WEXITSTATUS(status);
   if (WIFSIGNALED(status)) result.signal = WTERMSIG(status);
+  // The child is gone; what it wrote is in the pipe.
+  char chunk[1024];
+  ssize_t got = 0;
+  while ((got = ::read(said[0], chunk, sizeof chunk)) > 0) result.exception.append(chunk, got);
+  ::close(said[0]);
   return result;
 }
 

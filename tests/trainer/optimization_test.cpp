@@ -10,7 +10,7 @@
 #include <functional>
 
 #include "fulgur/fulgur.h"
-#include "support/run_in_child.h"
+#include "support/process.h"
 #include "support/test_support.h"
 
 namespace {
@@ -113,41 +113,53 @@ TEST(GradientAccumulation, FourMicroBatchesEqualOneBatchOfFourTimesTheSize) {
 // for the window's step. It was saved after the window's first micro-batch,
 // whose gradient no checkpoint holds: the resumed run stepped with the
 // window's second micro-batch alone, and ended elsewhere.
+struct PreemptedBySigusr1 : fulgur::LightningEnvironment {
+  std::vector<int> preemption_signals() const override { return {SIGUSR1}; }
+};
+
+fulgur::FitResult fit_in_windows_of_two(const std::string& root, LinearRegression& model,
+                                        const std::string& ckpt_path) {
+  TempDir unused;
+  auto options = test_options(unused);
+  options.default_root_dir = root;
+  options.accumulate_grad_batches = 2;
+  options.max_epochs = 2;
+  options.plugins = {std::make_shared<PreemptedBySigusr1>()};
+  fulgur::Trainer trainer(options);
+  return trainer.fit(model, fulgur::make_data_loader(regression_dataset(64), {.batch_size = 8}),
+                     nullptr, {.ckpt_path = ckpt_path});
+}
+
+// The preempted run of the test below, in a process of its own (run by it
+// through this program: the test's process has trained, and LibTorch 2.x
+// refuses autograd in a child forked from it). The model is seeded as the
+// test's uninterrupted one.
+TEST(GradientAccumulation, PreemptedChild) {
+  const char* dir = std::getenv("FULGUR_TEST_PREEMPTED_DIR");
+  if (dir == nullptr) GTEST_SKIP() << "the preempted run of the test below";
+  torch::manual_seed(3);
+  LinearRegression model({.lr = 0.1, .momentum = 0.9});
+  model.train_hook = [](LinearRegression& m, fulgur::Batch&, int64_t batch_idx) {
+    // Seen at the next batch's start, the second window's first: the
+    // stop came after it.
+    if (m.current_epoch() == 0 && batch_idx == 1) ::raise(SIGUSR1);
+  };
+  fit_in_windows_of_two(dir, model, "");
+  FAIL() << "the preemption signal did not end the run";
+}
+
 TEST(GradientAccumulation, APreemptionWithinAWindowSavesAfterItsStepAndResumesBitIdentical) {
-  struct Preempted : fulgur::LightningEnvironment {
-    std::vector<int> preemption_signals() const override { return {SIGUSR1}; }
-  };
-  auto data = regression_dataset(64);
-  auto fit = [&](TempDir& dir, LinearRegression& model, const std::string& ckpt_path) {
-    auto options = test_options(dir);
-    options.accumulate_grad_batches = 2;
-    options.max_epochs = 2;
-    options.plugins = {std::make_shared<Preempted>()};
-    fulgur::Trainer trainer(options);
-    return trainer.fit(model, fulgur::make_data_loader(data, {.batch_size = 8}), nullptr,
-                       {.ckpt_path = ckpt_path});
-  };
   torch::manual_seed(3);
   LinearRegression uninterrupted({.lr = 0.1, .momentum = 0.9});
-  LinearRegression start({.lr = 0.1, .momentum = 0.9});
-  fulgur::test::copy_parameters(uninterrupted, start);
   TempDir whole;
-  fit(whole, uninterrupted, "");
+  fit_in_windows_of_two(whole.path(), uninterrupted, "");
   TempDir dir;
-  const auto child = fulgur::test::run_in_child([&] {
-    LinearRegression model({.lr = 0.1, .momentum = 0.9});
-    fulgur::test::copy_parameters(start, model);
-    model.train_hook = [](LinearRegression& m, fulgur::Batch&, int64_t batch_idx) {
-      // Seen at the next batch's start, the second window's first: the
-      // stop came after it.
-      if (m.current_epoch() == 0 && batch_idx == 1) ::raise(SIGUSR1);
-    };
-    fit(dir, model, "");
-    return 0;
-  });
-  ASSERT_EQ(child.signal, SIGUSR1) << child.describe();
+  const auto child = fulgur::test::run_test_alone("GradientAccumulation.PreemptedChild",
+                                                  {{"FULGUR_TEST_PREEMPTED_DIR", dir.path()}},
+                                                  std::chrono::seconds(60));
+  ASSERT_EQ(child.signal, SIGUSR1) << child.output;
   LinearRegression resumed({.lr = 0.1, .momentum = 0.9});
-  const auto result = fit(dir, resumed, dir.file("checkpoints/last.ckpt"));
+  const auto result = fit_in_windows_of_two(dir.path(), resumed, dir.file("checkpoints/last.ckpt"));
   EXPECT_EQ(resumed.training_steps, 16 - 4);  // saved after the window's step (batches 2, 3)
   EXPECT_EQ(result.global_step, 8);
   EXPECT_TRUE(parameters_equal(uninterrupted, resumed));

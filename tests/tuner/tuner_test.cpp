@@ -18,7 +18,7 @@
 #include <set>
 
 #include "fulgur/fulgur.h"
-#include "support/run_in_child.h"
+#include "support/process.h"
 #include "support/test_support.h"
 
 namespace {
@@ -540,30 +540,47 @@ TEST(Tuner, ATrialOfARestartedJobDoesNotResumeTheJobsCheckpoint) {
 // then requeues it) ends the process as in a fit, but saves nothing: the
 // trial's last.ckpt (the sweep's weights, rates and steps) was what the
 // requeued job's fit resumed from.
-TEST(Tuner, APreemptionDuringATrialSavesNoCheckpoint) {
-  TempDir dir;
+//
+// The trial (FULGUR_TEST_TRIAL: lr_find or scale_batch_size, under
+// FULGUR_TEST_TRIAL_DIR) runs in a process of its own, run by the test
+// through this program: the test's process may have trained, and LibTorch
+// 2.x refuses autograd in a child forked from it.
+TEST(Tuner, PreemptedTrialChild) {
+  const char* finder = std::getenv("FULGUR_TEST_TRIAL");
+  const char* dir = std::getenv("FULGUR_TEST_TRIAL_DIR");
+  if (finder == nullptr || dir == nullptr) GTEST_SKIP() << "the trial of the test below";
   struct Preempted : fulgur::LightningEnvironment {
     std::vector<int> preemption_signals() const override { return {SIGUSR1}; }
   };
-  auto options = test_options(dir);
+  TempDir unused;
+  auto options = test_options(unused);
+  options.default_root_dir = dir;
   options.plugins = {std::make_shared<Preempted>()};
-  for (const bool lr_find : {true, false}) {
-    const auto child = fulgur::test::run_in_child([&] {
-      LinearRegression model;
-      model.train_hook = [](LinearRegression& m, fulgur::Batch&, int64_t) {
-        if (m.training_steps == 2) ::raise(SIGUSR1);
-      };
-      fulgur::Tuner tuner(options);
-      if (lr_find) {
-        tuner.lr_find(model, regression_loader(4), {.num_training = 6});
-      } else {
-        tuner.scale_batch_size(model, loaders_of(64),
-                               {.max_trials = 2, .steps_per_trial = 4, .host_memory_cap = kCap});
-      }
-      return 0;
-    });
-    EXPECT_EQ(child.signal, SIGUSR1) << child.describe() << (lr_find ? " lr_find" : "");
-    EXPECT_FALSE(fs::exists(dir.file("checkpoints"))) << (lr_find ? "lr_find" : "batch size");
+  LinearRegression model;
+  model.train_hook = [](LinearRegression& m, fulgur::Batch&, int64_t) {
+    if (m.training_steps == 2) ::raise(SIGUSR1);
+  };
+  fulgur::Tuner tuner(options);
+  if (std::string(finder) == "lr_find") {
+    tuner.lr_find(model, regression_loader(4), {.num_training = 6});
+  } else {
+    tuner.scale_batch_size(model, loaders_of(64),
+                           {.max_trials = 2, .steps_per_trial = 4, .host_memory_cap = kCap});
+  }
+  FAIL() << "the preemption signal did not end the " << finder;
+}
+
+TEST(Tuner, APreemptionDuringATrialSavesNoCheckpoint) {
+  for (const char* finder : {"lr_find", "scale_batch_size"}) {
+    SCOPED_TRACE(finder);
+    TempDir dir;
+    const auto child = fulgur::test::run_test_alone(
+        "Tuner.PreemptedTrialChild",
+        {{"FULGUR_TEST_TRIAL", finder}, {"FULGUR_TEST_TRIAL_DIR", dir.path()}},
+        std::chrono::seconds(60));
+    EXPECT_EQ(child.signal, SIGUSR1) << child.output;
+    EXPECT_NE(child.output.find("during a tuner trial"), std::string::npos) << child.output;
+    EXPECT_FALSE(fs::exists(dir.file("checkpoints"))) << child.output;
   }
 }
 
