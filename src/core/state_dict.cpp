@@ -49,6 +49,68 @@ void hold(Entry& e, c10::IValue value, bool buffer, bool plain) {
   e.plain = plain;
 }
 
+// Refuses a tensor read from a file that reaches past its storage: the
+// file's description (sizes, strides, offset) is what a crafted file or
+// another writer makes up, and reading the tensor would read past the
+// storage's bytes. A file's checksums do not rule it out.
+void check_extent(const at::Tensor& t, const std::string& key) {
+  if (!t.defined()) return;
+  if (t.is_sparse()) {
+    check_extent(t._indices(), key + " (its indices)");
+    check_extent(t._values(), key + " (its values)");
+    try {
+      at::_validate_sparse_coo_tensor_args(t._indices(), t._values(), t.sizes());
+    } catch (const c10::Error& e) {
+      throw CheckpointError(
+          ::fulgur::str("entry \"", key, "\": a sparse tensor whose indices do not fit its ",
+                        "sizes ", t.sizes(), " (", e.what_without_backtrace(),
+                        "): the file was not written by fulgur's save of it. Pass a "
+                        "checkpoint written by fulgur."));
+    }
+    return;
+  }
+  if (t.layout() != at::kStrided || !t.has_storage() || t.numel() == 0) return;
+  const int64_t item = static_cast<int64_t>(t.element_size());
+  const int64_t holds = static_cast<int64_t>(t.storage().nbytes());
+  // The last element's index in the storage, then the bytes up to its end.
+  int64_t last = t.storage_offset();
+  bool overflows = last < 0;
+  for (int64_t d = 0; d < t.dim() && !overflows; ++d) {
+    int64_t step = 0;
+    overflows = t.stride(d) < 0 || __builtin_mul_overflow(t.size(d) - 1, t.stride(d), &step) ||
+                __builtin_add_overflow(last, step, &last);
+  }
+  int64_t reaches = 0;
+  overflows = overflows || __builtin_add_overflow(last, 1, &last) ||
+              __builtin_mul_overflow(last, item, &reaches);
+  if (!overflows && reaches <= holds) return;
+  throw CheckpointError(::fulgur::str(
+      "entry \"", key, "\": a tensor of sizes ", t.sizes(), ", strides ", t.strides(), ", offset ",
+      t.storage_offset(), " and ", item, " bytes per element reaches ",
+      (overflows ? std::string("beyond any size (its arithmetic overflows)")
+                 : ::fulgur::str(reaches, " bytes")),
+      " of its storage, which holds ", holds,
+      ": the file was not written by LibTorch's save of this tensor (it was crafted, or written "
+      "by another tool). Pass a checkpoint written by fulgur."));
+}
+
+void check_extents(const c10::IValue& value, const std::string& key) {
+  if (value.isTensor()) {
+    check_extent(value.toTensor(), key);
+  } else if (value.isTensorList()) {
+    for (const at::Tensor& t : value.toTensorVector()) check_extent(t, key);
+  } else if (value.isList()) {
+    for (const c10::IValue& item : value.toListRef()) check_extents(item, key);
+  } else if (value.isTuple()) {
+    for (const c10::IValue& item : value.toTupleRef().elements()) check_extents(item, key);
+  } else if (value.isGenericDict()) {
+    for (const auto& item : value.toGenericDict()) {
+      check_extents(item.key(), key);
+      check_extents(item.value(), key);
+    }
+  }
+}
+
 }  // namespace
 
 StateDict::StateDict() = default;
@@ -472,7 +534,9 @@ StateDict read_archive(torch::serialize::InputArchive& archive, const std::strin
       state.set_section(own, read_archive(nested, path.empty() ? own : path + "/" + own));
     } else {
       // As it is: what a file holds is loaded, whatever set() would refuse
-      // to save (the component reading it names what it expected).
+      // to save (the component reading it names what it expected); but no
+      // tensor that reaches past its storage.
+      check_extents(value, path.empty() ? own : path + "/" + own);
       state.slot(own).value = std::move(value);
     }
   }

@@ -469,6 +469,79 @@ TEST(TorchCheckpointIO, TensorsSavedOnAnotherDeviceLoadIntoHostMemory) {
 // A file's fingerprint is its size and the CRC32C of all its bytes: the
 // footer gives it without reading the data, and it equals what the default
 // (reading the file whole) and an independent checksum of the bytes give.
+// A file whose tensors claim more than their storages hold (crafted, or
+// written by a tool other than LibTorch's save of those tensors) verifies
+// against its checksums, which are not authentication: each tensor's extent
+// is checked against its storage as it loads. It loaded, and reading the
+// tensor read past its storage (a crash, or another object's bytes).
+TEST(TorchCheckpointIOIntegrity, ATensorLargerThanItsStorageIsRefusedNamingIt) {
+  TempDir dir;
+  fulgur::TorchCheckpointIO io;
+  auto claims_more = [](at::Tensor t, std::vector<int64_t> sizes, std::vector<int64_t> strides,
+                        int64_t offset) {
+    // What a crafted file's description makes of it; LibTorch's own
+    // set_() would refuse it.
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
+    t.unsafeGetTensorImpl()->set_storage_offset(offset);
+    return t;
+  };
+  struct Case {
+    const char* name;
+    std::function<void(fulgur::StateDict&)> fill;
+    std::vector<std::string> named;
+  };
+  const std::vector<Case> cases = {
+      {"sizes beyond the storage",
+       [&](fulgur::StateDict& s) {
+         s.set("weight", claims_more(torch::zeros({4}), {1 << 20}, {1}, 0));
+       },
+       {"\"weight\"", "[1048576]", "4194304 bytes", "holds 16"}},
+      {"an offset past its end",
+       [&](fulgur::StateDict& s) { s.set("bias", claims_more(torch::zeros({4}), {2}, {1}, 3)); },
+       {"\"bias\"", "offset 3", "holds 16"}},
+      {"strides that overflow",
+       [&](fulgur::StateDict& s) {
+         s.set("grid", claims_more(torch::zeros({4}), {2, 2}, {int64_t{1} << 62, 1}, 0));
+       },
+       {"\"grid\"", "holds 16"}},
+      {"within a nested section's list",
+       [&](fulgur::StateDict& s) {
+         fulgur::StateDict optimizer;
+         c10::List<at::Tensor> buffers;
+         buffers.push_back(torch::ones({2}));
+         buffers.push_back(claims_more(torch::zeros({2}, torch::kFloat64), {3}, {1}, 0));
+         optimizer.set("momentum", c10::IValue(buffers));
+         s.set_section("optimizer", std::move(optimizer));
+       },
+       {"\"optimizer/momentum\"", "holds 16"}},
+      {"a sparse tensor's index past its sizes",
+       [&](fulgur::StateDict& s) {
+         s.set("embedding_grad",
+               at::_sparse_coo_tensor_unsafe(torch::tensor({{0, 100}}), torch::ones({2}), {4}));
+       },
+       {"\"embedding_grad\"", "sparse tensor", "[4]"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    fulgur::StateDict state;
+    state.set("step", static_cast<int64_t>(7));
+    c.fill(state);
+    const std::string path = dir.file(std::string(c.name) + ".ckpt");
+    io.save_checkpoint(state, path);
+    EXPECT_EQ(io.verify(path), "");  // its checksums hold
+    auto expected = c.named;
+    expected.push_back(path);
+    expected.push_back("not written by");
+    EXPECT_THROWS_WITH(fulgur::CheckpointError, io.load_checkpoint(path), (expected));
+  }
+  // A tensor that uses part of its storage (a view) loads as it was.
+  fulgur::StateDict view;
+  view.set("part", torch::arange(10, torch::kFloat).narrow(0, 4, 3));
+  io.save_checkpoint(view, dir.file("view.ckpt"));
+  EXPECT_TRUE(torch::equal(io.load_checkpoint(dir.file("view.ckpt")).tensor("part"),
+                           torch::tensor({4.0f, 5.0f, 6.0f})));
+}
+
 TEST(TorchCheckpointIOIntegrity, TheFingerprintIsTheFilesSizeAndChecksumFromItsFooter) {
   struct ReadsWhole : fulgur::TorchCheckpointIO {
     fulgur::FileFingerprint fingerprint(const std::string& path) override {

@@ -842,10 +842,14 @@ void TorchCheckpointIO::remove_stale_files(const std::string& dir) {
 StateDict TorchCheckpointIO::load_checkpoint(const std::string& path) {
   torch::serialize::InputArchive checkpoint;
   // The archive's state, less this IO's marker.
-  auto state_of = [&checkpoint] {
-    StateDict state = read_archive(checkpoint);
-    state.erase(kIntegrityKey);
-    return state;
+  auto state_of = [&checkpoint, &path] {
+    try {
+      StateDict state = read_archive(checkpoint);
+      state.erase(kIntegrityKey);
+      return state;
+    } catch (const CheckpointError& e) {
+      throw CheckpointError(str("checkpoint \"", path, "\": ", e.what()));
+    }
   };
   const CheckpointFile file(path);
   Verdict v = check_footer(file);
