@@ -27,7 +27,8 @@ class LoopProfiler {
     kBackward,       // backward (and the hooks around it)
     kOptimizerStep,  // clipping, the optimizer steps, zero_grad, schedulers
     kGraphStep,      // a CUDA-graph step (cuda_graph): all of the above
-    kLogging,        // the step's logged values to the loggers
+    kLogging,        // the step's logged values published (twice a step: what
+                     // on_train_batch_end reads, then its row to the loggers)
     kBatchEnd,       // on_train_batch_end of the module and the callbacks
     kValidation,     // validation runs during fit
     kEpochEnd,       // the epoch's end: hooks, epoch metrics, checkpoints

@@ -11,9 +11,14 @@ namespace fulgur {
 
 namespace {
 std::atomic<bool> forked_child{false};
+std::atomic<bool> ran_autograd{false};
 }  // namespace
 
 void detail::mark_forked_child() { forked_child = true; }
+
+void detail::note_autograd_used() { ran_autograd.store(true, std::memory_order_relaxed); }
+
+bool detail::autograd_used() { return ran_autograd.load(std::memory_order_relaxed); }
 
 bool cuda_usable() { return !forked_child && torch::cuda::is_available(); }
 

@@ -688,6 +688,26 @@ TEST(DDP, SyncDistStepValuesAreReducedAtEveryStep) {
     EXPECT_EQ(added.output.find("its step values are this rank's"), std::string::npos)
         << added.output;
   }
+  // Logged in on_train_batch_end, after the step's values were reduced
+  // for that hook's callbacks: reduced with its own step (the step's row
+  // follows those hooks). It was reduced with the next step's values, and
+  // the last step's stayed each rank's own, unreduced: 10 and 16 after 6
+  // steps where both ranks should read their mean, 11. Reduced in every
+  // steady-state step: one all-reduce more than without it.
+  auto at_batch_end =
+      run_worker({"--strategy", "ddp", "--devices", "2", "--steps", "6", "--rank-step-metric", "0",
+                  "--batch-end-step-metric", "--count-collectives"});
+  ASSERT_EQ(at_batch_end.exit_code, 0) << at_batch_end.output;
+  for (const char* rank : {"0", "1"}) {
+    EXPECT_EQ(result_value(at_batch_end.output, std::string("end_step_rank") + rank), "11")
+        << at_batch_end.output;
+    EXPECT_EQ(result_value(at_batch_end.output, std::string("rank_step_rank") + rank), "5")
+        << at_batch_end.output;
+    const std::string name = std::string("collectives_per_step_rank") + rank;
+    EXPECT_EQ(std::stoi(result_value(at_batch_end.output, name)),
+              std::stoi(result_value(r.output, name)) + 1)
+        << r.output << at_batch_end.output;
+  }
 }
 
 // EarlyStopping decides on rank 1 only (its metric, logged without
@@ -870,6 +890,39 @@ TEST(DDP, ForkLauncherOnCudaIsRefusedPointingToDdp_CUDA) {
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("forks its ranks, which cannot use CUDA"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("Use strategy \"ddp\""), std::string::npos) << r.output;
+}
+
+// LibTorch 2.x refuses a backward in a process forked from one that has
+// run a backward (its autograd engine's threads do not survive fork). A
+// ddp_fork fit after a fit in the same process is refused before it forks,
+// naming both ways out; after a backward of the program's own, each rank's
+// failure says why. Every rank failed at its first step with LibTorch's
+// message alone. LibTorch 1.x goes on.
+TEST(DDP, AForkLaunchAfterABackwardInTheLaunchingProcessIsNamed) {
+  for (const char* before : {"fit", "raw"}) {
+    SCOPED_TRACE(before);
+    TempDir dir;
+    auto r = run_worker({"--strategy", "ddp_fork", "--devices", "2", "--steps", "2",
+                         "--backward-before", before, "--root", dir.path()});
+    if (!FULGUR_TORCH_AT_LEAST(2, 0)) {
+      EXPECT_EQ(r.exit_code, 0) << r.output;
+      continue;
+    }
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    if (std::string(before) == "fit") {
+      EXPECT_TRUE(fulgur::test::message_contains(
+          r.output, {"fitted once in the launching process",
+                     "strategy \"ddp_fork\" forks its ranks, and this process has already run a "
+                     "training step",
+                     "or use strategy \"ddp\""}))
+          << r.output;
+    } else {
+      EXPECT_TRUE(fulgur::test::message_contains(
+          r.output, {"rank 0 failed", "autograd's threading",
+                     "had run a backward pass before fit()", "strategy \"ddp\""}))
+          << r.output;
+    }
+  }
 }
 
 TEST(DDP, SyncBatchNormNamesLibTorchBatchNormLayers) {

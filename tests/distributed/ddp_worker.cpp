@@ -106,6 +106,10 @@ struct Args {
   // max) from this batch of each epoch on (-1: never).
   int rank_step_metric = -1;
   // At this global step rank 1 logs none of them.
+  // Logs "end_step" = 10 * rank + global step with sync_dist in
+  // on_train_batch_end (RESULT end_step_rank<r>: the callback metric after
+  // fit).
+  bool batch_end_step_metric = false;
   int64_t rank_step_skip_at = -1;
   // Logs "own" = 10 * rank + global step without sync_dist (each rank's
   // own value) at every step, and prints each rank's callback metric "own"
@@ -180,6 +184,9 @@ struct Args {
   // Runs a multi-threaded matrix product before fit, so the intra-op
   // thread pool is up when a forking launcher forks.
   bool warm_parent = false;
+  // Before the run's Trainer: "fit" (a one-process fit of another model in
+  // this process) or "raw" (a backward of the program's own); "" none.
+  std::string backward_before;
   bool distributed_sampler = true;
   // A rank that ignores SIGTERM from its first batch on (the launcher must
   // escalate to SIGKILL after the grace period).
@@ -537,6 +544,12 @@ struct Classifier : fulgur::Module {
   bool reported_restart = false;
 
   void on_train_batch_end(const at::Tensor&, const fulgur::Batch&, int64_t batch_idx) override {
+    if (args.batch_end_step_metric) {
+      log("end_step",
+          torch::tensor(10.0 * trainer().strategy().global_rank() +
+                        static_cast<double>(trainer().global_step())),
+          {.sync_dist = true});
+    }
     if (args.report_times && !reported_restart && attempt() > 0 &&
         trainer().strategy().is_global_zero()) {
       reported_restart = true;
@@ -875,6 +888,7 @@ int main(int argc, char** argv) {
   app.add_option("--extra-buffer-rank", a.extra_buffer_rank);
   app.add_option("--exit-zero-rank", a.exit_zero_rank);
   app.add_option("--rank-step-metric", a.rank_step_metric);
+  app.add_flag("--batch-end-step-metric", a.batch_end_step_metric);
   app.add_option("--rank-step-skip-at", a.rank_step_skip_at);
   app.add_flag("--own-metric", a.own_metric);
   app.add_option("--metric-object-rank", a.metric_object_rank);
@@ -920,6 +934,7 @@ int main(int argc, char** argv) {
   app.add_option("--unfreeze-mismatch-step", a.unfreeze_mismatch_step);
   app.add_option("--unfreeze-rank", a.unfreeze_rank);
   app.add_flag("--warm-parent", a.warm_parent);
+  app.add_option("--backward-before", a.backward_before)->check(CLI::IsMember({"", "fit", "raw"}));
   app.add_option("--distributed-sampler", a.distributed_sampler);
   app.add_option("--ignore-sigterm-rank", a.ignore_sigterm_rank);
   app.add_option("--signal-launcher-rank", a.signal_launcher_rank);
@@ -1098,6 +1113,21 @@ int main(int argc, char** argv) {
     options.default_root_dir = a.root;
     options.seed = static_cast<uint64_t>(a.seed);
     if (a.val_every > 0) options.val_check_interval = a.val_every;
+    if (a.backward_before == "fit") {
+      Classifier first(a);
+      fulgur::Trainer({.accelerator = "cpu",
+                       .devices = 1,
+                       .max_steps = 1,
+                       .default_root_dir = a.root + "/before",
+                       .enable_checkpointing = false,
+                       .enable_progress_bar = false,
+                       .logger = false})
+          .fit(first, train);
+      std::cout << "fitted once in the launching process" << std::endl;
+    } else if (a.backward_before == "raw") {
+      auto w = torch::ones({2}, torch::requires_grad());
+      (w * w).sum().backward();
+    }
     fulgur::Trainer trainer(options);
     fulgur::FitResult result;
     if (a.warm_parent) {
@@ -1208,6 +1238,10 @@ int main(int argc, char** argv) {
         std::cout << "RESULT " << name << "_rank" << strategy.global_rank() << "="
                   << trainer.callback_metrics().at(name) << std::endl;
       }
+    }
+    if (a.batch_end_step_metric) {
+      std::cout << "RESULT end_step_rank" << strategy.global_rank() << "="
+                << trainer.callback_metrics().at("end_step") << std::endl;
     }
     if (a.csv_and_profiler) {
       std::cout << "RESULT log_dir_rank" << strategy.global_rank() << "=" << trainer.log_dir()

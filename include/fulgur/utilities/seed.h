@@ -21,6 +21,11 @@ bool cuda_usable();
 namespace detail {
 /// Called by the launchers in a forked child before it runs the rank.
 void mark_forked_child();
+/// A fit's backward ran in this process (the loops call the first; the
+/// fork launcher asks: LibTorch 2.x refuses autograd in a child forked
+/// from a process that has run it).
+void note_autograd_used();
+bool autograd_used();
 }  // namespace detail
 
 /// The state of every RNG seed_everything seeds, so a resumed run draws the

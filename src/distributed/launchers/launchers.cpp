@@ -307,7 +307,18 @@ std::optional<std::string> ForkLauncher::launch(const std::function<std::string(
           std::string bytes = fn();
           if (global == 0) results.write(bytes);
         } catch (const std::exception& e) {
-          detail::print_note(str("rank ", global, " failed: ", error_message(e)));
+          std::string why = error_message(e);
+          if (why.find("autograd's threading in combination with fork") != std::string::npos) {
+            // A backward ran in the launching process before it forked
+            // (outside a fit: fulgur refuses the launch after one of its own).
+            why +=
+                str(" [fulgur: the process that forked the ranks (strategy \"ddp_fork\") had "
+                    "run a backward pass before fit(), which LibTorch ",
+                    TORCH_VERSION,
+                    " cannot continue in a forked process. Fork before any backward, or use "
+                    "strategy \"ddp\" (the program is re-executed once per rank).]");
+          }
+          detail::print_note(str("rank ", global, " failed: ", why));
           code = 1;
         } catch (...) {
           detail::print_note(str("rank ", global, " failed with an unknown exception"));

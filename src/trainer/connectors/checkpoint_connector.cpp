@@ -237,6 +237,8 @@ void CheckpointConnector::save(const std::string& path) {
   // this checkpoint keeps the logs up to its step and does not log them again.
   // Global rank 0's: the others' loggers write nothing (a save of theirs
   // after a resume would write the file anew with the resumed step's rows).
+  // A save from on_train_batch_end writes its step's row first.
+  trainer_.fit_loop.write_step_row_before_save();
   if (trainer_.strategy->is_global_zero()) trainer_.logging.save_quietly();
   // The callbacks' hooks around the save (EMA's average saved as the
   // module's weights). Not in a save from on_exception (it may be one

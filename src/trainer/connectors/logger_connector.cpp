@@ -198,6 +198,7 @@ void LogSink::log(std::string_view name, double value, const LogOptions& options
     e.step_value = value;
     e.step_tensor = at::Tensor();
     e.step_fresh = true;
+    e.step_published = e.step_in_row = false;
   }
   if (on_epoch) {
     double weight = static_cast<double>(options.batch_size.value_or(batch_size_));
@@ -238,6 +239,7 @@ void LogSink::log(std::string_view name, const at::Tensor& value, const LogOptio
     }
     e.step_tensor.copy_(value, /*non_blocking=*/true);
     e.step_fresh = true;
+    e.step_published = e.step_in_row = false;
   }
   if (on_epoch) {
     accumulate(e, value, static_cast<double>(options.batch_size.value_or(batch_size_)));
@@ -323,11 +325,13 @@ void LogSink::accumulate(Entry& e, const at::Tensor& value, double weight) {
   e.epoch_has_value = true;
 }
 
-const std::vector<LogSink::Value>& LogSink::collect_step() {
+const std::vector<LogSink::Value>& LogSink::collect_step(StepValues which) {
   // Reuses the vector and its strings: assign() keeps their capacity.
   size_t n = 0;
-  for (const auto& [name, e] : entries_) {
-    if (!e.step_fresh) continue;
+  for (auto& [name, e] : entries_) {
+    bool& done = which == StepValues::kToPublish ? e.step_published : e.step_in_row;
+    if (!e.step_fresh || done) continue;
+    done = true;
     if (n == step_values_.size()) step_values_.emplace_back();
     Value& v = step_values_[n++];
     v.name.assign(name);
@@ -342,7 +346,7 @@ const std::vector<LogSink::Value>& LogSink::collect_step() {
 }
 
 void LogSink::clear_step_flags() {
-  for (auto& [_, e] : entries_) e.step_fresh = false;
+  for (auto& [_, e] : entries_) e.step_fresh = e.step_published = e.step_in_row = false;
 }
 
 namespace {
@@ -386,14 +390,16 @@ std::string synced_names(const std::map<std::string, LogSink::Entry, std::less<>
 
 }  // namespace
 
-void LogSink::agree_step_names(const std::map<std::string, Entry*>& synced, Strategy& strategy) {
+void LogSink::agree_step_names(const std::map<std::string, Entry*>& synced,
+                               StepAgreement& agreement, Strategy& strategy) {
   // The union of every rank's names with their reductions: the names agreed
   // before, those this rank logged since outside them, and this step's.
-  for (const auto& [name, e] : synced) step_names_.emplace(name, e->options.reduce);
-  step_names_.insert(unagreed_names_.begin(), unagreed_names_.end());
-  unagreed_names_.clear();
+  std::map<std::string, ReduceOp>& names = agreement.names;
+  for (const auto& [name, e] : synced) names.emplace(name, e->options.reduce);
+  names.insert(agreement.unagreed.begin(), agreement.unagreed.end());
+  agreement.unagreed.clear();
   std::string lines;
-  for (const auto& [name, op] : step_names_) {
+  for (const auto& [name, op] : names) {
     lines.append(name).append("\t").append(to_string(op)) += '\n';
   }
   for (const auto& theirs : strategy.values_where_they_differ(lines)) {
@@ -405,7 +411,7 @@ void LogSink::agree_step_names(const std::map<std::string, Entry*>& synced, Stra
       for (const ReduceOp o : {ReduceOp::kMean, ReduceOp::kSum, ReduceOp::kMax, ReduceOp::kMin}) {
         if (line.compare(tab + 1, std::string::npos, to_string(o)) == 0) op = o;
       }
-      const auto [it, added] = step_names_.emplace(line.substr(0, tab), op);
+      const auto [it, added] = names.emplace(line.substr(0, tab), op);
       if (!added && it->second != op) {
         throw ConfigError(str("log(\"", it->first, "\", sync_dist=true) is reduced with ",
                               "another reduce on another rank: the ranks reduce a "
@@ -416,34 +422,41 @@ void LogSink::agree_step_names(const std::map<std::string, Entry*>& synced, Stra
 }
 
 void LogSink::forget_step_names() {
-  step_names_.clear();
-  unagreed_names_.clear();
-  if (unagreed_count_.unread()) unagreed_count_.read();
+  for (StepAgreement& agreement : step_agreements_) {
+    agreement.names.clear();
+    agreement.unagreed.clear();
+    if (agreement.unagreed_count.unread()) agreement.unagreed_count.read();
+  }
 }
 
-void LogSink::sync_step_values(Strategy& strategy) {
+void LogSink::sync_step_values(Strategy& strategy, StepPhase phase) {
   if (strategy.world_size() <= 1) return;
+  StepAgreement& agreement = step_agreements_[phase];
   // This step's values to reduce, by name (every rank's map has one order).
   std::map<std::string, Entry*> synced;
   for (auto& [name, e] : entries_) {
-    if (e.step_fresh && e.options.sync_dist && e.metric == nullptr) synced.emplace(name, &e);
+    if (e.step_fresh && !e.step_published && e.options.sync_dist && e.metric == nullptr) {
+      synced.emplace(name, &e);
+    }
   }
   bool agree = false;
-  if (step_sync_ == StepSync::kUndecided) {
-    // step_names_ is the same on every rank (agreed), so is its emptiness.
-    const bool any = !synced.empty() || !unagreed_names_.empty() || !step_names_.empty();
-    step_sync_ =
+  if (agreement.sync == StepSync::kUndecided) {
+    // Its names are the same on every rank (agreed), so is their emptiness.
+    const bool any = !synced.empty() || !agreement.unagreed.empty() || !agreement.names.empty();
+    agreement.sync =
         strategy.reduce_boolean_decision(any, /*all=*/false) ? StepSync::kOn : StepSync::kOff;
-    agree = step_sync_ == StepSync::kOn;
+    agree = agreement.sync == StepSync::kOn;
   }
-  if (step_sync_ == StepSync::kOff) {
+  if (agreement.sync == StepSync::kOff) {
     for (const auto& [name, e] : synced) {
       if (unsynced_noted_.insert(name).second && strategy.is_global_zero()) {
         print_note(str("log(\"", name,
                        "\", sync_dist=true): its step values are this rank's "
                        "until the next epoch: the ranks agree at each epoch's first step whether "
-                       "they reduce step values, and that step logged none (its epoch value is "
-                       "reduced). Log it from the epoch's first step on."));
+                       "they reduce step values (those logged up to training_step's end, and "
+                       "those logged in on_train_batch_end, apart), and that step logged none "
+                       "where this one is (its epoch value is reduced). Log it from the epoch's "
+                       "first step on."));
       }
     }
     return;
@@ -451,21 +464,23 @@ void LogSink::sync_step_values(Strategy& strategy) {
   // Some rank logged a name the ranks had not agreed on at the last step
   // (the count rode in that step's reduction, read now: the host waits for
   // the last step's all-reduce, not this one's): agree again, once.
-  if (unagreed_count_.unread() && unagreed_count_.read().item<double>() > 0.5) agree = true;
-  if (agree) agree_step_names(synced, strategy);
+  if (agreement.unagreed_count.unread() && agreement.unagreed_count.read().item<double>() > 0.5) {
+    agree = true;
+  }
+  if (agree) agree_step_names(synced, agreement, strategy);
   // A name not agreed on yet keeps this rank's value at this step; the ranks
   // add it at the next one.
   double unagreed = 0.0;
   for (auto it = synced.begin(); it != synced.end();) {
-    if (step_names_.count(it->first) == 0) {
+    if (agreement.names.count(it->first) == 0) {
       unagreed = 1.0;
-      unagreed_names_.emplace(it->first, it->second->options.reduce);
+      agreement.unagreed.emplace(it->first, it->second->options.reduce);
       it = synced.erase(it);
     } else {
       ++it;
     }
   }
-  const std::map<std::string, ReduceOp>& names = step_names_;
+  const std::map<std::string, ReduceOp>& names = agreement.names;
   // One all_reduce per reduction, of the values in name order (the same on
   // every rank), on the device of the first logged tensor. A rank without a
   // value adds nothing: 0 (a mean counts the ranks that have one), or the
@@ -506,7 +521,7 @@ void LogSink::sync_step_values(Strategy& strategy) {
       // it, read at the next step.
       values.insert(values.end(), present.begin(), present.end());
       const at::Tensor sums = strategy.all_reduce(at::cat(values), ReduceOp::kSum);
-      unagreed_count_.start(sums.narrow(0, n, 1));
+      agreement.unagreed_count.start(sums.narrow(0, n, 1));
       reduced = sums.narrow(0, 0, n) / sums.narrow(0, n + 1, n);
     } else {
       reduced = strategy.all_reduce(at::cat(values), op);
@@ -678,9 +693,14 @@ void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const c
     }
     if (v.prog_bar) set(progress_bar_metrics_, pending_progress_bar_, v.name, v);
   }
+  if (to_loggers) write_row(values, global_zero, epoch, step, in_fit);
+}
+
+void LoggerConnector::write_row(const std::vector<LogSink::Value>& values, bool global_zero,
+                                int64_t epoch, int64_t step, bool in_fit) {
   // The loggers' row is built only on the steps that reach them: the one
   // place a logged tensor is read in the steady-state step.
-  if (!to_loggers || loggers_.empty() || !global_zero) return;
+  if (loggers_.empty() || !global_zero) return;
   Metrics row;
   for (const auto& v : values) {
     if (!v.logger) continue;
@@ -696,12 +716,27 @@ void LoggerConnector::publish(const std::vector<LogSink::Value>& values, const c
   for (auto& logger : loggers_) logger->log_metrics(row, step);
 }
 
+void LoggerConnector::publish_step_values(Strategy& strategy) {
+  train_sink_.sync_step_values(strategy, LogSink::kTrainingStep);
+  publish(train_sink_.collect_step(LogSink::StepValues::kToPublish), "_step",
+          /*to_loggers=*/false, strategy.is_global_zero(), 0, 0, /*in_fit=*/true);
+}
+
 void LoggerConnector::publish_step(Strategy& strategy, bool to_loggers, int64_t epoch,
                                    int64_t step) {
-  train_sink_.sync_step_values(strategy);
-  publish(train_sink_.collect_step(), "_step", to_loggers, strategy.is_global_zero(), epoch, step,
-          /*in_fit=*/true);
+  // What on_train_batch_end logged.
+  train_sink_.sync_step_values(strategy, LogSink::kBatchEnd);
+  publish(train_sink_.collect_step(LogSink::StepValues::kToPublish), "_step",
+          /*to_loggers=*/false, strategy.is_global_zero(), epoch, step, /*in_fit=*/true);
+  // The step's row: everything it logged (but what a row before a save
+  // within on_train_batch_end held).
+  if (to_loggers) write_step_row(strategy, epoch, step);
   train_sink_.clear_step_flags();
+}
+
+void LoggerConnector::write_step_row(Strategy& strategy, int64_t epoch, int64_t step) {
+  write_row(train_sink_.collect_step(LogSink::StepValues::kToRow), strategy.is_global_zero(), epoch,
+            step, /*in_fit=*/true);
 }
 
 Metrics LoggerConnector::publish_epoch(LogSink& sink, Strategy& strategy, bool sanity_checking,

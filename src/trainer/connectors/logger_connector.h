@@ -56,7 +56,11 @@ class LogSink final : public ModuleLogSink {
     bool on_epoch = false;
     double step_value = 0.0;
     at::Tensor step_tensor;   // defined: the step value is this (unread) tensor
-    bool step_fresh = false;  // logged since the last collect_step()
+    bool step_fresh = false;  // logged since the last clear_step_flags()
+    // This step's value is reduced and in the callback metrics (logged
+    // again since: not).
+    bool step_published = false;
+    bool step_in_row = false;  // this step's value went to the loggers
     double epoch_sum = 0.0;   // mean: weighted sum; sum: sum; max/min: extreme
     at::Tensor epoch_tensor;  // defined: epoch_sum lives here (float64, the values' device)
     double epoch_weight = 0.0;
@@ -93,24 +97,34 @@ class LogSink final : public ModuleLogSink {
     bool weightless = false;
     double read() const;
   };
-  /// Values logged with on_step since clear_step_flags(): name, or
-  /// name_step when the metric is also aggregated per epoch.
+  /// Values logged with on_step since clear_step_flags() (name, or
+  /// name_step when the metric is also aggregated per epoch) that are not
+  /// published yet this step (kToPublish) or not in a row to the loggers
+  /// yet (kToRow); they are then marked so.
   /// The vector is the sink's own, reused from step to step (no allocation
   /// in steady state); valid until the next call.
-  const std::vector<Value>& collect_step();
-  /// Reduces this step's sync_dist step values across ranks, as Lightning
-  /// does (collectives: every rank calls, at each training step's end).
-  /// At the epoch's first step the ranks agree whether any of them reduces
-  /// such values (one all-reduce) and, if so, on the union of the names
-  /// (agree_step_names); every step then reduces the agreed names' values
-  /// on their device, one all_reduce per reduction, nothing read back (a
-  /// rank without a value at a step adds nothing). A name not agreed on
-  /// keeps its rank's value at that step, and the count of ranks with such
-  /// names rides in the step's reduction: read at the next step, it makes
-  /// the ranks agree again, so the name is reduced from then on. In an
-  /// epoch whose first step had none to reduce, a later one keeps its
-  /// rank's step values (a note says so; its epoch value is reduced).
-  void sync_step_values(Strategy& strategy);
+  enum class StepValues { kToPublish, kToRow };
+  const std::vector<Value>& collect_step(StepValues which);
+  /// When in a training step a value is reduced and published: what the
+  /// step logged up to training_step's end (read by on_train_batch_end's
+  /// callbacks), then what on_train_batch_end logged (before the step's
+  /// row goes to the loggers).
+  enum StepPhase { kTrainingStep = 0, kBatchEnd = 1 };
+  /// Reduces the step values logged with sync_dist and not published yet
+  /// this step across ranks, as Lightning does (collectives: every rank
+  /// calls, at each training step's `phase`). Each phase keeps its own
+  /// agreement: at the epoch's first step the ranks agree whether any of
+  /// them reduces such values in it (one all-reduce) and, if so, on the
+  /// union of the names (agree_step_names); every step then reduces the
+  /// agreed names' values on their device, one all_reduce per reduction,
+  /// nothing read back (a rank without a value at a step adds nothing). A
+  /// name not agreed on keeps its rank's value at that step, and the count
+  /// of ranks with such names rides in the step's reduction: read at the
+  /// next step, it makes the ranks agree again, so the name is reduced from
+  /// then on. In an epoch whose first step had none to reduce, a later one
+  /// keeps its rank's step values (a note says so; its epoch value is
+  /// reduced).
+  void sync_step_values(Strategy& strategy, StepPhase phase);
   /// At a stage's start: no names agreed on.
   void forget_step_names();
   void clear_step_flags();
@@ -121,7 +135,7 @@ class LogSink final : public ModuleLogSink {
   std::vector<Value> collect_epoch(Strategy& strategy) const;
   void reset() {
     entries_.clear();
-    step_sync_ = StepSync::kUndecided;
+    for (auto& agreement : step_agreements_) agreement.sync = StepSync::kUndecided;
     closed_because_.clear();
   }
   /// Until reset(), a value logged would go nowhere: log() is refused, the
@@ -185,7 +199,9 @@ class LogSink final : public ModuleLogSink {
   /// `synced` (one all-gather of a hash, read back, and every rank's names
   /// only where they differ); a name reduced one way on one rank and
   /// another way on another is a ConfigError.
-  void agree_step_names(const std::map<std::string, Entry*>& synced, Strategy& strategy);
+  struct StepAgreement;
+  void agree_step_names(const std::map<std::string, Entry*>& synced, StepAgreement& agreement,
+                        Strategy& strategy);
 
   std::map<std::string, Entry, std::less<>> entries_;
   std::string scratch_;  // entry()'s name lookups
@@ -199,13 +215,17 @@ class LogSink final : public ModuleLogSink {
   std::set<std::string> unsaved_at_resume_;
   std::vector<Value> step_values_;
   enum class StepSync { kUndecided, kOn, kOff };
-  StepSync step_sync_ = StepSync::kUndecided;  // this epoch's, across ranks
-  // The step values the ranks reduce (the same on every rank), those this
-  // rank logged since outside them, and the count of ranks with such
-  // names at the last step, on its way to the host.
-  std::map<std::string, ReduceOp> step_names_;
-  std::map<std::string, ReduceOp> unagreed_names_;
-  detail::AsyncHostCopy unagreed_count_;
+  /// What the ranks agreed on for the step values of one StepPhase.
+  struct StepAgreement {
+    StepSync sync = StepSync::kUndecided;  // this epoch's, across ranks
+    // The step values the ranks reduce (the same on every rank), those
+    // this rank logged since outside them, and the count of ranks with
+    // such names at the last step, on its way to the host.
+    std::map<std::string, ReduceOp> names;
+    std::map<std::string, ReduceOp> unagreed;
+    detail::AsyncHostCopy unagreed_count;
+  };
+  StepAgreement step_agreements_[2];  // by StepPhase
   std::set<std::string> unsynced_noted_;
   bool in_step_ = true;
   int64_t batch_size_ = 1;
@@ -237,9 +257,19 @@ class LoggerConnector {
     callback_metrics_ = std::move(metrics);
   }
 
-  /// Publishes the training step's fresh values, to the loggers too when
-  /// `to_loggers` (every log_every_n_steps-th batch that stepped).
+  /// Publishes what a training step logged up to training_step's end to the
+  /// callback metrics and the progress bar's (reduced across ranks where
+  /// logged with sync_dist: a collective), before on_train_batch_end: its
+  /// callbacks read them.
+  void publish_step_values(Strategy& strategy);
+  /// After on_train_batch_end: publishes what it logged (likewise), then
+  /// the step's row of everything it logged to the loggers when
+  /// `to_loggers` (every log_every_n_steps-th batch that stepped), as
+  /// Lightning does after those hooks.
   void publish_step(Strategy& strategy, bool to_loggers, int64_t epoch, int64_t step);
+  /// The row of the step's values not in a row yet to the loggers (no
+  /// collective): before a checkpoint saved within on_train_batch_end.
+  void write_step_row(Strategy& strategy, int64_t epoch, int64_t step);
   /// The epoch aggregates of `sink`, reduced across ranks for sync_dist
   /// metrics (a collective: every rank calls), published unless
   /// `sanity_checking`, and returned. `in_fit`: the epoch is a fit's (its
@@ -281,6 +311,9 @@ class LoggerConnector {
   /// `in_fit`: the values are a fit's (note_divergence watches them).
   void publish(const std::vector<LogSink::Value>& values, const char* suffix, bool to_loggers,
                bool global_zero, int64_t epoch, int64_t step, bool in_fit);
+  /// `values` as one row to every logger (on global rank 0).
+  void write_row(const std::vector<LogSink::Value>& values, bool global_zero, int64_t epoch,
+                 int64_t step, bool in_fit);
   /// On rank 0, once per fit: a note when a loss of the fit read for
   /// publishing (a logger's row, an epoch's value; not the sanity check's)
   /// is not finite: the run diverged and goes on with it. Reads nothing that

@@ -31,6 +31,19 @@ std::vector<at::Tensor> optimizer_params(torch::optim::Optimizer& optimizer) {
   }
   return params;
 }
+
+/// Sets a flag for its lifetime (a phase of the step that a save from
+/// within it reads).
+class ScopedFlag {
+ public:
+  explicit ScopedFlag(bool& flag) : flag_(flag) { flag_ = true; }
+  ~ScopedFlag() { flag_ = false; }
+  ScopedFlag(const ScopedFlag&) = delete;
+  ScopedFlag& operator=(const ScopedFlag&) = delete;
+
+ private:
+  bool& flag_;
+};
 }  // namespace
 
 bool FitLoop::validates() const { return val_loader_ && !trainer_.limits.val.is_zero(); }
@@ -439,14 +452,7 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   at::Tensor loss;
   // A checkpoint saved from within the step (its hooks, training_step)
   // keeps the module's weights as they are (CheckpointConnector::save).
-  struct WithinStep {
-    bool& flag;
-    explicit WithinStep(bool& f) : flag(f) { flag = true; }
-    ~WithinStep() { flag = false; }
-    WithinStep(const WithinStep&) = delete;
-    WithinStep& operator=(const WithinStep&) = delete;
-  };
-  std::optional<WithinStep> within_step(std::in_place, within_step_);
+  std::optional<ScopedFlag> within_step(std::in_place, within_step_);
   if (cuda_graph_) {
     LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kGraphStep);
     loss = graph_training_batch(on_device, idx, is_last_batch);
@@ -489,8 +495,10 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   within_step.reset();
   batch_position_ = idx + 1;
   {
+    // For on_train_batch_end's callbacks (ModelCheckpoint's
+    // every_n_train_steps reads the callback metrics).
     LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kLogging);
-    publish_step_metrics();
+    trainer_.logging.publish_step_values(*trainer_.strategy);
   }
   const bool ends_epoch = is_last_batch || max_steps_reached();
   const bool validates = should_validate_now(idx + 1, ends_epoch);
@@ -509,9 +517,15 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   }
   {
     LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kBatchEnd);
+    const ScopedFlag in_batch_end(in_batch_end_);
     trainer_.call_hooks(
         [&](Module& mod) { mod.on_train_batch_end(detached, batch, idx); },
         [&](Callback& cb) { cb.on_train_batch_end(trainer_.self, m, detached, batch, idx); });
+  }
+  {
+    // The step's row, with what on_train_batch_end logged.
+    LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kLogging);
+    publish_step_metrics();
   }
   if (validates) run_validation(false);
 }
@@ -864,6 +878,7 @@ void FitLoop::backward_with_hooks(Module& m, const at::Tensor& loss, const at::T
                       [&](Callback& cb) { cb.on_before_backward(trainer_.self, m, loss); });
   // After on_before_backward: a stop it requests is in this backward's vote.
   if (vote) trainer_.drive().set_stop_vote(should_stop_);
+  detail::note_autograd_used();
   trainer_.drive().backward(scaled, m);
   trainer_.call_hooks([](Module& mod) { mod.on_after_backward(); },
                       [&](Callback& cb) { cb.on_after_backward(trainer_.self, m); });
@@ -889,12 +904,21 @@ void FitLoop::manual_optimizer_step(Module& m, torch::optim::Optimizer& optimize
   ++global_step_;
 }
 
+bool FitLoop::step_row_due() const {
+  return batches_that_stepped_ > 0 &&
+         batches_that_stepped_ % trainer_.options.log_every_n_steps == 0 &&
+         batches_that_stepped_ != published_at_stepped_ && !sanity_checking_;
+}
+
 void FitLoop::publish_step_metrics() {
-  const bool to_loggers = batches_that_stepped_ > 0 &&
-                          batches_that_stepped_ % trainer_.options.log_every_n_steps == 0 &&
-                          batches_that_stepped_ != published_at_stepped_ && !sanity_checking_;
+  const bool to_loggers = step_row_due();
   if (to_loggers) published_at_stepped_ = batches_that_stepped_;
   trainer_.logging.publish_step(*trainer_.strategy, to_loggers, current_epoch_, global_step_);
+}
+
+void FitLoop::write_step_row_before_save() {
+  if (!in_batch_end_ || !step_row_due()) return;
+  trainer_.logging.write_step_row(*trainer_.strategy, current_epoch_, global_step_);
 }
 
 void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoader> val,

@@ -98,6 +98,12 @@ class FitLoop {
   int64_t batch_idx() const { return batch_idx_; }
   int64_t num_training_batches() const { return num_training_batches_; }
   bool sanity_checking() const { return sanity_checking_; }
+  /// A checkpoint is being saved: from within on_train_batch_end (after
+  /// the step's values were published, before its row goes to the
+  /// loggers), the row due at this step is written first with what it has
+  /// so far (the loggers' files then hold every row up to the
+  /// checkpoint's step); what the hooks log after goes in a second row.
+  void write_step_row_before_save();
   /// Within a training batch's step: from its training_step to its
   /// optimizer step (autograd may hold the parameters).
   bool within_step() const { return within_step_; }
@@ -225,6 +231,9 @@ class FitLoop {
   void finish_resumed_epoch_end();
   bool stop_requested_by_limits(bool boundary);
   void publish_step_metrics();
+  /// Whether this step's values go to the loggers (every
+  /// log_every_n_steps-th batch that stepped, once per count).
+  bool step_row_due() const;
 
   Trainer::Impl& trainer_;
   OptimizerConfig optimizers_;
@@ -244,6 +253,7 @@ class FitLoop {
   // batches_that_stepped_ when the step values last went to the loggers:
   // once per count (the micro-batches that do not step after it keep it).
   int64_t published_at_stepped_ = -1;
+  bool in_batch_end_ = false;         // within on_train_batch_end's hooks
   int64_t batches_before_epoch_ = 0;  // -1: not known (resumed from a checkpoint without it)
   bool monitored_step_due_ = false;  // see step_schedulers
   bool negative_rate_noted_ = false;

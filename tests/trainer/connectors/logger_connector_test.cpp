@@ -327,6 +327,52 @@ TEST(Logging, EpochAndBatchStartsLogByTheirDefaultsInEveryEpoch) {
   EXPECT_EQ(logger->series("at_epoch_start").size(), 3u);
 }
 
+// What on_train_batch_end logs (the Module's or a callback's, through the
+// Module) is published with its own step, as Lightning writes the step's
+// row after those hooks: it went out with the next step's row, and the
+// epoch's last batch's value went nowhere. A callback in
+// on_train_batch_end reads the step's training_step values in the callback
+// metrics (as ModelCheckpoint's every_n_train_steps does).
+TEST(Logging, WhatOnTrainBatchEndLogsIsPublishedWithItsOwnStep) {
+  struct EndsLogging : LinearRegression {
+    void on_train_batch_end(const at::Tensor&, const fulgur::Batch&, int64_t batch_idx) override {
+      log("at_batch_end", static_cast<double>(current_epoch() * 100 + batch_idx));
+      log("batch_end_tensor", torch::tensor(static_cast<double>(batch_idx) + 0.5));
+    }
+  };
+  struct Reader : fulgur::Callback {
+    std::vector<double> seen;
+    std::string state_key() const override { return "Reader"; }
+    void on_train_batch_end(fulgur::Trainer& trainer, fulgur::Module& module, const at::Tensor&,
+                            const fulgur::Batch&, int64_t batch_idx) override {
+      seen.push_back(trainer.callback_metrics().at("in_step"));
+      module.log("from_callback", static_cast<double>(batch_idx) * 2);
+    }
+  };
+  TempDir dir;
+  auto logger = std::make_shared<fulgur::test::RecordingLogger>();
+  auto reader = std::make_shared<Reader>();
+  auto options = fulgur::test::logged_options(dir, logger, reader);
+  options.max_epochs = 2;
+  EndsLogging model;
+  model.train_hook = [](LinearRegression& self, fulgur::Batch&, int64_t batch_idx) {
+    self.log("in_step", static_cast<double>(batch_idx));
+  };
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(3));  // 3 batches an epoch, steps 1..6
+  using Series = std::vector<std::pair<int64_t, double>>;
+  EXPECT_EQ(logger->series("in_step"), (Series{{1, 0}, {2, 1}, {3, 2}, {4, 0}, {5, 1}, {6, 2}}));
+  EXPECT_EQ(logger->series("at_batch_end"),
+            (Series{{1, 0}, {2, 1}, {3, 2}, {4, 100}, {5, 101}, {6, 102}}));
+  EXPECT_EQ(logger->series("batch_end_tensor"),
+            (Series{{1, 0.5}, {2, 1.5}, {3, 2.5}, {4, 0.5}, {5, 1.5}, {6, 2.5}}));
+  EXPECT_EQ(logger->series("from_callback"),
+            (Series{{1, 0}, {2, 2}, {3, 4}, {4, 0}, {5, 2}, {6, 4}}));
+  EXPECT_EQ(reader->seen, (std::vector<double>{0, 1, 2, 0, 1, 2}));
+  EXPECT_DOUBLE_EQ(trainer.callback_metrics().at("at_batch_end"), 102.0);
+  EXPECT_DOUBLE_EQ(trainer.callback_metrics().at("from_callback"), 4.0);
+}
+
 TEST(Logging, LogAfterTheRunIsAConfigError) {
   TempDir dir;
   LinearRegression model;
@@ -483,15 +529,20 @@ TEST(Logging, AnEpochMeanOfBatchSizesAddingUpToZeroIsNotedOnce) {
   EXPECT_EQ(err.find("diverged"), std::string::npos) << err;
 }
 
-/// LogSink::tensor_reads() at the start of training and after each batch.
+/// LogSink::tensor_reads() at the start of training and after each batch
+/// (whose row is written after on_train_batch_end: read at the next batch's
+/// start, or the epoch's end).
 class TensorReadCounter : public fulgur::Callback {
  public:
   std::string state_key() const override { return "TensorReadCounter"; }
   void on_train_start(fulgur::Trainer&, fulgur::Module&) override {
     start = fulgur::detail::LogSink::tensor_reads();
   }
-  void on_train_batch_end(fulgur::Trainer&, fulgur::Module&, const at::Tensor&,
-                          const fulgur::Batch&, int64_t) override {
+  void on_train_batch_start(fulgur::Trainer&, fulgur::Module&, const fulgur::Batch&,
+                            int64_t batch_idx) override {
+    if (batch_idx > 0) after_batch.push_back(fulgur::detail::LogSink::tensor_reads());
+  }
+  void on_train_epoch_end(fulgur::Trainer&, fulgur::Module&) override {
     after_batch.push_back(fulgur::detail::LogSink::tensor_reads());
   }
   int64_t start = 0;
