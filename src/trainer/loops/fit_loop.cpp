@@ -209,6 +209,16 @@ void FitLoop::run() {
     }
     return;
   }
+  // Nothing to train (max_epochs=0, or a resumed run that had ended): no
+  // training hook runs, as Lightning's fit loop skips itself then.
+  if (!resumes_within_epoch_ && resumed_hook_.empty()) {
+    if (trainer_.limits.max_epochs >= 0 && current_epoch_ >= trainer_.limits.max_epochs) {
+      stop_reason_ = "max_epochs";
+    } else if (max_steps_reached()) {
+      stop_reason_ = "max_steps";
+    }
+    if (!stop_reason_.empty()) return;
+  }
 
   training_ = true;
   profiler_.reset();

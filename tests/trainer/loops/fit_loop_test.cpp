@@ -167,24 +167,35 @@ TEST(FitLoop, TheSanityCheckLeavesTheGeneratorsAsItFoundThem) {
 
 // A value logged in on_train_start was dropped at the first epoch's start
 // (with a sanity check), or log() said it was called outside a Trainer run
-// (without one): refused, saying where to log it.
+// (without one): refused, saying where to log it. So is one logged in
+// on_fit_start (as Lightning refuses it), which said "outside a Trainer run".
 TEST(FitLoop, ALogInOnTrainStartIsRefusedWithWhereToLogIt) {
   struct LogsAtStart : LinearRegression {
+    bool at_fit_start = false;
+    void on_fit_start() override {
+      LinearRegression::on_fit_start();
+      if (at_fit_start) log("start_metric", 1.0);
+    }
     void on_train_start() override {
       LinearRegression::on_train_start();
       log("start_metric", 1.0);
     }
   };
-  for (const int64_t sanity : {0, 2}) {
-    TempDir dir;
-    auto options = test_options(dir);
-    options.num_sanity_val_steps = sanity;
-    LogsAtStart model;
-    fulgur::Trainer trainer(options);
-    EXPECT_THROWS_WITH(fulgur::ConfigError,
-                       trainer.fit(model, regression_loader(2), regression_loader(1)),
-                       {"log(\"start_metric\"): on_train_start runs before the first epoch",
-                        "on_train_epoch_start"});
+  for (const bool at_fit_start : {false, true}) {
+    for (const int64_t sanity : {0, 2}) {
+      TempDir dir;
+      auto options = test_options(dir);
+      options.num_sanity_val_steps = sanity;
+      LogsAtStart model;
+      model.at_fit_start = at_fit_start;
+      fulgur::Trainer trainer(options);
+      EXPECT_THROWS_WITH(fulgur::ConfigError,
+                         trainer.fit(model, regression_loader(2), regression_loader(1)),
+                         {at_fit_start ? "log(\"start_metric\"): on_fit_start runs before"
+                                       : "log(\"start_metric\"): on_train_start runs before the "
+                                         "first epoch",
+                          "on_train_epoch_start"});
+    }
   }
 }
 
@@ -298,6 +309,8 @@ TEST(FitLoop, MinStepsDelaysAStopRequest) {
   EXPECT_EQ(result.stop_reason, "should_stop");
 }
 
+// Nothing to train runs no training hook (as Lightning's fit loop skips
+// itself): on_train_start and on_train_end ran around no epoch.
 TEST(FitLoop, ZeroMaxEpochsTrainsNothing) {
   TempDir dir;
   LinearRegression model;
@@ -307,6 +320,11 @@ TEST(FitLoop, ZeroMaxEpochsTrainsNothing) {
   auto result = trainer.fit(model, regression_loader(3));
   EXPECT_EQ(model.training_steps, 0);
   EXPECT_EQ(result.global_step, 0);
+  EXPECT_EQ(result.stop_reason, "max_epochs");
+  EXPECT_EQ(model.count("on_train_start"), 0);
+  EXPECT_EQ(model.count("on_train_end"), 0);
+  EXPECT_EQ(model.count("on_fit_start"), 1);
+  EXPECT_EQ(model.count("on_fit_end"), 1);
 }
 
 // ---- Batch limits.
