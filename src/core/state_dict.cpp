@@ -69,7 +69,27 @@ void check_extent(const at::Tensor& t, const std::string& key) {
     }
     return;
   }
+  if (t.layout() == at::kSparseCsr) {
+    check_extent(t.crow_indices(), key + " (its row offsets)");
+    check_extent(t.col_indices(), key + " (its column indices)");
+    check_extent(t.values(), key + " (its values)");
+    try {
+      at::_validate_sparse_csr_tensor_args(t.crow_indices(), t.col_indices(), t.values(),
+                                           t.sizes());
+    } catch (const c10::Error& e) {
+      throw CheckpointError(::fulgur::str(
+          "entry \"", key, "\": a sparse CSR tensor whose indices do not fit its sizes ", t.sizes(),
+          " (", e.what_without_backtrace(),
+          "): the file was not written by fulgur's save of it. Pass a checkpoint written by "
+          "fulgur."));
+    }
+    return;
+  }
   if (t.layout() != at::kStrided || !t.has_storage() || t.numel() == 0) return;
+  // Sub-byte quantized types pack several elements in a byte.
+  const int64_t per_byte = t.scalar_type() == at::kQUInt4x2   ? 2
+                           : t.scalar_type() == at::kQUInt2x4 ? 4
+                                                              : 1;
   const int64_t item = static_cast<int64_t>(t.element_size());
   const int64_t holds = static_cast<int64_t>(t.storage().nbytes());
   // The last element's index in the storage, then the bytes up to its end.
@@ -83,6 +103,7 @@ void check_extent(const at::Tensor& t, const std::string& key) {
   int64_t reaches = 0;
   overflows = overflows || __builtin_add_overflow(last, 1, &last) ||
               __builtin_mul_overflow(last, item, &reaches);
+  if (!overflows && per_byte > 1) reaches = (last + per_byte - 1) / per_byte;
   if (!overflows && reaches <= holds) return;
   throw CheckpointError(::fulgur::str(
       "entry \"", key, "\": a tensor of sizes ", t.sizes(), ", strides ", t.strides(), ", offset ",

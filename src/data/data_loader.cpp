@@ -390,6 +390,15 @@ void DatasetLoader::do_skip(int64_t n) {
   workers_started_ = false;
 }
 
+void DatasetLoader::do_release_workers() {
+  if (!prefetcher_ || !workers_started_ || options_.persistent_workers) return;
+  prefetcher_->stop();
+  // The workers ran ahead of the batches handed out; a later next() reads
+  // on from the last of those.
+  cursor_ = std::min(position() * options_.batch_size, order_.size(0));
+  workers_started_ = false;
+}
+
 void DatasetLoader::do_state_dict(StateDict& state) const {
   state.set_section("sampler", sampler_->state_dict());
   // What the position means: check_resume compares them.

@@ -13,8 +13,6 @@
 #include "fulgur/distributed/launchers/subprocess_script.h"
 #include "fulgur/distributed/process_group.h"
 #include "fulgur/nn/sync_batch_norm.h"
-#include "fulgur/utilities/seed.h"
-#include "fulgur/utilities/torch_compat.h"
 #include "fulgur/plugins/environments/cluster_environment.h"
 #include "distributed/launchers/heartbeat.h"
 #include "strategies/early_failure.h"
@@ -408,21 +406,6 @@ void ParallelStrategy::configure_launcher() {
                           "strategy \"ddp\" (the program is re-executed once per rank), or "
                           "torchrun / srun / mpirun."));
   }
-#if FULGUR_TORCH_AT_LEAST(2, 0)
-  if (start_method == StartMethod::kFork && detail::autograd_used()) {
-    // LibTorch 2.x marks a child forked after a backward, and refuses its
-    // backward ("Unable to handle autograd's threading in combination with
-    // fork-based multiprocessing"): every rank would fail at its first step.
-    throw ConfigError(str("strategy \"", name(),
-                          "\" forks its ranks, and this process has already run a training step "
-                          "(an earlier fit, a tuner's sweep): LibTorch ",
-                          TORCH_VERSION,
-                          " cannot run a backward pass in a process forked after one. Run the \"",
-                          name(),
-                          "\" fit before any training in this process, or use strategy \"ddp\" "
-                          "(the program is re-executed once per rank)."));
-  }
-#endif
   Supervision supervision;
   supervision.stop_grace = parallel_.stop_grace;
   supervision.hang_timeout = parallel_.process_group_timeout;

@@ -30,6 +30,7 @@
 #include "fulgur/trainer/connectors/accelerator_connector.h"
 #include "fulgur/utilities/host_allocator.h"
 #include "fulgur/utilities/seed.h"
+#include "fulgur/utilities/torch_compat.h"
 #include "distributed/launchers/heartbeat.h"
 #include "strategies/early_failure.h"
 #include "strategies/every_rank.h"
@@ -552,6 +553,22 @@ void Trainer::Impl::run_stage(Module& m, Stage s, const std::function<void()>& b
       }
     };
     if (auto* launcher = strategy->launcher()) {
+#if FULGUR_TORCH_AT_LEAST(2, 0)
+      if (s == Stage::kFit && launcher->name() == "fork" && detail::autograd_used()) {
+        // LibTorch 2.x marks a child forked after a backward and refuses
+        // its backward ("Unable to handle autograd's threading in
+        // combination with fork-based multiprocessing"): every rank would
+        // fail at its first step. (Evaluations run no backward.)
+        throw ConfigError(str(
+            "strategy \"", strategy->name(),
+            "\" forks its ranks, and this process has already run a training step (an earlier "
+            "fit, a tuner's sweep): LibTorch ",
+            TORCH_VERSION, " cannot run a backward pass in a process forked after one. Run the \"",
+            strategy->name(),
+            "\" fit before any training in this process, or use strategy \"ddp\" (the program is "
+            "re-executed once per rank)."));
+      }
+#endif
       // Forked ranks inherit the loggers' directories.
       logging.choose_versions();
       Supervision& supervision = launcher->supervision();

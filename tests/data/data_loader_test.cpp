@@ -8,11 +8,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <numeric>
 #include <sstream>
 #include <thread>
 
 #include "fulgur/core/errors.h"
+#include "fulgur/fulgur.h"
 #include "support/run_in_child.h"
 #include "support/test_support.h"
 
@@ -629,6 +631,74 @@ TEST(DataLoaderWorkers, ASeekMidEpochGivesTheRestOfTheSameEpoch) {
   }
   EXPECT_EQ(compared, 10 - 4);
   EXPECT_FALSE(workers->next().has_value());
+}
+
+// Threads of this process.
+int64_t thread_count() {
+  int64_t n = 0;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    (void)entry;
+    ++n;
+  }
+  return n;
+}
+
+// Released workers (the loop is done with the epoch for now) end and drop
+// what they loaded ahead; the next batch of the same epoch comes from the
+// loader's position. A fit whose epochs a limit cuts (limit_train_batches)
+// releases them at each epoch's end, as an evaluation does at its pass's
+// end: they stayed alive, holding their prefetched batches, until the
+// loader was destroyed. Persistent workers stay.
+TEST(DataLoaderWorkers, WorkersReleasedAtAnEpochsEndEndUnlessPersistent) {
+  auto reference = fulgur::make_data_loader(std::make_shared<AugmentedDataset>(30),
+                                            {.batch_size = 3, .shuffle = true, .seed = 3});
+  auto workers =
+      fulgur::make_data_loader(std::make_shared<AugmentedDataset>(30),
+                               {.batch_size = 3, .shuffle = true, .seed = 3, .num_workers = 2});
+  reference->start_epoch(0);
+  workers->start_epoch(0);
+  for (int k = 0; k < 2; ++k) {
+    auto expected = reference->next();
+    auto got = workers->next();
+    ASSERT_TRUE(got && expected);
+    EXPECT_TRUE(torch::equal(got->tensor(), expected->tensor()));
+  }
+  const int64_t with_workers = thread_count();
+  workers->release_workers();
+  EXPECT_EQ(thread_count(), with_workers - 2);
+  int64_t compared = 2;
+  while (auto expected = reference->next()) {
+    auto got = workers->next();
+    ASSERT_TRUE(got.has_value()) << "batch " << compared;
+    EXPECT_TRUE(torch::equal(got->tensor(), expected->tensor())) << "batch " << compared;
+    ++compared;
+  }
+  EXPECT_EQ(compared, 10);
+
+  // In a fit cut by a limit, and in its validations.
+  for (const bool persistent : {false, true}) {
+    SCOPED_TRACE(persistent ? "persistent" : "not persistent");
+    fulgur::test::TempDir dir;
+    auto options = fulgur::test::test_options(dir);
+    options.max_epochs = 2;
+    options.limit_train_batches = 2;
+    options.limit_val_batches = 1;
+    auto data = fulgur::test::regression_dataset(40);
+    auto fit = [&](int64_t num_workers) {
+      fulgur::test::LinearRegression model;
+      const fulgur::DataLoaderOptions loading{.batch_size = 4,
+                                              .num_workers = num_workers,
+                                              .persistent_workers = persistent && num_workers > 0};
+      auto train = fulgur::make_data_loader(data, loading);
+      auto val = fulgur::make_data_loader(data, loading);
+      fulgur::Trainer(options).fit(model, train, val);
+      return std::make_pair(thread_count(), std::make_pair(train, val));
+    };
+    // A fit without workers first: LibTorch's own thread pools start in it.
+    const int64_t before = fit(0).first;
+    const auto [after, loaders] = fit(2);
+    EXPECT_EQ(after, before + (persistent ? 4 : 0));
+  }
 }
 
 TEST(DataLoaderWorkers, AWorkersExceptionNamesTheSampleInTheTrainingThread) {

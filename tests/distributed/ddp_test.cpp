@@ -897,8 +897,14 @@ TEST(DDP, ForkLauncherOnCudaIsRefusedPointingToDdp_CUDA) {
 // ddp_fork fit after a fit in the same process is refused before it forks,
 // naming both ways out; after a backward of the program's own, each rank's
 // failure says why. Every rank failed at its first step with LibTorch's
-// message alone. LibTorch 1.x goes on.
+// message alone. LibTorch 1.x goes on. A test (no backward) forks as ever.
 TEST(DDP, AForkLaunchAfterABackwardInTheLaunchingProcessIsNamed) {
+  {
+    TempDir dir;
+    auto r = run_worker({"--strategy", "ddp_fork", "--devices", "2", "--backward-before", "fit",
+                         "--skip-fit", "--test-samples", "64", "--root", dir.path()});
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+  }
   for (const char* before : {"fit", "raw"}) {
     SCOPED_TRACE(before);
     TempDir dir;

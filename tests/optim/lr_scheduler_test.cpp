@@ -330,6 +330,33 @@ TEST(ReduceLROnPlateau, ReducesAfterPatienceBadStepsThenRestsForTheCooldown) {
   EXPECT_EQ(plateau.best(), 3.0);
 }
 
+// A plateau scheduler on the step interval reads the step's values after
+// on_train_batch_end, as Lightning's does: a metric logged there is this
+// step's (it read the step before's, and strict failed at step 1, "not
+// logged"). The metric stays at 1: from the second step on, every step is
+// a bad one (patience 0), and halves the rate.
+TEST(ReduceLROnPlateau, OnTheStepIntervalItReadsWhatOnTrainBatchEndLogged) {
+  struct LogsAtBatchEnd : fulgur::test::LinearRegression {
+    void on_train_batch_end(const at::Tensor&, const fulgur::Batch&, int64_t) override {
+      log("end_metric", 1.0);
+    }
+  };
+  fulgur::test::TempDir dir;
+  LogsAtBatchEnd model;
+  model.make_schedulers = [](torch::optim::Optimizer& optimizer) {
+    auto plateau = std::make_shared<fulgur::ReduceLROnPlateau>(
+        optimizer, fulgur::ReduceLROnPlateauOptions{.factor = 0.5, .patience = 0});
+    return std::vector<fulgur::SchedulerConfig>{
+        {.scheduler = plateau, .interval = fulgur::Interval::kStep, .monitor = "end_metric"}};
+  };
+  auto options = fulgur::test::test_options(dir);
+  options.num_sanity_val_steps = 0;
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, fulgur::test::regression_loader(4));
+  // 4 steps: the first sets the best, the 3 others halve 0.05.
+  EXPECT_DOUBLE_EQ(fulgur::test::sgd_lr(*model.optimizer), 0.05 * 0.125);
+}
+
 TEST(ReduceLROnPlateau, MaxModeWithAnAbsoluteThreshold) {
   auto sgd = two_group_sgd(1.0, 1.0);
   fulgur::ReduceLROnPlateau plateau(

@@ -520,6 +520,13 @@ TEST(TorchCheckpointIOIntegrity, ATensorLargerThanItsStorageIsRefusedNamingIt) {
                at::_sparse_coo_tensor_unsafe(torch::tensor({{0, 100}}), torch::ones({2}), {4}));
        },
        {"\"embedding_grad\"", "sparse tensor", "[4]"}},
+      {"a sparse CSR tensor's column past its sizes",
+       [&](fulgur::StateDict& s) {
+         s.set("adjacency",
+               at::_sparse_csr_tensor_unsafe(torch::tensor({0, 1, 2}), torch::tensor({0, 1000}),
+                                             torch::ones({2}), {2, 2}));
+       },
+       {"\"adjacency\"", "sparse CSR tensor", "[2, 2]"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);

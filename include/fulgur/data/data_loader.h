@@ -42,6 +42,13 @@ class DataLoader {
   /// Positions the loader at batch `position` of epoch `epoch`.
   void seek(int64_t epoch, int64_t position);
 
+  /// The loop is done reading for now (an epoch ended, or a limit cut it:
+  /// limit_train_batches, max_steps, a stop): a loader whose worker threads
+  /// are not persistent ends them and drops the batches they loaded ahead,
+  /// as Lightning's loader iterator does at an epoch's end. A later next()
+  /// in the same epoch starts them again from position(). Default: nothing.
+  void release_workers() { do_release_workers(); }
+
   /// Epoch and number of batches handed out in it.
   int64_t epoch() const { return epoch_; }
   int64_t position() const { return position_; }
@@ -91,6 +98,8 @@ class DataLoader {
   virtual std::optional<Batch> do_next() = 0;
   /// Skips `n` batches of the current epoch. Default: reads and drops them.
   virtual void do_skip(int64_t n);
+  /// See release_workers().
+  virtual void do_release_workers() {}
   /// Adds a subclass's entries to the state (beside epoch and position).
   virtual void do_state_dict(StateDict& /*state*/) const {}
   /// Restores them, before the loader seeks to the saved position.
@@ -169,6 +178,7 @@ class DatasetLoader : public DataLoader {
   void do_start_epoch(int64_t epoch) override;
   std::optional<Batch> do_next() override;
   void do_skip(int64_t n) override;
+  void do_release_workers() override;
   /// The sampler's state_dict(), under "sampler" (a section, empty for
   /// the built-in samplers; optional on load).
   void do_state_dict(StateDict& state) const override;

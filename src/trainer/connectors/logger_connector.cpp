@@ -331,6 +331,7 @@ const std::vector<LogSink::Value>& LogSink::collect_step(StepValues which) {
   for (auto& [name, e] : entries_) {
     bool& done = which == StepValues::kToPublish ? e.step_published : e.step_in_row;
     if (!e.step_fresh || done) continue;
+    if (which == StepValues::kPublishedToRow && !e.step_published) continue;
     done = true;
     if (n == step_values_.size()) step_values_.emplace_back();
     Value& v = step_values_[n++];
@@ -730,13 +731,15 @@ void LoggerConnector::publish_step(Strategy& strategy, bool to_loggers, int64_t 
           /*to_loggers=*/false, strategy.is_global_zero(), epoch, step, /*in_fit=*/true);
   // The step's row: everything it logged (but what a row before a save
   // within on_train_batch_end held).
-  if (to_loggers) write_step_row(strategy, epoch, step);
+  if (to_loggers) write_step_row(strategy, epoch, step, /*published_only=*/false);
   train_sink_.clear_step_flags();
 }
 
-void LoggerConnector::write_step_row(Strategy& strategy, int64_t epoch, int64_t step) {
-  write_row(train_sink_.collect_step(LogSink::StepValues::kToRow), strategy.is_global_zero(), epoch,
-            step, /*in_fit=*/true);
+void LoggerConnector::write_step_row(Strategy& strategy, int64_t epoch, int64_t step,
+                                     bool published_only) {
+  write_row(train_sink_.collect_step(published_only ? LogSink::StepValues::kPublishedToRow
+                                                    : LogSink::StepValues::kToRow),
+            strategy.is_global_zero(), epoch, step, /*in_fit=*/true);
 }
 
 Metrics LoggerConnector::publish_epoch(LogSink& sink, Strategy& strategy, bool sanity_checking,

@@ -100,10 +100,11 @@ class LogSink final : public ModuleLogSink {
   /// Values logged with on_step since clear_step_flags() (name, or
   /// name_step when the metric is also aggregated per epoch) that are not
   /// published yet this step (kToPublish) or not in a row to the loggers
-  /// yet (kToRow); they are then marked so.
+  /// yet (kToRow; kPublishedToRow: of those, the published ones, reduced
+  /// across ranks where they are); they are then marked so.
   /// The vector is the sink's own, reused from step to step (no allocation
   /// in steady state); valid until the next call.
-  enum class StepValues { kToPublish, kToRow };
+  enum class StepValues { kToPublish, kToRow, kPublishedToRow };
   const std::vector<Value>& collect_step(StepValues which);
   /// When in a training step a value is reduced and published: what the
   /// step logged up to training_step's end (read by on_train_batch_end's
@@ -268,8 +269,10 @@ class LoggerConnector {
   /// Lightning does after those hooks.
   void publish_step(Strategy& strategy, bool to_loggers, int64_t epoch, int64_t step);
   /// The row of the step's values not in a row yet to the loggers (no
-  /// collective): before a checkpoint saved within on_train_batch_end.
-  void write_step_row(Strategy& strategy, int64_t epoch, int64_t step);
+  /// collective); `published_only`: those published (reduced) already,
+  /// before a checkpoint saved within on_train_batch_end (what its hooks
+  /// logged is reduced after them).
+  void write_step_row(Strategy& strategy, int64_t epoch, int64_t step, bool published_only);
   /// The epoch aggregates of `sink`, reduced across ranks for sync_dist
   /// metrics (a collective: every rank calls), published unless
   /// `sanity_checking`, and returned. `in_fit`: the epoch is a fit's (its

@@ -48,6 +48,11 @@ void for_each_batch(Strategy& strategy, std::optional<bool> prefetch, Module& mo
                     const std::function<void(std::optional<Batch>&)>& agree, Fn fn) {
   DeviceFeed feed;
   feed.reset(strategy, prefetch, module);
+  // Non-persistent workers end with the pass, whichever way it ends.
+  struct Release {
+    DataLoader& loader;
+    ~Release() { loader.release_workers(); }
+  } release{loader};
   loader.start_epoch(0);
   auto fetch = [&] {
     std::optional<Batch> b = loader.next();

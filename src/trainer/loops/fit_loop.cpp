@@ -316,6 +316,9 @@ void FitLoop::train_epoch() {
     } else if (validated_at_position_ != start && should_validate_now(start, ended_epoch)) {
       run_validation(false);
     }
+    // Written within on_train_batch_end (or training_step): the monitored
+    // schedulers had not read that step's values yet.
+    step_monitored_schedulers();
     stopped = stop_after_batch(start);
   }
   // With prefetch, each batch goes to the device as soon as the loader gives
@@ -382,6 +385,7 @@ void FitLoop::train_epoch() {
     }
   }
   feed_.clear();
+  loader.release_workers();
   if (idx == start && start > 0 && validated_at_position_ != start &&
       should_validate_now(start, /*is_last_batch=*/true)) {
     // Resumed from a checkpoint written after the epoch's last batch (of a
@@ -512,8 +516,6 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
   }
   const bool ends_epoch = is_last_batch || max_steps_reached();
   const bool validates = should_validate_now(idx + 1, ends_epoch);
-  // Where a validation follows, the monitored schedulers read its values.
-  if (!validates) step_monitored_schedulers();
   // The hooks get the loss without its graph. Backward is done, so the loss
   // itself is detached in place (no allocation); a view, or a leaf (which
   // could be a parameter), is copied instead.
@@ -537,7 +539,14 @@ void FitLoop::training_batch(Batch& batch, int64_t idx, bool is_last_batch) {
     LoopProfiler::Scope timed(profiler_.get(), LoopProfiler::Phase::kLogging);
     publish_step_metrics();
   }
-  if (validates) run_validation(false);
+  // The monitored schedulers read the step's values, those logged in
+  // on_train_batch_end included (as Lightning's plateau schedulers step
+  // after those hooks); where a validation follows, its values.
+  if (validates) {
+    run_validation(false);
+  } else {
+    step_monitored_schedulers();
+  }
 }
 
 void FitLoop::step_monitored_schedulers() {
@@ -928,7 +937,8 @@ void FitLoop::publish_step_metrics() {
 
 void FitLoop::write_step_row_before_save() {
   if (!in_batch_end_ || !step_row_due()) return;
-  trainer_.logging.write_step_row(*trainer_.strategy, current_epoch_, global_step_);
+  trainer_.logging.write_step_row(*trainer_.strategy, current_epoch_, global_step_,
+                                  /*published_only=*/true);
 }
 
 void FitLoop::start(std::shared_ptr<DataLoader> train, std::shared_ptr<DataLoader> val,
@@ -1004,6 +1014,8 @@ void FitLoop::finish() {
 
 void FitLoop::detach() {
   data_ = nullptr;
+  // A fit that failed within an epoch: its loader's workers end too.
+  if (train_loader_) train_loader_->release_workers();
   training_ = false;
   sanity_checking_ = false;
   if (cuda_graph_ && trainer_.strategy && trainer_.strategy->is_global_zero() &&

@@ -100,9 +100,9 @@ class FitLoop {
   bool sanity_checking() const { return sanity_checking_; }
   /// A checkpoint is being saved: from within on_train_batch_end (after
   /// the step's values were published, before its row goes to the
-  /// loggers), the row due at this step is written first with what it has
-  /// so far (the loggers' files then hold every row up to the
-  /// checkpoint's step); what the hooks log after goes in a second row.
+  /// loggers), the row due at this step is written first with those values
+  /// (the loggers' files then hold every row up to the checkpoint's step);
+  /// what the hooks log goes in a second row after them.
   void write_step_row_before_save();
   /// Within a training batch's step: from its training_step to its
   /// optimizer step (autograd may hold the parameters).
@@ -199,8 +199,9 @@ class FitLoop {
   static void check_loss(const at::Tensor& loss);
   /// The schedulers of `interval` due now; `monitored`: those that read a
   /// logged metric (ReduceLROnPlateau), or the others. A step's monitored
-  /// ones run after the step's values are published (monitored_step_due_),
-  /// so they read this step's metrics, and where a validation follows the
+  /// ones run after the step's values are published, after
+  /// on_train_batch_end (monitored_step_due_), so they read this step's
+  /// metrics, those hooks' included, and where a validation follows the
   /// step, after that validation's values (as Lightning's plateau
   /// schedulers): step_monitored_schedulers.
   void step_schedulers(Interval interval, bool monitored);
