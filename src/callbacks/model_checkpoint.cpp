@@ -115,6 +115,27 @@ ModelCheckpoint::ModelCheckpoint(ModelCheckpointOptions options) : options_(std:
                            "\": a file name, not a path (a checkpoint written outside dirpath is "
                            "never removed by save_top_k). Put the directory in dirpath"));
   }
+  if (options_.auto_insert_metric_name) {
+    // "{name...}" becomes "name={name...}", as Lightning's.
+    std::vector<NamePart> named;
+    for (const NamePart& part : name_parts_) {
+      if (part.field) {
+        if (part.text.find('/') != std::string::npos) {
+          problems.push_back(str("filename=\"", options_.filename,
+                                 "\" with auto_insert_metric_name: {", part.text, "} would put \"",
+                                 part.text,
+                                 "=\" in the name, and its '/' would make a directory. Pass "
+                                 "auto_insert_metric_name=false and write the name without '/' "
+                                 "(e.g. \"val_loss={",
+                                 part.text, "}\")"));
+        }
+        if (named.empty() || named.back().field) named.emplace_back();
+        named.back().text += part.text + "=";
+      }
+      named.push_back(part);
+    }
+    name_parts_ = std::move(named);
+  }
   for (const NamePart& part : name_parts_) {
     if (part.field && !part.spec.empty() && !format_spec_ok(part.spec)) {
       problems.push_back(str("filename=\"", options_.filename, "\": the format \"", part.spec,

@@ -80,9 +80,15 @@ TEST(ModelCheckpoint, RejectsInvalidOptions) {
                        fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.filename = name}},
                        {name, "a file name, not a path", "dirpath"});
   }
-  // A metric's name may hold one.
-  EXPECT_NO_THROW(fulgur::ModelCheckpoint{
-      fulgur::ModelCheckpointOptions{.filename = "{epoch}-{val/loss:.2f}"}});
+  // A metric's name may hold one, where the name is not inserted as text
+  // (it would make a directory).
+  EXPECT_NO_THROW((fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{
+      .filename = "{epoch}-{val/loss:.2f}", .auto_insert_metric_name = false}}));
+  EXPECT_THROWS_WITH(
+      fulgur::ConfigError,
+      fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.filename = "{epoch}-{val/loss:.2f}"}},
+      {"with auto_insert_metric_name: {val/loss} would put \"val/loss=\" in the name",
+       "auto_insert_metric_name=false"});
   for (const char* name : {"{epoch}-{val_loss:.2}", "{val_loss:x}", "{epoch:.2d}", "{a:999f}"}) {
     EXPECT_THROWS_WITH(fulgur::ConfigError,
                        fulgur::ModelCheckpoint{fulgur::ModelCheckpointOptions{.filename = name}},
@@ -189,10 +195,27 @@ TEST(ModelCheckpoint, EveryNEpochs) {
 TEST(ModelCheckpoint, FilenameTemplate) {
   TempDir dir;
   LinearRegression model;
-  auto options = with_checkpoint(dir, {.filename = "model_e{epoch}_s{step}"});
+  auto options = with_checkpoint(
+      dir, {.filename = "model_e{epoch}_s{step}", .auto_insert_metric_name = false});
   fulgur::Trainer trainer(options);
   trainer.fit(model, regression_loader(2));
   EXPECT_THAT(list_files(dir.file("ckpts")), ElementsAre("last.ckpt", "model_e0_s2.ckpt"));
+}
+
+// Lightning's auto_insert_metric_name (on by default): each field is
+// preceded by its name, so a template written for Lightning names the
+// same files ("epoch=0-score=0.12"; it named "0-0.12").
+TEST(ModelCheckpoint, EachFieldIsNamedInTheFileNameAsLightnings) {
+  TempDir dir;
+  LinearRegression model;
+  model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t) {
+    self.log("score", 0.123456, {.on_step = false, .on_epoch = true});
+  };
+  auto options = scored_epochs(dir, {.filename = "{epoch}-{score:.2f}-last{step}"}, 1);
+  fulgur::Trainer trainer(options);
+  trainer.fit(model, regression_loader(2), regression_loader(1));
+  EXPECT_THAT(list_files(dir.file("ckpts")),
+              ElementsAre("epoch=0-score=0.12-laststep=2.ckpt", "last.ckpt"));
 }
 
 /// A fit of `epochs` epochs of 2 batches with one ModelCheckpoint of `o`
@@ -214,8 +237,11 @@ TEST(ModelCheckpoint, FilenameTemplateFormatsItsFields) {
   model.val_hook = [](LinearRegression& self, fulgur::Batch&, int64_t) {
     self.log("score", 0.123456, {.on_step = false, .on_epoch = true});
   };
-  auto options = scored_epochs(
-      dir, {.filename = "e{epoch:03d}-s{step:2d}-{score:.2f}-{score:08.3f}-{score:.1e}"}, 1);
+  auto options =
+      scored_epochs(dir,
+                    {.filename = "e{epoch:03d}-s{step:2d}-{score:.2f}-{score:08.3f}-{score:.1e}",
+                     .auto_insert_metric_name = false},
+                    1);
   fulgur::Trainer trainer(options);
   trainer.fit(model, regression_loader(2), regression_loader(1));
   EXPECT_THAT(list_files(dir.file("ckpts")),
@@ -291,8 +317,9 @@ TEST(ModelCheckpoint, ANameTheTemplateGivesTwiceIsVersionedNotWrittenOver) {
     testing::internal::CaptureStderr();
     fit_epochs(dir, {.filename = "{epoch}-{vall_loss}", .save_top_k = -1}, 2);
     const std::string err = testing::internal::GetCapturedStderr();
-    EXPECT_THAT(list_files(dir.file("ckpts")),
-                ElementsAre("0-nan.ckpt", "1-nan.ckpt", "last.ckpt"));
+    EXPECT_THAT(
+        list_files(dir.file("ckpts")),
+        ElementsAre("epoch=0-vall_loss=nan.ckpt", "epoch=1-vall_loss=nan.ckpt", "last.ckpt"));
     EXPECT_TRUE(fulgur::test::message_contains(
         err, {"{vall_loss} is not a logged metric", "\"nan\"", "Logged metrics: train_loss"}))
         << err;

@@ -242,7 +242,7 @@ TEST(StochasticWeightAveraging, ARunResumedFromAnEpochsEndOrFromItsLastEndsBitId
     auto model =
         std::make_unique<LinearRegression>(fulgur::test::LinearRegressionOptions{.momentum = 0.9});
     auto options =
-        fulgur::test::checkpointed_options(dir, {.filename = "epoch={epoch}", .save_top_k = -1});
+        fulgur::test::checkpointed_options(dir, {.filename = "{epoch}", .save_top_k = -1});
     // ModelCheckpoint saves at an epoch's end, before that epoch is
     // averaged (the next epoch's start, or the end of training, takes it).
     options.callbacks.push_back(std::make_shared<StochasticWeightAveraging>(

@@ -1069,7 +1069,7 @@ int main(int argc, char** argv) {
     if (a.own_metric) options.callbacks.push_back(std::make_shared<StartMetricsProbe>());
     auto skew = std::make_shared<fulgur::ModelCheckpoint>(
         fulgur::ModelCheckpointOptions{.dirpath = a.root + "/skew",
-                                       .filename = "step={step}-skew={skew:.0f}",
+                                       .filename = "{step}-{skew:.0f}",
                                        .monitor = a.skew_monitor,
                                        .save_top_k = 2,
                                        .save_last = false,

@@ -43,7 +43,12 @@ struct ModelCheckpointOptions {
   /// A name of no metric logged reads "nan" (with a note). A name a kept
   /// checkpoint of another step has gets "-v1", "-v2", ... No '/': the
   /// directory is dirpath.
-  std::string filename = "epoch={epoch}-step={step}";
+  std::string filename = "{epoch}-{step}";
+  /// Each field is preceded by its name and '=', as Lightning's default:
+  /// "{epoch}-{val_loss:.2f}" names "epoch=3-val_loss=0.12.ckpt"; false
+  /// fills in the values alone ("3-0.12.ckpt"). A metric whose name holds a
+  /// '/' ("val/loss") needs false (the name would make a directory).
+  bool auto_insert_metric_name = true;
   /// Metric to rank checkpoints by; empty keeps the latest only.
   std::string monitor = "";
   /// "min" or "max" (CheckpointMode::kMin / kMax).
