@@ -7,9 +7,11 @@
 #include <ATen/core/List.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <set>
 #include <sstream>
 #include <string_view>
+#include <utility>
 
 #include "fulgur/core/errors.h"
 
@@ -49,6 +51,26 @@ void hold(Entry& e, c10::IValue value, bool buffer, bool plain) {
   e.plain = plain;
 }
 
+void check_extent(const at::Tensor& t, const std::string& key);
+
+// A sparse tensor (`kind`): each of its `parts` checked as a tensor of its
+// own, then its indices against its sizes by LibTorch's own check
+// (`validate`).
+void check_sparse(const at::Tensor& t, const std::string& key, const char* kind,
+                  std::initializer_list<std::pair<const char*, at::Tensor>> parts,
+                  const std::function<void()>& validate) {
+  for (const auto& [what, part] : parts) check_extent(part, key + " (its " + what + ")");
+  try {
+    validate();
+  } catch (const c10::Error& e) {
+    throw CheckpointError(::fulgur::str(
+        "entry \"", key, "\": a ", kind, " whose indices do not fit its sizes ", t.sizes(), " (",
+        e.what_without_backtrace(),
+        "): the file was not written by fulgur's save of it. Pass a checkpoint written by "
+        "fulgur."));
+  }
+}
+
 // Refuses a tensor read from a file that reaches past its storage: the
 // file's description (sizes, strides, offset) is what a crafted file or
 // another writer makes up, and reading the tensor would read past the
@@ -56,33 +78,20 @@ void hold(Entry& e, c10::IValue value, bool buffer, bool plain) {
 void check_extent(const at::Tensor& t, const std::string& key) {
   if (!t.defined()) return;
   if (t.is_sparse()) {
-    check_extent(t._indices(), key + " (its indices)");
-    check_extent(t._values(), key + " (its values)");
-    try {
-      at::_validate_sparse_coo_tensor_args(t._indices(), t._values(), t.sizes());
-    } catch (const c10::Error& e) {
-      throw CheckpointError(
-          ::fulgur::str("entry \"", key, "\": a sparse tensor whose indices do not fit its ",
-                        "sizes ", t.sizes(), " (", e.what_without_backtrace(),
-                        "): the file was not written by fulgur's save of it. Pass a "
-                        "checkpoint written by fulgur."));
-    }
+    check_sparse(
+        t, key, "sparse tensor", {{"indices", t._indices()}, {"values", t._values()}},
+        [&] { at::_validate_sparse_coo_tensor_args(t._indices(), t._values(), t.sizes()); });
     return;
   }
   if (t.layout() == at::kSparseCsr) {
-    check_extent(t.crow_indices(), key + " (its row offsets)");
-    check_extent(t.col_indices(), key + " (its column indices)");
-    check_extent(t.values(), key + " (its values)");
-    try {
-      at::_validate_sparse_csr_tensor_args(t.crow_indices(), t.col_indices(), t.values(),
-                                           t.sizes());
-    } catch (const c10::Error& e) {
-      throw CheckpointError(::fulgur::str(
-          "entry \"", key, "\": a sparse CSR tensor whose indices do not fit its sizes ", t.sizes(),
-          " (", e.what_without_backtrace(),
-          "): the file was not written by fulgur's save of it. Pass a checkpoint written by "
-          "fulgur."));
-    }
+    check_sparse(t, key, "sparse CSR tensor",
+                 {{"row offsets", t.crow_indices()},
+                  {"column indices", t.col_indices()},
+                  {"values", t.values()}},
+                 [&] {
+                   at::_validate_sparse_csr_tensor_args(t.crow_indices(), t.col_indices(),
+                                                        t.values(), t.sizes());
+                 });
     return;
   }
   if (t.layout() != at::kStrided || !t.has_storage() || t.numel() == 0) return;

@@ -973,12 +973,10 @@ FitResult Trainer::Impl::run_fit(Module& m, std::shared_ptr<DataLoader> train,
 
         // log() there is refused naming the hook (without a sink it said
         // "outside a Trainer run"), as Lightning refuses it.
-        logging.train_sink().reset();
-        logging.train_sink().close(
-            "on_fit_start runs before the sanity check and the first epoch, whose start would "
-            "drop the value. Log it from on_train_epoch_start (a value per epoch) or from "
-            "training_step.");
-        set_log_sink(m, &logging.train_sink());
+        set_log_sink(m, &logging.closed_train_sink(
+                            "on_fit_start runs before the sanity check and the first epoch, whose "
+                            "start would drop the value. Log it from on_train_epoch_start (a value "
+                            "per epoch) or from training_step."));
         call_hooks([](Module& mod) { mod.on_fit_start(); },
                    [&](Callback& cb) { cb.on_fit_start(self, m); });
         set_log_sink(m, nullptr);

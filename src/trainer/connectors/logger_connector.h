@@ -244,6 +244,13 @@ class LoggerConnector {
   const std::vector<std::shared_ptr<Logger>>& loggers() const { return loggers_; }
 
   LogSink& train_sink() { return train_sink_; }
+  /// The training sink emptied and closed with `because` (see
+  /// LogSink::close): for the hooks before the first epoch.
+  LogSink& closed_train_sink(std::string because) {
+    train_sink_.reset();
+    train_sink_.close(std::move(because));
+    return train_sink_;
+  }
   LogSink& eval_sink() { return eval_sink_; }
 
   /// The published metrics; logged tensors not read yet are read now.

@@ -244,11 +244,10 @@ void FitLoop::run() {
   // Before the first epoch, whose start resets the sink: what on_train_start
   // logged was dropped there (or, without a sanity check, log() found no
   // sink and said it was called outside a Trainer run).
-  trainer_.logging.train_sink().reset();
-  trainer_.logging.train_sink().close(
-      "on_train_start runs before the first epoch, whose start would drop the "
-      "value. Log it from on_train_epoch_start (a value per epoch) or from training_step.");
-  Trainer::Impl::set_log_sink(m, &trainer_.logging.train_sink());
+  Trainer::Impl::set_log_sink(
+      m, &trainer_.logging.closed_train_sink(
+             "on_train_start runs before the first epoch, whose start would drop the value. Log "
+             "it from on_train_epoch_start (a value per epoch) or from training_step."));
   trainer_.call_hooks([](Module& mod) { mod.on_train_start(); },
                       [&](Callback& cb) { cb.on_train_start(trainer_.self, m); });
   if (resumed_hook_ == kTrainEpochEnd) finish_resumed_epoch_end();
